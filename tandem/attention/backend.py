@@ -1,0 +1,46 @@
+"""The attention-backend interface and the choice of backend.
+
+A backend stores the new tokens' K/V into the paged pool and attends each new query to its
+sequence's cached and new keys under the metadata's mask. ``plan`` runs once per forward (outside
+CUDA graphs: it may allocate and look at host data); ``forward`` runs once per layer (inside graphs:
+fixed shapes, no host synchronisation). The torch backend is the reference that runs everywhere;
+FlashInfer (paged prefill with a custom mask, paged decode) arrives with the CUDA-graph work.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare for a forward over ``meta`` (called once, before the first layer)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], rotary applied
+        k: torch.Tensor,  # [T, Hkv, D], rotary applied
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_pool: torch.Tensor,  # [num_pages, page_size, Hkv, D] of this layer
+        v_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Write k/v at ``meta.slot_mapping``, then attend."""
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name in ("auto", "torch"):
+        # FlashInfer becomes the automatic choice on GPU once its backend exists.
+        from tandem.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend '{name}'; available: auto, torch")

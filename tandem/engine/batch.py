@@ -1,0 +1,89 @@
+"""ForwardBatch: the host-side description of one forward, which rank 0 builds and broadcasts.
+
+It is plain Python data (lists of ints, small boolean masks), so every rank turns the same
+description into the same device tensors; ranks can never disagree about what they compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class SequenceChunk:
+    token_ids: list[int]  # the new tokens of this sequence in this forward
+    prefix_len: int  # tokens of this sequence already in the KV cache
+    pages: list[int]  # block table covering prefix_len + len(token_ids) tokens
+    positions: list[int] | None = None  # rotary positions; default prefix_len + 0..n-1
+    tree_mask: list[list[bool]] | None = None  # [n, n] "row sees column" among new tokens; None = causal
+    logits: str = "last"  # which new tokens need logits: "last", "all" or "none"
+
+
+@dataclass
+class ForwardBatch:
+    seqs: list[SequenceChunk]
+    capture_features: bool = False
+    extra: dict = field(default_factory=dict)  # room for later fields without changing the wire shape
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class DeviceBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [N], rows of the packed tokens whose logits are returned
+    logits_counts: list[int]  # per sequence, how many rows of logits it owns (in order)
+
+
+def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> DeviceBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    counts: list[int] = []
+    cu = [0]
+    max_pages = max(len(s.pages) for s in batch.seqs)
+    tables = torch.zeros(len(batch.seqs), max(1, max_pages), dtype=torch.int32)
+    for i, s in enumerate(batch.seqs):
+        n = len(s.token_ids)
+        if n == 0:
+            raise ValueError("a sequence in a forward batch has no new tokens")
+        if len(s.pages) * page_size < s.prefix_len + n:
+            raise ValueError(f"sequence {i}: {len(s.pages)} pages cannot hold {s.prefix_len + n} tokens")
+        start = cu[-1]
+        ids.extend(s.token_ids)
+        positions.extend(s.positions if s.positions is not None else range(s.prefix_len, s.prefix_len + n))
+        for t in range(s.prefix_len, s.prefix_len + n):
+            slots.append(s.pages[t // page_size] * page_size + t % page_size)
+        rows = {"last": [start + n - 1], "all": list(range(start, start + n)), "none": []}[s.logits]
+        logits_rows.extend(rows)
+        counts.append(len(rows))
+        tables[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        cu.append(start + n)
+    q_lens = [len(s.token_ids) for s in batch.seqs]
+    prefix_lens = [s.prefix_len for s in batch.seqs]
+    meta = AttentionMetadata(
+        q_lens=q_lens,
+        prefix_lens=prefix_lens,
+        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        kv_lens=torch.tensor([p + q for p, q in zip(prefix_lens, q_lens)], dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        tree_masks=[torch.tensor(s.tree_mask, dtype=torch.bool) if s.tree_mask is not None else None for s in batch.seqs],
+        page_size=page_size,
+    )
+    return DeviceBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_counts=counts,
+    )

@@ -1,0 +1,35 @@
+"""EngineConfig: every setting of the target engine, read once (from flags or code) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # Hugging Face model folder
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (rank r of a TP group uses GPU N + r)
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    tp_size: int = 1
+    attention_backend: str = "auto"
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int | None = None  # explicit pool size; None = sized from memory
+    mem_fraction_static: float = 0.85  # GPU: fraction of total memory for weights + KV pool
+    cpu_kv_tokens: int = 65536  # CPU: KV pool size in tokens when kv_pages is None
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (beyond one long prompt)
+    capture_layers: tuple[int, ...] | None = None  # EAGLE-3 feature layers; None = the model's default
+    page_shuffle_seed: int | None = None  # scatter page order (testing the paged layout)
+    seed: int = 0  # seeds requests that do not bring their own seed
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.page_size < 1:
+            raise ConfigError(f"page size must be >= 1, got {self.page_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device must be cpu or cuda[:N], got '{self.device}'")

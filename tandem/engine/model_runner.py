@@ -1,0 +1,106 @@
+"""ModelRunner: one rank's target model, KV pool and attention backend, executing ForwardBatches.
+
+Every rank runs the same ``forward`` on the same ForwardBatch; the collectives inside the layers keep
+them in step. Rank 0 gets the full logits (the LM head all-gathers) and the EAGLE-3 features (the
+residual stream is replicated after every row-parallel all-reduce) and decides what happens next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from tandem.attention.backend import make_backend
+from tandem.engine.batch import ForwardBatch, to_device
+from tandem.engine.config import EngineConfig
+from tandem.errors import ConfigError
+from tandem.kv_cache import KVPool
+from tandem.models.config import ModelConfig
+from tandem.models.llama import PACKED_WEIGHTS, CausalLM
+from tandem.models.loader import load_checkpoint, resolve_dtype
+from tandem.distributed import tp_group
+
+log = logging.getLogger("tandem.runner")
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    base = torch.device(device)
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.rank = tp_group().rank
+        self.device = rank_device(cfg.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg.dtype, self.device)
+        self.capture_layers = cfg.capture_layers if cfg.capture_layers is not None else model_cfg.default_capture_layers()
+        bad = [i for i in self.capture_layers if not 0 <= i < model_cfg.num_layers]
+        if bad:
+            raise ConfigError(f"capture layer {bad[0]} is out of range for a {model_cfg.num_layers}-layer model")
+
+        started = time.perf_counter()
+        with torch.device(self.device), default_dtype(self.dtype):
+            self.model = CausalLM(model_cfg).eval()
+        optional = ("lm_head.weight",) if model_cfg.tie_word_embeddings else ()
+        load_checkpoint(self.model, cfg.model, PACKED_WEIGHTS, optional=optional, ignored=optional)
+        log.info("rank %d: loaded %s (%s, %s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
+                 str(self.dtype).replace("torch.", ""), time.perf_counter() - started)
+
+        self.backend = make_backend(cfg.attention_backend, self.device)
+        attn = self.model.model.layers[0].self_attn.qkv_proj
+        self.num_pages = self._size_kv_pool(attn.local_kv_heads)
+        self.kv = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, attn.local_kv_heads,
+                         model_cfg.head_dim, self.dtype, self.device)
+        log.info("rank %d: KV cache %d pages x %d tokens", self.rank, self.num_pages, cfg.page_size)
+
+    def _size_kv_pool(self, local_kv_heads: int) -> int:
+        cfg, m = self.cfg, self.model_cfg
+        if cfg.kv_pages is not None:
+            pages = cfg.kv_pages
+        elif self.device.type == "cpu":
+            pages = -(-cfg.cpu_kv_tokens // cfg.page_size) + 1
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * cfg.mem_fraction_static - used
+            per_page = KVPool.bytes_per_page(m.num_layers, cfg.page_size, local_kv_heads, m.head_dim, self.dtype)
+            pages = int(budget // per_page)
+            if pages < 2:
+                raise ConfigError(
+                    f"no GPU memory left for the KV cache after the weights ({used / 2**30:.1f} GiB used of "
+                    f"{total / 2**30:.1f}); raise --mem-fraction-static or --tp-size"
+                )
+        if tp_group().size > 1:  # every rank must hold the same page ids
+            t = torch.tensor([pages], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            pages = int(t.item())
+        return pages
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None)."""
+        dev = to_device(batch, self.cfg.page_size, self.device)
+        self.backend.plan(dev.meta)
+        layers = self.capture_layers if batch.capture_features else ()
+        hidden, features = self.model(dev.input_ids, dev.positions, dev.meta, self.kv, self.backend, layers)
+        logits = self.model.logits(hidden[dev.logits_indices]).float()
+        return logits, features

@@ -1,0 +1,45 @@
+"""A generation request and its lifecycle state on rank 0."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kv_cache import SequenceKV
+from tandem.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_new_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    kv: SequenceKV
+    output: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str

@@ -1,0 +1,102 @@
+"""The paged KV cache: one preallocated pool of fixed-size pages, and the allocator that hands them out.
+
+Pages are the unit of memory; a sequence's KV lives in the pages its block table lists, in order, so
+token ``t`` of a sequence sits at ``block_table[t // page_size]``, offset ``t % page_size``. Only
+rank 0 allocates (it owns the scheduler); other ranks receive block tables and hold an identically
+shaped pool of their own heads. Page 0 is reserved as the dummy page that padded slots of CUDA-graph
+batches write into, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.errors import OutOfPagesError
+
+DUMMY_PAGE = 0
+
+
+class KVPool:
+    """Per-layer K and V pages: ``k[layer]`` is ``[num_pages, page_size, local_kv_heads, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[0, i], self.data[1, i]
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PageAllocator:
+    """Free-list of page ids. ``shuffle_seed`` scatters the order pages are handed out (for tests)."""
+
+    def __init__(self, num_pages: int, page_size: int, shuffle_seed: int | None = None):
+        if num_pages < 2:
+            raise OutOfPagesError(f"the KV cache needs at least 2 pages (one is reserved), got {num_pages}")
+        ids = list(range(1, num_pages))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(ids)
+        self._free = deque(ids)
+        self.num_pages, self.page_size = num_pages, page_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"KV cache out of pages: need {n}, {len(self._free)} free of {self.capacity_pages} "
+                f"(page size {self.page_size} tokens); shorten requests, lower the batch, or give the cache more memory"
+            )
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+@dataclass
+class SequenceKV:
+    """A sequence's pages and how many of its tokens are committed to them."""
+
+    allocator: PageAllocator
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def pages_needed(self, total_tokens: int) -> int:
+        return max(0, self.allocator.pages_for(total_tokens) - len(self.pages))
+
+    def reserve(self, total_tokens: int) -> None:
+        """Make room for ``total_tokens`` tokens in all (allocating pages as needed)."""
+        self.pages.extend(self.allocator.allocate(self.pages_needed(total_tokens)))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep ``num_tokens`` committed tokens and give back the pages beyond them."""
+        keep = self.allocator.pages_for(num_tokens)
+        self.allocator.free(self.pages[keep:])
+        del self.pages[keep:]
+        self.num_tokens = num_tokens
+
+    def release(self) -> None:
+        self.truncate(0)
+
+    def slot(self, token_index: int) -> int:
+        ps = self.allocator.page_size
+        return self.pages[token_index // ps] * ps + token_index % ps

@@ -1,0 +1,25 @@
+"""RMSNorm, computed in float32 and cast back, as the reference implementations do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.layers.linear import check_shape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
+        check_shape(tensor, tuple(self.weight.shape))
+        self.weight.data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

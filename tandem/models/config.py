@@ -1,0 +1,150 @@
+"""ModelConfig: the frozen, validated view of a Hugging Face ``config.json`` that model code reads.
+
+Model code never touches the raw HF dictionary; everything it needs is a field here, read once.
+This module is torch-free so the gateway and config validation can use it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.errors import CheckpointError
+
+# architecture name -> (qkv projections carry a bias, q/k RMSNorm per head)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str  # checkpoint dtype name: "bfloat16", "float16" or "float32"
+    eos_token_ids: tuple[int, ...] = field(default=())
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def default_capture_layers(self) -> tuple[int, ...]:
+        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (DESIGN.md §3)."""
+        n = self.num_layers
+        return tuple(sorted({2, n // 2, n - 3}))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        generation = Path(model_dir) / "generation_config.json"
+        gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
+        return cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw)
+
+    @classmethod
+    def from_hf_dict(
+        cls, raw: dict[str, Any], source: str = "config.json", generation_config: dict | None = None
+    ) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            named = ", ".join(archs) if archs else "none given"
+            raise CheckpointError(
+                f"{source}: unsupported architecture ({named}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
+            qkv_bias = True
+        if raw.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise CheckpointError(f"{source}: missing required field '{key}'")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        gen = generation_config or {}
+        eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope=_rope_from_hf(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            dtype=dtype,
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _rope_from_hf(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters" (theta included); older versions "rope_theta" + "rope_scaling".
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    merged = {**legacy, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{source}: unsupported rope_type '{rope_type}'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )

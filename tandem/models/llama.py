@@ -1,0 +1,124 @@
+"""The decoder-only transformer of the Llama family: Llama (GQA, llama3 rope), Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm). One implementation; the differences are config flags.
+
+Parameter names mirror the Hugging Face checkpoint except for the fused projections, which
+``PACKED_WEIGHTS`` maps back (``q_proj``/``k_proj``/``v_proj`` → ``qkv_proj``, ``gate_proj``/``up_proj``
+→ ``gate_up_proj``). ``forward`` returns the final hidden states (pre final-norm) and, when asked, the
+EAGLE-3 features: the residual-stream *inputs* of the capture layers, concatenated in ascending order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.metadata import AttentionMetadata
+from tandem.kv_cache import KVPool
+from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.config import ModelConfig
+
+# checkpoint name fragment -> (our fused module fragment, shard id)
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend: AttentionBackend):
+        proj = self.qkv_proj
+        q, k, v = self.qkv_proj(x).split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
+        q = q.view(-1, proj.local_heads, self.head_dim)  # [T, Hq_local, D]
+        k = k.view(-1, proj.local_kv_heads, self.head_dim)
+        v = v.view(-1, proj.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_pool, v_pool = kv.layer(self.layer_id)
+        out = backend.forward(q, k, v, k_pool, v_pool, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, positions, meta, kv, backend):
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Target model: ``forward`` → (final hidden states, EAGLE-3 features or None); ``logits`` on chosen rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv: KVPool,
+        backend: AttentionBackend,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.model.embed_tokens(input_ids)  # [T, H]
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture_layers:
+                captured.append(h)  # input of layer i == HF hidden_states[i]
+            h = layer(h, positions, meta, kv, backend)
+        features = torch.cat(captured, dim=-1) if captured else None  # [T, len(capture_layers) * H]
+        return h, features
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,121 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded with an index) into a model.
+
+Every tensor goes through its module's ``load_weight``, which checks the full shape the config
+implies and keeps this rank's shard. Any problem is a one-line CheckpointError naming the file, the
+tensor and the shapes. A checkpoint tensor the model has no place for is an error too (a silently
+ignored tensor usually means the wrong architecture), except rotary caches some exporters write.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tandem.errors import CheckpointError
+from tandem.layers.linear import ShapeMismatch
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise CheckpointError(f"{index}: lists shard {path.name}, which is not in {model_dir}")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
+    files = {}
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            files.update({name: path for name in f.keys()})
+    return files
+
+
+def load_checkpoint(
+    model: nn.Module,
+    model_dir: str | Path,
+    packed: dict[str, tuple[str, object]],
+    optional: tuple[str, ...] = (),
+    ignored: tuple[str, ...] = (),
+) -> None:
+    """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules;
+    ``optional`` lists tensors that may be absent, ``ignored`` tensors skipped if present (e.g.
+    ``lm_head.weight`` of a tied checkpoint, which some exporters write anyway)."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    modules = dict(model.named_modules())
+    expected = _expected_tensors(model, packed)
+    loaded: set[str] = set()
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                if name.endswith(IGNORED_SUFFIXES) or name in ignored:
+                    continue
+                module_name, param, shard_id = _locate(name, packed)
+                module = modules.get(module_name)
+                if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
+                    raise CheckpointError(f"{path.name}: unexpected tensor '{name}' (no such weight in this architecture)")
+                tensor = f.get_tensor(name)
+                try:
+                    module.load_weight(param, tensor, shard_id)
+                except ShapeMismatch as e:
+                    raise CheckpointError(f"{path.name}: tensor '{name}' {e}") from None
+                loaded.add(name)
+    missing = sorted(set(expected) - loaded - set(optional))
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: missing tensor '{missing[0]}'"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+
+
+def _locate(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, str, object]:
+    module_name, _, param = name.rpartition(".")
+    head, _, leaf = module_name.rpartition(".")
+    if leaf in packed:
+        fused, shard_id = packed[leaf]
+        return f"{head}.{fused}" if head else fused, param, shard_id
+    return module_name, param, None
+
+
+def _expected_tensors(model: nn.Module, packed: dict[str, tuple[str, object]]) -> list[str]:
+    """Checkpoint tensor names the model needs, unfolding fused modules into their parts."""
+    fused_parts: dict[str, list[str]] = {}
+    for part, (fused, _) in packed.items():
+        fused_parts.setdefault(fused, []).append(part)
+    names = []
+    seen: set[int] = set()
+    for full_name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied weights are stored once
+            continue
+        seen.add(id(p))
+        module_name, _, param = full_name.rpartition(".")
+        head, _, leaf = module_name.rpartition(".")
+        for part in fused_parts.get(leaf, [leaf]):
+            names.append(f"{head}.{part}.{param}" if head else f"{part}.{param}")
+    return names
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` means the checkpoint's dtype on GPU and float32 on CPU (bf16/fp16 matmuls are slow there)."""
+    if requested == "auto":
+        return DTYPES.get(checkpoint_dtype, torch.float32) if device.type == "cuda" else torch.float32
+    if requested not in DTYPES:
+        raise CheckpointError(f"unknown dtype '{requested}'; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
