@@ -19,7 +19,7 @@ class SequenceChunk:
     prefix_len: int  # tokens of this sequence already in the KV cache
     pages: list[int]  # block table covering prefix_len + len(token_ids) tokens
     positions: list[int] | None = None  # rotary positions; default prefix_len + 0..n-1
-    tree_mask: list[list[bool]] | None = None  # [n, n] "row sees column" among new tokens; None = causal
+    tree_mask: list[list[bool]] | None = None  # [n, W]: row sees column among the last W keys; None = causal
     logits: str = "last"  # which new tokens need logits: "last", "all" or "none"
 
 
