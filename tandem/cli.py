@@ -1,0 +1,106 @@
+"""The ``tandem`` console script. Each sub-command imports what it needs when it runs, so
+``tandem --help`` is instant and importing this module does not import torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from tandem.errors import TandemError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded demo model)")
+    p.add_argument("--draft-model", default=None, help="EAGLE-3 draft folder; enables speculative decoding")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), bfloat16, float16, float32")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model folder)")
+    prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--speculative-num-steps", type=int, default=None)
+    p.add_argument("--speculative-eagle-topk", type=int, default=None)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tandem.engine.config import EngineConfig
+    from tandem.sampling import SamplingParams
+    from tandem.tokenizer import TextTokenizer
+
+    if args.model is None:
+        from tandem.demo import ensure_demo_target
+
+        args.model = str(ensure_demo_target())
+    tokenizer = TextTokenizer(args.model) if TextTokenizer.available(args.model) else None
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise TandemError(f"{args.model} has no tokenizer.json; use --prompt-token-ids")
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
+        except ValueError:
+            raise TandemError(f"--prompt-token-ids must be comma-separated integers, got '{args.prompt_token_ids}'") from None
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size)
+    if args.draft_model is not None:
+        raise TandemError("--draft-model: speculative decoding is not wired into `tandem generate` yet")
+    from tandem.engine.llm_engine import LLMEngine
+
+    with LLMEngine(cfg) as engine:
+        started = time.perf_counter()
+        result = engine.generate([prompt], params)[0]
+        elapsed = time.perf_counter() - started
+    out = result.output_token_ids
+    report = {
+        "output_token_ids": out,
+        "finish_reason": result.finish_reason,
+        "rounds": len(out),  # target-only: one forward per token
+        "accept_length_mean": 1.0,
+        "tokens_per_s": len(out) / elapsed if elapsed > 0 else 0.0,
+    }
+    if tokenizer is not None:
+        report["text"] = tokenizer.decode(out)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(report.get("text", out))
+        print(f"[{len(out)} tokens, {report['tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.run(args)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
