@@ -32,6 +32,15 @@ class KVPool:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[0, i], self.data[1, i]
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy K/V of flat slots ``src`` to ``dst`` in every layer (compacting accepted tree nodes)."""
+        if not src:
+            return
+        flat = self.data.view(2, self.data.shape[1], -1, *self.data.shape[-2:])  # [2, L, slots, H, D]
+        index = torch.tensor(src, device=self.data.device)
+        moved = flat.index_select(2, index)  # a copy, so overlapping src/dst are safe
+        flat.index_copy_(2, torch.tensor(dst, device=self.data.device), moved)
+
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -2,7 +2,8 @@
 
 The engine process is rank 0. With ``tp_size > 1`` it spawns ranks 1..N-1 itself (one process per
 rank, ``torch.distributed`` with gloo on CPU and NCCL on GPU); each worker builds its shard of the
-model and then follows rank 0's broadcasts: ``forward`` with a ForwardBatch, or ``stop``. Sampling
+model and then follows rank 0's broadcasts: ``forward`` with a ForwardBatch, ``move_kv`` (compacting
+accepted tree nodes), or ``stop``. Sampling
 and every other decision happen on rank 0 only, so ranks cannot diverge.
 """
 
@@ -31,7 +32,10 @@ def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
         command, payload = broadcast_object()
         if command == "stop":
             break
-        runner.forward(payload)
+        if command == "move_kv":
+            runner.move_kv(*payload)
+        else:
+            runner.forward(payload)
     destroy_tp()
 
 
@@ -69,6 +73,12 @@ class TargetExecutor:
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         broadcast_object(("forward", batch))
         return self.runner.forward(batch)
+
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV slots on every rank (rank 0 decides which, from the accepted tree nodes)."""
+        if src:
+            broadcast_object(("move_kv", (src, dst)))
+            self.runner.move_kv(src, dst)
 
     def shutdown(self) -> None:
         if self._workers:

@@ -1,7 +1,11 @@
-"""LLMEngine: target-only generation in process — requests in, tokens out, continuous batching.
+"""LLMEngine: generation in process — requests in, tokens out, continuous batching, optional EAGLE-3.
 
-This is the API the services wrap: ``add_request`` queues a prompt, ``step`` runs one forward over
+This is the API the services wrap: ``add_request`` queues a prompt, ``step`` runs one round over
 everything schedulable and returns the tokens it produced, ``generate`` loops to completion.
+
+Plain decoding and speculative decoding are one loop. Every running request verifies a draft tree
+rooted at its last token; without a proposer (or with speculation off for that request) the tree is
+just the root, and verifying it *is* a decode step. New prompts are prefilled in the same forward.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ import itertools
 import logging
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
@@ -20,8 +26,14 @@ from tandem.engine.scheduler import Scheduler
 from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
+
+if TYPE_CHECKING:
+    from tandem.speculative.drafter import SpecConfig
 
 log = logging.getLogger("tandem.engine")
+DEFAULT = "default"
 
 
 @dataclass
@@ -32,8 +44,12 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None, spec: "SpecConfig | None" = None):
+        """``proposer`` drafts trees (an in-process drafter, or later a client of the drafter service);
+        ``spec`` is the default speculation setting of requests (None: off)."""
         self.cfg = cfg
+        self.proposer = proposer
+        self.default_spec = spec if proposer is not None else None
         self.executor = TargetExecutor(cfg)
         self.model_config = self.executor.model_config
         self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed)
@@ -52,10 +68,11 @@ class LLMEngine:
         self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None) -> str:
+    def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
+                    spec: "SpecConfig | None | str" = DEFAULT) -> str:
+        """Queue a prompt. ``spec``: the request's speculation setting (default: the engine's; None: off)."""
         params.validate()
-        context = self.model_config.max_position_embeddings
-        vocab = self.model_config.vocab_size
+        context, vocab = self.model_config.max_position_embeddings, self.model_config.vocab_size
         if not prompt:
             raise ConfigError("prompt is empty")
         if len(prompt) >= context:
@@ -66,9 +83,13 @@ class LLMEngine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ConfigError(f"request id '{rid}' is already in use")
+        if spec == DEFAULT:
+            spec = self.default_spec
+        elif spec is not None and self.proposer is None:
+            raise ConfigError("speculation was requested but the engine has no draft model")
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
-        req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator))
+        req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
         self.scheduler.add(req)
         self.requests[rid] = req
         return rid
@@ -77,30 +98,116 @@ class LLMEngine:
         req = self.requests.pop(rid, None)
         if req is not None and not req.finished:
             req.finish_reason = FinishReason.ABORT
-            self.scheduler.finish(req)
+            self._finish(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # -- the loop --------------------------------------------------------------------------------
+    # -- one round -------------------------------------------------------------------------------
+    def _tree_width(self, req: Request) -> int:
+        """Tokens the request verifies this round: its draft tree size, or 1 when it does not speculate."""
+        if req.spec is None or not req.draft_ready:
+            return 1
+        if len(req.tokens) + req.spec.num_draft_tokens > self.model_config.max_position_embeddings:
+            return 1  # the tree would run past the context: decode plainly to the end
+        return req.spec.num_draft_tokens
+
     def step(self) -> list[StepOutput]:
-        step = self.scheduler.schedule()
-        if step is None:
+        sched = self.scheduler.schedule(self._tree_width)
+        for req in sched.preempted:
+            self._forget_draft(req)
+        if not sched:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
-        logits, _ = self.executor.forward(step.batch)  # one row per request: its last token
-        reqs = step.requests
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-        outputs = []
-        for req, token in zip(reqs, tokens):
-            req.output.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                self.scheduler.finish(req)
-            outputs.append(StepOutput(req.rid, [token], reason))
+        trees = self._draft(sched.decode)
+        chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
+        chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
+        capture = self.proposer is not None
+        logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
+
+        # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
+        # just the root are sampled together (plain decoding); trees go through acceptance.
+        simple = [(req, i) for i, req in enumerate(sched.prefill)]
+        row, token_row = len(sched.prefill), sum(len(c.token_ids) for c in chunks[: len(sched.prefill)])
+        tree_jobs = []
+        for req in sched.decode:
+            size = trees[req.rid].size
+            if size == 1:
+                simple.append((req, row))
+            else:
+                tree_jobs.append((req, row, token_row))
+            row, token_row = row + size, token_row + size
+        emitted: dict[str, list[int]] = {}
+        extend_items = []
+        if simple:
+            rows = torch.tensor([r for _, r in simple], device=logits.device)
+            sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
+            for (req, _), token in zip(simple, sampled):
+                emitted[req.rid] = [token]
+        token_row = 0
+        for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
+            n = len(req.tokens)
+            if capture and req.spec is not None:
+                extend_items.append((req.rid, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
+            token_row += n
+        for req, first_row, first_token_row in tree_jobs:
+            tree = trees[req.rid]
+            result = accept_tree(tree, logits[first_row : first_row + tree.size], req.params, req.generator)
+            src, dst = compaction_moves(req, result.accepted_nodes)
+            self.executor.move_kv(src, dst)
+            req.spec_stats.record(max(tree.depths), len(result.accepted_nodes))
+            emitted[req.rid] = result.tokens
+            nodes = [0, *result.accepted_nodes]
+            extend_items.append((req.rid, result.tokens, features[[first_token_row + n for n in nodes]]))
+        outputs = self._commit(sched.prefill + sched.decode, emitted)
+        live = [item for item in extend_items if not self.requests[item[0]].finished]
+        if live:
+            self.proposer.extend(live)
+            for rid, _, _ in live:
+                self.requests[rid].draft_ready = True
         return outputs
+
+    def _draft(self, decoding: list[Request]) -> dict[str, DraftTree]:
+        trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+        by_spec: dict[object, list[Request]] = {}
+        for req in decoding:
+            if req.spec is not None and req.draft_ready and self._tree_width(req) > 1:
+                by_spec.setdefault(req.spec, []).append(req)
+        for spec, group in by_spec.items():
+            for req, tree in zip(group, self.proposer.draft([r.rid for r in group], spec)):
+                if tree.tokens[0] != req.tokens[-1]:
+                    raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
+                trees[req.rid] = tree
+        return trees
+
+    def _commit(self, reqs: list[Request], emitted: dict[str, list[int]]) -> list[StepOutput]:
+        """Append each request's new tokens up to its first stop, and retire finished requests."""
+        outputs = []
+        for req in reqs:
+            new, reason = [], None
+            for token in emitted[req.rid]:
+                req.output.append(token)
+                new.append(token)
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    break
+            if reason is None:
+                req.kv.truncate(len(req.tokens) - 1)  # committed KV: everything but the newest token
+            else:
+                req.finish_reason = reason
+                self._finish(req)
+            outputs.append(StepOutput(req.rid, new, reason))
+        return outputs
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        self._forget_draft(req)
+
+    def _forget_draft(self, req: Request) -> None:
+        if self.proposer is not None and req.draft_ready:
+            self.proposer.release(req.rid)
+        req.draft_ready = False
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
@@ -114,23 +221,23 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    # -- conveniences ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 spec: "SpecConfig | None | str" = DEFAULT) -> list[GenerationResult]:
         """Run the prompts to completion together; results in prompt order."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        rids = [self.add_request(p, sp, spec=spec) for p, sp in zip(prompts, per_prompt)]
         while any(not self.requests[r].finished for r in rids):
             self.step()
         results = []
         for rid in rids:
             req = self.requests.pop(rid)
-            results.append(GenerationResult(rid, req.prompt, req.output, req.finish_reason.value))
+            results.append(GenerationResult(rid, req.prompt, req.output, req.finish_reason.value, req.spec_stats))
         return results
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         """Logits at every prompt position ([len, V]); a diagnostic the tests compare with references."""
-        from tandem.engine.batch import ForwardBatch, SequenceChunk
-
         kv = SequenceKV(self.allocator)
         kv.reserve(len(prompt))
         try:

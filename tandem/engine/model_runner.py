@@ -96,6 +96,10 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        self.kv.move_slots(src, dst)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None)."""
         dev = to_device(batch, self.cfg.page_size, self.device)

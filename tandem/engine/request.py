@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tandem.kv_cache import SequenceKV
 from tandem.sampling import SamplingParams
+from tandem.speculative.stats import SpecStats
 
 
 class FinishReason(str, enum.Enum):
@@ -27,6 +29,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    spec: Any = None  # SpecConfig of this request, or None when it does not speculate
+    draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
     @property
     def tokens(self) -> list[int]:
@@ -43,3 +48,4 @@ class GenerationResult:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     finish_reason: str
+    spec_stats: SpecStats = field(default_factory=SpecStats)

@@ -1,27 +1,32 @@
 """Scheduler: which requests run in the next forward, and the KV pages they need.
 
-Every step runs all running requests' next token (decode) together with newly admitted prompts
-(prefill), packed into one forward. A prompt is admitted only when its pages fit now; when a running
-request cannot get a page for its next token, the most recently admitted request is preempted: its
-pages are freed and it goes back to the front of the queue, to be recomputed from its tokens later
-(its output so far is kept, so nothing is lost and greedy output is unchanged).
+Every step runs all running requests (decode: their last token, or a draft tree rooted at it)
+together with newly admitted prompts (prefill), packed into one forward. A prompt is admitted only
+when its pages fit now; when a running request cannot get pages for its next step, the most recently
+admitted request is preempted: its pages are freed and it goes back to the front of the queue, to be
+recomputed from its tokens later (its output so far is kept, so nothing is lost and greedy output is
+unchanged).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
-from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator
 
 
 @dataclass
-class ScheduledStep:
-    batch: ForwardBatch
-    requests: list[Request]  # in batch order
+class Schedule:
+    decode: list[Request] = field(default_factory=list)  # running; pages reserved for their step width
+    prefill: list[Request] = field(default_factory=list)  # newly admitted; pages reserved for all their tokens
+    preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
 
 
 class Scheduler:
@@ -44,45 +49,36 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, capture_features: bool = False) -> ScheduledStep | None:
-        chunks: list[SequenceChunk] = []
-        scheduled: list[Request] = []
-        for req in self._reserve_decode_pages():
-            n = len(req.tokens)
-            chunks.append(SequenceChunk(token_ids=[req.tokens[-1]], prefix_len=n - 1, pages=list(req.kv.pages)))
-            scheduled.append(req)
-        prefill_budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            tokens = req.tokens
-            fits_budget = len(tokens) <= prefill_budget or prefill_budget == self.max_prefill_tokens
-            if not fits_budget or req.kv.pages_needed(len(tokens)) > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            req.kv.reserve(len(tokens))
-            prefill_budget -= len(tokens)
-            self.running.append(req)
-            chunks.append(SequenceChunk(token_ids=tokens, prefix_len=0, pages=list(req.kv.pages)))
-            scheduled.append(req)
-        if not chunks:
-            return None
-        return ScheduledStep(ForwardBatch(chunks, capture_features=capture_features), scheduled)
-
-    def _reserve_decode_pages(self) -> list[Request]:
-        """Give every running request room for one more token, preempting the newest ones if needed."""
-        ready: list[Request] = []
+    def schedule(self, step_width: Callable[[Request], int] = lambda r: 1) -> Schedule:
+        """Reserve pages for every running request's next step (``step_width`` new tokens after its
+        committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts."""
+        out = Schedule()
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older request
                 continue
-            while req.kv.pages_needed(len(req.tokens)) > self.allocator.num_free:
+            needed_tokens = len(req.tokens) - 1 + step_width(req)
+            while req.kv.pages_needed(needed_tokens) > self.allocator.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
+                out.preempted.append(victim)
                 if victim is req:
                     break
             if req in self.running:
-                req.kv.reserve(len(req.tokens))
-                ready.append(req)
-        return ready
+                req.kv.reserve(needed_tokens)
+                out.decode.append(req)
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            n = len(req.tokens)
+            fits_budget = n <= budget or budget == self.max_prefill_tokens  # one long prompt always may go
+            if not fits_budget or req.kv.pages_needed(n) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            req.kv.reserve(n)
+            budget -= n
+            self.running.append(req)
+            out.prefill.append(req)
+        return out
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
