@@ -62,9 +62,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def default_capture_layers(self) -> tuple[int, ...]:
-        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (DESIGN.md §3)."""
+        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (DESIGN.md §3).
+
+        Always three entries (the draft head expects 3·H features); on toy models with fewer than
+        six layers they are clamped into range and may repeat."""
         n = self.num_layers
-        return tuple(sorted({2, n // 2, n - 3}))
+        return tuple(sorted((min(2, n - 1), n // 2, max(n - 3, 0))))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

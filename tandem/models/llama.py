@@ -112,12 +112,13 @@ class CausalLM(nn.Module):
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.model.embed_tokens(input_ids)  # [T, H]
-        captured = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                captured.append(h)  # input of layer i == HF hidden_states[i]
+                captured[i] = h  # input of layer i == HF hidden_states[i]
             h = layer(h, positions, meta, kv, backend)
-        features = torch.cat(captured, dim=-1) if captured else None  # [T, len(capture_layers) * H]
+        # [T, len(capture_layers) * H], in the order given (ascending by convention)
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return h, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]

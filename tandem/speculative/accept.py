@@ -20,6 +20,7 @@ All randomness comes from the request's own CPU generator, so a seeded request i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -89,9 +90,10 @@ def _draw(generator: torch.Generator) -> float:
 def _sample_residual(residual: torch.Tensor, generator: torch.Generator) -> int:
     """Inverse-CDF draw from an unnormalised float64 distribution that can never land on a zero entry.
 
-    ``searchsorted(right=True)`` skips zero-probability tokens (their CDF step is flat); the clamp to
-    the last positive token covers ``u·total`` rounding up to ``total``, where a plain clamp to V-1
-    could return a token the target gives probability 0.
+    ``searchsorted(right=True)`` returns the first index whose CDF exceeds ``u·total``, which is always
+    a token with positive mass (a zero entry leaves the CDF flat). ``u < 1`` keeps ``u·total`` below
+    ``total`` in IEEE arithmetic; the clamp to the last positive token is a guard that a clamp to V-1
+    would not be (token V-1 may have probability 0).
     """
     cdf = residual.cumsum(0)
     target = _draw(generator) * float(cdf[-1])
@@ -116,23 +118,24 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
         # float64 on the CPU: the residual mass shrinks with every rejection, and float32 would make
         # p(x)/remaining inaccurate exactly when few tokens remain. Only visited rows are moved.
         p = target_probs[node].detach().to(device="cpu", dtype=torch.float64)
-        if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or float(p.sum()) <= 0.0:
+        total = float(p.sum())  # NaN or inf anywhere makes the sum non-finite
+        if not (math.isfinite(total) and total > 0.0) or float(p.min()) < 0.0:
             raise ValueError(f"target distribution at node {node} is not a probability vector")
-        residual = p.clone()
+        residual, remaining = p.clone(), total
         chosen = None
         for child in children[node]:
             token = tree.tokens[child]
             mass = float(residual[token])
             if mass <= 0.0:
                 continue  # zero target probability, or a sibling already tried (and rejected) this token
-            remaining = float(residual.sum())  # recomputed, not decremented: subtraction loses precision
             ratio = mass / remaining
             if ratio >= 1.0 or _draw(generator) < ratio:
                 chosen = child
                 break
             residual[token] = 0.0
+            remaining = float(residual.sum())  # recomputed, not decremented: subtraction loses precision
         if chosen is None:
-            if float(residual.sum()) <= 0.0:
+            if remaining <= 0.0:
                 # Only reachable through rounding (the last token with mass has ratio exactly 1 and is
                 # always accepted); fall back to the full distribution rather than emit a zero-p token.
                 residual = p

@@ -1,0 +1,153 @@
+"""The engine's speculative round, checked independently of any draft model.
+
+Verification must be lossless whatever the proposer drafts: greedy output equals target-only greedy
+decoding (itself checked against transformers in test_hf_parity), and sampled output keeps the
+target's exact distribution (computed here from transformers' own logits).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from scipy.stats import chisquare
+
+from checkpoints import write_checkpoint
+from proposers import RandomTreeProposer
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams, adjusted_probs
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_draft_tokens: int
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "llama"
+    hf = write_checkpoint(path, "llama", seed=3, num_hidden_layers=3)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(target):
+    """Target-only greedy continuations (the oracle) for a fixed set of prompts."""
+    path, _ = target
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 21, 34, 40, 3)]
+    with LLMEngine(EngineConfig(model=str(path), page_size=4)) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    return prompts, [o.output_token_ids for o in outs]
+
+
+def test_target_only_reference_matches_transformers(target, reference_outputs):
+    _, hf = target
+    prompts, outputs = reference_outputs
+    for prompt, out in list(zip(prompts, outputs))[:2]:
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        assert out == ref[0, len(prompt):].tolist()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree_size=st.integers(2, 16), seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 3, 4, 16]),
+       hit_rate=st.floats(0.0, 1.0), shuffle=st.booleans())
+def test_greedy_speculation_is_token_identical(target, reference_outputs, tree_size, seed, page_size, hit_rate, shuffle):
+    path, _ = target
+    prompts, expected = reference_outputs
+    oracle = {f"r{i}": p + e for i, (p, e) in enumerate(zip(prompts, expected))}
+    proposer = RandomTreeProposer(vocab=256, seed=seed, oracle=oracle, hit_rate=hit_rate)
+    cfg = EngineConfig(model=str(path), page_size=page_size, page_shuffle_seed=seed if shuffle else None)
+    with LLMEngine(cfg, proposer=proposer, spec=Spec(tree_size)) as eng:
+        rids = [eng.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True), rid=f"r{i}")
+                for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        got = [eng.requests[r].output for r in rids]
+        stats = [eng.requests[r].spec_stats for r in rids]
+        assert eng.allocator.num_free == eng.allocator.capacity_pages, "every page comes back"
+    assert got == expected
+    assert all(s.rounds > 0 for s in stats)
+    if hit_rate > 0.5 and tree_size > 2:
+        assert max(s.accept_length_mean for s in stats) > 1.0  # the oracle's tokens were accepted
+    assert sorted(proposer.released) == sorted(rids)
+
+
+def test_perfect_oracle_chain_accepts_everything(target, reference_outputs):
+    """A chain that always holds the true continuation is accepted whole: tree size tokens per round."""
+    path, _ = target
+    prompts, expected = reference_outputs
+
+    class ChainOracle(RandomTreeProposer):
+        def _tree(self, rid, size):
+            from tandem.speculative.tree import DraftTree
+
+            full, pos = self.oracle[rid], len(self.tokens[rid])
+            return DraftTree.chain(full[pos], full[pos + 1 : pos + size])
+
+    oracle = {f"r{i}": p + e + [0] * 16 for i, (p, e) in enumerate(zip(prompts, expected))}
+    with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(256, oracle=oracle), spec=Spec(5)) as eng:
+        rids = [eng.add_request(p, SamplingParams(max_new_tokens=41, ignore_eos=True), rid=f"r{i}")
+                for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        for rid, exp in zip(rids, expected):
+            req = eng.requests[rid]
+            assert req.output == exp[:41]
+            # 1 token from prefill, then 8 rounds of 5 tokens = 41
+            assert req.spec_stats.accepted_per_round == [4] * 8
+            assert req.spec_stats.acceptance_by_position == [1.0] * 4
+
+
+def _exact_joint(hf, prompt, params, steps):
+    """P(first `steps` tokens) under the target with the request's sampling adjustments."""
+    joint = {}
+    vocab = hf.config.vocab_size
+    for seq in itertools.product(range(vocab), repeat=steps):
+        joint[seq] = 1.0
+    with torch.no_grad():
+        for seq in list(joint):
+            p = 1.0
+            for k in range(steps):
+                logits = hf(torch.tensor([prompt + list(seq[:k])])).logits[0, -1:]
+                p *= adjusted_probs(logits, [params])[0, seq[k]].item()
+                if p == 0.0:
+                    break
+            joint[seq] = p
+    return joint
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=4, max_new_tokens=2, ignore_eos=True),
+    SamplingParams(temperature=1.2, top_p=0.7, max_new_tokens=2, ignore_eos=True),
+], ids=["t1", "topk", "topp"])
+def test_sampling_speculation_keeps_target_distribution(tmp_path, params):
+    path = tmp_path / "tiny_vocab"
+    hf = write_checkpoint(path, "llama", seed=5, num_hidden_layers=2, vocab_size=6)
+    prompt = [1, 4, 2, 5, 3]
+    n = 3000
+    proposer = RandomTreeProposer(vocab=6, seed=1)
+    with LLMEngine(EngineConfig(model=str(path), seed=7), proposer=proposer, spec=Spec(4)) as eng:
+        results = eng.generate([prompt] * n, SamplingParams(**{**params.__dict__, "seed": None}))
+    counts: dict[tuple, int] = {}
+    for r in results:
+        key = tuple(r.output_token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    exact = _exact_joint(hf, prompt, params, 2)
+    assert all(exact[k] > 0 for k in counts), "a token with zero target probability was emitted"
+    cells = [k for k in exact if exact[k] * n >= 5]
+    observed = [counts.get(k, 0) for k in cells]
+    expected = [exact[k] * n for k in cells]
+    rest_obs, rest_exp = n - sum(observed), n - sum(expected)
+    if rest_exp >= 1:
+        observed.append(rest_obs)
+        expected.append(rest_exp)
+    scale = sum(observed) / sum(expected)
+    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    assert p_value > 1e-3, f"speculative samples do not follow the target distribution (p={p_value:.2e})"
+    assert any(r.spec_stats.rounds for r in results)
