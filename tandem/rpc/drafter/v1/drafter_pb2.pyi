@@ -1,0 +1,160 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RingSpec(_message.Message):
+    __slots__ = ("kind", "name", "num_rows", "row_width", "dtype", "cuda_ipc_handle", "gpu_uuid", "storage_offset", "storage_size", "ref_counter_offset", "ref_counter_handle", "event_handle", "device_index_hint")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_HINT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    num_rows: int
+    row_width: int
+    dtype: str
+    cuda_ipc_handle: bytes
+    gpu_uuid: str
+    storage_offset: int
+    storage_size: int
+    ref_counter_offset: int
+    ref_counter_handle: bytes
+    event_handle: bytes
+    device_index_hint: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., dtype: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu_uuid: _Optional[str] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., event_handle: _Optional[bytes] = ..., device_index_hint: _Optional[str] = ...) -> None: ...
+
+class TargetInfo(_message.Message):
+    __slots__ = ("model", "hidden_size", "vocab_size", "num_layers", "capture_layers")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    capture_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("protocol_version", "ring", "target")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    ring: RingSpec
+    target: TargetInfo
+    def __init__(self, protocol_version: _Optional[int] = ..., ring: _Optional[_Union[RingSpec, _Mapping]] = ..., target: _Optional[_Union[TargetInfo, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("protocol_version", "draft_model", "draft_vocab_size")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    draft_model: str
+    draft_vocab_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
+
+class SpecParams(_message.Message):
+    __slots__ = ("num_steps", "topk", "num_draft_tokens")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    def __init__(self, num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class Extend(_message.Message):
+    __slots__ = ("request_id", "token_ids", "ring_offset", "ring_rows")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RING_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ring_offset: int
+    ring_rows: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("request_id", "spec")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    spec: SpecParams
+    def __init__(self, request_id: _Optional[str] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("seq", "release", "extend", "draft", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    release: _containers.RepeatedScalarFieldContainer[str]
+    extend: _containers.RepeatedCompositeFieldContainer[Extend]
+    draft: _containers.RepeatedCompositeFieldContainer[DraftRequest]
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Tree(_message.Message):
+    __slots__ = ("request_id", "token_ids", "parents", "scores")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Drafts(_message.Message):
+    __slots__ = ("seq", "trees", "draft_seconds")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    trees: _containers.RepeatedCompositeFieldContainer[Tree]
+    draft_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+
+class VerifierMessage(_message.Message):
+    __slots__ = ("hello", "round")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    round: Round
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
+
+class DrafterMessage(_message.Message):
+    __slots__ = ("welcome", "drafts")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    drafts: Drafts
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., drafts: _Optional[_Union[Drafts, _Mapping]] = ...) -> None: ...
