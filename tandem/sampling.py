@@ -28,7 +28,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 (vLLM's threshold) dividing by the temperature overflows float32 logits; such a
+        # temperature is greedy in all but name.
+        return self.temperature < 1e-5
 
     def validate(self) -> None:
         """Raise ConfigError naming the offending field."""

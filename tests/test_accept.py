@@ -25,7 +25,8 @@ from tandem.speculative.tree import DraftTree
 
 def random_tree(rng: random.Random, vocab: int, max_nodes: int, distinct_siblings: bool = True) -> DraftTree:
     tokens, parents = [rng.randrange(vocab)], [-1]
-    for i in range(1, rng.randint(1, max_nodes)):
+    for _ in range(1, rng.randint(1, max_nodes)):
+        i = len(tokens)
         parent = rng.randrange(i)
         used = {tokens[c] for c in range(i) if parents[c] == parent}
         free = [t for t in range(vocab) if t not in used] if distinct_siblings else list(range(vocab))
@@ -97,7 +98,7 @@ V = 6
 def true_probs(path: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
     """P(next | path) after the request's adjustments: a fixed function of the path (context-consistent)."""
     seed = 1 + sum((t + 1) * (V + 1) ** i for i, t in enumerate(path))
-    logits = torch.randn(V, generator=make_generator(seed)) * 2.0
+    logits = torch.randn(V, generator=make_generator(seed))
     return adjusted_probs(logits.unsqueeze(0), [params])[0].double()
 
 
@@ -162,6 +163,8 @@ def chi_square_pvalue(counts: dict, joint: dict, trials: int) -> float:
     if rest_exp > 0:
         obs.append(rest_obs)
         exp.append(rest_exp)
+    if len(obs) < 2:
+        return 1.0  # a single possible outcome: the impossibility check above is the whole test
     exp = np.array(exp) * (trials / sum(exp))  # remove float drift in the total
     return float(chisquare(obs, exp).pvalue)
 
@@ -183,7 +186,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sampling_is_lossless(name: str) -> None:
-    params, trials, root = CASES[name], 20_000, 2
+    params, trials, root = CASES[name], 20_000, 1
     tree, probs = build_tree(root, params, SHAPE)
     counts = run_rounds(accept_sampling, tree, probs, params, n=3, trials=trials, seed=11)
     for n in (1, 2, 3):
@@ -194,7 +197,7 @@ def test_sampling_is_lossless(name: str) -> None:
 def test_top_k_case_drafts_zero_probability_tokens() -> None:
     # Guard on the test itself: the filtered cases must actually put zero-probability tokens in the tree.
     for name in ("top_k", "top_p"):
-        tree, probs = build_tree(2, CASES[name], SHAPE)
+        tree, probs = build_tree(1, CASES[name], SHAPE)
         assert any(float(probs[tree.parents[i], tree.tokens[i]]) == 0.0 for i in range(1, tree.size))
 
 
@@ -230,7 +233,7 @@ def test_root_only_tree_samples_bonus_from_root() -> None:
 
 
 def test_duplicate_sibling_tokens() -> None:
-    params, trials, root = CASES["plain"], 20_000, 1
+    params, trials, root = CASES["plain"], 10_000, 1
     # Root children: rank 1, rank 1 again (a duplicate), rank 0; the duplicate's subtree must never be used.
     tree, probs = build_tree(root, params, [(1, [(0, [])]), (1, [(0, [])]), (0, [(0, [])])])
     assert tree.tokens[1] == tree.tokens[3] and tree.parents[3] == 0
