@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,24 +22,18 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
+from tandem.speculative.verify import Proposer, ProposerUnavailable, accept_tree, compaction_moves, verify_chunk
 
 if TYPE_CHECKING:
     from tandem.speculative.drafter import SpecConfig
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
-
-
-@dataclass
-class StepOutput:
-    rid: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
 
 
 class LLMEngine:
@@ -56,6 +49,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, cfg.max_running_requests, cfg.max_prefill_tokens)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.last_step: StepInfo | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -113,6 +107,9 @@ class LLMEngine:
         return req.spec.num_draft_tokens
 
     def step(self) -> list[StepOutput]:
+        """One round: draft (for speculating requests), one target forward over prefills and trees,
+        acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
+        timer = StepTimer()
         sched = self.scheduler.schedule(self._tree_width)
         for req in sched.preempted:
             self._forget_draft(req)
@@ -120,16 +117,27 @@ class LLMEngine:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
-        trees = self._draft(sched.decode)
+        with timer("draft"):
+            trees = self._draft(sched.decode)
         chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
-        capture = self.proposer is not None
-        logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
+        capture = self._proposer_up()
+        with timer("verify"):
+            logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
+        with timer("accept"):
+            emitted, extend_items, rounds = self._accept(sched, trees, logits, features if capture else None)
+            outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
+        with timer("draft_extend"):
+            self._extend([item for item in extend_items if not item[0].finished])
+        self.last_step = StepInfo(len(sched.prefill), len(sched.decode), timer.seconds)
+        return outputs
 
+    def _accept(self, sched, trees, logits, features):
+        """→ new tokens per request, the drafter's extension items, and per-request round records."""
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
         simple = [(req, i) for i, req in enumerate(sched.prefill)]
-        row, token_row = len(sched.prefill), sum(len(c.token_ids) for c in chunks[: len(sched.prefill)])
+        row, token_row = len(sched.prefill), sum(len(req.tokens) for req in sched.prefill)
         tree_jobs = []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -139,6 +147,7 @@ class LLMEngine:
                 tree_jobs.append((req, row, token_row))
             row, token_row = row + size, token_row + size
         emitted: dict[str, list[int]] = {}
+        rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
         if simple:
             rows = torch.tensor([r for _, r in simple], device=logits.device)
@@ -148,25 +157,44 @@ class LLMEngine:
         token_row = 0
         for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
             n = len(req.tokens)
-            if capture and req.spec is not None:
-                extend_items.append((req.rid, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
+            if features is not None and req.spec is not None:
+                extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
             token_row += n
+        moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
             result = accept_tree(tree, logits[first_row : first_row + tree.size], req.params, req.generator)
             src, dst = compaction_moves(req, result.accepted_nodes)
-            self.executor.move_kv(src, dst)
+            moves_src += src
+            moves_dst += dst
             req.spec_stats.record(max(tree.depths), len(result.accepted_nodes))
+            rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
             emitted[req.rid] = result.tokens
-            nodes = [0, *result.accepted_nodes]
-            extend_items.append((req.rid, result.tokens, features[[first_token_row + n for n in nodes]]))
-        outputs = self._commit(sched.prefill + sched.decode, emitted)
-        live = [item for item in extend_items if not self.requests[item[0]].finished]
-        if live:
-            self.proposer.extend(live)
-            for rid, _, _ in live:
-                self.requests[rid].draft_ready = True
-        return outputs
+            if features is not None:
+                nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
+                extend_items.append((req, result.tokens, features[nodes]))
+        self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
+        return emitted, extend_items, rounds
+
+    def _proposer_up(self) -> bool:
+        return self.proposer is not None and getattr(self.proposer, "available", True)
+
+    def _extend(self, items: list) -> None:
+        if not items or not self._proposer_up():
+            return
+        try:
+            self.proposer.extend([(req.rid, tokens, feats) for req, tokens, feats in items])
+        except ProposerUnavailable as e:
+            self._drafter_lost(e)
+            return
+        for req, _, _ in items:
+            req.draft_ready = True
+
+    def _drafter_lost(self, error: Exception) -> None:
+        """The drafter's state is gone: every request continues without speculation (nothing fails)."""
+        log.warning("drafter unavailable (%s): continuing without speculation", error)
+        for req in self.scheduler.running + list(self.scheduler.waiting):
+            req.draft_ready = False
 
     def _draft(self, decoding: list[Request]) -> dict[str, DraftTree]:
         trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
@@ -175,13 +203,19 @@ class LLMEngine:
             if req.spec is not None and req.draft_ready and self._tree_width(req) > 1:
                 by_spec.setdefault(req.spec, []).append(req)
         for spec, group in by_spec.items():
-            for req, tree in zip(group, self.proposer.draft([r.rid for r in group], spec)):
+            try:
+                drafted = self.proposer.draft([r.rid for r in group], spec)
+            except ProposerUnavailable as e:
+                self._drafter_lost(e)
+                return {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+            for req, tree in zip(group, drafted):
                 if tree.tokens[0] != req.tokens[-1]:
                     raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
                 trees[req.rid] = tree
         return trees
 
-    def _commit(self, reqs: list[Request], emitted: dict[str, list[int]]) -> list[StepOutput]:
+    def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
+                rounds: dict[str, tuple[int, int]]) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests."""
         outputs = []
         for req in reqs:
@@ -197,7 +231,8 @@ class LLMEngine:
             else:
                 req.finish_reason = reason
                 self._finish(req)
-            outputs.append(StepOutput(req.rid, new, reason))
+            drafted, accepted = rounds.get(req.rid, (0, 0))
+            outputs.append(StepOutput(req.rid, new, reason, drafted, accepted))
         return outputs
 
     def _finish(self, req: Request) -> None:

@@ -19,8 +19,16 @@ from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampli
 from tandem.speculative.tree import DraftTree
 
 
+class ProposerUnavailable(RuntimeError):
+    """The drafter cannot answer (absent, past its deadline, dead). Its state for every request is
+    considered lost; the engine carries on without speculation."""
+
+
 class Proposer(Protocol):
-    """What the engine needs from a drafter (in process, or a client of the drafter service)."""
+    """What the engine needs from a drafter (in process, or a client of the drafter service).
+
+    A remote proposer may also expose ``available: bool``; while it is False the engine neither
+    captures features for it nor drafts."""
 
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
         """Per request: new tokens and the target features of the tokens before them (same count)."""

@@ -1,0 +1,98 @@
+"""BENCHMARK INSTRUMENT — controlled-acceptance proposer (DESIGN.md §6a). Never a serving default.
+
+Random draft weights accept almost nothing, so the speed of the speculative *mechanism* is measured
+at an acceptance rate the experiment sets. This wrapper runs the real drafter — the same extend and
+draft forwards, the same tree shape and scores — and then rewrites the tokens of the tree's
+best-scoring path (from the root, always the highest-scoring child) with the target's own greedy
+continuation of the prompt, computed beforehand. Each rewritten token is independently corrupted
+with probability ``r`` into a different token (seeded per request). The head's other children are
+kept but made distinct from the reference token, so under greedy verification exactly the leading
+uncorrupted run of the path is accepted: a chain of ``num_steps`` S has expected accept length
+(bonus included) ``1 + sum_{d=1..S} (1 - r)^d``.
+
+Only meaningful with greedy verification of the target whose greedy continuation was given;
+numbers it produces must be labelled "controlled acceptance".
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import torch
+
+from tandem.errors import ConfigError
+from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.tree import DraftTree
+
+
+def expected_accept_length(corruption_rate: float, depth: int) -> float:
+    """Mean tokens per round (accepted drafts + bonus) for a path of ``depth`` draft tokens."""
+    return 1.0 + sum((1.0 - corruption_rate) ** d for d in range(1, depth + 1))
+
+
+class ControlledAcceptanceProposer:
+    def __init__(self, drafter: Eagle3Drafter, corruption_rate: float, seed: int = 0):
+        if not 0.0 <= corruption_rate <= 1.0:
+            raise ConfigError(f"corruption rate must be in [0, 1], got {corruption_rate}")
+        self.drafter, self.rate, self.seed = drafter, corruption_rate, seed
+        self.vocab_size = drafter.head.config.vocab_size
+        self._refs: dict[str, tuple[int, list[int], random.Random]] = {}
+
+    def set_reference(self, rid: str, prompt_len: int, continuation: list[int]) -> None:
+        """``continuation``: the target's greedy tokens after the prompt (its first is the prefill's sample)."""
+        # A per-request generator: the corruption pattern does not depend on what else is batched.
+        rng = random.Random((self.seed * 1_000_003) ^ zlib.crc32(rid.encode()))
+        self._refs[rid] = (prompt_len, list(continuation), rng)
+
+    def generated(self, rid: str) -> int:
+        """Tokens generated so far: the prefill extend passes x_1..x_n (its last is generated token 1),
+        every later extend passes only generated tokens."""
+        prompt_len = self._refs[rid][0]
+        return self.drafter.num_tokens(rid) - prompt_len + 1
+
+    # -- the drafter's API, passed through ---------------------------------------------------------
+    def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False):
+        return self.drafter.extend(items, return_logits)
+
+    def release(self, rid: str) -> None:
+        self.drafter.release(rid)
+        self._refs.pop(rid, None)
+
+    def draft(self, rids: list[str], spec: SpecConfig) -> list[DraftTree]:
+        trees = self.drafter.draft(rids, spec)  # the real head runs; only tokens are rewritten
+        return [self._steer(rid, tree) if rid in self._refs else tree for rid, tree in zip(rids, trees)]
+
+    # -- rewriting -------------------------------------------------------------------------------
+    def _steer(self, rid: str, tree: DraftTree) -> DraftTree:
+        _, ref, rng = self._refs[rid]
+        start = self.generated(rid) - 1  # ref[start] is the root when the request is on track
+        tokens = list(tree.tokens)
+        children: list[list[int]] = [[] for _ in range(tree.size)]
+        for i in range(1, tree.size):
+            children[tree.parents[i]].append(i)
+        node, depth = 0, 0
+        while children[node]:
+            depth += 1
+            best = max(children[node], key=lambda c: (tree.scores[c], -c))  # ties: the earlier node
+            corrupt = rng.random() < self.rate  # drawn every depth so the pattern is reproducible
+            if start + depth >= len(ref):
+                break  # past the reference: leave the head's own tokens
+            truth = ref[start + depth]
+            siblings = [c for c in children[node] if c != best]
+            tokens[best] = self._other(rng, {truth, *(tokens[s] for s in siblings)}) if corrupt else truth
+            taken = {truth, tokens[best]}
+            for s in siblings:  # a sibling equal to the truth would be accepted in the path's place
+                if tokens[s] in taken:
+                    tokens[s] = self._other(rng, taken | {tokens[o] for o in siblings})
+                taken.add(tokens[s])
+            node = best
+        return DraftTree(tokens, list(tree.parents), list(tree.scores))
+
+    def _other(self, rng: random.Random, excluded: set[int]) -> int:
+        if len(excluded) >= self.vocab_size:
+            raise ConfigError(f"vocabulary of {self.vocab_size} is too small to corrupt a tree this wide")
+        while True:
+            t = rng.randrange(self.vocab_size)
+            if t not in excluded:
+                return t

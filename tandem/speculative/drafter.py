@@ -1,0 +1,285 @@
+"""The drafting runtime: an EAGLE-3 head with its own paged KV cache, batched over requests.
+
+Two calls per speculative round (DESIGN.md §2), the API both the in-process engine and the drafter
+service use:
+
+- ``extend`` appends committed draft KV from target features: the draft sees pairs
+  ``(token_{t+1}, feature_t)``, so after a prefill over ``x_0..x_{n-1}`` that sampled ``x_n`` the
+  caller passes tokens ``x_1..x_n`` with features ``f_0..f_{n-1}``; after a round that accepted
+  ``a_1..a_m`` plus bonus ``b`` it passes ``[a_1..a_m, b]`` with the features of nodes
+  ``[root, a_1..a_m]``. Entry ``t`` of a request's draft KV sits at rotary position ``t``.
+- ``draft`` grows a top-k tree from the last extended token (the root) in ``num_steps - 1``
+  forwards (step 1's children come from the last extend's logits, SGLang's scheme): each forward
+  runs every request's ``topk`` frontier nodes — input = the node's token and its parent's pre-norm
+  state — in scratch KV slots after the committed ones, with a tree mask so a node sees its own
+  ancestors but not its cousins. The scratch is dropped afterwards: drafting never changes
+  committed state, so drafting twice gives the same tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tandem.attention.backend import make_backend
+from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device
+from tandem.errors import ConfigError, OutOfPagesError
+from tandem.kv_cache import KVPool, PageAllocator, SequenceKV
+from tandem.models.config import ModelConfig
+from tandem.models.eagle3 import Eagle3Head
+from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
+from tandem.models.eagle3_config import DraftConfig, draft_tensor_files, validate_draft
+from tandem.models.loader import resolve_dtype
+from tandem.speculative.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """SGLang's three speculative knobs; the flags are named in every error."""
+
+    num_steps: int  # --speculative-num-steps: tree depth
+    topk: int  # --speculative-eagle-topk: children per node and frontier width
+    num_draft_tokens: int  # --speculative-num-draft-tokens: tree size including the root
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ConfigError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
+        if self.topk < 1:
+            raise ConfigError(f"--speculative-eagle-topk must be >= 1, got {self.topk}")
+        if self.num_draft_tokens < 2:
+            raise ConfigError(f"--speculative-num-draft-tokens must be >= 2 (the root plus one draft), got {self.num_draft_tokens}")
+        if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk 1 drafts a chain of --speculative-num-steps {self.num_steps} tokens, so "
+                f"--speculative-num-draft-tokens must be <= {self.num_steps + 1}, got {self.num_draft_tokens}"
+            )
+        if self.num_draft_tokens - 1 > self.num_candidates:
+            raise ConfigError(
+                f"--speculative-num-draft-tokens {self.num_draft_tokens} exceeds the {self.num_candidates} candidates "
+                f"+ root that --speculative-num-steps {self.num_steps} and --speculative-eagle-topk {self.topk} generate; "
+                f"lower it to <= {self.num_candidates + 1} or raise the others"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        """Nodes generated before the final cut: topk at depth 1, topk² at each later depth."""
+        return self.topk + (self.num_steps - 1) * self.topk**2
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = the draft checkpoint's dtype on GPU, float32 on CPU
+    page_size: int = 16
+    kv_pages: int | None = None  # explicit pool size; None = max_kv_tokens worth (+ the reserved page)
+    max_kv_tokens: int = 65536  # one layer of KV is small: Llama-8B shape in bf16 is 4 KiB/token, 256 MiB here
+    max_topk: int = 8  # top-k kept per request after extend; a SpecConfig may not ask for more
+    attention_backend: str = "auto"
+    page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
+
+
+@dataclass
+class _Request:
+    kv: SequenceKV
+    root: int = -1  # last extended token (target id): the next tree's root
+    state: torch.Tensor | None = None  # [H] pre-norm output of the last extended row
+    top_logp: torch.Tensor | None = None  # float32 [max_topk] log-probs of the root's best children
+    top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
+
+
+class Eagle3Drafter:
+    def __init__(self, head: Eagle3Head, cfg: DrafterConfig = DrafterConfig()):
+        self.head, self.cfg = head, cfg
+        dc = head.config
+        self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
+        self.backend = make_backend(cfg.attention_backend, self.device)
+        num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
+        self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed)
+        self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
+        self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
+        self._reqs: dict[str, _Request] = {}
+
+    @classmethod
+    def from_dirs(
+        cls,
+        draft_dir: str,
+        target_dir: str,
+        cfg: DrafterConfig = DrafterConfig(),
+        capture_layers: tuple[int, ...] | None = None,
+        embed_weight: torch.Tensor | None = None,
+    ) -> "Eagle3Drafter":
+        """Validate the draft against the target (configs and tensor headers only), then load it.
+
+        ``embed_weight``: the target's full embedding when it lives in this process on the same device
+        (shared, not copied); otherwise it is read from the target checkpoint. ``capture_layers`` are
+        what the target was configured to capture; the result's ``capture_layers`` is what it must.
+        """
+        target = ModelConfig.from_dir(target_dir)
+        draft = DraftConfig.from_dir(draft_dir)
+        capture = validate_draft(draft, target, capture_layers)
+        device = torch.device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, draft.dtype, device)
+        if embed_weight is None and "embed_tokens.weight" not in draft_tensor_files(draft_dir):
+            embed_weight = load_target_embedding(target_dir, device, dtype)
+        # Rotary table covers the target's context; draft steps past it are clamped (never verifiable).
+        head = load_eagle3(draft_dir, embed_weight, device=device, dtype=dtype, max_positions=target.max_position_embeddings)
+        drafter = cls(head, cfg)
+        drafter.capture_layers = capture
+        return drafter
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def has(self, rid: str) -> bool:
+        return rid in self._reqs
+
+    def num_tokens(self, rid: str) -> int:
+        """Committed draft KV entries of ``rid`` (= tokens passed to ``extend`` so far)."""
+        return self._reqs[rid].kv.num_tokens
+
+    def release(self, rid: str) -> None:
+        """Free the request's pages; unknown ids are ignored (a restarted drafter never saw them)."""
+        req = self._reqs.pop(rid, None)
+        if req is not None:
+            req.kv.release()
+
+    # -- extend ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(
+        self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Append draft KV for ``(rid, token_ids [n], features [n, 3·H_target])`` items, in one forward.
+
+        With ``return_logits`` → per item (pre-norm states [n, H], float32 draft logits [n, draft_vocab]).
+        """
+        width, ps = self.head.config.feature_width, self.cfg.page_size
+        rids = [rid for rid, _, _ in items]
+        if len(set(rids)) != len(rids):
+            raise ValueError("extend got the same request twice in one call")
+        for rid, tokens, feats in items:
+            if not tokens or tuple(feats.shape) != (len(tokens), width):
+                raise ValueError(
+                    f"extend of '{rid}': {len(tokens)} tokens need features of shape ({len(tokens)}, {width}), "
+                    f"got {tuple(feats.shape)}"
+                )
+        reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
+        prefixes = [r.kv.num_tokens for r in reqs]
+        need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
+        if need > self.allocator.num_free:
+            raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
+        chunks = []
+        for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
+            req.kv.reserve(prefix + len(tokens))
+            chunks.append(SequenceChunk(list(tokens), prefix, list(req.kv.pages), logits="all" if return_logits else "last"))
+        try:
+            dev = to_device(ForwardBatch(chunks), ps, self.device)
+            self.backend.plan(dev.meta)
+            feats = torch.cat([f.to(self.device, self.dtype) for _, _, f in items])  # [T, 3·H_target]
+            states, _ = self.head(dev.input_ids, feats, dev.positions, dev.meta, self.kv, self.backend)  # [T, H]
+        except BaseException:
+            for req, prefix in zip(reqs, prefixes):
+                req.kv.truncate(prefix)
+            raise
+        last = dev.meta.cu_q_lens[1:].long() - 1  # [B] last row of each item
+        logp = torch.log_softmax(self.head.logits(states[last]), dim=-1)  # [B, draft_vocab]
+        top_logp, top_draft = logp.topk(self.top_width, dim=-1)  # [B, top_width]
+        top_ids = self.head.to_target_ids(top_draft)
+        for b, (rid, tokens, _) in enumerate(items):
+            req = reqs[b]
+            req.kv.num_tokens = prefixes[b] + len(tokens)
+            req.root, req.state = tokens[-1], states[last[b]].clone()
+            req.top_logp, req.top_ids = top_logp[b].clamp(max=0.0), top_ids[b]
+            self._reqs[rid] = req
+        if not return_logits:
+            return None
+        cu = dev.meta.cu_q_lens.tolist()
+        return [(states[cu[b]:cu[b + 1]], self.head.logits(states[cu[b]:cu[b + 1]])) for b in range(len(items))]
+
+    # -- draft -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, rids: list[str], spec: SpecConfig) -> list[DraftTree]:
+        k, steps = spec.topk, spec.num_steps
+        if k > self.top_width:
+            raise ConfigError(
+                f"--speculative-eagle-topk {k} exceeds the drafter's max_topk {self.top_width}; raise max_topk or lower the flag"
+            )
+        missing = [r for r in rids if r not in self._reqs]
+        if missing:
+            raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
+        reqs = [self._reqs[r] for r in rids]
+        B, H, dev = len(reqs), self.head.config.hidden_size, self.device
+        rows = torch.arange(B, device=dev).unsqueeze(1)  # [B, 1] for per-request gathers
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
+
+        # Depth 1: the root's top-k children, scored by their log-prob (the root scores 0).
+        f_scores = torch.stack([r.top_logp[:k] for r in reqs])  # [B, k]
+        f_tokens = torch.stack([r.top_ids[:k] for r in reqs])  # [B, k] target ids
+        f_cand = torch.arange(k, device=dev).expand(B, k)  # candidate index of each frontier node
+        f_parent_state = torch.stack([r.state for r in reqs]).unsqueeze(1).expand(B, k, H)  # [B, k, H]
+        anc = eye  # [B, k, W]: frontier node j's ancestors-or-self among the W scratch entries
+        scores, tokens, parents = [f_scores], [f_tokens], [torch.full((B, k), -1, device=dev)]
+
+        committed = [r.kv.num_tokens for r in reqs]
+        try:
+            if steps > 1:
+                scratch = (steps - 1) * k
+                need = sum(r.kv.pages_needed(n + scratch) for r, n in zip(reqs, committed))
+                if need > self.allocator.num_free:
+                    raise OutOfPagesError(f"draft KV cache has no room for the draft scratch: need {need} pages, {self.allocator.num_free} free")
+                for r, n in zip(reqs, committed):
+                    r.kv.reserve(n + scratch)
+            for step in range(2, steps + 1):
+                # Forward the frontier (depth step-1): token + parent's state, at position L + depth - 1.
+                chunks, tok_lists, masks = [], f_tokens.tolist(), anc.tolist()
+                for b, r in enumerate(reqs):
+                    pos = min(committed[b] + step - 2, self.head.max_positions - 1)  # past the context nothing is verified anyway
+                    chunks.append(SequenceChunk(tok_lists[b], committed[b] + (step - 2) * k, list(r.kv.pages),
+                                                positions=[pos] * k, tree_mask=masks[b], logits="all"))
+                batch = to_device(ForwardBatch(chunks), self.cfg.page_size, dev)
+                self.backend.plan(batch.meta)
+                states, logits = self.head(batch.input_ids, f_parent_state.reshape(B * k, H), batch.positions,
+                                           batch.meta, self.kv, self.backend, batch.logits_indices)
+                # Each frontier node's top-k children: k² candidates per request at this depth.
+                logp = torch.log_softmax(logits, dim=-1).clamp(max=0.0)  # [B*k, Vd]; clamp keeps child <= parent
+                c_logp, c_draft = logp.topk(k, dim=-1)  # [B*k, k]
+                c_scores = (f_scores.reshape(B * k, 1) + c_logp).view(B, k * k)
+                c_tokens = self.head.to_target_ids(c_draft).view(B, k * k)
+                scores.append(c_scores)
+                tokens.append(c_tokens)
+                parents.append(f_cand.repeat_interleave(k, dim=1))  # candidate j*k+c descends from frontier j
+                if step == steps:
+                    break
+                # Next frontier: the best k of the k² by cumulative score (ties: lower index), SGLang's rule.
+                best = torch.sort(c_scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k]
+                slot = best // k  # parent's frontier slot
+                f_scores, f_tokens = c_scores.gather(1, best), c_tokens.gather(1, best)
+                f_cand = k + (step - 2) * k * k + best
+                f_parent_state = states.view(B, k, H)[rows, slot]
+                anc = torch.cat([anc[rows, slot], eye], dim=2)  # parent's ancestors + own new column
+        finally:
+            for r, n in zip(reqs, committed):
+                r.kv.truncate(n)  # scratch slots are discarded; committed KV is untouched
+        return self._build_trees(reqs, spec, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1))
+
+    @staticmethod
+    def _build_trees(reqs, spec: SpecConfig, scores, tokens, parents) -> list[DraftTree]:
+        """Keep the best num_draft_tokens-1 candidates; ascending candidate order puts parents first.
+
+        A child's score never exceeds its parent's and a parent has the lower index, so with ties
+        broken by index the kept set is closed under parents.
+        """
+        if torch.isnan(scores).any():
+            raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+        keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : spec.num_draft_tokens - 1]
+        keep = keep.sort(dim=1).values  # [B, n] candidate indices in generation order
+        kept_scores = scores.gather(1, keep).tolist()
+        kept_tokens = tokens.gather(1, keep).tolist()
+        kept_parents = parents.gather(1, keep).tolist()
+        trees = []
+        for b, req in enumerate(reqs):
+            node = {cand: i + 1 for i, cand in enumerate(keep[b].tolist())}
+            tree_parents = [-1] + [0 if p < 0 else node[p] for p in kept_parents[b]]
+            trees.append(DraftTree([req.root, *kept_tokens[b]], tree_parents, [0.0, *kept_scores[b]]))
+        return trees
+
