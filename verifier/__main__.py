@@ -1,7 +1,49 @@
-"""``python -m verifier``: not built yet — the services arrive with the services issue (issue 4)."""
+"""``python -m verifier``: the target-model service (see verifier/config.py for the flags)."""
 
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
 import sys
 
+from tandem import tracing
+from tandem.errors import TandemError
+from verifier.config import VerifierConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model")
+    VerifierConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model = args.model
+        if model is None:
+            from tandem.demo import ensure_demo_target
+
+            model = str(ensure_demo_target())
+        cfg = VerifierConfig.from_args(args, model)
+        logging.getLogger("verifier").info("config: model=%s, %s", model, cfg.describe())
+        tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(_serve(cfg))
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _serve(cfg: VerifierConfig) -> None:
+    from verifier.serve import serve
+
+    await serve(cfg)
+
+
 if __name__ == "__main__":
-    print("python -m verifier: the verifier service is not built yet (issue 4); use `tandem generate` for now", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main())

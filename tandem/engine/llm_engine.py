@@ -129,7 +129,7 @@ class LLMEngine:
             outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
         with timer("draft_extend"):
             self._extend([item for item in extend_items if not item[0].finished])
-        self.last_step = StepInfo(len(sched.prefill), len(sched.decode), timer.seconds)
+        self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
         return outputs
 
     def _accept(self, sched, trees, logits, features):
@@ -232,7 +232,8 @@ class LLMEngine:
                 req.finish_reason = reason
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
-            outputs.append(StepOutput(req.rid, new, reason, drafted, accepted))
+            stats = req.spec_stats if reason is not None else None
+            outputs.append(StepOutput(req.rid, new, reason, drafted, accepted, stats))
         return outputs
 
     def _finish(self, req: Request) -> None:

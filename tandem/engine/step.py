@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tandem.engine.request import FinishReason
+from tandem.speculative.stats import SpecStats
 
 
 @dataclass
@@ -16,23 +17,28 @@ class StepOutput:
     finish_reason: FinishReason | None
     drafted: int = 0  # draft tokens verified for this request this round
     accepted: int = 0  # of which accepted (the bonus token not counted)
+    spec_stats: SpecStats | None = None  # the request's totals, on its final output
 
 
 @dataclass
 class StepInfo:
     num_prefill: int
     num_decode: int
-    seconds: dict[str, float]  # phase -> wall time: draft, verify, accept, draft_extend
+    spans: dict[str, tuple[int, int]]  # phase -> (start, end) wall-clock ns: draft, verify, accept, draft_extend
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return {phase: (end - start) / 1e9 for phase, (start, end) in self.spans.items()}
 
 
 class StepTimer:
     def __init__(self):
-        self.seconds: dict[str, float] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # phase -> (start, end) in wall-clock ns (for traces)
 
     @contextmanager
     def __call__(self, phase: str):
-        started = time.perf_counter()
+        started = time.time_ns()
         try:
             yield
         finally:
-            self.seconds[phase] = time.perf_counter() - started
+            self.spans[phase] = (started, time.time_ns())

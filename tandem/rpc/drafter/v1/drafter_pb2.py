@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/rpc/drafter/v1/drafter.proto\x12\x15tandem.rpc.drafter.v1\"\x9c\x02\n\x08RingSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08num_rows\x18\x03 \x01(\x04\x12\x11\n\trow_width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x07 \x01(\t\x12\x16\n\x0estorage_offset\x18\x08 \x01(\x04\x12\x14\n\x0cstorage_size\x18\t \x01(\x04\x12\x1a\n\x12ref_counter_offset\x18\n \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x0b \x01(\x0c\x12\x14\n\x0c\x65vent_handle\x18\x0c \x01(\x0c\x12\x19\n\x11\x64\x65vice_index_hint\x18\r \x01(\t\"p\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\"\x83\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12-\n\x04ring\x18\x02 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\x31\n\x06target\x18\x03 \x01(\x0b\x32!.tandem.rpc.drafter.v1.TargetInfo\"R\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\"G\n\nSpecParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"W\n\x06\x45xtend\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0bring_offset\x18\x03 \x01(\x04\x12\x11\n\tring_rows\x18\x04 \x01(\r\"S\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x04spec\x18\x02 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\"\x84\x02\n\x05Round\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\t\x12-\n\x06\x65xtend\x18\x03 \x03(\x0b\x32\x1d.tandem.rpc.drafter.v1.Extend\x12\x32\n\x05\x64raft\x18\x04 \x03(\x0b\x32#.tandem.rpc.drafter.v1.DraftRequest\x12\x45\n\rtrace_context\x18\x05 \x03(\x0b\x32..tandem.rpc.drafter.v1.Round.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06scores\x18\x04 \x03(\x02\"X\n\x06\x44rafts\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x05trees\x18\x02 \x03(\x0b\x32\x1b.tandem.rpc.drafter.v1.Tree\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\"w\n\x0fVerifierMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.HelloH\x00\x12-\n\x05round\x18\x02 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.RoundH\x00\x42\x06\n\x04\x62ody\"|\n\x0e\x44rafterMessage\x12\x31\n\x07welcome\x18\x01 \x01(\x0b\x32\x1e.tandem.rpc.drafter.v1.WelcomeH\x00\x12/\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1d.tandem.rpc.drafter.v1.DraftsH\x00\x42\x06\n\x04\x62ody2f\n\x07\x44rafter\x12[\n\x06Rounds\x12&.tandem.rpc.drafter.v1.VerifierMessage\x1a%.tandem.rpc.drafter.v1.DrafterMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/rpc/drafter/v1/drafter.proto\x12\x15tandem.rpc.drafter.v1\"\x98\x01\n\x08RingSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08num_rows\x18\x03 \x01(\x04\x12\x11\n\trow_width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\towner_pid\x18\x06 \x01(\r\x12\x17\n\x0f\x63uda_ipc_handle\x18\x07 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x08 \x01(\t\"p\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\"\x83\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12-\n\x04ring\x18\x02 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\x31\n\x06target\x18\x03 \x01(\x0b\x32!.tandem.rpc.drafter.v1.TargetInfo\"R\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\"G\n\nSpecParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"W\n\x06\x45xtend\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0bring_offset\x18\x03 \x01(\x04\x12\x11\n\tring_rows\x18\x04 \x01(\r\"\xd6\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x04spec\x18\x02 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\x12L\n\rtrace_context\x18\x03 \x03(\x0b\x32\x35.tandem.rpc.drafter.v1.DraftRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x88\x01\n\x05Round\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\t\x12-\n\x06\x65xtend\x18\x03 \x03(\x0b\x32\x1d.tandem.rpc.drafter.v1.Extend\x12\x32\n\x05\x64raft\x18\x04 \x03(\x0b\x32#.tandem.rpc.drafter.v1.DraftRequest\"N\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06scores\x18\x04 \x03(\x02\"X\n\x06\x44rafts\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x05trees\x18\x02 \x03(\x0b\x32\x1b.tandem.rpc.drafter.v1.Tree\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\"w\n\x0fVerifierMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.HelloH\x00\x12-\n\x05round\x18\x02 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.RoundH\x00\x42\x06\n\x04\x62ody\"|\n\x0e\x44rafterMessage\x12\x31\n\x07welcome\x18\x01 \x01(\x0b\x32\x1e.tandem.rpc.drafter.v1.WelcomeH\x00\x12/\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1d.tandem.rpc.drafter.v1.DraftsH\x00\x42\x06\n\x04\x62ody2f\n\x07\x44rafter\x12[\n\x06Rounds\x12&.tandem.rpc.drafter.v1.VerifierMessage\x1a%.tandem.rpc.drafter.v1.DrafterMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.rpc.drafter.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUND_TRACECONTEXTENTRY']._loaded_options = None
-  _globals['_ROUND_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_RINGSPEC']._serialized_start=63
-  _globals['_RINGSPEC']._serialized_end=347
-  _globals['_TARGETINFO']._serialized_start=349
-  _globals['_TARGETINFO']._serialized_end=461
-  _globals['_HELLO']._serialized_start=464
-  _globals['_HELLO']._serialized_end=595
-  _globals['_WELCOME']._serialized_start=597
-  _globals['_WELCOME']._serialized_end=679
-  _globals['_SPECPARAMS']._serialized_start=681
-  _globals['_SPECPARAMS']._serialized_end=752
-  _globals['_EXTEND']._serialized_start=754
-  _globals['_EXTEND']._serialized_end=841
-  _globals['_DRAFTREQUEST']._serialized_start=843
+  _globals['_RINGSPEC']._serialized_end=215
+  _globals['_TARGETINFO']._serialized_start=217
+  _globals['_TARGETINFO']._serialized_end=329
+  _globals['_HELLO']._serialized_start=332
+  _globals['_HELLO']._serialized_end=463
+  _globals['_WELCOME']._serialized_start=465
+  _globals['_WELCOME']._serialized_end=547
+  _globals['_SPECPARAMS']._serialized_start=549
+  _globals['_SPECPARAMS']._serialized_end=620
+  _globals['_EXTEND']._serialized_start=622
+  _globals['_EXTEND']._serialized_end=709
+  _globals['_DRAFTREQUEST']._serialized_start=712
   _globals['_DRAFTREQUEST']._serialized_end=926
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=875
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=926
   _globals['_ROUND']._serialized_start=929
-  _globals['_ROUND']._serialized_end=1189
-  _globals['_ROUND_TRACECONTEXTENTRY']._serialized_start=1138
-  _globals['_ROUND_TRACECONTEXTENTRY']._serialized_end=1189
-  _globals['_TREE']._serialized_start=1191
-  _globals['_TREE']._serialized_end=1269
-  _globals['_DRAFTS']._serialized_start=1271
-  _globals['_DRAFTS']._serialized_end=1359
-  _globals['_VERIFIERMESSAGE']._serialized_start=1361
-  _globals['_VERIFIERMESSAGE']._serialized_end=1480
-  _globals['_DRAFTERMESSAGE']._serialized_start=1482
-  _globals['_DRAFTERMESSAGE']._serialized_end=1606
-  _globals['_DRAFTER']._serialized_start=1608
-  _globals['_DRAFTER']._serialized_end=1710
+  _globals['_ROUND']._serialized_end=1065
+  _globals['_TREE']._serialized_start=1067
+  _globals['_TREE']._serialized_end=1145
+  _globals['_DRAFTS']._serialized_start=1147
+  _globals['_DRAFTS']._serialized_end=1235
+  _globals['_VERIFIERMESSAGE']._serialized_start=1237
+  _globals['_VERIFIERMESSAGE']._serialized_end=1356
+  _globals['_DRAFTERMESSAGE']._serialized_start=1358
+  _globals['_DRAFTERMESSAGE']._serialized_end=1482
+  _globals['_DRAFTER']._serialized_start=1484
+  _globals['_DRAFTER']._serialized_end=1586
 # @@protoc_insertion_point(module_scope)

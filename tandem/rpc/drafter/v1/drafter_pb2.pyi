@@ -7,34 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RingSpec(_message.Message):
-    __slots__ = ("kind", "name", "num_rows", "row_width", "dtype", "cuda_ipc_handle", "gpu_uuid", "storage_offset", "storage_size", "ref_counter_offset", "ref_counter_handle", "event_handle", "device_index_hint")
+    __slots__ = ("kind", "name", "num_rows", "row_width", "dtype", "owner_pid", "cuda_ipc_handle", "gpu_uuid")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
-    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_INDEX_HINT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     num_rows: int
     row_width: int
     dtype: str
+    owner_pid: int
     cuda_ipc_handle: bytes
     gpu_uuid: str
-    storage_offset: int
-    storage_size: int
-    ref_counter_offset: int
-    ref_counter_handle: bytes
-    event_handle: bytes
-    device_index_hint: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., dtype: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu_uuid: _Optional[str] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., event_handle: _Optional[bytes] = ..., device_index_hint: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., dtype: _Optional[str] = ..., owner_pid: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
     __slots__ = ("model", "hidden_size", "vocab_size", "num_layers", "capture_layers")
@@ -93,15 +83,7 @@ class Extend(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "spec")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SPEC_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    spec: SpecParams
-    def __init__(self, request_id: _Optional[str] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
-
-class Round(_message.Message):
-    __slots__ = ("seq", "release", "extend", "draft", "trace_context")
+    __slots__ = ("request_id", "spec", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,17 +91,25 @@ class Round(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    spec: SpecParams
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("seq", "release", "extend", "draft")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     release: _containers.RepeatedScalarFieldContainer[str]
     extend: _containers.RepeatedCompositeFieldContainer[Extend]
     draft: _containers.RepeatedCompositeFieldContainer[DraftRequest]
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
 
 class Tree(_message.Message):
     __slots__ = ("request_id", "token_ids", "parents", "scores")

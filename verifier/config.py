@@ -1,0 +1,62 @@
+"""VerifierConfig: every setting of the verifier service, read once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from tandem.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051
+    drafter: str | None = None  # drafter service address; None = no speculation
+    num_steps: int = 3  # --speculative-num-steps
+    topk: int = 1  # --speculative-eagle-topk
+    num_draft_tokens: int = 4  # --speculative-num-draft-tokens
+    drafter_deadline_s: float = 2.0  # a drafter reply later than this counts as a failure
+    reconnect_interval_s: float = 1.0
+    ring_rows: int = 65536  # feature rows in the shared-memory ring
+    max_waiting: int = 256  # queued requests beyond which new ones get RESOURCE_EXHAUSTED
+    metrics_port: int | None = None  # Prometheus endpoint; None = off
+    otlp_endpoint: str | None = None
+    served_model_name: str | None = None
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        e = EngineConfig
+        p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded demo target)")
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--tp-size", type=int, default=e.tp_size)
+        p.add_argument("--device", default=e.device)
+        p.add_argument("--dtype", default=e.dtype)
+        p.add_argument("--page-size", type=int, default=e.page_size)
+        p.add_argument("--mem-fraction-static", type=float, default=e.mem_fraction_static)
+        p.add_argument("--max-running-requests", type=int, default=e.max_running_requests)
+        p.add_argument("--host", default=cls.host)
+        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--drafter", default=None, help="drafter service address host:port; omit for no speculation")
+        p.add_argument("--speculative-num-steps", type=int, default=cls.num_steps)
+        p.add_argument("--speculative-eagle-topk", type=int, default=cls.topk)
+        p.add_argument("--speculative-num-draft-tokens", type=int, default=cls.num_draft_tokens)
+        p.add_argument("--drafter-deadline-ms", type=float, default=cls.drafter_deadline_s * 1000)
+        p.add_argument("--ring-rows", type=int, default=cls.ring_rows)
+        p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
+        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
+        engine = EngineConfig(model=model, device=a.device, dtype=a.dtype, tp_size=a.tp_size, page_size=a.page_size,
+                              mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests)
+        return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, num_steps=a.speculative_num_steps,
+                   topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
+                   drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
+                   max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
+                   served_model_name=a.served_model_name)
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "engine")

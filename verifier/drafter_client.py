@@ -1,0 +1,198 @@
+"""DrafterClient: the engine's Proposer, backed by the drafter service over one bidirectional stream.
+
+``extend`` writes features into the shared-memory ring and queues the offsets; ``release`` queues a
+request id; ``draft`` sends everything queued plus the draft requests as one Round and waits for that
+round's Drafts — one message each way per round. The reply frees the round's ring rows.
+
+The drafter is optional at every moment. While it is absent ``available`` is False and the engine
+decodes plainly; a reply later than the deadline, a broken stream or a dead process raises
+ProposerUnavailable (the engine then drops all draft state) and a background thread reconnects.
+The drafter starts every connection empty, so nothing from before a loss is ever referenced again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import grpc
+import torch
+
+from tandem.errors import TandemError
+from tandem.ring import HiddenRing
+from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import ProposerUnavailable
+
+log = logging.getLogger("verifier.drafter_client")
+PROTOCOL_VERSION = 1
+_CLOSED = object()
+
+
+class _Connection:
+    """One live stream: a request queue feeding the call, and a reader thread filling a reply queue."""
+
+    def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float):
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
+        self.outbox: queue.Queue = queue.Queue()
+        self.replies: queue.Queue = queue.Queue()
+        self.outbox.put(hello)
+        self.call = pb_grpc.DrafterStub(self.channel).Rounds(iter(self.outbox.get, _CLOSED))
+        threading.Thread(target=self._read, name="drafter-reader", daemon=True).start()
+        welcome = self.receive(timeout_s)
+        if not welcome.HasField("welcome"):
+            raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
+        self.welcome = welcome.welcome
+
+    def _read(self) -> None:
+        try:
+            for message in self.call:
+                self.replies.put(message)
+            self.replies.put(ProposerUnavailable("the drafter closed the stream"))
+        except grpc.RpcError as e:
+            self.replies.put(ProposerUnavailable(f"drafter stream failed: {e.code().name}: {e.details()}"))
+
+    def send(self, message: pb.VerifierMessage) -> None:
+        self.outbox.put(message)
+
+    def receive(self, timeout_s: float) -> pb.DrafterMessage:
+        try:
+            item = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.outbox.put(_CLOSED)
+        self.call.cancel()
+        self.channel.close()
+
+
+class DrafterClient:
+    def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
+                 reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None):
+        self.address, self.ring, self.target = address, ring, target
+        self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
+        self.on_state = on_state
+        self._lock = threading.Lock()
+        self._conn: _Connection | None = None
+        self._seq = 0
+        self._pending_extend: list[pb.Extend] = []
+        self._pending_release: list[str] = []
+        self._traces: dict[str, dict[str, str]] = {}
+        self._stop = threading.Event()
+        self._reconnector = threading.Thread(target=self._keep_connected, name="drafter-connect", daemon=True)
+
+    # -- connection ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._reconnector.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._drop("shutting down")
+
+    @property
+    def available(self) -> bool:
+        return self._conn is not None
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.available:
+                return True
+            time.sleep(0.05)
+        return self.available
+
+    def _keep_connected(self) -> None:
+        hello = pb.VerifierMessage(hello=pb.Hello(protocol_version=PROTOCOL_VERSION,
+                                                   ring=pb.RingSpec(**self.ring.spec.to_fields()), target=self.target))
+        while not self._stop.is_set():
+            if self._conn is None:
+                try:
+                    conn = _Connection(self.address, hello, timeout_s=max(self.deadline_s, 5.0))
+                except (ProposerUnavailable, grpc.RpcError) as e:
+                    log.debug("drafter at %s not reachable: %s", self.address, e)
+                else:
+                    with self._lock:
+                        self._conn, self._seq = conn, self._seq + 1
+                        self._pending_extend.clear()
+                        self._pending_release.clear()
+                        self.ring.begin_round(self._seq)
+                    log.info("connected to the drafter at %s (%s)", self.address, conn.welcome.draft_model)
+                    self.on_state(True)
+            self._stop.wait(self.reconnect_interval_s)
+
+    def _drop(self, reason: str) -> None:
+        """Forget the connection and everything in flight (called with the lock held)."""
+        if self._conn is None:
+            return
+        log.warning("lost the drafter: %s; decoding without speculation until it is back", reason)
+        conn, self._conn = self._conn, None
+        conn.close()
+        self.ring.release_all()
+        self._pending_extend.clear()
+        self._pending_release.clear()
+        self.on_state(False)
+
+    # -- Proposer --------------------------------------------------------------------------------
+    def note_trace(self, rid: str, carrier: dict[str, str]) -> None:
+        """The request's W3C trace context, so the drafter's spans join the request's trace."""
+        if carrier:
+            self._traces[rid] = carrier
+
+    def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
+        with self._lock:
+            if self._conn is None:
+                raise ProposerUnavailable("the drafter is not connected")
+            try:
+                for rid, tokens, features in items:
+                    offset = self.ring.allocate(features.shape[0])
+                    self.ring.write(offset, features)
+                    self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
+                                                          ring_rows=features.shape[0]))
+            except TandemError as e:  # the ring is full: the drafter is far behind
+                self._drop(str(e))
+                raise ProposerUnavailable(str(e)) from e
+
+    def release(self, rid: str) -> None:
+        self._traces.pop(rid, None)
+        with self._lock:
+            if self._conn is not None:
+                self._pending_release.append(rid)
+
+    def draft(self, rids: list[str], spec) -> list[DraftTree]:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise ProposerUnavailable("the drafter is not connected")
+            params = pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
+            seq = self._seq
+            round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
+                                 draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
+                                        for r in rids])
+            self._pending_extend, self._pending_release = [], []
+            self._seq += 1
+            self.ring.begin_round(self._seq)
+            self.ring.publish()
+            conn.send(pb.VerifierMessage(round=round_msg))
+            try:
+                reply = conn.receive(self.deadline_s)
+                if not reply.HasField("drafts") or reply.drafts.seq != seq:
+                    raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
+            except ProposerUnavailable as e:
+                self._drop(str(e))
+                raise
+            self.ring.release(seq)
+        trees = {t.request_id: t for t in reply.drafts.trees}
+        missing = [r for r in rids if r not in trees]
+        if missing:
+            raise ProposerUnavailable(f"the drafter returned no tree for {missing[0]}")
+        return [DraftTree(list(trees[r].token_ids), list(trees[r].parents), list(trees[r].scores)) for r in rids]

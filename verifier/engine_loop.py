@@ -1,0 +1,162 @@
+"""EngineLoop: the thread that owns the LLMEngine and runs rounds back to back.
+
+The gRPC handlers live on the asyncio loop; the engine (and every TP collective) lives on this one
+thread. Handlers talk to it through a command queue (add, cancel) and get each request's outputs
+through a callback the loop calls from this thread (the handler hops them onto asyncio). Requests
+join between rounds and leave as soon as they finish or are cancelled: continuous batching.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tandem import tracing
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.step import StepOutput
+from tandem.errors import TandemError
+from tandem.sampling import SamplingParams
+from verifier.metrics import VerifierMetrics
+from verifier.round_spans import RoundSpans
+
+log = logging.getLogger("verifier.loop")
+
+
+class QueueFull(TandemError):
+    """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class Submission:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    spec: Any  # SpecConfig, None (off), or "default"
+    sink: Callable[[StepOutput | BaseException], None]
+    trace_context: Any = None  # the request span's context, parent of its round spans
+    added: Future = field(default_factory=Future)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class EngineLoop(threading.Thread):
+    def __init__(self, engine: LLMEngine, metrics: VerifierMetrics, max_waiting: int):
+        super().__init__(name="engine-loop", daemon=True)
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, Submission] = {}
+        self._last_token_at: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self.spans = RoundSpans()
+        self.fatal: BaseException | None = None
+
+    # -- called from other threads ---------------------------------------------------------------
+    def submit(self, sub: Submission) -> Future:
+        self._commands.put(("add", sub))
+        return sub.added
+
+    def cancel(self, rid: str) -> None:
+        self._commands.put(("cancel", rid))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+
+    # -- the thread ------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # a dead loop must not leave clients waiting forever
+            log.exception("engine loop failed")
+            self.fatal = e
+            for sub in self._live.values():
+                sub.sink(e)
+            self._live.clear()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command == "add":
+                self._add(arg)
+            elif command == "cancel":
+                self._cancel(arg)
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, sub: Submission) -> None:
+        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            sub.added.set_exception(QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later"))
+            return
+        try:
+            self.engine.add_request(sub.prompt, sub.params, rid=sub.rid, spec=sub.spec)
+        except TandemError as e:
+            sub.added.set_exception(e)
+            return
+        self._live[sub.rid] = sub
+        note_trace = getattr(self.engine.proposer, "note_trace", None)
+        if note_trace is not None and sub.trace_context is not None:
+            note_trace(sub.rid, tracing.inject_dict(sub.trace_context))
+        self.metrics.prompt_tokens.inc(len(sub.prompt))
+        sub.added.set_result(sub.rid)
+
+    def _cancel(self, rid: str) -> None:
+        if self._live.pop(rid, None) is not None:
+            self.engine.abort(rid)
+            self._last_token_at.pop(rid, None)
+            self.metrics.requests.labels("abort").inc()
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        info = self.engine.last_step
+        m = self.metrics
+        if info is not None:
+            m.batch_size.observe(info.num_prefill + info.num_decode)
+            for phase, seconds in info.seconds.items():
+                m.phase_seconds.labels(phase).observe(seconds)
+        for out in outputs:
+            sub = self._live.get(out.rid)
+            if sub is None:
+                continue
+            self._observe(out, sub, now)
+            if info is not None:
+                self.spans.record(sub.trace_context, info, out)
+            sub.sink(out)
+            if out.finish_reason is not None:
+                self._live.pop(out.rid, None)
+                self._last_token_at.pop(out.rid, None)
+                self.engine.requests.pop(out.rid, None)
+                m.requests.labels(out.finish_reason.value).inc()
+        m.running.set(len(self.engine.scheduler.running))
+        m.waiting.set(len(self.engine.scheduler.waiting))
+
+    def _observe(self, out: StepOutput, sub: Submission, now: float) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(len(out.new_token_ids))
+        last = self._last_token_at.get(out.rid)
+        if last is None:
+            m.ttft.observe(now - sub.submitted_at)
+        elif out.new_token_ids:
+            gap = (now - last) / len(out.new_token_ids)
+            for _ in out.new_token_ids:
+                m.itl.observe(gap)
+        self._last_token_at[out.rid] = now
+        if out.drafted:
+            m.num_drafts.inc()
+            m.draft_tokens.inc(out.drafted)
+            m.accepted_tokens.inc(out.accepted)
+            m.accept_length.observe(out.accepted + 1)
+            for position in range(out.accepted):
+                m.accepted_per_pos.labels(str(position)).inc()

@@ -1,0 +1,36 @@
+"""The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class VerifierMetrics:
+    def __init__(self, max_positions: int = 16):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("tandem:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests queued for admission", registry=r)
+        self.batch_size = Histogram("tandem:iteration_batch_size", "Requests per engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prefilled prompt tokens", registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("tandem:request_success", "Finished requests by reason", ["finish_reason"], registry=r)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between streamed tokens (per token)",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.num_drafts = Counter("tandem:spec_decode_num_drafts", "Verified draft trees", registry=r)
+        self.draft_tokens = Counter("tandem:spec_decode_num_draft_tokens", "Verified draft tokens", registry=r)
+        self.accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens", "Accepted draft tokens", registry=r)
+        self.accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                        "Rounds accepting the draft token at each depth", ["position"], registry=r)
+        self.accept_length = Histogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus included)",
+                                       buckets=tuple(range(1, max_positions + 2)), registry=r)
+        self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
+        self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
+        self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

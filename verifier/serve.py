@@ -1,0 +1,101 @@
+"""Start the verifier: engine (and its TP ranks), drafter connection, engine loop, gRPC server.
+
+gRPC health says NOT_SERVING until the model is loaded and the loop runs, and again while draining.
+SIGTERM/SIGINT stop accepting, let in-flight streams finish for a grace period, stop the TP ranks,
+and unlink the shared-memory ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem import tracing
+from tandem.engine.llm_engine import LLMEngine
+from tandem.models.config import ModelConfig
+from tandem.ring import HiddenRing
+from tandem.rpc.drafter.v1 import drafter_pb2
+from tandem.speculative.drafter import SpecConfig
+from verifier.config import VerifierConfig
+from verifier.drafter_client import DrafterClient
+from verifier.engine_loop import EngineLoop
+from verifier.metrics import VerifierMetrics
+from verifier.server import SERVICE, VerifierService
+
+log = logging.getLogger("verifier")
+
+
+def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
+    if cfg.drafter is None:
+        return LLMEngine(cfg.engine), None, None
+    spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
+    engine = LLMEngine(cfg.engine)
+    runner = engine.executor.runner
+    mc = engine.model_config
+    ring = HiddenRing.create(cfg.ring_rows, len(runner.capture_layers) * mc.hidden_size, runner.dtype, runner.device)
+    target = drafter_pb2.TargetInfo(model=cfg.engine.model, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
+                                    num_layers=mc.num_layers, capture_layers=list(runner.capture_layers))
+
+    def on_state(up: bool) -> None:
+        metrics.drafter_up.set(1 if up else 0)
+        if not up:
+            metrics.drafter_failures.inc()
+
+    client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state)
+    engine.proposer, engine.default_spec = client, spec
+    return engine, client, ring
+
+
+async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens)
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port, cfg.host)
+    server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
+    server.add_generic_rpc_handlers([service.handler()])
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads
+    log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
+
+    engine, client, ring = await asyncio.to_thread(build_engine, cfg, metrics)
+    loop = EngineLoop(engine, metrics, cfg.max_waiting)
+    loop.start()
+    if client is not None:
+        client.start()
+    service.attach(loop)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("verifier serving on %s:%d%s", cfg.host, port,
+             f" (drafter at {cfg.drafter})" if cfg.drafter else " (no drafter: speculation off)")
+    if ready is not None:
+        ready.set()
+
+    stop = stop or asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            aio_loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests run us in one)
+            pass
+    await stop.wait()
+    log.info("verifier draining")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5.0)
+    loop.stop()
+    loop.join(timeout=10)
+    if client is not None:
+        client.close()
+    engine.shutdown()
+    if ring is not None:
+        ring.close()
+    tracing.shutdown_tracing()

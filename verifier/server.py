@@ -1,0 +1,146 @@
+"""The verifier's gRPC surface: Generate (one server stream per request) and GetModelInfo.
+
+The servicer only converts protobuf ↔ engine types, validates, and relays the engine loop's outputs;
+everything else happens on the engine loop's thread. Requests are deserialised by hand so that a
+malformed message is an INVALID_ARGUMENT the client can read, not an opaque INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from tandem import tracing
+from tandem.engine.step import StepOutput
+from tandem.errors import ConfigError, OutOfPagesError, TandemError
+from tandem.models.config import ModelConfig
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+from tandem.sampling import SamplingParams
+from tandem.speculative.drafter import SpecConfig
+from verifier.config import VerifierConfig
+from verifier.engine_loop import EngineLoop, QueueFull, Submission
+
+log = logging.getLogger("verifier.server")
+SERVICE = "tandem.rpc.verifier.v1.Verifier"
+_MALFORMED = object()
+
+
+def _parse(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return _MALFORMED
+
+    return parse
+
+
+class VerifierService:
+    def __init__(self, cfg: VerifierConfig, model_cfg: ModelConfig, speculative: bool):
+        """Registered before the server starts; answers UNAVAILABLE until ``attach`` gives it the loop."""
+        self.cfg, self.model_cfg, self.speculative = cfg, model_cfg, speculative
+        self.default_spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens) if speculative else None
+        self.loop: EngineLoop | None = None
+
+    def attach(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, request_deserializer=_parse(pb.GenerateRequest),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.model_info, request_deserializer=_parse(pb.ModelInfoRequest),
+                response_serializer=pb.ModelInfo.SerializeToString),
+        })
+
+    async def model_info(self, request, context) -> pb.ModelInfo:
+        return pb.ModelInfo(model=self.cfg.served_model_name or self.cfg.engine.model,
+                            vocab_size=self.model_cfg.vocab_size, max_context=self.model_cfg.max_position_embeddings,
+                            eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative)
+
+    async def generate(self, request, context: grpc.aio.ServicerContext):
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+        if request is _MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
+        try:
+            params, spec = self._convert(request)
+        except ConfigError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        aio_loop = asyncio.get_running_loop()
+        span = tracing.start_span("verifier.generate", parent=tracing.extract_context(context.invocation_metadata()),
+                                  kind="server", attributes={"tandem.request_id": rid,
+                                                             "tandem.prompt_tokens": len(request.prompt_token_ids)},
+                                  tracer="tandem.verifier")
+        sub = Submission(rid, list(request.prompt_token_ids), params, spec,
+                         sink=lambda out: aio_loop.call_soon_threadsafe(outputs.put_nowait, out),
+                         trace_context=tracing.context_with(span))
+        finished, produced = False, 0
+        try:
+            try:
+                await asyncio.wrap_future(self.loop.submit(sub))
+            except (QueueFull, OutOfPagesError) as e:
+                tracing.set_error(span, str(e))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except TandemError as e:
+                tracing.set_error(span, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                produced += len(out.new_token_ids)
+                finished = out.finish_reason is not None
+                yield self._response(rid, request, out, produced)
+        finally:
+            span.set_attribute("tandem.completion_tokens", produced)
+            span.end()
+            if not finished:  # client went away or cancelled: free the request's KV next round
+                self.loop.cancel(rid)
+
+    def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
+                                   completion_tokens=produced,
+                                   finish_reason=out.finish_reason.value if out.finish_reason else "")
+        stats = out.spec_stats
+        if stats is not None:
+            resp.spec.CopyFrom(pb.SpecStats(rounds=stats.rounds, accept_length_mean=stats.accept_length_mean,
+                                                acceptance_by_position=stats.acceptance_by_position))
+        return resp
+
+    def _convert(self, request) -> tuple[SamplingParams, object]:
+        s = request.sampling
+        context = self.model_cfg.max_position_embeddings
+        if not request.prompt_token_ids:
+            raise ConfigError("prompt_token_ids: the prompt is empty")
+        if s.max_new_tokens <= 0:
+            raise ConfigError("sampling.max_new_tokens must be > 0")
+        if s.max_new_tokens > context:
+            raise ConfigError(f"sampling.max_new_tokens {s.max_new_tokens} exceeds the model's context ({context})")
+        if s.temperature < 0:
+            raise ConfigError(f"sampling.temperature must be >= 0, got {s.temperature:g}")
+        if not 0.0 <= s.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {s.top_p:g}")
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                                seed=s.seed if s.HasField("seed") else None, max_new_tokens=s.max_new_tokens,
+                                ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids))
+        try:
+            params.validate()
+        except ConfigError as e:
+            raise ConfigError(f"sampling.{e}") from None
+        sp = request.speculation
+        if not self.speculative or sp.disable:
+            return params, None
+        if not (sp.num_steps or sp.topk or sp.num_draft_tokens):
+            return params, "default"
+        d = self.default_spec
+        spec = SpecConfig(sp.num_steps or d.num_steps, sp.topk or d.topk, sp.num_draft_tokens or d.num_draft_tokens)
+        return params, spec
