@@ -69,3 +69,19 @@ def ensure_demo_target() -> Path:
                        bos=0, eos=1)
     tmp.rename(out)
     return out
+
+
+def ensure_demo_draft() -> Path:
+    """Build (once) and return the demo target's EAGLE-3 head (random weights until it is trained)."""
+    out = cache_root() / "demo" / DEMO_VERSION / "draft"
+    if (out / "config.json").is_file():
+        return out
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_checkpoint import write_random_eagle3
+
+    target = ensure_demo_target()
+    log.info("building the demo draft in %s (first use only)", out)
+    tmp = out.with_name("draft.partial")
+    write_random_eagle3(tmp, ModelConfig.from_dir(target), draft_vocab_size=1024, seed=0)
+    tmp.rename(out)
+    return out

@@ -144,6 +144,11 @@ class Eagle3Drafter:
         if req is not None:
             req.kv.release()
 
+    def release_all(self) -> None:
+        """Forget every request (a new verifier stream starts from nothing)."""
+        for rid in list(self._reqs):
+            self.release(rid)
+
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
@@ -153,7 +158,9 @@ class Eagle3Drafter:
 
         With ``return_logits`` → per item (pre-norm states [n, H], float32 draft logits [n, draft_vocab]).
         """
-        width, ps = self.head.config.feature_width, self.cfg.page_size
+        if not items:
+            return [] if return_logits else None
+        width, ps, vocab = self.head.config.feature_width, self.cfg.page_size, self.head.config.vocab_size
         rids = [rid for rid, _, _ in items]
         if len(set(rids)) != len(rids):
             raise ValueError("extend got the same request twice in one call")
@@ -163,6 +170,8 @@ class Eagle3Drafter:
                     f"extend of '{rid}': {len(tokens)} tokens need features of shape ({len(tokens)}, {width}), "
                     f"got {tuple(feats.shape)}"
                 )
+            if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
+                raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
         reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))

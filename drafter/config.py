@@ -1,0 +1,40 @@
+"""DrafterServiceConfig: every setting of the drafter service, read once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from tandem.speculative.drafter import DrafterConfig
+
+
+@dataclass(frozen=True)
+class DrafterServiceConfig:
+    draft_model: str  # EAGLE-3 head folder
+    target_model: str  # the target's folder: its embedding and config (validation)
+    runtime: DrafterConfig
+    host: str = "127.0.0.1"
+    port: int = 50052
+    otlp_endpoint: str | None = None
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        d = DrafterConfig
+        p.add_argument("--model", "--draft-model", dest="draft_model", default=None,
+                       help="EAGLE-3 draft folder (default: the embedded demo draft)")
+        p.add_argument("--target-model", default=None, help="the target's folder (default: the embedded demo target)")
+        p.add_argument("--device", default=d.device)
+        p.add_argument("--dtype", default=d.dtype)
+        p.add_argument("--page-size", type=int, default=d.page_size)
+        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens)
+        p.add_argument("--max-topk", type=int, default=d.max_topk)
+        p.add_argument("--host", default=cls.host)
+        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
+        runtime = DrafterConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
+                                max_topk=a.max_topk)
+        return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
+                   otlp_endpoint=a.otlp_endpoint)

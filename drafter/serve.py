@@ -1,0 +1,55 @@
+"""Start the drafter: load and validate the EAGLE-3 head, then serve the Rounds stream.
+
+gRPC health says NOT_SERVING until the head is loaded (and, with CUDA graphs, captured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem import tracing
+from tandem.models.config import ModelConfig
+from tandem.rpc.drafter.v1 import drafter_pb2_grpc
+from tandem.speculative.drafter import Eagle3Drafter
+from drafter.config import DrafterServiceConfig
+from drafter.service import SERVICE, DrafterService
+
+log = logging.getLogger("drafter")
+
+
+async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                                      ("grpc.http2.max_ping_strikes", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("loading draft %s for target %s", cfg.draft_model, cfg.target_model)
+    drafter = await asyncio.to_thread(Eagle3Drafter.from_dirs, cfg.draft_model, cfg.target_model, cfg.runtime)
+    service = DrafterService(drafter, cfg.draft_model, ModelConfig.from_dir(cfg.target_model).hidden_size)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("drafter serving on %s:%d", cfg.host, port)
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            aio_loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    tracing.shutdown_tracing()
