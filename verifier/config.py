@@ -14,6 +14,7 @@ class VerifierConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     drafter: str | None = None  # drafter service address; None = no speculation
+    draft_model: str | None = None  # the drafter's head: validated here at start-up, sets the capture layers
     num_steps: int = 3  # --speculative-num-steps
     topk: int = 1  # --speculative-eagle-topk
     num_draft_tokens: int = 4  # --speculative-num-draft-tokens
@@ -39,6 +40,9 @@ class VerifierConfig:
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--drafter", default=None, help="drafter service address host:port; omit for no speculation")
+        p.add_argument("--draft-model", default=None,
+                       help="the drafter's EAGLE-3 folder: validated against the target at start-up and used to "
+                            "choose the captured layers (recommended with --drafter)")
         p.add_argument("--speculative-num-steps", type=int, default=cls.num_steps)
         p.add_argument("--speculative-eagle-topk", type=int, default=cls.topk)
         p.add_argument("--speculative-num-draft-tokens", type=int, default=cls.num_draft_tokens)
@@ -52,7 +56,7 @@ class VerifierConfig:
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
         engine = EngineConfig(model=model, device=a.device, dtype=a.dtype, tp_size=a.tp_size, page_size=a.page_size,
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests)
-        return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, num_steps=a.speculative_num_steps,
+        return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, draft_model=a.draft_model, num_steps=a.speculative_num_steps,
                    topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,

@@ -44,9 +44,13 @@ class _Connection:
         self.outbox.put(hello)
         self.call = pb_grpc.DrafterStub(self.channel).Rounds(iter(self.outbox.get, _CLOSED))
         threading.Thread(target=self._read, name="drafter-reader", daemon=True).start()
-        welcome = self.receive(timeout_s)
-        if not welcome.HasField("welcome"):
-            raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
+        try:
+            welcome = self.receive(timeout_s)
+            if not welcome.HasField("welcome"):
+                raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
+        except ProposerUnavailable:
+            self.close()
+            raise
         self.welcome = welcome.welcome
 
     def _read(self) -> None:
@@ -55,7 +59,9 @@ class _Connection:
                 self.replies.put(message)
             self.replies.put(ProposerUnavailable("the drafter closed the stream"))
         except grpc.RpcError as e:
-            self.replies.put(ProposerUnavailable(f"drafter stream failed: {e.code().name}: {e.details()}"))
+            error = ProposerUnavailable(f"drafter stream failed: {e.code().name}: {e.details()}")
+            error.status, error.details = e.code(), e.details()
+            self.replies.put(error)
 
     def send(self, message: pb.VerifierMessage) -> None:
         self.outbox.put(message)
@@ -88,6 +94,7 @@ class DrafterClient:
         self._pending_release: list[str] = []
         self._traces: dict[str, dict[str, str]] = {}
         self._stop = threading.Event()
+        self._last_refusal = ""
         self._reconnector = threading.Thread(target=self._keep_connected, name="drafter-connect", daemon=True)
 
     # -- connection ------------------------------------------------------------------------------
@@ -118,8 +125,14 @@ class DrafterClient:
             if self._conn is None:
                 try:
                     conn = _Connection(self.address, hello, timeout_s=max(self.deadline_s, 5.0))
-                except (ProposerUnavailable, grpc.RpcError) as e:
-                    log.debug("drafter at %s not reachable: %s", self.address, e)
+                except ProposerUnavailable as e:
+                    details = getattr(e, "details", "")
+                    if getattr(e, "status", None) == grpc.StatusCode.FAILED_PRECONDITION:  # misconfigured: say it once
+                        if details != self._last_refusal:
+                            log.error("the drafter at %s refused this verifier: %s", self.address, details)
+                        self._last_refusal = details
+                    else:
+                        log.debug("drafter at %s not reachable: %s", self.address, e)
                 else:
                     with self._lock:
                         self._conn, self._seq = conn, self._seq + 1

@@ -68,6 +68,7 @@ class EngineLoop(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------------------
     def run(self) -> None:
+        self._gauges()
         try:
             while not self._stopping.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
@@ -116,6 +117,7 @@ class EngineLoop(threading.Thread):
             self.engine.abort(rid)
             self._last_token_at.pop(rid, None)
             self.metrics.requests.labels("abort").inc()
+            self._gauges()
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -139,8 +141,14 @@ class EngineLoop(threading.Thread):
                 self._last_token_at.pop(out.rid, None)
                 self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
-        m.running.set(len(self.engine.scheduler.running))
-        m.waiting.set(len(self.engine.scheduler.waiting))
+        self._gauges()
+
+    def _gauges(self) -> None:
+        m, engine = self.metrics, self.engine
+        m.running.set(len(engine.scheduler.running))
+        m.waiting.set(len(engine.scheduler.waiting))
+        m.kv_pages_free.set(engine.allocator.num_free)
+        m.kv_pages_total.set(engine.allocator.capacity_pages)
 
     def _observe(self, out: StepOutput, sub: Submission, now: float) -> None:
         m = self.metrics

@@ -29,6 +29,8 @@ class VerifierMetrics:
                                        buckets=tuple(range(1, max_positions + 2)), registry=r)
         self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
+        self.kv_pages_free = Gauge("tandem:kv_pages_free", "Free KV-cache pages", registry=r)
+        self.kv_pages_total = Gauge("tandem:kv_pages_total", "KV-cache pages that can be allocated", registry=r)
         self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
                                        buckets=LATENCY_BUCKETS, registry=r)
 

@@ -8,6 +8,7 @@ and unlink the shared-memory ring.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem import tracing
 from tandem.engine.llm_engine import LLMEngine
 from tandem.models.config import ModelConfig
+from tandem.models.eagle3_config import DraftConfig, validate_draft
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
@@ -34,7 +36,12 @@ def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngi
     if cfg.drafter is None:
         return LLMEngine(cfg.engine), None, None
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
-    engine = LLMEngine(cfg.engine)
+    engine_cfg = cfg.engine
+    if cfg.draft_model is not None:  # DESIGN §3: validate the pair before anything is allocated
+        capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
+                                 engine_cfg.capture_layers)
+        engine_cfg = dataclasses.replace(engine_cfg, capture_layers=capture)
+    engine = LLMEngine(engine_cfg)
     runner = engine.executor.runner
     mc = engine.model_config
     ring = HiddenRing.create(cfg.ring_rows, len(runner.capture_layers) * mc.hidden_size, runner.dtype, runner.device)

@@ -1,0 +1,212 @@
+"""The verifier and drafter services over real sockets: streaming, continuous batching, bad input,
+cancellation, a drafter that dies and comes back, and shared-memory cleanup.
+
+References are independent of the services: target-only greedy decoding by the in-process engine
+(itself checked token-for-token against transformers in test_hf_parity / test_spec_engine).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from services import Service, free_port, read_metrics, shm_segments
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    from checkpoints import write_checkpoint
+    from draft_checkpoints import make_draft
+    from tandem.models.config import ModelConfig
+
+    root = tmp_path_factory.mktemp("pair")
+    write_checkpoint(root / "target", "llama", seed=11, num_hidden_layers=6)
+    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=2)
+    return root
+
+
+def prompts_of(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 3 for j in range(2 + (i * 5) % 23)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(pair_dirs):
+    """Target-only greedy continuations of prompts_of(32), 24 new tokens each."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
+        outs = eng.generate(prompts_of(32), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return [o.output_token_ids for o in outs]
+
+
+def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
+    drafter = Service("drafter", ["--model", str(pair_dirs / "draft"), "--target-model", str(pair_dirs / "target")],
+                      drafter_port or free_port(), tmp_path / "drafter.log").start()
+    metrics_port = free_port()
+    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", drafter.address,
+                                    "--draft-model", str(pair_dirs / "draft"), "--metrics-port", str(metrics_port),
+                                    "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                                    "--speculative-num-draft-tokens", "5", *verifier_args],
+                       free_port(), tmp_path / "verifier.log").start()
+    verifier.metrics_port = metrics_port
+    wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 30, "the verifier to reach the drafter")
+    return drafter, verifier
+
+
+def wait_for(condition, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"waited {timeout_s} s for {what}")
+
+
+def generate(address, prompt, max_new_tokens=24, **sampling):
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        tokens, last = [], None
+        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_new_tokens=max_new_tokens, ignore_eos=True, **sampling))
+        for message in stub.Generate(request, timeout=120):
+            tokens += message.token_ids
+            last = message
+        return tokens, last
+
+
+@pytest.fixture(scope="module")
+def pair(pair_dirs, tmp_path_factory):
+    drafter, verifier = start_pair(pair_dirs, tmp_path_factory.mktemp("logs"))
+    yield drafter, verifier
+    verifier.stop()
+    drafter.stop()
+
+
+def test_stream_equals_target_only_greedy(pair, reference):
+    _, verifier = pair
+    for i in (0, 5, 9):
+        tokens, last = generate(verifier.address, prompts_of(32)[i])
+        assert tokens == reference[i]
+        assert last.finish_reason == "length" and last.completion_tokens == 24
+        assert last.spec.rounds > 0  # the drafter drafted for it
+
+
+def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):
+    _, verifier = pair
+    prompts = prompts_of(32)
+    results: dict[int, list[int]] = {}
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = generate(verifier.address, prompts[i])[0]
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors
+    assert [results[i] for i in range(32)] == reference
+    m = read_metrics(verifier.metrics_port)
+    single = m['tandem:iteration_batch_size_bucket{le="1.0"}']
+    assert m["tandem:iteration_batch_size_count"] > single, "no engine step ever held two requests"
+    assert m['tandem:iteration_batch_size_bucket{le="8.0"}'] < m["tandem:iteration_batch_size_count"], \
+        "the batch never grew past 8 requests"
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    (dict(prompt_token_ids=[], sampling=pb.SamplingParams(max_new_tokens=4)), "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=10**6)), "max_new_tokens"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, temperature=-1)), "temperature"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, top_p=1.5)), "top_p"),
+    (dict(prompt_token_ids=[1] * 600, sampling=pb.SamplingParams(max_new_tokens=4)), "context"),
+    (dict(prompt_token_ids=[10**6], sampling=pb.SamplingParams(max_new_tokens=4)), "vocabulary"),
+])
+def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request_kwargs, field):
+    _, verifier = pair
+    with grpc.insecure_channel(verifier.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(**request_kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert generate(verifier.address, prompts_of(32)[1])[0] == reference[1]  # still serving
+
+
+def test_malformed_protobuf_is_invalid_argument(pair):
+    _, verifier = pair
+    with grpc.insecure_channel(verifier.address) as channel:
+        raw = channel.unary_stream("/tandem.rpc.verifier.v1.Verifier/Generate",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(b"\x0a\xff\xff\xff\xff", timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cancel_frees_the_requests_kv(pair):
+    _, verifier = pair
+    with grpc.insecure_channel(verifier.address) as channel:
+        call = pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(
+            prompt_token_ids=prompts_of(32)[3], sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True)))
+        next(call)
+        next(call)
+        m = read_metrics(verifier.metrics_port)
+        assert m["tandem:kv_pages_free"] < m["tandem:kv_pages_total"]
+        call.cancel()
+    wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_total"])(read_metrics(verifier.metrics_port)),
+             30, "the cancelled request's KV pages to come back")
+
+
+def test_drafter_death_loses_nothing_and_speculation_resumes(pair_dirs, reference, tmp_path):
+    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000"))
+    try:
+        ring = {s for s in shm_segments() if s.startswith(f"tandem-{verifier.proc.pid}-")}
+        assert len(ring) == 1, "the verifier owns one ring segment"
+        prompts = prompts_of(32)[:8]
+        results, errors = {}, []
+
+        def run(i):
+            try:
+                results[i] = generate(verifier.address, prompts[i], max_new_tokens=24)[0]
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: read_metrics(verifier.metrics_port).get("tandem:spec_decode_num_drafts_total", 0) >= 4, 60,
+                 "speculative rounds before the kill")
+        drafter.kill()
+        for t in threads:
+            t.join(180)
+        assert not errors
+        assert [results[i] for i in range(8)] == reference[:8]
+        assert ring <= shm_segments(), "the verifier's ring must outlive a drafter crash"
+        wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 0.0, 30, "drafter_up to drop")
+
+        restarted = Service("drafter", drafter.args, drafter.port, tmp_path / "drafter2.log").start()
+        try:
+            wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, 30, "reconnection")
+            before = read_metrics(verifier.metrics_port)["tandem:spec_decode_num_drafts_total"]
+            tokens, last = generate(verifier.address, prompts_of(32)[12])
+            assert tokens == reference[12]
+            assert last.spec.rounds > 0
+            assert read_metrics(verifier.metrics_port)["tandem:spec_decode_num_drafts_total"] > before
+        finally:
+            restarted.stop()
+    finally:
+        verifier.stop()
+        drafter.kill()
+    assert not {s for s in shm_segments() if s.startswith(f"tandem-{verifier.proc.pid}-")}, "ring left in /dev/shm"
