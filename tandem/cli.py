@@ -57,11 +57,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size)
-    if args.draft_model is not None:
-        raise TandemError("--draft-model: speculative decoding is not wired into `tandem generate` yet")
-    from tandem.engine.llm_engine import LLMEngine
-
-    with LLMEngine(cfg) as engine:
+    with _build_engine(cfg, args) as engine:
         started = time.perf_counter()
         result = engine.generate([prompt], params)[0]
         elapsed = time.perf_counter() - started
@@ -69,8 +65,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     report = {
         "output_token_ids": out,
         "finish_reason": result.finish_reason,
-        "rounds": len(out),  # target-only: one forward per token
-        "accept_length_mean": 1.0,
+        # target-only: one forward per token; speculative: one verify round per accepted run (+ the prefill)
+        "rounds": result.spec_stats.rounds + 1 if args.draft_model else len(out),
+        "accept_length_mean": result.spec_stats.accept_length_mean,
+        "acceptance_by_position": result.spec_stats.acceptance_by_position,
         "tokens_per_s": len(out) / elapsed if elapsed > 0 else 0.0,
     }
     if tokenizer is not None:
@@ -83,11 +81,47 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    from tandem.launcher import add_up_arguments, run_up
+
+    p = sub.add_parser("up", help="start drafter, verifier and gateway locally (the demo pair by default)")
+    add_up_arguments(p)
+    p.set_defaults(run=run_up)
+
+
+def _build_engine(cfg, args: argparse.Namespace):
+    """The engine, with an in-process EAGLE-3 drafter when --draft-model is given (validated first)."""
+    import dataclasses
+
+    from tandem.engine.llm_engine import LLMEngine
+
+    if args.draft_model is None:
+        return LLMEngine(cfg)
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+
+    steps = args.speculative_num_steps or 3
+    topk = args.speculative_eagle_topk or 1
+    spec = SpecConfig(steps, topk, args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else 2 * steps))
+    capture = validate_draft(DraftConfig.from_dir(args.draft_model), ModelConfig.from_dir(cfg.model))
+    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture))
+    runner = engine.executor.runner
+    # One process: the head shares the target's embedding tensor instead of loading a copy (TP=1 only,
+    # where rank 0 holds the whole vocabulary).
+    embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
+    drafter = Eagle3Drafter.from_dirs(args.draft_model, cfg.model, DrafterConfig(device=str(runner.device), dtype=args.dtype,
+                                      max_topk=max(8, topk)), capture_layers=capture, embed_weight=embed)
+    engine.proposer, engine.default_spec = drafter, spec
+    return engine
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_up(sub)
     return parser
 
 

@@ -133,7 +133,8 @@ class Eagle3Head(nn.Module):
                     f"target embedding has shape {tuple(embed_weight.shape)}, the head needs {(cfg.vocab_size, cfg.hidden_size)}"
                 )
             self.embed_tokens = None
-            self._shared_embed = embed_weight  # the target's tensor itself: shared, never copied or registered
+            # The target's storage itself (detach: a Parameter would register here and be expected in the checkpoint).
+            self._shared_embed = embed_weight.detach()
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -31,7 +31,8 @@ class SpecStats:
     @property
     def acceptance_by_position(self) -> list[float]:
         """Fraction of rounds accepting the draft token at depth d (given the tree reached depth d)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_depth, self.drafted_at_depth)]
+        accepted = self.accepted_at_depth + [0] * (len(self.drafted_at_depth) - len(self.accepted_at_depth))
+        return [a / d if d else 0.0 for a, d in zip(accepted, self.drafted_at_depth)]
 
     def as_dict(self) -> dict:
         return {
