@@ -1,7 +1,63 @@
-"""``python -m gateway``: not built yet — the services arrive with the services issue (issue 4)."""
+"""``python -m gateway --verifier HOST:PORT --model-dir DIR [--host H] [--port P] [--grpc-port G]
+[--served-model-name NAME] [--otlp-endpoint URL] [--max-tokens-limit N]``.
 
+Runs the REST and gRPC servers on one event loop (uvloop when installed) until SIGINT/SIGTERM,
+then drains: streams in flight get the grace period, new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
 import sys
 
+from gateway.config import build_parser, config_from_args
+from gateway.server import Gateway
+from tandem import tracing
+
+log = logging.getLogger("gateway")
+
+
+async def serve(gateway: Gateway) -> None:
+    # uvicorn captures SIGINT/SIGTERM while it runs and re-raises them when it is done; these
+    # handlers make both the early signal (during start-up) and the re-raised one a clean stop
+    # rather than a KeyboardInterrupt in the middle of draining.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: gateway.request_stop())
+    await gateway.start()
+    try:
+        await gateway.wait()
+    finally:
+        log.info("gateway stopping")
+        await gateway.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        gateway = Gateway(cfg)
+    except (ValueError, OSError) as e:  # a bad flag or model folder: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log.info("%s", cfg)
+    tracing.setup_tracing("tandem-gateway", cfg.otlp_endpoint)
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(gateway))
+    except OSError as e:  # the port is taken, the address is not ours
+        print(f"error: cannot listen on {cfg.host} ports {cfg.port}/{cfg.grpc_port}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        tracing.shutdown_tracing()
+    return 0
+
+
 if __name__ == "__main__":
-    print("python -m gateway: the gateway service is not built yet (issue 4); use `tandem generate` for now", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main())

@@ -25,8 +25,11 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, module: str, args: list[str], port: int, log_path: Path, env: dict | None = None):
+    def __init__(self, module: str, args: list[str], port: int, log_path: Path, env: dict | None = None,
+                 health_port: int | None = None):
+        """``health_port``: where gRPC health answers, when not ``port`` (the gateway's REST port)."""
         self.module, self.args, self.port, self.log_path = module, args, port, log_path
+        self.health_port = health_port or port
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
@@ -43,7 +46,7 @@ class Service:
 
     def wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

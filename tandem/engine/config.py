@@ -22,6 +22,10 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (beyond one long prompt)
     capture_layers: tuple[int, ...] | None = None  # EAGLE-3 feature layers; None = the model's default
     page_shuffle_seed: int | None = None  # scatter page order (testing the paged layout)
+    load_format: str = "safetensors"  # or "random": weights drawn on the device, only config.json read (benchmarks)
+    disable_cuda_graph: bool = False  # --disable-cuda-graph: every forward eager (CPU runs always are)
+    cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured batch (requests)
+    cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
     seed: int = 0  # seeds requests that do not bring their own seed
 
     def __post_init__(self) -> None:
@@ -31,5 +35,7 @@ class EngineConfig:
             raise ConfigError(f"page size must be >= 1, got {self.page_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.load_format not in ("safetensors", "random"):
+            raise ConfigError(f"load format must be safetensors or random, got '{self.load_format}'")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"--device must be cpu or cuda[:N], got '{self.device}'")

@@ -34,6 +34,17 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
+@torch.no_grad()
+def randomize_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Benchmark weights: normal(0, std) matrices, unit norms — drawn on the device, no checkpoint read."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -60,8 +71,11 @@ class ModelRunner:
         started = time.perf_counter()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = CausalLM(model_cfg).eval()
-        optional = ("lm_head.weight",) if model_cfg.tie_word_embeddings else ()
-        load_checkpoint(self.model, cfg.model, PACKED_WEIGHTS, optional=optional, ignored=optional)
+        if cfg.load_format == "random":
+            randomize_weights(self.model, seed=1234 + self.rank)
+        else:
+            optional = ("lm_head.weight",) if model_cfg.tie_word_embeddings else ()
+            load_checkpoint(self.model, cfg.model, PACKED_WEIGHTS, optional=optional, ignored=optional)
         log.info("rank %d: loaded %s (%s, %s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - started)
 
@@ -71,6 +85,14 @@ class ModelRunner:
         self.kv = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, attn.local_kv_heads,
                          model_cfg.head_dim, self.dtype, self.device)
         log.info("rank %d: KV cache %d pages x %d tokens", self.rank, self.num_pages, cfg.page_size)
+        self.graphs = None
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+            from tandem.attention.graph_backend import make_graph_backend
+            from tandem.engine.cuda_graph import TargetGraphRunner
+
+            self.graph_backend = make_graph_backend(self.device)
+            self.graphs = TargetGraphRunner(self, cfg.cuda_graph_widths, cfg.cuda_graph_max_bs)
+            self.graph_report = self.graphs.capture()
 
     def _size_kv_pool(self, local_kv_heads: int) -> int:
         cfg, m = self.cfg, self.model_cfg
@@ -102,6 +124,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         dev = to_device(batch, self.cfg.page_size, self.device)
         self.backend.plan(dev.meta)
         layers = self.capture_layers if batch.capture_features else ()

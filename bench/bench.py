@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Tandem's GPU benchmark: one script, one table, one JSON file.
+
+    python bench/bench.py --out bench_results.json [--sections ceilings,decode,spec,service] [--quick]
+
+Sections (each prints its rows as it finishes; the JSON holds everything):
+  ceilings  device copy bandwidth and bf16 matmul rate, measured here (the roofline inputs)
+  decode    target-only decode tokens/s at batch 1, 8, 32, 64 on a Llama-3.1-8B-shaped random bf16
+            model (engine end to end, graphs on; batch 1 also graphs off), against the bandwidth limit
+            (weight bytes per token / measured copy bandwidth) and the graphed chain of the model's
+            weight GEMVs (cuBLAS, fused QKV and gate/up) — the ceiling of any cuBLAS-GEMV engine
+  capture   graph capture time and memory per family
+  spec      speculative decoding at controlled acceptance (BENCHMARK INSTRUMENT: the real head and real
+            verification run; the draft's tokens are steered to the target's own greedy continuation,
+            corrupted at a chosen rate), chain and tree settings, in process, graphs on and off
+  service   the same through the drafter and verifier services (gRPC + shared-memory ring) vs in process
+All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from sections import SECTIONS  # noqa: E402
+
+
+def environment() -> dict:
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(), "torch": torch.__version__,
+           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+    for name in ("triton", "flashinfer", "grpc"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:
+            env[name] = None
+    return env
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_results.json")
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--quick", action="store_true", help="fewer tokens and settings (a smoke run)")
+    p.add_argument("--layers", type=int, default=None, help="override the 8B shape's layer count (smoke runs)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench.py measures GPU performance; no CUDA device is visible", file=sys.stderr)
+        return 2
+    results = {"environment": environment(), "sections": {}}
+    print(json.dumps(results["environment"]), flush=True)
+    ctx: dict = {"quick": args.quick, "layers": args.layers}
+    for name in args.sections.split(","):
+        started = time.perf_counter()
+        print(f"\n=== {name} ===", flush=True)
+        try:
+            results["sections"][name] = SECTIONS[name](ctx)
+        except Exception as e:  # one broken section must not lose the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            results["sections"][name] = {"error": f"{type(e).__name__}: {e}"}
+        results["sections"][name + "_seconds"] = time.perf_counter() - started
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    sys.exit(main())

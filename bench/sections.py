@@ -1,0 +1,198 @@
+"""The benchmark's sections. Each takes the shared context dict and returns JSON-able results."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from models import LLAMA_8B_SHAPE, bench_engine, random_draft, target_dir, weight_bytes_per_token
+
+
+def _events_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings(ctx: dict) -> dict:
+    n = 1 << 30  # 2 GiB of bf16 each way
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = _events_ms(lambda: dst.copy_(src), 20)
+    copy_tbps = 2 * src.numel() * 2 / (ms / 1e3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _events_ms(lambda: a @ b, 10)
+    tflops = 2 * 8192**3 / (ms / 1e3) / 1e12
+    ctx["copy_tbps"] = copy_tbps
+    print(f"device copy {copy_tbps:.2f} TB/s (read+write); bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    return {"copy_TBps": copy_tbps, "bf16_matmul_TFLOPs": tflops}
+
+
+def gemv_chain_tok_s(shape: dict, layers: int) -> float:
+    """The model's weight GEMVs alone (fused QKV, o, fused gate/up, down per layer; the LM head), one CUDA
+    graph, batch 1: what any engine built on cuBLAS GEMVs can at best reach."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_kv_heads"] * (h // shape["num_heads"])
+    mats = [[torch.randn(h + 2 * kv, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(h, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(h, i, device="cuda", dtype=torch.bfloat16) * 0.02] for _ in range(layers)]
+    head = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        y = x
+        for qkv, o, gu, d in mats:
+            y = (y @ qkv.t())[:, :h] @ o.t()
+            y = (y @ gu.t())[:, :i] @ d.t()
+        return y @ head.t()
+
+    chain()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    ms = _events_ms(g.replay, 30)
+    del mats, head
+    torch.cuda.empty_cache()
+    return 1e3 / ms
+
+
+def _decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> dict:
+    from tandem.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(bs)
+    vocab = engine.model_config.vocab_size
+    rids = [engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                               SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), spec=None) for _ in range(bs)]
+    engine.step()  # prefill (and the first token) is not decode
+    torch.cuda.synchronize()
+    started, steps = time.perf_counter(), 0
+    while any(not engine.requests[r].finished for r in rids):
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    for r in rids:
+        engine.requests.pop(r)
+    return {"batch": bs, "steps": steps, "tok_s": bs * steps / elapsed, "tok_s_per_request": steps / elapsed,
+            "ms_per_step": 1e3 * elapsed / steps}
+
+
+def decode(ctx: dict) -> dict:
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    new_tokens = 32 if ctx["quick"] else 128
+    out: dict = {"shape": {**LLAMA_8B_SHAPE, "num_layers": layers}}
+    bytes_per_token = weight_bytes_per_token(LLAMA_8B_SHAPE, layers)
+    copy = ctx.get("copy_tbps") or ceilings(ctx)["copy_TBps"]
+    out["weight_GB_per_token"] = bytes_per_token / 1e9
+    out["bandwidth_limit_tok_s"] = copy * 1e12 / bytes_per_token
+    out["gemv_chain_tok_s"] = gemv_chain_tok_s(LLAMA_8B_SHAPE, layers)
+    print(f"bandwidth limit {out['bandwidth_limit_tok_s']:.0f} tok/s ({out['weight_GB_per_token']:.2f} GB/token); "
+          f"graphed GEMV chain {out['gemv_chain_tok_s']:.0f} tok/s", flush=True)
+    engine = bench_engine(layers, widths=(1,), max_bs=64)
+    out["capture"] = engine.executor.runner.graph_report
+    rows = []
+    for bs in ((1, 8) if ctx["quick"] else (1, 8, 32, 64)):
+        row = _decode_tok_s(engine, bs, new_tokens)
+        rows.append(row)
+        print(f"graphs on  batch {bs:3d}: {row['tok_s']:8.1f} tok/s ({row['tok_s_per_request']:.1f} per request, "
+              f"{row['ms_per_step']:.2f} ms/step)", flush=True)
+    fam = engine.executor.runner.graphs.families[1]
+    out["graph_replay_ms_bs1"] = _events_ms(fam.graphs[1].replay, 30)
+    print(f"bare graph replay, batch 1: {out['graph_replay_ms_bs1']:.3f} ms = {1e3 / out['graph_replay_ms_bs1']:.0f} tok/s",
+          flush=True)
+    out["graphs_on"] = rows
+    engine.shutdown()
+    del engine
+    torch.cuda.empty_cache()
+    eager = bench_engine(layers, widths=(1,), max_bs=1, disable_graphs=True)
+    row = _decode_tok_s(eager, 1, min(new_tokens, 32))
+    print(f"graphs off batch   1: {row['tok_s']:8.1f} tok/s", flush=True)
+    out["graphs_off"] = [row]
+    eager.shutdown()
+    ctx["target_only_bs1"] = rows[0]["tok_s"]
+    return out
+
+
+def _rate_for(accept_length: float, depth: int) -> float:
+    """Corruption rate giving the expected accept length of a path of ``depth`` drafts (bisection)."""
+    from tandem.speculative.controlled import expected_accept_length
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accept_length(mid, depth) > accept_length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def spec(ctx: dict) -> dict:
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.controlled import ControlledAcceptanceProposer
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    new_tokens = 48 if ctx["quick"] else 160
+    settings = [("chain", SpecConfig(5, 1, 6))] if ctx["quick"] else [
+        ("chain", SpecConfig(5, 1, 6)), ("chain", SpecConfig(3, 1, 4)), ("tree", SpecConfig(5, 4, 16))]
+    widths = tuple(sorted({1, *(s.num_draft_tokens for _, s in settings)}))
+    rows = []
+    for graphs in ((True,) if ctx["quick"] else (True, False)):
+        engine = bench_engine(layers, widths=widths, max_bs=8, disable_graphs=not graphs)
+        runner = engine.executor.runner
+        draft_dir = random_draft(target_dir(layers), runner.capture_layers)
+        drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(target_dir(layers)),
+                                          DrafterConfig(device="cuda", dtype="bfloat16"),
+                                          capture_layers=runner.capture_layers,
+                                          embed_weight=runner.model.model.embed_tokens.weight)
+        prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+        greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        started = time.perf_counter()
+        reference = engine.generate([prompt], greedy, spec=None)[0].output_token_ids
+        target_only = new_tokens / (time.perf_counter() - started)
+        for kind, sc in settings:
+            for goal in ((2.0, 4.0) if ctx["quick"] else (2.0, 3.0, 4.0, 5.0)):
+                if goal > sc.num_steps + 1:
+                    continue
+                rate = _rate_for(goal, sc.num_steps)
+                proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
+                engine.proposer, engine.default_spec = proposer, sc
+                rid = engine.add_request(prompt, greedy)
+                proposer.set_reference(rid, len(prompt), reference)
+                started = time.perf_counter()
+                while not engine.requests[rid].finished:
+                    engine.step()
+                elapsed = time.perf_counter() - started
+                req = engine.requests.pop(rid)
+                assert req.output == reference, "speculative greedy output differs from target-only"
+                row = {"graphs": graphs, "kind": kind, "steps": sc.num_steps, "topk": sc.topk, "draft_tokens": sc.num_draft_tokens,
+                       "goal_accept_length": goal, "accept_length": req.spec_stats.accept_length_mean,
+                       "tok_s": new_tokens / elapsed, "target_only_tok_s": target_only,
+                       "speedup": new_tokens / elapsed / target_only}
+                rows.append(row)
+                print(f"graphs {'on ' if graphs else 'off'} {kind:5s} steps={sc.num_steps} topk={sc.topk} "
+                      f"ndt={sc.num_draft_tokens:2d}: accept {row['accept_length']:.2f} -> {row['tok_s']:7.1f} tok/s "
+                      f"({row['speedup']:.2f}x target-only {target_only:.1f})", flush=True)
+        engine.proposer = None
+        engine.shutdown()
+        del engine, drafter
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec}

@@ -1,0 +1,60 @@
+"""The gateway's settings: one frozen dataclass, read once from the command line and passed down."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    verifier: str  # host:port of the verifier's gRPC server (rank 0)
+    model_dir: str  # the target's folder: tokenizer.json, tokenizer_config.json (chat template)
+    host: str = "127.0.0.1"
+    port: int = 8000  # OpenAI-compatible REST API; 0 picks a free port
+    grpc_port: int = 50050  # public gRPC Generation service; 0 picks a free port
+    served_model_name: str | None = None  # default: the model folder's name
+    otlp_endpoint: str | None = None  # default: OTEL_EXPORTER_OTLP_ENDPOINT, else tracing off
+    max_tokens_limit: int | None = None  # cap on max_tokens besides the model's context
+    default_max_tokens: int = 16  # completions without max_tokens (the OpenAI default)
+    upstream_timeout_s: float = 3.0  # model-info and health calls to the verifier
+    health_poll_s: float = 2.0  # how often gRPC health mirrors the verifier's
+    shutdown_grace_s: float = 5.0  # streams in flight get this long to finish on SIGTERM
+
+    def __post_init__(self):
+        if ":" not in self.verifier:
+            raise ValueError(f"--verifier must be HOST:PORT, got {self.verifier!r}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        if not Path(self.model_dir).is_dir():
+            raise ValueError(f"--model-dir {self.model_dir}: no such folder")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model`` (and what /v1/models lists)."""
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig
+    p = argparse.ArgumentParser(prog="python -m gateway",
+                                description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.")
+    p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")
+    p.add_argument("--model-dir", required=True, help="model folder with tokenizer.json (and a chat template)")
+    p.add_argument("--host", default=d.host, help="address to listen on (REST and gRPC)")
+    p.add_argument("--port", type=int, default=d.port, help="REST port (OpenAI API)")
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="public gRPC port")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens accepted (default: only the model's context bounds it)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(verifier=args.verifier, model_dir=args.model_dir, host=args.host, port=args.port,
+                         grpc_port=args.grpc_port, served_model_name=args.served_model_name,
+                         otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit)

@@ -1,0 +1,137 @@
+"""One request's verifier stream, turned into text deltas: the part both front ends share.
+
+It reads the verifier's messages, detokenizes incrementally, cuts at stop strings (and then cancels
+the verifier call: nothing after a stop string is wanted), records the latency and token metrics,
+and makes sure the verifier call is cancelled whenever the reader stops early — a client that went
+away, a front end that failed — so the verifier frees the request's batch slot and KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.detokenize import IncrementalDetokenizer, StopStrings
+from gateway.errors import from_upstream
+from gateway.metrics import GatewayMetrics
+from gateway.request import GenerationRequest
+from gateway.upstream import VerifierClient
+from tandem import tracing
+
+
+@dataclass
+class Delta:
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new tokens since the previous delta
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
+    prompt_tokens: int
+    completion_tokens: int  # total so far
+
+
+class GenerationStream:
+    """Async iterator of Delta. The last one has ``finish_reason`` set; an upstream failure is
+    raised as GatewayError. Call ``cancel()`` when abandoning it before the end."""
+
+    def __init__(self, request: GenerationRequest, client: VerifierClient, decode: Callable[[list[int]], str],
+                 metrics: GatewayMetrics, span, arrival: float):
+        self.request = request
+        self._client = client
+        self._metrics = metrics
+        self._span = span
+        self._arrival = arrival
+        self._detok = IncrementalDetokenizer(decode)
+        self._stops = StopStrings(request.stop)
+        self._prompt_tokens = len(request.prompt_ids)
+        self._completion_tokens = 0
+        self._last_token_at: float | None = None
+        self.finish_reason: str | None = None
+        self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
+        # The W3C context of this request's span rides in the metadata, so the verifier's spans
+        # join the gateway's trace.
+        self._call = client.generate(request.to_proto(), tracing.inject_metadata(tracing.context_with(span)))
+        metrics.labels(metrics.running).inc()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        while True:
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as e:
+                self._finish("error")
+                raise from_upstream(e, self._client.address) from e
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            if msg is grpc.aio.EOF:
+                # The verifier must end with a finish_reason; if it closed without one, say what
+                # the numbers suggest rather than leave the client without a reason.
+                reason = "length" if self._completion_tokens >= self.request.max_tokens else "stop"
+                return self._delta([], reason)
+            if msg.prompt_tokens:
+                self._prompt_tokens = msg.prompt_tokens
+            if msg.HasField("spec"):
+                self.spec_stats = msg.spec
+            new = list(msg.token_ids)
+            if new:
+                self._record_timing(len(new))
+            if new or msg.finish_reason:
+                return self._delta(new, msg.finish_reason or None)
+
+    def _delta(self, new: list[int], reason: str | None) -> Delta:
+        self._completion_tokens += len(new)
+        final = reason is not None
+        text = self._stops.feed(self._detok.add(new, final=final), final=final)
+        if self._stops.hit:
+            reason = "stop"
+            self._call.cancel()  # the rest of the generation is not wanted
+        if reason is not None:
+            self._finish(reason)
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens)
+
+    def _record_timing(self, n: int) -> None:
+        now = time.monotonic()
+        m = self._metrics
+        if self._last_token_at is None:
+            m.labels(m.ttft).observe(now - self._arrival)
+            self._span.add_event("first_token")
+        else:
+            gap = (now - self._last_token_at) / n
+            itl = m.labels(m.itl)
+            for _ in range(n):
+                itl.observe(gap)
+        self._last_token_at = now
+
+    def cancel(self) -> None:
+        """Stop the verifier's work on this request (idempotent; a no-op once finished)."""
+        if self.finish_reason is None:
+            self._call.cancel()
+            self._finish("abort")
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        m = self._metrics
+        m.labels(m.running).dec()
+        m.labels(m.prompt_tokens).inc(self._prompt_tokens)
+        m.labels(m.generation_tokens).inc(self._completion_tokens)
+        if reason != "error":
+            m.labels(m.request_success, finished_reason=reason).inc()
+            m.labels(m.e2e).observe(time.monotonic() - self._arrival)
+        self._span.set_attributes({"gen_ai.usage.prompt_tokens": self._prompt_tokens,
+                                   "gen_ai.usage.completion_tokens": self._completion_tokens,
+                                   "gen_ai.response.finish_reasons": [reason]})
+        if self.spec_stats is not None and self.spec_stats.rounds:
+            self._span.set_attributes({"tandem.spec.rounds": self.spec_stats.rounds,
+                                       "tandem.spec.accept_length_mean": self.spec_stats.accept_length_mean})
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self._prompt_tokens, "completion_tokens": self._completion_tokens,
+                "total_tokens": self._prompt_tokens + self._completion_tokens}

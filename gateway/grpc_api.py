@@ -1,0 +1,112 @@
+"""The public gRPC API (tandem.rpc.generation.v1.Generation) with gRPC health and reflection.
+
+Generate takes text or token ids and streams text and token-id deltas. Bad input is
+INVALID_ARGUMENT (NOT_FOUND for an unknown model) with the field named first; verifier refusals
+keep their meaning (RESOURCE_EXHAUSTED, UNAVAILABLE...). A client cancel raises CancelledError
+in the handler, which cancels the verifier call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.errors import GatewayError, bad_request
+from gateway.generation import GenerationStream
+from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
+from tandem import tracing
+from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, gw: Gateway):
+        self._gw = gw
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Stream one generation; the last message carries finish_reason and the token counts."""
+        gw = self._gw
+        arrival = time.monotonic()
+        span = tracing.start_span("gateway.generate", parent=tracing.extract_context(context.invocation_metadata()),
+                                  kind="server", attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME,
+                                                             "rpc.method": "Generate"})
+        status, stream = "OK", None
+        try:
+            generation = self._parse(request, await gw.client.model_info())
+            span.set_attributes(generation.span_attributes())
+            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival)
+            async for d in stream:
+                yield generation_pb2.GenerateResponse(
+                    request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
+                    finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
+                    completion_tokens=d.completion_tokens)
+        except GatewayError as e:
+            status = e.grpc_code.name
+            tracing.set_error(span, e.message)
+            await context.abort(e.grpc_code, e.message)
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            tracing.set_error(span, "cancelled by the client")
+            raise
+        finally:
+            if stream is not None:
+                stream.cancel()  # no-op once finished; frees the verifier's request otherwise
+            gw.metrics.count_request("grpc", status)
+            span.set_attribute("rpc.grpc.status_code", status)
+            span.end()
+
+    def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
+        gw = self._gw
+        if r.model and r.model != gw.cfg.model_name:
+            raise GatewayError(404, f"model: `{r.model}` does not exist; this server serves `{gw.cfg.model_name}`",
+                               param="model")
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise bad_request("prompt", "set text or token_ids")
+        if which == "text":
+            if not r.text:
+                raise bad_request("text", "the prompt is empty")
+            ids = gw.tokenizer.encode(r.text)
+        else:
+            ids = list(r.token_ids.ids)
+        check_prompt_ids(ids, info.vocab_size, which)
+        temperature = r.temperature if r.HasField("temperature") else 1.0
+        top_p = r.top_p if r.HasField("top_p") else 1.0
+        top_k = 0 if r.top_k == -1 else r.top_k
+        seed = r.seed if r.HasField("seed") else None
+        check_sampling(temperature, top_p, top_k, seed, list(r.stop))
+        if r.max_tokens == 0:
+            # proto3 cannot tell an unset field from 0, so the field is required here.
+            raise bad_request("max_tokens", "must be at least 1 (it is required)")
+        max_tokens = resolve_max_tokens(r.max_tokens, len(ids), info.max_context, gw.cfg.max_tokens_limit, None,
+                                        "max_tokens", which)
+        return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
+                                 tuple(r.stop), (), r.ignore_eos)
+
+
+def build_grpc_server(gw: Gateway, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A server with Generation, health (NOT_SERVING until the verifier is seen serving) and
+    reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)

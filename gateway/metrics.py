@@ -1,0 +1,49 @@
+"""Prometheus metrics of the gateway, named like vLLM's (``vllm:`` → ``tandem:``) so existing
+dashboards and PromQL carry over. Each Gateway owns its registry (several can live in one test
+process); ``/metrics`` renders it."""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# The *_created series double the output and no dashboard reads them.
+prometheus_client.disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0)
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.requests = Counter("tandem:requests", "Requests answered, by API and status (HTTP status, "
+                                "or gRPC code name for the gRPC API).", m + ["api", "status"], registry=r)
+        self.request_success = Counter("tandem:request_success", "Generations finished, by finish reason.",
+                                       m + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens sent to the verifier.", m, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", m, registry=r)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Request arrival to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between tokens; a message of k tokens "
+                             "counts k gaps of 1/k of its wait (speculation delivers several at once).", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request arrival to last token.", m,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
+                             registry=r)
+        self._model = model_name
+
+    def labels(self, metric, **labels):
+        return metric.labels(model_name=self._model, **labels)
+
+    def count_request(self, api: str, status: int | str) -> None:
+        self.labels(self.requests, api=api, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+    CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST

@@ -1,0 +1,196 @@
+"""The OpenAI-compatible REST API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics. Route functions stay thin: parse (openai_params), stream (generation), shape
+(openai_shapes). Every request gets one server span and one count in ``tandem:requests``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from gateway.errors import GatewayError
+from gateway.generation import Delta, GenerationStream
+from gateway.openai_params import Limits, parse_chat, parse_completion, parse_json
+from gateway.openai_shapes import SSE_DONE, ChatShape, CompletionShape, DisconnectAwareStreamingResponse, sse_event
+from tandem import tracing
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; only ever seen in metrics
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method
+        return _error_response(GatewayError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return _error_response(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(gw, request, "completions", CompletionShape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(gw, request, "chat_completions", ChatShape)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": gw.cfg.model_name, "object": "model", "created": gw.started_at, "owned_by": "tandem",
+                "root": gw.cfg.model_dir, "parent": None}
+        if gw.client.known_info is not None:
+            card["max_model_len"] = gw.client.known_info.max_context
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if await gw.client.healthy():
+            return Response(status_code=200)
+        return _error_response(GatewayError(503, f"the verifier at {gw.cfg.verifier} is not serving"))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gw.metrics.render(), media_type=gw.metrics.CONTENT_TYPE)
+
+    return app
+
+
+def _error_response(err: GatewayError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _Scope:
+    """The span and the request count of one HTTP request; ``finish`` exactly once, possibly
+    after the route function returned (streams)."""
+
+    def __init__(self, gw: Gateway, request: Request, api: str):
+        self.gw, self.api = gw, api
+        attributes = {"http.method": request.method, "http.route": request.url.path}
+        self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
+                                       kind="server", attributes=attributes)
+
+    def finish(self, status: int, error: str | None = None) -> None:
+        self.gw.metrics.count_request(self.api, status)
+        self.span.set_attribute("http.status_code", status)
+        if error is not None:
+            tracing.set_error(self.span, error)
+        self.span.end()
+
+
+async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[CompletionShape]) -> Response:
+    arrival = time.monotonic()
+    scope = _Scope(gw, request, api)
+    request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
+    stream: GenerationStream | None = None
+    try:
+        body = parse_json(await request.body())
+        info = await gw.client.model_info()
+        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens)
+        if shape_cls is ChatShape:
+            params = parse_chat(body, request_id, gw.tokenizer, gw.chat_template, limits)
+        else:
+            params = parse_completion(body, request_id, gw.tokenizer, limits)
+        scope.span.set_attributes(params.generation.span_attributes())
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage)
+        stream = GenerationStream(params.generation, gw.client, gw.tokenizer.decode, gw.metrics, scope.span, arrival)
+        if params.stream:
+            # Wait for the first delta before answering, so that a refusal by the verifier (over
+            # capacity, prompt too long) is an HTTP status the client can act on, not a 200 whose
+            # stream carries an error.
+            first = await _unless_disconnected(request, anext(stream))
+            body_iter = _sse(first, stream, shape, scope)
+            stream = None  # the SSE generator owns it now
+            return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
+                                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, reason = await _unless_disconnected(request, _collect(stream))
+        scope.finish(200)
+        return JSONResponse(shape.response(text, reason, stream.usage))
+    except GatewayError as e:
+        scope.finish(e.status, e.message)
+        return _error_response(e)
+    except (ClientGone, ClientDisconnect):
+        scope.finish(CLIENT_CLOSED, "client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except asyncio.CancelledError:
+        scope.finish(CLIENT_CLOSED, "cancelled")
+        raise
+    except Exception as e:
+        scope.finish(500, repr(e))
+        raise
+    finally:
+        if stream is not None:
+            stream.cancel()  # a no-op when it finished; frees the verifier's request otherwise
+
+
+async def _collect(stream: GenerationStream) -> tuple[str, str]:
+    parts, reason = [], "stop"
+    async for delta in stream:
+        parts.append(delta.text)
+        reason = delta.finish_reason or reason
+    return "".join(parts), reason
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which cancels the
+    verifier call) and raise ClientGone. The body has been read, so the next ASGI message can only
+    be the disconnect."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(first: Delta, stream: GenerationStream, shape: CompletionShape, scope: _Scope) -> AsyncIterator[str]:
+    status, error = CLIENT_CLOSED, "client disconnected"
+    try:
+        for chunk in shape.opening():
+            yield sse_event(chunk)
+        delta = first
+        while True:
+            chunk = shape.chunk(delta)
+            if chunk is not None:
+                yield sse_event(chunk)
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(stream)
+        if shape.include_usage:
+            yield sse_event(shape.usage_chunk(stream.usage))
+        yield SSE_DONE
+        status, error = 200, None
+    except GatewayError as e:
+        # The response has started: the error can only travel as an event (vLLM does the same).
+        status, error = e.status, e.message
+        yield sse_event(e.body())
+        yield SSE_DONE
+    finally:
+        stream.cancel()
+        scope.finish(status, error)

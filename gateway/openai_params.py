@@ -1,0 +1,215 @@
+"""OpenAI request bodies → GenerationRequest, refusing what we cannot honour with a 400 that names
+the field. Unknown fields are ignored (clients send many); known fields we do not implement are
+refused unless they hold their no-op value, so nobody silently gets something other than asked.
+Extensions as in vLLM (sent through ``extra_body``): ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import GatewayError, bad_request
+from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
+from tandem.chat_template import ChatTemplate, ChatTemplateError
+from tandem.rpc.verifier.v1 import verifier_pb2
+from tandem.tokenizer import TextTokenizer
+
+# Fields of the OpenAI API we do not implement: allowed only with their no-op value.
+_NO_OP = {
+    "n": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
+    "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
+    "echo": lambda v: v is None or v is False,
+    "logprobs": lambda v: v is None or v is False,  # 0 asks for the sampled token's logprob
+    "top_logprobs": lambda v: v is None,
+    "suffix": lambda v: v is None or v == "",
+    "presence_penalty": lambda v: v is None or (v == 0 and not isinstance(v, bool)),
+    "frequency_penalty": lambda v: v is None or (v == 0 and not isinstance(v, bool)),
+    "logit_bias": lambda v: not v,
+    "tools": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a request: the verifier's model and this server's settings."""
+    model_name: str
+    info: verifier_pb2.ModelInfo
+    max_tokens_limit: int | None
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
+    prompt_ids = _prompt_ids(body.get("prompt"), tok)
+    check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
+    return _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
+
+
+def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTemplate | None,
+               limits: Limits) -> OpenAIRequest:
+    messages = _messages(body.get("messages"))
+    if template is None:
+        raise bad_request("messages", "this model has no chat template (tokenizer_config.json has no "
+                                      "chat_template); send a plain prompt to /v1/completions instead")
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise bad_request("messages", str(e)) from e
+    prompt_ids = tok.encode(text)
+    check_prompt_ids(prompt_ids, limits.info.vocab_size, "messages")
+    # max_completion_tokens is the newer name and wins; without either, chat may use all the room
+    # the context leaves (as vLLM does), bounded by --max-tokens-limit.
+    requested = _opt_int(body, "max_completion_tokens")
+    param = "max_completion_tokens"
+    if requested is None:
+        requested, param = _opt_int(body, "max_tokens"), "max_tokens"
+    return _common(body, request_id, prompt_ids, limits, requested, None, param, "messages")
+
+
+def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
+            default: int | None, max_param: str = "max_tokens", prompt_param: str = "prompt") -> OpenAIRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", f"must be a string, got {type(model).__name__}")
+    if model and model != limits.model_name:
+        raise GatewayError(404, f"the model `{model}` does not exist; this server serves `{limits.model_name}`",
+                           param="model")
+    for field, is_no_op in _NO_OP.items():
+        if not is_no_op(body.get(field)):
+            raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
+    stream = _opt_bool(body, "stream") or False
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("stream_options", "must be an object")
+        if not stream:
+            raise bad_request("stream_options", "can only be set when stream is true")
+        include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage") or False
+    temperature = _opt_number(body, "temperature")
+    top_p = _opt_number(body, "top_p")
+    top_k = _opt_int(body, "top_k")
+    seed = _opt_int(body, "seed")
+    stop = _stop(body.get("stop"))
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    top_k = 0 if top_k in (None, -1) else top_k  # -1 is vLLM's "off"
+    check_sampling(temperature, top_p, top_k, seed, stop)
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), limits.info.max_context, limits.max_tokens_limit,
+                                    default, max_param, prompt_param)
+    stop_token_ids = _int_list(body, "stop_token_ids")
+    if stop_token_ids:
+        check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
+    generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
+                                   tuple(stop), tuple(stop_token_ids), _opt_bool(body, "ignore_eos") or False)
+    return OpenAIRequest(generation, stream, include_usage)
+
+
+# ---- fields ------------------------------------------------------------------------------------
+
+
+def _prompt_ids(prompt: Any, tok: TextTokenizer) -> list[int]:
+    # A one-element list is a batch of one: accepted, since clients wrap prompts that way.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if prompt is None:
+        raise bad_request("prompt", "is required")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt", "the prompt is empty")
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("prompt", f"batches of prompts are not supported (got {len(prompt)}); send one per request")
+    raise bad_request("prompt", "must be a string or a list of token ids")
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(where, "must be an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text can be rendered for a text model
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"{where}.content", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad_request(f"{where}.content", "must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def _opt_int(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad_request(name, f"must be an integer, got {json.dumps(v)[:40]}")
+    return v
+
+
+def _opt_number(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise bad_request(name, f"must be a number, got {json.dumps(v)[:40]}")
+    return float(v)
+
+
+def _opt_bool(body: dict, name: str, param: str | None = None) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad_request(param or name, f"must be true or false, got {json.dumps(v)[:40]}")
+    return v
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise bad_request("stop", "must be a string or a list of strings")
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(name, "must be a list of token ids")
+    return v

@@ -1,0 +1,105 @@
+"""The JSON objects of the OpenAI API: completion and chat completion, whole and as stream chunks,
+and the SSE framing. Shapes follow the OpenAI reference (and vLLM where OpenAI is silent)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+from starlette.responses import StreamingResponse
+
+from gateway.generation import Delta
+
+
+def sse_event(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")
+
+
+class CompletionShape:
+    """``text_completion`` objects for /v1/completions."""
+
+    object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, request_id: str, model: str, include_usage: bool = False):
+        self.id, self.model, self.created = request_id, model, int(time.time())
+        self.include_usage = include_usage
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk(self, delta: Delta) -> dict | None:
+        """The stream chunk for ``delta``, or None when it carries nothing a client would see
+        (tokens whose text is still held back)."""
+        if not delta.text and delta.finish_reason is None:
+            return None
+        return self._with_usage({**self._head(self.object), "choices": [self.choice(delta.text, delta.finish_reason)]})
+
+    def _with_usage(self, chunk: dict) -> dict:
+        # With include_usage, OpenAI puts "usage": null on every chunk but the final usage chunk.
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._head(self.object), "choices": [], "usage": usage}
+
+    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return {**self._head(self.object), "choices": [self.choice(text, finish_reason)], "usage": usage}
+
+
+class ChatShape(CompletionShape):
+    """``chat.completion`` / ``chat.completion.chunk`` objects for /v1/chat/completions."""
+
+    object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def opening(self) -> list[dict]:
+        # The first chunk announces the role, with empty content, as OpenAI does.
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._with_usage({**self._head(self.object), "choices": [first]})]
+
+    def chunk(self, delta: Delta) -> dict | None:
+        if not delta.text and delta.finish_reason is None:
+            return None
+        content = {"content": delta.text} if delta.text else {}
+        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+        return self._with_usage({**self._head(self.object), "choices": [choice]})
+
+    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always watches for ``http.disconnect`` while it streams.
+
+    Starlette only does so for ASGI servers older than spec 2.4; on newer ones a disconnect is
+    noticed at the next write, which may be long in coming while the verifier is busy. Cancelling
+    the body iterator at once is what lets it cancel the verifier call at once.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the client went away between our check and the write
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()

@@ -1,0 +1,98 @@
+"""What one generation asks of the verifier, and the checks both front ends (REST and gRPC) apply
+before sending it: the same field, the same limit, the same message."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.errors import bad_request
+from tandem.rpc.verifier.v1 import verifier_pb2
+
+_UINT64_MAX = (1 << 64) - 1
+MAX_STOP_STRINGS = 16  # each one is searched in the text after every message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0  # the OpenAI default; 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # cut on the detokenized text by the gateway
+    stop_token_ids: tuple[int, ...] = ()  # checked by the verifier, besides its EOS ids
+    ignore_eos: bool = False
+
+    def to_proto(self) -> verifier_pb2.GenerateRequest:
+        sampling = verifier_pb2.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_new_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids))
+        if self.seed is not None:
+            sampling.seed = self.seed
+        return verifier_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
+                                            sampling=sampling)
+
+    def span_attributes(self) -> dict:
+        # gen_ai.* semantic-convention names, as vLLM's request spans use them.
+        return {"gen_ai.request.id": self.request_id, "gen_ai.request.max_tokens": self.max_tokens,
+                "gen_ai.request.temperature": self.temperature, "gen_ai.request.top_p": self.top_p,
+                "gen_ai.usage.prompt_tokens": len(self.prompt_ids)}
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | None,
+                   stop: Sequence[str]) -> None:
+    """Raise a 400 naming the first bad sampling field."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad_request("temperature", f"must be a finite number ≥ 0 (0 is greedy), got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise bad_request("top_p", f"must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise bad_request("top_k", f"must be ≥ 0 (0 or -1 turn it off), got {top_k}")
+    if seed is not None and not 0 <= seed <= _UINT64_MAX:
+        raise bad_request("seed", f"must be in [0, 2^64), got {seed}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not s for s in stop):
+        raise bad_request("stop", "stop strings must not be empty")
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    if not ids:
+        raise bad_request(param, "the prompt is empty")
+    if vocab_size:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(param, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int, limit: int | None,
+                       default: int | None, param: str = "max_tokens", prompt_param: str = "prompt") -> int:
+    """The number of tokens to generate.
+
+    ``requested`` None takes ``default`` (None: all the room the context leaves), shortened to fit
+    the context — a default should never be the reason a request fails. An explicit value that does
+    not fit is refused with the numbers, the way OpenAI words it. ``max_context`` 0 means the
+    verifier did not say; it then checks the context itself.
+    """
+    room = max_context - prompt_len if max_context else None
+    if room is not None and room <= 0:
+        raise bad_request(prompt_param, f"the prompt has {prompt_len} tokens, but this model's maximum context "
+                                        f"length is {max_context} tokens")
+    if requested is None:
+        candidates = [n for n in (default, room, limit) if n is not None]
+        if not candidates:
+            raise bad_request(param, "is required (the model's context length is unknown)")
+        return min(candidates)
+    if requested < 1:
+        raise bad_request(param, f"must be at least 1, got {requested}")
+    if limit is not None and requested > limit:
+        raise bad_request(param, f"must be at most {limit} on this server, got {requested}")
+    if room is not None and requested > room:
+        raise bad_request(param, f"this model's maximum context length is {max_context} tokens, but "
+                                 f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
+                                 f"{requested} to generate); lower {param} to at most {room}")
+    return requested

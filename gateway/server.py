@@ -1,0 +1,107 @@
+"""The running gateway: the REST app on uvicorn and the gRPC server on one event loop, the verifier
+channel they share, and the task that mirrors the verifier's health into ours."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+import uvicorn
+
+from gateway.config import GatewayConfig
+from gateway.grpc_api import build_grpc_server, set_serving
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import create_app
+from gateway.upstream import VerifierClient
+from tandem.chat_template import ChatTemplate
+from tandem.tokenizer import TextTokenizer
+
+log = logging.getLogger("gateway")
+
+
+class Gateway:
+    """``await start()`` binds both ports (0 picks free ones, then ``port``/``grpc_port`` say
+    which); ``await wait()`` returns when the HTTP server has exited (SIGINT/SIGTERM or
+    ``request_stop()``); ``await stop()`` drains and closes everything."""
+
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.tokenizer = TextTokenizer(cfg.model_dir)
+        self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
+        self.metrics = GatewayMetrics(cfg.model_name)
+        self.started_at = int(time.time())
+        self.client: VerifierClient | None = None  # made in start(): gRPC aio objects bind to the running loop
+        self.port = self.grpc_port = 0
+        self._http: uvicorn.Server | None = None
+        self._grpc = self._health = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s)
+        self._grpc, self.grpc_port, self._health = build_grpc_server(self, f"{cfg.host}:{cfg.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")
+        await set_serving(self._health, False)
+        await self._grpc.start()
+
+        # Bind the HTTP socket ourselves so that port 0 works and the real port is known before
+        # uvicorn starts (its own logs only say what it was asked).
+        sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        self.port = sock.getsockname()[1]
+        app = create_app(self)
+        self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
+                                                   timeout_graceful_shutdown=int(cfg.shutdown_grace_s)))
+        http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
+        while not self._http.started:
+            if http_task.done():
+                http_task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        self._tasks = [http_task, asyncio.create_task(self._mirror_health(), name="gateway-health")]
+        log.info("gateway ready: OpenAI API at http://%s:%d/v1 and gRPC Generation at %s:%d (model %s, verifier %s)",
+                 cfg.host, self.port, cfg.host, self.grpc_port, cfg.model_name, cfg.verifier)
+
+    async def _mirror_health(self) -> None:
+        """Our gRPC health is the verifier's: a load balancer should not send work we cannot do."""
+        serving = None
+        while True:
+            try:
+                ok = await self.client.healthy()
+            except Exception:  # never let the mirror die: it is the only thing that flips us back
+                log.exception("health check of the verifier failed")
+                ok = False
+            if ok != serving:
+                await set_serving(self._health, ok)
+                log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")
+                serving = ok
+            if ok:
+                with contextlib.suppress(Exception):
+                    await self.client.model_info()  # warm the cache so the first request does not wait
+            await asyncio.sleep(self.cfg.health_poll_s)
+
+    def request_stop(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+
+    async def wait(self) -> None:
+        if self._tasks:
+            await self._tasks[0]
+
+    async def stop(self) -> None:
+        """Refuse new work, let streams in flight finish for up to the grace period, then close."""
+        self.request_stop()
+        if self._tasks:
+            with contextlib.suppress(Exception):
+                await self._tasks[0]
+            self._tasks[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tasks[1]
+        if self._grpc is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._grpc.stop(self.cfg.shutdown_grace_s)
+        if self.client is not None:
+            await self.client.close()

@@ -1,0 +1,81 @@
+"""The gateway's side of the verifier contract (tandem.rpc.verifier.v1): one channel, one
+server-stream per request, model info fetched once, health as the verifier reports it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import GatewayError, from_upstream
+from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger("gateway.upstream")
+
+# Keepalive lets a dead verifier surface as UNAVAILABLE on streams that are waiting on it, instead
+# of hanging until TCP notices. The verifier must allow pings this often (ecosystem.md §2).
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+]
+
+
+class VerifierClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self._timeout = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._info: verifier_pb2.ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+
+    async def model_info(self) -> verifier_pb2.ModelInfo:
+        """The verifier's ModelInfo (context length, vocab, EOS ids), fetched on first need and kept:
+        it cannot change without the verifier restarting on another model, which is a redeploy."""
+        if self._info is not None:
+            return self._info
+        async with self._info_lock:
+            if self._info is None:
+                try:
+                    self._info = await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise GatewayError(503, f"the verifier at {self.address} is not reachable yet "
+                                                f"({e.code().name}); retry shortly") from e
+                    raise from_upstream(e, self.address) from e
+                log.info("verifier %s serves %s (context %d, vocab %d, speculative %s)", self.address,
+                         self._info.model or "?", self._info.max_context, self._info.vocab_size, self._info.speculative)
+        return self._info
+
+    @property
+    def known_info(self) -> verifier_pb2.ModelInfo | None:
+        """ModelInfo if it has been fetched already (never waits on the verifier)."""
+        return self._info
+
+    async def healthy(self) -> bool:
+        """SERVING in the verifier's gRPC health; a verifier without a health service counts as
+        healthy when it answers GetModelInfo."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return False
+        try:
+            await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    def generate(self, request: verifier_pb2.GenerateRequest, metadata: list[tuple[str, str]]):
+        """Start one generation; the caller reads it with ``await call.read()`` and must
+        ``call.cancel()`` when it stops reading early, so the verifier frees the request."""
+        return self._stub.Generate(request, metadata=metadata)
+
+    async def close(self) -> None:
+        await self._channel.close()

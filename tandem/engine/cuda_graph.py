@@ -1,0 +1,197 @@
+"""CUDA graphs for the target's uniform-width forwards: plain decode (width 1) and tree verification
+(width = num_draft_tokens per request).
+
+One graph per (family, padded batch size), captured largest first into one shared memory pool;
+small batch sizes densely, large ones sparsely. Each graph reads static input buffers (token ids,
+positions, KV slots, block tables, KV lengths, tree masks) and writes static outputs (logits, and
+for verification the EAGLE-3 features). Padding rows write their KV into the reserved dummy page 0
+and are never read back. Everything else — prefill, mixed widths, batches beyond the largest bucket —
+runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.batch import ForwardBatch
+from tandem.kv_cache import DUMMY_PAGE
+from tandem.watchdog import Watchdog
+
+log = logging.getLogger("tandem.cuda_graph")
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1..8 densely, then every 8 up to 64, then every 16: what a padded batch rounds up to."""
+    sizes = [b for b in (1, 2, 3, 4, 5, 6, 7, 8) if b <= max_bs]
+    sizes += list(range(16, min(max_bs, 64) + 1, 8)) + list(range(80, max_bs + 1, 16))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+@dataclass
+class GraphMeta:
+    """The attention metadata a graph reads: static tensors, filled before every replay."""
+
+    num_seqs: int
+    q_len: int  # tokens per sequence (the family's width)
+    block_tables: torch.Tensor  # int32 [bs, max_pages]
+    kv_lens: torch.Tensor  # int32 [bs]
+    slot_mapping: torch.Tensor  # int64 [bs * q_len]
+    tree_mask: torch.Tensor | None  # bool [bs, q_len, q_len] over the last q_len keys; None for decode
+    page_size: int
+
+
+class _Family:
+    """Static buffers and graphs of one width."""
+
+    def __init__(self, width: int, max_bs: int, max_pages: int, page_size: int, device: torch.device):
+        n = max_bs * width
+        self.width = width
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
+        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if width > 1 else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
+        # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
+        self.logits: torch.Tensor | None = None  # [max_bs * width, vocab], model dtype
+        self.features: torch.Tensor | None = None  # [max_bs * width, 3H] (verification only)
+        self.page_size = page_size
+
+    def meta(self, bs: int) -> GraphMeta:
+        w = self.width
+        return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],
+                         self.mask[:bs] if self.mask is not None else None, self.page_size)
+
+
+class TargetGraphRunner:
+    def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
+                 capture_deadline_s: float = 120.0):
+        """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend)."""
+        self.runner = runner
+        self.device = runner.device
+        self.page_size = runner.cfg.page_size
+        self.buckets = batch_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
+        self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
+        self.watchdog = watchdog or Watchdog()
+        self.capture_deadline_s = capture_deadline_s
+        self.pool = None
+
+    # -- capture ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> dict[str, tuple[float, float]]:
+        """Capture every family and bucket; returns {name: (seconds, GB)} and logs one line per family."""
+        report = {}
+        for width, fam in sorted(self.families.items(), key=lambda kv: -kv[0]):
+            name = "decode" if width == 1 else f"verify(width={width})"
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            started = time.perf_counter()
+            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
+                with self.watchdog.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
+                    self._capture_one(fam, bs)
+            torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - started
+            free_after, _ = torch.cuda.mem_get_info(self.device)
+            used_gb = (free_before - free_after) / 1e9
+            log.info("Capture %s cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB. avail mem=%.2f GB.",
+                     name, elapsed, used_gb, free_after / 1e9)
+            report[name] = (elapsed, used_gb)
+        return report
+
+    def _run_model(self, fam: _Family, bs: int) -> None:
+        n = bs * fam.width
+        r = self.runner
+        layers = r.capture_layers if fam.width > 1 else ()
+        hidden, features = r.model(fam.input_ids[:n], fam.positions[:n], fam.meta(bs), r.kv, r.graph_backend, layers)
+        logits = r.model.logits(hidden)
+        if fam.logits is None:  # first (largest) bucket's warm-up sizes the family's outputs
+            fam.logits = torch.empty(self.max_bs * fam.width, logits.shape[1], dtype=logits.dtype, device=self.device)
+            if features is not None:
+                fam.features = torch.empty(self.max_bs * fam.width, features.shape[1], dtype=features.dtype,
+                                           device=self.device)
+        fam.logits[:n].copy_(logits)
+        if features is not None:
+            fam.features[:n].copy_(features)
+
+    def _capture_one(self, fam: _Family, bs: int) -> None:
+        self._fill_padding(fam, 0, bs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: allocator, cuBLAS handles and Triton compiles stay out of the graph
+                self._run_model(fam, bs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self._run_model(fam, bs)
+        fam.graphs[bs] = graph
+
+    # -- replay ----------------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch) -> bool:
+        seqs = batch.seqs
+        if not seqs or len(seqs) > self.max_bs:
+            return False
+        width = len(seqs[0].token_ids)
+        fam = self.families.get(width)
+        if fam is None or any(len(s.token_ids) != width for s in seqs):
+            return False
+        # a tree mask must cover exactly the new tokens (verification); the last W keys of drafting are eager
+        return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seqs = batch.seqs
+        width = len(seqs[0].token_ids)
+        fam = self.families[width]
+        n = len(seqs)
+        bs = next(b for b in self.buckets if b >= n)
+        ps = self.page_size
+        ids, pos, slots = [], [], []
+        kv_lens = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            pos.extend(s.positions if s.positions is not None else range(s.prefix_len, s.prefix_len + width))
+            for t in range(s.prefix_len, s.prefix_len + width):
+                slots.append(s.pages[t // ps] * ps + t % ps)
+            kv_lens.append(s.prefix_len + width)
+        max_pages = max(len(s.pages) for s in seqs)
+        tables = torch.zeros(n, max_pages, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        m = width * n
+        fam.input_ids[:m].copy_(torch.tensor(ids), non_blocking=True)
+        fam.positions[:m].copy_(torch.tensor(pos), non_blocking=True)
+        fam.slots[:m].copy_(torch.tensor(slots), non_blocking=True)
+        fam.block_tables[:n, :max_pages].copy_(tables, non_blocking=True)
+        fam.kv_lens[:n].copy_(torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True)
+        if fam.mask is not None:
+            causal = [[c <= r for c in range(width)] for r in range(width)]
+            masks = [s.tree_mask if s.tree_mask is not None else causal for s in seqs]
+            fam.mask[:n].copy_(torch.tensor(masks, dtype=torch.bool), non_blocking=True)
+        self._fill_padding(fam, n, bs)
+        fam.graphs[bs].replay()
+        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+
+    def _fill_padding(self, fam: _Family, start: int, bs: int) -> None:
+        """Rows [start, bs) of a padded batch: their KV goes to the dummy page, they see only it."""
+        if start >= bs:
+            return
+        w, ps = fam.width, self.page_size
+        fam.input_ids[start * w : bs * w].zero_()
+        fam.positions[start * w : bs * w].zero_()
+        # key t of a padding row lives at page block_tables[t // ps] = DUMMY_PAGE, offset t % ps
+        fam.slots[start * w : bs * w].copy_((torch.arange(w, device=self.device) % ps + DUMMY_PAGE * ps).repeat(bs - start))
+        fam.block_tables[start:bs].fill_(DUMMY_PAGE)
+        fam.kv_lens[start:bs].fill_(w)

@@ -1,0 +1,191 @@
+"""OpenTelemetry set-up and W3C trace-context propagation, shared by gateway, verifier and drafter.
+
+One call per process, from each service's ``__main__``: ``setup_tracing(service_name, endpoint)``.
+Spans then travel across the gRPC hops as a W3C ``traceparent`` in the call metadata
+(``inject_metadata`` on the client, ``extract_context`` on the server), or in a proto
+``map<string, string>`` (``inject_dict`` / ``extract``) where there is no metadata (a control
+message on a long-lived stream).
+
+Torch-free, and importable without opentelemetry (the GPU machine may not have it): every helper
+then degrades to a no-op, and so does everything when no endpoint or exporter is configured (the
+API's default provider hands out non-recording spans, which cost next to nothing). We do not use
+the opentelemetry-instrumentation packages: they are not installed everywhere, and their stream
+spans end only when a stream is fully read (ecosystem.md §3), which cancelled streams never are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+log = logging.getLogger("tandem.tracing")
+
+try:
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    OTEL_AVAILABLE = True
+    # W3C trace context only: it is what every service extracts, whatever OTEL_PROPAGATORS says.
+    _PROPAGATOR = TraceContextTextMapPropagator()
+    _KINDS = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT, "internal": SpanKind.INTERNAL}
+except ImportError:  # pragma: no cover - exercised on machines without opentelemetry
+    OTEL_AVAILABLE = False
+    Context = Any  # type: ignore[misc,assignment]
+
+ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter: Any = None):
+    """Install the process-wide TracerProvider and return it, or return None (tracing off).
+
+    - ``exporter`` given (tests: an ``InMemorySpanExporter``): spans go to it synchronously.
+    - else an OTLP/gRPC endpoint, from ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
+      variables: spans are batched to it in the background.
+    - else nothing is installed and spans are non-recording.
+
+    OpenTelemetry allows one global provider per process; a second call adds its exporter to the
+    provider already installed (tests and in-process stacks call this more than once).
+    """
+    if not OTEL_AVAILABLE:
+        if otlp_endpoint or exporter is not None:
+            log.warning("tracing requested but opentelemetry is not installed; spans are not recorded")
+        return None
+    endpoint = otlp_endpoint or next((os.environ[k] for k in ENDPOINT_ENV if os.environ.get(k)), None)
+    if exporter is None and not endpoint:
+        return None
+
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        if exporter is not None:
+            processor = SimpleSpanProcessor(exporter)
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            # insecure unless the URL says https: collectors beside the services speak plain gRPC.
+            processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
+                                                            insecure=not endpoint.startswith("https")))
+    except ImportError as e:  # the API without the SDK or the OTLP exporter
+        log.warning("tracing requested but %s is missing; spans are not recorded", e.name)
+        return None
+
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        current.add_span_processor(processor)
+        return current
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(processor)
+    trace.set_tracer_provider(provider)
+    log.info("tracing %s to %s", service_name, endpoint or type(exporter).__name__)
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporters (call at exit so the last batch is not lost)."""
+    if OTEL_AVAILABLE:
+        provider = trace.get_tracer_provider()
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()
+
+
+# ---- spans -------------------------------------------------------------------------------------
+
+
+def start_span(name: str, parent: Context | None = None, kind: str = "internal",
+               attributes: Mapping[str, Any] | None = None, tracer: str = "tandem"):
+    """Start a span that the caller must ``end()``; it is not made current, so it can outlive the
+    handler that started it (a streamed response ends long after its route function returned)."""
+    if not OTEL_AVAILABLE:
+        return _NOOP_SPAN
+    return trace.get_tracer(tracer).start_span(name, context=parent, kind=_KINDS[kind],
+                                               attributes=dict(attributes or {}))
+
+
+def context_with(span) -> Context | None:
+    """The context whose current span is ``span``: what to inject for calls made on its behalf."""
+    return trace.set_span_in_context(span) if OTEL_AVAILABLE else None
+
+
+@contextlib.contextmanager
+def use_span(span):
+    """Make ``span`` current inside the block without ending it on exit."""
+    if not OTEL_AVAILABLE:
+        yield span
+        return
+    with trace.use_span(span, end_on_exit=False):
+        yield span
+
+
+def set_error(span, message: str) -> None:
+    if OTEL_AVAILABLE:
+        span.set_status(Status(StatusCode.ERROR, message))
+
+
+def trace_id_hex(span) -> str:
+    """The 32-hex-digit trace id of ``span`` (empty when not recording): for log lines."""
+    if not OTEL_AVAILABLE or not span.get_span_context().is_valid:
+        return ""
+    return format(span.get_span_context().trace_id, "032x")
+
+
+# ---- propagation -------------------------------------------------------------------------------
+
+
+def inject_dict(context: Context | None = None) -> dict[str, str]:
+    """W3C headers (``traceparent``, maybe ``tracestate``) of ``context`` or the current span;
+    empty when there is nothing to propagate."""
+    carrier: dict[str, str] = {}
+    if OTEL_AVAILABLE:
+        _PROPAGATOR.inject(carrier, context=context)
+    return carrier
+
+
+def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
+    """The same as gRPC call metadata: ``stub.Method(req, metadata=inject_metadata())``."""
+    return list(inject_dict(context).items())
+
+
+def extract(carrier: Mapping[str, str] | None) -> Context | None:
+    """The context carried by a ``traceparent`` mapping (a proto map, HTTP headers); None when absent."""
+    if not OTEL_AVAILABLE or not carrier:
+        return None
+    return _PROPAGATOR.extract({k.lower(): v for k, v in carrier.items()})
+
+
+def extract_context(metadata: Mapping[str, str] | Iterable[tuple[str, Any]] | None) -> Context | None:
+    """The parent context for a server span, from gRPC metadata (``context.invocation_metadata()``,
+    a sequence of key/value pairs) or any mapping such as HTTP headers; None when absent."""
+    if metadata is None:
+        return None
+    if isinstance(metadata, Mapping):
+        return extract(metadata)
+    # gRPC metadata may repeat keys and carry binary (-bin) values; the first text value wins.
+    carrier: dict[str, str] = {}
+    for key, value in metadata:
+        if isinstance(value, str):
+            carrier.setdefault(key.lower(), value)
+    return extract(carrier)
+
+
+# ---- no-op stand-ins for machines without opentelemetry ----------------------------------------
+
+
+class _NoopSpan:
+    def set_attribute(self, key, value) -> None: ...
+    def set_attributes(self, attributes) -> None: ...
+    def add_event(self, name, attributes=None, timestamp=None) -> None: ...
+    def record_exception(self, exception, attributes=None) -> None: ...
+    def set_status(self, status, description=None) -> None: ...
+    def end(self, end_time=None) -> None: ...
+    def is_recording(self) -> bool:
+        return False
+
+
+_NOOP_SPAN = _NoopSpan()

@@ -1,0 +1,94 @@
+"""A stand-in verifier for gateway tests: implements tandem.rpc.verifier.v1 with a deterministic
+output (no model), streamed in messages of 1–3 tokens, and records what it was asked, the trace
+context it was given and the calls that were cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+
+from tandem import tracing
+from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+
+SPECIAL_IDS = 3  # ids 0..2 are <|bos|>, <|eos|>, <|pad|>: the fake never emits them
+
+
+def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
+    """What the fake generates for ``prompt``: (sum(prompt) + i) mod the non-special vocabulary."""
+    base = sum(prompt)
+    return [SPECIAL_IDS + (base + i) % (vocab_size - SPECIAL_IDS) for i in range(n)]
+
+
+class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, vocab_size: int, max_context: int = 512):
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.delay_s = 0.0  # pause between messages (disconnect tests)
+        self.fail_with: tuple[grpc.StatusCode, str] | None = None  # answer the next Generate with this status
+        self.requests: list[verifier_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []  # request ids whose call was cancelled by the client
+        self.finished: list[str] = []
+        self.metadata: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+
+    async def GetModelInfo(self, request, context):
+        return verifier_pb2.ModelInfo(model="fake", vocab_size=self.vocab_size, max_context=self.max_context,
+                                      eos_token_ids=[1], speculative=True)
+
+    async def Generate(self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        md = context.invocation_metadata()
+        span = tracing.start_span("verifier.generate", parent=tracing.extract_context(md), kind="server")
+        with self._lock:
+            self.requests.append(request)
+            self.metadata.append({k: v for k, v in md if isinstance(v, str)})
+        try:
+            if self.fail_with is not None:
+                code, message = self.fail_with
+                self.fail_with = None
+                await context.abort(code, message)
+            prompt = list(request.prompt_token_ids)
+            if len(prompt) >= self.max_context:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt: {len(prompt)} tokens do not fit the context of {self.max_context}")
+            n = request.sampling.max_new_tokens
+            out = expected_tokens(prompt, n, self.vocab_size)
+            stops = set(request.sampling.stop_token_ids)
+            cut = next((i + 1 for i, t in enumerate(out) if t in stops), None)
+            if cut is not None:
+                out = out[:cut]
+            sent, step = 0, 0
+            while sent < len(out):
+                size = 1 + step % 3
+                chunk = out[sent:sent + size]
+                sent += len(chunk)
+                step += 1
+                last = sent == len(out)
+                reason = ("stop" if cut is not None else "length") if last else ""
+                msg = verifier_pb2.GenerateResponse(request_id=request.request_id, token_ids=chunk,
+                                                    finish_reason=reason, prompt_tokens=len(prompt),
+                                                    completion_tokens=sent)
+                if last:
+                    msg.spec.rounds = step
+                    msg.spec.accept_length_mean = sent / step
+                yield msg
+                if self.delay_s and not last:
+                    await asyncio.sleep(self.delay_s)
+            with self._lock:
+                self.finished.append(request.request_id)
+        except asyncio.CancelledError:
+            with self._lock:
+                self.cancelled.append(request.request_id)
+            raise
+        finally:
+            span.end()
+
+
+async def start_fake_verifier(vocab_size: int, max_context: int = 512) -> tuple[grpc.aio.Server, FakeVerifier, int]:
+    server = grpc.aio.server()
+    fake = FakeVerifier(vocab_size, max_context)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, fake, port

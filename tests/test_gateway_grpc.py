@@ -1,0 +1,106 @@
+"""The public gRPC API (tandem.rpc.generation.v1.Generation): the same tokens and text as REST,
+INVALID_ARGUMENT naming the field, cancellation reaching the verifier, health and reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from gateway_harness import MODEL_NAME, Stack, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tandem.rpc.generation.v1 import generation_pb2 as pb
+from tandem.rpc.generation.v1 import generation_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def channel(stack):
+    with grpc.insecure_channel(stack.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def test_text_prompt_streams_the_verifier_tokens_and_their_text(stack, stub):
+    prompt = "import os\n"
+    replies = list(stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text=prompt, max_tokens=25), timeout=10))
+    prompt_ids = stack.tok.encode(prompt)
+    expected = stack.expected(prompt_ids, 25)
+    assert [t for r in replies for t in r.token_ids] == expected
+    assert "".join(r.text for r in replies) == stack.tok.decode(expected)
+    assert [r.finish_reason for r in replies] == [""] * (len(replies) - 1) + ["length"]
+    assert len(replies) > 1 and len({r.request_id for r in replies}) == 1
+    assert (replies[-1].prompt_tokens, replies[-1].completion_tokens) == (len(prompt_ids), 25)
+
+
+def test_token_id_prompt_and_sampling(stack, stub):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8, 9]), max_tokens=5, temperature=0.0, top_k=3, seed=5)
+    replies = list(stub.Generate(req, timeout=10))
+    assert [t for r in replies for t in r.token_ids] == stack.expected([7, 8, 9], 5)
+    s = stack.fake.requests[-1].sampling
+    assert (s.temperature, s.top_k, s.seed, s.top_p) == (0.0, 3, 5, 1.0)
+    list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7]), max_tokens=1), timeout=10))
+    assert stack.fake.requests[-1].sampling.temperature == 1.0  # unset: the OpenAI default
+
+
+@pytest.mark.parametrize("req,field", [
+    (pb.GenerateRequest(max_tokens=3), "prompt"),
+    (pb.GenerateRequest(text="", max_tokens=3), "text"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]), max_tokens=3), "token_ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999]), max_tokens=3), "token_ids"),
+    (pb.GenerateRequest(text="hi"), "max_tokens"),
+    (pb.GenerateRequest(text="hi", max_tokens=100000), "max_tokens"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, temperature=-1), "temperature"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, top_p=0), "top_p"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, top_k=-7), "top_k"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, stop=[""]), "stop"),
+])
+def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field), e.value.details()
+
+
+def test_unknown_model_is_not_found_and_verifier_refusals_pass_through(stack, stub):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(model="other", text="hi", max_tokens=3), timeout=10))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    stack.fake.fail_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text="hi", max_tokens=3), timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.value.details()
+    assert len(list(stub.Generate(pb.GenerateRequest(text="hi", max_tokens=3), timeout=10))) > 0
+
+
+def test_cancel_reaches_the_verifier(stack, stub):
+    stack.fake.delay_s = 0.05
+    try:
+        call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=10)
+        first = next(call)
+        call.cancel()
+        wait_until(lambda: first.request_id in stack.fake.cancelled, what="the verifier to see the cancel")
+    finally:
+        stack.fake.delay_s = 0.0
+
+
+def test_health_mirrors_the_verifier_and_reflection_lists_the_service(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "tandem.rpc.generation.v1.Generation"):
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                   == health_pb2.HealthCheckResponse.SERVING, what=f"{service!r} SERVING")
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "tandem.rpc.generation.v1.Generation" in names and "grpc.health.v1.Health" in names

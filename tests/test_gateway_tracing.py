@@ -1,0 +1,90 @@
+"""Traces: the gateway's span per request and the verifier's span join one trace through the W3C
+context in the gRPC metadata; tandem.tracing's propagation helpers round-trip."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+from gateway_harness import MODEL_NAME, Stack, wait_until
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tandem import tracing
+from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    exp = InMemorySpanExporter()
+    assert tracing.setup_tracing("tandem-test", exporter=exp) is not None
+    return exp
+
+
+@pytest.fixture(scope="module")
+def stack(exporter):
+    s = Stack()
+    yield s
+    s.close()
+
+
+def _spans(exporter, *names):
+    wait_until(lambda: all(any(s.name == n for s in exporter.get_finished_spans()) for n in names),
+               what=f"spans {names}")
+    return {n: [s for s in exporter.get_finished_spans() if s.name == n][-1] for n in names}
+
+
+def test_rest_request_and_verifier_share_one_trace(stack, exporter):
+    exporter.clear()
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 200
+    spans = _spans(exporter, "gateway.completions", "verifier.generate")
+    gw, vf = spans["gateway.completions"], spans["verifier.generate"]
+    assert gw.context.trace_id == vf.context.trace_id
+    assert vf.parent is not None and vf.parent.span_id == gw.context.span_id
+    assert gw.kind.name == "SERVER" and gw.attributes["http.status_code"] == 200
+    assert gw.attributes["gen_ai.usage.completion_tokens"] == 4
+    assert stack.fake.metadata[-1]["traceparent"].split("-")[1] == format(gw.context.trace_id, "032x")
+
+
+def test_incoming_traceparent_is_the_parent_and_streams_end_their_span(stack, exporter):
+    exporter.clear()
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body,
+                      headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}) as r:
+        r.read()
+    spans = _spans(exporter, "gateway.chat_completions", "verifier.generate")
+    gw = spans["gateway.chat_completions"]
+    assert format(gw.context.trace_id, "032x") == trace_id and format(gw.parent.span_id, "016x") == parent_id
+    assert spans["verifier.generate"].context.trace_id == gw.context.trace_id
+
+
+def test_grpc_request_is_traced_and_errors_are_marked(stack, exporter):
+    exporter.clear()
+    with grpc.insecure_channel(stack.grpc_target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=3), timeout=10))
+        spans = _spans(exporter, "gateway.generate", "verifier.generate")
+        assert spans["gateway.generate"].context.trace_id == spans["verifier.generate"].context.trace_id
+        exporter.clear()
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=0), timeout=10))
+    span = _spans(exporter, "gateway.generate")["gateway.generate"]
+    assert span.status.status_code.name == "ERROR" and span.attributes["rpc.grpc.status_code"] == "INVALID_ARGUMENT"
+
+
+def test_propagation_helpers_round_trip(exporter):
+    span = tracing.start_span("outer", kind="client")
+    ctx = tracing.context_with(span)
+    md = tracing.inject_metadata(ctx)
+    assert [k for k, _ in md] == ["traceparent"]
+    assert md[0][1].split("-")[1] == tracing.trace_id_hex(span)
+    for carrier in (md, dict(md), tracing.inject_dict(ctx)):
+        child = tracing.start_span("inner", parent=tracing.extract_context(carrier))
+        assert child.get_span_context().trace_id == span.get_span_context().trace_id
+        child.end()
+    with tracing.use_span(span):
+        assert tracing.inject_dict() == dict(md)  # the current span is the default
+    span.end()
+    assert tracing.inject_metadata() == []  # no current span: nothing to send
+    assert tracing.extract_context(None) is None and tracing.extract({}) is None

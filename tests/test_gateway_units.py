@@ -1,0 +1,142 @@
+"""Pieces of the gateway on their own: incremental detokenization, stop strings, limits, chat
+templates, tracing without opentelemetry, and ``python -m gateway`` as a process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_harness import MODEL_NAME, Stack, tiny_model_dir
+
+from gateway.detokenize import IncrementalDetokenizer, StopStrings
+from gateway.errors import GatewayError
+from gateway.request import resolve_max_tokens
+from tandem.chat_template import ChatTemplate, ChatTemplateError
+from tandem.tokenizer import TextTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_detokenizer_holds_back_split_characters():
+    tok = TextTokenizer(tiny_model_dir())
+    text = "naïve café — 日本語 ✓ done"
+    ids = tok.encode(text)
+    # Byte-level BPE: the multi-byte characters come out as several tokens each.
+    detok = IncrementalDetokenizer(tok.decode)
+    parts = [detok.add([t]) for t in ids[:-1]] + [detok.add(ids[-1:], final=True)]
+    assert "".join(parts) == text
+    assert not any("\ufffd" in p for p in parts)
+
+
+def test_detokenizer_emits_real_replacement_characters_at_the_end():
+    tok = TextTokenizer(tiny_model_dir())
+    e_acute = tok.encode("é")
+    assert len(e_acute) == 2  # two byte tokens
+    detok = IncrementalDetokenizer(tok.decode)
+    assert detok.add(e_acute[:1]) == ""  # half a character: wait
+    assert detok.add([], final=True) == "\ufffd"  # the stream ended on it: it is real
+
+
+def test_stop_strings_across_deltas():
+    s = StopStrings(["STOP", "\n\n"])
+    out = [s.feed("hello ST"), s.feed("O"), s.feed("P and more")]
+    assert "".join(out) == "hello " and s.hit and s.feed("later") == ""
+    s = StopStrings(["abc"])
+    assert s.feed("xab") == "x" and s.feed("d") == "abd" and not s.hit
+    assert s.feed("ab", final=True) == "ab"
+    s = StopStrings(["aab"])
+    assert s.feed("aa") == "" and s.feed("ab") == "a" and s.hit
+    assert StopStrings([]).feed("anything") == "anything"
+
+
+def test_max_tokens_resolution():
+    assert resolve_max_tokens(None, 10, 100, None, 16) == 16
+    assert resolve_max_tokens(None, 90, 100, None, 16) == 10  # the default shrinks to fit
+    assert resolve_max_tokens(None, 10, 100, 50, None) == 50  # chat: the room, capped by the limit
+    assert resolve_max_tokens(None, 10, 0, None, 16) == 16  # context unknown: the verifier checks
+    assert resolve_max_tokens(90, 10, 100, None, 16) == 90
+    for args, param in [((91, 10, 100, None, 16), "max_tokens"), ((0, 10, 100, None, 16), "max_tokens"),
+                        ((5, 100, 100, None, 16), "prompt"), ((60, 10, 100, 50, 16), "max_tokens")]:
+        with pytest.raises(GatewayError) as e:
+            resolve_max_tokens(*args)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_chat_template_forms(tmp_path):
+    import json
+
+    t = ChatTemplate.from_model_dir(tiny_model_dir())
+    assert t.render([{"role": "user", "content": "hi"}]) == "<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
+    assert t.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<|bos|>user\nhi<|eos|>\n"
+    assert ChatTemplate.from_model_dir(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"},
+        "chat_template": [{"name": "default", "template": "{{ bos_token }}{% for m in messages %}"
+                           "{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+                           "{{ m | tojson }}{% endfor %}"}]}))
+    t = ChatTemplate.from_model_dir(tmp_path)
+    assert t.render([{"role": "user", "content": "é"}]) == '<s>{"role": "user", "content": "é"}'
+    with pytest.raises(ChatTemplateError, match="no tools"):
+        t.render([{"role": "tool", "content": "x"}])
+    # A template file wins over the config, and is sandboxed: Python internals stay out of reach.
+    (tmp_path / "chat_template.jinja").write_text("[{{ messages[0].content.__class__ }}]")
+    assert ChatTemplate.from_model_dir(tmp_path).render([{"role": "user", "content": "x"}]) == "[]"
+    (tmp_path / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.from_model_dir(tmp_path).render([{"role": "user", "content": "x"}])
+
+
+def test_tracing_is_a_no_op_without_opentelemetry():
+    code = ("import sys; sys.modules['opentelemetry'] = None\n"
+            "from tandem import tracing as t\n"
+            "assert not t.OTEL_AVAILABLE and t.setup_tracing('x', 'http://collector:4317') is None\n"
+            "s = t.start_span('a', parent=t.extract_context([('traceparent', 'x')]), attributes={'k': 1})\n"
+            "s.set_attribute('k', 2); s.add_event('e'); t.set_error(s, 'bad'); s.end()\n"
+            "with t.use_span(s): assert t.inject_metadata(t.context_with(s)) == [] and t.inject_dict() == {}\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)
+
+
+def test_gateway_imports_no_torch():
+    code = "import sys, gateway.__main__, gateway.server; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_python_m_gateway_serves_logs_its_address_and_stops_on_sigterm():
+    verifier = Stack()  # only its fake verifier is used; the gateway under test is the subprocess
+    try:
+        fake_address = verifier.gateway.cfg.verifier
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--verifier", fake_address, "--model-dir", str(tiny_model_dir()),
+             "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--served-model-name", MODEL_NAME],
+            cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+        try:
+            url = None
+            for line in proc.stderr:
+                m = re.search(r"OpenAI API at (http://\S+/v1)", line)
+                if m:
+                    url = m.group(1)
+                    break
+            assert url, "no start-up line saying where to send requests"
+            body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3}
+            r = httpx.post(f"{url}/completions", json=body, timeout=10)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        verifier.close()
+
+
+def test_bad_model_dir_is_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "gateway", "--verifier", "127.0.0.1:1", "--model-dir", "/nonexistent"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --model-dir /nonexistent: no such folder"]

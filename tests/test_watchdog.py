@@ -1,0 +1,38 @@
+"""The watchdog reports a hung step within its deadline, with stacks, and exits non-zero."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from tandem.watchdog import HUNG_EXIT_CODE, Watchdog
+
+
+def test_a_step_within_its_deadline_is_left_alone():
+    dog = Watchdog(exit_code=None)
+    with dog.guard("quick step", deadline_s=1.0):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert dog.fired == []
+
+
+def test_a_simulated_hung_capture_is_reported_and_the_process_exits():
+    code = textwrap.dedent("""
+        import time
+        from tandem.watchdog import Watchdog
+        def simulated_capture():  # stands for a CUDA graph capture that never returns
+            time.sleep(60)
+        dog = Watchdog(on_hang=lambda what: print("HEALTH NOT_SERVING:", what, flush=True))
+        with dog.guard("Capture decode cuda graph bs=8", deadline_s=0.5):
+            simulated_capture()
+    """)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == HUNG_EXIT_CODE
+    assert elapsed < 10, "reported well within the test's patience, not after the 60 s hang"
+    assert "HEALTH NOT_SERVING: Capture decode cuda graph bs=8" in proc.stdout
+    assert "Capture decode cuda graph bs=8 exceeded its deadline" in proc.stderr
+    assert "simulated_capture" in proc.stderr, "the hung thread's stack is in the report"
