@@ -65,9 +65,10 @@ def run_up(args: argparse.Namespace) -> int:
     if draft is not None:
         verifier_argv += ["--drafter", f"127.0.0.1:{args.drafter_port}", "--draft-model", draft, *spec]
     children.append(Child("verifier", verifier_argv))
+    name = "tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model))
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{args.verifier_port}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
-                                           str(args.grpc_port), *tracing]))
+                                           str(args.grpc_port), "--served-model-name", name, *tracing]))
     try:
         for child in children:
             print(f"starting {child.name} ...", file=sys.stderr, flush=True)
@@ -75,7 +76,7 @@ def run_up(args: argparse.Namespace) -> int:
             _wait_healthy(child, args)
         base = f"http://{args.host}:{args.port}"
         print(f"\nTandem is up ({'EAGLE-3 speculation on' if draft else 'no speculation'}).\n"
-              f"  OpenAI API:   {base}/v1   (model: {os.path.basename(os.path.normpath(model))})\n"
+              f"  OpenAI API:   {base}/v1   (model: {name})\n"
               f"  gRPC:         {args.host}:{args.grpc_port}   (tandem.rpc.generation.v1.Generation)\n"
               f"  metrics:      {base}/metrics   and   http://127.0.0.1:{args.metrics_port}/metrics (verifier)\n"
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' "

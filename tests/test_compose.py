@@ -1,0 +1,41 @@
+"""docker-compose.yml is valid against the Compose specification (no Docker engine needed) and keeps
+the invariants the services rely on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compose_file_matches_the_compose_spec_schema():
+    exe = shutil.which("check-jsonschema")
+    if exe is None:
+        pytest.skip("check-jsonschema is not installed (the dev extra installs it)")
+    proc = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_wiring():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert {"verifier", "drafter", "gateway", "otel-collector", "jaeger"} <= set(services)
+    drafter, verifier, gateway = services["drafter"], services["verifier"], services["gateway"]
+    # CUDA IPC and the /dev/shm ring need the drafter inside the verifier's IPC and PID namespaces.
+    assert verifier["ipc"] == "shareable"
+    assert drafter["ipc"] == "service:verifier" and drafter["pid"] == "service:verifier"
+    for svc in (verifier, drafter):
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+        assert "healthcheck" in svc and svc["healthcheck"]["start_period"]
+    assert gateway["depends_on"]["verifier"]["condition"] == "service_healthy"
+    assert gateway["depends_on"]["drafter"]["condition"] == "service_healthy"
+    for svc in (verifier, drafter, gateway):
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
+    assert "python3 -m verifier" in verifier["command"] and "--drafter drafter:50052" in verifier["command"]
