@@ -58,7 +58,8 @@ class DraftConfig:
         """Target layers whose residual-stream input feeds the head, ascending (our capture indices)."""
         if self.aux_layer_ids is None:
             return target.default_capture_layers()
-        return tuple(sorted({k + 1 for k in self.aux_layer_ids}))
+        # Ascending, as the target concatenates them; a repeated layer (toy targets) stays repeated.
+        return tuple(sorted(k + 1 for k in self.aux_layer_ids))
 
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> "DraftConfig":
@@ -76,7 +77,7 @@ class DraftConfig:
         archs = raw.get("architectures") or []
         layers = int(raw.get("num_hidden_layers", 1))
         # EAGLE's own training repo writes a plain LlamaForCausalLM config for its 1-layer head.
-        eagle_repo_style = "LlamaForCausalLM" in archs and layers == 1 and "draft_vocab_size" in raw
+        eagle_repo_style = "LlamaForCausalLM" in archs and layers == 1 and raw.get("draft_vocab_size") is not None
         if EAGLE3_ARCHITECTURE not in archs and not eagle_repo_style:
             named = ", ".join(archs) if archs else "none given"
             hint = " (a 1-layer head without draft_vocab_size looks like EAGLE-1/2)" if layers == 1 else ""
@@ -196,12 +197,11 @@ def validate_draft(
             f"{bad[0]}, but the target has {n} layers (valid ids -1..{n - 2}); {fix}"
         )
     if len(wanted) != NUM_AUX_LAYERS:
-        raise ConfigError(
-            f"an EAGLE-3 head reads {NUM_AUX_LAYERS} distinct target layers but this draft/target pair gives "
-            f"{len(wanted)} ({list(wanted)} of a {n}-layer target); set eagle_config.eagle_aux_hidden_state_layer_ids "
-            "in the draft config to three distinct layer ids"
+        raise CheckpointError(
+            f"an EAGLE-3 head reads {NUM_AUX_LAYERS} target layers but the draft's eagle_aux_hidden_state_layer_ids "
+            f"name {len(wanted)} ({list(draft.aux_layer_ids or ())}); list three layer ids in the draft config"
         )
-    if capture_layers is not None and tuple(sorted(set(capture_layers))) != wanted:
+    if capture_layers is not None and tuple(sorted(capture_layers)) != wanted:
         raise ConfigError(
             f"the target captures layers {list(capture_layers)} but the draft was trained on layers {list(wanted)}; "
             "drop the capture-layer override or use a matching draft"
@@ -263,6 +263,7 @@ def _validate_tensors(draft: DraftConfig, target: ModelConfig, capture: tuple[in
 
 
 def _validate_token_map(draft: DraftConfig, files: dict[str, Path]) -> None:
+    import numpy as np
     from safetensors import safe_open
 
     if "d2t" not in files:
@@ -276,14 +277,12 @@ def _validate_token_map(draft: DraftConfig, files: dict[str, Path]) -> None:
         d2t = f.get_tensor("d2t")  # small: [draft_vocab] int64
     if tuple(d2t.shape) != (draft.draft_vocab_size,):
         raise CheckpointError(f"draft d2t has shape {tuple(d2t.shape)}, expected ({draft.draft_vocab_size},) (draft_vocab_size)")
-    import numpy as np
-
     target_ids = np.arange(len(d2t), dtype=np.int64) + d2t.astype(np.int64)
     bad = np.flatnonzero((target_ids < 0) | (target_ids >= draft.vocab_size))
     if len(bad):
         i = int(bad[0])
         raise CheckpointError(
             f"draft d2t maps draft id {i} to target id {int(target_ids[i])}, outside the target vocabulary "
-            f"[0, {draft.vocab_size}) ({len(bad)} ids out of range); the token map belongs to another model, "
+            f"[0, {draft.vocab_size}) ({len(bad)} of {len(d2t)} draft ids out of range); the token map belongs to another model, "
             "use a draft trained for this target"
         )

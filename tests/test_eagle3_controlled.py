@@ -1,0 +1,139 @@
+"""The controlled-acceptance proposer (a benchmark instrument): at corruption 0 it proposes the
+reference continuation; at rate r the mean accept length is 1 + sum_d (1 - r)^d; in the engine it
+stays lossless and hits the designed accept length."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_checkpoints import one_thread, shared_pair
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams
+from tandem.speculative.controlled import ControlledAcceptanceProposer, expected_accept_length
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint, tmp_path_factory):
+    return shared_pair(checkpoint, tmp_path_factory)
+
+
+def make_drafter(pair) -> Eagle3Drafter:
+    return Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), DrafterConfig(page_size=8, kv_pages=512))
+
+
+def best_path(tree) -> list[int]:
+    node, path = 0, []
+    while tree.children(node):
+        node = max(tree.children(node), key=lambda c: (tree.scores[c], -c))
+        path.append(node)
+    return path
+
+
+def greedy_accept(tree, ref: list[int], start: int) -> int:
+    """Drafted tokens a greedy verifier whose argmax continuation is ``ref`` accepts (bonus excluded)."""
+    node, accepted = 0, 0
+    while True:
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == ref[start + accepted + 1]), None)
+        if nxt is None:
+            return accepted
+        node, accepted = nxt, accepted + 1
+
+
+def simulate(pair, rate: float, spec: SpecConfig, requests: int, rounds: int, seed: int = 0):
+    """Rounds of draft → greedy verify against a random reference → extend. Returns per round the
+    accept length and its expectation (from the tree's best-path depth), the trees (rid, root index,
+    tree), and the references."""
+    g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    proposer = ControlledAcceptanceProposer(make_drafter(pair), rate, seed=seed)
+    refs, starts = {}, {}
+    for i in range(requests):
+        rid, n = f"r{i}", rng.randint(3, 9)
+        prompt = torch.randint(0, 256, (n,), generator=g).tolist()
+        refs[rid] = torch.randint(0, 256, (rounds * (spec.num_steps + 1) + 2,), generator=g).tolist()
+        proposer.set_reference(rid, n, refs[rid])
+        proposer.extend([(rid, prompt[1:] + refs[rid][:1], torch.randn(n, 192, generator=g))])
+        starts[rid] = 0  # refs[rid][starts[rid]] is the root
+    lengths, expected, trees = [], [], []
+    for _ in range(rounds):
+        rids = list(refs)
+        items = []
+        for rid, tree in zip(rids, proposer.draft(rids, spec)):
+            assert tree.tokens[0] == refs[rid][starts[rid]]
+            trees.append((rid, starts[rid], tree))
+            m = greedy_accept(tree, refs[rid], starts[rid])
+            lengths.append(m + 1)
+            expected.append(expected_accept_length(rate, len(best_path(tree))))
+            new = refs[rid][starts[rid] + 1 : starts[rid] + m + 2]  # accepted drafts + the bonus
+            items.append((rid, new, torch.randn(len(new), 192, generator=g)))
+            starts[rid] += m + 1
+        proposer.extend(items)
+    return lengths, expected, trees, refs
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5), SpecConfig(3, 3, 8)])
+def test_corruption_zero_proposes_the_reference(pair, spec):
+    lengths, _, trees, refs = simulate(pair, 0.0, spec, requests=3, rounds=6)
+    for rid, start, tree in trees:
+        path = best_path(tree)
+        assert len(path) >= 1
+        for depth, node in enumerate(path, start=1):
+            assert tree.tokens[node] == refs[rid][start + depth]
+            siblings = [c for c in tree.children(tree.parents[node]) if c != node]
+            assert all(tree.tokens[s] != tree.tokens[node] for s in siblings)  # only the path is accepted
+        assert greedy_accept(tree, refs[rid], start) == len(path)
+        if spec.topk == 1:
+            assert len(path) == spec.num_steps
+    if spec.topk == 1:
+        assert set(lengths) == {spec.num_steps + 1}
+
+
+@pytest.mark.parametrize("rate,spec", [(0.3, SpecConfig(4, 1, 5)), (0.5, SpecConfig(3, 2, 6)), (1.0, SpecConfig(3, 1, 4))])
+def test_mean_accept_length_matches_the_design(pair, rate, spec):
+    lengths, expected, _, _ = simulate(pair, rate, spec, requests=8, rounds=50, seed=1)
+    mean, want = sum(lengths) / len(lengths), sum(expected) / len(expected)
+    if spec.topk == 1:
+        assert want == pytest.approx(expected_accept_length(rate, spec.num_steps))
+    # 400 rounds: the standard error is below 0.08 tokens; 0.25 is > 3 standard errors.
+    print(f"rate {rate}: mean accept length {mean:.3f}, designed {want:.3f}")
+    assert mean == pytest.approx(want, abs=0.25), (mean, want)
+
+
+def test_same_seed_same_corruption(pair):
+    a = simulate(pair, 0.4, SpecConfig(3, 2, 6), requests=2, rounds=5, seed=3)[2]
+    b = simulate(pair, 0.4, SpecConfig(3, 2, 6), requests=2, rounds=5, seed=3)[2]
+    assert [t for _, _, t in a] == [t for _, _, t in b]
+
+
+def test_in_the_engine_it_is_lossless_and_accepts_as_designed(pair):
+    """With greedy verification the output equals plain decoding whatever the corruption; at 0 every
+    round accepts the whole chain."""
+    prompts = [[5, 17, 99, 3], [250, 42, 8, 8, 1, 77, 13]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(pair.target_dir), kv_pages=64)) as plain:
+        reference = [r.output_token_ids for r in plain.generate(prompts, params)]
+    spec = SpecConfig(4, 1, 5)
+    for rate in (0.0, 0.5):
+        drafter = make_drafter(pair)
+        proposer = ControlledAcceptanceProposer(drafter, rate, seed=0)
+        cfg = EngineConfig(model=str(pair.target_dir), kv_pages=64, capture_layers=drafter.capture_layers)
+        with LLMEngine(cfg, proposer, spec) as engine:
+            for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+                engine.add_request(prompt, params, rid=f"p{i}")
+                proposer.set_reference(f"p{i}", len(prompt), ref + [0] * spec.num_steps)
+            while engine.has_unfinished():
+                engine.step()
+            results = [engine.requests.pop(f"p{i}") for i in range(len(prompts))]
+        assert [r.output for r in results] == reference
+        if rate == 0.0:
+            assert all(r.spec_stats.accept_length_mean == spec.num_steps + 1 for r in results)
