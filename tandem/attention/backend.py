@@ -38,9 +38,16 @@ class AttentionBackend(ABC):
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto``: FlashInfer on a GPU when it is installed, else the torch reference."""
+    from tandem.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
+
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_available()):
+        if not flashinfer_available():
+            raise ValueError("attention backend 'flashinfer' asked for, but flashinfer cannot be imported "
+                             "(pip install 'tandem[gpu]')")
+        return FlashInferBackend(device)
     if name in ("auto", "torch"):
-        # FlashInfer becomes the automatic choice on GPU once its backend exists.
         from tandem.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend '{name}'; available: auto, torch")
+    raise ValueError(f"unknown attention backend '{name}'; available: auto, torch, flashinfer")
