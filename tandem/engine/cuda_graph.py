@@ -152,6 +152,20 @@ class TargetGraphRunner:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        fam, bs, m = self.prepare(batch)
+        fam.graphs[bs].replay()
+        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+
+    @torch.inference_mode()
+    def run_static_eagerly(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the graph computes, without the graph: the static buffers, kernels and padding, run
+        eagerly. Lets the CPU tests (Triton's interpreter) check everything but capture itself."""
+        fam, bs, m = self.prepare(batch)
+        self._run_model(fam, bs)
+        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+
+    def prepare(self, batch: ForwardBatch) -> tuple[_Family, int, int]:
+        """Fill the static inputs of the bucket that fits ``batch``; → (family, bucket, real rows)."""
         seqs = batch.seqs
         width = len(seqs[0].token_ids)
         fam = self.families[width]
@@ -181,8 +195,7 @@ class TargetGraphRunner:
             masks = [s.tree_mask if s.tree_mask is not None else causal for s in seqs]
             fam.mask[:n].copy_(torch.tensor(masks, dtype=torch.bool), non_blocking=True)
         self._fill_padding(fam, n, bs)
-        fam.graphs[bs].replay()
-        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+        return fam, bs, m
 
     def _fill_padding(self, fam: _Family, start: int, bs: int) -> None:
         """Rows [start, bs) of a padded batch: their KV goes to the dummy page, they see only it."""

@@ -1,0 +1,63 @@
+"""The CUDA-graph path's static buffers, padding and Triton kernels give the eager path's logits and
+features — checked on the CPU under Triton's interpreter (capture and replay themselves are checked
+on the GPU in tests/gpu/test_engine_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="runs the Triton kernels: set TRITON_INTERPRET=1 on a CPU machine")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
+
+    path = write_random_llama(tmp_path_factory.mktemp("static") / "t", LlamaShape(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
+        max_position_embeddings=256), seed=5, std=0.08)
+    eng = LLMEngine(EngineConfig(model=str(path), page_size=4, page_shuffle_seed=7))
+    yield eng
+    eng.shutdown()
+
+
+def test_static_decode_and_verify_match_eager(engine):
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.engine.batch import ForwardBatch, SequenceChunk
+    from tandem.engine.cuda_graph import TargetGraphRunner
+    from tandem.kv_cache import SequenceKV
+    from tandem.speculative.tree import DraftTree
+
+    runner = engine.executor.runner
+    runner.graph_backend = TritonGraphBackend()
+    graphs = TargetGraphRunner(runner, widths=(1, 5), max_bs=8)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (3, 9, 17):  # prefill eagerly, then compare one decode and one verify step
+        prompt = torch.randint(0, 300, (n,), generator=g).tolist()
+        kv = SequenceKV(engine.allocator)
+        kv.reserve(n + 5)
+        runner.forward(ForwardBatch([SequenceChunk(prompt, 0, list(kv.pages))]))
+        seqs.append((prompt, kv))
+    decode = ForwardBatch([SequenceChunk([7 + i], len(p), list(kv.pages)) for i, (p, kv) in enumerate(seqs)])
+    eager_logits, _ = runner.forward(decode)
+    static_logits, _ = graphs.run_static_eagerly(decode)
+    torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+
+    tree = DraftTree([5, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
+    verify = ForwardBatch([SequenceChunk(tree.tokens, len(p), list(kv.pages),
+                                         positions=[len(p) + d for d in tree.depths], tree_mask=tree.ancestor_mask(),
+                                         logits="all") for p, kv in seqs], capture_features=True)
+    eager_logits, eager_feats = runner.forward(verify)
+    static_logits, static_feats = graphs.run_static_eagerly(verify)
+    torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(static_feats, eager_feats, rtol=1e-4, atol=1e-4)
+    for _, kv in seqs:
+        kv.release()
