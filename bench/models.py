@@ -38,7 +38,7 @@ def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_grap
 
     cfg = EngineConfig(model=str(target_dir(layers)), device="cuda", dtype="bfloat16", load_format="random",
                        cuda_graph_widths=widths, cuda_graph_max_bs=max_bs, disable_cuda_graph=disable_graphs,
-                       mem_fraction_static=0.6)
+                       kv_pages=6144)  # 96k tokens: 12 GB at the 8B shape, enough for 64 requests x 1.5k
     return LLMEngine(cfg)
 
 

@@ -149,6 +149,11 @@ class FlashInferBackend(AttentionBackend):
         self.decode_tensor_cores, self.causal_backend = decode_tensor_cores, causal_backend
         self._planners: dict[str, _Planner] = {}
         self._kind, self._arrays, self._key = "decode", None, None
+        # FlashInfer has no float32 kernels: float32 models (tests, references) use the torch reference.
+        from tandem.attention.torch_backend import TorchAttentionBackend
+
+        self._float32 = TorchAttentionBackend()
+        self._float32_meta = None
 
     def _planner(self, kind: str) -> _Planner:
         if kind not in self._planners:
@@ -168,6 +173,11 @@ class FlashInferBackend(AttentionBackend):
         self._page_size, self._key = meta.page_size, None  # the wrapper is planned at the first forward
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if q.dtype == torch.float32:
+            if self._float32_meta is not meta:
+                self._float32.plan(meta)
+                self._float32_meta = meta
+            return self._float32.forward(q, k, v, k_pool, v_pool, meta, scale)
         _store(k, v, k_pool, v_pool, meta.slot_mapping)
         key = (q.shape[1], k_pool.shape[2], q.shape[2], q.dtype, k_pool.dtype, float(scale))
         planner = self._planner(self._kind)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install the carried wheels (flashinfer; see .whl), run the GPU
+# tests, then the benchmark. Everything it prints also lands under $OUT.
+#   usage: scripts/gpu_check.sh [tests|bench|all] [bench args...]
+set -u
+what=${1:-all}; shift || true
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -x --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 bench/bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi

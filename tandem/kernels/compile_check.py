@@ -1,0 +1,139 @@
+"""Compile every kernel for Hopper (sm_90) on a machine without a GPU and report what the H200 would run.
+
+``python -m tandem.kernels.compile_check [bfloat16|float16]`` prints, per kernel and shape: registers,
+stack (non-zero means spills to local memory), shared memory, 16-byte global loads (``LDG.E.128``),
+16-byte async copies (``LDGSTS...128``, the software-pipelined K/V loads) and which matrix
+instruction the attention uses (``HGMMA`` = wgmma, ``HMMA`` = mma.sync). The interpreter tests never
+compile anything, so this is what catches errors on the compiled path (for example a global a kernel
+may not read) before a GPU run. Exits non-zero if a kernel fails to compile or spills.
+
+It stands in a fake CUDA driver that only answers "sm_90" and launches nothing: kernels are compiled
+through ``JITFunction.warmup`` with the same arguments the wrappers pass, using the ptxas and
+cuobjdump shipped inside the triton wheel. It leans on triton 3.6 internals (the driver class).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("compile_check compiles real kernels: run it without TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _Hopper(CudaDriver):
+    def __init__(self):  # no libcuda: nothing here may touch the GPU
+        pass
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def is_active(self):
+        return True
+
+
+_compiled: list[tuple[str, object]] = []
+
+
+class _CompileOnly:
+    """Replaces a module's ``kernel[grid](...)`` with a compile (warmup) that records the result."""
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            _compiled.append((self.jit_fn.fn.__name__, self.jit_fn.warmup(*args, grid=grid, **kwargs)))
+        return call
+
+
+def _report(tag: str, failures: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kernel in _compiled:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
+            sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout
+            regs = int(re.search(r"REG:(\d+)", usage).group(1))
+            stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+            mma = ",".join(sorted({m.split(".")[0] for m in re.findall(r"\b(H[G]?MMA\.\S+)", sass)}))
+            ldg = len(re.findall(r"LDG\.E[.A-Z]*\.128", sass))
+            ldgsts = len(re.findall(r"LDGSTS\.E[.A-Z]*\.128", sass))
+            print(f"{tag:34s} {name:24s} regs={regs:3d} stack={stack:3d} smem={kernel.metadata.shared:6d} "
+                  f"LDG.128={ldg:3d} LDGSTS.128={ldgsts:3d} warps={kernel.metadata.num_warps} {mma}")
+            if stack:
+                failures.append(f"{tag} {name}: {stack} bytes of stack (spills)")
+    _compiled.clear()
+
+
+def main(dtype_name: str = "bfloat16") -> int:
+    driver.set_active(_Hopper())
+    dt = getattr(torch, dtype_name)
+    mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in ("paged_attention", "rotary_kv", "norm", "activation")}
+    for mod in mods.values():
+        for attr in dir(mod):
+            if attr.startswith("_") and attr.endswith("_kernel"):
+                setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
+    pa, rk, nm, ac = mods.values()
+    failures: list[str] = []
+
+    def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
+        q = torch.empty(batch * q_len, group * kv_heads, head_dim, dtype=dt)
+        pool = torch.empty(64, page, kv_heads, head_dim, dtype=dt)
+        mask = torch.ones(batch, q_len, width, dtype=torch.bool) if width else None
+        pa.paged_attention(q, pool, pool, torch.zeros(batch, 16, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
+                           0.1, mask=mask, num_splits=splits)
+        _report(f"attn b{batch} q{q_len} g{group} h{kv_heads} d{head_dim} p{page} w{width} s{splits}", failures)
+
+    attention(8, 1, 4, 8, 128, 16)  # Llama-3-8B decode
+    attention(1, 1, 4, 8, 128, 16, splits=16)  # batch-1 decode, split-K
+    attention(8, 8, 4, 8, 128, 16, width=8)  # verify 8-node trees
+    attention(8, 16, 8, 1, 128, 16, width=16)  # verify 16 nodes, GQA 8 (128 rows per program)
+    attention(8, 1, 1, 8, 64, 16)  # MHA, head_dim 64
+    attention(1, 256, 4, 8, 128, 16)  # prefill-like width
+    tokens = 64
+    qkv = torch.empty(tokens, 48 * 128, dtype=dt)
+    q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], -1))
+    table, pool, slots = torch.empty(1000, 128), torch.empty(64, 16, 8, 128, dtype=dt), torch.zeros(tokens, dtype=torch.int64)
+    rk.rotary_and_store(q, k, v, table, table, slots, pool, pool, slots)
+    _report("rotary_and_store 32/8 heads", failures)
+    rk.store_kv(k, v, pool, pool, slots)
+    _report("store_kv", failures)
+    x, w = torch.empty(tokens, 4096, dtype=dt), torch.empty(4096, dtype=dt)
+    nm.rms_norm(x, w, 1e-6)
+    _report("rms_norm 4096", failures)
+    nm.rms_norm(x, w, 1e-6, residual=x.clone())
+    _report("rms_norm + residual 4096", failures)
+    nm.rms_norm(q, torch.empty(128, dtype=dt), 1e-6)
+    _report("rms_norm per head 128", failures)
+    ac.silu_and_mul(torch.empty(tokens, 2 * 14336, dtype=dt))
+    _report("silu_and_mul 14336", failures)
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,300 @@
+"""Triton kernels against plain-torch references (tandem's own reference code: TorchAttentionBackend,
+RotaryEmbedding's formula, RMSNorm's formula), on the CPU under the Triton interpreter.
+
+Inputs are random (never zeros), outputs are poisoned with NaN before each call so an element the
+kernel forgot to write fails, pages are scattered, prefixes cross page boundaries, and trees are
+random (parent < child; a node sees its ancestors and itself). The helpers are shared with
+tests/gpu/test_kernels_gpu.py, which runs the same checks larger, in bf16/fp16 and under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
+pytest.importorskip("triton")
+
+from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device  # noqa: E402
+from tandem.kernels import paged_attention, rms_norm, rotary_and_store, silu_and_mul, store_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
+
+
+def random_tree_mask(rng: random.Random, n: int, width: int) -> list[list[bool]]:
+    """[n, width] mask over the last ``width`` keys: a random tree of ``width`` nodes (parent < child),
+    each of the last ``n`` nodes seeing its ancestors and itself."""
+    parent = [-1] + [rng.randrange(j) for j in range(1, width)]
+    rows = []
+    for node in range(width - n, width):
+        seen = [False] * width
+        while node >= 0:
+            seen[node], node = True, parent[node]
+        rows.append(seen)
+    return rows
+
+
+def attention_case(batch, q_len, group, num_kv_heads, head_dim, page_size, dtype, device, *, seed,
+                   mask_width=None, max_prefix=90, pad_last=False, num_pages=None, max_pages=None):
+    """Random sequences on scattered pages; returns the kernel's inputs and the reference output.
+
+    The new K/V are written into the pools (as the rotary/store kernel would have done), the
+    reference is TorchAttentionBackend in float32 on the same (rounded) values, and every pool slot
+    that no sequence owns is then poisoned with NaN, except the dummy page 0, so a load past
+    ``kv_len`` shows. ``mask_width``: None = causal, else a tree mask over that many last keys.
+    ``pad_last``: the last sequence is a CUDA-graph padding row (kv_len 1 on page 0)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lo = 0 if mask_width is None else mask_width - q_len  # the tree's older nodes are already cached
+    lens = [rng.randint(lo, max(lo, max_prefix)) for _ in range(batch - pad_last)]
+    num_pages = num_pages or sum(-(-(p + q_len) // page_size) for p in lens) + 3
+    free = list(range(1, num_pages))  # page 0 is the dummy page
+    rng.shuffle(free)
+    seqs, masks = [], []
+    for prefix in lens:
+        pages = [free.pop() for _ in range(-(-(prefix + q_len) // page_size))]
+        tree = random_tree_mask(rng, q_len, mask_width) if mask_width else None
+        masks.append(tree)
+        seqs.append(SequenceChunk(token_ids=[1] * q_len, prefix_len=prefix, pages=pages, tree_mask=tree, logits="all"))
+    meta = to_device(ForwardBatch(seqs), page_size, torch.device(device)).meta
+    t_real, hq = len(seqs) * q_len, group * num_kv_heads
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    k_pool, v_pool = randn(num_pages, page_size, num_kv_heads, head_dim), randn(num_pages, page_size, num_kv_heads, head_dim)
+    q, k, v = randn(t_real, hq, head_dim), randn(t_real, num_kv_heads, head_dim), randn(t_real, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    backend = TorchAttentionBackend()
+    backend.plan(meta)
+    ref = backend.forward(q.float(), k.float(), v.float(), k_pool.float(), v_pool.float(), meta, scale)
+    for pool, new in ((k_pool, k), (v_pool, v)):
+        pool.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new)
+    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    owned[:page_size] = True
+    for sq in seqs:
+        for t in range(sq.prefix_len + q_len):
+            owned[sq.pages[t // page_size] * page_size + t % page_size] = True
+    for pool in (k_pool, v_pool):
+        pool.view(-1, num_kv_heads, head_dim)[~owned.to(device)] = float("nan")
+
+    width = max(max_pages or 0, meta.block_tables.shape[1])
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)  # padding rows: all page 0
+    tables[: len(seqs), : meta.block_tables.shape[1]] = meta.block_tables
+    kv_lens = torch.ones(batch, dtype=torch.int32, device=device)  # padding rows: kv_len 1
+    kv_lens[: len(seqs)] = meta.kv_lens
+    q = torch.cat([q, randn((batch - len(seqs)) * q_len, hq, head_dim)])
+    mask = None
+    if mask_width is not None:
+        mask = torch.ones(batch, q_len, mask_width, dtype=torch.bool, device=device)
+        mask[: len(seqs)] = torch.tensor(masks, dtype=torch.bool, device=device)
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, block_tables=tables, kv_lens=kv_lens, mask=mask,
+                scale=scale, ref=ref, t_real=t_real)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def rotary_reference(q, k, cos, sin, positions):
+    """RotaryEmbedding.forward's formula (the tables cast to the activation dtype, as HF does)."""
+    def rot(x):
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def rotary_tables(max_pos, head_dim, device):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def rms_norm_reference(x, weight, eps):
+    """tandem.layers.norm.RMSNorm.forward."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def silu_and_mul_reference(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------- attention
+# (batch, q_len, group, kv heads, head_dim, page_size, mask width or None = causal, pad_last, splits)
+ATTENTION_CASES = [
+    (1, 1, 1, 2, 64, 16, None, False, 1),  # decode, MHA
+    (3, 1, 4, 2, 128, 16, None, True, 1),  # decode, GQA 4, a padded slot
+    (2, 1, 8, 1, 64, 32, None, False, 4),  # decode, split-K
+    (2, 4, 8, 1, 64, 16, 4, True, 1),  # verify a 4-node tree
+    (2, 7, 4, 2, 64, 32, 7, False, 2),  # verify 7 nodes, split-K
+    (2, 16, 8, 1, 128, 16, 16, True, 1),  # verify 16 nodes, GQA 8, D 128 (128 rows per program)
+    (2, 5, 4, 1, 64, 16, 9, False, 1),  # multi-step draft: 5 new nodes see 4 older tree nodes
+    (2, 3, 5, 1, 64, 16, 3, False, 1),  # group 5 (not a power of two)
+    (2, 16, 1, 2, 64, 16, None, True, 1),  # causal extension, q_len 16
+    (1, 40, 8, 1, 64, 16, None, False, 2),  # prefill-like width: three query tiles, causal skip
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "b{}-q{}-g{}-h{}-d{}-p{}-w{}-pad{}-s{}".format(*c))
+def test_paged_attention_matches_torch_backend(case):
+    batch, q_len, group, hkv, head_dim, page_size, width, pad, splits = case
+    c = attention_case(batch, q_len, group, hkv, head_dim, page_size, torch.float32, DEVICE,
+                       seed=ATTENTION_CASES.index(case), mask_width=width, pad_last=pad)
+    out = torch.full_like(c["q"], float("nan"))
+    paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
+                    mask=c["mask"], out=out, num_splits=splits)
+    assert not out.isnan().any(), "an output element was not written, or a padded row made NaN"
+    assert rel_err(out[: c["t_real"]], c["ref"]) < 1e-5
+
+
+@pytest.mark.parametrize("q_len,width,splits", [(1, None, 4), (1, None, 8), (4, 6, 4)])
+def test_paged_attention_split_k_long_context(q_len, width, splits):
+    c = attention_case(2, q_len, 4, 1, 64, 16, torch.float32, DEVICE, seed=splits + q_len, mask_width=width,
+                       max_prefix=420)
+    out = torch.full_like(c["q"], float("nan"))
+    paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
+                    mask=c["mask"], out=out, num_splits=splits)
+    assert rel_err(out, c["ref"]) < 1e-5
+
+
+def test_paged_attention_bf16_and_default_splits():
+    c = attention_case(2, 4, 4, 2, 64, 16, torch.bfloat16, DEVICE, seed=7, mask_width=4)
+    out = paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"], mask=c["mask"])
+    assert out.dtype == torch.bfloat16 and rel_err(out, c["ref"]) < 1e-2
+
+
+def test_paged_attention_rejects_bad_shapes():
+    c = attention_case(2, 2, 2, 1, 64, 16, torch.float32, DEVICE, seed=3)
+    with pytest.raises(ValueError):  # 4 rows do not split into 3 sequences
+        paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"][:1].repeat(3, 1),
+                        c["kv_lens"][:1].repeat(3), c["scale"])
+    with pytest.raises(ValueError):  # mask narrower than q_len
+        paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
+                        mask=torch.ones(2, 2, 1, dtype=torch.bool, device=DEVICE))
+
+
+# ---------------------------------------------------------------- rotary + KV store
+def _qkv_views(tokens, hq, hkv, head_dim, dtype, gen):
+    """q, k, v as the strided views a fused QKV projection produces."""
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(device=DEVICE, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    return q.view(tokens, hq, head_dim), k.view(tokens, hkv, head_dim), v.view(tokens, hkv, head_dim)
+
+
+@pytest.mark.parametrize("dtype,head_dim,hq,hkv", [(torch.float32, 64, 4, 2), (torch.float32, 128, 6, 3),
+                                                   (torch.bfloat16, 64, 8, 1)])
+def test_rotary_and_store(dtype, head_dim, hq, hkv):
+    gen = torch.Generator().manual_seed(head_dim + hq)
+    tokens, page_size, num_pages = 9, 16, 6
+    q, k, v = _qkv_views(tokens, hq, hkv, head_dim, dtype, gen)
+    cos, sin = rotary_tables(100, head_dim, DEVICE)
+    positions = torch.randint(0, 100, (tokens,), generator=gen).to(DEVICE)
+    positions[3] = positions[4]  # tree nodes share positions
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens].to(DEVICE)
+    k_pool = torch.randn(num_pages, page_size, hkv, head_dim, generator=gen).to(device=DEVICE, dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    want_q, want_k = rotary_reference(q, k, cos, sin, positions)
+    want_kp, want_vp = k_pool.clone(), v_pool.clone()
+    want_kp.view(-1, hkv, head_dim)[slots] = want_k
+    want_vp.view(-1, hkv, head_dim)[slots] = v
+    q_in = q.clone()
+    k_out = torch.full_like(k, float("nan"))
+    got = rotary_and_store(q, k, v, cos, sin, positions, k_pool, v_pool, slots, k_out=k_out)
+    assert got is q  # in place
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(q, want_q) < tol and rel_err(k_out, want_k) < tol
+    assert rel_err(k_pool, want_kp) < tol and torch.equal(v_pool, want_vp)
+    # out of place, and a negative slot leaves the pools alone
+    q_out = torch.full_like(q_in, float("nan"))
+    slots[0] = -1
+    before = k_pool.clone()
+    rotary_and_store(q_in, k, v, cos, sin, positions, k_pool, v_pool, slots, q_out=q_out)
+    assert rel_err(q_out, want_q) < tol
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[1:]] = False
+    assert torch.equal(k_pool.view(-1, hkv, head_dim)[untouched], before.view(-1, hkv, head_dim)[untouched])
+
+
+def test_store_kv():
+    gen = torch.Generator().manual_seed(11)
+    _, k, v = _qkv_views(5, 4, 2, 64, torch.float32, gen)
+    k_pool = torch.randn(4, 16, 2, 64, generator=gen).to(DEVICE)
+    v_pool = torch.randn_like(k_pool)
+    slots = torch.tensor([17, 3, 40, 63, 0], device=DEVICE)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_k.view(-1, 2, 64)[slots] = k
+    want_v.view(-1, 2, 64)[slots] = v
+    store_kv(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+
+
+# ---------------------------------------------------------------- RMSNorm and SwiGLU
+@pytest.mark.parametrize("dtype,size", [(torch.float32, 96), (torch.float32, 512), (torch.bfloat16, 320)])
+def test_rms_norm(dtype, size):
+    gen = torch.Generator().manual_seed(size)
+    x = torch.randn(7, size, generator=gen).to(device=DEVICE, dtype=dtype)
+    res = torch.randn(7, size, generator=gen).to(device=DEVICE, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(size, generator=gen)).to(device=DEVICE, dtype=dtype)
+    # bf16: the interpreter rounds float32 -> bf16 toward zero (the GPU rounds to nearest, and the GPU
+    # test asks for h bit-exact), so h is off by up to an ulp here.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    out = torch.full_like(x, float("nan"))
+    assert rms_norm(x, w, 1e-6, out=out) is out
+    assert rel_err(out, rms_norm_reference(x, w, 1e-6)) < tol
+    normed, h = rms_norm(x, w, 1e-5, residual=res)
+    want_h = x + res
+    assert rel_err(h, want_h) < tol and rel_err(normed, rms_norm_reference(want_h, w, 1e-5)) < tol
+    # in place, as the decoder layer would run it: h overwrites the residual, the norm overwrites x
+    want = rms_norm_reference(want_h, w, 1e-5)
+    normed, h = rms_norm(x, w, 1e-5, residual=res, out=x, residual_out=res)
+    assert normed is x and h is res and rel_err(h, want_h) < tol and rel_err(x, want) < tol
+
+
+def test_rms_norm_per_head_on_strided_view():
+    gen = torch.Generator().manual_seed(5)
+    q, k, _ = _qkv_views(6, 4, 2, 64, torch.float32, gen)  # Qwen3 q/k norm runs on these views
+    w = torch.randn(64, generator=gen).to(DEVICE)
+    out = rms_norm(q, w, 1e-6)
+    assert out.shape == q.shape and rel_err(out, rms_norm_reference(q, w, 1e-6)) < 1e-5
+    assert rel_err(rms_norm(k, w, 1e-6), rms_norm_reference(k, w, 1e-6)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,inter", [(torch.float32, 1000), (torch.float32, 1500), (torch.bfloat16, 384)])
+def test_silu_and_mul(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (2 * torch.randn(5, 2 * inter, generator=gen)).to(device=DEVICE, dtype=dtype)
+    out = torch.full((5, inter), float("nan"), dtype=dtype, device=DEVICE)
+    silu_and_mul(gate_up, out=out)
+    assert rel_err(out, silu_and_mul_reference(gate_up)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# ---------------------------------------------------------------- the compiled path
+def test_kernels_compile_for_hopper_without_spills():
+    """The interpreter never compiles; this builds every kernel for sm_90 (no GPU needed) and fails on
+    a compile error or a register spill. See tandem/kernels/compile_check.py."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton wheel has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tandem.kernels.compile_check"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "HGMMA" in run.stdout  # wide query tiles reach Hopper's wgmma
