@@ -87,5 +87,7 @@ def broadcast_object(obj: object = None) -> object:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+        from tandem.errors import ConfigError
+
+        raise ConfigError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator

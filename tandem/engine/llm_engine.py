@@ -255,6 +255,8 @@ class LLMEngine:
             return FinishReason.LENGTH
         if len(req.tokens) >= self.model_config.max_position_embeddings:
             return FinishReason.LENGTH
+        if self.allocator.pages_for(len(req.tokens)) > self.allocator.capacity_pages:
+            return FinishReason.LENGTH  # its next step would not fit even in the whole KV cache
         return None
 
     # -- conveniences ----------------------------------------------------------------------------

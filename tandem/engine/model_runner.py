@@ -63,7 +63,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg.dtype, self.device)
-        self.capture_layers = cfg.capture_layers if cfg.capture_layers is not None else model_cfg.default_capture_layers()
+        # Ascending, always (DESIGN §3: features concatenate in ascending layer order).
+        self.capture_layers = tuple(sorted(cfg.capture_layers if cfg.capture_layers is not None
+                                           else model_cfg.default_capture_layers()))
         bad = [i for i in self.capture_layers if not 0 <= i < model_cfg.num_layers]
         if bad:
             raise ConfigError(f"capture layer {bad[0]} is out of range for a {model_cfg.num_layers}-layer model")

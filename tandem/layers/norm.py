@@ -19,11 +19,19 @@ class RMSNorm(nn.Module):
         check_shape(tensor, tuple(self.weight.shape))
         self.weight.data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):  # one kernel instead of five (same rounding: see tandem/kernels/norm.py)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``weight * rmsnorm(x)``; with ``residual``: ``(weight * rmsnorm(h), h)`` for ``h = x + residual``
+        (the residual add fused into the norm, as the decoder layers use it)."""
+        if use_triton(x):  # one kernel instead of five or six (same rounding: see tandem/kernels/norm.py)
             from tandem.kernels.norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, residual=residual)
+        if residual is not None:
+            h = x + residual
+            return self._norm(h), h
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -49,6 +49,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool  # Llama's attention_bias also puts a bias on o_proj
+    mlp_bias: bool  # Llama's mlp_bias: gate/up/down carry biases
     dtype: str  # checkpoint dtype name: "bfloat16", "float16" or "float32"
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
@@ -94,7 +96,10 @@ class ModelConfig:
                 f"{source}: unsupported architecture ({named}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
+        # Llama and Qwen3 read attention_bias for q/k/v and o_proj; Qwen2 always biases q/k/v only.
+        o_bias = arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias"))
+        mlp_bias = arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias"))
+        if o_bias:
             qkv_bias = True
         if raw.get("use_sliding_window"):
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported (full attention only)")
@@ -126,6 +131,8 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             dtype=dtype,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),

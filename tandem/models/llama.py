@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -65,8 +65,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -86,9 +86,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, meta, kv, backend):
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, positions, meta, kv, backend):
+        """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
+        each add is fused into the next norm. Layer 0 gets ``residual=None`` (the stream is ``h``)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, meta, kv, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -121,11 +128,13 @@ class CausalLM(nn.Module):
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.model.embed_tokens(input_ids)  # [T, H]
+        residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            if i in capture_layers:
-                captured[i] = h  # input of layer i == HF hidden_states[i]
-            h = layer(h, positions, meta, kv, backend)
+            if i in capture_layers:  # input of layer i == HF hidden_states[i]
+                captured[i] = h if residual is None else h + residual
+            h, residual = layer(h, residual, positions, meta, kv, backend)
+        h = h + residual  # the final residual stream (pre-norm)
         # [T, len(capture_layers) * H], in the order given (ascending by convention)
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return h, features

@@ -78,6 +78,8 @@ class DrafterConfig:
     max_topk: int = 8  # top-k kept per request after extend; a SpecConfig may not ask for more
     attention_backend: str = "auto"
     page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
+    disable_cuda_graph: bool = False  # --disable-cuda-graph: draft and draft-extend always eager
+    cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured draft batch (requests)
 
 
 @dataclass
@@ -101,6 +103,17 @@ class Eagle3Drafter:
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, _Request] = {}
+        self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
+
+    def capture_cuda_graphs(self, specs: list[SpecConfig], **runner_kw) -> dict | None:
+        """Capture the draft and draft-extend graphs for ``specs`` (DESIGN.md §4). A no-op on CPU and with
+        ``disable_cuda_graph``; batches the graphs cannot take still run eagerly."""
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return None
+        from tandem.speculative.draft_graph import DraftGraphRunner
+
+        self.graphs = DraftGraphRunner(self, specs, self.cfg.cuda_graph_max_bs, **runner_kw)
+        return self.graphs.capture()
 
     @classmethod
     def from_dirs(
@@ -177,6 +190,8 @@ class Eagle3Drafter:
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
+        if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
+            return None  # replayed the draft-extend graph (only requests already extended go there)
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
             req.kv.reserve(prefix + len(tokens))
@@ -217,6 +232,9 @@ class Eagle3Drafter:
         if missing:
             raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
         reqs = [self._reqs[r] for r in rids]
+        trees = self.graphs.draft(reqs, spec) if self.graphs is not None else None
+        if trees is not None:
+            return trees  # replayed the draft graph
         B, H, dev = len(reqs), self.head.config.hidden_size, self.device
         rows = torch.arange(B, device=dev).unsqueeze(1)  # [B, 1] for per-request gathers
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)

@@ -1,0 +1,262 @@
+"""CUDA graphs for the EAGLE-3 drafter (DESIGN.md §4): the whole multi-step tree draft, and the
+fixed-width draft-extend, each captured per padded batch-size bucket.
+
+One graph per (family, bucket) — per SpecConfig for ``draft``, one width ``max num_steps + 1`` for
+``draft_extend`` (accepted path ≤ num_steps plus the bonus) — captured largest bucket first into one
+memory pool (the caller's, e.g. the target's, or a new one), each under a watchdog deadline, with one
+log line per family. The graphs run ``draft_static``'s pure-tensor code over static buffers; the host
+fills them with one host→device copy of packed integers (lengths, roots or token ids, block tables)
+plus on-device stacks of the per-request state, and reads a draft's trees back in one device→host copy.
+
+The same code runs without graphs (``use_graphs=False``: the static function called directly), which
+is how the CPU tests prove it equals the eager drafter. Batches that do not fit — more requests than
+the largest bucket, an uncaptured SpecConfig, an extend wider than the width or a prefill, too few
+free pages for the padding — return None / False and the drafter runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from tandem.engine.cuda_graph import batch_buckets
+from tandem.errors import ConfigError
+from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
+from tandem.speculative.tree import DraftTree
+from tandem.watchdog import Watchdog
+
+log = logging.getLogger("tandem.draft_graph")
+
+
+class DraftGraphRunner:
+    def __init__(self, drafter, specs, max_bs: int = 64, *, buckets: list[int] | None = None,
+                 watchdog: Watchdog | None = None, pool=None, use_graphs: bool | None = None,
+                 attention: str | None = None, capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0):
+        """``drafter``: the Eagle3Drafter whose head, KV pool and requests the graphs serve. ``specs``: the
+        SpecConfigs to capture draft graphs for. ``attention``: "triton" (default on GPU) or "torch"."""
+        self.drafter, self.head = drafter, drafter.head
+        self.device, self.dtype = drafter.device, drafter.dtype
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.attn = StaticAttention(attention or ("triton" if self.device.type == "cuda" else "torch"))
+        self.specs = tuple(dict.fromkeys(specs))
+        if not self.specs:
+            raise ValueError("DraftGraphRunner needs at least one SpecConfig")
+        for s in self.specs:
+            if s.topk > drafter.top_width:
+                raise ConfigError(f"--speculative-eagle-topk {s.topk} exceeds the drafter's max_topk {drafter.top_width}")
+            if (s.num_steps - 1) * s.topk > MAX_MASK_W:
+                raise ConfigError(f"draft graphs need (--speculative-num-steps - 1) * --speculative-eagle-topk <= "
+                                  f"{MAX_MASK_W}, got ({s.num_steps} - 1) * {s.topk}; use --disable-cuda-graph")
+        self.buckets = sorted(set(buckets)) if buckets else batch_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self.width = max(s.num_steps for s in self.specs) + 1  # draft-extend tokens per request
+        self.page_size = ps = drafter.cfg.page_size
+        scratch = max((s.num_steps - 1) * s.topk for s in self.specs)
+        self.max_pages = -(-(self.head.max_positions + max(scratch, self.width)) // ps)  # a request never needs more
+        # Captures and replays are guarded; the static path without graphs (CPU tests) needs no thread.
+        self.watchdog = watchdog or (Watchdog() if self.use_graphs else None)
+        self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
+        self.pool = pool
+        self.replays = {"draft": 0, "draft_extend": 0}  # how often each family ran (tests, metrics)
+        self._staged = None  # CUDA event of the last pinned host → device copy (host_stage is reused)
+
+        mb, dev, H, tw = self.max_bs, self.device, self.head.config.hidden_size, drafter.top_width
+        cols = 2 + self.width + self.max_pages  # the widest packed row (extend): L, count/root, tokens, pages
+        # Host → device staging: one copy of packed int64 rows (+ the extend's feature destinations).
+        self.host_stage = torch.zeros(mb * (cols + self.width), dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.dev_stage = torch.zeros(mb * (cols + self.width), dtype=torch.int64, device=dev)
+        self.host_np = self.host_stage.numpy()  # row filling through numpy: no tensor per request
+        # Static inputs shared by both families (filled before every replay).
+        self.lens = torch.zeros(mb, dtype=torch.int64, device=dev)  # committed draft KV
+        self.aux = torch.ones(mb, dtype=torch.int64, device=dev)  # draft: root token; extend: real count
+        self.block_tables = torch.zeros(mb, self.max_pages, dtype=torch.int32, device=dev)
+        # Draft inputs / outputs.
+        self.state = torch.zeros(mb, H, dtype=self.dtype, device=dev)
+        self.top_logp = torch.zeros(mb, tw, dtype=torch.float32, device=dev)
+        self.top_ids = torch.zeros(mb, tw, dtype=torch.int64, device=dev)
+        self.trees = {s: torch.zeros(mb, 3 * s.num_draft_tokens + 1, dtype=torch.float64, device=dev) for s in self.specs}
+        # Extend inputs / outputs.
+        self.token_ids = torch.zeros(mb * self.width, dtype=torch.int64, device=dev)
+        self.features = torch.zeros(mb * self.width, self.head.config.feature_width, dtype=self.dtype, device=dev)
+        self.out_state = torch.zeros(mb, H, dtype=self.dtype, device=dev)
+        self.out_logp = torch.zeros(mb, tw, dtype=torch.float32, device=dev)
+        self.out_ids = torch.zeros(mb, tw, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[object, int], torch.cuda.CUDAGraph] = {}  # (spec or "extend", bs) -> graph
+
+    # -- the captured bodies -----------------------------------------------------------------------
+    def _draft_body(self, spec, bs: int) -> None:
+        k = spec.topk
+        static_draft(self.head, self.drafter.kv, self.attn, spec, self.page_size, self.lens[:bs], self.block_tables[:bs],
+                     self.aux[:bs], self.state[:bs], self.top_logp[:bs, :k], self.top_ids[:bs, :k], self.trees[spec][:bs])
+
+    def _extend_body(self, bs: int) -> None:
+        w = self.width
+        static_extend(self.head, self.drafter.kv, self.attn, self.page_size, w, self.lens[:bs], self.aux[:bs],
+                      self.block_tables[:bs], self.token_ids[: bs * w], self.features[: bs * w],
+                      self.out_state[:bs], self.out_logp[:bs], self.out_ids[:bs])
+
+    def _guard(self, what: str, deadline_s: float):
+        return self.watchdog.guard(what, deadline_s) if self.watchdog is not None else contextlib.nullcontext()
+
+    def _run(self, key, bs: int, body) -> None:
+        if self.use_graphs:
+            self.graphs[(key, bs)].replay()
+        else:
+            body()
+
+    # -- capture -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> dict[str, tuple[float, float]]:
+        """Capture every family and bucket (largest first); returns {name: (seconds, GB)}."""
+        families = [("draft", [(s, lambda bs, s=s: self._draft_body(s, bs)) for s in self.specs]),
+                    ("draft_extend", [("extend", self._extend_body)])]
+        report = {}
+        for name, members in families:
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            started = time.perf_counter()
+            for key, body in members:
+                for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                    with self._guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
+                        self._capture_one(key, bs, lambda: body(bs))
+            torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - started
+            free_after = torch.cuda.mem_get_info(self.device)[0]
+            used_gb = (free_before - free_after) / 1e9
+            log.info("Capture %s cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB. avail mem=%.2f GB.",
+                     name, elapsed, used_gb, free_after / 1e9)
+            report[name] = (elapsed, used_gb)
+        return report
+
+    def _capture_one(self, key, bs: int, fn) -> None:
+        self._fill_dummy(bs)  # every row a padding row: KV into page 0 only
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS handles and allocator growth stay outside
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            fn()
+        self.graphs[(key, bs)] = graph
+
+    def _fill_dummy(self, bs: int) -> None:
+        for t in (self.lens, self.block_tables, self.state, self.top_logp, self.top_ids, self.token_ids, self.features):
+            t.zero_()
+        self.aux.fill_(1)
+
+    # -- host → static buffers ---------------------------------------------------------------------
+    def _bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _stage(self, bs: int, heads: list[list[int]], pages: list[list[int]], pad_aux: int,
+               tail: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack one row ``[L, aux, *extra, *pages]`` per request — padding rows: length 0, ``pad_aux``, the
+        dummy page 0 — and ``tail`` into the pinned buffer, copy it to the device once, and scatter the
+        columns into the static buffers. Returns the device views of the ``extra`` columns and the tail."""
+        h, p = len(heads[0]), max(len(pg) for pg in pages)
+        m, n = bs * (h + p), len(heads)
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous non-blocking copy has read host_stage
+        rows = self.host_np[:m].reshape(bs, h + p)
+        rows[:] = 0
+        rows[n:, 1] = pad_aux
+        for i, (hd, pg) in enumerate(zip(heads, pages)):
+            rows[i, :h] = hd
+            rows[i, h : h + len(pg)] = pg
+        self.host_np[m : m + len(tail)] = tail
+        dev = self.dev_stage[: m + len(tail)]
+        dev.copy_(self.host_stage[: m + len(tail)], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        packed = dev[:m].view(bs, h + p)
+        self.lens[:bs].copy_(packed[:, 0])
+        self.aux[:bs].copy_(packed[:, 1])
+        self.block_tables[:bs, :p].copy_(packed[:, h:])  # columns past p: stale, never read (past kv_len)
+        return packed[:, 2:h].reshape(-1), dev[m:]
+
+    # -- draft -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, reqs: list, spec) -> list[DraftTree] | None:
+        """Trees for ``reqs`` (the drafter's _Request objects) through the static path, or None when this
+        batch does not fit (the caller drafts eagerly, which also raises any error)."""
+        n, bs = len(reqs), self._bucket(len(reqs))
+        if spec not in self.trees or bs is None or not reqs:
+            return None
+        k, steps, ps = spec.topk, spec.num_steps, self.page_size
+        scratch = (steps - 1) * k
+        committed = [r.kv.num_tokens for r in reqs]
+        if any(L + scratch > self.max_pages * ps for L in committed):
+            return None
+        need = sum(r.kv.pages_needed(L + scratch) for r, L in zip(reqs, committed))
+        if need > self.drafter.allocator.num_free:
+            return None  # eager raises the out-of-pages error
+        for r, L in zip(reqs, committed):
+            r.kv.reserve(L + scratch)  # the scratch pages, as the eager draft reserves them
+        try:
+            self._stage(bs, [[L, r.root] for L, r in zip(committed, reqs)], [r.kv.pages for r in reqs], pad_aux=0)
+            torch.stack([r.state for r in reqs], out=self.state[:n])
+            torch.stack([r.top_logp for r in reqs], out=self.top_logp[:n])
+            torch.stack([r.top_ids for r in reqs], out=self.top_ids[:n])
+            if bs > n:
+                for t in (self.state, self.top_logp, self.top_ids):
+                    t[n:bs].zero_()
+            with self._guard(f"Replay draft cuda graph bs={bs}", self.replay_deadline_s):
+                self._run(spec, bs, lambda: self._draft_body(spec, bs))
+                out = self.trees[spec][:n].cpu()  # the one device → host copy (waits for the replay)
+        finally:
+            for r, L in zip(reqs, committed):
+                r.kv.truncate(L)  # the scratch is dropped; committed KV untouched
+        self.replays["draft"] += 1
+        nd = spec.num_draft_tokens
+        if bool(out[:, 3 * nd].any()):
+            raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+        rows = out.tolist()
+        return [DraftTree([int(t) for t in row[:nd]], [int(p) for p in row[nd : 2 * nd]], row[2 * nd : 3 * nd])
+                for row in rows]
+
+    # -- extend ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, reqs: list, prefixes: list[int], items: list) -> bool:
+        """Draft-extend of already-extended requests (the round after verification) through the static
+        path; False when the batch does not fit (the caller extends eagerly). On True each request's
+        committed length, root, state and top-k are updated as the eager extend would."""
+        n, bs, w, ps = len(items), self._bucket(len(items)), self.width, self.page_size
+        counts = [len(tokens) for _, tokens, _ in items]
+        if bs is None or not items or any(p == 0 for p in prefixes) or max(counts) > w:
+            return False  # prefills (whole prompts) and wide extends stay eager
+        if any(p + c > self.head.max_positions or p + w > self.max_pages * ps for p, c in zip(prefixes, counts)):
+            return False
+        need = sum(r.kv.pages_needed(p + w) for r, p in zip(reqs, prefixes))
+        if need > self.drafter.allocator.num_free:
+            return False
+        for r, p in zip(reqs, prefixes):
+            r.kv.reserve(p + w)  # room for the padded tail too
+        try:
+            heads = [[p, c, *tokens, *[0] * (w - c)] for p, c, (_, tokens, _) in zip(prefixes, counts, items)]
+            dest = [b * w + i for b, c in enumerate(counts) for i in range(c)]  # feature rows of real tokens
+            tokens, dest_dev = self._stage(bs, heads, [r.kv.pages for r in reqs], pad_aux=1, tail=dest)
+            self.token_ids[: bs * w].copy_(tokens)
+            self.features[: bs * w].zero_()  # padded tokens get zero features (finite K/V in the scratch)
+            feats = torch.cat([f.to(self.device, self.dtype, non_blocking=True) for _, _, f in items])
+            self.features.index_copy_(0, dest_dev, feats)
+            with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
+                self._run("extend", bs, lambda: self._extend_body(bs))
+            # Fresh tensors: the static outputs are overwritten by the next replay.
+            states, top_logp, top_ids = self.out_state[:n].clone(), self.out_logp[:n].clone(), self.out_ids[:n].clone()
+        except BaseException:
+            for r, p in zip(reqs, prefixes):
+                r.kv.truncate(p)
+            raise
+        for b, (r, p, c, (_, tokens, _)) in enumerate(zip(reqs, prefixes, counts, items)):
+            r.kv.truncate(p + c)  # pages only the padded tail needed go back; commits the real tokens
+            r.root, r.state, r.top_logp, r.top_ids = tokens[-1], states[b], top_logp[b], top_ids[b]
+        self.replays["draft_extend"] += 1
+        return True

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints, each written once per test session."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The test models are tiny: one intra-op thread is as fast as several on a quiet machine, and much
+# faster on a busy one (spinning OpenMP workers of concurrent processes starve each other).
+# Set OMP_NUM_THREADS to override; child processes (TP ranks) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+for p in (str(ROOT), str(TESTS)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+@dataclass
+class Checkpoint:
+    path: str  # the model folder
+    hf: object  # the transformers model holding the same weights (eval mode, float32)
+    family: str
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(family, seed=0, max_shard_size=None, **config_overrides)`` → Checkpoint, cached."""
+    from checkpoints import write_checkpoint
+
+    cache: dict[tuple, Checkpoint] = {}
+
+    def get(family: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Checkpoint:
+        key = (family, seed, max_shard_size, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{family}-s{seed}")
+            hf = write_checkpoint(path, family, seed, max_shard_size=max_shard_size, **copy.deepcopy(overrides))
+            cache[key] = Checkpoint(str(path), hf, family)
+        return cache[key]
+
+    return get

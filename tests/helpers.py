@@ -1,0 +1,107 @@
+"""Reference computations shared by the tests: Hugging Face forwards on the same weights, single
+sequences run alone, and small utilities (relative error, seeded prompts)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.kv_cache import SequenceKV
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref| (shapes must agree)."""
+    assert tuple(ours.shape) == tuple(ref.shape), (tuple(ours.shape), tuple(ref.shape))
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def random_prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]  # avoid the special ids 0..2
+
+
+@torch.no_grad()
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    """[T, V] float32 logits of the transformers model over one sequence."""
+    return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_hidden_states(hf, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """HF ``hidden_states``: index i is the input of layer i (index N is after the final norm)."""
+    out = hf(torch.tensor([token_ids]), output_hidden_states=True)
+    return tuple(h[0].float() for h in out.hidden_states)
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF greedy continuation of exactly ``n`` tokens: no EOS can end it early, and no logits are
+    altered (min_new_tokens would mask the EOS logit and change the greedy choice)."""
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                      eos_token_id=None, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == n, f"HF stopped after {len(new)} of {n} tokens"
+    return new
+
+
+def forward_fresh(engine, prompts: list[list[int]], capture_features: bool = False):
+    """One executor forward of fresh sequences packed together (prefix_len 0, logits at every row);
+    their pages are reserved for the forward and released after it. → (logits, features)."""
+    kvs = []
+    seqs = []
+    for tokens in prompts:
+        kv = SequenceKV(engine.allocator)
+        kv.reserve(len(tokens))
+        kvs.append(kv)
+        seqs.append(SequenceChunk(list(tokens), 0, list(kv.pages), logits="all"))
+    try:
+        return engine.executor.forward(ForwardBatch(seqs, capture_features=capture_features))
+    finally:
+        for kv in kvs:
+            kv.release()
+
+
+@torch.no_grad()
+def manual_greedy_logits(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill ``prompt`` then decode ``n`` greedy tokens one forward at a time through the executor,
+    through the paged KV cache. Returns (prompt + n tokens, [n + 1, V] logits: the prompt's last row,
+    then each decode step's row)."""
+    kv = SequenceKV(engine.allocator)
+    tokens = list(prompt)
+    try:
+        kv.reserve(len(tokens))
+        logits, _ = engine.executor.forward(ForwardBatch([SequenceChunk(list(tokens), 0, list(kv.pages))]))
+        rows = [logits[0]]
+        for _ in range(n):
+            tokens.append(int(rows[-1].argmax()))
+            kv.reserve(len(tokens))
+            step = SequenceChunk([tokens[-1]], len(tokens) - 1, list(kv.pages))
+            logits, _ = engine.executor.forward(ForwardBatch([step]))
+            rows.append(logits[0])
+    finally:
+        kv.release()
+    return tokens, torch.stack(rows)
+
+
+def greedy_alone(model_dir: str, prompt: list[int], n: int, **engine_kw) -> list[int]:
+    """The engine's greedy output for one prompt run by itself (a fresh engine, nothing else queued)."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    with LLMEngine(EngineConfig(model=model_dir, **engine_kw)) as eng:
+        return eng.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].output_token_ids
+
+
+def assert_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Assert rel_err(ours, ref) <= tol with a short message (not the tensors' reprs)."""
+    err = rel_err(ours, ref)
+    if not err <= tol:
+        where = ""
+        if ours.dim() >= 1 and ours.shape == ref.shape:
+            diff = (ours.double() - ref.double()).abs()
+            where = f"; worst at index {tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))}"
+        raise AssertionError(f"{what + ': ' if what else ''}relative error {err:.3g} > {tol:g}{where}")

@@ -1,0 +1,156 @@
+"""Tensor parallelism on CPU (gloo, two processes) against one process and against HF: kv heads split
+across ranks (num_key_value_heads=2) and replicated on both (num_key_value_heads=1), a vocabulary that
+does not divide evenly, biases and tied embeddings. The TP engines run in a child process under a
+timeout, so a hang fails the test instead of the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_rel, hf_hidden_states, hf_logits, random_prompt
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 300
+CASES = {
+    # name: (family, seed, config overrides); all have 4 query heads and 4 layers
+    "llama-kv2-split": ("llama", 0, {}),
+    "llama-kv1-replicated": ("llama", 21, dict(num_key_value_heads=1, vocab_size=255)),
+    "qwen2-kv1-bias-tied": ("qwen2", 22, dict(num_key_value_heads=1, vocab_size=251)),
+}
+PROMPTS = [random_prompt(90, 13, 251), random_prompt(91, 30, 251), random_prompt(92, 4, 251)]
+MAX_NEW = 24
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2]
+
+
+def tree_job(prompt: list[int]) -> dict:
+    prefix, tokens = prompt[:-1], [prompt[-1], 40, 41, 42, 43, 44]
+    depth, mask = [], []
+    for i, parent in enumerate(TREE_PARENTS):
+        depth.append(0 if parent == -1 else depth[parent] + 1)
+        row = [False] * len(TREE_PARENTS)
+        j = i
+        while j != -1:
+            row[j] = True
+            j = TREE_PARENTS[j]
+        mask.append(row)
+    return dict(prefix=prefix, tokens=tokens, positions=[len(prefix) + d for d in depth], mask=mask)
+
+
+@pytest.fixture(scope="module")
+def tp_results(checkpoint, tmp_path_factory):
+    ckpts = {name: checkpoint(family, seed, **kw) for name, (family, seed, kw) in CASES.items()}
+    work = tmp_path_factory.mktemp("tp")
+    spec = [dict(model=ckpts[name].path, tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW,
+                 tree=tree_job(PROMPTS[1])) for name in CASES]
+    (work / "spec.json").write_text(json.dumps(spec))
+    runner = Path(__file__).resolve().parent / "tp_runner.py"
+    proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and the TP workers it spawned
+        log, _ = proc.communicate()
+        pytest.fail(f"TP=2 run did not finish in {TIMEOUT_S} s (hang?); its output:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"TP=2 runner failed (rc {proc.returncode}):\n{log[-4000:]}"
+    results = torch.load(work / "out.pt")
+    return {name: (ckpts[name], res) for name, res in zip(CASES, results)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_shards_the_model(tp_results, case):
+    ckpt, res = tp_results[case]
+    kv_heads = CASES[case][2].get("num_key_value_heads", 2)
+    assert res["local_heads"] == 2  # 4 query heads over 2 ranks
+    assert res["local_kv_heads"] == (1 if kv_heads == 1 else kv_heads // 2)
+    vocab = CASES[case][2].get("vocab_size", 256)
+    assert res["local_vocab"] == -(-vocab // 2)
+    assert res["children_left"] == [], "TP worker processes outlived engine.shutdown()"
+    assert res["pages_back"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_logits_match_hf(tp_results, case):
+    ckpt, res = tp_results[case]
+    for prompt, logits in zip(PROMPTS, res["prompt_logits"]):
+        assert_rel(logits, hf_logits(ckpt.hf, prompt), 1e-4)
+    packed = torch.cat([hf_logits(ckpt.hf, p) for p in PROMPTS])
+    assert_rel(res["packed_logits"], packed, 1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_generation_matches_tp1(tp_results, case):
+    ckpt, res = tp_results[case]
+    with LLMEngine(EngineConfig(model=ckpt.path)) as eng:
+        greedy = eng.generate(PROMPTS, [SamplingParams(max_new_tokens=MAX_NEW - 3 * i, ignore_eos=True)
+                                        for i in range(len(PROMPTS))])
+        sampled = eng.generate(PROMPTS[:1], SamplingParams(temperature=1.0, seed=5, max_new_tokens=MAX_NEW,
+                                                           ignore_eos=True))
+        tp1_logits = eng.prompt_logits(PROMPTS[1])
+    assert res["greedy"] == [r.output_token_ids for r in greedy]
+    assert res["sampled"] == sampled[0].output_token_ids
+    assert_rel(res["prompt_logits"][1], tp1_logits, 1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_features_and_tree_match_hf(tp_results, case):
+    ckpt, res = tp_results[case]
+    # 4 layers: the default [2, N//2, N-3] clamped into range is layers 1, 2, 2 (three blocks).
+    want = torch.cat([torch.cat([hf_hidden_states(ckpt.hf, p)[i] for i in (1, 2, 2)], dim=-1) for p in PROMPTS])
+    assert_rel(res["features"], want, 1e-4)
+    tree = tree_job(PROMPTS[1])
+    for node, row in enumerate(res["tree_logits"]):
+        path, j = [], node
+        while j != -1:
+            path.append(tree["tokens"][j])
+            j = TREE_PARENTS[j]
+        ref = hf_logits(ckpt.hf, tree["prefix"] + path[::-1])[-1]
+        assert_rel(row, ref, 1e-4, f"tree node {node}")
+
+
+CHECK_DIVISIBILITY = """
+import json, multiprocessing, sys
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+try:
+    LLMEngine(EngineConfig(model=sys.argv[1], tp_size=3))
+    out = dict(error=None)
+except Exception as e:
+    from tandem.errors import TandemError
+    out = dict(error=type(e).__name__, tandem=isinstance(e, TandemError), message=str(e))
+out["children_left"] = [p.name for p in multiprocessing.active_children()]
+print(json.dumps(out))
+"""
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_a_config_error(checkpoint):
+    """4 query heads cannot be split over 3 ranks: a one-line TandemError (which the command line
+    prints without a traceback) naming the setting and both numbers, and no rank process left over."""
+    ckpt = checkpoint("llama")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", CHECK_DIVISIBILITY, ckpt.path], cwd=root, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("engine start with tp_size=3 hung")
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["error"] is not None, "tp_size=3 with 4 heads was accepted"
+    assert out["children_left"] == []
+    msg = out["message"]
+    assert "\n" not in msg and "num_attention_heads" in msg and "4" in msg and "3" in msg, msg
+    assert out["tandem"], f"{out['error']}: {msg} — not a TandemError, so the CLI shows a traceback"

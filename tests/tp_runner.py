@@ -1,0 +1,67 @@
+"""Runs tensor-parallel engines in a child process for test_tp.py (so a hang can be killed from
+outside, and the TP process group and thread settings never touch the pytest process).
+
+Usage: python tests/tp_runner.py SPEC.json OUT.pt — SPEC is a list of jobs
+{"model": dir, "tp_size": n, "prompts": [[...]], "max_new_tokens": m, "tree": {...} or null}.
+OUT holds, per job: prompt logits, greedy and seeded-sampled outputs, EAGLE-3 features, tree-node
+logits, the rank-0 shard sizes, and whether all worker processes were gone after shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from helpers import forward_fresh  # noqa: E402
+from tandem.engine.batch import ForwardBatch, SequenceChunk  # noqa: E402
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.kv_cache import SequenceKV  # noqa: E402
+from tandem.sampling import SamplingParams  # noqa: E402
+
+
+def run_job(job: dict) -> dict:
+    out: dict = {}
+    with LLMEngine(EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4)) as eng:
+        attn = eng.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        out["local_heads"], out["local_kv_heads"] = attn.local_heads, attn.local_kv_heads
+        out["local_vocab"] = eng.executor.runner.model.lm_head.weight.shape[0]
+        out["prompt_logits"] = [eng.prompt_logits(p) for p in job["prompts"]]
+        n = job["max_new_tokens"]
+        greedy = eng.generate(job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)
+                                               for i in range(len(job["prompts"]))])
+        out["greedy"] = [r.output_token_ids for r in greedy]
+        sampled = eng.generate(job["prompts"][:1], SamplingParams(temperature=1.0, seed=5, max_new_tokens=n,
+                                                                  ignore_eos=True))
+        out["sampled"] = sampled[0].output_token_ids
+        logits, features = forward_fresh(eng, job["prompts"], capture_features=True)
+        out["features"], out["packed_logits"] = features, logits
+        tree = job.get("tree")
+        if tree:
+            kv = SequenceKV(eng.allocator)
+            kv.reserve(len(tree["prefix"]) + len(tree["tokens"]))
+            pages = list(kv.pages)
+            eng.executor.forward(ForwardBatch([SequenceChunk(tree["prefix"], 0, pages, logits="none")]))
+            chunk = SequenceChunk(tree["tokens"], len(tree["prefix"]), pages, positions=tree["positions"],
+                                  tree_mask=tree["mask"], logits="all")
+            out["tree_logits"], _ = eng.executor.forward(ForwardBatch([chunk]))
+            kv.release()
+        out["pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
+    out["children_left"] = [p.name for p in multiprocessing.active_children()]
+    return out
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    torch.save([run_job(job) for job in spec], sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()
