@@ -11,14 +11,17 @@ from pathlib import Path
 from tandem.models.random_checkpoint import LLAMA_8B, hf_config
 
 LLAMA_8B_SHAPE = dataclasses.asdict(LLAMA_8B)
+LLAMA_70B = dataclasses.replace(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                                num_kv_heads=8)
+LLAMA_70B_SHAPE = dataclasses.asdict(LLAMA_70B)
 _ROOT = Path(tempfile.gettempdir()) / "tandem-bench"
 
 
-def target_dir(layers: int) -> Path:
-    path = _ROOT / f"llama8b-{layers}l"
+def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b") -> Path:
+    path = _ROOT / f"{name}-{layers}l"
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
-        shape = dataclasses.replace(LLAMA_8B, num_layers=layers, max_position_embeddings=8192)
+        shape = dataclasses.replace(base, num_layers=layers, max_position_embeddings=8192)
         (path / "config.json").write_text(json.dumps(hf_config(shape, "bfloat16", bos=128000, eos=128001)))
     return path
 
@@ -42,6 +45,16 @@ def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_grap
     return LLMEngine(cfg)
 
 
+def bench_engine_for(shape: dict, layers: int, tp_size: int):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    base = LLAMA_70B if shape["hidden_size"] == 8192 else LLAMA_8B
+    tdir = target_dir(layers, base, "llama70b" if base is LLAMA_70B else "llama8b")
+    return LLMEngine(EngineConfig(model=str(tdir), device="cuda", dtype="bfloat16", load_format="random",
+                                  tp_size=tp_size, cuda_graph_max_bs=8, kv_pages=2048))
+
+
 def random_draft(target: Path, capture_layers: tuple[int, ...]) -> Path:
     from tandem.models.config import ModelConfig
     from tandem.models.eagle3_checkpoint import write_random_eagle3
@@ -52,3 +65,33 @@ def random_draft(target: Path, capture_layers: tuple[int, ...]) -> Path:
         write_random_eagle3(path, ModelConfig.from_dir(target), draft_vocab_size=32000, seed=0, dtype="bfloat16",
                             aux_layer_ids=aux)
     return path
+
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(port: int, timeout_s: float) -> None:
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"service on port {port} not healthy after {timeout_s} s")

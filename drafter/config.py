@@ -16,6 +16,7 @@ class DrafterServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50052
     otlp_endpoint: str | None = None
+    graph_specs: tuple = ()  # SpecConfigs whose draft graphs are captured at start-up (GPU)
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -28,13 +29,22 @@ class DrafterServiceConfig:
         p.add_argument("--page-size", type=int, default=d.page_size)
         p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens)
         p.add_argument("--max-topk", type=int, default=d.max_topk)
+        p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+        p.add_argument("--speculative-num-steps", type=int, default=3, help="tree shape to capture graphs for")
+        p.add_argument("--speculative-eagle-topk", type=int, default=1)
+        p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
+        from tandem.speculative.drafter import SpecConfig
+
         runtime = DrafterConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
-                                max_topk=a.max_topk)
+                                max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
+                                cuda_graph_max_bs=a.cuda_graph_max_bs)
+        spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
-                   otlp_endpoint=a.otlp_endpoint)
+                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,))

@@ -31,6 +31,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=_run_generate)
 
@@ -56,7 +58,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise TandemError(f"--prompt-token-ids must be comma-separated integers, got '{args.prompt_token_ids}'") from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size)
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size,
+                       disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs)
     with _build_engine(cfg, args) as engine:
         started = time.perf_counter()
         result = engine.generate([prompt], params)[0]
@@ -105,13 +108,16 @@ def _build_engine(cfg, args: argparse.Namespace):
     topk = args.speculative_eagle_topk or 1
     spec = SpecConfig(steps, topk, args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else 2 * steps))
     capture = validate_draft(DraftConfig.from_dir(args.draft_model), ModelConfig.from_dir(cfg.model))
-    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture))
+    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=(1, spec.num_draft_tokens)))
     runner = engine.executor.runner
     # One process: the head shares the target's embedding tensor instead of loading a copy (TP=1 only,
     # where rank 0 holds the whole vocabulary).
     embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
-    drafter = Eagle3Drafter.from_dirs(args.draft_model, cfg.model, DrafterConfig(device=str(runner.device), dtype=args.dtype,
-                                      max_topk=max(8, topk)), capture_layers=capture, embed_weight=embed)
+    drafter = Eagle3Drafter.from_dirs(args.draft_model, cfg.model, DrafterConfig(
+        device=str(runner.device), dtype=args.dtype, max_topk=max(8, topk), disable_cuda_graph=cfg.disable_cuda_graph,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs), capture_layers=capture, embed_weight=embed)
+    if runner.graphs is not None:  # the drafter's draft and draft-extend graphs share the target's pool
+        drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
     engine.proposer, engine.default_spec = drafter, spec
     return engine
 

@@ -59,7 +59,7 @@ def run_up(args: argparse.Namespace) -> int:
     children = []
     if draft is not None:
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, "--device",
-                                              args.device, "--port", str(args.drafter_port), *tracing]))
+                                              args.device, "--port", str(args.drafter_port), *spec, *tracing]))
     verifier_argv = py + ["verifier", "--model", model, "--tp-size", str(args.tp_size), "--device", args.device,
                           "--port", str(args.verifier_port), "--metrics-port", str(args.metrics_port), *tracing]
     if draft is not None:

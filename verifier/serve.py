@@ -36,7 +36,8 @@ def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngi
     if cfg.drafter is None:
         return LLMEngine(cfg.engine), None, None
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
-    engine_cfg = cfg.engine
+    # verification graphs take the tree width; decode graphs serve requests that do not speculate
+    engine_cfg = dataclasses.replace(cfg.engine, cuda_graph_widths=(1, spec.num_draft_tokens))
     if cfg.draft_model is not None:  # DESIGN §3: validate the pair before anything is allocated
         capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
                                  engine_cfg.capture_layers)
