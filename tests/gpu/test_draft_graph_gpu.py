@@ -153,6 +153,7 @@ def ms(fn, iters=10) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+@pytest.mark.slow
 def test_timing_llama8b_shaped_head(caplog):
     specs = [SpecConfig(3, 1, 4), SpecConfig(6, 4, 16), SpecConfig(5, 8, 32)]
     batches, context = (1, 8, 32, 64), 1024
