@@ -83,6 +83,9 @@ class TargetGraphRunner:
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
         self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
         self.watchdog = watchdog or Watchdog()
+        # A speculative engine also needs features from plain decode steps (the drafter stays in step
+        # while the policy has speculation off for a request).
+        self.decode_features = any(w > 1 for w in widths)
         self.capture_deadline_s = capture_deadline_s
         self.pool = None
 
@@ -111,7 +114,7 @@ class TargetGraphRunner:
     def _run_model(self, fam: _Family, bs: int) -> None:
         n = bs * fam.width
         r = self.runner
-        layers = r.capture_layers if fam.width > 1 else ()
+        layers = r.capture_layers if fam.width > 1 or self.decode_features else ()
         hidden, features = r.model(fam.input_ids[:n], fam.positions[:n], fam.meta(bs), r.kv, r.graph_backend, layers)
         logits = r.model.logits(hidden)
         if fam.logits is None:  # first (largest) bucket's warm-up sizes the family's outputs

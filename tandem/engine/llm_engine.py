@@ -26,6 +26,7 @@ from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
+from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import Proposer, ProposerUnavailable, accept_tree, compaction_moves, verify_chunk
 
@@ -37,10 +38,14 @@ DEFAULT = "default"
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None, spec: "SpecConfig | None" = None):
-        """``proposer`` drafts trees (an in-process drafter, or later a client of the drafter service);
-        ``spec`` is the default speculation setting of requests (None: off)."""
+    def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None, spec: "SpecConfig | None" = None,
+                 policy: SpeculationPolicy | None = None):
+        """``proposer`` drafts trees (an in-process drafter, or a client of the drafter service); ``spec``
+        is the default speculation setting of requests (None: off); ``policy`` turns speculation off for
+        requests where it does not pay (default: measured; ``SpeculationPolicy(PolicyConfig(enabled=False))``
+        always speculates)."""
         self.cfg = cfg
+        self.policy = policy or SpeculationPolicy()
         self.proposer = proposer
         self.default_spec = spec if proposer is not None else None
         self.executor = TargetExecutor(cfg)
@@ -100,7 +105,7 @@ class LLMEngine:
     # -- one round -------------------------------------------------------------------------------
     def _tree_width(self, req: Request) -> int:
         """Tokens the request verifies this round: its draft tree size, or 1 when it does not speculate."""
-        if req.spec is None or not req.draft_ready:
+        if req.spec is None or not req.draft_ready or not req.spec_state.speculate_now:
             return 1
         if len(req.tokens) + req.spec.num_draft_tokens > self.model_config.max_position_embeddings:
             return 1  # the tree would run past the context: decode plainly to the end
@@ -110,6 +115,9 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer()
+        for req in self.scheduler.running:  # decided once per step, before any page is reserved
+            if req.spec is not None:
+                self.policy.decide(req.spec_state)
         sched = self.scheduler.schedule(self._tree_width)
         for req in sched.preempted:
             self._forget_draft(req)
@@ -130,6 +138,9 @@ class LLMEngine:
         with timer("draft_extend"):
             self._extend([item for item in extend_items if not item[0].finished])
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
+        if self.proposer is not None and sched.decode and not sched.prefill:  # prefill would skew the timing
+            start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
+            self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
         return outputs
 
     def _accept(self, sched, trees, logits, features):
@@ -138,11 +149,12 @@ class LLMEngine:
         # just the root are sampled together (plain decoding); trees go through acceptance.
         simple = [(req, i) for i, req in enumerate(sched.prefill)]
         row, token_row = len(sched.prefill), sum(len(req.tokens) for req in sched.prefill)
-        tree_jobs = []
+        tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
             if size == 1:
                 simple.append((req, row))
+                plain_rows.append((req, token_row))
             else:
                 tree_jobs.append((req, row, token_row))
             row, token_row = row + size, token_row + size
@@ -160,6 +172,9 @@ class LLMEngine:
             if features is not None and req.spec is not None:
                 extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
             token_row += n
+        for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
+            if features is not None and req.spec is not None and req.draft_ready:
+                extend_items.append((req, emitted[req.rid], features[root_row : root_row + 1]))
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
@@ -168,6 +183,7 @@ class LLMEngine:
             moves_src += src
             moves_dst += dst
             req.spec_stats.record(max(tree.depths), len(result.accepted_nodes))
+            self.policy.observe_round(req.spec_state, len(result.tokens))
             rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
             emitted[req.rid] = result.tokens
             if features is not None:

@@ -10,6 +10,7 @@ import torch
 
 from tandem.kv_cache import SequenceKV
 from tandem.sampling import SamplingParams
+from tandem.speculative.policy import RequestSpecState
 from tandem.speculative.stats import SpecStats
 
 
@@ -32,6 +33,7 @@ class Request:
     spec: Any = None  # SpecConfig of this request, or None when it does not speculate
     draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    spec_state: RequestSpecState = field(default_factory=RequestSpecState)  # the policy's view of it
 
     @property
     def tokens(self) -> list[int]:

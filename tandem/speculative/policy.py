@@ -1,0 +1,74 @@
+"""SpeculationPolicy: speculate for a request only while it pays (DESIGN §1: "including off").
+
+A speculative round costs more than a plain decode step (drafting, a wider verify, the drafter's
+extension). It pays when the request's tokens per round (accept length τ, bonus included) exceed that
+cost ratio. The policy keeps, per request, a moving average of τ over its speculative rounds, and for
+the engine a moving average of the wall time of plain and of speculative steps; a request whose τ falls
+below the measured ratio decodes plainly, and every ``probe_every`` plain rounds it speculates once to
+see whether the text got easier. The drafter keeps extending over plain rounds, so a request can
+resume at any step. Until both kinds of step have been timed the ratio is ``default_cost_ratio``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    enabled: bool = True
+    warmup_rounds: int = 4  # speculative rounds of a request before it is judged
+    probe_every: int = 16  # plain rounds between two probing speculative rounds
+    smoothing: float = 0.3  # weight of the newest sample in the moving averages
+    default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
+    fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
+
+
+@dataclass
+class RequestSpecState:
+    rounds: int = 0
+    tau: float | None = None  # moving average of tokens per speculative round
+    plain_since_probe: int = 0
+    speculate_now: bool = True
+
+
+class SpeculationPolicy:
+    def __init__(self, cfg: PolicyConfig = PolicyConfig()):
+        self.cfg = cfg
+        self.t_plain: float | None = None
+        self.t_spec: float | None = None
+
+    @property
+    def cost_ratio(self) -> float:
+        if self.cfg.fixed_cost_ratio is not None:
+            return self.cfg.fixed_cost_ratio
+        if self.t_plain is None or self.t_spec is None:
+            return self.cfg.default_cost_ratio
+        return self.t_spec / self.t_plain
+
+    def decide(self, state: RequestSpecState) -> bool:
+        """Whether the request speculates this step (called once per step, before scheduling)."""
+        c = self.cfg
+        if not c.enabled or state.rounds < c.warmup_rounds or state.tau is None or state.tau >= self.cost_ratio:
+            state.speculate_now, state.plain_since_probe = True, 0
+        elif state.plain_since_probe >= c.probe_every:
+            state.speculate_now, state.plain_since_probe = True, 0  # probe: is it worth it again?
+        else:
+            state.speculate_now = False
+            state.plain_since_probe += 1
+        return state.speculate_now
+
+    def observe_round(self, state: RequestSpecState, tokens: int) -> None:
+        """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus)."""
+        state.rounds += 1
+        state.tau = tokens if state.tau is None else self._mix(state.tau, tokens)
+
+    def observe_step(self, seconds: float, speculative: bool) -> None:
+        """Wall time of a decode-only step, with (``speculative``) or without any draft tree."""
+        if speculative:
+            self.t_spec = seconds if self.t_spec is None else self._mix(self.t_spec, seconds)
+        else:
+            self.t_plain = seconds if self.t_plain is None else self._mix(self.t_plain, seconds)
+
+    def _mix(self, old: float, new: float) -> float:
+        return (1 - self.cfg.smoothing) * old + self.cfg.smoothing * new

@@ -1,0 +1,168 @@
+"""Command lines of the training side: ``python -m drafter.train`` (= ``tandem train-drafter``) and
+``tandem demo-models``. Each ``add_*`` fills an argparse parser and each ``run_*`` takes the parsed
+namespace, so the ``tandem`` console script can register them as sub-commands as they are."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from tandem.errors import TandemError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_train_drafter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", "--model", dest="target_model", default=None,
+                   help="target HF model folder (default: the embedded demo target)")
+    p.add_argument("--data", default=None, help="JSONL: {prompt | prompt_token_ids | messages} [+ response]")
+    p.add_argument("--out", default=None, help="draft folder to write (SGLang LlamaForCausalLMEagle3 format)")
+    p.add_argument("--run-dir", default=None, help="samples, vocabulary and checkpoints (default: OUT.run)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder (samples, vocab, checkpoint)")
+    g = p.add_argument_group("responses")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="of the target's responses (0 = greedy)")
+    g.add_argument("--regenerate", action="store_true", help="let the target rewrite responses given in the data")
+    g.add_argument("--max-samples", type=int, default=None)
+    g = p.add_argument_group("head and training")
+    g.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
+    g.add_argument("--capture-layers", type=_ints, default=None, help="target layer inputs, e.g. 2,16,29 (default [2, N//2, N-3])")
+    g.add_argument("--ttt-steps", type=int, default=7)
+    g.add_argument("--loss", choices=["soft", "hard"], default="soft", help="target distribution or target argmax")
+    g.add_argument("--include-prompt-loss", action="store_true", help="also train on prompt positions")
+    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--warmup-steps", type=int, default=30)
+    g.add_argument("--checkpoint-every", type=int, default=100)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("devices")
+    g.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-data", default=None, help="held-out JSONL (default: a slice of --data)")
+    g.add_argument("--eval-fraction", type=float, default=0.05)
+    g.add_argument("--max-eval-prompts", type=int, default=64)
+    g.add_argument("--eval-max-new-tokens", type=int, default=96)
+    g.add_argument("--speculative-num-steps", type=int, default=5)
+    g.add_argument("--speculative-eagle-topk", type=int, default=1)
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=6)
+    g.add_argument("--no-eval", action="store_true", help="skip the speculative evaluation after training")
+    g.add_argument("--eval-only", action="store_true", help="only evaluate --draft-model against --target-model")
+    g.add_argument("--draft-model", default=None, help="with --eval-only: the draft folder to evaluate")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+def job_from_args(args: argparse.Namespace):
+    from tandem.training.eagle3_train import Eagle3TrainConfig
+    from tandem.training.evaluate import EvalConfig
+    from tandem.training.optim import OptimConfig
+    from tandem.training.pipeline import DrafterTrainJob
+
+    train = Eagle3TrainConfig(
+        ttt_steps=args.ttt_steps, loss_type=args.loss, batch_size=args.batch_size, epochs=args.epochs,
+        max_steps=args.max_steps, include_prompt_loss=args.include_prompt_loss, checkpoint_every=args.checkpoint_every,
+        optim=dataclasses.replace(OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps, grad_clip=0.5)))
+    evaluation = EvalConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
+                            num_draft_tokens=args.speculative_num_draft_tokens, max_new_tokens=args.eval_max_new_tokens)
+    return DrafterTrainJob(
+        target_model=args.target_model, out=args.out, data=args.data, run_dir=args.run_dir,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, regenerate=args.regenerate,
+        max_samples=args.max_samples, eval_data=args.eval_data, eval_fraction=args.eval_fraction,
+        max_eval_prompts=args.max_eval_prompts, draft_vocab_size=args.draft_vocab_size,
+        capture_layers=args.capture_layers, tp_size=args.tp_size, device=args.device, seed=args.seed,
+        train=train, eval=None if args.no_eval else evaluation)
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.target_model is None:
+        from tandem.demo import ensure_demo_target
+
+        args.target_model = str(ensure_demo_target())
+    if args.eval_only:
+        return _eval_only(args)
+    if args.out is None:
+        raise TandemError("--out is required (the draft folder to write)")
+    if args.data is None:
+        raise TandemError("--data is required (a JSONL of prompts, conversations or completed samples)")
+    from tandem.training.pipeline import run_job
+
+    summary = run_job(job_from_args(args), resume=args.resume)
+    if args.json:
+        print(json.dumps(summary, default=str))
+    return 0
+
+
+def _eval_only(args: argparse.Namespace) -> int:
+    from tandem.training.data import fit_context, read_jsonl
+    from tandem.training.evaluate import evaluate_pair, format_report
+    from tandem.models.config import ModelConfig
+
+    if args.draft_model is None:
+        raise TandemError("--eval-only needs --draft-model DIR")
+    source = args.eval_data or args.data
+    if source is None:
+        from tandem.training.demo_pair import demo_eval_prompts
+
+        prompts = demo_eval_prompts(args.target_model, args.max_eval_prompts)
+    else:
+        context = ModelConfig.from_dir(args.target_model).max_position_embeddings
+        samples = read_jsonl(source, args.target_model, limit=args.max_eval_prompts)
+        prompts = [list(fit_context(s, context).prompt) for s in samples]
+    job = job_from_args(args)
+    cfg = dataclasses.replace(job.eval, device=args.device, tp_size=args.tp_size, seed=args.seed)
+    report = evaluate_pair(args.target_model, args.draft_model, prompts, cfg)
+    print(json.dumps(report, default=str) if args.json else format_report(report))
+    return 0
+
+
+def add_demo_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eval", action="store_true", help="measure the pair's acceptance and speed on held-out prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true")
+
+
+def run_demo_models(args: argparse.Namespace) -> int:
+    """Build (once; cached) the demo target and its EAGLE-3 head, print their folders."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from tandem.demo import ensure_demo_draft, ensure_demo_target
+
+    target, draft = ensure_demo_target(), ensure_demo_draft()
+    result: dict = {"target": str(target), "draft": str(draft)}
+    if args.eval:
+        from tandem.training.demo_pair import demo_eval_prompts
+        from tandem.training.evaluate import EvalConfig, evaluate_pair, format_report
+
+        result["eval"] = evaluate_pair(str(target), str(draft), demo_eval_prompts(str(target)), EvalConfig())
+        if not args.json:
+            print(format_report(result["eval"]), file=sys.stderr)
+    print(json.dumps(result, default=str) if args.json else f"target: {target}\ndraft:  {draft}")
+    return 0
+
+
+def main_train_drafter(argv: list[str] | None = None) -> int:
+    import logging
+
+    p = argparse.ArgumentParser(prog="python -m drafter.train",
+                                description="Train an EAGLE-3 draft head for a target (training-time test)")
+    add_train_drafter(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_train_drafter(args)
+    except (TandemError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

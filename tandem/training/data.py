@@ -1,0 +1,145 @@
+"""Training samples for the draft head: read a JSONL file, and complete it with the target's own
+responses when a row has none.
+
+Accepted rows (one JSON object per line):
+
+- ``{"prompt": "text"}`` or ``{"prompt_token_ids": [1, 2, 3]}``: the target writes the response;
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the model folder's chat
+  template; a final assistant message is the response, otherwise the target writes one;
+- ``{"prompt": ..., "response": "text"}`` (or ``"response_token_ids"``): a completed sample.
+
+EAGLE-3 trains on the target's *own* outputs (SpecForge regenerates datasets with the target), so
+``--regenerate`` ignores given responses. Samples are cut to the target's context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import ConfigError
+from tandem.training.progress import Progress
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: tuple[int, ...]
+    response: tuple[int, ...] | None = None  # None until the target generates it
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.prompt) + list(self.response or ())
+
+
+class _Text:
+    """Tokenizer and chat template of the target folder, loaded only when a row needs them."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._tok = self._chat = None
+
+    def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            from tandem.tokenizer import TextTokenizer
+
+            self._tok = TextTokenizer(self.model_dir)
+        return self._tok.encode(text)
+
+    def render(self, messages: list[dict], where: str) -> str:
+        if self._chat is None:
+            from tandem.chat_template import ChatTemplate
+
+            self._chat = ChatTemplate.from_model_dir(self.model_dir)
+            if self._chat is None:
+                raise ConfigError(f"{where}: 'messages' need a chat template, but {self.model_dir} has none")
+        return self._chat.render(messages, add_generation_prompt=True)
+
+
+def parse_row(row: dict, text: _Text, where: str, regenerate: bool = False) -> Sample:
+    response = None
+    if "messages" in row:
+        messages = list(row["messages"])
+        if messages and messages[-1].get("role") == "assistant":
+            response = text.encode(str(messages[-1].get("content", "")))
+            messages = messages[:-1]
+        prompt = text.encode(text.render(messages, where))
+    elif "prompt_token_ids" in row:
+        prompt = [int(t) for t in row["prompt_token_ids"]]
+    elif "prompt" in row:
+        prompt = text.encode(str(row["prompt"]))
+    else:
+        raise ConfigError(f"{where}: a row needs 'prompt', 'prompt_token_ids' or 'messages'")
+    if "response_token_ids" in row:
+        response = [int(t) for t in row["response_token_ids"]]
+    elif "response" in row:
+        response = text.encode(str(row["response"]))
+    if not prompt:
+        raise ConfigError(f"{where}: the prompt is empty")
+    return Sample(tuple(prompt), None if regenerate or response is None else tuple(response))
+
+
+def read_jsonl(path: str | Path, model_dir: str, regenerate: bool = False, limit: int | None = None) -> list[Sample]:
+    text = _Text(model_dir)
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e})") from None
+            samples.append(parse_row(row, text, where, regenerate))
+            if limit is not None and len(samples) >= limit:
+                break
+    if not samples:
+        raise ConfigError(f"{path}: no samples")
+    return samples
+
+
+def fit_context(sample: Sample, context: int) -> Sample:
+    """Cut to the context: the prompt keeps its end (what the response follows), the response its start."""
+    prompt = sample.prompt[-(context - 1) :]
+    if sample.response is None:
+        return Sample(prompt)
+    return Sample(prompt, sample.response[: context - len(prompt)])
+
+
+def complete_samples(engine, samples: list[Sample], params, chunk: int = 64) -> list[Sample]:
+    """Generate a response with the target for every sample that lacks one (continuous batching,
+    ``chunk`` prompts at a time). Sampling is seeded per prompt (``params.seed + index``)."""
+    import dataclasses
+
+    todo = [i for i, s in enumerate(samples) if s.response is None]
+    out = list(samples)
+    context = engine.model_config.max_position_embeddings
+    bar = Progress("generate", len(todo))
+    for start in range(0, len(todo), chunk):
+        idx = todo[start : start + chunk]
+        per = []
+        for i in idx:
+            room = context - len(samples[i].prompt)
+            per.append(dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)),
+                                           seed=None if params.seed is None else params.seed + i))
+        results = engine.generate([list(samples[i].prompt) for i in idx], per, spec=None)
+        for i, res in zip(idx, results):
+            out[i] = Sample(samples[i].prompt, tuple(res.output_token_ids))
+        bar.update(min(start + chunk, len(todo)), sum(len(r.output_token_ids) for r in results))
+    bar.close()
+    return out
+
+
+def save_samples(path: Path, samples: list[Sample]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"prompt_token_ids": list(s.prompt), "response_token_ids": list(s.response or ())}) + "\n")
+    tmp.replace(path)
+
+
+def load_samples(path: Path) -> list[Sample]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Sample(tuple(r["prompt_token_ids"]), tuple(r["response_token_ids"])) for r in rows]

@@ -1,0 +1,151 @@
+"""The whole drafter-training job: data → target responses → draft vocabulary → TTT training →
+SGLang-format export → held-out metrics and speculative evaluation.
+
+Everything a resumed run needs is kept in the run folder: the completed samples
+(``samples.jsonl``, ``eval_samples.jsonl`` — generating them is the slow part on a CPU), the
+vocabulary (``vocab.pt``) and the trainer's checkpoint. ``--resume`` reuses all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.training.data import Sample, complete_samples, fit_context, load_samples, read_jsonl, save_samples
+from tandem.training.eagle3_train import Eagle3TrainConfig, draft_metrics, train_eagle3
+from tandem.training.evaluate import EvalConfig, evaluate_pair, format_report
+from tandem.training.progress import note
+from tandem.training.vocab import DraftVocab, build_draft_vocab, vocab_from_tensors
+
+
+@dataclass(frozen=True)
+class DrafterTrainJob:
+    target_model: str
+    out: str  # the draft folder to write
+    data: str | None = None  # JSONL (see tandem.training.data); or pass samples to run_job
+    run_dir: str | None = None  # default: OUT.run
+    max_new_tokens: int = 256  # response length when the target writes it
+    temperature: float = 0.0  # of the target's responses (0: greedy)
+    regenerate: bool = False  # ignore responses given in the data
+    max_samples: int | None = None
+    eval_data: str | None = None  # held-out JSONL; default: a slice of --data
+    eval_fraction: float = 0.05
+    max_eval_prompts: int = 64
+    draft_vocab_size: int | None = None  # default: min(32000, target vocab)
+    capture_layers: tuple[int, ...] | None = None  # default: the target's [2, N//2, N-3]
+    tp_size: int = 1
+    device: str = "cpu"
+    seed: int = 0
+    train: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
+    eval: EvalConfig | None = field(default_factory=EvalConfig)  # None: no speculative evaluation
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path(self.out).with_name(Path(self.out).name + ".run")
+
+
+def make_engine(job: DrafterTrainJob):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.training.evaluate import KV_PAGES
+
+    return LLMEngine(EngineConfig(model=job.target_model, device=job.device, tp_size=job.tp_size,
+                                  capture_layers=job.capture_layers, seed=job.seed, kv_pages=KV_PAGES))
+
+
+def split_eval(samples: list[Sample], job: DrafterTrainJob) -> tuple[list[Sample], list[Sample]]:
+    """Hold out a seeded random slice of the data (at most max_eval_prompts samples)."""
+    if len(samples) < 2 or job.eval_fraction <= 0:
+        return samples, []
+    count = min(job.max_eval_prompts, max(1, int(len(samples) * job.eval_fraction)))
+    held = set(random.Random(job.seed).sample(range(len(samples)), count))
+    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+
+
+def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, eval_samples: list[Sample] | None,
+                    resume: bool) -> tuple[list[Sample], list[Sample]]:
+    from tandem.sampling import SamplingParams
+
+    run = job.run_path
+    train_file, eval_file = run / "samples.jsonl", run / "eval_samples.jsonl"
+    if resume and train_file.is_file():
+        note(f"reusing the completed samples in {run}")
+        return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
+    context = engine.model_config.max_position_embeddings
+    if samples is None:
+        if job.data is None:
+            raise ValueError("no training data: pass --data JSONL")
+        samples = read_jsonl(job.data, job.target_model, job.regenerate, job.max_samples)
+    if eval_samples is None:
+        if job.eval_data is not None:
+            eval_samples = read_jsonl(job.eval_data, job.target_model, job.regenerate, job.max_eval_prompts)
+        else:
+            samples, eval_samples = split_eval(samples, job)
+    samples = [fit_context(s, context) for s in samples]
+    eval_samples = [fit_context(s, context) for s in eval_samples]
+    params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
+    note(f"the target writes responses for {sum(s.response is None for s in samples)} of {len(samples)} samples "
+         f"(+{len(eval_samples)} held out), up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
+    samples = complete_samples(engine, samples, params)
+    # Held-out responses are always greedy: they measure the draft loss on the target's own argmax path.
+    eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0))
+    samples = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
+    run.mkdir(parents=True, exist_ok=True)
+    save_samples(train_file, samples)
+    save_samples(eval_file, eval_samples)
+    return samples, eval_samples
+
+
+def prepare_vocab(job: DrafterTrainJob, samples: list[Sample], target_vocab: int, resume: bool) -> DraftVocab:
+    path = job.run_path / "vocab.pt"
+    if resume and path.is_file():
+        blob = torch.load(path, weights_only=True)
+        return vocab_from_tensors(blob["d2t"], blob["t2d"])
+    size = job.draft_vocab_size or min(32000, target_vocab)
+    # Frequencies of the tokens the head learns to predict: the responses (and the prompts when
+    # their positions are trained too).
+    counted = [s.tokens if job.train.include_prompt_loss else list(s.response or ()) for s in samples]
+    vocab = build_draft_vocab(counted, target_vocab, size)
+    torch.save({"d2t": vocab.d2t, "t2d": vocab.t2d}, path)
+    return vocab
+
+
+def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samples: list[Sample] | None = None,
+            resume: bool = False) -> dict:
+    """Train, export to ``job.out``, evaluate; returns the summary also written to OUT/training.json."""
+    from tandem.training.teacher import TargetTeacher
+
+    torch.manual_seed(job.seed)
+    engine = make_engine(job)
+    try:
+        samples, eval_samples = prepare_samples(engine, job, samples, eval_samples, resume)
+        vocab = prepare_vocab(job, samples, engine.model_config.vocab_size, resume)
+        teacher = TargetTeacher(engine)
+        train_cfg = dataclasses.replace(job.train, device=job.device, seed=job.seed)
+        head, summary = train_eagle3(teacher, job.target_model, samples, vocab, train_cfg, job.out, job.run_path, resume)
+        summary["train_samples"] = len(samples)
+        summary["train_tokens"] = sum(len(s.tokens) for s in samples)
+        if eval_samples:
+            summary["heldout"] = heldout_metrics(head, teacher, eval_samples, vocab, train_cfg)
+    finally:
+        engine.shutdown()
+    if job.eval is not None and eval_samples:
+        eval_cfg = dataclasses.replace(job.eval, device=job.device, tp_size=job.tp_size, seed=job.seed)
+        summary["eval"] = evaluate_pair(job.target_model, job.out, [list(s.prompt) for s in eval_samples], eval_cfg)
+        note(format_report(summary["eval"]))
+    (Path(job.out) / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def heldout_metrics(head, teacher, eval_samples: list[Sample], vocab: DraftVocab, cfg) -> dict:
+    """Draft loss and accuracy (draft argmax == target argmax) per TTT step on the held-out samples."""
+    metrics = draft_metrics(head, teacher, eval_samples, vocab, cfg)
+    accs = " ".join(f"{a:.2f}" for a in metrics["acc_by_step"])
+    note(f"held-out draft loss {metrics['loss_weighted']:.3f} (step 0: {metrics['loss_by_step'][0]:.3f}); "
+         f"accuracy by TTT step [{accs}]")
+    return metrics

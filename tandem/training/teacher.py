@@ -1,0 +1,57 @@
+"""The target as teacher: EAGLE-3 features and logits for whole sequences, captured online.
+
+Every training batch runs the target forward over prompt+response through our engine's executor
+with ``capture_features=True`` — the same code that serves, so the head trains on exactly the
+features the verifier will hand it, and tensor parallelism (``--tp-size``) comes for free: rank 0
+broadcasts the batch and gets the full logits and the replicated residual stream back. Nothing is
+stored on disk (SpecForge's offline mode needs terabytes for real models).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.kv_cache import SequenceKV
+
+
+class TargetTeacher:
+    def __init__(self, engine):
+        """``engine``: an LLMEngine over the target (its KV pool is borrowed for each forward)."""
+        self.engine = engine
+        self.capture_layers = engine.executor.runner.capture_layers
+
+    def forward(self, sequences: list[list[int]], max_tokens: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """→ per sequence (features [n, 3·H], float32 logits [n, V]), as normal (autograd-usable)
+        tensors. Sequences are packed into forwards of at most ``max_tokens`` tokens."""
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        group: list[list[int]] = []
+        for seq in sequences:
+            if group and sum(map(len, group)) + len(seq) > max_tokens:
+                out += self._forward_group(group)
+                group = []
+            group.append(seq)
+        if group:
+            out += self._forward_group(group)
+        return out
+
+    def _forward_group(self, group: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kvs, chunks = [], []
+        try:
+            for tokens in group:
+                kv = SequenceKV(self.engine.allocator)
+                kvs.append(kv)
+                kv.reserve(len(tokens))
+                chunks.append(SequenceChunk(list(tokens), 0, list(kv.pages), logits="all"))
+            logits, features = self.engine.executor.forward(ForwardBatch(chunks, capture_features=True))
+        finally:
+            for kv in kvs:
+                kv.release()
+        # The executor runs under inference_mode; clone() outside it gives tensors autograd may save.
+        logits, features = logits.clone(), features.clone()
+        result, row = [], 0
+        for tokens in group:
+            n = len(tokens)
+            result.append((features[row : row + n], logits[row : row + n]))
+            row += n
+        return result

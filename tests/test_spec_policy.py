@@ -1,0 +1,93 @@
+"""Speculation switches itself off for requests where it does not pay, keeps the drafter in step
+while off, probes, and never changes the output (greedy output equals target-only decoding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from checkpoints import write_checkpoint
+from proposers import RandomTreeProposer
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams
+from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy
+from tandem.speculative.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_draft_tokens: int
+
+
+def test_policy_decisions():
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=3, smoothing=1.0, fixed_cost_ratio=1.5))
+    s = RequestSpecState()
+    assert policy.decide(s)  # nothing known yet
+    policy.observe_round(s, 1)
+    assert policy.decide(s)  # still warming up
+    policy.observe_round(s, 1)
+    assert [policy.decide(s) for _ in range(8)] == [False, False, False, True, False, False, False, True]
+    policy.observe_round(s, 4)  # the probe accepted a lot: speculate again
+    assert policy.decide(s) and policy.decide(s)
+
+
+def test_measured_cost_ratio():
+    policy = SpeculationPolicy(PolicyConfig(smoothing=1.0))
+    assert policy.cost_ratio == PolicyConfig().default_cost_ratio
+    policy.observe_step(0.010, speculative=False)
+    policy.observe_step(0.016, speculative=True)
+    assert policy.cost_ratio == pytest.approx(1.6)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy") / "llama"
+    write_checkpoint(path, "llama", seed=9, num_hidden_layers=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 19, 11)]
+    with LLMEngine(EngineConfig(model=str(path))) as eng:
+        ref = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))]
+    return path, prompts, ref
+
+
+def _run(path, prompts, proposer, policy):
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
+        return eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+
+
+def test_useless_drafts_are_switched_off_and_output_is_unchanged(setup):
+    path, prompts, ref = setup
+    cfg = PolicyConfig(warmup_rounds=4, probe_every=16, fixed_cost_ratio=1.5)
+    results = _run(path, prompts, RandomTreeProposer(vocab=256, seed=3), SpeculationPolicy(cfg))
+    assert [r.output_token_ids for r in results] == ref
+    for r in results:  # ~47 decode steps: 4 warm-up rounds, then a probe every 16 plain steps at most
+        assert 4 <= r.spec_stats.rounds <= 4 + 47 // 16 + 1, r.spec_stats.rounds
+    always = _run(path, prompts, RandomTreeProposer(vocab=256, seed=3), SpeculationPolicy(PolicyConfig(enabled=False)))
+    assert all(r.spec_stats.rounds >= 40 for r in always), "without the policy every step speculates"
+
+
+def test_useful_drafts_stay_on_and_resume_after_plain_steps(setup):
+    path, prompts, ref = setup
+    oracle = {f"req-{i}": p + e + [0] * 8 for i, (p, e) in enumerate(zip(prompts, ref))}
+
+    class GoodThenBad(RandomTreeProposer):
+        """Perfect chains except between tokens 10 and 30: the policy turns speculation off there,
+        the drafter keeps extending, and it comes back on at a probe."""
+
+        def _tree(self, rid, size):
+            full, pos = self.oracle[rid], len(self.tokens[rid])
+            if 10 <= pos - len(prompts[int(rid.split("-")[1])]) + 1 <= 30:
+                return DraftTree.chain(full[pos], [(t + 1) % 256 for t in full[pos + 1 : pos + size]])
+            return DraftTree.chain(full[pos], full[pos + 1 : pos + size])
+
+    cfg = PolicyConfig(warmup_rounds=2, probe_every=4, smoothing=0.6, fixed_cost_ratio=1.5)
+    results = _run(path, prompts, GoodThenBad(256, oracle=oracle), SpeculationPolicy(cfg))
+    assert [r.output_token_ids for r in results] == ref
+    for r in results:
+        accepted = r.spec_stats.accepted_per_round
+        assert accepted[0] == 4  # on at first, accepting whole chains
+        assert 0 in accepted  # the bad stretch was tried ...
+        assert accepted[-1] == 4 or accepted[-2] == 4  # ... and speculation came back once drafts were good again
