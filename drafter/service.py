@@ -87,9 +87,18 @@ class DrafterService:
             self.drafter.release(rid)
         if round_msg.extend:
             ring.wait_ready()
-            items = [(e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False))
-                     for e in round_msg.extend]
-            self.drafter.extend(items)
+            # Plain steps between drafts queue several extends of one request: apply them in order, in
+            # waves where each request appears once (one packed forward per wave).
+            waves: list[list] = []
+            seen: dict[str, int] = {}
+            for e in round_msg.extend:  # a request's k-th extend goes to wave k: per-request order is kept
+                k = seen.get(e.request_id, 0)
+                seen[e.request_id] = k + 1
+                if k == len(waves):
+                    waves.append([])
+                waves[k].append((e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
+            for wave in waves:
+                self.drafter.extend(wave)
         drafts = pb.Drafts(seq=round_msg.seq)
         by_spec: dict[SpecConfig, list[pb.DraftRequest]] = {}
         for d in round_msg.draft:

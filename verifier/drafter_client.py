@@ -82,6 +82,8 @@ class _Connection:
 
 
 class DrafterClient:
+    FLUSH_ROWS = 4096  # pending extend rows that trigger an extend-only round
+
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None):
         self.address, self.ring, self.target = address, ring, target
@@ -174,6 +176,10 @@ class DrafterClient:
             except TandemError as e:  # the ring is full: the drafter is far behind
                 self._drop(str(e))
                 raise ProposerUnavailable(str(e)) from e
+        # Requests decoding plainly (the policy switched speculation off) extend every step without a
+        # draft to carry the extends: flush them in an extend-only round before they pile up.
+        if sum(e.ring_rows for e in self._pending_extend) > self.FLUSH_ROWS:
+            self.draft([], None)
 
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)
@@ -186,7 +192,8 @@ class DrafterClient:
             conn = self._conn
             if conn is None:
                 raise ProposerUnavailable("the drafter is not connected")
-            params = pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
+            params = (pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
+                      if spec is not None else None)
             seq = self._seq
             round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
                                  draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
