@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
 from tandem import tracing
 from tandem.errors import TandemError
+from tandem.service_runtime import run_service
 from drafter.config import DrafterServiceConfig
 
 
@@ -26,20 +26,13 @@ def main(argv: list[str] | None = None) -> int:
             target = target or str(ensure_demo_target())
             draft = draft or str(ensure_demo_draft())
         cfg = DrafterServiceConfig.from_args(args, draft, target)
-        tracing.setup_tracing("tandem-drafter", cfg.otlp_endpoint)
-        try:
-            import uvloop
-
-            uvloop.install()
-        except ImportError:
-            pass
-        from drafter.serve import serve
-
-        asyncio.run(serve(cfg))
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    tracing.setup_tracing("tandem-drafter", cfg.otlp_endpoint)
+    from drafter.serve import serve
+
+    return run_service(lambda: serve(cfg))
 
 
 if __name__ == "__main__":

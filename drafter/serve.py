@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
+from tandem.service_runtime import wait_for_stop
 from tandem.models.config import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -44,14 +44,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     log.info("drafter serving on %s:%d", cfg.host, port)
     if ready is not None:
         ready.set()
-    stop = stop or asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            aio_loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    await stop.wait()
+    await wait_for_stop(stop)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     tracing.shutdown_tracing()

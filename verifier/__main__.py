@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
 from tandem import tracing
 from tandem.errors import TandemError
+from tandem.service_runtime import run_service
 from verifier.config import VerifierConfig
 
 
@@ -24,25 +24,14 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(ensure_demo_target())
         cfg = VerifierConfig.from_args(args, model)
-        logging.getLogger("verifier").info("config: model=%s, %s", model, cfg.describe())
-        tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
-        try:
-            import uvloop
-
-            uvloop.install()
-        except ImportError:
-            pass
-        asyncio.run(_serve(cfg))
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
-
-
-async def _serve(cfg: VerifierConfig) -> None:
+    logging.getLogger("verifier").info("config: model=%s, %s", model, cfg.describe())
+    tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     from verifier.serve import serve
 
-    await serve(cfg)
+    return run_service(lambda: serve(cfg))
 
 
 if __name__ == "__main__":

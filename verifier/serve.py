@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
+from tandem.service_runtime import wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.models.config import ModelConfig
 from tandem.models.eagle3_config import DraftConfig, validate_draft
@@ -88,14 +88,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     if ready is not None:
         ready.set()
 
-    stop = stop or asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            aio_loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests run us in one)
-            pass
-    await stop.wait()
+    await wait_for_stop(stop)
     log.info("verifier draining")
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5.0)

@@ -73,13 +73,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        path, raw = read_config_json(model_dir, "a Hugging Face model folder")
         generation = Path(model_dir) / "generation_config.json"
         gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
         return cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw)
@@ -137,6 +131,17 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
         )
+
+
+def read_config_json(folder: str | Path, kind: str) -> tuple[Path, dict[str, Any]]:
+    """``folder/config.json`` parsed, or a one-line CheckpointError saying what is wrong."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (is this {kind}?)")
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
 def _rope_from_hf(raw: dict[str, Any], source: str) -> RopeConfig:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
-from tandem.models.config import ModelConfig, RopeConfig, _rope_from_hf
+from tandem.models.config import ModelConfig, RopeConfig, _rope_from_hf, read_config_json
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)
@@ -63,13 +63,7 @@ class DraftConfig:
 
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> "DraftConfig":
-        path = Path(draft_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{draft_dir}: no config.json (is this an EAGLE-3 draft folder?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        path, raw = read_config_json(draft_dir, "an EAGLE-3 draft folder")
         return cls.from_hf_dict(raw, source=str(path), model_dir=str(draft_dir))
 
     @classmethod

@@ -1,0 +1,40 @@
+"""What every service's process shares: running its asyncio main under uvloop with one-line errors,
+and waiting for SIGTERM/SIGINT. Torch-free (the gateway uses it too)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Awaitable, Callable
+
+from tandem.errors import TandemError
+
+
+def run_service(main: Callable[[], Awaitable[None]]) -> int:
+    """Run ``main()`` on uvloop (when installed); a TandemError is one ``error:`` line and exit code 2."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(main())
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def wait_for_stop(stop: asyncio.Event | None) -> None:
+    """Return when ``stop`` is set or the process gets SIGTERM/SIGINT (signals only on the main thread:
+    tests run services on other threads and stop them through the event)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
