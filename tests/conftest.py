@@ -17,6 +17,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Without a GPU the Triton kernels run in Triton's interpreter (tests/test_kernels.py, the static graph
+# paths); it must be set before the first kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
