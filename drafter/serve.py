@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import wait_for_stop
+from tandem.service_runtime import report_hangs_in_health, wait_for_stop
 from tandem.models.config import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -30,6 +30,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     log.info("loading draft %s for target %s", cfg.draft_model, cfg.target_model)
     drafter = await asyncio.to_thread(Eagle3Drafter.from_dirs, cfg.draft_model, cfg.target_model, cfg.runtime)
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured

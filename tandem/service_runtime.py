@@ -38,3 +38,19 @@ async def wait_for_stop(stop: asyncio.Event | None) -> None:
         except (NotImplementedError, RuntimeError):
             pass
     await stop.wait()
+
+
+def report_hangs_in_health(health_servicer, loop: asyncio.AbstractEventLoop) -> None:
+    """A hung graph capture or replay (the watchdog fires on its own thread) turns gRPC health
+    NOT_SERVING before the process exits, so a prober sees it even if the exit is slow."""
+    import concurrent.futures
+
+    from tandem.watchdog import on_any_hang
+
+    def hang(what: str) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(health_servicer.enter_graceful_shutdown(), loop).result(timeout=2)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+
+    on_any_hang(hang)

@@ -19,6 +19,13 @@ from typing import Callable
 
 log = logging.getLogger("tandem.watchdog")
 HUNG_EXIT_CODE = 75
+_HANG_HOOKS: list[Callable[[str], None]] = []
+
+
+def on_any_hang(hook: Callable[[str], None]) -> None:
+    """Register a process-wide hook every watchdog runs before exiting (a service flips its gRPC health
+    to NOT_SERVING here, without the engine and graph code having to know about gRPC)."""
+    _HANG_HOOKS.append(hook)
 
 
 def all_thread_stacks() -> str:
@@ -69,10 +76,10 @@ class Watchdog:
         log.critical(message)
         print(message, file=sys.stderr, flush=True)
         self.fired.append(what)
-        if self.on_hang is not None:
+        for hook in ([self.on_hang] if self.on_hang is not None else []) + _HANG_HOOKS:
             try:
-                self.on_hang(what)
+                hook(what)
             except Exception:  # reporting must not stop the exit
-                log.exception("watchdog on_hang callback failed")
+                log.exception("watchdog hang hook failed")
         if self.exit_code is not None:
             os._exit(self.exit_code)

@@ -36,3 +36,26 @@ def test_a_simulated_hung_capture_is_reported_and_the_process_exits():
     assert "HEALTH NOT_SERVING: Capture decode cuda graph bs=8" in proc.stdout
     assert "Capture decode cuda graph bs=8 exceeded its deadline" in proc.stderr
     assert "simulated_capture" in proc.stderr, "the hung thread's stack is in the report"
+
+
+def test_a_hang_turns_grpc_health_not_serving():
+    """The service hook: a watchdog firing flips the health servicer before the process would exit."""
+    import asyncio
+    import threading
+
+    from grpc_health.v1 import health, health_pb2
+
+    from tandem.service_runtime import report_hangs_in_health
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    servicer = health.aio.HealthServicer()
+    asyncio.run_coroutine_threadsafe(servicer.set("", health_pb2.HealthCheckResponse.SERVING), loop).result(5)
+    report_hangs_in_health(servicer, loop)
+    dog = Watchdog(exit_code=None)
+    with dog.guard("replay decode cuda graph bs=1", deadline_s=0.2):
+        time.sleep(0.8)
+    request = health_pb2.HealthCheckRequest(service="")
+    reply = asyncio.run_coroutine_threadsafe(servicer.Check(request, None), loop).result(5)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    loop.call_soon_threadsafe(loop.stop)

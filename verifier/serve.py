@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import wait_for_stop
+from tandem.service_runtime import report_hangs_in_health, wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.models.config import ModelConfig
 from tandem.models.eagle3_config import DraftConfig, validate_draft
@@ -68,6 +68,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
     server.add_generic_rpc_handlers([service.handler()])
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -73,7 +73,7 @@ class _Family:
 
 class TargetGraphRunner:
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
-                 capture_deadline_s: float = 120.0):
+                 capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0):
         """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend)."""
         self.runner = runner
         self.device = runner.device
@@ -86,7 +86,7 @@ class TargetGraphRunner:
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
         self.decode_features = any(w > 1 for w in widths)
-        self.capture_deadline_s = capture_deadline_s
+        self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.pool = None
 
     # -- capture ---------------------------------------------------------------------------------
@@ -156,7 +156,12 @@ class TargetGraphRunner:
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         fam, bs, m = self.prepare(batch)
-        fam.graphs[bs].replay()
+        # A hang shows at the first wait on the replay's work; the caller reads the logits right after
+        # anyway, so waiting here costs nothing and puts the hang inside the guard.
+        with self.watchdog.guard(f"replay {'decode' if fam.width == 1 else f'verify(width={fam.width})'} "
+                                 f"cuda graph bs={bs}", self.replay_deadline_s):
+            fam.graphs[bs].replay()
+            torch.cuda.current_stream(self.device).synchronize()
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
