@@ -54,8 +54,16 @@ def test_a_hang_turns_grpc_health_not_serving():
     report_hangs_in_health(servicer, loop)
     dog = Watchdog(exit_code=None)
     with dog.guard("replay decode cuda graph bs=1", deadline_s=0.2):
-        time.sleep(0.8)
+        deadline = time.monotonic() + 10  # a loaded machine may starve the watchdog's thread for a while
+        while not dog.fired and time.monotonic() < deadline:
+            time.sleep(0.05)
     request = health_pb2.HealthCheckRequest(service="")
-    reply = asyncio.run_coroutine_threadsafe(servicer.Check(request, None), loop).result(5)
-    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    status = None
+    for _ in range(100):  # the hook flips health on the service's loop, right after firing
+        status = asyncio.run_coroutine_threadsafe(servicer.Check(request, None), loop).result(5).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        time.sleep(0.05)
+    assert dog.fired == ["replay decode cuda graph bs=1"]
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     loop.call_soon_threadsafe(loop.stop)
