@@ -1,0 +1,117 @@
+"""Benchmark sections beyond one process and one GPU: the service pair, and tensor parallelism."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from models import LLAMA_8B_SHAPE, bench_engine, random_draft, target_dir
+from sections import _decode_tok_s, _free_gpu
+
+
+def service(ctx: dict) -> dict:
+    """The drafter and verifier as separate services (gRPC stream + shared-memory ring) against the same
+    engine and head in one process, same settings, batch 1. Random head: acceptance is what it is (~1),
+    which isolates the per-round cost of the service boundary."""
+    import subprocess
+    import sys
+
+    import grpc
+    from safetensors.torch import save_file
+
+    from models import ROOT_DIR, free_port, wait_health
+    from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+    from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    new_tokens = 48 if ctx["quick"] else 128
+    spec = SpecConfig(3, 1, 4)
+    tdir = target_dir(layers)
+    if not (tdir / "model.safetensors").exists():  # the drafter reads the target's embedding from disk
+        emb = torch.randn(LLAMA_8B_SHAPE["vocab_size"], LLAMA_8B_SHAPE["hidden_size"], dtype=torch.bfloat16) * 0.02
+        save_file({"model.embed_tokens.weight": emb}, str(tdir / "model.safetensors"))
+    prompt = torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    # In process.
+    engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)
+    runner = engine.executor.runner
+    draft_dir = random_draft(tdir, runner.capture_layers)
+    drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(tdir), DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8),
+                                      capture_layers=runner.capture_layers, embed_weight=runner.model.model.embed_tokens.weight)
+    drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+    engine.proposer, engine.default_spec = drafter, spec
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    started = time.perf_counter()
+    res = engine.generate([prompt], params)[0]
+    inproc = new_tokens / (time.perf_counter() - started)
+    rounds_in = res.spec_stats.rounds
+    engine.proposer = None
+    engine.shutdown()
+    del engine, drafter, runner
+    _free_gpu()
+    print(f"in process:   {inproc:7.1f} tok/s ({rounds_in} rounds, accept {res.spec_stats.accept_length_mean:.2f})", flush=True)
+
+    # As services.
+    d_port, v_port = free_port(), free_port()
+    flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    procs = [subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
+                               "--device", "cuda", "--dtype", "bfloat16", "--port", str(d_port), "--cuda-graph-max-bs", "8",
+                               *flags], cwd=ROOT_DIR)]
+    try:
+        wait_health(d_port, 300)
+        procs.append(subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(tdir), "--load-format", "random",
+                                       "--device", "cuda", "--dtype", "bfloat16", "--port", str(v_port), "--kv-pages", "2048",
+                                       "--cuda-graph-max-bs", "8", "--drafter", f"127.0.0.1:{d_port}",
+                                       "--draft-model", str(draft_dir), *flags], cwd=ROOT_DIR))
+        wait_health(v_port, 300)
+        time.sleep(2.0)  # the drafter connection comes up in the background
+        with grpc.insecure_channel(f"127.0.0.1:{v_port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+
+            def once(n):
+                req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
+                last = None
+                for last in stub.Generate(req, timeout=300):
+                    pass
+                return last
+
+            once(8)
+            started = time.perf_counter()
+            last = once(new_tokens)
+            served = new_tokens / (time.perf_counter() - started)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(60)
+    per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
+    print(f"as services:  {served:7.1f} tok/s ({last.spec.rounds} rounds, accept {last.spec.accept_length_mean:.2f}); "
+          f"service pair at {served / inproc:.1%} of in process; boundary cost {per_round_ms:.3f} ms/round", flush=True)
+    return {"in_process_tok_s": inproc, "service_tok_s": served, "ratio": served / inproc,
+            "rounds_service": last.spec.rounds, "rounds_in_process": rounds_in, "boundary_ms_per_round": per_round_ms}
+
+
+
+def tp(ctx: dict) -> dict:
+    """Tensor parallelism on a Llama-3-70B-shaped model with fewer layers: decode tokens/s at TP=1 and
+    TP=N (all GPUs of the machine), graphs on, batch 1 and 8."""
+    from models import LLAMA_70B_SHAPE, bench_engine_for
+
+    gpus = torch.cuda.device_count()
+    layers = 8 if ctx["quick"] else 16
+    out = {"shape": {**LLAMA_70B_SHAPE, "num_layers": layers}, "rows": []}
+    for size in sorted({1, gpus}):
+        engine = bench_engine_for(LLAMA_70B_SHAPE, layers, tp_size=size)
+        for bs in (1, 8):
+            row = {"tp": size, **_decode_tok_s(engine, bs, 32 if ctx["quick"] else 64)}
+            out["rows"].append(row)
+            print(f"70B shape, {layers} layers, TP={size}, batch {bs}: {row['tok_s']:8.1f} tok/s "
+                  f"({row['ms_per_step']:.2f} ms/step)", flush=True)
+        engine.shutdown()
+        del engine
+        _free_gpu()
+    return out
+
