@@ -122,12 +122,24 @@ def _build_engine(cfg, args: argparse.Namespace):
     return engine
 
 
+def _add_training(sub: argparse._SubParsersAction) -> None:
+    from tandem.training.cli import add_demo_models, add_train_drafter, run_demo_models, run_train_drafter
+
+    p = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a target (= python -m drafter.train)")
+    add_train_drafter(p)
+    p.set_defaults(run=run_train_drafter)
+    p = sub.add_parser("demo-models", help="build (once, cached) the demo target and its EAGLE-3 head")
+    add_demo_models(p)
+    p.set_defaults(run=run_demo_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_up(sub)
+    _add_training(sub)
     return parser
 
 

@@ -40,6 +40,7 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--warmup-steps", type=int, default=30)
     g.add_argument("--checkpoint-every", type=int, default=100)
+    g.add_argument("--no-compile", action="store_true", help="train eagerly (no torch.compile)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("devices")
     g.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
@@ -68,6 +69,7 @@ def job_from_args(args: argparse.Namespace):
     train = Eagle3TrainConfig(
         ttt_steps=args.ttt_steps, loss_type=args.loss, batch_size=args.batch_size, epochs=args.epochs,
         max_steps=args.max_steps, include_prompt_loss=args.include_prompt_loss, checkpoint_every=args.checkpoint_every,
+        compile=not args.no_compile,
         optim=dataclasses.replace(OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps, grad_clip=0.5)))
     evaluation = EvalConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
                             num_draft_tokens=args.speculative_num_draft_tokens, max_new_tokens=args.eval_max_new_tokens)

@@ -16,7 +16,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,8 +33,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 @dataclass(frozen=True)
 class LMTrainConfig:
     dims: LlamaDims = LlamaDims()
-    steps: int = 1500
-    batch_size: int = 16
+    steps: int = 1000
+    batch_size: int = 8
     optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=100, weight_decay=0.1, grad_clip=1.0)
     corpus: corpus.CorpusConfig = corpus.CorpusConfig()
     seed: int = 0
@@ -47,7 +47,8 @@ class LMTrainConfig:
 
 
 PRESETS = {
-    # ~4 M parameters: a few minutes on 2 CPU cores; greedy continuations read as Python.
+    # ~4 M parameters, 2 M tokens (1.7 epochs of the corpus): about 3 minutes on 2 CPU cores (AMX
+    # bf16, torch.compile); held-out loss ~3.5 nats/token, greedy continuations read as Python.
     "demo": LMTrainConfig(),
     # ~30 M parameters on all of Lib/ (~10 M tokens): a GPU run, for benchmarks on a real trained pair.
     "gpu": LMTrainConfig(

@@ -1,0 +1,77 @@
+"""One TTT training batch: the teacher's outputs as padded tensors, and the K-step loss over them.
+
+The loss is written with dense masked sums (no boolean indexing, no host syncs) so the same function
+runs eagerly or under ``torch.compile`` with static shapes (batches padded to one length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.training.data import Sample
+
+
+@dataclass
+class TTTBatch:
+    tokens: torch.Tensor  # int64 [B, T] target ids, right-padded with 0
+    features: torch.Tensor  # [B, T, 3·H_t] target features
+    target_p: torch.Tensor  # [B, T + K, Vd] target distribution over the draft vocabulary, renormalised
+    target_id: torch.Tensor  # int64 [B, T + K] target argmax as a draft id (-1: outside the draft vocab)
+    mask: torch.Tensor  # bool [B, T + K] positions whose target distribution is learned
+    num_tokens: int  # real (unpadded) tokens
+
+
+def make_batch(samples: list[Sample], teach, used: torch.Tensor, t2d_index: torch.Tensor, steps: int,
+               include_prompt: bool, device, pad_to: int | None = None) -> TTTBatch:
+    """Position p of a sequence carries the target's prediction of x_{p+1}; it is learned when x_{p+1}
+    is a response token (or always, with ``include_prompt``) and the target's argmax is in the draft
+    vocabulary (the draft could never propose it otherwise: EAGLE-3's and SpecForge's mask)."""
+    B = len(samples)
+    T = max(pad_to or 0, max(len(s.tokens) for s in samples))
+    tokens = torch.zeros(B, T, dtype=torch.int64)
+    features = torch.zeros(B, T, teach[0][0].shape[-1])
+    target_p = torch.zeros(B, T + steps, len(used))  # padded right so every step can slice T-1 rows
+    target_id = torch.full((B, T + steps), -1, dtype=torch.int64)
+    mask = torch.zeros(B, T + steps, dtype=torch.bool)
+    for b, (s, (feats, logits)) in enumerate(zip(samples, teach)):
+        n = len(s.tokens)
+        tokens[b, :n] = torch.tensor(s.tokens)
+        features[b, :n] = feats.float().cpu()
+        logits = logits.float().cpu()
+        target_p[b, :n] = torch.softmax(logits[:, used], dim=-1)
+        target_id[b, :n] = t2d_index[logits.argmax(-1)]
+        mask[b, 0 if include_prompt else len(s.prompt) - 1 : n] = True
+    mask &= target_id >= 0
+    to = lambda t: t.to(device)  # noqa: E731
+    return TTTBatch(to(tokens), to(features), to(target_p), to(target_id), to(mask),
+                    sum(len(s.tokens) for s in samples))
+
+
+def ttt_loss(head, tokens, features, target_p, target_id, mask, *, steps: int, decay: float, hard: bool,
+             bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ (Σ_k decay^k · loss_k, loss_k [K], accuracy_k [K], counted positions [K]). Step k's row t
+    predicts position p = t + k + 1 (see DenseEagle3.ttt)."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        step_logits = head.ttt(tokens, features, steps)
+    total = torch.zeros((), device=tokens.device)
+    losses, accs, counts = [], [], []
+    for k, logits in enumerate(step_logits):
+        rows = slice(k + 1, k + 1 + logits.shape[1])
+        m = mask[:, rows].float()
+        n = m.sum()
+        logp = F.log_softmax(logits.float(), dim=-1)  # [B, R, Vd]
+        ids = target_id[:, rows]
+        if hard:
+            per_row = -logp.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        else:  # soft cross-entropy against the target's distribution
+            per_row = -(target_p[:, rows] * logp).sum(-1)
+        loss_k = (per_row * m).sum() / n.clamp(min=1)
+        acc_k = ((logp.argmax(-1) == ids).float() * m).sum() / n.clamp(min=1)
+        total = total + decay**k * loss_k
+        losses.append(loss_k)
+        accs.append(acc_k)
+        counts.append(n)
+    return total, torch.stack(losses), torch.stack(accs), torch.stack(counts)
