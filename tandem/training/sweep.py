@@ -54,7 +54,7 @@ def sweep(target_dir: str, samples, eval_samples, fractions: list[float], work: 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| data | samples | train tokens | steps | held-out draft loss (Σ 0.8^k·L_k) | step-0 loss | "
-             "acc step 0 / 6 | accept length T=0 | accept length T=1 | acceptance by position (T=0) |",
+             "acc step 0 / last | accept length T=0 | accept length T=1 | acceptance by position (T=0) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pos = " ".join(f"{a:.2f}" for a in r["acceptance_by_position_t0"])
