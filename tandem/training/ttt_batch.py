@@ -31,23 +31,24 @@ def make_batch(samples: list[Sample], teach, used: torch.Tensor, t2d_index: torc
     vocabulary (the draft could never propose it otherwise: EAGLE-3's and SpecForge's mask)."""
     B = len(samples)
     T = max(pad_to or 0, max(len(s.tokens) for s in samples))
-    tokens = torch.zeros(B, T, dtype=torch.int64)
-    features = torch.zeros(B, T, teach[0][0].shape[-1])
-    target_p = torch.zeros(B, T + steps, len(used))  # padded right so every step can slice T-1 rows
-    target_id = torch.full((B, T + steps), -1, dtype=torch.int64)
-    mask = torch.zeros(B, T + steps, dtype=torch.bool)
+    # Built where the head trains: for a large target the logits are big ([n, vocab] per sequence),
+    # so they are reduced to the draft vocabulary on their own device, never copied to the host.
+    used, t2d_index = used.to(device), t2d_index.to(device)
+    tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
+    features = torch.zeros(B, T, teach[0][0].shape[-1], device=device)
+    target_p = torch.zeros(B, T + steps, len(used), device=device)  # padded right: every step slices T-1 rows
+    target_id = torch.full((B, T + steps), -1, dtype=torch.int64, device=device)
+    mask = torch.zeros(B, T + steps, dtype=torch.bool, device=device)
     for b, (s, (feats, logits)) in enumerate(zip(samples, teach)):
         n = len(s.tokens)
-        tokens[b, :n] = torch.tensor(s.tokens)
-        features[b, :n] = feats.float().cpu()
-        logits = logits.float().cpu()
+        tokens[b, :n] = torch.tensor(s.tokens, device=device)
+        features[b, :n] = feats.to(device, torch.float32)
+        logits = logits.to(device, torch.float32)
         target_p[b, :n] = torch.softmax(logits[:, used], dim=-1)
         target_id[b, :n] = t2d_index[logits.argmax(-1)]
         mask[b, 0 if include_prompt else len(s.prompt) - 1 : n] = True
     mask &= target_id >= 0
-    to = lambda t: t.to(device)  # noqa: E731
-    return TTTBatch(to(tokens), to(features), to(target_p), to(target_id), to(mask),
-                    sum(len(s.tokens) for s in samples))
+    return TTTBatch(tokens, features, target_p, target_id, mask, sum(len(s.tokens) for s in samples))
 
 
 def ttt_loss(head, tokens, features, target_p, target_id, mask, *, steps: int, decay: float, hard: bool,
