@@ -52,3 +52,12 @@ def checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint, tmp_path_factory):
+    """The EAGLE-3 tests' target + random draft (tests/draft_checkpoints.shared_pair, written once per
+    session). Test files that need another pair define their own ``pair``."""
+    from draft_checkpoints import shared_pair
+
+    return shared_pair(checkpoint, tmp_path_factory)

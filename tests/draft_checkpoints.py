@@ -9,7 +9,6 @@ KV cache, no fused projections — so it checks the paged, cached, batched draft
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,28 @@ AUX_IDS = (0, 2, 3)
 def make_draft(path: Path, target: ModelConfig, draft_vocab: int = 200, seed: int = 0, **overrides):
     overrides.setdefault("aux_layer_ids", AUX_IDS)
     return write_random_eagle3(path, target, draft_vocab, seed=seed, token_subset="random", **overrides)
+
+
+def design_tensor_shapes(h: int, h_target: int, q: int, kv: int, inter: int, draft_vocab: int,
+                         vocab: int) -> dict[str, tuple[int, ...]]:
+    """DESIGN.md §3's tensor names and shapes of an EAGLE-3 head, written out independently of the code."""
+    return {
+        "fc.weight": (h, 3 * h_target),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (draft_vocab, h),
+        "d2t": (draft_vocab,),
+        "t2d": (vocab,),
+    }
 
 
 def target_embedding(target_dir: Path) -> torch.Tensor:
@@ -58,17 +79,6 @@ def shared_pair(checkpoint, tmp_path_factory, seed: int = 0) -> Pair:
         draft = make_draft(draft_dir, target, seed=seed)
         _PAIRS[seed] = Pair(target_dir, draft_dir, target, draft, target_embedding(target_dir), ckpt.hf)
     return _PAIRS[seed]
-
-
-@contextmanager
-def one_thread():
-    """Tiny matmuls are fastest on one thread; on a busy machine extra threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def rewrite_tensors(draft_dir: Path, replace: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = ()) -> None:

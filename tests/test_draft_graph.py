@@ -24,7 +24,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
 
-from draft_checkpoints import one_thread, shared_pair  # noqa: E402
 from tandem.errors import ConfigError  # noqa: E402
 from tandem.speculative.draft_graph import DraftGraphRunner  # noqa: E402
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig  # noqa: E402
@@ -34,17 +33,6 @@ BUCKETS = [2, 4, 8]  # batches of 1, 3 and 5 requests carry padding rows
 LENGTHS = {"a": 3, "b": 6, "c": 9, "d": 14, "e": 21}  # cross page boundaries (page size 4)
 INTERPRET = bool(os.environ.get("TRITON_INTERPRET"))
 NEEDS_INTERPRET = pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
 
 
 def make_drafter(pair, seed=3) -> Eagle3Drafter:

@@ -13,41 +13,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_checkpoints import edit_config, make_draft, one_thread, rewrite_tensors, shared_pair
+from draft_checkpoints import design_tensor_shapes, edit_config, make_draft, rewrite_tensors
 from tandem.errors import CheckpointError
 from tandem.models.eagle3_checkpoint import load_eagle3, save_eagle3
 from tandem.models.eagle3_config import DraftConfig
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 
 H, HT, Q, KV, I, VD, V = 64, 64, 64, 32, 128, 200, 256  # draft/target hidden, q/kv widths, mlp, vocabs
-DESIGN_TENSORS = {  # DESIGN.md §3, written out independently of the code
-    "fc.weight": (H, 3 * HT),
-    "midlayer.self_attn.q_proj.weight": (Q, 2 * H),
-    "midlayer.self_attn.k_proj.weight": (KV, 2 * H),
-    "midlayer.self_attn.v_proj.weight": (KV, 2 * H),
-    "midlayer.self_attn.o_proj.weight": (H, Q),
-    "midlayer.mlp.gate_proj.weight": (I, H),
-    "midlayer.mlp.up_proj.weight": (I, H),
-    "midlayer.mlp.down_proj.weight": (H, I),
-    "midlayer.input_layernorm.weight": (H,),
-    "midlayer.hidden_norm.weight": (H,),
-    "midlayer.post_attention_layernorm.weight": (H,),
-    "norm.weight": (H,),
-    "lm_head.weight": (VD, H),
-    "d2t": (VD,),
-    "t2d": (V,),
-}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
+DESIGN_TENSORS = design_tensor_shapes(H, HT, Q, KV, I, VD, V)
 
 
 def tensor_shapes(draft_dir: Path) -> dict[str, tuple[int, ...]]:

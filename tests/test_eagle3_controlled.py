@@ -9,23 +9,11 @@ import random
 import pytest
 import torch
 
-from draft_checkpoints import one_thread, shared_pair
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.controlled import ControlledAcceptanceProposer, expected_accept_length
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
 
 
 def make_drafter(pair) -> Eagle3Drafter:

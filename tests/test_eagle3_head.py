@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_checkpoints import DenseEagle3, one_thread, shared_pair
+from draft_checkpoints import DenseEagle3
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
@@ -15,17 +15,6 @@ from tandem.models.eagle3_checkpoint import load_eagle3
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,10 @@ import random
 import pytest
 import torch
 
-from draft_checkpoints import DenseEagle3, one_thread, shared_pair
+from draft_checkpoints import DenseEagle3
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -6,22 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_checkpoints import edit_config, make_draft, one_thread, rewrite_tensors, shared_pair
+from draft_checkpoints import edit_config, make_draft, rewrite_tensors
 from tandem.errors import CheckpointError, ConfigError
 from tandem.models.eagle3_checkpoint import load_eagle3
 from tandem.models.eagle3_config import DraftConfig, validate_draft
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint, tmp_path_factory):
-    return shared_pair(checkpoint, tmp_path_factory)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from draft_checkpoints import design_tensor_shapes
 from tandem.models.config import ModelConfig
 from tandem.models.random_checkpoint import LlamaShape, write_random_llama
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
@@ -27,33 +28,9 @@ from tandem.training.vocab import build_draft_vocab
 H, I, V, VD, Q, KV = 64, 128, 256, 96, 64, 32
 SHAPE = LlamaShape(vocab_size=V, hidden_size=H, intermediate_size=I, num_layers=6, num_heads=4, num_kv_heads=2,
                    max_position_embeddings=128)
-DESIGN_TENSORS = {  # DESIGN.md §3, written out independently of the code
-    "fc.weight": (H, 3 * H),
-    "midlayer.self_attn.q_proj.weight": (Q, 2 * H),
-    "midlayer.self_attn.k_proj.weight": (KV, 2 * H),
-    "midlayer.self_attn.v_proj.weight": (KV, 2 * H),
-    "midlayer.self_attn.o_proj.weight": (H, Q),
-    "midlayer.mlp.gate_proj.weight": (I, H),
-    "midlayer.mlp.up_proj.weight": (I, H),
-    "midlayer.mlp.down_proj.weight": (H, I),
-    "midlayer.input_layernorm.weight": (H,),
-    "midlayer.hidden_norm.weight": (H,),
-    "midlayer.post_attention_layernorm.weight": (H,),
-    "norm.weight": (H,),
-    "lm_head.weight": (VD, H),
-    "d2t": (VD,),
-    "t2d": (V,),
-}
+DESIGN_TENSORS = design_tensor_shapes(H, H, Q, KV, I, VD, V)
 TRAIN = Eagle3TrainConfig(ttt_steps=3, batch_size=4, max_steps=30, checkpoint_every=10, compile=False,
                           optim=OptimConfig(lr=3e-3, warmup_steps=5, grad_clip=0.5), precision="fp32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is fastest and leaves the machine to others
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -99,9 +99,7 @@ class ModelConfig:
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported (full attention only)")
 
         def need(key: str) -> Any:
-            if key not in raw:
-                raise CheckpointError(f"{source}: missing required field '{key}'")
-            return raw[key]
+            return required_field(raw, key, source)
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
@@ -131,6 +129,12 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
         )
+
+
+def required_field(raw: dict[str, Any], key: str, source: str) -> Any:
+    if key not in raw:
+        raise CheckpointError(f"{source}: missing required field '{key}'")
+    return raw[key]
 
 
 def read_config_json(folder: str | Path, kind: str) -> tuple[Path, dict[str, Any]]:

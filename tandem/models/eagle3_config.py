@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
-from tandem.models.config import ModelConfig, RopeConfig, _rope_from_hf, read_config_json
+from tandem.models.config import ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)
@@ -82,9 +82,7 @@ class DraftConfig:
             raise CheckpointError(f"{source}: num_hidden_layers is {layers}; only 1-layer EAGLE-3 heads are supported")
 
         def need(key: str) -> Any:
-            if key not in raw:
-                raise CheckpointError(f"{source}: missing required field '{key}'")
-            return raw[key]
+            return required_field(raw, key, source)
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
