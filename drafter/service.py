@@ -6,6 +6,10 @@ named in the message, draft the requested trees → exactly one Drafts. The mode
 worker thread so health checks keep answering during a long round. A new stream (the verifier
 reconnecting) replaces the old one and starts empty again: the verifier never refers to state from
 before a reconnect.
+
+Reload loads another checkpoint for the same target beside the serving head (DraftHeads): new
+requests draft with it, running ones finish on theirs. Nothing is dropped, and a checkpoint that does
+not fit the verifier's stream is refused with FAILED_PRECONDITION while serving goes on.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from tandem import tracing
 from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
-from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from drafter.heads import DraftHeads
 
 log = logging.getLogger("drafter.service")
 PROTOCOL_VERSION = 1
@@ -28,10 +33,19 @@ SERVICE = "tandem.rpc.drafter.v1.Drafter"
 
 
 class DrafterService:
-    def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_hidden: int):
-        self.drafter, self.draft_model, self.target_hidden = drafter, draft_model, target_hidden
+    def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
+                 runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = ()):
+        self.heads = DraftHeads(drafter, draft_model)
+        self.target_model, self.target_hidden = target_model, target_hidden
+        self.runtime, self.graph_specs = runtime, graph_specs
         self._lock = asyncio.Lock()  # one stream drives the model at a time
-        self._generation = 0
+        self._reload_lock = asyncio.Lock()  # one reload at a time
+        self._generation = 0  # of verifier streams (not of heads)
+
+    @property
+    def drafter(self) -> Eagle3Drafter:
+        """The head new requests draft with."""
+        return self.heads.current
 
     async def Rounds(self, requests, context: grpc.aio.ServicerContext):
         self._generation += 1
@@ -45,7 +59,7 @@ class DrafterService:
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
                     yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION,
-                                                               draft_model=self.draft_model,
+                                                               draft_model=self.heads.current_model,
                                                                draft_vocab_size=self.drafter.head.config.draft_vocab_size))
                 elif ring is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "send Hello before the first Round")
@@ -77,40 +91,43 @@ class DrafterService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if old_ring is not None:
             old_ring.close()
-        self.drafter.release_all()
+        self.heads.release_all()
         log.info("verifier connected (target %s, ring %s, %d rows)", hello.target.model, hello.ring.name, hello.ring.num_rows)
         return ring
 
     def _round(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
         started = time.perf_counter()
         for rid in round_msg.release:
-            self.drafter.release(rid)
+            self.heads.release(rid)
         if round_msg.extend:
             ring.wait_ready()
             # Plain steps between drafts queue several extends of one request: apply them in order, in
-            # waves where each request appears once (one packed forward per wave).
-            waves: list[list] = []
+            # waves where each request appears once (one packed forward per wave and head).
+            waves: list[dict[int, list]] = []
             seen: dict[str, int] = {}
             for e in round_msg.extend:  # a request's k-th extend goes to wave k: per-request order is kept
                 k = seen.get(e.request_id, 0)
                 seen[e.request_id] = k + 1
                 if k == len(waves):
-                    waves.append([])
-                waves[k].append((e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
+                    waves.append({})
+                gen, _ = self.heads.for_request(e.request_id)
+                waves[k].setdefault(gen, []).append(
+                    (e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
             for wave in waves:
-                self.drafter.extend(wave)
+                for gen, items in wave.items():
+                    self.heads.drafter(gen).extend(items)
         drafts = pb.Drafts(seq=round_msg.seq)
-        by_spec: dict[SpecConfig, list[pb.DraftRequest]] = {}
+        by_spec: dict[tuple[int, SpecConfig], list[pb.DraftRequest]] = {}
         for d in round_msg.draft:
             spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
-            by_spec.setdefault(spec, []).append(d)
-        for spec, group in by_spec.items():
+            by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append(d)
+        for (gen, spec), group in by_spec.items():
             spans = [tracing.start_span("drafter.draft", parent=tracing.extract(dict(d.trace_context)),
                                         attributes={"tandem.request_id": d.request_id,
                                                     "tandem.num_draft_tokens": spec.num_draft_tokens},
                                         tracer="tandem.drafter") for d in group]
             try:
-                trees = self.drafter.draft([d.request_id for d in group], spec)
+                trees = self.heads.drafter(gen).draft([d.request_id for d in group], spec)
             finally:
                 for span in spans:
                     span.end()
@@ -119,3 +136,38 @@ class DrafterService:
                                             scores=tree.scores))
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
+
+    async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadReply:
+        if not request.draft_model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "draft_model: name the EAGLE-3 folder to load")
+        async with self._reload_lock:
+            started = time.perf_counter()
+            log.info("reload: loading %s beside generation %d", request.draft_model, self.heads.generation)
+            try:  # loading and graph capture run beside serving; only the swap waits for a round boundary
+                drafter = await asyncio.to_thread(self._load, request.draft_model)
+            except (TandemError, OSError, ValueError) as e:
+                log.error("reload of %s refused: %s", request.draft_model, e)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
+            async with self._lock:
+                left = self.heads.install(drafter, request.draft_model)
+            seconds = time.perf_counter() - started
+            log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "
+                     "head (%.2f s)", self.heads.generation, request.draft_model, left, seconds)
+            return pb.ReloadReply(draft_model=request.draft_model, generation=self.heads.generation,
+                                  requests_on_previous=left, load_seconds=seconds)
+
+    def _load(self, draft_model: str) -> Eagle3Drafter:
+        """Validate against the target and the verifier's stream (captured layers, feature width), load
+        (sharing the serving head's copy of the target embedding) and capture graphs."""
+        serving = self.heads.current
+        drafter = Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
+                                          embed_weight=serving.head.shared_embedding)
+        if drafter.capture_layers != serving.capture_layers:
+            raise TandemError(f"it reads target layers {list(drafter.capture_layers)} but the verifier captures "
+                              f"{list(serving.capture_layers)}; restart the verifier with --draft-model to change them")
+        if drafter.head.config.feature_width != serving.head.config.feature_width:
+            raise TandemError(f"it takes {drafter.head.config.feature_width}-wide features, the verifier sends "
+                              f"{serving.head.config.feature_width}")
+        if self.graph_specs:
+            drafter.capture_cuda_graphs(list(self.graph_specs))
+        return drafter

@@ -133,6 +133,14 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_demo_models)
 
 
+def _add_reload(sub: argparse._SubParsersAction) -> None:
+    from drafter.reload import add_arguments, run
+
+    p = sub.add_parser("reload-drafter", help="make a running drafter serve another EAGLE-3 checkpoint, dropping nothing")
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
@@ -140,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_up(sub)
     _add_training(sub)
+    _add_reload(sub)
     return parser
 
 

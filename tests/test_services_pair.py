@@ -8,12 +8,11 @@ References are independent of the services: target-only greedy decoding by the i
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 
-from services import Service, free_port, read_metrics, shm_segments
+from services import Service, generate, prompts_of, read_metrics, shm_segments, start_pair, wait_for
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -32,10 +31,6 @@ def pair_dirs(tmp_path_factory):
     return root
 
 
-def prompts_of(n: int) -> list[list[int]]:
-    return [[(7 * i + 3 * j) % 250 + 3 for j in range(2 + (i * 5) % 23)] for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def reference(pair_dirs):
     """Target-only greedy continuations of prompts_of(32), 24 new tokens each."""
@@ -46,41 +41,6 @@ def reference(pair_dirs):
     with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
         outs = eng.generate(prompts_of(32), SamplingParams(max_new_tokens=24, ignore_eos=True))
     return [o.output_token_ids for o in outs]
-
-
-def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
-    drafter = Service("drafter", ["--model", str(pair_dirs / "draft"), "--target-model", str(pair_dirs / "target")],
-                      drafter_port or free_port(), tmp_path / "drafter.log").start()
-    metrics_port = free_port()
-    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", drafter.address,
-                                    "--draft-model", str(pair_dirs / "draft"), "--metrics-port", str(metrics_port),
-                                    "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-                                    "--speculative-num-draft-tokens", "5", *verifier_args],
-                       free_port(), tmp_path / "verifier.log").start()
-    verifier.metrics_port = metrics_port
-    wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 30, "the verifier to reach the drafter")
-    return drafter, verifier
-
-
-def wait_for(condition, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"waited {timeout_s} s for {what}")
-
-
-def generate(address, prompt, max_new_tokens=24, **sampling):
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        tokens, last = [], None
-        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_new_tokens=max_new_tokens, ignore_eos=True, **sampling))
-        for message in stub.Generate(request, timeout=120):
-            tokens += message.token_ids
-            last = message
-        return tokens, last
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,11 @@ class Eagle3Head(nn.Module):
             self._shared_embed = embed_weight.detach()
 
     @property
+    def shared_embedding(self) -> torch.Tensor | None:
+        """The target's embedding this head borrows (None when the draft has its own)."""
+        return self._shared_embed
+
+    @property
     def embed_weight(self) -> torch.Tensor:
         return self._shared_embed if self._shared_embed is not None else self.embed_tokens.weight
 

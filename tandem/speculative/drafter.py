@@ -135,7 +135,9 @@ class Eagle3Drafter:
         capture = validate_draft(draft, target, capture_layers)
         device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, draft.dtype, device)
-        if embed_weight is None and "embed_tokens.weight" not in draft_tensor_files(draft_dir):
+        if "embed_tokens.weight" in draft_tensor_files(draft_dir):
+            embed_weight = None  # a draft that carries its own embedding uses it
+        elif embed_weight is None:
             embed_weight = load_target_embedding(target_dir, device, dtype)
         # Rotary table covers the target's context; draft steps past it are clamped (never verifiable).
         head = load_eagle3(draft_dir, embed_weight, device=device, dtype=dtype, max_positions=target.max_position_embeddings)

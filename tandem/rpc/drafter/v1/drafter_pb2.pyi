@@ -148,3 +148,21 @@ class DrafterMessage(_message.Message):
     welcome: Welcome
     drafts: Drafts
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., drafts: _Optional[_Union[Drafts, _Mapping]] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ("draft_model",)
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    draft_model: str
+    def __init__(self, draft_model: _Optional[str] = ...) -> None: ...
+
+class ReloadReply(_message.Message):
+    __slots__ = ("draft_model", "generation", "requests_on_previous", "load_seconds")
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ON_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    draft_model: str
+    generation: int
+    requests_on_previous: int
+    load_seconds: float
+    def __init__(self, draft_model: _Optional[str] = ..., generation: _Optional[int] = ..., requests_on_previous: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...

@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.VerifierMessage.SerializeToString,
                 response_deserializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.DrafterMessage.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/tandem.rpc.drafter.v1.Drafter/Reload',
+                request_serializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadReply.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -50,6 +55,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Load another EAGLE-3 checkpoint for the same target without dropping a request: it is validated
+        and loaded beside the serving head, new requests draft with it, running requests finish on the
+        head they started with (their draft KV was built by it), then the old head is freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Rounds,
                     request_deserializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.VerifierMessage.FromString,
                     response_serializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.DrafterMessage.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadRequest.FromString,
+                    response_serializer=tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class Drafter:
             '/tandem.rpc.drafter.v1.Drafter/Rounds',
             tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.VerifierMessage.SerializeToString,
             tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.DrafterMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.rpc.drafter.v1.Drafter/Reload',
+            tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadRequest.SerializeToString,
+            tandem_dot_rpc_dot_drafter_dot_v1_dot_drafter__pb2.ReloadReply.FromString,
             options,
             channel_credentials,
             insecure,

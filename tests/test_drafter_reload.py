@@ -1,0 +1,93 @@
+"""Hot reload of the drafter's EAGLE-3 head under load, over real sockets.
+
+While eight long greedy requests stream, the drafter is told to serve another head. Every request
+must finish with exactly the target-only greedy tokens (independent reference: the in-process engine
+without speculation), the running ones on the head they started with, new ones on the new head, and
+the old head is freed once its last request is gone. A checkpoint that does not fit is refused and
+serving goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from services import generate, prompts_of, read_metrics, start_pair, wait_for
+from tandem.errors import TandemError
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    from checkpoints import write_checkpoint
+    from draft_checkpoints import make_draft
+    from tandem.models.config import ModelConfig
+
+    root = tmp_path_factory.mktemp("reload")
+    write_checkpoint(root / "target", "llama", seed=11, num_hidden_layers=6)
+    target = ModelConfig.from_dir(root / "target")
+    make_draft(root / "draft", target, seed=2)
+    make_draft(root / "draft_v2", target, seed=5)  # the "retrained" head
+    make_draft(root / "other_layers", target, seed=5, aux_layer_ids=(1, 2, 3))  # reads layers the verifier does not send
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(pair_dirs):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
+        outs = eng.generate(prompts_of(12), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    return [o.output_token_ids for o in outs]
+
+
+def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):
+    from drafter.reload import reload_drafter
+
+    drafter, verifier = start_pair(pair_dirs, tmp_path)
+    try:
+        results, errors = {}, []
+
+        def run(i):
+            try:
+                results[i] = generate(verifier.address, prompts_of(12)[i], max_new_tokens=NEW_TOKENS)
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        drafts = lambda: read_metrics(verifier.metrics_port).get("tandem:spec_decode_num_drafts_total", 0)  # noqa: E731
+        wait_for(lambda: drafts() >= 8, 60, "speculative rounds before the reload")
+        reply = reload_drafter(drafter.address, str(pair_dirs / "draft_v2"))
+        assert reply.generation == 2 and reply.draft_model.endswith("draft_v2")
+        at_reload = drafts()
+        for t in threads:
+            t.join(180)
+        assert not errors
+        assert [results[i][0] for i in range(8)] == reference[:8]
+        # Requests that were running at the reload kept speculating on their head to the end.
+        assert reply.requests_on_previous >= 1
+        assert drafts() > at_reload
+
+        # A request after the reload drafts with the new head and is still exact.
+        tokens, last = generate(verifier.address, prompts_of(12)[9], max_new_tokens=NEW_TOKENS)
+        assert tokens == reference[9] and last.spec.rounds > 0
+        wait_for(lambda: "freed draft head generation 1" in drafter.log(), 30, "the old head to be freed")
+
+        # A head for other target layers cannot continue this verifier's stream: refused, nothing breaks.
+        with pytest.raises(TandemError, match="FAILED_PRECONDITION.*layers"):
+            reload_drafter(drafter.address, str(pair_dirs / "other_layers"))
+        with pytest.raises(TandemError, match="FAILED_PRECONDITION"):
+            reload_drafter(drafter.address, str(tmp_path / "no_such_folder"))
+        tokens, last = generate(verifier.address, prompts_of(12)[10], max_new_tokens=NEW_TOKENS)
+        assert tokens == reference[10] and last.spec.rounds > 0
+        assert read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, "a refused reload must not cut the stream"
+    finally:
+        verifier.stop()
+        drafter.stop()
