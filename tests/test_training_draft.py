@@ -208,7 +208,7 @@ def test_cli_trains_exports_and_evaluates(target, data, tmp_path, capsys):
     rc = main_train_drafter(["--eval-only", "--draft-model", str(out), "--data", str(data), *common])
     assert rc == 0 and json.loads(capsys.readouterr().out)["prompts"] == 4
     assert main_train_drafter(["--target-model", str(target), "--out", str(out)]) == 2  # no --data: one-line error
-    assert "--data is required" in capsys.readouterr().err
+    assert "--data or --traffic is required" in capsys.readouterr().err
 
 
 def test_jsonl_rows_prompts_conversations_and_completed_samples(tmp_path):

@@ -25,6 +25,8 @@ class VerifierConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     otlp_endpoint: str | None = None
     served_model_name: str | None = None
+    capture_traffic: str | None = None  # folder for finished requests' tokens + features (drafter training); None = off
+    capture_traffic_max_gb: float = 50.0
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,10 @@ class VerifierConfig:
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
         p.add_argument("--metrics-port", type=int, default=None)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        p.add_argument("--capture-traffic", default=None, metavar="DIR",
+                       help="append every finished request's tokens and EAGLE-3 features to DIR, for "
+                            "python -m drafter.train --traffic DIR (off by default; stores prompts)")
+        p.add_argument("--capture-traffic-max-gb", type=float, default=cls.capture_traffic_max_gb)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
@@ -67,7 +73,8 @@ class VerifierConfig:
                    topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
-                   served_model_name=a.served_model_name)
+                   served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
+                   capture_traffic_max_gb=a.capture_traffic_max_gb)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "engine")

@@ -33,6 +33,25 @@ log = logging.getLogger("verifier")
 
 
 def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
+    engine, client, ring = _engine_and_drafter(cfg, metrics)
+    if cfg.capture_traffic is not None:
+        engine.traffic = _traffic_recorder(cfg, engine)
+    return engine, client, ring
+
+
+def _traffic_recorder(cfg: VerifierConfig, engine: LLMEngine):
+    from tandem.traffic.dataset import TrafficManifest
+    from tandem.traffic.recorder import CaptureConfig, TrafficRecorder
+
+    runner, mc = engine.executor.runner, engine.model_config
+    manifest = TrafficManifest(target_model=cfg.engine.model, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
+                               capture_layers=tuple(runner.capture_layers),
+                               feature_width=len(runner.capture_layers) * mc.hidden_size,
+                               dtype=str(runner.dtype).removeprefix("torch."))
+    return TrafficRecorder(CaptureConfig(cfg.capture_traffic, cfg.capture_traffic_max_gb), manifest)
+
+
+def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
     if cfg.drafter is None:
         return LLMEngine(cfg.engine), None, None
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
@@ -97,6 +116,8 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     loop.join(timeout=10)
     if client is not None:
         client.close()
+    if engine.traffic is not None:
+        engine.traffic.close()
     engine.shutdown()
     if ring is not None:
         ring.close()

@@ -55,6 +55,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step: StepInfo | None = None
+        self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -129,7 +130,7 @@ class LLMEngine:
             trees = self._draft(sched.decode)
         chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
-        capture = self._proposer_up()
+        capture = self._proposer_up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
@@ -161,6 +162,7 @@ class LLMEngine:
         emitted: dict[str, list[int]] = {}
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
+        observed = []  # (rid, first position, feature rows) for traffic capture
         if simple:
             rows = torch.tensor([r for _, r in simple], device=logits.device)
             sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
@@ -169,10 +171,12 @@ class LLMEngine:
         token_row = 0
         for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
             n = len(req.tokens)
+            observed.append((req.rid, 0, list(range(token_row, token_row + n))))
             if features is not None and req.spec is not None:
                 extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
             token_row += n
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
+            observed.append((req.rid, len(req.tokens) - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:
                 extend_items.append((req, emitted[req.rid], features[root_row : root_row + 1]))
         moves_src, moves_dst = [], []
@@ -186,10 +190,13 @@ class LLMEngine:
             self.policy.observe_round(req.spec_state, len(result.tokens))
             rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
             emitted[req.rid] = result.tokens
+            nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
+            observed.append((req.rid, len(req.tokens) - 1, nodes))
             if features is not None:
-                nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
                 extend_items.append((req, result.tokens, features[nodes]))
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
+        if self.traffic is not None and features is not None:
+            self.traffic.observe(features, observed)
         return emitted, extend_items, rounds
 
     def _proposer_up(self) -> bool:
@@ -255,6 +262,12 @@ class LLMEngine:
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
         self._forget_draft(req)
+        if self.traffic is not None:
+            if req.finish_reason == FinishReason.ABORT:
+                self.traffic.discard(req.rid)
+            else:
+                self.traffic.finished(req.rid, req.prompt, req.output, {
+                    "temperature": req.params.temperature, "finish_reason": req.finish_reason.value})
 
     def _forget_draft(self, req: Request) -> None:
         if self.proposer is not None and req.draft_ready:

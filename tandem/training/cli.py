@@ -20,6 +20,11 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", "--model", dest="target_model", default=None,
                    help="target HF model folder (default: the embedded demo target)")
     p.add_argument("--data", default=None, help="JSONL: {prompt | prompt_token_ids | messages} [+ response]")
+    p.add_argument("--traffic", action="append", default=[], metavar="DIR",
+                   help="served traffic captured by python -m verifier --capture-traffic DIR (repeatable; "
+                        "alone or with --data): its stored features need no target forward")
+    p.add_argument("--reload-drafter", default=None, metavar="HOST:PORT",
+                   help="when done, make the drafter service there serve the new head (tandem reload-drafter)")
     p.add_argument("--out", default=None, help="draft folder to write (SGLang LlamaForCausalLMEagle3 format)")
     p.add_argument("--run-dir", default=None, help="samples, vocabulary and checkpoints (default: OUT.run)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder (samples, vocab, checkpoint)")
@@ -74,7 +79,7 @@ def job_from_args(args: argparse.Namespace):
     evaluation = EvalConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
                             num_draft_tokens=args.speculative_num_draft_tokens, max_new_tokens=args.eval_max_new_tokens)
     return DrafterTrainJob(
-        target_model=args.target_model, out=args.out, data=args.data, run_dir=args.run_dir,
+        target_model=args.target_model, out=args.out, data=args.data, traffic=tuple(args.traffic), run_dir=args.run_dir,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, regenerate=args.regenerate,
         max_samples=args.max_samples, eval_data=args.eval_data, eval_fraction=args.eval_fraction,
         max_eval_prompts=args.max_eval_prompts, draft_vocab_size=args.draft_vocab_size,
@@ -95,13 +100,20 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         return _eval_only(args)
     if args.out is None:
         raise TandemError("--out is required (the draft folder to write)")
-    if args.data is None:
-        raise TandemError("--data is required (a JSONL of prompts, conversations or completed samples)")
+    if args.data is None and not args.traffic:
+        raise TandemError("--data or --traffic is required (a JSONL of prompts, conversations or completed samples; "
+                          "or a folder of captured traffic)")
     from tandem.training.pipeline import run_job
 
     summary = run_job(job_from_args(args), resume=args.resume)
     if args.json:
         print(json.dumps(summary, default=str))
+    if args.reload_drafter:
+        from drafter.reload import reload_drafter
+
+        reply = reload_drafter(args.reload_drafter, args.out)
+        print(f"drafter at {args.reload_drafter} now serves {reply.draft_model} (generation {reply.generation})",
+              file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.errors import ConfigError
+from tandem.traffic.dataset import TrafficRef
 from tandem.training.progress import Progress
 
 
@@ -26,6 +27,7 @@ from tandem.training.progress import Progress
 class Sample:
     prompt: tuple[int, ...]
     response: tuple[int, ...] | None = None  # None until the target generates it
+    traffic: TrafficRef | None = None  # served traffic: the target's features are stored there
 
     @property
     def tokens(self) -> list[int]:
@@ -100,7 +102,10 @@ def read_jsonl(path: str | Path, model_dir: str, regenerate: bool = False, limit
 
 
 def fit_context(sample: Sample, context: int) -> Sample:
-    """Cut to the context: the prompt keeps its end (what the response follows), the response its start."""
+    """Cut to the context: the prompt keeps its end (what the response follows), the response its start.
+    Served traffic already fits (the target produced it) and its stored features must stay aligned."""
+    if sample.traffic is not None:
+        return sample
     prompt = sample.prompt[-(context - 1) :]
     if sample.response is None:
         return Sample(prompt)
@@ -135,11 +140,28 @@ def save_samples(path: Path, samples: list[Sample]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
         for s in samples:
-            f.write(json.dumps({"prompt_token_ids": list(s.prompt), "response_token_ids": list(s.response or ())}) + "\n")
+            row = {"prompt_token_ids": list(s.prompt), "response_token_ids": list(s.response or ())}
+            if s.traffic is not None:
+                row["traffic"] = [s.traffic.shard, s.traffic.index]
+            f.write(json.dumps(row) + "\n")
     tmp.replace(path)
 
 
 def load_samples(path: Path) -> list[Sample]:
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [Sample(tuple(r["prompt_token_ids"]), tuple(r["response_token_ids"])) for r in rows]
+    return [Sample(tuple(r["prompt_token_ids"]), tuple(r["response_token_ids"]),
+                   TrafficRef(*r["traffic"]) if "traffic" in r else None) for r in rows]
+
+
+def read_traffic(folders: list[str]) -> list[Sample]:
+    """Samples captured from served traffic (``python -m verifier --capture-traffic DIR``)."""
+    from tandem.traffic.dataset import read_index
+
+    samples = []
+    for folder in folders:
+        index = read_index(Path(folder))
+        if not index:
+            raise ConfigError(f"{folder}: no captured samples yet")
+        samples += [Sample(tuple(tokens[:plen]), tuple(tokens[plen:]), ref) for ref, tokens, plen, _ in index]
+    return samples

@@ -88,7 +88,7 @@ class StepFunction:
                         decay=c.loss_decay, hard=c.loss_type == "hard", bf16=self.bf16)
 
     def __call__(self, samples: list[Sample], train: bool = True):
-        teach = self.teacher.forward([s.tokens for s in samples])
+        teach = self.teacher.teach(samples)
         c = self.cfg
         batch = make_batch(samples, teach, self.used, self.t2d_index, c.ttt_steps, c.include_prompt_loss and train,
                            self.head.fc.weight.device, self.pad_to if train and self.compiled else None)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.training.data import Sample, complete_samples, fit_context, load_samples, read_jsonl, save_samples
+from tandem.errors import ConfigError
+from tandem.training.data import (Sample, complete_samples, fit_context, load_samples, read_jsonl, read_traffic,
+                                  save_samples)
 from tandem.training.eagle3_train import Eagle3TrainConfig, draft_metrics, train_eagle3
 from tandem.training.evaluate import EvalConfig, evaluate_pair, format_report
 from tandem.training.progress import note
@@ -28,6 +30,7 @@ class DrafterTrainJob:
     target_model: str
     out: str  # the draft folder to write
     data: str | None = None  # JSONL (see tandem.training.data); or pass samples to run_job
+    traffic: tuple[str, ...] = ()  # folders of captured served traffic (features stored: no target forward)
     run_dir: str | None = None  # default: OUT.run
     max_new_tokens: int = 256  # response length when the target writes it
     temperature: float = 0.0  # of the target's responses (0: greedy)
@@ -78,9 +81,10 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
         return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
     context = engine.model_config.max_position_embeddings
     if samples is None:
-        if job.data is None:
-            raise ValueError("no training data: pass --data JSONL")
-        samples = read_jsonl(job.data, job.target_model, job.regenerate, job.max_samples)
+        if job.data is None and not job.traffic:
+            raise ValueError("no training data: pass --data JSONL or --traffic DIR")
+        samples = read_jsonl(job.data, job.target_model, job.regenerate, job.max_samples) if job.data else []
+        samples += read_traffic(list(job.traffic))[: job.max_samples]
     if eval_samples is None:
         if job.eval_data is not None:
             eval_samples = read_jsonl(job.eval_data, job.target_model, job.regenerate, job.max_eval_prompts)
@@ -115,11 +119,32 @@ def prepare_vocab(job: DrafterTrainJob, samples: list[Sample], target_vocab: int
     return vocab
 
 
+def with_traffic_layers(job: DrafterTrainJob) -> DrafterTrainJob:
+    """Captured traffic fixes the target layers the head reads: the ones the verifier captured."""
+    from tandem.models.config import ModelConfig
+    from tandem.traffic.dataset import TrafficManifest
+
+    layers = job.capture_layers
+    target = ModelConfig.from_dir(job.target_model)
+    for folder in job.traffic:
+        m = TrafficManifest.read(Path(folder))
+        if (m.hidden_size, m.vocab_size) != (target.hidden_size, target.vocab_size):
+            raise ConfigError(f"{folder} was captured from a target with hidden size {m.hidden_size} and vocabulary "
+                              f"{m.vocab_size}; {job.target_model} has {target.hidden_size} and {target.vocab_size}")
+        if layers is not None and tuple(layers) != m.capture_layers:
+            raise ConfigError(f"{folder} holds features of target layers {list(m.capture_layers)}, not "
+                              f"{list(layers)}; train on one set of layers")
+        layers = m.capture_layers
+    return dataclasses.replace(job, capture_layers=layers)
+
+
 def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samples: list[Sample] | None = None,
             resume: bool = False) -> dict:
     """Train, export to ``job.out``, evaluate; returns the summary also written to OUT/training.json."""
     from tandem.training.teacher import TargetTeacher
 
+    if job.traffic:
+        job = with_traffic_layers(job)
     torch.manual_seed(job.seed)
     engine = make_engine(job)
     try:

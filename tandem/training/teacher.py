@@ -16,10 +16,21 @@ from tandem.kv_cache import SequenceKV
 
 
 class TargetTeacher:
+    """Online for samples given as text; served-traffic samples bring their features from disk (the
+    target already computed them while serving) and their next tokens as targets."""
+
     def __init__(self, engine):
         """``engine``: an LLMEngine over the target (its KV pool is borrowed for each forward)."""
         self.engine = engine
         self.capture_layers = engine.executor.runner.capture_layers
+
+    def teach(self, samples) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """→ per sample (features, logits [n, V]) online, or (stored features [n-1, W], next ids [n-1])."""
+        from tandem.traffic.dataset import read_features
+
+        online = iter(self.forward([s.tokens for s in samples if s.traffic is None]))
+        return [next(online) if s.traffic is None else
+                (read_features(s.traffic), torch.tensor(s.tokens[1:], dtype=torch.int64)) for s in samples]
 
     def forward(self, sequences: list[list[int]], max_tokens: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """→ per sequence (features [n, 3·H], float32 logits [n, V]), as normal (autograd-usable)

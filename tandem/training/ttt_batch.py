@@ -28,7 +28,12 @@ def make_batch(samples: list[Sample], teach, used: torch.Tensor, t2d_index: torc
                include_prompt: bool, device, pad_to: int | None = None) -> TTTBatch:
     """Position p of a sequence carries the target's prediction of x_{p+1}; it is learned when x_{p+1}
     is a response token (or always, with ``include_prompt``) and the target's argmax is in the draft
-    vocabulary (the draft could never propose it otherwise: EAGLE-3's and SpecForge's mask)."""
+    vocabulary (the draft could never propose it otherwise: EAGLE-3's and SpecForge's mask).
+
+    ``teach``: per sample (features [n or n-1, 3·H], target) where the target is the teacher's logits
+    [n, V] or, for served traffic, the next token ids [n-1] (x_1..x_{n-1}). Cross-entropy against a
+    token drawn from the target's distribution is an unbiased estimate of the soft loss (at
+    temperature 0 it is the argmax itself)."""
     B = len(samples)
     T = max(pad_to or 0, max(len(s.tokens) for s in samples))
     # Built where the head trains: for a large target the logits are big ([n, vocab] per sequence),
@@ -39,14 +44,20 @@ def make_batch(samples: list[Sample], teach, used: torch.Tensor, t2d_index: torc
     target_p = torch.zeros(B, T + steps, len(used), device=device)  # padded right: every step slices T-1 rows
     target_id = torch.full((B, T + steps), -1, dtype=torch.int64, device=device)
     mask = torch.zeros(B, T + steps, dtype=torch.bool, device=device)
-    for b, (s, (feats, logits)) in enumerate(zip(samples, teach)):
+    for b, (s, (feats, target)) in enumerate(zip(samples, teach)):
         n = len(s.tokens)
         tokens[b, :n] = torch.tensor(s.tokens, device=device)
-        features[b, :n] = feats.to(device, torch.float32)
-        logits = logits.to(device, torch.float32)
-        target_p[b, :n] = torch.softmax(logits[:, used], dim=-1)
-        target_id[b, :n] = t2d_index[logits.argmax(-1)]
-        mask[b, 0 if include_prompt else len(s.prompt) - 1 : n] = True
+        features[b, : feats.shape[0]] = feats.to(device, torch.float32)
+        m = target.shape[0]  # positions with a target: n online; n - 1 for served traffic (no x_n)
+        if target.dim() == 2:  # the target's logits, computed online
+            logits = target.to(device, torch.float32)
+            target_p[b, :m] = torch.softmax(logits[:, used], dim=-1)
+            target_id[b, :m] = t2d_index[logits.argmax(-1)]
+        else:  # the token the target produced next (served traffic): one sample of its distribution
+            ids = t2d_index[target.to(device)]
+            target_id[b, :m] = ids
+            target_p[b, :m] = F.one_hot(ids.clamp(min=0), len(used)).float() * (ids >= 0).unsqueeze(-1)
+        mask[b, 0 if include_prompt else len(s.prompt) - 1 : m] = True
     mask &= target_id >= 0
     return TTTBatch(tokens, features, target_p, target_id, mask, sum(len(s.tokens) for s in samples))
 
