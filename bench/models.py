@@ -39,10 +39,15 @@ def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_grap
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
 
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
     cfg = EngineConfig(model=str(target_dir(layers)), device="cuda", dtype="bfloat16", load_format="random",
                        cuda_graph_widths=widths, cuda_graph_max_bs=max_bs, disable_cuda_graph=disable_graphs,
                        kv_pages=6144)  # 96k tokens: 12 GB at the 8B shape, enough for 64 requests x 1.5k
-    return LLMEngine(cfg)
+    # Every round speculates: the controlled-acceptance runs measure speculation itself (with the measured
+    # policy a request could decode plain steps, whose width-1 graph rounds differently in bf16 and
+    # would leave the instrument's reference).
+    return LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
 
 
 def bench_engine_for(shape: dict, layers: int, tp_size: int):

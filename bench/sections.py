@@ -227,9 +227,10 @@ SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec}
 
 
 def _register_more() -> None:
+    from sections_profile import demo, phases
     from sections_scaling import service, tp
 
-    SECTIONS.update(service=service, tp=tp)
+    SECTIONS.update(service=service, tp=tp, phases=phases, demo=demo)
 
 
 _register_more()

@@ -143,12 +143,16 @@ class DrafterService:
         async with self._reload_lock:
             started = time.perf_counter()
             log.info("reload: loading %s beside generation %d", request.draft_model, self.heads.generation)
-            try:  # loading and graph capture run beside serving; only the swap waits for a round boundary
+            try:  # validation and loading run beside serving
                 drafter = await asyncio.to_thread(self._load, request.draft_model)
             except (TandemError, OSError, ValueError) as e:
                 log.error("reload of %s refused: %s", request.draft_model, e)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
             async with self._lock:
+                # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
+                # a verifier whose deadline is shorter decodes plainly meanwhile and reconnects).
+                if self.graph_specs:
+                    await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
                 left = self.heads.install(drafter, request.draft_model)
             seconds = time.perf_counter() - started
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "
@@ -157,8 +161,8 @@ class DrafterService:
                                   requests_on_previous=left, load_seconds=seconds)
 
     def _load(self, draft_model: str) -> Eagle3Drafter:
-        """Validate against the target and the verifier's stream (captured layers, feature width), load
-        (sharing the serving head's copy of the target embedding) and capture graphs."""
+        """Validate against the target and the verifier's stream (captured layers, feature width) and load,
+        sharing the serving head's copy of the target embedding."""
         serving = self.heads.current
         drafter = Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
                                           embed_weight=serving.head.shared_embedding)
@@ -168,6 +172,4 @@ class DrafterService:
         if drafter.head.config.feature_width != serving.head.config.feature_width:
             raise TandemError(f"it takes {drafter.head.config.feature_width}-wide features, the verifier sends "
                               f"{serving.head.config.feature_width}")
-        if self.graph_specs:
-            drafter.capture_cuda_graphs(list(self.graph_specs))
         return drafter

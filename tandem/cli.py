@@ -94,32 +94,17 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 def _build_engine(cfg, args: argparse.Namespace):
     """The engine, with an in-process EAGLE-3 drafter when --draft-model is given (validated first)."""
-    import dataclasses
-
     from tandem.engine.llm_engine import LLMEngine
 
     if args.draft_model is None:
         return LLMEngine(cfg)
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.setup import speculative_engine
 
     steps = args.speculative_num_steps or 3
     topk = args.speculative_eagle_topk or 1
     spec = SpecConfig(steps, topk, args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else 2 * steps))
-    capture = validate_draft(DraftConfig.from_dir(args.draft_model), ModelConfig.from_dir(cfg.model))
-    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=(1, spec.num_draft_tokens)))
-    runner = engine.executor.runner
-    # One process: the head shares the target's embedding tensor instead of loading a copy (TP=1 only,
-    # where rank 0 holds the whole vocabulary).
-    embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
-    drafter = Eagle3Drafter.from_dirs(args.draft_model, cfg.model, DrafterConfig(
-        device=str(runner.device), dtype=args.dtype, max_topk=max(8, topk), disable_cuda_graph=cfg.disable_cuda_graph,
-        cuda_graph_max_bs=cfg.cuda_graph_max_bs), capture_layers=capture, embed_weight=embed)
-    if runner.graphs is not None:  # the drafter's draft and draft-extend graphs share the target's pool
-        drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
-    engine.proposer, engine.default_spec = drafter, spec
-    return engine
+    return speculative_engine(cfg, args.draft_model, spec, draft_dtype=args.dtype)
 
 
 def _add_training(sub: argparse._SubParsersAction) -> None:

@@ -25,6 +25,7 @@ class VerifierConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     otlp_endpoint: str | None = None
     served_model_name: str | None = None
+    speculation_policy: str = "measured"  # measured: off for requests where it does not pay; always
     capture_traffic: str | None = None  # folder for finished requests' tokens + features (drafter training); None = off
     capture_traffic_max_gb: float = 50.0
 
@@ -53,6 +54,9 @@ class VerifierConfig:
         p.add_argument("--speculative-num-steps", type=int, default=cls.num_steps)
         p.add_argument("--speculative-eagle-topk", type=int, default=cls.topk)
         p.add_argument("--speculative-num-draft-tokens", type=int, default=cls.num_draft_tokens)
+        p.add_argument("--speculation-policy", choices=["measured", "always"], default=cls.speculation_policy,
+                       help="measured (default): a request decodes plainly while its accept length is below the "
+                            "measured cost of a speculative round, probing now and then; always: every round speculates")
         p.add_argument("--drafter-deadline-ms", type=float, default=cls.drafter_deadline_s * 1000)
         p.add_argument("--ring-rows", type=int, default=cls.ring_rows)
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
@@ -74,6 +78,7 @@ class VerifierConfig:
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
                    served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
+                   speculation_policy=a.speculation_policy,
                    capture_traffic_max_gb=a.capture_traffic_max_gb)
 
     def describe(self) -> str:

@@ -85,10 +85,11 @@ class DrafterClient:
     FLUSH_ROWS = 4096  # pending extend rows that trigger an extend-only round
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
-                 reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None):
+                 reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
+                 on_round: Callable[[float, float], None] = lambda round_trip_s, drafter_s: None):
         self.address, self.ring, self.target = address, ring, target
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
-        self.on_state = on_state
+        self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._seq = 0
@@ -202,6 +203,7 @@ class DrafterClient:
             self._seq += 1
             self.ring.begin_round(self._seq)
             self.ring.publish()
+            sent = time.perf_counter()
             conn.send(pb.VerifierMessage(round=round_msg))
             try:
                 reply = conn.receive(self.deadline_s)
@@ -211,6 +213,7 @@ class DrafterClient:
                 self._drop(str(e))
                 raise
             self.ring.release(seq)
+        self.on_round(time.perf_counter() - sent, reply.drafts.draft_seconds)
         trees = {t.request_id: t for t in reply.drafts.trees}
         missing = [r for r in rids if r not in trees]
         if missing:

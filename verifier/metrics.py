@@ -34,5 +34,15 @@ class VerifierMetrics:
         self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
                                        buckets=LATENCY_BUCKETS, registry=r)
 
+        # Where a service-pair round goes: the drafter's own work (as it reports it) and the rest of the
+        # round trip (gRPC, thread hand-offs, ring publication): the boundary's price per round.
+        self.drafter_round = Histogram("tandem:drafter_round_seconds", "Drafter round trip by part", ["part"],
+                                       buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0),
+                                       registry=r)
+
+    def observe_drafter_round(self, round_trip_s: float, drafter_s: float) -> None:
+        self.drafter_round.labels("drafter").observe(drafter_s)
+        self.drafter_round.labels("boundary").observe(max(0.0, round_trip_s - drafter_s))
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -23,6 +23,7 @@ from tandem.models.eagle3_config import DraftConfig, validate_draft
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from verifier.config import VerifierConfig
 from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineLoop
@@ -61,7 +62,8 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
         capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
                                  engine_cfg.capture_layers)
         engine_cfg = dataclasses.replace(engine_cfg, capture_layers=capture)
-    engine = LLMEngine(engine_cfg)
+    policy = SpeculationPolicy(PolicyConfig(enabled=cfg.speculation_policy == "measured"))
+    engine = LLMEngine(engine_cfg, policy=policy)
     runner = engine.executor.runner
     mc = engine.model_config
     ring = HiddenRing.create(cfg.ring_rows, len(runner.capture_layers) * mc.hidden_size, runner.dtype, runner.device)
@@ -73,7 +75,8 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
         if not up:
             metrics.drafter_failures.inc()
 
-    client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state)
+    client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state,
+                           metrics.observe_drafter_round)
     engine.proposer, engine.default_spec = client, spec
     return engine, client, ring
 

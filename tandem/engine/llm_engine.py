@@ -56,6 +56,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step: StepInfo | None = None
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
+        self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -115,7 +116,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
-        timer = StepTimer()
+        timer = StepTimer(self.phase_sync)
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
                 self.policy.decide(req.spec_state)

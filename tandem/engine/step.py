@@ -32,8 +32,11 @@ class StepInfo:
 
 
 class StepTimer:
-    def __init__(self):
+    def __init__(self, sync=None):
+        """``sync``: called at the end of every phase (e.g. torch.cuda.synchronize) so that a phase's span
+        includes its device work; a profiling aid — it serialises host and device."""
         self.spans: dict[str, tuple[int, int]] = {}  # phase -> (start, end) in wall-clock ns (for traces)
+        self.sync = sync
 
     @contextmanager
     def __call__(self, phase: str):
@@ -41,4 +44,6 @@ class StepTimer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.spans[phase] = (started, time.time_ns())

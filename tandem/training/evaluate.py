@@ -64,16 +64,16 @@ def evaluate_pair(target_dir: str, draft_dir: str, prompts: list[list[int]], cfg
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from tandem.speculative.setup import speculative_engine
 
     spec = SpecConfig(num_steps=cfg.num_steps, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens)
-    drafter = Eagle3Drafter.from_dirs(draft_dir, target_dir, DrafterConfig(device=cfg.device))
-    engine_cfg = EngineConfig(model=target_dir, device=cfg.device, tp_size=cfg.tp_size, capture_layers=drafter.capture_layers, kv_pages=KV_PAGES)
+    engine_cfg = EngineConfig(model=target_dir, device=cfg.device, tp_size=cfg.tp_size, kv_pages=KV_PAGES)
     report: dict = {"spec": {"num_steps": cfg.num_steps, "topk": cfg.topk, "num_draft_tokens": cfg.num_draft_tokens},
                     "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts), "by_temperature": {}}
     always = SpeculationPolicy(PolicyConfig(enabled=False))
-    with LLMEngine(engine_cfg, proposer=drafter, spec=spec, policy=always) as engine:
+    with speculative_engine(engine_cfg, draft_dir, spec, policy=always) as engine:  # graphs on GPU
         for temp in cfg.temperatures:
             note(f"evaluating acceptance at temperature {temp:g} on {len(prompts)} held-out prompts")
             params = [SamplingParams(temperature=temp, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + i)

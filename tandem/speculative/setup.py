@@ -1,0 +1,33 @@
+"""One process, target and EAGLE-3 head together: the engine ``tandem generate --draft-model``, the
+trainer's evaluation and the benchmarks build, configured the same way everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+
+
+def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draft_dtype: str = "auto",
+                       policy=None, max_topk: int = 8) -> LLMEngine:
+    """Validate the head against the target, build the engine with the head's capture layers and a
+    verify graph of the tree's width, load the head sharing the target's embedding (TP=1, where rank
+    0 holds the whole vocabulary) and capture its draft and draft-extend graphs in the target's pool."""
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+
+    capture = validate_draft(DraftConfig.from_dir(draft_dir), ModelConfig.from_dir(cfg.model), cfg.capture_layers)
+    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=(1, spec.num_draft_tokens)),
+                       policy=policy)
+    runner = engine.executor.runner
+    embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
+    drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
+        device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
+        disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs),
+        capture_layers=capture, embed_weight=embed)
+    if runner.graphs is not None:
+        drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+    engine.proposer, engine.default_spec = drafter, spec
+    return engine
