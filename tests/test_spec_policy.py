@@ -91,3 +91,44 @@ def test_useful_drafts_stay_on_and_resume_after_plain_steps(setup):
         assert accepted[0] == 4  # on at first, accepting whole chains
         assert 0 in accepted  # the bad stretch was tried ...
         assert accepted[-1] == 4 or accepted[-2] == 4  # ... and speculation came back once drafts were good again
+
+
+def _oracle(prompts, ref):
+    return {f"req-{i}": p + e + [0] * 8 for i, (p, e) in enumerate(zip(prompts, ref))}
+
+
+class PerfectChains(RandomTreeProposer):
+    """Always the target's own continuation: every draft accepted (τ = 5 with Spec(5)), optionally slow."""
+
+    def __init__(self, *a, delay_s: float = 0.0, **kw):
+        super().__init__(*a, **kw)
+        self.delay_s = delay_s
+
+    def _tree(self, rid, size):
+        full, pos = self.oracle[rid], len(self.tokens[rid])
+        return DraftTree.chain(full[pos], full[pos + 1 : pos + size])
+
+    def draft(self, rids, spec):
+        import time
+
+        time.sleep(self.delay_s)  # a round whose fixed cost dwarfs a plain step (a tiny target on a GPU)
+        return super().draft(rids, spec)
+
+
+def test_measured_policy_times_plain_steps_and_turns_off_costly_speculation(setup):
+    """Nothing but the measured step times decides: perfect drafts that make a round ~20x a plain step
+    are switched off (τ = 5 cannot pay for it), cheap perfect drafts stay on."""
+    path, prompts, ref = setup
+    cfg = PolicyConfig(warmup_rounds=3, probe_every=16, plain_probe_every=64)
+    slow = SpeculationPolicy(cfg)
+    results = _run(path, prompts, PerfectChains(256, oracle=_oracle(prompts, ref), delay_s=0.1), slow)
+    assert [r.output_token_ids for r in results] == ref
+    assert slow.t_plain is not None and slow.cost_ratio > 5
+    for r in results:  # 48 tokens: 3 warm-up rounds (15 tokens), then mostly plain steps with rare probes
+        assert r.spec_stats.rounds <= 3 + 2 + 48 // 16, r.spec_stats.rounds
+    fast = SpeculationPolicy(cfg)
+    results = _run(path, prompts, PerfectChains(256, oracle=_oracle(prompts, ref)), fast)
+    assert [r.output_token_ids for r in results] == ref
+    assert fast.t_plain is not None and fast.cost_ratio < 5  # the plain probe step ran and was timed
+    assert all(r.spec_stats.accept_length_mean > 4.5 for r in results)
+    assert all(r.spec_stats.rounds >= 8 for r in results), "cheap perfect drafts keep speculating"

@@ -117,6 +117,7 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer(self.phase_sync)
+        self.policy.begin_step()
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
                 self.policy.decide(req.spec_state)

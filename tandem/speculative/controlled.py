@@ -71,10 +71,15 @@ class ControlledAcceptanceProposer:
         children: list[list[int]] = [[] for _ in range(tree.size)]
         for i in range(1, tree.size):
             children[tree.parents[i]].append(i)
+        # The path to steer: down the deepest subtree (ties: the better-scored, then the earlier node), so
+        # that at corruption 0 a pruned tree still accepts its full depth, as a chain does.
+        height = [0] * tree.size
+        for i in range(tree.size - 1, 0, -1):  # parents precede children
+            height[tree.parents[i]] = max(height[tree.parents[i]], height[i] + 1)
         node, depth = 0, 0
         while children[node]:
             depth += 1
-            best = max(children[node], key=lambda c: (tree.scores[c], -c))  # ties: the earlier node
+            best = max(children[node], key=lambda c: (height[c], tree.scores[c], -c))
             corrupt = rng.random() < self.rate  # drawn every depth so the pattern is reproducible
             if start + depth >= len(ref):
                 break  # past the reference: leave the head's own tokens

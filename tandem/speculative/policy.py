@@ -7,6 +7,11 @@ the engine a moving average of the wall time of plain and of speculative steps; 
 below the measured ratio decodes plainly, and every ``probe_every`` plain rounds it speculates once to
 see whether the text got easier. The drafter keeps extending over plain rounds, so a request can
 resume at any step. Until both kinds of step have been timed the ratio is ``default_cost_ratio``.
+
+While every request speculates no plain step is ever timed, and on a target so small or fast that a
+round's fixed costs dominate, speculation would lose without the policy noticing. So the engine runs
+one *plain probe step* (no request speculates) as soon as the warm-up is over and t_plain is unknown,
+and then every ``plain_probe_every`` speculative steps to keep t_plain current.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class PolicyConfig:
     smoothing: float = 0.3  # weight of the newest sample in the moving averages
     default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
     fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
+    plain_probe_every: int = 64  # speculative steps between two plain steps that re-time t_plain
 
 
 @dataclass
@@ -37,6 +43,8 @@ class SpeculationPolicy:
         self.cfg = cfg
         self.t_plain: float | None = None
         self.t_spec: float | None = None
+        self.spec_steps_since_plain = 0
+        self.plain_probe = False  # this step runs plain for every request (set by begin_step)
 
     @property
     def cost_ratio(self) -> float:
@@ -46,9 +54,22 @@ class SpeculationPolicy:
             return self.cfg.default_cost_ratio
         return self.t_spec / self.t_plain
 
+    def begin_step(self) -> None:
+        """Called once per engine step before ``decide``: is this a plain probe step?"""
+        c = self.cfg
+        if not c.enabled or c.fixed_cost_ratio is not None:
+            self.plain_probe = False
+        elif self.t_plain is None:
+            self.plain_probe = self.spec_steps_since_plain >= c.warmup_rounds
+        else:
+            self.plain_probe = self.spec_steps_since_plain >= c.plain_probe_every
+
     def decide(self, state: RequestSpecState) -> bool:
         """Whether the request speculates this step (called once per step, before scheduling)."""
         c = self.cfg
+        if self.plain_probe:  # the probe times a plain step; the request's own schedule is untouched
+            state.speculate_now = False
+            return False
         if not c.enabled or state.rounds < c.warmup_rounds or state.tau is None or state.tau >= self.cost_ratio:
             state.speculate_now, state.plain_since_probe = True, 0
         elif state.plain_since_probe >= c.probe_every:
@@ -67,8 +88,10 @@ class SpeculationPolicy:
         """Wall time of a decode-only step, with (``speculative``) or without any draft tree."""
         if speculative:
             self.t_spec = seconds if self.t_spec is None else self._mix(self.t_spec, seconds)
+            self.spec_steps_since_plain += 1
         else:
             self.t_plain = seconds if self.t_plain is None else self._mix(self.t_plain, seconds)
+            self.spec_steps_since_plain = 0
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.cfg.smoothing) * old + self.cfg.smoothing * new
