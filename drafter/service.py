@@ -65,7 +65,7 @@ class DrafterService:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "send Hello before the first Round")
                 else:
                     async with self._lock:
-                        drafts = await asyncio.to_thread(self._round, message.round, ring)
+                        drafts = self._round(message.round, ring)
                     yield pb.DrafterMessage(drafts=drafts)
         finally:
             if ring is not None:

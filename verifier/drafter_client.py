@@ -12,8 +12,8 @@ The drafter starts every connection empty, so nothing from before a loss is ever
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import threading
 import time
 from typing import Callable
@@ -30,21 +30,19 @@ from tandem.speculative.verify import ProposerUnavailable
 
 log = logging.getLogger("verifier.drafter_client")
 PROTOCOL_VERSION = 1
-_CLOSED = object()
 
 
 class _Connection:
-    """One live stream: a request queue feeding the call, and a reader thread filling a reply queue."""
+    """One live stream, driven by whichever thread calls (the engine thread, under the client's lock):
+    each write and read runs on the connection's own asyncio loop in the caller's thread, so a round
+    costs no hand-off to a gRPC iterator thread or a reader thread (the boundary's main price)."""
 
     def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float):
-        self.channel = grpc.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
-        self.outbox: queue.Queue = queue.Queue()
-        self.replies: queue.Queue = queue.Queue()
-        self.outbox.put(hello)
-        self.call = pb_grpc.DrafterStub(self.channel).Rounds(iter(self.outbox.get, _CLOSED))
-        threading.Thread(target=self._read, name="drafter-reader", daemon=True).start()
+        self.loop = asyncio.new_event_loop()
+        self.channel = self.call = None
         try:
+            self.loop.run_until_complete(self._open(address))
+            self.send(hello)
             welcome = self.receive(timeout_s)
             if not welcome.HasField("welcome"):
                 raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
@@ -53,32 +51,51 @@ class _Connection:
             raise
         self.welcome = welcome.welcome
 
-    def _read(self) -> None:
+    async def _open(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
+        self.call = pb_grpc.DrafterStub(self.channel).Rounds()
+
+    def _run(self, coro, timeout_s: float | None = None):
         try:
-            for message in self.call:
-                self.replies.put(message)
-            self.replies.put(ProposerUnavailable("the drafter closed the stream"))
+            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+        except asyncio.TimeoutError:
+            raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
         except grpc.RpcError as e:
             error = ProposerUnavailable(f"drafter stream failed: {e.code().name}: {e.details()}")
             error.status, error.details = e.code(), e.details()
-            self.replies.put(error)
+            raise error from None
+        except (asyncio.InvalidStateError, asyncio.CancelledError, ConnectionError) as e:  # the stream is gone
+            raise ProposerUnavailable(f"drafter stream failed: {type(e).__name__}: {e}") from None
 
     def send(self, message: pb.VerifierMessage) -> None:
-        self.outbox.put(message)
+        self._run(self.call.write(message))
 
     def receive(self, timeout_s: float) -> pb.DrafterMessage:
-        try:
-            item = self.replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
-        if isinstance(item, Exception):
-            raise item
-        return item
+        message = self._run(self.call.read(), timeout_s)
+        if message is grpc.aio.EOF:
+            raise ProposerUnavailable("the drafter closed the stream")
+        return message
 
     def close(self) -> None:
-        self.outbox.put(_CLOSED)
-        self.call.cancel()
-        self.channel.close()
+        async def shut():
+            if self.call is not None:
+                self.call.cancel()
+            if self.channel is not None:
+                await self.channel.close()
+
+        def run() -> None:
+            try:
+                self.loop.run_until_complete(shut())
+            except Exception as e:  # noqa: BLE001 - closing a broken stream must not fail the caller
+                log.debug("closing the drafter stream: %s", e)
+            finally:
+                self.loop.close()
+
+        # The caller may be running an event loop of its own (the service's shutdown): close on a helper thread.
+        closer = threading.Thread(target=run, name="drafter-close", daemon=True)
+        closer.start()
+        closer.join(5.0)
 
 
 class DrafterClient:
@@ -204,8 +221,8 @@ class DrafterClient:
             self.ring.begin_round(self._seq)
             self.ring.publish()
             sent = time.perf_counter()
-            conn.send(pb.VerifierMessage(round=round_msg))
             try:
+                conn.send(pb.VerifierMessage(round=round_msg))
                 reply = conn.receive(self.deadline_s)
                 if not reply.HasField("drafts") or reply.drafts.seq != seq:
                     raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
