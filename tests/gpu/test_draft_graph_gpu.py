@@ -26,7 +26,7 @@ from tandem.watchdog import Watchdog
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-LOG_LINE = re.compile(r"^Capture (draft|draft_extend|draft_ahead) cuda graph end\. Time elapsed: \d+\.\d\d s\. "
+LOG_LINE = re.compile(r"^Capture (draft|draft_extend) cuda graph end\. Time elapsed: \d+\.\d\d s\. "
                       r"mem usage=-?\d+\.\d\d GB\. avail mem=\d+\.\d\d GB\.$")
 SPECS = [SpecConfig(6, 4, 16), SpecConfig(3, 1, 4), SpecConfig(4, 2, 8)]
 LENGTHS = [5, 17, 40, 63, 100, 129, 250, 300]  # committed draft KV per request, across pages of 16
@@ -63,11 +63,10 @@ def test_capture_then_replay_equals_eager(pair, caplog):
         report = graphed.capture_cuda_graphs(SPECS, watchdog=watchdog, buckets=[2, 4, 8])
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.draft_graph"]
     print("\n" + "\n".join(lines))
-    assert [m.group(1) for m in map(LOG_LINE.match, lines) if m] == ["draft", "draft_extend", "draft_ahead"], lines
-    assert set(report) == {"draft", "draft_extend", "draft_ahead"}
+    assert [m.group(1) for m in map(LOG_LINE.match, lines) if m] == ["draft", "draft_extend"], lines
+    assert set(report) == {"draft", "draft_extend"}
     runner = graphed.graphs
-    assert set(runner.graphs) == ({(s, bs) for s in SPECS for bs in (2, 4, 8)} | {("extend", bs) for bs in (2, 4, 8)}
-                                  | {(("ahead", s), bs) for s in SPECS for bs in (2, 4, 8)})
+    assert set(runner.graphs) == {(s, bs) for s in SPECS for bs in (2, 4, 8)} | {("extend", bs) for bs in (2, 4, 8)}
     assert not graphed.kv.data[:, :, 1:].any(), "capture wrote outside the dummy page"
     assert runner.width == 7
 
@@ -97,22 +96,9 @@ def test_capture_then_replay_equals_eager(pair, caplog):
             torch.testing.assert_close(g.top_logp, e.top_logp, atol=TOL, rtol=TOL)
             assert torch.equal(g.top_ids, e.top_ids)
         assert graphed.allocator.num_free == eager.allocator.num_free
-    assert runner.replays == {"draft": rounds, "draft_extend": rounds, "draft_ahead": 0}
+    assert runner.replays == {"draft": rounds, "draft_extend": rounds}
     for rid in rids:
         torch.testing.assert_close(committed_kv(graphed, rid), committed_kv(eager, rid), atol=TOL, rtol=TOL)
-
-    # Draft-ahead: the extend's replay drafts the next trees; they equal an eager extend + draft.
-    for r in range(8):
-        batch, spec = rng.sample(rids, rng.randint(1, 8)), rng.choice(SPECS)
-        items = [(rid, *inputs(5000 + 10 * r + i, rng.randint(1, spec.num_steps + 1))) for i, rid in enumerate(batch)]
-        eager.extend(items)
-        graphed.extend(items, draft_ahead=spec)
-        got, want = graphed.draft(batch, spec), eager.draft(batch, spec)
-        for g, w in zip(got, want):
-            assert g.tokens == w.tokens and g.parents == w.parents, (r, spec, batch)
-            assert g.scores == pytest.approx(w.scores, abs=TOL)
-        assert graphed.allocator.num_free == eager.allocator.num_free
-    assert runner.replays["draft_ahead"] == 8 and runner.replays["draft"] == rounds
     assert watchdog.fired == []
 
 
@@ -126,7 +112,7 @@ def test_disabled_or_too_large_batches_stay_eager(pair):
         d.extend([(rid, *inputs(50, 3)) for rid, _, _ in items])  # 3 requests > bucket 2: eager
     rids = [rid for rid, _, _ in items]
     assert graphed.draft(rids, SPECS[1]) == eager.draft(rids, SPECS[1])
-    assert graphed.graphs.replays == {"draft": 0, "draft_extend": 0, "draft_ahead": 0}
+    assert graphed.graphs.replays == {"draft": 0, "draft_extend": 0}
 
 
 # -- timing -----------------------------------------------------------------------------------------
