@@ -113,17 +113,14 @@ class DrafterService:
                 gen, _ = self.heads.for_request(e.request_id)
                 waves[k].setdefault(gen, []).append(
                     (e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
-            wanted = {d.request_id: _spec(d) for d in round_msg.draft}
-            for k, wave in enumerate(waves):
+            for wave in waves:
                 for gen, items in wave.items():
-                    # The last extend of requests that draft in this round can draft in the same replay.
-                    specs = {wanted.get(rid) for rid, _, _ in items} if k == len(waves) - 1 else {None}
-                    ahead = specs.pop() if len(specs) == 1 else None
-                    self.heads.drafter(gen).extend(items, draft_ahead=ahead)
+                    self.heads.drafter(gen).extend(items)
         drafts = pb.Drafts(seq=round_msg.seq)
         by_spec: dict[tuple[int, SpecConfig], list[pb.DraftRequest]] = {}
         for d in round_msg.draft:
-            by_spec.setdefault((self.heads.for_request(d.request_id)[0], _spec(d)), []).append(d)
+            spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
+            by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append(d)
         for (gen, spec), group in by_spec.items():
             spans = [tracing.start_span("drafter.draft", parent=tracing.extract(dict(d.trace_context)),
                                         attributes={"tandem.request_id": d.request_id,
@@ -176,7 +173,3 @@ class DrafterService:
             raise TandemError(f"it takes {drafter.head.config.feature_width}-wide features, the verifier sends "
                               f"{serving.head.config.feature_width}")
         return drafter
-
-
-def _spec(d: pb.DraftRequest) -> SpecConfig:
-    return SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)

@@ -6,8 +6,6 @@ by DraftGraphRunner with use_graphs=False) computes what the eager Eagle3Drafter
   padding rows write only into the dummy page 0.
 - draft-extend: after static extends of random widths (≤ num_steps + 1) the drafter holds the same
   lengths, roots, states and top-k as an eager twin, and drafts identical trees.
-- draft-ahead (extend and the next draft in one replay): the trees ``draft`` then returns equal those of
-  an eager extend followed by an eager draft; a later extend or another SpecConfig makes them stale.
 - routing through Eagle3Drafter.extend/draft, and the eager fallbacks (prefill, wide extends, too many
   requests, an uncaptured SpecConfig, return_logits).
 
@@ -197,7 +195,7 @@ def test_near_the_context_end_positions_are_clamped(pair):
         for d in (eager, static):
             d.extend(items)
         assert_same_trees(static.draft(["x", "y"], spec), eager.draft(["x", "y"], spec))
-    assert runner.replays == {"draft": 2, "draft_extend": 2, "draft_ahead": 0}
+    assert runner.replays == {"draft": 2, "draft_extend": 2}
 
 
 def test_nan_state_raises_like_eager(pair):
@@ -217,40 +215,3 @@ def test_runner_rejects_what_the_kernel_cannot_take(pair):
         DraftGraphRunner(drafter, [SpecConfig(10, 8, 16)], use_graphs=False)
     with pytest.raises(ConfigError, match="max_topk"):
         DraftGraphRunner(drafter, [SpecConfig(2, 9, 4)], use_graphs=False)
-
-
-@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=NEEDS_INTERPRET)])
-def test_draft_ahead_equals_extend_then_draft(pair, attention):
-    eager, static = make_drafter(pair), make_drafter(pair)
-    spec, other = SpecConfig(4, 2, 7), SpecConfig(3, 1, 4)
-    static.graphs = runner = DraftGraphRunner(static, [spec, other], buckets=BUCKETS, use_graphs=False,
-                                              attention=attention)
-    for d in (eager, static):
-        prefill(d)
-    rounds = 4 if attention == "torch" else 1
-    for items in extend_rounds(11, list(LENGTHS), spec.num_steps + 1, rounds):
-        batch = [rid for rid, _, _ in items]
-        eager.extend(items)
-        static.extend(items, draft_ahead=spec)
-        drafts_before = runner.replays["draft"]
-        assert_same_trees(static.draft(batch, spec), eager.draft(batch, spec))
-        assert runner.replays["draft"] == drafts_before, "the trees came from the extend's replay"
-        want, got = state_of(eager), state_of(static)
-        for rid in batch:
-            assert got[rid][:2] == want[rid][:2]
-            torch.testing.assert_close(got[rid][2], want[rid][2], atol=TOL, rtol=TOL)
-        assert static.allocator.num_free == eager.allocator.num_free, "the ahead draft's scratch was freed"
-    assert runner.replays["draft_ahead"] == rounds
-
-    # A second extend makes the ahead tree stale; another SpecConfig cannot use it either.
-    first, second = [("a", *inputs(90, 2)), ("c", *inputs(91, 3))], [("a", *inputs(92, 1)), ("c", *inputs(93, 2))]
-    for d in (eager, static):
-        d.extend(first, **({"draft_ahead": spec} if d is static else {}))
-    eager.extend(second)
-    static.extend(second)  # no ahead: the tree from `first` must not be returned
-    assert_same_trees(static.draft(["a", "c"], spec), eager.draft(["a", "c"], spec))
-    static.extend([("d", *inputs(94, 2))], draft_ahead=spec)
-    eager.extend([("d", *inputs(94, 2))])
-    before = runner.replays["draft"]
-    assert_same_trees(static.draft(["d"], other), eager.draft(["d"], other))
-    assert runner.replays["draft"] == before + 1, "another SpecConfig drafts anew"

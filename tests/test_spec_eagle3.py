@@ -57,26 +57,3 @@ def test_greedy_with_the_eagle3_drafter_is_token_identical(pair, spec, page_size
         results = eng.generate(prompts[:batch], SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [r.output_token_ids for r in results] == ref[:batch]
     assert all(r.spec_stats.rounds > 0 for r in results)
-
-
-@pytest.mark.parametrize("spec", [SpecConfig(3, 1, 4), SpecConfig(4, 3, 9)])
-def test_greedy_through_the_drafters_static_graph_path_is_token_identical(pair, spec):
-    """The drafter's graph code (run without capture on the CPU): draft-extend, draft and draft-ahead
-    (the next trees drafted in the extend's replay) in the engine's loop; outputs equal target-only."""
-    from tandem.speculative.draft_graph import DraftGraphRunner
-
-    root, prompts, ref = pair
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
-
-    capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
-    cfg = EngineConfig(model=str(root / "target"), page_size=4, capture_layers=capture)
-    with LLMEngine(cfg, spec=spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
-        drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"), DrafterConfig(page_size=4),
-                                          capture_layers=capture)
-        drafter.graphs = DraftGraphRunner(drafter, [spec], buckets=[1, 2, 4], use_graphs=False, attention="torch")
-        eng.proposer, eng.default_spec = drafter, spec
-        results = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [r.output_token_ids for r in results] == ref
-    replays = drafter.graphs.replays
-    assert replays["draft_ahead"] > 0 and replays["draft"] <= 2, replays  # after the prefill round, drafts come ahead

@@ -207,26 +207,13 @@ class LLMEngine:
     def _extend(self, items: list) -> None:
         if not items or not self._proposer_up():
             return
-        extend_items = [(req.rid, tokens, feats) for req, tokens, feats in items]
         try:
-            if getattr(self.proposer, "supports_draft_ahead", False):
-                self.proposer.extend(extend_items, draft_ahead=self._draft_ahead_spec(items))
-            else:
-                self.proposer.extend(extend_items)
+            self.proposer.extend([(req.rid, tokens, feats) for req, tokens, feats in items])
         except ProposerUnavailable as e:
             self._drafter_lost(e)
             return
         for req, _, _ in items:
             req.draft_ready = True
-
-    def _draft_ahead_spec(self, items: list):
-        """The SpecConfig all extended requests will most likely draft with next (they speculated this
-        step and share one setting), so the drafter can draft their next trees in the extend's replay;
-        None otherwise (a plain-decoding request must not pay for a draft it will not use)."""
-        specs = {req.spec for req, _, _ in items}
-        if len(specs) != 1 or None in specs or not all(req.spec_state.speculate_now for req, _, _ in items):
-            return None
-        return specs.pop()
 
     def _drafter_lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""

@@ -52,11 +52,8 @@ class ControlledAcceptanceProposer:
         return self.drafter.num_tokens(rid) - prompt_len + 1
 
     # -- the drafter's API, passed through ---------------------------------------------------------
-    supports_draft_ahead = True
-
-    def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False,
-               draft_ahead: SpecConfig | None = None):
-        return self.drafter.extend(items, return_logits, draft_ahead)
+    def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False):
+        return self.drafter.extend(items, return_logits)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)

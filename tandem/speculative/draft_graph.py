@@ -2,10 +2,7 @@
 fixed-width draft-extend, each captured per padded batch-size bucket.
 
 One graph per (family, bucket) — per SpecConfig for ``draft``, one width ``max num_steps + 1`` for
-``draft_extend`` (accepted path ≤ num_steps plus the bonus), and per SpecConfig ``draft_ahead``: the
-extend followed in the same replay by the next round's draft from the state it just produced, so a
-speculative round costs one drafter replay instead of two (the trees wait on the device until the
-next round asks for them) — captured largest bucket first into one
+``draft_extend`` (accepted path ≤ num_steps plus the bonus) — captured largest bucket first into one
 memory pool (the caller's, e.g. the target's, or a new one), each under a watchdog deadline, with one
 log line per family. The graphs run ``draft_static``'s pure-tensor code over static buffers; the host
 fills them with one host→device copy of packed integers (lengths, roots or token ids, block tables)
@@ -63,7 +60,7 @@ class DraftGraphRunner:
         self.watchdog = watchdog or (Watchdog() if self.use_graphs else None)
         self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.pool = pool
-        self.replays = {"draft": 0, "draft_extend": 0, "draft_ahead": 0}  # how often each family ran
+        self.replays = {"draft": 0, "draft_extend": 0}  # how often each family ran (tests, metrics)
         self._staged = None  # CUDA event of the last pinned host → device copy (host_stage is reused)
 
         mb, dev, H, tw = self.max_bs, self.device, self.head.config.hidden_size, drafter.top_width
@@ -101,21 +98,6 @@ class DraftGraphRunner:
                       self.block_tables[:bs], self.token_ids[: bs * w], self.features[: bs * w],
                       self.out_state[:bs], self.out_logp[:bs], self.out_ids[:bs])
 
-    def _ahead_body(self, spec, bs: int) -> None:
-        """Extend, then draft from the extended state: the draft's committed length is lens + counts, its
-        root the last real token, its state and top-k the extend's outputs (padding rows: length 1, root
-        0, into the dummy page)."""
-        self._extend_body(bs)
-        w, counts = self.width, self.aux[:bs]
-        last = torch.arange(bs, device=self.device) * w + counts - 1
-        roots = self.token_ids[last]
-        self.lens[:bs].add_(counts)
-        self.aux[:bs].copy_(roots)
-        self.state[:bs].copy_(self.out_state[:bs])
-        self.top_logp[:bs].copy_(self.out_logp[:bs])
-        self.top_ids[:bs].copy_(self.out_ids[:bs])
-        self._draft_body(spec, bs)
-
     def _guard(self, what: str, deadline_s: float):
         return self.watchdog.guard(what, deadline_s) if self.watchdog is not None else contextlib.nullcontext()
 
@@ -130,8 +112,7 @@ class DraftGraphRunner:
     def capture(self) -> dict[str, tuple[float, float]]:
         """Capture every family and bucket (largest first); returns {name: (seconds, GB)}."""
         families = [("draft", [(s, lambda bs, s=s: self._draft_body(s, bs)) for s in self.specs]),
-                    ("draft_extend", [("extend", self._extend_body)]),
-                    ("draft_ahead", [(("ahead", s), lambda bs, s=s: self._ahead_body(s, bs)) for s in self.specs])]
+                    ("draft_extend", [("extend", self._extend_body)])]
         report = {}
         for name, members in families:
             torch.cuda.synchronize(self.device)
@@ -156,9 +137,7 @@ class DraftGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS handles and allocator growth stay outside
-                self._fill_dummy(bs)  # the ahead body moves lens and roots: start every run from padding
                 fn()
-            self._fill_dummy(bs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
@@ -236,31 +215,30 @@ class DraftGraphRunner:
             for r, L in zip(reqs, committed):
                 r.kv.truncate(L)  # the scratch is dropped; committed KV untouched
         self.replays["draft"] += 1
-        return trees_from_rows(out, spec)
+        nd = spec.num_draft_tokens
+        if bool(out[:, 3 * nd].any()):
+            raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+        rows = out.tolist()
+        return [DraftTree([int(t) for t in row[:nd]], [int(p) for p in row[nd : 2 * nd]], row[2 * nd : 3 * nd])
+                for row in rows]
 
     # -- extend ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def extend(self, reqs: list, prefixes: list[int], items: list, ahead=None) -> bool:
+    def extend(self, reqs: list, prefixes: list[int], items: list) -> bool:
         """Draft-extend of already-extended requests (the round after verification) through the static
         path; False when the batch does not fit (the caller extends eagerly). On True each request's
-        committed length, root, state and top-k are updated as the eager extend would. With ``ahead`` (a
-        SpecConfig) the same replay also drafts the next round's trees, left on the device in each
-        request's ``ahead`` for ``draft`` to pick up."""
+        committed length, root, state and top-k are updated as the eager extend would."""
         n, bs, w, ps = len(items), self._bucket(len(items)), self.width, self.page_size
         counts = [len(tokens) for _, tokens, _ in items]
         if bs is None or not items or any(p == 0 for p in prefixes) or max(counts) > w:
             return False  # prefills (whole prompts) and wide extends stay eager
-        if ahead not in self.specs:
-            ahead = None
-        # Pages to hold: the padded tail, and with ``ahead`` the draft's scratch after the real tokens.
-        reach = [max(p + w, p + c + (ahead.num_steps - 1) * ahead.topk if ahead else 0) for p, c in zip(prefixes, counts)]
-        if any(p + c > self.head.max_positions or r > self.max_pages * ps for p, c, r in zip(prefixes, counts, reach)):
+        if any(p + c > self.head.max_positions or p + w > self.max_pages * ps for p, c in zip(prefixes, counts)):
             return False
-        need = sum(r.kv.pages_needed(x) for r, x in zip(reqs, reach))
+        need = sum(r.kv.pages_needed(p + w) for r, p in zip(reqs, prefixes))
         if need > self.drafter.allocator.num_free:
             return False
-        for r, x in zip(reqs, reach):
-            r.kv.reserve(x)
+        for r, p in zip(reqs, prefixes):
+            r.kv.reserve(p + w)  # room for the padded tail too
         try:
             heads = [[p, c, *tokens, *[0] * (w - c)] for p, c, (_, tokens, _) in zip(prefixes, counts, items)]
             dest = [b * w + i for b, c in enumerate(counts) for i in range(c)]  # feature rows of real tokens
@@ -269,15 +247,10 @@ class DraftGraphRunner:
             self.features[: bs * w].zero_()  # padded tokens get zero features (finite K/V in the scratch)
             feats = torch.cat([f.to(self.device, self.dtype, non_blocking=True) for _, _, f in items])
             self.features.index_copy_(0, dest_dev, feats)
-            family = "draft_ahead" if ahead else "draft_extend"
-            with self._guard(f"Replay {family} cuda graph bs={bs}", self.replay_deadline_s):
-                if ahead:
-                    self._run(("ahead", ahead), bs, lambda: self._ahead_body(ahead, bs))
-                else:
-                    self._run("extend", bs, lambda: self._extend_body(bs))
+            with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
+                self._run("extend", bs, lambda: self._extend_body(bs))
             # Fresh tensors: the static outputs are overwritten by the next replay.
             states, top_logp, top_ids = self.out_state[:n].clone(), self.out_logp[:n].clone(), self.out_ids[:n].clone()
-            trees = self.trees[ahead][:n].clone() if ahead else None
         except BaseException:
             for r, p in zip(reqs, prefixes):
                 r.kv.truncate(p)
@@ -285,15 +258,5 @@ class DraftGraphRunner:
         for b, (r, p, c, (_, tokens, _)) in enumerate(zip(reqs, prefixes, counts, items)):
             r.kv.truncate(p + c)  # pages only the padded tail needed go back; commits the real tokens
             r.root, r.state, r.top_logp, r.top_ids = tokens[-1], states[b], top_logp[b], top_ids[b]
-            r.ahead = (ahead, trees[b]) if ahead else None
-        self.replays[family] += 1
+        self.replays["draft_extend"] += 1
         return True
-
-
-def trees_from_rows(out: torch.Tensor, spec) -> list[DraftTree]:
-    """Trees from the static draft's host rows ``[tokens | parents | scores | nan flag]`` (float64)."""
-    nd = spec.num_draft_tokens
-    if bool(out[:, 3 * nd].any()):
-        raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
-    return [DraftTree([int(t) for t in row[:nd]], [int(p) for p in row[nd : 2 * nd]], row[2 * nd : 3 * nd])
-            for row in out.tolist()]

@@ -89,12 +89,9 @@ class _Request:
     state: torch.Tensor | None = None  # [H] pre-norm output of the last extended row
     top_logp: torch.Tensor | None = None  # float32 [max_topk] log-probs of the root's best children
     top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
-    ahead: tuple | None = None  # (SpecConfig, device row) the next tree, drafted with the last extend
 
 
 class Eagle3Drafter:
-    supports_draft_ahead = True  # extend(..., draft_ahead=spec) drafts the next trees in the same replay
-
     def __init__(self, head: Eagle3Head, cfg: DrafterConfig = DrafterConfig()):
         self.head, self.cfg = head, cfg
         dc = head.config
@@ -170,14 +167,11 @@ class Eagle3Drafter:
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
-        self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False,
-        draft_ahead: SpecConfig | None = None,
+        self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Append draft KV for ``(rid, token_ids [n], features [n, 3·H_target])`` items, in one forward.
 
         With ``return_logits`` → per item (pre-norm states [n, H], float32 draft logits [n, draft_vocab]).
-        ``draft_ahead``: the items' requests will draft with this SpecConfig next; where the graphs can,
-        the next trees are drafted in the same replay (``draft`` then only reads them back).
         """
         if not items:
             return [] if return_logits else None
@@ -194,13 +188,11 @@ class Eagle3Drafter:
             if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
                 raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
         reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
-        for r in reqs:
-            r.ahead = None  # a tree drafted before this extend is stale
         prefixes = [r.kv.num_tokens for r in reqs]
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
-        if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items, draft_ahead):
+        if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
             return None  # replayed the draft-extend graph (only requests already extended go there)
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
@@ -242,13 +234,6 @@ class Eagle3Drafter:
         if missing:
             raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
         reqs = [self._reqs[r] for r in rids]
-        if all(r.ahead is not None and r.ahead[0] == spec for r in reqs):  # drafted with the last extend
-            from tandem.speculative.draft_graph import trees_from_rows
-
-            rows = torch.stack([r.ahead[1] for r in reqs]).cpu()
-            for r in reqs:
-                r.ahead = None
-            return trees_from_rows(rows, spec)
         trees = self.graphs.draft(reqs, spec) if self.graphs is not None else None
         if trees is not None:
             return trees  # replayed the draft graph
