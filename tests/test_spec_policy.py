@@ -53,6 +53,17 @@ def setup(tmp_path_factory):
     return path, prompts, ref
 
 
+class CountingProposer(RandomTreeProposer):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls: dict[str, int] = {}
+
+    def extend(self, items):
+        for rid, _, _ in items:
+            self.calls[rid] = self.calls.get(rid, 0) + 1
+        super().extend(items)
+
+
 def _run(path, prompts, proposer, policy):
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         return eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
@@ -61,10 +72,14 @@ def _run(path, prompts, proposer, policy):
 def test_useless_drafts_are_switched_off_and_output_is_unchanged(setup):
     path, prompts, ref = setup
     cfg = PolicyConfig(warmup_rounds=4, probe_every=16, fixed_cost_ratio=1.5)
-    results = _run(path, prompts, RandomTreeProposer(vocab=256, seed=3), SpeculationPolicy(cfg))
+    proposer = CountingProposer(vocab=256, seed=3)
+    results = _run(path, prompts, proposer, SpeculationPolicy(cfg))
     assert [r.output_token_ids for r in results] == ref
     for r in results:  # ~47 decode steps: 4 warm-up rounds, then a probe every 16 plain steps at most
         assert 4 <= r.spec_stats.rounds <= 4 + 47 // 16 + 1, r.spec_stats.rounds
+        # While off, plain steps cost the drafter nothing: their tokens reach it in one extend before
+        # the next draft (prefill + one per round + one catch-up per probe), not one extend per step.
+        assert proposer.calls[r.rid] <= 1 + 2 * r.spec_stats.rounds, (proposer.calls[r.rid], r.spec_stats.rounds)
     always = _run(path, prompts, RandomTreeProposer(vocab=256, seed=3), SpeculationPolicy(PolicyConfig(enabled=False)))
     assert all(r.spec_stats.rounds >= 40 for r in always), "without the policy every step speculates"
 

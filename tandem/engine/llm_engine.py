@@ -129,6 +129,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
         with timer("draft"):
+            self._flush_pending([req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1])
             trees = self._draft(sched.decode)
         chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
@@ -179,8 +180,8 @@ class LLMEngine:
             token_row += n
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
             observed.append((req.rid, len(req.tokens) - 1, [root_row]))
-            if features is not None and req.spec is not None and req.draft_ready:
-                extend_items.append((req, emitted[req.rid], features[root_row : root_row + 1]))
+            if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
+                req.pending_extend.append((emitted[req.rid], features[root_row : root_row + 1].clone()))
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
@@ -215,11 +216,21 @@ class LLMEngine:
         for req, _, _ in items:
             req.draft_ready = True
 
+    def _flush_pending(self, reqs: list[Request]) -> None:
+        """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""
+        items = []
+        for req in reqs:
+            tokens = [t for toks, _ in req.pending_extend for t in toks]
+            items.append((req, tokens, torch.cat([f for _, f in req.pending_extend])))
+            req.pending_extend = []
+        self._extend(items)
+
     def _drafter_lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
         log.warning("drafter unavailable (%s): continuing without speculation", error)
         for req in self.scheduler.running + list(self.scheduler.waiting):
             req.draft_ready = False
+            req.pending_extend = []
 
     def _draft(self, decoding: list[Request]) -> dict[str, DraftTree]:
         trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
@@ -275,6 +286,7 @@ class LLMEngine:
         if self.proposer is not None and req.draft_ready:
             self.proposer.release(req.rid)
         req.draft_ready = False
+        req.pending_extend = []
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

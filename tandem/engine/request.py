@@ -34,6 +34,9 @@ class Request:
     draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
     spec_stats: SpecStats = field(default_factory=SpecStats)
     spec_state: RequestSpecState = field(default_factory=RequestSpecState)  # the policy's view of it
+    # Plain steps' (tokens, features) not yet given to the drafter: they go in one extend right before
+    # the request's next draft, so decoding with speculation off costs no drafter work per step.
+    pending_extend: list = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
