@@ -23,7 +23,8 @@ class Spec:
 
 
 def test_policy_decisions():
-    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=3, smoothing=1.0, fixed_cost_ratio=1.5))
+    # probes every ceil(probe_every x cost ratio) = 3 plain rounds
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, smoothing=1.0, fixed_cost_ratio=1.5))
     s = RequestSpecState()
     assert policy.decide(s)  # nothing known yet
     policy.observe_round(s, 1)
@@ -32,6 +33,24 @@ def test_policy_decisions():
     assert [policy.decide(s) for _ in range(8)] == [False, False, False, True, False, False, False, True]
     policy.observe_round(s, 4)  # the probe accepted a lot: speculate again
     assert policy.decide(s) and policy.decide(s)
+
+
+def test_costly_rounds_probe_less_and_new_requests_skip_the_warm_up_once_it_is_known_not_to_pay():
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, smoothing=1.0, fixed_cost_ratio=5.0))
+    first = RequestSpecState()
+    assert policy.decide(first) and policy.decide(first)  # warm-up: nothing known about this traffic yet
+    policy.observe_round(first, 2)
+    policy.observe_round(first, 2)  # τ = 2 cannot pay for rounds costing 5 plain steps
+    assert [policy.decide(first) for _ in range(11)] == [False] * 10 + [True]  # probe every ceil(2 x 5) = 10
+    policy.observe_round(first, 2)
+    late = RequestSpecState()
+    assert policy.decide(late) and policy.decide(late), "3 rounds seen: not yet enough to judge new requests"
+    policy.observe_round(late, 2)
+    newest = RequestSpecState()
+    assert not policy.decide(newest), "4 rounds at τ 2 < 5: new requests start with speculation off"
+    assert [policy.decide(newest) for _ in range(10)] == [False] * 9 + [True]  # ... and speculate at probes
+    policy.observe_round(newest, 6)  # this one is easy: τ 6 pays, so it keeps speculating
+    assert policy.decide(newest) and policy.decide(newest)
 
 
 def test_measured_cost_ratio():

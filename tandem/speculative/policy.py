@@ -12,10 +12,16 @@ While every request speculates no plain step is ever timed, and on a target so s
 round's fixed costs dominate, speculation would lose without the policy noticing. So the engine runs
 one *plain probe step* (no request speculates) as soon as the warm-up is over and t_plain is unknown,
 and then every ``plain_probe_every`` speculative steps to keep t_plain current.
+
+Two costs of finding out scale with how expensive a round is: probes come every ``probe_every x
+cost ratio`` plain rounds, and once the engine knows that speculation does not pay on its traffic
+(its average τ over recent rounds is below the measured ratio), new requests skip the warm-up and
+start with speculation off, learning their own τ at their probes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -36,6 +42,7 @@ class RequestSpecState:
     tau: float | None = None  # moving average of tokens per speculative round
     plain_since_probe: int = 0
     speculate_now: bool = True
+    skip_warmup: bool = False  # it arrived when speculation was known not to pay: probes only
 
 
 class SpeculationPolicy:
@@ -45,6 +52,8 @@ class SpeculationPolicy:
         self.t_spec: float | None = None
         self.spec_steps_since_plain = 0
         self.plain_probe = False  # this step runs plain for every request (set by begin_step)
+        self.tau_all: float | None = None  # moving average of τ over every request's rounds
+        self.rounds_all = 0
 
     @property
     def cost_ratio(self) -> float:
@@ -70,9 +79,16 @@ class SpeculationPolicy:
         if self.plain_probe:  # the probe times a plain step; the request's own schedule is untouched
             state.speculate_now = False
             return False
-        if not c.enabled or state.rounds < c.warmup_rounds or state.tau is None or state.tau >= self.cost_ratio:
+        ratio = self.cost_ratio
+        # A new request warms up, unless speculation is known not to pay here: then it speculates at
+        # its probes only, until its own τ says otherwise.
+        if state.rounds == 0 and self._known_not_to_pay(ratio):
+            state.skip_warmup = True
+        warming = state.rounds < c.warmup_rounds and not state.skip_warmup
+        worth = warming or (state.tau is not None and state.tau >= ratio)
+        if not c.enabled or worth:
             state.speculate_now, state.plain_since_probe = True, 0
-        elif state.plain_since_probe >= c.probe_every:
+        elif state.plain_since_probe >= math.ceil(c.probe_every * max(1.0, ratio)):
             state.speculate_now, state.plain_since_probe = True, 0  # probe: is it worth it again?
         else:
             state.speculate_now = False
@@ -83,6 +99,14 @@ class SpeculationPolicy:
         """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus)."""
         state.rounds += 1
         state.tau = tokens if state.tau is None else self._mix(state.tau, tokens)
+        self.tau_all = tokens if self.tau_all is None else self._mix(self.tau_all, tokens)
+        self.rounds_all += 1
+
+    def _known_not_to_pay(self, ratio: float) -> bool:
+        """Enough rounds seen (twice a warm-up's worth) with the ratio known, and τ below it."""
+        measured = self.cfg.fixed_cost_ratio is not None or (self.t_plain is not None and self.t_spec is not None)
+        return (measured and self.rounds_all >= 2 * self.cfg.warmup_rounds and self.tau_all is not None
+                and self.tau_all < ratio)
 
     def observe_step(self, seconds: float, speculative: bool) -> None:
         """Wall time of a decode-only step, with (``speculative``) or without any draft tree."""
