@@ -139,6 +139,7 @@ class TargetGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             self._run_model(fam, bs)
+        graph.replay()  # the first launch uploads the graph (slow): do it here, on padding inputs, not mid-serving
         fam.graphs[bs] = graph
 
     # -- replay ----------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class DraftGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             fn()
+        graph.replay()  # the first launch uploads the graph (slow): do it here, on padding inputs, not mid-serving
         self.graphs[(key, bs)] = graph
 
     def _fill_dummy(self, bs: int) -> None:

@@ -3,10 +3,11 @@
 A speculative round costs more than a plain decode step (drafting, a wider verify, the drafter's
 extension). It pays when the request's tokens per round (accept length τ, bonus included) exceed that
 cost ratio. The policy keeps, per request, a moving average of τ over its speculative rounds, and for
-the engine a moving average of the wall time of plain and of speculative steps; a request whose τ falls
-below the measured ratio decodes plainly, and every ``probe_every`` plain rounds it speculates once to
-see whether the text got easier. The drafter keeps extending over plain rounds, so a request can
-resume at any step. Until both kinds of step have been timed the ratio is ``default_cost_ratio``.
+the engine the median wall time of recent plain and of recent speculative steps; a request whose τ falls
+below the measured ratio decodes plainly, and now and then it speculates once (a probe) to see whether
+the text got easier. The drafter catches up on the plain rounds in one extend before the request's next
+draft, so a request can resume at any step. Until both kinds of step have been timed the ratio is
+``default_cost_ratio``.
 
 While every request speculates no plain step is ever timed, and on a target so small or fast that a
 round's fixed costs dominate, speculation would lose without the policy noticing. So the engine runs
@@ -22,6 +23,8 @@ start with speculation off, learning their own τ at their probes.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -30,7 +33,7 @@ class PolicyConfig:
     enabled: bool = True
     warmup_rounds: int = 4  # speculative rounds of a request before it is judged
     probe_every: int = 16  # plain rounds between two probing speculative rounds
-    smoothing: float = 0.3  # weight of the newest sample in the moving averages
+    smoothing: float = 0.3  # weight of the newest round in the moving averages of τ
     default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
     fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
     plain_probe_every: int = 64  # speculative steps between two plain steps that re-time t_plain
@@ -48,12 +51,22 @@ class RequestSpecState:
 class SpeculationPolicy:
     def __init__(self, cfg: PolicyConfig = PolicyConfig()):
         self.cfg = cfg
-        self.t_plain: float | None = None
-        self.t_spec: float | None = None
+        # Step times: the median of the latest samples, so that one slow step (a graph's first launch,
+        # a garbage collection) cannot flip the decision for a long stretch.
+        self._plain_times: deque[float] = deque(maxlen=9)
+        self._spec_times: deque[float] = deque(maxlen=9)
         self.spec_steps_since_plain = 0
         self.plain_probe = False  # this step runs plain for every request (set by begin_step)
         self.tau_all: float | None = None  # moving average of τ over every request's rounds
         self.rounds_all = 0
+
+    @property
+    def t_plain(self) -> float | None:
+        return statistics.median(self._plain_times) if self._plain_times else None
+
+    @property
+    def t_spec(self) -> float | None:
+        return statistics.median(self._spec_times) if self._spec_times else None
 
     @property
     def cost_ratio(self) -> float:
@@ -111,10 +124,10 @@ class SpeculationPolicy:
     def observe_step(self, seconds: float, speculative: bool) -> None:
         """Wall time of a decode-only step, with (``speculative``) or without any draft tree."""
         if speculative:
-            self.t_spec = seconds if self.t_spec is None else self._mix(self.t_spec, seconds)
+            self._spec_times.append(seconds)
             self.spec_steps_since_plain += 1
         else:
-            self.t_plain = seconds if self.t_plain is None else self._mix(self.t_plain, seconds)
+            self._plain_times.append(seconds)
             self.spec_steps_since_plain = 0
 
     def _mix(self, old: float, new: float) -> float:
