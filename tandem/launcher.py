@@ -41,6 +41,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-port", type=int, default=50052)
     p.add_argument("--metrics-port", type=int, default=50053, help="the verifier's Prometheus port")
     p.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP endpoint")
+    p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured")
+    p.add_argument("--capture-traffic", default=None, metavar="DIR",
+                   help="the verifier appends finished requests' tokens and features to DIR (drafter retraining)")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -63,7 +66,10 @@ def run_up(args: argparse.Namespace) -> int:
     verifier_argv = py + ["verifier", "--model", model, "--tp-size", str(args.tp_size), "--device", args.device,
                           "--port", str(args.verifier_port), "--metrics-port", str(args.metrics_port), *tracing]
     if draft is not None:
-        verifier_argv += ["--drafter", f"127.0.0.1:{args.drafter_port}", "--draft-model", draft, *spec]
+        verifier_argv += ["--drafter", f"127.0.0.1:{args.drafter_port}", "--draft-model", draft, *spec,
+                          "--speculation-policy", args.speculation_policy]
+    if args.capture_traffic:
+        verifier_argv += ["--capture-traffic", args.capture_traffic]
     children.append(Child("verifier", verifier_argv))
     name = "tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model))
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{args.verifier_port}", "--model-dir",

@@ -57,7 +57,9 @@ def make_batch(samples: list[Sample], teach, used: torch.Tensor, t2d_index: torc
             ids = t2d_index[target.to(device)]
             target_id[b, :m] = ids
             target_p[b, :m] = F.one_hot(ids.clamp(min=0), len(used)).float() * (ids >= 0).unsqueeze(-1)
-        mask[b, 0 if include_prompt else len(s.prompt) - 1 : m] = True
+        # A prompt's next tokens are the user's, not the target's: served traffic teaches responses only.
+        learn_prompt = include_prompt and target.dim() == 2
+        mask[b, 0 if learn_prompt else len(s.prompt) - 1 : m] = True
     mask &= target_id >= 0
     return TTTBatch(tokens, features, target_p, target_id, mask, sum(len(s.tokens) for s in samples))
 
