@@ -106,7 +106,9 @@ def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
     verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", drafter.address,
                                     "--draft-model", str(pair_dirs / "draft"), "--metrics-port", str(metrics_port),
                                     "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-                                    "--speculative-num-draft-tokens", "5", *verifier_args],
+                                    "--speculative-num-draft-tokens", "5",
+                                    # these tests check speculation's mechanics; the policy has its own tests
+                                    "--speculation-policy", "always", *verifier_args],
                        free_port(), tmp_path / "verifier.log").start()
     verifier.metrics_port = metrics_port
     wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 30, "the verifier to reach the drafter")

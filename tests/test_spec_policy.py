@@ -49,6 +49,8 @@ def test_costly_rounds_probe_less_and_new_requests_skip_the_warm_up_once_it_is_k
     newest = RequestSpecState()
     assert not policy.decide(newest), "4 rounds at τ 2 < 5: new requests start with speculation off"
     assert [policy.decide(newest) for _ in range(10)] == [False] * 9 + [True]  # ... and speculate at probes
+    later = [RequestSpecState() for _ in range(5)]  # requests 4..8
+    assert [policy.decide(s) for s in later] == [False, False, False, False, True], "the 8th explores"
     policy.observe_round(newest, 6)  # this one is easy: τ 6 pays, so it keeps speculating
     assert policy.decide(newest) and policy.decide(newest)
 

@@ -17,7 +17,8 @@ and then every ``plain_probe_every`` speculative steps to keep t_plain current.
 Two costs of finding out scale with how expensive a round is: probes come every ``probe_every x
 cost ratio`` plain rounds, and once the engine knows that speculation does not pay on its traffic
 (its average τ over recent rounds is below the measured ratio), new requests skip the warm-up and
-start with speculation off, learning their own τ at their probes.
+start with speculation off, learning their own τ at their probes — except every ``explore_every``-th,
+which warms up as usual so that a better head (a reload) or easier traffic is noticed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PolicyConfig:
     default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
     fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
     plain_probe_every: int = 64  # speculative steps between two plain steps that re-time t_plain
+    explore_every: int = 8  # even when speculation does not pay, every 8th new request warms up (keeps τ fresh)
 
 
 @dataclass
@@ -45,7 +47,7 @@ class RequestSpecState:
     tau: float | None = None  # moving average of tokens per speculative round
     plain_since_probe: int = 0
     speculate_now: bool = True
-    skip_warmup: bool = False  # it arrived when speculation was known not to pay: probes only
+    skip_warmup: bool | None = None  # decided at its first step: it arrived when speculation did not pay
 
 
 class SpeculationPolicy:
@@ -59,6 +61,7 @@ class SpeculationPolicy:
         self.plain_probe = False  # this step runs plain for every request (set by begin_step)
         self.tau_all: float | None = None  # moving average of τ over every request's rounds
         self.rounds_all = 0
+        self.arrivals = 0
 
     @property
     def t_plain(self) -> float | None:
@@ -95,8 +98,9 @@ class SpeculationPolicy:
         ratio = self.cost_ratio
         # A new request warms up, unless speculation is known not to pay here: then it speculates at
         # its probes only, until its own τ says otherwise.
-        if state.rounds == 0 and self._known_not_to_pay(ratio):
-            state.skip_warmup = True
+        if state.skip_warmup is None:  # its first step; some new requests always explore (a new head, easier text)
+            self.arrivals += 1
+            state.skip_warmup = self._known_not_to_pay(ratio) and self.arrivals % c.explore_every != 0
         warming = state.rounds < c.warmup_rounds and not state.skip_warmup
         worth = warming or (state.tau is not None and state.tau >= ratio)
         if not c.enabled or worth:
