@@ -142,5 +142,5 @@ def _stop_all(children: list[Child]) -> None:
         if child.proc is not None:
             try:
                 child.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # stuck, or a second Ctrl-C: stop now
                 child.proc.kill()

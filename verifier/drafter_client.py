@@ -34,11 +34,14 @@ PROTOCOL_VERSION = 1
 
 class _Connection:
     """One live stream, driven by whichever thread calls (the engine thread, under the client's lock):
-    each write and read runs on the connection's own asyncio loop in the caller's thread, so a round
-    costs no hand-off to a gRPC iterator thread or a reader thread (the boundary's main price)."""
+    each write and read runs on the client's private asyncio loop in the caller's thread, so a round
+    costs no hand-off to a gRPC iterator thread or a reader thread (the boundary's main price). The
+    loop outlives connections and is never closed: gRPC may still deliver a late event of a closed
+    stream to it."""
 
-    def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float):
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float, loop: asyncio.AbstractEventLoop,
+                 loop_lock: threading.Lock):
+        self.loop, self.loop_lock = loop, loop_lock
         self.channel = self.call = None
         try:
             self.loop.run_until_complete(self._open(address))
@@ -58,7 +61,8 @@ class _Connection:
 
     def _run(self, coro, timeout_s: float | None = None):
         try:
-            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+            with self.loop_lock:
+                return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
         except asyncio.TimeoutError:
             raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
         except grpc.RpcError as e:
@@ -86,11 +90,10 @@ class _Connection:
 
         def run() -> None:
             try:
-                self.loop.run_until_complete(shut())
+                with self.loop_lock:
+                    self.loop.run_until_complete(shut())
             except Exception as e:  # noqa: BLE001 - closing a broken stream must not fail the caller
                 log.debug("closing the drafter stream: %s", e)
-            finally:
-                self.loop.close()
 
         # The caller may be running an event loop of its own (the service's shutdown): close on a helper thread.
         closer = threading.Thread(target=run, name="drafter-close", daemon=True)
@@ -116,6 +119,7 @@ class DrafterClient:
         self._stop = threading.Event()
         self._last_refusal = ""
         self._reconnector = threading.Thread(target=self._keep_connected, name="drafter-connect", daemon=True)
+        self._loop, self._loop_lock = asyncio.new_event_loop(), threading.Lock()  # shared by every connection
 
     # -- connection ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,7 +148,7 @@ class DrafterClient:
         while not self._stop.is_set():
             if self._conn is None:
                 try:
-                    conn = _Connection(self.address, hello, timeout_s=max(self.deadline_s, 5.0))
+                    conn = _Connection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock)
                 except ProposerUnavailable as e:
                     details = getattr(e, "details", "")
                     if getattr(e, "status", None) == grpc.StatusCode.FAILED_PRECONDITION:  # misconfigured: say it once
