@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.errors import GatewayError, bad_request
 from gateway.generation import GenerationStream
-from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
+from gateway.request import OFFLOAD_PARSE_BYTES, GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem import tracing
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
 
@@ -42,7 +42,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                              "rpc.method": "Generate"})
         status, stream = "OK", None
         try:
-            generation = self._parse(request, await gw.client.model_info())
+            info = await gw.client.model_info()
+            if len(request.text) > OFFLOAD_PARSE_BYTES:  # a long prompt's tokenization stays off the event loop
+                generation = await asyncio.to_thread(self._parse, request, info)
+            else:
+                generation = self._parse(request, info)
             span.set_attributes(generation.span_attributes())
             stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival)
             async for d in stream:

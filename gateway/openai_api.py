@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from gateway.errors import GatewayError
 from gateway.generation import Delta, GenerationStream
 from gateway.openai_params import Limits, parse_chat, parse_completion, parse_json
+from gateway.request import OFFLOAD_PARSE_BYTES
 from gateway.openai_shapes import SSE_DONE, ChatShape, CompletionShape, DisconnectAwareStreamingResponse, sse_event
 from tandem import tracing
 
@@ -100,13 +102,16 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
     stream: GenerationStream | None = None
     try:
-        body = parse_json(await request.body())
+        raw = await request.body()
+        body = parse_json(raw)
         info = await gw.client.model_info()
         limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens)
         if shape_cls is ChatShape:
-            params = parse_chat(body, request_id, gw.tokenizer, gw.chat_template, limits)
+            parse = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits)
         else:
-            params = parse_completion(body, request_id, gw.tokenizer, limits)
+            parse = functools.partial(parse_completion, body, request_id, gw.tokenizer, limits)
+        # Tokenizing a long prompt takes milliseconds: off the event loop, so other streams keep flowing.
+        params = await asyncio.to_thread(parse) if len(raw) > OFFLOAD_PARSE_BYTES else parse()
         scope.span.set_attributes(params.generation.span_attributes())
         shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage)
         stream = GenerationStream(params.generation, gw.client, gw.tokenizer.decode, gw.metrics, scope.span, arrival)

@@ -13,6 +13,8 @@ from tandem.rpc.verifier.v1 import verifier_pb2
 _UINT64_MAX = (1 << 64) - 1
 MAX_STOP_STRINGS = 16  # each one is searched in the text after every message
 
+OFFLOAD_PARSE_BYTES = 16_384  # prompts above this size are tokenized on a worker thread, off the event loop
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

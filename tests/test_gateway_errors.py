@@ -124,6 +124,17 @@ def test_context_overflow_names_the_numbers(stack):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_long_text_prompt_is_tokenized_off_the_loop_and_still_checked(stack):
+    from gateway.request import OFFLOAD_PARSE_BYTES
+
+    text = "def f(x):\n    return x\n" * (OFFLOAD_PARSE_BYTES // 20)  # over the size that moves parsing to a thread
+    r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": text})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "512" in r.json()["error"]["message"]
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_verifier_refusals_map_to_http_statuses(stack, client, stream):
     cases = [(grpc.StatusCode.INVALID_ARGUMENT, "prompt: longer than the verifier allows", openai.BadRequestError, 400),
