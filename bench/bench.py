@@ -13,7 +13,11 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   spec      speculative decoding at controlled acceptance (BENCHMARK INSTRUMENT: the real head and real
             verification run; the draft's tokens are steered to the target's own greedy continuation,
             corrupted at a chosen rate), chain and tree settings, in process, graphs on and off
-  service   the same through the drafter and verifier services (gRPC + shared-memory ring) vs in process
+  service   the same through the drafter and verifier services (gRPC + shared-memory ring) vs in process,
+            with the round trip split into the drafter's work and the rest (tandem:drafter_round_seconds)
+  tp        tensor parallelism on a 70B-shaped model with fewer layers (TP=1 vs all GPUs)
+  phases    where a step's time goes: synchronised per-phase times, profiler top kernels and host ops
+  demo      the project's trained demo pair end to end (TANDEM_DEMO_DIR=folder with target/ and draft/)
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
 """
 
