@@ -2,8 +2,9 @@
 
 Hello → check the target the verifier runs against the one this head was validated for, attach the
 ring, start empty → Welcome. Then each Round: forget released requests, extend with the ring rows
-named in the message, draft the requested trees → exactly one Drafts. The model work runs on a
-worker thread so health checks keep answering during a long round. A new stream (the verifier
+named in the message, draft the requested trees → exactly one Drafts. The round runs inline on the
+event loop (a thread hand-off per round cost more than the round's own host work); health checks and
+Reload wait for the round boundary, a few milliseconds. A new stream (the verifier
 reconnecting) replaces the old one and starts empty again: the verifier never refers to state from
 before a reconnect.
 
@@ -145,14 +146,19 @@ class DrafterService:
             log.info("reload: loading %s beside generation %d", request.draft_model, self.heads.generation)
             try:  # validation and loading run beside serving
                 drafter = await asyncio.to_thread(self._load, request.draft_model)
-            except (TandemError, OSError, ValueError) as e:
+            except (TandemError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: out of memory
                 log.error("reload of %s refused: %s", request.draft_model, e)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
             async with self._lock:
                 # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
-                # a verifier whose deadline is shorter decodes plainly meanwhile and reconnects).
+                # ~1.5 s at the 8B shape: a verifier whose deadline is shorter decodes plainly meanwhile and
+                # reconnects, and its running requests then finish without speculation).
                 if self.graph_specs:
-                    await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
+                    try:
+                        await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
+                    except RuntimeError as e:
+                        log.error("reload of %s refused: graph capture failed: %s", request.draft_model, e)
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
                 left = self.heads.install(drafter, request.draft_model)
             seconds = time.perf_counter() - started
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "

@@ -87,7 +87,9 @@ def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):
             reload_drafter(drafter.address, str(tmp_path / "no_such_folder"))
         tokens, last = generate(verifier.address, prompts_of(12)[10], max_new_tokens=NEW_TOKENS)
         assert tokens == reference[10] and last.spec.rounds > 0
-        assert read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, "a refused reload must not cut the stream"
+        metrics = read_metrics(verifier.metrics_port)
+        assert metrics["tandem:drafter_up"] == 1.0, "a refused reload must not cut the stream"
+        assert metrics.get("tandem:drafter_failures_total", 0.0) == 0.0, "no reload may drop the stream, even briefly"
     finally:
         verifier.stop()
         drafter.stop()

@@ -61,3 +61,24 @@ def test_static_decode_and_verify_match_eager(engine):
     torch.testing.assert_close(static_feats, eager_feats, rtol=1e-4, atol=1e-4)
     for _, kv in seqs:
         kv.release()
+
+
+def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(engine):
+    """Traffic capture with no drafter asks every decode step for features: the decode graphs must be
+    captured with them (graph_decode_features), or such steps run eagerly rather than lose them."""
+    import dataclasses
+
+    from tandem.engine.batch import ForwardBatch, SequenceChunk
+    from tandem.engine.cuda_graph import TargetGraphRunner
+
+    runner = engine.executor.runner
+    step = ForwardBatch([SequenceChunk([7], 3, [1])], capture_features=True)
+    plain = ForwardBatch([SequenceChunk([7], 3, [1])])
+    graphs = TargetGraphRunner(runner, widths=(1,), max_bs=2)
+    assert graphs.can_run(plain) and not graphs.can_run(step)
+    original = runner.cfg
+    runner.cfg = dataclasses.replace(original, graph_decode_features=True)
+    try:
+        assert TargetGraphRunner(runner, widths=(1,), max_bs=2).can_run(step)
+    finally:
+        runner.cfg = original

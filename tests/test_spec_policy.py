@@ -168,3 +168,20 @@ def test_measured_policy_times_plain_steps_and_turns_off_costly_speculation(setu
     assert fast.t_plain is not None and fast.cost_ratio < 5  # the plain probe step ran and was timed
     assert all(r.spec_stats.accept_length_mean > 4.5 for r in results)
     assert all(r.spec_stats.rounds >= 8 for r in results), "cheap perfect drafts keep speculating"
+
+
+def test_a_plain_probe_is_spent_even_when_its_step_cannot_be_timed():
+    """New requests arriving every step put a prefill in every step (such steps are not timed): the
+    probe must not repeat step after step, forcing every request to decode plainly."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2))
+    state = RequestSpecState()
+    decisions = []
+    for _ in range(12):
+        policy.begin_step()
+        decisions.append(policy.decide(state))
+        if state.speculate_now:
+            policy.observe_round(state, 5)
+            policy.observe_step(0.010, speculative=True)
+        # a plain (probe) step here always carries a prefill: the engine does not time it
+    assert decisions.count(False) <= 12 // 3, decisions  # a probe after every 2 timed speculative steps at most
+    assert decisions[:2] == [True, True]

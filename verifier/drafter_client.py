@@ -44,7 +44,7 @@ class _Connection:
         self.loop, self.loop_lock = loop, loop_lock
         self.channel = self.call = None
         try:
-            self.loop.run_until_complete(self._open(address))
+            self._run(self._open(address))
             self.send(hello)
             welcome = self.receive(timeout_s)
             if not welcome.HasField("welcome"):
@@ -60,9 +60,15 @@ class _Connection:
         self.call = pb_grpc.DrafterStub(self.channel).Rounds()
 
     def _run(self, coro, timeout_s: float | None = None):
+        # The loop is busy only while another thread closes an old stream; never wait on it for long.
+        if not self.loop_lock.acquire(timeout=max(timeout_s or 0.0, 5.0)):
+            coro.close()
+            raise ProposerUnavailable("the drafter stream's event loop is busy closing an old stream")
         try:
-            with self.loop_lock:
+            try:
                 return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+            finally:
+                self.loop_lock.release()
         except asyncio.TimeoutError:
             raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
         except grpc.RpcError as e:
@@ -149,7 +155,9 @@ class DrafterClient:
             if self._conn is None:
                 try:
                     conn = _Connection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock)
-                except ProposerUnavailable as e:
+                except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
+                    if not isinstance(e, ProposerUnavailable):
+                        log.warning("connecting to the drafter at %s failed: %s: %s", self.address, type(e).__name__, e)
                     details = getattr(e, "details", "")
                     if getattr(e, "status", None) == grpc.StatusCode.FAILED_PRECONDITION:  # misconfigured: say it once
                         if details != self._last_refusal:
@@ -159,6 +167,9 @@ class DrafterClient:
                         log.debug("drafter at %s not reachable: %s", self.address, e)
                 else:
                     with self._lock:
+                        if self._stop.is_set():  # closed while the handshake ran
+                            conn.close()
+                            return
                         self._conn, self._seq = conn, self._seq + 1
                         self._pending_extend.clear()
                         self._pending_release.clear()
@@ -198,8 +209,9 @@ class DrafterClient:
             except TandemError as e:  # the ring is full: the drafter is far behind
                 self._drop(str(e))
                 raise ProposerUnavailable(str(e)) from e
-        # Requests decoding plainly (the policy switched speculation off) extend every step without a
-        # draft to carry the extends: flush them in an extend-only round before they pile up.
+        # Extends without a draft to carry them (a prefill of a request that never speculates, plain
+        # steps' catch-up of a request that then finishes) are flushed in an extend-only round before
+        # they pile up in the ring.
         if sum(e.ring_rows for e in self._pending_extend) > self.FLUSH_ROWS:
             self.draft([], None)
 
@@ -237,6 +249,8 @@ class DrafterClient:
         self.on_round(time.perf_counter() - sent, reply.drafts.draft_seconds)
         trees = {t.request_id: t for t in reply.drafts.trees}
         missing = [r for r in rids if r not in trees]
-        if missing:
+        if missing:  # a broken reply: start over on a fresh stream (the drafter then forgets every request)
+            with self._lock:
+                self._drop(f"the drafter returned no tree for {missing[0]}")
             raise ProposerUnavailable(f"the drafter returned no tree for {missing[0]}")
         return [DraftTree(list(trees[r].token_ids), list(trees[r].parents), list(trees[r].scores)) for r in rids]

@@ -34,6 +34,8 @@ log = logging.getLogger("verifier")
 
 
 def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
+    if cfg.capture_traffic is not None:  # every step's features are kept, drafter or not: graphs must output them
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, graph_decode_features=True))
     engine, client, ring = _engine_and_drafter(cfg, metrics)
     if cfg.capture_traffic is not None:
         engine.traffic = _traffic_recorder(cfg, engine)

@@ -26,6 +26,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # --disable-cuda-graph: every forward eager (CPU runs always are)
     cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured batch (requests)
     cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
+    graph_decode_features: bool = False  # decode graphs also output EAGLE-3 features (traffic capture without a drafter)
     seed: int = 0  # seeds requests that do not bring their own seed
 
     def __post_init__(self) -> None:

@@ -85,7 +85,7 @@ class TargetGraphRunner:
         self.watchdog = watchdog or Watchdog()
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
-        self.decode_features = any(w > 1 for w in widths)
+        self.decode_features = any(w > 1 for w in widths) or runner.cfg.graph_decode_features
         self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.pool = None
 
@@ -151,6 +151,8 @@ class TargetGraphRunner:
         fam = self.families.get(width)
         if fam is None or any(len(s.token_ids) != width for s in seqs):
             return False
+        if batch.capture_features and width == 1 and not self.decode_features:
+            return False  # features asked of a decode graph captured without them: eager (correct, slower)
         # a tree mask must cover exactly the new tokens (verification); the last W keys of drafting are eager
         return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
 

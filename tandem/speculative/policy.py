@@ -88,6 +88,8 @@ class SpeculationPolicy:
             self.plain_probe = self.spec_steps_since_plain >= c.warmup_rounds
         else:
             self.plain_probe = self.spec_steps_since_plain >= c.plain_probe_every
+        if self.plain_probe:  # one probe per period, timed or not (a step with a prefill is not timed)
+            self.spec_steps_since_plain = 0
 
     def decide(self, state: RequestSpecState) -> bool:
         """Whether the request speculates this step (called once per step, before scheduling)."""

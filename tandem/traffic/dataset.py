@@ -50,8 +50,9 @@ class TrafficManifest:
         return cls(**{**raw, "capture_layers": tuple(raw["capture_layers"])})
 
     def write_or_check(self, folder: Path) -> None:
-        """A new folder gets this manifest; an existing one must have been written for the same target
-        and layers (samples of two targets in one dataset would train a head on a mixture)."""
+        """A new folder gets this manifest; an existing one must have been written for a target of the
+        same shape and captured layers (samples of two targets in one dataset would train a head on a
+        mixture). The target's path is recorded but not compared: one model lives at different paths."""
         folder.mkdir(parents=True, exist_ok=True)
         if (folder / MANIFEST).is_file():
             existing = TrafficManifest.read(folder)

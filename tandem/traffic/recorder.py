@@ -2,8 +2,10 @@
 
 The engine calls ``observe`` from its step with the feature rows it just computed (one host copy per
 step for the whole batch) and ``finished`` when a request completes. Shards are written by a
-background thread, so the serving loop never waits on the disk; when the writer falls behind (or the
-size cap is reached) samples are dropped and counted, never the requests themselves.
+background thread, so the serving loop never waits on the disk; when the writer falls behind, fails
+(a full disk) or the size cap is reached, samples are dropped and counted, never the requests
+themselves. Memory is bounded in bytes: a feature row is 3·H values (24 KB per token at the 8B
+shape), so shards close at ``shard_mb`` and at most ``queue_mb`` of finished samples wait.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ _STOP = object()
 class CaptureConfig:
     folder: str
     max_gb: float = 50.0  # stop capturing once this much was written by this process
-    shard_samples: int = 256  # samples per shard file
-    queue_samples: int = 1024  # finished samples waiting for the writer before new ones are dropped
+    shard_samples: int = 256  # samples per shard file, at most
+    shard_mb: float = 1024.0  # ... and feature megabytes per shard, at most
+    queue_mb: float = 4096.0  # finished samples waiting for the writer before new ones are dropped
 
 
 class TrafficRecorder:
@@ -36,9 +39,13 @@ class TrafficRecorder:
         self.cfg, self.folder = cfg, Path(cfg.folder)
         manifest.write_or_check(self.folder)
         self._rows: dict[str, dict[int, torch.Tensor]] = {}  # rid -> start position -> features [n, W]
-        self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_samples)
-        self._next_shard = len(shard_paths(self.folder))
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0  # of samples handed to the writer and not yet written (guarded by _lock)
+        self._lock = threading.Lock()
+        # After the highest existing shard (a deleted one in between must not make us overwrite another).
+        self._next_shard = 1 + max((int(p.stem.split("-")[1]) for p in shard_paths(self.folder)), default=-1)
         self.samples_written = self.samples_dropped = self.bytes_written = 0
+        self._failed = False  # the writer hit an error it cannot recover from: capture stops
         self._writer = threading.Thread(target=self._write_loop, name="traffic-writer", daemon=True)
         self._writer.start()
         log.info("capturing served traffic into %s (shards of %d samples, cap %.1f GB)", self.folder,
@@ -69,45 +76,65 @@ class TrafficRecorder:
             feats[start : start + part.shape[0]] = part
             covered[start : start + part.shape[0]] = True
         if not bool(covered.all()):  # a step ran without capture: an incomplete sample would mislead training
-            self.samples_dropped += 1
+            self._drop(1)
             return
-        try:
-            self._queue.put_nowait(TrafficSample(tokens, len(prompt), feats, info))
-        except queue.Full:
-            self.samples_dropped += 1
+        size = feats.numel() * feats.element_size()
+        with self._lock:
+            accept = not self._failed and self._queued_bytes + size <= self.cfg.queue_mb * 1e6
+            if accept:
+                self._queued_bytes += size
+        if accept:
+            self._queue.put(TrafficSample(tokens, len(prompt), feats, info))
+        else:
+            self._drop(1)
 
     def discard(self, rid: str) -> None:
         self._rows.pop(rid, None)
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def _drop(self, count: int) -> None:
+        with self._lock:
+            self.samples_dropped += count
+
     def close(self) -> None:
         """Write what is queued (a last, possibly short shard) and stop the writer."""
         self._queue.put(_STOP)
-        self._writer.join(timeout=60)
+        self._writer.join(timeout=600)
         log.info("traffic capture: %d samples written (%.1f MB), %d dropped", self.samples_written,
                  self.bytes_written / 1e6, self.samples_dropped)
 
     def _write_loop(self) -> None:
         pending: list[TrafficSample] = []
+        pending_bytes = 0
         while True:
             item = self._queue.get()
             if item is not _STOP:
                 pending.append(item)
-            if pending and (item is _STOP or len(pending) >= self.cfg.shard_samples):
+                pending_bytes += item.features.numel() * item.features.element_size()
+            full = len(pending) >= self.cfg.shard_samples or pending_bytes >= self.cfg.shard_mb * 1e6
+            if pending and (item is _STOP or full):
                 self._flush(pending)
-                pending = []
+                with self._lock:
+                    self._queued_bytes -= pending_bytes
+                pending, pending_bytes = [], 0
             if item is _STOP:
                 return
 
     def _flush(self, samples: list[TrafficSample]) -> None:
-        if self.bytes_written >= self.cfg.max_gb * 1e9:
-            self.samples_dropped += len(samples)
+        if self._failed or self.bytes_written >= self.cfg.max_gb * 1e9:
+            self._drop(len(samples))
             return
+        while (self.folder / f"shard-{self._next_shard:06d}.safetensors").exists():  # another writer's
+            self._next_shard += 1
         try:
             path = write_shard(self.folder, self._next_shard, samples)
-        except OSError as e:  # a full disk must not take serving down
-            log.error("traffic capture: could not write a shard (%s); %d samples dropped", e, len(samples))
-            self.samples_dropped += len(samples)
+        except Exception as e:  # noqa: BLE001 - a full disk or a removed folder must not take serving down
+            log.error("traffic capture stops: could not write a shard (%s); %d samples dropped", e, len(samples))
+            for tmp in self.folder.glob("shard-*.tmp"):
+                tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._failed = True
+            self._drop(len(samples))
             return
         self._next_shard += 1
         self.samples_written += len(samples)

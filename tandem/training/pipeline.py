@@ -84,7 +84,7 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
         if job.data is None and not job.traffic:
             raise ValueError("no training data: pass --data JSONL or --traffic DIR")
         samples = read_jsonl(job.data, job.target_model, job.regenerate, job.max_samples) if job.data else []
-        samples += read_traffic(list(job.traffic))[: job.max_samples]
+        samples = (samples + read_traffic(list(job.traffic)))[: job.max_samples]
     if eval_samples is None:
         if job.eval_data is not None:
             eval_samples = read_jsonl(job.eval_data, job.target_model, job.regenerate, job.max_eval_prompts)
@@ -96,7 +96,8 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     note(f"the target writes responses for {sum(s.response is None for s in samples)} of {len(samples)} samples "
          f"(+{len(eval_samples)} held out), up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
     samples = complete_samples(engine, samples, params)
-    # Held-out responses are always greedy: they measure the draft loss on the target's own argmax path.
+    # Held-out responses the target writes here are greedy: they measure the draft loss on the target's
+    # own argmax path (held-out served traffic keeps the responses it was served with).
     eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0))
     samples = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
     run.mkdir(parents=True, exist_ok=True)

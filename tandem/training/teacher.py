@@ -26,11 +26,19 @@ class TargetTeacher:
 
     def teach(self, samples) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """→ per sample (features, logits [n, V]) online, or (stored features [n-1, W], next ids [n-1])."""
+        online = iter(self.forward([s.tokens for s in samples if s.traffic is None]))
+        return [next(online) if s.traffic is None else self._stored(s) for s in samples]
+
+    @staticmethod
+    def _stored(sample) -> tuple[torch.Tensor, torch.Tensor]:
+        from tandem.errors import ConfigError
         from tandem.traffic.dataset import read_features
 
-        online = iter(self.forward([s.tokens for s in samples if s.traffic is None]))
-        return [next(online) if s.traffic is None else
-                (read_features(s.traffic), torch.tensor(s.tokens[1:], dtype=torch.int64)) for s in samples]
+        feats = read_features(sample.traffic)
+        if feats.shape[0] != len(sample.tokens) - 1:  # the shard was replaced under a saved run
+            raise ConfigError(f"{sample.traffic.shard} sample {sample.traffic.index}: {feats.shape[0]} feature rows "
+                              f"for {len(sample.tokens)} tokens; the traffic folder changed since the run began")
+        return feats, torch.tensor(sample.tokens[1:], dtype=torch.int64)
 
     def forward(self, sequences: list[list[int]], max_tokens: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """→ per sequence (features [n, 3·H], float32 logits [n, V]), as normal (autograd-usable)
