@@ -276,7 +276,8 @@ class LLMEngine:
         self.scheduler.finish(req)
         self._forget_draft(req)
         if self.traffic is not None:
-            if req.finish_reason == FinishReason.ABORT:
+            # A cancelled request keeps what the target wrote before (clients cancel at a stop string).
+            if req.finish_reason == FinishReason.ABORT and not req.output:
                 self.traffic.discard(req.rid)
             else:
                 self.traffic.finished(req.rid, req.prompt, req.output, {
