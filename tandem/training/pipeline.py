@@ -90,6 +90,9 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
             eval_samples = read_jsonl(job.eval_data, job.target_model, job.regenerate, job.max_eval_prompts)
         else:
             samples, eval_samples = split_eval(samples, job)
+            # Held out from served traffic: measured like any held-out sample, against the target's own
+            # greedy response and distribution (a served response may have been sampled at any temperature).
+            eval_samples = [Sample(s.prompt) if s.traffic is not None else s for s in eval_samples]
     samples = [fit_context(s, context) for s in samples]
     eval_samples = [fit_context(s, context) for s in eval_samples]
     params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
