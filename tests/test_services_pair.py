@@ -170,3 +170,50 @@ def test_drafter_death_loses_nothing_and_speculation_resumes(pair_dirs, referenc
         verifier.stop()
         drafter.kill()
     assert not {s for s in shm_segments() if s.startswith(f"tandem-{verifier.proc.pid}-")}, "ring left in /dev/shm"
+
+
+def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs, tmp_path):
+    """A drafter restart loses the draft state of running requests; when it is back, the verifier
+    recomputes their sequences by a prefill (as after a preemption), which gives the drafter their
+    whole history: long requests speculate again, and their outputs stay target-only greedy."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    n, new_tokens = 12, 440  # context 512; twelve at a time decode slowly enough to outlive a drafter restart
+    prompts = prompts_of(n)
+    with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
+        want = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
+                                                                                  ignore_eos=True))]
+    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000"))
+    try:
+        results, errors = {}, []
+
+        def run(i):
+            try:
+                results[i] = generate(verifier.address, prompts[i], max_new_tokens=new_tokens)[0]
+            except Exception as e:  # noqa: BLE001 - asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        drafts = lambda: read_metrics(verifier.metrics_port).get("tandem:spec_decode_num_drafts_total", 0)  # noqa: E731
+        wait_for(lambda: drafts() >= 4, 60, "speculative rounds before the kill")
+        drafter.kill()
+        wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 0.0, 30, "drafter_up to drop")
+        restarted = Service("drafter", drafter.args, drafter.port, tmp_path / "drafter2.log").start()
+        try:
+            wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, 30, "reconnection")
+            back = drafts()
+            assert any(t.is_alive() for t in threads), "the requests finished before the drafter came back"
+            for t in threads:
+                t.join(180)
+            assert drafts() > back, "the running requests speculated again after the reconnect"
+        finally:
+            restarted.stop()
+        assert not errors
+        assert [results[i] for i in range(n)] == want
+    finally:
+        verifier.stop()
+        drafter.kill()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
+REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
 
 
 class LLMEngine:
@@ -57,6 +58,7 @@ class LLMEngine:
         self.last_step: StepInfo | None = None
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
+        self._proposer_was_up = True
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -117,6 +119,7 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer(self.phase_sync)
+        self._refeed_after_reconnect()
         self.policy.begin_step()
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
@@ -215,6 +218,20 @@ class LLMEngine:
             return
         for req, _, _ in items:
             req.draft_ready = True
+
+    def _refeed_after_reconnect(self) -> None:
+        """When the drafter comes back after a loss, requests that still have a long way to go are
+        recomputed by a prefill (as after a preemption), which hands the drafter their whole sequence:
+        they speculate again instead of decoding plainly to the end."""
+        up = self._proposer_up()
+        back, self._proposer_was_up = up and not self._proposer_was_up, up
+        if not back:
+            return
+        for req in list(self.scheduler.running):
+            left = req.params.max_new_tokens - len(req.output)
+            if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
+                self.scheduler.requeue(req)
+                self._forget_draft(req)
 
     def _flush_pending(self, reqs: list[Request]) -> None:
         """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""

@@ -80,6 +80,12 @@ class Scheduler:
             out.prefill.append(req)
         return out
 
+    def requeue(self, req: Request) -> None:
+        """Send a running request back to the front of the queue: its KV is recomputed by a prefill
+        (used to rebuild a reconnected drafter's state from the whole sequence)."""
+        if req in self.running:
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.kv.release()
