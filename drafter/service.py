@@ -151,8 +151,8 @@ class DrafterService:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
             async with self._lock:
                 # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
-                # ~1.5 s at the 8B shape: a verifier whose deadline is shorter decodes plainly meanwhile and
-                # reconnects, and its running requests then finish without speculation).
+                # ~1.5 s at the 8B shape: a verifier whose deadline is shorter decodes plainly meanwhile,
+                # reconnects, and recomputes its long running requests, which then draft with the new head).
                 if self.graph_specs:
                     try:
                         await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
