@@ -19,6 +19,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
+from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
 from tandem.engine.scheduler import Scheduler
@@ -27,15 +28,13 @@ from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.policy import SpeculationPolicy
-from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import Proposer, ProposerUnavailable, accept_tree, compaction_moves, verify_chunk
+from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
 
 if TYPE_CHECKING:
     from tandem.speculative.drafter import SpecConfig
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
-REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
 
 
 class LLMEngine:
@@ -58,7 +57,7 @@ class LLMEngine:
         self.last_step: StepInfo | None = None
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
-        self._proposer_was_up = True
+        self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -119,31 +118,31 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer(self.phase_sync)
-        self._refeed_after_reconnect()
+        self.drafts.refeed_after_reconnect()
         self.policy.begin_step()
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
                 self.policy.decide(req.spec_state)
         sched = self.scheduler.schedule(self._tree_width)
         for req in sched.preempted:
-            self._forget_draft(req)
+            self.drafts.forget(req)
         if not sched:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
         with timer("draft"):
-            self._flush_pending([req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1])
-            trees = self._draft(sched.decode)
+            self.drafts.flush_pending([req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1])
+            trees = self.drafts.draft(sched.decode, self._tree_width)
         chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
-        capture = self._proposer_up() or self.traffic is not None
+        capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
             emitted, extend_items, rounds = self._accept(sched, trees, logits, features if capture else None)
             outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
         with timer("draft_extend"):
-            self._extend([item for item in extend_items if not item[0].finished])
+            self.drafts.extend([item for item in extend_items if not item[0].finished])
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
         if self.proposer is not None and sched.decode and not sched.prefill:  # prefill would skew the timing
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
@@ -205,68 +204,6 @@ class LLMEngine:
             self.traffic.observe(features, observed)
         return emitted, extend_items, rounds
 
-    def _proposer_up(self) -> bool:
-        return self.proposer is not None and getattr(self.proposer, "available", True)
-
-    def _extend(self, items: list) -> None:
-        if not items or not self._proposer_up():
-            return
-        try:
-            self.proposer.extend([(req.rid, tokens, feats) for req, tokens, feats in items])
-        except ProposerUnavailable as e:
-            self._drafter_lost(e)
-            return
-        for req, _, _ in items:
-            req.draft_ready = True
-
-    def _refeed_after_reconnect(self) -> None:
-        """When the drafter comes back after a loss, requests that still have a long way to go are
-        recomputed by a prefill (as after a preemption), which hands the drafter their whole sequence:
-        they speculate again instead of decoding plainly to the end."""
-        up = self._proposer_up()
-        back, self._proposer_was_up = up and not self._proposer_was_up, up
-        if not back:
-            return
-        for req in list(self.scheduler.running):
-            left = req.params.max_new_tokens - len(req.output)
-            if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
-                self.scheduler.requeue(req)
-                self._forget_draft(req)
-
-    def _flush_pending(self, reqs: list[Request]) -> None:
-        """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""
-        items = []
-        for req in reqs:
-            tokens = [t for toks, _ in req.pending_extend for t in toks]
-            items.append((req, tokens, torch.cat([f for _, f in req.pending_extend])))
-            req.pending_extend = []
-        self._extend(items)
-
-    def _drafter_lost(self, error: Exception) -> None:
-        """The drafter's state is gone: every request continues without speculation (nothing fails)."""
-        log.warning("drafter unavailable (%s): continuing without speculation", error)
-        for req in self.scheduler.running + list(self.scheduler.waiting):
-            req.draft_ready = False
-            req.pending_extend = []
-
-    def _draft(self, decoding: list[Request]) -> dict[str, DraftTree]:
-        trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
-        by_spec: dict[object, list[Request]] = {}
-        for req in decoding:
-            if req.spec is not None and req.draft_ready and self._tree_width(req) > 1:
-                by_spec.setdefault(req.spec, []).append(req)
-        for spec, group in by_spec.items():
-            try:
-                drafted = self.proposer.draft([r.rid for r in group], spec)
-            except ProposerUnavailable as e:
-                self._drafter_lost(e)
-                return {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
-            for req, tree in zip(group, drafted):
-                if tree.tokens[0] != req.tokens[-1]:
-                    raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
-                trees[req.rid] = tree
-        return trees
-
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
                 rounds: dict[str, tuple[int, int]]) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests."""
@@ -291,7 +228,7 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
-        self._forget_draft(req)
+        self.drafts.forget(req)
         if self.traffic is not None:
             # A cancelled request keeps what the target wrote before (clients cancel at a stop string).
             if req.finish_reason == FinishReason.ABORT and not req.output:
@@ -299,12 +236,6 @@ class LLMEngine:
             else:
                 self.traffic.finished(req.rid, req.prompt, req.output, {
                     "temperature": req.params.temperature, "finish_reason": req.finish_reason.value})
-
-    def _forget_draft(self, req: Request) -> None:
-        if self.proposer is not None and req.draft_ready:
-            self.proposer.release(req.rid)
-        req.draft_ready = False
-        req.pending_extend = []
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

@@ -1,0 +1,103 @@
+"""DraftLink: the engine's side of the drafter's per-request state.
+
+The proposer (an in-process Eagle3Drafter, or the client of the drafter service) holds draft KV for
+each request; this keeps it in step with the target: extends after every step (plain steps' tokens
+wait on the request and go in one extend before its next draft), drafts, releases, and recovers from
+a drafter that is lost (every request continues plainly) and comes back (long requests are recomputed
+by a prefill, which hands it their whole sequence). It never changes the target's output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import ProposerUnavailable
+
+log = logging.getLogger("tandem.engine")
+REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
+
+
+class DraftLink:
+    def __init__(self, engine):
+        """``engine``: the LLMEngine (its ``proposer`` may be replaced at any time; read it here)."""
+        self.engine = engine
+        self._was_up = True
+
+    @property
+    def proposer(self):
+        return self.engine.proposer
+
+    def up(self) -> bool:
+        return self.proposer is not None and getattr(self.proposer, "available", True)
+
+    def extend(self, items: list) -> None:
+        """``items``: (request, next tokens, their features)."""
+        if not items or not self.up():
+            return
+        try:
+            self.proposer.extend([(req.rid, tokens, feats) for req, tokens, feats in items])
+        except ProposerUnavailable as e:
+            self.lost(e)
+            return
+        for req, _, _ in items:
+            req.draft_ready = True
+
+    def flush_pending(self, reqs: list) -> None:
+        """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""
+        items = []
+        for req in reqs:
+            tokens = [t for toks, _ in req.pending_extend for t in toks]
+            items.append((req, tokens, torch.cat([f for _, f in req.pending_extend])))
+            req.pending_extend = []
+        self.extend(items)
+
+    def draft(self, decoding: list, tree_width) -> dict[str, DraftTree]:
+        """A tree per decoding request: drafted for those that speculate this step, the bare root otherwise."""
+        trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+        by_spec: dict[object, list] = {}
+        for req in decoding:
+            if req.spec is not None and req.draft_ready and tree_width(req) > 1:
+                by_spec.setdefault(req.spec, []).append(req)
+        for spec, group in by_spec.items():
+            try:
+                drafted = self.proposer.draft([r.rid for r in group], spec)
+            except ProposerUnavailable as e:
+                self.lost(e)
+                return {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+            for req, tree in zip(group, drafted):
+                if tree.tokens[0] != req.tokens[-1]:
+                    raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
+                trees[req.rid] = tree
+        return trees
+
+    def forget(self, req) -> None:
+        if self.proposer is not None and req.draft_ready:
+            self.proposer.release(req.rid)
+        req.draft_ready = False
+        req.pending_extend = []
+
+    def lost(self, error: Exception) -> None:
+        """The drafter's state is gone: every request continues without speculation (nothing fails)."""
+        log.warning("drafter unavailable (%s): continuing without speculation", error)
+        scheduler = self.engine.scheduler
+        for req in scheduler.running + list(scheduler.waiting):
+            req.draft_ready = False
+            req.pending_extend = []
+
+    def refeed_after_reconnect(self) -> None:
+        """When the drafter comes back after a loss, requests that still have a long way to go are
+        recomputed by a prefill (as after a preemption), which hands the drafter their whole sequence:
+        they speculate again instead of decoding plainly to the end."""
+        up = self.up()
+        back, self._was_up = up and not self._was_up, up
+        if not back:
+            return
+        scheduler = self.engine.scheduler
+        for req in list(scheduler.running):
+            left = req.params.max_new_tokens - len(req.output)
+            if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
+                scheduler.requeue(req)
+                self.forget(req)
