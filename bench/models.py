@@ -72,31 +72,23 @@ def random_draft(target: Path, capture_layers: tuple[int, ...]) -> Path:
     return path
 
 
+def bench_drafter(engine, layers: int, specs: list):
+    """A random bf16 EAGLE-3 head for ``bench_engine(layers, ...)``, sharing the target's embedding and,
+    with graphs on, capturing its draft graphs for ``specs`` in the target's pool; → (drafter, capture
+    report or None)."""
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+
+    runner = engine.executor.runner
+    graphs = runner.graphs is not None
+    drafter = Eagle3Drafter.from_dirs(str(random_draft(target_dir(layers), runner.capture_layers)), str(target_dir(layers)),
+                                      DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8,
+                                                    disable_cuda_graph=not graphs),
+                                      capture_layers=runner.capture_layers,
+                                      embed_weight=runner.model.model.embed_tokens.weight)
+    report = drafter.capture_cuda_graphs(specs, pool=runner.graphs.pool) if graphs else None
+    return drafter, report
+
+
 ROOT_DIR = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_health(port: int, timeout_s: float) -> None:
-    import time
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"service on port {port} not healthy after {timeout_s} s")

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from models import LLAMA_8B_SHAPE, bench_engine, random_draft, target_dir, weight_bytes_per_token
+from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, weight_bytes_per_token
 
 
 def _events_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -152,7 +152,7 @@ def _rate_for(accept_length: float, depth: int) -> float:
 def spec(ctx: dict) -> dict:
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 160
@@ -162,15 +162,8 @@ def spec(ctx: dict) -> dict:
     rows = []
     for graphs in ((True,) if ctx["quick"] else (True, False)):
         engine = bench_engine(layers, widths=widths, max_bs=8, disable_graphs=not graphs)
-        runner = engine.executor.runner
-        draft_dir = random_draft(target_dir(layers), runner.capture_layers)
-        drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(target_dir(layers)),
-                                          DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8,
-                                                        disable_cuda_graph=not graphs),
-                                          capture_layers=runner.capture_layers,
-                                          embed_weight=runner.model.model.embed_tokens.weight)
+        drafter, capture = bench_drafter(engine, layers, [sc for _, sc in settings])
         if graphs:
-            capture = drafter.capture_cuda_graphs([sc for _, sc in settings], pool=runner.graphs.pool)
             print(f"drafter graph capture: {capture}", flush=True)
             ctx.setdefault("drafter_capture", capture)
         prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -221,7 +214,7 @@ def spec(ctx: dict) -> dict:
                       f"same tokens as reference: {row['identical_to_verify_reference']}", flush=True)
         engine.proposer = None
         engine.shutdown()
-        del engine, drafter, runner, proposer
+        del engine, drafter, proposer
         _free_gpu()
     return {"rows": rows, "drafter_capture": ctx.get("drafter_capture")}
 

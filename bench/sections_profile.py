@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from models import LLAMA_8B_SHAPE, bench_engine, random_draft, target_dir
+from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
 
 
 def _trace_dir() -> Path:
@@ -82,16 +82,12 @@ def phases(ctx: dict) -> dict:
     from sections import _rate_for
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     sc = SpecConfig(3, 1, 4)
     engine = bench_engine(layers, widths=(1, sc.num_draft_tokens), max_bs=8)
-    runner = engine.executor.runner
-    drafter = Eagle3Drafter.from_dirs(str(random_draft(target_dir(layers), runner.capture_layers)), str(target_dir(layers)),
-                                      DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8),
-                                      capture_layers=runner.capture_layers, embed_weight=runner.model.model.embed_tokens.weight)
-    drafter.capture_cuda_graphs([sc], pool=runner.graphs.pool)
+    drafter, _ = bench_drafter(engine, layers, [sc])
     prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     greedy = SamplingParams(max_new_tokens=96, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)  # warm-up

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from models import LLAMA_8B_SHAPE, bench_engine, random_draft, target_dir
+from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir
 from sections import _decode_tok_s, _free_gpu
 
 
@@ -20,11 +20,12 @@ def service(ctx: dict) -> dict:
     import grpc
     from safetensors.torch import save_file
 
-    from models import ROOT_DIR, free_port, wait_health
+    from models import ROOT_DIR
+    from tandem.service_probe import free_port, wait_serving
     from tandem.rpc.verifier.v1 import verifier_pb2 as pb
     from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 128
@@ -38,10 +39,8 @@ def service(ctx: dict) -> dict:
     # In process.
     engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)
     runner = engine.executor.runner
-    draft_dir = random_draft(tdir, runner.capture_layers)
-    drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(tdir), DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8),
-                                      capture_layers=runner.capture_layers, embed_weight=runner.model.model.embed_tokens.weight)
-    drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+    drafter, _ = bench_drafter(engine, layers, [spec])
+    draft_dir = random_draft(tdir, runner.capture_layers)  # the same folder, for the drafter service
     engine.proposer, engine.default_spec = drafter, spec
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
@@ -63,14 +62,14 @@ def service(ctx: dict) -> dict:
                                "--device", "cuda", "--dtype", "bfloat16", "--port", str(d_port), "--cuda-graph-max-bs", "8",
                                *flags], cwd=ROOT_DIR)]
     try:
-        wait_health(d_port, 300)
+        wait_serving(d_port, 300, procs[0], "drafter")
         procs.append(subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(tdir), "--load-format", "random",
                                        "--device", "cuda", "--dtype", "bfloat16", "--port", str(v_port), "--kv-pages", "2048",
                                        "--cuda-graph-max-bs", "8", "--drafter", f"127.0.0.1:{d_port}",
                                        "--draft-model", str(draft_dir), "--metrics-port", str(m_port), *flags,
                                        *verifier_flags],
                                       cwd=ROOT_DIR))
-        wait_health(v_port, 300)
+        wait_serving(v_port, 300, procs[1], "verifier")
         time.sleep(2.0)  # the drafter connection comes up in the background
         with grpc.insecure_channel(f"127.0.0.1:{v_port}") as ch:
             stub = pb_grpc.VerifierStub(ch)

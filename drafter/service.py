@@ -147,8 +147,7 @@ class DrafterService:
             try:  # validation and loading run beside serving
                 drafter = await asyncio.to_thread(self._load, request.draft_model)
             except (TandemError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: out of memory
-                log.error("reload of %s refused: %s", request.draft_model, e)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
+                await _refuse_reload(context, request.draft_model, e)
             async with self._lock:
                 # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
                 # ~1.5 s at the 8B shape: a verifier whose deadline is shorter decodes plainly meanwhile,
@@ -157,8 +156,7 @@ class DrafterService:
                     try:
                         await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
                     except RuntimeError as e:
-                        log.error("reload of %s refused: graph capture failed: %s", request.draft_model, e)
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.draft_model}: {e}")
+                        await _refuse_reload(context, request.draft_model, e)
                 left = self.heads.install(drafter, request.draft_model)
             seconds = time.perf_counter() - started
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "
@@ -167,15 +165,14 @@ class DrafterService:
                                   requests_on_previous=left, load_seconds=seconds)
 
     def _load(self, draft_model: str) -> Eagle3Drafter:
-        """Validate against the target and the verifier's stream (captured layers, feature width) and load,
-        sharing the serving head's copy of the target embedding."""
+        """Validate and load, sharing the serving head's copy of the target embedding. Validation against
+        the serving head's capture layers is what the verifier's stream needs: the same target (hence
+        feature width) and the same layers, or a one-line refusal naming both."""
         serving = self.heads.current
-        drafter = Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
-                                          embed_weight=serving.head.shared_embedding)
-        if drafter.capture_layers != serving.capture_layers:
-            raise TandemError(f"it reads target layers {list(drafter.capture_layers)} but the verifier captures "
-                              f"{list(serving.capture_layers)}; restart the verifier with --draft-model to change them")
-        if drafter.head.config.feature_width != serving.head.config.feature_width:
-            raise TandemError(f"it takes {drafter.head.config.feature_width}-wide features, the verifier sends "
-                              f"{serving.head.config.feature_width}")
-        return drafter
+        return Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
+                                       embed_weight=serving.head.shared_embedding)
+
+
+async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception) -> None:
+    log.error("reload of %s refused: %s", draft_model, error)
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{draft_model}: {error}")

@@ -112,16 +112,9 @@ def _healthy(name: str, args: argparse.Namespace) -> bool:
             return urllib.request.urlopen(f"http://{args.host}:{args.port}/health", timeout=2).status == 200
         except OSError:
             return False
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tandem.service_probe import is_serving
 
-    port = args.drafter_port if name == "drafter" else args.verifier_port
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-        except grpc.RpcError:
-            return False
-    return status.status == health_pb2.HealthCheckResponse.SERVING
+    return is_serving(args.drafter_port if name == "drafter" else args.verifier_port)
 
 
 def _supervise(children: list[Child]) -> int:

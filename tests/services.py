@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
+from tandem.service_probe import free_port, is_serving
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -49,17 +42,12 @@ class Service:
 
     def wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{self.log()}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{self.log()}")
+            if is_serving(self.health_port, timeout_s=1.0):
+                return
+            time.sleep(0.2)
         raise TimeoutError(f"{self.module} not SERVING after {timeout_s} s:\n{self.log()}")
 
     def kill(self) -> None:

@@ -124,15 +124,26 @@ def test_context_overflow_names_the_numbers(stack):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-def test_a_long_text_prompt_is_tokenized_off_the_loop_and_still_checked(stack):
+def test_a_long_text_prompt_is_tokenized_off_the_loop_and_still_checked(stack, monkeypatch):
+    import threading
+
     from gateway.request import OFFLOAD_PARSE_BYTES
 
+    tokenizer = stack.gateway.tokenizer
+    threads = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: threads.append(threading.current_thread()) or encode(text))
     text = "def f(x):\n    return x\n" * (OFFLOAD_PARSE_BYTES // 20)  # over the size that moves parsing to a thread
     r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": text})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert "512" in r.json()["error"]["message"]
     r = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": "short"})  # small: stays on the loop
+    assert r.status_code == 200, r.text
+    loop_thread = stack._thread
+    assert len(threads) == 3 and threads[0] is not loop_thread and threads[1] is not loop_thread
+    assert threads[2] is loop_thread
 
 
 @pytest.mark.parametrize("stream", [False, True])

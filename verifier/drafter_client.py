@@ -96,8 +96,7 @@ class _Connection:
 
         def run() -> None:
             try:
-                with self.loop_lock:
-                    self.loop.run_until_complete(shut())
+                self._run(shut(), 5.0)
             except Exception as e:  # noqa: BLE001 - closing a broken stream must not fail the caller
                 log.debug("closing the drafter stream: %s", e)
 

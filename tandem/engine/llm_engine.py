@@ -167,7 +167,7 @@ class LLMEngine:
         emitted: dict[str, list[int]] = {}
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
-        observed = []  # (rid, first position, feature rows) for traffic capture
+        observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
         if simple:
             rows = torch.tensor([r for _, r in simple], device=logits.device)
             sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
@@ -176,7 +176,7 @@ class LLMEngine:
         token_row = 0
         for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
             n = len(req.tokens)
-            observed.append((req.rid, 0, list(range(token_row, token_row + n))))
+            observed.append((req.rid, 0, range(token_row, token_row + n)))
             if features is not None and req.spec is not None:
                 extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
             token_row += n

@@ -62,6 +62,9 @@ class SpeculationPolicy:
         self.tau_all: float | None = None  # moving average of τ over every request's rounds
         self.rounds_all = 0
         self.arrivals = 0
+        # The step's cost ratio and whether it is measured, refreshed by begin_step: decide runs per
+        # request per step and must not take medians each time.
+        self._ratio, self._ratio_known = self.cost_ratio, cfg.fixed_cost_ratio is not None
 
     @property
     def t_plain(self) -> float | None:
@@ -82,6 +85,8 @@ class SpeculationPolicy:
     def begin_step(self) -> None:
         """Called once per engine step before ``decide``: is this a plain probe step?"""
         c = self.cfg
+        self._ratio = self.cost_ratio
+        self._ratio_known = c.fixed_cost_ratio is not None or (self.t_plain is not None and self.t_spec is not None)
         if not c.enabled or c.fixed_cost_ratio is not None:
             self.plain_probe = False
         elif self.t_plain is None:
@@ -97,12 +102,12 @@ class SpeculationPolicy:
         if self.plain_probe:  # the probe times a plain step; the request's own schedule is untouched
             state.speculate_now = False
             return False
-        ratio = self.cost_ratio
+        ratio = self._ratio
         # A new request warms up, unless speculation is known not to pay here: then it speculates at
         # its probes only, until its own τ says otherwise.
         if state.skip_warmup is None:  # its first step; some new requests always explore (a new head, easier text)
             self.arrivals += 1
-            state.skip_warmup = self._known_not_to_pay(ratio) and self.arrivals % c.explore_every != 0
+            state.skip_warmup = self._known_not_to_pay() and self.arrivals % c.explore_every != 0
         warming = state.rounds < c.warmup_rounds and not state.skip_warmup
         worth = warming or (state.tau is not None and state.tau >= ratio)
         if not c.enabled or worth:
@@ -121,11 +126,10 @@ class SpeculationPolicy:
         self.tau_all = tokens if self.tau_all is None else self._mix(self.tau_all, tokens)
         self.rounds_all += 1
 
-    def _known_not_to_pay(self, ratio: float) -> bool:
+    def _known_not_to_pay(self) -> bool:
         """Enough rounds seen (twice a warm-up's worth) with the ratio known, and τ below it."""
-        measured = self.cfg.fixed_cost_ratio is not None or (self.t_plain is not None and self.t_spec is not None)
-        return (measured and self.rounds_all >= 2 * self.cfg.warmup_rounds and self.tau_all is not None
-                and self.tau_all < ratio)
+        return (self._ratio_known and self.rounds_all >= max(1, 2 * self.cfg.warmup_rounds)
+                and self.tau_all < self._ratio)
 
     def observe_step(self, seconds: float, speculative: bool) -> None:
         """Wall time of a decode-only step, with (``speculative``) or without any draft tree."""

@@ -73,6 +73,10 @@ class TrafficSample:
     features: torch.Tensor  # [len(tokens) - 1, feature_width], on the host
     info: dict
 
+    @property
+    def nbytes(self) -> int:
+        return self.features.numel() * self.features.element_size()
+
 
 def shard_paths(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob("shard-*.safetensors"))

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -52,7 +53,7 @@ class TrafficRecorder:
                  cfg.shard_samples, cfg.max_gb)
 
     # -- from the engine (its thread) ------------------------------------------------------------
-    def observe(self, features: torch.Tensor, spans: list[tuple[str, int, list[int]]]) -> None:
+    def observe(self, features: torch.Tensor, spans: list[tuple[str, int, Sequence[int]]]) -> None:
         """``spans``: (rid, first position, rows of ``features``) — consecutive positions from the first."""
         if not spans:
             return
@@ -78,13 +79,13 @@ class TrafficRecorder:
         if not bool(covered.all()):  # a step ran without capture: an incomplete sample would mislead training
             self._drop(1)
             return
-        size = feats.numel() * feats.element_size()
+        sample = TrafficSample(tokens, len(prompt), feats, info)
         with self._lock:
-            accept = not self._failed and self._queued_bytes + size <= self.cfg.queue_mb * 1e6
+            accept = not self._failed and self._queued_bytes + sample.nbytes <= self.cfg.queue_mb * 1e6
             if accept:
-                self._queued_bytes += size
+                self._queued_bytes += sample.nbytes
         if accept:
-            self._queue.put(TrafficSample(tokens, len(prompt), feats, info))
+            self._queue.put(sample)
         else:
             self._drop(1)
 
@@ -110,7 +111,7 @@ class TrafficRecorder:
             item = self._queue.get()
             if item is not _STOP:
                 pending.append(item)
-                pending_bytes += item.features.numel() * item.features.element_size()
+                pending_bytes += item.nbytes
             full = len(pending) >= self.cfg.shard_samples or pending_bytes >= self.cfg.shard_mb * 1e6
             if pending and (item is _STOP or full):
                 self._flush(pending)

@@ -17,38 +17,14 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tandem.service_probe import free_port, wait_serving
 from tandem.training.progress import Progress, note
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_serving(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"service on port {port} exited with code {proc.returncode}")
-            try:
-                if health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(f"service on port {port} not serving after {timeout_s} s")
 
 
 def serve_and_capture(target: str, draft: str, prompts: list[list[int]], traffic: Path, new_tokens: int,
@@ -59,15 +35,15 @@ def serve_and_capture(target: str, draft: str, prompts: list[list[int]], traffic
     from tandem.rpc.verifier.v1 import verifier_pb2 as pb
     from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
 
-    d_port, v_port = _free_port(), _free_port()
+    d_port, v_port = free_port(), free_port()
     py = [sys.executable, "-m"]
     drafter = subprocess.Popen(py + ["drafter", "--model", draft, "--target-model", target, "--port", str(d_port)])
     verifier = None
     try:
-        _wait_serving(d_port, drafter)
+        wait_serving(d_port, 600, drafter, "drafter")
         verifier = subprocess.Popen(py + ["verifier", "--model", target, "--port", str(v_port), "--drafter",
                                           f"127.0.0.1:{d_port}", "--draft-model", draft, "--capture-traffic", str(traffic)])
-        _wait_serving(v_port, verifier)
+        wait_serving(v_port, 600, verifier, "verifier")
         bar = Progress("serve", len(prompts))
         done = tokens = 0
         started = time.perf_counter()
