@@ -2,6 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels (flashinfer; see .whl), run the GPU
 # tests, then the benchmark. Everything it prints also lands under $OUT.
 #   usage: scripts/gpu_check.sh [tests|bench|all] [bench args...]
+#          scripts/gpu_check.sh pair   (train the larger demo pair into gpu-pair/, then bench it and demo-pair/)
 set -u
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,4 +19,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$what" = pair ]; then
+  # The larger trained pair (docs/training.md): target, head, held-out evaluation, then the demo bench on
+  # it and on the carried CPU demo pair (demo-pair/). Time limits keep the logs coming back.
+  timeout 420 python3 -m tandem.training.demo_pair --variant gpu --out gpu-pair 2>&1 | tee "$OUT/pair_train.log"
+  cp gpu-pair/target/training.json "$OUT/pair_target_training.json" 2>/dev/null
+  cp gpu-pair/draft/training.json "$OUT/pair_draft_training.json" 2>/dev/null
+  for pair in gpu-pair demo-pair; do
+    [ -f "$pair/draft/config.json" ] || continue
+    TANDEM_DEMO_DIR=$pair timeout 90 python3 bench/bench.py --sections demo --out "$OUT/bench_$pair.json" 2>&1 | tee -a "$OUT/pair_bench.log"
+  done
 fi

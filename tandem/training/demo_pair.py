@@ -7,12 +7,18 @@ from the *training* stdlib files, each completed by the target itself (greedy, t
 evaluation prompts come from the *held-out* files, which neither model has seen.
 
 ``python -m tandem.training.demo_pair [--eval]`` builds (or finds) the pair and measures it.
+``python -m tandem.training.demo_pair --variant gpu --out DIR`` trains the larger variant on a GPU
+(the ``gpu`` target preset and a head trained on the target's own longer continuations) into
+``DIR/target`` and ``DIR/draft``, with the held-out prompts in ``DIR/prompts.json`` for the bench.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.training.eagle3_train import Eagle3TrainConfig
@@ -36,6 +42,19 @@ DEMO_DRAFT = Eagle3TrainConfig(ttt_steps=5, batch_size=8, epochs=8.0, include_pr
 PROMPT_SEED, EVAL_SEED = 1, 2
 
 
+@dataclass(frozen=True)
+class GpuPairRecipe:
+    """The larger pair, for GPU benchmarks on real acceptance: ~32 M-parameter target (8 layers x 512,
+    vocabulary 8192, all of Lib/), its head trained with the default 7 TTT steps on 4096 continuations."""
+    lm: LMTrainConfig = PRESETS["gpu"]
+    prompts: int = 4096
+    response_tokens: int = 256
+    eval_prompts: int = 64
+    draft_vocab: int = 4096
+    train: Eagle3TrainConfig = Eagle3TrainConfig(batch_size=32, epochs=4.0, include_prompt_loss=True, checkpoint_every=128,
+                                                 optim=OptimConfig(lr=2e-3, warmup_steps=50, grad_clip=0.5))
+
+
 def build_demo_target(out: Path) -> Path:
     """Train the demo LM into ``out`` (its run folder beside it keeps checkpoints: an interrupted
     build resumes where it stopped)."""
@@ -44,10 +63,10 @@ def build_demo_target(out: Path) -> Path:
     return out
 
 
-def _prompts(target_dir: str | Path, heldout: bool, count: int, seed: int) -> list[list[int]]:
+def _prompts(target_dir: str | Path, heldout: bool, count: int, seed: int, lm: LMTrainConfig = DEMO_LM) -> list[list[int]]:
     from tandem.training import corpus
 
-    train_files, heldout_files = corpus.split_files(DEMO_LM.corpus)
+    train_files, heldout_files = corpus.split_files(lm.corpus)
     tok = corpus.load_tokenizer(target_dir)
     return corpus.sample_prompts(tok, heldout_files if heldout else train_files, count, PROMPT_TOKENS, seed)
 
@@ -86,11 +105,41 @@ def build_demo_draft(target_dir: str | Path, out: Path, run_dir: Path | None = N
     return run_job(job, samples, eval_samples, resume=True)
 
 
+def build_gpu_pair(out: Path, recipe: GpuPairRecipe = GpuPairRecipe(), device: str = "cuda") -> dict:
+    """Train the larger variant into out/target and out/draft (resumable); → the head's summary
+    (held-out draft metrics and the speculative evaluation: accept length at T=0 and T=1, tokens/s)."""
+    from tandem.training.data import Sample
+    from tandem.training.evaluate import EvalConfig
+    from tandem.training.pipeline import DrafterTrainJob, run_job
+
+    out = Path(out)
+    target = out / "target"
+    lm = dataclasses.replace(recipe.lm, device=device)
+    if not (target / "config.json").is_file():
+        train_lm(lm, target, out / "target.run", resume=True)
+    eval_prompts = _prompts(target, True, recipe.eval_prompts, EVAL_SEED, lm)
+    (out / "prompts.json").write_text(json.dumps(eval_prompts[:16]))  # what bench --sections demo decodes
+    job = DrafterTrainJob(target_model=str(target), out=str(out / "draft"), run_dir=str(out / "draft.run"),
+                          max_new_tokens=recipe.response_tokens, temperature=0.0, draft_vocab_size=recipe.draft_vocab,
+                          device=device, train=recipe.train, eval=EvalConfig(speed_prompts=16))
+    samples = [Sample(tuple(p)) for p in _prompts(target, False, recipe.prompts, PROMPT_SEED, lm)]
+    return run_job(job, samples, [Sample(tuple(p)) for p in eval_prompts], resume=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.training.demo_pair", description=__doc__.split("\n\n")[0])
     p.add_argument("--eval", action="store_true", help="also measure acceptance and speed on held-out prompts")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--variant", choices=("demo", "gpu"), default="demo",
+                   help="demo: the embedded CPU pair (cached); gpu: the larger pair, trained into --out")
+    p.add_argument("--out", default=None, help="folder for --variant gpu")
+    p.add_argument("--device", default="cuda", help="device for --variant gpu")
     args = p.parse_args(argv)
+    if args.variant == "gpu":
+        if not args.out:
+            p.error("--variant gpu needs --out DIR")
+        build_gpu_pair(Path(args.out), device=args.device)
+        return 0
     from tandem.training.cli import run_demo_models
 
     return run_demo_models(argparse.Namespace(eval=args.eval, threads=args.threads, json=False))
