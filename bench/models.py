@@ -82,7 +82,7 @@ def bench_drafter(engine, layers: int, specs: list):
     graphs = runner.graphs is not None
     drafter = Eagle3Drafter.from_dirs(str(random_draft(target_dir(layers), runner.capture_layers)), str(target_dir(layers)),
                                       DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8,
-                                                    disable_cuda_graph=not graphs),
+                                                    disable_cuda_graph=not graphs, defer_chain_tokens=True),
                                       capture_layers=runner.capture_layers,
                                       embed_weight=runner.model.model.embed_tokens.weight)
     report = drafter.capture_cuda_graphs(specs, pool=runner.graphs.pool) if graphs else None

@@ -26,6 +26,7 @@ from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.tree import resolve_pending
 from drafter.heads import DraftHeads
 
 log = logging.getLogger("drafter.service")
@@ -129,6 +130,7 @@ class DrafterService:
                                         tracer="tandem.drafter") for d in group]
             try:
                 trees = self.heads.drafter(gen).draft([d.request_id for d in group], spec)
+                resolve_pending(trees)  # trees leave the process: no token may stay on the device
             finally:
                 for span in spans:
                     span.end()

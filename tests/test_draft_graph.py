@@ -215,3 +215,34 @@ def test_runner_rejects_what_the_kernel_cannot_take(pair):
         DraftGraphRunner(drafter, [SpecConfig(10, 8, 16)], use_graphs=False)
     with pytest.raises(ConfigError, match="max_topk"):
         DraftGraphRunner(drafter, [SpecConfig(2, 9, 4)], use_graphs=False)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(5, 1, 3)],
+                         ids=str)
+def test_deferred_chains_resolve_to_the_eager_trees(extended, spec):
+    from tandem.speculative.tree import resolve_pending
+
+    runner = DraftGraphRunner(extended, [spec, SpecConfig(3, 2, 6)], buckets=BUCKETS, use_graphs=False, attention="torch")
+    reqs = [extended._reqs[r] for r in LENGTHS]
+    trees = runner.draft(reqs, spec, defer=True)
+    nd = spec.num_draft_tokens
+    for tree, req in zip(trees, reqs):  # the shape is known, the tokens are not
+        assert tree.tokens == [req.root] + [-1] * (nd - 1) and tree.parents == list(range(-1, nd - 1))
+        assert tree.pending.ids.dtype == torch.int64 and tree.pending.ids.shape == (nd,)
+    resolve_pending(trees)
+    assert all(t.pending is None for t in trees)
+    assert_same_trees(trees, extended.draft(list(LENGTHS), spec))
+    # a tree (topk > 1) has no shape before the draft: never deferred
+    assert all(t.pending is None for t in runner.draft(reqs, SpecConfig(3, 2, 6), defer=True))
+
+
+def test_deferred_nan_raises_when_resolved(pair):
+    from tandem.speculative.tree import resolve_pending
+
+    drafter = make_drafter(pair)
+    prefill(drafter, {"a": 5, "b": 6})
+    runner = DraftGraphRunner(drafter, [SpecConfig(3, 1, 4)], buckets=[4], use_graphs=False, attention="torch")
+    drafter._reqs["b"].state = torch.full_like(drafter._reqs["b"].state, float("nan"))
+    trees = runner.draft([drafter._reqs["a"], drafter._reqs["b"]], SpecConfig(3, 1, 4), defer=True)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        resolve_pending(trees)

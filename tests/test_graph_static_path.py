@@ -59,6 +59,19 @@ def test_static_decode_and_verify_match_eager(engine):
     static_logits, static_feats = graphs.run_static_eagerly(verify)
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(static_feats, eager_feats, rtol=1e-4, atol=1e-4)
+
+    # The same verify with the drafted tokens still on the device (-1 on the host), for two of the
+    # three sequences: the graph's inputs take them there, the eager path reads them back first.
+    hidden = [tree.tokens[0]] + [-1] * (tree.size - 1)
+    on_device = ForwardBatch([
+        SequenceChunk(hidden if i < 2 else tree.tokens, len(p), list(kv.pages), positions=[len(p) + d for d in tree.depths],
+                      tree_mask=tree.ancestor_mask(), logits="all",
+                      device_ids=torch.tensor(tree.tokens) if i < 2 else None)
+        for i, (p, kv) in enumerate(seqs)], capture_features=True)
+    static_logits, _ = graphs.run_static_eagerly(on_device)
+    torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    assert graphs.families[5].input_ids[:15].tolist() == tree.tokens * 3
+    torch.testing.assert_close(runner.forward(on_device)[0], eager_logits, rtol=0, atol=0)
     for _, kv in seqs:
         kv.release()
 

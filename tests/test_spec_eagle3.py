@@ -57,3 +57,35 @@ def test_greedy_with_the_eagle3_drafter_is_token_identical(pair, spec, page_size
         results = eng.generate(prompts[:batch], SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [r.output_token_ids for r in results] == ref[:batch]
     assert all(r.spec_stats.rounds > 0 for r in results)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(3, 1, 4), SpecConfig(5, 1, 4)], ids=str)
+def test_greedy_with_chain_tokens_left_on_the_device_is_token_identical(pair, spec):
+    """The in-process fast path: the graphed chain draft returns without its tokens (they stay on the
+    device for the verify, and reach the host with its results) — same output as target-only."""
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.speculative.draft_graph import DraftGraphRunner
+
+    root, prompts, ref = pair
+    capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
+    cfg = EngineConfig(model=str(root / "target"), page_size=4, capture_layers=capture)
+    with LLMEngine(cfg, spec=spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+        drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
+                                          DrafterConfig(page_size=4, defer_chain_tokens=True), capture_layers=capture,
+                                          embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
+        drafter.graphs = DraftGraphRunner(drafter, [spec], buckets=[1, 2, 4], use_graphs=False, attention="torch")
+        pending = []
+        real_draft = drafter.draft
+
+        def spying_draft(rids, s):
+            trees = real_draft(rids, s)
+            pending.extend(t.pending is not None and -1 in t.tokens for t in trees)
+            return trees
+
+        drafter.draft = spying_draft
+        eng.proposer, eng.default_spec = drafter, spec
+        results = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [r.output_token_ids for r in results] == ref
+    assert pending and all(pending)  # every draft went through the deferred path
+    assert sum(r.spec_stats.rounds for r in results) == len(pending)

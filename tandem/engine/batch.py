@@ -6,6 +6,7 @@ description into the same device tensors; ranks can never disagree about what th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,9 @@ class SequenceChunk:
     positions: list[int] | None = None  # rotary positions; default prefix_len + 0..n-1
     tree_mask: list[list[bool]] | None = None  # [n, W]: row sees column among the last W keys; None = causal
     logits: str = "last"  # which new tokens need logits: "last", "all" or "none"
+    # Token ids still on rank 0's device, for the entries of token_ids that are -1 (a chain draft the
+    # verify takes straight from the drafter; see tandem.speculative.tree.PendingTokens).
+    device_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -32,6 +36,18 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    def with_host_tokens(self) -> "ForwardBatch":
+        """This batch with every token id on the host (one device→host copy when some are not): what
+        the eager path and the other tensor-parallel ranks need."""
+        waiting = [s for s in self.seqs if s.device_ids is not None]
+        if not waiting:
+            return self
+        flat = iter(torch.cat([s.device_ids for s in waiting]).tolist())
+        filled = {id(s): [d if t < 0 else t for t, d in zip(s.token_ids, flat)] for s in waiting}
+        seqs = [dataclasses.replace(s, token_ids=filled[id(s)], device_ids=None) if id(s) in filled else s
+                for s in self.seqs]
+        return dataclasses.replace(self, seqs=seqs)
 
 
 @dataclass

@@ -11,13 +11,16 @@ runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.engine.batch import ForwardBatch
+from tandem.engine.staging import PinnedStaging
 from tandem.kv_cache import DUMMY_PAGE
 from tandem.watchdog import Watchdog
 
@@ -58,6 +61,7 @@ class _Family:
         self.block_tables = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
         self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if width > 1 else None
+        self.causal = np.tril(np.ones((width, width), dtype=np.int64))  # the mask of a sequence without a tree
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
         # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
@@ -82,6 +86,8 @@ class TargetGraphRunner:
         self.max_bs = self.buckets[-1]
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
         self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
+        # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
+        self.staging = PinnedStaging(max(self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths), self.device)
         self.watchdog = watchdog or Watchdog()
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
@@ -176,35 +182,52 @@ class TargetGraphRunner:
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
 
     def prepare(self, batch: ForwardBatch) -> tuple[_Family, int, int]:
-        """Fill the static inputs of the bucket that fits ``batch``; → (family, bucket, real rows)."""
+        """Fill the static inputs of the bucket that fits ``batch`` (one host→device copy); → (family,
+        bucket, real rows)."""
         seqs = batch.seqs
         width = len(seqs[0].token_ids)
         fam = self.families[width]
-        n = len(seqs)
+        n, ps = len(seqs), self.page_size
         bs = next(b for b in self.buckets if b >= n)
-        ps = self.page_size
-        ids, pos, slots = [], [], []
-        kv_lens = []
-        for s in seqs:
-            ids.extend(s.token_ids)
-            pos.extend(s.positions if s.positions is not None else range(s.prefix_len, s.prefix_len + width))
-            for t in range(s.prefix_len, s.prefix_len + width):
-                slots.append(s.pages[t // ps] * ps + t % ps)
-            kv_lens.append(s.prefix_len + width)
-        max_pages = max(len(s.pages) for s in seqs)
-        tables = torch.zeros(n, max_pages, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
         m = width * n
-        fam.input_ids[:m].copy_(torch.tensor(ids), non_blocking=True)
-        fam.positions[:m].copy_(torch.tensor(pos), non_blocking=True)
-        fam.slots[:m].copy_(torch.tensor(slots), non_blocking=True)
-        fam.block_tables[:n, :max_pages].copy_(tables, non_blocking=True)
-        fam.kv_lens[:n].copy_(torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True)
+        max_pages = max(len(s.pages) for s in seqs)
+        sizes = [m, m, m, n, n * max_pages, n * width * width if fam.mask is not None else 0]
+        host = self.staging.host_array()
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
+        tables = tables.reshape(n, max_pages)
+        tables[:] = 0
+        prefix = np.empty(n, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.pages)] = s.pages
+            ids[i * width : (i + 1) * width] = s.token_ids
+            prefix[i] = s.prefix_len
+        keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
+        slots.reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
+        pos.reshape(n, width)[:] = keys
+        for i, s in enumerate(seqs):
+            if s.positions is not None:
+                pos[i * width : (i + 1) * width] = s.positions
+        kv_lens[:] = prefix + width
         if fam.mask is not None:
-            causal = [[c <= r for c in range(width)] for r in range(width)]
-            masks = [s.tree_mask if s.tree_mask is not None else causal for s in seqs]
-            fam.mask[:n].copy_(torch.tensor(masks, dtype=torch.bool), non_blocking=True)
+            masks = masks.reshape(n, width, width)
+            masks[:] = fam.causal  # unless a tree mask is given
+            for i, s in enumerate(seqs):
+                if s.tree_mask is not None:
+                    masks[i] = s.tree_mask
+        sent = self.staging.send(bounds[-1])
+        dev = [sent[a:b] for a, b in zip(bounds, bounds[1:])]
+        fam.input_ids[:m].copy_(dev[0])
+        fam.positions[:m].copy_(dev[1])
+        fam.slots[:m].copy_(dev[2])
+        fam.kv_lens[:n].copy_(dev[3])
+        fam.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
+        if fam.mask is not None:
+            fam.mask[:n].copy_(dev[5].view(n, width, width))
+        if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
+            ids = fam.input_ids[:m].view(n, width)
+            on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
+            ids.copy_(torch.where(ids < 0, on_device, ids))
         self._fill_padding(fam, n, bs)
         return fam, bs, m
 

@@ -71,6 +71,8 @@ class TargetExecutor:
         return self.runner.num_pages
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._workers:
+            batch = batch.with_host_tokens()  # the other ranks cannot read rank 0's device
         broadcast_object(("forward", batch))
         return self.runner.forward(batch)
 

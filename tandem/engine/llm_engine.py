@@ -28,6 +28,7 @@ from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.policy import SpeculationPolicy
+from tandem.speculative.tree import resolve_pending
 from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class LLMEngine:
 
     def _accept(self, sched, trees, logits, features):
         """→ new tokens per request, the drafter's extension items, and per-request round records."""
+        resolve_pending(trees.values())  # draft tokens the verify took on the device (the verify has finished)
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
         simple = [(req, i) for i, req in enumerate(sched.prefill)]

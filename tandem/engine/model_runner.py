@@ -128,6 +128,7 @@ class ModelRunner:
         """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
+        batch = batch.with_host_tokens()
         dev = to_device(batch, self.cfg.page_size, self.device)
         self.backend.plan(dev.meta)
         layers = self.capture_layers if batch.capture_features else ()

@@ -79,7 +79,9 @@ class ControlledAcceptanceProposer:
         node, depth = 0, 0
         while children[node]:
             depth += 1
-            best = max(children[node], key=lambda c: (height[c], tree.scores[c], -c))
+            # (a chain's only child needs no choice; its scores may still be on the device)
+            best = children[node][0] if len(children[node]) == 1 else max(
+                children[node], key=lambda c: (height[c], tree.scores[c], -c))
             corrupt = rng.random() < self.rate  # drawn every depth so the pattern is reproducible
             if start + depth >= len(ref):
                 break  # past the reference: leave the head's own tokens
@@ -92,7 +94,7 @@ class ControlledAcceptanceProposer:
                     tokens[s] = self._other(rng, taken | {tokens[o] for o in siblings})
                 taken.add(tokens[s])
             node = best
-        return DraftTree(tokens, list(tree.parents), list(tree.scores))
+        return DraftTree(tokens, list(tree.parents), list(tree.scores), tree.pending)
 
     def _other(self, rng: random.Random, excluded: set[int]) -> int:
         if len(excluded) >= self.vocab_size:

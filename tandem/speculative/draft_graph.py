@@ -23,9 +23,10 @@ import time
 import torch
 
 from tandem.engine.cuda_graph import batch_buckets
+from tandem.engine.staging import PinnedStaging
 from tandem.errors import ConfigError
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
-from tandem.speculative.tree import DraftTree
+from tandem.speculative.tree import DraftTree, PendingTokens
 from tandem.watchdog import Watchdog
 
 log = logging.getLogger("tandem.draft_graph")
@@ -61,14 +62,11 @@ class DraftGraphRunner:
         self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.pool = pool
         self.replays = {"draft": 0, "draft_extend": 0}  # how often each family ran (tests, metrics)
-        self._staged = None  # CUDA event of the last pinned host → device copy (host_stage is reused)
 
         mb, dev, H, tw = self.max_bs, self.device, self.head.config.hidden_size, drafter.top_width
         cols = 2 + self.width + self.max_pages  # the widest packed row (extend): L, count/root, tokens, pages
         # Host → device staging: one copy of packed int64 rows (+ the extend's feature destinations).
-        self.host_stage = torch.zeros(mb * (cols + self.width), dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.dev_stage = torch.zeros(mb * (cols + self.width), dtype=torch.int64, device=dev)
-        self.host_np = self.host_stage.numpy()  # row filling through numpy: no tensor per request
+        self.staging = PinnedStaging(mb * (cols + self.width), dev)
         # Static inputs shared by both families (filled before every replay).
         self.lens = torch.zeros(mb, dtype=torch.int64, device=dev)  # committed draft KV
         self.aux = torch.ones(mb, dtype=torch.int64, device=dev)  # draft: root token; extend: real count
@@ -163,20 +161,15 @@ class DraftGraphRunner:
         columns into the static buffers. Returns the device views of the ``extra`` columns and the tail."""
         h, p = len(heads[0]), max(len(pg) for pg in pages)
         m, n = bs * (h + p), len(heads)
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous non-blocking copy has read host_stage
-        rows = self.host_np[:m].reshape(bs, h + p)
+        host = self.staging.host_array()
+        rows = host[:m].reshape(bs, h + p)
         rows[:] = 0
         rows[n:, 1] = pad_aux
         for i, (hd, pg) in enumerate(zip(heads, pages)):
             rows[i, :h] = hd
             rows[i, h : h + len(pg)] = pg
-        self.host_np[m : m + len(tail)] = tail
-        dev = self.dev_stage[: m + len(tail)]
-        dev.copy_(self.host_stage[: m + len(tail)], non_blocking=True)
-        if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        host[m : m + len(tail)] = tail
+        dev = self.staging.send(m + len(tail))
         packed = dev[:m].view(bs, h + p)
         self.lens[:bs].copy_(packed[:, 0])
         self.aux[:bs].copy_(packed[:, 1])
@@ -185,9 +178,13 @@ class DraftGraphRunner:
 
     # -- draft -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, reqs: list, spec) -> list[DraftTree] | None:
+    def draft(self, reqs: list, spec, defer: bool = False) -> list[DraftTree] | None:
         """Trees for ``reqs`` (the drafter's _Request objects) through the static path, or None when this
-        batch does not fit (the caller drafts eagerly, which also raises any error)."""
+        batch does not fit (the caller drafts eagerly, which also raises any error).
+
+        ``defer`` (chains only, whose shape is known in advance): return without waiting for the replay;
+        the trees' tokens stay on the device (``PendingTokens``), for a verify that reads them there. A
+        hang then shows at the verify's wait, inside its own watchdog guard."""
         n, bs = len(reqs), self._bucket(len(reqs))
         if spec not in self.trees or bs is None or not reqs:
             return None
@@ -211,17 +208,29 @@ class DraftGraphRunner:
                     t[n:bs].zero_()
             with self._guard(f"Replay draft cuda graph bs={bs}", self.replay_deadline_s):
                 self._run(spec, bs, lambda: self._draft_body(spec, bs))
+                self.replays["draft"] += 1
+                if defer and k == 1:
+                    return self._pending_chains(reqs, spec)
                 out = self.trees[spec][:n].cpu()  # the one device → host copy (waits for the replay)
         finally:
             for r, L in zip(reqs, committed):
-                r.kv.truncate(L)  # the scratch is dropped; committed KV untouched
-        self.replays["draft"] += 1
+                r.kv.truncate(L)  # the scratch is dropped; committed KV untouched (stream-ordered on the GPU)
         nd = spec.num_draft_tokens
         if bool(out[:, 3 * nd].any()):
             raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
         rows = out.tolist()
         return [DraftTree([int(t) for t in row[:nd]], [int(p) for p in row[nd : 2 * nd]], row[2 * nd : 3 * nd])
                 for row in rows]
+
+    def _pending_chains(self, reqs: list, spec) -> list[DraftTree]:
+        """Chains whose tokens are still on the device: copies of the output rows (the next replay
+        overwrites the static buffer) and their tokens as int64, ready for the verify's input."""
+        n, nd = len(reqs), spec.num_draft_tokens
+        rows = self.trees[spec][:n].clone()
+        ids = rows[:, :nd].long()
+        chain = list(range(-1, nd - 1))
+        return [DraftTree([r.root] + [-1] * (nd - 1), chain, [], PendingTokens(ids[b], rows[b]))
+                for b, r in enumerate(reqs)]
 
     # -- extend ------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -80,6 +80,9 @@ class DrafterConfig:
     page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
     disable_cuda_graph: bool = False  # --disable-cuda-graph: draft and draft-extend always eager
     cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured draft batch (requests)
+    # In process with the target: a graphed chain draft returns without waiting, its tokens left on the
+    # device for the verify (tree.PendingTokens). Off where trees leave the process (the drafter service).
+    defer_chain_tokens: bool = False
 
 
 @dataclass
@@ -234,7 +237,7 @@ class Eagle3Drafter:
         if missing:
             raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
         reqs = [self._reqs[r] for r in rids]
-        trees = self.graphs.draft(reqs, spec) if self.graphs is not None else None
+        trees = self.graphs.draft(reqs, spec, self.cfg.defer_chain_tokens) if self.graphs is not None else None
         if trees is not None:
             return trees  # replayed the draft graph
         B, H, dev = len(reqs), self.head.config.hidden_size, self.device

@@ -25,7 +25,8 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
     drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
         device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
-        disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs),
+        disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+        defer_chain_tokens=cfg.tp_size == 1),
         capture_layers=capture, embed_weight=embed)
     if runner.graphs is not None:
         drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)

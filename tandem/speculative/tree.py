@@ -4,11 +4,19 @@ Node 0 is the root: the last verified token, already decided, whose KV is not ye
 (it is verified together with the drafted nodes). Nodes 1.. are drafted tokens; every node's parent
 has a smaller index, so the nodes are in topological order. A chain (topk = 1) is the tree whose
 parents are 0, 1, 2, ...
+
+An in-process chain draft may leave its tokens on the device (``pending``): its shape is known before
+the draft runs, so the verify can be staged and launched without waiting for the draft, and take the
+tokens from the device; the host reads them with the verify's results (``resolve_pending``). Until
+then ``tokens`` holds -1 for each such node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -16,6 +24,7 @@ class DraftTree:
     tokens: list[int]  # node -> token id (target vocabulary); tokens[0] is the root
     parents: list[int]  # node -> parent node; parents[0] == -1
     scores: list[float] = field(default_factory=list)  # cumulative draft log-prob per node (root 0.0), optional
+    pending: "PendingTokens | None" = None  # tokens still on the device (-1 in ``tokens`` until resolved)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents) or not self.tokens:
@@ -57,3 +66,27 @@ class DraftTree:
     @classmethod
     def chain(cls, root: int, tokens: list[int]) -> "DraftTree":
         return cls([root, *tokens], list(range(-1, len(tokens))))
+
+
+@dataclass
+class PendingTokens:
+    ids: torch.Tensor  # int64 [size] on the device: every node's token (the root's too)
+    row: torch.Tensor  # float64 [3 * size + 1] on the device: tokens, parents, scores, NaN flag (draft_static)
+
+
+def resolve_pending(trees: Iterable[DraftTree]) -> None:
+    """Fill in the tokens and scores that pending trees left on the device, in one device→host copy.
+    A node whose token the host already set (a rewrite of the draft) keeps it."""
+    waiting = [t for t in trees if t.pending is not None]
+    if not waiting:
+        return
+    flat = torch.cat([t.pending.row for t in waiting]).cpu().tolist()
+    offset = 0
+    for tree in waiting:
+        n = tree.size
+        row, offset = flat[offset : offset + 3 * n + 1], offset + 3 * n + 1
+        if row[3 * n]:
+            raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+        tree.tokens = [int(d) if t < 0 else t for t, d in zip(tree.tokens, row[:n])]
+        tree.scores = row[2 * n : 3 * n]
+        tree.pending = None

@@ -51,6 +51,7 @@ def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
         positions=[committed + d for d in tree.depths],
         tree_mask=tree.ancestor_mask(),
         logits="all",
+        device_ids=tree.pending.ids if tree.pending is not None else None,
     )
 
 

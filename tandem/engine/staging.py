@@ -1,0 +1,41 @@
+"""PinnedStaging: the inputs of a graph replay reach the device in one host→device copy.
+
+A replay's small inputs (token ids, positions, KV slots, block tables, lengths, masks) are packed as
+int64 into a pinned host buffer with numpy — no tensor per value — copied to the device in one
+non-blocking copy, and scattered into the graph's static buffers there (casting as they go). The
+copy does not wait for earlier device work, so the host can stage the next replay while the device
+still runs the previous one; the buffer is only rewritten once the previous copy has read it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PinnedStaging:
+    def __init__(self, numel: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(numel, dtype=torch.int64, pin_memory=cuda)
+        self.device_buffer = torch.zeros(numel, dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None  # the last copy; host is reused after it completes
+        self._cuda = cuda
+
+    @property
+    def numel(self) -> int:
+        return self.host.numel()
+
+    def host_array(self) -> np.ndarray:
+        """The host buffer to fill, once the previous copy has read it."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host.numpy()
+
+    def send(self, count: int) -> torch.Tensor:
+        """Copy the first ``count`` values to the device (queued on the current stream); → their device view."""
+        dev = self.device_buffer[:count]
+        dev.copy_(self.host[:count], non_blocking=True)
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return dev
