@@ -11,6 +11,7 @@ runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -25,6 +26,13 @@ from tandem.kv_cache import DUMMY_PAGE
 from tandem.watchdog import Watchdog
 
 log = logging.getLogger("tandem.cuda_graph")
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every graph of a device is captured on. cuBLAS keeps a workspace per stream
+    it runs on, inside the graph pool: a fresh stream per capture would hold one per graph."""
+    return torch.cuda.Stream(device)
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -134,7 +142,7 @@ class TargetGraphRunner:
 
     def _capture_one(self, fam: _Family, bs: int) -> None:
         self._fill_padding(fam, 0, bs)
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: allocator, cuBLAS handles and Triton compiles stay out of the graph

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tandem.engine.cuda_graph import batch_buckets
+from tandem.engine.cuda_graph import batch_buckets, capture_stream
 from tandem.engine.staging import PinnedStaging
 from tandem.errors import ConfigError
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
@@ -131,7 +131,7 @@ class DraftGraphRunner:
 
     def _capture_one(self, key, bs: int, fn) -> None:
         self._fill_dummy(bs)  # every row a padding row: KV into page 0 only
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS handles and allocator growth stay outside
