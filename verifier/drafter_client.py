@@ -82,7 +82,18 @@ class _Connection:
         self._run(self.call.write(message))
 
     def receive(self, timeout_s: float) -> pb.DrafterMessage:
-        message = self._run(self.call.read(), timeout_s)
+        return self._checked(self._run(self.call.read(), timeout_s))
+
+    def exchange(self, message: pb.VerifierMessage, timeout_s: float) -> pb.DrafterMessage:
+        """Send one message and read the reply in one pass of the loop (a round's whole boundary)."""
+        async def write_then_read():
+            await self.call.write(message)
+            return await self.call.read()
+
+        return self._checked(self._run(write_then_read(), timeout_s))
+
+    @staticmethod
+    def _checked(message) -> pb.DrafterMessage:
         if message is grpc.aio.EOF:
             raise ProposerUnavailable("the drafter closed the stream")
         return message
@@ -237,8 +248,7 @@ class DrafterClient:
             self.ring.publish()
             sent = time.perf_counter()
             try:
-                conn.send(pb.VerifierMessage(round=round_msg))
-                reply = conn.receive(self.deadline_s)
+                reply = conn.exchange(pb.VerifierMessage(round=round_msg), self.deadline_s)
                 if not reply.HasField("drafts") or reply.drafts.seq != seq:
                     raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
             except ProposerUnavailable as e:
