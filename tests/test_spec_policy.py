@@ -23,14 +23,14 @@ class Spec:
 
 
 def test_policy_decisions():
-    # probes every ceil(probe_every x cost ratio) = 3 plain rounds
+    # probes every ceil(probe_every x cost ratio²) = ceil(2 x 2.25) = 5 plain rounds
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, smoothing=1.0, fixed_cost_ratio=1.5))
     s = RequestSpecState()
     assert policy.decide(s)  # nothing known yet
     policy.observe_round(s, 1)
     assert policy.decide(s)  # still warming up
     policy.observe_round(s, 1)
-    assert [policy.decide(s) for _ in range(8)] == [False, False, False, True, False, False, False, True]
+    assert [policy.decide(s) for _ in range(12)] == ([False] * 5 + [True]) * 2
     policy.observe_round(s, 4)  # the probe accepted a lot: speculate again
     assert policy.decide(s) and policy.decide(s)
 
@@ -41,16 +41,17 @@ def test_costly_rounds_probe_less_and_new_requests_skip_the_warm_up_once_it_is_k
     assert policy.decide(first) and policy.decide(first)  # warm-up: nothing known about this traffic yet
     policy.observe_round(first, 2)
     policy.observe_round(first, 2)  # τ = 2 cannot pay for rounds costing 5 plain steps
-    assert [policy.decide(first) for _ in range(11)] == [False] * 10 + [True]  # probe every ceil(2 x 5) = 10
+    assert [policy.decide(first) for _ in range(51)] == [False] * 50 + [True]  # probe every ceil(2 x 5²) = 50
     policy.observe_round(first, 2)
     late = RequestSpecState()
     assert policy.decide(late) and policy.decide(late), "3 rounds seen: not yet enough to judge new requests"
     policy.observe_round(late, 2)
     newest = RequestSpecState()
     assert not policy.decide(newest), "4 rounds at τ 2 < 5: new requests start with speculation off"
-    assert [policy.decide(newest) for _ in range(10)] == [False] * 9 + [True]  # ... and speculate at probes
-    later = [RequestSpecState() for _ in range(5)]  # requests 4..8
-    assert [policy.decide(s) for s in later] == [False, False, False, False, True], "the 8th explores"
+    assert policy.starts_plain(newest)
+    assert [policy.decide(newest) for _ in range(50)] == [False] * 49 + [True]  # ... and speculate at probes
+    later = [RequestSpecState() for _ in range(37)]  # requests 4..40
+    assert [policy.decide(s) for s in later] == [False] * 36 + [True], "the (8 x ceil(5))-th explores"
     policy.observe_round(newest, 6)  # this one is easy: τ 6 pays, so it keeps speculating
     assert policy.decide(newest) and policy.decide(newest)
 
@@ -185,3 +186,52 @@ def test_a_plain_probe_is_spent_even_when_its_step_cannot_be_timed():
         # a plain (probe) step here always carries a prefill: the engine does not time it
     assert decisions.count(False) <= 12 // 3, decisions  # a probe after every 2 timed speculative steps at most
     assert decisions[:2] == [True, True]
+
+
+def test_a_request_that_starts_plain_hands_its_prompt_over_only_when_it_drafts(setup):
+    """Once speculation is known not to pay, a new request starts plain: its prompt's features are held
+    with its plain steps' and reach the drafter in the one extend before its first (probe) draft."""
+    path, prompts, ref = setup
+    proposer = CountingProposer(vocab=256, seed=4)
+    first_extend: dict[str, int] = {}
+    real_extend = proposer.extend
+
+    def extend(items):
+        for rid, tokens, _ in items:
+            first_extend.setdefault(rid, len(tokens))
+        real_extend(items)
+
+    proposer.extend = extend
+    # random drafts accept ~nothing (τ ≈ 1 < 5); probes every ceil(1 x 5²) = 25 plain rounds
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=1, fixed_cost_ratio=5.0))
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
+        early = eng.generate(prompts[:2], params)  # these warm up: 4 rounds at τ ≈ 1 tell the policy
+        late = eng.generate(prompts[2:], params)[0]
+    assert [r.output_token_ids for r in early + [late]] == ref
+    assert all(r.spec_stats.rounds >= 2 for r in early)
+    assert 1 <= late.spec_stats.rounds <= 2  # its probes only
+    # its first extend: the prompt (shifted by one) and the 25 plain steps before its first probe
+    assert first_extend[late.rid] == len(prompts[2]) - 1 + 1 + 25, first_extend[late.rid]
+    assert proposer.calls[late.rid] <= 2 * late.spec_stats.rounds
+    assert first_extend[early[0].rid] == len(prompts[0])  # a warming request extends at its prefill
+
+
+def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
+    """A long stretch of plain steps must not pile up features: past PENDING_LIMIT_BYTES they go to the
+    drafter in one extend, and holding starts over."""
+    import tandem.engine.draft_link as draft_link
+
+    path, prompts, ref = setup
+    proposer = CountingProposer(vocab=256, seed=5)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5),
+                   policy=SpeculationPolicy(PolicyConfig(warmup_rounds=1, probe_every=1000, fixed_cost_ratio=5.0))) as eng:
+        row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
+        monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)
+        result = eng.generate(prompts[:1], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
+        held = [r.pending_bytes for r in eng.requests.values()]
+    assert result.output_token_ids == ref[0]
+    assert result.spec_stats.rounds == 1  # its warm-up round, then plain to the end (no probe)
+    # prefill extend + warm-up round's extend, then one extend per 10 plain steps (~46 of them)
+    assert 4 <= proposer.calls[result.rid] <= 2 + 46 // 10 + 1, proposer.calls[result.rid]
+    assert not held

@@ -18,6 +18,9 @@ from tandem.speculative.verify import ProposerUnavailable
 
 log = logging.getLogger("tandem.engine")
 REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
+# Features a request may hold for the drafter (plain steps, a plain-starting prompt) before they are
+# sent anyway: ~340 rows of an 8B target's (3 x 4096 bf16), whole prompts of a small one.
+PENDING_LIMIT_BYTES = 8 << 20
 
 
 class DraftLink:
@@ -45,14 +48,26 @@ class DraftLink:
         for req, _, _ in items:
             req.draft_ready = True
 
+    def hold(self, req, tokens: list[int], features: torch.Tensor) -> bool:
+        """Keep (tokens, features) for the request's next draft instead of extending now; False when
+        its held features would pass PENDING_LIMIT_BYTES (the caller extends now, with what is held)."""
+        size = features.numel() * features.element_size()
+        if not self.up() or req.pending_bytes + size > PENDING_LIMIT_BYTES:
+            return False
+        req.pending_extend.append((tokens, features.clone()))  # a copy: graph outputs are overwritten
+        req.pending_bytes += size
+        req.draft_ready = True  # the drafter will have its state (the held extend goes first)
+        return True
+
+    def take_pending(self, req, tokens: list[int] = (), features: torch.Tensor | None = None):
+        """→ (request, all held tokens [+ tokens], their features) as one extend item; clears what is held."""
+        held = [*req.pending_extend, *([(list(tokens), features)] if features is not None else [])]
+        req.pending_extend, req.pending_bytes = [], 0
+        return req, [t for toks, _ in held for t in toks], torch.cat([f for _, f in held])
+
     def flush_pending(self, reqs: list) -> None:
         """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""
-        items = []
-        for req in reqs:
-            tokens = [t for toks, _ in req.pending_extend for t in toks]
-            items.append((req, tokens, torch.cat([f for _, f in req.pending_extend])))
-            req.pending_extend = []
-        self.extend(items)
+        self.extend([self.take_pending(req) for req in reqs])
 
     def draft(self, decoding: list, tree_width) -> dict[str, DraftTree]:
         """A tree per decoding request: drafted for those that speculate this step, the bare root otherwise."""
@@ -77,7 +92,7 @@ class DraftLink:
         if self.proposer is not None and req.draft_ready:
             self.proposer.release(req.rid)
         req.draft_ready = False
-        req.pending_extend = []
+        req.pending_extend, req.pending_bytes = [], 0
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
@@ -85,7 +100,7 @@ class DraftLink:
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
             req.draft_ready = False
-            req.pending_extend = []
+            req.pending_extend, req.pending_bytes = [], 0
 
     def refeed_after_reconnect(self) -> None:
         """When the drafter comes back after a loss, requests that still have a long way to go are

@@ -180,12 +180,16 @@ class LLMEngine:
             n = len(req.tokens)
             observed.append((req.rid, 0, range(token_row, token_row + n)))
             if features is not None and req.spec is not None:
-                extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
+                tokens, feats = req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]
+                # A request that starts with speculation off hands its prompt over only when it drafts.
+                if not (self.policy.starts_plain(req.spec_state) and self.drafts.hold(req, tokens, feats)):
+                    extend_items.append((req, tokens, feats))
             token_row += n
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
             observed.append((req.rid, len(req.tokens) - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
-                req.pending_extend.append((emitted[req.rid], features[root_row : root_row + 1].clone()))
+                if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
+                    extend_items.append(self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1]))
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]

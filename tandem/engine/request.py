@@ -34,9 +34,11 @@ class Request:
     draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
     spec_stats: SpecStats = field(default_factory=SpecStats)
     spec_state: RequestSpecState = field(default_factory=RequestSpecState)  # the policy's view of it
-    # Plain steps' (tokens, features) not yet given to the drafter: they go in one extend right before
-    # the request's next draft, so decoding with speculation off costs no drafter work per step.
+    # Plain steps' (tokens, features) not yet given to the drafter — and the prompt's, for a request
+    # that starts with speculation off: they go in one extend right before the request's next draft,
+    # so decoding with speculation off costs no drafter work per step (see DraftLink.hold).
     pending_extend: list = field(default_factory=list)
+    pending_bytes: int = 0  # size of the features held in pending_extend
 
     @property
     def tokens(self) -> list[int]:

@@ -14,11 +14,16 @@ round's fixed costs dominate, speculation would lose without the policy noticing
 one *plain probe step* (no request speculates) as soon as the warm-up is over and t_plain is unknown,
 and then every ``plain_probe_every`` speculative steps to keep t_plain current.
 
-Two costs of finding out scale with how expensive a round is: probes come every ``probe_every x
-cost ratio`` plain rounds, and once the engine knows that speculation does not pay on its traffic
-(its average τ over recent rounds is below the measured ratio), new requests skip the warm-up and
-start with speculation off, learning their own τ at their probes — except every ``explore_every``-th,
-which warms up as usual so that a better head (a reload) or easier traffic is noticed.
+Finding out costs more the more a round costs, and is less likely to pay off: probes come every
+``probe_every x ratio²`` plain rounds (a probe costs about ``ratio - 1`` plain steps plus the drafter's
+catch-up, and the further τ must rise to pay, the rarer it does), and once the engine knows that
+speculation does not pay on its traffic (its average τ over recent rounds is below the measured
+ratio), new requests skip the warm-up and start with speculation off — the engine then does not even
+hand their prompt to the drafter until they probe — learning their own τ at their probes, except
+every ``explore_every x ceil(ratio)``-th, which warms up as usual so that a better head (a reload) or
+easier traffic is noticed. (On a tiny target on a GPU, where a round costs ~6 plain steps, the
+earlier rates — probes every 16 x ratio rounds, every 8th request exploring — cost 13-26 % of
+target-only speed on the demo pairs.)
 """
 
 from __future__ import annotations
@@ -33,12 +38,12 @@ from dataclasses import dataclass
 class PolicyConfig:
     enabled: bool = True
     warmup_rounds: int = 4  # speculative rounds of a request before it is judged
-    probe_every: int = 16  # plain rounds between two probing speculative rounds
+    probe_every: int = 16  # plain rounds between two probing speculative rounds, times the cost ratio squared
     smoothing: float = 0.3  # weight of the newest round in the moving averages of τ
     default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
     fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
     plain_probe_every: int = 64  # speculative steps between two plain steps that re-time t_plain
-    explore_every: int = 8  # even when speculation does not pay, every 8th new request warms up (keeps τ fresh)
+    explore_every: int = 8  # when speculation does not pay, every (8 x ceil(ratio))-th new request warms up anyway
 
 
 @dataclass
@@ -103,21 +108,29 @@ class SpeculationPolicy:
             state.speculate_now = False
             return False
         ratio = self._ratio
-        # A new request warms up, unless speculation is known not to pay here: then it speculates at
-        # its probes only, until its own τ says otherwise.
-        if state.skip_warmup is None:  # its first step; some new requests always explore (a new head, easier text)
-            self.arrivals += 1
-            state.skip_warmup = self._known_not_to_pay() and self.arrivals % c.explore_every != 0
-        warming = state.rounds < c.warmup_rounds and not state.skip_warmup
+        warming = state.rounds < c.warmup_rounds and not self.starts_plain(state)
         worth = warming or (state.tau is not None and state.tau >= ratio)
         if not c.enabled or worth:
             state.speculate_now, state.plain_since_probe = True, 0
-        elif state.plain_since_probe >= math.ceil(c.probe_every * max(1.0, ratio)):
+        elif state.plain_since_probe >= math.ceil(c.probe_every * max(1.0, ratio) ** 2):
             state.speculate_now, state.plain_since_probe = True, 0  # probe: is it worth it again?
         else:
             state.speculate_now = False
             state.plain_since_probe += 1
         return state.speculate_now
+
+    def starts_plain(self, state: RequestSpecState) -> bool:
+        """Whether a new request skips the warm-up (decided once, at its prefill or first decision):
+        speculation is known not to pay here, so it speculates at its probes only, until its own τ says
+        otherwise — except some new requests, which explore (a new head, easier text)."""
+        if state.skip_warmup is None:
+            if not self.cfg.enabled:
+                state.skip_warmup = False
+            else:
+                self.arrivals += 1
+                explore_every = self.cfg.explore_every * math.ceil(max(1.0, self._ratio))
+                state.skip_warmup = self._known_not_to_pay() and self.arrivals % explore_every != 0
+        return state.skip_warmup
 
     def observe_round(self, state: RequestSpecState, tokens: int) -> None:
         """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus)."""
