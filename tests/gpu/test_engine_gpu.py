@@ -55,9 +55,12 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
         if not (draft_dir / "config.json").exists():
             write_random_eagle3(draft_dir, ModelConfig.from_dir(target), draft_vocab_size=1024, seed=1,
                                 aux_layer_ids=tuple(k - 1 for k in runner.capture_layers))
-        drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(target), DrafterConfig(device="cuda", dtype=dtype),
-                                          capture_layers=runner.capture_layers,
-                                          embed_weight=runner.model.model.embed_tokens.weight)
+        # With graphs, the drafter's graphs too, and (chains) their tokens left on the device for the verify.
+        drafter = Eagle3Drafter.from_dirs(str(draft_dir), str(target), DrafterConfig(
+            device="cuda", dtype=dtype, disable_cuda_graph=not graphs, cuda_graph_max_bs=16, defer_chain_tokens=True),
+            capture_layers=runner.capture_layers, embed_weight=runner.model.model.embed_tokens.weight)
+        if graphs:
+            drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
         proposer = ControlledAcceptanceProposer(drafter, proposer_rate, seed=2)
         eng.proposer, eng.default_spec = proposer, spec
         rids = [eng.add_request(p, params) for p in batch]
@@ -67,6 +70,8 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
             eng.step()
         outs = [eng.requests.pop(r) for r in rids]
         assert all(o.spec_stats.rounds > 0 for o in outs)
+        if graphs:
+            assert drafter.graphs.replays["draft"] > 0 and drafter.graphs.replays["draft_extend"] > 0
         assert [o.output for o in outs] == [ref[:new] for ref in reference], "speculative != target-only"
         return [o.output for o in outs]
 
