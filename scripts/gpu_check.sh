@@ -21,13 +21,15 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$what" = pair ]; then
-  # The larger trained pair (docs/training.md): target, head, held-out evaluation, then the demo bench on
-  # it and on the carried CPU demo pair (demo-pair/). Time limits keep the logs coming back.
-  timeout 420 python3 -m tandem.training.demo_pair --variant gpu --out gpu-pair 2>&1 | tee "$OUT/pair_train.log"
-  cp gpu-pair/target/training.json "$OUT/pair_target_training.json" 2>/dev/null
-  cp gpu-pair/draft/training.json "$OUT/pair_draft_training.json" 2>/dev/null
-  for pair in gpu-pair demo-pair; do
+  # The carried CPU demo pair (demo-pair/) through the demo bench, then the larger trained pair
+  # (docs/training.md): target, head, held-out evaluation, and the demo bench on it. Time limits keep
+  # the logs coming back.
+  for pair in demo-pair gpu-pair; do
+    if [ "$pair" = gpu-pair ]; then
+      timeout 330 python3 -m tandem.training.demo_pair --variant gpu --out gpu-pair 2>&1 | tee "$OUT/pair_train.log"
+      cp gpu-pair/draft/training.json "$OUT/pair_draft_training.json" 2>/dev/null
+    fi
     [ -f "$pair/draft/config.json" ] || continue
-    TANDEM_DEMO_DIR=$pair timeout 90 python3 bench/bench.py --sections demo --out "$OUT/bench_$pair.json" 2>&1 | tee -a "$OUT/pair_bench.log"
+    TANDEM_DEMO_DIR=$pair timeout 80 python3 bench/bench.py --sections demo --out "$OUT/bench_$pair.json" 2>&1 | tee -a "$OUT/pair_bench.log"
   done
 fi

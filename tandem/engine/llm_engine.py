@@ -204,7 +204,10 @@ class LLMEngine:
             nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
             observed.append((req.rid, len(req.tokens) - 1, nodes))
             if features is not None:
-                extend_items.append((req, result.tokens, features[nodes]))
+                # A chain's accepted path is a run of rows: a view, not a gather through a host index.
+                path = (features[nodes[0] : nodes[-1] + 1] if nodes[-1] - nodes[0] == len(nodes) - 1
+                        else features[nodes])
+                extend_items.append((req, result.tokens, path))
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
         if self.traffic is not None and features is not None:
             self.traffic.observe(features, observed)

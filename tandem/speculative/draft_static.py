@@ -99,6 +99,8 @@ def static_draft(head, kv, attn: StaticAttention, spec, page_size: int,
     B, H = state.shape
     k, S, n = spec.topk, spec.num_steps, spec.num_draft_tokens
     dev = state.device
+    if k == 1:
+        return _static_chain(head, kv, attn, S, n, page_size, lens, block_tables, root, state, top_logp, top_ids, out)
     rows = torch.arange(B, device=dev).unsqueeze(1)  # [B, 1]
     offs = torch.arange(k, device=dev)  # [k]
     eye = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)
@@ -146,6 +148,36 @@ def static_draft(head, kv, attn: StaticAttention, spec, page_size: int,
     out[:, 2 * n] = 0.0
     out[:, 2 * n + 1 : 3 * n] = scores.gather(1, keep)
     out[:, 3 * n] = torch.isnan(scores).any(dim=1)
+
+
+def _static_chain(head, kv, attn, S: int, n: int, page_size: int, lens, block_tables, root, state, top_logp, top_ids,
+                  out) -> None:
+    """``static_draft`` for topk 1: the same forwards and top-1 choices, without the tree's frontier
+    selection and final cut (a chain keeps its first n-1 nodes: scores never rise along it), so the
+    graph holds far fewer kernels — sorts, gathers and concatenations are most of a small head's draft."""
+    B = state.shape[0]
+    visible = torch.ones(B, 1, max(S - 1, 1), dtype=torch.bool, device=state.device)  # a chain sees all its scratch
+    token, parent_state, score = top_ids[:, 0], state, top_logp[:, 0]  # depth 1: the root's best child
+    tokens, scores = [token], [score]
+    for step in range(2, S + 1):
+        idx = (lens + step - 2).unsqueeze(1)  # [B, 1] KV index of the depth step-1 node
+        pos = (lens + step - 2).clamp(max=head.max_positions - 1)
+        meta = StaticMeta(block_tables, (lens + step - 1).int(), _slots(block_tables, idx, page_size).flatten(),
+                          visible[:, :, : step - 1])
+        parent_state, _ = head(token, parent_state, pos, meta, kv, attn)
+        logp = torch.log_softmax(head.logits(parent_state), dim=-1).clamp(max=0.0)
+        c_logp, c_draft = logp.topk(1, dim=-1)  # [B, 1]
+        score = score + c_logp[:, 0]
+        token = head.to_target_ids(c_draft)[:, 0]
+        tokens.append(token)
+        scores.append(score)
+    chain_tokens, chain_scores = torch.stack(tokens, 1), torch.stack(scores, 1)  # [B, S]
+    out[:, 0] = root
+    out[:, 1:n] = chain_tokens[:, : n - 1]
+    out[:, n : 2 * n] = torch.arange(-1, n - 1, device=out.device, dtype=out.dtype)
+    out[:, 2 * n] = 0.0
+    out[:, 2 * n + 1 : 3 * n] = chain_scores[:, : n - 1]
+    out[:, 3 * n] = torch.isnan(chain_scores).any(dim=1)
 
 
 def static_extend(head, kv, attn: StaticAttention, page_size: int, width: int,

@@ -45,14 +45,14 @@ PROMPT_SEED, EVAL_SEED = 1, 2
 @dataclass(frozen=True)
 class GpuPairRecipe:
     """The larger pair, for GPU benchmarks on real acceptance: ~32 M-parameter target (8 layers x 512,
-    vocabulary 8192, all of Lib/), its head trained with the default 7 TTT steps on 4096 continuations
-    (8 epochs: at 4 the loss was still falling)."""
+    vocabulary 8192, all of Lib/), its head trained with the default 7 TTT steps on 3072 continuations
+    (6 epochs: at 4 the loss was still falling)."""
     lm: LMTrainConfig = PRESETS["gpu"]
-    prompts: int = 4096
+    prompts: int = 3072
     response_tokens: int = 256
     eval_prompts: int = 64
     draft_vocab: int = 4096
-    train: Eagle3TrainConfig = Eagle3TrainConfig(batch_size=32, epochs=8.0, include_prompt_loss=True, checkpoint_every=128,
+    train: Eagle3TrainConfig = Eagle3TrainConfig(batch_size=32, epochs=6.0, include_prompt_loss=True, checkpoint_every=128,
                                                  optim=OptimConfig(lr=2e-3, warmup_steps=50, grad_clip=0.5))
 
 
