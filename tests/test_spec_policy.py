@@ -235,3 +235,26 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     # prefill extend + warm-up round's extend, then one extend per 10 plain steps (~46 of them)
     assert 4 <= proposer.calls[result.rid] <= 2 + 46 // 10 + 1, proposer.calls[result.rid]
     assert not held
+
+
+def test_catch_up_steps_are_not_timed_as_rounds(setup):
+    """A probe's catch-up extend (held plain steps handed over at once) is the price of switching back
+    on, not of a round: steps that carry one must not enter the speculative step times."""
+    import time
+
+    path, prompts, ref = setup
+
+    class SlowCatchUp(CountingProposer):
+        catch_ups = 0
+
+        def extend(self, items):
+            if any(rid in self.tokens and len(tokens) > 6 for rid, tokens, _ in items):
+                SlowCatchUp.catch_ups += 1
+                time.sleep(0.05)  # many tokens at once for a known request: a catch-up
+            super().extend(items)
+
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=1, fixed_cost_ratio=3.0))
+    results = _run(path, prompts, SlowCatchUp(vocab=256, seed=6), policy)
+    assert [r.output_token_ids for r in results] == ref
+    assert SlowCatchUp.catch_ups > 0  # probes happened, each after a stretch of plain steps
+    assert policy.t_spec is not None and max(policy._spec_times) < 0.05

@@ -132,7 +132,8 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
         with timer("draft"):
-            self.drafts.flush_pending([req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1])
+            catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
+            self.drafts.flush_pending(catch_up)
             trees = self.drafts.draft(sched.decode, self._tree_width)
         chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
@@ -145,7 +146,10 @@ class LLMEngine:
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
-        if self.proposer is not None and sched.decode and not sched.prefill:  # prefill would skew the timing
+        # A prefill would skew the timing, and so would a catch-up of held plain steps: it is the price of
+        # switching speculation back on (paid once per probe), not of a round; counted as a round's, it
+        # made a mostly-off policy see rounds as costlier than they are and stay off.
+        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up:
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
             self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
         return outputs
