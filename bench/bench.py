@@ -8,8 +8,9 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   decode    target-only decode tokens/s at batch 1, 8, 32, 64 on a Llama-3.1-8B-shaped random bf16
             model (engine end to end, graphs on; batch 1 also graphs off), against the bandwidth limit
             (weight bytes per token / measured copy bandwidth) and the graphed chain of the model's
-            weight GEMVs (cuBLAS, fused QKV and gate/up) — the ceiling of any cuBLAS-GEMV engine
-  capture   graph capture time and memory per family
+            weight GEMVs (cuBLAS, fused QKV and gate/up) — the ceiling of any cuBLAS-GEMV engine; and
+            the decode family's capture time and memory (buckets 1-64). The other families' capture
+            figures are in the spec section (drafter) and the service section's logs (both services)
   spec      speculative decoding at controlled acceptance (BENCHMARK INSTRUMENT: the real head and real
             verification run; the draft's tokens are steered to the target's own greedy continuation,
             corrupted at a chosen rate), chain and tree settings, in process, graphs on and off
