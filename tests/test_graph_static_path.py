@@ -38,6 +38,9 @@ def test_static_decode_and_verify_match_eager(engine):
     runner = engine.executor.runner
     runner.graph_backend = TritonGraphBackend()
     graphs = TargetGraphRunner(runner, widths=(1, 5), max_bs=8)
+    # A prompt as long as a verify is wide is a prefill (one logits row wanted), not a verify: eager.
+    assert not graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2])]))
+    assert graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2], logits="all")]))
     g = torch.Generator().manual_seed(0)
     seqs = []
     for n in (3, 9, 17):  # prefill eagerly, then compare one decode and one verify step

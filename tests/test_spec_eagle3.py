@@ -59,33 +59,49 @@ def test_greedy_with_the_eagle3_drafter_is_token_identical(pair, spec, page_size
     assert all(r.spec_stats.rounds > 0 for r in results)
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(3, 1, 4), SpecConfig(5, 1, 4)], ids=str)
-def test_greedy_with_chain_tokens_left_on_the_device_is_token_identical(pair, spec):
+def test_greedy_with_chain_tokens_left_on_the_device_is_token_identical(pair):
     """The in-process fast path: the graphed chain draft returns without its tokens (they stay on the
-    device for the verify, and reach the host with its results) — same output as target-only."""
+    device for the verify, and reach the host with its results) — same output as target-only, with two
+    chain settings drafted in one step and requests arriving while others verify pending chains."""
     from tandem.models.config import ModelConfig
     from tandem.models.eagle3_config import DraftConfig, validate_draft
     from tandem.speculative.draft_graph import DraftGraphRunner
 
     root, prompts, ref = pair
+    specs = [SpecConfig(3, 1, 4), SpecConfig(5, 1, 4)]
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=4, capture_layers=capture)
-    with LLMEngine(cfg, spec=spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+    with LLMEngine(cfg, spec=specs[0], policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
         drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                           DrafterConfig(page_size=4, defer_chain_tokens=True), capture_layers=capture,
                                           embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
-        drafter.graphs = DraftGraphRunner(drafter, [spec], buckets=[1, 2, 4], use_graphs=False, attention="torch")
-        pending = []
+        drafter.graphs = DraftGraphRunner(drafter, specs, buckets=[1, 2, 4], use_graphs=False, attention="torch")
+        pending, groups_per_step = [], []
         real_draft = drafter.draft
 
         def spying_draft(rids, s):
             trees = real_draft(rids, s)
             pending.extend(t.pending is not None and -1 in t.tokens for t in trees)
+            groups_per_step[-1] += 1
             return trees
 
         drafter.draft = spying_draft
-        eng.proposer, eng.default_spec = drafter, spec
-        results = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [r.output_token_ids for r in results] == ref
+        eng.proposer, eng.default_spec = drafter, specs[0]
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        rids = [eng.add_request(prompts[0], params), eng.add_request(prompts[1], params, spec=specs[1])]
+        mixed = 0
+        for step in range(200):
+            if step in (3, 7):  # arrives while the others verify chains whose tokens are still on the device
+                i = 2 if step == 3 else 3
+                rids.append(eng.add_request(prompts[i], params, spec=specs[i % 2]))
+            groups_per_step.append(0)
+            eng.step()
+            mixed += bool(eng.last_step.num_prefill and eng.last_step.num_decode and groups_per_step[-1])
+            if not eng.has_unfinished():
+                break
+        results = [eng.requests.pop(r) for r in rids]
+    assert [r.output for r in results] == ref
     assert pending and all(pending)  # every draft went through the deferred path
     assert sum(r.spec_stats.rounds for r in results) == len(pending)
+    assert max(groups_per_step) == 2  # both chain settings drafted (and verified) in one step
+    assert mixed >= 1  # a prefill joined a step with pending chains (the eager path reads them back)

@@ -218,23 +218,32 @@ def test_a_request_that_starts_plain_hands_its_prompt_over_only_when_it_drafts(s
 
 
 def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
-    """A long stretch of plain steps must not pile up features: past PENDING_LIMIT_BYTES they go to the
-    drafter in one extend, and holding starts over."""
+    """A long stretch of plain steps must not pile up features: past PENDING_LIMIT_BYTES (per request)
+    or PENDING_TOTAL_LIMIT_BYTES (all requests) they go to the drafter in one extend, and holding
+    starts over."""
     import tandem.engine.draft_link as draft_link
 
     path, prompts, ref = setup
     proposer = CountingProposer(vocab=256, seed=5)
-    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5),
-                   policy=SpeculationPolicy(PolicyConfig(warmup_rounds=1, probe_every=1000, fixed_cost_ratio=5.0))) as eng:
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=1, probe_every=1000, fixed_cost_ratio=5.0))
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
         monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)
-        result = eng.generate(prompts[:1], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
-        held = [r.pending_bytes for r in eng.requests.values()]
-    assert result.output_token_ids == ref[0]
-    assert result.spec_stats.rounds == 1  # its warm-up round, then plain to the end (no probe)
-    # prefill extend + warm-up round's extend, then one extend per 10 plain steps (~46 of them)
-    assert 4 <= proposer.calls[result.rid] <= 2 + 46 // 10 + 1, proposer.calls[result.rid]
-    assert not held
+        monkeypatch.setattr(draft_link, "PENDING_TOTAL_LIMIT_BYTES", 24 * row_bytes)
+        params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+        rids = [eng.add_request(p, params) for p in prompts]
+        per_request, total = [], []
+        while eng.has_unfinished():
+            eng.step()
+            per_request.append(max(eng.requests[r].pending_bytes for r in rids))
+            total.append(eng.drafts.held_bytes)
+        results = [eng.requests.pop(r) for r in rids]
+    assert [r.output for r in results] == ref
+    assert max(per_request) == 10 * row_bytes and max(total) <= 24 * row_bytes  # limits reached, never passed
+    assert total[-1] == 0  # finished requests hold nothing
+    for r in results:  # warm-up round, then plain to the end: one extend per ~10 plain steps, not one each
+        assert r.spec_stats.rounds == 1
+        assert 4 <= proposer.calls[r.rid] <= 2 + 47 // 5, proposer.calls[r.rid]
 
 
 def test_catch_up_steps_are_not_timed_as_rounds(setup):

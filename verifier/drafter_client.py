@@ -207,23 +207,26 @@ class DrafterClient:
             self._traces[rid] = carrier
 
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
-        with self._lock:
-            if self._conn is None:
-                raise ProposerUnavailable("the drafter is not connected")
-            try:
-                for rid, tokens, features in items:
+        for rid, tokens, features in items:
+            # Queued extends go out with the next draft; past FLUSH_ROWS they go first in an extend-only
+            # round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the ring.
+            if self._pending_extend and self._pending_rows + features.shape[0] > self.FLUSH_ROWS:
+                self.draft([], None)
+            with self._lock:
+                if self._conn is None:
+                    raise ProposerUnavailable("the drafter is not connected")
+                try:
                     offset = self.ring.allocate(features.shape[0])
                     self.ring.write(offset, features)
-                    self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
-                                                          ring_rows=features.shape[0]))
-            except TandemError as e:  # the ring is full: the drafter is far behind
-                self._drop(str(e))
-                raise ProposerUnavailable(str(e)) from e
-        # Extends without a draft to carry them (a prefill of a request that never speculates, plain
-        # steps' catch-up of a request that then finishes) are flushed in an extend-only round before
-        # they pile up in the ring.
-        if sum(e.ring_rows for e in self._pending_extend) > self.FLUSH_ROWS:
-            self.draft([], None)
+                except TandemError as e:  # the ring is full: the drafter is far behind
+                    self._drop(str(e))
+                    raise ProposerUnavailable(str(e)) from e
+                self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
+                                                      ring_rows=features.shape[0]))
+
+    @property
+    def _pending_rows(self) -> int:
+        return sum(e.ring_rows for e in self._pending_extend)
 
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)

@@ -167,6 +167,8 @@ class TargetGraphRunner:
             return False
         if batch.capture_features and width == 1 and not self.decode_features:
             return False  # features asked of a decode graph captured without them: eager (correct, slower)
+        if width > 1 and any(s.logits != "all" for s in seqs):
+            return False  # the graph returns every row's logits: a short prompt (one row wanted) is eager
         # a tree mask must cover exactly the new tokens (verification); the last W keys of drafting are eager
         return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
 

@@ -19,8 +19,10 @@ from tandem.speculative.verify import ProposerUnavailable
 log = logging.getLogger("tandem.engine")
 REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
 # Features a request may hold for the drafter (plain steps, a plain-starting prompt) before they are
-# sent anyway: ~340 rows of an 8B target's (3 x 4096 bf16), whole prompts of a small one.
+# sent anyway: ~340 rows of an 8B target's (3 x 4096 bf16), whole prompts of a small one; and all
+# requests together (device memory outside the KV budget).
 PENDING_LIMIT_BYTES = 8 << 20
+PENDING_TOTAL_LIMIT_BYTES = 512 << 20
 
 
 class DraftLink:
@@ -28,6 +30,7 @@ class DraftLink:
         """``engine``: the LLMEngine (its ``proposer`` may be replaced at any time; read it here)."""
         self.engine = engine
         self._was_up = True
+        self.held_bytes = 0  # features held by all requests (see hold)
 
     @property
     def proposer(self):
@@ -52,17 +55,23 @@ class DraftLink:
         """Keep (tokens, features) for the request's next draft instead of extending now; False when
         its held features would pass PENDING_LIMIT_BYTES (the caller extends now, with what is held)."""
         size = features.numel() * features.element_size()
-        if not self.up() or req.pending_bytes + size > PENDING_LIMIT_BYTES:
+        if (not self.up() or req.pending_bytes + size > PENDING_LIMIT_BYTES
+                or self.held_bytes + size > PENDING_TOTAL_LIMIT_BYTES):
             return False
         req.pending_extend.append((tokens, features.clone()))  # a copy: graph outputs are overwritten
         req.pending_bytes += size
+        self.held_bytes += size
         req.draft_ready = True  # the drafter will have its state (the held extend goes first)
         return True
+
+    def _drop_held(self, req) -> None:
+        self.held_bytes -= req.pending_bytes
+        req.pending_extend, req.pending_bytes = [], 0
 
     def take_pending(self, req, tokens: list[int] = (), features: torch.Tensor | None = None):
         """→ (request, all held tokens [+ tokens], their features) as one extend item; clears what is held."""
         held = [*req.pending_extend, *([(list(tokens), features)] if features is not None else [])]
-        req.pending_extend, req.pending_bytes = [], 0
+        self._drop_held(req)
         return req, [t for toks, _ in held for t in toks], torch.cat([f for _, f in held])
 
     def flush_pending(self, reqs: list) -> None:
@@ -92,7 +101,7 @@ class DraftLink:
         if self.proposer is not None and req.draft_ready:
             self.proposer.release(req.rid)
         req.draft_ready = False
-        req.pending_extend, req.pending_bytes = [], 0
+        self._drop_held(req)
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
@@ -100,7 +109,7 @@ class DraftLink:
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
             req.draft_ready = False
-            req.pending_extend, req.pending_bytes = [], 0
+            self._drop_held(req)
 
     def refeed_after_reconnect(self) -> None:
         """When the drafter comes back after a loss, requests that still have a long way to go are

@@ -59,6 +59,7 @@ class LLMEngine:
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
+        self._untimed = False  # the current step does work that is not a round's (see step)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -119,6 +120,7 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer(self.phase_sync)
+        self._untimed = False  # set when the step does work that is not a round's (a held catch-up)
         self.drafts.refeed_after_reconnect()
         self.policy.begin_step()
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
@@ -148,8 +150,9 @@ class LLMEngine:
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
         # A prefill would skew the timing, and so would a catch-up of held plain steps: it is the price of
         # switching speculation back on (paid once per probe), not of a round; counted as a round's, it
-        # made a mostly-off policy see rounds as costlier than they are and stay off.
-        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up:
+        # made a mostly-off policy see rounds as costlier than they are and stay off. (While most
+        # speculative steps are probes, t_spec then keeps its last clean samples: stale, not biased.)
+        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not self._untimed:
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
             self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
         return outputs
@@ -194,6 +197,7 @@ class LLMEngine:
             if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
                 if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
                     extend_items.append(self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1]))
+                    self._untimed = True  # this plain step also catches the drafter up
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]

@@ -184,7 +184,9 @@ class DraftGraphRunner:
 
         ``defer`` (chains only, whose shape is known in advance): return without waiting for the replay;
         the trees' tokens stay on the device (``PendingTokens``), for a verify that reads them there. A
-        hang then shows at the verify's wait, inside its own watchdog guard."""
+        hang of this replay then shows at the next wait: the verify graph's, inside its watchdog guard
+        (named after the verify), or — when the verify runs eagerly — reading the tokens back, unguarded
+        like every eager forward."""
         n, bs = len(reqs), self._bucket(len(reqs))
         if spec not in self.trees or bs is None or not reqs:
             return None
