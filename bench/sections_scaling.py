@@ -8,22 +8,15 @@ import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir
 from sections import _decode_tok_s, _free_gpu
+from service_pair import round_parts, round_parts_ms, service_pair
 
 
 def service(ctx: dict) -> dict:
     """The drafter and verifier as separate services (gRPC stream + shared-memory ring) against the same
     engine and head in one process, same settings, batch 1. Random head: acceptance is what it is (~1),
     which isolates the per-round cost of the service boundary."""
-    import subprocess
-    import sys
-
-    import grpc
     from safetensors.torch import save_file
 
-    from models import ROOT_DIR
-    from tandem.service_probe import free_port, wait_serving
-    from tandem.rpc.verifier.v1 import verifier_pb2 as pb
-    from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
 
@@ -55,67 +48,25 @@ def service(ctx: dict) -> dict:
     print(f"in process:   {inproc:7.1f} tok/s ({rounds_in} rounds, accept {res.spec_stats.accept_length_mean:.2f})", flush=True)
 
     # As services.
-    d_port, v_port, m_port = free_port(), free_port(), free_port()
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-    verifier_flags = ["--speculation-policy", "always"]  # as in process: every round crosses the boundary
-    procs = [subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
-                               "--device", "cuda", "--dtype", "bfloat16", "--port", str(d_port), "--cuda-graph-max-bs", "8",
-                               *flags], cwd=ROOT_DIR)]
-    try:
-        wait_serving(d_port, 300, procs[0], "drafter")
-        procs.append(subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(tdir), "--load-format", "random",
-                                       "--device", "cuda", "--dtype", "bfloat16", "--port", str(v_port), "--kv-pages", "2048",
-                                       "--cuda-graph-max-bs", "8", "--drafter", f"127.0.0.1:{d_port}",
-                                       "--draft-model", str(draft_dir), "--metrics-port", str(m_port), *flags,
-                                       *verifier_flags],
-                                      cwd=ROOT_DIR))
-        wait_serving(v_port, 300, procs[1], "verifier")
-        time.sleep(2.0)  # the drafter connection comes up in the background
-        with grpc.insecure_channel(f"127.0.0.1:{v_port}") as ch:
-            stub = pb_grpc.VerifierStub(ch)
-
-            def once(n):
-                req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
-                last = None
-                for last in stub.Generate(req, timeout=300):
-                    pass
-                return last
-
-            once(32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
-            started = time.perf_counter()
-            before = _round_parts(m_port)
-            last = once(new_tokens)
-            served = new_tokens / (time.perf_counter() - started)
-            after = _round_parts(m_port)
-        parts = {k: 1e3 * (after[k] - before[k]) / max(1, after["count"] - before["count"]) for k in ("drafter", "boundary")}
-        print(f"per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms, the rest of the round "
-              f"trip (gRPC, thread hand-offs, ring) {parts['boundary']:.3f} ms", flush=True)
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(60)
+    with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
+                      verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8"],
+                      drafter_flags=["--cuda-graph-max-bs", "8"]) as (generate, m_port):
+        generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
+        started = time.perf_counter()
+        before = round_parts(m_port)
+        last = generate(prompt, new_tokens)
+        served = new_tokens / (time.perf_counter() - started)
+        after = round_parts(m_port)
+    parts = round_parts_ms(before, after)
+    print(f"per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms, the rest of the round "
+          f"trip (gRPC, thread hand-offs, ring) {parts['boundary']:.3f} ms", flush=True)
     per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
     print(f"as services:  {served:7.1f} tok/s ({last.spec.rounds} rounds, accept {last.spec.accept_length_mean:.2f}); "
           f"service pair at {served / inproc:.1%} of in process; boundary cost {per_round_ms:.3f} ms/round", flush=True)
     return {"in_process_tok_s": inproc, "service_tok_s": served, "ratio": served / inproc,
             "rounds_service": last.spec.rounds, "rounds_in_process": rounds_in, "boundary_ms_per_round": per_round_ms,
             "round_trip_parts_ms": parts}
-
-
-def _round_parts(metrics_port: int) -> dict[str, float]:
-    """Sums of the verifier's tandem:drafter_round_seconds histogram by part, and the round count."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {"drafter": 0.0, "boundary": 0.0, "count": 0.0}
-    for part in ("drafter", "boundary"):
-        m = re.search(r'tandem:drafter_round_seconds_sum\{part="%s"\} ([0-9.eE+-]+)' % part, text)
-        out[part] = float(m.group(1)) if m else 0.0
-    m = re.search(r'tandem:drafter_round_seconds_count\{part="drafter"\} ([0-9.eE+-]+)', text)
-    out["count"] = float(m.group(1)) if m else 0.0
-    return out
-
 
 
 def tp(ctx: dict) -> dict:
