@@ -80,7 +80,7 @@ class DraftLink:
 
     def draft(self, decoding: list, tree_width) -> dict[str, DraftTree]:
         """A tree per decoding request: drafted for those that speculate this step, the bare root otherwise."""
-        trees = {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+        trees = {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
         by_spec: dict[object, list] = {}
         for req in decoding:
             if req.spec is not None and req.draft_ready and tree_width(req) > 1:
@@ -90,9 +90,9 @@ class DraftLink:
                 drafted = self.proposer.draft([r.rid for r in group], spec)
             except ProposerUnavailable as e:
                 self.lost(e)
-                return {req.rid: DraftTree([req.tokens[-1]], [-1]) for req in decoding}
+                return {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
             for req, tree in zip(group, drafted):
-                if tree.tokens[0] != req.tokens[-1]:
+                if tree.tokens[0] != req.last_token:
                     raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
                 trees[req.rid] = tree
         return trees

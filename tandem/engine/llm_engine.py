@@ -112,7 +112,7 @@ class LLMEngine:
         """Tokens the request verifies this round: its draft tree size, or 1 when it does not speculate."""
         if req.spec is None or not req.draft_ready or not req.spec_state.speculate_now:
             return 1
-        if len(req.tokens) + req.spec.num_draft_tokens > self.model_config.max_position_embeddings:
+        if req.num_tokens + req.spec.num_draft_tokens > self.model_config.max_position_embeddings:
             return 1  # the tree would run past the context: decode plainly to the end
         return req.spec.num_draft_tokens
 
@@ -163,7 +163,7 @@ class LLMEngine:
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
         simple = [(req, i) for i, req in enumerate(sched.prefill)]
-        row, token_row = len(sched.prefill), sum(len(req.tokens) for req in sched.prefill)
+        row, token_row = len(sched.prefill), sum(req.num_tokens for req in sched.prefill)
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -184,7 +184,7 @@ class LLMEngine:
                 emitted[req.rid] = [token]
         token_row = 0
         for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
-            n = len(req.tokens)
+            n = req.num_tokens
             observed.append((req.rid, 0, range(token_row, token_row + n)))
             if features is not None and req.spec is not None:
                 tokens, feats = req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]
@@ -193,7 +193,7 @@ class LLMEngine:
                     extend_items.append((req, tokens, feats))
             token_row += n
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
-            observed.append((req.rid, len(req.tokens) - 1, [root_row]))
+            observed.append((req.rid, req.num_tokens - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
                 if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
                     extend_items.append(self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1]))
@@ -210,7 +210,7 @@ class LLMEngine:
             rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
             emitted[req.rid] = result.tokens
             nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
-            observed.append((req.rid, len(req.tokens) - 1, nodes))
+            observed.append((req.rid, req.num_tokens - 1, nodes))
             if features is not None:
                 # A chain's accepted path is a run of rows: a view, not a gather through a host index.
                 path = (features[nodes[0] : nodes[-1] + 1] if nodes[-1] - nodes[0] == len(nodes) - 1
@@ -234,7 +234,7 @@ class LLMEngine:
                 if reason is not None:
                     break
             if reason is None:
-                req.kv.truncate(len(req.tokens) - 1)  # committed KV: everything but the newest token
+                req.kv.truncate(req.num_tokens - 1)  # committed KV: everything but the newest token
             else:
                 req.finish_reason = reason
                 self._finish(req)
@@ -262,9 +262,9 @@ class LLMEngine:
             return FinishReason.STOP
         if len(req.output) >= p.max_new_tokens:
             return FinishReason.LENGTH
-        if len(req.tokens) >= self.model_config.max_position_embeddings:
+        if req.num_tokens >= self.model_config.max_position_embeddings:
             return FinishReason.LENGTH
-        if self.allocator.pages_for(len(req.tokens)) > self.allocator.capacity_pages:
+        if self.allocator.pages_for(req.num_tokens) > self.allocator.capacity_pages:
             return FinishReason.LENGTH  # its next step would not fit even in the whole KV cache
         return None
 

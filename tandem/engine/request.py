@@ -42,7 +42,16 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and output as one new list (O(length): hot paths use num_tokens / last_token)."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def finished(self) -> bool:

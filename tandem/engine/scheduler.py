@@ -56,7 +56,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older request
                 continue
-            needed_tokens = len(req.tokens) - 1 + step_width(req)
+            needed_tokens = req.num_tokens - 1 + step_width(req)
             while req.kv.pages_needed(needed_tokens) > self.allocator.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -69,7 +69,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            n = len(req.tokens)
+            n = req.num_tokens
             fits_budget = n <= budget or budget == self.max_prefill_tokens  # one long prompt always may go
             if not fits_budget or req.kv.pages_needed(n) > self.allocator.num_free:
                 break

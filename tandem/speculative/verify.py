@@ -41,7 +41,7 @@ class Proposer(Protocol):
 
 
 def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
-    committed = len(req.tokens) - 1
+    committed = req.num_tokens - 1
     if tree.size == 1:
         return SequenceChunk([tree.tokens[0]], committed, list(req.kv.pages))
     return SequenceChunk(
@@ -65,7 +65,7 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, g
 
 def compaction_moves(req: Request, accepted_nodes: list[int]) -> tuple[list[int], list[int]]:
     """Flat KV slots to copy so accepted node k (tree index n) lands at committed + k."""
-    committed = len(req.tokens) - 1
+    committed = req.num_tokens - 1
     src, dst = [], []
     for k, node in enumerate(accepted_nodes, start=1):
         if node != k:
