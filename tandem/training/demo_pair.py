@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant == "gpu":
         if not args.out:
             p.error("--variant gpu needs --out DIR")
+        if args.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                p.error("--variant gpu trains on a GPU and none is visible; --device cpu runs it here (hours)")
         build_gpu_pair(Path(args.out), device=args.device)
         return 0
     from tandem.training.cli import run_demo_models
