@@ -8,7 +8,8 @@ continuation of the prompt, computed beforehand. Each rewritten token is indepen
 with probability ``r`` into a different token (seeded per request). The head's other children are
 kept but made distinct from the reference token, so under greedy verification exactly the leading
 uncorrupted run of the path is accepted: a chain of ``num_steps`` S has expected accept length
-(bonus included) ``1 + sum_{d=1..S} (1 - r)^d``.
+(bonus included) ``1 + sum_{d=1..S} (1 - r)^d``. The steered path is renumbered to nodes 1..D (the
+tree is the same), so that its accepted nodes sit where a chain's would.
 
 Only meaningful with greedy verification of the target whose greedy continuation was given;
 numbers it produces must be labelled "controlled acceptance".
@@ -76,7 +77,7 @@ class ControlledAcceptanceProposer:
         height = [0] * tree.size
         for i in range(tree.size - 1, 0, -1):  # parents precede children
             height[tree.parents[i]] = max(height[tree.parents[i]], height[i] + 1)
-        node, depth = 0, 0
+        node, depth, path = 0, 0, []
         while children[node]:
             depth += 1
             # (a chain's only child needs no choice; its scores may still be on the device)
@@ -94,7 +95,22 @@ class ControlledAcceptanceProposer:
                     tokens[s] = self._other(rng, taken | {tokens[o] for o in siblings})
                 taken.add(tokens[s])
             node = best
-        return DraftTree(tokens, list(tree.parents), list(tree.scores), tree.pending)
+            path.append(best)
+        return self._path_first(DraftTree(tokens, list(tree.parents), list(tree.scores), tree.pending), path)
+
+    @staticmethod
+    def _path_first(tree: DraftTree, path: list[int]) -> DraftTree:
+        """The same tree with the steered path renumbered 1..D (the rest after it, in order). An
+        accepted path then sits where a chain's does — its KV at the committed length + 1..D, attending
+        to contiguous keys — so in bf16 on the GPU it rounds exactly as the reference run did; elsewhere
+        in the tree it could round differently and flip the target's near-ties (docs/benchmarks.md)."""
+        if tree.pending is not None or path == list(range(1, len(path) + 1)):
+            return tree  # a chain is in path order already (and its tokens may still be on the device)
+        on_path = set(path)
+        order = [0, *path, *(i for i in range(1, tree.size) if i not in on_path)]
+        new = {old: i for i, old in enumerate(order)}
+        return DraftTree([tree.tokens[o] for o in order], [-1] + [new[tree.parents[o]] for o in order[1:]],
+                         [tree.scores[o] for o in order] if tree.scores else [])
 
     def _other(self, rng: random.Random, excluded: set[int]) -> int:
         if len(excluded) >= self.vocab_size:
