@@ -97,7 +97,8 @@ def main() -> int:
             port = free_port()
             server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(work_ms)])
             try:
-                time.sleep(1.5)
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as probe:
+                    grpc.channel_ready_future(probe).result(timeout=60)  # the echo server is up
                 us = measure(port, args.rounds, work_ms / 1e3, gap_ms / 1e3)
             finally:
                 server.terminate()

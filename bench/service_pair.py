@@ -45,9 +45,14 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
             yield generate, m_port
     finally:
-        for p in reversed(procs):
+        for p in procs:
             p.terminate()
-            p.wait(60)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
 
 
 def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -38,3 +38,15 @@ def test_many_extends_at_once_go_out_in_rounds_that_fit_the_ring():
         assert sum(conn.round_rows) + pending == 200  # nothing lost: the rest rides with the next draft
         client.draft([], None)
         assert sum(conn.round_rows) == 200 and ring.live() == []
+
+
+def test_a_prompt_longer_than_the_ring_goes_in_pieces():
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0)
+        client.FLUSH_ROWS = 16
+        conn = client._conn = EchoConnection()
+        ring.begin_round(client._seq)
+        features = torch.arange(100 * 4, dtype=torch.float32).view(100, 4)
+        client.extend([("long", list(range(100)), features)])  # 100 rows through a 64-row ring
+        client.draft([], None)
+        assert client.available and sum(conn.round_rows) == 100 and all(r <= 16 for r in conn.round_rows)

@@ -222,18 +222,27 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     or PENDING_TOTAL_LIMIT_BYTES (all requests) they go to the drafter in one extend, and holding
     starts over."""
     import tandem.engine.draft_link as draft_link
+    import tandem.engine.llm_engine as llm_engine
 
     path, prompts, ref = setup
     proposer = CountingProposer(vocab=256, seed=5)
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=1, probe_every=1000, fixed_cost_ratio=5.0))
+    timed_steps, flush_steps = [], []
+    real_observe = policy.observe_step
+    policy.observe_step = lambda seconds, speculative: (timed_steps.append(step_no), real_observe(seconds, speculative))
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
         monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)
         monkeypatch.setattr(draft_link, "PENDING_TOTAL_LIMIT_BYTES", 24 * row_bytes)
+        monkeypatch.setattr(llm_engine, "UNTIMED_CATCH_UP_TOKENS", 5)
+        real_take = eng.drafts.take_pending
+        eng.drafts.take_pending = lambda req, *a: (flush_steps.append(step_no), real_take(req, *a))[1]
         params = SamplingParams(max_new_tokens=48, ignore_eos=True)
         rids = [eng.add_request(p, params) for p in prompts]
         per_request, total = [], []
+        step_no = 0
         while eng.has_unfinished():
+            step_no += 1
             eng.step()
             per_request.append(max(eng.requests[r].pending_bytes for r in rids))
             total.append(eng.drafts.held_bytes)
@@ -241,6 +250,9 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     assert [r.output for r in results] == ref
     assert max(per_request) == 10 * row_bytes and max(total) <= 24 * row_bytes  # limits reached, never passed
     assert total[-1] == 0  # finished requests hold nothing
+    # a plain step that also sent a catch-up (> 5 tokens here) is not timed; the other plain steps are
+    assert flush_steps and not set(flush_steps) & set(timed_steps)
+    assert len(timed_steps) >= step_no // 2
     for r in results:  # warm-up round, then plain to the end: one extend per ~10 plain steps, not one each
         assert r.spec_stats.rounds == 1
         assert 4 <= proposer.calls[r.rid] <= 2 + 47 // 5, proposer.calls[r.rid]
@@ -267,3 +279,19 @@ def test_catch_up_steps_are_not_timed_as_rounds(setup):
     assert [r.output_token_ids for r in results] == ref
     assert SlowCatchUp.catch_ups > 0  # probes happened, each after a stretch of plain steps
     assert policy.t_spec is not None and max(policy._spec_times) < 0.05
+
+
+def test_a_lost_drafter_leaves_nothing_held(setup):
+    path, prompts, ref = setup
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=1, probe_every=1000, fixed_cost_ratio=5.0))
+    with LLMEngine(EngineConfig(model=str(path)), proposer=CountingProposer(vocab=256, seed=7), spec=Spec(5),
+                   policy=policy) as eng:
+        rids = [eng.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True)) for p in prompts]
+        for _ in range(12):  # warm-up rounds, then plain steps that hold their features
+            eng.step()
+        assert eng.drafts.held_bytes > 0
+        eng.drafts.lost(RuntimeError("drafter gone"))
+        assert eng.drafts.held_bytes == 0 and all(eng.requests[r].pending_bytes == 0 for r in rids)
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.requests.pop(r).output for r in rids] == ref

@@ -207,7 +207,11 @@ class DrafterClient:
             self._traces[rid] = carrier
 
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
-        for rid, tokens, features in items:
+        # One request's rows go in pieces of at most FLUSH_ROWS (consecutive extends, applied in order),
+        # so that no single item — a long prompt — needs more of the ring than a round may hold.
+        pieces = [(rid, tokens[i : i + self.FLUSH_ROWS], features[i : i + self.FLUSH_ROWS])
+                  for rid, tokens, features in items for i in range(0, len(tokens), self.FLUSH_ROWS)]
+        for rid, tokens, features in pieces:
             # Queued extends go out with the next draft; past FLUSH_ROWS they go first in an extend-only
             # round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the ring.
             if self._pending_extend and self._pending_rows + features.shape[0] > self.FLUSH_ROWS:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
+UNTIMED_CATCH_UP_TOKENS = 16  # a plain step sending more held tokens than this is left out of the step times
 
 
 class LLMEngine:
@@ -196,8 +197,10 @@ class LLMEngine:
             observed.append((req.rid, req.num_tokens - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
                 if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
-                    extend_items.append(self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1]))
-                    self._untimed = True  # this plain step also catches the drafter up
+                    item = self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1])
+                    extend_items.append(item)
+                    # a step that also catches the drafter up on many held steps is not a plain step's time
+                    self._untimed |= len(item[1]) > UNTIMED_CATCH_UP_TOKENS
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
