@@ -211,11 +211,13 @@ class DrafterClient:
         # so that no single item — a long prompt — needs more of the ring than a round may hold.
         pieces = [(rid, tokens[i : i + self.FLUSH_ROWS], features[i : i + self.FLUSH_ROWS])
                   for rid, tokens, features in items for i in range(0, len(tokens), self.FLUSH_ROWS)]
+        queued = sum(e.ring_rows for e in self._pending_extend)
         for rid, tokens, features in pieces:
             # Queued extends go out with the next draft; past FLUSH_ROWS they go first in an extend-only
             # round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the ring.
-            if self._pending_extend and self._pending_rows + features.shape[0] > self.FLUSH_ROWS:
+            if queued and queued + features.shape[0] > self.FLUSH_ROWS:
                 self.draft([], None)
+                queued = 0
             with self._lock:
                 if self._conn is None:
                     raise ProposerUnavailable("the drafter is not connected")
@@ -227,10 +229,7 @@ class DrafterClient:
                     raise ProposerUnavailable(str(e)) from e
                 self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
                                                       ring_rows=features.shape[0]))
-
-    @property
-    def _pending_rows(self) -> int:
-        return sum(e.ring_rows for e in self._pending_extend)
+            queued += features.shape[0]
 
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)

@@ -214,17 +214,16 @@ class TargetGraphRunner:
             prefix[i] = s.prefix_len
         keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
         slots.reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
-        pos.reshape(n, width)[:] = keys
-        for i, s in enumerate(seqs):
-            if s.positions is not None:
-                pos[i * width : (i + 1) * width] = s.positions
+        pos.reshape(n, width)[:] = keys  # unless positions are given
         kv_lens[:] = prefix + width
         if fam.mask is not None:
             masks = masks.reshape(n, width, width)
             masks[:] = fam.causal  # unless a tree mask is given
-            for i, s in enumerate(seqs):
-                if s.tree_mask is not None:
-                    masks[i] = s.tree_mask
+        for i, s in enumerate(seqs):
+            if s.positions is not None:
+                pos[i * width : (i + 1) * width] = s.positions
+            if s.tree_mask is not None and fam.mask is not None:
+                masks[i] = s.tree_mask
         sent = self.staging.send(bounds[-1])
         dev = [sent[a:b] for a, b in zip(bounds, bounds[1:])]
         fam.input_ids[:m].copy_(dev[0])

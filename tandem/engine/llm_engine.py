@@ -60,7 +60,6 @@ class LLMEngine:
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
-        self._untimed = False  # the current step does work that is not a round's (see step)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -121,7 +120,6 @@ class LLMEngine:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
         acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
         timer = StepTimer(self.phase_sync)
-        self._untimed = False  # set when the step does work that is not a round's (a held catch-up)
         self.drafts.refeed_after_reconnect()
         self.policy.begin_step()
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
@@ -144,7 +142,7 @@ class LLMEngine:
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
-            emitted, extend_items, rounds = self._accept(sched, trees, logits, features if capture else None)
+            emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
             outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
@@ -153,13 +151,14 @@ class LLMEngine:
         # switching speculation back on (paid once per probe), not of a round; counted as a round's, it
         # made a mostly-off policy see rounds as costlier than they are and stay off. (While most
         # speculative steps are probes, t_spec then keeps its last clean samples: stale, not biased.)
-        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not self._untimed:
+        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not caught_up:
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
             self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
         return outputs
 
     def _accept(self, sched, trees, logits, features):
-        """→ new tokens per request, the drafter's extension items, and per-request round records."""
+        """→ new tokens per request, the drafter's extension items, per-request round records, and whether
+        a plain step also sent a request's held features (a catch-up, not a plain step's work)."""
         resolve_pending(trees.values())  # draft tokens the verify took on the device (the verify has finished)
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
@@ -193,14 +192,14 @@ class LLMEngine:
                 if not (self.policy.starts_plain(req.spec_state) and self.drafts.hold(req, tokens, feats)):
                     extend_items.append((req, tokens, feats))
             token_row += n
+        caught_up = False
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
             observed.append((req.rid, req.num_tokens - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
                 if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
                     item = self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1])
                     extend_items.append(item)
-                    # a step that also catches the drafter up on many held steps is not a plain step's time
-                    self._untimed |= len(item[1]) > UNTIMED_CATCH_UP_TOKENS
+                    caught_up |= len(item[1]) > UNTIMED_CATCH_UP_TOKENS
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
@@ -222,7 +221,7 @@ class LLMEngine:
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
         if self.traffic is not None and features is not None:
             self.traffic.observe(features, observed)
-        return emitted, extend_items, rounds
+        return emitted, extend_items, rounds, caught_up
 
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
                 rounds: dict[str, tuple[int, int]]) -> list[StepOutput]:
