@@ -77,7 +77,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                     await asyncio.sleep(self.delay_s)
             with self._lock:
                 self.finished.append(request.request_id)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancel that arrives while grpc.aio sends a message closes this generator at its yield
+            # (GeneratorExit); one that arrives during the pause between messages cancels the task.
             with self._lock:
                 self.cancelled.append(request.request_id)
             raise
