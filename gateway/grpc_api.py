@@ -58,7 +58,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             status = e.grpc_code.name
             tracing.set_error(span, e.message)
             await context.abort(e.grpc_code, e.message)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the cancel landed while grpc.aio was sending a message (this generator
+            # is closed at its yield instead of its task being cancelled).
             status = "CANCELLED"
             tracing.set_error(span, "cancelled by the client")
             raise

@@ -93,3 +93,13 @@ def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """The sum of a Prometheus text exposition's samples of ``name`` that carry ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total

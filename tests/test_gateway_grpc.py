@@ -4,8 +4,9 @@ INVALID_ARGUMENT naming the field, cancellation reaching the verifier, health an
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack, wait_until
+from gateway_harness import MODEL_NAME, Stack, metric_value, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -84,12 +85,16 @@ def test_unknown_model_is_not_found_and_verifier_refusals_pass_through(stack, st
 
 
 def test_cancel_reaches_the_verifier(stack, stub):
+    cancelled = dict(name="tandem:requests_total", api="grpc", status="CANCELLED")
+    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **cancelled)
     stack.fake.delay_s = 0.05
     try:
         call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=10)
         first = next(call)
         call.cancel()
         wait_until(lambda: first.request_id in stack.fake.cancelled, what="the verifier to see the cancel")
+        wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **cancelled) == before + 1,
+                   what="the gateway to count the request as cancelled")
     finally:
         stack.fake.delay_s = 0.0
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack, wait_until
+from gateway_harness import MODEL_NAME, Stack, metric_value, wait_until
 
 from tandem.chat_template import ChatTemplate
 
@@ -151,13 +151,6 @@ def test_client_disconnect_mid_stream_cancels_the_verifier_call(stack):
     assert httpx.get(f"{stack.url}/health").status_code == 200
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_metrics_move(stack, client):
@@ -173,15 +166,15 @@ def test_metrics_move(stack, client):
     after = httpx.get(f"{stack.url}/metrics").text
     ok = dict(name="tandem:requests_total", api="completions", status="200")
     bad = dict(name="tandem:requests_total", api="completions", status="400")
-    assert _metric(after, **ok) == _metric(before, **ok) + 1
-    assert _metric(after, **bad) == _metric(before, **bad) + 1
-    assert _metric(after, "tandem:generation_tokens_total") == _metric(before, "tandem:generation_tokens_total") + 6
-    assert _metric(after, "tandem:prompt_tokens_total") == _metric(before, "tandem:prompt_tokens_total") + 2
+    assert metric_value(after, **ok) == metric_value(before, **ok) + 1
+    assert metric_value(after, **bad) == metric_value(before, **bad) + 1
+    assert metric_value(after, "tandem:generation_tokens_total") == metric_value(before, "tandem:generation_tokens_total") + 6
+    assert metric_value(after, "tandem:prompt_tokens_total") == metric_value(before, "tandem:prompt_tokens_total") + 2
     ttft = "tandem:time_to_first_token_seconds_count"
-    assert _metric(after, ttft) == _metric(before, ttft) + 1
-    assert _metric(after, "tandem:inter_token_latency_seconds_count") >= \
-        _metric(before, "tandem:inter_token_latency_seconds_count") + 5
-    assert _metric(after, "tandem:num_requests_running") == 0
+    assert metric_value(after, ttft) == metric_value(before, ttft) + 1
+    assert metric_value(after, "tandem:inter_token_latency_seconds_count") >= \
+        metric_value(before, "tandem:inter_token_latency_seconds_count") + 5
+    assert metric_value(after, "tandem:num_requests_running") == 0
 
 
 def test_concurrent_streams_each_get_their_own_text(stack):
