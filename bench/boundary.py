@@ -3,9 +3,10 @@
 ``python -m drafter`` and ``python -m verifier`` on loopback, every round speculating, and the
 verifier's tandem:drafter_round_seconds split into the drafter's own work and the rest of the round
 trip (gRPC stream, event loops, the shared-memory ring). The models are so small that the rest is
-nearly all boundary — what DESIGN §2's one message each way per round costs on this host.
+nearly all boundary — what one message each way per round costs on this host, on the round lane
+(a local socket, the default) and on the gRPC stream (DESIGN §2's transport, ``--disable-round-lane``).
 
-    python bench/boundary.py [--tokens 256] [--out boundary.json]
+    python bench/boundary.py [--tokens 256] [--transports lane stream] [--out boundary.json]
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import torch  # noqa: E402
 
 from service_pair import round_parts, round_parts_ms, service_pair  # noqa: E402
 
+# Where the rounds travel: the round lane (tandem/round_lane.py, the default) or the gRPC stream.
+TRANSPORTS = {"lane": [], "stream": ["--disable-round-lane"]}
+
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:
     from tandem.models.config import ModelConfig
@@ -44,26 +48,30 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--transports", nargs="+", choices=list(TRANSPORTS), default=list(TRANSPORTS))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
+              "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+              "tokens": args.tokens, "transports": {}}
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = tiny_pair(Path(tmp))
         prompt = list(range(5, 69))
-        with service_pair(target, draft, "cpu", "float32", flags) as (generate, m_port):
-            generate(prompt, 16)  # warm-up
-            before = round_parts(m_port)
-            started = time.perf_counter()
-            last = generate(prompt, args.tokens)
-            seconds = time.perf_counter() - started
-            parts = round_parts_ms(before, round_parts(m_port))
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
-              "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-              "tokens": args.tokens, "seconds": seconds, "rounds": parts["rounds"],
-              "drafter_ms_per_round": parts["drafter"], "boundary_ms_per_round": parts["boundary"],
-              "accept_length": last.spec.accept_length_mean}
-    print(f"{parts['rounds']:.0f} rounds: drafter work {parts['drafter']:.3f} ms, rest of the round trip "
-          f"{parts['boundary']:.3f} ms per round ({args.tokens / seconds:.0f} tok/s end to end)", flush=True)
+        for transport in args.transports:
+            with service_pair(target, draft, "cpu", "float32", flags, TRANSPORTS[transport]) as (generate, m_port):
+                generate(prompt, 16)  # warm-up
+                before = round_parts(m_port)
+                started = time.perf_counter()
+                last = generate(prompt, args.tokens)
+                seconds = time.perf_counter() - started
+                parts = round_parts_ms(before, round_parts(m_port))
+            result["transports"][transport] = {
+                "seconds": seconds, "rounds": parts["rounds"], "drafter_ms_per_round": parts["drafter"],
+                "boundary_ms_per_round": parts["boundary"], "accept_length": last.spec.accept_length_mean}
+            print(f"{transport}: {parts['rounds']:.0f} rounds: drafter work {parts['drafter']:.3f} ms, rest of the "
+                  f"round trip {parts['boundary']:.3f} ms per round ({args.tokens / seconds:.0f} tok/s end to end)",
+                  flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

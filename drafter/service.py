@@ -2,7 +2,9 @@
 
 Hello → check the target the verifier runs against the one this head was validated for, attach the
 ring, start empty → Welcome. Then each Round: forget released requests, extend with the ring rows
-named in the message, draft the requested trees → exactly one Drafts. The round runs inline on the
+named in the message, draft the requested trees → exactly one Drafts. When the verifier offers a
+round lane (tandem/round_lane.py) and it is reachable, the Rounds arrive there instead of on the
+stream, which then only keeps the connection alive. The round runs inline on the
 event loop (a thread hand-off per round cost more than the round's own host work); health checks and
 Reload wait for the round boundary, a few milliseconds. A new stream (the verifier
 reconnecting) replaces the old one and starts empty again: the verifier never refers to state from
@@ -20,10 +22,12 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tandem import tracing
 from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
+from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.tree import resolve_pending
@@ -32,6 +36,7 @@ from drafter.heads import DraftHeads
 log = logging.getLogger("drafter.service")
 PROTOCOL_VERSION = 1
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
+LANE_CONNECT_S = 2.0
 
 
 class DrafterService:
@@ -53,16 +58,23 @@ class DrafterService:
         self._generation += 1
         generation = self._generation
         ring: HiddenRingView | None = None
+        lane_task: asyncio.Task | None = None
         try:
             async for message in requests:
                 if generation != self._generation:
                     await context.abort(grpc.StatusCode.ABORTED, "a newer verifier stream replaced this one")
                 if message.HasField("hello"):
+                    if lane_task is not None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "one Hello per stream")
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
+                    lane = await _attach_lane(message.hello)
+                    if lane is not None:
+                        lane_task = asyncio.create_task(self._serve_lane(lane, ring, generation))
                     yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION,
                                                                draft_model=self.heads.current_model,
-                                                               draft_vocab_size=self.drafter.head.config.draft_vocab_size))
+                                                               draft_vocab_size=self.drafter.head.config.draft_vocab_size,
+                                                               round_lane=lane is not None))
                 elif ring is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "send Hello before the first Round")
                 else:
@@ -70,8 +82,34 @@ class DrafterService:
                         drafts = self._round(message.round, ring)
                     yield pb.DrafterMessage(drafts=drafts)
         finally:
+            if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
+                lane_task.cancel()
+                await asyncio.gather(lane_task, return_exceptions=True)
             if ring is not None:
                 ring.close()
+
+    async def _serve_lane(self, lane: AsyncLane, ring: HiddenRingView, generation: int) -> None:
+        """The rounds of one connection, on its round lane: the same Round in, the same Drafts out.
+        Whatever ends it closes the lane, which the verifier sees at once (and reconnects)."""
+        try:
+            while (frame := await lane.receive()) is not None:
+                if generation != self._generation:
+                    log.warning("round lane: a newer verifier stream replaced this one")
+                    return
+                message = pb.VerifierMessage.FromString(frame)
+                if not message.HasField("round"):
+                    raise LaneError(f"expected a Round on the round lane, got {message.WhichOneof('body')}")
+                async with self._lock:
+                    drafts = self._round(message.round, ring)
+                await lane.send(pb.DrafterMessage(drafts=drafts).SerializeToString())
+        except asyncio.CancelledError:
+            raise
+        except (LaneError, DecodeError, ConnectionError) as e:
+            log.warning("round lane closed: %s", e)
+        except Exception:  # noqa: BLE001 - a failed round ends this connection, as on the stream
+            log.exception("a round on the round lane failed; closing the lane (the verifier reconnects)")
+        finally:
+            lane.close()
 
     async def _hello(self, hello: pb.Hello, context, old_ring: HiddenRingView | None) -> HiddenRingView:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -173,6 +211,17 @@ class DrafterService:
         serving = self.heads.current
         return Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
                                        embed_weight=serving.head.shared_embedding)
+
+
+async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:
+    """Connect to the round lane the verifier offered, if any and if reachable from here."""
+    if not hello.round_lane:
+        return None
+    try:
+        return await asyncio.wait_for(AsyncLane.connect(hello.round_lane, hello.round_lane_token), LANE_CONNECT_S)
+    except (OSError, LaneError, asyncio.TimeoutError) as e:  # another network namespace, say: stay on the stream
+        log.info("round lane %s not reachable (%s); rounds stay on the gRPC stream", hello.round_lane, e)
+        return None
 
 
 async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception) -> None:

@@ -53,6 +53,7 @@ def pair(pair_dirs, tmp_path_factory):
 
 def test_stream_equals_target_only_greedy(pair, reference):
     _, verifier = pair
+    assert "rounds on the round lane" in verifier.log()  # the default transport, where it can be set up
     for i in (0, 5, 9):
         tokens, last = generate(verifier.address, prompts_of(32)[i])
         assert tokens == reference[i]
@@ -127,6 +128,19 @@ def test_cancel_frees_the_requests_kv(pair):
         call.cancel()
     wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_total"])(read_metrics(verifier.metrics_port)),
              30, "the cancelled request's KV pages to come back")
+
+
+def test_rounds_on_the_grpc_stream_equal_target_only_greedy(pair_dirs, reference, tmp_path):
+    """The stream transport (the fallback when no round lane can be set up) serves the same rounds."""
+    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--disable-round-lane",))
+    try:
+        assert "rounds on the gRPC stream" in verifier.log()
+        for i in (1, 6):
+            tokens, last = generate(verifier.address, prompts_of(32)[i])
+            assert tokens == reference[i] and last.spec.rounds > 0
+    finally:
+        verifier.stop()
+        drafter.stop()
 
 
 def test_drafter_death_loses_nothing_and_speculation_resumes(pair_dirs, reference, tmp_path):

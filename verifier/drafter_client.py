@@ -2,7 +2,9 @@
 
 ``extend`` writes features into the shared-memory ring and queues the offsets; ``release`` queues a
 request id; ``draft`` sends everything queued plus the draft requests as one Round and waits for that
-round's Drafts — one message each way per round. The reply frees the round's ring rows.
+round's Drafts — one message each way per round, on the round lane (a local socket agreed on at
+handshake, tandem/round_lane.py) when the drafter could attach to it, else on the stream. The reply
+frees the round's ring rows.
 
 The drafter is optional at every moment. While it is absent ``available`` is False and the engine
 decodes plainly; a reply later than the deadline, a broken stream or a dead process raises
@@ -20,9 +22,11 @@ from typing import Callable
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from tandem.errors import TandemError
 from tandem.ring import HiddenRing
+from tandem.round_lane import LANE_SUPPORTED, BlockingLane, LaneError, LaneListener
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from tandem.speculative.tree import DraftTree
@@ -40,18 +44,35 @@ class _Connection:
     stream to it."""
 
     def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float, loop: asyncio.AbstractEventLoop,
-                 loop_lock: threading.Lock):
+                 loop_lock: threading.Lock, offer_lane: bool):
         self.loop, self.loop_lock = loop, loop_lock
         self.channel = self.call = None
+        self.lane: BlockingLane | None = None
+        listener = LaneListener() if offer_lane and LANE_SUPPORTED else None
         try:
+            if listener is not None:  # this connection's own lane address and token
+                offer = pb.VerifierMessage()
+                offer.CopyFrom(hello)
+                offer.hello.round_lane, offer.hello.round_lane_token = listener.address, listener.token
+                hello = offer
             self._run(self._open(address))
             self.send(hello)
             welcome = self.receive(timeout_s)
             if not welcome.HasField("welcome"):
                 raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
+            if welcome.welcome.round_lane:
+                if listener is None:
+                    raise ProposerUnavailable("the drafter answered with a round lane this verifier did not offer")
+                try:
+                    self.lane = listener.accept(timeout_s)
+                except LaneError as e:
+                    raise ProposerUnavailable(str(e)) from None
         except ProposerUnavailable:
             self.close()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
         self.welcome = welcome.welcome
 
     async def _open(self, address: str) -> None:
@@ -85,7 +106,16 @@ class _Connection:
         return self._checked(self._run(self.call.read(), timeout_s))
 
     def exchange(self, message: pb.VerifierMessage, timeout_s: float) -> pb.DrafterMessage:
-        """Send one message and read the reply in one pass of the loop (a round's whole boundary)."""
+        """Send one message and read the reply: on the round lane when there is one, else in one pass
+        of the loop over the stream (a round's whole boundary)."""
+        if self.lane is not None:
+            try:
+                return pb.DrafterMessage.FromString(self.lane.exchange(message.SerializeToString(), timeout_s))
+            except LaneError as e:
+                raise ProposerUnavailable(str(e)) from None
+            except DecodeError as e:
+                raise ProposerUnavailable(f"the drafter sent an unreadable message on the round lane: {e}") from None
+
         async def write_then_read():
             await self.call.write(message)
             return await self.call.read()
@@ -99,6 +129,9 @@ class _Connection:
         return message
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()  # the drafter sees the lane end at once, whatever the stream does
+
         async def shut():
             if self.call is not None:
                 self.call.cancel()
@@ -122,8 +155,10 @@ class DrafterClient:
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
-                 on_round: Callable[[float, float], None] = lambda round_trip_s, drafter_s: None):
+                 on_round: Callable[[float, float], None] = lambda round_trip_s, drafter_s: None,
+                 round_lane: bool = True):
         self.address, self.ring, self.target = address, ring, target
+        self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
         self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
@@ -164,7 +199,8 @@ class DrafterClient:
         while not self._stop.is_set():
             if self._conn is None:
                 try:
-                    conn = _Connection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock)
+                    conn = _Connection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock,
+                                       self.round_lane)
                 except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
                     if not isinstance(e, ProposerUnavailable):
                         log.warning("connecting to the drafter at %s failed: %s: %s", self.address, type(e).__name__, e)
@@ -184,7 +220,8 @@ class DrafterClient:
                         self._pending_extend.clear()
                         self._pending_release.clear()
                         self.ring.begin_round(self._seq)
-                    log.info("connected to the drafter at %s (%s)", self.address, conn.welcome.draft_model)
+                    log.info("connected to the drafter at %s (%s); rounds on %s", self.address, conn.welcome.draft_model,
+                             "the round lane" if conn.lane is not None else "the gRPC stream")
                     self.on_state(True)
             self._stop.wait(self.reconnect_interval_s)
 

@@ -41,24 +41,30 @@ class TargetInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "ring", "target")
+    __slots__ = ("protocol_version", "ring", "target", "round_lane", "round_lane_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    ROUND_LANE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     ring: RingSpec
     target: TargetInfo
-    def __init__(self, protocol_version: _Optional[int] = ..., ring: _Optional[_Union[RingSpec, _Mapping]] = ..., target: _Optional[_Union[TargetInfo, _Mapping]] = ...) -> None: ...
+    round_lane: str
+    round_lane_token: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., ring: _Optional[_Union[RingSpec, _Mapping]] = ..., target: _Optional[_Union[TargetInfo, _Mapping]] = ..., round_lane: _Optional[str] = ..., round_lane_token: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "draft_model", "draft_vocab_size")
+    __slots__ = ("protocol_version", "draft_model", "draft_vocab_size", "round_lane")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_LANE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     draft_model: str
     draft_vocab_size: int
-    def __init__(self, protocol_version: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
+    round_lane: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ..., round_lane: _Optional[bool] = ...) -> None: ...
 
 class SpecParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")

@@ -1,0 +1,191 @@
+"""The round lane: a verifier's per-round messages to its co-located drafter over a Unix socket.
+
+DESIGN §2 has one message each way per round on the gRPC stream. Measured, that boundary costs
+0.8–1.2 ms per round however small the messages (bench/grpc_floor.py, bench/boundary.py): each
+message crosses gRPC's own threads and event-loop wake-ups. At a 7 ms speculative round that alone
+keeps the service pair near 88 % of in-process speed. The round's messages are the same protobufs
+either way, so the gRPC stream still opens every connection (Hello/Welcome: ring, target checks),
+stays open as the connection's lifeline, and carries the rounds whenever no lane could be set up; the
+lane only moves each Round and its Drafts to a local stream socket, length-prefixed.
+
+Set-up, per connection: the verifier listens on a fresh abstract-namespace address (Linux; no file
+is created, so none can be left behind) and names it with a random token in its Hello; the drafter
+connects, sends the token as its first frame and says ``round_lane`` in its Welcome; the verifier
+accepts and checks the token. A drafter that cannot connect (another network namespace, another OS)
+or predates the lane leaves ``round_lane`` unset, and the rounds stay on the stream.
+
+The verifier side blocks its engine thread on the socket (no event loop in between); the drafter side
+reads on its asyncio loop, where its rounds already run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import struct
+import sys
+import time
+
+LANE_SUPPORTED = sys.platform.startswith("linux")  # abstract-namespace Unix sockets
+HEADER = struct.Struct("<I")  # payload length, little-endian
+MAX_FRAME_BYTES = 64 << 20  # a Round or Drafts is kilobytes; anything near this is a broken peer
+
+
+class LaneError(ConnectionError):
+    """The lane failed: closed, timed out, or the peer spoke out of turn. The connection is over."""
+
+
+def _sockaddr(address: str) -> bytes:
+    if not address.startswith("@"):
+        raise LaneError(f"round lane address {address!r}: expected an abstract address starting with '@'")
+    return b"\0" + address[1:].encode()
+
+
+def _frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_FRAME_BYTES:
+        raise LaneError(f"round lane frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(payload)) + payload
+
+
+class LaneListener:
+    """The verifier's end before the drafter connects: a fresh address and the token to expect."""
+
+    def __init__(self):
+        self.address = f"@tandem-lane-{os.getpid()}-{secrets.token_hex(8)}"
+        self.token = secrets.token_bytes(16)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(_sockaddr(self.address))
+            self._sock.listen(1)
+        except OSError:
+            self._sock.close()
+            raise
+
+    def accept(self, timeout_s: float) -> "BlockingLane":
+        """The drafter's connection, once its first frame proved it read our Hello."""
+        self._sock.settimeout(timeout_s)
+        try:
+            conn, _ = self._sock.accept()
+        except OSError as e:  # socket.timeout is an OSError
+            raise LaneError(f"the drafter did not connect to the round lane: {e}") from None
+        lane = BlockingLane(conn)
+        try:
+            token = lane.receive(timeout_s)
+        except LaneError:
+            lane.close()
+            raise
+        if not secrets.compare_digest(token, self.token):
+            lane.close()
+            raise LaneError("a process that did not read our Hello connected to the round lane")
+        return lane
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class BlockingLane:
+    """The verifier's end: blocking send and receive on the calling thread, with deadlines."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._header = bytearray(HEADER.size)
+
+    def exchange(self, payload: bytes, timeout_s: float) -> bytes:
+        self.send(payload)
+        return self.receive(timeout_s)
+
+    def send(self, payload: bytes) -> None:
+        try:
+            self._sock.settimeout(None)
+            self._sock.sendall(_frame(payload))
+        except OSError as e:
+            raise LaneError(f"round lane send failed: {e}") from None
+
+    def receive(self, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        self._read_into(memoryview(self._header), deadline, timeout_s)
+        (size,) = HEADER.unpack(self._header)
+        if size > MAX_FRAME_BYTES:
+            raise LaneError(f"round lane frame of {size} bytes announced; the peer is broken")
+        body = bytearray(size)
+        self._read_into(memoryview(body), deadline, timeout_s)
+        return bytes(body)
+
+    def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms")
+            self._sock.settimeout(left)
+            try:
+                n = self._sock.recv_into(view)
+            except socket.timeout:
+                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms") from None
+            except OSError as e:
+                raise LaneError(f"round lane receive failed: {e}") from None
+            if n == 0:
+                raise LaneError("the peer closed the round lane")
+            view = view[n:]
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class AsyncLane:
+    """The drafter's end: connects with the verifier's token, then frames on the running event loop."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def connect(cls, address: str, token: bytes) -> "AsyncLane":
+        """Raise OSError (or LaneError) when the verifier's address cannot be reached from here."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, _sockaddr(address))
+            lane = cls(sock)
+            await lane.send(token)
+        except BaseException:
+            sock.close()
+            raise
+        return lane
+
+    async def send(self, payload: bytes) -> None:
+        await self._loop.sock_sendall(self._sock, _frame(payload))
+
+    async def receive(self) -> bytes | None:
+        """The next frame, or None once the verifier closed the lane."""
+        header = await self._read(HEADER.size)
+        if header is None:
+            return None
+        (size,) = HEADER.unpack(header)
+        if size > MAX_FRAME_BYTES:
+            raise LaneError(f"round lane frame of {size} bytes announced; the peer is broken")
+        body = await self._read(size)
+        if body is None:
+            raise LaneError("the verifier closed the round lane inside a frame")
+        return body
+
+    async def _read(self, size: int) -> bytes | None:
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            try:
+                n = await self._loop.sock_recv_into(self._sock, view[got:])
+            except ConnectionError:
+                n = 0
+            if n == 0:
+                return None
+            got += n
+        return bytes(buf)
+
+    def close(self) -> None:
+        self._sock.close()
