@@ -13,6 +13,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tandem.errors import OutOfPagesError
@@ -83,18 +84,43 @@ class PageAllocator:
 
 @dataclass
 class SequenceKV:
-    """A sequence's pages and how many of its tokens are committed to them."""
+    """A sequence's pages and how many of its tokens are committed to them.
+
+    ``pages`` is the block table as a list; an int32 array mirrors it (``page_table``), kept in step as
+    pages come and go, because every forward stages each sequence's whole block table: from a list
+    that is a Python-int conversion per page (2.1 ms per step at 64 × 2000 pages), from the array a
+    memcpy (0.07 ms)."""
 
     allocator: PageAllocator
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.pages:  # built with pages already (tests)
+            self._table = np.array(self.pages, dtype=np.int32)
 
     def pages_needed(self, total_tokens: int) -> int:
         return max(0, self.allocator.pages_for(total_tokens) - len(self.pages))
 
     def reserve(self, total_tokens: int) -> None:
         """Make room for ``total_tokens`` tokens in all (allocating pages as needed)."""
-        self.pages.extend(self.allocator.allocate(self.pages_needed(total_tokens)))
+        new = self.allocator.allocate(self.pages_needed(total_tokens))
+        if not new:
+            return
+        start, end = len(self.pages), len(self.pages) + len(new)
+        if end > len(self._table):  # grow geometrically: amortised O(1) per page
+            grown = np.zeros(max(end, 2 * len(self._table)), dtype=np.int32)
+            grown[:start] = self._table[:start]
+            self._table = grown
+        self._table[start:end] = new
+        self.pages.extend(new)
+
+    def page_table(self, copy: bool = True) -> np.ndarray:
+        """The block table as int32. ``copy=False``: a view, valid until the next reserve or truncate
+        (for staging it at once)."""
+        view = self._table[: len(self.pages)]
+        return view.copy() if copy else view
 
     def truncate(self, num_tokens: int) -> None:
         """Keep ``num_tokens`` committed tokens and give back the pages beyond them."""

@@ -74,6 +74,29 @@ def test_sequence_kv_slots_and_truncate():
     assert kv.pages == [] and alloc.num_free == 19
 
 
+def test_page_table_mirrors_the_pages_through_growth_and_truncation():
+    import random
+
+    alloc = PageAllocator(400, page_size=4, shuffle_seed=1)
+    kv, rng = SequenceKV(alloc), random.Random(0)
+    for _ in range(300):  # grows past the array's first capacities, shrinks, regrows over old entries
+        if rng.random() < 0.7:
+            kv.reserve(kv.num_tokens + rng.randrange(1, 40))
+            kv.num_tokens = len(kv.pages) * 4
+        else:
+            kv.truncate(rng.randrange(0, kv.num_tokens + 1))
+        table = kv.page_table()
+        assert table.dtype.name == "int32" and table.tolist() == kv.pages
+        view = kv.page_table(copy=False)
+        assert view.tolist() == kv.pages
+    kv.reserve(kv.num_tokens + 8)
+    held, expected = kv.page_table(), list(kv.pages)
+    kv.truncate(0)
+    kv.reserve(4 * len(expected))  # the mirror is rewritten with other pages...
+    assert kv.page_table().tolist() != expected
+    assert held.tolist() == expected  # ...but a table taken before (a forward's) keeps its own
+
+
 # ------------------------------------------------------------------------------------------ engine
 
 

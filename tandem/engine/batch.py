@@ -1,14 +1,16 @@
 """ForwardBatch: the host-side description of one forward, which rank 0 builds and broadcasts.
 
-It is plain Python data (lists of ints, small boolean masks), so every rank turns the same
-description into the same device tensors; ranks can never disagree about what they compute.
+It is plain host data (lists of ints, int32 block tables, small boolean masks), so every rank turns
+the same description into the same device tensors; ranks can never disagree about what they compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
@@ -18,7 +20,7 @@ from tandem.attention.metadata import AttentionMetadata
 class SequenceChunk:
     token_ids: list[int]  # the new tokens of this sequence in this forward
     prefix_len: int  # tokens of this sequence already in the KV cache
-    pages: list[int]  # block table covering prefix_len + len(token_ids) tokens
+    pages: Sequence[int]  # block table covering prefix_len + len(token_ids) tokens (list, or SequenceKV.page_table())
     positions: list[int] | None = None  # rotary positions; default prefix_len + 0..n-1
     tree_mask: list[list[bool]] | None = None  # [n, W]: row sees column among the last W keys; None = causal
     logits: str = "last"  # which new tokens need logits: "last", "all" or "none"
@@ -61,13 +63,13 @@ class DeviceBatch:
 
 def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> DeviceBatch:
     ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
     logits_rows: list[int] = []
     counts: list[int] = []
     cu = [0]
     max_pages = max(len(s.pages) for s in batch.seqs)
-    tables = torch.zeros(len(batch.seqs), max(1, max_pages), dtype=torch.int32)
+    tables = np.zeros((len(batch.seqs), max(1, max_pages)), dtype=np.int32)
     for i, s in enumerate(batch.seqs):
         n = len(s.token_ids)
         if n == 0:
@@ -76,13 +78,13 @@ def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> Devi
             raise ValueError(f"sequence {i}: {len(s.pages)} pages cannot hold {s.prefix_len + n} tokens")
         start = cu[-1]
         ids.extend(s.token_ids)
-        positions.extend(s.positions if s.positions is not None else range(s.prefix_len, s.prefix_len + n))
-        for t in range(s.prefix_len, s.prefix_len + n):
-            slots.append(s.pages[t // page_size] * page_size + t % page_size)
+        keys = np.arange(s.prefix_len, s.prefix_len + n)  # a prompt's positions and slots in one pass each
+        positions.append(keys if s.positions is None else np.asarray(s.positions, dtype=np.int64))
+        tables[i, : len(s.pages)] = s.pages
+        slots.append(tables[i, keys // page_size].astype(np.int64) * page_size + keys % page_size)
         rows = {"last": [start + n - 1], "all": list(range(start, start + n)), "none": []}[s.logits]
         logits_rows.extend(rows)
         counts.append(len(rows))
-        tables[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
         cu.append(start + n)
     q_lens = [len(s.token_ids) for s in batch.seqs]
     prefix_lens = [s.prefix_len for s in batch.seqs]
@@ -91,14 +93,14 @@ def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> Devi
         prefix_lens=prefix_lens,
         cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
         kv_lens=torch.tensor([p + q for p, q in zip(prefix_lens, q_lens)], dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         tree_masks=[torch.tensor(s.tree_mask, dtype=torch.bool) if s.tree_mask is not None else None for s in batch.seqs],
         page_size=page_size,
     )
     return DeviceBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(np.concatenate(positions)).to(device),
         meta=meta,
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         logits_counts=counts,

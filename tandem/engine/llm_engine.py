@@ -136,7 +136,7 @@ class LLMEngine:
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
             trees = self.drafts.draft(sched.decode, self._tree_width)
-        chunks = [SequenceChunk(req.tokens, 0, list(req.kv.pages)) for req in sched.prefill]
+        chunks = [SequenceChunk(req.tokens, 0, req.kv.page_table()) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
@@ -290,7 +290,7 @@ class LLMEngine:
         kv = SequenceKV(self.allocator)
         kv.reserve(len(prompt))
         try:
-            logits, _ = self.executor.forward(ForwardBatch([SequenceChunk(prompt, 0, list(kv.pages), logits="all")]))
+            logits, _ = self.executor.forward(ForwardBatch([SequenceChunk(prompt, 0, kv.page_table(), logits="all")]))
         finally:
             kv.release()
         return logits

@@ -154,7 +154,7 @@ class DraftGraphRunner:
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _stage(self, bs: int, heads: list[list[int]], pages: list[list[int]], pad_aux: int,
+    def _stage(self, bs: int, heads: list[list[int]], pages: list, pad_aux: int,
                tail: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one row ``[L, aux, *extra, *pages]`` per request — padding rows: length 0, ``pad_aux``, the
         dummy page 0 — and ``tail`` into the pinned buffer, copy it to the device once, and scatter the
@@ -201,7 +201,7 @@ class DraftGraphRunner:
         for r, L in zip(reqs, committed):
             r.kv.reserve(L + scratch)  # the scratch pages, as the eager draft reserves them
         try:
-            self._stage(bs, [[L, r.root] for L, r in zip(committed, reqs)], [r.kv.pages for r in reqs], pad_aux=0)
+            self._stage(bs, [[L, r.root] for L, r in zip(committed, reqs)], [r.kv.page_table(copy=False) for r in reqs], pad_aux=0)
             torch.stack([r.state for r in reqs], out=self.state[:n])
             torch.stack([r.top_logp for r in reqs], out=self.top_logp[:n])
             torch.stack([r.top_ids for r in reqs], out=self.top_ids[:n])
@@ -254,7 +254,7 @@ class DraftGraphRunner:
         try:
             heads = [[p, c, *tokens, *[0] * (w - c)] for p, c, (_, tokens, _) in zip(prefixes, counts, items)]
             dest = [b * w + i for b, c in enumerate(counts) for i in range(c)]  # feature rows of real tokens
-            tokens, dest_dev = self._stage(bs, heads, [r.kv.pages for r in reqs], pad_aux=1, tail=dest)
+            tokens, dest_dev = self._stage(bs, heads, [r.kv.page_table(copy=False) for r in reqs], pad_aux=1, tail=dest)
             self.token_ids[: bs * w].copy_(tokens)
             self.features[: bs * w].zero_()  # padded tokens get zero features (finite K/V in the scratch)
             feats = torch.cat([f.to(self.device, self.dtype, non_blocking=True) for _, _, f in items])

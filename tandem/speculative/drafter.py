@@ -200,7 +200,7 @@ class Eagle3Drafter:
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
             req.kv.reserve(prefix + len(tokens))
-            chunks.append(SequenceChunk(list(tokens), prefix, list(req.kv.pages), logits="all" if return_logits else "last"))
+            chunks.append(SequenceChunk(list(tokens), prefix, req.kv.page_table(), logits="all" if return_logits else "last"))
         try:
             dev = to_device(ForwardBatch(chunks), ps, self.device)
             self.backend.plan(dev.meta)
@@ -266,7 +266,7 @@ class Eagle3Drafter:
                 chunks, tok_lists, masks = [], f_tokens.tolist(), anc.tolist()
                 for b, r in enumerate(reqs):
                     pos = min(committed[b] + step - 2, self.head.max_positions - 1)  # past the context nothing is verified anyway
-                    chunks.append(SequenceChunk(tok_lists[b], committed[b] + (step - 2) * k, list(r.kv.pages),
+                    chunks.append(SequenceChunk(tok_lists[b], committed[b] + (step - 2) * k, r.kv.page_table(),
                                                 positions=[pos] * k, tree_mask=masks[b], logits="all"))
                 batch = to_device(ForwardBatch(chunks), self.cfg.page_size, dev)
                 self.backend.plan(batch.meta)

@@ -43,11 +43,11 @@ class Proposer(Protocol):
 def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
     committed = req.num_tokens - 1
     if tree.size == 1:
-        return SequenceChunk([tree.tokens[0]], committed, list(req.kv.pages))
+        return SequenceChunk([tree.tokens[0]], committed, req.kv.page_table())
     return SequenceChunk(
         token_ids=list(tree.tokens),
         prefix_len=committed,
-        pages=list(req.kv.pages),
+        pages=req.kv.page_table(),
         positions=[committed + d for d in tree.depths],
         tree_mask=tree.ancestor_mask(),
         logits="all",

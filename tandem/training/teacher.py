@@ -61,7 +61,7 @@ class TargetTeacher:
                 kv = SequenceKV(self.engine.allocator)
                 kvs.append(kv)
                 kv.reserve(len(tokens))
-                chunks.append(SequenceChunk(list(tokens), 0, list(kv.pages), logits="all"))
+                chunks.append(SequenceChunk(list(tokens), 0, kv.page_table(), logits="all"))
             logits, features = self.engine.executor.forward(ForwardBatch(chunks, capture_features=True))
         finally:
             for kv in kvs:
