@@ -12,8 +12,9 @@ from service_pair import round_parts, round_parts_ms, service_pair
 
 
 def service(ctx: dict) -> dict:
-    """The drafter and verifier as separate services (gRPC stream + shared-memory ring) against the same
-    engine and head in one process, same settings, batch 1. Random head: acceptance is what it is (~1),
+    """The drafter and verifier as separate services (rounds on the round lane, then on the gRPC stream;
+    features through the shared-memory ring) against the same engine and head in one process, same
+    settings, batch 1. Random head: acceptance is what it is (~1),
     which isolates the per-round cost of the service boundary."""
     from safetensors.torch import save_file
 
@@ -47,26 +48,32 @@ def service(ctx: dict) -> dict:
     _free_gpu()
     print(f"in process:   {inproc:7.1f} tok/s ({rounds_in} rounds, accept {res.spec_stats.accept_length_mean:.2f})", flush=True)
 
-    # As services.
+    # As services: rounds on the round lane (the default) and on the gRPC stream (DESIGN §2's transport).
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-    with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
-                      verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8"],
-                      drafter_flags=["--cuda-graph-max-bs", "8"]) as (generate, m_port):
-        generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
-        started = time.perf_counter()
-        before = round_parts(m_port)
-        last = generate(prompt, new_tokens)
-        served = new_tokens / (time.perf_counter() - started)
-        after = round_parts(m_port)
-    parts = round_parts_ms(before, after)
-    print(f"per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms, the rest of the round "
-          f"trip (gRPC, thread hand-offs, ring) {parts['boundary']:.3f} ms", flush=True)
-    per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
-    print(f"as services:  {served:7.1f} tok/s ({last.spec.rounds} rounds, accept {last.spec.accept_length_mean:.2f}); "
-          f"service pair at {served / inproc:.1%} of in process; boundary cost {per_round_ms:.3f} ms/round", flush=True)
-    return {"in_process_tok_s": inproc, "service_tok_s": served, "ratio": served / inproc,
-            "rounds_service": last.spec.rounds, "rounds_in_process": rounds_in, "boundary_ms_per_round": per_round_ms,
-            "round_trip_parts_ms": parts}
+    out = {"in_process_tok_s": inproc, "rounds_in_process": rounds_in, "transports": {}}
+    for transport, extra in (("lane", []), ("stream", ["--disable-round-lane"])):
+        with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
+                          verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
+                                          *extra],
+                          drafter_flags=["--cuda-graph-max-bs", "8"]) as (generate, m_port):
+            generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
+            started = time.perf_counter()
+            before = round_parts(m_port)
+            last = generate(prompt, new_tokens)
+            served = new_tokens / (time.perf_counter() - started)
+            after = round_parts(m_port)
+        parts = round_parts_ms(before, after)
+        per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
+        print(f"{transport}: per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms, the rest of "
+              f"the round trip {parts['boundary']:.3f} ms", flush=True)
+        print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
+              f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "
+              f"{per_round_ms:.3f} ms/round", flush=True)
+        out["transports"][transport] = {"service_tok_s": served, "ratio": served / inproc,
+                                        "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
+                                        "round_trip_parts_ms": parts}
+    out.update(out["transports"]["lane"])  # the default transport's figures at the top level, as before
+    return out
 
 
 def tp(ctx: dict) -> dict:

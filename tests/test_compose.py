@@ -30,6 +30,8 @@ def test_compose_wiring():
     # CUDA IPC and the /dev/shm ring need the drafter inside the verifier's IPC and PID namespaces.
     assert verifier["ipc"] == "shareable"
     assert drafter["ipc"] == "service:verifier" and drafter["pid"] == "service:verifier"
+    # The round lane is an abstract Unix socket: it needs the verifier's network namespace too.
+    assert drafter["network_mode"] == "service:verifier" and "ports" not in drafter
     for svc in (verifier, drafter):
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
@@ -38,4 +40,4 @@ def test_compose_wiring():
     assert gateway["depends_on"]["drafter"]["condition"] == "service_healthy"
     for svc in (verifier, drafter, gateway):
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
-    assert "python3 -m verifier" in verifier["command"] and "--drafter drafter:50052" in verifier["command"]
+    assert "python3 -m verifier" in verifier["command"] and "--drafter localhost:50052" in verifier["command"]
