@@ -136,3 +136,89 @@ def test_addresses_are_abstract_and_fresh():
     finally:
         a.close()
         b.close()
+
+
+class LaneIgnoringDrafter:
+    """A drafter service that answers the handshake without attaching to the offered lane (an older
+    drafter, or one in another network namespace) — or, with ``claim``, says it attached but never
+    connects — and echoes every Round on the stream with an empty Drafts."""
+
+    def __init__(self, claim: bool = False):
+        self.claim, self.rounds, self.hellos = claim, 0, 0
+
+    def servicer(self):
+        from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+        from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
+
+        fake = self
+
+        class Servicer(pb_grpc.DrafterServicer):
+            async def Rounds(self, requests, context):
+                async for message in requests:
+                    if message.HasField("hello"):
+                        assert message.hello.round_lane.startswith("@")  # the verifier offered one
+                        fake.hellos += 1
+                        yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=1, draft_model="fake",
+                                                                   round_lane=fake.claim))
+                    else:
+                        fake.rounds += 1
+                        yield pb.DrafterMessage(drafts=pb.Drafts(seq=message.round.seq))
+
+        return Servicer()
+
+
+def serve_fake(peer: AsyncPeer, fake: LaneIgnoringDrafter):
+    import grpc
+
+    from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
+
+    async def start():
+        server = grpc.aio.server()
+        pb_grpc.add_DrafterServicer_to_server(fake.servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    return peer.run(start())
+
+
+def client_for(port: int, ring):
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+    from verifier.drafter_client import DrafterClient
+
+    client = DrafterClient(f"127.0.0.1:{port}", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.2)
+    client.start()
+    return client
+
+
+def test_a_drafter_that_declines_the_lane_gets_its_rounds_on_the_stream(peer):
+    from tandem.ring import HiddenRing
+
+    fake = LaneIgnoringDrafter()
+    server, port = serve_fake(peer, fake)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = client_for(port, ring)
+        try:
+            assert client.wait_connected(10.0)
+            assert client._conn.lane is None
+            assert client.draft([], None) == [] and fake.rounds == 1  # the round went over the stream
+        finally:
+            client.close()
+    peer.run(server.stop(0))
+
+
+def test_a_drafter_that_claims_the_lane_but_never_connects_is_not_used(peer):
+    from tandem.ring import HiddenRing
+
+    fake = LaneIgnoringDrafter(claim=True)
+    server, port = serve_fake(peer, fake)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = client_for(port, ring)
+        try:
+            deadline = time.monotonic() + 10.0
+            while fake.hellos < 2 and time.monotonic() < deadline:  # refused, so the client tries again
+                time.sleep(0.05)
+            assert fake.hellos >= 2 and not client.available and fake.rounds == 0
+        finally:
+            client.close()
+    peer.run(server.stop(0))

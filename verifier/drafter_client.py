@@ -34,6 +34,7 @@ from tandem.speculative.verify import ProposerUnavailable
 
 log = logging.getLogger("verifier.drafter_client")
 PROTOCOL_VERSION = 1
+LANE_ACCEPT_S = 1.0
 
 
 class _Connection:
@@ -63,8 +64,8 @@ class _Connection:
             if welcome.welcome.round_lane:
                 if listener is None:
                     raise ProposerUnavailable("the drafter answered with a round lane this verifier did not offer")
-                try:
-                    self.lane = listener.accept(timeout_s)
+                try:  # the drafter connected before it sent the Welcome: the accept is immediate
+                    self.lane = listener.accept(LANE_ACCEPT_S)
                 except LaneError as e:
                     raise ProposerUnavailable(str(e)) from None
         except ProposerUnavailable:
