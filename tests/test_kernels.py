@@ -231,6 +231,30 @@ def test_rotary_and_store(dtype, head_dim, hq, hkv):
     assert torch.equal(k_pool.view(-1, hkv, head_dim)[untouched], before.view(-1, hkv, head_dim)[untouched])
 
 
+def test_rotary_and_store_reads_positions_and_slots_through_their_strides():
+    """One request's tree nodes share a position: the draft expands it (stride 0). Reading such a tensor
+    as contiguous ran past it (the draft graphs' illegal memory access at batch 1)."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, hkv, head_dim = 2, 2, 64
+    q, k, v = _qkv_views(tokens, 4, hkv, head_dim, torch.float32, gen)
+    cos, sin = rotary_tables(100, head_dim, DEVICE)
+    base = torch.tensor([7, 93], device=DEVICE)
+    positions = base[:1].expand(tokens)  # [7, 7] with stride 0; the memory after it holds 93
+    slot_base = torch.tensor([[5, 70], [21, 40]], device=DEVICE)
+    slots = slot_base[:, 0]  # [5, 21] with stride 2 (a column)
+    assert positions.stride(0) == 0 and slots.stride(0) == 2
+    k_pool = torch.zeros(6, 16, hkv, head_dim, device=DEVICE)
+    v_pool = torch.zeros_like(k_pool)
+    want_q, want_k = rotary_reference(q, k, cos, sin, positions.contiguous())
+    q_out = torch.empty_like(q)
+    rotary_and_store(q, k, v, cos, sin, positions, k_pool, v_pool, slots, q_out=q_out)
+    assert rel_err(q_out, want_q) < 1e-5
+    assert rel_err(k_pool.view(-1, hkv, head_dim)[[5, 21]], want_k) < 1e-5
+    assert torch.equal(v_pool.view(-1, hkv, head_dim)[[5, 21]], v)
+    store_kv(k, v, k_pool, v_pool, slot_base[:, 1])  # a strided column again: slots 70 and 40
+    assert torch.equal(v_pool.view(-1, hkv, head_dim)[[70, 40]], v)
+
+
 def test_store_kv():
     gen = torch.Generator().manual_seed(11)
     _, k, v = _qkv_views(5, 4, 2, 64, torch.float32, gen)

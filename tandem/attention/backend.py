@@ -37,6 +37,15 @@ class AttentionBackend(ABC):
         """Write k/v at ``meta.slot_mapping``, then attend."""
 
 
+def attend(backend: AttentionBackend, q, k, v, positions, rotary, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
+    """Rotary on q and k, K/V into the pool, attention: in one fused kernel plus the attention where the
+    backend has it (``fuses_rotary``: the graphed GPU paths), else the rotary module then ``forward``."""
+    if getattr(backend, "fuses_rotary", False):
+        return backend.forward_with_rotary(q, k, v, positions, rotary, k_pool, v_pool, meta, scale)
+    q, k = rotary(positions, q, k)
+    return backend.forward(q, k, v, k_pool, v_pool, meta, scale)
+
+
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto``: FlashInfer on a GPU when it is installed, else the torch reference."""
     from tandem.attention.flashinfer_backend import FlashInferBackend, flashinfer_available

@@ -28,12 +28,19 @@ class TritonGraphBackend(AttentionBackend):
         return paged_attention(q, k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.tree_mask)
 
     def forward_with_rotary(self, q, k, v, positions, rotary, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
-        from tandem.kernels.paged_attention import paged_attention
-        from tandem.kernels.rotary_kv import rotary_and_store
+        return rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
+                                   meta.kv_lens, meta.tree_mask, scale)
 
-        q = rotary_and_store(q, k, v, rotary.cos, rotary.sin, positions, k_pool, v_pool, meta.slot_mapping,
-                             q_out=torch.empty_like(q))
-        return paged_attention(q, k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.tree_mask)
+
+def rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, slot_mapping, block_tables, kv_lens, mask,
+                        scale: float) -> torch.Tensor:
+    """Two kernels: rotary on q and k fused with the K/V store, then paged attention (``mask``: over the
+    last W keys, or None). Shared by the target's graphs and the drafter's."""
+    from tandem.kernels.paged_attention import paged_attention
+    from tandem.kernels.rotary_kv import rotary_and_store
+
+    q = rotary_and_store(q, k, v, rotary.cos, rotary.sin, positions, k_pool, v_pool, slot_mapping, q_out=torch.empty_like(q))
+    return paged_attention(q, k_pool, v_pool, block_tables, kv_lens, scale, mask=mask)
 
 
 def make_graph_backend(device: torch.device) -> AttentionBackend:

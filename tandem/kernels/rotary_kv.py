@@ -8,7 +8,10 @@ The rotation is Hugging Face's rotate_half form: with x = [x1, x2] (halves of th
 Arithmetic is in float32 with one rounding at the end.
 
 One program per token handles all its heads: q, k and v are usually strided views of one fused QKV
-projection output, so the rows are read where they lie, with no ``.contiguous()`` copies.
+projection output, so the rows are read where they lie, with no ``.contiguous()`` copies. Positions
+and slots are read through their strides too: a batch of one request's expanded positions has
+stride 0 (reading them as contiguous ran past the tensor: the illegal memory access of the draft
+graphs' tree capture at batch 1).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def _rotate(ptr, row_off, heads, stride_h, c1, s1, c2, s2,
 @triton.jit
 def _rotary_store_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_pool_ptr, v_pool_ptr,
-    num_q_heads, num_kv_heads,
+    num_q_heads, num_kv_heads, stride_pos, stride_slot,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos, stride_sin,
     stride_kp, stride_kps, stride_kph, stride_vp, stride_vps, stride_vph,
@@ -42,7 +45,7 @@ def _rotary_store_kernel(
     WRITE_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
     dh = tl.arange(0, HALF)
     c1 = tl.load(cos_ptr + pos * stride_cos + dh)[None, :]
     c2 = tl.load(cos_ptr + pos * stride_cos + HALF + dh)[None, :]
@@ -63,7 +66,7 @@ def _rotary_store_kernel(
         tl.store(k_out_ptr + k_off + HALF, k2.to(k_out_ptr.dtype.element_ty), mask=k_ok)
 
     # A negative slot means "do not store" (padding that has no dummy slot).
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     store_ok = k_ok & (slot >= 0)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
@@ -78,7 +81,7 @@ def _rotary_store_kernel(
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, k_pool_ptr, v_pool_ptr, num_kv_heads,
+    k_ptr, v_ptr, slot_ptr, k_pool_ptr, v_pool_ptr, num_kv_heads, stride_slot,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kp, stride_kps, stride_kph, stride_vp, stride_vps, stride_vph,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HKV: tl.constexpr,
@@ -86,7 +89,7 @@ def _store_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_HKV)
     d = tl.arange(0, HEAD_DIM)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     ok = (h < num_kv_heads)[:, None] & (slot >= 0)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
@@ -114,7 +117,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        k, v, slot_mapping, k_pool, v_pool, k.shape[1],
+        k, v, slot_mapping, k_pool, v_pool, k.shape[1], slot_mapping.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k.shape[2], BLOCK_HKV=triton.next_power_of_2(k.shape[1]), num_warps=4,
@@ -149,7 +152,7 @@ def rotary_and_store(
         return q_out
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, q_out, k_dst, cos, sin, positions, slot_mapping, k_pool, v_pool,
-        num_q_heads, num_kv_heads,
+        num_q_heads, num_kv_heads, positions.stride(0), slot_mapping.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1), cos.stride(0), sin.stride(0),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),

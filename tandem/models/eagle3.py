@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention.backend import AttentionBackend
+from tandem.attention.backend import AttentionBackend, attend
+from tandem.layers.activation import silu_mul
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool
 from tandem.layers.linear import ReplicatedLinear, check_shape
@@ -78,9 +79,8 @@ class Eagle3Attention(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = self.rotary(positions, q, k)
         k_pool, v_pool = kv.layer(0)  # the head's pool has exactly one layer
-        out = backend.forward(q, k, v, k_pool, v_pool, meta, self.scale)  # [T, Hq, D]
+        out = attend(backend, q, k, v, positions, self.rotary, k_pool, v_pool, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
 
@@ -91,8 +91,7 @@ class Eagle3MLP(nn.Module):
         self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Eagle3MidLayer(nn.Module):

@@ -10,13 +10,12 @@ EAGLE-3 features: the residual-stream *inputs* of the capture layers, concatenat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention.backend import AttentionBackend
+from tandem.attention.backend import AttentionBackend, attend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool
-from tandem.layers.fast_path import use_triton
+from tandem.layers.activation import silu_mul
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
@@ -54,11 +53,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_pool, v_pool = kv.layer(self.layer_id)
-        if getattr(backend, "fuses_rotary", False):  # one kernel rotates, stores K/V (graphed GPU path)
-            out = backend.forward_with_rotary(q, k, v, positions, self.rotary, k_pool, v_pool, meta, self.scale)
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = backend.forward(q, k, v, k_pool, v_pool, meta, self.scale)
+        out = attend(backend, q, k, v, positions, self.rotary, k_pool, v_pool, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -69,13 +64,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if use_triton(gate_up):
-            from tandem.kernels.activation import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -42,6 +42,14 @@ class StaticAttention(AttentionBackend):
         if kernel not in ("triton", "torch"):
             raise ValueError(f"unknown static attention kernel '{kernel}'; available: triton, torch")
         self.kernel = kernel
+        # With the Triton kernels, rotary and the K/V store are one kernel too (as in the target's graphs).
+        self.fuses_rotary = kernel == "triton"
+
+    def forward_with_rotary(self, q, k, v, positions, rotary, k_pool, v_pool, meta: StaticMeta, scale: float):
+        from tandem.attention.graph_backend import rotate_store_attend
+
+        return rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
+                                   meta.kv_lens, meta.mask, scale)
 
     def plan(self, meta) -> None:  # everything is in the static tensors
         pass
