@@ -59,13 +59,15 @@ class DrafterService:
         generation = self._generation
         ring: HiddenRingView | None = None
         lane_task: asyncio.Task | None = None
+        said_hello = False
         try:
             async for message in requests:
                 if generation != self._generation:
                     await context.abort(grpc.StatusCode.ABORTED, "a newer verifier stream replaced this one")
                 if message.HasField("hello"):
-                    if lane_task is not None:
+                    if said_hello:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "one Hello per stream")
+                    said_hello = True
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
                     lane = await _attach_lane(message.hello)

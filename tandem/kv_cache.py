@@ -94,7 +94,8 @@ class SequenceKV:
     allocator: PageAllocator
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32), repr=False, compare=False)
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32), init=False, repr=False,
+                               compare=False)  # change ``pages`` only through reserve/truncate, which keep it
 
     def __post_init__(self) -> None:
         if self.pages:  # built with pages already (tests)

@@ -93,36 +93,44 @@ class BlockingLane:
         self._header = bytearray(HEADER.size)
 
     def exchange(self, payload: bytes, timeout_s: float) -> bytes:
-        self.send(payload)
-        return self.receive(timeout_s)
+        """Send, then read the reply; ``timeout_s`` bounds both (a peer that stops reading cannot hold
+        the caller on a full socket buffer)."""
+        deadline = time.monotonic() + timeout_s
+        self.send(payload, timeout_s)
+        return self.receive(max(deadline - time.monotonic(), 0.0), timeout_s)
 
-    def send(self, payload: bytes) -> None:
+    def send(self, payload: bytes, timeout_s: float) -> None:
+        frame = _frame(payload)
         try:
-            self._sock.settimeout(None)
-            self._sock.sendall(_frame(payload))
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(frame)
+        except socket.timeout:
+            raise LaneError(f"the peer did not take a round within {timeout_s * 1000:.0f} ms") from None
         except OSError as e:
             raise LaneError(f"round lane send failed: {e}") from None
 
-    def receive(self, timeout_s: float) -> bytes:
+    def receive(self, timeout_s: float, reported_s: float | None = None) -> bytes:
+        """The next frame within ``timeout_s`` (``reported_s``: the deadline to name in the error)."""
         deadline = time.monotonic() + timeout_s
-        self._read_into(memoryview(self._header), deadline, timeout_s)
+        said = timeout_s if reported_s is None else reported_s
+        self._read_into(memoryview(self._header), deadline, said)
         (size,) = HEADER.unpack(self._header)
         if size > MAX_FRAME_BYTES:
             raise LaneError(f"round lane frame of {size} bytes announced; the peer is broken")
         body = bytearray(size)
-        self._read_into(memoryview(body), deadline, timeout_s)
+        self._read_into(memoryview(body), deadline, said)
         return bytes(body)
 
-    def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
+    def _read_into(self, view: memoryview, deadline: float, said_s: float) -> None:
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms")
+                raise LaneError(f"no reply on the round lane within {said_s * 1000:.0f} ms")
             self._sock.settimeout(left)
             try:
                 n = self._sock.recv_into(view)
             except socket.timeout:
-                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms") from None
+                raise LaneError(f"no reply on the round lane within {said_s * 1000:.0f} ms") from None
             except OSError as e:
                 raise LaneError(f"round lane receive failed: {e}") from None
             if n == 0:

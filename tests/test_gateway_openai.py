@@ -151,8 +151,6 @@ def test_client_disconnect_mid_stream_cancels_the_verifier_call(stack):
     assert httpx.get(f"{stack.url}/health").status_code == 200
 
 
-
-
 def test_metrics_move(stack, client):
     before = httpx.get(f"{stack.url}/metrics").text
     for name in ("tandem:requests_total", "tandem:prompt_tokens_total", "tandem:generation_tokens_total",

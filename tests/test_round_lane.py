@@ -99,6 +99,16 @@ def test_a_silent_peer_times_out_and_a_closed_one_fails_at_once(peer):
     lane.close()
 
 
+def test_a_peer_that_stops_reading_cannot_hold_the_sender_past_its_deadline(peer):
+    lane, far = connected(peer)  # far never reads: a big frame fills the socket buffers
+    started = time.monotonic()
+    with pytest.raises(LaneError, match="within 200 ms"):
+        lane.exchange(b"x" * (16 << 20), 0.2)
+    assert time.monotonic() - started < 2.0
+    lane.close()
+    far.close()
+
+
 def test_an_announced_frame_over_the_limit_is_refused(peer):
     lane, far = connected(peer)
 
@@ -109,7 +119,7 @@ def test_an_announced_frame_over_the_limit_is_refused(peer):
     with pytest.raises(LaneError, match="the peer is broken"):
         lane.receive(5.0)
     with pytest.raises(LaneError, match="exceeds"):
-        lane.send(b"\0" * (MAX_FRAME_BYTES + 1))
+        lane.send(b"\0" * (MAX_FRAME_BYTES + 1), 1.0)
     lane.close()
     far.close()
 
@@ -126,12 +136,14 @@ def test_an_unreachable_lane_leaves_the_drafter_on_the_stream(peer):
 
 
 def test_addresses_are_abstract_and_fresh():
+    import os
+
     a, b = LaneListener(), LaneListener()
     try:
         assert a.address.startswith("@") and a.address != b.address and a.token != b.token
+        assert not os.path.exists(a.address[1:])  # abstract: nothing on disk to leave behind
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with pytest.raises(OSError):  # abstract: no file on disk to connect by
-            probe.connect(a.address[1:])
+        probe.connect(b"\0" + a.address[1:].encode())  # reachable by its abstract name
         probe.close()
     finally:
         a.close()
@@ -143,8 +155,8 @@ class LaneIgnoringDrafter:
     drafter, or one in another network namespace) — or, with ``claim``, says it attached but never
     connects — and echoes every Round on the stream with an empty Drafts."""
 
-    def __init__(self, claim: bool = False):
-        self.claim, self.rounds, self.hellos = claim, 0, 0
+    def __init__(self, claim: bool = False, expect_offer: bool = True):
+        self.claim, self.expect_offer, self.rounds, self.hellos = claim, expect_offer, 0, 0
 
     def servicer(self):
         from tandem.rpc.drafter.v1 import drafter_pb2 as pb
@@ -156,7 +168,7 @@ class LaneIgnoringDrafter:
             async def Rounds(self, requests, context):
                 async for message in requests:
                     if message.HasField("hello"):
-                        assert message.hello.round_lane.startswith("@")  # the verifier offered one
+                        assert message.hello.round_lane.startswith("@") == fake.expect_offer
                         fake.hellos += 1
                         yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=1, draft_model="fake",
                                                                    round_lane=fake.claim))
@@ -222,3 +234,97 @@ def test_a_drafter_that_claims_the_lane_but_never_connects_is_not_used(peer):
         finally:
             client.close()
     peer.run(server.stop(0))
+
+
+def test_a_verifier_that_cannot_open_a_lane_keeps_its_rounds_on_the_stream(peer, monkeypatch):
+    import verifier.drafter_client as dc
+    from tandem.ring import HiddenRing
+
+    def no_sockets():
+        raise OSError("AF_UNIX refused by the sandbox")
+
+    monkeypatch.setattr(dc, "LaneListener", no_sockets)
+    fake = LaneIgnoringDrafter(expect_offer=False)
+    server, port = serve_fake(peer, fake)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = client_for(port, ring)
+        try:
+            assert client.wait_connected(10.0) and client._conn.lane is None
+            assert client.draft([], None) == [] and fake.rounds == 1
+        finally:
+            client.close()
+    peer.run(server.stop(0))
+
+
+class LaneRounds:
+    """DrafterService's lane loop on its own: ``_round`` is replaced, so no model is needed."""
+
+    def __init__(self, round_fn):
+        from drafter.service import DrafterService
+
+        self.service = DrafterService.__new__(DrafterService)
+        self.service._lock = None  # created on the peer's loop (below)
+        self.service._generation = 1
+        self.service._round = round_fn
+
+    def start(self, peer: AsyncPeer):
+        listener = LaneListener()
+
+        async def attach():
+            self.service._lock = asyncio.Lock()
+            lane = await AsyncLane.connect(listener.address, listener.token)
+            return asyncio.ensure_future(self.service._serve_lane(lane, ring=None, generation=1))
+
+        pending = peer.submit(attach())
+        near = listener.accept(5.0)
+        listener.close()
+        return near, pending.result(5)
+
+
+def done(peer: AsyncPeer, task) -> None:
+    """Wait for a task of the peer's loop to end (the lane loop returns after closing its lane)."""
+    async def wait():
+        await asyncio.wait_for(task, 5.0)
+
+    peer.run(wait())
+
+
+def round_message(seq: int) -> bytes:
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    return pb.VerifierMessage(round=pb.Round(seq=seq)).SerializeToString()
+
+
+def test_the_drafters_lane_answers_rounds_and_closes_on_anything_else(peer):
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    rounds = LaneRounds(lambda message, ring: pb.Drafts(seq=message.seq))
+    near, task = rounds.start(peer)
+    for seq in (3, 4):
+        assert pb.DrafterMessage.FromString(near.exchange(round_message(seq), 5.0)).drafts.seq == seq
+    hello = pb.VerifierMessage(hello=pb.Hello()).SerializeToString()  # not a Round: the lane ends
+    with pytest.raises(LaneError, match="closed"):
+        near.exchange(hello, 5.0)
+    done(peer, task)
+    near.close()
+
+
+def test_a_failing_round_or_a_newer_stream_closes_the_lane(peer):
+    def broken(message, ring):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    near, task = LaneRounds(broken).start(peer)
+    with pytest.raises(LaneError, match="closed"):  # the verifier sees it at once, drops and reconnects
+        near.exchange(round_message(1), 5.0)
+    done(peer, task)
+    near.close()
+
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    rounds = LaneRounds(lambda message, ring: pb.Drafts(seq=message.seq))
+    near, task = rounds.start(peer)
+    rounds.service._generation = 2  # a newer verifier stream took over
+    with pytest.raises(LaneError, match="closed"):
+        near.exchange(round_message(1), 5.0)
+    done(peer, task)
+    near.close()

@@ -210,6 +210,12 @@ def test_one_request_is_one_trace_across_gateway_verifier_and_drafter(stack_dirs
             if any(s.name == "drafter.draft" for s in spans):
                 break
             time.sleep(0.3)
+        # The verifier ends its request span when its handler finishes, which may be just after the
+        # gateway has the last message and has answered.
+        settle = time.monotonic() + 5
+        while not any(s.name == "verifier.generate" for s in spans) and time.monotonic() < settle:
+            time.sleep(0.05)
+            spans = exporter.get_finished_spans()
         by_name = {}
         for s in spans:
             by_name.setdefault(s.name, []).append(s)

@@ -42,14 +42,15 @@ class _Connection:
     each write and read runs on the client's private asyncio loop in the caller's thread, so a round
     costs no hand-off to a gRPC iterator thread or a reader thread (the boundary's main price). The
     loop outlives connections and is never closed: gRPC may still deliver a late event of a closed
-    stream to it."""
+    stream to it. With a round lane, the rounds bypass the loop: blocking socket calls on the
+    caller's thread."""
 
     def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float, loop: asyncio.AbstractEventLoop,
                  loop_lock: threading.Lock, offer_lane: bool):
         self.loop, self.loop_lock = loop, loop_lock
         self.channel = self.call = None
         self.lane: BlockingLane | None = None
-        listener = LaneListener() if offer_lane and LANE_SUPPORTED else None
+        listener = _listen() if offer_lane and LANE_SUPPORTED else None
         try:
             if listener is not None:  # this connection's own lane address and token
                 offer = pb.VerifierMessage()
@@ -149,6 +150,15 @@ class _Connection:
         closer = threading.Thread(target=run, name="drafter-close", daemon=True)
         closer.start()
         closer.join(5.0)
+
+
+def _listen() -> LaneListener | None:
+    """A round lane to offer, or None (rounds on the stream) where this process cannot open one."""
+    try:
+        return LaneListener()
+    except OSError as e:  # a sandbox without AF_UNIX, no file descriptors left
+        log.info("no round lane (%s); rounds go on the gRPC stream", e)
+        return None
 
 
 class DrafterClient:

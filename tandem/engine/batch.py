@@ -16,7 +16,7 @@ import torch
 from tandem.attention.metadata import AttentionMetadata
 
 
-@dataclass
+@dataclass(eq=False)  # holds arrays and tensors: compared by identity
 class SequenceChunk:
     token_ids: list[int]  # the new tokens of this sequence in this forward
     prefix_len: int  # tokens of this sequence already in the KV cache

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend, attend
-from tandem.layers.activation import silu_mul
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool
+from tandem.layers.activation import silu_mul
 from tandem.layers.linear import ReplicatedLinear, check_shape
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding

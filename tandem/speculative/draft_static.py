@@ -34,7 +34,8 @@ class StaticMeta:
 class StaticAttention(AttentionBackend):
     """Store K/V at the static slots, then paged attention: the Triton kernel (GPU, or CPU under
     TRITON_INTERPRET=1) or a static-shape torch version of it (CPU tests; gathers every page of the
-    table, so it is for small tables only)."""
+    table, so it is for small tables only). With the Triton kernels the head's rotary and K/V store
+    are one kernel too (``forward_with_rotary``, reached through ``attend``)."""
 
     name = "static"
 
