@@ -257,3 +257,11 @@ def test_teacher_under_tensor_parallelism_gives_the_tp1_features(target):
             engine.shutdown()
     for (f1, l1), (f2, l2) in zip(results[1], results[2]):
         assert torch.allclose(f1, f2, atol=1e-4) and torch.allclose(l1, l2, atol=1e-4)
+
+
+def test_demo_pair_cli_wants_a_folder_for_another_head(capsys):
+    from tandem.training.demo_pair import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--head-data-temperature", "1.0"])
+    assert e.value.code == 2 and "--head-data-temperature needs --out" in capsys.readouterr().err

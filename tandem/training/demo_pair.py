@@ -82,24 +82,26 @@ def demo_eval_prompts(target_dir: str | Path, count: int = EVAL_PROMPTS, seed: i
 
 
 def demo_draft_job(target_dir: str | Path, out: Path, run_dir: Path | None = None, train: Eagle3TrainConfig = DEMO_DRAFT,
-                   evaluate: bool = False):
+                   evaluate: bool = False, temperature: float = 0.0):
     from tandem.training.evaluate import EvalConfig
     from tandem.training.pipeline import DrafterTrainJob
 
     run_dir = run_dir or out.with_name(out.name + ".run")
     return DrafterTrainJob(target_model=str(target_dir), out=str(out), run_dir=str(run_dir),
-                           max_new_tokens=RESPONSE_TOKENS, temperature=0.0, draft_vocab_size=DRAFT_VOCAB,
+                           max_new_tokens=RESPONSE_TOKENS, temperature=temperature, draft_vocab_size=DRAFT_VOCAB,
                            capture_layers=CAPTURE_LAYERS,
                            train=train, eval=EvalConfig() if evaluate else None)
 
 
-def build_demo_draft(target_dir: str | Path, out: Path, run_dir: Path | None = None, evaluate: bool = False) -> dict:
-    """Train the demo head into ``out``; returns the training summary (with held-out metrics)."""
+def build_demo_draft(target_dir: str | Path, out: Path, run_dir: Path | None = None, evaluate: bool = False,
+                     temperature: float = 0.0) -> dict:
+    """Train the demo head into ``out``; returns the training summary (with held-out metrics).
+    ``temperature``: of the target's responses it learns from (the shipped head: 0, greedy)."""
     from tandem.training.data import Sample
     from tandem.training.pipeline import run_job
 
     out = Path(out)
-    job = demo_draft_job(target_dir, out, run_dir, evaluate=evaluate)
+    job = demo_draft_job(target_dir, out, run_dir, evaluate=evaluate, temperature=temperature)
     samples = [Sample(tuple(p)) for p in demo_train_prompts(target_dir)]
     eval_samples = [Sample(tuple(p)) for p in demo_eval_prompts(target_dir)]
     # resume: an interrupted build reuses its generated samples and checkpoint
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo: the embedded CPU pair (cached); gpu: the larger pair, trained into --out")
     p.add_argument("--out", default=None, help="folder for --variant gpu")
     p.add_argument("--device", default="cuda", help="device for --variant gpu")
+    p.add_argument("--head-data-temperature", type=float, default=None, metavar="T",
+                   help="demo: train another head for the demo target into --out, on its responses sampled at T "
+                        "(the shipped head learns from greedy ones), and evaluate it at T=0 and T=1")
+    p.add_argument("--target", default=None, help="with --head-data-temperature: the demo target folder "
+                                                  "(default: the cached one)")
     args = p.parse_args(argv)
     if args.variant == "gpu":
         if not args.out:
@@ -145,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             if not torch.cuda.is_available():
                 p.error("--variant gpu trains on a GPU and none is visible; --device cpu runs it here (hours)")
         build_gpu_pair(Path(args.out), device=args.device)
+        return 0
+    if args.head_data_temperature is not None:
+        if not args.out:
+            p.error("--head-data-temperature needs --out DIR")
+        from tandem.demo import ensure_demo_target
+
+        target = args.target or str(ensure_demo_target())
+        summary = build_demo_draft(target, Path(args.out), evaluate=True, temperature=args.head_data_temperature)
+        print(json.dumps(summary.get("eval", summary), indent=2))
         return 0
     from tandem.training.cli import run_demo_models
 
