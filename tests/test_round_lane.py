@@ -237,7 +237,7 @@ def test_a_drafter_that_claims_the_lane_but_never_connects_is_not_used(peer):
 
 
 def test_a_verifier_that_cannot_open_a_lane_keeps_its_rounds_on_the_stream(peer, monkeypatch):
-    import verifier.drafter_client as dc
+    import verifier.drafter_connection as dc
     from tandem.ring import HiddenRing
 
     def no_sockets():

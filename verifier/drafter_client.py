@@ -22,143 +22,16 @@ from typing import Callable
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from tandem.errors import TandemError
 from tandem.ring import HiddenRing
-from tandem.round_lane import LANE_SUPPORTED, BlockingLane, LaneError, LaneListener
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
-from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
+from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
 PROTOCOL_VERSION = 1
-LANE_ACCEPT_S = 1.0
-
-
-class _Connection:
-    """One live stream, driven by whichever thread calls (the engine thread, under the client's lock):
-    each write and read runs on the client's private asyncio loop in the caller's thread, so a round
-    costs no hand-off to a gRPC iterator thread or a reader thread (the boundary's main price). The
-    loop outlives connections and is never closed: gRPC may still deliver a late event of a closed
-    stream to it. With a round lane, the rounds bypass the loop: blocking socket calls on the
-    caller's thread."""
-
-    def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float, loop: asyncio.AbstractEventLoop,
-                 loop_lock: threading.Lock, offer_lane: bool):
-        self.loop, self.loop_lock = loop, loop_lock
-        self.channel = self.call = None
-        self.lane: BlockingLane | None = None
-        listener = _listen() if offer_lane and LANE_SUPPORTED else None
-        try:
-            if listener is not None:  # this connection's own lane address and token
-                offer = pb.VerifierMessage()
-                offer.CopyFrom(hello)
-                offer.hello.round_lane, offer.hello.round_lane_token = listener.address, listener.token
-                hello = offer
-            self._run(self._open(address))
-            self.send(hello)
-            welcome = self.receive(timeout_s)
-            if not welcome.HasField("welcome"):
-                raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
-            if welcome.welcome.round_lane:
-                if listener is None:
-                    raise ProposerUnavailable("the drafter answered with a round lane this verifier did not offer")
-                try:  # the drafter connected before it sent the Welcome: the accept is immediate
-                    self.lane = listener.accept(LANE_ACCEPT_S)
-                except LaneError as e:
-                    raise ProposerUnavailable(str(e)) from None
-        except ProposerUnavailable:
-            self.close()
-            raise
-        finally:
-            if listener is not None:
-                listener.close()
-        self.welcome = welcome.welcome
-
-    async def _open(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
-        self.call = pb_grpc.DrafterStub(self.channel).Rounds()
-
-    def _run(self, coro, timeout_s: float | None = None):
-        # The loop is busy only while another thread closes an old stream; never wait on it for long.
-        if not self.loop_lock.acquire(timeout=max(timeout_s or 0.0, 5.0)):
-            coro.close()
-            raise ProposerUnavailable("the drafter stream's event loop is busy closing an old stream")
-        try:
-            try:
-                return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
-            finally:
-                self.loop_lock.release()
-        except asyncio.TimeoutError:
-            raise ProposerUnavailable(f"the drafter did not reply within {timeout_s * 1000:.0f} ms") from None
-        except grpc.RpcError as e:
-            error = ProposerUnavailable(f"drafter stream failed: {e.code().name}: {e.details()}")
-            error.status, error.details = e.code(), e.details()
-            raise error from None
-        except (asyncio.InvalidStateError, asyncio.CancelledError, ConnectionError) as e:  # the stream is gone
-            raise ProposerUnavailable(f"drafter stream failed: {type(e).__name__}: {e}") from None
-
-    def send(self, message: pb.VerifierMessage) -> None:
-        self._run(self.call.write(message))
-
-    def receive(self, timeout_s: float) -> pb.DrafterMessage:
-        return self._checked(self._run(self.call.read(), timeout_s))
-
-    def exchange(self, message: pb.VerifierMessage, timeout_s: float) -> pb.DrafterMessage:
-        """Send one message and read the reply: on the round lane when there is one, else in one pass
-        of the loop over the stream (a round's whole boundary)."""
-        if self.lane is not None:
-            try:
-                return pb.DrafterMessage.FromString(self.lane.exchange(message.SerializeToString(), timeout_s))
-            except LaneError as e:
-                raise ProposerUnavailable(str(e)) from None
-            except DecodeError as e:
-                raise ProposerUnavailable(f"the drafter sent an unreadable message on the round lane: {e}") from None
-
-        async def write_then_read():
-            await self.call.write(message)
-            return await self.call.read()
-
-        return self._checked(self._run(write_then_read(), timeout_s))
-
-    @staticmethod
-    def _checked(message) -> pb.DrafterMessage:
-        if message is grpc.aio.EOF:
-            raise ProposerUnavailable("the drafter closed the stream")
-        return message
-
-    def close(self) -> None:
-        if self.lane is not None:
-            self.lane.close()  # the drafter sees the lane end at once, whatever the stream does
-
-        async def shut():
-            if self.call is not None:
-                self.call.cancel()
-            if self.channel is not None:
-                await self.channel.close()
-
-        def run() -> None:
-            try:
-                self._run(shut(), 5.0)
-            except Exception as e:  # noqa: BLE001 - closing a broken stream must not fail the caller
-                log.debug("closing the drafter stream: %s", e)
-
-        # The caller may be running an event loop of its own (the service's shutdown): close on a helper thread.
-        closer = threading.Thread(target=run, name="drafter-close", daemon=True)
-        closer.start()
-        closer.join(5.0)
-
-
-def _listen() -> LaneListener | None:
-    """A round lane to offer, or None (rounds on the stream) where this process cannot open one."""
-    try:
-        return LaneListener()
-    except OSError as e:  # a sandbox without AF_UNIX, no file descriptors left
-        log.info("no round lane (%s); rounds go on the gRPC stream", e)
-        return None
 
 
 class DrafterClient:
@@ -173,7 +46,7 @@ class DrafterClient:
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
         self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
-        self._conn: _Connection | None = None
+        self._conn: DrafterConnection | None = None
         self._seq = 0
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
@@ -210,7 +83,7 @@ class DrafterClient:
         while not self._stop.is_set():
             if self._conn is None:
                 try:
-                    conn = _Connection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock,
+                    conn = DrafterConnection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock,
                                        self.round_lane)
                 except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
                     if not isinstance(e, ProposerUnavailable):
