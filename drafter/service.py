@@ -220,10 +220,12 @@ async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:
     if not hello.round_lane:
         return None
     try:
-        return await asyncio.wait_for(AsyncLane.connect(hello.round_lane, hello.round_lane_token), LANE_CONNECT_S)
+        lane = await asyncio.wait_for(AsyncLane.connect(hello.round_lane, hello.round_lane_token), LANE_CONNECT_S)
     except (OSError, LaneError, asyncio.TimeoutError) as e:  # another network namespace, say: stay on the stream
         log.info("round lane %s not reachable (%s); rounds stay on the gRPC stream", hello.round_lane, e)
         return None
+    log.info("rounds on the round lane %s", hello.round_lane)
+    return lane
 
 
 async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception) -> None:
