@@ -54,6 +54,7 @@ def pair(pair_dirs, tmp_path_factory):
 def test_stream_equals_target_only_greedy(pair, reference):
     _, verifier = pair
     assert "rounds on the round lane" in verifier.log()  # the default transport, where it can be set up
+    assert read_metrics(verifier.metrics_port)["tandem:drafter_round_lane"] == 1.0
     for i in (0, 5, 9):
         tokens, last = generate(verifier.address, prompts_of(32)[i])
         assert tokens == reference[i]
@@ -135,6 +136,7 @@ def test_rounds_on_the_grpc_stream_equal_target_only_greedy(pair_dirs, reference
     drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--disable-round-lane",))
     try:
         assert "rounds on the gRPC stream" in verifier.log()
+        assert read_metrics(verifier.metrics_port)["tandem:drafter_round_lane"] == 0.0
         for i in (1, 6):
             tokens, last = generate(verifier.address, prompts_of(32)[i])
             assert tokens == reference[i] and last.spec.rounds > 0

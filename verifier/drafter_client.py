@@ -69,6 +69,12 @@ class DrafterClient:
     def available(self) -> bool:
         return self._conn is not None
 
+    @property
+    def rounds_on_lane(self) -> bool:
+        """Whether the current connection's rounds go on the round lane (False: stream, or none)."""
+        conn = self._conn
+        return conn is not None and conn.lane is not None
+
     def wait_connected(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -28,6 +28,8 @@ class VerifierMetrics:
         self.accept_length = Histogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus included)",
                                        buckets=tuple(range(1, max_positions + 2)), registry=r)
         self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
+        self.drafter_round_lane = Gauge("tandem:drafter_round_lane", "1 while the drafter's rounds go on the round "
+                                        "lane (a local socket), 0 on the gRPC stream or while disconnected", registry=r)
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
         self.kv_pages_free = Gauge("tandem:kv_pages_free", "Free KV-cache pages", registry=r)
         self.kv_pages_total = Gauge("tandem:kv_pages_total", "KV-cache pages that can be allocated", registry=r)

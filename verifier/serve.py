@@ -74,6 +74,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
 
     def on_state(up: bool) -> None:
         metrics.drafter_up.set(1 if up else 0)
+        metrics.drafter_round_lane.set(1 if up and client.rounds_on_lane else 0)
         if not up:
             metrics.drafter_failures.inc()
 
