@@ -55,22 +55,29 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
                 p.wait(10)
 
 
+# (histogram, label, value): the round trip's parts, then the drafter's own split of its part.
+ROUND_PARTS = (("tandem:drafter_round_seconds", "part", "drafter"), ("tandem:drafter_round_seconds", "part", "boundary"),
+               ("tandem:drafter_work_seconds", "phase", "extend"), ("tandem:drafter_work_seconds", "phase", "draft"),
+               ("tandem:drafter_work_seconds", "phase", "resolve"))
+
+
 def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Milliseconds per round of the drafter's work and of the rest of the round trip between two scrapes."""
+    """Milliseconds per round of each part (the drafter's work, the rest of the round trip, and the
+    drafter's extend / draft / resolve phases) between two scrapes."""
     rounds = max(1.0, after["count"] - before["count"])
-    return {k: 1e3 * (after[k] - before[k]) / rounds for k in ("drafter", "boundary")} | {"rounds": after["count"] - before["count"]}
+    return {v: 1e3 * (after[v] - before[v]) / rounds for _, _, v in ROUND_PARTS} | {"rounds": after["count"] - before["count"]}
 
 
 def round_parts(metrics_port: int) -> dict[str, float]:
-    """Sums of the verifier's tandem:drafter_round_seconds histogram by part, and the round count."""
+    """Sums of the verifier's drafter round histograms by part and phase, and the round count."""
     import re
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {"drafter": 0.0, "boundary": 0.0, "count": 0.0}
-    for part in ("drafter", "boundary"):
-        m = re.search(r'tandem:drafter_round_seconds_sum\{part="%s"\} ([0-9.eE+-]+)' % part, text)
-        out[part] = float(m.group(1)) if m else 0.0
+    out = {"count": 0.0}
+    for name, label, value in ROUND_PARTS:
+        m = re.search(r'%s_sum\{%s="%s"\} ([0-9.eE+-]+)' % (name, label, value), text)
+        out[value] = float(m.group(1)) if m else 0.0
     m = re.search(r'tandem:drafter_round_seconds_count\{part="drafter"\} ([0-9.eE+-]+)', text)
     out["count"] = float(m.group(1)) if m else 0.0
     return out

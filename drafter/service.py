@@ -158,7 +158,7 @@ class DrafterService:
             for wave in waves:
                 for gen, items in wave.items():
                     self.heads.drafter(gen).extend(items)
-        drafts = pb.Drafts(seq=round_msg.seq)
+        drafts = pb.Drafts(seq=round_msg.seq, extend_seconds=time.perf_counter() - started)
         by_spec: dict[tuple[int, SpecConfig], list[pb.DraftRequest]] = {}
         for d in round_msg.draft:
             spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
@@ -170,7 +170,9 @@ class DrafterService:
                                         tracer="tandem.drafter") for d in group]
             try:
                 trees = self.heads.drafter(gen).draft([d.request_id for d in group], spec)
+                waiting = time.perf_counter()
                 resolve_pending(trees)  # trees leave the process: no token may stay on the device
+                drafts.resolve_seconds += time.perf_counter() - waiting
             finally:
                 for span in spans:
                     span.end()

@@ -39,7 +39,7 @@ class DrafterClient:
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
-                 on_round: Callable[[float, float], None] = lambda round_trip_s, drafter_s: None,
+                 on_round: Callable[[float, pb.Drafts], None] = lambda round_trip_s, drafts: None,
                  round_lane: bool = True):
         self.address, self.ring, self.target = address, ring, target
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
@@ -188,7 +188,7 @@ class DrafterClient:
                 self._drop(str(e))
                 raise
             self.ring.release(seq)
-        self.on_round(time.perf_counter() - sent, reply.drafts.draft_seconds)
+        self.on_round(time.perf_counter() - sent, reply.drafts)
         trees = {t.request_id: t for t in reply.drafts.trees}
         missing = [r for r in rids if r not in trees]
         if missing:  # a broken reply: start over on a fresh stream (the drafter then forgets every request)

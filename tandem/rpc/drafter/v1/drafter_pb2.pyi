@@ -130,14 +130,18 @@ class Tree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Drafts(_message.Message):
-    __slots__ = ("seq", "trees", "draft_seconds")
+    __slots__ = ("seq", "trees", "draft_seconds", "extend_seconds", "resolve_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESOLVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     trees: _containers.RepeatedCompositeFieldContainer[Tree]
     draft_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    extend_seconds: float
+    resolve_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., resolve_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("hello", "round")
