@@ -30,11 +30,11 @@ from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.tree import resolve_pending
+from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.heads import DraftHeads
 
 log = logging.getLogger("drafter.service")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
 LANE_CONNECT_S = 2.0
 
@@ -160,6 +160,7 @@ class DrafterService:
                     self.heads.drafter(gen).extend(items)
         drafts = pb.Drafts(seq=round_msg.seq, extend_seconds=time.perf_counter() - started)
         by_spec: dict[tuple[int, SpecConfig], list[pb.DraftRequest]] = {}
+        drafted: dict[str, DraftTree] = {}
         for d in round_msg.draft:
             spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
             by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append(d)
@@ -176,9 +177,13 @@ class DrafterService:
             finally:
                 for span in spans:
                     span.end()
-            for d, tree in zip(group, trees):
-                drafts.trees.append(pb.Tree(request_id=d.request_id, token_ids=tree.tokens, parents=tree.parents,
-                                            scores=tree.scores))
+            drafted.update((d.request_id, tree) for d, tree in zip(group, trees))
+        for d in round_msg.draft:  # packed, in the Round's order
+            tree = drafted[d.request_id]
+            drafts.tree_sizes.append(tree.size)
+            drafts.tree_tokens.extend(tree.tokens)
+            drafts.tree_parents.extend(tree.parents)
+            drafts.tree_scores.extend(tree.scores if len(tree.scores) == tree.size else [0.0] * tree.size)
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
 

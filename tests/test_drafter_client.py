@@ -50,3 +50,22 @@ def test_a_prompt_longer_than_the_ring_goes_in_pieces():
         client.extend([("long", list(range(100)), features)])  # 100 rows through a 64-row ring
         client.draft([], None)
         assert client.available and sum(conn.round_rows) == 100 and all(r <= 16 for r in conn.round_rows)
+
+
+def test_trees_travel_packed_in_the_order_they_were_asked_for():
+    import pytest
+
+    from verifier.drafter_client import unpack_trees
+
+    drafts = pb.Drafts(seq=3, tree_sizes=[1, 4, 3], tree_tokens=[7, 9, 1, 2, 3, 5, 6, 4],
+                       tree_parents=[-1, -1, 0, 1, 1, -1, 0, 0], tree_scores=[0, 0, -.5, -1, -2, 0, -.1, -.2])
+    trees = unpack_trees(drafts, 3)
+    assert [t.tokens for t in trees] == [[7], [9, 1, 2, 3], [5, 6, 4]]
+    assert [t.parents for t in trees] == [[-1], [-1, 0, 1, 1], [-1, 0, 0]]
+    assert trees[2].scores == pytest.approx([0, -.1, -.2])
+    with pytest.raises(ValueError, match="2 trees"):
+        unpack_trees(pb.Drafts(tree_sizes=[1, 1], tree_tokens=[1, 2], tree_parents=[-1, -1], tree_scores=[0, 0]), 3)
+    with pytest.raises(ValueError, match="3 tokens"):
+        unpack_trees(pb.Drafts(tree_sizes=[2], tree_tokens=[1, 2, 3], tree_parents=[-1, 0], tree_scores=[0, 0]), 1)
+    with pytest.raises(ValueError, match="parents"):  # a malformed tree is a broken reply too
+        unpack_trees(pb.Drafts(tree_sizes=[2], tree_tokens=[1, 2], tree_parents=[-1, 1], tree_scores=[0, 0]), 1)

@@ -170,7 +170,7 @@ class LaneIgnoringDrafter:
                     if message.HasField("hello"):
                         assert message.hello.round_lane.startswith("@") == fake.expect_offer
                         fake.hellos += 1
-                        yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=1, draft_model="fake",
+                        yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=2, draft_model="fake",
                                                                    round_lane=fake.claim))
                     else:
                         fake.rounds += 1

@@ -31,7 +31,7 @@ from tandem.speculative.verify import ProposerUnavailable
 from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class DrafterClient:
@@ -189,10 +189,25 @@ class DrafterClient:
                 raise
             self.ring.release(seq)
         self.on_round(time.perf_counter() - sent, reply.drafts)
-        trees = {t.request_id: t for t in reply.drafts.trees}
-        missing = [r for r in rids if r not in trees]
-        if missing:  # a broken reply: start over on a fresh stream (the drafter then forgets every request)
+        try:
+            return unpack_trees(reply.drafts, len(rids))
+        except ValueError as e:  # a broken reply: start over on a fresh stream (the drafter then forgets every request)
             with self._lock:
-                self._drop(f"the drafter returned no tree for {missing[0]}")
-            raise ProposerUnavailable(f"the drafter returned no tree for {missing[0]}")
-        return [DraftTree(list(trees[r].token_ids), list(trees[r].parents), list(trees[r].scores)) for r in rids]
+                self._drop(str(e))
+            raise ProposerUnavailable(str(e)) from None
+
+
+def unpack_trees(drafts: pb.Drafts, count: int) -> list[DraftTree]:
+    """The ``count`` trees a Drafts carries packed, in the order they were asked for; ValueError when
+    the reply does not hold exactly that (or a tree is malformed)."""
+    sizes = list(drafts.tree_sizes)
+    tokens, parents, scores = list(drafts.tree_tokens), list(drafts.tree_parents), list(drafts.tree_scores)
+    total = sum(sizes)
+    if len(sizes) != count or not len(tokens) == len(parents) == len(scores) == total:
+        raise ValueError(f"the drafter returned {len(sizes)} trees ({len(tokens)} tokens, {len(parents)} parents, "
+                         f"{len(scores)} scores) for {count} requests ({total} nodes)")
+    trees, at = [], 0
+    for n in sizes:
+        trees.append(DraftTree(tokens[at : at + n], parents[at : at + n], scores[at : at + n]))
+        at += n
+    return trees

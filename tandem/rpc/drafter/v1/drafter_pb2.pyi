@@ -117,31 +117,25 @@ class Round(_message.Message):
     draft: _containers.RepeatedCompositeFieldContainer[DraftRequest]
     def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
 
-class Tree(_message.Message):
-    __slots__ = ("request_id", "token_ids", "parents", "scores")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
-    SCORES_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class Drafts(_message.Message):
-    __slots__ = ("seq", "trees", "draft_seconds", "extend_seconds", "resolve_seconds")
+    __slots__ = ("seq", "draft_seconds", "extend_seconds", "resolve_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores")
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    TREES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESOLVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TREE_SCORES_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    trees: _containers.RepeatedCompositeFieldContainer[Tree]
     draft_seconds: float
     extend_seconds: float
     resolve_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., resolve_seconds: _Optional[float] = ...) -> None: ...
+    tree_sizes: _containers.RepeatedScalarFieldContainer[int]
+    tree_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    tree_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., resolve_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("hello", "round")
