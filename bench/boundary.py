@@ -69,9 +69,9 @@ def main() -> int:
             result["transports"][transport] = {
                 "seconds": seconds, "rounds": parts["rounds"], "drafter_ms_per_round": parts["drafter"],
                 "boundary_ms_per_round": parts["boundary"], "drafter_phases_ms": {
-                    k: parts[k] for k in ("extend", "draft", "resolve")}, "accept_length": last.spec.accept_length_mean}
+                    k: parts[k] for k in ("extend", "draft")}, "accept_length": last.spec.accept_length_mean}
             print(f"{transport}: {parts['rounds']:.0f} rounds: drafter work {parts['drafter']:.3f} ms (extend "
-                  f"{parts['extend']:.3f}, draft {parts['draft']:.3f}, resolve {parts['resolve']:.3f}), rest of the "
+                  f"{parts['extend']:.3f}, draft {parts['draft']:.3f}), rest of the "
                   f"round trip {parts['boundary']:.3f} ms per round ({args.tokens / seconds:.0f} tok/s end to end)",
                   flush=True)
     if args.out:

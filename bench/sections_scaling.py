@@ -65,7 +65,7 @@ def service(ctx: dict) -> dict:
         parts = round_parts_ms(before, after)
         per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
         print(f"{transport}: per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms (extend "
-              f"{parts['extend']:.3f}, draft {parts['draft']:.3f}, waiting for the tokens {parts['resolve']:.3f}), "
+              f"{parts['extend']:.3f}, draft and waiting for its tokens {parts['draft']:.3f}), "
               f"the rest of the round trip {parts['boundary']:.3f} ms", flush=True)
         print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
               f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "

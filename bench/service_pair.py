@@ -57,13 +57,12 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
 # (histogram, label, value): the round trip's parts, then the drafter's own split of its part.
 ROUND_PARTS = (("tandem:drafter_round_seconds", "part", "drafter"), ("tandem:drafter_round_seconds", "part", "boundary"),
-               ("tandem:drafter_work_seconds", "phase", "extend"), ("tandem:drafter_work_seconds", "phase", "draft"),
-               ("tandem:drafter_work_seconds", "phase", "resolve"))
+               ("tandem:drafter_work_seconds", "phase", "extend"), ("tandem:drafter_work_seconds", "phase", "draft"))
 
 
 def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Milliseconds per round of each part (the drafter's work, the rest of the round trip, and the
-    drafter's extend / draft / resolve phases) between two scrapes."""
+    drafter's extend and draft phases) between two scrapes."""
     rounds = max(1.0, after["count"] - before["count"])
     return {v: 1e3 * (after[v] - before[v]) / rounds for _, _, v in ROUND_PARTS} | {"rounds": after["count"] - before["count"]}
 

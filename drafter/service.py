@@ -159,31 +159,30 @@ class DrafterService:
                 for gen, items in wave.items():
                     self.heads.drafter(gen).extend(items)
         drafts = pb.Drafts(seq=round_msg.seq, extend_seconds=time.perf_counter() - started)
-        by_spec: dict[tuple[int, SpecConfig], list[pb.DraftRequest]] = {}
-        drafted: dict[str, DraftTree] = {}
-        for d in round_msg.draft:
+        by_spec: dict[tuple[int, SpecConfig], list[tuple[int, pb.DraftRequest]]] = {}
+        drafted: list[DraftTree | None] = [None] * len(round_msg.draft)  # by position in the Round
+        for i, d in enumerate(round_msg.draft):
             spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
-            by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append(d)
+            by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append((i, d))
         for (gen, spec), group in by_spec.items():
             spans = [tracing.start_span("drafter.draft", parent=tracing.extract(dict(d.trace_context)),
                                         attributes={"tandem.request_id": d.request_id,
                                                     "tandem.num_draft_tokens": spec.num_draft_tokens},
-                                        tracer="tandem.drafter") for d in group]
+                                        tracer="tandem.drafter") for _, d in group]
             try:
-                trees = self.heads.drafter(gen).draft([d.request_id for d in group], spec)
-                waiting = time.perf_counter()
+                trees = self.heads.drafter(gen).draft([d.request_id for _, d in group], spec)
                 resolve_pending(trees)  # trees leave the process: no token may stay on the device
-                drafts.resolve_seconds += time.perf_counter() - waiting
             finally:
                 for span in spans:
                     span.end()
-            drafted.update((d.request_id, tree) for d, tree in zip(group, trees))
-        for d in round_msg.draft:  # packed, in the Round's order
-            tree = drafted[d.request_id]
+            for (i, _), tree in zip(group, trees):
+                drafted[i] = tree
+        for tree in drafted:  # packed, in the Round's order
             drafts.tree_sizes.append(tree.size)
             drafts.tree_tokens.extend(tree.tokens)
             drafts.tree_parents.extend(tree.parents)
-            drafts.tree_scores.extend(tree.scores if len(tree.scores) == tree.size else [0.0] * tree.size)
+            # scores are optional in a DraftTree: none becomes zeros; a wrong count is a drafter bug
+            drafts.tree_scores.extend(tree.scores or [0.0] * tree.size)
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
 

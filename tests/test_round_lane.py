@@ -155,8 +155,9 @@ class LaneIgnoringDrafter:
     drafter, or one in another network namespace) — or, with ``claim``, says it attached but never
     connects — and echoes every Round on the stream with an empty Drafts."""
 
-    def __init__(self, claim: bool = False, expect_offer: bool = True):
+    def __init__(self, claim: bool = False, expect_offer: bool = True, version: int = 2):
         self.claim, self.expect_offer, self.rounds, self.hellos = claim, expect_offer, 0, 0
+        self.version = version
 
     def servicer(self):
         from tandem.rpc.drafter.v1 import drafter_pb2 as pb
@@ -170,7 +171,7 @@ class LaneIgnoringDrafter:
                     if message.HasField("hello"):
                         assert message.hello.round_lane.startswith("@") == fake.expect_offer
                         fake.hellos += 1
-                        yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=2, draft_model="fake",
+                        yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=fake.version, draft_model="fake",
                                                                    round_lane=fake.claim))
                     else:
                         fake.rounds += 1
@@ -328,3 +329,55 @@ def test_a_failing_round_or_a_newer_stream_closes_the_lane(peer):
         near.exchange(round_message(1), 5.0)
     done(peer, task)
     near.close()
+
+
+def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
+    """Requests are drafted in groups (per head and spec); the reply must list their trees in the order
+    the Round asked for them, which is all the verifier matches them by."""
+    from drafter.service import DrafterService
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+    from tandem.speculative.tree import DraftTree
+    from verifier.drafter_client import unpack_trees
+
+    class Head:
+        def __init__(self, gen):
+            self.gen = gen
+
+        def draft(self, rids, spec):  # a chain whose tokens name the request, head and size
+            n = spec.num_draft_tokens
+            return [DraftTree([int(r[1:]) * 100 + self.gen * 10 + n] * n, list(range(-1, n - 1))) for r in rids]
+
+    class Heads:
+        def for_request(self, rid):
+            return (int(rid[1:]) % 2, None)  # odd requests on the newer head
+
+        def drafter(self, gen):
+            return Head(gen)
+
+    service = DrafterService.__new__(DrafterService)
+    service.heads = Heads()
+    sizes = {"r1": 4, "r2": 3, "r3": 4, "r4": 3, "r5": 2}
+    round_msg = pb.Round(seq=7, draft=[pb.DraftRequest(request_id=r, spec=pb.SpecParams(num_steps=n - 1, topk=1,
+                                                                                           num_draft_tokens=n))
+                                       for r, n in sizes.items()])
+    trees = unpack_trees(service._round(round_msg, ring=None), len(sizes))
+    assert [t.tokens[0] for t in trees] == [int(r[1:]) * 100 + (int(r[1:]) % 2) * 10 + n for r, n in sizes.items()]
+    assert [t.size for t in trees] == list(sizes.values())
+
+
+def test_a_drafter_speaking_another_protocol_is_refused(peer):
+    from tandem.ring import HiddenRing
+
+    fake = LaneIgnoringDrafter(version=1)  # e.g. a drafter of the previous release (a Tree message per tree)
+    server, port = serve_fake(peer, fake)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = client_for(port, ring)
+        try:
+            deadline = time.monotonic() + 10.0
+            while fake.hellos < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert fake.hellos >= 2 and not client.available and fake.rounds == 0
+            assert "drafter protocol 1" in client._last_refusal  # said once, as an error
+        finally:
+            client.close()
+    peer.run(server.stop(0))

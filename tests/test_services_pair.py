@@ -60,11 +60,10 @@ def test_stream_equals_target_only_greedy(pair, reference):
         assert tokens == reference[i]
         assert last.finish_reason == "length" and last.completion_tokens == 24
         assert last.spec.rounds > 0  # the drafter drafted for it
-    # The drafter's work per round is split into extend, draft and resolve phases that add up to it.
+    # The drafter reports its work per round split into its extends and its drafts: both happen every round.
     m = read_metrics(verifier.metrics_port)
-    phases = [m[f'tandem:drafter_work_seconds_sum{{phase="{p}"}}'] for p in ("extend", "draft", "resolve")]
-    assert all(p > 0 for p in phases[:2])
-    assert sum(phases) == pytest.approx(m['tandem:drafter_round_seconds_sum{part="drafter"}'], rel=1e-6, abs=1e-9)
+    extend, draft = (m[f'tandem:drafter_work_seconds_sum{{phase="{p}"}}'] for p in ("extend", "draft"))
+    assert extend > 0 and draft > 0
 
 
 def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):

@@ -151,3 +151,41 @@ def test_sampling_speculation_keeps_target_distribution(tmp_path, params):
     p_value = chisquare(observed, [e * scale for e in expected]).pvalue
     assert p_value > 1e-3, f"speculative samples do not follow the target distribution (p={p_value:.2e})"
     assert any(r.spec_stats.rounds for r in results)
+
+
+class BrokenTrees(RandomTreeProposer):
+    """Drafts like RandomTreeProposer, except that one round returns an unusable tree of ``kind``."""
+
+    def __init__(self, kind: str, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.calls, self.discarded = kind, 0, []
+
+    def draft(self, rids, spec):
+        trees = super().draft(rids, spec)
+        self.calls += 1
+        if self.calls == 3:
+            t = trees[0]
+            if self.kind == "root":  # e.g. trees returned in another request's order
+                t.tokens[0] = (t.tokens[0] + 1) % 256
+            elif self.kind == "size":  # more nodes than the step reserved KV for
+                trees[0] = type(t)(t.tokens + [5] * spec.num_draft_tokens, t.parents + list(range(t.size - 1, t.size - 1 + spec.num_draft_tokens)))
+            else:  # a token id the target's embedding does not have
+                t.tokens[-1] = 10**6
+        return trees
+
+    def discard(self, reason):
+        self.discarded.append(reason)
+
+
+@pytest.mark.parametrize("kind", ["root", "size", "vocabulary"])
+def test_an_unusable_tree_costs_speculation_not_the_step(target, reference_outputs, kind):
+    """A drafter bug (or a broken reply) must not fail requests: the engine drops the drafter's state,
+    tells the proposer (the service client then reconnects), and decodes on; outputs stay target-only
+    greedy."""
+    path, _ = target
+    prompts, expected = reference_outputs
+    proposer = BrokenTrees(kind, vocab=256, seed=1)
+    with LLMEngine(EngineConfig(model=str(path), page_size=4), proposer=proposer, spec=Spec(4)) as eng:
+        out = eng.generate(prompts[:3], SamplingParams(max_new_tokens=48, ignore_eos=True))
+    assert [o.output_token_ids for o in out] == expected[:3]
+    assert len(proposer.discarded) == 1 and proposer.calls == 3  # dropped once; these requests then decode plainly

@@ -158,6 +158,11 @@ class DrafterClient:
                                                       ring_rows=features.shape[0]))
             queued += features.shape[0]
 
+    def discard(self, reason: str) -> None:
+        """The engine found a tree unusable: drop this connection (the drafter starts the next one empty)."""
+        with self._lock:
+            self._drop(reason)
+
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)
         with self._lock:

@@ -46,6 +46,12 @@ class DrafterConnection:
             welcome = self.receive(timeout_s)
             if not welcome.HasField("welcome"):
                 raise ProposerUnavailable("the drafter did not answer the handshake with a Welcome")
+            spoken = hello.hello.protocol_version
+            if welcome.welcome.protocol_version != spoken:
+                error = ProposerUnavailable(f"it speaks drafter protocol {welcome.welcome.protocol_version}, this "
+                                            f"verifier {spoken}: run the same Tandem version on both")
+                error.status, error.details = grpc.StatusCode.FAILED_PRECONDITION, str(error)
+                raise error
             if welcome.welcome.round_lane:
                 if listener is None:
                     raise ProposerUnavailable("the drafter answered with a round lane this verifier did not offer")

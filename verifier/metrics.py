@@ -41,19 +41,18 @@ class VerifierMetrics:
         round_buckets = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
         self.drafter_round = Histogram("tandem:drafter_round_seconds", "Drafter round trip by part", ["part"],
                                        buckets=round_buckets, registry=r)
-        # The drafter's part, split as it reports it: extends, drafts (host), waiting for the drafted tokens.
+        # The drafter's part, split as it reports it: its extends, then its drafts (waiting for the GPU included).
         self.drafter_work = Histogram("tandem:drafter_work_seconds", "The drafter's work per round by phase", ["phase"],
                                       buckets=round_buckets, registry=r)
 
     def observe_drafter_round(self, round_trip_s: float, drafts) -> None:
         """One round as the verifier saw it, and the drafter's own split of its work (a Drafts message)."""
-        drafter_s = drafts.draft_seconds
+        drafter_s = min(max(drafts.draft_seconds, 0.0), round_trip_s)  # the drafter's word, kept plausible
+        extend_s = min(max(drafts.extend_seconds, 0.0), drafter_s)
         self.drafter_round.labels("drafter").observe(drafter_s)
-        self.drafter_round.labels("boundary").observe(max(0.0, round_trip_s - drafter_s))
-        resolve_s, extend_s = drafts.resolve_seconds, drafts.extend_seconds
+        self.drafter_round.labels("boundary").observe(round_trip_s - drafter_s)
         self.drafter_work.labels("extend").observe(extend_s)
-        self.drafter_work.labels("resolve").observe(resolve_s)
-        self.drafter_work.labels("draft").observe(max(0.0, drafter_s - extend_s - resolve_s))
+        self.drafter_work.labels("draft").observe(drafter_s - extend_s)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -73,8 +73,8 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
                                     num_layers=mc.num_layers, capture_layers=list(runner.capture_layers))
 
     def on_state(up: bool) -> None:
+        metrics.drafter_round_lane.set(1 if up and client.rounds_on_lane else 0)  # before drafter_up: probes wait on it
         metrics.drafter_up.set(1 if up else 0)
-        metrics.drafter_round_lane.set(1 if up and client.rounds_on_lane else 0)
         if not up:
             metrics.drafter_failures.inc()
 

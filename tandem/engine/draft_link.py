@@ -91,11 +91,28 @@ class DraftLink:
             except ProposerUnavailable as e:
                 self.lost(e)
                 return {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
+            problem = next((p for p in (self._unusable(req, tree, tree_width(req)) for req, tree in zip(group, drafted))
+                            if p), None)
+            if problem is not None:  # a broken proposer must not break the step: carry on as after a loss
+                getattr(self.proposer, "discard", lambda reason: None)(problem)
+                self.lost(ProposerUnavailable(problem))
+                return {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
             for req, tree in zip(group, drafted):
-                if tree.tokens[0] != req.last_token:
-                    raise RuntimeError(f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token")
                 trees[req.rid] = tree
         return trees
+
+    def _unusable(self, req, tree: DraftTree, width: int) -> str | None:
+        """Why ``tree`` cannot be verified for ``req`` (None: it can): another root, more nodes than the
+        step reserved KV for, a token outside the target's vocabulary."""
+        if tree.tokens[0] != req.last_token:
+            return f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token {req.last_token}"
+        if tree.size > width:
+            return f"draft tree of {req.rid} has {tree.size} nodes; the round has room for {width}"
+        vocab = self.engine.model_config.vocab_size
+        pending = tree.pending is not None  # -1: a token still on the device (in-process chains)
+        if not all(0 <= t < vocab or (t == -1 and pending) for t in tree.tokens):
+            return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {vocab})"
+        return None
 
     def forget(self, req) -> None:
         if self.proposer is not None and req.draft_ready:

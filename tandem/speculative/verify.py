@@ -28,7 +28,8 @@ class Proposer(Protocol):
     """What the engine needs from a drafter (in process, or a client of the drafter service).
 
     A remote proposer may also expose ``available: bool``; while it is False the engine neither
-    captures features for it nor drafts."""
+    captures features for it nor drafts; and ``discard(reason)``, which the engine calls when a tree
+    it returned is unusable (its drafter state is then dropped as after a loss)."""
 
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
         """Per request: new tokens and the target features of the tokens before them (same count)."""

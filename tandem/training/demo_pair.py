@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   "(default: the cached one)")
     args = p.parse_args(argv)
     if args.variant == "gpu":
+        if args.head_data_temperature is not None:
+            p.error("--head-data-temperature applies to the demo variant")
         if not args.out:
             p.error("--variant gpu needs --out DIR")
         if args.device.startswith("cuda"):

@@ -118,11 +118,10 @@ class Round(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
 
 class Drafts(_message.Message):
-    __slots__ = ("seq", "draft_seconds", "extend_seconds", "resolve_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores")
+    __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    RESOLVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
@@ -130,12 +129,11 @@ class Drafts(_message.Message):
     seq: int
     draft_seconds: float
     extend_seconds: float
-    resolve_seconds: float
     tree_sizes: _containers.RepeatedScalarFieldContainer[int]
     tree_tokens: _containers.RepeatedScalarFieldContainer[int]
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., resolve_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("hello", "round")
