@@ -19,7 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from host_timing import best_seconds  # noqa: E402
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb  # noqa: E402
 from verifier.drafter_client import unpack_trees  # noqa: E402
 
@@ -52,12 +54,7 @@ def verifier_trees(data: bytes, batch: int):
 
 
 def best_us(fn, repeat: int = 300) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e6
+    return best_seconds(fn, repeat) * 1e6
 
 
 def main() -> int:

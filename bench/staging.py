@@ -21,18 +21,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from host_timing import best_seconds  # noqa: E402
+
 
 def best_ms(fn, repeat: int = 30) -> float:
-    """Best of ``repeat`` timings (the host's noise only ever adds)."""
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+    return best_seconds(fn, repeat) * 1e3
 
 
 def main() -> int:

@@ -97,7 +97,7 @@ class BlockingLane:
         the caller on a full socket buffer)."""
         deadline = time.monotonic() + timeout_s
         self.send(payload, timeout_s)
-        return self.receive(max(deadline - time.monotonic(), 0.0), timeout_s)
+        return self._receive(deadline, timeout_s)
 
     def send(self, payload: bytes, timeout_s: float) -> None:
         frame = _frame(payload)
@@ -109,28 +109,29 @@ class BlockingLane:
         except OSError as e:
             raise LaneError(f"round lane send failed: {e}") from None
 
-    def receive(self, timeout_s: float, reported_s: float | None = None) -> bytes:
-        """The next frame within ``timeout_s`` (``reported_s``: the deadline to name in the error)."""
-        deadline = time.monotonic() + timeout_s
-        said = timeout_s if reported_s is None else reported_s
-        self._read_into(memoryview(self._header), deadline, said)
+    def receive(self, timeout_s: float) -> bytes:
+        """The next frame within ``timeout_s``."""
+        return self._receive(time.monotonic() + timeout_s, timeout_s)
+
+    def _receive(self, deadline: float, timeout_s: float) -> bytes:
+        self._read_into(memoryview(self._header), deadline, timeout_s)
         (size,) = HEADER.unpack(self._header)
         if size > MAX_FRAME_BYTES:
             raise LaneError(f"round lane frame of {size} bytes announced; the peer is broken")
         body = bytearray(size)
-        self._read_into(memoryview(body), deadline, said)
+        self._read_into(memoryview(body), deadline, timeout_s)
         return bytes(body)
 
-    def _read_into(self, view: memoryview, deadline: float, said_s: float) -> None:
+    def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LaneError(f"no reply on the round lane within {said_s * 1000:.0f} ms")
+                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms")
             self._sock.settimeout(left)
             try:
                 n = self._sock.recv_into(view)
             except socket.timeout:
-                raise LaneError(f"no reply on the round lane within {said_s * 1000:.0f} ms") from None
+                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms") from None
             except OSError as e:
                 raise LaneError(f"round lane receive failed: {e}") from None
             if n == 0:

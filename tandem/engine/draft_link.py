@@ -85,21 +85,19 @@ class DraftLink:
         for req in decoding:
             if req.spec is not None and req.draft_ready and tree_width(req) > 1:
                 by_spec.setdefault(req.spec, []).append(req)
-        for spec, group in by_spec.items():
-            try:
-                drafted = self.proposer.draft([r.rid for r in group], spec)
-            except ProposerUnavailable as e:
-                self.lost(e)
-                return {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
-            problem = next((p for p in (self._unusable(req, tree, tree_width(req)) for req, tree in zip(group, drafted))
-                            if p), None)
-            if problem is not None:  # a broken proposer must not break the step: carry on as after a loss
-                getattr(self.proposer, "discard", lambda reason: None)(problem)
-                self.lost(ProposerUnavailable(problem))
-                return {req.rid: DraftTree([req.last_token], [-1]) for req in decoding}
-            for req, tree in zip(group, drafted):
-                trees[req.rid] = tree
-        return trees
+        drafted = {}
+        try:
+            for spec, group in by_spec.items():
+                for req, tree in zip(group, self.proposer.draft([r.rid for r in group], spec)):
+                    problem = self._unusable(req, tree, tree_width(req))
+                    if problem is not None:  # a broken proposer must not break the step: as after a loss
+                        getattr(self.proposer, "discard", lambda reason: None)(problem)
+                        raise ProposerUnavailable(problem)
+                    drafted[req.rid] = tree
+        except ProposerUnavailable as e:
+            self.lost(e)
+            return trees
+        return trees | drafted
 
     def _unusable(self, req, tree: DraftTree, width: int) -> str | None:
         """Why ``tree`` cannot be verified for ``req`` (None: it can): another root, more nodes than the
@@ -108,10 +106,9 @@ class DraftLink:
             return f"draft tree of {req.rid} is rooted at {tree.tokens[0]}, not at its last token {req.last_token}"
         if tree.size > width:
             return f"draft tree of {req.rid} has {tree.size} nodes; the round has room for {width}"
-        vocab = self.engine.model_config.vocab_size
-        pending = tree.pending is not None  # -1: a token still on the device (in-process chains)
-        if not all(0 <= t < vocab or (t == -1 and pending) for t in tree.tokens):
-            return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {vocab})"
+        lowest = -1 if tree.pending is not None else 0  # -1: a token still on the device (in-process chains)
+        if min(tree.tokens) < lowest or max(tree.tokens) >= self.engine.model_config.vocab_size:
+            return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {self.engine.model_config.vocab_size})"
         return None
 
     def forget(self, req) -> None:
