@@ -68,11 +68,12 @@ def main() -> int:
                 parts = round_parts_ms(before, round_parts(m_port))
             result["transports"][transport] = {
                 "seconds": seconds, "rounds": parts["rounds"], "drafter_ms_per_round": parts["drafter"],
-                "boundary_ms_per_round": parts["boundary"], "drafter_phases_ms": {
+                "boundary_ms_per_round": parts["boundary"], "wait_ms_per_round": parts["wait"], "drafter_phases_ms": {
                     k: parts[k] for k in ("extend", "draft")}, "accept_length": last.spec.accept_length_mean}
             print(f"{transport}: {parts['rounds']:.0f} rounds: drafter work {parts['drafter']:.3f} ms (extend "
                   f"{parts['extend']:.3f}, draft {parts['draft']:.3f}), rest of the "
-                  f"round trip {parts['boundary']:.3f} ms per round ({args.tokens / seconds:.0f} tok/s end to end)",
+                  f"round trip {parts['boundary']:.3f} ms per round, engine waited {parts['wait']:.3f} ms "
+                  f"({args.tokens / seconds:.0f} tok/s end to end)",
                   flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir
 from sections import _decode_tok_s, _free_gpu
-from service_pair import round_parts, round_parts_ms, service_pair
+from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pair
 
 
 def service(ctx: dict) -> dict:
@@ -38,10 +40,20 @@ def service(ctx: dict) -> dict:
     engine.proposer, engine.default_spec = drafter, spec
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    rid = engine.add_request(prompt, params)
+    phase_sums: dict[str, float] = {}
+    steps = 0
     started = time.perf_counter()
-    res = engine.generate([prompt], params)[0]
+    while not engine.requests[rid].finished:
+        engine.step()
+        steps += 1
+        for phase, seconds in engine.last_step.seconds.items():
+            phase_sums[phase] = phase_sums.get(phase, 0.0) + seconds
     inproc = new_tokens / (time.perf_counter() - started)
+    res = engine.requests.pop(rid)
     rounds_in = res.spec_stats.rounds
+    phases_in = {f"step_{p}": 1e3 * phase_sums.get(p, 0.0) / steps for p in ENGINE_PHASES}
+    print("in process, ms per step: " + _phase_line(phases_in, 1e3 * new_tokens / inproc / steps), flush=True)
     engine.proposer = None
     engine.shutdown()
     del engine, drafter, runner
@@ -51,11 +63,13 @@ def service(ctx: dict) -> dict:
     # As services: rounds on the round lane (the default) and on the gRPC stream (DESIGN §2's transport).
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     out = {"in_process_tok_s": inproc, "rounds_in_process": rounds_in, "transports": {}}
-    for transport, extra in (("lane", []), ("stream", ["--disable-round-lane"])):
+    profile = Path(os.environ.get("OUT", ".")) / "drafter.prof"
+    runs = (("lane", [], None), ("stream", ["--disable-round-lane"], None), ("lane, drafter under cProfile", [], profile))
+    for transport, extra, drafter_profile in runs:
         with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                           verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                           *extra],
-                          drafter_flags=["--cuda-graph-max-bs", "8"]) as (generate, m_port):
+                          drafter_flags=["--cuda-graph-max-bs", "8"], drafter_profile=drafter_profile) as (generate, m_port):
             generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
             started = time.perf_counter()
             before = round_parts(m_port)
@@ -66,15 +80,55 @@ def service(ctx: dict) -> dict:
         per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
         print(f"{transport}: per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms (extend "
               f"{parts['extend']:.3f}, draft and waiting for its tokens {parts['draft']:.3f}), "
-              f"the rest of the round trip {parts['boundary']:.3f} ms", flush=True)
+              f"the rest of the round trip {parts['boundary']:.3f} ms; the engine waited {parts['wait']:.3f} ms", flush=True)
         print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
               f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "
               f"{per_round_ms:.3f} ms/round", flush=True)
+        print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
+              flush=True)
+        if drafter_profile is not None:
+            _print_profile(drafter_profile, last.spec.rounds)
+            continue
         out["transports"][transport] = {"service_tok_s": served, "ratio": served / inproc,
                                         "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
                                         "round_trip_parts_ms": parts}
     out.update(out["transports"]["lane"])  # the default transport's figures at the top level, as before
+    out["in_process_phases_ms"] = phases_in
     return out
+
+
+def _phase_line(phases: dict[str, float], step_ms: float) -> str:
+    """The engine step's phases (ms) and what the step spends outside them (the loop, streaming)."""
+    inside = sum(phases[f"step_{p}"] for p in ENGINE_PHASES)
+    return ", ".join(f"{p} {phases[f'step_{p}']:.3f}" for p in ENGINE_PHASES) + f"; outside phases {step_ms - inside:.3f}"
+
+
+def _print_profile(path: Path, rounds: int) -> None:
+    """The drafter's hottest functions: the project's own by time with callees, and anything called at
+    least once per round by own time. Totals cover the whole process (start-up and warm-up too): a guide
+    to where a round's time goes, not a figure."""
+    import pstats
+
+    if not path.exists():
+        print(f"(no drafter profile at {path})")
+        return
+    stats = pstats.Stats(str(path))
+    own_code = ("/tandem/", "/drafter/")
+    lists = (("cumulative", "with callees, the project's own functions", lambda f, nc: any(d in f[0] for d in own_code)),
+             ("tottime", "own time, called at least once per round", lambda f, nc: nc >= rounds and "runners" not in f[0]))
+    for key, label, keep in lists:
+        print(f"--- drafter under cProfile: top functions by {label} (ms per round) ---")
+        stats.sort_stats(key)
+        shown = 0
+        for func in stats.fcn_list:
+            cc, nc, tt, ct, _ = stats.stats[func]
+            if not keep(func, nc):
+                continue
+            name = f"{Path(func[0]).name}:{func[1]}({func[2]})"
+            print(f"  calls/round {nc / rounds:6.1f}  own {1e3 * tt / rounds:7.3f}  cum {1e3 * ct / rounds:7.3f}  {name[:90]}")
+            shown += 1
+            if shown == 24:
+                break
 
 
 def tp(ctx: dict) -> dict:

@@ -8,9 +8,12 @@ import time
 
 
 @contextlib.contextmanager
-def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=()):
+def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=(),
+                 drafter_profile: str | None = None):
     """``python -m drafter`` and ``python -m verifier`` (every round speculates: ``--speculation-policy
-    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``."""
+    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``.
+    ``drafter_profile``: run the drafter under cProfile, its stats written to this path at its exit
+    (the drafter serves rounds on its main thread, which is the one cProfile sees)."""
     import subprocess
     import sys
 
@@ -23,7 +26,8 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
     d_port, v_port, m_port = free_port(), free_port(), free_port()
     common = ["--device", device, "--dtype", dtype, *spec_flags]
-    procs = [subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
+    profiler = ["-m", "cProfile", "-o", drafter_profile] if drafter_profile else []
+    procs = [subprocess.Popen([sys.executable, *profiler, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
                                "--port", str(d_port), *common, *drafter_flags], cwd=ROOT_DIR)]
     try:
         wait_serving(d_port, 300, procs[0], "drafter")
@@ -58,13 +62,18 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 # (histogram, label, value): the round trip's parts, then the drafter's own split of its part.
 ROUND_PARTS = (("tandem:drafter_round_seconds", "part", "drafter"), ("tandem:drafter_round_seconds", "part", "boundary"),
                ("tandem:drafter_work_seconds", "phase", "extend"), ("tandem:drafter_work_seconds", "phase", "draft"))
+# The verifier's engine steps by phase (keys prefixed "step_": the drafter's phases above share names).
+ENGINE_PHASES = ("draft", "verify", "accept", "draft_extend")
 
 
 def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Milliseconds per round of each part (the drafter's work, the rest of the round trip, and the
     drafter's extend and draft phases) between two scrapes."""
     rounds = max(1.0, after["count"] - before["count"])
-    return {v: 1e3 * (after[v] - before[v]) / rounds for _, _, v in ROUND_PARTS} | {"rounds": after["count"] - before["count"]}
+    steps = max(1.0, after["steps"] - before["steps"])
+    parts = {v: 1e3 * (after[v] - before[v]) / rounds for v in [*(v for _, _, v in ROUND_PARTS), "wait"]}
+    phases = {f"step_{p}": 1e3 * (after[f"step_{p}"] - before[f"step_{p}"]) / steps for p in ENGINE_PHASES}
+    return parts | phases | {"rounds": after["count"] - before["count"], "steps": after["steps"] - before["steps"]}
 
 
 def round_parts(metrics_port: int) -> dict[str, float]:
@@ -79,4 +88,11 @@ def round_parts(metrics_port: int) -> dict[str, float]:
         out[value] = float(m.group(1)) if m else 0.0
     m = re.search(r'tandem:drafter_round_seconds_count\{part="drafter"\} ([0-9.eE+-]+)', text)
     out["count"] = float(m.group(1)) if m else 0.0
+    m = re.search(r'tandem:drafter_wait_seconds_sum ([0-9.eE+-]+)', text)
+    out["wait"] = float(m.group(1)) if m else 0.0
+    for phase in ENGINE_PHASES:
+        m = re.search(r'tandem:round_phase_seconds_sum\{phase="%s"\} ([0-9.eE+-]+)' % phase, text)
+        out[f"step_{phase}"] = float(m.group(1)) if m else 0.0
+    m = re.search(r'tandem:round_phase_seconds_count\{phase="verify"\} ([0-9.eE+-]+)', text)
+    out["steps"] = float(m.group(1)) if m else 0.0
     return out

@@ -16,9 +16,12 @@ class EchoConnection:
     def __init__(self):
         self.round_rows: list[int] = []
 
-    def exchange(self, message: pb.VerifierMessage, timeout_s: float) -> pb.DrafterMessage:
+    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
         self.round_rows.append(sum(e.ring_rows for e in message.round.extend))
-        return pb.DrafterMessage(drafts=pb.Drafts(seq=message.round.seq))
+        self._reply = pb.DrafterMessage(drafts=pb.Drafts(seq=message.round.seq))
+
+    def receive_round(self, timeout_s: float) -> pb.DrafterMessage:
+        return self._reply
 
     def close(self) -> None:
         pass
@@ -69,3 +72,95 @@ def test_trees_travel_packed_in_the_order_they_were_asked_for():
         unpack_trees(pb.Drafts(tree_sizes=[2], tree_tokens=[1, 2, 3], tree_parents=[-1, 0], tree_scores=[0, 0]), 1)
     with pytest.raises(ValueError, match="parents"):  # a malformed tree is a broken reply too
         unpack_trees(pb.Drafts(tree_sizes=[2], tree_tokens=[1, 2], tree_parents=[-1, 1], tree_scores=[0, 0]), 1)
+
+
+class DraftingConnection:
+    """Stands in for the stream: answers every Round at once with one two-node tree per draft request,
+    whose tokens name the Round and the request's position in it ([seq, position])."""
+
+    def __init__(self):
+        self.rounds: list[pb.Round] = []
+
+    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
+        r = message.round
+        self.rounds.append(r)
+        drafts = pb.Drafts(seq=r.seq)
+        for i, _ in enumerate(r.draft):
+            drafts.tree_sizes.append(2)
+            drafts.tree_tokens.extend([r.seq, i])
+            drafts.tree_parents.extend([-1, 0])
+            drafts.tree_scores.extend([0.0, -1.0])
+        self._reply = pb.DrafterMessage(drafts=drafts)
+
+    def receive_round(self, timeout_s: float) -> pb.DrafterMessage:
+        return self._reply
+
+    def close(self) -> None:
+        pass
+
+
+def _prefetching_client(ring):
+    from tandem.speculative.drafter import SpecConfig
+
+    kinds = []
+    client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0,
+                           on_round=lambda round_trip, wait, drafts, kind: kinds.append(kind))
+    conn = client._conn = DraftingConnection()
+    ring.begin_round(client._seq)
+    return client, conn, kinds, SpecConfig(3, 1, 4)
+
+
+def test_a_prefetched_round_answers_the_next_draft_of_the_same_requests():
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client, conn, kinds, spec = _prefetching_client(ring)
+        client.extend([("a", [5], torch.ones(1, 4)), ("b", [6], torch.ones(1, 4))])
+        client.prefetch(["a", "b"], spec)
+        assert len(conn.rounds) == 1 and [d.request_id for d in conn.rounds[0].draft] == ["a", "b"]
+        assert len(conn.rounds[0].extend) == 2  # what was queued rides with it
+        seq = conn.rounds[0].seq
+        trees = client.draft(["a", "b"], spec)
+        assert len(conn.rounds) == 1, "the draft must use the prefetched reply, not send another Round"
+        assert [t.tokens for t in trees] == [[seq, 0], [seq, 1]] and kinds == ["prefetched"]
+        assert ring.live() == []  # the reply freed the round's rows
+        # A subset of the prefetched requests is served from it too, each with its own tree.
+        client.prefetch(["a", "b"], spec)
+        seq = conn.rounds[-1].seq
+        assert [t.tokens for t in client.draft(["b"], spec)] == [[seq, 1]] and len(conn.rounds) == 2
+
+
+def test_a_prefetched_round_is_dropped_when_its_requests_changed():
+    from tandem.speculative.drafter import SpecConfig
+
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client, conn, kinds, spec = _prefetching_client(ring)
+        # Extended after the prefetch: the drafter's state of "a" moved on, its prefetched tree is stale.
+        client.prefetch(["a", "b"], spec)
+        client.extend([("a", [7, 8], torch.ones(2, 4))])
+        trees = client.draft(["a", "b"], spec)
+        assert len(conn.rounds) == 2 and kinds == ["prefetch_dropped", "direct"]
+        fresh = conn.rounds[1]
+        assert [e.request_id for e in fresh.extend] == ["a"] and [d.request_id for d in fresh.draft] == ["a", "b"]
+        assert [t.tokens for t in trees] == [[fresh.seq, 0], [fresh.seq, 1]]
+        # Also dropped: a request released since, another spec, a request the prefetch did not ask for.
+        cases = [(lambda: client.release("a"), ["a"], spec), (lambda: None, ["b"], SpecConfig(2, 1, 3)),
+                 (lambda: None, ["b", "c"], spec)]
+        for change, asked, asked_spec in cases:
+            client.prefetch(["a", "b"], spec)
+            change()
+            before = len(conn.rounds)
+            trees = client.draft(asked, asked_spec)
+            assert len(conn.rounds) == before + 1 and kinds[-2:] == ["prefetch_dropped", "direct"]
+            assert [t.tokens for t in trees] == [[conn.rounds[-1].seq, i] for i in range(len(asked))]
+        assert ring.live() == []
+
+
+def test_nothing_is_prefetched_while_a_round_is_in_flight_or_the_drafter_is_away():
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client, conn, kinds, spec = _prefetching_client(ring)
+        client.prefetch(["a"], spec)
+        client.prefetch(["b"], spec)  # one Round in flight at most: this one is not sent
+        assert len(conn.rounds) == 1
+        client.draft(["a"], spec)
+        client._conn = None
+        client.prefetch(["a"], spec)  # away: nothing to send, nothing raised (the engine decodes on)
+        assert len(conn.rounds) == 1

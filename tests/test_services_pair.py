@@ -64,6 +64,9 @@ def test_stream_equals_target_only_greedy(pair, reference):
     m = read_metrics(verifier.metrics_port)
     extend, draft = (m[f'tandem:drafter_work_seconds_sum{{phase="{p}"}}'] for p in ("extend", "draft"))
     assert extend > 0 and draft > 0
+    # Steady decoding of one request: its next Round goes out at the end of each step (prefetched) and the
+    # next step uses it; only a request's first draft (after its prefill) and changes go out directly.
+    assert m['tandem:drafter_rounds_total{kind="prefetched"}'] > m.get('tandem:drafter_rounds_total{kind="direct"}', 0)
 
 
 def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):

@@ -6,6 +6,13 @@ round's Drafts — one message each way per round, on the round lane (a local so
 handshake, tandem/round_lane.py) when the drafter could attach to it, else on the stream. The reply
 frees the round's ring rows.
 
+``prefetch`` sends that Round early — at the end of a step, for the requests that will most likely
+draft next — and returns at once, so the drafter works while the engine finishes its step (streams
+the tokens, schedules the next). The next ``draft`` then only collects the reply. Its trees are used
+for the requests it covers that were neither extended nor released since (a request's tree depends
+only on its draft state, which nothing else changes); any other ``draft`` collects and drops it and
+runs its own Round. At most one Round is ever in flight, so the ring's round bookkeeping is unchanged.
+
 The drafter is optional at every moment. While it is absent ``available`` is False and the engine
 decodes plainly; a reply later than the deadline, a broken stream or a dead process raises
 ProposerUnavailable (the engine then drops all draft state) and a background thread reconnects.
@@ -39,8 +46,11 @@ class DrafterClient:
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
-                 on_round: Callable[[float, pb.Drafts], None] = lambda round_trip_s, drafts: None,
+                 on_round: Callable[[float, float, pb.Drafts, str], None] = lambda round_trip_s, wait_s, drafts, kind: None,
                  round_lane: bool = True):
+        """``on_round(round trip, wait, drafts, kind)`` after every reply: seconds from the Round's send to
+        its reply's receipt, the part of it the caller spent blocked (less when the Round was prefetched),
+        the reply (the drafter's own timings), and how the Round was sent (see ``_collect``)."""
         self.address, self.ring, self.target = address, ring, target
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
@@ -50,6 +60,7 @@ class DrafterClient:
         self._seq = 0
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
+        self._prefetched: _Prefetch | None = None  # the Round in flight, sent by prefetch
         self._traces: dict[str, dict[str, str]] = {}
         self._stop = threading.Event()
         self._last_refusal = ""
@@ -121,6 +132,7 @@ class DrafterClient:
             return
         log.warning("lost the drafter: %s; decoding without speculation until it is back", reason)
         conn, self._conn = self._conn, None
+        self._prefetched = None
         conn.close()
         self.ring.release_all()
         self._pending_extend.clear()
@@ -156,6 +168,8 @@ class DrafterClient:
                     raise ProposerUnavailable(str(e)) from e
                 self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
                                                       ring_rows=features.shape[0]))
+                if self._prefetched is not None:
+                    self._prefetched.changed.add(rid)
             queued += features.shape[0]
 
     def discard(self, reason: str) -> None:
@@ -168,38 +182,92 @@ class DrafterClient:
         with self._lock:
             if self._conn is not None:
                 self._pending_release.append(rid)
+                if self._prefetched is not None:
+                    self._prefetched.changed.add(rid)
+
+    def prefetch(self, rids: list[str], spec) -> None:
+        """Send the Round for ``rids`` now (with everything queued) and return without its reply; the next
+        ``draft`` collects it. Does nothing while the drafter is away or a Round is already in flight."""
+        with self._lock:
+            if self._conn is None or self._prefetched is not None or not rids:
+                return
+            seq, sent = self._send_round(rids, spec)
+            self._prefetched = _Prefetch(seq, sent, tuple(rids), spec)
 
     def draft(self, rids: list[str], spec) -> list[DraftTree]:
         with self._lock:
-            conn = self._conn
-            if conn is None:
+            if self._conn is None:
                 raise ProposerUnavailable("the drafter is not connected")
-            params = (pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
-                      if spec is not None else None)
-            seq = self._seq
-            round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
-                                 draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
-                                        for r in rids])
-            self._pending_extend, self._pending_release = [], []
-            self._seq += 1
-            self.ring.begin_round(self._seq)
-            self.ring.publish()
-            sent = time.perf_counter()
-            try:
-                reply = conn.exchange(pb.VerifierMessage(round=round_msg), self.deadline_s)
-                if not reply.HasField("drafts") or reply.drafts.seq != seq:
-                    raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
-            except ProposerUnavailable as e:
-                self._drop(str(e))
-                raise
-            self.ring.release(seq)
-        self.on_round(time.perf_counter() - sent, reply.drafts)
+            early, self._prefetched = self._prefetched, None
+            used = early is not None and early.covers(rids, spec)
+            if early is not None:
+                reply, asked = self._collect(early.seq, early.sent, "prefetched" if used else "prefetch_dropped"), early.rids
+            if not used:
+                seq, sent = self._send_round(rids, spec)
+                reply, asked = self._collect(seq, sent, "direct"), tuple(rids)
+        trees = dict(zip(asked, self._unpack(reply, len(asked))))
+        return [trees[r] for r in rids]
+
+    def _send_round(self, rids: list[str], spec) -> tuple[int, float]:
+        """Send everything queued and the draft requests as the next Round (lock held) → (seq, send time)."""
+        conn = self._conn
+        params = (pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
+                  if spec is not None else None)
+        seq = self._seq
+        round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
+                             draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
+                                    for r in rids])
+        self._pending_extend, self._pending_release = [], []
+        self._seq += 1
+        self.ring.begin_round(self._seq)
+        self.ring.publish()
+        sent = time.perf_counter()
         try:
-            return unpack_trees(reply.drafts, len(rids))
+            conn.send_round(pb.VerifierMessage(round=round_msg), self.deadline_s)
+        except ProposerUnavailable as e:
+            self._drop(str(e))
+            raise
+        return seq, sent
+
+    def _collect(self, seq: int, sent: float, kind: str) -> pb.Drafts:
+        """Wait for round ``seq``'s reply (lock held; the deadline runs from its send) and free its rows.
+        ``kind``: "direct" (sent by this draft), "prefetched" (sent early, its trees used) or
+        "prefetch_dropped" (sent early, then the requests changed: its trees are not used)."""
+        waiting = time.perf_counter()
+        try:
+            left = self.deadline_s - (waiting - sent)
+            if left <= 0:  # its time ran out while the engine did other work: one last look, no waiting
+                left = 1e-3
+            reply = self._conn.receive_round(left)
+            if not reply.HasField("drafts") or reply.drafts.seq != seq:
+                raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
+        except ProposerUnavailable as e:
+            self._drop(str(e))
+            raise
+        self.ring.release(seq)
+        now = time.perf_counter()
+        self.on_round(now - sent, now - waiting, reply.drafts, kind)
+        return reply.drafts
+
+    def _unpack(self, drafts: pb.Drafts, count: int) -> list[DraftTree]:
+        try:
+            return unpack_trees(drafts, count)
         except ValueError as e:  # a broken reply: start over on a fresh stream (the drafter then forgets every request)
             with self._lock:
                 self._drop(str(e))
             raise ProposerUnavailable(str(e)) from None
+
+
+class _Prefetch:
+    """A Round sent ahead of its ``draft``, and the requests whose draft state changed since."""
+
+    def __init__(self, seq: int, sent: float, rids: tuple[str, ...], spec):
+        self.seq, self.sent, self.rids, self.spec = seq, sent, rids, spec
+        self.changed: set[str] = set()
+
+    def covers(self, rids: list[str], spec) -> bool:
+        """Whether its trees are the ones a Round for ``rids`` would draft now."""
+        return spec == self.spec and self.changed.isdisjoint(rids) and set(rids) <= set(self.rids)
 
 
 def unpack_trees(drafts: pb.Drafts, count: int) -> list[DraftTree]:

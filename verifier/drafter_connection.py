@@ -97,22 +97,25 @@ class DrafterConnection:
     def receive(self, timeout_s: float) -> pb.DrafterMessage:
         return self._checked(self._run(self.call.read(), timeout_s))
 
-    def exchange(self, message: pb.VerifierMessage, timeout_s: float) -> pb.DrafterMessage:
-        """Send one message and read the reply: on the round lane when there is one, else in one pass
-        of the loop over the stream (a round's whole boundary)."""
-        if self.lane is not None:
-            try:
-                return pb.DrafterMessage.FromString(self.lane.exchange(message.SerializeToString(), timeout_s))
-            except LaneError as e:
-                raise ProposerUnavailable(str(e)) from None
-            except DecodeError as e:
-                raise ProposerUnavailable(f"the drafter sent an unreadable message on the round lane: {e}") from None
+    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
+        """Send a Round: on the round lane when there is one, else on the stream."""
+        if self.lane is None:
+            return self._run(self.call.write(message), timeout_s)
+        try:
+            self.lane.send(message.SerializeToString(), timeout_s)
+        except LaneError as e:
+            raise ProposerUnavailable(str(e)) from None
 
-        async def write_then_read():
-            await self.call.write(message)
-            return await self.call.read()
-
-        return self._checked(self._run(write_then_read(), timeout_s))
+    def receive_round(self, timeout_s: float) -> pb.DrafterMessage:
+        """The reply to the Round sent last, within ``timeout_s``."""
+        if self.lane is None:
+            return self.receive(timeout_s)
+        try:
+            return pb.DrafterMessage.FromString(self.lane.receive(timeout_s))
+        except LaneError as e:
+            raise ProposerUnavailable(str(e)) from None
+        except DecodeError as e:
+            raise ProposerUnavailable(f"the drafter sent an unreadable message on the round lane: {e}") from None
 
     @staticmethod
     def _checked(message) -> pb.DrafterMessage:

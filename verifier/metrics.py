@@ -44,9 +44,19 @@ class VerifierMetrics:
         # The drafter's part, split as it reports it: its extends, then its drafts (waiting for the GPU included).
         self.drafter_work = Histogram("tandem:drafter_work_seconds", "The drafter's work per round by phase", ["phase"],
                                       buckets=round_buckets, registry=r)
+        # What a round costs the engine: the time it blocked for the reply. Below the round trip when the
+        # Round went out early (prefetched at the end of the previous step) and the drafter worked meanwhile.
+        self.drafter_rounds = Counter("tandem:drafter_rounds", "Drafter rounds by how they were sent: direct, "
+                                      "prefetched (sent at the end of the previous step, trees used) or "
+                                      "prefetch_dropped (the requests changed meanwhile)", ["kind"], registry=r)
+        self.drafter_wait = Histogram("tandem:drafter_wait_seconds", "Time the engine waited for the drafter per round",
+                                      buckets=round_buckets, registry=r)
 
-    def observe_drafter_round(self, round_trip_s: float, drafts) -> None:
-        """One round as the verifier saw it, and the drafter's own split of its work (a Drafts message)."""
+    def observe_drafter_round(self, round_trip_s: float, wait_s: float, drafts, kind: str = "direct") -> None:
+        """One round as the verifier saw it (from the Round's send to its reply's receipt, and the part the
+        engine spent waiting), the drafter's own split of its work (a Drafts message), and how it was sent."""
+        self.drafter_rounds.labels(kind).inc()
+        self.drafter_wait.observe(max(wait_s, 0.0))
         drafter_s = min(max(drafts.draft_seconds, 0.0), round_trip_s)  # the drafter's word, kept plausible
         extend_s = min(max(drafts.extend_seconds, 0.0), drafter_s)
         self.drafter_round.labels("drafter").observe(drafter_s)

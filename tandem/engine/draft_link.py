@@ -99,6 +99,26 @@ class DraftLink:
             return trees
         return trees | drafted
 
+    def prefetch(self, tree_width) -> None:
+        """At the end of a step, ask a proposer that can answer later (the drafter service's client) for
+        the trees of the requests that will most likely draft next step — those running that speculate
+        now, with nothing held — so the drafter works while the engine finishes this step. Draft uses
+        them if the guess holds (DrafterClient.prefetch); one spec only (the common case)."""
+        prefetch = getattr(self.proposer, "prefetch", None)
+        if prefetch is None or not self.up():
+            return
+        by_spec: dict[object, list[str]] = {}
+        for req in self.engine.scheduler.running:
+            if not req.finished and not req.pending_extend and tree_width(req) > 1:
+                by_spec.setdefault(req.spec, []).append(req.rid)
+        if len(by_spec) != 1:
+            return
+        ((spec, rids),) = by_spec.items()
+        try:
+            prefetch(rids, spec)
+        except ProposerUnavailable as e:
+            self.lost(e)
+
     def _unusable(self, req, tree: DraftTree, width: int) -> str | None:
         """Why ``tree`` cannot be verified for ``req`` (None: it can): another root, more nodes than the
         step reserved KV for, a token outside the target's vocabulary."""

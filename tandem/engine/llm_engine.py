@@ -146,6 +146,7 @@ class LLMEngine:
             outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
+            self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
         # A prefill would skew the timing, and so would a catch-up of held plain steps: it is the price of
         # switching speculation back on (paid once per probe), not of a round; counted as a round's, it
