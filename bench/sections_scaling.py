@@ -63,13 +63,18 @@ def service(ctx: dict) -> dict:
     # As services: rounds on the round lane (the default) and on the gRPC stream (DESIGN §2's transport).
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     out = {"in_process_tok_s": inproc, "rounds_in_process": rounds_in, "transports": {}}
-    profile = Path(os.environ.get("OUT", ".")) / "drafter.prof"
-    runs = (("lane", [], None), ("stream", ["--disable-round-lane"], None), ("lane, drafter under cProfile", [], profile))
-    for transport, extra, drafter_profile in runs:
+    # (name, verifier flags, drafter flags, cProfile output): the transports, the drafter spinning between
+    # rounds instead of sleeping, and (TANDEM_BENCH_PROFILE_DRAFTER=1) the drafter under cProfile.
+    runs = [("lane", [], [], None), ("stream", ["--disable-round-lane"], [], None),
+            ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"], None)]
+    if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":
+        runs.append(("lane, drafter under cProfile", [], [], Path(os.environ.get("OUT", ".")) / "drafter.prof"))
+    for transport, extra, drafter_extra, drafter_profile in runs:
         with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                           verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                           *extra],
-                          drafter_flags=["--cuda-graph-max-bs", "8"], drafter_profile=drafter_profile) as (generate, m_port):
+                          drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra],
+                          drafter_profile=drafter_profile) as (generate, m_port):
             generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
             started = time.perf_counter()
             before = round_parts(m_port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
 
 
@@ -17,6 +18,9 @@ class DrafterServiceConfig:
     port: int = 50052
     otlp_endpoint: str | None = None
     graph_specs: tuple = ()  # SpecConfigs whose draft graphs are captured at start-up (GPU)
+    # Between rounds on the round lane, spin this long waiting for the next Round before sleeping on the
+    # socket (0: never spin). Costs a core while the verifier decodes; spares the thread's wake-up.
+    lane_busy_poll_ms: float = 0.0
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -37,6 +41,9 @@ class DrafterServiceConfig:
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        p.add_argument("--round-lane-busy-poll-ms", type=float, default=cls.lane_busy_poll_ms,
+                       help="between rounds on the round lane, busy-poll this long for the next Round before "
+                            "sleeping (uses a core; 0: off)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
@@ -45,6 +52,8 @@ class DrafterServiceConfig:
         runtime = DrafterConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
                                 max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
                                 cuda_graph_max_bs=a.cuda_graph_max_bs)
+        if a.round_lane_busy_poll_ms < 0:
+            raise ConfigError(f"--round-lane-busy-poll-ms must be >= 0, got {a.round_lane_busy_poll_ms}")
         spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
-                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,))
+                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms)

@@ -36,7 +36,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
         await asyncio.to_thread(drafter.capture_cuda_graphs, list(cfg.graph_specs))
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
-                             cfg.runtime, cfg.graph_specs)
+                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")

@@ -41,8 +41,9 @@ LANE_CONNECT_S = 2.0
 
 class DrafterService:
     def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
-                 runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = ()):
+                 runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0):
         self.heads = DraftHeads(drafter, draft_model)
+        self.lane_busy_poll_s = lane_busy_poll_s  # spin this long for the next Round (DrafterServiceConfig)
         self.target_model, self.target_hidden = target_model, target_hidden
         self.runtime, self.graph_specs = runtime, graph_specs
         self._lock = asyncio.Lock()  # one stream drives the model at a time
@@ -94,7 +95,13 @@ class DrafterService:
         """The rounds of one connection, on its round lane: the same Round in, the same Drafts out.
         Whatever ends it closes the lane, which the verifier sees at once (and reconnects)."""
         try:
-            while (frame := await lane.receive()) is not None:
+            while True:
+                if self.lane_busy_poll_s > 0:
+                    await asyncio.sleep(0)  # the loop's other work (the stream, health) runs between rounds
+                    lane.spin_until_readable(self.lane_busy_poll_s)
+                frame = await lane.receive()
+                if frame is None:
+                    break
                 if generation != self._generation:
                     log.warning("round lane: a newer verifier stream replaced this one")
                     return

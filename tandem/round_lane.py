@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import select
 import socket
 import struct
 import sys
@@ -152,6 +153,18 @@ class AsyncLane:
     def __init__(self, sock: socket.socket):
         self._sock = sock
         self._loop = asyncio.get_running_loop()
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    def spin_until_readable(self, seconds: float) -> bool:
+        """Busy-poll for up to ``seconds``, blocking the calling thread (the event loop's); True once the
+        verifier's next frame (or its close) is waiting. A core that spins between rounds takes the next
+        Round without the scheduler's wake-up of a sleeping thread."""
+        deadline = time.perf_counter() + seconds
+        while not self._poller.poll(0):
+            if time.perf_counter() >= deadline:
+                return False
+        return True
 
     @classmethod
     async def connect(cls, address: str, token: bytes) -> "AsyncLane":

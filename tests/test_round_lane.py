@@ -260,13 +260,14 @@ def test_a_verifier_that_cannot_open_a_lane_keeps_its_rounds_on_the_stream(peer,
 class LaneRounds:
     """DrafterService's lane loop on its own: ``_round`` is replaced, so no model is needed."""
 
-    def __init__(self, round_fn):
+    def __init__(self, round_fn, busy_poll_s: float = 0.0):
         from drafter.service import DrafterService
 
         self.service = DrafterService.__new__(DrafterService)
         self.service._lock = None  # created on the peer's loop (below)
         self.service._generation = 1
         self.service._round = round_fn
+        self.service.lane_busy_poll_s = busy_poll_s
 
     def start(self, peer: AsyncPeer):
         listener = LaneListener()
@@ -308,6 +309,31 @@ def test_the_drafters_lane_answers_rounds_and_closes_on_anything_else(peer):
         near.exchange(hello, 5.0)
     done(peer, task)
     near.close()
+
+
+def test_a_busy_polling_drafter_answers_rounds_and_sees_the_lane_close(peer):
+    """--round-lane-busy-poll-ms: the lane loop spins for the next Round (here longer than the gaps
+    between rounds and shorter than others), answers each, and still ends when the verifier closes."""
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    rounds = LaneRounds(lambda message, ring: pb.Drafts(seq=message.seq), busy_poll_s=0.05)
+    near, task = rounds.start(peer)
+    for seq, gap_s in ((1, 0.0), (2, 0.01), (3, 0.12)):  # within the spin, within it, past it (then it sleeps)
+        time.sleep(gap_s)
+        assert pb.DrafterMessage.FromString(near.exchange(round_message(seq), 5.0)).drafts.seq == seq
+    near.close()
+    done(peer, task)
+
+
+def test_spinning_for_a_frame_reports_whether_one_came(peer):
+    lane, far = connected(peer)
+    started = time.perf_counter()
+    assert far.spin_until_readable(0.05) is False and time.perf_counter() - started >= 0.05
+    lane.send(b"round", 5.0)
+    assert far.spin_until_readable(5.0) is True and peer.run(far.receive()) == b"round"
+    lane.close()
+    assert far.spin_until_readable(5.0) is True and peer.run(far.receive()) is None  # a close is readable too
+    far.close()
 
 
 def test_a_failing_round_or_a_newer_stream_closes_the_lane(peer):
