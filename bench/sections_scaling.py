@@ -14,10 +14,14 @@ from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pai
 
 
 def service(ctx: dict) -> dict:
-    """The drafter and verifier as separate services (rounds on the round lane, then on the gRPC stream;
-    features through the shared-memory ring) against the same engine and head in one process, same
-    settings, batch 1. Random head: acceptance is what it is (~1),
-    which isolates the per-round cost of the service boundary."""
+    """The drafter and verifier as separate services against the same engine and head in one process,
+    same settings, batch 1: rounds on the round lane (the default: on a GPU the drafter busy-polls
+    between rounds), on the lane without busy-polling, and on the gRPC stream; features through the
+    shared-memory ring. Random head: acceptance is what it is (~1), which isolates the per-round cost of
+    the service boundary. The in-process engine stays loaded and is timed again right before each pair
+    (the host's speed drifts within a call: in-process runs of one call differed by 10 %), and each side
+    is timed twice, best kept; each ratio compares a pair with its own in-process neighbour.
+    TANDEM_BENCH_PROFILE_DRAFTER=1 adds a pair whose drafter runs under cProfile (stats printed)."""
     from safetensors.torch import save_file
 
     from tandem.sampling import SamplingParams
@@ -32,56 +36,45 @@ def service(ctx: dict) -> dict:
         save_file({"model.embed_tokens.weight": emb}, str(tdir / "model.safetensors"))
     prompt = torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    # In process.
     engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)
-    runner = engine.executor.runner
     drafter, _ = bench_drafter(engine, layers, [spec])
-    draft_dir = random_draft(tdir, runner.capture_layers)  # the same folder, for the drafter service
+    draft_dir = random_draft(tdir, engine.executor.runner.capture_layers)  # the same folder, for the drafter service
     engine.proposer, engine.default_spec = drafter, spec
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-    rid = engine.add_request(prompt, params)
-    phase_sums: dict[str, float] = {}
-    steps = 0
-    started = time.perf_counter()
-    while not engine.requests[rid].finished:
-        engine.step()
-        steps += 1
-        for phase, seconds in engine.last_step.seconds.items():
-            phase_sums[phase] = phase_sums.get(phase, 0.0) + seconds
-    inproc = new_tokens / (time.perf_counter() - started)
-    res = engine.requests.pop(rid)
-    rounds_in = res.spec_stats.rounds
-    phases_in = {f"step_{p}": 1e3 * phase_sums.get(p, 0.0) / steps for p in ENGINE_PHASES}
-    print("in process, ms per step: " + _phase_line(phases_in, 1e3 * new_tokens / inproc / steps), flush=True)
-    engine.proposer = None
-    engine.shutdown()
-    del engine, drafter, runner
-    _free_gpu()
-    print(f"in process:   {inproc:7.1f} tok/s ({rounds_in} rounds, accept {res.spec_stats.accept_length_mean:.2f})", flush=True)
 
-    # As services: rounds on the round lane (the default) and on the gRPC stream (DESIGN §2's transport).
+    def in_process() -> tuple[float, dict[str, float]]:
+        best = (0.0, {})
+        for _ in range(2):
+            tok_s, phases = _in_process_run(engine, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            best = max(best, (tok_s, phases), key=lambda r: r[0])
+        return best
+
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-    out = {"in_process_tok_s": inproc, "rounds_in_process": rounds_in, "transports": {}}
-    # (name, verifier flags, drafter flags, cProfile output): the transports, the drafter spinning between
-    # rounds instead of sleeping, and (TANDEM_BENCH_PROFILE_DRAFTER=1) the drafter under cProfile.
-    runs = [("lane", [], [], None), ("stream", ["--disable-round-lane"], [], None),
-            ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"], None)]
+    out = {"transports": {}}
+    # (name, verifier flags, drafter flags, cProfile output)
+    runs = [("lane", [], [], None), ("lane, no busy-poll", [], ["--round-lane-busy-poll-ms", "0"], None),
+            ("stream", ["--disable-round-lane"], [], None)]
     if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":
         runs.append(("lane, drafter under cProfile", [], [], Path(os.environ.get("OUT", ".")) / "drafter.prof"))
     for transport, extra, drafter_extra, drafter_profile in runs:
+        inproc, phases_in = in_process()
+        print(f"in process:   {inproc:7.1f} tok/s; ms per step: "
+              + _phase_line(phases_in, 1e3 * new_tokens / inproc / phases_in["steps"]), flush=True)
         with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                           verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                           *extra],
                           drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra],
                           drafter_profile=drafter_profile) as (generate, m_port):
             generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
-            started = time.perf_counter()
-            before = round_parts(m_port)
-            last = generate(prompt, new_tokens)
-            served = new_tokens / (time.perf_counter() - started)
-            after = round_parts(m_port)
-        parts = round_parts_ms(before, after)
+            best = None
+            for _ in range(2):
+                started = time.perf_counter()
+                before = round_parts(m_port)
+                last = generate(prompt, new_tokens)
+                served = new_tokens / (time.perf_counter() - started)
+                if best is None or served > best[0]:
+                    best = (served, round_parts_ms(before, round_parts(m_port)), last)
+        served, parts, last = best
         per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
         print(f"{transport}: per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms (extend "
               f"{parts['extend']:.3f}, draft and waiting for its tokens {parts['draft']:.3f}), "
@@ -94,12 +87,32 @@ def service(ctx: dict) -> dict:
         if drafter_profile is not None:
             _print_profile(drafter_profile, last.spec.rounds)
             continue
-        out["transports"][transport] = {"service_tok_s": served, "ratio": served / inproc,
+        out["transports"][transport] = {"in_process_tok_s": inproc, "in_process_phases_ms": phases_in,
+                                        "service_tok_s": served, "ratio": served / inproc,
                                         "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
                                         "round_trip_parts_ms": parts}
+    engine.proposer = None
+    engine.shutdown()
+    del engine, drafter
+    _free_gpu()
     out.update(out["transports"]["lane"])  # the default transport's figures at the top level, as before
-    out["in_process_phases_ms"] = phases_in
     return out
+
+
+def _in_process_run(engine, prompt: list[int], params) -> tuple[float, dict[str, float]]:
+    """One request through the in-process engine → (tok/s, mean ms per step of each engine phase)."""
+    rid = engine.add_request(prompt, params)
+    phase_sums: dict[str, float] = {}
+    steps = 0
+    started = time.perf_counter()
+    while not engine.requests[rid].finished:
+        engine.step()
+        steps += 1
+        for phase, seconds in engine.last_step.seconds.items():
+            phase_sums[phase] = phase_sums.get(phase, 0.0) + seconds
+    tok_s = params.max_new_tokens / (time.perf_counter() - started)
+    engine.requests.pop(rid)
+    return tok_s, {f"step_{p}": 1e3 * phase_sums.get(p, 0.0) / steps for p in ENGINE_PHASES} | {"steps": steps}
 
 
 def _phase_line(phases: dict[str, float], step_ms: float) -> str:
