@@ -1,0 +1,76 @@
+"""On the GPU: the drafter and verifier services — features through the CUDA IPC ring, rounds on the
+round lane, each step's Round prefetched — emit exactly the target-only greedy tokens of the in-process
+engine on the same device, for the project's trained demo pair (a head whose drafts are accepted, so
+the features and extends the drafter receives decide what it proposes).
+
+The demo pair is a folder with target/ and draft/ (TANDEM_DEMO_DIR, default ./demo-pair, the one
+``python -m tandem.training.demo_pair`` writes); without it the test is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_FLAGS = ["--speculative-num-steps", "5", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def demo_pair() -> Path:
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", ROOT / "demo-pair"))
+    if not (folder / "draft" / "config.json").exists() or not (folder / "target" / "config.json").exists():
+        pytest.skip(f"no trained demo pair in {folder} (set TANDEM_DEMO_DIR)")
+    return folder
+
+
+def held_out_prompts(folder: Path, n: int) -> list[list[int]]:
+    prompts_file = folder / "prompts.json"
+    if prompts_file.exists():
+        return json.loads(prompts_file.read_text())[:n]
+    return [[(7 * i + 3 * j) % 250 + 3 for j in range(4 + i)] for i in range(n)]
+
+
+def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, tmp_path):
+    from services import Service, generate, read_metrics, wait_for
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+    from tandem.service_probe import free_port
+
+    target, draft = demo_pair / "target", demo_pair / "draft"
+    prompts = held_out_prompts(demo_pair, 6)
+    with LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="float32")) as engine:
+        reference = [r.output_token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))]
+    torch.cuda.empty_cache()
+
+    common = ["--device", "cuda", "--dtype", "float32", *SPEC_FLAGS]
+    drafter = Service("drafter", ["--model", str(draft), "--target-model", str(target), *common],
+                      free_port(), tmp_path / "drafter.log").start(300)
+    metrics_port = free_port()
+    verifier = Service("verifier", ["--model", str(target), "--drafter", drafter.address, "--draft-model", str(draft),
+                                    "--metrics-port", str(metrics_port), "--kv-pages", "1024",
+                                    "--speculation-policy", "always", *common],
+                       free_port(), tmp_path / "verifier.log")
+    try:
+        verifier.start(300)
+        wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 60, "the verifier to reach the drafter")
+        accepted = []
+        for prompt, expected in zip(prompts, reference):
+            tokens, last = generate(verifier.address, prompt, max_new_tokens=48)
+            assert tokens == expected, f"service output differs from target-only greedy\n{verifier.log()}"
+            accepted.append(last.spec.accept_length_mean)
+        m = read_metrics(metrics_port)
+        assert m["tandem:drafter_round_lane"] == 1.0
+        assert sum(accepted) / len(accepted) > 1.5, f"the trained head's drafts were hardly accepted: {accepted}"
+        prefetched = m.get('tandem:drafter_rounds_total{kind="prefetched"}', 0.0)
+        assert prefetched > m.get('tandem:drafter_rounds_total{kind="direct"}', 0.0)
+    finally:
+        verifier.stop()
+        drafter.stop()
