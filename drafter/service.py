@@ -29,12 +29,12 @@ from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.heads import DraftHeads
 
 log = logging.getLogger("drafter.service")
-PROTOCOL_VERSION = 2
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
 LANE_CONNECT_S = 2.0
 

@@ -33,12 +33,12 @@ import torch
 from tandem.errors import TandemError
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
-PROTOCOL_VERSION = 2
 
 
 class DrafterClient:
