@@ -5,6 +5,8 @@ verifier's tandem:drafter_round_seconds split into the drafter's own work and th
 trip (gRPC stream, event loops, the shared-memory ring). The models are so small that the rest is
 nearly all boundary — what one message each way per round costs on this host, on the round lane
 (a local socket, the default) and on the gRPC stream (DESIGN §2's transport, ``--disable-round-lane``).
+The verifier runs with ``--disable-round-prefetch``: a prefetched Round's trip would also hold the
+engine's own work after the send, so only rounds sent and awaited in one go measure the boundary.
 
     python bench/boundary.py [--tokens 256] [--transports lane stream] [--out boundary.json]
 """
@@ -28,7 +30,7 @@ import torch  # noqa: E402
 from service_pair import round_parts, round_parts_ms, service_pair  # noqa: E402
 
 # Where the rounds travel: the round lane (tandem/round_lane.py, the default) or the gRPC stream.
-TRANSPORTS = {"lane": [], "stream": ["--disable-round-lane"]}
+TRANSPORTS = {"lane": ["--disable-round-prefetch"], "stream": ["--disable-round-lane", "--disable-round-prefetch"]}
 
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:

@@ -56,44 +56,47 @@ def service(ctx: dict) -> dict:
             ("stream", ["--disable-round-lane"], [], None)]
     if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":
         runs.append(("lane, drafter under cProfile", [], [], Path(os.environ.get("OUT", ".")) / "drafter.prof"))
-    for transport, extra, drafter_extra, drafter_profile in runs:
-        inproc, phases_in = in_process()
-        print(f"in process:   {inproc:7.1f} tok/s; ms per step: "
-              + _phase_line(phases_in, 1e3 * new_tokens / inproc / phases_in["steps"]), flush=True)
-        with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
-                          verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
-                                          *extra],
-                          drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra],
-                          drafter_profile=drafter_profile) as (generate, m_port):
-            generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
-            best = None
-            for _ in range(2):
-                started = time.perf_counter()
-                before = round_parts(m_port)
-                last = generate(prompt, new_tokens)
-                served = new_tokens / (time.perf_counter() - started)
-                if best is None or served > best[0]:
-                    best = (served, round_parts_ms(before, round_parts(m_port)), last)
-        served, parts, last = best
-        per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
-        print(f"{transport}: per round, as the verifier sees it: drafter work {parts['drafter']:.3f} ms (extend "
-              f"{parts['extend']:.3f}, draft and waiting for its tokens {parts['draft']:.3f}), "
-              f"the rest of the round trip {parts['boundary']:.3f} ms; the engine waited {parts['wait']:.3f} ms", flush=True)
-        print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
-              f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "
-              f"{per_round_ms:.3f} ms/round", flush=True)
-        print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
-              flush=True)
-        if drafter_profile is not None:
-            _print_profile(drafter_profile, last.spec.rounds)
-            continue
-        out["transports"][transport] = {"in_process_tok_s": inproc, "in_process_phases_ms": phases_in,
-                                        "service_tok_s": served, "ratio": served / inproc,
-                                        "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
-                                        "round_trip_parts_ms": parts}
-    engine.proposer = None
-    engine.shutdown()
-    del engine, drafter
+    try:
+        for transport, extra, drafter_extra, drafter_profile in runs:
+            inproc, phases_in = in_process()
+            print(f"in process:   {inproc:7.1f} tok/s; ms per step: "
+                  + _phase_line(phases_in, 1e3 * new_tokens / inproc / phases_in["steps"]), flush=True)
+            with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
+                              verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
+                                              *extra],
+                              drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra],
+                              drafter_profile=drafter_profile) as (generate, m_port):
+                generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
+                best = None
+                for _ in range(2):
+                    started = time.perf_counter()
+                    before = round_parts(m_port)
+                    last = generate(prompt, new_tokens)
+                    served = new_tokens / (time.perf_counter() - started)
+                    if best is None or served > best[0]:
+                        best = (served, round_parts_ms(before, round_parts(m_port)), last)
+            served, parts, last = best
+            per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc) / max(1, last.spec.rounds)
+            print(f"{transport}: per round: drafter work {parts['drafter']:.3f} ms (extend {parts['extend']:.3f}, draft "
+                  f"and waiting for its tokens {parts['draft']:.3f}); the engine waited {parts['wait']:.3f} ms; "
+                  f"{parts['direct_rounds']:.0f} of {parts['rounds']:.0f} rounds sent when drafting (not prefetched): "
+                  f"rest of their round trip {parts['boundary']:.3f} ms", flush=True)
+            print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
+                  f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "
+                  f"{per_round_ms:.3f} ms/round", flush=True)
+            print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
+                  flush=True)
+            if drafter_profile is not None:
+                _print_profile(drafter_profile, parts["rounds"])
+                continue
+            out["transports"][transport] = {"in_process_tok_s": inproc, "in_process_phases_ms": phases_in,
+                                            "service_tok_s": served, "ratio": served / inproc,
+                                            "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
+                                            "round_trip_parts_ms": parts}
+    finally:
+        engine.proposer = None
+        engine.shutdown()
+    engine = drafter = None  # noqa: F841 - the references go before the GPU memory is freed
     _free_gpu()
     out.update(out["transports"]["lane"])  # the default transport's figures at the top level, as before
     return out
@@ -121,10 +124,12 @@ def _phase_line(phases: dict[str, float], step_ms: float) -> str:
     return ", ".join(f"{p} {phases[f'step_{p}']:.3f}" for p in ENGINE_PHASES) + f"; outside phases {step_ms - inside:.3f}"
 
 
-def _print_profile(path: Path, rounds: int) -> None:
+def _print_profile(path: Path, rounds: float) -> None:
     """The drafter's hottest functions: the project's own by time with callees, and anything called at
-    least once per round by own time. Totals cover the whole process (start-up and warm-up too): a guide
-    to where a round's time goes, not a figure."""
+    least once per round by own time, divided by the timed request's rounds. Totals cover the whole
+    process (start-up, the warm-up and both timed requests): a guide to where a round's time goes, not
+    a figure."""
+    rounds = max(1.0, rounds)
     import pstats
 
     if not path.exists():

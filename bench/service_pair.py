@@ -59,40 +59,41 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
                 p.wait(10)
 
 
-# (histogram, label, value): the round trip's parts, then the drafter's own split of its part.
-ROUND_PARTS = (("tandem:drafter_round_seconds", "part", "drafter"), ("tandem:drafter_round_seconds", "part", "boundary"),
-               ("tandem:drafter_work_seconds", "phase", "extend"), ("tandem:drafter_work_seconds", "phase", "draft"))
-# The verifier's engine steps by phase (keys prefixed "step_": the drafter's phases above share names).
+# The verifier's engine steps by phase (keys prefixed "step_": the drafter's phases share names).
 ENGINE_PHASES = ("draft", "verify", "accept", "draft_extend")
+# name in the result -> the verifier's Prometheus sample (a sum); "rounds" and "direct" count them.
+SUMS = {"extend": 'tandem:drafter_work_seconds_sum{phase="extend"}',  # every round: the drafter's report
+        "draft": 'tandem:drafter_work_seconds_sum{phase="draft"}',
+        "wait": "tandem:drafter_wait_seconds_sum",  # every round: the engine blocked for the reply
+        "direct_drafter": 'tandem:drafter_round_seconds_sum{part="drafter"}',  # rounds sent and awaited in one go
+        "boundary": 'tandem:drafter_round_seconds_sum{part="boundary"}',
+        "rounds": 'tandem:drafter_work_seconds_count{phase="extend"}',
+        "direct": 'tandem:drafter_round_seconds_count{part="drafter"}',
+        "steps": 'tandem:round_phase_seconds_count{phase="verify"}',
+        **{f"step_{p}": f'tandem:round_phase_seconds_sum{{phase="{p}"}}' for p in ENGINE_PHASES}}
 
 
 def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Milliseconds per round of each part (the drafter's work, the rest of the round trip, and the
-    drafter's extend and draft phases) between two scrapes."""
-    rounds = max(1.0, after["count"] - before["count"])
-    steps = max(1.0, after["steps"] - before["steps"])
-    parts = {v: 1e3 * (after[v] - before[v]) / rounds for v in [*(v for _, _, v in ROUND_PARTS), "wait"]}
-    phases = {f"step_{p}": 1e3 * (after[f"step_{p}"] - before[f"step_{p}"]) / steps for p in ENGINE_PHASES}
-    return parts | phases | {"rounds": after["count"] - before["count"], "steps": after["steps"] - before["steps"]}
+    """Per round between two scrapes (ms): the drafter's work (``drafter`` = its ``extend`` + ``draft``)
+    and the engine's ``wait`` over every round; the rest of the round trip (``boundary``) over the rounds
+    sent and awaited in one go (NaN when every round was prefetched: its trip then holds the engine's
+    own work); the engine phases per step."""
+    d = {k: after[k] - before[k] for k in SUMS}
+    rounds, direct, steps = max(1.0, d["rounds"]), d["direct"], max(1.0, d["steps"])
+    out = {k: 1e3 * d[k] / rounds for k in ("extend", "draft", "wait")}
+    out["drafter"] = out["extend"] + out["draft"]
+    out["boundary"] = 1e3 * d["boundary"] / direct if direct else float("nan")
+    out |= {f"step_{p}": 1e3 * d[f"step_{p}"] / steps for p in ENGINE_PHASES}
+    return out | {"rounds": d["rounds"], "direct_rounds": direct, "steps": d["steps"]}
 
 
 def round_parts(metrics_port: int) -> dict[str, float]:
-    """Sums of the verifier's drafter round histograms by part and phase, and the round count."""
-    import re
+    """The verifier's sums and counts named in SUMS (0 for a sample not yet exported)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {"count": 0.0}
-    for name, label, value in ROUND_PARTS:
-        m = re.search(r'%s_sum\{%s="%s"\} ([0-9.eE+-]+)' % (name, label, value), text)
-        out[value] = float(m.group(1)) if m else 0.0
-    m = re.search(r'tandem:drafter_round_seconds_count\{part="drafter"\} ([0-9.eE+-]+)', text)
-    out["count"] = float(m.group(1)) if m else 0.0
-    m = re.search(r'tandem:drafter_wait_seconds_sum ([0-9.eE+-]+)', text)
-    out["wait"] = float(m.group(1)) if m else 0.0
-    for phase in ENGINE_PHASES:
-        m = re.search(r'tandem:round_phase_seconds_sum\{phase="%s"\} ([0-9.eE+-]+)' % phase, text)
-        out[f"step_{phase}"] = float(m.group(1)) if m else 0.0
-    m = re.search(r'tandem:round_phase_seconds_count\{phase="verify"\} ([0-9.eE+-]+)', text)
-    out["steps"] = float(m.group(1)) if m else 0.0
-    return out
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        samples[name] = value
+    return {k: float(samples.get(sample, 0.0)) for k, sample in SUMS.items()}

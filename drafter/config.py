@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
 
+MAX_LANE_BUSY_POLL_MS = 1000.0  # the event loop (health, reloads, a new verifier's Hello) waits out a spin
+
 
 @dataclass(frozen=True)
 class DrafterServiceConfig:
@@ -54,8 +56,9 @@ class DrafterServiceConfig:
         runtime = DrafterConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
                                 max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
                                 cuda_graph_max_bs=a.cuda_graph_max_bs)
-        if a.round_lane_busy_poll_ms < 0:
-            raise ConfigError(f"--round-lane-busy-poll-ms must be >= 0, got {a.round_lane_busy_poll_ms}")
+        if not 0 <= a.round_lane_busy_poll_ms <= MAX_LANE_BUSY_POLL_MS:  # a spin never ended blocks the event loop
+            raise ConfigError(f"--round-lane-busy-poll-ms must be in [0, {MAX_LANE_BUSY_POLL_MS:g}], "
+                              f"got {a.round_lane_busy_poll_ms}")
         spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
                    otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms)

@@ -125,13 +125,12 @@ class BlockingLane:
 
     def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
         while view:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms")
-            self._sock.settimeout(left)
+            # Past the deadline one read is still tried without waiting (timeout 0): bytes that arrived
+            # while this thread was held up elsewhere (the GIL) are not a missed deadline.
+            self._sock.settimeout(max(deadline - time.monotonic(), 0.0))
             try:
                 n = self._sock.recv_into(view)
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):
                 raise LaneError(f"no reply on the round lane within {timeout_s * 1000:.0f} ms") from None
             except OSError as e:
                 raise LaneError(f"round lane receive failed: {e}") from None

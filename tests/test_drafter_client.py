@@ -128,30 +128,70 @@ def test_a_prefetched_round_answers_the_next_draft_of_the_same_requests():
         assert [t.tokens for t in client.draft(["b"], spec)] == [[seq, 1]] and len(conn.rounds) == 2
 
 
-def test_a_prefetched_round_is_dropped_when_its_requests_changed():
+def test_requests_that_changed_since_the_prefetch_are_drafted_in_a_round_of_their_own():
     from tandem.speculative.drafter import SpecConfig
 
     with HiddenRing.create(64, 4, "float32") as ring:
         client, conn, kinds, spec = _prefetching_client(ring)
-        # Extended after the prefetch: the drafter's state of "a" moved on, its prefetched tree is stale.
+        # "a" extended after the prefetch: its prefetched tree is stale; "b"'s is not.
         client.prefetch(["a", "b"], spec)
+        early = conn.rounds[-1].seq
         client.extend([("a", [7, 8], torch.ones(2, 4))])
         trees = client.draft(["a", "b"], spec)
-        assert len(conn.rounds) == 2 and kinds == ["prefetch_dropped", "direct"]
+        assert len(conn.rounds) == 2 and kinds == ["prefetched", "direct"]
         fresh = conn.rounds[1]
-        assert [e.request_id for e in fresh.extend] == ["a"] and [d.request_id for d in fresh.draft] == ["a", "b"]
-        assert [t.tokens for t in trees] == [[fresh.seq, 0], [fresh.seq, 1]]
-        # Also dropped: a request released since, another spec, a request the prefetch did not ask for.
-        cases = [(lambda: client.release("a"), ["a"], spec), (lambda: None, ["b"], SpecConfig(2, 1, 3)),
-                 (lambda: None, ["b", "c"], spec)]
-        for change, asked, asked_spec in cases:
+        assert [e.request_id for e in fresh.extend] == ["a"] and [d.request_id for d in fresh.draft] == ["a"]
+        assert [t.tokens for t in trees] == [[fresh.seq, 0], [early, 1]]
+        # A request the prefetch did not ask for: drafted on its own, the others from the prefetch.
+        client.prefetch(["a", "b"], spec)
+        early = conn.rounds[-1].seq
+        trees = client.draft(["b", "c"], spec)
+        assert [d.request_id for d in conn.rounds[-1].draft] == ["c"] and kinds[-2:] == ["prefetched", "direct"]
+        assert [t.tokens for t in trees] == [[early, 1], [conn.rounds[-1].seq, 0]]
+        # Nothing usable (released since; another spec): the prefetch is dropped, all drafted afresh.
+        for change, asked, asked_spec in ((lambda: client.release("a"), ["a"], spec),
+                                          (lambda: None, ["a", "b"], SpecConfig(2, 1, 3))):
             client.prefetch(["a", "b"], spec)
             change()
             before = len(conn.rounds)
             trees = client.draft(asked, asked_spec)
             assert len(conn.rounds) == before + 1 and kinds[-2:] == ["prefetch_dropped", "direct"]
+            assert [d.request_id for d in conn.rounds[-1].draft] == asked
             assert [t.tokens for t in trees] == [[conn.rounds[-1].seq, i] for i in range(len(asked))]
         assert ring.live() == []
+
+
+def test_a_prefetched_reply_is_used_however_long_the_engine_took_to_collect_it():
+    """A pause in speculation can leave a prefetched reply uncollected past the deadline: the drafter
+    answered in time, so it is used, and the drafter is not dropped."""
+    import time
+
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client, conn, kinds, spec = _prefetching_client(ring)
+        client.deadline_s = 0.05
+        client.prefetch(["a"], spec)
+        time.sleep(0.15)
+        assert [t.tokens for t in client.draft(["a"], spec)] == [[conn.rounds[-1].seq, 0]]
+        assert client.available and kinds == ["prefetched"]
+
+
+def test_a_lost_connection_or_a_flush_leaves_no_prefetch_behind():
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client, conn, kinds, spec = _prefetching_client(ring)
+        client.prefetch(["a"], spec)
+        client.discard("an unusable tree")  # the connection is dropped, and the Round in flight with it
+        assert not client.available and client._prefetched is None and ring.live() == []
+        conn = client._conn = DraftingConnection()  # reconnected: a fresh stream
+        client.draft(["a"], spec)
+        assert kinds == ["direct"]  # the dropped prefetch is never collected
+        assert [d.request_id for d in conn.rounds[-1].draft] == ["a"] and len(conn.rounds) == 1
+        # Extends past FLUSH_ROWS flush in an extend-only Round, which first collects the prefetch.
+        client.FLUSH_ROWS = 8
+        client.prefetch(["a"], spec)
+        client.extend([(f"r{i}", list(range(6)), torch.ones(6, 4)) for i in range(3)])
+        assert kinds[1:3] == ["prefetch_dropped", "direct"] and client._prefetched is None
+        client.draft(["a"], spec)
+        assert client.available and ring.live() == []
 
 
 def test_nothing_is_prefetched_while_a_round_is_in_flight_or_the_drafter_is_away():

@@ -147,6 +147,21 @@ def test_rounds_on_the_grpc_stream_equal_target_only_greedy(pair_dirs, reference
         for i in (1, 6):
             tokens, last = generate(verifier.address, prompts_of(32)[i])
             assert tokens == reference[i] and last.spec.rounds > 0
+        assert read_metrics(verifier.metrics_port)['tandem:drafter_rounds_total{kind="prefetched"}'] > 0
+    finally:
+        verifier.stop()
+        drafter.stop()
+
+
+def test_without_prefetching_every_round_is_sent_when_it_drafts(pair_dirs, reference, tmp_path):
+    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--disable-round-prefetch",))
+    try:
+        for i in (2, 7):
+            tokens, last = generate(verifier.address, prompts_of(32)[i])
+            assert tokens == reference[i] and last.spec.rounds > 0
+        m = read_metrics(verifier.metrics_port)
+        assert m['tandem:drafter_rounds_total{kind="direct"}'] > 0
+        assert m.get('tandem:drafter_rounds_total{kind="prefetched"}', 0.0) == 0.0
     finally:
         verifier.stop()
         drafter.stop()

@@ -6,6 +6,11 @@ import argparse
 from dataclasses import dataclass, fields
 
 from tandem.engine.config import EngineConfig
+from tandem.errors import ConfigError
+
+ROUND_FEATURE_ROWS = 4096  # the most feature rows one Round carries: more queued extends go out first
+# A prefetched Round in flight holds its rows while the next Round's queue up: two Rounds' worth.
+MIN_RING_ROWS = 2 * ROUND_FEATURE_ROWS
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,12 @@ class VerifierConfig:
     capture_traffic: str | None = None  # folder for finished requests' tokens + features (drafter training); None = off
     capture_traffic_max_gb: float = 50.0
     round_lane: bool = True  # offer the drafter a local socket for the per-round messages (tandem/round_lane.py)
+    round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
+
+    def __post_init__(self) -> None:
+        if self.ring_rows < MIN_RING_ROWS:
+            raise ConfigError(f"--ring-rows must be >= {MIN_RING_ROWS} (a Round in flight and the next one's "
+                              f"features), got {self.ring_rows}")
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -62,7 +73,11 @@ class VerifierConfig:
         p.add_argument("--disable-round-lane", action="store_true",
                        help="send every round on the drafter's gRPC stream instead of the local round lane "
                             "(the lane saved ~0.45 ms per round on a CPU VM; the stream is the fallback anyway)")
-        p.add_argument("--ring-rows", type=int, default=cls.ring_rows)
+        p.add_argument("--disable-round-prefetch", action="store_true",
+                       help="send each Round when the step drafts instead of at the end of the step before "
+                            "(prefetching lets the drafter work while the verifier streams and schedules)")
+        p.add_argument("--ring-rows", type=int, default=cls.ring_rows,
+                       help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
         p.add_argument("--metrics-port", type=int, default=None)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
@@ -83,7 +98,8 @@ class VerifierConfig:
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
                    served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
                    speculation_policy=a.speculation_policy,
-                   capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane)
+                   capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane,
+                   round_prefetch=not a.disable_round_prefetch)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "engine")

@@ -10,8 +10,8 @@ frees the round's ring rows.
 draft next — and returns at once, so the drafter works while the engine finishes its step (streams
 the tokens, schedules the next). The next ``draft`` then only collects the reply. Its trees are used
 for the requests it covers that were neither extended nor released since (a request's tree depends
-only on its draft state, which nothing else changes); any other ``draft`` collects and drops it and
-runs its own Round. At most one Round is ever in flight, so the ring's round bookkeeping is unchanged.
+only on its draft state, which nothing else changes); the others of that ``draft`` go in a Round of
+their own. At most one Round is ever in flight, so the ring's round bookkeeping is unchanged.
 
 The drafter is optional at every moment. While it is absent ``available`` is False and the engine
 decodes plainly; a reply later than the deadline, a broken stream or a dead process raises
@@ -36,23 +36,25 @@ from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
+from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
 
 
 class DrafterClient:
-    FLUSH_ROWS = 4096  # pending extend rows that trigger an extend-only round
+    FLUSH_ROWS = ROUND_FEATURE_ROWS  # pending extend rows that trigger an extend-only round
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
                  on_round: Callable[[float, float, pb.Drafts, str], None] = lambda round_trip_s, wait_s, drafts, kind: None,
-                 round_lane: bool = True):
+                 round_lane: bool = True, prefetch: bool = True):
         """``on_round(round trip, wait, drafts, kind)`` after every reply: seconds from the Round's send to
         its reply's receipt, the part of it the caller spent blocked (less when the Round was prefetched),
         the reply (the drafter's own timings), and how the Round was sent (see ``_collect``)."""
         self.address, self.ring, self.target = address, ring, target
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
+        self.prefetch_rounds = prefetch  # False: prefetch() sends nothing (--disable-round-prefetch)
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
         self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
@@ -61,6 +63,7 @@ class DrafterClient:
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
         self._prefetched: _Prefetch | None = None  # the Round in flight, sent by prefetch
+        self._sent_at = 0.0  # when the last Round went out (one is in flight at most)
         self._traces: dict[str, dict[str, str]] = {}
         self._stop = threading.Event()
         self._last_refusal = ""
@@ -189,27 +192,36 @@ class DrafterClient:
         """Send the Round for ``rids`` now (with everything queued) and return without its reply; the next
         ``draft`` collects it. Does nothing while the drafter is away or a Round is already in flight."""
         with self._lock:
-            if self._conn is None or self._prefetched is not None or not rids:
+            if not self.prefetch_rounds or self._conn is None or self._prefetched is not None or not rids:
                 return
-            seq, sent = self._send_round(rids, spec)
-            self._prefetched = _Prefetch(seq, sent, tuple(rids), spec)
+            self._prefetched = _Prefetch(self._send_round(rids, spec), tuple(rids), spec)
 
     def draft(self, rids: list[str], spec) -> list[DraftTree]:
-        with self._lock:
-            if self._conn is None:
-                raise ProposerUnavailable("the drafter is not connected")
-            early, self._prefetched = self._prefetched, None
-            used = early is not None and early.covers(rids, spec)
-            if early is not None:
-                reply, asked = self._collect(early.seq, early.sent, "prefetched" if used else "prefetch_dropped"), early.rids
-            if not used:
-                seq, sent = self._send_round(rids, spec)
-                reply, asked = self._collect(seq, sent, "direct"), tuple(rids)
-        trees = dict(zip(asked, self._unpack(reply, len(asked))))
+        observed = []  # (round trip, wait, drafts, kind) per collected reply, reported outside the lock
+        try:
+            with self._lock:
+                if self._conn is None:
+                    raise ProposerUnavailable("the drafter is not connected")
+                early, self._prefetched = self._prefetched, None
+                covered = early.covered(rids, spec) if early is not None else set()
+                rest = [r for r in rids if r not in covered]
+                replies = []  # (the requests a reply drafted, in order; the reply)
+                if early is not None:  # collected even when nothing is used: one Round in flight at most
+                    kind = "prefetched" if covered else "prefetch_dropped"
+                    replies.append((early.rids, self._collect(early.seq, kind, observed)))
+                if rest or spec is None:  # what the prefetch did not cover (or an extend-only flush)
+                    seq = self._send_round(rest, spec)
+                    replies.append((tuple(rest), self._collect(seq, "direct", observed)))
+        finally:
+            for round_trip, wait, drafts, kind in observed:
+                self.on_round(round_trip, wait, drafts, kind)
+        trees = {}
+        for asked, drafts in replies:
+            trees.update(zip(asked, self._unpack(drafts, len(asked))))
         return [trees[r] for r in rids]
 
-    def _send_round(self, rids: list[str], spec) -> tuple[int, float]:
-        """Send everything queued and the draft requests as the next Round (lock held) → (seq, send time)."""
+    def _send_round(self, rids: list[str], spec) -> int:
+        """Send everything queued and the draft requests as the next Round (lock held) → its seq."""
         conn = self._conn
         params = (pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
                   if spec is not None else None)
@@ -221,24 +233,23 @@ class DrafterClient:
         self._seq += 1
         self.ring.begin_round(self._seq)
         self.ring.publish()
-        sent = time.perf_counter()
+        self._sent_at = time.perf_counter()
         try:
             conn.send_round(pb.VerifierMessage(round=round_msg), self.deadline_s)
         except ProposerUnavailable as e:
             self._drop(str(e))
             raise
-        return seq, sent
+        return seq
 
-    def _collect(self, seq: int, sent: float, kind: str) -> pb.Drafts:
-        """Wait for round ``seq``'s reply (lock held; the deadline runs from its send) and free its rows.
-        ``kind``: "direct" (sent by this draft), "prefetched" (sent early, its trees used) or
-        "prefetch_dropped" (sent early, then the requests changed: its trees are not used)."""
-        waiting = time.perf_counter()
+    def _collect(self, seq: int, kind: str, observed: list) -> pb.Drafts:
+        """Wait for round ``seq``'s reply (lock held) and free its rows; appends what the round cost to
+        ``observed``. ``kind``: "direct" (sent by this draft), "prefetched" (sent early, some of its
+        trees used) or "prefetch_dropped" (sent early, then all its requests changed). The deadline
+        counts the time the engine waits, from here: a prefetched reply may have waited for the engine
+        far longer (a pause in speculation), which says nothing about the drafter."""
+        sent, waiting = self._sent_at, time.perf_counter()
         try:
-            left = self.deadline_s - (waiting - sent)
-            if left <= 0:  # its time ran out while the engine did other work: one last look, no waiting
-                left = 1e-3
-            reply = self._conn.receive_round(left)
+            reply = self._conn.receive_round(self.deadline_s)
             if not reply.HasField("drafts") or reply.drafts.seq != seq:
                 raise ProposerUnavailable(f"the drafter answered round {seq} out of order")
         except ProposerUnavailable as e:
@@ -246,7 +257,7 @@ class DrafterClient:
             raise
         self.ring.release(seq)
         now = time.perf_counter()
-        self.on_round(now - sent, now - waiting, reply.drafts, kind)
+        observed.append((now - sent, now - waiting, reply.drafts, kind))
         return reply.drafts
 
     def _unpack(self, drafts: pb.Drafts, count: int) -> list[DraftTree]:
@@ -261,13 +272,16 @@ class DrafterClient:
 class _Prefetch:
     """A Round sent ahead of its ``draft``, and the requests whose draft state changed since."""
 
-    def __init__(self, seq: int, sent: float, rids: tuple[str, ...], spec):
-        self.seq, self.sent, self.rids, self.spec = seq, sent, rids, spec
+    def __init__(self, seq: int, rids: tuple[str, ...], spec):
+        self.seq, self.rids, self.spec = seq, rids, spec
         self.changed: set[str] = set()
 
-    def covers(self, rids: list[str], spec) -> bool:
-        """Whether its trees are the ones a Round for ``rids`` would draft now."""
-        return spec == self.spec and self.changed.isdisjoint(rids) and set(rids) <= set(self.rids)
+    def covered(self, rids: list[str], spec) -> set[str]:
+        """Those of ``rids`` whose prefetched trees are the ones a Round would draft now: asked for with
+        the same spec, neither extended nor released since."""
+        if spec != self.spec:
+            return set()
+        return (set(rids) & set(self.rids)) - self.changed
 
 
 def unpack_trees(drafts: pb.Drafts, count: int) -> list[DraftTree]:

@@ -79,7 +79,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
             metrics.drafter_failures.inc()
 
     client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state,
-                           metrics.observe_drafter_round, round_lane=cfg.round_lane)
+                           metrics.observe_drafter_round, round_lane=cfg.round_lane, prefetch=cfg.round_prefetch)
     engine.proposer, engine.default_spec = client, spec
     return engine, client, ring
 

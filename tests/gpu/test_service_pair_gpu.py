@@ -46,8 +46,9 @@ def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, tmp_pa
 
     target, draft = demo_pair / "target", demo_pair / "draft"
     prompts = held_out_prompts(demo_pair, 6)
-    with LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="float32")) as engine:
-        reference = [r.output_token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))]
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="float32")) as engine:  # one at a time, as served
+        reference = [engine.generate([p], greedy)[0].output_token_ids for p in prompts]
     torch.cuda.empty_cache()
 
     common = ["--device", "cuda", "--dtype", "float32", *SPEC_FLAGS]
