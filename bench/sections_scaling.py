@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,8 @@ def service(ctx: dict) -> dict:
     the service boundary. The in-process engine stays loaded and is timed again right before each pair
     (the host's speed drifts within a call: in-process runs of one call differed by 10 %), and each side
     is timed twice, best kept; each ratio compares a pair with its own in-process neighbour.
-    TANDEM_BENCH_PROFILE_DRAFTER=1 adds a pair whose drafter runs under cProfile (stats printed)."""
+    TANDEM_BENCH_PROFILE_DRAFTER=1 adds a pair whose drafter traces 64 rounds with the torch profiler
+    (``--profile-rounds``: a Chrome trace in $OUT, the busiest host ops and kernels in the log)."""
     from safetensors.torch import save_file
 
     from tandem.sampling import SamplingParams
@@ -51,21 +51,20 @@ def service(ctx: dict) -> dict:
 
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     out = {"transports": {}}
-    # (name, verifier flags, drafter flags, cProfile output)
-    runs = [("lane", [], [], None), ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"], None),
-            ("stream", ["--disable-round-lane"], [], None)]
-    if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":
-        runs.append(("lane, drafter under cProfile", [], [], Path(os.environ.get("OUT", ".")) / "drafter.prof"))
+    # (name, verifier flags, drafter flags)
+    runs = [("lane", [], []), ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"]),
+            ("stream", ["--disable-round-lane"], [])]
+    if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":  # its timeline goes to $OUT, its summary to the log
+        runs.append(("lane, drafter profiled", [], ["--profile-rounds", "64", "--profile-dir", os.environ.get("OUT", ".")]))
     try:
-        for transport, extra, drafter_extra, drafter_profile in runs:
+        for transport, extra, drafter_extra in runs:
             inproc, phases_in = in_process()
             print(f"in process:   {inproc:7.1f} tok/s; ms per step: "
                   + _phase_line(phases_in, 1e3 * new_tokens / inproc / phases_in["steps"]), flush=True)
             with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                               verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                               *extra],
-                              drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra],
-                              drafter_profile=drafter_profile) as (generate, m_port):
+                              drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra]) as (generate, m_port):
                 generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
                 best = None
                 for _ in range(2):
@@ -86,9 +85,8 @@ def service(ctx: dict) -> dict:
                   f"{per_round_ms:.3f} ms/round", flush=True)
             print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
                   flush=True)
-            if drafter_profile is not None:
-                _print_profile(drafter_profile, parts["rounds"])
-                continue
+            if "--profile-rounds" in drafter_extra:
+                continue  # profiled: its speed is not a figure
             out["transports"][transport] = {"in_process_tok_s": inproc, "in_process_phases_ms": phases_in,
                                             "service_tok_s": served, "ratio": served / inproc,
                                             "rounds_service": last.spec.rounds, "boundary_ms_per_round": per_round_ms,
@@ -122,36 +120,6 @@ def _phase_line(phases: dict[str, float], step_ms: float) -> str:
     """The engine step's phases (ms) and what the step spends outside them (the loop, streaming)."""
     inside = sum(phases[f"step_{p}"] for p in ENGINE_PHASES)
     return ", ".join(f"{p} {phases[f'step_{p}']:.3f}" for p in ENGINE_PHASES) + f"; outside phases {step_ms - inside:.3f}"
-
-
-def _print_profile(path: Path, rounds: float) -> None:
-    """The drafter's hottest functions: the project's own by time with callees, and anything called at
-    least once per round by own time, divided by the timed request's rounds. Totals cover the whole
-    process (start-up, the warm-up and both timed requests): a guide to where a round's time goes, not
-    a figure."""
-    rounds = max(1.0, rounds)
-    import pstats
-
-    if not path.exists():
-        print(f"(no drafter profile at {path})")
-        return
-    stats = pstats.Stats(str(path))
-    own_code = ("/tandem/", "/drafter/")
-    lists = (("cumulative", "with callees, the project's own functions", lambda f, nc: any(d in f[0] for d in own_code)),
-             ("tottime", "own time, called at least once per round", lambda f, nc: nc >= rounds and "runners" not in f[0]))
-    for key, label, keep in lists:
-        print(f"--- drafter under cProfile: top functions by {label} (ms per round) ---")
-        stats.sort_stats(key)
-        shown = 0
-        for func in stats.fcn_list:
-            cc, nc, tt, ct, _ = stats.stats[func]
-            if not keep(func, nc):
-                continue
-            name = f"{Path(func[0]).name}:{func[1]}({func[2]})"
-            print(f"  calls/round {nc / rounds:6.1f}  own {1e3 * tt / rounds:7.3f}  cum {1e3 * ct / rounds:7.3f}  {name[:90]}")
-            shown += 1
-            if shown == 24:
-                break
 
 
 def tp(ctx: dict) -> dict:

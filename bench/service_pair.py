@@ -8,12 +8,9 @@ import time
 
 
 @contextlib.contextmanager
-def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=(),
-                 drafter_profile: str | None = None):
+def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=()):
     """``python -m drafter`` and ``python -m verifier`` (every round speculates: ``--speculation-policy
-    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``.
-    ``drafter_profile``: run the drafter under cProfile, its stats written to this path at its exit
-    (the drafter serves rounds on its main thread, which is the one cProfile sees)."""
+    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``."""
     import subprocess
     import sys
 
@@ -26,8 +23,7 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
     d_port, v_port, m_port = free_port(), free_port(), free_port()
     common = ["--device", device, "--dtype", dtype, *spec_flags]
-    profiler = ["-m", "cProfile", "-o", drafter_profile] if drafter_profile else []
-    procs = [subprocess.Popen([sys.executable, *profiler, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
+    procs = [subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
                                "--port", str(d_port), *common, *drafter_flags], cwd=ROOT_DIR)]
     try:
         wait_serving(d_port, 300, procs[0], "drafter")

@@ -25,6 +25,8 @@ class DrafterServiceConfig:
     # Off by default: on the H200 the pair ran 133.7 tok/s spinning and 132.1 sleeping (one call, best of
     # two each) — within noise, not worth a core. 20 ms outlasts an 8B target's round (~8 ms).
     lane_busy_poll_ms: float = 0.0
+    profile_rounds: int = 0  # trace this many rounds (after a warm-up) with the torch profiler; 0: off
+    profile_dir: str | None = None  # where the trace goes (default: the working directory)
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -45,6 +47,10 @@ class DrafterServiceConfig:
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        p.add_argument("--profile-rounds", type=int, default=cls.profile_rounds,
+                       help="trace this many rounds, after a warm-up of 32, with the torch profiler: a Chrome trace "
+                            "in --profile-dir and the busiest host ops and kernels in the log (0: off)")
+        p.add_argument("--profile-dir", default=None, help="folder for the --profile-rounds trace (default: .)")
         p.add_argument("--round-lane-busy-poll-ms", type=float, default=cls.lane_busy_poll_ms,
                        help="between rounds on the round lane, busy-poll this long for the next Round before "
                             "sleeping (uses a core; default 0: off)")
@@ -59,6 +65,9 @@ class DrafterServiceConfig:
         if not 0 <= a.round_lane_busy_poll_ms <= MAX_LANE_BUSY_POLL_MS:  # a spin never ended blocks the event loop
             raise ConfigError(f"--round-lane-busy-poll-ms must be in [0, {MAX_LANE_BUSY_POLL_MS:g}], "
                               f"got {a.round_lane_busy_poll_ms}")
+        if a.profile_rounds < 0:
+            raise ConfigError(f"--profile-rounds must be >= 0, got {a.profile_rounds}")
         spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
-                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms)
+                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
+                   profile_rounds=a.profile_rounds, profile_dir=a.profile_dir)

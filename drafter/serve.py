@@ -18,6 +18,7 @@ from tandem.models.config import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
 from drafter.config import DrafterServiceConfig
+from drafter.profiling import RoundProfiler
 from drafter.service import SERVICE, DrafterService
 
 log = logging.getLogger("drafter")
@@ -36,7 +37,8 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
         await asyncio.to_thread(drafter.capture_cuda_graphs, list(cfg.graph_specs))
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
-                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3)
+                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3,
+                             RoundProfiler(cfg.profile_rounds, cfg.profile_dir))
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")

@@ -33,6 +33,7 @@ from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.heads import DraftHeads
+from drafter.profiling import RoundProfiler
 
 log = logging.getLogger("drafter.service")
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
@@ -41,9 +42,11 @@ LANE_CONNECT_S = 2.0
 
 class DrafterService:
     def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
-                 runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0):
+                 runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0,
+                 profiler: RoundProfiler | None = None):
         self.heads = DraftHeads(drafter, draft_model)
         self.lane_busy_poll_s = lane_busy_poll_s  # spin this long for the next Round (DrafterServiceConfig)
+        self.profiler = profiler or RoundProfiler(0, None)  # --profile-rounds
         self.target_model, self.target_hidden = target_model, target_hidden
         self.runtime, self.graph_specs = runtime, graph_specs
         self._lock = asyncio.Lock()  # one stream drives the model at a time
@@ -191,6 +194,7 @@ class DrafterService:
             # scores are optional in a DraftTree: none becomes zeros; a wrong count is a drafter bug
             drafts.tree_scores.extend(tree.scores or [0.0] * tree.size)
         drafts.draft_seconds = time.perf_counter() - started
+        self.profiler.round_done()
         return drafts
 
     async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadReply:
