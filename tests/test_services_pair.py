@@ -255,3 +255,32 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
     finally:
         verifier.stop()
         drafter.kill()
+
+
+def test_a_verifier_with_the_head_in_process_equals_target_only_greedy(pair_dirs, reference, tmp_path):
+    """--drafter in-process: no drafter service, the head drafts inside the verifier (the in-process
+    engine's path), and the tokens are still the target's own greedy ones."""
+    from tandem.service_probe import free_port
+
+    metrics_port = free_port()
+    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", "in-process",
+                                    "--draft-model", str(pair_dirs / "draft"), "--metrics-port", str(metrics_port),
+                                    "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                                    "--speculative-num-draft-tokens", "5", "--speculation-policy", "always"],
+                       free_port(), tmp_path / "verifier.log").start()
+    try:
+        assert "drafter in process" in verifier.log()
+        for i in (3, 8):
+            tokens, last = generate(verifier.address, prompts_of(32)[i])
+            assert tokens == reference[i] and last.spec.rounds > 0
+        assert read_metrics(metrics_port)["tandem:drafter_up"] == 1.0
+    finally:
+        verifier.stop()
+
+
+def test_an_in_process_drafter_without_a_head_is_refused_in_one_line(pair_dirs, capsys):
+    from verifier.__main__ import main
+
+    assert main(["--model", str(pair_dirs / "target"), "--drafter", "in-process"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--draft-model" in err and len(err.strip().splitlines()) == 1

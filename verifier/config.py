@@ -11,6 +11,7 @@ from tandem.errors import ConfigError
 ROUND_FEATURE_ROWS = 4096  # the most feature rows one Round carries: more queued extends go out first
 # A prefetched Round in flight holds its rows while the next Round's queue up: two Rounds' worth.
 MIN_RING_ROWS = 2 * ROUND_FEATURE_ROWS
+IN_PROCESS = "in-process"  # --drafter in-process: the head runs inside the verifier, no drafter service
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class VerifierConfig:
     round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
 
     def __post_init__(self) -> None:
+        if self.drafter == IN_PROCESS and self.draft_model is None:
+            raise ConfigError("--drafter in-process runs the EAGLE-3 head inside the verifier: give it --draft-model DIR")
         if self.ring_rows < MIN_RING_ROWS:
             raise ConfigError(f"--ring-rows must be >= {MIN_RING_ROWS} (a Round in flight and the next one's "
                               f"features), got {self.ring_rows}")
@@ -59,7 +62,10 @@ class VerifierConfig:
         p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs)
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
-        p.add_argument("--drafter", default=None, help="drafter service address host:port; omit for no speculation")
+        p.add_argument("--drafter", default=None,
+                       help="drafter service address host:port; 'in-process' to run the --draft-model head inside "
+                            "this process (the in-process engine's speed; no drafter isolation or hot reload); "
+                            "omit for no speculation")
         p.add_argument("--draft-model", default=None,
                        help="the drafter's EAGLE-3 folder: validated against the target at start-up and used to "
                             "choose the captured layers (recommended with --drafter)")

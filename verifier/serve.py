@@ -24,7 +24,8 @@ from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-from verifier.config import VerifierConfig
+from tandem.speculative.setup import speculative_engine
+from verifier.config import IN_PROCESS, VerifierConfig
 from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineLoop
 from verifier.metrics import VerifierMetrics
@@ -58,13 +59,17 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
     if cfg.drafter is None:
         return LLMEngine(cfg.engine), None, None
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
+    policy = SpeculationPolicy(PolicyConfig(enabled=cfg.speculation_policy == "measured"))
+    if cfg.drafter == IN_PROCESS:  # the head beside the target: no ring, no rounds to send (tandem.speculative.setup)
+        engine = speculative_engine(cfg.engine, cfg.draft_model, spec, policy=policy)
+        metrics.drafter_up.set(1)
+        return engine, None, None
     # verification graphs take the tree width; decode graphs serve requests that do not speculate
     engine_cfg = dataclasses.replace(cfg.engine, cuda_graph_widths=(1, spec.num_draft_tokens))
     if cfg.draft_model is not None:  # DESIGN §3: validate the pair before anything is allocated
         capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
                                  engine_cfg.capture_layers)
         engine_cfg = dataclasses.replace(engine_cfg, capture_layers=capture)
-    policy = SpeculationPolicy(PolicyConfig(enabled=cfg.speculation_policy == "measured"))
     engine = LLMEngine(engine_cfg, policy=policy)
     runner = engine.executor.runner
     mc = engine.model_config
@@ -110,6 +115,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("verifier serving on %s:%d%s", cfg.host, port,
+             " (drafter in process)" if cfg.drafter == IN_PROCESS else
              f" (drafter at {cfg.drafter})" if cfg.drafter else " (no drafter: speculation off)")
     if ready is not None:
         ready.set()
