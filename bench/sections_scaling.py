@@ -15,7 +15,8 @@ from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pai
 def service(ctx: dict) -> dict:
     """The drafter and verifier as separate services against the same engine and head in one process,
     same settings, batch 1: rounds on the round lane (the default), on the lane with the drafter
-    busy-polling between rounds (--round-lane-busy-poll-ms), and on the gRPC stream; features through the
+    busy-polling between rounds (--round-lane-busy-poll-ms), on the gRPC stream, and with the head inside
+    the verifier service (--drafter in-process: the service shell's own cost); features through the
     shared-memory ring. Random head: acceptance is what it is (~1), which isolates the per-round cost of
     the service boundary. The in-process engine stays loaded and is timed again right before each pair
     (the host's speed drifts within a call: in-process runs of one call differed by 10 %), and each side
@@ -51,9 +52,9 @@ def service(ctx: dict) -> dict:
 
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     out = {"transports": {}}
-    # (name, verifier flags, drafter flags)
+    # (name, verifier flags, drafter flags; None: no drafter service, the head inside the verifier)
     runs = [("lane", [], []), ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"]),
-            ("stream", ["--disable-round-lane"], [])]
+            ("stream", ["--disable-round-lane"], []), ("head in the verifier", [], None)]
     if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":  # its timeline goes to $OUT, its summary to the log
         runs.append(("lane, drafter profiled", [], ["--profile-rounds", "64", "--profile-dir", os.environ.get("OUT", ".")]))
     try:
@@ -64,7 +65,8 @@ def service(ctx: dict) -> dict:
             with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                               verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                               *extra],
-                              drafter_flags=["--cuda-graph-max-bs", "8", *drafter_extra]) as (generate, m_port):
+                              drafter_flags=["--cuda-graph-max-bs", "8", *(drafter_extra or [])],
+                              head_in_verifier=drafter_extra is None) as (generate, m_port):
                 generate(prompt, 32)  # warm-up: the drafter's first rounds (allocator growth, first eager extend)
                 best = None
                 for _ in range(2):
@@ -85,7 +87,7 @@ def service(ctx: dict) -> dict:
                   f"{per_round_ms:.3f} ms/round", flush=True)
             print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
                   flush=True)
-            if "--profile-rounds" in drafter_extra:
+            if "--profile-rounds" in (drafter_extra or []):
                 continue  # profiled: its speed is not a figure
             out["transports"][transport] = {"in_process_tok_s": inproc, "in_process_phases_ms": phases_in,
                                             "service_tok_s": served, "ratio": served / inproc,

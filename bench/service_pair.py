@@ -8,9 +8,11 @@ import time
 
 
 @contextlib.contextmanager
-def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=()):
+def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str], verifier_flags=(), drafter_flags=(),
+                 head_in_verifier: bool = False):
     """``python -m drafter`` and ``python -m verifier`` (every round speculates: ``--speculation-policy
-    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``."""
+    always``) on free loopback ports; yields ``(generate(prompt, n) -> last reply, metrics port)``.
+    ``head_in_verifier``: no drafter service, the verifier runs the head itself (``--drafter in-process``)."""
     import subprocess
     import sys
 
@@ -23,15 +25,18 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
     d_port, v_port, m_port = free_port(), free_port(), free_port()
     common = ["--device", device, "--dtype", dtype, *spec_flags]
-    procs = [subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model", str(tdir),
-                               "--port", str(d_port), *common, *drafter_flags], cwd=ROOT_DIR)]
+    procs = []
     try:
-        wait_serving(d_port, 300, procs[0], "drafter")
+        if not head_in_verifier:
+            procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft_dir), "--target-model",
+                                           str(tdir), "--port", str(d_port), *common, *drafter_flags], cwd=ROOT_DIR))
+            wait_serving(d_port, 300, procs[0], "drafter")
+        drafter = "in-process" if head_in_verifier else f"127.0.0.1:{d_port}"
         procs.append(subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port),
-                                       "--drafter", f"127.0.0.1:{d_port}", "--draft-model", str(draft_dir),
+                                       "--drafter", drafter, "--draft-model", str(draft_dir),
                                        "--metrics-port", str(m_port), "--speculation-policy", "always", *common,
                                        *verifier_flags], cwd=ROOT_DIR))
-        wait_serving(v_port, 300, procs[1], "verifier")
+        wait_serving(v_port, 300, procs[-1], "verifier")
         time.sleep(2.0)  # the drafter connection comes up in the background
         with grpc.insecure_channel(f"127.0.0.1:{v_port}") as ch:
             stub = pb_grpc.VerifierStub(ch)
