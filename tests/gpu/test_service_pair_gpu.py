@@ -37,19 +37,27 @@ def held_out_prompts(folder: Path, n: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(4 + i)] for i in range(n)]
 
 
-def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, tmp_path):
-    from services import Service, generate, read_metrics, wait_for
+@pytest.fixture(scope="module")
+def reference(demo_pair):
+    """Target-only greedy continuations (48 tokens) of 6 held-out prompts, one at a time, as served."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
+
+    prompts = held_out_prompts(demo_pair, 6)
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32")) as engine:
+        outputs = [engine.generate([p], greedy)[0].output_token_ids for p in prompts]
+    torch.cuda.empty_cache()
+    return prompts, outputs
+
+
+def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, reference, tmp_path):
+    from services import Service, generate, read_metrics, wait_for
     from tandem.service_probe import free_port
 
     target, draft = demo_pair / "target", demo_pair / "draft"
-    prompts = held_out_prompts(demo_pair, 6)
-    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    with LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="float32")) as engine:  # one at a time, as served
-        reference = [engine.generate([p], greedy)[0].output_token_ids for p in prompts]
-    torch.cuda.empty_cache()
+    prompts, reference = reference
 
     common = ["--device", "cuda", "--dtype", "float32", *SPEC_FLAGS]
     drafter = Service("drafter", ["--model", str(draft), "--target-model", str(target), *common],
@@ -75,3 +83,26 @@ def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, tmp_pa
     finally:
         verifier.stop()
         drafter.stop()
+
+
+def test_a_verifier_running_the_head_in_process_on_the_gpu_equals_target_only_greedy(demo_pair, reference, tmp_path):
+    """--drafter in-process: the head's graphs in the verifier's pool, the chain's tokens left on the
+    device for the verify (the in-process engine's path), served over gRPC."""
+    from services import Service, generate
+    from tandem.service_probe import free_port
+
+    prompts, reference = reference
+    verifier = Service("verifier", ["--model", str(demo_pair / "target"), "--drafter", "in-process",
+                                    "--draft-model", str(demo_pair / "draft"), "--kv-pages", "1024",
+                                    "--speculation-policy", "always", "--device", "cuda", "--dtype", "float32",
+                                    *SPEC_FLAGS], free_port(), tmp_path / "verifier.log")
+    try:
+        verifier.start(300)
+        accepted = []
+        for prompt, expected in zip(prompts, reference):
+            tokens, last = generate(verifier.address, prompt, max_new_tokens=48)
+            assert tokens == expected, f"service output differs from target-only greedy\n{verifier.log()}"
+            accepted.append(last.spec.accept_length_mean)
+        assert sum(accepted) / len(accepted) > 1.5, f"the trained head's drafts were hardly accepted: {accepted}"
+    finally:
+        verifier.stop()
