@@ -33,9 +33,13 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     log.info("loading draft %s for target %s", cfg.draft_model, cfg.target_model)
-    drafter = await asyncio.to_thread(Eagle3Drafter.from_dirs, cfg.draft_model, cfg.target_model, cfg.runtime)
+    # Loaded on this thread, which then runs the rounds (on its event loop): on CPU, torch's intra-op
+    # threads of a loading thread and of a serving thread fight over the cores (the verifier's engine
+    # thread decoded the demo target at 145 tok/s that way on a 2-core VM, 348 loading on its own thread).
+    # Nothing is served meanwhile: the server starts below.
+    drafter = Eagle3Drafter.from_dirs(cfg.draft_model, cfg.target_model, cfg.runtime)
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
-        await asyncio.to_thread(drafter.capture_cuda_graphs, list(cfg.graph_specs))
+        drafter.capture_cuda_graphs(list(cfg.graph_specs))
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
                              cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3,
                              RoundProfiler(cfg.profile_rounds, cfg.profile_dir))

@@ -77,9 +77,9 @@ def run_up(args: argparse.Namespace) -> int:
                                            str(args.grpc_port), "--served-model-name", name, *tracing]))
     env = dict(os.environ)
     if args.model is None and args.device == "cpu":
-        # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core,
-        # which collides with the services' own threads (the engine steps on a thread of its own). Measured on
-        # a 2-core VM, demo pair, chain of 5: the pair 268 -> 315 tok/s, the head in the verifier 188 -> 350.
+        # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
+        # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
+        # Measured on a 2-core VM, demo pair, chain of 5: 237 -> 272-315 tok/s.
         env.setdefault("OMP_NUM_THREADS", "1")
     try:
         for child in children:

@@ -106,9 +106,9 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads
     log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
 
-    engine, client, ring = await asyncio.to_thread(build_engine, cfg, metrics)
-    loop = EngineLoop(engine, metrics, cfg.max_waiting)
-    loop.start()
+    loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting)
+    loop.start()  # loads the model on its own thread, then steps it there
+    engine, client, ring = await asyncio.wrap_future(loop.built)
     if client is not None:
         client.start()
     service.attach(loop)
