@@ -56,7 +56,8 @@ def service(ctx: dict) -> dict:
     runs = [("lane", [], []), ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"]),
             ("stream", ["--disable-round-lane"], []), ("head in the verifier", [], None)]
     if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":  # its timeline goes to $OUT, its summary to the log
-        runs.append(("lane, drafter profiled", [], ["--profile-rounds", "64", "--profile-dir", os.environ.get("OUT", ".")]))
+        runs.append(("lane, drafter profiled", ["--drafter-deadline-ms", "60000"],  # a trace's start and end take seconds
+                     ["--profile-rounds", "64", "--profile-dir", os.environ.get("OUT", ".")]))
     try:
         for transport, extra, drafter_extra in runs:
             inproc, phases_in = in_process()

@@ -40,9 +40,9 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     drafter = Eagle3Drafter.from_dirs(cfg.draft_model, cfg.target_model, cfg.runtime)
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
         drafter.capture_cuda_graphs(list(cfg.graph_specs))
+    profiler = RoundProfiler(cfg.profile_rounds, cfg.profile_dir)
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
-                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3,
-                             RoundProfiler(cfg.profile_rounds, cfg.profile_dir))
+                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3, profiler)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -55,4 +55,5 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     await wait_for_stop(stop)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
+    profiler.close()
     tracing.shutdown_tracing()

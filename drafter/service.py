@@ -87,6 +87,7 @@ class DrafterService:
                     async with self._lock:
                         drafts = self._round(message.round, ring)
                     yield pb.DrafterMessage(drafts=drafts)
+                    self.profiler.round_done()
         finally:
             if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
                 lane_task.cancel()
@@ -114,6 +115,7 @@ class DrafterService:
                 async with self._lock:
                     drafts = self._round(message.round, ring)
                 await lane.send(pb.DrafterMessage(drafts=drafts).SerializeToString())
+                self.profiler.round_done()  # after the reply: starting or ending a trace takes seconds
         except asyncio.CancelledError:
             raise
         except (LaneError, DecodeError, ConnectionError) as e:
@@ -194,7 +196,6 @@ class DrafterService:
             # scores are optional in a DraftTree: none becomes zeros; a wrong count is a drafter bug
             drafts.tree_scores.extend(tree.scores or [0.0] * tree.size)
         drafts.draft_seconds = time.perf_counter() - started
-        self.profiler.round_done()
         return drafts
 
     async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadReply:

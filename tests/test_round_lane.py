@@ -261,6 +261,7 @@ class LaneRounds:
     """DrafterService's lane loop on its own: ``_round`` is replaced, so no model is needed."""
 
     def __init__(self, round_fn, busy_poll_s: float = 0.0):
+        from drafter.profiling import RoundProfiler
         from drafter.service import DrafterService
 
         self.service = DrafterService.__new__(DrafterService)
@@ -268,6 +269,7 @@ class LaneRounds:
         self.service._generation = 1
         self.service._round = round_fn
         self.service.lane_busy_poll_s = busy_poll_s
+        self.service.profiler = RoundProfiler(0, None)
 
     def start(self, peer: AsyncPeer):
         listener = LaneListener()
@@ -393,10 +395,8 @@ def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
         def drafter(self, gen):
             return Head(gen)
 
-    from drafter.profiling import RoundProfiler
-
     service = DrafterService.__new__(DrafterService)
-    service.heads, service.profiler = Heads(), RoundProfiler(0, None)
+    service.heads = Heads()
     sizes = {"r1": 4, "r2": 3, "r3": 4, "r4": 3, "r5": 2}
     round_msg = pb.Round(seq=7, draft=[pb.DraftRequest(request_id=r, spec=pb.SpecParams(num_steps=n - 1, topk=1,
                                                                                            num_draft_tokens=n))

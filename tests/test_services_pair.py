@@ -284,3 +284,56 @@ def test_an_in_process_drafter_without_a_head_is_refused_in_one_line(pair_dirs, 
     assert main(["--model", str(pair_dirs / "target"), "--drafter", "in-process"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--draft-model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tree_the_in_process_head_cannot_draft_is_refused_and_the_verifier_serves_on(pair_dirs, reference, tmp_path):
+    """A request asking the in-process head for more top-k than it keeps is INVALID_ARGUMENT (it once
+    stopped the engine loop); the verifier keeps serving."""
+    from tandem.service_probe import free_port
+
+    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", "in-process",
+                                    "--draft-model", str(pair_dirs / "draft"), "--speculation-policy", "always"],
+                       free_port(), tmp_path / "verifier.log").start()
+    try:
+        with grpc.insecure_channel(verifier.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            request = pb.GenerateRequest(prompt_token_ids=prompts_of(32)[4], sampling=pb.SamplingParams(max_new_tokens=4),
+                                         speculation=pb.SpeculationParams(topk=9, num_steps=2, num_draft_tokens=10))
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculation.topk" in err.value.details()
+        tokens, _ = generate(verifier.address, prompts_of(32)[4])
+        assert tokens == reference[4]
+    finally:
+        verifier.stop()
+
+
+def test_a_failing_in_process_head_leaves_the_engine_decoding_target_only_greedy(pair_dirs, reference):
+    """GuardedHead: the head's recoverable failures (here its draft KV cache full) become
+    ProposerUnavailable: the requests decode on without speculation, with the target's own tokens."""
+    from tandem.engine.config import EngineConfig
+    from tandem.errors import OutOfPagesError
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from tandem.speculative.setup import speculative_engine
+    from verifier.in_process_head import GuardedHead
+
+    engine = speculative_engine(EngineConfig(model=str(pair_dirs / "target")), str(pair_dirs / "draft"),
+                                SpecConfig(3, 1, 4), policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+    head = engine.proposer
+    calls = {"draft": 0}
+    real_draft = head.draft
+
+    def draft_then_fail(rids, spec):
+        calls["draft"] += 1
+        if calls["draft"] == 3:
+            raise OutOfPagesError("draft KV cache out of pages (injected)")
+        return real_draft(rids, spec)
+
+    head.draft = draft_then_fail
+    engine.proposer = GuardedHead(head)
+    with engine:
+        outs = engine.generate(prompts_of(32)[:3], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.output_token_ids for o in outs] == reference[:3]
+    assert calls["draft"] >= 3 and not head._reqs  # failed once; the head forgot every request

@@ -12,6 +12,7 @@ ROUND_FEATURE_ROWS = 4096  # the most feature rows one Round carries: more queue
 # A prefetched Round in flight holds its rows while the next Round's queue up: two Rounds' worth.
 MIN_RING_ROWS = 2 * ROUND_FEATURE_ROWS
 IN_PROCESS = "in-process"  # --drafter in-process: the head runs inside the verifier, no drafter service
+IN_PROCESS_MAX_TOPK = 8  # the largest speculation.topk a request may ask of the in-process head
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,17 @@ from verifier.round_spans import RoundSpans
 log = logging.getLogger("verifier.loop")
 
 
+def _discard(built) -> None:
+    """Shut down what a build made when the service went away during it: the engine (its TP ranks), the
+    drafter client and the shared-memory ring."""
+    engine, client, ring = built
+    if client is not None:
+        client.close()
+    engine.shutdown()
+    if ring is not None:
+        ring.close()
+
+
 class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
@@ -75,13 +86,18 @@ class EngineLoop(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------------------
     def run(self) -> None:
+        if not self.built.set_running_or_notify_cancel():  # the caller gave up before the load began
+            return
         try:
             built = self._build()
         except BaseException as e:  # the caller sees it through ``built`` (a bad checkpoint, no memory)
             self.built.set_exception(e)
             return
-        self.engine = built[0]
         self.built.set_result(built)
+        if self._stopping.is_set():  # stopped while loading (the service was cancelled): nobody will use it
+            _discard(built)
+            return
+        self.engine = built[0]
         self._gauges()
         try:
             while not self._stopping.is_set():

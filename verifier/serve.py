@@ -25,9 +25,10 @@ from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.setup import speculative_engine
-from verifier.config import IN_PROCESS, VerifierConfig
+from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineLoop
+from verifier.in_process_head import GuardedHead
 from verifier.metrics import VerifierMetrics
 from verifier.server import SERVICE, VerifierService
 
@@ -61,7 +62,9 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
     policy = SpeculationPolicy(PolicyConfig(enabled=cfg.speculation_policy == "measured"))
     if cfg.drafter == IN_PROCESS:  # the head beside the target: no ring, no rounds to send (tandem.speculative.setup)
-        engine = speculative_engine(cfg.engine, cfg.draft_model, spec, policy=policy)
+        engine = speculative_engine(cfg.engine, cfg.draft_model, spec, draft_dtype=cfg.engine.dtype, policy=policy,
+                                    max_topk=IN_PROCESS_MAX_TOPK)
+        engine.proposer = GuardedHead(engine.proposer)
         metrics.drafter_up.set(1)
         return engine, None, None
     # verification graphs take the tree width; decode graphs serve requests that do not speculate
@@ -108,7 +111,11 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
 
     loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting)
     loop.start()  # loads the model on its own thread, then steps it there
-    engine, client, ring = await asyncio.wrap_future(loop.built)
+    try:
+        engine, client, ring = await asyncio.shield(asyncio.wrap_future(loop.built))
+    except asyncio.CancelledError:  # the loop shuts down what it built once the load ends
+        loop.stop()
+        raise
     if client is not None:
         client.start()
     service.attach(loop)

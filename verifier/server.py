@@ -21,7 +21,7 @@ from tandem.models.config import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import SpecConfig
-from verifier.config import VerifierConfig
+from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.engine_loop import EngineLoop, QueueFull, Submission
 
 log = logging.getLogger("verifier.server")
@@ -143,4 +143,7 @@ class VerifierService:
             return params, "default"
         d = self.default_spec
         spec = SpecConfig(sp.num_steps or d.num_steps, sp.topk or d.topk, sp.num_draft_tokens or d.num_draft_tokens)
+        most = max(IN_PROCESS_MAX_TOPK, d.topk)
+        if self.cfg.drafter == IN_PROCESS and spec.topk > most:  # (a drafter service refuses it in its round)
+            raise ConfigError(f"speculation.topk {spec.topk} exceeds the in-process head's {most}")
         return params, spec

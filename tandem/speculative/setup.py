@@ -23,12 +23,16 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
                        policy=policy)
     runner = engine.executor.runner
     embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
-    drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
-        device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
-        disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-        defer_chain_tokens=cfg.tp_size == 1),
-        capture_layers=capture, embed_weight=embed)
-    if runner.graphs is not None:
-        drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+    try:
+        drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
+            device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
+            disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+            defer_chain_tokens=cfg.tp_size == 1),
+            capture_layers=capture, embed_weight=embed)
+        if runner.graphs is not None:
+            drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+    except BaseException:
+        engine.shutdown()  # the target's TP ranks and memory go with the failed head
+        raise
     engine.proposer, engine.default_spec = drafter, spec
     return engine

@@ -1,0 +1,46 @@
+"""The verifier's proposer under ``--drafter in-process``: the EAGLE-3 head in this process, whose
+recoverable failures become ProposerUnavailable, as a drafter service's do. A request the head cannot
+serve (its draft KV cache full, a tree the head refuses) then decodes on plainly, with every other
+request, instead of stopping the engine loop and with it the verifier. (A head whose deferred chain
+tokens come back NaN still stops it, as it stops the in-process engine: that check runs with the
+verify's results.)"""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.errors import TandemError
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import ProposerUnavailable
+
+log = logging.getLogger("verifier.in_process_head")
+RECOVERABLE = (TandemError, FloatingPointError, KeyError, ValueError)
+
+
+class GuardedHead:
+    def __init__(self, drafter):
+        """``drafter``: the Eagle3Drafter that tandem.speculative.setup attached to the engine."""
+        self.drafter = drafter
+
+    def extend(self, items) -> None:
+        self._guarded(self.drafter.extend, items)
+
+    def draft(self, rids: list[str], spec) -> list[DraftTree]:
+        return self._guarded(self.drafter.draft, rids, spec)
+
+    def release(self, rid: str) -> None:
+        self.drafter.release(rid)
+
+    def discard(self, reason: str) -> None:
+        """The engine found a tree unusable and drops every request's draft state: so does the head."""
+        self.drafter.release_all()
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except RECOVERABLE as e:
+            # The engine drops every request's draft state after this (DraftLink.lost): the head's pages too.
+            log.warning("the in-process head failed (%s: %s); requests running now decode without speculation",
+                        type(e).__name__, e)
+            self.drafter.release_all()
+            raise ProposerUnavailable(f"the in-process head failed: {type(e).__name__}: {e}") from e
