@@ -38,6 +38,10 @@ def _discard(built) -> None:
         ring.close()
 
 
+class EngineStopped(RuntimeError):
+    """The engine loop died (an engine error): nothing more can be served (UNAVAILABLE)."""
+
+
 class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
@@ -55,7 +59,8 @@ class Submission:
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, build: Callable[[], Any], metrics: VerifierMetrics, max_waiting: int):
+    def __init__(self, build: Callable[[], Any], metrics: VerifierMetrics, max_waiting: int,
+                 on_fatal: Callable[[BaseException], None] = lambda error: None):
         """``build()`` → ``(engine, ...)``: run first on this thread, its result in ``built`` (a Future).
         The model loads on the thread that then steps it: on CPU, torch's intra-op threads of a loading
         thread and of a stepping thread fought over the cores (the demo target decoded at 145 tok/s on
@@ -63,6 +68,8 @@ class EngineLoop(threading.Thread):
         super().__init__(name="engine-loop", daemon=True)
         self.metrics, self.max_waiting = metrics, max_waiting
         self._build = build
+        self.on_fatal = on_fatal  # called on this thread once the loop has died (the service turns NOT_SERVING)
+        self._submit_lock = threading.Lock()  # a submission either reaches a live loop or fails at once
         self.built: Future = Future()
         self.engine: LLMEngine | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -74,7 +81,11 @@ class EngineLoop(threading.Thread):
 
     # -- called from other threads ---------------------------------------------------------------
     def submit(self, sub: Submission) -> Future:
-        self._commands.put(("add", sub))
+        with self._submit_lock:
+            if self.fatal is not None:
+                sub.added.set_exception(EngineStopped(f"the engine stopped: {self.fatal}"))
+            else:
+                self._commands.put(("add", sub))
         return sub.added
 
     def cancel(self, rid: str) -> None:
@@ -106,10 +117,19 @@ class EngineLoop(threading.Thread):
                     self._step()
         except BaseException as e:  # a dead loop must not leave clients waiting forever
             log.exception("engine loop failed")
-            self.fatal = e
+            with self._submit_lock:
+                self.fatal = e
             for sub in self._live.values():
                 sub.sink(e)
             self._live.clear()
+            while True:  # submissions queued before the end: refused, not left waiting
+                try:
+                    command, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command == "add":
+                    arg.added.set_exception(EngineStopped(f"the engine stopped: {e}"))
+            self.on_fatal(e)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -109,7 +109,16 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads
     log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
 
-    loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting)
+    aio_loop = asyncio.get_running_loop()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_fatal(error: BaseException) -> None:  # the engine loop died: probes see it, new requests are refused
+        asyncio.run_coroutine_threadsafe(not_serving(), aio_loop)
+
+    loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal)
     loop.start()  # loads the model on its own thread, then steps it there
     try:
         engine, client, ring = await asyncio.shield(asyncio.wrap_future(loop.built))

@@ -22,7 +22,7 @@ from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
-from verifier.engine_loop import EngineLoop, QueueFull, Submission
+from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
 
 log = logging.getLogger("verifier.server")
 SERVICE = "tandem.rpc.verifier.v1.Verifier"
@@ -90,6 +90,9 @@ class VerifierService:
             except (QueueFull, OutOfPagesError) as e:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except EngineStopped as e:
+                tracing.set_error(span, str(e))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except TandemError as e:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
