@@ -9,6 +9,7 @@ import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir
 from sections import _decode_tok_s, _free_gpu
+from sections_profile import _run_phases
 from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pair
 
 
@@ -61,8 +62,8 @@ def service(ctx: dict) -> dict:
     try:
         for transport, extra, drafter_extra in runs:
             inproc, phases_in = in_process()
-            print(f"in process:   {inproc:7.1f} tok/s; ms per step: "
-                  + _phase_line(phases_in, 1e3 * new_tokens / inproc / phases_in["steps"]), flush=True)
+            print(f"in process:   {inproc:7.1f} tok/s; ms per step: " + _phase_line(phases_in, phases_in["step_total"]),
+                  flush=True)
             with service_pair(tdir, draft_dir, "cuda", "bfloat16", flags,
                               verifier_flags=["--load-format", "random", "--kv-pages", "2048", "--cuda-graph-max-bs", "8",
                                               *extra],
@@ -86,7 +87,8 @@ def service(ctx: dict) -> dict:
             print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "
                   f"{last.spec.accept_length_mean:.2f}); service pair at {served / inproc:.1%} of in process; boundary cost "
                   f"{per_round_ms:.3f} ms/round", flush=True)
-            print(f"{transport}, ms per step: " + _phase_line(parts, 1e3 * new_tokens / served / max(1.0, parts["steps"])),
+            print(f"{transport}, ms per step: " + _phase_line({p: parts[f"step_{p}"] for p in ENGINE_PHASES},
+                                                               1e3 * new_tokens / served / max(1.0, parts["steps"])),
                   flush=True)
             if "--profile-rounds" in (drafter_extra or []):
                 continue  # profiled: its speed is not a figure
@@ -104,25 +106,20 @@ def service(ctx: dict) -> dict:
 
 
 def _in_process_run(engine, prompt: list[int], params) -> tuple[float, dict[str, float]]:
-    """One request through the in-process engine → (tok/s, mean ms per step of each engine phase)."""
+    """One request through the in-process engine → (tok/s, mean ms of each engine phase per decode step,
+    and the step's total: sections_profile._run_phases, unsynchronised here)."""
     rid = engine.add_request(prompt, params)
-    phase_sums: dict[str, float] = {}
-    steps = 0
     started = time.perf_counter()
-    while not engine.requests[rid].finished:
-        engine.step()
-        steps += 1
-        for phase, seconds in engine.last_step.seconds.items():
-            phase_sums[phase] = phase_sums.get(phase, 0.0) + seconds
+    phases = _run_phases(engine, rid)
     tok_s = params.max_new_tokens / (time.perf_counter() - started)
     engine.requests.pop(rid)
-    return tok_s, {f"step_{p}": 1e3 * phase_sums.get(p, 0.0) / steps for p in ENGINE_PHASES} | {"steps": steps}
+    return tok_s, phases
 
 
 def _phase_line(phases: dict[str, float], step_ms: float) -> str:
     """The engine step's phases (ms) and what the step spends outside them (the loop, streaming)."""
-    inside = sum(phases[f"step_{p}"] for p in ENGINE_PHASES)
-    return ", ".join(f"{p} {phases[f'step_{p}']:.3f}" for p in ENGINE_PHASES) + f"; outside phases {step_ms - inside:.3f}"
+    inside = sum(phases[p] for p in ENGINE_PHASES)
+    return ", ".join(f"{p} {phases[p]:.3f}" for p in ENGINE_PHASES) + f"; outside phases {step_ms - inside:.3f}"
 
 
 def tp(ctx: dict) -> dict:

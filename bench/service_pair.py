@@ -66,8 +66,7 @@ ENGINE_PHASES = ("draft", "verify", "accept", "draft_extend")
 SUMS = {"extend": 'tandem:drafter_work_seconds_sum{phase="extend"}',  # every round: the drafter's report
         "draft": 'tandem:drafter_work_seconds_sum{phase="draft"}',
         "wait": "tandem:drafter_wait_seconds_sum",  # every round: the engine blocked for the reply
-        "direct_drafter": 'tandem:drafter_round_seconds_sum{part="drafter"}',  # rounds sent and awaited in one go
-        "boundary": 'tandem:drafter_round_seconds_sum{part="boundary"}',
+        "boundary": 'tandem:drafter_round_seconds_sum{part="boundary"}',  # rounds sent and awaited in one go
         "rounds": 'tandem:drafter_work_seconds_count{phase="extend"}',
         "direct": 'tandem:drafter_round_seconds_count{part="drafter"}',
         "steps": 'tandem:round_phase_seconds_count{phase="verify"}',

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import report_hangs_in_health, wait_for_stop
+from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
 from tandem.models.config import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -29,8 +29,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
                                       ("grpc.http2.max_ping_strikes", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     log.info("loading draft %s for target %s", cfg.draft_model, cfg.target_model)
     # Loaded on this thread, which then runs the rounds (on its event loop): on CPU, torch's intra-op
@@ -47,8 +46,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("drafter serving on %s:%d", cfg.host, port)
     if ready is not None:
         ready.set()

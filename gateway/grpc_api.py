@@ -22,6 +22,7 @@ from gateway.generation import GenerationStream
 from gateway.request import OFFLOAD_PARSE_BYTES, GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem import tracing
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
+from tandem.service_runtime import set_health
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -114,5 +115,4 @@ def build_grpc_server(gw: Gateway, address: str) -> tuple[grpc.aio.Server, int, 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
+    await set_health(health_servicer, SERVICE_NAME, status)

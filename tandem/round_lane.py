@@ -93,13 +93,6 @@ class BlockingLane:
         self._sock = sock
         self._header = bytearray(HEADER.size)
 
-    def exchange(self, payload: bytes, timeout_s: float) -> bytes:
-        """Send, then read the reply; ``timeout_s`` bounds both (a peer that stops reading cannot hold
-        the caller on a full socket buffer)."""
-        deadline = time.monotonic() + timeout_s
-        self.send(payload, timeout_s)
-        return self._receive(deadline, timeout_s)
-
     def send(self, payload: bytes, timeout_s: float) -> None:
         frame = _frame(payload)
         try:
@@ -112,9 +105,7 @@ class BlockingLane:
 
     def receive(self, timeout_s: float) -> bytes:
         """The next frame within ``timeout_s``."""
-        return self._receive(time.monotonic() + timeout_s, timeout_s)
-
-    def _receive(self, deadline: float, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
         self._read_into(memoryview(self._header), deadline, timeout_s)
         (size,) = HEADER.unpack(self._header)
         if size > MAX_FRAME_BYTES:

@@ -27,6 +27,12 @@ def run_service(main: Callable[[], Awaitable[None]]) -> int:
     return 0
 
 
+async def set_health(health_servicer, service: str, status) -> None:
+    """Say ``status`` (a HealthCheckResponse status) for the server as a whole and for ``service``."""
+    for name in ("", service):
+        await health_servicer.set(name, status)
+
+
 async def wait_for_stop(stop: asyncio.Event | None) -> None:
     """Return when ``stop`` is set or the process gets SIGTERM/SIGINT (signals only on the main thread:
     tests run services on other threads and stop them through the event)."""

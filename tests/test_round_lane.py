@@ -42,6 +42,12 @@ def peer():
     p.close()
 
 
+def exchange(lane, payload: bytes, timeout_s: float) -> bytes:
+    """A Round and its reply, as the verifier's connection sends and reads them."""
+    lane.send(payload, timeout_s)
+    return lane.receive(timeout_s)
+
+
 def connected(peer: AsyncPeer):
     listener = LaneListener()
     pending = peer.submit(AsyncLane.connect(listener.address, listener.token))
@@ -60,7 +66,7 @@ def test_frames_go_both_ways_in_order_whatever_their_size(peer):
 
     done = peer.submit(echo(4))
     for payload in (b"", b"x", bytes(range(256)) * 3, b"y" * (1 << 20)):  # empty, tiny, odd, 1 MiB (several reads)
-        assert lane.exchange(payload, 5.0) == payload[::-1]
+        assert exchange(lane, payload, 5.0) == payload[::-1]
     done.result(5)
     lane.close()
     assert peer.run(far.receive()) is None  # the far end sees the close as the end of the lane
@@ -89,12 +95,12 @@ def test_a_silent_peer_times_out_and_a_closed_one_fails_at_once(peer):
     lane, far = connected(peer)
     started = time.monotonic()
     with pytest.raises(LaneError, match="within 200 ms"):
-        lane.exchange(b"round", 0.2)
+        exchange(lane, b"round", 0.2)
     assert 0.15 < time.monotonic() - started < 2.0
     far.close()
     started = time.monotonic()
     with pytest.raises(LaneError):
-        lane.exchange(b"round", 5.0)  # closed: no waiting for the deadline
+        exchange(lane, b"round", 5.0)  # closed: no waiting for the deadline
     assert time.monotonic() - started < 1.0
     lane.close()
 
@@ -103,7 +109,7 @@ def test_a_peer_that_stops_reading_cannot_hold_the_sender_past_its_deadline(peer
     lane, far = connected(peer)  # far never reads: a big frame fills the socket buffers
     started = time.monotonic()
     with pytest.raises(LaneError, match="within 200 ms"):
-        lane.exchange(b"x" * (16 << 20), 0.2)
+        exchange(lane, b"x" * (16 << 20), 0.2)
     assert time.monotonic() - started < 2.0
     lane.close()
     far.close()
@@ -305,26 +311,32 @@ def test_the_drafters_lane_answers_rounds_and_closes_on_anything_else(peer):
     rounds = LaneRounds(lambda message, ring: pb.Drafts(seq=message.seq))
     near, task = rounds.start(peer)
     for seq in (3, 4):
-        assert pb.DrafterMessage.FromString(near.exchange(round_message(seq), 5.0)).drafts.seq == seq
+        assert pb.DrafterMessage.FromString(exchange(near, round_message(seq), 5.0)).drafts.seq == seq
     hello = pb.VerifierMessage(hello=pb.Hello()).SerializeToString()  # not a Round: the lane ends
     with pytest.raises(LaneError, match="closed"):
-        near.exchange(hello, 5.0)
+        exchange(near, hello, 5.0)
     done(peer, task)
     near.close()
 
 
-def test_a_busy_polling_drafter_answers_rounds_and_sees_the_lane_close(peer):
+def test_a_busy_polling_drafter_answers_rounds_and_sees_the_lane_close(peer, monkeypatch):
     """--round-lane-busy-poll-ms: the lane loop spins for the next Round (here longer than the gaps
     between rounds and shorter than others), answers each, and still ends when the verifier closes."""
     from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 
+    spins = []  # (budget, whether a frame came within it)
+    real_spin = AsyncLane.spin_until_readable
+    monkeypatch.setattr(AsyncLane, "spin_until_readable",
+                        lambda self, seconds: spins.append((seconds, real_spin(self, seconds))) or spins[-1][1])
     rounds = LaneRounds(lambda message, ring: pb.Drafts(seq=message.seq), busy_poll_s=0.05)
     near, task = rounds.start(peer)
-    for seq, gap_s in ((1, 0.0), (2, 0.01), (3, 0.12)):  # within the spin, within it, past it (then it sleeps)
+    for seq, gap_s in ((1, 0.0), (2, 0.01), (3, 0.3)):  # within the spin, within it, past it (then it sleeps)
         time.sleep(gap_s)
-        assert pb.DrafterMessage.FromString(near.exchange(round_message(seq), 5.0)).drafts.seq == seq
+        assert pb.DrafterMessage.FromString(exchange(near, round_message(seq), 5.0)).drafts.seq == seq
     near.close()
     done(peer, task)
+    assert len(spins) == 4 and all(budget == 0.05 for budget, _ in spins)  # before each Round and the close
+    assert spins[2][1] is False and spins[3][1] is True  # the 0.3 s gap outlasted a spin; the close ended one
 
 
 def test_a_frame_that_already_arrived_is_read_even_with_no_time_left(peer):
@@ -357,7 +369,7 @@ def test_a_failing_round_or_a_newer_stream_closes_the_lane(peer):
 
     near, task = LaneRounds(broken).start(peer)
     with pytest.raises(LaneError, match="closed"):  # the verifier sees it at once, drops and reconnects
-        near.exchange(round_message(1), 5.0)
+        exchange(near, round_message(1), 5.0)
     done(peer, task)
     near.close()
 
@@ -367,7 +379,7 @@ def test_a_failing_round_or_a_newer_stream_closes_the_lane(peer):
     near, task = rounds.start(peer)
     rounds.service._generation = 2  # a newer verifier stream took over
     with pytest.raises(LaneError, match="closed"):
-        near.exchange(round_message(1), 5.0)
+        exchange(near, round_message(1), 5.0)
     done(peer, task)
     near.close()
 

@@ -205,10 +205,11 @@ class DrafterClient:
                 early, self._prefetched = self._prefetched, None
                 covered = early.covered(rids, spec) if early is not None else set()
                 rest = [r for r in rids if r not in covered]
-                replies = []  # (the requests a reply drafted, in order; the reply)
+                replies = []  # (the requests a reply drafted, in order; the reply) — the ones whose trees are used
                 if early is not None:  # collected even when nothing is used: one Round in flight at most
-                    kind = "prefetched" if covered else "prefetch_dropped"
-                    replies.append((early.rids, self._collect(early.seq, kind, observed)))
+                    reply = self._collect(early.seq, "prefetched" if covered else "prefetch_dropped", observed)
+                    if covered:
+                        replies.append((early.rids, reply))
                 if rest or spec is None:  # what the prefetch did not cover (or an extend-only flush)
                     seq = self._send_round(rest, spec)
                     replies.append((tuple(rest), self._collect(seq, "direct", observed)))

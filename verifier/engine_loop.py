@@ -41,6 +41,10 @@ def _discard(built) -> None:
 class EngineStopped(RuntimeError):
     """The engine loop died (an engine error): nothing more can be served (UNAVAILABLE)."""
 
+    @classmethod
+    def after(cls, error: BaseException) -> "EngineStopped":
+        return cls(f"the engine stopped: {error}")
+
 
 class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
@@ -63,8 +67,8 @@ class EngineLoop(threading.Thread):
                  on_fatal: Callable[[BaseException], None] = lambda error: None):
         """``build()`` → ``(engine, ...)``: run first on this thread, its result in ``built`` (a Future).
         The model loads on the thread that then steps it: on CPU, torch's intra-op threads of a loading
-        thread and of a stepping thread fought over the cores (the demo target decoded at 145 tok/s on
-        a 2-core VM, 279 with one intra-op thread)."""
+        thread and of a stepping thread fought over the cores (the verifier alone decoded the demo target
+        at 132–145 tok/s on a 2-core VM that way, 257–348 loading here)."""
         super().__init__(name="engine-loop", daemon=True)
         self.metrics, self.max_waiting = metrics, max_waiting
         self._build = build
@@ -83,7 +87,7 @@ class EngineLoop(threading.Thread):
     def submit(self, sub: Submission) -> Future:
         with self._submit_lock:
             if self.fatal is not None:
-                sub.added.set_exception(EngineStopped(f"the engine stopped: {self.fatal}"))
+                sub.added.set_exception(EngineStopped.after(self.fatal))
             else:
                 self._commands.put(("add", sub))
         return sub.added
@@ -128,7 +132,7 @@ class EngineLoop(threading.Thread):
                 except queue.Empty:
                     break
                 if command == "add":
-                    arg.added.set_exception(EngineStopped(f"the engine stopped: {e}"))
+                    arg.added.set_exception(EngineStopped.after(e))
             self.on_fatal(e)
 
     def _drain_commands(self, block: bool) -> None:

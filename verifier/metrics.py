@@ -46,11 +46,11 @@ class VerifierMetrics:
         # The drafter's part, split as it reports it: its extends, then its drafts (waiting for the GPU included).
         self.drafter_work = Histogram("tandem:drafter_work_seconds", "The drafter's work per round by phase", ["phase"],
                                       buckets=round_buckets, registry=r)
-        # What a round costs the engine: the time it blocked for the reply. Below the round trip when the
-        # Round went out early (prefetched at the end of the previous step) and the drafter worked meanwhile.
         self.drafter_rounds = Counter("tandem:drafter_rounds", "Drafter rounds by how they were sent: direct, "
                                       "prefetched (sent at the end of the previous step, its trees used) or "
                                       "prefetch_dropped (all its requests changed meanwhile)", ["kind"], registry=r)
+        # What a round costs the engine: the time it blocked for the reply. Below the round trip when the
+        # Round went out early (prefetched at the end of the previous step) and the drafter worked meanwhile.
         self.drafter_wait = Histogram("tandem:drafter_wait_seconds", "Time the engine waited for the drafter per round",
                                       buckets=round_buckets, registry=r)
 

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import report_hangs_in_health, wait_for_stop
+from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.models.config import ModelConfig
 from tandem.models.eagle3_config import DraftConfig, validate_draft
@@ -99,8 +99,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
     server.add_generic_rpc_handlers([service.handler()])
@@ -111,12 +110,9 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
 
     aio_loop = asyncio.get_running_loop()
 
-    async def not_serving() -> None:
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
     def on_fatal(error: BaseException) -> None:  # the engine loop died: probes see it, new requests are refused
-        asyncio.run_coroutine_threadsafe(not_serving(), aio_loop)
+        asyncio.run_coroutine_threadsafe(
+            set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING), aio_loop)
 
     loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal)
     loop.start()  # loads the model on its own thread, then steps it there
@@ -128,8 +124,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     if client is not None:
         client.start()
     service.attach(loop)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("verifier serving on %s:%d%s", cfg.host, port,
              " (drafter in process)" if cfg.drafter == IN_PROCESS else
              f" (drafter at {cfg.drafter})" if cfg.drafter else " (no drafter: speculation off)")

@@ -109,7 +109,7 @@ class DraftLink:
             return
         by_spec: dict[object, list[str]] = {}
         for req in self.engine.scheduler.running:
-            if not req.finished and not req.pending_extend and tree_width(req) > 1:
+            if not req.pending_extend and tree_width(req) > 1:
                 by_spec.setdefault(req.spec, []).append(req.rid)
         if len(by_spec) != 1:
             return
