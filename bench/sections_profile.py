@@ -179,10 +179,14 @@ def demo(ctx: dict) -> dict:
     rows = []
     for graphs in (True, False):
         # The measured policy (the serving default) turns speculation off where a round costs more than
-        # its accept length pays for; "always" speculates every round (what acceptance alone gives).
-        for steps, policy in ((None, None), (3, "always"), (5, "always"), (5, "measured")):
+        # its accept length pays for; "always" speculates every round (what acceptance alone gives);
+        # "off" is a speculative engine whose policy never speculates after the warm-up: what holding the
+        # drafter's features through plain steps costs next to target-only.
+        kinds = ((None, None), (3, "always"), (5, "always"), (5, "measured")) + (((5, "off"),) if graphs else ())
+        for steps, policy in kinds:
             cfg = EngineConfig(model=target, device=device, kv_pages=4097, disable_cuda_graph=not graphs, cuda_graph_max_bs=8)
-            chosen = SpeculationPolicy(PolicyConfig(enabled=policy == "measured"))
+            chosen = SpeculationPolicy(PolicyConfig(enabled=policy != "always",
+                                                    fixed_cost_ratio=1e6 if policy == "off" else None))
             engine = (LLMEngine(cfg) if steps is None else
                       speculative_engine(cfg, draft, SpecConfig(steps, 1, steps + 1), policy=chosen))
             with engine:
@@ -197,8 +201,13 @@ def demo(ctx: dict) -> dict:
                 elapsed = time.perf_counter() - started
             row = {"graphs": graphs, "chain_steps": steps, "policy": policy, "tokens": tokens, "tok_s": tokens / elapsed,
                    "rounds": rounds, "accept_length": 1 + accepted / rounds if rounds else None}
+            if policy == "measured":  # what the policy measured: why it chose as it did
+                row.update(cost_ratio=chosen.cost_ratio, t_plain_ms=1e3 * (chosen.t_plain or 0),
+                           t_spec_ms=1e3 * (chosen.t_spec or 0), engine_tau=chosen.tau_all or 0.0)
             rows.append(row)
             what = "target only" if steps is None else f"chain {steps} {policy}"
             print(f"demo pair graphs {'on ' if graphs else 'off'} {what:18s}: "
-                  f"{row['tok_s']:7.1f} tok/s" + (f", accept {row['accept_length']:.2f}" if rounds else ""), flush=True)
+                  f"{row['tok_s']:7.1f} tok/s" + (f", accept {row['accept_length']:.2f}" if rounds else "")
+                  + (f" (measured: round = {row['cost_ratio']:.2f} plain steps of {row['t_plain_ms']:.3f} ms, "
+                     f"engine τ {row['engine_tau']:.2f})" if "cost_ratio" in row else ""), flush=True)
     return {"prompts": len(prompts), "max_new_tokens": 96, "rows": rows}
