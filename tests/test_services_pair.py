@@ -286,6 +286,18 @@ def test_an_in_process_drafter_without_a_head_is_refused_in_one_line(pair_dirs, 
     assert err.startswith("error: ") and "--draft-model" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags", [["--ring-rows", "16384"], ["--disable-round-lane"], ["--drafter-deadline-ms", "500"],
+                                   ["--disable-round-prefetch"]])
+def test_drafter_service_settings_with_an_in_process_head_are_refused(pair_dirs, capsys, flags):
+    """They would be ignored: a deployment tuning them would believe they took effect."""
+    from verifier.__main__ import main
+
+    target, draft = str(pair_dirs / "target"), str(pair_dirs / "draft")
+    assert main(["--model", target, "--drafter", "in-process", "--draft-model", draft, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flags[0] in err and "in-process" in err
+
+
 def test_a_tree_the_in_process_head_cannot_draft_is_refused_and_the_verifier_serves_on(pair_dirs, reference, tmp_path):
     """A request asking the in-process head for more top-k than it keeps is INVALID_ARGUMENT (it once
     stopped the engine loop); the verifier keeps serving."""

@@ -20,6 +20,7 @@ from proposers import RandomTreeProposer
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams, adjusted_probs
+from tandem.speculative.tree import DraftTree, PendingTokens
 
 
 @dataclass(frozen=True)
@@ -169,19 +170,27 @@ class BrokenTrees(RandomTreeProposer):
                 t.tokens[0] = (t.tokens[0] + 1) % 256
             elif self.kind == "size":  # more nodes than the step reserved KV for
                 trees[0] = type(t)(t.tokens + [5] * spec.num_draft_tokens, t.parents + list(range(t.size - 1, t.size - 1 + spec.num_draft_tokens)))
-            else:  # a token id the target's embedding does not have
+            elif self.kind == "vocabulary":  # a token id the target's embedding does not have
                 t.tokens[-1] = 10**6
+            else:  # "nan": a chain left on the device (as the graphed head leaves it) whose log-probs are NaN
+                n = spec.num_draft_tokens
+                ids = torch.tensor([t.tokens[0]] + [7] * (n - 1))  # what the verify reads: garbage tokens
+                flags = torch.zeros(3 * n + 1, dtype=torch.float64)
+                flags[3 * n] = 1.0  # the NaN flag the draft graph sets
+                trees[0] = DraftTree([t.tokens[0]] + [-1] * (n - 1), list(range(-1, n - 1)), [],
+                                     PendingTokens(ids, flags))
         return trees
 
     def discard(self, reason):
         self.discarded.append(reason)
 
 
-@pytest.mark.parametrize("kind", ["root", "size", "vocabulary"])
+@pytest.mark.parametrize("kind", ["root", "size", "vocabulary", "nan"])
 def test_an_unusable_tree_costs_speculation_not_the_step(target, reference_outputs, kind):
     """A drafter bug (or a broken reply) must not fail requests: the engine drops the drafter's state,
     tells the proposer (the service client then reconnects), and decodes on; outputs stay target-only
-    greedy."""
+    greedy. "nan": a chain whose NaN shows only after the verify has read its tokens on the device (an
+    in-process head's deferred chain): that request takes the root's token as a plain step."""
     path, _ = target
     prompts, expected = reference_outputs
     proposer = BrokenTrees(kind, vocab=256, seed=1)

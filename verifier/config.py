@@ -41,6 +41,19 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.drafter == IN_PROCESS and self.draft_model is None:
             raise ConfigError("--drafter in-process runs the EAGLE-3 head inside the verifier: give it --draft-model DIR")
+        if self.drafter == IN_PROCESS:
+            # Settings of the connection to a drafter service: refused rather than silently ignored.
+            service_only = {"drafter_deadline_s": "--drafter-deadline-ms", "reconnect_interval_s": None,
+                            "ring_rows": "--ring-rows", "round_lane": "--disable-round-lane",
+                            "round_prefetch": "--disable-round-prefetch"}
+            given = [flag or name for name, flag in service_only.items()
+                     if getattr(self, name) != getattr(VerifierConfig, name)]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: settings of a drafter service's connection, which "
+                                  "--drafter in-process does not have")
+            if self.engine.tp_size > 1 and self.engine.load_format == "random":
+                raise ConfigError("--drafter in-process with --tp-size > 1 reads the target's embedding for the "
+                                  "head from the checkpoint: --load-format random has none")
         if self.ring_rows < MIN_RING_ROWS:
             raise ConfigError(f"--ring-rows must be >= {MIN_RING_ROWS} (a Round in flight and the next one's "
                               f"features), got {self.ring_rows}")

@@ -2,8 +2,7 @@
 recoverable failures become ProposerUnavailable, as a drafter service's do. A request the head cannot
 serve (its draft KV cache full, a tree the head refuses) then decodes on plainly, with every other
 request, instead of stopping the engine loop and with it the verifier. (A head whose deferred chain
-tokens come back NaN still stops it, as it stops the in-process engine: that check runs with the
-verify's results.)"""
+tokens come back NaN is caught by the engine itself, after the verify: DraftLink.broken_drafts.)"""
 
 from __future__ import annotations
 

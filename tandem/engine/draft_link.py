@@ -137,6 +137,11 @@ class DraftLink:
         req.draft_ready = False
         self._drop_held(req)
 
+    def broken_drafts(self, problem: str) -> None:
+        """Drafts that reached the verify turned out unusable: drop the proposer's state, as after a loss."""
+        getattr(self.proposer, "discard", lambda reason: None)(problem)
+        self.lost(ProposerUnavailable(problem))
+
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
         log.warning("drafter unavailable (%s): continuing without speculation", error)

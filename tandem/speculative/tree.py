@@ -74,19 +74,27 @@ class PendingTokens:
     row: torch.Tensor  # float64 [3 * size + 1] on the device: tokens, parents, scores, NaN flag (draft_static)
 
 
-def resolve_pending(trees: Iterable[DraftTree]) -> None:
+def resolve_pending(trees: Iterable[DraftTree], keep_broken: bool = False) -> list[DraftTree]:
     """Fill in the tokens and scores that pending trees left on the device, in one device→host copy.
-    A node whose token the host already set (a rewrite of the draft) keeps it."""
+    A node whose token the host already set (a rewrite of the draft) keeps it.
+
+    A tree whose draft log-probs came out NaN raises FloatingPointError, or with ``keep_broken`` is
+    returned (the list of such trees): its tokens stay unknown (-1 past the root) and it is no longer
+    pending. The engine, whose verify has already read such a tree, then accepts none of its nodes."""
     waiting = [t for t in trees if t.pending is not None]
     if not waiting:
-        return
+        return []
     flat = torch.cat([t.pending.row for t in waiting]).cpu().tolist()
-    offset = 0
+    offset, broken = 0, []
     for tree in waiting:
         n = tree.size
         row, offset = flat[offset : offset + 3 * n + 1], offset + 3 * n + 1
+        tree.pending = None
         if row[3 * n]:
-            raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+            if not keep_broken:
+                raise FloatingPointError("draft log-probs contain NaN; the draft head or its features are broken")
+            broken.append(tree)
+            continue
         tree.tokens = [int(d) if t < 0 else t for t, d in zip(tree.tokens, row[:n])]
         tree.scores = row[2 * n : 3 * n]
-        tree.pending = None
+    return broken
