@@ -12,6 +12,7 @@ demo:   the demo pair (the project's own trained target and EAGLE-3 head, a fold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -183,31 +184,50 @@ def demo(ctx: dict) -> dict:
         # "off" is a speculative engine whose policy never speculates after the warm-up: what holding the
         # drafter's features through plain steps costs next to target-only.
         kinds = ((None, None), (3, "always"), (5, "always"), (5, "measured")) + (((5, "off"),) if graphs else ())
-        for steps, policy in kinds:
-            cfg = EngineConfig(model=target, device=device, kv_pages=4097, disable_cuda_graph=not graphs, cuda_graph_max_bs=8)
-            chosen = SpeculationPolicy(PolicyConfig(enabled=policy != "always",
-                                                    fixed_cost_ratio=1e6 if policy == "off" else None))
-            engine = (LLMEngine(cfg) if steps is None else
-                      speculative_engine(cfg, draft, SpecConfig(steps, 1, steps + 1), policy=chosen))
-            with engine:
+        # Every engine of a setting stays loaded and the rows are timed in turn, several passes, best
+        # kept: a step of these tiny models is ~0.5 ms of host work, and one call's rows timed one after
+        # the other moved by ±20 % with the host (target-only 1745, 2034, 2127 tok/s in three calls).
+        passes = 3 if graphs else 1
+        with contextlib.ExitStack() as stack:
+            engines = []
+            for steps, policy in kinds:
+                cfg = EngineConfig(model=target, device=device, kv_pages=4097, disable_cuda_graph=not graphs,
+                                   cuda_graph_max_bs=8)
+                chosen = SpeculationPolicy(PolicyConfig(enabled=policy != "always",
+                                                        fixed_cost_ratio=1e6 if policy == "off" else None))
+                engine = stack.enter_context(LLMEngine(cfg) if steps is None else
+                                             speculative_engine(cfg, draft, SpecConfig(steps, 1, steps + 1), policy=chosen))
                 spec = None if steps is None else engine.default_spec
                 engine.generate([prompts[0]], params, spec=spec)  # warm-up
-                tokens, rounds, accepted, started = 0, 0, 0, time.perf_counter()
-                for p in prompts:
-                    res = engine.generate([p], params, spec=spec)[0]
-                    tokens += len(res.output_token_ids)
-                    rounds += res.spec_stats.rounds
-                    accepted += sum(res.spec_stats.accepted_per_round)
-                elapsed = time.perf_counter() - started
-            row = {"graphs": graphs, "chain_steps": steps, "policy": policy, "tokens": tokens, "tok_s": tokens / elapsed,
-                   "rounds": rounds, "accept_length": 1 + accepted / rounds if rounds else None}
-            if policy == "measured":  # what the policy measured: why it chose as it did
-                row.update(cost_ratio=chosen.cost_ratio, t_plain_ms=1e3 * (chosen.t_plain or 0),
-                           t_spec_ms=1e3 * (chosen.t_spec or 0), engine_tau=chosen.tau_all or 0.0)
-            rows.append(row)
-            what = "target only" if steps is None else f"chain {steps} {policy}"
-            print(f"demo pair graphs {'on ' if graphs else 'off'} {what:18s}: "
-                  f"{row['tok_s']:7.1f} tok/s" + (f", accept {row['accept_length']:.2f}" if rounds else "")
-                  + (f" (measured: round = {row['cost_ratio']:.2f} plain steps of {row['t_plain_ms']:.3f} ms, "
-                     f"engine τ {row['engine_tau']:.2f})" if "cost_ratio" in row else ""), flush=True)
+                engines.append((engine, spec, chosen))
+            best = [None] * len(kinds)
+            for _ in range(passes):
+                for i, (engine, spec, _) in enumerate(engines):
+                    run = _demo_run(engine, prompts, params, spec)
+                    if best[i] is None or run["tok_s"] > best[i]["tok_s"]:
+                        best[i] = run
+            for (steps, policy), (_, _, chosen), run in zip(kinds, engines, best):
+                row = {"graphs": graphs, "chain_steps": steps, "policy": policy, "passes": passes, **run}
+                if policy == "measured":  # what the policy measured (at the end): why it chose as it did
+                    row.update(cost_ratio=chosen.cost_ratio, t_plain_ms=1e3 * (chosen.t_plain or 0),
+                               t_spec_ms=1e3 * (chosen.t_spec or 0), engine_tau=chosen.tau_all or 0.0)
+                rows.append(row)
+                what = "target only" if steps is None else f"chain {steps} {policy}"
+                print(f"demo pair graphs {'on ' if graphs else 'off'} {what:18s}: "
+                      f"{row['tok_s']:7.1f} tok/s" + (f", accept {row['accept_length']:.2f}" if row["rounds"] else "")
+                      + (f" (measured: round = {row['cost_ratio']:.2f} plain steps of {row['t_plain_ms']:.3f} ms, "
+                         f"engine τ {row['engine_tau']:.2f})" if "cost_ratio" in row else ""), flush=True)
     return {"prompts": len(prompts), "max_new_tokens": 96, "rows": rows}
+
+
+def _demo_run(engine, prompts: list[list[int]], params, spec) -> dict:
+    """The prompts one at a time (batch 1) → tokens/s, rounds and accept length."""
+    tokens, rounds, accepted, started = 0, 0, 0, time.perf_counter()
+    for p in prompts:
+        res = engine.generate([p], params, spec=spec)[0]
+        tokens += len(res.output_token_ids)
+        rounds += res.spec_stats.rounds
+        accepted += sum(res.spec_stats.accepted_per_round)
+    elapsed = time.perf_counter() - started
+    return {"tokens": tokens, "tok_s": tokens / elapsed, "rounds": rounds,
+            "accept_length": 1 + accepted / rounds if rounds else None}

@@ -106,3 +106,33 @@ def test_a_verifier_running_the_head_in_process_on_the_gpu_equals_target_only_gr
         assert sum(accepted) / len(accepted) > 1.5, f"the trained head's drafts were hardly accepted: {accepted}"
     finally:
         verifier.stop()
+
+
+def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_engine(demo_pair, reference):
+    """The in-process head leaves its chain's tokens on the device for the verify (deferred); a NaN in
+    them shows only after the verify has read them. The engine must then emit the root's token, drop
+    the head as after a loss and decode on: outputs stay target-only greedy."""
+    from tandem.engine.config import EngineConfig
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from tandem.speculative.setup import speculative_engine
+
+    prompts, expected = reference
+    cfg = EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32", cuda_graph_max_bs=8)
+    engine = speculative_engine(cfg, str(demo_pair / "draft"), SpecConfig(5, 1, 6),
+                                policy=SpeculationPolicy(PolicyConfig(enabled=False)))  # every step drafts
+    with engine:
+        assert engine.proposer.graphs is not None and engine.proposer.cfg.defer_chain_tokens
+        rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=48, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        rounds_before = engine.requests[rid].spec_stats.rounds
+        assert rounds_before >= 1, "the head drafted before it broke"
+        head_state = engine.proposer._reqs[rid]
+        head_state.state = torch.full_like(head_state.state, float("nan"))  # its next chain: NaN log-probs
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.requests.pop(rid)
+    assert out.output == expected[0]
+    assert out.spec_stats.rounds == rounds_before  # the broken round is no round; no drafting after it
