@@ -3,6 +3,7 @@ while off, probes, and never changes the output (greedy output equals target-onl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -24,7 +25,7 @@ class Spec:
 
 def test_policy_decisions():
     # probes every ceil(probe_every x cost ratio²) = ceil(2 x 2.25) = 5 plain rounds
-    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, request_window=1, prior_rounds=0, fixed_cost_ratio=1.5))
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, request_window_tokens=1, fixed_cost_ratio=1.5))
     s = RequestSpecState()
     assert policy.decide(s)  # nothing known yet
     policy.observe_round(s, 1)
@@ -36,7 +37,7 @@ def test_policy_decisions():
 
 
 def test_costly_rounds_probe_less_and_new_requests_skip_the_warm_up_once_it_is_known_not_to_pay():
-    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, request_window=1, prior_rounds=0, fixed_cost_ratio=5.0))
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=2, probe_every=2, request_window_tokens=1, fixed_cost_ratio=5.0))
     first = RequestSpecState()
     assert policy.decide(first) and policy.decide(first)  # warm-up: nothing known about this traffic yet
     policy.observe_round(first, 2)
@@ -60,62 +61,109 @@ def test_costly_rounds_probe_less_and_new_requests_skip_the_warm_up_once_it_is_k
 # The demo pair's acceptance by draft position (chain of 5, docs/training.md): P(a round emits more
 # than k tokens) for k = 1..5, so a round's tokens run from 1 to 6 around a mean of 3.43.
 DEMO_ACCEPTANCE = (0.71, 0.56, 0.45, 0.38, 0.33)
+# Text the head knows well (τ 5.0), text it hardly knows (τ 1.25), and a head that never hits (τ 1).
+EASY_ACCEPTANCE, HARD_ACCEPTANCE, NO_ACCEPTANCE = (0.9, 0.85, 0.8, 0.75, 0.7), (0.2, 0.05, 0, 0, 0), (0,) * 5
 
 
-EASY_ACCEPTANCE, HARD_ACCEPTANCE = (0.9, 0.85, 0.8, 0.75, 0.7), (0.2, 0.05, 0.0, 0.0, 0.0)  # τ 5.0 and 1.25
-
-
-def _simulated_cost(policy: SpeculationPolicy, ratio: float, seed: int, kinds=(DEMO_ACCEPTANCE,),
-                    requests: int = 64, tokens: int = 96) -> float:
+def _simulated_cost(policy: SpeculationPolicy, ratio: float, seed: int, kinds=(DEMO_ACCEPTANCE,), weights=None,
+                    requests: int = 64, tokens: int = 96) -> tuple[float, dict[int, float]]:
     """Serve requests one at a time under the policy, each of a kind drawn from ``kinds`` (acceptance by
-    position) and each round's tokens drawn from its kind; → the time taken, in plain steps."""
+    position; ``weights`` their shares) and each round's tokens drawn from its kind, a round costing
+    ``ratio`` plain steps; → (time taken in plain steps, mean time per request by kind)."""
     import random
 
     rng = random.Random(seed)
-    spent = 0.0
+    spent, by_kind = 0.0, {}
     for _ in range(requests):
-        acceptance = kinds[rng.randrange(len(kinds))]
-        state, made = RequestSpecState(), 0
+        kind = rng.choices(range(len(kinds)), weights)[0]
+        state, made, cost = RequestSpecState(), 0, 0.0
         while made < tokens:
             policy.begin_step()
             if policy.decide(state):
                 u = rng.random()
-                emitted = 1 + sum(u < a for a in acceptance)
+                emitted = 1 + sum(u < a for a in kinds[kind])
                 policy.observe_round(state, emitted)
-                spent, made = spent + ratio, made + emitted
+                cost, made = cost + ratio, made + emitted
             else:
-                spent, made = spent + 1.0, made + 1
-    return spent
+                cost, made = cost + 1.0, made + 1
+        spent += cost
+        by_kind.setdefault(kind, []).append(cost)
+    return spent, {k: sum(v) / len(v) for k, v in by_kind.items()}
 
 
-def _always_and_never(ratio: float, seed: int, **kw) -> tuple[float, float]:
-    always = _simulated_cost(SpeculationPolicy(PolicyConfig(enabled=False)), ratio, seed, **kw)
-    return always, 64 * 96
+def _better_of_always_and_never(ratio: float, seed: int, **kw) -> float:
+    always, _ = _simulated_cost(SpeculationPolicy(PolicyConfig(enabled=False)), ratio, seed, **kw)
+    return min(always, kw.get("requests", 64) * 96)
 
 
-@pytest.mark.parametrize("ratio", [2.5, 2.9, 4.0, 5.0])
+@pytest.mark.parametrize("ratio", [2.0, 2.5, 2.9, 3.3, 4.0, 5.0])
 def test_noisy_rounds_do_not_turn_off_speculation_that_pays(ratio):
-    """Rounds are noisy samples of τ. Decoding 64 requests x 96 tokens, the policy must come within 5 % of the better of 'always speculate' and 'never speculate' on either side of the
-    break-even ratio (τ = 3.43): with a moving average that trusted the latest rounds it switched
-    paying requests off and made the demo pair slower than target-only on an H200."""
+    """Rounds are noisy samples of τ. Decoding 64 requests x 96 tokens, the policy must come within 6 %
+    of the better of 'always speculate' and 'never speculate' on either side of the break-even ratio
+    (τ = 3.43; the comparison's own sampling noise is ~2 %). A moving average that trusted the latest
+    rounds switched paying requests off (37 % slower than always at 2.0 and 2.5) and made the demo pair
+    slower than target-only on an H200."""
     for seed in range(3):
-        spent = _simulated_cost(SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio)), ratio, seed)
-        always, never = _always_and_never(ratio, seed)
-        assert spent <= 1.05 * min(always, never), (ratio, seed, spent / always, spent / never)
+        spent, _ = _simulated_cost(SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio)), ratio, seed)
+        assert spent <= 1.06 * _better_of_always_and_never(ratio, seed), (ratio, seed)
 
 
-@pytest.mark.parametrize("ratio, gain", [(1.5, 1.0), (2.5, 0.92), (3.5, 1.0)])
-def test_mixed_traffic_is_never_slower_than_the_better_of_always_and_never(ratio, gain):
-    """Half the requests accept nearly everything (τ 5), half nearly nothing (τ 1.25). The policy must
-    not be slower than the better of speculating always and never (2 % of slack: warm-up rounds of
-    hard requests), and where both kinds are far from the ratio it must beat both by choosing per
-    request. (At 3.5 the engine-wide mean, 3.1, says new requests start plain, and one easy probe does
-    not outweigh it: the easy half is missed, an opportunity lost but nothing slower.)"""
+@pytest.mark.parametrize("ratio, gain", [(1.5, 0.95), (2.5, 0.9), (3.5, 1.02)])
+def test_mixed_traffic_speculates_per_request(ratio, gain):
+    """Half the requests accept nearly everything (τ 5), half nearly nothing (τ 1.25): choosing per
+    request must beat both speculating always and never where both kinds are clear of the ratio. (At
+    3.5 the engine-wide τ, 3.1, is below it: new requests start plainly and the easy half is missed
+    but for the explorers, an opportunity lost but nothing slower.)"""
     kinds = (EASY_ACCEPTANCE, HARD_ACCEPTANCE)
     for seed in range(3):
-        spent = _simulated_cost(SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio)), ratio, seed, kinds)
-        always, never = _always_and_never(ratio, seed, kinds=kinds)
-        assert spent <= gain * 1.02 * min(always, never), (ratio, seed, spent / always, spent / never)
+        spent, _ = _simulated_cost(SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio)), ratio, seed, kinds)
+        assert spent <= gain * _better_of_always_and_never(ratio, seed, kinds=kinds), (ratio, seed)
+
+
+@pytest.mark.parametrize("ratio", [1.3, 1.5, 2.0])
+def test_a_request_that_accepts_nothing_goes_off_among_requests_that_pay(ratio):
+    """One request in ten whose drafts never hit, in otherwise paying demo traffic: it must cost little
+    more than decoding it plainly (its warm-up and the few rounds until its τ is below the ratio beyond
+    doubt), however well the others do. (Shrinking each request's τ towards the engine's kept it
+    speculating for good: 1.2-1.5x its plain cost.)"""
+    kinds = (DEMO_ACCEPTANCE, NO_ACCEPTANCE)
+    for seed in range(3):
+        policy = SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio))
+        _, by_kind = _simulated_cost(policy, ratio, seed, kinds, weights=(9, 1), requests=96)
+        assert by_kind[1] <= 1.08 * 96, (ratio, seed, by_kind)
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.5])
+def test_a_request_whose_text_gets_easy_comes_back_at_its_next_probe(ratio):
+    """Off while its drafts miss (48 tokens), then its text turns easy: the first probe that pays for its
+    round brings it back (within the probe period, ceil(16 x ratio²) plain steps), not after several
+    probes have outvoted its old rounds."""
+    import random
+
+    period = math.ceil(PolicyConfig().probe_every * ratio ** 2)
+    for seed in range(4):
+        rng = random.Random(seed)
+        policy = SpeculationPolicy(PolicyConfig(fixed_cost_ratio=ratio))
+        state, made, step, easy_from = RequestSpecState(), 0, 0, None
+        decisions = []
+        while made < 48 + 2 * period + 40:
+            step += 1
+            acceptance = NO_ACCEPTANCE if made < 48 else EASY_ACCEPTANCE
+            if made >= 48 and easy_from is None:
+                easy_from = step
+            speculating = policy.decide(state)
+            if speculating:
+                u = rng.random()
+                emitted = 1 + sum(u < a for a in acceptance)
+                policy.observe_round(state, emitted)
+                made += emitted
+            else:
+                made += 1
+            if easy_from is not None:
+                decisions.append(speculating)
+        assert not all(decisions[:5]), "it was off when the text changed"
+        back = next(i for i in range(len(decisions)) if all(decisions[i : i + 8]))
+        assert back <= period + 1, (ratio, seed, back)
 
 
 def test_measured_cost_ratio():
@@ -182,7 +230,7 @@ def test_useful_drafts_stay_on_and_resume_after_plain_steps(setup):
                 return DraftTree.chain(full[pos], [(t + 1) % 256 for t in full[pos + 1 : pos + size]])
             return DraftTree.chain(full[pos], full[pos + 1 : pos + size])
 
-    cfg = PolicyConfig(warmup_rounds=2, probe_every=4, request_window=2, prior_rounds=0, fixed_cost_ratio=1.5)
+    cfg = PolicyConfig(warmup_rounds=2, probe_every=4, request_window_tokens=8, fixed_cost_ratio=1.5)
     results = _run(path, prompts, GoodThenBad(256, oracle=oracle), SpeculationPolicy(cfg))
     assert [r.output_token_ids for r in results] == ref
     for r in results:

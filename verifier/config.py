@@ -51,9 +51,6 @@ class VerifierConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)}: settings of a drafter service's connection, which "
                                   "--drafter in-process does not have")
-            if self.engine.tp_size > 1 and self.engine.load_format == "random":
-                raise ConfigError("--drafter in-process with --tp-size > 1 reads the target's embedding for the "
-                                  "head from the checkpoint: --load-format random has none")
         if self.ring_rows < MIN_RING_ROWS:
             raise ConfigError(f"--ring-rows must be >= {MIN_RING_ROWS} (a Round in flight and the next one's "
                               f"features), got {self.ring_rows}")

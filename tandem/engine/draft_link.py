@@ -137,10 +137,13 @@ class DraftLink:
         req.draft_ready = False
         self._drop_held(req)
 
-    def broken_drafts(self, problem: str) -> None:
-        """Drafts that reached the verify turned out unusable: drop the proposer's state, as after a loss."""
-        getattr(self.proposer, "discard", lambda reason: None)(problem)
-        self.lost(ProposerUnavailable(problem))
+    def broken_drafts(self, reqs: list, problem: str) -> None:
+        """These requests' drafts turned out unusable after the verify had read them: they go on without
+        speculation (their draft state released); other requests keep theirs. A head broken for every
+        request costs each one wasted round."""
+        log.warning("%s (requests %s): they continue without speculation", problem, ", ".join(r.rid for r in reqs))
+        for req in reqs:
+            self.forget(req)
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""

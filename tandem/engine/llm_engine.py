@@ -160,13 +160,13 @@ class LLMEngine:
     def _accept(self, sched, trees, logits, features):
         """→ new tokens per request, the drafter's extension items, per-request round records, and whether
         a plain step also sent a request's held features (a catch-up, not a plain step's work)."""
-        # Draft tokens the verify took on the device (the verify has finished). A head whose chain came
-        # out NaN has had its garbage verified: those requests take only the root's token, as plain steps,
-        # and the head is dropped as a lost drafter's would be (running requests go on without it).
-        broken = resolve_pending(trees.values(), keep_broken=True)
+        # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
+        # has had its garbage verified: its request takes only the root's token, as a plain step, and
+        # goes on without speculation (its draft state is released); the other requests are unaffected.
+        broken = {id(tree) for tree in resolve_pending(trees.values(), keep_broken=True)}
         if broken:
-            self.drafts.broken_drafts("draft log-probs contain NaN; the draft head or its features are broken")
-        broken_ids = {id(tree) for tree in broken}
+            self.drafts.broken_drafts([req for req in sched.decode if id(trees[req.rid]) in broken],
+                                      "draft log-probs contain NaN; the draft head or its features are broken")
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
         simple = [(req, i) for i, req in enumerate(sched.prefill)]
@@ -174,7 +174,7 @@ class LLMEngine:
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
-            if size == 1 or id(trees[req.rid]) in broken_ids:
+            if size == 1 or id(trees[req.rid]) in broken:
                 simple.append((req, row))  # the root's row: the plain step's token, whatever the nodes held
                 plain_rows.append((req, token_row))
             else:
@@ -220,7 +220,7 @@ class LLMEngine:
             emitted[req.rid] = result.tokens
             nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
             observed.append((req.rid, req.num_tokens - 1, nodes))
-            if features is not None and req.draft_ready:  # not after another tree of the step broke the head
+            if features is not None:
                 # A chain's accepted path is a run of rows: a view, not a gather through a host index.
                 path = (features[nodes[0] : nodes[-1] + 1] if nodes[-1] - nodes[0] == len(nodes) - 1
                         else features[nodes])

@@ -7,15 +7,17 @@ speculative steps, and an estimate of τ per request; a request whose estimate f
 ratio decodes plainly, and now and then it speculates once (a probe) to see whether the text got easier.
 
 One round's token count is a noisy sample of τ (on the demo pair, rounds of 1 to 6 tokens around a
-mean of 3.7). The estimate is therefore a mean over the request's recent rounds (exponentially
-decayed over ``request_window`` rounds, so a change of text shows), shrunk towards the engine's
-long-run mean as if that were ``prior_rounds`` more rounds of the request's own. With a moving
-average of weight 0.3 on the newest round instead, a few short rounds in a row turned off requests
-whose τ paid for their rounds, and the engine-wide average, as noisy, then started every new request
-plainly: on the demo pair on an H200 the serving policy made 1552 tok/s where target-only made 1745
-and speculating always 2197. The drafter catches up on the plain rounds in one extend before the request's next
-draft, so a request can resume at any step. Until both kinds of step have been timed the ratio is
-``default_cost_ratio``.
+mean of 3.7), so a request is switched off only when its τ is below the ratio *beyond doubt*: its mean
+plus ``confidence_z`` standard errors. The mean and the spread are over the request's recent tokens
+(decayed per token over ``request_window_tokens``, speculative or plain, so that old rounds fade while
+a request decodes plainly and a probe then speaks for the text as it is now); the spread is shrunk
+towards the engine's (as if that were ``variance_prior_rounds`` rounds of the request's own) so that
+two or three rounds cannot look certain. A request that pays nothing (rounds of one token, little
+spread) goes off within a few rounds; a paying one whose rounds scatter is not switched off by a few
+short ones. A probe (below) that pays for its round starts the request's record afresh, so a request
+whose text got easier comes back at once. (Before: a moving average with weight 0.3 on the newest round switched paying requests
+off, and with the engine-wide average as noisy, started every new request plainly: on the demo pair
+on an H200 the serving policy made 1552 tok/s where target-only made 1745 and speculating always 2197.)
 
 While every request speculates no plain step is ever timed, and on a target so small or fast that a
 round's fixed costs dominate, speculation would lose without the policy noticing. So the engine runs
@@ -47,8 +49,9 @@ class PolicyConfig:
     enabled: bool = True
     warmup_rounds: int = 4  # speculative rounds of a request before it is judged
     probe_every: int = 16  # plain rounds between two probing speculative rounds, times the cost ratio squared
-    request_window: int = 32  # rounds: a request's τ is a mean over about its latest this many (decayed)
-    prior_rounds: float = 16.0  # the engine's mean τ counts as this many rounds of each request's own
+    request_window_tokens: int = 128  # a request's τ and spread: over about its latest this many tokens
+    variance_prior_rounds: float = 2.0  # the engine's spread of τ counts as this many rounds of the request's
+    confidence_z: float = 1.0  # off only when τ + z standard errors is below the cost ratio
     engine_window: int = 256  # rounds: the engine's mean τ (all requests) decays over about this many
     default_cost_ratio: float = 1.3  # t(speculative step) / t(plain step) until both are measured
     fixed_cost_ratio: float | None = None  # use this ratio instead of measuring (tests, known hardware)
@@ -59,8 +62,8 @@ class PolicyConfig:
 @dataclass
 class RequestSpecState:
     rounds: int = 0
-    token_sum: float = 0.0  # decayed sums over its speculative rounds: tokens emitted, and rounds
-    round_weight: float = 0.0
+    recent: "_DecayedMean | None" = None  # its rounds' token counts, decayed per token it decodes
+    probing: bool = False  # this step's round is a probe of a request that was off
     plain_since_probe: int = 0
     speculate_now: bool = True
     skip_warmup: bool | None = None  # decided at its first step: it arrived when speculation did not pay
@@ -120,16 +123,28 @@ class SpeculationPolicy:
             return False
         ratio = self._ratio
         warming = state.rounds < c.warmup_rounds and not self.starts_plain(state)
-        tau = self.tau(state)
-        worth = warming or (tau is not None and tau >= ratio)
+        worth = warming or self._may_pay(state, ratio)
         if not c.enabled or worth:
             state.speculate_now, state.plain_since_probe = True, 0
         elif state.plain_since_probe >= math.ceil(c.probe_every * max(1.0, ratio) ** 2):
             state.speculate_now, state.plain_since_probe = True, 0  # probe: is it worth it again?
+            state.probing = True
         else:
             state.speculate_now = False
             state.plain_since_probe += 1
+            if state.recent is not None:
+                state.recent.decay(1)  # a plain step's token: the rounds before it age
         return state.speculate_now
+
+    def _may_pay(self, state: RequestSpecState, ratio: float) -> bool:
+        """The request's τ is not below the ratio beyond doubt (mean + z standard errors)."""
+        recent = state.recent
+        if recent is None or not recent.weight:
+            return False  # judged with no round of its own (it started plainly): its probes decide
+        mean = recent.mean
+        k, engine_variance = self.cfg.variance_prior_rounds, self._all.variance
+        variance = (recent.weight * recent.variance + k * engine_variance) / (recent.weight + k)
+        return mean + self.cfg.confidence_z * math.sqrt(variance / recent.weight) >= ratio
 
     def starts_plain(self, state: RequestSpecState) -> bool:
         """Whether a new request skips the warm-up (decided once, at its prefill or first decision):
@@ -147,9 +162,15 @@ class SpeculationPolicy:
     def observe_round(self, state: RequestSpecState, tokens: int) -> None:
         """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus)."""
         state.rounds += 1
-        keep = _keep(self.cfg.request_window)
-        state.token_sum = keep * state.token_sum + tokens
-        state.round_weight = keep * state.round_weight + 1.0
+        if state.probing:
+            state.probing = False
+            if tokens >= self._ratio:  # the text may have changed: judge it afresh, from this round on
+                state.recent = None
+        if state.recent is None:
+            state.recent = _DecayedMean(self.cfg.request_window_tokens)
+        state.recent.decay(tokens)  # decayed per token: a round of 5 ages the past as 5 plain steps do
+        state.recent.add(tokens)
+        self._all.decay(1)
         self._all.add(tokens)
         self.rounds_all += 1
 
@@ -159,13 +180,8 @@ class SpeculationPolicy:
         return self._all.mean
 
     def tau(self, state: RequestSpecState) -> float | None:
-        """The request's estimated tokens per round: its recent rounds' mean, shrunk towards the engine's
-        mean (weight ``prior_rounds``) so that a few unlucky rounds do not decide alone."""
-        prior = self.tau_all
-        weight = self.cfg.prior_rounds if prior is not None else 0.0
-        if state.round_weight + weight == 0:
-            return None
-        return (state.token_sum + weight * (prior or 0.0)) / (state.round_weight + weight)
+        """The request's mean tokens per round over its recent tokens (None before its first round)."""
+        return state.recent.mean if state.recent is not None else None
 
     def _known_not_to_pay(self) -> bool:
         """Enough rounds seen (twice a warm-up's worth) with the ratio known, and τ below it beyond doubt:
@@ -185,25 +201,36 @@ class SpeculationPolicy:
 
 
 def _keep(window: int) -> float:
-    """Per-round decay of a mean over about ``window`` rounds (1: the latest round alone)."""
+    """Per-sample decay of a mean over about ``window`` samples (1: the latest alone)."""
     return 1.0 - 1.0 / max(1, window)
 
 
 class _DecayedMean:
+    """Mean and variance of samples whose weights decay (``decay``) as they age."""
+
     def __init__(self, window: int):
         self.keep, self.total, self.squares, self.weight = _keep(window), 0.0, 0.0, 0.0
 
+    def decay(self, ages: int) -> None:
+        factor = self.keep ** ages
+        self.total, self.squares, self.weight = factor * self.total, factor * self.squares, factor * self.weight
+
     def add(self, value: float) -> None:
-        self.total = self.keep * self.total + value
-        self.squares = self.keep * self.squares + value * value
-        self.weight = self.keep * self.weight + 1.0
+        self.total += value
+        self.squares += value * value
+        self.weight += 1.0
 
     @property
     def mean(self) -> float | None:
         return self.total / self.weight if self.weight else None
 
+    @property
+    def variance(self) -> float:
+        if not self.weight:
+            return 0.0
+        mean = self.total / self.weight
+        return max(0.0, self.squares / self.weight - mean * mean)
+
     def upper_bound(self, z: float = 2.0) -> float:
         """The mean plus z standard errors (the weight standing for the number of samples)."""
-        mean = self.total / self.weight
-        variance = max(0.0, self.squares / self.weight - mean * mean)
-        return mean + z * math.sqrt(variance / self.weight)
+        return self.total / self.weight + z * math.sqrt(self.variance / self.weight)

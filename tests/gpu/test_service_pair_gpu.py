@@ -110,8 +110,8 @@ def test_a_verifier_running_the_head_in_process_on_the_gpu_equals_target_only_gr
 
 def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_engine(demo_pair, reference):
     """The in-process head leaves its chain's tokens on the device for the verify (deferred); a NaN in
-    them shows only after the verify has read them. The engine must then emit the root's token, drop
-    the head as after a loss and decode on: outputs stay target-only greedy."""
+    them shows only after the verify has read them. The engine must then emit the root's token and
+    decode that request on without speculation: outputs stay target-only greedy."""
     from tandem.engine.config import EngineConfig
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
