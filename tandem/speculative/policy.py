@@ -15,9 +15,10 @@ towards the engine's (as if that were ``variance_prior_rounds`` rounds of the re
 two or three rounds cannot look certain. A request that pays nothing (rounds of one token, little
 spread) goes off within a few rounds; a paying one whose rounds scatter is not switched off by a few
 short ones. A probe (below) that pays for its round starts the request's record afresh, so a request
-whose text got easier comes back at once. (Before: a moving average with weight 0.3 on the newest round switched paying requests
-off, and with the engine-wide average as noisy, started every new request plainly: on the demo pair
-on an H200 the serving policy made 1552 tok/s where target-only made 1745 and speculating always 2197.)
+whose text got easier comes back at once. (Before: a moving average with weight 0.3 on the newest
+round switched paying requests off, and with the engine-wide average as noisy, started every new
+request plainly: on the demo pair on an H200 the serving policy made 1552 tok/s where target-only made
+1745 and speculating always 2197.)
 
 While every request speculates no plain step is ever timed, and on a target so small or fast that a
 round's fixed costs dominate, speculation would lose without the policy noticing. So the engine runs
@@ -28,7 +29,7 @@ Finding out costs more the more a round costs, and is less likely to pay off: pr
 ``probe_every x ratio²`` plain rounds (a probe costs about ``ratio - 1`` plain steps plus the drafter's
 catch-up, and the further τ must rise to pay, the rarer it does), and once the engine knows that
 speculation does not pay on its traffic (its average τ over recent rounds is below the measured
-ratio), new requests skip the warm-up and start with speculation off — the engine then does not even
+ratio by two standard errors), new requests skip the warm-up and start with speculation off — the engine then does not even
 hand their prompt to the drafter until they probe — learning their own τ at their probes, except
 every ``explore_every x ceil(ratio)``-th, which warms up as usual so that a better head (a reload) or
 easier traffic is noticed. (On a tiny target on a GPU, where a round costs ~6 plain steps, the
