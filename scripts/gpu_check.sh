@@ -30,6 +30,6 @@ if [ "$what" = pair ]; then
       cp gpu-pair/draft/training.json "$OUT/pair_draft_training.json" 2>/dev/null
     fi
     [ -f "$pair/draft/config.json" ] || continue
-    TANDEM_DEMO_DIR=$pair timeout 80 python3 bench/bench.py --sections demo --out "$OUT/bench_$pair.json" 2>&1 | tee -a "$OUT/pair_bench.log"
+    TANDEM_DEMO_DIR=$pair timeout 120 python3 bench/bench.py --sections demo --out "$OUT/bench_$pair.json" 2>&1 | tee -a "$OUT/pair_bench.log"
   done
 fi
