@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from host_timing import best_seconds  # noqa: E402
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb  # noqa: E402
-from verifier.drafter_client import unpack_trees  # noqa: E402
+from tandem.rpc.drafter.trees import pack_trees, unpack_trees  # noqa: E402
+from tandem.speculative.tree import DraftTree  # noqa: E402
 
 CHAIN = ([5, 6, 7, 8], [-1, 0, 1, 2], [0.0, -0.1, -0.2, -0.3])  # tokens, parents, scores of one drafted tree
 
@@ -40,12 +41,7 @@ def drafter_reply(data: bytes) -> bytes:
     message = pb.VerifierMessage.FromString(data)
     _ = [(e.request_id, list(e.token_ids)) for e in message.round.extend]
     drafts = pb.Drafts(seq=message.round.seq)
-    tokens, parents, scores = CHAIN
-    for _d in message.round.draft:  # as drafter/service.py packs them
-        drafts.tree_sizes.append(len(tokens))
-        drafts.tree_tokens.extend(tokens)
-        drafts.tree_parents.extend(parents)
-        drafts.tree_scores.extend(scores)
+    pack_trees(drafts, [DraftTree(*CHAIN) for _ in message.round.draft])  # as drafter/service.py packs them
     return pb.DrafterMessage(drafts=drafts).SerializeToString()
 
 

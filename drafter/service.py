@@ -30,6 +30,7 @@ from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
+from tandem.rpc.drafter.trees import pack_trees
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.heads import DraftHeads
@@ -189,12 +190,7 @@ class DrafterService:
                     span.end()
             for (i, _), tree in zip(group, trees):
                 drafted[i] = tree
-        for tree in drafted:  # packed, in the Round's order
-            drafts.tree_sizes.append(tree.size)
-            drafts.tree_tokens.extend(tree.tokens)
-            drafts.tree_parents.extend(tree.parents)
-            # scores are optional in a DraftTree: none becomes zeros; a wrong count is a drafter bug
-            drafts.tree_scores.extend(tree.scores or [0.0] * tree.size)
+        pack_trees(drafts, drafted)  # in the Round's order
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
 

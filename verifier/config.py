@@ -39,9 +39,10 @@ class VerifierConfig:
     round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
 
     def __post_init__(self) -> None:
-        if self.drafter == IN_PROCESS and self.draft_model is None:
-            raise ConfigError("--drafter in-process runs the EAGLE-3 head inside the verifier: give it --draft-model DIR")
         if self.drafter == IN_PROCESS:
+            if self.draft_model is None:
+                raise ConfigError("--drafter in-process runs the EAGLE-3 head inside the verifier: give it "
+                                  "--draft-model DIR")
             # Settings of the connection to a drafter service: refused rather than silently ignored.
             service_only = {"drafter_deadline_s": "--drafter-deadline-ms", "reconnect_interval_s": None,
                             "ring_rows": "--ring-rows", "round_lane": "--disable-round-lane",

@@ -34,6 +34,7 @@ from tandem.errors import TandemError
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
+from tandem.rpc.drafter.trees import unpack_trees
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 from verifier.config import ROUND_FEATURE_ROWS
@@ -284,18 +285,3 @@ class _Prefetch:
             return set()
         return (set(rids) & set(self.rids)) - self.changed
 
-
-def unpack_trees(drafts: pb.Drafts, count: int) -> list[DraftTree]:
-    """The ``count`` trees a Drafts carries packed, in the order they were asked for; ValueError when
-    the reply does not hold exactly that (or a tree is malformed)."""
-    sizes = list(drafts.tree_sizes)
-    tokens, parents, scores = list(drafts.tree_tokens), list(drafts.tree_parents), list(drafts.tree_scores)
-    total = sum(sizes)
-    if len(sizes) != count or not len(tokens) == len(parents) == len(scores) == total:
-        raise ValueError(f"the drafter returned {len(sizes)} trees ({len(tokens)} tokens, {len(parents)} parents, "
-                         f"{len(scores)} scores) for {count} requests ({total} nodes)")
-    trees, at = [], 0
-    for n in sizes:
-        trees.append(DraftTree(tokens[at : at + n], parents[at : at + n], scores[at : at + n]))
-        at += n
-    return trees

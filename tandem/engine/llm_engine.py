@@ -163,9 +163,10 @@ class LLMEngine:
         # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
         # has had its garbage verified: its request takes only the root's token, as a plain step, and
         # goes on without speculation (its draft state is released); the other requests are unaffected.
-        broken = {id(tree) for tree in resolve_pending(trees.values(), keep_broken=True)}
+        broken_trees = {id(tree) for tree in resolve_pending(trees.values(), keep_broken=True)}
+        broken = {req.rid for req in sched.decode if id(trees[req.rid]) in broken_trees}
         if broken:
-            self.drafts.broken_drafts([req for req in sched.decode if id(trees[req.rid]) in broken],
+            self.drafts.broken_drafts([req for req in sched.decode if req.rid in broken],
                                       "draft log-probs contain NaN; the draft head or its features are broken")
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
@@ -174,7 +175,7 @@ class LLMEngine:
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
-            if size == 1 or id(trees[req.rid]) in broken:
+            if size == 1 or req.rid in broken:
                 simple.append((req, row))  # the root's row: the plain step's token, whatever the nodes held
                 plain_rows.append((req, token_row))
             else:

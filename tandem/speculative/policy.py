@@ -180,10 +180,6 @@ class SpeculationPolicy:
         """The engine's mean tokens per round over its recent rounds (every request's)."""
         return self._all.mean
 
-    def tau(self, state: RequestSpecState) -> float | None:
-        """The request's mean tokens per round over its recent tokens (None before its first round)."""
-        return state.recent.mean if state.recent is not None else None
-
     def _known_not_to_pay(self) -> bool:
         """Enough rounds seen (twice a warm-up's worth) with the ratio known, and τ below it beyond doubt:
         its mean plus two standard errors. (On the mean alone, the first rounds' bad luck started every
