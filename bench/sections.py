@@ -100,6 +100,34 @@ def _decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> di
             "ms_per_step": 1e3 * elapsed / steps}
 
 
+def _kernel_paths_bs1(engine, layers: int, new_tokens: int) -> dict:
+    """Batch-1 decode with the step's kernels as built (Triton GEMVs, programmatic dependent launch)
+    against a second engine captured with cuBLAS GEMVs and plain launches: the two engines alternate,
+    three passes each, best kept (hosts drift by several percent within one call)."""
+    from tandem.kernels.pdl import set_pdl
+    from tandem.layers.fast_path import gemv_max_rows, set_gemv_max_rows
+
+    rows_before = gemv_max_rows()
+    set_pdl(False)
+    set_gemv_max_rows(0)
+    try:
+        plain = bench_engine(layers, widths=(1,), max_bs=1)
+    finally:
+        set_pdl(True)
+        set_gemv_max_rows(rows_before)
+    best = {"triton_gemv_pdl": 0.0, "cublas_no_pdl": 0.0}
+    for _ in range(3):
+        for name, eng in (("triton_gemv_pdl", engine), ("cublas_no_pdl", plain)):
+            best[name] = max(best[name], _decode_tok_s(eng, 1, new_tokens)["tok_s"])
+    replay = {"triton_gemv_pdl": _events_ms(engine.executor.runner.graphs.families[1].graphs[1].replay, 30),
+              "cublas_no_pdl": _events_ms(plain.executor.runner.graphs.families[1].graphs[1].replay, 30)}
+    for name in best:
+        print(f"batch 1, {name:16s}: engine {best[name]:7.1f} tok/s, bare replay {replay[name]:.3f} ms "
+              f"= {1e3 / replay[name]:.0f} tok/s", flush=True)
+    plain.shutdown()
+    return {"engine_tok_s": best, "replay_ms": replay}
+
+
 def decode(ctx: dict) -> dict:
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 32 if ctx["quick"] else 128
@@ -124,6 +152,7 @@ def decode(ctx: dict) -> dict:
     print(f"bare graph replay, batch 1: {out['graph_replay_ms_bs1']:.3f} ms = {1e3 / out['graph_replay_ms_bs1']:.0f} tok/s",
           flush=True)
     out["graphs_on"] = rows
+    out["kernel_paths_bs1"] = _kernel_paths_bs1(engine, layers, new_tokens)
     engine.shutdown()
     del engine, fam
     _free_gpu()

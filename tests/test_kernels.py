@@ -308,6 +308,35 @@ def test_silu_and_mul(dtype, inter):
     assert rel_err(out, silu_and_mul_reference(gate_up)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+# ---------------------------------------------------------------- skinny matmuls
+@pytest.mark.parametrize("kernel", ["rows", "dot"])
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 40, 256, False), (1, 37, 200, True), (3, 64, 96, True), (16, 24, 128, False)])
+def test_gemv_matches_linear(kernel, rows, n, k, bias):
+    """Odd N (the last block re-reads valid rows, stores masked), K not a multiple of the tile, 1..16
+    rows, a strided x, with and without bias; the output is poisoned first."""
+    from tandem.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k + 8, generator=gen)[:, :k].to(DEVICE)  # row stride k + 8
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(DEVICE) if bias else None
+    out = torch.full((rows, n), float("nan"), device=DEVICE)
+    cfg = GemvConfig(kernel, block_n=16 if kernel == "dot" else 8, block_k=64)
+    gemv(x, w, b, config=cfg, out=out)
+    assert rel_err(out, F.linear(x, w, b)) < 1e-5
+
+
+def test_gemv_rejects_bad_shapes():
+    from tandem.kernels.gemv import GemvConfig, gemv
+
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.zeros(17, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="kernel"):
+        GemvConfig("tensorcore")
+
+
 # ---------------------------------------------------------------- the compiled path
 def test_kernels_compile_for_hopper_without_spills():
     """The interpreter never compiles; this builds every kernel for sm_90 (no GPU needed) and fails on

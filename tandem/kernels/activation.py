@@ -9,9 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -31,7 +34,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = use_pdl(gate_up)
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

@@ -91,12 +91,14 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in ("paged_attention", "rotary_kv", "norm", "activation")}
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv")
+    mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     for mod in mods.values():
+        mod.use_pdl = lambda x: True  # compile the programmatic-dependent-launch variants the GPU runs
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac = mods.values()
+    pa, rk, nm, ac, gv = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -130,6 +132,10 @@ def main(dtype_name: str = "bfloat16") -> int:
     _report("rms_norm per head 128", failures)
     ac.silu_and_mul(torch.empty(tokens, 2 * 14336, dtype=dt))
     _report("silu_and_mul 14336", failures)
+    for rows, n, k in ((1, 6144, 4096), (1, 4096, 14336), (4, 6144, 4096), (16, 4096, 14336)):
+        gv.gemv(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=dt),
+                config=gv.default_config(rows, n, k))
+        _report(f"gemv {rows}x{k} -> {n}", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

@@ -17,14 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     inner, size, eps,
     sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     in_row = (row % inner).to(tl.int64)
@@ -82,10 +85,12 @@ def rms_norm(
     _, _, so0, so1 = _rows(out)
     _, _, sro0, sro1 = _rows(res_out)
     block = triton.next_power_of_2(size)
+    pdl = use_pdl(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out, inner, size, eps,
         sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
         num_warps=max(1, min(16, block // 512)),  # ~4 16-byte vectors per thread at bf16
+        launch_pdl=pdl,
     )
     return out if residual is None else (out, residual_out)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
 def _rotate(ptr, row_off, heads, stride_h, c1, s1, c2, s2,
@@ -42,8 +44,9 @@ def _rotary_store_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos, stride_sin,
     stride_kp, stride_kps, stride_kph, stride_vp, stride_vps, stride_vph,
     PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    WRITE_K: tl.constexpr,
+    WRITE_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
     dh = tl.arange(0, HALF)
@@ -84,8 +87,9 @@ def _store_kv_kernel(
     k_ptr, v_ptr, slot_ptr, k_pool_ptr, v_pool_ptr, num_kv_heads, stride_slot,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kp, stride_kps, stride_kph, stride_vp, stride_vps, stride_vph,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HKV: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_HKV)
     d = tl.arange(0, HEAD_DIM)
@@ -116,11 +120,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     _check_kv(k, v, k_pool, v_pool)
     if k.shape[0] == 0:
         return
+    pdl = use_pdl(k)
     _store_kv_kernel[(k.shape[0],)](
         k, v, slot_mapping, k_pool, v_pool, k.shape[1], slot_mapping.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k.shape[2], BLOCK_HKV=triton.next_power_of_2(k.shape[1]), num_warps=4,
+        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k.shape[2], BLOCK_HKV=triton.next_power_of_2(k.shape[1]), PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -150,6 +156,7 @@ def rotary_and_store(
     k_dst = k_out if k_out is not None else k
     if num_tokens == 0:
         return q_out
+    pdl = use_pdl(q)
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, q_out, k_dst, cos, sin, positions, slot_mapping, k_pool, v_pool,
         num_q_heads, num_kv_heads, positions.stride(0), slot_mapping.stride(0),
@@ -158,6 +165,6 @@ def rotary_and_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         PAGE_SIZE=k_pool.shape[1], HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        WRITE_K=k_out is not None, num_warps=4,
+        WRITE_K=k_out is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return q_out

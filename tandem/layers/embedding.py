@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import all_gather_last_dim, all_reduce, tp_group
-from tandem.layers.linear import check_shape
+from tandem.layers.linear import check_shape, matmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,5 +47,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(matmul(hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -2,6 +2,10 @@
 
 On CUDA tensors, when triton imports, unless TANDEM_DISABLE_TRITON=1 (to compare against the plain
 path). CPU tensors always take the plain torch path, which is the reference.
+
+Linear layers send up to ``gemv_max_rows()`` rows to the Triton GEMV (TANDEM_GEMV_MAX_ROWS, default
+16; 0 keeps every matmul on cuBLAS). ``set_gemv_max_rows`` lets a benchmark compare both paths in one
+process; graphs keep what was in force when they were captured.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import functools
 import os
 
 import torch
+
+_gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "16")))  # the kernel handles 16 rows at most
 
 
 @functools.cache
@@ -25,3 +31,16 @@ def _triton_importable() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _triton_importable()
+
+
+def gemv_max_rows() -> int:
+    return _gemv_max_rows
+
+
+def set_gemv_max_rows(rows: int) -> None:
+    from tandem.kernels.gemv import MAX_ROWS
+
+    global _gemv_max_rows
+    if not 0 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv rows must be 0..{MAX_ROWS}, got {rows}")
+    _gemv_max_rows = rows

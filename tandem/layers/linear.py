@@ -13,6 +13,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import all_reduce, divide, tp_group
+from tandem.layers.fast_path import gemv_max_rows, use_triton
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b``. A few bf16/fp16 rows on the GPU (batch-1 decode, small verifies) go to the Triton
+    GEMV (tandem/kernels/gemv.py), which streams W at the read bandwidth and joins the programmatic
+    dependent launch chain of the other kernels; everything else, float32 included, is ``F.linear``."""
+    if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and weight.stride(1) == 1 and use_triton(x)):
+        from tandem.kernels.gemv import default_config, gemv
+
+        return gemv(x, weight, bias, default_config(x.shape[0], weight.shape[0], weight.shape[1]))
+    return F.linear(x, weight, bias)
 
 
 class ShapeMismatch(ValueError):
@@ -42,7 +55,7 @@ class ReplicatedLinear(nn.Module):
         target.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, param).data.copy_(tensor.narrow(0, rank * self.local_out, self.local_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -93,7 +106,7 @@ class MergedColumnParallelLinear(nn.Module):
         getattr(self, param).data.narrow(0, offset, local).copy_(tensor.narrow(0, rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -136,7 +149,7 @@ class QKVParallelLinear(nn.Module):
         getattr(self, param).data.narrow(0, *dst).copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -160,5 +173,5 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(tensor.narrow(1, rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(matmul(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -138,6 +138,69 @@ def test_rms_norm_and_silu_and_graphs(dtype):
         assert rel_err(act, silu_and_mul_reference(sgu)) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 200)])
+def test_gemv_serving_shapes(rows, n, k):
+    """The Triton GEMV with the configurations the linear layers pick, against cuBLAS, in bf16."""
+    from tandem.kernels.gemv import default_config, gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(gemv(x, w, b, default_config(rows, n, k)), ref) < 1e-2
+
+
+def test_pdl_chain_in_a_graph_keeps_every_dependency():
+    """Forty kernels in one graph, each reading the previous one's output (each norm also reads the
+    residual written three kernels back), launched with programmatic dependent launch: every replay
+    with new inputs must equal the same chain launched plainly, bit for bit, and track a float32
+    reference. A kernel that read its input before its predecessor had finished would make replays
+    differ."""
+    from tandem.kernels.gemv import default_config, gemv
+    from tandem.kernels.pdl import set_pdl, use_pdl
+
+    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    if not use_pdl(x0):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mats = [(torch.randn(2 * 2048, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02,
+             torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02) for _ in range(10)]
+    norm_w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain():
+        h, res = x0, torch.zeros_like(x0)
+        for up, down in mats:
+            normed, res = rms_norm(h, norm_w, 1e-5, residual=res)
+            gate_up = gemv(normed, up, config=default_config(1, *up.shape))
+            h = gemv(silu_and_mul(gate_up), down, config=default_config(1, *down.shape))
+        return h + res
+
+    def reference():
+        h = x0.float()
+        for up, down in mats:
+            h32 = h
+            normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm_w.float()
+            g, u = (normed @ up.float().t()).chunk(2, dim=-1)
+            h = h32 + (torch.nn.functional.silu(g) * u) @ down.float().t()
+        return h
+
+    graph_pdl, out_pdl = _capture(chain)
+    set_pdl(False)
+    try:
+        graph_plain, out_plain = _capture(chain)
+    finally:
+        set_pdl(True)
+    for _ in range(5):
+        x0.copy_(torch.randn_like(x0))
+        graph_pdl.replay()
+        graph_plain.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_pdl, out_plain)
+        assert rel_err(out_pdl, reference()) < 5e-2
+
+
 @pytest.mark.slow
 def test_print_timings():
     """Not a check: bandwidth of decode attention (bytes of K/V read over time) at Llama-3-8B shapes."""

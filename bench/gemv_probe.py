@@ -1,0 +1,163 @@
+"""How fast can a batch-1 weight GEMV stream its weight on this GPU? cuBLAS against tandem's Triton
+GEMV kernels (tandem/kernels/gemv.py) over a grid of tile configurations, per Llama-3.1-8B weight
+shape, then the whole model's chain of GEMVs in one CUDA graph with the best configuration per shape.
+
+Every timing rotates over enough copies of the weight that none is served from the 50 MB L2, and
+runs inside a CUDA graph (launch cost as in the engine). A configuration counts only if its output
+matches ``F.linear`` to bf16 rounding.
+
+    python bench/gemv_probe.py [--out gemv.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.gemv import GemvConfig, gemv
+
+H, I, V, KV = 4096, 14336, 128256, 1024
+SHAPES = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
+LAYERS = 32
+
+
+def graph_ms(fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def read_ceiling_tbps() -> float:
+    """A plain reduction over 4 GiB: the rate at which this GPU can read memory it does not write."""
+    big = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)
+    acc = torch.empty((), device="cuda", dtype=torch.float32)
+    ms = graph_ms(lambda: torch.sum(big, dim=0, dtype=torch.float32, out=acc))
+    return big.numel() * 2 / (ms / 1e3) / 1e12
+
+
+def configs(quick: bool) -> list[GemvConfig]:
+    rows = [GemvConfig("rows", bn, bk, w) for bn, bk, w in
+            itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]
+    dots = [GemvConfig("dot", bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 5))]
+    return (rows[::3] + dots[::3]) if quick else rows + dots
+
+
+def time_shape(n: int, k: int, m: int, cands: list[GemvConfig]) -> dict:
+    copies = max(2, math.ceil(300e6 / (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, ws[0]).float()
+    bytes_per_call = n * k * 2
+
+    def per_call_us(fn) -> float:
+        return 1e3 * graph_ms(lambda: [fn(w) for w in ws]) / copies
+
+    cublas = per_call_us(lambda w: torch.matmul(x, w.t(), out=out))
+    rows = [{"config": "cublas", "us": cublas, "TBps": bytes_per_call / cublas / 1e6}]
+    for cfg in cands:
+        try:
+            got = gemv(x, ws[0], config=cfg).float()
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            if err > 2e-2:
+                rows.append({"config": cfg.__dict__, "error": f"relative error {err:.3g}"})
+                continue
+            us = per_call_us(lambda w: gemv(x, w, config=cfg, out=out))
+        except Exception as exc:  # a tile that does not fit in shared memory / registers on this GPU
+            rows.append({"config": cfg.__dict__, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        rows.append({"config": cfg.__dict__, "us": us, "TBps": bytes_per_call / us / 1e6})
+    ws = None
+    torch.cuda.empty_cache()
+    return {"n": n, "k": k, "m": m, "rows": rows}
+
+
+def best(result: dict) -> tuple[GemvConfig | None, float]:
+    timed = [r for r in result["rows"] if "us" in r and r["config"] != "cublas"]
+    if not timed:
+        return None, math.inf
+    top = min(timed, key=lambda r: r["us"])
+    return GemvConfig(**top["config"]), top["us"]
+
+
+def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False) -> float:
+    """The whole model's GEMV chain (32 layers + LM head), one graph; ``None`` picks cuBLAS."""
+    mats = [{name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) * 0.02
+             for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
+    head = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+
+    def lin(name, a, w):
+        cfg = picks.get(name)
+        return a @ w.t() if cfg is None else gemv(a, w, config=cfg, pdl=pdl)
+
+    def chain():
+        y = x
+        for layer in mats:
+            y = lin("o", lin("qkv", y, layer["qkv"])[:, :H], layer["o"])
+            y = lin("down", lin("gate_up", y, layer["gate_up"])[:, :I], layer["down"])
+        return lin("lm_head", y, head)
+
+    ms = graph_ms(chain, 20)
+    mats = head = None
+    torch.cuda.empty_cache()
+    return 1e3 / ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gemv.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--chains-only", action="store_true")
+    args = ap.parse_args()
+    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    report["read_ceiling_TBps"] = read_ceiling_tbps()
+    print(f"read ceiling {report['read_ceiling_TBps']:.2f} TB/s", flush=True)
+    cands = configs(args.quick)
+    picks: dict[str, GemvConfig | None] = {}
+    report["shapes"] = {}
+    for m in () if args.chains_only else (1, 4):
+        for name, (n, k) in SHAPES.items():
+            res = time_shape(n, k, m, cands if m == 1 else [c for c in cands if c.kernel == "rows"][::2] + [c for c in cands if c.kernel == "dot"])
+            report["shapes"][f"{name}_m{m}"] = res
+            cfg, us = best(res)
+            cub = res["rows"][0]["us"]
+            print(f"m={m} {name:8s} [{n}x{k}] cuBLAS {cub:7.1f} us ({res['rows'][0]['TBps']:.2f} TB/s); "
+                  f"best {us:7.1f} us ({n * k * 2 / us / 1e6:.2f} TB/s) {cfg}", flush=True)
+            if m == 1:
+                picks[name] = cfg if us < cub else None
+    report["picks"] = {k: (v.__dict__ if v else "cublas") for k, v in picks.items()}
+    report["chain_cublas_tok_s"] = chain_tok_s({})
+    report["chain_best_tok_s"] = chain_tok_s(picks)
+    rows_only = {name: GemvConfig("rows", 4, 1024 if name in ("qkv", "gate_up", "lm_head") else 512, 4)
+                 for name in SHAPES}
+    report["chain_rows_tok_s"] = chain_tok_s(rows_only)
+    report["chain_rows_pdl_tok_s"] = chain_tok_s(rows_only, pdl=True)
+    print(f"chain: cuBLAS {report['chain_cublas_tok_s']:.1f} tok/s, best picks {report['chain_best_tok_s']:.1f}, "
+          f"rows kernel {report['chain_rows_tok_s']:.1f}, rows kernel with PDL {report['chain_rows_pdl_tok_s']:.1f}",
+          flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Skinny matrix products ``y = x Wᵀ (+ b)`` for a few rows of ``x`` (batch-1 decode, small verifies).
+
+At batch 1 a decode step is a chain of GEMVs that read every weight once: the step can be no faster
+than the bytes read divided by the bandwidth. cuBLAS picks its GEMV kernels for generality; these
+kernels are written for the one case that matters here, a row-major ``W [N, K]`` streamed once with
+the activation rows held in registers.
+
+Two kernels, chosen per weight shape by ``GemvConfig``:
+  * ``rows``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps,
+    multiplying on the CUDA cores into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator that is reduced
+    once at the end (for one row; several rows reduce per step). No tensor cores: at a few rows the
+    arithmetic is free, what counts is keeping enough loads in flight.
+K is a compile-time constant (a model has two or three distinct K), so the loop's trip count is
+known to the compiler.
+  * ``dot``: the activation rows padded to 16 and multiplied with ``tl.dot`` so that Triton's software
+    pipeliner (``num_stages``) overlaps the weight loads of successive K steps.
+Both accumulate in float32 and round once, like cuBLAS; results agree with ``F.linear`` to bf16
+rounding (the summation order differs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.pdl import pdl_enter, use_pdl
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    kernel: str = "rows"  # "rows" or "dot"
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3  # only the "dot" kernel pipelines its loop
+
+    def __post_init__(self):
+        if self.kernel not in ("rows", "dot"):
+            raise ValueError(f"GemvConfig.kernel must be 'rows' or 'dot', got {self.kernel!r}")
+
+
+MAX_ROWS = 16  # beyond this a tensor-core GEMM (cuBLAS) reads W once for all rows anyway
+
+
+def default_config(rows: int, n: int, k: int) -> GemvConfig:
+    """The tiles that streamed the Llama-3.1-8B weights fastest on the H200 (bench/gemv_probe.py): one
+    row, 4 output features per program and 512-1024-wide K steps (more programs in flight beat wider
+    ones); several rows, the pipelined tensor-core kernel."""
+    if rows == 1:
+        return GemvConfig("rows", block_n=4, block_k=1024 if n >= 6144 and k >= 1024 else 512, num_warps=4)
+    return GemvConfig("dot", block_n=32, block_k=256 if k >= 256 else 128, num_warps=4, num_stages=5)
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
+    K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The last block re-reads valid rows instead of masking its loads; only its store is masked.
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * sw + offs_k[None, :]
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
+    x_ptrs = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
+    if ROWS == 1:
+        # The first weight tile does not depend on the previous kernel: under programmatic dependent
+        # launch it is read while that kernel finishes, and x only after it has.
+        first_ok = offs_k < K
+        w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0)
+        pdl_enter(PDL)
+        x0 = tl.load(x_ptrs, mask=first_ok[None, :], other=0.0)
+        acc = w0.to(tl.float32) * x0.to(tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k)
+                xv = tl.load(x_ptrs + k)
+            else:
+                k_ok = (k + offs_k) < K
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+                xv = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        pdl_enter(PDL)
+        y = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k)
+                xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = (k + offs_k) < K
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+                xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            y += tl.sum(w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * sy + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, 16)
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + rows_n[None, :] * sw + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W's rows
+    x_ptrs = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (k + offs_k) < K
+            w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
+            xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xv, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * sy + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS, last dim contiguous
+    weight: torch.Tensor,  # [N, K], contiguous rows
+    bias: torch.Tensor | None = None,  # [N]
+    config: GemvConfig = GemvConfig(),
+    out: torch.Tensor | None = None,  # [M, N]
+    pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
+) -> torch.Tensor:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv needs the last dim of x and weight contiguous")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x) if pdl is None else pdl
+    even_k = k % config.block_k == 0
+    grid = (triton.cdiv(n, config.block_n),)
+    args = (x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0))
+    if config.kernel == "rows":
+        _gemv_rows_kernel[grid](
+            *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        )
+    else:
+        _gemv_dot_kernel[grid](
+            *args, K=k, HAS_BIAS=bias is not None, EVEN_K=even_k,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps,
+            num_stages=config.num_stages, launch_pdl=pdl,
+        )
+    return out
