@@ -50,34 +50,61 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """A batch's per-row sampling settings as device tensors, decided once: sampling several steps
+    of the same rows (tandem.engine.decode_ahead) then launches only device work, no host round trip."""
+
+    greedy: torch.Tensor  # bool [B]
+    temps: torch.Tensor  # float32 [B] (1 for greedy rows)
+    top_k: torch.Tensor  # int64 [B] (vocab = no cut)
+    top_p: torch.Tensor  # float32 [B]
+    any_greedy: bool
+    all_greedy: bool
+    any_cut: bool  # some row has a top-k or top-p cut
+
+
+def row_sampling(params: list[SamplingParams], device: torch.device, vocab: int) -> RowSampling:
+    greedy = [p.greedy for p in params]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    return RowSampling(
+        greedy=torch.tensor(greedy, device=device),
+        temps=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
+        top_k=torch.tensor(top_k, device=device),
+        top_p=torch.tensor([p.top_p for p in params], device=device),
+        any_greedy=any(greedy), all_greedy=all(greedy),
+        any_cut=any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params),
+    )
+
+
 def adjusted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, per row ([B, V] float32).
 
     Greedy rows get a one-hot distribution on their argmax, which is what greedy decoding samples.
     """
+    return adjusted_probs_rows(logits, row_sampling(params, logits.device, logits.shape[1]))
+
+
+def adjusted_probs_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     logits = logits.float()
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-    scaled = logits / temps.unsqueeze(1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    scaled = logits / rows.temps.unsqueeze(1)
+    if rows.any_cut:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev).unsqueeze(0)
-        drop = rank >= top_k.unsqueeze(1)
+        drop = rank >= rows.top_k.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = drop | (mass_before >= top_p.unsqueeze(1))
+        drop = drop | (mass_before >= rows.top_p.unsqueeze(1))
         drop[:, 0] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)
-    if bool(greedy.any()):
+    if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        probs = torch.where(rows.greedy.unsqueeze(1), one_hot, probs)
     return probs
 
 
@@ -96,7 +123,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of ``logits`` ([B, V]) → int64 [B]."""
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1)
-    probs = adjusted_probs(logits, params)
-    tokens = sample_from_probs(probs, draw_uniforms(generators, logits.device))
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    return torch.where(greedy, logits.argmax(dim=-1), tokens)
+    rows = row_sampling(params, logits.device, logits.shape[1])
+    return sample_rows(logits, rows, draw_uniforms(generators, logits.device))
+
+
+def sample_rows(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """``sample`` with the settings and the rows' uniforms already on the device (``uniforms`` may be
+    None when every row is greedy): only device work, so it can be queued behind a forward."""
+    if rows.all_greedy:
+        return logits.argmax(dim=-1)
+    tokens = sample_from_probs(adjusted_probs_rows(logits, rows), uniforms)
+    return torch.where(rows.greedy, logits.argmax(dim=-1), tokens)

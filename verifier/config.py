@@ -72,6 +72,9 @@ class VerifierConfig:
         p.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs)
+        p.add_argument("--decode-steps", type=int, default=None,
+                       help="plain decode steps queued back to back while no request speculates and no prompt "
+                            "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)")
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--drafter", default=None,
@@ -109,7 +112,7 @@ class VerifierConfig:
         engine = EngineConfig(model=model, device=a.device, dtype=a.dtype, tp_size=a.tp_size, page_size=a.page_size,
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                              load_format=a.load_format, kv_pages=a.kv_pages)
+                              load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps)
         return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, draft_model=a.draft_model, num_steps=a.speculative_num_steps,
                    topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from tandem.errors import ConfigError
 
 
+DEFAULT_DECODE_STEPS = 4
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face model folder
@@ -28,8 +31,14 @@ class EngineConfig:
     cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
     graph_decode_features: bool = False  # decode graphs also output EAGLE-3 features (traffic capture without a drafter)
     seed: int = 0  # seeds requests that do not bring their own seed
+    # --decode-steps: plain decode steps queued back to back per engine step when no request speculates
+    # and no prompt waits (tandem.engine.decode_ahead); 1 = read every token back before the next step.
+    # None: DEFAULT_DECODE_STEPS with CUDA graphs (where the host's work is worth hiding), else 1.
+    decode_steps: int | None = None
 
     def __post_init__(self) -> None:
+        if self.decode_steps is not None and self.decode_steps < 1:
+            raise ConfigError(f"--decode-steps must be >= 1, got {self.decode_steps}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:

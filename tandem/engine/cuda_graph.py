@@ -173,15 +173,25 @@ class TargetGraphRunner:
         return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, batch: ForwardBatch, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the bucket that fits ``batch``. ``sync=False`` returns as soon as the replay is queued
+        (the caller queues more work behind it and waits later, under ``guard_wait``)."""
         fam, bs, m = self.prepare(batch)
         # A hang shows at the first wait on the replay's work; the caller reads the logits right after
         # anyway, so waiting here costs nothing and puts the hang inside the guard.
-        with self.watchdog.guard(f"replay {'decode' if fam.width == 1 else f'verify(width={fam.width})'} "
-                                 f"cuda graph bs={bs}", self.replay_deadline_s):
+        with self.watchdog.guard(self._replay_name(fam, bs), self.replay_deadline_s):
             fam.graphs[bs].replay()
-            torch.cuda.current_stream(self.device).synchronize()
+            if sync:
+                torch.cuda.current_stream(self.device).synchronize()
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+
+    @staticmethod
+    def _replay_name(fam: _Family, bs: int) -> str:
+        return f"replay {'decode' if fam.width == 1 else f'verify(width={fam.width})'} cuda graph bs={bs}"
+
+    def guard_wait(self, what: str):
+        """A watchdog guard for waiting on replays queued with ``run(sync=False)``."""
+        return self.watchdog.guard(what, self.replay_deadline_s)
 
     @torch.inference_mode()
     def run_static_eagerly(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

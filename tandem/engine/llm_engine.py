@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
+from tandem.engine.decode_ahead import decode_ahead
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
@@ -60,6 +61,8 @@ class LLMEngine:
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
+        graphed = self.executor.runner.graphs is not None
+        self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -125,13 +128,16 @@ class LLMEngine:
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
                 self.policy.decide(req.spec_state)
-        sched = self.scheduler.schedule(self._tree_width)
+        ahead = self._decode_steps_ahead()
+        sched = self.scheduler.schedule(self._tree_width if ahead == 1 else (lambda req: ahead))
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
+        if ahead > 1 and not sched.prefill and not sched.preempted:
+            return self._step_ahead(sched.decode, ahead, timer)
         with timer("draft"):
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
@@ -155,6 +161,35 @@ class LLMEngine:
         if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not caught_up:
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
             self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
+        return outputs
+
+    def _decode_steps_ahead(self) -> int:
+        """Plain decode steps to queue back to back this step (tandem.engine.decode_ahead): up to
+        ``decode_steps`` when nothing needs the host between them, else 1."""
+        steps = self.decode_steps
+        running = self.scheduler.running
+        if (steps <= 1 or not running or self.cfg.tp_size > 1 or self.scheduler.waiting or self.traffic is not None
+                or self.drafts.up()):
+            return 1
+        context = self.model_config.max_position_embeddings
+        for req in running:
+            if self._tree_width(req) != 1:
+                return 1
+            # never past a request's token budget or the context: only a stop token wastes steps
+            steps = min(steps, req.params.max_new_tokens - len(req.output), context - req.num_tokens)
+        if steps <= 1:
+            return 1
+        # Reserving the extra steps' pages must not preempt anyone that one-step decoding would keep.
+        if sum(req.kv.pages_needed(req.num_tokens - 1 + steps) for req in running) > self.allocator.num_free:
+            return 1
+        return steps
+
+    def _step_ahead(self, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
+        with timer("verify"):
+            tokens = decode_ahead(self.executor.runner, reqs, steps)
+        with timer("accept"):
+            outputs = self._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {})
+        self.last_step = StepInfo(0, len(reqs), dict(timer.spans))
         return outputs
 
     def _accept(self, sched, trees, logits, features):

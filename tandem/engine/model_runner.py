@@ -124,10 +124,11 @@ class ModelRunner:
         self.kv.move_slots(src, dst)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None)."""
+    def forward(self, batch: ForwardBatch, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (float32 logits of the requested rows [N, V], features [T, k·H] or None). ``sync=False``: a
+        graph replay returns once queued (eager forwards are queued anyway)."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, sync=sync)
         batch = batch.with_host_tokens()
         dev = to_device(batch, self.cfg.page_size, self.device)
         self.backend.plan(dev.meta)

@@ -30,7 +30,8 @@ def prompts(n):
     return [torch.randint(0, 4096, (int(l),), generator=g).tolist() for l in torch.randint(3, 90, (n,), generator=g)]
 
 
-def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_rate=None, spec=None, new=40):
+def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_rate=None, spec=None, new=40,
+        decode_steps=None, params=None):
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
@@ -38,9 +39,9 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
     widths = (1,) if spec is None else (1, spec.num_draft_tokens)
     cfg = EngineConfig(model=str(target), device="cuda", dtype=dtype, disable_cuda_graph=not graphs,
                        cuda_graph_max_bs=16, cuda_graph_widths=widths, attention_backend=backend, page_size=16,
-                       kv_pages=2048)
+                       kv_pages=2048, decode_steps=decode_steps)
     with LLMEngine(cfg) as eng:
-        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        params = params or SamplingParams(max_new_tokens=new, ignore_eos=True)
         if spec is None:
             return [r.output_token_ids for r in eng.generate(batch, params)]
         from tandem.speculative.controlled import ControlledAcceptanceProposer
@@ -83,6 +84,19 @@ def test_target_only_graphs_equal_eager_equal_torch_backend(target, bs):
     eager = run(target, batch, graphs=False)
     torch_ref = run(target, batch, graphs=False, backend="torch")
     assert graphed == eager == torch_ref
+
+
+@pytest.mark.parametrize("bs", [1, 6])
+def test_decode_ahead_on_graphs_equals_one_step_decoding_bf16(target, bs):
+    """bf16 (the Triton GEMVs and programmatic dependent launch in the graphs): eight decode steps
+    queued per engine step give the tokens of one step at a time, greedy and seeded-sampled."""
+    from tandem.sampling import SamplingParams
+
+    batch = prompts(bs)
+    assert run(target, batch, dtype="bfloat16", decode_steps=8) == run(target, batch, dtype="bfloat16", decode_steps=1)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=40, ignore_eos=True)
+    assert (run(target, batch, dtype="bfloat16", decode_steps=8, params=sampled)
+            == run(target, batch, dtype="bfloat16", decode_steps=1, params=sampled))
 
 
 @pytest.mark.parametrize("bs", [1, 5])
