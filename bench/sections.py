@@ -88,16 +88,17 @@ def _decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> di
                                SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), spec=None) for _ in range(bs)]
     engine.step()  # prefill (and the first token) is not decode
     torch.cuda.synchronize()
-    started, steps = time.perf_counter(), 0
+    started, tokens, engine_steps = time.perf_counter(), 0, 0
     while any(not engine.requests[r].finished for r in rids):
-        engine.step()
-        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in engine.step())  # several per step with --decode-steps
+        engine_steps += 1
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     for r in rids:
         engine.requests.pop(r)
-    return {"batch": bs, "steps": steps, "tok_s": bs * steps / elapsed, "tok_s_per_request": steps / elapsed,
-            "ms_per_step": 1e3 * elapsed / steps}
+    per_request = tokens / bs
+    return {"batch": bs, "tokens": tokens, "engine_steps": engine_steps, "tok_s": tokens / elapsed,
+            "tok_s_per_request": per_request / elapsed, "ms_per_step": 1e3 * elapsed / per_request}
 
 
 def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:

@@ -35,9 +35,11 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
     ``runner``: the engine's ModelRunner (tensor-parallel size 1)."""
     device = runner.device
     params = [req.params for req in reqs]
-    # Every host decision and host->device copy happens before the first forward is queued.
-    rows = row_sampling(params, device, runner.model_cfg.vocab_size)
-    uniforms = (None if rows.all_greedy
+    # Every host decision and host->device copy happens before the first forward is queued (each
+    # small copy from the host waits for the device); an all-greedy batch needs none.
+    greedy = all(p.greedy for p in params)
+    rows = None if greedy else row_sampling(params, device, runner.model_cfg.vocab_size)
+    uniforms = (None if greedy
                 else torch.stack([draw_uniforms([req.generator for req in reqs], device) for _ in range(steps)]))
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=device)
     for k in range(steps):
@@ -49,7 +51,7 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
             else:
                 chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=tokens[k - 1, i : i + 1]))
         logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
-        tokens[k] = sample_rows(logits, rows, uniforms[k] if uniforms is not None else None)
+        tokens[k] = logits.argmax(dim=-1) if greedy else sample_rows(logits, rows, uniforms[k])
     graphs = runner.graphs
     waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
     with waiting:
