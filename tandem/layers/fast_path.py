@@ -4,8 +4,11 @@ On CUDA tensors, when triton imports, unless TANDEM_DISABLE_TRITON=1 (to compare
 path). CPU tensors always take the plain torch path, which is the reference.
 
 Linear layers send up to ``gemv_max_rows()`` rows to the Triton GEMV (TANDEM_GEMV_MAX_ROWS, default
-16; 0 keeps every matmul on cuBLAS). ``set_gemv_max_rows`` lets a benchmark compare both paths in one
-process; graphs keep what was in force when they were captured.
+1: batch-1 decode; 0 keeps every matmul on cuBLAS). Up to 16 rows work, but on the H200 the
+several-row kernel made a width-4 verify slower than cuBLAS (chain of 3 at accept 4: 476-528 against
+587 tok/s, docs/benchmarks.md), so verifies and batched decode stay on cuBLAS by default.
+``set_gemv_max_rows`` lets a benchmark compare both paths in one process; graphs keep what was in force
+when they were captured.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 
 import torch
 
-_gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "16")))  # the kernel handles 16 rows at most
+_gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "1")))  # the kernel handles 16 rows at most
 
 
 @functools.cache

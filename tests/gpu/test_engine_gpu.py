@@ -99,6 +99,22 @@ def test_decode_ahead_on_graphs_equals_one_step_decoding_bf16(target, bs):
             == run(target, batch, dtype="bfloat16", decode_steps=1, params=sampled))
 
 
+def test_eager_bf16_forwards_repeat_exactly_with_and_without_pdl(target):
+    """Eager bf16 forwards (the Triton GEMVs and kernels launched one by one, with programmatic
+    dependent launch, between FlashInfer's and torch's kernels) give the same greedy tokens every time,
+    and the same as with plain launches: a kernel that read its input early would make runs differ."""
+    from tandem.kernels.pdl import set_pdl
+
+    batch = prompts(3)
+    first = run(target, batch, dtype="bfloat16", graphs=False, new=24)
+    assert run(target, batch, dtype="bfloat16", graphs=False, new=24) == first
+    set_pdl(False)
+    try:
+        assert run(target, batch, dtype="bfloat16", graphs=False, new=24) == first
+    finally:
+        set_pdl(True)
+
+
 @pytest.mark.parametrize("bs", [1, 5])
 @pytest.mark.parametrize("steps,topk,ndt", [(4, 1, 5), (3, 2, 6)])
 def test_speculative_graphs_equal_eager(target, bs, steps, topk, ndt):
