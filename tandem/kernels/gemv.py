@@ -1,4 +1,5 @@
-"""Skinny matrix products ``y = x Wᵀ (+ b)`` for a few rows of ``x`` (batch-1 decode, small verifies).
+"""Skinny matrix products ``y = x Wᵀ (+ b)`` for a few rows of ``x`` (batch-1 decode; the linear layers
+send one row here by default, see tandem/layers/fast_path.py).
 
 At batch 1 a decode step is a chain of GEMVs that read every weight once: the step can be no faster
 than the bytes read divided by the bandwidth. cuBLAS picks its GEMV kernels for generality; these
@@ -10,12 +11,13 @@ Two kernels, chosen per weight shape by ``GemvConfig``:
     multiplying on the CUDA cores into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator that is reduced
     once at the end (for one row; several rows reduce per step). No tensor cores: at a few rows the
     arithmetic is free, what counts is keeping enough loads in flight.
-K is a compile-time constant (a model has two or three distinct K), so the loop's trip count is
-known to the compiler.
   * ``dot``: the activation rows padded to 16 and multiplied with ``tl.dot`` so that Triton's software
     pipeliner (``num_stages``) overlaps the weight loads of successive K steps.
-Both accumulate in float32 and round once, like cuBLAS; results agree with ``F.linear`` to bf16
-rounding (the summation order differs).
+K is a compile-time constant (a model has two or three distinct K), so the loop's trip count is
+known to the compiler. Both accumulate in float32 and round once, like cuBLAS; results agree with
+``F.linear`` to bf16 rounding (the summation order differs). Measured on the H200 the kernels alone
+are barely faster than cuBLAS; launched with programmatic dependent launch (tandem/kernels/pdl.py)
+the model's chain of them reaches the read bandwidth (docs/benchmarks.md).
 """
 
 from __future__ import annotations
