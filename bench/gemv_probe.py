@@ -54,14 +54,19 @@ def read_ceiling_tbps() -> float:
     return big.numel() * 2 / (ms / 1e3) / 1e12
 
 
-def configs(quick: bool) -> list[GemvConfig]:
+def configs(quick: bool, m: int = 1) -> list[GemvConfig]:
+    if m > 1:  # several rows: smaller tiles (the accumulator holds rows x BLOCK_N x BLOCK_K floats)
+        rows = [GemvConfig("rows", bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))
+                if m * bn * bk <= 16384]
+        dots = [GemvConfig("dot", bn, bk, 4, st) for bn, bk, st in ((32, 256, 5), (64, 128, 3), (32, 128, 3))]
+        return rows + dots
     rows = [GemvConfig("rows", bn, bk, w) for bn, bk, w in
             itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]
     dots = [GemvConfig("dot", bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 5))]
     return (rows[::3] + dots[::3]) if quick else rows + dots
 
 
-def time_shape(n: int, k: int, m: int, cands: list[GemvConfig]) -> dict:
+def time_shape(n: int, k: int, m: int, cands: list[GemvConfig], pdl: bool = False) -> dict:
     copies = max(2, math.ceil(300e6 / (n * k * 2)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -81,7 +86,7 @@ def time_shape(n: int, k: int, m: int, cands: list[GemvConfig]) -> dict:
             if err > 2e-2:
                 rows.append({"config": cfg.__dict__, "error": f"relative error {err:.3g}"})
                 continue
-            us = per_call_us(lambda w: gemv(x, w, config=cfg, out=out))
+            us = per_call_us(lambda w: gemv(x, w, config=cfg, out=out, pdl=pdl))
         except Exception as exc:  # a tile that does not fit in shared memory / registers on this GPU
             rows.append({"config": cfg.__dict__, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -99,12 +104,12 @@ def best(result: dict) -> tuple[GemvConfig | None, float]:
     return GemvConfig(**top["config"]), top["us"]
 
 
-def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False) -> float:
+def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False, m: int = 1) -> float:
     """The whole model's GEMV chain (32 layers + LM head), one graph; ``None`` picks cuBLAS."""
     mats = [{name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) * 0.02
              for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
     head = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
 
     def lin(name, a, w):
         cfg = picks.get(name)
@@ -123,15 +128,42 @@ def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False) -> float
     return 1e3 / ms
 
 
+def several_rows(row_counts: list[int]) -> dict:
+    """Per row count: the best tile per shape (launched with PDL, as the engine would) against cuBLAS,
+    then the model's chain at that many rows, cuBLAS against the picks with PDL."""
+    out = {}
+    for m in row_counts:
+        picks, shapes = {}, {}
+        for name, (n, k) in SHAPES.items():
+            res = time_shape(n, k, m, configs(False, m), pdl=True)
+            cfg, us = best(res)
+            cub = res["rows"][0]["us"]
+            shapes[name] = res
+            picks[name] = cfg
+            print(f"m={m} {name:8s} cuBLAS {cub:7.1f} us; best with PDL {us:7.1f} us {cfg}", flush=True)
+        cublas, ours = chain_tok_s({}, m=m), chain_tok_s(picks, pdl=True, m=m)
+        print(f"m={m} chain: cuBLAS {cublas:.1f} forwards/s, picks with PDL {ours:.1f}", flush=True)
+        out[m] = {"shapes": shapes, "picks": {k: v.__dict__ for k, v in picks.items()},
+                  "chain_cublas_per_s": cublas, "chain_picks_pdl_per_s": ours}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chains-only", action="store_true")
+    ap.add_argument("--rows", default=None, help="e.g. 2,4,8: sweep several-row tiles with PDL and time "
+                                                  "each row count's chain against cuBLAS")
     args = ap.parse_args()
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["read_ceiling_TBps"] = read_ceiling_tbps()
     print(f"read ceiling {report['read_ceiling_TBps']:.2f} TB/s", flush=True)
+    if args.rows:
+        report["several_rows"] = several_rows([int(r) for r in args.rows.split(",")])
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     cands = configs(args.quick)
     picks: dict[str, GemvConfig | None] = {}
     report["shapes"] = {}

@@ -9,7 +9,7 @@ the activation rows held in registers.
 Two kernels, chosen per weight shape by ``GemvConfig``:
   * ``rows``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps,
     multiplying on the CUDA cores into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator that is reduced
-    once at the end (for one row; several rows reduce per step). No tensor cores: at a few rows the
+    once at the end (several rows: a [rows, BLOCK_N, BLOCK_K] one). No tensor cores: at a few rows the
     arithmetic is free, what counts is keeping enough loads in flight.
   * ``dot``: the activation rows padded to 16 and multiplied with ``tl.dot`` so that Triton's software
     pipeliner (``num_stages``) overlaps the weight loads of successive K steps.
@@ -57,10 +57,24 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
+def _x_tile(x_ptrs, k, K: tl.constexpr, mask, GATED: tl.constexpr):
+    """Rows of x at K offset k, float32. GATED: x holds [gate | up] (each K wide) and the tile is
+    SwiGLU's silu(gate) * up, rounded as tandem.kernels.activation rounds it (so bit for bit the
+    unfused path's input)."""
+    if GATED:
+        gate = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptrs + K + k, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptrs.dtype.element_ty).to(tl.float32)
+        return (act * up).to(x_ptrs.dtype.element_ty).to(tl.float32)
+    else:
+        return tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,36 +85,38 @@ def _gemv_rows_kernel(
     offs_m = tl.arange(0, ROWS)
     m_ok = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
+    # The first weight tile does not depend on the previous kernel: under programmatic dependent
+    # launch it is read while that kernel finishes, and x only after it has.
+    first_ok = offs_k < K
+    w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    x0 = _x_tile(x_ptrs, 0, K, m_ok[:, None] & first_ok[None, :], GATED)
     if ROWS == 1:
-        # The first weight tile does not depend on the previous kernel: under programmatic dependent
-        # launch it is read while that kernel finishes, and x only after it has.
-        first_ok = offs_k < K
-        w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0)
-        pdl_enter(PDL)
-        x0 = tl.load(x_ptrs, mask=first_ok[None, :], other=0.0)
-        acc = w0.to(tl.float32) * x0.to(tl.float32)
+        acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = tl.load(x_ptrs + k)
+                xv = _x_tile(x_ptrs, k, K, m_ok[:, None], GATED)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * xv.to(tl.float32)
+                xv = _x_tile(x_ptrs, k, K, k_ok[None, :], GATED)
+            acc += w.to(tl.float32) * xv
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
-        pdl_enter(PDL)
-        y = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        # Several rows share each weight tile: a [ROWS, BLOCK_N, BLOCK_K] accumulator, reduced once.
+        # (On the H200 the tensor-core "dot" kernel serves several rows better: bench/gemv_probe.py.)
+        acc3 = w0[None, :, :] * x0[:, None, :]
+        for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
+                xv = _x_tile(x_ptrs, k, K, m_ok[:, None], GATED)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            y += tl.sum(w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], axis=2)
+                xv = _x_tile(x_ptrs, k, K, m_ok[:, None] & k_ok[None, :], GATED)
+            acc3 += w.to(tl.float32)[None, :, :] * xv[:, None, :]
+        y = tl.sum(acc3, axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * sy + offs_n[None, :]
@@ -145,12 +161,17 @@ def gemv(
     config: GemvConfig = GemvConfig(),
     out: torch.Tensor | None = None,  # [M, N]
     pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
+    gated: bool = False,  # x is a fused [gate | up] ([M, 2K]): multiply silu(gate) * up ("rows" kernel)
 ) -> torch.Tensor:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    width = 2 * weight.shape[1] if gated and weight.dim() == 2 else (weight.shape[1] if weight.dim() == 2 else -1)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"gemv takes x [M, {'2K' if gated else 'K'}] and weight [N, K], got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs the last dim of x and weight contiguous")
-    m, k = x.shape
+    if gated and config.kernel != "rows":
+        raise ValueError("the gated (SwiGLU) input needs the 'rows' kernel")
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
@@ -163,7 +184,8 @@ def gemv(
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
             *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, GATED=gated, num_warps=config.num_warps,
+            launch_pdl=pdl,
         )
     else:
         _gemv_dot_kernel[grid](
