@@ -326,25 +326,6 @@ def test_gemv_matches_linear(kernel, rows, n, k, bias):
     assert rel_err(out, F.linear(x, w, b)) < 1e-5
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 24, 192), (1, 17, 100), (2, 16, 64)])
-def test_gemv_gated_equals_silu_and_mul_then_linear(rows, n, k):
-    """The down projection reading the fused [gate | up] itself equals the SwiGLU kernel followed by the
-    GEMV bit for bit (bf16, so the roundings are exercised), and tracks torch's silu * up then linear
-    (loosely: the interpreter rounds bf16 its own way, as test_silu_and_mul allows)."""
-    from tandem.kernels.gemv import GemvConfig, gemv
-
-    gen = torch.Generator().manual_seed(n + k)
-    gate_up = (2 * torch.randn(rows, 2 * k, generator=gen)).to(device=DEVICE, dtype=torch.bfloat16)
-    w = (0.1 * torch.randn(n, k, generator=gen)).to(device=DEVICE, dtype=torch.bfloat16)
-    cfg = GemvConfig("rows", block_n=8, block_k=64)
-    out = gemv(gate_up, w, config=cfg, gated=True)
-    assert out.shape == (rows, n)
-    assert torch.equal(out, gemv(silu_and_mul(gate_up), w, config=cfg))
-    assert rel_err(out, F.linear(silu_and_mul_reference(gate_up).float(), w.float())) < 2e-2
-    with pytest.raises(ValueError, match="rows"):
-        gemv(gate_up, w, config=GemvConfig("dot", block_n=16, block_k=64), gated=True)
-
-
 def test_gemv_rejects_bad_shapes():
     from tandem.kernels.gemv import GemvConfig, gemv
 

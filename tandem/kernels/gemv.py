@@ -57,24 +57,10 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _x_tile(x_ptrs, k, K: tl.constexpr, mask, GATED: tl.constexpr):
-    """Rows of x at K offset k, float32. GATED: x holds [gate | up] (each K wide) and the tile is
-    SwiGLU's silu(gate) * up, rounded as tandem.kernels.activation rounds it (so bit for bit the
-    unfused path's input)."""
-    if GATED:
-        gate = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptrs + K + k, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptrs.dtype.element_ty).to(tl.float32)
-        return (act * up).to(x_ptrs.dtype.element_ty).to(tl.float32)
-    else:
-        return tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,18 +76,18 @@ def _gemv_rows_kernel(
     first_ok = offs_k < K
     w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0).to(tl.float32)
     pdl_enter(PDL)
-    x0 = _x_tile(x_ptrs, 0, K, m_ok[:, None] & first_ok[None, :], GATED)
+    x0 = tl.load(x_ptrs, mask=m_ok[:, None] & first_ok[None, :], other=0.0).to(tl.float32)
     if ROWS == 1:
         acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = _x_tile(x_ptrs, k, K, m_ok[:, None], GATED)
+                xv = tl.load(x_ptrs + k)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = _x_tile(x_ptrs, k, K, k_ok[None, :], GATED)
-            acc += w.to(tl.float32) * xv
+                xv = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         # Several rows share each weight tile: a [ROWS, BLOCK_N, BLOCK_K] accumulator, reduced once.
@@ -110,12 +96,12 @@ def _gemv_rows_kernel(
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = _x_tile(x_ptrs, k, K, m_ok[:, None], GATED)
+                xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = _x_tile(x_ptrs, k, K, m_ok[:, None] & k_ok[None, :], GATED)
-            acc3 += w.to(tl.float32)[None, :, :] * xv[:, None, :]
+                xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
         y = tl.sum(acc3, axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
@@ -161,17 +147,12 @@ def gemv(
     config: GemvConfig = GemvConfig(),
     out: torch.Tensor | None = None,  # [M, N]
     pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
-    gated: bool = False,  # x is a fused [gate | up] ([M, 2K]): multiply silu(gate) * up ("rows" kernel)
 ) -> torch.Tensor:
-    width = 2 * weight.shape[1] if gated and weight.dim() == 2 else (weight.shape[1] if weight.dim() == 2 else -1)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"gemv takes x [M, {'2K' if gated else 'K'}] and weight [N, K], got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs the last dim of x and weight contiguous")
-    if gated and config.kernel != "rows":
-        raise ValueError("the gated (SwiGLU) input needs the 'rows' kernel")
-    m, k = x.shape[0], weight.shape[1]
+    m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
@@ -184,8 +165,7 @@ def gemv(
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
             *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, GATED=gated, num_warps=config.num_warps,
-            launch_pdl=pdl,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
         )
     else:
         _gemv_dot_kernel[grid](

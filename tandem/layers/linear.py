@@ -13,38 +13,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import all_reduce, divide, tp_group
-from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import gemv_max_rows, use_triton
 
 
-def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x`` goes to the Triton GEMV: a few bf16/fp16 rows on the GPU (``gemv_max_rows``)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(1) == 1 and weight.stride(1) == 1 and use_triton(x))
-
-
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b``. Batch-1 rows on the GPU go to the Triton GEMV (tandem/kernels/gemv.py), which
-    streams W at the read bandwidth and joins the programmatic dependent launch chain of the other
-    kernels; everything else, float32 included, is ``F.linear``."""
-    if _gemv_rows(x, weight):
+    """``x Wᵀ + b``. A few bf16/fp16 rows on the GPU (batch-1 decode, small verifies) go to the Triton
+    GEMV (tandem/kernels/gemv.py), which streams W at the read bandwidth and joins the programmatic
+    dependent launch chain of the other kernels; everything else, float32 included, is ``F.linear``."""
+    if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and weight.stride(1) == 1 and use_triton(x)):
         from tandem.kernels.gemv import default_config, gemv
 
         return gemv(x, weight, bias, default_config(x.shape[0], weight.shape[0], weight.shape[1]))
     return F.linear(x, weight, bias)
-
-
-def swiglu_matmul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` times ``Wᵀ`` for a fused ``[gate | up]``. On the Triton GEMV's path the GEMV
-    computes the activation as it reads it (one kernel fewer per layer, bit for bit the same values);
-    otherwise the activation, then ``matmul``."""
-    if _gemv_rows(gate_up, weight):
-        from tandem.kernels.gemv import default_config, gemv
-
-        config = default_config(gate_up.shape[0], weight.shape[0], weight.shape[1])
-        if config.kernel == "rows":
-            return gemv(gate_up, weight, config=config, gated=True)
-    return matmul(silu_mul(gate_up), weight)
 
 
 class ShapeMismatch(ValueError):
@@ -193,9 +174,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(matmul(x, self.weight))
-        return y + self.bias if self.bias is not None else y
-
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu(gate) * up)`` of this rank's fused ``[gate | up]`` slice (see swiglu_matmul)."""
-        y = all_reduce(swiglu_matmul(gate_up, self.weight))
         return y + self.bias if self.bias is not None else y
