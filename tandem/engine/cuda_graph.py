@@ -26,7 +26,6 @@ from tandem.kv_cache import DUMMY_PAGE
 from tandem.watchdog import Watchdog
 
 log = logging.getLogger("tandem.cuda_graph")
-MAX_QUEUED_STEPS = 64  # the most --decode-steps allows (the slots of a run are staged at once)
 
 
 @functools.cache
@@ -97,10 +96,6 @@ class TargetGraphRunner:
         self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max(self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths), self.device)
-        # The KV slots of a run of queued decode steps (run_decode_steps), up to MAX_QUEUED_STEPS.
-        self.slot_steps_host = torch.zeros(MAX_QUEUED_STEPS * self.max_bs, dtype=torch.int64,
-                                           pin_memory=self.device.type == "cuda")
-        self.slot_steps = torch.zeros(MAX_QUEUED_STEPS * self.max_bs, dtype=torch.int64, device=self.device)
         self.watchdog = watchdog or Watchdog()
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
@@ -189,35 +184,6 @@ class TargetGraphRunner:
             if sync:
                 torch.cuda.current_stream(self.device).synchronize()
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
-
-    @torch.inference_mode()
-    def run_decode_steps(self, batch: ForwardBatch, steps: int, pick) -> None:
-        """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
-        (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, k)`` (a device
-        tensor [n], model-dtype logits); positions and KV lengths advance on the device and the slots
-        of all steps go over in one copy, so between replays the device runs four small copies and
-        nothing waits for it."""
-        fam, bs, _ = self.prepare(batch)
-        seqs, ps = batch.seqs, self.page_size
-        n = len(seqs)
-        later = (steps - 1) * n
-        if later:
-            keys = np.array([s.prefix_len for s in seqs])[None, :] + np.arange(1, steps)[:, None]  # [steps-1, n]
-            host = self.slot_steps_host[:later].numpy().reshape(steps - 1, n)
-            for i, s in enumerate(seqs):
-                host[:, i] = np.asarray(s.pages)[keys[:, i] // ps] * ps + keys[:, i] % ps
-            slots = self.slot_steps[:later].view(steps - 1, n)
-            slots.copy_(self.slot_steps_host[:later].view(steps - 1, n), non_blocking=True)
-        name = self._replay_name(fam, bs)
-        for k in range(steps):
-            if k:
-                fam.input_ids[:n].copy_(token)
-                fam.positions[:n] += 1
-                fam.kv_lens[:n] += 1
-                fam.slots[:n].copy_(slots[k - 1])
-            with self.watchdog.guard(name, self.replay_deadline_s):
-                fam.graphs[bs].replay()
-            token = pick(fam.logits[:n], k)
 
     @staticmethod
     def _replay_name(fam: _Family, bs: int) -> str:

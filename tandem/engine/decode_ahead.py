@@ -42,27 +42,6 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
     uniforms = (None if greedy
                 else torch.stack([draw_uniforms([req.generator for req in reqs], device) for _ in range(steps)]))
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=device)
-
-    def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
-        tokens[k] = logits.argmax(dim=-1) if greedy else sample_rows(logits, rows, uniforms[k])
-        return tokens[k]
-
-    graphs = runner.graphs
-    first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table()) for req in reqs])
-    if graphs is not None and graphs.can_run(first):
-        graphs.run_decode_steps(first, steps, pick)  # the inputs advance on the device
-    else:
-        _forward_steps(runner, reqs, steps, pick)
-    waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
-    with waiting:
-        per_step = tokens.tolist()
-    return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
-
-
-def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
-    """The same steps through ``runner.forward`` (eager, or a batch no graph fits), each fed the
-    previous step's token through ``SequenceChunk.device_ids``."""
-    token = None
     for k in range(steps):
         chunks = []
         for i, req in enumerate(reqs):
@@ -70,6 +49,11 @@ def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
             if k == 0:
                 chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
             else:
-                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
+                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=tokens[k - 1, i : i + 1]))
         logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
-        token = pick(logits, k)
+        tokens[k] = logits.argmax(dim=-1) if greedy else sample_rows(logits, rows, uniforms[k])
+    graphs = runner.graphs
+    waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
+    with waiting:
+        per_step = tokens.tolist()
+    return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
