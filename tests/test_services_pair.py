@@ -349,3 +349,35 @@ def test_a_failing_in_process_head_leaves_the_engine_decoding_target_only_greedy
         outs = engine.generate(prompts_of(32)[:3], SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [o.output_token_ids for o in outs] == reference[:3]
     assert calls["draft"] >= 3 and not head._reqs  # failed once; the head forgot every request
+
+
+def test_a_target_only_verifier_queuing_decode_steps_streams_what_one_step_decoding_makes(pair_dirs, reference,
+                                                                                          tmp_path):
+    """``--decode-steps 4`` (the GPU default; CPU runs default to 1): concurrent streams carry the
+    tokens of one-step decoding, several per message, and a cancelled stream gives its pages back."""
+    from tandem.service_probe import free_port
+
+    metrics_port = free_port()
+    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--decode-steps", "4",
+                                    "--metrics-port", str(metrics_port)], free_port(), tmp_path / "verifier.log").start()
+    try:
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(verifier.address, prompts_of(32)[i])))
+                   for i in (1, 4, 7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i, (tokens, last) in results.items():
+            assert tokens == reference[i]
+            assert last.finish_reason == "length" and last.completion_tokens == 24
+        with grpc.insecure_channel(verifier.address) as channel:
+            call = pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(
+                prompt_token_ids=prompts_of(32)[3], sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True)))
+            first, second = next(call), next(call)
+            assert len(first.token_ids) + len(second.token_ids) >= 5  # the prefill's token, then a run of four
+            call.cancel()
+        wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_total"])(read_metrics(metrics_port)),
+                 30, "the cancelled request's KV pages to come back")
+    finally:
+        verifier.stop()
