@@ -52,15 +52,13 @@ def make_generator(seed: int) -> torch.Generator:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """A batch's per-row sampling settings as device tensors, decided once: sampling several steps
-    of the same rows (tandem.engine.decode_ahead) then launches only device work, no host round trip."""
+    """A batch's per-row sampling settings as device tensors, decided once (see StepSampler)."""
 
     greedy: torch.Tensor  # bool [B]
     temps: torch.Tensor  # float32 [B] (1 for greedy rows)
     top_k: torch.Tensor  # int64 [B] (vocab = no cut)
     top_p: torch.Tensor  # float32 [B]
     any_greedy: bool
-    all_greedy: bool
     any_cut: bool  # some row has a top-k or top-p cut
 
 
@@ -72,7 +70,7 @@ def row_sampling(params: list[SamplingParams], device: torch.device, vocab: int)
         temps=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
         top_k=torch.tensor(top_k, device=device),
         top_p=torch.tensor([p.top_p for p in params], device=device),
-        any_greedy=any(greedy), all_greedy=all(greedy),
+        any_greedy=any(greedy),
         any_cut=any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params),
     )
 
@@ -121,16 +119,25 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of ``logits`` ([B, V]) → int64 [B]."""
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
-    rows = row_sampling(params, logits.device, logits.shape[1])
-    return sample_rows(logits, rows, draw_uniforms(generators, logits.device))
+    return StepSampler(params, generators, logits.device, logits.shape[1], steps=1)(logits, 0)
 
 
-def sample_rows(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor | None) -> torch.Tensor:
-    """``sample`` with the settings and the rows' uniforms already on the device (``uniforms`` may be
-    None when every row is greedy): only device work, so it can be queued behind a forward."""
-    if rows.all_greedy:
-        return logits.argmax(dim=-1)
-    tokens = sample_from_probs(adjusted_probs_rows(logits, rows), uniforms)
-    return torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
+class StepSampler:
+    """Samples the same rows for ``steps`` consecutive steps with only device work per step: the
+    settings and every step's uniforms are on the device before the first step (each small host copy
+    waits for the device), so steps can be queued behind forwards (tandem.engine.decode_ahead). Each
+    request's generator yields its uniforms in step order, the numbers one call of ``sample`` per
+    step would draw. An all-greedy batch needs neither."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device,
+                 vocab: int, steps: int):
+        greedy = all(p.greedy for p in params)
+        self.rows = None if greedy else row_sampling(params, device, vocab)
+        self.uniforms = None if greedy else torch.stack([draw_uniforms(generators, device) for _ in range(steps)])
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""
+        if self.rows is None:
+            return logits.argmax(dim=-1)
+        tokens = sample_from_probs(adjusted_probs_rows(logits, self.rows), self.uniforms[step])
+        return torch.where(self.rows.greedy, logits.argmax(dim=-1), tokens)

@@ -25,7 +25,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
-from tandem.sampling import draw_uniforms, row_sampling, sample_rows
+from tandem.sampling import StepSampler
 
 
 @torch.inference_mode()
@@ -34,13 +34,9 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
 
     ``runner``: the engine's ModelRunner (tensor-parallel size 1)."""
     device = runner.device
-    params = [req.params for req in reqs]
-    # Every host decision and host->device copy happens before the first forward is queued (each
-    # small copy from the host waits for the device); an all-greedy batch needs none.
-    greedy = all(p.greedy for p in params)
-    rows = None if greedy else row_sampling(params, device, runner.model_cfg.vocab_size)
-    uniforms = (None if greedy
-                else torch.stack([draw_uniforms([req.generator for req in reqs], device) for _ in range(steps)]))
+    # Settings and uniforms reach the device before the first forward is queued.
+    sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], device,
+                          runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=device)
     for k in range(steps):
         chunks = []
@@ -51,7 +47,7 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
             else:
                 chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=tokens[k - 1, i : i + 1]))
         logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
-        tokens[k] = logits.argmax(dim=-1) if greedy else sample_rows(logits, rows, uniforms[k])
+        tokens[k] = sampler(logits, k)
     graphs = runner.graphs
     waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
     with waiting:

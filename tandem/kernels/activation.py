@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.pdl import pdl_enter, use_pdl
+from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -34,8 +34,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    pdl = use_pdl(gate_up)
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_launch(gate_up),
     )
     return out

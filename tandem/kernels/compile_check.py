@@ -93,8 +93,9 @@ def main(dtype_name: str = "bfloat16") -> int:
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
+    # compile the programmatic-dependent-launch variants the GPU runs
+    importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
     for mod in mods.values():
-        mod.use_pdl = lambda x: True  # compile the programmatic-dependent-launch variants the GPU runs
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.pdl import pdl_enter, use_pdl
+from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
 @dataclass(frozen=True)
@@ -158,19 +158,19 @@ def gemv(
         raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x) if pdl is None else pdl
+    pdl_args = pdl_launch(x, pdl)
     even_k = k % config.block_k == 0
     grid = (triton.cdiv(n, config.block_n),)
     args = (x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0))
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
             *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_args,
         )
     else:
         _gemv_dot_kernel[grid](
             *args, K=k, HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps,
-            num_stages=config.num_stages, launch_pdl=pdl,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl_args,
         )
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.pdl import pdl_enter, use_pdl
+from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -85,12 +85,11 @@ def rms_norm(
     _, _, so0, so1 = _rows(out)
     _, _, sro0, sro1 = _rows(res_out)
     block = triton.next_power_of_2(size)
-    pdl = use_pdl(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out, inner, size, eps,
         sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
         num_warps=max(1, min(16, block // 512)),  # ~4 16-byte vectors per thread at bf16
-        launch_pdl=pdl,
+        **pdl_launch(x),
     )
     return out if residual is None else (out, residual_out)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.pdl import pdl_enter, use_pdl
+from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 _NO_KEY = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2 of differences never gives NaN
 
@@ -254,7 +254,7 @@ def paged_attention(
     else:
         part_o, part_lse = out, out  # never touched
     grid = (batch, num_kv_heads, num_q_tiles * num_splits)
-    pdl = use_pdl(q)
+    pdl = pdl_launch(q)
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out, block_tables, kv_lens, mask, part_o, part_lse,
         q_len, scale * 1.4426950408889634,
@@ -266,14 +266,14 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_W=mask_w, NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
-        INTERPRET=bool(triton.knobs.runtime.interpret), PDL=pdl,
-        num_warps=num_warps, num_stages=3, launch_pdl=pdl,
+        INTERPRET=bool(triton.knobs.runtime.interpret),
+        num_warps=num_warps, num_stages=3, **pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, num_heads,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=4, **pdl,
         )
     return out

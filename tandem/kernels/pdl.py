@@ -48,6 +48,13 @@ def use_pdl(x: torch.Tensor) -> bool:
     return _supports_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def pdl_launch(x: torch.Tensor, pdl: bool | None = None) -> dict:
+    """The two launch arguments that must agree: the kernel's ``PDL`` constexpr (its ``pdl_enter``)
+    and Triton's ``launch_pdl`` (the attribute). ``pdl=None``: ``use_pdl(x)`` decides."""
+    on = use_pdl(x) if pdl is None else pdl
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """Wait for the previous grid (its writes visible), then let the next grid be scheduled."""

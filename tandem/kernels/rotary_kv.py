@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.pdl import pdl_enter, use_pdl
+from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -120,13 +120,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     _check_kv(k, v, k_pool, v_pool)
     if k.shape[0] == 0:
         return
-    pdl = use_pdl(k)
     _store_kv_kernel[(k.shape[0],)](
         k, v, slot_mapping, k_pool, v_pool, k.shape[1], slot_mapping.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k.shape[2], BLOCK_HKV=triton.next_power_of_2(k.shape[1]), PDL=pdl,
-        num_warps=4, launch_pdl=pdl,
+        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k.shape[2], BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+        num_warps=4, **pdl_launch(k),
     )
 
 
@@ -156,7 +155,6 @@ def rotary_and_store(
     k_dst = k_out if k_out is not None else k
     if num_tokens == 0:
         return q_out
-    pdl = use_pdl(q)
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, q_out, k_dst, cos, sin, positions, slot_mapping, k_pool, v_pool,
         num_q_heads, num_kv_heads, positions.stride(0), slot_mapping.stride(0),
@@ -165,6 +163,6 @@ def rotary_and_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         PAGE_SIZE=k_pool.shape[1], HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        WRITE_K=k_out is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        WRITE_K=k_out is not None, num_warps=4, **pdl_launch(q),
     )
     return q_out

@@ -17,9 +17,10 @@ from tandem.layers.fast_path import gemv_max_rows, use_triton
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b``. A few bf16/fp16 rows on the GPU (batch-1 decode, small verifies) go to the Triton
-    GEMV (tandem/kernels/gemv.py), which streams W at the read bandwidth and joins the programmatic
-    dependent launch chain of the other kernels; everything else, float32 included, is ``F.linear``."""
+    """``x Wᵀ + b``. Up to ``gemv_max_rows()`` bf16/fp16 rows on the GPU (by default one: batch-1
+    decode) go to the Triton GEMV (tandem/kernels/gemv.py), which streams W at the read bandwidth and
+    joins the programmatic dependent launch chain of the other kernels; everything else, float32
+    included, is ``F.linear``."""
     if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and weight.stride(1) == 1 and use_triton(x)):
         from tandem.kernels.gemv import default_config, gemv
