@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -224,11 +225,17 @@ def spec(ctx: dict) -> dict:
             while not engine.requests[rid].finished:
                 engine.step()
             verify_reference = engine.requests.pop(rid).output
-            for goal in ((2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0)):
+            # With graphs, greedy chains run queued on the device (--spec-rounds, default 4) and also one
+            # round per step, for comparison; trees and eager runs always go one round per step.
+            queued = engine.spec_rounds
+            rounds_settings = (queued, 1) if graphs and kind == "chain" and queued > 1 else (1,)
+            for goal, spec_rounds in itertools.product(
+                    (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0), rounds_settings):
                 if kind == "tree" and not graphs and goal != 4.0:
                     continue
                 if goal > sc.num_steps + 1:
                     continue
+                engine.spec_rounds = spec_rounds
                 rate = _rate_for(goal, sc.num_steps)
                 proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
                 engine.proposer, engine.default_spec = proposer, sc
@@ -240,8 +247,9 @@ def spec(ctx: dict) -> dict:
                 elapsed = time.perf_counter() - started
                 req = engine.requests.pop(rid)
                 agree = next((i for i, (a, b) in enumerate(zip(req.output, reference)) if a != b), len(req.output))
+                engine.spec_rounds = queued
                 row = {"graphs": graphs, "kind": kind, "steps": sc.num_steps, "topk": sc.topk,
-                       "draft_tokens": sc.num_draft_tokens, "goal_accept_length": goal,
+                       "draft_tokens": sc.num_draft_tokens, "goal_accept_length": goal, "spec_rounds": spec_rounds,
                        "accept_length": req.spec_stats.accept_length_mean, "tok_s": new_tokens / elapsed,
                        "target_only_tok_s": target_only, "speedup": new_tokens / elapsed / target_only,
                        "identical_to_verify_reference": req.output == verify_reference,
@@ -249,7 +257,7 @@ def spec(ctx: dict) -> dict:
                        "tokens_identical_to_decode_reference": agree}
                 rows.append(row)
                 print(f"graphs {'on ' if graphs else 'off'} {kind:5s} steps={sc.num_steps} topk={sc.topk} "
-                      f"ndt={sc.num_draft_tokens:2d}: accept {row['accept_length']:.2f} (goal {goal}) -> "
+                      f"ndt={sc.num_draft_tokens:2d} rounds/step={spec_rounds}: accept {row['accept_length']:.2f} (goal {goal}) -> "
                       f"{row['tok_s']:7.1f} tok/s ({row['speedup']:.2f}x target-only {target_only:.1f}); "
                       f"same tokens as reference: {row['identical_to_verify_reference']}", flush=True)
         engine.proposer = None

@@ -98,3 +98,29 @@ def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(en
         assert TargetGraphRunner(runner, widths=(1,), max_bs=2).can_run(step)
     finally:
         runner.cfg = original
+
+
+def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engine):
+    """run_decode_steps (what --decode-steps does with CUDA graphs) advances token, position, KV length
+    and slot in the static buffers between replays: with every replay stood in by the captured code run
+    eagerly, eight queued steps of a padded batch (3 requests in bucket 4) must give one-step decoding's
+    tokens, greedy and seeded-sampled."""
+    from helpers import static_target_graphs
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    runner.graph_backend = TritonGraphBackend()
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 13, 21)]
+    for params in (SamplingParams(max_new_tokens=11, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_k=40, seed=4, max_new_tokens=11, ignore_eos=True)):
+        engine.decode_steps = 1
+        reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+        runner.graphs, engine.decode_steps = graphs, 8
+        try:
+            queued = [r.output_token_ids for r in engine.generate(prompts, params)]
+        finally:
+            runner.graphs, engine.decode_steps = None, 1
+        assert queued == reference

@@ -75,6 +75,10 @@ class VerifierConfig:
         p.add_argument("--decode-steps", type=int, default=None,
                        help="plain decode steps queued back to back while no request speculates and no prompt "
                             "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)")
+        p.add_argument("--spec-rounds", type=int, default=None,
+                       help="greedy chain rounds queued back to back with the head in process (--drafter "
+                            "in-process) while no prompt waits; their tokens stream together (default: 4 with "
+                            "CUDA graphs, else 1)")
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--drafter", default=None,
@@ -112,7 +116,8 @@ class VerifierConfig:
         engine = EngineConfig(model=model, device=a.device, dtype=a.dtype, tp_size=a.tp_size, page_size=a.page_size,
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                              load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps)
+                              load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
+                              spec_rounds=a.spec_rounds)
         return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, draft_model=a.draft_model, num_steps=a.speculative_num_steps,
                    topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,

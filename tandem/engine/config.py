@@ -8,6 +8,7 @@ from tandem.errors import ConfigError
 
 
 DEFAULT_DECODE_STEPS = 4
+DEFAULT_SPEC_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,16 @@ class EngineConfig:
     # and no prompt waits (tandem.engine.decode_ahead); 1 = read every token back before the next step.
     # None: DEFAULT_DECODE_STEPS with CUDA graphs (where the host's work is worth hiding), else 1.
     decode_steps: int | None = None
+    # --spec-rounds: greedy chain rounds of an in-process drafter queued back to back per engine step
+    # when nothing else needs the host between them (tandem.engine.rounds_ahead); 1 = one round per
+    # step. None: DEFAULT_SPEC_ROUNDS with CUDA graphs, else 1.
+    spec_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.decode_steps is not None and self.decode_steps < 1:
             raise ConfigError(f"--decode-steps must be >= 1, got {self.decode_steps}")
+        if self.spec_rounds is not None and self.spec_rounds < 1:
+            raise ConfigError(f"--spec-rounds must be >= 1, got {self.spec_rounds}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:

@@ -181,9 +181,46 @@ class TargetGraphRunner:
         # anyway, so waiting here costs nothing and puts the hang inside the guard.
         with self.watchdog.guard(self._replay_name(fam, bs), self.replay_deadline_s):
             fam.graphs[bs].replay()
-            if sync:
+            if sync and self.device.type == "cuda":  # (CPU tests stand replays in with eager code)
                 torch.cuda.current_stream(self.device).synchronize()
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+
+    @torch.inference_mode()
+    def run_decode_steps(self, batch: ForwardBatch, steps: int, pick) -> None:
+        """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
+        (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, k)`` (a device
+        tensor [n], model-dtype logits); between replays the inputs advance on the device (``advance``)
+        and nothing waits for it."""
+        fam, bs, _ = self.prepare(batch)
+        n = len(batch.seqs)
+        for k in range(steps):
+            if k:
+                self.advance(fam, n, token[:, None], 1)
+            logits, _ = self.replay_prepared(fam, bs, n)
+            token = pick(logits, k)
+
+    def replay_prepared(self, fam: _Family, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay bucket ``bs`` of ``fam`` on the static inputs as they stand (``prepare``d, then
+        ``advance``d), without waiting: → views of the first ``n`` sequences' logits (model dtype) and
+        features, valid until the family's next replay."""
+        with self.watchdog.guard(self._replay_name(fam, bs), self.replay_deadline_s):
+            fam.graphs[bs].replay()
+        m = n * fam.width
+        return fam.logits[:m], (fam.features[:m] if fam.features is not None else None)
+
+    def advance(self, fam: _Family, n: int, ids: torch.Tensor, by: torch.Tensor | int) -> None:
+        """Stage, on the device, the next forward of the ``n`` sequences the static inputs hold: ``ids``
+        ([n, width] device tokens) in, each sequence moved ``by`` tokens further (an int, or a device
+        int64 [n]) — positions, KV lengths and slots follow through the block tables, which must
+        already hold the pages. For forwards whose KV index is the token's position: decode steps
+        and chains (a tree's nodes share positions)."""
+        w, ps = fam.width, self.page_size
+        fam.input_ids[: n * w].copy_(ids.reshape(-1))
+        positions = fam.positions[: n * w].view(n, w)
+        positions += by if isinstance(by, int) else by[:, None]
+        fam.kv_lens[:n] += by
+        slots = fam.block_tables[:n].long().gather(1, positions // ps) * ps + positions % ps
+        fam.slots[: n * w].view(n, w).copy_(slots)
 
     @staticmethod
     def _replay_name(fam: _Family, bs: int) -> str:

@@ -38,6 +38,27 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
     sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], device,
                           runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=device)
+
+    def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+        tokens[k] = sampler(logits, k)
+        return tokens[k]
+
+    graphs = runner.graphs
+    first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table()) for req in reqs])
+    if graphs is not None and graphs.can_run(first):
+        graphs.run_decode_steps(first, steps, pick)  # the inputs advance on the device
+    else:
+        _forward_steps(runner, reqs, steps, pick)
+    waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
+    with waiting:
+        per_step = tokens.tolist()
+    return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
+
+
+def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
+    """The same steps through ``runner.forward`` (eager, or a batch no graph fits), each fed the
+    previous step's token through ``SequenceChunk.device_ids``."""
+    token = None
     for k in range(steps):
         chunks = []
         for i, req in enumerate(reqs):
@@ -45,11 +66,6 @@ def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
             if k == 0:
                 chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
             else:
-                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=tokens[k - 1, i : i + 1]))
+                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
         logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
-        tokens[k] = sampler(logits, k)
-    graphs = runner.graphs
-    waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
-    with waiting:
-        per_step = tokens.tolist()
-    return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
+        token = pick(logits, k)

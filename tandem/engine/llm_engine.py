@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
-from tandem.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
+from tandem.engine.config import DEFAULT_DECODE_STEPS, DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import decode_ahead
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
+from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError
@@ -63,6 +64,7 @@ class LLMEngine:
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
+        self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -129,7 +131,14 @@ class LLMEngine:
             if req.spec is not None:
                 self.policy.decide(req.spec_state)
         ahead = self._decode_steps_ahead()
-        sched = self.scheduler.schedule(self._tree_width if ahead == 1 else (lambda req: ahead))
+        rounds = rounds_ahead(self) if ahead == 1 else 1
+        if ahead > 1:
+            width = lambda req: ahead  # noqa: E731
+        elif rounds > 1:
+            width = lambda req: rounds * req.spec.num_draft_tokens  # noqa: E731
+        else:
+            width = self._tree_width
+        sched = self.scheduler.schedule(width)
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:
@@ -138,6 +147,8 @@ class LLMEngine:
             return []
         if ahead > 1 and not sched.prefill and not sched.preempted:
             return self._step_ahead(sched.decode, ahead, timer)
+        if rounds > 1 and not sched.prefill and not sched.preempted:
+            return step_rounds_ahead(self, sched.decode, rounds, timer)
         with timer("draft"):
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)

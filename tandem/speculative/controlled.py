@@ -4,12 +4,19 @@ Random draft weights accept almost nothing, so the speed of the speculative *mec
 at an acceptance rate the experiment sets. This wrapper runs the real drafter — the same extend and
 draft forwards, the same tree shape and scores — and then rewrites the tokens of the tree's
 best-scoring path (from the root, always the highest-scoring child) with the target's own greedy
-continuation of the prompt, computed beforehand. Each rewritten token is independently corrupted
-with probability ``r`` into a different token (seeded per request). The head's other children are
-kept but made distinct from the reference token, so under greedy verification exactly the leading
-uncorrupted run of the path is accepted: a chain of ``num_steps`` S has expected accept length
-(bonus included) ``1 + sum_{d=1..S} (1 - r)^d``. The steered path is renumbered to nodes 1..D (the
-tree is the same), so that its accepted nodes sit where a chain's would.
+continuation of the prompt, computed beforehand. Each position of that continuation is corrupted
+with probability ``r`` into a different token, drawn once per request (seeded) when the reference is
+set: a round sees the flags up to its first corrupted node, whose position the target's bonus then
+fills, and the next round starts after it, so every flag decides at most one node and the nodes a
+round sees are independent draws. The head's other children are kept but made distinct from the
+reference token, so under greedy verification exactly the leading uncorrupted run of the path is
+accepted: a chain of ``num_steps`` S has expected accept length (bonus included)
+``1 + sum_{d=1..S} (1 - r)^d``. The steered path is renumbered to nodes 1..D (the tree is the same),
+so that its accepted nodes sit where a chain's would.
+
+Because the corruption belongs to positions, not to rounds, chains queued on the device
+(tandem.speculative.chain_rounds) are steered there to the same tokens (``steer_on_device``): the
+same acceptance, round for round, as one round per step.
 
 Only meaningful with greedy verification of the target whose greedy continuation was given;
 numbers it produces must be labelled "controlled acceptance".
@@ -38,13 +45,17 @@ class ControlledAcceptanceProposer:
             raise ConfigError(f"corruption rate must be in [0, 1], got {corruption_rate}")
         self.drafter, self.rate, self.seed = drafter, corruption_rate, seed
         self.vocab_size = drafter.head.config.vocab_size
-        self._refs: dict[str, tuple[int, list[int], random.Random]] = {}
+        # rid -> (prompt length, reference, the proposed token per reference position, generator)
+        self._refs: dict[str, tuple[int, list[int], list[int], random.Random]] = {}
+        self._device_table: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
 
     def set_reference(self, rid: str, prompt_len: int, continuation: list[int]) -> None:
         """``continuation``: the target's greedy tokens after the prompt (its first is the prefill's sample)."""
         # A per-request generator: the corruption pattern does not depend on what else is batched.
         rng = random.Random((self.seed * 1_000_003) ^ zlib.crc32(rid.encode()))
-        self._refs[rid] = (prompt_len, list(continuation), rng)
+        proposed = [self._other(rng, {truth}) if rng.random() < self.rate else truth for truth in continuation]
+        self._refs[rid] = (prompt_len, list(continuation), proposed, rng)
+        self._device_table = None
 
     def generated(self, rid: str) -> int:
         """Tokens generated so far: the prefill extend passes x_1..x_n (its last is generated token 1),
@@ -59,6 +70,7 @@ class ControlledAcceptanceProposer:
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
         self._refs.pop(rid, None)
+        self._device_table = None
 
     def draft(self, rids: list[str], spec: SpecConfig) -> list[DraftTree]:
         trees = self.drafter.draft(rids, spec)  # the real head runs; only tokens are rewritten
@@ -66,7 +78,7 @@ class ControlledAcceptanceProposer:
 
     # -- rewriting -------------------------------------------------------------------------------
     def _steer(self, rid: str, tree: DraftTree) -> DraftTree:
-        _, ref, rng = self._refs[rid]
+        _, ref, proposed, rng = self._refs[rid]
         start = self.generated(rid) - 1  # ref[start] is the root when the request is on track
         tokens = list(tree.tokens)
         children: list[list[int]] = [[] for _ in range(tree.size)]
@@ -83,12 +95,13 @@ class ControlledAcceptanceProposer:
             # (a chain's only child needs no choice; its scores may still be on the device)
             best = children[node][0] if len(children[node]) == 1 else max(
                 children[node], key=lambda c: (height[c], tree.scores[c], -c))
-            corrupt = rng.random() < self.rate  # drawn every depth so the pattern is reproducible
             if start + depth >= len(ref):
                 break  # past the reference: leave the head's own tokens
             truth = ref[start + depth]
             siblings = [c for c in children[node] if c != best]
-            tokens[best] = self._other(rng, {truth, *(tokens[s] for s in siblings)}) if corrupt else truth
+            tokens[best] = proposed[start + depth]
+            if tokens[best] != truth and tokens[best] in {tokens[s] for s in siblings}:
+                tokens[best] = self._other(rng, {truth, *(tokens[s] for s in siblings)})
             taken = {truth, tokens[best]}
             for s in siblings:  # a sibling equal to the truth would be accepted in the path's place
                 if tokens[s] in taken:
@@ -97,6 +110,27 @@ class ControlledAcceptanceProposer:
             node = best
             path.append(best)
         return self._path_first(DraftTree(tokens, list(tree.parents), list(tree.scores), tree.pending), path)
+
+    def steer_on_device(self, rids: list[str], tokens: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        """``_steer`` for chains whose tokens stay on the device: ``tokens`` [n, nd] (root first),
+        ``roots`` [n] each root's index in its sequence → the chains with the reference's proposed
+        tokens in place of the head's (the head's own past the reference, or for requests without one)."""
+        key = tuple(rids)
+        if self._device_table is None or self._device_table[0] != key:
+            longest = max([len(self._refs[r][2]) for r in rids if r in self._refs], default=1)
+            table = torch.full((len(rids), longest), -1, dtype=torch.int64)  # -1: keep the head's token
+            prompt_lens = torch.zeros(len(rids), dtype=torch.int64)
+            for i, rid in enumerate(rids):
+                if rid in self._refs:
+                    prompt_lens[i], proposed = self._refs[rid][0], self._refs[rid][2]
+                    table[i, : len(proposed)] = torch.tensor(proposed)
+            self._device_table = (key, table.to(tokens.device), prompt_lens.to(tokens.device))
+        _, table, prompt_lens = self._device_table
+        depth = torch.arange(1, tokens.shape[1], device=tokens.device)
+        index = (roots - prompt_lens)[:, None] + depth  # [n, nd - 1] reference index of each draft node
+        steered = table.gather(1, index.clamp(0, table.shape[1] - 1))
+        steered = torch.where((index >= 0) & (index < table.shape[1]), steered, -1)
+        return torch.cat([tokens[:, :1], torch.where(steered >= 0, steered, tokens[:, 1:])], dim=1)
 
     @staticmethod
     def _path_first(tree: DraftTree, path: list[int]) -> DraftTree:

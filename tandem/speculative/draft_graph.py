@@ -272,3 +272,54 @@ class DraftGraphRunner:
             r.root, r.state, r.top_logp, r.top_ids = tokens[-1], states[b], top_logp[b], top_ids[b]
         self.replays["draft_extend"] += 1
         return True
+
+    # -- rounds queued on the device (tandem.speculative.chain_rounds) ------------------------------
+    @torch.inference_mode()
+    def begin_rounds(self, reqs: list) -> int:
+        """Stage already-extended ``reqs`` — whose pages must cover every round to come — for draft and
+        extend replays fed from the device (``replay_draft``, ``replay_extend``); → the bucket."""
+        n, bs, w = len(reqs), self._bucket(len(reqs)), self.width
+        # Padding rows keep count 1 for the extend (as its own staging does); as a draft's root, 1 is as good as 0.
+        self._stage(bs, [[r.kv.num_tokens, r.root] for r in reqs], [r.kv.page_table(copy=False) for r in reqs], pad_aux=1)
+        for buffer, per_request in ((self.state, "state"), (self.top_logp, "top_logp"), (self.top_ids, "top_ids")):
+            torch.stack([getattr(r, per_request) for r in reqs], out=buffer[:n])
+            buffer[n:bs].zero_()
+        self.token_ids[: bs * w].zero_()  # columns past a round's width stay padding for the whole run
+        self.features[: bs * w].zero_()
+        return bs
+
+    def replay_draft(self, spec, bs: int) -> torch.Tensor:
+        """Replay the draft of the staged requests, without waiting → the trees' rows (float64
+        [bs, 3 * num_draft_tokens + 1], as ``static_draft`` writes them), valid until the next draft."""
+        with self._guard(f"Replay draft cuda graph bs={bs}", self.replay_deadline_s):
+            self._run(spec, bs, lambda: self._draft_body(spec, bs))
+        self.replays["draft"] += 1
+        return self.trees[spec][:bs]
+
+    def replay_extend(self, bs: int, tokens: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Extend the first n staged requests by ``counts`` ([n] int64, ≥ 1) tokens from the device —
+        ``tokens`` [n, c] and ``features`` [n, c, 3·H_target], zero past each count — then leave the
+        static inputs ready for their next draft: lengths advanced, the last extended token as the
+        root, the extend's state and top-k as the draft's."""
+        n, c, w = tokens.shape[0], tokens.shape[1], self.width
+        self.token_ids[: bs * w].view(bs, w)[:n, :c].copy_(tokens)
+        self.features[: bs * w].view(bs, w, -1)[:n, :c].copy_(features)
+        self.aux[:n].copy_(counts)
+        with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
+            self._run("extend", bs, lambda: self._extend_body(bs))
+        self.replays["draft_extend"] += 1
+        self.aux[:n].copy_(tokens.gather(1, (counts - 1)[:, None])[:, 0])  # the root of the next draft
+        self.lens[:n] += counts
+        self.state[:bs].copy_(self.out_state[:bs])
+        self.top_logp[:bs].copy_(self.out_logp[:bs])
+        self.top_ids[:bs].copy_(self.out_ids[:bs])
+
+    def end_rounds(self, reqs: list, extended: list[int]) -> None:
+        """After the run (its work finished): each request's committed length grows by its ``extended``
+        tokens (pages past it go back), and its root, state and top-k are the last extend's."""
+        n = len(reqs)
+        roots = self.aux[:n].tolist()
+        state, top_logp, top_ids = self.state[:n].clone(), self.top_logp[:n].clone(), self.top_ids[:n].clone()
+        for b, (r, grown) in enumerate(zip(reqs, extended)):
+            r.kv.truncate(r.kv.num_tokens + grown)
+            r.root, r.state, r.top_logp, r.top_ids = roots[b], state[b], top_logp[b], top_ids[b]

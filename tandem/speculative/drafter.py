@@ -152,6 +152,10 @@ class Eagle3Drafter:
     def has(self, rid: str) -> bool:
         return rid in self._reqs
 
+    def request_states(self, rids: list[str]) -> list[_Request]:
+        """The drafter's state of each request (for runs that advance it on the device: chain_rounds)."""
+        return [self._reqs[rid] for rid in rids]
+
     def num_tokens(self, rid: str) -> int:
         """Committed draft KV entries of ``rid`` (= tokens passed to ``extend`` so far)."""
         return self._reqs[rid].kv.num_tokens

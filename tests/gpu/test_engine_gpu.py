@@ -31,16 +31,19 @@ def prompts(n):
 
 
 def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_rate=None, spec=None, new=40,
-        decode_steps=None, params=None):
+        decode_steps=None, params=None, spec_rounds=None, accepted=None):
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
     widths = (1,) if spec is None else (1, spec.num_draft_tokens)
     cfg = EngineConfig(model=str(target), device="cuda", dtype=dtype, disable_cuda_graph=not graphs,
                        cuda_graph_max_bs=16, cuda_graph_widths=widths, attention_backend=backend, page_size=16,
-                       kv_pages=2048, decode_steps=decode_steps)
-    with LLMEngine(cfg) as eng:
+                       kv_pages=2048, decode_steps=decode_steps, spec_rounds=spec_rounds)
+    # Counting accepted drafts per round compares runs round for round: no timing-driven policy then.
+    policy = SpeculationPolicy(PolicyConfig(enabled=False)) if accepted is not None else None
+    with LLMEngine(cfg, policy=policy) as eng:
         params = params or SamplingParams(max_new_tokens=new, ignore_eos=True)
         if spec is None:
             return [r.output_token_ids for r in eng.generate(batch, params)]
@@ -74,6 +77,8 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
         if graphs:
             assert drafter.graphs.replays["draft"] > 0 and drafter.graphs.replays["draft_extend"] > 0
         assert [o.output for o in outs] == [ref[:new] for ref in reference], "speculative != target-only"
+        if accepted is not None:  # the caller wants each request's accepted drafts per round
+            accepted.extend(o.spec_stats.accepted_per_round for o in outs)
         return [o.output for o in outs]
 
 
@@ -125,6 +130,26 @@ def test_speculative_graphs_equal_eager(target, bs, steps, topk, ndt):
     graphed = run(target, batch, graphs=True, proposer_rate=0.3, spec=spec)
     eager = run(target, batch, graphs=False, proposer_rate=0.3, spec=spec)
     assert graphed == eager == run(target, batch, graphs=False)
+
+
+@pytest.mark.parametrize("bs", [1, 6])
+def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, monkeypatch):
+    """--spec-rounds 4 (greedy chains; acceptance, inputs and the drafter's extend decided on the
+    device between graph replays) emits target-only greedy tokens and accepts, round for round, what
+    one round per step accepts."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from tandem.speculative.drafter import SpecConfig
+
+    runs, real = [], rounds_ahead.run_chain_rounds
+    monkeypatch.setattr(rounds_ahead, "run_chain_rounds", lambda *a: runs.append(a[4]) or real(*a))
+    spec, batch = SpecConfig(3, 1, 4), prompts(bs)
+    queued, one_round = [], []
+    run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=4, accepted=queued)
+    assert runs and max(runs) > 1
+    runs.clear()
+    run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=1, accepted=one_round)
+    assert not runs
+    assert queued == one_round
 
 
 def test_bf16_graphed_decode_logits_match_eager(target):

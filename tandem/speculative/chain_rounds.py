@@ -1,0 +1,117 @@
+"""Several greedy chain rounds per engine step, queued back to back on the device.
+
+A round of speculative decoding in process is draft → verify → accept → draft-extend. Done one round
+per engine step, the host sits between the verify and the extend (reading the verify's argmax,
+walking the chain, staging the extend) and again before the next draft: ~1 ms per round in which
+the GPU idles, against ~5.5 ms of GPU work at batch 1 on an 8B target. For greedy chains every one
+of those host decisions has a fixed shape and can be made on the device instead:
+
+- the chain's accepted length is the run of draft tokens equal to the target's argmax at the node
+  before (a cumulative product), the emitted tokens are the argmax at nodes 0..accepted — the
+  accepted drafts, then the bonus;
+- the accepted path is a prefix of the chain, so its KV is already where it belongs (no compaction),
+  and the next verify's positions, KV lengths and slots move by the emitted count
+  (``TargetGraphRunner.advance``);
+- the drafter's extend takes the emitted tokens with the features of nodes 0..accepted, zero past
+  the count (``DraftGraphRunner.replay_extend``), and leaves the next draft's inputs in place.
+
+So the host queues R rounds without waiting and reads every round's tokens back once. Pages for
+the worst case (every draft accepted) are reserved up front, for the target and the drafter. The
+output is what R one-round steps emit (greedy acceptance against the same verify); a request that
+stops mid-run (a stop token, its length) has its later rounds computed and dropped, as decode_ahead
+drops steps. The engine uses it only where this holds (tandem.engine.rounds_ahead): greedy chains of
+one setting, graphs for the batch on both sides, nothing else needing the host between rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.batch import ForwardBatch, SequenceChunk
+
+
+@dataclass
+class ChainRounds:
+    """What a run of queued rounds made, per request (the engine's order)."""
+
+    tokens: list[list[list[int]]]  # [request][round] → emitted tokens (accepted drafts, then the bonus)
+    broken: list[bool]  # the draft's log-probs came out NaN in some round (its tokens were still verified)
+
+
+def draft_reach(drafter, spec) -> int:
+    """Draft KV a round may touch past the committed entries: the draft's scratch or the padded extend."""
+    return max((spec.num_steps - 1) * spec.topk, drafter.graphs.width)
+
+
+def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int) -> bool:
+    """Whether ``rounds`` queued rounds of these requests fit both sides' graphs and the drafter's pages
+    (the engine checks its own side: sampling, pages of the target, the context)."""
+    graphs = getattr(drafter, "graphs", None)
+    if (spec.topk != 1 or graphs is None or target_graphs is None or spec not in graphs.trees
+            or spec.num_draft_tokens not in target_graphs.families or graphs._bucket(len(rids)) is None
+            or len(rids) > target_graphs.max_bs or not all(drafter.has(rid) for rid in rids)):
+        return False
+    states = drafter.request_states(rids)
+    reach = (rounds - 1) * spec.num_draft_tokens + draft_reach(drafter, spec)
+    limit = min(graphs.max_pages * graphs.page_size, drafter.head.max_positions)
+    if any(s.kv.num_tokens == 0 or s.kv.num_tokens + reach > limit for s in states):
+        return False
+    return sum(s.kv.pages_needed(s.kv.num_tokens + reach) for s in states) <= drafter.allocator.num_free
+
+
+@torch.inference_mode()
+def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, steer=None) -> ChainRounds:
+    """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` (target pages reserved for
+    ``rounds * num_draft_tokens`` tokens past the committed ones; ``chain_rounds_fit`` said yes) and
+    read their tokens back once. ``steer(rids, chains [n, nd], root indices [n]) → chains``: the
+    controlled-acceptance instrument's rewrite of each draft (benchmarks), on the device."""
+    n, nd = len(reqs), spec.num_draft_tokens
+    graphs = drafter.graphs
+    states = drafter.request_states([req.rid for req in reqs])
+    reach = (rounds - 1) * nd + draft_reach(drafter, spec)
+    for s in states:
+        s.kv.reserve(s.kv.num_tokens + reach)
+    try:
+        draft_bs = graphs.begin_rounds(states)
+        chain = [[j <= i for j in range(nd)] for i in range(nd)]
+        first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
+                                            positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
+                                            tree_mask=chain, logits="all") for req in reqs])
+        fam, verify_bs, _ = target_graphs.prepare(first)
+        device = fam.input_ids.device
+        roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone()  # each root's index in its sequence
+        rids = [req.rid for req in reqs]
+        columns = torch.arange(nd, device=device)
+        emitted = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=device)  # tokens (-1 past the count) | count
+        broken = torch.zeros(n, dtype=torch.bool, device=device)
+        counts = None
+        for r in range(rounds):
+            rows = graphs.replay_draft(spec, draft_bs)[:n]
+            broken |= rows[:, 3 * nd] != 0
+            chains = rows[:, :nd].long()
+            if steer is not None:
+                chains = steer(rids, chains, roots)
+            target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
+            logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
+            argmax = logits.view(n, nd, -1).argmax(dim=-1)  # [n, nd]: the target's token after each node
+            # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
+            accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            counts = accepted + 1
+            roots += counts
+            keep = columns[None, :] < counts[:, None]  # [n, nd]: nodes 0..accepted
+            emitted[r, :, :nd] = torch.where(keep, argmax, -1)
+            emitted[r, :, nd] = counts
+            graphs.replay_extend(draft_bs, torch.where(keep, argmax, 0),
+                                 torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+        with target_graphs.guard_wait(f"chain rounds: {rounds} rounds, batch {n}"):
+            per_round = emitted.tolist()
+            broken_rows = broken.tolist()
+    except BaseException:
+        for s in states:
+            s.kv.truncate(s.kv.num_tokens)  # the reserved pages go back; the drafter's state is as before
+        raise
+    tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(rounds)] for i in range(n)]
+    graphs.end_rounds(states, [sum(len(t) for t in per_request) for per_request in tokens])
+    return ChainRounds(tokens, broken_rows)

@@ -1,0 +1,188 @@
+"""Greedy chain rounds queued on the device (--spec-rounds; tandem.speculative.chain_rounds) emit
+target-only greedy decoding's tokens, accept what one round per step accepts, stop where a stop token
+says and give every page back — with the graphs' replays stood in by their static code run eagerly
+(the target's under Triton's interpreter, the drafter's static path), so the device-side acceptance,
+input advancing and extend feeding are what is tested here; capture itself is tested on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="runs the Triton kernels: set TRITON_INTERPRET=1 on a CPU machine")
+
+SPEC = SpecConfig(3, 1, 4)
+NEW_TOKENS = 26
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from checkpoints import write_checkpoint
+    from draft_checkpoints import make_draft
+    from tandem.models.config import ModelConfig
+
+    root = tmp_path_factory.mktemp("chainrounds")
+    write_checkpoint(root / "target", "llama", seed=13, num_hidden_layers=6)
+    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=5)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 17)]
+    with LLMEngine(EngineConfig(model=str(root / "target"))) as eng:  # target-only: the reference
+        ref = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))]
+    return root, prompts, ref
+
+
+@pytest.fixture
+def engine(pair):
+    with _speculative_engine(pair[0]) as eng:
+        yield eng
+
+
+def _speculative_engine(root) -> LLMEngine:
+    """An in-process speculative engine whose target and drafter graphs run their static code eagerly."""
+    from helpers import static_target_graphs
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.speculative.draft_graph import DraftGraphRunner
+
+    capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
+    cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3, capture_layers=capture)
+    eng = LLMEngine(cfg, spec=SPEC, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+    runner = eng.executor.runner
+    drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
+                                      DrafterConfig(page_size=4, defer_chain_tokens=True, page_shuffle_seed=5),
+                                      capture_layers=capture, embed_weight=runner.model.model.embed_tokens.weight)
+    drafter.graphs = DraftGraphRunner(drafter, [SPEC], buckets=[1, 2, 4], use_graphs=False, attention="torch")
+    eng.proposer, eng.default_spec = drafter, SPEC
+    runner.graph_backend = TritonGraphBackend()
+    runner.graphs = static_target_graphs(runner, widths=(1, SPEC.num_draft_tokens), max_bs=4)
+    return eng
+
+
+def _run(eng, prompts, params, spec_rounds, refs=None, rate=None):
+    """Generate with ``spec_rounds`` (steered by the controlled-acceptance instrument at ``rate`` toward
+    ``refs`` when given) → (outputs, per-request accepted drafts per round, largest run of rounds)."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from tandem.speculative.controlled import ControlledAcceptanceProposer
+
+    drafter = eng.proposer
+    if rate is not None:
+        eng.proposer = ControlledAcceptanceProposer(drafter, rate, seed=7)
+    eng.spec_rounds = spec_rounds
+    runs, real = [], rounds_ahead.run_chain_rounds
+
+    def counting(graphs, drafter, reqs, spec, rounds, steer=None):
+        runs.append(rounds)
+        return real(graphs, drafter, reqs, spec, rounds, steer)
+
+    rounds_ahead.run_chain_rounds = counting
+    try:
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [eng.add_request(p, sp, rid=f"p{i}") for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
+        if rate is not None:
+            for rid, prompt, ref in zip(rids, prompts, refs):
+                eng.proposer.set_reference(rid, len(prompt), ref + [0] * 8)
+        while eng.has_unfinished():
+            eng.step()
+        results = [eng.requests.pop(rid) for rid in rids]
+    finally:
+        rounds_ahead.run_chain_rounds = real
+        eng.proposer = drafter
+    return [r.output for r in results], [r.spec_stats.accepted_per_round for r in results], max(runs, default=1)
+
+
+def _all_pages_free(eng):
+    drafter = eng.proposer
+    return (eng.allocator.num_free == eng.allocator.capacity_pages
+            and drafter.allocator.num_free == drafter.allocator.capacity_pages)
+
+
+def test_queued_chain_rounds_emit_target_greedy_and_accept_as_one_round_steps(engine, pair):
+    """Steered by the controlled-acceptance instrument (corruption 0.3: rounds accept 0..3 drafts), so
+    the device's acceptance has something to decide; then the random head on its own."""
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    one_round, accepted_one, most_one = _run(engine, prompts, params, 1, ref, rate=0.3)
+    queued, accepted_queued, most = _run(engine, prompts, params, 4, ref, rate=0.3)
+    assert one_round == ref and queued == ref  # both equal target-only greedy decoding
+    assert most_one == 1 and most > 1  # the queued run really queued rounds
+    # The same drafts and the same verify per round: the device's acceptance takes what the host's did.
+    assert accepted_queued == accepted_one
+    assert {a for per_request in accepted_queued for a in per_request} == {0, 1, 2, 3}
+    assert _all_pages_free(engine)
+    unsteered, _, most = _run(engine, prompts, params, 4)
+    assert unsteered == ref and most > 1
+    assert _all_pages_free(engine)
+
+
+def test_a_stop_token_inside_a_run_ends_the_request_there(engine, pair):
+    """Every draft accepted (corruption 0: 4 tokens a round); the stop token is the second of a round."""
+    _, prompts, ref = pair
+    stop = ref[1][13]
+    cut = ref[1].index(stop) + 1
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop])
+    outputs, accepted, most = _run(engine, prompts[1:2], params, 8, ref[1:2], rate=0.0)
+    assert most > 1 and set(accepted[0]) == {3}
+    assert outputs == [ref[1][:cut]]
+    assert _all_pages_free(engine)
+
+
+def test_runs_fall_back_to_one_round_where_the_device_cannot_decide(engine, pair):
+    """A sampled request (rejection sampling stays on the host) makes every step one round; the
+    tokens still follow the engine's one-round path (seeded: the same with and without --spec-rounds)."""
+    _, prompts, _ = pair
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=11, max_new_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    one_round, _, _ = _run(engine, prompts[:2], [greedy, sampled], 1)
+    mixed, _, most = _run(engine, prompts[:2], [greedy, sampled], 4)
+    assert most == 1 and mixed == one_round
+    assert _all_pages_free(engine)
+
+
+def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair):
+    """The drafter's side of a run — its extends fed from the device, its lengths and roots advanced
+    there — ends in the state that one round per step reaches after the same tokens: committed
+    length, root, state, top-k and every committed K/V entry (the steered tokens hide the head's own
+    drafts from the acceptance, so the output alone would not show a wrong drafter state)."""
+    from tandem.speculative.controlled import ControlledAcceptanceProposer
+
+    root, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    states = []
+    for spec_rounds in (4, 1):
+        with _speculative_engine(root) as eng:
+            drafter = eng.proposer
+            eng.proposer, eng.spec_rounds = ControlledAcceptanceProposer(drafter, 0.3, seed=7), spec_rounds
+            rids = [eng.add_request(p, params, rid=f"p{i}") for i, p in enumerate(prompts)]
+            for rid, prompt, r in zip(rids, prompts, ref):
+                eng.proposer.set_reference(rid, len(prompt), r + [0] * 8)
+            eng.step()  # the prefill
+            if spec_rounds > 1:
+                eng.step()  # one run of rounds
+                target = {rid: eng.requests[rid].num_tokens for rid in rids}
+            else:  # one round at a time, up to the run's tokens (the same acceptance: the test above)
+                while any(eng.requests[rid].num_tokens < target[rid] for rid in rids):
+                    eng.step()
+                assert {rid: eng.requests[rid].num_tokens for rid in rids} == target
+            per_request = []
+            for s in drafter.request_states(rids):
+                slots = [s.kv.slot(i) for i in range(s.kv.num_tokens)]
+                kv = drafter.kv.data.view(2, drafter.kv.data.shape[1], -1, *drafter.kv.data.shape[-2:])[:, :, slots]
+                per_request.append((s.kv.num_tokens, s.root, s.state, s.top_logp, s.top_ids.tolist(), kv))
+            states.append(per_request)
+            assert max(len(o) for o in (eng.requests[rid].output for rid in rids)) > 4  # more than one round's worth
+    for (n, root_token, state, logp, ids, kv), (n1, root1, state1, logp1, ids1, kv1) in zip(*states):
+        assert (n, root_token, ids) == (n1, root1, ids1)
+        torch.testing.assert_close(state, state1)
+        torch.testing.assert_close(logp, logp1)
+        torch.testing.assert_close(kv, kv1)
