@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 
@@ -229,8 +228,13 @@ def spec(ctx: dict) -> dict:
             # round per step, for comparison; trees and eager runs always go one round per step.
             queued = engine.spec_rounds
             rounds_settings = (queued, 1) if graphs and kind == "chain" and queued > 1 else (1,)
-            for goal, spec_rounds in itertools.product(
-                    (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0), rounds_settings):
+            goals = (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0)
+            # The goal's own rows alternate the settings three times (runs on one host vary by a few %), and
+            # add runs twice as long as the default.
+            at_goal = (*rounds_settings, 2 * queued) if len(rounds_settings) > 1 else rounds_settings
+            runs = [(goal, spec_rounds) for goal in goals
+                    for spec_rounds in (at_goal * 3 if goal == 4.0 and len(rounds_settings) > 1 else rounds_settings)]
+            for goal, spec_rounds in runs:
                 if kind == "tree" and not graphs and goal != 4.0:
                     continue
                 if goal > sc.num_steps + 1:
@@ -260,11 +264,30 @@ def spec(ctx: dict) -> dict:
                       f"ndt={sc.num_draft_tokens:2d} rounds/step={spec_rounds}: accept {row['accept_length']:.2f} (goal {goal}) -> "
                       f"{row['tok_s']:7.1f} tok/s ({row['speedup']:.2f}x target-only {target_only:.1f}); "
                       f"same tokens as reference: {row['identical_to_verify_reference']}", flush=True)
+        if graphs and not ctx["quick"]:
+            ctx["round_replays_ms"] = _round_replays_ms(engine, drafter, [sc for kind, sc in settings if kind == "chain"])
+            print(f"bare replays at batch 1 (ms): {ctx['round_replays_ms']}", flush=True)
         engine.proposer = None
         engine.shutdown()
         del engine, drafter, proposer
         _free_gpu()
-    return {"rows": rows, "drafter_capture": ctx.get("drafter_capture")}
+    return {"rows": rows, "drafter_capture": ctx.get("drafter_capture"), "round_replays_ms": ctx.get("round_replays_ms")}
+
+
+def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
+    """GPU time of each graph a chain round replays, at batch 1: ten replays back to back per timing,
+    so the host's launch of the next overlaps the current one (as in a queued run)."""
+    def per_replay(graph, reps: int = 10) -> float:
+        return _events_ms(lambda: [graph.replay() for _ in range(reps)], 10) / reps
+
+    target = engine.executor.runner.graphs
+    drafter.graphs.aux.fill_(1)  # the extend's token count (a queued run leaves the next roots there)
+    out = {"decode": per_replay(target.families[1].graphs[1]),
+           "draft_extend": per_replay(drafter.graphs.graphs[("extend", 1)])}
+    for sc in chains:
+        out[f"verify width {sc.num_draft_tokens}"] = per_replay(target.families[sc.num_draft_tokens].graphs[1])
+        out[f"draft {sc.num_steps} steps"] = per_replay(drafter.graphs.graphs[(sc, 1)])
+    return {name: round(ms, 4) for name, ms in out.items()}
 
 
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec}

@@ -43,7 +43,8 @@ def _run_phases(engine, rid: str) -> dict[str, float]:
             per_phase.setdefault(phase, []).append(seconds)
     out = {phase: 1e3 * statistics.mean(v) for phase, v in per_phase.items()}
     out["step_total"] = 1e3 * statistics.mean(totals)
-    out["host_outside_phases"] = out["step_total"] - sum(v for k, v in out.items() if k != "step_total")
+    nested = ("step_total", "queue")  # queue: the part of a run of chain rounds' verify span spent queuing
+    out["host_outside_phases"] = out["step_total"] - sum(v for k, v in out.items() if k not in nested)
     return out
 
 
@@ -74,9 +75,38 @@ def _profile(engine, prompt, params, steps: int, name: str) -> dict:
     for e in cpu_top:
         print(f"  {e.self_cpu_time_total / 1e3 / steps:8.3f}  x{e.count / steps:6.1f}  {e.key[:90]}")
     device_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    return {"trace": path.name, "device_ms_per_step": device_ms,
+    idle = _idle_gaps(path)
+    print(f"--- {name}: GPU busy {idle['busy_ms']:.2f} of {idle['wall_ms']:.2f} ms ({steps} steps); longest idle gaps "
+          f"(us, the host call running when it began -> the kernel after it) ---")
+    for gap in idle["gaps"]:
+        print(f"  {gap[0]:8.1f}  {gap[1][:60]} -> {gap[2][:60]}")
+    return {"trace": path.name, "device_ms_per_step": device_ms, "idle": idle,
             "top_kernels": [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in cuda_top],
             "top_host_ops": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in cpu_top]}
+
+
+def _idle_gaps(trace_path, top: int = 12) -> dict:
+    """From a profiler trace: the GPU's busy time (kernels, copies, memsets merged), the window's wall
+    time, and its longest idle gaps, each with the host call that was running when the gap began (what
+    the GPU waited for) and the first GPU op after it."""
+    events = [e for e in json.load(open(trace_path))["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function")),
+                  key=lambda e: e["ts"])
+    if not gpu:
+        return {"busy_ms": 0.0, "wall_ms": 0.0, "gaps": []}
+    busy, gaps, end = 0.0, [], gpu[0]["ts"]
+    for e in gpu:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e["name"]))
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    out = []
+    for length, start, after in sorted(gaps, reverse=True)[:top]:
+        running = [h for h in host if h["ts"] <= start < h["ts"] + h["dur"]]
+        innermost = min(running, key=lambda h: h["dur"])["name"] if running else "(no host call)"
+        out.append((round(length, 1), innermost, after))
+    return {"busy_ms": busy / 1e3, "wall_ms": (end - gpu[0]["ts"]) / 1e3, "gaps": out}
 
 
 def phases(ctx: dict) -> dict:
@@ -122,11 +152,17 @@ def phases(ctx: dict) -> dict:
         return rid
 
     rid = steered(None)
-    started = time.perf_counter()
+    started, queued, rounds = time.perf_counter(), 0.0, 0
     while not engine.requests[rid].finished:
         engine.step()
+        if "queue" in engine.last_step.spans:  # a run of chain rounds queued on the device
+            queued += engine.last_step.seconds["queue"]
+            rounds += 1
     req = engine.requests.pop(rid)
     result["spec_tok_s"] = 96 / (time.perf_counter() - started)
+    result["spec_queue_ms_per_run"] = 1e3 * queued / max(rounds, 1)
+    print(f"spec: {rounds} runs of queued rounds, host queuing {result['spec_queue_ms_per_run']:.2f} ms per run "
+          f"({req.spec_stats.rounds} rounds in all)", flush=True)
     result["spec_accept_length"] = req.spec_stats.accept_length_mean
     result["spec_phases_ms"] = _run_phases(engine, steered(torch.cuda.synchronize))
     engine.phase_sync = None

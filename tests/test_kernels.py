@@ -310,7 +310,8 @@ def test_silu_and_mul(dtype, inter):
 
 # ---------------------------------------------------------------- skinny matmuls
 @pytest.mark.parametrize("kernel", ["rows", "dot"])
-@pytest.mark.parametrize("rows,n,k,bias", [(1, 40, 256, False), (1, 37, 200, True), (3, 64, 96, True), (16, 24, 128, False)])
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 40, 256, False), (1, 37, 200, True), (2, 40, 128, False), (3, 64, 96, True),
+                                           (4, 33, 256, True), (16, 24, 128, False)])
 def test_gemv_matches_linear(kernel, rows, n, k, bias):
     """Odd N (the last block re-reads valid rows, stores masked), K not a multiple of the tile, 1..16
     rows, a strided x, with and without bias; the output is poisoned first."""

@@ -85,5 +85,6 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
             engine.drafts.broken_drafts(broken, "draft log-probs contain NaN; the draft head or its features are broken")
     for _ in range(rounds):  # the policy weighs a round's time against a plain step's
         engine.policy.observe_step(elapsed / rounds, speculative=True)
-    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans))
+    # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
+    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans, queue=result.queued_ns))
     return outputs

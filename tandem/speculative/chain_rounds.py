@@ -25,6 +25,7 @@ one setting, graphs for the batch on both sides, nothing else needing the host b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class ChainRounds:
 
     tokens: list[list[list[int]]]  # [request][round] → emitted tokens (accepted drafts, then the bonus)
     broken: list[bool]  # the draft's log-probs came out NaN in some round (its tokens were still verified)
+    queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds (before it waited)
 
 
 def draft_reach(drafter, spec) -> int:
@@ -87,6 +89,7 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
         emitted = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=device)  # tokens (-1 past the count) | count
         broken = torch.zeros(n, dtype=torch.bool, device=device)
         counts = None
+        queue_started = time.time_ns()
         for r in range(rounds):
             rows = graphs.replay_draft(spec, draft_bs)[:n]
             broken |= rows[:, 3 * nd] != 0
@@ -105,6 +108,7 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
             emitted[r, :, nd] = counts
             graphs.replay_extend(draft_bs, torch.where(keep, argmax, 0),
                                  torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+        queued = (queue_started, time.time_ns())
         with target_graphs.guard_wait(f"chain rounds: {rounds} rounds, batch {n}"):
             per_round = emitted.tolist()
             broken_rows = broken.tolist()
@@ -114,4 +118,4 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
         raise
     tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(rounds)] for i in range(n)]
     graphs.end_rounds(states, [sum(len(t) for t in per_request) for per_request in tokens])
-    return ChainRounds(tokens, broken_rows)
+    return ChainRounds(tokens, broken_rows, queued)
