@@ -102,7 +102,7 @@ def _run(eng, prompts, params, spec_rounds, refs=None, rate=None):
 
 
 def _all_pages_free(eng):
-    drafter = eng.proposer
+    drafter = eng.proposer.rounds_drafter
     return (eng.allocator.num_free == eng.allocator.capacity_pages
             and drafter.allocator.num_free == drafter.allocator.capacity_pages)
 
@@ -186,3 +186,27 @@ def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair):
         torch.testing.assert_close(state, state1)
         torch.testing.assert_close(logp, logp1)
         torch.testing.assert_close(kv, kv1)
+
+
+def test_the_verifiers_guarded_head_runs_rounds_and_survives_their_failure(engine, pair, monkeypatch):
+    """``--drafter in-process`` wraps the head (verifier/in_process_head.py): its chain rounds queue on
+    the device too, and a recoverable failure inside a run costs the requests their speculation (they
+    decode on plainly, to the same tokens), not the verifier."""
+    from verifier.in_process_head import GuardedHead
+
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    drafter = engine.proposer
+    engine.proposer = GuardedHead(drafter)
+    outputs, _, most = _run(engine, prompts[:2], params, 4)
+    assert outputs == ref[:2] and most > 1
+    assert _all_pages_free(engine)
+
+    def broken(reqs):
+        raise KeyError("the head lost a request")
+
+    monkeypatch.setattr(drafter.graphs, "begin_rounds", broken)
+    outputs, accepted, most = _run(engine, prompts[:2], params, 4)
+    assert outputs == ref[:2] and most > 1  # a run was tried, failed, and decoding went on
+    assert all(len(a) <= 1 for a in accepted)  # no speculation after the failure (the prefill's round at most)
+    assert _all_pages_free(engine)

@@ -30,6 +30,16 @@ class GuardedHead:
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
 
+    @property
+    def rounds_drafter(self):
+        """The head, for greedy chain rounds queued on the device (tandem.engine.rounds_ahead), which the
+        engine runs through ``guarded``."""
+        return self.drafter
+
+    def guarded(self, call, *args):
+        """``call(*args)`` with the head's recoverable failures turned into ProposerUnavailable."""
+        return self._guarded(call, *args)
+
     def discard(self, reason: str) -> None:
         """The engine found a tree unusable and drops every request's draft state: so does the head."""
         self.drafter.release_all()

@@ -15,6 +15,7 @@ import time
 
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import chain_rounds_fit, run_chain_rounds
+from tandem.speculative.verify import ProposerUnavailable
 
 
 def rounds_ahead(engine) -> int:
@@ -50,12 +51,11 @@ def rounds_ahead(engine) -> int:
 
 def _device_drafter(proposer):
     """→ (the in-process drafter whose rounds can run on the device, or None; the steering hook of the
-    controlled-acceptance instrument wrapped around it, or None)."""
+    controlled-acceptance instrument, or None). Proposers name that drafter as ``rounds_drafter``."""
     from tandem.speculative.drafter import Eagle3Drafter
 
-    steer = getattr(proposer, "steer_on_device", None)
-    drafter = proposer.drafter if steer is not None else proposer
-    return (drafter if isinstance(drafter, Eagle3Drafter) else None), steer
+    drafter = getattr(proposer, "rounds_drafter", None)
+    return (drafter if isinstance(drafter, Eagle3Drafter) else None), getattr(proposer, "steer_on_device", None)
 
 
 def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list[StepOutput]:
@@ -65,7 +65,14 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
     started = time.perf_counter()
     with timer("verify"):
         drafter, steer = _device_drafter(engine.proposer)
-        result = run_chain_rounds(engine.executor.runner.graphs, drafter, reqs, spec, rounds, steer)
+        # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
+        # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
+        guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
+        try:
+            result = guarded(run_chain_rounds, engine.executor.runner.graphs, drafter, reqs, spec, rounds, steer)
+        except ProposerUnavailable as e:
+            engine.drafts.lost(e)
+            return []
     elapsed = time.perf_counter() - started
     with timer("accept"):
         emitted = {req.rid: [t for toks in per_round for t in toks] for req, per_round in zip(reqs, result.tokens)}

@@ -63,6 +63,11 @@ class ControlledAcceptanceProposer:
         prompt_len = self._refs[rid][0]
         return self.drafter.num_tokens(rid) - prompt_len + 1
 
+    @property
+    def rounds_drafter(self) -> Eagle3Drafter:
+        """The drafter whose chain rounds can be queued on the device (steered by ``steer_on_device``)."""
+        return self.drafter
+
     # -- the drafter's API, passed through ---------------------------------------------------------
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False):
         return self.drafter.extend(items, return_logits)

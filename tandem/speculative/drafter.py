@@ -152,6 +152,12 @@ class Eagle3Drafter:
     def has(self, rid: str) -> bool:
         return rid in self._reqs
 
+    @property
+    def rounds_drafter(self) -> "Eagle3Drafter":
+        """What runs greedy chain rounds on the device for this proposer (tandem.engine.rounds_ahead):
+        the drafter itself (wrappers name the drafter they wrap)."""
+        return self
+
     def request_states(self, rids: list[str]) -> list[_Request]:
         """The drafter's state of each request (for runs that advance it on the device: chain_rounds)."""
         return [self._reqs[rid] for rid in rids]
