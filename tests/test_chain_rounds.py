@@ -210,3 +210,26 @@ def test_the_verifiers_guarded_head_runs_rounds_and_survives_their_failure(engin
     assert outputs == ref[:2] and most > 1  # a run was tried, failed, and decoding went on
     assert all(len(a) <= 1 for a in accepted)  # no speculation after the failure (the prefill's round at most)
     assert _all_pages_free(engine)
+
+
+def test_a_draft_that_comes_back_nan_inside_a_run_costs_speculation_not_tokens(engine, pair):
+    """A NaN in the head shows in a run's draft only on the device: from that round on the request
+    takes the root's token per round (a plain step's), those rounds do not count as speculative ones,
+    and after the run it decodes on without speculation, as one round per step handles a broken draft."""
+    _, prompts, ref = pair
+    engine.spec_rounds = 4
+    rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a run of rounds
+    rounds_before = engine.requests[rid].spec_stats.rounds
+    assert rounds_before > 1
+    head_state = engine.proposer.request_states([rid])[0]
+    head_state.state = torch.full_like(head_state.state, float("nan"))  # its next chain: NaN log-probs
+    engine.step()
+    req = engine.requests[rid]
+    assert not req.draft_ready and req.spec_stats.rounds == rounds_before
+    while engine.has_unfinished():
+        engine.step()
+    req = engine.requests.pop(rid)
+    assert req.output == ref[0] and req.spec_stats.rounds == rounds_before
+    assert _all_pages_free(engine)

@@ -77,10 +77,10 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
     with timer("accept"):
         emitted = {req.rid: [t for toks in per_round for t in toks] for req, per_round in zip(reqs, result.tokens)}
         outputs = engine._commit(reqs, emitted, {})
-        for out, req, per_round in zip(outputs, reqs, result.tokens):
+        for out, req, per_round, speculative in zip(outputs, reqs, result.tokens, result.speculative):
             committed = len(out.new_token_ids)
-            for toks in per_round:  # a round counts when any of its tokens was kept
-                if committed <= 0:
+            for toks, counted in zip(per_round, speculative):  # a round counts when any of its tokens was kept
+                if committed <= 0 or not counted:  # (after a broken draft: plain steps, as one round per step)
                     break
                 committed -= len(toks)
                 req.spec_stats.record(drafted, len(toks) - 1)

@@ -38,8 +38,15 @@ class ChainRounds:
     """What a run of queued rounds made, per request (the engine's order)."""
 
     tokens: list[list[list[int]]]  # [request][round] → emitted tokens (accepted drafts, then the bonus)
-    broken: list[bool]  # the draft's log-probs came out NaN in some round (its tokens were still verified)
+    # [request][round] → False from the round whose draft log-probs came out NaN on: such a round took
+    # only the root's token, a plain step's (its garbage was verified, none of it accepted)
+    speculative: list[list[bool]]
     queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds (before it waited)
+
+    @property
+    def broken(self) -> list[bool]:
+        """Per request: its draft broke (NaN) during the run."""
+        return [not all(rounds) for rounds in self.speculative]
 
 
 def draft_reach(drafter, spec) -> int:
@@ -86,7 +93,8 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
         roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone()  # each root's index in its sequence
         rids = [req.rid for req in reqs]
         columns = torch.arange(nd, device=device)
-        emitted = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=device)  # tokens (-1 past the count) | count
+        # tokens (-1 past the count) | count | broken (the draft came out NaN in this round or before)
+        emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
         broken = torch.zeros(n, dtype=torch.bool, device=device)
         counts = None
         queue_started = time.time_ns()
@@ -101,21 +109,22 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
             argmax = logits.view(n, nd, -1).argmax(dim=-1)  # [n, nd]: the target's token after each node
             # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
             accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-            counts = accepted + 1
+            counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
             roots += counts
             keep = columns[None, :] < counts[:, None]  # [n, nd]: nodes 0..accepted
             emitted[r, :, :nd] = torch.where(keep, argmax, -1)
             emitted[r, :, nd] = counts
+            emitted[r, :, nd + 1] = broken
             graphs.replay_extend(draft_bs, torch.where(keep, argmax, 0),
                                  torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
         queued = (queue_started, time.time_ns())
         with target_graphs.guard_wait(f"chain rounds: {rounds} rounds, batch {n}"):
             per_round = emitted.tolist()
-            broken_rows = broken.tolist()
     except BaseException:
         for s in states:
             s.kv.truncate(s.kv.num_tokens)  # the reserved pages go back; the drafter's state is as before
         raise
     tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(rounds)] for i in range(n)]
+    speculative = [[not per_round[r][i][nd + 1] for r in range(rounds)] for i in range(n)]
     graphs.end_rounds(states, [sum(len(t) for t in per_request) for per_request in tokens])
-    return ChainRounds(tokens, broken_rows, queued)
+    return ChainRounds(tokens, speculative, queued)
