@@ -79,6 +79,8 @@ def test_a_new_prompt_is_admitted_at_the_next_step(llama):
         assert {o.rid: len(o.new_token_ids) for o in outs}[first] == 1
 
 
-def test_decode_steps_is_validated(llama):
+def test_decode_steps_and_spec_rounds_are_validated(llama):
     with pytest.raises(ConfigError, match="decode-steps"):
         EngineConfig(model=llama.path, decode_steps=0)
+    with pytest.raises(ConfigError, match="spec-rounds"):
+        EngineConfig(model=llama.path, spec_rounds=0)
