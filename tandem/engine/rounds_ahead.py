@@ -73,7 +73,6 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
         except ProposerUnavailable as e:
             engine.drafts.lost(e)
             return []
-    elapsed = time.perf_counter() - started
     with timer("accept"):
         emitted = {req.rid: [t for toks in per_round for t in toks] for req, per_round in zip(reqs, result.tokens)}
         outputs = engine._commit(reqs, emitted, {})
@@ -90,7 +89,10 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
         broken = [req for req, bad in zip(reqs, result.broken) if bad and not req.finished]
         if broken:
             engine.drafts.broken_drafts(broken, "draft log-probs contain NaN; the draft head or its features are broken")
-    for _ in range(rounds):  # the policy weighs a round's time against a plain step's
+    # The policy weighs a round's time against a plain step's: the run's, commit included (as a
+    # one-round step's span runs from its draft to its extend, acceptance and commit included), per round.
+    elapsed = time.perf_counter() - started
+    for _ in range(rounds):
         engine.policy.observe_step(elapsed / rounds, speculative=True)
     # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
     engine.last_step = StepInfo(0, len(reqs), dict(timer.spans, queue=result.queued_ns))

@@ -59,7 +59,7 @@ def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int)
     (the engine checks its own side: sampling, pages of the target, the context)."""
     graphs = getattr(drafter, "graphs", None)
     if (spec.topk != 1 or graphs is None or target_graphs is None or spec not in graphs.trees
-            or spec.num_draft_tokens not in target_graphs.families or graphs._bucket(len(rids)) is None
+            or spec.num_draft_tokens not in target_graphs.families or graphs.bucket(len(rids)) is None
             or len(rids) > target_graphs.max_bs or not all(drafter.has(rid) for rid in rids)):
         return False
     states = drafter.request_states(rids)
@@ -128,5 +128,5 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
         raise
     tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(rounds)] for i in range(n)]
     speculative = [[not per_round[r][i][nd + 1] for r in range(rounds)] for i in range(n)]
-    graphs.end_rounds(states, [sum(len(t) for t in per_request) for per_request in tokens])
+    graphs.end_rounds(states, [[t for round_tokens in per_request for t in round_tokens] for per_request in tokens])
     return ChainRounds(tokens, speculative, queued)

@@ -151,6 +151,10 @@ class DraftGraphRunner:
         self.aux.fill_(1)
 
     # -- host → static buffers ---------------------------------------------------------------------
+    def bucket(self, n: int) -> int | None:
+        """The captured batch size ``n`` requests pad to (None: more than the largest)."""
+        return self._bucket(n)
+
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
@@ -314,12 +318,11 @@ class DraftGraphRunner:
         self.top_logp[:bs].copy_(self.out_logp[:bs])
         self.top_ids[:bs].copy_(self.out_ids[:bs])
 
-    def end_rounds(self, reqs: list, extended: list[int]) -> None:
-        """After the run (its work finished): each request's committed length grows by its ``extended``
-        tokens (pages past it go back), and its root, state and top-k are the last extend's."""
+    def end_rounds(self, reqs: list, extended: list[list[int]]) -> None:
+        """After the run: each request's committed KV grows by its ``extended`` tokens (pages past it go
+        back), its root is the last of them, and its state and top-k are the last extend's."""
         n = len(reqs)
-        roots = self.aux[:n].tolist()
         state, top_logp, top_ids = self.state[:n].clone(), self.top_logp[:n].clone(), self.top_ids[:n].clone()
-        for b, (r, grown) in enumerate(zip(reqs, extended)):
-            r.kv.truncate(r.kv.num_tokens + grown)
-            r.root, r.state, r.top_logp, r.top_ids = roots[b], state[b], top_logp[b], top_ids[b]
+        for b, (r, tokens) in enumerate(zip(reqs, extended)):
+            r.kv.truncate(r.kv.num_tokens + len(tokens))
+            r.root, r.state, r.top_logp, r.top_ids = tokens[-1], state[b], top_logp[b], top_ids[b]
