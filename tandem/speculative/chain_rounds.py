@@ -2,9 +2,10 @@
 
 A round of speculative decoding in process is draft → verify → accept → draft-extend. Done one round
 per engine step, the host sits between the verify and the extend (reading the verify's argmax,
-walking the chain, staging the extend) and again before the next draft: ~1 ms per round in which
-the GPU idles, against ~5.5 ms of GPU work at batch 1 on an 8B target. For greedy chains every one
-of those host decisions has a fixed shape and can be made on the device instead:
+walking the chain, staging the extend) and again before the next draft, while the GPU waits (at
+batch 1 on an 8B target ~5.5 ms of GPU work per round; docs/benchmarks.md has what queuing gained).
+For greedy chains every one of those host decisions has a fixed shape and can be made on the device
+instead:
 
 - the chain's accepted length is the run of draft tokens equal to the target's argmax at the node
   before (a cumulative product), the emitted tokens are the argmax at nodes 0..accepted — the
