@@ -126,9 +126,10 @@ def test_queued_chain_rounds_emit_target_greedy_and_accept_as_one_round_steps(en
 
 
 def test_a_stop_token_inside_a_run_ends_the_request_there(engine, pair):
-    """Every draft accepted (corruption 0: 4 tokens a round); the stop token is the second of a round."""
+    """Every draft accepted (corruption 0: 4 tokens a round after the prefill's one); the stop token is
+    the 15th output token, the second of the fourth round (or an earlier output, where it came first)."""
     _, prompts, ref = pair
-    stop = ref[1][13]
+    stop = ref[1][14]
     cut = ref[1].index(stop) + 1
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop])
     outputs, accepted, most = _run(engine, prompts[1:2], params, 8, ref[1:2], rate=0.0)
