@@ -92,12 +92,15 @@ def _run(eng, prompts, params, spec_rounds, refs=None, rate=None):
         if rate is not None:
             for rid, prompt, ref in zip(rids, prompts, refs):
                 eng.proposer.set_reference(rid, len(prompt), ref + [0] * 8)
+        streamed = {rid: [] for rid in rids}  # accepted drafts per round, as each step reports them
         while eng.has_unfinished():
-            eng.step()
+            for out in eng.step():
+                streamed[out.rid] += out.round_accepts
         results = [eng.requests.pop(rid) for rid in rids]
     finally:
         rounds_ahead.run_chain_rounds = real
         eng.proposer = drafter
+    assert [streamed[rid] for rid in rids] == [r.spec_stats.accepted_per_round for r in results]
     return [r.output for r in results], [r.spec_stats.accepted_per_round for r in results], max(runs, default=1)
 
 

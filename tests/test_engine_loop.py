@@ -66,3 +66,22 @@ def test_a_build_that_fails_reaches_the_caller():
         loop.built.result(10)
     loop.join(5)
     assert not loop.is_alive()
+
+
+def test_a_step_with_a_run_of_rounds_counts_every_round_in_the_metrics():
+    """A step may hold several speculative rounds queued on the device (--spec-rounds): the metrics
+    count each (drafts, accept lengths, accepted positions), not the step as one round."""
+    from tandem.engine.step import StepOutput
+
+    metrics = VerifierMetrics()
+    loop = EngineLoop(lambda: None, metrics, max_waiting=4, on_fatal=lambda error: None)
+    out = StepOutput("a", list(range(8)), None, drafted=9, accepted=5, round_accepts=[2, 0, 3])
+    loop._observe(out, submission("a", lambda _: None), now=1.0)
+    sample = metrics.registry.get_sample_value
+    assert sample("tandem:spec_decode_num_drafts_total") == 3
+    assert sample("tandem:spec_decode_num_draft_tokens_total") == 9
+    assert sample("tandem:spec_decode_num_accepted_tokens_total") == 5
+    assert sample("tandem:spec_decode_accept_length_count") == 3
+    assert sample("tandem:spec_decode_accept_length_sum") == 3 + 1 + 4
+    per_position = [sample("tandem:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(p)}) for p in range(3)]
+    assert per_position == [2, 2, 1]

@@ -216,9 +216,10 @@ class EngineLoop(threading.Thread):
                 m.itl.observe(gap)
         self._last_token_at[out.rid] = now
         if out.drafted:
-            m.num_drafts.inc()
+            m.num_drafts.inc(len(out.round_accepts))  # a step may hold a run of rounds (--spec-rounds)
             m.draft_tokens.inc(out.drafted)
             m.accepted_tokens.inc(out.accepted)
-            m.accept_length.observe(out.accepted + 1)
-            for position in range(out.accepted):
-                m.accepted_per_pos.labels(str(position)).inc()
+            for accepted in out.round_accepts:
+                m.accept_length.observe(accepted + 1)
+                for position in range(accepted):
+                    m.accepted_per_pos.labels(str(position)).inc()

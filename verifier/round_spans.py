@@ -32,7 +32,10 @@ class RoundSpans:
             "tandem.tokens.new": len(out.new_token_ids),
             "tandem.draft_tokens": out.drafted,
             "tandem.accepted_tokens": out.accepted,
-            "tandem.accept_length": out.accepted + 1 if out.drafted else len(out.new_token_ids),
+            # per round: a step may hold a run of rounds queued on the device (--spec-rounds)
+            "tandem.accept_length": ((out.accepted + len(out.round_accepts)) / len(out.round_accepts)
+                                     if out.round_accepts else len(out.new_token_ids)),
+            "tandem.rounds": len(out.round_accepts),
         }
         for phase in ("draft", "verify", "accept", "draft_extend"):
             if phase not in info.spans:

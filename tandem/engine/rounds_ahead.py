@@ -86,6 +86,7 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
                 engine.policy.observe_round(req.spec_state, len(toks))
                 out.drafted += drafted
                 out.accepted += len(toks) - 1
+                out.round_accepts.append(len(toks) - 1)
         broken = [req for req, bad in zip(reqs, result.broken) if bad and not req.finished]
         if broken:
             engine.drafts.broken_drafts(broken, "draft log-probs contain NaN; the draft head or its features are broken")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.request import FinishReason
 from tandem.speculative.stats import SpecStats
@@ -15,9 +15,12 @@ class StepOutput:
     rid: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None
-    drafted: int = 0  # draft tokens verified for this request this round
+    drafted: int = 0  # draft tokens verified for this request this step
     accepted: int = 0  # of which accepted (the bonus token not counted)
     spec_stats: SpecStats | None = None  # the request's totals, on its final output
+    # Accepted drafts of each speculative round this step: one round, or a run of rounds queued on the
+    # device (tandem.engine.rounds_ahead); empty for a plain step.
+    round_accepts: list[int] = field(default_factory=list)
 
 
 @dataclass
