@@ -238,3 +238,17 @@ def test_a_draft_that_comes_back_nan_inside_a_run_costs_speculation_not_tokens(e
     req = engine.requests.pop(rid)
     assert req.output == ref[0] and req.spec_stats.rounds == rounds_before
     assert _all_pages_free(engine)
+
+
+def test_runs_near_the_end_of_the_context_stay_inside_it(engine, pair):
+    """A prompt 22 tokens short of the 512-token context: runs are cut so that every verify's positions
+    stay inside it, the last tokens come from plain steps, and the output is target-only's to the end."""
+    root = pair[0]
+    prompt = torch.randint(3, 256, (490,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(root / "target"))) as plain:
+        ref = plain.generate([prompt], params)[0].output_token_ids
+    assert len(ref) == 512 - 490  # the context ends it
+    outputs, accepted, most = _run(engine, [prompt], params, 8, [ref], rate=0.0)
+    assert outputs == [ref] and 1 < most < 8 and set(accepted[0]) == {3}
+    assert _all_pages_free(engine)
