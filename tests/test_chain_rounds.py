@@ -252,3 +252,34 @@ def test_runs_near_the_end_of_the_context_stay_inside_it(engine, pair):
     outputs, accepted, most = _run(engine, [prompt], params, 8, [ref], rate=0.0)
     assert outputs == [ref] and 1 < most < 8 and set(accepted[0]) == {3}
     assert _all_pages_free(engine)
+
+
+def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
+    """With the drafter's KV cache nearly full a run of four rounds does not fit but a shorter one does:
+    the step queues the shorter run rather than falling back to one round."""
+    from tandem.speculative.chain_rounds import chain_rounds_fit
+
+    _, prompts, ref = pair
+    drafter, graphs = engine.proposer, engine.executor.runner.graphs
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    rid = engine.add_request(prompts[2], params, rid="full")
+    engine.step()  # the prefill (and the drafter's first extend)
+    held = []
+    while chain_rounds_fit(drafter, graphs, [rid], SPEC, 4):
+        held += drafter.allocator.allocate(1)  # someone else's pages
+    assert chain_rounds_fit(drafter, graphs, [rid], SPEC, 2)
+    import tandem.engine.rounds_ahead as rounds_ahead
+
+    runs, real = [], rounds_ahead.run_chain_rounds
+    rounds_ahead.run_chain_rounds = lambda *a: runs.append(a[4]) or real(*a)
+    try:
+        engine.spec_rounds = 4
+        engine.step()
+    finally:
+        rounds_ahead.run_chain_rounds = real
+    assert runs and 1 < runs[0] < 4
+    drafter.allocator.free(held)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests.pop(rid).output == ref[2]
+    assert _all_pages_free(engine)

@@ -43,9 +43,11 @@ def rounds_ahead(engine) -> int:
     if sum(req.kv.pages_needed(req.num_tokens - 1 + rounds * nd) for req in running) > engine.allocator.num_free:
         return 1
     drafter, _ = _device_drafter(engine.proposer)
-    if drafter is None or not chain_rounds_fit(drafter, engine.executor.runner.graphs, [req.rid for req in running],
-                                               spec, rounds):
+    if drafter is None:
         return 1
+    rids, graphs = [req.rid for req in running], engine.executor.runner.graphs
+    while rounds > 1 and not chain_rounds_fit(drafter, graphs, rids, spec, rounds):
+        rounds -= 1  # the drafter's pages or positions may still fit a shorter run
     return rounds
 
 
