@@ -21,6 +21,13 @@ from tandem.errors import OutOfPagesError
 DUMMY_PAGE = 0
 
 
+def page_slots(block_tables: torch.Tensor, index: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat pool slots of KV indices ``index`` (int64 [B, n]) through each row's block table (int32
+    [B, max_pages]) → int64 [B, n], on the device: for static inputs that advance there (CUDA graphs).
+    The gather reads only the pages it needs; the table is never widened as a whole."""
+    return block_tables.gather(1, index // page_size).long() * page_size + index % page_size
+
+
 class KVPool:
     """Per-layer K and V pages: ``k[layer]`` is ``[num_pages, page_size, local_kv_heads, head_dim]``."""
 

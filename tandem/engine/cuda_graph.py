@@ -22,7 +22,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.staging import PinnedStaging
-from tandem.kv_cache import DUMMY_PAGE
+from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.watchdog import Watchdog
 
 log = logging.getLogger("tandem.cuda_graph")
@@ -219,8 +219,7 @@ class TargetGraphRunner:
         positions = fam.positions[: n * w].view(n, w)
         positions += by if isinstance(by, int) else by[:, None]
         fam.kv_lens[:n] += by
-        slots = fam.block_tables[:n].long().gather(1, positions // ps) * ps + positions % ps
-        fam.slots[: n * w].view(n, w).copy_(slots)
+        fam.slots[: n * w].view(n, w).copy_(page_slots(fam.block_tables[:n], positions, ps))
 
     @staticmethod
     def _replay_name(fam: _Family, bs: int) -> str:

@@ -87,7 +87,6 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
                 req.spec_stats.record(drafted, len(toks) - 1)
                 engine.policy.observe_round(req.spec_state, len(toks))
                 out.drafted += drafted
-                out.accepted += len(toks) - 1
                 out.round_accepts.append(len(toks) - 1)
         broken = [req for req, bad in zip(reqs, result.broken) if bad and not req.finished]
         if broken:

@@ -16,11 +16,15 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     drafted: int = 0  # draft tokens verified for this request this step
-    accepted: int = 0  # of which accepted (the bonus token not counted)
     spec_stats: SpecStats | None = None  # the request's totals, on its final output
-    # Accepted drafts of each speculative round this step: one round, or a run of rounds queued on the
-    # device (tandem.engine.rounds_ahead); empty for a plain step.
+    # Accepted drafts (the bonus token not counted) of each speculative round this step: one round, or a
+    # run of rounds queued on the device (tandem.engine.rounds_ahead); empty for a plain step.
     round_accepts: list[int] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted this step, over all its rounds."""
+        return sum(self.round_accepts)
 
 
 @dataclass

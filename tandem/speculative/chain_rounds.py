@@ -79,7 +79,8 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
     controlled-acceptance instrument's rewrite of each draft (benchmarks), on the device."""
     n, nd = len(reqs), spec.num_draft_tokens
     graphs = drafter.graphs
-    states = drafter.request_states([req.rid for req in reqs])
+    rids = [req.rid for req in reqs]
+    states = drafter.request_states(rids)
     reach = (rounds - 1) * nd + draft_reach(drafter, spec)
     for s in states:
         s.kv.reserve(s.kv.num_tokens + reach)
@@ -93,10 +94,10 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
                                             tree_mask=chain, logits="all") for req in reqs])
         fam, verify_bs, _ = target_graphs.prepare(first)
         device = fam.input_ids.device
-        roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone()  # each root's index in its sequence
-        rids = [req.rid for req in reqs]
+        # each root's index in its sequence, for the instrument's steering only
+        roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
         columns = torch.arange(nd, device=device)
-        # tokens (-1 past the count) | count | broken (the draft came out NaN in this round or before)
+        # tokens (0 past the count) | count | broken (the draft came out NaN in this round or before)
         emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
         broken = torch.zeros(n, dtype=torch.bool, device=device)
         counts = None
@@ -113,13 +114,14 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
             # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
             accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
             counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
-            roots += counts
+            if steer is not None:
+                roots += counts
             keep = columns[None, :] < counts[:, None]  # [n, nd]: nodes 0..accepted
-            emitted[r, :, :nd] = torch.where(keep, argmax, -1)
+            kept = torch.where(keep, argmax, 0)  # the accepted drafts, the bonus, then padding
+            emitted[r, :, :nd] = kept
             emitted[r, :, nd] = counts
             emitted[r, :, nd + 1] = broken
-            graphs.replay_extend(draft_bs, torch.where(keep, argmax, 0),
-                                 torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+            graphs.replay_extend(draft_bs, kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
         queued = (queue_started, time.time_ns())
         with target_graphs.guard_wait(f"chain rounds: {rounds} rounds, batch {n}"):
             per_round = emitted.tolist()

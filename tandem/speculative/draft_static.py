@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.attention.backend import AttentionBackend
+from tandem.kv_cache import page_slots
 
 MAX_MASK_W = 64  # the Triton kernel keeps a row's mask over the last W keys in one 64-bit word
 
@@ -90,11 +91,6 @@ def torch_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, scale, mask=
     return out.reshape(T, Hq, D).to(q.dtype)
 
 
-def _slots(block_tables: torch.Tensor, idx: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Flat pool slots of KV indices ``idx`` [B, n] through each row's block table → int64 [B, n]."""
-    return block_tables.long().gather(1, idx // page_size) * page_size + idx % page_size
-
-
 def static_draft(head, kv, attn: StaticAttention, spec, page_size: int,
                  lens: torch.Tensor,  # int64 [B] committed draft KV per request
                  block_tables: torch.Tensor,  # int32 [B, max_pages], covering lens + (S-1)k scratch
@@ -123,7 +119,8 @@ def static_draft(head, kv, attn: StaticAttention, spec, page_size: int,
         # Frontier of depth step-1 at KV indices L + (step-2)k + j, position L + step - 2 (clamped).
         idx = lens.unsqueeze(1) + (step - 2) * k + offs  # [B, k]
         pos = (lens + step - 2).clamp(max=head.max_positions - 1).unsqueeze(1).expand(B, k)
-        meta = StaticMeta(block_tables, (lens + (step - 1) * k).int(), _slots(block_tables, idx, page_size).flatten(), anc)
+        slots = page_slots(block_tables, idx, page_size).flatten()
+        meta = StaticMeta(block_tables, (lens + (step - 1) * k).int(), slots, anc)
         states, _ = head(f_tokens.reshape(B * k), f_parent_state.reshape(B * k, H), pos.reshape(B * k), meta, kv, attn)
         logits = head.logits(states)  # [B*k, Vd] float32
         logp = torch.log_softmax(logits, dim=-1).clamp(max=0.0)
@@ -171,7 +168,7 @@ def _static_chain(head, kv, attn, S: int, n: int, page_size: int, lens, block_ta
     for step in range(2, S + 1):
         idx = (lens + step - 2).unsqueeze(1)  # [B, 1] KV index of the depth step-1 node
         pos = (lens + step - 2).clamp(max=head.max_positions - 1)
-        meta = StaticMeta(block_tables, (lens + step - 1).int(), _slots(block_tables, idx, page_size).flatten(),
+        meta = StaticMeta(block_tables, (lens + step - 1).int(), page_slots(block_tables, idx, page_size).flatten(),
                           visible[:, :, : step - 1])
         parent_state, _ = head(token, parent_state, pos, meta, kv, attn)
         logp = torch.log_softmax(head.logits(parent_state), dim=-1).clamp(max=0.0)
@@ -205,7 +202,7 @@ def static_extend(head, kv, attn: StaticAttention, page_size: int, width: int,
     B = lens.shape[0]
     idx = lens.unsqueeze(1) + torch.arange(width, device=lens.device)  # [B, width] KV index = position
     pos = idx.clamp(max=head.max_positions - 1)  # only padded tokens can pass the end (the caller checks)
-    meta = StaticMeta(block_tables, (lens + width).int(), _slots(block_tables, idx, page_size).flatten(), None)
+    meta = StaticMeta(block_tables, (lens + width).int(), page_slots(block_tables, idx, page_size).flatten(), None)
     states, _ = head(token_ids, features, pos.flatten(), meta, kv, attn)  # [B*width, H]
     last = torch.arange(B, device=lens.device) * width + counts - 1  # [B] last real row
     st = states[last]
