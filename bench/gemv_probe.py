@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.gemv import GemvConfig, gemv
+from tandem.kernels.gemv import GemvConfig, default_config, gemv
 
 H, I, V, KV = 4096, 14336, 128256, 1024
 SHAPES = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
@@ -148,6 +148,27 @@ def several_rows(row_counts: list[int]) -> dict:
     return out
 
 
+def mixed_chains(m: int) -> dict:
+    """The model's chain at ``m`` rows with the tensor-core ``dot`` kernel on some shapes only (the ones
+    where it beat cuBLAS alone, call 5 of 2026-11-30 third: o, down, lm_head) and cuBLAS on the rest,
+    with and without PDL; every variant in turn, three passes, best kept."""
+    dot = default_config(m, 4096, 4096)
+    variants = {
+        "cublas": ({}, False),
+        "dot o,down (PDL)": ({"o": dot, "down": dot}, True),
+        "dot o,down,lm_head (PDL)": ({"o": dot, "down": dot, "lm_head": dot}, True),
+        "dot o,down,lm_head (no PDL)": ({"o": dot, "down": dot, "lm_head": dot}, False),
+        "dot everywhere (PDL)": ({name: dot for name in SHAPES}, True),
+    }
+    best = {name: 0.0 for name in variants}
+    for _ in range(3):
+        for name, (picks, pdl) in variants.items():
+            best[name] = max(best[name], chain_tok_s(picks, pdl=pdl, m=m))
+    for name, per_s in best.items():
+        print(f"m={m} chain {name:28s}: {per_s:6.1f} forwards/s ({1e3 / per_s:.3f} ms)", flush=True)
+    return {"rows": m, "dot_config": dot.__dict__, "forwards_per_s": best}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv.json")
@@ -155,10 +176,17 @@ def main() -> None:
     ap.add_argument("--chains-only", action="store_true")
     ap.add_argument("--rows", default=None, help="e.g. 2,4,8: sweep several-row tiles with PDL and time "
                                                   "each row count's chain against cuBLAS")
+    ap.add_argument("--mixed-chains", type=int, default=0, help="rows: the model's chain with the dot kernel on "
+                                                                 "some shapes and cuBLAS on the rest")
     args = ap.parse_args()
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["read_ceiling_TBps"] = read_ceiling_tbps()
     print(f"read ceiling {report['read_ceiling_TBps']:.2f} TB/s", flush=True)
+    if args.mixed_chains:
+        report["mixed_chains"] = mixed_chains(args.mixed_chains)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     if args.rows:
         report["several_rows"] = several_rows([int(r) for r in args.rows.split(",")])
         with open(args.out, "w") as f:

@@ -104,8 +104,8 @@ def _decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> di
 def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:
     """Batch-1 decode as built (Triton GEMVs, programmatic dependent launch, decode steps queued ahead)
     against a second engine captured with cuBLAS GEMVs and plain launches, each with 1, 4 and 8 decode
-    steps per engine step: every variant runs in turn, three passes, best kept (hosts drift by several
-    percent within one call)."""
+    steps per engine step (and the first with runs of 4 and 8 read back one at a time, not overlapped):
+    every variant runs in turn, three passes, best kept (hosts drift by several percent within one call)."""
     from tandem.kernels.pdl import set_pdl
     from tandem.layers.fast_path import gemv_max_rows, set_gemv_max_rows
 
@@ -118,18 +118,20 @@ def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:
         set_pdl(True)
         set_gemv_max_rows(rows_before)
     default_steps = engine.decode_steps
-    variants = [(f"{kernels}, decode_steps={k}", eng, k)
+    variants = [(f"{kernels}, decode_steps={k}", eng, k, True)
                 for kernels, eng in (("triton_gemv_pdl", engine), ("cublas_no_pdl", plain)) for k in (1, 4, 8)]
-    best = {name: 0.0 for name, _, _ in variants}
+    # runs of queued steps read back one at a time (no overlap: the host's read-back and commit between runs)
+    variants += [(f"triton_gemv_pdl, decode_steps={k}, no overlap", engine, k, False) for k in (4, 8)]
+    best = {name: 0.0 for name, *_ in variants}
     for _ in range(3):
-        for name, eng, k in variants:
-            eng.decode_steps = k
+        for name, eng, k, overlap in variants:
+            eng.decode_steps, eng.overlap_runs = k, overlap
             best[name] = max(best[name], _decode_tok_s(eng, 1, new_tokens)["tok_s"])
-    engine.decode_steps = default_steps
+    engine.decode_steps, engine.overlap_runs = default_steps, True
     replay = {"triton_gemv_pdl": _events_ms(engine.executor.runner.graphs.families[1].graphs[1].replay, 30),
               "cublas_no_pdl": _events_ms(plain.executor.runner.graphs.families[1].graphs[1].replay, 30)}
     for name in best:
-        print(f"batch 1, {name:32s}: {best[name]:7.1f} tok/s", flush=True)
+        print(f"batch 1, {name:45s}: {best[name]:7.1f} tok/s", flush=True)
     for name, ms in replay.items():
         print(f"bare replay of the batch-1 decode graph, {name}: {ms:.3f} ms = {1e3 / ms:.0f} tok/s", flush=True)
     plain.shutdown()
@@ -208,9 +210,10 @@ def spec(ctx: dict) -> dict:
         # Warm-up: a fresh engine's first prefill and steps JIT-compile kernels (seconds), which the
         # target-only figure must not include (it did: 8.8 tok/s, when this section ran first in a call).
         engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)
-        started = time.perf_counter()
-        reference = engine.generate([prompt], greedy, spec=None)[0].output_token_ids
-        target_only = new_tokens / (time.perf_counter() - started)
+        rid = engine.add_request(prompt, greedy, spec=None)
+        reference_timing = _timed_to_the_end(engine, rid, new_tokens)
+        reference = engine.requests.pop(rid).output
+        target_only, target_only_decode = reference_timing["tok_s"], reference_timing["decode_tok_s"]
         for kind, sc in (settings if graphs else settings[::2]):  # graphs off: a chain and the tree
             # The reference is the target's greedy continuation *as the verify forward computes it*: a run
             # whose drafts are all corrupted (r = 1) emits exactly the verify root's argmax each round. In
@@ -227,42 +230,47 @@ def spec(ctx: dict) -> dict:
             # With graphs, greedy chains run queued on the device (--spec-rounds, default 4) and also one
             # round per step, for comparison; trees and eager runs always go one round per step.
             queued = engine.spec_rounds
-            rounds_settings = (queued, 1) if graphs and kind == "chain" and queued > 1 else (1,)
+            # (rounds per step, overlapped runs)
+            rounds_settings = ((queued, True), (1, True)) if graphs and kind == "chain" and queued > 1 else ((1, True),)
             goals = (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0)
             # The goal's own rows alternate the settings three times (runs on one host vary by a few %), and
-            # add runs twice as long as the default.
-            at_goal = (*rounds_settings, 2 * queued) if len(rounds_settings) > 1 else rounds_settings
-            runs = [(goal, spec_rounds) for goal in goals
-                    for spec_rounds in (at_goal * 3 if goal == 4.0 and len(rounds_settings) > 1 else rounds_settings)]
-            for goal, spec_rounds in runs:
+            # add runs twice as long as the default, and runs read back one at a time (no overlap).
+            at_goal = ((*rounds_settings, (2 * queued, True), (queued, False)) if len(rounds_settings) > 1
+                       else rounds_settings)
+            runs = [(goal, setting) for goal in goals
+                    for setting in (at_goal * 3 if goal == 4.0 and len(rounds_settings) > 1 else rounds_settings)]
+            for goal, (spec_rounds, overlap) in runs:
                 if kind == "tree" and not graphs and goal != 4.0:
                     continue
                 if goal > sc.num_steps + 1:
                     continue
-                engine.spec_rounds = spec_rounds
+                engine.spec_rounds, engine.overlap_runs = spec_rounds, overlap
                 rate = _rate_for(goal, sc.num_steps)
                 proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
                 engine.proposer, engine.default_spec = proposer, sc
                 rid = engine.add_request(prompt, greedy)
                 proposer.set_reference(rid, len(prompt), verify_reference + [0] * 16)
-                started = time.perf_counter()
-                while not engine.requests[rid].finished:
-                    engine.step()
-                elapsed = time.perf_counter() - started
+                timing = _timed_to_the_end(engine, rid, new_tokens)
                 req = engine.requests.pop(rid)
                 agree = next((i for i, (a, b) in enumerate(zip(req.output, reference)) if a != b), len(req.output))
-                engine.spec_rounds = queued
+                engine.spec_rounds, engine.overlap_runs = queued, True
                 row = {"graphs": graphs, "kind": kind, "steps": sc.num_steps, "topk": sc.topk,
                        "draft_tokens": sc.num_draft_tokens, "goal_accept_length": goal, "spec_rounds": spec_rounds,
-                       "accept_length": req.spec_stats.accept_length_mean, "tok_s": new_tokens / elapsed,
-                       "target_only_tok_s": target_only, "speedup": new_tokens / elapsed / target_only,
+                       "overlap_runs": overlap, "accept_length": req.spec_stats.accept_length_mean,
+                       "tok_s": timing["tok_s"], "target_only_tok_s": target_only,
+                       "speedup": timing["tok_s"] / target_only,
+                       # after the first token (the prefill's), as the decode section measures target-only
+                       "decode_tok_s": timing["decode_tok_s"], "target_only_decode_tok_s": target_only_decode,
+                       "decode_speedup": timing["decode_tok_s"] / target_only_decode,
                        "identical_to_verify_reference": req.output == verify_reference,
                        "tree_depth_max": len(req.spec_stats.drafted_at_depth),
                        "tokens_identical_to_decode_reference": agree}
                 rows.append(row)
                 print(f"graphs {'on ' if graphs else 'off'} {kind:5s} steps={sc.num_steps} topk={sc.topk} "
-                      f"ndt={sc.num_draft_tokens:2d} rounds/step={spec_rounds}: accept {row['accept_length']:.2f} (goal {goal}) -> "
-                      f"{row['tok_s']:7.1f} tok/s ({row['speedup']:.2f}x target-only {target_only:.1f}); "
+                      f"ndt={sc.num_draft_tokens:2d} rounds/step={spec_rounds}{'' if overlap else ' (no overlap)'}: "
+                      f"accept {row['accept_length']:.2f} (goal {goal}) -> "
+                      f"{row['tok_s']:7.1f} tok/s ({row['speedup']:.2f}x target-only {target_only:.1f}); after the "
+                      f"first token {row['decode_tok_s']:7.1f} ({row['decode_speedup']:.2f}x {target_only_decode:.1f}); "
                       f"same tokens as reference: {row['identical_to_verify_reference']}", flush=True)
         if graphs and not ctx["quick"]:
             ctx["round_replays_ms"] = _round_replays_ms(engine, drafter, [sc for kind, sc in settings if kind == "chain"])
@@ -272,6 +280,18 @@ def spec(ctx: dict) -> dict:
         del engine, drafter, proposer
         _free_gpu()
     return {"rows": rows, "drafter_capture": ctx.get("drafter_capture"), "round_replays_ms": ctx.get("round_replays_ms")}
+
+
+def _timed_to_the_end(engine, rid: str, new_tokens: int) -> dict:
+    """Step ``rid`` to its end: tokens/s from its submission (prefill included) and after its first token
+    (the prefill's step), the rate the decode section reports for target-only decoding."""
+    started = time.perf_counter()
+    engine.step()  # the prefill and the first token
+    first_at, first_tokens = time.perf_counter(), len(engine.requests[rid].output)
+    while not engine.requests[rid].finished:
+        engine.step()
+    ended = time.perf_counter()
+    return {"tok_s": new_tokens / (ended - started), "decode_tok_s": (new_tokens - first_tokens) / (ended - first_at)}
 
 
 def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
@@ -294,10 +314,11 @@ SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec}
 
 
 def _register_more() -> None:
+    from sections_overlap import overlap
     from sections_profile import demo, phases
     from sections_scaling import service, tp
 
-    SECTIONS.update(service=service, tp=tp, phases=phases, demo=demo)
+    SECTIONS.update(service=service, tp=tp, phases=phases, demo=demo, overlap=overlap)
 
 
 _register_more()

@@ -37,6 +37,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="plain decode steps queued back to back (default: 4 with CUDA graphs, else 1)")
     p.add_argument("--spec-rounds", type=int, default=None,
                    help="greedy chain rounds queued back to back (default: 4 with CUDA graphs, else 1)")
+    p.add_argument("--no-overlap-runs", action="store_true",
+                   help="read each run of --spec-rounds back before queuing the next (default: the next is queued first)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=_run_generate)
 
@@ -64,7 +66,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size,
                        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       decode_steps=args.decode_steps, spec_rounds=args.spec_rounds)
+                       decode_steps=args.decode_steps, spec_rounds=args.spec_rounds,
+                       overlap_runs=not args.no_overlap_runs)
     with _build_engine(cfg, args) as engine:
         started = time.perf_counter()
         result = engine.generate([prompt], params)[0]

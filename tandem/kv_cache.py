@@ -137,6 +137,13 @@ class SequenceKV:
         del self.pages[keep:]
         self.num_tokens = num_tokens
 
+    def commit(self, num_tokens: int) -> None:
+        """Mark ``num_tokens`` tokens committed and keep every page reserved past them: work queued
+        further on the device (the next run of rounds) still writes into those pages."""
+        if self.allocator.pages_for(num_tokens) > len(self.pages):
+            raise ValueError(f"cannot commit {num_tokens} tokens to {len(self.pages)} pages")
+        self.num_tokens = num_tokens
+
     def release(self) -> None:
         self.truncate(0)
 

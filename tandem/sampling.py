@@ -122,6 +122,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return StepSampler(params, generators, logits.device, logits.shape[1], steps=1)(logits, 0)
 
 
+ARGMAX_CHUNKS = 64  # the vocabulary's split for argmax_rows
+
+
+def argmax_rows(logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [..., V] — the first maximum wins — in two passes when the
+    vocabulary is large: the maximum of each of ``chunks`` slices, then the best slice. torch's one-pass
+    reduction keeps a few rows on a few thread blocks: one 128K-token row took 29 µs on the H200 (0.7 %
+    of a batch-1 decode step). ``chunks``: by default ARGMAX_CHUNKS on the GPU when it divides V (and
+    V >= 8192), else one pass; tests force it on the CPU."""
+    vocab = logits.shape[-1]
+    if chunks is None:
+        chunks = ARGMAX_CHUNKS if logits.is_cuda and vocab >= 8192 and vocab % ARGMAX_CHUNKS == 0 else 1
+    if chunks <= 1:
+        return logits.argmax(dim=-1)
+    width = vocab // chunks
+    values, within = logits.reshape(*logits.shape[:-1], chunks, width).max(dim=-1)  # first max in each slice
+    best = values.argmax(dim=-1, keepdim=True)  # the first slice holding the maximum
+    return (best * width + within.gather(-1, best)).squeeze(-1)
+
+
 class StepSampler:
     """Samples the same rows for ``steps`` consecutive steps with only device work per step: the
     settings and every step's uniforms are on the device before the first step (each small host copy
@@ -138,6 +158,6 @@ class StepSampler:
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""
         if self.rows is None:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         tokens = sample_from_probs(adjusted_probs_rows(logits, self.rows), self.uniforms[step])
-        return torch.where(self.rows.greedy, logits.argmax(dim=-1), tokens)
+        return torch.where(self.rows.greedy, argmax_rows(logits), tokens)

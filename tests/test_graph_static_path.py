@@ -100,27 +100,40 @@ def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(en
         runner.cfg = original
 
 
-def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engine):
+def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engine, monkeypatch):
     """run_decode_steps (what --decode-steps does with CUDA graphs) advances token, position, KV length
     and slot in the static buffers between replays: with every replay stood in by the captured code run
     eagerly, eight queued steps of a padded batch (3 requests in bucket 4) must give one-step decoding's
-    tokens, greedy and seeded-sampled."""
+    tokens, greedy and seeded-sampled — with the runs after the first queued before the run they follow
+    is read back (overlapped runs, going on from the device's inputs), and every page given back."""
+    import tandem.engine.decode_ahead as decode_ahead
     from helpers import static_target_graphs
     from tandem.attention.graph_backend import TritonGraphBackend
     from tandem.sampling import SamplingParams
+
+    following, queue = [], decode_ahead.queue_decode_steps
+    monkeypatch.setattr(decode_ahead, "queue_decode_steps",
+                        lambda runner, reqs, steps, after=None: following.append(after is not None) or queue(runner, reqs, steps, after))
 
     runner = engine.executor.runner
     runner.graph_backend = TritonGraphBackend()
     graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 13, 21)]
-    for params in (SamplingParams(max_new_tokens=11, ignore_eos=True),
-                   SamplingParams(temperature=0.9, top_k=40, seed=4, max_new_tokens=11, ignore_eos=True)):
+    # 27 tokens: the prefill's, then runs of 8, 8, 8 and 2 (three queued after the run before them)
+    for params in (SamplingParams(max_new_tokens=27, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_k=40, seed=4, max_new_tokens=27, ignore_eos=True)):
         engine.decode_steps = 1
         reference = [r.output_token_ids for r in engine.generate(prompts, params)]
         runner.graphs, engine.decode_steps = graphs, 8
+        following.clear()
+        # Another batch's block tables are what the static buffers hold past a run's pages (here: the
+        # dummy page): a following run must stage the pages reserved for it.
+        graphs.families[1].block_tables.zero_()
         try:
-            queued = [r.output_token_ids for r in engine.generate(prompts, params)]
+            queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
         finally:
             runner.graphs, engine.decode_steps = None, 1
         assert queued == reference
+        assert any(following) and engine.run_in_flight is None
+        assert engine.allocator.num_free == engine.allocator.capacity_pages

@@ -96,6 +96,23 @@ def test_greedy_rows_in_a_mixed_batch_return_argmax():
 DRAWS = 20_000
 
 
+@pytest.mark.parametrize("chunks", [2, 8, 64])
+def test_two_pass_argmax_equals_argmax_first_maximum_included(chunks):
+    """argmax_rows (the greedy pick on the GPU) in two passes gives torch.argmax: random rows, rows whose
+    maximum repeats inside one slice and across slices (the first wins), and several leading dims."""
+    from tandem.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, 1024, generator=g).to(torch.bfloat16)
+    logits[0, 0, [5, 7]] = 9.0  # a tie inside the first slice
+    logits[1, 2, [1000, 3]] = 9.0  # a tie across slices: the lower index wins
+    logits[2, 1, :] = 0.0  # all equal: index 0
+    logits[3, 3, -1] = 9.0  # the last token
+    assert torch.equal(argmax_rows(logits, chunks), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits[0], chunks), logits[0].argmax(dim=-1))
+    assert argmax_rows(logits, chunks)[1, 2] == 3 and argmax_rows(logits, chunks)[2, 1] == 0
+
+
 def test_inverse_cdf_sampling_chi_square():
     probs = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.22, 0.28])
     for scale in (1.0, 3.0):  # unnormalised rows are sampled in proportion

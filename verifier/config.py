@@ -79,6 +79,9 @@ class VerifierConfig:
                        help="greedy chain rounds queued back to back with the head in process (--drafter "
                             "in-process) while no prompt waits; their tokens stream together (default: 4 with "
                             "CUDA graphs, else 1)")
+        p.add_argument("--no-overlap-runs", action="store_true",
+                       help="read each run of --spec-rounds back before queuing the next (default: the next run "
+                            "is queued first, from the device's state, so the GPU does not wait at the boundary)")
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--drafter", default=None,
@@ -117,7 +120,7 @@ class VerifierConfig:
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
-                              spec_rounds=a.spec_rounds)
+                              spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs)
         return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, draft_model=a.draft_model, num_steps=a.speculative_num_steps,
                    topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tandem.engine.batch import ForwardBatch
-from tandem.engine.staging import PinnedStaging
+from tandem.engine.staging import PinnedStaging, send_page_rows
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.watchdog import Watchdog
 
@@ -186,18 +186,25 @@ class TargetGraphRunner:
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
-    def run_decode_steps(self, batch: ForwardBatch, steps: int, pick) -> None:
+    def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None) -> tuple:
         """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
         (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, k)`` (a device
         tensor [n], model-dtype logits); between replays the inputs advance on the device (``advance``)
-        and nothing waits for it."""
-        fam, bs, _ = self.prepare(batch)
-        n = len(batch.seqs)
+        and nothing waits for it. ``after``: what a run queued before returned — go on from its inputs
+        (``batch`` unused; the block tables restaged for the pages reserved since). → (family, bucket,
+        the last step's tokens), for a run after this one."""
+        if after is None:
+            fam, bs, _ = self.prepare(batch)
+            token = None
+        else:
+            fam, bs, token = after
+        n = len(batch.seqs) if after is None else token.shape[0]
         for k in range(steps):
-            if k:
+            if token is not None:
                 self.advance(fam, n, token[:, None], 1)
             logits, _ = self.replay_prepared(fam, bs, n)
             token = pick(logits, k)
+        return fam, bs, token
 
     def replay_prepared(self, fam: _Family, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay bucket ``bs`` of ``fam`` on the static inputs as they stand (``prepare``d, then
@@ -220,6 +227,12 @@ class TargetGraphRunner:
         positions += by if isinstance(by, int) else by[:, None]
         fam.kv_lens[:n] += by
         fam.slots[: n * w].view(n, w).copy_(page_slots(fam.block_tables[:n], positions, ps))
+
+    def restage_pages(self, fam: _Family, tables: list) -> None:
+        """Copy the block tables of the sequences the static inputs hold again (more pages were reserved
+        for forwards queued further), leaving positions, lengths and slots as the device advanced them."""
+        rows = send_page_rows(self.staging, tables)
+        fam.block_tables[: rows.shape[0], : rows.shape[1]].copy_(rows)
 
     @staticmethod
     def _replay_name(fam: _Family, bs: int) -> str:

@@ -15,43 +15,86 @@ released at commit, as after a speculative round). Streaming delivers the steps'
 Greedy tokens are those of one-step decoding; a sampled request draws its uniforms from its own
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
-The engine uses it only when nothing else needs the host between steps (tandem.engine.llm_engine:
+The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
 no prompt waiting, no request speculating, no drafter or traffic capture to feed, one rank).
+
+With CUDA graphs, runs overlap (``engine.overlap_runs``, as runs of speculative rounds do): the step
+that reads a run back first queues the next run after it, going on from the device's inputs, so the
+GPU does not wait while the host reads back, commits and returns; the next step reads that one back.
+A step that finds the batch changed (a prompt waiting, a request finished) queues nothing more; a
+request that stopped has the rest of the run in flight computed and dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
+from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
 
 
-@torch.inference_mode()
-def decode_ahead(runner, reqs: list[Request], steps: int) -> list[list[int]]:
-    """Run ``steps`` decode steps of ``reqs`` (pages reserved for all of them) → each request's tokens.
+@dataclass
+class DecodeRun:
+    """Decode steps queued with CUDA graphs and not read back yet, and where a run after them goes on from."""
 
-    ``runner``: the engine's ModelRunner (tensor-parallel size 1)."""
-    device = runner.device
+    reqs: list[Request]
+    steps: int
+    tokens: torch.Tensor  # int64 [steps, n] on the device
+    graph_state: tuple  # (verify family, bucket, the last step's tokens [n]): TargetGraphRunner.run_decode_steps
+
+
+def _sampled_into(runner, reqs: list[Request], steps: int):
+    """→ (the run's token buffer [steps, n] on the device, ``pick(logits, k)`` that samples step k into it)."""
     # Settings and uniforms reach the device before the first forward is queued.
-    sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], device,
+    sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], runner.device,
                           runner.model_cfg.vocab_size, steps)
-    tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=device)
+    tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=runner.device)
 
     def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
         tokens[k] = sampler(logits, k)
         return tokens[k]
 
+    return tokens, pick
+
+
+@torch.inference_mode()
+def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun | None = None) -> DecodeRun | None:
+    """Queue ``steps`` graphed decode steps of ``reqs`` without waiting — from their committed tokens, or
+    going on after the run ``after`` (the same requests, not read back yet); pages must cover every step
+    queued past the committed tokens. None when no graph fits the batch."""
     graphs = runner.graphs
-    first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table()) for req in reqs])
-    if graphs is not None and graphs.can_run(first):
-        graphs.run_decode_steps(first, steps, pick)  # the inputs advance on the device
+    if after is None:
+        first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table()) for req in reqs])
+        if graphs is None or not graphs.can_run(first):
+            return None
     else:
-        _forward_steps(runner, reqs, steps, pick)
-    waiting = graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if graphs else contextlib.nullcontext()
+        first = None
+        graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
+    tokens, pick = _sampled_into(runner, reqs, steps)
+    state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None)
+    return DecodeRun(reqs, steps, tokens, state)
+
+
+def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
+    """Wait for ``run`` → each request's tokens."""
+    with runner.graphs.guard_wait(f"decode ahead: {run.steps} steps, batch {len(run.reqs)}"):
+        per_step = run.tokens.tolist()
+    return [[per_step[k][i] for k in range(run.steps)] for i in range(len(run.reqs))]
+
+
+@torch.inference_mode()
+def decode_steps_eagerly(runner, reqs: list[Request], steps: int) -> list[list[int]]:
+    """Run ``steps`` decode steps of ``reqs`` (pages reserved for all of them) without graphs, or where
+    no graph fits the batch → each request's tokens. ``runner``: the engine's ModelRunner (TP size 1)."""
+    tokens, pick = _sampled_into(runner, reqs, steps)
+    _forward_steps(runner, reqs, steps, pick)
+    waiting = runner.graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if runner.graphs else contextlib.nullcontext()
     with waiting:
         per_step = tokens.tolist()
     return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
@@ -71,3 +114,73 @@ def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
                 chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
         logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
         token = pick(logits, k)
+
+
+# -- the engine's side ----------------------------------------------------------------------------
+def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 0) -> int:
+    """Plain decode steps of ``reqs`` (default: the running requests) to queue back to back now, past
+    ``queued`` steps not read back yet: up to ``engine.decode_steps`` when nothing needs the host
+    between them, else 1 (0 when ``queued``: none to queue)."""
+    none = 0 if queued else 1
+    steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
+    if (steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None
+            or engine.drafts.up()):
+        return none
+    context = engine.model_config.max_position_embeddings
+    for req in reqs:
+        if engine._tree_width(req) != 1:
+            return none
+        # never past a request's token budget or the context: only a stop token wastes steps
+        steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)
+    if steps <= (0 if queued else 1):
+        return none
+    # Reserving the extra steps' pages must not preempt anyone that one-step decoding would keep.
+    if sum(req.kv.pages_needed(req.num_tokens - 1 + queued + steps) for req in reqs) > engine.allocator.num_free:
+        return none
+    return steps
+
+
+def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
+    """Queue ``steps`` decode steps from the committed tokens, then read them back (overlapped with
+    CUDA graphs: see ``_read_back``)."""
+    runner = engine.executor.runner
+    with timer("verify"):
+        run = queue_decode_steps(runner, reqs, steps)
+        if run is None:  # eager, or no graph fits: one synchronous run
+            tokens = decode_steps_eagerly(runner, reqs, steps)
+    if run is not None:
+        return _read_back(engine, run, timer)
+    with timer("accept"):
+        outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {})
+    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans))
+    return outputs
+
+
+def step_decode_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
+    """A step that starts with decode steps queued and not read back: read them back (queuing more first)."""
+    run, engine.run_in_flight = engine.run_in_flight, None
+    return _read_back(engine, run, timer)
+
+
+def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
+    runner = engine.executor.runner
+    following = None
+    with timer("verify"):
+        running = engine.scheduler.running
+        same_batch = len(running) == len(run.reqs) and all(a is b for a, b in zip(running, run.reqs))
+        more = decode_steps_ahead(engine, run.reqs, queued=run.steps) if engine.overlap_runs and same_batch else 0
+        if more:
+            for req in run.reqs:
+                req.kv.reserve(req.num_tokens - 1 + run.steps + more)
+            following = queue_decode_steps(runner, run.reqs, more, after=run)
+        tokens = read_decode_steps(runner, run)
+    with timer("accept"):
+        live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
+        outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
+                                 keep_pages=following is not None)
+    if following is not None and all(req.finished for req in following.reqs):
+        read_decode_steps(runner, following)  # no one left to commit it to
+        following = None
+    engine.run_in_flight = following
+    engine.last_step = StepInfo(0, len(live), dict(timer.spans))
+    return outputs

@@ -19,11 +19,11 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import DEFAULT_DECODE_STEPS, DEFAULT_SPEC_ROUNDS, EngineConfig
-from tandem.engine.decode_ahead import decode_ahead
+from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
-from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead
+from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError
@@ -65,6 +65,9 @@ class LLMEngine:
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
+        self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
+        # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
+        self.run_in_flight = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -74,6 +77,7 @@ class LLMEngine:
         self.shutdown()
 
     def shutdown(self) -> None:
+        self.run_in_flight = None  # its device work is abandoned with the executor
         self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
@@ -130,7 +134,11 @@ class LLMEngine:
         for req in self.scheduler.running:  # decided once per step, before any page is reserved
             if req.spec is not None:
                 self.policy.decide(req.spec_state)
-        ahead = self._decode_steps_ahead()
+        if isinstance(self.run_in_flight, DecodeRun):  # read it back first (queuing the next run where
+            return step_decode_in_flight(self, timer)  # nothing changed)
+        if self.run_in_flight is not None:
+            return step_run_in_flight(self, timer)
+        ahead = decode_steps_ahead(self)
         rounds = rounds_ahead(self) if ahead == 1 else 1
         if ahead > 1:
             width = lambda req: ahead  # noqa: E731
@@ -146,7 +154,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
         if ahead > 1 and not sched.prefill and not sched.preempted:
-            return self._step_ahead(sched.decode, ahead, timer)
+            return step_decode_ahead(self, sched.decode, ahead, timer)
         if rounds > 1 and not sched.prefill and not sched.preempted:
             return step_rounds_ahead(self, sched.decode, rounds, timer)
         with timer("draft"):
@@ -172,35 +180,6 @@ class LLMEngine:
         if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not caught_up:
             start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
             self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
-        return outputs
-
-    def _decode_steps_ahead(self) -> int:
-        """Plain decode steps to queue back to back this step (tandem.engine.decode_ahead): up to
-        ``decode_steps`` when nothing needs the host between them, else 1."""
-        steps = self.decode_steps
-        running = self.scheduler.running
-        if (steps <= 1 or not running or self.cfg.tp_size > 1 or self.scheduler.waiting or self.traffic is not None
-                or self.drafts.up()):
-            return 1
-        context = self.model_config.max_position_embeddings
-        for req in running:
-            if self._tree_width(req) != 1:
-                return 1
-            # never past a request's token budget or the context: only a stop token wastes steps
-            steps = min(steps, req.params.max_new_tokens - len(req.output), context - req.num_tokens)
-        if steps <= 1:
-            return 1
-        # Reserving the extra steps' pages must not preempt anyone that one-step decoding would keep.
-        if sum(req.kv.pages_needed(req.num_tokens - 1 + steps) for req in running) > self.allocator.num_free:
-            return 1
-        return steps
-
-    def _step_ahead(self, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
-        with timer("verify"):
-            tokens = decode_ahead(self.executor.runner, reqs, steps)
-        with timer("accept"):
-            outputs = self._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {})
-        self.last_step = StepInfo(0, len(reqs), dict(timer.spans))
         return outputs
 
     def _accept(self, sched, trees, logits, features):
@@ -278,8 +257,10 @@ class LLMEngine:
         return emitted, extend_items, rounds, caught_up
 
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
-                rounds: dict[str, tuple[int, int]]) -> list[StepOutput]:
-        """Append each request's new tokens up to its first stop, and retire finished requests."""
+                rounds: dict[str, tuple[int, int]], keep_pages: bool = False) -> list[StepOutput]:
+        """Append each request's new tokens up to its first stop, and retire finished requests.
+        ``keep_pages``: the pages reserved past a running request's tokens stay (a run of rounds queued
+        further writes into them)."""
         outputs = []
         for req in reqs:
             new, reason = [], None
@@ -289,7 +270,9 @@ class LLMEngine:
                 reason = self._finish_reason(req, token)
                 if reason is not None:
                     break
-            if reason is None:
+            if reason is None and keep_pages:
+                req.kv.commit(req.num_tokens - 1)
+            elif reason is None:
                 req.kv.truncate(req.num_tokens - 1)  # committed KV: everything but the newest token
             else:
                 req.finish_reason = reason

@@ -6,6 +6,12 @@ drafter, nothing waits for admission, and no one (a traffic capture, other ranks
 between rounds. Its length is cut to what the requests can use: a request expected to finish in
 fewer rounds (its recent tokens per round against its tokens left) shortens the run, so the rounds
 computed after a request's end stay few. Tokens stream a run at a time.
+
+Runs overlap (``engine.overlap_runs``, on by default): a step that reads a run back first queues the
+next one after it, from the device's state, so the GPU goes on while the host waits, commits and
+returns; the next step reads that one back (queuing another if nothing changed). A step that finds
+the batch changed — a prompt waiting, a request finished, aborted or no longer drafting — queues
+nothing more and only reads the run in flight back; a finished request's rows of it are dropped.
 """
 
 from __future__ import annotations
@@ -14,39 +20,49 @@ import math
 import time
 
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
-from tandem.speculative.chain_rounds import chain_rounds_fit, run_chain_rounds
+from tandem.speculative.chain_rounds import (QueuedRun, chain_rounds_fit, end_chain_rounds, queue_chain_rounds,
+                                             read_chain_rounds)
 from tandem.speculative.verify import ProposerUnavailable
 
 
 def rounds_ahead(engine) -> int:
     """Chain rounds to queue back to back this step: up to the engine's ``spec_rounds``, else 1."""
-    rounds, running = engine.spec_rounds, engine.scheduler.running
-    if (rounds <= 1 or not running or engine.cfg.tp_size > 1 or engine.scheduler.waiting
-            or engine.traffic is not None or not engine.drafts.up()):
-        return 1
-    spec = running[0].spec
+    running = engine.scheduler.running
+    rounds = _run_length(engine, running, queued=0) if running else 0
+    return rounds if rounds > 1 else 1
+
+
+def _run_length(engine, reqs: list, queued: int) -> int:
+    """Rounds of ``reqs`` that can be queued now, past ``queued`` rounds not read back yet (0: none)."""
+    rounds = engine.spec_rounds
+    if (rounds <= 1 or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None
+            or not engine.drafts.up()):
+        return 0
+    spec = reqs[0].spec
     if spec is None or spec.topk != 1:
-        return 1
+        return 0
     nd, context = spec.num_draft_tokens, engine.model_config.max_position_embeddings
-    for req in running:
+    for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
                 or engine._tree_width(req) != nd):
-            return 1
+            return 0
         recent = req.spec_state.recent
-        per_round = recent.mean if recent is not None and recent.weight else 1.0
-        left = req.params.max_new_tokens - len(req.output)
-        rounds = min(rounds, math.ceil(left / max(1.0, per_round)),
-                     (context - req.num_tokens + 1) // nd)  # every verify's positions inside the context
-    if rounds <= 1:
-        return 1
+        per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
+        # tokens still wanted, after what the queued rounds are expected to emit
+        left = req.params.max_new_tokens - len(req.output) - queued * per_round
+        rounds = min(rounds, math.ceil(left / per_round),
+                     (context - req.num_tokens + 1) // nd - queued)  # every verify's positions inside the context
+    if rounds < 1:
+        return 0
     # Reserving the worst case (every draft accepted) must not preempt anyone a one-round step would keep.
-    if sum(req.kv.pages_needed(req.num_tokens - 1 + rounds * nd) for req in running) > engine.allocator.num_free:
-        return 1
+    if (sum(req.kv.pages_needed(req.num_tokens - 1 + (queued + rounds) * nd) for req in reqs)
+            > engine.allocator.num_free):
+        return 0
     drafter, _ = _device_drafter(engine.proposer)
     if drafter is None:
-        return 1
-    rids, graphs = [req.rid for req in running], engine.executor.runner.graphs
-    while rounds > 1 and not chain_rounds_fit(drafter, graphs, rids, spec, rounds):
+        return 0
+    rids, graphs = [req.rid for req in reqs], engine.executor.runner.graphs
+    while rounds >= 1 and not chain_rounds_fit(drafter, graphs, rids, spec, queued + rounds):
         rounds -= 1  # the drafter's pages or positions may still fit a shorter run
     return rounds
 
@@ -60,25 +76,64 @@ def _device_drafter(proposer):
     return (drafter if isinstance(drafter, Eagle3Drafter) else None), getattr(proposer, "steer_on_device", None)
 
 
+def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRun:
+    drafter, steer = _device_drafter(engine.proposer)
+    # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
+    # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
+    guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
+    return guarded(queue_chain_rounds, engine.executor.runner.graphs, drafter, reqs, reqs[0].spec, rounds, steer, after)
+
+
 def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list[StepOutput]:
-    """Run the queued rounds, commit their tokens, and count each round that reached the output."""
-    spec = reqs[0].spec
-    drafted = spec.num_draft_tokens - 1
+    """Queue a run of ``rounds`` rounds from the committed state, then read it back (as every later
+    step reads the run in flight back: ``step_run_in_flight``)."""
     started = time.perf_counter()
     with timer("verify"):
-        drafter, steer = _device_drafter(engine.proposer)
-        # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
-        # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
-        guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
         try:
-            result = guarded(run_chain_rounds, engine.executor.runner.graphs, drafter, reqs, spec, rounds, steer)
+            run = _queue(engine, reqs, rounds, None)
         except ProposerUnavailable as e:
             engine.drafts.lost(e)
             return []
+    return _read_back(engine, run, timer, started, queued_ns=run.queued_ns)
+
+
+def step_run_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
+    """A step that starts with a run queued and not read back: read it back (queuing the next first)."""
+    run, engine.run_in_flight = engine.run_in_flight, None
+    return _read_back(engine, run, timer, time.perf_counter())
+
+
+def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float, overlap: bool = True,
+               queued_ns: tuple[int, int] | None = None) -> list[StepOutput]:
+    """Queue the next run after ``run`` where the batch allows, then wait for ``run``, commit its tokens
+    and count each round that reached the output. ``queued_ns``: when this step queued ``run`` itself."""
+    nd = run.spec.num_draft_tokens
+    drafted = nd - 1
+    live = [req for req in run.reqs if not req.finished]  # aborted since it was queued: nothing to commit
+    following = None
+    with timer("verify"):
+        running = engine.scheduler.running
+        same_batch = len(running) == len(run.reqs) and all(a is b for a, b in zip(running, run.reqs))
+        more = _run_length(engine, run.reqs, queued=run.rounds) if overlap and engine.overlap_runs and same_batch else 0
+        if more:
+            for req in run.reqs:  # the target's pages for both runs (the drafter reserves its own)
+                req.kv.reserve(req.num_tokens - 1 + (run.rounds + more) * nd)
+            try:
+                following = _queue(engine, run.reqs, more, run)
+                queued_ns = (queued_ns or following.queued_ns)[:1] + following.queued_ns[1:]
+            except ProposerUnavailable as e:
+                engine.drafts.lost(e)  # this run's tokens still come back (the pages past them go back below)
+        result = read_chain_rounds(engine.executor.runner.graphs, run)
     with timer("accept"):
-        emitted = {req.rid: [t for toks in per_round for t in toks] for req, per_round in zip(reqs, result.tokens)}
-        outputs = engine._commit(reqs, emitted, {})
-        for out, req, per_round, speculative in zip(outputs, reqs, result.tokens, result.speculative):
+        keep_pages = following is not None
+        index = {req.rid: i for i, req in enumerate(run.reqs)}
+        emitted = {req.rid: [t for toks in result.tokens[index[req.rid]] for t in toks] for req in live}
+        outputs = engine._commit(live, emitted, {}, keep_pages=keep_pages)
+        drafter, _ = _device_drafter(engine.proposer)
+        if drafter is not None:
+            end_chain_rounds(drafter, run, result, keep_pages)
+        for out, req in zip(outputs, live):
+            per_round, speculative = result.tokens[index[req.rid]], result.speculative[index[req.rid]]
             committed = len(out.new_token_ids)
             for toks, counted in zip(per_round, speculative):  # a round counts when any of its tokens was kept
                 if committed <= 0 or not counted:  # (after a broken draft: plain steps, as one round per step)
@@ -88,14 +143,18 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
                 engine.policy.observe_round(req.spec_state, len(toks))
                 out.drafted += drafted
                 out.round_accepts.append(len(toks) - 1)
-        broken = [req for req, bad in zip(reqs, result.broken) if bad and not req.finished]
+        broken = [req for req in live if result.broken[index[req.rid]] and not req.finished]
         if broken:
             engine.drafts.broken_drafts(broken, "draft log-probs contain NaN; the draft head or its features are broken")
-    # The policy weighs a round's time against a plain step's: the run's, commit included (as a
+    if following is not None and all(req.finished for req in following.reqs):
+        read_chain_rounds(engine.executor.runner.graphs, following)  # no one left to commit it to
+        following = None
+    engine.run_in_flight = following
+    # The policy weighs a round's time against a plain step's: the step's, commit included (as a
     # one-round step's span runs from its draft to its extend, acceptance and commit included), per round.
     elapsed = time.perf_counter() - started
-    for _ in range(rounds):
-        engine.policy.observe_step(elapsed / rounds, speculative=True)
+    for _ in range(run.rounds):
+        engine.policy.observe_step(elapsed / run.rounds, speculative=True)
     # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
-    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans, queue=result.queued_ns))
+    engine.last_step = StepInfo(0, len(live), dict(timer.spans, **({"queue": queued_ns} if queued_ns else {})))
     return outputs

@@ -41,3 +41,15 @@ class PinnedStaging:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return dev
+
+
+def send_page_rows(staging: PinnedStaging, tables: list) -> torch.Tensor:
+    """Block tables (one int array of pages per sequence) packed zero-padded into ``staging`` and
+    sent → their device view, int64 [n, longest]."""
+    n, p = len(tables), max(len(t) for t in tables)
+    host = staging.host_array()
+    rows = host[: n * p].reshape(n, p)
+    rows[:] = 0
+    for i, t in enumerate(tables):
+        rows[i, : len(t)] = t
+    return staging.send(n * p).view(n, p)

@@ -22,6 +22,12 @@ output is what R one-round steps emit (greedy acceptance against the same verify
 stops mid-run (a stop token, its length) has its later rounds computed and dropped, as decode_ahead
 drops steps. The engine uses it only where this holds (tandem.engine.rounds_ahead): greedy chains of
 one setting, graphs for the batch on both sides, nothing else needing the host between rounds.
+
+A run can also be queued *after* another that has not been read back (``after``): it goes on from
+the device's state — lengths, positions, roots, the last round's counts — with only the block tables
+staged again for the pages reserved further, so that the GPU never waits at a run's boundary while
+the host reads the previous run back and commits it. Each run keeps a copy of the drafter state it
+leaves (``QueuedRun.snapshot``), which is what the host commits for it, whatever runs after it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.sampling import argmax_rows
 
 
 @dataclass
@@ -42,12 +49,31 @@ class ChainRounds:
     # [request][round] → False from the round whose draft log-probs came out NaN on: such a round took
     # only the root's token, a plain step's (its garbage was verified, none of it accepted)
     speculative: list[list[bool]]
-    queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds (before it waited)
 
     @property
     def broken(self) -> list[bool]:
         """Per request: its draft broke (NaN) during the run."""
         return [not all(rounds) for rounds in self.speculative]
+
+
+@dataclass
+class QueuedRun:
+    """A run of rounds queued on the device and not read back yet, with what a run after it goes on from."""
+
+    reqs: list  # the engine's requests
+    states: list  # the drafter's states of the same requests
+    spec: object
+    rounds: int
+    fam: object  # the target's verify family, its static inputs at the run's last verify
+    verify_bs: int
+    draft_bs: int
+    emitted: torch.Tensor  # int64 [rounds, n, nd + 2]: tokens (0 past the count) | count | broken
+    broken: torch.Tensor  # bool [n]: the draft came out NaN in some round so far
+    counts: torch.Tensor  # int64 [n]: tokens the last round emitted
+    roots: torch.Tensor | None  # each root's index in its sequence (only when the instrument steers)
+    steer: object
+    snapshot: tuple  # the drafter's next-draft inputs the run leaves (DraftGraphRunner.snapshot_rounds)
+    queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds
 
 
 def draft_reach(drafter, spec) -> int:
@@ -56,8 +82,9 @@ def draft_reach(drafter, spec) -> int:
 
 
 def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int) -> bool:
-    """Whether ``rounds`` queued rounds of these requests fit both sides' graphs and the drafter's pages
-    (the engine checks its own side: sampling, pages of the target, the context)."""
+    """Whether ``rounds`` queued rounds (past the committed state: those of runs not read back included)
+    of these requests fit both sides' graphs and the drafter's pages (the engine checks its own side:
+    sampling, pages of the target, the context)."""
     graphs = getattr(drafter, "graphs", None)
     if (spec.topk != 1 or graphs is None or target_graphs is None or spec not in graphs.trees
             or spec.num_draft_tokens not in target_graphs.families or graphs.bucket(len(rids)) is None
@@ -72,35 +99,44 @@ def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int)
 
 
 @torch.inference_mode()
-def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, steer=None) -> ChainRounds:
-    """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` (target pages reserved for
-    ``rounds * num_draft_tokens`` tokens past the committed ones; ``chain_rounds_fit`` said yes) and
-    read their tokens back once. ``steer(rids, chains [n, nd], root indices [n]) → chains``: the
-    controlled-acceptance instrument's rewrite of each draft (benchmarks), on the device."""
+def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, steer=None,
+                       after: QueuedRun | None = None) -> QueuedRun:
+    """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` without waiting: from their
+    committed state, or going on after the run ``after`` (the same requests, not read back yet). The
+    target's pages must cover every round queued past the committed tokens (``rounds * num_draft_tokens``
+    more per run); ``chain_rounds_fit`` said yes to the drafter's. ``steer(rids, chains [n, nd], root
+    indices [n]) → chains``: the controlled-acceptance instrument's rewrite of each draft (benchmarks),
+    on the device."""
     n, nd = len(reqs), spec.num_draft_tokens
     graphs = drafter.graphs
     rids = [req.rid for req in reqs]
-    states = drafter.request_states(rids)
-    reach = (rounds - 1) * nd + draft_reach(drafter, spec)
+    states = after.states if after is not None else drafter.request_states(rids)
+    reach = ((after.rounds if after is not None else 0) + rounds - 1) * nd + draft_reach(drafter, spec)
     for s in states:
         s.kv.reserve(s.kv.num_tokens + reach)
     try:
         queue_started = time.time_ns()
-        draft_bs = graphs.begin_rounds(states)
-        rows = graphs.replay_draft(spec, draft_bs)[:n]  # the first draft runs while the host stages the verify
-        chain = [[j <= i for j in range(nd)] for i in range(nd)]
-        first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
-                                            positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
-                                            tree_mask=chain, logits="all") for req in reqs])
-        fam, verify_bs, _ = target_graphs.prepare(first)
-        device = fam.input_ids.device
-        # each root's index in its sequence, for the instrument's steering only
-        roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
+        if after is None:
+            draft_bs = graphs.begin_rounds(states)
+            rows = graphs.replay_draft(spec, draft_bs)[:n]  # the first draft runs while the host stages the verify
+            chain = [[j <= i for j in range(nd)] for i in range(nd)]
+            first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
+                                                positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
+                                                tree_mask=chain, logits="all") for req in reqs])
+            fam, verify_bs, _ = target_graphs.prepare(first)
+            device = fam.input_ids.device
+            # each root's index in its sequence, for the instrument's steering only
+            roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
+            broken, counts = torch.zeros(n, dtype=torch.bool, device=device), None
+        else:  # the device holds where the last run left every input; only the pages grew
+            fam, verify_bs, draft_bs = after.fam, after.verify_bs, after.draft_bs
+            graphs.restage_pages(states)
+            target_graphs.restage_pages(fam, [req.kv.page_table(copy=False) for req in reqs])
+            rows = graphs.replay_draft(spec, draft_bs)[:n]
+            roots, broken, counts = after.roots, after.broken, after.counts
+            device = fam.input_ids.device
         columns = torch.arange(nd, device=device)
-        # tokens (0 past the count) | count | broken (the draft came out NaN in this round or before)
         emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
-        broken = torch.zeros(n, dtype=torch.bool, device=device)
-        counts = None
         for r in range(rounds):
             if r:
                 rows = graphs.replay_draft(spec, draft_bs)[:n]
@@ -110,7 +146,7 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
                 chains = steer(rids, chains, roots)
             target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
             logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
-            argmax = logits.view(n, nd, -1).argmax(dim=-1)  # [n, nd]: the target's token after each node
+            argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
             # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
             accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
             counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
@@ -122,14 +158,31 @@ def run_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, stee
             emitted[r, :, nd] = counts
             emitted[r, :, nd + 1] = broken
             graphs.replay_extend(draft_bs, kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+        snapshot = graphs.snapshot_rounds(n)
         queued = (queue_started, time.time_ns())
-        with target_graphs.guard_wait(f"chain rounds: {rounds} rounds, batch {n}"):
-            per_round = emitted.tolist()
     except BaseException:
         for s in states:
             s.kv.truncate(s.kv.num_tokens)  # the reserved pages go back; the drafter's state is as before
         raise
-    tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(rounds)] for i in range(n)]
-    speculative = [[not per_round[r][i][nd + 1] for r in range(rounds)] for i in range(n)]
-    graphs.end_rounds(states, [[t for round_tokens in per_request for t in round_tokens] for per_request in tokens])
-    return ChainRounds(tokens, speculative, queued)
+    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, steer,
+                     snapshot, queued)
+
+
+def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:
+    """Wait for ``run`` and read its tokens back (one copy)."""
+    nd = run.spec.num_draft_tokens
+    with target_graphs.guard_wait(f"chain rounds: {run.rounds} rounds, batch {len(run.reqs)}"):
+        per_round = run.emitted.tolist()
+    n = len(run.reqs)
+    tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(run.rounds)] for i in range(n)]
+    speculative = [[not per_round[r][i][nd + 1] for r in range(run.rounds)] for i in range(n)]
+    return ChainRounds(tokens, speculative)
+
+
+def end_chain_rounds(drafter, run: QueuedRun, result: ChainRounds, keep_pages: bool) -> None:
+    """The drafter's side of a run read back: every request it still holds commits the run's tokens
+    (``keep_pages``: a run queued after this one still writes past them)."""
+    keep = [b for b, req in enumerate(run.reqs) if drafter.has(req.rid)]  # not forgotten since (finished, broken)
+    drafter.graphs.end_rounds([run.states[b] for b in keep],
+                              [[t for toks in result.tokens[b] for t in toks] for b in keep],
+                              tuple(t[keep] for t in run.snapshot), keep_pages)

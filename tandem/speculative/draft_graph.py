@@ -23,7 +23,7 @@ import time
 import torch
 
 from tandem.engine.cuda_graph import batch_buckets, capture_stream
-from tandem.engine.staging import PinnedStaging
+from tandem.engine.staging import PinnedStaging, send_page_rows
 from tandem.errors import ConfigError
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
 from tandem.speculative.tree import DraftTree, PendingTokens
@@ -318,11 +318,25 @@ class DraftGraphRunner:
         self.top_logp[:bs].copy_(self.out_logp[:bs])
         self.top_ids[:bs].copy_(self.out_ids[:bs])
 
-    def end_rounds(self, reqs: list, extended: list[list[int]]) -> None:
-        """After the run: each request's committed KV grows by its ``extended`` tokens (pages past it go
-        back), its root is the last of them, and its state and top-k are the last extend's."""
-        n = len(reqs)
-        state, top_logp, top_ids = self.state[:n].clone(), self.top_logp[:n].clone(), self.top_ids[:n].clone()
+    def restage_pages(self, reqs: list) -> None:
+        """Copy the staged requests' block tables again (a run queued after another reserved more pages),
+        leaving every other static input — lengths, roots, states, advanced on the device — as it is."""
+        rows = send_page_rows(self.staging, [r.kv.page_table(copy=False) for r in reqs])
+        self.block_tables[: rows.shape[0], : rows.shape[1]].copy_(rows)
+
+    def snapshot_rounds(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies, queued now, of the first n requests' next-draft inputs (state, top-k log-probs and
+        ids): what the run queued so far leaves, whatever a run queued after it does to the buffers."""
+        return self.state[:n].clone(), self.top_logp[:n].clone(), self.top_ids[:n].clone()
+
+    def end_rounds(self, reqs: list, extended: list[list[int]], snapshot, keep_pages: bool = False) -> None:
+        """After a run: each request's committed KV grows by its ``extended`` tokens, its root is the last
+        of them, and its state and top-k are the run's ``snapshot``. Pages past the committed KV go back,
+        unless ``keep_pages`` (a run queued after this one writes into them)."""
+        state, top_logp, top_ids = snapshot
         for b, (r, tokens) in enumerate(zip(reqs, extended)):
-            r.kv.truncate(r.kv.num_tokens + len(tokens))
+            if keep_pages:
+                r.kv.commit(r.kv.num_tokens + len(tokens))
+            else:
+                r.kv.truncate(r.kv.num_tokens + len(tokens))
             r.root, r.state, r.top_logp, r.top_ids = tokens[-1], state[b], top_logp[b], top_ids[b]

@@ -136,16 +136,18 @@ def test_speculative_graphs_equal_eager(target, bs, steps, topk, ndt):
 def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, monkeypatch):
     """--spec-rounds 4 (greedy chains; acceptance, inputs and the drafter's extend decided on the
     device between graph replays) emits target-only greedy tokens and accepts, round for round, what
-    one round per step accepts."""
+    one round per step accepts; runs after the first are queued before the run they follow is read back
+    (overlapped runs, going on from the device's state)."""
     import tandem.engine.rounds_ahead as rounds_ahead
     from tandem.speculative.drafter import SpecConfig
 
-    runs, real = [], rounds_ahead.run_chain_rounds
-    monkeypatch.setattr(rounds_ahead, "run_chain_rounds", lambda *a: runs.append(a[4]) or real(*a))
+    runs, real = [], rounds_ahead.queue_chain_rounds
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: runs.append((a[4], a[6] is not None)) or real(*a))
     spec, batch = SpecConfig(3, 1, 4), prompts(bs)
     queued, one_round = [], []
     run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=4, accepted=queued)
-    assert runs and max(runs) > 1
+    assert runs and max(rounds for rounds, _ in runs) > 1
+    assert sum(following for _, following in runs) >= 2  # overlapped runs
     runs.clear()
     run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=1, accepted=one_round)
     assert not runs

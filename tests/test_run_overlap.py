@@ -1,0 +1,92 @@
+"""Runs of chain rounds overlap (tandem.engine.rounds_ahead): a step queues the next run from the
+device's state before it reads the last one back. The tokens and the acceptance per round must be
+what runs read back one at a time give (and target-only greedy decoding), and a batch that changes
+while a run is in flight — a prompt arriving, a request aborted — must lose nothing and leak no page.
+Replays are stood in by their static code run eagerly, as in test_chain_rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+import tandem.engine.rounds_ahead as rounds_ahead
+from tandem.sampling import SamplingParams
+from test_chain_rounds import NEW_TOKENS, _all_pages_free, _run, engine, pair, pytestmark  # noqa: F401
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The order of the engine's queue and read-back calls: ("queue", run id, id of the run it follows
+    or None) and ("read", run id)."""
+    log, queue, read = [], rounds_ahead.queue_chain_rounds, rounds_ahead.read_chain_rounds
+
+    def queued(graphs, drafter, reqs, spec, rounds, steer=None, after=None):
+        run = queue(graphs, drafter, reqs, spec, rounds, steer, after)
+        log.append(("queue", id(run), None if after is None else id(after)))
+        return run
+
+    def read_back(graphs, run):
+        log.append(("read", id(run)))
+        return read(graphs, run)
+
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", queued)
+    monkeypatch.setattr(rounds_ahead, "read_chain_rounds", read_back)
+    return log
+
+
+def test_the_next_run_is_queued_before_the_last_is_read_back_and_changes_nothing(engine, pair, calls):
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.overlap_runs = False
+    apart, accepted_apart, _ = _run(engine, prompts, params, 4, ref, rate=0.3)
+    assert all(call[0] == "read" or call[2] is None for call in calls)  # nothing queued after an unread run
+    calls.clear()
+    # Another batch's block tables are what the static buffers hold past a run's pages (here: the dummy
+    # page): a following run must stage the pages reserved for it, not find them there by chance.
+    for fam in engine.executor.runner.graphs.families.values():
+        fam.block_tables.zero_()
+    engine.proposer.graphs.block_tables.zero_()
+    engine.overlap_runs = True
+    overlapped, accepted_overlapped, _ = _run(engine, prompts, params, 4, ref, rate=0.3)
+    assert apart == ref and overlapped == ref
+    assert accepted_overlapped == accepted_apart  # the device state a run goes on from is the right one
+    follows = [(run, after) for kind, run, *rest in calls if kind == "queue" for after in rest if after is not None]
+    assert len(follows) >= 2
+    for run, after in follows:  # each following run was queued before the run it follows was read back
+        assert calls.index(("queue", run, after)) < calls.index(("read", after))
+    assert engine.run_in_flight is None and _all_pages_free(engine)
+
+
+def test_a_prompt_arriving_while_a_run_is_in_flight_waits_for_it_and_loses_nothing(engine, pair):
+    _, prompts, ref = pair
+    engine.spec_rounds = 4
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    first = engine.add_request(prompts[1], params)
+    engine.step()  # the prefill
+    engine.step()  # a run read back, the next in flight
+    assert engine.run_in_flight is not None
+    second = engine.add_request(prompts[2], params)
+    engine.step()  # reads the run in flight back and queues nothing after it: a prompt waits
+    assert engine.run_in_flight is None and engine.scheduler.waiting
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.requests.pop(rid).output for rid in (first, second)] == [ref[1], ref[2]]
+    assert _all_pages_free(engine)
+
+
+def test_a_request_aborted_while_a_run_is_in_flight_gets_nothing_more(engine, pair):
+    _, prompts, ref = pair
+    engine.spec_rounds = 4
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    kept, dropped = engine.add_request(prompts[0], params), engine.add_request(prompts[1], params)
+    engine.step()  # the prefills
+    engine.step()  # a run read back, the next in flight
+    assert engine.run_in_flight is not None
+    before = list(engine.requests[dropped].output)
+    engine.abort(dropped)
+    outputs = engine.step()
+    assert dropped not in {out.rid for out in outputs} and engine.run_in_flight is None
+    assert before == ref[1][: len(before)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests.pop(kept).output == ref[0]
+    assert _all_pages_free(engine)
