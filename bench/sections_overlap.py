@@ -1,9 +1,9 @@
-"""Benchmark section ``overlap``: runs of chain rounds read back one at a time against overlapped runs
-(the next run queued before the last is read back; tandem.engine.rounds_ahead), at batch 1 and 8.
+"""Benchmark sections ``overlap`` and ``decode_overlap``: runs read back one at a time against
+overlapped runs (the next run queued before the last is read back; tandem.engine.rounds_ahead and
+decode_ahead) — of chain rounds at batch 1 and 8, of plain decode steps at batch 1 and 64.
 
-At batch 1 the `spec` section found no difference beyond noise (the host's commit between runs is
-short); the host's work per run grows with the batch (committing, counting, staging every request),
-so a batch of 8 is where overlapping should show if it pays at all."""
+The host's work per run grows with the batch (committing, counting, staging every request), so the
+larger batch is where overlapping should show if it pays at all."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
-from sections import _free_gpu, _rate_for
+from sections import _decode_tok_s, _free_gpu, _rate_for
 
 
 def _steered_batch(engine, drafter, spec, prompts, params, rate: float, references: list) -> tuple[list, float, float]:
@@ -81,5 +81,29 @@ def overlap(ctx: dict) -> dict:
     engine.proposer = None
     engine.shutdown()
     del engine, drafter
+    _free_gpu()
+    return {"rows": rows}
+
+
+def decode_overlap(ctx: dict) -> dict:
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    new_tokens = 32 if ctx["quick"] else 128
+    engine = bench_engine(layers, widths=(1,), max_bs=64)
+    _decode_tok_s(engine, 64, 8)  # warm-up (JIT)
+    rows = []
+    for bs in (1, 64):
+        best = {True: 0.0, False: 0.0}
+        for _ in range(3):
+            for overlapped in (True, False):
+                engine.overlap_runs = overlapped
+                best[overlapped] = max(best[overlapped], _decode_tok_s(engine, bs, new_tokens)["tok_s"])
+        engine.overlap_runs = True
+        row = {"batch": bs, "decode_steps": engine.decode_steps, "overlapped_tok_s": best[True],
+               "one_at_a_time_tok_s": best[False], "gain": best[True] / best[False] - 1}
+        rows.append(row)
+        print(f"decode overlap batch {bs}: overlapped runs {best[True]:8.1f} tok/s, read back one at a time "
+              f"{best[False]:8.1f} tok/s ({100 * row['gain']:+.1f} %)", flush=True)
+    engine.shutdown()
+    del engine
     _free_gpu()
     return {"rows": rows}
