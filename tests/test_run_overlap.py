@@ -90,3 +90,33 @@ def test_a_request_aborted_while_a_run_is_in_flight_gets_nothing_more(engine, pa
         engine.step()
     assert engine.requests.pop(kept).output == ref[0]
     assert _all_pages_free(engine)
+
+
+def test_a_head_failure_queuing_the_next_run_costs_speculation_not_tokens(engine, pair, monkeypatch):
+    """The verifier's guarded head (``--drafter in-process``) fails while the next run is queued after
+    one in flight: the run in flight still comes back and is committed, the head lets go of every
+    request (its pages too), and the request decodes on without speculation, to the same tokens."""
+    from verifier.in_process_head import GuardedHead
+
+    _, prompts, ref = pair
+    drafter = engine.proposer
+    engine.proposer, engine.spec_rounds = GuardedHead(drafter), 4
+    failed = []
+
+    def broken(reqs):
+        failed.append(True)
+        raise KeyError("the head lost a request")
+
+    monkeypatch.setattr(drafter.graphs, "restage_pages", broken)  # only a run queued after another restages
+    rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a run queued from the committed state, the next one fails, the first is read back
+    assert failed and engine.run_in_flight is None
+    req = engine.requests[rid]
+    assert not req.draft_ready and 1 <= req.spec_stats.rounds <= 4
+    assert not drafter.has(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests.pop(rid).output == ref[0]
+    engine.proposer = drafter
+    assert _all_pages_free(engine)

@@ -28,7 +28,6 @@ request that stopped has the rest of the run in flight computed and dropped.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +165,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
     runner = engine.executor.runner
     following = None
     with timer("verify"):
-        running = engine.scheduler.running
-        same_batch = len(running) == len(run.reqs) and all(a is b for a, b in zip(running, run.reqs))
+        same_batch = engine.scheduler.running_exactly(run.reqs)
         more = decode_steps_ahead(engine, run.reqs, queued=run.steps) if engine.overlap_runs and same_batch else 0
         if more:
             for req in run.reqs:

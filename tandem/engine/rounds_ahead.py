@@ -94,7 +94,7 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
         except ProposerUnavailable as e:
             engine.drafts.lost(e)
             return []
-    return _read_back(engine, run, timer, started, queued_ns=run.queued_ns)
+    return _read_back(engine, run, timer, started, run.queued_ns)
 
 
 def step_run_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
@@ -103,18 +103,17 @@ def step_run_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
     return _read_back(engine, run, timer, time.perf_counter())
 
 
-def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float, overlap: bool = True,
+def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float,
                queued_ns: tuple[int, int] | None = None) -> list[StepOutput]:
     """Queue the next run after ``run`` where the batch allows, then wait for ``run``, commit its tokens
     and count each round that reached the output. ``queued_ns``: when this step queued ``run`` itself."""
     nd = run.spec.num_draft_tokens
     drafted = nd - 1
-    live = [req for req in run.reqs if not req.finished]  # aborted since it was queued: nothing to commit
+    live = [(i, req) for i, req in enumerate(run.reqs) if not req.finished]  # aborted since: nothing to commit
     following = None
     with timer("verify"):
-        running = engine.scheduler.running
-        same_batch = len(running) == len(run.reqs) and all(a is b for a, b in zip(running, run.reqs))
-        more = _run_length(engine, run.reqs, queued=run.rounds) if overlap and engine.overlap_runs and same_batch else 0
+        same_batch = engine.scheduler.running_exactly(run.reqs)
+        more = _run_length(engine, run.reqs, queued=run.rounds) if engine.overlap_runs and same_batch else 0
         if more:
             for req in run.reqs:  # the target's pages for both runs (the drafter reserves its own)
                 req.kv.reserve(req.num_tokens - 1 + (run.rounds + more) * nd)
@@ -126,14 +125,13 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float, overlap
         result = read_chain_rounds(engine.executor.runner.graphs, run)
     with timer("accept"):
         keep_pages = following is not None
-        index = {req.rid: i for i, req in enumerate(run.reqs)}
-        emitted = {req.rid: [t for toks in result.tokens[index[req.rid]] for t in toks] for req in live}
-        outputs = engine._commit(live, emitted, {}, keep_pages=keep_pages)
+        emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
+        outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages)
         drafter, _ = _device_drafter(engine.proposer)
         if drafter is not None:
             end_chain_rounds(drafter, run, result, keep_pages)
-        for out, req in zip(outputs, live):
-            per_round, speculative = result.tokens[index[req.rid]], result.speculative[index[req.rid]]
+        for out, (i, req) in zip(outputs, live):
+            per_round, speculative = result.tokens[i], result.speculative[i]
             committed = len(out.new_token_ids)
             for toks, counted in zip(per_round, speculative):  # a round counts when any of its tokens was kept
                 if committed <= 0 or not counted:  # (after a broken draft: plain steps, as one round per step)
@@ -143,7 +141,7 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float, overlap
                 engine.policy.observe_round(req.spec_state, len(toks))
                 out.drafted += drafted
                 out.round_accepts.append(len(toks) - 1)
-        broken = [req for req in live if result.broken[index[req.rid]] and not req.finished]
+        broken = [req for i, req in live if result.broken[i] and not req.finished]
         if broken:
             engine.drafts.broken_drafts(broken, "draft log-probs contain NaN; the draft head or its features are broken")
     if following is not None and all(req.finished for req in following.reqs):

@@ -49,6 +49,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def running_exactly(self, reqs: list[Request]) -> bool:
+        """Whether the running requests are ``reqs``, the same objects in the same order: the batch a run
+        queued on the device (tandem.engine.decode_ahead, rounds_ahead) was queued for."""
+        return len(self.running) == len(reqs) and all(a is b for a, b in zip(self.running, reqs))
+
     def schedule(self, step_width: Callable[[Request], int] = lambda r: 1) -> Schedule:
         """Reserve pages for every running request's next step (``step_width`` new tokens after its
         committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts."""

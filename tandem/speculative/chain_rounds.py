@@ -161,8 +161,11 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
         snapshot = graphs.snapshot_rounds(n)
         queued = (queue_started, time.time_ns())
     except BaseException:
-        for s in states:
-            s.kv.truncate(s.kv.num_tokens)  # the reserved pages go back; the drafter's state is as before
+        if after is None:  # the reserved pages go back; the drafter's state is as before
+            for s in states:
+                s.kv.truncate(s.kv.num_tokens)
+        # (after another run, the pages stay: that run still writes into them, and its read-back, with
+        # nothing queued after it, gives back those past its tokens)
         raise
     return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, steer,
                      snapshot, queued)
