@@ -74,6 +74,21 @@ def test_sequence_kv_slots_and_truncate():
     assert kv.pages == [] and alloc.num_free == 19
 
 
+def test_commit_keeps_the_pages_a_queued_run_writes_into():
+    """SequenceKV.commit (overlapped runs): the committed count moves, every reserved page stays; a count
+    the pages cannot hold is refused; the next truncate gives the pages past it back."""
+    alloc = PageAllocator(20, page_size=4, shuffle_seed=3)
+    kv = SequenceKV(alloc)
+    kv.reserve(13)
+    pages = list(kv.pages)
+    kv.commit(6)
+    assert kv.num_tokens == 6 and kv.pages == pages and alloc.num_free == 15
+    with pytest.raises(ValueError):
+        kv.commit(17)
+    kv.truncate(kv.num_tokens)
+    assert kv.pages == pages[:2] and alloc.num_free == 17
+
+
 def test_page_table_mirrors_the_pages_through_growth_and_truncation():
     import random
 
