@@ -22,10 +22,10 @@ class GuardedHead:
         self.drafter = drafter
 
     def extend(self, items) -> None:
-        self._guarded(self.drafter.extend, items)
+        self.guarded(self.drafter.extend, items)
 
     def draft(self, rids: list[str], spec) -> list[DraftTree]:
-        return self._guarded(self.drafter.draft, rids, spec)
+        return self.guarded(self.drafter.draft, rids, spec)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
@@ -36,15 +36,13 @@ class GuardedHead:
         engine runs through ``guarded``."""
         return self.drafter
 
-    def guarded(self, call, *args):
-        """``call(*args)`` with the head's recoverable failures turned into ProposerUnavailable."""
-        return self._guarded(call, *args)
-
     def discard(self, reason: str) -> None:
         """The engine found a tree unusable and drops every request's draft state: so does the head."""
         self.drafter.release_all()
 
-    def _guarded(self, call, *args):
+    def guarded(self, call, *args):
+        """``call(*args)`` with the head's recoverable failures turned into ProposerUnavailable (also how
+        the engine runs this head's greedy chain rounds queued on the device)."""
         try:
             return call(*args)
         except RECOVERABLE as e:

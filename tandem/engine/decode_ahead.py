@@ -82,9 +82,17 @@ def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun
 
 def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
     """Wait for ``run`` → each request's tokens."""
-    with runner.graphs.guard_wait(f"decode ahead: {run.steps} steps, batch {len(run.reqs)}"):
-        per_step = run.tokens.tolist()
-    return [[per_step[k][i] for k in range(run.steps)] for i in range(len(run.reqs))]
+    return _tokens_back(runner, run.tokens)
+
+
+def _tokens_back(runner, tokens: torch.Tensor) -> list[list[int]]:
+    """Wait for the steps that write ``tokens`` ([steps, n], inside the watchdog when there are graphs)
+    → each request's tokens."""
+    steps, n = tokens.shape
+    waiting = runner.graphs.guard_wait(f"decode ahead: {steps} steps, batch {n}") if runner.graphs else contextlib.nullcontext()
+    with waiting:
+        per_step = tokens.tolist()
+    return [[per_step[k][i] for k in range(steps)] for i in range(n)]
 
 
 @torch.inference_mode()
@@ -93,10 +101,7 @@ def decode_steps_eagerly(runner, reqs: list[Request], steps: int) -> list[list[i
     no graph fits the batch → each request's tokens. ``runner``: the engine's ModelRunner (TP size 1)."""
     tokens, pick = _sampled_into(runner, reqs, steps)
     _forward_steps(runner, reqs, steps, pick)
-    waiting = runner.graphs.guard_wait(f"decode ahead: {steps} steps, batch {len(reqs)}") if runner.graphs else contextlib.nullcontext()
-    with waiting:
-        per_step = tokens.tolist()
-    return [[per_step[k][i] for k in range(steps)] for i in range(len(reqs))]
+    return _tokens_back(runner, tokens)
 
 
 def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:

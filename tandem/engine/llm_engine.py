@@ -259,8 +259,8 @@ class LLMEngine:
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
                 rounds: dict[str, tuple[int, int]], keep_pages: bool = False) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests.
-        ``keep_pages``: the pages reserved past a running request's tokens stay (a run of rounds queued
-        further writes into them)."""
+        ``keep_pages``: the pages reserved past a running request's tokens stay (a run of decode steps or
+        rounds queued further writes into them)."""
         outputs = []
         for req in reqs:
             new, reason = [], None

@@ -71,7 +71,6 @@ class QueuedRun:
     broken: torch.Tensor  # bool [n]: the draft came out NaN in some round so far
     counts: torch.Tensor  # int64 [n]: tokens the last round emitted
     roots: torch.Tensor | None  # each root's index in its sequence (only when the instrument steers)
-    steer: object
     snapshot: tuple  # the drafter's next-draft inputs the run leaves (DraftGraphRunner.snapshot_rounds)
     queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds
 
@@ -167,8 +166,8 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
         # (after another run, the pages stay: that run still writes into them, and its read-back, with
         # nothing queued after it, gives back those past its tokens)
         raise
-    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, steer,
-                     snapshot, queued)
+    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, snapshot,
+                     queued)
 
 
 def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:

@@ -153,9 +153,6 @@ class DraftGraphRunner:
     # -- host → static buffers ---------------------------------------------------------------------
     def bucket(self, n: int) -> int | None:
         """The captured batch size ``n`` requests pad to (None: more than the largest)."""
-        return self._bucket(n)
-
-    def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
     def _stage(self, bs: int, heads: list[list[int]], pages: list, pad_aux: int,
@@ -191,7 +188,7 @@ class DraftGraphRunner:
         hang of this replay then shows at the next wait: the verify graph's, inside its watchdog guard
         (named after the verify), or — when the verify runs eagerly — reading the tokens back, unguarded
         like every eager forward."""
-        n, bs = len(reqs), self._bucket(len(reqs))
+        n, bs = len(reqs), self.bucket(len(reqs))
         if spec not in self.trees or bs is None or not reqs:
             return None
         k, steps, ps = spec.topk, spec.num_steps, self.page_size
@@ -244,7 +241,7 @@ class DraftGraphRunner:
         """Draft-extend of already-extended requests (the round after verification) through the static
         path; False when the batch does not fit (the caller extends eagerly). On True each request's
         committed length, root, state and top-k are updated as the eager extend would."""
-        n, bs, w, ps = len(items), self._bucket(len(items)), self.width, self.page_size
+        n, bs, w, ps = len(items), self.bucket(len(items)), self.width, self.page_size
         counts = [len(tokens) for _, tokens, _ in items]
         if bs is None or not items or any(p == 0 for p in prefixes) or max(counts) > w:
             return False  # prefills (whole prompts) and wide extends stay eager
@@ -282,7 +279,7 @@ class DraftGraphRunner:
     def begin_rounds(self, reqs: list) -> int:
         """Stage already-extended ``reqs`` — whose pages must cover every round to come — for draft and
         extend replays fed from the device (``replay_draft``, ``replay_extend``); → the bucket."""
-        n, bs, w = len(reqs), self._bucket(len(reqs)), self.width
+        n, bs, w = len(reqs), self.bucket(len(reqs)), self.width
         # Padding rows keep count 1 for the extend (as its own staging does); as a draft's root, 1 is as good as 0.
         self._stage(bs, [[r.kv.num_tokens, r.root] for r in reqs], [r.kv.page_table(copy=False) for r in reqs], pad_aux=1)
         for buffer, per_request in ((self.state, "state"), (self.top_logp, "top_logp"), (self.top_ids, "top_ids")):
