@@ -83,7 +83,6 @@ def _accept_kernel(chains_ptr, argmax_ptr, broken_ptr, feat_ptr, emitted_ptr, ex
     node = tl.program_id(1)  # the node whose token and feature row this program feeds to the extend
     j = tl.arange(0, BLOCK)
     ok = j < ND
-    chain = tl.load(chains_ptr + b * ND + j, mask=ok, other=0)
     best = tl.load(argmax_ptr + b * ND + j, mask=ok, other=0)
     # draft j+1 is accepted while it equals the target's argmax after node j: a cumulative product
     nxt = tl.load(chains_ptr + b * ND + j + 1, mask=j + 1 < ND, other=-1)
