@@ -19,6 +19,9 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   tp        tensor parallelism on a 70B-shaped model with fewer layers (TP=1 vs all GPUs)
   phases    where a step's time goes: synchronised per-phase times, profiler top kernels and host ops
   demo      the project's trained demo pair end to end (TANDEM_DEMO_DIR=folder with target/ and draft/)
+  overlap   chain rounds at batch 1 and 8: the next run queued before the last is read back, or not
+  decode_overlap  the same for plain decode steps at batch 1 and 64
+  round_glue  a queued chain round's glue between its graphs: three Triton kernels against torch ops
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
 """
 

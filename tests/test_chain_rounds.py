@@ -156,14 +156,20 @@ def test_runs_fall_back_to_one_round_where_the_device_cannot_decide(engine, pair
     assert _all_pages_free(engine)
 
 
-def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair):
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair, glue, monkeypatch):
     """The drafter's side of two runs — the second queued after the first from the device's state
     (overlapped runs) — its extends fed from the device, its lengths and roots advanced there, ends
     in the state that one round per step reaches after the same tokens: committed length, root, state,
     top-k and every committed K/V entry, and the target's committed K/V entries too (the steered tokens
     hide the head's own drafts from the acceptance, and a random model's greedy tokens shrug off a few
-    wrong keys, so the output alone would not show a wrong state)."""
+    wrong keys, so the output alone would not show a wrong state). Both glues between the graphs: torch
+    ops, and the GPU's fused kernels (forced under the interpreter)."""
+    import tandem.speculative.chain_rounds as chain_rounds
     from tandem.speculative.controlled import ControlledAcceptanceProposer
+
+    if glue == "fused":
+        monkeypatch.setattr(chain_rounds, "use_triton", lambda x: True)
 
     root, prompts, ref = pair
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)  # two runs of 4 rounds: up to 32 tokens
@@ -299,4 +305,23 @@ def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
     while engine.has_unfinished():
         engine.step()
     assert engine.requests.pop(rid).output == ref[2]
+    assert _all_pages_free(engine)
+
+
+def test_the_fused_round_glue_runs_rounds_as_the_torch_glue(engine, pair, monkeypatch):
+    """On the GPU the glue between a round's graphs is three kernels (tandem/kernels/round_glue.py):
+    forced here under the interpreter, steered runs of rounds (overlapped, so a run goes on from the
+    glue's device state) give target-only greedy tokens and the torch glue's acceptance per round (the
+    drafter's state they leave: test_a_run_leaves_the_drafter_where_one_round_steps_leave_it)."""
+    import tandem.speculative.chain_rounds as chain_rounds
+
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    torch_glue, accepted_torch, _ = _run(engine, prompts, params, 4, ref, rate=0.3)
+    monkeypatch.setattr(chain_rounds, "use_triton", lambda x: True)
+    fused, accepted_fused, most = _run(engine, prompts, params, 4, ref, rate=0.3)
+    assert torch_glue == ref and fused == ref and most > 1
+    assert accepted_fused == accepted_torch
+    unsteered, _, _ = _run(engine, prompts, params, 4)
+    assert unsteered == ref
     assert _all_pages_free(engine)

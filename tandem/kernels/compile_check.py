@@ -91,7 +91,7 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv")
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -99,7 +99,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv = mods.values()
+    pa, rk, nm, ac, gv, rg = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -137,6 +137,19 @@ def main(dtype_name: str = "bfloat16") -> int:
         gv.gemv(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=dt),
                 config=gv.default_config(rows, n, k))
         _report(f"gemv {rows}x{k} -> {n}", failures)
+    # a chain of 4 at batch 8 on the 8B shape (features 3 x 4096, draft state 4096, top-k width 8)
+    n, nd, w, feat, hid = 8, 4, 6, 3 * 4096, 4096
+    rows, broken = torch.empty(n, 3 * nd + 1, dtype=torch.float64), torch.empty(n, dtype=torch.bool)
+    i64 = lambda *shape: torch.empty(*shape, dtype=torch.int64)  # noqa: E731
+    rg.advance(rows, broken, i64(n), i64(n * nd), i64(n * nd), torch.empty(n, dtype=torch.int32), i64(n * nd),
+               torch.empty(n, 512, dtype=torch.int32), 16, nd)
+    _report("round_glue.advance", failures)
+    rg.accept(i64(n, nd), i64(n, nd), broken, torch.empty(n * nd, feat, dtype=dt), i64(n, nd + 2), i64(n * w),
+              torch.empty(n * w, feat, dtype=dt), i64(n), w, roots=i64(n))
+    _report("round_glue.accept", failures)
+    rg.settle(i64(n), i64(n * w), w, i64(n), i64(n), torch.empty(n, hid, dtype=dt), torch.empty(n, hid, dtype=dt),
+              torch.empty(n, 8), torch.empty(n, 8), i64(n, 8), i64(n, 8))
+    _report("round_glue.settle", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.layers.fast_path import use_triton
 from tandem.sampling import argmax_rows
 
 
@@ -134,29 +135,13 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
             rows = graphs.replay_draft(spec, draft_bs)[:n]
             roots, broken, counts = after.roots, after.broken, after.counts
             device = fam.input_ids.device
-        columns = torch.arange(nd, device=device)
         emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
+        round_once = _fused_round if use_triton(emitted) else _torch_round
         for r in range(rounds):
             if r:
                 rows = graphs.replay_draft(spec, draft_bs)[:n]
-            broken |= rows[:, 3 * nd] != 0
-            chains = rows[:, :nd].long()
-            if steer is not None:
-                chains = steer(rids, chains, roots)
-            target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
-            logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
-            argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
-            # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
-            accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-            counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
-            if steer is not None:
-                roots += counts
-            keep = columns[None, :] < counts[:, None]  # [n, nd]: nodes 0..accepted
-            kept = torch.where(keep, argmax, 0)  # the accepted drafts, the bonus, then padding
-            emitted[r, :, :nd] = kept
-            emitted[r, :, nd] = counts
-            emitted[r, :, nd + 1] = broken
-            graphs.replay_extend(draft_bs, kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+            counts = round_once(target_graphs, graphs, fam, verify_bs, draft_bs, rids, rows, broken, counts,
+                                emitted[r], steer, roots)
         snapshot = graphs.snapshot_rounds(n)
         queued = (queue_started, time.time_ns())
     except BaseException:
@@ -168,6 +153,49 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
         raise
     return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, snapshot,
                      queued)
+
+
+def _torch_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids: list, rows, broken, counts,
+                 emitted, steer, roots) -> torch.Tensor:
+    """One round's work after its draft — advance, verify, accept, extend — with the glue between the
+    graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts."""
+    n, nd = emitted.shape[0], emitted.shape[1] - 2
+    broken |= rows[:, 3 * nd] != 0
+    chains = rows[:, :nd].long()
+    if steer is not None:
+        chains = steer(rids, chains, roots)
+    target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
+    logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
+    argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
+    # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
+    accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
+    if steer is not None:
+        roots += counts
+    keep = torch.arange(nd, device=counts.device)[None, :] < counts[:, None]  # [n, nd]: nodes 0..accepted
+    kept = torch.where(keep, argmax, 0)  # the accepted drafts, the bonus, then padding
+    emitted[:, :nd] = kept
+    emitted[:, nd] = counts
+    emitted[:, nd + 1] = broken
+    graphs.replay_extend(draft_bs, kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+    return counts
+
+
+def _fused_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids: list, rows, broken, counts,
+                 emitted, steer, roots) -> torch.Tensor:
+    """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
+    from tandem.kernels import round_glue
+
+    n, nd = emitted.shape[0], emitted.shape[1] - 2
+    chains = steer(rids, rows[:, :nd].long(), roots) if steer is not None else None
+    chains = round_glue.advance(rows, broken, counts, fam.input_ids, fam.positions, fam.kv_lens, fam.slots,
+                                fam.block_tables, target_graphs.page_size, nd, chains=chains)
+    logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
+    argmax = argmax_rows(logits.view(n, nd, -1))
+    counts = round_glue.accept(chains, argmax, broken, features, emitted, graphs.token_ids, graphs.features,
+                               graphs.aux, graphs.width, roots)
+    graphs.replay_extend_fed(draft_bs, counts)
+    return counts
 
 
 def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:

@@ -315,6 +315,17 @@ class DraftGraphRunner:
         self.top_logp[:bs].copy_(self.out_logp[:bs])
         self.top_ids[:bs].copy_(self.out_ids[:bs])
 
+    def replay_extend_fed(self, bs: int, counts: torch.Tensor) -> None:
+        """``replay_extend`` for inputs already fed on the device (tandem.kernels.round_glue.accept wrote
+        the tokens, features and counts), with the next draft's inputs left by one kernel (``settle``)."""
+        from tandem.kernels import round_glue
+
+        with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
+            self._run("extend", bs, lambda: self._extend_body(bs))
+        self.replays["draft_extend"] += 1
+        round_glue.settle(counts, self.token_ids, self.width, self.aux, self.lens, self.state, self.out_state[:bs],
+                          self.top_logp, self.out_logp[:bs], self.top_ids, self.out_ids[:bs])
+
     def restage_pages(self, reqs: list) -> None:
         """Copy the staged requests' block tables again (a run queued after another reserved more pages),
         leaving every other static input — lengths, roots, states, advanced on the device — as it is."""
