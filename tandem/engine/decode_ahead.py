@@ -34,6 +34,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
+from tandem.engine.staging import HostReadback
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
 
@@ -44,7 +45,7 @@ class DecodeRun:
 
     reqs: list[Request]
     steps: int
-    tokens: torch.Tensor  # int64 [steps, n] on the device
+    tokens: HostReadback  # int64 [steps, n], on its way to the host once the steps are done
     graph_state: tuple  # (verify family, bucket, the last step's tokens [n]): TargetGraphRunner.run_decode_steps
 
 
@@ -77,7 +78,7 @@ def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun
         graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
     tokens, pick = _sampled_into(runner, reqs, steps)
     state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None)
-    return DecodeRun(reqs, steps, tokens, state)
+    return DecodeRun(reqs, steps, HostReadback(tokens), state)
 
 
 def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
@@ -85,10 +86,10 @@ def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
     return _tokens_back(runner, run.tokens)
 
 
-def _tokens_back(runner, tokens: torch.Tensor) -> list[list[int]]:
+def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
     """Wait for the steps that write ``tokens`` ([steps, n], inside the watchdog when there are graphs)
     → each request's tokens."""
-    steps, n = tokens.shape
+    steps, n = tokens.host.shape
     waiting = runner.graphs.guard_wait(f"decode ahead: {steps} steps, batch {n}") if runner.graphs else contextlib.nullcontext()
     with waiting:
         per_step = tokens.tolist()
@@ -101,7 +102,7 @@ def decode_steps_eagerly(runner, reqs: list[Request], steps: int) -> list[list[i
     no graph fits the batch → each request's tokens. ``runner``: the engine's ModelRunner (TP size 1)."""
     tokens, pick = _sampled_into(runner, reqs, steps)
     _forward_steps(runner, reqs, steps, pick)
-    return _tokens_back(runner, tokens)
+    return _tokens_back(runner, HostReadback(tokens))
 
 
 def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:

@@ -7,6 +7,9 @@ host does not wait for the copy (it is queued behind the device's earlier work, 
 it can stage the next replay while the device still runs the previous one; the buffer is only
 rewritten once the previous copy has read it. Size: the target's buffer holds the largest batch's
 block tables (max batch x context / page size values), e.g. 4 MiB at 64 x 128 K tokens / 16.
+
+The other way, ``HostReadback`` queues a run's results to the host as the run is queued, so that
+reading them later waits for that run only, not for the run queued after it.
 """
 
 from __future__ import annotations
@@ -53,3 +56,28 @@ def send_page_rows(staging: PinnedStaging, tables: list) -> torch.Tensor:
     for i, t in enumerate(tables):
         rows[i, : len(t)] = t
     return staging.send(n * p).view(n, p)
+
+
+class HostReadback:
+    """A device tensor's copy to the host, queued now in stream order, read later with ``tolist``.
+
+    A run queued on the device is read back after the next run has been queued behind it (overlapped
+    runs): a plain ``.tolist()`` at that point would queue its copy behind the next run too and wait
+    for both, leaving the device idle while the host commits. This copy is queued right after the
+    run's own work, into pinned memory, and waited for through an event. (On the CPU the work is done
+    by the time the run is queued: the copy is the tensor's value then.)"""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self.host = tensor.clone()
+
+    def tolist(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self.host.tolist()

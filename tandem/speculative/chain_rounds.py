@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.engine.staging import HostReadback
 from tandem.layers.fast_path import use_triton
 from tandem.sampling import argmax_rows
 
@@ -68,7 +69,7 @@ class QueuedRun:
     fam: object  # the target's verify family, its static inputs at the run's last verify
     verify_bs: int
     draft_bs: int
-    emitted: torch.Tensor  # int64 [rounds, n, nd + 2]: tokens (0 past the count) | count | broken
+    emitted: HostReadback  # int64 [rounds, n, nd + 2]: tokens (0 past the count) | count | broken
     broken: torch.Tensor  # bool [n]: the draft came out NaN in some round so far
     counts: torch.Tensor  # int64 [n]: tokens the last round emitted
     roots: torch.Tensor | None  # each root's index in its sequence (only when the instrument steers)
@@ -142,6 +143,7 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
                 rows = graphs.replay_draft(spec, draft_bs)[:n]
             counts = round_once(target_graphs, graphs, fam, verify_bs, draft_bs, rids, rows, broken, counts,
                                 emitted[r], steer, roots)
+        readback = HostReadback(emitted)
         snapshot = graphs.snapshot_rounds(n)
         queued = (queue_started, time.time_ns())
     except BaseException:
@@ -151,7 +153,7 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
         # (after another run, the pages stay: that run still writes into them, and its read-back, with
         # nothing queued after it, gives back those past its tokens)
         raise
-    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, emitted, broken, counts, roots, snapshot,
+    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, readback, broken, counts, roots, snapshot,
                      queued)
 
 

@@ -1,0 +1,68 @@
+"""Reading a queued run back waits for that run only (tandem.engine.staging.HostReadback): with runs
+overlapped, the next run is queued before the last is read back, and a read-back queued behind it
+would wait for both while the device idles at every run boundary (it did: profiles of the 8B shape
+had 0.6 ms idle before each run, and overlapping runs gained nothing at batch 1). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_a_readback_waits_for_its_own_work_not_for_work_queued_after_it():
+    from tandem.engine.staging import HostReadback
+
+    x = torch.arange(12, device="cuda").view(3, 4) * 7
+    readback = HostReadback(x)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued after the copy
+    x.add_(1)  # and a change to the tensor after it
+    later = torch.cuda.Event()
+    later.record()
+    assert readback.tolist() == [[7 * (4 * r + c) for c in range(4)] for r in range(3)]
+    assert not later.query(), "the read-back waited for the work queued after it"
+    torch.cuda.synchronize()
+
+
+def test_overlapped_decode_runs_are_read_back_while_the_next_run_computes(tmp_path, monkeypatch):
+    """Batch 1, graphed decode runs of 8 steps: every run read back with one queued after it returns
+    before that one has finished on the device, and the tokens are one-step decoding's."""
+    import tandem.engine.decode_ahead as decode_ahead
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
+    from tandem.sampling import SamplingParams
+
+    path = write_random_llama(tmp_path / "t", LlamaShape(
+        vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=6, num_heads=8, num_kv_heads=2,
+        max_position_embeddings=1024), dtype="bfloat16", seed=3, std=0.05)
+    queue, read = decode_ahead.queue_decode_steps, decode_ahead.read_decode_steps
+    following_done: list[torch.cuda.Event] = []
+    still_running: list[bool] = []
+
+    def queue_and_mark(runner, reqs, steps, after=None):
+        run = queue(runner, reqs, steps, after)
+        if after is not None:
+            following_done.append(torch.cuda.Event())
+            following_done[-1].record()
+        return run
+
+    def read_and_check(runner, run):
+        tokens = read(runner, run)
+        if following_done:
+            still_running.append(not following_done.pop().query())
+        return tokens
+
+    monkeypatch.setattr(decode_ahead, "queue_decode_steps", queue_and_mark)
+    monkeypatch.setattr(decode_ahead, "read_decode_steps", read_and_check)
+    prompt = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=81, ignore_eos=True)
+    outputs = {}
+    for steps in (8, 1):
+        cfg = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", cuda_graph_max_bs=4,
+                           cuda_graph_widths=(1,), page_size=16, kv_pages=256, decode_steps=steps)
+        with LLMEngine(cfg) as eng:
+            outputs[steps] = eng.generate([prompt], params)[0].output_token_ids
+    assert outputs[8] == outputs[1]
+    assert len(still_running) >= 8 and all(still_running), still_running
