@@ -14,20 +14,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_a_readback_waits_for_its_own_work_not_for_work_queued_after_it():
     from tandem.engine.staging import HostReadback
 
+    import time
+
     x = torch.arange(12, device="cuda").view(3, 4) * 7
+    # Every launch below once first: a kernel's first launch loads its module lazily, which can wait for
+    # the device (in a fresh process the in-place add waited for the sleep queued before it).
+    HostReadback(x).tolist()
+    torch.cuda._sleep(1000)
+    x.add_(0)
+    torch.cuda.Event().record()
+    torch.cuda.synchronize()
     readback = HostReadback(x)
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued after the copy
+    torch.cuda._sleep(500_000_000)  # ~0.25 s of device time queued after the copy
     x.add_(1)  # and a change to the tensor after it
     later = torch.cuda.Event()
     later.record()
-    assert readback.tolist() == [[7 * (4 * r + c) for c in range(4)] for r in range(3)]
-    assert not later.query(), "the read-back waited for the work queued after it"
+    started = time.perf_counter()
+    values = readback.tolist()
+    waited = time.perf_counter() - started
+    later_done = later.query()
     torch.cuda.synchronize()
+    assert values == [[7 * (4 * r + c) for c in range(4)] for r in range(3)]
+    assert not later_done, f"the read-back waited {waited:.3f} s, for the work queued after it"
 
 
 def test_overlapped_decode_runs_are_read_back_while_the_next_run_computes(tmp_path, monkeypatch):
     """Batch 1, graphed decode runs of 8 steps: every run read back with one queued after it returns
-    before that one has finished on the device, and the tokens are one-step decoding's."""
+    before that one has finished on the device (its end delayed on the device by the test), and the
+    tokens are one-step decoding's."""
     import tandem.engine.decode_ahead as decode_ahead
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -44,6 +58,9 @@ def test_overlapped_decode_runs_are_read_back_while_the_next_run_computes(tmp_pa
     def queue_and_mark(runner, reqs, steps, after=None):
         run = queue(runner, reqs, steps, after)
         if after is not None:
+            # The following run made long on the device (a tiny model's steps take less time than the
+            # host needs to queue them), so that a read-back queued behind it is seen to wait.
+            torch.cuda._sleep(50_000_000)
             following_done.append(torch.cuda.Event())
             following_done[-1].record()
         return run
