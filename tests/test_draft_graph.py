@@ -97,6 +97,19 @@ def test_static_draft_with_triton_kernel_equals_eager(extended, spec, batch):
     assert_same_trees(runner.draft([extended._reqs[r] for r in batch], spec), extended.draft(list(batch), spec))
 
 
+@NEEDS_INTERPRET
+@pytest.mark.parametrize("spec,batch", [(SpecConfig(4, 1, 5), "ae"), (SpecConfig(6, 1, 7), "bcd")])
+def test_static_chain_with_the_fused_pick_equals_eager(extended, spec, batch, monkeypatch):
+    """On the GPU a chain's per-step choice (log-softmax, top 1, draft→target ids, score) is one kernel
+    (tandem/kernels/chain_pick.py); forced here on the CPU (Triton's interpreter) it drafts the eager
+    drafter's chains."""
+    import tandem.speculative.draft_static as draft_static
+
+    monkeypatch.setattr(draft_static, "use_triton", lambda x: True)
+    runner = DraftGraphRunner(extended, [spec], buckets=[4], use_graphs=False, attention="triton")
+    assert_same_trees(runner.draft([extended._reqs[r] for r in batch], spec), extended.draft(list(batch), spec))
+
+
 def test_padding_rows_touch_only_the_dummy_page(pair):
     drafter = make_drafter(pair)
     prefill(drafter)

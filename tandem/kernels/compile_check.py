@@ -91,7 +91,7 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue")
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -99,7 +99,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg = mods.values()
+    pa, rk, nm, ac, gv, rg, cp = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -150,6 +150,8 @@ def main(dtype_name: str = "bfloat16") -> int:
     rg.settle(i64(n), i64(n * w), w, i64(n), i64(n), torch.empty(n, hid, dtype=dt), torch.empty(n, hid, dtype=dt),
               torch.empty(n, 8), torch.empty(n, 8), i64(n, 8), i64(n, 8))
     _report("round_glue.settle", failures)
+    cp.chain_pick(torch.empty(n, 32000, dtype=dt), i64(32000), torch.empty(n, 8)[:, 0])  # the 8B head's draft vocabulary
+    _report("chain_pick 32000", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

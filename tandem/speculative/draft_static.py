@@ -18,6 +18,7 @@ import torch
 
 from tandem.attention.backend import AttentionBackend
 from tandem.kv_cache import page_slots
+from tandem.layers.fast_path import use_triton
 
 MAX_MASK_W = 64  # the Triton kernel keeps a row's mask over the last W keys in one 64-bit word
 
@@ -162,6 +163,9 @@ def _static_chain(head, kv, attn, S: int, n: int, page_size: int, lens, block_ta
     selection and final cut (a chain keeps its first n-1 nodes: scores never rise along it), so the
     graph holds far fewer kernels — sorts, gathers and concatenations are most of a small head's draft."""
     B = state.shape[0]
+    fused = use_triton(state)
+    if fused:
+        from tandem.kernels.chain_pick import chain_pick
     visible = torch.ones(B, 1, max(S - 1, 1), dtype=torch.bool, device=state.device)  # a chain sees all its scratch
     token, parent_state, score = top_ids[:, 0], state, top_logp[:, 0]  # depth 1: the root's best child
     tokens, scores = [token], [score]
@@ -171,10 +175,13 @@ def _static_chain(head, kv, attn, S: int, n: int, page_size: int, lens, block_ta
         meta = StaticMeta(block_tables, (lens + step - 1).int(), page_slots(block_tables, idx, page_size).flatten(),
                           visible[:, :, : step - 1])
         parent_state, _ = head(token, parent_state, pos, meta, kv, attn)
-        logp = torch.log_softmax(head.logits(parent_state), dim=-1).clamp(max=0.0)
-        c_logp, c_draft = logp.topk(1, dim=-1)  # [B, 1]
-        score = score + c_logp[:, 0]
-        token = head.to_target_ids(c_draft)[:, 0]
+        if fused:  # the same choice in one kernel (tandem/kernels/chain_pick.py)
+            token, score = chain_pick(head.lm_head(head.norm(parent_state)), head.d2t, score)
+        else:
+            logp = torch.log_softmax(head.logits(parent_state), dim=-1).clamp(max=0.0)
+            c_logp, c_draft = logp.max(dim=-1)  # the first maximum, as the fused kernel picks it
+            score = score + c_logp
+            token = head.to_target_ids(c_draft)
         tokens.append(token)
         scores.append(score)
     chain_tokens, chain_scores = torch.stack(tokens, 1), torch.stack(scores, 1)  # [B, S]

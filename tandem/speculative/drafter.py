@@ -284,7 +284,10 @@ class Eagle3Drafter:
                                            batch.meta, self.kv, self.backend, batch.logits_indices)
                 # Each frontier node's top-k children: k² candidates per request at this depth.
                 logp = torch.log_softmax(logits, dim=-1).clamp(max=0.0)  # [B*k, Vd]; clamp keeps child <= parent
-                c_logp, c_draft = logp.topk(k, dim=-1)  # [B*k, k]
+                if k == 1:  # a chain: the first maximum, as the static chain and its kernel pick it
+                    c_logp, c_draft = logp.max(dim=-1, keepdim=True)
+                else:
+                    c_logp, c_draft = logp.topk(k, dim=-1)  # [B*k, k]
                 c_scores = (f_scores.reshape(B * k, 1) + c_logp).view(B, k * k)
                 c_tokens = self.head.to_target_ids(c_draft).view(B, k * k)
                 scores.append(c_scores)
