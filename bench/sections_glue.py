@@ -8,28 +8,14 @@ torch runs (the engine picks the fused one whenever the tensors are on the GPU).
 
 from __future__ import annotations
 
-import torch
-
-from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
 from sections import _free_gpu, _rate_for
-from sections_overlap import _steered_batch
+from sections_overlap import _steered_batch, chain_setup
 
 
 def round_glue(ctx: dict) -> dict:
-    from tandem.sampling import SamplingParams
     from tandem.speculative import chain_rounds
-    from tandem.speculative.drafter import SpecConfig
 
-    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
-    new_tokens = 48 if ctx["quick"] else 160
-    spec = SpecConfig(3, 1, 4)
-    engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)
-    drafter, _ = bench_drafter(engine, layers, [spec])
-    vocab = engine.model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(8)]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)  # warm-up (JIT)
+    engine, drafter, spec, prompts, params = chain_setup(ctx)
     fused_round = chain_rounds._fused_round
     rows = []
     try:

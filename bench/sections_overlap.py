@@ -36,7 +36,9 @@ def _steered_batch(engine, drafter, spec, prompts, params, rate: float, referenc
     return outputs, (sum(map(len, outputs)) - first) / elapsed, accept
 
 
-def overlap(ctx: dict) -> dict:
+def chain_setup(ctx: dict) -> tuple:
+    """The 8B-shaped engine and head with graphs for a chain of 3, eight 128-token prompts and greedy
+    parameters for ``ctx``'s run length, kernels warmed up → (engine, drafter, spec, prompts, params)."""
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
 
@@ -50,6 +52,11 @@ def overlap(ctx: dict) -> dict:
     prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(8)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)  # warm-up (JIT)
+    return engine, drafter, spec, prompts, params
+
+
+def overlap(ctx: dict) -> dict:
+    engine, drafter, spec, prompts, params = chain_setup(ctx)
     rows = []
     for bs in (1, 8):
         batch = prompts[:bs]
