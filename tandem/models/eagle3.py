@@ -176,4 +176,8 @@ class Eagle3Head(nn.Module):
         return states, logits
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, draft_vocab]
-        return self.lm_head(self.norm(states)).float()
+        return self.logits_in_model_dtype(states).float()
+
+    def logits_in_model_dtype(self, states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, draft_vocab]
+        """For kernels that read the logits once and widen them as they go (tandem/kernels/chain_pick.py)."""
+        return self.lm_head(self.norm(states))

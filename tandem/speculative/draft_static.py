@@ -176,7 +176,7 @@ def _static_chain(head, kv, attn, S: int, n: int, page_size: int, lens, block_ta
                           visible[:, :, : step - 1])
         parent_state, _ = head(token, parent_state, pos, meta, kv, attn)
         if fused:  # the same choice in one kernel (tandem/kernels/chain_pick.py)
-            token, score = chain_pick(head.lm_head(head.norm(parent_state)), head.d2t, score)
+            token, score = chain_pick(head.logits_in_model_dtype(parent_state), head.d2t, score)
         else:
             logp = torch.log_softmax(head.logits(parent_state), dim=-1).clamp(max=0.0)
             c_logp, c_draft = logp.max(dim=-1)  # the first maximum, as the fused kernel picks it
