@@ -14,6 +14,7 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   spec      speculative decoding at controlled acceptance (BENCHMARK INSTRUMENT: the real head and real
             verification run; the draft's tokens are steered to the target's own greedy continuation,
             corrupted at a chosen rate), chain and tree settings, in process, graphs on and off
+  spec_goal the spec section's goal rows alone (chain of 3 at accept length 4, graphs on)
   service   the same through the drafter and verifier services (gRPC + shared-memory ring) vs in process,
             with the round trip split into the drafter's work and the rest (tandem:drafter_round_seconds)
   tp        tensor parallelism on a 70B-shaped model with fewer layers (TP=1 vs all GPUs)

@@ -195,11 +195,12 @@ def spec(ctx: dict) -> dict:
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 160
-    settings = [("chain", SpecConfig(5, 1, 6))] if ctx["quick"] else [
+    goal_only = ctx.get("goal_only", False)  # the spec_goal section: the goal's rows alone
+    settings = [("chain", SpecConfig(5, 1, 6))] if ctx["quick"] else [("chain", SpecConfig(3, 1, 4))] if goal_only else [
         ("chain", SpecConfig(5, 1, 6)), ("chain", SpecConfig(3, 1, 4)), ("tree", SpecConfig(5, 4, 16))]
     widths = tuple(sorted({1, *(s.num_draft_tokens for _, s in settings)}))
     rows = []
-    for graphs in ((True,) if ctx["quick"] else (True, False)):
+    for graphs in ((True,) if ctx["quick"] or goal_only else (True, False)):
         engine = bench_engine(layers, widths=widths, max_bs=8, disable_graphs=not graphs)
         drafter, capture = bench_drafter(engine, layers, [sc for _, sc in settings])
         if graphs:
@@ -232,7 +233,7 @@ def spec(ctx: dict) -> dict:
             queued = engine.spec_rounds
             # (rounds per step, overlapped runs)
             rounds_settings = ((queued, True), (1, True)) if graphs and kind == "chain" and queued > 1 else ((1, True),)
-            goals = (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0)
+            goals = (4.0,) if goal_only else (2.0, 4.0) if ctx["quick"] or not graphs else (2.0, 3.0, 4.0, 5.0)
             # The goal's own rows alternate the settings three times (runs on one host vary by a few %), and
             # add runs twice as long as the default, and runs read back one at a time (no overlap).
             at_goal = ((*rounds_settings, (2 * queued, True), (queued, False)) if len(rounds_settings) > 1
@@ -310,7 +311,13 @@ def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
     return {name: round(ms, 4) for name, ms in out.items()}
 
 
-SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec}
+def spec_goal(ctx: dict) -> dict:
+    """The spec section's goal rows alone: a chain of 3 at accept length 4, graphs on, each setting three
+    times interleaved, against target-only in the same section (about a third of the section's time)."""
+    return spec({**ctx, "goal_only": True})
+
+
+SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal}
 
 
 def _register_more() -> None:
