@@ -44,6 +44,18 @@ def pair(tmp_path_factory):
     return root, prompts, ref
 
 
+@pytest.fixture(scope="module")
+def one_round_steered(pair):
+    """One round per step, steered at corruption 0.3 (rounds accept 0..3 drafts): (outputs, accepted
+    drafts per round) — what queued runs must reproduce, with either glue between the graphs."""
+    _, prompts, ref = pair
+    with _speculative_engine(pair[0]) as eng:
+        outputs, accepted, most = _run(eng, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), 1,
+                                       ref, rate=0.3)
+        assert most == 1 and _all_pages_free(eng)
+    return outputs, accepted
+
+
 @pytest.fixture
 def engine(pair):
     with _speculative_engine(pair[0]) as eng:
@@ -113,15 +125,15 @@ def _all_pages_free(eng):
             and drafter.allocator.num_free == drafter.allocator.capacity_pages)
 
 
-def test_queued_chain_rounds_emit_target_greedy_and_accept_as_one_round_steps(engine, pair):
+def test_queued_chain_rounds_emit_target_greedy_and_accept_as_one_round_steps(engine, pair, one_round_steered):
     """Steered by the controlled-acceptance instrument (corruption 0.3: rounds accept 0..3 drafts), so
     the device's acceptance has something to decide; then the random head on its own."""
     _, prompts, ref = pair
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    one_round, accepted_one, most_one = _run(engine, prompts, params, 1, ref, rate=0.3)
+    one_round, accepted_one = one_round_steered
     queued, accepted_queued, most = _run(engine, prompts, params, 4, ref, rate=0.3)
     assert one_round == ref and queued == ref  # both equal target-only greedy decoding
-    assert most_one == 1 and most > 1  # the queued run really queued rounds
+    assert most > 1  # the queued run really queued rounds
     # The same drafts and the same verify per round: the device's acceptance takes what the host's did.
     assert accepted_queued == accepted_one
     assert {a for per_request in accepted_queued for a in per_request} == {0, 1, 2, 3}
@@ -156,8 +168,7 @@ def test_runs_fall_back_to_one_round_where_the_device_cannot_decide(engine, pair
     assert _all_pages_free(engine)
 
 
-@pytest.mark.parametrize("glue", ["torch", "fused"])
-def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair, glue, monkeypatch):
+def test_runs_leave_the_drafter_where_one_round_steps_leave_it(pair, monkeypatch):
     """The drafter's side of two runs — the second queued after the first from the device's state
     (overlapped runs) — its extends fed from the device, its lengths and roots advanced there, ends
     in the state that one round per step reaches after the same tokens: committed length, root, state,
@@ -168,13 +179,11 @@ def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair, glue, mon
     import tandem.speculative.chain_rounds as chain_rounds
     from tandem.speculative.controlled import ControlledAcceptanceProposer
 
-    if glue == "fused":
-        monkeypatch.setattr(chain_rounds, "use_triton", lambda x: True)
-
     root, prompts, ref = pair
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)  # two runs of 4 rounds: up to 32 tokens
-    states = []
-    for spec_rounds in (4, 1):
+    states, target = {}, None
+    for name, spec_rounds in (("torch glue", 4), ("fused glue", 4), ("one round per step", 1)):
+        monkeypatch.setattr(chain_rounds, "use_triton", lambda x, fused=name == "fused glue": fused)
         with _speculative_engine(root) as eng:
             drafter = eng.proposer
             eng.proposer, eng.spec_rounds = ControlledAcceptanceProposer(drafter, 0.3, seed=7), spec_rounds
@@ -185,8 +194,10 @@ def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair, glue, mon
             if spec_rounds > 1:
                 eng.step()  # one run of rounds read back, the next queued after it
                 eng.step()  # that one read back
-                target = {rid: eng.requests[rid].num_tokens for rid in rids}
-            else:  # one round at a time, up to the run's tokens (the same acceptance: the test above)
+                reached = {rid: eng.requests[rid].num_tokens for rid in rids}
+                assert target is None or reached == target  # both glues accept alike
+                target = reached
+            else:  # one round at a time, up to the runs' tokens (the same acceptance: the tests above)
                 while any(eng.requests[rid].num_tokens < target[rid] for rid in rids):
                     eng.step()
                 assert {rid: eng.requests[rid].num_tokens for rid in rids} == target
@@ -196,14 +207,16 @@ def test_a_run_leaves_the_drafter_where_one_round_steps_leave_it(pair, glue, mon
                 kv = _entries(drafter.kv.data, s.kv, s.kv.num_tokens)
                 target_kv = _entries(eng.executor.runner.kv.data, req.kv, req.kv.num_tokens)
                 per_request.append((s.kv.num_tokens, s.root, s.state, s.top_logp, s.top_ids.tolist(), kv, target_kv))
-            states.append(per_request)
+            states[name] = per_request
             assert max(len(o) for o in (eng.requests[rid].output for rid in rids)) > 4  # more than one round's worth
-    for (n, root_token, state, logp, ids, kv, tkv), (n1, root1, state1, logp1, ids1, kv1, tkv1) in zip(*states):
-        assert (n, root_token, ids) == (n1, root1, ids1)
-        torch.testing.assert_close(state, state1)
-        torch.testing.assert_close(logp, logp1)
-        torch.testing.assert_close(kv, kv1)
-        torch.testing.assert_close(tkv, tkv1)
+    for glue in ("torch glue", "fused glue"):
+        for (n, root_token, state, logp, ids, kv, tkv), (n1, root1, state1, logp1, ids1, kv1, tkv1) in zip(
+                states[glue], states["one round per step"]):
+            assert (n, root_token, ids) == (n1, root1, ids1), glue
+            torch.testing.assert_close(state, state1)
+            torch.testing.assert_close(logp, logp1)
+            torch.testing.assert_close(kv, kv1)
+            torch.testing.assert_close(tkv, tkv1)
 
 
 def _entries(pool, kv, count):
@@ -308,20 +321,17 @@ def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
     assert _all_pages_free(engine)
 
 
-def test_the_fused_round_glue_runs_rounds_as_the_torch_glue(engine, pair, monkeypatch):
+def test_the_fused_round_glue_runs_rounds_as_one_round_steps(engine, pair, one_round_steered, monkeypatch):
     """On the GPU the glue between a round's graphs is three kernels (tandem/kernels/round_glue.py):
     forced here under the interpreter, steered runs of rounds (overlapped, so a run goes on from the
-    glue's device state) give target-only greedy tokens and the torch glue's acceptance per round (the
-    drafter's state they leave: test_a_run_leaves_the_drafter_where_one_round_steps_leave_it)."""
+    glue's device state) give target-only greedy tokens and one round per step's acceptance per round
+    (the drafter's state they leave: test_runs_leave_the_drafter_where_one_round_steps_leave_it)."""
     import tandem.speculative.chain_rounds as chain_rounds
 
     _, prompts, ref = pair
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    torch_glue, accepted_torch, _ = _run(engine, prompts, params, 4, ref, rate=0.3)
     monkeypatch.setattr(chain_rounds, "use_triton", lambda x: True)
-    fused, accepted_fused, most = _run(engine, prompts, params, 4, ref, rate=0.3)
-    assert torch_glue == ref and fused == ref and most > 1
-    assert accepted_fused == accepted_torch
-    unsteered, _, _ = _run(engine, prompts, params, 4)
-    assert unsteered == ref
+    fused, accepted_fused, most = _run(engine, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), 4,
+                                       ref, rate=0.3)
+    assert fused == ref and most > 1
+    assert accepted_fused == one_round_steered[1]
     assert _all_pages_free(engine)
