@@ -5,6 +5,8 @@ had 0.6 ms idle before each run, and overlapping runs gained nothing at batch 1)
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -13,8 +15,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_a_readback_waits_for_its_own_work_not_for_work_queued_after_it():
     from tandem.engine.staging import HostReadback
-
-    import time
 
     x = torch.arange(12, device="cuda").view(3, 4) * 7
     # Every launch below once first: a kernel's first launch loads its module lazily, which can wait for
