@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine  # noqa: E402
-from sections import _events_ms, _rate_for  # noqa: E402
+from sections import _rate_for, replay_ms, round_graphs  # noqa: E402
 
 
 def _leave_real_inputs(engine, drafter, spec, new_tokens: int = 48) -> None:
@@ -76,17 +76,13 @@ def main() -> None:
     engine = bench_engine(args.layers, widths=(1, spec.num_draft_tokens), max_bs=8)
     drafter, _ = bench_drafter(engine, args.layers, [spec])
     _leave_real_inputs(engine, drafter, spec)
-    target = engine.executor.runner.graphs
-    drafter.graphs.aux.fill_(1)  # the extend's token count (a queued run leaves the next roots there)
-    graphs = {"decode": target.families[1].graphs[1], "verify width 4": target.families[spec.num_draft_tokens].graphs[1],
-              "draft 3 steps": drafter.graphs.graphs[(spec, 1)], "draft_extend": drafter.graphs.graphs[("extend", 1)]}
     results = {}
-    for name, graph in graphs.items():
-        replay_ms = _events_ms(lambda: [graph.replay() for _ in range(10)], 10) / 10
+    for name, graph in round_graphs(engine, drafter, [spec]).items():
+        ms = replay_ms(graph)
         kernel_us, groups = _kernels_per_replay(graph, args.reps)
-        results[name] = {"replay_ms": replay_ms, "kernel_ms": kernel_us / 1e3,
+        results[name] = {"replay_ms": ms, "kernel_ms": kernel_us / 1e3,
                          "kernels": [{"name": k, "us": round(us, 2), "count": c} for k, us, c in groups]}
-        print(f"=== {name}: replay {replay_ms:.3f} ms, kernels {kernel_us / 1e3:.3f} ms "
+        print(f"=== {name}: replay {ms:.3f} ms, kernels {kernel_us / 1e3:.3f} ms "
               f"({sum(c for _, _, c in groups):.0f} launches) ===", flush=True)
         for key, us, count in groups[:22]:
             print(f"  {us:9.1f} us  x{count:5.1f}  {key[:110]}")

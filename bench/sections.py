@@ -295,20 +295,28 @@ def _timed_to_the_end(engine, rid: str, new_tokens: int) -> dict:
     return {"tok_s": new_tokens / (ended - started), "decode_tok_s": (new_tokens - first_tokens) / (ended - first_at)}
 
 
-def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
-    """GPU time of each graph a chain round replays, at batch 1: ten replays back to back per timing,
-    so the host's launch of the next overlaps the current one (as in a queued run)."""
-    def per_replay(graph, reps: int = 10) -> float:
-        return _events_ms(lambda: [graph.replay() for _ in range(reps)], 10) / reps
-
+def round_graphs(engine, drafter, chains: list) -> dict:
+    """The batch-1 graphs a chain round replays, by name — the decode graph too, for comparison — ready
+    to replay on their static inputs as they stand."""
     target = engine.executor.runner.graphs
     drafter.graphs.aux.fill_(1)  # the extend's token count (a queued run leaves the next roots there)
-    out = {"decode": per_replay(target.families[1].graphs[1]),
-           "draft_extend": per_replay(drafter.graphs.graphs[("extend", 1)])}
+    graphs = {"decode": target.families[1].graphs[1]}
     for sc in chains:
-        out[f"verify width {sc.num_draft_tokens}"] = per_replay(target.families[sc.num_draft_tokens].graphs[1])
-        out[f"draft {sc.num_steps} steps"] = per_replay(drafter.graphs.graphs[(sc, 1)])
-    return {name: round(ms, 4) for name, ms in out.items()}
+        graphs[f"verify width {sc.num_draft_tokens}"] = target.families[sc.num_draft_tokens].graphs[1]
+        graphs[f"draft {sc.num_steps} steps"] = drafter.graphs.graphs[(sc, 1)]
+    graphs["draft_extend"] = drafter.graphs.graphs[("extend", 1)]
+    return graphs
+
+
+def replay_ms(graph, reps: int = 10) -> float:
+    """GPU time of one replay, ``reps`` back to back per timing so the host's launch of the next
+    overlaps the current one (as in a queued run)."""
+    return _events_ms(lambda: [graph.replay() for _ in range(reps)], 10) / reps
+
+
+def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
+    """GPU time of each graph a chain round replays, at batch 1."""
+    return {name: round(replay_ms(graph), 4) for name, graph in round_graphs(engine, drafter, chains).items()}
 
 
 def spec_goal(ctx: dict) -> dict:

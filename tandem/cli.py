@@ -38,7 +38,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-rounds", type=int, default=None,
                    help="greedy chain rounds queued back to back (default: 4 with CUDA graphs, else 1)")
     p.add_argument("--no-overlap-runs", action="store_true",
-                   help="read each run of --spec-rounds back before queuing the next (default: the next is queued first)")
+                   help="read each run of --decode-steps or --spec-rounds back before queuing the next (default: the "
+                        "next is queued first)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=_run_generate)
 

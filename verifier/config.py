@@ -80,8 +80,9 @@ class VerifierConfig:
                             "in-process) while no prompt waits; their tokens stream together (default: 4 with "
                             "CUDA graphs, else 1)")
         p.add_argument("--no-overlap-runs", action="store_true",
-                       help="read each run of --spec-rounds back before queuing the next (default: the next run "
-                            "is queued first, from the device's state, so the GPU does not wait at the boundary)")
+                       help="read each run of --decode-steps or --spec-rounds back before queuing the next "
+                            "(default: the next run is queued first, from the device's state, so the GPU does not "
+                            "wait at the boundary)")
         p.add_argument("--host", default=cls.host)
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--drafter", default=None,

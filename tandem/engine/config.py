@@ -40,7 +40,7 @@ class EngineConfig:
     # when nothing else needs the host between them (tandem.engine.rounds_ahead); 1 = one round per
     # step. None: DEFAULT_SPEC_ROUNDS with CUDA graphs, else 1.
     spec_rounds: int | None = None
-    # --no-overlap-runs: read every run of rounds back before queuing the next (by default the next run
+    # --no-overlap-runs: read every run of decode steps or rounds back before queuing the next (by default the next run
     # is queued first, from the device's state, so the GPU does not wait at a run's boundary)
     overlap_runs: bool = True
 
