@@ -115,7 +115,6 @@ def _gemv_dot_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -124,8 +123,13 @@ def _gemv_dot_kernel(
     m_ok = offs_m < M
     w_ptrs = w_ptr + rows_n[None, :] * sw + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W's rows
     x_ptrs = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # As in the rows kernel: the first weight tile is read before the wait for the previous kernel.
+    first_ok = offs_k < K
+    w0 = tl.load(w_ptrs, mask=first_ok[:, None], other=0.0)
+    pdl_enter(PDL)
+    x0 = tl.load(x_ptrs, mask=m_ok[:, None] & first_ok[None, :], other=0.0)
+    acc = tl.dot(x0, w0, tl.zeros([16, BLOCK_N], dtype=tl.float32))
+    for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs + k)
             xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)

@@ -152,16 +152,31 @@ def test_gemv_serving_shapes(rows, n, k):
     assert rel_err(gemv(x, w, b, default_config(rows, n, k)), ref) < 1e-2
 
 
-def test_pdl_chain_in_a_graph_keeps_every_dependency():
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_gemv_default_routes(rows):
+    """The tiles the linear layers route 2-4 rows of these weight shapes to, against cuBLAS, in bf16."""
+    from tandem.kernels.gemv import GemvConfig, gemv
+    from tandem.layers.fast_path import DEFAULT_SEVERAL_ROWS_ROUTES
+
+    for (n, k), cfg in DEFAULT_SEVERAL_ROWS_ROUTES.items():
+        gen = torch.Generator(device="cuda").manual_seed(rows + n + k)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        assert rel_err(gemv(x, w, None, GemvConfig(**cfg)), ref) < 1e-2, (n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_pdl_chain_in_a_graph_keeps_every_dependency(rows):
     """Forty kernels in one graph, each reading the previous one's output (each norm also reads the
     residual written three kernels back), launched with programmatic dependent launch: every replay
     with new inputs must equal the same chain launched plainly, bit for bit, and track a float32
     reference. A kernel that read its input before its predecessor had finished would make replays
-    differ."""
+    differ. Four rows take the tensor-core GEMV, which reads its first weight tile before its wait."""
     from tandem.kernels.gemv import default_config, gemv
     from tandem.kernels.pdl import set_pdl, use_pdl
 
-    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     if not use_pdl(x0):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -173,8 +188,8 @@ def test_pdl_chain_in_a_graph_keeps_every_dependency():
         h, res = x0, torch.zeros_like(x0)
         for up, down in mats:
             normed, res = rms_norm(h, norm_w, 1e-5, residual=res)
-            gate_up = gemv(normed, up, config=default_config(1, *up.shape))
-            h = gemv(silu_and_mul(gate_up), down, config=default_config(1, *down.shape))
+            gate_up = gemv(normed, up, config=default_config(rows, *up.shape))
+            h = gemv(silu_and_mul(gate_up), down, config=default_config(rows, *down.shape))
         return h + res
 
     def reference():
