@@ -132,6 +132,43 @@ def test_speculative_graphs_equal_eager(target, bs, steps, topk, ndt):
     assert graphed == eager == run(target, batch, graphs=False)
 
 
+def test_overlapped_chain_runs_are_committed_while_the_next_run_computes(target, monkeypatch):
+    """Batch 1, chain runs of 4 rounds, every draft accepted: each step that reads a run back and
+    commits it (tokens, drafter state) returns before the run queued after it has finished on the
+    device (its end delayed there by the test). Committing once indexed the drafter's snapshot with a
+    Python list, a pageable host-to-device copy that waited for that run: the device then idled at
+    every run boundary (2.1 ms per run on the 8B shape, docs/benchmarks.md)."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from tandem.speculative.drafter import SpecConfig
+
+    queue, read_back = rounds_ahead.queue_chain_rounds, rounds_ahead._read_back
+    following_done: list[torch.cuda.Event] = []
+    still_running: list[bool] = []
+
+    def queue_and_mark(graphs, drafter, reqs, spec, rounds, steer=None, after=None):
+        run = queue(graphs, drafter, reqs, spec, rounds, steer, after)
+        if after is not None:  # a tiny model's rounds are shorter than the host's work between them
+            torch.cuda._sleep(50_000_000)
+            following_done.append(torch.cuda.Event())
+            following_done[-1].record()
+        return run
+
+    def read_back_and_check(*args, **kwargs):
+        outputs = read_back(*args, **kwargs)
+        if following_done:
+            still_running.append(not following_done.pop().query())
+        return outputs
+
+    torch.cuda._sleep(1000)  # loaded once first: a first launch may wait for the device
+    torch.cuda.synchronize()
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", queue_and_mark)
+    monkeypatch.setattr(rounds_ahead, "_read_back", read_back_and_check)
+    accepted: list = []  # (asks run() for a fixed policy: a timed one turns slowed rounds off)
+    run(target, prompts(1), graphs=True, proposer_rate=0.0, spec=SpecConfig(3, 1, 4), spec_rounds=4, new=80,
+        accepted=accepted)
+    assert len(still_running) >= 3 and all(still_running), still_running
+
+
 @pytest.mark.parametrize("bs", [1, 6])
 def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, monkeypatch):
     """--spec-rounds 4 (greedy chains; acceptance, inputs and the drafter's extend decided on the
