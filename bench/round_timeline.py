@@ -120,7 +120,8 @@ def main() -> None:
     spec = SpecConfig(3, 1, 4)
     engine = bench_engine(args.layers, widths=(1, spec.num_draft_tokens), max_bs=8)
     drafter, _ = bench_drafter(engine, args.layers, [spec])
-    prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     greedy = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)  # JIT warm-up
     report: dict = {"decode": _profiled(engine, lambda: engine.add_request(prompt, greedy, spec=None),
@@ -147,7 +148,8 @@ def main() -> None:
         while not engine.requests[rid].finished:
             engine.step()
         engine.requests.pop(rid)
-        report[f"spec_{rounds}_rounds"] = _profiled(engine, add, rounds, f"chain of 3 at accept 4, {rounds} rounds per run")
+        label = f"chain of 3 at accept 4, {rounds} rounds per run"
+        report[f"spec_{rounds}_rounds"] = _profiled(engine, add, rounds, label)
     engine.proposer = None
     engine.shutdown()
     Path(args.out).write_text(json.dumps(report, indent=1))

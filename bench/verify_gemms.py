@@ -46,7 +46,8 @@ def candidates():
     from tandem.kernels.gemv import GemvConfig
 
     return [GemvConfig("dot", bn, bk, 4, st) for bn, bk, st in
-            ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 3), (32, 256, 5), (64, 128, 3), (64, 128, 5), (32, 128, 6))]
+            ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 3), (32, 256, 5), (64, 128, 3), (64, 128, 5),
+             (32, 128, 6))]
 
 
 def sweep(rows: int, margin: float) -> tuple[dict, dict, dict]:
@@ -58,24 +59,22 @@ def sweep(rows: int, margin: float) -> tuple[dict, dict, dict]:
         timed = [r for r in res["rows"][1:] if "us" in r]
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best is not None:
-            bests[name] = {"n": n, "k": k, "config": best["config"]}
+            bests[name] = {"rows": rows, "n": n, "k": k, "config": best["config"]}
         if best is not None and best["us"] < cublas * (1 - margin):
-            picks[name] = {"n": n, "k": k, "config": best["config"], "us": best["us"], "cublas_us": cublas}
+            picks[name] = {**bests[name], "us": best["us"], "cublas_us": cublas}
         print(f"{name:14s} [{n}x{k}] cuBLAS {cublas:7.1f} us ({res['rows'][0]['TBps']:.2f} TB/s); best tile "
               + (f"{best['us']:7.1f} us ({best['TBps']:.2f} TB/s) {best['config']}" if best else "none")
               + ("  <- routed" if name in picks else ""), flush=True)
     return results, picks, bests
 
 
-def load_routes(spec: str) -> dict:
+def routes_for(spec: str) -> dict:
     """none, default (tandem's), or a routes file."""
-    from tandem.layers.fast_path import DEFAULT_SEVERAL_ROWS_ROUTES
+    from tandem.layers.gemv_routes import DEFAULT_ROUTES, load_routes
 
     if spec == "none":
         return {}
-    if spec == "default":
-        return dict(DEFAULT_SEVERAL_ROWS_ROUTES)
-    return {(r["n"], r["k"]): r["config"] for r in json.loads(Path(spec).read_text())}
+    return dict(DEFAULT_ROUTES) if spec == "default" else load_routes(spec)
 
 
 def engine_graphs(routes: dict, layers: int, reps: int) -> dict:
@@ -84,10 +83,10 @@ def engine_graphs(routes: dict, layers: int, reps: int) -> dict:
     from models import bench_drafter, bench_engine
     from sections import _free_gpu, replay_ms, round_graphs
 
-    from tandem.layers.fast_path import set_several_rows_routes
+    from tandem.layers.gemv_routes import set_routes
     from tandem.speculative.drafter import SpecConfig
 
-    set_several_rows_routes(routes)
+    set_routes(routes)
     spec = SpecConfig(3, 1, 4)
     engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)
     drafter, _ = bench_drafter(engine, layers, [spec])
@@ -128,7 +127,8 @@ def main() -> None:
         report["read_ceiling_TBps"] = read_ceiling_tbps()
         print(f"read ceiling {report['read_ceiling_TBps']:.2f} TB/s", flush=True)
         report["shapes"], picks, bests = sweep(args.rows, args.margin)
-        Path(args.routes_out).write_text(json.dumps([{k: p[k] for k in ("n", "k", "config")} for p in picks.values()]))
+        Path(args.routes_out).write_text(json.dumps([{k: p[k] for k in ("rows", "n", "k", "config")}
+                                                     for p in picks.values()]))
         Path(args.best_out).write_text(json.dumps(list(bests.values())))
         report["picks"], report["bests"] = picks, bests
         from tandem.kernels.gemv import GemvConfig
@@ -144,7 +144,7 @@ def main() -> None:
         name, spec = variant.split("=", 1)
         spec = {"ROUTES_OUT": args.routes_out, "BEST_OUT": args.best_out}.get(spec, spec)
         print(f"engine graphs, {name} ({spec}):", flush=True)
-        report["graphs"][name] = engine_graphs(load_routes(spec), args.layers, args.reps)
+        report["graphs"][name] = engine_graphs(routes_for(spec), args.layers, args.reps)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 

@@ -338,37 +338,38 @@ def test_gemv_rejects_bad_shapes():
         GemvConfig("tensorcore")
 
 
-def test_gemv_routes_from_env(tmp_path):
-    """TANDEM_GEMV_ROUTES: unset, the defaults; a file, its routes only; "none", no route. A CPU
-    tensor never routes: matmul's CPU path is F.linear whatever the table says."""
+def test_gemv_routes_from_env(tmp_path, monkeypatch):
+    """TANDEM_GEMV_ROUTES: unset, the defaults; a file, its routes only (rows 4 where it names none);
+    "none", no route; a malformed file, an error naming the variable. A CPU tensor never routes:
+    matmul's CPU path is F.linear whatever the table says."""
     import json as _json
 
-    from tandem.layers import fast_path
+    from tandem.layers import gemv_routes
     from tandem.layers.linear import matmul
 
-    routes = tmp_path / "routes.json"
     cfg = {"kernel": "dot", "block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 3}
-    routes.write_text(_json.dumps([{"n": 24, "k": 64, "config": cfg}]))
-    env = dict(os.environ)
+    routes = tmp_path / "routes.json"
+    routes.write_text(_json.dumps([{"n": 24, "k": 64, "config": cfg}, {"rows": 2, "n": 8, "k": 64, "config": cfg}]))
+    monkeypatch.delenv("TANDEM_GEMV_ROUTES", raising=False)
+    assert gemv_routes._from_env() == gemv_routes.DEFAULT_ROUTES
+    monkeypatch.setenv("TANDEM_GEMV_ROUTES", str(routes))
+    assert gemv_routes._from_env() == {(4, 24, 64): cfg, (2, 8, 64): cfg}
+    monkeypatch.setenv("TANDEM_GEMV_ROUTES", "none")
+    assert gemv_routes._from_env() == {}
+    for bad in ("{not json", '[{"n": 24, "config": {}}]', '[{"rows": 1, "n": 24, "k": 64, "config": {}}]'):
+        routes.write_text(bad)
+        monkeypatch.setenv("TANDEM_GEMV_ROUTES", str(routes))
+        with pytest.raises(ValueError, match="TANDEM_GEMV_ROUTES="):
+            gemv_routes._from_env()
+    before = gemv_routes.current_routes()
+    gemv_routes.set_routes({(4, 24, 64): {"kernel": "no-such-kernel"}})
     try:
-        os.environ.pop("TANDEM_GEMV_ROUTES", None)
-        assert fast_path._routes_from_env() == fast_path.DEFAULT_SEVERAL_ROWS_ROUTES
-        os.environ["TANDEM_GEMV_ROUTES"] = str(routes)
-        assert fast_path._routes_from_env() == {(24, 64): cfg}
-        os.environ["TANDEM_GEMV_ROUTES"] = "none"
-        assert fast_path._routes_from_env() == {}
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-    before = dict(fast_path._several_rows_routes)
-    fast_path.set_several_rows_routes({(24, 64): {"kernel": "no-such-kernel"}})
-    try:
-        assert fast_path.several_rows_route(24, 64) == {"kernel": "no-such-kernel"}
-        assert fast_path.several_rows_route(64, 24) is None
+        assert gemv_routes.route(4, 24, 64) == {"kernel": "no-such-kernel"}
+        assert gemv_routes.route(3, 24, 64) is None and gemv_routes.route(4, 64, 24) is None
         x, w = torch.randn(4, 64), torch.randn(24, 64)
         assert torch.equal(matmul(x, w), F.linear(x, w))  # the bogus route was never built on the CPU
     finally:
-        fast_path.set_several_rows_routes(before)
+        gemv_routes.set_routes(before)
 
 
 # ---------------------------------------------------------------- the compiled path

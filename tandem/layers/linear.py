@@ -13,19 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import all_reduce, divide, tp_group
-from tandem.layers.fast_path import gemv_max_rows, several_rows_route, use_triton
+from tandem.layers import gemv_routes
+from tandem.layers.fast_path import gemv_max_rows, use_triton
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b``. Up to ``gemv_max_rows()`` bf16/fp16 rows on the GPU (by default one: batch-1
-    decode), and 2-4 rows times a weight shape with a route (``several_rows_route``: a width-4 verify
-    at batch 1), go to the Triton GEMV (tandem/kernels/gemv.py), which streams W at the read bandwidth
-    and joins the programmatic dependent launch chain of the other kernels; everything else, float32
-    included, is ``F.linear``."""
+    decode), and the few-row products that tandem/layers/gemv_routes.py routes (a width-4 verify at
+    batch 1: qkv, o, the LM head), go to the Triton GEMV (tandem/kernels/gemv.py), which streams W at
+    the read bandwidth and joins the programmatic dependent launch chain of the other kernels;
+    everything else, float32 included, is ``F.linear``."""
     if (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and weight.stride(1) == 1 and use_triton(x)):
         rows, (n, k) = x.shape[0], weight.shape
-        route = several_rows_route(n, k) if 2 <= rows <= 4 else None
+        route = gemv_routes.route(rows, n, k) if rows > 1 else None
         if route is not None or 0 < rows <= gemv_max_rows():
             from tandem.kernels.gemv import GemvConfig, default_config, gemv
 
