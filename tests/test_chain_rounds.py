@@ -63,9 +63,10 @@ def engine(pair):
 
 
 def _speculative_engine(root) -> LLMEngine:
-    """An in-process speculative engine whose target and drafter graphs run their static code eagerly."""
-    from helpers import static_target_graphs
-    from tandem.attention.graph_backend import TritonGraphBackend
+    """An in-process speculative engine whose target and drafter graphs run their static code eagerly,
+    with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
+    interpreted, where a test forces the fused path)."""
+    from helpers import static_target_graphs, torch_graph_backend
     from tandem.models.config import ModelConfig
     from tandem.models.eagle3_config import DraftConfig, validate_draft
     from tandem.speculative.draft_graph import DraftGraphRunner
@@ -79,7 +80,7 @@ def _speculative_engine(root) -> LLMEngine:
                                       capture_layers=capture, embed_weight=runner.model.model.embed_tokens.weight)
     drafter.graphs = DraftGraphRunner(drafter, [SPEC], buckets=[1, 2, 4], use_graphs=False, attention="torch")
     eng.proposer, eng.default_spec = drafter, SPEC
-    runner.graph_backend = TritonGraphBackend()
+    runner.graph_backend = torch_graph_backend()  # the target's attention in torch: these tests are about the rounds
     runner.graphs = static_target_graphs(runner, widths=(1, SPEC.num_draft_tokens), max_bs=4)
     return eng
 

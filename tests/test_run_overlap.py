@@ -7,6 +7,7 @@ Replays are stood in by their static code run eagerly, as in test_chain_rounds."
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tandem.engine.rounds_ahead as rounds_ahead
 from tandem.sampling import SamplingParams
@@ -73,22 +74,31 @@ def test_a_prompt_arriving_while_a_run_is_in_flight_waits_for_it_and_loses_nothi
     assert _all_pages_free(engine)
 
 
-def test_a_request_aborted_while_a_run_is_in_flight_gets_nothing_more(engine, pair):
+@pytest.mark.parametrize("aborted", ["second", "first"])
+def test_a_request_aborted_while_a_run_is_in_flight_gets_nothing_more(engine, pair, aborted):
+    """The request left keeps its own row of the run's drafter snapshot (state, top-k), also when the
+    aborted one came before it in the batch."""
     _, prompts, ref = pair
     engine.spec_rounds = 4
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    kept, dropped = engine.add_request(prompts[0], params), engine.add_request(prompts[1], params)
+    rids = [engine.add_request(prompts[0], params), engine.add_request(prompts[1], params)]
+    (kept, k), (dropped, d) = ((rids[0], 0), (rids[1], 1)) if aborted == "second" else ((rids[1], 1), (rids[0], 0))
     engine.step()  # the prefills
     engine.step()  # a run read back, the next in flight
-    assert engine.run_in_flight is not None
+    run = engine.run_in_flight
+    assert run is not None and [req.rid for req in run.reqs] == rids
     before = list(engine.requests[dropped].output)
     engine.abort(dropped)
     outputs = engine.step()
     assert dropped not in {out.rid for out in outputs} and engine.run_in_flight is None
-    assert before == ref[1][: len(before)]
+    assert before == ref[d][: len(before)]
+    state, top_logp, top_ids = run.snapshot
+    left = engine.proposer.request_states([kept])[0]
+    assert torch.equal(left.state, state[k]) and torch.equal(left.top_logp, top_logp[k])
+    assert torch.equal(left.top_ids, top_ids[k])
     while engine.has_unfinished():
         engine.step()
-    assert engine.requests.pop(kept).output == ref[0]
+    assert engine.requests.pop(kept).output == ref[k]
     assert _all_pages_free(engine)
 
 
