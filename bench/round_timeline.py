@@ -83,16 +83,18 @@ def _profiled(engine, add, rounds_per_run: int, label: str) -> dict:
     rid = add()
     engine.step()  # the prefill
     torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         while not engine.requests[rid].finished:
             engine.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        ops = _device_ops(path)
     req = engine.requests.pop(rid)
-    out = analyse(_device_ops(path), rounds_per_run)
+    out = analyse(ops, rounds_per_run)
     out["tok_s_profiled"] = (len(req.output) - 1) / elapsed
     print(f"=== {label}: {out.get('tok_s_profiled', 0):.1f} tok/s under the profiler; "
           f"busy {100 * out.get('busy_share', 0):.1f} %, idle {out.get('idle_us_per_run', 0):.0f} us per run "
