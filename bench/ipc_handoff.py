@@ -42,60 +42,55 @@ def _cycles(work_us: float) -> int:
     return int(probe * work_us / (a.elapsed_time(b) * 1e3))
 
 
-def _events(rounds: int) -> list[torch.cuda.Event]:
-    return [torch.cuda.Event(interprocess=True) for _ in range(rounds)]
-
-
-def _side(rank: int, rounds: int, cycles: int, handles, mine_q, issued, go) -> None:
-    """One process's alternation: rank 0 runs rounds' first kernels, rank 1 their second."""
+def _connect(rounds: int, send, receive) -> tuple[list, list]:
+    """This side's interprocess events (one per round, their handles sent) and the other side's."""
     torch.cuda.set_device(0)
-    torch.cuda._sleep(1000)
+    torch.cuda._sleep(1000)  # a first launch loads the kernel
     torch.cuda.synchronize()
-    mine = _events(rounds)
-    mine_q.put([e.ipc_handle() for e in mine])
-    theirs = [torch.cuda.Event.from_ipc_handle(0, h) for h in handles.get()]
-    go.wait()
+    mine = [torch.cuda.Event(interprocess=True) for _ in range(rounds)]
+    send.put([e.ipc_handle() for e in mine])
+    return mine, [torch.cuda.Event.from_ipc_handle(0, h) for h in receive.get()]
+
+
+def _alternate(rank: int, cycles: int, mine: list, theirs: list, issued) -> None:
+    """Queue this side's kernels: rank 0 runs each round's first kernel, after rank 1's of the round
+    before; rank 1 each round's second, after rank 0's of the same round."""
     stream = torch.cuda.current_stream()
-    for r in range(rounds):
-        if rank == 1 or r > 0:  # rank 1's round r follows rank 0's round r; rank 0's follows rank 1's r-1
-            need = r if rank == 1 else r - 1
-            while issued[1 - rank] <= need:  # the other host has issued that record
+    for r in range(len(mine)):
+        after = r if rank == 1 else r - 1
+        if after >= 0:
+            while issued[1 - rank] <= after:  # the other host has issued that record
                 pass
-            stream.wait_event(theirs[need])
+            stream.wait_event(theirs[after])
         torch.cuda._sleep(cycles)
         mine[r].record(stream)
         issued[rank] = r + 1
+
+
+def _child(rounds: int, cycles: int, receive, send, issued, go) -> None:
+    mine, theirs = _connect(rounds, send, receive)
+    go.wait()
+    _alternate(1, cycles, mine, theirs, issued)
     torch.cuda.synchronize()
 
 
 def cross_process(rounds: int, cycles: int) -> float:
-    """Wall seconds for ``rounds`` round trips between two processes, from the first launch to the last."""
+    """Wall seconds for ``rounds`` round trips between two processes, from the first launch to the last
+    kernel's end. The parent is rank 0; event handles go to the child on one queue and come back on the
+    other."""
     ctx = mp.get_context("spawn")
     issued = ctx.Array("l", [0, 0], lock=False)
     go = ctx.Event()
-    q0, q1 = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_side, args=(1, rounds, cycles, q0, q1, issued, go))
+    to_child, from_child = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_child, args=(rounds, cycles, to_child, from_child, issued, go))
     child.start()
-    # The parent is rank 0: its event handles go to the child on q0, the child's come back on q1.
-    torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
-    mine = _events(rounds)
-    q0.put([e.ipc_handle() for e in mine])
-    theirs = [torch.cuda.Event.from_ipc_handle(0, h) for h in q1.get()]
-    stream = torch.cuda.current_stream()
+    mine, theirs = _connect(rounds, to_child, from_child)
     go.set()
     started = time.perf_counter()
-    for r in range(rounds):
-        if r > 0:
-            while issued[1] <= r - 1:
-                pass
-            stream.wait_event(theirs[r - 1])
-        torch.cuda._sleep(cycles)
-        mine[r].record(stream)
-        issued[0] = r + 1
+    _alternate(0, cycles, mine, theirs, issued)
     while issued[1] < rounds:
         pass
-    theirs[rounds - 1].synchronize()
+    theirs[-1].synchronize()
     elapsed = time.perf_counter() - started
     child.join(timeout=60)
     return elapsed

@@ -9,6 +9,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.kv_cache import SequenceKV
+from tandem.speculative.draft_static import StaticAttention, StaticMeta
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,23 +130,19 @@ def static_target_graphs(runner, widths: tuple[int, ...], max_bs: int):
     return graphs
 
 
-def torch_graph_backend():
+class TorchGraphBackend(StaticAttention):
     """The graph backend's contract — static slots, block tables, lengths, a tree mask over the last
     keys (GraphMeta) — in static-shape torch (tandem.speculative.draft_static.torch_paged_attention, the
     Triton kernel's reference, with rotary and the K/V store as torch ops). For CPU tests whose subject
     is the code around the target's replays, not its attention: interpreted Triton rotary and attention
     were ~90 % of their time. The Triton kernels keep their own tests (test_kernels.py,
     test_graph_static_path.py)."""
-    from tandem.speculative.draft_static import StaticAttention, StaticMeta
 
-    class TorchGraphBackend(StaticAttention):
-        name = "torch-graph"
+    name = "torch-graph"
 
-        def __init__(self):
-            super().__init__("torch")
+    def __init__(self):
+        super().__init__("torch")
 
-        def forward(self, q, k, v, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
-            static = StaticMeta(meta.block_tables, meta.kv_lens, meta.slot_mapping, meta.tree_mask)
-            return super().forward(q, k, v, k_pool, v_pool, static, scale)
-
-    return TorchGraphBackend()
+    def forward(self, q, k, v, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
+        static = StaticMeta(meta.block_tables, meta.kv_lens, meta.slot_mapping, meta.tree_mask)
+        return super().forward(q, k, v, k_pool, v_pool, static, scale)

@@ -66,7 +66,7 @@ def _speculative_engine(root) -> LLMEngine:
     """An in-process speculative engine whose target and drafter graphs run their static code eagerly,
     with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
     interpreted, where a test forces the fused path)."""
-    from helpers import static_target_graphs, torch_graph_backend
+    from helpers import TorchGraphBackend, static_target_graphs
     from tandem.models.config import ModelConfig
     from tandem.models.eagle3_config import DraftConfig, validate_draft
     from tandem.speculative.draft_graph import DraftGraphRunner
@@ -80,7 +80,7 @@ def _speculative_engine(root) -> LLMEngine:
                                       capture_layers=capture, embed_weight=runner.model.model.embed_tokens.weight)
     drafter.graphs = DraftGraphRunner(drafter, [SPEC], buckets=[1, 2, 4], use_graphs=False, attention="torch")
     eng.proposer, eng.default_spec = drafter, SPEC
-    runner.graph_backend = torch_graph_backend()  # the target's attention in torch: these tests are about the rounds
+    runner.graph_backend = TorchGraphBackend()  # the target's attention in torch: these tests are about the rounds
     runner.graphs = static_target_graphs(runner, widths=(1, SPEC.num_draft_tokens), max_bs=4)
     return eng
 

@@ -107,7 +107,7 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
     tokens, greedy and seeded-sampled — with the runs after the first queued before the run they follow
     is read back (overlapped runs, going on from the device's inputs), and every page given back."""
     import tandem.engine.decode_ahead as decode_ahead
-    from helpers import static_target_graphs, torch_graph_backend
+    from helpers import TorchGraphBackend, static_target_graphs
     from tandem.sampling import SamplingParams
 
     following, queue = [], decode_ahead.queue_decode_steps
@@ -117,7 +117,7 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
     runner = engine.executor.runner
     # torch attention: this test is about the inputs advancing between replays (the Triton kernels'
     # static path is the other tests'), and interpreted Triton attention was most of its time
-    monkeypatch.setattr(runner, "graph_backend", torch_graph_backend())
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend())
     graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 13, 21)]

@@ -26,7 +26,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and weight.stride(1) == 1 and use_triton(x)):
         rows, (n, k) = x.shape[0], weight.shape
-        route = gemv_routes.route(rows, n, k) if rows > 1 else None
+        route = gemv_routes.route(rows, n, k)  # (none for one row: that has its own kernel)
         if route is not None or 0 < rows <= gemv_max_rows():
             from tandem.kernels.gemv import GemvConfig, default_config, gemv
 

@@ -217,4 +217,4 @@ def end_chain_rounds(drafter, run: QueuedRun, result: ChainRounds, keep_pages: b
     keep = [b for b, req in enumerate(run.reqs) if drafter.has(req.rid)]  # not forgotten since (finished, broken)
     drafter.graphs.end_rounds([run.states[b] for b in keep],
                               [[t for toks in result.tokens[b] for t in toks] for b in keep],
-                              run.snapshot, keep_pages, rows=keep)
+                              run.snapshot, keep, keep_pages)

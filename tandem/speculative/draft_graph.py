@@ -337,19 +337,18 @@ class DraftGraphRunner:
         ids): what the run queued so far leaves, whatever a run queued after it does to the buffers."""
         return self.state[:n].clone(), self.top_logp[:n].clone(), self.top_ids[:n].clone()
 
-    def end_rounds(self, reqs: list, extended: list[list[int]], snapshot, keep_pages: bool = False,
-                   rows: list[int] | None = None) -> None:
+    def end_rounds(self, reqs: list, extended: list[list[int]], snapshot, rows: list[int],
+                   keep_pages: bool = False) -> None:
         """After a run: each request's committed KV grows by its ``extended`` tokens, its root is the last
-        of them, and its state and top-k are its row of the run's ``snapshot`` (``rows``: each request's
-        row; default 0, 1, ...). Pages past the committed KV go back, unless ``keep_pages`` (a run queued
-        after this one writes into them). Rows are taken one by one as views: indexing the snapshot with
-        a list would copy the list to the device from pageable memory, which waits for the stream — for
-        the whole run queued after this one, leaving the device idle when it ends (docs/benchmarks.md)."""
+        of them, and its state and top-k are its row (``rows``) of the run's ``snapshot``. Pages past the
+        committed KV go back, unless ``keep_pages`` (a run queued after this one writes into them). Rows
+        are taken one by one as views: indexing the snapshot with a list would copy the list to the
+        device from pageable memory, which waits for the stream — for the whole run queued after this
+        one, leaving the device idle when it ends (docs/benchmarks.md)."""
         state, top_logp, top_ids = snapshot
-        for b, (r, tokens) in enumerate(zip(reqs, extended)):
+        for r, tokens, row in zip(reqs, extended, rows):
             if keep_pages:
                 r.kv.commit(r.kv.num_tokens + len(tokens))
             else:
                 r.kv.truncate(r.kv.num_tokens + len(tokens))
-            row = b if rows is None else rows[b]
             r.root, r.state, r.top_logp, r.top_ids = tokens[-1], state[row], top_logp[row], top_ids[row]
