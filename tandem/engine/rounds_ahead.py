@@ -20,8 +20,8 @@ import math
 import time
 
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
-from tandem.speculative.chain_rounds import (QueuedRun, chain_rounds_fit, end_chain_rounds, queue_chain_rounds,
-                                             read_chain_rounds)
+from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
+                                             queue_chain_rounds, read_chain_rounds)
 from tandem.speculative.verify import ProposerUnavailable
 
 
@@ -81,7 +81,8 @@ def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRu
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
     guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
-    return guarded(queue_chain_rounds, engine.executor.runner.graphs, drafter, reqs, reqs[0].spec, rounds, steer, after)
+    return guarded(queue_chain_rounds, engine.executor.runner.graphs, LocalDraftSide(drafter), reqs, reqs[0].spec,
+                   rounds, steer, after)
 
 
 def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list[StepOutput]:
@@ -127,9 +128,8 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float,
         keep_pages = following is not None
         emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
         outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages)
-        drafter, _ = _device_drafter(engine.proposer)
-        if drafter is not None:
-            end_chain_rounds(drafter, run, result, keep_pages)
+        if _device_drafter(engine.proposer)[0] is not None:
+            end_chain_rounds(run, result, keep_pages)
         for out, (i, req) in zip(outputs, live):
             per_round, speculative = result.tokens[i], result.speculative[i]
             committed = len(out.new_token_ids)

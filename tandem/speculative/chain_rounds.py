@@ -58,23 +58,91 @@ class ChainRounds:
         return [not all(rounds) for rounds in self.speculative]
 
 
+class LocalDraftSide:
+    """The drafter's half of a run when its head runs in this process: its graph runner's replays and
+    static buffers, fed on the same stream as the target's (the other half is the verifier's:
+    tandem.speculative.remote_rounds when the drafter is another process). One per run."""
+
+    def __init__(self, drafter):
+        self.drafter, self.graphs = drafter, drafter.graphs
+        self.width = self.graphs.width  # the extend's tokens per request: the accept's row stride
+        self.states: list = []
+        self.draft_bs = 0
+        self.snapshot: tuple = ()  # the drafter's next-draft inputs the run leaves (snapshot_rounds)
+
+    @property
+    def extend_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the accept writes the extend's tokens, features and counts."""
+        return self.graphs.token_ids, self.graphs.features, self.graphs.aux
+
+    def begin(self, rids: list[str], spec, rounds: int, after: "LocalDraftSide | None") -> torch.Tensor:
+        """Reserve the drafter's pages for ``rounds`` more rounds and stage them (from the committed state,
+        or going on after the run ``after`` on the device) → the first draft's rows."""
+        graphs = self.graphs
+        self.states = after.states if after is not None else self.drafter.request_states(rids)
+        reach = ((after.rounds if after is not None else 0) + rounds - 1) * spec.num_draft_tokens
+        reach += draft_reach(self.drafter, spec)
+        for s in self.states:
+            s.kv.reserve(s.kv.num_tokens + reach)
+        if after is None:
+            self.draft_bs = graphs.begin_rounds(self.states)
+        else:  # the device holds where the last run left every input; only the pages grew
+            self.draft_bs = after.draft_bs
+            graphs.restage_pages(self.states)
+        self.rounds, self._spec = rounds, spec
+        return self.draft()
+
+    def draft(self) -> torch.Tensor:
+        """Replay the draft without waiting → the trees' rows of the run's requests."""
+        return self.graphs.replay_draft(self._spec, self.draft_bs)[: len(self.states)]
+
+    def extended(self, counts: torch.Tensor) -> None:
+        """After the accept fed the extend's inputs: the extend, and the next draft's inputs settled."""
+        self.graphs.replay_extend_fed(self.draft_bs, counts)
+
+    def extend_torch(self, kept: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """The torch glue's extend (the reference path)."""
+        self.graphs.replay_extend(self.draft_bs, kept, features, counts)
+
+    def finish(self) -> None:
+        self.snapshot = self.graphs.snapshot_rounds(len(self.states))
+
+    def abandon(self, fresh: bool) -> None:
+        """Queuing failed: a fresh run gives its reserved pages back (the drafter's state is as before);
+        after another run they stay, since that run still writes into them and its read-back, with
+        nothing queued after it, gives back those past its tokens."""
+        if fresh:
+            for s in self.states:
+                s.kv.truncate(s.kv.num_tokens)
+
+    def commit(self, reqs: list, result: "ChainRounds", keep_pages: bool) -> None:
+        """The drafter's side of the run read back: every request it still holds commits the run's
+        tokens (``keep_pages``: a run queued after this one still writes past them)."""
+        keep = [b for b, req in enumerate(reqs) if self.drafter.has(req.rid)]  # not forgotten since
+        self.graphs.end_rounds([self.states[b] for b in keep],
+                               [[t for toks in result.tokens[b] for t in toks] for b in keep],
+                               self.snapshot, keep, keep_pages)
+
+
 @dataclass
 class QueuedRun:
     """A run of rounds queued on the device and not read back yet, with what a run after it goes on from."""
 
     reqs: list  # the engine's requests
-    states: list  # the drafter's states of the same requests
+    side: object  # the drafter's half of the run (LocalDraftSide, or the remote one)
     spec: object
     rounds: int
     fam: object  # the target's verify family, its static inputs at the run's last verify
     verify_bs: int
-    draft_bs: int
     emitted: HostReadback  # int64 [rounds, n, nd + 2]: tokens (0 past the count) | count | broken
     broken: torch.Tensor  # bool [n]: the draft came out NaN in some round so far
     counts: torch.Tensor  # int64 [n]: tokens the last round emitted
     roots: torch.Tensor | None  # each root's index in its sequence (only when the instrument steers)
-    snapshot: tuple  # the drafter's next-draft inputs the run leaves (DraftGraphRunner.snapshot_rounds)
     queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds
+
+    @property
+    def snapshot(self) -> tuple:
+        return self.side.snapshot
 
 
 def draft_reach(drafter, spec) -> int:
@@ -86,10 +154,17 @@ def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int)
     """Whether ``rounds`` queued rounds (past the committed state: those of runs not read back included)
     of these requests fit both sides' graphs and the drafter's pages (the engine checks its own side:
     sampling, pages of the target, the context)."""
+    if (target_graphs is None or spec.num_draft_tokens not in target_graphs.families
+            or len(rids) > target_graphs.max_bs):
+        return False
+    return drafter_rounds_fit(drafter, rids, spec, rounds)
+
+
+def drafter_rounds_fit(drafter, rids: list[str], spec, rounds: int) -> bool:
+    """The drafter's half of ``chain_rounds_fit`` (what a drafter process checks for itself)."""
     graphs = getattr(drafter, "graphs", None)
-    if (spec.topk != 1 or graphs is None or target_graphs is None or spec not in graphs.trees
-            or spec.num_draft_tokens not in target_graphs.families or graphs.bucket(len(rids)) is None
-            or len(rids) > target_graphs.max_bs or not all(drafter.has(rid) for rid in rids)):
+    if (spec.topk != 1 or graphs is None or spec not in graphs.trees or graphs.bucket(len(rids)) is None
+            or not all(drafter.has(rid) for rid in rids)):
         return False
     states = drafter.request_states(rids)
     reach = (rounds - 1) * spec.num_draft_tokens + draft_reach(drafter, spec)
@@ -100,26 +175,22 @@ def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int)
 
 
 @torch.inference_mode()
-def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, steer=None,
+def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer=None,
                        after: QueuedRun | None = None) -> QueuedRun:
     """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` without waiting: from their
-    committed state, or going on after the run ``after`` (the same requests, not read back yet). The
-    target's pages must cover every round queued past the committed tokens (``rounds * num_draft_tokens``
-    more per run); ``chain_rounds_fit`` said yes to the drafter's. ``steer(rids, chains [n, nd], root
-    indices [n]) → chains``: the controlled-acceptance instrument's rewrite of each draft (benchmarks),
-    on the device."""
+    committed state, or going on after the run ``after`` (the same requests, not read back yet).
+    ``side``: the drafter's half of this run, not begun (LocalDraftSide for an in-process drafter,
+    for which ``chain_rounds_fit`` said yes). The target's pages must cover every round queued past
+    the committed tokens (``rounds * num_draft_tokens`` more per run). ``steer(rids, chains [n, nd],
+    root indices [n]) → chains``: the controlled-acceptance instrument's rewrite of each draft
+    (benchmarks), on the device."""
     n, nd = len(reqs), spec.num_draft_tokens
-    graphs = drafter.graphs
     rids = [req.rid for req in reqs]
-    states = after.states if after is not None else drafter.request_states(rids)
-    reach = ((after.rounds if after is not None else 0) + rounds - 1) * nd + draft_reach(drafter, spec)
-    for s in states:
-        s.kv.reserve(s.kv.num_tokens + reach)
     try:
         queue_started = time.time_ns()
+        # the first draft runs while the host stages the verify
+        rows = side.begin(rids, spec, rounds, after.side if after is not None else None)
         if after is None:
-            draft_bs = graphs.begin_rounds(states)
-            rows = graphs.replay_draft(spec, draft_bs)[:n]  # the first draft runs while the host stages the verify
             chain = [[j <= i for j in range(nd)] for i in range(nd)]
             first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
                                                 positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
@@ -130,35 +201,28 @@ def queue_chain_rounds(target_graphs, drafter, reqs: list, spec, rounds: int, st
             roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
             broken, counts = torch.zeros(n, dtype=torch.bool, device=device), None
         else:  # the device holds where the last run left every input; only the pages grew
-            fam, verify_bs, draft_bs = after.fam, after.verify_bs, after.draft_bs
-            graphs.restage_pages(states)
+            fam, verify_bs = after.fam, after.verify_bs
             target_graphs.restage_pages(fam, [req.kv.page_table(copy=False) for req in reqs])
-            rows = graphs.replay_draft(spec, draft_bs)[:n]
             roots, broken, counts = after.roots, after.broken, after.counts
             device = fam.input_ids.device
         emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
         round_once = _fused_round if use_triton(emitted) else _torch_round
         for r in range(rounds):
             if r:
-                rows = graphs.replay_draft(spec, draft_bs)[:n]
-            counts = round_once(target_graphs, graphs, fam, verify_bs, draft_bs, rids, rows, broken, counts,
-                                emitted[r], steer, roots)
+                rows = side.draft()
+            counts = round_once(target_graphs, side, fam, verify_bs, rids, rows, broken, counts, emitted[r], steer,
+                                roots)
         readback = HostReadback(emitted)
-        snapshot = graphs.snapshot_rounds(n)
+        side.finish()
         queued = (queue_started, time.time_ns())
     except BaseException:
-        if after is None:  # the reserved pages go back; the drafter's state is as before
-            for s in states:
-                s.kv.truncate(s.kv.num_tokens)
-        # (after another run, the pages stay: that run still writes into them, and its read-back, with
-        # nothing queued after it, gives back those past its tokens)
+        side.abandon(after is None)
         raise
-    return QueuedRun(reqs, states, spec, rounds, fam, verify_bs, draft_bs, readback, broken, counts, roots, snapshot,
-                     queued)
+    return QueuedRun(reqs, side, spec, rounds, fam, verify_bs, readback, broken, counts, roots, queued)
 
 
-def _torch_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids: list, rows, broken, counts,
-                 emitted, steer, roots) -> torch.Tensor:
+def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
+                 roots) -> torch.Tensor:
     """One round's work after its draft — advance, verify, accept, extend — with the glue between the
     graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts."""
     n, nd = emitted.shape[0], emitted.shape[1] - 2
@@ -179,12 +243,12 @@ def _torch_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids
     emitted[:, :nd] = kept
     emitted[:, nd] = counts
     emitted[:, nd + 1] = broken
-    graphs.replay_extend(draft_bs, kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
+    side.extend_torch(kept, torch.where(keep[:, :, None], features.view(n, nd, -1), 0), counts)
     return counts
 
 
-def _fused_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids: list, rows, broken, counts,
-                 emitted, steer, roots) -> torch.Tensor:
+def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
+                 roots) -> torch.Tensor:
     """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
     from tandem.kernels import round_glue
 
@@ -194,9 +258,10 @@ def _fused_round(target_graphs, graphs, fam, verify_bs: int, draft_bs: int, rids
                                 fam.block_tables, target_graphs.page_size, nd, chains=chains)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))
-    counts = round_glue.accept(chains, argmax, broken, features, emitted, graphs.token_ids, graphs.features,
-                               graphs.aux, graphs.width, roots)
-    graphs.replay_extend_fed(draft_bs, counts)
+    ext_ids, ext_features, ext_counts = side.extend_inputs
+    counts = round_glue.accept(chains, argmax, broken, features, emitted, ext_ids, ext_features, ext_counts,
+                               side.width, roots)
+    side.extended(counts)
     return counts
 
 
@@ -211,10 +276,7 @@ def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:
     return ChainRounds(tokens, speculative)
 
 
-def end_chain_rounds(drafter, run: QueuedRun, result: ChainRounds, keep_pages: bool) -> None:
-    """The drafter's side of a run read back: every request it still holds commits the run's tokens
-    (``keep_pages``: a run queued after this one still writes past them)."""
-    keep = [b for b, req in enumerate(run.reqs) if drafter.has(req.rid)]  # not forgotten since (finished, broken)
-    drafter.graphs.end_rounds([run.states[b] for b in keep],
-                              [[t for toks in result.tokens[b] for t in toks] for b in keep],
-                              run.snapshot, keep, keep_pages)
+def end_chain_rounds(run: QueuedRun, result: ChainRounds, keep_pages: bool) -> None:
+    """The drafter's side of a run read back (``keep_pages``: a run queued after this one still writes
+    past its tokens)."""
+    run.side.commit(run.reqs, result, keep_pages)
