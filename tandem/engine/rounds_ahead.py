@@ -21,7 +21,8 @@ import time
 
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
-                                             queue_chain_rounds, read_chain_rounds)
+                                             queue_chain_rounds, read_chain_rounds, target_rounds_fit)
+from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.verify import ProposerUnavailable
 
 
@@ -59,9 +60,9 @@ def _run_length(engine, reqs: list, queued: int) -> int:
             > engine.allocator.num_free):
         return 0
     drafter, _ = _device_drafter(engine.proposer)
-    if drafter is None:
-        return 0
     rids, graphs = [req.rid for req in reqs], engine.executor.runner.graphs
+    if drafter is None:  # a drafter process checks its own half when the run is announced
+        return rounds if _remote_runs(engine.proposer) is not None and target_rounds_fit(graphs, len(reqs), spec) else 0
     while rounds >= 1 and not chain_rounds_fit(drafter, graphs, rids, spec, queued + rounds):
         rounds -= 1  # the drafter's pages or positions may still fit a shorter run
     return rounds
@@ -76,8 +77,21 @@ def _device_drafter(proposer):
     return (drafter if isinstance(drafter, Eagle3Drafter) else None), getattr(proposer, "steer_on_device", None)
 
 
-def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRun:
+def _remote_runs(proposer):
+    """The drafter service's client, when its drafter can take its half of runs on the device
+    (tandem.speculative.remote_rounds); else None."""
+    return proposer if getattr(proposer, "chain_runs_available", False) else None
+
+
+def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRun | None:
+    """Queue a run (None: the drafter process refused it; it then drafts round by round for a while)."""
     drafter, steer = _device_drafter(engine.proposer)
+    if drafter is None:
+        side = engine.proposer.queue_run([req.rid for req in reqs], reqs[0].spec, rounds, after is not None,
+                                         [req.last_token for req in reqs])
+        if side is None:
+            return None
+        return queue_chain_rounds(engine.executor.runner.graphs, side, reqs, reqs[0].spec, rounds, steer, after)
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
     guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
@@ -95,6 +109,8 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
         except ProposerUnavailable as e:
             engine.drafts.lost(e)
             return []
+    if run is None:  # refused by the drafter process: nothing ran; the next steps go round by round
+        return []
     return _read_back(engine, run, timer, started, run.queued_ns)
 
 
@@ -120,16 +136,22 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float,
                 req.kv.reserve(req.num_tokens - 1 + (run.rounds + more) * nd)
             try:
                 following = _queue(engine, run.reqs, more, run)
-                queued_ns = (queued_ns or following.queued_ns)[:1] + following.queued_ns[1:]
+                if following is not None:
+                    queued_ns = (queued_ns or following.queued_ns)[:1] + following.queued_ns[1:]
             except ProposerUnavailable as e:
                 engine.drafts.lost(e)  # this run's tokens still come back (the pages past them go back below)
+        if isinstance(run.side, RemoteDraftSide) and not run.side.wait_drafted(engine.proposer.deadline_s):
+            for late in (run, following):  # never leave the device waiting on a drafter that is gone
+                if late is not None:
+                    late.side.release()
+            engine.proposer.discard("the drafter did not queue its half of a run in time")
+            engine.drafts.lost(ProposerUnavailable("the drafter did not queue its half of a run in time"))
         result = read_chain_rounds(engine.executor.runner.graphs, run)
     with timer("accept"):
         keep_pages = following is not None
         emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
         outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages)
-        if _device_drafter(engine.proposer)[0] is not None:
-            end_chain_rounds(run, result, keep_pages)
+        end_chain_rounds(run, result, keep_pages)
         for out, (i, req) in zip(outputs, live):
             per_round, speculative = result.tokens[i], result.speculative[i]
             committed = len(out.new_token_ids)

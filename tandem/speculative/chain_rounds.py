@@ -115,12 +115,12 @@ class LocalDraftSide:
             for s in self.states:
                 s.kv.truncate(s.kv.num_tokens)
 
-    def commit(self, reqs: list, result: "ChainRounds", keep_pages: bool) -> None:
+    def commit(self, rids: list[str], tokens: list[list[list[int]]], keep_pages: bool) -> None:
         """The drafter's side of the run read back: every request it still holds commits the run's
-        tokens (``keep_pages``: a run queued after this one still writes past them)."""
-        keep = [b for b, req in enumerate(reqs) if self.drafter.has(req.rid)]  # not forgotten since
-        self.graphs.end_rounds([self.states[b] for b in keep],
-                               [[t for toks in result.tokens[b] for t in toks] for b in keep],
+        tokens (``tokens[request][round]``; ``keep_pages``: a run queued after this one still writes
+        past them)."""
+        keep = [b for b, rid in enumerate(rids) if self.drafter.has(rid)]  # not forgotten since
+        self.graphs.end_rounds([self.states[b] for b in keep], [[t for toks in tokens[b] for t in toks] for b in keep],
                                self.snapshot, keep, keep_pages)
 
 
@@ -154,10 +154,13 @@ def chain_rounds_fit(drafter, target_graphs, rids: list[str], spec, rounds: int)
     """Whether ``rounds`` queued rounds (past the committed state: those of runs not read back included)
     of these requests fit both sides' graphs and the drafter's pages (the engine checks its own side:
     sampling, pages of the target, the context)."""
-    if (target_graphs is None or spec.num_draft_tokens not in target_graphs.families
-            or len(rids) > target_graphs.max_bs):
-        return False
-    return drafter_rounds_fit(drafter, rids, spec, rounds)
+    return target_rounds_fit(target_graphs, len(rids), spec) and drafter_rounds_fit(drafter, rids, spec, rounds)
+
+
+def target_rounds_fit(target_graphs, n: int, spec) -> bool:
+    """The target's half: a verify graph of the chain's width for ``n`` requests."""
+    return (target_graphs is not None and spec.topk == 1 and spec.num_draft_tokens in target_graphs.families
+            and n <= target_graphs.max_bs)
 
 
 def drafter_rounds_fit(drafter, rids: list[str], spec, rounds: int) -> bool:
@@ -279,4 +282,4 @@ def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:
 def end_chain_rounds(run: QueuedRun, result: ChainRounds, keep_pages: bool) -> None:
     """The drafter's side of a run read back (``keep_pages``: a run queued after this one still writes
     past its tokens)."""
-    run.side.commit(run.reqs, result, keep_pages)
+    run.side.commit([req.rid for req in run.reqs], result.tokens, keep_pages)

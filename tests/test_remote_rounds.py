@@ -1,0 +1,191 @@
+"""Runs of chain rounds whose drafter half is queued by another party through the round mailbox
+(tandem.speculative.remote_rounds on the verifier's side, drafter/chain_runs.py on the drafter's), as
+the service pair queues them: here the drafter's half runs on a thread of this process over a CPU
+mailbox, whose flags the hosts poll (on the GPU the streams wait on them). The tokens must be target-only
+greedy decoding's, each round must verify the same chain and accept the same drafts as the in-process
+runs, the drafter must end where they leave it, and a drafter that stops answering must cost
+speculation only."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import pytest
+import torch
+
+from drafter.chain_runs import ChainRuns
+from tandem.sampling import SamplingParams
+from tandem.speculative.chain_rounds import LocalDraftSide
+from tandem.speculative.controlled import ControlledAcceptanceProposer
+from tandem.speculative.remote_rounds import RemoteDraftSide
+from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
+from test_chain_rounds import NEW_TOKENS, SPEC, _speculative_engine, pair  # noqa: F401 - pair is a fixture
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="runs the Triton kernels: set TRITON_INTERPRET=1 on a CPU machine")
+
+
+class LoopbackDrafter:
+    """The drafter service's part, in this process: round-by-round steps go straight to ``proposer``
+    (the steered drafter), a run's drafter half goes to a thread, in the order the service takes a
+    Round with a chain run in (check, reply, queue, then read the run it follows back)."""
+
+    chain_runs_available = True
+    deadline_s = 30.0
+
+    def __init__(self, proposer: ControlledAcceptanceProposer, box: RoundMailbox, vocab_size: int):
+        self.proposer, self.box, self.vocab_size = proposer, box, vocab_size
+        self.runs = ChainRuns(box, deadline_s=self.deadline_s)
+        self.next_round = 0
+        self.job: concurrent.futures.Future | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.queued: list[tuple[int, bool]] = []  # (rounds, continues) per run
+        self.discarded: list[str] = []
+        self.half = "real"  # "dead": takes runs, queues nothing; "garbage": hands over garbage chains
+
+    @property
+    def steer_on_device(self):
+        return self.proposer.steer_on_device
+
+    def _caught_up(self) -> None:
+        """What a Round without a run does first in the service: the last run read back and committed."""
+        if self.job is not None:
+            self.job.result()
+            self.job = None
+        if self.half == "real":
+            self.runs.settle()
+
+    def extend(self, items):
+        self._caught_up()
+        return self.proposer.extend(items)
+
+    def draft(self, rids, spec):
+        self._caught_up()
+        return self.proposer.draft(rids, spec)
+
+    def release(self, rid):
+        self._caught_up()
+        self.proposer.release(rid)
+
+    def discard(self, reason):
+        self.discarded.append(reason)
+
+    def queue_run(self, rids, spec, rounds, continues, roots):
+        if self.job is not None:
+            self.job.result()
+        drafter = self.proposer.rounds_drafter
+        why = self.runs.check(drafter, rids, spec, rounds, continues)
+        if why:
+            return None
+        first, self.next_round = self.next_round, self.next_round + rounds
+        self.queued.append((rounds, continues))
+
+        def drafter_half():
+            if self.half == "dead":
+                return
+            if self.half == "garbage":
+                return self._garbage(first, rounds, len(rids))
+            previous = self.runs.queue(drafter, rids, spec, first, rounds, continues)
+            if previous is not None:
+                self.runs.settle(previous, keep_pages=True)
+
+        self.job = self.pool.submit(drafter_half)
+        return RemoteDraftSide(self.box, first, self.vocab_size, roots)
+
+    def _garbage(self, first: int, rounds: int, n: int) -> None:
+        """A broken drafter half: each round's rows hold NaN, huge, negative and wrong-root tokens."""
+        from tandem.speculative.round_mailbox import ACCEPTED, DRAFTED
+
+        junk = torch.tensor([float("nan"), 1e12, -5.0, float("inf"), 3.0, -1e9], dtype=torch.float64)
+        for r in range(rounds):
+            self.box.rows[:n].copy_(junk[torch.randint(0, len(junk), self.box.rows[:n].shape)])
+            self.box.flags.write(None, DRAFTED, first + r + 1)
+            self.box.flags.wait(None, ACCEPTED, first + r + 1)
+
+
+def _mailbox(engine, wait_s: float) -> RoundMailbox:
+    width = 3 * engine.model_config.hidden_size
+    return RoundMailbox.create(MailboxLayout(4, SPEC.num_draft_tokens, width, torch.float32), "cpu", wait_s)
+
+
+@pytest.fixture
+def chains(monkeypatch):
+    """Every chain a run's verify takes, before any steering, as the drafter half hands it over."""
+
+    seen = {LocalDraftSide: [], RemoteDraftSide: []}  # (the remote run's drafter half is a LocalDraftSide too)
+    for side in seen:
+        def draft(self, real=side.draft, into=seen[side]):
+            rows = real(self)
+            into.append(rows[:, : SPEC.num_draft_tokens].tolist())
+            return rows
+        monkeypatch.setattr(side, "draft", draft)
+    return seen
+
+
+def _generate(eng, prompts, ref, spec_rounds, remote: bool, rate=0.3, half="real"):
+    """Steered greedy generation → (outputs, accepted drafts per round, the loopback or None)."""
+    drafter = eng.proposer
+    steered = ControlledAcceptanceProposer(drafter, rate, seed=7)
+    box = _mailbox(eng, wait_s=1.0 if half == "dead" else 60.0) if remote else None
+    eng.proposer = LoopbackDrafter(steered, box, eng.model_config.vocab_size) if remote else steered
+    if remote:
+        eng.proposer.half = half
+    eng.spec_rounds = spec_rounds
+    try:
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        rids = [eng.add_request(p, params, rid=f"p{i}") for i, p in enumerate(prompts)]
+        for rid, prompt, r in zip(rids, prompts, ref):
+            steered.set_reference(rid, len(prompt), r + [0] * 8)
+        while eng.has_unfinished():
+            eng.step()
+        results = [eng.requests.pop(rid) for rid in rids]
+        loopback = eng.proposer if remote else None
+        if remote:
+            loopback._caught_up()
+    finally:
+        eng.proposer = drafter
+        if box is not None:
+            box.close()
+    return [r.output for r in results], [r.spec_stats.accepted_per_round for r in results], loopback
+
+
+def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_accept_as_in_process(pair, chains):
+    """Steered (corruption 0.3), so that rounds accept 0..3 drafts: the mailbox then carries counts
+    above one and the features of several nodes; the head's own chains, before the steering, show
+    that its state follows the in-process one round after round."""
+    root, prompts, ref = pair
+    with _speculative_engine(root) as eng:
+        local, accepted_local, _ = _generate(eng, prompts, ref, 4, remote=False)
+    local_chains = [list(c) for c in chains.values()]
+    for c in chains.values():
+        c.clear()
+    with _speculative_engine(root) as eng:
+        remote, accepted_remote, loopback = _generate(eng, prompts, ref, 4, remote=True)
+        drafter = eng.proposer
+        assert drafter.allocator.num_free == drafter.allocator.capacity_pages  # every draft page back
+        assert eng.allocator.num_free == eng.allocator.capacity_pages
+    assert local == ref and remote == ref
+    assert accepted_remote == accepted_local  # the same drafts accepted
+    verified_in_process, nothing_remote = local_chains
+    assert not nothing_remote and len(verified_in_process) > 4
+    # the remote head drafted the chains the in-process head drafted, round after round, and the
+    # verifier verified them
+    assert chains[RemoteDraftSide] == verified_in_process
+    assert {a for per_request in accepted_remote for a in per_request} >= {0, 1, 2}
+    assert any(rounds > 1 for rounds, _ in loopback.queued)
+    assert any(continues for _, continues in loopback.queued)  # runs queued after runs not read back
+    assert not loopback.discarded
+
+
+@pytest.mark.parametrize("half", ["garbage", "dead"])
+def test_a_drafter_half_that_is_broken_or_gone_costs_speculation_only(pair, half):
+    """Garbage chains (NaN, out of the vocabulary, a wrong root) are verified as guesses; a drafter
+    half that never comes is given up on (here a CPU host's wait of 1 s; on the GPU the verifier's host
+    writes the flag itself). Either way the output is target-only greedy decoding's."""
+    root, prompts, ref = pair
+    with _speculative_engine(root) as eng:
+        outputs, _, loopback = _generate(eng, prompts, ref, 4, remote=True, half=half)
+    assert outputs == ref
+    assert loopback.queued  # a run was taken, and went wrong
