@@ -32,7 +32,9 @@ from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.rpc.drafter.trees import pack_trees
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
+from drafter.chain_runs import ChainRuns
 from drafter.heads import DraftHeads
 from drafter.profiling import RoundProfiler
 
@@ -63,6 +65,7 @@ class DrafterService:
         self._generation += 1
         generation = self._generation
         ring: HiddenRingView | None = None
+        runs: ChainRuns | None = None  # the connection's runs of chain rounds, when it offered a mailbox
         lane_task: asyncio.Task | None = None
         said_hello = False
         try:
@@ -75,28 +78,34 @@ class DrafterService:
                     said_hello = True
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
+                        runs = self._attach_mailbox(message.hello)
                     lane = await _attach_lane(message.hello)
                     if lane is not None:
-                        lane_task = asyncio.create_task(self._serve_lane(lane, ring, generation))
+                        lane_task = asyncio.create_task(self._serve_lane(lane, ring, runs, generation))
                     yield pb.DrafterMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION,
                                                                draft_model=self.heads.current_model,
                                                                draft_vocab_size=self.drafter.head.config.draft_vocab_size,
-                                                               round_lane=lane is not None))
+                                                               round_lane=lane is not None, chain_runs=runs is not None))
                 elif ring is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "send Hello before the first Round")
                 else:
                     async with self._lock:
-                        drafts = self._round(message.round, ring)
+                        drafts, after_reply = self._round(message.round, ring, runs)
                     yield pb.DrafterMessage(drafts=drafts)
+                    async with self._lock:
+                        after_reply()
                     self.profiler.round_done()
         finally:
             if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
                 lane_task.cancel()
                 await asyncio.gather(lane_task, return_exceptions=True)
+            if runs is not None:  # nothing of this connection may wait on its verifier any more
+                runs.abandon()
+                runs.box.close()
             if ring is not None:
                 ring.close()
 
-    async def _serve_lane(self, lane: AsyncLane, ring: HiddenRingView, generation: int) -> None:
+    async def _serve_lane(self, lane: AsyncLane, ring: HiddenRingView, runs: ChainRuns | None, generation: int) -> None:
         """The rounds of one connection, on its round lane: the same Round in, the same Drafts out.
         Whatever ends it closes the lane, which the verifier sees at once (and reconnects)."""
         try:
@@ -114,8 +123,10 @@ class DrafterService:
                 if not message.HasField("round"):
                     raise LaneError(f"expected a Round on the round lane, got {message.WhichOneof('body')}")
                 async with self._lock:
-                    drafts = self._round(message.round, ring)
+                    drafts, after_reply = self._round(message.round, ring, runs)
                 await lane.send(pb.DrafterMessage(drafts=drafts).SerializeToString())
+                async with self._lock:
+                    after_reply()  # a run's queuing, once the verifier has its answer
                 self.profiler.round_done()  # after the reply: starting or ending a trace takes seconds
         except asyncio.CancelledError:
             raise
@@ -150,7 +161,59 @@ class DrafterService:
         log.info("verifier connected (target %s, ring %s, %d rows)", hello.target.model, hello.ring.name, hello.ring.num_rows)
         return ring
 
-    def _round(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
+    def _attach_mailbox(self, hello: pb.Hello) -> ChainRuns | None:
+        """The connection's runs of chain rounds, if the verifier offered a mailbox and this drafter can
+        queue its half (graphs on the mailbox's GPU); else None (rounds go one at a time)."""
+        if not hello.HasField("mailbox") or getattr(self.drafter, "graphs", None) is None:
+            return None
+        offer = hello.mailbox
+        layout = MailboxLayout(offer.max_batch, offer.max_draft_tokens, hello.ring.row_width,
+                               RingSpec.from_fields(hello.ring).torch_dtype)
+        try:
+            box = RoundMailbox.attach(layout, RingSpec.from_fields(offer.storage), offer.flags)
+        except (TandemError, OSError, ValueError, RuntimeError) as e:
+            log.info("round mailbox not reachable (%s); rounds go one at a time", e)
+            return None
+        if box.device != self.drafter.device:
+            box.close()
+            log.info("round mailbox on %s, the head on %s; rounds go one at a time", box.device, self.drafter.device)
+            return None
+        return ChainRuns(box)
+
+    def _round(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None = None):
+        """→ (the reply, what to do once it is sent)."""
+        if runs is not None and not (round_msg.HasField("chain_run") and round_msg.chain_run.continues):
+            runs.settle()  # the last run read back and committed before anything reads the state
+        if round_msg.HasField("chain_run"):
+            return self._chain_run(round_msg, ring, runs)
+        return self._drafts(round_msg, ring), _nothing
+
+    def _chain_run(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None):
+        """Check the run now (the reply says whether it is queued); queue it after the reply, then read
+        back and commit the run it follows."""
+        self._drafts(round_msg, ring)  # its releases and extends (it drafts no trees)
+        run = round_msg.chain_run
+        rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
+        gens = {self.heads.for_request(rid)[0] for rid in rids}
+        if runs is None:
+            why = "this connection has no round mailbox"
+        elif len(gens) != 1:
+            why = "the run's requests draft with different heads"
+        else:
+            drafter = self.heads.drafter(gens.pop())
+            why = runs.check(drafter, rids, spec, run.rounds, run.continues)
+        reply = pb.Drafts(seq=round_msg.seq, chain_run_refused=why)
+        if why:
+            return reply, _nothing
+
+        def queue() -> None:
+            previous = runs.queue(drafter, rids, spec, run.first_round, run.rounds, run.continues)
+            if previous is not None:
+                runs.settle(previous, keep_pages=True)
+
+        return reply, queue
+
+    def _drafts(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
         started = time.perf_counter()
         for rid in round_msg.release:
             self.heads.release(rid)
@@ -227,6 +290,10 @@ class DrafterService:
         serving = self.heads.current
         return Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
                                        embed_weight=serving.head.shared_embedding)
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:

@@ -35,12 +35,15 @@ from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.rpc.drafter.trees import unpack_trees
+from tandem.speculative.remote_rounds import RemoteDraftSide
+from tandem.speculative.round_mailbox import RoundMailbox
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
+REFUSED_RUN_BACKOFF_S = 0.5  # after the drafter refused a run, rounds go one at a time this long
 
 
 class DrafterClient:
@@ -49,13 +52,19 @@ class DrafterClient:
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
                  on_round: Callable[[float, float, pb.Drafts, str], None] = lambda round_trip_s, wait_s, drafts, kind: None,
-                 round_lane: bool = True, prefetch: bool = True):
+                 round_lane: bool = True, prefetch: bool = True, mailbox: RoundMailbox | None = None):
         """``on_round(round trip, wait, drafts, kind)`` after every reply: seconds from the Round's send to
         its reply's receipt, the part of it the caller spent blocked (less when the Round was prefetched),
         the reply (the drafter's own timings), and how the Round was sent (see ``_collect``)."""
         self.address, self.ring, self.target = address, ring, target
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
         self.prefetch_rounds = prefetch  # False: prefetch() sends nothing (--disable-round-prefetch)
+        # Runs of chain rounds queued on the device with the drafter (tandem.speculative.remote_rounds);
+        # owned here, offered at every handshake. Round numbers never go back, across connections too.
+        self.mailbox = mailbox
+        self._next_round = 0
+        self._runs: list[RemoteDraftSide] = []  # queued runs whose chains may not all have come yet
+        self._refused_until = 0.0
         self.deadline_s, self.reconnect_interval_s = deadline_s, reconnect_interval_s
         self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
@@ -79,10 +88,19 @@ class DrafterClient:
         self._stop.set()
         with self._lock:
             self._drop("shutting down")
+        if self.mailbox is not None:
+            self.mailbox.close()
 
     @property
     def available(self) -> bool:
         return self._conn is not None
+
+    @property
+    def chain_runs_available(self) -> bool:
+        """Whether the drafter takes its half of runs of chain rounds queued on the device."""
+        conn = self._conn
+        return (conn is not None and conn.welcome.chain_runs and self.mailbox is not None
+                and time.monotonic() >= self._refused_until)
 
     @property
     def rounds_on_lane(self) -> bool:
@@ -101,6 +119,11 @@ class DrafterClient:
     def _keep_connected(self) -> None:
         hello = pb.VerifierMessage(hello=pb.Hello(protocol_version=PROTOCOL_VERSION,
                                                    ring=pb.RingSpec(**self.ring.spec.to_fields()), target=self.target))
+        if self.mailbox is not None:
+            layout = self.mailbox.layout
+            hello.hello.mailbox.CopyFrom(pb.RoundMailbox(storage=pb.RingSpec(**self.mailbox.storage_spec.to_fields()),
+                                                         flags=self.mailbox.flags_name, max_batch=layout.max_bs,
+                                                         max_draft_tokens=layout.max_nd))
         while not self._stop.is_set():
             if self._conn is None:
                 try:
@@ -137,6 +160,9 @@ class DrafterClient:
         log.warning("lost the drafter: %s; decoding without speculation until it is back", reason)
         conn, self._conn = self._conn, None
         self._prefetched = None
+        for side in self._runs:  # no verify may wait on chains that will not come
+            side.release()
+        self._runs.clear()
         conn.close()
         self.ring.release_all()
         self._pending_extend.clear()
@@ -222,15 +248,44 @@ class DrafterClient:
             trees.update(zip(asked, self._unpack(drafts, len(asked))))
         return [trees[r] for r in rids]
 
-    def _send_round(self, rids: list[str], spec) -> int:
-        """Send everything queued and the draft requests as the next Round (lock held) → its seq."""
+    def queue_run(self, rids: list[str], spec, rounds: int, continues: bool, roots: list[int]) -> RemoteDraftSide | None:
+        """Announce a run of ``rounds`` chain rounds of ``rids`` (``continues``: after the last one, not
+        read back yet) and wait for the drafter's answer → the run's drafter half for the verifier's
+        queue, or None when the drafter refused it (rounds then go one at a time for a while)."""
+        observed = []
+        try:
+            with self._lock:
+                if self._conn is None:
+                    raise ProposerUnavailable("the drafter is not connected")
+                early, self._prefetched = self._prefetched, None
+                if early is not None:  # one Round in flight at most: its trees are not used
+                    self._collect(early.seq, "prefetch_dropped", observed)
+                first = self._next_round
+                run = pb.ChainRun(first_round=first, rounds=rounds, request_ids=rids, continues=continues,
+                                  spec=_spec_params(spec))
+                reply = self._collect(self._send_round([], None, chain_run=run), "chain_run", observed)
+                if reply.chain_run_refused:
+                    log.debug("the drafter refused a run of %d rounds: %s", rounds, reply.chain_run_refused)
+                    self._refused_until = time.monotonic() + REFUSED_RUN_BACKOFF_S
+                    return None
+                self._next_round += rounds
+                side = RemoteDraftSide(self.mailbox, first, self.target.vocab_size, roots)
+                flags_drafted = self.mailbox.flags[0]
+                self._runs = [s for s in self._runs if s.last_needed > flags_drafted] + [side]
+                return side
+        finally:
+            for round_trip, wait, drafts, kind in observed:
+                self.on_round(round_trip, wait, drafts, kind)
+
+    def _send_round(self, rids: list[str], spec, chain_run: pb.ChainRun | None = None) -> int:
+        """Send everything queued and the draft requests (or a chain run) as the next Round (lock held)
+        → its seq."""
         conn = self._conn
-        params = (pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
-                  if spec is not None else None)
+        params = _spec_params(spec) if spec is not None else None
         seq = self._seq
         round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
                              draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
-                                    for r in rids])
+                                    for r in rids], chain_run=chain_run)
         self._pending_extend, self._pending_release = [], []
         self._seq += 1
         self.ring.begin_round(self._seq)
@@ -269,6 +324,10 @@ class DrafterClient:
             with self._lock:
                 self._drop(str(e))
             raise ProposerUnavailable(str(e)) from None
+
+
+def _spec_params(spec) -> pb.SpecParams:
+    return pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
 
 
 class _Prefetch:

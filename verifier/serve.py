@@ -20,7 +20,8 @@ from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_
 from tandem.engine.llm_engine import LLMEngine
 from tandem.models.config import ModelConfig
 from tandem.models.eagle3_config import DraftConfig, validate_draft
-from tandem.ring import HiddenRing
+from tandem.ring import CUDA_IPC, HiddenRing
+from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
@@ -87,9 +88,21 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
             metrics.drafter_failures.inc()
 
     client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state,
-                           metrics.observe_drafter_round, round_lane=cfg.round_lane, prefetch=cfg.round_prefetch)
+                           metrics.observe_drafter_round, round_lane=cfg.round_lane, prefetch=cfg.round_prefetch,
+                           mailbox=_round_mailbox(engine, spec, ring))
     engine.proposer, engine.default_spec = client, spec
     return engine, client, ring
+
+
+def _round_mailbox(engine: LLMEngine, spec: SpecConfig, ring: HiddenRing) -> RoundMailbox | None:
+    """The mailbox for runs of chain rounds queued on the device with the drafter (GPU, graphs, one
+    rank, greedy chains, several rounds per step); None where runs cannot apply."""
+    graphs = engine.executor.runner.graphs
+    if (graphs is None or ring.spec.kind != CUDA_IPC or engine.cfg.tp_size > 1 or spec.topk != 1
+            or engine.spec_rounds <= 1):
+        return None
+    layout = MailboxLayout(graphs.max_bs, spec.num_draft_tokens, ring.spec.row_width, ring.spec.torch_dtype)
+    return RoundMailbox.create(layout, ring.tensor.device)
 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:

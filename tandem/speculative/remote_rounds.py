@@ -28,7 +28,7 @@ class RemoteDraftSide:
 
     def __init__(self, mailbox: RoundMailbox, first_round: int, vocab_size: int, roots: list[int] | None = None):
         self.box, self.vocab_size, self._first_roots = mailbox, vocab_size, roots
-        self.next_round = first_round
+        self.next_round = self.end_round = first_round
         self.width = mailbox.layout.max_nd  # the accept's row stride in the mailbox
         self.snapshot: tuple = ()
         self.roots: torch.Tensor | None = None  # float64 [n]: each request's root token for the next draft
@@ -40,13 +40,14 @@ class RemoteDraftSide:
     @property
     def last_needed(self) -> int:
         """The DRAFTED value this run's last wait needs."""
-        return self.next_round
+        return self.end_round
 
     def _stream(self):
         return torch.cuda.current_stream(self.box.device) if self.box.device.type == "cuda" else None
 
     def begin(self, rids: list[str], spec, rounds: int, after: "RemoteDraftSide | None") -> torch.Tensor:
         self.n, self.nd = len(rids), spec.num_draft_tokens
+        self.end_round = self.next_round + rounds
         if after is not None:
             self.roots = after.roots
         else:

@@ -41,30 +41,46 @@ class TargetInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "ring", "target", "round_lane", "round_lane_token")
+    __slots__ = ("protocol_version", "ring", "target", "round_lane", "round_lane_token", "mailbox")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     ROUND_LANE_FIELD_NUMBER: _ClassVar[int]
     ROUND_LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAILBOX_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     ring: RingSpec
     target: TargetInfo
     round_lane: str
     round_lane_token: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., ring: _Optional[_Union[RingSpec, _Mapping]] = ..., target: _Optional[_Union[TargetInfo, _Mapping]] = ..., round_lane: _Optional[str] = ..., round_lane_token: _Optional[bytes] = ...) -> None: ...
+    mailbox: RoundMailbox
+    def __init__(self, protocol_version: _Optional[int] = ..., ring: _Optional[_Union[RingSpec, _Mapping]] = ..., target: _Optional[_Union[TargetInfo, _Mapping]] = ..., round_lane: _Optional[str] = ..., round_lane_token: _Optional[bytes] = ..., mailbox: _Optional[_Union[RoundMailbox, _Mapping]] = ...) -> None: ...
+
+class RoundMailbox(_message.Message):
+    __slots__ = ("storage", "flags", "max_batch", "max_draft_tokens")
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    storage: RingSpec
+    flags: str
+    max_batch: int
+    max_draft_tokens: int
+    def __init__(self, storage: _Optional[_Union[RingSpec, _Mapping]] = ..., flags: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "draft_model", "draft_vocab_size", "round_lane")
+    __slots__ = ("protocol_version", "draft_model", "draft_vocab_size", "round_lane", "chain_runs")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_LANE_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     draft_model: str
     draft_vocab_size: int
     round_lane: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ..., round_lane: _Optional[bool] = ...) -> None: ...
+    chain_runs: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ..., round_lane: _Optional[bool] = ..., chain_runs: _Optional[bool] = ...) -> None: ...
 
 class SpecParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")
@@ -105,20 +121,36 @@ class DraftRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     def __init__(self, request_id: _Optional[str] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class ChainRun(_message.Message):
+    __slots__ = ("first_round", "rounds", "request_ids", "spec", "continues")
+    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    first_round: int
+    rounds: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    spec: SpecParams
+    continues: bool
+    def __init__(self, first_round: _Optional[int] = ..., rounds: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., continues: _Optional[bool] = ...) -> None: ...
+
 class Round(_message.Message):
-    __slots__ = ("seq", "release", "extend", "draft")
+    __slots__ = ("seq", "release", "extend", "draft", "chain_run")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_RUN_FIELD_NUMBER: _ClassVar[int]
     seq: int
     release: _containers.RepeatedScalarFieldContainer[str]
     extend: _containers.RepeatedCompositeFieldContainer[Extend]
     draft: _containers.RepeatedCompositeFieldContainer[DraftRequest]
-    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
+    chain_run: ChainRun
+    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., chain_run: _Optional[_Union[ChainRun, _Mapping]] = ...) -> None: ...
 
 class Drafts(_message.Message):
-    __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores")
+    __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores", "chain_run_refused")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +158,7 @@ class Drafts(_message.Message):
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TREE_SCORES_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_RUN_REFUSED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     draft_seconds: float
     extend_seconds: float
@@ -133,7 +166,8 @@ class Drafts(_message.Message):
     tree_tokens: _containers.RepeatedScalarFieldContainer[int]
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ...) -> None: ...
+    chain_run_refused: str
+    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ..., chain_run_refused: _Optional[str] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("hello", "round")
