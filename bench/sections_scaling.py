@@ -61,7 +61,8 @@ def service(ctx: dict) -> dict:
     flags = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     out = {"transports": {}}
     # (name, verifier flags, drafter flags; None: no drafter service, the head inside the verifier)
-    runs = [("lane", [], []), ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"]),
+    runs = [("lane", [], []), ("lane, rounds one at a time", ["--spec-rounds", "1"], []),
+            ("lane, drafter busy-polls", [], ["--round-lane-busy-poll-ms", "20"]),
             ("stream", ["--disable-round-lane"], []), ("head in the verifier", [], None)]
     if os.environ.get("TANDEM_BENCH_PROFILE_DRAFTER") == "1":  # its timeline goes to $OUT, its summary to the log
         runs.append(("lane, drafter profiled", ["--drafter-deadline-ms", "60000"],  # a trace's start and end take seconds
@@ -92,6 +93,7 @@ def service(ctx: dict) -> dict:
             per_round_ms = (1e3 * new_tokens / served - 1e3 * new_tokens / inproc_one) / max(1, last.spec.rounds)
             print(f"{transport}: per round: drafter work {parts['drafter']:.3f} ms (extend {parts['extend']:.3f}, draft "
                   f"and waiting for its tokens {parts['draft']:.3f}); the engine waited {parts['wait']:.3f} ms; "
+                  f"{parts['chain_runs']:.0f} runs queued on the device with the drafter; "
                   f"{parts['direct_rounds']:.0f} of {parts['rounds']:.0f} rounds sent when drafting (not prefetched): "
                   f"rest of their round trip {parts['boundary']:.3f} ms", flush=True)
             print(f"{transport}: as services {served:7.1f} tok/s ({last.spec.rounds} rounds, accept "

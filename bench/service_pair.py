@@ -70,6 +70,7 @@ SUMS = {"extend": 'tandem:drafter_work_seconds_sum{phase="extend"}',  # every ro
         "rounds": 'tandem:drafter_work_seconds_count{phase="extend"}',
         "direct": 'tandem:drafter_round_seconds_count{part="drafter"}',
         "steps": 'tandem:round_phase_seconds_count{phase="verify"}',
+        "chain_runs": 'tandem:drafter_rounds_total{kind="chain_run"}',  # runs queued on the device with the drafter
         **{f"step_{p}": f'tandem:round_phase_seconds_sum{{phase="{p}"}}' for p in ENGINE_PHASES}}
 
 
@@ -84,7 +85,7 @@ def round_parts_ms(before: dict[str, float], after: dict[str, float]) -> dict[st
     out["drafter"] = out["extend"] + out["draft"]
     out["boundary"] = 1e3 * d["boundary"] / direct if direct else float("nan")
     out |= {f"step_{p}": 1e3 * d[f"step_{p}"] / steps for p in ENGINE_PHASES}
-    return out | {"rounds": d["rounds"], "direct_rounds": direct, "steps": d["steps"]}
+    return out | {"rounds": d["rounds"], "direct_rounds": direct, "steps": d["steps"], "chain_runs": d["chain_runs"]}
 
 
 def round_parts(metrics_port: int) -> dict[str, float]:

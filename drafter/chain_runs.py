@@ -60,6 +60,7 @@ class ChainRuns:
             return "the run does not fit the drafter's graphs or pages"
         return ""
 
+    @torch.inference_mode()
     def queue(self, drafter, rids: list[str], spec, first_round: int, rounds: int, continues: bool) -> "_Run | None":
         """Queue a run ``check`` accepted → the run it follows (to ``settle`` with ``keep_pages``), if any.
         On the GPU this returns once the rounds are queued; on CPU, once they are done (in step with
@@ -90,6 +91,7 @@ class ChainRuns:
         self.pending = _Run(side, list(rids), spec, rounds, HostReadback(record), first_round + rounds)
         return previous
 
+    @torch.inference_mode()
     def settle(self, run: "_Run | None" = None, keep_pages: bool = False) -> None:
         """Read ``run`` (default: the pending one, with nothing after it) back and commit it."""
         if run is None:
