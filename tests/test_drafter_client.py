@@ -204,3 +204,43 @@ def test_nothing_is_prefetched_while_a_round_is_in_flight_or_the_drafter_is_away
         client._conn = None
         client.prefetch(["a"], spec)  # away: nothing to send, nothing raised (the engine decodes on)
         assert len(conn.rounds) == 1
+
+
+class RunConnection(EchoConnection):
+    """Answers each Round at once; a ChainRun is refused while ``refuse`` says why."""
+
+    def __init__(self):
+        super().__init__()
+        self.refuse, self.runs = "", []
+        self.welcome = pb.Welcome(chain_runs=True)
+
+    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
+        super().send_round(message, timeout_s)
+        if message.round.HasField("chain_run"):
+            self.runs.append(message.round.chain_run)
+            self._reply.drafts.chain_run_refused = self.refuse
+
+
+def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.round_mailbox import DRAFTED, MailboxLayout, RoundMailbox
+
+    spec = SpecConfig(3, 1, 4)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        box = RoundMailbox.create(MailboxLayout(2, 4, 4, torch.float32), "cpu")
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(vocab_size=100), deadline_s=1.0, mailbox=box)
+        conn = client._conn = RunConnection()
+        ring.begin_round(client._seq)
+        assert client.chain_runs_available
+        first = client.queue_run(["a", "b"], spec, 4, False, [5, 6])
+        second = client.queue_run(["a", "b"], spec, 3, True, [5, 6])
+        assert [(r.first_round, r.rounds, r.continues, list(r.request_ids)) for r in conn.runs] == [
+            (0, 4, False, ["a", "b"]), (4, 3, True, ["a", "b"])]  # round numbers never go back
+        assert conn.runs[0].spec.num_draft_tokens == 4 and first.next_round == 0 and second.next_round == 4
+        conn.refuse = "the run does not fit the drafter's pages"
+        assert client.queue_run(["a"], spec, 4, False, [5]) is None
+        assert not client.chain_runs_available  # rounds go one at a time for a while
+        assert client._next_round == 7  # a refused run takes no numbers
+        client.discard("gone")  # a lost drafter: the verifier's waits must not hang on its flags
+        assert box.flags[DRAFTED] == 7
+        box.close()

@@ -92,7 +92,7 @@ class LoopbackDrafter:
                 self.runs.settle(previous, keep_pages=True)
 
         self.job = self.pool.submit(drafter_half)
-        return RemoteDraftSide(self.box, first, self.vocab_size, roots)
+        return RemoteDraftSide(self.box, first, rounds, self.vocab_size, roots)
 
     def _garbage(self, first: int, rounds: int, n: int) -> None:
         """A broken drafter half: each round's rows hold NaN, huge, negative and wrong-root tokens."""

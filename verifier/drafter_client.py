@@ -269,7 +269,7 @@ class DrafterClient:
                     self._refused_until = time.monotonic() + REFUSED_RUN_BACKOFF_S
                     return None
                 self._next_round += rounds
-                side = RemoteDraftSide(self.mailbox, first, self.target.vocab_size, roots)
+                side = RemoteDraftSide(self.mailbox, first, rounds, self.target.vocab_size, roots)
                 flags_drafted = self.mailbox.flags[0]
                 self._runs = [s for s in self._runs if s.last_needed > flags_drafted] + [side]
                 return side

@@ -23,12 +23,13 @@ from tandem.speculative.round_mailbox import ACCEPTED, DRAFTED, RoundMailbox
 
 class RemoteDraftSide:
     """One run's drafter half on the verifier. ``first_round``: the lifetime round number of its round 0
-    (what the Round announcing the run told the drafter). ``roots``: the requests' last tokens (a
+    (what the Round announcing the run told the drafter), of ``rounds``. ``roots``: the requests' last tokens (a
     fresh run; a run after another carries its own on)."""
 
-    def __init__(self, mailbox: RoundMailbox, first_round: int, vocab_size: int, roots: list[int] | None = None):
+    def __init__(self, mailbox: RoundMailbox, first_round: int, rounds: int, vocab_size: int,
+                 roots: list[int] | None = None):
         self.box, self.vocab_size, self._first_roots = mailbox, vocab_size, roots
-        self.next_round = self.end_round = first_round
+        self.next_round, self.end_round = first_round, first_round + rounds
         self.width = mailbox.layout.max_nd  # the accept's row stride in the mailbox
         self.snapshot: tuple = ()
         self.roots: torch.Tensor | None = None  # float64 [n]: each request's root token for the next draft
@@ -47,7 +48,6 @@ class RemoteDraftSide:
 
     def begin(self, rids: list[str], spec, rounds: int, after: "RemoteDraftSide | None") -> torch.Tensor:
         self.n, self.nd = len(rids), spec.num_draft_tokens
-        self.end_round = self.next_round + rounds
         if after is not None:
             self.roots = after.roots
         else:
