@@ -29,19 +29,25 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 
 class LoopbackDrafter:
     """The drafter service's part, in this process: round-by-round steps go straight to ``proposer``
-    (the steered drafter), a run's drafter half goes to a thread, in the order the service takes a
-    Round with a chain run in (check, reply, queue, then read the run it follows back)."""
+    (the steered drafter) once the last run is committed, and a run's Round goes through the service's
+    own handling (``DrafterService._round``: its check and reply now, then — here on a thread — its
+    queuing and the read-back of the run it follows)."""
 
     chain_runs_available = True
     deadline_s = 30.0
 
     def __init__(self, proposer: ControlledAcceptanceProposer, box: RoundMailbox, vocab_size: int):
+        from drafter.service import DrafterService
+
         self.proposer, self.box, self.vocab_size = proposer, box, vocab_size
+        drafter = proposer.rounds_drafter
+        self.service = DrafterService(drafter, "draft", "target", drafter.head.config.hidden_size)
         self.runs = ChainRuns(box, deadline_s=self.deadline_s)
-        self.next_round = 0
+        self.next_round, self.seq = 0, 0
         self.job: concurrent.futures.Future | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.queued: list[tuple[int, bool]] = []  # (rounds, continues) per run
+        self.refusals: list[str] = []
         self.discarded: list[str] = []
         self.half = "real"  # "dead": takes runs, queues nothing; "garbage": hands over garbage chains
 
@@ -73,25 +79,25 @@ class LoopbackDrafter:
         self.discarded.append(reason)
 
     def queue_run(self, rids, spec, rounds, continues, roots):
+        from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
         if self.job is not None:
             self.job.result()
-        drafter = self.proposer.rounds_drafter
-        why = self.runs.check(drafter, rids, spec, rounds, continues)
-        if why:
+        run = pb.ChainRun(first_round=self.next_round, rounds=rounds, request_ids=rids, continues=continues,
+                          spec=pb.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
+                                             num_draft_tokens=spec.num_draft_tokens))
+        self.seq += 1
+        reply, after_reply = self.service._round(pb.Round(seq=self.seq, chain_run=run), None, self.runs)
+        assert reply.seq == self.seq and not reply.tree_sizes
+        if reply.chain_run_refused:
+            self.refusals.append(reply.chain_run_refused)
             return None
         first, self.next_round = self.next_round, self.next_round + rounds
         self.queued.append((rounds, continues))
-
-        def drafter_half():
-            if self.half == "dead":
-                return
-            if self.half == "garbage":
-                return self._garbage(first, rounds, len(rids))
-            previous = self.runs.queue(drafter, rids, spec, first, rounds, continues)
-            if previous is not None:
-                self.runs.settle(previous, keep_pages=True)
-
-        self.job = self.pool.submit(drafter_half)
+        if self.half == "real":
+            self.job = self.pool.submit(after_reply)
+        elif self.half == "garbage":
+            self.job = self.pool.submit(self._garbage, first, rounds, len(rids))
         return RemoteDraftSide(self.box, first, rounds, self.vocab_size, roots)
 
     def _garbage(self, first: int, rounds: int, n: int) -> None:
@@ -176,7 +182,7 @@ def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_acce
     assert {a for per_request in accepted_remote for a in per_request} >= {0, 1, 2}
     assert any(rounds > 1 for rounds, _ in loopback.queued)
     assert any(continues for _, continues in loopback.queued)  # runs queued after runs not read back
-    assert not loopback.discarded
+    assert not loopback.discarded and not loopback.refusals
 
 
 @pytest.mark.parametrize("half", ["garbage", "dead"])
@@ -189,3 +195,24 @@ def test_a_drafter_half_that_is_broken_or_gone_costs_speculation_only(pair, half
         outputs, _, loopback = _generate(eng, prompts, ref, 4, remote=True, half=half)
     assert outputs == ref
     assert loopback.queued  # a run was taken, and went wrong
+
+
+def test_the_drafter_refuses_runs_it_cannot_take(pair):
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    root, _, _ = pair
+    with _speculative_engine(root) as eng:
+        box = _mailbox(eng, wait_s=1.0)
+        loopback = LoopbackDrafter(ControlledAcceptanceProposer(eng.proposer, 0.3), box, eng.model_config.vocab_size)
+        try:
+            assert loopback.queue_run(["unknown"], SPEC, 4, False, [1]) is None  # no draft state for it
+            assert loopback.queue_run(["unknown"], SPEC, 4, True, [1]) is None  # nothing to go on after
+            spec = pb.SpecParams(num_steps=3, topk=1, num_draft_tokens=4)
+            run = pb.ChainRun(rounds=4, request_ids=["x"], spec=spec)
+            reply, _ = loopback.service._round(pb.Round(seq=9, chain_run=run), None, None)
+            assert loopback.refusals == ["the run does not fit the drafter's graphs or pages",
+                                         "a run that continues must follow the last run of the same requests"]
+            assert reply.chain_run_refused == "this connection has no round mailbox"
+            assert loopback.next_round == 0 and not loopback.queued
+        finally:
+            box.close()
