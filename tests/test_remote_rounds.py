@@ -157,10 +157,16 @@ def _generate(eng, prompts, ref, spec_rounds, remote: bool, rate=0.3, half="real
     return [r.output for r in results], [r.spec_stats.accepted_per_round for r in results], loopback
 
 
-def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_accept_as_in_process(pair, chains):
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_accept_as_in_process(pair, chains, glue,
+                                                                                                 monkeypatch):
     """Steered (corruption 0.3), so that rounds accept 0..3 drafts: the mailbox then carries counts
     above one and the features of several nodes; the head's own chains, before the steering, show
-    that its state follows the in-process one round after round."""
+    that its state follows the in-process one round after round. Both glues between the graphs: torch
+    ops (the CPU's), and the GPU's fused kernels writing into the mailbox (forced under the interpreter)."""
+    import tandem.speculative.chain_rounds as chain_rounds
+
+    monkeypatch.setattr(chain_rounds, "use_triton", lambda x: glue == "fused")
     root, prompts, ref = pair
     with _speculative_engine(root) as eng:
         local, accepted_local, _ = _generate(eng, prompts, ref, 4, remote=False)

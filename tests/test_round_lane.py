@@ -273,7 +273,7 @@ class LaneRounds:
         self.service = DrafterService.__new__(DrafterService)
         self.service._lock = None  # created on the peer's loop (below)
         self.service._generation = 1
-        self.service._round = round_fn
+        self.service._round = lambda message, ring, runs: (round_fn(message, ring), lambda: None)  # nothing after
         self.service.lane_busy_poll_s = busy_poll_s
         self.service.profiler = RoundProfiler(0, None)
 
@@ -283,7 +283,7 @@ class LaneRounds:
         async def attach():
             self.service._lock = asyncio.Lock()
             lane = await AsyncLane.connect(listener.address, listener.token)
-            return asyncio.ensure_future(self.service._serve_lane(lane, ring=None, generation=1))
+            return asyncio.ensure_future(self.service._serve_lane(lane, ring=None, runs=None, generation=1))
 
         pending = peer.submit(attach())
         near = listener.accept(5.0)
@@ -413,7 +413,8 @@ def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
     round_msg = pb.Round(seq=7, draft=[pb.DraftRequest(request_id=r, spec=pb.SpecParams(num_steps=n - 1, topk=1,
                                                                                            num_draft_tokens=n))
                                        for r, n in sizes.items()])
-    trees = unpack_trees(service._round(round_msg, ring=None), len(sizes))
+    drafts, _ = service._round(round_msg, ring=None)
+    trees = unpack_trees(drafts, len(sizes))
     assert [t.tokens[0] for t in trees] == [int(r[1:]) * 100 + (int(r[1:]) % 2) * 10 + n for r, n in sizes.items()]
     assert [t.size for t in trees] == list(sizes.values())
 

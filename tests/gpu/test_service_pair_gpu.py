@@ -52,7 +52,10 @@ def reference(demo_pair):
     return prompts, outputs
 
 
-def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, reference, tmp_path):
+@pytest.mark.parametrize("spec_rounds", ["4", "1"])
+def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, reference, tmp_path, spec_rounds):
+    """``--spec-rounds 4`` (the default): runs of rounds queued on the device by both processes through
+    the round mailbox; 1: one round per step, each step's Round prefetched."""
     from services import Service, generate, read_metrics, wait_for
     from tandem.service_probe import free_port
 
@@ -65,7 +68,7 @@ def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, refere
     metrics_port = free_port()
     verifier = Service("verifier", ["--model", str(target), "--drafter", drafter.address, "--draft-model", str(draft),
                                     "--metrics-port", str(metrics_port), "--kv-pages", "1024",
-                                    "--speculation-policy", "always", *common],
+                                    "--speculation-policy", "always", "--spec-rounds", spec_rounds, *common],
                        free_port(), tmp_path / "verifier.log")
     try:
         verifier.start(300)
@@ -78,8 +81,12 @@ def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, refere
         m = read_metrics(metrics_port)
         assert m["tandem:drafter_round_lane"] == 1.0
         assert sum(accepted) / len(accepted) > 1.5, f"the trained head's drafts were hardly accepted: {accepted}"
-        prefetched = m.get('tandem:drafter_rounds_total{kind="prefetched"}', 0.0)
-        assert prefetched > m.get('tandem:drafter_rounds_total{kind="direct"}', 0.0)
+        runs = m.get('tandem:drafter_rounds_total{kind="chain_run"}', 0.0)
+        if spec_rounds == "1":
+            prefetched = m.get('tandem:drafter_rounds_total{kind="prefetched"}', 0.0)
+            assert runs == 0 and prefetched > m.get('tandem:drafter_rounds_total{kind="direct"}', 0.0)
+        else:
+            assert runs > len(prompts), f"runs of rounds were hardly queued with the drafter: {runs}"
     finally:
         verifier.stop()
         drafter.stop()
