@@ -105,6 +105,22 @@ class RoundMailbox:
             setattr(self, name, raw[at : at + size].view(dtype).view(shape))
         self._flags_guard = None
 
+    def warm_up(self) -> None:
+        """Run once every kind of kernel the rounds' glue runs on the mailbox (copies, the chain's
+        sanitising, the root's gather) and wait. A kernel's first launch loads its module, which waits
+        for the whole context: issued while this process's stream waits on the peer's flag, it would
+        hold the host until the peer writes, and forever if the peer is dead, where the host must stay
+        free to release the wait itself."""
+        rows = self.rows.clone()
+        tokens = rows[:, 1:]
+        torch.nan_to_num(tokens, nan=0.0, posinf=0.0, neginf=0.0, out=tokens).clamp_(0, 1)
+        rows[:, 0].copy_(self.ids[:, :1].gather(1, torch.zeros_like(self.ids[:, :1]))[:, 0])
+        self.features.clone().copy_(self.features)
+        self.counts.clone().copy_(self.counts)
+        self.ids.clone()[:, :1].copy_(self.ids[:, :1])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def storage_spec(self) -> RingSpec:
         return self._storage.spec
@@ -130,6 +146,7 @@ class RoundMailbox:
             raise
         box = cls(layout, storage, _flags(page, device, wait_s), name, owner=True)
         box._flags_guard = guard
+        box.warm_up()
         return box
 
     @classmethod
@@ -137,7 +154,9 @@ class RoundMailbox:
         """The drafter's view of the verifier's mailbox (RingAttachError / OSError when unreachable)."""
         view = HiddenRingView.attach(storage)
         page = posix.open_segment(flags_name, mmap.PAGESIZE)
-        return cls(layout, view, _flags(page, view.tensor.device), flags_name, owner=False)
+        box = cls(layout, view, _flags(page, view.tensor.device), flags_name, owner=False)
+        box.warm_up()
+        return box
 
     def close(self) -> None:
         """Drop the flags' pinning and the storage (the owner unlinks both); only once nothing queued

@@ -126,7 +126,8 @@ def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_eng
     from tandem.speculative.setup import speculative_engine
 
     prompts, expected = reference
-    cfg = EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32", cuda_graph_max_bs=8)
+    cfg = EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32", cuda_graph_max_bs=8,
+                       kv_pages=1024)  # not sized by free memory: the services of the tests before may still be exiting
     engine = speculative_engine(cfg, str(demo_pair / "draft"), SpecConfig(5, 1, 6),
                                 policy=SpeculationPolicy(PolicyConfig(enabled=False)))  # every step drafts
     with engine:

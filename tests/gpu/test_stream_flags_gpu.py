@@ -21,19 +21,23 @@ pytestmark = [pytest.mark.gpu,
 # Maps the ring (spec on stdin) and the flags page (name on stdin); its stream waits for flag 0, then
 # doubles row 0 of the ring into row 1 and writes flag 1. Says "queued" before the owner writes anything.
 DOUBLER = r"""
-import json, mmap, sys, torch
+import faulthandler, json, mmap, sys, torch
+faulthandler.dump_traceback_later(30, exit=True)  # a hang shows where, on stderr
 from tandem.ring import HiddenRingView, RingSpec, posix
 from tandem.ring.stream_flags import StreamFlags
 s = json.loads(sys.stdin.readline())
 view = HiddenRingView.attach(RingSpec.from_fields({**s, "cuda_ipc_handle": bytes.fromhex(s["cuda_ipc_handle"])}))
 flags = StreamFlags(posix.open_segment(sys.stdin.readline().strip(), mmap.PAGESIZE), 2, view.tensor.device)
 stream = torch.cuda.current_stream()
+view.tensor[1].copy_(view.tensor[0] * 2)  # the kernels' first launch (module loading waits for the context)
+torch.cuda.synchronize()
 flags.wait(stream, 0, 1)
 view.tensor[1].copy_(view.tensor[0] * 2)
 flags.write(stream, 1, 1)
 print("queued", flush=True)
 torch.cuda.synchronize()
 print("done", flush=True)
+faulthandler.cancel_dump_traceback_later()
 """
 
 
@@ -60,8 +64,17 @@ def test_another_process_waits_for_the_flag_and_sees_the_data_written_before_it(
         flags.write(stream, 0, 1)
         flags.wait(stream, 1, 1)  # this stream goes on only after the child's doubling
         doubled = ring.tensor[1].clone()
-        torch.cuda.synchronize()
-        assert child.stdout.readline().strip() == "done"
+        finished = torch.cuda.Event()
+        finished.record(stream)
+        deadline = time.monotonic() + 40  # past the child's own 30 s dump
+        while not finished.query():
+            if time.monotonic() > deadline:
+                flags[1] = 1  # release this stream before failing
+                torch.cuda.synchronize()
+                _stop(child)
+                pytest.fail(f"the child's flag never came (flags {flags[0]}, {flags[1]}): {child.stderr.read()}")
+            time.sleep(0.001)
+        assert child.stdout.readline().strip() == "done", child.stderr.read()
         assert torch.equal(doubled.cpu(), 2 * torch.arange(256, dtype=torch.float32))
         assert flags[0] == 1 and flags[1] == 1  # both writes reached the shared page
     finally:
@@ -74,6 +87,8 @@ def test_the_host_releases_a_stream_waiting_on_a_flag_no_peer_writes(flags_page)
     _, page = flags_page
     flags = StreamFlags(page, 1, torch.device("cuda", 0))
     stream = torch.cuda.Stream()
+    torch.ones(4, device="cuda:0") * 3  # the kernels' first launch, before any wait (see the child above)
+    torch.cuda.synchronize()
     flags.wait(stream, 0, 5)
     with torch.cuda.stream(stream):
         after = torch.ones(4, device="cuda:0") * 3
