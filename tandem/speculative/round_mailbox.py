@@ -20,6 +20,7 @@ polling the flag (``HostFlags``), which is what the CPU tests run.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
@@ -31,6 +32,7 @@ import torch
 from tandem.ring import HiddenRing, HiddenRingView, RingSpec, posix
 from tandem.speculative.verify import ProposerUnavailable
 
+log = logging.getLogger("tandem.round_mailbox")
 DRAFTED, ACCEPTED = 0, 1  # the flags' indices
 _ALIGN = 256  # bytes: every region starts on a boundary any dtype's kernels load from
 
@@ -158,9 +160,21 @@ class RoundMailbox:
         box.warm_up()
         return box
 
-    def close(self) -> None:
-        """Drop the flags' pinning and the storage (the owner unlinks both); only once nothing queued
-        uses them."""
+    def close(self, drain_s: float = 10.0) -> None:
+        """Drop the flags' pinning and the storage (the owner unlinks both), once the work queued so far
+        on this device is done (its waits must have been released): unpinning or unmapping what queued
+        work still reads would fault it. Work still queued after ``drain_s`` keeps both (they go with
+        the process), with a warning."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.default_stream(self.device))  # the legacy stream: after every blocking stream
+            deadline = time.monotonic() + drain_s
+            while not done.query():
+                if time.monotonic() > deadline:
+                    log.warning("round mailbox: work queued on %s is still running after %.0f s; leaving the "
+                                "mailbox mapped until the process ends", self.device, drain_s)
+                    return
+                time.sleep(0.001)
         self.flags.close()
         self._storage.close()
         if self._flags_guard is not None:
