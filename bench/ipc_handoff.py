@@ -60,11 +60,16 @@ def _cycles(work_us: float) -> int:
     return int(probe * work_us / (a.elapsed_time(b) * 1e3))
 
 
+def _warm_device() -> None:
+    """A first launch of the kernel, outside any timing or wait (it loads the module)."""
+    torch.cuda.set_device(0)
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+
+
 def _connect(slots: int, send, receive) -> tuple[list, list]:
     """This side's interprocess events (``slots`` of them, their handles sent) and the other side's."""
-    torch.cuda.set_device(0)
-    torch.cuda._sleep(1000)  # a first launch loads the kernel
-    torch.cuda.synchronize()
+    _warm_device()
     mine = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
     send.put([e.ipc_handle() for e in mine])
     return mine, [torch.cuda.Event.from_ipc_handle(0, h) for h in receive.get()]
@@ -93,9 +98,7 @@ def _alternate(rank: int, rounds: int, cycles: int, mine: list, theirs: list, is
 
 def _flags(name: str, create: bool) -> StreamFlags:
     """Two flags (one written by each side) in the shared page ``name``."""
-    torch.cuda.set_device(0)
-    torch.cuda._sleep(1000)  # a first launch loads the kernel
-    torch.cuda.synchronize()
+    _warm_device()
     page = (posix.create_segment if create else posix.open_segment)(name, mmap.PAGESIZE)
     return StreamFlags(page, 2, torch.device("cuda", 0))
 

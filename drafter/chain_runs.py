@@ -68,7 +68,7 @@ class ChainRuns:
         previous = self.pending if continues else None
         nd, box = spec.num_draft_tokens, self.box
         side, n = LocalDraftSide(drafter), len(rids)
-        graphs, stream = drafter.graphs, _stream(box)
+        graphs, stream = drafter.graphs, box.stream()
         rows = side.begin(rids, spec, rounds, previous.side if previous else None)
         record = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=box.device)
         ids, features = graphs.token_ids.view(-1, side.width), graphs.features.view(-1, side.width, graphs.features.shape[1])
@@ -117,7 +117,3 @@ class ChainRuns:
         if runs:
             self.box.flags[ACCEPTED] = max(r.last_needed for r in runs)
         self.pending = None
-
-
-def _stream(box: RoundMailbox):
-    return torch.cuda.current_stream(box.device) if box.device.type == "cuda" else None

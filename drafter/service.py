@@ -191,7 +191,7 @@ class DrafterService:
     def _chain_run(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None):
         """Check the run now (the reply says whether it is queued); queue it after the reply, then read
         back and commit the run it follows."""
-        self._drafts(round_msg, ring)  # its releases and extends (it drafts no trees)
+        self._release_and_extend(round_msg, ring)  # (it drafts no trees)
         run = round_msg.chain_run
         rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
         gens = {self.heads.for_request(rid)[0] for rid in rids}
@@ -213,8 +213,8 @@ class DrafterService:
 
         return reply, queue
 
-    def _drafts(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
-        started = time.perf_counter()
+    def _release_and_extend(self, round_msg: pb.Round, ring: HiddenRingView) -> None:
+        """A Round's releases, then its extends (before any draft or run reads the state)."""
         for rid in round_msg.release:
             self.heads.release(rid)
         if round_msg.extend:
@@ -234,6 +234,10 @@ class DrafterService:
             for wave in waves:
                 for gen, items in wave.items():
                     self.heads.drafter(gen).extend(items)
+
+    def _drafts(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
+        started = time.perf_counter()
+        self._release_and_extend(round_msg, ring)
         drafts = pb.Drafts(seq=round_msg.seq, extend_seconds=time.perf_counter() - started)
         by_spec: dict[tuple[int, SpecConfig], list[tuple[int, pb.DraftRequest]]] = {}
         drafted: list[DraftTree | None] = [None] * len(round_msg.draft)  # by position in the Round

@@ -130,15 +130,16 @@ def chains(monkeypatch):
     return seen
 
 
-def _generate(eng, prompts, ref, spec_rounds, remote: bool, rate=0.3, half="real"):
-    """Steered greedy generation → (outputs, accepted drafts per round, the loopback or None)."""
+def _generate(eng, prompts, ref, remote: bool, half="real"):
+    """Greedy generation, 4 rounds per step, steered at corruption 0.3 → (outputs, accepted drafts per
+    round, the loopback or None)."""
     drafter = eng.proposer
-    steered = ControlledAcceptanceProposer(drafter, rate, seed=7)
+    steered = ControlledAcceptanceProposer(drafter, 0.3, seed=7)
     box = _mailbox(eng, wait_s=1.0 if half == "dead" else 60.0) if remote else None
     eng.proposer = LoopbackDrafter(steered, box, eng.model_config.vocab_size) if remote else steered
     if remote:
         eng.proposer.half = half
-    eng.spec_rounds = spec_rounds
+    eng.spec_rounds = 4
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
         rids = [eng.add_request(p, params, rid=f"p{i}") for i, p in enumerate(prompts)]
@@ -169,12 +170,12 @@ def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_acce
     monkeypatch.setattr(chain_rounds, "use_triton", lambda x: glue == "fused")
     root, prompts, ref = pair
     with _speculative_engine(root) as eng:
-        local, accepted_local, _ = _generate(eng, prompts, ref, 4, remote=False)
+        local, accepted_local, _ = _generate(eng, prompts, ref, remote=False)
     local_chains = [list(c) for c in chains.values()]
     for c in chains.values():
         c.clear()
     with _speculative_engine(root) as eng:
-        remote, accepted_remote, loopback = _generate(eng, prompts, ref, 4, remote=True)
+        remote, accepted_remote, loopback = _generate(eng, prompts, ref, remote=True)
         drafter = eng.proposer
         assert drafter.allocator.num_free == drafter.allocator.capacity_pages  # every draft page back
         assert eng.allocator.num_free == eng.allocator.capacity_pages
@@ -198,7 +199,7 @@ def test_a_drafter_half_that_is_broken_or_gone_costs_speculation_only(pair, half
     writes the flag itself). Either way the output is target-only greedy decoding's."""
     root, prompts, ref = pair
     with _speculative_engine(root) as eng:
-        outputs, _, loopback = _generate(eng, prompts, ref, 4, remote=True, half=half)
+        outputs, _, loopback = _generate(eng, prompts, ref, remote=True, half=half)
     assert outputs == ref
     assert loopback.queued  # a run was taken, and went wrong
 

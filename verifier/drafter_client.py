@@ -36,7 +36,7 @@ from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.rpc.drafter.trees import unpack_trees
 from tandem.speculative.remote_rounds import RemoteDraftSide
-from tandem.speculative.round_mailbox import RoundMailbox
+from tandem.speculative.round_mailbox import DRAFTED, RoundMailbox
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 from verifier.config import ROUND_FEATURE_ROWS
@@ -270,7 +270,7 @@ class DrafterClient:
                     return None
                 self._next_round += rounds
                 side = RemoteDraftSide(self.mailbox, first, rounds, self.target.vocab_size, roots)
-                flags_drafted = self.mailbox.flags[0]
+                flags_drafted = self.mailbox.flags[DRAFTED]
                 self._runs = [s for s in self._runs if s.last_needed > flags_drafted] + [side]
                 return side
         finally:

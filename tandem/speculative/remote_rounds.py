@@ -29,7 +29,8 @@ class RemoteDraftSide:
     def __init__(self, mailbox: RoundMailbox, first_round: int, rounds: int, vocab_size: int,
                  roots: list[int] | None = None):
         self.box, self.vocab_size, self._first_roots = mailbox, vocab_size, roots
-        self.next_round, self.end_round = first_round, first_round + rounds
+        self.next_round = first_round
+        self.last_needed = first_round + rounds  # the DRAFTED value this run's last wait needs
         self.width = mailbox.layout.max_nd  # the accept's row stride in the mailbox
         self.snapshot: tuple = ()
         self.roots: torch.Tensor | None = None  # float64 [n]: each request's root token for the next draft
@@ -37,14 +38,6 @@ class RemoteDraftSide:
     @property
     def extend_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.box.ids.view(-1), self.box.features, self.box.counts
-
-    @property
-    def last_needed(self) -> int:
-        """The DRAFTED value this run's last wait needs."""
-        return self.end_round
-
-    def _stream(self):
-        return torch.cuda.current_stream(self.box.device) if self.box.device.type == "cuda" else None
 
     def begin(self, rids: list[str], spec, rounds: int, after: "RemoteDraftSide | None") -> torch.Tensor:
         self.n, self.nd = len(rids), spec.num_draft_tokens
@@ -57,7 +50,7 @@ class RemoteDraftSide:
 
     def draft(self) -> torch.Tensor:
         """Wait (on the device) for this round's chain, and take a sanitised copy of it."""
-        self.box.flags.wait(self._stream(), DRAFTED, self.next_round + 1)
+        self.box.flags.wait(self.box.stream(), DRAFTED, self.next_round + 1)
         rows, nd = self.rows, self.nd
         rows.copy_(self.box.rows[: self.n, : 3 * nd + 1])
         tokens = rows[:, 1:nd]
@@ -69,13 +62,12 @@ class RemoteDraftSide:
         """The accept wrote the round's tokens, features and counts into the mailbox: say so, and keep
         the next root (the round's last token)."""
         self.roots.copy_(self.box.ids[: self.n].gather(1, (counts - 1)[:, None])[:, 0])
-        self.box.flags.write(self._stream(), ACCEPTED, self.next_round + 1)
+        self.box.flags.write(self.box.stream(), ACCEPTED, self.next_round + 1)
         self.next_round += 1
 
     def extend_torch(self, kept: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
         n, c = kept.shape
         self.box.ids[:n, :c].copy_(kept)
-        self.box.ids[:n, c:].zero_()
         self.box.features.view(self.box.layout.max_bs, self.width, -1)[:n, :c].copy_(features)
         self.box.counts[:n].copy_(counts)
         self.extended(counts)

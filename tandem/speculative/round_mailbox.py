@@ -11,8 +11,9 @@ g + 1 once round g's chain is in the mailbox, the verifier's writes ACCEPTED = g
 accept is; each side's stream waits for the other's flag before reading. g counts rounds over the
 verifier's lifetime and never goes back, so a write left over from an earlier connection can only
 name an older round. The verifier's host can release its own waits (a drafter that died or is late):
-it marks the rounds' chains broken in the mailbox and writes DRAFTED itself; the verify then emits the
-root's token, as a plain step would.
+it writes DRAFTED itself, and the verify takes whatever chain the mailbox holds as a guess
+(tandem.speculative.remote_rounds: the root is the verifier's own, the tokens are sanitised), so
+the output is the target's whatever the drafter left there.
 
 On CPU there are no streams: every torch op has finished when it returns, so a "wait" is the host
 polling the flag (``HostFlags``), which is what the CPU tests run.
@@ -98,14 +99,18 @@ class MailboxLayout:
 class RoundMailbox:
     """The mailbox's tensors (``rows``, ``ids``, ``counts``, ``features``: see MailboxLayout) and flags."""
 
-    def __init__(self, layout: MailboxLayout, storage, flags, flags_name: str, owner: bool):
+    def __init__(self, layout: MailboxLayout, storage, flags, flags_name: str):
         self.layout, self.flags, self.flags_name = layout, flags, flags_name
-        self._storage, self._owner = storage, owner  # HiddenRing (owner) or HiddenRingView
+        self._storage = storage  # HiddenRing (the verifier's) or HiddenRingView (the drafter's)
         raw = storage.tensor.view(-1).view(torch.uint8)
         for name, (at, dtype, shape) in layout.regions().items():
             size = torch.Size(shape).numel() * dtype.itemsize
             setattr(self, name, raw[at : at + size].view(dtype).view(shape))
-        self._flags_guard = None
+        self._flags_guard: posix.Watchdog | None = None  # the owner's: unlinks the flags' page
+
+    def stream(self):
+        """The stream the rounds' glue is queued on (None on CPU, where nothing is queued)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def warm_up(self) -> None:
         """Run once every kind of kernel the rounds' glue runs on the mailbox (copies, the chain's
@@ -146,7 +151,7 @@ class RoundMailbox:
             posix.unlink(posix.shm_path(name))
             storage.close()
             raise
-        box = cls(layout, storage, _flags(page, device, wait_s), name, owner=True)
+        box = cls(layout, storage, _flags(page, device, wait_s), name)
         box._flags_guard = guard
         box.warm_up()
         return box
@@ -156,7 +161,7 @@ class RoundMailbox:
         """The drafter's view of the verifier's mailbox (RingAttachError / OSError when unreachable)."""
         view = HiddenRingView.attach(storage)
         page = posix.open_segment(flags_name, mmap.PAGESIZE)
-        box = cls(layout, view, _flags(page, view.tensor.device), flags_name, owner=False)
+        box = cls(layout, view, _flags(page, view.tensor.device), flags_name)
         box.warm_up()
         return box
 
@@ -178,8 +183,7 @@ class RoundMailbox:
         self.flags.close()
         self._storage.close()
         if self._flags_guard is not None:
-            posix.unlink(posix.shm_path(self.flags_name))
-            self._flags_guard.stop()
+            self._flags_guard.stop()  # unlinks the page
             self._flags_guard = None
 
 
