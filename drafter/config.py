@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 from dataclasses import dataclass
 
+from tandem import internal_secret
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
 
@@ -28,6 +31,11 @@ class DrafterServiceConfig:
     lane_busy_poll_ms: float = 0.0
     profile_rounds: int = 0  # trace this many rounds (after a warm-up) with the torch profiler; 0: off
     profile_dir: str | None = None  # where the trace goes (default: the working directory)
+    # The internal plane's secret (tandem.internal_secret): Rounds and Reload need it when set. Unset is
+    # allowed on a loopback address only (a developer's drafter); `tandem up` and compose always set it.
+    internal_secret: str | None = None
+    # Reload loads only folders below this one (realpath-checked); default: the starting head's parent.
+    reload_root: str = ""
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -45,7 +53,13 @@ class DrafterServiceConfig:
         p.add_argument("--speculative-num-steps", type=int, default=3, help="tree shape to capture graphs for")
         p.add_argument("--speculative-eagle-topk", type=int, default=1)
         p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
-        p.add_argument("--host", default=cls.host)
+        p.add_argument("--host", default=cls.host,
+                       help="address to bind (default: loopback; the verifier is on the same machine)")
+        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
+                       help=f"the internal plane's shared secret, from FILE instead of ${internal_secret.ENV} "
+                            "(the verifier's Rounds stream and Reload must present it)")
+        p.add_argument("--reload-root", default=None, metavar="DIR",
+                       help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
         p.add_argument("--port", type=int, default=cls.port)
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
         p.add_argument("--profile-rounds", type=int, default=cls.profile_rounds,
@@ -69,6 +83,22 @@ class DrafterServiceConfig:
         if a.profile_rounds < 0:
             raise ConfigError(f"--profile-rounds must be >= 0, got {a.profile_rounds}")
         spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
+        secret = internal_secret.load(a.internal_secret_file)
+        if secret is None and not is_loopback(a.host):
+            raise ConfigError(f"--host {a.host} is not a loopback address: the drafter's port would be an open control "
+                              f"plane; set ${internal_secret.ENV} (or --internal-secret-file) on the drafter and "
+                              "the verifier")
+        reload_root = os.path.realpath(a.reload_root or os.path.dirname(os.path.abspath(draft_model)))
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
                    otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
-                   profile_rounds=a.profile_rounds, profile_dir=a.profile_dir)
+                   profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
+                   reload_root=reload_root)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

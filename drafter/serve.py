@@ -26,7 +26,13 @@ log = logging.getLogger("drafter")
 
 async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-                                      ("grpc.http2.max_ping_strikes", 0)])
+                                      ("grpc.http2.max_ping_strikes", 0),
+                                      # A verifier that vanished without closing its connection (a hung host,
+                                      # a cut link) ends its stream within ~15 s, so its restart is not refused
+                                      # as a second verifier (DrafterService: one stream at a time).
+                                      ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.max_pings_without_data", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -41,7 +47,11 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
         drafter.capture_cuda_graphs(list(cfg.graph_specs))
     profiler = RoundProfiler(cfg.profile_rounds, cfg.profile_dir)
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
-                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3, profiler)
+                             cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3, profiler,
+                             secret=cfg.internal_secret, reload_root=cfg.reload_root or None)
+    if cfg.internal_secret is None:
+        log.warning("no internal secret (tandem.internal_secret): any local process may drive this drafter; "
+                    "`tandem up` and compose set one")
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")

@@ -6,25 +6,33 @@ named in the message, draft the requested trees → exactly one Drafts. When the
 round lane (tandem/round_lane.py) and it is reachable, the Rounds arrive there instead of on the
 stream, which then only keeps the connection alive. The round runs inline on the
 event loop (a thread hand-off per round cost more than the round's own host work); health checks and
-Reload wait for the round boundary, a few milliseconds. A new stream (the verifier
-reconnecting) replaces the old one and starts empty again: the verifier never refers to state from
-before a reconnect.
+Reload wait for the round boundary, a few milliseconds. Each stream starts empty: the verifier never
+refers to state from before a reconnect.
+
+The internal plane is closed (DESIGN §2): with a secret configured (tandem.internal_secret), Rounds and
+Reload without it are UNAUTHENTICATED. One verifier stream at a time: a second one is refused with
+ALREADY_EXISTS instead of taking the drafter away from the serving verifier. A verifier whose stream
+died (its process killed, its connection cut) is not locked out: its end of the stream ends the handler
+(TCP closes, or the server's keepalive finds the peer gone), and a new stream waits briefly for that.
 
 Reload loads another checkpoint for the same target beside the serving head (DraftHeads): new
 requests draft with it, running ones finish on theirs. Nothing is dropped, and a checkpoint that does
-not fit the verifier's stream is refused with FAILED_PRECONDITION while serving goes on.
+not fit the verifier's stream is refused with FAILED_PRECONDITION while serving goes on. Only folders
+below the reload root load (PERMISSION_DENIED otherwise), and filesystem errors go to the log, never
+back to the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from tandem import tracing
+from tandem import internal_secret, tracing
 from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
@@ -41,13 +49,21 @@ from drafter.profiling import RoundProfiler
 log = logging.getLogger("drafter.service")
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
 LANE_CONNECT_S = 2.0
+# A new stream waits this long for the previous one's handler to end (a verifier reconnecting right after
+# its stream broke) before it is refused as a second verifier.
+PREVIOUS_STREAM_WAIT_S = 2.0
 
 
 class DrafterService:
     def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
                  runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0,
-                 profiler: RoundProfiler | None = None):
+                 profiler: RoundProfiler | None = None, secret: str | None = None, reload_root: str | None = None):
+        """``secret``: what Rounds and Reload must present (None: nothing, a loopback-only drafter);
+        ``reload_root``: Reload loads folders below it only (default: the starting head's parent)."""
         self.heads = DraftHeads(drafter, draft_model)
+        self.secret = secret
+        self.reload_root = os.path.realpath(reload_root or os.path.dirname(os.path.abspath(draft_model)))
+        self._stream_ended: asyncio.Event | None = None  # the serving stream's; set when its handler ends
         self.lane_busy_poll_s = lane_busy_poll_s  # spin this long for the next Round (DrafterServiceConfig)
         self.profiler = profiler or RoundProfiler(0, None)  # --profile-rounds
         self.target_model, self.target_hidden = target_model, target_hidden
@@ -61,7 +77,40 @@ class DrafterService:
         """The head new requests draft with."""
         return self.heads.current
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if not internal_secret.matches(self.secret, context.invocation_metadata()):
+            log.warning("refused a call without the internal secret from %s", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this drafter serves its verifier only")
+
+    async def _claim_stream(self) -> asyncio.Event | None:
+        """This stream's end-of-handler event, once no other stream is served; None if one still is after
+        PREVIOUS_STREAM_WAIT_S."""
+        deadline = asyncio.get_running_loop().time() + PREVIOUS_STREAM_WAIT_S
+        while self._stream_ended is not None and not self._stream_ended.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._stream_ended.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+        self._stream_ended = asyncio.Event()  # no await since the check: two new streams cannot both pass
+        return self._stream_ended
+
     async def Rounds(self, requests, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        ended = await self._claim_stream()
+        if ended is None:
+            log.warning("refused a second Rounds stream from %s while a verifier is connected", context.peer())
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                "another verifier is connected to this drafter (one stream at a time)")
+        try:
+            async for message in self._rounds(requests, context):
+                yield message
+        finally:
+            ended.set()
+
+    async def _rounds(self, requests, context: grpc.aio.ServicerContext):
         self._generation += 1
         generation = self._generation
         ring: HiddenRingView | None = None
@@ -151,8 +200,8 @@ class DrafterService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the verifier sends {hello.ring.row_width}-wide features but this EAGLE-3 head takes "
                                 f"{width} (3 x {self.target_hidden}); is it the draft for this target?")
-        try:
-            ring = HiddenRingView.attach(RingSpec.from_fields(hello.ring))
+        try:  # read-only: the drafter never writes the verifier's ring
+            ring = HiddenRingView.attach(RingSpec.from_fields(hello.ring), writable=False)
         except TandemError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if old_ring is not None:
@@ -261,14 +310,28 @@ class DrafterService:
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
 
+    def _below_root(self, draft_model: str) -> str | None:
+        """The real path of ``draft_model`` if it is a folder strictly below the reload root, else None."""
+        real = os.path.realpath(draft_model)
+        if real == self.reload_root or os.path.commonpath([real, self.reload_root]) != self.reload_root:
+            return None
+        return real if os.path.isdir(real) else None
+
     async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadReply:
+        await self._authenticate(context)
         if not request.draft_model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "draft_model: name the EAGLE-3 folder to load")
+        folder = self._below_root(request.draft_model)
+        if folder is None:  # the same answer whether it exists or not: the caller learns nothing of the disk
+            log.warning("reload of %r refused: not a folder below the reload root %s", request.draft_model,
+                        self.reload_root)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "draft_model: not an EAGLE-3 folder below this drafter's reload root")
         async with self._reload_lock:
             started = time.perf_counter()
-            log.info("reload: loading %s beside generation %d", request.draft_model, self.heads.generation)
+            log.info("reload: loading %s beside generation %d", folder, self.heads.generation)
             try:  # validation and loading run beside serving
-                drafter = await asyncio.to_thread(self._load, request.draft_model)
+                drafter = await asyncio.to_thread(self._load, folder)
             except (TandemError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: out of memory
                 await _refuse_reload(context, request.draft_model, e)
             async with self._lock:
@@ -314,5 +377,9 @@ async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:
 
 
 async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception) -> None:
-    log.error("reload of %s refused: %s", draft_model, error)
-    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{draft_model}: {error}")
+    """The checkpoint's own validation (a TandemError: other layers, other width) is the caller's to read;
+    anything else (a filesystem error, out of memory) stays in the log."""
+    log.error("reload of %s refused: %s: %s", draft_model, type(error).__name__, error)
+    if isinstance(error, TandemError) and not isinstance(error, OSError):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the checkpoint does not fit: {error}")
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the checkpoint could not be loaded (see the drafter's log)")

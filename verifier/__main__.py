@@ -29,9 +29,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger("verifier").info("config: model=%s, %s", model, cfg.describe())
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
+    from verifier.engine_loop import EngineFailed
     from verifier.serve import serve
 
-    return run_service(lambda: serve(cfg))
+    try:
+        return run_service(lambda: serve(cfg))
+    except EngineFailed as e:  # its requests were failed; a supervisor (tandem up, compose) restarts it
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

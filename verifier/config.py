@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tandem import internal_secret
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 
@@ -37,6 +38,7 @@ class VerifierConfig:
     capture_traffic_max_gb: float = 50.0
     round_lane: bool = True  # offer the drafter a local socket for the per-round messages (tandem/round_lane.py)
     round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
+    internal_secret: str | None = None  # presented to the drafter on its Rounds stream (tandem.internal_secret)
 
     def __post_init__(self) -> None:
         if self.drafter == IN_PROCESS:
@@ -105,6 +107,8 @@ class VerifierConfig:
         p.add_argument("--disable-round-prefetch", action="store_true",
                        help="send each Round when the step drafts instead of at the end of the step before "
                             "(prefetching lets the drafter work while the verifier streams and schedules)")
+        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
+                       help=f"the drafter's internal secret, from FILE instead of ${internal_secret.ENV}")
         p.add_argument("--ring-rows", type=int, default=cls.ring_rows,
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
@@ -129,7 +133,9 @@ class VerifierConfig:
                    served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
                    speculation_policy=a.speculation_policy,
                    capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane,
-                   round_prefetch=not a.disable_round_prefetch)
+                   round_prefetch=not a.disable_round_prefetch,
+                   internal_secret=internal_secret.load(a.internal_secret_file))
 
     def describe(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "engine")
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                         if f.name not in ("engine", "internal_secret"))  # a secret never goes to a log

@@ -30,6 +30,7 @@ from typing import Callable
 import grpc
 import torch
 
+from tandem import internal_secret
 from tandem.errors import TandemError
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
@@ -44,6 +45,9 @@ from verifier.drafter_connection import DrafterConnection
 
 log = logging.getLogger("verifier.drafter_client")
 REFUSED_RUN_BACKOFF_S = 0.5  # after the drafter refused a run, rounds go one at a time this long
+# Handshake refusals that retrying alone will not fix (or not soon): logged once each, as errors.
+REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS)
+MAX_TRACES = 65536  # trace contexts kept at most (each request's is forgotten when it finishes, whatever the path)
 
 
 class DrafterClient:
@@ -52,11 +56,13 @@ class DrafterClient:
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
                  on_round: Callable[[float, float, pb.Drafts, str], None] = lambda round_trip_s, wait_s, drafts, kind: None,
-                 round_lane: bool = True, prefetch: bool = True, mailbox: RoundMailbox | None = None):
+                 round_lane: bool = True, prefetch: bool = True, mailbox: RoundMailbox | None = None,
+                 secret: str | None = None):
         """``on_round(round trip, wait, drafts, kind)`` after every reply: seconds from the Round's send to
         its reply's receipt, the part of it the caller spent blocked (less when the Round was prefetched),
         the reply (the drafter's own timings), and how the Round was sent (see ``_collect``)."""
         self.address, self.ring, self.target = address, ring, target
+        self._metadata = internal_secret.metadata(secret)  # the stream's credentials (tandem.internal_secret)
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
         self.prefetch_rounds = prefetch  # False: prefetch() sends nothing (--disable-round-prefetch)
         # Runs of chain rounds queued on the device with the drafter (tandem.speculative.remote_rounds);
@@ -128,12 +134,12 @@ class DrafterClient:
             if self._conn is None:
                 try:
                     conn = DrafterConnection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock,
-                                       self.round_lane)
+                                             self.round_lane, self._metadata)
                 except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
                     if not isinstance(e, ProposerUnavailable):
                         log.warning("connecting to the drafter at %s failed: %s: %s", self.address, type(e).__name__, e)
                     details = getattr(e, "details", "")
-                    if getattr(e, "status", None) == grpc.StatusCode.FAILED_PRECONDITION:  # misconfigured: say it once
+                    if getattr(e, "status", None) in REFUSALS:  # misconfigured or taken: say it once
                         if details != self._last_refusal:
                             log.error("the drafter at %s refused this verifier: %s", self.address, details)
                         self._last_refusal = details
@@ -171,9 +177,16 @@ class DrafterClient:
 
     # -- Proposer --------------------------------------------------------------------------------
     def note_trace(self, rid: str, carrier: dict[str, str]) -> None:
-        """The request's W3C trace context, so the drafter's spans join the request's trace."""
+        """The request's W3C trace context, so the drafter's spans join the request's trace. Bounded: past
+        MAX_TRACES the oldest goes (its drafter spans then start traces of their own)."""
         if carrier:
             self._traces[rid] = carrier
+            while len(self._traces) > MAX_TRACES:
+                self._traces.pop(next(iter(self._traces)), None)
+
+    def forget_trace(self, rid: str) -> None:
+        """The request finished (any way: at prefill, aborted while waiting, after a lost drafter)."""
+        self._traces.pop(rid, None)
 
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
         # One request's rows go in pieces of at most FLUSH_ROWS (consecutive extends, applied in order),

@@ -30,7 +30,8 @@ class DrafterConnection:
     caller's thread."""
 
     def __init__(self, address: str, hello: pb.VerifierMessage, timeout_s: float, loop: asyncio.AbstractEventLoop,
-                 loop_lock: threading.Lock, offer_lane: bool):
+                 loop_lock: threading.Lock, offer_lane: bool, metadata: tuple = ()):
+        """``metadata``: the stream's call metadata (the internal secret, tandem.internal_secret)."""
         self.loop, self.loop_lock = loop, loop_lock
         self.channel = self.call = None
         self.lane: BlockingLane | None = None
@@ -41,7 +42,7 @@ class DrafterConnection:
                 offer.CopyFrom(hello)
                 offer.hello.round_lane, offer.hello.round_lane_token = listener.address, listener.token
                 hello = offer
-            self._run(self._open(address))
+            self._run(self._open(address, metadata))
             self.send(hello)
             welcome = self.receive(timeout_s)
             if not welcome.HasField("welcome"):
@@ -67,10 +68,10 @@ class DrafterConnection:
                 listener.close()
         self.welcome = welcome.welcome
 
-    async def _open(self, address: str) -> None:
+    async def _open(self, address: str, metadata: tuple) -> None:
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
-        self.call = pb_grpc.DrafterStub(self.channel).Rounds()
+        self.call = pb_grpc.DrafterStub(self.channel).Rounds(metadata=metadata or None)
 
     def _run(self, coro, timeout_s: float | None = None):
         # The loop is busy only while another thread closes an old stream; never wait on it for long.

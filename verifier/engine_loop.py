@@ -50,6 +50,15 @@ class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
 
+class DuplicateRequest(TandemError):
+    """A request with this id is already running (ALREADY_EXISTS); the running one is untouched."""
+
+
+class EngineFailed(RuntimeError):
+    """Raised by the service once it has drained after its engine loop died: the process exits non-zero so
+    that its supervisor (tandem up, compose) starts a fresh one."""
+
+
 @dataclass
 class Submission:
     rid: str
@@ -92,8 +101,10 @@ class EngineLoop(threading.Thread):
                 self._commands.put(("add", sub))
         return sub.added
 
-    def cancel(self, rid: str) -> None:
-        self._commands.put(("cancel", rid))
+    def cancel(self, rid: str, sub: Submission | None = None) -> None:
+        """Abort ``rid``; with ``sub``, only if that submission is the one running under the id (the
+        handler of a refused duplicate must not abort the request that holds the id)."""
+        self._commands.put(("cancel", (rid, sub)))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -123,8 +134,9 @@ class EngineLoop(threading.Thread):
             log.exception("engine loop failed")
             with self._submit_lock:
                 self.fatal = e
-            for sub in self._live.values():
+            for rid, sub in list(self._live.items()):
                 sub.sink(e)
+                self._forget(rid)
             self._live.clear()
             while True:  # submissions queued before the end: refused, not left waiting
                 try:
@@ -144,13 +156,16 @@ class EngineLoop(threading.Thread):
             if command == "add":
                 self._add(arg)
             elif command == "cancel":
-                self._cancel(arg)
+                self._cancel(*arg)
             try:
                 command, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
 
     def _add(self, sub: Submission) -> None:
+        if sub.rid in self._live:
+            sub.added.set_exception(DuplicateRequest(f"request_id {sub.rid!r} is already running"))
+            return
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             sub.added.set_exception(QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later"))
             return
@@ -166,12 +181,22 @@ class EngineLoop(threading.Thread):
         self.metrics.prompt_tokens.inc(len(sub.prompt))
         sub.added.set_result(sub.rid)
 
-    def _cancel(self, rid: str) -> None:
-        if self._live.pop(rid, None) is not None:
-            self.engine.abort(rid)
-            self._last_token_at.pop(rid, None)
-            self.metrics.requests.labels("abort").inc()
-            self._gauges()
+    def _cancel(self, rid: str, sub: Submission | None = None) -> None:
+        live = self._live.get(rid)
+        if live is None or (sub is not None and live is not sub):
+            return
+        del self._live[rid]
+        self.engine.abort(rid)
+        self._forget(rid)
+        self.metrics.requests.labels("abort").inc()
+        self._gauges()
+
+    def _forget(self, rid: str) -> None:
+        """What this loop and the proposer keep per request, on every way a request ends."""
+        self._last_token_at.pop(rid, None)
+        forget_trace = getattr(self.engine.proposer, "forget_trace", None) if self.engine is not None else None
+        if forget_trace is not None:
+            forget_trace(rid)
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -192,7 +217,7 @@ class EngineLoop(threading.Thread):
             sub.sink(out)
             if out.finish_reason is not None:
                 self._live.pop(out.rid, None)
-                self._last_token_at.pop(out.rid, None)
+                self._forget(out.rid)
                 self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
         self._gauges()

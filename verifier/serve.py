@@ -28,7 +28,7 @@ from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.setup import speculative_engine
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.drafter_client import DrafterClient
-from verifier.engine_loop import EngineLoop
+from verifier.engine_loop import EngineFailed, EngineLoop
 from verifier.in_process_head import GuardedHead
 from verifier.metrics import VerifierMetrics
 from verifier.server import SERVICE, VerifierService
@@ -89,7 +89,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
 
     client = DrafterClient(cfg.drafter, ring, target, cfg.drafter_deadline_s, cfg.reconnect_interval_s, on_state,
                            metrics.observe_drafter_round, round_lane=cfg.round_lane, prefetch=cfg.round_prefetch,
-                           mailbox=_round_mailbox(engine, spec, ring))
+                           mailbox=_round_mailbox(engine, spec, ring), secret=cfg.internal_secret)
     engine.proposer, engine.default_spec = client, spec
     return engine, client, ring
 
@@ -122,10 +122,12 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
 
     aio_loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
 
-    def on_fatal(error: BaseException) -> None:  # the engine loop died: probes see it, new requests are refused
-        asyncio.run_coroutine_threadsafe(
+    def on_fatal(error: BaseException) -> None:  # the engine loop died: probes see it, new requests are refused,
+        asyncio.run_coroutine_threadsafe(  # and the service drains and exits non-zero (EngineFailed) to be restarted
             set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING), aio_loop)
+        aio_loop.call_soon_threadsafe(stop.set)
 
     loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal)
     loop.start()  # loads the model on its own thread, then steps it there
@@ -158,3 +160,5 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     if ring is not None:
         ring.close()
     tracing.shutdown_tracing()
+    if loop.fatal is not None:
+        raise EngineFailed(f"the engine loop failed: {type(loop.fatal).__name__}: {loop.fatal}")

@@ -22,7 +22,7 @@ from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
-from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
+from verifier.engine_loop import DuplicateRequest, EngineLoop, EngineStopped, QueueFull, Submission
 
 log = logging.getLogger("verifier.server")
 SERVICE = "tandem.rpc.verifier.v1.Verifier"
@@ -87,6 +87,9 @@ class VerifierService:
         try:
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
+            except DuplicateRequest as e:  # the running request with this id goes on untouched
+                tracing.set_error(span, str(e))
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except (QueueFull, OutOfPagesError) as e:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -98,16 +101,16 @@ class VerifierService:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while not finished:
                 out = await outputs.get()
-                if isinstance(out, BaseException):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts
+                    await context.abort(grpc.StatusCode.INTERNAL, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
                 yield self._response(rid, request, out, produced)
         finally:
             span.set_attribute("tandem.completion_tokens", produced)
             span.end()
-            if not finished:  # client went away or cancelled: free the request's KV next round
-                self.loop.cancel(rid)
+            if not finished:  # client went away or cancelled: free the request's KV next round (only this
+                self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
 
     def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),

@@ -23,6 +23,7 @@ import mmap
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ class RingSpec:
             raise ConfigError(f"ring shape must be positive, got [{self.num_rows}, {self.row_width}]")
         if self.kind == CUDA_IPC and not (self.cuda_ipc_handle and self.gpu_uuid):
             raise ConfigError("a cuda_ipc ring spec needs cuda_ipc_handle and gpu_uuid")
+        try:  # a spec may come from a peer's Hello: its name must be one this project makes
+            posix.check_name(self.name)
+        except ValueError as e:
+            raise ConfigError(f"ring name: {e}") from None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,9 +108,12 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 def _as_rows(buf: mmap.mmap, spec: RingSpec) -> torch.Tensor:
     # frombuffer keeps a reference to the mmap, so the mapping lives as long as any view of it does;
-    # that is why nobody ever calls mmap.close() (it would unmap under live tensors).
-    return torch.frombuffer(buf, dtype=torch.uint8, count=spec.nbytes).view(spec.torch_dtype).view(
-        spec.num_rows, spec.row_width)
+    # that is why nobody ever calls mmap.close() (it would unmap under live tensors). A read-only
+    # mapping (the drafter's view of the ring) makes torch warn; a write to it would fault, as meant.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=spec.nbytes)
+    return raw.view(spec.torch_dtype).view(spec.num_rows, spec.row_width)
 
 
 def _unlink_owned(owner_pid: int, path: str | None, watchdog: posix.Watchdog | None) -> None:
@@ -244,12 +252,13 @@ class HiddenRingView:
         self._spec, self._tensor, self._ready = spec, tensor, ready_event
 
     @classmethod
-    def attach(cls, spec: RingSpec) -> HiddenRingView:
-        """Map the owner's ring; RingAttachError (one line, with the cause) if that is impossible."""
+    def attach(cls, spec: RingSpec, writable: bool = True) -> HiddenRingView:
+        """Map the owner's ring; RingAttachError (one line, with the cause) if that is impossible.
+        ``writable=False``: a read-only mapping (posix), for a reader that never writes (the drafter's ring)."""
         where = f"hidden-state ring {spec.name!r} of verifier pid {spec.owner_pid}"
         if spec.kind == POSIX:
             try:
-                return cls(spec, _as_rows(posix.open_segment(spec.name, spec.nbytes), spec))
+                return cls(spec, _as_rows(posix.open_segment(spec.name, spec.nbytes, writable), spec))
             except FileNotFoundError:
                 raise RingAttachError(f"{where} not found in {posix.SHM_DIR}: the verifier has exited or "
                                       f"closed it; handshake again for the current ring") from None

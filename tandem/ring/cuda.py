@@ -14,6 +14,7 @@ through pidfd_getfd, which unprivileged containers refuse.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from tandem.ring.posix import shm_path
 
 _MAGIC, _VERSION = b"TRNG", 1
+# torch names its cross-process ref-counter file /torch_<pid>_<random>_<n>; torch opens the one a peer's
+# export names, so the name is checked first (no path can reach another file).
+_TORCH_REF_NAME = re.compile(rb"/?torch_[0-9]+(?:_[0-9]+)*")
 _HEADER = struct.Struct("<4sHQQQ?")  # magic, version, storage bytes, storage offset, ref-counter offset, sync
 
 
@@ -87,6 +91,8 @@ def import_rows(blob: bytes, uuid: str, num_rows: int, row_width: int,
         raise ValueError(f"unknown cuda_ipc_handle format {magic!r} v{version}; verifier and drafter must "
                          f"run the same Tandem version")
     handle, ref_handle, event_handle, ready_handle = _unpack(blob[_HEADER.size:], 4)
+    if _TORCH_REF_NAME.fullmatch(ref_handle) is None:
+        raise ValueError("the export names a ref-counter file that is not torch's")
     if size < num_rows * row_width * dtype.itemsize:
         raise ValueError(f"the exported storage has {size} bytes, [{num_rows}, {row_width}] {dtype} needs more")
     index = local_index(uuid)

@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
 
 SHM_DIR = "/dev/shm"
+# Every segment this project makes is named tandem-<pid>-<hex> or tandem-<kind>-<pid>-<hex>. Names that
+# arrive from a peer (the verifier's Hello) are checked against it before anything is opened: no
+# slash, no "..", nothing outside /dev/shm.
+SEGMENT_NAME = re.compile(r"tandem-[a-z0-9]+(?:-[a-z0-9]+)*")
+_MAX_NAME = 96
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is one of this project's segment names, else ValueError (never echoing it whole)."""
+    if not isinstance(name, str) or len(name) > _MAX_NAME or SEGMENT_NAME.fullmatch(name) is None:
+        raise ValueError(f"{name[:_MAX_NAME]!r} is not a Tandem shared-memory segment name (tandem-<pid>-<hex>)")
+    return name
 
 
 def shm_path(name: str) -> str:
@@ -23,8 +37,8 @@ def shm_path(name: str) -> str:
 
 def create_segment(name: str, nbytes: int) -> mmap.mmap:
     """Create ``name`` exclusively (0600) with ``nbytes`` reserved, and map it read/write."""
-    path = shm_path(name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    path = shm_path(check_name(name))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         # Reserve the pages now: tmpfs grows lazily, so a bare ftruncate "succeeds" and the first
         # write beyond the free space kills the writer with SIGBUS. This turns that into ENOSPC here.
@@ -38,14 +52,19 @@ def create_segment(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_segment(name: str, nbytes: int) -> mmap.mmap:
-    """Map an existing segment; FileNotFoundError if it is gone, ValueError if it is too small."""
-    fd = os.open(shm_path(name), os.O_RDWR)
+def open_segment(name: str, nbytes: int, writable: bool = True) -> mmap.mmap:
+    """Map an existing segment (read-only unless ``writable``); FileNotFoundError if it is gone,
+    ValueError if the name is not one of ours, or the file is a link, not a regular file of this user,
+    or too small. The name comes from a peer: it is checked, and a symlink is never followed."""
+    path = shm_path(check_name(name))
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise ValueError(f"segment {shm_path(name)} has {size} bytes, {nbytes} expected")
-        return mmap.mmap(fd, nbytes)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError(f"segment {path} is not a regular file of this user")
+        if st.st_size < nbytes:
+            raise ValueError(f"segment {path} has {st.st_size} bytes, {nbytes} expected")
+        return mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
 

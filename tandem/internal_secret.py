@@ -1,0 +1,64 @@
+"""The shared secret of the internal plane (DESIGN §2): the verifier↔drafter Rounds stream and the
+drafter's Reload carry it in gRPC metadata, and the drafter refuses calls without it (UNAUTHENTICATED).
+
+``tandem up`` generates one per stack and hands it to both processes in the environment; compose passes
+it as an environment variable; ``--internal-secret-file`` reads it from a file (a Docker/Kubernetes
+secret) instead. Torch-free: the launcher and both services use it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+
+from tandem.errors import ConfigError
+
+ENV = "TANDEM_INTERNAL_SECRET"
+METADATA_KEY = "x-tandem-internal-secret"  # gRPC metadata keys are lower case
+MIN_LENGTH = 16  # characters: a guessable secret is no secret
+
+
+def generate() -> str:
+    return secrets.token_hex(32)
+
+
+def load(path: str | None = None) -> str | None:
+    """The secret from ``path`` when given (whitespace around it stripped), else from $TANDEM_INTERNAL_SECRET;
+    None when neither is set. ConfigError for an unreadable file or a secret too short to mean anything."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"--internal-secret-file {path}: {e.strerror}") from None
+        where = f"--internal-secret-file {path}"
+    else:
+        value = os.environ.get(ENV, "").strip()
+        where = f"${ENV}"
+        if not value:
+            return None
+    if len(value) < MIN_LENGTH:
+        raise ConfigError(f"{where}: the internal secret must be at least {MIN_LENGTH} characters "
+                          f"(tandem up generates one; e.g. `openssl rand -hex 32`)")
+    return value
+
+
+def metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    """What a caller adds to its calls' metadata."""
+    return ((METADATA_KEY, secret),) if secret else ()
+
+
+def presented(invocation_metadata) -> str:
+    """The secret a call presented ('' if none)."""
+    for key, value in invocation_metadata or ():
+        if key == METADATA_KEY:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return ""
+
+
+def matches(expected: str | None, invocation_metadata) -> bool:
+    """Whether a call may proceed: always when no secret is configured, else a constant-time comparison."""
+    if not expected:
+        return True
+    return hmac.compare_digest(presented(invocation_metadata).encode(), expected.encode())
