@@ -27,7 +27,7 @@ _STOP = object()
 @dataclass(frozen=True)
 class CaptureConfig:
     folder: str
-    max_gb: float = 50.0  # stop capturing once this much was written by this process
+    max_gb: float = 50.0  # stop capturing once the folder's shards reach this much (those there at start count)
     shard_samples: int = 256  # samples per shard file, at most
     shard_mb: float = 1024.0  # ... and feature megabytes per shard, at most
     queue_mb: float = 4096.0  # finished samples waiting for the writer before new ones are dropped
@@ -45,7 +45,9 @@ class TrafficRecorder:
         self._lock = threading.Lock()
         # After the highest existing shard (a deleted one in between must not make us overwrite another).
         self._next_shard = 1 + max((int(p.stem.split("-")[1]) for p in shard_paths(self.folder)), default=-1)
-        self.samples_written = self.samples_dropped = self.bytes_written = 0
+        self.samples_written = self.samples_dropped = 0
+        # The cap counts the folder, not this process: a restarted verifier must not write another max_gb.
+        self.bytes_written = sum(p.stat().st_size for p in shard_paths(self.folder))
         self._failed = False  # the writer hit an error it cannot recover from: capture stops
         self._writer = threading.Thread(target=self._write_loop, name="traffic-writer", daemon=True)
         self._writer.start()
@@ -60,8 +62,8 @@ class TrafficRecorder:
         rows = [r for _, _, rs in spans for r in rs]
         host = features[torch.tensor(rows, device=features.device)].to("cpu")  # one copy for the step
         at = 0
-        for rid, start, rs in spans:
-            self._rows.setdefault(rid, {})[start] = host[at : at + len(rs)]
+        for rid, start, rs in spans:  # a copy: a view would keep the whole step's buffer alive per request
+            self._rows.setdefault(rid, {})[start] = host[at : at + len(rs)].clone()
             at += len(rs)
 
     def finished(self, rid: str, prompt: list[int], output: list[int], info: dict) -> None:
@@ -101,7 +103,7 @@ class TrafficRecorder:
         """Write what is queued (a last, possibly short shard) and stop the writer."""
         self._queue.put(_STOP)
         self._writer.join(timeout=600)
-        log.info("traffic capture: %d samples written (%.1f MB), %d dropped", self.samples_written,
+        log.info("traffic capture: %d samples written (the folder holds %.1f MB), %d dropped", self.samples_written,
                  self.bytes_written / 1e6, self.samples_dropped)
 
     def _write_loop(self) -> None:

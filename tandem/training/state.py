@@ -30,7 +30,7 @@ def load_state(run_dir: str | Path, model: nn.Module, opt: torch.optim.Optimizer
     path = Path(run_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training checkpoint to resume from (run without --resume first)")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+    blob = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
     model.load_state_dict(blob["model"])
     if opt is not None:
         opt.load_state_dict(blob["optimizer"])
