@@ -1,22 +1,55 @@
 """``tandem up``: start drafter, verifier and gateway on this machine, wait until each is healthy,
-print where to send requests, and stop all three (cleanly) on Ctrl-C or when one of them dies.
+print where to send requests, keep them running, and stop all three (cleanly) on Ctrl-C or SIGTERM.
 
 Each service is its own process, exactly as in production (``python -m drafter|verifier|gateway``);
 this only wires their addresses together and supervises them. Torch is never imported here.
+
+Supervision: once the stack is up, a service that exits is started again after a back-off (0.5 s,
+doubling to 10 s; back to 0.5 s once it had run for a minute). Every service, not only the drafter:
+the verifier tolerates a lost drafter and reconnects to the new one; a verifier exits non-zero when
+its engine fails (its requests failed first), precisely so that it is restarted, and the gateway
+answers 503 meanwhile and reconnects; a gateway that dies would otherwise leave a stack nobody can
+reach. A service that fails during start-up stops everything with its exit code (a bad flag or model
+does not get better by retrying).
+
+The internal plane's secret (tandem.internal_secret) is generated here for each stack unless
+$TANDEM_INTERNAL_SECRET is set, written to a private file (0600) that the drafter and the verifier read
+(``--internal-secret-file``; ``tandem reload-drafter`` can use it too), and removed at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem import internal_secret
 from tandem.errors import TandemError
+
+RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
+STABLE_S = 60.0  # a service that ran this long restarts after the first delay again
+
+
+@dataclass
+class Backoff:
+    first_s: float = RESTART_BACKOFF_S[0]
+    most_s: float = RESTART_BACKOFF_S[1]
+    stable_s: float = STABLE_S
+    _next_s: float = 0.0
+
+    def delay(self, ran_s: float) -> float:
+        """The wait before the next start of a service that ran ``ran_s`` seconds before exiting."""
+        if ran_s >= self.stable_s or self._next_s == 0.0:
+            self._next_s = self.first_s
+        delay, self._next_s = self._next_s, min(self._next_s * 2, self.most_s)
+        return delay
 
 
 @dataclass
@@ -24,6 +57,14 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while it is down and waiting for its back-off
+    restarts: int = 0
+    backoff: Backoff = field(default_factory=Backoff)
+
+    def start(self, env: dict) -> None:
+        self.proc = subprocess.Popen(self.argv, env=env)
+        self.started_at, self.restart_at = time.monotonic(), None
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +85,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured")
     p.add_argument("--capture-traffic", default=None, metavar="DIR",
                    help="the verifier appends finished requests' tokens and features to DIR (drafter retraining)")
+    p.add_argument("--reload-root", default=None, metavar="DIR",
+                   help="the drafter reloads heads from below DIR only (default: the draft model's parent folder)")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -59,15 +102,24 @@ def run_up(args: argparse.Namespace) -> int:
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     spec = ["--speculative-num-steps", str(args.speculative_num_steps), "--speculative-eagle-topk",
             str(args.speculative_eagle_topk), "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    secret_value = internal_secret.load() or internal_secret.generate()
+    secret_dir = tempfile.mkdtemp(prefix="tandem-up-")  # 0700
+    secret_file = os.path.join(secret_dir, "internal-secret")
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret_value)
+    secret = ["--internal-secret-file", secret_file]
     children = []
     if draft is not None:
+        reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, "--device",
-                                              args.device, "--port", str(args.drafter_port), *spec, *tracing]))
+                                              args.device, "--port", str(args.drafter_port), *spec, *tracing,
+                                              *secret, *reload_root]))
     verifier_argv = py + ["verifier", "--model", model, "--tp-size", str(args.tp_size), "--device", args.device,
                           "--port", str(args.verifier_port), "--metrics-port", str(args.metrics_port), *tracing]
     if draft is not None:
         verifier_argv += ["--drafter", f"127.0.0.1:{args.drafter_port}", "--draft-model", draft, *spec,
-                          "--speculation-policy", args.speculation_policy]
+                          "--speculation-policy", args.speculation_policy, *secret]
     if args.capture_traffic:
         verifier_argv += ["--capture-traffic", args.capture_traffic]
     children.append(Child("verifier", verifier_argv))
@@ -81,10 +133,11 @@ def run_up(args: argparse.Namespace) -> int:
         # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
         # Measured on a 2-core VM, demo pair, chain of 5: 237 -> 272-315 tok/s.
         env.setdefault("OMP_NUM_THREADS", "1")
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     try:
         for child in children:
             print(f"starting {child.name} ...", file=sys.stderr, flush=True)
-            child.proc = subprocess.Popen(child.argv, env=env)
+            child.start(env)
             _wait_healthy(child, args)
         base = f"http://{args.host}:{args.port}"
         print(f"\nTandem is up ({'EAGLE-3 speculation on' if draft else 'no speculation'}).\n"
@@ -93,12 +146,19 @@ def run_up(args: argparse.Namespace) -> int:
               f"  metrics:      {base}/metrics   and   http://127.0.0.1:{args.metrics_port}/metrics (verifier)\n"
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' "
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
-              "Ctrl-C stops all three.", flush=True)
-        return _supervise(children)
+              f"  drafter's internal secret (tandem reload-drafter --internal-secret-file): {secret_file}\n"
+              "Ctrl-C stops all three; a service that exits is restarted.", flush=True)
+        return _supervise(children, env)
     except KeyboardInterrupt:
         return 0
     finally:
         _stop_all(children)
+        signal.signal(signal.SIGTERM, previous_term)
+        shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait_healthy(child: Child, args: argparse.Namespace, timeout_s: float = 600.0) -> None:
@@ -123,14 +183,25 @@ def _healthy(name: str, args: argparse.Namespace) -> bool:
     return is_serving(args.drafter_port if name == "drafter" else args.verifier_port)
 
 
-def _supervise(children: list[Child]) -> int:
-    while True:
+def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lambda: False) -> int:
+    """Restart whichever service exits, after its back-off; returns through an interrupt (or ``until()``)."""
+    while not until():
+        now = time.monotonic()
         for child in children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    print(f"restarting {child.name} (restart {child.restarts})", file=sys.stderr, flush=True)
+                    child.start(env)
+                continue
             code = child.proc.poll()
             if code is not None:
-                print(f"{child.name} exited with code {code}; stopping the others", file=sys.stderr)
-                return 1
-        time.sleep(0.5)
+                delay = child.backoff.delay(now - child.started_at)
+                child.restart_at = now + delay
+                print(f"{child.name} exited with code {code}; restarting it in {delay:.1f} s", file=sys.stderr,
+                      flush=True)
+        time.sleep(poll_s)
+    return 0
 
 
 def _stop_all(children: list[Child]) -> None:

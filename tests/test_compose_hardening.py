@@ -1,0 +1,51 @@
+"""The deployment files close what they publish: compose binds published ports to 127.0.0.1 unless
+TANDEM_BIND says otherwise, the drafter listens on loopback in the verifier's namespace, both internal
+services get the internal secret, services restart on exit, the model volume is read-only and the
+demo cache lives in the image; the image runs as a non-root user."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose():
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_every_published_port_binds_loopback_unless_configured():
+    published = []
+    for name, svc in compose()["services"].items():
+        for port in svc.get("ports", []):
+            published.append((name, port))
+            assert re.fullmatch(r"\$\{TANDEM_BIND:-127\.0\.0\.1\}:\d+:\d+", port), (name, port)
+    assert {name for name, _ in published} >= {"gateway", "jaeger", "verifier"}
+
+
+def test_the_internal_plane_is_loopback_and_needs_the_secret():
+    services = compose()["services"]
+    drafter, verifier = services["drafter"], services["verifier"]
+    assert "--host 127.0.0.1" in drafter["command"] and "0.0.0.0" not in drafter["command"]
+    for svc in (drafter, verifier):
+        assert svc["environment"]["TANDEM_INTERNAL_SECRET"].startswith("${TANDEM_INTERNAL_SECRET:?")
+    assert "TANDEM_INTERNAL_SECRET" not in services["gateway"]["environment"]  # the gateway never talks to it
+
+
+def test_services_restart_on_exit_and_models_are_read_only():
+    for name in ("verifier", "drafter", "gateway"):
+        svc = compose()["services"][name]
+        assert svc["restart"] in ("unless-stopped", "always", "on-failure"), name
+        assert all(v.endswith(":ro") for v in svc["volumes"]), svc["volumes"]
+
+
+def test_the_image_runs_unprivileged_with_its_demo_cache_off_the_model_volume():
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    env = " ".join(line for line in lines if line.startswith("ENV "))
+    cache = re.search(r"TANDEM_CACHE=(\S+)", env).group(1)
+    assert not cache.startswith("/models")

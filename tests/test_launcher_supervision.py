@@ -1,0 +1,42 @@
+"""`tandem up`'s supervision: a service that exits is started again after a back-off that doubles
+(0.5 s to 10 s) and starts over once the service had run stably; the others are left alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from tandem.launcher import Backoff, Child, _stop_all, _supervise
+
+
+def test_backoff_doubles_to_its_ceiling_and_resets_after_a_stable_run():
+    b = Backoff(first_s=0.5, most_s=10.0, stable_s=60.0)
+    assert [b.delay(ran_s=1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert b.delay(ran_s=61.0) == 0.5  # it had run for a minute: a fresh failure, not a crash loop
+    assert b.delay(ran_s=0.1) == 1.0
+
+
+def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(tmp_path):
+    starts = tmp_path / "starts"
+    crasher = Child("drafter", [sys.executable, "-c",
+                                f"open({str(starts)!r}, 'a').write('x'); import os; os.kill(os.getpid(), 9)"],
+                    backoff=Backoff(first_s=0.2, most_s=0.8, stable_s=60.0))
+    steady = Child("verifier", [sys.executable, "-c", "import time; time.sleep(60)"])
+    children = [crasher, steady]
+    for child in children:
+        child.start(dict(os.environ))
+    steady_pid = steady.proc.pid
+    done = threading.Event()
+    supervisor = threading.Thread(target=_supervise, args=(children, dict(os.environ), 0.05, done.is_set))
+    supervisor.start()
+    try:
+        time.sleep(2.6)  # delays 0.2, 0.4, 0.8, 0.8 (+ start-up of each): 3 to 4 restarts, not dozens
+    finally:
+        done.set()
+        supervisor.join(5)
+        _stop_all(children)
+    assert 2 <= crasher.restarts <= 5, crasher.restarts
+    assert len(starts.read_text()) in (crasher.restarts, crasher.restarts + 1)  # each restart really ran it (the last may be stopped first)
+    assert steady.proc.pid == steady_pid and steady.restarts == 0
