@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+API_KEY_ENV = "TANDEM_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -21,12 +24,25 @@ class GatewayConfig:
     upstream_timeout_s: float = 3.0  # model-info and health calls to the verifier
     health_poll_s: float = 2.0  # how often gRPC health mirrors the verifier's
     shutdown_grace_s: float = 5.0  # streams in flight get this long to finish on SIGTERM
+    api_key: str | None = field(default=None, repr=False)  # required as a bearer token on /v1/* and gRPC; None = open
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read
+    max_concurrent_requests: int = 256  # generations in flight (REST and gRPC together); more get 429
+    verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
+    verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
 
     def __post_init__(self):
         if ":" not in self.verifier:
             raise ValueError(f"--verifier must be HOST:PORT, got {self.verifier!r}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        if self.api_key is not None and not _header_token(self.api_key):
+            raise ValueError("--api-key must be non-empty printable ASCII without spaces (it travels in a header)")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
+        if self.verifier_metrics_url is not None and not self.verifier_metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"--verifier-metrics-url must be an http(s) URL, got {self.verifier_metrics_url!r}")
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"--model-dir {self.model_dir}: no such folder")
 
@@ -34,6 +50,10 @@ class GatewayConfig:
     def model_name(self) -> str:
         """The name clients put in ``model`` (and what /v1/models lists)."""
         return self.served_model_name or Path(self.model_dir).resolve().name
+
+
+def _header_token(s: str) -> bool:
+    return bool(s) and s.isascii() and s.isprintable() and " " not in s
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens accepted (default: only the model's context bounds it)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: ${API_KEY_ENV}, "
+                        "else open); /health and /metrics stay open")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 above)")
+    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="generations in flight, REST and gRPC together (429 above)")
+    p.add_argument("--verifier-metrics-url", default=None,
+                   help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -57,4 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(verifier=args.verifier, model_dir=args.model_dir, host=args.host, port=args.port,
                          grpc_port=args.grpc_port, served_model_name=args.served_model_name,
-                         otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit)
+                         otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                         verifier_metrics_url=args.verifier_metrics_url)

@@ -4,12 +4,19 @@ front ends answer the same failure the same way."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import grpc
+
+log = logging.getLogger("gateway.errors")
 
 # HTTP status → (OpenAI-style error type, gRPC code). Types follow vLLM's ErrorResponse.
 _KINDS: dict[int, tuple[str, grpc.StatusCode]] = {
     400: ("BadRequestError", grpc.StatusCode.INVALID_ARGUMENT),
+    401: ("AuthenticationError", grpc.StatusCode.UNAUTHENTICATED),
     404: ("NotFoundError", grpc.StatusCode.NOT_FOUND),
+    413: ("RequestTooLargeError", grpc.StatusCode.INVALID_ARGUMENT),
     429: ("RateLimitError", grpc.StatusCode.RESOURCE_EXHAUSTED),
     499: ("ClientClosedRequest", grpc.StatusCode.CANCELLED),
     500: ("InternalServerError", grpc.StatusCode.INTERNAL),
@@ -58,6 +65,17 @@ def bad_request(param: str, problem: str) -> GatewayError:
     return GatewayError(400, f"{param}: {problem}", param=param)
 
 
+# What a client sees of a failure that is ours, not theirs: never an exception's text, an internal
+# address or a gRPC core message (those go to the log).
+INTERNAL_ERROR = "internal server error"
+UNAVAILABLE = "the model server is not available right now; retry shortly"
+_GENERIC = {500: INTERNAL_ERROR, 503: UNAVAILABLE, 504: "the model server did not answer in time"}
+
+# The scheduler's refusal of a prompt larger than the whole KV cache. The verifier reports it as
+# RESOURCE_EXHAUSTED (like a full queue), but retrying can never help: it is the client's 400.
+_NEVER_FITS = re.compile(r"needs (\d+) KV pages for its prompt, the whole cache has (\d+)")
+
+
 def from_upstream(err: grpc.aio.AioRpcError, verifier: str) -> GatewayError:
     code = err.code()
     status = _FROM_UPSTREAM.get(code, 500)
@@ -65,5 +83,10 @@ def from_upstream(err: grpc.aio.AioRpcError, verifier: str) -> GatewayError:
     if status == 400 or status == 404:
         return GatewayError(status, details)  # already phrased for the user by the verifier
     if status == 429:
+        never = _NEVER_FITS.search(details)
+        if never:
+            return bad_request("prompt", f"too long for this server's KV cache even alone (it needs {never[1]} "
+                                         f"pages, the cache has {never[2]}); shorten it")
         return GatewayError(429, f"the server is at capacity, retry later ({details})")
-    return GatewayError(status, f"verifier at {verifier}: {code.name}: {details}")
+    log.warning("verifier at %s failed a request: %s: %s", verifier, code.name, details)
+    return GatewayError(status, _GENERIC.get(status, INTERNAL_ERROR))

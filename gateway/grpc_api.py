@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.errors import GatewayError, bad_request
 from gateway.generation import GenerationStream
 from gateway.request import OFFLOAD_PARSE_BYTES, GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
@@ -41,8 +42,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         span = tracing.start_span("gateway.generate", parent=tracing.extract_context(context.invocation_metadata()),
                                   kind="server", attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME,
                                                              "rpc.method": "Generate"})
-        status, stream = "OK", None
+        status, stream, slot = "OK", None, False
         try:
+            gw.slots.take()
+            slot = True
             info = await gw.client.model_info()
             if len(request.text) > OFFLOAD_PARSE_BYTES:  # a long prompt's tokenization stays off the event loop
                 generation = await asyncio.to_thread(self._parse, request, info)
@@ -68,6 +71,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once finished; frees the verifier's request otherwise
+            if slot:
+                gw.slots.give_back()
             gw.metrics.count_request("grpc", status)
             span.set_attribute("rpc.grpc.status_code", status)
             span.end()
@@ -75,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
         gw = self._gw
         if r.model and r.model != gw.cfg.model_name:
-            raise GatewayError(404, f"model: `{r.model}` does not exist; this server serves `{gw.cfg.model_name}`",
+            raise GatewayError(404, f"model: `{r.model[:100]}` does not exist; this server serves `{gw.cfg.model_name}`",
                                param="model")
         which = r.WhichOneof("prompt")
         if which is None:
@@ -83,6 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if which == "text":
             if not r.text:
                 raise bad_request("text", "the prompt is empty")
+            gw.prompt_bound.check(len(r.text), info.max_context, "text")
             ids = gw.tokenizer.encode(r.text)
         else:
             ids = list(r.token_ids.ids)
@@ -104,7 +110,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 def build_grpc_server(gw: Gateway, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A server with Generation, health (NOT_SERVING until the verifier is seen serving) and
     reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    interceptors = [ApiKeyInterceptor(gw.cfg.api_key)] if gw.cfg.api_key is not None else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -35,6 +35,9 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
                              registry=r)
+        self.verifier_metrics_up = Gauge("tandem:verifier_metrics_up", "1 when this scrape holds the verifier's "
+                                         "metrics (--verifier-metrics-url), 0 when it did not answer in time", m,
+                                         registry=r)
         self._model = model_name
 
     def labels(self, metric, **labels):
@@ -42,6 +45,10 @@ class GatewayMetrics:
 
     def count_request(self, api: str, status: int | str) -> None:
         self.labels(self.requests, api=api, status=str(status)).inc()
+
+    def names(self) -> set[str]:
+        """The metric families this gateway exposes itself."""
+        return {family.name for family in self.registry.collect()}
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -16,7 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gateway.errors import GatewayError
+from gateway.admission import read_body
+from gateway.auth import ApiKeyMiddleware
+from gateway.errors import INTERNAL_ERROR, UNAVAILABLE, GatewayError
 from gateway.generation import Delta, GenerationStream
 from gateway.openai_params import Limits, parse_chat, parse_completion, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from gateway.server import Gateway
 
 T = TypeVar("T")
+log = logging.getLogger("gateway.openai")
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; only ever seen in metrics
 
 
@@ -36,6 +40,8 @@ class ClientGone(Exception):
 
 def create_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    if gw.cfg.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=gw.cfg.api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method
@@ -43,7 +49,9 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        return _error_response(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        # The client learns that it failed, never how: exception texts can hold paths and addresses.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error_response(GatewayError(500, INTERNAL_ERROR))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -56,7 +64,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": gw.cfg.model_name, "object": "model", "created": gw.started_at, "owned_by": "tandem",
-                "root": gw.cfg.model_dir, "parent": None}
+                "root": gw.cfg.model_name, "parent": None}  # vLLM puts the model's path here: not ours to show
         if gw.client.known_info is not None:
             card["max_model_len"] = gw.client.known_info.max_context
         return {"object": "list", "data": [card]}
@@ -65,11 +73,15 @@ def create_app(gw: Gateway) -> FastAPI:
     async def health():
         if await gw.client.healthy():
             return Response(status_code=200)
-        return _error_response(GatewayError(503, f"the verifier at {gw.cfg.verifier} is not serving"))
+        return _error_response(GatewayError(503, UNAVAILABLE))
 
     @app.get("/metrics")
     async def metrics():
-        return Response(gw.metrics.render(), media_type=gw.metrics.CONTENT_TYPE)
+        relayed = b""
+        if gw.metrics_relay is not None:
+            relayed = await gw.metrics_relay.fetch()
+            gw.metrics.labels(gw.metrics.verifier_metrics_up).set(relayed is not None)
+        return Response(gw.metrics.render() + (relayed or b""), media_type=gw.metrics.CONTENT_TYPE)
 
     return app
 
@@ -79,16 +91,27 @@ def _error_response(err: GatewayError) -> JSONResponse:
 
 
 class _Scope:
-    """The span and the request count of one HTTP request; ``finish`` exactly once, possibly
-    after the route function returned (streams)."""
+    """The span, the request count and the concurrency slot of one HTTP request; the first
+    ``finish`` counts (possibly after the route function returned: streams), later ones are no-ops."""
 
     def __init__(self, gw: Gateway, request: Request, api: str):
         self.gw, self.api = gw, api
+        self.slot = False
+        self.done = False
         attributes = {"http.method": request.method, "http.route": request.url.path}
         self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
                                        kind="server", attributes=attributes)
 
+    def take_slot(self) -> None:
+        self.gw.slots.take()
+        self.slot = True
+
     def finish(self, status: int, error: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.slot:
+            self.gw.slots.give_back()
         self.gw.metrics.count_request(self.api, status)
         self.span.set_attribute("http.status_code", status)
         if error is not None:
@@ -102,10 +125,11 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
     stream: GenerationStream | None = None
     try:
-        raw = await request.body()
+        scope.take_slot()
+        raw = await read_body(request, gw.cfg.max_body_bytes)
         body = parse_json(raw)
         info = await gw.client.model_info()
-        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens)
+        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound)
         if shape_cls is ChatShape:
             parse = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits)
         else:
@@ -121,8 +145,11 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
             # stream carries an error.
             first = await _unless_disconnected(request, anext(stream))
             body_iter = _sse(first, stream, shape, scope)
-            stream = None  # the SSE generator owns it now
-            return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
+            owned, stream = stream, None  # the SSE generator owns it now
+            # ...and if it is never run to its end (the client left before or while it streamed),
+            # the response's close still frees the verifier's request and the slot.
+            on_close = functools.partial(_abandon, owned, scope)
+            return DisconnectAwareStreamingResponse(body_iter, on_close, media_type="text/event-stream",
                                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, reason = await _unless_disconnected(request, _collect(stream))
         scope.finish(200)
@@ -142,6 +169,11 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
     finally:
         if stream is not None:
             stream.cancel()  # a no-op when it finished; frees the verifier's request otherwise
+
+
+def _abandon(stream: GenerationStream, scope: _Scope) -> None:
+    stream.cancel()
+    scope.finish(CLIENT_CLOSED, "client disconnected")
 
 
 async def _collect(stream: GenerationStream) -> tuple[str, str]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError, bad_request
+from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem.chat_template import ChatTemplate, ChatTemplateError
 from tandem.rpc.verifier.v1 import verifier_pb2
@@ -33,6 +35,9 @@ _NO_OP = {
 }
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 @dataclass(frozen=True)
 class Limits:
     """What bounds a request: the verifier's model and this server's settings."""
@@ -40,6 +45,7 @@ class Limits:
     info: verifier_pb2.ModelInfo
     max_tokens_limit: int | None
     default_max_tokens: int
+    prompt_bound: PromptBound
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,45 @@ class OpenAIRequest:
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GatewayError(400, f"the request body is not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError) as e:  # ValueError: also an integer of over 4300 digits
+        raise GatewayError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    except RecursionError:
+        raise GatewayError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_strings(raw, body)
     return body
 
 
+def _check_strings(raw: bytes, body: dict) -> None:
+    """JSON's \\uD800 escapes decode to lone surrogates, which no tokenizer, protobuf or response
+    encoder accepts: refuse them, naming the top-level field. Raw UTF-8 cannot hold a surrogate, so
+    bodies without such an escape skip the walk (iterative: any depth)."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    for top, value in body.items():
+        _utf8(top, "body")
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                _utf8(v, top)
+            elif isinstance(v, dict):
+                stack.extend(x for kv in v.items() for x in kv)
+            elif isinstance(v, list):
+                stack.extend(x for x in v if isinstance(x, (str, list, dict)))
+
+
+def _utf8(s: str, field: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(field, "contains a lone UTF-16 surrogate "
+                          "(an unpaired \\uD800-\\uDFFF escape), which is not text") from None
+
+
 def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
-    prompt_ids = _prompt_ids(body.get("prompt"), tok)
+    prompt_ids = _prompt_ids(body.get("prompt"), tok, limits)
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
     return _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
 
@@ -68,6 +104,7 @@ def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Li
 def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTemplate | None,
                limits: Limits) -> OpenAIRequest:
     messages = _messages(body.get("messages"))
+    limits.prompt_bound.check(sum(len(m["content"]) for m in messages), limits.info.max_context, "messages")
     if template is None:
         raise bad_request("messages", "this model has no chat template (tokenizer_config.json has no "
                                       "chat_template); send a plain prompt to /v1/completions instead")
@@ -75,6 +112,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
         text = template.render(messages, add_generation_prompt=True)
     except ChatTemplateError as e:
         raise bad_request("messages", str(e)) from e
+    limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
     prompt_ids = tok.encode(text)
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "messages")
     # max_completion_tokens is the newer name and wins; without either, chat may use all the room
@@ -92,7 +130,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"must be a string, got {type(model).__name__}")
     if model and model != limits.model_name:
-        raise GatewayError(404, f"the model `{model}` does not exist; this server serves `{limits.model_name}`",
+        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{limits.model_name}`",
                            param="model")
     for field, is_no_op in _NO_OP.items():
         if not is_no_op(body.get(field)):
@@ -128,7 +166,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
 # ---- fields ------------------------------------------------------------------------------------
 
 
-def _prompt_ids(prompt: Any, tok: TextTokenizer) -> list[int]:
+def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits) -> list[int]:
     # A one-element list is a batch of one: accepted, since clients wrap prompts that way.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -137,6 +175,7 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt", "the prompt is empty")
+        limits.prompt_bound.check(len(prompt), limits.info.max_context, "prompt")
         return tok.encode(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)

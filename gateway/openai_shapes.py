@@ -91,15 +91,22 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     the body iterator at once is what lets it cancel the verifier call at once.
     """
 
-    async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:  # the client went away between our check and the write
-                    pass
-                group.cancel_scope.cancel()
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close  # runs once the response is over, however it ended
 
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away between our check and the write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self._on_close()

@@ -4,6 +4,7 @@ before sending it: the same field, the same limit, the same message."""
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,11 @@ from gateway.errors import bad_request
 from tandem.rpc.verifier.v1 import verifier_pb2
 
 _UINT64_MAX = (1 << 64) - 1
+_INT32_MAX = (1 << 31) - 1  # top_k and token ids travel as int32
+_UINT32_MAX = (1 << 32) - 1  # max_tokens as a uint32
 MAX_STOP_STRINGS = 16  # each one is searched in the text after every message
+MAX_STOP_CHARS = 256  # and text that could start one is held back, so each is bounded too
+MAX_TEMPERATURE = 100.0  # the distribution is uniform to float32 precision long before; above is a mistake
 
 OFFLOAD_PARSE_BYTES = 16_384  # prompts above this size are tokenized on a worker thread, off the event loop
 
@@ -48,27 +53,38 @@ class GenerationRequest:
 def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | None,
                    stop: Sequence[str]) -> None:
     """Raise a 400 naming the first bad sampling field."""
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad_request("temperature", f"must be a finite number ≥ 0 (0 is greedy), got {temperature}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise bad_request("top_p", f"must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise bad_request("top_k", f"must be ≥ 0 (0 or -1 turn it off), got {top_k}")
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise bad_request("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}")
+    # The verifier receives 32-bit floats: 1e-50 would arrive as 0, which it reads as "unset" (1.0).
+    if not math.isfinite(top_p) or not 0 < _float32(top_p) <= 1:
+        raise bad_request("top_p", f"must be in (0, 1] once rounded to a 32-bit float, got {top_p}")
+    if not 0 <= top_k <= _INT32_MAX:
+        raise bad_request("top_k", f"must be in [0, {_INT32_MAX}] (0 or -1 turn it off), got {top_k}")
     if seed is not None and not 0 <= seed <= _UINT64_MAX:
         raise bad_request("seed", f"must be in [0, 2^64), got {seed}")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if any(not s for s in stop):
         raise bad_request("stop", "stop strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad_request("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters long")
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to a 32-bit float, as protobuf's ``float`` fields carry it (inf beyond its range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     if not ids:
         raise bad_request(param, "the prompt is empty")
-    if vocab_size:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(param, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    end = vocab_size or _INT32_MAX + 1  # a vocabulary the verifier did not state still fits an int32
+    bad = next((t for t in ids if not 0 <= t < end), None)
+    if bad is not None:
+        raise bad_request(param, f"token id {bad} is outside the vocabulary [0, {end})")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int, limit: int | None,
@@ -89,8 +105,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int,
         if not candidates:
             raise bad_request(param, "is required (the model's context length is unknown)")
         return min(candidates)
-    if requested < 1:
-        raise bad_request(param, f"must be at least 1, got {requested}")
+    if not 1 <= requested <= _UINT32_MAX:
+        raise bad_request(param, f"must be in [1, {_UINT32_MAX}], got {requested}")
     if limit is not None and requested > limit:
         raise bad_request(param, f"must be at most {limit} on this server, got {requested}")
     if room is not None and requested > room:

@@ -11,10 +11,13 @@ import time
 
 import uvicorn
 
+from gateway.admission import Slots
 from gateway.config import GatewayConfig
 from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics import GatewayMetrics
+from gateway.metrics_relay import VerifierMetricsRelay
 from gateway.openai_api import create_app
+from gateway.prompt_bound import PromptBound
 from gateway.upstream import VerifierClient
 from tandem.chat_template import ChatTemplate
 from tandem.tokenizer import TextTokenizer
@@ -31,7 +34,10 @@ class Gateway:
         self.cfg = cfg
         self.tokenizer = TextTokenizer(cfg.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
+        self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
         self.metrics = GatewayMetrics(cfg.model_name)
+        self.slots = Slots(cfg.max_concurrent_requests)
+        self.metrics_relay: VerifierMetricsRelay | None = None  # made in start(): its lock binds to the loop
         self.started_at = int(time.time())
         self.client: VerifierClient | None = None  # made in start(): gRPC aio objects bind to the running loop
         self.port = self.grpc_port = 0
@@ -42,6 +48,9 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.cfg
         self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s)
+        if cfg.verifier_metrics_url is not None:
+            self.metrics_relay = VerifierMetricsRelay(cfg.verifier_metrics_url, cfg.verifier_metrics_timeout_s,
+                                                      self.metrics.names())
         self._grpc, self.grpc_port, self._health = build_grpc_server(self, f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")

@@ -9,7 +9,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import GatewayError, from_upstream
+from gateway.errors import UNAVAILABLE, GatewayError, from_upstream
 from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("gateway.upstream")
@@ -21,6 +21,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
+    # gRPC's reconnect backoff grows to 2 minutes by default: a verifier back after a restart went
+    # unnoticed for ~50 s. Loopback or LAN: retry every second at most, and give a connect 2 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.min_reconnect_backoff_ms", 2_000),
 ]
 
 
@@ -45,8 +50,8 @@ class VerifierClient:
                     self._info = await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
                 except grpc.aio.AioRpcError as e:
                     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        raise GatewayError(503, f"the verifier at {self.address} is not reachable yet "
-                                                f"({e.code().name}); retry shortly") from e
+                        log.warning("verifier %s not reachable: %s", self.address, e.code().name)
+                        raise GatewayError(503, UNAVAILABLE) from e
                     raise from_upstream(e, self.address) from e
                 log.info("verifier %s serves %s (context %d, vocab %d, speculative %s)", self.address,
                          self._info.model or "?", self._info.max_context, self._info.vocab_size, self._info.speculative)

@@ -1,0 +1,48 @@
+"""What the gateway lets in before it does any work: a bounded number of generations in flight
+(429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
+Content-Length header or as soon as a chunked body passes the limit, never read whole first)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from gateway.errors import GatewayError
+
+
+class Slots:
+    """Generations in flight, REST and gRPC together. Single event loop: no lock needed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_use = 0
+
+    def take(self) -> None:
+        """Take a slot or raise 429; the caller must ``give_back()`` exactly once after a take."""
+        if self.in_use >= self.limit:
+            raise GatewayError(429, f"the server is at capacity ({self.limit} requests in flight), retry later")
+        self.in_use += 1
+
+    def give_back(self) -> None:
+        self.in_use -= 1
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise GatewayError(400, "the Content-Length header is not a number") from None
+        if size > limit:
+            raise _too_large(limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"the request body is larger than this server's limit of {limit} bytes")

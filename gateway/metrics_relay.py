@@ -1,0 +1,67 @@
+"""The verifier's metrics inside the gateway's ``/metrics``: the stack's one public metrics URL then
+shows speculation (``tandem:spec_decode_*``, ``tandem:drafter_*``, KV pages) under the verifier's own
+names, in one scrape.
+
+The verifier's text is fetched from ``--verifier-metrics-url`` with a short timeout, parsed and
+re-rendered. Families the gateway has itself (request counts, latencies, tokens: the same names
+with a ``model_name`` label) are the gateway's view and the verifier's copy is dropped, so no name
+appears twice. ``tandem:verifier_metrics_up`` says whether the verifier's part is there. Scrapes
+within ``_CACHE_S`` share one fetch, so a flood of scrapes is not relayed to the verifier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.request
+
+import prometheus_client
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("gateway.metrics")
+
+_CACHE_S = 1.0
+_MAX_BYTES = 16 << 20
+
+
+class VerifierMetricsRelay:
+    def __init__(self, url: str, timeout_s: float, own_names: set[str]):
+        self.url = url
+        self._timeout = timeout_s
+        self._own = own_names
+        self._lock = asyncio.Lock()
+        self._cached: tuple[float, bytes | None] = (-1e9, None)
+
+    async def fetch(self) -> bytes | None:
+        """The verifier's families as exposition text, or None when it did not answer in time."""
+        async with self._lock:
+            at, text = self._cached
+            if time.monotonic() - at < _CACHE_S:
+                return text
+            try:
+                raw = await asyncio.wait_for(asyncio.to_thread(self._get), self._timeout + 0.5)
+                text = self._filter(raw.decode("utf-8"))
+            except Exception as e:  # unreachable, slow, or not Prometheus text: ours alone, said by the gauge
+                log.warning("verifier metrics at %s unavailable: %s", self.url, e)
+                text = None
+            self._cached = (time.monotonic(), text)
+            return text
+
+    def _get(self) -> bytes:
+        with urllib.request.urlopen(self.url, timeout=self._timeout) as r:
+            return r.read(_MAX_BYTES)
+
+    def _filter(self, text: str) -> bytes:
+        families = [f for f in text_string_to_metric_families(text) if f.name not in self._own]
+        return prometheus_client.generate_latest(_Families(families))
+
+
+class _Families:
+    """What ``generate_latest`` needs of a registry."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
