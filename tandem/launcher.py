@@ -82,6 +82,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-port", type=int, default=50052)
     p.add_argument("--metrics-port", type=int, default=50053, help="the verifier's Prometheus port")
     p.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP endpoint")
+    p.add_argument("--api-key", default=None, help="the gateway requires it as a bearer token (or set $TANDEM_API_KEY)")
     p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured")
     p.add_argument("--capture-traffic", default=None, metavar="DIR",
                    help="the verifier appends finished requests' tokens and features to DIR (drafter retraining)")
@@ -126,8 +127,11 @@ def run_up(args: argparse.Namespace) -> int:
     name = "tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model))
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{args.verifier_port}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
-                                           str(args.grpc_port), "--served-model-name", name, *tracing]))
+                                           str(args.grpc_port), "--served-model-name", name, *tracing,
+                                           "--verifier-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]))
     env = dict(os.environ)
+    if args.api_key:  # through the environment, not the gateway's argv that ps shows
+        env["TANDEM_API_KEY"] = args.api_key
     if args.model is None and args.device == "cpu":
         # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
         # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
