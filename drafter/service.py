@@ -333,7 +333,7 @@ class DrafterService:
             try:  # validation and loading run beside serving
                 drafter = await asyncio.to_thread(self._load, folder)
             except (TandemError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: out of memory
-                await _refuse_reload(context, request.draft_model, e)
+                await _refuse_reload(context, request.draft_model, e, folder)
             async with self._lock:
                 # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
                 # ~1.5 s at the 8B shape: a verifier whose deadline is shorter decodes plainly meanwhile,
@@ -342,7 +342,7 @@ class DrafterService:
                     try:
                         await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
                     except RuntimeError as e:
-                        await _refuse_reload(context, request.draft_model, e)
+                        await _refuse_reload(context, request.draft_model, e, folder)
                 left = self.heads.install(drafter, request.draft_model)
             seconds = time.perf_counter() - started
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "
@@ -376,10 +376,12 @@ async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:
     return lane
 
 
-async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception) -> None:
-    """The checkpoint's own validation (a TandemError: other layers, other width) is the caller's to read;
-    anything else (a filesystem error, out of memory) stays in the log."""
-    log.error("reload of %s refused: %s: %s", draft_model, type(error).__name__, error)
+async def _refuse_reload(context: grpc.aio.ServicerContext, draft_model: str, error: Exception, folder: str) -> None:
+    """The checkpoint's own validation (a TandemError: other layers, other width) is the caller's to read,
+    naming the folder as the caller did (not where it resolved to); anything else (a filesystem error,
+    out of memory) stays in the log."""
+    log.error("reload of %s (%s) refused: %s: %s", draft_model, folder, type(error).__name__, error)
     if isinstance(error, TandemError) and not isinstance(error, OSError):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the checkpoint does not fit: {error}")
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the checkpoint does not fit: {str(error).replace(folder, draft_model)}")
     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the checkpoint could not be loaded (see the drafter's log)")
