@@ -86,6 +86,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(verifier=args.verifier, model_dir=args.model_dir, host=args.host, port=args.port,
                          grpc_port=args.grpc_port, served_model_name=args.served_model_name,
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
-                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
                          verifier_metrics_url=args.verifier_metrics_url)

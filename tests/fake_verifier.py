@@ -87,10 +87,11 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
             span.end()
 
 
-async def start_fake_verifier(vocab_size: int, max_context: int = 512) -> tuple[grpc.aio.Server, FakeVerifier, int]:
+async def start_fake_verifier(vocab_size: int, max_context: int = 512,
+                              port: int = 0) -> tuple[grpc.aio.Server, FakeVerifier, int]:
     server = grpc.aio.server()
     fake = FakeVerifier(vocab_size, max_context)
     verifier_pb2_grpc.add_VerifierServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, fake, port

@@ -45,8 +45,9 @@ def vocab_size() -> int:
 class Stack:
     """Fake verifier + gateway. ``url`` is the OpenAI base URL, ``grpc_target`` the public gRPC one."""
 
-    def __init__(self, verifier: str | None = None, **config):
-        self.tok = TextTokenizer(tiny_model_dir())
+    def __init__(self, verifier: str | None = None, model_dir: str | Path | None = None, **config):
+        self.model_dir = str(model_dir or tiny_model_dir())
+        self.tok = TextTokenizer(self.model_dir)
         self.vocab_size = vocab_size()
         self._verifier_addr = verifier
         self._config = config
@@ -64,7 +65,7 @@ class Stack:
         if address is None:
             self._fake_server, self.fake, port = await start_fake_verifier(self.vocab_size, max_context=512)
             address = f"127.0.0.1:{port}"
-        cfg = GatewayConfig(verifier=address, model_dir=str(tiny_model_dir()), host="127.0.0.1", port=0, grpc_port=0,
+        cfg = GatewayConfig(verifier=address, model_dir=self.model_dir, host="127.0.0.1", port=0, grpc_port=0,
                             health_poll_s=0.1, upstream_timeout_s=1.0, shutdown_grace_s=1.0, **self._config)
         self.gateway = Gateway(cfg)
         await self.gateway.start()

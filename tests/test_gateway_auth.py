@@ -1,0 +1,104 @@
+"""--api-key: /v1/* and the public gRPC API refuse requests without the key (401 in the OpenAI error
+shape, UNAUTHENTICATED); /health, /metrics and gRPC health stay open; the key is compared in
+constant time and never logged."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import openai
+import pytest
+from gateway_harness import MODEL_NAME, Stack, tiny_model_dir
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway import auth
+from gateway.config import build_parser, config_from_args
+from tandem.rpc.generation.v1 import generation_pb2 as gen_pb
+from tandem.rpc.generation.v1 import generation_pb2_grpc as gen_grpc
+
+KEY = "tk-0123456789abcdef"
+GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack(api_key=KEY)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", KEY, f"Basic {KEY}",
+                                    "Bearer", ""])
+def test_v1_without_the_key_is_401_in_the_openai_shape(stack, header):
+    headers = {} if header is None else {"Authorization": header}
+    for method, path, body in (("POST", "/v1/completions", GOOD), ("GET", "/v1/models", None),
+                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                               ("GET", "/v1/no-such-route", None)):
+        r = httpx.request(method, f"{stack.url}{path}", json=body, headers=headers, timeout=10)
+        assert r.status_code == 401, (path, r.text)
+        assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "AuthenticationError",
+                                      "param": None, "code": 401}}
+        assert KEY not in r.text
+    assert not stack.fake.requests or all(q.prompt_token_ids for q in stack.fake.requests)
+
+
+def test_v1_with_the_key_is_served(stack):
+    for header in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER  {KEY}"):
+        r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, headers={"Authorization": header}, timeout=10)
+        assert r.status_code == 200, (header, r.text)
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0, timeout=10)
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="nope", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_health_and_metrics_stay_open(stack):
+    assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
+    r = httpx.get(f"{stack.url}/metrics", timeout=10)
+    assert r.status_code == 200 and "tandem:requests" in r.text
+
+
+def test_grpc_needs_the_key_but_health_does_not(stack):
+    request = gen_pb.GenerateRequest(model=MODEL_NAME, text="hello", max_tokens=3)
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", KEY),)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, metadata=metadata, timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and KEY not in e.value.details()
+        replies = list(stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=10))
+        assert replies[-1].completion_tokens == 3
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_no_key_configured_means_open():
+    s = Stack()
+    try:
+        assert httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
+    finally:
+        s.close()
+
+
+def test_the_key_comes_from_the_flag_or_the_environment_and_is_not_printed(monkeypatch):
+    argv = ["--verifier", "127.0.0.1:1", "--model-dir", str(tiny_model_dir())]
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert config_from_args(build_parser().parse_args(argv)).api_key is None
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert config_from_args(build_parser().parse_args(argv)).api_key == "from-env"
+    cfg = config_from_args(build_parser().parse_args(argv + ["--api-key", "from-flag"]))
+    assert cfg.api_key == "from-flag" and "from-flag" not in repr(cfg)
+    for bad in ("", "two words", "k\u00e9y"):
+        with pytest.raises(ValueError):
+            config_from_args(build_parser().parse_args(argv + ["--api-key", bad]))
+
+
+def test_the_comparison_is_constant_time(monkeypatch):
+    calls = []
+    real = auth.hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    assert auth.bearer_matches(f"Bearer {KEY}", KEY.encode())
+    assert not auth.bearer_matches("Basic " + KEY, KEY.encode())  # a wrong scheme still goes through it
+    assert not auth.bearer_matches(None, KEY.encode())
+    assert calls == [(KEY.encode(), KEY.encode())] * 2
