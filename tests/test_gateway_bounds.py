@@ -1,0 +1,154 @@
+"""Bounded work before anything expensive: body size (413, from the header or while a chunked body
+arrives), prompt length before tokenization, stop strings, generations in flight (429, slots given
+back however a request ends), and chat's default max_tokens (the room the context leaves)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import httpx
+import pytest
+from gateway_harness import MODEL_NAME, Stack, wait_until
+
+from gateway.prompt_bound import PromptBound
+from gateway.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tandem.rpc.generation.v1 import generation_pb2 as gen_pb
+from tandem.rpc.generation.v1 import generation_pb2_grpc as gen_grpc
+
+GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+BODY_LIMIT = 64 << 10
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400)
+    yield s
+    s.close()
+
+
+def _raw_post(port: int, head: bytes, chunks: list[bytes]) -> bytes:
+    """Send a request by hand (a body can lie about its length) and return the status line."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # the server answered and closed before the upload ended
+            pass
+        return sock.makefile("rb").readline()
+
+
+def test_a_body_declared_too_large_is_413_before_it_is_sent(stack):
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {64 << 20}\r\n\r\n").encode()
+    assert b" 413 " in _raw_post(stack.gateway.port, head, [b'{"prompt": "'])  # 64 MiB announced, 12 bytes sent
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(stack):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = b"x" * 8192
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * (BODY_LIMIT // len(piece) * 4)
+    assert b" 413 " in _raw_post(stack.gateway.port, head, chunks)
+    r = httpx.post(f"{stack.url}/v1/completions", content=b"{" + b" " * (BODY_LIMIT + 1) + b"}",
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and str(BODY_LIMIT) in r.json()["error"]["message"]
+    padded = b'{"prompt": "hi", "max_tokens": 2' + b" " * (BODY_LIMIT - 100) + b"}"  # just under: served
+    assert httpx.post(f"{stack.url}/v1/completions", content=padded, timeout=10).status_code == 200
+
+
+def test_an_obviously_too_long_prompt_is_refused_without_tokenizing(stack, monkeypatch):
+    encoded = []
+    tok = stack.gateway.tokenizer
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    over = stack.gateway.prompt_bound.max_chars(512) + 1  # the fake verifier's context is 512
+    r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": "a" * over}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "characters" in r.text
+    half = "b" * (over // 2 + 1)  # two messages, each under the bound, together over it
+    messages = [{"role": "user", "content": half}, {"role": "user", "content": half}]
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": messages}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="c" * over, max_tokens=1),
+                                                            timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("text")
+    assert encoded == []
+    assert httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
+    assert encoded == [len("hello")]
+
+
+def test_the_prompt_bound_never_refuses_a_prompt_that_fits(stack):
+    """The worst case for the bound: the vocabulary's longest token, repeated to fill the context."""
+    tok = stack.tok
+    bound = PromptBound.from_model_dir(stack.model_dir)
+    texts = [tok.decode([i]) for i in range(stack.vocab_size)]
+    longest = max(texts, key=len)
+    for context in (16, 512, 4096):
+        text = longest * context
+        assert len(tok.encode(text)) <= context * 2  # at most ~one token per copy
+        assert len(text) <= bound.max_chars(context)
+
+
+def test_stop_strings_are_bounded_in_number_and_length(stack):
+    def post(stop):
+        return httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "stop": stop}, timeout=10)
+
+    assert post(["s"] * MAX_STOP_STRINGS).status_code == 200
+    assert post("x" * MAX_STOP_CHARS).status_code == 200
+    for stop in (["s"] * (MAX_STOP_STRINGS + 1), "x" * (MAX_STOP_CHARS + 1), ["ok", "y" * 10_000]):
+        r = post(stop)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+def test_generations_in_flight_are_bounded_and_their_slots_come_back(stack):
+    stack.fake.delay_s = 0.2
+    slots = stack.gateway.slots
+    try:
+        clients = [httpx.Client(timeout=30) for _ in range(SLOTS)]
+        streams = [c.stream("POST", f"{stack.url}/v1/completions", json={**GOOD, "max_tokens": 40, "stream": True})
+                   for c in clients]
+        responses = [s.__enter__() for s in streams]
+        assert all(r.status_code == 200 for r in responses)
+        assert slots.in_use == SLOTS
+        r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError", r.text
+        with grpc.insecure_channel(stack.grpc_target) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x", max_tokens=1),
+                                                                timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s, c in zip(streams, clients):  # the clients leave mid-stream
+            s.__exit__(None, None, None)
+            c.close()
+        wait_until(lambda: slots.in_use == 0, 5, "the slots of abandoned streams to come back")
+    finally:
+        stack.fake.delay_s = 0.0
+    results = []
+
+    def one():
+        results.append(httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results) <= {200, 429} and 200 in results
+    wait_until(lambda: slots.in_use == 0, 5, "every slot to come back")
+    for bad in ({"prompt": ""}, {"temperature": -1}, {"model": "other"}):  # refusals give theirs back too
+        assert httpx.post(f"{stack.url}/v1/completions", json={**GOOD, **bad}, timeout=10).status_code in (400, 404)
+    assert slots.in_use == 0
+
+
+def test_chat_without_max_tokens_gets_the_room_the_context_leaves(stack):
+    messages = [{"role": "user", "content": "hello there"}]
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    sent = stack.fake.requests[-1]
+    room = 512 - len(sent.prompt_token_ids)
+    assert sent.sampling.max_new_tokens == min(room, 400)  # --max-tokens-limit 400 here
+    assert r.json()["usage"]["completion_tokens"] == sent.sampling.max_new_tokens
