@@ -9,6 +9,7 @@ in the handler, which cancels the verifier call.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import INTERNAL_ERROR, GatewayError, bad_request
 from gateway.generation import GenerationStream
 from gateway.request import OFFLOAD_PARSE_BYTES, GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem import tracing
@@ -28,6 +29,7 @@ from tandem.service_runtime import set_health
 if TYPE_CHECKING:
     from gateway.server import Gateway
 
+log = logging.getLogger("gateway.grpc")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -62,6 +64,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             status = e.grpc_code.name
             tracing.set_error(span, e.message)
             await context.abort(e.grpc_code, e.message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # grpc.aio would send the exception's text: the log gets it, the client not
+            status = "INTERNAL"
+            log.exception("gRPC Generate failed")
+            tracing.set_error(span, "internal error")
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: the cancel landed while grpc.aio was sending a message (this generator
             # is closed at its yield instead of its task being cancelled).

@@ -228,6 +228,11 @@ async def _sse(first: Delta, stream: GenerationStream, shape: CompletionShape, s
         status, error = e.status, e.message
         yield sse_event(e.body())
         yield SSE_DONE
+    except Exception:  # a bug of ours mid-stream: the stream still ends properly, saying nothing internal
+        log.exception("stream %s failed", shape.id)
+        status, error = 500, INTERNAL_ERROR
+        yield sse_event(GatewayError(500, INTERNAL_ERROR).body())
+        yield SSE_DONE
     finally:
         stream.cancel()
         scope.finish(status, error)
