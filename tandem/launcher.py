@@ -5,7 +5,7 @@ Each service is its own process, exactly as in production (``python -m drafter|v
 this only wires their addresses together and supervises them. Torch is never imported here.
 
 Supervision: once the stack is up, a service that exits is started again after a back-off (0.5 s,
-doubling to 10 s; back to 0.5 s once it had run for a minute). Every service, not only the drafter:
+doubling to 10 s; back to 0.5 s once it had run for 30 s). Every service, not only the drafter:
 the verifier tolerates a lost drafter and reconnects to the new one; a verifier exits non-zero when
 its engine fails (its requests failed first), precisely so that it is restarted, and the gateway
 answers 503 meanwhile and reconnects; a gateway that dies would otherwise leave a stack nobody can
@@ -34,7 +34,7 @@ from tandem import internal_secret
 from tandem.errors import TandemError
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
-STABLE_S = 60.0  # a service that ran this long restarts after the first delay again
+STABLE_S = 30.0  # a service that ran this long restarts after the first delay again
 
 
 @dataclass

@@ -1,0 +1,31 @@
+"""A short soak of the whole stack (scripts/soak.py): mixed REST/gRPC, streaming and not, client
+disconnects, the drafter SIGKILLed every few seconds and the verifier restarted once; nothing lost,
+nothing wrong, the KV pages back, no shared memory left, every killed service restarted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_soak_loses_nothing(tmp_path):
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--seconds", "15",
+                           "--kill-drafter-every", "4", "--clients", "2", "--prompts", "6",
+                           "--workdir", str(tmp_path / "work"), "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=170)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["requests"]["lost"] == 0 and report["requests"]["wrong"] == 0, report["failures"]
+    assert report["requests"]["served"] >= 50 and report["requests"]["cancelled"] >= 1
+    assert report["faults"]["drafter_sigkill"] >= 2 and report["faults"]["verifier_restart"] == 1
+    assert report["launcher_restarts"]["drafter"] >= 2 and report["launcher_restarts"]["verifier"] == 1
+    assert report["kv_pages"]["back_to_total"] and report["shm_left"] == []
+    assert proc.returncode == 0
