@@ -83,8 +83,10 @@ def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):
         # A head for other target layers cannot continue this verifier's stream: refused, nothing breaks.
         with pytest.raises(TandemError, match="FAILED_PRECONDITION.*layers"):
             reload_drafter(drafter.address, str(pair_dirs / "other_layers"))
-        with pytest.raises(TandemError, match="FAILED_PRECONDITION"):
+        with pytest.raises(TandemError, match="PERMISSION_DENIED"):  # outside the reload root (the pair's folder)
             reload_drafter(drafter.address, str(tmp_path / "no_such_folder"))
+        with pytest.raises(TandemError, match="FAILED_PRECONDITION"):  # below it, but a target, not a head
+            reload_drafter(drafter.address, str(pair_dirs / "target"))
         tokens, last = generate(verifier.address, prompts_of(12)[10], max_new_tokens=NEW_TOKENS)
         assert tokens == reference[10] and last.spec.rounds > 0
         metrics = read_metrics(verifier.metrics_port)
