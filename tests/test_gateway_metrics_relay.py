@@ -1,0 +1,84 @@
+"""The gateway's /metrics carries the verifier's metrics (speculation, drafter, KV pages) under the
+verifier's own names in one scrape, never a family twice, and says so in tandem:verifier_metrics_up;
+a verifier whose metrics do not answer leaves the gateway's own, promptly, with up = 0."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import prometheus_client
+import pytest
+from gateway_harness import MODEL_NAME, Stack, metric_value
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.service_probe import free_port
+from verifier.metrics import VerifierMetrics
+
+GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def verifier_metrics():
+    vm = VerifierMetrics()
+    vm.num_drafts.inc(7)
+    vm.accepted_tokens.inc(12)
+    vm.accepted_per_pos.labels("0").inc(5)
+    vm.drafter_up.set(1)
+    vm.kv_pages_free.set(30)
+    vm.running.set(4)  # a family the gateway has too (its own view, with model_name)
+    vm.accept_length.observe(3)
+    port = free_port()
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=vm.registry)
+    yield f"http://127.0.0.1:{port}/metrics"
+    server.shutdown()
+    thread.join(5)
+
+
+def _type_lines(text: str) -> list[str]:
+    return [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+
+
+def test_one_scrape_holds_the_verifiers_speculation_metrics(verifier_metrics):
+    s = Stack(verifier_metrics_url=verifier_metrics)
+    try:
+        assert httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert metric_value(text, "tandem:spec_decode_num_drafts_total") == 7
+        assert metric_value(text, "tandem:spec_decode_num_accepted_tokens_total") == 12
+        assert metric_value(text, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 5
+        assert metric_value(text, "tandem:drafter_up") == 1 and metric_value(text, "tandem:kv_pages_free") == 30
+        assert metric_value(text, "tandem:spec_decode_accept_length_count") == 1
+        assert metric_value(text, "tandem:verifier_metrics_up", model_name=MODEL_NAME) == 1
+        assert metric_value(text, "tandem:requests_total", api="completions", status="200") == 1
+        # Each family once: the gateway's num_requests_running (with model_name), not the verifier's.
+        types = _type_lines(text)
+        assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+        running = [line for line in text.splitlines() if line.startswith("tandem:num_requests_running")]
+        assert running and all("model_name=" in line for line in running), running
+        families = {f.name for f in text_string_to_metric_families(text)}  # and the whole text parses
+        assert {"tandem:spec_decode_num_drafts", "tandem:requests"} <= families
+    finally:
+        s.close()
+
+
+def test_a_verifier_without_metrics_leaves_ours_promptly():
+    s = Stack(verifier_metrics_url=f"http://127.0.0.1:{free_port()}/metrics")
+    try:
+        started = time.monotonic()
+        r = httpx.get(f"{s.url}/metrics", timeout=10)
+        assert r.status_code == 200 and time.monotonic() - started < 3
+        assert metric_value(r.text, "tandem:verifier_metrics_up", model_name=MODEL_NAME) == 0
+        assert "tandem:requests" in r.text and "spec_decode" not in r.text
+    finally:
+        s.close()
+
+
+def test_without_a_url_there_is_no_relay_and_no_up_sample():
+    s = Stack()
+    try:
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert not any(line.startswith("tandem:verifier_metrics_up") for line in text.splitlines())
+        assert "spec_decode" not in text
+    finally:
+        s.close()
