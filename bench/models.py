@@ -72,16 +72,16 @@ def random_draft(target: Path, capture_layers: tuple[int, ...]) -> Path:
     return path
 
 
-def bench_drafter(engine, layers: int, specs: list):
+def bench_drafter(engine, layers: int, specs: list, max_bs: int = 8):
     """A random bf16 EAGLE-3 head for ``bench_engine(layers, ...)``, sharing the target's embedding and,
-    with graphs on, capturing its draft graphs for ``specs`` in the target's pool; → (drafter, capture
-    report or None)."""
+    with graphs on, capturing its draft graphs for ``specs`` up to batch ``max_bs`` in the target's pool;
+    → (drafter, capture report or None)."""
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
 
     runner = engine.executor.runner
     graphs = runner.graphs is not None
     drafter = Eagle3Drafter.from_dirs(str(random_draft(target_dir(layers), runner.capture_layers)), str(target_dir(layers)),
-                                      DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8,
+                                      DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=max_bs,
                                                     disable_cuda_graph=not graphs, defer_chain_tokens=True),
                                       capture_layers=runner.capture_layers,
                                       embed_weight=runner.model.model.embed_tokens.weight)
@@ -92,3 +92,16 @@ def bench_drafter(engine, layers: int, specs: list):
 ROOT_DIR = Path(__file__).resolve().parent.parent
 
 
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer.json whose every id is a word ("t123"), so that the gateway can serve a random-weight
+    model: prompts go in as token ids, completions come out as words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(folder) / "tokenizer.json"
+    if path.is_file():
+        return
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))

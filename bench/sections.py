@@ -329,12 +329,13 @@ SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": s
 
 
 def _register_more() -> None:
+    from sections_batch import batch
     from sections_glue import round_glue
     from sections_overlap import decode_overlap, overlap
     from sections_profile import demo, phases
     from sections_scaling import service, tp
 
-    SECTIONS.update(service=service, tp=tp, phases=phases, demo=demo, overlap=overlap, decode_overlap=decode_overlap,
+    SECTIONS.update(batch=batch, service=service, tp=tp, phases=phases, demo=demo, overlap=overlap, decode_overlap=decode_overlap,
                     round_glue=round_glue)
 
 

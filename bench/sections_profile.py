@@ -245,8 +245,8 @@ def demo(ctx: dict) -> dict:
             for (steps, policy), (_, _, chosen), run in zip(kinds, engines, best):
                 row = {"graphs": graphs, "chain_steps": steps, "policy": policy, "passes": passes, **run}
                 if policy == "measured":  # what the policy measured (at the end): why it chose as it did
-                    row.update(cost_ratio=chosen.cost_ratio, t_plain_ms=1e3 * (chosen.t_plain or 0),
-                               t_spec_ms=1e3 * (chosen.t_spec or 0), engine_tau=chosen.tau_all or 0.0)
+                    row.update(cost_ratio=chosen.cost_ratio(1), t_plain_ms=1e3 * (chosen.step_time(1, False) or 0),
+                               t_spec_ms=1e3 * (chosen.step_time(1, True) or 0), engine_tau=chosen.tau_all or 0.0)
                 rows.append(row)
                 what = "target only" if steps is None else f"chain {steps} {policy}"
                 print(f"demo pair graphs {'on ' if graphs else 'off'} {what:18s}: "

@@ -112,7 +112,8 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
 
     following, queue = [], decode_ahead.queue_decode_steps
     monkeypatch.setattr(decode_ahead, "queue_decode_steps",
-                        lambda runner, reqs, steps, after=None: following.append(after is not None) or queue(runner, reqs, steps, after))
+                        lambda runner, reqs, steps, after=None, capture=False:
+                        following.append(after is not None) or queue(runner, reqs, steps, after, capture))
 
     runner = engine.executor.runner
     # torch attention: this test is about the inputs advancing between replays (the Triton kernels'

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem import tracing
 from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.warmup import warm_up
 from tandem.models.config import ModelConfig
 from tandem.models.eagle3_config import DraftConfig, validate_draft
 from tandem.ring import CUDA_IPC, HiddenRing
@@ -34,12 +35,19 @@ from verifier.metrics import VerifierMetrics
 from verifier.server import SERVICE, VerifierService
 
 log = logging.getLogger("verifier")
+DRAFTER_WAIT_BEFORE_WARMUP_S = 60.0  # a drafter starting beside the verifier loads and captures its graphs meanwhile
 
 
 def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
     if cfg.capture_traffic is not None:  # every step's features are kept, drafter or not: graphs must output them
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, graph_decode_features=True))
     engine, client, ring = _engine_and_drafter(cfg, metrics)
+    if client is not None:
+        client.start()
+    if engine.executor.runner.graphs is not None:  # on a GPU: compile, launch and time before SERVING
+        if client is not None and not client.wait_connected(DRAFTER_WAIT_BEFORE_WARMUP_S):
+            log.warning("the drafter did not connect within %.0f s: warming up without it", DRAFTER_WAIT_BEFORE_WARMUP_S)
+        warm_up(engine)
     if cfg.capture_traffic is not None:
         engine.traffic = _traffic_recorder(cfg, engine)
     return engine, client, ring
@@ -136,8 +144,6 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     except asyncio.CancelledError:  # the loop shuts down what it built once the load ends
         loop.stop()
         raise
-    if client is not None:
-        client.start()
     service.attach(loop)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("verifier serving on %s:%d%s", cfg.host, port,

@@ -186,10 +186,12 @@ class TargetGraphRunner:
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
-    def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None) -> tuple:
+    def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
+                         features: bool = False) -> tuple:
         """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
-        (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, k)`` (a device
-        tensor [n], model-dtype logits); between replays the inputs advance on the device (``advance``)
+        (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, its features or
+        None, k)`` (a device tensor [n], model-dtype logits; features only when the decode graphs output
+        them and ``features``); between replays the inputs advance on the device (``advance``)
         and nothing waits for it. ``after``: what a run queued before returned — go on from its inputs
         (``batch`` unused; the block tables restaged for the pages reserved since). → (family, bucket,
         the last step's tokens), for a run after this one."""
@@ -202,8 +204,8 @@ class TargetGraphRunner:
         for k in range(steps):
             if token is not None:
                 self.advance(fam, n, token[:, None], 1)
-            logits, _ = self.replay_prepared(fam, bs, n)
-            token = pick(logits, k)
+            logits, feats = self.replay_prepared(fam, bs, n)
+            token = pick(logits, feats if features else None, k)
         return fam, bs, token
 
     def replay_prepared(self, fam: _Family, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,7 +16,9 @@ Greedy tokens are those of one-step decoding; a sampled request draws its unifor
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
-no prompt waiting, no request speculating, no drafter or traffic capture to feed, one rank).
+no prompt waiting, no request speculating, no traffic capture, one rank). With a drafter, each step's
+EAGLE-3 features go into the run's own buffer and reach the drafter's requests after the read-back, held
+for their next draft (DraftLink.keep_in_step): plain steps run the target-only path either way.
 
 With CUDA graphs, runs overlap (``engine.overlap_runs``, as runs of speculative rounds do): the step
 that reads a run back first queues the next run after it, going on from the device's inputs, so the
@@ -46,39 +48,51 @@ class DecodeRun:
     reqs: list[Request]
     steps: int
     tokens: HostReadback  # int64 [steps, n], on its way to the host once the steps are done
+    features: torch.Tensor | None  # [steps, n, 3H] on the device, each step's input rows (with a drafter)
     graph_state: tuple  # (verify family, bucket, the last step's tokens [n]): TargetGraphRunner.run_decode_steps
 
 
-def _sampled_into(runner, reqs: list[Request], steps: int):
-    """→ (the run's token buffer [steps, n] on the device, ``pick(logits, k)`` that samples step k into it)."""
+def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool):
+    """→ (the run's token buffer [steps, n] on the device, its feature buffer [steps, n, 3H] or None
+    (``capture``: allocated at the first step's features), ``pick(logits, features, k)`` that samples step
+    k into the first and copies its features into the second)."""
     # Settings and uniforms reach the device before the first forward is queued.
     sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], runner.device,
                           runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=runner.device)
+    kept: list[torch.Tensor] = []
 
-    def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+    def pick(logits: torch.Tensor, features: torch.Tensor | None, k: int) -> torch.Tensor:
+        if capture:
+            if not kept:
+                kept.append(torch.empty(steps, *features.shape, dtype=features.dtype, device=features.device))
+            kept[0][k].copy_(features)
         tokens[k] = sampler(logits, k)
         return tokens[k]
 
-    return tokens, pick
+    return tokens, kept, pick
 
 
 @torch.inference_mode()
-def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun | None = None) -> DecodeRun | None:
+def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun | None = None,
+                       capture: bool = False) -> DecodeRun | None:
     """Queue ``steps`` graphed decode steps of ``reqs`` without waiting — from their committed tokens, or
     going on after the run ``after`` (the same requests, not read back yet); pages must cover every step
-    queued past the committed tokens. None when no graph fits the batch."""
+    queued past the committed tokens. ``capture``: keep each step's features. None when no graph fits
+    the batch."""
     graphs = runner.graphs
     if after is None:
-        first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table()) for req in reqs])
+        first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
+                              for req in reqs], capture_features=capture)
         if graphs is None or not graphs.can_run(first):
             return None
     else:
         first = None
         graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
-    tokens, pick = _sampled_into(runner, reqs, steps)
-    state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None)
-    return DecodeRun(reqs, steps, HostReadback(tokens), state)
+    tokens, features, pick = _sampled_into(runner, reqs, steps, capture)
+    state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
+                                    features=capture)
+    return DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, state)
 
 
 def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
@@ -97,15 +111,17 @@ def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def decode_steps_eagerly(runner, reqs: list[Request], steps: int) -> list[list[int]]:
+def decode_steps_eagerly(runner, reqs: list[Request], steps: int,
+                         capture: bool = False) -> tuple[list[list[int]], torch.Tensor | None]:
     """Run ``steps`` decode steps of ``reqs`` (pages reserved for all of them) without graphs, or where
-    no graph fits the batch → each request's tokens. ``runner``: the engine's ModelRunner (TP size 1)."""
-    tokens, pick = _sampled_into(runner, reqs, steps)
-    _forward_steps(runner, reqs, steps, pick)
-    return _tokens_back(runner, HostReadback(tokens))
+    no graph fits the batch → (each request's tokens, the steps' features [steps, n, 3H] when
+    ``capture``). ``runner``: the engine's ModelRunner (TP size 1)."""
+    tokens, features, pick = _sampled_into(runner, reqs, steps, capture)
+    _forward_steps(runner, reqs, steps, pick, capture)
+    return _tokens_back(runner, HostReadback(tokens)), (features[0] if capture else None)
 
 
-def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
+def _forward_steps(runner, reqs: list[Request], steps: int, pick, capture: bool) -> None:
     """The same steps through ``runner.forward`` (eager, or a batch no graph fits), each fed the
     previous step's token through ``SequenceChunk.device_ids``."""
     token = None
@@ -117,8 +133,8 @@ def _forward_steps(runner, reqs: list[Request], steps: int, pick) -> None:
                 chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
             else:
                 chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
-        logits, _ = runner.forward(ForwardBatch(chunks), sync=False)
-        token = pick(logits, k)
+        logits, features = runner.forward(ForwardBatch(chunks, capture_features=capture), sync=False)
+        token = pick(logits, features, k)
 
 
 # -- the engine's side ----------------------------------------------------------------------------
@@ -128,8 +144,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     between them, else 1 (0 when ``queued``: none to queue)."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
-    if (steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None
-            or engine.drafts.up()):
+    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None:
         return none
     context = engine.model_config.max_position_embeddings
     for req in reqs:
@@ -148,16 +163,17 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
 def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
     """Queue ``steps`` decode steps from the committed tokens, then read them back (overlapped with
     CUDA graphs: see ``_read_back``)."""
-    runner = engine.executor.runner
+    runner, capture = engine.executor.runner, engine.drafts.up()
     with timer("verify"):
-        run = queue_decode_steps(runner, reqs, steps)
+        run = queue_decode_steps(runner, reqs, steps, capture=capture)
         if run is None:  # eager, or no graph fits: one synchronous run
-            tokens = decode_steps_eagerly(runner, reqs, steps)
+            tokens, features = decode_steps_eagerly(runner, reqs, steps, capture)
     if run is not None:
         return _read_back(engine, run, timer)
     with timer("accept"):
         outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {})
-    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans))
+        caught_up = _keep_drafter_in_step(engine, reqs, tokens, features)
+    engine.last_step = StepInfo(0, len(reqs), dict(timer.spans), steps=steps, timed=not caught_up)
     return outputs
 
 
@@ -176,15 +192,26 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         if more:
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
-            following = queue_decode_steps(runner, run.reqs, more, after=run)
+            following = queue_decode_steps(runner, run.reqs, more, after=run, capture=run.features is not None)
         tokens = read_decode_steps(runner, run)
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
         outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
                                  keep_pages=following is not None)
+        caught_up = _keep_drafter_in_step(engine, run.reqs, tokens, run.features)
     if following is not None and all(req.finished for req in following.reqs):
         read_decode_steps(runner, following)  # no one left to commit it to
         following = None
     engine.run_in_flight = following
-    engine.last_step = StepInfo(0, len(live), dict(timer.spans))
+    engine.last_step = StepInfo(0, len(live), dict(timer.spans), steps=run.steps, timed=not caught_up)
     return outputs
+
+
+def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], features: torch.Tensor | None) -> bool:
+    """Hand the steps' tokens and features ([steps, n, 3H]) of the requests that go on drafting to the
+    drafter (held for their next draft); → whether a request's held features had to be sent now."""
+    if features is None:
+        return False
+    items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
+             if not req.finished and req.spec is not None and req.draft_ready]
+    return engine.drafts.keep_in_step(items)

@@ -23,6 +23,9 @@ REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with
 # requests together (device memory outside the KV budget).
 PENDING_LIMIT_BYTES = 8 << 20
 PENDING_TOTAL_LIMIT_BYTES = 512 << 20
+# A plain step that had to send more held tokens than this is left out of the step times: the price of
+# having held them, not of the step.
+UNTIMED_CATCH_UP_TOKENS = 16
 
 
 class DraftLink:
@@ -63,6 +66,14 @@ class DraftLink:
         self.held_bytes += size
         req.draft_ready = True  # the drafter will have its state (the held extend goes first)
         return True
+
+    def keep_in_step(self, items: list) -> bool:
+        """Plain steps' (request, tokens, features): held for each request's next draft, or, past the
+        limits, sent now with what it held; → whether what was sent was a catch-up (UNTIMED_CATCH_UP_TOKENS)."""
+        now = [self.take_pending(req, tokens, feats) for req, tokens, feats in items
+               if not self.hold(req, tokens, feats)]
+        self.extend(now)
+        return any(len(tokens) > UNTIMED_CATCH_UP_TOKENS for _, tokens, _ in now)
 
     def _drop_held(self, req) -> None:
         self.held_bytes -= req.pending_bytes

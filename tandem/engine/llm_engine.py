@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import zlib
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ from tandem.errors import ConfigError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.policy import SpeculationPolicy
-from tandem.speculative.tree import resolve_pending
+from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
-UNTIMED_CATCH_UP_TOKENS = 16  # a plain step sending more held tokens than this is left out of the step times
 
 
 class LLMEngine:
@@ -117,36 +117,61 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- one round -------------------------------------------------------------------------------
+    def _can_draft(self, req: Request) -> bool:
+        """Whether the request could speculate this step: a drafter state, and room for a tree before the
+        context's end."""
+        return (req.spec is not None and req.draft_ready
+                and req.num_tokens + req.spec.num_draft_tokens <= self.model_config.max_position_embeddings)
+
     def _tree_width(self, req: Request) -> int:
-        """Tokens the request verifies this round: its draft tree size, or 1 when it does not speculate."""
-        if req.spec is None or not req.draft_ready or not req.spec_state.speculate_now:
-            return 1
-        if req.num_tokens + req.spec.num_draft_tokens > self.model_config.max_position_embeddings:
-            return 1  # the tree would run past the context: decode plainly to the end
-        return req.spec.num_draft_tokens
+        """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
+        return req.spec.num_draft_tokens if req.spec_state.speculate_now and self._can_draft(req) else 1
+
+    def _decide(self) -> int:
+        """The policy's decision for the running batch (tandem.speculative.policy); → the step's verify
+        width (1: a plain step). Requests that cannot draft in a speculating step are verified as filler
+        rows of that width (``DraftTree.padded``), so the batch keeps one width, one graphed forward."""
+        running = self.scheduler.running
+        drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
+        speculate = bool(running) and self.policy.decide(len(running), [req.spec_state for req in drafting])
+        for req in running:
+            req.spec_state.speculate_now = speculate
+        return max((req.spec.num_draft_tokens for req in drafting), default=1) if speculate else 1
+
+    def _row_width(self, req: Request, width: int) -> int:
+        """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` when the
+        context allows."""
+        return width if req.num_tokens + width <= self.model_config.max_position_embeddings else 1
 
     def step(self) -> list[StepOutput]:
         """One round: draft (for speculating requests), one target forward over prefills and trees,
-        acceptance, KV compaction, and the drafter's extension with the new tokens' features."""
+        acceptance, KV compaction, and the drafter's extension with the new tokens' features. Its wall
+        time goes to the policy, by batch size and kind."""
+        started, self.last_step = time.perf_counter(), None
+        outputs = self._step()
+        info = self.last_step
+        if info is not None and info.num_decode and self.proposer is not None:
+            timed = info.timed and not info.num_prefill
+            self.policy.observe_step(info.num_decode, info.speculative, info.steps,
+                                     time.perf_counter() - started if timed else None)
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         timer = StepTimer(self.phase_sync)
         self.drafts.refeed_after_reconnect()
-        self.policy.begin_step()
-        for req in self.scheduler.running:  # decided once per step, before any page is reserved
-            if req.spec is not None:
-                self.policy.decide(req.spec_state)
+        width = self._decide()  # decided once per step, before any page is reserved
         if isinstance(self.run_in_flight, DecodeRun):  # read it back first (queuing the next run where
             return step_decode_in_flight(self, timer)  # nothing changed)
         if self.run_in_flight is not None:
             return step_run_in_flight(self, timer)
-        ahead = decode_steps_ahead(self)
-        rounds = rounds_ahead(self) if ahead == 1 else 1
+        ahead = decode_steps_ahead(self) if width == 1 else 1
+        rounds = rounds_ahead(self) if width > 1 else 1
         if ahead > 1:
-            width = lambda req: ahead  # noqa: E731
+            sched = self.scheduler.schedule(lambda req: ahead)
         elif rounds > 1:
-            width = lambda req: rounds * req.spec.num_draft_tokens  # noqa: E731
+            sched = self.scheduler.schedule(lambda req: rounds * req.spec.num_draft_tokens)
         else:
-            width = self._tree_width
-        sched = self.scheduler.schedule(width)
+            sched = self.scheduler.schedule(lambda req: self._row_width(req, width))
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:
@@ -161,6 +186,8 @@ class LLMEngine:
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
             trees = self.drafts.draft(sched.decode, self._tree_width)
+            trees |= {req.rid: DraftTree.padded(req.last_token, self._row_width(req, width))
+                      for req in sched.decode if trees[req.rid].size == 1 and self._row_width(req, width) > 1}
         chunks = [SequenceChunk(req.tokens, 0, req.kv.page_table()) for req in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
@@ -172,14 +199,11 @@ class LLMEngine:
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
             self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
-        self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans))
-        # A prefill would skew the timing, and so would a catch-up of held plain steps: it is the price of
-        # switching speculation back on (paid once per probe), not of a round; counted as a round's, it
-        # made a mostly-off policy see rounds as costlier than they are and stay off. (While most
-        # speculative steps are probes, t_spec then keeps its last clean samples: stale, not biased.)
-        if self.proposer is not None and sched.decode and not sched.prefill and not catch_up and not caught_up:
-            start, end = timer.spans["draft"][0], timer.spans["draft_extend"][1]
-            self.policy.observe_step((end - start) / 1e9, speculative=any(t.size > 1 for t in trees.values()))
+        # A catch-up of held plain steps is the price of switching speculation back on (paid once per
+        # exploration), not of a round: such a step is not timed.
+        self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
+                                  speculative=any(tree.drafted for tree in trees.values()),
+                                  timed=not catch_up and not caught_up)
         return outputs
 
     def _accept(self, sched, trees, logits, features):
@@ -200,7 +224,7 @@ class LLMEngine:
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
-            if size == 1 or req.rid in broken:
+            if not trees[req.rid].drafted or req.rid in broken:
                 simple.append((req, row))  # the root's row: the plain step's token, whatever the nodes held
                 plain_rows.append((req, token_row))
             else:
@@ -220,19 +244,14 @@ class LLMEngine:
             n = req.num_tokens
             observed.append((req.rid, 0, range(token_row, token_row + n)))
             if features is not None and req.spec is not None:
-                tokens, feats = req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]
-                # A request that starts with speculation off hands its prompt over only when it drafts.
-                if not (self.policy.starts_plain(req.spec_state) and self.drafts.hold(req, tokens, feats)):
-                    extend_items.append((req, tokens, feats))
+                extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
             token_row += n
-        caught_up = False
-        for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
+        held = []  # a plain step keeps the drafter in step: (token, root's feature), given at its next draft
+        for req, root_row in plain_rows:
             observed.append((req.rid, req.num_tokens - 1, [root_row]))
-            if features is not None and req.spec is not None and req.draft_ready:  # given at its next draft
-                if not self.drafts.hold(req, emitted[req.rid], features[root_row : root_row + 1]):
-                    item = self.drafts.take_pending(req, emitted[req.rid], features[root_row : root_row + 1])
-                    extend_items.append(item)
-                    caught_up |= len(item[1]) > UNTIMED_CATCH_UP_TOKENS
+            if features is not None and req.spec is not None and req.draft_ready:
+                held.append((req, emitted[req.rid], features[root_row : root_row + 1]))
+        caught_up = self.drafts.keep_in_step(held)
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]

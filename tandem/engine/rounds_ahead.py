@@ -17,7 +17,6 @@ nothing more and only reads the run in flight back; a finished request's rows of
 from __future__ import annotations
 
 import math
-import time
 
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
@@ -102,7 +101,6 @@ def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRu
 def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list[StepOutput]:
     """Queue a run of ``rounds`` rounds from the committed state, then read it back (as every later
     step reads the run in flight back: ``step_run_in_flight``)."""
-    started = time.perf_counter()
     with timer("verify"):
         try:
             run = _queue(engine, reqs, rounds, None)
@@ -111,17 +109,16 @@ def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list
             return []
     if run is None:  # refused by the drafter process: nothing ran; the next steps go round by round
         return []
-    return _read_back(engine, run, timer, started, run.queued_ns)
+    return _read_back(engine, run, timer, run.queued_ns)
 
 
 def step_run_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
     """A step that starts with a run queued and not read back: read it back (queuing the next first)."""
     run, engine.run_in_flight = engine.run_in_flight, None
-    return _read_back(engine, run, timer, time.perf_counter())
+    return _read_back(engine, run, timer)
 
 
-def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float,
-               queued_ns: tuple[int, int] | None = None) -> list[StepOutput]:
+def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, int] | None = None) -> list[StepOutput]:
     """Queue the next run after ``run`` where the batch allows, then wait for ``run``, commit its tokens
     and count each round that reached the output. ``queued_ns``: when this step queued ``run`` itself."""
     nd = run.spec.num_draft_tokens
@@ -170,11 +167,7 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, started: float,
         read_chain_rounds(engine.executor.runner.graphs, following)  # no one left to commit it to
         following = None
     engine.run_in_flight = following
-    # The policy weighs a round's time against a plain step's: the step's, commit included (as a
-    # one-round step's span runs from its draft to its extend, acceptance and commit included), per round.
-    elapsed = time.perf_counter() - started
-    for _ in range(run.rounds):
-        engine.policy.observe_step(elapsed / run.rounds, speculative=True)
     # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
-    engine.last_step = StepInfo(0, len(live), dict(timer.spans, **({"queue": queued_ns} if queued_ns else {})))
+    engine.last_step = StepInfo(0, len(live), dict(timer.spans, **({"queue": queued_ns} if queued_ns else {})),
+                                steps=run.rounds, speculative=True)
     return outputs

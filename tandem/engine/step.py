@@ -32,6 +32,9 @@ class StepInfo:
     num_prefill: int
     num_decode: int
     spans: dict[str, tuple[int, int]]  # phase -> (start, end) wall-clock ns: draft, verify, accept, draft_extend
+    steps: int = 1  # decode steps or speculative rounds each request went through (runs queued ahead: several)
+    speculative: bool = False  # the step drafted (a round), else a plain decode step
+    timed: bool = True  # its wall time is that of its steps alone (no catch-up of held drafter input)
 
     @property
     def seconds(self) -> dict[str, float]:

@@ -25,6 +25,9 @@ class DraftTree:
     parents: list[int]  # node -> parent node; parents[0] == -1
     scores: list[float] = field(default_factory=list)  # cumulative draft log-prob per node (root 0.0), optional
     pending: "PendingTokens | None" = None  # tokens still on the device (-1 in ``tokens`` until resolved)
+    # Filler nodes only: a request that does not draft, verified as one row of a speculating batch's
+    # width so that the batch keeps one width (one graphed forward); only its root's row counts.
+    padding: bool = False
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents) or not self.tokens:
@@ -66,6 +69,16 @@ class DraftTree:
     @classmethod
     def chain(cls, root: int, tokens: list[int]) -> "DraftTree":
         return cls([root, *tokens], list(range(-1, len(tokens))))
+
+    @classmethod
+    def padded(cls, root: int, width: int) -> "DraftTree":
+        """The bare root, filled out to ``width`` nodes (see ``padding``)."""
+        return cls([root] * width, list(range(-1, width - 1)), padding=True)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the tree holds drafts to accept (not the bare root, nor filler)."""
+        return self.size > 1 and not self.padding
 
 
 @dataclass

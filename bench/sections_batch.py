@@ -1,0 +1,99 @@
+"""Benchmark section ``batch``: speculation at batch 1, 8, 32 and 64, in process — target-only, speculating
+always and the default (measured) policy, at controlled accept length 1 (every draft wrong: a useless
+head), 2, 3 and 4, chain of 3, 8B shape, each cell's three settings interleaved (two passes, best kept).
+
+BENCHMARK INSTRUMENT (controlled acceptance, see the spec section): the real head drafts and the real
+verify checks; the chain's tokens are steered to the verify path's own greedy continuation *at the same
+batch size* (computed first with every draft corrupted), since a batch's kernels round differently in
+bf16 from another's. The measured policy's plain steps run the decode graph, which rounds differently
+again: where its greedy path parts from the verify's at a near-tie, the steered drafts stop matching and
+that request's accept length falls below the goal. Each row records the accept length reached.
+
+Rates are output tokens per second after every request's first token (the prefill's step)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
+from sections import _free_gpu, _rate_for
+from sections_overlap import _steered_batch
+
+BATCHES = (1, 8, 32, 64)
+GOALS = (1.0, 2.0, 3.0, 4.0)
+
+
+def _target_only(engine, prompts, params) -> float:
+    import time
+
+    proposer, engine.proposer = engine.proposer, None  # the target alone: no features kept for anyone
+    try:
+        rids = [engine.add_request(p, params, spec=None) for p in prompts]
+        engine.step()
+        first_at, first = time.perf_counter(), sum(len(engine.requests[r].output) for r in rids)
+        while engine.has_unfinished():
+            engine.step()
+        tokens = sum(len(engine.requests.pop(r).output) for r in rids) - first
+        return tokens / (time.perf_counter() - first_at)
+    finally:
+        engine.proposer = proposer
+
+
+def batch(ctx: dict) -> dict:
+    from tandem.engine.warmup import warm_up
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.policy import SpeculationPolicy
+
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    new_tokens = 48 if ctx["quick"] else 192
+    batches = (1, 8) if ctx["quick"] else BATCHES
+    spec = SpecConfig(3, 1, 4)
+    engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=max(batches))
+    drafter, capture = bench_drafter(engine, layers, [spec], max_bs=max(batches))
+    always = engine.policy  # bench_engine's: speculation at every step
+    engine.proposer, engine.default_spec, engine.policy = drafter, spec, SpeculationPolicy()
+    took = warm_up(engine)  # what a service runs before SERVING: compiles, and seeds the measured policy's costs
+    seeded = engine.policy
+    costs = {n: (seeded.step_time(n, False), seeded.step_time(n, True)) for n in batches}
+    print(f"warm-up {took}; seeded step times (plain, round) in ms: "
+          + ", ".join(f"bs {n}: {1e3 * p:.2f}, {1e3 * s:.2f}" for n, (p, s) in costs.items() if p and s), flush=True)
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    for bs in batches:
+        prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(bs)]
+        engine.policy = always
+        reference, _, _ = _steered_batch(engine, drafter, spec, prompts, params, 1.0, [[0]] * bs)
+        for goal in GOALS:
+            rate = 1.0 if goal == 1.0 else _rate_for(goal, spec.num_steps)
+            best = {"target_only": 0.0, "always": 0.0, "policy": 0.0}
+            accept, same = {"always": 0.0, "policy": 0.0}, {"always": True, "policy": True}
+            for _ in range(2):
+                best["target_only"] = max(best["target_only"], _target_only(engine, prompts, params))
+                for name in ("always", "policy"):
+                    engine.policy = always if name == "always" else copy.deepcopy(seeded)
+                    outputs, tok_s, tau = _steered_batch(engine, drafter, spec, prompts, params, rate, reference)
+                    if tok_s > best[name]:
+                        best[name], accept[name] = tok_s, tau
+                    same[name] &= outputs == reference
+            row = {"batch": bs, "goal_accept_length": goal, **{f"{k}_tok_s": v for k, v in best.items()},
+                   **{f"{k}_accept_length": v for k, v in accept.items()},
+                   **{f"{k}_same_as_verify_reference": v for k, v in same.items()},
+                   "always_x": best["always"] / best["target_only"], "policy_x": best["policy"] / best["target_only"],
+                   "policy_vs_better": best["policy"] / max(best["always"], best["target_only"])}
+            rows.append(row)
+            print(f"batch {bs:3d} goal τ {goal:.0f}: target-only {best['target_only']:8.1f} tok/s; always "
+                  f"{best['always']:8.1f} ({row['always_x']:.2f}x, τ {accept['always']:.2f}); policy "
+                  f"{best['policy']:8.1f} ({row['policy_x']:.2f}x, τ {accept['policy']:.2f}) = "
+                  f"{row['policy_vs_better']:.3f} of the better; same tokens as the verify reference: "
+                  f"always {same['always']}, policy {same['policy']}", flush=True)
+    engine.proposer = None
+    engine.shutdown()
+    del engine, drafter
+    _free_gpu()
+    return {"rows": rows, "drafter_capture": capture, "warmup_s": took,
+            "seeded_step_ms": {n: [1e3 * t if t else None for t in c] for n, c in costs.items()}}

@@ -1,0 +1,144 @@
+"""Benchmark section ``rest``: what a user gets — the services started from their command lines (8B
+shape, random bf16 weights, a random EAGLE-3 head, which accepts almost nothing: a useless head), driven
+over the gateway's OpenAI REST API, streamed, at concurrency 1, 8 and 64 with 256 and 1024 new tokens
+from 128-token prompts: without a drafter, with the head in the verifier (``--drafter in-process``) and
+as the service pair, both under the default policy. Also: the first request after health says SERVING
+against the same request once warm.
+
+Rates are completion tokens per second over the wave (every request sent at once, from the first sent to
+the last finished), the prefill included."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_word_tokenizer
+
+CONCURRENCY = (1, 8, 64)
+NEW_TOKENS = (256, 1024)
+SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+@contextlib.contextmanager
+def _stack(tdir, draft, mode: str):
+    """Verifier (+ drafter for "pair") + gateway as processes; yields the gateway's base URL."""
+    from tandem.service_probe import free_port, wait_serving
+
+    v_port, d_port, g_port, g_grpc = free_port(), free_port(), free_port(), free_port()
+    common = ["--device", "cuda", "--dtype", "bfloat16"]
+    procs = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        if mode == "pair":
+            procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model",
+                                           str(tdir), "--port", str(d_port), *common, *SPEC_FLAGS], cwd=ROOT_DIR, env=env))
+            wait_serving(d_port, 300, procs[-1], "drafter")
+        verifier = [sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port), "--load-format",
+                    "random", "--kv-pages", "12288", *common]
+        if mode != "target-only":
+            verifier += ["--drafter", "in-process" if mode == "in-process" else f"127.0.0.1:{d_port}",
+                         "--draft-model", str(draft), *SPEC_FLAGS]
+        started = time.perf_counter()
+        procs.append(subprocess.Popen(verifier, cwd=ROOT_DIR, env=env))
+        wait_serving(v_port, 420, procs[-1], "verifier")
+        ready_s = time.perf_counter() - started
+        procs.append(subprocess.Popen([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir",
+                                       str(tdir), "--port", str(g_port), "--grpc-port", str(g_grpc),
+                                       "--max-concurrent-requests", "1024", "--log-level", "warning"],
+                                      cwd=ROOT_DIR, env=env))
+        _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
+        yield f"http://127.0.0.1:{g_port}", ready_s
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with code {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+async def _one(client, base: str, prompt: list[int], max_tokens: int) -> tuple[int, float]:
+    """One streamed completion → (completion tokens, seconds to its first token)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, first or 0.0
+
+
+async def _wave(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(_one(client, base, p, max_tokens) for p in prompts))
+        elapsed = time.perf_counter() - started
+    tokens = sum(t for t, _ in done)
+    assert tokens == len(prompts) * max_tokens, (tokens, len(prompts), max_tokens)
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft_s_mean": sum(f for _, f in done) / len(done)}
+
+
+def rest(ctx: dict) -> dict:
+    import torch
+
+    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    tdir = target_dir(layers)
+    write_word_tokenizer(tdir, LLAMA_8B_SHAPE["vocab_size"])
+    n = LLAMA_8B_SHAPE["num_layers"] if layers is None else layers
+    draft = random_draft(tdir, (2, n // 2, n - 3))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=g).tolist() for _ in range(64)]
+    cells = [(c, m) for m in ((256,) if ctx["quick"] else NEW_TOKENS) for c in ((1, 8) if ctx["quick"] else CONCURRENCY)]
+    out: dict = {}
+    for mode in ("target-only", "in-process", "pair"):
+        with _stack(tdir, draft, mode) as (base, ready_s):
+            first = asyncio.run(_wave(base, prompts[:1], 64))  # the first request after SERVING
+            warm = min((asyncio.run(_wave(base, prompts[:1], 64)) for _ in range(3)), key=lambda r: r["seconds"])
+            rows = {}
+            for conc, max_tokens in cells:
+                rows[f"c{conc}_n{max_tokens}"] = asyncio.run(_wave(base, prompts[:conc], max_tokens))
+                r = rows[f"c{conc}_n{max_tokens}"]
+                print(f"{mode:11s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
+                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)", flush=True)
+            out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
+                         "rows": rows}
+            print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
+                  f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
+    for mode in ("in-process", "pair"):
+        for cell, r in out[mode]["rows"].items():
+            r["x_target_only"] = r["tok_s"] / out["target-only"]["rows"][cell]["tok_s"]
+        print(f"{mode} / target-only: " + ", ".join(f"{c} {r['x_target_only']:.2f}x" for c, r in out[mode]["rows"].items()),
+              flush=True)
+    return out

@@ -1,0 +1,76 @@
+"""Warm-up: before a service says SERVING, run what requests will run, and time it.
+
+A first request must not pay for kernel compilation or a graph's first launch, and the speculation
+policy must know from the first request what a plain step and a speculative round cost at each batch
+size (tandem.speculative.policy). So the engine generates a few tokens from random prompts at batch
+sizes 1, 2, 4, ... up to its largest graph bucket, once with every step plain and once with every step
+speculative (the drafter's real graphs and kernels; random prompts accept little, which does not matter
+for timing), greedy — the runs of queued steps and rounds — then once sampled. The policy keeps the step
+times and forgets the rounds' acceptance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tandem.sampling import SamplingParams
+
+log = logging.getLogger("tandem.engine")
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_NEW_TOKENS = 24  # several timed runs of queued steps or rounds at each batch size
+
+
+class _Forced:
+    """A stand-in for the engine's policy that decides every step one way; the step times go to the real
+    policy (``record``), the rounds nowhere."""
+
+    def __init__(self, policy, speculate: bool, record: bool):
+        self.policy, self.speculate, self.record = policy, speculate, record
+
+    def decide(self, batch_size, drafting) -> bool:
+        return self.speculate and bool(drafting)
+
+    def observe_step(self, *args, **kwargs) -> None:
+        if self.record:
+            self.policy.observe_step(*args, **kwargs)
+
+    def observe_round(self, state, tokens) -> None:
+        pass
+
+
+def warmup_batch_sizes(max_bs: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_bs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_bs]
+
+
+@torch.inference_mode()
+def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
+    """Run the warm-up (see the module's docstring) on ``engine``, which must be idle; → seconds per part."""
+    graphs = engine.executor.runner.graphs
+    sizes = batch_sizes or warmup_batch_sizes(graphs.max_bs if graphs is not None else 1)
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    policy, took = engine.policy, {}
+    modes = [("plain", False, True)] + ([("speculative", True, True)] if engine.default_spec is not None else [])
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True)
+    try:
+        for name, speculate, greedy in modes + [("sampled", engine.default_spec is not None, False)]:
+            started = time.perf_counter()
+            engine.policy = _Forced(policy, speculate, record=greedy)
+            params = SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True) if greedy else sampled
+            for bs in (sizes if greedy else sizes[:1] + sizes[-1:]):
+                prompts = [torch.randint(0, vocab, (WARMUP_PROMPT_TOKENS,), generator=g).tolist() for _ in range(bs)]
+                engine.generate(prompts, params)
+            took[name] = time.perf_counter() - started
+    finally:
+        engine.policy = policy
+    policy.forget_traffic()
+    log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),
+             ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), sizes)
+    return took

@@ -1,0 +1,49 @@
+"""The warm-up runs both kinds of step at every batch size it is given, seeds the policy's costs there,
+forgets what its random prompts' rounds taught, and leaves the engine as it found it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from checkpoints import write_checkpoint
+from proposers import RandomTreeProposer
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.warmup import warm_up, warmup_batch_sizes
+from tandem.sampling import SamplingParams
+from tandem.speculative.policy import cost_bucket
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_draft_tokens: int
+
+
+def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path):
+    path = tmp_path / "llama"
+    write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
+    prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(path))) as eng:
+        reference = eng.generate([prompt], params)[0].output_token_ids
+    proposer = RandomTreeProposer(vocab=256, seed=1)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(4)) as eng:
+        free = eng.allocator.num_free
+        took = warm_up(eng, [1, 2, 5])
+        assert set(took) == {"plain", "speculative", "sampled"}
+        for n in (1, 2, 5):
+            assert eng.policy.step_time(n, False) is not None and eng.policy.step_time(n, True) is not None, n
+        assert eng.policy.step_time(16, False) is None  # a bucket it did not run
+        assert eng.policy.rounds_all == 0 and eng.policy.tau_all is None  # random prompts' acceptance forgotten
+        assert not eng.requests and not eng.has_unfinished() and eng.allocator.num_free == free
+        assert not proposer.tokens  # every warm-up request's draft state released
+        assert eng.generate([prompt], params)[0].output_token_ids == reference
+
+
+def test_warm_up_sizes_reach_the_largest_graph_bucket():
+    assert warmup_batch_sizes(1) == [1]
+    assert warmup_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert warmup_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert {cost_bucket(n) for n in warmup_batch_sizes(256)} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
