@@ -32,7 +32,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from tandem import internal_secret, tracing
+from tandem import tracing
 from tandem.errors import TandemError
 from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
@@ -43,15 +43,13 @@ from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.chain_runs import ChainRuns
+from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads
 from drafter.profiling import RoundProfiler
 
 log = logging.getLogger("drafter.service")
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
 LANE_CONNECT_S = 2.0
-# A new stream waits this long for the previous one's handler to end (a verifier reconnecting right after
-# its stream broke) before it is refused as a second verifier.
-PREVIOUS_STREAM_WAIT_S = 2.0
 
 
 class DrafterService:
@@ -61,9 +59,7 @@ class DrafterService:
         """``secret``: what Rounds and Reload must present (None: nothing, a loopback-only drafter);
         ``reload_root``: Reload loads folders below it only (default: the starting head's parent)."""
         self.heads = DraftHeads(drafter, draft_model)
-        self.secret = secret
-        self.reload_root = os.path.realpath(reload_root or os.path.dirname(os.path.abspath(draft_model)))
-        self._stream_ended: asyncio.Event | None = None  # the serving stream's; set when its handler ends
+        self.guard = InternalPlaneGuard(secret, reload_root or os.path.dirname(os.path.abspath(draft_model)))
         self.lane_busy_poll_s = lane_busy_poll_s  # spin this long for the next Round (DrafterServiceConfig)
         self.profiler = profiler or RoundProfiler(0, None)  # --profile-rounds
         self.target_model, self.target_hidden = target_model, target_hidden
@@ -77,29 +73,9 @@ class DrafterService:
         """The head new requests draft with."""
         return self.heads.current
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        if not internal_secret.matches(self.secret, context.invocation_metadata()):
-            log.warning("refused a call without the internal secret from %s", context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this drafter serves its verifier only")
-
-    async def _claim_stream(self) -> asyncio.Event | None:
-        """This stream's end-of-handler event, once no other stream is served; None if one still is after
-        PREVIOUS_STREAM_WAIT_S."""
-        deadline = asyncio.get_running_loop().time() + PREVIOUS_STREAM_WAIT_S
-        while self._stream_ended is not None and not self._stream_ended.is_set():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._stream_ended.wait(), left)
-            except asyncio.TimeoutError:
-                return None
-        self._stream_ended = asyncio.Event()  # no await since the check: two new streams cannot both pass
-        return self._stream_ended
-
     async def Rounds(self, requests, context: grpc.aio.ServicerContext):
-        await self._authenticate(context)
-        ended = await self._claim_stream()
+        await self.guard.authenticate(context)
+        ended = await self.guard.claim_stream()
         if ended is None:
             log.warning("refused a second Rounds stream from %s while a verifier is connected", context.peer())
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -310,21 +286,14 @@ class DrafterService:
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
 
-    def _below_root(self, draft_model: str) -> str | None:
-        """The real path of ``draft_model`` if it is a folder strictly below the reload root, else None."""
-        real = os.path.realpath(draft_model)
-        if real == self.reload_root or os.path.commonpath([real, self.reload_root]) != self.reload_root:
-            return None
-        return real if os.path.isdir(real) else None
-
     async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadReply:
-        await self._authenticate(context)
+        await self.guard.authenticate(context)
         if not request.draft_model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "draft_model: name the EAGLE-3 folder to load")
-        folder = self._below_root(request.draft_model)
+        folder = self.guard.below_root(request.draft_model)
         if folder is None:  # the same answer whether it exists or not: the caller learns nothing of the disk
             log.warning("reload of %r refused: not a folder below the reload root %s", request.draft_model,
-                        self.reload_root)
+                        self.guard.reload_root)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "draft_model: not an EAGLE-3 folder below this drafter's reload root")
         async with self._reload_lock:
