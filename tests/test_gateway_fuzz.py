@@ -1,8 +1,9 @@
-"""Fuzzing the REST API (hypothesis) against the real gateway and a real CPU verifier on a tiny
+"""The REST API against the real gateway and a real CPU verifier. Fuzzing (hypothesis) on a tiny
 model: random JSON bodies with random field types and values (the API's own fields and others,
 boundary numbers, lone surrogates, long strings), random JSON that is not an object, random bytes.
 Never a 5xx, never a dropped connection, never a hang (each request has a deadline); every refusal
-is an OpenAI error body, every success a complete response or SSE stream."""
+is an OpenAI error body, every success a complete response or SSE stream. And the verifier's own
+refusal of a prompt its KV cache can never hold, as the client sees it."""
 
 from __future__ import annotations
 
@@ -25,17 +26,27 @@ counted = {"requests": 0, "statuses": {}}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def model_dir(tmp_path_factory):
     from checkpoints import write_checkpoint
     from tandem.demo import train_tokenizer
 
-    root = tmp_path_factory.mktemp("fuzz")
-    target = root / "tiny"
+    target = tmp_path_factory.mktemp("fuzz") / "tiny"
     write_checkpoint(target, "llama", seed=3, num_hidden_layers=2, vocab_size=512, eos_token_id=1,
                      max_position_embeddings=CONTEXT)
     train_tokenizer(target, vocab_size=512)
-    verifier = Service("verifier", ["--model", str(target)], free_port(), root / "verifier.log").start()
-    s = Stack(verifier=verifier.address, model_dir=target, max_tokens_limit=MAX_TOKENS, max_body_bytes=64 << 10)
+    return target
+
+
+def _real_stack(model_dir, *verifier_args):
+    verifier = Service("verifier", ["--model", str(model_dir), *verifier_args], free_port(),
+                       model_dir.parent / f"verifier-{free_port()}.log").start()
+    return verifier, Stack(verifier=verifier.address, model_dir=model_dir, max_tokens_limit=MAX_TOKENS,
+                           max_body_bytes=64 << 10)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    verifier, s = _real_stack(model_dir)
     yield s
     s.close()
     verifier.stop()
@@ -174,4 +185,19 @@ def test_every_edge_value_in_every_field_is_answered_cleanly(stack):
                                 headers={"content-type": "application/json"})
                 _check(r, body["stream"] is True)
     print(f"edge matrix: {2 * len(cases)} requests")
+
+
+def test_a_prompt_larger_than_the_real_kv_cache_is_400_not_429(model_dir):
+    """The verifier refuses a prompt its whole KV cache cannot hold as RESOURCE_EXHAUSTED (as a full
+    queue); the gateway tells the client it is the prompt, not a moment to retry."""
+    verifier, s = _real_stack(model_dir, "--kv-pages", "3", "--page-size", "16")  # 2 usable pages: 32 tokens
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": list(range(3, 43)), "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "KV cache" in r.text
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": list(range(3, 13)), "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        s.close()
+        verifier.stop()
 
