@@ -75,8 +75,13 @@ def batch(ctx: dict) -> dict:
             for _ in range(2):
                 best["target_only"] = max(best["target_only"], _target_only(engine, prompts, params))
                 for name in ("always", "policy"):
+                    # The policy of a server that has run before: the step costs it measured so far stay,
+                    # what it learned of earlier texts' acceptance goes.
                     engine.policy = always if name == "always" else copy.deepcopy(seeded)
+                    engine.policy.forget_traffic()
                     outputs, tok_s, tau = _steered_batch(engine, drafter, spec, prompts, params, rate, reference)
+                    if name == "policy":
+                        seeded = engine.policy
                     if tok_s > best[name]:
                         best[name], accept[name] = tok_s, tau
                     same[name] &= outputs == reference

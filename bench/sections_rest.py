@@ -26,12 +26,13 @@ SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "
 
 
 @contextlib.contextmanager
-def _stack(tdir, draft, mode: str):
-    """Verifier (+ drafter for "pair") + gateway as processes; yields the gateway's base URL."""
+def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16", verifier_flags=("--load-format", "random")):
+    """Verifier (+ drafter for "pair") + gateway as processes; yields the gateway's base URL and the
+    seconds the verifier took to say SERVING."""
     from tandem.service_probe import free_port, wait_serving
 
     v_port, d_port, g_port, g_grpc = free_port(), free_port(), free_port(), free_port()
-    common = ["--device", "cuda", "--dtype", "bfloat16"]
+    common = ["--device", device, "--dtype", dtype]
     procs = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
@@ -39,8 +40,8 @@ def _stack(tdir, draft, mode: str):
             procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model",
                                            str(tdir), "--port", str(d_port), *common, *SPEC_FLAGS], cwd=ROOT_DIR, env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
-        verifier = [sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port), "--load-format",
-                    "random", "--kv-pages", "12288", *common]
+        verifier = [sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port), *verifier_flags,
+                    "--kv-pages", "12288", *common]
         if mode != "target-only":
             verifier += ["--drafter", "in-process" if mode == "in-process" else f"127.0.0.1:{d_port}",
                          "--draft-model", str(draft), *SPEC_FLAGS]

@@ -113,6 +113,21 @@ def test_the_cost_ratio_is_kept_per_batch_bucket():
     assert [cost_bucket(n) for n in (1, 2, 3, 5, 6, 12, 48, 100)] == [1, 2, 4, 4, 8, 16, 64, 128]
 
 
+def test_explorations_are_spaced_by_what_resuming_costs():
+    """An exploration that finds nothing costs its step's time beyond a plain step's (the drafter's
+    catch-up included): spaced so that this is at most explore_budget (2 %) of the plain steps between."""
+    policy = SpeculationPolicy(PolicyConfig(fixed_cost_ratio=1.5, warmup_rounds=0))
+    state = RequestSpecState()
+    policy.observe_round(state, 1)
+    policy.observe_step(1, False, 4, 0.040)  # 10 ms a plain step
+    assert policy._explore_gap(1, 1.5) == 36  # nothing known of resuming: 16 x 1.5²
+    policy.observe_step(1, True, 1, 0.050, resumed=True)  # resuming took 40 ms more than a plain step
+    assert policy._explore_gap(1, 1.5) == 200  # 40 ms is 2 % of 200 plain steps
+    policy.observe_step(1, True, 1, 100.0, resumed=True)
+    policy.observe_step(1, True, 1, 100.0, resumed=True)
+    assert policy._explore_gap(1, 1.5) == PolicyConfig().explore_max_gap
+
+
 def test_requests_that_cannot_draft_count_one_token_a_round():
     """A batch of 4 where 2 requests draft at τ 3: the batch makes (3 + 3 + 1 + 1) / 4 = 2 tokens per
     request-round; it speculates where the ratio is below that and not where it is above."""
@@ -330,8 +345,8 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=1, explore_every=1000, fixed_cost_ratio=5.0))
     timed_steps = []
     real_observe = policy.observe_step
-    policy.observe_step = lambda n, spec, steps=1, seconds=None: (
-        seconds is not None and timed_steps.append(step_no), real_observe(n, spec, steps, seconds))
+    policy.observe_step = lambda n, spec, steps=1, seconds=None, resumed=False: (
+        seconds is not None and timed_steps.append(step_no), real_observe(n, spec, steps, seconds, resumed))
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
         monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)

@@ -151,9 +151,10 @@ class LLMEngine:
         outputs = self._step()
         info = self.last_step
         if info is not None and info.num_decode and self.proposer is not None:
-            timed = info.timed and not info.num_prefill
+            seconds = None if info.num_prefill else time.perf_counter() - started
+            resumed = info.speculative and not info.timed  # a round that first caught the drafter up
             self.policy.observe_step(info.num_decode, info.speculative, info.steps,
-                                     time.perf_counter() - started if timed else None)
+                                     seconds if info.timed or resumed else None, resumed=resumed)
         return outputs
 
     def _step(self) -> list[StepOutput]:

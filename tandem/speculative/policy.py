@@ -17,10 +17,11 @@ sizes before a service reports SERVING. A bucket measured only one way takes the
 bucket measured both ways.
 
 Learning: while the batch speculates, every ``plain_probe_every`` speculative steps one plain step keeps
-t_plain current. While it does not, no round refreshes τ, so every ``explore_every × ratio²`` plain
-steps one speculative step (an exploration) measures every running request: rarer the more a round costs
-(an exploration that does not pay costs about ratio - 1 plain steps, and the higher the ratio the less
-likely the text has become easy enough).
+t_plain current. While it does not, no round refreshes τ, so now and then one speculative step (an
+exploration) measures every running request: rarer the more a round costs (the higher the ratio, the less
+likely the text has become easy enough), and rarer the more resuming costs — the drafter first takes in
+what the plain steps held, so an exploration costs its measured step time beyond a plain step's, and
+explorations are spaced so that this stays a small share (``explore_budget``) of the time between them.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ class PolicyConfig:
     engine_window: int = 256  # rounds: the engine's mean τ (all requests) decays over about this many
     default_cost_ratio: float = 1.3  # t_spec / t_plain where nothing is measured yet
     fixed_cost_ratio: float | None = None  # use this ratio at every batch size instead of measuring (tests)
-    plain_probe_every: int = 64  # speculative steps between two plain steps that re-time t_plain
+    plain_probe_every: int = 256  # speculative steps between two plain steps that re-time t_plain
     plain_probe_first: int = 4  # ... and before the first, at a batch size whose t_plain is unknown
-    explore_every: int = 16  # plain steps between two explorations, times the cost ratio squared
+    explore_every: int = 16  # plain steps between two explorations, times the cost ratio squared, at least
+    explore_budget: float = 0.02  # ... and enough that resuming (a catch-up and a round) costs at most this share
+    explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
     step_samples: int = 9  # step times kept per bucket and kind (their median is the cost)
 
 
@@ -65,6 +68,7 @@ def cost_bucket(batch_size: int) -> int:
 class _StepTimes:
     plain: deque = field(default_factory=deque)
     spec: deque = field(default_factory=deque)
+    resume: deque = field(default_factory=deque)  # speculative steps that first caught the drafter up
 
 
 class SpeculationPolicy:
@@ -77,9 +81,11 @@ class SpeculationPolicy:
         self.plain_steps_since_spec = 0
 
     # -- costs -----------------------------------------------------------------------------------
-    def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None) -> None:
+    def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
+                     resumed: bool = False) -> None:
         """``steps`` decode steps (or rounds) of ``batch_size`` requests ran; ``seconds``: their wall time
-        (None: not timed, e.g. a prefill shared the step)."""
+        (None: not timed, e.g. a prefill shared the step); ``resumed``: a speculative step that first sent
+        the drafter what plain steps held (its time is the price of resuming, not of a round)."""
         if speculative:
             self.spec_steps_since_plain += steps
             self.plain_steps_since_spec = 0
@@ -88,14 +94,14 @@ class SpeculationPolicy:
             self.spec_steps_since_plain = 0
         if seconds is not None:
             times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
-            samples = times.spec if speculative else times.plain
+            samples = times.resume if resumed else times.spec if speculative else times.plain
             samples.append(seconds / steps)
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
 
-    def step_time(self, batch_size: int, speculative: bool) -> float | None:
+    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False) -> float | None:
         times = self._times.get(cost_bucket(batch_size))
-        samples = None if times is None else (times.spec if speculative else times.plain)
+        samples = None if times is None else (times.resume if resumed else times.spec if speculative else times.plain)
         return statistics.median(samples) if samples else None
 
     def cost_ratio(self, batch_size: int) -> float:
@@ -128,7 +134,18 @@ class SpeculationPolicy:
         mean, stderr = self._batch_tau(batch_size, drafting)
         if mean + c.confidence_z * stderr >= ratio:
             return True
-        return self.plain_steps_since_spec >= math.ceil(c.explore_every * max(1.0, ratio) ** 2)
+        return self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
+
+    def _explore_gap(self, batch_size: int, ratio: float) -> int:
+        """Plain steps between two explorations: explore_every x ratio², and enough that an exploration
+        that does not pay (its step's time beyond a plain step's, the catch-up included) costs at most
+        explore_budget of the plain steps between two."""
+        c = self.cfg
+        gap = math.ceil(c.explore_every * max(1.0, ratio) ** 2)
+        resume, plain = self.step_time(batch_size, True, resumed=True), self.step_time(batch_size, False)
+        if resume is not None and plain:
+            gap = max(gap, math.ceil((resume - plain) / (c.explore_budget * plain)))
+        return min(gap, c.explore_max_gap)
 
     def _batch_tau(self, batch_size: int, drafting: list[RequestSpecState]) -> tuple[float, float]:
         """Expected tokens per request per round over the batch, and its standard error (requests that
