@@ -1,8 +1,11 @@
 """What the gateway lets in before it does any work: a bounded number of generations in flight
 (429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
-Content-Length header or as soon as a chunked body passes the limit, never read whole first)."""
+Content-Length header or as soon as a chunked body passes the limit, never read whole first) that
+arrive in bounded time (408: a client trickling its body would otherwise hold a slot forever)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.requests import Request
 
@@ -26,7 +29,15 @@ class Slots:
         self.in_use -= 1
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read(request, limit)
+    except TimeoutError:
+        raise GatewayError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

@@ -26,6 +26,7 @@ class GatewayConfig:
     shutdown_grace_s: float = 5.0  # streams in flight get this long to finish on SIGTERM
     api_key: str | None = field(default=None, repr=False)  # required as a bearer token on /v1/* and gRPC; None = open
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read
+    body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds a slot)
     max_concurrent_requests: int = 256  # generations in flight (REST and gRPC together); more get 429
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's

@@ -71,7 +71,8 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if await gw.client.healthy():
+        # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
+        if gw.verifier_serving:
             return Response(status_code=200)
         return _error_response(GatewayError(503, UNAVAILABLE))
 
@@ -126,7 +127,7 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
     stream: GenerationStream | None = None
     try:
         scope.take_slot()
-        raw = await read_body(request, gw.cfg.max_body_bytes)
+        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
         info = await gw.client.model_info()
         limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound)

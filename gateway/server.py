@@ -39,6 +39,7 @@ class Gateway:
         self.slots = Slots(cfg.max_concurrent_requests)
         self.metrics_relay: VerifierMetricsRelay | None = None  # made in start(): its lock binds to the loop
         self.started_at = int(time.time())
+        self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made in start(): gRPC aio objects bind to the running loop
         self.port = self.grpc_port = 0
         self._http: uvicorn.Server | None = None
@@ -83,6 +84,7 @@ class Gateway:
             except Exception:  # never let the mirror die: it is the only thing that flips us back
                 log.exception("health check of the verifier failed")
                 ok = False
+            self.verifier_serving = ok
             if ok != serving:
                 await set_serving(self._health, ok)
                 log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")

@@ -1,11 +1,12 @@
 """Bounded work before anything expensive: body size (413, from the header or while a chunked body
-arrives), prompt length before tokenization, stop strings, generations in flight (429, slots given
+arrives) and upload time (408), /health answered without a call to the verifier, prompt length before tokenization, stop strings, generations in flight (429, slots given
 back however a request ends), and chat's default max_tokens (the room the context leaves)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import grpc
 import httpx
@@ -24,7 +25,7 @@ SLOTS = 2
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400)
+    s = Stack(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400, body_timeout_s=0.5)
     yield s
     s.close()
 
@@ -57,6 +58,26 @@ def test_a_chunked_body_is_cut_off_at_the_limit(stack):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413 and str(BODY_LIMIT) in r.json()["error"]["message"]
     padded = b'{"prompt": "hi", "max_tokens": 2' + b" " * (BODY_LIMIT - 100) + b"}"  # just under: served
     assert httpx.post(f"{stack.url}/v1/completions", content=padded, timeout=10).status_code == 200
+
+
+def test_a_body_trickled_too_slowly_is_408_and_frees_its_slot(stack):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"prompt\"")  # 11 of 100 bytes, then nothing
+    started = time.monotonic()
+    assert b" 408 " in _raw_post(stack.gateway.port, head, [])
+    assert time.monotonic() - started < 5 and stack.gateway.slots.in_use == 0
+
+
+def test_health_probes_do_not_reach_the_verifier(stack, monkeypatch):
+    calls = []
+    healthy = stack.gateway.client.healthy
+    monkeypatch.setattr(stack.gateway.client, "healthy", lambda: calls.append(1) or healthy())
+    time.sleep(0.3)  # the mirror polls every 0.1 s here
+    polled, started = len(calls), time.monotonic()
+    for _ in range(50):
+        assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
+    mirror_polls = (time.monotonic() - started) / stack.gateway.cfg.health_poll_s + 2
+    assert len(calls) - polled <= min(mirror_polls, 49)  # the mirror's own polls only, not one per probe
 
 
 def test_an_obviously_too_long_prompt_is_refused_without_tokenizing(stack, monkeypatch):
