@@ -89,7 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
         gw = self._gw
         if r.model and r.model != gw.cfg.model_name:
-            raise GatewayError(404, f"model: `{r.model[:100]}` does not exist; this server serves `{gw.cfg.model_name}`",
+            raise GatewayError(404, f"model: `{r.model[:100]}` does not exist; this server serves "
+                                    f"`{gw.cfg.model_name}`",
                                param="model")
         which = r.WhichOneof("prompt")
         if which is None:

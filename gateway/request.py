@@ -54,7 +54,8 @@ def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | Non
                    stop: Sequence[str]) -> None:
     """Raise a 400 naming the first bad sampling field."""
     if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise bad_request("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}")
+        raise bad_request("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 is greedy), "
+                                         f"got {temperature}")
     # The verifier receives 32-bit floats: 1e-50 would arrive as 0, which it reads as "unset" (1.0).
     if not math.isfinite(top_p) or not 0 < _float32(top_p) <= 1:
         raise bad_request("top_p", f"must be in (0, 1] once rounded to a 32-bit float, got {top_p}")

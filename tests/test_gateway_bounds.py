@@ -1,6 +1,7 @@
 """Bounded work before anything expensive: body size (413, from the header or while a chunked body
-arrives) and upload time (408), /health answered without a call to the verifier, prompt length before tokenization, stop strings, generations in flight (429, slots given
-back however a request ends), and chat's default max_tokens (the room the context leaves)."""
+arrives) and upload time (408), prompt length before tokenization, stop strings, generations in
+flight (429, slots given back however a request ends), /health answered without a call to the
+verifier, and chat's default max_tokens (the room the context leaves)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_a_body_declared_too_large_is_413_before_it_is_sent(stack):
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(stack):
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
     piece = b"x" * 8192
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * (BODY_LIMIT // len(piece) * 4)
     assert b" 413 " in _raw_post(stack.gateway.port, head, chunks)

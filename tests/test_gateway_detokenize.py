@@ -24,7 +24,8 @@ def byte_level():
 def metaspace(tmp_path_factory):
     from tokenizers import SentencePieceBPETokenizer
 
-    texts = ["def fibonacci(n): return n if n < 2 else fibonacci(n - 1)", "naïve café — 日本語 ✓ done", "hello world"]
+    texts = ["def fibonacci(n): return n if n < 2 else fibonacci(n - 1)", "naïve café — 日本語 ✓ done",
+             "hello world"]
     trained = SentencePieceBPETokenizer()
     trained.train_from_iterator(texts * 20, vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
     folder = tmp_path_factory.mktemp("metaspace")

@@ -58,7 +58,8 @@ EDGE_NUMBERS = [0, 1, -1, 2, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 63, 2 ** 64, -2
                 1e-30, 1e300, -0.0, 100.0, 100.1, CONTEXT, CONTEXT + 1, float("nan"), float("inf"), -float("inf")]
 EDGE_TEXT = ["", " ", "\ud800", "a\udfffb", "\udbff\udbff", "日本語", "😀", "\x00", "<|eos|>", "x" * 5000]
 NUMBERS = st.one_of(st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(EDGE_NUMBERS))
-TEXT = st.one_of(st.text(max_size=40), st.sampled_from(EDGE_TEXT), st.text(alphabet="ab \n", min_size=900, max_size=3000))
+TEXT = st.one_of(st.text(max_size=40), st.sampled_from(EDGE_TEXT),
+                 st.text(alphabet="ab \n", min_size=900, max_size=3000))
 EDGE_OTHER = [[], {}, [EDGE_TEXT[2]], [2 ** 31], [-1], True, None]
 SCALAR = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
 ANY = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(TEXT, inner, max_size=4),
@@ -102,14 +103,16 @@ CHAT = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
 _TEXT_FIELDS = ("prompt", "model", "stop")
 _NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed")
 _KEYS = sorted(FIELDS) + list(_TEXT_FIELDS + _NUMBER_FIELDS + ("messages", "stop_token_ids")) * 3
-_EDGES = {**{k: st.sampled_from(EDGE_TEXT) for k in _TEXT_FIELDS}, **{k: st.sampled_from(EDGE_NUMBERS) for k in _NUMBER_FIELDS},
+_EDGES = {**{k: st.sampled_from(EDGE_TEXT) for k in _TEXT_FIELDS},
+          **{k: st.sampled_from(EDGE_NUMBERS) for k in _NUMBER_FIELDS},
           "messages": st.sampled_from(EDGE_TEXT).map(lambda t: [{"role": "user", "content": t}]),
           "stop_token_ids": st.sampled_from(EDGE_NUMBERS).map(lambda n: [n])}
 
 
 def _mutated(base):
     def values(keys):
-        return st.fixed_dictionaries({k: st.one_of(_EDGES.get(k, st.sampled_from(EDGE_OTHER)), FIELDS[k]) for k in keys})
+        edges = {k: _EDGES.get(k, st.sampled_from(EDGE_OTHER)) for k in keys}
+        return st.fixed_dictionaries({k: st.one_of(edges[k], FIELDS[k]) for k in keys})
 
     return st.tuples(base, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=2).flatmap(values),
                      st.dictionaries(TEXT, ANY, max_size=1)).map(lambda t: {**t[2], **t[0], **t[1]})
@@ -179,7 +182,8 @@ def test_every_edge_value_in_every_field_is_answered_cleanly(stack):
         for stream in (False, True):
             for field, value in cases:
                 path = "/v1/chat/completions" if field in ("messages", "max_completion_tokens") else "/v1/completions"
-                base = {"messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions") else {"prompt": "hi"}
+                chat = path.endswith("chat/completions")
+                base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
                 body = {**base, "max_tokens": 2, "stream": stream, field: value}
                 r = client.post(f"{stack.url}{path}", content=json.dumps(body).encode(),
                                 headers={"content-type": "application/json"})

@@ -79,7 +79,8 @@ def test_the_largest_values_that_fit_are_served(stack):
 
 
 @pytest.mark.parametrize("raw", [
-    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}', b'{"prompt": "x", "top_p": -Infinity}',
+    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
+    b'{"prompt": "x", "top_p": -Infinity}',
     b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-parsing limit: a ValueError
     b"[" * 200_000 + b"]" * 200_000,  # deeper than the parser recurses
     b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
@@ -94,8 +95,9 @@ def test_absurd_json_is_400(stack, raw):
 def test_grpc_non_finite_floats_are_invalid_argument(stack):
     with grpc.insecure_channel(stack.grpc_target) as channel:
         stub = gen_grpc.GenerationStub(channel)
-        for fields, name in (({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-                             ({"top_p": float("nan")}, "top_p"), ({"top_k": 2 ** 31 - 1, "top_p": 0.0}, "top_p")):
+        for fields, name in (({"temperature": float("inf")}, "temperature"),
+                             ({"temperature": float("nan")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+                             ({"top_k": 2 ** 31 - 1, "top_p": 0.0}, "top_p")):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(gen_pb.GenerateRequest(text="hi", max_tokens=2, **fields), timeout=10))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(name)
@@ -134,7 +136,8 @@ def test_a_verifier_that_is_down_is_503_without_its_address():
         port = sock.getsockname()[1]
     s = Stack(verifier=f"127.0.0.1:{port}")
     try:
-        for r in (httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=10), httpx.get(f"{s.url}/health", timeout=10)):
+        for r in (httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=10),
+                  httpx.get(f"{s.url}/health", timeout=10)):
             assert r.status_code == 503
             assert str(port) not in r.text and "127.0.0.1" not in r.text and "ipv4" not in r.text
     finally:
