@@ -94,6 +94,17 @@ ROOT_DIR = Path(__file__).resolve().parent.parent
 
 
 
+def write_target_embedding(folder: Path) -> None:
+    """The random 8B-shaped target's embedding on disk: a drafter process reads the target's embedding
+    from its folder (the verifier draws its weights on the device)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if not (Path(folder) / "model.safetensors").exists():
+        emb = torch.randn(LLAMA_8B_SHAPE["vocab_size"], LLAMA_8B_SHAPE["hidden_size"], dtype=torch.bfloat16) * 0.02
+        save_file({"model.embed_tokens.weight": emb}, str(Path(folder) / "model.safetensors"))
+
+
 def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A tokenizer.json whose every id is a word ("t123"), so that the gateway can serve a random-weight
     model: prompts go in as token ids, completions come out as words."""

@@ -82,6 +82,7 @@ def batch(ctx: dict) -> dict:
                     outputs, tok_s, tau = _steered_batch(engine, drafter, spec, prompts, params, rate, reference)
                     if name == "policy":
                         seeded = engine.policy
+                        learned = [seeded.step_time(bs, k == "spec", k == "resume") for k in ("plain", "spec", "resume")]
                     if tok_s > best[name]:
                         best[name], accept[name] = tok_s, tau
                     same[name] &= outputs == reference
@@ -89,13 +90,15 @@ def batch(ctx: dict) -> dict:
                    **{f"{k}_accept_length": v for k, v in accept.items()},
                    **{f"{k}_same_as_verify_reference": v for k, v in same.items()},
                    "always_x": best["always"] / best["target_only"], "policy_x": best["policy"] / best["target_only"],
-                   "policy_vs_better": best["policy"] / max(best["always"], best["target_only"])}
+                   "policy_vs_better": best["policy"] / max(best["always"], best["target_only"]),
+                   "policy_step_ms": {k: 1e3 * t if t else None for k, t in zip(("plain", "round", "resume"), learned)}}
             rows.append(row)
             print(f"batch {bs:3d} goal τ {goal:.0f}: target-only {best['target_only']:8.1f} tok/s; always "
                   f"{best['always']:8.1f} ({row['always_x']:.2f}x, τ {accept['always']:.2f}); policy "
                   f"{best['policy']:8.1f} ({row['policy_x']:.2f}x, τ {accept['policy']:.2f}) = "
                   f"{row['policy_vs_better']:.3f} of the better; same tokens as the verify reference: "
-                  f"always {same['always']}, policy {same['policy']}", flush=True)
+                  f"always {same['always']}, policy {same['policy']}; policy's step times (ms) "
+                  f"{row['policy_step_ms']}", flush=True)
     engine.proposer = None
     engine.shutdown()
     del engine, drafter

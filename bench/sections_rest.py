@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_word_tokenizer
+from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 
 CONCURRENCY = (1, 8, 64)
 NEW_TOKENS = (256, 1024)
@@ -117,13 +117,15 @@ def rest(ctx: dict) -> dict:
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     tdir = target_dir(layers)
     write_word_tokenizer(tdir, LLAMA_8B_SHAPE["vocab_size"])
+    write_target_embedding(tdir)
     n = LLAMA_8B_SHAPE["num_layers"] if layers is None else layers
     draft = random_draft(tdir, (2, n // 2, n - 3))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=g).tolist() for _ in range(64)]
     cells = [(c, m) for m in ((256,) if ctx["quick"] else NEW_TOKENS) for c in ((1, 8) if ctx["quick"] else CONCURRENCY)]
     out: dict = {}
-    for mode in ("target-only", "in-process", "pair"):
+    modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,pair").split(",")
+    for mode in modes:
         with _stack(tdir, draft, mode) as (base, ready_s):
             first = asyncio.run(_wave(base, prompts[:1], 64))  # the first request after SERVING
             warm = min((asyncio.run(_wave(base, prompts[:1], 64)) for _ in range(3)), key=lambda r: r["seconds"])
@@ -137,7 +139,7 @@ def rest(ctx: dict) -> dict:
                          "rows": rows}
             print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
                   f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
-    for mode in ("in-process", "pair"):
+    for mode in [m for m in ("in-process", "pair") if m in out and "target-only" in out]:
         for cell, r in out[mode]["rows"].items():
             r["x_target_only"] = r["tok_s"] / out["target-only"]["rows"][cell]["tok_s"]
         print(f"{mode} / target-only: " + ", ".join(f"{c} {r['x_target_only']:.2f}x" for c, r in out[mode]["rows"].items()),

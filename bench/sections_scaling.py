@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir
+from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir, write_target_embedding
 from sections import _decode_tok_s, _free_gpu
 from sections_profile import _run_phases
 from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pair
@@ -27,8 +27,6 @@ def service(ctx: dict) -> dict:
     boundary.
     TANDEM_BENCH_PROFILE_DRAFTER=1 adds a pair whose drafter traces 64 rounds with the torch profiler
     (``--profile-rounds``: a Chrome trace in $OUT, the busiest host ops and kernels in the log)."""
-    from safetensors.torch import save_file
-
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
 
@@ -36,9 +34,7 @@ def service(ctx: dict) -> dict:
     new_tokens = 48 if ctx["quick"] else 128
     spec = SpecConfig(3, 1, 4)
     tdir = target_dir(layers)
-    if not (tdir / "model.safetensors").exists():  # the drafter reads the target's embedding from disk
-        emb = torch.randn(LLAMA_8B_SHAPE["vocab_size"], LLAMA_8B_SHAPE["hidden_size"], dtype=torch.bfloat16) * 0.02
-        save_file({"model.embed_tokens.weight": emb}, str(tdir / "model.safetensors"))
+    write_target_embedding(tdir)
     prompt = torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
 
     engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=8)

@@ -32,7 +32,7 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path):
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(4)) as eng:
         free = eng.allocator.num_free
         took = warm_up(eng, [1, 2, 5])
-        assert set(took) == {"plain", "speculative", "sampled"}
+        assert set(took) == {"plain", "speculative", "sampled", "arrivals"}
         for n in (1, 2, 5):
             assert eng.policy.step_time(n, False) is not None and eng.policy.step_time(n, True) is not None, n
         assert eng.policy.step_time(16, False) is None  # a bucket it did not run

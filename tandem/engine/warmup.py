@@ -3,10 +3,13 @@
 A first request must not pay for kernel compilation or a graph's first launch, and the speculation
 policy must know from the first request what a plain step and a speculative round cost at each batch
 size (tandem.speculative.policy). So the engine generates a few tokens from random prompts at batch
-sizes 1, 2, 4, ... up to its largest graph bucket, once with every step plain and once with every step
+sizes 1, 2, 4, ... up to its largest graph bucket — each batch's prompts together as long as a step
+admits (``max_prefill_tokens``: the largest prefill and drafter extend a request mix can make, whose
+kernels compile by size) — once with every step plain and once with every step
 speculative (the drafter's real graphs and kernels; random prompts accept little, which does not matter
-for timing), greedy — the runs of queued steps and rounds — then once sampled. The policy keeps the step
-times and forgets the rounds' acceptance.
+for timing), greedy — the runs of queued steps and rounds — then once sampled, and once with prompts
+arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
+that compile on first use). The policy keeps the step times and forgets the rounds' acceptance.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from tandem.sampling import SamplingParams
 
 log = logging.getLogger("tandem.engine")
-WARMUP_PROMPT_TOKENS = 32
+WARMUP_MIN_PROMPT_TOKENS = 32
 WARMUP_NEW_TOKENS = 24  # several timed runs of queued steps or rounds at each batch size
 
 
@@ -49,6 +52,31 @@ def warmup_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [max_bs]
 
 
+def _arrive_while_speculating(engine, batch_size: int, g: torch.Generator, sampled: SamplingParams) -> None:
+    """Half the batch (greedy) prefills and speculates; then the other half (sampled) arrives."""
+    vocab, n = engine.model_config.vocab_size, _prompt_tokens(engine, batch_size)
+    first = batch_size // 2
+    greedy = SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True)
+    rids = [engine.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(), greedy) for _ in range(first)]
+    for _ in range(2):
+        engine.step()
+    rids += [engine.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(), sampled)
+             for _ in range(batch_size - first)]
+    while engine.has_unfinished():
+        engine.step()
+    for rid in rids:
+        engine.requests.pop(rid)
+
+
+def _prompt_tokens(engine, batch_size: int) -> int:
+    """Prompt length at ``batch_size``: the batch's prompts fill one step's prefill budget, within the
+    context (room left for the new tokens and a round's tree) and the KV cache."""
+    cfg, context = engine.cfg, engine.model_config.max_position_embeddings
+    room = min(context - WARMUP_NEW_TOKENS - 16,
+               engine.allocator.capacity_pages * cfg.page_size // batch_size - WARMUP_NEW_TOKENS - 16)
+    return max(1, min(max(WARMUP_MIN_PROMPT_TOKENS, cfg.max_prefill_tokens // batch_size), room))
+
+
 @torch.inference_mode()
 def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     """Run the warm-up (see the module's docstring) on ``engine``, which must be idle; → seconds per part."""
@@ -65,9 +93,15 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
             engine.policy = _Forced(policy, speculate, record=greedy)
             params = SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True) if greedy else sampled
             for bs in (sizes if greedy else sizes[:1] + sizes[-1:]):
-                prompts = [torch.randint(0, vocab, (WARMUP_PROMPT_TOKENS,), generator=g).tolist() for _ in range(bs)]
-                engine.generate(prompts, params)
+                n = _prompt_tokens(engine, bs)
+                engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(bs)], params)
             took[name] = time.perf_counter() - started
+        if engine.default_spec is not None:  # a prompt arriving while others speculate: one eager forward of
+            started = time.perf_counter()    # a prefill beside verified trees (masked attention kernels)
+            engine.policy = _Forced(policy, True, record=False)
+            for bs in {max(2, sizes[0]), max(2, sizes[-1])}:
+                _arrive_while_speculating(engine, bs, g, sampled)
+            took["arrivals"] = time.perf_counter() - started
     finally:
         engine.policy = policy
     policy.forget_traffic()
