@@ -1,12 +1,17 @@
-"""Tensor-parallel linear layers. Each class owns its shard arithmetic and its checkpoint loading.
+"""Tensor-parallel linear layers. Each class owns its shard arithmetic; loading is shared.
 
 Column-parallel layers split the output features across ranks (no communication in forward);
 row-parallel layers split the input features and all-reduce their partial sums. Model code composes
-them and never branches on the tensor-parallel size. ``load_weight`` receives the *full* checkpoint
-tensor, checks its shape against what the config implies, and copies this rank's shard.
+them and never branches on the tensor-parallel size. Each class describes its shard as ``Span``s (which
+rows and columns of a checkpoint tensor land where in this rank's weight); ``load_weight`` receives the
+*full* checkpoint tensor, checks its shape and copies this rank's shard. A layer built with a
+``quant`` format (tandem/layers/quantized_linear.py) holds that format's packed tensors instead of
+``weight`` and loads them through the same spans.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -46,76 +51,124 @@ def check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
         raise ShapeMismatch(tuple(tensor.shape), expected)
 
 
-class ReplicatedLinear(nn.Module):
-    """A plain linear layer, the same on every rank."""
+@dataclass(frozen=True)
+class Span:
+    """One dimension of a shard: ``length`` entries from ``src`` of the checkpoint tensor's ``full`` go
+    to ``dst`` of this rank's ``local``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+    src: int
+    dst: int
+    length: int
+    full: int
+    local: int
+
+    @classmethod
+    def whole(cls, n: int) -> "Span":
+        return cls(0, 0, n, n, n)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dst, src)`` narrowed to this span along ``dim``."""
+        return dst.narrow(dim, self.dst, self.length), src.narrow(dim, self.src, self.length)
+
+
+class _ShardedLinear(nn.Module):
+    """Shared weights, loading and forward; subclasses set ``rows(shard_id)`` and ``cols``."""
+
+    def _make_weights(self, out_local: int, in_local: int, bias: bool, quant) -> None:
+        self.quant = quant
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        else:
+            quant.create(self, out_local, in_local)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+
+    def row_spans(self) -> list[Span]:
+        """Every piece of this rank's output rows (for quantized formats to check block alignment)."""
+        return [self.rows(None)]
+
+    def rows(self, shard_id: object) -> Span:
+        raise NotImplementedError
 
     def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
-        target = getattr(self, param)
-        check_shape(tensor, tuple(target.shape))
-        target.data.copy_(tensor)
+        rows = self.rows(shard_id)
+        if param == "bias":
+            check_shape(tensor, (rows.full,))
+            dst, src = rows.copy(self.bias.data, tensor, 0)
+            dst.copy_(src)
+        elif self.quant is not None:
+            self.quant.load(self, param, tensor, rows, self.cols)
+        else:
+            check_shape(tensor, (rows.full, self.cols.full))
+            dst, src = rows.copy(self.weight.data, tensor, 0)
+            dst, src = self.cols.copy(dst, src, 1)
+            dst.copy_(src)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return matmul(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return self._product(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ReplicatedLinear(_ShardedLinear):
+    """A plain linear layer, the same on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.cols = Span.whole(in_features)
+        self._make_weights(out_features, in_features, bias, quant)
+
+    def rows(self, shard_id: object) -> Span:
+        return Span.whole(self.out_features)
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """y = x Wᵀ with W split by output rows: each rank computes its slice of y."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):
         super().__init__()
         tp = tp_group()
         self.in_features = in_features
         self.out_features = out_features
         self.local_out = divide(out_features, tp.size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.local_out, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.local_out), requires_grad=False) if bias else None
+        self.cols = Span.whole(in_features)
+        self._make_weights(self.local_out, in_features, bias, quant)
 
-    def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
-        expected = (self.out_features, self.in_features) if param == "weight" else (self.out_features,)
-        check_shape(tensor, expected)
+    def rows(self, shard_id: object) -> Span:
         rank = tp_group().rank
-        getattr(self, param).data.copy_(tensor.narrow(0, rank * self.local_out, self.local_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return Span(rank * self.local_out, 0, self.local_out, self.out_features, self.local_out)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(_ShardedLinear):
     """Several column-parallel projections of the same input fused into one matmul (e.g. gate and up).
 
     The local weight is ``[rank's slice of part 0; rank's slice of part 1; ...]``, so a forward yields
     each part's local slice back to back.
     """
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, quant=None):
         super().__init__()
         tp = tp_group()
         self.in_features = in_features
         self.part_sizes = list(part_sizes)
         self.local_parts = [divide(s, tp.size, "output features") for s in part_sizes]
-        total = sum(self.local_parts)
-        self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+        self.cols = Span.whole(in_features)
+        self._make_weights(sum(self.local_parts), in_features, bias, quant)
 
-    def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
+    def rows(self, shard_id: object) -> Span:
         part = int(shard_id)  # type: ignore[arg-type]
-        full, local = self.part_sizes[part], self.local_parts[part]
-        check_shape(tensor, (full, self.in_features) if param == "weight" else (full,))
-        offset = sum(self.local_parts[:part])
-        rank = tp_group().rank
-        getattr(self, param).data.narrow(0, offset, local).copy_(tensor.narrow(0, rank * local, local))
+        local = self.local_parts[part]
+        return Span(tp_group().rank * local, sum(self.local_parts[:part]), local, self.part_sizes[part],
+                    sum(self.local_parts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+    def row_spans(self) -> list[Span]:
+        return [self.rows(i) for i in range(len(self.part_sizes))]
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(_ShardedLinear):
     """Fused q/k/v projection split by attention heads.
 
     Query heads are divided among ranks. Key/value heads are divided too when there are at least as
@@ -123,7 +176,8 @@ class QKVParallelLinear(nn.Module):
     with tp > num_kv_heads).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant=None):
         super().__init__()
         tp = tp_group()
         self.hidden_size, self.head_dim = hidden_size, head_dim
@@ -138,46 +192,34 @@ class QKVParallelLinear(nn.Module):
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         self.q_size = self.local_heads * head_dim
         self.kv_size = self.local_kv_heads * head_dim
-        out = self.q_size + 2 * self.kv_size
-        self.weight = nn.Parameter(torch.empty(out, hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.cols = Span.whole(hidden_size)
+        self._make_weights(self.q_size + 2 * self.kv_size, hidden_size, bias, quant)
 
-    def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
-        rank = tp_group().rank
-        heads = self.num_heads if shard_id == "q" else self.num_kv_heads
-        full = heads * self.head_dim
-        check_shape(tensor, (full, self.hidden_size) if param == "weight" else (full,))
+    def rows(self, shard_id: object) -> Span:
+        local = self.q_size + 2 * self.kv_size
         if shard_id == "q":
-            src, dst = tensor.narrow(0, rank * self.q_size, self.q_size), (0, self.q_size)
-        else:
-            src = tensor.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
-            dst = (self.q_size + (0 if shard_id == "k" else self.kv_size), self.kv_size)
-        getattr(self, param).data.narrow(0, *dst).copy_(src)
+            return Span(tp_group().rank * self.q_size, 0, self.q_size, self.num_heads * self.head_dim, local)
+        dst = self.q_size + (0 if shard_id == "k" else self.kv_size)
+        return Span(self.kv_head_start * self.head_dim, dst, self.kv_size, self.num_kv_heads * self.head_dim, local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+    def row_spans(self) -> list[Span]:
+        return [self.rows(s) for s in ("q", "k", "v")]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x Wᵀ with W split by input columns; partial sums are all-reduced, then the bias is added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):
         super().__init__()
         tp = tp_group()
         self.in_features, self.out_features = in_features, out_features
         self.local_in = divide(in_features, tp.size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.cols = Span(tp.rank * self.local_in, 0, self.local_in, in_features, self.local_in)
+        self._make_weights(out_features, self.local_in, bias, quant)
 
-    def load_weight(self, param: str, tensor: torch.Tensor, shard_id: object = None) -> None:
-        if param == "bias":
-            check_shape(tensor, (self.out_features,))
-            self.bias.data.copy_(tensor)
-            return
-        check_shape(tensor, (self.out_features, self.in_features))
-        rank = tp_group().rank
-        self.weight.data.copy_(tensor.narrow(1, rank * self.local_in, self.local_in))
+    def rows(self, shard_id: object) -> Span:
+        return Span.whole(self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight))
+        y = all_reduce(self._product(x, None))
         return y + self.bias if self.bias is not None else y
