@@ -333,10 +333,10 @@ def _register_more() -> None:
     from sections_glue import round_glue
     from sections_overlap import decode_overlap, overlap
     from sections_profile import demo, phases
-    from sections_rest import rest
+    from sections_rest import rest, rest_demo
     from sections_scaling import service, tp
 
-    SECTIONS.update(batch=batch, rest=rest, service=service, tp=tp, phases=phases, demo=demo, overlap=overlap, decode_overlap=decode_overlap,
+    SECTIONS.update(batch=batch, rest=rest, rest_demo=rest_demo, service=service, tp=tp, phases=phases, demo=demo, overlap=overlap, decode_overlap=decode_overlap,
                     round_glue=round_glue)
 
 

@@ -14,6 +14,7 @@ Rates are output tokens per second after every request's first token (the prefil
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -21,8 +22,32 @@ from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
 from sections import _free_gpu, _rate_for
 from sections_overlap import _steered_batch
 
-BATCHES = (1, 8, 32, 64)
-GOALS = (1.0, 2.0, 3.0, 4.0)
+BATCHES = tuple(int(b) for b in os.environ.get("TANDEM_BENCH_BATCHES", "1,8,32,64").split(","))
+GOALS = tuple(float(t) for t in os.environ.get("TANDEM_BENCH_GOALS", "1,2,3,4").split(","))
+
+
+class StepLog:
+    """The policy's view of each decode step of a run: (speculative, steps, ms per step or None, resumed)."""
+
+    def __init__(self, policy):
+        self.steps, real = [], policy.observe_step
+
+        def observe(n, speculative, steps=1, seconds=None, resumed=False):
+            self.steps.append((speculative, steps, None if seconds is None else round(1e3 * seconds / steps, 2), resumed))
+            real(n, speculative, steps, seconds, resumed)
+
+        policy.observe_step = observe
+
+    def summary(self) -> str:
+        kinds = {}
+        for speculative, steps, ms, resumed in self.steps:
+            key = "resume" if resumed else f"{'spec' if speculative else 'plain'} x{steps}"
+            kinds.setdefault(key, []).append(ms)
+        def median(values):
+            timed = sorted(m for m in values if m is not None)
+            return timed[len(timed) // 2] if timed else None
+
+        return "; ".join(f"{k}: {len(v)} steps, median {median(v)} ms" for k, v in sorted(kinds.items()))
 
 
 def _target_only(engine, prompts, params) -> float:
@@ -79,8 +104,11 @@ def batch(ctx: dict) -> dict:
                     # what it learned of earlier texts' acceptance goes.
                     engine.policy = always if name == "always" else copy.deepcopy(seeded)
                     engine.policy.forget_traffic()
+                    log = StepLog(engine.policy) if name == "policy" else None
                     outputs, tok_s, tau = _steered_batch(engine, drafter, spec, prompts, params, rate, reference)
                     if name == "policy":
+                        del engine.policy.observe_step  # the instance's wrapper goes: the class's method again
+                        print(f"  policy steps: {log.summary()}", flush=True)
                         seeded = engine.policy
                         learned = [seeded.step_time(bs, k == "spec", k == "resume") for k in ("plain", "spec", "resume")]
                     if tok_s > best[name]:

@@ -36,15 +36,16 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     procs = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
-        if mode == "pair":
+        if mode.startswith("pair"):
             procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model",
                                            str(tdir), "--port", str(d_port), *common, *SPEC_FLAGS], cwd=ROOT_DIR, env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", *common]
-        if mode != "target-only":
-            verifier += ["--drafter", "in-process" if mode == "in-process" else f"127.0.0.1:{d_port}",
+        if mode != "target-only":  # in-process | pair, "-always": every step speculates
+            verifier += ["--drafter", "in-process" if mode.startswith("in-process") else f"127.0.0.1:{d_port}",
                          "--draft-model", str(draft), *SPEC_FLAGS]
+            verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
         procs.append(subprocess.Popen(verifier, cwd=ROOT_DIR, env=env))
         wait_serving(v_port, 420, procs[-1], "verifier")
@@ -79,11 +80,11 @@ def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
-async def _one(client, base: str, prompt: list[int], max_tokens: int) -> tuple[int, float]:
-    """One streamed completion → (completion tokens, seconds to its first token)."""
+async def _one(client, base: str, prompt: list[int], max_tokens: int) -> tuple[int, float, str]:
+    """One streamed completion → (completion tokens, seconds to its first token, its text)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    started, first, tokens = time.perf_counter(), None, 0
+    started, first, tokens, text = time.perf_counter(), None, 0, []
     async with client.stream("POST", f"{base}/v1/completions", json=body) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}")
@@ -91,11 +92,12 @@ async def _one(client, base: str, prompt: list[int], max_tokens: int) -> tuple[i
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - started
+            if chunk.get("choices"):
+                first = first or time.perf_counter() - started
+                text.append(chunk["choices"][0].get("text") or "")
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return tokens, first or 0.0
+    return tokens, first or 0.0, "".join(text)
 
 
 async def _wave(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -106,9 +108,40 @@ async def _wave(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
         started = time.perf_counter()
         done = await asyncio.gather(*(_one(client, base, p, max_tokens) for p in prompts))
         elapsed = time.perf_counter() - started
-    tokens = sum(t for t, _ in done)
+    tokens = sum(t for t, _, _ in done)
     assert tokens == len(prompts) * max_tokens, (tokens, len(prompts), max_tokens)
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft_s_mean": sum(f for _, f in done) / len(done)}
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft_s_mean": sum(f for _, f, _ in done) / len(done),
+            "texts": [t for _, _, t in done]}
+
+
+def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], **stack_kw) -> dict:
+    """Each mode's stack in turn, every cell (concurrency, new tokens) a wave; → per mode its start-up,
+    first and warm request times and rows, each row beside target-only's and its texts compared."""
+    out: dict = {}
+    for mode in modes:
+        with _stack(tdir, draft, mode, **stack_kw) as (base, ready_s):
+            first = asyncio.run(_wave(base, prompts[:1], 64))  # the first request after SERVING
+            warm = min((asyncio.run(_wave(base, prompts[:1], 64)) for _ in range(3)), key=lambda r: r["seconds"])
+            rows = {}
+            for conc, max_tokens in cells:
+                rows[f"c{conc}_n{max_tokens}"] = r = asyncio.run(_wave(base, prompts[:conc], max_tokens))
+                print(f"{mode:17s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
+                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)", flush=True)
+            out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
+                         "rows": rows}
+            print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
+                  f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
+    for mode in [m for m in modes if m != "target-only" and "target-only" in out]:
+        for cell, r in out[mode]["rows"].items():
+            base = out["target-only"]["rows"][cell]
+            r["x_target_only"] = r["tok_s"] / base["tok_s"]
+            r["same_text_as_target_only"] = sum(a == b for a, b in zip(r["texts"], base["texts"])) / len(r["texts"])
+        print(f"{mode} / target-only: " + ", ".join(f"{c} {r['x_target_only']:.2f}x (same text "
+                                                    f"{r['same_text_as_target_only']:.0%})"
+                                                    for c, r in out[mode]["rows"].items()), flush=True)
+    for r in (r for m in out.values() for r in m["rows"].values()):
+        r.pop("texts")
+    return out
 
 
 def rest(ctx: dict) -> dict:
@@ -123,25 +156,22 @@ def rest(ctx: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=g).tolist() for _ in range(64)]
     cells = [(c, m) for m in ((256,) if ctx["quick"] else NEW_TOKENS) for c in ((1, 8) if ctx["quick"] else CONCURRENCY)]
-    out: dict = {}
     modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,pair").split(",")
-    for mode in modes:
-        with _stack(tdir, draft, mode) as (base, ready_s):
-            first = asyncio.run(_wave(base, prompts[:1], 64))  # the first request after SERVING
-            warm = min((asyncio.run(_wave(base, prompts[:1], 64)) for _ in range(3)), key=lambda r: r["seconds"])
-            rows = {}
-            for conc, max_tokens in cells:
-                rows[f"c{conc}_n{max_tokens}"] = asyncio.run(_wave(base, prompts[:conc], max_tokens))
-                r = rows[f"c{conc}_n{max_tokens}"]
-                print(f"{mode:11s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
-                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)", flush=True)
-            out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
-                         "rows": rows}
-            print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
-                  f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
-    for mode in [m for m in ("in-process", "pair") if m in out and "target-only" in out]:
-        for cell, r in out[mode]["rows"].items():
-            r["x_target_only"] = r["tok_s"] / out["target-only"]["rows"][cell]["tok_s"]
-        print(f"{mode} / target-only: " + ", ".join(f"{c} {r['x_target_only']:.2f}x" for c, r in out[mode]["rows"].items()),
-              flush=True)
-    return out
+    return _compare(tdir, draft, prompts, cells, modes)
+
+
+def rest_demo(ctx: dict) -> dict:
+    """The project's trained demo pair (TANDEM_DEMO_DIR with target/ and draft/, prompts.json optional)
+    over REST: target-only, the head in the verifier under the default policy and speculating always, and
+    the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64."""
+    from pathlib import Path
+
+    from tandem.training.demo_pair import demo_eval_prompts
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", "demo-pair"))
+    tdir, draft = folder / "target", folder / "draft"
+    saved = folder / "prompts.json"
+    prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(tdir), 64)
+    prompts = (prompts * 64)[:64]
+    modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,in-process-always,pair").split(",")
+    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, verifier_flags=())
