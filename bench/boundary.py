@@ -4,7 +4,7 @@
 verifier's tandem:drafter_round_seconds split into the drafter's own work and the rest of the round
 trip (gRPC stream, event loops, the shared-memory ring). The models are so small that the rest is
 nearly all boundary — what one message each way per round costs on this host, on the round lane
-(a local socket, the default) and on the gRPC stream (DESIGN §2's transport, ``--disable-round-lane``).
+(a local socket, the default) and on the gRPC stream (the protocol's original transport, ``--disable-round-lane``).
 The verifier runs with ``--disable-round-prefetch``: a prefetched Round's trip would also hold the
 engine's own work after the send, so only rounds sent and awaited in one go measure the boundary.
 

@@ -1,6 +1,6 @@
-"""What closes the drafter's internal plane (DESIGN §2): the shared secret every Rounds and Reload call
-must present (tandem.internal_secret; UNAUTHENTICATED otherwise), one verifier stream at a time, and
-the folder Reload may load from."""
+"""What closes the drafter's internal plane (docs/architecture.md, "Contracts"): the shared secret every
+Rounds and Reload call must present (tandem.internal_secret; UNAUTHENTICATED otherwise), one verifier stream
+at a time, and the folder Reload may load from."""
 
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ event loop (a thread hand-off per round cost more than the round's own host work
 Reload wait for the round boundary, a few milliseconds. Each stream starts empty: the verifier never
 refers to state from before a reconnect.
 
-The internal plane is closed (DESIGN §2): with a secret configured (tandem.internal_secret), Rounds and
-Reload without it are UNAUTHENTICATED. One verifier stream at a time: a second one is refused with
-ALREADY_EXISTS instead of taking the drafter away from the serving verifier. A verifier whose stream
-died (its process killed, its connection cut) is not locked out: its end of the stream ends the handler
-(TCP closes, or the server's keepalive finds the peer gone), and a new stream waits briefly for that.
+The internal plane is closed (docs/architecture.md, "Contracts"): with a secret configured
+(tandem.internal_secret), Rounds and Reload without it are UNAUTHENTICATED. One verifier stream at a time:
+a second one is refused with ALREADY_EXISTS instead of taking the drafter away from the serving verifier. A
+verifier whose stream died (its process killed, its connection cut) is not locked out: its end of the stream
+ends the handler (TCP closes, or the server's keepalive finds the peer gone), and a new stream waits briefly
+for that.
 
 Reload loads another checkpoint for the same target beside the serving head (DraftHeads): new
 requests draft with it, running ones finish on theirs. Nothing is dropped, and a checkpoint that does

@@ -1,1 +1,2 @@
-"""The gateway service (see DESIGN.md §2). Services never import each other; shared code lives in tandem."""
+"""The gateway service (docs/architecture.md, "The services"). Services never import each other; shared code
+lives in tandem."""

@@ -1,5 +1,6 @@
-"""The shared secret of the internal plane (DESIGN §2): the verifier↔drafter Rounds stream and the
-drafter's Reload carry it in gRPC metadata, and the drafter refuses calls without it (UNAUTHENTICATED).
+"""The shared secret of the internal plane (docs/architecture.md, "Contracts"): the verifier↔drafter Rounds
+stream and the drafter's Reload carry it in gRPC metadata, and the drafter refuses calls without it
+(UNAUTHENTICATED).
 
 ``tandem up`` generates one per stack and hands it to both processes in the environment; compose passes
 it as an environment variable; ``--internal-secret-file`` reads it from a file (a Docker/Kubernetes

@@ -1,6 +1,7 @@
 """The round lane: a verifier's per-round messages to its co-located drafter over a Unix socket.
 
-DESIGN §2 has one message each way per round on the gRPC stream. Measured, that boundary costs
+The drafter protocol has one message each way per round on the gRPC stream (docs/architecture.md,
+"One speculative round"). Measured, that boundary costs
 0.8–1.2 ms per round however small the messages (bench/grpc_floor.py, bench/boundary.py): each
 message crosses gRPC's own threads and event-loop wake-ups. At a 7 ms speculative round that alone
 keeps the service pair near 88 % of in-process speed. The round's messages are the same protobufs

@@ -32,7 +32,8 @@ def make_draft(path: Path, target: ModelConfig, draft_vocab: int = 200, seed: in
 
 def design_tensor_shapes(h: int, h_target: int, q: int, kv: int, inter: int, draft_vocab: int,
                          vocab: int) -> dict[str, tuple[int, ...]]:
-    """DESIGN.md §3's tensor names and shapes of an EAGLE-3 head, written out independently of the code."""
+    """The tensor names and shapes of an EAGLE-3 head (docs/architecture.md, "Contracts"), written out
+    independently of the code."""
     return {
         "fc.weight": (h, 3 * h_target),
         "midlayer.self_attn.q_proj.weight": (q, 2 * h),

@@ -1,5 +1,5 @@
 """EAGLE-3 feature capture: the residual-stream inputs of the capture layers, which are Hugging Face's
-``hidden_states[i]``, concatenated in ascending layer order (DESIGN.md §3). The default layers are
+``hidden_states[i]``, concatenated in ascending layer order (docs/architecture.md, "Contracts"). The default layers are
 [2, N//2, N-3]: always three blocks (the draft head's fc takes 3·H), repeated where they coincide."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_custom_capture_layers(deep8, layers):
 
 @pytest.mark.parametrize("layers", [(3, 1), (5, 4, 2)])
 def test_custom_capture_layers_are_concatenated_in_ascending_order(deep8, layers):
-    """DESIGN.md §3: ascending layer order, whatever order the setting lists them in. The draft
+    """docs/architecture.md, "Contracts": ascending layer order, whatever order the setting lists them in. The draft
     validation (validate_draft) accepts an override in any order, since it compares sorted sets, so
     the features must not depend on it: (5, 4, 2) must give the same features as the default (2, 4, 5)."""
     prompt = random_prompt(17, 25)

@@ -1,7 +1,7 @@
-"""The drafter's internal plane is closed (DESIGN §2), tried as a local attacker would, over real sockets
-against a real drafter process: no secret or a wrong one is UNAUTHENTICATED; a second Rounds stream is
-refused while the verifier's is served (which goes on), but a verifier whose process died is not locked
-out; Reload loads only folders below its root and never echoes filesystem errors; ring names in Hello
+"""The drafter's internal plane is closed (docs/architecture.md, "Contracts"), tried as a local attacker
+would, over real sockets against a real drafter process: no secret or a wrong one is UNAUTHENTICATED; a
+second Rounds stream is refused while the verifier's is served (which goes on), but a verifier whose process
+died is not locked out; Reload loads only folders below its root and never echoes filesystem errors; ring names in Hello
 are checked (no path, no symlink)."""
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def test_abort_frees_pages_and_others_continue(llama):
 def test_request_outgrowing_the_whole_cache_does_not_wedge_the_engine(llama):
     """A request whose prompt fits but whose prompt + max_new_tokens exceeds the entire KV cache must
     either be refused up front (a one-line TandemError) or end with finish_reason 'length' when the
-    cache is full; either way the other requests must still be served (DESIGN.md §7)."""
+    cache is full; either way the other requests must still be served (docs/architecture.md, "Invariants")."""
     big, small = random_prompt(50, 10), random_prompt(51, 3)
     want_small = greedy_alone(llama.path, small, 3)
     # 4 usable pages of 4 tokens: 16 tokens in all.

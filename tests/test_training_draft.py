@@ -1,7 +1,7 @@
 """EAGLE-3 training on a tiny random target: the trainer lowers the draft loss, writes a checkpoint
-that the drafter loads and that has exactly DESIGN.md §3's tensors, builds the draft vocabulary from
-response frequencies, resumes from its saved step, and its dense TTT forward equals the paged
-inference head — step 0 against draft-extend, steps k ≥ 1 against the drafter's own chain."""
+that the drafter loads and that has exactly the tensors of docs/architecture.md's "Contracts", builds the
+draft vocabulary from response frequencies, resumes from its saved step, and its dense TTT forward equals
+the paged inference head — step 0 against draft-extend, steps k ≥ 1 against the drafter's own chain."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""The verifier service (see DESIGN.md §2). Services never import each other; shared code lives in tandem."""
+"""The verifier service (docs/architecture.md, "The services"). Services never import each other; shared
+code lives in tandem."""

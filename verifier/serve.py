@@ -78,7 +78,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
         return engine, None, None
     # verification graphs take the tree width; decode graphs serve requests that do not speculate
     engine_cfg = dataclasses.replace(cfg.engine, cuda_graph_widths=(1, spec.num_draft_tokens))
-    if cfg.draft_model is not None:  # DESIGN §3: validate the pair before anything is allocated
+    if cfg.draft_model is not None:  # validate the pair before anything is allocated
         capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
                                  engine_cfg.capture_layers)
         engine_cfg = dataclasses.replace(engine_cfg, capture_layers=capture)

@@ -63,7 +63,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg.dtype, self.device)
-        # Ascending, always (DESIGN §3: features concatenate in ascending layer order).
+        # Ascending, always (docs/architecture.md, "Contracts": features concatenate in ascending layer order).
         self.capture_layers = tuple(sorted(cfg.capture_layers if cfg.capture_layers is not None
                                            else model_cfg.default_capture_layers()))
         bad = [i for i in self.capture_layers if not 0 <= i < model_cfg.num_layers]

@@ -5,7 +5,7 @@ later draft steps), and an LM head over a reduced draft vocabulary mapped back b
 
 The head runs in one process without tensor parallelism — in the in-process engine that process
 may be TP rank 0, so every projection is replicated (the TP-aware llama MLP/attention would shard
-and all-reduce). Parameter names are the checkpoint's (DESIGN.md §3) except the fused projections,
+and all-reduce). Parameter names are the checkpoint's (docs/architecture.md, "Contracts") except the fused projections,
 which ``PACKED_WEIGHTS`` maps back: ``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` → ``gate_up_proj``.
 """
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft checkpoints in the format SGLang loads and SpecForge writes (DESIGN.md §3).
+"""EAGLE-3 draft checkpoints in the format SGLang loads and SpecForge writes (docs/architecture.md, "Contracts").
 
 A draft folder holds ``config.json`` (architectures ``["LlamaForCausalLMEagle3"]``) and
 ``model.safetensors`` with the tensor names of ``eagle3_tensor_shapes`` — no ``model.`` prefix and,

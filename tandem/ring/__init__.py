@@ -1,6 +1,6 @@
 """The hidden-state ring: the verifier writes EAGLE-3 feature rows, the drafter reads them by offset.
 
-Hidden states never travel inside gRPC messages (DESIGN §2). The verifier owns one ring of
+Hidden states never travel inside gRPC messages (docs/architecture.md, "The parts"). The verifier owns one ring of
 ``[num_rows, row_width]`` rows (``row_width`` = 3·H_target) and sends the drafter its ``RingSpec``
 once, at handshake; each round's message then carries only ``(offset, rows)`` pairs and the round's
 sequence number, and the drafter's reply for round *n* lets the verifier ``release(n)``.

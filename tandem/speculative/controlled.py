@@ -1,4 +1,5 @@
-"""BENCHMARK INSTRUMENT — controlled-acceptance proposer (DESIGN.md §6a). Never a serving default.
+"""BENCHMARK INSTRUMENT — controlled-acceptance proposer (docs/architecture.md, "The controlled-acceptance
+instrument"). Never a serving default.
 
 Random draft weights accept almost nothing, so the speed of the speculative *mechanism* is measured
 at an acceptance rate the experiment sets. This wrapper runs the real drafter — the same extend and

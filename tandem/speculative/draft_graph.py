@@ -1,4 +1,4 @@
-"""CUDA graphs for the EAGLE-3 drafter (DESIGN.md §4): the whole multi-step tree draft, and the
+"""CUDA graphs for the EAGLE-3 drafter (docs/architecture.md, "CUDA graphs"): the whole multi-step tree draft, and the
 fixed-width draft-extend, each captured per padded batch-size bucket.
 
 One graph per (family, bucket) — per SpecConfig for ``draft``, one width ``max num_steps + 1`` for

@@ -1,6 +1,6 @@
 """Static-shape, pure-tensor versions of ``Eagle3Drafter.draft`` and ``.extend``: what the drafter's
-CUDA graphs capture (DESIGN.md §4), and what the CPU tests run eagerly to prove they compute what the
-eager drafter computes.
+CUDA graphs capture (docs/architecture.md, "CUDA graphs"), and what the CPU tests run eagerly to prove they
+compute what the eager drafter computes.
 
 Nothing here looks at host data: no ``.item()``/``.tolist()``, no loop over requests, no shape that
 depends on a value. Every request of a padded batch has the same width (``topk`` frontier nodes per

@@ -1,7 +1,7 @@
 """The drafting runtime: an EAGLE-3 head with its own paged KV cache, batched over requests.
 
-Two calls per speculative round (DESIGN.md §2), the API both the in-process engine and the drafter
-service use:
+Two calls per speculative round (docs/architecture.md, "One speculative round"), the API both the in-process
+engine and the drafter service use:
 
 - ``extend`` appends committed draft KV from target features: the draft sees pairs
   ``(token_{t+1}, feature_t)``, so after a prefill over ``x_0..x_{n-1}`` that sampled ``x_n`` the
@@ -109,8 +109,8 @@ class Eagle3Drafter:
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], **runner_kw) -> dict | None:
-        """Capture the draft and draft-extend graphs for ``specs`` (DESIGN.md §4). A no-op on CPU and with
-        ``disable_cuda_graph``; batches the graphs cannot take still run eagerly."""
+        """Capture the draft and draft-extend graphs for ``specs`` (docs/architecture.md, "CUDA graphs"). A no-op
+        on CPU and with ``disable_cuda_graph``; batches the graphs cannot take still run eagerly."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return None
         from tandem.speculative.draft_graph import DraftGraphRunner

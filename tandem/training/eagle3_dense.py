@@ -2,7 +2,7 @@
 
 The serving head (``tandem.models.eagle3.Eagle3Head``) runs on paged KV with fused, frozen
 projections; training needs plain ``nn.Linear`` layers, whole sequences and autograd. This twin has
-exactly the checkpoint's parameter names and shapes (DESIGN.md §3): ``state_dict()`` is what
+exactly the checkpoint's parameter names and shapes (docs/architecture.md, "Contracts"): ``state_dict()`` is what
 ``save_eagle3`` writes, with no renaming. A test checks it equals the paged head on the same weights.
 
 TTT (EAGLE-3 §3.2), written to match *our* inference exactly. Row t of a sequence x_0..x_{n-1} with

@@ -1,7 +1,7 @@
 """On the GPU: the drafter's CUDA graphs (draft, draft_extend; tandem/speculative/draft_graph.py).
 
-- capture: one log line per family in the DESIGN.md §4 format, every (SpecConfig, bucket) captured,
-  the watchdog silent, nothing written outside the dummy page 0;
+- capture: one log line per family in the format of docs/architecture.md, "CUDA graphs", every
+  (SpecConfig, bucket) captured, the watchdog silent, nothing written outside the dummy page 0;
 - replay with changed inputs: rounds of random batches (1–8 requests on buckets 1/2/4/8, so most carry
   padding rows; the first is one request drafting a tree, whose expanded positions have stride 0),
   random SpecConfigs and random extend widths ≤ num_steps + 1 on scattered pages; every
