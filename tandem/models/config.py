@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError
+from tandem.models.quantization import QuantConfig, parse_quantization
 
 # architecture name -> (qkv projections carry a bias, q/k RMSNorm per head)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -54,6 +55,8 @@ class ModelConfig:
     dtype: str  # checkpoint dtype name: "bfloat16", "float16" or "float32"
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    # quantization_config (tandem.models.quantization): None for a float checkpoint
+    quantization: QuantConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -64,7 +67,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def default_capture_layers(self) -> tuple[int, ...]:
-        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (docs/architecture.md, "Contracts").
+        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (DESIGN.md §3).
 
         Always three entries (the draft head expects 3·H features); on toy models with fewer than
         six layers they are clamped into range and may repeat."""
@@ -83,6 +86,7 @@ class ModelConfig:
         cls, raw: dict[str, Any], source: str = "config.json", generation_config: dict | None = None
     ) -> "ModelConfig":
         archs = raw.get("architectures") or []
+        quant = parse_quantization(raw, source)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             named = ", ".join(archs) if archs else "none given"
@@ -128,6 +132,7 @@ class ModelConfig:
             dtype=dtype,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
+            quantization=quant,
         )
 
 

@@ -19,6 +19,7 @@ from tandem.layers.activation import silu_mul
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
+from tandem.layers.quantized_linear import linear_format
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
 
@@ -37,8 +38,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        p = f"model.layers.{layer_id}.self_attn."
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias,
+                                          quant=linear_format(cfg.quantization, p, ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+                                        quant=linear_format(cfg.quantization, p, ("o_proj",)))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -58,10 +62,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        p, q = f"model.layers.{layer_id}.mlp.", cfg.quantization
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
+                                                       quant=linear_format(q, p, ("gate_proj", "up_proj")))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                           quant=linear_format(q, p, ("down_proj",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -73,7 +80,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_id)
 
     def forward(self, h, residual, positions, meta, kv, backend):
         """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
