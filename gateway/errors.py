@@ -5,7 +5,6 @@ front ends answer the same failure the same way."""
 from __future__ import annotations
 
 import logging
-import re
 
 import grpc
 
@@ -72,22 +71,17 @@ INTERNAL_ERROR = "internal server error"
 UNAVAILABLE = "the model server is not available right now; retry shortly"
 _GENERIC = {500: INTERNAL_ERROR, 503: UNAVAILABLE, 504: "the model server did not answer in time"}
 
-# The scheduler's refusal of a prompt larger than the whole KV cache. The verifier reports it as
-# RESOURCE_EXHAUSTED (like a full queue), but retrying can never help: it is the client's 400.
-_NEVER_FITS = re.compile(r"needs (\d+) KV pages for its prompt, the whole cache has (\d+)")
 
 
 def from_upstream(err: grpc.aio.AioRpcError, verifier: str) -> GatewayError:
     code = err.code()
     status = _FROM_UPSTREAM.get(code, 500)
     details = err.details() or code.name
+    if code == grpc.StatusCode.OUT_OF_RANGE:  # the verifier's "larger than the whole KV cache": never retry
+        return bad_request("prompt", details)
     if status == 400 or status == 404:
         return GatewayError(status, details)  # already phrased for the user by the verifier
     if status == 429:
-        never = _NEVER_FITS.search(details)
-        if never:
-            return bad_request("prompt", f"too long for this server's KV cache even alone (it needs {never[1]} "
-                                         f"pages, the cache has {never[2]}); shorten it")
         return GatewayError(429, f"the server is at capacity, retry later ({details})")
     log.warning("verifier at %s failed a request: %s: %s", verifier, code.name, details)
     return GatewayError(status, _GENERIC.get(status, INTERNAL_ERROR))

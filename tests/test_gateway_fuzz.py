@@ -192,8 +192,8 @@ def test_every_edge_value_in_every_field_is_answered_cleanly(stack):
 
 
 def test_a_prompt_larger_than_the_real_kv_cache_is_400_not_429(model_dir):
-    """The verifier refuses a prompt its whole KV cache cannot hold as RESOURCE_EXHAUSTED (as a full
-    queue); the gateway tells the client it is the prompt, not a moment to retry."""
+    """The verifier refuses a prompt its whole KV cache cannot hold as OUT_OF_RANGE (a full queue is
+    RESOURCE_EXHAUSTED); the gateway tells the client it is the prompt, not a moment to retry."""
     verifier, s = _real_stack(model_dir, "--kv-pages", "3", "--page-size", "16")  # 2 usable pages: 32 tokens
     try:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": list(range(3, 43)), "max_tokens": 1}, timeout=30)

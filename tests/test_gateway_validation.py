@@ -146,8 +146,8 @@ def test_a_verifier_that_is_down_is_503_without_its_address():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_the_kv_cache_can_never_hold_is_400_not_429(stack, stream):
-    never = "request cmpl-1 needs 40 KV pages for its prompt, the whole cache has 32; give the cache more memory"
-    stack.fake.fail_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, never)
+    never = "the prompt needs 40 KV pages and this server's whole KV cache has 32: it can never fit; shorten it"
+    stack.fake.fail_with = (grpc.StatusCode.OUT_OF_RANGE, never)
     r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "stream": stream}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert "40" in r.text and "32" in r.text

@@ -90,9 +90,12 @@ class VerifierService:
             except DuplicateRequest as e:  # the running request with this id goes on untouched
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            except (QueueFull, OutOfPagesError) as e:
+            except QueueFull as e:  # retry later
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except OutOfPagesError as e:  # larger than the whole KV cache: retrying can never help
+                tracing.set_error(span, str(e))
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
             except EngineStopped as e:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -117,11 +117,15 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- one round -------------------------------------------------------------------------------
+    def _fits(self, req: Request, width: int) -> bool:
+        """Whether a verify of ``width`` rows stays inside the context and the whole KV cache (near either
+        end a request decodes plainly, which always fits until it finishes)."""
+        return (req.num_tokens + width <= self.model_config.max_position_embeddings
+                and self.allocator.pages_for(req.num_tokens - 1 + width) <= self.allocator.capacity_pages)
+
     def _can_draft(self, req: Request) -> bool:
-        """Whether the request could speculate this step: a drafter state, and room for a tree before the
-        context's end."""
-        return (req.spec is not None and req.draft_ready
-                and req.num_tokens + req.spec.num_draft_tokens <= self.model_config.max_position_embeddings)
+        """Whether the request could speculate this step: a drafter state, and room for its tree."""
+        return req.spec is not None and req.draft_ready and self._fits(req, req.spec.num_draft_tokens)
 
     def _tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
@@ -139,9 +143,8 @@ class LLMEngine:
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if speculate else 1
 
     def _row_width(self, req: Request, width: int) -> int:
-        """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` when the
-        context allows."""
-        return width if req.num_tokens + width <= self.model_config.max_position_embeddings else 1
+        """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` where it fits."""
+        return width if self._fits(req, width) else 1
 
     def step(self) -> list[StepOutput]:
         """One round: draft (for speculating requests), one target forward over prefills and trees,

@@ -41,8 +41,8 @@ class Scheduler:
         needed = self.allocator.pages_for(len(request.prompt) + 1)
         if needed > self.allocator.capacity_pages:
             raise OutOfPagesError(
-                f"request {request.rid} needs {needed} KV pages for its prompt, the whole cache has "
-                f"{self.allocator.capacity_pages}; give the cache more memory"
+                f"the prompt needs {needed} KV pages and this server's whole KV cache has "
+                f"{self.allocator.capacity_pages}: it can never fit; shorten it"
             )
         self.waiting.append(request)
 
