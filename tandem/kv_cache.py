@@ -28,30 +28,48 @@ def page_slots(block_tables: torch.Tensor, index: torch.Tensor, page_size: int) 
     return block_tables.gather(1, index // page_size).long() * page_size + index % page_size
 
 
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token stores per layer on this rank, as the model declares it (``kv_spec()``):
+    ``entries`` tensors of ``[heads, dim]`` — 2 (K and V) for dense attention, 1 for MLA's latent
+    (normalised c_kv and rotated k_pe, shared by all heads)."""
+
+    entries: int
+    heads: int
+    dim: int
+
+
 class KVPool:
-    """Per-layer K and V pages: ``k[layer]`` is ``[num_pages, page_size, local_kv_heads, head_dim]``."""
+    """Per-layer K and V pages: ``k[layer]`` is ``[num_pages, page_size, local_kv_heads, head_dim]``.
+    With ``entries=1`` (MLA) a layer has one latent pool and ``layer(i)`` returns ``(latent, None)``."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device, entries: int = 2):
+        shape = (entries, num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[0, i], self.data[1, i]
+    @classmethod
+    def from_spec(cls, spec: KVSpec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+                  device: torch.device) -> "KVPool":
+        return cls(num_layers, num_pages, page_size, spec.heads, spec.dim, dtype, device, entries=spec.entries)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.data[0, i], (self.data[1, i] if self.data.shape[0] == 2 else None)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy K/V of flat slots ``src`` to ``dst`` in every layer (compacting accepted tree nodes)."""
+        """Copy the KV of flat slots ``src`` to ``dst`` in every layer (compacting accepted tree nodes)."""
         if not src:
             return
-        flat = self.data.view(2, self.data.shape[1], -1, *self.data.shape[-2:])  # [2, L, slots, H, D]
+        flat = self.data.view(*self.data.shape[:2], -1, *self.data.shape[-2:])  # [entries, L, slots, H, D]
         index = torch.tensor(src, device=self.data.device)
         moved = flat.index_select(2, index)  # a copy, so overlapping src/dst are safe
         flat.index_copy_(2, torch.tensor(dst, device=self.data.device), moved)
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       entries: int = 2) -> int:
+        return entries * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class PageAllocator:

@@ -46,8 +46,15 @@ def attend(backend: AttentionBackend, q, k, v, positions, rotary, k_pool, v_pool
     return backend.forward(q, k, v, k_pool, v_pool, meta, scale)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: FlashInfer on a GPU when it is installed, else the torch reference."""
+def make_backend(name: str, device: torch.device, latent: bool = False) -> AttentionBackend:
+    """``auto``: FlashInfer on a GPU when it is installed, else the torch reference. ``latent``: for a
+    model whose cache holds MLA latents (tandem.attention.mla_torch_backend; the torch reference only, for now)."""
+    if latent:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"attention backend '{name}' has no MLA path yet; use auto or torch")
+        from tandem.attention.mla_torch_backend import TorchMLABackend
+
+        return TorchMLABackend()
     from tandem.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
 
     if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_available()):

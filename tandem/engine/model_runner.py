@@ -18,10 +18,10 @@ from tandem.attention.backend import make_backend
 from tandem.engine.batch import ForwardBatch, to_device
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
-from tandem.kv_cache import KVPool
+from tandem.kv_cache import KVPool, KVSpec
 from tandem.models.config import ModelConfig
-from tandem.models.llama import PACKED_WEIGHTS, CausalLM
-from tandem.models.loader import load_checkpoint, resolve_dtype
+from tandem.models.loader import resolve_dtype
+from tandem.models.registry import build_model
 from tandem.distributed import tp_group
 
 log = logging.getLogger("tandem.runner")
@@ -72,23 +72,25 @@ class ModelRunner:
 
         started = time.perf_counter()
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = CausalLM(model_cfg).eval()
+            self.model = build_model(model_cfg).eval()
         if cfg.load_format == "random":
             randomize_weights(self.model, seed=1234 + self.rank)
         else:
-            optional = ("lm_head.weight",) if model_cfg.tie_word_embeddings else ()
-            load_checkpoint(self.model, cfg.model, PACKED_WEIGHTS, optional=optional, ignored=optional)
+            self.model.load(cfg.model)
         log.info("rank %d: loaded %s (%s, %s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - started)
 
-        self.backend = make_backend(cfg.attention_backend, self.device)
-        attn = self.model.model.layers[0].self_attn.qkv_proj
-        self.num_pages = self._size_kv_pool(attn.local_kv_heads)
-        self.kv = KVPool(model_cfg.num_layers, self.num_pages, cfg.page_size, attn.local_kv_heads,
-                         model_cfg.head_dim, self.dtype, self.device)
+        spec = self.model.kv_spec()
+        self.backend = make_backend(cfg.attention_backend, self.device, latent=spec.entries == 1)
+        self.num_pages = self._size_kv_pool(spec)
+        self.kv = KVPool.from_spec(spec, model_cfg.num_layers, self.num_pages, cfg.page_size, self.dtype, self.device)
         log.info("rank %d: KV cache %d pages x %d tokens", self.rank, self.num_pages, cfg.page_size)
         self.graphs = None
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+        graphable = self.model.supports_cuda_graphs
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and not graphable:
+            log.warning("rank %d: %s has no CUDA-graph path yet; every forward runs eagerly", self.rank,
+                        model_cfg.architecture)
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and graphable:
             from tandem.attention.graph_backend import make_graph_backend
             from tandem.engine.cuda_graph import TargetGraphRunner
 
@@ -96,7 +98,7 @@ class ModelRunner:
             self.graphs = TargetGraphRunner(self, cfg.cuda_graph_widths, cfg.cuda_graph_max_bs)
             self.graph_report = self.graphs.capture()
 
-    def _size_kv_pool(self, local_kv_heads: int) -> int:
+    def _size_kv_pool(self, spec: KVSpec) -> int:
         cfg, m = self.cfg, self.model_cfg
         if cfg.kv_pages is not None:
             pages = cfg.kv_pages
@@ -106,7 +108,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = total * cfg.mem_fraction_static - used
-            per_page = KVPool.bytes_per_page(m.num_layers, cfg.page_size, local_kv_heads, m.head_dim, self.dtype)
+            per_page = KVPool.bytes_per_page(m.num_layers, cfg.page_size, spec.heads, spec.dim, self.dtype, spec.entries)
             pages = int(budget // per_page)
             if pages < 2:
                 raise ConfigError(

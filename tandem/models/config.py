@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.errors import CheckpointError
 from tandem.models.quantization import QuantConfig, parse_quantization
+from tandem.models.deepseek_config import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
 
 # architecture name -> (qkv projections carry a bias, q/k RMSNorm per head)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -57,6 +58,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     # quantization_config (tandem.models.quantization): None for a float checkpoint
     quantization: QuantConfig | None = None
+    # DeepSeek-V3 family (tandem.models.deepseek_config): latent attention, routed experts, and the
+    # prefix of the text model's tensors in a multimodal wrapper (Kimi-K2.5: "language_model.")
+    mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
+    checkpoint_prefix: str = ""
 
     @property
     def q_size(self) -> int:
@@ -87,12 +93,21 @@ class ModelConfig:
     ) -> "ModelConfig":
         archs = raw.get("architectures") or []
         quant = parse_quantization(raw, source)
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES or a in DEEPSEEK_ARCHITECTURES), None)
         if arch is None:
             named = ", ".join(archs) if archs else "none given"
-            raise CheckpointError(
-                f"{source}: unsupported architecture ({named}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            supported = ", ".join([*SUPPORTED_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES])
+            raise CheckpointError(f"{source}: unsupported architecture ({named}); supported: {supported}")
+        gen = generation_config or {}
+        if arch in DEEPSEEK_ARCHITECTURES:
+            text = text_config(raw, arch, source)
+            eos = gen.get("eos_token_id", raw.get("eos_token_id", text.get("eos_token_id")))
+            fields = deepseek_fields(raw, arch, source)
+            # ``rope``: what a Llama-shaped EAGLE-3 head for this target would use; the target reads ``mla``.
+            return cls(**fields, rope=RopeConfig(theta=fields["mla"].rope_theta),
+                       qkv_bias=False, qk_norm=False, o_bias=False, mlp_bias=False, dtype=_dtype_name(text, raw),
+                       eos_token_ids=_eos_ids(eos), bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
+                       quantization=quant)
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         # Llama and Qwen3 read attention_bias for q/k/v and o_proj; Qwen2 always biases q/k/v only.
         o_bias = arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias"))
@@ -108,10 +123,8 @@ class ModelConfig:
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        gen = generation_config or {}
         eos = gen.get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+        dtype = _dtype_name(raw)
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -130,10 +143,19 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             dtype=dtype,
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            eos_token_ids=_eos_ids(eos),
             bos_token_id=raw.get("bos_token_id"),
             quantization=quant,
         )
+
+
+def _eos_ids(eos: Any) -> tuple[int, ...]:
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+
+
+def _dtype_name(*raws: dict[str, Any]) -> str:
+    named = next((r.get("torch_dtype") or r.get("dtype") for r in raws if r.get("torch_dtype") or r.get("dtype")), None)
+    return str(named or "float32").replace("torch.", "")
 
 
 def required_field(raw: dict[str, Any], key: str, source: str) -> Any:

@@ -9,12 +9,14 @@ EAGLE-3 features: the residual-stream *inputs* of the capture layers, concatenat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend, attend
 from tandem.attention.metadata import AttentionMetadata
-from tandem.kv_cache import KVPool
+from tandem.kv_cache import KVPool, KVSpec
 from tandem.layers.activation import silu_mul
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -22,6 +24,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
+from tandem.models.loader import load_checkpoint
 
 # checkpoint name fragment -> (our fused module fragment, shard id)
 PACKED_WEIGHTS = {
@@ -113,6 +116,16 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    supports_cuda_graphs = True
+
+    def kv_spec(self) -> KVSpec:
+        """Per token per layer on this rank: K and V of the local KV heads."""
+        return KVSpec(entries=2, heads=self.model.layers[0].self_attn.qkv_proj.local_kv_heads, dim=self.config.head_dim)
+
+    def load(self, model_dir: str | Path) -> None:
+        optional = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        load_checkpoint(self, model_dir, PACKED_WEIGHTS, optional=optional, ignored=optional)
 
     def forward(
         self,

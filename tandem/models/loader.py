@@ -9,6 +9,7 @@ ignored tensor usually means the wrong architecture), except rotary caches some 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,32 +48,40 @@ def load_checkpoint(
     packed: dict[str, tuple[str, object]],
     optional: tuple[str, ...] = (),
     ignored: tuple[str, ...] = (),
-) -> None:
+    rename: Callable[[str], str | None] | None = None,
+) -> list[str]:
     """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules;
     ``optional`` lists tensors that may be absent, ``ignored`` tensors skipped if present (e.g.
-    ``lm_head.weight`` of a tied checkpoint, which some exporters write anyway)."""
+    ``lm_head.weight`` of a tied checkpoint, which some exporters write anyway). ``rename`` maps a
+    checkpoint name to the model's (a wrapper's prefix dropped), or to None for a tensor the model
+    deliberately does not use (a vision tower, an MTP layer); those names are returned."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     modules = dict(model.named_modules())
     expected = _expected_tensors(model, packed)
     loaded: set[str] = set()
+    skipped: list[str] = []
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
-            for name in names:
+            for stored in names:
+                name = rename(stored) if rename is not None else stored
+                if name is None:
+                    skipped.append(stored)
+                    continue
                 if name.endswith(IGNORED_SUFFIXES) or name in ignored:
                     continue
                 module_name, param, shard_id = _locate(name, packed)
                 module = modules.get(module_name)
                 if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
-                    raise CheckpointError(f"{path.name}: unexpected tensor '{name}' (no such weight in this architecture)")
-                tensor = f.get_tensor(name)
+                    raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' (no such weight in this architecture)")
+                tensor = f.get_tensor(stored)
                 try:
                     module.load_weight(param, tensor, shard_id)
                 except ShapeMismatch as e:
-                    raise CheckpointError(f"{path.name}: tensor '{name}' {e}") from None
+                    raise CheckpointError(f"{path.name}: tensor '{stored}' {e}") from None
                 loaded.add(name)
     missing = sorted(set(expected) - loaded - set(optional))
     if missing:
@@ -80,6 +89,7 @@ def load_checkpoint(
             f"{model_dir}: missing tensor '{missing[0]}'"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
+    return skipped
 
 
 def _locate(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, str, object]:

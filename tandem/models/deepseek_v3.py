@@ -1,0 +1,154 @@
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 (text): multi-head latent attention (MLA) over a latent KV cache,
+noaux_tc mixture of experts after ``first_k_dense_replace`` dense layers.
+
+Parameter names mirror the Hugging Face checkpoint, with the dense MLPs' and experts' gate/up fused
+(``PACKED_WEIGHTS``). The cache holds one latent entry per token per layer (``kv_spec``); attention
+runs in the absorbed form (MQA over the latents: ``W_UK`` folded into the query, ``W_UV`` applied to
+the attended latent) except for forwards of fresh prompts, which use the plain form
+(../shared/reference/deepseek_v3_kimi.md §2). ``forward``/``logits`` are the dense model's: the same
+residual-stream loop, with the same EAGLE-3 capture (inputs of the capture layers).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.kv_cache import KVPool, KVSpec
+from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from tandem.layers.moe import MoE, SwiGLUMLP
+from tandem.layers.norm import RMSNorm
+from tandem.layers.yarn_rotary import YarnRotary
+from tandem.models.config import ModelConfig
+from tandem.models.llama import PACKED_WEIGHTS as LLAMA_PACKED, CausalLM
+from tandem.models.loader import load_checkpoint
+
+log = logging.getLogger("tandem.models")
+
+PACKED_WEIGHTS = {k: v for k, v in LLAMA_PACKED.items() if k in ("gate_proj", "up_proj")}
+# DeepSeek's (and transformers') q_a/kv_a norms use 1e-6 whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: YarnRotary):
+        super().__init__()
+        m = cfg.mla
+        self.layer_id, self.mla, self.rotary = layer_id, m, rotary
+        h, heads = cfg.hidden_size, cfg.num_heads
+        if m.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias=m.attention_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim, bias=m.attention_bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
+        self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=m.attention_bias)
+        self.local_heads = self.kv_b_proj.local_out // (m.qk_nope_head_dim + m.v_head_dim)
+        self.scale = m.softmax_scale
+
+    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend) -> torch.Tensor:
+        m, heads = self.mla, self.local_heads
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(-1, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c_kv, q_pe, k_pe = self.kv_a_layernorm(c_kv), self.rotary(positions, q_pe), self.rotary(positions, k_pe)
+        pool, _ = kv.layer(self.layer_id)
+        backend.store(torch.cat([c_kv, k_pe], dim=-1), pool, meta)
+        # kv_b_proj rows per head: [W_UK (nope) ; W_UV (v)], each over the kv_lora latent.
+        w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, m.kv_lora_rank).split([m.qk_nope_head_dim, m.v_head_dim], 1)
+        if backend.plain_prefill:
+            k_nope, v = self.kv_b_proj(c_kv).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
+                [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+            out = backend.forward_plain(torch.cat([q_nope, q_pe], dim=-1), k, v, meta, self.scale)
+        else:
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+            attended = backend.forward_absorbed(torch.cat([q_latent, q_pe], dim=-1), pool, meta, self.scale,
+                                                m.kv_lora_rank)  # [T, H, kv_lora]
+            out = torch.einsum("thc,hvc->thv", attended, w_uv)
+        return self.o_proj(out.flatten(1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: YarnRotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
+        self.mlp = MoE(cfg.hidden_size, cfg.moe) if moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, residual, positions, meta, kv, backend):
+        """As the dense layer: the residual stream is ``h + residual``, kept split for the fused norms."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, meta, kv, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rotary = YarnRotary(cfg.mla, cfg.max_position_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """Target model with CausalLM's ``forward`` and ``logits`` (they only walk ``model`` and ``lm_head``)."""
+
+    supports_cuda_graphs = False  # the graphed path has no MLA kernels yet: every forward runs eagerly
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)  # not CausalLM.__init__: that builds the dense decoder
+        self.config = cfg
+        self.model = DeepseekModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def kv_spec(self) -> KVSpec:
+        return KVSpec(entries=1, heads=1, dim=self.config.mla.cache_dim)  # every rank holds the whole latent
+
+    def load(self, model_dir: str | Path) -> None:
+        cfg = self.config
+        optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        skipped = load_checkpoint(self, model_dir, PACKED_WEIGHTS, optional=optional, ignored=optional,
+                                  rename=checkpoint_rename(cfg))
+        if skipped:
+            log.info("%s: skipped %d tensors the text model does not use: %s", model_dir, len(skipped),
+                     ", ".join(sorted({_group(n) for n in skipped})))
+
+
+def checkpoint_rename(cfg: ModelConfig):
+    """Checkpoint name → ours: the wrapper's prefix dropped; None for what a text-only target skips
+    (outside the prefix: vision tower, projector; DeepSeek-V3's MTP layer ``model.layers.<N>``)."""
+    prefix, num_layers = cfg.checkpoint_prefix, cfg.num_layers
+
+    def rename(name: str) -> str | None:
+        if not name.startswith(prefix):
+            return None
+        name = name[len(prefix):]
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        return None if layer and int(layer.group(1)) >= num_layers else name
+
+    return rename
+
+
+def _group(name: str) -> str:
+    """A skipped tensor's family for the log line: ``vision_tower.*``, ``model.layers.61.*``."""
+    layer = re.match(r"(.*?model\.layers\.\d+)\.", name)
+    return (layer.group(1) if layer else name.split(".")[0]) + ".*"

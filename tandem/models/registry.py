@@ -1,0 +1,19 @@
+"""Which model class serves a ModelConfig. Every class offers the same surface to the engine:
+``forward``/``logits`` (tandem.models.llama.CausalLM's), ``kv_spec()``, ``load(model_dir)`` and
+``supports_cuda_graphs``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tandem.models.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.mla is not None:
+        from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM(cfg)
+    from tandem.models.llama import CausalLM
+
+    return CausalLM(cfg)
