@@ -49,3 +49,9 @@ def test_the_image_runs_unprivileged_with_its_demo_cache_off_the_model_volume():
     env = " ".join(line for line in lines if line.startswith("ENV "))
     cache = re.search(r"TANDEM_CACHE=(\S+)", env).group(1)
     assert not cache.startswith("/models")
+
+
+def test_the_gateway_takes_the_api_key_and_relays_the_verifiers_metrics():
+    gateway = compose()["services"]["gateway"]
+    assert gateway["environment"]["TANDEM_API_KEY"] == "${TANDEM_API_KEY:-}"  # empty: the gateway reads it as unset
+    assert "--verifier-metrics-url http://verifier:50053/metrics" in gateway["command"]
