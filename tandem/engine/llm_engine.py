@@ -203,8 +203,8 @@ class LLMEngine:
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
             self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
-        # A catch-up of held plain steps is the price of switching speculation back on (paid once per
-        # exploration), not of a round: such a step is not timed.
+        # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
+        # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
                                   speculative=any(tree.drafted for tree in trees.values()),
                                   timed=not catch_up and not caught_up)
