@@ -98,9 +98,9 @@ class QuantFormat:
         if span.src % unit == 0 and span.dst % unit == 0 and (span.length % unit == 0 or tail):
             return
         raise ConfigError(
-            f"{self.name}: {dim} {span.src}..{span.src + span.length} of {span.full} (this rank's piece, "
-            f"at {span.dst} of {span.local}) split a {unit}-wide {what}; choose a tensor-parallel size "
-            f"(now {tp_group().size}) that keeps whole {what}s"
+            f"{self.name}: this rank's {dim} {span.src}..{span.src + span.length} of {span.full} (placed at "
+            f"{span.dst} of {span.local}) would split a {what} ({unit} {dim} each); choose a tensor-parallel "
+            f"size (now {tp_group().size}) that keeps whole {what}s"
         )
 
     def load(self, layer: nn.Module, param: str, tensor: torch.Tensor, rows: Span, cols: Span,

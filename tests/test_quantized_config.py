@@ -1,0 +1,105 @@
+"""quantization_config parsing: where it is found, which linears each scheme covers (compressed-tensors'
+own config and Kimi-K2-Thinking's ignore list), and every unsupported scheme refused at start-up with
+one line naming it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from quantized_checkpoints import int4_config
+from tandem.errors import CheckpointError
+from tandem.models.config import ModelConfig
+from tandem.models.quantization import Fp8Block, Int4Group, parse_quantization
+from tandem.models.random_checkpoint import LlamaShape, hf_config
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+
+
+def llama_with(quant: dict | None, wrapped: bool = False) -> dict:
+    raw = hf_config(LlamaShape(), "bfloat16")
+    if wrapped:  # Kimi-K2.5: the text model's config, quantization included, inside text_config
+        return {"architectures": ["LlamaForCausalLM"], **raw, "text_config": {"quantization_config": quant}}
+    return {**raw, "quantization_config": quant}
+
+
+def test_fp8_block_config():
+    q = ModelConfig.from_hf_dict(llama_with(FP8)).quantization
+    assert q.scheme == Fp8Block((128, 128))
+    assert q.scheme_for(["model.layers.0.self_attn.q_proj"]) == Fp8Block((128, 128))
+    assert q.scheme_for(["lm_head"]) is None  # HF's fp8 never converts the LM head
+    skipping = parse_quantization({"quantization_config": {**FP8, "modules_to_not_convert": ["model.layers.1.mlp"]}})
+    assert skipping.scheme_for(["model.layers.1.mlp.down_proj"]) is None
+    assert skipping.scheme_for(["model.layers.11.mlp.down_proj"]) is not None
+
+
+def test_compressed_tensors_config_written_by_the_package():
+    q = ModelConfig.from_hf_dict(llama_with(int4_config(32))).quantization
+    assert q.scheme == Int4Group(32) and q.method == "compressed-tensors"
+    assert q.scheme_for(["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]) == Int4Group(32)
+    assert ModelConfig.from_hf_dict(llama_with(None)).quantization is None
+
+
+def test_kimi_ignore_list_in_text_config_quantizes_only_routed_experts():
+    quant = int4_config(32, ignore=tuple(KIMI_IGNORE))
+    q = ModelConfig.from_hf_dict(llama_with(quant, wrapped=True)).quantization
+    p = "language_model.model.layers.5."
+    assert q.scheme_for([p + "mlp.experts.17.gate_proj", p + "mlp.experts.17.up_proj"]) == Int4Group(32)
+    for dense in ("self_attn.q_a_proj", "self_attn.kv_b_proj", "mlp.shared_experts.down_proj", "mlp.gate_proj"):
+        assert q.scheme_for([p + dense]) is None, dense
+
+
+def test_fused_parts_quantized_differently_are_refused():
+    q = parse_quantization({"quantization_config": int4_config(32, ignore=("lm_head", "re:.*k_proj"))})
+    with pytest.raises(CheckpointError, match="fused into one matmul must be quantized alike"):
+        q.scheme_for(["a.q_proj", "a.k_proj", "a.v_proj"])
+
+
+def _ct(**weights) -> dict:
+    cfg = int4_config(32)
+    cfg["config_groups"]["group_0"]["weights"].update(weights)
+    return cfg
+
+
+def _with(cfg: dict, **top) -> dict:
+    cfg = copy.deepcopy(cfg)
+    cfg.update(top)
+    return cfg
+
+
+ACTS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+REFUSED = {
+    "awq": ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    "gptq": ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 without weight_block_size"),
+    "fp8-static": ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
+    "fp8-e5m2": ({**FP8, "fmt": "e5m2"}, "fp8 fmt 'e5m2'"),
+    "fp8-block-3d": ({**FP8, "weight_block_size": [128, 128, 1]}, "weight_block_size [128, 128, 1]"),
+    "int8": (_ct(num_bits=8), "8-bit weights"),
+    "asymmetric": (_ct(symmetric=False), "asymmetric weights"),
+    "channel": (_ct(strategy="channel", group_size=None), "weight strategy 'channel'"),
+    "dynamic": (_ct(dynamic=True), "dynamic weight quantization"),
+    "fp4": (_ct(type="float"), "weight type 'float'"),
+    "actorder": (_ct(actorder="group"), "actorder 'group'"),
+    "group-12": (_ct(group_size=12), "group_size 12"),
+    "w4a8": (_with(int4_config(32), config_groups={"group_0": {**int4_config(32)["config_groups"]["group_0"],
+                                                               "input_activations": ACTS}}),
+             "activation quantization (input_activations"),
+    "float-quantized": (_with(int4_config(32), format="float-quantized"), "format 'float-quantized'"),
+    "naive": (_with(int4_config(32), format="naive-quantized"), "format 'naive-quantized'"),
+    "kv-cache": (_with(int4_config(32), kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    "frozen": (_with(int4_config(32), quantization_status="frozen"), "quantization_status 'frozen'"),
+    "lm-head": (int4_config(32, ignore=()), "a quantized lm_head"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_schemes_are_refused_in_one_line(case):
+    quant, what = REFUSED[case]
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_hf_dict(llama_with(quant), source="m/config.json")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("m/config.json: quantization_config: ") and what in msg, msg
+    assert "is not supported" in msg
