@@ -128,7 +128,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_reload(sub: argparse._SubParsersAction) -> None:
-    from drafter.reload import add_arguments, run
+    from tandem.reload_client import add_arguments, run
 
     p = sub.add_parser("reload-drafter", help="make a running drafter serve another EAGLE-3 checkpoint, dropping nothing")
     add_arguments(p)

@@ -47,7 +47,7 @@ def reference(pair_dirs):
 
 
 def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):
-    from drafter.reload import reload_drafter
+    from tandem.reload_client import reload_drafter
 
     drafter, verifier = start_pair(pair_dirs, tmp_path)
     try:

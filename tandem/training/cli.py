@@ -109,7 +109,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, default=str))
     if args.reload_drafter:
-        from drafter.reload import reload_drafter
+        from tandem.reload_client import reload_drafter
 
         reply = reload_drafter(args.reload_drafter, args.out)
         print(f"drafter at {args.reload_drafter} now serves {reply.draft_model} (generation {reply.generation})",

@@ -1,4 +1,6 @@
-"""Ask a running drafter to serve another EAGLE-3 checkpoint (``tandem reload-drafter``)."""
+"""A client of the drafter service's Reload: ask a running drafter to serve another EAGLE-3 checkpoint
+(``tandem reload-drafter``, ``python -m drafter.train --reload-drafter``). Torch-free; the core's, not the
+service's, so the app and the trainer need not import a service."""
 
 from __future__ import annotations
 
