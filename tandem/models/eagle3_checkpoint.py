@@ -138,12 +138,14 @@ def load_eagle3(
 
 def load_target_embedding(target_dir: str | Path, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     """The full target token embedding, read from its checkpoint (for a drafter that does not share a
-    process — or a TP shard — with the target)."""
+    process — or a TP shard — with the target). A multimodal wrapper (Kimi-K2.5) keeps it under its
+    text model's prefix."""
     files = checkpoint_files(Path(target_dir))
-    if TARGET_EMBEDDING not in files:
-        raise CheckpointError(f"{target_dir}: no '{TARGET_EMBEDDING}' tensor to share with the draft head")
-    with safe_open(str(files[TARGET_EMBEDDING]), framework="pt") as f:
-        return f.get_tensor(TARGET_EMBEDDING).to(device=device, dtype=dtype)
+    name = ModelConfig.from_dir(target_dir).checkpoint_prefix + TARGET_EMBEDDING
+    if name not in files:
+        raise CheckpointError(f"{target_dir}: no '{name}' tensor to share with the draft head")
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name).to(device=device, dtype=dtype)
 
 
 def random_draft_config(target: ModelConfig, draft_vocab_size: int | None = None, **overrides) -> DraftConfig:
