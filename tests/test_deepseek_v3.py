@@ -22,8 +22,14 @@ from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 
 VOCAB = 512
-# q_lora + two expert groups (one kept) | DeepSeek-V2-style q_proj + one group; YaRN in both.
-VARIANTS = {"q_lora-groups2": {}, "no_q_lora-group1": dict(q_lora_rank=None, n_group=1, topk_group=1)}
+# q_lora + two expert groups (one kept) | DeepSeek-V2-style q_proj + one group; YaRN in both | YaRN without
+# mscale_all_dim (cos/sin scaled by mscale(factor), the softmax scale left alone), 4 groups of 2 keeping 2.
+VARIANTS = {
+    "q_lora-groups2": {},
+    "no_q_lora-group1": dict(q_lora_rank=None, n_group=1, topk_group=1),
+    "yarn_factor_only-groups4": dict(n_group=4, topk_group=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "original_max_position_embeddings": 2048}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,9 @@ def test_config_reads_mla_moe_and_yarn(models):
     assert cfg.mla.softmax_scale == pytest.approx(24**-0.5 * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
     assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.first_k_dense_replace) == (2, 1, 1)
     assert ModelConfig.from_dir(models["no_q_lora-group1"][0]).mla.q_lora_rank is None
+    other = ModelConfig.from_dir(models["yarn_factor_only-groups4"][0]).mla
+    assert other.yarn.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(8.0)).item() + 1)
+    assert other.softmax_scale == pytest.approx(24**-0.5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
