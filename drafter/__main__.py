@@ -6,29 +6,33 @@ import argparse
 import logging
 import sys
 
+from tandem import args as shared
 from tandem import tracing
 from tandem.errors import TandemError
 from tandem.service_runtime import run_service
 from drafter.config import DrafterServiceConfig
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head",
+                                     formatter_class=shared.HelpFormatter)
     DrafterServiceConfig.add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        target = args.target_model
-        draft = args.draft_model
-        if target is None or draft is None:
-            from tandem.demo import ensure_demo_draft, ensure_demo_target
+        from tandem.demo import ensure_demo_draft, ensure_demo_target
 
-            target = target or str(ensure_demo_target())
-            draft = draft or str(ensure_demo_draft())
+        target = args.target_model or str(ensure_demo_target())
+        draft = shared.resolve_speculative(args, target).draft_model or str(ensure_demo_draft())
         cfg = DrafterServiceConfig.from_args(args, draft, target)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    logging.getLogger("drafter").info("config: draft=%s, target=%s, device=%s", draft, target, cfg.runtime.device)
     tracing.setup_tracing("tandem-drafter", cfg.otlp_endpoint)
     from drafter.serve import serve
 

@@ -7,6 +7,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
@@ -40,19 +41,16 @@ class DrafterServiceConfig:
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         d = DrafterConfig
-        p.add_argument("--model", "--draft-model", dest="draft_model", default=None,
-                       help="EAGLE-3 draft folder (default: the embedded demo draft)")
+        # Its --model is the head (so no --model-path here: SGLang's --model-path is the target).
+        shared.add_speculative(p, draft_names=("--model", *shared.DRAFT_MODEL_NAMES),
+                               draft_help="EAGLE-3 draft folder (default: the embedded demo draft)")
         p.add_argument("--target-model", default=None, help="the target's folder (default: the embedded demo target)")
-        p.add_argument("--device", default=d.device)
-        p.add_argument("--dtype", default=d.dtype)
-        p.add_argument("--page-size", type=int, default=d.page_size)
-        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens)
-        p.add_argument("--max-topk", type=int, default=d.max_topk)
-        p.add_argument("--disable-cuda-graph", action="store_true")
-        p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
-        p.add_argument("--speculative-num-steps", type=int, default=3, help="tree shape to capture graphs for")
-        p.add_argument("--speculative-eagle-topk", type=int, default=1)
-        p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+        shared.add(p, shared.DEVICE)
+        p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page of the head's cache")
+        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens, help="the head's KV cache, in tokens")
+        p.add_argument("--max-topk", type=int, default=d.max_topk, help="the largest --speculative-eagle-topk a "
+                                                                        "request may ask for")
+        shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
         p.add_argument("--host", default=cls.host,
                        help="address to bind (default: loopback; the verifier is on the same machine)")
         p.add_argument("--internal-secret-file", default=None, metavar="FILE",
@@ -60,7 +58,7 @@ class DrafterServiceConfig:
                             "(the verifier's Rounds stream and Reload must present it)")
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
-        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--port", type=int, default=cls.port, help="gRPC port")
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
         p.add_argument("--profile-rounds", type=int, default=cls.profile_rounds,
                        help="trace this many rounds, after a warm-up of 32, with the torch profiler: a Chrome trace "
@@ -74,7 +72,8 @@ class DrafterServiceConfig:
     def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
         from tandem.speculative.drafter import SpecConfig
 
-        runtime = DrafterConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
+        speculative = shared.resolve_speculative(a, target_model)
+        runtime = DrafterConfig(device=shared.resolve_device(a.device), dtype=a.dtype, page_size=a.page_size, max_kv_tokens=a.max_kv_tokens,
                                 max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
                                 cuda_graph_max_bs=a.cuda_graph_max_bs)
         if not 0 <= a.round_lane_busy_poll_ms <= MAX_LANE_BUSY_POLL_MS:  # a spin never ended blocks the event loop
@@ -82,7 +81,7 @@ class DrafterServiceConfig:
                               f"got {a.round_lane_busy_poll_ms}")
         if a.profile_rounds < 0:
             raise ConfigError(f"--profile-rounds must be >= 0, got {a.profile_rounds}")
-        spec = SpecConfig(a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)
+        spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)
         secret = internal_secret.load(a.internal_secret_file)
         if secret is None and not is_loopback(a.host):
             raise ConfigError(f"--host {a.host} is not a loopback address: the drafter's port would be an open control "

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.args import MODEL, HelpFormatter
+
 API_KEY_ENV = "TANDEM_API_KEY"
 
 
@@ -60,9 +62,11 @@ def _header_token(s: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig
     p = argparse.ArgumentParser(prog="python -m gateway",
-                                description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.")
+                                description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")
-    p.add_argument("--model-dir", required=True, help="model folder with tokenizer.json (and a chat template)")
+    p.add_argument("--model-dir", *MODEL.names, dest="model_dir", required=True,
+                   help="the target's folder: tokenizer.json, its chat template, generation_config.json")
     p.add_argument("--host", default=d.host, help="address to listen on (REST and gRPC)")
     p.add_argument("--port", type=int, default=d.port, help="REST port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="public gRPC port")
@@ -79,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generations in flight, REST and gRPC together (429 above)")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
 
 

@@ -99,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not r.text:
                 raise bad_request("text", "the prompt is empty")
             gw.prompt_bound.check(len(r.text), info.max_context, "text")
-            ids = gw.tokenizer.encode(r.text)
+            ids = gw.tokenizer.encode(r.text, add_special_tokens=True)
         else:
             ids = list(r.token_ids.ids)
         check_prompt_ids(ids, info.vocab_size, which)

@@ -113,7 +113,8 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     except ChatTemplateError as e:
         raise bad_request("messages", str(e)) from e
     limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
-    prompt_ids = tok.encode(text)
+    # The template renders its own BOS; the tokenizer's would double it (vLLM: add_special_tokens=False for chat).
+    prompt_ids = tok.encode(text, add_special_tokens=False)
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "messages")
     # max_completion_tokens is the newer name and wins; without either, chat may use all the room
     # the context leaves (as vLLM does), bounded by --max-tokens-limit.
@@ -176,7 +177,7 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits) -> list[int]:
         if not prompt:
             raise bad_request("prompt", "the prompt is empty")
         limits.prompt_bound.check(len(prompt), limits.info.max_context, "prompt")
-        return tok.encode(prompt)
+        return tok.encode(prompt, add_special_tokens=True)  # as transformers and vLLM: a Llama-3 prompt gets its BOS
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):

@@ -9,43 +9,45 @@ import logging
 import sys
 import time
 
+from tandem import args as shared
 from tandem.errors import TandemError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded demo model)")
-    p.add_argument("--draft-model", default=None, help="EAGLE-3 draft folder; enables speculative decoding")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), bfloat16, float16, float32")
+    p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
+                       formatter_class=shared.HelpFormatter)
+    shared.add(p, shared.MODEL, shared.TP_SIZE, shared.DEVICE)
+    shared.add_speculative(p)
+    shared.add(p, *shared.ENGINE_FLAGS)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model folder)")
-    prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    prompt.add_argument("--prompt", help="prompt text, encoded with the tokenizer's special tokens (BOS) as "
+                                         "transformers does (needs tokenizer.json in the model folder)")
+    prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3 (used as given)")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--speculative-num-steps", type=int, default=None)
-    p.add_argument("--speculative-eagle-topk", type=int, default=None)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=8)
-    p.add_argument("--decode-steps", type=int, default=None,
-                   help="plain decode steps queued back to back (default: 4 with CUDA graphs, else 1)")
-    p.add_argument("--spec-rounds", type=int, default=None,
-                   help="greedy chain rounds queued back to back (default: 4 with CUDA graphs, else 1)")
-    p.add_argument("--no-overlap-runs", action="store_true",
-                   help="read each run of --decode-steps or --spec-rounds back before queuing the next (default: the "
-                        "next is queued first)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
+def generate_settings(args: argparse.Namespace) -> tuple:
+    """(EngineConfig, Speculative) from ``tandem generate``'s flags, whatever their spelling."""
     from tandem.engine.config import EngineConfig
+
+    speculative = shared.resolve_speculative(args, args.model)
+    speculative.require_draft()
+    cfg = EngineConfig(model=args.model, device=shared.resolve_device(args.device), dtype=args.dtype,
+                       tp_size=args.tp_size, mem_fraction_static=args.mem_fraction_static, kv_pages=args.kv_pages,
+                       max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
+                       spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs)
+    return cfg, speculative
+
+
+def _run_generate(args: argparse.Namespace) -> int:
     from tandem.sampling import SamplingParams
     from tandem.tokenizer import TextTokenizer
 
@@ -57,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         if tokenizer is None:
             raise TandemError(f"{args.model} has no tokenizer.json; use --prompt-token-ids")
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     else:
         try:
             prompt = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
@@ -65,11 +67,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise TandemError(f"--prompt-token-ids must be comma-separated integers, got '{args.prompt_token_ids}'") from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp_size,
-                       disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       decode_steps=args.decode_steps, spec_rounds=args.spec_rounds,
-                       overlap_runs=not args.no_overlap_runs)
-    with _build_engine(cfg, args) as engine:
+    cfg, speculative = generate_settings(args)
+    with _build_engine(cfg, speculative) as engine:
         started = time.perf_counter()
         result = engine.generate([prompt], params)[0]
         elapsed = time.perf_counter() - started
@@ -78,7 +77,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         "output_token_ids": out,
         "finish_reason": result.finish_reason,
         # target-only: one forward per token; speculative: one verify round per accepted run (+ the prefill)
-        "rounds": result.spec_stats.rounds + 1 if args.draft_model else len(out),
+        "rounds": result.spec_stats.rounds + 1 if speculative.draft_model else len(out),
         "accept_length_mean": result.spec_stats.accept_length_mean,
         "acceptance_by_position": result.spec_stats.acceptance_by_position,
         "tokens_per_s": len(out) / elapsed if elapsed > 0 else 0.0,
@@ -89,31 +88,31 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(report.get("text", out))
-        print(f"[{len(out)} tokens, {report['tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+        print(f"[{len(out)} tokens, {report['tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}, "
+              f"device: {cfg.device}]", file=sys.stderr)
     return 0
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
     from tandem.launcher import add_up_arguments, run_up
 
-    p = sub.add_parser("up", help="start drafter, verifier and gateway locally (the demo pair by default)")
+    p = sub.add_parser("up", help="start drafter, verifier and gateway locally (the demo pair by default)",
+                       formatter_class=shared.HelpFormatter)
     add_up_arguments(p)
     p.set_defaults(run=run_up)
 
 
-def _build_engine(cfg, args: argparse.Namespace):
-    """The engine, with an in-process EAGLE-3 drafter when --draft-model is given (validated first)."""
+def _build_engine(cfg, speculative: shared.Speculative):
+    """The engine, with an in-process EAGLE-3 drafter when a draft model is given (validated first)."""
     from tandem.engine.llm_engine import LLMEngine
 
-    if args.draft_model is None:
+    if speculative.draft_model is None:
         return LLMEngine(cfg)
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.setup import speculative_engine
 
-    steps = args.speculative_num_steps or 3
-    topk = args.speculative_eagle_topk or 1
-    spec = SpecConfig(steps, topk, args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else 2 * steps))
-    return speculative_engine(cfg, args.draft_model, spec, draft_dtype=args.dtype)
+    spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)
+    return speculative_engine(cfg, speculative.draft_model, spec, draft_dtype=cfg.dtype)
 
 
 def _add_training(sub: argparse._SubParsersAction) -> None:

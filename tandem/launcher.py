@@ -20,9 +20,12 @@ $TANDEM_INTERNAL_SECRET is set, written to a private file (0600) that the drafte
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import TandemError
 
@@ -68,89 +72,143 @@ class Child:
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target model folder (default: the embedded demo target)")
-    p.add_argument("--draft-model", default=None, help="EAGLE-3 draft folder (default: the demo draft; 'none' = no speculation)")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-eagle-topk", type=int, default=1)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    shared.add(p, shared.MODEL, shared.TP_SIZE, shared.DEVICE)
+    shared.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
+                                         "no speculation; 'none' turns it off for the demo)")
+    p.add_argument("--drafter", choices=["service", "in-process"], default="service",
+                   help="service: the head in a drafter process of its own (isolation, hot reload); in-process: in "
+                        "the verifier (faster, as tandem generate runs it)")
+    shared.add(p, *shared.ENGINE_FLAGS)
+    p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured",
+                   help="measured: speculate where it pays for the batch; always: every step")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API and metrics (default: the folder's name, tandem-demo for the demo)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8000, help="the gateway's REST port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
-    p.add_argument("--verifier-port", type=int, default=50051)
-    p.add_argument("--drafter-port", type=int, default=50052)
-    p.add_argument("--metrics-port", type=int, default=50053, help="the verifier's Prometheus port")
+    p.add_argument("--verifier-port", type=int, default=None, help="the verifier's gRPC port (default: a free one)")
+    p.add_argument("--drafter-port", type=int, default=None, help="the drafter's gRPC port (default: a free one)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the verifier's Prometheus port (default: a free one; the gateway's /metrics relays it)")
+    p.add_argument("--log-stats-interval", type=float, default=None, metavar="SECONDS",
+                   help="the verifier's stats line while busy (default: the verifier's, 10 s; 0: off)")
     p.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP endpoint")
     p.add_argument("--api-key", default=None, help="the gateway requires it as a bearer token (or set $TANDEM_API_KEY)")
-    p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured")
     p.add_argument("--capture-traffic", default=None, metavar="DIR",
                    help="the verifier appends finished requests' tokens and features to DIR (drafter retraining)")
     p.add_argument("--reload-root", default=None, metavar="DIR",
                    help="the drafter reloads heads from below DIR only (default: the draft model's parent folder)")
 
 
-def run_up(args: argparse.Namespace) -> int:
+@dataclass
+class UpPlan:
+    children: list[Child]
+    ports: dict[str, int]  # verifier, drafter, metrics: the internal ones, as given or picked
+    model: str
+    name: str  # the served model name
+    draft: str | None
+
+
+def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
+    """The three services' command lines, every user spelling turned into the services' own flags."""
     from tandem.demo import ensure_demo_draft, ensure_demo_target
 
     model = args.model or str(ensure_demo_target())
-    draft = args.draft_model
+    speculative = shared.resolve_speculative(args, model)
+    draft = speculative.draft_model
     if draft is None and args.model is None:
         draft = str(ensure_demo_draft())
     if draft == "none":
         draft = None
+    speculative = dataclasses.replace(speculative, draft_model=draft)
+    speculative.require_draft()
+    in_process = args.drafter == "in-process"
+    if in_process and args.reload_root:
+        raise TandemError("--reload-root: the drafter service reloads heads, which --drafter in-process does not have")
+    picked = iter(free_ports(3))  # internal ports not given: free ones, so two stacks on a host do not collide
+    ports = {name: given if given is not None else next(picked)
+             for name, given in (("verifier", args.verifier_port), ("drafter", args.drafter_port),
+                                 ("metrics", args.metrics_port))}
     py = [sys.executable, "-m"]
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
-    spec = ["--speculative-num-steps", str(args.speculative_num_steps), "--speculative-eagle-topk",
-            str(args.speculative_eagle_topk), "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    secret = ["--internal-secret-file", secret_file]
+    device = ["--device", args.device]
+    name = args.served_model_name or ("tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model)))
+    children = []
+    if draft is not None and not in_process:
+        reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
+        children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, *device,
+                                              "--port", str(ports["drafter"]), *speculative.argv(),
+                                              *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
+                                              *reload_root]))
+    verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
+                          *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
+                          *_passthrough(args, shared.ENGINE_FLAGS), *tracing]
+    if draft is not None:
+        drafter = "in-process" if in_process else f"127.0.0.1:{ports['drafter']}"
+        verifier_argv += ["--drafter", drafter, "--draft-model", draft, *speculative.argv(),
+                          "--speculation-policy", args.speculation_policy]
+        verifier_argv += [] if in_process else secret
+    if args.capture_traffic:
+        verifier_argv += ["--capture-traffic", args.capture_traffic]
+    if args.log_stats_interval is not None:
+        verifier_argv += ["--log-stats-interval", str(args.log_stats_interval)]
+    children.append(Child("verifier", verifier_argv))
+    children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
+                                           model, "--host", args.host, "--port", str(args.port), "--grpc-port",
+                                           str(args.grpc_port), "--served-model-name", name, *tracing,
+                                           "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics"]))
+    return UpPlan(children, ports, model, name, draft)
+
+
+def _passthrough(args: argparse.Namespace, flags: tuple[shared.Flag, ...]) -> list[str]:
+    return [word for flag in flags for word in flag.argv(args)]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held together while picked, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def run_up(args: argparse.Namespace) -> int:
     secret_value = internal_secret.load() or internal_secret.generate()
     secret_dir = tempfile.mkdtemp(prefix="tandem-up-")  # 0700
     secret_file = os.path.join(secret_dir, "internal-secret")
     fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret_value)
-    secret = ["--internal-secret-file", secret_file]
-    children = []
-    if draft is not None:
-        reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
-        children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, "--device",
-                                              args.device, "--port", str(args.drafter_port), *spec, *tracing,
-                                              *secret, *reload_root]))
-    verifier_argv = py + ["verifier", "--model", model, "--tp-size", str(args.tp_size), "--device", args.device,
-                          "--port", str(args.verifier_port), "--metrics-port", str(args.metrics_port), *tracing]
-    if draft is not None:
-        verifier_argv += ["--drafter", f"127.0.0.1:{args.drafter_port}", "--draft-model", draft, *spec,
-                          "--speculation-policy", args.speculation_policy, *secret]
-    if args.capture_traffic:
-        verifier_argv += ["--capture-traffic", args.capture_traffic]
-    children.append(Child("verifier", verifier_argv))
-    name = "tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model))
-    children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{args.verifier_port}", "--model-dir",
-                                           model, "--host", args.host, "--port", str(args.port), "--grpc-port",
-                                           str(args.grpc_port), "--served-model-name", name, *tracing,
-                                           "--verifier-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]))
-    env = dict(os.environ)
-    if args.api_key:  # through the environment, not the gateway's argv that ps shows
-        env["TANDEM_API_KEY"] = args.api_key
-    if args.model is None and args.device == "cpu":
-        # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
-        # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
-        # Measured on a 2-core VM, demo pair, chain of 5: 237 -> 272-315 tok/s.
-        env.setdefault("OMP_NUM_THREADS", "1")
+    children: list[Child] = []
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     try:
+        plan = plan_up(args, secret_file)
+        children = plan.children
+        env = dict(os.environ)
+        if args.api_key:  # through the environment, not the gateway's argv that ps shows
+            env["TANDEM_API_KEY"] = args.api_key
+        if args.model is None and args.device in ("cpu", "auto"):
+            # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
+            # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
+            # Measured on a 2-core VM, demo pair, chain of 5: 237 -> 272-315 tok/s. (Harmless on a GPU.)
+            env.setdefault("OMP_NUM_THREADS", "1")
         for child in children:
             print(f"starting {child.name} ...", file=sys.stderr, flush=True)
             child.start(env)
-            _wait_healthy(child, args)
+            _wait_healthy(child, args, plan.ports)
         base = f"http://{args.host}:{args.port}"
-        print(f"\nTandem is up ({'EAGLE-3 speculation on' if draft else 'no speculation'}).\n"
-              f"  OpenAI API:   {base}/v1   (model: {name})\n"
+        mode = "no speculation" if plan.draft is None else \
+            f"EAGLE-3 speculation on, head {'in the verifier' if args.drafter == 'in-process' else 'in the drafter'}"
+        print(f"\nTandem is up ({mode}).\n"
+              f"  OpenAI API:   {base}/v1   (model: {plan.name})\n"
               f"  gRPC:         {args.host}:{args.grpc_port}   (tandem.rpc.generation.v1.Generation)\n"
-              f"  metrics:      {base}/metrics   and   http://127.0.0.1:{args.metrics_port}/metrics (verifier)\n"
+              f"  metrics:      {base}/metrics   and   http://127.0.0.1:{plan.ports['metrics']}/metrics (verifier)\n"
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' "
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
-              f"  drafter's internal secret (tandem reload-drafter --internal-secret-file): {secret_file}\n"
+              f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
+              f"--internal-secret-file): {secret_file}\n"
               "Ctrl-C stops all three; a service that exits is restarted.", flush=True)
         return _supervise(children, env)
     except KeyboardInterrupt:
@@ -165,18 +223,18 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _wait_healthy(child: Child, args: argparse.Namespace, timeout_s: float = 600.0) -> None:
+def _wait_healthy(child: Child, args: argparse.Namespace, ports: dict[str, int], timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
             raise TandemError(f"{child.name} exited with code {child.proc.returncode} during start-up (see its log above)")
-        if _healthy(child.name, args):
+        if _healthy(child.name, args, ports):
             return
         time.sleep(0.3)
     raise TandemError(f"{child.name} did not become healthy within {timeout_s:.0f} s")
 
 
-def _healthy(name: str, args: argparse.Namespace) -> bool:
+def _healthy(name: str, args: argparse.Namespace, ports: dict[str, int]) -> bool:
     if name == "gateway":
         try:
             return urllib.request.urlopen(f"http://{args.host}:{args.port}/health", timeout=2).status == 200
@@ -184,7 +242,7 @@ def _healthy(name: str, args: argparse.Namespace) -> bool:
             return False
     from tandem.service_probe import is_serving
 
-    return is_serving(args.drafter_port if name == "drafter" else args.verifier_port)
+    return is_serving(ports[name])
 
 
 def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lambda: False) -> int:

@@ -20,8 +20,10 @@ class TextTokenizer:
     def available(model_dir: str | Path) -> bool:
         return (Path(model_dir) / "tokenizer.json").is_file()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As transformers encodes: with the tokenizer's special tokens (its post-processor's BOS) unless
+        told otherwise (a rendered chat template already holds its own)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

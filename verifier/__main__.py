@@ -6,16 +6,22 @@ import argparse
 import logging
 import sys
 
+from tandem import args as shared
 from tandem import tracing
 from tandem.errors import TandemError
 from tandem.service_runtime import run_service
 from verifier.config import VerifierConfig
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model",
+                                     formatter_class=shared.HelpFormatter)
     VerifierConfig.add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model = args.model
@@ -27,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("verifier").info("config: model=%s, %s", model, cfg.describe())
+    logging.getLogger("verifier").info("config: model=%s, device=%s, %s", model, cfg.engine.device, cfg.describe())
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     from verifier.engine_loop import EngineFailed
     from verifier.serve import serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tandem import args as shared
 from tandem import internal_secret
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
@@ -23,9 +24,9 @@ class VerifierConfig:
     port: int = 50051
     drafter: str | None = None  # drafter service address; None = no speculation
     draft_model: str | None = None  # the drafter's head: validated here at start-up, sets the capture layers
-    num_steps: int = 3  # --speculative-num-steps
-    topk: int = 1  # --speculative-eagle-topk
-    num_draft_tokens: int = 4  # --speculative-num-draft-tokens
+    num_steps: int = shared.DEFAULT_NUM_STEPS  # --speculative-num-steps
+    topk: int = shared.DEFAULT_TOPK  # --speculative-eagle-topk
+    num_draft_tokens: int = shared.DEFAULT_NUM_STEPS + 1  # --speculative-num-draft-tokens
     drafter_deadline_s: float = 2.0  # a drafter reply later than this counts as a failure
     reconnect_interval_s: float = 1.0
     ring_rows: int = 65536  # feature rows in the shared-memory ring
@@ -39,6 +40,7 @@ class VerifierConfig:
     round_lane: bool = True  # offer the drafter a local socket for the per-round messages (tandem/round_lane.py)
     round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
     internal_secret: str | None = None  # presented to the drafter on its Rounds stream (tandem.internal_secret)
+    log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
 
     def __post_init__(self) -> None:
         if self.drafter == IN_PROCESS:
@@ -54,6 +56,8 @@ class VerifierConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)}: settings of a drafter service's connection, which "
                                   "--drafter in-process does not have")
+        if self.log_stats_interval_s < 0:
+            raise ConfigError(f"--log-stats-interval must be >= 0 (0: off), got {self.log_stats_interval_s}")
         if self.ring_rows < MIN_RING_ROWS:
             raise ConfigError(f"--ring-rows must be >= {MIN_RING_ROWS} (a Round in flight and the next one's "
                               f"features), got {self.ring_rows}")
@@ -61,46 +65,26 @@ class VerifierConfig:
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         e = EngineConfig
-        p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded demo target)")
-        p.add_argument("--served-model-name", default=None)
-        p.add_argument("--tp-size", type=int, default=e.tp_size)
-        p.add_argument("--device", default=e.device)
-        p.add_argument("--dtype", default=e.dtype)
-        p.add_argument("--page-size", type=int, default=e.page_size)
-        p.add_argument("--mem-fraction-static", type=float, default=e.mem_fraction_static)
-        p.add_argument("--max-running-requests", type=int, default=e.max_running_requests)
+        shared.add(p, shared.MODEL)
+        p.add_argument("--served-model-name", default=None, help="the model's name in metrics (default: the folder's)")
+        shared.add(p, shared.TP_SIZE, shared.DEVICE)
+        p.add_argument("--page-size", type=int, default=e.page_size, help="tokens per KV page")
+        shared.add(p, *shared.ENGINE_FLAGS)
         p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "random"],
                        help="random: weights drawn on the device, only config.json read (benchmarks)")
-        p.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
-        p.add_argument("--disable-cuda-graph", action="store_true")
-        p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs)
-        p.add_argument("--decode-steps", type=int, default=None,
-                       help="plain decode steps queued back to back while no request speculates and no prompt "
-                            "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)")
-        p.add_argument("--spec-rounds", type=int, default=None,
-                       help="greedy chain rounds queued back to back with the head in process (--drafter "
-                            "in-process) while no prompt waits; their tokens stream together (default: 4 with "
-                            "CUDA graphs, else 1)")
-        p.add_argument("--no-overlap-runs", action="store_true",
-                       help="read each run of --decode-steps or --spec-rounds back before queuing the next "
-                            "(default: the next run is queued first, from the device's state, so the GPU does not "
-                            "wait at the boundary)")
-        p.add_argument("--host", default=cls.host)
-        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--host", default=cls.host, help="address the gRPC server binds")
+        p.add_argument("--port", type=int, default=cls.port, help="gRPC port")
         p.add_argument("--drafter", default=None,
                        help="drafter service address host:port; 'in-process' to run the --draft-model head inside "
                             "this process (the in-process engine's speed; no drafter isolation or hot reload); "
-                            "omit for no speculation")
-        p.add_argument("--draft-model", default=None,
-                       help="the drafter's EAGLE-3 folder: validated against the target at start-up and used to "
-                            "choose the captured layers (recommended with --drafter)")
-        p.add_argument("--speculative-num-steps", type=int, default=cls.num_steps)
-        p.add_argument("--speculative-eagle-topk", type=int, default=cls.topk)
-        p.add_argument("--speculative-num-draft-tokens", type=int, default=cls.num_draft_tokens)
+                            "default: no speculation")
+        shared.add_speculative(p, draft_help="the drafter's EAGLE-3 folder: validated against the target at start-up "
+                                             "and used to choose the captured layers (recommended with --drafter)")
         p.add_argument("--speculation-policy", choices=["measured", "always"], default=cls.speculation_policy,
-                       help="measured (default): a request decodes plainly while its accept length is below the "
-                            "measured cost of a speculative round, probing now and then; always: every round speculates")
-        p.add_argument("--drafter-deadline-ms", type=float, default=cls.drafter_deadline_s * 1000)
+                       help="measured: speculate while the batch's accept length beats the measured cost of a round, "
+                            "probing now and then; always: every round speculates")
+        p.add_argument("--drafter-deadline-ms", type=float, default=cls.drafter_deadline_s * 1000,
+                       help="a drafter reply later than this costs the round its speculation")
         p.add_argument("--disable-round-lane", action="store_true",
                        help="send every round on the drafter's gRPC stream instead of the local round lane "
                             "(the lane saved ~0.45 ms per round on a CPU VM; the stream is the fallback anyway)")
@@ -111,30 +95,44 @@ class VerifierConfig:
                        help=f"the drafter's internal secret, from FILE instead of ${internal_secret.ENV}")
         p.add_argument("--ring-rows", type=int, default=cls.ring_rows,
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
-        p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting)
-        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting,
+                       help="queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port "
+                                                                      "(default: off)")
+        p.add_argument("--log-stats-interval", type=float, default=cls.log_stats_interval_s, metavar="SECONDS",
+                       help="log a stats line (batch, throughput, accept length, KV usage) this often while busy; "
+                            "0: off")
+        p.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
+                       help="vLLM's switch: --log-stats-interval 0")
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
         p.add_argument("--capture-traffic", default=None, metavar="DIR",
                        help="append every finished request's tokens and EAGLE-3 features to DIR, for "
                             "python -m drafter.train --traffic DIR (off by default; stores prompts)")
-        p.add_argument("--capture-traffic-max-gb", type=float, default=cls.capture_traffic_max_gb)
+        p.add_argument("--capture-traffic-max-gb", type=float, default=cls.capture_traffic_max_gb,
+                       help="stop capturing once DIR holds this much")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
-        engine = EngineConfig(model=model, device=a.device, dtype=a.dtype, tp_size=a.tp_size, page_size=a.page_size,
+        spec = shared.resolve_speculative(a, model)
+        spec.require_draft()
+        engine = EngineConfig(model=model, device=shared.resolve_device(a.device), dtype=a.dtype, tp_size=a.tp_size,
+                              page_size=a.page_size,
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs)
-        return cls(engine=engine, host=a.host, port=a.port, drafter=a.drafter, draft_model=a.draft_model, num_steps=a.speculative_num_steps,
-                   topk=a.speculative_eagle_topk, num_draft_tokens=a.speculative_num_draft_tokens,
+        # Asked for as SGLang users do, speculation without a drafter service runs the head in this process.
+        drafter = IN_PROCESS if spec.requested and a.drafter is None else a.drafter
+        return cls(engine=engine, host=a.host, port=a.port, drafter=drafter, draft_model=spec.draft_model,
+                   num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
                    served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
                    speculation_policy=a.speculation_policy,
                    capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane,
                    round_prefetch=not a.disable_round_prefetch,
-                   internal_secret=internal_secret.load(a.internal_secret_file))
+                   internal_secret=internal_secret.load(a.internal_secret_file),
+                   log_stats_interval_s=a.log_stats_interval)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)

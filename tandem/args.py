@@ -1,0 +1,228 @@
+"""Command-line flags that several Tandem CLIs share, defined once: ``tandem up``, ``tandem generate``,
+``python -m verifier`` and ``python -m drafter`` (the gateway takes the model alias). SGLang's and vLLM's
+spellings are aliases of ours where they mean the same thing (``--model-path``, ``--tensor-parallel-size``
+/ ``-tp``, ``--speculative-draft-model-path``, ``--max-num-seqs``, ``--enforce-eager``), and
+``--speculative-algorithm`` / vLLM's ``--speculative-config`` resolve to the same draft settings.
+
+Torch-free: ``--device auto`` is decided by ``resolve_device`` in the process that runs the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.engine.config import EngineConfig
+from tandem.errors import ConfigError
+
+log = logging.getLogger("tandem")
+
+# The speculative shape when no flag sets it: a chain of 3 draft steps (4 tokens with the root).
+DEFAULT_NUM_STEPS = 3
+DEFAULT_TOPK = 1
+DEFAULT_DEVICE = "auto"
+SPECULATIVE_ALGORITHMS = ("EAGLE3",)
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after each flag's help, except where the help already says its default or there is
+    none to show (None, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag: its names (ours first, then the aliases) and its add_argument options."""
+    names: tuple[str, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.options.get("dest") or self.names[0].lstrip("-").replace("-", "_")
+
+    def add(self, p: argparse.ArgumentParser, **override: Any) -> None:
+        p.add_argument(*self.names, **{**self.options, **override})
+
+    def argv(self, args: argparse.Namespace) -> list[str]:
+        """The flag in our spelling as given in ``args``; nothing when it holds its default."""
+        value = getattr(args, self.dest)
+        if value == self.options.get("default") or value is None:
+            return []
+        if self.options.get("action") == "store_true":
+            return [self.names[0]] if value else []
+        return [self.names[0], str(value)]
+
+
+e = EngineConfig
+MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model folder (Hugging Face format; "
+                                                                   "default: the embedded demo target)"))
+DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
+TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "-tp"),
+               dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
+DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when torch sees a GPU, else cpu), cpu, "
+                                                                "cuda or cuda:N"))
+DTYPE = Flag(("--dtype",), dict(default=e.dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                                help="weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU"))
+MEM_FRACTION = Flag(("--mem-fraction-static",), dict(type=float, default=e.mem_fraction_static,
+                                                     help="GPU: fraction of the device's memory for weights + KV"))
+KV_PAGES = Flag(("--kv-pages",), dict(type=int, default=None,
+                                      help="KV pool size in pages (default: from --mem-fraction-static on GPU, "
+                                           f"{e.cpu_kv_tokens} tokens on CPU)"))
+MAX_RUNNING = Flag(("--max-running-requests", "--max-num-seqs"),
+                   dict(type=int, default=e.max_running_requests, help="requests in the running batch at most"))
+DISABLE_GRAPH = Flag(("--disable-cuda-graph", "--enforce-eager"),
+                     dict(action="store_true", help="run every forward eagerly (no CUDA graphs)"))
+GRAPH_MAX_BS = Flag(("--cuda-graph-max-bs",), dict(type=int, default=e.cuda_graph_max_bs,
+                                                   help="largest batch (requests) captured as a CUDA graph"))
+DECODE_STEPS = Flag(("--decode-steps",), dict(
+    type=int, default=None, help="plain decode steps queued back to back while no request speculates and no prompt "
+                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)"))
+SPEC_ROUNDS = Flag(("--spec-rounds",), dict(
+    type=int, default=None, help="greedy chain rounds queued back to back with the head in process while no prompt "
+                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)"))
+NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
+    action="store_true", help="read each run of --decode-steps or --spec-rounds back before queuing the next "
+                              "(default: the next run is queued first, from the device's state)"))
+# The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
+ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
+                NO_OVERLAP)
+# The drafter service takes these of them too (its own graphs and dtype).
+DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
+
+NUM_STEPS = Flag(("--speculative-num-steps",), dict(type=int, default=None,
+                                                    help=f"draft tree depth (default: {DEFAULT_NUM_STEPS})"))
+EAGLE_TOPK = Flag(("--speculative-eagle-topk",), dict(type=int, default=None, help="children per draft node; 1 "
+                                                      f"drafts a chain (default: {DEFAULT_TOPK})"))
+NUM_DRAFT_TOKENS = Flag(("--speculative-num-draft-tokens",), dict(
+    type=int, default=None, help="draft tokens verified per round, the root included (default: steps + 1 for a "
+                                 "chain, 2 x steps for a tree)"))
+ALGORITHM = Flag(("--speculative-algorithm",), dict(
+    default=None, metavar="EAGLE3", help="SGLang's switch: EAGLE3 turns speculation on (with a draft model); EAGLE "
+                                         "(1/2) heads are refused: Tandem serves EAGLE-3 heads (default: on when a "
+                                         "draft model is given)"))
+SPEC_CONFIG = Flag(("--speculative-config",), dict(
+    default=None, metavar="JSON", help="vLLM's form: '{\"method\": \"eagle3\", \"model\": DRAFT, "
+                                       "\"num_speculative_tokens\": N}' = a chain of N draft steps (N + 1 tokens); "
+                                       "instead of the --speculative-* flags"))
+SPEC_SHAPE_FLAGS = (NUM_STEPS, EAGLE_TOPK, NUM_DRAFT_TOKENS)
+
+
+def add(p: argparse.ArgumentParser, *flags: Flag) -> None:
+    for flag in flags:
+        flag.add(p)
+
+
+def add_speculative(p: argparse.ArgumentParser, draft_names: tuple[str, ...] = DRAFT_MODEL_NAMES,
+                    draft_help: str = "EAGLE-3 draft folder; enables speculative decoding") -> None:
+    """The draft model (dest ``draft_model``), the tree shape, ``--speculative-algorithm`` and
+    ``--speculative-config``; ``resolve_speculative`` reads them."""
+    p.add_argument(*draft_names, dest="draft_model", default=None, help=draft_help)
+    add(p, ALGORITHM, *SPEC_SHAPE_FLAGS, SPEC_CONFIG)
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """The draft settings every spelling resolves to."""
+    draft_model: str | None
+    num_steps: int = DEFAULT_NUM_STEPS
+    topk: int = DEFAULT_TOPK
+    num_draft_tokens: int = DEFAULT_NUM_STEPS + 1
+    # --speculative-algorithm or --speculative-config asked for speculation (how it was asked: not compared)
+    requested: bool = field(default=False, compare=False)
+
+    def argv(self) -> list[str]:
+        """The shape in our spelling (tandem up passes it to the services)."""
+        return ["--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.topk),
+                "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+
+    def require_draft(self) -> None:
+        if self.requested and self.draft_model is None:
+            raise ConfigError("speculation was asked for (--speculative-algorithm / --speculative-config) without a "
+                              "draft: give --speculative-draft-model-path DIR (an EAGLE-3 head)")
+
+
+def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> Speculative:
+    """SGLang's and vLLM's spellings of the draft settings, checked and made one; ``target`` (the target's
+    folder, when known) lets a refused EAGLE-1/2 name the widths."""
+    draft, steps, topk, tokens = args.draft_model, args.speculative_num_steps, args.speculative_eagle_topk, \
+        args.speculative_num_draft_tokens
+    requested = False
+    if args.speculative_algorithm is not None:
+        _check_method(args.speculative_algorithm, "--speculative-algorithm", target)
+        requested = True
+    if args.speculative_config is not None:
+        given = [f.names[0] for f in (ALGORITHM, *SPEC_SHAPE_FLAGS) if getattr(args, f.dest) is not None]
+        given += ["--speculative-draft-model-path"] if draft is not None else []
+        if given:
+            raise ConfigError(f"--speculative-config and {', '.join(given)} both set the draft: give one or the other")
+        draft, steps = _from_speculative_config(args.speculative_config, target)
+        topk, tokens, requested = 1, steps + 1, True
+    steps = DEFAULT_NUM_STEPS if steps is None else steps
+    topk = DEFAULT_TOPK if topk is None else topk
+    if tokens is None:
+        tokens = steps + 1 if topk == 1 else 2 * steps
+    return Speculative(draft, steps, topk, tokens, requested)
+
+
+def _from_speculative_config(raw: str, target: str | None) -> tuple[str | None, int]:
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {raw[:80]}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, got {raw[:80]}")
+    unknown = sorted(set(cfg) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: {', '.join(map(repr, unknown))} not supported (Tandem takes "
+                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)}; trees: the --speculative-* flags)")
+    _check_method(str(cfg.get("method", "")), "--speculative-config method", target)
+    model, n = cfg.get("model"), cfg.get("num_speculative_tokens", DEFAULT_NUM_STEPS)
+    if model is not None and not isinstance(model, str):
+        raise ConfigError(f"--speculative-config model must be a folder path, got {json.dumps(model)}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"--speculative-config num_speculative_tokens must be an integer >= 1, got {json.dumps(n)}")
+    return model, n
+
+
+def _check_method(value: str, where: str, target: str | None) -> None:
+    name = value.strip().upper().replace("-", "").replace("_", "")
+    if name in SPECULATIVE_ALGORITHMS:
+        return
+    if name == "EAGLE":
+        h = _hidden_size(target)
+        one, three = (f"{h}", f"{3 * h}") if h else ("H", "3 x H")
+        raise ConfigError(f"{where} {value}: EAGLE-1/2 heads draft from the target's last hidden state ({one} wide); "
+                          f"Tandem serves EAGLE-3 heads, which read three target layers ({three} wide): use EAGLE3 "
+                          "with an EAGLE-3 head (SpecForge / SGLang format)")
+    raise ConfigError(f"{where} {value!r} is not supported: Tandem speculates with EAGLE-3 heads only (EAGLE3)")
+
+
+def _hidden_size(target: str | None) -> int | None:
+    try:
+        raw = json.loads((Path(target) / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    size = raw.get("hidden_size") or (raw.get("text_config") or {}).get("hidden_size")
+    return size if isinstance(size, int) else None
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when torch sees a GPU, else cpu, said in the log; other values as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    picked = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info("--device auto: %s (%s)", picked,
+             f"torch sees {torch.cuda.device_count()} GPU(s)" if picked == "cuda" else "torch sees no GPU")
+    return picked

@@ -1,0 +1,262 @@
+"""The shared flags (tandem/args.py): SGLang's and vLLM's spellings give the config our own spelling gives, in
+every CLI that has the flag; EAGLE-1/2 and unknown speculative settings are refused by name; --help shows
+every flag's default; tandem up passes the engine flags through and picks free internal ports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+
+from tandem import args as shared
+from tandem.cli import build_parser, generate_settings
+from tandem.errors import ConfigError
+from tandem.launcher import plan_up
+
+
+@pytest.fixture
+def folders(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir()
+    draft.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    (target / "tokenizer.json").write_text("{}")  # the gateway only checks the folder here
+    return str(target), str(draft)
+
+
+def _verifier(argv):
+    from verifier.__main__ import build_parser as verifier_parser
+    from verifier.config import VerifierConfig
+
+    args = verifier_parser().parse_args(argv)
+    return VerifierConfig.from_args(args, args.model)
+
+
+def _drafter(argv, target):
+    from drafter.__main__ import build_parser as drafter_parser
+    from drafter.config import DrafterServiceConfig
+
+    args = drafter_parser().parse_args(argv)
+    return DrafterServiceConfig.from_args(args, shared.resolve_speculative(args, target).draft_model, target)
+
+
+def _generate(argv):
+    args = build_parser().parse_args(["generate", "--prompt-token-ids", "1,2", "--max-new-tokens", "4", *argv])
+    return generate_settings(args)
+
+
+def _up(argv, secret="/tmp/secret"):
+    args = build_parser().parse_args(["up", "--verifier-port", "1", "--drafter-port", "2", "--metrics-port", "3",
+                                      *argv])
+    return plan_up(args, secret)
+
+
+def _argvs(plan):
+    return {c.name: c.argv for c in plan.children}
+
+
+# ---- aliases ---------------------------------------------------------------------------------------
+
+
+def test_verifier_aliases_give_the_canonical_config(folders):
+    t, d = folders
+    canonical = _verifier(["--model", t, "--tp-size", "2", "--draft-model", d, "--drafter", "in-process",
+                           "--max-running-requests", "8", "--disable-cuda-graph"])
+    for alias in (["--model-path", t, "--tensor-parallel-size", "2", "--speculative-draft-model-path", d,
+                   "--drafter", "in-process", "--max-num-seqs", "8", "--enforce-eager"],
+                  ["--model-path", t, "-tp", "2", "--draft-model", d, "--drafter", "in-process",
+                   "--max-running-requests", "8", "--enforce-eager"]):
+        assert _verifier(alias) == canonical
+
+
+def test_speculative_algorithm_eagle3_runs_the_head_in_process(folders):
+    t, d = folders
+    sglang = _verifier(["--model-path", t, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", d,
+                        "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
+                        "--speculative-num-draft-tokens", "6"])
+    ours = _verifier(["--model", t, "--drafter", "in-process", "--draft-model", d, "--speculative-num-steps", "5"])
+    assert sglang == ours
+    assert (ours.drafter, ours.num_steps, ours.topk, ours.num_draft_tokens) == ("in-process", 5, 1, 6)
+    # lower case too, as SGLang's users type it
+    assert _verifier(["--model", t, "--speculative-algorithm", "eagle3", "--draft-model", d]).drafter == "in-process"
+
+
+def test_vllm_speculative_config_is_a_chain_of_n_steps(folders):
+    t, d = folders
+    config = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 5})
+    vllm = _verifier(["--model", t, "--speculative-config", config, "--drafter", "127.0.0.1:1"])
+    ours = _verifier(["--model", t, "--draft-model", d, "--speculative-num-steps", "5", "--speculative-eagle-topk",
+                      "1", "--speculative-num-draft-tokens", "6", "--drafter", "127.0.0.1:1"])
+    assert vllm == ours
+    assert _drafter(["--speculative-config", config], t) == _drafter(
+        ["--model", d, "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "6"], t)
+    assert _generate(["--model", t, "--speculative-config", config]) == _generate(
+        ["--model", t, "--draft-model", d, "--speculative-num-steps", "5"])
+
+
+def test_drafter_aliases(folders):
+    t, d = folders
+    canonical = _drafter(["--model", d, "--disable-cuda-graph"], t)
+    assert _drafter(["--speculative-draft-model-path", d, "--enforce-eager"], t) == canonical
+    assert _drafter(["--draft-model", d, "--disable-cuda-graph", "--speculative-algorithm", "EAGLE3"], t) == canonical
+
+
+def test_generate_aliases(folders):
+    t, d = folders
+    canonical = _generate(["--model", t, "--tp-size", "2", "--draft-model", d, "--max-running-requests", "3",
+                           "--disable-cuda-graph"])
+    assert _generate(["--model-path", t, "-tp", "2", "--speculative-draft-model-path", d, "--max-num-seqs", "3",
+                      "--enforce-eager", "--speculative-algorithm", "EAGLE3"]) == canonical
+    assert _generate(["--model-path", t, "--tensor-parallel-size", "2", "--speculative-draft-model-path", d,
+                      "--max-num-seqs", "3", "--enforce-eager"]) == canonical
+    engine, spec = canonical
+    assert (engine.tp_size, engine.max_running_requests, engine.disable_cuda_graph) == (2, 3, True)
+    assert (spec.draft_model, spec.num_steps, spec.topk, spec.num_draft_tokens) == (d, 3, 1, 4)
+
+
+def test_up_aliases_give_the_same_command_lines(folders):
+    t, d = folders
+    canonical = _argvs(_up(["--model", t, "--tp-size", "2", "--draft-model", d, "--speculative-num-steps", "4",
+                            "--speculative-num-draft-tokens", "5"]))
+    for alias in (["--model-path", t, "-tp", "2", "--speculative-algorithm", "EAGLE3",
+                   "--speculative-draft-model-path", d, "--speculative-num-steps", "4"],
+                  ["--model-path", t, "--tensor-parallel-size", "2", "--speculative-config",
+                   json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 4})]):
+        assert _argvs(_up(alias)) == canonical
+
+
+def test_gateway_model_aliases(folders):
+    from gateway.config import build_parser as gateway_parser, config_from_args
+
+    t, _ = folders
+    configs = [config_from_args(gateway_parser().parse_args(["--verifier", "127.0.0.1:1", flag, t]))
+               for flag in ("--model-dir", "--model", "--model-path")]
+    assert configs[0] == configs[1] == configs[2]
+
+
+# ---- refusals --------------------------------------------------------------------------------------
+
+
+def _refused(argv) -> str:
+    with pytest.raises(ConfigError) as e:
+        _verifier(argv)
+    assert "\n" not in str(e.value)  # one line
+    return str(e.value)
+
+
+def test_eagle_1_2_is_refused_naming_both_widths(folders):
+    t, d = folders
+    message = _refused(["--model", t, "--speculative-algorithm", "EAGLE", "--draft-model", d])
+    assert "EAGLE-1/2" in message and "EAGLE3" in message and "64 wide" in message and "192 wide" in message
+    message = _refused(["--model", t, "--speculative-config", json.dumps({"method": "eagle", "model": d})])
+    assert "EAGLE-1/2" in message and "method" in message
+    with pytest.raises(ConfigError, match="EAGLE-1/2"):  # without a target to read: the widths by name
+        _up(["--model", "/nowhere", "--speculative-algorithm", "EAGLE", "--draft-model", d])
+
+
+def test_other_algorithms_unknown_keys_and_mixed_spellings_are_refused(folders):
+    t, d = folders
+    assert "'NGRAM' is not supported" in _refused(["--model", t, "--speculative-algorithm", "NGRAM"])
+    assert "'medusa'" in _refused(["--model", t, "--speculative-config", '{"method": "medusa"}'])
+    message = _refused(["--model", t, "--speculative-config",
+                        json.dumps({"method": "eagle3", "model": d, "draft_tensor_parallel_size": 1, "x": 2})])
+    assert "'draft_tensor_parallel_size', 'x' not supported" in message
+    assert "not valid JSON" in _refused(["--model", t, "--speculative-config", "{method: eagle3}"])
+    assert "JSON object" in _refused(["--model", t, "--speculative-config", "[1]"])
+    assert ">= 1" in _refused(["--model", t, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 0}'])
+    message = _refused(["--model", t, "--draft-model", d, "--speculative-config", '{"method": "eagle3"}'])
+    assert "--speculative-config and --speculative-draft-model-path" in message
+    assert "--speculative-draft-model-path" in _refused(["--model", t, "--speculative-algorithm", "EAGLE3"])
+
+
+# ---- --help ----------------------------------------------------------------------------------------
+
+
+def _parsers():
+    from drafter.__main__ import build_parser as drafter_parser
+    from gateway.config import build_parser as gateway_parser
+    from verifier.__main__ import build_parser as verifier_parser
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {"tandem up": subs["up"], "tandem generate": subs["generate"], "verifier": verifier_parser(),
+            "drafter": drafter_parser(), "gateway": gateway_parser()}
+
+
+def test_every_flag_has_help_and_help_shows_defaults():
+    for name, parser in _parsers().items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"{name} {action.option_strings} has no help"
+            shown = formatter._get_help_string(action)
+            if action.default not in (None, False):
+                assert "default" in shown, f"{name} {action.option_strings}: --help does not show its default"
+        assert "(default: 1)" in parser.format_help() or name == "gateway"
+
+
+def test_device_auto_picks_cuda_when_torch_sees_a_gpu(monkeypatch, caplog):
+    import torch
+
+    caplog.set_level(logging.INFO, logger="tandem")
+    assert shared.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert shared.resolve_device("auto") == "cuda"
+    assert "--device auto: cuda (torch sees 2 GPU(s))" in caplog.text
+    assert shared.resolve_device("cpu") == "cpu" and shared.resolve_device("cuda:1") == "cuda:1"
+    for parser in _parsers().values():
+        device = next((a for a in parser._actions if a.dest == "device"), None)
+        assert device is None or device.default == "auto"
+
+
+# ---- tandem up -------------------------------------------------------------------------------------
+
+
+def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
+    from drafter.__main__ import build_parser as drafter_parser
+    from gateway.config import build_parser as gateway_parser
+    from verifier.__main__ import build_parser as verifier_parser
+
+    t, d = folders
+    argvs = _argvs(_up(["--model", t, "--draft-model", d, "--mem-fraction-static", "0.7", "--dtype", "bfloat16",
+                        "--enforce-eager", "--cuda-graph-max-bs", "8", "--kv-pages", "100", "--max-num-seqs", "4",
+                        "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5"]))
+    parsers = {"drafter": drafter_parser(), "verifier": verifier_parser(), "gateway": gateway_parser()}
+    parsed = {name: parsers[name].parse_args(argv[3:]) for name, argv in argvs.items()}  # after "python -m NAME"
+    v = parsed["verifier"]
+    assert (v.mem_fraction_static, v.dtype, v.disable_cuda_graph, v.cuda_graph_max_bs, v.kv_pages,
+            v.max_running_requests, v.speculation_policy, v.decode_steps, v.log_stats_interval) == \
+        (0.7, "bfloat16", True, 8, 100, 4, "always", 2, 5.0)
+    assert v.drafter == "127.0.0.1:2" and v.draft_model == d and v.metrics_port == 3
+    dr = parsed["drafter"]
+    assert (dr.dtype, dr.disable_cuda_graph, dr.cuda_graph_max_bs, dr.port) == ("bfloat16", True, 8, 2)
+    assert "--enforce-eager" not in argvs["verifier"] and "--disable-cuda-graph" in argvs["verifier"]
+    assert parsed["gateway"].verifier == "127.0.0.1:1"
+
+
+def test_up_drafter_in_process_starts_no_drafter(folders):
+    t, d = folders
+    argvs = _argvs(_up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--spec-rounds", "2"]))
+    assert set(argvs) == {"verifier", "gateway"}
+    v = argvs["verifier"]
+    assert v[v.index("--drafter") + 1] == "in-process" and "--internal-secret-file" not in v
+    assert v[v.index("--spec-rounds") + 1] == "2"
+    with pytest.raises(Exception, match="--reload-root"):
+        _up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--reload-root", "/x"])
+
+
+def test_up_picks_free_internal_ports_and_keeps_the_public_defaults(folders):
+    t, d = folders
+    argv = ["up", "--model", t, "--draft-model", d]
+    first, second = (plan_up(build_parser().parse_args(argv), "/tmp/s") for _ in range(2))
+    for plan in (first, second):
+        assert len(set(plan.ports.values())) == 3 and not set(plan.ports.values()) & {50051, 50052, 50053}
+        gateway = plan.children[-1].argv
+        assert gateway[gateway.index("--port") + 1] == "8000" and gateway[gateway.index("--grpc-port") + 1] == "50050"
+        assert gateway[gateway.index("--verifier") + 1] == f"127.0.0.1:{plan.ports['verifier']}"
+    assert first.ports != second.ports  # two stacks on one host
+    given = plan_up(build_parser().parse_args(argv + ["--verifier-port", "6000"]), "/tmp/s")
+    assert given.ports["verifier"] == 6000
