@@ -32,6 +32,7 @@ class GatewayConfig:
     max_concurrent_requests: int = 256  # generations in flight (REST and gRPC together); more get 429
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
+    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none), DIR
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generations in flight, REST and gRPC together (429 above)")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
+    p.add_argument("--generation-config", default=d.generation_config,
+                   help="sampling defaults for requests that leave them unset (temperature, top_p, top_k; chat's "
+                        "max_tokens from max_new_tokens), as vLLM: auto = the model folder's generation_config.json, "
+                        "vllm = none, or a folder holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
 
@@ -93,4 +98,4 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
-                         verifier_metrics_url=args.verifier_metrics_url)
+                         verifier_metrics_url=args.verifier_metrics_url, generation_config=args.generation_config)

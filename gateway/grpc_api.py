@@ -103,9 +103,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             ids = list(r.token_ids.ids)
         check_prompt_ids(ids, info.vocab_size, which)
-        temperature = r.temperature if r.HasField("temperature") else 1.0
-        top_p = r.top_p if r.HasField("top_p") else 1.0
-        top_k = 0 if r.top_k == -1 else r.top_k
+        d = gw.sampling_defaults  # the model's generation_config.json, as over REST
+        temperature = r.temperature if r.HasField("temperature") else d.temperature
+        top_p = r.top_p if r.HasField("top_p") else d.top_p
+        top_k = 0 if r.top_k == -1 else r.top_k or d.top_k  # proto3's unset is 0; -1 is "off"
         seed = r.seed if r.HasField("seed") else None
         check_sampling(temperature, top_p, top_k, seed, list(r.stop))
         if r.max_tokens == 0:

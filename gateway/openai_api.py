@@ -130,7 +130,8 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
         info = await gw.client.model_info()
-        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound)
+        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound,
+                        gw.sampling_defaults)
         if shape_cls is ChatShape:
             parse = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits)
         else:

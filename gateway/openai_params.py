@@ -1,7 +1,9 @@
 """OpenAI request bodies → GenerationRequest, refusing what we cannot honour with a 400 that names
 the field. Unknown fields are ignored (clients send many); known fields we do not implement are
 refused unless they hold their no-op value, so nobody silently gets something other than asked.
-Extensions as in vLLM (sent through ``extra_body``): ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+Extensions as in vLLM (sent through ``extra_body``): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``add_special_tokens`` (default: true for prompt text, false for a rendered chat template, which holds its own
+BOS). Unset sampling fields take the model's generation_config.json defaults (gateway/generation_defaults.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError, bad_request
+from gateway.generation_defaults import SamplingDefaults
 from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem.chat_template import ChatTemplate, ChatTemplateError
@@ -46,6 +49,7 @@ class Limits:
     max_tokens_limit: int | None
     default_max_tokens: int
     prompt_bound: PromptBound
+    defaults: SamplingDefaults = SamplingDefaults()  # the model's generation_config.json
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def _utf8(s: str, field: str) -> None:
 
 
 def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
-    prompt_ids = _prompt_ids(body.get("prompt"), tok, limits)
+    prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
     return _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
 
@@ -114,7 +118,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
         raise bad_request("messages", str(e)) from e
     limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
     # The template renders its own BOS; the tokenizer's would double it (vLLM: add_special_tokens=False for chat).
-    prompt_ids = tok.encode(text, add_special_tokens=False)
+    prompt_ids = tok.encode(text, add_special_tokens=_add_special_tokens(body, False))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "messages")
     # max_completion_tokens is the newer name and wins; without either, chat may use all the room
     # the context leaves (as vLLM does), bounded by --max-tokens-limit.
@@ -122,7 +126,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     param = "max_completion_tokens"
     if requested is None:
         requested, param = _opt_int(body, "max_tokens"), "max_tokens"
-    return _common(body, request_id, prompt_ids, limits, requested, None, param, "messages")
+    return _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages")
 
 
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
@@ -150,9 +154,10 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     top_k = _opt_int(body, "top_k")
     seed = _opt_int(body, "seed")
     stop = _stop(body.get("stop"))
-    temperature = 1.0 if temperature is None else temperature
-    top_p = 1.0 if top_p is None else top_p
-    top_k = 0 if top_k in (None, -1) else top_k  # -1 is vLLM's "off"
+    d = limits.defaults  # unset fields take the model's generation_config.json values, as vLLM
+    temperature = d.temperature if temperature is None else temperature
+    top_p = d.top_p if top_p is None else top_p
+    top_k = d.top_k if top_k is None else 0 if top_k == -1 else top_k  # -1 is vLLM's "off"
     check_sampling(temperature, top_p, top_k, seed, stop)
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), limits.info.max_context, limits.max_tokens_limit,
                                     default, max_param, prompt_param)
@@ -167,7 +172,13 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
 # ---- fields ------------------------------------------------------------------------------------
 
 
-def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits) -> list[int]:
+def _add_special_tokens(body: dict, default: bool) -> bool:
+    """vLLM's extra field: the tokenizer's special tokens (BOS) around the prompt text."""
+    value = _opt_bool(body, "add_special_tokens")
+    return default if value is None else value
+
+
+def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits, add_special_tokens: bool = True) -> list[int]:
     # A one-element list is a batch of one: accepted, since clients wrap prompts that way.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -177,7 +188,7 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits) -> list[int]:
         if not prompt:
             raise bad_request("prompt", "the prompt is empty")
         limits.prompt_bound.check(len(prompt), limits.info.max_context, "prompt")
-        return tok.encode(prompt, add_special_tokens=True)  # as transformers and vLLM: a Llama-3 prompt gets its BOS
+        return tok.encode(prompt, add_special_tokens=add_special_tokens)  # as transformers: a Llama-3 prompt gets BOS
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):

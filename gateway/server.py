@@ -13,6 +13,7 @@ import uvicorn
 
 from gateway.admission import Slots
 from gateway.config import GatewayConfig
+from gateway.generation_defaults import SamplingDefaults
 from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_relay import VerifierMetricsRelay
@@ -35,6 +36,7 @@ class Gateway:
         self.tokenizer = TextTokenizer(cfg.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
         self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
+        self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
         self.metrics = GatewayMetrics(cfg.model_name)
         self.slots = Slots(cfg.max_concurrent_requests)
         self.metrics_relay: VerifierMetricsRelay | None = None  # made in start(): its lock binds to the loop

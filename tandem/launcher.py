@@ -82,7 +82,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured",
                    help="measured: speculate where it pays for the batch; always: every step")
     p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API and metrics (default: the folder's name, tandem-demo for the demo)")
+                   help="the model's name in the API and metrics (default: the folder's name, tandem-demo for the "
+                        "demo)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8000, help="the gateway's REST port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
@@ -133,7 +134,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     secret = ["--internal-secret-file", secret_file]
     device = ["--device", args.device]
-    name = args.served_model_name or ("tandem-demo" if args.model is None else os.path.basename(os.path.normpath(model)))
+    folder_name = os.path.basename(os.path.normpath(model))
+    name = args.served_model_name or ("tandem-demo" if args.model is None else folder_name)
     children = []
     if draft is not None and not in_process:
         reload_root = ["--reload-root", args.reload_root] if args.reload_root else []

@@ -165,7 +165,8 @@ def test_other_algorithms_unknown_keys_and_mixed_spellings_are_refused(folders):
     assert "'draft_tensor_parallel_size', 'x' not supported" in message
     assert "not valid JSON" in _refused(["--model", t, "--speculative-config", "{method: eagle3}"])
     assert "JSON object" in _refused(["--model", t, "--speculative-config", "[1]"])
-    assert ">= 1" in _refused(["--model", t, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 0}'])
+    zero = '{"method": "eagle3", "num_speculative_tokens": 0}'
+    assert ">= 1" in _refused(["--model", t, "--speculative-config", zero])
     message = _refused(["--model", t, "--draft-model", d, "--speculative-config", '{"method": "eagle3"}'])
     assert "--speculative-config and --speculative-draft-model-path" in message
     assert "--speculative-draft-model-path" in _refused(["--model", t, "--speculative-algorithm", "EAGLE3"])

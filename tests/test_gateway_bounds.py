@@ -86,7 +86,7 @@ def test_an_obviously_too_long_prompt_is_refused_without_tokenizing(stack, monke
     encoded = []
     tok = stack.gateway.tokenizer
     encode = tok.encode
-    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
     over = stack.gateway.prompt_bound.max_chars(512) + 1  # the fake verifier's context is 512
     r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": "a" * over}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "characters" in r.text

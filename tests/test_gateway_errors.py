@@ -132,7 +132,8 @@ def test_a_long_text_prompt_is_tokenized_off_the_loop_and_still_checked(stack, m
     tokenizer = stack.gateway.tokenizer
     threads = []
     encode = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda text: threads.append(threading.current_thread()) or encode(text))
+    monkeypatch.setattr(tokenizer, "encode",
+                        lambda text, **kw: threads.append(threading.current_thread()) or encode(text, **kw))
     text = "def f(x):\n    return x\n" * (OFFLOAD_PARSE_BYTES // 20)  # over the size that moves parsing to a thread
     r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "prompt": text})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -1,0 +1,130 @@
+"""Prompts are tokenized as transformers tokenizes them: prompt text with the tokenizer's special tokens
+(the BOS its post-processor adds), a chat template's text without (the template renders its own BOS, so
+it is not doubled); token-id prompts as given. generation_config.json's sampling defaults apply where a
+request leaves them unset (vLLM's --generation-config auto)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from gateway_harness import Stack, tiny_model_dir
+
+from gateway.generation_defaults import SamplingDefaults
+from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
+from tandem.tokenizer import TextTokenizer
+
+BOS = "<|bos|>"
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
+                     "bos_token_id": 0, "eos_token_id": 1}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tmp_path_factory) -> Path:
+    """The gateway tests' tokenizer with a Llama-3-like post-processor: ``<|bos|> $A``."""
+    folder = tmp_path_factory.mktemp("bos") / "bos-model"
+    shutil.copytree(tiny_model_dir(), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == BOS)
+    bos, a = {"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
+                              "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(bos_model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((bos_model_dir / "tokenizer_config.json").read_text())
+    return PreTrainedTokenizerFast(tokenizer_file=str(bos_model_dir / "tokenizer.json"), bos_token=BOS,
+                                   eos_token=config["eos_token"], chat_template=config["chat_template"])
+
+
+@pytest.fixture(scope="module")
+def stack(bos_model_dir):
+    s = Stack(model_dir=bos_model_dir, served_model_name="bos-model")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _sent(stack) -> list[int]:
+    return list(stack.fake.requests[-1].prompt_token_ids)
+
+
+def test_text_tokenizer_matches_transformers(bos_model_dir, hf):
+    tok = TextTokenizer(bos_model_dir)
+    bos = hf.convert_tokens_to_ids(BOS)
+    for text in ("def fibonacci(n):", "  x = 1\n", "é ü 😀"):
+        assert tok.encode(text) == hf(text)["input_ids"] == hf.encode(text)
+        assert tok.encode(text)[0] == bos and tok.encode(text)[1:] == tok.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_completion_prompt_gets_the_bos_transformers_adds(stack, client, hf):
+    prompt = "def fibonacci(n):"
+    client.completions.create(model="bos-model", prompt=prompt, max_tokens=2)
+    assert _sent(stack) == hf(prompt)["input_ids"] and _sent(stack).count(hf.bos_token_id) == 1
+    client.completions.create(model="bos-model", prompt=prompt, max_tokens=2, extra_body={"add_special_tokens": False})
+    assert _sent(stack) == hf(prompt, add_special_tokens=False)["input_ids"]
+    client.completions.create(model="bos-model", prompt=[5, 6, 7], max_tokens=2)  # token ids: as given
+    assert _sent(stack) == [5, 6, 7]
+
+
+def test_chat_bos_comes_from_the_template_once(stack, client, hf):
+    client.chat.completions.create(model="bos-model", messages=MESSAGES, max_tokens=2)
+    expected = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert _sent(stack) == list(expected)
+    assert _sent(stack)[:2] != [hf.bos_token_id] * 2
+
+
+def test_grpc_text_prompt_gets_the_bos(stack, hf):
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        list(stub.Generate(generation_pb2.GenerateRequest(text="def f(x):", max_tokens=2)))
+    assert _sent(stack) == hf("def f(x):")["input_ids"]
+    sampling = stack.fake.requests[-1].sampling
+    assert (round(sampling.temperature, 4), round(sampling.top_p, 4), sampling.top_k) == (0.6, 0.9, 20)
+
+
+def test_generation_config_defaults_apply_where_the_request_is_silent(stack, client):
+    client.chat.completions.create(model="bos-model", messages=MESSAGES)
+    s = stack.fake.requests[-1].sampling
+    assert (round(s.temperature, 4), round(s.top_p, 4), s.top_k, s.max_new_tokens) == (0.6, 0.9, 20, 7)
+    client.completions.create(model="bos-model", prompt="x")
+    assert stack.fake.requests[-1].sampling.max_new_tokens == 16  # completions keep OpenAI's default, as vLLM's
+    client.chat.completions.create(model="bos-model", messages=MESSAGES, temperature=0, top_p=1, max_tokens=3,
+                                   extra_body={"top_k": -1})
+    s = stack.fake.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 0, 3)
+
+
+def test_generation_config_is_read_as_transformers_diffs_it(bos_model_dir, tmp_path):
+    from transformers import GenerationConfig
+
+    diff = GenerationConfig.from_pretrained(bos_model_dir).to_diff_dict()
+    d = SamplingDefaults.load(bos_model_dir)
+    assert (d.temperature, d.top_p, d.top_k, d.max_tokens) == \
+        (diff["temperature"], diff["top_p"], diff["top_k"], diff["max_new_tokens"])
+    assert SamplingDefaults.load(bos_model_dir, "vllm") == SamplingDefaults()
+    assert SamplingDefaults.load(tmp_path) == SamplingDefaults()  # no file: the OpenAI defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 50, "repetition_penalty": 1.1}))
+    assert GenerationConfig.from_pretrained(tmp_path).to_diff_dict()["top_k"] == 50
+    assert SamplingDefaults.load(tmp_path) == SamplingDefaults(top_k=50)  # repetition_penalty: logged, not applied
+    assert SamplingDefaults.load(bos_model_dir, str(tmp_path)) == SamplingDefaults(top_k=50)  # --generation-config DIR
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingDefaults.load(tmp_path)
