@@ -181,3 +181,28 @@ def test_eagle3_speculation_on_an_int4_target_is_token_identical(ckpts, tmp_path
         results = eng.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     assert [r.output_token_ids for r in results] == ref
     assert all(r.spec_stats.rounds > 0 for r in results)
+
+
+def test_a_stack_of_experts_loads_and_dequantizes_per_expert():
+    """The hook the MoE layer uses: one format over [experts, out, in], loaded expert by expert."""
+    from quantized_checkpoints import int4_compress
+    from tandem.layers.linear import Span
+    from tandem.layers.quantized_linear import Int4GroupFormat
+    from tandem.models.quantization import Int4Group
+
+    class Experts(torch.nn.Module):
+        cols = Span.whole(64)
+
+        def row_spans(self):
+            return [Span.whole(48)]
+
+    layer, fmt = Experts(), Int4GroupFormat("mlp.experts", Int4Group(32))
+    fmt.create(layer, 48, 64, leading=(3,))
+    g = torch.Generator().manual_seed(0)
+    want = []
+    for e in range(3):
+        packed, deq = int4_compress((torch.randn(48, 64, generator=g) * 0.1).to(torch.bfloat16), 32)
+        for name, t in packed.items():
+            fmt.load(layer, name, t, Span.whole(48), Span.whole(64), expert=e)
+        want.append(deq)
+    assert torch.equal(fmt.dequantize(layer, torch.float32), torch.stack(want))

@@ -6,7 +6,9 @@ registers its tensors on the layer under their checkpoint names (so the loader f
 them), loads each through the layer's row/column ``Span``s scaled to the tensor's units, and computes
 ``x Wᵀ + b`` by dequantizing this rank's weight in float32 (``apply``) — W is never held dequantized.
 GPU kernels (W4A16, FP8 block) replace ``apply`` later; the layout and the ``dequantize_*`` functions,
-which take any leading dims (a stack of experts), are what they and the MoE layer build on.
+which take any leading dims (a stack of experts), are what they and the MoE layer build on: a layer
+using a format provides ``row_spans()`` and ``cols`` (``Span``s, as the linear layers do); a stack of
+experts passes ``leading=(num_experts,)`` to ``create`` and ``expert=e`` to ``load``.
 """
 
 from __future__ import annotations
