@@ -261,3 +261,11 @@ def test_up_picks_free_internal_ports_and_keeps_the_public_defaults(folders):
     assert first.ports != second.ports  # two stacks on one host
     given = plan_up(build_parser().parse_args(argv + ["--verifier-port", "6000"]), "/tmp/s")
     assert given.ports["verifier"] == 6000
+
+
+def test_stats_line_interval_flags(folders):
+    t, _ = folders
+    assert _verifier(["--model", t]).log_stats_interval_s == 10.0
+    assert _verifier(["--model", t, "--log-stats-interval", "2.5"]).log_stats_interval_s == 2.5
+    assert _verifier(["--model", t, "--disable-log-stats"]).log_stats_interval_s == 0.0
+    assert ">= 0" in _refused(["--model", t, "--log-stats-interval", "-1"])

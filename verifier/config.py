@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from tandem import args as shared
 from tandem import internal_secret
@@ -133,6 +134,11 @@ class VerifierConfig:
                    round_prefetch=not a.disable_round_prefetch,
                    internal_secret=internal_secret.load(a.internal_secret_file),
                    log_stats_interval_s=a.log_stats_interval)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in metrics: as the gateway names it (--served-model-name, else the folder's name)."""
+        return self.served_model_name or Path(self.engine.model).resolve().name
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)

@@ -23,6 +23,7 @@ from tandem.errors import TandemError
 from tandem.sampling import SamplingParams
 from verifier.metrics import VerifierMetrics
 from verifier.round_spans import RoundSpans
+from verifier.stats_line import StatsLine
 
 log = logging.getLogger("verifier.loop")
 
@@ -73,7 +74,7 @@ class Submission:
 
 class EngineLoop(threading.Thread):
     def __init__(self, build: Callable[[], Any], metrics: VerifierMetrics, max_waiting: int,
-                 on_fatal: Callable[[BaseException], None] = lambda error: None):
+                 on_fatal: Callable[[BaseException], None] = lambda error: None, stats: StatsLine | None = None):
         """``build()`` → ``(engine, ...)``: run first on this thread, its result in ``built`` (a Future).
         The model loads on the thread that then steps it: on CPU, torch's intra-op threads of a loading
         thread and of a stepping thread fought over the cores (the verifier alone decoded the demo target
@@ -90,6 +91,8 @@ class EngineLoop(threading.Thread):
         self._last_token_at: dict[str, float] = {}
         self._stopping = threading.Event()
         self.spans = RoundSpans()
+        self.stats = stats or StatsLine(0.0, speculative=False)  # the periodic stats line (off by default)
+        self._preemptions_seen: dict[str, int] = {}  # preemptions already counted, per request that had one
         self.fatal: BaseException | None = None
 
     # -- called from other threads ---------------------------------------------------------------
@@ -186,7 +189,9 @@ class EngineLoop(threading.Thread):
         if live is None or (sub is not None and live is not sub):
             return
         del self._live[rid]
+        req = self.engine.requests.get(rid)
         self.engine.abort(rid)
+        self._count_preemptions(rid, req)
         self._forget(rid)
         self.metrics.requests.labels("abort").inc()
         self._gauges()
@@ -199,10 +204,12 @@ class EngineLoop(threading.Thread):
             forget_trace(rid)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         outputs = self.engine.step()
         now = time.perf_counter()
         info = self.engine.last_step
         m = self.metrics
+        tokens = rounds = accepted = 0
         if info is not None:
             m.batch_size.observe(info.num_prefill + info.num_decode)
             for phase, seconds in info.seconds.items():
@@ -212,15 +219,46 @@ class EngineLoop(threading.Thread):
             if sub is None:
                 continue
             self._observe(out, sub, now)
+            tokens += len(out.new_token_ids)
+            rounds += len(out.round_accepts) if out.drafted else 0
+            accepted += out.accepted if out.drafted else 0
             if info is not None:
                 self.spans.record(sub.trace_context, info, out)
             sub.sink(out)
             if out.finish_reason is not None:
                 self._live.pop(out.rid, None)
                 self._forget(out.rid)
-                self.engine.requests.pop(out.rid, None)
+                self._count_preemptions(out.rid, self.engine.requests.pop(out.rid, None))
                 m.requests.labels(out.finish_reason.value).inc()
+        self._count_waiting_preemptions()
+        self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative))
         self._gauges()
+        if self.stats.due(now):
+            engine = self.engine
+            self.stats.maybe_log(now, len(engine.scheduler.running), len(engine.scheduler.waiting),
+                                 self._kv_usage())
+
+    def _count_waiting_preemptions(self) -> None:
+        """Requests preempted this step wait at the front of the queue (the scheduler puts them back there):
+        count them now; one preempted and readmitted within a step is counted when it ends."""
+        for req in self.engine.scheduler.waiting:
+            new = req.num_preemptions - self._preemptions_seen.get(req.rid, 0)
+            if new <= 0:
+                break
+            self._preemptions_seen[req.rid] = req.num_preemptions
+            self.metrics.preemptions.inc(new)
+            self.stats.preempted(new)
+
+    def _count_preemptions(self, rid: str, req) -> None:
+        """A request that ends: its preemptions not counted yet."""
+        seen = self._preemptions_seen.pop(rid, 0)
+        if req is not None and req.num_preemptions > seen:
+            self.metrics.preemptions.inc(req.num_preemptions - seen)
+            self.stats.preempted(req.num_preemptions - seen)
+
+    def _kv_usage(self) -> float:
+        allocator = self.engine.allocator
+        return 1.0 - allocator.num_free / allocator.capacity_pages if allocator.capacity_pages else 0.0
 
     def _gauges(self) -> None:
         m, engine = self.metrics, self.engine
@@ -228,6 +266,7 @@ class EngineLoop(threading.Thread):
         m.waiting.set(len(engine.scheduler.waiting))
         m.kv_pages_free.set(engine.allocator.num_free)
         m.kv_pages_total.set(engine.allocator.capacity_pages)
+        m.kv_usage.set(self._kv_usage())
 
     def _observe(self, out: StepOutput, sub: Submission, now: float) -> None:
         m = self.metrics

@@ -1,22 +1,44 @@
-"""The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``)."""
+"""The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``), labelled as the
+gateway's are: every sample carries ``model_name`` (added at collection, so no call site passes it) and a
+finished request its ``finished_reason`` (vLLM's label)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+class _WithLabels:
+    """A collector that yields another registry's families with ``labels`` added to every sample."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]):
+        self.inner, self.labels = inner, labels
+
+    def collect(self):
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield out
+
+
 class VerifierMetrics:
-    def __init__(self, max_positions: int = 16):
-        r = self.registry = CollectorRegistry()
+    def __init__(self, max_positions: int = 16, model_name: str = ""):
+        r = CollectorRegistry()  # what the metrics below record into; ``registry`` is what a scrape reads
+        self.registry = CollectorRegistry()
+        self.registry.register(_WithLabels(r, {"model_name": model_name}))
         self.running = Gauge("tandem:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tandem:num_requests_waiting", "Requests queued for admission", registry=r)
         self.batch_size = Histogram("tandem:iteration_batch_size", "Requests per engine step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prefilled prompt tokens", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("tandem:request_success", "Finished requests by reason", ["finish_reason"], registry=r)
+        self.requests = Counter("tandem:request_success", "Finished requests by reason", ["finished_reason"],
+                                registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage (1 = every page in use)", registry=r)
+        self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later); "
+                                   "counted when seen waiting again or when the request ends", registry=r)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between streamed tokens (per token)",
                              buckets=LATENCY_BUCKETS, registry=r)

@@ -32,6 +32,7 @@ from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineFailed, EngineLoop
 from verifier.in_process_head import GuardedHead
 from verifier.metrics import VerifierMetrics
+from verifier.stats_line import StatsLine
 from verifier.server import SERVICE, VerifierService
 
 log = logging.getLogger("verifier")
@@ -114,7 +115,7 @@ def _round_mailbox(engine: LLMEngine, spec: SpecConfig, ring: HiddenRing) -> Rou
 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens)
+    metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens, model_name=cfg.model_name)
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
     server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
@@ -137,7 +138,8 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
             set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING), aio_loop)
         aio_loop.call_soon_threadsafe(stop.set)
 
-    loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal)
+    loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal,
+                      StatsLine(cfg.log_stats_interval_s, speculative=cfg.drafter is not None))
     loop.start()  # loads the model on its own thread, then steps it there
     try:
         engine, client, ring = await asyncio.shield(asyncio.wrap_future(loop.built))

@@ -1,0 +1,125 @@
+"""The verifier's observability as vLLM/SGLang users read it: the periodic stats line, the KV usage and
+preemption metrics (vLLM's names under tandem:), and labels named as the gateway names them."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from helpers import random_prompt
+from tandem.sampling import SamplingParams
+from verifier.engine_loop import EngineLoop, Submission
+from verifier.metrics import VerifierMetrics
+from verifier.stats_line import StatsLine
+
+LINE = re.compile(r"Decode batch: running (\d+), waiting (\d+), gen throughput ([\d.]+) tok/s, accept len (\S+), "
+                  r"KV usage ([\d.]+)%, preemptions (\d+), (spec .*)$")
+
+
+def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
+    stats = StatsLine(10.0, speculative=True)
+    stats.step(now=100.0, step_s=0.5, tokens=10, rounds=2, accepted=4, speculative=True)
+    stats.step(now=100.5, step_s=0.4, tokens=10, rounds=0, accepted=0, speculative=False)
+    stats.step(now=105.0, step_s=0.5, tokens=10, rounds=0, accepted=0, speculative=False)  # after 4.5 s idle
+    assert not stats.due(109.9) and stats.due(110.0)
+    stats.preempted(2)
+    line = stats.line(running=3, waiting=1, kv_usage=0.125)
+    assert line == ("Decode batch: running 3, waiting 1, gen throughput 20.0 tok/s, accept len 3.00, "
+                    "KV usage 12.5%, preemptions 2, spec on (33% of steps)")
+    assert not stats.due(1e9)  # a new window starts with the next step
+    stats.step(now=200.0, step_s=1.0, tokens=5, rounds=0, accepted=0, speculative=False)
+    assert "accept len n/a" in stats.line(1, 0, 0.0) and "spec off (the policy" in stats.line(1, 0, 0.0)
+    off = StatsLine(0.0, speculative=False)
+    off.step(now=1.0, step_s=1.0, tokens=1, rounds=0, accepted=0, speculative=False)
+    assert not off.due(1e9) and "spec off (no drafter)" in off.line(1, 0, 0.0)
+
+
+def test_labels_are_named_as_the_gateways():
+    gateway, verifier = GatewayMetrics("m"), VerifierMetrics(model_name="m")
+    gateway.labels(gateway.request_success, finished_reason="stop").inc()
+    for metric in (gateway.prompt_tokens, gateway.generation_tokens, gateway.running):  # labelled: a sample each
+        gateway.labels(metric)
+    for metric in (gateway.ttft, gateway.itl):
+        gateway.labels(metric).observe(0.1)
+    verifier.requests.labels("stop").inc()
+    verifier.kv_usage.set(0.25)
+    verifier.preemptions.inc(3)
+
+    def label_names(registry):
+        return {f.name: {k for s in f.samples for k in s.labels if k not in ("le", "quantile")}
+                for f in registry.collect() if f.samples}
+
+    ours, theirs = label_names(verifier.registry), label_names(gateway.registry)
+    assert all("model_name" in labels for labels in ours.values()), ours
+    common = set(ours) & set(theirs)
+    assert {"tandem:request_success", "tandem:prompt_tokens", "tandem:generation_tokens", "tandem:num_requests_running",
+            "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds"} <= common
+    assert {name: ours[name] for name in common} == {name: theirs[name] for name in common}
+    sample = verifier.registry.get_sample_value
+    assert sample("tandem:request_success_total", {"model_name": "m", "finished_reason": "stop"}) == 1
+    assert sample("tandem:kv_cache_usage_perc", {"model_name": "m"}) == 0.25
+    assert sample("tandem:num_preemptions_total", {"model_name": "m"}) == 3
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("stats")
+    write_checkpoint(root / "target", "llama", seed=3, num_hidden_layers=2)
+    return root / "target"
+
+
+def test_a_busy_loop_logs_stats_lines_and_counts_preemptions(target_dir, caplog):
+    """Four requests in a 48-token KV cache that need ~100: preempted and recomputed. The counter and the
+    lines' preemptions equal the requests' own counts; KV usage is a fraction, back to 0 at the end."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    caplog.set_level(logging.INFO, logger="verifier.stats")
+    requests = []
+
+    def build():
+        engine = LLMEngine(EngineConfig(model=str(target_dir), kv_pages=13, page_size=4))
+        add = engine.add_request
+
+        def recording_add(*args, **kwargs):
+            rid = add(*args, **kwargs)
+            requests.append(engine.requests[rid])
+            return rid
+        engine.add_request = recording_add
+        return engine, None, None
+
+    metrics = VerifierMetrics(model_name="tiny")
+    loop = EngineLoop(build, metrics, max_waiting=16, stats=StatsLine(0.001, speculative=False))
+    loop.start()
+    loop.built.result(60)
+    done = [threading.Event() for _ in range(4)]
+    try:
+        for i, (length, new) in enumerate(zip([6, 9, 5, 8], [20, 18, 22, 16])):
+            sink = (lambda e: lambda out: e.set() if getattr(out, "finish_reason", None) is not None else None)(done[i])
+            loop.submit(Submission(f"r{i}", random_prompt(10 + i, length), SamplingParams(max_new_tokens=new,
+                                                                                          ignore_eos=True), None, sink))
+        assert all(e.wait(60) for e in done)
+        time.sleep(0.1)
+    finally:
+        loop.stop()
+        loop.join(10)
+        loop.engine.shutdown()
+    preempted = sum(r.num_preemptions for r in requests)
+    assert preempted > 0, "the cache was small enough to force preemption"
+    sample = metrics.registry.get_sample_value
+    assert sample("tandem:num_preemptions_total", {"model_name": "tiny"}) == preempted
+    assert sample("tandem:kv_cache_usage_perc", {"model_name": "tiny"}) == 0.0
+    assert sample("tandem:request_success_total", {"model_name": "tiny", "finished_reason": "length"}) == 4
+    lines = [LINE.search(r.getMessage()) for r in caplog.records if r.name == "verifier.stats"]
+    assert lines and all(lines), [r.getMessage() for r in caplog.records]
+    assert sum(int(m.group(6)) for m in lines) <= preempted  # the last window may end without a line
+    assert any(float(m.group(5)) > 50 for m in lines) and all(0 <= float(m.group(5)) <= 100 for m in lines)
+    assert all(m.group(7) == "spec off (no drafter)" and m.group(4) == "n/a" for m in lines)
+    assert any(float(m.group(3)) > 0 for m in lines)
