@@ -103,3 +103,12 @@ def test_unsupported_schemes_are_refused_in_one_line(case):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("m/config.json: quantization_config: ") and what in msg, msg
     assert "is not supported" in msg
+
+
+def test_a_quantized_deepseek_checkpoint_is_refused_until_its_layers_take_formats():
+    from deepseek_checkpoints import deepseek_config
+    from tandem.models.registry import build_model
+
+    raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "quantization_config": FP8}
+    with pytest.raises(CheckpointError, match="quantized checkpoints \\(fp8\\) are not supported for this architecture"):
+        build_model(ModelConfig.from_hf_dict(raw))

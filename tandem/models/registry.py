@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from tandem.errors import CheckpointError
 from tandem.models.config import ModelConfig
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     if cfg.mla is not None:
+        if cfg.quantization is not None:  # its linears and experts take no quant format yet (issue 21)
+            raise CheckpointError(f"{cfg.architecture}: quantized checkpoints ({cfg.quantization.method}) are not "
+                                  "supported for this architecture yet; only Llama/Qwen dense linears")
         from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
 
         return DeepseekV3ForCausalLM(cfg)
