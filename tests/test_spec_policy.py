@@ -115,14 +115,14 @@ def test_the_cost_ratio_is_kept_per_batch_bucket():
 
 def test_explorations_are_spaced_by_what_resuming_costs():
     """An exploration that finds nothing costs its step's time beyond a plain step's (the drafter's
-    catch-up included): spaced so that this is at most explore_budget (2 %) of the plain steps between."""
+    catch-up included): spaced so that this is at most explore_budget (1 %) of the plain steps between."""
     policy = SpeculationPolicy(PolicyConfig(fixed_cost_ratio=1.5, warmup_rounds=0))
     state = RequestSpecState()
     policy.observe_round(state, 1)
     policy.observe_step(1, False, 4, 0.040)  # 10 ms a plain step
     assert policy._explore_gap(1, 1.5) == 36  # nothing known of resuming: 16 x 1.5²
     policy.observe_step(1, True, 1, 0.050, resumed=True)  # resuming took 40 ms more than a plain step
-    assert policy._explore_gap(1, 1.5) == 200  # 40 ms is 2 % of 200 plain steps
+    assert policy._explore_gap(1, 1.5) == 400  # 40 ms is 1 % of 400 plain steps
     policy.observe_step(1, True, 1, 100.0, resumed=True)
     policy.observe_step(1, True, 1, 100.0, resumed=True)
     assert policy._explore_gap(1, 1.5) == PolicyConfig().explore_max_gap
@@ -276,6 +276,35 @@ def test_plain_steps_with_a_drafter_run_the_target_only_forwards(setup):
     assert spec_steps == target_steps
     assert len(target_steps) < 20  # runs of several steps, not one step at a time
     assert all(proposer.calls[f"req-{i}"] == 1 for i in range(3)), proposer.calls  # the prompts only: the rest held
+
+
+def test_a_prompt_arriving_while_the_batch_is_plain_waits_for_its_first_draft(setup):
+    """Once the batch decodes plainly, a new request's prompt features are held with its plain steps'
+    and reach the drafter in the one extend before its first draft, not at its prefill."""
+    path, prompts, ref = setup
+    proposer = CountingProposer(vocab=256, seed=4)
+    first_extend: dict[str, int] = {}
+    real_extend = proposer.extend
+
+    def extend(items):
+        for rid, tokens, _ in items:
+            first_extend.setdefault(rid, len(tokens))
+        real_extend(items)
+
+    proposer.extend = extend
+    # random drafts accept ~nothing (τ ≈ 1 < 5): off after the 8 warm-up rounds; explorations every 400 steps
+    policy = SpeculationPolicy(PolicyConfig(fixed_cost_ratio=5.0))
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
+        early = eng.generate(prompts[:2], params)  # these find out: speculation does not pay here
+        late_rid = eng.add_request(prompts[2], params)
+        while eng.has_unfinished():
+            eng.step()
+        late = eng.requests.pop(late_rid)
+    assert [r.output_token_ids for r in early] + [late.output] == ref
+    assert all(r.spec_stats.rounds >= 4 for r in early)
+    assert first_extend[early[0].rid] == len(prompts[0])  # extended at its prefill, while speculating
+    assert late_rid not in first_extend and late.spec_stats.rounds == 0  # never drafted: never extended
 
 
 def test_useless_drafts_are_switched_off_for_the_batch_and_output_is_unchanged(setup):

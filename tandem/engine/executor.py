@@ -91,7 +91,13 @@ class TargetExecutor:
         destroy_tp()
 
     def _kill_workers(self) -> None:
+        """Stop every rank process and reap it (a terminated process not yet waited for is still a child)."""
         for p in self._workers:
             if p.is_alive():
                 p.terminate()
+        for p in self._workers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
         self._workers = []

@@ -62,6 +62,7 @@ class LLMEngine:
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
+        self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
@@ -138,6 +139,8 @@ class LLMEngine:
         running = self.scheduler.running
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         speculate = bool(running) and self.policy.decide(len(running), [req.spec_state for req in drafting])
+        if running:
+            self.speculating = speculate
         for req in running:
             req.spec_state.speculate_now = speculate
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if speculate else 1
@@ -244,14 +247,16 @@ class LLMEngine:
             for (req, _), token in zip(simple, sampled):
                 emitted[req.rid] = [token]
         token_row = 0
+        held = []  # kept on the device for the request's next draft (keep_in_step)
         for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
             n = req.num_tokens
             observed.append((req.rid, 0, range(token_row, token_row + n)))
             if features is not None and req.spec is not None:
-                extend_items.append((req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n]))
+                item = (req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n])
+                # While the batch decodes plainly the prompt waits for the request's first draft too.
+                (extend_items if self.speculating else held).append(item)
             token_row += n
-        held = []  # a plain step keeps the drafter in step: (token, root's feature), given at its next draft
-        for req, root_row in plain_rows:
+        for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
             observed.append((req.rid, req.num_tokens - 1, [root_row]))
             if features is not None and req.spec is not None and req.draft_ready:
                 held.append((req, emitted[req.rid], features[root_row : root_row + 1]))

@@ -45,7 +45,7 @@ class PolicyConfig:
     plain_probe_every: int = 256  # speculative steps between two plain steps that re-time t_plain
     plain_probe_first: int = 4  # ... and before the first, at a batch size whose t_plain is unknown
     explore_every: int = 16  # plain steps between two explorations, times the cost ratio squared, at least
-    explore_budget: float = 0.02  # ... and enough that resuming (a catch-up and a round) costs at most this share
+    explore_budget: float = 0.01  # ... and enough that resuming (a catch-up and a round) costs at most this share
     explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
     step_samples: int = 9  # step times kept per bucket and kind (their median is the cost)
 
