@@ -19,6 +19,7 @@ import sys
 import time
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
+from service_pair import stop_processes
 
 CONCURRENCY = (1, 8, 64)
 NEW_TOKENS = (256, 1024)
@@ -57,13 +58,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         yield f"http://127.0.0.1:{g_port}", ready_s
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs[::-1])  # the gateway first, the drafter last
 
 
 def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:

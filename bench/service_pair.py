@@ -50,14 +50,21 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
 
             yield generate, m_port
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes(procs)
+
+
+def stop_processes(procs: list) -> None:
+    """SIGTERM each service (they drain), then wait; kill what has not exited after a minute."""
+    import subprocess
+
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 # The verifier's engine steps by phase (keys prefixed "step_": the drafter's phases share names).
