@@ -30,8 +30,10 @@ from tandem.sampling import SamplingParams  # noqa: E402
 def run_job(job: dict) -> dict:
     out: dict = {}
     with LLMEngine(EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4)) as eng:
-        attn = eng.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        out["local_heads"], out["local_kv_heads"] = attn.local_heads, attn.local_kv_heads
+        attn = eng.executor.runner.model.model.layers[0].self_attn
+        proj = getattr(attn, "qkv_proj", None)  # MLA (DeepSeek-V3) has heads but no KV heads to split
+        out["local_heads"] = proj.local_heads if proj is not None else attn.local_heads
+        out["local_kv_heads"] = proj.local_kv_heads if proj is not None else None
         out["local_vocab"] = eng.executor.runner.model.lm_head.weight.shape[0]
         out["prompt_logits"] = [eng.prompt_logits(p) for p in job["prompts"]]
         n = job["max_new_tokens"]

@@ -1,0 +1,85 @@
+"""DeepSeek-V3 (MLA + MoE) under tensor parallelism on the CPU (gloo): q_b/kv_b split by heads, o and
+the experts' down projections reduced, the latent cache whole on every rank — at TP 2 and at TP 8 (one
+head per rank), against transformers: prompt and packed logits, greedy output, EAGLE-3 features and
+a tree's logits. Runs in tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepseek_checkpoints import write_deepseek
+from helpers import assert_rel, hf_greedy, hf_hidden_states, hf_logits, random_prompt
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 400
+VOCAB = 512
+PROMPTS = [random_prompt(70, 11, VOCAB), random_prompt(71, 26, VOCAB)]
+MAX_NEW = 12
+TREE_PARENTS = [-1, 0, 0, 1, 2]
+TP_SIZES = (2, 8)
+
+
+def tree_job(prompt: list[int]) -> dict:
+    prefix, tokens = prompt[:-1], [prompt[-1], 40, 41, 42, 43]
+    depth, mask = [], []
+    for i, parent in enumerate(TREE_PARENTS):
+        depth.append(0 if parent == -1 else depth[parent] + 1)
+        mask.append([j in _path(i) for j in range(len(TREE_PARENTS))])
+    return dict(prefix=prefix, tokens=tokens, positions=[len(prefix) + d for d in depth], mask=mask)
+
+
+def _path(node: int) -> list[int]:
+    out = []
+    while node != -1:
+        out.append(node)
+        node = TREE_PARENTS[node]
+    return out[::-1]
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("deepseek-tp")
+    hf = write_deepseek(work / "model", seed=31)
+    spec = [dict(model=str(work / "model"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
+                 tree=tree_job(PROMPTS[1])) for tp in TP_SIZES]
+    (work / "spec.json").write_text(json.dumps(spec))
+    runner = Path(__file__).resolve().parent / "tp_runner.py"
+    proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"DeepSeek TP run did not finish in {TIMEOUT_S} s (hang?); its output:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"DeepSeek TP runner failed (rc {proc.returncode}):\n{log[-4000:]}"
+    return hf, dict(zip(TP_SIZES, torch.load(work / "out.pt")))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_matches_hf(tp_results, tp):
+    hf, results = tp_results
+    res = results[tp]
+    assert res["local_heads"] == 8 // tp and res["local_vocab"] == VOCAB // tp
+    assert res["children_left"] == [] and res["pages_back"]
+    for prompt, logits in zip(PROMPTS, res["prompt_logits"]):
+        assert_rel(logits, hf_logits(hf, prompt), 1e-4, "prompt")
+    assert_rel(res["packed_logits"], torch.cat([hf_logits(hf, p) for p in PROMPTS]), 1e-4, "packed")
+    assert res["greedy"] == [hf_greedy(hf, p, MAX_NEW - 3 * i) for i, p in enumerate(PROMPTS)]
+    # 8 layers: EAGLE-3's default capture is the inputs of layers 2, 4, 5
+    want = torch.cat([torch.cat([hf_hidden_states(hf, p)[i] for i in (2, 4, 5)], dim=-1) for p in PROMPTS])
+    assert_rel(res["features"], want, 1e-4, "features")
+    tree = tree_job(PROMPTS[1])
+    for node, row in enumerate(res["tree_logits"]):
+        path = [tree["tokens"][j] for j in _path(node)]
+        assert_rel(row, hf_logits(hf, tree["prefix"] + path)[-1], 1e-4, f"tree node {node}")
+
