@@ -24,6 +24,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,7 @@ class Stack:
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
+                name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
                 try:
                     values[name] = float(value)
                 except ValueError:

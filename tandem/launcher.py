@@ -124,6 +124,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     speculative = dataclasses.replace(speculative, draft_model=draft)
     speculative.require_draft()
     in_process = args.drafter == "in-process"
+    if in_process and draft is None:
+        raise TandemError("--drafter in-process runs a draft model in the verifier: give --draft-model DIR")
     if in_process and args.reload_root:
         raise TandemError("--reload-root: the drafter service reloads heads, which --drafter in-process does not have")
     picked = iter(free_ports(3))  # internal ports not given: free ones, so two stacks on a host do not collide

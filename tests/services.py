@@ -70,12 +70,14 @@ class Service:
 
 
 def read_metrics(port: int) -> dict[str, float]:
+    """Sample -> value, keyed without the model_name label every verifier sample carries."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([0-9.eE+-]+|NaN|\+Inf)$", line)
         if m:
-            values[m.group(1)] = float(m.group(2))
+            key = re.sub(r',?model_name="[^"]*"', "", m.group(1)).replace("{,", "{").replace("{}", "")
+            values[key] = float(m.group(2))
     return values
 
 

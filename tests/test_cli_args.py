@@ -247,6 +247,8 @@ def test_up_drafter_in_process_starts_no_drafter(folders):
     assert v[v.index("--spec-rounds") + 1] == "2"
     with pytest.raises(Exception, match="--reload-root"):
         _up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--reload-root", "/x"])
+    with pytest.raises(Exception, match="--draft-model"):
+        _up(["--model", t, "--drafter", "in-process"])
 
 
 def test_up_picks_free_internal_ports_and_keeps_the_public_defaults(folders):

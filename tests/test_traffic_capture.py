@@ -43,7 +43,7 @@ def captured(tmp_path_factory):
                 prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True)))
             cancelled = [5, 6, 7] + list(next(stream).token_ids)
             stream.cancel()
-        wait_for(lambda: read_metrics(verifier.metrics_port).get('tandem:request_success_total{finish_reason="abort"}')
+        wait_for(lambda: read_metrics(verifier.metrics_port).get('tandem:request_success_total{finished_reason="abort"}')
                  == 1.0, 30, "the verifier to abort the cancelled request")
     finally:
         assert verifier.stop() == 0  # SIGTERM flushes the last shard

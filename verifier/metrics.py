@@ -1,6 +1,7 @@
-"""The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``), labelled as the
-gateway's are: every sample carries ``model_name`` (added at collection, so no call site passes it) and a
-finished request its ``finished_reason`` (vLLM's label)."""
+"""The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``). The families the gateway
+also has are labelled as the gateway's are: ``model_name`` (added at collection, so no call site passes it) and a
+finished request's ``finished_reason`` (vLLM's label); so are vLLM's ``kv_cache_usage_perc`` and
+``num_preemptions``. The verifier's own families keep the labels scrapers already read (bench/, soak)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,23 @@ from prometheus_client.metrics_core import Metric
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class _WithLabels:
-    """A collector that yields another registry's families with ``labels`` added to every sample."""
+# The families that carry model_name: the gateway's too, and vLLM's KV usage and preemptions.
+MODEL_LABELLED = {"tandem:num_requests_running", "tandem:prompt_tokens", "tandem:generation_tokens",
+                  "tandem:request_success", "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
+                  "tandem:kv_cache_usage_perc", "tandem:num_preemptions"}
 
-    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]):
-        self.inner, self.labels = inner, labels
+
+class _WithLabels:
+    """A collector that yields another registry's families, ``labels`` added to every sample of ``families``."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str], families: set[str]):
+        self.inner, self.labels, self.families = inner, labels, families
 
     def collect(self):
         for family in self.inner.collect():
+            if family.name not in self.families:
+                yield family
+                continue
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
             yield out
@@ -27,7 +37,7 @@ class VerifierMetrics:
     def __init__(self, max_positions: int = 16, model_name: str = ""):
         r = CollectorRegistry()  # what the metrics below record into; ``registry`` is what a scrape reads
         self.registry = CollectorRegistry()
-        self.registry.register(_WithLabels(r, {"model_name": model_name}))
+        self.registry.register(_WithLabels(r, {"model_name": model_name}, MODEL_LABELLED))
         self.running = Gauge("tandem:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tandem:num_requests_waiting", "Requests queued for admission", registry=r)
         self.batch_size = Histogram("tandem:iteration_batch_size", "Requests per engine step",
