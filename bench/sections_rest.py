@@ -42,7 +42,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                                            str(tdir), "--port", str(d_port), *common, *SPEC_FLAGS], cwd=ROOT_DIR, env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [sys.executable, "-m", "verifier", "--model", str(tdir), "--port", str(v_port), *verifier_flags,
-                    "--kv-pages", "12288", *common]
+                    "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
         if mode != "target-only":  # in-process | pair, "-always": every step speculates
             verifier += ["--drafter", "in-process" if mode.startswith("in-process") else f"127.0.0.1:{d_port}",
                          "--draft-model", str(draft), *SPEC_FLAGS]

@@ -107,4 +107,11 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     policy.forget_traffic()
     log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), sizes)
+    if engine.default_spec is not None:  # what the policy starts from: ms per plain step / per round
+        log.info("step costs seeded (ms, plain / round): %s", ", ".join(
+            f"batch {bs} {_ms(policy.step_time(bs, False))} / {_ms(policy.step_time(bs, True))}" for bs in sizes))
     return took
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"
