@@ -111,6 +111,11 @@ def test_the_cost_ratio_is_kept_per_batch_bucket():
     assert policy.cost_ratio(3) == pytest.approx(1.2)  # unmeasured: the nearest measured bucket's
     assert policy.cost_ratio(20) == pytest.approx(3.0)
     assert [cost_bucket(n) for n in (1, 2, 3, 5, 6, 12, 48, 100)] == [1, 2, 4, 4, 8, 16, 64, 128]
+    # runs of 4 rounds and lone rounds mixed: their time over their rounds, the slowest sample left out
+    mixed = SpeculationPolicy()
+    for seconds, steps in ((0.008, 4), (0.003, 1), (0.008, 4), (0.0025, 1)):
+        mixed.observe_step(8, True, steps, seconds)
+    assert mixed.step_time(8, True) == pytest.approx((0.008 + 0.008 + 0.0025) / 9)
 
 
 def test_explorations_are_spaced_by_what_resuming_costs():

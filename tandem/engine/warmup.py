@@ -23,7 +23,7 @@ from tandem.sampling import SamplingParams
 
 log = logging.getLogger("tandem.engine")
 WARMUP_MIN_PROMPT_TOKENS = 32
-WARMUP_NEW_TOKENS = 24  # several timed runs of queued steps or rounds at each batch size
+WARMUP_NEW_TOKENS = 48  # a dozen timed runs of queued steps or rounds at each batch size
 
 
 class _Forced:

@@ -11,8 +11,8 @@ widths would leave the captured graphs. Per-request τ still counts (each reques
 decayed per token and shrunk towards the engine's mean, so that two rounds do not speak for a text).
 
 Costs depend on the batch: at batch 1 a verify of 4 tokens costs about a decode step, at batch 64 it is
-compute-bound. They are kept per batch bucket (powers of two) as the median of recent step times there,
-seeded by the engine's warm-up (``tandem.engine.warmup``), which runs both kinds of step at several batch
+compute-bound. They are kept per batch bucket (powers of two) from the recent steps there (their time
+over their steps, the slowest left out), seeded by the engine's warm-up (``tandem.engine.warmup``), which runs both kinds of step at several batch
 sizes before a service reports SERVING. A bucket measured only one way takes the ratio of the nearest
 bucket measured both ways.
 
@@ -27,7 +27,6 @@ explorations are spaced so that this stays a small share (``explore_budget``) of
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,7 +46,7 @@ class PolicyConfig:
     explore_every: int = 16  # plain steps between two explorations, times the cost ratio squared, at least
     explore_budget: float = 0.01  # ... and enough that resuming (a catch-up and a round) costs at most this share
     explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
-    step_samples: int = 9  # step times kept per bucket and kind (their median is the cost)
+    step_samples: int = 16  # timed steps kept per bucket and kind (see SpeculationPolicy.step_time)
 
 
 @dataclass
@@ -95,14 +94,21 @@ class SpeculationPolicy:
         if seconds is not None:
             times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
             samples = times.resume if resumed else times.spec if speculative else times.plain
-            samples.append(seconds / steps)
+            samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
 
     def step_time(self, batch_size: int, speculative: bool, resumed: bool = False) -> float | None:
+        """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
+        total steps — what the engine's mix of runs and single steps really costs, which a median per
+        step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
+        sample once there are three (a first launch, a collection)."""
         times = self._times.get(cost_bucket(batch_size))
         samples = None if times is None else (times.resume if resumed else times.spec if speculative else times.plain)
-        return statistics.median(samples) if samples else None
+        if not samples:
+            return None
+        kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+        return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
 
     def cost_ratio(self, batch_size: int) -> float:
         """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways."""
