@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from sections import SECTIONS  # noqa: E402
+from section_index import SECTIONS  # noqa: E402
 
 
 def environment() -> dict:

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine  # noqa: E402
-from sections import _rate_for, replay_ms, round_graphs  # noqa: E402
+from measure import rate_for  # noqa: E402
+from sections import replay_ms, round_graphs  # noqa: E402
 
 
 def _leave_real_inputs(engine, drafter, spec, new_tokens: int = 48) -> None:
@@ -37,7 +38,7 @@ def _leave_real_inputs(engine, drafter, spec, new_tokens: int = 48) -> None:
     prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     reference = engine.generate([prompt], greedy, spec=None)[0].output_token_ids
-    proposer = ControlledAcceptanceProposer(drafter, _rate_for(4.0, spec.num_steps), seed=1)
+    proposer = ControlledAcceptanceProposer(drafter, rate_for(4.0, spec.num_steps), seed=1)
     engine.proposer, engine.default_spec = proposer, spec
     rid = engine.add_request(prompt, greedy)
     proposer.set_reference(rid, len(prompt), reference + [0] * 16)

@@ -107,7 +107,7 @@ def _profiled(engine, add, rounds_per_run: int, label: str) -> dict:
 
 
 def main() -> None:
-    from sections import _rate_for
+    from measure import rate_for
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
     from tandem.speculative.drafter import SpecConfig
@@ -138,7 +138,7 @@ def main() -> None:
     reference = engine.requests.pop(rid).output
     for rounds in (int(r) for r in args.rounds.split(",")):
         engine.spec_rounds = rounds
-        proposer = ControlledAcceptanceProposer(drafter, _rate_for(4.0, spec.num_steps), seed=1)
+        proposer = ControlledAcceptanceProposer(drafter, rate_for(4.0, spec.num_steps), seed=1)
         engine.proposer = proposer
 
         def add():

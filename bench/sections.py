@@ -2,48 +2,28 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
+from measure import decode_tok_s, events_ms, free_gpu, rate_for
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, weight_bytes_per_token
 
 
-def _events_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
-def _free_gpu() -> None:
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    print(f"(GPU memory free after teardown: {free / 2**30:.1f} of {total / 2**30:.1f} GiB)", flush=True)
 
 
 def ceilings(ctx: dict) -> dict:
     n = 1 << 30  # 2 GiB of bf16 each way
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = _events_ms(lambda: dst.copy_(src), 20)
+    ms = events_ms(lambda: dst.copy_(src), 20)
     copy_tbps = 2 * src.numel() * 2 / (ms / 1e3) / 1e12
     src = dst = None  # frees the 4 GiB (the timed lambda still names them: no del)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = _events_ms(lambda: a @ b, 10)
+    ms = events_ms(lambda: a @ b, 10)
     tflops = 2 * 8192**3 / (ms / 1e3) / 1e12
     ctx["copy_tbps"] = copy_tbps
     print(f"device copy {copy_tbps:.2f} TB/s (read+write); bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
@@ -73,32 +53,12 @@ def gemv_chain_tok_s(shape: dict, layers: int) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         chain()
-    ms = _events_ms(g.replay, 30)
+    ms = events_ms(g.replay, 30)
     mats = head = None  # frees the weights (the chain closure still names them: no del)
     torch.cuda.empty_cache()
     return 1e3 / ms
 
 
-def _decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> dict:
-    from tandem.sampling import SamplingParams
-
-    g = torch.Generator().manual_seed(bs)
-    vocab = engine.model_config.vocab_size
-    rids = [engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                               SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), spec=None) for _ in range(bs)]
-    engine.step()  # prefill (and the first token) is not decode
-    torch.cuda.synchronize()
-    started, tokens, engine_steps = time.perf_counter(), 0, 0
-    while any(not engine.requests[r].finished for r in rids):
-        tokens += sum(len(o.new_token_ids) for o in engine.step())  # several per step with --decode-steps
-        engine_steps += 1
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    for r in rids:
-        engine.requests.pop(r)
-    per_request = tokens / bs
-    return {"batch": bs, "tokens": tokens, "engine_steps": engine_steps, "tok_s": tokens / elapsed,
-            "tok_s_per_request": per_request / elapsed, "ms_per_step": 1e3 * elapsed / per_request}
 
 
 def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:
@@ -126,10 +86,10 @@ def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:
     for _ in range(3):
         for name, eng, k, overlap in variants:
             eng.decode_steps, eng.overlap_runs = k, overlap
-            best[name] = max(best[name], _decode_tok_s(eng, 1, new_tokens)["tok_s"])
+            best[name] = max(best[name], decode_tok_s(eng, 1, new_tokens)["tok_s"])
     engine.decode_steps, engine.overlap_runs = default_steps, True
-    replay = {"triton_gemv_pdl": _events_ms(engine.executor.runner.graphs.families[1].graphs[1].replay, 30),
-              "cublas_no_pdl": _events_ms(plain.executor.runner.graphs.families[1].graphs[1].replay, 30)}
+    replay = {"triton_gemv_pdl": events_ms(engine.executor.runner.graphs.families[1].graphs[1].replay, 30),
+              "cublas_no_pdl": events_ms(plain.executor.runner.graphs.families[1].graphs[1].replay, 30)}
     for name in best:
         print(f"batch 1, {name:45s}: {best[name]:7.1f} tok/s", flush=True)
     for name, ms in replay.items():
@@ -153,39 +113,30 @@ def decode(ctx: dict) -> dict:
     out["capture"] = engine.executor.runner.graph_report
     rows = []
     for bs in ((1, 8) if ctx["quick"] else (1, 8, 32, 64)):
-        row = _decode_tok_s(engine, bs, new_tokens)
+        row = decode_tok_s(engine, bs, new_tokens)
         rows.append(row)
         print(f"graphs on  batch {bs:3d}: {row['tok_s']:8.1f} tok/s ({row['tok_s_per_request']:.1f} per request, "
               f"{row['ms_per_step']:.2f} ms/step)", flush=True)
     fam = engine.executor.runner.graphs.families[1]
-    out["graph_replay_ms_bs1"] = _events_ms(fam.graphs[1].replay, 30)
+    out["graph_replay_ms_bs1"] = events_ms(fam.graphs[1].replay, 30)
     print(f"bare graph replay, batch 1: {out['graph_replay_ms_bs1']:.3f} ms = {1e3 / out['graph_replay_ms_bs1']:.0f} tok/s",
           flush=True)
     out["graphs_on"] = rows
     out["batch1_variants"] = _batch1_variants(engine, layers, new_tokens)
     engine.shutdown()
     del engine, fam
-    _free_gpu()
+    free_gpu()
     eager = bench_engine(layers, widths=(1,), max_bs=1, disable_graphs=True)
-    row = _decode_tok_s(eager, 1, min(new_tokens, 32))
+    row = decode_tok_s(eager, 1, min(new_tokens, 32))
     print(f"graphs off batch   1: {row['tok_s']:8.1f} tok/s", flush=True)
     out["graphs_off"] = [row]
     eager.shutdown()
     del eager
-    _free_gpu()
+    free_gpu()
     ctx["target_only_bs1"] = rows[0]["tok_s"]
     return out
 
 
-def _rate_for(accept_length: float, depth: int) -> float:
-    """Corruption rate giving the expected accept length of a path of ``depth`` drafts (bisection)."""
-    from tandem.speculative.controlled import expected_accept_length
-
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_accept_length(mid, depth) > accept_length else (lo, mid)
-    return (lo + hi) / 2
 
 
 def spec(ctx: dict) -> dict:
@@ -246,7 +197,7 @@ def spec(ctx: dict) -> dict:
                 if goal > sc.num_steps + 1:
                     continue
                 engine.spec_rounds, engine.overlap_runs = spec_rounds, overlap
-                rate = _rate_for(goal, sc.num_steps)
+                rate = rate_for(goal, sc.num_steps)
                 proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
                 engine.proposer, engine.default_spec = proposer, sc
                 rid = engine.add_request(prompt, greedy)
@@ -279,7 +230,7 @@ def spec(ctx: dict) -> dict:
         engine.proposer = None
         engine.shutdown()
         del engine, drafter, proposer
-        _free_gpu()
+        free_gpu()
     return {"rows": rows, "drafter_capture": ctx.get("drafter_capture"), "round_replays_ms": ctx.get("round_replays_ms")}
 
 
@@ -311,7 +262,7 @@ def round_graphs(engine, drafter, chains: list) -> dict:
 def replay_ms(graph, reps: int = 10) -> float:
     """GPU time of one replay, ``reps`` back to back per timing so the host's launch of the next
     overlaps the current one (as in a queued run)."""
-    return _events_ms(lambda: [graph.replay() for _ in range(reps)], 10) / reps
+    return events_ms(lambda: [graph.replay() for _ in range(reps)], 10) / reps
 
 
 def _round_replays_ms(engine, drafter, chains: list) -> dict[str, float]:
@@ -323,22 +274,4 @@ def spec_goal(ctx: dict) -> dict:
     """The spec section's goal rows alone: a chain of 3 at accept length 4, graphs on, each setting three
     times interleaved, against target-only in the same section (about a third of the section's time)."""
     return spec({**ctx, "goal_only": True})
-
-
-SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal}
-
-
-def _register_more() -> None:
-    from sections_batch import batch
-    from sections_glue import round_glue
-    from sections_overlap import decode_overlap, overlap
-    from sections_profile import demo, phases
-    from sections_rest import rest, rest_demo
-    from sections_scaling import service, tp
-
-    SECTIONS.update(batch=batch, rest=rest, rest_demo=rest_demo, service=service, tp=tp, phases=phases, demo=demo, overlap=overlap, decode_overlap=decode_overlap,
-                    round_glue=round_glue)
-
-
-_register_more()
 

@@ -19,7 +19,7 @@ import os
 import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
-from sections import _free_gpu, _rate_for
+from measure import free_gpu, rate_for
 from sections_overlap import _steered_batch
 
 BATCHES = tuple(int(b) for b in os.environ.get("TANDEM_BENCH_BATCHES", "1,8,32,64").split(","))
@@ -94,7 +94,7 @@ def batch(ctx: dict) -> dict:
         engine.policy = always
         reference, _, _ = _steered_batch(engine, drafter, spec, prompts, params, 1.0, [[0]] * bs)
         for goal in GOALS:
-            rate = 1.0 if goal == 1.0 else _rate_for(goal, spec.num_steps)
+            rate = 1.0 if goal == 1.0 else rate_for(goal, spec.num_steps)
             best = {"target_only": 0.0, "always": 0.0, "policy": 0.0}
             accept, same = {"always": 0.0, "policy": 0.0}, {"always": True, "policy": True}
             for _ in range(2):
@@ -130,6 +130,6 @@ def batch(ctx: dict) -> dict:
     engine.proposer = None
     engine.shutdown()
     del engine, drafter
-    _free_gpu()
+    free_gpu()
     return {"rows": rows, "drafter_capture": capture, "warmup_s": took,
             "seeded_step_ms": {n: [1e3 * t if t else None for t in c] for n, c in costs.items()}}

@@ -8,7 +8,7 @@ torch runs (the engine picks the fused one whenever the tensors are on the GPU).
 
 from __future__ import annotations
 
-from sections import _free_gpu, _rate_for
+from measure import free_gpu, rate_for
 from sections_overlap import _steered_batch, chain_setup
 
 
@@ -28,7 +28,7 @@ def round_glue(ctx: dict) -> dict:
                 for glue in ("fused", "torch"):
                     chain_rounds._fused_round = fused_round if glue == "fused" else chain_rounds._torch_round
                     outputs, tok_s, _ = _steered_batch(engine, drafter, spec, batch, params,
-                                                       _rate_for(4.0, spec.num_steps), reference)
+                                                       rate_for(4.0, spec.num_steps), reference)
                     best[glue] = max(best[glue], tok_s)
                     same[glue] &= outputs == reference
             row = {"batch": bs, "spec_rounds": engine.spec_rounds, "fused_tok_s": best["fused"],
@@ -42,5 +42,5 @@ def round_glue(ctx: dict) -> dict:
     engine.proposer = None
     engine.shutdown()
     del engine, drafter
-    _free_gpu()
+    free_gpu()
     return {"rows": rows}

@@ -12,7 +12,7 @@ import time
 import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine
-from sections import _decode_tok_s, _free_gpu, _rate_for
+from measure import decode_tok_s, free_gpu, rate_for
 
 
 def _steered_batch(engine, drafter, spec, prompts, params, rate: float, references: list) -> tuple[list, float, float]:
@@ -73,7 +73,7 @@ def overlap(ctx: dict) -> dict:
             for overlapped in (True, False):
                 engine.overlap_runs = overlapped
                 outputs, tok_s, tau = _steered_batch(engine, drafter, spec, batch, params,
-                                                     _rate_for(4.0, spec.num_steps), reference)
+                                                     rate_for(4.0, spec.num_steps), reference)
                 best[overlapped] = max(best[overlapped], tok_s)
                 same[overlapped] &= outputs == reference
                 accept[overlapped].append(round(tau, 3))
@@ -88,7 +88,7 @@ def overlap(ctx: dict) -> dict:
     engine.proposer = None
     engine.shutdown()
     del engine, drafter
-    _free_gpu()
+    free_gpu()
     return {"rows": rows}
 
 
@@ -96,14 +96,14 @@ def decode_overlap(ctx: dict) -> dict:
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 32 if ctx["quick"] else 128
     engine = bench_engine(layers, widths=(1,), max_bs=64)
-    _decode_tok_s(engine, 64, 8)  # warm-up (JIT)
+    decode_tok_s(engine, 64, 8)  # warm-up (JIT)
     rows = []
     for bs in (1, 64):
         best = {True: 0.0, False: 0.0}
         for _ in range(3):
             for overlapped in (True, False):
                 engine.overlap_runs = overlapped
-                best[overlapped] = max(best[overlapped], _decode_tok_s(engine, bs, new_tokens)["tok_s"])
+                best[overlapped] = max(best[overlapped], decode_tok_s(engine, bs, new_tokens)["tok_s"])
         engine.overlap_runs = True
         row = {"batch": bs, "decode_steps": engine.decode_steps, "overlapped_tok_s": best[True],
                "one_at_a_time_tok_s": best[False], "gain": best[True] / best[False] - 1}
@@ -112,5 +112,5 @@ def decode_overlap(ctx: dict) -> dict:
               f"{best[False]:8.1f} tok/s ({100 * row['gain']:+.1f} %)", flush=True)
     engine.shutdown()
     del engine
-    _free_gpu()
+    free_gpu()
     return {"rows": rows}

@@ -110,7 +110,7 @@ def _idle_gaps(trace_path, top: int = 12) -> dict:
 
 
 def phases(ctx: dict) -> dict:
-    from sections import _rate_for
+    from measure import rate_for
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
     from tandem.speculative.drafter import SpecConfig
@@ -144,7 +144,7 @@ def phases(ctx: dict) -> dict:
     reference = engine.requests.pop(rid).output
 
     def steered(sync):
-        proposer = ControlledAcceptanceProposer(drafter, _rate_for(4.0, sc.num_steps), seed=1)
+        proposer = ControlledAcceptanceProposer(drafter, rate_for(4.0, sc.num_steps), seed=1)
         engine.proposer = proposer
         engine.phase_sync = sync
         rid = engine.add_request(prompt, greedy)
@@ -169,7 +169,7 @@ def phases(ctx: dict) -> dict:
     print(f"spec chain3 accept {result['spec_accept_length']:.2f}: {result['spec_tok_s']:.1f} tok/s "
           f"({result['spec_tok_s'] / result['decode_tok_s']:.2f}x); phases (ms, synced): {_fmt(result['spec_phases_ms'])}",
           flush=True)
-    proposer = ControlledAcceptanceProposer(drafter, _rate_for(4.0, sc.num_steps), seed=1)
+    proposer = ControlledAcceptanceProposer(drafter, rate_for(4.0, sc.num_steps), seed=1)
     engine.proposer = proposer
     result["spec_profile"] = _profile_spec(engine, proposer, prompt, reference)
     engine.proposer = None

@@ -8,7 +8,7 @@ import time
 import torch
 
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, random_draft, target_dir, write_target_embedding
-from sections import _decode_tok_s, _free_gpu
+from measure import decode_tok_s, free_gpu
 from sections_profile import _run_phases
 from service_pair import ENGINE_PHASES, round_parts, round_parts_ms, service_pair
 
@@ -111,7 +111,7 @@ def service(ctx: dict) -> dict:
         engine.proposer = None
         engine.shutdown()
     engine = drafter = None  # noqa: F841 - the references go before the GPU memory is freed
-    _free_gpu()
+    free_gpu()
     out.update(out["transports"]["lane"])  # the default transport's figures at the top level, as before
     return out
 
@@ -144,12 +144,12 @@ def tp(ctx: dict) -> dict:
     for size in sorted({1, gpus}):
         engine = bench_engine_for(LLAMA_70B_SHAPE, layers, tp_size=size)
         for bs in (1, 8):
-            row = {"tp": size, **_decode_tok_s(engine, bs, 32 if ctx["quick"] else 64)}
+            row = {"tp": size, **decode_tok_s(engine, bs, 32 if ctx["quick"] else 64)}
             out["rows"].append(row)
             print(f"70B shape, {layers} layers, TP={size}, batch {bs}: {row['tok_s']:8.1f} tok/s "
                   f"({row['ms_per_step']:.2f} ms/step)", flush=True)
         engine.shutdown()
         del engine
-        _free_gpu()
+        free_gpu()
     return out
 

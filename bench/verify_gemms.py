@@ -80,8 +80,9 @@ def routes_for(spec: str) -> dict:
 def engine_graphs(routes: dict, layers: int, reps: int) -> dict:
     """Bare replays of a round's batch-1 graphs with these routes in force at capture."""
     from graph_kernels import _kernels_per_replay, _leave_real_inputs
+    from measure import free_gpu
     from models import bench_drafter, bench_engine
-    from sections import _free_gpu, replay_ms, round_graphs
+    from sections import replay_ms, round_graphs
 
     from tandem.layers.gemv_routes import set_routes
     from tandem.speculative.drafter import SpecConfig
@@ -103,7 +104,7 @@ def engine_graphs(routes: dict, layers: int, reps: int) -> dict:
         print(f"  {name:20s} replay {ms:.3f} ms", flush=True)
     engine.shutdown()
     del engine, drafter
-    _free_gpu()
+    free_gpu()
     return out
 
 
