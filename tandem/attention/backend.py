@@ -1,4 +1,4 @@
-"""The attention-backend interface and the choice of backend.
+"""The attention-backend interface (the choice of backend: tandem.attention.choice).
 
 A backend stores the new tokens' K/V into the paged pool and attends each new query to its
 sequence's cached and new keys under the metadata's mask. ``plan`` runs once per forward (outside
@@ -45,25 +45,3 @@ def attend(backend: AttentionBackend, q, k, v, positions, rotary, k_pool, v_pool
     q, k = rotary(positions, q, k)
     return backend.forward(q, k, v, k_pool, v_pool, meta, scale)
 
-
-def make_backend(name: str, device: torch.device, latent: bool = False) -> AttentionBackend:
-    """``auto``: FlashInfer on a GPU when it is installed, else the torch reference. ``latent``: for a
-    model whose cache holds MLA latents (tandem.attention.mla_torch_backend; the torch reference only, for now)."""
-    if latent:
-        if name not in ("auto", "torch"):
-            raise ValueError(f"attention backend '{name}' has no MLA path yet; use auto or torch")
-        from tandem.attention.mla_torch_backend import TorchMLABackend
-
-        return TorchMLABackend()
-    from tandem.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
-
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_available()):
-        if not flashinfer_available():
-            raise ValueError("attention backend 'flashinfer' asked for, but flashinfer cannot be imported "
-                             "(pip install 'tandem[gpu]')")
-        return FlashInferBackend(device)
-    if name in ("auto", "torch"):
-        from tandem.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend '{name}'; available: auto, torch, flashinfer")

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from tandem.attention.backend import make_backend
+from tandem.attention.choice import make_backend
 from tandem.engine.batch import ForwardBatch, to_device
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError

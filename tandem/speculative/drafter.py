@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.attention.backend import make_backend
+from tandem.attention.choice import make_backend
 from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device
 from tandem.errors import ConfigError, OutOfPagesError
 from tandem.kv_cache import KVPool, PageAllocator, SequenceKV
