@@ -93,9 +93,15 @@ SPEC_ROUNDS = Flag(("--spec-rounds",), dict(
 NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
     action="store_true", help="read each run of --decode-steps or --spec-rounds back before queuing the next "
                               "(default: the next run is queued first, from the device's state)"))
+CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
+    type=int, default=e.chunked_prefill_size, help="prompt tokens prefilled per step: a longer prompt is prefilled in "
+                                                   "chunks beside the decoding requests; -1: prompts go whole"))
+CONTEXT_LENGTH = Flag(("--context-length",), dict(
+    type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
+                                 "(default: the model's)"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP)
+                NO_OVERLAP, CHUNKED_PREFILL, CONTEXT_LENGTH)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
 

@@ -43,7 +43,8 @@ def generate_settings(args: argparse.Namespace) -> tuple:
                        tp_size=args.tp_size, mem_fraction_static=args.mem_fraction_static, kv_pages=args.kv_pages,
                        max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
-                       spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs)
+                       spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs,
+                       chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length)
     return cfg, speculative
 
 

@@ -117,7 +117,7 @@ def test_greedy_generation_matches_hf(models, engines, variant):
 def test_batch_of_lengths_over_scattered_pages(models):
     path, hf = models["q_lora-groups2"]
     prompts = [random_prompt(10 + n, n, VOCAB) for n in (3, 17, 40, 66)]
-    cfg = EngineConfig(model=path, page_size=4, page_shuffle_seed=7, max_prefill_tokens=48)
+    cfg = EngineConfig(model=path, page_size=4, page_shuffle_seed=7, chunked_prefill_size=48)
     with LLMEngine(cfg) as eng:
         results = eng.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert [r.output_token_ids for r in results] == [hf_greedy(hf, p, 16) for p in prompts]

@@ -210,25 +210,27 @@ def test_max_running_requests_limits_the_batch(llama):
 
 
 def test_prefill_token_budget(llama):
-    """max_prefill_tokens bounds the prompt tokens admitted per step, except that one prompt longer
-    than the budget is admitted on its own; outputs are unchanged."""
+    """chunked_prefill_size bounds the prompt tokens prefilled per step: a prompt past what is left of it
+    is cut into chunks over several steps (tests/test_chunked_prefill.py has the rest); outputs are unchanged."""
     lengths = [4, 5, 6, 20, 3]
     prompts = [random_prompt(35 + i, n) for i, n in enumerate(lengths)]
     want = [greedy_alone(llama.path, p, 6) for p in prompts]
-    with LLMEngine(EngineConfig(model=llama.path, max_prefill_tokens=10)) as eng:
+    with LLMEngine(EngineConfig(model=llama.path, chunked_prefill_size=10)) as eng:
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in prompts]
-        started: set[str] = set()
-        admitted_per_step = []
-        for _ in range(100):
-            if all(eng.requests[r].finished for r in rids):
-                break
+        spans = []
+        real = eng.scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            sched = real(*args, **kwargs)
+            spans.append(sched.prefill)
+            return sched
+
+        eng.scheduler.schedule = schedule
+        while not all(eng.requests[r].finished for r in rids):
             eng.step()
-            new = [r for r in rids if eng.requests[r].output and r not in started]
-            started |= set(new)
-            admitted_per_step.append([len(eng.requests[r].prompt) for r in new])
-        for admitted in admitted_per_step:
-            assert sum(admitted) <= 10 or len(admitted) == 1, admitted_per_step
-        assert [4, 5] in admitted_per_step and [20] in admitted_per_step
+            check_page_invariants(eng)
+        assert all(sum(p.end - p.start for p in step) <= 10 for step in spans)
+        assert [(p.start, p.end) for step in spans for p in step if p.req.rid == rids[3]] == [(0, 5), (5, 15), (15, 20)]
         assert [eng.requests.pop(r).output for r in rids] == want
 
 

@@ -32,6 +32,7 @@ CASES = {
 PROMPTS = [random_prompt(90, 13, 251), random_prompt(91, 30, 251), random_prompt(92, 4, 251)]
 MAX_NEW = 24
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2]
+CHUNKED_CASE = "llama-kv2-split"  # also run with prompts prefilled in chunks of 6 (one case: a TP start costs)
 
 
 def tree_job(prompt: list[int]) -> dict:
@@ -53,7 +54,8 @@ def tp_results(checkpoint, tmp_path_factory):
     ckpts = {name: checkpoint(family, seed, **kw) for name, (family, seed, kw) in CASES.items()}
     work = tmp_path_factory.mktemp("tp")
     spec = [dict(model=ckpts[name].path, tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW,
-                 tree=tree_job(PROMPTS[1])) for name in CASES]
+                 tree=tree_job(PROMPTS[1]), chunked_prefill_size=6 if name == CHUNKED_CASE else None)
+            for name in CASES]
     (work / "spec.json").write_text(json.dumps(spec))
     runner = Path(__file__).resolve().parent / "tp_runner.py"
     proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
@@ -102,6 +104,11 @@ def test_tp2_generation_matches_tp1(tp_results, case):
     assert res["greedy"] == [r.output_token_ids for r in greedy]
     assert res["sampled"] == sampled[0].output_token_ids
     assert_rel(res["prompt_logits"][1], tp1_logits, 1e-4)
+
+
+def test_tp2_chunked_prefill_keeps_greedy_output(tp_results):
+    _, res = tp_results[CHUNKED_CASE]
+    assert res["chunked_greedy"] == res["greedy"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -2,7 +2,8 @@
 outside, and the TP process group and thread settings never touch the pytest process).
 
 Usage: python tests/tp_runner.py SPEC.json OUT.pt — SPEC is a list of jobs
-{"model": dir, "tp_size": n, "prompts": [[...]], "max_new_tokens": m, "tree": {...} or null}.
+{"model": dir, "tp_size": n, "prompts": [[...]], "max_new_tokens": m, "tree": {...} or null,
+"chunked_prefill_size": k (optional: greedy again with prompts prefilled in chunks of k)}.
 OUT holds, per job: prompt logits, greedy and seeded-sampled outputs, EAGLE-3 features, tree-node
 logits, the rank-0 shard sizes, and whether all worker processes were gone after shutdown.
 """
@@ -56,6 +57,12 @@ def run_job(job: dict) -> dict:
             out["tree_logits"], _ = eng.executor.forward(ForwardBatch([chunk]))
             kv.release()
         out["pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
+    if job.get("chunked_prefill_size"):  # the same greedy run with prompts prefilled in chunks
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4,
+                           chunked_prefill_size=job["chunked_prefill_size"])
+        with LLMEngine(cfg) as eng:
+            out["chunked_greedy"] = [r.output_token_ids for r in eng.generate(job["prompts"], [
+                SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True) for i in range(len(job["prompts"]))])]
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
 

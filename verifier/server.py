@@ -43,6 +43,7 @@ class VerifierService:
     def __init__(self, cfg: VerifierConfig, model_cfg: ModelConfig, speculative: bool):
         """Registered before the server starts; answers UNAVAILABLE until ``attach`` gives it the loop."""
         self.cfg, self.model_cfg, self.speculative = cfg, model_cfg, speculative
+        self.context = cfg.engine.served_context(model_cfg.max_position_embeddings)  # --context-length, checked
         self.default_spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens) if speculative else None
         self.loop: EngineLoop | None = None
 
@@ -61,7 +62,7 @@ class VerifierService:
 
     async def model_info(self, request, context) -> pb.ModelInfo:
         return pb.ModelInfo(model=self.cfg.served_model_name or self.cfg.engine.model,
-                            vocab_size=self.model_cfg.vocab_size, max_context=self.model_cfg.max_position_embeddings,
+                            vocab_size=self.model_cfg.vocab_size, max_context=self.context,
                             eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative)
 
     async def generate(self, request, context: grpc.aio.ServicerContext):
@@ -127,13 +128,13 @@ class VerifierService:
 
     def _convert(self, request) -> tuple[SamplingParams, object]:
         s = request.sampling
-        context = self.model_cfg.max_position_embeddings
+        context = self.context
         if not request.prompt_token_ids:
             raise ConfigError("prompt_token_ids: the prompt is empty")
         if s.max_new_tokens <= 0:
             raise ConfigError("sampling.max_new_tokens must be > 0")
         if s.max_new_tokens > context:
-            raise ConfigError(f"sampling.max_new_tokens {s.max_new_tokens} exceeds the model's context ({context})")
+            raise ConfigError(f"sampling.max_new_tokens {s.max_new_tokens} exceeds the served context ({context})")
         if s.temperature < 0:
             raise ConfigError(f"sampling.temperature must be >= 0, got {s.temperature:g}")
         if not 0.0 <= s.top_p <= 1.0:

@@ -9,6 +9,9 @@ from tandem.errors import ConfigError
 
 DEFAULT_DECODE_STEPS = 4
 DEFAULT_SPEC_ROUNDS = 4
+# --chunked-prefill-size: prompt tokens prefilled per engine step (SGLang's default on large GPUs); a prompt
+# past what is left of it is prefilled in chunks over several steps, beside the decoding requests.
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,11 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # GPU: fraction of total memory for weights + KV pool
     cpu_kv_tokens: int = 65536  # CPU: KV pool size in tokens when kv_pages is None
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (beyond one long prompt)
+    # --chunked-prefill-size: prompt tokens prefilled per step, cutting a long prompt into chunks so running
+    # streams keep their pace; -1 (SGLang's "off"): prompts go whole, one past the budget alone (the budget
+    # is then DEFAULT_CHUNKED_PREFILL_SIZE)
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    context_length: int | None = None  # --context-length: serve below the model's maximum; None = the model's
     capture_layers: tuple[int, ...] | None = None  # EAGLE-3 feature layers; None = the model's default
     page_shuffle_seed: int | None = None  # scatter page order (testing the paged layout)
     load_format: str = "safetensors"  # or "random": weights drawn on the device, only config.json read (benchmarks)
@@ -49,6 +56,10 @@ class EngineConfig:
             raise ConfigError(f"--decode-steps must be >= 1, got {self.decode_steps}")
         if self.spec_rounds is not None and self.spec_rounds < 1:
             raise ConfigError(f"--spec-rounds must be >= 1, got {self.spec_rounds}")
+        if self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
+            raise ConfigError(f"--chunked-prefill-size must be >= 1, or -1 (off), got {self.chunked_prefill_size}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"--context-length must be >= 2, got {self.context_length}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:
@@ -59,3 +70,12 @@ class EngineConfig:
             raise ConfigError(f"load format must be safetensors or random, got '{self.load_format}'")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"--device must be cpu or cuda[:N], got '{self.device}'")
+
+    def served_context(self, model_max: int) -> int:
+        """The context this engine serves: --context-length, which may not pass the model's ``model_max``."""
+        if self.context_length is None:
+            return model_max
+        if self.context_length > model_max:
+            raise ConfigError(f"--context-length {self.context_length} exceeds the model's maximum context "
+                              f"({model_max})")
+        return self.context_length

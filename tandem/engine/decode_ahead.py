@@ -146,7 +146,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
     if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None:
         return none
-    context = engine.model_config.max_position_embeddings
+    context = engine.context_len
     for req in reqs:
         if engine._tree_width(req) != 1:
             return none

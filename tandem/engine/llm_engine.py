@@ -54,8 +54,9 @@ class LLMEngine:
         self.default_spec = spec if proposer is not None else None
         self.executor = TargetExecutor(cfg)
         self.model_config = self.executor.model_config
+        self.context_len = cfg.served_context(self.model_config.max_position_embeddings)  # --context-length
         self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed)
-        self.scheduler = Scheduler(self.allocator, cfg.max_running_requests, cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(self.allocator, cfg.max_running_requests, cfg.chunked_prefill_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step: StepInfo | None = None
@@ -86,11 +87,11 @@ class LLMEngine:
                     spec: "SpecConfig | None | str" = DEFAULT) -> str:
         """Queue a prompt. ``spec``: the request's speculation setting (default: the engine's; None: off)."""
         params.validate()
-        context, vocab = self.model_config.max_position_embeddings, self.model_config.vocab_size
+        context, vocab = self.context_len, self.model_config.vocab_size
         if not prompt:
             raise ConfigError("prompt is empty")
         if len(prompt) >= context:
-            raise ConfigError(f"prompt has {len(prompt)} tokens; the model's context is {context}")
+            raise ConfigError(f"prompt has {len(prompt)} tokens; the served context is {context}")
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -121,7 +122,7 @@ class LLMEngine:
     def _fits(self, req: Request, width: int) -> bool:
         """Whether a verify of ``width`` rows stays inside the context and the whole KV cache (near either
         end a request decodes plainly, which always fits until it finishes)."""
-        return (req.num_tokens + width <= self.model_config.max_position_embeddings
+        return (req.num_tokens + width <= self.context_len
                 and self.allocator.pages_for(req.num_tokens - 1 + width) <= self.allocator.capacity_pages)
 
     def _can_draft(self, req: Request) -> bool:
@@ -195,14 +196,19 @@ class LLMEngine:
             trees = self.drafts.draft(sched.decode, self._tree_width)
             trees |= {req.rid: DraftTree.padded(req.last_token, self._row_width(req, width))
                       for req in sched.decode if trees[req.rid].size == 1 and self._row_width(req, width) > 1}
-        chunks = [SequenceChunk(req.tokens, 0, req.kv.page_table()) for req in sched.prefill]
+        # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
+        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table())
+                  for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
             emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
-            outputs = self._commit(sched.prefill + sched.decode, emitted, rounds)
+            for p in sched.prefill:
+                if not p.last:
+                    p.req.kv.commit(p.end)
+            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
             self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
@@ -226,8 +232,8 @@ class LLMEngine:
                                       "draft log-probs contain NaN; the draft head or its features are broken")
         # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
         # just the root are sampled together (plain decoding); trees go through acceptance.
-        simple = [(req, i) for i, req in enumerate(sched.prefill)]
-        row, token_row = len(sched.prefill), sum(req.num_tokens for req in sched.prefill)
+        simple = [(p.req, i) for i, p in enumerate(sched.prefill) if p.last]
+        row, token_row = len(sched.prefill), sum(p.end - p.start for p in sched.prefill)
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -248,13 +254,16 @@ class LLMEngine:
                 emitted[req.rid] = [token]
         token_row = 0
         held = []  # kept on the device for the request's next draft (keep_in_step)
-        for req in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt
-            n = req.num_tokens
-            observed.append((req.rid, 0, range(token_row, token_row + n)))
-            if features is not None and req.spec is not None:
-                item = (req, req.tokens[1:] + emitted[req.rid], features[token_row : token_row + n])
-                # While the batch decodes plainly the prompt waits for the request's first draft too.
-                (extend_items if self.speculating else held).append(item)
+        for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
+            req, n = p.req, p.end - p.start
+            observed.append((req.rid, p.start, range(token_row, token_row + n)))
+            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them).
+            if features is not None and req.spec is not None and (p.start == 0 or req.draft_ready):
+                following = req.tokens[p.start + 1 : p.end + 1] + (emitted[req.rid] if p.last else [])
+                item = (req, following, features[token_row : token_row + n])
+                # While the batch decodes plainly the prompt waits for the request's first draft too; a
+                # chunk after held ones is held too (DraftLink sends them in order).
+                (extend_items if self.speculating and not req.pending_extend else held).append(item)
             token_row += n
         for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
             observed.append((req.rid, req.num_tokens - 1, [root_row]))
@@ -329,7 +338,7 @@ class LLMEngine:
             return FinishReason.STOP
         if len(req.output) >= p.max_new_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.model_config.max_position_embeddings:
+        if req.num_tokens >= self.context_len:
             return FinishReason.LENGTH
         if self.allocator.pages_for(req.num_tokens) > self.allocator.capacity_pages:
             return FinishReason.LENGTH  # its next step would not fit even in the whole KV cache

@@ -41,7 +41,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     spec = reqs[0].spec
     if spec is None or spec.topk != 1:
         return 0
-    nd, context = spec.num_draft_tokens, engine.model_config.max_position_embeddings
+    nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
                 or engine._tree_width(req) != nd):

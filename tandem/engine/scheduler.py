@@ -6,6 +6,13 @@ when its pages fit now; when a running request cannot get pages for its next ste
 admitted request is preempted: its pages are freed and it goes back to the front of the queue, to be
 recomputed from its tokens later (its output so far is kept, so nothing is lost and greedy output is
 unchanged).
+
+Prompts share a per-step token budget (``--chunked-prefill-size``): a prompt longer than what is left of
+it is prefilled in chunks over several steps, beside the decoding requests, so a long prompt does not
+stall them. A prompt in chunked prefill stays at the head of the queue holding the pages of its chunks
+done so far (``req.kv.num_tokens``: the tokens already in the KV cache); it joins the running batch with
+its last chunk, which samples its first token. It is the first to be preempted when a running request
+cannot grow (it is the most recently admitted), and a new prompt starts only when all of it fits now.
 """
 
 from __future__ import annotations
@@ -14,15 +21,25 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tandem.engine.config import DEFAULT_CHUNKED_PREFILL_SIZE
 from tandem.engine.request import Request
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """Tokens ``start:end`` of a request's sequence, prefilled this step (its whole prompt, or a chunk)."""
+    req: Request
+    start: int  # tokens already in the KV cache (earlier chunks): the chunk's prefix
+    end: int
+    last: bool  # the prompt's last chunk: it samples the request's next token (fixed here: the sequence grows)
+
+
 @dataclass
 class Schedule:
     decode: list[Request] = field(default_factory=list)  # running; pages reserved for their step width
-    prefill: list[Request] = field(default_factory=list)  # newly admitted; pages reserved for all their tokens
+    prefill: list[Prefill] = field(default_factory=list)  # prompts or chunks; pages reserved up to their end
     preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
 
     def __bool__(self) -> bool:
@@ -30,10 +47,13 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_running: int, max_prefill_tokens: int):
+    def __init__(self, allocator: PageAllocator, max_running: int, chunked_prefill_size: int):
+        """``chunked_prefill_size``: prompt tokens prefilled per step; -1: prompts are not cut (they go
+        whole, one longer than the default budget alone)."""
         self.allocator = allocator
         self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked = chunked_prefill_size > 0
+        self.prefill_budget = chunked_prefill_size if self.chunked else DEFAULT_CHUNKED_PREFILL_SIZE
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -63,6 +83,12 @@ class Scheduler:
                 continue
             needed_tokens = req.num_tokens - 1 + step_width(req)
             while req.kv.pages_needed(needed_tokens) > self.allocator.num_free:
+                partial = self._in_prefill()
+                if partial is not None:  # the most recently admitted: its chunks are recomputed later
+                    partial.kv.release()
+                    partial.num_preemptions += 1
+                    out.preempted.append(partial)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -71,18 +97,26 @@ class Scheduler:
             if req in self.running:
                 req.kv.reserve(needed_tokens)
                 out.decode.append(req)
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_running:
+        budget = self.prefill_budget
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
-            n = req.num_tokens
-            fits_budget = n <= budget or budget == self.max_prefill_tokens  # one long prompt always may go
-            if not fits_budget or req.kv.pages_needed(n) > self.allocator.num_free:
+            start, n = req.kv.num_tokens, req.num_tokens
+            if self.chunked:
+                end = min(n, start + budget)
+            elif n <= budget or budget == self.prefill_budget:  # one long prompt always may go
+                end = n
+            else:
+                break
+            needed = req.kv.pages_needed(n if start == 0 else end)  # a new prompt starts only if it all fits
+            if needed > self.allocator.num_free:
+                break
+            req.kv.reserve(end)
+            budget -= end - start
+            out.prefill.append(Prefill(req, start, end, last=end == n))
+            if end < n:  # the rest goes in later steps; the request keeps the head of the queue
                 break
             self.waiting.popleft()
-            req.kv.reserve(n)
-            budget -= n
             self.running.append(req)
-            out.prefill.append(req)
         return out
 
     def requeue(self, req: Request) -> None:
@@ -91,11 +125,16 @@ class Scheduler:
         if req in self.running:
             self._preempt(req)
 
+    def _in_prefill(self) -> Request | None:
+        """The prompt part-way through a chunked prefill (it holds pages while it waits), or None."""
+        head = self.waiting[0] if self.waiting else None
+        return head if head is not None and head.kv.pages else None
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.kv.release()
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.insert(1 if self._in_prefill() is not None else 0, req)  # behind a prompt mid-prefill
 
     def finish(self, req: Request) -> None:
         if req in self.running:

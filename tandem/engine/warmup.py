@@ -4,7 +4,7 @@ A first request must not pay for kernel compilation or a graph's first launch, a
 policy must know from the first request what a plain step and a speculative round cost at each batch
 size (tandem.speculative.policy). So the engine generates a few tokens from random prompts at batch
 sizes 1, 2, 4, ... up to its largest graph bucket — each batch's prompts together as long as a step
-admits (``max_prefill_tokens``: the largest prefill and drafter extend a request mix can make, whose
+admits (``--chunked-prefill-size``: the largest prefill and drafter extend a request mix can make, whose
 kernels compile by size) — once with every step plain and once with every step
 speculative (the drafter's real graphs and kernels; random prompts accept little, which does not matter
 for timing), greedy — the runs of queued steps and rounds — then once sampled, and once with prompts
@@ -71,10 +71,10 @@ def _arrive_while_speculating(engine, batch_size: int, g: torch.Generator, sampl
 def _prompt_tokens(engine, batch_size: int) -> int:
     """Prompt length at ``batch_size``: the batch's prompts fill one step's prefill budget, within the
     context (room left for the new tokens and a round's tree) and the KV cache."""
-    cfg, context = engine.cfg, engine.model_config.max_position_embeddings
+    cfg, context = engine.cfg, engine.context_len
     room = min(context - WARMUP_NEW_TOKENS - 16,
                engine.allocator.capacity_pages * cfg.page_size // batch_size - WARMUP_NEW_TOKENS - 16)
-    return max(1, min(max(WARMUP_MIN_PROMPT_TOKENS, cfg.max_prefill_tokens // batch_size), room))
+    return max(1, min(max(WARMUP_MIN_PROMPT_TOKENS, engine.scheduler.prefill_budget // batch_size), room))
 
 
 @torch.inference_mode()
