@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from quantized_checkpoints import int4_config
 from tandem.errors import CheckpointError
@@ -105,10 +106,12 @@ def test_unsupported_schemes_are_refused_in_one_line(case):
     assert "is not supported" in msg
 
 
-def test_a_quantized_deepseek_checkpoint_is_refused_until_its_layers_take_formats():
+def test_a_quantized_deepseek_checkpoint_builds_with_packed_layers():
+    """Its layers take the formats (tests/test_quantized_deepseek.py serves them); only a quantized router is refused."""
     from deepseek_checkpoints import deepseek_config
     from tandem.models.registry import build_model
 
-    raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "quantization_config": FP8}
-    with pytest.raises(CheckpointError, match="quantized checkpoints \\(fp8\\) are not supported for this architecture"):
-        build_model(ModelConfig.from_hf_dict(raw))
+    raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"],
+           "quantization_config": {**FP8, "weight_block_size": [16, 32]}}
+    model = build_model(ModelConfig.from_hf_dict(raw))
+    assert model.model.layers[1].mlp.experts[0].down_proj.weight.dtype == torch.float8_e4m3fn

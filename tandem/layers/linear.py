@@ -220,6 +220,11 @@ class RowParallelLinear(_ShardedLinear):
     def rows(self, shard_id: object) -> Span:
         return Span.whole(self.out_features)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``x Wᵀ`` before the all-reduce (no bias), for callers that sum several
+        shares and reduce once (the MoE layer)."""
+        return self._product(x, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self._product(x, None))
+        y = all_reduce(self.partial(x))
         return y + self.bias if self.bias is not None else y

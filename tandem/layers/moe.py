@@ -5,6 +5,10 @@ and each expert runs on its own tokens, which needs the routing on the host. Und
 every rank holds every expert with 1/TP of its intermediate dimension; the routed and shared partial
 sums are all-reduced once per layer. Routing follows transformers' DeepseekV3TopkRouter
 (../shared/reference/deepseek_v3_kimi.md §3).
+
+Quantized checkpoints: each expert's linears take the format its checkpoint name gets (routed experts
+INT4 or FP8, shared experts and dense MLPs FP8 or unquantized), held packed and dequantized per call by
+the reference path; the router stays float32.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from torch import nn
 
 from tandem.distributed import all_reduce
 from tandem.layers.activation import silu_mul
-from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape, matmul
+from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
+from tandem.layers.quantized_linear import linear_format
 from tandem.models.deepseek_config import MoeConfig
+from tandem.models.quantization import QuantConfig
 
 
 def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,27 +67,31 @@ class NoAuxRouter(nn.Module):
 
 class SwiGLUMLP(nn.Module):
     """A SwiGLU MLP: a routed or shared expert, or a dense layer's MLP. ``partial`` is this rank's
-    share of the output before the all-reduce (MoE sums its experts' shares and reduces once)."""
+    share of the output before the all-reduce (MoE sums its experts' shares and reduces once).
+    ``prefix`` is its checkpoint module name (``...mlp.``, ``...mlp.experts.7.``), for ``quant``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       quant=linear_format(quant, prefix, ("gate_proj", "up_proj")))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           quant=linear_format(quant, prefix, ("down_proj",)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(silu_mul(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.partial(silu_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, cfg: MoeConfig):
+    def __init__(self, hidden_size: int, cfg: MoeConfig, quant: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
         self.gate = NoAuxRouter(hidden_size, cfg)
-        self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, cfg.moe_intermediate_size, quant, f"{prefix}experts.{e}.")
+                                     for e in range(cfg.n_routed_experts))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = SwiGLUMLP(hidden_size, shared) if shared else None
+        self.shared_experts = SwiGLUMLP(hidden_size, shared, quant, f"{prefix}shared_experts.") if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -7,6 +7,10 @@ runs in the absorbed form (MQA over the latents: ``W_UK`` folded into the query,
 the attended latent) except for forwards of fresh prompts, which use the plain form
 (../shared/reference/deepseek_v3_kimi.md §2). ``forward``/``logits`` are the dense model's: the same
 residual-stream loop, with the same EAGLE-3 capture (inputs of the capture layers).
+
+Quantized checkpoints (§5): every linear takes the format ``cfg.quantization`` gives its checkpoint
+name (prefix included, as the ignore lists name them): FP8 block-wise everywhere (DeepSeek-V3, Kimi-K2),
+INT4 on the routed experts only (Kimi-K2.5); the router and the LM head stay unquantized.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from torch import nn
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool, KVSpec
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, matmul
 from tandem.layers.moe import MoE, SwiGLUMLP
 from tandem.layers.norm import RMSNorm
+from tandem.layers.quantized_linear import linear_format
 from tandem.layers.yarn_rotary import YarnRotary
 from tandem.models.config import ModelConfig
 from tandem.models.llama import PACKED_WEIGHTS as LLAMA_PACKED, CausalLM
@@ -42,18 +47,42 @@ class MLAttention(nn.Module):
         m = cfg.mla
         self.layer_id, self.mla, self.rotary = layer_id, m, rotary
         h, heads = cfg.hidden_size, cfg.num_heads
+        p = f"{cfg.checkpoint_prefix}model.layers.{layer_id}.self_attn."
+
+        def fmt(name: str):
+            return linear_format(cfg.quantization, p, (name,))
+
         if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim, quant=fmt("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias=m.attention_bias)
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias=m.attention_bias, quant=fmt("q_a_proj"))
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim, bias=m.attention_bias)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim, quant=fmt("q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim, bias=m.attention_bias,
+                                                   quant=fmt("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
-        self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=m.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                              quant=fmt("kv_b_proj"))
+        self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=m.attention_bias, quant=fmt("o_proj"))
         self.local_heads = self.kv_b_proj.local_out // (m.qk_nope_head_dim + m.v_head_dim)
         self.scale = m.softmax_scale
+        self._kv_b_dense: torch.Tensor | None = None
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """This rank's kv_b_proj weight [heads·(nope + v), kv_lora] in the model's dtype. A quantized one is
+        dequantized once, at load (``finish_load``; here on first use for random weights), and kept dense
+        beside its packed form, as SGLang does: the absorbed form slices it per head into W_UK and W_UV
+        and folds them into einsums, which no packed GEMM computes; it is small (Kimi: 16 MB a layer in bf16)."""
+        if self.kv_b_proj.quant is None:
+            return self.kv_b_proj.weight
+        if self._kv_b_dense is None:
+            self.finish_load()
+        return self._kv_b_dense
+
+    def finish_load(self) -> None:
+        if self.kv_b_proj.quant is not None:
+            dtype = self.kv_a_layernorm.weight.dtype  # the model's dtype (norms are never quantized)
+            self._kv_b_dense = self.kv_b_proj.quant.dequantize(self.kv_b_proj, dtype)
 
     def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend) -> torch.Tensor:
         m, heads = self.mla, self.local_heads
@@ -64,9 +93,10 @@ class MLAttention(nn.Module):
         pool, _ = kv.layer(self.layer_id)
         backend.store(torch.cat([c_kv, k_pe], dim=-1), pool, meta)
         # kv_b_proj rows per head: [W_UK (nope) ; W_UV (v)], each over the kv_lora latent.
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, m.kv_lora_rank).split([m.qk_nope_head_dim, m.v_head_dim], 1)
+        w_kv_b = self.kv_b_weight()
+        w_uk, w_uv = w_kv_b.view(heads, -1, m.kv_lora_rank).split([m.qk_nope_head_dim, m.v_head_dim], 1)
         if backend.plain_prefill:
-            k_nope, v = self.kv_b_proj(c_kv).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
+            k_nope, v = matmul(c_kv, w_kv_b).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
                 [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
             out = backend.forward_plain(torch.cat([q_nope, q_pe], dim=-1), k, v, meta, self.scale)
@@ -85,7 +115,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = MLAttention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
-        self.mlp = MoE(cfg.hidden_size, cfg.moe) if moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        p, q = f"{cfg.checkpoint_prefix}model.layers.{layer_id}.mlp.", cfg.quantization
+        self.mlp = MoE(cfg.hidden_size, cfg.moe, q, p) if moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, q, p)
 
     def forward(self, h, residual, positions, meta, kv, backend):
         """As the dense layer: the residual stream is ``h + residual``, kept split for the fused norms."""
@@ -128,6 +159,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         skipped = load_checkpoint(self, model_dir, PACKED_WEIGHTS, optional=optional, ignored=optional,
                                   rename=checkpoint_rename(cfg))
+        for layer in self.model.layers:
+            layer.self_attn.finish_load()
         if skipped:
             log.info("%s: skipped %d tensors the text model does not use: %s", model_dir, len(skipped),
                      ", ".join(sorted({_group(n) for n in skipped})))
