@@ -223,7 +223,10 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
     with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
         want = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
                                                                                   ignore_eos=True))]
-    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000"))
+    # Every step speculates: the subject is the reconnect, and a measured policy would rightly decode a
+    # head that accepts little plainly (faster, so the requests could end before the drafter is back).
+    drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000",
+                                                                        "--speculation-policy", "always"))
     try:
         results, errors = {}, []
 
