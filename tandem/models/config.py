@@ -73,7 +73,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def default_capture_layers(self) -> tuple[int, ...]:
-        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (DESIGN.md §3).
+        """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (docs/architecture.md, "Contracts").
 
         Always three entries (the draft head expects 3·H features); on toy models with fewer than
         six layers they are clamped into range and may repeat."""
