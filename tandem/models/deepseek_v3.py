@@ -31,7 +31,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.yarn_rotary import YarnRotary
 from tandem.models.config import ModelConfig
-from tandem.models.llama import PACKED_WEIGHTS as LLAMA_PACKED, CausalLM
+from tandem.models.llama import PACKED_WEIGHTS as LLAMA_PACKED, CausalLM, PreNormLayer
 from tandem.models.loader import load_checkpoint
 
 log = logging.getLogger("tandem.models")
@@ -108,7 +108,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: YarnRotary):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -117,16 +117,6 @@ class DeepseekDecoderLayer(nn.Module):
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
         p, q = f"{cfg.checkpoint_prefix}model.layers.{layer_id}.mlp.", cfg.quantization
         self.mlp = MoE(cfg.hidden_size, cfg.moe, q, p) if moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, q, p)
-
-    def forward(self, h, residual, positions, meta, kv, backend):
-        """As the dense layer: the residual stream is ``h + residual``, kept split for the fused norms."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, positions, meta, kv, backend)
-        x, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):

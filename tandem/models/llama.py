@@ -77,13 +77,9 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_id)
+class PreNormLayer(nn.Module):
+    """A pre-norm decoder layer: subclasses build ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm`` and ``mlp``; the residual data path is this one."""
 
     def forward(self, h, residual, positions, meta, kv, backend):
         """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
@@ -95,6 +91,15 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, positions, meta, kv, backend)
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
+
+
+class DecoderLayer(PreNormLayer):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer_id)
 
 
 class DecoderModel(nn.Module):
