@@ -12,9 +12,9 @@ decayed per token and shrunk towards the engine's mean, so that two rounds do no
 
 Costs depend on the batch: at batch 1 a verify of 4 tokens costs about a decode step, at batch 64 it is
 compute-bound. They are kept per batch bucket (powers of two) from the recent steps there (their time
-over their steps, the slowest left out), seeded by the engine's warm-up (``tandem.engine.warmup``), which runs both kinds of step at several batch
-sizes before a service reports SERVING. A bucket measured only one way takes the ratio of the nearest
-bucket measured both ways.
+over their steps, the slowest left out), seeded by the engine's warm-up (``tandem.engine.warmup``), which
+runs both kinds of step at several batch sizes before a service reports SERVING. A bucket measured only one
+way takes the ratio of the nearest bucket measured both ways.
 
 Learning: while the batch speculates, every ``plain_probe_every`` speculative steps one plain step keeps
 t_plain current. While it does not, no round refreshes τ, so now and then one speculative step (an
