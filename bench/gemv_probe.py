@@ -150,7 +150,7 @@ def several_rows(row_counts: list[int]) -> dict:
 
 def mixed_chains(m: int) -> dict:
     """The model's chain at ``m`` rows with the tensor-core ``dot`` kernel on some shapes only (the ones
-    where it beat cuBLAS alone, call 5 of 2026-11-30 third: o, down, lm_head) and cuBLAS on the rest,
+    where it beats cuBLAS alone: o, down, lm_head) and cuBLAS on the rest,
     with and without PDL; every variant in turn, three passes, best kept."""
     dot = default_config(m, 4096, 4096)
     variants = {

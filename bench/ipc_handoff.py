@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What one device-side hand-off between two processes on one GPU costs: the first experiment for
-queuing the service pair's rounds on the device (docs/benchmarks.md, session of 2026-12-01).
+queuing the service pair's rounds on the device.
 
 In process, a run of chain rounds is queued on one stream and the GPU never waits for the host.
 Across the drafter and the verifier, each round would hand the GPU over twice: the drafter's draft,
@@ -15,14 +15,14 @@ per-hand-off cost is (wall time − kernel time) / hand-offs.
     python3 bench/ipc_handoff.py [--rounds 400] [--work-us 200] [--peer-work-us US] [--slots 2]
                                  [--sync events|flags] [--dead-peer] [--out ipc_handoff.json]
 
-``--peer-work-us``: the second process's kernel length (a round's shape: the verifier's ~4.9 ms,
-the drafter's ~0.5 ms). ``--slots``: events per side, reused round after round (what a serving loop
-does); a shared device counter that each kernel advances only from the value the round before left
-checks that the reused events order the two processes. ``--dead-peer``: what a stream waiting on the
-event of a process killed with its record still queued does (the service pair's open risk).
+``--peer-work-us``: the second process's kernel length (a round's shape: the verifier's verify is several
+times longer than the drafter's work). ``--slots``: events per side, reused round after round (what a
+serving loop does); a shared device counter that each kernel advances only from the value the round
+before left checks that the reused events order the two processes. ``--dead-peer``: what a stream waiting
+on the event of a process killed with its record still queued does (the service pair's open risk).
 ``--sync flags``: instead of interprocess events, each side's stream waits on a flag in shared host
-memory that the other side's stream writes (tandem/ring/stream_flags.py); the hosts then need no
-lockstep at all, and a host can release a wait on a dead peer by writing the flag itself.
+memory that the other side's stream writes (tandem/ring/stream_flags.py); the hosts then need no lockstep
+at all, and a host can release a wait on a dead peer by writing the flag itself.
 
 Host ordering: ``cudaStreamWaitEvent`` binds to the last record *issued* on the event, so a side
 waits on round r's event only after the other side's host has issued that record (a shared

@@ -2,11 +2,11 @@
 """Where a speculative run's device time goes between the graphs: the GPU's idle gaps, by what comes
 before and after them.
 
-A chain of 3 at accept length 4 runs at ~96 % of its graphs' bare replay time (docs/benchmarks.md);
-this says where the rest goes. It profiles one batch-1 request (8B shape, steered to accept every
-draft, as the spec section does) with the default settings, and, for comparison, target-only decoding,
-and prints for the steady state (the first and last runs left out): the GPU's busy share, its idle
-gaps grouped by the operation that ends the gap and the one before it, and the device time per round
+A chain of 3 at accept length 4 runs close to its graphs' bare replay time (docs/benchmarks.md has the
+current share); this says where the rest goes. It profiles one batch-1 request (8B shape, steered to
+accept every draft, as the spec section does) with the default settings, and, for comparison, target-only
+decoding, and prints for the steady state (the first and last runs left out): the GPU's busy share, its
+idle gaps grouped by the operation that ends the gap and the one before it, and the device time per round
 by kernel.
 
     python3 bench/round_timeline.py --out round_timeline.json [--rounds 4] [--new-tokens 160]

@@ -160,7 +160,7 @@ def spec(ctx: dict) -> dict:
         prompt = torch.randint(0, engine.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
         greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         # Warm-up: a fresh engine's first prefill and steps JIT-compile kernels (seconds), which the
-        # target-only figure must not include (it did: 8.8 tok/s, when this section ran first in a call).
+        # target-only figure must not include (it would when this section runs first).
         engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), spec=None)
         rid = engine.add_request(prompt, greedy, spec=None)
         reference_timing = _timed_to_the_end(engine, rid, new_tokens)

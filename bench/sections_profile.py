@@ -221,8 +221,8 @@ def demo(ctx: dict) -> dict:
         # drafter's features through plain steps costs next to target-only.
         kinds = ((None, None), (3, "always"), (5, "always"), (5, "measured")) + (((5, "off"),) if graphs else ())
         # Every engine of a setting stays loaded and the rows are timed in turn, several passes, best
-        # kept: a step of these tiny models is ~0.5 ms of host work, and one call's rows timed one after
-        # the other moved by ±20 % with the host (target-only 1745, 2034, 2127 tok/s in three calls).
+        # kept: a step of these tiny models is mostly host work, and rows timed one after the other move
+        # with the host's speed.
         passes = 3 if graphs else 1
         with contextlib.ExitStack() as stack:
             engines = []

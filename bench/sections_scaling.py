@@ -20,7 +20,7 @@ def service(ctx: dict) -> dict:
     the verifier service (--drafter in-process: the service shell's own cost); features through the
     shared-memory ring. Random head: acceptance is what it is (~1), which isolates the per-round cost of
     the service boundary. The in-process engine stays loaded and is timed again right before each pair
-    (the host's speed drifts within a call: in-process runs of one call differed by 10 %), and each side
+    (the host's speed drifts within a call), and each side
     is timed twice, best kept; each ratio compares a pair with its own in-process neighbour. In process
     the default queues greedy chain rounds on the device (--spec-rounds), which the pair cannot: the
     goal's ratio is against that default, and a second one against one round per step isolates the

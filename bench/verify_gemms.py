@@ -3,8 +3,8 @@
 
 At batch 1 a width-4 verify multiplies 4 rows by every weight of the target (and the head's
 draft-extend 4 rows by the head's): products that, like a decode step's GEMVs, can be no faster than
-reading the weight once. cuBLAS reads some of these shapes at 3.1-3.2 TB/s where the copy ceiling is
-4.2 (docs/benchmarks.md, fifth session). This script, on the GPU:
+reading the weight once. cuBLAS reads some of these shapes well below the copy ceiling
+(docs/benchmarks.md). This script, on the GPU:
 
 1. times each weight shape at 4 rows with cuBLAS and with tandem's tensor-core GEMV tiles (``dot``,
    software-pipelined), launched back to back with programmatic dependent launch as in the

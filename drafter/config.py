@@ -26,9 +26,8 @@ class DrafterServiceConfig:
     graph_specs: tuple = ()  # SpecConfigs whose draft graphs are captured at start-up (GPU)
     # Between rounds on the round lane, spin this long waiting for the next Round before sleeping on the
     # socket (0: never spin). Costs a core while the verifier decodes; spares the thread's wake-up.
-    # Off by default: on the H200 spinning shortened the drafter's extend by ~0.2 ms per round, but the
-    # pair's speed did not move beyond the host's noise (133.7 vs 132.1 tok/s, 143.0 vs 132.7 against
-    # in-process figures that moved as much) — not worth a core. 20 ms outlasts an 8B target's round (~8 ms).
+    # Off by default: spinning shortens the drafter's extend a little, but the pair's speed does not move
+    # beyond the host's noise — not worth a core. 20 ms outlasts an 8B target's round.
     lane_busy_poll_ms: float = 0.0
     profile_rounds: int = 0  # trace this many rounds (after a warm-up) with the torch profiler; 0: off
     profile_dir: str | None = None  # where the trace goes (default: the working directory)

@@ -39,8 +39,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     log.info("loading draft %s for target %s", cfg.draft_model, cfg.target_model)
     # Loaded on this thread, which then runs the rounds (on its event loop): on CPU, torch's intra-op
-    # threads of a loading thread and of a serving thread fight over the cores (the verifier's engine
-    # thread decoded the demo target at 145 tok/s that way on a 2-core VM, 348 loading on its own thread).
+    # threads of a loading thread and of a serving thread fight over the cores and slow it down.
     # Nothing is served meanwhile: the server starts below.
     drafter = Eagle3Drafter.from_dirs(cfg.draft_model, cfg.target_model, cfg.runtime)
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured

@@ -113,8 +113,8 @@ class SequenceKV:
 
     ``pages`` is the block table as a list; an int32 array mirrors it (``page_table``), kept in step as
     pages come and go, because every forward stages each sequence's whole block table: from a list
-    that is a Python-int conversion per page (2.1 ms per step at 64 × 2000 pages), from the array a
-    memcpy (0.07 ms)."""
+    that is a Python-int conversion per page (slow at large batches of long sequences), from the array
+    a memcpy."""
 
     allocator: PageAllocator
     pages: list[int] = field(default_factory=list)

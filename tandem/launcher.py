@@ -196,7 +196,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.model is None and args.device in ("cpu", "auto"):
             # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
             # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
-            # Measured on a 2-core VM, demo pair, chain of 5: 237 -> 272-315 tok/s. (Harmless on a GPU.)
+            # (Harmless on a GPU.)
             env.setdefault("OMP_NUM_THREADS", "1")
         for child in children:
             print(f"starting {child.name} ...", file=sys.stderr, flush=True)

@@ -1,13 +1,12 @@
 """The round lane: a verifier's per-round messages to its co-located drafter over a Unix socket.
 
-The drafter protocol has one message each way per round on the gRPC stream (docs/architecture.md,
-"One speculative round"). Measured, that boundary costs
-0.8–1.2 ms per round however small the messages (bench/grpc_floor.py, bench/boundary.py): each
-message crosses gRPC's own threads and event-loop wake-ups. At a 7 ms speculative round that alone
-keeps the service pair near 88 % of in-process speed. The round's messages are the same protobufs
-either way, so the gRPC stream still opens every connection (Hello/Welcome: ring, target checks),
-stays open as the connection's lifeline, and carries the rounds whenever no lane could be set up; the
-lane only moves each Round and its Drafts to a local stream socket, length-prefixed.
+The drafter protocol has one message each way per round on the gRPC stream (docs/architecture.md, "One
+speculative round"). That boundary has a fixed cost per round however small the messages
+(bench/grpc_floor.py, bench/boundary.py): each message crosses gRPC's own threads and event-loop
+wake-ups, a visible share of a speculative round. The round's messages are the same protobufs either way,
+so the gRPC stream still opens every connection (Hello/Welcome: ring, target checks), stays open as the
+connection's lifeline, and carries the rounds whenever no lane could be set up; the lane only moves each
+Round and its Drafts to a local stream socket, length-prefixed.
 
 Set-up, per connection: the verifier listens on a fresh abstract-namespace address (Linux; no file
 is created, so none can be left behind) and names it with a random token in its Hello; the drafter

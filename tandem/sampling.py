@@ -128,8 +128,8 @@ ARGMAX_CHUNKS = 64  # the vocabulary's split for argmax_rows
 def argmax_rows(logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of [..., V] — the first maximum wins — in two passes when the
     vocabulary is large: the maximum of each of ``chunks`` slices, then the best slice. torch's one-pass
-    reduction keeps a few rows on a few thread blocks: one 128K-token row took 29 µs on the H200 (0.7 %
-    of a batch-1 decode step). ``chunks``: by default ARGMAX_CHUNKS on the GPU when it divides V (and
+    reduction keeps a few rows on a few thread blocks, which leaves most of the GPU idle over a
+    128K-token vocabulary. ``chunks``: by default ARGMAX_CHUNKS on the GPU when it divides V (and
     V >= 8192), else one pass; tests force it on the CPU."""
     vocab = logits.shape[-1]
     if chunks is None:

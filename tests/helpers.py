@@ -135,7 +135,7 @@ class TorchGraphBackend(StaticAttention):
     keys (GraphMeta) — in static-shape torch (tandem.speculative.draft_static.torch_paged_attention, the
     Triton kernel's reference, with rotary and the K/V store as torch ops). For CPU tests whose subject
     is the code around the target's replays, not its attention: interpreted Triton rotary and attention
-    were ~90 % of their time. The Triton kernels keep their own tests (test_kernels.py,
+    would take most of their time. The Triton kernels keep their own tests (test_kernels.py,
     test_graph_static_path.py)."""
 
     name = "torch-graph"

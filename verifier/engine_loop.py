@@ -77,8 +77,7 @@ class EngineLoop(threading.Thread):
                  on_fatal: Callable[[BaseException], None] = lambda error: None, stats: StatsLine | None = None):
         """``build()`` → ``(engine, ...)``: run first on this thread, its result in ``built`` (a Future).
         The model loads on the thread that then steps it: on CPU, torch's intra-op threads of a loading
-        thread and of a stepping thread fought over the cores (the verifier alone decoded the demo target
-        at 132–145 tok/s on a 2-core VM that way, 257–348 loading here)."""
+        thread and of a stepping thread fought over the cores, and decoding slowed down."""
         super().__init__(name="engine-loop", daemon=True)
         self.metrics, self.max_waiting = metrics, max_waiting
         self._build = build

@@ -1,12 +1,12 @@
 """Several plain decode steps per engine step, queued back to back on the device.
 
-A batch-1 decode step of an 8B model is ~4 ms of GPU work and ~0.5 ms of host work (scheduling,
-staging, sampling, reading the token back). Done one step at a time the two run in series: the GPU
-waits while the host handles the token it has just read. Here the host queues step k+1 right after
-step k — its input token is step k's sampled token, left on the device: with CUDA graphs the static
-inputs advance on the device (``TargetGraphRunner.advance``: token, position, KV length, slot),
-eagerly it is fed through ``SequenceChunk.device_ids`` — and reads all the tokens back once, after
-the last step. The host's work now overlaps the GPU's. (Speculative rounds are queued the same way:
+A batch-1 decode step of an 8B model is milliseconds of GPU work and a fraction of a millisecond of host
+work (scheduling, staging, sampling, reading the token back). Done one step at a time the two run in
+series: the GPU waits while the host handles the token it has just read. Here the host queues step k+1
+right after step k — its input token is step k's sampled token, left on the device: with CUDA graphs the
+static inputs advance on the device (``TargetGraphRunner.advance``: token, position, KV length, slot),
+eagerly it is fed through ``SequenceChunk.device_ids`` — and reads all the tokens back once, after the
+last step. The host's work now overlaps the GPU's. (Speculative rounds are queued the same way:
 tandem.speculative.chain_rounds.)
 
 What this changes for a request: pages for all the steps are reserved up front, and a request that

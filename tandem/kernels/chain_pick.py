@@ -3,8 +3,8 @@ first maximum), mapped to the target's vocabulary, and its log-probability added
 
 The torch ops it replaces (tandem.speculative.draft_static._static_chain) cast the logits to float32,
 take log_softmax, clamp it at 0, select the top 1 (a radix select of four kernels over the draft
-vocabulary), gather the draft→target offset and add twice: ~45 µs per step on the H200, about a third
-of a three-step chain draft's kernel time beyond its weight reads (bench/graph_kernels.py). Here each
+vocabulary), gather the draft→target offset and add twice: a large share of a chain draft's kernel
+time beyond its weight reads (bench/graph_kernels.py). Here each
 row is read once: every lane keeps a running maximum, the index where it first reached it, and the sum
 of exp(x - max) rescaled as the maximum grows (online softmax); the lanes are combined at the end.
 

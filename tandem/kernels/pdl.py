@@ -5,8 +5,8 @@ grid, launches the second and waits for its first loads, a few microseconds each
 PDL (Hopper and later), the next grid is scheduled as soon as every program of the current one has
 signalled ``launch_dependents``; it then blocks in ``gdc_wait`` until the current grid has completed
 and its writes are visible. Work that does not depend on the previous kernel (a GEMV's first weight
-tile) can run before the wait. Measured on the H200: the model's chain of GEMVs went from 247 to
-283 tok/s with the same kernels (docs/benchmarks.md, session of 2026-11-30, late).
+tile) can run before the wait, so the gaps between kernels are hidden rather than paid
+(docs/benchmarks.md has the current figures).
 
 The rule every kernel of tandem.kernels follows so that ordering stays transitive: with ``PDL`` set,
 every program calls ``pdl_enter`` before it reads anything a previous kernel wrote, before it writes

@@ -5,14 +5,10 @@ path). CPU tensors always take the plain torch path, which is the reference.
 
 Linear layers send up to ``gemv_max_rows()`` rows to the Triton GEMV (TANDEM_GEMV_MAX_ROWS, default
 1: batch-1 decode; 0 keeps every matmul on cuBLAS). Up to 16 rows work, but on the H200 the
-several-row kernel made a width-4 verify slower than cuBLAS (chain of 3 at accept 4: 476-528 against
-587 tok/s, docs/benchmarks.md), so verifies and batched decode stay on cuBLAS by default, except the
-weight shapes that tandem/layers/gemv_routes.py routes to a measured tile. (Sending only the attention
-output and MLP down projections to the tensor-core kernel made the bare 4-row GEMV chain 3% faster,
-but the engine's width-4 verify graph 4% slower: 4.77 against 4.59 ms, session of 2026-11-30, fourth;
-that kernel waited for the previous one before reading any weight, which it no longer does.)
-``set_gemv_max_rows`` lets a benchmark compare both paths in one process; graphs keep what was in force
-when they were captured.
+several-row kernel makes a width-4 verify slower than cuBLAS overall, so verifies and batched decode
+stay on cuBLAS by default, except the weight shapes that tandem/layers/gemv_routes.py routes to a
+measured tile. ``set_gemv_max_rows`` lets a benchmark compare both paths in one process; graphs keep
+what was in force when they were captured.
 """
 
 from __future__ import annotations

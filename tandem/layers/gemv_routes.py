@@ -2,13 +2,13 @@
 slowly.
 
 cuBLAS picks few, wide tiles for some skinny products and streams their weight below the bandwidth:
-a width-4 verify at batch 1 on the Llama-3.1-8B shape reads its fused qkv at 3.1 TB/s and its
-attention output at 2.7, against 4.2 for a copy (bench/verify_gemms.py). A route sends the products
+a width-4 verify at batch 1 on the Llama-3.1-8B shape reads its fused qkv and attention output
+weights well below a copy's rate (bench/verify_gemms.py). A route sends the products
 of exactly ``rows`` rows with a weight ``[n, k]`` to one tile of tandem/kernels/gemv.py instead
 (``GemvConfig`` fields as a dict), which also joins the programmatic dependent launch chain of the
-kernels around it. The defaults are the shapes where the tensor-core kernel beat cuBLAS by 3 % or more
-at 4 rows on the H200 (docs/benchmarks.md, session of 2026-12-01); other shapes and row counts stay on
-cuBLAS. ``TANDEM_GEMV_ROUTES`` names a JSON file of ``[{"rows": R, "n": N, "k": K, "config": {...}},
+kernels around it. The defaults are the shapes where the tensor-core kernel beats cuBLAS by 3 % or
+more at 4 rows on the H200 (docs/benchmarks.md); other shapes and row counts stay on cuBLAS.
+``TANDEM_GEMV_ROUTES`` names a JSON file of ``[{"rows": R, "n": N, "k": K, "config": {...}},
 ...]`` (bench/verify_gemms.py writes one for the shapes it measures; ``rows`` defaults to 4) that
 replaces them; ``TANDEM_GEMV_ROUTES=none`` routes nothing. Graphs keep the routes in force when they
 were captured.
@@ -21,12 +21,12 @@ import os
 
 _DOT_64 = {"kernel": "dot", "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5}
 _DOT_32 = {"kernel": "dot", "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 5}
-# (rows, N, K) of the Llama-3.1-8B shape and its EAGLE-3 head, measured at 4 rows (2026-12-01, H200):
+# (rows, N, K) of the Llama-3.1-8B shape and its EAGLE-3 head, at 4 rows:
 DEFAULT_ROUTES = {
-    (4, 6144, 4096): _DOT_64,  # fused qkv: 15.7 against cuBLAS's 16.2 us
-    (4, 4096, 4096): _DOT_32,  # attention output: 11.4 against 12.6 us
-    (4, 128256, 4096): _DOT_64,  # LM head: 242 against 250 us
-    (4, 4096, 12288): _DOT_32,  # the head's fc over three target layers' features: 28.3 against 30.9 us
+    (4, 6144, 4096): _DOT_64,  # fused qkv
+    (4, 4096, 4096): _DOT_32,  # attention output
+    (4, 128256, 4096): _DOT_64,  # LM head
+    (4, 4096, 12288): _DOT_32,  # the head's fc over three target layers' features
 }
 
 

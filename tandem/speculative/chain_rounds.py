@@ -2,8 +2,8 @@
 
 A round of speculative decoding in process is draft → verify → accept → draft-extend. Done one round
 per engine step, the host sits between the verify and the extend (reading the verify's argmax,
-walking the chain, staging the extend) and again before the next draft, while the GPU waits (at
-batch 1 on an 8B target ~5.5 ms of GPU work per round; docs/benchmarks.md has what queuing gained).
+walking the chain, staging the extend) and again before the next draft, while the GPU waits
+(docs/benchmarks.md has what queuing gains).
 For greedy chains every one of those host decisions has a fixed shape and can be made on the device
 instead:
 

@@ -1,5 +1,5 @@
 """The round mailbox: what a run of chain rounds passes between the drafter process and the verifier on
-the device, and the two sequence flags that order it (docs/benchmarks.md, session of 2026-12-01).
+the device, and the two sequence flags that order it.
 
 In process, a run of greedy chain rounds is queued on one stream (tandem.speculative.chain_rounds).
 Across the service pair each round crosses twice: the drafter's chain goes to the verifier's verify,

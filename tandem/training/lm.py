@@ -51,8 +51,7 @@ PRESETS = {
     # bf16, torch.compile); held-out loss ~3.5 nats/token, greedy continuations read as Python.
     "demo": LMTrainConfig(),
     # ~32 M parameters on all of Lib/ (~3 M tokens of Python 3.12's): a GPU run (~30 s on an H200), for
-    # benchmarks on a real trained pair. 600 steps of 32 K tokens = ~6 epochs: a 2000-step run overfit
-    # (training loss 0.08, held-out 3.40 at the end; 2.53 at step 500).
+    # benchmarks on a real trained pair. 600 steps of 32 K tokens = ~6 epochs: many more steps overfit.
     "gpu": LMTrainConfig(
         dims=LlamaDims(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
                        num_kv_heads=4, context=1024),

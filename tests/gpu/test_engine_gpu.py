@@ -137,7 +137,7 @@ def test_overlapped_chain_runs_are_committed_while_the_next_run_computes(target,
     commits it (tokens, drafter state) returns before the run queued after it has finished on the
     device (its end delayed there by the test). Committing once indexed the drafter's snapshot with a
     Python list, a pageable host-to-device copy that waited for that run: the device then idled at
-    every run boundary (2.1 ms per run on the 8B shape, docs/benchmarks.md)."""
+    every run boundary."""
     import tandem.engine.rounds_ahead as rounds_ahead
     from tandem.speculative.drafter import SpecConfig
 

@@ -1,7 +1,7 @@
 """Reading a queued run back waits for that run only (tandem.engine.staging.HostReadback): with runs
 overlapped, the next run is queued before the last is read back, and a read-back queued behind it
-would wait for both while the device idles at every run boundary (it did: profiles of the 8B shape
-had 0.6 ms idle before each run, and overlapping runs gained nothing at batch 1). Skipped without a GPU."""
+would wait for both while the device idles at every run boundary, and overlapping runs would gain
+nothing. Skipped without a GPU."""
 
 from __future__ import annotations
 
