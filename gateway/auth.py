@@ -1,7 +1,7 @@
 """The API key (``--api-key`` / ``TANDEM_API_KEY``), as vLLM checks it: ``Authorization: Bearer KEY``
-on the REST API's ``/v1/*`` (401 with an OpenAI error body) and ``authorization`` metadata on the
-public gRPC API (UNAUTHENTICATED). ``/health``, ``/metrics`` and gRPC health stay open: probes and
-scrapers carry no key. Keys are compared in constant time."""
+on the REST API's ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/version`` (401 with an OpenAI error
+body) and ``authorization`` metadata on the public gRPC API (UNAUTHENTICATED). ``/health``,
+``/metrics`` and gRPC health stay open: probes and scrapers carry no key. Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from gateway.errors import GatewayError
 _SCHEME = b"bearer"
 _OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 _DENIED = "a valid API key is required: send 'Authorization: Bearer <key>'"
+# vLLM's tokenizer endpoints live at the root but serve the model as /v1 does: the same key.
+_GUARDED_ROOT = frozenset({"/tokenize", "/detokenize", "/version"})
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1") or path.rstrip("/") in _GUARDED_ROOT
 
 
 def bearer_matches(header: bytes | str | None, key: bytes) -> bool:
@@ -30,14 +36,14 @@ def bearer_matches(header: bytes | str | None, key: bytes) -> bool:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 for ``/v1/*`` without the key; everything else passes through."""
+    """ASGI middleware: 401 for the guarded paths without the key; everything else passes through."""
 
     def __init__(self, app, key: str):
         self.app = app
         self._key = key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and _guarded(scope["path"]) and scope["method"] != "OPTIONS":
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not bearer_matches(header, self._key):
                 await _send_401(send)

@@ -73,14 +73,16 @@ def _common(a: str, b: str) -> int:
 
 
 class StopStrings:
-    """Cuts the text at the first occurrence of any stop string (which is not returned).
+    """Cuts the text at the first occurrence of any stop string (which is not returned, unless
+    ``include``).
 
     Text that could be the start of a stop string is held back until the next text decides it, so
     a stop string split across deltas is still caught and never partly streamed.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self._stops = tuple(s for s in stops if s)
+        self._include = include  # vLLM's include_stop_str_in_output: the text ends with the stop string
         self._firsts = frozenset(s[0] for s in self._stops)
         self._longest = max((len(s) for s in self._stops), default=0)
         self._pending = ""
@@ -93,10 +95,11 @@ class StopStrings:
         if not self._stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s)) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        if found:
             self.hit = True
-            out, self._pending = self._pending[:cut], ""
+            cut, neg_len = min(found)  # the earliest; at one place the longest
+            out, self._pending = self._pending[:cut - neg_len if self._include else cut], ""
             return out
         keep = 0 if final else self._held_back()
         out = self._pending[:len(self._pending) - keep]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -37,14 +37,17 @@ class GenerationStream:
     raised as GatewayError. Call ``cancel()`` when abandoning it before the end."""
 
     def __init__(self, request: GenerationRequest, client: VerifierClient, decode: Callable[[list[int]], str],
-                 metrics: GatewayMetrics, span, arrival: float):
+                 metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = ()):
         self.request = request
         self._client = client
         self._metrics = metrics
         self._span = span
         self._arrival = arrival
         self._detok = IncrementalDetokenizer(decode)
-        self._stops = StopStrings(request.stop)
+        self._stops = StopStrings(request.stop, request.include_stop_str_in_output)
+        # A generation the verifier ends with "stop" ends on an EOS or stop token: its text is left
+        # out unless include_stop_str_in_output (vLLM's rule), also when special tokens are kept.
+        self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
         self._last_token_at: float | None = None
@@ -88,7 +91,11 @@ class GenerationStream:
     def _delta(self, new: list[int], reason: str | None) -> Delta:
         self._completion_tokens += len(new)
         final = reason is not None
-        text = self._stops.feed(self._detok.add(new, final=final), final=final)
+        shown = new
+        if (reason == "stop" and new and new[-1] in self._stop_ids
+                and not self.request.include_stop_str_in_output):
+            shown = new[:-1]
+        text = self._stops.feed(self._detok.add(shown, final=final), final=final)
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted

@@ -1,10 +1,11 @@
 """The OpenAI-compatible REST API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Route functions stay thin: parse (openai_params), stream (generation), shape
+/metrics (and vLLM's /version, /tokenize, /detokenize: tokenize_api). n choices: choices.py. Route functions stay thin: parse (openai_params), stream (generation), shape
 (openai_shapes). Every request gets one server span and one count in ``tandem:requests``."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -20,9 +21,12 @@ from starlette.requests import ClientDisconnect
 from gateway.admission import read_body
 from gateway.auth import ApiKeyMiddleware
 from gateway.errors import INTERNAL_ERROR, UNAVAILABLE, GatewayError
+from gateway.choices import Choices
 from gateway.generation import Delta, GenerationStream
-from gateway.openai_params import Limits, parse_chat, parse_completion, parse_json
+from gateway.openai_extras import choice_seed
+from gateway.openai_params import Limits, OpenAIRequest, parse_chat, parse_completion, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES
+from gateway.tokenize_api import add_tokenize_routes
 from gateway.openai_shapes import SSE_DONE, ChatShape, CompletionShape, DisconnectAwareStreamingResponse, sse_event
 from tandem import tracing
 
@@ -69,6 +73,8 @@ def create_app(gw: Gateway) -> FastAPI:
             card["max_model_len"] = gw.client.known_info.max_context
         return {"object": "list", "data": [card]}
 
+    add_tokenize_routes(app, gw)  # /version, /tokenize, /detokenize, at the root as vLLM serves them
+
     @app.get("/health")
     async def health():
         # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
@@ -97,21 +103,23 @@ class _Scope:
 
     def __init__(self, gw: Gateway, request: Request, api: str):
         self.gw, self.api = gw, api
-        self.slot = False
+        self.slots = 0
         self.done = False
         attributes = {"http.method": request.method, "http.route": request.url.path}
         self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
                                        kind="server", attributes=attributes)
 
-    def take_slot(self) -> None:
-        self.gw.slots.take()
-        self.slot = True
+    def take_slots(self, n: int = 1) -> None:
+        """One slot per generation on the verifier (``n`` choices are ``n``); 429 past the limit."""
+        for _ in range(n):
+            self.gw.slots.take()
+            self.slots += 1
 
     def finish(self, status: int, error: str | None = None) -> None:
         if self.done:
             return
         self.done = True
-        if self.slot:
+        for _ in range(self.slots):
             self.gw.slots.give_back()
         self.gw.metrics.count_request(self.api, status)
         self.span.set_attribute("http.status_code", status)
@@ -124,9 +132,9 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
     arrival = time.monotonic()
     scope = _Scope(gw, request, api)
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
-    stream: GenerationStream | None = None
+    choices: Choices | None = None
     try:
-        scope.take_slot()
+        scope.take_slots()
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
         info = await gw.client.model_info()
@@ -139,23 +147,25 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
         # Tokenizing a long prompt takes milliseconds: off the event loop, so other streams keep flowing.
         params = await asyncio.to_thread(parse) if len(raw) > OFFLOAD_PARSE_BYTES else parse()
         scope.span.set_attributes(params.generation.span_attributes())
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage)
-        stream = GenerationStream(params.generation, gw.client, gw.tokenizer.decode, gw.metrics, scope.span, arrival)
+        n = params.options.n
+        scope.take_slots(n - 1)
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text)
+        choices = _start_choices(gw, params, scope, arrival)
         if params.stream:
-            # Wait for the first delta before answering, so that a refusal by the verifier (over
+            # Wait for the first deltas before answering, so that a refusal by the verifier (over
             # capacity, prompt too long) is an HTTP status the client can act on, not a 200 whose
             # stream carries an error.
-            first = await _unless_disconnected(request, anext(stream))
-            body_iter = _sse(first, stream, shape, scope)
-            owned, stream = stream, None  # the SSE generator owns it now
+            firsts = await _unless_disconnected(request, choices.first())
+            body_iter = _sse(firsts, choices, shape, scope)
+            owned, choices = choices, None  # the SSE generator owns them now
             # ...and if it is never run to its end (the client left before or while it streamed),
             # the response's close still frees the verifier's request and the slot.
             on_close = functools.partial(_abandon, owned, scope)
             return DisconnectAwareStreamingResponse(body_iter, on_close, media_type="text/event-stream",
                                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, reason = await _unless_disconnected(request, _collect(stream))
+        results = await _unless_disconnected(request, choices.collect())
         scope.finish(200)
-        return JSONResponse(shape.response(text, reason, stream.usage))
+        return JSONResponse(shape.response(results, choices.usage))
     except GatewayError as e:
         scope.finish(e.status, e.message)
         return _error_response(e)
@@ -169,21 +179,26 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
         scope.finish(500, repr(e))
         raise
     finally:
-        if stream is not None:
-            stream.cancel()  # a no-op when it finished; frees the verifier's request otherwise
+        if choices is not None:
+            choices.cancel()  # a no-op when they finished; frees the verifier's requests otherwise
 
 
-def _abandon(stream: GenerationStream, scope: _Scope) -> None:
-    stream.cancel()
+def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:
+    """One generation per choice; choice i > 0 gets its own request id and seed (seed + i)."""
+    base, opts = params.generation, params.options
+    decode = gw.tokenizer.decoder(base.skip_special_tokens)
+    eos = tuple(gw.client.known_info.eos_token_ids) if gw.client.known_info is not None else ()
+    streams = []
+    for i in range(opts.n):
+        generation = base if opts.n == 1 else dataclasses.replace(
+            base, request_id=f"{base.request_id}-{i}", seed=choice_seed(base.seed, i))
+        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos))
+    return Choices(streams)
+
+
+def _abandon(choices: Choices, scope: _Scope) -> None:
+    choices.cancel()
     scope.finish(CLIENT_CLOSED, "client disconnected")
-
-
-async def _collect(stream: GenerationStream) -> tuple[str, str]:
-    parts, reason = [], "stop"
-    async for delta in stream:
-        parts.append(delta.text)
-        reason = delta.finish_reason or reason
-    return "".join(parts), reason
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -208,21 +223,20 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(first: Delta, stream: GenerationStream, shape: CompletionShape, scope: _Scope) -> AsyncIterator[str]:
+async def _sse(firsts: list[Delta], choices: Choices, shape: CompletionShape,
+               scope: _Scope) -> AsyncIterator[str]:
     status, error = CLIENT_CLOSED, "client disconnected"
     try:
         for chunk in shape.opening():
             yield sse_event(chunk)
-        delta = first
-        while True:
-            chunk = shape.chunk(delta)
-            if chunk is not None:
+        for i, delta in enumerate(firsts):
+            if (chunk := shape.chunk(delta, i)) is not None:
                 yield sse_event(chunk)
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(stream)
+        async for i, delta in choices.rest():
+            if (chunk := shape.chunk(delta, i)) is not None:
+                yield sse_event(chunk)
         if shape.include_usage:
-            yield sse_event(shape.usage_chunk(stream.usage))
+            yield sse_event(shape.usage_chunk(choices.usage))
         yield SSE_DONE
         status, error = 200, None
     except GatewayError as e:
@@ -236,5 +250,5 @@ async def _sse(first: Delta, stream: GenerationStream, shape: CompletionShape, s
         yield sse_event(GatewayError(500, INTERNAL_ERROR).body())
         yield SSE_DONE
     finally:
-        stream.cancel()
+        choices.cancel()
         scope.finish(status, error)

@@ -8,6 +8,7 @@ BOS). Unset sampling fields take the model's generation_config.json defaults (ga
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -16,6 +17,7 @@ from typing import Any
 
 from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
+from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
 from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem.chat_template import ChatTemplate, ChatTemplateError
@@ -24,9 +26,7 @@ from tandem.tokenizer import TextTokenizer
 
 # Fields of the OpenAI API we do not implement: allowed only with their no-op value.
 _NO_OP = {
-    "n": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
     "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
-    "echo": lambda v: v is None or v is False,
     "logprobs": lambda v: v is None or v is False,  # 0 asks for the sampled token's logprob
     "top_logprobs": lambda v: v is None,
     "suffix": lambda v: v is None or v == "",
@@ -35,6 +35,7 @@ _NO_OP = {
     "logit_bias": lambda v: not v,
     "tools": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    **ENGINE_FIELDS,
 }
 
 
@@ -57,6 +58,8 @@ class OpenAIRequest:
     generation: GenerationRequest
     stream: bool
     include_usage: bool
+    options: OutputOptions = OutputOptions()  # n, echo, special tokens, stop strings in the text
+    echo_text: str = ""  # the prompt's text, put before each choice's when options.echo
 
 
 def parse_json(raw: bytes) -> dict:
@@ -102,7 +105,14 @@ def _utf8(s: str, field: str) -> None:
 def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
     prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
-    return _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
+    parsed = _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
+    if not parsed.options.echo:
+        return parsed
+    prompt = body["prompt"]  # a string echoes as sent; token ids as their decode (vLLM does the same)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    text = prompt if isinstance(prompt, str) else tok.decode(prompt_ids, parsed.options.skip_special_tokens)
+    return dataclasses.replace(parsed, echo_text=text)
 
 
 def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTemplate | None,
@@ -126,11 +136,13 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     param = "max_completion_tokens"
     if requested is None:
         requested, param = _opt_int(body, "max_tokens"), "max_tokens"
-    return _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages")
+    return _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
+                   chat=True)
 
 
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
-            default: int | None, max_param: str = "max_tokens", prompt_param: str = "prompt") -> OpenAIRequest:
+            default: int | None, max_param: str = "max_tokens", prompt_param: str = "prompt",
+            chat: bool = False) -> OpenAIRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"must be a string, got {type(model).__name__}")
@@ -140,6 +152,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     for field, is_no_op in _NO_OP.items():
         if not is_no_op(body.get(field)):
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
+    output = parse_output_options(body, chat)
     stream = _opt_bool(body, "stream") or False
     options = body.get("stream_options")
     include_usage = False
@@ -165,8 +178,9 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     if stop_token_ids:
         check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
-                                   tuple(stop), tuple(stop_token_ids), _opt_bool(body, "ignore_eos") or False)
-    return OpenAIRequest(generation, stream, include_usage)
+                                   tuple(stop), tuple(stop_token_ids), _opt_bool(body, "ignore_eos") or False,
+                                   output.skip_special_tokens, output.include_stop_str_in_output)
+    return OpenAIRequest(generation, stream, include_usage, output)
 
 
 # ---- fields ------------------------------------------------------------------------------------

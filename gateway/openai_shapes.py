@@ -26,25 +26,32 @@ class CompletionShape:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False):
+    def __init__(self, request_id: str, model: str, include_usage: bool = False, n: int = 1, echo_text: str = ""):
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
+        self.n = n  # choices, each streamed with its index
+        self.echo_text = echo_text  # completions' echo: before each choice's text (vLLM)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def opening(self) -> list[dict]:
-        return []
+        """Chunks before any generated text: the echoed prompt, first for each choice."""
+        if not self.echo_text:
+            return []
+        return [self._with_usage({**self._head(self.object), "choices": [self.choice(self.echo_text, None, i)]})
+                for i in range(self.n)]
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, text: str, finish_reason: str | None, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def chunk(self, delta: Delta) -> dict | None:
-        """The stream chunk for ``delta``, or None when it carries nothing a client would see
-        (tokens whose text is still held back)."""
+    def chunk(self, delta: Delta, index: int = 0) -> dict | None:
+        """The stream chunk for choice ``index``'s ``delta``, or None when it carries nothing a
+        client would see (tokens whose text is still held back)."""
         if not delta.text and delta.finish_reason is None:
             return None
-        return self._with_usage({**self._head(self.object), "choices": [self.choice(delta.text, delta.finish_reason)]})
+        choice = self.choice(delta.text, delta.finish_reason, index)
+        return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def _with_usage(self, chunk: dict) -> dict:
         # With include_usage, OpenAI puts "usage": null on every chunk but the final usage chunk.
@@ -55,8 +62,10 @@ class CompletionShape:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head(self.object), "choices": [], "usage": usage}
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return {**self._head(self.object), "choices": [self.choice(text, finish_reason)], "usage": usage}
+    def response(self, results: list[tuple[str, str]], usage: dict) -> dict:
+        """The whole response: ``results`` holds each choice's (text, finish_reason), in index order."""
+        choices = [self.choice(self.echo_text + text, reason, i) for i, (text, reason) in enumerate(results)]
+        return {**self._head(self.object), "choices": choices, "usage": usage}
 
 
 class ChatShape(CompletionShape):
@@ -66,21 +75,22 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl"
 
     def opening(self) -> list[dict]:
-        # The first chunk announces the role, with empty content, as OpenAI does.
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._with_usage({**self._head(self.object), "choices": [first]})]
+        # Each choice's first chunk announces the role, with empty content, as OpenAI does.
+        return [self._with_usage({**self._head(self.object), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            for i in range(self.n)]
 
-    def chunk(self, delta: Delta) -> dict | None:
+    def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         if not delta.text and delta.finish_reason is None:
             return None
         content = {"content": delta.text} if delta.text else {}
-        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+        choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+    def response(self, results: list[tuple[str, str]], usage: dict) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": reason} for i, (text, reason) in enumerate(results)]
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage}
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):

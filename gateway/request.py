@@ -33,6 +33,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # cut on the detokenized text by the gateway
     stop_token_ids: tuple[int, ...] = ()  # checked by the verifier, besides its EOS ids
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # in the text (the gateway's side: the verifier sends ids)
+    include_stop_str_in_output: bool = False  # the matched stop string, or the stop token's text
 
     def to_proto(self) -> verifier_pb2.GenerateRequest:
         sampling = verifier_pb2.SamplingParams(

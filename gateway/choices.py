@@ -1,0 +1,65 @@
+"""The ``n`` choices of one OpenAI request: ``n`` generations on the verifier (distinct seeds: see
+openai_extras.choice_seed), read together. Their first deltas are awaited before the response
+starts, so a refusal of any of them is an HTTP status; then their deltas are merged as they come,
+each with its choice index. Cancelling cancels every generation still running."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from gateway.generation import Delta, GenerationStream
+
+
+class Choices:
+    def __init__(self, streams: list[GenerationStream]):
+        self.streams = streams
+
+    async def first(self) -> list[Delta]:
+        # gather marks the exceptions of the others retrieved when one fails; cancel() ends them.
+        return list(await asyncio.gather(*(anext(s) for s in self.streams)))
+
+    async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(index, delta) for every delta after the first ones, in arrival order."""
+        pending = {_next(s): i for i, s in enumerate(self.streams) if s.finish_reason is None}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.get):
+                    i = pending.pop(task)
+                    delta = task.result()  # an upstream failure ends the whole response
+                    yield i, delta
+                    if delta.finish_reason is None:
+                        pending[_next(self.streams[i])] = i
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def collect(self) -> list[tuple[str, str]]:
+        """Each choice's whole text and finish reason, in index order."""
+        return list(await asyncio.gather(*(_collect(s) for s in self.streams)))
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()  # a no-op for those that finished
+
+    @property
+    def usage(self) -> dict:
+        # The prompt is counted once and each choice's tokens are added up, as vLLM does.
+        prompt = self.streams[0].usage["prompt_tokens"]
+        completion = sum(s.usage["completion_tokens"] for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _next(stream: GenerationStream) -> asyncio.Future:
+    task = asyncio.ensure_future(anext(stream))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no "never retrieved" noise
+    return task
+
+
+async def _collect(stream: GenerationStream) -> tuple[str, str]:
+    parts, reason = [], "stop"
+    async for delta in stream:
+        parts.append(delta.text)
+        reason = delta.finish_reason or reason
+    return "".join(parts), reason

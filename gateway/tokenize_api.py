@@ -1,0 +1,91 @@
+"""vLLM's tokenizer endpoints at the root: ``GET /version``, ``POST /tokenize`` (a prompt, or chat
+messages rendered by the model's template) and ``POST /detokenize``. Tokenizing follows the
+completion and chat paths (add_special_tokens: true for a prompt, false for rendered messages, which
+hold their own BOS); detokenizing keeps special tokens, as transformers' decode does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+import tandem
+from gateway.admission import read_body
+from gateway.errors import GatewayError, bad_request
+from gateway.openai_params import _add_special_tokens, _messages, _opt_bool, parse_json
+from gateway.request import OFFLOAD_PARSE_BYTES, check_prompt_ids
+from tandem.chat_template import ChatTemplateError
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+
+def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
+    @app.get("/version")
+    async def version():
+        return {"version": tandem.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _answer(gw, request, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _answer(gw, request, _detokenize)
+
+
+async def _answer(gw: Gateway, request: Request, work) -> JSONResponse:
+    try:
+        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
+        body = parse_json(raw)
+        _check_model(gw, body)
+        info = await gw.client.model_info()  # the context length and vocabulary the verifier serves
+        # Megabytes of text take a while to tokenize: off the event loop, as the generation paths do.
+        result = await asyncio.to_thread(work, gw, body, info) if len(raw) > OFFLOAD_PARSE_BYTES else \
+            work(gw, body, info)
+        return JSONResponse(result)
+    except GatewayError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+
+
+def _check_model(gw: Gateway, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", f"must be a string, got {type(model).__name__}")
+    if model and model != gw.cfg.model_name:
+        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{gw.cfg.model_name}`",
+                           param="model")
+
+
+def _tokenize(gw: Gateway, body: dict, info) -> dict:
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("prompt", "send either prompt or messages")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise bad_request("prompt", "must be a string")
+        ids = gw.tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, True))
+    else:
+        if gw.chat_template is None:
+            raise bad_request("messages", "this model has no chat template (tokenizer_config.json has none)")
+        messages = _messages(body["messages"])
+        add_generation_prompt = _opt_bool(body, "add_generation_prompt")
+        try:
+            text = gw.chat_template.render(messages, add_generation_prompt=add_generation_prompt is not False)
+        except ChatTemplateError as e:
+            raise bad_request("messages", str(e)) from e
+        ids = gw.tokenizer.encode(text, add_special_tokens=_add_special_tokens(body, False))
+    # No context check: /tokenize is how a client learns that a prompt is too long.
+    return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": None}
+
+
+def _detokenize(gw: Gateway, body: dict, info) -> dict:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("tokens", f"must be a list of token ids, got {json.dumps(tokens)[:40]}")
+    if tokens:
+        check_prompt_ids(tokens, info.vocab_size, "tokens")
+    return {"prompt": gw.tokenizer.decode(tokens, skip_special_tokens=False)}

@@ -1,0 +1,296 @@
+"""vLLM's extras on the OpenAI API, against the fake verifier: /version, /tokenize and /detokenize
+(equal to the tokenizer's own encode and decode, behind the API key), skip_special_tokens,
+include_stop_str_in_output, echo, n > 1 (one generation per choice, seeds seed + i, choices
+merged by index), and the sampling fields the engine does not implement refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import fake_verifier
+import grpc
+import httpx
+import openai
+import pytest
+from gateway_harness import Stack, tiny_model_dir, wait_until
+from tokenizers import Tokenizer
+
+import tandem
+from gateway.openai_extras import MAX_N
+from tandem.chat_template import ChatTemplate
+
+BOS = "<|bos|>"
+MODEL = "bos-model"
+PROMPT = "def fibonacci(n):\n    return"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The gateway tests' tokenizer with a Llama-3-like post-processor (``<|bos|> $A``), so that
+    add_special_tokens makes a difference."""
+    folder = tmp_path_factory.mktemp("extras") / MODEL
+    shutil.copytree(tiny_model_dir(), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == BOS)
+    bos, a = {"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a], "pair": [bos, a],
+                              "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    s = Stack(model_dir=model_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
+
+
+def _post(stack, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{stack.url}{path}", json=body, timeout=10, **kw)
+
+
+# ---- /version, /tokenize, /detokenize -----------------------------------------------------------
+
+def test_version(stack):
+    r = httpx.get(f"{stack.url}/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": tandem.__version__}
+
+
+def test_tokenize_a_prompt_as_the_completion_path_does(stack, ref):
+    r = _post(stack, "/tokenize", {"model": MODEL, "prompt": PROMPT}).json()
+    ids = ref.encode(PROMPT, add_special_tokens=True).ids
+    assert ids[0] == ref.token_to_id(BOS)
+    assert (r["tokens"], r["count"], r["max_model_len"]) == (ids, len(ids), 512)
+    _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == ids  # what a completion sends upstream
+    r = _post(stack, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert r["tokens"] == ref.encode(PROMPT, add_special_tokens=False).ids
+
+
+def test_tokenize_messages_as_the_chat_path_does(stack, ref, model_dir):
+    template = ChatTemplate.from_model_dir(model_dir)
+    r = _post(stack, "/tokenize", {"model": MODEL, "messages": MESSAGES}).json()
+    ids = ref.encode(template.render(MESSAGES, add_generation_prompt=True), add_special_tokens=False).ids
+    assert r["tokens"] == ids and r["count"] == len(ids)
+    _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == ids
+    r = _post(stack, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert r["tokens"] == ref.encode(template.render(MESSAGES, add_generation_prompt=False),
+                                     add_special_tokens=False).ids
+
+
+def test_detokenize_keeps_special_tokens_as_the_tokenizer_decodes(stack, ref):
+    ids = ref.encode(PROMPT).ids + [ref.token_to_id("<|eos|>")]
+    r = _post(stack, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": ref.decode(ids, skip_special_tokens=False)}
+    assert r.json()["prompt"].startswith(BOS) and r.json()["prompt"].endswith("<|eos|>")
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+    ("/tokenize", {"messages": "hi"}, "messages"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4"}, "model"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(stack, path, body, param):
+    r = _post(stack, path, body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_api_key_guards_the_tokenizer_endpoints_as_v1():
+    s = Stack(api_key="sesame", max_concurrent_requests=2)
+    try:
+        key = {"Authorization": "Bearer sesame"}
+        for method, path, body in [("GET", "/version", None), ("POST", "/tokenize", {"prompt": "x"}),
+                                   ("POST", "/detokenize", {"tokens": [5]})]:
+            assert httpx.request(method, f"{s.url}{path}", json=body, timeout=10).status_code == 401
+            assert httpx.request(method, f"{s.url}{path}", json=body, headers=key, timeout=10).status_code == 200
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code in (200, 503)  # probes stay open
+        # Each choice is a generation on the verifier: n = 3 needs 3 of the 2 slots.
+        r = _post(s, "/v1/completions", {"prompt": "x", "n": 3, "temperature": 1, "max_tokens": 2}, headers=key)
+        assert r.status_code == 429 and s.gateway.slots.in_use == 0
+    finally:
+        s.close()
+
+
+# ---- skip_special_tokens, include_stop_str_in_output ----------------------------------------------
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Make the fake verifier generate ``out`` (special tokens included) for every prompt."""
+    def script(out: list[int]):
+        monkeypatch.setattr(fake_verifier, "expected_tokens", lambda prompt, n, vocab: out[:n])
+    return script
+
+
+def test_skip_special_tokens(stack, ref, scripted):
+    out = [ref.token_to_id(BOS)] + ref.encode("x = 1", add_special_tokens=False).ids + [ref.token_to_id("<|pad|>")]
+    scripted(out)
+    body = {"prompt": PROMPT, "max_tokens": len(out)}
+    assert _post(stack, "/v1/completions", body).json()["choices"][0]["text"] == ref.decode(out)
+    kept = ref.decode(out, skip_special_tokens=False)
+    assert kept.startswith(BOS) and kept.endswith("<|pad|>")
+    r = _post(stack, "/v1/completions", {**body, "skip_special_tokens": False}).json()
+    assert r["choices"][0]["text"] == kept
+    chunks = _stream(stack, "/v1/completions", {**body, "skip_special_tokens": False})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == kept
+    chat = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": len(out),
+                                                 "skip_special_tokens": False}).json()
+    assert chat["choices"][0]["message"]["content"] == kept
+
+
+def test_stop_token_text_is_left_out_unless_asked(stack, ref, scripted):
+    eos = ref.token_to_id("<|eos|>")
+    out = ref.encode("y = 2", add_special_tokens=False).ids + [eos]
+    scripted(out)
+    body = {"prompt": PROMPT, "max_tokens": 16, "stop_token_ids": [eos], "skip_special_tokens": False}
+    r = _post(stack, "/v1/completions", body).json()["choices"][0]
+    assert (r["text"], r["finish_reason"]) == (ref.decode(out[:-1]), "stop")
+    r = _post(stack, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert r["text"] == ref.decode(out, skip_special_tokens=False) and r["text"].endswith("<|eos|>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(stack, client, stream):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    cut = whole.find(stop)
+    body = {"prompt": PROMPT, "max_tokens": 40, "stop": [stop]}
+    for include, expected in [(False, whole[:cut]), (True, whole[:cut + len(stop)])]:
+        b = {**body, "include_stop_str_in_output": include}
+        if stream:
+            text = "".join(c["choices"][0]["text"] for c in _stream(stack, "/v1/completions", b))
+        else:
+            text = _post(stack, "/v1/completions", b).json()["choices"][0]["text"]
+        assert text == expected
+
+
+# ---- echo ---------------------------------------------------------------------------------------
+
+def test_echo_puts_the_prompt_before_the_text(stack, ref):
+    ids = ref.encode(PROMPT).ids
+    generated = ref.decode(stack.expected(ids, 12))
+    r = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "echo": True}).json()
+    assert r["choices"][0]["text"] == PROMPT + generated
+    assert r["usage"]["completion_tokens"] == 12
+    chunks = _stream(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "echo": True})
+    assert chunks[0]["choices"][0]["text"] == PROMPT  # sent first
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + generated
+    # A prompt of token ids echoes as their decode.
+    r = _post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 3, "echo": True,
+                                         "skip_special_tokens": False}).json()
+    assert r["choices"][0]["text"] == ref.decode(ids, skip_special_tokens=False) + ref.decode(stack.expected(ids, 3))
+
+
+# ---- n > 1 --------------------------------------------------------------------------------------
+
+def test_n_fans_out_with_distinct_seeds(stack, ref):
+    before = len(stack.fake.requests)
+    r = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 9, "n": 3, "temperature": 0.8,
+                                         "seed": 41}).json()
+    upstream = stack.fake.requests[before:]
+    assert sorted(u.sampling.seed for u in upstream) == [41, 42, 43]
+    assert len({u.request_id for u in upstream}) == 3
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    text = ref.decode(stack.expected(ref.encode(PROMPT).ids, 9))
+    assert all(c["text"] == text and c["finish_reason"] == "length" for c in r["choices"])
+    assert r["usage"]["completion_tokens"] == 27 and r["usage"]["prompt_tokens"] == len(ref.encode(PROMPT).ids)
+    # Unseeded choices stay unseeded: the verifier draws each one's randomness itself.
+    before = len(stack.fake.requests)
+    _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 2, "temperature": 1.0})
+    assert [u.sampling.HasField("seed") for u in stack.fake.requests[before:]] == [False, False]
+
+
+def test_n_streamed_chunks_carry_their_index(stack, ref):
+    stack.fake.delay_s = 0.002  # interleave the choices' messages
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 10, "n": 3, "temperature": 1.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        *chunks, usage = _stream(stack, "/v1/completions", body)
+        texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)}
+        expected = ref.decode(stack.expected(ref.encode(PROMPT).ids, 10))
+        assert texts == {0: expected, 1: expected, 2: expected}
+        assert sum(c["choices"][0]["finish_reason"] == "length" for c in chunks) == 3
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 30
+        chat = _stream(stack, "/v1/chat/completions", {**body, "messages": MESSAGES, "prompt": None, "n": 2})
+        roles = [c["choices"][0]["index"] for c in chat if c["choices"] and "role" in c["choices"][0]["delta"]]
+        assert roles == [0, 1]
+    finally:
+        stack.fake.delay_s = 0.0
+
+
+def test_n_greedy_gives_identical_choices(stack, client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+
+
+def test_n_refusal_by_the_verifier_cancels_the_other_choices(stack):
+    before = len(stack.fake.requests)
+    stack.fake.delay_s = 0.05
+    stack.fake.fail_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    try:
+        r = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50, "n": 3, "temperature": 1.0})
+        assert r.status_code == 429
+        ids = {u.request_id for u in stack.fake.requests[before:]}
+        wait_until(lambda: len(ids & set(stack.fake.cancelled)) == 2, what="the other choices cancelled")
+        assert stack.gateway.slots.in_use == 0
+    finally:
+        stack.fake.delay_s = 0.0
+
+
+@pytest.mark.parametrize("n", [0, MAX_N + 1, 2.5, "2", True])
+def test_n_out_of_range_is_refused(stack, n):
+    r = _post(stack, "/v1/completions", {"prompt": PROMPT, "n": n, "temperature": 1.0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+# ---- fields still refused -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "logprobs", 1), ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2), ("/v1/completions", "presence_penalty", 0.5),
+    ("/v1/completions", "frequency_penalty", -0.5), ("/v1/completions", "min_p", 0.1),
+    ("/v1/chat/completions", "repetition_penalty", 1.2), ("/v1/completions", "min_tokens", 4),
+    ("/v1/completions", "prompt_logprobs", 1), ("/v1/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "echo", True), ("/v1/completions", "skip_special_tokens", "no"),
+    ("/v1/completions", "include_stop_str_in_output", 1),
+])
+def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    r = _post(stack, path, {**body, field: value, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field)
+
+
+@pytest.mark.parametrize("field,value", [("min_p", 0), ("repetition_penalty", 1.0), ("min_tokens", 0),
+                                         ("presence_penalty", 0), ("logprobs", None), ("use_beam_search", False)])
+def test_no_op_values_are_accepted(stack, field, value):
+    assert _post(stack, "/v1/completions", {"prompt": PROMPT, field: value, "max_tokens": 2}).status_code == 200
+
+
+def _stream(stack, path: str, body: dict) -> list[dict]:
+    body = {k: v for k, v in body.items() if v is not None} | {"stream": True}
+    with httpx.stream("POST", f"{stack.url}{path}", json=body, timeout=10) as r:
+        assert r.status_code == 200, r.read()
+        events = r.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
