@@ -26,7 +26,7 @@ if [ "$what" = pair ]; then
   # the logs coming back.
   for pair in demo-pair gpu-pair; do
     if [ "$pair" = gpu-pair ]; then
-      timeout 330 python3 -m tandem.training.demo_pair --variant gpu --out gpu-pair 2>&1 | tee "$OUT/pair_train.log"
+      timeout 330 python3 -m tandem.cli demo-models --variant gpu --out gpu-pair 2>&1 | tee "$OUT/pair_train.log"
       cp gpu-pair/draft/training.json "$OUT/pair_draft_training.json" 2>/dev/null
     fi
     [ -f "$pair/draft/config.json" ] || continue

@@ -52,7 +52,7 @@ def tiny_pair(folder: Path) -> tuple[str, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoints import write_checkpoint
     from draft_checkpoints import make_draft
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
     from tandem.models.config import ModelConfig
 
     target = folder / "target"

@@ -25,7 +25,7 @@ MODEL_NAME = "tiny"
 def tiny_model_dir() -> Path:
     """A model folder with a small byte-level BPE tokenizer and the demo's chat template (no
     weights: the gateway only reads the tokenizer files). Built once per test process (~0.4 s)."""
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="tandem-gw-"))
     atexit.register(shutil.rmtree, root, True)

@@ -28,7 +28,7 @@ counted = {"requests": 0, "statuses": {}}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from checkpoints import write_checkpoint
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
 
     target = tmp_path_factory.mktemp("fuzz") / "tiny"
     write_checkpoint(target, "llama", seed=3, num_hidden_layers=2, vocab_size=512, eos_token_id=1,

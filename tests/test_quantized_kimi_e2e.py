@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     from draft_checkpoints import make_draft
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
     from tandem.models.config import ModelConfig
 
     root = tmp_path_factory.mktemp("kimi-int4")

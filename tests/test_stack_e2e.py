@@ -26,7 +26,7 @@ VOCAB = 512
 def stack_dirs(tmp_path_factory):
     from checkpoints import write_checkpoint
     from draft_checkpoints import make_draft
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
     from tandem.models.config import ModelConfig
 
     root = tmp_path_factory.mktemp("stack")

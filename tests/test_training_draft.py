@@ -213,7 +213,7 @@ def test_cli_trains_exports_and_evaluates(target, data, tmp_path, capsys):
 
 def test_jsonl_rows_prompts_conversations_and_completed_samples(tmp_path):
     from tandem.chat_template import ChatTemplate
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
     from tandem.errors import ConfigError
     from tandem.tokenizer import TextTokenizer
     from tandem.training.data import read_jsonl
@@ -260,8 +260,7 @@ def test_teacher_under_tensor_parallelism_gives_the_tp1_features(target):
 
 
 def test_demo_pair_cli_wants_a_folder_for_another_head(capsys):
-    from tandem.training.demo_pair import main
+    from tandem.cli import main
 
-    with pytest.raises(SystemExit) as e:
-        main(["--head-data-temperature", "1.0"])
-    assert e.value.code == 2 and "--head-data-temperature needs --out" in capsys.readouterr().err
+    assert main(["demo-models", "--head-data-temperature", "1.0"]) == 2
+    assert "--head-data-temperature needs --out" in capsys.readouterr().err

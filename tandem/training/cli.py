@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from tandem.errors import TandemError
 
@@ -144,14 +145,28 @@ def add_demo_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", action="store_true", help="measure the pair's acceptance and speed on held-out prompts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--variant", choices=("demo", "gpu"), default="demo",
+                   help="demo: the embedded CPU pair (cached); gpu: the larger pair, trained into --out")
+    p.add_argument("--out", default=None, help="folder for --variant gpu or --head-data-temperature")
+    p.add_argument("--device", default="cuda", help="device for --variant gpu")
+    p.add_argument("--head-data-temperature", type=float, default=None, metavar="T",
+                   help="demo: train another head for the demo target into --out, on its responses sampled at T "
+                        "(the shipped head learns from greedy ones), and evaluate it at T=0 and T=1")
+    p.add_argument("--target", default=None, help="with --head-data-temperature: the demo target folder "
+                                                  "(default: the cached one)")
 
 
 def run_demo_models(args: argparse.Namespace) -> int:
-    """Build (once; cached) the demo target and its EAGLE-3 head, print their folders."""
+    """Build (once; cached) the demo target and its EAGLE-3 head, print their folders; or, with
+    ``--variant gpu``, train the larger pair into ``--out``; or train another head at a temperature."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.variant == "gpu":
+        return _build_gpu_pair(args)
+    if args.head_data_temperature is not None:
+        return _head_at_temperature(args)
     from tandem.demo import ensure_demo_draft, ensure_demo_target
 
     target, draft = ensure_demo_target(), ensure_demo_draft()
@@ -164,6 +179,34 @@ def run_demo_models(args: argparse.Namespace) -> int:
         if not args.json:
             print(format_report(result["eval"]), file=sys.stderr)
     print(json.dumps(result, default=str) if args.json else f"target: {target}\ndraft:  {draft}")
+    return 0
+
+
+def _build_gpu_pair(args: argparse.Namespace) -> int:
+    from tandem.training.demo_pair import build_gpu_pair
+
+    if args.head_data_temperature is not None:
+        raise TandemError("--head-data-temperature applies to the demo variant")
+    if not args.out:
+        raise TandemError("--variant gpu needs --out DIR")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TandemError("--variant gpu trains on a GPU and none is visible; --device cpu runs it here (hours)")
+    build_gpu_pair(Path(args.out), device=args.device)
+    return 0
+
+
+def _head_at_temperature(args: argparse.Namespace) -> int:
+    from tandem.demo import ensure_demo_target
+    from tandem.training.demo_pair import build_demo_draft
+
+    if not args.out:
+        raise TandemError("--head-data-temperature needs --out DIR")
+    target = args.target or str(ensure_demo_target())
+    summary = build_demo_draft(target, Path(args.out), evaluate=True, temperature=args.head_data_temperature)
+    print(json.dumps(summary.get("eval", summary), indent=2))
     return 0
 
 

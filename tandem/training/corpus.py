@@ -1,7 +1,7 @@
 """The Python standard library as a training corpus: the same text on every machine, nothing to download.
 
 Files are split deterministically into training and held-out sets (every ``heldout_every``-th file
-of ``tandem.demo.stdlib_sources`` is held out), tokenized with a model folder's ``tokenizer.json``,
+of ``tandem.training.stdlib_text.stdlib_sources`` is held out), tokenized with a model folder's ``tokenizer.json``,
 and packed into one token stream per split with ``<|bos|>``/``<|eos|>`` around each file. Training
 windows are a pure function of (seed, step), so a resumed run sees exactly the batches it would have.
 """
@@ -24,7 +24,7 @@ class CorpusConfig:
 
 
 def source_files(cfg: CorpusConfig) -> list[Path]:
-    from tandem.demo import stdlib_sources
+    from tandem.training.stdlib_text import stdlib_sources
 
     if not cfg.recursive:
         return stdlib_sources(cfg.limit_bytes)  # the files the demo tokenizer was trained on come first

@@ -6,18 +6,16 @@ minutes each, and are deterministic (fixed seeds, fixed corpus split). The head 
 from the *training* stdlib files, each completed by the target itself (greedy, through our engine);
 evaluation prompts come from the *held-out* files, which neither model has seen.
 
-``python -m tandem.training.demo_pair [--eval]`` builds (or finds) the pair and measures it.
-``python -m tandem.training.demo_pair --variant gpu --out DIR`` trains the larger variant on a GPU
+``tandem demo-models [--eval]`` builds (or finds) the pair and measures it.
+``tandem demo-models --variant gpu --out DIR`` trains the larger variant on a GPU
 (the ``gpu`` target preset and a head trained on the target's own longer continuations) into
 ``DIR/target`` and ``DIR/draft``, with the held-out prompts in ``DIR/prompts.json`` for the bench.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,46 +126,3 @@ def build_gpu_pair(out: Path, recipe: GpuPairRecipe = GpuPairRecipe(), device: s
     samples = [Sample(tuple(p)) for p in _prompts(target, False, recipe.prompts, PROMPT_SEED, lm)]
     return run_job(job, samples, [Sample(tuple(p)) for p in eval_prompts], resume=True)
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem.training.demo_pair", description=__doc__.split("\n\n")[0])
-    p.add_argument("--eval", action="store_true", help="also measure acceptance and speed on held-out prompts")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--variant", choices=("demo", "gpu"), default="demo",
-                   help="demo: the embedded CPU pair (cached); gpu: the larger pair, trained into --out")
-    p.add_argument("--out", default=None, help="folder for --variant gpu")
-    p.add_argument("--device", default="cuda", help="device for --variant gpu")
-    p.add_argument("--head-data-temperature", type=float, default=None, metavar="T",
-                   help="demo: train another head for the demo target into --out, on its responses sampled at T "
-                        "(the shipped head learns from greedy ones), and evaluate it at T=0 and T=1")
-    p.add_argument("--target", default=None, help="with --head-data-temperature: the demo target folder "
-                                                  "(default: the cached one)")
-    args = p.parse_args(argv)
-    if args.variant == "gpu":
-        if args.head_data_temperature is not None:
-            p.error("--head-data-temperature applies to the demo variant")
-        if not args.out:
-            p.error("--variant gpu needs --out DIR")
-        if args.device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                p.error("--variant gpu trains on a GPU and none is visible; --device cpu runs it here (hours)")
-        build_gpu_pair(Path(args.out), device=args.device)
-        return 0
-    if args.head_data_temperature is not None:
-        if not args.out:
-            p.error("--head-data-temperature needs --out DIR")
-        from tandem.demo import ensure_demo_target
-
-        target = args.target or str(ensure_demo_target())
-        summary = build_demo_draft(target, Path(args.out), evaluate=True, temperature=args.head_data_temperature)
-        print(json.dumps(summary.get("eval", summary), indent=2))
-        return 0
-    from tandem.training.cli import run_demo_models
-
-    return run_demo_models(argparse.Namespace(eval=args.eval, threads=args.threads, json=False))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

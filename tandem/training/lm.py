@@ -105,7 +105,7 @@ def compiled_loss(model: DenseLlama, bf16: bool, device: torch.device):
 
 
 def prepare_tokenizer(run_dir: Path, vocab_size: int) -> None:
-    from tandem.demo import train_tokenizer
+    from tandem.training.stdlib_text import train_tokenizer
 
     if not all((run_dir / f).is_file() for f in TOKENIZER_FILES):
         note(f"training the BPE tokenizer (vocab {vocab_size}) on the stdlib source")

@@ -4,7 +4,7 @@ engine on the same device, for the project's trained demo pair (a head whose dra
 the features and extends the drafter receives decide what it proposes).
 
 The demo pair is a folder with target/ and draft/ (TANDEM_DEMO_DIR, default ./demo-pair, the one
-``python -m tandem.training.demo_pair`` writes); without it the test is skipped.
+``tandem demo-models --variant gpu`` writes); without it the test is skipped.
 """
 
 from __future__ import annotations
