@@ -88,7 +88,7 @@ class VerifierConfig:
                        help="a drafter reply later than this costs the round its speculation")
         p.add_argument("--disable-round-lane", action="store_true",
                        help="send every round on the drafter's gRPC stream instead of the local round lane "
-                            "(the lane saved ~0.45 ms per round on a CPU VM; the stream is the fallback anyway)")
+                            "(the lane skips gRPC's threads and wake-ups per round; the stream is the fallback anyway)")
         p.add_argument("--disable-round-prefetch", action="store_true",
                        help="send each Round when the step drafts instead of at the end of the step before "
                             "(prefetching lets the drafter work while the verifier streams and schedules)")
