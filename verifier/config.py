@@ -35,7 +35,7 @@ class VerifierConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     otlp_endpoint: str | None = None
     served_model_name: str | None = None
-    speculation_policy: str = "measured"  # measured: off for requests where it does not pay; always
+    speculation_policy: str = "measured"  # measured: the batch speculates while it pays (tandem.speculative.policy); always
     capture_traffic: str | None = None  # folder for finished requests' tokens + features (drafter training); None = off
     capture_traffic_max_gb: float = 50.0
     round_lane: bool = True  # offer the drafter a local socket for the per-round messages (tandem/round_lane.py)
