@@ -146,3 +146,29 @@ class TorchGraphBackend(StaticAttention):
     def forward(self, q, k, v, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
         static = StaticMeta(meta.block_tables, meta.kv_lens, meta.slot_mapping, meta.tree_mask)
         return super().forward(q, k, v, k_pool, v_pool, static, scale)
+
+
+def run_tp_jobs(jobs: list[dict], work, timeout_s: float, what: str) -> list:
+    """Run ``jobs`` through tests/tp_runner.py in a process group of its own (the runner and the TP ranks
+    it spawns are killed together on a hang); → the runner's results, one per job."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    (work / "spec.json").write_text(json.dumps(jobs))
+    runner = Path(__file__).resolve().parent / "tp_runner.py"
+    proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout_s} s (hang?); its output:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"{what} failed (rc {proc.returncode}):\n{log[-4000:]}"
+    return torch.load(work / "out.pt")

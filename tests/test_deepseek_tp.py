@@ -5,18 +5,11 @@ a tree's logits. Runs in tests/tp_runner.py's child process under a timeout, as 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deepseek_checkpoints import write_deepseek
-from helpers import assert_rel, hf_greedy, hf_hidden_states, hf_logits, random_prompt
+from helpers import assert_rel, hf_greedy, hf_hidden_states, hf_logits, random_prompt, run_tp_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +44,7 @@ def tp_results(tmp_path_factory):
     hf = write_deepseek(work / "model", seed=31)
     spec = [dict(model=str(work / "model"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
                  tree=tree_job(PROMPTS[1])) for tp in TP_SIZES]
-    (work / "spec.json").write_text(json.dumps(spec))
-    runner = Path(__file__).resolve().parent / "tp_runner.py"
-    proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"DeepSeek TP run did not finish in {TIMEOUT_S} s (hang?); its output:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"DeepSeek TP runner failed (rc {proc.returncode}):\n{log[-4000:]}"
-    return hf, dict(zip(TP_SIZES, torch.load(work / "out.pt")))
+    return hf, dict(zip(TP_SIZES, run_tp_jobs(spec, work, TIMEOUT_S, "the DeepSeek TP run")))
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

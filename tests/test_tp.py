@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_rel, hf_hidden_states, hf_logits, random_prompt
+from helpers import assert_rel, hf_hidden_states, hf_logits, random_prompt, run_tp_jobs
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
@@ -56,18 +56,7 @@ def tp_results(checkpoint, tmp_path_factory):
     spec = [dict(model=ckpts[name].path, tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW,
                  tree=tree_job(PROMPTS[1]), chunked_prefill_size=6 if name == CHUNKED_CASE else None)
             for name in CASES]
-    (work / "spec.json").write_text(json.dumps(spec))
-    runner = Path(__file__).resolve().parent / "tp_runner.py"
-    proc = subprocess.Popen([sys.executable, str(runner), str(work / "spec.json"), str(work / "out.pt")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the runner and the TP workers it spawned
-        log, _ = proc.communicate()
-        pytest.fail(f"TP=2 run did not finish in {TIMEOUT_S} s (hang?); its output:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"TP=2 runner failed (rc {proc.returncode}):\n{log[-4000:]}"
-    results = torch.load(work / "out.pt")
+    results = run_tp_jobs(spec, work, TIMEOUT_S, "the TP=2 run")
     return {name: (ckpts[name], res) for name, res in zip(CASES, results)}
 
 
