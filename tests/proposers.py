@@ -8,10 +8,18 @@ that long accepted paths, including ones that are not the first child, are commi
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from tandem.speculative.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What these proposers read of a speculation setting: the tree's size."""
+
+    num_draft_tokens: int
 
 
 class RandomTreeProposer:

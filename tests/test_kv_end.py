@@ -3,19 +3,12 @@ target-only decoding does: same tokens, same finish, no preemption of itself ove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from checkpoints import write_checkpoint
-from proposers import RandomTreeProposer
+from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-
-
-@dataclass(frozen=True)
-class Spec:
-    num_draft_tokens: int
 
 
 def test_speculation_stops_where_the_kv_cache_ends(tmp_path):

@@ -8,7 +8,6 @@ target's exact distribution (computed here from transformers' own logits).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,17 +15,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from scipy.stats import chisquare
 
 from checkpoints import write_checkpoint
-from proposers import RandomTreeProposer
+from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams, adjusted_probs
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.tree import DraftTree, PendingTokens
-
-
-@dataclass(frozen=True)
-class Spec:
-    num_draft_tokens: int
 
 
 @pytest.fixture(scope="module")

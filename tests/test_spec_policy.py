@@ -6,23 +6,17 @@ while off, and output never changes (greedy equals target-only decoding)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from checkpoints import write_checkpoint
-from proposers import RandomTreeProposer
+from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy, cost_bucket
 from tandem.speculative.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class Spec:
-    num_draft_tokens: int
 
 
 # -- the policy against simulated costs ------------------------------------------------------------

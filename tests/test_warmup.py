@@ -3,22 +3,15 @@ forgets what its random prompts' rounds taught, and leaves the engine as it foun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from checkpoints import write_checkpoint
-from proposers import RandomTreeProposer
+from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.warmup import warm_up, warmup_batch_sizes
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import cost_bucket
-
-
-@dataclass(frozen=True)
-class Spec:
-    num_draft_tokens: int
 
 
 def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path):

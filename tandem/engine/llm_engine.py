@@ -131,20 +131,18 @@ class LLMEngine:
 
     def _tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
-        return req.spec.num_draft_tokens if req.spec_state.speculate_now and self._can_draft(req) else 1
+        return req.spec.num_draft_tokens if self.speculating and self._can_draft(req) else 1
 
     def _decide(self) -> int:
         """The policy's decision for the running batch (tandem.speculative.policy); → the step's verify
         width (1: a plain step). Requests that cannot draft in a speculating step are verified as filler
         rows of that width (``DraftTree.padded``), so the batch keeps one width, one graphed forward."""
         running = self.scheduler.running
+        if not running:
+            return 1  # (the latest decision stands for the prompts about to be admitted)
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        speculate = bool(running) and self.policy.decide(len(running), [req.spec_state for req in drafting])
-        if running:
-            self.speculating = speculate
-        for req in running:
-            req.spec_state.speculate_now = speculate
-        return max((req.spec.num_draft_tokens for req in drafting), default=1) if speculate else 1
+        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting])
+        return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
     def _row_width(self, req: Request, width: int) -> int:
         """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` where it fits."""
@@ -158,10 +156,10 @@ class LLMEngine:
         outputs = self._step()
         info = self.last_step
         if info is not None and info.num_decode and self.proposer is not None:
-            seconds = None if info.num_prefill else time.perf_counter() - started
-            resumed = info.speculative and not info.timed  # a round that first caught the drafter up
+            resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
+            timed = (info.timed or resumed) and not info.num_prefill
             self.policy.observe_step(info.num_decode, info.speculative, info.steps,
-                                     seconds if info.timed or resumed else None, resumed=resumed)
+                                     time.perf_counter() - started if timed else None, resumed=resumed)
         return outputs
 
     def _step(self) -> list[StepOutput]:
@@ -194,8 +192,10 @@ class LLMEngine:
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
             trees = self.drafts.draft(sched.decode, self._tree_width)
-            trees |= {req.rid: DraftTree.padded(req.last_token, self._row_width(req, width))
-                      for req in sched.decode if trees[req.rid].size == 1 and self._row_width(req, width) > 1}
+            for req in sched.decode:  # requests that draw no tree this step: filler of the batch's width
+                rows = self._row_width(req, width)
+                if trees[req.rid].size == 1 and rows > 1:
+                    trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
         chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table())
                   for p in sched.prefill]

@@ -55,7 +55,6 @@ class RequestSpecState:
 
     rounds: int = 0
     recent: "DecayedMean | None" = None  # its rounds' token counts, decayed per token it decodes
-    speculate_now: bool = True  # this step's decision, for the request (the batch's)
 
 
 def cost_bucket(batch_size: int) -> int:
