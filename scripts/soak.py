@@ -346,7 +346,8 @@ def main(argv=None) -> int:
     tok = TextTokenizer(target)
     rng = random.Random(args.seed)
     source = Path(os.__file__).read_text()
-    prompts = [tok.encode(source[(o := rng.randrange(len(source) - 400)): o + rng.randint(20, 200)])[:48] or [5]
+    prompts = [tok.encode(source[(o := rng.randrange(len(source) - 400)): o + rng.randint(20, 200)],
+                          add_special_tokens=False)[:48] or [5]
                for _ in range(args.prompts)]
     refs = references(target, prompts)
     ref_texts = [[tok.decode(r[:k]) for k in range(MAX_NEW + 1)] for r in refs]

@@ -20,9 +20,10 @@ class TextTokenizer:
     def available(model_dir: str | Path) -> bool:
         return (Path(model_dir) / "tokenizer.json").is_file()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As transformers encodes: with the tokenizer's special tokens (its post-processor's BOS) unless
-        told otherwise (a rendered chat template already holds its own)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: the tokenizer's post-processor's (a BOS) around the text, as transformers
+        encodes a prompt (the gateway and ``tandem generate`` ask for it); not for a rendered chat template
+        (it holds its own) nor for pieces of a text (training data), hence not by default."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:

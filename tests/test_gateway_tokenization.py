@@ -69,8 +69,9 @@ def test_text_tokenizer_matches_transformers(bos_model_dir, hf):
     tok = TextTokenizer(bos_model_dir)
     bos = hf.convert_tokens_to_ids(BOS)
     for text in ("def fibonacci(n):", "  x = 1\n", "é ü 😀"):
-        assert tok.encode(text) == hf(text)["input_ids"] == hf.encode(text)
-        assert tok.encode(text)[0] == bos and tok.encode(text)[1:] == tok.encode(text, add_special_tokens=False)
+        with_bos = tok.encode(text, add_special_tokens=True)
+        assert with_bos == hf(text)["input_ids"] == hf.encode(text)
+        assert with_bos[0] == bos and with_bos[1:] == tok.encode(text, add_special_tokens=False) == tok.encode(text)
         assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
 
 

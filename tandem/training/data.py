@@ -46,7 +46,7 @@ class _Text:
             from tandem.tokenizer import TextTokenizer
 
             self._tok = TextTokenizer(self.model_dir)
-        return self._tok.encode(text)
+        return self._tok.encode(text, add_special_tokens=False)  # pieces joined by the data's own markers
 
     def render(self, messages: list[dict], where: str) -> str:
         if self._chat is None:
