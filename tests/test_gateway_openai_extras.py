@@ -238,9 +238,12 @@ def test_n_streamed_chunks_carry_their_index(stack, ref):
         stack.fake.delay_s = 0.0
 
 
-def test_n_greedy_gives_identical_choices(stack, client):
+def test_n_greedy_asks_each_choice_greedily(stack, client):
+    before = len(stack.fake.requests)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0)
-    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+    sent = stack.fake.requests[before:]
+    assert len(r.choices) == 2 and len(sent) == 2 and all(q.sampling.temperature == 0 for q in sent)
+    assert len({q.request_id for q in sent}) == 2 and r.choices[0].message.content == r.choices[1].message.content
 
 
 def test_n_refusal_by_the_verifier_cancels_the_other_choices(stack):
