@@ -91,7 +91,7 @@ class EngineLoop(threading.Thread):
         self._stopping = threading.Event()
         self.spans = RoundSpans()
         self.stats = stats or StatsLine(0.0, speculative=False)  # the periodic stats line (off by default)
-        self._preemptions_seen: dict[str, int] = {}  # preemptions already counted, per request that had one
+        self._preemptions_counted = 0  # of the scheduler's total
         self.fatal: BaseException | None = None
 
     # -- called from other threads ---------------------------------------------------------------
@@ -188,9 +188,7 @@ class EngineLoop(threading.Thread):
         if live is None or (sub is not None and live is not sub):
             return
         del self._live[rid]
-        req = self.engine.requests.get(rid)
         self.engine.abort(rid)
-        self._count_preemptions(rid, req)
         self._forget(rid)
         self.metrics.requests.labels("abort").inc()
         self._gauges()
@@ -227,9 +225,9 @@ class EngineLoop(threading.Thread):
             if out.finish_reason is not None:
                 self._live.pop(out.rid, None)
                 self._forget(out.rid)
-                self._count_preemptions(out.rid, self.engine.requests.pop(out.rid, None))
+                self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
-        self._count_waiting_preemptions()
+        self._count_preemptions()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative))
         self._gauges()
         if self.stats.due(now):
@@ -237,23 +235,13 @@ class EngineLoop(threading.Thread):
             self.stats.maybe_log(now, len(engine.scheduler.running), len(engine.scheduler.waiting),
                                  self._kv_usage())
 
-    def _count_waiting_preemptions(self) -> None:
-        """Requests preempted this step wait at the front of the queue (the scheduler puts them back there):
-        count them now; one preempted and readmitted within a step is counted when it ends."""
-        for req in self.engine.scheduler.waiting:
-            new = req.num_preemptions - self._preemptions_seen.get(req.rid, 0)
-            if new <= 0:
-                break
-            self._preemptions_seen[req.rid] = req.num_preemptions
+    def _count_preemptions(self) -> None:
+        """The step's preemptions: the scheduler's total since the last step's."""
+        new = self.engine.scheduler.preemptions - self._preemptions_counted
+        if new:
+            self._preemptions_counted += new
             self.metrics.preemptions.inc(new)
             self.stats.preempted(new)
-
-    def _count_preemptions(self, rid: str, req) -> None:
-        """A request that ends: its preemptions not counted yet."""
-        seen = self._preemptions_seen.pop(rid, 0)
-        if req is not None and req.num_preemptions > seen:
-            self.metrics.preemptions.inc(req.num_preemptions - seen)
-            self.stats.preempted(req.num_preemptions - seen)
 
     def _kv_usage(self) -> float:
         allocator = self.engine.allocator

@@ -56,6 +56,7 @@ class Scheduler:
         self.prefill_budget = chunked_prefill_size if self.chunked else DEFAULT_CHUNKED_PREFILL_SIZE
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preemptions = 0  # since start, every request's (metrics read the difference)
 
     def add(self, request: Request) -> None:
         needed = self.allocator.pages_for(len(request.prompt) + 1)
@@ -87,6 +88,7 @@ class Scheduler:
                 if partial is not None:  # the most recently admitted: its chunks are recomputed later
                     partial.kv.release()
                     partial.num_preemptions += 1
+                    self.preemptions += 1
                     out.preempted.append(partial)
                     continue
                 victim = self.running[-1]
@@ -134,6 +136,7 @@ class Scheduler:
         self.running.remove(req)
         req.kv.release()
         req.num_preemptions += 1
+        self.preemptions += 1
         self.waiting.insert(1 if self._in_prefill() is not None else 0, req)  # behind a prompt mid-prefill
 
     def finish(self, req: Request) -> None:
