@@ -13,5 +13,9 @@ class ConfigError(TandemError, ValueError):
     """An engine or request setting that cannot work (names the setting and the fix)."""
 
 
+class DuplicateRequestError(ConfigError):
+    """A request id that a running request holds (the running one goes on untouched)."""
+
+
 class OutOfPagesError(TandemError, RuntimeError):
     """The paged KV cache has no room for what was asked."""

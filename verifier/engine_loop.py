@@ -51,10 +51,6 @@ class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
 
-class DuplicateRequest(TandemError):
-    """A request with this id is already running (ALREADY_EXISTS); the running one is untouched."""
-
-
 class EngineFailed(RuntimeError):
     """Raised by the service once it has drained after its engine loop died: the process exits non-zero so
     that its supervisor (tandem up, compose) starts a fresh one."""
@@ -165,9 +161,6 @@ class EngineLoop(threading.Thread):
                 return
 
     def _add(self, sub: Submission) -> None:
-        if sub.rid in self._live:
-            sub.added.set_exception(DuplicateRequest(f"request_id {sub.rid!r} is already running"))
-            return
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             sub.added.set_exception(QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later"))
             return

@@ -16,13 +16,13 @@ from google.protobuf.message import DecodeError
 
 from tandem import tracing
 from tandem.engine.step import StepOutput
-from tandem.errors import ConfigError, OutOfPagesError, TandemError
+from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, TandemError
 from tandem.models.config import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
-from verifier.engine_loop import DuplicateRequest, EngineLoop, EngineStopped, QueueFull, Submission
+from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
 
 log = logging.getLogger("verifier.server")
 SERVICE = "tandem.rpc.verifier.v1.Verifier"
@@ -88,7 +88,7 @@ class VerifierService:
         try:
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
-            except DuplicateRequest as e:  # the running request with this id goes on untouched
+            except DuplicateRequestError as e:  # the running request with this id goes on untouched
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except QueueFull as e:  # retry later

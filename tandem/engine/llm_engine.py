@@ -27,7 +27,7 @@ from tandem.engine.request import FinishReason, GenerationResult, Request
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.policy import SpeculationPolicy
@@ -97,7 +97,7 @@ class LLMEngine:
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
-            raise ConfigError(f"request id '{rid}' is already in use")
+            raise DuplicateRequestError(f"request id '{rid}' is already in use")
         if spec == DEFAULT:
             spec = self.default_spec
         elif spec is not None and self.proposer is None:
