@@ -186,7 +186,7 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
 def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:
     """One generation per choice; choice i > 0 gets its own request id and seed (seed + i)."""
     base, opts = params.generation, params.options
-    decode = gw.tokenizer.decoder(base.skip_special_tokens)
+    decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=base.skip_special_tokens)
     eos = tuple(gw.client.known_info.eos_token_ids) if gw.client.known_info is not None else ()
     streams = []
     for i in range(opts.n):

@@ -19,9 +19,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.metrics_relay import VerifierMetricsRelay
 from gateway.openai_api import create_app
 from gateway.prompt_bound import PromptBound
-from gateway.tokenizer import GatewayTokenizer
 from gateway.upstream import VerifierClient
 from tandem.chat_template import ChatTemplate
+from tandem.tokenizer import TextTokenizer
 
 log = logging.getLogger("gateway")
 
@@ -33,7 +33,7 @@ class Gateway:
 
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
-        self.tokenizer = GatewayTokenizer(cfg.model_dir)
+        self.tokenizer = TextTokenizer(cfg.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
         self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
         self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)

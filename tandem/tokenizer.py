@@ -26,8 +26,10 @@ class TextTokenizer:
         (it holds its own) nor for pieces of a text (training data), hence not by default."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``skip_special_tokens=False``: keep them, as transformers decodes by default (vLLM's
+        ``skip_special_tokens: false``, /detokenize)."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
