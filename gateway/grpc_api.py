@@ -21,7 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, GatewayError, bad_request
 from gateway.generation import GenerationStream
-from gateway.request import OFFLOAD_PARSE_BYTES, GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
+from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model, check_prompt_ids, check_sampling,
+                             resolve_max_tokens)
 from tandem import tracing
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
 from tandem.service_runtime import set_health
@@ -88,10 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
         gw = self._gw
-        if r.model and r.model != gw.cfg.model_name:
-            raise GatewayError(404, f"model: `{r.model[:100]}` does not exist; this server serves "
-                                    f"`{gw.cfg.model_name}`",
-                               param="model")
+        check_model(r.model, gw.cfg.model_name)
         which = r.WhichOneof("prompt")
         if which is None:
             raise bad_request("prompt", "set text or token_ids")

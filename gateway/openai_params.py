@@ -19,7 +19,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
 from gateway.prompt_bound import PromptBound
-from gateway.request import GenerationRequest, check_prompt_ids, check_sampling, resolve_max_tokens
+from gateway.request import GenerationRequest, check_model, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem.chat_template import ChatTemplate, ChatTemplateError
 from tandem.rpc.verifier.v1 import verifier_pb2
 from tandem.tokenizer import TextTokenizer
@@ -143,12 +143,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
             default: int | None, max_param: str = "max_tokens", prompt_param: str = "prompt",
             chat: bool = False) -> OpenAIRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model", f"must be a string, got {type(model).__name__}")
-    if model and model != limits.model_name:
-        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{limits.model_name}`",
-                           param="model")
+    check_model(body.get("model"), limits.model_name)
     for field, is_no_op in _NO_OP.items():
         if not is_no_op(body.get(field)):
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")

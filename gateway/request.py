@@ -8,7 +8,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.errors import bad_request
+from gateway.errors import GatewayError, bad_request
 from tandem.rpc.verifier.v1 import verifier_pb2
 
 _UINT64_MAX = (1 << 64) - 1
@@ -117,3 +117,12 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int,
                                  f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
                                  f"{requested} to generate); lower {param} to at most {room}")
     return requested
+
+
+def check_model(model, served: str) -> None:
+    """A request's ``model`` (None or "": the served one) must be the served name: else 404 naming it."""
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", f"must be a string, got {type(model).__name__}")
+    if model and model != served:
+        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{served}`",
+                           param="model")

@@ -16,7 +16,7 @@ import tandem
 from gateway.admission import read_body
 from gateway.errors import GatewayError, bad_request
 from gateway.openai_params import _add_special_tokens, _messages, _opt_bool, parse_json
-from gateway.request import OFFLOAD_PARSE_BYTES, check_prompt_ids
+from gateway.request import OFFLOAD_PARSE_BYTES, check_model, check_prompt_ids
 from tandem.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ async def _answer(gw: Gateway, request: Request, work) -> JSONResponse:
     try:
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
-        _check_model(gw, body)
+        check_model(body.get("model"), gw.cfg.model_name)
         info = await gw.client.model_info()  # the context length and vocabulary the verifier serves
         # Megabytes of text take a while to tokenize: off the event loop, as the generation paths do.
         result = await asyncio.to_thread(work, gw, body, info) if len(raw) > OFFLOAD_PARSE_BYTES else \
@@ -49,15 +49,6 @@ async def _answer(gw: Gateway, request: Request, work) -> JSONResponse:
         return JSONResponse(result)
     except GatewayError as e:
         return JSONResponse(e.body(), status_code=e.status)
-
-
-def _check_model(gw: Gateway, body: dict) -> None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model", f"must be a string, got {type(model).__name__}")
-    if model and model != gw.cfg.model_name:
-        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{gw.cfg.model_name}`",
-                           param="model")
 
 
 def _tokenize(gw: Gateway, body: dict, info) -> dict:
