@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.args import MODEL, HelpFormatter
+from tandem.args import MODEL, HelpFormatter, served_name
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -53,7 +53,7 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         """The name clients put in ``model`` (and what /v1/models lists)."""
-        return self.served_model_name or Path(self.model_dir).resolve().name
+        return served_name(self.model_dir, self.served_model_name)
 
 
 def _header_token(s: str) -> bool:

@@ -232,3 +232,9 @@ def resolve_device(device: str) -> str:
     log.info("--device auto: %s (%s)", picked,
              f"torch sees {torch.cuda.device_count()} GPU(s)" if picked == "cuda" else "torch sees no GPU")
     return picked
+
+
+def served_name(model_dir: str, served_model_name: str | None) -> str:
+    """The model's name to clients and in metrics: --served-model-name, else the folder's name (never
+    its path, which is the server's business)."""
+    return served_model_name or Path(model_dir).resolve().name

@@ -136,8 +136,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     secret = ["--internal-secret-file", secret_file]
     device = ["--device", args.device]
-    folder_name = os.path.basename(os.path.normpath(model))
-    name = args.served_model_name or ("tandem-demo" if args.model is None else folder_name)
+    name = ("tandem-demo" if args.model is None and not args.served_model_name
+            else shared.served_name(model, args.served_model_name))
     children = []
     if draft is not None and not in_process:
         reload_root = ["--reload-root", args.reload_root] if args.reload_root else []

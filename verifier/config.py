@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from tandem import args as shared
 from tandem import internal_secret
@@ -139,7 +138,7 @@ class VerifierConfig:
     @property
     def model_name(self) -> str:
         """The model's name in metrics: as the gateway names it (--served-model-name, else the folder's name)."""
-        return self.served_model_name or Path(self.engine.model).resolve().name
+        return shared.served_name(self.engine.model, self.served_model_name)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)

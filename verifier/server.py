@@ -61,7 +61,7 @@ class VerifierService:
         })
 
     async def model_info(self, request, context) -> pb.ModelInfo:
-        return pb.ModelInfo(model=self.cfg.served_model_name or self.cfg.engine.model,
+        return pb.ModelInfo(model=self.cfg.model_name,
                             vocab_size=self.model_cfg.vocab_size, max_context=self.context,
                             eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative)
 
