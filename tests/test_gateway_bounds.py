@@ -105,15 +105,24 @@ def test_an_obviously_too_long_prompt_is_refused_without_tokenizing(stack, monke
 
 
 def test_the_prompt_bound_never_refuses_a_prompt_that_fits(stack):
-    """The worst case for the bound: the vocabulary's longest token, repeated to fill the context."""
+    """Texts as long as they can be while the tokenizer still encodes them within the context — the
+    vocabulary's longest token repeated (the worst case), and random tokens — pass the bound."""
+    import random
+
     tok = stack.tok
     bound = PromptBound.from_model_dir(stack.model_dir)
     texts = [tok.decode([i]) for i in range(stack.vocab_size)]
     longest = max(texts, key=len)
+    rng = random.Random(0)
     for context in (16, 512, 4096):
-        text = longest * context
-        assert len(tok.encode(text)) <= context * 2  # at most ~one token per copy
-        assert len(text) <= bound.max_chars(context)
+        for piece in (lambda k: longest * k, lambda k: "".join(rng.choice(texts) for _ in range(k))):
+            k = 2 * context
+            text = piece(k)
+            while len(tok.encode(text)) > context:  # the most copies that still fit, by the tokenizer's count
+                k = k * context // len(tok.encode(text)) if k > 1 else 0
+                text = piece(k)
+            assert text and len(tok.encode(text)) <= context
+            bound.check(len(text), context, "prompt")  # raises (400) if the bound refused it
 
 
 def test_stop_strings_are_bounded_in_number_and_length(stack):
