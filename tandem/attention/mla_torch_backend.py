@@ -38,12 +38,11 @@ class TorchMLABackend(TorchAttentionBackend):
     def forward_absorbed(self, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int) -> torch.Tensor:
         """``q`` [T, H, kv_lora + rope] (absorbed nope part, then rotated pe) → ``Σ p_t c_t`` [T, H, kv_lora]."""
-        page_size, width = pool.shape[1], pool.shape[-1]
+        width = pool.shape[-1]
         out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
         for i in range(meta.num_seqs):
-            start, end, kv_len = self._cu[i], self._cu[i + 1], self._kv_lens[i]
-            pages = meta.block_tables[i, : -(-kv_len // page_size)]
-            entries = pool[pages].reshape(-1, width)[:kv_len].to(q.dtype)  # [kv_len, kv_lora + rope]
+            start, end, entries = self._cached(pool, meta, i)
+            entries = entries.reshape(-1, width).to(q.dtype)  # [kv_len, kv_lora + rope]
             query = q[start:end].transpose(0, 1)  # [H, q_len, width]
             out[start:end] = _attend(query, entries, entries[:, :kv_lora_rank], self._masks[i], scale).transpose(0, 1)
         return out

@@ -21,17 +21,22 @@ class TorchAttentionBackend(AttentionBackend):
         self._kv_lens = meta.kv_lens.tolist()
         self._cu = meta.cu_q_lens.tolist()
 
+    def _cached(self, pool: torch.Tensor, meta: AttentionMetadata, i: int) -> tuple[int, int, torch.Tensor]:
+        """Sequence ``i``'s rows (start, end) in this forward and its cached entries ``[kv_len, ...]``
+        gathered from the paged ``pool``."""
+        kv_len = self._kv_lens[i]
+        pages = meta.block_tables[i, : -(-kv_len // pool.shape[1])]
+        return self._cu[i], self._cu[i + 1], pool[pages].flatten(0, 1)[:kv_len]
+
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        page_size, num_kv_heads, head_dim = k_pool.shape[1:]
+        num_kv_heads, head_dim = k_pool.shape[2:]
         k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
         for i in range(meta.num_seqs):
-            start, end, kv_len = self._cu[i], self._cu[i + 1], self._kv_lens[i]
-            pages = meta.block_tables[i, : -(-kv_len // page_size)]
-            keys = k_pool[pages].flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
-            values = v_pool[pages].flatten(0, 1)[:kv_len]
+            start, end, keys = self._cached(k_pool, meta, i)  # keys [kv_len, Hkv, D]
+            values = self._cached(v_pool, meta, i)[2]
             keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
             values = values.transpose(0, 1).repeat_interleave(group, dim=0)
             query = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
