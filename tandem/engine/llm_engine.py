@@ -68,6 +68,9 @@ class LLMEngine:
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
+        self.prefill_apart = graphed if cfg.mixed_prefill is None else not cfg.mixed_prefill
+        self.decode_owed = False  # the last step prefilled prompts alone: the running requests' step comes next
+        self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
 
@@ -141,7 +144,8 @@ class LLMEngine:
         if not running:
             return 1  # (the latest decision stands for the prompts about to be admitted)
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting])
+        runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.scheduler.can_admit()
+        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting], runs)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
     def _row_width(self, req: Request, width: int) -> int:
@@ -153,14 +157,24 @@ class LLMEngine:
         acceptance, KV compaction, and the drafter's extension with the new tokens' features. Its wall
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
+        self._observe_previous(started)
         outputs = self._step()
         info = self.last_step
         if info is not None and info.num_decode and self.proposer is not None:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
-            timed = (info.timed or resumed) and not info.num_prefill
-            self.policy.observe_step(info.num_decode, info.speculative, info.steps,
-                                     time.perf_counter() - started if timed else None, resumed=resumed)
+            timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
+            self._unobserved = (info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
         return outputs
+
+    def _observe_previous(self, now: float) -> None:
+        """The previous step's time goes to the policy now, from its start to this one's: what a step costs
+        includes what its caller does with the tokens (a server streams them: per step, not per token), so
+        a step is timed to the next (there was one: requests were still running when it ended)."""
+        if self._unobserved is not None:
+            num_decode, speculative, steps, started, resumed = self._unobserved
+            self.policy.observe_step(num_decode, speculative, steps, None if started is None else now - started,
+                                     resumed=resumed)
+            self._unobserved = None
 
     def _step(self) -> list[StepOutput]:
         timer = StepTimer(self.phase_sync)
@@ -170,14 +184,19 @@ class LLMEngine:
             return step_decode_in_flight(self, timer)  # nothing changed)
         if self.run_in_flight is not None:
             return step_run_in_flight(self, timer)
-        ahead = decode_steps_ahead(self) if width == 1 else 1
-        rounds = rounds_ahead(self) if width > 1 else 1
-        if ahead > 1:
-            sched = self.scheduler.schedule(lambda req: ahead)
-        elif rounds > 1:
-            sched = self.scheduler.schedule(lambda req: rounds * req.spec.num_draft_tokens)
-        else:
-            sched = self.scheduler.schedule(lambda req: self._row_width(req, width))
+        # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
+        apart = self.prefill_apart and bool(self.scheduler.running)
+        sched = None
+        if apart and not self.decode_owed and self.scheduler.can_admit():
+            sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False)
+            sched = sched if sched.prefill else None  # nothing fit beside the running requests' next step
+        self.decode_owed = sched is not None
+        ahead = decode_steps_ahead(self) if width == 1 and sched is None else 1
+        rounds = rounds_ahead(self) if width > 1 and sched is None else 0
+        if sched is None:
+            widths = ((lambda req: ahead) if ahead > 1 else (lambda req: rounds * req.spec.num_draft_tokens) if rounds
+                      else (lambda req: self._row_width(req, width)))
+            sched = self.scheduler.schedule(widths, admit=not apart)
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:
@@ -186,7 +205,7 @@ class LLMEngine:
             return []
         if ahead > 1 and not sched.prefill and not sched.preempted:
             return step_decode_ahead(self, sched.decode, ahead, timer)
-        if rounds > 1 and not sched.prefill and not sched.preempted:
+        if rounds and not sched.prefill and not sched.preempted:
             return step_rounds_ahead(self, sched.decode, rounds, timer)
         with timer("draft"):
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]

@@ -26,18 +26,23 @@ from tandem.speculative.verify import ProposerUnavailable
 
 
 def rounds_ahead(engine) -> int:
-    """Chain rounds to queue back to back this step: up to the engine's ``spec_rounds``, else 1."""
+    """Chain rounds to queue back to back this step, up to the engine's ``spec_rounds``; 0: none (the step
+    drafts and verifies on the host). A run of one round is still worth queuing where prompts come apart
+    (its rounds stay on the device: a round on the host does per-request work)."""
     running = engine.scheduler.running
     rounds = _run_length(engine, running, queued=0) if running else 0
-    return rounds if rounds > 1 else 1
+    return rounds if rounds > 1 or (rounds == 1 and engine.prefill_apart) else 0
 
 
 def _run_length(engine, reqs: list, queued: int) -> int:
     """Rounds of ``reqs`` that can be queued now, past ``queued`` rounds not read back yet (0: none)."""
     rounds = engine.spec_rounds
-    if (rounds <= 1 or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None
-            or not engine.drafts.up()):
+    if rounds <= 1 or engine.cfg.tp_size > 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
+    if engine.scheduler.can_admit():  # a prompt comes in after one round (prompts apart), or in a mixed step
+        if queued or not engine.prefill_apart:
+            return 0
+        rounds = 1
     spec = reqs[0].spec
     if spec is None or spec.topk != 1:
         return 0

@@ -75,11 +75,22 @@ class Scheduler:
         queued on the device (tandem.engine.decode_ahead, rounds_ahead) was queued for."""
         return len(self.running) == len(reqs) and all(a is b for a, b in zip(self.running, reqs))
 
-    def schedule(self, step_width: Callable[[Request], int] = lambda r: 1) -> Schedule:
+    def can_admit(self) -> bool:
+        """Whether the head of the queue could be prefilled now (the rest of a prompt in chunked prefill,
+        or a new prompt whose pages fit): while it can, runs queued ahead stay short."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        head = self.waiting[0]
+        return bool(head.kv.pages) or head.kv.pages_needed(head.num_tokens) <= self.allocator.num_free
+
+    def schedule(self, step_width: Callable[[Request], int] = lambda r: 1, decode: bool = True,
+                 admit: bool = True) -> Schedule:
         """Reserve pages for every running request's next step (``step_width`` new tokens after its
-        committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts."""
+        committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts.
+        ``decode=False``: a step of prompts alone (the running requests sit it out; their next step's
+        pages stay free for them); ``admit=False``: of running requests alone."""
         out = Schedule()
-        for req in list(self.running):
+        for req in list(self.running) if decode else []:
             if req not in self.running:  # preempted while making room for an older request
                 continue
             needed_tokens = req.num_tokens - 1 + step_width(req)
@@ -99,7 +110,8 @@ class Scheduler:
             if req in self.running:
                 req.kv.reserve(needed_tokens)
                 out.decode.append(req)
-        budget = self.prefill_budget
+        held = 0 if decode else sum(req.kv.pages_needed(req.num_tokens - 1 + step_width(req)) for req in self.running)
+        budget = self.prefill_budget if admit else 0
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
             start, n = req.kv.num_tokens, req.num_tokens
@@ -110,7 +122,7 @@ class Scheduler:
             else:
                 break
             needed = req.kv.pages_needed(n if start == 0 else end)  # a new prompt starts only if it all fits
-            if needed > self.allocator.num_free:
+            if needed > self.allocator.num_free - held:
                 break
             req.kv.reserve(end)
             budget -= end - start

@@ -64,9 +64,16 @@ def cost_bucket(batch_size: int) -> int:
 
 @dataclass
 class _StepTimes:
-    plain: deque = field(default_factory=deque)
-    spec: deque = field(default_factory=deque)
-    resume: deque = field(default_factory=deque)  # speculative steps that first caught the drafter up
+    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
+    that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
+    single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
+    so costs are compared within one class where both modes have samples."""
+    samples: dict = field(default_factory=dict)  # (kind, run) -> deque
+
+    def of(self, kind: str, run: bool | None = None) -> list:
+        if run is not None:
+            return list(self.samples.get((kind, run), ()))
+        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
 
 
 class SpeculationPolicy:
@@ -92,38 +99,47 @@ class SpeculationPolicy:
             self.spec_steps_since_plain = 0
         if seconds is not None:
             times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
-            samples = times.resume if resumed else times.spec if speculative else times.plain
+            kind = "resume" if resumed else "spec" if speculative else "plain"
+            samples = times.samples.setdefault((kind, steps > 1), deque())
             samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
 
-    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False) -> float | None:
+    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
+                  runs: bool | None = None) -> float | None:
         """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
         total steps — what the engine's mix of runs and single steps really costs, which a median per
         step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
-        sample once there are three (a first launch, a collection)."""
+        sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
+        single steps only (False), or of both (None)."""
         times = self._times.get(cost_bucket(batch_size))
-        samples = None if times is None else (times.resume if resumed else times.spec if speculative else times.plain)
+        kind = "resume" if resumed else "spec" if speculative else "plain"
+        samples = [] if times is None else times.of(kind, runs)
         if not samples:
             return None
         kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
         return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
 
-    def cost_ratio(self, batch_size: int) -> float:
-        """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways."""
+    def cost_ratio(self, batch_size: int, runs: bool | None = None) -> float:
+        """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways; within
+        ``runs``' class (runs, or single steps) where both kinds have samples of it there."""
         if self.cfg.fixed_cost_ratio is not None:
             return self.cfg.fixed_cost_ratio
         measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b, t in self._times.items()
-                    if t.plain and t.spec]
+                    if t.of("plain") and t.of("spec")]
         if not measured:
             return self.cfg.default_cost_ratio
         _, b = min(measured)
-        return self.step_time(b, True) / self.step_time(b, False)
+        spec, plain = self.step_time(b, True, runs=runs), self.step_time(b, False, runs=runs)
+        if spec is None or plain is None:
+            spec, plain = self.step_time(b, True), self.step_time(b, False)
+        return spec / plain
 
     # -- the decision ----------------------------------------------------------------------------
-    def decide(self, batch_size: int, drafting: list[RequestSpecState]) -> bool:
+    def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
-        ``batch_size`` decoding requests (the others ride along as plain rows of the same forward)."""
+        ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
+        ``runs``: whether this step can be a run of several steps (None: unknown)."""
         c = self.cfg
         if not drafting:
             return False
@@ -131,7 +147,7 @@ class SpeculationPolicy:
             return True
         if self.rounds_all < max(1, c.warmup_rounds):
             return True  # too little known about this traffic: find out
-        ratio = self.cost_ratio(batch_size)
+        ratio = self.cost_ratio(batch_size, runs)
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
             every = c.plain_probe_every if self.step_time(batch_size, False) is not None else c.plain_probe_first
             if self.spec_steps_since_plain >= every:
