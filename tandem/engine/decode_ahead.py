@@ -16,7 +16,8 @@ Greedy tokens are those of one-step decoding; a sampled request draws its unifor
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
-no prompt waiting, no request speculating, no traffic capture, one rank). With a drafter, each step's
+no prompt waiting, no request speculating, no traffic capture, one rank, no request whose logits need its
+own tokens or whose log-probabilities are read: ``needs_host_each_step``). With a drafter, each step's
 EAGLE-3 features go into the run's own buffer and reach the drafter's requests after the read-back, held
 for their next draft (DraftLink.keep_in_step): plain steps run the target-only path either way.
 
@@ -36,6 +37,7 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
+from tandem.engine.request_sampling import needs_host_each_step
 from tandem.engine.staging import HostReadback
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
@@ -148,7 +150,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
         return none
     context = engine.context_len
     for req in reqs:
-        if engine._tree_width(req) != 1:
+        if engine._tree_width(req) != 1 or needs_host_each_step(req):
             return none
         # never past a request's token budget or the context: only a stop token wastes steps
         steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)

@@ -24,12 +24,14 @@ from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decod
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
+from tandem.engine.request_sampling import LogprobJobs, sample_rows, tree_logits
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
-from tandem.sampling import SamplingParams, make_generator, sample
+from tandem.logprobs import TokenLogprobs
+from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
@@ -126,8 +128,10 @@ class LLMEngine:
                 and self.allocator.pages_for(req.num_tokens - 1 + width) <= self.allocator.capacity_pages)
 
     def _can_draft(self, req: Request) -> bool:
-        """Whether the request could speculate this step: a drafter state, and room for its tree."""
-        return req.spec is not None and req.draft_ready and self._fits(req, req.spec.num_draft_tokens)
+        """Whether the request could speculate this step: a drafter state, and room for its tree. Penalties
+        depend on the tokens before each position, so a penalized request decodes plainly."""
+        return (req.spec is not None and req.draft_ready and not req.params.penalized
+                and self._fits(req, req.spec.num_draft_tokens))
 
     def _tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
@@ -204,11 +208,13 @@ class LLMEngine:
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
-            emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
+            emitted, extend_items, rounds, caught_up, logprobs = self._accept(
+                sched, trees, logits, features if capture else None)
             for p in sched.prefill:
                 if not p.last:
                     p.req.kv.commit(p.end)
-            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
+            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
+                                   logprobs=logprobs)
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
             self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
@@ -220,8 +226,9 @@ class LLMEngine:
         return outputs
 
     def _accept(self, sched, trees, logits, features):
-        """→ new tokens per request, the drafter's extension items, per-request round records, and whether
-        a plain step also sent a request's held features (a catch-up, not a plain step's work)."""
+        """→ new tokens per request, the drafter's extension items, per-request round records, whether
+        a plain step also sent a request's held features (a catch-up, not a plain step's work), and the
+        new tokens' log-probabilities for the requests that ask."""
         # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
         # has had its garbage verified: its request takes only the root's token, as a plain step, and
         # goes on without speculation (its draft state is released); the other requests are unaffected.
@@ -247,11 +254,12 @@ class LLMEngine:
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
         observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
+        logprob_jobs = LogprobJobs()
+        eos = self.model_config.eos_token_ids
         if simple:
-            rows = torch.tensor([r for _, r in simple], device=logits.device)
-            sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
-            for (req, _), token in zip(simple, sampled):
+            for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
                 emitted[req.rid] = [token]
+                logprob_jobs.add(req, [row], [token])
         token_row = 0
         held = []  # kept on the device for the request's next draft (keep_in_step)
         for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
@@ -273,7 +281,9 @@ class LLMEngine:
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
-            result = accept_tree(tree, logits[first_row : first_row + tree.size], req.params, req.generator)
+            node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos)
+            result = accept_tree(tree, node_logits, req.params, req.generator)
+            logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
             src, dst = compaction_moves(req, result.accepted_nodes)
             moves_src += src
             moves_dst += dst
@@ -291,13 +301,14 @@ class LLMEngine:
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
         if self.traffic is not None and features is not None:
             self.traffic.observe(features, observed)
-        return emitted, extend_items, rounds, caught_up
+        return emitted, extend_items, rounds, caught_up, logprob_jobs.compute(logits)
 
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
-                rounds: dict[str, tuple[int, int]], keep_pages: bool = False) -> list[StepOutput]:
+                rounds: dict[str, tuple[int, int]], keep_pages: bool = False,
+                logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests.
         ``keep_pages``: the pages reserved past a running request's tokens stay (a run of decode steps or
-        rounds queued further writes into them)."""
+        rounds queued further writes into them). ``logprobs``: per request, one entry per emitted token."""
         outputs = []
         for req in reqs:
             new, reason = [], None
@@ -316,7 +327,9 @@ class LLMEngine:
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
-            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else []))
+            token_logprobs = logprobs[req.rid][: len(new)] if logprobs and req.rid in logprobs else None
+            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
+                                      token_logprobs))
         return outputs
 
     def _finish(self, req: Request) -> None:

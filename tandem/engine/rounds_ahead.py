@@ -2,10 +2,11 @@
 queue several greedy chain rounds in one step, and how their tokens are committed and counted.
 
 A run applies when every running request drafts a greedy chain of one setting with the in-process
-drafter, nothing waits for admission, and no one (a traffic capture, other ranks) needs the host
-between rounds. Its length is cut to what the requests can use: a request expected to finish in
-fewer rounds (its recent tokens per round against its tokens left) shortens the run, so the rounds
-computed after a request's end stay few. Tokens stream a run at a time.
+drafter, nothing waits for admission, and no one (a traffic capture, other ranks, a request with
+log-probabilities or min_tokens to honour) needs the host between rounds. Its length is cut to what the
+requests can use: a request expected to finish in fewer rounds (its recent tokens per round against its
+tokens left) shortens the run, so the rounds computed after a request's end stay few. Tokens stream a
+run at a time.
 
 Runs overlap (``engine.overlap_runs``, on by default): a step that reads a run back first queues the
 next one after it, from the device's state, so the GPU goes on while the host waits, commits and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from tandem.engine.request_sampling import needs_host_each_step
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
                                              queue_chain_rounds, read_chain_rounds, target_rounds_fit)
@@ -44,7 +46,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
-                or engine._tree_width(req) != nd):
+                or engine._tree_width(req) != nd or needs_host_each_step(req)):
             return 0
         recent = req.spec_state.recent
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
