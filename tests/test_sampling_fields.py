@@ -94,7 +94,9 @@ def test_logprobs_equal_transformers_log_softmax(target, mode):
         with LLMEngine(cfg) as plain:
             expected, _, _ = _run(plain, prompts, params)
         oracle = {f"req-{i}": p + e for i, (p, e) in enumerate(zip(prompts, expected))}
-        engine = LLMEngine(cfg, proposer=ChainOracle(256, oracle=oracle), spec=Spec(4), policy=_always())
+        # random trees holding the true path somewhere: accepted nodes are not the first rows of the tree
+        engine = LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=4, oracle=oracle, hit_rate=0.9), spec=Spec(8),
+                           policy=_always())
     elif mode == "sampled-spec":
         engine = LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=2), spec=Spec(6), policy=_always())
     else:
@@ -103,7 +105,7 @@ def test_logprobs_equal_transformers_log_softmax(target, mode):
         outputs, logprobs, rounds = _run(eng, prompts, params)
     if mode == "greedy-spec":
         assert outputs == expected and all(r >= 3 for r in rounds)
-        assert all(eng.requests[f"req-{i}"].spec_stats.accept_length_mean > 2 for i in range(3))
+        assert all(eng.requests[f"req-{i}"].spec_stats.accept_length_mean > 1.5 for i in range(3))
     if mode == "sampled-spec":
         assert all(r > 0 for r in rounds)
     for prompt, output, entries in zip(prompts, outputs, logprobs):
