@@ -28,7 +28,7 @@ def gather_logprobs(logits: torch.Tensor,
     dev = logits.device
     logp = logits[torch.tensor(rows, device=dev)].float().log_softmax(dim=-1)
     chosen = logp.gather(1, torch.tensor(tokens, device=dev).unsqueeze(1)).squeeze(1).tolist()
-    most = max(k for _, _, _, k in jobs)
+    most = min(max(k for _, _, _, k in jobs), logp.shape[-1])
     top_values, top_ids = (logp.topk(most, dim=-1) if most else (logp[:, :0], logp[:, :0].long()))
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out, i = {}, 0
