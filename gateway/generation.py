@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
-from gateway.errors import from_upstream
+from gateway.errors import GatewayError, from_upstream
 from gateway.metrics import GatewayMetrics
 from gateway.request import GenerationRequest
 from gateway.upstream import VerifierClient
@@ -30,6 +30,9 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     prompt_tokens: int
     completion_tokens: int  # total so far
+    # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them. A stop
+    # string cuts the text, not these: tokens past it in the same message keep theirs.
+    logprobs: list | None = None
 
 
 class GenerationStream:
@@ -86,9 +89,9 @@ class GenerationStream:
             if new:
                 self._record_timing(len(new))
             if new or msg.finish_reason:
-                return self._delta(new, msg.finish_reason or None)
+                return self._delta(new, msg.finish_reason or None, list(msg.logprobs))
 
-    def _delta(self, new: list[int], reason: str | None) -> Delta:
+    def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None) -> Delta:
         self._completion_tokens += len(new)
         final = reason is not None
         shown = new
@@ -101,7 +104,11 @@ class GenerationStream:
             self._call.cancel()  # the rest of the generation is not wanted
         if reason is not None:
             self._finish(reason)
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens)
+        if self.request.logprobs is None:
+            logprobs = None
+        elif len(logprobs or ()) != len(new):
+            raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()

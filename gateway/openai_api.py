@@ -149,7 +149,9 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
         scope.span.set_attributes(params.generation.span_attributes())
         n = params.options.n
         scope.take_slots(n - 1)
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text)
+        token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
+                      else None)
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text, token_text)
         choices = _start_choices(gw, params, scope, arrival)
         if params.stream:
             # Wait for the first deltas before answering, so that a refusal by the verifier (over
@@ -194,6 +196,11 @@ def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: f
             base, request_id=f"{base.request_id}-{i}", seed=choice_seed(base.seed, i))
         streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos))
     return Choices(streams)
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's own text in log-probabilities, special tokens included (as vLLM shows them)."""
+    return tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _abandon(choices: Choices, scope: _Scope) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import ConfigError
-from tandem.sampling_limits import MAX_LOGPROBS
+from tandem.sampling_limits import MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,13 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ConfigError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ConfigError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ConfigError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                              f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                                  f"got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
