@@ -139,3 +139,45 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert queued == reference
         assert any(following) and engine.run_in_flight is None
         assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_queued_decode_steps_record_the_logprobs_one_step_decoding_returns(engine, monkeypatch):
+    """A run queued on the static buffers records each step's log-probabilities on the device for the
+    requests that ask (here one of three, with min_p in the same batch): equal to one-step decoding's,
+    which tests/test_sampling_fields.py holds to transformers' log-softmax. Others get none."""
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 11, 17)]
+    params = [SamplingParams(temperature=0.8, seed=i, min_p=0.05, max_new_tokens=19, ignore_eos=True,
+                             logprobs=4 if i == 1 else None) for i in range(3)]
+
+    def run():
+        rids = [engine.add_request(p, sp, spec=None) for p, sp in zip(prompts, params)]
+        tokens, logprobs, steps = {r: [] for r in rids}, {r: [] for r in rids}, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.rid] += out.new_token_ids
+                logprobs[out.rid] += out.logprobs or []
+            steps.append(engine.last_step.steps if engine.last_step else 1)
+        for r in rids:
+            engine.requests.pop(r)
+        return [tokens[r] for r in rids], [logprobs[r] for r in rids], max(steps)
+
+    engine.decode_steps = 1
+    reference, reference_logprobs, _ = run()
+    runner.graphs, engine.decode_steps = graphs, 6
+    try:
+        queued, queued_logprobs, most_steps = run()
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert queued == reference and most_steps == 6
+    assert queued_logprobs[0] == [] == queued_logprobs[2] and len(queued_logprobs[1]) == 19
+    for got, want in zip(queued_logprobs[1], reference_logprobs[1]):
+        assert abs(got.logprob - want.logprob) <= 1e-4
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got.top, want.top)) <= 1e-4

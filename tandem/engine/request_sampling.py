@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.request import Request
+from tandem.engine.staging import HostReadback
 from tandem.logprobs import TokenLogprobs, gather_logprobs
 from tandem.request_logits import history_matters, request_logits
 from tandem.sampling import sample
@@ -52,6 +53,44 @@ class LogprobJobs:
 
 def needs_host_each_step(req: Request) -> bool:
     """Whether the request's steps cannot be queued on the device ahead of the host (decode_ahead,
-    rounds_ahead): its logits need its own tokens (penalties, min_tokens not reached) or its
-    log-probabilities are read at each step."""
-    return req.params.logprobs is not None or history_matters(req.params, len(req.output))
+    rounds_ahead): its logits need its own tokens (penalties, min_tokens not reached)."""
+    return history_matters(req.params, len(req.output))
+
+
+class RunLogprobs:
+    """Log-probabilities of decode steps queued on the device (tandem.engine.decode_ahead), for the
+    requests of the run that ask: each step records its rows' raw log-softmax at the sampled token and the
+    top N into device buffers, without waiting; the buffers come back with the run's tokens."""
+
+    def __init__(self, reqs: list[Request], steps: int, device: torch.device):
+        asking = [i for i, req in enumerate(reqs) if req.params.logprobs is not None]
+        self.rids = [reqs[i].rid for i in asking]
+        self.wanted = [reqs[i].params.logprobs for i in asking]
+        self.rows = torch.tensor(asking, device=device)
+        self.top = max(self.wanted)
+        self.chosen = torch.empty(steps, len(asking), device=device)
+        self.top_values = torch.empty(steps, len(asking), self.top, device=device)
+        self.top_ids = torch.empty(steps, len(asking), self.top, dtype=torch.int64, device=device)
+        self._back = None
+
+    @classmethod
+    def of(cls, reqs: list[Request], steps: int, device: torch.device) -> "RunLogprobs | None":
+        return cls(reqs, steps, device) if any(req.params.logprobs is not None for req in reqs) else None
+
+    def record(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
+        """Step ``k``: ``logits`` [n, V] of every row of the run, ``tokens`` [n] sampled from them."""
+        logp = logits[self.rows].float().log_softmax(dim=-1)
+        self.chosen[k] = logp.gather(1, tokens[self.rows].unsqueeze(1)).squeeze(1)
+        if self.top:
+            self.top_values[k], self.top_ids[k] = logp.topk(min(self.top, logp.shape[-1]), dim=-1)
+
+    def queue_readback(self) -> None:
+        """Right after the run's last step is queued (see HostReadback)."""
+        self._back = [HostReadback(t) for t in (self.chosen, self.top_values, self.top_ids)]
+
+    def read(self) -> dict[str, list[TokenLogprobs]]:
+        """Wait for the run → per asking request, one entry per step."""
+        chosen, values, ids = (b.tolist() for b in self._back)
+        return {rid: [TokenLogprobs(chosen[k][j], tuple(zip(ids[k][j][:want], values[k][j][:want])))
+                      for k in range(len(chosen))]
+                for j, (rid, want) in enumerate(zip(self.rids, self.wanted))}
