@@ -133,7 +133,7 @@ def decode_steps_eagerly(runner, reqs: list[Request], steps: int,
     per_request = _tokens_back(runner, HostReadback(tokens))
     if logprobs is not None:
         logprobs.queue_readback()
-    return per_request, (features[0] if capture else None), (logprobs.read() if logprobs is not None else None)
+    return per_request, (features[0] if capture else None), (logprobs.read_steps() if logprobs is not None else None)
 
 
 def _forward_steps(runner, reqs: list[Request], steps: int, pick, capture: bool) -> None:
@@ -209,7 +209,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
             following = queue_decode_steps(runner, run.reqs, more, after=run, capture=run.features is not None)
         tokens = read_decode_steps(runner, run)
-        logprobs = run.logprobs.read() if run.logprobs is not None else None
+        logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
         outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},

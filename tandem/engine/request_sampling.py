@@ -58,29 +58,33 @@ def needs_host_each_step(req: Request) -> bool:
 
 
 class RunLogprobs:
-    """Log-probabilities of decode steps queued on the device (tandem.engine.decode_ahead), for the
-    requests of the run that ask: each step records its rows' raw log-softmax at the sampled token and the
-    top N into device buffers, without waiting; the buffers come back with the run's tokens."""
+    """Log-probabilities in a run queued on the device — decode steps (tandem.engine.decode_ahead) or
+    greedy chain rounds (tandem.speculative.chain_rounds, ``width`` nodes a round) — for the requests of
+    the run that ask: each step records its rows' raw log-softmax at the token each node emits and the top
+    N into device buffers, without waiting; the buffers come back with the run's tokens."""
 
-    def __init__(self, reqs: list[Request], steps: int, device: torch.device):
+    def __init__(self, reqs: list, steps: int, device: torch.device, width: int = 1):
         asking = [i for i, req in enumerate(reqs) if req.params.logprobs is not None]
         self.rids = [reqs[i].rid for i in asking]
         self.wanted = [reqs[i].params.logprobs for i in asking]
         self.rows = torch.tensor(asking, device=device)
         self.top = max(self.wanted)
-        self.chosen = torch.empty(steps, len(asking), device=device)
-        self.top_values = torch.empty(steps, len(asking), self.top, device=device)
-        self.top_ids = torch.empty(steps, len(asking), self.top, dtype=torch.int64, device=device)
+        a = len(asking)
+        self.chosen = torch.empty(steps, a, width, device=device)
+        self.top_values = torch.empty(steps, a, width, self.top, device=device)
+        self.top_ids = torch.empty(steps, a, width, self.top, dtype=torch.int64, device=device)
         self._back = None
 
     @classmethod
-    def of(cls, reqs: list[Request], steps: int, device: torch.device) -> "RunLogprobs | None":
-        return cls(reqs, steps, device) if any(req.params.logprobs is not None for req in reqs) else None
+    def of(cls, reqs: list, steps: int, device: torch.device, width: int = 1) -> "RunLogprobs | None":
+        return cls(reqs, steps, device, width) if any(req.params.logprobs is not None for req in reqs) else None
 
     def record(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
-        """Step ``k``: ``logits`` [n, V] of every row of the run, ``tokens`` [n] sampled from them."""
-        logp = logits[self.rows].float().log_softmax(dim=-1)
-        self.chosen[k] = logp.gather(1, tokens[self.rows].unsqueeze(1)).squeeze(1)
+        """Step ``k``: ``logits`` [n, width, V] (or [n, V]) of every row of the run, ``tokens`` [n, width]
+        (or [n]) the token each node emits (past a round's count: whatever; dropped when read)."""
+        n = tokens.shape[0]
+        logp = logits.reshape(n, -1, logits.shape[-1])[self.rows].float().log_softmax(dim=-1)
+        self.chosen[k] = logp.gather(2, tokens.reshape(n, -1)[self.rows].unsqueeze(2)).squeeze(2)
         if self.top:
             self.top_values[k], self.top_ids[k] = logp.topk(min(self.top, logp.shape[-1]), dim=-1)
 
@@ -88,9 +92,13 @@ class RunLogprobs:
         """Right after the run's last step is queued (see HostReadback)."""
         self._back = [HostReadback(t) for t in (self.chosen, self.top_values, self.top_ids)]
 
-    def read(self) -> dict[str, list[TokenLogprobs]]:
-        """Wait for the run → per asking request, one entry per step."""
+    def read(self) -> dict[str, list[list[TokenLogprobs]]]:
+        """Wait for the run → per asking request and step, one entry per node (one for a decode step)."""
         chosen, values, ids = (b.tolist() for b in self._back)
-        return {rid: [TokenLogprobs(chosen[k][j], tuple(zip(ids[k][j][:want], values[k][j][:want])))
-                      for k in range(len(chosen))]
+        return {rid: [[TokenLogprobs(chosen[k][j][w], tuple(zip(ids[k][j][w][:want], values[k][j][w][:want])))
+                       for w in range(len(chosen[k][j]))] for k in range(len(chosen))]
                 for j, (rid, want) in enumerate(zip(self.rids, self.wanted))}
+
+    def read_steps(self) -> dict[str, list[TokenLogprobs]]:
+        """``read`` for decode steps: one entry per step."""
+        return {rid: [nodes[0] for nodes in steps] for rid, steps in self.read().items()}
