@@ -16,9 +16,9 @@ Greedy tokens are those of one-step decoding; a sampled request draws its unifor
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
-no prompt waiting, no request speculating, no traffic capture, one rank, no request whose logits need its
-own tokens: ``needs_host_each_step``). Log-probabilities are recorded on the device at each step, for the
-requests that ask, and come back with the tokens. With a drafter, each step's
+no prompt waiting, no request speculating, no traffic capture, one rank). Log-probabilities are recorded
+on the device at each step for the requests that ask, and come back with the tokens; penalties and
+min_tokens are applied on the device from token counts the run keeps (tandem.engine.run_rules). With a drafter, each step's
 EAGLE-3 features go into the run's own buffer and reach the drafter's requests after the read-back, held
 for their next draft (DraftLink.keep_in_step): plain steps run the target-only path either way.
 
@@ -38,7 +38,8 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
-from tandem.engine.request_sampling import RunLogprobs, needs_host_each_step
+from tandem.engine.request_sampling import RunLogprobs
+from tandem.engine.run_rules import RunRules
 from tandem.engine.staging import HostReadback
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
@@ -53,32 +54,39 @@ class DecodeRun:
     tokens: HostReadback  # int64 [steps, n], on its way to the host once the steps are done
     features: torch.Tensor | None  # [steps, n, 3H] on the device, each step's input rows (with a drafter)
     logprobs: RunLogprobs | None  # the steps' log-probabilities, for the requests that ask
+    rules: RunRules | None  # the token counts of requests with penalties or min_tokens, on the device
     graph_state: tuple  # (verify family, bucket, the last step's tokens [n]): TargetGraphRunner.run_decode_steps
 
 
-def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool):
+def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after: DecodeRun | None = None):
     """→ (the run's token buffer [steps, n] on the device, its feature buffer [steps, n, 3H] or None
-    (``capture``: allocated at the first step's features), its RunLogprobs or None, ``pick(logits,
-    features, k)`` that samples step k into the first, copies its features into the second and records
-    its log-probabilities)."""
+    (``capture``: allocated at the first step's features), its RunLogprobs or None, its RunRules or None,
+    ``pick(logits, features, k)`` that samples step k into the first — after the rules — copies its
+    features into the second and records its log-probabilities). ``after``: the run not read back that
+    this one follows."""
     # Settings and uniforms reach the device before the first forward is queued.
     sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], runner.device,
                           runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=runner.device)
     kept: list[torch.Tensor] = []
     logprobs = RunLogprobs.of(reqs, steps, runner.device)
+    cfg = runner.model_cfg
+    rules = RunRules.of(reqs, steps, runner.device, cfg.vocab_size, cfg.eos_token_ids,
+                        None if after is None else after.rules or False, 0 if after is None else after.steps)
 
     def pick(logits: torch.Tensor, features: torch.Tensor | None, k: int) -> torch.Tensor:
         if capture:
             if not kept:
                 kept.append(torch.empty(steps, *features.shape, dtype=features.dtype, device=features.device))
             kept[0][k].copy_(features)
-        tokens[k] = sampler(logits, k)
+        tokens[k] = sampler(logits if rules is None else rules.apply(logits, k), k)
+        if rules is not None:
+            rules.update(tokens[k])
         if logprobs is not None:
             logprobs.record(logits, tokens[k], k)
         return tokens[k]
 
-    return tokens, kept, logprobs, pick
+    return tokens, kept, logprobs, rules, pick
 
 
 @torch.inference_mode()
@@ -97,10 +105,10 @@ def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun
     else:
         first = None
         graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
-    tokens, features, logprobs, pick = _sampled_into(runner, reqs, steps, capture)
+    tokens, features, logprobs, rules, pick = _sampled_into(runner, reqs, steps, capture, after)
     state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
                                     features=capture)
-    run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, state)
+    run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, rules, state)
     if logprobs is not None:
         logprobs.queue_readback()
     return run
@@ -128,7 +136,7 @@ def decode_steps_eagerly(runner, reqs: list[Request], steps: int,
     no graph fits the batch → (each request's tokens, the steps' features [steps, n, 3H] when
     ``capture``, the log-probabilities of the requests that ask). ``runner``: the engine's ModelRunner
     (TP size 1)."""
-    tokens, features, logprobs, pick = _sampled_into(runner, reqs, steps, capture)
+    tokens, features, logprobs, _, pick = _sampled_into(runner, reqs, steps, capture)
     _forward_steps(runner, reqs, steps, pick, capture)
     per_request = _tokens_back(runner, HostReadback(tokens))
     if logprobs is not None:
@@ -163,7 +171,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
         return none
     context = engine.context_len
     for req in reqs:
-        if engine._tree_width(req) != 1 or needs_host_each_step(req):
+        if engine._tree_width(req) != 1:
             return none
         # never past a request's token budget or the context: only a stop token wastes steps
         steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)
