@@ -98,7 +98,9 @@ class GenerationStream:
         if (reason == "stop" and new and new[-1] in self._stop_ids
                 and not self.request.include_stop_str_in_output):
             shown = new[:-1]
-        text = self._stops.feed(self._detok.add(shown, final=final), final=final)
+        text = self._detok.add(shown, final=final)
+        if self._completion_tokens > self.request.min_tokens:  # as vLLM: no stop string before min_tokens
+            text = self._stops.feed(text, final=final)
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted

@@ -118,3 +118,14 @@ def test_streamed_logprobs_equal_the_whole_response_for_each_choice(stack, path)
             assert merged == whole[i]["logprobs"]
     assert [u.sampling.logprobs for u in stack.fake.requests[-2:]] == [2, 2]  # every choice's generation asks
     assert all(len(c["logprobs"]["content" if chat else "tokens"]) == 9 for c in whole)
+
+
+def test_stop_strings_wait_for_min_tokens(stack, client, tok):
+    """As vLLM: a stop string in the text of the first min_tokens tokens does not end the generation."""
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = full[2:5]  # early in the text: it cuts the output unless min_tokens holds it off
+    cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    held = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 12})
+    assert held.choices[0].text == full and held.choices[0].finish_reason == "length"
