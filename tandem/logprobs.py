@@ -17,8 +17,10 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # the most likely tokens and theirs, most likely first
 
 
-def gather_logprobs(logits: torch.Tensor,
-                    jobs: Sequence[tuple[Hashable, Sequence[int], Sequence[int], int]]) -> dict[Hashable, list[TokenLogprobs]]:
+Job = tuple[Hashable, Sequence[int], Sequence[int], int]  # key, rows, tokens, alternatives wanted
+
+
+def gather_logprobs(logits: torch.Tensor, jobs: Sequence[Job]) -> dict[Hashable, list[TokenLogprobs]]:
     """``jobs``: (key, rows of ``logits`` [R, V], the token generated at each row, alternatives wanted)
     → key → one TokenLogprobs per row. One pass over every job's rows and one read-back."""
     if not jobs:

@@ -18,9 +18,10 @@ generator in step order, the numbers one-step decoding would draw, so seeded out
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
 no prompt waiting, no request speculating, no traffic capture, one rank). Log-probabilities are recorded
 on the device at each step for the requests that ask, and come back with the tokens; penalties and
-min_tokens are applied on the device from token counts the run keeps (tandem.engine.run_rules). With a drafter, each step's
-EAGLE-3 features go into the run's own buffer and reach the drafter's requests after the read-back, held
-for their next draft (DraftLink.keep_in_step): plain steps run the target-only path either way.
+min_tokens are applied on the device from token counts the run keeps (tandem.engine.run_rules). With a
+drafter, each step's EAGLE-3 features go into the run's own buffer and reach the drafter's requests after
+the read-back, held for their next draft (DraftLink.keep_in_step): plain steps run the target-only path
+either way.
 
 With CUDA graphs, runs overlap (``engine.overlap_runs``, as runs of speculative rounds do): the step
 that reads a run back first queues the next run after it, going on from the device's inputs, so the
