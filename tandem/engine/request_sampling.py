@@ -51,9 +51,9 @@ class LogprobJobs:
         return gather_logprobs(logits, self.jobs)
 
 
-def needs_host_each_step(req: Request) -> bool:
-    """Whether the request's steps cannot be queued on the device ahead of the host (decode_ahead,
-    rounds_ahead): its logits need its own tokens (penalties, min_tokens not reached)."""
+def needs_host_each_round(req: Request) -> bool:
+    """Whether the request keeps its batch out of chain rounds queued on the device (rounds_ahead): its
+    logits need its own tokens (min_tokens not reached; penalized requests do not draft at all)."""
     return history_matters(req.params, len(req.output))
 
 

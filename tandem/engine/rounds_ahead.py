@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from tandem.engine.request_sampling import RunLogprobs, needs_host_each_step
+from tandem.engine.request_sampling import RunLogprobs, needs_host_each_round
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
                                              queue_chain_rounds, read_chain_rounds, target_rounds_fit)
@@ -47,7 +47,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
-                or engine._tree_width(req) != nd or needs_host_each_step(req)):
+                or engine._tree_width(req) != nd or needs_host_each_round(req)):
             return 0
         recent = req.spec_state.recent
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
