@@ -33,6 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     @property
     def penalized(self) -> bool:
@@ -66,8 +67,10 @@ class SamplingParams:
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
                 raise ConfigError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
                                   f"got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ConfigError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def make_generator(seed: int) -> torch.Generator:

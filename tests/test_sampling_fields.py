@@ -295,3 +295,36 @@ def test_presence_and_frequency_greedy_equal_a_reference_loop(target):
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(max_new_tokens=16, **{field: value}).validate()
+
+
+# ---- prompt logprobs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_prompt_logprobs_equal_transformers_log_softmax(target, chunked):
+    """Every prompt token after the first gets the raw log-softmax of the position before it, on the request's
+    first output — whole or prefilled in chunks, beside a request that asks for none and a speculating one."""
+    path, hf = target
+    prompts = [random_prompt(40 + i, n) for i, n in enumerate((23, 9, 14))]
+    cfg = EngineConfig(model=str(path), page_size=4, chunked_prefill_size=8 if chunked else -1)
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=1),
+              SamplingParams(max_new_tokens=4, ignore_eos=True),
+              SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=0)]
+    with LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=1), spec=Spec(4), policy=_always()) as eng:
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        got, tokens = {}, {r: [] for r in rids}
+        while eng.has_unfinished():
+            for out in eng.step():
+                tokens[out.rid] += out.new_token_ids
+                if out.prompt_logprobs is not None:
+                    assert out.rid not in got and out.new_token_ids  # once, with the first token
+                    got[out.rid] = out.prompt_logprobs
+    assert set(got) == {rids[0], rids[2]}
+    for rid, prompt, k in ((rids[0], prompts[0], 3), (rids[2], prompts[2], 0)):
+        ref = hf_logits(hf, prompt).log_softmax(dim=-1)
+        assert len(got[rid]) == len(prompt) - 1
+        for t, entry in enumerate(got[rid], start=1):
+            assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) <= 1e-3
+            assert [i for i, _ in entry.top] == ref[t - 1].topk(k).indices.tolist()
+    with LLMEngine(EngineConfig(model=str(path))) as eng:
+        assert [r.output_token_ids for r in eng.generate(prompts, params)] == [tokens[r] for r in rids]

@@ -24,7 +24,8 @@ from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decod
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
-from tandem.engine.request_sampling import LogprobJobs, sample_rows, tree_logits
+from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, prefill_rows, prompt_logprob_jobs,
+                                            sample_rows, tree_logits, wants_prompt_logits)
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
@@ -201,8 +202,8 @@ class LLMEngine:
                 if trees[req.rid].size == 1 and rows > 1:
                     trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
-        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table())
-                  for p in sched.prefill]
+        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
+                                logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
@@ -237,10 +238,13 @@ class LLMEngine:
         if broken:
             self.drafts.broken_drafts([req for req in sched.decode if req.rid in broken],
                                       "draft log-probs contain NaN; the draft head or its features are broken")
-        # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
-        # just the root are sampled together (plain decoding); trees go through acceptance.
-        simple = [(p.req, i) for i, p in enumerate(sched.prefill) if p.last]
-        row, token_row = len(sched.prefill), sum(p.end - p.start for p in sched.prefill)
+        # Rows of `logits`: one per prefill (every token's for prompt logprobs), then tree.size per verified
+        # request. Requests whose tree is just the root are sampled together (plain decoding); trees go
+        # through acceptance.
+        prefill_at = prefill_rows(sched.prefill)
+        simple = [(p.req, first + n - 1) for p, (first, n) in zip(sched.prefill, prefill_at) if p.last]
+        row = sum(n for _, n in prefill_at)
+        token_row = sum(p.end - p.start for p in sched.prefill)
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -255,6 +259,7 @@ class LLMEngine:
         extend_items = []
         observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
         logprob_jobs = LogprobJobs()
+        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
         eos = self.model_config.eos_token_ids
         if simple:
             for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
@@ -328,8 +333,11 @@ class LLMEngine:
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
             token_logprobs = logprobs[req.rid][: len(new)] if logprobs and req.rid in logprobs else None
+            prompt_logprobs = None
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], None, True
             outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
-                                      token_logprobs))
+                                      token_logprobs, prompt_logprobs))
         return outputs
 
     def _finish(self, req: Request) -> None:

@@ -40,8 +40,8 @@ def tree_logits(logits: torch.Tensor, req: Request, tree: DraftTree, eos_token_i
 class LogprobJobs:
     """The rows and tokens whose log-probabilities a step owes its requests, computed in one pass."""
 
-    def __init__(self):
-        self.jobs: list[tuple[str, list[int], list[int], int]] = []
+    def __init__(self, jobs: list | None = None):
+        self.jobs: list[tuple[str, list[int], list[int], int]] = jobs or []
 
     def add(self, req: Request, rows: list[int], tokens: list[int]) -> None:
         if req.params.logprobs is not None:
@@ -102,3 +102,42 @@ class RunLogprobs:
     def read_steps(self) -> dict[str, list[TokenLogprobs]]:
         """``read`` for decode steps: one entry per step."""
         return {rid: [nodes[0] for nodes in steps] for rid, steps in self.read().items()}
+
+
+def wants_prompt_logits(req: Request) -> bool:
+    """Whether the request's prefill needs logits at every prompt position (params.prompt_logprobs, not
+    sent yet: a preempted request's recomputation does not need them again)."""
+    return req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent
+
+
+def prefill_rows(prefills) -> list[tuple[int, int]]:
+    """(first row, rows) of each prefill chunk in a forward's logits: all its tokens' for a request that
+    wants prompt logits, else its last token's."""
+    out, row = [], 0
+    for p in prefills:
+        n = p.end - p.start if wants_prompt_logits(p.req) else 1
+        out.append((row, n))
+        row += n
+    return out
+
+
+def prompt_logprob_jobs(prefills, rows: list[tuple[int, int]]) -> list:
+    """gather_logprobs jobs for the prompt tokens each chunk's rows predict (row of position t: token t+1,
+    while it is a prompt token)."""
+    jobs = []
+    for p, (first, n) in zip(prefills, rows):
+        if wants_prompt_logits(p.req):
+            predicted = range(p.start + 1, min(p.end + 1, len(p.req.prompt)))
+            if predicted:
+                jobs.append((p.req.rid, [first + t - 1 - p.start for t in predicted],
+                             [p.req.prompt[t] for t in predicted], p.req.params.prompt_logprobs))
+    return jobs
+
+
+def keep_prompt_logprobs(prefills, logprobs: dict) -> None:
+    """Append each chunk's prompt entries to its request's, in chunk order."""
+    for p in prefills:
+        if p.start == 0 and wants_prompt_logits(p.req):
+            p.req.prompt_logprobs = []  # (again, after a preemption in the middle of its chunks)
+        if p.req.rid in logprobs:
+            p.req.prompt_logprobs += logprobs[p.req.rid]

@@ -22,6 +22,7 @@ class StepOutput:
     # run of rounds queued on the device (tandem.engine.rounds_ahead); empty for a plain step.
     round_accepts: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, for requests that asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: one per prompt token after the first
 
     @property
     def accepted(self) -> int:
