@@ -20,6 +20,7 @@ class ChoiceResult:
     finish_reason: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None  # one TokenLogprobs per token, when asked for
+    prompt_logprobs: list | None = None  # one per prompt token after the first, when asked for (echo)
 
 
 class Choices:
@@ -76,5 +77,7 @@ async def _collect(stream: GenerationStream) -> ChoiceResult:
         result.token_ids += delta.token_ids
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = delta.prompt_logprobs
     result.text = "".join(parts)
     return result

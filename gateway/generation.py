@@ -33,6 +33,7 @@ class Delta:
     # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them. A stop
     # string cuts the text, not these: tokens past it in the same message keep theirs.
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
 
 
 class GenerationStream:
@@ -53,6 +54,7 @@ class GenerationStream:
         self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
+        self._prompt_logprobs_sent = False
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
@@ -89,9 +91,10 @@ class GenerationStream:
             if new:
                 self._record_timing(len(new))
             if new or msg.finish_reason:
-                return self._delta(new, msg.finish_reason or None, list(msg.logprobs))
+                return self._delta(new, msg.finish_reason or None, list(msg.logprobs), list(msg.prompt_logprobs))
 
-    def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None) -> Delta:
+    def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None,
+               prompt_logprobs: list | None = None) -> Delta:
         self._completion_tokens += len(new)
         final = reason is not None
         shown = new
@@ -110,7 +113,12 @@ class GenerationStream:
             logprobs = None
         elif len(logprobs or ()) != len(new):
             raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs)
+        if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
+            prompt_logprobs = None
+        elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - 1:
+            raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
+        self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()

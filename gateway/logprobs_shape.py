@@ -2,7 +2,9 @@
 
 Completions: ``{tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}``, where each
 ``top_logprobs`` entry holds the N most likely tokens and the generated one (as vLLM), and ``text_offset``
-is where each token's text starts in the choice's text. Chat: ``{content: [{token, logprob, bytes,
+is where each token's text starts in the choice's text (the texts of its tokens one after the other); with
+``echo`` the prompt's tokens come first, the first of them with null for its log-probability (nothing
+precedes it), as vLLM. Chat: ``{content: [{token, logprob, bytes,
 top_logprobs: [{token, logprob, bytes}]}]}``. A token's text is its own decode with special tokens kept;
 -inf (a token the model gives no mass) is written as -9999.0, as vLLM does, since JSON has no infinity.
 """
@@ -19,9 +21,19 @@ def _finite(v: float) -> float:
 
 
 class LogprobsShape:
-    def __init__(self, token_text: Callable[[int], str], n: int = 1, start_offset: int = 0):
+    def __init__(self, token_text: Callable[[int], str], n: int = 1, prompt_ids: Sequence[int] = ()):
         self.token_text = token_text
-        self.offsets = [start_offset] * n  # per choice: where its next token's text starts
+        self.prompt_ids = prompt_ids
+        self.offsets = [0] * n  # per choice: where its next token's text starts
+
+    def prompt(self, entries: Sequence, index: int = 0) -> dict:
+        """The echoed prompt's part: ``entries`` are the verifier's, for every prompt token but the first."""
+        first = self.prompt_ids[0]
+        text = self.token_text(first)
+        head = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
+                "text_offset": [self.offsets[index]]}
+        self.offsets[index] += len(text)
+        return merge(head, self.completion(self.prompt_ids[1:], entries, index))
 
     def completion(self, token_ids: Sequence[int], entries: Sequence, index: int = 0) -> dict:
         texts = [self.token_text(t) for t in token_ids]
@@ -46,3 +58,10 @@ class LogprobsShape:
     def _chat_token(self, token: int, logprob: float) -> dict:
         text = self.token_text(token)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def merge(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions ``logprobs`` objects of consecutive tokens as one."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}

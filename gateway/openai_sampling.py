@@ -1,6 +1,7 @@
 """The OpenAI and vLLM sampling fields the engine implements beyond temperature, top-p and top-k: ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` and the log-probability
-fields (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``). Each is checked
+fields (completions: ``logprobs: N``, with ``echo`` the prompt's too; chat: ``logprobs: true`` with
+``top_logprobs: N``). Each is checked
 here with a 400 naming it; unset ones take the model's generation_config.json value where it states one
 (repetition_penalty, min_p), as vLLM does."""
 
@@ -23,6 +24,7 @@ class EngineSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # completions' echo with logprobs: the prompt tokens' as well (vLLM)
 
 
 def parse_engine_sampling(body: dict, chat: bool, defaults: SamplingDefaults, echo: bool) -> EngineSampling:
@@ -42,11 +44,8 @@ def parse_engine_sampling(body: dict, chat: bool, defaults: SamplingDefaults, ec
     if min_tokens < 0:
         raise bad_request("min_tokens", f"must be >= 0, got {min_tokens}")
     logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
-    if logprobs is not None and echo:
-        raise bad_request("logprobs", "with echo needs the prompt's log-probabilities, which this server does not "
-                                      "compute; ask for logprobs without echo")
     return EngineSampling(min_p, min_tokens, repetition, penalties["presence_penalty"],
-                          penalties["frequency_penalty"], logprobs)
+                          penalties["frequency_penalty"], logprobs, logprobs if echo else None)
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int, max_param: str) -> None:

@@ -11,7 +11,7 @@ from starlette.responses import StreamingResponse
 
 from gateway.choices import ChoiceResult
 from gateway.generation import Delta
-from gateway.logprobs_shape import LogprobsShape
+from gateway.logprobs_shape import LogprobsShape, merge
 
 
 def sse_event(obj: dict | str) -> str:
@@ -29,23 +29,30 @@ class CompletionShape:
     id_prefix = "cmpl"
 
     def __init__(self, request_id: str, model: str, include_usage: bool = False, n: int = 1, echo_text: str = "",
-                 token_text=None):
+                 token_text=None, prompt_ids: tuple[int, ...] = ()):
         """``token_text``: a token id's text, given when the request asked for logprobs."""
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
         self.n = n  # choices, each streamed with its index
         self.echo_text = echo_text  # completions' echo: before each choice's text (vLLM)
-        self.logprobs = LogprobsShape(token_text, n, len(echo_text)) if token_text is not None else None
+        self.logprobs = LogprobsShape(token_text, n, prompt_ids) if token_text is not None else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def opening(self) -> list[dict]:
-        """Chunks before any generated text: the echoed prompt, first for each choice."""
+    def opening(self, firsts: list[Delta] = ()) -> list[dict]:
+        """Chunks before any generated text: the echoed prompt, first for each choice (with its tokens'
+        log-probabilities, which come on each choice's first delta)."""
         if not self.echo_text:
             return []
-        return [self._with_usage({**self._head(self.object), "choices": [self.choice(self.echo_text, None, i)]})
-                for i in range(self.n)]
+        return [self._with_usage({**self._head(self.object), "choices": [self.choice(
+            self.echo_text, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i))]})
+            for i in range(self.n)]
+
+    def _prompt_logprobs(self, entries: list | None, index: int) -> dict | None:
+        if self.logprobs is None or entries is None:
+            return None
+        return self.logprobs.prompt(entries, index)
 
     def choice(self, text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -75,7 +82,9 @@ class CompletionShape:
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
         """The whole response: ``results`` holds each choice's generation, in index order."""
-        choices = [self.choice(self.echo_text + r.text, r.finish_reason, i, self._logprobs(r.token_ids, r.logprobs, i))
+        choices = [self.choice(self.echo_text + r.text, r.finish_reason, i,
+                               merge(self._prompt_logprobs(r.prompt_logprobs, i),
+                                     self._logprobs(r.token_ids, r.logprobs, i)))
                    for i, r in enumerate(results)]
         return {**self._head(self.object), "choices": choices, "usage": usage}
 
@@ -86,7 +95,7 @@ class ChatShape(CompletionShape):
     object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def opening(self) -> list[dict]:
+    def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         # Each choice's first chunk announces the role, with empty content, as OpenAI does.
         return [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})

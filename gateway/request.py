@@ -41,6 +41,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; N: each token's log-probability and its top N alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     def to_proto(self) -> verifier_pb2.GenerateRequest:
         sampling = verifier_pb2.SamplingParams(
@@ -52,6 +53,8 @@ class GenerationRequest:
             sampling.seed = self.seed
         if self.logprobs is not None:
             sampling.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            sampling.prompt_logprobs = self.prompt_logprobs
         return verifier_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
                                             sampling=sampling)
 

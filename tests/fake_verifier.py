@@ -80,6 +80,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 msg = verifier_pb2.GenerateResponse(request_id=request.request_id, token_ids=chunk,
                                                     finish_reason=reason, prompt_tokens=len(prompt),
                                                     completion_tokens=sent)
+                if request.sampling.HasField("prompt_logprobs") and step == 1:  # (prompt token i: position 100 + i)
+                    msg.prompt_logprobs.extend(fake_logprobs(t, 100 + i, request.sampling.prompt_logprobs,
+                                                             self.vocab_size) for i, t in enumerate(prompt[1:], 1))
                 if request.sampling.HasField("logprobs"):
                     msg.logprobs.extend(fake_logprobs(t, sent - len(chunk) + j, request.sampling.logprobs,
                                                       self.vocab_size) for j, t in enumerate(chunk))

@@ -55,7 +55,6 @@ BAD_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"logprobs": 2, "echo": True}, "logprobs"),  # the prompt's log-probabilities are not computed
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 4}, "min_tokens"),  # over max_tokens
     ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -129,3 +129,31 @@ def test_stop_strings_wait_for_min_tokens(stack, client, tok):
     held = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                      extra_body={"min_tokens": 12})
     assert held.choices[0].text == full and held.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(stack, tok, stream):
+    """As vLLM: the prompt's tokens, the first with null, then the generated ones; offsets run over the
+    token texts one after the other."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "echo": True}
+    if stream:
+        choices = [c for e in _events(stack, "/v1/completions", body) for c in e["choices"]]
+        parts = [c["logprobs"] for c in choices if c["logprobs"] is not None]
+        lp = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+        text = "".join(c["text"] for c in choices)
+    else:
+        choice = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10).json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+    sent = stack.fake.requests[-1]
+    assert (sent.sampling.logprobs, sent.sampling.prompt_logprobs) == (2, 2)
+    prompt = list(sent.prompt_token_ids)
+    texts, logprobs, _ = _expected(stack, tok, 2)
+    prompt_entries = [fake_logprobs(t, 100 + i, 2, vocab_size()) for i, t in enumerate(prompt[1:], 1)]
+    prompt_texts = [tok.decode([t], skip_special_tokens=False) for t in prompt]
+    assert lp["tokens"] == prompt_texts + texts
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in prompt_entries] + logprobs)
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == len(prompt) + 3
+    all_texts = prompt_texts + texts
+    assert lp["text_offset"] == [sum(len(t) for t in all_texts[:i]) for i in range(len(all_texts))]
+    assert text == PROMPT + "".join(texts)
