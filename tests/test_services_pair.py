@@ -121,7 +121,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request
 
 def test_logprobs_over_the_stream_equal_transformers_while_speculating(pair, pair_dirs, reference):
     """Each message carries one TokenLogprobs per token: the target's raw log-softmax (transformers on the
-    same weights) at the position that produced it, from the verify of a drafted round."""
+    same weights) at the position that produced it, from the verify of a drafted round; the first message
+    carries the prompt's (every token after the first)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,15 +130,19 @@ def test_logprobs_over_the_stream_equal_transformers_while_speculating(pair, pai
     prompt = prompts_of(32)[3]
     with grpc.insecure_channel(verifier.address) as channel:
         request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_new_tokens=24, ignore_eos=True, logprobs=3))
+            max_new_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=2))
         messages = list(pb_grpc.VerifierStub(channel).Generate(request, timeout=120))
     tokens = [t for m in messages for t in m.token_ids]
     entries = [e for m in messages for e in m.logprobs]
     assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    assert len(messages[0].prompt_logprobs) == len(prompt) - 1 and not any(m.prompt_logprobs for m in messages[1:])
     assert tokens == reference[3] and messages[-1].spec.rounds > 0
     hf = AutoModelForCausalLM.from_pretrained(pair_dirs / "target", dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+    for t, entry in enumerate(messages[0].prompt_logprobs, start=1):
+        assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) <= 1e-3
+        assert list(entry.top_token_ids) == ref[t - 1].topk(2).indices.tolist()
     for j, (token, entry) in enumerate(zip(tokens, entries)):
         row = ref[len(prompt) - 1 + j]
         assert abs(entry.logprob - row[token].item()) <= 1e-3
