@@ -56,7 +56,7 @@ def check_min_tokens(min_tokens: int, max_tokens: int, max_param: str) -> None:
 def _completion_logprobs(body: dict) -> int | None:
     """Completions: ``logprobs: N`` — the token's log-probability and the N most likely (0: the token's only)."""
     v = body.get("logprobs")
-    if v is None:
+    if v is None or v is False:  # false: what some clients send for "none"
         return None
     n = _integer(body, "logprobs", 0)
     if not 0 <= n <= MAX_LOGPROBS:

@@ -282,7 +282,8 @@ def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
 
 
 @pytest.mark.parametrize("field,value", [("min_p", 0), ("repetition_penalty", 1.0), ("min_tokens", 0),
-                                         ("presence_penalty", 0), ("logprobs", None), ("use_beam_search", False)])
+                                         ("presence_penalty", 0), ("logprobs", None), ("logprobs", False),
+                                         ("use_beam_search", False)])
 def test_no_op_values_are_accepted(stack, field, value):
     assert _post(stack, "/v1/completions", {"prompt": PROMPT, field: value, "max_tokens": 2}).status_code == 200
 
