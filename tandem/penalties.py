@@ -4,7 +4,7 @@ Repetition (the CTRL rule, as transformers' RepetitionPenaltyLogitsProcessor): a
 or the output has a positive logit divided by the penalty and a negative one multiplied by it. Presence
 and frequency (OpenAI's): a token the output holds loses ``presence`` once and ``frequency`` per time it
 occurs. The logits depend on every token before them, so a request with penalties does not speculate
-(tandem.engine.llm_engine._can_draft): its rows are plain decode steps, lossless by construction.
+(LLMEngine.add_request): its rows are plain decode steps, lossless by construction.
 """
 
 from __future__ import annotations

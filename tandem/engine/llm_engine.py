@@ -105,6 +105,8 @@ class LLMEngine:
             spec = self.default_spec
         elif spec is not None and self.proposer is None:
             raise ConfigError("speculation was requested but the engine has no draft model")
+        if params.penalized:
+            spec = None  # penalties depend on the tokens before each position: such a request decodes plainly
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
         req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
@@ -129,10 +131,8 @@ class LLMEngine:
                 and self.allocator.pages_for(req.num_tokens - 1 + width) <= self.allocator.capacity_pages)
 
     def _can_draft(self, req: Request) -> bool:
-        """Whether the request could speculate this step: a drafter state, and room for its tree. Penalties
-        depend on the tokens before each position, so a penalized request decodes plainly."""
-        return (req.spec is not None and req.draft_ready and not req.params.penalized
-                and self._fits(req, req.spec.num_draft_tokens))
+        """Whether the request could speculate this step: a drafter state, and room for its tree."""
+        return req.spec is not None and req.draft_ready and self._fits(req, req.spec.num_draft_tokens)
 
     def _tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
