@@ -55,6 +55,8 @@ def check_min_tokens(min_tokens: int, max_tokens: int, max_param: str) -> None:
 
 def _completion_logprobs(body: dict) -> int | None:
     """Completions: ``logprobs: N`` — the token's log-probability and the N most likely (0: the token's only)."""
+    if body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs", "is a chat completions field; completions take logprobs: N")
     v = body.get("logprobs")
     if v is None or v is False:  # false: what some clients send for "none"
         return None

@@ -55,6 +55,7 @@ BAD_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 4}, "min_tokens"),  # over max_tokens
     ({"repetition_penalty": 0}, "repetition_penalty"),
