@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
-from gateway.errors import from_upstream
+from gateway.errors import GatewayError, from_upstream
 from gateway.metrics import GatewayMetrics
 from gateway.request import GenerationRequest
 from gateway.upstream import VerifierClient
@@ -30,6 +30,10 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     prompt_tokens: int
     completion_tokens: int  # total so far
+    # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them. A stop
+    # string cuts the text, not these: tokens past it in the same message keep theirs.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
 
 
 class GenerationStream:
@@ -50,6 +54,7 @@ class GenerationStream:
         self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
+        self._prompt_logprobs_sent = False
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
@@ -86,22 +91,34 @@ class GenerationStream:
             if new:
                 self._record_timing(len(new))
             if new or msg.finish_reason:
-                return self._delta(new, msg.finish_reason or None)
+                return self._delta(new, msg.finish_reason or None, list(msg.logprobs), list(msg.prompt_logprobs))
 
-    def _delta(self, new: list[int], reason: str | None) -> Delta:
+    def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None,
+               prompt_logprobs: list | None = None) -> Delta:
         self._completion_tokens += len(new)
         final = reason is not None
         shown = new
         if (reason == "stop" and new and new[-1] in self._stop_ids
                 and not self.request.include_stop_str_in_output):
             shown = new[:-1]
-        text = self._stops.feed(self._detok.add(shown, final=final), final=final)
+        text = self._detok.add(shown, final=final)
+        if self._completion_tokens > self.request.min_tokens:  # as vLLM: no stop string before min_tokens
+            text = self._stops.feed(text, final=final)
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted
         if reason is not None:
             self._finish(reason)
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens)
+        if self.request.logprobs is None:
+            logprobs = None
+        elif len(logprobs or ()) != len(new):
+            raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
+        if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
+            prompt_logprobs = None
+        elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - 1:
+            raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
+        self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()

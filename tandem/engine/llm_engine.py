@@ -24,12 +24,15 @@ from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decod
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
+from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, prefill_rows, prompt_logprob_jobs,
+                                            sample_rows, tree_logits, wants_prompt_logits)
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
-from tandem.sampling import SamplingParams, make_generator, sample
+from tandem.logprobs import TokenLogprobs
+from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
@@ -105,6 +108,8 @@ class LLMEngine:
             spec = self.default_spec
         elif spec is not None and self.proposer is None:
             raise ConfigError("speculation was requested but the engine has no draft model")
+        if params.penalized:
+            spec = None  # penalties depend on the tokens before each position: such a request decodes plainly
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
         req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
@@ -216,18 +221,20 @@ class LLMEngine:
                 if trees[req.rid].size == 1 and rows > 1:
                     trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
-        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table())
-                  for p in sched.prefill]
+        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
+                                logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         with timer("accept"):
-            emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
+            emitted, extend_items, rounds, caught_up, logprobs = self._accept(
+                sched, trees, logits, features if capture else None)
             for p in sched.prefill:
                 if not p.last:
                     p.req.kv.commit(p.end)
-            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
+            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
+                                   logprobs=logprobs)
         with timer("draft_extend"):
             self.drafts.extend([item for item in extend_items if not item[0].finished])
             self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
@@ -239,8 +246,9 @@ class LLMEngine:
         return outputs
 
     def _accept(self, sched, trees, logits, features):
-        """→ new tokens per request, the drafter's extension items, per-request round records, and whether
-        a plain step also sent a request's held features (a catch-up, not a plain step's work)."""
+        """→ new tokens per request, the drafter's extension items, per-request round records, whether
+        a plain step also sent a request's held features (a catch-up, not a plain step's work), and the
+        new tokens' log-probabilities for the requests that ask."""
         # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
         # has had its garbage verified: its request takes only the root's token, as a plain step, and
         # goes on without speculation (its draft state is released); the other requests are unaffected.
@@ -249,10 +257,13 @@ class LLMEngine:
         if broken:
             self.drafts.broken_drafts([req for req in sched.decode if req.rid in broken],
                                       "draft log-probs contain NaN; the draft head or its features are broken")
-        # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
-        # just the root are sampled together (plain decoding); trees go through acceptance.
-        simple = [(p.req, i) for i, p in enumerate(sched.prefill) if p.last]
-        row, token_row = len(sched.prefill), sum(p.end - p.start for p in sched.prefill)
+        # Rows of `logits`: one per prefill (every token's for prompt logprobs), then tree.size per verified
+        # request. Requests whose tree is just the root are sampled together (plain decoding); trees go
+        # through acceptance.
+        prefill_at = prefill_rows(sched.prefill)
+        simple = [(p.req, first + n - 1) for p, (first, n) in zip(sched.prefill, prefill_at) if p.last]
+        row = sum(n for _, n in prefill_at)
+        token_row = sum(p.end - p.start for p in sched.prefill)
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -266,11 +277,13 @@ class LLMEngine:
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
         observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
+        logprob_jobs = LogprobJobs()
+        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
+        eos = self.model_config.eos_token_ids
         if simple:
-            rows = torch.tensor([r for _, r in simple], device=logits.device)
-            sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
-            for (req, _), token in zip(simple, sampled):
+            for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
                 emitted[req.rid] = [token]
+                logprob_jobs.add(req, [row], [token])
         token_row = 0
         held = []  # kept on the device for the request's next draft (keep_in_step)
         for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
@@ -292,7 +305,9 @@ class LLMEngine:
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
-            result = accept_tree(tree, logits[first_row : first_row + tree.size], req.params, req.generator)
+            node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos)
+            result = accept_tree(tree, node_logits, req.params, req.generator)
+            logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
             src, dst = compaction_moves(req, result.accepted_nodes)
             moves_src += src
             moves_dst += dst
@@ -310,13 +325,14 @@ class LLMEngine:
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
         if self.traffic is not None and features is not None:
             self.traffic.observe(features, observed)
-        return emitted, extend_items, rounds, caught_up
+        return emitted, extend_items, rounds, caught_up, logprob_jobs.compute(logits)
 
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
-                rounds: dict[str, tuple[int, int]], keep_pages: bool = False) -> list[StepOutput]:
+                rounds: dict[str, tuple[int, int]], keep_pages: bool = False,
+                logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests.
         ``keep_pages``: the pages reserved past a running request's tokens stay (a run of decode steps or
-        rounds queued further writes into them)."""
+        rounds queued further writes into them). ``logprobs``: per request, one entry per emitted token."""
         outputs = []
         for req in reqs:
             new, reason = [], None
@@ -335,7 +351,12 @@ class LLMEngine:
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
-            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else []))
+            token_logprobs = logprobs[req.rid][: len(new)] if logprobs and req.rid in logprobs else None
+            prompt_logprobs = None
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], None, True
+            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
+                                      token_logprobs, prompt_logprobs))
         return outputs
 
     def _finish(self, req: Request) -> None:

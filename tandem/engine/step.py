@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tandem.engine.request import FinishReason
+from tandem.logprobs import TokenLogprobs
 from tandem.speculative.stats import SpecStats
 
 
@@ -20,6 +21,8 @@ class StepOutput:
     # Accepted drafts (the bonus token not counted) of each speculative round this step: one round, or a
     # run of rounds queued on the device (tandem.engine.rounds_ahead); empty for a plain step.
     round_accepts: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, for requests that asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: one per prompt token after the first
 
     @property
     def accepted(self) -> int:
