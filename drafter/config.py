@@ -52,9 +52,7 @@ class DrafterServiceConfig:
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
         p.add_argument("--host", default=cls.host,
                        help="address to bind (default: loopback; the verifier is on the same machine)")
-        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
-                       help=f"the internal plane's shared secret, from FILE instead of ${internal_secret.ENV} "
-                            "(the verifier's Rounds stream and Reload must present it)")
+        shared.add(p, shared.INTERNAL_SECRET_FILE)
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
         p.add_argument("--port", type=int, default=cls.port, help="gRPC port")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem import internal_secret
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 
@@ -102,6 +103,9 @@ MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
 CONTEXT_LENGTH = Flag(("--context-length",), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
+INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
+    default=None, metavar="FILE", help=f"the internal plane's shared secret (Rounds, Reload), from FILE instead of "
+                                       f"${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, CONTEXT_LENGTH)

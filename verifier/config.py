@@ -91,8 +91,7 @@ class VerifierConfig:
         p.add_argument("--disable-round-prefetch", action="store_true",
                        help="send each Round when the step drafts instead of at the end of the step before "
                             "(prefetching lets the drafter work while the verifier streams and schedules)")
-        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
-                       help=f"the drafter's internal secret, from FILE instead of ${internal_secret.ENV}")
+        shared.add(p, shared.INTERNAL_SECRET_FILE)
         p.add_argument("--ring-rows", type=int, default=cls.ring_rows,
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting,
