@@ -15,13 +15,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.chat_request import render_chat
 from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_model, check_prompt_ids, check_sampling, resolve_max_tokens
-from tandem.chat_template import ChatTemplate, ChatTemplateError
+from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
 from tandem.tokenizer import TextTokenizer
 
@@ -30,7 +31,6 @@ _NO_OP = {
     "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
     "suffix": lambda v: v is None or v == "",
     "logit_bias": lambda v: not v,
-    "tools": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     **ENGINE_FIELDS,
 }
@@ -119,10 +119,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     if template is None:
         raise bad_request("messages", "this model has no chat template (tokenizer_config.json has no "
                                       "chat_template); send a plain prompt to /v1/completions instead")
-    try:
-        text = template.render(messages, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise bad_request("messages", str(e)) from e
+    text = render_chat(template, body, messages)
     limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
     # The template renders its own BOS; the tokenizer's would double it (vLLM: add_special_tokens=False for chat).
     prompt_ids = tok.encode(text, add_special_tokens=_add_special_tokens(body, False))

@@ -87,7 +87,7 @@ BAD_CHATS = [
     ({"logprobs": 3}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: no tool-call parser
     ({"top_p": -1}, "top_p"),
 ]
 
