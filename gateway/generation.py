@@ -19,6 +19,7 @@ from gateway.detokenize import IncrementalDetokenizer, StopStrings
 from gateway.errors import GatewayError, from_upstream
 from gateway.metrics import GatewayMetrics
 from gateway.request import GenerationRequest
+from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
 from tandem import tracing
 
@@ -41,8 +42,11 @@ class GenerationStream:
     raised as GatewayError. Call ``cancel()`` when abandoning it before the end."""
 
     def __init__(self, request: GenerationRequest, client: VerifierClient, decode: Callable[[list[int]], str],
-                 metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = ()):
+                 metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = (),
+                 request_log: RequestLog | None = None):
         self.request = request
+        self._decode, self._log, self._text = decode, request_log, []  # the text only for a log that keeps it
+        self._first_token_at: float | None = None
         self._client = client
         self._metrics = metrics
         self._span = span
@@ -107,6 +111,8 @@ class GenerationStream:
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted
+        if self._log is not None and self._log.keeps_text:
+            self._text.append(text)
         if reason is not None:
             self._finish(reason)
         if self.request.logprobs is None:
@@ -124,6 +130,7 @@ class GenerationStream:
         now = time.monotonic()
         m = self._metrics
         if self._last_token_at is None:
+            self._first_token_at = now
             m.labels(m.ttft).observe(now - self._arrival)
             self._span.add_event("first_token")
         else:
@@ -151,9 +158,16 @@ class GenerationStream:
         self._span.set_attributes({"gen_ai.usage.prompt_tokens": self._prompt_tokens,
                                    "gen_ai.usage.completion_tokens": self._completion_tokens,
                                    "gen_ai.response.finish_reasons": [reason]})
-        if self.spec_stats is not None and self.spec_stats.rounds:
-            self._span.set_attributes({"tandem.spec.rounds": self.spec_stats.rounds,
-                                       "tandem.spec.accept_length_mean": self.spec_stats.accept_length_mean})
+        spec = self.spec_stats if self.spec_stats is not None and self.spec_stats.rounds else None
+        if spec is not None:
+            self._span.set_attributes({"tandem.spec.rounds": spec.rounds,
+                                       "tandem.spec.accept_length_mean": spec.accept_length_mean})
+        if self._log is not None:
+            ttft = None if self._first_token_at is None else self._first_token_at - self._arrival
+            prompt = self._decode(list(self.request.prompt_ids)) if self._log.keeps_text else ""
+            self._log.finished(self.request, reason, self._prompt_tokens, self._completion_tokens, ttft,
+                               time.monotonic() - self._arrival, spec.accept_length_mean if spec else None,
+                               prompt, "".join(self._text))
 
     @property
     def usage(self) -> dict:

@@ -57,7 +57,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             else:
                 generation = self._parse(request, info)
             span.set_attributes(generation.span_attributes())
-            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival)
+            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival,
+                                      request_log=gw.request_log)
             async for d in stream:
                 yield generation_pb2.GenerateResponse(
                     request_id=generation.request_id, text=d.text, token_ids=d.token_ids,

@@ -195,7 +195,8 @@ def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: f
     for i in range(opts.n):
         generation = base if opts.n == 1 else dataclasses.replace(
             base, request_id=f"{base.request_id}-{i}", seed=choice_seed(base.seed, i))
-        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos))
+        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
+                                        gw.request_log))
     return Choices(streams)
 
 
