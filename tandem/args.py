@@ -103,6 +103,8 @@ MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
 CONTEXT_LENGTH = Flag(("--context-length",), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
+METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
+                                                                         "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
     default=None, metavar="FILE", help=f"the internal plane's shared secret (Rounds, Reload), from FILE instead of "
                                        f"${internal_secret.ENV}"))

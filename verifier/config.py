@@ -96,8 +96,7 @@ class VerifierConfig:
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting,
                        help="queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
-        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port "
-                                                                      "(default: off)")
+        shared.add(p, shared.METRICS_PORT)
         p.add_argument("--log-stats-interval", type=float, default=cls.log_stats_interval_s, metavar="SECONDS",
                        help="log a stats line (batch, throughput, accept length, KV usage) this often while busy; "
                             "0: off")
