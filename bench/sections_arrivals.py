@@ -1,5 +1,5 @@
 """Benchmark section ``arrivals``: a closed-loop load in process on an engine built as the verifier builds
-it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR) at concurrency 8 and 64, every finished
+it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR, default: the shipped one) at concurrency 8 and 64, every finished
 request replaced at once by the next prompt, 120 new tokens, greedy — target-only, the default policy and
 speculating always; → tokens/s and, per kind of step (plain or speculative, its run length, whether it
 prefilled, decoded, ran queued on the device), how many, their mean time and the tokens they emitted.
@@ -60,9 +60,14 @@ def arrivals(ctx: dict) -> dict:
 
     import torch
 
-    folder = Path(os.environ.get("TANDEM_DEMO_DIR", "demo-pair"))
+    from tandem.demo import SHIPPED
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")  # CPU: a smoke run
-    prompts = json.loads((folder / "prompts.json").read_text())
+    from tandem.training.demo_pair import demo_eval_prompts
+
+    saved = folder / "prompts.json"
+    prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(folder / "target"), 64)
     base = ["--model", str(folder / "target"), "--device", device, "--dtype", dtype, "--kv-pages", "12288"]
     spec = ["--drafter", "in-process", "--draft-model", str(folder / "draft"), *SPEC_FLAGS]
     modes = {"target-only": base, "policy": base + spec, "always": base + spec + ["--speculation-policy", "always"]}

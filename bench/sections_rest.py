@@ -185,7 +185,8 @@ def rest(ctx: dict) -> dict:
 
 
 def rest_demo(ctx: dict) -> dict:
-    """The project's trained demo pair (TANDEM_DEMO_DIR with target/ and draft/, prompts.json optional)
+    """The project's trained demo pair (TANDEM_DEMO_DIR with target/ and draft/, prompts.json optional; default:
+    the one shipped in the package)
     over REST: target-only, the head in the verifier under the default policy and speculating always, and
     the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64, each a closed-loop load
 of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
@@ -193,7 +194,9 @@ of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
 
     from tandem.training.demo_pair import demo_eval_prompts
 
-    folder = Path(os.environ.get("TANDEM_DEMO_DIR", "demo-pair"))
+    from tandem.demo import SHIPPED
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     tdir, draft = folder / "target", folder / "draft"
     saved = folder / "prompts.json"
     prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(tdir), 64)
