@@ -80,3 +80,30 @@ def test_the_flag_reaches_the_engine_config(pair):
     with engine(pair, -1) as eng:  # without CUDA graphs there is nothing to keep apart for
         assert not eng.prefill_apart
 
+
+
+def test_the_policy_learns_what_arrivals_cost_the_drafter(pair):
+    """Prompts prefilled apart while speculating: every prompt token's extension is reported to the policy
+    (with the seconds its step spent extending), and every finished request's prompt and output lengths."""
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    class Recording(SpeculationPolicy):
+        def __init__(self):
+            super().__init__(PolicyConfig(enabled=False))
+            self.arrivals, self.finished = [], []
+
+        def observe_arrivals(self, prompt_tokens, seconds):
+            self.arrivals.append((prompt_tokens, seconds))
+            super().observe_arrivals(prompt_tokens, seconds)
+
+        def observe_finished(self, prompt_tokens, output_tokens):
+            self.finished.append((prompt_tokens, output_tokens))
+            super().observe_finished(prompt_tokens, output_tokens)
+
+    policy = Recording()
+    with engine(pair, -1, SpecConfig(3, 1, 4), policy=policy, mixed_prefill=False) as eng:
+        staggered(eng, GREEDY)
+    assert sum(tokens for tokens, _ in policy.arrivals) == sum(len(p) for p in PROMPTS)
+    assert all(seconds > 0 for _, seconds in policy.arrivals)
+    assert sorted(policy.finished) == sorted((len(p), GREEDY.max_new_tokens) for p in PROMPTS)
+    assert policy.arrival_cost_per_output_token() > 0

@@ -441,3 +441,25 @@ def test_costs_are_compared_within_runs_or_within_single_steps():
             policy.observe_round(state, 3)
     policy.spec_steps_since_plain = 0
     assert policy.decide(64, states, runs=False) and not policy.decide(64, states, runs=True)
+
+
+def test_an_arrivals_drafter_extension_is_charged_against_the_plain_step():
+    """A round costs 1.5 plain steps (1 ms): at τ 3 the batch of 8 speculates. When each arriving prompt
+    (100 tokens, for outputs of 100) costs the drafter 0.1 ms per token to take in — 10 ms a request, 0.1 ms
+    per output token, 0.8 ms per plain step of 8 — the ratio becomes 1.5 / (1 - 0.8) = 7.5 and it does not."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0, confidence_z=0.0))
+    for _ in range(5):
+        policy.observe_step(8, True, 1, 0.0015)
+        policy.observe_step(8, False, 1, 0.001)
+    states = [RequestSpecState() for _ in range(8)]
+    for _ in range(4):
+        for state in states:
+            policy.observe_round(state, 3)
+    policy.spec_steps_since_plain = 0
+    assert policy.cost_ratio(8) == pytest.approx(1.5) and policy.decide(8, states)
+    policy.observe_finished(100, 100)
+    assert policy.cost_ratio(8) == pytest.approx(1.5)  # no extension measured yet: nothing charged
+    policy.observe_arrivals(200, 0.020)  # two prompts of 100 tokens in 20 ms
+    assert policy.arrival_cost_per_output_token() == pytest.approx(1e-4)
+    assert policy.cost_ratio(8) == pytest.approx(7.5) and not policy.decide(8, states)
+    assert policy.cost_ratio(1) == pytest.approx(0.0015 / 0.0009)  # one request pays its own arrivals only

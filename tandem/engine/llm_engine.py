@@ -165,6 +165,9 @@ class LLMEngine:
         self._observe_previous(started)
         outputs = self._step()
         info = self.last_step
+        if info is not None and info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
+            # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
+            self.policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
         if info is not None and info.num_decode and self.proposer is not None:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
             timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
@@ -241,6 +244,7 @@ class LLMEngine:
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
         # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
+                                  prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
                                   timed=not catch_up and not caught_up)
         return outputs
@@ -360,6 +364,8 @@ class LLMEngine:
         return outputs
 
     def _finish(self, req: Request) -> None:
+        if req.output:
+            self.policy.observe_finished(len(req.prompt), len(req.output))
         self.scheduler.finish(req)
         self.drafts.forget(req)
         if self.traffic is not None:

@@ -38,6 +38,7 @@ class StepInfo:
     steps: int = 1  # decode steps or speculative rounds each request went through (runs queued ahead: several)
     speculative: bool = False  # the step drafted (a round), else a plain decode step
     timed: bool = True  # its wall time is that of its steps alone (no catch-up of held drafter input)
+    prefill_tokens: int = 0  # prompt tokens prefilled (whole prompts or chunks)
 
     @property
     def seconds(self) -> dict[str, float]:

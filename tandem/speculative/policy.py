@@ -22,6 +22,12 @@ exploration) measures every running request: rarer the more a round costs (the h
 likely the text has become easy enough), and rarer the more resuming costs — the drafter first takes in
 what the plain steps held, so an exploration costs its measured step time beyond a plain step's, and
 explorations are spaced so that this stays a small share (``explore_budget``) of the time between them.
+
+Arrivals: a prompt admitted while speculating is extended into the drafter at once, which plain decoding
+skips (it holds the prompt's features for a later draft). Per output token that costs the extension's
+measured seconds per prompt token times the traffic's prompt tokens per output token; on a small target
+whose steps take a fraction of a millisecond it can outweigh what the rounds gain, so it is charged
+against the plain step in the cost ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class PolicyConfig:
     explore_budget: float = 0.01  # ... and enough that resuming (a catch-up and a round) costs at most this share
     explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
     step_samples: int = 16  # timed steps kept per bucket and kind (see SpeculationPolicy.step_time)
+    arrival_window: int = 64  # arrivals / finished requests: the prompt-extension cost decays over about this many
 
 
 @dataclass
@@ -55,6 +62,9 @@ class RequestSpecState:
 
     rounds: int = 0
     recent: "DecayedMean | None" = None  # its rounds' token counts, decayed per token it decodes
+
+
+MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
 def cost_bucket(batch_size: int) -> int:
@@ -81,6 +91,10 @@ class SpeculationPolicy:
         self.cfg = cfg
         self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
+        # What an arrival costs only while speculating — the drafter's extension over the prompt — per
+        # prompt token, and the traffic's prompt tokens per output token: together, a cost per output token.
+        self._extend_per_token = DecayedMean(cfg.arrival_window)
+        self._prompt_per_output = DecayedMean(cfg.arrival_window)
         self.rounds_all = 0
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
@@ -133,7 +147,25 @@ class SpeculationPolicy:
         spec, plain = self.step_time(b, True, runs=runs), self.step_time(b, False, runs=runs)
         if spec is None or plain is None:
             spec, plain = self.step_time(b, True), self.step_time(b, False)
-        return spec / plain
+        # Per output token, speculating also pays the drafter's extension over each arriving prompt: with n
+        # requests, τ tokens a round beat one a plain step when τ >= t_spec / (t_plain - n x that cost).
+        arrival = self.arrival_cost_per_output_token()
+        return spec / max(plain - batch_size * arrival, MIN_PLAIN_SHARE * plain)
+
+    def arrival_cost_per_output_token(self) -> float:
+        """Seconds of the drafter's prompt extension per output token of the recent traffic (0 until known)."""
+        per_token, ratio = self._extend_per_token.mean, self._prompt_per_output.mean
+        return 0.0 if per_token is None or ratio is None else per_token * ratio
+
+    def observe_arrivals(self, prompt_tokens: int, seconds: float) -> None:
+        """Prompts of ``prompt_tokens`` tokens, prefilled alone while speculating, took ``seconds`` to extend
+        into the drafter (a cost plain decoding does not pay: it holds them)."""
+        self._extend_per_token.decay(1)
+        self._extend_per_token.add(seconds / prompt_tokens)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        self._prompt_per_output.decay(1)
+        self._prompt_per_output.add(prompt_tokens / output_tokens)
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
@@ -203,6 +235,7 @@ class SpeculationPolicy:
     def forget_traffic(self) -> None:
         """Drop what rounds taught (the warm-up's random prompts say nothing of real traffic); keep costs."""
         self._all, self.rounds_all = DecayedMean(self.cfg.engine_window), 0
+        self._prompt_per_output = DecayedMean(self.cfg.arrival_window)  # (the extension's speed is kept)
         self.spec_steps_since_plain = self.plain_steps_since_spec = 0
 
 
