@@ -6,9 +6,9 @@ a named function are refused rather than answered without ``tool_calls``."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from gateway.body_fields import flag
 from gateway.errors import bad_request
 from tandem.chat_template import ChatTemplate, ChatTemplateError
 
@@ -17,8 +17,8 @@ _RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "too
 
 
 def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
-    continue_final = _flag(body, "continue_final_message", False)
-    add_prompt = _flag(body, "add_generation_prompt", not continue_final)
+    continue_final = flag(body, "continue_final_message", False)
+    add_prompt = flag(body, "add_generation_prompt", not continue_final)
     extra = dict(_template_kwargs(body))
     tools = _tools(body)
     if tools is not None:
@@ -30,13 +30,6 @@ def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str
         raise bad_request("messages", str(e)) from e
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(name, f"must be true or false, got {json.dumps(value)[:40]}")
-    return value
 
 
 def _template_kwargs(body: dict) -> dict[str, Any]:

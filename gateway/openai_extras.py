@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from gateway.body_fields import flag
 from gateway.errors import bad_request
 
 MAX_N = 16  # each choice is a whole generation on the verifier: a bound keeps one request from a batch's worth
@@ -35,20 +36,13 @@ def parse_output_options(body: dict, chat: bool) -> OutputOptions:
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise bad_request("n", f"must be an integer in [1, {MAX_N}], got {json.dumps(n)[:40]}")
-    echo = _bool(body, "echo", False)
+    echo = flag(body, "echo", False)
     if echo and chat:  # vLLM's chat echo repeats the last message: not implemented here
         raise bad_request("echo", "is not supported for chat completions")
-    return OutputOptions(n, echo, _bool(body, "skip_special_tokens", True),
-                         _bool(body, "include_stop_str_in_output", False))
+    return OutputOptions(n, echo, flag(body, "skip_special_tokens", True),
+                         flag(body, "include_stop_str_in_output", False))
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(name, f"must be true or false, got {json.dumps(v)[:40]}")
-    return v
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

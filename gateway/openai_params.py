@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.body_fields import flag, integer, number
 from gateway.chat_request import render_chat
 from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
@@ -102,7 +102,7 @@ def _utf8(s: str, field: str) -> None:
 def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
     prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
-    parsed = _common(body, request_id, prompt_ids, limits, _opt_int(body, "max_tokens"), limits.default_max_tokens)
+    parsed = _common(body, request_id, prompt_ids, limits, integer(body, "max_tokens"), limits.default_max_tokens)
     if not parsed.options.echo:
         return parsed
     prompt = body["prompt"]  # a string echoes as sent; token ids as their decode (vLLM does the same)
@@ -126,10 +126,10 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "messages")
     # max_completion_tokens is the newer name and wins; without either, chat may use all the room
     # the context leaves (as vLLM does), bounded by --max-tokens-limit.
-    requested = _opt_int(body, "max_completion_tokens")
+    requested = integer(body, "max_completion_tokens")
     param = "max_completion_tokens"
     if requested is None:
-        requested, param = _opt_int(body, "max_tokens"), "max_tokens"
+        requested, param = integer(body, "max_tokens"), "max_tokens"
     return _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
                    chat=True)
 
@@ -143,7 +143,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
     output = parse_output_options(body, chat)
     engine = parse_engine_sampling(body, chat, limits.defaults, output.echo)
-    stream = _opt_bool(body, "stream") or False
+    stream = flag(body, "stream") or False
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -151,11 +151,11 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
             raise bad_request("stream_options", "must be an object")
         if not stream:
             raise bad_request("stream_options", "can only be set when stream is true")
-        include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage") or False
-    temperature = _opt_number(body, "temperature")
-    top_p = _opt_number(body, "top_p")
-    top_k = _opt_int(body, "top_k")
-    seed = _opt_int(body, "seed")
+        include_usage = flag(options, "include_usage", param="stream_options.include_usage") or False
+    temperature = number(body, "temperature")
+    top_p = number(body, "top_p")
+    top_k = integer(body, "top_k")
+    seed = integer(body, "seed")
     stop = _stop(body.get("stop"))
     d = limits.defaults  # unset fields take the model's generation_config.json values, as vLLM
     temperature = d.temperature if temperature is None else temperature
@@ -169,7 +169,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     if stop_token_ids:
         check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
-                                   tuple(stop), tuple(stop_token_ids), _opt_bool(body, "ignore_eos") or False,
+                                   tuple(stop), tuple(stop_token_ids), flag(body, "ignore_eos") or False,
                                    output.skip_special_tokens, output.include_stop_str_in_output,
                                    **dataclasses.asdict(engine))
     return OpenAIRequest(generation, stream, include_usage, output)
@@ -180,7 +180,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
 
 def _add_special_tokens(body: dict, default: bool) -> bool:
     """vLLM's extra field: the tokenizer's special tokens (BOS) around the prompt text."""
-    value = _opt_bool(body, "add_special_tokens")
+    value = flag(body, "add_special_tokens")
     return default if value is None else value
 
 
@@ -226,31 +226,10 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-def _opt_int(body: dict, name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise bad_request(name, f"must be an integer, got {json.dumps(v)[:40]}")
-    return v
 
 
-def _opt_number(body: dict, name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise bad_request(name, f"must be a number, got {json.dumps(v)[:40]}")
-    return float(v)
 
 
-def _opt_bool(body: dict, name: str, param: str | None = None) -> bool | None:
-    v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise bad_request(param or name, f"must be true or false, got {json.dumps(v)[:40]}")
-    return v
 
 
 def _stop(v: Any) -> list[str]:
