@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--generation-config", default=d.generation_config,
-                   help="sampling defaults for requests that leave them unset (temperature, top_p, top_k; chat's "
-                        "max_tokens from max_new_tokens), as vLLM: auto = the model folder's generation_config.json, "
-                        "vllm = none, or a folder holding one")
+                   help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty; chat's max_tokens from max_new_tokens), as vLLM: auto = the model "
+                        "folder's generation_config.json, vllm = none, or a folder holding one")
     p.add_argument("--log-requests", "--enable-log-requests", action="store_true",
                    help="log a line per finished generation (tokens, finish reason, latencies, accept length)")
     p.add_argument("--log-requests-level", type=int, default=d.log_requests_level, choices=[0, 1, 2],

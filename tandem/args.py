@@ -74,7 +74,7 @@ DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when 
                                                                 "cuda or cuda:N"))
 DTYPE = Flag(("--dtype",), dict(default=e.dtype, choices=["auto", "bfloat16", "float16", "float32"],
                                 help="weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU"))
-MEM_FRACTION = Flag(("--mem-fraction-static",), dict(type=float, default=e.mem_fraction_static,
+MEM_FRACTION = Flag(("--mem-fraction-static", "--gpu-memory-utilization"), dict(type=float, default=e.mem_fraction_static,
                                                      help="GPU: fraction of the device's memory for weights + KV"))
 KV_PAGES = Flag(("--kv-pages",), dict(type=int, default=None,
                                       help="KV pool size in pages (default: from --mem-fraction-static on GPU, "
@@ -87,10 +87,12 @@ GRAPH_MAX_BS = Flag(("--cuda-graph-max-bs",), dict(type=int, default=e.cuda_grap
                                                    help="largest batch (requests) captured as a CUDA graph"))
 DECODE_STEPS = Flag(("--decode-steps",), dict(
     type=int, default=None, help="plain decode steps queued back to back while no request speculates and no prompt "
-                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)"))
+                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1; one "
+                                 "step at a time with --tp-size > 1 or --capture-traffic)"))
 SPEC_ROUNDS = Flag(("--spec-rounds",), dict(
     type=int, default=None, help="greedy chain rounds queued back to back with the head in process while no prompt "
-                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1)"))
+                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1; one "
+                                 "round at a time with --tp-size > 1 or --capture-traffic)"))
 NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
     action="store_true", help="read each run of --decode-steps or --spec-rounds back before queuing the next "
                               "(default: the next run is queued first, from the device's state)"))
@@ -100,7 +102,7 @@ CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
 MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
     action="store_true", help="prefill prompts in the same forward as the running requests' step (default: in a step "
                               "of their own with CUDA graphs, so the running requests' steps stay graphed)"))
-CONTEXT_LENGTH = Flag(("--context-length",), dict(
+CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "

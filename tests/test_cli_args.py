@@ -81,6 +81,16 @@ def test_speculative_algorithm_eagle3_runs_the_head_in_process(folders):
     assert (ours.drafter, ours.num_steps, ours.topk, ours.num_draft_tokens) == ("in-process", 5, 1, 6)
     # lower case too, as SGLang's users type it
     assert _verifier(["--model", t, "--speculative-algorithm", "eagle3", "--draft-model", d]).drafter == "in-process"
+    # a draft named alone speculates too (the head in this process), as the flag's help says; none: target-only
+    assert _verifier(["--model", t, "--draft-model", d]).drafter == "in-process"
+    assert _verifier(["--model", t]).drafter is None
+
+
+def test_vllm_engine_flag_spellings(folders):
+    t, _ = folders
+    vllm = _verifier(["--model", t, "--max-model-len", "64", "--gpu-memory-utilization", "0.5", "--block-size", "8"])
+    ours = _verifier(["--model", t, "--context-length", "64", "--mem-fraction-static", "0.5", "--page-size", "8"])
+    assert vllm == ours and (ours.engine.context_length, ours.engine.mem_fraction_static, ours.engine.page_size) == (64, 0.5, 8)
 
 
 def test_vllm_speculative_config_is_a_chain_of_n_steps(folders):

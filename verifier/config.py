@@ -68,7 +68,7 @@ class VerifierConfig:
         shared.add(p, shared.MODEL)
         p.add_argument("--served-model-name", default=None, help="the model's name in metrics (default: the folder's)")
         shared.add(p, shared.TP_SIZE, shared.DEVICE)
-        p.add_argument("--page-size", type=int, default=e.page_size, help="tokens per KV page")
+        p.add_argument("--page-size", "--block-size", type=int, default=e.page_size, help="tokens per KV page")
         shared.add(p, *shared.ENGINE_FLAGS)
         p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "random"],
                        help="random: weights drawn on the device, only config.json read (benchmarks)")
@@ -121,8 +121,9 @@ class VerifierConfig:
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
                               chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
                               mixed_prefill=a.enable_mixed_chunk or None)
-        # Asked for as SGLang users do, speculation without a drafter service runs the head in this process.
-        drafter = IN_PROCESS if spec.requested and a.drafter is None else a.drafter
+        # Asked for as SGLang users do, or by naming a draft alone, speculation without a drafter service runs
+        # the head in this process.
+        drafter = IN_PROCESS if (spec.requested or spec.draft_model is not None) and a.drafter is None else a.drafter
         return cls(engine=engine, host=a.host, port=a.port, drafter=drafter, draft_model=spec.draft_model,
                    num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,

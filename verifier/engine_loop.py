@@ -221,12 +221,13 @@ class EngineLoop(threading.Thread):
                 self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
         self._count_preemptions()
-        self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative))
+        self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
+                        decoded=info is None or bool(info.num_decode))
         self._gauges()
         if self.stats.due(now):
             engine = self.engine
             self.stats.maybe_log(now, len(engine.scheduler.running), len(engine.scheduler.waiting),
-                                 self._kv_usage())
+                                 self._kv_usage(), engine.drafts.up())
 
     def _count_preemptions(self) -> None:
         """The step's preemptions: the scheduler's total since the last step's."""

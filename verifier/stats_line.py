@@ -4,6 +4,8 @@
     Decode batch: running 4, waiting 0, gen throughput 312.5 tok/s, accept len 3.21, KV usage 12.5%,
     preemptions 0, spec on (87% of steps)
 
+The share of steps counts the steps that ran the running requests (not a step of prompts alone).
+
 Throughput is over the time the engine was stepping since the last line (an idle gap between two steps
 is not counted), accept length over the rounds verified meanwhile (bonus token included, SGLang's
 meaning). Fed by the engine loop's thread only; logs at most every ``interval_s`` (0: never).
@@ -26,9 +28,11 @@ class StatsLine:
         self._busy_s = 0.0
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
 
-    def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool) -> None:
+    def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
+             decoded: bool = True) -> None:
         """One engine step that took ``step_s`` and ended at ``now``: its generated tokens, verified rounds and
-        accepted drafts."""
+        accepted drafts; ``decoded``: it ran the running requests (a step of prompts alone does not count
+        in the share of steps that speculated)."""
         gap = now - self._last_step if self._last_step is not None else IDLE_GAP_S
         self._busy_s += gap if gap < IDLE_GAP_S else step_s  # the loop's own work between steps is busy time
         if self._since is None:
@@ -37,8 +41,8 @@ class StatsLine:
         self._tokens += tokens
         self._rounds += rounds
         self._accepted += accepted
-        self._steps += 1
-        self._spec_steps += speculative
+        self._steps += decoded
+        self._spec_steps += speculative and decoded
 
     def preempted(self, n: int) -> None:
         self._preempted += n
@@ -46,14 +50,17 @@ class StatsLine:
     def due(self, now: float) -> bool:
         return self.interval_s > 0 and self._since is not None and now - self._since >= self.interval_s
 
-    def line(self, running: int, waiting: int, kv_usage: float) -> str:
-        """The line for the window now ending (and a new window begins)."""
+    def line(self, running: int, waiting: int, kv_usage: float, drafter_up: bool = True) -> str:
+        """The line for the window now ending (and a new window begins); ``drafter_up``: whether the drafter
+        is reachable now."""
         throughput = self._tokens / self._busy_s if self._busy_s > 0 else 0.0
         accept = f"{(self._accepted + self._rounds) / self._rounds:.2f}" if self._rounds else "n/a"
         if not self.speculative:
             spec = "spec off (no drafter)"
         elif self._spec_steps:
             spec = f"spec on ({100 * self._spec_steps / self._steps:.0f}% of steps)"
+        elif not drafter_up:
+            spec = "spec off (the drafter is down: reconnecting)"
         else:
             spec = "spec off (the policy: it did not pay)"
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
@@ -63,6 +70,6 @@ class StatsLine:
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
         return text
 
-    def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float) -> None:
+    def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float, drafter_up: bool = True) -> None:
         if self.due(now):
-            log.info("%s", self.line(running, waiting, kv_usage))
+            log.info("%s", self.line(running, waiting, kv_usage, drafter_up))
