@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem import args as shared
 from tandem.args import MODEL, HelpFormatter, served_name
 
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -21,20 +22,20 @@ class GatewayConfig:
     grpc_port: int = 50050  # public gRPC Generation service; 0 picks a free port
     served_model_name: str | None = None  # default: the model folder's name
     otlp_endpoint: str | None = None  # default: OTEL_EXPORTER_OTLP_ENDPOINT, else tracing off
-    max_tokens_limit: int | None = None  # cap on max_tokens besides the model's context
+    max_tokens_limit: int | None = shared.MAX_TOKENS_LIMIT.default  # cap on max_tokens besides the model's context
     default_max_tokens: int = 16  # completions without max_tokens (the OpenAI default)
     upstream_timeout_s: float = 3.0  # model-info and health calls to the verifier
     health_poll_s: float = 2.0  # how often gRPC health mirrors the verifier's
     shutdown_grace_s: float = 5.0  # streams in flight get this long to finish on SIGTERM
     api_key: str | None = field(default=None, repr=False)  # required as a bearer token on /v1/* and gRPC; None = open
-    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read
+    max_body_bytes: int = shared.MAX_BODY_BYTES.default  # larger request bodies get 413 before they are read
     body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds a slot)
-    max_concurrent_requests: int = 256  # generations in flight (REST and gRPC together); more get 429
+    max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
-    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none), DIR
+    generation_config: str = shared.GENERATION_CONFIG.default  # auto (the model's generation_config.json), vllm, DIR
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
-    log_requests_level: int = 0  # 0 numbers, 1 + sampling settings, 2 + prompt and output text
+    log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -78,24 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
-    p.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens accepted (default: only the model's context bounds it)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: ${API_KEY_ENV}, "
                         "else open); /health and /metrics stay open")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 above)")
-    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
-                   help="generations in flight, REST and gRPC together (429 above)")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
-    p.add_argument("--generation-config", default=d.generation_config,
-                   help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
-                        "repetition_penalty; chat's max_tokens from max_new_tokens), as vLLM: auto = the model "
-                        "folder's generation_config.json, vllm = none, or a folder holding one")
-    p.add_argument("--log-requests", "--enable-log-requests", action="store_true",
-                   help="log a line per finished generation (tokens, finish reason, latencies, accept length)")
-    p.add_argument("--log-requests-level", type=int, default=d.log_requests_level, choices=[0, 1, 2],
-                   help="with --log-requests: 0 the numbers, 1 also sampling settings, 2 also prompt and output text")
+    shared.add(p, *shared.GATEWAY_FLAGS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
 

@@ -51,6 +51,10 @@ class Flag:
     def dest(self) -> str:
         return self.options.get("dest") or self.names[0].lstrip("-").replace("-", "_")
 
+    @property
+    def default(self) -> Any:
+        return self.options.get("default")
+
     def add(self, p: argparse.ArgumentParser, **override: Any) -> None:
         p.add_argument(*self.names, **{**self.options, **override})
 
@@ -105,6 +109,22 @@ MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
 CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
+# The gateway's admission and logging flags: python -m gateway takes them, tandem up passes them on.
+MAX_TOKENS_LIMIT = Flag(("--max-tokens-limit",), dict(
+    type=int, default=None, help="largest max_tokens accepted (default: only the model's context bounds it)"))
+MAX_BODY_BYTES = Flag(("--max-body-bytes",), dict(type=int, default=4 << 20, help="largest request body (413 above)"))
+MAX_CONCURRENT = Flag(("--max-concurrent-requests",), dict(
+    type=int, default=256, help="generations in flight, REST and gRPC together (429 above)"))
+GENERATION_CONFIG = Flag(("--generation-config",), dict(
+    default="auto", help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty; chat's max_tokens from max_new_tokens), as vLLM: auto = the model "
+                         "folder's generation_config.json, vllm = none, or a folder holding one"))
+LOG_REQUESTS = Flag(("--log-requests", "--enable-log-requests"), dict(
+    action="store_true", help="log a line per finished generation (tokens, finish reason, latencies, accept length)"))
+LOG_REQUESTS_LEVEL = Flag(("--log-requests-level",), dict(
+    type=int, default=0, choices=[0, 1, 2],
+    help="with --log-requests: 0 the numbers, 1 also sampling settings, 2 also prompt and output text"))
+GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(

@@ -91,6 +91,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-port", type=int, default=None, help="the drafter's gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the verifier's Prometheus port (default: a free one; the gateway's /metrics relays it)")
+    p.add_argument("--drafter-metrics-port", type=int, default=None,
+                   help="the drafter service's Prometheus port (default: off)")
+    shared.add(p, *shared.GATEWAY_FLAGS)
     p.add_argument("--log-stats-interval", type=float, default=None, metavar="SECONDS",
                    help="the verifier's stats line while busy (default: the verifier's, 10 s; 0: off)")
     p.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP endpoint")
@@ -141,10 +144,11 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     children = []
     if draft is not None and not in_process:
         reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
+        drafter_metrics = ["--metrics-port", str(args.drafter_metrics_port)] if args.drafter_metrics_port else []
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, *device,
                                               "--port", str(ports["drafter"]), *speculative.argv(),
                                               *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
-                                              *reload_root]))
+                                              *reload_root, *drafter_metrics]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
                           *_passthrough(args, shared.ENGINE_FLAGS), *tracing]
@@ -161,7 +165,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
                                            str(args.grpc_port), "--served-model-name", name, *tracing,
-                                           "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics"]))
+                                           "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
+                                           *_passthrough(args, shared.GATEWAY_FLAGS)]))
     return UpPlan(children, ports, model, name, draft)
 
 

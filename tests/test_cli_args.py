@@ -234,7 +234,9 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     t, d = folders
     argvs = _argvs(_up(["--model", t, "--draft-model", d, "--mem-fraction-static", "0.7", "--dtype", "bfloat16",
                         "--enforce-eager", "--cuda-graph-max-bs", "8", "--kv-pages", "100", "--max-num-seqs", "4",
-                        "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5"]))
+                        "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5",
+                        "--enable-log-requests", "--log-requests-level", "2", "--max-concurrent-requests", "9",
+                        "--generation-config", "vllm", "--max-tokens-limit", "99", "--drafter-metrics-port", "7"]))
     parsers = {"drafter": drafter_parser(), "verifier": verifier_parser(), "gateway": gateway_parser()}
     parsed = {name: parsers[name].parse_args(argv[3:]) for name, argv in argvs.items()}  # after "python -m NAME"
     v = parsed["verifier"]
@@ -245,7 +247,11 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     dr = parsed["drafter"]
     assert (dr.dtype, dr.disable_cuda_graph, dr.cuda_graph_max_bs, dr.port) == ("bfloat16", True, 8, 2)
     assert "--enforce-eager" not in argvs["verifier"] and "--disable-cuda-graph" in argvs["verifier"]
-    assert parsed["gateway"].verifier == "127.0.0.1:1"
+    g = parsed["gateway"]
+    assert g.verifier == "127.0.0.1:1"
+    assert (g.log_requests, g.log_requests_level, g.max_concurrent_requests, g.generation_config,
+            g.max_tokens_limit, g.max_body_bytes) == (True, 2, 9, "vllm", 99, 4 << 20)
+    assert dr.metrics_port == 7
 
 
 def test_up_drafter_in_process_starts_no_drafter(folders):
