@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
 
@@ -22,7 +23,7 @@ class Spec:
     num_draft_tokens: int
 
 
-class RandomTreeProposer:
+class RandomTreeProposer(Proposer):
     """Random tree shapes and tokens; optionally puts the true continuation somewhere in the tree."""
 
     def __init__(self, vocab: int, seed: int = 0, oracle: dict[str, list[int]] | None = None,

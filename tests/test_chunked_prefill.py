@@ -23,21 +23,16 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 CHUNKS = (4, 7, 16, 33)  # 4 and 16 cut at page boundaries, 7 and 33 inside pages
 
 
-class Scripted:
+class Scripted(SpeculationPolicy):
     """A policy that speculates on alternate steps (chunks go to the drafter both held and at once)."""
 
     def __init__(self):
+        super().__init__()
         self.steps = 0
 
     def decide(self, batch_size, drafting, runs=None) -> bool:
         self.steps += 1
         return self.steps % 2 == 0 and bool(drafting)
-
-    def observe_step(self, *args, **kwargs) -> None:
-        pass
-
-    def observe_round(self, state, tokens) -> None:
-        pass
 
 
 def engine(pair, chunk: int, spec: SpecConfig | None = None, policy=None, **kw) -> LLMEngine:

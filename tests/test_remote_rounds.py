@@ -18,6 +18,7 @@ from drafter.chain_runs import ChainRuns
 from tandem.sampling import SamplingParams
 from tandem.speculative.chain_rounds import LocalDraftSide
 from tandem.speculative.controlled import ControlledAcceptanceProposer
+from tandem.speculative.proposer import Proposer
 from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from test_chain_rounds import NEW_TOKENS, SPEC, _speculative_engine, pair  # noqa: F401 - pair is a fixture
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
                                 reason="runs the Triton kernels: set TRITON_INTERPRET=1 on a CPU machine")
 
 
-class LoopbackDrafter:
+class LoopbackDrafter(Proposer):
     """The drafter service's part, in this process: round-by-round steps go straight to ``proposer``
     (the steered drafter) once the last run is committed, and a run's Round goes through the service's
     own handling (``DrafterService._round``: its check and reply now, then — here on a thread — its

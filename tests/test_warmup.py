@@ -3,6 +3,7 @@ forgets what its random prompts' rounds taught, and leaves the engine as it foun
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpoints import write_checkpoint
@@ -14,7 +15,8 @@ from tandem.sampling import SamplingParams
 from tandem.speculative.policy import cost_bucket
 
 
-def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path):
+@pytest.mark.parametrize("mixed_prefill", [None, False])  # as on the CPU, and with prompts apart as on a GPU
+def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path, mixed_prefill):
     path = tmp_path / "llama"
     write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
     prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -22,7 +24,7 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path):
     with LLMEngine(EngineConfig(model=str(path))) as eng:
         reference = eng.generate([prompt], params)[0].output_token_ids
     proposer = RandomTreeProposer(vocab=256, seed=1)
-    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(4)) as eng:
+    with LLMEngine(EngineConfig(model=str(path), mixed_prefill=mixed_prefill), proposer=proposer, spec=Spec(4)) as eng:
         free = eng.allocator.num_free
         took = warm_up(eng, [1, 2, 5])
         assert set(took) == {"plain", "speculative", "sampled", "arrivals"}

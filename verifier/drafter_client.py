@@ -39,7 +39,7 @@ from tandem.rpc.drafter.trees import unpack_trees
 from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.round_mailbox import DRAFTED, RoundMailbox
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import Proposer, ProposerUnavailable
 from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
 
@@ -50,7 +50,9 @@ REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED
 MAX_TRACES = 65536  # trace contexts kept at most (each request's is forgotten when it finishes, whatever the path)
 
 
-class DrafterClient:
+class DrafterClient(Proposer):
+    prefetches = True  # a Round sent at the end of a step is answered while the engine finishes it
+
     FLUSH_ROWS = ROUND_FEATURE_ROWS  # pending extend rows that trigger an extend-only round
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from tandem.round_lane import LANE_SUPPORTED, BlockingLane, LaneError, LaneListener
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("verifier.drafter_client")
 LANE_ACCEPT_S = 1.0

@@ -170,9 +170,8 @@ class EngineLoop(threading.Thread):
             sub.added.set_exception(e)
             return
         self._live[sub.rid] = sub
-        note_trace = getattr(self.engine.proposer, "note_trace", None)
-        if note_trace is not None and sub.trace_context is not None:
-            note_trace(sub.rid, tracing.inject_dict(sub.trace_context))
+        if self.engine.proposer is not None and sub.trace_context is not None:
+            self.engine.proposer.note_trace(sub.rid, tracing.inject_dict(sub.trace_context))
         self.metrics.prompt_tokens.inc(len(sub.prompt))
         sub.added.set_result(sub.rid)
 
@@ -189,9 +188,8 @@ class EngineLoop(threading.Thread):
     def _forget(self, rid: str) -> None:
         """What this loop and the proposer keep per request, on every way a request ends."""
         self._last_token_at.pop(rid, None)
-        forget_trace = getattr(self.engine.proposer, "forget_trace", None) if self.engine is not None else None
-        if forget_trace is not None:
-            forget_trace(rid)
+        if self.engine is not None and self.engine.proposer is not None:
+            self.engine.proposer.forget_trace(rid)
 
     def _step(self) -> None:
         started = time.perf_counter()

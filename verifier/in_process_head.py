@@ -10,13 +10,13 @@ import logging
 
 from tandem.errors import TandemError
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import Proposer, ProposerUnavailable
 
 log = logging.getLogger("verifier.in_process_head")
 RECOVERABLE = (TandemError, FloatingPointError, KeyError, ValueError)
 
 
-class GuardedHead:
+class GuardedHead(Proposer):
     def __init__(self, drafter):
         """``drafter``: the Eagle3Drafter that tandem.speculative.setup attached to the engine."""
         self.drafter = drafter

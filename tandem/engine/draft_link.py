@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("tandem.engine")
 REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
@@ -40,7 +40,7 @@ class DraftLink:
         return self.engine.proposer
 
     def up(self) -> bool:
-        return self.proposer is not None and getattr(self.proposer, "available", True)
+        return self.proposer is not None and self.proposer.available
 
     def extend(self, items: list) -> None:
         """``items``: (request, next tokens, their features)."""
@@ -102,7 +102,7 @@ class DraftLink:
                 for req, tree in zip(group, self.proposer.draft([r.rid for r in group], spec)):
                     problem = self._unusable(req, tree, tree_width(req))
                     if problem is not None:  # a broken proposer must not break the step: as after a loss
-                        getattr(self.proposer, "discard", lambda reason: None)(problem)
+                        self.proposer.discard(problem)
                         raise ProposerUnavailable(problem)
                     drafted[req.rid] = tree
         except ProposerUnavailable as e:
@@ -115,8 +115,7 @@ class DraftLink:
         the trees of the requests that will most likely draft next step — those running that speculate
         now, with nothing held — so the drafter works while the engine finishes this step. Draft uses
         them if the guess holds (DrafterClient.prefetch); one spec only (the common case)."""
-        prefetch = getattr(self.proposer, "prefetch", None)
-        if prefetch is None or not self.up():
+        if not self.up() or not self.proposer.prefetches:
             return
         by_spec: dict[object, list[str]] = {}
         for req in self.engine.scheduler.running:
@@ -126,7 +125,7 @@ class DraftLink:
             return
         ((spec, rids),) = by_spec.items()
         try:
-            prefetch(rids, spec)
+            self.proposer.prefetch(rids, spec)
         except ProposerUnavailable as e:
             self.lost(e)
 

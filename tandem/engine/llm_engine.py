@@ -35,7 +35,8 @@ from tandem.logprobs import TokenLogprobs
 from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
-from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
+from tandem.speculative.proposer import Proposer
+from tandem.speculative.verify import accept_tree, compaction_moves, verify_chunk
 
 if TYPE_CHECKING:
     from tandem.speculative.drafter import SpecConfig

@@ -25,7 +25,7 @@ from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
                                              queue_chain_rounds, read_chain_rounds, target_rounds_fit)
 from tandem.speculative.remote_rounds import RemoteDraftSide
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import ProposerUnavailable
 
 
 def rounds_ahead(engine) -> int:
@@ -80,14 +80,14 @@ def _device_drafter(proposer):
     controlled-acceptance instrument, or None). Proposers name that drafter as ``rounds_drafter``."""
     from tandem.speculative.drafter import Eagle3Drafter
 
-    drafter = getattr(proposer, "rounds_drafter", None)
-    return (drafter if isinstance(drafter, Eagle3Drafter) else None), getattr(proposer, "steer_on_device", None)
+    drafter = proposer.rounds_drafter
+    return (drafter if isinstance(drafter, Eagle3Drafter) else None), proposer.steer_on_device
 
 
 def _remote_runs(proposer):
     """The drafter service's client, when its drafter can take its half of runs on the device
     (tandem.speculative.remote_rounds); else None."""
-    return proposer if getattr(proposer, "chain_runs_available", False) else None
+    return proposer if proposer.chain_runs_available else None
 
 
 def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRun | None:
@@ -103,9 +103,8 @@ def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRu
         return queue_chain_rounds(graphs, side, reqs, reqs[0].spec, rounds, steer, after, logprobs)
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
-    guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
-    return guarded(queue_chain_rounds, graphs, LocalDraftSide(drafter), reqs, reqs[0].spec, rounds, steer, after,
-                   logprobs)
+    return engine.proposer.guarded(queue_chain_rounds, graphs, LocalDraftSide(drafter), reqs, reqs[0].spec, rounds,
+                                   steer, after, logprobs)
 
 
 def _round_logprobs(run: QueuedRun, result) -> dict | None:

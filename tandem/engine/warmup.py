@@ -43,6 +43,13 @@ class _Forced:
     def observe_round(self, state, tokens) -> None:
         pass
 
+    def observe_arrivals(self, prompt_tokens: int, seconds: float) -> None:
+        if self.record:  # the drafter's extension speed is the hardware's; the warm-up's prompts are not traffic
+            self.policy.observe_arrivals(prompt_tokens, seconds)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        pass
+
 
 def warmup_batch_sizes(max_bs: int) -> list[int]:
     sizes, b = [], 1

@@ -32,6 +32,7 @@ import torch
 
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
 
@@ -40,7 +41,7 @@ def expected_accept_length(corruption_rate: float, depth: int) -> float:
     return 1.0 + sum((1.0 - corruption_rate) ** d for d in range(1, depth + 1))
 
 
-class ControlledAcceptanceProposer:
+class ControlledAcceptanceProposer(Proposer):
     def __init__(self, drafter: Eagle3Drafter, corruption_rate: float, seed: int = 0):
         if not 0.0 <= corruption_rate <= 1.0:
             raise ConfigError(f"corruption rate must be in [0, 1], got {corruption_rate}")

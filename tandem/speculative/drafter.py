@@ -32,6 +32,7 @@ from tandem.models.eagle3 import Eagle3Head
 from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
 from tandem.models.eagle3_config import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
+from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
 
@@ -94,7 +95,7 @@ class _Request:
     top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Proposer):
     def __init__(self, head: Eagle3Head, cfg: DrafterConfig = DrafterConfig()):
         self.head, self.cfg = head, cfg
         dc = head.config

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.ring import HiddenRing, HiddenRingView, RingSpec, posix
-from tandem.speculative.verify import ProposerUnavailable
+from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("tandem.round_mailbox")
 DRAFTED, ACCEPTED = 0, 1  # the flags' indices

@@ -8,8 +8,6 @@ accepted path is moved to ``committed + 1, 2, ...`` so the sequence's KV is cont
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from tandem.engine.batch import SequenceChunk
@@ -17,28 +15,6 @@ from tandem.engine.request import Request
 from tandem.sampling import SamplingParams, adjusted_probs
 from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampling
 from tandem.speculative.tree import DraftTree
-
-
-class ProposerUnavailable(RuntimeError):
-    """The drafter cannot answer (absent, past its deadline, dead). Its state for every request is
-    considered lost; the engine carries on without speculation."""
-
-
-class Proposer(Protocol):
-    """What the engine needs from a drafter (in process, or a client of the drafter service).
-
-    A remote proposer may also expose ``available: bool``; while it is False the engine neither
-    captures features for it nor drafts; and ``discard(reason)``, which the engine calls when a tree
-    it returned is unusable (its drafter state is then dropped as after a loss)."""
-
-    def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
-        """Per request: new tokens and the target features of the tokens before them (same count)."""
-
-    def draft(self, rids: list[str], spec) -> list[DraftTree]:
-        """One tree per request, rooted at the last token given to ``extend``."""
-
-    def release(self, rid: str) -> None:
-        """Forget a request (finished, aborted or preempted)."""
 
 
 def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
