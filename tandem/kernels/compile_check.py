@@ -91,7 +91,7 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick")
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -99,7 +99,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -152,6 +152,12 @@ def main(dtype_name: str = "bfloat16") -> int:
     _report("round_glue.settle", failures)
     cp.chain_pick(torch.empty(n, 32000, dtype=dt), i64(32000), torch.empty(n, 8)[:, 0])  # the 8B head's draft vocabulary
     _report("chain_pick 32000", failures)
+    for rows, n, k in ((1, 4096, 7168), (4, 7168, 2048), (64, 4096, 7168), (256, 28672, 4096)):
+        x = torch.empty(rows, k, dtype=dt)
+        dq.int4_linear(x, torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32), 32)
+        _report(f"int4_linear {rows}x{k} -> {n}", failures)
+        dq.fp8_block_linear(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128), (128, 128))
+        _report(f"fp8_block_linear {rows}x{k} -> {n}", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

@@ -1,0 +1,124 @@
+"""``y = x Wᵀ (+ b)`` with W quantized as the checkpoint stores it, dequantized tile by tile in the kernel:
+W4A16 (compressed-tensors INT4 ``pack-quantized``, one scale per group of input columns) and W8A16
+(FP8 e4m3 with one ``scale_inv`` per block), for bf16, fp16 or float32 activations.
+
+One kernel serves every row count. Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows
+and walks K, multiplying the activation tile with the dequantized weight tile on the tensor cores
+(``tl.dot``, float32 accumulation). A decode or verify step (a few rows) is a GEMV: the rows are padded
+to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
+hundred rows takes GEMM tiles. float32 activations multiply in full precision (``ieee``), not tf32.
+Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.dequant_tiles import FP8, INT4, interpreting, weight_tile, whole_groups
+from tandem.kernels.pdl import pdl_enter, pdl_launch
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def default_config(m: int, n: int, k: int) -> DequantConfig:
+    """Few rows: narrow N tiles, so that enough programs stream the weight; more rows: wider tiles
+    that reuse each dequantized weight tile for more rows."""
+    if m <= 16:
+        return DequantConfig(16, 32, 128, num_warps=4, num_stages=4)
+    if m <= 64:
+        return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
+    return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _dequant_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+    K: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, N - 1)  # the last tile re-reads valid rows; only its store is masked
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = weight_tile(FORMAT, w_ptr, s_ptr, rows_n, k, K, stride_wn, stride_sn, S_ROWS, S_COLS, BLOCK_K,
+                        WHOLE_GROUPS).to(xv.dtype)
+        if INTERPRET:  # the interpreter's tl.dot mishandles bf16 (raw uint16); the products are exact in fp32
+            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
+    if w.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("quantized linear kernels need the weight and scale rows contiguous")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*lead, n)
+    cfg = config or default_config(m, n, k)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _dequant_matmul_kernel[grid](
+        x2, w, s, bias if bias is not None else s, y, m, n, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
+        K=k, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols, WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
+    )
+    return y.view(*lead, n)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, config: DequantConfig | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A16: ``x [..., K]`` times ``W [N, K]`` given as ``packed [N, ceil(K/8)]`` int32 and
+    ``scale [N, ceil(K/group_size)]`` float32 → ``[..., N]`` in x's dtype."""
+    n, k = packed.shape[0], x.shape[-1]
+    if packed.dtype != torch.int32 or packed.shape[1] != triton.cdiv(k, 8) or group_size % 8:
+        raise ValueError(f"int4_linear: packed {tuple(packed.shape)} {packed.dtype} does not hold [{n}, {k}] int4")
+    if tuple(scale.shape) != (n, triton.cdiv(k, group_size)):
+        raise ValueError(f"int4_linear: scale {tuple(scale.shape)}, expected {(n, triton.cdiv(k, group_size))}")
+    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None, config: DequantConfig | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16: ``x [..., K]`` times ``W = weight * scale_inv`` (e4m3 ``[N, K]``, float32 ``scale_inv``
+    ``[ceil(N/bn), ceil(K/bk)]``) → ``[..., N]`` in x's dtype."""
+    n, k = weight.shape
+    expected = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if k != x.shape[-1] or weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
+        raise ValueError(f"fp8_block_linear: weight {tuple(weight.shape)} {weight.dtype}, scale_inv "
+                         f"{tuple(scale_inv.shape)} (expected {expected}) for x [..., {x.shape[-1]}]")
+    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out)
