@@ -91,7 +91,8 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm")
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
+             "fused_moe")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -99,7 +100,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -158,6 +159,20 @@ def main(dtype_name: str = "bfloat16") -> int:
         _report(f"int4_linear {rows}x{k} -> {n}", failures)
         dq.fp8_block_linear(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128), (128, 128))
         _report(f"fp8_block_linear {rows}x{k} -> {n}", failures)
+    # Kimi-K2.5's routed experts (hidden 7168, intermediate 2048) with 8 of their 384 experts held here
+    experts, hid, inter = 8, 7168, 2048
+    plain = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=dt)),
+             fm.ExpertWeights(torch.empty(experts, hid, inter, dtype=dt)))
+    int4 = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid // 8, dtype=torch.int32),
+                             torch.empty(experts, 2 * inter, hid // 32), (1, 32)),
+            fm.ExpertWeights(torch.empty(experts, hid, inter // 8, dtype=torch.int32),
+                             torch.empty(experts, hid, inter // 32), (1, 32)))
+    for tokens in (1, 64, 512):
+        for name, (gate_up, down) in (("bf16", plain), ("int4", int4)):
+            cfg = fm.default_config(tokens * 8, 384)
+            fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
+                         torch.zeros(tokens, 8, dtype=torch.int64), cfg)
+            _report(f"fused_moe {name} {tokens} tokens top-8", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
