@@ -169,7 +169,7 @@ def main(dtype_name: str = "bfloat16") -> int:
                              torch.empty(experts, hid, inter // 32), (1, 32)))
     for tokens in (1, 64, 512):
         for name, (gate_up, down) in (("bf16", plain), ("int4", int4)):
-            cfg = fm.default_config(tokens * 8, 384)
+            cfg = fm.default_config(tokens * 8, 384, dt)
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
                          torch.zeros(tokens, 8, dtype=torch.int64), cfg)
             _report(f"fused_moe {name} {tokens} tokens top-8", failures)

@@ -31,9 +31,12 @@ class DequantConfig:
     num_stages: int = 4
 
 
-def default_config(m: int, n: int, k: int) -> DequantConfig:
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> DequantConfig:
     """Few rows: narrow N tiles, so that enough programs stream the weight; more rows: wider tiles
-    that reuse each dequantized weight tile for more rows."""
+    that reuse each dequantized weight tile for more rows. float32 (full-precision products, no tensor
+    cores) takes small tiles that fit in registers."""
+    if dtype == torch.float32:
+        return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m <= 16:
         return DequantConfig(16, 32, 128, num_warps=4, num_stages=4)
     if m <= 64:
@@ -86,7 +89,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _dequant_matmul_kernel[grid](
         x2, w, s, bias if bias is not None else s, y, m, n, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),

@@ -130,9 +130,12 @@ class MoeConfig:
     num_stages: int = 3
 
 
-def default_config(slots: int, num_experts: int) -> MoeConfig:
+def default_config(slots: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     """Rows per block from the expected rows per expert: decode and small batches put one or two tokens
-    on an expert, so 16-row blocks (the tensor cores' minimum) waste least; large batches fill wider ones."""
+    on an expert, so 16-row blocks (the tensor cores' minimum) waste least; large batches fill wider ones.
+    float32 (full-precision products, no tensor cores) takes small tiles that fit in registers."""
+    if dtype == torch.float32:
+        return MoeConfig(16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     per_expert = slots / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     return MoeConfig(block_m, block_n=32 if block_m == 16 else 64, block_k=128 if block_m == 16 else 64)
@@ -170,7 +173,7 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     if tokens == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or default_config(tokens * top_k, num_experts)
+    cfg = config or default_config(tokens * top_k, num_experts, x.dtype)
     slots, block_expert = align_by_expert(ids, num_experts, cfg.block_m)
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, act, slots, block_expert, None, inter, top_k, True, False, cfg)
