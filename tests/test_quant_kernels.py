@@ -78,9 +78,11 @@ def test_int4_linear_bias_leading_dims_and_group_64():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 3, 33])
-@pytest.mark.parametrize("config", [SMALL, DequantConfig(16, 32, 128, 4, 2)], ids=["block-per-step", "gathered-scales"])
-def test_fp8_block_linear_matches_the_published_dequantization(dtype, m, config):
-    n, k, block = 72, 224, (32, 64)  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32
+@pytest.mark.parametrize("block,config", [((32, 64), SMALL), ((32, 64), DequantConfig(16, 32, 128, 4, 2)),
+                                          ((32, 48), DequantConfig(16, 32, 32, 4, 2))],
+                         ids=["one-block-per-step", "two-blocks-per-step", "gathered-scales"])
+def test_fp8_block_linear_matches_the_published_dequantization(dtype, m, block, config):
+    n, k = 72, 224  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32 = 4 x 48 + 32
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.05
     q, scale_inv, deq = (t.to(DEVICE) for t in fp8_block_quantize(w, block))
     x = activations(m, k, dtype, seed=200 + m)
@@ -124,3 +126,10 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
     ref = layer(x)
     monkeypatch.setattr(quantized_linear, "use_triton", lambda t: True)
     assert rel_err(layer(x), ref) < 1e-5
+
+
+def test_the_tile_configs_above_cover_each_way_of_loading_scales():
+    from tandem.kernels.dequant_tiles import FP8, INT4, whole_groups
+
+    assert whole_groups(INT4, 32, 64) and not whole_groups(INT4, 32, 16)  # whole-groups / gathered-scales
+    assert whole_groups(FP8, 64, 64) and whole_groups(FP8, 64, 128) and not whole_groups(FP8, 48, 32)

@@ -31,14 +31,18 @@ class DequantConfig:
     num_stages: int = 4
 
 
+PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
+
+
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> DequantConfig:
-    """Few rows: narrow N tiles, so that enough programs stream the weight; more rows: wider tiles
+    """Few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED programs)
+    and wide K steps, so that enough loads are in flight to stream the weight; more rows: wider tiles
     that reuse each dequantized weight tile for more rows. float32 (full-precision products, no tensor
-    cores) takes small tiles that fit in registers."""
+    cores) takes small tiles that fit in registers. bench/sections_quant.py times alternatives."""
     if dtype == torch.float32:
         return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m <= 16:
-        return DequantConfig(16, 32, 128, num_warps=4, num_stages=4)
+        return DequantConfig(16, 32 if triton.cdiv(n, 32) >= PROGRAMS_WANTED else 16, 256, num_warps=4, num_stages=4)
     if m <= 64:
         return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
     return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)

@@ -34,8 +34,9 @@ def interpreting() -> bool:
 def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr, stride_wn, stride_sn,
                 S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
     """The tile of rows ``rows_n`` and columns ``k0 .. k0 + BLOCK_K``. ``WHOLE_GROUPS``: BLOCK_K is a
-    multiple of the INT4 group (both powers of two), or divides the FP8 block's columns; then each packed
-    word and each scale is loaded once and expanded in registers, else gathered per element."""
+    multiple of the INT4 group or of the FP8 block's columns (both powers of two), or divides the latter;
+    then each packed word and each scale is loaded once and expanded in registers, else gathered per
+    element."""
     BLOCK_N: tl.constexpr = rows_n.shape[0]
     rows = rows_n.to(tl.int64)[None, :]
     if FORMAT == 1:
@@ -62,7 +63,14 @@ def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr,
         w = tl.load(w_ptr + rows * stride_wn + ks, mask=ks < K, other=0.0)
         scale_rows = (rows_n // S_ROWS).to(tl.int64)[None, :] * stride_sn
         if WHOLE_GROUPS:
-            scale = tl.load(s_ptr + scale_rows + k0 // S_COLS)  # [1, BLOCK_N]: one block column per step
+            if S_COLS >= BLOCK_K:
+                scale = tl.load(s_ptr + scale_rows + k0 // S_COLS)  # [1, BLOCK_N]: one block column per step
+            else:
+                BLOCKS: tl.constexpr = BLOCK_K // S_COLS
+                offs_b = k0 // S_COLS + tl.arange(0, BLOCKS)
+                scale = tl.load(s_ptr + scale_rows + offs_b[:, None],
+                                mask=(offs_b < (K + S_COLS - 1) // S_COLS)[:, None], other=0.0)
+                scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCKS, S_COLS, BLOCK_N]), [BLOCK_K, BLOCK_N])
         else:
             scale = tl.load(s_ptr + scale_rows + ks // S_COLS, mask=ks < K, other=0.0)
         tile = w.to(tl.float32) * scale
@@ -74,8 +82,9 @@ def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr,
 
 def whole_groups(fmt: int, s_cols: int, block_k: int) -> bool:
     """Whether ``weight_tile`` may expand whole groups/blocks for this BLOCK_K (see its docstring)."""
+    power_of_two = s_cols & (s_cols - 1) == 0
     if fmt == INT4:
-        return s_cols & (s_cols - 1) == 0 and block_k % s_cols == 0
+        return power_of_two and block_k % s_cols == 0
     if fmt == FP8:
-        return s_cols % block_k == 0
+        return s_cols % block_k == 0 or (power_of_two and block_k % s_cols == 0)
     return False

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.dequant_gemm import PROGRAMS_WANTED
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
@@ -141,18 +142,28 @@ def default_config(slots: int, num_experts: int, dtype: torch.dtype = torch.bflo
     return MoeConfig(block_m, block_n=32 if block_m == 16 else 64, block_k=128 if block_m == 16 else 64)
 
 
+def _block_n(n: int, blocks: int, preferred: int) -> int:
+    """Narrower N tiles where the preferred ones would give too few programs (a decode step at TP 8:
+    gate/up of 256 intermediate rows for 8 tokens' blocks)."""
+    block_n = preferred
+    while block_n > 16 and triton.cdiv(n, block_n) * blocks < PROGRAMS_WANTED:
+        block_n //= 2
+    return block_n
+
+
 def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slots_per_row, gated, weighted, cfg):
     weight, fmt = w.weight, w.format
     scale = w.scale if w.scale is not None else weight
     k = a.shape[1]
-    grid = (triton.cdiv(n, cfg.block_n), block_expert.numel())
+    block_n = _block_n(n, block_expert.numel(), cfg.block_n)
+    grid = (triton.cdiv(n, block_n), block_expert.numel())
     _moe_gemm_kernel[grid](
         a, weight, scale, out, slots, block_expert, route_w if route_w is not None else out,
         slots_per_row * a.shape[0], n, a.stride(0), weight.stride(0),
         weight.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
         K=k, NUM_EXPERTS=weight.shape[0], SLOTS_PER_ROW=slots_per_row, GATED=gated, WEIGHTED=weighted, FORMAT=fmt,
         S_ROWS=w.block[0], S_COLS=w.block[1], WHOLE_GROUPS=whole_groups(fmt, w.block[1], cfg.block_k),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )
