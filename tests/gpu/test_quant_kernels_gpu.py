@@ -1,6 +1,6 @@
 """The quantized linear kernels and the fused MoE on a real GPU at serving shapes (Kimi-K2.5's experts: hidden
 7168, intermediate 2048, 384 experts top-8, and their TP 8 share; Llama-3.1-8B's MLP: 4096 x 14336), bf16
-activations, against dequantize-then-matmul references in float32: INT4 unpacked by ``compressed-tensors``'
+activations (fp16 and float32 too for the linears), against dequantize-then-matmul references in float32: INT4 unpacked by ``compressed-tensors``'
 own ``unpack_from_int32``, FP8 blocks multiplied out here. Then each kernel captured in a CUDA graph and
 replayed with new inputs (new activations, new routing). Skipped without a GPU.
 """
@@ -68,11 +68,26 @@ def test_int4_linear(n, k, rows):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_fp8_block_linear(n, k, rows):
-    w = (torch.randn(n, k, device="cuda") * 100).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     y = fp8_block_linear(x, w, scale_inv, BLOCK)
     assert rel_err(y, product(x, fp8_reference_weight(w, scale_inv))) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_linear_kernels_take_fp16_and_fp32_activations(dtype, rows):
+    n, k = 4096, 7168
+    packed, scale = random_int4(n, k, seed=9)
+    w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    y4 = int4_linear(x, packed, scale, GROUP)
+    assert y4.dtype == dtype and rel_err(y4, product(x, int4_reference_weight(packed, scale, dtype))) < tol
+    y8 = fp8_block_linear(x, w8, scale_inv, BLOCK)
+    assert rel_err(y8, product(x, fp8_reference_weight(w8, scale_inv, dtype))) < tol
 
 
 def moe_reference(x, gate_up_w, down_w, route, ids):
@@ -121,7 +136,7 @@ def test_fused_moe_bf16_experts(tokens):
 def test_fused_moe_fp8_experts():
     experts, hidden, inter, top_k, tokens = 32, 7168, 2048, 8, 16
     def fp8(n, k):
-        return ExpertWeights((torch.randn(experts, n, k, device="cuda") * 100).to(torch.float8_e4m3fn),
+        return ExpertWeights((torch.randn(experts, n, k, device="cuda") * 50).to(torch.float8_e4m3fn),
                              torch.rand(experts, n // 128, k // 128, device="cuda") * 2e-4, BLOCK)
     gate_up, down = fp8(2 * inter, hidden), fp8(hidden, inter)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -148,7 +163,7 @@ def _capture(fn):
 def test_linear_kernels_replay_in_a_cuda_graph(rows):
     n, k = 4096, 7168
     packed, scale = random_int4(n, k, seed=5)
-    w8 = (torch.randn(n, k, device="cuda") * 100).to(torch.float8_e4m3fn)
+    w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     graph, (y4, y8) = _capture(lambda: (int4_linear(x, packed, scale, GROUP), fp8_block_linear(x, w8, scale_inv, BLOCK)))
