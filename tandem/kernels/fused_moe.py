@@ -139,7 +139,9 @@ def default_config(slots: int, num_experts: int, dtype: torch.dtype = torch.bflo
         return MoeConfig(16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     per_expert = slots / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return MoeConfig(block_m, block_n=32 if block_m == 16 else 64, block_k=128 if block_m == 16 else 64)
+    if block_m == 16:  # few rows: wide K steps keep enough weight loads in flight
+        return MoeConfig(16, block_n=32, block_k=256, num_warps=4, num_stages=3)
+    return MoeConfig(block_m, block_n=64, block_k=64)
 
 
 def _block_n(n: int, blocks: int, preferred: int) -> int:
