@@ -2,11 +2,12 @@
 bandwidth limit and the plain alternative, on random weights.
 
 * W4A16 (INT4 group 32) and W8A16 (FP8 128 x 128 blocks) at 1 and 4 rows (decode / verify GEMV) and 64
-  and 256 rows (GEMM), on Kimi-K2.5 expert shapes and the Llama-3.1-8B MLP, against the bf16 cuBLAS
+  and 256 rows (GEMM), on Kimi-K2.5 expert shapes, a TP 8 shard (a shared expert's gate/up: few output
+  rows, where the default tiles split K) and the Llama-3.1-8B MLP, against the bf16 cuBLAS
   product of the same shape and the read limit: bytes of the packed weight and its scales ÷ 4.8 TB/s
   (H200 peak; the measured copy rate when the ceilings section ran first is shown beside it). Each
   timing replays a CUDA graph of calls that rotate through enough weight copies to miss the 50 MB L2.
-  For 1 and 4 rows on two of the shapes a few tiles are tried and the best shown next to the default.
+  For 1 and 4 rows on three of the shapes a few tiles are tried and the best shown next to the default.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them) and
   bf16 experts (64), against the read limit of the experts the batch touches. On the GPU the loop runs
@@ -23,10 +24,11 @@ from measure import events_ms, free_gpu
 PEAK_TBPS = 4.8
 L2_BYTES = 50 << 20
 LINEAR_SHAPES = {"kimi expert gate_up": (4096, 7168), "kimi expert down": (7168, 2048),
-                 "8B gate_up": (28672, 4096), "8B down": (4096, 14336)}
+                 "TP8 shared gate_up": (512, 7168), "8B gate_up": (28672, 4096), "8B down": (4096, 14336)}
 ROWS = (1, 4, 64, 256)
-GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4)]  # and the default
-SWEPT = ("kimi expert gate_up", "8B down")  # the shapes whose GEMV tiles are swept (each tile compiles per K)
+GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
+              (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
+SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # the shapes whose GEMV tiles are swept (each tile compiles per K)
 
 
 def graph_ms(calls, reps: int = 10) -> float:

@@ -53,8 +53,8 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int, lead: tuple[int, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 4, 37])
-@pytest.mark.parametrize("config", [SMALL, DequantConfig(16, 32, 16, 4, 2), None],
-                         ids=["whole-groups", "gathered-scales", "default"])
+@pytest.mark.parametrize("config", [SMALL, DequantConfig(16, 32, 16, 4, 2), DequantConfig(16, 16, 32, 4, 2, split_k=3),
+                                    None], ids=["whole-groups", "gathered-scales", "split-k", "default"])
 def test_int4_linear_matches_compressed_tensors_dequantization(dtype, m, config):
     n, k, group = 40, 160, 32  # K = 2.5 tiles of 64; N = 2.5 tiles of 16
     packed, scale, deq = int4_weight(n, k, group, seed=m)
@@ -70,16 +70,18 @@ def test_int4_linear_bias_leading_dims_and_group_64():
     packed, scale, deq = int4_weight(n, k, group, seed=5)
     x = activations(3, k, torch.float32, seed=6, lead=(2,))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    y = int4_linear(x, packed, scale, group, bias, config=SMALL)
-    assert y.shape == (2, 3, n)
-    assert rel_err(y, reference(x, deq, bias)) < 1e-5
+    for config in (SMALL, DequantConfig(16, 16, 64, 4, 2, split_k=2)):
+        y = int4_linear(x, packed, scale, group, bias, config=config)
+        assert y.shape == (2, 3, n)
+        assert rel_err(y, reference(x, deq, bias)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 3, 33])
 @pytest.mark.parametrize("block,config", [((32, 64), SMALL), ((32, 64), DequantConfig(16, 32, 128, 4, 2)),
-                                          ((32, 48), DequantConfig(16, 32, 32, 4, 2))],
-                         ids=["one-block-per-step", "two-blocks-per-step", "gathered-scales"])
+                                          ((32, 48), DequantConfig(16, 32, 32, 4, 2)),
+                                          ((32, 64), DequantConfig(16, 16, 64, 4, 2, split_k=3))],
+                         ids=["one-block-per-step", "two-blocks-per-step", "gathered-scales", "split-k"])
 def test_fp8_block_linear_matches_the_published_dequantization(dtype, m, block, config):
     n, k = 72, 224  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32 = 4 x 48 + 32
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.05
@@ -125,6 +127,13 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
     ref = layer(x)
     monkeypatch.setattr(quantized_linear, "use_triton", lambda t: True)
     assert rel_err(layer(x), ref) < 1e-5
+
+
+def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():
+    from tandem.kernels.dequant_gemm import default_config
+
+    assert default_config(1, 512, 7168).split_k > 1  # a TP 8 shared expert's gate/up
+    assert default_config(1, 28672, 4096).split_k == 1 and default_config(64, 512, 7168).split_k == 1
 
 
 def test_the_tile_configs_above_cover_each_way_of_loading_scales():

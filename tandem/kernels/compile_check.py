@@ -153,7 +153,7 @@ def main(dtype_name: str = "bfloat16") -> int:
     _report("round_glue.settle", failures)
     cp.chain_pick(torch.empty(n, 32000, dtype=dt), i64(32000), torch.empty(n, 8)[:, 0])  # the 8B head's draft vocabulary
     _report("chain_pick 32000", failures)
-    for rows, n, k in ((1, 4096, 7168), (4, 7168, 2048), (64, 4096, 7168), (256, 28672, 4096)):
+    for rows, n, k in ((1, 4096, 7168), (4, 7168, 2048), (1, 512, 7168), (64, 4096, 7168), (256, 28672, 4096)):
         x = torch.empty(rows, k, dtype=dt)
         dq.int4_linear(x, torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32), 32)
         _report(f"int4_linear {rows}x{k} -> {n}", failures)

@@ -6,7 +6,10 @@ One kernel serves every row count. Each program owns ``BLOCK_N`` output features
 and walks K, multiplying the activation tile with the dequantized weight tile on the tensor cores
 (``tl.dot``, float32 accumulation). A decode or verify step (a few rows) is a GEMV: the rows are padded
 to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
-hundred rows takes GEMM tiles. float32 activations multiply in full precision (``ieee``), not tf32.
+hundred rows takes GEMM tiles. Where even 16-row N tiles leave the GPU's SMs without programs (a
+tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x 7168), K is split too: each split writes
+float32 partial sums, summed in order afterwards (deterministic), then the bias and one rounding.
+float32 activations multiply in full precision (``ieee``), not tf32.
 Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
 """
 
@@ -29,6 +32,7 @@ class DequantConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -42,7 +46,11 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
     if dtype == torch.float32:
         return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m <= 16:
-        return DequantConfig(16, 32 if triton.cdiv(n, 32) >= PROGRAMS_WANTED else 16, 256, num_warps=4, num_stages=4)
+        block_n, block_k = (32 if triton.cdiv(n, 32) >= PROGRAMS_WANTED else 16), 256
+        programs, split = triton.cdiv(n, block_n) * triton.cdiv(m, 16), 1
+        while programs * split < PROGRAMS_WANTED // 2 and k // (2 * split) >= 2 * block_k:
+            split *= 2
+        return DequantConfig(16, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
     if m <= 64:
         return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
     return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
@@ -50,14 +58,17 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
 
 @triton.jit
 def _dequant_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
-    K: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
+    K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """``K_SPLIT``: the columns one program covers (all of K, or one split's share, written as float32
+    partial sums at ``y_ptr + split * stride_ys``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, N - 1)  # the last tile re-reads valid rows; only its store is masked
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,7 +76,8 @@ def _dequant_matmul_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        k = pid_s * K_SPLIT + kk
         offs_k = k + tl.arange(0, BLOCK_K)
         xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         w = weight_tile(FORMAT, w_ptr, s_ptr, rows_n, k, K, stride_wn, stride_sn, S_ROWS, S_COLS, BLOCK_K,
@@ -76,7 +88,7 @@ def _dequant_matmul_kernel(
             acc = tl.dot(xv, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
@@ -94,14 +106,22 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     if m == 0:
         return y.view(*lead, n)
     cfg = config or default_config(m, n, k, x.dtype)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     _dequant_matmul_kernel[grid](
-        x2, w, s, bias if bias is not None else s, y, m, n, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
-        K=k, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols, WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None,
+        x2, w, s, bias if bias is not None else s, target, m, n, x2.stride(0), w.stride(0), s.stride(0),
+        target.stride(-2), target.stride(0) if split > 1 else 0,
+        K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
+        WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )
+    if split > 1:
+        total = target.sum(0)
+        y.copy_(total + bias.float() if bias is not None else total)
     return y.view(*lead, n)
 
 

@@ -64,7 +64,8 @@ def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr,
         scale_rows = (rows_n // S_ROWS).to(tl.int64)[None, :] * stride_sn
         if WHOLE_GROUPS:
             if S_COLS >= BLOCK_K:
-                scale = tl.load(s_ptr + scale_rows + k0 // S_COLS)  # [1, BLOCK_N]: one block column per step
+                # [1, BLOCK_N]: one block column per step (none past K, where a K split's last steps may fall)
+                scale = tl.load(s_ptr + scale_rows + k0 // S_COLS, mask=k0 < K, other=0.0)
             else:
                 BLOCKS: tl.constexpr = BLOCK_K // S_COLS
                 offs_b = k0 // S_COLS + tl.arange(0, BLOCKS)

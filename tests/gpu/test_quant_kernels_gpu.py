@@ -160,8 +160,9 @@ def _capture(fn):
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_linear_kernels_replay_in_a_cuda_graph(rows):
-    n, k = 4096, 7168
+@pytest.mark.parametrize("n", [4096, 512], ids=["n4096", "n512-split-k"])
+def test_linear_kernels_replay_in_a_cuda_graph(rows, n):
+    k = 7168
     packed, scale = random_int4(n, k, seed=5)
     w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
