@@ -9,8 +9,9 @@ bandwidth limit and the plain alternative, on random weights.
   timing replays a CUDA graph of calls that rotate through enough weight copies to miss the 50 MB L2.
   For 1 and 4 rows on three of the shapes a few tiles are tried and the best shown next to the default.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
-  64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them) and
-  bf16 experts (64), against the read limit of the experts the batch touches. On the GPU the loop runs
+  64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also
+  their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
+  batch touches. On the GPU the loop runs
   each chosen expert's linears through the same kernels as a dense layer (W4A16 for INT4, cuBLAS for
   bf16), one expert after another, with the routing read on the host.
 """
@@ -28,7 +29,7 @@ LINEAR_SHAPES = {"kimi expert gate_up": (4096, 7168), "kimi expert down": (7168,
 ROWS = (1, 4, 64, 256)
 GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
-SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # the shapes whose GEMV tiles are swept (each tile compiles per K)
+SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
 
 
 def graph_ms(calls, reps: int = 10) -> float:
@@ -78,7 +79,8 @@ def linear_rows(ctx: dict) -> list[dict]:
             def run(fmt, cfg):
                 if fmt == "int4":
                     return graph_ms([lambda p=p, s=s: int4_linear(x, p, s, 32, config=cfg) for p, s in w["int4"]])
-                return graph_ms([lambda q=q, s=s: fp8_block_linear(x, q, s, (128, 128), config=cfg) for q, s in w["fp8"]])
+                return graph_ms([lambda q=q, s=s: fp8_block_linear(x, q, s, (128, 128), config=cfg)
+                                 for q, s in w["fp8"]])
 
             for fmt in ("int4", "fp8"):
                 default = default_config(m, n, k)
@@ -104,13 +106,13 @@ def linear_rows(ctx: dict) -> list[dict]:
     return rows_out
 
 
-def _moe_layer(experts: int, quantized: bool):
+def _moe_layer(experts: int, inter: int, quantized: bool):
     from tandem.engine.model_runner import default_dtype
     from tandem.layers.moe import MoE
     from tandem.models.deepseek_config import MoeConfig
     from tandem.models.quantization import Int4Group, QuantConfig
 
-    cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=8, n_shared_experts=0, moe_intermediate_size=2048,
+    cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=8, n_shared_experts=0, moe_intermediate_size=inter,
                     first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
                     routed_scaling_factor=2.827)
     quant = QuantConfig("compressed-tensors", Int4Group(32)) if quantized else None
@@ -128,9 +130,9 @@ def _moe_layer(experts: int, quantized: bool):
 
 def moe_rows() -> list[dict]:
     rows_out = []
-    for experts, quantized in ((384, True), (64, False)):
-        moe = _moe_layer(experts, quantized)
-        per_expert = 3 * 7168 * 2048 * (0.5 + 4 / 32 if quantized else 2)
+    for experts, inter, quantized in ((384, 2048, True), (384, 256, True), (64, 2048, False)):
+        moe = _moe_layer(experts, inter, quantized)
+        per_expert = 3 * 7168 * inter * (0.5 + 4 / 32 if quantized else 2)
         for batch in (1, 8, 64):
             x = torch.randn(batch, 7168, device="cuda", dtype=torch.bfloat16)
             weights, ids = moe.gate(x)
@@ -140,12 +142,12 @@ def moe_rows() -> list[dict]:
             loop_out = moe.routed_reference(x, weights, ids).float()
             rel = ((moe.routed_fused(x, weights, ids).float() - loop_out).norm() / loop_out.norm()).item()
             limit_ms = touched * per_expert / (PEAK_TBPS * 1e12) * 1e3
-            row = {"experts": experts, "format": "int4" if quantized else "bf16", "batch": batch,
+            row = {"experts": experts, "intermediate": inter, "format": "int4" if quantized else "bf16", "batch": batch,
                    "experts_touched": touched, "fused_ms": fused, "reference_loop_ms": reference,
                    "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / fused, "speedup_vs_loop": reference / fused,
                    "rel_err_vs_loop": rel}
             rows_out.append(row)
-            print(f"MoE {row['format']} {experts} experts batch {batch:2d} ({touched:3d} touched): fused "
+            print(f"MoE {row['format']} {experts} experts x {inter} batch {batch:2d} ({touched:3d} touched): fused "
                   f"{1e3 * fused:8.1f} us, reference loop {1e3 * reference:9.1f} us, limit {1e3 * limit_ms:7.1f} us "
                   f"= {100 * row['of_limit']:5.1f} %, rel err {rel:.1e}", flush=True)
         moe = None  # frees the experts (the timed lambdas still name the layer: no del)

@@ -112,7 +112,8 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
 
     scheme = Int4Group(32) if method == "int4" else Fp8Block((32, 32))
     quant = QuantConfig("compressed-tensors" if method == "int4" else "fp8", scheme)
-    layer = MergedColumnParallelLinear(64, [32, 32], quant=quantized_linear.linear_format(quant, "mlp.", ("gate_proj", "up_proj")))
+    fmt = quantized_linear.linear_format(quant, "mlp.", ("gate_proj", "up_proj"))
+    layer = MergedColumnParallelLinear(64, [32, 32], quant=fmt)
     for part in range(2):
         w = torch.randn(32, 64, generator=torch.Generator().manual_seed(part)) * 0.05
         if method == "int4":

@@ -69,7 +69,8 @@ def test_an_int4_llama_through_the_w4a16_kernel_equals_the_reference(tmp_path, m
     from quantized_checkpoints import write_quantized_llama
     from tandem.models.random_checkpoint import LlamaShape
 
-    shape = LlamaShape(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    shape = LlamaShape(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2)
     write_quantized_llama(tmp_path / "int4", tmp_path / "twin", shape, "int4", seed=4)
     prompt = random_prompt(91, 9, 256)
     with LLMEngine(EngineConfig(model=str(tmp_path / "int4"))) as eng:

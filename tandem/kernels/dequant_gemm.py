@@ -59,10 +59,9 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
 @triton.jit
 def _dequant_matmul_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
-    K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,
+    K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    WHOLE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """``K_SPLIT``: the columns one program covers (all of K, or one split's share, written as float32
     partial sums at ``y_ptr + split * stride_ys``)."""

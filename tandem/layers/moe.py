@@ -135,7 +135,8 @@ class MoE(nn.Module):
         for proj in ("gate_up_proj", "down_proj"):
             fmt = getattr(self.experts[0], proj).quant
             if isinstance(fmt, Int4GroupFormat):
-                out.append(ExpertWeights(stacks[f"{proj}.weight_packed"], stacks[f"{proj}.weight_scale"], (1, fmt.group_size)))
+                out.append(ExpertWeights(stacks[f"{proj}.weight_packed"], stacks[f"{proj}.weight_scale"],
+                                         (1, fmt.group_size)))
             elif isinstance(fmt, Fp8BlockFormat):
                 out.append(ExpertWeights(stacks[f"{proj}.weight"], stacks[f"{proj}.weight_scale_inv"], fmt.block))
             else:

@@ -1,8 +1,9 @@
 """The quantized linear kernels and the fused MoE on a real GPU at serving shapes (Kimi-K2.5's experts: hidden
 7168, intermediate 2048, 384 experts top-8, and their TP 8 share; Llama-3.1-8B's MLP: 4096 x 14336), bf16
-activations (fp16 and float32 too for the linears), against dequantize-then-matmul references in float32: INT4 unpacked by ``compressed-tensors``'
-own ``unpack_from_int32``, FP8 blocks multiplied out here. Then each kernel captured in a CUDA graph and
-replayed with new inputs (new activations, new routing). Skipped without a GPU.
+activations (fp16 and float32 too for the linears), against dequantize-then-matmul references in float32:
+INT4 unpacked by ``compressed-tensors``' own ``unpack_from_int32``, FP8 blocks multiplied out here. Then
+each kernel captured in a CUDA graph and replayed with new inputs (new activations, new routing).
+Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def test_linear_kernels_replay_in_a_cuda_graph(rows, n):
     w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    graph, (y4, y8) = _capture(lambda: (int4_linear(x, packed, scale, GROUP), fp8_block_linear(x, w8, scale_inv, BLOCK)))
+    graph, (y4, y8) = _capture(lambda: (int4_linear(x, packed, scale, GROUP),
+                                        fp8_block_linear(x, w8, scale_inv, BLOCK)))
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
