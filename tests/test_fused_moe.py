@@ -18,7 +18,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tandem.engine.model_runner import default_dtype  # noqa: E402
-from tandem.kernels.fused_moe import ExpertWeights, MoeConfig, align_by_expert, fused_moe  # noqa: E402
+from tandem.kernels.fused_moe import (  # noqa: E402
+    ExpertWeights, MoeConfig, align_by_expert, align_by_expert_torch, fused_moe,
+)
 from tandem.layers import moe as moe_module  # noqa: E402
 from tandem.layers.moe import MoE  # noqa: E402
 from tandem.models.deepseek_config import MoeConfig as RoutingConfig  # noqa: E402
@@ -39,11 +41,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 64, 16), (5, 2, 8, 16), (40, 3, 4, 16), (9, 2, 8, 4)])
-def test_align_by_expert_gives_each_slot_one_row_in_a_block_of_its_expert(tokens, top_k, experts, block_m):
+@pytest.mark.parametrize("align", [align_by_expert, align_by_expert_torch], ids=["triton", "torch"])
+@pytest.mark.parametrize("tokens,top_k,experts,block_m",
+                         [(1, 8, 384, 16), (5, 2, 8, 16), (40, 3, 4, 16), (9, 2, 8, 4), (300, 8, 16, 16)])
+def test_align_by_expert_gives_each_slot_one_row_in_a_block_of_its_expert(align, tokens, top_k, experts, block_m):
+    """(300 x 8 slots are past the one-program kernel's reach: the Triton entry point falls back to torch.)"""
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    slots, block_expert = align_by_expert(ids, experts, block_m)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    slots, block_expert = align(ids, experts, block_m)
+    slots, block_expert, ids = slots.cpu(), block_expert.cpu(), ids.cpu()
     n = tokens * top_k
     assert slots.numel() == block_expert.numel() * block_m
     real = slots[slots < n].long()
@@ -53,6 +59,8 @@ def test_align_by_expert_gives_each_slot_one_row_in_a_block_of_its_expert(tokens
     used = block_expert < experts
     assert used.sum() == sum(-(-int((ids == e).sum()) // block_m) for e in range(experts))  # no wasted block
     assert not used[used.sum():].any()  # the empty blocks come last
+    assert all(torch.all(slots[b * block_m:(b + 1) * block_m][:-1] <= slots[b * block_m + 1:(b + 1) * block_m])
+               for b in range(block_expert.numel()))  # slot order within a block, padding last
 
 
 def test_fused_moe_matches_a_per_token_loop():

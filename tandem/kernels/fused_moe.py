@@ -3,7 +3,8 @@ GEMM launches, with no host synchronisation (capturable in a CUDA graph).
 
 1. ``align_by_expert`` sorts the ``T * top_k`` (token, slot) pairs by expert on the device and lays them
    out in blocks of ``BLOCK_M`` rows, each block owned by one expert (the last block of an expert padded
-   with a sentinel slot), as vLLM's ``moe_align_block_size`` does. The number of blocks is bounded by
+   with a sentinel slot), as vLLM's ``moe_align_block_size`` does: one Triton program for decode and
+   verify batches, torch ops for larger ones. The number of blocks is bounded by
    the shapes alone (``ceil(T*k / BLOCK_M) + min(E, T*k)``); blocks past the end are marked empty.
 2. The gate/up launch: per block, the tokens' activations times the expert's gate and up tiles, then
    ``silu(gate) * up`` in registers (rounded to the activation dtype at each step, as the reference's
@@ -46,10 +47,34 @@ class ExpertWeights:
         return INT4 if self.weight.dtype == torch.int32 else FP8
 
 
+ALIGN_KERNEL_MAX_SLOTS = 2048  # up to here one program sorts the slots; beyond, torch ops do
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids ``[T, k]`` → (``slots`` ``[B * block_m]`` int32: the flat (token * k + j) slot of each
     row, ``T * k`` for padding; ``block_expert`` ``[B]`` int32: each block's expert, ``num_experts``
-    for an empty block). Fixed shapes, device ops only."""
+    for an empty block). Fixed shapes, device work only; the slots of an expert in slot order. Decode
+    and verify batches (up to ALIGN_KERNEL_MAX_SLOTS slots) take one Triton program, where the torch ops
+    would be a dozen launches per MoE layer."""
+    n = ids.numel()
+    if n > ALIGN_KERNEL_MAX_SLOTS:
+        return align_by_expert_torch(ids, num_experts, block_m)
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    slots = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    experts_p = triton.next_power_of_2(num_experts + 1)  # one more bin: the padding lanes' sentinel
+    scratch = torch.empty(experts_p, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids.reshape(-1), slots, block_expert, scratch, n, E=num_experts, EP=experts_p,
+        NP=triton.next_power_of_2(n), BLOCK_M=block_m, MAX_BLOCKS=max_blocks,
+        ROWS_P=triton.next_power_of_2(max_blocks * block_m), BLOCKS_P=triton.next_power_of_2(max_blocks),
+        MAX_PER_EXPERT=triton.cdiv(n, block_m), num_warps=4, **pdl_launch(ids),
+    )
+    return slots, block_expert
+
+
+def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_by_expert`` in torch ops (any size): a stable sort by expert, then each slot's row."""
     flat = ids.flatten().long()
     n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -64,6 +89,38 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     slots[first_row[expert_of_sorted] + rank] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=ids.device), right=True)
     return slots, block_expert.to(torch.int32)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, slots_ptr, block_expert_ptr, scratch_ptr, n,
+    E: tl.constexpr, EP: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+    ROWS_P: tl.constexpr, BLOCKS_P: tl.constexpr, MAX_PER_EXPERT: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: per-expert counts (a histogram), block offsets (a cumsum), the slots sorted by
+    (expert, slot) with one bitonic sort of ``expert * NP + slot``; each slot's row is its expert's first
+    row plus its position in the sort minus the slots of the experts before it."""
+    pdl_enter(PDL)
+    lanes = tl.arange(0, NP)
+    expert = tl.load(ids_ptr + lanes, mask=lanes < n, other=E).to(tl.int32)  # padding lanes: the spare bin E
+    experts = tl.arange(0, EP)
+    counts = tl.where(experts < E, tl.histogram(expert, EP), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_start = tl.cumsum(blocks, 0) - blocks
+    slots_before = tl.cumsum(counts, 0) - counts
+    rows = tl.arange(0, ROWS_P)
+    tl.store(slots_ptr + rows, n, mask=rows < MAX_BLOCKS * BLOCK_M)
+    blocks_i = tl.arange(0, BLOCKS_P)
+    tl.store(block_expert_ptr + blocks_i, E, mask=blocks_i < MAX_BLOCKS)
+    tl.store(scratch_ptr + experts, block_start * BLOCK_M - slots_before)
+    tl.debug_barrier()  # the fills and the table above are visible to every thread of the program
+    keys = tl.sort(expert * NP + lanes)
+    sorted_expert = keys // NP
+    real = sorted_expert < E
+    row = tl.load(scratch_ptr + sorted_expert, mask=real, other=0) + lanes
+    tl.store(slots_ptr + row, keys % NP, mask=real)
+    for j in range(MAX_PER_EXPERT):
+        tl.store(block_expert_ptr + block_start + j, experts, mask=(j < blocks) & (experts < E))
 
 
 @triton.jit
