@@ -81,6 +81,16 @@ def test_fused_moe_matches_a_per_token_loop():
     assert rel_err(y, ref) < 1e-5
 
 
+def test_fused_moe_refuses_mismatched_expert_shapes():
+    w13, w2 = ExpertWeights(torch.zeros(4, 64, HIDDEN)), ExpertWeights(torch.zeros(4, HIDDEN, 16))
+    x, ids, route = torch.zeros(2, HIDDEN), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)
+    with pytest.raises(ValueError, match=r"down has a tensor of shape \(4, 64, 16\), expected \(4, 64, 32\)"):
+        fused_moe(x.to(DEVICE), w13, w2, route, ids)
+    packed = ExpertWeights(torch.zeros(4, 64, HIDDEN // 8, dtype=torch.int32), torch.zeros(4, 64, 1), (1, 32))
+    with pytest.raises(ValueError, match=r"gate_up has a tensor of shape \(4, 64, 1\), expected \(4, 64, 2\)"):
+        fused_moe(x.to(DEVICE), packed, ExpertWeights(torch.zeros(4, HIDDEN, 32)), route, ids)
+
+
 def fill_experts(moe: MoE, method: str, seed: int) -> None:
     """Random expert weights loaded through each expert's own checkpoint names, as the loader does;
     INT4 packed by compressed-tensors, FP8 quantized as the published format says."""

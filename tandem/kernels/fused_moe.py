@@ -46,6 +46,19 @@ class ExpertWeights:
             return PLAIN
         return INT4 if self.weight.dtype == torch.int32 else FP8
 
+    def check(self, experts: int, n: int, k: int, what: str) -> None:
+        """Raise unless this holds ``experts`` weights of ``[n, k]`` in its format, rows contiguous."""
+        cols = triton.cdiv(k, 8) if self.format == INT4 else k
+        shapes = [(tuple(self.weight.shape), (experts, n, cols))]
+        if self.scale is not None:
+            scales = (experts, triton.cdiv(n, self.block[0]), triton.cdiv(k, self.block[1]))
+            shapes.append((tuple(self.scale.shape), scales))
+        for got, want in shapes:
+            if got != want:
+                raise ValueError(f"fused_moe: {what} has a tensor of shape {got}, expected {want}")
+        if self.weight.stride(-1) != 1 or (self.scale is not None and self.scale.stride(-1) != 1):
+            raise ValueError(f"fused_moe: {what} needs contiguous rows")
+
 
 ALIGN_KERNEL_MAX_SLOTS = 2048  # up to here one program sorts the slots; beyond, torch ops do
 
@@ -238,8 +251,8 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, inter = gate_up.weight.shape[0], gate_up.weight.shape[1] // 2
-    if down.weight.shape[:2] != (num_experts, hidden):
-        raise ValueError(f"fused_moe: down {tuple(down.weight.shape)} does not match {num_experts} experts x {hidden}")
+    gate_up.check(num_experts, 2 * inter, hidden, "gate_up")
+    down.check(num_experts, hidden, inter, "down")
     if tokens == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
