@@ -108,8 +108,10 @@ class MoE(nn.Module):
             layer = getattr(self.experts[0], proj)
             names = list(layer.quant.tensors) if layer.quant is not None else ["weight"]
             for name in names:
-                stack = torch.stack([getattr(getattr(e, proj), name).data for e in self.experts])
-                for e, expert in enumerate(self.experts):
+                first = getattr(layer, name)
+                stack = torch.empty((len(self.experts), *first.shape), dtype=first.dtype, device=first.device)
+                for e, expert in enumerate(self.experts):  # copy_, not torch.stack: fp8 included everywhere
+                    stack[e].copy_(getattr(getattr(expert, proj), name).data)
                     setattr(getattr(expert, proj), name, nn.Parameter(stack[e], requires_grad=False))
                 self._stacks[f"{proj}.{name}"] = stack
 
