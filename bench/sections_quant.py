@@ -7,7 +7,8 @@ bandwidth limit and the plain alternative, on random weights.
   product of the same shape and the read limit: bytes of the packed weight and its scales ÷ 4.8 TB/s
   (H200 peak; the measured copy rate when the ceilings section ran first is shown beside it). Each
   timing replays a CUDA graph of calls that rotate through enough weight copies to miss the 50 MB L2.
-  For 1 and 4 rows on three of the shapes a few tiles are tried and the best shown next to the default.
+  For 1 and 4 rows on three of the shapes a few tiles are tried (for one row also the CUDA-core ``rows``
+  kernel) and the best shown next to the default.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also
   their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
@@ -29,6 +30,7 @@ LINEAR_SHAPES = {"kimi expert gate_up": (4096, 7168), "kimi expert down": (7168,
 ROWS = (1, 4, 64, 256)
 GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
+ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")]  # one row
 SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
 
 
@@ -87,7 +89,7 @@ def linear_rows(ctx: dict) -> list[dict]:
                 ms = run(fmt, default)
                 best, best_tile = ms, default
                 if m <= 4 and label in SWEPT:
-                    for tile in GEMV_TILES:
+                    for tile in GEMV_TILES + (ROW_TILES if m == 1 else []):
                         cfg = DequantConfig(*tile)
                         if cfg != default and (t := run(fmt, cfg)) < best:
                             best, best_tile = t, cfg

@@ -54,7 +54,8 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int, lead: tuple[int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 4, 37])
 @pytest.mark.parametrize("config", [SMALL, DequantConfig(16, 32, 16, 4, 2), DequantConfig(16, 16, 32, 4, 2, split_k=3),
-                                    None], ids=["whole-groups", "gathered-scales", "split-k", "default"])
+                                    DequantConfig(1, 8, 64, 4, 2, kernel="rows"), None],
+                         ids=["whole-groups", "gathered-scales", "split-k", "rows", "default"])
 def test_int4_linear_matches_compressed_tensors_dequantization(dtype, m, config):
     n, k, group = 40, 160, 32  # K = 2.5 tiles of 64; N = 2.5 tiles of 16
     packed, scale, deq = int4_weight(n, k, group, seed=m)
@@ -70,7 +71,7 @@ def test_int4_linear_bias_leading_dims_and_group_64():
     packed, scale, deq = int4_weight(n, k, group, seed=5)
     x = activations(3, k, torch.float32, seed=6, lead=(2,))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    for config in (SMALL, DequantConfig(16, 16, 64, 4, 2, split_k=2)):
+    for config in (SMALL, DequantConfig(16, 16, 64, 4, 2, split_k=2), DequantConfig(1, 8, 64, 4, 2, kernel="rows")):
         y = int4_linear(x, packed, scale, group, bias, config=config)
         assert y.shape == (2, 3, n)
         assert rel_err(y, reference(x, deq, bias)) < 1e-5
@@ -80,8 +81,9 @@ def test_int4_linear_bias_leading_dims_and_group_64():
 @pytest.mark.parametrize("m", [1, 3, 33])
 @pytest.mark.parametrize("block,config", [((32, 64), SMALL), ((32, 64), DequantConfig(16, 32, 128, 4, 2)),
                                           ((32, 48), DequantConfig(16, 32, 32, 4, 2)),
-                                          ((32, 64), DequantConfig(16, 16, 64, 4, 2, split_k=3))],
-                         ids=["one-block-per-step", "two-blocks-per-step", "gathered-scales", "split-k"])
+                                          ((32, 64), DequantConfig(16, 16, 64, 4, 2, split_k=3)),
+                                          ((32, 64), DequantConfig(1, 4, 128, 4, 2, split_k=2, kernel="rows"))],
+                         ids=["one-block-per-step", "two-blocks-per-step", "gathered-scales", "split-k", "rows-split-k"])
 def test_fp8_block_linear_matches_the_published_dequantization(dtype, m, block, config):
     n, k = 72, 224  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32 = 4 x 48 + 32
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.05
@@ -128,6 +130,13 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
     ref = layer(x)
     monkeypatch.setattr(quantized_linear, "use_triton", lambda t: True)
     assert rel_err(layer(x), ref) < 1e-5
+
+
+def test_a_config_names_a_kernel_its_rows_fit():
+    with pytest.raises(ValueError, match="block_m"):
+        DequantConfig(16, 8, 64, kernel="rows")
+    with pytest.raises(ValueError, match="block_m"):
+        DequantConfig(1, 8, 64)
 
 
 def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():

@@ -160,7 +160,8 @@ def main(dtype_name: str = "bfloat16") -> int:
         dq.fp8_block_linear(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128), (128, 128))
         _report(f"fp8_block_linear {rows}x{k} -> {n}", failures)
     x = torch.empty(1, 14336, dtype=dt)  # the GEMV tiles bench/sections_quant.py tries
-    for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4)):
+    for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
+                 (1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")):
         cfg = dq.DequantConfig(*tile)
         dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
         dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),

@@ -4,7 +4,9 @@ W4A16 (compressed-tensors INT4 ``pack-quantized``, one scale per group of input 
 
 One kernel serves every row count. Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows
 and walks K, multiplying the activation tile with the dequantized weight tile on the tensor cores
-(``tl.dot``, float32 accumulation). A decode or verify step (a few rows) is a GEMV: the rows are padded
+(``tl.dot``, float32 accumulation); the ``rows`` variant (one row per program, CUDA-core products into
+a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as tandem/kernels/gemv.py's one-row kernel)
+skips the tensor cores' shared-memory round trip for a single row. A decode or verify step (a few rows) is a GEMV: the rows are padded
 to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
 hundred rows takes GEMM tiles. Where even 16-row N tiles leave the GPU's SMs without programs (a
 tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x 7168), K is split too: each split writes
@@ -33,6 +35,11 @@ class DequantConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
+    kernel: str = "dot"  # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1
+
+    def __post_init__(self):
+        if self.kernel not in ("dot", "rows") or (self.kernel == "rows") != (self.block_m == 1):
+            raise ValueError(f"DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1; got {self}")
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -61,7 +68,8 @@ def _dequant_matmul_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     WHOLE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``K_SPLIT``: the columns one program covers (all of K, or one split's share, written as float32
     partial sums at ``y_ptr + split * stride_ys``)."""
@@ -74,17 +82,24 @@ def _dequant_matmul_kernel(
     m_ok = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     pdl_enter(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc_k = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for kk in range(0, K_SPLIT, BLOCK_K):
         k = pid_s * K_SPLIT + kk
         offs_k = k + tl.arange(0, BLOCK_K)
         xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         w = weight_tile(FORMAT, w_ptr, s_ptr, rows_n, k, K, stride_wn, stride_sn, S_ROWS, S_COLS, BLOCK_K,
                         WHOLE_GROUPS).to(xv.dtype)
-        if INTERPRET:  # the interpreter's tl.dot mishandles bf16 (raw uint16); the products are exact in fp32
+        if not USE_DOT:  # BLOCK_M == 1: xv is [1, BLOCK_K]
+            acc_k += w.to(tl.float32) * tl.reshape(xv, [BLOCK_K, 1]).to(tl.float32)
+        elif INTERPRET:  # the interpreter's tl.dot mishandles bf16 (raw uint16); the products are exact in fp32
             acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xv, w, acc, input_precision=PRECISION)
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc_k, axis=0), [1, BLOCK_N])
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
     y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -114,7 +129,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
         target.stride(-2), target.stride(0) if split > 1 else 0,
         K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
         WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.kernel == "dot",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )
