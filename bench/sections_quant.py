@@ -23,6 +23,7 @@ import torch
 
 from measure import events_ms, free_gpu
 
+DEVICE = "cuda"  # (tests/test_bench_quant_smoke.py runs the section on the CPU at tiny shapes)
 PEAK_TBPS = 4.8
 L2_BYTES = 50 << 20
 LINEAR_SHAPES = {"kimi expert gate_up": (4096, 7168), "kimi expert down": (7168, 2048),
@@ -32,6 +33,8 @@ GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
 ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")]  # one row
 SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
+MOE_HIDDEN, MOE_TOP_K, MOE_BATCHES = 7168, 8, (1, 8, 64)
+MOE_CASES = ((384, 2048, True), (384, 256, True), (64, 2048, False))  # (experts, intermediate, INT4)
 
 
 def graph_ms(calls, reps: int = 10) -> float:
@@ -57,11 +60,11 @@ def _copies(nbytes: int) -> int:
 
 
 def _weights(n: int, k: int, copies: int) -> dict:
-    int4 = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32),
-             torch.rand(n, k // 32, device="cuda") * 0.01) for _ in range(copies)]
-    fp8 = [((torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn),
-            torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3) for _ in range(copies)]
-    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    int4 = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32),
+             torch.rand(n, k // 32, device=DEVICE) * 0.01) for _ in range(copies)]
+    fp8 = [((torch.randn(n, k, device=DEVICE) * 50).to(torch.float8_e4m3fn),
+            torch.rand(-(-n // 128), -(-k // 128), device=DEVICE) * 1e-3) for _ in range(copies)]
+    bf16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     return {"int4": int4, "fp8": fp8, "bf16": bf16}
 
 
@@ -75,7 +78,7 @@ def linear_rows(ctx: dict) -> list[dict]:
                   "bf16": 2 * n * k}
         w = _weights(n, k, _copies(nbytes["int4"]))
         for m in ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             cublas = graph_ms([lambda wb=wb: x @ wb.t() for wb in w["bf16"]])
 
             def run(fmt, cfg):
@@ -114,12 +117,12 @@ def _moe_layer(experts: int, inter: int, quantized: bool):
     from tandem.models.deepseek_config import MoeConfig
     from tandem.models.quantization import Int4Group, QuantConfig
 
-    cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=8, n_shared_experts=0, moe_intermediate_size=inter,
+    cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=MOE_TOP_K, n_shared_experts=0, moe_intermediate_size=inter,
                     first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
                     routed_scaling_factor=2.827)
     quant = QuantConfig("compressed-tensors", Int4Group(32)) if quantized else None
-    with torch.device("cuda"), default_dtype(torch.bfloat16):
-        moe = MoE(7168, cfg, quant, "model.layers.1.mlp.")
+    with torch.device(DEVICE), default_dtype(torch.bfloat16):
+        moe = MoE(MOE_HIDDEN, cfg, quant, "model.layers.1.mlp.")
     for proj in moe.expert_weights():  # the stacks every expert's parameters view
         if quantized:
             proj.weight.random_(-2**31, 2**31 - 1)
@@ -132,11 +135,11 @@ def _moe_layer(experts: int, inter: int, quantized: bool):
 
 def moe_rows() -> list[dict]:
     rows_out = []
-    for experts, inter, quantized in ((384, 2048, True), (384, 256, True), (64, 2048, False)):
+    for experts, inter, quantized in MOE_CASES:
         moe = _moe_layer(experts, inter, quantized)
-        per_expert = 3 * 7168 * inter * (0.5 + 4 / 32 if quantized else 2)
-        for batch in (1, 8, 64):
-            x = torch.randn(batch, 7168, device="cuda", dtype=torch.bfloat16)
+        per_expert = 3 * MOE_HIDDEN * inter * (0.5 + 4 / 32 if quantized else 2)
+        for batch in MOE_BATCHES:
+            x = torch.randn(batch, MOE_HIDDEN, device=DEVICE, dtype=torch.bfloat16)
             weights, ids = moe.gate(x)
             touched = int(ids.unique().numel())
             fused = graph_ms([lambda: moe.routed_fused(x, weights, ids)])
