@@ -175,7 +175,7 @@ def main(dtype_name: str = "bfloat16") -> int:
                              torch.empty(experts, 2 * inter, hid // 32), (1, 32)),
             fm.ExpertWeights(torch.empty(experts, hid, inter // 8, dtype=torch.int32),
                              torch.empty(experts, hid, inter // 32), (1, 32)))
-    for tokens in (1, 64, 512):
+    for tokens in (1, 64, 256, 512):  # 256 x 8: the most slots the one-program grouping takes
         for name, (gate_up, down) in (("bf16", plain), ("int4", int4)):
             cfg = fm.default_config(tokens * 8, 384, dt)
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
