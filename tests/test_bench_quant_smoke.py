@@ -17,9 +17,12 @@ if torch.cuda.is_available():
     pytest.skip("on a GPU the section itself runs: bench/bench.py --sections quant_kernels", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import sections_quant  # noqa: E402
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+sys.path.insert(0, BENCH)  # bench/ modules import each other by their plain names
+try:
+    import sections_quant  # noqa: E402
+finally:
+    sys.path.remove(BENCH)  # no other test may pick up a bench/ module by its name
 
 
 def wall_ms(calls, reps: int = 1) -> float:

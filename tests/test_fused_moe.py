@@ -72,7 +72,8 @@ def test_fused_moe_matches_a_per_token_loop():
     x = torch.randn(tokens, HIDDEN, generator=g)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     route = torch.rand(tokens, top_k, generator=g)
-    y = fused_moe(x, ExpertWeights(w13), ExpertWeights(w2), route, ids, MoeConfig(16, 16, 32, 4, 2))
+    y = fused_moe(x.to(DEVICE), ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)),
+                  route.to(DEVICE), ids.to(DEVICE), MoeConfig(16, 16, 32, 4, 2)).cpu()
     ref = torch.zeros(tokens, HIDDEN)
     for t in range(tokens):
         for j in range(top_k):
@@ -141,12 +142,13 @@ def test_fused_path_matches_the_reference_loop(method, routing, tokens):
 @pytest.mark.parametrize("method", ["plain", "int4"])
 def test_fused_path_in_bf16_and_through_forward(method, monkeypatch):
     """bf16 activations (and bf16 float experts), and ``forward`` taking the fused route when the
-    Triton path is on (forced here: on the GPU ``use_triton`` says so), shared expert included. The
+    Triton path is on (forced both ways here: on the GPU ``use_triton`` says so), shared expert included. The
     interpreter truncates float32 to bf16 where the GPU rounds to nearest: a looser bound here."""
     moe = build_moe(PLAIN_TOPK, method, torch.bfloat16, seed=7)
     x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.bfloat16)
     if method == "plain":
         assert moe.experts[0].gate_up_proj.weight.dtype == torch.bfloat16
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
     ref = moe(x)
     monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
     fused = moe(x)
