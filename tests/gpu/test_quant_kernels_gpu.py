@@ -213,3 +213,41 @@ def test_moe_layer_takes_the_fused_path_on_the_gpu():
     weights, ids = moe.gate(x)
     assert rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-2
     assert moe.experts[3].down_proj.weight.data_ptr() == moe.expert_weights()[1].weight[3].data_ptr()
+
+
+@pytest.mark.parametrize("case", ["deepseek-int4", "deepseek-fp8", "llama-int4"])
+def test_quantized_engines_on_the_gpu_equal_their_float32_twins_on_the_cpu(case, tmp_path):
+    """Whole models through the kernels: tiny quantized checkpoints (INT4 packed by compressed-tensors, FP8
+    block-wise) served on the GPU in float32 (the kernels' full-precision products; the fused MoE for the
+    DeepSeek experts) against a CPU engine on the dequantized float32 twin: prompt logits and greedy output."""
+    pytest.importorskip("transformers")
+    from helpers import random_prompt
+    from quantized_checkpoints import write_quantized_llama
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape
+    from tandem.sampling import SamplingParams
+
+    family, method = case.split("-")
+    if family == "deepseek":
+        from deepseek_checkpoints import write_deepseek
+        from quantized_deepseek_checkpoints import write_quantized_deepseek
+
+        write_deepseek(tmp_path / "src", seed=5, num_hidden_layers=3)
+        write_quantized_deepseek(tmp_path / "src", tmp_path / "q", tmp_path / "twin", method)
+        vocab = 512
+    else:
+        shape = LlamaShape(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                           num_kv_heads=2)
+        write_quantized_llama(tmp_path / "q", tmp_path / "twin", shape, method, seed=4)
+        vocab = 256
+    prompt = random_prompt(92, 13, vocab)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    results = []
+    for folder, kw in ((tmp_path / "q", {"device": "cuda", "dtype": "float32"}), (tmp_path / "twin", {})):
+        with LLMEngine(EngineConfig(model=str(folder), page_size=8, **kw)) as eng:
+            greedy = eng.generate([prompt], params)[0].output_token_ids
+            results.append((eng.prompt_logits(prompt).float().cpu(), greedy))
+    (gpu_logits, gpu_greedy), (cpu_logits, cpu_greedy) = results
+    assert rel_err(gpu_logits, cpu_logits) < 1e-4
+    assert gpu_greedy == cpu_greedy
