@@ -175,12 +175,17 @@ def main(dtype_name: str = "bfloat16") -> int:
                              torch.empty(experts, 2 * inter, hid // 32), (1, 32)),
             fm.ExpertWeights(torch.empty(experts, hid, inter // 8, dtype=torch.int32),
                              torch.empty(experts, hid, inter // 32), (1, 32)))
-    for tokens in (1, 64, 256, 512):  # 256 x 8: the most slots the one-program grouping takes
-        for name, (gate_up, down) in (("bf16", plain), ("int4", int4)):
-            cfg = fm.default_config(tokens * 8, 384, dt)
+    fp8 = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=torch.float8_e4m3fn),
+                            torch.empty(experts, 2 * inter // 128, hid // 128), (128, 128)),
+           fm.ExpertWeights(torch.empty(experts, hid, inter, dtype=torch.float8_e4m3fn),
+                            torch.empty(experts, hid // 128, inter // 128), (128, 128)))
+    # 256 x 8 slots: the most the one-program grouping takes; 8192 tokens (a prefill): 64-row blocks
+    for tokens, tiles_for in ((1, 1), (64, 64), (256, 256), (512, 8192)):
+        for name, (gate_up, down) in (("bf16", plain), ("int4", int4), ("fp8", fp8)):
+            cfg = fm.default_config(tiles_for * 8, 384, dt)
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
                          torch.zeros(tokens, 8, dtype=torch.int64), cfg)
-            _report(f"fused_moe {name} {tokens} tokens top-8", failures)
+            _report(f"fused_moe {name} {tokens} tokens top-8 m{cfg.block_m}", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
