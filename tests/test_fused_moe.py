@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from tandem.engine.model_runner import default_dtype  # noqa: E402
 from tandem.kernels.fused_moe import (  # noqa: E402
-    ExpertWeights, MoeConfig, align_by_expert, align_by_expert_torch, fused_moe,
+    ExpertWeights, MoeTiles, align_by_expert, align_by_expert_torch, fused_moe,
 )
 from tandem.layers import moe as moe_module  # noqa: E402
 from tandem.layers.moe import MoE  # noqa: E402
@@ -73,7 +73,7 @@ def test_fused_moe_matches_a_per_token_loop():
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     route = torch.rand(tokens, top_k, generator=g)
     y = fused_moe(x.to(DEVICE), ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)),
-                  route.to(DEVICE), ids.to(DEVICE), MoeConfig(16, 16, 32, 4, 2)).cpu()
+                  route.to(DEVICE), ids.to(DEVICE), MoeTiles(16, 16, 32, 4, 2)).cpu()
     ref = torch.zeros(tokens, HIDDEN)
     for t in range(tokens):
         for j in range(top_k):

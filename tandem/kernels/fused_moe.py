@@ -193,7 +193,7 @@ def _moe_gemm_kernel(
 
 
 @dataclass(frozen=True)
-class MoeConfig:
+class MoeTiles:
     block_m: int
     block_n: int = 64
     block_k: int = 64
@@ -201,17 +201,17 @@ class MoeConfig:
     num_stages: int = 3
 
 
-def default_config(slots: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+def default_config(slots: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoeTiles:
     """Rows per block from the expected rows per expert: decode and small batches put one or two tokens
     on an expert, so 16-row blocks (the tensor cores' minimum) waste least; large batches fill wider ones.
     float32 (full-precision products, no tensor cores) takes small tiles that fit in registers."""
     if dtype == torch.float32:
-        return MoeConfig(16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+        return MoeTiles(16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     per_expert = slots / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if block_m == 16:  # few rows: wide K steps keep enough weight loads in flight
-        return MoeConfig(16, block_n=32, block_k=256, num_warps=4, num_stages=3)
-    return MoeConfig(block_m, block_n=64, block_k=64)
+        return MoeTiles(16, block_n=32, block_k=256, num_warps=4, num_stages=3)
+    return MoeTiles(block_m, block_n=64, block_k=64)
 
 
 def _block_n(n: int, blocks: int, preferred: int) -> int:
@@ -242,7 +242,7 @@ def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slo
 
 
 def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, route_weights: torch.Tensor,
-              ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              ids: torch.Tensor, config: MoeTiles | None = None) -> torch.Tensor:
     """``Σ_j route_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = ids[t, j]``:
     ``x [T, H]``, gate_up ``[E, 2I, H]`` (gate rows first), down ``[E, H, I]``, ``route_weights``
     ``[T, k]`` float32, ``ids [T, k]`` → ``[T, H]`` in x's dtype."""
