@@ -12,7 +12,7 @@ bandwidth limit and the plain alternative, on random weights.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also
   their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
-  batch touches; at batch 1 and 8 a few tiles are tried besides the default. On the GPU the loop runs
+  batch touches; for INT4 at batch 1 and 8 a few tiles are tried besides the default. On the GPU the loop runs
   each chosen expert's linears through the same kernels as a dense layer (W4A16 for INT4, cuBLAS for
   bf16), one expert after another, with the routing read on the host.
 """
@@ -35,7 +35,7 @@ ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 
 SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
 MOE_HIDDEN, MOE_TOP_K, MOE_BATCHES = 7168, 8, (1, 8, 64)
 MOE_CASES = ((384, 2048, True), (384, 256, True), (64, 2048, False))  # (experts, intermediate, INT4)
-MOE_TILES = [(16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 16, 256, 4, 3)]  # tried besides the default at batch <= 8
+MOE_TILES = [(16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 16, 256, 4, 3)]  # INT4 at batch <= 8, besides the default
 
 
 def graph_ms(calls, reps: int = 10) -> float:
@@ -147,7 +147,7 @@ def moe_rows() -> list[dict]:
             touched = int(ids.unique().numel())
             fused = graph_ms([lambda: moe.routed_fused(x, weights, ids)])
             best, best_tile = fused, "default"
-            if batch <= 8:
+            if batch <= 8 and quantized:
                 gate_up, down = moe.expert_weights()
                 for tile in MOE_TILES:
                     cfg = MoeTiles(*tile)

@@ -139,8 +139,8 @@ def _align_kernel(
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, out_ptr, slots_ptr, block_expert_ptr, route_w_ptr,
-    num_slots, N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    K: tl.constexpr, NUM_EXPERTS: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr,
+    num_slots, N, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr,
     WEIGHTED: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     WHOLE_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
@@ -152,7 +152,7 @@ def _moe_gemm_kernel(
     pid_b = tl.program_id(1)
     pdl_enter(PDL)
     expert = tl.load(block_expert_ptr + pid_b)
-    if expert < NUM_EXPERTS:
+    if expert < num_experts:
         slots = tl.load(slots_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
         m_ok = slots < num_slots
         a_rows = a_ptr + (slots // SLOTS_PER_ROW).to(tl.int64)[:, None] * stride_am
@@ -231,9 +231,9 @@ def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slo
     grid = (triton.cdiv(n, block_n), block_expert.numel())
     _moe_gemm_kernel[grid](
         a, weight, scale, out, slots, block_expert, route_w if route_w is not None else out,
-        slots_per_row * a.shape[0], n, a.stride(0), weight.stride(0),
+        slots_per_row * a.shape[0], n, weight.shape[0], a.stride(0), weight.stride(0),
         weight.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
-        K=k, NUM_EXPERTS=weight.shape[0], SLOTS_PER_ROW=slots_per_row, GATED=gated, WEIGHTED=weighted, FORMAT=fmt,
+        K=k, SLOTS_PER_ROW=slots_per_row, GATED=gated, WEIGHTED=weighted, FORMAT=fmt,
         S_ROWS=w.block[0], S_COLS=w.block[1], WHOLE_GROUPS=whole_groups(fmt, w.block[1], cfg.block_k),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
