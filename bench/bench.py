@@ -23,6 +23,8 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   overlap   chain rounds at batch 1 and 8: the next run queued before the last is read back, or not
   decode_overlap  the same for plain decode steps at batch 1 and 64
   round_glue  a queued chain round's glue between its graphs: three Triton kernels against torch ops
+  quant_kernels  W4A16 / FP8 block linear kernels (GEMV and GEMM rows) vs cuBLAS bf16 and the read limit;
+            the fused MoE (INT4 and bf16 Kimi experts, batch 1/8/64) vs the reference loop
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
 """
 

@@ -1,5 +1,6 @@
 """Triton kernels for the GPU path: paged attention (decode, tree verification, fixed-width extension),
-rotary fused with the KV store, RMSNorm (optionally fused with the residual add) and SwiGLU.
+rotary fused with the KV store, RMSNorm (optionally fused with the residual add) and SwiGLU; quantized
+linears (dequant_gemm.py) and the fused MoE (fused_moe.py) are imported from their modules.
 
 Each wrapper takes torch tensors, checks shapes on the host (no device synchronisation) and
 launches a fixed number of programs, so every one of them can be captured in a CUDA graph. Plain

@@ -91,7 +91,8 @@ def _report(tag: str, failures: list[str]) -> None:
 def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
-    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick")
+    names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
+             "fused_moe")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -99,7 +100,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -152,6 +153,39 @@ def main(dtype_name: str = "bfloat16") -> int:
     _report("round_glue.settle", failures)
     cp.chain_pick(torch.empty(n, 32000, dtype=dt), i64(32000), torch.empty(n, 8)[:, 0])  # the 8B head's draft vocabulary
     _report("chain_pick 32000", failures)
+    for rows, n, k in ((1, 4096, 7168), (4, 7168, 2048), (1, 512, 7168), (64, 4096, 7168), (256, 28672, 4096)):
+        x = torch.empty(rows, k, dtype=dt)
+        dq.int4_linear(x, torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32), 32)
+        _report(f"int4_linear {rows}x{k} -> {n}", failures)
+        dq.fp8_block_linear(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128), (128, 128))
+        _report(f"fp8_block_linear {rows}x{k} -> {n}", failures)
+    x = torch.empty(1, 14336, dtype=dt)  # the GEMV tiles bench/sections_quant.py tries
+    for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
+                 (1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")):
+        cfg = dq.DequantConfig(*tile)
+        dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
+        dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),
+                            config=cfg)
+        _report(f"int4/fp8 GEMV tile {tile}", failures)
+    # Kimi-K2.5's routed experts (hidden 7168, intermediate 2048) with 8 of their 384 experts held here
+    experts, hid, inter = 8, 7168, 2048
+    plain = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=dt)),
+             fm.ExpertWeights(torch.empty(experts, hid, inter, dtype=dt)))
+    int4 = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid // 8, dtype=torch.int32),
+                             torch.empty(experts, 2 * inter, hid // 32), (1, 32)),
+            fm.ExpertWeights(torch.empty(experts, hid, inter // 8, dtype=torch.int32),
+                             torch.empty(experts, hid, inter // 32), (1, 32)))
+    fp8 = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=torch.float8_e4m3fn),
+                            torch.empty(experts, 2 * inter // 128, hid // 128), (128, 128)),
+           fm.ExpertWeights(torch.empty(experts, hid, inter, dtype=torch.float8_e4m3fn),
+                            torch.empty(experts, hid // 128, inter // 128), (128, 128)))
+    # 256 x 8 slots: the most the one-program grouping takes; 8192 tokens (a prefill): 64-row blocks
+    for tokens, tiles_for in ((1, 1), (64, 64), (256, 256), (512, 8192)):
+        for name, (gate_up, down) in (("bf16", plain), ("int4", int4), ("fp8", fp8)):
+            cfg = fm.default_config(tiles_for * 8, 384, dt)
+            fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
+                         torch.zeros(tokens, 8, dtype=torch.int64), cfg)
+            _report(f"fused_moe {name} {tokens} tokens top-8 m{cfg.block_m}", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

@@ -1,14 +1,19 @@
 """DeepSeek-V3's mixture of experts: noaux_tc routing, routed SwiGLU experts and shared experts.
 
-The reference implementation (CPU, and GPU until a fused kernel lands): tokens are grouped by expert
-and each expert runs on its own tokens, which needs the routing on the host. Under tensor parallelism
+Two paths for the routed experts. The reference (CPU): tokens are grouped by expert and each expert
+runs on its own tokens, which needs the routing on the host. The GPU: one fused kernel
+(tandem/kernels/fused_moe.py) groups the tokens by expert on the device and runs every expert in two
+grouped GEMMs, no host synchronisation, so a MoE layer can be captured in a CUDA graph. It reads the
+experts' weights as one stack per tensor (``[E, ...]``): the experts' parameters are views into stacks
+allocated once when the layer is built, so the checkpoint loads through each expert's own names and
+both paths read the same memory. Under tensor parallelism
 every rank holds every expert with 1/TP of its intermediate dimension; the routed and shared partial
 sums are all-reduced once per layer. Routing follows transformers' DeepseekV3TopkRouter
 (../shared/reference/deepseek_v3_kimi.md §3).
 
 Quantized checkpoints: each expert's linears take the format its checkpoint name gets (routed experts
 INT4 or FP8, shared experts and dense MLPs FP8 or unquantized), held packed and dequantized per call by
-the reference path; the router stays float32.
+the reference path, per tile by the fused kernel; the router stays float32.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from torch import nn
 
 from tandem.distributed import all_reduce
 from tandem.layers.activation import silu_mul
+from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
-from tandem.layers.quantized_linear import linear_format
+from tandem.layers.quantized_linear import Fp8BlockFormat, Int4GroupFormat, linear_format
 from tandem.models.deepseek_config import MoeConfig
 from tandem.models.quantization import QuantConfig
 
@@ -92,14 +98,73 @@ class MoE(nn.Module):
                                      for e in range(cfg.n_routed_experts))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = SwiGLUMLP(hidden_size, shared, quant, f"{prefix}shared_experts.") if shared else None
+        self._stacks: dict[str, torch.Tensor] = {}
+        self._stack_experts()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+    def _stack_experts(self) -> None:
+        """Gather each expert tensor (``gate_up_proj.weight_packed``, ...) into one ``[E, ...]`` stack and
+        make every expert's parameter a view of its row."""
+        for proj in ("gate_up_proj", "down_proj"):
+            layer = getattr(self.experts[0], proj)
+            names = list(layer.quant.tensors) if layer.quant is not None else ["weight"]
+            for name in names:
+                first = getattr(layer, name)
+                stack = torch.empty((len(self.experts), *first.shape), dtype=first.dtype, device=first.device)
+                for e, expert in enumerate(self.experts):  # copy_, not torch.stack: fp8 included everywhere
+                    stack[e].copy_(getattr(getattr(expert, proj), name).data)
+                    setattr(getattr(expert, proj), name, nn.Parameter(stack[e], requires_grad=False))
+                self._stacks[f"{proj}.{name}"] = stack
+
+    def _stacked(self) -> dict[str, torch.Tensor]:
+        """The stacks, gathered again if the experts' parameters stopped being their views (a ``.to()``
+        after construction replaces every parameter's storage)."""
+        last = len(self.experts) - 1
+        for key, stack in self._stacks.items():
+            proj, name = key.split(".")
+            for e in (0, last):
+                p = getattr(getattr(self.experts[e], proj), name)
+                if p.device != stack.device or p.dtype != stack.dtype or p.data_ptr() != stack[e].data_ptr():
+                    self._stacks.clear()
+                    self._stack_experts()
+                    return self._stacks
+        return self._stacks
+
+    def expert_weights(self):
+        """The stacked gate/up and down projections in the fused kernel's terms (``ExpertWeights``)."""
+        from tandem.kernels.fused_moe import ExpertWeights
+
+        stacks, out = self._stacked(), []
+        for proj in ("gate_up_proj", "down_proj"):
+            fmt = getattr(self.experts[0], proj).quant
+            if isinstance(fmt, Int4GroupFormat):
+                out.append(ExpertWeights(stacks[f"{proj}.weight_packed"], stacks[f"{proj}.weight_scale"],
+                                         (1, fmt.group_size)))
+            elif isinstance(fmt, Fp8BlockFormat):
+                out.append(ExpertWeights(stacks[f"{proj}.weight"], stacks[f"{proj}.weight_scale_inv"], fmt.block))
+            else:
+                out.append(ExpertWeights(stacks[f"{proj}.weight"]))
+        return tuple(out)
+
+    def routed_reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed experts' sum, one expert at a time (reads the routing on the host)."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             y = self.experts[e].partial(x[token])
             out.index_add_(0, token, (y.float() * weights[token, slot, None]).to(x.dtype))
+        return out
+
+    def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same share from the fused kernel (device-side grouping, no host synchronisation)."""
+        from tandem.kernels.fused_moe import fused_moe
+
+        gate_up, down = self.expert_weights()
+        return fused_moe(x, gate_up, down, weights, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        routed = self.routed_fused if use_triton(x) else self.routed_reference
+        out = routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts.partial(x)
         return all_reduce(out)

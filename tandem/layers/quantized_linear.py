@@ -4,9 +4,11 @@ checkpoint stores them, sharded along whole blocks/groups, dequantized per call 
 A format is attached to a layer of tandem/layers/linear.py as ``quant`` (``make_format``). It
 registers its tensors on the layer under their checkpoint names (so the loader finds and expects
 them), loads each through the layer's row/column ``Span``s scaled to the tensor's units, and computes
-``x Wᵀ + b`` by dequantizing this rank's weight in float32 (``apply``) — W is never held dequantized.
-GPU kernels (W4A16, FP8 block) replace ``apply`` later; the layout and the ``dequantize_*`` functions,
-which take any leading dims (a stack of experts), are what they and the MoE layer build on: a layer
+``x Wᵀ + b`` (``apply``) — W is never held dequantized. On the GPU ``apply`` runs the W4A16 / W8A16
+Triton kernels (tandem/kernels/dequant_gemm.py), which dequantize tiles of this very layout in
+registers; on the CPU it dequantizes this rank's weight for the call (float32 products, rounded to the
+activation dtype), the reference the kernels are tested against. The layout and the ``dequantize_*``
+functions take any leading dims (a stack of experts, tandem/layers/moe.py); a layer
 using a format provides ``row_spans()`` and ``cols`` (``Span``s, as the linear layers do); a stack of
 experts passes ``leading=(num_experts,)`` to ``create`` and ``expert=e`` to ``load``.
 """
@@ -21,6 +23,7 @@ from torch import nn
 
 from tandem.distributed import tp_group
 from tandem.errors import ConfigError
+from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import ShapeMismatch, Span, check_shape
 from tandem.models.quantization import Fp8Block, Int4Group, QuantConfig
 
@@ -146,6 +149,13 @@ class Fp8BlockFormat(QuantFormat):
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(layer.weight, layer.weight_scale_inv, self.block, dtype)
 
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if use_triton(x):
+            from tandem.kernels.dequant_gemm import fp8_block_linear
+
+            return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+        return super().apply(layer, x, bias)
+
 
 class Int4GroupFormat(QuantFormat):
     def __init__(self, name: str, scheme: Int4Group):
@@ -163,6 +173,13 @@ class Int4GroupFormat(QuantFormat):
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(layer.weight_packed, layer.weight_scale, self.shape[1], self.group_size, dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if use_triton(x):
+            from tandem.kernels.dequant_gemm import int4_linear
+
+            return int4_linear(x, layer.weight_packed, layer.weight_scale, self.group_size, bias)
+        return super().apply(layer, x, bias)
 
 
 def _scaled(span: Span, unit: int) -> Span:

@@ -1,0 +1,165 @@
+"""``y = x Wᵀ (+ b)`` with W quantized as the checkpoint stores it, dequantized tile by tile in the kernel:
+W4A16 (compressed-tensors INT4 ``pack-quantized``, one scale per group of input columns) and W8A16
+(FP8 e4m3 with one ``scale_inv`` per block), for bf16, fp16 or float32 activations.
+
+One kernel serves every row count. Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows
+and walks K, multiplying the activation tile with the dequantized weight tile on the tensor cores
+(``tl.dot``, float32 accumulation); the ``rows`` variant (one row per program, CUDA-core products into
+a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as tandem/kernels/gemv.py's one-row kernel)
+skips the tensor cores' shared-memory round trip for a single row. A decode or verify step (a few rows) is a GEMV: the rows are padded
+to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
+hundred rows takes GEMM tiles. Where even 16-row N tiles leave the GPU's SMs without programs (a
+tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x 7168), K is split too: each split writes
+float32 partial sums, summed in order afterwards (deterministic), then the bias and one rounding.
+float32 activations multiply in full precision (``ieee``), not tf32.
+Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.dequant_tiles import FP8, INT4, interpreting, weight_tile, whole_groups
+from tandem.kernels.pdl import pdl_enter, pdl_launch
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1
+    kernel: str = "dot"  # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1
+
+    def __post_init__(self):
+        if self.kernel not in ("dot", "rows") or (self.kernel == "rows") != (self.block_m == 1):
+            raise ValueError(f"DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1; got {self}")
+
+
+PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> DequantConfig:
+    """Few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED programs)
+    and wide K steps, so that enough loads are in flight to stream the weight; more rows: wider tiles
+    that reuse each dequantized weight tile for more rows. float32 (full-precision products, no tensor
+    cores) takes small tiles that fit in registers. bench/sections_quant.py times alternatives."""
+    if dtype == torch.float32:
+        return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
+    if m <= 16:
+        block_n, block_k = (32 if triton.cdiv(n, 32) >= PROGRAMS_WANTED else 16), 256
+        programs, split = triton.cdiv(n, block_n) * triton.cdiv(m, 16), 1
+        while programs * split < PROGRAMS_WANTED // 2 and k // (2 * split) >= 2 * block_k:
+            split *= 2
+        return DequantConfig(16, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+    if m <= 64:
+        return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
+    return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _dequant_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
+    K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    WHOLE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``K_SPLIT``: the columns one program covers (all of K, or one split's share, written as float32
+    partial sums at ``y_ptr + split * stride_ys``)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, N - 1)  # the last tile re-reads valid rows; only its store is masked
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    pdl_enter(PDL)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc_k = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        k = pid_s * K_SPLIT + kk
+        offs_k = k + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = weight_tile(FORMAT, w_ptr, s_ptr, rows_n, k, K, stride_wn, stride_sn, S_ROWS, S_COLS, BLOCK_K,
+                        WHOLE_GROUPS).to(xv.dtype)
+        if not USE_DOT:  # BLOCK_M == 1: xv is [1, BLOCK_K]
+            acc_k += w.to(tl.float32) * tl.reshape(xv, [BLOCK_K, 1]).to(tl.float32)
+        elif INTERPRET:  # the interpreter's tl.dot mishandles bf16 (raw uint16); the products are exact in fp32
+            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, w, acc, input_precision=PRECISION)
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc_k, axis=0), [1, BLOCK_N])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
+    if w.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("quantized linear kernels need the weight and scale rows contiguous")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*lead, n)
+    cfg = config or default_config(m, n, k, x.dtype)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    _dequant_matmul_kernel[grid](
+        x2, w, s, bias if bias is not None else s, target, m, n, x2.stride(0), w.stride(0), s.stride(0),
+        target.stride(-2), target.stride(0) if split > 1 else 0,
+        K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
+        WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.kernel == "dot",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
+    )
+    if split > 1:
+        total = target.sum(0)
+        y.copy_(total + bias.float() if bias is not None else total)
+    return y.view(*lead, n)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, config: DequantConfig | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A16: ``x [..., K]`` times ``W [N, K]`` given as ``packed [N, ceil(K/8)]`` int32 and
+    ``scale [N, ceil(K/group_size)]`` float32 → ``[..., N]`` in x's dtype."""
+    n, k = packed.shape[0], x.shape[-1]
+    if packed.dtype != torch.int32 or packed.shape[1] != triton.cdiv(k, 8) or group_size % 8:
+        raise ValueError(f"int4_linear: packed {tuple(packed.shape)} {packed.dtype} does not hold [{n}, {k}] int4")
+    if tuple(scale.shape) != (n, triton.cdiv(k, group_size)):
+        raise ValueError(f"int4_linear: scale {tuple(scale.shape)}, expected {(n, triton.cdiv(k, group_size))}")
+    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None, config: DequantConfig | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16: ``x [..., K]`` times ``W = weight * scale_inv`` (e4m3 ``[N, K]``, float32 ``scale_inv``
+    ``[ceil(N/bn), ceil(K/bk)]``) → ``[..., N]`` in x's dtype."""
+    n, k = weight.shape
+    expected = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if k != x.shape[-1] or weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
+        raise ValueError(f"fp8_block_linear: weight {tuple(weight.shape)} {weight.dtype}, scale_inv "
+                         f"{tuple(scale_inv.shape)} (expected {expected}) for x [..., {x.shape[-1]}]")
+    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out)

@@ -1,0 +1,253 @@
+"""The quantized linear kernels and the fused MoE on a real GPU at serving shapes (Kimi-K2.5's experts: hidden
+7168, intermediate 2048, 384 experts top-8, and their TP 8 share; Llama-3.1-8B's MLP: 4096 x 14336), bf16
+activations (fp16 and float32 too for the linears), against dequantize-then-matmul references in float32:
+INT4 unpacked by ``compressed-tensors``' own ``unpack_from_int32``, FP8 blocks multiplied out here. Then
+each kernel captured in a CUDA graph and replayed with new inputs (new activations, new routing).
+Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # before importing triton kernels: nothing here may run on the CPU
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
+
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+GROUP, BLOCK = 32, (128, 128)
+# (N, K): Kimi gate/up and down of one expert, their TP 8 share, the 8B shape's fused gate/up and down
+SHAPES = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (28672, 4096), (4096, 14336)]
+ROWS = [1, 4, 64, 256]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def random_int4(n: int, k: int, seed: int, leading: tuple[int, ...] = ()):
+    """Random packed words (every bit pattern is a valid packing) and scales of a ~0.02-std weight."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(-2**31, 2**31 - 1, (*leading, n, k // 8), generator=g, device="cuda", dtype=torch.int32)
+    scale = torch.rand(*leading, n, k // GROUP, generator=g, device="cuda") * 0.008 + 0.001
+    return packed, scale
+
+
+def int4_reference_weight(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    n, k = packed.shape[0], packed.shape[1] * 8
+    q = unpack_from_int32(packed, 4, torch.Size((n, k))).float()
+    return (q * scale.repeat_interleave(GROUP, -1)).to(dtype)
+
+
+def fp8_reference_weight(w: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    n, k = w.shape
+    scale = scale_inv.repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
+    return (w.float() * scale).to(dtype)
+
+
+def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float().t()  # float32, no tf32 (torch's default for matmul)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int4_linear(n, k, rows):
+    packed, scale = random_int4(n, k, seed=n + k)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    y = int4_linear(x, packed, scale, GROUP)
+    assert y.dtype == torch.bfloat16 and rel_err(y, product(x, int4_reference_weight(packed, scale))) < 5e-3
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fp8_block_linear(n, k, rows):
+    w = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    y = fp8_block_linear(x, w, scale_inv, BLOCK)
+    assert rel_err(y, product(x, fp8_reference_weight(w, scale_inv))) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_linear_kernels_take_fp16_and_fp32_activations(dtype, rows):
+    n, k = 4096, 7168
+    packed, scale = random_int4(n, k, seed=9)
+    w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    y4 = int4_linear(x, packed, scale, GROUP)
+    assert y4.dtype == dtype and rel_err(y4, product(x, int4_reference_weight(packed, scale, dtype))) < tol
+    y8 = fp8_block_linear(x, w8, scale_inv, BLOCK)
+    assert rel_err(y8, product(x, fp8_reference_weight(w8, scale_inv, dtype))) < tol
+
+
+def moe_reference(x, gate_up_w, down_w, route, ids):
+    """Float32 loop over the experts the tokens chose; ``*_w(e)`` give expert e's bf16 weights."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device="cuda")
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = product(x[token], gate_up_w(e)).to(x.dtype).float().chunk(2, dim=-1)
+        act = (F.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+        out.index_add_(0, token, product(act, down_w(e)).to(x.dtype).float() * route[token, slot, None])
+    return out
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(tokens, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices
+    return torch.rand(tokens, top_k, generator=g, device="cuda"), ids
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("experts,inter", [(384, 2048), (384, 256)], ids=["kimi", "kimi-tp8"])
+def test_fused_moe_int4_kimi_experts(experts, inter, tokens):
+    hidden, top_k = 7168, 8
+    gate_up = ExpertWeights(*random_int4(2 * inter, hidden, seed=1, leading=(experts,)), (1, GROUP))
+    down = ExpertWeights(*random_int4(hidden, inter, seed=2, leading=(experts,)), (1, GROUP))
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    route, ids = routing(tokens, experts, top_k, seed=tokens)
+    y = fused_moe(x, gate_up, down, route, ids)
+    ref = moe_reference(x, lambda e: int4_reference_weight(gate_up.weight[e], gate_up.scale[e]),
+                        lambda e: int4_reference_weight(down.weight[e], down.scale[e]), route, ids)
+    assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])  # 300 x 8 slots: grouped by torch ops, not the one-program kernel
+def test_fused_moe_bf16_experts(tokens):
+    experts, hidden, inter, top_k = 64, 7168, 2048, 8
+    gate_up = ExpertWeights(torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02)
+    down = ExpertWeights(torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    route, ids = routing(tokens, experts, top_k, seed=tokens)
+    y = fused_moe(x, gate_up, down, route, ids)
+    ref = moe_reference(x, lambda e: gate_up.weight[e], lambda e: down.weight[e], route, ids)
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_fused_moe_fp8_experts():
+    experts, hidden, inter, top_k, tokens = 32, 7168, 2048, 8, 16
+    def fp8(n, k):
+        return ExpertWeights((torch.randn(experts, n, k, device="cuda") * 50).to(torch.float8_e4m3fn),
+                             torch.rand(experts, n // 128, k // 128, device="cuda") * 2e-4, BLOCK)
+    gate_up, down = fp8(2 * inter, hidden), fp8(hidden, inter)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    route, ids = routing(tokens, experts, top_k, seed=3)
+    y = fused_moe(x, gate_up, down, route, ids)
+    ref = moe_reference(x, lambda e: fp8_reference_weight(gate_up.weight[e], gate_up.scale[e]),
+                        lambda e: fp8_reference_weight(down.weight[e], down.scale[e]), route, ids)
+    assert rel_err(y, ref) < 1e-2
+
+
+def _capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n", [4096, 512], ids=["n4096", "n512-split-k"])
+def test_linear_kernels_replay_in_a_cuda_graph(rows, n):
+    k = 7168
+    packed, scale = random_int4(n, k, seed=5)
+    w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    graph, (y4, y8) = _capture(lambda: (int4_linear(x, packed, scale, GROUP),
+                                        fp8_block_linear(x, w8, scale_inv, BLOCK)))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y4, int4_linear(x, packed, scale, GROUP))
+        assert torch.equal(y8, fp8_block_linear(x, w8, scale_inv, BLOCK))
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(tokens):
+    experts, hidden, inter, top_k = 384, 7168, 256, 8
+    gate_up = ExpertWeights(*random_int4(2 * inter, hidden, seed=1, leading=(experts,)), (1, GROUP))
+    down = ExpertWeights(*random_int4(hidden, inter, seed=2, leading=(experts,)), (1, GROUP))
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    route, ids = routing(tokens, experts, top_k, seed=0)
+    graph, y = _capture(lambda: fused_moe(x, gate_up, down, route, ids))
+    for seed in range(1, 4):
+        new_route, new_ids = routing(tokens, experts, top_k, seed=seed)
+        x.copy_(torch.randn_like(x))
+        route.copy_(new_route)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, fused_moe(x, gate_up, down, route, ids))
+
+
+def test_moe_layer_takes_the_fused_path_on_the_gpu():
+    """The layer on CUDA (fused kernel) against its own reference loop, DeepSeek-V3-style grouped routing."""
+    from tandem.engine.model_runner import default_dtype
+    from tandem.layers.moe import MoE
+    from tandem.models.deepseek_config import MoeConfig
+
+    cfg = MoeConfig(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+                    first_k_dense_replace=0, moe_layer_freq=1, n_group=8, topk_group=3, norm_topk_prob=True,
+                    routed_scaling_factor=2.5)
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        moe = MoE(2048, cfg, None, "model.layers.1.mlp.")
+    for p in moe.parameters():
+        p.data.normal_(0, 0.02)
+    x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
+    weights, ids = moe.gate(x)
+    assert rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-2
+    assert moe.experts[3].down_proj.weight.data_ptr() == moe.expert_weights()[1].weight[3].data_ptr()
+
+
+@pytest.mark.parametrize("case", ["deepseek-int4", "deepseek-fp8", "llama-int4"])
+def test_quantized_engines_on_the_gpu_equal_their_float32_twins_on_the_cpu(case, tmp_path):
+    """Whole models through the kernels: tiny quantized checkpoints (INT4 packed by compressed-tensors, FP8
+    block-wise) served on the GPU in float32 (the kernels' full-precision products; the fused MoE for the
+    DeepSeek experts) against a CPU engine on the dequantized float32 twin: prompt logits and greedy output."""
+    pytest.importorskip("transformers")
+    from helpers import random_prompt
+    from quantized_checkpoints import write_quantized_llama
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape
+    from tandem.sampling import SamplingParams
+
+    family, method = case.split("-")
+    if family == "deepseek":
+        from deepseek_checkpoints import write_deepseek
+        from quantized_deepseek_checkpoints import write_quantized_deepseek
+
+        write_deepseek(tmp_path / "src", seed=5, num_hidden_layers=3)
+        write_quantized_deepseek(tmp_path / "src", tmp_path / "q", tmp_path / "twin", method)
+        vocab = 512
+    else:
+        shape = LlamaShape(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                           num_kv_heads=2)
+        write_quantized_llama(tmp_path / "q", tmp_path / "twin", shape, method, seed=4)
+        vocab = 256
+    prompt = random_prompt(92, 13, vocab)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    results = []
+    for folder, kw in ((tmp_path / "q", {"device": "cuda", "dtype": "float32"}), (tmp_path / "twin", {})):
+        with LLMEngine(EngineConfig(model=str(folder), page_size=8, **kw)) as eng:
+            greedy = eng.generate([prompt], params)[0].output_token_ids
+            results.append((eng.prompt_logits(prompt).float().cpu(), greedy))
+    (gpu_logits, gpu_greedy), (cpu_logits, cpu_greedy) = results
+    assert rel_err(gpu_logits, cpu_logits) < 1e-4
+    assert gpu_greedy == cpu_greedy
