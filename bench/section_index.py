@@ -14,6 +14,6 @@ from sections_rest import rest, rest_demo
 from sections_scaling import service, tp
 
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal, "batch": batch, "rest": rest,
-            "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo, "overlap": overlap,
-            "decode_overlap": decode_overlap, "round_glue": round_glue}
-SECTIONS["quant_kernels"] = quant_kernels
+            "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo,
+            "overlap": overlap, "decode_overlap": decode_overlap, "round_glue": round_glue,
+            "quant_kernels": quant_kernels}
