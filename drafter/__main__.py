@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from tandem.demo import ensure_demo_draft, ensure_demo_target
+        from tandem.model_source import resolve_model
 
-        target = args.target_model or str(ensure_demo_target())
+        target = resolve_model(args.target_model) if args.target_model else str(ensure_demo_target())
         draft = shared.resolve_speculative(args, target).draft_model or str(ensure_demo_draft())
         cfg = DrafterServiceConfig.from_args(args, draft, target)
     except TandemError as e:

@@ -69,8 +69,10 @@ class Flag:
 
 
 e = EngineConfig
-MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model folder (Hugging Face format; "
-                                                                   "default: the embedded demo target)"))
+MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model: a folder (Hugging Face format) or "
+                                                                   "a Hugging Face id resolved through its cache "
+                                                                   "(default: the embedded demo target)"))
+REVISION = Flag(("--revision",), dict(default=None, help="the target's revision, with a Hugging Face id (default: main)"))
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
 TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "-tp"),
                dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
@@ -204,6 +206,10 @@ def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> 
             raise ConfigError(f"--speculative-config and {', '.join(given)} both set the draft: give one or the other")
         draft, steps = _from_speculative_config(args.speculative_config, target)
         topk, tokens, requested = 1, steps + 1, True
+    if draft is not None and draft != "none":  # (tandem up's "none": no draft)
+        from tandem.model_source import resolve_model
+
+        draft = resolve_model(draft)
     steps = DEFAULT_NUM_STEPS if steps is None else steps
     topk = DEFAULT_TOPK if topk is None else topk
     if tokens is None:
@@ -265,7 +271,18 @@ def resolve_device(device: str) -> str:
     return picked
 
 
+def resolve_target(args: argparse.Namespace) -> str | None:
+    """The target folder ``--model`` (with ``--revision``) names, or None when none is given (the demo's)."""
+    if args.model is None:
+        return None
+    from tandem.model_source import resolve_model
+
+    return resolve_model(args.model, getattr(args, "revision", None))
+
+
 def served_name(model_dir: str, served_model_name: str | None) -> str:
-    """The model's name to clients and in metrics: --served-model-name, else the folder's name (never
-    its path, which is the server's business)."""
-    return served_model_name or Path(model_dir).resolve().name
+    """The model's name to clients and in metrics: --served-model-name, else the Hugging Face id of a cache
+    snapshot, else the folder's name (never its path, which is the server's business)."""
+    from tandem.model_source import hub_id
+
+    return served_model_name or hub_id(model_dir) or Path(model_dir).resolve().name

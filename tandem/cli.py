@@ -16,7 +16,7 @@ from tandem.errors import TandemError
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
                        formatter_class=shared.HelpFormatter)
-    shared.add(p, shared.MODEL, shared.TP_SIZE, shared.DEVICE)
+    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE)
     shared.add_speculative(p)
     shared.add(p, *shared.ENGINE_FLAGS)
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -53,6 +53,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from tandem.sampling import SamplingParams
     from tandem.tokenizer import TextTokenizer
 
+    args.model = shared.resolve_target(args)
     if args.model is None:
         from tandem.demo import ensure_demo_target
 

@@ -72,7 +72,7 @@ class Child:
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    shared.add(p, shared.MODEL, shared.TP_SIZE, shared.DEVICE)
+    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE)
     shared.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
                                          "no speculation; 'none' turns it off for the demo)")
     p.add_argument("--drafter", choices=["service", "in-process"], default="service",
@@ -117,8 +117,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     """The three services' command lines, every user spelling turned into the services' own flags."""
     from tandem.demo import ensure_demo_draft, ensure_demo_target
 
-    model = args.model or str(ensure_demo_target())
-    speculative = shared.resolve_speculative(args, model)
+    speculative = shared.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
+    model = shared.resolve_target(args) or str(ensure_demo_target())
     draft = speculative.draft_model
     if draft is None and args.model is None:
         draft = str(ensure_demo_draft())

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model = args.model
+        model = shared.resolve_target(args)
         if model is None:
             from tandem.demo import ensure_demo_target
 

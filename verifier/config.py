@@ -65,7 +65,7 @@ class VerifierConfig:
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         e = EngineConfig
-        shared.add(p, shared.MODEL)
+        shared.add(p, shared.MODEL, shared.REVISION)
         p.add_argument("--served-model-name", default=None, help="the model's name in metrics (default: the folder's)")
         shared.add(p, shared.TP_SIZE, shared.DEVICE)
         p.add_argument("--page-size", "--block-size", type=int, default=e.page_size, help="tokens per KV page")

@@ -1,0 +1,79 @@
+"""Models named as users name them: a Hugging Face id (and --revision) resolved through the Hugging Face
+cache (huggingface_hub's own layout, written here as the hub writes it: refs/<revision> holds the commit,
+snapshots/<commit>/ the files), served under the id, a clear error naming the id and the cache when the cache
+does not have it (offline); local folders as before."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tandem.errors import ConfigError
+from tandem.model_source import hub_id, resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+@pytest.fixture()
+def llama(checkpoint) -> Path:
+    return Path(checkpoint("llama").path)
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch, llama):
+    """A Hugging Face cache holding the tests' tiny Llama as org/tiny-llama at main and at a tag."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny-llama"
+    for commit, ref in ((COMMIT, "main"), (OTHER, "v1")):
+        shutil.copytree(llama, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repo
+
+
+def test_an_id_resolves_to_its_snapshot_and_is_served_under_it(hub):
+    from tandem.args import served_name
+
+    folder = resolve_model("org/tiny-llama")
+    assert Path(folder) == hub / "snapshots" / COMMIT and (Path(folder) / "config.json").is_file()
+    assert Path(resolve_model("org/tiny-llama", revision="v1")) == hub / "snapshots" / OTHER
+    assert hub_id(folder) == "org/tiny-llama" and served_name(folder, None) == "org/tiny-llama"
+    assert served_name(folder, "mine") == "mine"
+
+
+def test_an_id_the_cache_lacks_is_one_clear_error_offline(hub):
+    with pytest.raises(ConfigError, match=r"org/absent: not in the Hugging Face cache .*hub.* HF_HUB_OFFLINE"):
+        resolve_model("org/absent")
+    with pytest.raises(ConfigError, match="no such folder"):
+        resolve_model("./not-here")
+
+
+def test_local_folders_are_as_given(llama):
+    assert resolve_model(str(llama)) == str(llama)
+    with pytest.raises(ConfigError, match="--revision"):
+        resolve_model(str(llama), revision="main")
+
+
+def test_the_services_take_an_id(hub):
+    from verifier.__main__ import build_parser
+    from verifier.config import VerifierConfig
+
+    from tandem import args as shared
+
+    args = build_parser().parse_args(["--model", "org/tiny-llama", "--revision", "v1"])
+    model = shared.resolve_target(args)
+    assert Path(model) == hub / "snapshots" / OTHER
+    assert Path(VerifierConfig.from_args(args, model).engine.model) == hub / "snapshots" / OTHER
+    from gateway.config import build_parser as gateway_parser, config_from_args
+
+    cfg = config_from_args(gateway_parser().parse_args(["--verifier", "127.0.0.1:1", "--model-dir", "org/tiny-llama"]))
+    assert Path(cfg.model_dir) == hub / "snapshots" / COMMIT and cfg.model_name == "org/tiny-llama"
