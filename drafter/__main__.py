@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.demo import ensure_demo_draft, ensure_demo_target
         from tandem.model_source import resolve_model
 
-        target = resolve_model(args.target_model) if args.target_model else str(ensure_demo_target())
+        target = resolve_model(args.target_model, flag="--target-model") if args.target_model else str(ensure_demo_target())
         draft = shared.resolve_speculative(args, target).draft_model or str(ensure_demo_draft())
         cfg = DrafterServiceConfig.from_args(args, draft, target)
     except TandemError as e:

@@ -209,7 +209,7 @@ def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> 
     if draft is not None and draft != "none":  # (tandem up's "none": no draft)
         from tandem.model_source import resolve_model
 
-        draft = resolve_model(draft)
+        draft = resolve_model(draft, flag="--draft-model")
     steps = DEFAULT_NUM_STEPS if steps is None else steps
     topk = DEFAULT_TOPK if topk is None else topk
     if tokens is None:

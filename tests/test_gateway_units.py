@@ -139,4 +139,4 @@ def test_python_m_gateway_serves_logs_its_address_and_stops_on_sigterm():
 def test_bad_model_dir_is_one_line_error():
     r = subprocess.run([sys.executable, "-m", "gateway", "--verifier", "127.0.0.1:1", "--model-dir", "/nonexistent"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --model-dir /nonexistent: no such folder"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --model-dir /nonexistent: no such folder (nor a Hugging Face id, org/name)"]

@@ -51,7 +51,7 @@ def test_an_id_resolves_to_its_snapshot_and_is_served_under_it(hub):
 
 
 def test_an_id_the_cache_lacks_is_one_clear_error_offline(hub):
-    with pytest.raises(ConfigError, match=r"org/absent: not in the Hugging Face cache .*hub.* HF_HUB_OFFLINE"):
+    with pytest.raises(ConfigError, match=r"--model org/absent: not in the Hugging Face cache .*hub.* HF_HUB_OFFLINE"):
         resolve_model("org/absent")
     with pytest.raises(ConfigError, match="no such folder"):
         resolve_model("./not-here")
