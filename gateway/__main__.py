@@ -15,6 +15,7 @@ import sys
 
 from gateway.config import build_parser, config_from_args
 from gateway.server import Gateway
+from tandem import args as shared
 from tandem import tracing
 
 log = logging.getLogger("gateway")
@@ -35,7 +36,7 @@ async def serve(gateway: Gateway) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = shared.parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else open); /health and /metrics stay open")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
-    shared.add(p, *shared.GATEWAY_FLAGS)
+    shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
 

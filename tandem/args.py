@@ -156,6 +156,66 @@ SPEC_CONFIG = Flag(("--speculative-config",), dict(
 SPEC_SHAPE_FLAGS = (NUM_STEPS, EAGLE_TOPK, NUM_DRAFT_TOKENS)
 
 
+CONFIG = Flag(("--config",), dict(
+    default=None, metavar="FILE", help="flags from a YAML or JSON file, as vLLM's --config: keys are flag names "
+                                       "(model, tp-size or tp_size, ...), values their values; the command line wins"))
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
+               subcommand: bool = False) -> argparse.Namespace:
+    """``parser.parse_args`` with ``--config FILE`` expanded first: the file's flags go before the command
+    line's (after a ``subcommand``), so what the command line says wins."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" in argv or any(a.startswith("--config=") for a in argv):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        path = pre.parse_known_args(argv)[0].config
+        # after the subcommand: the first word that is not an option (the top level's options take no value)
+        at = next((i + 1 for i, a in enumerate(argv) if not a.startswith("-")), 0) if subcommand else 0
+        try:
+            argv = argv[:at] + config_argv(path) + argv[at:]
+        except ConfigError as e:
+            parser.error(str(e))
+    return parser.parse_args(argv)
+
+
+def config_argv(path: str) -> list[str]:
+    """A config file's flags as command-line words (true: the flag alone; false: left out; a list: its
+    values after the flag; an object: as JSON, e.g. --speculative-config)."""
+    text = Path(path).read_text() if Path(path).is_file() else None
+    if text is None:
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
+        raise ConfigError(f"--config {path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must map flag names to values")
+    words: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise ConfigError(f"--config {path}: a config file cannot name another")
+        if value is True:
+            words.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return words
+
+
 def add(p: argparse.ArgumentParser, *flags: Flag) -> None:
     for flag in flags:
         flag.add(p)

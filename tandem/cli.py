@@ -16,7 +16,7 @@ from tandem.errors import TandemError
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
                        formatter_class=shared.HelpFormatter)
-    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE)
+    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
     shared.add_speculative(p)
     shared.add(p, *shared.ENGINE_FLAGS)
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = shared.parse_args(build_parser(), argv, subcommand=True)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -72,7 +72,7 @@ class Child:
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE)
+    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
     shared.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
                                          "no speculation; 'none' turns it off for the demo)")
     p.add_argument("--drafter", choices=["service", "in-process"], default="service",

@@ -287,3 +287,37 @@ def test_stats_line_interval_flags(folders):
     assert _verifier(["--model", t, "--log-stats-interval", "2.5"]).log_stats_interval_s == 2.5
     assert _verifier(["--model", t, "--disable-log-stats"]).log_stats_interval_s == 0.0
     assert ">= 0" in _refused(["--model", t, "--log-stats-interval", "-1"])
+
+
+def test_a_config_file_gives_flags_and_the_command_line_wins(folders, tmp_path):
+    """vLLM's --config: a YAML (or JSON) file of flag names and values, for every command; explicit flags win
+    wherever they stand, a file that is not a mapping or names another config is refused."""
+    t, d = folders
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {t}\ndraft_model: {d}\nspeculative-num-steps: 5\nenforce-eager: true\n"
+                      f"max-num-seqs: 8\nspeculative_config: null\n")
+    from tandem import args as shared
+    from verifier.__main__ import build_parser as verifier_parser
+
+    v = _verifier_config(shared.parse_args(verifier_parser(), ["--config", str(config), "--max-num-seqs", "4"]))
+    assert (v.engine.model, v.draft_model, v.num_steps, v.engine.disable_cuda_graph, v.engine.max_running_requests) \
+        == (t, d, 5, True, 4)
+    v = _verifier_config(shared.parse_args(verifier_parser(), ["--max-num-seqs", "4", "--config", str(config)]))
+    assert v.engine.max_running_requests == 4  # the command line wins before the file's position too
+    up = shared.parse_args(build_parser(), ["up", "--config", str(config), "--port", "9000"], subcommand=True)
+    assert (up.model, up.draft_model, up.speculative_num_steps, up.port) == (t, d, 5, 9000)
+    as_json = tmp_path / "serve.json"
+    as_json.write_text(json.dumps({"model": t, "speculative-config": {"method": "eagle3", "model": d,
+                                                                        "num_speculative_tokens": 2}}))
+    v = _verifier_config(shared.parse_args(verifier_parser(), ["--config", str(as_json)]))
+    assert (v.draft_model, v.num_steps, v.num_draft_tokens) == (d, 2, 3)
+    for bad in ("- just\n- a list\n", "config: other.yaml\n", "model: [unclosed\n"):
+        config.write_text(bad)
+        with pytest.raises(SystemExit):
+            shared.parse_args(verifier_parser(), ["--config", str(config)])
+
+
+def _verifier_config(args):
+    from verifier.config import VerifierConfig
+
+    return VerifierConfig.from_args(args, args.model)

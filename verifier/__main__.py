@@ -17,11 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model",
                                      formatter_class=shared.HelpFormatter)
     VerifierConfig.add_arguments(parser)
+    shared.add(parser, shared.CONFIG)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = shared.parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model = shared.resolve_target(args)
