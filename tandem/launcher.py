@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -91,6 +92,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-port", type=int, default=None, help="the drafter's gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the verifier's Prometheus port (default: a free one; the gateway's /metrics relays it)")
+    for service in ("verifier", "drafter", "gateway"):  # every other setting of a service, passed through as given
+        p.add_argument(f"--{service}-args", default="", metavar="'FLAGS'",
+                       help=f"more flags for python -m {service}, e.g. --{service}-args '--log-level debug' (they come "
+                            "last: they win)")
     p.add_argument("--drafter-metrics-port", type=int, default=None,
                    help="the drafter service's Prometheus port (default: off)")
     shared.add(p, *shared.GATEWAY_FLAGS)
@@ -148,7 +153,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, *device,
                                               "--port", str(ports["drafter"]), *speculative.argv(),
                                               *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
-                                              *reload_root, *drafter_metrics]))
+                                              *reload_root, *drafter_metrics, *shlex.split(args.drafter_args)]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
                           *_passthrough(args, shared.ENGINE_FLAGS), *tracing]
@@ -161,12 +166,12 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         verifier_argv += ["--capture-traffic", args.capture_traffic]
     if args.log_stats_interval is not None:
         verifier_argv += ["--log-stats-interval", str(args.log_stats_interval)]
-    children.append(Child("verifier", verifier_argv))
+    children.append(Child("verifier", verifier_argv + shlex.split(args.verifier_args)))
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
                                            str(args.grpc_port), "--served-model-name", name, *tracing,
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
-                                           *_passthrough(args, shared.GATEWAY_FLAGS)]))
+                                           *_passthrough(args, shared.GATEWAY_FLAGS), *shlex.split(args.gateway_args)]))
     return UpPlan(children, ports, model, name, draft)
 
 

@@ -254,6 +254,20 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     assert dr.metrics_port == 7
 
 
+def test_up_passes_any_other_service_flag_through(folders):
+    from drafter.__main__ import build_parser as drafter_parser
+    from gateway.config import build_parser as gateway_parser
+    from verifier.__main__ import build_parser as verifier_parser
+
+    t, d = folders
+    argvs = _argvs(_up(["--model", t, "--draft-model", d, "--verifier-args", "--max-waiting-requests 7 --ring-rows 4096",
+                        "--drafter-args", "--max-topk 4", "--gateway-args", "--log-level debug"]))
+    v = verifier_parser().parse_args(argvs["verifier"][3:])
+    assert (v.max_waiting_requests, v.ring_rows) == (7, 4096)
+    assert drafter_parser().parse_args(argvs["drafter"][3:]).max_topk == 4
+    assert gateway_parser().parse_args(argvs["gateway"][3:]).log_level == "debug"
+
+
 def test_up_drafter_in_process_starts_no_drafter(folders):
     t, d = folders
     argvs = _argvs(_up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--spec-rounds", "2"]))
