@@ -17,6 +17,16 @@ MAX_N = 16  # each choice is a whole generation on the verifier: a bound keeps o
 ENGINE_FIELDS = {
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": lambda v: v is None or v is False,
+    # guided decoding and token restrictions (vLLM's extensions): no grammar or mask in the engine
+    **{name: (lambda v: v is None) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                "guided_decoding_backend", "structured_outputs")},
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: v is None,
+    # OpenAI's legacy function calling: as tools, there is no call parser (gateway/chat_request.py)
+    "functions": lambda v: not v,
+    "function_call": lambda v: v is None or v == "none",
+    "chat_template": lambda v: v is None,  # a request's own template: only the model's renders
 }
 
 

@@ -279,6 +279,11 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/completions", "prompt_logprobs", 1), ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "echo", True), ("/v1/completions", "skip_special_tokens", "no"),
     ("/v1/completions", "include_stop_str_in_output", 1),
+    ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a", "b"]),
+    ("/v1/completions", "guided_regex", "a+"), ("/v1/completions", "bad_words", ["x"]),
+    ("/v1/completions", "allowed_token_ids", [1, 2]), ("/v1/completions", "truncate_prompt_tokens", 8),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]), ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
 ])
 def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
