@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from tandem.model_source import resolve_model
 
-    return GatewayConfig(verifier=args.verifier, model_dir=resolve_model(args.model_dir, flag="--model-dir"), host=args.host, port=args.port,
+    return GatewayConfig(verifier=args.verifier, model_dir=resolve_model(args.model_dir, flag="--model-dir", weights=False), host=args.host, port=args.port,
                          grpc_port=args.grpc_port, served_model_name=args.served_model_name,
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,

@@ -77,3 +77,32 @@ def test_the_services_take_an_id(hub):
 
     cfg = config_from_args(gateway_parser().parse_args(["--verifier", "127.0.0.1:1", "--model-dir", "org/tiny-llama"]))
     assert Path(cfg.model_dir) == hub / "snapshots" / COMMIT and cfg.model_name == "org/tiny-llama"
+
+
+def test_a_bin_only_head_is_served_from_a_safetensors_copy(tmp_path, monkeypatch, checkpoint):
+    """Published EAGLE-3 heads often ship pytorch_model.bin: the folder resolves to a copy holding the same
+    tensors as safetensors (made once), which validates against its target as the original does."""
+    import torch
+    from safetensors.torch import load_file
+
+    from draft_checkpoints import make_draft
+    from tandem.models.config import ModelConfig
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    target = ModelConfig.from_dir(checkpoint("llama", num_hidden_layers=6).path)
+    original = tmp_path / "head-st"
+    make_draft(original, target, seed=4)
+    tensors = load_file(str(original / "model.safetensors"))
+    published = tmp_path / "head-bin"
+    shutil.copytree(original, published)
+    (published / "model.safetensors").unlink()
+    torch.save(tensors, published / "pytorch_model.bin")
+
+    served = Path(resolve_model(str(published), flag="--draft-model"))
+    assert served != published and not list(served.glob("*.bin"))
+    converted = load_file(str(served / "model.safetensors"))
+    assert converted.keys() == tensors.keys() and all(torch.equal(converted[k], tensors[k]) for k in tensors)
+    assert validate_draft(DraftConfig.from_dir(served), target) == validate_draft(DraftConfig.from_dir(original), target)
+    assert resolve_model(str(published)) == str(served)  # made once
+    assert resolve_model(str(original)) == str(original)  # safetensors: as given
