@@ -96,12 +96,15 @@ NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
 CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
     type=int, default=e.chunked_prefill_size, help="prompt tokens prefilled per step: a longer prompt is prefilled in "
                                                    "chunks beside the decoding requests; -1: prompts go whole"))
+DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
+    action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
+                              "pages of earlier requests that began with the same tokens)"))
 CONTEXT_LENGTH = Flag(("--context-length",), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP, CHUNKED_PREFILL, CONTEXT_LENGTH)
+                NO_OVERLAP, CHUNKED_PREFILL, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
 

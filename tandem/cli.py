@@ -44,7 +44,8 @@ def generate_settings(args: argparse.Namespace) -> tuple:
                        max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
                        spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs,
-                       chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length)
+                       chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
+                       enable_prefix_caching=not args.disable_prefix_caching)
     return cfg, speculative
 
 

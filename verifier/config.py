@@ -121,7 +121,8 @@ class VerifierConfig:
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
-                              chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length)
+                              chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
+                              enable_prefix_caching=not a.disable_prefix_caching)
         # Asked for as SGLang users do, speculation without a drafter service runs the head in this process.
         drafter = IN_PROCESS if spec.requested and a.drafter is None else a.drafter
         return cls(engine=engine, host=a.host, port=a.port, drafter=drafter, draft_model=spec.draft_model,

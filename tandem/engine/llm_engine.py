@@ -29,6 +29,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
+from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams, make_generator, sample
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
@@ -55,7 +56,9 @@ class LLMEngine:
         self.executor = TargetExecutor(cfg)
         self.model_config = self.executor.model_config
         self.context_len = cfg.served_context(self.model_config.max_position_embeddings)  # --context-length
-        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed)
+        self.prefix_cache = PrefixCache(cfg.page_size) if cfg.enable_prefix_caching else None
+        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed,
+                                       cache=self.prefix_cache)
         self.scheduler = Scheduler(self.allocator, cfg.max_running_requests, cfg.chunked_prefill_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -313,6 +316,7 @@ class LLMEngine:
                 req.kv.truncate(req.num_tokens - 1)  # committed KV: everything but the newest token
             else:
                 req.finish_reason = reason
+                req.kv.commit(req.num_tokens - 1)  # every token but the newest has its KV (the cache keeps it)
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
