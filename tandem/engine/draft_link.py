@@ -5,6 +5,11 @@ each request; this keeps it in step with the target: extends after every step (p
 wait on the request and go in one extend before its next draft), drafts, releases, and recovers from
 a drafter that is lost (every request continues plainly) and comes back (long requests are recomputed
 by a prefill, which hands it their whole sequence). It never changes the target's output.
+
+With the prefix cache, a request whose prompt starts on cached target pages starts on the drafter's
+pages for the same tokens too (``attach``), and a request that leaves offers the drafter its full pages
+(``forget``), each named by tandem.prefix_cache.draft_page_keys. A proposer without these capabilities
+(``attach_prefix``, ``cache_prefix``) gets no draft state for such a request: it decodes plainly.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 
 import torch
 
+from tandem.prefix_cache import block_keys, draft_page_keys
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 
@@ -53,6 +59,23 @@ class DraftLink:
             return
         for req, _, _ in items:
             req.draft_ready = True
+
+    def attach(self, req, cached: int) -> bool:
+        """Before a request's first extend after its prompt started on ``cached`` tokens of cached target KV:
+        start the drafter on the same prefix, naming the pages of its whole prompt (which the drafter
+        caches as it fills them). → whether the request's features may go to the drafter."""
+        attach_prefix = getattr(self.proposer, "attach_prefix", None)
+        if self.engine.prefix_cache is None or attach_prefix is None or not self.up():
+            return cached == 0  # without the head's KV of the prefix the request does not speculate
+        tokens, ps = req.tokens, self.engine.cfg.page_size
+        keys = draft_page_keys(block_keys(tokens, ps, req.block_keys), tokens, ps)
+        try:
+            attach_prefix(req.rid, tokens[1 : cached + 1], keys)
+        except ProposerUnavailable as e:
+            self.lost(e)
+            return False
+        req.draft_ready = True  # it holds draft state now (forget releases it)
+        return True
 
     def hold(self, req, tokens: list[int], features: torch.Tensor) -> bool:
         """Keep (tokens, features) for the request's next draft instead of extending now; False when
@@ -142,8 +165,16 @@ class DraftLink:
             return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {self.engine.model_config.vocab_size})"
         return None
 
-    def forget(self, req) -> None:
+    def forget(self, req, keep_pages: bool = True) -> None:
+        """Release the request's draft state; ``keep_pages``: offer its full pages to the drafter's prefix
+        cache first (when the engine caches prefixes)."""
         if self.proposer is not None and req.draft_ready:
+            cache_prefix = getattr(self.proposer, "cache_prefix", None)
+            if keep_pages and cache_prefix is not None and self.engine.prefix_cache is not None and self.up():
+                if req.pending_extend:  # held features too: the cached pages are then whole
+                    self.extend([self.take_pending(req)])
+                tokens, ps = req.tokens, self.engine.cfg.page_size
+                cache_prefix(req.rid, draft_page_keys(block_keys(tokens, ps, req.block_keys), tokens, ps))
             self.proposer.release(req.rid)
         req.draft_ready = False
         self._drop_held(req)
@@ -154,7 +185,7 @@ class DraftLink:
         request costs each one wasted round."""
         log.warning("%s (requests %s): they continue without speculation", problem, ", ".join(r.rid for r in reqs))
         for req in reqs:
-            self.forget(req)
+            self.forget(req, keep_pages=False)  # its draft state may be what is broken
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
@@ -176,5 +207,5 @@ class DraftLink:
         for req in list(scheduler.running):
             left = req.params.max_new_tokens - len(req.output)
             if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
-                scheduler.requeue(req)
+                scheduler.requeue(req, recompute=True)
                 self.forget(req)

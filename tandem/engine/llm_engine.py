@@ -73,6 +73,7 @@ class LLMEngine:
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
+        self._finishing: list[Request] | None = None  # requests finished in the step now running (see _step)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -206,15 +207,28 @@ class LLMEngine:
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
-        with timer("accept"):
-            emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
-            for p in sched.prefill:
-                if not p.last:
-                    p.req.kv.commit(p.end)
-            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
-        with timer("draft_extend"):
-            self.drafts.extend([item for item in extend_items if not item[0].finished])
-            self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
+        # Requests finishing this step keep their draft state until the extend below: with the prefix cache,
+        # the drafter gets their last tokens and keeps their pages whole for a later turn.
+        self._finishing = []
+        try:
+            with timer("accept"):
+                emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
+                for p in sched.prefill:
+                    if not p.last:
+                        p.req.kv.commit(p.end)
+                outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
+                for p in sched.prefill:
+                    if p.last and not p.req.finished:
+                        self.scheduler.cache_committed(p.req)
+            with timer("draft_extend"):
+                last_turn = self.prefix_cache is not None
+                self.drafts.extend([item for item in extend_items if last_turn or not item[0].finished])
+                finishing, self._finishing = self._finishing, None
+                for req in finishing:
+                    self.drafts.forget(req)
+                self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
+        finally:
+            self._finishing = None
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
         # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
@@ -260,8 +274,11 @@ class LLMEngine:
         for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
             req, n = p.req, p.end - p.start
             observed.append((req.rid, p.start, range(token_row, token_row + n)))
-            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them).
-            if features is not None and req.spec is not None and (p.start == 0 or req.draft_ready):
+            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them); the
+            # first one computed starts the drafter on the cached prefix the prompt started on, if any.
+            first = p.start == req.prefix_hit
+            if (features is not None and req.spec is not None
+                    and (self.drafts.attach(req, p.start) if first else req.draft_ready)):
                 following = req.tokens[p.start + 1 : p.end + 1] + (emitted[req.rid] if p.last else [])
                 item = (req, following, features[token_row : token_row + n])
                 # While the batch decodes plainly the prompt waits for the request's first draft too; a
@@ -325,7 +342,10 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
-        self.drafts.forget(req)
+        if self._finishing is not None:  # inside a step: after its extend
+            self._finishing.append(req)
+        else:
+            self.drafts.forget(req)
         if self.traffic is not None:
             # A cancelled request keeps what the target wrote before (clients cancel at a stop string).
             if req.finish_reason == FinishReason.ABORT and not req.output:

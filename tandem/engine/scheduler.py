@@ -16,8 +16,8 @@ cannot grow (it is the most recently admitted), and a new prompt starts only whe
 
 With a prefix cache (tandem.prefix_cache), a prompt starts on the longest run of its full pages found
 cached (always leaving its last token to compute, which samples the first output token) and is
-prefilled from there, like a chunk after earlier chunks; a request that finishes or is preempted
-leaves its full committed pages in the cache.
+prefilled from there, like a chunk after earlier chunks; a prompt's full pages enter the cache once it
+is prefilled, and a request that finishes or is preempted leaves all its full committed pages there.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ class Scheduler:
             req.kv.reserve(end)
             if fresh:
                 self._started(req)
+                req.skip_prefix_cache = False
             budget -= end - start
             out.prefill.append(Prefill(req, start, end, last=end == n))
             if end < n:  # the rest goes in later steps; the request keeps the head of the queue
@@ -136,16 +137,18 @@ class Scheduler:
             self.running.append(req)
         return out
 
-    def requeue(self, req: Request) -> None:
+    def requeue(self, req: Request, recompute: bool = False) -> None:
         """Send a running request back to the front of the queue: its KV is recomputed by a prefill
-        (used to rebuild a reconnected drafter's state from the whole sequence)."""
+        (used to rebuild a reconnected drafter's state from the whole sequence). ``recompute``: from its
+        first token, not from cached pages (the prefill's features are what is wanted)."""
         if req in self.running:
             self._preempt(req)
+            req.skip_prefix_cache = recompute
 
     def _start_on_cache(self, req: Request) -> None:
         """Adopt the request's longest cached run of full pages, leaving at least its last token to compute."""
         req.prefix_hit = 0
-        if self.cache is not None:
+        if self.cache is not None and not req.skip_prefix_cache:
             usable = (req.num_tokens - 1) // self.allocator.page_size
             keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys)[:usable]
             pages = self.cache.match(keys)
@@ -159,11 +162,16 @@ class Scheduler:
         if req.cached_tokens is None:  # usage reports the first admission's
             req.cached_tokens = req.prefix_hit
 
-    def _release(self, req: Request) -> None:
-        """Free the request's pages, leaving its full committed ones in the prefix cache."""
+    def cache_committed(self, req: Request) -> None:
+        """Put the request's full committed pages in the prefix cache now (a prompt just prefilled: later
+        prompts that start the same way share them while it decodes; it keeps writing only past them)."""
         if self.cache is not None and req.kv.num_tokens:
             full = req.kv.full_pages
             self.cache.insert(block_keys(req.tokens, self.allocator.page_size, req.block_keys)[: len(full)], full)
+
+    def _release(self, req: Request) -> None:
+        """Free the request's pages, leaving its full committed ones in the prefix cache."""
+        self.cache_committed(req)
         req.kv.release()
 
     def _in_prefill(self) -> Request | None:

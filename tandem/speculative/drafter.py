@@ -14,6 +14,13 @@ engine and the drafter service use:
   state — in scratch KV slots after the committed ones, with a tree mask so a node sees its own
   ancestors but not its cousins. The scratch is dropped afterwards: drafting never changes
   committed state, so drafting twice gives the same tree.
+
+A request may start on a cached prefix (``attach_prefix``): the head's KV entry t depends only on tokens
+0..t+1 (through the target's feature at t), so its full pages of a finished or preempted request are kept
+in a prefix cache of its own (``cache_prefix``) under keys the engine derives from the tokens
+(tandem.prefix_cache.draft_page_keys), and a later request whose target KV starts on cached pages takes
+the head's pages for the same tokens from there. Entries it does not find (evicted here) are built from
+zero features: drafts from them are worse, never wrong (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tandem.models.eagle3 import Eagle3Head
 from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
 from tandem.models.eagle3_config import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
+from tandem.prefix_cache import PrefixCache
 from tandem.speculative.tree import DraftTree
 
 
@@ -92,6 +100,8 @@ class _Request:
     state: torch.Tensor | None = None  # [H] pre-norm output of the last extended row
     top_logp: torch.Tensor | None = None  # float32 [max_topk] log-probs of the root's best children
     top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
+    page_keys: list[bytes] | None = None  # prefix-cache keys of its pages, cached as extends fill them
+    pages_cached: int = 0  # of those, the pages already offered to the cache
 
 
 class Eagle3Drafter:
@@ -102,7 +112,8 @@ class Eagle3Drafter:
         self.backend = make_backend(cfg.attention_backend, self.device)
         num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
         self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
-        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed)
+        self.prefix_cache = PrefixCache(cfg.page_size)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed, cache=self.prefix_cache)
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, _Request] = {}
@@ -173,9 +184,55 @@ class Eagle3Drafter:
             req.kv.release()
 
     def release_all(self) -> None:
-        """Forget every request (a new verifier stream starts from nothing)."""
+        """Forget every request and every cached page (a new verifier stream starts from nothing)."""
         for rid in list(self._reqs):
             self.release(rid)
+        self.allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable))
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def cache_prefix(self, rid: str, page_keys: list[bytes]) -> None:
+        """Keep the request's full committed pages (``page_keys[p]`` names page p; keys past what it has are
+        ignored) for later requests that start with the same tokens; call before ``release``."""
+        req = self._reqs.get(rid)
+        if req is not None:
+            full = req.kv.full_pages[: len(page_keys)]
+            self.prefix_cache.insert(page_keys[: len(full)], full)
+
+    def _cache_filled(self, reqs: list[_Request]) -> None:
+        """Offer the cache the pages that extends have just filled, of requests that named their pages."""
+        for req in reqs:
+            if req.page_keys and req.pages_cached < len(req.page_keys):
+                full = min(len(req.page_keys), req.kv.num_tokens // self.cfg.page_size)
+                if full > req.pages_cached:
+                    start = req.pages_cached
+                    self.prefix_cache.insert(req.page_keys[start:full], req.kv.pages[start:full])
+                    req.pages_cached = full
+
+    @torch.inference_mode()
+    def attach_prefix(self, rid: str, tokens: list[int], page_keys: list[bytes]) -> int:
+        """Start a new request whose prompt may start on cached target KV: its draft entries for ``tokens``
+        (``x_1..x_c``, entry t pairing x_{t+1} with the target's feature at t; may be empty), its pages
+        named by ``page_keys`` (those of its whole prompt). Pages found cached are shared; the rest of the
+        c entries are built from zero features; later pages enter the cache as extends fill them. The
+        next ``extend`` goes on from entry c. → the entries found cached."""
+        if rid in self._reqs:
+            raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
+        ps = self.cfg.page_size
+        pages = self.prefix_cache.match(page_keys[: len(tokens) // ps])
+        kv = SequenceKV(self.allocator)
+        kv.adopt(pages)
+        self._reqs[rid] = _Request(kv, page_keys=list(page_keys), pages_cached=len(pages))
+        found = kv.num_tokens
+        self.prefix_cache.record(len(tokens), found)
+        if found < len(tokens):
+            missing = tokens[found:]
+            zeros = torch.zeros(len(missing), self.head.config.feature_width, dtype=self.dtype, device=self.device)
+            try:
+                self.extend([(rid, missing, zeros)])
+            except BaseException:
+                self.release(rid)
+                raise
+        return found
 
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -206,6 +263,7 @@ class Eagle3Drafter:
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
         if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
+            self._cache_filled(reqs)
             return None  # replayed the draft-extend graph (only requests already extended go there)
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
@@ -230,6 +288,7 @@ class Eagle3Drafter:
             req.root, req.state = tokens[-1], states[last[b]].clone()
             req.top_logp, req.top_ids = top_logp[b].clamp(max=0.0), top_ids[b]
             self._reqs[rid] = req
+        self._cache_filled(reqs)
         if not return_logits:
             return None
         cu = dev.meta.cu_q_lens.tolist()
