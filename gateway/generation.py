@@ -30,6 +30,7 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     prompt_tokens: int
     completion_tokens: int  # total so far
+    cached_tokens: int = 0  # of prompt_tokens, those the verifier found in its prefix cache
 
 
 class GenerationStream:
@@ -50,6 +51,7 @@ class GenerationStream:
         self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
+        self._cached_tokens = 0
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
@@ -80,6 +82,8 @@ class GenerationStream:
                 return self._delta([], reason)
             if msg.prompt_tokens:
                 self._prompt_tokens = msg.prompt_tokens
+            if msg.cached_tokens:
+                self._cached_tokens = msg.cached_tokens
             if msg.HasField("spec"):
                 self.spec_stats = msg.spec
             new = list(msg.token_ids)
@@ -101,7 +105,7 @@ class GenerationStream:
             self._call.cancel()  # the rest of the generation is not wanted
         if reason is not None:
             self._finish(reason)
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens)
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, self._cached_tokens)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()
@@ -141,4 +145,5 @@ class GenerationStream:
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": self._prompt_tokens, "completion_tokens": self._completion_tokens,
-                "total_tokens": self._prompt_tokens + self._completion_tokens}
+                "total_tokens": self._prompt_tokens + self._completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self._cached_tokens}}

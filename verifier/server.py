@@ -118,7 +118,7 @@ class VerifierService:
 
     def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
-                                   completion_tokens=produced,
+                                   completion_tokens=produced, cached_tokens=out.cached_tokens,
                                    finish_reason=out.finish_reason.value if out.finish_reason else "")
         stats = out.spec_stats
         if stats is not None:

@@ -337,7 +337,8 @@ class LLMEngine:
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
-            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else []))
+            outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
+                                      req.cached_tokens or 0))
         return outputs
 
     def _finish(self, req: Request) -> None:

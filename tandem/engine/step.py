@@ -20,6 +20,7 @@ class StepOutput:
     # Accepted drafts (the bonus token not counted) of each speculative round this step: one round, or a
     # run of rounds queued on the device (tandem.engine.rounds_ahead); empty for a plain step.
     round_accepts: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the request found in the prefix cache (not prefilled)
 
     @property
     def accepted(self) -> int:
