@@ -23,6 +23,8 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   overlap   chain rounds at batch 1 and 8: the next run queued before the last is read back, or not
   decode_overlap  the same for plain decode steps at batch 1 and 64
   round_glue  a queued chain round's glue between its graphs: three Triton kernels against torch ops
+  prefix    the prefix cache: TTFT of a request sharing a 4k-token prefix against the first's, and
+            multi-turn prefix-heavy traffic (16 chats x 8 turns on a 1k system prompt) with and without it
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
 """
 
