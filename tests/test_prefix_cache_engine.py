@@ -177,3 +177,23 @@ def test_disable_prefix_caching_flag_reaches_the_engine(pair):
         cfg, _ = generate_settings(build_parser().parse_args(["generate", "--prompt-token-ids", "1", "--max-new-tokens", "1", "--model",
                                                               str(pair.target_dir), *flags]))
         assert cfg.enable_prefix_caching is enabled
+
+
+def test_pages_the_drafter_rebuilt_without_features_are_never_cached(pair):
+    """A head page missing when a request starts is rebuilt from zero features: it is not offered to the
+    head's cache, so the next request on the prefix does not start on it (it rebuilds, or finds real pages)."""
+    spec = SpecConfig(3, 1, 4)
+    with engine(pair, spec=spec) as eng:
+        drafter = eng.proposer
+        eng.generate([SYSTEM + random_prompt(520, 6)], GREEDY)
+        drafter.allocator.free(drafter.prefix_cache.evict(drafter.prefix_cache.num_evictable))  # evicted there
+        rid = eng.add_request(SYSTEM + random_prompt(521, 6), GREEDY)
+        eng.step()
+        state = drafter.request_states([rid])[0]
+        rebuilt = set(state.kv.pages[p] for p in state.zero_pages)
+        assert len(rebuilt) == 20 // PAGE
+        while eng.has_unfinished():
+            eng.step()
+        assert not any(drafter.prefix_cache.holds(p) for p in rebuilt)
+        eng.generate([SYSTEM + random_prompt(522, 6)], GREEDY)
+        assert drafter.prefix_cache.stats.hits == 0  # nothing poisoned was found

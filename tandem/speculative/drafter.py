@@ -102,6 +102,7 @@ class _Request:
     top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
     page_keys: list[bytes] | None = None  # prefix-cache keys of its pages, cached as extends fill them
     pages_cached: int = 0  # of those, the pages already offered to the cache
+    zero_pages: range = range(0)  # pages holding entries built from zero features (attach_prefix): never cached
 
 
 class Eagle3Drafter:
@@ -195,8 +196,7 @@ class Eagle3Drafter:
         ignored) for later requests that start with the same tokens; call before ``release``."""
         req = self._reqs.get(rid)
         if req is not None:
-            full = req.kv.full_pages[: len(page_keys)]
-            self.prefix_cache.insert(page_keys[: len(full)], full)
+            self._insert(req, page_keys, 0, min(len(page_keys), len(req.kv.full_pages)))
 
     def _cache_filled(self, reqs: list[_Request]) -> None:
         """Offer the cache the pages that extends have just filled, of requests that named their pages."""
@@ -204,9 +204,13 @@ class Eagle3Drafter:
             if req.page_keys and req.pages_cached < len(req.page_keys):
                 full = min(len(req.page_keys), req.kv.num_tokens // self.cfg.page_size)
                 if full > req.pages_cached:
-                    start = req.pages_cached
-                    self.prefix_cache.insert(req.page_keys[start:full], req.kv.pages[start:full])
+                    self._insert(req, req.page_keys, req.pages_cached, full)
                     req.pages_cached = full
+
+    def _insert(self, req: _Request, page_keys: list[bytes], start: int, end: int) -> None:
+        """Cache pages start..end-1 of the request under their keys, but none built from zero features."""
+        pages = [p for p in range(start, end) if p not in req.zero_pages]
+        self.prefix_cache.insert([page_keys[p] for p in pages], [req.kv.pages[p] for p in pages])
 
     @torch.inference_mode()
     def attach_prefix(self, rid: str, tokens: list[int], page_keys: list[bytes]) -> int:
@@ -225,6 +229,7 @@ class Eagle3Drafter:
         found = kv.num_tokens
         self.prefix_cache.record(len(tokens), found)
         if found < len(tokens):
+            self._reqs[rid].zero_pages = range(found // ps, -(-len(tokens) // ps))
             missing = tokens[found:]
             zeros = torch.zeros(len(missing), self.head.config.feature_width, dtype=self.dtype, device=self.device)
             try:
