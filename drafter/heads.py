@@ -55,10 +55,6 @@ class DraftHeads:
             groups.setdefault(self.for_request(rid)[0], []).append(rid)
         return groups
 
-    def has(self, rid: str) -> bool:
-        """Whether a head holds the request (without routing it to one)."""
-        return rid in self._owner
-
     def drafter(self, generation: int) -> Eagle3Drafter:
         return self._heads[generation][0]
 

@@ -240,11 +240,8 @@ class DrafterService:
         return reply, queue
 
     def _release_and_extend(self, round_msg: pb.Round, ring: HiddenRingView) -> None:
-        """A Round's cached pages, releases, then its extends (before any draft or run reads the state). An
-        extend may start its request on a cached prefix first, and cache its pages and release it after."""
-        for c in round_msg.cache:
-            if self.heads.has(c.request_id):
-                self.heads.drafter(self.heads.for_request(c.request_id)[0]).cache_prefix(c.request_id, list(c.page_keys))
+        """A Round's releases, then its extends (before any draft or run reads the state). An extend may
+        start its request on a cached prefix first, and release it after."""
         for rid in round_msg.release:
             self.heads.release(rid)
         if round_msg.extend:
@@ -253,7 +250,7 @@ class DrafterService:
             # waves where each request appears once (one packed forward per wave and head).
             waves: list[dict[int, list]] = []
             starts: dict[int, list] = {}  # wave -> extends that start their request on a cached prefix
-            after: dict[int, list] = {}  # wave -> extends that cache pages or release after
+            after: dict[int, list] = {}  # wave -> extends that release their request after
             seen: dict[str, int] = {}
             for e in round_msg.extend:  # a request's k-th extend goes to wave k: per-request order is kept
                 k = seen.get(e.request_id, 0)
@@ -263,7 +260,7 @@ class DrafterService:
                 gen, _ = self.heads.for_request(e.request_id)
                 if e.HasField("prefix"):
                     starts.setdefault(k, []).append((gen, e))
-                if e.cache_page_keys or e.release_after:
+                if e.release_after:
                     after.setdefault(k, []).append(e)
                 waves[k].setdefault(gen, []).append(
                     (e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
@@ -272,14 +269,10 @@ class DrafterService:
                     drafter = self.heads.drafter(gen)
                     for start_gen, e in starts.get(k, ()):
                         if start_gen == gen:
-                            drafter.attach_prefix(e.request_id, list(e.prefix.token_ids), list(e.prefix.page_keys))
+                            drafter.attach_prefix(e.request_id, list(e.prefix.token_ids))
                     drafter.extend(items)
                 for e in after.get(k, ()):
-                    _, drafter = self.heads.for_request(e.request_id)
-                    if e.cache_page_keys:
-                        drafter.cache_prefix(e.request_id, list(e.cache_page_keys))
-                    if e.release_after:
-                        self.heads.release(e.request_id)
+                    self.heads.release(e.request_id)
 
     def _drafts(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
         started = time.perf_counter()

@@ -23,25 +23,25 @@ import numpy as np
 KEY_BYTES = 16
 
 
-def block_keys(tokens: list[int], page_size: int, known: list[bytes] | None = None) -> list[bytes]:
-    """Chained keys of every full ``page_size`` block of ``tokens``; ``known``: keys already computed for
-    a prefix of the same tokens (extended in place and returned)."""
+def block_keys(tokens: list[int], page_size: int, known: list[bytes] | None = None,
+               limit: int | None = None) -> list[bytes]:
+    """Chained keys of every full ``page_size`` block of ``tokens`` (of the first ``limit`` blocks at most);
+    ``known``: keys already computed for a prefix of the same tokens (extended in place and returned)."""
     keys = known if known is not None else []
     prev = keys[-1] if keys else b""
-    for b in range(len(keys), len(tokens) // page_size):
+    blocks = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)
+    for b in range(len(keys), blocks):
         block = np.asarray(tokens[b * page_size : (b + 1) * page_size], dtype=np.int64).tobytes()
         prev = hashlib.blake2b(prev + block, digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
 
 
-def draft_page_keys(keys: list[bytes], tokens: list[int], page_size: int) -> list[bytes]:
-    """Keys of the EAGLE-3 head's full pages. The head's KV entry t is built from (token t+1, the target's
-    feature at t), so its page p also depends on the token after block p: its key is block p's key with
-    that token. One per block that has a following token in ``tokens``."""
-    count = min(len(keys), (len(tokens) - 1) // page_size)
-    return [hashlib.blake2b(keys[p] + int(tokens[(p + 1) * page_size]).to_bytes(8, "little", signed=True),
-                            digest_size=KEY_BYTES).digest() for p in range(count)]
+def draft_page_key(block_key: bytes, next_token: int) -> bytes:
+    """The key of an EAGLE-3 head's page. The head's KV entry t is built from (token t+1, the target's
+    feature at t), so its page p also depends on the token after block p: block p's key with that token."""
+    return hashlib.blake2b(block_key + int(next_token).to_bytes(8, "little", signed=True),
+                           digest_size=KEY_BYTES).digest()
 
 
 @dataclass

@@ -16,7 +16,7 @@ from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator, SequenceKV
-from tandem.prefix_cache import PrefixCache, block_keys, draft_page_keys
+from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.sampling import SamplingParams
 
 
@@ -25,11 +25,10 @@ def test_a_block_key_names_the_whole_prefix():
     ka, kb = block_keys(a, 2), block_keys(b, 2)
     assert len(ka) == 3 and ka == kb  # the differing token is in no full block
     assert block_keys([1, 6, 7, 8], 2)[1] != ka[1]  # same block, another prefix: another key
-    assert block_keys(a, 2, ka[:1]) == ka  # extends keys computed for a prefix
+    assert block_keys(a, 2, ka[:1]) == ka and block_keys(a, 2, limit=2) == ka[:2]  # from keys known, up to a limit
     assert block_keys([2**40, 1], 2) != block_keys([0, 1], 2)  # token ids are not truncated
     # The head's page p also covers the token after block p (its last entry pairs it with the feature).
-    assert draft_page_keys(ka, a, 2) != draft_page_keys(kb, a[:6] + [99], 2)[:3]
-    assert len(draft_page_keys(ka, a[:6], 2)) == 2  # block 2 has no following token yet
+    assert draft_page_key(ka[0], 7) == draft_page_key(kb[0], 7) != draft_page_key(ka[0], 8)
 
 
 def test_allocation_evicts_unreferenced_cached_pages_least_recent_first():

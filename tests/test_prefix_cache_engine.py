@@ -20,7 +20,8 @@ SYSTEM = random_prompt(500, 23)  # a shared prefix that ends inside a page
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 
-def engine(pair, chunk: int = -1, spec: SpecConfig | None = None, cache: bool = True, **kw) -> LLMEngine:
+def engine(pair, chunk: int = -1, spec: SpecConfig | None = None, cache: bool = True, draft_page: int = PAGE,
+           **kw) -> LLMEngine:
     from tandem.models.eagle3_config import validate_draft
 
     capture = validate_draft(pair.draft, pair.target)
@@ -29,7 +30,7 @@ def engine(pair, chunk: int = -1, spec: SpecConfig | None = None, cache: bool = 
                     policy=SpeculationPolicy(PolicyConfig(enabled=False)))
     if spec is not None:
         eng.proposer = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir),
-                                               DrafterConfig(page_size=PAGE), capture_layers=capture,
+                                               DrafterConfig(page_size=draft_page), capture_layers=capture,
                                                embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
         eng.default_spec = spec
     return eng
@@ -112,22 +113,29 @@ def _draft_kv(drafter: Eagle3Drafter, rid: str) -> torch.Tensor:
     return flat[:, 0].index_select(1, slots)
 
 
-def test_the_drafter_starts_on_the_cached_prefix_with_the_kv_of_a_whole_prefill(pair):
+@pytest.mark.parametrize("draft_page", [PAGE, 3, 8])
+def test_the_drafter_starts_on_the_cached_prefix_with_the_kv_of_a_whole_prefill(pair, draft_page):
+    """Whatever the head's page size against the target's: it finds its full pages of the cached tokens."""
     spec = SpecConfig(3, 1, 4)
     first, second = SYSTEM + random_prompt(510, 5), SYSTEM + random_prompt(511, 8)
     with engine(pair, spec=spec, cache=False) as eng:
         rid = eng.add_request(second, GREEDY)
         eng.step()  # the prefill: the drafter gets the whole prompt
         expected = _draft_kv(eng.proposer, rid)
-    with engine(pair, spec=spec) as eng:
+    with engine(pair, spec=spec, draft_page=draft_page) as eng:
         eng.generate([first], GREEDY)
         rid = eng.add_request(second, GREEDY)
         eng.step()
         assert eng.requests[rid].cached_tokens == 20
-        assert eng.proposer.prefix_cache.stats.hits == 20  # the head's pages for those tokens, all found
+        # The head's full pages of those 20 tokens, found (the rest rebuilt from zero features).
+        assert eng.proposer.prefix_cache.stats.hits == 20 // draft_page * draft_page
+        if 20 % draft_page == 0:
+            assert not eng.proposer.request_states([rid])[0].zero_pages
         got = _draft_kv(eng.proposer, rid)
     assert got.shape == expected.shape == (2, len(second), *expected.shape[2:])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    found = 20 // draft_page * draft_page
+    torch.testing.assert_close(got[:, :found], expected[:, :found], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[:, 20:], expected[:, 20:], rtol=1e-4, atol=1e-5)  # computed after the prefix
 
 
 def test_a_drafter_miss_falls_back_to_zero_features_and_output_stays_exact(pair, reference):

@@ -78,7 +78,6 @@ class DrafterClient:
         self._seq = 0
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
-        self._pending_cache: list[pb.CachePages] = []  # before the releases (requests with no extend queued)
         self._pending_start: dict[str, pb.PrefixStart] = {}  # rides on the request's next extend
         self._prefetched: _Prefetch | None = None  # the Round in flight, sent by prefetch
         self._sent_at = 0.0  # when the last Round went out (one is in flight at most)
@@ -155,7 +154,6 @@ class DrafterClient:
                         self._conn, self._seq = conn, self._seq + 1
                         self._pending_extend.clear()
                         self._pending_release.clear()
-                        self._pending_cache.clear()
                         self._pending_start.clear()
                         self.ring.begin_round(self._seq)
                     log.info("connected to the drafter at %s (%s); rounds on %s", self.address, conn.welcome.draft_model,
@@ -177,7 +175,6 @@ class DrafterClient:
         self.ring.release_all()
         self._pending_extend.clear()
         self._pending_release.clear()
-        self._pending_cache.clear()
         self._pending_start.clear()
         self.on_state(False)
 
@@ -227,23 +224,12 @@ class DrafterClient:
         with self._lock:
             self._drop(reason)
 
-    def attach_prefix(self, rid: str, tokens: list[int], page_keys: list[bytes]) -> None:
+    def attach_prefix(self, rid: str, tokens: list[int]) -> None:
         """The request starts on a cached prefix (Eagle3Drafter.attach_prefix): sent with its next extend."""
         with self._lock:
             if self._conn is None:
                 raise ProposerUnavailable("the drafter is not connected")
-            self._pending_start[rid] = pb.PrefixStart(token_ids=tokens, page_keys=page_keys)
-
-    def cache_prefix(self, rid: str, page_keys: list[bytes]) -> None:
-        """Keep the request's full pages (Eagle3Drafter.cache_prefix), after its extends queued so far."""
-        with self._lock:
-            if self._conn is None:
-                return
-            queued = self._last_extend(rid)
-            if queued is not None:
-                queued.cache_page_keys[:] = page_keys
-            else:
-                self._pending_cache.append(pb.CachePages(request_id=rid, page_keys=page_keys))
+            self._pending_start[rid] = pb.PrefixStart(token_ids=tokens)
 
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)
@@ -251,7 +237,8 @@ class DrafterClient:
             self._pending_start.pop(rid, None)  # it never reached the drafter
             if self._conn is not None:
                 queued = self._last_extend(rid)
-                if queued is not None:  # after that extend (a Round's releases go before its extends)
+                if queued is not None:  # after that extend (a Round's releases go before its extends), so that
+                    # the pages the drafter caches on release include it
                     queued.release_after = True
                 else:
                     self._pending_release.append(rid)
@@ -330,10 +317,10 @@ class DrafterClient:
         conn = self._conn
         params = _spec_params(spec) if spec is not None else None
         seq = self._seq
-        round_msg = pb.Round(seq=seq, cache=self._pending_cache, release=self._pending_release, extend=self._pending_extend,
+        round_msg = pb.Round(seq=seq, release=self._pending_release, extend=self._pending_extend,
                              draft=[pb.DraftRequest(request_id=r, spec=params, trace_context=self._traces.get(r, {}))
                                     for r in rids], chain_run=chain_run)
-        self._pending_extend, self._pending_release, self._pending_cache = [], [], []
+        self._pending_extend, self._pending_release = [], []
         self._seq += 1
         self.ring.begin_round(self._seq)
         self.ring.publish()

@@ -27,11 +27,8 @@ class GuardedHead:
     def draft(self, rids: list[str], spec) -> list[DraftTree]:
         return self.guarded(self.drafter.draft, rids, spec)
 
-    def attach_prefix(self, rid: str, tokens: list[int], page_keys: list[bytes]) -> int:
-        return self.guarded(self.drafter.attach_prefix, rid, tokens, page_keys)
-
-    def cache_prefix(self, rid: str, page_keys: list[bytes]) -> None:
-        self.drafter.cache_prefix(rid, page_keys)
+    def attach_prefix(self, rid: str, tokens: list[int]) -> int:
+        return self.guarded(self.drafter.attach_prefix, rid, tokens)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)

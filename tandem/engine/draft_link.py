@@ -6,10 +6,10 @@ wait on the request and go in one extend before its next draft), drafts, release
 a drafter that is lost (every request continues plainly) and comes back (long requests are recomputed
 by a prefill, which hands it their whole sequence). It never changes the target's output.
 
-With the prefix cache, a request whose prompt starts on cached target pages starts on the drafter's
-pages for the same tokens too (``attach``), and a request that leaves offers the drafter its full pages
-(``forget``), each named by tandem.prefix_cache.draft_page_keys. A proposer without these capabilities
-(``attach_prefix``, ``cache_prefix``) gets no draft state for such a request: it decodes plainly.
+With the prefix cache, every request starts on the drafter with ``attach_prefix`` and the tokens its prompt
+found cached (``attach``): the drafter takes its own cached pages for them and keeps the request's pages
+as they fill. A proposer without that capability gets no draft state for a request on a cached prefix:
+it decodes plainly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import logging
 
 import torch
 
-from tandem.prefix_cache import block_keys, draft_page_keys
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import ProposerUnavailable
 
@@ -60,17 +59,18 @@ class DraftLink:
         for req, _, _ in items:
             req.draft_ready = True
 
+    def _caching(self) -> bool:
+        """Whether requests start on the drafter's prefix cache (the engine caches, the proposer can)."""
+        return self.engine.prefix_cache is not None and hasattr(self.proposer, "attach_prefix")
+
     def attach(self, req, cached: int) -> bool:
         """Before a request's first extend after its prompt started on ``cached`` tokens of cached target KV:
-        start the drafter on the same prefix, naming the pages of its whole prompt (which the drafter
-        caches as it fills them). → whether the request's features may go to the drafter."""
-        attach_prefix = getattr(self.proposer, "attach_prefix", None)
-        if self.engine.prefix_cache is None or attach_prefix is None or not self.up():
+        start the drafter on the same prefix (its own cached pages for those tokens). → whether the
+        request's features may go to the drafter."""
+        if not self._caching() or not self.up():
             return cached == 0  # without the head's KV of the prefix the request does not speculate
-        tokens, ps = req.tokens, self.engine.cfg.page_size
-        keys = draft_page_keys(block_keys(tokens, ps, req.block_keys), tokens, ps)
         try:
-            attach_prefix(req.rid, tokens[1 : cached + 1], keys)
+            self.proposer.attach_prefix(req.rid, req.tokens[: cached + 1])
         except ProposerUnavailable as e:
             self.lost(e)
             return False
@@ -165,16 +165,12 @@ class DraftLink:
             return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {self.engine.model_config.vocab_size})"
         return None
 
-    def forget(self, req, keep_pages: bool = True) -> None:
-        """Release the request's draft state; ``keep_pages``: offer its full pages to the drafter's prefix
-        cache first (when the engine caches prefixes)."""
+    def forget(self, req, complete: bool = True) -> None:
+        """Release the request's draft state; ``complete``: with prefix caching, first send the drafter what
+        the request holds, so that the pages it caches on release are whole."""
         if self.proposer is not None and req.draft_ready:
-            cache_prefix = getattr(self.proposer, "cache_prefix", None)
-            if keep_pages and cache_prefix is not None and self.engine.prefix_cache is not None and self.up():
-                if req.pending_extend:  # held features too: the cached pages are then whole
-                    self.extend([self.take_pending(req)])
-                tokens, ps = req.tokens, self.engine.cfg.page_size
-                cache_prefix(req.rid, draft_page_keys(block_keys(tokens, ps, req.block_keys), tokens, ps))
+            if complete and req.pending_extend and self._caching() and self.up():
+                self.extend([self.take_pending(req)])
             self.proposer.release(req.rid)
         req.draft_ready = False
         self._drop_held(req)
@@ -185,7 +181,7 @@ class DraftLink:
         request costs each one wasted round."""
         log.warning("%s (requests %s): they continue without speculation", problem, ", ".join(r.rid for r in reqs))
         for req in reqs:
-            self.forget(req, keep_pages=False)  # its draft state may be what is broken
+            self.forget(req, complete=False)  # its draft state may be what is broken
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""

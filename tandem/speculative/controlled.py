@@ -73,11 +73,8 @@ class ControlledAcceptanceProposer:
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False):
         return self.drafter.extend(items, return_logits)
 
-    def attach_prefix(self, rid: str, tokens: list[int], page_keys: list[bytes]) -> int:
-        return self.drafter.attach_prefix(rid, tokens, page_keys)
-
-    def cache_prefix(self, rid: str, page_keys: list[bytes]) -> None:
-        self.drafter.cache_prefix(rid, page_keys)
+    def attach_prefix(self, rid: str, tokens: list[int]) -> int:
+        return self.drafter.attach_prefix(rid, tokens)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)

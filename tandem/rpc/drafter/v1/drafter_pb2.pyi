@@ -93,38 +93,26 @@ class SpecParams(_message.Message):
     def __init__(self, num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
-    __slots__ = ("request_id", "token_ids", "ring_offset", "ring_rows", "prefix", "cache_page_keys", "release_after")
+    __slots__ = ("request_id", "token_ids", "ring_offset", "ring_rows", "prefix", "release_after")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RING_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
-    CACHE_PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ring_offset: int
     ring_rows: int
     prefix: PrefixStart
-    cache_page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     release_after: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ..., prefix: _Optional[_Union[PrefixStart, _Mapping]] = ..., cache_page_keys: _Optional[_Iterable[bytes]] = ..., release_after: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ..., prefix: _Optional[_Union[PrefixStart, _Mapping]] = ..., release_after: _Optional[bool] = ...) -> None: ...
 
 class PrefixStart(_message.Message):
-    __slots__ = ("token_ids", "page_keys")
+    __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    page_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., page_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class CachePages(_message.Message):
-    __slots__ = ("request_id", "page_keys")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    page_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., page_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("request_id", "spec", "trace_context")
@@ -158,20 +146,18 @@ class ChainRun(_message.Message):
     def __init__(self, first_round: _Optional[int] = ..., rounds: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., continues: _Optional[bool] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("seq", "release", "extend", "draft", "chain_run", "cache")
+    __slots__ = ("seq", "release", "extend", "draft", "chain_run")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_RUN_FIELD_NUMBER: _ClassVar[int]
-    CACHE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     release: _containers.RepeatedScalarFieldContainer[str]
     extend: _containers.RepeatedCompositeFieldContainer[Extend]
     draft: _containers.RepeatedCompositeFieldContainer[DraftRequest]
     chain_run: ChainRun
-    cache: _containers.RepeatedCompositeFieldContainer[CachePages]
-    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., chain_run: _Optional[_Union[ChainRun, _Mapping]] = ..., cache: _Optional[_Iterable[_Union[CachePages, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., chain_run: _Optional[_Union[ChainRun, _Mapping]] = ...) -> None: ...
 
 class Drafts(_message.Message):
     __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores", "chain_run_refused")
