@@ -73,7 +73,7 @@ class LLMEngine:
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
-        self._finishing: list[Request] | None = None  # requests finished in the step now running (see _step)
+        self._finishing: list[Request] | None = None  # finished, draft state kept (hold_finished_drafts)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -207,9 +207,7 @@ class LLMEngine:
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
-        # Requests finishing this step keep their draft state until the extend below: with the prefix cache,
-        # the drafter gets their last tokens and keeps their pages whole for a later turn.
-        self._finishing = []
+        self.hold_finished_drafts()  # until after the extend below
         try:
             with timer("accept"):
                 emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
@@ -223,12 +221,10 @@ class LLMEngine:
             with timer("draft_extend"):
                 last_turn = self.prefix_cache is not None
                 self.drafts.extend([item for item in extend_items if last_turn or not item[0].finished])
-                finishing, self._finishing = self._finishing, None
-                for req in finishing:
-                    self.drafts.forget(req)
+                self.release_finished_drafts()
                 self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
         finally:
-            self._finishing = None
+            self.release_finished_drafts()
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
         # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
@@ -341,9 +337,20 @@ class LLMEngine:
                                       req.cached_tokens or 0))
         return outputs
 
+    def hold_finished_drafts(self) -> None:
+        """Until ``release_finished_drafts``, a request that finishes keeps its draft state, so that the
+        drafter gets the step's last tokens first (an extend, a run's commit): with the prefix cache, the
+        pages it caches are then whole for a next turn."""
+        self._finishing = []
+
+    def release_finished_drafts(self) -> None:
+        finishing, self._finishing = self._finishing or [], None
+        for req in finishing:
+            self.drafts.forget(req)
+
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
-        if self._finishing is not None:  # inside a step: after its extend
+        if self._finishing is not None:
             self._finishing.append(req)
         else:
             self.drafts.forget(req)
