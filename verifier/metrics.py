@@ -47,7 +47,8 @@ class VerifierMetrics:
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("tandem:request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
-        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage (1 = every page in use)", registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage (1 = every page in use; cached pages no "
+                              "request holds are not in use)", registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later); "
                                    "counted when seen waiting again or when the request ends", registry=r)
         # vLLM's pair (hit rate = hits / queries, in tokens), and the cached pages given back under pressure.
@@ -71,7 +72,8 @@ class VerifierMetrics:
         self.drafter_round_lane = Gauge("tandem:drafter_round_lane", "1 while the drafter's rounds go on the round "
                                         "lane (a local socket), 0 on the gRPC stream or while disconnected", registry=r)
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
-        self.kv_pages_free = Gauge("tandem:kv_pages_free", "Free KV-cache pages", registry=r)
+        self.kv_pages_free = Gauge("tandem:kv_pages_free", "KV-cache pages an allocation can take: free, or in the "
+                                   "prefix cache with no request holding them", registry=r)
         self.kv_pages_total = Gauge("tandem:kv_pages_total", "KV-cache pages that can be allocated", registry=r)
         self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
                                        buckets=LATENCY_BUCKETS, registry=r)
