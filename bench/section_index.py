@@ -4,6 +4,7 @@ returns JSON-able results."""
 from __future__ import annotations
 
 from sections import ceilings, decode, spec, spec_goal
+from sections_arrivals import arrivals
 from sections_batch import batch
 from sections_glue import round_glue
 from sections_overlap import decode_overlap, overlap
@@ -13,5 +14,5 @@ from sections_rest import rest, rest_demo
 from sections_scaling import service, tp
 
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal, "batch": batch, "rest": rest,
-            "rest_demo": rest_demo, "service": service, "tp": tp, "phases": phases, "demo": demo, "overlap": overlap,
+            "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo, "overlap": overlap,
             "decode_overlap": decode_overlap, "round_glue": round_glue, "prefix": prefix}

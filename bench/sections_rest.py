@@ -109,8 +109,34 @@ async def _wave(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
             "texts": [t for _, _, t in done]}
 
 
-def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], **stack_kw) -> dict:
-    """Each mode's stack in turn, every cell (concurrency, new tokens) a wave; → per mode its start-up,
+async def _sustained(base: str, prompts: list[list[int]], conc: int, max_tokens: int, seconds: float) -> dict:
+    """Closed-loop load: ``conc`` clients each send the next prompt as soon as their last answer ends, for
+    ``seconds``; → completion tokens/s over the requests that finished (a steady state, where one wave of
+    a tiny model lasts a few tens of milliseconds and measures mostly noise)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
+    started = time.perf_counter()
+    deadline = started + seconds
+    finished: list[tuple[int, float]] = []  # (tokens, finish time)
+
+    async def client(k: int) -> None:
+        i = k
+        while time.perf_counter() < deadline:
+            tokens, _, _ = await _one(http, base, prompts[i % len(prompts)], max_tokens)
+            finished.append((tokens, time.perf_counter()))
+            i += conc
+
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
+        await asyncio.gather(*(client(k) for k in range(conc)))
+    end = max(t for _, t in finished)
+    return {"tok_s": sum(n for n, _ in finished) / (end - started), "requests": len(finished),
+            "seconds": end - started}
+
+
+def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_s: float = 0.0, **stack_kw) -> dict:
+    """Each mode's stack in turn, every cell (concurrency, new tokens) a wave (texts, and its rate unless
+    ``sustain_s``: then the rate is a closed-loop load of that many seconds); → per mode its start-up,
     first and warm request times and rows, each row beside target-only's and its texts compared."""
     out: dict = {}
     for mode in modes:
@@ -120,6 +146,9 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], **stack_
             rows = {}
             for conc, max_tokens in cells:
                 rows[f"c{conc}_n{max_tokens}"] = r = asyncio.run(_wave(base, prompts[:conc], max_tokens))
+                if sustain_s:
+                    r["wave_tok_s"] = r["tok_s"]
+                    r.update(asyncio.run(_sustained(base, prompts, conc, max_tokens, sustain_s)))
                 print(f"{mode:17s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
                       f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)", flush=True)
             out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
@@ -156,17 +185,22 @@ def rest(ctx: dict) -> dict:
 
 
 def rest_demo(ctx: dict) -> dict:
-    """The project's trained demo pair (TANDEM_DEMO_DIR with target/ and draft/, prompts.json optional)
+    """The project's trained demo pair (TANDEM_DEMO_DIR with target/ and draft/, prompts.json optional; default:
+    the one shipped in the package)
     over REST: target-only, the head in the verifier under the default policy and speculating always, and
-    the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64."""
+    the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64, each a closed-loop load
+of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
     from pathlib import Path
 
     from tandem.training.demo_pair import demo_eval_prompts
 
-    folder = Path(os.environ.get("TANDEM_DEMO_DIR", "demo-pair"))
+    from tandem.demo import SHIPPED
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     tdir, draft = folder / "target", folder / "draft"
     saved = folder / "prompts.json"
     prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(tdir), 64)
     prompts = (prompts * 64)[:64]
     modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,in-process-always,pair").split(",")
-    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, verifier_flags=())
+    sustain_s = float(os.environ.get("TANDEM_BENCH_SUSTAIN_S", "8"))
+    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, verifier_flags=())

@@ -36,6 +36,7 @@ class DrafterServiceConfig:
     internal_secret: str | None = None
     # Reload loads only folders below this one (realpath-checked); default: the starting head's parent.
     reload_root: str = ""
+    metrics_port: int | None = None  # Prometheus endpoint (drafter/metrics.py); None = off
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -52,9 +53,7 @@ class DrafterServiceConfig:
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
         p.add_argument("--host", default=cls.host,
                        help="address to bind (default: loopback; the verifier is on the same machine)")
-        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
-                       help=f"the internal plane's shared secret, from FILE instead of ${internal_secret.ENV} "
-                            "(the verifier's Rounds stream and Reload must present it)")
+        shared.add(p, shared.INTERNAL_SECRET_FILE, shared.METRICS_PORT)
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
         p.add_argument("--port", type=int, default=cls.port, help="gRPC port")
@@ -91,7 +90,7 @@ class DrafterServiceConfig:
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
                    otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
-                   reload_root=reload_root)
+                   reload_root=reload_root, metrics_port=a.metrics_port)
 
 
 def is_loopback(host: str) -> bool:

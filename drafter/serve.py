@@ -18,6 +18,7 @@ from tandem.models.config import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
 from drafter.config import DrafterServiceConfig
+from drafter.metrics import DrafterMetrics
 from drafter.profiling import RoundProfiler
 from drafter.service import SERVICE, DrafterService
 
@@ -45,9 +46,12 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
         drafter.capture_cuda_graphs(list(cfg.graph_specs))
     profiler = RoundProfiler(cfg.profile_rounds, cfg.profile_dir)
+    metrics = DrafterMetrics()
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port, cfg.host)
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
                              cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3, profiler,
-                             secret=cfg.internal_secret, reload_root=cfg.reload_root or None)
+                             secret=cfg.internal_secret, reload_root=cfg.reload_root or None, metrics=metrics)
     if cfg.internal_secret is None:
         log.warning("no internal secret (tandem.internal_secret): any local process may drive this drafter; "
                     "`tandem up` and compose set one")

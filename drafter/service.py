@@ -46,6 +46,7 @@ from tandem.speculative.tree import DraftTree, resolve_pending
 from drafter.chain_runs import ChainRuns
 from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads
+from drafter.metrics import DrafterMetrics
 from drafter.profiling import RoundProfiler
 
 log = logging.getLogger("drafter.service")
@@ -56,7 +57,8 @@ LANE_CONNECT_S = 2.0
 class DrafterService:
     def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
                  runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0,
-                 profiler: RoundProfiler | None = None, secret: str | None = None, reload_root: str | None = None):
+                 profiler: RoundProfiler | None = None, secret: str | None = None, reload_root: str | None = None,
+                 metrics: DrafterMetrics | None = None):
         """``secret``: what Rounds and Reload must present (None: nothing, a loopback-only drafter);
         ``reload_root``: Reload loads folders below it only (default: the starting head's parent)."""
         self.heads = DraftHeads(drafter, draft_model)
@@ -68,6 +70,7 @@ class DrafterService:
         self._lock = asyncio.Lock()  # one stream drives the model at a time
         self._reload_lock = asyncio.Lock()  # one reload at a time
         self._generation = 0  # of verifier streams (not of heads)
+        self.metrics = metrics or DrafterMetrics()  # recorded always; served with --metrics-port
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -105,6 +108,7 @@ class DrafterService:
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
                         runs = self._attach_mailbox(message.hello)
+                    self.metrics.verifier_connected.set(1)
                     lane = await _attach_lane(message.hello)
                     if lane is not None:
                         lane_task = asyncio.create_task(self._serve_lane(lane, ring, runs, generation))
@@ -122,6 +126,8 @@ class DrafterService:
                         after_reply()
                     self.profiler.round_done()
         finally:
+            if said_hello and generation == self._generation:  # (a newer stream keeps it connected)
+                self.metrics.verifier_connected.set(0)
             if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
                 lane_task.cancel()
                 await asyncio.gather(lane_task, return_exceptions=True)
@@ -208,11 +214,14 @@ class DrafterService:
 
     def _round(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None = None):
         """→ (the reply, what to do once it is sent)."""
+        started = time.perf_counter()
         if runs is not None and not (round_msg.HasField("chain_run") and round_msg.chain_run.continues):
             runs.settle()  # the last run read back and committed before anything reads the state
-        if round_msg.HasField("chain_run"):
-            return self._chain_run(round_msg, ring, runs)
-        return self._drafts(round_msg, ring), _nothing
+        kind = "chain_run" if round_msg.HasField("chain_run") else "drafts"
+        reply = self._chain_run(round_msg, ring, runs) if kind == "chain_run" else (self._drafts(round_msg, ring), _nothing)
+        self.metrics.rounds.labels(kind).inc()
+        self.metrics.round_seconds.labels(kind).observe(time.perf_counter() - started)
+        return reply
 
     def _chain_run(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None):
         """Check the run now (the reply says whether it is queued); queue it after the reply, then read
@@ -245,6 +254,7 @@ class DrafterService:
         for rid in round_msg.release:
             self.heads.release(rid)
         if round_msg.extend:
+            self.metrics.extend_tokens.inc(sum(len(e.token_ids) for e in round_msg.extend))
             ring.wait_ready()
             # Plain steps between drafts queue several extends of one request: apply them in order, in
             # waves where each request appears once (one packed forward per wave and head).
@@ -296,6 +306,7 @@ class DrafterService:
                     span.end()
             for (i, _), tree in zip(group, trees):
                 drafted[i] = tree
+        self.metrics.trees.inc(len(drafted))
         pack_trees(drafts, drafted)  # in the Round's order
         drafts.draft_seconds = time.perf_counter() - started
         return drafts
@@ -308,6 +319,7 @@ class DrafterService:
         if folder is None:  # the same answer whether it exists or not: the caller learns nothing of the disk
             log.warning("reload of %r refused: not a folder below the reload root %s", request.draft_model,
                         self.guard.reload_root)
+            self.metrics.reloads.labels("refused").inc()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "draft_model: not an EAGLE-3 folder below this drafter's reload root")
         async with self._reload_lock:
@@ -316,6 +328,7 @@ class DrafterService:
             try:  # validation and loading run beside serving
                 drafter = await asyncio.to_thread(self._load, folder)
             except (TandemError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: out of memory
+                self.metrics.reloads.labels("refused").inc()
                 await _refuse_reload(context, request.draft_model, e, folder)
             async with self._lock:
                 # Graph capture must not overlap other work on the GPU, so drafting pauses for it (GPU only;
@@ -325,9 +338,11 @@ class DrafterService:
                     try:
                         await asyncio.to_thread(drafter.capture_cuda_graphs, list(self.graph_specs))
                     except RuntimeError as e:
+                        self.metrics.reloads.labels("refused").inc()
                         await _refuse_reload(context, request.draft_model, e, folder)
                 left = self.heads.install(drafter, request.draft_model)
             seconds = time.perf_counter() - started
+            self.metrics.reloads.labels("loaded").inc()
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "
                      "head (%.2f s)", self.heads.generation, request.draft_model, left, seconds)
             return pb.ReloadReply(draft_model=request.draft_model, generation=self.heads.generation,

@@ -7,8 +7,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from gateway.generation import Delta, GenerationStream
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole generation."""
+
+    text: str
+    finish_reason: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # one TokenLogprobs per token, when asked for
+    prompt_logprobs: list | None = None  # one per prompt token after the first, when asked for (echo)
 
 
 class Choices:
@@ -35,8 +47,8 @@ class Choices:
             for task in pending:
                 task.cancel()
 
-    async def collect(self) -> list[tuple[str, str]]:
-        """Each choice's whole text and finish reason, in index order."""
+    async def collect(self) -> list[ChoiceResult]:
+        """Each choice's whole generation, in index order."""
         return list(await asyncio.gather(*(_collect(s) for s in self.streams)))
 
     def cancel(self) -> None:
@@ -60,9 +72,15 @@ def _next(stream: GenerationStream) -> asyncio.Future:
     return task
 
 
-async def _collect(stream: GenerationStream) -> tuple[str, str]:
-    parts, reason = [], "stop"
+async def _collect(stream: GenerationStream) -> ChoiceResult:
+    result, parts = ChoiceResult("", "stop"), []
     async for delta in stream:
         parts.append(delta.text)
-        reason = delta.finish_reason or reason
-    return "".join(parts), reason
+        result.finish_reason = delta.finish_reason or result.finish_reason
+        result.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = delta.prompt_logprobs
+    result.text = "".join(parts)
+    return result

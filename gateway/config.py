@@ -33,6 +33,8 @@ class GatewayConfig:
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none), DIR
+    log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
+    log_requests_level: int = 0  # 0 numbers, 1 + sampling settings, 2 + prompt and output text
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -47,6 +49,8 @@ class GatewayConfig:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
         if self.verifier_metrics_url is not None and not self.verifier_metrics_url.startswith(("http://", "https://")):
             raise ValueError(f"--verifier-metrics-url must be an http(s) URL, got {self.verifier_metrics_url!r}")
+        if self.log_requests_level not in (0, 1, 2):
+            raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"--model-dir {self.model_dir}: no such folder")
 
@@ -88,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults for requests that leave them unset (temperature, top_p, top_k; chat's "
                         "max_tokens from max_new_tokens), as vLLM: auto = the model folder's generation_config.json, "
                         "vllm = none, or a folder holding one")
+    p.add_argument("--log-requests", "--enable-log-requests", action="store_true",
+                   help="log a line per finished generation (tokens, finish reason, latencies, accept length)")
+    p.add_argument("--log-requests-level", type=int, default=d.log_requests_level, choices=[0, 1, 2],
+                   help="with --log-requests: 0 the numbers, 1 also sampling settings, 2 also prompt and output text")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
 
@@ -98,4 +106,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
-                         verifier_metrics_url=args.verifier_metrics_url, generation_config=args.generation_config)
+                         verifier_metrics_url=args.verifier_metrics_url, generation_config=args.generation_config,
+                         log_requests=args.log_requests, log_requests_level=args.log_requests_level)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
-from gateway.errors import from_upstream
+from gateway.errors import GatewayError, from_upstream
 from gateway.metrics import GatewayMetrics
 from gateway.request import GenerationRequest
+from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
 from tandem import tracing
 
@@ -30,6 +31,10 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     prompt_tokens: int
     completion_tokens: int  # total so far
+    # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them. A stop
+    # string cuts the text, not these: tokens past it in the same message keep theirs.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
     cached_tokens: int = 0  # of prompt_tokens, those the verifier found in its prefix cache
 
 
@@ -38,8 +43,11 @@ class GenerationStream:
     raised as GatewayError. Call ``cancel()`` when abandoning it before the end."""
 
     def __init__(self, request: GenerationRequest, client: VerifierClient, decode: Callable[[list[int]], str],
-                 metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = ()):
+                 metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = (),
+                 request_log: RequestLog | None = None):
         self.request = request
+        self._decode, self._log, self._text = decode, request_log, []  # the text only for a log that keeps it
+        self._first_token_at: float | None = None
         self._client = client
         self._metrics = metrics
         self._span = span
@@ -52,6 +60,7 @@ class GenerationStream:
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
         self._cached_tokens = 0
+        self._prompt_logprobs_sent = False
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
@@ -90,27 +99,43 @@ class GenerationStream:
             if new:
                 self._record_timing(len(new))
             if new or msg.finish_reason:
-                return self._delta(new, msg.finish_reason or None)
+                return self._delta(new, msg.finish_reason or None, list(msg.logprobs), list(msg.prompt_logprobs))
 
-    def _delta(self, new: list[int], reason: str | None) -> Delta:
+    def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None,
+               prompt_logprobs: list | None = None) -> Delta:
         self._completion_tokens += len(new)
         final = reason is not None
         shown = new
         if (reason == "stop" and new and new[-1] in self._stop_ids
                 and not self.request.include_stop_str_in_output):
             shown = new[:-1]
-        text = self._stops.feed(self._detok.add(shown, final=final), final=final)
+        text = self._detok.add(shown, final=final)
+        if self._completion_tokens > self.request.min_tokens:  # as vLLM: no stop string before min_tokens
+            text = self._stops.feed(text, final=final)
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted
+        if self._log is not None and self._log.keeps_text:
+            self._text.append(text)
         if reason is not None:
             self._finish(reason)
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, self._cached_tokens)
+        if self.request.logprobs is None:
+            logprobs = None
+        elif len(logprobs or ()) != len(new):
+            raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
+        if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
+            prompt_logprobs = None
+        elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - 1:
+            raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
+        self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
+                     cached_tokens=self._cached_tokens)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()
         m = self._metrics
         if self._last_token_at is None:
+            self._first_token_at = now
             m.labels(m.ttft).observe(now - self._arrival)
             self._span.add_event("first_token")
         else:
@@ -138,9 +163,16 @@ class GenerationStream:
         self._span.set_attributes({"gen_ai.usage.prompt_tokens": self._prompt_tokens,
                                    "gen_ai.usage.completion_tokens": self._completion_tokens,
                                    "gen_ai.response.finish_reasons": [reason]})
-        if self.spec_stats is not None and self.spec_stats.rounds:
-            self._span.set_attributes({"tandem.spec.rounds": self.spec_stats.rounds,
-                                       "tandem.spec.accept_length_mean": self.spec_stats.accept_length_mean})
+        spec = self.spec_stats if self.spec_stats is not None and self.spec_stats.rounds else None
+        if spec is not None:
+            self._span.set_attributes({"tandem.spec.rounds": spec.rounds,
+                                       "tandem.spec.accept_length_mean": spec.accept_length_mean})
+        if self._log is not None:
+            ttft = None if self._first_token_at is None else self._first_token_at - self._arrival
+            prompt = self._decode(list(self.request.prompt_ids)) if self._log.keeps_text else ""
+            self._log.finished(self.request, reason, self._prompt_tokens, self._completion_tokens, ttft,
+                               time.monotonic() - self._arrival, spec.accept_length_mean if spec else None,
+                               prompt, "".join(self._text))
 
     @property
     def usage(self) -> dict:

@@ -9,6 +9,7 @@ in the handler, which cancels the verifier call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, GatewayError, bad_request
 from gateway.generation import GenerationStream
+from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model, check_prompt_ids, check_sampling,
                              resolve_max_tokens)
 from tandem import tracing
@@ -55,7 +57,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             else:
                 generation = self._parse(request, info)
             span.set_attributes(generation.span_attributes())
-            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival)
+            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival,
+                                      request_log=gw.request_log)
             async for d in stream:
                 yield generation_pb2.GenerateResponse(
                     request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
@@ -112,8 +115,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise bad_request("max_tokens", "must be at least 1 (it is required)")
         max_tokens = resolve_max_tokens(r.max_tokens, len(ids), info.max_context, gw.cfg.max_tokens_limit, None,
                                         "max_tokens", which)
+        fields = {"min_p": r.min_p if r.HasField("min_p") else None, "min_tokens": r.min_tokens,
+                  "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else None,
+                  "presence_penalty": r.presence_penalty, "frequency_penalty": r.frequency_penalty}
+        engine = parse_engine_sampling(fields, False, d, False)
+        check_min_tokens(engine.min_tokens, max_tokens, "max_tokens")
         return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
-                                 tuple(r.stop), (), r.ignore_eos)
+                                 tuple(r.stop), (), r.ignore_eos, **dataclasses.asdict(engine))
 
 
 def build_grpc_server(gw: Gateway, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:

@@ -149,7 +149,10 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
         scope.span.set_attributes(params.generation.span_attributes())
         n = params.options.n
         scope.take_slots(n - 1)
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text)
+        token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
+                      else None)
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text, token_text,
+                          params.generation.prompt_ids)
         choices = _start_choices(gw, params, scope, arrival)
         if params.stream:
             # Wait for the first deltas before answering, so that a refusal by the verifier (over
@@ -192,8 +195,14 @@ def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: f
     for i in range(opts.n):
         generation = base if opts.n == 1 else dataclasses.replace(
             base, request_id=f"{base.request_id}-{i}", seed=choice_seed(base.seed, i))
-        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos))
+        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
+                                        gw.request_log))
     return Choices(streams)
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's own text in log-probabilities, special tokens included (as vLLM shows them)."""
+    return tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _abandon(choices: Choices, scope: _Scope) -> None:
@@ -227,7 +236,7 @@ async def _sse(firsts: list[Delta], choices: Choices, shape: CompletionShape,
                scope: _Scope) -> AsyncIterator[str]:
     status, error = CLIENT_CLOSED, "client disconnected"
     try:
-        for chunk in shape.opening():
+        for chunk in shape.opening(firsts):
             yield sse_event(chunk)
         for i, delta in enumerate(firsts):
             if (chunk := shape.chunk(delta, i)) is not None:

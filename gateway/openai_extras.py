@@ -1,7 +1,7 @@
 """The output fields of vLLM's OpenAI server that the gateway honours without the engine's help:
 ``n`` (fanned out as ``n`` generations: gateway/choices.py), ``echo`` (completions only),
-``skip_special_tokens`` and ``include_stop_str_in_output``. Also the sampling fields the engine does
-not implement yet, refused unless they hold their no-op value (never silently ignored)."""
+``skip_special_tokens`` and ``include_stop_str_in_output``. Also vLLM's fields that nothing implements
+yet, refused unless they hold their no-op value (never silently ignored)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,8 @@ from gateway.errors import bad_request
 
 MAX_N = 16  # each choice is a whole generation on the verifier: a bound keeps one request from a batch's worth
 
-# Sampling fields vLLM accepts that need the engine (not implemented there yet): refused unless no-op.
-_NOT_NUMBER = lambda v: isinstance(v, bool) or not isinstance(v, (int, float))  # noqa: E731
+# Fields vLLM accepts that would need the engine (not implemented there): refused unless no-op.
 ENGINE_FIELDS = {
-    "min_p": lambda v: v is None or (not _NOT_NUMBER(v) and v == 0),
-    "repetition_penalty": lambda v: v is None or (not _NOT_NUMBER(v) and v == 1),
-    "min_tokens": lambda v: v is None or (not _NOT_NUMBER(v) and v == 0),
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": lambda v: v is None or v is False,
 }

@@ -2,7 +2,7 @@
 the field. Unknown fields are ignored (clients send many); known fields we do not implement are
 refused unless they hold their no-op value, so nobody silently gets something other than asked.
 Extensions as in vLLM (sent through ``extra_body``): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``add_special_tokens`` (default: true for prompt text, false for a rendered chat template, which holds its own
+``min_p``, ``min_tokens``, ``repetition_penalty`` (gateway/openai_sampling.py), ``add_special_tokens`` (default: true for prompt text, false for a rendered chat template, which holds its own
 BOS). Unset sampling fields take the model's generation_config.json defaults (gateway/generation_defaults.py).
 """
 
@@ -15,25 +15,22 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.chat_request import render_chat
 from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
+from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_model, check_prompt_ids, check_sampling, resolve_max_tokens
-from tandem.chat_template import ChatTemplate, ChatTemplateError
+from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
 from tandem.tokenizer import TextTokenizer
 
 # Fields of the OpenAI API we do not implement: allowed only with their no-op value.
 _NO_OP = {
     "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
-    "logprobs": lambda v: v is None or v is False,  # 0 asks for the sampled token's logprob
-    "top_logprobs": lambda v: v is None,
     "suffix": lambda v: v is None or v == "",
-    "presence_penalty": lambda v: v is None or (v == 0 and not isinstance(v, bool)),
-    "frequency_penalty": lambda v: v is None or (v == 0 and not isinstance(v, bool)),
     "logit_bias": lambda v: not v,
-    "tools": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     **ENGINE_FIELDS,
 }
@@ -122,10 +119,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     if template is None:
         raise bad_request("messages", "this model has no chat template (tokenizer_config.json has no "
                                       "chat_template); send a plain prompt to /v1/completions instead")
-    try:
-        text = template.render(messages, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise bad_request("messages", str(e)) from e
+    text = render_chat(template, body, messages)
     limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
     # The template renders its own BOS; the tokenizer's would double it (vLLM: add_special_tokens=False for chat).
     prompt_ids = tok.encode(text, add_special_tokens=_add_special_tokens(body, False))
@@ -148,6 +142,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
         if not is_no_op(body.get(field)):
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
     output = parse_output_options(body, chat)
+    engine = parse_engine_sampling(body, chat, limits.defaults, output.echo)
     stream = _opt_bool(body, "stream") or False
     options = body.get("stream_options")
     include_usage = False
@@ -169,12 +164,14 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     check_sampling(temperature, top_p, top_k, seed, stop)
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), limits.info.max_context, limits.max_tokens_limit,
                                     default, max_param, prompt_param)
+    check_min_tokens(engine.min_tokens, max_tokens, max_param)
     stop_token_ids = _int_list(body, "stop_token_ids")
     if stop_token_ids:
         check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
                                    tuple(stop), tuple(stop_token_ids), _opt_bool(body, "ignore_eos") or False,
-                                   output.skip_special_tokens, output.include_stop_str_in_output)
+                                   output.skip_special_tokens, output.include_stop_str_in_output,
+                                   **dataclasses.asdict(engine))
     return OpenAIRequest(generation, stream, include_usage, output)
 
 

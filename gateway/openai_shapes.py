@@ -9,7 +9,9 @@ import time
 import anyio
 from starlette.responses import StreamingResponse
 
+from gateway.choices import ChoiceResult
 from gateway.generation import Delta
+from gateway.logprobs_shape import LogprobsShape, merge
 
 
 def sse_event(obj: dict | str) -> str:
@@ -26,31 +28,47 @@ class CompletionShape:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False, n: int = 1, echo_text: str = ""):
+    def __init__(self, request_id: str, model: str, include_usage: bool = False, n: int = 1, echo_text: str = "",
+                 token_text=None, prompt_ids: tuple[int, ...] = ()):
+        """``token_text``: a token id's text, given when the request asked for logprobs."""
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
         self.n = n  # choices, each streamed with its index
         self.echo_text = echo_text  # completions' echo: before each choice's text (vLLM)
+        self.logprobs = LogprobsShape(token_text, n, prompt_ids) if token_text is not None else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def opening(self) -> list[dict]:
-        """Chunks before any generated text: the echoed prompt, first for each choice."""
+    def opening(self, firsts: list[Delta] = ()) -> list[dict]:
+        """Chunks before any generated text: the echoed prompt, first for each choice (with its tokens'
+        log-probabilities, which come on each choice's first delta)."""
         if not self.echo_text:
             return []
-        return [self._with_usage({**self._head(self.object), "choices": [self.choice(self.echo_text, None, i)]})
-                for i in range(self.n)]
+        return [self._with_usage({**self._head(self.object), "choices": [self.choice(
+            self.echo_text, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i))]})
+            for i in range(self.n)]
 
-    def choice(self, text: str, finish_reason: str | None, index: int = 0) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _prompt_logprobs(self, entries: list | None, index: int) -> dict | None:
+        if self.logprobs is None or entries is None:
+            return None
+        return self.logprobs.prompt(entries, index)
+
+    def choice(self, text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
+        if self.logprobs is None or entries is None:
+            return None
+        return self.logprobs.completion(token_ids, entries, index)
 
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         """The stream chunk for choice ``index``'s ``delta``, or None when it carries nothing a
-        client would see (tokens whose text is still held back)."""
-        if not delta.text and delta.finish_reason is None:
+        client would see (tokens whose text is still held back, and no log-probabilities)."""
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
-        choice = self.choice(delta.text, delta.finish_reason, index)
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs, index)
+        choice = self.choice(delta.text, delta.finish_reason, index, logprobs)
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def _with_usage(self, chunk: dict) -> dict:
@@ -62,9 +80,12 @@ class CompletionShape:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head(self.object), "choices": [], "usage": usage}
 
-    def response(self, results: list[tuple[str, str]], usage: dict) -> dict:
-        """The whole response: ``results`` holds each choice's (text, finish_reason), in index order."""
-        choices = [self.choice(self.echo_text + text, reason, i) for i, (text, reason) in enumerate(results)]
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict:
+        """The whole response: ``results`` holds each choice's generation, in index order."""
+        choices = [self.choice(self.echo_text + r.text, r.finish_reason, i,
+                               merge(self._prompt_logprobs(r.prompt_logprobs, i),
+                                     self._logprobs(r.token_ids, r.logprobs, i)))
+                   for i, r in enumerate(results)]
         return {**self._head(self.object), "choices": choices, "usage": usage}
 
 
@@ -74,22 +95,29 @@ class ChatShape(CompletionShape):
     object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def opening(self) -> list[dict]:
+    def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         # Each choice's first chunk announces the role, with empty content, as OpenAI does.
         return [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             for i in range(self.n)]
 
+    def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
+        if self.logprobs is None or entries is None:
+            return None
+        return self.logprobs.chat(token_ids, entries)
+
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
-        if not delta.text and delta.finish_reason is None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         content = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+        choice = {"index": index, "delta": content, "logprobs": self._logprobs(delta.token_ids, delta.logprobs, index),
+                  "finish_reason": delta.finish_reason}
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
-    def response(self, results: list[tuple[str, str]], usage: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": reason} for i, (text, reason) in enumerate(results)]
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason}
+                   for i, r in enumerate(results)]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}
 
 

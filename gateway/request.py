@@ -35,13 +35,26 @@ class GenerationRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # in the text (the gateway's side: the verifier sends ids)
     include_stop_str_in_output: bool = False  # the matched stop string, or the stop token's text
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; N: each token's log-probability and its top N alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     def to_proto(self) -> verifier_pb2.GenerateRequest:
         sampling = verifier_pb2.SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_new_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids))
+            ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids), min_p=self.min_p,
+            min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         if self.seed is not None:
             sampling.seed = self.seed
+        if self.logprobs is not None:
+            sampling.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            sampling.prompt_logprobs = self.prompt_logprobs
         return verifier_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
                                             sampling=sampling)
 

@@ -19,6 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.metrics_relay import VerifierMetricsRelay
 from gateway.openai_api import create_app
 from gateway.prompt_bound import PromptBound
+from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
 from tandem.chat_template import ChatTemplate
 from tandem.tokenizer import TextTokenizer
@@ -38,6 +39,7 @@ class Gateway:
         self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
         self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
         self.metrics = GatewayMetrics(cfg.model_name)
+        self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
         self.slots = Slots(cfg.max_concurrent_requests)
         self.metrics_relay: VerifierMetricsRelay | None = None  # made in start(): its lock binds to the loop
         self.started_at = int(time.time())

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse
 
 import tandem
 from gateway.admission import read_body
+from gateway.chat_request import render_chat
 from gateway.errors import GatewayError, bad_request
-from gateway.openai_params import _add_special_tokens, _messages, _opt_bool, parse_json
+from gateway.openai_params import _add_special_tokens, _messages, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES, check_model, check_prompt_ids
-from tandem.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -62,12 +62,7 @@ def _tokenize(gw: Gateway, body: dict, info) -> dict:
     else:
         if gw.chat_template is None:
             raise bad_request("messages", "this model has no chat template (tokenizer_config.json has none)")
-        messages = _messages(body["messages"])
-        add_generation_prompt = _opt_bool(body, "add_generation_prompt")
-        try:
-            text = gw.chat_template.render(messages, add_generation_prompt=add_generation_prompt is not False)
-        except ChatTemplateError as e:
-            raise bad_request("messages", str(e)) from e
+        text = render_chat(gw.chat_template, body, _messages(body["messages"]))
         ids = gw.tokenizer.encode(text, add_special_tokens=_add_special_tokens(body, False))
     # No context check: /tokenize is how a client learns that a prompt is too long.
     return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": None}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem import internal_secret
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 
@@ -96,15 +97,23 @@ NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
 CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
     type=int, default=e.chunked_prefill_size, help="prompt tokens prefilled per step: a longer prompt is prefilled in "
                                                    "chunks beside the decoding requests; -1: prompts go whole"))
+MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
+    action="store_true", help="prefill prompts in the same forward as the running requests' step (default: in a step "
+                              "of their own with CUDA graphs, so the running requests' steps stay graphed)"))
 DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
     action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
                               "pages of earlier requests that began with the same tokens)"))
 CONTEXT_LENGTH = Flag(("--context-length",), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
+METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
+                                                                         "(default: off)"))
+INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
+    default=None, metavar="FILE", help=f"the internal plane's shared secret (Rounds, Reload), from FILE instead of "
+                                       f"${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP, CHUNKED_PREFILL, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH)
+                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
 

@@ -4,14 +4,17 @@ The template is the Jinja source that ``transformers`` would use: ``chat_templat
 ``tokenizer_config.json`` (a string, or a list of named templates of which "default" is taken), or a
 ``chat_template.jinja`` file beside it (the newer layout, which wins). It is rendered the way
 ``transformers.apply_chat_template`` renders it — an immutable sandboxed Jinja environment with
-``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson`` — so prompts are
-token-identical to what the model was tuned on, and a template cannot reach Python objects.
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now`` and the
+``{% generation %}`` block — so prompts are token-identical to what the model was tuned on, and a
+template cannot reach Python objects. Extra variables (``tools``, a request's ``chat_template_kwargs``
+such as Qwen3's ``enable_thinking``) reach the template as transformers passes them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,24 @@ def _special(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _generation_block():
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's tokens with it (for
+    training masks); rendering keeps its body as it is."""
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            from jinja2 import nodes
+
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlock
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         from jinja2.exceptions import TemplateError
@@ -40,10 +61,14 @@ class ChatTemplate:
         def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
             return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
+        def strftime_now(format: str) -> str:
+            return datetime.now().strftime(format)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=[_generation_block(), "jinja2.ext.loopcontrols"])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         self._template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
@@ -68,11 +93,26 @@ class ChatTemplate:
             return None
         return cls(source, _special(config.get("bos_token")), _special(config.get("eos_token")))
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt text. ``continue_final_message``: the last message (the assistant's start) is left
+        open for the model to continue — the text ends where that message's content ends, as transformers
+        cuts it. ``extra``: more template variables (``tools``, chat_template_kwargs)."""
         from jinja2.exceptions import TemplateError
 
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **variables)
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a variable of the wrong shape
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+                raise ChatTemplateError("continue_final_message needs a final message whose text the template shows")
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text

@@ -1,11 +1,13 @@
 """The embedded demo model: what ``tandem generate``/``tandem up`` serve when no model is given.
 
-Nothing can be downloaded, so the demo is built locally on first use and cached (under
-``$TANDEM_CACHE`` or ``~/.cache/tandem``): a byte-level BPE tokenizer trained on the Python standard
-library's own source (present on every machine), a small Llama-architecture target *trained* on that
-source, and its EAGLE-3 head trained on the target's own continuations of stdlib prompts (recipes in
-``tandem.training.demo_pair``). Each takes a few minutes on two CPU cores the first time, with
-progress on stderr; an interrupted build resumes from its checkpoints.
+The pair ships inside the package (``tandem/demo_pair``, written by ``scripts/ship_demo_pair.py``): a
+byte-level BPE tokenizer trained on the Python standard library's own source (present on every machine),
+a small Llama-architecture target *trained* on that source, and its EAGLE-3 head trained on the target's
+own continuations of stdlib prompts (recipes in ``tandem.training.demo_pair``), stored in bfloat16. So
+the first ``tandem up`` serves at once. ``tandem demo-models --rebuild`` trains the pair again from the
+recipes into the cache (``$TANDEM_CACHE`` or ``~/.cache/tandem``; a few minutes each on two CPU cores,
+progress on stderr, an interrupted build resumes from its checkpoints); a pair built there is served
+instead of the shipped one from then on.
 """
 
 from __future__ import annotations
@@ -38,33 +40,50 @@ def _build_lock(folder: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_demo_target() -> Path:
-    """Build (once) and return the demo target's folder."""
-    out = cache_root() / "demo" / DEMO_VERSION / "target"
+SHIPPED = Path(__file__).resolve().parent / "demo_pair"
+
+
+def _built(kind: str) -> Path:
+    return cache_root() / "demo" / DEMO_VERSION / kind
+
+
+def _use_shipped(rebuild: bool) -> bool:
+    """The shipped pair, unless one was built in the cache (or is to be): a target and a head always come
+    from the same place, since a head only fits the target it was trained on."""
+    return not rebuild and not (_built("target") / "config.json").is_file() and (SHIPPED / "target" / "config.json").is_file()
+
+
+def ensure_demo_target(rebuild: bool = False) -> Path:
+    """The demo target's folder: the shipped one, or one built (once) from the recipe."""
+    if _use_shipped(rebuild):
+        return SHIPPED / "target"
+    out = _built("target")
     if (out / "config.json").is_file():
         return out
     with _build_lock(out.parent):
         if not (out / "config.json").is_file():  # another process may have built it meanwhile
             from tandem.training.demo_pair import build_demo_target
 
-            log.warning("training the demo target in %s (first use only; a few minutes)", out)
+            log.warning("training the demo target in %s (a few minutes)", out)
             build_demo_target(out)  # written to a sibling folder and renamed when complete
     return out
 
 
-def ensure_demo_draft() -> Path:
-    """Build (once) and return the demo target's trained EAGLE-3 head."""
-    out = cache_root() / "demo" / DEMO_VERSION / "draft"
+def ensure_demo_draft(rebuild: bool = False) -> Path:
+    """The demo target's trained EAGLE-3 head: the shipped one, or one built (once) for the built target."""
+    if _use_shipped(rebuild):
+        return SHIPPED / "draft"
+    out = _built("draft")
     if (out / "config.json").is_file():
         return out
-    target = ensure_demo_target()
+    target = ensure_demo_target(rebuild)
     with _build_lock(out.parent):
         if not (out / "config.json").is_file():
             import shutil
 
             from tandem.training.demo_pair import build_demo_draft
 
-            log.warning("training the demo EAGLE-3 head in %s (first use only; a few minutes)", out)
+            log.warning("training the demo EAGLE-3 head in %s (a few minutes)", out)
             partial = out.with_name("draft.partial")
             build_demo_draft(target, partial, run_dir=out.with_name("draft.run"))
             shutil.rmtree(out, ignore_errors=True)

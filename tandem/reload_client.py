@@ -8,6 +8,7 @@ import os
 
 import grpc
 
+from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import TandemError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
@@ -32,8 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", required=True, help="the drafter service, host:port")
     p.add_argument("--model", "--draft-model", dest="draft_model", required=True, help="the EAGLE-3 folder to serve")
     p.add_argument("--timeout-s", type=float, default=600.0, help="loading and graph capture included")
-    p.add_argument("--internal-secret-file", default=None, metavar="FILE",
-                   help=f"the drafter's internal secret, from FILE instead of ${internal_secret.ENV}")
+    shared.add(p, shared.INTERNAL_SECRET_FILE)
 
 
 def run(args) -> int:

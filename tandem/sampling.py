@@ -1,4 +1,4 @@
-"""Sampling parameters and batched token sampling (greedy, temperature, top-k, top-p, per-request seeds).
+"""Sampling parameters and batched token sampling (greedy, temperature, min-p, top-k, top-p, per-request seeds).
 
 ``adjusted_probs`` turns logits into the distribution a request actually samples from; speculative
 acceptance uses the same function, so what is accepted and what plain decoding would sample are the
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import ConfigError
+from tandem.sampling_limits import MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,19 @@ class SamplingParams:
     max_new_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability (after temperature)
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are generated
+    # vLLM's penalties (tandem.penalties): repetition over prompt and output, presence/frequency over output
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request's logits depend on the tokens before them (then it does not speculate)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -42,6 +56,21 @@ class SamplingParams:
             raise ConfigError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ConfigError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                              f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                                  f"got {getattr(self, name)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ConfigError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -58,8 +87,10 @@ class RowSampling:
     temps: torch.Tensor  # float32 [B] (1 for greedy rows)
     top_k: torch.Tensor  # int64 [B] (vocab = no cut)
     top_p: torch.Tensor  # float32 [B]
+    min_p: torch.Tensor  # float32 [B] (0 = no cut)
     any_greedy: bool
     any_cut: bool  # some row has a top-k or top-p cut
+    any_min_p: bool
 
 
 def row_sampling(params: list[SamplingParams], device: torch.device, vocab: int) -> RowSampling:
@@ -70,13 +101,15 @@ def row_sampling(params: list[SamplingParams], device: torch.device, vocab: int)
         temps=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
         top_k=torch.tensor(top_k, device=device),
         top_p=torch.tensor([p.top_p for p in params], device=device),
+        min_p=torch.tensor([p.min_p for p in params], device=device),
         any_greedy=any(greedy),
         any_cut=any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params),
+        any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
     )
 
 
 def adjusted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, per row ([B, V] float32).
+    """Probabilities after temperature, min-p, top-k and top-p (vLLM's order), per row ([B, V] float32).
 
     Greedy rows get a one-hot distribution on their argmax, which is what greedy decoding samples.
     """
@@ -88,6 +121,10 @@ def adjusted_probs_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor
     vocab = logits.shape[1]
     dev = logits.device
     scaled = logits / rows.temps.unsqueeze(1)
+    if rows.any_min_p:
+        probs = scaled.softmax(dim=-1)
+        below = probs < rows.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(below, float("-inf"))  # the most likely token never falls below
     if rows.any_cut:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev).unsqueeze(0)

@@ -21,6 +21,17 @@ def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
     return [SPECIAL_IDS + (base + i) % (vocab_size - SPECIAL_IDS) for i in range(n)]
 
 
+def fake_logprobs(token: int, position: int, top: int, vocab_size: int) -> verifier_pb2.TokenLogprobs:
+    """What the fake sends for the token at ``position`` of its output: -(position + 1) / 10, and as
+    alternatives the token itself then the next ids, each 1 lower (a -inf last when there are more than 1)."""
+    lp = -(position + 1) / 10
+    ids = [SPECIAL_IDS + (token - SPECIAL_IDS + j) % (vocab_size - SPECIAL_IDS) for j in range(top)]
+    values = [lp - j for j in range(top)]
+    if top > 1:
+        values[-1] = float("-inf")
+    return verifier_pb2.TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=values)
+
+
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, vocab_size: int, max_context: int = 512):
         self.vocab_size = vocab_size
@@ -69,6 +80,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 msg = verifier_pb2.GenerateResponse(request_id=request.request_id, token_ids=chunk,
                                                     finish_reason=reason, prompt_tokens=len(prompt),
                                                     completion_tokens=sent)
+                if request.sampling.HasField("prompt_logprobs") and step == 1:  # (prompt token i: position 100 + i)
+                    msg.prompt_logprobs.extend(fake_logprobs(t, 100 + i, request.sampling.prompt_logprobs,
+                                                             self.vocab_size) for i, t in enumerate(prompt[1:], 1))
+                if request.sampling.HasField("logprobs"):
+                    msg.logprobs.extend(fake_logprobs(t, sent - len(chunk) + j, request.sampling.logprobs,
+                                                      self.vocab_size) for j, t in enumerate(chunk))
                 if last:
                     msg.spec.rounds = step
                     msg.spec.accept_length_mean = sent / step

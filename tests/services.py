@@ -90,8 +90,11 @@ def prompts_of(n: int) -> list[list[int]]:
 
 
 def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
-    drafter = Service("drafter", ["--model", str(pair_dirs / "draft"), "--target-model", str(pair_dirs / "target")],
+    drafter_metrics = free_port()
+    drafter = Service("drafter", ["--model", str(pair_dirs / "draft"), "--target-model", str(pair_dirs / "target"),
+                                  "--metrics-port", str(drafter_metrics)],
                       drafter_port or free_port(), tmp_path / "drafter.log").start()
+    drafter.metrics_port = drafter_metrics
     metrics_port = free_port()
     verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--drafter", drafter.address,
                                     "--draft-model", str(pair_dirs / "draft"), "--metrics-port", str(metrics_port),

@@ -98,9 +98,9 @@ def _run(eng, prompts, params, spec_rounds, refs=None, rate=None):
     eng.spec_rounds = spec_rounds
     runs, real = [], rounds_ahead.queue_chain_rounds
 
-    def counting(graphs, drafter, reqs, spec, rounds, steer=None, after=None):
+    def counting(graphs, drafter, reqs, spec, rounds, steer=None, after=None, logprobs=None):
         runs.append(rounds)
-        return real(graphs, drafter, reqs, spec, rounds, steer, after)
+        return real(graphs, drafter, reqs, spec, rounds, steer, after, logprobs)
 
     rounds_ahead.queue_chain_rounds = counting
     try:
@@ -366,4 +366,50 @@ def test_the_fused_round_glue_runs_rounds_as_one_round_steps(engine, pair, one_r
                                        ref, rate=0.3)
     assert fused == ref and most > 1
     assert accepted_fused == one_round_steered[1]
+    assert _all_pages_free(engine)
+
+
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_queued_rounds_record_logprobs_equal_to_transformers(engine, pair, monkeypatch, glue):
+    """Requests asking for logprobs stay in runs: each round's verify records the raw log-softmax at the
+    nodes the round emits from, equal to transformers' on the same weights; the request that does not
+    ask gets none. Steered (corruption 0.3), so rounds accept different numbers of drafts."""
+    import tandem.speculative.chain_rounds as chain_rounds
+    from transformers import AutoModelForCausalLM
+
+    from tandem.speculative.controlled import ControlledAcceptanceProposer
+
+    root, prompts, ref = pair
+    if glue == "fused":
+        monkeypatch.setattr(chain_rounds, "use_triton", lambda x: True)
+    drafter = engine.proposer
+    engine.proposer, engine.spec_rounds = ControlledAcceptanceProposer(drafter, 0.3, seed=7), 4
+    try:
+        rids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                     logprobs=3 if i else None), rid=f"p{i}")
+                for i, p in enumerate(prompts)]
+        for rid, prompt, r in zip(rids, prompts, ref):
+            engine.proposer.set_reference(rid, len(prompt), r + [0] * 8)
+        tokens, logprobs, most = {r: [] for r in rids}, {r: [] for r in rids}, 1
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.rid] += out.new_token_ids
+                logprobs[out.rid] += out.logprobs or []
+            most = max(most, engine.last_step.steps if engine.last_step else 1)
+        for rid in rids:
+            engine.requests.pop(rid)
+    finally:
+        engine.proposer = drafter
+    assert [tokens[r] for r in rids] == ref and most > 1
+    assert logprobs["p0"] == []
+    hf = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+    for rid, prompt in zip(rids[1:], prompts[1:]):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt + tokens[rid]])).logits[0].log_softmax(-1)
+        assert len(logprobs[rid]) == NEW_TOKENS
+        for j, (token, entry) in enumerate(zip(tokens[rid], logprobs[rid])):
+            row = want[len(prompt) - 1 + j]
+            assert abs(entry.logprob - row[token].item()) <= 1e-3
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(entry.top, row.topk(3).values.tolist())) <= 1e-3
     assert _all_pages_free(engine)

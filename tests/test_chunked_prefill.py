@@ -29,7 +29,7 @@ class Scripted:
     def __init__(self):
         self.steps = 0
 
-    def decide(self, batch_size, drafting) -> bool:
+    def decide(self, batch_size, drafting, runs=None) -> bool:
         self.steps += 1
         return self.steps % 2 == 0 and bool(drafting)
 

@@ -41,3 +41,21 @@ def test_compose_wiring():
     for svc in (verifier, drafter, gateway):
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
     assert "python3 -m verifier" in verifier["command"] and "--drafter localhost:50052" in verifier["command"]
+
+
+def test_compose_builds_a_gpu_image_with_what_triton_and_flashinfer_compile_with():
+    """A plain `docker compose up` builds the CUDA image (DEVICE defaults to cuda): a CUDA devel base (nvcc for
+    FlashInfer), CUDA torch, the gpu extra (FlashInfer), and gcc + the Python headers (Triton's launchers)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    args = compose["x-tandem"]["build"]["args"]
+    assert "nvidia/cuda:" in args["BASE"] and "-devel-" in args["BASE"]
+    assert "/whl/cu" in args["TORCH_INDEX"] and args["EXTRAS"] == "gpu"
+    for name in ("verifier", "drafter", "gateway"):
+        assert compose["services"][name]["build"]["args"] == args
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    install = next(line for line in dockerfile.splitlines() if "apt-get install" in line)
+    assert {"gcc", "python3-dev", "python3-pip"} <= set(install.split())
+    assert '${EXTRAS:+[${EXTRAS}]}' in dockerfile  # pip install ".[gpu]"
+    # The demo pair ships in the package: nothing the read-only model volume could hide, nothing trained.
+    assert "COPY tandem tandem" in dockerfile and (ROOT / "tandem" / "demo_pair" / "draft" / "config.json").is_file()
+    assert all(v.endswith(":ro") for v in compose["x-tandem"]["volumes"])

@@ -52,8 +52,15 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop"),
     ({"n": 17}, "n"),  # n and echo are implemented (test_gateway_openai_extras.py): out of range, wrong type
     ({"echo": "yes"}, "echo"),
-    ({"logprobs": 0}, "logprobs"),
-    ({"logprobs": 5}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 4}, "min_tokens"),  # over max_tokens
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"best_of": 3}, "best_of"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -77,8 +84,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: no tool-call parser
     ({"top_p": -1}, "top_p"),
 ]
 

@@ -52,6 +52,14 @@ def test_token_id_prompt_and_sampling(stack, stub):
     assert (s.temperature, s.top_k, s.seed, s.top_p) == (0.0, 3, 5, 1.0)
     list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7]), max_tokens=1), timeout=10))
     assert stack.fake.requests[-1].sampling.temperature == 1.0  # unset: the OpenAI default
+    s = stack.fake.requests[-1].sampling
+    assert (s.min_p, s.min_tokens, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (0, 0, 1, 0, 0)
+    list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7]), max_tokens=4, min_p=0.25, min_tokens=2,
+                                          repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=0.75),
+                       timeout=10))
+    s = stack.fake.requests[-1].sampling
+    assert (s.min_p, s.min_tokens, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == \
+        (0.25, 2, 1.5, -0.5, 0.75)
 
 
 @pytest.mark.parametrize("req,field", [
@@ -65,6 +73,10 @@ def test_token_id_prompt_and_sampling(stack, stub):
     (pb.GenerateRequest(text="hi", max_tokens=3, top_p=0), "top_p"),
     (pb.GenerateRequest(text="hi", max_tokens=3, top_k=-7), "top_k"),
     (pb.GenerateRequest(text="hi", max_tokens=3, stop=[""]), "stop"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, min_p=2), "min_p"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, min_tokens=4), "min_tokens"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, repetition_penalty=0), "repetition_penalty"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, frequency_penalty=3), "frequency_penalty"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
     with pytest.raises(grpc.RpcError) as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import fake_verifier
@@ -254,9 +255,14 @@ def test_n_refusal_by_the_verifier_cancels_the_other_choices(stack):
     try:
         r = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50, "n": 3, "temperature": 1.0})
         assert r.status_code == 429
-        ids = {u.request_id for u in stack.fake.requests[before:]}
-        wait_until(lambda: len(ids & set(stack.fake.cancelled)) == 2, what="the other choices cancelled")
-        assert stack.gateway.slots.in_use == 0
+
+        def others_cancelled() -> bool:  # every choice that reached the verifier, but the refused one
+            ids = {u.request_id for u in stack.fake.requests[before:]}
+            return len(ids & set(stack.fake.cancelled)) == len(ids) - 1
+        # (a choice the gateway cancels before its call reaches the verifier is never seen there at all)
+        wait_until(lambda: others_cancelled() and stack.gateway.slots.in_use == 0, what="the other choices cancelled")
+        time.sleep(1.0)  # a choice left running would finish its 50 tokens (0.05 s apart) by now
+        assert not {u.request_id for u in stack.fake.requests[before:]} & set(stack.fake.finished)
     finally:
         stack.fake.delay_s = 0.0
 
@@ -270,10 +276,6 @@ def test_n_out_of_range_is_refused(stack, n):
 # ---- fields still refused -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "logprobs", 1), ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 2), ("/v1/completions", "presence_penalty", 0.5),
-    ("/v1/completions", "frequency_penalty", -0.5), ("/v1/completions", "min_p", 0.1),
-    ("/v1/chat/completions", "repetition_penalty", 1.2), ("/v1/completions", "min_tokens", 4),
     ("/v1/completions", "prompt_logprobs", 1), ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "echo", True), ("/v1/completions", "skip_special_tokens", "no"),
     ("/v1/completions", "include_stop_str_in_output", 1),
@@ -286,7 +288,8 @@ def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
 
 
 @pytest.mark.parametrize("field,value", [("min_p", 0), ("repetition_penalty", 1.0), ("min_tokens", 0),
-                                         ("presence_penalty", 0), ("logprobs", None), ("use_beam_search", False)])
+                                         ("presence_penalty", 0), ("logprobs", None), ("logprobs", False),
+                                         ("use_beam_search", False)])
 def test_no_op_values_are_accepted(stack, field, value):
     assert _post(stack, "/v1/completions", {"prompt": PROMPT, field: value, "max_tokens": 2}).status_code == 200
 

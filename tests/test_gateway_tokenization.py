@@ -20,7 +20,7 @@ from tandem.tokenizer import TextTokenizer
 
 BOS = "<|bos|>"
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
-                     "bos_token_id": 0, "eos_token_id": 1}
+                     "repetition_penalty": 1.25, "min_p": 0.125, "bos_token_id": 0, "eos_token_id": 1}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
 
 
@@ -105,6 +105,9 @@ def test_generation_config_defaults_apply_where_the_request_is_silent(stack, cli
     client.chat.completions.create(model="bos-model", messages=MESSAGES)
     s = stack.fake.requests[-1].sampling
     assert (round(s.temperature, 4), round(s.top_p, 4), s.top_k, s.max_new_tokens) == (0.6, 0.9, 20, 7)
+    assert (s.repetition_penalty, s.min_p) == (1.25, 0.125)
+    client.completions.create(model="bos-model", prompt="x", extra_body={"repetition_penalty": 1, "min_p": 0})
+    assert (stack.fake.requests[-1].sampling.repetition_penalty, stack.fake.requests[-1].sampling.min_p) == (1, 0)
     client.completions.create(model="bos-model", prompt="x")
     assert stack.fake.requests[-1].sampling.max_new_tokens == 16  # completions keep OpenAI's default, as vLLM's
     client.chat.completions.create(model="bos-model", messages=MESSAGES, temperature=0, top_p=1, max_tokens=3,
@@ -122,10 +125,16 @@ def test_generation_config_is_read_as_transformers_diffs_it(bos_model_dir, tmp_p
         (diff["temperature"], diff["top_p"], diff["top_k"], diff["max_new_tokens"])
     assert SamplingDefaults.load(bos_model_dir, "vllm") == SamplingDefaults()
     assert SamplingDefaults.load(tmp_path) == SamplingDefaults()  # no file: the OpenAI defaults
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 50, "repetition_penalty": 1.1}))
-    assert GenerationConfig.from_pretrained(tmp_path).to_diff_dict()["top_k"] == 50
-    assert SamplingDefaults.load(tmp_path) == SamplingDefaults(top_k=50)  # repetition_penalty: logged, not applied
-    assert SamplingDefaults.load(bos_model_dir, str(tmp_path)) == SamplingDefaults(top_k=50)  # --generation-config DIR
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 50, "repetition_penalty": 1.1,
+                                                                   "min_p": 0.05}))
+    diff = GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
+    stated = SamplingDefaults(top_k=diff["top_k"], repetition_penalty=diff["repetition_penalty"], min_p=diff["min_p"])
+    assert SamplingDefaults.load(tmp_path) == stated == SamplingDefaults(top_k=50, repetition_penalty=1.1, min_p=0.05)
+    assert SamplingDefaults.load(bos_model_dir, str(tmp_path)) == stated  # --generation-config DIR
+    for bad in ({"min_p": 1.5}, {"repetition_penalty": 0}):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingDefaults.load(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ValueError, match="temperature"):
         SamplingDefaults.load(tmp_path)

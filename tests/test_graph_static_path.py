@@ -139,3 +139,52 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert queued == reference
         assert any(following) and engine.run_in_flight is None
         assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_queued_decode_steps_record_logprobs_and_apply_penalties_as_one_step_decoding(engine, monkeypatch):
+    """Runs queued on the static buffers (overlapped: each after one not read back) record each step's
+    log-probabilities on the device for the request that asks, and apply penalties and min_tokens from
+    the token counts they keep there: tokens and logprobs equal one-step decoding's (whose logits rules
+    and logprobs tests/test_sampling_fields.py holds to transformers and exact distributions)."""
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 11, 17)]
+    engine.decode_steps = 1
+    free = [r.output_token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=19))]
+    params = [SamplingParams(temperature=0.8, seed=0, min_p=0.05, max_new_tokens=19, ignore_eos=True,
+                             repetition_penalty=1.6, presence_penalty=0.4, frequency_penalty=0.3),
+              SamplingParams(temperature=0.8, seed=1, min_p=0.05, max_new_tokens=19, ignore_eos=True, logprobs=4),
+              # greedy wants free[2][3] fourth: masked until the 16th token, which a run of 6 steps crosses
+              SamplingParams(max_new_tokens=19, min_tokens=15, stop_token_ids=(free[2][3],))]
+
+    def run():
+        rids = [engine.add_request(p, sp, spec=None) for p, sp in zip(prompts, params)]
+        tokens, logprobs, steps = {r: [] for r in rids}, {r: [] for r in rids}, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.rid] += out.new_token_ids
+                logprobs[out.rid] += out.logprobs or []
+            steps.append(engine.last_step.steps if engine.last_step else 1)
+        for r in rids:
+            engine.requests.pop(r)
+        return [tokens[r] for r in rids], [logprobs[r] for r in rids], max(steps)
+
+    engine.decode_steps = 1
+    reference, reference_logprobs, _ = run()
+    runner.graphs, engine.decode_steps = graphs, 6
+    try:
+        queued, queued_logprobs, most_steps = run()
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert queued == reference and most_steps == 6
+    assert reference[2][3] != free[2][3] and free[2][3] not in reference[2][:15]  # the mask mattered
+    assert queued_logprobs[0] == [] == queued_logprobs[2] and len(queued_logprobs[1]) == 19
+    for got, want in zip(queued_logprobs[1], reference_logprobs[1]):
+        assert abs(got.logprob - want.logprob) <= 1e-4
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got.top, want.top)) <= 1e-4

@@ -408,8 +408,11 @@ def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
         def drafter(self, gen):
             return Head(gen)
 
+    from drafter.metrics import DrafterMetrics
+
     service = DrafterService.__new__(DrafterService)
     service.heads = Heads()
+    service.metrics = DrafterMetrics()
     sizes = {"r1": 4, "r2": 3, "r3": 4, "r4": 3, "r5": 2}
     round_msg = pb.Round(seq=7, draft=[pb.DraftRequest(request_id=r, spec=pb.SpecParams(num_steps=n - 1, topk=1,
                                                                                            num_draft_tokens=n))

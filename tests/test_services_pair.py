@@ -67,6 +67,16 @@ def test_stream_equals_target_only_greedy(pair, reference):
     # Steady decoding of one request: its next Round goes out at the end of each step (prefetched) and the
     # next step uses it; only a request's first draft (after its prefill) and changes go out directly.
     assert m['tandem:drafter_rounds_total{kind="prefetched"}'] > m.get('tandem:drafter_rounds_total{kind="direct"}', 0)
+    # The drafter's own metrics: every Round the verifier sent was served there, each drafting at least one
+    # tree; its head took in each prompt (its tokens after the first, and the first output) and at most
+    # every token after it.
+    d = read_metrics(pair[0].metrics_port)
+    sent = sum(v for k, v in m.items() if k.startswith("tandem:drafter_rounds_total{"))
+    assert d['tandem:drafter_served_rounds_total{kind="drafts"}'] == sent
+    assert d["tandem:drafter_trees_total"] >= sent
+    lengths = [len(prompts_of(32)[i]) for i in (0, 5, 9)]
+    assert sum(lengths) < d["tandem:drafter_extend_tokens_total"] <= sum(n + 24 for n in lengths)
+    assert d["tandem:drafter_verifier_connected"] == 1.0
 
 
 def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):
@@ -102,6 +112,11 @@ def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):
     (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, temperature=-1)), "temperature"),
     (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, top_p=1.5)), "top_p"),
     (dict(prompt_token_ids=[1] * 600, sampling=pb.SamplingParams(max_new_tokens=4)), "context"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, min_p=1.5)), "min_p"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, logprobs=21)), "logprobs"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, min_tokens=5)), "min_tokens"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, presence_penalty=3)),
+     "presence_penalty"),
     (dict(prompt_token_ids=[10**6], sampling=pb.SamplingParams(max_new_tokens=4)), "vocabulary"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request_kwargs, field):
@@ -112,6 +127,37 @@ def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     assert generate(verifier.address, prompts_of(32)[1])[0] == reference[1]  # still serving
+
+
+def test_logprobs_over_the_stream_equal_transformers_while_speculating(pair, pair_dirs, reference):
+    """Each message carries one TokenLogprobs per token: the target's raw log-softmax (transformers on the
+    same weights) at the position that produced it, from the verify of a drafted round; the first message
+    carries the prompt's (every token after the first)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, verifier = pair
+    prompt = prompts_of(32)[3]
+    with grpc.insecure_channel(verifier.address) as channel:
+        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_new_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=2))
+        messages = list(pb_grpc.VerifierStub(channel).Generate(request, timeout=120))
+    tokens = [t for m in messages for t in m.token_ids]
+    entries = [e for m in messages for e in m.logprobs]
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    assert len(messages[0].prompt_logprobs) == len(prompt) - 1 and not any(m.prompt_logprobs for m in messages[1:])
+    assert tokens == reference[3] and messages[-1].spec.rounds > 0
+    hf = AutoModelForCausalLM.from_pretrained(pair_dirs / "target", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+    for t, entry in enumerate(messages[0].prompt_logprobs, start=1):
+        assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) <= 1e-3
+        assert list(entry.top_token_ids) == ref[t - 1].topk(2).indices.tolist()
+    for j, (token, entry) in enumerate(zip(tokens, entries)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(entry.logprob - row[token].item()) <= 1e-3
+        assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
+        assert max(abs(a - b) for a, b in zip(entry.top_logprobs, row.topk(3).values.tolist())) <= 1e-3
 
 
 def test_malformed_protobuf_is_invalid_argument(pair):

@@ -374,7 +374,8 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     timed_steps = []
     real_observe = policy.observe_step
     policy.observe_step = lambda n, spec, steps=1, seconds=None, resumed=False: (
-        seconds is not None and timed_steps.append(step_no), real_observe(n, spec, steps, seconds, resumed))
+        seconds is not None and timed_steps.append(step_no - 1),  # a step is timed when the next one starts
+        real_observe(n, spec, steps, seconds, resumed))
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
         monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)
@@ -417,3 +418,48 @@ def test_a_lost_drafter_leaves_nothing_held(setup):
         while eng.has_unfinished():
             eng.step()
         assert [eng.requests.pop(r).output for r in rids] == ref
+
+
+def test_costs_are_compared_within_runs_or_within_single_steps():
+    """Arrivals cut runs short. Lone rounds (8 ms) against lone plain steps (5 ms) give a ratio of 1.6, a
+    win at τ 3; pooled with plain runs (4 steps in 5 ms) the plain step looks cheaper than it is under
+    arrivals, and the ratio (4) would turn speculation off. Within runs, the runs' own costs count."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0, confidence_z=0.0))
+    for _ in range(5):
+        policy.observe_step(64, True, 1, 0.008)
+        policy.observe_step(64, False, 1, 0.005)
+        policy.observe_step(64, False, 4, 0.005)
+    assert policy.cost_ratio(64, runs=False) == pytest.approx(1.6)
+    # pooled, the slowest sample (a lone plain step) left out: 4 lone steps and 5 runs, 45 ms over 24 steps
+    assert policy.cost_ratio(64) == pytest.approx(0.008 / (0.045 / 24))
+    for _ in range(5):
+        policy.observe_step(64, True, 4, 0.016)
+    assert policy.cost_ratio(64, runs=True) == pytest.approx(0.004 / 0.00125)
+    states = [RequestSpecState() for _ in range(64)]
+    for _ in range(4):
+        for state in states:
+            policy.observe_round(state, 3)
+    policy.spec_steps_since_plain = 0
+    assert policy.decide(64, states, runs=False) and not policy.decide(64, states, runs=True)
+
+
+def test_an_arrivals_drafter_extension_is_charged_against_the_plain_step():
+    """A round costs 1.5 plain steps (1 ms): at τ 3 the batch of 8 speculates. When each arriving prompt
+    (100 tokens, for outputs of 100) costs the drafter 0.1 ms per token to take in — 10 ms a request, 0.1 ms
+    per output token, 0.8 ms per plain step of 8 — the ratio becomes 1.5 / (1 - 0.8) = 7.5 and it does not."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0, confidence_z=0.0))
+    for _ in range(5):
+        policy.observe_step(8, True, 1, 0.0015)
+        policy.observe_step(8, False, 1, 0.001)
+    states = [RequestSpecState() for _ in range(8)]
+    for _ in range(4):
+        for state in states:
+            policy.observe_round(state, 3)
+    policy.spec_steps_since_plain = 0
+    assert policy.cost_ratio(8) == pytest.approx(1.5) and policy.decide(8, states)
+    policy.observe_finished(100, 100)
+    assert policy.cost_ratio(8) == pytest.approx(1.5)  # no extension measured yet: nothing charged
+    policy.observe_arrivals(200, 0.020)  # two prompts of 100 tokens in 20 ms
+    assert policy.arrival_cost_per_output_token() == pytest.approx(1e-4)
+    assert policy.cost_ratio(8) == pytest.approx(7.5) and not policy.decide(8, states)
+    assert policy.cost_ratio(1) == pytest.approx(0.0015 / 0.0009)  # one request pays its own arrivals only

@@ -91,14 +91,12 @@ class VerifierConfig:
         p.add_argument("--disable-round-prefetch", action="store_true",
                        help="send each Round when the step drafts instead of at the end of the step before "
                             "(prefetching lets the drafter work while the verifier streams and schedules)")
-        p.add_argument("--internal-secret-file", default=None, metavar="FILE",
-                       help=f"the drafter's internal secret, from FILE instead of ${internal_secret.ENV}")
+        shared.add(p, shared.INTERNAL_SECRET_FILE)
         p.add_argument("--ring-rows", type=int, default=cls.ring_rows,
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting,
                        help="queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
-        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port "
-                                                                      "(default: off)")
+        shared.add(p, shared.METRICS_PORT)
         p.add_argument("--log-stats-interval", type=float, default=cls.log_stats_interval_s, metavar="SECONDS",
                        help="log a stats line (batch, throughput, accept length, KV usage) this often while busy; "
                             "0: off")
@@ -122,6 +120,7 @@ class VerifierConfig:
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
                               chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
+                              mixed_prefill=a.enable_mixed_chunk or None,
                               enable_prefix_caching=not a.disable_prefix_caching)
         # Asked for as SGLang users do, speculation without a drafter service runs the head in this process.
         drafter = IN_PROCESS if spec.requested and a.drafter is None else a.drafter

@@ -120,6 +120,10 @@ class VerifierService:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
                                    completion_tokens=produced, cached_tokens=out.cached_tokens,
                                    finish_reason=out.finish_reason.value if out.finish_reason else "")
+        for entries, field in ((out.logprobs, resp.logprobs), (out.prompt_logprobs, resp.prompt_logprobs)):
+            if entries is not None:
+                field.extend(pb.TokenLogprobs(logprob=e.logprob, top_token_ids=[t for t, _ in e.top],
+                                              top_logprobs=[v for _, v in e.top]) for e in entries)
         stats = out.spec_stats
         if stats is not None:
             resp.spec.CopyFrom(pb.SpecStats(rounds=stats.rounds, accept_length_mean=stats.accept_length_mean,
@@ -141,7 +145,11 @@ class VerifierService:
             raise ConfigError(f"sampling.top_p must be in (0, 1], got {s.top_p:g}")
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
                                 seed=s.seed if s.HasField("seed") else None, max_new_tokens=s.max_new_tokens,
-                                ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids))
+                                ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids), min_p=s.min_p,
+                                min_tokens=s.min_tokens, repetition_penalty=s.repetition_penalty or 1.0,
+                                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                logprobs=s.logprobs if s.HasField("logprobs") else None,
+                                prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
         try:
             params.validate()
         except ConfigError as e:

@@ -53,6 +53,10 @@ class EngineConfig:
     # --no-overlap-runs: read every run of decode steps or rounds back before queuing the next (by default the next run
     # is queued first, from the device's state, so the GPU does not wait at a run's boundary)
     overlap_runs: bool = True
+    # --enable-mixed-chunk: prompts (or chunks) prefill in the same forward as the running requests' step. Apart (a
+    # step of prompts alone, then a step of the running requests) keeps that step on its graphs and queued runs.
+    # None: mixed without CUDA graphs (nothing to keep), apart with them.
+    mixed_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if self.decode_steps is not None and self.decode_steps < 1:

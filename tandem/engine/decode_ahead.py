@@ -16,9 +16,12 @@ Greedy tokens are those of one-step decoding; a sampled request draws its unifor
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
-no prompt waiting, no request speculating, no traffic capture, one rank). With a drafter, each step's
-EAGLE-3 features go into the run's own buffer and reach the drafter's requests after the read-back, held
-for their next draft (DraftLink.keep_in_step): plain steps run the target-only path either way.
+no prompt waiting, no request speculating, no traffic capture, one rank). Log-probabilities are recorded
+on the device at each step for the requests that ask, and come back with the tokens; penalties and
+min_tokens are applied on the device from token counts the run keeps (tandem.engine.run_rules). With a
+drafter, each step's EAGLE-3 features go into the run's own buffer and reach the drafter's requests after
+the read-back, held for their next draft (DraftLink.keep_in_step): plain steps run the target-only path
+either way.
 
 With CUDA graphs, runs overlap (``engine.overlap_runs``, as runs of speculative rounds do): the step
 that reads a run back first queues the next run after it, going on from the device's inputs, so the
@@ -36,6 +39,8 @@ import torch
 
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
+from tandem.engine.request_sampling import RunLogprobs
+from tandem.engine.run_rules import RunRules
 from tandem.engine.staging import HostReadback
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
@@ -49,28 +54,40 @@ class DecodeRun:
     steps: int
     tokens: HostReadback  # int64 [steps, n], on its way to the host once the steps are done
     features: torch.Tensor | None  # [steps, n, 3H] on the device, each step's input rows (with a drafter)
+    logprobs: RunLogprobs | None  # the steps' log-probabilities, for the requests that ask
+    rules: RunRules | None  # the token counts of requests with penalties or min_tokens, on the device
     graph_state: tuple  # (verify family, bucket, the last step's tokens [n]): TargetGraphRunner.run_decode_steps
 
 
-def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool):
+def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after: DecodeRun | None = None):
     """→ (the run's token buffer [steps, n] on the device, its feature buffer [steps, n, 3H] or None
-    (``capture``: allocated at the first step's features), ``pick(logits, features, k)`` that samples step
-    k into the first and copies its features into the second)."""
+    (``capture``: allocated at the first step's features), its RunLogprobs or None, its RunRules or None,
+    ``pick(logits, features, k)`` that samples step k into the first — after the rules — copies its
+    features into the second and records its log-probabilities). ``after``: the run not read back that
+    this one follows."""
     # Settings and uniforms reach the device before the first forward is queued.
     sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], runner.device,
                           runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=runner.device)
     kept: list[torch.Tensor] = []
+    logprobs = RunLogprobs.of(reqs, steps, runner.device)
+    cfg = runner.model_cfg
+    rules = RunRules.of(reqs, steps, runner.device, cfg.vocab_size, cfg.eos_token_ids,
+                        None if after is None else after.rules or False, 0 if after is None else after.steps)
 
     def pick(logits: torch.Tensor, features: torch.Tensor | None, k: int) -> torch.Tensor:
         if capture:
             if not kept:
                 kept.append(torch.empty(steps, *features.shape, dtype=features.dtype, device=features.device))
             kept[0][k].copy_(features)
-        tokens[k] = sampler(logits, k)
+        tokens[k] = sampler(logits if rules is None else rules.apply(logits, k), k)
+        if rules is not None:
+            rules.update(tokens[k])
+        if logprobs is not None:
+            logprobs.record(logits, tokens[k], k)
         return tokens[k]
 
-    return tokens, kept, pick
+    return tokens, kept, logprobs, rules, pick
 
 
 @torch.inference_mode()
@@ -89,10 +106,13 @@ def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun
     else:
         first = None
         graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
-    tokens, features, pick = _sampled_into(runner, reqs, steps, capture)
+    tokens, features, logprobs, rules, pick = _sampled_into(runner, reqs, steps, capture, after)
     state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
                                     features=capture)
-    return DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, state)
+    run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, rules, state)
+    if logprobs is not None:
+        logprobs.queue_readback()
+    return run
 
 
 def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
@@ -112,13 +132,17 @@ def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
 
 @torch.inference_mode()
 def decode_steps_eagerly(runner, reqs: list[Request], steps: int,
-                         capture: bool = False) -> tuple[list[list[int]], torch.Tensor | None]:
+                         capture: bool = False) -> tuple[list[list[int]], torch.Tensor | None, dict | None]:
     """Run ``steps`` decode steps of ``reqs`` (pages reserved for all of them) without graphs, or where
     no graph fits the batch → (each request's tokens, the steps' features [steps, n, 3H] when
-    ``capture``). ``runner``: the engine's ModelRunner (TP size 1)."""
-    tokens, features, pick = _sampled_into(runner, reqs, steps, capture)
+    ``capture``, the log-probabilities of the requests that ask). ``runner``: the engine's ModelRunner
+    (TP size 1)."""
+    tokens, features, logprobs, _, pick = _sampled_into(runner, reqs, steps, capture)
     _forward_steps(runner, reqs, steps, pick, capture)
-    return _tokens_back(runner, HostReadback(tokens)), (features[0] if capture else None)
+    per_request = _tokens_back(runner, HostReadback(tokens))
+    if logprobs is not None:
+        logprobs.queue_readback()
+    return per_request, (features[0] if capture else None), (logprobs.read_steps() if logprobs is not None else None)
 
 
 def _forward_steps(runner, reqs: list[Request], steps: int, pick, capture: bool) -> None:
@@ -144,7 +168,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     between them, else 1 (0 when ``queued``: none to queue)."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
-    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None:
+    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.can_admit() or engine.traffic is not None:
         return none
     context = engine.context_len
     for req in reqs:
@@ -167,13 +191,13 @@ def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer)
     with timer("verify"):
         run = queue_decode_steps(runner, reqs, steps, capture=capture)
         if run is None:  # eager, or no graph fits: one synchronous run
-            tokens, features = decode_steps_eagerly(runner, reqs, steps, capture)
+            tokens, features, logprobs = decode_steps_eagerly(runner, reqs, steps, capture)
     if run is not None:
         return _read_back(engine, run, timer)
     with timer("accept"):
         engine.hold_finished_drafts()  # the drafter gets the steps of requests they end too
         try:
-            outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {})
+            outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {}, logprobs=logprobs)
             caught_up = _keep_drafter_in_step(engine, reqs, tokens, features)
         finally:
             engine.release_finished_drafts()
@@ -198,12 +222,13 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
             following = queue_decode_steps(runner, run.reqs, more, after=run, capture=run.features is not None)
         tokens = read_decode_steps(runner, run)
+        logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
         engine.hold_finished_drafts()
         try:
             outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
-                                     keep_pages=following is not None)
+                                     keep_pages=following is not None, logprobs=logprobs)
             caught_up = _keep_drafter_in_step(engine, run.reqs, tokens, run.features)
         finally:
             engine.release_finished_drafts()

@@ -24,13 +24,16 @@ from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decod
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
+from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, prefill_rows, prompt_logprob_jobs,
+                                            sample_rows, tree_logits, wants_prompt_logits)
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
+from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
-from tandem.sampling import SamplingParams, make_generator, sample
+from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.verify import Proposer, accept_tree, compaction_moves, verify_chunk
@@ -71,6 +74,9 @@ class LLMEngine:
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
+        self.prefill_apart = graphed if cfg.mixed_prefill is None else not cfg.mixed_prefill
+        self.decode_owed = False  # the last step prefilled prompts alone: the running requests' step comes next
+        self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
         self._finishing: list[Request] | None = None  # finished, draft state kept (hold_finished_drafts)
@@ -106,6 +112,8 @@ class LLMEngine:
             spec = self.default_spec
         elif spec is not None and self.proposer is None:
             raise ConfigError("speculation was requested but the engine has no draft model")
+        if params.penalized:
+            spec = None  # penalties depend on the tokens before each position: such a request decodes plainly
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
         req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
@@ -145,7 +153,8 @@ class LLMEngine:
         if not running:
             return 1  # (the latest decision stands for the prompts about to be admitted)
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting])
+        runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.scheduler.can_admit()
+        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting], runs)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
     def _row_width(self, req: Request, width: int) -> int:
@@ -157,14 +166,27 @@ class LLMEngine:
         acceptance, KV compaction, and the drafter's extension with the new tokens' features. Its wall
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
+        self._observe_previous(started)
         outputs = self._step()
         info = self.last_step
+        if info is not None and info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
+            # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
+            self.policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
         if info is not None and info.num_decode and self.proposer is not None:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
-            timed = (info.timed or resumed) and not info.num_prefill
-            self.policy.observe_step(info.num_decode, info.speculative, info.steps,
-                                     time.perf_counter() - started if timed else None, resumed=resumed)
+            timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
+            self._unobserved = (info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
         return outputs
+
+    def _observe_previous(self, now: float) -> None:
+        """The previous step's time goes to the policy now, from its start to this one's: what a step costs
+        includes what its caller does with the tokens (a server streams them: per step, not per token), so
+        a step is timed to the next (there was one: requests were still running when it ended)."""
+        if self._unobserved is not None:
+            num_decode, speculative, steps, started, resumed = self._unobserved
+            self.policy.observe_step(num_decode, speculative, steps, None if started is None else now - started,
+                                     resumed=resumed)
+            self._unobserved = None
 
     def _step(self) -> list[StepOutput]:
         timer = StepTimer(self.phase_sync)
@@ -174,14 +196,19 @@ class LLMEngine:
             return step_decode_in_flight(self, timer)  # nothing changed)
         if self.run_in_flight is not None:
             return step_run_in_flight(self, timer)
-        ahead = decode_steps_ahead(self) if width == 1 else 1
-        rounds = rounds_ahead(self) if width > 1 else 1
-        if ahead > 1:
-            sched = self.scheduler.schedule(lambda req: ahead)
-        elif rounds > 1:
-            sched = self.scheduler.schedule(lambda req: rounds * req.spec.num_draft_tokens)
-        else:
-            sched = self.scheduler.schedule(lambda req: self._row_width(req, width))
+        # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
+        apart = self.prefill_apart and bool(self.scheduler.running)
+        sched = None
+        if apart and not self.decode_owed and self.scheduler.can_admit():
+            sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False)
+            sched = sched if sched.prefill else None  # nothing fit beside the running requests' next step
+        self.decode_owed = sched is not None
+        ahead = decode_steps_ahead(self) if width == 1 and sched is None else 1
+        rounds = rounds_ahead(self) if width > 1 and sched is None else 0
+        if sched is None:
+            widths = ((lambda req: ahead) if ahead > 1 else (lambda req: rounds * req.spec.num_draft_tokens) if rounds
+                      else (lambda req: self._row_width(req, width)))
+            sched = self.scheduler.schedule(widths, admit=not apart)
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:
@@ -190,7 +217,7 @@ class LLMEngine:
             return []
         if ahead > 1 and not sched.prefill and not sched.preempted:
             return step_decode_ahead(self, sched.decode, ahead, timer)
-        if rounds > 1 and not sched.prefill and not sched.preempted:
+        if rounds and not sched.prefill and not sched.preempted:
             return step_rounds_ahead(self, sched.decode, rounds, timer)
         with timer("draft"):
             catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
@@ -201,8 +228,8 @@ class LLMEngine:
                 if trees[req.rid].size == 1 and rows > 1:
                     trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
-        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table())
-                  for p in sched.prefill]
+        chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
+                                logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
@@ -210,11 +237,13 @@ class LLMEngine:
         self.hold_finished_drafts()  # until after the extend below
         try:
             with timer("accept"):
-                emitted, extend_items, rounds, caught_up = self._accept(sched, trees, logits, features if capture else None)
+                emitted, extend_items, rounds, caught_up, logprobs = self._accept(
+                    sched, trees, logits, features if capture else None)
                 for p in sched.prefill:
                     if not p.last:
                         p.req.kv.commit(p.end)
-                outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds)
+                outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
+                                       logprobs=logprobs)
                 for p in sched.prefill:
                     if p.last and not p.req.finished:
                         self.scheduler.cache_committed(p.req)
@@ -228,13 +257,15 @@ class LLMEngine:
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
         # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
+                                  prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
                                   timed=not catch_up and not caught_up)
         return outputs
 
     def _accept(self, sched, trees, logits, features):
-        """→ new tokens per request, the drafter's extension items, per-request round records, and whether
-        a plain step also sent a request's held features (a catch-up, not a plain step's work)."""
+        """→ new tokens per request, the drafter's extension items, per-request round records, whether
+        a plain step also sent a request's held features (a catch-up, not a plain step's work), and the
+        new tokens' log-probabilities for the requests that ask."""
         # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
         # has had its garbage verified: its request takes only the root's token, as a plain step, and
         # goes on without speculation (its draft state is released); the other requests are unaffected.
@@ -243,10 +274,13 @@ class LLMEngine:
         if broken:
             self.drafts.broken_drafts([req for req in sched.decode if req.rid in broken],
                                       "draft log-probs contain NaN; the draft head or its features are broken")
-        # Rows of `logits`: one per prefill, then tree.size per verified request. Requests whose tree is
-        # just the root are sampled together (plain decoding); trees go through acceptance.
-        simple = [(p.req, i) for i, p in enumerate(sched.prefill) if p.last]
-        row, token_row = len(sched.prefill), sum(p.end - p.start for p in sched.prefill)
+        # Rows of `logits`: one per prefill (every token's for prompt logprobs), then tree.size per verified
+        # request. Requests whose tree is just the root are sampled together (plain decoding); trees go
+        # through acceptance.
+        prefill_at = prefill_rows(sched.prefill)
+        simple = [(p.req, first + n - 1) for p, (first, n) in zip(sched.prefill, prefill_at) if p.last]
+        row = sum(n for _, n in prefill_at)
+        token_row = sum(p.end - p.start for p in sched.prefill)
         tree_jobs, plain_rows = [], []
         for req in sched.decode:
             size = trees[req.rid].size
@@ -260,11 +294,13 @@ class LLMEngine:
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
         observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
+        logprob_jobs = LogprobJobs()
+        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
+        eos = self.model_config.eos_token_ids
         if simple:
-            rows = torch.tensor([r for _, r in simple], device=logits.device)
-            sampled = sample(logits[rows], [q.params for q, _ in simple], [q.generator for q, _ in simple]).tolist()
-            for (req, _), token in zip(simple, sampled):
+            for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
                 emitted[req.rid] = [token]
+                logprob_jobs.add(req, [row], [token])
         token_row = 0
         held = []  # kept on the device for the request's next draft (keep_in_step)
         for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
@@ -289,7 +325,9 @@ class LLMEngine:
         moves_src, moves_dst = [], []
         for req, first_row, first_token_row in tree_jobs:
             tree = trees[req.rid]
-            result = accept_tree(tree, logits[first_row : first_row + tree.size], req.params, req.generator)
+            node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos)
+            result = accept_tree(tree, node_logits, req.params, req.generator)
+            logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
             src, dst = compaction_moves(req, result.accepted_nodes)
             moves_src += src
             moves_dst += dst
@@ -307,13 +345,14 @@ class LLMEngine:
         self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
         if self.traffic is not None and features is not None:
             self.traffic.observe(features, observed)
-        return emitted, extend_items, rounds, caught_up
+        return emitted, extend_items, rounds, caught_up, logprob_jobs.compute(logits)
 
     def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
-                rounds: dict[str, tuple[int, int]], keep_pages: bool = False) -> list[StepOutput]:
+                rounds: dict[str, tuple[int, int]], keep_pages: bool = False,
+                logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests.
         ``keep_pages``: the pages reserved past a running request's tokens stay (a run of decode steps or
-        rounds queued further writes into them)."""
+        rounds queued further writes into them). ``logprobs``: per request, one entry per emitted token."""
         outputs = []
         for req in reqs:
             new, reason = [], None
@@ -333,8 +372,12 @@ class LLMEngine:
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
+            token_logprobs = logprobs[req.rid][: len(new)] if logprobs and req.rid in logprobs else None
+            prompt_logprobs = None
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], None, True
             outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
-                                      req.cached_tokens or 0))
+                                      token_logprobs, prompt_logprobs, req.cached_tokens or 0))
         return outputs
 
     def hold_finished_drafts(self) -> None:
@@ -349,6 +392,8 @@ class LLMEngine:
             self.drafts.forget(req)
 
     def _finish(self, req: Request) -> None:
+        if req.output:
+            self.policy.observe_finished(len(req.prompt), len(req.output))
         self.scheduler.finish(req)
         if self._finishing is not None:
             self._finishing.append(req)

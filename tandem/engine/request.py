@@ -39,6 +39,9 @@ class Request:
     # so decoding with speculation off costs no drafter work per step (see DraftLink.hold).
     pending_extend: list = field(default_factory=list)
     pending_bytes: int = 0  # size of the features held in pending_extend
+    # params.prompt_logprobs: the prompt's entries gathered chunk by chunk, sent with the first token
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
     # Prefix caching (tandem.prefix_cache): chained keys of the full blocks of ``tokens`` computed so far,
     # the tokens found cached at the current admission (prefilled from there), and at the first (what
     # usage reports; None until the request is first admitted).

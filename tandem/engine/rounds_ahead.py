@@ -2,10 +2,12 @@
 queue several greedy chain rounds in one step, and how their tokens are committed and counted.
 
 A run applies when every running request drafts a greedy chain of one setting with the in-process
-drafter, nothing waits for admission, and no one (a traffic capture, other ranks) needs the host
-between rounds. Its length is cut to what the requests can use: a request expected to finish in
-fewer rounds (its recent tokens per round against its tokens left) shortens the run, so the rounds
-computed after a request's end stay few. Tokens stream a run at a time.
+drafter, nothing waits for admission, and no one (a traffic capture, other ranks, a request with
+min_tokens to honour) needs the host between rounds; log-probabilities are recorded on the device at
+each round's verify (RunLogprobs) and come back with the tokens. Its length is cut to what the
+requests can use: a request expected to finish in fewer rounds (its recent tokens per round against its
+tokens left) shortens the run, so the rounds computed after a request's end stay few. Tokens stream a
+run at a time.
 
 Runs overlap (``engine.overlap_runs``, on by default): a step that reads a run back first queues the
 next one after it, from the device's state, so the GPU goes on while the host waits, commits and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from tandem.engine.request_sampling import RunLogprobs, needs_host_each_round
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.speculative.chain_rounds import (LocalDraftSide, QueuedRun, chain_rounds_fit, end_chain_rounds,
                                              queue_chain_rounds, read_chain_rounds, target_rounds_fit)
@@ -26,25 +29,30 @@ from tandem.speculative.verify import ProposerUnavailable
 
 
 def rounds_ahead(engine) -> int:
-    """Chain rounds to queue back to back this step: up to the engine's ``spec_rounds``, else 1."""
+    """Chain rounds to queue back to back this step, up to the engine's ``spec_rounds``; 0: none (the step
+    drafts and verifies on the host). A run of one round is still worth queuing where prompts come apart
+    (its rounds stay on the device: a round on the host does per-request work)."""
     running = engine.scheduler.running
     rounds = _run_length(engine, running, queued=0) if running else 0
-    return rounds if rounds > 1 else 1
+    return rounds if rounds > 1 or (rounds == 1 and engine.prefill_apart) else 0
 
 
 def _run_length(engine, reqs: list, queued: int) -> int:
     """Rounds of ``reqs`` that can be queued now, past ``queued`` rounds not read back yet (0: none)."""
     rounds = engine.spec_rounds
-    if (rounds <= 1 or engine.cfg.tp_size > 1 or engine.scheduler.waiting or engine.traffic is not None
-            or not engine.drafts.up()):
+    if rounds <= 1 or engine.cfg.tp_size > 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
+    if engine.scheduler.can_admit():  # a prompt comes in after one round (prompts apart), or in a mixed step
+        if queued or not engine.prefill_apart:
+            return 0
+        rounds = 1
     spec = reqs[0].spec
     if spec is None or spec.topk != 1:
         return 0
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
-                or engine._tree_width(req) != nd):
+                or engine._tree_width(req) != nd or needs_host_each_round(req)):
             return 0
         recent = req.spec_state.recent
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
@@ -85,17 +93,28 @@ def _remote_runs(proposer):
 def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRun | None:
     """Queue a run (None: the drafter process refused it; it then drafts round by round for a while)."""
     drafter, steer = _device_drafter(engine.proposer)
+    graphs = engine.executor.runner.graphs
+    logprobs = RunLogprobs.of(reqs, rounds, engine.executor.runner.device, reqs[0].spec.num_draft_tokens)
     if drafter is None:
         side = engine.proposer.queue_run([req.rid for req in reqs], reqs[0].spec, rounds, after is not None,
                                          [req.last_token for req in reqs])
         if side is None:
             return None
-        return queue_chain_rounds(engine.executor.runner.graphs, side, reqs, reqs[0].spec, rounds, steer, after)
+        return queue_chain_rounds(graphs, side, reqs, reqs[0].spec, rounds, steer, after, logprobs)
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
     guarded = getattr(engine.proposer, "guarded", lambda call, *args: call(*args))
-    return guarded(queue_chain_rounds, engine.executor.runner.graphs, LocalDraftSide(drafter), reqs, reqs[0].spec,
-                   rounds, steer, after)
+    return guarded(queue_chain_rounds, graphs, LocalDraftSide(drafter), reqs, reqs[0].spec, rounds, steer, after,
+                   logprobs)
+
+
+def _round_logprobs(run: QueuedRun, result) -> dict | None:
+    """Per asking request, the entries of the nodes each round emitted from (nodes 0..count-1)."""
+    if run.logprobs is None:
+        return None
+    index = {req.rid: i for i, req in enumerate(run.reqs)}
+    return {rid: [e for r, nodes in enumerate(rounds) for e in nodes[: len(result.tokens[index[rid]][r])]]
+            for rid, rounds in run.logprobs.read().items()}
 
 
 def step_rounds_ahead(engine, reqs: list, rounds: int, timer: StepTimer) -> list[StepOutput]:
@@ -149,7 +168,8 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
         emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
         engine.hold_finished_drafts()  # the drafter commits the run for requests it ends too
         try:
-            outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages)
+            outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages,
+                                     logprobs=_round_logprobs(run, result))
             end_chain_rounds(run, result, keep_pages)
         finally:
             engine.release_finished_drafts()

@@ -28,6 +28,7 @@ from typing import Callable
 
 from tandem.engine.config import DEFAULT_CHUNKED_PREFILL_SIZE
 from tandem.engine.request import Request
+from tandem.engine.request_sampling import wants_prompt_logits
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator
 from tandem.prefix_cache import block_keys
@@ -83,11 +84,22 @@ class Scheduler:
         queued on the device (tandem.engine.decode_ahead, rounds_ahead) was queued for."""
         return len(self.running) == len(reqs) and all(a is b for a, b in zip(self.running, reqs))
 
-    def schedule(self, step_width: Callable[[Request], int] = lambda r: 1) -> Schedule:
+    def can_admit(self) -> bool:
+        """Whether the head of the queue could be prefilled now (the rest of a prompt in chunked prefill,
+        or a new prompt whose pages fit): while it can, runs queued ahead stay short."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        head = self.waiting[0]
+        return bool(head.kv.pages) or head.kv.pages_needed(head.num_tokens) <= self.allocator.num_free
+
+    def schedule(self, step_width: Callable[[Request], int] = lambda r: 1, decode: bool = True,
+                 admit: bool = True) -> Schedule:
         """Reserve pages for every running request's next step (``step_width`` new tokens after its
-        committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts."""
+        committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts.
+        ``decode=False``: a step of prompts alone (the running requests sit it out; their next step's
+        pages stay free for them); ``admit=False``: of running requests alone."""
         out = Schedule()
-        for req in list(self.running):
+        for req in list(self.running) if decode else []:
             if req not in self.running:  # preempted while making room for an older request
                 continue
             needed_tokens = req.num_tokens - 1 + step_width(req)
@@ -107,7 +119,8 @@ class Scheduler:
             if req in self.running:
                 req.kv.reserve(needed_tokens)
                 out.decode.append(req)
-        budget = self.prefill_budget
+        held = 0 if decode else sum(req.kv.pages_needed(req.num_tokens - 1 + step_width(req)) for req in self.running)
+        budget = self.prefill_budget if admit else 0
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
             fresh = not req.kv.pages  # not started (or preempted): it may start on cached pages
@@ -121,7 +134,7 @@ class Scheduler:
             else:
                 break
             needed = req.kv.pages_needed(n if fresh else end)  # a new prompt starts only if it all fits
-            if needed > self.allocator.num_free:
+            if needed > self.allocator.num_free - held:
                 if fresh:  # it waits holding nothing
                     req.kv.release()
                 break
@@ -146,9 +159,10 @@ class Scheduler:
             req.skip_prefix_cache = recompute
 
     def _start_on_cache(self, req: Request) -> None:
-        """Adopt the request's longest cached run of full pages, leaving at least its last token to compute."""
+        """Adopt the request's longest cached run of full pages, leaving at least its last token to compute
+        (none for a prompt whose every position's logits are wanted: prompt_logprobs)."""
         req.prefix_hit = 0
-        if self.cache is not None and not req.skip_prefix_cache:
+        if self.cache is not None and not req.skip_prefix_cache and not wants_prompt_logits(req):
             usable = (req.num_tokens - 1) // self.allocator.page_size
             keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys)[:usable]
             pages = self.cache.match(keys)

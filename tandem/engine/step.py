@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tandem.engine.request import FinishReason
+from tandem.logprobs import TokenLogprobs
 from tandem.speculative.stats import SpecStats
 
 
@@ -20,6 +21,8 @@ class StepOutput:
     # Accepted drafts (the bonus token not counted) of each speculative round this step: one round, or a
     # run of rounds queued on the device (tandem.engine.rounds_ahead); empty for a plain step.
     round_accepts: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, for requests that asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: one per prompt token after the first
     cached_tokens: int = 0  # prompt tokens the request found in the prefix cache (not prefilled)
 
     @property
@@ -36,6 +39,7 @@ class StepInfo:
     steps: int = 1  # decode steps or speculative rounds each request went through (runs queued ahead: several)
     speculative: bool = False  # the step drafted (a round), else a plain decode step
     timed: bool = True  # its wall time is that of its steps alone (no catch-up of held drafter input)
+    prefill_tokens: int = 0  # prompt tokens prefilled (whole prompts or chunks)
 
     @property
     def seconds(self) -> dict[str, float]:

@@ -33,7 +33,7 @@ class _Forced:
     def __init__(self, policy, speculate: bool, record: bool):
         self.policy, self.speculate, self.record = policy, speculate, record
 
-    def decide(self, batch_size, drafting) -> bool:
+    def decide(self, batch_size, drafting, runs=None) -> bool:
         return self.speculate and bool(drafting)
 
     def observe_step(self, *args, **kwargs) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.errors import CheckpointError
 from tandem.models.quantization import QuantConfig, parse_quantization
+from tandem.models.rope_fields import rope_params, rope_theta, rope_type
 from tandem.models.deepseek_config import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
 
 # architecture name -> (qkv projections carry a bias, q/k RMSNorm per head)
@@ -176,19 +177,15 @@ def read_config_json(folder: str | Path, kind: str) -> tuple[Path, dict[str, Any
 
 
 def _rope_from_hf(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters" (theta included); older versions "rope_theta" + "rope_scaling".
-    params = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    merged = {**legacy, **params}
-    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    merged = rope_params(raw)
+    kind = rope_type(merged)
+    if kind not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
-            f"{source}: unsupported rope_type '{rope_type}'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: unsupported rope_type '{kind}'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
+        theta=rope_theta(raw),
+        rope_type=kind,
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),

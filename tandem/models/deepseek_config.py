@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import CheckpointError
+from tandem.models.rope_fields import rope_params, rope_theta, rope_type
 
 DEEPSEEK_ARCHITECTURE = "DeepseekV3ForCausalLM"
 KIMI_K25_ARCHITECTURE = "KimiK25ForConditionalGeneration"
@@ -111,7 +112,7 @@ def deepseek_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, An
         qk_nope_head_dim=int(need("qk_nope_head_dim")),
         qk_rope_head_dim=int(need("qk_rope_head_dim")),
         v_head_dim=int(need("v_head_dim")),
-        rope_theta=_rope_theta(text),
+        rope_theta=rope_theta(text),
         rope_interleave=bool(text.get("rope_interleave", True)),
         yarn=_yarn(text, source),
         attention_bias=bool(text.get("attention_bias", False)),
@@ -135,22 +136,13 @@ def deepseek_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, An
     )
 
 
-def _rope_params(text: dict[str, Any]) -> dict[str, Any]:
-    # transformers >= 5 writes "rope_parameters" (theta included); released checkpoints "rope_scaling".
-    return {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
-
-
-def _rope_theta(text: dict[str, Any]) -> float:
-    return float(_rope_params(text).get("rope_theta", text.get("rope_theta", 10000.0)))
-
-
 def _yarn(text: dict[str, Any], source: str) -> YarnConfig | None:
-    params = _rope_params(text)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "default":
+    params = rope_params(text)
+    kind = rope_type(params)
+    if kind == "default":
         return None
-    if rope_type != "yarn":
-        raise CheckpointError(f"{source}: rope_type '{rope_type}' is not supported for DeepSeek-V3 models (default, yarn)")
+    if kind != "yarn":
+        raise CheckpointError(f"{source}: rope_type '{kind}' is not supported for DeepSeek-V3 models (default, yarn)")
     orig = int(params.get("original_max_position_embeddings") or 4096)
     factor = params.get("factor")
     factor = float(factor) if factor is not None else int(text.get("max_position_embeddings", orig)) / orig

@@ -139,6 +139,7 @@ class QueuedRun:
     counts: torch.Tensor  # int64 [n]: tokens the last round emitted
     roots: torch.Tensor | None  # each root's index in its sequence (only when the instrument steers)
     queued_ns: tuple[int, int]  # wall-clock span in which the host queued the rounds
+    logprobs: object = None  # RunLogprobs of the requests that ask (tandem.engine.request_sampling), or None
 
     @property
     def snapshot(self) -> tuple:
@@ -179,14 +180,15 @@ def drafter_rounds_fit(drafter, rids: list[str], spec, rounds: int) -> bool:
 
 @torch.inference_mode()
 def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer=None,
-                       after: QueuedRun | None = None) -> QueuedRun:
+                       after: QueuedRun | None = None, logprobs=None) -> QueuedRun:
     """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` without waiting: from their
     committed state, or going on after the run ``after`` (the same requests, not read back yet).
     ``side``: the drafter's half of this run, not begun (LocalDraftSide for an in-process drafter,
     for which ``chain_rounds_fit`` said yes). The target's pages must cover every round queued past
     the committed tokens (``rounds * num_draft_tokens`` more per run). ``steer(rids, chains [n, nd],
     root indices [n]) → chains``: the controlled-acceptance instrument's rewrite of each draft
-    (benchmarks), on the device."""
+    (benchmarks), on the device. ``logprobs``: a RunLogprobs of ``rounds`` steps, ``num_draft_tokens``
+    wide, that records each round's verify (the token a node emits is the target's argmax there)."""
     n, nd = len(reqs), spec.num_draft_tokens
     rids = [req.rid for req in reqs]
     try:
@@ -213,19 +215,22 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
         for r in range(rounds):
             if r:
                 rows = side.draft()
+            record = None if logprobs is None else (lambda logits, argmax, r=r: logprobs.record(logits, argmax, r))
             counts = round_once(target_graphs, side, fam, verify_bs, rids, rows, broken, counts, emitted[r], steer,
-                                roots)
+                                roots, record)
         readback = HostReadback(emitted)
+        if logprobs is not None:
+            logprobs.queue_readback()
         side.finish()
         queued = (queue_started, time.time_ns())
     except BaseException:
         side.abandon(after is None)
         raise
-    return QueuedRun(reqs, side, spec, rounds, fam, verify_bs, readback, broken, counts, roots, queued)
+    return QueuedRun(reqs, side, spec, rounds, fam, verify_bs, readback, broken, counts, roots, queued, logprobs)
 
 
 def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots) -> torch.Tensor:
+                 roots, record=None) -> torch.Tensor:
     """One round's work after its draft — advance, verify, accept, extend — with the glue between the
     graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts."""
     n, nd = emitted.shape[0], emitted.shape[1] - 2
@@ -236,6 +241,8 @@ def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
     target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
+    if record is not None:
+        record(logits.view(n, nd, -1), argmax)
     # Accepted drafts: the run of nodes 1.. whose token is the target's argmax at the node before.
     accepted = (chains[:, 1:] == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)
     counts = torch.where(broken, 0, accepted) + 1  # a broken draft: the root's token only
@@ -251,7 +258,7 @@ def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
 
 
 def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots) -> torch.Tensor:
+                 roots, record=None) -> torch.Tensor:
     """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
     from tandem.kernels import round_glue
 
@@ -261,6 +268,8 @@ def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
                                 fam.block_tables, target_graphs.page_size, nd, chains=chains)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))
+    if record is not None:
+        record(logits.view(n, nd, -1), argmax)
     ext_ids, ext_features, ext_counts = side.extend_inputs
     counts = round_glue.accept(chains, argmax, broken, features, emitted, ext_ids, ext_features, ext_counts,
                                side.width, roots)

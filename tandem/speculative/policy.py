@@ -22,6 +22,12 @@ exploration) measures every running request: rarer the more a round costs (the h
 likely the text has become easy enough), and rarer the more resuming costs — the drafter first takes in
 what the plain steps held, so an exploration costs its measured step time beyond a plain step's, and
 explorations are spaced so that this stays a small share (``explore_budget``) of the time between them.
+
+Arrivals: a prompt admitted while speculating is extended into the drafter at once, which plain decoding
+skips (it holds the prompt's features for a later draft). Per output token that costs the extension's
+measured seconds per prompt token times the traffic's prompt tokens per output token; on a small target
+whose steps take a fraction of a millisecond it can outweigh what the rounds gain, so it is charged
+against the plain step in the cost ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class PolicyConfig:
     explore_budget: float = 0.01  # ... and enough that resuming (a catch-up and a round) costs at most this share
     explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
     step_samples: int = 16  # timed steps kept per bucket and kind (see SpeculationPolicy.step_time)
+    arrival_window: int = 64  # arrivals / finished requests: the prompt-extension cost decays over about this many
 
 
 @dataclass
@@ -57,6 +64,9 @@ class RequestSpecState:
     recent: "DecayedMean | None" = None  # its rounds' token counts, decayed per token it decodes
 
 
+MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
+
+
 def cost_bucket(batch_size: int) -> int:
     """The power of two nearest to ``batch_size`` (in log scale): where its step costs are kept."""
     return 1 << max(0, round(math.log2(max(1, batch_size))))
@@ -64,9 +74,16 @@ def cost_bucket(batch_size: int) -> int:
 
 @dataclass
 class _StepTimes:
-    plain: deque = field(default_factory=deque)
-    spec: deque = field(default_factory=deque)
-    resume: deque = field(default_factory=deque)  # speculative steps that first caught the drafter up
+    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
+    that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
+    single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
+    so costs are compared within one class where both modes have samples."""
+    samples: dict = field(default_factory=dict)  # (kind, run) -> deque
+
+    def of(self, kind: str, run: bool | None = None) -> list:
+        if run is not None:
+            return list(self.samples.get((kind, run), ()))
+        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
 
 
 class SpeculationPolicy:
@@ -74,6 +91,10 @@ class SpeculationPolicy:
         self.cfg = cfg
         self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
+        # What an arrival costs only while speculating — the drafter's extension over the prompt — per
+        # prompt token, and the traffic's prompt tokens per output token: together, a cost per output token.
+        self._extend_per_token = DecayedMean(cfg.arrival_window)
+        self._prompt_per_output = DecayedMean(cfg.arrival_window)
         self.rounds_all = 0
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
@@ -92,38 +113,65 @@ class SpeculationPolicy:
             self.spec_steps_since_plain = 0
         if seconds is not None:
             times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
-            samples = times.resume if resumed else times.spec if speculative else times.plain
+            kind = "resume" if resumed else "spec" if speculative else "plain"
+            samples = times.samples.setdefault((kind, steps > 1), deque())
             samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
 
-    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False) -> float | None:
+    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
+                  runs: bool | None = None) -> float | None:
         """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
         total steps — what the engine's mix of runs and single steps really costs, which a median per
         step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
-        sample once there are three (a first launch, a collection)."""
+        sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
+        single steps only (False), or of both (None)."""
         times = self._times.get(cost_bucket(batch_size))
-        samples = None if times is None else (times.resume if resumed else times.spec if speculative else times.plain)
+        kind = "resume" if resumed else "spec" if speculative else "plain"
+        samples = [] if times is None else times.of(kind, runs)
         if not samples:
             return None
         kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
         return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
 
-    def cost_ratio(self, batch_size: int) -> float:
-        """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways."""
+    def cost_ratio(self, batch_size: int, runs: bool | None = None) -> float:
+        """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways; within
+        ``runs``' class (runs, or single steps) where both kinds have samples of it there."""
         if self.cfg.fixed_cost_ratio is not None:
             return self.cfg.fixed_cost_ratio
         measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b, t in self._times.items()
-                    if t.plain and t.spec]
+                    if t.of("plain") and t.of("spec")]
         if not measured:
             return self.cfg.default_cost_ratio
         _, b = min(measured)
-        return self.step_time(b, True) / self.step_time(b, False)
+        spec, plain = self.step_time(b, True, runs=runs), self.step_time(b, False, runs=runs)
+        if spec is None or plain is None:
+            spec, plain = self.step_time(b, True), self.step_time(b, False)
+        # Per output token, speculating also pays the drafter's extension over each arriving prompt: with n
+        # requests, τ tokens a round beat one a plain step when τ >= t_spec / (t_plain - n x that cost).
+        arrival = self.arrival_cost_per_output_token()
+        return spec / max(plain - batch_size * arrival, MIN_PLAIN_SHARE * plain)
+
+    def arrival_cost_per_output_token(self) -> float:
+        """Seconds of the drafter's prompt extension per output token of the recent traffic (0 until known)."""
+        per_token, ratio = self._extend_per_token.mean, self._prompt_per_output.mean
+        return 0.0 if per_token is None or ratio is None else per_token * ratio
+
+    def observe_arrivals(self, prompt_tokens: int, seconds: float) -> None:
+        """Prompts of ``prompt_tokens`` tokens, prefilled alone while speculating, took ``seconds`` to extend
+        into the drafter (a cost plain decoding does not pay: it holds them)."""
+        self._extend_per_token.decay(1)
+        self._extend_per_token.add(seconds / prompt_tokens)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        self._prompt_per_output.decay(1)
+        self._prompt_per_output.add(prompt_tokens / output_tokens)
 
     # -- the decision ----------------------------------------------------------------------------
-    def decide(self, batch_size: int, drafting: list[RequestSpecState]) -> bool:
+    def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
-        ``batch_size`` decoding requests (the others ride along as plain rows of the same forward)."""
+        ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
+        ``runs``: whether this step can be a run of several steps (None: unknown)."""
         c = self.cfg
         if not drafting:
             return False
@@ -131,7 +179,7 @@ class SpeculationPolicy:
             return True
         if self.rounds_all < max(1, c.warmup_rounds):
             return True  # too little known about this traffic: find out
-        ratio = self.cost_ratio(batch_size)
+        ratio = self.cost_ratio(batch_size, runs)
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
             every = c.plain_probe_every if self.step_time(batch_size, False) is not None else c.plain_probe_first
             if self.spec_steps_since_plain >= every:
@@ -187,6 +235,7 @@ class SpeculationPolicy:
     def forget_traffic(self) -> None:
         """Drop what rounds taught (the warm-up's random prompts say nothing of real traffic); keep costs."""
         self._all, self.rounds_all = DecayedMean(self.cfg.engine_window), 0
+        self._prompt_per_output = DecayedMean(self.cfg.arrival_window)  # (the extension's speed is kept)
         self.spec_steps_since_plain = self.plain_steps_since_spec = 0
 
 

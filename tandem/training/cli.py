@@ -143,10 +143,12 @@ def _eval_only(args: argparse.Namespace) -> int:
 
 def add_demo_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval", action="store_true", help="measure the pair's acceptance and speed on held-out prompts")
+    p.add_argument("--rebuild", action="store_true", help="train the pair from its recipes into the cache (once) "
+                                                          "instead of using the one shipped in the package")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true")
     p.add_argument("--variant", choices=("demo", "gpu"), default="demo",
-                   help="demo: the embedded CPU pair (cached); gpu: the larger pair, trained into --out")
+                   help="demo: the embedded CPU pair (shipped, or --rebuild); gpu: the larger pair, trained into --out")
     p.add_argument("--out", default=None, help="folder for --variant gpu or --head-data-temperature")
     p.add_argument("--device", default="cuda", help="device for --variant gpu")
     p.add_argument("--head-data-temperature", type=float, default=None, metavar="T",
@@ -169,7 +171,7 @@ def run_demo_models(args: argparse.Namespace) -> int:
         return _head_at_temperature(args)
     from tandem.demo import ensure_demo_draft, ensure_demo_target
 
-    target, draft = ensure_demo_target(), ensure_demo_draft()
+    target, draft = ensure_demo_target(args.rebuild), ensure_demo_draft(args.rebuild)
     result: dict = {"target": str(target), "draft": str(draft)}
     if args.eval:
         from tandem.training.demo_pair import demo_eval_prompts

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.demo import DEMO_VERSION, cache_root, ensure_demo_draft, ensure_demo_target
     from tandem.training.data import load_samples
 
-    target = ensure_demo_target()
-    draft = ensure_demo_draft()  # its run folder holds the completed samples the sweep reuses
+    target = ensure_demo_target(rebuild=True)  # a pair built here: its head's run folder holds the
+    draft = ensure_demo_draft(rebuild=True)  # completed samples the sweep reuses (the shipped pair has none)
     run = draft.with_name("draft.run")
     samples, eval_samples = load_samples(run / "samples.jsonl"), load_samples(run / "eval_samples.jsonl")
     work = Path(args.out) if args.out else cache_root() / "demo" / DEMO_VERSION / ("sweep-same-steps" if args.same_steps else "sweep")

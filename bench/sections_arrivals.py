@@ -1,0 +1,87 @@
+"""Benchmark section ``arrivals``: a closed-loop load in process on an engine built as the verifier builds
+it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR, default: the shipped one) at concurrency 8 and 64, every finished
+request replaced at once by the next prompt, 120 new tokens, greedy — target-only, the default policy and
+speculating always; → tokens/s and, per kind of step (plain or speculative, its run length, whether it
+prefilled, decoded, ran queued on the device), how many, their mean time and the tokens they emitted.
+Where the time of a loaded server goes, without the REST front in the way."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from pathlib import Path
+
+SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+def _step_kind(info) -> str:
+    if info is None:
+        return "nothing read back"
+    return (f"{'spec' if info.speculative else 'plain'} x{info.steps} prefill={bool(info.num_prefill)} "
+            f"decode={bool(info.num_decode)} queued={'queue' in info.spans}")
+
+
+def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dict:
+    from tandem.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(prompts[i % len(prompts)], params)
+    sent, tokens, kinds = concurrency, 0, collections.defaultdict(lambda: [0, 0.0, 0])
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        kind = kinds[_step_kind(engine.last_step)]
+        emitted = sum(len(o.new_token_ids) for o in outputs)
+        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + time.perf_counter() - t0, kind[2] + emitted
+        tokens += emitted
+        for o in outputs:
+            if o.finish_reason is not None:
+                engine.requests.pop(o.rid, None)
+                engine.add_request(prompts[sent % len(prompts)], params)
+                sent += 1
+    elapsed = time.perf_counter() - started
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finish_reason is not None:
+                engine.requests.pop(o.rid, None)
+    return {"tok_s": tokens / elapsed, "steps": {k: {"n": n, "ms_mean": 1e3 * s / n, "tokens": t}
+                                                 for k, (n, s, t) in sorted(kinds.items())}}
+
+
+def arrivals(ctx: dict) -> dict:
+    from verifier.__main__ import build_parser
+    from verifier.config import VerifierConfig
+    from verifier.metrics import VerifierMetrics
+    from verifier.serve import build_engine
+
+    import torch
+
+    from tandem.demo import SHIPPED
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
+    device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")  # CPU: a smoke run
+    from tandem.training.demo_pair import demo_eval_prompts
+
+    saved = folder / "prompts.json"
+    prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(folder / "target"), 64)
+    base = ["--model", str(folder / "target"), "--device", device, "--dtype", dtype, "--kv-pages", "12288"]
+    spec = ["--drafter", "in-process", "--draft-model", str(folder / "draft"), *SPEC_FLAGS]
+    modes = {"target-only": base, "policy": base + spec, "always": base + spec + ["--speculation-policy", "always"]}
+    seconds = 2.0 if ctx["quick"] else 5.0
+    out = {}
+    for mode, argv in modes.items():
+        args = build_parser().parse_args(argv)
+        engine, _, _ = build_engine(VerifierConfig.from_args(args, args.model), VerifierMetrics())
+        try:
+            out[mode] = {c: _closed_loop(engine, prompts, c, seconds) for c in (8, 64)}
+        finally:
+            engine.shutdown()
+        for c, r in out[mode].items():
+            print(f"{mode:12s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s", flush=True)
+            for kind, k in r["steps"].items():
+                print(f"    {kind:55s} {k['n']:5d} steps, {k['ms_mean']:7.3f} ms, {k['tokens']} tokens", flush=True)
+    return out

@@ -1,0 +1,29 @@
+"""The drafter service's own Prometheus metrics (``--metrics-port``): what it served, as it saw it. The
+verifier's ``tandem:drafter_*`` metrics are the other side (round trips, the drafter's reported work);
+these are the drafter's: rounds and their time here, the tokens its head took in, trees drafted, whether a
+verifier is connected, reloads."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class DrafterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.rounds = Counter("tandem:drafter_served_rounds", "Rounds served, by kind: drafts (extend + draft "
+                              "trees) or chain_run (a run of rounds queued on the device)", ["kind"], registry=r)
+        self.round_seconds = Histogram("tandem:drafter_served_round_seconds", "Host time of a round here, by kind",
+                                       ["kind"], buckets=ROUND_BUCKETS, registry=r)
+        self.extend_tokens = Counter("tandem:drafter_extend_tokens", "Tokens (with their target features) the "
+                                     "head took in", registry=r)
+        self.trees = Counter("tandem:drafter_trees", "Draft trees drafted (one per request per round)", registry=r)
+        self.verifier_connected = Gauge("tandem:drafter_verifier_connected", "1 while a verifier's Rounds stream is "
+                                        "open", registry=r)
+        self.reloads = Counter("tandem:drafter_reloads", "Reload calls, by result: loaded or refused", ["result"],
+                               registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,65 @@
+"""A chat request's template options → the prompt text: ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), and ``tools`` — given to the template as
+transformers and vLLM give them. This server parses no tool calls out of the model's text, so ``tools`` are
+rendered only with ``tool_choice: "none"`` (the model sees them, the answer is text); "auto", "required" or
+a named function are refused rather than answered without ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import bad_request
+from tandem.chat_template import ChatTemplate, ChatTemplateError
+
+# Variables the request's chat_template_kwargs may not replace: they come from the request's own fields.
+_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tools", "bos_token", "eos_token"}
+
+
+def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
+    continue_final = _flag(body, "continue_final_message", False)
+    add_prompt = _flag(body, "add_generation_prompt", not continue_final)
+    extra = dict(_template_kwargs(body))
+    tools = _tools(body)
+    if tools is not None:
+        extra["tools"] = tools
+    try:
+        return template.render(messages, add_generation_prompt=add_prompt, continue_final_message=continue_final,
+                               **extra)
+    except ChatTemplateError as e:
+        raise bad_request("messages", str(e)) from e
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(name, f"must be true or false, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs", "must be an object of template variables")
+    reserved = sorted(set(kwargs) & _RESERVED)
+    if reserved:
+        raise bad_request("chat_template_kwargs", f"{', '.join(reserved)}: set by the request's own fields")
+    return kwargs
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice", "names a tool but the request has no tools")
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise bad_request("tools", "must be a list of tool objects")
+    if choice != "none":
+        raise bad_request("tool_choice", "this server does not parse tool calls out of the model's text: send "
+                                         "tool_choice \"none\" to show the model the tools and get its text")
+    return tools

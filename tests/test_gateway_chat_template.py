@@ -1,0 +1,119 @@
+"""Chat templates render as transformers' apply_chat_template renders them — with tools, a request's
+chat_template_kwargs (Qwen3's enable_thinking), continue_final_message, strftime_now and the
+{% generation %} block — in the gateway's chat completions and /tokenize; what this server cannot honour
+(tool_choice other than "none": no tool-call parser) is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gateway_harness import Stack, tiny_model_dir
+
+from tandem.chat_template import ChatTemplate, ChatTemplateError
+
+# A Qwen3-like template: tools as JSON in the system turn, thinking switched by a template variable, the
+# assistant's turns inside {% generation %}, today's date, and raise_exception for an unknown role.
+TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Today is {{ strftime_now('%Y-%m-%d') }}.<|end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role not in ['system', 'user', 'assistant', 'tool'] %}{{ raise_exception('unknown role ' + m.role) }}{% endif %}"
+    "{% if m.role == 'assistant' %}<|assistant|>{% generation %}{{ m.content }}{% endgeneration %}<|end|>\n"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+CONTINUED = MESSAGES + [{"role": "assistant", "content": "Let me think: Paris is"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "chat-model"
+    shutil.copytree(tiny_model_dir(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    return PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), eos_token=config["eos_token"],
+                                   chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    s = Stack(model_dir=model_dir, served_model_name="chat-model")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True},
+                                    {"tools": TOOLS, "enable_thinking": False}])
+def test_rendering_equals_transformers(model_dir, hf, kwargs):
+    ours = ChatTemplate.from_model_dir(model_dir).render(MESSAGES, add_generation_prompt=True, **kwargs)
+    assert ours == hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs)
+
+
+def test_continue_final_message_equals_transformers(model_dir, hf):
+    ours = ChatTemplate.from_model_dir(model_dir).render(CONTINUED, add_generation_prompt=False,
+                                                         continue_final_message=True)
+    theirs = hf.apply_chat_template(CONTINUED, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert ours == theirs and ours.endswith("Paris is")
+
+
+def test_a_template_error_is_a_chat_template_error(model_dir):
+    with pytest.raises(ChatTemplateError, match="unknown role robot"):
+        ChatTemplate.from_model_dir(model_dir).render([{"role": "robot", "content": "x"}])
+
+
+def _post(stack, path: str, body: dict):
+    import httpx
+
+    return httpx.post(stack.url + path, json=body, timeout=30.0)
+
+
+def test_chat_request_options_reach_the_prompt_as_transformers_renders_them(stack, hf):
+    cases = [({"chat_template_kwargs": {"enable_thinking": False}}, dict(enable_thinking=False)),
+             ({"tools": TOOLS, "tool_choice": "none"}, dict(tools=TOOLS)),
+             ({"messages": CONTINUED, "continue_final_message": True},
+              dict(continue_final_message=True, add_generation_prompt=False))]
+    for extra, theirs in cases:
+        body = {"model": "chat-model", "messages": MESSAGES, "max_tokens": 2, **extra}
+        r = _post(stack, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        expected = hf.apply_chat_template(body["messages"], tokenize=True, return_dict=False,
+                                          **{"add_generation_prompt": True, **theirs})
+        assert list(stack.fake.requests[-1].prompt_token_ids) == list(expected), extra
+        r = _post(stack, "/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})
+        assert r.status_code == 200 and r.json()["tokens"] == list(expected)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: its answer would need tool_calls parsed
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "messages"),
+    ({"continue_final_message": "yes"}, "continue_final_message"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(stack, extra, param):
+    r = _post(stack, "/v1/chat/completions", {"model": "chat-model", "messages": MESSAGES, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

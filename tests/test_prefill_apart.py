@@ -1,0 +1,109 @@
+"""Prompts prefilled apart from the running requests' step (the default with CUDA graphs; forced here on
+the CPU with ``mixed_prefill=False``): greedy output identical to the mixed steps' (target-only, chains,
+trees, chunked prompts), a step that prefills carries no decoding rows and is followed by one of the
+running requests alone, pages for the running requests' next step are left free, and the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import random_prompt
+from test_chunked_prefill import GREEDY, PROMPTS, engine, staggered
+from tandem.speculative.drafter import SpecConfig
+
+
+@pytest.fixture(scope="module")
+def mixed(pair):
+    with engine(pair, -1) as eng:
+        return staggered(eng, GREEDY)
+
+
+@pytest.mark.parametrize("chunk", (-1, 7))
+def test_target_only_greedy_is_unchanged_by_prompts_apart(pair, mixed, chunk):
+    with engine(pair, chunk, mixed_prefill=False) as eng:
+        assert eng.prefill_apart
+        assert staggered(eng, GREEDY) == mixed
+
+
+@pytest.mark.parametrize("spec,chunk", [(SpecConfig(3, 1, 4), -1), (SpecConfig(3, 2, 6), 7), (SpecConfig(2, 3, 7), 16)])
+def test_speculative_greedy_is_unchanged_by_prompts_apart(pair, mixed, spec, chunk):
+    with engine(pair, chunk, spec, mixed_prefill=False) as eng:
+        assert staggered(eng, GREEDY) == mixed
+
+
+def test_a_step_that_prefills_has_no_decoding_rows_and_the_next_one_decodes(pair):
+    with engine(pair, 8, SpecConfig(3, 1, 4), mixed_prefill=False) as eng:
+        kinds = []
+        streams = [eng.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        while not all(eng.requests[rid].output for rid in streams):  # their own prompts: chunks of 8
+            eng.step()
+        eng.add_request(PROMPTS[3], GREEDY)  # 64 tokens: 8 chunks of 8
+        while not eng.requests["req-2"].output:
+            eng.step()
+            info = eng.last_step
+            kinds.append((info.num_prefill, info.num_decode))
+        # chunks and the running requests' steps alternate: never both in one step
+        assert all(not (p and d) for p, d in kinds)
+        prefilled = [bool(p) for p, _ in kinds]
+        assert all(a != b for a, b in zip(prefilled, prefilled[1:]))
+        assert sum(1 for p, _ in kinds if p) == 8
+        while eng.has_unfinished():
+            eng.step()
+        assert all(len(eng.requests[r].output) == GREEDY.max_new_tokens for r in streams)
+        assert eng.allocator.num_free == eng.allocator.capacity_pages
+
+
+def test_a_prompt_waits_when_the_running_requests_need_its_pages(pair):
+    """Prompts apart must not take the pages the running requests' next step needs (they would only be
+    preempted right after): with the pool nearly full, the prompt waits and nobody is preempted."""
+    from tandem.sampling import SamplingParams
+
+    with engine(pair, -1, kv_pages=1 + 20, mixed_prefill=False) as eng:  # 20 pages x 4 tokens
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        first = eng.add_request(PROMPTS[3], params)  # 64 tokens: 17 pages with its first token
+        eng.step()
+        eng.add_request(random_prompt(340, 14), params)  # 4 pages: the 4 left, one of which the first needs next
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.scheduler.preemptions == 0
+        assert len(eng.requests[first].output) == 16
+
+
+def test_the_flag_reaches_the_engine_config(pair):
+    from verifier.__main__ import build_parser
+    from verifier.config import VerifierConfig
+
+    args = build_parser().parse_args(["--model", str(pair.target_dir), "--enable-mixed-chunk"])
+    assert VerifierConfig.from_args(args, args.model).engine.mixed_prefill is True
+    args = build_parser().parse_args(["--model", str(pair.target_dir)])
+    assert VerifierConfig.from_args(args, args.model).engine.mixed_prefill is None
+    with engine(pair, -1) as eng:  # without CUDA graphs there is nothing to keep apart for
+        assert not eng.prefill_apart
+
+
+
+def test_the_policy_learns_what_arrivals_cost_the_drafter(pair):
+    """Prompts prefilled apart while speculating: every prompt token's extension is reported to the policy
+    (with the seconds its step spent extending), and every finished request's prompt and output lengths."""
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    class Recording(SpeculationPolicy):
+        def __init__(self):
+            super().__init__(PolicyConfig(enabled=False))
+            self.arrivals, self.finished = [], []
+
+        def observe_arrivals(self, prompt_tokens, seconds):
+            self.arrivals.append((prompt_tokens, seconds))
+            super().observe_arrivals(prompt_tokens, seconds)
+
+        def observe_finished(self, prompt_tokens, output_tokens):
+            self.finished.append((prompt_tokens, output_tokens))
+            super().observe_finished(prompt_tokens, output_tokens)
+
+    policy = Recording()
+    with engine(pair, -1, SpecConfig(3, 1, 4), policy=policy, mixed_prefill=False) as eng:
+        staggered(eng, GREEDY)
+    assert sum(tokens for tokens, _ in policy.arrivals) == sum(len(p) for p in PROMPTS)
+    assert all(seconds > 0 for _, seconds in policy.arrivals)
+    assert sorted(policy.finished) == sorted((len(p), GREEDY.max_new_tokens) for p in PROMPTS)
+    assert policy.arrival_cost_per_output_token() > 0
