@@ -205,3 +205,31 @@ def test_pages_the_drafter_rebuilt_without_features_are_never_cached(pair):
         assert not any(drafter.prefix_cache.holds(p) for p in rebuilt)
         eng.generate([SYSTEM + random_prompt(522, 6)], GREEDY)
         assert drafter.prefix_cache.stats.hits == 0  # nothing poisoned was found
+
+
+def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(pair):
+    """Its every position's logits are wanted, so it starts on no cached page: all its prompt entries come
+    back, equal to the cache-off engine's; the next request on the same prefix still finds it cached."""
+    first, second = SYSTEM + random_prompt(530, 5), SYSTEM + random_prompt(531, 7)
+    asking = SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2)
+
+    def run(cache: bool):
+        with engine(pair, 7, cache=cache) as eng:
+            eng.generate([first], GREEDY)
+            rid = eng.add_request(second, asking)
+            got = None
+            while eng.has_unfinished():
+                for out in eng.step():
+                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+            req = eng.requests.pop(rid)
+            later = eng.add_request(second, GREEDY)
+            while eng.has_unfinished():
+                eng.step()
+            return req, got, eng.requests.pop(later)
+
+    (req, got, later), (ref_req, ref_got, ref_later) = run(True), run(False)
+    assert req.cached_tokens == 0 and len(got) == len(second) - 1 == len(ref_got)
+    for a, b in zip(got, ref_got):
+        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert req.output == ref_req.output and later.output == ref_later.output
+    assert later.cached_tokens == (len(second) - 1) // PAGE * PAGE
