@@ -8,6 +8,7 @@ from sections_arrivals import arrivals
 from sections_batch import batch
 from sections_glue import round_glue
 from sections_overlap import decode_overlap, overlap
+from sections_prefix import prefix
 from sections_profile import demo, phases
 from sections_quant import quant_kernels
 from sections_rest import rest, rest_demo
@@ -16,4 +17,4 @@ from sections_scaling import service, tp
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal, "batch": batch, "rest": rest,
             "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo,
             "overlap": overlap, "decode_overlap": decode_overlap, "round_glue": round_glue,
-            "quant_kernels": quant_kernels}
+            "quant_kernels": quant_kernels, "prefix": prefix}

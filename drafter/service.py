@@ -249,7 +249,8 @@ class DrafterService:
         return reply, queue
 
     def _release_and_extend(self, round_msg: pb.Round, ring: HiddenRingView) -> None:
-        """A Round's releases, then its extends (before any draft or run reads the state)."""
+        """A Round's releases, then its extends (before any draft or run reads the state). An extend may
+        start its request on a cached prefix first, and release it after."""
         for rid in round_msg.release:
             self.heads.release(rid)
         if round_msg.extend:
@@ -258,6 +259,8 @@ class DrafterService:
             # Plain steps between drafts queue several extends of one request: apply them in order, in
             # waves where each request appears once (one packed forward per wave and head).
             waves: list[dict[int, list]] = []
+            starts: dict[int, list] = {}  # wave -> extends that start their request on a cached prefix
+            after: dict[int, list] = {}  # wave -> extends that release their request after
             seen: dict[str, int] = {}
             for e in round_msg.extend:  # a request's k-th extend goes to wave k: per-request order is kept
                 k = seen.get(e.request_id, 0)
@@ -265,11 +268,21 @@ class DrafterService:
                 if k == len(waves):
                     waves.append({})
                 gen, _ = self.heads.for_request(e.request_id)
+                if e.HasField("prefix"):
+                    starts.setdefault(k, []).append((gen, e))
+                if e.release_after:
+                    after.setdefault(k, []).append(e)
                 waves[k].setdefault(gen, []).append(
                     (e.request_id, list(e.token_ids), ring.read(e.ring_offset, e.ring_rows, copy=False)))
-            for wave in waves:
+            for k, wave in enumerate(waves):
                 for gen, items in wave.items():
-                    self.heads.drafter(gen).extend(items)
+                    drafter = self.heads.drafter(gen)
+                    for start_gen, e in starts.get(k, ()):
+                        if start_gen == gen:
+                            drafter.attach_prefix(e.request_id, list(e.prefix.token_ids))
+                    drafter.extend(items)
+                for e in after.get(k, ()):
+                    self.heads.release(e.request_id)
 
     def _drafts(self, round_msg: pb.Round, ring: HiddenRingView) -> pb.Drafts:
         started = time.perf_counter()

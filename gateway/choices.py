@@ -57,10 +57,13 @@ class Choices:
 
     @property
     def usage(self) -> dict:
-        # The prompt is counted once and each choice's tokens are added up, as vLLM does.
-        prompt = self.streams[0].usage["prompt_tokens"]
+        # The prompt is counted once (its cached part as the first choice found it) and each choice's
+        # tokens are added up, as vLLM does.
+        first = self.streams[0].usage
         completion = sum(s.usage["completion_tokens"] for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+                "total_tokens": first["prompt_tokens"] + completion,
+                "prompt_tokens_details": first["prompt_tokens_details"]}
 
 
 def _next(stream: GenerationStream) -> asyncio.Future:

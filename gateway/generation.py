@@ -35,6 +35,7 @@ class Delta:
     # string cuts the text, not these: tokens past it in the same message keep theirs.
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
+    cached_tokens: int = 0  # of prompt_tokens, those the verifier found in its prefix cache
 
 
 class GenerationStream:
@@ -58,6 +59,7 @@ class GenerationStream:
         self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
+        self._cached_tokens = 0
         self._prompt_logprobs_sent = False
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
@@ -89,6 +91,8 @@ class GenerationStream:
                 return self._delta([], reason)
             if msg.prompt_tokens:
                 self._prompt_tokens = msg.prompt_tokens
+            if msg.cached_tokens:
+                self._cached_tokens = msg.cached_tokens
             if msg.HasField("spec"):
                 self.spec_stats = msg.spec
             new = list(msg.token_ids)
@@ -124,7 +128,8 @@ class GenerationStream:
         elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - 1:
             raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
         self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
-        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs)
+        return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
+                     cached_tokens=self._cached_tokens)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()
@@ -172,4 +177,5 @@ class GenerationStream:
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": self._prompt_tokens, "completion_tokens": self._completion_tokens,
-                "total_tokens": self._prompt_tokens + self._completion_tokens}
+                "total_tokens": self._prompt_tokens + self._completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self._cached_tokens}}

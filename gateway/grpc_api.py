@@ -63,7 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield generation_pb2.GenerateResponse(
                     request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
                     finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
-                    completion_tokens=d.completion_tokens)
+                    completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens)
         except GatewayError as e:
             status = e.grpc_code.name
             tracing.set_error(span, e.message)

@@ -108,6 +108,9 @@ CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
 MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
     action="store_true", help="prefill prompts in the same forward as the running requests' step (default: in a step "
                               "of their own with CUDA graphs, so the running requests' steps stay graphed)"))
+DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
+    action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
+                              "pages of earlier requests that began with the same tokens)"))
 CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
@@ -134,7 +137,7 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
                                        f"${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, CONTEXT_LENGTH)
+                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
 

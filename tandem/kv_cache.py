@@ -12,11 +12,15 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tandem.errors import OutOfPagesError
+
+if TYPE_CHECKING:
+    from tandem.prefix_cache import PrefixCache
 
 DUMMY_PAGE = 0
 
@@ -73,9 +77,13 @@ class KVPool:
 
 
 class PageAllocator:
-    """Free-list of page ids. ``shuffle_seed`` scatters the order pages are handed out (for tests)."""
+    """Free-list of page ids. ``shuffle_seed`` scatters the order pages are handed out (for tests).
 
-    def __init__(self, num_pages: int, page_size: int, shuffle_seed: int | None = None):
+    With a ``cache`` (tandem.prefix_cache.PrefixCache), freeing a cached page drops a reference instead,
+    cached pages nobody holds count as free, and allocation evicts them (least recent first) before failing."""
+
+    def __init__(self, num_pages: int, page_size: int, shuffle_seed: int | None = None,
+                 cache: "PrefixCache | None" = None):
         if num_pages < 2:
             raise OutOfPagesError(f"the KV cache needs at least 2 pages (one is reserved), got {num_pages}")
         ids = list(range(1, num_pages))
@@ -83,10 +91,12 @@ class PageAllocator:
             random.Random(shuffle_seed).shuffle(ids)
         self._free = deque(ids)
         self.num_pages, self.page_size = num_pages, page_size
+        self.cache = cache
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can get now: free ones and cached ones nobody holds."""
+        return len(self._free) + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
     def capacity_pages(self) -> int:
@@ -96,6 +106,8 @@ class PageAllocator:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, n: int) -> list[int]:
+        if n > len(self._free) and self.cache is not None:
+            self._free.extend(self.cache.evict(n - len(self._free)))
         if n > len(self._free):
             raise OutOfPagesError(
                 f"KV cache out of pages: need {n}, {len(self._free)} free of {self.capacity_pages} "
@@ -104,7 +116,8 @@ class PageAllocator:
         return [self._free.popleft() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        """Give back a sequence's pages (cached ones lose a reference and stay cached)."""
+        self._free.extend(self.cache.release(pages) if self.cache is not None else pages)
 
 
 @dataclass
@@ -125,6 +138,22 @@ class SequenceKV:
     def __post_init__(self) -> None:
         if self.pages:  # built with pages already (tests)
             self._table = np.array(self.pages, dtype=np.int32)
+
+    def adopt(self, pages: list[int]) -> None:
+        """Start an empty sequence on cached ``pages`` (the caller took a reference on each): their tokens
+        count as committed."""
+        if self.pages:
+            raise ValueError("adopt needs an empty sequence")
+        self.pages = []
+        self._table = np.zeros(max(16, len(pages)), dtype=np.int32)
+        self._table[: len(pages)] = pages
+        self.pages.extend(pages)
+        self.num_tokens = len(pages) * self.allocator.page_size
+
+    @property
+    def full_pages(self) -> list[int]:
+        """The pages every token of which is committed (what a prefix cache may keep)."""
+        return self.pages[: self.num_tokens // self.allocator.page_size]
 
     def pages_needed(self, total_tokens: int) -> int:
         return max(0, self.allocator.pages_for(total_tokens) - len(self.pages))

@@ -62,7 +62,7 @@ def engine(pair):
         yield eng
 
 
-def _speculative_engine(root) -> LLMEngine:
+def _speculative_engine(root, prefix_caching: bool = True) -> LLMEngine:
     """An in-process speculative engine whose target and drafter graphs run their static code eagerly,
     with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
     interpreted, where a test forces the fused path)."""
@@ -72,7 +72,8 @@ def _speculative_engine(root) -> LLMEngine:
     from tandem.speculative.draft_graph import DraftGraphRunner
 
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
-    cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3, capture_layers=capture)
+    cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3, capture_layers=capture,
+                       enable_prefix_caching=prefix_caching)
     eng = LLMEngine(cfg, spec=SPEC, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
     runner = eng.executor.runner
     drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
@@ -142,6 +143,36 @@ def test_queued_chain_rounds_emit_target_greedy_and_accept_as_one_round_steps(en
     unsteered, _, most = _run(engine, prompts, params, 4)
     assert unsteered == ref and most > 1
     assert _all_pages_free(engine)
+
+
+def _head_kv(drafter, rid: str, upto: int) -> torch.Tensor:
+    """The head's committed KV of ``rid``'s first ``upto`` entries: [entries, upto, heads, dim]."""
+    state = drafter.request_states([rid])[0]
+    slots = torch.tensor([state.kv.slot(t) for t in range(upto)])
+    return drafter.kv.data.flatten(2, 3)[:, 0].index_select(1, slots)
+
+
+def test_the_heads_pages_that_runs_fill_are_cached_as_a_whole_prefill_builds_them(pair):
+    """A second turn (the prompt, its answer from queued runs, more tokens) starts on the head's pages
+    filled by the runs: the head's KV there is the one a whole-prompt prefill builds with the cache off."""
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    turn = prompts[2] + ref[2] + [5, 6, 7]
+    with _speculative_engine(pair[0]) as eng:
+        _, _, most = _run(eng, prompts[2:], params, 4)
+        assert most > 1
+        rid = eng.add_request(turn, params, rid="turn")
+        eng.step()
+        cached = eng.requests[rid].cached_tokens
+        state = eng.proposer.request_states([rid])[0]
+        assert cached == (len(prompts[2]) + NEW_TOKENS - 1) // 4 * 4 and not state.zero_pages
+        assert eng.proposer.prefix_cache.stats.hits == cached
+        got = _head_kv(eng.proposer, rid, cached)
+    with _speculative_engine(pair[0], prefix_caching=False) as eng:
+        rid = eng.add_request(turn, params, rid="turn")
+        eng.step()
+        expected = _head_kv(eng.proposer, rid, cached)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_a_stop_token_inside_a_run_ends_the_request_there(engine, pair):

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tandem.round_lane import LANE_SUPPORTED, MAX_FRAME_BYTES, AsyncLane, LaneError, LaneListener
+from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.skipif(not LANE_SUPPORTED, reason="abstract Unix sockets are Linux-only")
 
@@ -161,7 +162,7 @@ class LaneIgnoringDrafter:
     drafter, or one in another network namespace) — or, with ``claim``, says it attached but never
     connects — and echoes every Round on the stream with an empty Drafts."""
 
-    def __init__(self, claim: bool = False, expect_offer: bool = True, version: int = 2):
+    def __init__(self, claim: bool = False, expect_offer: bool = True, version: int = PROTOCOL_VERSION):
         self.claim, self.expect_offer, self.rounds, self.hellos = claim, expect_offer, 0, 0
         self.version = version
 

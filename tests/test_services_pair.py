@@ -430,3 +430,46 @@ def test_a_target_only_verifier_queuing_decode_steps_streams_what_one_step_decod
                  30, "the cancelled request's KV pages to come back")
     finally:
         verifier.stop()
+
+
+def _in_process_run(pair_dirs, prompt: list[int]):
+    """The same request decoded by the in-process engine with the prefix cache off (the pair's head and
+    speculation settings): → (tokens, accept length mean)."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.models.config import ModelConfig
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    target, draft = str(pair_dirs / "target"), str(pair_dirs / "draft")
+    capture = validate_draft(DraftConfig.from_dir(draft), ModelConfig.from_dir(target))
+    with LLMEngine(EngineConfig(model=target, capture_layers=capture, enable_prefix_caching=False),
+                   policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+        eng.proposer = Eagle3Drafter.from_dirs(draft, target, DrafterConfig(), capture_layers=capture,
+                                               embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
+        eng.default_spec = SpecConfig(3, 2, 5)
+        out = eng.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    return out.output_token_ids, out.spec_stats.accept_length_mean
+
+
+def test_a_prompt_on_a_cached_prefix_speculates_at_once_across_the_pair(pair, pair_dirs):
+    """A second turn (the first's prompt and answer, then more) starts on the verifier's cached pages and
+    on the drafter process's cached head pages: the target's own tokens, cached tokens reported, and the
+    acceptance of a drafter that saw the whole prompt (the in-process engine with the cache off)."""
+    _, verifier = pair
+    before = read_metrics(verifier.metrics_port)
+    first = [(11 * j) % 240 + 5 for j in range(45)]
+    answer, last = generate(verifier.address, first)
+    assert last.cached_tokens == 0
+    second = first + answer + [(13 * j) % 240 + 5 for j in range(9)]
+    tokens, last = generate(verifier.address, second)
+    expected, accept_length = _in_process_run(pair_dirs, second)
+    assert tokens == expected
+    assert last.cached_tokens == (len(first) + len(answer) - 1) // 16 * 16 > 0  # its committed full pages
+    assert last.spec.rounds > 0 and last.spec.accept_length_mean == pytest.approx(accept_length)
+    after = read_metrics(verifier.metrics_port)
+    hits = after["tandem:prefix_cache_hits_total"] - before.get("tandem:prefix_cache_hits_total", 0)
+    assert hits == last.cached_tokens
+    assert after["tandem:prefix_cache_queries_total"] - before.get("tandem:prefix_cache_queries_total", 0) == len(first) + len(second)

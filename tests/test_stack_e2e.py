@@ -42,7 +42,7 @@ def target_only(stack_dirs, prompt_ids: list[int], n: int) -> list[int]:
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
-    with LLMEngine(EngineConfig(model=str(stack_dirs / "tiny"))) as eng:
+    with LLMEngine(EngineConfig(model=str(stack_dirs / "tiny"), enable_prefix_caching=False)) as eng:
         return eng.generate([prompt_ids], SamplingParams(max_new_tokens=n))[0].output_token_ids
 
 
@@ -102,6 +102,36 @@ def test_chat_completions_stream_and_not_equal_target_only_greedy(stack_dirs, cl
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == tokenizer.decode(expected)
+
+
+def test_cached_prompt_tokens_are_reported_in_usage(stack_dirs, client, tokenizer):
+    """Requests that start with an earlier one's prompt report its full KV pages (16 tokens each) as
+    cached, in completions, streamed completions and chat; their text is still target-only greedy."""
+    from tandem.chat_template import ChatTemplate
+
+    page = 16
+    shared = tokenizer.encode("Tandem serves a target model with an EAGLE-3 head; " * 4)
+    assert len(shared) > 2 * page
+    first = client.completions.create(model="tiny", prompt=shared + [65], max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second_ids = shared + [66, 67, 68]
+    second = client.completions.create(model="tiny", prompt=second_ids, max_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(shared) // page * page
+    assert second.choices[0].text == tokenizer.decode(target_only(stack_dirs, second_ids, 6))
+    chunks = list(client.completions.create(model="tiny", prompt=shared + [70], max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(shared) // page * page
+
+    system = {"role": "system", "content": "You answer in one short line of Python. " * 4}
+    template = ChatTemplate.from_model_dir(stack_dirs / "tiny")
+    rendered = [tokenizer.encode(template.render([system, {"role": "user", "content": q}], add_generation_prompt=True))
+                for q in ("Sum a list.", "Reverse a string.")]
+    common = next(i for i, (a, b) in enumerate(zip(*rendered)) if a != b)
+    usages = [client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": q}],
+                                             max_tokens=4, temperature=0).usage
+              for q in ("Sum a list.", "Reverse a string.")]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    assert usages[1].prompt_tokens_details.cached_tokens == min(common, len(rendered[1]) - 1) // page * page > 0
 
 
 def test_public_grpc_stream_gets_the_same_tokens(stack_dirs, stack, tokenizer):

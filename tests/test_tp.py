@@ -100,6 +100,15 @@ def test_tp2_chunked_prefill_keeps_greedy_output(tp_results):
     assert res["chunked_greedy"] == res["greedy"]
 
 
+def test_tp2_prefix_cache_keeps_greedy_output(tp_results):
+    """Second turns on both ranks' cached pages decode as one process with the cache off does."""
+    ckpt, res = tp_results[CHUNKED_CASE]
+    assert res["turns_cache_hits"] > 0
+    with LLMEngine(EngineConfig(model=ckpt.path, page_size=4, enable_prefix_caching=False)) as eng:
+        want = eng.generate(res["turns"], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert res["turns_greedy"] == [r.output_token_ids for r in want]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_features_and_tree_match_hf(tp_results, case):
     ckpt, res = tp_results[case]

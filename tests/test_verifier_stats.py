@@ -1,5 +1,6 @@
-"""The verifier's observability as vLLM/SGLang users read it: the periodic stats line, the KV usage and
-preemption metrics (vLLM's names under tandem:), and labels named as the gateway names them."""
+"""The verifier's observability as vLLM/SGLang users read it: the periodic stats line, the KV usage,
+preemption and prefix-cache metrics (vLLM's names under tandem:), and labels named as the gateway names
+them."""
 
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ def test_a_busy_loop_logs_stats_lines_and_counts_preemptions(target_dir, caplog)
     assert sample("tandem:num_preemptions_total", {"model_name": "tiny"}) == preempted
     assert sample("tandem:kv_cache_usage_perc", {"model_name": "tiny"}) == 0.0
     assert sample("tandem:request_success_total", {"model_name": "tiny", "finished_reason": "length"}) == 4
+    # Preempted requests leave their pages cached; recomputed, they look them up (some evicted meanwhile).
+    cache = loop.engine.prefix_cache.stats
+    assert cache.queries > sum(len(r.prompt) for r in requests) and cache.evictions > 0
+    for name, value in (("queries", cache.queries), ("hits", cache.hits), ("evictions", cache.evictions)):
+        assert sample(f"tandem:prefix_cache_{name}_total", {"model_name": "tiny"}) == value
     lines = [LINE.search(r.getMessage()) for r in caplog.records if r.name == "verifier.stats"]
     assert lines and all(lines), [r.getMessage() for r in caplog.records]
     assert sum(int(m.group(6)) for m in lines) <= preempted  # the last window may end without a line

@@ -3,7 +3,8 @@ outside, and the TP process group and thread settings never touch the pytest pro
 
 Usage: python tests/tp_runner.py SPEC.json OUT.pt — SPEC is a list of jobs
 {"model": dir, "tp_size": n, "prompts": [[...]], "max_new_tokens": m, "tree": {...} or null,
-"chunked_prefill_size": k (optional: greedy again with prompts prefilled in chunks of k)}.
+"chunked_prefill_size": k (optional: greedy again with prompts prefilled in chunks of k, then second
+turns — each prompt, its answer and three more tokens — that start on the prefix cache's pages)}.
 OUT holds, per job: prompt logits, greedy and seeded-sampled outputs, EAGLE-3 features, tree-node
 logits, the rank-0 shard sizes, and whether all worker processes were gone after shutdown.
 """
@@ -63,6 +64,10 @@ def run_job(job: dict) -> dict:
         with LLMEngine(cfg) as eng:
             out["chunked_greedy"] = [r.output_token_ids for r in eng.generate(job["prompts"], [
                 SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True) for i in range(len(job["prompts"]))])]
+            out["turns"] = [p + o + [7, 8, 9] for p, o in zip(job["prompts"], out["chunked_greedy"])]
+            out["turns_greedy"] = [r.output_token_ids for r in eng.generate(
+                out["turns"], SamplingParams(max_new_tokens=8, ignore_eos=True))]
+            out["turns_cache_hits"] = eng.prefix_cache.stats.hits
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
 

@@ -120,7 +120,8 @@ class VerifierConfig:
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
                               chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
-                              mixed_prefill=a.enable_mixed_chunk or None)
+                              mixed_prefill=a.enable_mixed_chunk or None,
+                              enable_prefix_caching=not a.disable_prefix_caching)
         # Asked for as SGLang users do, or by naming a draft alone, speculation without a drafter service runs
         # the head in this process.
         drafter = IN_PROCESS if (spec.requested or spec.draft_model is not None) and a.drafter is None else a.drafter

@@ -52,6 +52,7 @@ MAX_TRACES = 65536  # trace contexts kept at most (each request's is forgotten w
 
 class DrafterClient(Proposer):
     prefetches = True  # a Round sent at the end of a step is answered while the engine finishes it
+    caches_prefixes = True  # the drafter service keeps its own prefix cache (attach_prefix travels in Extend.prefix)
 
     FLUSH_ROWS = ROUND_FEATURE_ROWS  # pending extend rows that trigger an extend-only round
 
@@ -80,6 +81,7 @@ class DrafterClient(Proposer):
         self._seq = 0
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
+        self._pending_start: dict[str, pb.PrefixStart] = {}  # rides on the request's next extend
         self._prefetched: _Prefetch | None = None  # the Round in flight, sent by prefetch
         self._sent_at = 0.0  # when the last Round went out (one is in flight at most)
         self._traces: dict[str, dict[str, str]] = {}
@@ -155,6 +157,7 @@ class DrafterClient(Proposer):
                         self._conn, self._seq = conn, self._seq + 1
                         self._pending_extend.clear()
                         self._pending_release.clear()
+                        self._pending_start.clear()
                         self.ring.begin_round(self._seq)
                     log.info("connected to the drafter at %s (%s); rounds on %s", self.address, conn.welcome.draft_model,
                              "the round lane" if conn.lane is not None else "the gRPC stream")
@@ -175,6 +178,7 @@ class DrafterClient(Proposer):
         self.ring.release_all()
         self._pending_extend.clear()
         self._pending_release.clear()
+        self._pending_start.clear()
         self.on_state(False)
 
     # -- Proposer --------------------------------------------------------------------------------
@@ -212,7 +216,8 @@ class DrafterClient(Proposer):
                     self._drop(str(e))
                     raise ProposerUnavailable(str(e)) from e
                 self._pending_extend.append(pb.Extend(request_id=rid, token_ids=tokens, ring_offset=offset,
-                                                      ring_rows=features.shape[0]))
+                                                      ring_rows=features.shape[0],
+                                                      prefix=self._pending_start.pop(rid, None)))
                 if self._prefetched is not None:
                     self._prefetched.changed.add(rid)
             queued += features.shape[0]
@@ -222,13 +227,30 @@ class DrafterClient(Proposer):
         with self._lock:
             self._drop(reason)
 
+    def attach_prefix(self, rid: str, tokens: list[int]) -> None:
+        """The request starts on a cached prefix (Eagle3Drafter.attach_prefix): sent with its next extend."""
+        with self._lock:
+            if self._conn is None:
+                raise ProposerUnavailable("the drafter is not connected")
+            self._pending_start[rid] = pb.PrefixStart(token_ids=tokens)
+
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)
         with self._lock:
+            self._pending_start.pop(rid, None)  # it never reached the drafter
             if self._conn is not None:
-                self._pending_release.append(rid)
+                queued = self._last_extend(rid)
+                if queued is not None:  # after that extend (a Round's releases go before its extends), so that
+                    # the pages the drafter caches on release include it
+                    queued.release_after = True
+                else:
+                    self._pending_release.append(rid)
                 if self._prefetched is not None:
                     self._prefetched.changed.add(rid)
+
+    def _last_extend(self, rid: str) -> pb.Extend | None:
+        """The request's last extend not sent yet (lock held)."""
+        return next((e for e in reversed(self._pending_extend) if e.request_id == rid), None)
 
     def prefetch(self, rids: list[str], spec) -> None:
         """Send the Round for ``rids`` now (with everything queued) and return without its reply; the next

@@ -88,6 +88,7 @@ class EngineLoop(threading.Thread):
         self.spans = RoundSpans()
         self.stats = stats or StatsLine(0.0, speculative=False)  # the periodic stats line (off by default)
         self._preemptions_counted = 0  # of the scheduler's total
+        self._prefix_counted = (0, 0, 0)  # of the prefix cache's totals: queries, hits, evictions
         self.fatal: BaseException | None = None
 
     # -- called from other threads ---------------------------------------------------------------
@@ -219,6 +220,7 @@ class EngineLoop(threading.Thread):
                 self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
         self._count_preemptions()
+        self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
                         decoded=info is None or bool(info.num_decode))
         self._gauges()
@@ -234,6 +236,19 @@ class EngineLoop(threading.Thread):
             self._preemptions_counted += new
             self.metrics.preemptions.inc(new)
             self.stats.preempted(new)
+
+    def _count_prefix_cache(self) -> None:
+        """The step's prefix-cache lookups and evictions: the cache's totals since the last step's."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return
+        now = (cache.stats.queries, cache.stats.hits, cache.stats.evictions)
+        m = self.metrics
+        for counter, new, old in zip((m.prefix_cache_queries, m.prefix_cache_hits, m.prefix_cache_evictions),
+                                     now, self._prefix_counted):
+            if new > old:
+                counter.inc(new - old)
+        self._prefix_counted = now
 
     def _kv_usage(self) -> float:
         allocator = self.engine.allocator

@@ -17,6 +17,8 @@ RECOVERABLE = (TandemError, FloatingPointError, KeyError, ValueError)
 
 
 class GuardedHead(Proposer):
+    caches_prefixes = True  # attach_prefix (tandem.prefix_cache)
+
     def __init__(self, drafter):
         """``drafter``: the Eagle3Drafter that tandem.speculative.setup attached to the engine."""
         self.drafter = drafter
@@ -26,6 +28,9 @@ class GuardedHead(Proposer):
 
     def draft(self, rids: list[str], spec) -> list[DraftTree]:
         return self.guarded(self.drafter.draft, rids, spec)
+
+    def attach_prefix(self, rid: str, tokens: list[int]) -> int:
+        return self.guarded(self.drafter.attach_prefix, rid, tokens)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)

@@ -11,10 +11,11 @@ from prometheus_client.metrics_core import Metric
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-# The families that carry model_name: the gateway's too, and vLLM's KV usage and preemptions.
+# The families that carry model_name: the gateway's too, and vLLM's KV usage, preemptions and prefix cache.
 MODEL_LABELLED = {"tandem:num_requests_running", "tandem:prompt_tokens", "tandem:generation_tokens",
                   "tandem:request_success", "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
-                  "tandem:kv_cache_usage_perc", "tandem:num_preemptions"}
+                  "tandem:kv_cache_usage_perc", "tandem:num_preemptions", "tandem:prefix_cache_queries",
+                  "tandem:prefix_cache_hits", "tandem:prefix_cache_evictions"}
 
 
 class _WithLabels:
@@ -46,9 +47,17 @@ class VerifierMetrics:
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("tandem:request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
-        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage (1 = every page in use)", registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage (1 = every page in use; cached pages no "
+                              "request holds are not in use)", registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later); "
                                    "counted when seen waiting again or when the request ends", registry=r)
+        # vLLM's pair (hit rate = hits / queries, in tokens), and the cached pages given back under pressure.
+        self.prefix_cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache", registry=r)
+        self.prefix_cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                         "prefilled)", registry=r)
+        self.prefix_cache_evictions = Counter("tandem:prefix_cache_evictions", "Cached KV pages evicted to make room",
+                                              registry=r)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between streamed tokens (per token)",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -63,7 +72,8 @@ class VerifierMetrics:
         self.drafter_round_lane = Gauge("tandem:drafter_round_lane", "1 while the drafter's rounds go on the round "
                                         "lane (a local socket), 0 on the gRPC stream or while disconnected", registry=r)
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
-        self.kv_pages_free = Gauge("tandem:kv_pages_free", "Free KV-cache pages", registry=r)
+        self.kv_pages_free = Gauge("tandem:kv_pages_free", "KV-cache pages an allocation can take: free, or in the "
+                                   "prefix cache with no request holding them", registry=r)
         self.kv_pages_total = Gauge("tandem:kv_pages_total", "KV-cache pages that can be allocated", registry=r)
         self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
                                        buckets=LATENCY_BUCKETS, registry=r)

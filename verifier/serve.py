@@ -40,8 +40,13 @@ DRAFTER_WAIT_BEFORE_WARMUP_S = 60.0  # a drafter starting beside the verifier lo
 
 
 def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngine, DrafterClient | None, HiddenRing | None]:
-    if cfg.capture_traffic is not None:  # every step's features are kept, drafter or not: graphs must output them
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, graph_decode_features=True))
+    if cfg.capture_traffic is not None:
+        # Every step's features are kept, drafter or not: graphs must output them; and every prompt token's,
+        # so no prompt may start on cached KV (a sample with a hole is dropped).
+        if cfg.engine.enable_prefix_caching:
+            log.info("--capture-traffic: prefix caching is off (a captured sample needs every token's features)")
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, graph_decode_features=True,
+                                                                  enable_prefix_caching=False))
     engine, client, ring = _engine_and_drafter(cfg, metrics)
     if client is not None:
         client.start()

@@ -118,7 +118,7 @@ class VerifierService:
 
     def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
-                                   completion_tokens=produced,
+                                   completion_tokens=produced, cached_tokens=out.cached_tokens,
                                    finish_reason=out.finish_reason.value if out.finish_reason else "")
         for entries, field in ((out.logprobs, resp.logprobs), (out.prompt_logprobs, resp.prompt_logprobs)):
             if entries is not None:

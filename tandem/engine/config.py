@@ -30,6 +30,9 @@ class EngineConfig:
     # streams keep their pace; -1 (SGLang's "off"): prompts go whole, one past the budget alone (the budget
     # is then DEFAULT_CHUNKED_PREFILL_SIZE)
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    # --disable-prefix-caching turns it off: full KV pages of finished and preempted requests are kept,
+    # shared by content with later prompts that start with the same tokens (tandem.prefix_cache)
+    enable_prefix_caching: bool = True
     context_length: int | None = None  # --context-length: serve below the model's maximum; None = the model's
     capture_layers: tuple[int, ...] | None = None  # EAGLE-3 feature layers; None = the model's default
     page_shuffle_seed: int | None = None  # scatter page order (testing the paged layout)

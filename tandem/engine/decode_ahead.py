@@ -195,8 +195,12 @@ def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer)
     if run is not None:
         return _read_back(engine, run, timer)
     with timer("accept"):
-        outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {}, logprobs=logprobs)
-        caught_up = _keep_drafter_in_step(engine, reqs, tokens, features)
+        engine.hold_finished_drafts()  # the drafter gets the steps of requests they end too
+        try:
+            outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {}, logprobs=logprobs)
+            caught_up = _keep_drafter_in_step(engine, reqs, tokens, features)
+        finally:
+            engine.release_finished_drafts()
     engine.last_step = StepInfo(0, len(reqs), dict(timer.spans), steps=steps, timed=not caught_up)
     return outputs
 
@@ -221,9 +225,13 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
-        outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
-                                 keep_pages=following is not None, logprobs=logprobs)
-        caught_up = _keep_drafter_in_step(engine, run.reqs, tokens, run.features)
+        engine.hold_finished_drafts()
+        try:
+            outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
+                                     keep_pages=following is not None, logprobs=logprobs)
+            caught_up = _keep_drafter_in_step(engine, run.reqs, tokens, run.features)
+        finally:
+            engine.release_finished_drafts()
     if following is not None and all(req.finished for req in following.reqs):
         read_decode_steps(runner, following)  # no one left to commit it to
         following = None
@@ -234,9 +242,11 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
 
 def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], features: torch.Tensor | None) -> bool:
     """Hand the steps' tokens and features ([steps, n, 3H]) of the requests that go on drafting to the
-    drafter (held for their next draft); → whether a request's held features had to be sent now."""
+    drafter (held for their next draft; with the prefix cache, also those that end here, sent as their draft
+    state is released); → whether a request's held features had to be sent now."""
     if features is None:
         return False
+    last_turn = engine.prefix_cache is not None
     items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
-             if not req.finished and req.spec is not None and req.draft_ready]
+             if (last_turn or not req.finished) and req.spec is not None and req.draft_ready]
     return engine.drafts.keep_in_step(items)

@@ -5,6 +5,11 @@ each request; this keeps it in step with the target: extends after every step (p
 wait on the request and go in one extend before its next draft), drafts, releases, and recovers from
 a drafter that is lost (every request continues plainly) and comes back (long requests are recomputed
 by a prefill, which hands it their whole sequence). It never changes the target's output.
+
+With the prefix cache, every request starts on the drafter with ``attach_prefix`` and the tokens its prompt
+found cached (``attach``): the drafter takes its own cached pages for them and keeps the request's pages
+as they fill. A proposer without that capability gets no draft state for a request on a cached prefix:
+it decodes plainly.
 """
 
 from __future__ import annotations
@@ -53,6 +58,24 @@ class DraftLink:
             return
         for req, _, _ in items:
             req.draft_ready = True
+
+    def _caching(self) -> bool:
+        """Whether requests start on the drafter's prefix cache (the engine caches, the proposer can)."""
+        return self.engine.prefix_cache is not None and self.proposer.caches_prefixes
+
+    def attach(self, req, cached: int) -> bool:
+        """Before a request's first extend after its prompt started on ``cached`` tokens of cached target KV:
+        start the drafter on the same prefix (its own cached pages for those tokens). → whether the
+        request's features may go to the drafter."""
+        if not self._caching() or not self.up():
+            return cached == 0  # without the head's KV of the prefix the request does not speculate
+        try:
+            self.proposer.attach_prefix(req.rid, req.tokens[: cached + 1])
+        except ProposerUnavailable as e:
+            self.lost(e)
+            return False
+        req.draft_ready = True  # it holds draft state now (forget releases it)
+        return True
 
     def hold(self, req, tokens: list[int], features: torch.Tensor) -> bool:
         """Keep (tokens, features) for the request's next draft instead of extending now; False when
@@ -141,8 +164,12 @@ class DraftLink:
             return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {self.engine.model_config.vocab_size})"
         return None
 
-    def forget(self, req) -> None:
+    def forget(self, req, complete: bool = True) -> None:
+        """Release the request's draft state; ``complete``: with prefix caching, first send the drafter what
+        the request holds, so that the pages it caches on release are whole."""
         if self.proposer is not None and req.draft_ready:
+            if complete and req.pending_extend and self._caching() and self.up():
+                self.extend([self.take_pending(req)])
             self.proposer.release(req.rid)
         req.draft_ready = False
         self._drop_held(req)
@@ -153,7 +180,7 @@ class DraftLink:
         request costs each one wasted round."""
         log.warning("%s (requests %s): they continue without speculation", problem, ", ".join(r.rid for r in reqs))
         for req in reqs:
-            self.forget(req)
+            self.forget(req, complete=False)  # its draft state may be what is broken
 
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
@@ -175,5 +202,5 @@ class DraftLink:
         for req in list(scheduler.running):
             left = req.params.max_new_tokens - len(req.output)
             if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
-                scheduler.requeue(req)
+                scheduler.requeue(req, recompute=True)
                 self.forget(req)

@@ -32,6 +32,7 @@ from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.logprobs import TokenLogprobs
+from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree, resolve_pending
@@ -59,7 +60,9 @@ class LLMEngine:
         self.executor = TargetExecutor(cfg)
         self.model_config = self.executor.model_config
         self.context_len = cfg.served_context(self.model_config.max_position_embeddings)  # --context-length
-        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed)
+        self.prefix_cache = PrefixCache(cfg.page_size) if cfg.enable_prefix_caching else None
+        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cfg.page_shuffle_seed,
+                                       cache=self.prefix_cache)
         self.scheduler = Scheduler(self.allocator, cfg.max_running_requests, cfg.chunked_prefill_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -77,6 +80,7 @@ class LLMEngine:
         self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
+        self._finishing: list[Request] | None = None  # finished, draft state kept (hold_finished_drafts)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LLMEngine":
@@ -231,17 +235,26 @@ class LLMEngine:
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
-        with timer("accept"):
-            emitted, extend_items, rounds, caught_up, logprobs = self._accept(
-                sched, trees, logits, features if capture else None)
-            for p in sched.prefill:
-                if not p.last:
-                    p.req.kv.commit(p.end)
-            outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
-                                   logprobs=logprobs)
-        with timer("draft_extend"):
-            self.drafts.extend([item for item in extend_items if not item[0].finished])
-            self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
+        self.hold_finished_drafts()  # until after the extend below
+        try:
+            with timer("accept"):
+                emitted, extend_items, rounds, caught_up, logprobs = self._accept(
+                    sched, trees, logits, features if capture else None)
+                for p in sched.prefill:
+                    if not p.last:
+                        p.req.kv.commit(p.end)
+                outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
+                                       logprobs=logprobs)
+                for p in sched.prefill:
+                    if p.last and not p.req.finished:
+                        self.scheduler.cache_committed(p.req)
+            with timer("draft_extend"):
+                last_turn = self.prefix_cache is not None
+                self.drafts.extend([item for item in extend_items if last_turn or not item[0].finished])
+                self.release_finished_drafts()
+                self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
+        finally:
+            self.release_finished_drafts()
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
         # such a step's time goes to the policy apart (a resume).
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
@@ -294,8 +307,11 @@ class LLMEngine:
         for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
             req, n = p.req, p.end - p.start
             observed.append((req.rid, p.start, range(token_row, token_row + n)))
-            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them).
-            if features is not None and req.spec is not None and (p.start == 0 or req.draft_ready):
+            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them); the
+            # first one computed starts the drafter on the cached prefix the prompt started on, if any.
+            first = p.start == req.prefix_hit
+            if (features is not None and req.spec is not None
+                    and (self.drafts.attach(req, p.start) if first else req.draft_ready)):
                 following = req.tokens[p.start + 1 : p.end + 1] + (emitted[req.rid] if p.last else [])
                 item = (req, following, features[token_row : token_row + n])
                 # While the batch decodes plainly the prompt waits for the request's first draft too; a
@@ -353,6 +369,7 @@ class LLMEngine:
                 req.kv.truncate(req.num_tokens - 1)  # committed KV: everything but the newest token
             else:
                 req.finish_reason = reason
+                req.kv.commit(req.num_tokens - 1)  # every token but the newest has its KV (the cache keeps it)
                 self._finish(req)
             drafted, accepted = rounds.get(req.rid, (0, 0))
             stats = req.spec_stats if reason is not None else None
@@ -361,14 +378,28 @@ class LLMEngine:
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], None, True
             outputs.append(StepOutput(req.rid, new, reason, drafted, stats, [accepted] if drafted else [],
-                                      token_logprobs, prompt_logprobs))
+                                      token_logprobs, prompt_logprobs, req.cached_tokens or 0))
         return outputs
+
+    def hold_finished_drafts(self) -> None:
+        """Until ``release_finished_drafts``, a request that finishes keeps its draft state, so that the
+        drafter gets the step's last tokens first (an extend, a run's commit): with the prefix cache, the
+        pages it caches are then whole for a next turn."""
+        self._finishing = []
+
+    def release_finished_drafts(self) -> None:
+        finishing, self._finishing = self._finishing or [], None
+        for req in finishing:
+            self.drafts.forget(req)
 
     def _finish(self, req: Request) -> None:
         if req.output:
             self.policy.observe_finished(len(req.prompt), len(req.output))
         self.scheduler.finish(req)
-        self.drafts.forget(req)
+        if self._finishing is not None:
+            self._finishing.append(req)
+        else:
+            self.drafts.forget(req)
         if self.traffic is not None:
             # A cancelled request keeps what the target wrote before (clients cancel at a stop string).
             if req.finish_reason == FinishReason.ABORT and not req.output:

@@ -42,6 +42,13 @@ class Request:
     # params.prompt_logprobs: the prompt's entries gathered chunk by chunk, sent with the first token
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    # Prefix caching (tandem.prefix_cache): chained keys of the full blocks of ``tokens`` computed so far,
+    # the tokens found cached at the current admission (prefilled from there), and at the first (what
+    # usage reports; None until the request is first admitted).
+    block_keys: list = field(default_factory=list)
+    prefix_hit: int = 0
+    skip_prefix_cache: bool = False  # its next admission recomputes every token (to feed a drafter)
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> list[int]:

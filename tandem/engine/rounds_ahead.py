@@ -165,9 +165,13 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
     with timer("accept"):
         keep_pages = following is not None
         emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
-        outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages,
-                                 logprobs=_round_logprobs(run, result))
-        end_chain_rounds(run, result, keep_pages)
+        engine.hold_finished_drafts()  # the drafter commits the run for requests it ends too
+        try:
+            outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages,
+                                     logprobs=_round_logprobs(run, result))
+            end_chain_rounds(run, result, keep_pages)
+        finally:
+            engine.release_finished_drafts()
         for out, (i, req) in zip(outputs, live):
             per_round, speculative = result.tokens[i], result.speculative[i]
             committed = len(out.new_token_ids)

@@ -13,6 +13,11 @@ stall them. A prompt in chunked prefill stays at the head of the queue holding t
 done so far (``req.kv.num_tokens``: the tokens already in the KV cache); it joins the running batch with
 its last chunk, which samples its first token. It is the first to be preempted when a running request
 cannot grow (it is the most recently admitted), and a new prompt starts only when all of it fits now.
+
+With a prefix cache (tandem.prefix_cache), a prompt starts on the longest run of its full pages found
+cached (always leaving its last token to compute, which samples the first output token) and is
+prefilled from there, like a chunk after earlier chunks; a prompt's full pages enter the cache once it
+is prefilled, and a request that finishes or is preempted leaves all its full committed pages there.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Callable
 
 from tandem.engine.config import DEFAULT_CHUNKED_PREFILL_SIZE
 from tandem.engine.request import Request
+from tandem.engine.request_sampling import wants_prompt_logits
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator
+from tandem.prefix_cache import block_keys
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,10 @@ class Schedule:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_running: int, chunked_prefill_size: int):
         """``chunked_prefill_size``: prompt tokens prefilled per step; -1: prompts are not cut (they go
-        whole, one longer than the default budget alone)."""
+        whole, one longer than the default budget alone). The allocator's ``cache``, if any, is the prefix
+        cache prompts start on."""
         self.allocator = allocator
+        self.cache = allocator.cache
         self.max_running = max_running
         self.chunked = chunked_prefill_size > 0
         self.prefill_budget = chunked_prefill_size if self.chunked else DEFAULT_CHUNKED_PREFILL_SIZE
@@ -97,7 +106,7 @@ class Scheduler:
             while req.kv.pages_needed(needed_tokens) > self.allocator.num_free:
                 partial = self._in_prefill()
                 if partial is not None:  # the most recently admitted: its chunks are recomputed later
-                    partial.kv.release()
+                    self._release(partial)
                     partial.num_preemptions += 1
                     self.preemptions += 1
                     out.preempted.append(partial)
@@ -114,17 +123,25 @@ class Scheduler:
         budget = self.prefill_budget if admit else 0
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
+            fresh = not req.kv.pages  # not started (or preempted): it may start on cached pages
+            if fresh:
+                self._start_on_cache(req)
             start, n = req.kv.num_tokens, req.num_tokens
             if self.chunked:
                 end = min(n, start + budget)
-            elif n <= budget or budget == self.prefill_budget:  # one long prompt always may go
+            elif n - start <= budget or budget == self.prefill_budget:  # one long prompt always may go
                 end = n
             else:
                 break
-            needed = req.kv.pages_needed(n if start == 0 else end)  # a new prompt starts only if it all fits
+            needed = req.kv.pages_needed(n if fresh else end)  # a new prompt starts only if it all fits
             if needed > self.allocator.num_free - held:
+                if fresh:  # it waits holding nothing
+                    req.kv.release()
                 break
             req.kv.reserve(end)
+            if fresh:
+                self._started(req)
+                req.skip_prefix_cache = False
             budget -= end - start
             out.prefill.append(Prefill(req, start, end, last=end == n))
             if end < n:  # the rest goes in later steps; the request keeps the head of the queue
@@ -133,11 +150,43 @@ class Scheduler:
             self.running.append(req)
         return out
 
-    def requeue(self, req: Request) -> None:
+    def requeue(self, req: Request, recompute: bool = False) -> None:
         """Send a running request back to the front of the queue: its KV is recomputed by a prefill
-        (used to rebuild a reconnected drafter's state from the whole sequence)."""
+        (used to rebuild a reconnected drafter's state from the whole sequence). ``recompute``: from its
+        first token, not from cached pages (the prefill's features are what is wanted)."""
         if req in self.running:
             self._preempt(req)
+            req.skip_prefix_cache = recompute
+
+    def _start_on_cache(self, req: Request) -> None:
+        """Adopt the request's longest cached run of full pages, leaving at least its last token to compute
+        (none for a prompt whose every position's logits are wanted: prompt_logprobs)."""
+        req.prefix_hit = 0
+        if self.cache is not None and not req.skip_prefix_cache and not wants_prompt_logits(req):
+            usable = (req.num_tokens - 1) // self.allocator.page_size
+            keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys)[:usable]
+            pages = self.cache.match(keys)
+            if pages:
+                req.kv.adopt(pages)
+                req.prefix_hit = req.kv.num_tokens
+
+    def _started(self, req: Request) -> None:
+        if self.cache is not None:
+            self.cache.record(req.num_tokens, req.prefix_hit)
+        if req.cached_tokens is None:  # usage reports the first admission's
+            req.cached_tokens = req.prefix_hit
+
+    def cache_committed(self, req: Request) -> None:
+        """Put the request's full committed pages in the prefix cache now (a prompt just prefilled: later
+        prompts that start the same way share them while it decodes; it keeps writing only past them)."""
+        if self.cache is not None and req.kv.num_tokens:
+            full = req.kv.full_pages
+            self.cache.insert(block_keys(req.tokens, self.allocator.page_size, req.block_keys)[: len(full)], full)
+
+    def _release(self, req: Request) -> None:
+        """Free the request's pages, leaving its full committed ones in the prefix cache."""
+        self.cache_committed(req)
+        req.kv.release()
 
     def _in_prefill(self) -> Request | None:
         """The prompt part-way through a chunked prefill (it holds pages while it waits), or None."""
@@ -146,7 +195,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.kv.release()
+        self._release(req)
         req.num_preemptions += 1
         self.preemptions += 1
         self.waiting.insert(1 if self._in_prefill() is not None else 0, req)  # behind a prompt mid-prefill
@@ -156,4 +205,4 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.kv.release()
+        self._release(req)

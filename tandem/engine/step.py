@@ -23,6 +23,7 @@ class StepOutput:
     round_accepts: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, for requests that asked (params.logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: one per prompt token after the first
+    cached_tokens: int = 0  # prompt tokens the request found in the prefix cache (not prefilled)
 
     @property
     def accepted(self) -> int:

@@ -42,6 +42,8 @@ def expected_accept_length(corruption_rate: float, depth: int) -> float:
 
 
 class ControlledAcceptanceProposer(Proposer):
+    caches_prefixes = True  # attach_prefix (tandem.prefix_cache)
+
     def __init__(self, drafter: Eagle3Drafter, corruption_rate: float, seed: int = 0):
         if not 0.0 <= corruption_rate <= 1.0:
             raise ConfigError(f"corruption rate must be in [0, 1], got {corruption_rate}")
@@ -73,6 +75,9 @@ class ControlledAcceptanceProposer(Proposer):
     # -- the drafter's API, passed through ---------------------------------------------------------
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]], return_logits: bool = False):
         return self.drafter.extend(items, return_logits)
+
+    def attach_prefix(self, rid: str, tokens: list[int]) -> int:
+        return self.drafter.attach_prefix(rid, tokens)
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)

@@ -352,3 +352,5 @@ class DraftGraphRunner:
             else:
                 r.kv.truncate(r.kv.num_tokens + len(tokens))
             r.root, r.state, r.top_logp, r.top_ids = tokens[-1], state[row], top_logp[row], top_ids[row]
+            if r.tokens is not None:  # a request whose pages go to the prefix cache (Eagle3Drafter.attach_prefix)
+                r.tokens.extend(tokens)

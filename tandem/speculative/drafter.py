@@ -14,6 +14,14 @@ engine and the drafter service use:
   state — in scratch KV slots after the committed ones, with a tree mask so a node sees its own
   ancestors but not its cousins. The scratch is dropped afterwards: drafting never changes
   committed state, so drafting twice gives the same tree.
+
+A request may start on a cached prefix (``attach_prefix``, which also gives the request's first token):
+the head's KV entry t depends only on tokens 0..t+1 (through the target's feature at t), so the head keeps
+a prefix cache of its own pages, each keyed from the very tokens it was built with
+(tandem.prefix_cache.draft_page_key), filled as extends complete pages and when a request is released;
+a later request whose target KV starts on cached pages takes the head's pages for the same tokens from
+there. Entries it does not find (evicted here) are built from zero features and never cached: drafts from
+them are worse, never wrong (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from tandem.models.eagle3 import Eagle3Head
 from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
 from tandem.models.eagle3_config import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
+from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
@@ -93,9 +102,18 @@ class _Request:
     state: torch.Tensor | None = None  # [H] pre-norm output of the last extended row
     top_logp: torch.Tensor | None = None  # float32 [max_topk] log-probs of the root's best children
     top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
+    # Prefix caching (started by attach_prefix): the sequence's tokens x_0, x_1, ... (entry t pairs x_{t+1}
+    # with the target's feature at t), its block keys so far, the pages already offered to the cache, and
+    # the pages holding entries built from zero features, which never are.
+    tokens: list[int] | None = None
+    block_keys: list[bytes] | None = None
+    pages_cached: int = 0
+    zero_pages: range = range(0)
 
 
 class Eagle3Drafter(Proposer):
+    caches_prefixes = True  # attach_prefix (tandem.prefix_cache)
+
     def __init__(self, head: Eagle3Head, cfg: DrafterConfig = DrafterConfig()):
         self.head, self.cfg = head, cfg
         dc = head.config
@@ -103,7 +121,8 @@ class Eagle3Drafter(Proposer):
         self.backend = make_backend(cfg.attention_backend, self.device)
         num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
         self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
-        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed)
+        self.prefix_cache = PrefixCache(cfg.page_size)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed, cache=self.prefix_cache)
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, _Request] = {}
@@ -168,15 +187,70 @@ class Eagle3Drafter(Proposer):
         return self._reqs[rid].kv.num_tokens
 
     def release(self, rid: str) -> None:
-        """Free the request's pages; unknown ids are ignored (a restarted drafter never saw them)."""
+        """Free the request's pages, its full ones kept in the prefix cache if it was started by
+        ``attach_prefix``; unknown ids are ignored (a restarted drafter never saw them)."""
         req = self._reqs.pop(rid, None)
         if req is not None:
+            self._cache_filled([req])
             req.kv.release()
 
     def release_all(self) -> None:
-        """Forget every request (a new verifier stream starts from nothing)."""
+        """Forget every request and every cached page (a new verifier stream starts from nothing)."""
         for rid in list(self._reqs):
             self.release(rid)
+        self.allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable))
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def _page_keys(self, req: _Request, pages: range) -> list[bytes]:
+        """Keys of the request's ``pages`` (each needs the token after its block)."""
+        ps = self.cfg.page_size
+        keys = block_keys(req.tokens, ps, req.block_keys, limit=pages.stop)
+        return [draft_page_key(keys[p], req.tokens[(p + 1) * ps]) for p in pages]
+
+    def _cache_filled(self, reqs: list[_Request]) -> None:
+        """Offer the cache the full pages that extends completed since the last offer (never a page built
+        from zero features) of requests started by attach_prefix."""
+        ps = self.cfg.page_size
+        for req in reqs:
+            if req.tokens is None:
+                continue
+            full = min(req.kv.num_tokens // ps, (len(req.tokens) - 1) // ps)
+            if full > req.pages_cached:
+                pages = [p for p in range(req.pages_cached, full) if p not in req.zero_pages]
+                if pages:
+                    keys = self._page_keys(req, range(pages[0], pages[-1] + 1))
+                    self.prefix_cache.insert([keys[p - pages[0]] for p in pages], [req.kv.pages[p] for p in pages])
+                req.pages_cached = full
+
+    @torch.inference_mode()
+    def attach_prefix(self, rid: str, tokens: list[int]) -> int:
+        """Start a new request whose prompt may start on cached target KV, and keep its pages in the prefix
+        cache as they fill: ``tokens`` are ``x_0..x_c`` (c: the tokens found cached, maybe 0), so that its
+        entries ``0..c-1`` (entry t pairs x_{t+1} with the target's feature at t) come from the cache. Pages
+        not found are built from zero features. The next ``extend`` goes on from entry c with x_{c+1}, ….
+        → the entries found cached."""
+        if rid in self._reqs:
+            raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
+        if not tokens:
+            raise ValueError(f"attach_prefix of '{rid}': no tokens (the first token at least)")
+        ps, cached = self.cfg.page_size, len(tokens) - 1
+        req = _Request(SequenceKV(self.allocator), tokens=list(tokens), block_keys=[])
+        req.kv.adopt(self.prefix_cache.match(self._page_keys(req, range(cached // ps))))
+        req.pages_cached = len(req.kv.pages)
+        self._reqs[rid] = req
+        found = req.kv.num_tokens
+        del req.tokens[found + 1 :]  # the rebuild below extends with the rest
+        self.prefix_cache.record(cached, found)
+        if found < cached:
+            req.zero_pages = range(found // ps, -(-cached // ps))
+            missing = tokens[found + 1 :]
+            zeros = torch.zeros(len(missing), self.head.config.feature_width, dtype=self.dtype, device=self.device)
+            try:
+                self.extend([(rid, missing, zeros)])
+            except BaseException:
+                self.release(rid)
+                raise
+        return found
 
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,6 +281,10 @@ class Eagle3Drafter(Proposer):
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
         if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
+            for req, (_, tokens, _) in zip(reqs, items):
+                if req.tokens is not None:
+                    req.tokens.extend(tokens)
+            self._cache_filled(reqs)
             return None  # replayed the draft-extend graph (only requests already extended go there)
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
@@ -228,9 +306,12 @@ class Eagle3Drafter(Proposer):
         for b, (rid, tokens, _) in enumerate(items):
             req = reqs[b]
             req.kv.num_tokens = prefixes[b] + len(tokens)
+            if req.tokens is not None:
+                req.tokens.extend(tokens)
             req.root, req.state = tokens[-1], states[last[b]].clone()
             req.top_logp, req.top_ids = top_logp[b].clamp(max=0.0), top_ids[b]
             self._reqs[rid] = req
+        self._cache_filled(reqs)
         if not return_logits:
             return None
         cu = dev.meta.cu_q_lens.tolist()

@@ -25,6 +25,9 @@ class Proposer:
     steer_on_device: Callable | None = None
     # Whether ``prefetch`` does anything (a proposer that answers later: the drafter service's client).
     prefetches: bool = False
+    # Whether it keeps a prefix cache of its own KV (``attach_prefix``): requests on cached target pages
+    # start on it; without one, such requests do not speculate.
+    caches_prefixes: bool = False
 
     def extend(self, items: list) -> None:
         """Per request (rid, new tokens, the target features of the tokens before them, same count)."""
@@ -36,6 +39,11 @@ class Proposer:
 
     def release(self, rid: str) -> None:
         """Forget a request (finished, aborted or preempted)."""
+        raise NotImplementedError
+
+    def attach_prefix(self, rid: str, tokens: list[int]) -> None:
+        """Start ``rid`` on the cached KV of ``tokens`` (x_0..x_c, the target's cached prefix and the token
+        after it), before its first extend (``caches_prefixes`` proposers only)."""
         raise NotImplementedError
 
     def discard(self, reason: str) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/rpc/drafter/v1/drafter.proto\x12\x15tandem.rpc.drafter.v1\"\x98\x01\n\x08RingSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08num_rows\x18\x03 \x01(\x04\x12\x11\n\trow_width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\towner_pid\x18\x06 \x01(\r\x12\x17\n\x0f\x63uda_ipc_handle\x18\x07 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x08 \x01(\t\"p\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\"\xe7\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12-\n\x04ring\x18\x02 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\x31\n\x06target\x18\x03 \x01(\x0b\x32!.tandem.rpc.drafter.v1.TargetInfo\x12\x12\n\nround_lane\x18\x04 \x01(\t\x12\x18\n\x10round_lane_token\x18\x05 \x01(\x0c\x12\x34\n\x07mailbox\x18\x06 \x01(\x0b\x32#.tandem.rpc.drafter.v1.RoundMailbox\"|\n\x0cRoundMailbox\x12\x30\n\x07storage\x18\x01 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\r\n\x05\x66lags\x18\x02 \x01(\t\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\r\"z\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\x12\x12\n\nround_lane\x18\x04 \x01(\x08\x12\x12\n\nchain_runs\x18\x05 \x01(\x08\"G\n\nSpecParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"W\n\x06\x45xtend\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0bring_offset\x18\x03 \x01(\x04\x12\x11\n\tring_rows\x18\x04 \x01(\r\"\xd6\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x04spec\x18\x02 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\x12L\n\rtrace_context\x18\x03 \x03(\x0b\x32\x35.tandem.rpc.drafter.v1.DraftRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x88\x01\n\x08\x43hainRun\x12\x13\n\x0b\x66irst_round\x18\x01 \x01(\x04\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12/\n\x04spec\x18\x04 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\x12\x11\n\tcontinues\x18\x05 \x01(\x08\"\xbc\x01\n\x05Round\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\t\x12-\n\x06\x65xtend\x18\x03 \x03(\x0b\x32\x1d.tandem.rpc.drafter.v1.Extend\x12\x32\n\x05\x64raft\x18\x04 \x03(\x0b\x32#.tandem.rpc.drafter.v1.DraftRequest\x12\x32\n\tchain_run\x18\x05 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.ChainRun\"\xbf\x01\n\x06\x44rafts\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x65xtend_seconds\x18\x04 \x01(\x01\x12\x12\n\ntree_sizes\x18\x06 \x03(\r\x12\x13\n\x0btree_tokens\x18\x07 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x08 \x03(\x05\x12\x13\n\x0btree_scores\x18\t \x03(\x02\x12\x19\n\x11\x63hain_run_refused\x18\n \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06\"w\n\x0fVerifierMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.HelloH\x00\x12-\n\x05round\x18\x02 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.RoundH\x00\x42\x06\n\x04\x62ody\"|\n\x0e\x44rafterMessage\x12\x31\n\x07welcome\x18\x01 \x01(\x0b\x32\x1e.tandem.rpc.drafter.v1.WelcomeH\x00\x12/\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1d.tandem.rpc.drafter.v1.DraftsH\x00\x42\x06\n\x04\x62ody\"$\n\rReloadRequest\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\"j\n\x0bReloadReply\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x1c\n\x14requests_on_previous\x18\x03 \x01(\r\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x32\xba\x01\n\x07\x44rafter\x12[\n\x06Rounds\x12&.tandem.rpc.drafter.v1.VerifierMessage\x1a%.tandem.rpc.drafter.v1.DrafterMessage(\x01\x30\x01\x12R\n\x06Reload\x12$.tandem.rpc.drafter.v1.ReloadRequest\x1a\".tandem.rpc.drafter.v1.ReloadReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/rpc/drafter/v1/drafter.proto\x12\x15tandem.rpc.drafter.v1\"\x98\x01\n\x08RingSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08num_rows\x18\x03 \x01(\x04\x12\x11\n\trow_width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\towner_pid\x18\x06 \x01(\r\x12\x17\n\x0f\x63uda_ipc_handle\x18\x07 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x08 \x01(\t\"p\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\"\xe7\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12-\n\x04ring\x18\x02 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\x31\n\x06target\x18\x03 \x01(\x0b\x32!.tandem.rpc.drafter.v1.TargetInfo\x12\x12\n\nround_lane\x18\x04 \x01(\t\x12\x18\n\x10round_lane_token\x18\x05 \x01(\x0c\x12\x34\n\x07mailbox\x18\x06 \x01(\x0b\x32#.tandem.rpc.drafter.v1.RoundMailbox\"|\n\x0cRoundMailbox\x12\x30\n\x07storage\x18\x01 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.RingSpec\x12\r\n\x05\x66lags\x18\x02 \x01(\t\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\r\"z\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\x12\x12\n\nround_lane\x18\x04 \x01(\x08\x12\x12\n\nchain_runs\x18\x05 \x01(\x08\"G\n\nSpecParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"\xa2\x01\n\x06\x45xtend\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0bring_offset\x18\x03 \x01(\x04\x12\x11\n\tring_rows\x18\x04 \x01(\r\x12\x32\n\x06prefix\x18\x05 \x01(\x0b\x32\".tandem.rpc.drafter.v1.PrefixStart\x12\x15\n\rrelease_after\x18\x06 \x01(\x08\" \n\x0bPrefixStart\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xd6\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x04spec\x18\x02 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\x12L\n\rtrace_context\x18\x03 \x03(\x0b\x32\x35.tandem.rpc.drafter.v1.DraftRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x88\x01\n\x08\x43hainRun\x12\x13\n\x0b\x66irst_round\x18\x01 \x01(\x04\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12/\n\x04spec\x18\x04 \x01(\x0b\x32!.tandem.rpc.drafter.v1.SpecParams\x12\x11\n\tcontinues\x18\x05 \x01(\x08\"\xbc\x01\n\x05Round\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\t\x12-\n\x06\x65xtend\x18\x03 \x03(\x0b\x32\x1d.tandem.rpc.drafter.v1.Extend\x12\x32\n\x05\x64raft\x18\x04 \x03(\x0b\x32#.tandem.rpc.drafter.v1.DraftRequest\x12\x32\n\tchain_run\x18\x05 \x01(\x0b\x32\x1f.tandem.rpc.drafter.v1.ChainRun\"\xbf\x01\n\x06\x44rafts\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x65xtend_seconds\x18\x04 \x01(\x01\x12\x12\n\ntree_sizes\x18\x06 \x03(\r\x12\x13\n\x0btree_tokens\x18\x07 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x08 \x03(\x05\x12\x13\n\x0btree_scores\x18\t \x03(\x02\x12\x19\n\x11\x63hain_run_refused\x18\n \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06\"w\n\x0fVerifierMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.HelloH\x00\x12-\n\x05round\x18\x02 \x01(\x0b\x32\x1c.tandem.rpc.drafter.v1.RoundH\x00\x42\x06\n\x04\x62ody\"|\n\x0e\x44rafterMessage\x12\x31\n\x07welcome\x18\x01 \x01(\x0b\x32\x1e.tandem.rpc.drafter.v1.WelcomeH\x00\x12/\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1d.tandem.rpc.drafter.v1.DraftsH\x00\x42\x06\n\x04\x62ody\"$\n\rReloadRequest\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\"j\n\x0bReloadReply\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x1c\n\x14requests_on_previous\x18\x03 \x01(\r\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x32\xba\x01\n\x07\x44rafter\x12[\n\x06Rounds\x12&.tandem.rpc.drafter.v1.VerifierMessage\x1a%.tandem.rpc.drafter.v1.DrafterMessage(\x01\x30\x01\x12R\n\x06Reload\x12$.tandem.rpc.drafter.v1.ReloadRequest\x1a\".tandem.rpc.drafter.v1.ReloadReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,26 +45,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_end=813
   _globals['_SPECPARAMS']._serialized_start=815
   _globals['_SPECPARAMS']._serialized_end=886
-  _globals['_EXTEND']._serialized_start=888
-  _globals['_EXTEND']._serialized_end=975
-  _globals['_DRAFTREQUEST']._serialized_start=978
-  _globals['_DRAFTREQUEST']._serialized_end=1192
-  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=1141
-  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=1192
-  _globals['_CHAINRUN']._serialized_start=1195
-  _globals['_CHAINRUN']._serialized_end=1331
-  _globals['_ROUND']._serialized_start=1334
-  _globals['_ROUND']._serialized_end=1522
-  _globals['_DRAFTS']._serialized_start=1525
-  _globals['_DRAFTS']._serialized_end=1716
-  _globals['_VERIFIERMESSAGE']._serialized_start=1718
-  _globals['_VERIFIERMESSAGE']._serialized_end=1837
-  _globals['_DRAFTERMESSAGE']._serialized_start=1839
-  _globals['_DRAFTERMESSAGE']._serialized_end=1963
-  _globals['_RELOADREQUEST']._serialized_start=1965
-  _globals['_RELOADREQUEST']._serialized_end=2001
-  _globals['_RELOADREPLY']._serialized_start=2003
-  _globals['_RELOADREPLY']._serialized_end=2109
-  _globals['_DRAFTER']._serialized_start=2112
-  _globals['_DRAFTER']._serialized_end=2298
+  _globals['_EXTEND']._serialized_start=889
+  _globals['_EXTEND']._serialized_end=1051
+  _globals['_PREFIXSTART']._serialized_start=1053
+  _globals['_PREFIXSTART']._serialized_end=1085
+  _globals['_DRAFTREQUEST']._serialized_start=1088
+  _globals['_DRAFTREQUEST']._serialized_end=1302
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=1251
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=1302
+  _globals['_CHAINRUN']._serialized_start=1305
+  _globals['_CHAINRUN']._serialized_end=1441
+  _globals['_ROUND']._serialized_start=1444
+  _globals['_ROUND']._serialized_end=1632
+  _globals['_DRAFTS']._serialized_start=1635
+  _globals['_DRAFTS']._serialized_end=1826
+  _globals['_VERIFIERMESSAGE']._serialized_start=1828
+  _globals['_VERIFIERMESSAGE']._serialized_end=1947
+  _globals['_DRAFTERMESSAGE']._serialized_start=1949
+  _globals['_DRAFTERMESSAGE']._serialized_end=2073
+  _globals['_RELOADREQUEST']._serialized_start=2075
+  _globals['_RELOADREQUEST']._serialized_end=2111
+  _globals['_RELOADREPLY']._serialized_start=2113
+  _globals['_RELOADREPLY']._serialized_end=2219
+  _globals['_DRAFTER']._serialized_start=2222
+  _globals['_DRAFTER']._serialized_end=2408
 # @@protoc_insertion_point(module_scope)

@@ -93,16 +93,26 @@ class SpecParams(_message.Message):
     def __init__(self, num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
-    __slots__ = ("request_id", "token_ids", "ring_offset", "ring_rows")
+    __slots__ = ("request_id", "token_ids", "ring_offset", "ring_rows", "prefix", "release_after")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RING_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ring_offset: int
     ring_rows: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
+    prefix: PrefixStart
+    release_after: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ring_offset: _Optional[int] = ..., ring_rows: _Optional[int] = ..., prefix: _Optional[_Union[PrefixStart, _Mapping]] = ..., release_after: _Optional[bool] = ...) -> None: ...
+
+class PrefixStart(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("request_id", "spec", "trace_context")
