@@ -111,6 +111,10 @@ MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
 DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
     action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
                               "pages of earlier requests that began with the same tokens)"))
+LOGPROBS_MODE = Flag(("--logprobs-mode",), dict(
+    default=e.logprobs_mode, choices=["raw_logprobs", "processed_logprobs"],
+    help="what logprobs report, as vLLM's flag: raw_logprobs, the target's log-softmax; processed_logprobs, after "
+         "penalties, min_tokens, temperature, min_p, top-k and top-p (what the request samples from)"))
 CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
     type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
@@ -137,7 +141,7 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
                                        f"${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH)
+                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
 

@@ -45,7 +45,7 @@ def generate_settings(args: argparse.Namespace) -> tuple:
                        cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
                        spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs,
                        chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
-                       mixed_prefill=args.enable_mixed_chunk or None,
+                       mixed_prefill=args.enable_mixed_chunk or None, logprobs_mode=args.logprobs_mode,
                        enable_prefix_caching=not args.disable_prefix_caching)
     return cfg, speculative
 

@@ -120,7 +120,7 @@ class VerifierConfig:
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
                               chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
-                              mixed_prefill=a.enable_mixed_chunk or None,
+                              mixed_prefill=a.enable_mixed_chunk or None, logprobs_mode=a.logprobs_mode,
                               enable_prefix_caching=not a.disable_prefix_caching)
         # Asked for as SGLang users do, or by naming a draft alone, speculation without a drafter service runs
         # the head in this process.

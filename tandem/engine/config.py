@@ -14,6 +14,9 @@ DEFAULT_SPEC_ROUNDS = 4
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face model folder
@@ -57,6 +60,9 @@ class EngineConfig:
     # step of prompts alone, then a step of the running requests) keeps that step on its graphs and queued runs.
     # None: mixed without CUDA graphs (nothing to keep), apart with them.
     mixed_prefill: bool | None = None
+    # --logprobs-mode (vLLM's): raw_logprobs, the log-softmax of the target's logits; processed_logprobs, the log of
+    # the distribution the request samples from (penalties, min_tokens, temperature, min_p, top-k, top-p applied)
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.decode_steps is not None and self.decode_steps < 1:
@@ -67,6 +73,8 @@ class EngineConfig:
             raise ConfigError(f"--chunked-prefill-size must be >= 1, or -1 (off), got {self.chunked_prefill_size}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got '{self.logprobs_mode}'")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:

@@ -172,8 +172,8 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
         return none
     context = engine.context_len
     for req in reqs:
-        if engine._tree_width(req) != 1:
-            return none
+        if engine._tree_width(req) != 1 or (engine.processed_logprobs and req.params.logprobs is not None):
+            return none  # (runs record raw logprobs only)
         # never past a request's token budget or the context: only a stop token wastes steps
         steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)
     if steps <= (0 if queued else 1):

@@ -75,6 +75,7 @@ class LLMEngine:
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
+        self.processed_logprobs = cfg.logprobs_mode == "processed_logprobs"
         self.prefill_apart = graphed if cfg.mixed_prefill is None else not cfg.mixed_prefill
         self.decode_owed = False  # the last step prefilled prompts alone: the running requests' step comes next
         self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
@@ -295,9 +296,9 @@ class LLMEngine:
         rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
         extend_items = []
         observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
-        logprob_jobs = LogprobJobs()
-        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
         eos = self.model_config.eos_token_ids
+        logprob_jobs = LogprobJobs(processed_eos=eos if self.processed_logprobs else None)
+        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
         if simple:
             for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
                 emitted[req.rid] = [token]

@@ -5,13 +5,15 @@ neither cost nothing here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tandem.engine.request import Request
 from tandem.engine.staging import HostReadback
 from tandem.logprobs import TokenLogprobs, gather_logprobs
 from tandem.request_logits import history_matters, request_logits
-from tandem.sampling import sample
+from tandem.sampling import adjusted_probs, sample
 from tandem.speculative.tree import DraftTree
 
 
@@ -38,23 +40,51 @@ def tree_logits(logits: torch.Tensor, req: Request, tree: DraftTree, eos_token_i
 
 
 class LogprobJobs:
-    """The rows and tokens whose log-probabilities a step owes its requests, computed in one pass."""
+    """The rows and tokens whose log-probabilities a step owes its requests, computed in one pass.
+    ``processed_eos``: the target's EOS ids when logprobs are processed (``--logprobs-mode
+    processed_logprobs``: each request's rows as it samples from them, ``processed_logits``), else None."""
 
-    def __init__(self, jobs: list | None = None):
+    def __init__(self, jobs: list | None = None, processed_eos: Sequence[int] | None = None):
         self.jobs: list[tuple[str, list[int], list[int], int]] = jobs or []
+        self.processed_eos = processed_eos
+        self._reqs: dict[str, Request] = {}
 
     def add(self, req: Request, rows: list[int], tokens: list[int]) -> None:
+        """``rows``: the request's path, one row per depth from 0 (a plain step's one row)."""
         if req.params.logprobs is not None:
             self.jobs.append((req.rid, rows, tokens, req.params.logprobs))
+            self._reqs[req.rid] = req
 
     def compute(self, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
-        return gather_logprobs(logits, self.jobs)
+        if self.processed_eos is None or not self.jobs:
+            return gather_logprobs(logits, self.jobs)
+        blocks, jobs, at = [], [], 0
+        for rid, rows, tokens, k in self.jobs:
+            rows_logits = logits[torch.tensor(rows, device=logits.device)]
+            blocks.append(processed_logits(rows_logits, self._reqs[rid], self.processed_eos))
+            jobs.append((rid, list(range(at, at + len(rows))), tokens, k))
+            at += len(rows)
+        # (the log of a distribution is its own log-softmax: gather_logprobs leaves it as it is)
+        return gather_logprobs(torch.cat(blocks), jobs)
 
 
-def needs_host_each_round(req: Request) -> bool:
+def processed_logits(logits: torch.Tensor, req: Request, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` [n, V]: the request's rows at depths 0..n-1 of its path → the log of the distribution it
+    samples from there (penalties and min_tokens, then temperature, min_p, top-k, top-p; a greedy request's
+    after penalties and min_tokens only), -inf where a token cannot be drawn."""
+    x = logits.float()
+    if history_matters(req.params, len(req.output)):
+        x = request_logits(x, req.params, req.prompt, req.output, eos_token_ids, list(range(x.shape[0])))
+    if req.params.greedy:
+        return x.log_softmax(dim=-1)
+    return adjusted_probs(x, [req.params] * x.shape[0]).log()
+
+
+def needs_host_each_round(req: Request, processed_logprobs: bool = False) -> bool:
     """Whether the request keeps its batch out of chain rounds queued on the device (rounds_ahead): its
-    logits need its own tokens (min_tokens not reached; penalized requests do not draft at all)."""
-    return history_matters(req.params, len(req.output))
+    logits need its own tokens (min_tokens not reached; penalized requests do not draft at all), or its
+    logprobs are processed ones (``processed_logprobs``), which runs do not record."""
+    return history_matters(req.params, len(req.output)) or (processed_logprobs and req.params.logprobs is not None)
 
 
 class RunLogprobs:

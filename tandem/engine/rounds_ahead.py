@@ -52,7 +52,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
-                or engine._tree_width(req) != nd or needs_host_each_round(req)):
+                or engine._tree_width(req) != nd or needs_host_each_round(req, engine.processed_logprobs)):
             return 0
         recent = req.spec_state.recent
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
