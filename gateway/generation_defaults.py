@@ -60,11 +60,6 @@ class SamplingDefaults:
                 raise ValueError(f"{path}: {key} = {json.dumps(value)} is not a valid value")
         if stated:
             log.info("sampling defaults from %s: %s", path, stated)
-        if stated.get("repetition_penalty", 1.0) != 1.0:
-            log.warning("%s sets repetition_penalty %s: requests that leave it unset get it, and a penalized request "
-                        "decodes without speculation (its logits depend on each draft path's tokens); "
-                        "--generation-config vllm, or repetition_penalty 1 in a request, keeps speculation",
-                        path, stated["repetition_penalty"])
         d = cls()
         return cls(temperature=float(stated.get("temperature", d.temperature)),
                    top_p=float(stated.get("top_p", d.top_p)), top_k=stated.get("top_k", d.top_k),

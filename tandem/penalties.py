@@ -3,8 +3,9 @@
 Repetition (the CTRL rule, as transformers' RepetitionPenaltyLogitsProcessor): a token seen in the prompt
 or the output has a positive logit divided by the penalty and a negative one multiplied by it. Presence
 and frequency (OpenAI's): a token the output holds loses ``presence`` once and ``frequency`` per time it
-occurs. The logits depend on every token before them, so a request with penalties does not speculate
-(LLMEngine.add_request): its rows are plain decode steps, lossless by construction.
+occurs. The logits depend on every token before them: a speculating request's tree rows are each penalized
+over their own history (the output and the draft tokens on the node's path, tandem.request_logits), so
+acceptance sees what plain decoding would at every node.
 """
 
 from __future__ import annotations

@@ -23,11 +23,16 @@ def history_matters(params: SamplingParams, produced: int) -> bool:
 
 
 def request_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-                   eos_token_ids: Sequence[int], depths: Sequence[int] | None = None) -> torch.Tensor:
-    """``logits`` [N, V]: row i decides output token ``len(output) + depths[i]`` (depths: all 0 by
-    default) → float32 logits after the penalties and the ``min_tokens`` mask."""
+                   eos_token_ids: Sequence[int], paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """``logits`` [N, V]: row i decides the output token after ``output + paths[i]`` — the draft tokens on
+    its path (paths: all empty by default: rows that share the output as their history) → float32 logits
+    after the penalties (over each row's own history) and the ``min_tokens`` mask (by each row's depth)."""
     if params.penalized:
-        logits = apply_penalties(logits, params, prompt, output)
+        if paths is None or not any(paths):
+            logits = apply_penalties(logits, params, prompt, output)
+        else:
+            logits = torch.cat([apply_penalties(logits[i : i + 1], params, prompt, output + list(path))
+                                for i, path in enumerate(paths)])
     produced = len(output)
     if produced >= params.min_tokens:
         return logits
@@ -35,7 +40,8 @@ def request_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[in
     stops = sorted(t for t in stops if 0 <= t < logits.shape[-1])
     if not stops:
         return logits
-    depth = torch.tensor(depths if depths is not None else [0] * logits.shape[0], device=logits.device)
+    depth = torch.tensor([len(p) for p in paths] if paths is not None else [0] * logits.shape[0],
+                         device=logits.device)
     early = (produced + depth < params.min_tokens).unsqueeze(1)
     logits = logits.float().clone()
     logits[:, stops] = torch.where(early, float("-inf"), logits[:, stops])

@@ -37,7 +37,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the request's logits depend on the tokens before them (then it does not speculate)."""
+        """Whether the request's logits depend on the tokens before them (each draft node's on its own path)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property

@@ -116,21 +116,6 @@ def test_generation_config_defaults_apply_where_the_request_is_silent(stack, cli
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 0, 3)
 
 
-def test_a_default_repetition_penalty_says_it_turns_speculation_off(tmp_path, caplog):
-    import logging
-
-    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05}))
-    with caplog.at_level(logging.WARNING, logger="gateway"):
-        SamplingDefaults.load(tmp_path)
-    assert any("repetition_penalty 1.05" in r.getMessage() and "without speculation" in r.getMessage()
-               for r in caplog.records)
-    caplog.clear()
-    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.0, "top_k": 5}))
-    with caplog.at_level(logging.WARNING, logger="gateway"):
-        SamplingDefaults.load(tmp_path)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-
-
 def test_generation_config_is_read_as_transformers_diffs_it(bos_model_dir, tmp_path):
     from transformers import GenerationConfig
 

@@ -53,7 +53,7 @@ def reference(logits: torch.Tensor, history: list[int], p: SamplingParams) -> to
 def test_processed_logprobs_are_those_of_the_sampled_distribution(target, mode):
     path, hf = target
     prompts = [random_prompt(40 + i, n) for i, n in enumerate((6, 11))]
-    penalty = 1.0 if mode == "speculating" else 1.3  # (a penalized request does not speculate)
+    penalty = 1.3
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=penalty, seed=5,
                             max_new_tokens=16, ignore_eos=True, logprobs=TOP)
     cfg = EngineConfig(model=str(path), page_size=4, logprobs_mode="processed_logprobs",

@@ -219,11 +219,32 @@ def test_penalties_keep_the_exact_distribution(tiny, speculate):
     kw = dict(proposer=RandomTreeProposer(6, seed=1), spec=Spec(4), policy=_always()) if speculate else {}
     with LLMEngine(EngineConfig(model=str(path), seed=7), **kw) as eng:
         results = eng.generate([prompt] * n, params)
-    assert all(r.spec_stats.rounds == 0 for r in results), "penalized requests decode plainly"
+    # speculating: each tree node's row penalized over its own path's history (tandem.request_logits)
+    assert all(r.spec_stats.rounds > 0 for r in results) == speculate
     counts: dict = {}
     for r in results:
         counts[tuple(r.output_token_ids)] = counts.get(tuple(r.output_token_ids), 0) + 1
     assert _chi_square(counts, exact, n) > 1e-3
+
+
+def test_penalties_along_a_draft_path_count_the_path_tokens(tiny):
+    """A six-token vocabulary and strong penalties: the greedy continuation keeps avoiding tokens it has
+    just produced, so a draft node's row is right only if the draft tokens above it are penalized too. The
+    chain holds the reference's own continuation (the test's penalty loop over transformers' logits): it is
+    accepted deep, and the output is the reference."""
+    path, hf = tiny
+    prompt, rep, presence, frequency = [1, 4, 0, 5], 3.0, 0.5, 0.7
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(16):
+            logits = _penalized_reference(hf_logits(hf, prompt + output)[-1], prompt, output, rep, presence, frequency)
+            output.append(int(logits.argmax()))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=rep, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(6, oracle={"req-0": prompt + output}),
+                   spec=Spec(5), policy=_always()) as eng:
+        (got,), _, (rounds,) = _run(eng, [prompt], params)
+    assert got == output and rounds <= 8  # about three tokens a round: drafts accepted deep along the path
 
 
 # ---- greedy against transformers -------------------------------------------------------------------
@@ -254,7 +275,7 @@ def test_min_tokens_greedy_equals_transformers_speculating_or_not(target):
 
 def test_repetition_penalty_greedy_equals_transformers_generate(target):
     """transformers' generate(repetition_penalty=...) is its RepetitionPenaltyLogitsProcessor; a penalized
-    request beside a speculating one decodes plainly, and the other one still speculates."""
+    request speculates beside an unpenalized one, each verified against its own logits."""
     path, hf = target
     prompt = random_prompt(30, 8)
     ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, repetition_penalty=1.5,
@@ -269,7 +290,8 @@ def test_repetition_penalty_greedy_equals_transformers_generate(target):
         other = eng.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
         while eng.has_unfinished():
             eng.step()
-        assert eng.requests[penalized].output == ref and eng.requests[penalized].spec_stats.rounds == 0
+        assert eng.requests[penalized].output == ref and eng.requests[penalized].spec_stats.rounds > 0
+        assert eng.requests[penalized].spec_stats.accept_length_mean > 1.5  # its chain (the penalized path) accepted
         assert eng.requests[other].output == plain_ref and eng.requests[other].spec_stats.rounds > 0
 
 

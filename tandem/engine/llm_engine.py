@@ -114,8 +114,6 @@ class LLMEngine:
             spec = self.default_spec
         elif spec is not None and self.proposer is None:
             raise ConfigError("speculation was requested but the engine has no draft model")
-        if params.penalized:
-            spec = None  # penalties depend on the tokens before each position: such a request decodes plainly
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
         req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)

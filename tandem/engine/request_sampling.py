@@ -32,11 +32,12 @@ def sample_rows(logits: torch.Tensor, reqs_rows: list[tuple[Request, int]], eos_
 
 
 def tree_logits(logits: torch.Tensor, req: Request, tree: DraftTree, eos_token_ids) -> torch.Tensor:
-    """The rows of ``req``'s tree ([tree.size, V]) as acceptance must see them: min_tokens masks a node
-    by its depth. (Penalized requests never draft: their history differs along each path.)"""
+    """The rows of ``req``'s tree ([tree.size, V]) as acceptance must see them: each node's row after the
+    penalties over its own history (the output and the draft tokens on its path) and min_tokens by its depth."""
     if not history_matters(req.params, len(req.output)):
         return logits
-    return request_logits(logits, req.params, req.prompt, req.output, eos_token_ids, tree.depths)
+    paths = [[tree.tokens[n] for n in tree.path_to(node)] for node in range(tree.size)]
+    return request_logits(logits, req.params, req.prompt, req.output, eos_token_ids, paths)
 
 
 class LogprobJobs:
@@ -61,20 +62,22 @@ class LogprobJobs:
         blocks, jobs, at = [], [], 0
         for rid, rows, tokens, k in self.jobs:
             rows_logits = logits[torch.tensor(rows, device=logits.device)]
-            blocks.append(processed_logits(rows_logits, self._reqs[rid], self.processed_eos))
+            blocks.append(processed_logits(rows_logits, self._reqs[rid], tokens, self.processed_eos))
             jobs.append((rid, list(range(at, at + len(rows))), tokens, k))
             at += len(rows)
         # (the log of a distribution is its own log-softmax: gather_logprobs leaves it as it is)
         return gather_logprobs(torch.cat(blocks), jobs)
 
 
-def processed_logits(logits: torch.Tensor, req: Request, eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """``logits`` [n, V]: the request's rows at depths 0..n-1 of its path → the log of the distribution it
-    samples from there (penalties and min_tokens, then temperature, min_p, top-k, top-p; a greedy request's
-    after penalties and min_tokens only), -inf where a token cannot be drawn."""
+def processed_logits(logits: torch.Tensor, req: Request, tokens: list[int], eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` [n, V]: the request's rows along its emitted ``tokens`` (row d decides tokens[d], after
+    tokens[:d]) → the log of the distribution it samples from there (penalties and min_tokens, then
+    temperature, min_p, top-k, top-p; a greedy request's after penalties and min_tokens only), -inf where a
+    token cannot be drawn."""
     x = logits.float()
     if history_matters(req.params, len(req.output)):
-        x = request_logits(x, req.params, req.prompt, req.output, eos_token_ids, list(range(x.shape[0])))
+        x = request_logits(x, req.params, req.prompt, req.output, eos_token_ids,
+                           [tokens[:d] for d in range(x.shape[0])])
     if req.params.greedy:
         return x.log_softmax(dim=-1)
     return adjusted_probs(x, [req.params] * x.shape[0]).log()
@@ -82,7 +85,7 @@ def processed_logits(logits: torch.Tensor, req: Request, eos_token_ids: Sequence
 
 def needs_host_each_round(req: Request, processed_logprobs: bool = False) -> bool:
     """Whether the request keeps its batch out of chain rounds queued on the device (rounds_ahead): its
-    logits need its own tokens (min_tokens not reached; penalized requests do not draft at all), or its
+    logits need its own tokens (penalties, min_tokens not reached: each node's own path, on the host), or its
     logprobs are processed ones (``processed_logprobs``), which runs do not record."""
     return history_matters(req.params, len(req.output)) or (processed_logprobs and req.params.logprobs is not None)
 
