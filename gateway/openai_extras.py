@@ -1,5 +1,5 @@
 """The output fields of vLLM's OpenAI server that the gateway honours without the engine's help:
-``n`` (fanned out as ``n`` generations: gateway/choices.py), ``echo`` (completions only),
+``n`` (fanned out as ``n`` generations: gateway/choices.py), ``echo``,
 ``skip_special_tokens`` and ``include_stop_str_in_output``. Also vLLM's fields that nothing implements
 yet, refused unless they hold their no-op value (never silently ignored)."""
 
@@ -33,7 +33,7 @@ ENGINE_FIELDS = {
 @dataclass(frozen=True)
 class OutputOptions:
     n: int = 1
-    echo: bool = False  # completions: the prompt's text before each choice's
+    echo: bool = False  # the prompt's text before each choice's (chat: the last message's, when the assistant's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -47,8 +47,6 @@ def parse_output_options(body: dict, chat: bool) -> OutputOptions:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise bad_request("n", f"must be an integer in [1, {MAX_N}], got {json.dumps(n)[:40]}")
     echo = flag(body, "echo", False)
-    if echo and chat:  # vLLM's chat echo repeats the last message: not implemented here
-        raise bad_request("echo", "is not supported for chat completions")
     return OutputOptions(n, echo, flag(body, "skip_special_tokens", True),
                          flag(body, "include_stop_str_in_output", False))
 

@@ -130,8 +130,12 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
     param = "max_completion_tokens"
     if requested is None:
         requested, param = integer(body, "max_tokens"), "max_tokens"
-    return _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
-                   chat=True)
+    parsed = _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
+                     chat=True)
+    # vLLM's chat echo: the answer starts with the last message when it is the assistant's own (continued)
+    if parsed.options.echo and messages[-1]["role"] == "assistant":
+        return dataclasses.replace(parsed, echo_text=messages[-1]["content"])
+    return parsed
 
 
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
@@ -142,7 +146,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
         if not is_no_op(body.get(field)):
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
     output = parse_output_options(body, chat)
-    engine = parse_engine_sampling(body, chat, limits.defaults, output.echo)
+    engine = parse_engine_sampling(body, chat, limits.defaults, output.echo and not chat)  # (chat: no prompt logprobs)
     stream = flag(body, "stream") or False
     options = body.get("stream_options")
     include_usage = False

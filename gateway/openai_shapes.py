@@ -96,10 +96,15 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl"
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
-        # Each choice's first chunk announces the role, with empty content, as OpenAI does.
-        return [self._with_usage({**self._head(self.object), "choices": [
+        # Each choice's first chunk announces the role, with empty content, as OpenAI does; then the echo.
+        chunks = [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             for i in range(self.n)]
+        if self.echo_text:
+            chunks += [self._with_usage({**self._head(self.object), "choices": [
+                {"index": i, "delta": {"content": self.echo_text}, "logprobs": None, "finish_reason": None}]})
+                for i in range(self.n)]
+        return chunks
 
     def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
         if self.logprobs is None or entries is None:
@@ -115,7 +120,7 @@ class ChatShape(CompletionShape):
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_text + r.text},
                     "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason}
                    for i, r in enumerate(results)]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}

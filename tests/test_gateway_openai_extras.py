@@ -203,6 +203,25 @@ def test_echo_puts_the_prompt_before_the_text(stack, ref):
     assert r["choices"][0]["text"] == ref.decode(ids, skip_special_tokens=False) + ref.decode(stack.expected(ids, 3))
 
 
+def test_chat_echo_starts_the_answer_with_the_assistants_last_message(stack, ref):
+    """vLLM's chat echo: when the last message is the assistant's own (to be continued), the answer starts
+    with it, whole and streamed; after a user's message there is nothing to echo."""
+    continued = MESSAGES + [{"role": "assistant", "content": "Sure: "}]
+    body = {"messages": continued, "max_tokens": 6, "echo": True, "continue_final_message": True,
+            "add_generation_prompt": False}
+    sent_before = len(stack.fake.requests)
+    r = _post(stack, "/v1/chat/completions", body).json()
+    prompt_ids = list(stack.fake.requests[sent_before].prompt_token_ids)
+    generated = ref.decode(stack.expected(prompt_ids, 6))
+    assert r["choices"][0]["message"]["content"] == "Sure: " + generated
+    chunks = _stream(stack, "/v1/chat/completions", body)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Sure: " + generated
+    r = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "echo": True}).json()
+    prompt_ids = list(stack.fake.requests[-1].prompt_token_ids)
+    assert r["choices"][0]["message"]["content"] == ref.decode(stack.expected(prompt_ids, 6))
+
+
 # ---- n > 1 --------------------------------------------------------------------------------------
 
 def test_n_fans_out_with_distinct_seeds(stack, ref):
@@ -277,7 +296,7 @@ def test_n_out_of_range_is_refused(stack, n):
 
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "prompt_logprobs", 1), ("/v1/completions", "use_beam_search", True),
-    ("/v1/chat/completions", "echo", True), ("/v1/completions", "skip_special_tokens", "no"),
+    ("/v1/completions", "skip_special_tokens", "no"),
     ("/v1/completions", "include_stop_str_in_output", 1),
     ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a", "b"]),
     ("/v1/completions", "guided_regex", "a+"), ("/v1/completions", "bad_words", ["x"]),
