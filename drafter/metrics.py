@@ -1,11 +1,15 @@
 """The drafter service's own Prometheus metrics (``--metrics-port``): what it served, as it saw it. The
 verifier's ``tandem:drafter_*`` metrics are the other side (round trips, the drafter's reported work);
 these are the drafter's: rounds and their time here, the tokens its head took in, trees drafted, whether a
-verifier is connected, reloads."""
+verifier is connected, reloads, and the head's own prefix cache (tandem.prefix_cache: the pages of its KV
+that requests on a cached target prefix start on)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -25,5 +29,23 @@ class DrafterMetrics:
         self.reloads = Counter("tandem:drafter_reloads", "Reload calls, by result: loaded or refused", ["result"],
                                registry=r)
 
+    def watch_prefix_cache(self, stats: Callable[[], object]) -> None:
+        """Export the serving head's prefix-cache counts (a PrefixCacheStats, read at each scrape)."""
+        self.registry.register(_PrefixCacheCounts(stats))
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _PrefixCacheCounts:
+    """The serving head's PrefixCacheStats as counters (a reload starts a new head: they restart from 0)."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        for name, value, doc in (("queries", s.queries, "Prompt tokens looked up in the head's prefix cache"),
+                                 ("hits", s.hits, "Of those, tokens whose head KV was cached"),
+                                 ("evictions", s.evictions, "Cached head KV pages evicted")):
+            yield CounterMetricFamily(f"tandem:drafter_prefix_cache_{name}", doc, value=value)

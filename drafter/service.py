@@ -71,6 +71,7 @@ class DrafterService:
         self._reload_lock = asyncio.Lock()  # one reload at a time
         self._generation = 0  # of verifier streams (not of heads)
         self.metrics = metrics or DrafterMetrics()  # recorded always; served with --metrics-port
+        self.metrics.watch_prefix_cache(lambda: self.heads.current.prefix_cache.stats)
 
     @property
     def drafter(self) -> Eagle3Drafter:

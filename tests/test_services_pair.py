@@ -458,8 +458,8 @@ def test_a_prompt_on_a_cached_prefix_speculates_at_once_across_the_pair(pair, pa
     """A second turn (the first's prompt and answer, then more) starts on the verifier's cached pages and
     on the drafter process's cached head pages: the target's own tokens, cached tokens reported, and the
     acceptance of a drafter that saw the whole prompt (the in-process engine with the cache off)."""
-    _, verifier = pair
-    before = read_metrics(verifier.metrics_port)
+    drafter, verifier = pair
+    before, drafter_before = read_metrics(verifier.metrics_port), read_metrics(drafter.metrics_port)
     first = [(11 * j) % 240 + 5 for j in range(45)]
     answer, last = generate(verifier.address, first)
     assert last.cached_tokens == 0
@@ -473,3 +473,7 @@ def test_a_prompt_on_a_cached_prefix_speculates_at_once_across_the_pair(pair, pa
     hits = after["tandem:prefix_cache_hits_total"] - before.get("tandem:prefix_cache_hits_total", 0)
     assert hits == last.cached_tokens
     assert after["tandem:prefix_cache_queries_total"] - before.get("tandem:prefix_cache_queries_total", 0) == len(first) + len(second)
+    # the drafter process's own prefix cache found the head's pages of the second turn's cached prefix
+    d = read_metrics(drafter.metrics_port)
+    head_hits = d["tandem:drafter_prefix_cache_hits_total"] - drafter_before.get("tandem:drafter_prefix_cache_hits_total", 0)
+    assert 0 < head_hits <= last.cached_tokens
