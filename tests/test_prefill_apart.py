@@ -107,3 +107,26 @@ def test_the_policy_learns_what_arrivals_cost_the_drafter(pair):
     assert all(seconds > 0 for _, seconds in policy.arrivals)
     assert sorted(policy.finished) == sorted((len(p), GREEDY.max_new_tokens) for p in PROMPTS)
     assert policy.arrival_cost_per_output_token() > 0
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(3, 1, 4), SpecConfig(3, 2, 6)])
+def test_a_second_turn_on_cached_pages_with_prompts_apart(pair, spec):
+    """A second turn (the first's prompt and answer, then more) starts on the prefix cache's pages while
+    another request decodes: prompts apart and the cache together give the target-only greedy tokens."""
+    from tandem.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    first = PROMPTS[3]
+    with engine(pair, -1, enable_prefix_caching=False) as eng:
+        answer = eng.generate([first], params)[0].output_token_ids
+        second = first + answer + PROMPTS[1]
+        want = [r.output_token_ids for r in eng.generate([PROMPTS[2], second], params)]
+    with engine(pair, 8, spec, mixed_prefill=False) as eng:
+        assert eng.generate([first], params)[0].output_token_ids == answer
+        busy = eng.add_request(PROMPTS[2], params)
+        eng.step()
+        late = eng.add_request(second, params)
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.requests[busy].output, eng.requests[late].output] == want
+        assert eng.requests[late].cached_tokens > 0
