@@ -1,7 +1,8 @@
 """Prompts prefilled apart from the running requests' step (the default with CUDA graphs; forced here on
 the CPU with ``mixed_prefill=False``): greedy output identical to the mixed steps' (target-only, chains,
-trees, chunked prompts), a step that prefills carries no decoding rows and is followed by one of the
-running requests alone, pages for the running requests' next step are left free, and the flag."""
+trees, chunked prompts), a step that prefills carries no decoding rows and is followed by the running
+requests' decoding for as long as it took (prompts that arrive meanwhile go together), pages for the
+running requests' next step are left free, and the flag."""
 
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ def test_speculative_greedy_is_unchanged_by_prompts_apart(pair, mixed, spec, chu
 
 def test_a_step_that_prefills_has_no_decoding_rows_and_the_next_one_decodes(pair):
     with engine(pair, 8, SpecConfig(3, 1, 4), mixed_prefill=False) as eng:
+        from tandem.sampling import SamplingParams
+
         kinds = []
-        streams = [eng.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        long_streams = SamplingParams(max_new_tokens=120, ignore_eos=True)  # they outlive the 8 chunks
+        streams = [eng.add_request(p, long_streams) for p in PROMPTS[:2]]
         while not all(eng.requests[rid].output for rid in streams):  # their own prompts: chunks of 8
             eng.step()
         eng.add_request(PROMPTS[3], GREEDY)  # 64 tokens: 8 chunks of 8
@@ -42,14 +46,15 @@ def test_a_step_that_prefills_has_no_decoding_rows_and_the_next_one_decodes(pair
             eng.step()
             info = eng.last_step
             kinds.append((info.num_prefill, info.num_decode))
-        # chunks and the running requests' steps alternate: never both in one step
+        # never both in one step, and the running requests decode between two chunks (at least as long as a
+        # chunk took: LLMEngine.decode_owed_s)
         assert all(not (p and d) for p, d in kinds)
         prefilled = [bool(p) for p, _ in kinds]
-        assert all(a != b for a, b in zip(prefilled, prefilled[1:]))
+        assert not any(a and b for a, b in zip(prefilled, prefilled[1:]))
         assert sum(1 for p, _ in kinds if p) == 8
         while eng.has_unfinished():
             eng.step()
-        assert all(len(eng.requests[r].output) == GREEDY.max_new_tokens for r in streams)
+        assert all(len(eng.requests[r].output) == long_streams.max_new_tokens for r in streams)
         assert eng.allocator.num_free == eng.allocator.capacity_pages
 
 
@@ -130,3 +135,28 @@ def test_a_second_turn_on_cached_pages_with_prompts_apart(pair, spec):
             eng.step()
         assert [eng.requests[busy].output, eng.requests[late].output] == want
         assert eng.requests[late].cached_tokens > 0
+
+
+def test_prompts_that_arrive_while_decoding_is_owed_go_together(pair):
+    """After a step of prompts alone the running requests are owed that long of decoding: prompts that
+    arrive meanwhile wait and are prefilled in one step."""
+    from tandem.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with engine(pair, -1, mixed_prefill=False) as eng:
+        running = eng.add_request(PROMPTS[0], params)
+        eng.step()  # alone: nothing to keep apart from
+        eng.add_request(PROMPTS[1], params)
+        eng.step()  # a step of that prompt alone
+        assert eng.last_step.num_prefill == 1 and not eng.last_step.num_decode and eng.decode_owed_s > 0
+        eng.decode_owed_s = 1e9  # (a long prefill: decoding owed for a while)
+        late = [eng.add_request(p, params) for p in PROMPTS[2:]]
+        for _ in range(3):
+            eng.step()
+            assert eng.last_step.num_decode and not eng.last_step.num_prefill  # the late prompts wait
+        eng.decode_owed_s = 0.0  # paid
+        eng.step()
+        assert eng.last_step.num_prefill == len(late) and not eng.last_step.num_decode  # together
+        while eng.has_unfinished():
+            eng.step()
+        assert len(eng.requests[running].output) == 12

@@ -168,7 +168,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     between them, else 1 (0 when ``queued``: none to queue)."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
-    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.scheduler.can_admit() or engine.traffic is not None:
+    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.prompts_due() or engine.traffic is not None:
         return none
     context = engine.context_len
     for req in reqs:

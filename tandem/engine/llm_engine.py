@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
+MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
 
 
 class LLMEngine:
@@ -77,7 +78,10 @@ class LLMEngine:
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
         self.processed_logprobs = cfg.logprobs_mode == "processed_logprobs"
         self.prefill_apart = graphed if cfg.mixed_prefill is None else not cfg.mixed_prefill
-        self.decode_owed = False  # the last step prefilled prompts alone: the running requests' step comes next
+        # With prompts apart: decoding the running requests are owed after a step of prompts alone, as long as
+        # that step took (at most MAX_DECODE_OWED_S), before the next one. Prompts that arrive meanwhile wait and
+        # go together: a prefill's fixed cost is paid once for several, and the stream keeps at least half the time.
+        self.decode_owed_s = 0.0
         self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
@@ -153,9 +157,15 @@ class LLMEngine:
         if not running:
             return 1  # (the latest decision stands for the prompts about to be admitted)
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.scheduler.can_admit()
+        runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
         self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting], runs)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
+
+    def prompts_due(self) -> bool:
+        """Whether a waiting prompt is prefilled now (and runs queued ahead stay short meanwhile): one can be
+        admitted and, with prompts apart, the running requests have decoded as long as the last step of prompts
+        alone took."""
+        return self.scheduler.can_admit() and not (self.prefill_apart and self.decode_owed_s > 0)
 
     def _row_width(self, req: Request, width: int) -> int:
         """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` where it fits."""
@@ -167,8 +177,15 @@ class LLMEngine:
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
         self._observe_previous(started)
+        decoding = bool(self.scheduler.running)
         outputs = self._step()
         info = self.last_step
+        if info is not None and self.prefill_apart:
+            took = time.perf_counter() - started
+            if info.num_prefill and not info.num_decode and decoding:  # prompts kept apart from running requests
+                self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
+            elif info.num_decode:
+                self.decode_owed_s = max(0.0, self.decode_owed_s - took)
         if info is not None and info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
             # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
             self.policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
@@ -199,10 +216,9 @@ class LLMEngine:
         # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
         apart = self.prefill_apart and bool(self.scheduler.running)
         sched = None
-        if apart and not self.decode_owed and self.scheduler.can_admit():
+        if apart and self.prompts_due():
             sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False)
             sched = sched if sched.prefill else None  # nothing fit beside the running requests' next step
-        self.decode_owed = sched is not None
         ahead = decode_steps_ahead(self) if width == 1 and sched is None else 1
         rounds = rounds_ahead(self) if width > 1 and sched is None else 0
         if sched is None:

@@ -42,7 +42,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.cfg.tp_size > 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    if engine.scheduler.can_admit():  # a prompt comes in after one round (prompts apart), or in a mixed step
+    if engine.prompts_due():  # a prompt comes in after one round (prompts apart), or in a mixed step
         if queued or not engine.prefill_apart:
             return 0
         rounds = 1
