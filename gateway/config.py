@@ -32,6 +32,7 @@ class GatewayConfig:
     body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds a slot)
     max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
+    drafter_metrics_url: str | None = None  # the drafter service's /metrics, appended too
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
     generation_config: str = shared.GENERATION_CONFIG.default  # auto (the model's generation_config.json), vllm, DIR
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
@@ -48,8 +49,10 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
-        if self.verifier_metrics_url is not None and not self.verifier_metrics_url.startswith(("http://", "https://")):
-            raise ValueError(f"--verifier-metrics-url must be an http(s) URL, got {self.verifier_metrics_url!r}")
+        for flag, url in (("--verifier-metrics-url", self.verifier_metrics_url),
+                          ("--drafter-metrics-url", self.drafter_metrics_url)):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{flag} must be an http(s) URL, got {url!r}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "else open); /health and /metrics stay open")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
+    p.add_argument("--drafter-metrics-url", default=None,
+                   help="the drafter service's Prometheus URL, served within our /metrics too")
     shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
     return p
@@ -97,5 +102,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
-                         verifier_metrics_url=args.verifier_metrics_url, generation_config=args.generation_config,
+                         verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
+                         generation_config=args.generation_config,
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level)

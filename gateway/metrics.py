@@ -35,9 +35,9 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
                              registry=r)
-        self.verifier_metrics_up = Gauge("tandem:verifier_metrics_up", "1 when this scrape holds the verifier's "
-                                         "metrics (--verifier-metrics-url), 0 when it did not answer in time", m,
-                                         registry=r)
+        self.relay_up = {service: Gauge(f"tandem:{service}_metrics_up", f"1 when this scrape holds the {service}'s "
+                                        f"metrics (--{service}-metrics-url), 0 when it did not answer in time", m,
+                                        registry=r) for service in ("verifier", "drafter")}
         self._model = model_name
 
     def labels(self, metric, **labels):

@@ -1,12 +1,12 @@
-"""The verifier's metrics inside the gateway's ``/metrics``: the stack's one public metrics URL then
-shows speculation (``tandem:spec_decode_*``, ``tandem:drafter_*``, KV pages) under the verifier's own
-names, in one scrape.
+"""The verifier's and the drafter's metrics inside the gateway's ``/metrics``: the stack's one public metrics
+URL then shows speculation (``tandem:spec_decode_*``, ``tandem:drafter_*``, KV pages) and the drafter
+service's own (``tandem:drafter_served_*``, its prefix cache) under their own names, in one scrape.
 
-The verifier's text is fetched from ``--verifier-metrics-url`` with a short timeout, parsed and
-re-rendered. Families the gateway has itself (request counts, latencies, tokens: the same names
-with a ``model_name`` label) are the gateway's view and the verifier's copy is dropped, so no name
-appears twice. ``tandem:verifier_metrics_up`` says whether the verifier's part is there. Scrapes
-within ``_CACHE_S`` share one fetch, so a flood of scrapes is not relayed to the verifier.
+Each service's text is fetched from its URL (``--verifier-metrics-url``, ``--drafter-metrics-url``) with a
+short timeout, parsed and re-rendered. Families the gateway has itself (request counts, latencies, tokens:
+the same names with a ``model_name`` label) are the gateway's view and a service's copy is dropped, so no
+name appears twice. ``tandem:verifier_metrics_up`` / ``tandem:drafter_metrics_up`` say whether a service's
+part is there. Scrapes within ``_CACHE_S`` share one fetch, so a flood of scrapes is not relayed.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ _CACHE_S = 1.0
 _MAX_BYTES = 16 << 20
 
 
-class VerifierMetricsRelay:
-    def __init__(self, url: str, timeout_s: float, own_names: set[str]):
-        self.url = url
+class MetricsRelay:
+    def __init__(self, service: str, url: str, timeout_s: float, own_names: set[str]):
+        self.service, self.url = service, url
         self._timeout = timeout_s
         self._own = own_names
         self._lock = asyncio.Lock()
         self._cached: tuple[float, bytes | None] = (-1e9, None)
 
     async def fetch(self) -> bytes | None:
-        """The verifier's families as exposition text, or None when it did not answer in time."""
+        """The service's families as exposition text, or None when it did not answer in time."""
         async with self._lock:
             at, text = self._cached
             if time.monotonic() - at < _CACHE_S:
@@ -43,7 +43,7 @@ class VerifierMetricsRelay:
                 raw = await asyncio.wait_for(asyncio.to_thread(self._get), self._timeout + 0.5)
                 text = self._filter(raw.decode("utf-8"))
             except Exception as e:  # unreachable, slow, or not Prometheus text: ours alone, said by the gauge
-                log.warning("verifier metrics at %s unavailable: %s", self.url, e)
+                log.warning("%s metrics at %s unavailable: %s", self.service, self.url, e)
                 text = None
             self._cached = (time.monotonic(), text)
             return text

@@ -84,11 +84,12 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        relayed = b""
-        if gw.metrics_relay is not None:
-            relayed = await gw.metrics_relay.fetch()
-            gw.metrics.labels(gw.metrics.verifier_metrics_up).set(relayed is not None)
-        return Response(gw.metrics.render() + (relayed or b""), media_type=gw.metrics.CONTENT_TYPE)
+        relayed = []
+        for relay in gw.metrics_relays:
+            text = await relay.fetch()
+            gw.metrics.labels(gw.metrics.relay_up[relay.service]).set(text is not None)
+            relayed.append(text or b"")
+        return Response(gw.metrics.render() + b"".join(relayed), media_type=gw.metrics.CONTENT_TYPE)
 
     return app
 

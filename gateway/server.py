@@ -16,7 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.generation_defaults import SamplingDefaults
 from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics import GatewayMetrics
-from gateway.metrics_relay import VerifierMetricsRelay
+from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
 from gateway.prompt_bound import PromptBound
 from gateway.request_log import RequestLog
@@ -41,7 +41,7 @@ class Gateway:
         self.metrics = GatewayMetrics(cfg.model_name)
         self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
         self.slots = Slots(cfg.max_concurrent_requests)
-        self.metrics_relay: VerifierMetricsRelay | None = None  # made in start(): its lock binds to the loop
+        self.metrics_relays: list[MetricsRelay] = []  # made in start(): their locks bind to the loop
         self.started_at = int(time.time())
         self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made in start(): gRPC aio objects bind to the running loop
@@ -53,9 +53,9 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.cfg
         self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s)
-        if cfg.verifier_metrics_url is not None:
-            self.metrics_relay = VerifierMetricsRelay(cfg.verifier_metrics_url, cfg.verifier_metrics_timeout_s,
-                                                      self.metrics.names())
+        self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
+                               for service, url in (("verifier", cfg.verifier_metrics_url),
+                                                    ("drafter", cfg.drafter_metrics_url)) if url is not None]
         self._grpc, self.grpc_port, self._health = build_grpc_server(self, f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")

@@ -97,7 +97,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"more flags for python -m {service}, e.g. --{service}-args '--log-level debug' (they come "
                             "last: they win)")
     p.add_argument("--drafter-metrics-port", type=int, default=None,
-                   help="the drafter service's Prometheus port (default: off)")
+                   help="the drafter service's Prometheus port (default: a free one; the gateway's /metrics relays it)")
     shared.add(p, *shared.GATEWAY_FLAGS)
     p.add_argument("--log-stats-interval", type=float, default=None, metavar="SECONDS",
                    help="the verifier's stats line while busy (default: the verifier's, 10 s; 0: off)")
@@ -136,10 +136,10 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         raise TandemError("--drafter in-process runs a draft model in the verifier: give --draft-model DIR")
     if in_process and args.reload_root:
         raise TandemError("--reload-root: the drafter service reloads heads, which --drafter in-process does not have")
-    picked = iter(free_ports(3))  # internal ports not given: free ones, so two stacks on a host do not collide
+    picked = iter(free_ports(4))  # internal ports not given: free ones, so two stacks on a host do not collide
     ports = {name: given if given is not None else next(picked)
              for name, given in (("verifier", args.verifier_port), ("drafter", args.drafter_port),
-                                 ("metrics", args.metrics_port))}
+                                 ("metrics", args.metrics_port), ("drafter_metrics", args.drafter_metrics_port))}
     py = [sys.executable, "-m"]
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     secret = ["--internal-secret-file", secret_file]
@@ -149,7 +149,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     children = []
     if draft is not None and not in_process:
         reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
-        drafter_metrics = ["--metrics-port", str(args.drafter_metrics_port)] if args.drafter_metrics_port else []
+        drafter_metrics = ["--metrics-port", str(ports["drafter_metrics"])]
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, *device,
                                               "--port", str(ports["drafter"]), *speculative.argv(),
                                               *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
@@ -167,10 +167,13 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     if args.log_stats_interval is not None:
         verifier_argv += ["--log-stats-interval", str(args.log_stats_interval)]
     children.append(Child("verifier", verifier_argv + shlex.split(args.verifier_args)))
+    drafter_relay = (["--drafter-metrics-url", f"http://127.0.0.1:{ports['drafter_metrics']}/metrics"]
+                     if draft is not None and not in_process else [])
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
                                            str(args.grpc_port), "--served-model-name", name, *tracing,
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
+                                           *drafter_relay,
                                            *_passthrough(args, shared.GATEWAY_FLAGS), *shlex.split(args.gateway_args)]))
     return UpPlan(children, ports, model, name, draft)
 

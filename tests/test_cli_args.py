@@ -49,7 +49,7 @@ def _generate(argv):
 
 def _up(argv, secret="/tmp/secret"):
     args = build_parser().parse_args(["up", "--verifier-port", "1", "--drafter-port", "2", "--metrics-port", "3",
-                                      *argv])
+                                      "--drafter-metrics-port", "4", *argv])
     return plan_up(args, secret)
 
 
@@ -286,8 +286,12 @@ def test_up_picks_free_internal_ports_and_keeps_the_public_defaults(folders):
     argv = ["up", "--model", t, "--draft-model", d]
     first, second = (plan_up(build_parser().parse_args(argv), "/tmp/s") for _ in range(2))
     for plan in (first, second):
-        assert len(set(plan.ports.values())) == 3 and not set(plan.ports.values()) & {50051, 50052, 50053}
-        gateway = plan.children[-1].argv
+        assert len(set(plan.ports.values())) == 4 and not set(plan.ports.values()) & {50051, 50052, 50053}
+        gateway, drafter = plan.children[-1].argv, plan.children[0].argv
+        # the drafter's metrics on a port of its own, relayed by the gateway's /metrics with the verifier's
+        assert drafter[drafter.index("--metrics-port") + 1] == str(plan.ports["drafter_metrics"])
+        assert gateway[gateway.index("--drafter-metrics-url") + 1] == \
+            f"http://127.0.0.1:{plan.ports['drafter_metrics']}/metrics"
         assert gateway[gateway.index("--port") + 1] == "8000" and gateway[gateway.index("--grpc-port") + 1] == "50050"
         assert gateway[gateway.index("--verifier") + 1] == f"127.0.0.1:{plan.ports['verifier']}"
     assert first.ports != second.ports  # two stacks on one host

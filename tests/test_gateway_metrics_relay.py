@@ -1,5 +1,5 @@
-"""The gateway's /metrics carries the verifier's metrics (speculation, drafter, KV pages) under the
-verifier's own names in one scrape, never a family twice, and says so in tandem:verifier_metrics_up;
+"""The gateway's /metrics carries the verifier's metrics (speculation, drafter, KV pages) and the drafter
+service's under their own names in one scrape, never a family twice, and says so in tandem:*_metrics_up;
 a verifier whose metrics do not answer leaves the gateway's own, promptly, with up = 0."""
 
 from __future__ import annotations
@@ -82,3 +82,27 @@ def test_without_a_url_there_is_no_relay_and_no_up_sample():
         assert "spec_decode" not in text
     finally:
         s.close()
+
+
+def test_the_drafter_services_metrics_come_in_the_same_scrape(verifier_metrics):
+    from drafter.metrics import DrafterMetrics
+
+    dm = DrafterMetrics()
+    dm.rounds.labels("drafts").inc(9)
+    dm.verifier_connected.set(1)
+    port = free_port()
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=dm.registry)
+    s = Stack(verifier_metrics_url=verifier_metrics, drafter_metrics_url=f"http://127.0.0.1:{port}/metrics")
+    try:
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert metric_value(text, "tandem:drafter_served_rounds_total", kind="drafts") == 9
+        assert metric_value(text, "tandem:drafter_verifier_connected") == 1
+        assert metric_value(text, "tandem:spec_decode_num_drafts_total") == 7  # the verifier's beside it
+        assert metric_value(text, "tandem:drafter_metrics_up", model_name=MODEL_NAME) == 1
+        assert metric_value(text, "tandem:verifier_metrics_up", model_name=MODEL_NAME) == 1
+        types = _type_lines(text)
+        assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    finally:
+        s.close()
+        server.shutdown()
+        thread.join(5)
