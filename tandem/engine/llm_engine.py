@@ -179,21 +179,26 @@ class LLMEngine:
         self._observe_previous(started)
         decoding = bool(self.scheduler.running)
         outputs = self._step()
-        info = self.last_step
-        if info is not None and self.prefill_apart:
+        if self.last_step is not None:
+            self._account(self.last_step, started, decoding)
+        return outputs
+
+    def _account(self, info: StepInfo, started: float, decoding: bool) -> None:
+        """After a step: the decoding owed after prompts alone, and what the policy learns of it (an arrival's
+        extension into the drafter now; its time when the next step starts)."""
+        if self.prefill_apart:
             took = time.perf_counter() - started
             if info.num_prefill and not info.num_decode and decoding:  # prompts kept apart from running requests
                 self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
             elif info.num_decode:
                 self.decode_owed_s = max(0.0, self.decode_owed_s - took)
-        if info is not None and info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
+        if info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
             # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
             self.policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
-        if info is not None and info.num_decode and self.proposer is not None:
+        if info.num_decode and self.proposer is not None:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
             timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
             self._unobserved = (info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
-        return outputs
 
     def _observe_previous(self, now: float) -> None:
         """The previous step's time goes to the policy now, from its start to this one's: what a step costs
