@@ -25,12 +25,12 @@ def branching_tree(parents: list[int], older: int = 0) -> torch.Tensor:
 
 def latent_case(seqs: list[tuple[int, int, torch.Tensor | None]], heads: int, kv_lora: int, rope: int,
                 page_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-                extra_pages: int = 3) -> dict:
+                num_pages: int | None = None) -> dict:
     """``seqs``: (prefix_len, q_len, tree mask or None) per sequence → dict with q [T, H, kv_lora + rope],
-    pool [pages, page_size, 1, kv_lora + rope], meta, scale."""
+    pool [pages, page_size, 1, kv_lora + rope] (``num_pages``: a fixed size, else 3 spare pages), meta, scale."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-(p + q) // page_size) for p, q, _ in seqs]
-    num_pages = 1 + sum(pages_per_seq) + extra_pages  # page 0 stays the dummy page, as in the engine
+    num_pages = num_pages or 1 + sum(pages_per_seq) + 3  # page 0 stays the dummy page, as in the engine
     order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(seqs), max(pages_per_seq), dtype=torch.int32)
     slots, cu = [], [0]
