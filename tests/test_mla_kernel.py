@@ -90,3 +90,9 @@ def test_shapes_the_kernel_cannot_take_are_refused():
     m, q = case["meta"], case["q"]
     with pytest.raises(ValueError, match="power of two"):
         mla_paged_attention(q[..., :24], q[..., 24:], case["pool"], m.block_tables, m.kv_lens, m.cu_q_lens, 1, 0.1)
+
+
+def test_a_tree_mask_that_does_not_fit_its_sequence_is_refused():
+    case = latent_case([(2, 3, branching_tree([-1, 0, 1, 2]))], 2, 16, 16, 4)  # 4 rows for 3 new tokens
+    with pytest.raises(ValueError, match="does not fit"):
+        TritonMLABackend().plan(case["meta"])

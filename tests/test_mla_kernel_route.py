@@ -83,7 +83,8 @@ def _chunk_then_tree(eng) -> tuple[torch.Tensor, torch.Tensor]:
         kv.reserve(35)
         eng.executor.forward(ForwardBatch([SequenceChunk(prompt[:17], 0, kv.page_table(), logits="none")]))
         chunk, _ = eng.executor.forward(ForwardBatch([SequenceChunk(prompt[17:], 17, kv.page_table(), logits="all")]))
-        tree = SequenceChunk(nodes, 30, kv.page_table(), positions=[30 + d for d in depth], tree_mask=mask, logits="all")
+        tree = SequenceChunk(nodes, 30, kv.page_table(), positions=[30 + d for d in depth], tree_mask=mask,
+                             logits="all")
         tree_logits, _ = eng.executor.forward(ForwardBatch([tree]))
     finally:
         kv.release()

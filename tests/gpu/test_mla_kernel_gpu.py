@@ -26,7 +26,8 @@ CASES = {  # name: (heads, page_size, sequences as (prefix_len, q_len, tree mask
     "tp8-decode-b1-8k": (8, 64, [(8191, 1, None)]),
     "tp8-chain4-p16": (8, 16, [(p, 4, None) for p in (8188, 3000, 511, 60)]),
     "tp8-tree8-p16": (8, 16, [(8000, 8, TREE8), (1200, 8, TREE8), (33, 8, TREE8)]),
-    "tp8-multistep-draft-p16": (8, 16, [(4000, 3, branching_tree([-1, 0, 0], older=5)), (70, 3, branching_tree([-1, 0, 1], 2))]),
+    "tp8-multistep-draft-p16": (8, 16, [(4000, 3, branching_tree([-1, 0, 0], older=5)),
+                                        (70, 3, branching_tree([-1, 0, 1], older=2))]),
     "tp1-decode-p64": (64, 64, [(8191, 1, None), (2047, 1, None), (5, 1, None)]),
     "tp1-mixed-p16": (64, 16, [(6000, 8, TREE8), (4000, 4, None), (900, 1, None), (2000, 100, None), (0, 37, None)]),
 }
@@ -87,9 +88,12 @@ def test_cuda_graph_replay_over_new_lengths_tables_and_masks(tree, splits):
         backend = TritonMLABackend()
         backend.plan(c["meta"])
         tables = torch.zeros(4, 320, dtype=torch.int32, device=DEVICE)  # one width for every case
-        tables[:, : c["meta"].block_tables.shape[1]] = c["meta"].block_tables
-        plans.append({"q": c["q"], "pool": c["pool"], "tables": tables, "kv_lens": c["meta"].kv_lens,
-                      "cu": c["meta"].cu_q_lens, **({"mask": backend._mask, "widths": backend._mask_widths} if tree else {})})
+        meta = c["meta"]
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        plan = {"q": c["q"], "pool": c["pool"], "tables": tables, "kv_lens": meta.kv_lens, "cu": meta.cu_q_lens}
+        if tree:
+            plan.update(mask=backend._mask, widths=backend._mask_widths)
+        plans.append(plan)
     static = {k: v.clone() for k, v in plans[0].items()}
     q = static["q"]
 
