@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3 engine on the MLA kernel route (``attention_backend="triton"``: the Triton latent
 kernel for every absorbed forward, run here under the interpreter) against the same checkpoint on the
 torch reference route: decode logits, a chunk after a cached prefix, a branching tree's logits, and
-greedy tokens of a batch of different lengths over scattered pages. The kernel's launches are counted,
+greedy tokens of a batch of different lengths over scattered pages, and tree speculation (random trees
+holding the reference continuation, verified in batches of trees of different widths). The kernel's launches are counted,
 so a silent fallback to the reference would fail."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ pytest.importorskip("triton")
 
 from deepseek_checkpoints import write_deepseek  # noqa: E402
 from helpers import assert_rel, manual_greedy_logits, random_prompt  # noqa: E402
+from proposers import RandomTreeProposer, Spec  # noqa: E402
 from tandem.engine.batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
@@ -107,3 +109,23 @@ def test_greedy_tokens_of_a_mixed_batch_equal_the_reference_route(engines, launc
     before = launches["n"]
     assert [r.output_token_ids for r in engines["triton"].generate(prompts, params)] == reference
     assert launches["n"] > before
+
+
+def test_tree_speculation_equals_the_reference_route(folder, engines, launches):
+    prompts = [random_prompt(30 + n, n, VOCAB) for n in (5, 23)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    reference = [r.output_token_ids for r in engines["torch"].generate(prompts, params)]
+    oracle = {f"r{i}": p + out for i, (p, out) in enumerate(zip(prompts, reference))}
+    runs = {}
+    for route in ("torch", "triton"):
+        proposer = RandomTreeProposer(vocab=VOCAB, seed=4, oracle=oracle, hit_rate=0.8)
+        cfg = EngineConfig(model=folder, page_size=3, page_shuffle_seed=5, attention_backend=route)
+        with LLMEngine(cfg, proposer=proposer, spec=Spec(6)) as eng:
+            rids = [eng.add_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
+            while eng.has_unfinished():
+                eng.step()
+            runs[route] = ([eng.requests[r].output for r in rids],
+                           [eng.requests[r].spec_stats.accept_length_mean for r in rids])
+    assert runs["triton"][0] == reference
+    assert runs["triton"] == runs["torch"]
+    assert min(runs["triton"][1]) > 1.5  # long paths were accepted: trees really were verified
