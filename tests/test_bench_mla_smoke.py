@@ -36,7 +36,8 @@ def wall_ms(calls, reps: int = 1) -> float:
 def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
     sm = sections_mla
     for name, value in {"DEVICE": "cpu", "L2_BYTES": 1, "KV_LORA": 32, "ROPE": 16, "PAGE": 4, "BATCHES": (1, 3),
-                        "KV_LENS": (9, 30), "TP1_BATCHES": (2,), "SPLITS_TRIED": (2,), "graph_ms": wall_ms,
+                        "KV_LENS": (9, 30), "TP1_BATCHES": (2,), "SPLITS_TRIED": (2,), "TILES_TRIED": ((16, 16, 4, 2),),
+                        "TILE_SWEEP": {"batches": (3,), "kv_len": 30}, "graph_ms": wall_ms,
                         "free_gpu": lambda: None, "events_ms": lambda fn, iters, warmup=3: wall_ms([fn])}.items():
         monkeypatch.setattr(sm, name, value)
     rows = sm.mla({"copy_tbps": 4.0})["rows"]

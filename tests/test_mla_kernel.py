@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from mla_cases import branching_tree, latent_case, rel_err, torch_reference  # noqa: E402
 from tandem.attention.mla_triton_backend import TritonMLABackend  # noqa: E402
-from tandem.kernels.mla_attention import mla_paged_attention  # noqa: E402
+from tandem.kernels.mla_attention import LatentTiles, mla_paged_attention  # noqa: E402
 
 HEADS, KV_LORA, ROPE, PAGE = 4, 32, 16, 4
 TREE = branching_tree([-1, 0, 0, 1, 2])  # root; its children a, b; a's child; b's child
@@ -46,8 +46,8 @@ def test_the_kernel_equals_the_torch_backend(name):
     assert rel_err(out, ref) < 1e-4, name
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_every_split_count_gives_the_reference_and_repeats_bit_for_bit(splits):
+@pytest.mark.parametrize("splits,tiles", [(1, None), (2, None), (4, None), (2, LatentTiles(16, 16, 4, 3))])
+def test_every_split_count_and_tile_gives_the_reference_and_repeats_bit_for_bit(splits, tiles):
     case = latent_case(CASES["mixed batch"], HEADS, KV_LORA, ROPE, PAGE, seed=3)
     backend = TritonMLABackend()
     backend.plan(case["meta"])
@@ -56,7 +56,7 @@ def test_every_split_count_gives_the_reference_and_repeats_bit_for_bit(splits):
     def run():
         return mla_paged_attention(q[..., :KV_LORA], q[..., KV_LORA:], case["pool"], m.block_tables, m.kv_lens,
                                    m.cu_q_lens, backend._max_q_len, case["scale"], mask=backend._mask,
-                                   mask_widths=backend._mask_widths, num_splits=splits)
+                                   mask_widths=backend._mask_widths, num_splits=splits, tiles=tiles)
 
     first = run()
     assert rel_err(first, torch_reference(case)) < 1e-4

@@ -24,6 +24,8 @@ Rows that see no key produce zeros, never NaN; keys past ``kv_len`` are never lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -166,16 +168,29 @@ def _mla_attention_kernel(
         tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-def tile_shape(num_heads: int, max_q_len: int, kv_lora_rank: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_H, BLOCK_Q, BLOCK_M, BLOCK_N, num_warps): rows per program capped so the float32
-    accumulator (rows x kv_lora) stays in registers (32 rows at Kimi's 512)."""
-    max_rows = 32 if kv_lora_rank >= 256 else 64
-    block_h = min(triton.next_power_of_2(num_heads), max_rows)
-    block_q = min(triton.next_power_of_2(max_q_len), max(1, max_rows // block_h))
-    block_m = max(16, block_h * block_q)  # tl.dot needs >= 16 rows
-    block_n = 32 if kv_lora_rank >= 256 else 64
-    num_warps = 4 if block_m * kv_lora_rank <= 16 * 512 else 8
-    return block_h, block_q, block_m, block_n, num_warps
+@dataclass(frozen=True)
+class LatentTiles:
+    """Launch tiles: ``rows`` (heads x new tokens a program holds; bounded by the float32 accumulator,
+    rows x kv_lora, that must stay in registers), keys per step, warps (None: 4 for accumulators up to
+    16 x 512, else 8), pipeline stages."""
+
+    rows: int
+    block_n: int
+    num_warps: int | None = None
+    num_stages: int = 2
+
+
+def default_tiles(kv_lora_rank: int) -> LatentTiles:
+    if kv_lora_rank >= 256:  # Kimi's 512: 16-32 rows (compile_check shows no spills)
+        return LatentTiles(rows=32, block_n=32)
+    return LatentTiles(rows=64, block_n=64)
+
+
+def tile_shape(num_heads: int, max_q_len: int, tiles: LatentTiles) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_Q, BLOCK_M): a program's heads, new tokens, and rows (>= 16 for tl.dot)."""
+    block_h = min(triton.next_power_of_2(num_heads), tiles.rows)
+    block_q = min(triton.next_power_of_2(max_q_len), max(1, tiles.rows // block_h))
+    return block_h, block_q, max(16, block_h * block_q)
 
 
 def mla_paged_attention(
@@ -191,6 +206,7 @@ def mla_paged_attention(
     mask_widths: torch.Tensor | None = None,  # int32 [B]: W_b, 0 for a causal sequence
     out: torch.Tensor | None = None,  # [T, H, kv_lora]; allocated in q_latent's dtype when None
     num_splits: int | None = None,  # power of two; None: from the shapes
+    tiles: LatentTiles | None = None,  # None: default_tiles (benchmarks try others)
 ) -> torch.Tensor:
     num_tokens, num_heads, lora = q_latent.shape
     rope = q_rope.shape[-1]
@@ -209,7 +225,9 @@ def mla_paged_attention(
         raise ValueError("q_latent, q_rope, out and the pool need a contiguous last dimension")
     if pool.stride(0) % 8 or pool.stride(1) % 8:  # the kernel promises 16-byte aligned entries
         raise ValueError(f"pool strides {pool.stride()[:2]} must be multiples of 8 elements")
-    block_h, block_q, block_m, block_n, num_warps = tile_shape(num_heads, max_q_len, lora)
+    tiles = tiles or default_tiles(lora)
+    block_h, block_q, block_m = tile_shape(num_heads, max_q_len, tiles)
+    num_warps = tiles.num_warps or (4 if block_m * lora <= 16 * 512 else 8)
     head_blocks = -(-num_heads // block_h)
     q_tiles = -(-max_q_len // block_q)
     if num_splits is None:
@@ -242,10 +260,10 @@ def mla_paged_attention(
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), block_tables.stride(0), *mask_strides, *part_strides,
         LORA=lora, ROPE=rope, ROPE_BLOCK=max(16, triton.next_power_of_2(rope)), PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         MASK_W=mask_w, NUM_SPLITS=num_splits, IEEE_DOT=q_latent.dtype == torch.float32,
         INTERPRET=bool(triton.knobs.runtime.interpret),
-        num_warps=num_warps, num_stages=2, **pdl,
+        num_warps=num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
