@@ -117,3 +117,28 @@ def test_cuda_graph_replay_over_new_lengths_tables_and_masks(tree, splits):
         graph.replay()
         torch.cuda.synchronize()
         assert not out.isnan().any() and rel_err(out, _float32_reference(c)) < 1e-2
+
+
+def test_a_deepseek_engine_on_the_gpu_kernel_route_equals_the_cpu_reference(tmp_path):
+    """A tiny DeepSeek-V3 served on the GPU in float32 (``auto``: the MLA kernel for every absorbed forward)
+    against the same checkpoint on the CPU's torch route: decode logits, greedy tokens of a chunked batch."""
+    pytest.importorskip("transformers")
+    from deepseek_checkpoints import write_deepseek
+    from helpers import manual_greedy_logits, random_prompt
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    write_deepseek(tmp_path, seed=21, num_hidden_layers=3)
+    prompts = [random_prompt(10 + n, n, 512) for n in (3, 17, 40)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    results = []
+    for kw in ({"device": "cuda", "dtype": "float32"}, {}):
+        cfg = EngineConfig(model=str(tmp_path), page_size=4, page_shuffle_seed=3, chunked_prefill_size=24, **kw)
+        with LLMEngine(cfg) as eng:
+            assert eng.executor.runner.backend.name == ("triton-mla" if kw else "torch-mla")
+            _, rows = manual_greedy_logits(eng, prompts[1], 8)
+            results.append((rows.float().cpu(), [r.output_token_ids for r in eng.generate(prompts, params)]))
+    (gpu_rows, gpu_tokens), (cpu_rows, cpu_tokens) = results
+    assert rel_err(gpu_rows, cpu_rows) < 1e-4
+    assert gpu_tokens == cpu_tokens
