@@ -1,9 +1,9 @@
 """A tiny DeepSeek-V3 engine on the MLA kernel route (``attention_backend="triton"``: the Triton latent
-kernel for every absorbed forward, run here under the interpreter) against the same checkpoint on the
-torch reference route: decode logits, a chunk after a cached prefix, a branching tree's logits, and
-greedy tokens of a batch of different lengths over scattered pages, and tree speculation (random trees
-holding the reference continuation, verified in batches of trees of different widths). The kernel's launches are counted,
-so a silent fallback to the reference would fail."""
+kernel for every absorbed forward, run here under the interpreter, and torch's fused causal attention
+for fresh prompts) against the same checkpoint on the torch reference route: prompt logits of a batch,
+decode logits, a chunk after a cached prefix, a branching tree's logits, greedy tokens of a batch of
+different lengths over scattered pages, and tree speculation (random trees holding the reference
+continuation). The kernel's launches are counted, so a silent fallback to the reference would fail."""
 
 from __future__ import annotations
 
@@ -63,6 +63,25 @@ def engines(folder, launches):
     yield opened
     for eng in opened.values():
         eng.shutdown()
+
+
+def test_prompt_logits_of_a_batch_equal_the_reference_route(engines, launches):
+    """Fresh prompts only: the plain form, no kernel launch."""
+    before = launches["n"]
+    prompts = [random_prompt(20 + n, n, VOCAB) for n in (1, 9, 22)]
+    logits = {}
+    for route, eng in engines.items():
+        kvs = [SequenceKV(eng.allocator) for _ in prompts]
+        try:
+            for kv, p in zip(kvs, prompts):
+                kv.reserve(len(p))
+            chunks = [SequenceChunk(p, 0, kv.page_table(), logits="all") for kv, p in zip(kvs, prompts)]
+            logits[route], _ = eng.executor.forward(ForwardBatch(chunks))
+        finally:
+            for kv in kvs:
+                kv.release()
+    assert launches["n"] == before
+    assert_rel(logits["triton"], logits["torch"], 1e-4, "prompts")
 
 
 def test_decode_logits_equal_the_reference_route(engines, launches):

@@ -1,6 +1,8 @@
 """MLA on the GPU: the absorbed form (decode, chunks, chain and tree verification) through the Triton
-latent kernel (tandem/kernels/mla_attention.py); the plain form (fresh prompts) and the latent store
-stay the torch reference's (tandem.attention.mla_torch_backend).
+latent kernel (tandem/kernels/mla_attention.py); the plain form (fresh prompts) through torch's fused
+causal attention (``scaled_dot_product_attention`` with ``is_causal``: no score matrix or mask in
+memory, unlike the reference's); the latent store is the reference's (tandem.attention.mla_torch_backend).
+Planning reads only host data, so a forward never waits for the device.
 
 ``plan`` packs the batch's tree masks once per forward into one device tensor ``[B, max_q_len, W]``
 (W rounded up to 16, 32 or 64 so few kernel variants compile) with each sequence's own width beside
@@ -10,6 +12,7 @@ it; a batch whose tree is wider than 64 keys falls back to the reference for tha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.mla_torch_backend import TorchMLABackend
@@ -26,8 +29,11 @@ class TritonMLABackend(TorchMLABackend):
         widest = max(widths, default=0)
         self._kernel_fits = widest <= MAX_MASK_WIDTH
         self.plain_prefill = all(p == 0 for p in meta.prefix_lens) and not widest
-        if self.plain_prefill or not self._kernel_fits:
-            super().plan(meta)  # the torch paths' masks and host lengths (a device read-back the kernel avoids)
+        self._q_starts = [0]
+        for q_len in meta.q_lens:
+            self._q_starts.append(self._q_starts[-1] + q_len)
+        if not self._kernel_fits:
+            super().plan(meta)  # the reference's masks and lengths (it reads the lengths back from the device)
         self._mask = self._mask_widths = None
         if widest and self._kernel_fits:
             packed_width = next(w for w in (16, 32, 64) if w >= widest)
@@ -52,6 +58,15 @@ class TritonMLABackend(TorchMLABackend):
         return mla_paged_attention(q[..., :kv_lora_rank], q[..., kv_lora_rank:], pool, meta.block_tables,
                                    meta.kv_lens, meta.cu_q_lens, self._max_q_len, scale,
                                    mask=self._mask, mask_widths=self._mask_widths)
+
+    def forward_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Fresh sequences only: ``q``/``k`` [T, H, nope + rope], ``v`` [T, H, v_dim] → [T, H, v_dim], causal."""
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for start, end in zip(self._q_starts, self._q_starts[1:]):
+            heads_first = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [H, q_len, *]
+            out[start:end] = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=scale).transpose(0, 1)
+        return out
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
