@@ -1,7 +1,8 @@
 """MLA on the GPU: the absorbed form (decode, chunks, chain and tree verification) through the Triton
-latent kernel (tandem/kernels/mla_attention.py); the plain form (fresh prompts) through torch's fused
-causal attention (``scaled_dot_product_attention`` with ``is_causal``: no score matrix or mask in
-memory, unlike the reference's); the latent store is the reference's (tandem.attention.mla_torch_backend).
+latent kernel (tandem/kernels/mla_attention.py); the plain form (fresh prompts) through torch's
+``scaled_dot_product_attention`` with ``is_causal`` (on a GPU torch picks a fused kernel where one fits
+— the memory-efficient one takes v narrower than q and k — so no score matrix or mask is built, unlike
+in the reference); the latent store is the reference's (tandem.attention.mla_torch_backend).
 Planning reads only host data, so a forward never waits for the device.
 
 ``plan`` packs the batch's tree masks once per forward into one device tensor ``[B, max_q_len, W]``
