@@ -3,7 +3,7 @@ latent kernel (tandem/kernels/mla_attention.py); the plain form (fresh prompts) 
 ``scaled_dot_product_attention`` with ``is_causal`` (on a GPU torch picks a fused kernel where one fits
 — the memory-efficient one takes v narrower than q and k — so no score matrix or mask is built, unlike
 in the reference); the latent store is the reference's (tandem.attention.mla_torch_backend).
-Planning reads only host data, so a forward never waits for the device.
+Planning reads only host data (a fallback aside), so a forward never waits for the device.
 
 ``plan`` packs the batch's tree masks once per forward into one device tensor ``[B, max_q_len, W]``
 (W rounded up to 16, 32 or 64 so few kernel variants compile) with each sequence's own width beside
