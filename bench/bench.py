@@ -25,6 +25,8 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
   round_glue  a queued chain round's glue between its graphs: three Triton kernels against torch ops
   quant_kernels  W4A16 / FP8 block linear kernels (GEMV and GEMM rows) vs cuBLAS bf16 and the read limit;
             the fused MoE (INT4 and bf16 Kimi experts, batch 1/8/64) vs the reference loop
+  mla       the Triton MLA kernel (Kimi latent, 8 and 64 heads) at batch 1/8/64, kv 1k/4k/8k, decode and
+            verify 4, vs the torch MLA backend and the latent read limit
   prefix    the prefix cache: TTFT of a request sharing a 4k-token prefix against the first's, and
             multi-turn prefix-heavy traffic (16 chats x 8 turns on a 1k system prompt) with and without it
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.

@@ -11,7 +11,8 @@ the rotated ``k_pe`` (shared by all heads). Two forms of the same attention
   the new tokens' latents, causal within each sequence — nothing cached is read.
 
 Masks are the dense backends' (``AttentionMetadata.full_mask``): a tree verifies as it does there.
-Correct on CPU and GPU; not fast. GPU kernels (FlashInfer MLA, Triton for trees/graphs) come later.
+Correct on CPU and GPU; not fast: the reference the Triton kernel's route (tandem.attention.mla_triton_backend) is
+tested against.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
-             "fused_moe")
+             "fused_moe", "mla_attention")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -100,7 +100,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq, fm = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -117,6 +117,26 @@ def main(dtype_name: str = "bfloat16") -> int:
     attention(8, 16, 8, 1, 128, 16, width=16)  # verify 16 nodes, GQA 8 (128 rows per program)
     attention(8, 1, 1, 8, 64, 16)  # MHA, head_dim 64
     attention(1, 256, 4, 8, 128, 16)  # prefill-like width
+    def latent_attention(batch, q_len, heads, page, width=None, splits=1, tiles=None):
+        # Kimi's latent: kv_lora 512 + rope 64 in one entry per token
+        q = torch.empty(batch * q_len, heads, 576, dtype=dt)
+        mask = torch.ones(batch, q_len, width, dtype=torch.bool) if width else None
+        widths = torch.full((batch,), width or 0, dtype=torch.int32) if width else None
+        cu = torch.arange(0, batch + 1, dtype=torch.int32) * q_len
+        mla.mla_paged_attention(q[..., :512], q[..., 512:], torch.empty(64, page, 1, 576, dtype=dt),
+                                torch.zeros(batch, 16, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), cu,
+                                q_len, 0.1, mask=mask, mask_widths=widths, num_splits=splits,
+                                tiles=tiles and mla.LatentTiles(*tiles))
+        _report(f"mla b{batch} q{q_len} h{heads} p{page} w{width} s{splits} t{tiles or ''}", failures)
+
+    latent_attention(8, 1, 8, 64)  # Kimi decode at TP 8
+    latent_attention(1, 1, 8, 64, splits=16)  # batch-1 decode, split-K
+    latent_attention(8, 4, 8, 16, width=16)  # verify 4-node trees at TP 8
+    latent_attention(8, 1, 64, 64)  # TP 1: 64 heads in blocks of 32
+    latent_attention(8, 8, 64, 16, width=16, splits=2)  # TP 1 tree verify
+    for tiles in ((16, 16, 4, 2), (16, 32, 4, 3), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)):  # bench's sweep
+        for heads, q_len in ((8, 4), (64, 1)):  # the most registers of each tile (h8 q1, h64 q4: no more)
+            latent_attention(8, q_len, heads, 64, tiles=tiles)
     tokens = 64
     qkv = torch.empty(tokens, 48 * 128, dtype=dt)
     q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], -1))

@@ -22,7 +22,7 @@ _gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "1")))  # th
 
 
 @functools.cache
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
     if os.environ.get("TANDEM_DISABLE_TRITON") == "1":
         return False
     try:
@@ -33,7 +33,7 @@ def _triton_importable() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _triton_importable()
+    return x.is_cuda and triton_importable()
 
 
 def gemv_max_rows() -> int:

@@ -1,0 +1,52 @@
+"""The ``mla`` benchmark section (bench/sections_mla.py) run through on the CPU at tiny shapes, the kernel
+under the Triton interpreter and the GPU timers replaced by a wall clock: every row it reports is
+produced and the kernel agrees with the torch backend it is timed against. (The real run is on a GPU:
+``python bench/bench.py --sections mla``.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("on a GPU the section itself runs: bench/bench.py --sections mla", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
+pytest.importorskip("triton")
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+sys.path.insert(0, BENCH)  # bench/ modules import each other by their plain names
+try:
+    import section_index  # noqa: E402
+    import sections_mla  # noqa: E402
+finally:
+    sys.path.remove(BENCH)  # no other test may pick up a bench/ module by its name
+
+
+def wall_ms(calls, reps: int = 1) -> float:
+    started = time.perf_counter()
+    for call in calls:
+        call()
+    return 1e3 * (time.perf_counter() - started) / len(calls)
+
+
+def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
+    sm = sections_mla
+    for name, value in {"DEVICE": "cpu", "L2_BYTES": 1, "KV_LORA": 32, "ROPE": 16, "PAGE": 4, "BATCHES": (1, 3),
+                        "KV_LENS": (9, 30), "TP1_BATCHES": (2,), "SPLITS_TRIED": (2,), "TILES_TRIED": ((16, 16, 4, 2),),
+                        "TILE_SWEEP": {"batches": (3,), "kv_len": 30}, "graph_ms": wall_ms,
+                        "free_gpu": lambda: None, "events_ms": lambda fn, iters, warmup=3: wall_ms([fn])}.items():
+        monkeypatch.setattr(sm, name, value)
+    rows = sm.mla({"copy_tbps": 4.0})["rows"]
+    assert [(r["heads"], r["batch"], r["kv_len"], r["q_len"]) for r in rows] == [
+        (h, b, kv, q) for h, bs in ((8, (1, 3)), (64, (2,))) for b in bs for kv in (9, 30) for q in (1, 4)]
+    assert all(r["ms"] > 0 and r["torch_ms"] > 0 and r["limit_ms_measured_copy"] > 0 for r in rows)
+    assert all(r["best_ms"] <= r["ms"] for r in rows)
+    assert all(r["rel_err_vs_torch"] < 2e-2 for r in rows)  # bf16
+
+
+def test_the_section_is_registered():
+    assert section_index.SECTIONS["mla"] is sections_mla.mla
