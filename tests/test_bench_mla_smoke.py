@@ -6,31 +6,16 @@ produced and the kernel agrees with the torch backend it is timed against. (The 
 from __future__ import annotations
 
 import os
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import import_bench, wall_ms
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU the section itself runs: bench/bench.py --sections mla", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
 pytest.importorskip("triton")
-BENCH = str(Path(__file__).resolve().parents[1] / "bench")
-sys.path.insert(0, BENCH)  # bench/ modules import each other by their plain names
-try:
-    import section_index  # noqa: E402
-    import sections_mla  # noqa: E402
-finally:
-    sys.path.remove(BENCH)  # no other test may pick up a bench/ module by its name
-
-
-def wall_ms(calls, reps: int = 1) -> float:
-    started = time.perf_counter()
-    for call in calls:
-        call()
-    return 1e3 * (time.perf_counter() - started) / len(calls)
+section_index, sections_mla = import_bench("section_index", "sections_mla")
 
 
 def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):

@@ -4,28 +4,22 @@ cache; the section itself needs a GPU."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from bench_modules import import_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from tandem.engine.config import EngineConfig  # noqa: E402
-from tandem.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
 def sections_prefix():
-    import sections_prefix
-
-    return sections_prefix
+    (module,) = import_bench("sections_prefix")
+    return module
 
 
 def test_the_section_is_registered():
-    from section_index import SECTIONS
-
-    assert "prefix" in SECTIONS
+    (section_index,) = import_bench("section_index")
+    assert "prefix" in section_index.SECTIONS
 
 
 def test_ttft_helper_measures_a_cached_second_request(checkpoint, sections_prefix):

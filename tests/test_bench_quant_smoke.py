@@ -6,30 +6,16 @@ produced, and the fused MoE agrees with the loop it is timed against. (The real 
 from __future__ import annotations
 
 import os
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import import_bench, wall_ms
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU the section itself runs: bench/bench.py --sections quant_kernels", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
 pytest.importorskip("triton")
-BENCH = str(Path(__file__).resolve().parents[1] / "bench")
-sys.path.insert(0, BENCH)  # bench/ modules import each other by their plain names
-try:
-    import sections_quant  # noqa: E402
-finally:
-    sys.path.remove(BENCH)  # no other test may pick up a bench/ module by its name
-
-
-def wall_ms(calls, reps: int = 1) -> float:
-    started = time.perf_counter()
-    for call in calls:
-        call()
-    return 1e3 * (time.perf_counter() - started) / len(calls)
+(sections_quant,) = import_bench("sections_quant")
 
 
 def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
