@@ -19,6 +19,12 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
+def norm_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| (the kernels' tests: a whole tensor's error against its size)."""
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return ((ours - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def random_prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]  # avoid the special ids 0..2
@@ -172,3 +178,17 @@ def run_tp_jobs(jobs: list[dict], work, timeout_s: float, what: str) -> list:
         pytest.fail(f"{what} did not finish in {timeout_s} s (hang?); its output:\n{log[-4000:]}")
     assert proc.returncode == 0, f"{what} failed (rc {proc.returncode}):\n{log[-4000:]}"
     return torch.load(work / "out.pt")
+
+
+def capture_graph(fn):
+    """Warm ``fn`` up on a side stream (compiles its kernels), then capture one call in a CUDA graph →
+    (the graph, what the captured call returned: its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

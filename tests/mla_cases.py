@@ -60,7 +60,3 @@ def torch_reference(case: dict) -> torch.Tensor:
     backend = TorchMLABackend()
     backend.plan(case["meta"])
     return backend.forward_absorbed(case["q"], case["pool"], case["meta"], case["scale"], case["kv_lora"])
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()

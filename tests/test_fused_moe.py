@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
 pytest.importorskip("triton")
 
+from helpers import norm_rel_err  # noqa: E402
 from tandem.engine.model_runner import default_dtype  # noqa: E402
 from tandem.kernels.fused_moe import (  # noqa: E402
     ExpertWeights, MoeTiles, align_by_expert, align_by_expert_torch, fused_moe,
@@ -35,10 +36,6 @@ GROUPED = RoutingConfig(n_routed_experts=16, num_experts_per_tok=3, n_shared_exp
                         routed_scaling_factor=2.5)
 HIDDEN = 64
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("align", [align_by_expert, align_by_expert_torch], ids=["triton", "torch"])
@@ -79,7 +76,7 @@ def test_fused_moe_matches_a_per_token_loop():
         for j in range(top_k):
             gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)
             ref[t] += route[t, j] * (w2[ids[t, j]] @ (F.silu(gate) * up))
-    assert rel_err(y, ref) < 1e-5
+    assert norm_rel_err(y, ref) < 1e-5
 
 
 def test_fused_moe_refuses_mismatched_expert_shapes():
@@ -136,7 +133,7 @@ def test_fused_path_matches_the_reference_loop(method, routing, tokens):
     moe = build_moe(routing, method, torch.float32, seed=tokens)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(50 + tokens)).to(DEVICE)
     weights, ids = moe.gate(x)
-    assert rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-5
+    assert norm_rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("method", ["plain", "int4"])
@@ -152,7 +149,7 @@ def test_fused_path_in_bf16_and_through_forward(method, monkeypatch):
     ref = moe(x)
     monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
     fused = moe(x)
-    assert fused.dtype == torch.bfloat16 and rel_err(fused, ref) < 2e-2
+    assert fused.dtype == torch.bfloat16 and norm_rel_err(fused, ref) < 2e-2
 
 
 def test_experts_are_views_of_the_stacks_and_restack_after_a_move():

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
 pytest.importorskip("triton")
 
+from helpers import norm_rel_err  # noqa: E402
 from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device  # noqa: E402
 from tandem.kernels import paged_attention, rms_norm, rotary_and_store, silu_and_mul, store_kv  # noqa: E402
@@ -101,10 +102,6 @@ def attention_case(batch, q_len, group, num_kv_heads, head_dim, page_size, dtype
                 scale=scale, ref=ref, t_real=t_real)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
 
 def rotary_reference(q, k, cos, sin, positions):
     """RotaryEmbedding.forward's formula (the tables cast to the activation dtype, as HF does)."""
@@ -160,7 +157,7 @@ def test_paged_attention_matches_torch_backend(case):
     paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
                     mask=c["mask"], out=out, num_splits=splits)
     assert not out.isnan().any(), "an output element was not written, or a padded row made NaN"
-    assert rel_err(out[: c["t_real"]], c["ref"]) < 1e-5
+    assert norm_rel_err(out[: c["t_real"]], c["ref"]) < 1e-5
 
 
 @pytest.mark.parametrize("q_len,width,splits", [(1, None, 4), (1, None, 8), (4, 6, 4)])
@@ -170,13 +167,13 @@ def test_paged_attention_split_k_long_context(q_len, width, splits):
     out = torch.full_like(c["q"], float("nan"))
     paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
                     mask=c["mask"], out=out, num_splits=splits)
-    assert rel_err(out, c["ref"]) < 1e-5
+    assert norm_rel_err(out, c["ref"]) < 1e-5
 
 
 def test_paged_attention_bf16_and_default_splits():
     c = attention_case(2, 4, 4, 2, 64, 16, torch.bfloat16, DEVICE, seed=7, mask_width=4)
     out = paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"], mask=c["mask"])
-    assert out.dtype == torch.bfloat16 and rel_err(out, c["ref"]) < 1e-2
+    assert out.dtype == torch.bfloat16 and norm_rel_err(out, c["ref"]) < 1e-2
 
 
 def test_paged_attention_rejects_bad_shapes():
@@ -218,14 +215,14 @@ def test_rotary_and_store(dtype, head_dim, hq, hkv):
     got = rotary_and_store(q, k, v, cos, sin, positions, k_pool, v_pool, slots, k_out=k_out)
     assert got is q  # in place
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rel_err(q, want_q) < tol and rel_err(k_out, want_k) < tol
-    assert rel_err(k_pool, want_kp) < tol and torch.equal(v_pool, want_vp)
+    assert norm_rel_err(q, want_q) < tol and norm_rel_err(k_out, want_k) < tol
+    assert norm_rel_err(k_pool, want_kp) < tol and torch.equal(v_pool, want_vp)
     # out of place, and a negative slot leaves the pools alone
     q_out = torch.full_like(q_in, float("nan"))
     slots[0] = -1
     before = k_pool.clone()
     rotary_and_store(q_in, k, v, cos, sin, positions, k_pool, v_pool, slots, q_out=q_out)
-    assert rel_err(q_out, want_q) < tol
+    assert norm_rel_err(q_out, want_q) < tol
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
     untouched[slots[1:]] = False
     assert torch.equal(k_pool.view(-1, hkv, head_dim)[untouched], before.view(-1, hkv, head_dim)[untouched])
@@ -248,8 +245,8 @@ def test_rotary_and_store_reads_positions_and_slots_through_their_strides():
     want_q, want_k = rotary_reference(q, k, cos, sin, positions.contiguous())
     q_out = torch.empty_like(q)
     rotary_and_store(q, k, v, cos, sin, positions, k_pool, v_pool, slots, q_out=q_out)
-    assert rel_err(q_out, want_q) < 1e-5
-    assert rel_err(k_pool.view(-1, hkv, head_dim)[[5, 21]], want_k) < 1e-5
+    assert norm_rel_err(q_out, want_q) < 1e-5
+    assert norm_rel_err(k_pool.view(-1, hkv, head_dim)[[5, 21]], want_k) < 1e-5
     assert torch.equal(v_pool.view(-1, hkv, head_dim)[[5, 21]], v)
     store_kv(k, v, k_pool, v_pool, slot_base[:, 1])  # a strided column again: slots 70 and 40
     assert torch.equal(v_pool.view(-1, hkv, head_dim)[[70, 40]], v)
@@ -280,14 +277,14 @@ def test_rms_norm(dtype, size):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     out = torch.full_like(x, float("nan"))
     assert rms_norm(x, w, 1e-6, out=out) is out
-    assert rel_err(out, rms_norm_reference(x, w, 1e-6)) < tol
+    assert norm_rel_err(out, rms_norm_reference(x, w, 1e-6)) < tol
     normed, h = rms_norm(x, w, 1e-5, residual=res)
     want_h = x + res
-    assert rel_err(h, want_h) < tol and rel_err(normed, rms_norm_reference(want_h, w, 1e-5)) < tol
+    assert norm_rel_err(h, want_h) < tol and norm_rel_err(normed, rms_norm_reference(want_h, w, 1e-5)) < tol
     # in place, as the decoder layer would run it: h overwrites the residual, the norm overwrites x
     want = rms_norm_reference(want_h, w, 1e-5)
     normed, h = rms_norm(x, w, 1e-5, residual=res, out=x, residual_out=res)
-    assert normed is x and h is res and rel_err(h, want_h) < tol and rel_err(x, want) < tol
+    assert normed is x and h is res and norm_rel_err(h, want_h) < tol and norm_rel_err(x, want) < tol
 
 
 def test_rms_norm_per_head_on_strided_view():
@@ -295,8 +292,8 @@ def test_rms_norm_per_head_on_strided_view():
     q, k, _ = _qkv_views(6, 4, 2, 64, torch.float32, gen)  # Qwen3 q/k norm runs on these views
     w = torch.randn(64, generator=gen).to(DEVICE)
     out = rms_norm(q, w, 1e-6)
-    assert out.shape == q.shape and rel_err(out, rms_norm_reference(q, w, 1e-6)) < 1e-5
-    assert rel_err(rms_norm(k, w, 1e-6), rms_norm_reference(k, w, 1e-6)) < 1e-5
+    assert out.shape == q.shape and norm_rel_err(out, rms_norm_reference(q, w, 1e-6)) < 1e-5
+    assert norm_rel_err(rms_norm(k, w, 1e-6), rms_norm_reference(k, w, 1e-6)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,inter", [(torch.float32, 1000), (torch.float32, 1500), (torch.bfloat16, 384)])
@@ -305,7 +302,7 @@ def test_silu_and_mul(dtype, inter):
     gate_up = (2 * torch.randn(5, 2 * inter, generator=gen)).to(device=DEVICE, dtype=dtype)
     out = torch.full((5, inter), float("nan"), dtype=dtype, device=DEVICE)
     silu_and_mul(gate_up, out=out)
-    assert rel_err(out, silu_and_mul_reference(gate_up)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert norm_rel_err(out, silu_and_mul_reference(gate_up)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # ---------------------------------------------------------------- skinny matmuls
@@ -324,7 +321,7 @@ def test_gemv_matches_linear(kernel, rows, n, k, bias):
     out = torch.full((rows, n), float("nan"), device=DEVICE)
     cfg = GemvConfig(kernel, block_n=16 if kernel == "dot" else 8, block_k=64)
     gemv(x, w, b, config=cfg, out=out)
-    assert rel_err(out, F.linear(x, w, b)) < 1e-5
+    assert norm_rel_err(out, F.linear(x, w, b)) < 1e-5
 
 
 def test_gemv_rejects_bad_shapes():

@@ -22,16 +22,13 @@ pytest.importorskip("triton")
 pytest.importorskip("compressed_tensors")
 
 from quantized_checkpoints import fp8_block_quantize, int4_compress  # noqa: E402
+from helpers import norm_rel_err  # noqa: E402
 from tandem.kernels.dequant_gemm import DequantConfig, fp8_block_linear, int4_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 SMALL = DequantConfig(16, 16, 64, num_warps=4, num_stages=2)  # several N tiles and K steps on tiny shapes
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,7 +60,7 @@ def test_int4_linear_matches_compressed_tensors_dequantization(dtype, m, config)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     y = int4_linear(x, packed, scale, group, config=config, out=out)
     assert y.dtype == dtype and not y.isnan().any()
-    assert rel_err(y, reference(x, deq)) < TOL[dtype]
+    assert norm_rel_err(y, reference(x, deq)) < TOL[dtype]
 
 
 def test_int4_linear_bias_leading_dims_and_group_64():
@@ -74,7 +71,7 @@ def test_int4_linear_bias_leading_dims_and_group_64():
     for config in (SMALL, DequantConfig(16, 16, 64, 4, 2, split_k=2), DequantConfig(1, 8, 64, 4, 2, kernel="rows")):
         y = int4_linear(x, packed, scale, group, bias, config=config)
         assert y.shape == (2, 3, n)
-        assert rel_err(y, reference(x, deq, bias)) < 1e-5
+        assert norm_rel_err(y, reference(x, deq, bias)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -92,7 +89,7 @@ def test_fp8_block_linear_matches_the_published_dequantization(dtype, m, block, 
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     y = fp8_block_linear(x, q, scale_inv, block, config=config, out=out)
     assert not y.isnan().any()
-    assert rel_err(y, reference(x, deq)) < TOL[dtype]
+    assert norm_rel_err(y, reference(x, deq)) < TOL[dtype]
 
 
 def test_kernels_refuse_mismatched_layouts():
@@ -130,7 +127,7 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     ref = quantized_linear.QuantFormat.apply(fmt, layer, x, None)  # the dequantize-then-matmul route
     monkeypatch.setattr(quantized_linear, "use_triton", lambda t: True)
-    assert rel_err(layer(x), ref) < 1e-5
+    assert norm_rel_err(layer(x), ref) < 1e-5
 
 
 def test_a_config_names_a_kernel_its_rows_fit():

@@ -13,8 +13,9 @@ import torch
 if not torch.cuda.is_available():  # before importing triton kernels: nothing here may run on the CPU
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
+from helpers import capture_graph, norm_rel_err  # noqa: E402
 from test_kernels import (  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
-    _qkv_views, attention_case, rel_err, rms_norm_reference, rotary_reference, rotary_tables, silu_and_mul_reference,
+    _qkv_views, attention_case, rms_norm_reference, rotary_reference, rotary_tables, silu_and_mul_reference,
 )
 
 from tandem.kernels import paged_attention, rms_norm, rotary_and_store, silu_and_mul  # noqa: E402
@@ -43,20 +44,8 @@ def test_paged_attention(case, dtype):
     paged_attention(c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["kv_lens"], c["scale"],
                     mask=c["mask"], out=out, num_splits=splits)
     assert not out.isnan().any()
-    assert rel_err(out[: c["t_real"]], c["ref"]) < 1e-2
+    assert norm_rel_err(out[: c["t_real"]], c["ref"]) < 1e-2
 
-
-def _capture(fn):
-    """Warm up on a side stream (compiles the kernels), then capture fn() once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
 
 
 @pytest.mark.parametrize("width,splits", [(None, 1), (None, 8), (8, 1), (8, 4)])
@@ -66,7 +55,7 @@ def test_paged_attention_cuda_graph_replay(width, splits):
                  device="cuda", mask_width=width, max_prefix=600, pad_last=True, num_pages=400, max_pages=48)
     cases = [attention_case(seed=s, **shape) for s in range(3)]
     static = {k: v.clone() for k, v in cases[0].items() if isinstance(v, torch.Tensor) and k != "ref"}
-    graph, out = _capture(lambda: paged_attention(
+    graph, out = capture_graph(lambda: paged_attention(
         static["q"], static["k_pool"], static["v_pool"], static["block_tables"], static["kv_lens"],
         cases[0]["scale"], mask=static.get("mask"), num_splits=splits))
     for c in cases[1:] + cases[:1]:  # new lengths, tables, pages, masks; then back to the first
@@ -75,7 +64,7 @@ def test_paged_attention_cuda_graph_replay(width, splits):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert not out.isnan().any() and rel_err(out[: c["t_real"]], c["ref"]) < 1e-2
+        assert not out.isnan().any() and norm_rel_err(out[: c["t_real"]], c["ref"]) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -93,7 +82,7 @@ def test_rotary_and_store_and_graph(dtype):
     k_pool = torch.randn(pages, page, hkv, head_dim, device="cuda", dtype=dtype)
     v_pool = torch.randn_like(k_pool)
     static = [t.clone() for t in inputs(0)]  # q, k, v as plain (contiguous) buffers here
-    graph, _ = _capture(lambda: rotary_and_store(static[0], static[1], static[2], cos, sin, static[3],
+    graph, _ = capture_graph(lambda: rotary_and_store(static[0], static[1], static[2], cos, sin, static[3],
                                                  k_pool, v_pool, static[4]))
     for seed in (1, 2):
         q, k, v, pos, slots = inputs(seed)
@@ -102,14 +91,14 @@ def test_rotary_and_store_and_graph(dtype):
             buf.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(static[0], want_q) < 1e-2
-        assert rel_err(k_pool.view(-1, hkv, head_dim)[slots], want_k) < 1e-2
+        assert norm_rel_err(static[0], want_q) < 1e-2
+        assert norm_rel_err(k_pool.view(-1, hkv, head_dim)[slots], want_k) < 1e-2
         assert torch.equal(v_pool.view(-1, hkv, head_dim)[slots], v)
     # eager, on the strided views of a fused QKV output
     q, k, v, pos, slots = inputs(3)
     want_q, want_k = rotary_reference(q, k, cos, sin, pos)
     rotary_and_store(q, k, v, cos, sin, pos, k_pool, v_pool, slots)
-    assert rel_err(q, want_q) < 1e-2 and rel_err(k_pool.view(-1, hkv, head_dim)[slots], want_k) < 1e-2
+    assert norm_rel_err(q, want_q) < 1e-2 and norm_rel_err(k_pool.view(-1, hkv, head_dim)[slots], want_k) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -119,23 +108,23 @@ def test_rms_norm_and_silu_and_graphs(dtype):
     x, res = torch.randn(tokens, hidden, device="cuda", dtype=dtype), torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     normed, h = rms_norm(x, w, 1e-5, residual=res)
     assert torch.equal(h, x + res)  # the GPU rounds h to nearest, as torch does
-    assert rel_err(normed, rms_norm_reference(x + res, w, 1e-5)) < 1e-2
+    assert norm_rel_err(normed, rms_norm_reference(x + res, w, 1e-5)) < 1e-2
     head_w = torch.randn(128, device="cuda", dtype=dtype)
     q, _, _ = _qkv_views(tokens, 32, 8, 128, dtype, torch.Generator().manual_seed(1))
-    assert rel_err(rms_norm(q, head_w, 1e-6), rms_norm_reference(q, head_w, 1e-6)) < 1e-2
+    assert norm_rel_err(rms_norm(q, head_w, 1e-6), rms_norm_reference(q, head_w, 1e-6)) < 1e-2
     gate_up = 2 * torch.randn(tokens, 2 * inter, device="cuda", dtype=dtype)
-    assert rel_err(silu_and_mul(gate_up), silu_and_mul_reference(gate_up)) < 1e-2
+    assert norm_rel_err(silu_and_mul(gate_up), silu_and_mul_reference(gate_up)) < 1e-2
 
     sx, sres, sgu = x.clone(), res.clone(), gate_up.clone()
-    graph, (n_out, h_out, act) = _capture(lambda: (*rms_norm(sx, w, 1e-5, residual=sres), silu_and_mul(sgu)))
+    graph, (n_out, h_out, act) = capture_graph(lambda: (*rms_norm(sx, w, 1e-5, residual=sres), silu_and_mul(sgu)))
     for _ in range(2):
         for buf in (sx, sres, sgu):
             buf.copy_(torch.randn_like(buf))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(h_out, sx + sres)
-        assert rel_err(n_out, rms_norm_reference(sx + sres, w, 1e-5)) < 1e-2
-        assert rel_err(act, silu_and_mul_reference(sgu)) < 1e-2
+        assert norm_rel_err(n_out, rms_norm_reference(sx + sres, w, 1e-5)) < 1e-2
+        assert norm_rel_err(act, silu_and_mul_reference(sgu)) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])
@@ -149,7 +138,7 @@ def test_gemv_serving_shapes(rows, n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    assert rel_err(gemv(x, w, b, default_config(rows, n, k)), ref) < 1e-2
+    assert norm_rel_err(gemv(x, w, b, default_config(rows, n, k)), ref) < 1e-2
 
 
 def test_gemv_default_routes():
@@ -162,7 +151,7 @@ def test_gemv_default_routes():
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         ref = torch.nn.functional.linear(x.float(), w.float())
-        assert rel_err(gemv(x, w, None, GemvConfig(**cfg)), ref) < 1e-2, (n, k)
+        assert norm_rel_err(gemv(x, w, None, GemvConfig(**cfg)), ref) < 1e-2, (n, k)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -200,10 +189,10 @@ def test_pdl_chain_in_a_graph_keeps_every_dependency(rows):
             h = h32 + (torch.nn.functional.silu(g) * u) @ down.float().t()
         return h
 
-    graph_pdl, out_pdl = _capture(chain)
+    graph_pdl, out_pdl = capture_graph(chain)
     set_pdl(False)
     try:
-        graph_plain, out_plain = _capture(chain)
+        graph_plain, out_plain = capture_graph(chain)
     finally:
         set_pdl(True)
     for _ in range(5):
@@ -212,7 +201,7 @@ def test_pdl_chain_in_a_graph_keeps_every_dependency(rows):
         graph_plain.replay()
         torch.cuda.synchronize()
         assert torch.equal(out_pdl, out_plain)
-        assert rel_err(out_pdl, reference()) < 5e-2
+        assert norm_rel_err(out_pdl, reference()) < 5e-2
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():  # before importing triton kernels: nothing here may run on the CPU
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
-from mla_cases import branching_tree, latent_case, rel_err, torch_reference  # noqa: E402
+from helpers import capture_graph, norm_rel_err  # noqa: E402
+from mla_cases import branching_tree, latent_case, torch_reference  # noqa: E402
 
 from tandem.attention.mla_triton_backend import TritonMLABackend  # noqa: E402
 from tandem.kernels.mla_attention import mla_paged_attention  # noqa: E402
@@ -57,14 +58,14 @@ def test_bf16_kernel_equals_the_float32_reference(name, splits):
     case = _case(name, seed=len(name))
     out = _kernel(case, splits)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
-    assert rel_err(out, _float32_reference(case)) < 1e-2
+    assert norm_rel_err(out, _float32_reference(case)) < 1e-2
     assert torch.equal(out, _kernel(case, splits))  # deterministic: the same bits twice
 
 
 @pytest.mark.parametrize("name", ["tp8-tree8-p16", "tp1-mixed-p16"])
 def test_float32_kernel_equals_the_reference_closely(name):
     case = _case(name, dtype=torch.float32, seed=1)
-    assert rel_err(_kernel(case), torch_reference(case)) < 1e-4
+    assert norm_rel_err(_kernel(case), torch_reference(case)) < 1e-4
 
 
 def test_the_backend_route_equals_the_torch_backend_in_bf16():
@@ -72,7 +73,7 @@ def test_the_backend_route_equals_the_torch_backend_in_bf16():
     backend = TritonMLABackend()
     backend.plan(case["meta"])
     out = backend.forward_absorbed(case["q"], case["pool"], case["meta"], case["scale"], KV_LORA)
-    assert rel_err(out, torch_reference(case)) < 1e-2
+    assert norm_rel_err(out, torch_reference(case)) < 1e-2
 
 
 @pytest.mark.parametrize("tree,splits", [(False, 1), (False, 8), (True, 1), (True, 4)])
@@ -102,21 +103,14 @@ def test_cuda_graph_replay_over_new_lengths_tables_and_masks(tree, splits):
                                    static["kv_lens"], static["cu"], q_len, cases[0]["scale"], mask=static.get("mask"),
                                    mask_widths=static.get("widths"), num_splits=splits)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch()
+    graph, out = capture_graph(launch)
     for c, plan in zip(cases[1:] + cases[:1], plans[1:] + plans[:1]):
         for k, buf in static.items():
             buf.copy_(plan[k])
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert not out.isnan().any() and rel_err(out, _float32_reference(c)) < 1e-2
+        assert not out.isnan().any() and norm_rel_err(out, _float32_reference(c)) < 1e-2
 
 
 def test_a_deepseek_engine_on_the_gpu_kernel_route_equals_the_cpu_reference(tmp_path):
@@ -140,5 +134,5 @@ def test_a_deepseek_engine_on_the_gpu_kernel_route_equals_the_cpu_reference(tmp_
             _, rows = manual_greedy_logits(eng, prompts[1], 8)
             results.append((rows.float().cpu(), [r.output_token_ids for r in eng.generate(prompts, params)]))
     (gpu_rows, gpu_tokens), (cpu_rows, cpu_tokens) = results
-    assert rel_err(gpu_rows, cpu_rows) < 1e-4
+    assert norm_rel_err(gpu_rows, cpu_rows) < 1e-4
     assert gpu_tokens == cpu_tokens

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # before importing triton kernels: nothing he
 pytest.importorskip("compressed_tensors")
 
 from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
+from helpers import capture_graph, norm_rel_err  # noqa: E402
 
 from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
@@ -27,10 +28,6 @@ GROUP, BLOCK = 32, (128, 128)
 SHAPES = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (28672, 4096), (4096, 14336)]
 ROWS = [1, 4, 64, 256]
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def random_int4(n: int, k: int, seed: int, leading: tuple[int, ...] = ()):
@@ -63,7 +60,7 @@ def test_int4_linear(n, k, rows):
     packed, scale = random_int4(n, k, seed=n + k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     y = int4_linear(x, packed, scale, GROUP)
-    assert y.dtype == torch.bfloat16 and rel_err(y, product(x, int4_reference_weight(packed, scale))) < 5e-3
+    assert y.dtype == torch.bfloat16 and norm_rel_err(y, product(x, int4_reference_weight(packed, scale))) < 5e-3
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -73,7 +70,7 @@ def test_fp8_block_linear(n, k, rows):
     scale_inv = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     y = fp8_block_linear(x, w, scale_inv, BLOCK)
-    assert rel_err(y, product(x, fp8_reference_weight(w, scale_inv))) < 5e-3
+    assert norm_rel_err(y, product(x, fp8_reference_weight(w, scale_inv))) < 5e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -86,9 +83,9 @@ def test_linear_kernels_take_fp16_and_fp32_activations(dtype, rows):
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     y4 = int4_linear(x, packed, scale, GROUP)
-    assert y4.dtype == dtype and rel_err(y4, product(x, int4_reference_weight(packed, scale, dtype))) < tol
+    assert y4.dtype == dtype and norm_rel_err(y4, product(x, int4_reference_weight(packed, scale, dtype))) < tol
     y8 = fp8_block_linear(x, w8, scale_inv, BLOCK)
-    assert rel_err(y8, product(x, fp8_reference_weight(w8, scale_inv, dtype))) < tol
+    assert norm_rel_err(y8, product(x, fp8_reference_weight(w8, scale_inv, dtype))) < tol
 
 
 def moe_reference(x, gate_up_w, down_w, route, ids):
@@ -119,7 +116,7 @@ def test_fused_moe_int4_kimi_experts(experts, inter, tokens):
     y = fused_moe(x, gate_up, down, route, ids)
     ref = moe_reference(x, lambda e: int4_reference_weight(gate_up.weight[e], gate_up.scale[e]),
                         lambda e: int4_reference_weight(down.weight[e], down.scale[e]), route, ids)
-    assert rel_err(y, ref) < 1e-2
+    assert norm_rel_err(y, ref) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 300])  # 300 x 8 slots: grouped by torch ops, not the one-program kernel
@@ -131,7 +128,7 @@ def test_fused_moe_bf16_experts(tokens):
     route, ids = routing(tokens, experts, top_k, seed=tokens)
     y = fused_moe(x, gate_up, down, route, ids)
     ref = moe_reference(x, lambda e: gate_up.weight[e], lambda e: down.weight[e], route, ids)
-    assert rel_err(y, ref) < 1e-2
+    assert norm_rel_err(y, ref) < 1e-2
 
 
 def test_fused_moe_fp8_experts():
@@ -145,19 +142,8 @@ def test_fused_moe_fp8_experts():
     y = fused_moe(x, gate_up, down, route, ids)
     ref = moe_reference(x, lambda e: fp8_reference_weight(gate_up.weight[e], gate_up.scale[e]),
                         lambda e: fp8_reference_weight(down.weight[e], down.scale[e]), route, ids)
-    assert rel_err(y, ref) < 1e-2
+    assert norm_rel_err(y, ref) < 1e-2
 
-
-def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -168,7 +154,7 @@ def test_linear_kernels_replay_in_a_cuda_graph(rows, n):
     w8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    graph, (y4, y8) = _capture(lambda: (int4_linear(x, packed, scale, GROUP),
+    graph, (y4, y8) = capture_graph(lambda: (int4_linear(x, packed, scale, GROUP),
                                         fp8_block_linear(x, w8, scale_inv, BLOCK)))
     for _ in range(3):
         x.copy_(torch.randn_like(x))
@@ -185,7 +171,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(tokens):
     down = ExpertWeights(*random_int4(hidden, inter, seed=2, leading=(experts,)), (1, GROUP))
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     route, ids = routing(tokens, experts, top_k, seed=0)
-    graph, y = _capture(lambda: fused_moe(x, gate_up, down, route, ids))
+    graph, y = capture_graph(lambda: fused_moe(x, gate_up, down, route, ids))
     for seed in range(1, 4):
         new_route, new_ids = routing(tokens, experts, top_k, seed=seed)
         x.copy_(torch.randn_like(x))
@@ -211,7 +197,7 @@ def test_moe_layer_takes_the_fused_path_on_the_gpu():
         p.data.normal_(0, 0.02)
     x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
     weights, ids = moe.gate(x)
-    assert rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-2
+    assert norm_rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-2
     assert moe.experts[3].down_proj.weight.data_ptr() == moe.expert_weights()[1].weight[3].data_ptr()
 
 
@@ -249,5 +235,5 @@ def test_quantized_engines_on_the_gpu_equal_their_float32_twins_on_the_cpu(case,
             greedy = eng.generate([prompt], params)[0].output_token_ids
             results.append((eng.prompt_logits(prompt).float().cpu(), greedy))
     (gpu_logits, gpu_greedy), (cpu_logits, cpu_greedy) = results
-    assert rel_err(gpu_logits, cpu_logits) < 1e-4
+    assert norm_rel_err(gpu_logits, cpu_logits) < 1e-4
     assert gpu_greedy == cpu_greedy
