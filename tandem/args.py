@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem import internal_secret
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import LOGPROBS_MODES, EngineConfig
 from tandem.errors import ConfigError
 
 log = logging.getLogger("tandem")
@@ -112,7 +112,7 @@ DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
     action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
                               "pages of earlier requests that began with the same tokens)"))
 LOGPROBS_MODE = Flag(("--logprobs-mode",), dict(
-    default=e.logprobs_mode, choices=["raw_logprobs", "processed_logprobs"],
+    default=e.logprobs_mode, choices=LOGPROBS_MODES,
     help="what logprobs report, as vLLM's flag: raw_logprobs, the target's log-softmax; processed_logprobs, after "
          "penalties, min_tokens, temperature, min_p, top-k and top-p (what the request samples from)"))
 CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
