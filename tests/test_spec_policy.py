@@ -47,29 +47,50 @@ def round_tokens(rng: random.Random, tau: float) -> int:
     return made
 
 
-def simulate(policy: SpeculationPolicy, n: int, taus: list[float], steps: int, seed: int) -> float:
+class SimClock:
+    """Simulated seconds: what the policy's goodput arbiter reads instead of the wall clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(policy: SpeculationPolicy, n: int, taus: list[float], steps: int, seed: int,
+             unseen_ms: tuple[float, float] = (0.0, 0.0), plain=None, spec=None) -> float:
     """Decode ``steps`` steps of a batch of ``n`` requests (request i's rounds have mean ``taus[i % len]``)
-    under ``policy``, step times ±5 % noise; → tokens per ms."""
+    under ``policy``, step times ±5 % noise, its goodput reported as the engine does (on the policy's
+    clock, when it is a SimClock); ``unseen_ms``: (plain, speculative) time each step also costs that the
+    cost model's step times do not include (a server's work around the steps) but goodput does; ``plain``,
+    ``spec``: step-time functions of n (default plain_ms, spec_ms); → tokens per ms."""
+    plain, spec = plain or plain_ms, spec or spec_ms
     rng = random.Random(seed)
+    clock = policy.goodput.clock if policy.goodput is not None else None
     states = [RequestSpecState() for _ in range(n)]
     tokens, spent = 0, 0.0
     for _ in range(steps):
         speculate = policy.decide(n, states)
-        ms = (spec_ms(n) if speculate else plain_ms(n)) * rng.uniform(0.95, 1.05)
+        ms = (spec(n) if speculate else plain(n)) * rng.uniform(0.95, 1.05)
+        unseen = unseen_ms[speculate]
+        before = tokens
         for i, state in enumerate(states):
             made = round_tokens(rng, taus[i % len(taus)]) if speculate else 1
             if speculate:
                 policy.observe_round(state, made)
             tokens += made
         policy.observe_step(n, speculate, 1, ms / 1e3)
-        spent += ms
+        if isinstance(clock, SimClock):
+            clock.now += (ms + unseen) / 1e3
+        policy.observe_goodput(n, speculate, n if not speculate else tokens - before, (ms + unseen) / 1e3)
+        spent += ms + unseen
     return tokens / spent
 
 
 def seeded(cfg: PolicyConfig = PolicyConfig()) -> SpeculationPolicy:
     """A policy whose cost table was seeded as the engine's warm-up does: both kinds of step timed at
-    each batch bucket, then what the warm-up's rounds taught forgotten."""
-    policy = SpeculationPolicy(cfg)
+    each batch bucket, then what the warm-up's rounds taught forgotten (on a simulated clock)."""
+    policy = SpeculationPolicy(cfg, clock=SimClock())
     for n in (1, 2, 4, 8, 16, 32, 64):
         for _ in range(3):
             policy.observe_step(n, False, 1, plain_ms(n) / 1e3)
@@ -91,6 +112,39 @@ def test_the_policy_is_within_3_percent_of_the_better_of_always_and_never(n, tau
         never = n / plain_ms(n)
         chosen = simulate(seeded(), n, [tau], steps, seed)
         assert chosen >= 0.97 * max(always, never), (n, tau, seed, chosen, always, never)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_measured_goodput_corrects_a_model_that_misses_the_time_around_the_steps(seed):
+    """A server's per-step work (streaming, scheduling) that the cost model's step times leave out makes
+    rounds cheaper than the model thinks: it turns speculation off at τ 3 (ratio 3.5 seen), yet each round
+    makes 3 tokens for 1.5 plain steps' real time. The goodput arbiter measures both and speculates; and in
+    the opposite case (rounds dearer than seen: an arrival's drafter extension) it stops speculating."""
+    def plain_fast(n):
+        return 1.0
+
+    def spec_seen(n):
+        return 3.5
+
+    steps, unseen = 3000, (4.0, 4.0)
+    always = simulate(SpeculationPolicy(PolicyConfig(enabled=False)), 8, [3.0], steps, seed, unseen, plain_fast, spec_seen)
+    model_only = simulate(SpeculationPolicy(PolicyConfig(goodput=False)), 8, [3.0], steps, seed, unseen, plain_fast, spec_seen)
+    chosen = simulate(SpeculationPolicy(clock=SimClock()), 8, [3.0], steps, seed, unseen, plain_fast, spec_seen)
+    assert model_only < 0.75 * always  # the model alone is misled ...
+    assert chosen >= 0.9 * always, (chosen, always, model_only)  # ... goodput is not
+
+    def plain_seen(n):
+        return 4.0
+
+    def spec_cheap(n):
+        return 5.0
+
+    dear = (0.0, 4.0)  # rounds: 9 ms for 1.5 tokens; plain 4 ms for 1
+    never = 8 / plain_seen(8)
+    model_only = simulate(SpeculationPolicy(PolicyConfig(goodput=False)), 8, [1.5], steps, seed, dear, plain_seen, spec_cheap)
+    chosen = simulate(SpeculationPolicy(clock=SimClock()), 8, [1.5], steps, seed, dear, plain_seen, spec_cheap)
+    assert model_only < 0.8 * never
+    assert chosen >= 0.93 * never, (chosen, never, model_only)
 
 
 def test_the_cost_ratio_is_kept_per_batch_bucket():

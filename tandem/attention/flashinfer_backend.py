@@ -172,6 +172,22 @@ class FlashInferBackend(AttentionBackend):
         self._arrays = _plan_arrays(meta, self._kind, self.device)
         self._page_size, self._key = meta.page_size, None  # the wrapper is planned at the first forward
 
+    # Rotary and the K/V store in one Triton kernel (tandem.kernels.rotary_kv), as in the graphs: an eager
+    # prefill is host-bound, and the reference rotary is a dozen launches per layer.
+    fuses_rotary = True
+
+    def forward_with_rotary(self, q, k, v, positions, rotary, k_pool, v_pool, meta: AttentionMetadata,
+                            scale: float) -> torch.Tensor:
+        head_dim = q.shape[-1]
+        if q.dtype == torch.float32 or head_dim & (head_dim - 1):  # the reference (float32), or no kernel for it
+            q, k = rotary(positions, q, k)
+            return self.forward(q, k, v, k_pool, v_pool, meta, scale)
+        from tandem.kernels.rotary_kv import rotary_and_store
+
+        q = rotary_and_store(q, k, v, rotary.cos, rotary.sin, positions, k_pool, v_pool, meta.slot_mapping,
+                             q_out=torch.empty_like(q))
+        return self._attend(q, k_pool, v_pool, scale)
+
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dtype == torch.float32:
             if self._float32_meta is not meta:
@@ -179,6 +195,10 @@ class FlashInferBackend(AttentionBackend):
                 self._float32_meta = meta
             return self._float32.forward(q, k, v, k_pool, v_pool, meta, scale)
         _store(k, v, k_pool, v_pool, meta.slot_mapping)
+        return self._attend(q, k_pool, v_pool, scale)
+
+    def _attend(self, q, k_pool, v_pool, scale: float) -> torch.Tensor:
+        """The planned wrapper over the pool (planned at the first layer: it needs the head counts)."""
         key = (q.shape[1], k_pool.shape[2], q.shape[2], q.dtype, k_pool.dtype, float(scale))
         planner = self._planner(self._kind)
         if key != self._key:

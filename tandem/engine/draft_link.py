@@ -167,12 +167,20 @@ class DraftLink:
     def forget(self, req, complete: bool = True) -> None:
         """Release the request's draft state; ``complete``: with prefix caching, first send the drafter what
         the request holds, so that the pages it caches on release are whole."""
-        if self.proposer is not None and req.draft_ready:
-            if complete and req.pending_extend and self._caching() and self.up():
-                self.extend([self.take_pending(req)])
-            self.proposer.release(req.rid)
-        req.draft_ready = False
-        self._drop_held(req)
+        self.forget_all([req], complete)
+
+    def forget_all(self, reqs: list, complete: bool = True) -> None:
+        """``forget`` for several requests, their held features sent in one extend (requests finishing
+        together: one drafter forward, not one each). Not while the batch decodes plainly: completing the
+        drafter's cache for a next turn would cost plain decoding the drafter's work on every token (a next
+        turn builds what is missing from zero features, as after a drafter cache miss)."""
+        if self.proposer is not None and complete and self.engine.speculating and self._caching() and self.up():
+            self.extend([self.take_pending(req) for req in reqs if req.draft_ready and req.pending_extend])
+        for req in reqs:
+            if self.proposer is not None and req.draft_ready:
+                self.proposer.release(req.rid)
+            req.draft_ready = False
+            self._drop_held(req)
 
     def broken_drafts(self, reqs: list, problem: str) -> None:
         """These requests' drafts turned out unusable after the verify had read them: they go on without

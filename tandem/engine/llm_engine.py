@@ -83,6 +83,7 @@ class LLMEngine:
         # go together: a prefill's fixed cost is paid once for several, and the stream keeps at least half the time.
         self.decode_owed_s = 0.0
         self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
+        self._unobserved_goodput = None  # ... and the same for its goodput: (running, mode, tokens, started)
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
         self._finishing: list[Request] | None = None  # finished, draft state kept (hold_finished_drafts)
@@ -177,15 +178,16 @@ class LLMEngine:
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
         self._observe_previous(started)
-        decoding = bool(self.scheduler.running)
+        running = len(self.scheduler.running)
         outputs = self._step()
         if self.last_step is not None:
-            self._account(self.last_step, started, decoding)
+            self._account(self.last_step, started, running, outputs)
         return outputs
 
-    def _account(self, info: StepInfo, started: float, decoding: bool) -> None:
+    def _account(self, info: StepInfo, started: float, running: int, outputs: list[StepOutput]) -> None:
         """After a step: the decoding owed after prompts alone, and what the policy learns of it (an arrival's
-        extension into the drafter now; its time when the next step starts)."""
+        extension into the drafter now; its time, and its tokens for the goodput, when the next step starts)."""
+        decoding = running > 0
         if self.prefill_apart:
             took = time.perf_counter() - started
             if info.num_prefill and not info.num_decode and decoding:  # prompts kept apart from running requests
@@ -199,6 +201,9 @@ class LLMEngine:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
             timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
             self._unobserved = (info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
+        if decoding and self.proposer is not None and self.scheduler.running:  # (not the last step before idling)
+            mode = info.speculative if info.num_decode else self.speculating
+            self._unobserved_goodput = (running, mode, sum(len(o.new_token_ids) for o in outputs), started)
 
     def _observe_previous(self, now: float) -> None:
         """The previous step's time goes to the policy now, from its start to this one's: what a step costs
@@ -209,6 +214,10 @@ class LLMEngine:
             self.policy.observe_step(num_decode, speculative, steps, None if started is None else now - started,
                                      resumed=resumed)
             self._unobserved = None
+        if self._unobserved_goodput is not None:
+            running, mode, tokens, started = self._unobserved_goodput
+            self.policy.observe_goodput(running, mode, tokens, now - started)
+            self._unobserved_goodput = None
 
     def _step(self) -> list[StepOutput]:
         timer = StepTimer(self.phase_sync)
@@ -409,8 +418,7 @@ class LLMEngine:
 
     def release_finished_drafts(self) -> None:
         finishing, self._finishing = self._finishing or [], None
-        for req in finishing:
-            self.drafts.forget(req)
+        self.drafts.forget_all(finishing)
 
     def _finish(self, req: Request) -> None:
         if req.output:

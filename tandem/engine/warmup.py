@@ -50,6 +50,9 @@ class _Forced:
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         pass
 
+    def observe_goodput(self, batch_size, speculative, tokens, seconds) -> None:
+        pass  # the warm-up's forced modes and random prompts say nothing of the traffic's goodput
+
 
 def warmup_batch_sizes(max_bs: int) -> list[int]:
     sizes, b = [], 1

@@ -28,6 +28,10 @@ skips (it holds the prompt's features for a later draft). Per output token that 
 measured seconds per prompt token times the traffic's prompt tokens per output token; on a small target
 whose steps take a fraction of a millisecond it can outweigh what the rounds gain, so it is charged
 against the plain step in the cost ratio.
+
+Measured goodput has the last word: the engine reports every step's tokens and wall time, and where both
+modes have been measured at a batch size the faster one runs (tandem.speculative.goodput); the model above
+chooses where nothing is measured yet.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+from tandem.speculative.goodput import GoodputArbiter
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,17 @@ class PolicyConfig:
     explore_max_gap: int = 1024  # plain steps: the longest an exploration waits
     step_samples: int = 16  # timed steps kept per bucket and kind (see SpeculationPolicy.step_time)
     arrival_window: int = 64  # arrivals / finished requests: the prompt-extension cost decays over about this many
+    # Measured goodput overrides the model (tandem.speculative.goodput; off with a fixed ratio or enabled=False)
+    goodput: bool = True
+    goodput_epoch_steps: int = 8  # an epoch of one mode: at least this many steps ...
+    goodput_epoch_s: float = 0.05  # ... and seconds
+    goodput_window_s: float = 0.5  # a mode's goodput at a bucket decays over about this many seconds of it
+    goodput_min_s: float = 0.05  # measured: at least this many (decayed) seconds ...
+    goodput_stale_s: float = 30.0  # ... the latest less than this long ago
+    goodput_margin: float = 0.03  # the other mode must be this much faster to take over
+    goodput_explore_steps: int = 2  # an exploration of the other mode: at least this many steps (and goodput_epoch_s)
+    goodput_explore_cost: float = 0.01  # measuring the slower mode again costs about this share of goodput ...
+    goodput_explore_max_s: float = 5.0  # ... measured again at least this often
 
 
 @dataclass
@@ -87,8 +104,10 @@ class _StepTimes:
 
 
 class SpeculationPolicy:
-    def __init__(self, cfg: PolicyConfig = PolicyConfig()):
+    def __init__(self, cfg: PolicyConfig = PolicyConfig(), clock=None):
         self.cfg = cfg
+        measured = cfg.goodput and cfg.enabled and cfg.fixed_cost_ratio is None
+        self.goodput = GoodputArbiter(cfg, cost_bucket, *([clock] if clock else [])) if measured else None
         self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         # What an arrival costs only while speculating — the drafter's extension over the prompt — per
@@ -168,15 +187,37 @@ class SpeculationPolicy:
         self._prompt_per_output.add(prompt_tokens / output_tokens)
 
     # -- the decision ----------------------------------------------------------------------------
+    def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """Any step run with ``batch_size`` requests running (prefill steps too): the tokens it emitted and
+        its wall time up to the next step (tandem.speculative.goodput)."""
+        if self.goodput is not None:
+            self.goodput.observe(batch_size, speculative, tokens, seconds)
+
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
-        ``runs``: whether this step can be a run of several steps (None: unknown)."""
-        c = self.cfg
+        ``runs``: whether this step can be a run of several steps (None: unknown). The cost model's answer,
+        unless measured goodput says otherwise (tandem.speculative.goodput)."""
         if not drafting:
             return False
-        if not c.enabled:
+        if not self.cfg.enabled:
             return True
+        model_says = self.model_decision(batch_size, drafting, runs)
+        if self.goodput is None:
+            return model_says
+        if self.rounds_all < max(1, self.cfg.warmup_rounds):
+            return model_says  # (it speculates to learn the traffic's τ)
+        return self.goodput.choose(batch_size, model_says, self._predicted_loss(batch_size, drafting, runs))
+
+    def _predicted_loss(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None) -> float:
+        """The share of goodput the model expects the mode it rejects to lose: 1 - min(τ/ratio, ratio/τ)
+        (a round makes τ tokens in ratio plain steps' time)."""
+        tau, ratio = self._batch_tau(batch_size, drafting)[0], self.cost_ratio(batch_size, runs)
+        return 1 - min(tau / ratio, ratio / tau)
+
+    def model_decision(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
+        """The cost model's answer: the batch's τ against the cost ratio, with probes and explorations."""
+        c = self.cfg
         if self.rounds_all < max(1, c.warmup_rounds):
             return True  # too little known about this traffic: find out
         ratio = self.cost_ratio(batch_size, runs)
@@ -237,6 +278,8 @@ class SpeculationPolicy:
         self._all, self.rounds_all = DecayedMean(self.cfg.engine_window), 0
         self._prompt_per_output = DecayedMean(self.cfg.arrival_window)  # (the extension's speed is kept)
         self.spec_steps_since_plain = self.plain_steps_since_spec = 0
+        if self.goodput is not None:
+            self.goodput = GoodputArbiter(self.cfg, cost_bucket, self.goodput.clock)
 
 
 def _keep(window: int) -> float:

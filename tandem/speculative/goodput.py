@@ -1,0 +1,113 @@
+"""GoodputArbiter: speculate or not by the tokens per second each way has measured, whatever the cause.
+
+The cost model (tandem.speculative.policy) predicts from step times and acceptance; under load it misses
+what a served engine pays around the steps: prompts that arrive (prefilled apart, extended into the drafter
+only while speculating), runs of queued steps cut short by them, held features, catch-ups when speculation
+resumes, the per-step streaming of a server. So the engine also reports every step it runs with requests
+running — prefill steps included — as (batch size, mode, tokens emitted, wall seconds to the next step), and
+this keeps, per batch bucket and mode, the decayed tokens over seconds: the goodput each way.
+
+Until both modes have been measured at a batch bucket, the cost model decides, step by step, and the mode it
+rejects is measured in an epoch of its own once the loss the model predicts for it allows (as below). Then
+this decides, in epochs (at least ``goodput_epoch_steps`` steps and ``goodput_epoch_s`` seconds of one mode,
+so that a switch's cost is spread over enough steps to be measured with them; an exploration:
+``goodput_explore_steps`` steps and as many seconds): the
+faster one runs, held unless the other is ahead by ``goodput_margin``, and the slower one gets an epoch again
+once what that epoch lost (its length times the share of goodput the slower mode gives up) is
+``goodput_explore_cost`` of the time since (at most ``goodput_explore_max_s`` later): a mode far behind is
+measured rarely, modes about even often — which is where load or text can tip them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class _Meter:
+    """One mode's goodput at one batch bucket: tokens and seconds, both decayed by the seconds measured since."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    last: float = -math.inf  # when it was last measured
+
+    def add(self, tokens: int, seconds: float, window_s: float, now: float) -> None:
+        keep = math.exp(-seconds / window_s)
+        self.tokens, self.seconds, self.last = keep * self.tokens + tokens, keep * self.seconds + seconds, now
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class GoodputArbiter:
+    def __init__(self, cfg, bucket, clock=time.perf_counter):
+        """``cfg``: the PolicyConfig (its ``goodput_*`` fields); ``bucket``: batch size -> bucket."""
+        self.cfg, self.bucket, self.clock = cfg, bucket, clock
+        self._meters: dict[tuple[int, bool], _Meter] = {}
+        self._mode: bool | None = None  # the current epoch's mode
+        self._epoch_start, self._epoch_steps, self._exploring = 0.0, 0, False
+        self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
+        self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
+
+    def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        meter = self._meters.setdefault((self.bucket(batch_size), speculative), _Meter())
+        meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
+        if speculative == self._mode:
+            self._epoch_steps += 1
+
+    def rate(self, batch_size: int, speculative: bool) -> float | None:
+        """Measured tokens per second of that mode at ``batch_size``'s bucket (None: not measured)."""
+        meter = self._meters.get((self.bucket(batch_size), speculative))
+        return meter.rate if meter is not None and meter.seconds > 0 else None
+
+    def choose(self, batch_size: int, model_says: bool, predicted_loss: float) -> bool:
+        """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
+        ``model_says``: the cost model's choice; ``predicted_loss``: the share of goodput it expects the other
+        mode to lose (how soon that one is measured where it has not been)."""
+        c, now = self.cfg, self.clock()
+        steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
+        if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s):
+            return self._mode
+        b = self.bucket(batch_size)
+        if self._exploring:  # the other mode had its epoch: again once that epoch's loss is a small share
+            self._next_explore[b] = now + self._explore_gap(now - self._epoch_start, self._loss(b))
+        self._mode, self._exploring = None, False
+        if not self._measured(b, model_says, now):
+            return model_says  # step by step, measured as it goes
+        if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
+            due = self._next_explore.setdefault(b, now + self._explore_gap(c.goodput_epoch_s, predicted_loss))
+            if now < due:
+                return model_says
+            mode, self._exploring = not model_says, True
+        else:
+            mode, self._exploring = self._pick(b, model_says, now)
+        self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
+        return mode
+
+    def _explore_gap(self, epoch_s: float, loss: float) -> float:
+        c = self.cfg
+        return min(c.goodput_explore_max_s, epoch_s * max(0.02, loss) / c.goodput_explore_cost)
+
+    def _loss(self, b: int) -> float:
+        """The share of goodput the slower mode loses at bucket ``b``, as measured."""
+        rates = [self._meters[(b, mode)].rate for mode in (True, False) if (b, mode) in self._meters]
+        return 1.0 if len(rates) < 2 or max(rates) <= 0 else 1 - min(rates) / max(rates)
+
+    def _measured(self, b: int, mode: bool, now: float) -> bool:
+        meter = self._meters.get((b, mode))
+        return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
+
+    def _pick(self, b: int, model_says: bool, now: float) -> tuple[bool, bool]:
+        """Both modes measured at ``b`` → (mode, whether it is an exploration of the slower one)."""
+        spec, plain = self._meters[(b, True)].rate, self._meters[(b, False)].rate
+        held, margin = self._best.get(b, model_says), 1 + self.cfg.goodput_margin
+        best = self._best[b] = (plain <= spec * margin) if held else (spec > plain * margin)
+        if now >= self._next_explore.setdefault(b, now + self._explore_gap(self.cfg.goodput_epoch_s, self._loss(b))):
+            return not best, True
+        return best, False
