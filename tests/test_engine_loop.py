@@ -56,6 +56,33 @@ def test_a_dead_engine_loop_fails_its_clients_and_refuses_new_ones():
     assert not loop.is_alive()
 
 
+class IdleEngine(BrokenEngine):
+    """Takes requests and finishes nothing (steps return no output)."""
+
+    def step(self):
+        return []
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def test_a_submission_cancelled_before_the_loop_takes_it_is_dropped_and_the_loop_lives():
+    """A client whose RPC ends while its submission waits in the command queue cancels the future; the loop
+    then takes the next one normally (it once died setting a result on the cancelled future)."""
+    engine, fatal = IdleEngine(), threading.Event()
+    loop = EngineLoop(lambda: (engine, None, None), VerifierMetrics(), max_waiting=16, on_fatal=lambda e: fatal.set())
+    with loop._submit_lock:  # both queued before the loop can look: the first is cancelled in between
+        gone = loop.submit(submission("gone", lambda _: None))
+        assert gone.cancel()
+        kept = loop.submit(submission("kept", lambda _: None))
+    loop.start()
+    assert kept.result(10) == "kept"
+    assert engine.added == ["kept"] and not fatal.is_set() and loop.fatal is None
+    loop.stop()
+    loop.join(5)
+    assert not loop.is_alive()
+
+
 def test_a_build_that_fails_reaches_the_caller():
     def build():
         raise FileNotFoundError("no model.safetensors in /nowhere")

@@ -142,7 +142,7 @@ class EngineLoop(threading.Thread):
                     command, arg = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if command == "add":
+                if command == "add" and arg.added.set_running_or_notify_cancel():
                     arg.added.set_exception(EngineStopped.after(e))
             self.on_fatal(e)
 
@@ -162,6 +162,10 @@ class EngineLoop(threading.Thread):
                 return
 
     def _add(self, sub: Submission) -> None:
+        # The caller may have given up (its RPC cancelled) before the loop took the submission: nothing to add,
+        # and its future must not be settled (a cancelled future refuses a result: that ended the loop).
+        if not sub.added.set_running_or_notify_cancel():
+            return
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             sub.added.set_exception(QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later"))
             return
