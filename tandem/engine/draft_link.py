@@ -171,10 +171,10 @@ class DraftLink:
 
     def forget_all(self, reqs: list, complete: bool = True) -> None:
         """``forget`` for several requests, their held features sent in one extend (requests finishing
-        together: one drafter forward, not one each). Not while the batch decodes plainly: completing the
-        drafter's cache for a next turn would cost plain decoding the drafter's work on every token (a next
-        turn builds what is missing from zero features, as after a drafter cache miss)."""
-        if self.proposer is not None and complete and self.engine.speculating and self._caching() and self.up():
+        together: one drafter forward, not one each). Also while the batch decodes plainly: a later request
+        on the same prefix would otherwise find the target's pages cached and the drafter's not, and draft
+        from zero features there (tandem.speculative.drafter.attach_prefix)."""
+        if self.proposer is not None and complete and self._caching() and self.up():
             self.extend([self.take_pending(req) for req in reqs if req.draft_ready and req.pending_extend])
         for req in reqs:
             if self.proposer is not None and req.draft_ready:
