@@ -140,8 +140,16 @@ def test_a_config_names_a_kernel_its_rows_fit():
 def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():
     from tandem.kernels.dequant_gemm import default_config
 
-    assert default_config(1, 512, 7168).split_k > 1  # a TP 8 shared expert's gate/up
+    assert default_config(4, 512, 7168).split_k > 1  # a TP 8 shared expert's gate/up, 4 rows
     assert default_config(1, 28672, 4096).split_k == 1 and default_config(64, 512, 7168).split_k == 1
+
+
+def test_one_row_over_a_long_k_takes_the_cuda_core_kernel():
+    """Where the H200 measured it faster (K 7168 and 14336, one row); the tensor-core tiles elsewhere."""
+    from tandem.kernels.dequant_gemm import default_config
+
+    assert default_config(1, 512, 7168).kernel == "rows" and default_config(1, 4096, 14336).kernel == "rows"
+    assert default_config(1, 28672, 4096).kernel == "dot" and default_config(4, 4096, 14336).kernel == "dot"
 
 
 def test_the_tile_configs_above_cover_each_way_of_loading_scales():

@@ -186,8 +186,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
-    """Splits that fill the GPU when batch * kv heads leaves SMs idle; from shapes only (graph-safe)."""
+def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                       min_split_keys: int = 512) -> int:
+    """Splits that fill the GPU when batch * kv heads leaves SMs idle; from shapes only (graph-safe).
+    ``min_split_keys``: fewer keys than this per split are not worth one (per key work decides)."""
     if device.type != "cuda":
         return 1
     programs = batch * num_kv_heads
@@ -195,7 +197,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: t
     want = triton.next_power_of_2(max(1, -(-sms // programs)))
     if want > -(-sms // programs):
         want //= 2  # stay at or below one wave's worth of programs
-    most = max(1, triton.next_power_of_2(max_kv_len // 512))  # a split below ~512 keys is not worth it
+    most = max(1, triton.next_power_of_2(max_kv_len // min_split_keys))
     return max(1, min(want, most, 32))
 
 
