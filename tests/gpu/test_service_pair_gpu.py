@@ -3,8 +3,8 @@ round lane, each step's Round prefetched — emit exactly the target-only greedy
 engine on the same device, for the project's trained demo pair (a head whose drafts are accepted, so
 the features and extends the drafter receives decide what it proposes).
 
-The demo pair is a folder with target/ and draft/ (TANDEM_DEMO_DIR, default ./demo-pair, the one
-``tandem demo-models --variant gpu`` writes); without it the test is skipped.
+The demo pair is a folder with target/ and draft/ (TANDEM_DEMO_DIR; default: the pair shipped in
+``tandem/demo_pair``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ SPEC_FLAGS = ["--speculative-num-steps", "5", "--speculative-eagle-topk", "1", "
 
 @pytest.fixture(scope="module")
 def demo_pair() -> Path:
-    folder = Path(os.environ.get("TANDEM_DEMO_DIR", ROOT / "demo-pair"))
+    from tandem.demo import SHIPPED
+
+    folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     if not (folder / "draft" / "config.json").exists() or not (folder / "target" / "config.json").exists():
         pytest.skip(f"no trained demo pair in {folder} (set TANDEM_DEMO_DIR)")
     return folder
