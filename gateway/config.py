@@ -37,6 +37,7 @@ class GatewayConfig:
     generation_config: str = shared.GENERATION_CONFIG.default  # auto (the model's generation_config.json), vllm, DIR
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
     log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
+    keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -53,6 +54,8 @@ class GatewayConfig:
                           ("--drafter-metrics-url", self.drafter_metrics_url)):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{flag} must be an http(s) URL, got {url!r}")
+        if not self.keep_alive_s >= 1:
+            raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {self.keep_alive_s}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
@@ -104,4 +107,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
                          verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
                          generation_config=args.generation_config,
-                         log_requests=args.log_requests, log_requests_level=args.log_requests_level)
+                         log_requests=args.log_requests, log_requests_level=args.log_requests_level,
+                         keep_alive_s=args.timeout_keep_alive)

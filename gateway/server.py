@@ -25,10 +25,6 @@ from tandem.chat_template import ChatTemplate
 from tandem.tokenizer import TextTokenizer
 
 log = logging.getLogger("gateway")
-# An idle keep-alive connection is closed after this long. Longer than clients keep theirs (httpx and the
-# OpenAI client: 5 s, uvicorn's own default too): with equal timeouts a client reuses a connection the server
-# is closing at that moment, and its request fails with a connection reset.
-HTTP_KEEP_ALIVE_S = 75
 
 
 class Gateway:
@@ -73,7 +69,7 @@ class Gateway:
         app = create_app(self)
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
-                                                   timeout_keep_alive=HTTP_KEEP_ALIVE_S))
+                                                   timeout_keep_alive=cfg.keep_alive_s))
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
         while not self._http.started:
             if http_task.done():

@@ -133,7 +133,13 @@ LOG_REQUESTS = Flag(("--log-requests", "--enable-log-requests"), dict(
 LOG_REQUESTS_LEVEL = Flag(("--log-requests-level",), dict(
     type=int, default=0, choices=[0, 1, 2],
     help="with --log-requests: 0 the numbers, 1 also sampling settings, 2 also prompt and output text"))
-GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL)
+# Longer than clients keep idle connections (httpx, the OpenAI client: 5 s; uvicorn's own default is 5 s too): with
+# equal timeouts a client reuses a connection at the moment the server closes it, and its request is reset.
+TIMEOUT_KEEP_ALIVE = Flag(("--timeout-keep-alive",), dict(
+    type=float, default=75.0, help="seconds an idle HTTP keep-alive connection stays open (longer than clients' "
+                                   "pools keep theirs, or a reused connection can be reset)"))
+GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
+                 TIMEOUT_KEEP_ALIVE)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
