@@ -172,7 +172,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
         return none
     context = engine.context_len
     for req in reqs:
-        if engine._tree_width(req) != 1 or (engine.processed_logprobs and req.params.logprobs is not None):
+        if engine.tree_width(req) != 1 or (engine.processed_logprobs and req.params.logprobs is not None):
             return none  # (runs record raw logprobs only)
         # never past a request's token budget or the context: only a stop token wastes steps
         steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)
@@ -197,7 +197,7 @@ def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer)
     with timer("accept"):
         engine.hold_finished_drafts()  # the drafter gets the steps of requests they end too
         try:
-            outputs = engine._commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {}, logprobs=logprobs)
+            outputs = engine.commit(reqs, {req.rid: toks for req, toks in zip(reqs, tokens)}, {}, logprobs=logprobs)
             caught_up = _keep_drafter_in_step(engine, reqs, tokens, features)
         finally:
             engine.release_finished_drafts()
@@ -227,8 +227,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
         engine.hold_finished_drafts()
         try:
-            outputs = engine._commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
-                                     keep_pages=following is not None, logprobs=logprobs)
+            outputs = engine.commit([req for req, _ in live], {req.rid: toks for req, toks in live}, {},
+                                    keep_pages=following is not None, logprobs=logprobs)
             caught_up = _keep_drafter_in_step(engine, run.reqs, tokens, run.features)
         finally:
             engine.release_finished_drafts()

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.acceptance import accept_verified
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import DEFAULT_DECODE_STEPS, DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
-from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, prefill_rows, prompt_logprob_jobs,
-                                            sample_rows, tree_logits, wants_prompt_logits)
+from tandem.engine.request_sampling import wants_prompt_logits
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Schedule, Scheduler
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
@@ -35,9 +35,9 @@ from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
-from tandem.speculative.tree import DraftTree, resolve_pending
+from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer
-from tandem.speculative.verify import accept_tree, compaction_moves, verify_chunk
+from tandem.speculative.verify import verify_chunk
 
 if TYPE_CHECKING:
     from tandem.speculative.drafter import SpecConfig
@@ -146,7 +146,7 @@ class LLMEngine:
         """Whether the request could speculate this step: a drafter state, and room for its tree."""
         return req.spec is not None and req.draft_ready and self._fits(req, req.spec.num_draft_tokens)
 
-    def _tree_width(self, req: Request) -> int:
+    def tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
         return req.spec.num_draft_tokens if self.speculating and self._can_draft(req) else 1
 
@@ -220,6 +220,8 @@ class LLMEngine:
             self._unobserved_goodput = None
 
     def _step(self) -> list[StepOutput]:
+        """Schedule the step and run it: a queued run read back, a run of decode steps or rounds queued
+        ahead, or one verify forward."""
         timer = StepTimer(self.phase_sync)
         self.drafts.refeed_after_reconnect()
         width = self._decide()  # decided once per step, before any page is reserved
@@ -249,10 +251,15 @@ class LLMEngine:
             return step_decode_ahead(self, sched.decode, ahead, timer)
         if rounds and not sched.prefill and not sched.preempted:
             return step_rounds_ahead(self, sched.decode, rounds, timer)
+        return self._verify_step(sched, width, timer)
+
+    def _verify_step(self, sched: Schedule, width: int, timer: StepTimer) -> list[StepOutput]:
+        """Draft the trees, one target forward over the prompts' chunks and the trees (rows of ``width``),
+        acceptance, the commit, and the drafter's extension with the new tokens' features."""
         with timer("draft"):
-            catch_up = [req for req in sched.decode if req.pending_extend and self._tree_width(req) > 1]
+            catch_up = [req for req in sched.decode if req.pending_extend and self.tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
-            trees = self.drafts.draft(sched.decode, self._tree_width)
+            trees = self.drafts.draft(sched.decode, self.tree_width)
             for req in sched.decode:  # requests that draw no tree this step: filler of the batch's width
                 rows = self._row_width(req, width)
                 if trees[req.rid].size == 1 and rows > 1:
@@ -267,21 +274,23 @@ class LLMEngine:
         self.hold_finished_drafts()  # until after the extend below
         try:
             with timer("accept"):
-                emitted, extend_items, rounds, caught_up, logprobs = self._accept(
-                    sched, trees, logits, features if capture else None)
+                accepted = accept_verified(
+                    sched, trees, logits, features if capture else None, policy=self.policy, drafts=self.drafts,
+                    move_kv=self.executor.move_kv, traffic=self.traffic, eos_token_ids=self.model_config.eos_token_ids,
+                    processed_logprobs=self.processed_logprobs, speculating=self.speculating)
                 for p in sched.prefill:
                     if not p.last:
                         p.req.kv.commit(p.end)
-                outputs = self._commit([p.req for p in sched.prefill if p.last] + sched.decode, emitted, rounds,
-                                       logprobs=logprobs)
+                outputs = self.commit([p.req for p in sched.prefill if p.last] + sched.decode, accepted.emitted,
+                                      accepted.rounds, logprobs=accepted.logprobs)
                 for p in sched.prefill:
                     if p.last and not p.req.finished:
                         self.scheduler.cache_committed(p.req)
             with timer("draft_extend"):
                 last_turn = self.prefix_cache is not None
-                self.drafts.extend([item for item in extend_items if last_turn or not item[0].finished])
+                self.drafts.extend([item for item in accepted.extend_items if last_turn or not item[0].finished])
                 self.release_finished_drafts()
-                self.drafts.prefetch(self._tree_width)  # a service drafter starts on the next step's trees now
+                self.drafts.prefetch(self.tree_width)  # a service drafter starts on the next step's trees now
         finally:
             self.release_finished_drafts()
         # A catch-up of held plain steps is the price of switching speculation back on, not of a round:
@@ -289,97 +298,12 @@ class LLMEngine:
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
                                   prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
-                                  timed=not catch_up and not caught_up)
+                                  timed=not catch_up and not accepted.caught_up)
         return outputs
 
-    def _accept(self, sched, trees, logits, features):
-        """→ new tokens per request, the drafter's extension items, per-request round records, whether
-        a plain step also sent a request's held features (a catch-up, not a plain step's work), and the
-        new tokens' log-probabilities for the requests that ask."""
-        # Draft tokens the verify took on the device (the verify has finished). A chain that came out NaN
-        # has had its garbage verified: its request takes only the root's token, as a plain step, and
-        # goes on without speculation (its draft state is released); the other requests are unaffected.
-        broken_trees = {id(tree) for tree in resolve_pending(trees.values(), keep_broken=True)}
-        broken = {req.rid for req in sched.decode if id(trees[req.rid]) in broken_trees}
-        if broken:
-            self.drafts.broken_drafts([req for req in sched.decode if req.rid in broken],
-                                      "draft log-probs contain NaN; the draft head or its features are broken")
-        # Rows of `logits`: one per prefill (every token's for prompt logprobs), then tree.size per verified
-        # request. Requests whose tree is just the root are sampled together (plain decoding); trees go
-        # through acceptance.
-        prefill_at = prefill_rows(sched.prefill)
-        simple = [(p.req, first + n - 1) for p, (first, n) in zip(sched.prefill, prefill_at) if p.last]
-        row = sum(n for _, n in prefill_at)
-        token_row = sum(p.end - p.start for p in sched.prefill)
-        tree_jobs, plain_rows = [], []
-        for req in sched.decode:
-            size = trees[req.rid].size
-            if not trees[req.rid].drafted or req.rid in broken:
-                simple.append((req, row))  # the root's row: the plain step's token, whatever the nodes held
-                plain_rows.append((req, token_row))
-            else:
-                tree_jobs.append((req, row, token_row))
-            row, token_row = row + size, token_row + size
-        emitted: dict[str, list[int]] = {}
-        rounds: dict[str, tuple[int, int]] = {}  # rid -> (drafted tokens, accepted tokens)
-        extend_items = []
-        observed = []  # (rid, first position, feature rows) for traffic capture (ranges: no cost when off)
-        eos = self.model_config.eos_token_ids
-        logprob_jobs = LogprobJobs(processed_eos=eos if self.processed_logprobs else None)
-        keep_prompt_logprobs(sched.prefill, LogprobJobs(prompt_logprob_jobs(sched.prefill, prefill_at)).compute(logits))
-        if simple:
-            for (req, row), token in zip(simple, sample_rows(logits, simple, eos)):
-                emitted[req.rid] = [token]
-                logprob_jobs.add(req, [row], [token])
-        token_row = 0
-        held = []  # kept on the device for the request's next draft (keep_in_step)
-        for p in sched.prefill:  # the draft sees (token_{t+1}, feature_t) over the whole prompt, chunk by chunk
-            req, n = p.req, p.end - p.start
-            observed.append((req.rid, p.start, range(token_row, token_row + n)))
-            # A later chunk goes to the drafter only after its earlier ones (a lost drafter lost them); the
-            # first one computed starts the drafter on the cached prefix the prompt started on, if any.
-            first = p.start == req.prefix_hit
-            if (features is not None and req.spec is not None
-                    and (self.drafts.attach(req, p.start) if first else req.draft_ready)):
-                following = req.tokens[p.start + 1 : p.end + 1] + (emitted[req.rid] if p.last else [])
-                item = (req, following, features[token_row : token_row + n])
-                # While the batch decodes plainly the prompt waits for the request's first draft too; a
-                # chunk after held ones is held too (DraftLink sends them in order).
-                (extend_items if self.speculating and not req.pending_extend else held).append(item)
-            token_row += n
-        for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
-            observed.append((req.rid, req.num_tokens - 1, [root_row]))
-            if features is not None and req.spec is not None and req.draft_ready:
-                held.append((req, emitted[req.rid], features[root_row : root_row + 1]))
-        caught_up = self.drafts.keep_in_step(held)
-        moves_src, moves_dst = [], []
-        for req, first_row, first_token_row in tree_jobs:
-            tree = trees[req.rid]
-            node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos)
-            result = accept_tree(tree, node_logits, req.params, req.generator)
-            logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
-            src, dst = compaction_moves(req, result.accepted_nodes)
-            moves_src += src
-            moves_dst += dst
-            req.spec_stats.record(max(tree.depths), len(result.accepted_nodes))
-            self.policy.observe_round(req.spec_state, len(result.tokens))
-            rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
-            emitted[req.rid] = result.tokens
-            nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]
-            observed.append((req.rid, req.num_tokens - 1, nodes))
-            if features is not None:
-                # A chain's accepted path is a run of rows: a view, not a gather through a host index.
-                path = (features[nodes[0] : nodes[-1] + 1] if nodes[-1] - nodes[0] == len(nodes) - 1
-                        else features[nodes])
-                extend_items.append((req, result.tokens, path))
-        self.executor.move_kv(moves_src, moves_dst)  # one broadcast for the whole batch
-        if self.traffic is not None and features is not None:
-            self.traffic.observe(features, observed)
-        return emitted, extend_items, rounds, caught_up, logprob_jobs.compute(logits)
-
-    def _commit(self, reqs: list[Request], emitted: dict[str, list[int]],
-                rounds: dict[str, tuple[int, int]], keep_pages: bool = False,
-                logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[StepOutput]:
+    def commit(self, reqs: list[Request], emitted: dict[str, list[int]],
+               rounds: dict[str, tuple[int, int]], keep_pages: bool = False,
+               logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[StepOutput]:
         """Append each request's new tokens up to its first stop, and retire finished requests.
         ``keep_pages``: the pages reserved past a running request's tokens stay (a run of decode steps or
         rounds queued further writes into them). ``logprobs``: per request, one entry per emitted token."""

@@ -52,7 +52,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
-                or engine._tree_width(req) != nd or needs_host_each_round(req, engine.processed_logprobs)):
+                or engine.tree_width(req) != nd or needs_host_each_round(req, engine.processed_logprobs)):
             return 0
         recent = req.spec_state.recent
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
@@ -167,8 +167,8 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
         emitted = {req.rid: [t for toks in result.tokens[i] for t in toks] for i, req in live}
         engine.hold_finished_drafts()  # the drafter commits the run for requests it ends too
         try:
-            outputs = engine._commit([req for _, req in live], emitted, {}, keep_pages=keep_pages,
-                                     logprobs=_round_logprobs(run, result))
+            outputs = engine.commit([req for _, req in live], emitted, {}, keep_pages=keep_pages,
+                                    logprobs=_round_logprobs(run, result))
             end_chain_rounds(run, result, keep_pages)
         finally:
             engine.release_finished_drafts()
