@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints, each written once per test session."""
+"""Shared fixtures: tiny random Hugging Face checkpoints, each written once per test session; the
+gateway tests' OpenAI client."""
 
 from __future__ import annotations
 
@@ -55,9 +56,23 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama(checkpoint) -> Checkpoint:
+    """The session's default tiny Llama (``checkpoint("llama")``)."""
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
 def pair(checkpoint, tmp_path_factory):
     """The EAGLE-3 tests' target + random draft (tests/draft_checkpoints.shared_pair, written once per
     session). Test files that need another pair define their own ``pair``."""
     from draft_checkpoints import shared_pair
 
     return shared_pair(checkpoint, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """An OpenAI client of the module's gateway ``stack`` (tests/gateway_harness.stack_fixture)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)

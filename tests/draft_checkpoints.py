@@ -30,6 +30,17 @@ def make_draft(path: Path, target: ModelConfig, draft_vocab: int = 200, seed: in
     return write_random_eagle3(path, target, draft_vocab, seed=seed, token_subset="random", **overrides)
 
 
+def write_pair(root: Path, target_seed: int = 11, draft_seed: int = 2) -> ModelConfig:
+    """A tiny 6-layer Llama at ``root/target`` and a random draft for it at ``root/draft`` (the default seeds
+    are the service tests' pair) → the target's config."""
+    from checkpoints import write_checkpoint
+
+    write_checkpoint(Path(root) / "target", "llama", seed=target_seed, num_hidden_layers=TARGET_LAYERS)
+    target = ModelConfig.from_dir(Path(root) / "target")
+    make_draft(Path(root) / "draft", target, seed=draft_seed)
+    return target
+
+
 def design_tensor_shapes(h: int, h_target: int, q: int, kv: int, inter: int, draft_vocab: int,
                          vocab: int) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes of an EAGLE-3 head (docs/architecture.md, "Contracts"), written out
@@ -80,6 +91,42 @@ def shared_pair(checkpoint, tmp_path_factory, seed: int = 0) -> Pair:
         draft = make_draft(draft_dir, target, seed=seed)
         _PAIRS[seed] = Pair(target_dir, draft_dir, target, draft, target_embedding(target_dir), ckpt.hf)
     return _PAIRS[seed]
+
+
+def pair_engine(pair: Pair, spec=None, policy=None, draft_page_size: int | None = None, **engine_kw):
+    """An in-process engine on ``pair``'s target, capturing the layers its draft reads, the policy off unless
+    ``policy`` is given; with ``spec``, the pair's draft in process is its proposer (pages of
+    ``draft_page_size``, else the engine's ``page_size``) and ``spec`` its default."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.eagle3_config import validate_draft
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    capture = validate_draft(pair.draft, pair.target)
+    eng = LLMEngine(EngineConfig(model=str(pair.target_dir), capture_layers=capture, **engine_kw),
+                    policy=policy or SpeculationPolicy(PolicyConfig(enabled=False)))
+    if spec is not None:
+        eng.proposer = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir),
+                                               DrafterConfig(page_size=draft_page_size or engine_kw["page_size"]),
+                                               capture_layers=capture,
+                                               embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
+        eng.default_spec = spec
+    return eng
+
+
+def pair_drafter(pair: Pair, page_size: int = 4, kv_pages: int = 512, page_shuffle_seed: int | None = 3):
+    """A fresh in-process drafter of ``pair``'s draft head (its pages shuffled: the paged layout is exercised)."""
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+
+    cfg = DrafterConfig(page_size=page_size, kv_pages=kv_pages, page_shuffle_seed=page_shuffle_seed)
+    return Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), cfg)
+
+
+def draft_inputs(seed: int, n: int, width: int = 192) -> tuple[list[int], torch.Tensor]:
+    """``n`` seeded random tokens and ``[n, width]`` features for a drafter's extend (192: the pair's 3 x 64)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist(), torch.randn(n, width, generator=g)
 
 
 def rewrite_tensors(draft_dir: Path, replace: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = ()) -> None:

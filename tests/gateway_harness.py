@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import json
 import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from fake_verifier import FakeVerifier, expected_tokens, start_fake_verifier
 
 from gateway.config import GatewayConfig
@@ -19,6 +21,7 @@ from gateway.server import Gateway
 from tandem.tokenizer import TextTokenizer
 
 MODEL_NAME = "tiny"
+BOS = "<|bos|>"
 
 
 @functools.cache
@@ -32,6 +35,29 @@ def tiny_model_dir() -> Path:
     folder = root / MODEL_NAME
     folder.mkdir()
     train_tokenizer(folder, vocab_size=512)
+    return folder
+
+
+def tiny_model_copy(folder: Path, *, bos_post_processor: bool = False, chat_template: str | None = None,
+                    generation_config: dict | None = None) -> Path:
+    """A copy of tiny_model_dir() at ``folder`` (its name is the model's name), optionally with a
+    Llama-3-like post-processor (``<|bos|> $A``: add_special_tokens makes a difference), another chat
+    template, or a generation_config.json."""
+    shutil.copytree(tiny_model_dir(), folder)
+    if bos_post_processor:
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == BOS)
+        bos, a = {"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+        spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
+                                  "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
+                                  "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    if chat_template is not None:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
     return folder
 
 
@@ -86,6 +112,26 @@ class Stack:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+
+def stack_fixture(*, model_dir_from: str | None = None, after: tuple[str, ...] = (), **config):
+    """A module-scoped ``stack`` fixture: one Stack(**config) for a test module, closed after it.
+    ``model_dir_from`` names the fixture that gives its model folder (else tiny_model_dir()); ``after``
+    names fixtures to set up before the stack starts (tracing's exporter). In a test module:
+    ``stack = stack_fixture(max_tokens_limit=300)``."""
+
+    @pytest.fixture(scope="module")
+    def stack(request):
+        for name in after:
+            request.getfixturevalue(name)
+        kw = dict(config)
+        if model_dir_from is not None:
+            kw["model_dir"] = request.getfixturevalue(model_dir_from)
+        s = Stack(**kw)
+        yield s
+        s.close()
+
+    return stack
 
 
 def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None:

@@ -93,14 +93,29 @@ def manual_greedy_logits(engine, prompt: list[int], n: int) -> tuple[list[int], 
     return tokens, torch.stack(rows)
 
 
-def greedy_alone(model_dir: str, prompt: list[int], n: int, **engine_kw) -> list[int]:
-    """The engine's greedy output for one prompt run by itself (a fresh engine, nothing else queued)."""
+def torch_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
+    """Prompts of the given lengths drawn from one seeded torch generator (ids 3..vocab-1)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def target_only_greedy(model_dir, prompts: list[list[int]], n: int, ignore_eos: bool = True,
+                       **engine_kw) -> list[list[int]]:
+    """Target-only greedy continuations of ``prompts`` (``n`` new tokens each; fewer where an EOS ends one
+    and ``ignore_eos`` is off), generated together by a fresh in-process engine without speculation:
+    the speculative and service tests' reference (the engine is checked against transformers itself)."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
-    with LLMEngine(EngineConfig(model=model_dir, **engine_kw)) as eng:
-        return eng.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].output_token_ids
+    with LLMEngine(EngineConfig(model=str(model_dir), **engine_kw)) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=ignore_eos))
+    return [o.output_token_ids for o in outs]
+
+
+def greedy_alone(model_dir: str, prompt: list[int], n: int, **engine_kw) -> list[int]:
+    """The engine's greedy output for one prompt run by itself (a fresh engine, nothing else queued)."""
+    return target_only_greedy(model_dir, [prompt], n, **engine_kw)[0]
 
 
 def assert_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:

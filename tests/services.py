@@ -108,6 +108,18 @@ def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
     return drafter, verifier
 
 
+def gateway_service(verifier_address: str, model_dir, served_model_name: str, log_path: Path) -> Service:
+    """The gateway (not started yet) in front of ``verifier_address`` on free ports; its gRPC health answers
+    on ``grpc_port``, its OpenAI base URL is ``url``."""
+    http_port, grpc_port = free_port(), free_port()
+    gateway = Service("gateway", ["--verifier", verifier_address, "--model-dir", str(model_dir),
+                                  "--grpc-port", str(grpc_port), "--served-model-name", served_model_name],
+                      http_port, log_path, health_port=grpc_port)
+    gateway.grpc_port = grpc_port
+    gateway.url = f"http://127.0.0.1:{http_port}/v1"
+    return gateway
+
+
 def wait_for(condition, timeout_s, what):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

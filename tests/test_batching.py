@@ -18,11 +18,6 @@ MAX_NEW = [20, 5, 24, 12, 1, 16]  # requests finish at different steps, so the b
 
 
 @pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return [random_prompt(100 + i, n) for i, n in enumerate(LENGTHS)]
 

@@ -27,21 +27,16 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import write_pair
+    from helpers import target_only_greedy, torch_prompts
 
     # Not conftest's shared pair: its target repeats one token for most of a continuation (2-3 distinct
     # in 20 tokens), under which acceptance hardly tells right from wrong; this target (test_spec_eagle3's)
     # gives 6-9 distinct tokens in 20 on two of the three prompts.
     root = tmp_path_factory.mktemp("chainrounds")
-    write_checkpoint(root / "target", "llama", seed=13, num_hidden_layers=6)
-    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=5)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 17)]
-    with LLMEngine(EngineConfig(model=str(root / "target"))) as eng:  # target-only: the reference
-        ref = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))]
-    return root, prompts, ref
+    write_pair(root, target_seed=13, draft_seed=5)
+    prompts = torch_prompts(2, (3, 9, 17))
+    return root, prompts, target_only_greedy(root / "target", prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_checkpoints import pair_engine
 from helpers import random_prompt
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import ConfigError, OutOfPagesError
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.policy import SpeculationPolicy
 
 PAGE = 4
 PROMPTS = [random_prompt(300 + i, n) for i, n in enumerate((3, 17, 40, 64))]
@@ -36,18 +37,7 @@ class Scripted(SpeculationPolicy):
 
 
 def engine(pair, chunk: int, spec: SpecConfig | None = None, policy=None, **kw) -> LLMEngine:
-    from tandem.models.eagle3_config import validate_draft
-
-    capture = validate_draft(pair.draft, pair.target)
-    eng = LLMEngine(EngineConfig(model=str(pair.target_dir), page_size=PAGE, chunked_prefill_size=chunk,
-                                 capture_layers=capture, **kw),
-                    policy=policy or SpeculationPolicy(PolicyConfig(enabled=False)))
-    if spec is not None:
-        eng.proposer = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir),
-                                               DrafterConfig(page_size=PAGE), capture_layers=capture,
-                                               embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
-        eng.default_spec = spec
-    return eng
+    return pair_engine(pair, spec, policy, page_size=PAGE, chunked_prefill_size=chunk, **kw)
 
 
 def staggered(eng: LLMEngine, params) -> list[list[int]]:

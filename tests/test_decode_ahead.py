@@ -17,11 +17,6 @@ LENGTHS = [3, 17, 9]
 MAX_NEW = [13, 6, 21]  # not multiples of the steps: the last run of each request is shorter
 
 
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
 def _run(path: str, decode_steps: int, params: list[SamplingParams]) -> tuple[list[list[int]], list[list[int]], int]:
     """→ (each prompt's output, the number of new tokens per step per request, free pages at the end)."""
     with LLMEngine(EngineConfig(model=path, decode_steps=decode_steps, page_size=4)) as eng:

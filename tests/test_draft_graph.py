@@ -24,9 +24,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit
 
+from draft_checkpoints import draft_inputs, pair_drafter  # noqa: E402
 from tandem.errors import ConfigError  # noqa: E402
 from tandem.speculative.draft_graph import DraftGraphRunner  # noqa: E402
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig  # noqa: E402
+from tandem.speculative.drafter import SpecConfig  # noqa: E402
 
 TOL = 1e-5
 BUCKETS = [2, 4, 8]  # batches of 1, 3 and 5 requests carry padding rows
@@ -35,23 +36,13 @@ INTERPRET = bool(os.environ.get("TRITON_INTERPRET"))
 NEEDS_INTERPRET = pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
 
 
-def make_drafter(pair, seed=3) -> Eagle3Drafter:
-    cfg = DrafterConfig(page_size=4, kv_pages=512, page_shuffle_seed=seed)
-    return Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), cfg)
-
-
-def inputs(seed: int, n: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist(), torch.randn(n, 192, generator=g)
-
-
 def prefill(drafter, lengths=LENGTHS, seed=0):
-    drafter.extend([(rid, *inputs(seed + i, n)) for i, (rid, n) in enumerate(lengths.items())])
+    drafter.extend([(rid, *draft_inputs(seed + i, n)) for i, (rid, n) in enumerate(lengths.items())])
 
 
 @pytest.fixture(scope="module")
 def extended(pair):
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     prefill(drafter)
     return drafter
 
@@ -111,7 +102,7 @@ def test_static_chain_with_the_fused_pick_equals_eager(extended, spec, batch, mo
 
 
 def test_padding_rows_touch_only_the_dummy_page(pair):
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     prefill(drafter)
     spec = SpecConfig(5, 3, 12)
     runner = DraftGraphRunner(drafter, [spec], buckets=[8], use_graphs=False, attention="torch")
@@ -133,12 +124,12 @@ def extend_rounds(seed: int, rids: list[str], width: int, rounds: int):
     rng = random.Random(seed)
     for r in range(rounds):
         batch = rng.sample(rids, rng.randint(1, len(rids)))
-        yield [(rid, *inputs(1000 * seed + 10 * r + i, rng.randint(1, width))) for i, rid in enumerate(batch)]
+        yield [(rid, *draft_inputs(1000 * seed + 10 * r + i, rng.randint(1, width))) for i, rid in enumerate(batch)]
 
 
 @pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=NEEDS_INTERPRET)])
 def test_static_extend_leaves_the_same_state(pair, attention):
-    eager, static = make_drafter(pair), make_drafter(pair)
+    eager, static = pair_drafter(pair), pair_drafter(pair)
     specs = [SpecConfig(5, 2, 8), SpecConfig(3, 4, 10)]
     static.graphs = runner = DraftGraphRunner(static, specs, buckets=BUCKETS, use_graphs=False, attention=attention)
     for d in (eager, static):
@@ -167,16 +158,16 @@ def test_static_extend_leaves_the_same_state(pair, attention):
 
 
 def test_drafter_routes_and_falls_back(pair):
-    eager, static = make_drafter(pair), make_drafter(pair)
+    eager, static = pair_drafter(pair), pair_drafter(pair)
     spec, other = SpecConfig(3, 2, 6), SpecConfig(2, 2, 4)
     static.graphs = runner = DraftGraphRunner(static, [spec], buckets=[1, 2, 4], use_graphs=False, attention="torch")
     for d in (eager, static):
         prefill(d)
     calls = [
-        ("extend", [("a", *inputs(50, 4))], 1),  # fits: graph
-        ("extend", [("a", *inputs(51, 5))], 0),  # wider than num_steps + 1: eager
-        ("extend", [("b", *inputs(52, 2)), ("new", *inputs(53, 3))], 0),  # a prefill in the batch: eager
-        ("extend", [(r, *inputs(54 + i, 2)) for i, r in enumerate(LENGTHS)], 0),  # 5 requests > bucket 4: eager
+        ("extend", [("a", *draft_inputs(50, 4))], 1),  # fits: graph
+        ("extend", [("a", *draft_inputs(51, 5))], 0),  # wider than num_steps + 1: eager
+        ("extend", [("b", *draft_inputs(52, 2)), ("new", *draft_inputs(53, 3))], 0),  # a prefill in the batch: eager
+        ("extend", [(r, *draft_inputs(54 + i, 2)) for i, r in enumerate(LENGTHS)], 0),  # 5 requests > bucket 4: eager
         ("draft", ["a", "c", "d"], 1),
         ("draft", list(LENGTHS), 0),
         ("draft_other", ["a", "b"], 0),  # SpecConfig without a graph: eager
@@ -191,20 +182,20 @@ def test_drafter_routes_and_falls_back(pair):
             s = spec if kind == "draft" else other
             assert_same_trees(static.draft(arg, s), eager.draft(arg, s))
             assert runner.replays["draft"] - before["draft"] == routed, arg
-    out = static.extend([("c", *inputs(60, 2))], return_logits=True)  # logits of every row: eager
+    out = static.extend([("c", *draft_inputs(60, 2))], return_logits=True)  # logits of every row: eager
     assert out is not None and runner.replays["draft_extend"] == 1
     assert static.capture_cuda_graphs([spec]) is None  # CPU: no capture, the graphs stay as they are
 
 
 def test_near_the_context_end_positions_are_clamped(pair):
-    eager, static = make_drafter(pair), make_drafter(pair)
+    eager, static = pair_drafter(pair), pair_drafter(pair)
     spec = SpecConfig(6, 4, 16)
     static.graphs = runner = DraftGraphRunner(static, [spec], buckets=[2], use_graphs=False, attention="torch")
     limit = static.head.max_positions
     for d in (eager, static):
         prefill(d, {"x": limit - 5, "y": 7})
     for n in (3, 2):  # x reaches limit - 2, then exactly the limit; padded tail positions clamp
-        items = [("x", *inputs(70 + n, n)), ("y", *inputs(80 + n, n))]
+        items = [("x", *draft_inputs(70 + n, n)), ("y", *draft_inputs(80 + n, n))]
         for d in (eager, static):
             d.extend(items)
         assert_same_trees(static.draft(["x", "y"], spec), eager.draft(["x", "y"], spec))
@@ -212,7 +203,7 @@ def test_near_the_context_end_positions_are_clamped(pair):
 
 
 def test_nan_state_raises_like_eager(pair):
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     prefill(drafter, {"a": 5, "b": 6})
     runner = DraftGraphRunner(drafter, [SpecConfig(3, 2, 6)], buckets=[4], use_graphs=False, attention="torch")
     drafter._reqs["b"].state = torch.full_like(drafter._reqs["b"].state, float("nan"))
@@ -223,7 +214,7 @@ def test_nan_state_raises_like_eager(pair):
 
 
 def test_runner_rejects_what_the_kernel_cannot_take(pair):
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     with pytest.raises(ConfigError, match="<= 64"):
         DraftGraphRunner(drafter, [SpecConfig(10, 8, 16)], use_graphs=False)
     with pytest.raises(ConfigError, match="max_topk"):
@@ -252,7 +243,7 @@ def test_deferred_chains_resolve_to_the_eager_trees(extended, spec):
 def test_deferred_nan_raises_when_resolved(pair):
     from tandem.speculative.tree import resolve_pending
 
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     prefill(drafter, {"a": 5, "b": 6})
     runner = DraftGraphRunner(drafter, [SpecConfig(3, 1, 4)], buckets=[4], use_graphs=False, attention="torch")
     drafter._reqs["b"].state = torch.full_like(drafter._reqs["b"].state, float("nan"))

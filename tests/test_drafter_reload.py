@@ -22,14 +22,10 @@ NEW_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import make_draft, write_pair
 
     root = tmp_path_factory.mktemp("reload")
-    write_checkpoint(root / "target", "llama", seed=11, num_hidden_layers=6)
-    target = ModelConfig.from_dir(root / "target")
-    make_draft(root / "draft", target, seed=2)
+    target = write_pair(root)
     make_draft(root / "draft_v2", target, seed=5)  # the "retrained" head
     make_draft(root / "other_layers", target, seed=5, aux_layer_ids=(1, 2, 3))  # reads layers the verifier does not send
     return root
@@ -37,13 +33,9 @@ def pair_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(pair_dirs):
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.sampling import SamplingParams
+    from helpers import target_only_greedy
 
-    with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
-        outs = eng.generate(prompts_of(12), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    return [o.output_token_ids for o in outs]
+    return target_only_greedy(pair_dirs / "target", prompts_of(12), NEW_TOKENS)
 
 
 def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_checkpoints import DenseEagle3
+from draft_checkpoints import DenseEagle3, draft_inputs, pair_drafter
 from tandem.engine.batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.models.eagle3_checkpoint import load_eagle3
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
 
 TOL = 1e-4
 
@@ -22,19 +22,13 @@ def ref(pair):
     return DenseEagle3(pair.draft_dir, pair.embed)
 
 
-def make_drafter(pair, page_size=4, shuffle=7) -> Eagle3Drafter:
-    cfg = DrafterConfig(page_size=page_size, kv_pages=256, page_shuffle_seed=shuffle)
-    return Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), cfg)
-
-
-def inputs(seed: int, n: int, width: int = 192):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist(), torch.randn(n, width, generator=g)
+def make_drafter(pair) -> Eagle3Drafter:
+    return pair_drafter(pair, kv_pages=256, page_shuffle_seed=7)
 
 
 def test_extend_matches_dense_reference(pair, ref):
     drafter = make_drafter(pair)
-    seqs = {rid: inputs(seed, n) for rid, seed, n in [("a", 1, 11), ("b", 2, 5), ("c", 3, 17)]}
+    seqs = {rid: draft_inputs(seed, n) for rid, seed, n in [("a", 1, 11), ("b", 2, 5), ("c", 3, 17)]}
     # Two calls per request (a prefill, then a round's accepted tokens), different lengths, one forward each.
     cuts = {"a": 7, "b": 1, "c": 16}
     first = drafter.extend([(r, t[: cuts[r]], f[: cuts[r]]) for r, (t, f) in seqs.items()], return_logits=True)
@@ -51,8 +45,8 @@ def test_extend_matches_dense_reference(pair, ref):
 @pytest.mark.parametrize("steps", [1, 2, 5])
 def test_chain_draft_matches_dense_reference(pair, ref, steps):
     drafter = make_drafter(pair)
-    tokens, feats = inputs(4, 9)
-    other_tokens, other_feats = inputs(5, 4)
+    tokens, feats = draft_inputs(4, 9)
+    other_tokens, other_feats = draft_inputs(5, 4)
     drafter.extend([("a", tokens, feats), ("b", other_tokens, other_feats)])
     tree = drafter.draft(["b", "a"], SpecConfig(steps, 1, steps + 1))[1]
     assert tree.parents == list(range(-1, steps)) and tree.tokens[0] == tokens[-1]

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from draft_checkpoints import DenseEagle3
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from draft_checkpoints import DenseEagle3, draft_inputs, pair_drafter
+from tandem.speculative.drafter import SpecConfig
 
 TOL = 1e-4
 
@@ -17,16 +17,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def ref(pair):
     return DenseEagle3(pair.draft_dir, pair.embed)
-
-
-def make_drafter(pair, page_size=4) -> Eagle3Drafter:
-    cfg = DrafterConfig(page_size=page_size, kv_pages=512, page_shuffle_seed=3)
-    return Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), cfg)
-
-
-def inputs(seed: int, n: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist(), torch.randn(n, 192, generator=g)
 
 
 def random_specs(count: int, seed: int = 0):
@@ -41,8 +31,8 @@ def random_specs(count: int, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def extended(pair):
-    drafter = make_drafter(pair)
-    seqs = {rid: inputs(seed, n) for rid, seed, n in [("a", 10, 6), ("b", 11, 13), ("c", 12, 3)]}
+    drafter = pair_drafter(pair)
+    seqs = {rid: draft_inputs(seed, n) for rid, seed, n in [("a", 10, 6), ("b", 11, 13), ("c", 12, 3)]}
     drafter.extend([(rid, t, f) for rid, (t, f) in seqs.items()])
     return drafter, seqs
 
@@ -107,8 +97,8 @@ def test_tree_matches_reference_builder(extended, ref, steps, topk, ndt):
 
 def test_drafting_leaves_later_results_unchanged(pair):
     """Draft (writing scratch KV) between extends: the extends' outputs equal a drafter that never drafted."""
-    a, b = make_drafter(pair), make_drafter(pair)
-    tokens, feats = inputs(20, 12)
+    a, b = pair_drafter(pair), pair_drafter(pair)
+    tokens, feats = draft_inputs(20, 12)
     for d in (a, b):
         d.extend([("r", tokens[:8], feats[:8])])
     a.draft(["r"], SpecConfig(6, 4, 16))
@@ -130,9 +120,9 @@ def test_batched_drafting_equals_drafting_alone(extended, pair):
 
 
 def test_release_frees_pages_and_forgets_the_request(pair):
-    drafter = make_drafter(pair)
+    drafter = pair_drafter(pair)
     free = drafter.allocator.num_free
-    drafter.extend([("r", *inputs(30, 10))])
+    drafter.extend([("r", *draft_inputs(30, 10))])
     assert drafter.allocator.num_free < free
     drafter.release("r")
     drafter.release("r")  # idempotent

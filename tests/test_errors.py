@@ -18,11 +18,6 @@ from tandem.errors import CheckpointError, ConfigError, TandemError
 from tandem.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
 @pytest.fixture
 def broken(llama, tmp_path):
     """A fresh copy of the llama checkpoint to break."""

@@ -8,7 +8,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack, tiny_model_dir
+from gateway_harness import MODEL_NAME, Stack, stack_fixture, tiny_model_dir
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import auth
@@ -20,11 +20,7 @@ KEY = "tk-0123456789abcdef"
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack(api_key=KEY)
-    yield s
-    s.close()
+stack = stack_fixture(api_key=KEY)
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", KEY, f"Basic {KEY}",

@@ -12,7 +12,7 @@ import time
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack, wait_until
+from gateway_harness import MODEL_NAME, stack_fixture, wait_until
 
 from gateway.prompt_bound import PromptBound
 from gateway.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -24,11 +24,7 @@ BODY_LIMIT = 64 << 10
 SLOTS = 2
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400, body_timeout_s=0.5)
-    yield s
-    s.close()
+stack = stack_fixture(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400, body_timeout_s=0.5)
 
 
 def _raw_post(port: int, head: bytes, chunks: list[bytes]) -> bytes:

@@ -6,11 +6,10 @@ chat_template_kwargs (Qwen3's enable_thinking), continue_final_message, strftime
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from gateway_harness import Stack, tiny_model_dir
+from gateway_harness import stack_fixture, tiny_model_copy
 
 from tandem.chat_template import ChatTemplate, ChatTemplateError
 
@@ -36,12 +35,7 @@ CONTINUED = MESSAGES + [{"role": "assistant", "content": "Let me think: Paris is
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("chat") / "chat-model"
-    shutil.copytree(tiny_model_dir(), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return tiny_model_copy(tmp_path_factory.mktemp("chat") / "chat-model", chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +47,7 @@ def hf(model_dir):
                                    chat_template=TEMPLATE)
 
 
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    s = Stack(model_dir=model_dir, served_model_name="chat-model")
-    yield s
-    s.close()
+stack = stack_fixture(model_dir_from="model_dir", served_model_name="chat-model")
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True},

@@ -7,22 +7,13 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack
+from gateway_harness import MODEL_NAME, Stack, stack_fixture
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack(max_tokens_limit=300)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
+stack = stack_fixture(max_tokens_limit=300)
 
 
 def _assert_still_serving(stack):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack, metric_value, wait_until
+from gateway_harness import MODEL_NAME, metric_value, stack_fixture, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -14,11 +14,7 @@ from tandem.rpc.generation.v1 import generation_pb2 as pb
 from tandem.rpc.generation.v1 import generation_pb2_grpc
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
-    yield s
-    s.close()
+stack = stack_fixture()
 
 
 @pytest.fixture(scope="module")

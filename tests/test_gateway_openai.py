@@ -9,21 +9,12 @@ import json
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack, metric_value, wait_until
+from gateway_harness import MODEL_NAME, metric_value, stack_fixture, wait_until
 
 from tandem.chat_template import ChatTemplate
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
+stack = stack_fixture()
 
 
 PROMPT = "def fibonacci(n):\n    return"

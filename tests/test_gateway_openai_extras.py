@@ -6,23 +6,20 @@ merged by index), and the sampling fields the engine does not implement refused 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import fake_verifier
 import grpc
 import httpx
-import openai
 import pytest
-from gateway_harness import Stack, tiny_model_dir, wait_until
+from gateway_harness import BOS, Stack, stack_fixture, tiny_model_copy, wait_until
 from tokenizers import Tokenizer
 
 import tandem
 from gateway.openai_extras import MAX_N
 from tandem.chat_template import ChatTemplate
 
-BOS = "<|bos|>"
 MODEL = "bos-model"
 PROMPT = "def fibonacci(n):\n    return"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
@@ -32,32 +29,15 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def model_dir(tmp_path_factory) -> Path:
     """The gateway tests' tokenizer with a Llama-3-like post-processor (``<|bos|> $A``), so that
     add_special_tokens makes a difference."""
-    folder = tmp_path_factory.mktemp("extras") / MODEL
-    shutil.copytree(tiny_model_dir(), folder)
-    spec = json.loads((folder / "tokenizer.json").read_text())
-    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == BOS)
-    bos, a = {"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a], "pair": [bos, a],
-                              "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    return folder
+    return tiny_model_copy(tmp_path_factory.mktemp("extras") / MODEL, bos_post_processor=True)
 
 
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    s = Stack(model_dir=model_dir)
-    yield s
-    s.close()
+stack = stack_fixture(model_dir_from="model_dir")
 
 
 @pytest.fixture(scope="module")
 def ref(model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
 
 
 def _post(stack, path: str, body: dict, **kw) -> httpx.Response:

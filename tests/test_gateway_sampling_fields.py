@@ -9,26 +9,16 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from fake_verifier import expected_tokens, fake_logprobs
-from gateway_harness import MODEL_NAME, Stack, tiny_model_dir, vocab_size
+from gateway_harness import MODEL_NAME, stack_fixture, tiny_model_dir, vocab_size
 from tokenizers import Tokenizer
 
 PROMPT = "def fibonacci(n):\n    return"
 MESSAGES = [{"role": "user", "content": "def f(x):"}]
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
+stack = stack_fixture()
 
 
 @pytest.fixture(scope="module")

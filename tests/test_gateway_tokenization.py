@@ -6,19 +6,16 @@ request leaves them unset (vLLM's --generation-config auto)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import grpc
-import openai
 import pytest
-from gateway_harness import Stack, tiny_model_dir
+from gateway_harness import BOS, stack_fixture, tiny_model_copy
 
 from gateway.generation_defaults import SamplingDefaults
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
 from tandem.tokenizer import TextTokenizer
 
-BOS = "<|bos|>"
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
                      "repetition_penalty": 1.25, "min_p": 0.125, "bos_token_id": 0, "eos_token_id": 1}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
@@ -27,17 +24,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def bos_model_dir(tmp_path_factory) -> Path:
     """The gateway tests' tokenizer with a Llama-3-like post-processor: ``<|bos|> $A``."""
-    folder = tmp_path_factory.mktemp("bos") / "bos-model"
-    shutil.copytree(tiny_model_dir(), folder)
-    spec = json.loads((folder / "tokenizer.json").read_text())
-    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == BOS)
-    bos, a = {"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
-                              "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    return folder
+    return tiny_model_copy(tmp_path_factory.mktemp("bos") / "bos-model", bos_post_processor=True,
+                           generation_config=GENERATION_CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +37,7 @@ def hf(bos_model_dir):
                                    eos_token=config["eos_token"], chat_template=config["chat_template"])
 
 
-@pytest.fixture(scope="module")
-def stack(bos_model_dir):
-    s = Stack(model_dir=bos_model_dir, served_model_name="bos-model")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+stack = stack_fixture(model_dir_from="bos_model_dir", served_model_name="bos-model")
 
 
 def _sent(stack) -> list[int]:

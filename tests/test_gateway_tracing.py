@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack, wait_until
+from gateway_harness import MODEL_NAME, stack_fixture, wait_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem import tracing
@@ -20,11 +20,7 @@ def exporter():
     return exp
 
 
-@pytest.fixture(scope="module")
-def stack(exporter):
-    s = Stack()
-    yield s
-    s.close()
+stack = stack_fixture(after=("exporter",))
 
 
 def _spans(exporter, *names):

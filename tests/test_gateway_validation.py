@@ -10,7 +10,7 @@ import json
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack
+from gateway_harness import MODEL_NAME, Stack, stack_fixture
 
 from tandem.rpc.generation.v1 import generation_pb2 as gen_pb
 from tandem.rpc.generation.v1 import generation_pb2_grpc as gen_grpc
@@ -19,11 +19,7 @@ GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
-    yield s
-    s.close()
+stack = stack_fixture()
 
 
 def _post(stack, raw: bytes, path: str = "/v1/completions") -> httpx.Response:

@@ -26,16 +26,13 @@ SECRET = "s3cret-for-tests-" + "x" * 16
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import make_draft, write_pair
 
     root = tmp_path_factory.mktemp("plane")
-    write_checkpoint(root / "models" / "target", "llama", seed=11, num_hidden_layers=6)
-    make_draft(root / "models" / "draft", ModelConfig.from_dir(root / "models" / "target"), seed=2)
+    target = write_pair(root / "models")
     (root / "models" / "not_a_head").mkdir()
     os.symlink(root / "models" / "not_a_head", root / "models" / "alias")
-    make_draft(root / "outside_head", ModelConfig.from_dir(root / "models" / "target"), seed=3)
+    make_draft(root / "outside_head", target, seed=3)
     os.symlink(root / "outside_head", root / "models" / "link_out")
     return root
 

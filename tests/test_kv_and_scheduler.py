@@ -115,11 +115,6 @@ def test_page_table_mirrors_the_pages_through_growth_and_truncation():
 # ------------------------------------------------------------------------------------------ engine
 
 
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
 def test_prompt_larger_than_the_whole_cache(llama):
     # 5 pages of 4 tokens, one reserved: room for 16 tokens. A prompt needs its tokens + 1.
     with LLMEngine(EngineConfig(model=llama.path, kv_pages=5, page_size=4)) as eng:

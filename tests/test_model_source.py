@@ -18,17 +18,12 @@ OTHER = "fedcba9876543210fedcba9876543210fedcba98"
 
 
 @pytest.fixture()
-def llama(checkpoint) -> Path:
-    return Path(checkpoint("llama").path)
-
-
-@pytest.fixture()
 def hub(tmp_path, monkeypatch, llama):
     """A Hugging Face cache holding the tests' tiny Llama as org/tiny-llama at main and at a tag."""
     cache = tmp_path / "hub"
     repo = cache / "models--org--tiny-llama"
     for commit, ref in ((COMMIT, "main"), (OTHER, "v1")):
-        shutil.copytree(llama, repo / "snapshots" / commit)
+        shutil.copytree(llama.path, repo / "snapshots" / commit)
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -58,9 +53,9 @@ def test_an_id_the_cache_lacks_is_one_clear_error_offline(hub):
 
 
 def test_local_folders_are_as_given(llama):
-    assert resolve_model(str(llama)) == str(llama)
+    assert resolve_model(llama.path) == llama.path
     with pytest.raises(ConfigError, match="--revision"):
-        resolve_model(str(llama), revision="main")
+        resolve_model(llama.path, revision="main")
 
 
 def test_the_services_take_an_id(hub):

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_checkpoints import pair_engine
 from helpers import random_prompt
-from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
 
 PAGE = 4
 SYSTEM = random_prompt(500, 23)  # a shared prefix that ends inside a page
@@ -22,18 +21,8 @@ GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 def engine(pair, chunk: int = -1, spec: SpecConfig | None = None, cache: bool = True, draft_page: int = PAGE,
            **kw) -> LLMEngine:
-    from tandem.models.eagle3_config import validate_draft
-
-    capture = validate_draft(pair.draft, pair.target)
-    eng = LLMEngine(EngineConfig(model=str(pair.target_dir), page_size=PAGE, chunked_prefill_size=chunk,
-                                 capture_layers=capture, enable_prefix_caching=cache, page_shuffle_seed=3, **kw),
-                    policy=SpeculationPolicy(PolicyConfig(enabled=False)))
-    if spec is not None:
-        eng.proposer = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir),
-                                               DrafterConfig(page_size=draft_page), capture_layers=capture,
-                                               embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
-        eng.default_spec = spec
-    return eng
+    return pair_engine(pair, spec, draft_page_size=draft_page, page_size=PAGE, chunked_prefill_size=chunk,
+                       enable_prefix_caching=cache, page_shuffle_seed=3, **kw)
 
 
 def conversation(eng: LLMEngine, params=GREEDY) -> tuple[list[list[int]], list]:

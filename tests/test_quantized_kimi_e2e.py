@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from services import Service, free_port, generate
+from helpers import target_only_greedy
+from services import Service, free_port, gateway_service, generate
 from deepseek_checkpoints import write_deepseek, write_kimi_k25
 from quantized_deepseek_checkpoints import write_quantized_deepseek
 
@@ -38,25 +39,14 @@ def stack(dirs, tmp_path_factory):
                                     "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                                     "--speculative-num-draft-tokens", "5", "--speculation-policy", "always"],
                        free_port(), logs / "verifier.log")
-    http_port, grpc_port = free_port(), free_port()
-    gateway = Service("gateway", ["--verifier", verifier.address, "--model-dir", target, "--grpc-port", str(grpc_port),
-                                  "--served-model-name", "kimi"], http_port, logs / "gateway.log", health_port=grpc_port)
+    gateway = gateway_service(verifier.address, target, "kimi", logs / "gateway.log")
     try:
         verifier.start()
         gateway.start()
-        yield {"verifier": verifier, "url": f"http://127.0.0.1:{http_port}/v1"}
+        yield {"verifier": verifier, "url": gateway.url}
     finally:
         for s in (gateway, verifier):
             s.stop()
-
-
-def target_only(model_dir, prompts, n):
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.sampling import SamplingParams
-
-    with LLMEngine(EngineConfig(model=str(model_dir))) as eng:
-        return [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))]
 
 
 def test_int4_kimi_k25_over_rest_with_speculation_equals_target_only_greedy(dirs, stack):
@@ -66,8 +56,8 @@ def test_int4_kimi_k25_over_rest_with_speculation_equals_target_only_greedy(dirs
     tokenizer = TextTokenizer(dirs / "kimi")
     texts = ["def fibonacci(n):\n    ", "import os\nfor path in"]
     prompts = [tokenizer.encode(t) for t in texts]
-    expected = target_only(dirs / "kimi", prompts, 20)
-    assert expected == target_only(dirs / "twin", prompts, 20)  # the wrapper serves the dequantized model
+    expected = target_only_greedy(dirs / "kimi", prompts, 20)
+    assert expected == target_only_greedy(dirs / "twin", prompts, 20)  # the wrapper serves the dequantized model
     client = openai.OpenAI(base_url=stack["url"], api_key="unused", max_retries=0, timeout=120)
     for text, want in zip(texts, expected):
         out = client.completions.create(model="kimi", prompt=text, max_tokens=20, temperature=0,

@@ -162,11 +162,6 @@ def test_sampled_top_k_top_p_distribution_chi_square():
 # ---------------------------------------------------------------------------------- through the engine
 
 
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
 def test_seeded_requests_independent_of_batch_composition(llama):
     prompt = random_prompt(70, 9)
     mine = SamplingParams(temperature=1.0, seed=42, max_new_tokens=24, ignore_eos=True)

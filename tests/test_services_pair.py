@@ -21,26 +21,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import write_pair
 
     root = tmp_path_factory.mktemp("pair")
-    write_checkpoint(root / "target", "llama", seed=11, num_hidden_layers=6)
-    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=2)
+    write_pair(root)
     return root
 
 
 @pytest.fixture(scope="module")
 def reference(pair_dirs):
     """Target-only greedy continuations of prompts_of(32), 24 new tokens each."""
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.sampling import SamplingParams
+    from helpers import target_only_greedy
 
-    with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
-        outs = eng.generate(prompts_of(32), SamplingParams(max_new_tokens=24, ignore_eos=True))
-    return [o.output_token_ids for o in outs]
+    return target_only_greedy(pair_dirs / "target", prompts_of(32), 24)
 
 
 @pytest.fixture(scope="module")

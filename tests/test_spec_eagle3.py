@@ -5,7 +5,6 @@ sequences that cross page boundaries (property-based)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tandem.engine.config import EngineConfig
@@ -17,18 +16,13 @@ from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import write_pair
+    from helpers import target_only_greedy, torch_prompts
 
     root = tmp_path_factory.mktemp("eagle3pair")
-    write_checkpoint(root / "target", "llama", seed=13, num_hidden_layers=6)
-    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=5)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (2, 7, 15, 30)]
-    with LLMEngine(EngineConfig(model=str(root / "target"))) as eng:
-        ref = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))]
-    return root, prompts, ref
+    write_pair(root, target_seed=13, draft_seed=5)
+    prompts = torch_prompts(2, (2, 7, 15, 30))
+    return root, prompts, target_only_greedy(root / "target", prompts, 24)
 
 
 @st.composite

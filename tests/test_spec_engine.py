@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from scipy.stats import chisquare
 
 from checkpoints import write_checkpoint
+from helpers import target_only_greedy, torch_prompts
 from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -34,11 +35,8 @@ def target(tmp_path_factory):
 def reference_outputs(target):
     """Target-only greedy continuations (the oracle) for a fixed set of prompts."""
     path, _ = target
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 21, 34, 40, 3)]
-    with LLMEngine(EngineConfig(model=str(path), page_size=4)) as eng:
-        outs = eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
-    return prompts, [o.output_token_ids for o in outs]
+    prompts = torch_prompts(0, (5, 13, 21, 34, 40, 3))
+    return prompts, target_only_greedy(path, prompts, 48, page_size=4)
 
 
 def test_target_only_reference_matches_transformers(target, reference_outputs):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from checkpoints import write_checkpoint
+from helpers import target_only_greedy, torch_prompts
 from proposers import RandomTreeProposer, Spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -227,11 +227,8 @@ def test_off_explores_rarer_the_more_a_round_costs():
 def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("policy") / "llama"
     write_checkpoint(path, "llama", seed=9, num_hidden_layers=3)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 19, 11)]
-    with LLMEngine(EngineConfig(model=str(path))) as eng:
-        ref = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))]
-    return path, prompts, ref
+    prompts = torch_prompts(1, (6, 19, 11))
+    return path, prompts, target_only_greedy(path, prompts, 48)
 
 
 class CountingProposer(RandomTreeProposer):

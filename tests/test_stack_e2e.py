@@ -14,7 +14,8 @@ import time
 import grpc
 import pytest
 
-from services import Service, free_port, read_metrics
+from helpers import target_only_greedy
+from services import Service, free_port, gateway_service, read_metrics
 from tandem.rpc.generation.v1 import generation_pb2 as gen_pb
 from tandem.rpc.generation.v1 import generation_pb2_grpc as gen_grpc
 
@@ -38,12 +39,8 @@ def stack_dirs(tmp_path_factory):
 
 
 def target_only(stack_dirs, prompt_ids: list[int], n: int) -> list[int]:
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.sampling import SamplingParams
-
-    with LLMEngine(EngineConfig(model=str(stack_dirs / "tiny"), enable_prefix_caching=False)) as eng:
-        return eng.generate([prompt_ids], SamplingParams(max_new_tokens=n))[0].output_token_ids
+    """Target-only greedy, stopping at an EOS as the served requests do."""
+    return target_only_greedy(stack_dirs / "tiny", [prompt_ids], n, ignore_eos=False, enable_prefix_caching=False)[0]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +51,9 @@ def stack(stack_dirs, tmp_path_factory):
     metrics_port = free_port()
     verifier = Service("verifier", ["--model", target, "--drafter", drafter.address, "--draft-model", draft,
                                     "--metrics-port", str(metrics_port)], free_port(), logs / "verifier.log").start()
-    http_port, grpc_port = free_port(), free_port()
-    gateway = Service("gateway", ["--verifier", verifier.address, "--model-dir", target, "--grpc-port", str(grpc_port),
-                                  "--served-model-name", "tiny"], http_port, logs / "gateway.log", health_port=grpc_port)
-    gateway.grpc_port = grpc_port
-    gateway.start()
+    gateway = gateway_service(verifier.address, target, "tiny", logs / "gateway.log").start()
     yield {"drafter": drafter, "verifier": verifier, "gateway": gateway, "metrics_port": metrics_port,
-           "url": f"http://127.0.0.1:{http_port}/v1"}
+           "url": gateway.url}
     for s in (gateway, verifier, drafter):
         s.stop()
 

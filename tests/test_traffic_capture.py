@@ -23,13 +23,10 @@ pytestmark = pytest.mark.slow
 def captured(tmp_path_factory):
     """Serve a few requests with capture on; → (pair folder, traffic folder, {tuple(tokens): prompt length},
     the cancelled request's prompt + the tokens its client received)."""
-    from checkpoints import write_checkpoint
-    from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
+    from draft_checkpoints import write_pair
 
     root = tmp_path_factory.mktemp("traffic")
-    write_checkpoint(root / "target", "llama", seed=11, num_hidden_layers=6)
-    make_draft(root / "draft", ModelConfig.from_dir(root / "target"), seed=2)
+    write_pair(root)
     traffic = root / "captured"
     drafter, verifier = start_pair(root, tmp_path_factory.mktemp("logs"), verifier_args=("--capture-traffic", str(traffic)))
     served = {}
