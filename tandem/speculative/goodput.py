@@ -61,11 +61,6 @@ class GoodputArbiter:
         if speculative == self._mode:
             self._epoch_steps += 1
 
-    def rate(self, batch_size: int, speculative: bool) -> float | None:
-        """Measured tokens per second of that mode at ``batch_size``'s bucket (None: not measured)."""
-        meter = self._meters.get((self.bucket(batch_size), speculative))
-        return meter.rate if meter is not None and meter.seconds > 0 else None
-
     def choose(self, batch_size: int, model_says: bool, predicted_loss: float) -> bool:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
         ``model_says``: the cost model's choice; ``predicted_loss``: the share of goodput it expects the other
