@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.paged_attention import _NO_KEY, _merge_splits_kernel, default_num_splits
+from tandem.kernels.paged_attention import (_NO_KEY, _merge_splits_kernel, _split_bounds, _store_result,
+                                            default_num_splits)
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -130,13 +131,7 @@ def _mla_attention_kernel(
         row_limit = causal_limit
     stop = tl.where(q_tile * BLOCK_Q < q_len, stop, 0)  # a tile past this sequence's tokens reads nothing
 
-    if NUM_SPLITS == 1:
-        start = 0
-        end = stop
-    else:
-        chunk = tl.cdiv(tl.cdiv(stop, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * chunk
-        end = tl.minimum(stop, start + chunk)
+    start, end = _split_bounds(stop, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], _NO_KEY, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -156,16 +151,8 @@ def _mla_attention_kernel(
                                          tail_start, scale_log2, stride_pool_page, stride_pool_slot,
                                          LORA, ROPE, ROPE_BLOCK, PAGE_SIZE, BLOCK_N, MASK_W, IEEE_DOT)
 
-    has_key = l_i > 0.0
-    o = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), _NO_KEY)
-        tl.store(part_o_ptr + split * stride_ps + tok[:, None] * stride_part_t + head[:, None] * stride_ph + d[None, :],
-                 o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+    _store_result(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, split, tok, head, d, row_ok,
+                  stride_ot, stride_oh, stride_ps, stride_part_t, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
 # A latent key is 576 wide and serves every head of the block: splits pay from ~32 keys each. Measured on the

@@ -76,6 +76,37 @@ def _attend_tile(q, n0, end, m_i, l_i, acc, bt_row, k_head, v_head, row_info, ta
 
 
 @triton.jit
+def _split_bounds(stop, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, end) this program attends: all ``stop`` of them, or its split's share in whole tiles."""
+    if NUM_SPLITS == 1:
+        start = stop * 0  # a tensor like the split branch's (what a jit function returns keeps one type)
+        end = stop
+    else:
+        chunk = tl.cdiv(tl.cdiv(stop, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(stop, start + chunk)
+    return start, end
+
+
+@triton.jit
+def _store_result(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, split, tok, head, d, row_ok,
+                  stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  NUM_SPLITS: tl.constexpr):
+    """Normalise the accumulated rows (rows that saw no key stay 0) and store them: the output, or this
+    split's partial output and log-sum-exp for ``_merge_splits_kernel``."""
+    has_key = l_i > 0.0
+    o = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), _NO_KEY)
+        tl.store(part_o_ptr + split * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
+                 o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, kv_lens_ptr, mask_ptr, part_o_ptr, part_lse_ptr,
     q_len, scale_log2,
@@ -122,13 +153,7 @@ def _paged_attention_kernel(
         # Keys after the tile's last row are invisible to the whole tile (prefill-like widths skip them).
         stop = tl.maximum(tl.minimum(kv_len, kv_len - q_len + (q_tile + 1) * BLOCK_Q), 0)
 
-    if NUM_SPLITS == 1:
-        start = 0
-        end = stop
-    else:
-        chunk = tl.cdiv(tl.cdiv(stop, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * chunk
-        end = tl.minimum(stop, start + chunk)
+    start, end = _split_bounds(stop, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], _NO_KEY, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -151,16 +176,8 @@ def _paged_attention_kernel(
                                          scale_log2, stride_kp, stride_kt, stride_vp, stride_vt,
                                          HEAD_DIM, PAGE_SIZE, BLOCK_N, MASK_W, IEEE_DOT)
 
-    has_key = l_i > 0.0
-    o = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows that saw nothing stay 0
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), _NO_KEY)
-        tl.store(part_o_ptr + split * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
-                 o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+    _store_result(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, split, tok, head, d, row_ok,
+                  stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
 @triton.jit
