@@ -61,10 +61,10 @@ class GoodputArbiter:
         if speculative == self._mode:
             self._epoch_steps += 1
 
-    def choose(self, batch_size: int, model_says: bool, predicted_loss: float) -> bool:
+    def choose(self, batch_size: int, model_says: bool, predicted_loss) -> bool:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
-        ``model_says``: the cost model's choice; ``predicted_loss``: the share of goodput it expects the other
-        mode to lose (how soon that one is measured where it has not been)."""
+        ``model_says``: the cost model's choice; ``predicted_loss()``: the share of goodput it expects the other
+        mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch)."""
         c, now = self.cfg, self.clock()
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s):
@@ -76,8 +76,9 @@ class GoodputArbiter:
         if not self._measured(b, model_says, now):
             return model_says  # step by step, measured as it goes
         if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
-            due = self._next_explore.setdefault(b, now + self._explore_gap(c.goodput_epoch_s, predicted_loss))
-            if now < due:
+            if b not in self._next_explore:
+                self._next_explore[b] = now + self._explore_gap(c.goodput_epoch_s, predicted_loss())
+            if now < self._next_explore[b]:
                 return model_says
             mode, self._exploring = not model_says, True
         else:

@@ -207,7 +207,7 @@ class SpeculationPolicy:
             return model_says
         if self.rounds_all < max(1, self.cfg.warmup_rounds):
             return model_says  # (it speculates to learn the traffic's τ)
-        return self.goodput.choose(batch_size, model_says, self._predicted_loss(batch_size, drafting, runs))
+        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs))
 
     def _predicted_loss(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None) -> float:
         """The share of goodput the model expects the mode it rejects to lose: 1 - min(τ/ratio, ratio/τ)
