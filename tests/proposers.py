@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
@@ -21,6 +22,12 @@ class Spec:
     """What these proposers read of a speculation setting: the tree's size."""
 
     num_draft_tokens: int
+
+
+def always_speculate() -> SpeculationPolicy:
+    """Speculation at every step: tests that compare rounds between runs cannot let the default policy's
+    timed explorations (wall-clock dependent) switch a step to plain decoding."""
+    return SpeculationPolicy(PolicyConfig(enabled=False))
 
 
 class RandomTreeProposer(Proposer):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deepseek_checkpoints import write_deepseek, write_kimi_k25
-from proposers import RandomTreeProposer
+from proposers import RandomTreeProposer, always_speculate
 from draft_checkpoints import make_draft
 from helpers import hf_greedy, random_prompt
 from tandem.engine.config import EngineConfig
@@ -72,7 +72,7 @@ def test_accepted_tree_paths_are_compacted_in_the_latent_cache(pair):
     oracle = {f"r{i}": p + e for i, (p, e) in enumerate(zip(prompts, ref))}
     proposer = RandomTreeProposer(vocab=VOCAB, seed=4, oracle=oracle, hit_rate=0.8)
     cfg = EngineConfig(model=str(root / "target"), page_size=3, page_shuffle_seed=5)
-    with LLMEngine(cfg, proposer=proposer, spec=Spec(8)) as eng:
+    with LLMEngine(cfg, proposer=proposer, spec=Spec(8), policy=always_speculate()) as eng:
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True), rid=f"r{i}")
                 for i, p in enumerate(prompts)]
         while eng.has_unfinished():

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from deepseek_checkpoints import write_deepseek  # noqa: E402
 from helpers import assert_rel, manual_greedy_logits, random_prompt  # noqa: E402
-from proposers import RandomTreeProposer, Spec  # noqa: E402
+from proposers import RandomTreeProposer, Spec, always_speculate  # noqa: E402
 from tandem.engine.batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
@@ -139,7 +139,7 @@ def test_tree_speculation_equals_the_reference_route(folder, engines, launches):
     for route in ("torch", "triton"):
         proposer = RandomTreeProposer(vocab=VOCAB, seed=4, oracle=oracle, hit_rate=0.8)
         cfg = EngineConfig(model=folder, page_size=3, page_shuffle_seed=5, attention_backend=route)
-        with LLMEngine(cfg, proposer=proposer, spec=Spec(6)) as eng:
+        with LLMEngine(cfg, proposer=proposer, spec=Spec(6), policy=always_speculate()) as eng:
             rids = [eng.add_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
             while eng.has_unfinished():
                 eng.step()

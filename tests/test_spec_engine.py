@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from checkpoints import write_checkpoint
 from helpers import target_only_greedy, torch_prompts
-from proposers import RandomTreeProposer, Spec
+from proposers import RandomTreeProposer, Spec, always_speculate
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams, adjusted_probs
@@ -84,7 +84,8 @@ def test_perfect_oracle_chain_accepts_everything(target, reference_outputs):
             return DraftTree.chain(full[pos], full[pos + 1 : pos + size])
 
     oracle = {f"r{i}": p + e + [0] * 16 for i, (p, e) in enumerate(zip(prompts, expected))}
-    with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(256, oracle=oracle), spec=Spec(5)) as eng:
+    with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(256, oracle=oracle), spec=Spec(5),
+                   policy=always_speculate()) as eng:
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=41, ignore_eos=True), rid=f"r{i}")
                 for i, p in enumerate(prompts)]
         while eng.has_unfinished():
