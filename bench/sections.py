@@ -88,8 +88,8 @@ def _batch1_variants(engine, layers: int, new_tokens: int) -> dict:
             eng.decode_steps, eng.overlap_runs = k, overlap
             best[name] = max(best[name], decode_tok_s(eng, 1, new_tokens)["tok_s"])
     engine.decode_steps, engine.overlap_runs = default_steps, True
-    replay = {"triton_gemv_pdl": events_ms(engine.executor.runner.graphs.families[1].graphs[1].replay, 30),
-              "cublas_no_pdl": events_ms(plain.executor.runner.graphs.families[1].graphs[1].replay, 30)}
+    replay = {"triton_gemv_pdl": events_ms(engine.executor.runner.graphs.graphs[(1, 1)].replay, 30),
+              "cublas_no_pdl": events_ms(plain.executor.runner.graphs.graphs[(1, 1)].replay, 30)}
     for name in best:
         print(f"batch 1, {name:45s}: {best[name]:7.1f} tok/s", flush=True)
     for name, ms in replay.items():
@@ -117,14 +117,13 @@ def decode(ctx: dict) -> dict:
         rows.append(row)
         print(f"graphs on  batch {bs:3d}: {row['tok_s']:8.1f} tok/s ({row['tok_s_per_request']:.1f} per request, "
               f"{row['ms_per_step']:.2f} ms/step)", flush=True)
-    fam = engine.executor.runner.graphs.families[1]
-    out["graph_replay_ms_bs1"] = events_ms(fam.graphs[1].replay, 30)
+    out["graph_replay_ms_bs1"] = events_ms(engine.executor.runner.graphs.graphs[(1, 1)].replay, 30)
     print(f"bare graph replay, batch 1: {out['graph_replay_ms_bs1']:.3f} ms = {1e3 / out['graph_replay_ms_bs1']:.0f} tok/s",
           flush=True)
     out["graphs_on"] = rows
     out["batch1_variants"] = _batch1_variants(engine, layers, new_tokens)
     engine.shutdown()
-    del engine, fam
+    del engine
     free_gpu()
     eager = bench_engine(layers, widths=(1,), max_bs=1, disable_graphs=True)
     row = decode_tok_s(eager, 1, min(new_tokens, 32))
@@ -251,9 +250,9 @@ def round_graphs(engine, drafter, chains: list) -> dict:
     to replay on their static inputs as they stand."""
     target = engine.executor.runner.graphs
     drafter.graphs.aux.fill_(1)  # the extend's token count (a queued run leaves the next roots there)
-    graphs = {"decode": target.families[1].graphs[1]}
+    graphs = {"decode": target.graphs[(1, 1)]}
     for sc in chains:
-        graphs[f"verify width {sc.num_draft_tokens}"] = target.families[sc.num_draft_tokens].graphs[1]
+        graphs[f"verify width {sc.num_draft_tokens}"] = target.graphs[(sc.num_draft_tokens, 1)]
         graphs[f"draft {sc.num_steps} steps"] = drafter.graphs.graphs[(sc, 1)]
     graphs["draft_extend"] = drafter.graphs.graphs[("extend", 1)]
     return graphs

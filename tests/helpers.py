@@ -130,23 +130,14 @@ def assert_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""
 
 
 def static_target_graphs(runner, widths: tuple[int, ...], max_bs: int):
-    """A TargetGraphRunner whose every "replay" runs the captured code eagerly on the static buffers
-    (CPU: no capture), so the replay-driving code around it — staging, advancing inputs on the device —
-    can be tested without a GPU. Needs a graph backend on ``runner`` (TritonGraphBackend under
+    """A TargetGraphRunner without graphs: every "replay" runs the captured code eagerly on the static
+    buffers (CPU: no capture), so the replay-driving code around it — staging, advancing inputs on the
+    device — can be tested without a GPU. Needs a graph backend on ``runner`` (TritonGraphBackend under
     TRITON_INTERPRET)."""
     from tandem.engine.cuda_graph import TargetGraphRunner
 
-    graphs = TargetGraphRunner(runner, widths=widths, max_bs=max_bs)
-
-    class EagerReplay:
-        def __init__(self, fam, bs):
-            self.fam, self.bs = fam, bs
-
-        def replay(self):
-            graphs._run_model(self.fam, self.bs)
-
+    graphs = TargetGraphRunner(runner, widths=widths, max_bs=max_bs, use_graphs=False)
     for fam in graphs.families.values():
-        fam.graphs = {bs: EagerReplay(fam, bs) for bs in graphs.buckets}
         graphs._run_model(fam, graphs.max_bs)  # sizes the static outputs, as the first capture does
     return graphs
 

@@ -1,20 +1,16 @@
 """CUDA graphs for the target's uniform-width forwards: plain decode (width 1) and tree verification
 (width = num_draft_tokens per request).
 
-One graph per (family, padded batch size), captured largest first into one shared memory pool;
-small batch sizes densely, large ones sparsely. Each graph reads static input buffers (token ids,
-positions, KV slots, block tables, KV lengths, tree masks) and writes static outputs (logits, and
-for verification the EAGLE-3 features). Padding rows write their KV into the reserved dummy page 0
-and are never read back. Everything else — prefill, mixed widths, batches beyond the largest bucket —
-runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
+One graph per (width, padded batch size), captured by tandem.graph_capture. Each graph reads static
+input buffers (token ids, positions, KV slots, block tables, KV lengths, tree masks) and writes static
+outputs (logits, and for verification the EAGLE-3 features). Padding rows write their KV into the
+reserved dummy page 0 and are never read back. Everything else — prefill, mixed widths, batches beyond
+the largest bucket — runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,26 +18,9 @@ import torch
 
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.staging import PinnedStaging, send_page_rows
+from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.watchdog import Watchdog
-
-log = logging.getLogger("tandem.cuda_graph")
-
-
-@functools.cache
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream every graph of a device is captured on. cuBLAS keeps a workspace per stream
-    it runs on, inside the graph pool: a fresh stream per capture would hold one per graph."""
-    return torch.cuda.Stream(device)
-
-
-def batch_buckets(max_bs: int) -> list[int]:
-    """1..8 densely, then every 8 up to 64, then every 16: what a padded batch rounds up to."""
-    sizes = [b for b in (1, 2, 3, 4, 5, 6, 7, 8) if b <= max_bs]
-    sizes += list(range(16, min(max_bs, 64) + 1, 8)) + list(range(80, max_bs + 1, 16))
-    if sizes[-1] != max_bs:
-        sizes.append(max_bs)
-    return sorted(set(sizes))
 
 
 @dataclass
@@ -58,7 +37,7 @@ class GraphMeta:
 
 
 class _Family:
-    """Static buffers and graphs of one width."""
+    """Static buffers of one width (its graphs are the runner's, keyed (width, bucket))."""
 
     def __init__(self, width: int, max_bs: int, max_pages: int, page_size: int, device: torch.device):
         n = max_bs * width
@@ -70,7 +49,6 @@ class _Family:
         self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if width > 1 else None
         self.causal = np.tril(np.ones((width, width), dtype=np.int64))  # the mask of a sequence without a tree
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
         # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
         self.logits: torch.Tensor | None = None  # [max_bs * width, vocab], model dtype
@@ -83,47 +61,37 @@ class _Family:
                          self.mask[:bs] if self.mask is not None else None, self.page_size)
 
 
-class TargetGraphRunner:
+class TargetGraphRunner(GraphRunner):
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
-                 capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0):
-        """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend)."""
+                 capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None):
+        """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend). Graphs are keyed
+        (width, bucket)."""
+        super().__init__(runner.device, batch_buckets(max_bs), log_name="tandem.cuda_graph", watchdog=watchdog,
+                         use_graphs=runner.device.type == "cuda" if use_graphs is None else use_graphs,
+                         capture_deadline_s=capture_deadline_s, replay_deadline_s=replay_deadline_s)
         self.runner = runner
-        self.device = runner.device
         self.page_size = runner.cfg.page_size
-        self.buckets = batch_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
         self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max(self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths), self.device)
-        self.watchdog = watchdog or Watchdog()
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
         self.decode_features = any(w > 1 for w in widths) or runner.cfg.graph_decode_features
-        self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
-        self.pool = None
 
     # -- capture ---------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> dict[str, tuple[float, float]]:
-        """Capture every family and bucket; returns {name: (seconds, GB)} and logs one line per family."""
-        report = {}
-        for width, fam in sorted(self.families.items(), key=lambda kv: -kv[0]):
-            name = "decode" if width == 1 else f"verify(width={width})"
-            torch.cuda.synchronize(self.device)
-            free_before = torch.cuda.mem_get_info(self.device)[0]
-            started = time.perf_counter()
-            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-                with self.watchdog.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
-                    self._capture_one(fam, bs)
-            torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - started
-            free_after, _ = torch.cuda.mem_get_info(self.device)
-            used_gb = (free_before - free_after) / 1e9
-            log.info("Capture %s cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB. avail mem=%.2f GB.",
-                     name, elapsed, used_gb, free_after / 1e9)
-            report[name] = (elapsed, used_gb)
-        return report
+    def capture_plan(self) -> list[tuple[str, list]]:
+        return [(self._family_name(w), [w]) for w in sorted(self.families, reverse=True)]
+
+    @staticmethod
+    def _family_name(width: int) -> str:
+        return "decode" if width == 1 else f"verify(width={width})"
+
+    def _pad_all(self, width: int, bs: int) -> None:
+        self._fill_padding(self.families[width], 0, bs)
+
+    def _body(self, width: int, bs: int) -> None:
+        self._run_model(self.families[width], bs)
 
     def _run_model(self, fam: _Family, bs: int) -> None:
         n = bs * fam.width
@@ -139,22 +107,6 @@ class TargetGraphRunner:
         fam.logits[:n].copy_(logits)
         if features is not None:
             fam.features[:n].copy_(features)
-
-    def _capture_one(self, fam: _Family, bs: int) -> None:
-        self._fill_padding(fam, 0, bs)
-        stream = capture_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: allocator, cuBLAS handles and Triton compiles stay out of the graph
-                self._run_model(fam, bs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self._run_model(fam, bs)
-        graph.replay()  # the first launch uploads the graph (slow): do it here, on padding inputs, not mid-serving
-        fam.graphs[bs] = graph
 
     # -- replay ----------------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -175,12 +127,12 @@ class TargetGraphRunner:
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the bucket that fits ``batch``. ``sync=False`` returns as soon as the replay is queued
-        (the caller queues more work behind it and waits later, under ``guard_wait``)."""
+        (the caller queues more work behind it and waits later, under ``guard``)."""
         fam, bs, m = self.prepare(batch)
         # A hang shows at the first wait on the replay's work; the caller reads the logits right after
         # anyway, so waiting here costs nothing and puts the hang inside the guard.
-        with self.watchdog.guard(self._replay_name(fam, bs), self.replay_deadline_s):
-            fam.graphs[bs].replay()
+        with self.guard(self._replay_name(fam, bs)):
+            self._launch(fam.width, bs)
             if sync and self.device.type == "cuda":  # (CPU tests stand replays in with eager code)
                 torch.cuda.current_stream(self.device).synchronize()
         return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
@@ -212,8 +164,8 @@ class TargetGraphRunner:
         """Replay bucket ``bs`` of ``fam`` on the static inputs as they stand (``prepare``d, then
         ``advance``d), without waiting: → views of the first ``n`` sequences' logits (model dtype) and
         features, valid until the family's next replay."""
-        with self.watchdog.guard(self._replay_name(fam, bs), self.replay_deadline_s):
-            fam.graphs[bs].replay()
+        with self.guard(self._replay_name(fam, bs)):
+            self._launch(fam.width, bs)
         m = n * fam.width
         return fam.logits[:m], (fam.features[:m] if fam.features is not None else None)
 
@@ -236,13 +188,8 @@ class TargetGraphRunner:
         rows = send_page_rows(self.staging, tables)
         fam.block_tables[: rows.shape[0], : rows.shape[1]].copy_(rows)
 
-    @staticmethod
-    def _replay_name(fam: _Family, bs: int) -> str:
-        return f"replay {'decode' if fam.width == 1 else f'verify(width={fam.width})'} cuda graph bs={bs}"
-
-    def guard_wait(self, what: str):
-        """A watchdog guard for waiting on replays queued with ``run(sync=False)``."""
-        return self.watchdog.guard(what, self.replay_deadline_s)
+    def _replay_name(self, fam: _Family, bs: int) -> str:
+        return f"replay {self._family_name(fam.width)} cuda graph bs={bs}"
 
     @torch.inference_mode()
     def run_static_eagerly(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -259,7 +206,7 @@ class TargetGraphRunner:
         width = len(seqs[0].token_ids)
         fam = self.families[width]
         n, ps = len(seqs), self.page_size
-        bs = next(b for b in self.buckets if b >= n)
+        bs = self.bucket(n)
         m = width * n
         max_pages = max(len(s.pages) for s in seqs)
         sizes = [m, m, m, n, n * max_pages, n * width * width if fam.mask is not None else 0]

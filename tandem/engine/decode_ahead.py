@@ -124,7 +124,7 @@ def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
     """Wait for the steps that write ``tokens`` ([steps, n], inside the watchdog when there are graphs)
     → each request's tokens."""
     steps, n = tokens.host.shape
-    waiting = runner.graphs.guard_wait(f"decode ahead: {steps} steps, batch {n}") if runner.graphs else contextlib.nullcontext()
+    waiting = runner.graphs.guard(f"decode ahead: {steps} steps, batch {n}") if runner.graphs else contextlib.nullcontext()
     with waiting:
         per_step = tokens.tolist()
     return [[per_step[k][i] for k in range(steps)] for i in range(n)]

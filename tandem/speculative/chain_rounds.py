@@ -280,7 +280,7 @@ def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
 def read_chain_rounds(target_graphs, run: QueuedRun) -> ChainRounds:
     """Wait for ``run`` and read its tokens back (one copy)."""
     nd = run.spec.num_draft_tokens
-    with target_graphs.guard_wait(f"chain rounds: {run.rounds} rounds, batch {len(run.reqs)}"):
+    with target_graphs.guard(f"chain rounds: {run.rounds} rounds, batch {len(run.reqs)}"):
         per_round = run.emitted.tolist()
     n = len(run.reqs)
     tokens = [[per_round[r][i][: per_round[r][i][nd]] for r in range(run.rounds)] for i in range(n)]

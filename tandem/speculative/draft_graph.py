@@ -1,10 +1,9 @@
 """CUDA graphs for the EAGLE-3 drafter (docs/architecture.md, "CUDA graphs"): the whole multi-step tree draft, and the
 fixed-width draft-extend, each captured per padded batch-size bucket.
 
-One graph per (family, bucket) — per SpecConfig for ``draft``, one width ``max num_steps + 1`` for
-``draft_extend`` (accepted path ≤ num_steps plus the bonus) — captured largest bucket first into one
-memory pool (the caller's, e.g. the target's, or a new one), each under a watchdog deadline, with one
-log line per family. The graphs run ``draft_static``'s pure-tensor code over static buffers; the host
+One graph per (member, bucket) — a SpecConfig for the ``draft`` family, "extend" (one width,
+``max num_steps + 1``: accepted path ≤ num_steps plus the bonus) for ``draft_extend`` — captured by
+tandem.graph_capture into the caller's memory pool (the target's) or a new one. The graphs run ``draft_static``'s pure-tensor code over static buffers; the host
 fills them with one host→device copy of packed integers (lengths, roots or token ids, block tables)
 plus on-device stacks of the per-request state, and reads a draft's trees back in one device→host copy.
 
@@ -16,31 +15,29 @@ free pages for the padding — return None / False and the drafter runs eagerly.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-
 import torch
 
-from tandem.engine.cuda_graph import batch_buckets, capture_stream
 from tandem.engine.staging import PinnedStaging, send_page_rows
 from tandem.errors import ConfigError
+from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
 from tandem.speculative.tree import DraftTree, PendingTokens
 from tandem.watchdog import Watchdog
 
-log = logging.getLogger("tandem.draft_graph")
+EXTEND = "extend"  # the draft-extend's member (a draft's is its SpecConfig)
 
 
-class DraftGraphRunner:
+class DraftGraphRunner(GraphRunner):
     def __init__(self, drafter, specs, max_bs: int = 64, *, buckets: list[int] | None = None,
                  watchdog: Watchdog | None = None, pool=None, use_graphs: bool | None = None,
                  attention: str | None = None, capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0):
         """``drafter``: the Eagle3Drafter whose head, KV pool and requests the graphs serve. ``specs``: the
         SpecConfigs to capture draft graphs for. ``attention``: "triton" (default on GPU) or "torch"."""
-        self.drafter, self.head = drafter, drafter.head
-        self.device, self.dtype = drafter.device, drafter.dtype
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        device = drafter.device
+        super().__init__(device, buckets or batch_buckets(max_bs), log_name="tandem.draft_graph", watchdog=watchdog,
+                         pool=pool, use_graphs=device.type == "cuda" if use_graphs is None else use_graphs,
+                         capture_deadline_s=capture_deadline_s, replay_deadline_s=replay_deadline_s)
+        self.drafter, self.head, self.dtype = drafter, drafter.head, drafter.dtype
         self.attn = StaticAttention(attention or ("triton" if self.device.type == "cuda" else "torch"))
         self.specs = tuple(dict.fromkeys(specs))
         if not self.specs:
@@ -51,16 +48,10 @@ class DraftGraphRunner:
             if (s.num_steps - 1) * s.topk > MAX_MASK_W:
                 raise ConfigError(f"draft graphs need (--speculative-num-steps - 1) * --speculative-eagle-topk <= "
                                   f"{MAX_MASK_W}, got ({s.num_steps} - 1) * {s.topk}; use --disable-cuda-graph")
-        self.buckets = sorted(set(buckets)) if buckets else batch_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
         self.width = max(s.num_steps for s in self.specs) + 1  # draft-extend tokens per request
         self.page_size = ps = drafter.cfg.page_size
         scratch = max((s.num_steps - 1) * s.topk for s in self.specs)
         self.max_pages = -(-(self.head.max_positions + max(scratch, self.width)) // ps)  # a request never needs more
-        # Captures and replays are guarded; the static path without graphs (CPU tests) needs no thread.
-        self.watchdog = watchdog or (Watchdog() if self.use_graphs else None)
-        self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
-        self.pool = pool
         self.replays = {"draft": 0, "draft_extend": 0}  # how often each family ran (tests, metrics)
 
         mb, dev, H, tw = self.max_bs, self.device, self.head.config.hidden_size, drafter.top_width
@@ -82,79 +73,29 @@ class DraftGraphRunner:
         self.out_state = torch.zeros(mb, H, dtype=self.dtype, device=dev)
         self.out_logp = torch.zeros(mb, tw, dtype=torch.float32, device=dev)
         self.out_ids = torch.zeros(mb, tw, dtype=torch.int64, device=dev)
-        self.graphs: dict[tuple[object, int], torch.cuda.CUDAGraph] = {}  # (spec or "extend", bs) -> graph
 
     # -- the captured bodies -----------------------------------------------------------------------
-    def _draft_body(self, spec, bs: int) -> None:
-        k = spec.topk
-        static_draft(self.head, self.drafter.kv, self.attn, spec, self.page_size, self.lens[:bs], self.block_tables[:bs],
-                     self.aux[:bs], self.state[:bs], self.top_logp[:bs, :k], self.top_ids[:bs, :k], self.trees[spec][:bs])
+    def capture_plan(self) -> list[tuple[str, list]]:
+        return [("draft", list(self.specs)), ("draft_extend", [EXTEND])]
 
-    def _extend_body(self, bs: int) -> None:
-        w = self.width
-        static_extend(self.head, self.drafter.kv, self.attn, self.page_size, w, self.lens[:bs], self.aux[:bs],
-                      self.block_tables[:bs], self.token_ids[: bs * w], self.features[: bs * w],
-                      self.out_state[:bs], self.out_logp[:bs], self.out_ids[:bs])
-
-    def _guard(self, what: str, deadline_s: float):
-        return self.watchdog.guard(what, deadline_s) if self.watchdog is not None else contextlib.nullcontext()
-
-    def _run(self, key, bs: int, body) -> None:
-        if self.use_graphs:
-            self.graphs[(key, bs)].replay()
+    def _body(self, member, bs: int) -> None:
+        if member == EXTEND:
+            w = self.width
+            static_extend(self.head, self.drafter.kv, self.attn, self.page_size, w, self.lens[:bs], self.aux[:bs],
+                          self.block_tables[:bs], self.token_ids[: bs * w], self.features[: bs * w],
+                          self.out_state[:bs], self.out_logp[:bs], self.out_ids[:bs])
         else:
-            body()
+            k = member.topk
+            static_draft(self.head, self.drafter.kv, self.attn, member, self.page_size, self.lens[:bs],
+                         self.block_tables[:bs], self.aux[:bs], self.state[:bs], self.top_logp[:bs, :k],
+                         self.top_ids[:bs, :k], self.trees[member][:bs])
 
-    # -- capture -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> dict[str, tuple[float, float]]:
-        """Capture every family and bucket (largest first); returns {name: (seconds, GB)}."""
-        families = [("draft", [(s, lambda bs, s=s: self._draft_body(s, bs)) for s in self.specs]),
-                    ("draft_extend", [("extend", self._extend_body)])]
-        report = {}
-        for name, members in families:
-            torch.cuda.synchronize(self.device)
-            free_before = torch.cuda.mem_get_info(self.device)[0]
-            started = time.perf_counter()
-            for key, body in members:
-                for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-                    with self._guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
-                        self._capture_one(key, bs, lambda: body(bs))
-            torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - started
-            free_after = torch.cuda.mem_get_info(self.device)[0]
-            used_gb = (free_before - free_after) / 1e9
-            log.info("Capture %s cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB. avail mem=%.2f GB.",
-                     name, elapsed, used_gb, free_after / 1e9)
-            report[name] = (elapsed, used_gb)
-        return report
-
-    def _capture_one(self, key, bs: int, fn) -> None:
-        self._fill_dummy(bs)  # every row a padding row: KV into page 0 only
-        stream = capture_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS handles and allocator growth stay outside
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            fn()
-        graph.replay()  # the first launch uploads the graph (slow): do it here, on padding inputs, not mid-serving
-        self.graphs[(key, bs)] = graph
-
-    def _fill_dummy(self, bs: int) -> None:
+    def _pad_all(self, member, bs: int) -> None:
         for t in (self.lens, self.block_tables, self.state, self.top_logp, self.top_ids, self.token_ids, self.features):
             t.zero_()
         self.aux.fill_(1)
 
     # -- host → static buffers ---------------------------------------------------------------------
-    def bucket(self, n: int) -> int | None:
-        """The captured batch size ``n`` requests pad to (None: more than the largest)."""
-        return next((b for b in self.buckets if b >= n), None)
-
     def _stage(self, bs: int, heads: list[list[int]], pages: list, pad_aux: int,
                tail: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one row ``[L, aux, *extra, *pages]`` per request — padding rows: length 0, ``pad_aux``, the
@@ -209,8 +150,8 @@ class DraftGraphRunner:
             if bs > n:
                 for t in (self.state, self.top_logp, self.top_ids):
                     t[n:bs].zero_()
-            with self._guard(f"Replay draft cuda graph bs={bs}", self.replay_deadline_s):
-                self._run(spec, bs, lambda: self._draft_body(spec, bs))
+            with self.guard(f"Replay draft cuda graph bs={bs}"):
+                self._launch(spec, bs)
                 self.replays["draft"] += 1
                 if defer and k == 1:
                     return self._pending_chains(reqs, spec)
@@ -260,8 +201,8 @@ class DraftGraphRunner:
             self.features[: bs * w].zero_()  # padded tokens get zero features (finite K/V in the scratch)
             feats = torch.cat([f.to(self.device, self.dtype, non_blocking=True) for _, _, f in items])
             self.features.index_copy_(0, dest_dev, feats)
-            with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
-                self._run("extend", bs, lambda: self._extend_body(bs))
+            with self.guard(f"Replay draft_extend cuda graph bs={bs}"):
+                self._launch(EXTEND, bs)
             # Fresh tensors: the static outputs are overwritten by the next replay.
             states, top_logp, top_ids = self.out_state[:n].clone(), self.out_logp[:n].clone(), self.out_ids[:n].clone()
         except BaseException:
@@ -292,8 +233,8 @@ class DraftGraphRunner:
     def replay_draft(self, spec, bs: int) -> torch.Tensor:
         """Replay the draft of the staged requests, without waiting → the trees' rows (float64
         [bs, 3 * num_draft_tokens + 1], as ``static_draft`` writes them), valid until the next draft."""
-        with self._guard(f"Replay draft cuda graph bs={bs}", self.replay_deadline_s):
-            self._run(spec, bs, lambda: self._draft_body(spec, bs))
+        with self.guard(f"Replay draft cuda graph bs={bs}"):
+            self._launch(spec, bs)
         self.replays["draft"] += 1
         return self.trees[spec][:bs]
 
@@ -306,8 +247,8 @@ class DraftGraphRunner:
         self.token_ids[: bs * w].view(bs, w)[:n, :c].copy_(tokens)
         self.features[: bs * w].view(bs, w, -1)[:n, :c].copy_(features)
         self.aux[:n].copy_(counts)
-        with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
-            self._run("extend", bs, lambda: self._extend_body(bs))
+        with self.guard(f"Replay draft_extend cuda graph bs={bs}"):
+            self._launch(EXTEND, bs)
         self.replays["draft_extend"] += 1
         self.aux[:n].copy_(tokens.gather(1, (counts - 1)[:, None])[:, 0])  # the root of the next draft
         self.lens[:n] += counts
@@ -320,8 +261,8 @@ class DraftGraphRunner:
         the tokens, features and counts), with the next draft's inputs left by one kernel (``settle``)."""
         from tandem.kernels import round_glue
 
-        with self._guard(f"Replay draft_extend cuda graph bs={bs}", self.replay_deadline_s):
-            self._run("extend", bs, lambda: self._extend_body(bs))
+        with self.guard(f"Replay draft_extend cuda graph bs={bs}"):
+            self._launch(EXTEND, bs)
         self.replays["draft_extend"] += 1
         round_glue.settle(counts, self.token_ids, self.width, self.aux, self.lens, self.state, self.out_state[:bs],
                           self.top_logp, self.out_logp[:bs], self.top_ids, self.out_ids[:bs])
