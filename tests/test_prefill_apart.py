@@ -47,7 +47,7 @@ def test_a_step_that_prefills_has_no_decoding_rows_and_the_next_one_decodes(pair
             info = eng.last_step
             kinds.append((info.num_prefill, info.num_decode))
         # never both in one step, and the running requests decode between two chunks (at least as long as a
-        # chunk took: LLMEngine.decode_owed_s)
+        # chunk took: StepAccounting.decode_owed_s)
         assert all(not (p and d) for p, d in kinds)
         prefilled = [bool(p) for p, _ in kinds]
         assert not any(a and b for a, b in zip(prefilled, prefilled[1:]))
@@ -148,13 +148,13 @@ def test_prompts_that_arrive_while_decoding_is_owed_go_together(pair):
         eng.step()  # alone: nothing to keep apart from
         eng.add_request(PROMPTS[1], params)
         eng.step()  # a step of that prompt alone
-        assert eng.last_step.num_prefill == 1 and not eng.last_step.num_decode and eng.decode_owed_s > 0
-        eng.decode_owed_s = 1e9  # (a long prefill: decoding owed for a while)
+        assert eng.last_step.num_prefill == 1 and not eng.last_step.num_decode and eng.accounting.decode_owed_s > 0
+        eng.accounting.decode_owed_s = 1e9  # (a long prefill: decoding owed for a while)
         late = [eng.add_request(p, params) for p in PROMPTS[2:]]
         for _ in range(3):
             eng.step()
             assert eng.last_step.num_decode and not eng.last_step.num_prefill  # the late prompts wait
-        eng.decode_owed_s = 0.0  # paid
+        eng.accounting.decode_owed_s = 0.0  # paid
         eng.step()
         assert eng.last_step.num_prefill == len(late) and not eng.last_step.num_decode  # together
         while eng.has_unfinished():

@@ -28,6 +28,7 @@ from tandem.engine.request import FinishReason, GenerationResult, Request
 from tandem.engine.request_sampling import wants_prompt_logits
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Schedule, Scheduler
+from tandem.engine.step_accounting import StepAccounting
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"
-MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
 
 
 class LLMEngine:
@@ -78,12 +78,8 @@ class LLMEngine:
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
         self.processed_logprobs = cfg.logprobs_mode == "processed_logprobs"
         self.prefill_apart = graphed if cfg.mixed_prefill is None else not cfg.mixed_prefill
-        # With prompts apart: decoding the running requests are owed after a step of prompts alone, as long as
-        # that step took (at most MAX_DECODE_OWED_S), before the next one. Prompts that arrive meanwhile wait and
-        # go together: a prefill's fixed cost is paid once for several, and the stream keeps at least half the time.
-        self.decode_owed_s = 0.0
-        self._unobserved = None  # the previous step, for the policy: timed up to the next step's start
-        self._unobserved_goodput = None  # ... and the same for its goodput: (running, mode, tokens, started)
+        # decoding owed after prompts alone; each step's time and goodput to the policy
+        self.accounting = StepAccounting(self.prefill_apart)
         # a run of decode steps or of rounds queued and not read back (tandem.engine.decode_ahead, .rounds_ahead)
         self.run_in_flight = None
         self._finishing: list[Request] | None = None  # finished, draft state kept (hold_finished_drafts)
@@ -166,7 +162,7 @@ class LLMEngine:
         """Whether a waiting prompt is prefilled now (and runs queued ahead stay short meanwhile): one can be
         admitted and, with prompts apart, the running requests have decoded as long as the last step of prompts
         alone took."""
-        return self.scheduler.can_admit() and not (self.prefill_apart and self.decode_owed_s > 0)
+        return self.scheduler.can_admit() and not (self.prefill_apart and self.accounting.decode_owed_s > 0)
 
     def _row_width(self, req: Request, width: int) -> int:
         """The request's rows in a verify of ``width``: its tree, or filler up to ``width`` where it fits."""
@@ -177,47 +173,14 @@ class LLMEngine:
         acceptance, KV compaction, and the drafter's extension with the new tokens' features. Its wall
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
-        self._observe_previous(started)
+        self.accounting.step_starts(started, self.policy)
         running = len(self.scheduler.running)
         outputs = self._step()
         if self.last_step is not None:
-            self._account(self.last_step, started, running, outputs)
+            self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
+                                       len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
+                                       sum(len(o.new_token_ids) for o in outputs))
         return outputs
-
-    def _account(self, info: StepInfo, started: float, running: int, outputs: list[StepOutput]) -> None:
-        """After a step: the decoding owed after prompts alone, and what the policy learns of it (an arrival's
-        extension into the drafter now; its time, and its tokens for the goodput, when the next step starts)."""
-        decoding = running > 0
-        if self.prefill_apart:
-            took = time.perf_counter() - started
-            if info.num_prefill and not info.num_decode and decoding:  # prompts kept apart from running requests
-                self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
-            elif info.num_decode:
-                self.decode_owed_s = max(0.0, self.decode_owed_s - took)
-        if info.prefill_tokens and not info.num_decode and self.speculating and self.drafts.up():
-            # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
-            self.policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
-        if info.num_decode and self.proposer is not None:
-            resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
-            timed = (info.timed or resumed) and not info.num_prefill and bool(self.scheduler.running)
-            self._unobserved = (info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
-        if decoding and self.proposer is not None and self.scheduler.running:  # (not the last step before idling)
-            mode = info.speculative if info.num_decode else self.speculating
-            self._unobserved_goodput = (running, mode, sum(len(o.new_token_ids) for o in outputs), started)
-
-    def _observe_previous(self, now: float) -> None:
-        """The previous step's time goes to the policy now, from its start to this one's: what a step costs
-        includes what its caller does with the tokens (a server streams them: per step, not per token), so
-        a step is timed to the next (there was one: requests were still running when it ended)."""
-        if self._unobserved is not None:
-            num_decode, speculative, steps, started, resumed = self._unobserved
-            self.policy.observe_step(num_decode, speculative, steps, None if started is None else now - started,
-                                     resumed=resumed)
-            self._unobserved = None
-        if self._unobserved_goodput is not None:
-            running, mode, tokens, started = self._unobserved_goodput
-            self.policy.observe_goodput(running, mode, tokens, now - started)
-            self._unobserved_goodput = None
 
     def _step(self) -> list[StepOutput]:
         """Schedule the step and run it: a queued run read back, a run of decode steps or rounds queued

@@ -1,0 +1,80 @@
+"""What the engine learns from a step once it has run: the decoding owed after a step of prompts alone,
+and what the speculation policy (tandem.speculative.policy) is told of it.
+
+- With prompts kept apart from running requests, the running ones are owed as much decoding as a step
+  of prompts alone took (at most MAX_DECODE_OWED_S) before the next such step: prompts that arrive
+  meanwhile wait and go together, so a prefill's fixed cost is paid once for several.
+- A step's cost is timed from its start to the next step's: what the caller does with the tokens (a
+  server streams them, per step) is part of what a step costs. So the policy hears of a step when the
+  next one starts, and only when requests were still running after it.
+- An arrival's extension into the drafter is charged while speculating, from a step of prompts alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.engine.step import StepInfo
+
+MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
+
+
+@dataclass(frozen=True)
+class _TimedStep:
+    num_decode: int
+    speculative: bool
+    steps: int  # decode steps or rounds the step ran
+    started: float | None  # None: its time says nothing of a step's cost (prompts in it, or none left running)
+    resumed: bool  # a round that first caught the drafter up
+
+
+@dataclass(frozen=True)
+class _GoodputStep:
+    running: int
+    speculative: bool
+    tokens: int
+    started: float
+
+
+class StepAccounting:
+    """The policy is the caller's at each call (warm-up and benches swap the engine's)."""
+
+    def __init__(self, prefill_apart: bool):
+        self.prefill_apart = prefill_apart
+        self.decode_owed_s = 0.0
+        self._step: _TimedStep | None = None
+        self._goodput: _GoodputStep | None = None
+
+    def step_starts(self, now: float, policy) -> None:
+        """The previous step's time, up to ``now``, goes to ``policy``."""
+        if self._step is not None:
+            s, self._step = self._step, None
+            policy.observe_step(s.num_decode, s.speculative, s.steps,
+                                     None if s.started is None else now - s.started, resumed=s.resumed)
+        if self._goodput is not None:
+            g, self._goodput = self._goodput, None
+            policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started)
+
+    def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
+                   running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int) -> None:
+        """``info`` of the step that ran from ``started`` to ``ended``, with ``running_before`` requests
+        decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
+        ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted."""
+        if self.prefill_apart:
+            took = ended - started
+            if info.num_prefill and not info.num_decode and running_before:  # prompts kept apart
+                self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
+            elif info.num_decode:
+                self.decode_owed_s = max(0.0, self.decode_owed_s - took)
+        if info.prefill_tokens and not info.num_decode and speculating and drafter_up:
+            # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
+            policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
+        if proposer is None:
+            return
+        if info.num_decode:
+            resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
+            timed = (info.timed or resumed) and not info.num_prefill and running_after > 0
+            self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
+        if running_before and running_after:  # (not the last step before idling)
+            mode = info.speculative if info.num_decode else speculating
+            self._goodput = _GoodputStep(running_before, mode, tokens, started)

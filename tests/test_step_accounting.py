@@ -1,0 +1,91 @@
+"""The engine's per-step bookkeeping (tandem.engine.step_accounting): what the policy hears of a step
+and when, and the decoding owed after a step of prompts alone — on explicit times, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.step import StepInfo
+from tandem.engine.step_accounting import MAX_DECODE_OWED_S, StepAccounting
+
+PROPOSER = object()
+
+
+class Heard:
+    def __init__(self):
+        self.calls = []
+
+    def observe_step(self, num_decode, speculative, steps, seconds, resumed=False):
+        self.calls.append(("step", num_decode, speculative, steps, seconds, resumed))
+
+    def observe_goodput(self, running, speculative, tokens, seconds):
+        self.calls.append(("goodput", running, speculative, tokens, seconds))
+
+    def observe_arrivals(self, tokens, seconds):
+        self.calls.append(("arrivals", tokens, seconds))
+
+
+def decode(n=4, speculative=True, **kw):
+    return StepInfo(num_prefill=0, num_decode=n, spans={}, speculative=speculative, **kw)
+
+
+def test_a_step_is_timed_to_the_next_steps_start_and_heard_only_then():
+    acc, policy = StepAccounting(prefill_apart=False), Heard()
+    acc.step_ended(policy, decode(4, steps=2), started=10.0, ended=10.5, running_before=4, running_after=4,
+                   speculating=True, proposer=PROPOSER, drafter_up=True, tokens=12)
+    assert policy.calls == []  # not before the next step starts: what the caller does with the tokens counts
+    acc.step_starts(11.0, policy)
+    assert policy.calls == [("step", 4, True, 2, pytest.approx(1.0), False),
+                            ("goodput", 4, True, 12, pytest.approx(1.0))]
+    acc.step_starts(12.0, policy)
+    assert len(policy.calls) == 2  # heard once
+
+
+def test_a_step_with_prompts_or_before_idling_is_not_timed_and_a_catch_up_round_is_apart():
+    acc, policy = StepAccounting(prefill_apart=False), Heard()
+    mixed = StepInfo(num_prefill=1, num_decode=3, spans={}, speculative=True, prefill_tokens=50)
+    acc.step_ended(policy, mixed, 0.0, 0.1, 3, 4, True, PROPOSER, True, 4)
+    acc.step_starts(1.0, policy)
+    assert policy.calls[0] == ("step", 3, True, 1, None, False)
+    policy.calls.clear()
+    acc.step_ended(policy, decode(2), 1.0, 1.1, 2, 0, True, PROPOSER, True, 2)  # the last requests finished
+    acc.step_starts(5.0, policy)
+    assert policy.calls == [("step", 2, True, 1, None, False)]  # an idle gap is no step's cost; no goodput
+    policy.calls.clear()
+    acc.step_ended(policy, decode(2, timed=False), 5.0, 5.2, 2, 2, True, PROPOSER, True, 4)
+    acc.step_starts(5.5, policy)
+    assert policy.calls[0] == ("step", 2, True, 1, pytest.approx(0.5), True)
+
+
+def test_arrivals_are_charged_from_prompts_alone_while_speculating_with_a_drafter():
+    prompts = StepInfo(num_prefill=2, num_decode=0, spans={"draft_extend": (0, 3_000_000)}, prefill_tokens=64)
+    for speculating, up, heard in ((True, True, True), (False, True, False), (True, False, False)):
+        acc, policy = StepAccounting(prefill_apart=False), Heard()
+        acc.step_ended(policy, prompts, 0.0, 0.1, 0, 2, speculating, PROPOSER, up, 2)
+        assert (("arrivals", 64, pytest.approx(0.003)) in policy.calls) == heard
+
+
+def test_without_a_proposer_the_policy_hears_no_step():
+    acc, policy = StepAccounting(prefill_apart=False), Heard()
+    acc.step_ended(policy, decode(4, speculative=False), 0.0, 0.1, 4, 4, False, None, False, 4)
+    acc.step_starts(1.0, policy)
+    assert policy.calls == []
+
+
+def test_prompts_kept_apart_leave_decoding_owed_as_long_as_they_took_capped_and_paid_by_decoding():
+    acc, policy = StepAccounting(prefill_apart=True), Heard()
+    prompts = StepInfo(num_prefill=1, num_decode=0, spans={}, prefill_tokens=10)
+    acc.step_ended(policy, prompts, 0.0, 0.02, 3, 4, False, None, False, 1)
+    assert acc.decode_owed_s == pytest.approx(0.02)
+    acc.step_ended(policy, decode(4), 1.0, 1.015, 4, 4, False, None, False, 4)
+    assert acc.decode_owed_s == pytest.approx(0.005)
+    acc.step_ended(policy, decode(4), 2.0, 2.015, 4, 4, False, None, False, 4)
+    assert acc.decode_owed_s == 0.0
+    acc.step_ended(policy, prompts, 3.0, 4.0, 3, 4, False, None, False, 1)  # a long chunk
+    assert acc.decode_owed_s == MAX_DECODE_OWED_S
+    idle = StepAccounting(prefill_apart=True)
+    idle.step_ended(policy, prompts, 0.0, 0.02, 0, 1, False, None, False, 1)  # nobody was decoding: nothing owed
+    assert idle.decode_owed_s == 0.0
+    together = StepAccounting(prefill_apart=False)
+    together.step_ended(policy, prompts, 0.0, 0.02, 3, 4, False, None, False, 1)
+    assert together.decode_owed_s == 0.0
