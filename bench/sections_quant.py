@@ -113,7 +113,7 @@ def linear_rows(ctx: dict) -> list[dict]:
 
 
 def _moe_layer(experts: int, inter: int, quantized: bool):
-    from tandem.engine.model_runner import default_dtype
+    from tandem.models.loader import default_dtype
     from tandem.layers.moe import MoE
     from tandem.models.deepseek_config import MoeConfig
     from tandem.models.quantization import Int4Group, QuantConfig

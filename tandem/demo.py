@@ -17,13 +17,11 @@ import logging
 import os
 from pathlib import Path
 
+from tandem.model_source import cache_root
+
 log = logging.getLogger("tandem.demo")
 
 DEMO_VERSION = "v2-trained"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 
 
 @contextlib.contextmanager

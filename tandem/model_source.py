@@ -59,6 +59,11 @@ def _from_hub(name: str, revision: str | None, flag: str) -> str:
                           f"downloading it failed ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def cache_root() -> Path:
+    """Where Tandem keeps what it builds or converts: ``$TANDEM_CACHE``, else ``~/.cache/tandem``."""
+    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+
+
 def hub_id(folder: str) -> str | None:
     """``org/name`` when ``folder`` is a snapshot in a Hugging Face cache, else None."""
     m = _SNAPSHOT.search(str(Path(folder).resolve()))
@@ -74,7 +79,6 @@ def safetensors_copy(folder: str) -> str:
     bins = sorted(src.glob("pytorch_model*.bin"))
     if not bins or any(src.glob("*.safetensors")):
         return folder
-    from tandem.demo import cache_root
 
     key = hashlib.sha256("".join(f"{b.resolve()}:{b.stat().st_size}:{b.stat().st_mtime_ns}" for b in bins).encode())
     out = cache_root() / "converted" / f"{src.resolve().name}-{key.hexdigest()[:16]}"

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from helpers import norm_rel_err  # noqa: E402
-from tandem.engine.model_runner import default_dtype  # noqa: E402
+from tandem.models.loader import default_dtype  # noqa: E402
 from tandem.kernels.fused_moe import (  # noqa: E402
     ExpertWeights, MoeTiles, align_by_expert, align_by_expert_torch, fused_moe,
 )

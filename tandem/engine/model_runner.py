@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.kv_cache import KVPool, KVSpec
 from tandem.models.config import ModelConfig
-from tandem.models.loader import resolve_dtype
+from tandem.models.loader import default_dtype, resolve_dtype
 from tandem.models.registry import build_model
 from tandem.distributed import tp_group
 
@@ -43,16 +42,6 @@ def randomize_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> N
             p.fill_(1.0 if "norm" in name else 0.0)
         else:
             p.normal_(0.0, std, generator=gen)
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class ModelRunner:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +21,17 @@ from tandem.errors import CheckpointError
 from tandem.layers.linear import ShapeMismatch
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Modules built inside take ``dtype`` for their parameters (the target's and the head's alike)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:

@@ -119,7 +119,7 @@ def test_disabled_or_too_large_batches_stay_eager(pair):
 # -- timing -----------------------------------------------------------------------------------------
 def llama8b_head(dtype=torch.bfloat16, max_positions=4096):
     """A random head of Llama-3-8B's EAGLE-3 shape (H 4096, 32/8 heads, draft vocab 32000)."""
-    from tandem.engine.model_runner import default_dtype
+    from tandem.models.loader import default_dtype
     from tandem.models.config import RopeConfig
     from tandem.models.eagle3 import Eagle3Head
     from tandem.models.eagle3_config import DraftConfig

@@ -184,7 +184,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(tokens):
 
 def test_moe_layer_takes_the_fused_path_on_the_gpu():
     """The layer on CUDA (fused kernel) against its own reference loop, DeepSeek-V3-style grouped routing."""
-    from tandem.engine.model_runner import default_dtype
+    from tandem.models.loader import default_dtype
     from tandem.layers.moe import MoE
     from tandem.models.deepseek_config import MoeConfig
 
