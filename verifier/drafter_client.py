@@ -35,11 +35,11 @@ from tandem.errors import TandemError
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
-from tandem.rpc.drafter.trees import unpack_trees
 from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.round_mailbox import DRAFTED, RoundMailbox
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer, ProposerUnavailable
+from tandem.tree_wire import unpack_trees
 from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
 
