@@ -435,7 +435,7 @@ def test_a_drafter_speaking_another_protocol_is_refused(peer):
             while fake.hellos < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert fake.hellos >= 2 and not client.available and fake.rounds == 0
-            assert "drafter protocol 1" in client._last_refusal  # said once, as an error
+            assert "drafter protocol 1" in client._reconnector.last_refusal  # said once, as an error
         finally:
             client.close()
     peer.run(server.stop(0))
