@@ -39,10 +39,10 @@ from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
-from tandem.rpc.drafter.trees import pack_trees
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
+from tandem.tree_wire import pack_trees
 from drafter.chain_runs import ChainRuns
 from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads

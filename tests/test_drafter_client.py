@@ -58,7 +58,7 @@ def test_a_prompt_longer_than_the_ring_goes_in_pieces():
 def test_trees_travel_packed_in_the_order_they_were_asked_for():
     import pytest
 
-    from tandem.rpc.drafter.trees import unpack_trees
+    from tandem.tree_wire import unpack_trees
 
     drafts = pb.Drafts(seq=3, tree_sizes=[1, 4, 3], tree_tokens=[7, 9, 1, 2, 3, 5, 6, 4],
                        tree_parents=[-1, -1, 0, 1, 1, -1, 0, 0], tree_scores=[0, 0, -.5, -1, -2, 0, -.1, -.2])
@@ -244,3 +244,103 @@ def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
         client.discard("gone")  # a lost drafter: the verifier's waits must not hang on its flags
         assert box.flags[DRAFTED] == 7
         box.close()
+
+
+class FakeHandshakes:
+    """Stands in for DrafterConnection's constructor (the handshake) in verifier.drafter_reconnect: each
+    attempt raises ``refusal`` while it is set, else blocks until ``proceed`` is set and connects."""
+
+    def __init__(self):
+        import threading
+
+        self.refusal: Exception | None = None
+        self.attempts, self.hellos, self.made = 0, [], []
+        self.proceed, self.started = threading.Event(), threading.Event()
+        self.proceed.set()
+
+    def __call__(self, address, hello, timeout_s, loop, loop_lock, offer_lane, metadata):
+        self.attempts += 1
+        self.hellos.append(hello)
+        if self.refusal is not None:
+            raise self.refusal
+        self.started.set()
+        self.proceed.wait(10.0)
+        conn = DraftingConnection()
+        conn.welcome, conn.lane, conn.closed = pb.Welcome(draft_model="fake-head"), None, False
+        conn.close = lambda: setattr(conn, "closed", True)
+        self.made.append(conn)
+        return conn
+
+
+def _wait_until(condition, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_the_reconnector_logs_a_refusal_once_connects_when_it_can_and_again_after_a_drop(monkeypatch, caplog):
+    import logging
+
+    import grpc
+
+    from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
+    from tandem.speculative.proposer import ProposerUnavailable
+
+    handshakes = FakeHandshakes()
+    monkeypatch.setattr("verifier.drafter_reconnect.DrafterConnection", handshakes)
+    refusal = ProposerUnavailable("taken")
+    refusal.status, refusal.details = grpc.StatusCode.ALREADY_EXISTS, "another verifier holds the stream"
+    handshakes.refusal = refusal
+    with HiddenRing.create(64, 4, "float32") as ring, caplog.at_level(logging.DEBUG, logger="verifier.drafter_client"):
+        states = []
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
+                               on_state=lambda up: states.append((up, client.available)))
+        client.start()
+        try:
+            assert _wait_until(lambda: handshakes.attempts >= 3) and not client.available
+            refused = [r for r in caplog.records if "refused this verifier" in r.getMessage()]
+            assert len(refused) == 1 and refused[0].levelno == logging.ERROR  # said once, however many tries
+            assert client._reconnector.last_refusal == "another verifier holds the stream"
+            hello = handshakes.hellos[0].hello
+            assert hello.protocol_version == PROTOCOL_VERSION and hello.ring.name == ring.spec.name
+            # Things queued before the connection must not reach the drafter on it.
+            client._pending_release.append("stale")
+            client._pending_start["stale"] = pb.PrefixStart(token_ids=[1])
+            seq = client._seq
+            handshakes.refusal = None  # the drafter is free again
+            assert client.wait_connected(10.0) and client._conn is handshakes.made[0]
+            assert states == [(True, True)]  # told after the connection is in place
+            assert client._seq == seq + 1 and not client._pending_release and not client._pending_start
+            assert any("connected to the drafter at 127.0.0.1:1 (fake-head); rounds on the gRPC stream"
+                       in r.getMessage() for r in caplog.records)
+            client.draft([], None)  # the first Round of the connection carries its first seq
+            assert handshakes.made[0].rounds[0].seq == seq + 1
+            with client._lock:
+                client._drop("a broken stream")  # the client's drop alone makes the reconnector reconnect
+            assert handshakes.made[0].closed and states[-1] == (False, False)
+            assert _wait_until(lambda: len(handshakes.made) == 2 and client.available)
+            assert client._conn is handshakes.made[1] and states[-1] == (True, True)
+        finally:
+            client.close()
+        assert not client.available and handshakes.made[1].closed
+
+
+def test_a_connection_made_while_the_client_closes_is_closed_and_never_used(monkeypatch):
+    handshakes = FakeHandshakes()
+    handshakes.proceed.clear()  # the handshake runs until the test lets it finish
+    monkeypatch.setattr("verifier.drafter_reconnect.DrafterConnection", handshakes)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        states = []
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
+                               on_state=states.append)
+        client.start()
+        assert handshakes.started.wait(10.0)
+        client.close()
+        handshakes.proceed.set()
+        client._reconnector._thread.join(10.0)
+        assert not client._reconnector._thread.is_alive()  # closed: no further attempt
+        assert handshakes.made[0].closed and not client.available and states == []
+        assert handshakes.attempts == 1

@@ -391,7 +391,7 @@ def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
     from drafter.service import DrafterService
     from tandem.rpc.drafter.v1 import drafter_pb2 as pb
     from tandem.speculative.tree import DraftTree
-    from tandem.rpc.drafter.trees import unpack_trees
+    from tandem.tree_wire import unpack_trees
 
     class Head:
         def __init__(self, gen):
@@ -435,7 +435,7 @@ def test_a_drafter_speaking_another_protocol_is_refused(peer):
             while fake.hellos < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert fake.hellos >= 2 and not client.available and fake.rounds == 0
-            assert "drafter protocol 1" in client._last_refusal  # said once, as an error
+            assert "drafter protocol 1" in client._reconnector.last_refusal  # said once, as an error
         finally:
             client.close()
     peer.run(server.stop(0))

@@ -15,38 +15,35 @@ their own. At most one Round is ever in flight, so the ring's round bookkeeping 
 
 The drafter is optional at every moment. While it is absent ``available`` is False and the engine
 decodes plainly; a reply later than the deadline, a broken stream or a dead process raises
-ProposerUnavailable (the engine then drops all draft state) and a background thread reconnects.
-The drafter starts every connection empty, so nothing from before a loss is ever referenced again.
+ProposerUnavailable (the engine then drops all draft state) and a background thread reconnects
+(verifier/drafter_reconnect.py). The drafter starts every connection empty, so nothing from before a
+loss is ever referenced again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from typing import Callable
 
-import grpc
 import torch
 
 from tandem import internal_secret
 from tandem.errors import TandemError
 from tandem.ring import HiddenRing
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
-from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
-from tandem.rpc.drafter.trees import unpack_trees
 from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.round_mailbox import DRAFTED, RoundMailbox
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer, ProposerUnavailable
+from tandem.tree_wire import unpack_trees
 from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
+from verifier.drafter_reconnect import DrafterReconnector
 
 log = logging.getLogger("verifier.drafter_client")
 REFUSED_RUN_BACKOFF_S = 0.5  # after the drafter refused a run, rounds go one at a time this long
-# Handshake refusals that retrying alone will not fix (or not soon): logged once each, as errors.
-REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS)
 MAX_TRACES = 65536  # trace contexts kept at most (each request's is forgotten when it finishes, whatever the path)
 
 
@@ -65,7 +62,6 @@ class DrafterClient(Proposer):
         its reply's receipt, the part of it the caller spent blocked (less when the Round was prefetched),
         the reply (the drafter's own timings), and how the Round was sent (see ``_collect``)."""
         self.address, self.ring, self.target = address, ring, target
-        self._metadata = internal_secret.metadata(secret)  # the stream's credentials (tandem.internal_secret)
         self.round_lane = round_lane  # offer the drafter a local socket for the rounds (tandem/round_lane.py)
         self.prefetch_rounds = prefetch  # False: prefetch() sends nothing (--disable-round-prefetch)
         # Runs of chain rounds queued on the device with the drafter (tandem.speculative.remote_rounds);
@@ -85,17 +81,18 @@ class DrafterClient(Proposer):
         self._prefetched: _Prefetch | None = None  # the Round in flight, sent by prefetch
         self._sent_at = 0.0  # when the last Round went out (one is in flight at most)
         self._traces: dict[str, dict[str, str]] = {}
-        self._stop = threading.Event()
-        self._last_refusal = ""
-        self._reconnector = threading.Thread(target=self._keep_connected, name="drafter-connect", daemon=True)
-        self._loop, self._loop_lock = asyncio.new_event_loop(), threading.Lock()  # shared by every connection
+        # Opens a connection whenever _conn is None (so _drop alone makes it reconnect); _adopt takes it.
+        self._reconnector = DrafterReconnector(
+            address, ring, target, mailbox, deadline_s=lambda: self.deadline_s, interval_s=reconnect_interval_s,
+            offer_lane=round_lane, metadata=internal_secret.metadata(secret),  # the stream's credentials
+            connected=lambda: self._conn is not None, adopt=self._adopt, on_up=lambda: self.on_state(True))
 
     # -- connection ------------------------------------------------------------------------------
     def start(self) -> None:
         self._reconnector.start()
 
     def close(self) -> None:
-        self._stop.set()
+        self._reconnector.stop()
         with self._lock:
             self._drop("shutting down")
         if self.mailbox is not None:
@@ -126,43 +123,18 @@ class DrafterClient(Proposer):
             time.sleep(0.05)
         return self.available
 
-    def _keep_connected(self) -> None:
-        hello = pb.VerifierMessage(hello=pb.Hello(protocol_version=PROTOCOL_VERSION,
-                                                   ring=pb.RingSpec(**self.ring.spec.to_fields()), target=self.target))
-        if self.mailbox is not None:
-            layout = self.mailbox.layout
-            hello.hello.mailbox.CopyFrom(pb.RoundMailbox(storage=pb.RingSpec(**self.mailbox.storage_spec.to_fields()),
-                                                         flags=self.mailbox.flags_name, max_batch=layout.max_bs,
-                                                         max_draft_tokens=layout.max_nd))
-        while not self._stop.is_set():
-            if self._conn is None:
-                try:
-                    conn = DrafterConnection(self.address, hello, max(self.deadline_s, 5.0), self._loop, self._loop_lock,
-                                             self.round_lane, self._metadata)
-                except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
-                    if not isinstance(e, ProposerUnavailable):
-                        log.warning("connecting to the drafter at %s failed: %s: %s", self.address, type(e).__name__, e)
-                    details = getattr(e, "details", "")
-                    if getattr(e, "status", None) in REFUSALS:  # misconfigured or taken: say it once
-                        if details != self._last_refusal:
-                            log.error("the drafter at %s refused this verifier: %s", self.address, details)
-                        self._last_refusal = details
-                    else:
-                        log.debug("drafter at %s not reachable: %s", self.address, e)
-                else:
-                    with self._lock:
-                        if self._stop.is_set():  # closed while the handshake ran
-                            conn.close()
-                            return
-                        self._conn, self._seq = conn, self._seq + 1
-                        self._pending_extend.clear()
-                        self._pending_release.clear()
-                        self._pending_start.clear()
-                        self.ring.begin_round(self._seq)
-                    log.info("connected to the drafter at %s (%s); rounds on %s", self.address, conn.welcome.draft_model,
-                             "the round lane" if conn.lane is not None else "the gRPC stream")
-                    self.on_state(True)
-            self._stop.wait(self.reconnect_interval_s)
+    def _adopt(self, conn: DrafterConnection) -> bool:
+        """A new connection from the reconnector (its thread): start it with nothing queued; False when
+        closed while the handshake ran."""
+        with self._lock:
+            if self._reconnector.stopped:
+                return False
+            self._conn, self._seq = conn, self._seq + 1
+            self._pending_extend.clear()
+            self._pending_release.clear()
+            self._pending_start.clear()
+            self.ring.begin_round(self._seq)
+        return True
 
     def _drop(self, reason: str) -> None:
         """Forget the connection and everything in flight (called with the lock held)."""

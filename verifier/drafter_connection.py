@@ -1,7 +1,7 @@
 """The verifier's end of one drafter connection: the gRPC Rounds stream (handshake, lifeline, and the
 rounds' fallback transport) and, when the drafter attached to it, the round lane (tandem/round_lane.py).
 Failures of either are ProposerUnavailable; DrafterClient (verifier/drafter_client.py) then drops the
-connection and reconnects."""
+connection and its DrafterReconnector (verifier/drafter_reconnect.py) opens another."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Draft trees in a Drafts reply, packed (protocol 2): the drafter packs them in the order the Round
 asked for them, the verifier unpacks them by that order. One definition for both services (and for
-bench/round_messages.py, which times them)."""
+bench/round_messages.py, which times them), kept in the core package: tandem/rpc/ holds only the
+generated stubs (scripts/gen_proto.py), and services may not import each other."""
 
 from __future__ import annotations
 
