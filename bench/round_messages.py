@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from host_timing import best_seconds  # noqa: E402
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb  # noqa: E402
 from tandem.speculative.tree import DraftTree  # noqa: E402
-from tandem.tree_wire import pack_trees, unpack_trees  # noqa: E402
+from tandem.speculative.tree_wire import pack_trees, unpack_trees  # noqa: E402
 
 CHAIN = ([5, 6, 7, 8], [-1, 0, 1, 2], [0.0, -0.1, -0.2, -0.3])  # tokens, parents, scores of one drafted tree
 

@@ -42,7 +42,7 @@ from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
-from tandem.tree_wire import pack_trees
+from tandem.speculative.tree_wire import pack_trees
 from drafter.chain_runs import ChainRuns
 from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads

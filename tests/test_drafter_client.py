@@ -58,7 +58,7 @@ def test_a_prompt_longer_than_the_ring_goes_in_pieces():
 def test_trees_travel_packed_in_the_order_they_were_asked_for():
     import pytest
 
-    from tandem.tree_wire import unpack_trees
+    from tandem.speculative.tree_wire import unpack_trees
 
     drafts = pb.Drafts(seq=3, tree_sizes=[1, 4, 3], tree_tokens=[7, 9, 1, 2, 3, 5, 6, 4],
                        tree_parents=[-1, -1, 0, 1, 1, -1, 0, 0], tree_scores=[0, 0, -.5, -1, -2, 0, -.1, -.2])

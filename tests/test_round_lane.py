@@ -391,7 +391,7 @@ def test_the_drafter_packs_trees_in_the_rounds_order_across_heads_and_specs():
     from drafter.service import DrafterService
     from tandem.rpc.drafter.v1 import drafter_pb2 as pb
     from tandem.speculative.tree import DraftTree
-    from tandem.tree_wire import unpack_trees
+    from tandem.speculative.tree_wire import unpack_trees
 
     class Head:
         def __init__(self, gen):

@@ -37,7 +37,7 @@ from tandem.speculative.remote_rounds import RemoteDraftSide
 from tandem.speculative.round_mailbox import DRAFTED, RoundMailbox
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer, ProposerUnavailable
-from tandem.tree_wire import unpack_trees
+from tandem.speculative.tree_wire import unpack_trees
 from verifier.config import ROUND_FEATURE_ROWS
 from verifier.drafter_connection import DrafterConnection
 from verifier.drafter_reconnect import DrafterReconnector
