@@ -1,6 +1,6 @@
 """The CUDA-graph path's static buffers, padding and Triton kernels give the eager path's logits and
-features — checked on the CPU under Triton's interpreter (capture and replay themselves are checked
-on the GPU in tests/gpu/test_engine_gpu.py)."""
+features — for a dense model and for a latent-cache one (DeepSeek-V3's MLA) — checked on the CPU under
+Triton's interpreter (capture and replay themselves are checked on the GPU in tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,32 @@ def engine(tmp_path_factory):
     eng.shutdown()
 
 
-def test_static_decode_and_verify_match_eager(engine):
+@pytest.fixture(scope="module")
+def mla_engine(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MLA + MoE) on the Triton latent kernel's route."""
+    from deepseek_checkpoints import write_deepseek
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    path = tmp_path_factory.mktemp("static-mla") / "t"
+    write_deepseek(path, seed=6, num_hidden_layers=3)
+    eng = LLMEngine(EngineConfig(model=str(path), page_size=4, page_shuffle_seed=7, attention_backend="triton"))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_static_decode_and_verify_match_eager(model, request):
     from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.attention.mla_graph_backend import MLAGraphBackend
     from tandem.engine.batch import ForwardBatch, SequenceChunk
     from tandem.engine.cuda_graph import TargetGraphRunner
     from tandem.kv_cache import SequenceKV
     from tandem.speculative.tree import DraftTree
 
+    engine = request.getfixturevalue("engine" if model == "llama" else "mla_engine")
     runner = engine.executor.runner
-    runner.graph_backend = TritonGraphBackend()
+    runner.graph_backend = TritonGraphBackend() if model == "llama" else MLAGraphBackend()
     graphs = TargetGraphRunner(runner, widths=(1, 5), max_bs=8)
     # A prompt as long as a verify is wide is a prefill (one logits row wanted), not a verify: eager.
     assert not graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2])]))
@@ -188,3 +205,40 @@ def test_queued_decode_steps_record_logprobs_and_apply_penalties_as_one_step_dec
         assert abs(got.logprob - want.logprob) <= 1e-4
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got.top, want.top)) <= 1e-4
+
+
+def test_queued_decode_steps_of_a_latent_model_on_the_static_buffers_equal_one_step_decoding(mla_engine, monkeypatch):
+    """The MLA graph backend under queued runs: the latent kernel reads the lengths and slots the device
+    advanced between replays (a padded batch: 3 requests in bucket 4)."""
+    import tandem.engine.decode_ahead as decode_ahead
+    from helpers import static_target_graphs
+    from tandem.attention.mla_graph_backend import MLAGraphBackend
+    from tandem.sampling import SamplingParams
+
+    engine, runner = mla_engine, mla_engine.executor.runner
+    backend, calls = MLAGraphBackend(), {"attend": 0, "runs": 0}
+    attend, queue = backend.forward_absorbed, decode_ahead.queue_decode_steps
+    monkeypatch.setattr(backend, "forward_absorbed", lambda *a: calls.__setitem__("attend", calls["attend"] + 1) or attend(*a))
+    monkeypatch.setattr(decode_ahead, "queue_decode_steps",
+                        lambda *a, **kw: calls.__setitem__("runs", calls["runs"] + 1) or queue(*a, **kw))
+    monkeypatch.setattr(runner, "graph_backend", backend, raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 10, 18)]
+    params = SamplingParams(max_new_tokens=13, ignore_eos=True)
+    engine.decode_steps = 1
+    reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+    runner.graphs, engine.decode_steps = graphs, 6
+    try:
+        queued = [r.output_token_ids for r in engine.generate(prompts, params)]
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert queued == reference and calls["runs"] >= 2 and calls["attend"] >= 6 * 3  # runs of 6 steps, 3 layers
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_verify_widths_past_the_latent_kernels_mask_are_not_captured():
+    from tandem.engine.model_runner import graph_widths
+
+    assert graph_widths((1, 4, 65), latent=False) == (1, 4, 65)
+    assert graph_widths((1, 4, 64, 65), latent=True) == (1, 4, 64)

@@ -44,6 +44,17 @@ def randomize_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> N
             p.normal_(0.0, std, generator=gen)
 
 
+def graph_widths(widths: tuple[int, ...], latent: bool) -> tuple[int, ...]:
+    """The verify widths to capture: MLA's kernel takes trees of at most 64 nodes (wider ones verify eagerly)."""
+    from tandem.attention.mla_triton_backend import MAX_MASK_WIDTH
+
+    kept = tuple(w for w in widths if not latent or w <= MAX_MASK_WIDTH)
+    if kept != tuple(widths):
+        log.warning("verify widths %s exceed the MLA kernel's %d nodes: those verifies run eagerly",
+                    sorted(set(widths) - set(kept)), MAX_MASK_WIDTH)
+    return kept
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
         self.cfg, self.model_cfg = cfg, model_cfg
@@ -83,9 +94,15 @@ class ModelRunner:
             from tandem.attention.graph_backend import make_graph_backend
             from tandem.engine.cuda_graph import TargetGraphRunner
 
-            self.graph_backend = make_graph_backend(self.device)
-            self.graphs = TargetGraphRunner(self, cfg.cuda_graph_widths, cfg.cuda_graph_max_bs)
-            self.graph_report = self.graphs.capture()
+            latent = spec.entries == 1
+            self.graph_backend = make_graph_backend(self.device, latent)
+            widths = graph_widths(cfg.cuda_graph_widths, latent)
+            self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs)
+            try:
+                self.graph_report = self.graphs.capture()
+            except Exception as e:
+                raise ConfigError(f"capturing the CUDA graphs of {model_cfg.architecture} failed ({type(e).__name__}: "
+                                  f"{e}); --disable-cuda-graph serves it eagerly") from e
 
     def _size_kv_pool(self, spec: KVSpec) -> int:
         cfg, m = self.cfg, self.model_cfg

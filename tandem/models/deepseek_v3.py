@@ -131,7 +131,7 @@ class DeepseekModel(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     """Target model with CausalLM's ``forward`` and ``logits`` (they only walk ``model`` and ``lm_head``)."""
 
-    supports_cuda_graphs = False  # the graphed path has no MLA kernels yet: every forward runs eagerly
+    supports_cuda_graphs = True  # decode and verify through tandem.attention.mla_graph_backend
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)  # not CausalLM.__init__: that builds the dense decoder

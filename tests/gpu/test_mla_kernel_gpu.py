@@ -136,3 +136,36 @@ def test_a_deepseek_engine_on_the_gpu_kernel_route_equals_the_cpu_reference(tmp_
     (gpu_rows, gpu_tokens), (cpu_rows, cpu_tokens) = results
     assert norm_rel_err(gpu_rows, cpu_rows) < 1e-4
     assert gpu_tokens == cpu_tokens
+
+
+@pytest.mark.parametrize("spec", [None, (3, 1, 4), (3, 2, 6)], ids=["target-only", "chain", "tree"])
+def test_a_deepseek_engine_on_cuda_graphs_equals_it_eager(tmp_path, spec):
+    """MLA + MoE captured in CUDA graphs (decode, and verify for speculation with a random EAGLE-3 head):
+    the same greedy tokens as with --disable-cuda-graph, float32."""
+    pytest.importorskip("transformers")
+    from deepseek_checkpoints import write_deepseek
+    from draft_checkpoints import make_draft
+    from helpers import random_prompt
+    from proposers import always_speculate
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.config import ModelConfig
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.setup import speculative_engine
+
+    write_deepseek(tmp_path / "target", seed=21, num_hidden_layers=6)
+    make_draft(tmp_path / "draft", ModelConfig.from_dir(tmp_path / "target"), seed=3, num_heads=4, num_kv_heads=4,
+               head_dim=16)
+    prompts = [random_prompt(10 + n, n, 512) for n in (3, 17, 40)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    outputs = []
+    for graphs in (True, False):
+        cfg = EngineConfig(model=str(tmp_path / "target"), device="cuda", dtype="float32", page_size=16,
+                           disable_cuda_graph=not graphs, cuda_graph_max_bs=4)
+        eng = (LLMEngine(cfg) if spec is None else
+               speculative_engine(cfg, str(tmp_path / "draft"), SpecConfig(*spec), policy=always_speculate()))
+        with eng:
+            assert (eng.executor.runner.graphs is not None) == graphs
+            outputs.append([r.output_token_ids for r in eng.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
