@@ -7,6 +7,7 @@ from sections import ceilings, decode, spec, spec_goal
 from sections_arrivals import arrivals
 from sections_batch import batch
 from sections_glue import round_glue
+from sections_long_prompt import long_prompt
 from sections_mla import mla
 from sections_overlap import decode_overlap, overlap
 from sections_prefix import prefix
@@ -18,4 +19,4 @@ from sections_scaling import service, tp
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal, "batch": batch, "rest": rest,
             "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo,
             "overlap": overlap, "decode_overlap": decode_overlap, "round_glue": round_glue,
-            "quant_kernels": quant_kernels, "prefix": prefix, "mla": mla}
+            "quant_kernels": quant_kernels, "prefix": prefix, "long_prompt": long_prompt, "mla": mla}
