@@ -76,6 +76,14 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` (same shape and dtype) becomes rank 0's, in place: queued on the device's stream
+    (NCCL), no host wait."""
+    if _GROUP.size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def broadcast_object(obj: object = None) -> object:
     """Rank 0 passes ``obj``; every rank returns rank 0's object."""
     if _GROUP.size == 1:

@@ -108,6 +108,15 @@ class GraphRunner:
             report[name] = (elapsed, used_gb)
         return report
 
+    @torch.inference_mode()
+    def run_statically(self) -> None:
+        """Without graphs: each member once at the largest bucket on padding rows, as a capture's warm-up
+        (sizing the static outputs); replays then run the bodies."""
+        for _, members in self.capture_plan():
+            for member in members:
+                self._pad_all(member, self.max_bs)
+                self._body(member, self.max_bs)
+
     def _capture_one(self, member, bs: int) -> torch.cuda.CUDAGraph:
         self._pad_all(member, bs)
         stream = capture_stream(self.device)

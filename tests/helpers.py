@@ -137,8 +137,7 @@ def static_target_graphs(runner, widths: tuple[int, ...], max_bs: int):
     from tandem.engine.cuda_graph import TargetGraphRunner
 
     graphs = TargetGraphRunner(runner, widths=widths, max_bs=max_bs, use_graphs=False)
-    for fam in graphs.families.values():
-        graphs._run_model(fam, graphs.max_bs)  # sizes the static outputs, as the first capture does
+    graphs.run_statically()
     return graphs
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (MLA + MoE) under tensor parallelism on the CPU (gloo): q_b/kv_b split by heads, o and
 the experts' down projections reduced, the latent cache whole on every rank — at TP 2 and at TP 8 (one
 head per rank), against transformers: prompt and packed logits, greedy output, EAGLE-3 features and
-a tree's logits. Runs in tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
+a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path. Runs in tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def tp_results(tmp_path_factory):
     work = tmp_path_factory.mktemp("deepseek-tp")
     hf = write_deepseek(work / "model", seed=31)
     spec = [dict(model=str(work / "model"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
-                 tree=tree_job(PROMPTS[1])) for tp in TP_SIZES]
+                 tree=tree_job(PROMPTS[1]), decode_steps=4 if tp == 2 else None) for tp in TP_SIZES]
     return hf, dict(zip(TP_SIZES, run_tp_jobs(spec, work, TIMEOUT_S, "the DeepSeek TP run")))
 
 
@@ -65,3 +65,11 @@ def test_tp_matches_hf(tp_results, tp):
         path = [tree["tokens"][j] for j in _path(node)]
         assert_rel(row, hf_logits(hf, tree["prefix"] + path)[-1], 1e-4, f"tree node {node}")
 
+
+
+def test_tp2_runs_of_decode_steps_on_the_latent_graph_path_keep_the_output(tp_results):
+    """Runs of 4 decode steps on the MLA graph backend's static path, rank 1 following rank 0's runs."""
+    _, results = tp_results
+    res = results[2]
+    assert res["queued_most_steps"] == 4 and res["queued_pages_back"]
+    assert res["queued"] == [res["greedy"], [res["sampled"]]]

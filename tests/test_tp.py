@@ -54,7 +54,8 @@ def tp_results(checkpoint, tmp_path_factory):
     ckpts = {name: checkpoint(family, seed, **kw) for name, (family, seed, kw) in CASES.items()}
     work = tmp_path_factory.mktemp("tp")
     spec = [dict(model=ckpts[name].path, tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW,
-                 tree=tree_job(PROMPTS[1]), chunked_prefill_size=6 if name == CHUNKED_CASE else None)
+                 tree=tree_job(PROMPTS[1]), chunked_prefill_size=6 if name == CHUNKED_CASE else None,
+                 decode_steps=4 if name == CHUNKED_CASE else None)
             for name in CASES]
     results = run_tp_jobs(spec, work, TIMEOUT_S, "the TP=2 run")
     return {name: (ckpts[name], res) for name, res in zip(CASES, results)}
@@ -98,6 +99,14 @@ def test_tp2_generation_matches_tp1(tp_results, case):
 def test_tp2_chunked_prefill_keeps_greedy_output(tp_results):
     _, res = tp_results[CHUNKED_CASE]
     assert res["chunked_greedy"] == res["greedy"]
+
+
+def test_tp2_runs_of_decode_steps_keep_greedy_and_sampled_output(tp_results):
+    """Runs of 4 graphed decode steps (the graphs' static path): rank 1 follows rank 0's runs, each step's
+    token broadcast on the device; the tokens are one-step decoding's, greedy and seeded-sampled."""
+    _, res = tp_results[CHUNKED_CASE]
+    assert res["queued_most_steps"] == 4 and res["queued_pages_back"]
+    assert res["queued"] == [res["greedy"], [res["sampled"]]]
 
 
 def test_tp2_prefix_cache_keeps_greedy_output(tp_results):

@@ -4,7 +4,9 @@ outside, and the TP process group and thread settings never touch the pytest pro
 Usage: python tests/tp_runner.py SPEC.json OUT.pt — SPEC is a list of jobs
 {"model": dir, "tp_size": n, "prompts": [[...]], "max_new_tokens": m, "tree": {...} or null,
 "chunked_prefill_size": k (optional: greedy again with prompts prefilled in chunks of k, then second
-turns — each prompt, its answer and three more tokens — that start on the prefix cache's pages)}.
+turns — each prompt, its answer and three more tokens — that start on the prefix cache's pages),
+"decode_steps": k (optional: greedy and sampled again with runs of k decode steps queued on the graphs'
+static buffers, every rank following rank 0's runs)}.
 OUT holds, per job: prompt logits, greedy and seeded-sampled outputs, EAGLE-3 features, tree-node
 logits, the rank-0 shard sizes, and whether all worker processes were gone after shutdown.
 """
@@ -68,6 +70,23 @@ def run_job(job: dict) -> dict:
             out["turns_greedy"] = [r.output_token_ids for r in eng.generate(
                 out["turns"], SamplingParams(max_new_tokens=8, ignore_eos=True))]
             out["turns_cache_hits"] = eng.prefix_cache.stats.hits
+    if job.get("decode_steps"):  # greedy and sampled again, with runs of decode steps on the graphs' static path
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
+                           decode_steps=job["decode_steps"], cuda_graph_max_bs=4)
+        with LLMEngine(cfg) as eng:
+            runs = []
+            for prompts, params in ((job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)
+                                                      for i in range(len(job["prompts"]))]),
+                                    (job["prompts"][:1], [SamplingParams(temperature=1.0, seed=5, max_new_tokens=n,
+                                                                         ignore_eos=True)])):
+                rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+                while eng.has_unfinished():
+                    eng.step()
+                    runs.append(eng.last_step.steps if eng.last_step is not None else 1)
+                runs_out = [eng.requests.pop(r).output for r in rids]
+                out.setdefault("queued", []).append(runs_out)
+            out["queued_most_steps"] = max(runs)
+            out["queued_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
 

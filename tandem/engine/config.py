@@ -44,6 +44,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured batch (requests)
     cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
     graph_decode_features: bool = False  # decode graphs also output EAGLE-3 features (traffic capture without a drafter)
+    # The graphed paths' static buffers without capturing graphs (a replay runs the captured code eagerly): how the
+    # CPU tests drive those paths, TP ranks included (the attention then needs TRITON_INTERPRET=1 on a CPU)
+    static_graph_path: bool = False
     seed: int = 0  # seeds requests that do not bring their own seed
     # --decode-steps: plain decode steps queued back to back per engine step when no request speculates
     # and no prompt waits (tandem.engine.decode_ahead); 1 = read every token back before the next step.

@@ -16,7 +16,8 @@ Greedy tokens are those of one-step decoding; a sampled request draws its unifor
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
-no prompt waiting, no request speculating, no traffic capture, one rank). Log-probabilities are recorded
+no prompt waiting, no request speculating, no traffic capture; several ranks with graphs only: the
+other ranks follow rank 0's runs, tandem.engine.executor). Log-probabilities are recorded
 on the device at each step for the requests that ask, and come back with the tokens; penalties and
 min_tokens are applied on the device from token counts the run keeps (tandem.engine.run_rules). With a
 drafter, each step's EAGLE-3 features go into the run's own buffer and reach the drafter's requests after
@@ -91,24 +92,23 @@ def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after:
 
 
 @torch.inference_mode()
-def queue_decode_steps(runner, reqs: list[Request], steps: int, after: DecodeRun | None = None,
+def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeRun | None = None,
                        capture: bool = False) -> DecodeRun | None:
-    """Queue ``steps`` graphed decode steps of ``reqs`` without waiting — from their committed tokens, or
-    going on after the run ``after`` (the same requests, not read back yet); pages must cover every step
-    queued past the committed tokens. ``capture``: keep each step's features. None when no graph fits
-    the batch."""
-    graphs = runner.graphs
+    """Queue ``steps`` graphed decode steps of ``reqs`` without waiting, on every rank — from their committed
+    tokens, or going on after the run ``after`` (the same requests, not read back yet); pages must cover
+    every step queued past the committed tokens. ``capture``: keep each step's features. None when no
+    graph fits the batch."""
+    runner = executor.runner
     if after is None:
-        first = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
-                              for req in reqs], capture_features=capture)
-        if graphs is None or not graphs.can_run(first):
+        first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
+                                      for req in reqs], capture_features=capture), None
+        if runner.graphs is None or not runner.graphs.can_run(first):
             return None
     else:
-        first = None
-        graphs.restage_pages(after.graph_state[0], [req.kv.page_table(copy=False) for req in reqs])
+        first, tables = None, [req.kv.page_table(copy=False) for req in reqs]
     tokens, features, logprobs, rules, pick = _sampled_into(runner, reqs, steps, capture, after)
-    state = graphs.run_decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
-                                    features=capture)
+    state = executor.decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
+                                  tables=tables, features=capture)
     run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, rules, state)
     if logprobs is not None:
         logprobs.queue_readback()
@@ -131,22 +131,23 @@ def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def decode_steps_eagerly(runner, reqs: list[Request], steps: int,
+def decode_steps_eagerly(executor, reqs: list[Request], steps: int,
                          capture: bool = False) -> tuple[list[list[int]], torch.Tensor | None, dict | None]:
     """Run ``steps`` decode steps of ``reqs`` (pages reserved for all of them) without graphs, or where
     no graph fits the batch → (each request's tokens, the steps' features [steps, n, 3H] when
-    ``capture``, the log-probabilities of the requests that ask). ``runner``: the engine's ModelRunner
-    (TP size 1)."""
+    ``capture``, the log-probabilities of the requests that ask). Several ranks each read a step's token
+    back first (tandem.engine.executor)."""
+    runner = executor.runner
     tokens, features, logprobs, _, pick = _sampled_into(runner, reqs, steps, capture)
-    _forward_steps(runner, reqs, steps, pick, capture)
+    _forward_steps(executor, reqs, steps, pick, capture)
     per_request = _tokens_back(runner, HostReadback(tokens))
     if logprobs is not None:
         logprobs.queue_readback()
     return per_request, (features[0] if capture else None), (logprobs.read_steps() if logprobs is not None else None)
 
 
-def _forward_steps(runner, reqs: list[Request], steps: int, pick, capture: bool) -> None:
-    """The same steps through ``runner.forward`` (eager, or a batch no graph fits), each fed the
+def _forward_steps(executor, reqs: list[Request], steps: int, pick, capture: bool) -> None:
+    """The same steps through ``executor.forward`` (eager, or a batch no graph fits), each fed the
     previous step's token through ``SequenceChunk.device_ids``."""
     token = None
     for k in range(steps):
@@ -157,7 +158,7 @@ def _forward_steps(runner, reqs: list[Request], steps: int, pick, capture: bool)
                 chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
             else:
                 chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
-        logits, features = runner.forward(ForwardBatch(chunks, capture_features=capture), sync=False)
+        logits, features = executor.forward(ForwardBatch(chunks, capture_features=capture), sync=False)
         token = pick(logits, features, k)
 
 
@@ -168,7 +169,9 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     between them, else 1 (0 when ``queued``: none to queue)."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
-    if steps <= 1 or not reqs or engine.cfg.tp_size > 1 or engine.prompts_due() or engine.traffic is not None:
+    # (several ranks: only with graphs, whose runs every rank follows on the device)
+    several_ranks_eager = engine.cfg.tp_size > 1 and engine.executor.runner.graphs is None
+    if steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due() or engine.traffic is not None:
         return none
     context = engine.context_len
     for req in reqs:
@@ -187,11 +190,11 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
 def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
     """Queue ``steps`` decode steps from the committed tokens, then read them back (overlapped with
     CUDA graphs: see ``_read_back``)."""
-    runner, capture = engine.executor.runner, engine.drafts.up()
+    capture = engine.drafts.up()
     with timer("verify"):
-        run = queue_decode_steps(runner, reqs, steps, capture=capture)
+        run = queue_decode_steps(engine.executor, reqs, steps, capture=capture)
         if run is None:  # eager, or no graph fits: one synchronous run
-            tokens, features, logprobs = decode_steps_eagerly(runner, reqs, steps, capture)
+            tokens, features, logprobs = decode_steps_eagerly(engine.executor, reqs, steps, capture)
     if run is not None:
         return _read_back(engine, run, timer)
     with timer("accept"):
@@ -220,7 +223,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         if more:
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
-            following = queue_decode_steps(runner, run.reqs, more, after=run, capture=run.features is not None)
+            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=run.features is not None)
         tokens = read_decode_steps(runner, run)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):

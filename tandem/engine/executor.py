@@ -3,8 +3,9 @@
 The engine process is rank 0. With ``tp_size > 1`` it spawns ranks 1..N-1 itself (one process per
 rank, ``torch.distributed`` with gloo on CPU and NCCL on GPU); each worker builds its shard of the
 model and then follows rank 0's broadcasts: ``forward`` with a ForwardBatch, ``move_kv`` (compacting
-accepted tree nodes), or ``stop``. Sampling
-and every other decision happen on rank 0 only, so ranks cannot diverge.
+accepted tree nodes), ``decode_steps`` (a run of graphed decode steps queued on the device: each step's
+token, sampled on rank 0, reaches the other ranks by a device broadcast, so no rank waits for the host),
+or ``stop``. Sampling and every other decision happen on rank 0 only, so ranks cannot diverge.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import multiprocessing as mp
 
 import torch
 
-from tandem.distributed import broadcast_object, destroy_tp, free_tcp_init_method, init_tp
+from tandem.distributed import broadcast_object, broadcast_tensor, destroy_tp, free_tcp_init_method, init_tp
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
@@ -28,15 +29,30 @@ def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
     torch.set_num_threads(1)
     init_tp(rank, cfg.tp_size, init_method, rank_device(cfg.device, rank))
     runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model))
+    run_state = None  # the last run of decode steps: where a run after it goes on from
     while True:
         command, payload = broadcast_object()
         if command == "stop":
             break
         if command == "move_kv":
             runner.move_kv(*payload)
+        elif command == "decode_steps":
+            run_state = _follow_decode_steps(runner, *payload, run_state)
         else:
             runner.forward(payload)
     destroy_tp()
+
+
+def _follow_decode_steps(runner: ModelRunner, first: ForwardBatch | None, steps: int, tables: list | None,
+                         rows: int, after: tuple | None) -> tuple:
+    """A worker's share of rank 0's ``decode_steps``: the same replays, each step's input token received;
+    ``after``: this worker's state after the run before (used when ``first`` is None)."""
+    def receive(logits, features, k):
+        return broadcast_tensor(torch.empty(rows, dtype=torch.int64, device=runner.device))
+
+    if first is None:
+        runner.graphs.restage_pages(after[0], tables)
+    return runner.graphs.run_decode_steps(first, steps, receive, after=after if first is None else None)
 
 
 class TargetExecutor:
@@ -70,11 +86,27 @@ class TargetExecutor:
     def num_pages(self) -> int:
         return self.runner.num_pages
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._workers:
             batch = batch.with_host_tokens()  # the other ranks cannot read rank 0's device
         broadcast_object(("forward", batch))
-        return self.runner.forward(batch)
+        return self.runner.forward(batch, sync=sync)
+
+    def decode_steps(self, first: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
+                     tables: list | None = None, features: bool = False) -> tuple:
+        """Queue ``steps`` graphed decode steps on every rank (TargetGraphRunner.run_decode_steps): of ``first``,
+        or going on ``after`` the run before (its pages restaged from ``tables``). Rank 0 samples each step's
+        token with ``pick``; it reaches the other ranks by a device broadcast."""
+        graphs = self.runner.graphs
+        if self._workers:
+            rows = len(first.seqs) if first is not None else after[2].shape[0]
+            broadcast_object(("decode_steps", (first.with_host_tokens() if first is not None else None, steps,
+                                               tables, rows)))
+            sample = pick
+            pick = lambda logits, feats, k: broadcast_tensor(sample(logits, feats, k))  # noqa: E731
+        if first is None:
+            graphs.restage_pages(after[0], tables)
+        return graphs.run_decode_steps(first, steps, pick, after=after if first is None else None, features=features)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy KV slots on every rank (rank 0 decides which, from the accepted tree nodes)."""

@@ -87,22 +87,26 @@ class ModelRunner:
         log.info("rank %d: KV cache %d pages x %d tokens", self.rank, self.num_pages, cfg.page_size)
         self.graphs = None
         graphable = self.model.supports_cuda_graphs
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and not graphable:
+        wanted = (self.device.type == "cuda" and not cfg.disable_cuda_graph) or cfg.static_graph_path
+        if wanted and not graphable:
             log.warning("rank %d: %s has no CUDA-graph path yet; every forward runs eagerly", self.rank,
                         model_cfg.architecture)
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and graphable:
+        if wanted and graphable:
             from tandem.attention.graph_backend import make_graph_backend
             from tandem.engine.cuda_graph import TargetGraphRunner
 
             latent = spec.entries == 1
-            self.graph_backend = make_graph_backend(self.device, latent)
+            self.graph_backend = make_graph_backend(latent)
             widths = graph_widths(cfg.cuda_graph_widths, latent)
-            self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs)
-            try:
-                self.graph_report = self.graphs.capture()
-            except Exception as e:
-                raise ConfigError(f"capturing the CUDA graphs of {model_cfg.architecture} failed ({type(e).__name__}: "
-                                  f"{e}); --disable-cuda-graph serves it eagerly") from e
+            self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path)
+            if cfg.static_graph_path:
+                self.graphs.run_statically()
+            else:
+                try:
+                    self.graph_report = self.graphs.capture()
+                except Exception as e:
+                    raise ConfigError(f"capturing the CUDA graphs of {model_cfg.architecture} failed "
+                                      f"({type(e).__name__}: {e}); --disable-cuda-graph serves it eagerly") from e
 
     def _size_kv_pool(self, spec: KVSpec) -> int:
         cfg, m = self.cfg, self.model_cfg
