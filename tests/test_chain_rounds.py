@@ -93,9 +93,9 @@ def _run(eng, prompts, params, spec_rounds, refs=None, rate=None):
     eng.spec_rounds = spec_rounds
     runs, real = [], rounds_ahead.queue_chain_rounds
 
-    def counting(graphs, drafter, reqs, spec, rounds, steer=None, after=None, logprobs=None):
+    def counting(graphs, drafter, reqs, spec, rounds, *rest):
         runs.append(rounds)
-        return real(graphs, drafter, reqs, spec, rounds, steer, after, logprobs)
+        return real(graphs, drafter, reqs, spec, rounds, *rest)
 
     rounds_ahead.queue_chain_rounds = counting
     try:

@@ -20,8 +20,8 @@ def calls(monkeypatch):
     or None) and ("read", run id)."""
     log, queue, read = [], rounds_ahead.queue_chain_rounds, rounds_ahead.read_chain_rounds
 
-    def queued(graphs, drafter, reqs, spec, rounds, steer=None, after=None, logprobs=None):
-        run = queue(graphs, drafter, reqs, spec, rounds, steer, after, logprobs)
+    def queued(graphs, drafter, reqs, spec, rounds, steer=None, after=None, *rest):
+        run = queue(graphs, drafter, reqs, spec, rounds, steer, after, *rest)
         log.append(("queue", id(run), None if after is None else id(after)))
         return run
 

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from draft_checkpoints import make_draft
 from helpers import assert_rel, hf_hidden_states, hf_logits, random_prompt, run_tp_jobs
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -53,9 +55,11 @@ def tree_job(prompt: list[int]) -> dict:
 def tp_results(checkpoint, tmp_path_factory):
     ckpts = {name: checkpoint(family, seed, **kw) for name, (family, seed, kw) in CASES.items()}
     work = tmp_path_factory.mktemp("tp")
+    draft = work / "draft"  # a random EAGLE-3 head on the chunked case's target
+    make_draft(draft, ModelConfig.from_dir(ckpts[CHUNKED_CASE].path), seed=4, aux_layer_ids=(0, 1, 2))
+    runs = dict(chunked_prefill_size=6, decode_steps=4, draft=str(draft), spec=[3, 1, 4], spec_rounds=3)
     spec = [dict(model=ckpts[name].path, tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW,
-                 tree=tree_job(PROMPTS[1]), chunked_prefill_size=6 if name == CHUNKED_CASE else None,
-                 decode_steps=4 if name == CHUNKED_CASE else None)
+                 tree=tree_job(PROMPTS[1]), **(runs if name == CHUNKED_CASE else {}))
             for name in CASES]
     results = run_tp_jobs(spec, work, TIMEOUT_S, "the TP=2 run")
     return {name: (ckpts[name], res) for name, res in zip(CASES, results)}
@@ -107,6 +111,14 @@ def test_tp2_runs_of_decode_steps_keep_greedy_and_sampled_output(tp_results):
     _, res = tp_results[CHUNKED_CASE]
     assert res["queued_most_steps"] == 4 and res["queued_pages_back"]
     assert res["queued"] == [res["greedy"], [res["sampled"]]]
+
+
+def test_tp2_runs_of_chain_rounds_keep_greedy_output(tp_results):
+    """Runs of 3 chain rounds with an in-process EAGLE-3 head (the graphs' static path on both sides): rank 1
+    replays each round's verify on the inputs rank 0's draft and accept left, broadcast on the device."""
+    _, res = tp_results[CHUNKED_CASE]
+    assert res["spec_greedy"] == res["greedy"]
+    assert res["spec_most_rounds_a_step"] == 3 and res["spec_rounds"] > 0 and res["spec_pages_back"]
 
 
 def test_tp2_prefix_cache_keeps_greedy_output(tp_results):

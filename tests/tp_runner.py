@@ -6,7 +6,8 @@ Usage: python tests/tp_runner.py SPEC.json OUT.pt — SPEC is a list of jobs
 "chunked_prefill_size": k (optional: greedy again with prompts prefilled in chunks of k, then second
 turns — each prompt, its answer and three more tokens — that start on the prefix cache's pages),
 "decode_steps": k (optional: greedy and sampled again with runs of k decode steps queued on the graphs'
-static buffers, every rank following rank 0's runs)}.
+static buffers, every rank following rank 0's runs), "draft": dir, "spec": [steps, topk, tokens],
+"spec_rounds": k (optional: greedy again with that EAGLE-3 head, in runs of k chain rounds, the same way)}.
 OUT holds, per job: prompt logits, greedy and seeded-sampled outputs, EAGLE-3 features, tree-node
 logits, the rank-0 shard sizes, and whether all worker processes were gone after shutdown.
 """
@@ -87,6 +88,25 @@ def run_job(job: dict) -> dict:
                 out.setdefault("queued", []).append(runs_out)
             out["queued_most_steps"] = max(runs)
             out["queued_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
+    if job.get("draft"):  # greedy again, speculating in runs of chain rounds on the graphs' static path
+        from proposers import always_speculate
+        from tandem.speculative.drafter import SpecConfig
+        from tandem.speculative.setup import speculative_engine
+
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
+                           spec_rounds=job["spec_rounds"], cuda_graph_max_bs=4)
+        with speculative_engine(cfg, job["draft"], SpecConfig(*job["spec"]), policy=always_speculate()) as eng:
+            rids = [eng.add_request(p, SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True))
+                    for i, p in enumerate(job["prompts"])]
+            runs = []
+            while eng.has_unfinished():
+                eng.step()
+                runs.append(eng.last_step.steps if eng.last_step is not None and eng.last_step.speculative else 0)
+            reqs = [eng.requests.pop(r) for r in rids]
+            out["spec_greedy"] = [r.output for r in reqs]
+            out["spec_rounds"] = sum(r.spec_stats.rounds for r in reqs)
+            out["spec_most_rounds_a_step"] = max(runs)
+            out["spec_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.distributed import broadcast_tensor
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
@@ -181,6 +182,13 @@ class TargetGraphRunner(GraphRunner):
         positions += by if isinstance(by, int) else by[:, None]
         fam.kv_lens[:n] += by
         fam.slots[: n * w].view(n, w).copy_(page_slots(fam.block_tables[:n], positions, ps))
+
+    def share_inputs(self, fam: _Family, n: int) -> None:
+        """Several ranks: the first ``n`` sequences' inputs as rank 0 advanced them on the device (tokens,
+        positions, slots, lengths) become every rank's, by device broadcasts queued before the replay."""
+        w = fam.width
+        for t in (fam.input_ids[: n * w], fam.positions[: n * w], fam.slots[: n * w], fam.kv_lens[:n]):
+            broadcast_tensor(t)
 
     def restage_pages(self, fam: _Family, tables: list) -> None:
         """Copy the block tables of the sequences the static inputs hold again (more pages were reserved

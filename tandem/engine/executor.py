@@ -5,7 +5,8 @@ rank, ``torch.distributed`` with gloo on CPU and NCCL on GPU); each worker build
 model and then follows rank 0's broadcasts: ``forward`` with a ForwardBatch, ``move_kv`` (compacting
 accepted tree nodes), ``decode_steps`` (a run of graphed decode steps queued on the device: each step's
 token, sampled on rank 0, reaches the other ranks by a device broadcast, so no rank waits for the host),
-or ``stop``. Sampling and every other decision happen on rank 0 only, so ranks cannot diverge.
+``chain_rounds`` (a run of speculative chain rounds: each round's verify inputs, as rank 0's draft and
+accept left them on the device, broadcast before its replay), or ``stop``. Sampling and every other decision happen on rank 0 only, so ranks cannot diverge.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
             runner.move_kv(*payload)
         elif command == "decode_steps":
             run_state = _follow_decode_steps(runner, *payload, run_state)
+        elif command == "chain_rounds":
+            run_state = _follow_chain_rounds(runner, *payload, run_state)
         else:
             runner.forward(payload)
     destroy_tp()
@@ -53,6 +56,31 @@ def _follow_decode_steps(runner: ModelRunner, first: ForwardBatch | None, steps:
     if first is None:
         runner.graphs.restage_pages(after[0], tables)
     return runner.graphs.run_decode_steps(first, steps, receive, after=after if first is None else None)
+
+
+@torch.inference_mode()
+def _follow_chain_rounds(runner: ModelRunner, first: ForwardBatch | None, tables: list | None, rows: int,
+                         rounds: int, after: tuple | None) -> tuple:
+    """A worker's share of a run of chain rounds (tandem.speculative.chain_rounds): each round's verify, its
+    inputs received from rank 0; ``after``: (family, bucket) of the run before (used when ``first`` is None)."""
+    graphs = runner.graphs
+    if first is not None:
+        fam, bs, _ = graphs.prepare(first)
+    else:
+        fam, bs = after
+        graphs.restage_pages(fam, tables)
+    for _ in range(rounds):
+        graphs.share_inputs(fam, rows)
+        graphs.replay_prepared(fam, bs, rows)
+    return fam, bs
+
+
+class _RoundFollowers:
+    """Rank 0's handle on the other ranks for a run of chain rounds (``queue_chain_rounds(followers=...)``)."""
+
+    def start(self, first: ForwardBatch | None, tables: list | None, rows: int, rounds: int) -> None:
+        broadcast_object(("chain_rounds", (first.with_host_tokens() if first is not None else None, tables, rows,
+                                           rounds)))
 
 
 class TargetExecutor:
@@ -107,6 +135,10 @@ class TargetExecutor:
         if first is None:
             graphs.restage_pages(after[0], tables)
         return graphs.run_decode_steps(first, steps, pick, after=after if first is None else None, features=features)
+
+    def round_followers(self) -> _RoundFollowers | None:
+        """The other ranks, for runs of chain rounds queued on the device (None: one rank)."""
+        return _RoundFollowers() if self._workers else None
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy KV slots on every rank (rank 0 decides which, from the accepted tree nodes)."""

@@ -2,8 +2,9 @@
 queue several greedy chain rounds in one step, and how their tokens are committed and counted.
 
 A run applies when every running request drafts a greedy chain of one setting with the in-process
-drafter, nothing waits for admission, and no one (a traffic capture, other ranks, a request with
-min_tokens to honour) needs the host between rounds; log-probabilities are recorded on the device at
+drafter, nothing waits for admission, and no one (a traffic capture, a request with min_tokens to
+honour) needs the host between rounds; other ranks of a tensor-parallel target follow each round's
+verify on the device (TargetExecutor.round_followers); log-probabilities are recorded on the device at
 each round's verify (RunLogprobs) and come back with the tokens. Its length is cut to what the
 requests can use: a request expected to finish in fewer rounds (its recent tokens per round against its
 tokens left) shortens the run, so the rounds computed after a request's end stay few. Tokens stream a
@@ -40,7 +41,7 @@ def rounds_ahead(engine) -> int:
 def _run_length(engine, reqs: list, queued: int) -> int:
     """Rounds of ``reqs`` that can be queued now, past ``queued`` rounds not read back yet (0: none)."""
     rounds = engine.spec_rounds
-    if rounds <= 1 or engine.cfg.tp_size > 1 or engine.traffic is not None or not engine.drafts.up():
+    if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
     if engine.prompts_due():  # a prompt comes in after one round (prompts apart), or in a mixed step
         if queued or not engine.prefill_apart:
@@ -100,11 +101,12 @@ def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRu
                                          [req.last_token for req in reqs])
         if side is None:
             return None
-        return queue_chain_rounds(graphs, side, reqs, reqs[0].spec, rounds, steer, after, logprobs)
+        return queue_chain_rounds(graphs, side, reqs, reqs[0].spec, rounds, steer, after, logprobs,
+                                  engine.executor.round_followers())
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
     return engine.proposer.guarded(queue_chain_rounds, graphs, LocalDraftSide(drafter), reqs, reqs[0].spec, rounds,
-                                   steer, after, logprobs)
+                                   steer, after, logprobs, engine.executor.round_followers())
 
 
 def _round_logprobs(run: QueuedRun, result) -> dict | None:

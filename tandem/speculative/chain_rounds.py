@@ -180,7 +180,7 @@ def drafter_rounds_fit(drafter, rids: list[str], spec, rounds: int) -> bool:
 
 @torch.inference_mode()
 def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer=None,
-                       after: QueuedRun | None = None, logprobs=None) -> QueuedRun:
+                       after: QueuedRun | None = None, logprobs=None, followers=None) -> QueuedRun:
     """Queue ``rounds`` greedy chain rounds of the engine's ``reqs`` without waiting: from their
     committed state, or going on after the run ``after`` (the same requests, not read back yet).
     ``side``: the drafter's half of this run, not begun (LocalDraftSide for an in-process drafter,
@@ -188,7 +188,9 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
     the committed tokens (``rounds * num_draft_tokens`` more per run). ``steer(rids, chains [n, nd],
     root indices [n]) → chains``: the controlled-acceptance instrument's rewrite of each draft
     (benchmarks), on the device. ``logprobs``: a RunLogprobs of ``rounds`` steps, ``num_draft_tokens``
-    wide, that records each round's verify (the token a node emits is the target's argmax there)."""
+    wide, that records each round's verify (the token a node emits is the target's argmax there).
+    ``followers``: the other ranks of a tensor-parallel target (TargetExecutor.round_followers), told of
+    the run first; each round's verify inputs reach them by device broadcasts before its replay."""
     n, nd = len(reqs), spec.num_draft_tokens
     rids = [req.rid for req in reqs]
     try:
@@ -200,6 +202,8 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
                                                 positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
                                                 tree_mask=chain, logits="all") for req in reqs])
+            if followers is not None:
+                followers.start(first, None, n, rounds)
             fam, verify_bs, _ = target_graphs.prepare(first)
             device = fam.input_ids.device
             # each root's index in its sequence, for the instrument's steering only
@@ -207,7 +211,10 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             broken, counts = torch.zeros(n, dtype=torch.bool, device=device), None
         else:  # the device holds where the last run left every input; only the pages grew
             fam, verify_bs = after.fam, after.verify_bs
-            target_graphs.restage_pages(fam, [req.kv.page_table(copy=False) for req in reqs])
+            tables = [req.kv.page_table(copy=False) for req in reqs]
+            if followers is not None:
+                followers.start(None, tables, n, rounds)
+            target_graphs.restage_pages(fam, tables)
             roots, broken, counts = after.roots, after.broken, after.counts
             device = fam.input_ids.device
         emitted = torch.empty(rounds, n, nd + 2, dtype=torch.int64, device=device)
@@ -217,7 +224,7 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
                 rows = side.draft()
             record = None if logprobs is None else (lambda logits, argmax, r=r: logprobs.record(logits, argmax, r))
             counts = round_once(target_graphs, side, fam, verify_bs, rids, rows, broken, counts, emitted[r], steer,
-                                roots, record)
+                                roots, record, followers is not None)
         readback = HostReadback(emitted)
         if logprobs is not None:
             logprobs.queue_readback()
@@ -230,15 +237,18 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
 
 
 def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None) -> torch.Tensor:
+                 roots, record=None, share=False) -> torch.Tensor:
     """One round's work after its draft — advance, verify, accept, extend — with the glue between the
-    graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts."""
+    graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts.
+    ``share``: the verify's inputs go to the other ranks before its replay."""
     n, nd = emitted.shape[0], emitted.shape[1] - 2
     broken |= rows[:, 3 * nd] != 0
     chains = rows[:, :nd].long()
     if steer is not None:
         chains = steer(rids, chains, roots)
     target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
+    if share:
+        target_graphs.share_inputs(fam, n)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
     if record is not None:
@@ -258,7 +268,7 @@ def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
 
 
 def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None) -> torch.Tensor:
+                 roots, record=None, share=False) -> torch.Tensor:
     """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
     from tandem.kernels import round_glue
 
@@ -266,6 +276,8 @@ def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
     chains = steer(rids, rows[:, :nd].long(), roots) if steer is not None else None
     chains = round_glue.advance(rows, broken, counts, fam.input_ids, fam.positions, fam.kv_lens, fam.slots,
                                 fam.block_tables, target_graphs.page_size, nd, chains=chains)
+    if share:
+        target_graphs.share_inputs(fam, n)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))
     if record is not None:

@@ -128,14 +128,18 @@ class Eagle3Drafter(Proposer):
         self._reqs: dict[str, _Request] = {}
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
 
-    def capture_cuda_graphs(self, specs: list[SpecConfig], **runner_kw) -> dict | None:
+    def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
         """Capture the draft and draft-extend graphs for ``specs`` (docs/architecture.md, "CUDA graphs"). A no-op
-        on CPU and with ``disable_cuda_graph``; batches the graphs cannot take still run eagerly."""
-        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+        on CPU and with ``disable_cuda_graph``; batches the graphs cannot take still run eagerly. ``static``: the
+        graphs' static path without capture, on any device (EngineConfig.static_graph_path)."""
+        if not static and (self.device.type != "cuda" or self.cfg.disable_cuda_graph):
             return None
         from tandem.speculative.draft_graph import DraftGraphRunner
 
-        self.graphs = DraftGraphRunner(self, specs, self.cfg.cuda_graph_max_bs, **runner_kw)
+        self.graphs = DraftGraphRunner(self, specs, self.cfg.cuda_graph_max_bs, use_graphs=not static, **runner_kw)
+        if static:
+            self.graphs.run_statically()
+            return None
         return self.graphs.capture()
 
     @classmethod

@@ -30,7 +30,7 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
             defer_chain_tokens=cfg.tp_size == 1),
             capture_layers=capture, embed_weight=embed)
         if runner.graphs is not None:
-            drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+            drafter.capture_cuda_graphs([spec], static=cfg.static_graph_path, pool=runner.graphs.pool)
     except BaseException:
         engine.shutdown()  # the target's TP ranks and memory go with the failed head
         raise

@@ -145,8 +145,8 @@ def test_overlapped_chain_runs_are_committed_while_the_next_run_computes(target,
     following_done: list[torch.cuda.Event] = []
     still_running: list[bool] = []
 
-    def queue_and_mark(graphs, drafter, reqs, spec, rounds, steer=None, after=None, logprobs=None):
-        run = queue(graphs, drafter, reqs, spec, rounds, steer, after, logprobs)
+    def queue_and_mark(graphs, drafter, reqs, spec, rounds, steer=None, after=None, *rest):
+        run = queue(graphs, drafter, reqs, spec, rounds, steer, after, *rest)
         if after is not None:  # a tiny model's rounds are shorter than the host's work between them
             torch.cuda._sleep(50_000_000)
             following_done.append(torch.cuda.Event())
