@@ -6,6 +6,7 @@ from __future__ import annotations
 from sections import ceilings, decode, spec, spec_goal
 from sections_arrivals import arrivals
 from sections_batch import batch
+from sections_deepseek import deepseek
 from sections_glue import round_glue
 from sections_long_prompt import long_prompt
 from sections_mla import mla
@@ -19,4 +20,5 @@ from sections_scaling import service, tp
 SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": spec_goal, "batch": batch, "rest": rest,
             "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo,
             "overlap": overlap, "decode_overlap": decode_overlap, "round_glue": round_glue,
-            "quant_kernels": quant_kernels, "prefix": prefix, "long_prompt": long_prompt, "mla": mla}
+            "quant_kernels": quant_kernels, "prefix": prefix, "long_prompt": long_prompt, "mla": mla,
+            "deepseek": deepseek}
