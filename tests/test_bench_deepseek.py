@@ -16,7 +16,7 @@ def test_active_weight_bytes_count_what_one_token_reads(q_lora):
     cfg = deepseek_config(q_lora_rank=q_lora)
     model = transformers.DeepseekV3ForCausalLM(cfg)
     fields = {k: getattr(cfg, k) for k in module.V2_LITE}
-    k, shared = cfg.num_experts_per_tok, cfg.n_shared_experts
+    k = cfg.num_experts_per_tok
     matrices = 0
     router = 0
     for i, layer in enumerate(model.model.layers):
