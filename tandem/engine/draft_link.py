@@ -77,24 +77,35 @@ class DraftLink:
         req.draft_ready = True  # it holds draft state now (forget releases it)
         return True
 
-    def hold(self, req, tokens: list[int], features: torch.Tensor) -> bool:
-        """Keep (tokens, features) for the request's next draft instead of extending now; False when
-        its held features would pass PENDING_LIMIT_BYTES (the caller extends now, with what is held)."""
+    def _may_hold(self, req, features: torch.Tensor) -> bool:
+        """Whether the request may hold ``features`` too (PENDING_LIMIT_BYTES, and all requests' total);
+        if so they are counted as held."""
         size = features.numel() * features.element_size()
         if (not self.up() or req.pending_bytes + size > PENDING_LIMIT_BYTES
                 or self.held_bytes + size > PENDING_TOTAL_LIMIT_BYTES):
             return False
-        req.pending_extend.append((tokens, features.clone()))  # a copy: graph outputs are overwritten
         req.pending_bytes += size
         self.held_bytes += size
-        req.draft_ready = True  # the drafter will have its state (the held extend goes first)
         return True
 
     def keep_in_step(self, items: list) -> bool:
         """Plain steps' (request, tokens, features): held for each request's next draft, or, past the
-        limits, sent now with what it held; → whether what was sent was a catch-up (UNTIMED_CATCH_UP_TOKENS)."""
-        now = [self.take_pending(req, tokens, feats) for req, tokens, feats in items
-               if not self.hold(req, tokens, feats)]
+        limits, sent now with what it held; → whether what was sent was a catch-up (UNTIMED_CATCH_UP_TOKENS).
+        What is held is copied (graph outputs are overwritten), items of one shape in one copy."""
+        held, now = [], []
+        for req, tokens, feats in items:
+            if self._may_hold(req, feats):
+                held.append((req, tokens, feats))
+            else:
+                now.append(self.take_pending(req, tokens, feats))
+        by_shape: dict[tuple, list] = {}
+        for item in held:
+            by_shape.setdefault(tuple(item[2].shape), []).append(item)
+        for group in by_shape.values():
+            copies = torch.stack([feats for _, _, feats in group]) if len(group) > 1 else [group[0][2].clone()]
+            for (req, tokens, _), copy in zip(group, copies):
+                req.pending_extend.append((tokens, copy))
+                req.draft_ready = True  # the drafter will have its state (the held extend goes first)
         self.extend(now)
         return any(len(tokens) > UNTIMED_CATCH_UP_TOKENS for _, tokens, _ in now)
 

@@ -1,0 +1,60 @@
+"""DraftLink's held features (plain steps keep the drafter's input on the device for the request's next
+draft): copies that survive the step's buffers being overwritten, one copy for a step's requests of one
+shape, sent in order with what was held once a limit is passed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from tandem.engine import draft_link
+from tandem.engine.draft_link import DraftLink
+
+
+class Proposer:
+    available = True
+
+    def __init__(self):
+        self.extended = []
+
+    def extend(self, items):
+        self.extended.append([(rid, list(tokens), feats.clone()) for rid, tokens, feats in items])
+
+
+def request(rid: str):
+    return SimpleNamespace(rid=rid, pending_extend=[], pending_bytes=0, draft_ready=False)
+
+
+def link():
+    proposer = Proposer()
+    return DraftLink(SimpleNamespace(proposer=proposer)), proposer
+
+
+def test_held_rows_are_one_copy_that_outlives_the_step_buffer():
+    drafts, proposer = link()
+    reqs = [request(f"r{i}") for i in range(3)]
+    step = torch.arange(12.0).view(4, 3)  # a verify's feature rows (a graph's static output)
+    drafts.keep_in_step([(req, [10 + i], step[i : i + 1]) for i, req in enumerate(reqs)])
+    want = step[:3].clone()
+    step.fill_(-1.0)  # the next replay overwrites the buffer
+    held = [req.pending_extend[0][1] for req in reqs]
+    assert all(torch.equal(h, want[i : i + 1]) for i, h in enumerate(held))
+    assert len({h.untyped_storage().data_ptr() for h in held}) == 1  # one copy for the three
+    assert all(req.draft_ready for req in reqs) and proposer.extended == []
+    assert drafts.held_bytes == sum(req.pending_bytes for req in reqs) == 3 * 3 * 4
+
+
+def test_rows_of_other_shapes_are_copied_apart_and_a_request_past_its_limit_is_sent_in_order(monkeypatch):
+    drafts, proposer = link()
+    a, b, c = request("a"), request("b"), request("c")
+    drafts.keep_in_step([(a, [1], torch.ones(1, 3)), (b, [2, 3], torch.full((2, 3), 2.0))])
+    assert torch.equal(b.pending_extend[0][1], torch.full((2, 3), 2.0)) and len(a.pending_extend) == 1
+    monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 2 * 3 * 4)  # room for two rows a request
+    drafts.keep_in_step([(a, [4], torch.full((1, 3), 4.0)), (b, [5], torch.full((1, 3), 5.0)),
+                         (c, [6], torch.full((1, 3), 6.0))])
+    (sent,) = proposer.extended
+    assert [(rid, tokens) for rid, tokens, _ in sent] == [("b", [2, 3, 5])]  # its held rows first, then the new one
+    assert torch.equal(sent[0][2], torch.tensor([[2.0] * 3, [2.0] * 3, [5.0] * 3]))
+    assert [t for t, _ in a.pending_extend] == [[1], [4]] and b.pending_extend == [] and b.pending_bytes == 0
+    assert drafts.held_bytes == a.pending_bytes + c.pending_bytes == 3 * 3 * 4
