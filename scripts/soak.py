@@ -3,7 +3,7 @@
 Starts the stack as ``tandem up`` does (it *is* ``tandem up``: the launcher supervises and restarts),
 then, until ``--seconds`` have passed: clients send greedy requests — REST streaming, REST
 non-streaming and public gRPC, some abandoned mid-way (client disconnects) — while the drafter is
-SIGKILLed every ``--kill-drafter-every`` seconds and the verifier is restarted once (SIGTERM: it drains,
+SIGKILLed ``--kill-drafter-every`` seconds after each start and the verifier is restarted once (SIGTERM: it drains,
 exits, and the launcher starts it again). A request refused while the verifier restarts (503 /
 UNAVAILABLE) or cut by its drain is retried until its deadline; one that never completes is *lost*.
 Every completed request is checked against target-only greedy decoding by a separate in-process engine
@@ -20,6 +20,7 @@ extra). Prints one JSON report (and writes it to --json-out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -295,7 +296,7 @@ class Soak:
     def faults_loop(self) -> None:
         started = time.monotonic()
         restart_at = started + self.args.seconds * self.args.verifier_restart_at
-        next_kill = started + self.args.kill_drafter_every
+        drafter, up_since, killed = None, started, set()  # the drafter's process, since when it runs
         while time.monotonic() < self.stop_at:
             now = time.monotonic()
             if restart_at is not None and now >= restart_at:
@@ -304,12 +305,17 @@ class Soak:
                     os.kill(pid, signal.SIGTERM)
                     self.faults["verifier_restart"] += 1
                     restart_at = None
-            if now >= next_kill:
-                pid = self.stack.child("drafter")
-                if pid:
+            pid = self.stack.child("drafter")
+            pid = None if pid in killed else pid  # (the launcher has not noticed yet)
+            if pid != drafter:  # a new incarnation (the launcher restarted it): its own time to run
+                drafter, up_since = pid, now
+            # Each incarnation runs --kill-drafter-every seconds before its kill, so that the verifier
+            # reconnects and speculates between kills however long the launcher's back-off has grown.
+            if pid and now - up_since >= self.args.kill_drafter_every:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     self.faults["drafter_sigkill"] += 1
-                next_kill = now + self.args.kill_drafter_every
+                killed.add(pid)
             time.sleep(0.1)
 
 
