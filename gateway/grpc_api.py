@@ -30,14 +30,14 @@ from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
 from tandem.service_runtime import set_health
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
+    from gateway.context import GatewayContext
 
 log = logging.getLogger("gateway.grpc")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, gw: Gateway):
+    def __init__(self, gw: GatewayContext):
         self._gw = gw
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -124,7 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                  tuple(r.stop), (), r.ignore_eos, **dataclasses.asdict(engine))
 
 
-def build_grpc_server(gw: Gateway, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A server with Generation, health (NOT_SERVING until the verifier is seen serving) and
     reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
     interceptors = [ApiKeyInterceptor(gw.cfg.api_key)] if gw.cfg.api_key is not None else []

@@ -31,7 +31,7 @@ from gateway.openai_shapes import SSE_DONE, ChatShape, CompletionShape, Disconne
 from tandem import tracing
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
+    from gateway.context import GatewayContext
 
 T = TypeVar("T")
 log = logging.getLogger("gateway.openai")
@@ -42,7 +42,7 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
-def create_app(gw: Gateway) -> FastAPI:
+def create_app(gw: GatewayContext) -> FastAPI:
     app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
     if gw.cfg.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=gw.cfg.api_key)
@@ -102,7 +102,7 @@ class _Scope:
     """The span, the request count and the concurrency slot of one HTTP request; the first
     ``finish`` counts (possibly after the route function returned: streams), later ones are no-ops."""
 
-    def __init__(self, gw: Gateway, request: Request, api: str):
+    def __init__(self, gw: GatewayContext, request: Request, api: str):
         self.gw, self.api = gw, api
         self.slots = 0
         self.done = False
@@ -129,7 +129,7 @@ class _Scope:
         self.span.end()
 
 
-async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[CompletionShape]) -> Response:
+async def _generate(gw: GatewayContext, request: Request, api: str, shape_cls: type[CompletionShape]) -> Response:
     arrival = time.monotonic()
     scope = _Scope(gw, request, api)
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
@@ -187,7 +187,7 @@ async def _generate(gw: Gateway, request: Request, api: str, shape_cls: type[Com
             choices.cancel()  # a no-op when they finished; frees the verifier's requests otherwise
 
 
-def _start_choices(gw: Gateway, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:
+def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:
     """One generation per choice; choice i > 0 gets its own request id and seed (seed + i)."""
     base, opts = params.generation, params.options
     decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=base.skip_special_tokens)

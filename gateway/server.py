@@ -7,44 +7,26 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 
 import uvicorn
 
-from gateway.admission import Slots
 from gateway.config import GatewayConfig
-from gateway.generation_defaults import SamplingDefaults
+from gateway.context import GatewayContext
 from gateway.grpc_api import build_grpc_server, set_serving
-from gateway.metrics import GatewayMetrics
 from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
-from gateway.prompt_bound import PromptBound
-from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
-from tandem.chat_template import ChatTemplate
-from tandem.tokenizer import TextTokenizer
 
 log = logging.getLogger("gateway")
 
 
-class Gateway:
+class Gateway(GatewayContext):
     """``await start()`` binds both ports (0 picks free ones, then ``port``/``grpc_port`` say
     which); ``await wait()`` returns when the HTTP server has exited (SIGINT/SIGTERM or
     ``request_stop()``); ``await stop()`` drains and closes everything."""
 
     def __init__(self, cfg: GatewayConfig):
-        self.cfg = cfg
-        self.tokenizer = TextTokenizer(cfg.model_dir)
-        self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
-        self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
-        self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
-        self.metrics = GatewayMetrics(cfg.model_name)
-        self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
-        self.slots = Slots(cfg.max_concurrent_requests)
-        self.metrics_relays: list[MetricsRelay] = []  # made in start(): their locks bind to the loop
-        self.started_at = int(time.time())
-        self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
-        self.client: VerifierClient | None = None  # made in start(): gRPC aio objects bind to the running loop
+        super().__init__(cfg)
         self.port = self.grpc_port = 0
         self._http: uvicorn.Server | None = None
         self._grpc = self._health = None

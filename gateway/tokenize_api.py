@@ -20,10 +20,10 @@ from gateway.openai_params import _add_special_tokens, _messages, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES, check_model, check_prompt_ids
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
+    from gateway.context import GatewayContext
 
 
-def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
+def add_tokenize_routes(app: FastAPI, gw: GatewayContext) -> None:
     @app.get("/version")
     async def version():
         return {"version": tandem.__version__}
@@ -37,7 +37,7 @@ def add_tokenize_routes(app: FastAPI, gw: Gateway) -> None:
         return await _answer(gw, request, _detokenize)
 
 
-async def _answer(gw: Gateway, request: Request, work) -> JSONResponse:
+async def _answer(gw: GatewayContext, request: Request, work) -> JSONResponse:
     try:
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
@@ -51,7 +51,7 @@ async def _answer(gw: Gateway, request: Request, work) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
 
-def _tokenize(gw: Gateway, body: dict, info) -> dict:
+def _tokenize(gw: GatewayContext, body: dict, info) -> dict:
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("prompt", "send either prompt or messages")
     if "prompt" in body:
@@ -68,7 +68,7 @@ def _tokenize(gw: Gateway, body: dict, info) -> dict:
     return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": None}
 
 
-def _detokenize(gw: Gateway, body: dict, info) -> dict:
+def _detokenize(gw: GatewayContext, body: dict, info) -> dict:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("tokens", f"must be a list of token ids, got {json.dumps(tokens)[:40]}")

@@ -1,0 +1,34 @@
+"""What the gateway's two front ends (the OpenAI REST app, the gRPC Generation service) share: the settings,
+the tokenizer and chat template, the sampling defaults, admission slots, metrics, the verifier client and
+what the health mirror last saw. The running server (gateway/server.py) is one and starts them."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.admission import Slots
+from gateway.config import GatewayConfig
+from gateway.generation_defaults import SamplingDefaults
+from gateway.metrics import GatewayMetrics
+from gateway.metrics_relay import MetricsRelay
+from gateway.prompt_bound import PromptBound
+from gateway.request_log import RequestLog
+from gateway.upstream import VerifierClient
+from tandem.chat_template import ChatTemplate
+from tandem.tokenizer import TextTokenizer
+
+
+class GatewayContext:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.tokenizer = TextTokenizer(cfg.model_dir)
+        self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
+        self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
+        self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
+        self.metrics = GatewayMetrics(cfg.model_name)
+        self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
+        self.slots = Slots(cfg.max_concurrent_requests)
+        self.metrics_relays: list[MetricsRelay] = []  # made at start: their locks bind to the loop
+        self.started_at = int(time.time())
+        self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
+        self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
