@@ -25,7 +25,7 @@ COPY gateway gateway
 COPY proto proto
 RUN SPEC=".${EXTRAS:+[${EXTRAS}]}" \
  && (python3 -m pip install --break-system-packages "${SPEC}" 2>/dev/null || python3 -m pip install "${SPEC}") \
- && python3 -c "from tandem.demo import ensure_demo_draft; print(ensure_demo_draft())" \
+ && python3 -c "from tandem.training.demo import ensure_demo_draft; print(ensure_demo_draft())" \
  && mkdir -p /opt/tandem/cache && chmod -R a+rX /opt/tandem
 # The services run as an unprivileged user that cannot write the code or the demo pair.
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin tandem

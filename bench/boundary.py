@@ -34,7 +34,7 @@ TRANSPORTS = {"lane": ["--disable-round-prefetch"], "stream": ["--disable-round-
 
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
     from tandem.models.eagle3_checkpoint import write_random_eagle3
     from tandem.models.random_checkpoint import LlamaShape, write_random_llama
 

@@ -61,7 +61,7 @@ def bench_engine_for(shape: dict, layers: int, tp_size: int):
 
 
 def random_draft(target: Path, capture_layers: tuple[int, ...]) -> Path:
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
     from tandem.models.eagle3_checkpoint import write_random_eagle3
 
     path = target.parent / (target.name + "-eagle3")

@@ -60,7 +60,7 @@ def arrivals(ctx: dict) -> dict:
 
     import torch
 
-    from tandem.demo import SHIPPED
+    from tandem.training.demo import SHIPPED
 
     folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")  # CPU: a smoke run

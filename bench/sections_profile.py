@@ -204,7 +204,7 @@ def demo(ctx: dict) -> dict:
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
     from tandem.training.demo_pair import demo_eval_prompts
 
     folder = Path(os.environ.get("TANDEM_DEMO_DIR", "demo-pair"))

@@ -115,8 +115,8 @@ def linear_rows(ctx: dict) -> list[dict]:
 def _moe_layer(experts: int, inter: int, quantized: bool):
     from tandem.models.loader import default_dtype
     from tandem.layers.moe import MoE
-    from tandem.models.deepseek_config import MoeConfig
-    from tandem.models.quantization import Int4Group, QuantConfig
+    from tandem.configs.deepseek import MoeConfig
+    from tandem.configs.quantization import Int4Group, QuantConfig
 
     cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=MOE_TOP_K, n_shared_experts=0,
                     moe_intermediate_size=inter, first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1,

@@ -194,7 +194,7 @@ of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
 
     from tandem.training.demo_pair import demo_eval_prompts
 
-    from tandem.demo import SHIPPED
+    from tandem.training.demo import SHIPPED
 
     folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     tdir, draft = folder / "target", folder / "draft"

@@ -33,7 +33,7 @@ def best_ms(fn, repeat: int = 30) -> float:
 
 
 def main() -> int:
-    from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device
+    from tandem.forward_batch import ForwardBatch, SequenceChunk, to_device
     from tandem.engine.config import EngineConfig
     from tandem.engine.cuda_graph import TargetGraphRunner
     from tandem.engine.llm_engine import LLMEngine

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = shared.parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from tandem.demo import ensure_demo_draft, ensure_demo_target
+        from tandem.training.demo import ensure_demo_draft, ensure_demo_target
         from tandem.model_source import resolve_model
 
         target = resolve_model(args.target_model, flag="--target-model") if args.target_model else str(ensure_demo_target())

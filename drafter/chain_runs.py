@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.staging import HostReadback
+from tandem.staging import HostReadback
 from tandem.speculative.chain_rounds import LocalDraftSide, drafter_rounds_fit
 from tandem.speculative.round_mailbox import ACCEPTED, DRAFTED, RoundMailbox
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
 from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
 from drafter.config import DrafterServiceConfig

@@ -36,7 +36,7 @@ def ship(source: Path, dest: Path = SHIPPED) -> None:
 
 
 if __name__ == "__main__":
-    from tandem.demo import DEMO_VERSION
+    from tandem.training.demo import DEMO_VERSION
     from tandem.model_source import cache_root
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

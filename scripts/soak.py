@@ -54,7 +54,7 @@ def tiny_pair(folder: Path) -> tuple[str, str]:
     from checkpoints import write_checkpoint
     from draft_checkpoints import make_draft
     from tandem.training.stdlib_text import train_tokenizer
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
 
     target = folder / "target"
     if not (target / "tokenizer.json").exists():

@@ -56,7 +56,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     args.model = shared.resolve_target(args)
     if args.model is None:
-        from tandem.demo import ensure_demo_target
+        from tandem.training.demo import ensure_demo_target
 
         args.model = str(ensure_demo_target())
     tokenizer = TextTokenizer(args.model) if TextTokenizer.available(args.model) else None
@@ -113,7 +113,7 @@ def _build_engine(cfg, speculative: shared.Speculative):
     if speculative.draft_model is None:
         return LLMEngine(cfg)
     from tandem.speculative.drafter import SpecConfig
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
 
     spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)
     return speculative_engine(cfg, speculative.draft_model, spec, draft_dtype=cfg.dtype)

@@ -120,7 +120,7 @@ class UpPlan:
 
 def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     """The three services' command lines, every user spelling turned into the services' own flags."""
-    from tandem.demo import ensure_demo_draft, ensure_demo_target
+    from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
     speculative = shared.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
     model = shared.resolve_target(args) or str(ensure_demo_target())

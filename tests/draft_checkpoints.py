@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.eagle3_checkpoint import write_random_eagle3
 
 TARGET_LAYERS = 6
@@ -99,7 +99,7 @@ def pair_engine(pair: Pair, spec=None, policy=None, draft_page_size: int | None 
     ``draft_page_size``, else the engine's ``page_size``) and ``spec`` its default."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.models.eagle3_config import validate_draft
+    from tandem.configs.eagle3 import validate_draft
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 

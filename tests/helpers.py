@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.kv_cache import SequenceKV
 from tandem.speculative.draft_static import StaticAttention, StaticMeta
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import assert_rel, forward_fresh, greedy_alone, hf_logits, manual_greedy_logits, random_prompt
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv_cache import SequenceKV

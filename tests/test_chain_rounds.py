@@ -62,8 +62,8 @@ def _speculative_engine(root, prefix_caching: bool = True) -> LLMEngine:
     with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
     interpreted, where a test forces the fused path)."""
     from helpers import TorchGraphBackend, static_target_graphs
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.speculative.draft_graph import DraftGraphRunner
 
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))

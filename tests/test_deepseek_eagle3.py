@@ -23,12 +23,12 @@ from helpers import hf_greedy, random_prompt
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import CheckpointError
-from tandem.models.config import ModelConfig
-from tandem.models.eagle3_config import DraftConfig, validate_draft
+from tandem.configs.model import ModelConfig
+from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-from tandem.speculative.setup import speculative_engine
+from tandem.engine.speculative_setup import speculative_engine
 
 VOCAB = 512
 AUX_IDS = (0, 3, 5)  # outputs of layers 0, 3, 5 = inputs of 1, 4, 6 (the 8-layer default would be 2, 4, 5)

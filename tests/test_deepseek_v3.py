@@ -14,11 +14,11 @@ import torch
 
 from deepseek_checkpoints import deepseek_config, write_deepseek, write_kimi_k25
 from helpers import assert_rel, hf_greedy, hf_logits, manual_greedy_logits, random_prompt
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv_cache import SequenceKV
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.sampling import SamplingParams
 
 VOCAB = 512

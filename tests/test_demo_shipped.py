@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem import demo
+from tandem.training import demo
 
 
 @pytest.fixture()
@@ -28,12 +28,12 @@ def test_the_shipped_pair_is_served_until_one_is_built(empty_cache):
 def test_shipped_pair_is_lossless_and_accepts(empty_cache):
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
     from tandem.training.demo_pair import demo_eval_prompts
 
     target, draft = str(demo.ensure_demo_target()), str(demo.ensure_demo_draft())

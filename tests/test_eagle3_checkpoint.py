@@ -16,7 +16,7 @@ from safetensors import safe_open
 from draft_checkpoints import design_tensor_shapes, edit_config, make_draft, rewrite_tensors
 from tandem.errors import CheckpointError
 from tandem.models.eagle3_checkpoint import load_eagle3, save_eagle3
-from tandem.models.eagle3_config import DraftConfig
+from tandem.configs.eagle3 import DraftConfig
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 
 H, HT, Q, KV, I, VD, V = 64, 64, 64, 32, 128, 200, 256  # draft/target hidden, q/kv widths, mlp, vocabs
@@ -124,8 +124,8 @@ def test_config_parsing_variants(pair, tmp_path):
 
 def test_config_and_validation_modules_do_not_import_torch(pair):
     code = (
-        "import sys; from tandem.models.config import ModelConfig; "
-        "from tandem.models.eagle3_config import DraftConfig, validate_draft; "
+        "import sys; from tandem.configs.model import ModelConfig; "
+        "from tandem.configs.eagle3 import DraftConfig, validate_draft; "
         f"print(validate_draft(DraftConfig.from_dir({str(pair.draft_dir)!r}), ModelConfig.from_dir({str(pair.target_dir)!r}))); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draft_checkpoints import DenseEagle3, draft_inputs, pair_drafter
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.kv_cache import PageAllocator, SequenceKV

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import assert_rel, forward_fresh, hf_hidden_states, hf_logits, random_prompt
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import ConfigError

@@ -24,8 +24,8 @@ from tandem.kernels.fused_moe import (  # noqa: E402
 )
 from tandem.layers import moe as moe_module  # noqa: E402
 from tandem.layers.moe import MoE  # noqa: E402
-from tandem.models.deepseek_config import MoeConfig as RoutingConfig  # noqa: E402
-from tandem.models.quantization import Fp8Block, Int4Group, QuantConfig  # noqa: E402
+from tandem.configs.deepseek import MoeConfig as RoutingConfig  # noqa: E402
+from tandem.configs.quantization import Fp8Block, Int4Group, QuantConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 PLAIN_TOPK = RoutingConfig(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,

@@ -46,7 +46,7 @@ def mla_engine(tmp_path_factory):
 def test_static_decode_and_verify_match_eager(model, request):
     from tandem.attention.graph_backend import TritonGraphBackend
     from tandem.attention.mla_graph_backend import MLAGraphBackend
-    from tandem.engine.batch import ForwardBatch, SequenceChunk
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
     from tandem.engine.cuda_graph import TargetGraphRunner
     from tandem.kv_cache import SequenceKV
     from tandem.speculative.tree import DraftTree
@@ -101,7 +101,7 @@ def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(en
     captured with them (graph_decode_features), or such steps run eagerly rather than lose them."""
     import dataclasses
 
-    from tandem.engine.batch import ForwardBatch, SequenceChunk
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
     from tandem.engine.cuda_graph import TargetGraphRunner
 
     runner = engine.executor.runner

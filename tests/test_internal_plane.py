@@ -48,8 +48,8 @@ def drafter(pair_dirs, tmp_path_factory):
 
 
 def target_info(pair_dirs) -> pb.TargetInfo:
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
 
     target = ModelConfig.from_dir(pair_dirs / "models" / "target")
     layers = validate_draft(DraftConfig.from_dir(pair_dirs / "models" / "draft"), target)

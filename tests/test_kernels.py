@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 from helpers import norm_rel_err  # noqa: E402
 from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device  # noqa: E402
+from tandem.forward_batch import ForwardBatch, SequenceChunk, to_device  # noqa: E402
 from tandem.kernels import paged_attention, rms_norm, rotary_and_store, silu_and_mul, store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"

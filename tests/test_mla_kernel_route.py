@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from deepseek_checkpoints import write_deepseek  # noqa: E402
 from helpers import assert_rel, manual_greedy_logits, random_prompt  # noqa: E402
 from proposers import RandomTreeProposer, Spec, always_speculate  # noqa: E402
-from tandem.engine.batch import ForwardBatch, SequenceChunk  # noqa: E402
+from tandem.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402

@@ -81,8 +81,8 @@ def test_a_bin_only_head_is_served_from_a_safetensors_copy(tmp_path, monkeypatch
     from safetensors.torch import load_file
 
     from draft_checkpoints import make_draft
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     target = ModelConfig.from_dir(checkpoint("llama", num_hidden_layers=6).path)

@@ -107,7 +107,7 @@ def test_quantized_layers_dispatch_to_the_kernels(method, monkeypatch):
     here on the CPU) as through its float reference (the CPU route, called directly)."""
     from tandem.layers import quantized_linear
     from tandem.layers.linear import MergedColumnParallelLinear
-    from tandem.models.quantization import Fp8Block, Int4Group, QuantConfig
+    from tandem.configs.quantization import Fp8Block, Int4Group, QuantConfig
 
     scheme = Int4Group(32) if method == "int4" else Fp8Block((32, 32))
     quant = QuantConfig("compressed-tensors" if method == "int4" else "fp8", scheme)

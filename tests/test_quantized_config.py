@@ -11,8 +11,8 @@ import torch
 
 from quantized_checkpoints import int4_config
 from tandem.errors import CheckpointError
-from tandem.models.config import ModelConfig
-from tandem.models.quantization import Fp8Block, Int4Group, parse_quantization
+from tandem.configs.model import ModelConfig
+from tandem.configs.quantization import Fp8Block, Int4Group, parse_quantization
 from tandem.models.random_checkpoint import LlamaShape, hf_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

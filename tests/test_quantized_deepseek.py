@@ -18,7 +18,7 @@ from quantized_deepseek_checkpoints import write_quantized_deepseek
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import CheckpointError
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.sampling import SamplingParams
 
 VOCAB = 512

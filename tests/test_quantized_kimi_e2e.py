@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def dirs(tmp_path_factory):
     from draft_checkpoints import make_draft
     from tandem.training.stdlib_text import train_tokenizer
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
 
     root = tmp_path_factory.mktemp("kimi-int4")
     write_deepseek(root / "src", seed=41, num_hidden_layers=4)

@@ -25,7 +25,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import CheckpointError, ConfigError
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.quantized_linear import linear_format
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.llama import CausalLM
 from tandem.models.random_checkpoint import LlamaShape
 from tandem.sampling import SamplingParams
@@ -163,7 +163,7 @@ def test_tp2_equals_tp1(ckpts, tmp_path):
 
 def test_eagle3_speculation_on_an_int4_target_is_token_identical(ckpts, tmp_path):
     from draft_checkpoints import make_draft
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
@@ -188,7 +188,7 @@ def test_a_stack_of_experts_loads_and_dequantizes_per_expert():
     from quantized_checkpoints import int4_compress
     from tandem.layers.linear import Span
     from tandem.layers.quantized_linear import Int4GroupFormat
-    from tandem.models.quantization import Int4Group
+    from tandem.configs.quantization import Int4Group
 
     class Experts(torch.nn.Module):
         cols = Span.whole(64)

@@ -15,6 +15,6 @@ def test_importing_tandem_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, tandem, tandem.cli, tandem.models.config, tandem.tokenizer; print('torch' in sys.modules)"
+    code = "import sys, tandem, tandem.cli, tandem.configs.model, tandem.tokenizer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"

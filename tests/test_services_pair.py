@@ -370,7 +370,7 @@ def test_a_failing_in_process_head_leaves_the_engine_decoding_target_only_greedy
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
     from verifier.in_process_head import GuardedHead
 
     engine = speculative_engine(EngineConfig(model=str(pair_dirs / "target")), str(pair_dirs / "draft"),
@@ -430,8 +430,8 @@ def _in_process_run(pair_dirs, prompt: list[int]):
     speculation settings): → (tokens, accept length mean)."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
-    from tandem.models.config import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy

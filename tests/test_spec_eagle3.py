@@ -37,8 +37,8 @@ def spec_configs(draw):
 @given(spec=spec_configs(), page_size=st.sampled_from([1, 4, 16]), batch=st.integers(1, 4))
 def test_greedy_with_the_eagle3_drafter_is_token_identical(pair, spec, page_size, batch):
     root, prompts, ref = pair
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
 
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=page_size, capture_layers=capture)
@@ -57,8 +57,8 @@ def test_greedy_with_chain_tokens_left_on_the_device_is_token_identical(pair):
     """The in-process fast path: the graphed chain draft returns without its tokens (they stay on the
     device for the verify, and reach the host with its results) — same output as target-only, with two
     chain settings drafted in one step and requests arriving while others verify pending chains."""
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.speculative.draft_graph import DraftGraphRunner
 
     root, prompts, ref = pair

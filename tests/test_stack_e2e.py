@@ -28,7 +28,7 @@ def stack_dirs(tmp_path_factory):
     from checkpoints import write_checkpoint
     from draft_checkpoints import make_draft
     from tandem.training.stdlib_text import train_tokenizer
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
 
     root = tmp_path_factory.mktemp("stack")
     target = root / "tiny"

@@ -19,7 +19,7 @@ from draft_checkpoints import make_draft
 from helpers import assert_rel, hf_hidden_states, hf_logits, random_prompt, run_tp_jobs
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

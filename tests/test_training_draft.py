@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from draft_checkpoints import design_tensor_shapes
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.random_checkpoint import LlamaShape, write_random_llama
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
 from tandem.training.data import Sample

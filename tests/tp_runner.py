@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from helpers import forward_fresh  # noqa: E402
-from tandem.engine.batch import ForwardBatch, SequenceChunk  # noqa: E402
+from tandem.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402
@@ -91,7 +91,7 @@ def run_job(job: dict) -> dict:
     if job.get("draft"):  # greedy again, speculating in runs of chain rounds on the graphs' static path
         from proposers import always_speculate
         from tandem.speculative.drafter import SpecConfig
-        from tandem.speculative.setup import speculative_engine
+        from tandem.engine.speculative_setup import speculative_engine
 
         cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
                            spec_rounds=job["spec_rounds"], cuda_graph_max_bs=4)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = shared.resolve_target(args)
         if model is None:
-            from tandem.demo import ensure_demo_target
+            from tandem.training.demo import ensure_demo_target
 
             model = str(ensure_demo_target())
         cfg = VerifierConfig.from_args(args, model)

@@ -20,7 +20,7 @@ class GuardedHead(Proposer):
     caches_prefixes = True  # attach_prefix (tandem.prefix_cache)
 
     def __init__(self, drafter):
-        """``drafter``: the Eagle3Drafter that tandem.speculative.setup attached to the engine."""
+        """``drafter``: the Eagle3Drafter that tandem.engine.speculative_setup attached to the engine."""
         self.drafter = drafter
 
     def extend(self, items) -> None:

@@ -19,14 +19,14 @@ from tandem import tracing
 from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.warmup import warm_up
-from tandem.models.config import ModelConfig
-from tandem.models.eagle3_config import DraftConfig, validate_draft
+from tandem.configs.model import ModelConfig
+from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.ring import CUDA_IPC, HiddenRing
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-from tandem.speculative.setup import speculative_engine
+from tandem.engine.speculative_setup import speculative_engine
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineFailed, EngineLoop
@@ -76,7 +76,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
         return LLMEngine(cfg.engine), None, None
     spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)  # validates the flags before loading
     policy = SpeculationPolicy(PolicyConfig(enabled=cfg.speculation_policy == "measured"))
-    if cfg.drafter == IN_PROCESS:  # the head beside the target: no ring, no rounds to send (tandem.speculative.setup)
+    if cfg.drafter == IN_PROCESS:  # the head beside the target: no ring, no rounds to send (tandem.engine.speculative_setup)
         engine = speculative_engine(cfg.engine, cfg.draft_model, spec, draft_dtype=cfg.engine.dtype, policy=policy,
                                     max_topk=IN_PROCESS_MAX_TOPK)
         engine.proposer = GuardedHead(engine.proposer)

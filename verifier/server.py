@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from tandem import tracing
 from tandem.engine.step import StepOutput
 from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, TandemError
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import SpecConfig

@@ -17,7 +17,7 @@ from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, p
                                             sample_rows, tree_logits)
 from tandem.logprobs import TokenLogprobs
 from tandem.speculative.tree import DraftTree, resolve_pending
-from tandem.speculative.verify import accept_tree, compaction_moves
+from tandem.engine.verify import accept_tree, compaction_moves
 
 if TYPE_CHECKING:
     from tandem.engine.draft_link import DraftLink

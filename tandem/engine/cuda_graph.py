@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from tandem.distributed import broadcast_tensor
-from tandem.engine.batch import ForwardBatch
-from tandem.engine.staging import PinnedStaging, send_page_rows
+from tandem.forward_batch import ForwardBatch
+from tandem.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.watchdog import Watchdog

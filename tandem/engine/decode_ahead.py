@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.request import Request
 from tandem.engine.request_sampling import RunLogprobs
 from tandem.engine.run_rules import RunRules
-from tandem.engine.staging import HostReadback
+from tandem.staging import HostReadback
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
 

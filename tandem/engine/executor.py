@@ -17,10 +17,10 @@ import multiprocessing as mp
 import torch
 
 from tandem.distributed import broadcast_object, broadcast_tensor, destroy_tp, free_tcp_init_method, init_tp
-from tandem.engine.batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 
 log = logging.getLogger("tandem.executor")
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.acceptance import accept_verified
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import DEFAULT_DECODE_STEPS, DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
 from tandem.engine.draft_link import DraftLink
@@ -38,7 +38,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer
-from tandem.speculative.verify import verify_chunk
+from tandem.engine.verify import verify_chunk
 
 if TYPE_CHECKING:
     from tandem.speculative.drafter import SpecConfig

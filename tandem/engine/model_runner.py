@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from tandem.attention.choice import make_backend
-from tandem.engine.batch import ForwardBatch, to_device
+from tandem.forward_batch import ForwardBatch, to_device
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.kv_cache import KVPool, KVSpec
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.loader import default_dtype, resolve_dtype
 from tandem.models.registry import build_model
 from tandem.distributed import tp_group

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.engine.request import Request
-from tandem.engine.staging import HostReadback
+from tandem.staging import HostReadback
 from tandem.logprobs import TokenLogprobs, gather_logprobs
 from tandem.request_logits import history_matters, request_logits
 from tandem.sampling import adjusted_probs, sample

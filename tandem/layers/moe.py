@@ -26,8 +26,8 @@ from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
 from tandem.layers.quantized_linear import Fp8BlockFormat, Int4GroupFormat, linear_format
-from tandem.models.deepseek_config import MoeConfig
-from tandem.models.quantization import QuantConfig
+from tandem.configs.deepseek import MoeConfig
+from tandem.configs.quantization import QuantConfig
 
 
 def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:

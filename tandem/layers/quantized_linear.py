@@ -25,7 +25,7 @@ from tandem.distributed import tp_group
 from tandem.errors import ConfigError
 from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import ShapeMismatch, Span, check_shape
-from tandem.models.quantization import Fp8Block, Int4Group, QuantConfig
+from tandem.configs.quantization import Fp8Block, Int4Group, QuantConfig
 
 NIBBLE_SHIFTS = tuple(range(0, 32, 4))  # eight int4 per int32, low nibble first
 

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from tandem.models.config import RopeConfig
+from tandem.configs.model import RopeConfig
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from tandem.models.deepseek_config import MlaConfig
+from tandem.configs.deepseek import MlaConfig
 
 
 def yarn_inverse_frequencies(dim: int, cfg: MlaConfig) -> torch.Tensor:

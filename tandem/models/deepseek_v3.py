@@ -30,7 +30,7 @@ from tandem.layers.moe import MoE, SwiGLUMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.yarn_rotary import YarnRotary
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.llama import PACKED_WEIGHTS as LLAMA_PACKED, CausalLM, PreNormLayer
 from tandem.models.loader import load_checkpoint
 

@@ -22,7 +22,7 @@ from tandem.layers.activation import silu_mul
 from tandem.layers.linear import ReplicatedLinear, check_shape
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.models.eagle3_config import DraftConfig
+from tandem.configs.eagle3 import DraftConfig
 
 # checkpoint name fragment -> (our fused module fragment, part index); the loader's ``packed`` map
 PACKED_WEIGHTS = {

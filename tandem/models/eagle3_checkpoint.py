@@ -18,9 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.errors import CheckpointError
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.eagle3 import PACKED_WEIGHTS, Eagle3Head
-from tandem.models.eagle3_config import DraftConfig, validate_draft
+from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.models.loader import DTYPES, checkpoint_files, default_dtype, load_checkpoint
 
 TARGET_EMBEDDING = "model.embed_tokens.weight"

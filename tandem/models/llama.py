@@ -23,7 +23,7 @@ from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.loader import load_checkpoint
 
 # checkpoint name fragment -> (our fused module fragment, shard id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from tandem.errors import CheckpointError
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

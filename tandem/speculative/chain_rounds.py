@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, SequenceChunk
-from tandem.engine.staging import HostReadback
+from tandem.forward_batch import ForwardBatch, SequenceChunk
+from tandem.staging import HostReadback
 from tandem.layers.fast_path import use_triton
 from tandem.sampling import argmax_rows
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.staging import PinnedStaging, send_page_rows
+from tandem.staging import PinnedStaging, send_page_rows
 from tandem.errors import ConfigError
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.attention.choice import make_backend
-from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device
+from tandem.forward_batch import ForwardBatch, SequenceChunk, to_device
 from tandem.errors import ConfigError, OutOfPagesError
 from tandem.kv_cache import KVPool, PageAllocator, SequenceKV
-from tandem.models.config import ModelConfig
+from tandem.configs.model import ModelConfig
 from tandem.models.eagle3 import Eagle3Head
 from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
-from tandem.models.eagle3_config import DraftConfig, draft_tensor_files, validate_draft
+from tandem.configs.eagle3 import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
 from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.speculative.proposer import Proposer

@@ -94,7 +94,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     if args.target_model is None:
-        from tandem.demo import ensure_demo_target
+        from tandem.training.demo import ensure_demo_target
 
         args.target_model = str(ensure_demo_target())
     if args.eval_only:
@@ -121,7 +121,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 def _eval_only(args: argparse.Namespace) -> int:
     from tandem.training.data import fit_context, read_jsonl
     from tandem.training.evaluate import evaluate_pair, format_report
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
 
     if args.draft_model is None:
         raise TandemError("--eval-only needs --draft-model DIR")
@@ -169,7 +169,7 @@ def run_demo_models(args: argparse.Namespace) -> int:
         return _build_gpu_pair(args)
     if args.head_data_temperature is not None:
         return _head_at_temperature(args)
-    from tandem.demo import ensure_demo_draft, ensure_demo_target
+    from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
     target, draft = ensure_demo_target(args.rebuild), ensure_demo_draft(args.rebuild)
     result: dict = {"target": str(target), "draft": str(draft)}
@@ -201,7 +201,7 @@ def _build_gpu_pair(args: argparse.Namespace) -> int:
 
 
 def _head_at_temperature(args: argparse.Namespace) -> int:
-    from tandem.demo import ensure_demo_target
+    from tandem.training.demo import ensure_demo_target
     from tandem.training.demo_pair import build_demo_draft
 
     if not args.out:

@@ -1,6 +1,6 @@
 """Recipes for the embedded demo pair: the stdlib-trained target and its EAGLE-3 head.
 
-``tandem.demo.ensure_demo_target()`` / ``ensure_demo_draft()`` call ``build_demo_target`` /
+``tandem.training.demo.ensure_demo_target()`` / ``ensure_demo_draft()`` call ``build_demo_target`` /
 ``build_demo_draft`` once and cache the folders. Both recipes are sized for two CPU cores and a few
 minutes each, and are deterministic (fixed seeds, fixed corpus split). The head trains on prompts cut
 from the *training* stdlib files, each completed by the target itself (greedy, through our engine);

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tandem.layers.rotary import inverse_frequencies
-from tandem.models.config import RopeConfig
+from tandem.configs.model import RopeConfig
 from tandem.models.random_checkpoint import LlamaShape, hf_config
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.rotary import inverse_frequencies
-from tandem.models.eagle3_config import DraftConfig
+from tandem.configs.eagle3 import DraftConfig
 from tandem.training.dense_llama import RMSNorm, apply_rotary
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tandem.models.eagle3_checkpoint import random_draft_config, save_eagle3
-from tandem.models.eagle3_config import DraftConfig
+from tandem.configs.eagle3 import DraftConfig
 from tandem.training.data import Sample
 from tandem.training.eagle3_dense import DenseEagle3
 from tandem.training.lm import use_bf16

@@ -66,7 +66,7 @@ def evaluate_pair(target_dir: str, draft_dir: str, prompts: list[list[int]], cfg
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
 
     spec = SpecConfig(num_steps=cfg.num_steps, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens)
     engine_cfg = EngineConfig(model=target_dir, device=cfg.device, tp_size=cfg.tp_size, kv_pages=KV_PAGES)

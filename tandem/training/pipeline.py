@@ -125,7 +125,7 @@ def prepare_vocab(job: DrafterTrainJob, samples: list[Sample], target_vocab: int
 
 def with_traffic_layers(job: DrafterTrainJob) -> DrafterTrainJob:
     """Captured traffic fixes the target layers the head reads: the ones the verifier captured."""
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
     from tandem.traffic.dataset import TrafficManifest
 
     layers = job.capture_layers

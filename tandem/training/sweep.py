@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tandem.demo import DEMO_VERSION, ensure_demo_draft, ensure_demo_target
+    from tandem.training.demo import DEMO_VERSION, ensure_demo_draft, ensure_demo_target
     from tandem.model_source import cache_root
     from tandem.training.data import load_samples
 

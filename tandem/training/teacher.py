@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, SequenceChunk
+from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.kv_cache import SequenceKV
 
 

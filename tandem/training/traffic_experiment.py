@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from tandem.demo import ensure_demo_draft, ensure_demo_target
+    from tandem.training.demo import ensure_demo_draft, ensure_demo_target
     from tandem.training import demo_pair
     from tandem.training.data import Sample
     from tandem.training.evaluate import EvalConfig, evaluate_pair

@@ -120,9 +120,9 @@ def test_disabled_or_too_large_batches_stay_eager(pair):
 def llama8b_head(dtype=torch.bfloat16, max_positions=4096):
     """A random head of Llama-3-8B's EAGLE-3 shape (H 4096, 32/8 heads, draft vocab 32000)."""
     from tandem.models.loader import default_dtype
-    from tandem.models.config import RopeConfig
+    from tandem.configs.model import RopeConfig
     from tandem.models.eagle3 import Eagle3Head
-    from tandem.models.eagle3_config import DraftConfig
+    from tandem.configs.eagle3 import DraftConfig
 
     cfg = DraftConfig(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
                       rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0), max_position_embeddings=max_positions,

@@ -49,7 +49,7 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
             return [r.output_token_ids for r in eng.generate(batch, params)]
         from tandem.speculative.controlled import ControlledAcceptanceProposer
         from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
-        from tandem.models.config import ModelConfig
+        from tandem.configs.model import ModelConfig
         from tandem.models.eagle3_checkpoint import write_random_eagle3
 
         reference = [r.output_token_ids for r in eng.generate(batch, SamplingParams(max_new_tokens=new + 16,
@@ -194,7 +194,7 @@ def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, mon
 def test_bf16_graphed_decode_logits_match_eager(target):
     """bf16: the graphed decode step's logits equal the eager step's within bf16 rounding (greedy tokens
     may differ on near-ties between two correct kernels, so compare logits, not tokens)."""
-    from tandem.engine.batch import ForwardBatch, SequenceChunk
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.kv_cache import SequenceKV

@@ -15,7 +15,7 @@ import torch
 
 from tandem.attention.flashinfer_backend import flashinfer_available
 from tandem.attention.torch_backend import TorchAttentionBackend
-from tandem.engine.batch import ForwardBatch, SequenceChunk, to_device
+from tandem.forward_batch import ForwardBatch, SequenceChunk, to_device
 
 pytestmark = [
     pytest.mark.gpu,

@@ -149,10 +149,10 @@ def test_a_deepseek_engine_on_cuda_graphs_equals_it_eager(tmp_path, spec):
     from proposers import always_speculate
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.models.config import ModelConfig
+    from tandem.configs.model import ModelConfig
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
 
     write_deepseek(tmp_path / "target", seed=21, num_hidden_layers=6)
     make_draft(tmp_path / "draft", ModelConfig.from_dir(tmp_path / "target"), seed=3, num_heads=4, num_kv_heads=4,

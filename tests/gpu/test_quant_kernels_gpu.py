@@ -186,7 +186,7 @@ def test_moe_layer_takes_the_fused_path_on_the_gpu():
     """The layer on CUDA (fused kernel) against its own reference loop, DeepSeek-V3-style grouped routing."""
     from tandem.models.loader import default_dtype
     from tandem.layers.moe import MoE
-    from tandem.models.deepseek_config import MoeConfig
+    from tandem.configs.deepseek import MoeConfig
 
     cfg = MoeConfig(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
                     first_k_dense_replace=0, moe_layer_freq=1, n_group=8, topk_group=3, norm_topk_prob=True,

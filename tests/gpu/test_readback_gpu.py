@@ -1,4 +1,4 @@
-"""Reading a queued run back waits for that run only (tandem.engine.staging.HostReadback): with runs
+"""Reading a queued run back waits for that run only (tandem.staging.HostReadback): with runs
 overlapped, the next run is queued before the last is read back, and a read-back queued behind it
 would wait for both while the device idles at every run boundary, and overlapping runs would gain
 nothing. Skipped without a GPU."""
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_a_readback_waits_for_its_own_work_not_for_work_queued_after_it():
-    from tandem.engine.staging import HostReadback
+    from tandem.staging import HostReadback
 
     x = torch.arange(12, device="cuda").view(3, 4) * 7
     # Every launch below once first: a kernel's first launch loads its module lazily, which can wait for

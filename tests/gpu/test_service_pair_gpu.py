@@ -24,7 +24,7 @@ SPEC_FLAGS = ["--speculative-num-steps", "5", "--speculative-eagle-topk", "1", "
 
 @pytest.fixture(scope="module")
 def demo_pair() -> Path:
-    from tandem.demo import SHIPPED
+    from tandem.training.demo import SHIPPED
 
     folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     if not (folder / "draft" / "config.json").exists() or not (folder / "target" / "config.json").exists():
@@ -125,7 +125,7 @@ def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_eng
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-    from tandem.speculative.setup import speculative_engine
+    from tandem.engine.speculative_setup import speculative_engine
 
     prompts, expected = reference
     cfg = EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32", cuda_graph_max_bs=8,

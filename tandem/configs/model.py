@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError
-from tandem.models.quantization import QuantConfig, parse_quantization
-from tandem.models.rope_fields import rope_params, rope_theta, rope_type
-from tandem.models.deepseek_config import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
+from tandem.configs.quantization import QuantConfig, parse_quantization
+from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
+from tandem.configs.deepseek import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
 
 # architecture name -> (qkv projections carry a bias, q/k RMSNorm per head)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -57,9 +57,9 @@ class ModelConfig:
     dtype: str  # checkpoint dtype name: "bfloat16", "float16" or "float32"
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
-    # quantization_config (tandem.models.quantization): None for a float checkpoint
+    # quantization_config (tandem.configs.quantization): None for a float checkpoint
     quantization: QuantConfig | None = None
-    # DeepSeek-V3 family (tandem.models.deepseek_config): latent attention, routed experts, and the
+    # DeepSeek-V3 family (tandem.configs.deepseek): latent attention, routed experts, and the
     # prefix of the text model's tensors in a multimodal wrapper (Kimi-K2.5: "language_model.")
     mla: MlaConfig | None = None
     moe: MoeConfig | None = None

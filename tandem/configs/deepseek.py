@@ -3,7 +3,7 @@
 Covers ``DeepseekV3ForCausalLM`` (also Kimi-K2's ``model_type: kimi_k2`` and DeepSeek-V2-style configs
 with ``q_lora_rank: null``) and the Kimi-K2.5 wrapper ``KimiK25ForConditionalGeneration``, whose
 ``text_config`` is such a config and whose language-model tensors sit under ``language_model.``
-(../shared/reference/deepseek_v3_kimi.md §1). Torch-free, like ``tandem.models.config``.
+(../shared/reference/deepseek_v3_kimi.md §1). Torch-free, like ``tandem.configs.model``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import CheckpointError
-from tandem.models.rope_fields import rope_params, rope_theta, rope_type
+from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
 
 DEEPSEEK_ARCHITECTURE = "DeepseekV3ForCausalLM"
 KIMI_K25_ARCHITECTURE = "KimiK25ForConditionalGeneration"

@@ -12,7 +12,7 @@ Two weight-only schemes are supported (deepseek_v3_kimi.md §5):
   ``ignore`` list (exact names or ``re:`` patterns on the checkpoint's module names).
 
 Anything else is refused here, before a weight is read, with one line naming what is unsupported.
-Torch-free, like tandem/models/config.py.
+Torch-free, like tandem/configs/model.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DraftConfig: the frozen view of an EAGLE-3 draft head's ``config.json``, and its validation
 against the target it will serve.
 
-Torch-free (like ``tandem.models.config``): the verifier checks a draft at start-up, before any
+Torch-free (like ``tandem.configs.model``): the verifier checks a draft at start-up, before any
 weight is loaded, by reading ``config.json`` and the safetensors *headers* (plus the small ``d2t``
 tensor through numpy). Every mismatch is one line that names both numbers and the fix — the silent
 failure this project exists to prevent is an EAGLE-1/2 head fed one layer's hidden state
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
-from tandem.models.config import ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
+from tandem.configs.model import ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.batch import SequenceChunk
+from tandem.forward_batch import SequenceChunk
 from tandem.engine.request import Request
 from tandem.sampling import SamplingParams, adjusted_probs
 from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampling

@@ -15,8 +15,8 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     """Validate the head against the target, build the engine with the head's capture layers and a
     verify graph of the tree's width, load the head sharing the target's embedding (TP=1, where rank
     0 holds the whole vocabulary) and capture its draft and draft-extend graphs in the target's pool."""
-    from tandem.models.config import ModelConfig
-    from tandem.models.eagle3_config import DraftConfig, validate_draft
+    from tandem.configs.model import ModelConfig
+    from tandem.configs.eagle3 import DraftConfig, validate_draft
 
     capture = validate_draft(DraftConfig.from_dir(draft_dir), ModelConfig.from_dir(cfg.model), cfg.capture_layers)
     engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=(1, spec.num_draft_tokens)),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tandem.model_source import cache_root
 
-log = logging.getLogger("tandem.demo")
+log = logging.getLogger("tandem.training.demo")
 
 DEMO_VERSION = "v2-trained"
 
@@ -38,7 +38,7 @@ def _build_lock(folder: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-SHIPPED = Path(__file__).resolve().parent / "demo_pair"
+SHIPPED = Path(__file__).resolve().parent.parent / "demo_pair"  # tandem/demo_pair
 
 
 def _built(kind: str) -> Path:
