@@ -121,6 +121,14 @@ def test_tp2_runs_of_chain_rounds_keep_greedy_output(tp_results):
     assert res["spec_most_rounds_a_step"] == 3 and res["spec_rounds"] > 0 and res["spec_pages_back"]
 
 
+def test_tp2_a_head_failing_mid_run_leaves_the_ranks_in_step(tp_results):
+    """The head fails once after a run's first round reached rank 1: rank 0 still sends the rest of the run's
+    inputs (rank 1 replays every round it was told of), the requests decode on without speculation, and the
+    output is greedy's; a rank left waiting would hang the run past its timeout."""
+    _, res = tp_results[CHUNKED_CASE]
+    assert res["failures_injected"] == 1 and res["spec_after_failure"] == res["greedy"]
+
+
 def test_tp2_prefix_cache_keeps_greedy_output(tp_results):
     """Second turns on both ranks' cached pages decode as one process with the cache off does."""
     ckpt, res = tp_results[CHUNKED_CASE]

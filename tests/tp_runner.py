@@ -107,8 +107,46 @@ def run_job(job: dict) -> dict:
             out["spec_rounds"] = sum(r.spec_stats.rounds for r in reqs)
             out["spec_most_rounds_a_step"] = max(runs)
             out["spec_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
+            out["spec_after_failure"], out["failures_injected"] = _greedy_with_a_failing_round(eng, job)
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
+
+
+def _greedy_with_a_failing_round(eng, job: dict) -> tuple[list, int]:
+    """Greedy again, the head failing once in the middle of a run (after its first round reached the other
+    ranks), turned into ProposerUnavailable as the verifier's in-process head does: the run is abandoned,
+    the requests go on without speculation → (outputs, failures injected)."""
+    from tandem.speculative import chain_rounds
+    from tandem.speculative.proposer import ProposerUnavailable
+
+    failed, draft, begin = [], chain_rounds.LocalDraftSide.draft, chain_rounds.LocalDraftSide.begin
+
+    def counted_begin(side, *args):
+        rows = begin(side, *args)  # (its first draft: before the other ranks are told of the run)
+        side.rounds_drafted = 1
+        return rows
+
+    def failing_draft(side):  # the second round's draft: the first round's inputs went to rank 1
+        if getattr(side, "rounds_drafted", 0) == 1 and side.rounds > 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("injected: the head failed mid-run")
+        return draft(side)
+
+    def guarded(call, *args):
+        try:
+            return call(*args)
+        except RuntimeError as e:
+            raise ProposerUnavailable(str(e)) from e
+
+    chain_rounds.LocalDraftSide.draft, chain_rounds.LocalDraftSide.begin = failing_draft, counted_begin
+    eng.proposer.guarded = guarded
+    try:
+        n = job["max_new_tokens"]
+        results = eng.generate(job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)
+                                                for i in range(len(job["prompts"]))])
+    finally:
+        chain_rounds.LocalDraftSide.draft, chain_rounds.LocalDraftSide.begin = draft, begin
+    return [r.output_token_ids for r in results], len(failed)
 
 
 def main() -> None:

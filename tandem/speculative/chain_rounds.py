@@ -193,6 +193,12 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
     the run first; each round's verify inputs reach them by device broadcasts before its replay."""
     n, nd = len(reqs), spec.num_draft_tokens
     rids = [req.rid for req in reqs]
+    shared = None  # once the followers were told: the rounds whose inputs reached them
+
+    def share(fam, n: int) -> None:
+        target_graphs.share_inputs(fam, n)
+        shared[0] += 1
+
     try:
         queue_started = time.time_ns()
         # the first draft runs while the host stages the verify
@@ -202,9 +208,10 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
                                                 positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
                                                 tree_mask=chain, logits="all") for req in reqs])
+            fam, verify_bs, _ = target_graphs.prepare(first)
             if followers is not None:
                 followers.start(first, None, n, rounds)
-            fam, verify_bs, _ = target_graphs.prepare(first)
+                shared = [0]
             device = fam.input_ids.device
             # each root's index in its sequence, for the instrument's steering only
             roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
@@ -214,6 +221,7 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             tables = [req.kv.page_table(copy=False) for req in reqs]
             if followers is not None:
                 followers.start(None, tables, n, rounds)
+                shared = [0]
             target_graphs.restage_pages(fam, tables)
             roots, broken, counts = after.roots, after.broken, after.counts
             device = fam.input_ids.device
@@ -224,31 +232,35 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
                 rows = side.draft()
             record = None if logprobs is None else (lambda logits, argmax, r=r: logprobs.record(logits, argmax, r))
             counts = round_once(target_graphs, side, fam, verify_bs, rids, rows, broken, counts, emitted[r], steer,
-                                roots, record, followers is not None)
+                                roots, record, share if followers is not None else None)
         readback = HostReadback(emitted)
         if logprobs is not None:
             logprobs.queue_readback()
         side.finish()
         queued = (queue_started, time.time_ns())
     except BaseException:
+        if shared is not None:  # the other ranks replay every round they were told of (its all-reduces need
+            for _ in range(rounds - shared[0]):  # this rank too): the rest go on the inputs as they stand
+                target_graphs.share_inputs(fam, n)
+                target_graphs.replay_prepared(fam, verify_bs, n)
         side.abandon(after is None)
         raise
     return QueuedRun(reqs, side, spec, rounds, fam, verify_bs, readback, broken, counts, roots, queued, logprobs)
 
 
 def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None, share=False) -> torch.Tensor:
+                 roots, record=None, share=None) -> torch.Tensor:
     """One round's work after its draft — advance, verify, accept, extend — with the glue between the
     graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts.
-    ``share``: the verify's inputs go to the other ranks before its replay."""
+    ``share(fam, n)``: sends the verify's inputs to the other ranks before its replay."""
     n, nd = emitted.shape[0], emitted.shape[1] - 2
     broken |= rows[:, 3 * nd] != 0
     chains = rows[:, :nd].long()
     if steer is not None:
         chains = steer(rids, chains, roots)
     target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
-    if share:
-        target_graphs.share_inputs(fam, n)
+    if share is not None:
+        share(fam, n)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
     if record is not None:
@@ -268,7 +280,7 @@ def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
 
 
 def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None, share=False) -> torch.Tensor:
+                 roots, record=None, share=None) -> torch.Tensor:
     """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
     from tandem.kernels import round_glue
 
@@ -276,8 +288,8 @@ def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
     chains = steer(rids, rows[:, :nd].long(), roots) if steer is not None else None
     chains = round_glue.advance(rows, broken, counts, fam.input_ids, fam.positions, fam.kv_lens, fam.slots,
                                 fam.block_tables, target_graphs.page_size, nd, chains=chains)
-    if share:
-        target_graphs.share_inputs(fam, n)
+    if share is not None:
+        share(fam, n)
     logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))
     if record is not None:
