@@ -121,6 +121,15 @@ def test_tp2_runs_of_chain_rounds_keep_greedy_output(tp_results):
     assert res["spec_most_rounds_a_step"] == 3 and res["spec_rounds"] > 0 and res["spec_pages_back"]
 
 
+def test_tp2_speculating_second_turns_start_on_both_caches_and_keep_greedy_output(tp_results):
+    """Second turns (each prompt, its answer, three more tokens) with the head: they start on the target's
+    cached pages (both ranks) and the head's own, and decode as target-only greedy does."""
+    _, res = tp_results[CHUNKED_CASE]
+    target_hits, head_hits = res["spec_turns_cache_hits"]
+    assert target_hits > 0 and head_hits > 0
+    assert res["spec_turns_greedy"] == res["turns_greedy"]
+
+
 def test_tp2_a_head_failing_mid_run_leaves_the_ranks_in_step(tp_results):
     """The head fails once after a run's first round reached rank 1: rank 0 still sends the rest of the run's
     inputs (rank 1 replays every round it was told of), the requests decode on without speculation, and the

@@ -107,6 +107,12 @@ def run_job(job: dict) -> dict:
             out["spec_rounds"] = sum(r.spec_stats.rounds for r in reqs)
             out["spec_most_rounds_a_step"] = max(runs)
             out["spec_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
+            if "turns" in out:  # second turns on both ranks' cached pages and the head's, speculating
+                hits = eng.prefix_cache.stats.hits, eng.proposer.prefix_cache.stats.hits
+                out["spec_turns_greedy"] = [r.output_token_ids for r in eng.generate(
+                    out["turns"], SamplingParams(max_new_tokens=8, ignore_eos=True))]
+                out["spec_turns_cache_hits"] = (eng.prefix_cache.stats.hits - hits[0],
+                                                eng.proposer.prefix_cache.stats.hits - hits[1])
             out["spec_after_failure"], out["failures_injected"] = _greedy_with_a_failing_round(eng, job)
     out["children_left"] = [p.name for p in multiprocessing.active_children()]
     return out
