@@ -6,7 +6,8 @@ model and then follows rank 0's broadcasts: ``forward`` with a ForwardBatch, ``m
 accepted tree nodes), ``decode_steps`` (a run of graphed decode steps queued on the device: each step's
 token, sampled on rank 0, reaches the other ranks by a device broadcast, so no rank waits for the host),
 ``chain_rounds`` (a run of speculative chain rounds: each round's verify inputs, as rank 0's draft and
-accept left them on the device, broadcast before its replay), or ``stop``. Sampling and every other decision happen on rank 0 only, so ranks cannot diverge.
+accept left them on the device, broadcast before its replay), or ``stop``. Sampling and every other
+decision happen on rank 0 only, so ranks cannot diverge.
 """
 
 from __future__ import annotations
