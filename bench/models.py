@@ -17,11 +17,11 @@ LLAMA_70B_SHAPE = dataclasses.asdict(LLAMA_70B)
 _ROOT = Path(tempfile.gettempdir()) / "tandem-bench"
 
 
-def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b") -> Path:
-    path = _ROOT / f"{name}-{layers}l"
+def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b", context: int = 8192) -> Path:
+    path = _ROOT / (f"{name}-{layers}l" if context == 8192 else f"{name}-{layers}l-{context}")
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
-        shape = dataclasses.replace(base, num_layers=layers, max_position_embeddings=8192)
+        shape = dataclasses.replace(base, num_layers=layers, max_position_embeddings=context)
         (path / "config.json").write_text(json.dumps(hf_config(shape, "bfloat16", bos=128000, eos=128001)))
     return path
 

@@ -128,6 +128,8 @@ def _speculation_rows(engine, path: Path, batches: tuple[int, ...], goals: tuple
 
 
 def deepseek(ctx: dict) -> dict:
+    from tandem.errors import ConfigError
+
     quick = ctx["quick"]
     copy_tbps, out = _copy_tbps(ctx), {}
     lite = dict(V2_LITE, num_hidden_layers=ctx.get("layers") or V2_LITE["num_hidden_layers"])
@@ -138,9 +140,9 @@ def deepseek(ctx: dict) -> dict:
               f"token at batch 1):", flush=True)
         try:
             engine = _engine(path, (1, 4) if speculate else (1,), max(batches), kv_pages=2048)
-        except torch.cuda.OutOfMemoryError as e:  # Kimi-K2's bf16 experts fill most of one GPU
-            print(f"  out of GPU memory: {e}", flush=True)
-            out[name] = {"fields": fields, "error": f"out of memory: {e}"}
+        except (torch.cuda.OutOfMemoryError, ConfigError) as e:  # Kimi-K2's bf16 experts fill most of one GPU
+            print(f"  could not start: {e}", flush=True)  # (a capture's out-of-memory comes as a ConfigError)
+            out[name] = {"fields": fields, "error": str(e)}
             free_gpu()
             continue
         report = engine.executor.runner.graph_report

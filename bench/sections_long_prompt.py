@@ -47,8 +47,9 @@ def _engine(layers: int, chunk: int):
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
 
-    cfg = EngineConfig(model=str(target_dir(layers)), device="cuda", dtype="bfloat16", load_format="random",
-                       cuda_graph_max_bs=STREAMS, kv_pages=4096, chunked_prefill_size=chunk)  # 64k tokens
+    # a context past the long prompt; 96k tokens of KV: the prompt and the streams' runs
+    cfg = EngineConfig(model=str(target_dir(layers, context=2 * LONG_PROMPT)), device="cuda", dtype="bfloat16",
+                       load_format="random", cuda_graph_max_bs=STREAMS, kv_pages=6144, chunked_prefill_size=chunk)
     return LLMEngine(cfg)
 
 

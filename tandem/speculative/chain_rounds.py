@@ -193,11 +193,17 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
     the run first; each round's verify inputs reach them by device broadcasts before its replay."""
     n, nd = len(reqs), spec.num_draft_tokens
     rids = [req.rid for req in reqs]
-    shared = None  # once the followers were told: the rounds whose inputs reached them
+    told = None  # once the followers were told of the run: [rounds whose inputs reached them, rounds replayed]
 
-    def share(fam, n: int) -> None:
-        target_graphs.share_inputs(fam, n)
-        shared[0] += 1
+    def verify(fam, bs: int, n: int):
+        """A round's verify replay, its inputs first sent to the other ranks."""
+        if told is not None:
+            target_graphs.share_inputs(fam, n)
+            told[0] += 1
+        out = target_graphs.replay_prepared(fam, bs, n)
+        if told is not None:
+            told[1] += 1
+        return out
 
     try:
         queue_started = time.time_ns()
@@ -211,7 +217,7 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             fam, verify_bs, _ = target_graphs.prepare(first)
             if followers is not None:
                 followers.start(first, None, n, rounds)
-                shared = [0]
+                told = [0, 0]
             device = fam.input_ids.device
             # each root's index in its sequence, for the instrument's steering only
             roots = fam.positions[: n * nd].view(n, nd)[:, 0].clone() if steer is not None else None
@@ -221,7 +227,7 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             tables = [req.kv.page_table(copy=False) for req in reqs]
             if followers is not None:
                 followers.start(None, tables, n, rounds)
-                shared = [0]
+                told = [0, 0]
             target_graphs.restage_pages(fam, tables)
             roots, broken, counts = after.roots, after.broken, after.counts
             device = fam.input_ids.device
@@ -232,15 +238,17 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
                 rows = side.draft()
             record = None if logprobs is None else (lambda logits, argmax, r=r: logprobs.record(logits, argmax, r))
             counts = round_once(target_graphs, side, fam, verify_bs, rids, rows, broken, counts, emitted[r], steer,
-                                roots, record, share if followers is not None else None)
+                                roots, record, verify)
         readback = HostReadback(emitted)
         if logprobs is not None:
             logprobs.queue_readback()
         side.finish()
         queued = (queue_started, time.time_ns())
     except BaseException:
-        if shared is not None:  # the other ranks replay every round they were told of (its all-reduces need
-            for _ in range(rounds - shared[0]):  # this rank too): the rest go on the inputs as they stand
+        if told is not None:  # the other ranks replay every round they were told of, and its all-reduces need
+            if told[0] > told[1]:  # this rank too: one whose inputs they have, then the rest on what stands
+                target_graphs.replay_prepared(fam, verify_bs, n)
+            for _ in range(rounds - told[0]):
                 target_graphs.share_inputs(fam, n)
                 target_graphs.replay_prepared(fam, verify_bs, n)
         side.abandon(after is None)
@@ -249,19 +257,17 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
 
 
 def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None, share=None) -> torch.Tensor:
+                 roots, record, verify) -> torch.Tensor:
     """One round's work after its draft — advance, verify, accept, extend — with the glue between the
     graphs in torch ops (the reference for the fused kernels; the path of the CPU tests) → the counts.
-    ``share(fam, n)``: sends the verify's inputs to the other ranks before its replay."""
+    ``verify(fam, bucket, n)``: the verify's replay (its inputs sent to other ranks first, if any)."""
     n, nd = emitted.shape[0], emitted.shape[1] - 2
     broken |= rows[:, 3 * nd] != 0
     chains = rows[:, :nd].long()
     if steer is not None:
         chains = steer(rids, chains, roots)
     target_graphs.advance(fam, n, chains, 0 if counts is None else counts)
-    if share is not None:
-        share(fam, n)
-    logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
+    logits, features = verify(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))  # [n, nd]: the target's token after each node
     if record is not None:
         record(logits.view(n, nd, -1), argmax)
@@ -280,7 +286,7 @@ def _torch_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
 
 
 def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, broken, counts, emitted, steer,
-                 roots, record=None, share=None) -> torch.Tensor:
+                 roots, record, verify) -> torch.Tensor:
     """``_torch_round`` with the glue in three kernels (tandem/kernels/round_glue.py) → the counts."""
     from tandem.kernels import round_glue
 
@@ -288,9 +294,7 @@ def _fused_round(target_graphs, side, fam, verify_bs: int, rids: list, rows, bro
     chains = steer(rids, rows[:, :nd].long(), roots) if steer is not None else None
     chains = round_glue.advance(rows, broken, counts, fam.input_ids, fam.positions, fam.kv_lens, fam.slots,
                                 fam.block_tables, target_graphs.page_size, nd, chains=chains)
-    if share is not None:
-        share(fam, n)
-    logits, features = target_graphs.replay_prepared(fam, verify_bs, n)
+    logits, features = verify(fam, verify_bs, n)
     argmax = argmax_rows(logits.view(n, nd, -1))
     if record is not None:
         record(logits.view(n, nd, -1), argmax)
