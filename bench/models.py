@@ -17,8 +17,11 @@ LLAMA_70B_SHAPE = dataclasses.asdict(LLAMA_70B)
 _ROOT = Path(tempfile.gettempdir()) / "tandem-bench"
 
 
-def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b", context: int = 8192) -> Path:
-    path = _ROOT / (f"{name}-{layers}l" if context == 8192 else f"{name}-{layers}l-{context}")
+BENCH_CONTEXT = 8192  # positions the benchmark targets serve unless a section needs more
+
+
+def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b", context: int = BENCH_CONTEXT) -> Path:
+    path = _ROOT / (f"{name}-{layers}l" if context == BENCH_CONTEXT else f"{name}-{layers}l-{context}")
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
         shape = dataclasses.replace(base, num_layers=layers, max_position_embeddings=context)

@@ -101,11 +101,11 @@ def pair_engine(pair: Pair, spec=None, policy=None, draft_page_size: int | None 
     from tandem.engine.llm_engine import LLMEngine
     from tandem.configs.eagle3 import validate_draft
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
 
     capture = validate_draft(pair.draft, pair.target)
     eng = LLMEngine(EngineConfig(model=str(pair.target_dir), capture_layers=capture, **engine_kw),
-                    policy=policy or SpeculationPolicy(PolicyConfig(enabled=False)))
+                    policy=policy or always_speculate())
     if spec is not None:
         eng.proposer = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir),
                                                DrafterConfig(page_size=draft_page_size or engine_kw["page_size"]),

@@ -10,8 +10,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree

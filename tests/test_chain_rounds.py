@@ -15,7 +15,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+from proposers import always_speculate
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -69,7 +69,7 @@ def _speculative_engine(root, prefix_caching: bool = True) -> LLMEngine:
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3, capture_layers=capture,
                        enable_prefix_caching=prefix_caching)
-    eng = LLMEngine(cfg, spec=SPEC, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+    eng = LLMEngine(cfg, spec=SPEC, policy=always_speculate())
     runner = eng.executor.runner
     drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                       DrafterConfig(page_size=4, defer_chain_tokens=True, page_shuffle_seed=5),

@@ -27,7 +27,6 @@ from tandem.configs.model import ModelConfig
 from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.engine.speculative_setup import speculative_engine
 
 VOCAB = 512
@@ -56,7 +55,7 @@ def test_capture_layers_follow_the_id_plus_one_rule(pair):
 def test_greedy_speculation_is_token_identical_to_hf(pair, spec):
     root, _, prompts, ref = pair
     cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3)
-    with speculative_engine(cfg, str(root / "draft"), spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+    with speculative_engine(cfg, str(root / "draft"), spec, policy=always_speculate()) as eng:
         assert eng.executor.runner.capture_layers == (1, 4, 6)
         results = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [r.output_token_ids for r in results] == ref

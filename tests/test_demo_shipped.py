@@ -32,7 +32,7 @@ def test_shipped_pair_is_lossless_and_accepts(empty_cache):
     from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.training.demo_pair import demo_eval_prompts
 
@@ -43,7 +43,7 @@ def test_shipped_pair_is_lossless_and_accepts(empty_cache):
     with LLMEngine(EngineConfig(model=target)) as eng:
         reference = [o.output_token_ids for o in eng.generate(prompts, params)]
     with speculative_engine(EngineConfig(model=target), draft, SpecConfig(5, 1, 6),
-                            policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+                            policy=always_speculate()) as eng:
         outs = eng.generate(prompts, params)
     assert [o.output_token_ids for o in outs] == reference
     rounds = sum(o.spec_stats.rounds for o in outs)

@@ -4,11 +4,10 @@ target-only decoding does: same tokens, same finish, no preemption of itself ove
 from __future__ import annotations
 
 from checkpoints import write_checkpoint
-from proposers import RandomTreeProposer, Spec
+from proposers import RandomTreeProposer, Spec, always_speculate
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
 
 def test_speculation_stops_where_the_kv_cache_ends(tmp_path):
@@ -20,7 +19,7 @@ def test_speculation_stops_where_the_kv_cache_ends(tmp_path):
         expected = eng.generate([prompt], params)[0]
     capacity = 4 * (9 - 1)
     assert expected.finish_reason == "length" and len(prompt) + len(expected.output_token_ids) <= capacity + 1
-    always = SpeculationPolicy(PolicyConfig(enabled=False))
+    always = always_speculate()
     with LLMEngine(cfg, proposer=RandomTreeProposer(vocab=256, seed=1), spec=Spec(5), policy=always) as eng:
         rid = eng.add_request(prompt, params)
         steps = 0

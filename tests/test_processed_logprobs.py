@@ -13,12 +13,11 @@ import torch
 
 from checkpoints import write_checkpoint
 from helpers import hf_logits, random_prompt
-from proposers import RandomTreeProposer, Spec
+from proposers import RandomTreeProposer, Spec, always_speculate
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import ConfigError
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
 TOP = 3
 
@@ -60,7 +59,7 @@ def test_processed_logprobs_are_those_of_the_sampled_distribution(target, mode):
                        decode_steps=4 if mode == "decode-ahead" else None)
     proposer = RandomTreeProposer(256, seed=2) if mode == "speculating" else None
     with LLMEngine(cfg, proposer=proposer, spec=Spec(6) if proposer else None,
-                   policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+                   policy=always_speculate()) as eng:
         rids = [eng.add_request(prompt, params) for prompt in prompts]
         got = {rid: ([], []) for rid in rids}
         while eng.has_unfinished():

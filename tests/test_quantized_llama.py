@@ -165,7 +165,7 @@ def test_eagle3_speculation_on_an_int4_target_is_token_identical(ckpts, tmp_path
     from draft_checkpoints import make_draft
     from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
 
     target = ckpts["int4"][0]
     make_draft(tmp_path / "draft", ModelConfig.from_dir(target), seed=5, aux_layer_ids=(0, 1, 2))
@@ -173,7 +173,7 @@ def test_eagle3_speculation_on_an_int4_target_is_token_identical(ckpts, tmp_path
     capture = validate_draft(DraftConfig.from_dir(tmp_path / "draft"), ModelConfig.from_dir(target))
     spec = SpecConfig(3, 2, 6)
     cfg = EngineConfig(model=str(target), capture_layers=capture)
-    with LLMEngine(cfg, spec=spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+    with LLMEngine(cfg, spec=spec, policy=always_speculate()) as eng:
         eng.proposer = Eagle3Drafter.from_dirs(str(tmp_path / "draft"), str(target), DrafterConfig(),
                                                capture_layers=capture,
                                                embed_weight=eng.executor.runner.model.model.embed_tokens.weight)

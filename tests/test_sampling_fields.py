@@ -13,12 +13,11 @@ from scipy.stats import chisquare
 
 from checkpoints import write_checkpoint
 from helpers import hf_logits, random_prompt
-from proposers import RandomTreeProposer, Spec
+from proposers import RandomTreeProposer, Spec, always_speculate
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import ConfigError
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 
 EOS = 2  # the test checkpoints' eos_token_id
@@ -43,10 +42,6 @@ class ChainOracle(RandomTreeProposer):
     def _tree(self, rid, size):
         full, pos = self.oracle[rid], len(self.tokens[rid])
         return DraftTree.chain(full[pos], (full + [3] * size)[pos + 1 : pos + size])
-
-
-def _always():
-    return SpeculationPolicy(PolicyConfig(enabled=False))
 
 
 def _run(eng, prompts, params):
@@ -96,9 +91,9 @@ def test_logprobs_equal_transformers_log_softmax(target, mode):
         oracle = {f"req-{i}": p + e for i, (p, e) in enumerate(zip(prompts, expected))}
         # random trees holding the true path somewhere: accepted nodes are not the first rows of the tree
         engine = LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=4, oracle=oracle, hit_rate=0.9), spec=Spec(8),
-                           policy=_always())
+                           policy=always_speculate())
     elif mode == "sampled-spec":
-        engine = LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=2), spec=Spec(6), policy=_always())
+        engine = LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=2), spec=Spec(6), policy=always_speculate())
     else:
         engine = LLMEngine(cfg)
     with engine as eng:
@@ -145,7 +140,7 @@ def _chi_square(counts: dict, exact: dict, n: int) -> float:
 
 
 def _sample_pairs(path, prompt, params, n, speculate: bool) -> dict:
-    kw = dict(proposer=RandomTreeProposer(6, seed=1), spec=Spec(4), policy=_always()) if speculate else {}
+    kw = dict(proposer=RandomTreeProposer(6, seed=1), spec=Spec(4), policy=always_speculate()) if speculate else {}
     with LLMEngine(EngineConfig(model=str(path), seed=7), **kw) as eng:
         results = eng.generate([prompt] * n, params)
     if speculate:
@@ -216,7 +211,7 @@ def test_penalties_keep_the_exact_distribution(tiny, speculate):
             l2 = _penalized_reference(hf_logits(hf, prompt + [a])[-1], prompt, [a], rep, presence, frequency)
             for b, q in enumerate(l2.softmax(-1).tolist()):
                 exact[(a, b)] = float(p1[a]) * q
-    kw = dict(proposer=RandomTreeProposer(6, seed=1), spec=Spec(4), policy=_always()) if speculate else {}
+    kw = dict(proposer=RandomTreeProposer(6, seed=1), spec=Spec(4), policy=always_speculate()) if speculate else {}
     with LLMEngine(EngineConfig(model=str(path), seed=7), **kw) as eng:
         results = eng.generate([prompt] * n, params)
     # speculating: each tree node's row penalized over its own path's history (tandem.request_logits)
@@ -242,7 +237,7 @@ def test_penalties_along_a_draft_path_count_the_path_tokens(tiny):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=rep, presence_penalty=presence,
                             frequency_penalty=frequency)
     with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(6, oracle={"req-0": prompt + output}),
-                   spec=Spec(5), policy=_always()) as eng:
+                   spec=Spec(5), policy=always_speculate()) as eng:
         (got,), _, (rounds,) = _run(eng, [prompt], params)
     assert got == output and rounds <= 8  # about three tokens a round: drafts accepted deep along the path
 
@@ -268,7 +263,7 @@ def test_min_tokens_greedy_equals_transformers_speculating_or_not(target):
             (plain,), _, _ = _run(eng, [prompt], params)
         oracle = {"req-0": prompt + ref}
         with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(256, oracle=oracle, seed=1),
-                       spec=Spec(5), policy=_always()) as eng:
+                       spec=Spec(5), policy=always_speculate()) as eng:
             (spec,), _, (rounds,) = _run(eng, [prompt], params)
         assert plain == ref and spec == ref and rounds >= 2
 
@@ -285,7 +280,7 @@ def test_repetition_penalty_greedy_equals_transformers_generate(target):
     assert ref != plain_ref
     oracle = {"req-0": prompt + ref, "req-1": prompt + plain_ref}
     with LLMEngine(EngineConfig(model=str(path)), proposer=ChainOracle(256, oracle=oracle), spec=Spec(4),
-                   policy=_always()) as eng:
+                   policy=always_speculate()) as eng:
         penalized = eng.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True, repetition_penalty=1.5))
         other = eng.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
         while eng.has_unfinished():
@@ -332,7 +327,7 @@ def test_prompt_logprobs_equal_transformers_log_softmax(target, chunked):
     params = [SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=1),
               SamplingParams(max_new_tokens=4, ignore_eos=True),
               SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=0)]
-    with LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=1), spec=Spec(4), policy=_always()) as eng:
+    with LLMEngine(cfg, proposer=RandomTreeProposer(256, seed=1), spec=Spec(4), policy=always_speculate()) as eng:
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         got, tokens = {}, {r: [] for r in rids}
         while eng.has_unfinished():

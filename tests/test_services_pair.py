@@ -369,12 +369,12 @@ def test_a_failing_in_process_head_leaves_the_engine_decoding_target_only_greedy
     from tandem.errors import OutOfPagesError
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
     from verifier.in_process_head import GuardedHead
 
     engine = speculative_engine(EngineConfig(model=str(pair_dirs / "target")), str(pair_dirs / "draft"),
-                                SpecConfig(3, 1, 4), policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+                                SpecConfig(3, 1, 4), policy=always_speculate())
     head = engine.proposer
     calls = {"draft": 0}
     real_draft = head.draft
@@ -434,12 +434,12 @@ def _in_process_run(pair_dirs, prompt: list[int]):
     from tandem.configs.model import ModelConfig
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
 
     target, draft = str(pair_dirs / "target"), str(pair_dirs / "draft")
     capture = validate_draft(DraftConfig.from_dir(draft), ModelConfig.from_dir(target))
     with LLMEngine(EngineConfig(model=target, capture_layers=capture, enable_prefix_caching=False),
-                   policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+                   policy=always_speculate()) as eng:
         eng.proposer = Eagle3Drafter.from_dirs(draft, target, DrafterConfig(), capture_layers=capture,
                                                embed_weight=eng.executor.runner.model.model.embed_tokens.weight)
         eng.default_spec = SpecConfig(3, 2, 5)

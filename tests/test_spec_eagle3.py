@@ -11,7 +11,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+from proposers import always_speculate
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_greedy_with_the_eagle3_drafter_is_token_identical(pair, spec, page_size
 
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=page_size, capture_layers=capture)
-    with LLMEngine(cfg, spec=spec, policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+    with LLMEngine(cfg, spec=spec, policy=always_speculate()) as eng:
         runner = eng.executor.runner
         eng.proposer = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                                DrafterConfig(page_size=page_size), capture_layers=capture,
@@ -65,7 +65,7 @@ def test_greedy_with_chain_tokens_left_on_the_device_is_token_identical(pair):
     specs = [SpecConfig(3, 1, 4), SpecConfig(5, 1, 4)]
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=4, capture_layers=capture)
-    with LLMEngine(cfg, spec=specs[0], policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+    with LLMEngine(cfg, spec=specs[0], policy=always_speculate()) as eng:
         drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                           DrafterConfig(page_size=4, defer_chain_tokens=True), capture_layers=capture,
                                           embed_weight=eng.executor.runner.model.model.embed_tokens.weight)

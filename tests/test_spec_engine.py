@@ -20,7 +20,6 @@ from proposers import RandomTreeProposer, Spec, always_speculate
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams, adjusted_probs
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.speculative.tree import DraftTree, PendingTokens
 
 
@@ -206,7 +205,7 @@ def test_a_chain_found_nan_after_its_verify_costs_that_request_its_speculation(t
     prompts, expected = reference_outputs
     proposer = BrokenTrees("nan", vocab=256, seed=1)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=temperature, seed=5)
-    always = SpeculationPolicy(PolicyConfig(enabled=False))  # random drafts would soon turn the batch plain
+    always = always_speculate()  # random drafts would soon turn the batch plain
     with LLMEngine(EngineConfig(model=str(path), page_size=4), proposer=proposer, spec=Spec(4), policy=always) as eng:
         out = eng.generate(prompts[:3], params)
     if temperature == 0.0:

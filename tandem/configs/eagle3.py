@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
-from tandem.configs.model import ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
+from tandem.configs.model import AttentionWidths, ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(AttentionWidths):
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -40,14 +40,6 @@ class DraftConfig:
     fc_bias: bool
     dtype: str  # checkpoint dtype name
     model_dir: str | None = None  # folder it was read from; validation reads tensor headers there
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def feature_width(self) -> int:

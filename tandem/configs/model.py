@@ -36,8 +36,20 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+class AttentionWidths:
+    """q and k/v projection widths of a config with ``num_heads``, ``num_kv_heads`` and ``head_dim``."""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(AttentionWidths):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -64,14 +76,6 @@ class ModelConfig:
     mla: MlaConfig | None = None
     moe: MoeConfig | None = None
     checkpoint_prefix: str = ""
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def default_capture_layers(self) -> tuple[int, ...]:
         """EAGLE-3's default: residual-stream inputs of layers 2, N//2 and N-3 (docs/architecture.md, "Contracts").

@@ -35,14 +35,14 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
 
     widths = (1,) if spec is None else (1, spec.num_draft_tokens)
     cfg = EngineConfig(model=str(target), device="cuda", dtype=dtype, disable_cuda_graph=not graphs,
                        cuda_graph_max_bs=16, cuda_graph_widths=widths, attention_backend=backend, page_size=16,
                        kv_pages=2048, decode_steps=decode_steps, spec_rounds=spec_rounds)
     # Counting accepted drafts per round compares runs round for round: no timing-driven policy then.
-    policy = SpeculationPolicy(PolicyConfig(enabled=False)) if accepted is not None else None
+    policy = always_speculate() if accepted is not None else None
     with LLMEngine(cfg, policy=policy) as eng:
         params = params or SamplingParams(max_new_tokens=new, ignore_eos=True)
         if spec is None:

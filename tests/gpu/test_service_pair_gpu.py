@@ -124,14 +124,14 @@ def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_eng
     from tandem.engine.config import EngineConfig
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+    from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
 
     prompts, expected = reference
     cfg = EngineConfig(model=str(demo_pair / "target"), device="cuda", dtype="float32", cuda_graph_max_bs=8,
                        kv_pages=1024)  # not sized by free memory: the services of the tests before may still be exiting
     engine = speculative_engine(cfg, str(demo_pair / "draft"), SpecConfig(5, 1, 6),
-                                policy=SpeculationPolicy(PolicyConfig(enabled=False)))  # every step drafts
+                                policy=always_speculate())  # every step drafts
     with engine:
         assert engine.proposer.graphs is not None and engine.proposer.cfg.defer_chain_tokens
         rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=48, ignore_eos=True))
