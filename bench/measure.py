@@ -24,6 +24,12 @@ def events_ms(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def read_seconds(nbytes: float, copy_tbps: float) -> float:
+    """Seconds to read ``nbytes`` at the measured copy rate (``ceilings``): that rate counts a copy's read and
+    written bytes alike, so it is what the memory sustains, and a pure read goes no faster."""
+    return nbytes / (copy_tbps * 1e12)
+
+
 def free_gpu() -> None:
     import gc
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from measure import decode_tok_s, events_ms, free_gpu, rate_for
+from measure import decode_tok_s, events_ms, free_gpu, rate_for, read_seconds
 from models import LLAMA_8B_SHAPE, bench_drafter, bench_engine, weight_bytes_per_token
 
 
@@ -105,7 +105,7 @@ def decode(ctx: dict) -> dict:
     bytes_per_token = weight_bytes_per_token(LLAMA_8B_SHAPE, layers)
     copy = ctx.get("copy_tbps") or ceilings(ctx)["copy_TBps"]
     out["weight_GB_per_token"] = bytes_per_token / 1e9
-    out["bandwidth_limit_tok_s"] = copy * 1e12 / bytes_per_token
+    out["bandwidth_limit_tok_s"] = 1 / read_seconds(bytes_per_token, copy)
     out["gemv_chain_tok_s"] = gemv_chain_tok_s(LLAMA_8B_SHAPE, layers)
     print(f"bandwidth limit {out['bandwidth_limit_tok_s']:.0f} tok/s ({out['weight_GB_per_token']:.2f} GB/token); "
           f"graphed GEMV chain {out['gemv_chain_tok_s']:.0f} tok/s", flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from measure import decode_tok_s, free_gpu, rate_for
+from measure import decode_tok_s, free_gpu, rate_for, read_seconds
 from models import _ROOT
 from sections_overlap import _steered_batch
 
@@ -81,7 +81,7 @@ def _copy_tbps(ctx: dict) -> float:
 
 
 def _decode_rows(engine, fields: dict, batches: tuple[int, ...], new_tokens: int, copy_tbps: float) -> list[dict]:
-    limit = copy_tbps * 1e12 / 2 / active_weight_bytes(fields)  # a copy reads and writes: half is the read rate
+    limit = 1 / read_seconds(active_weight_bytes(fields), copy_tbps)
     rows = []
     decode_tok_s(engine, 1, 8)  # warm-up: the first steps compile kernels
     for bs in batches:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from measure import events_ms, free_gpu
+from measure import events_ms, free_gpu, read_seconds
 from sections_quant import graph_ms
 
 DEVICE = "cuda"  # (tests/test_bench_mla_smoke.py runs the section on the CPU at tiny shapes)
@@ -84,7 +84,7 @@ def _row(batch: int, kv_len: int, q_len: int, heads: int, copy_tbps: float | Non
            "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / best, "default_of_limit": limit_ms / ms,
            "speedup_vs_torch": torch_ms / ms, "rel_err_vs_torch": rel}
     if copy_tbps:
-        row["limit_ms_measured_copy"] = nbytes / (copy_tbps / 2 * 1e12) * 1e3
+        row["limit_ms_measured_copy"] = read_seconds(nbytes, copy_tbps) * 1e3
     print(f"MLA h{heads:2d} batch {batch:2d} kv {kv_len:5d} q {q_len}: {1e3 * ms:8.1f} us (best {1e3 * best:8.1f}, "
           f"splits {best_splits}, tiles {best_tiles}), torch {1e3 * torch_ms:9.1f} us, "
           f"limit {1e3 * limit_ms:7.1f} us = {100 * row['of_limit']:5.1f} %, rel err {rel:.1e}", flush=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from measure import events_ms, free_gpu
+from measure import events_ms, free_gpu, read_seconds
 
 DEVICE = "cuda"  # (tests/test_bench_quant_smoke.py runs the section on the CPU at tiny shapes)
 PEAK_TBPS = 4.8
@@ -102,7 +102,7 @@ def linear_rows(ctx: dict) -> list[dict]:
                        "best_tile": best_tile.__dict__, "cublas_bf16_ms": cublas, "limit_ms_4.8TBps": limit_ms,
                        "of_limit": limit_ms / best, "default_of_limit": limit_ms / ms, "speedup_vs_bf16": cublas / best}
                 if copy_tbps:
-                    row["limit_ms_measured_copy"] = nbytes[fmt] / (copy_tbps / 2 * 1e12) * 1e3
+                    row["limit_ms_measured_copy"] = read_seconds(nbytes[fmt], copy_tbps) * 1e3
                 rows_out.append(row)
                 print(f"{label:20s} {fmt} M={m:3d}: {1e3 * ms:7.1f} us (best tile {1e3 * best:7.1f}), cuBLAS bf16 "
                       f"{1e3 * cublas:7.1f} us, limit {1e3 * limit_ms:6.1f} us = {100 * row['of_limit']:5.1f} %",

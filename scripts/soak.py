@@ -64,15 +64,21 @@ def tiny_pair(folder: Path) -> tuple[str, str]:
     return str(target), str(folder / "draft")
 
 
-def references(target: str, prompts: list[list[int]]) -> list[list[int]]:
+def references(target: str, prompts: list[list[int]], device: str, dtype: str) -> list[list[int]]:
     """Target-only greedy continuations (ignore_eos), MAX_NEW tokens each: a request for k tokens must
-    return the first k (greedy decoding does not depend on the length asked for)."""
+    return the first k (greedy decoding does not depend on the length asked for). On the stack's device and
+    dtype: greedy identity is a float32 property, and CPU and GPU float32 may still part at a near-tie."""
+    import torch
+
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
-    with LLMEngine(EngineConfig(model=target)) as engine:
+    cfg = EngineConfig(model=target, device=device, dtype=dtype, kv_pages=64 * len(prompts))  # (not sized from memory)
+    with LLMEngine(cfg) as engine:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the stack's processes size their pools from the memory left free
     return [o.output_token_ids for o in outs]
 
 
@@ -84,7 +90,7 @@ class Stack:
         argv = [sys.executable, "-m", "tandem.cli", "up", "--model", target, "--draft-model", draft, "--device",
                 args.device, "--port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
                 "--verifier-port", str(self.ports["verifier"]), "--drafter-port", str(self.ports["drafter"]),
-                "--metrics-port", str(self.ports["metrics"]), "--speculation-policy", "always"]
+                "--metrics-port", str(self.ports["metrics"]), "--speculation-policy", "always", "--dtype", args.dtype]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", "1")  # three processes share the cores
         self.log = open(log_path, "wb")
@@ -333,6 +339,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="target folder with a tokenizer (default: a tiny random pair)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the stack's and the reference's (greedy identity holds in float32)")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--disconnect-rate", type=float, default=0.15)
@@ -355,7 +362,7 @@ def main(argv=None) -> int:
     prompts = [tok.encode(source[(o := rng.randrange(len(source) - 400)): o + rng.randint(20, 200)],
                           add_special_tokens=False)[:48] or [5]
                for _ in range(args.prompts)]
-    refs = references(target, prompts)
+    refs = references(target, prompts, args.device, args.dtype)
     ref_texts = [[tok.decode(r[:k]) for k in range(MAX_NEW + 1)] for r in refs]
 
     shm_before = {e.name for e in Path("/dev/shm").iterdir()}
