@@ -131,6 +131,31 @@ def test_decoding_requests_get_a_token_every_step_while_a_long_prompt_prefills(p
         assert eng.generate([long_prompt], GREEDY)[0].output_token_ids == long_out
 
 
+def test_beside_decoding_requests_a_prompt_is_cut_to_the_learned_cap_and_alone_to_the_budget(pair):
+    """The cap (StepAccounting.chunk_cap, learned from step times; fixed here) cuts a prompt's chunks while
+    requests decode; a prompt no longer than the cap goes whole; with nothing decoding, the budget alone."""
+    budget, cap, long_prompt = 64, 12, random_prompt(321, 61)
+    with engine(pair, budget, enable_prefix_caching=False) as eng:  # (the same prompt twice: computed twice)
+        eng.accounting.chunk_cap = lambda run_steps: cap
+        alone = eng.add_request(long_prompt, GREEDY)
+        eng.step()
+        assert eng.requests[alone].output  # nothing decoding: the 61 tokens in one step of the 64 budget
+        streams = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
+        while not all(eng.requests[rid].output for rid in streams):
+            eng.step()
+        short, late = eng.add_request(PROMPTS[0], GREEDY), eng.add_request(long_prompt, GREEDY)
+        steps_to_first = {short: 0, late: 0}
+        while not eng.requests[late].output:
+            eng.step()
+            for rid in steps_to_first:
+                steps_to_first[rid] += not eng.requests[rid].output
+        assert steps_to_first[short] == 0  # 3 tokens: whole, in the first step
+        assert steps_to_first[late] + 1 == -(-len(long_prompt) // cap)  # chunks of 12
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.requests[late].output == eng.requests[alone].output  # greedy: as prefilled whole
+
+
 def test_a_prompt_mid_prefill_is_preempted_and_recomputed(pair, reference):
     """A KV cache so small that the decoding requests need the pages of the prompt in prefill: it gives
     them back (the most recently admitted) and is prefilled again later; outputs are unchanged."""

@@ -194,16 +194,18 @@ class LLMEngine:
             return step_run_in_flight(self, timer)
         # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
         apart = self.prefill_apart and bool(self.scheduler.running)
+        # while requests decode, a long prompt's chunks are cut to their pace (StepAccounting.chunk_cap)
+        cap = self.accounting.chunk_cap(max(self.decode_steps, self.spec_rounds)) if self.scheduler.running else None
         sched = None
         if apart and self.prompts_due():
-            sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False)
+            sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False, chunk_cap=cap)
             sched = sched if sched.prefill else None  # nothing fit beside the running requests' next step
         ahead = decode_steps_ahead(self) if width == 1 and sched is None else 1
         rounds = rounds_ahead(self) if width > 1 and sched is None else 0
         if sched is None:
             widths = ((lambda req: ahead) if ahead > 1 else (lambda req: rounds * req.spec.num_draft_tokens) if rounds
                       else (lambda req: self._row_width(req, width)))
-            sched = self.scheduler.schedule(widths, admit=not apart)
+            sched = self.scheduler.schedule(widths, admit=not apart, chunk_cap=cap)
         for req in sched.preempted:
             self.drafts.forget(req)
         if not sched:

@@ -93,7 +93,7 @@ class Scheduler:
         return bool(head.kv.pages) or head.kv.pages_needed(head.num_tokens) <= self.allocator.num_free
 
     def schedule(self, step_width: Callable[[Request], int] = lambda r: 1, decode: bool = True,
-                 admit: bool = True) -> Schedule:
+                 admit: bool = True, chunk_cap: int | None = None) -> Schedule:
         """Reserve pages for every running request's next step (``step_width`` new tokens after its
         committed ones: 1 for plain decoding, the tree size when it speculates), then admit prompts.
         ``decode=False``: a step of prompts alone (the running requests sit it out; their next step's
@@ -127,8 +127,8 @@ class Scheduler:
             if fresh:
                 self._start_on_cache(req)
             start, n = req.kv.num_tokens, req.num_tokens
-            if self.chunked:
-                end = min(n, start + budget)
+            if self.chunked:  # (chunk_cap: a chunk's most while requests decode, StepAccounting.chunk_cap)
+                end = min(n, start + (budget if chunk_cap is None else min(budget, chunk_cap)))
             elif n - start <= budget or budget == self.prefill_budget:  # one long prompt always may go
                 end = n
             else:

@@ -8,6 +8,9 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   server streams them, per step) is part of what a step costs. So the policy hears of a step when the
   next one starts, and only when requests were still running after it.
 - An arrival's extension into the drafter is charged while speculating, from a step of prompts alone.
+- While requests decode, a prompt's chunk is cut to what prefills in about the time of their run of
+  decode steps (``chunk_cap``), from the prefill cost per token and the decode step's cost it has seen:
+  a long prompt then stalls the streams by about one run per chunk, not by a whole budget's prefill.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from tandem.engine.step import StepInfo
 
 MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
+MIN_CHUNK_TOKENS = 128  # a chunk cut to the streams' pace is never smaller (its fixed cost would dominate)
+NEWEST_WEIGHT = 0.25  # the newest step's weight in the running cost estimates
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class StepAccounting:
         self.decode_owed_s = 0.0
         self._step: _TimedStep | None = None
         self._goodput: _GoodputStep | None = None
+        self.prefill_s_per_token: float | None = None  # steps of prompts alone
+        self.decode_step_s: float | None = None  # one decode step or round (a run's time over its steps)
 
     def step_starts(self, now: float, policy) -> None:
         """The previous step's time, up to ``now``, goes to ``policy``."""
@@ -60,8 +67,12 @@ class StepAccounting:
         """``info`` of the step that ran from ``started`` to ``ended``, with ``running_before`` requests
         decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
         ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted."""
+        took = ended - started
+        if info.prefill_tokens and not info.num_decode:
+            self.prefill_s_per_token = _running(self.prefill_s_per_token, took / info.prefill_tokens)
+        elif info.num_decode and not info.num_prefill:
+            self.decode_step_s = _running(self.decode_step_s, took / info.steps)
         if self.prefill_apart:
-            took = ended - started
             if info.num_prefill and not info.num_decode and running_before:  # prompts kept apart
                 self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
             elif info.num_decode:
@@ -78,3 +89,15 @@ class StepAccounting:
         if running_before and running_after:  # (not the last step before idling)
             mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started)
+
+    def chunk_cap(self, run_steps: int) -> int | None:
+        """Prompt tokens one prompt may add to a step while requests decode in runs of ``run_steps``: about
+        as many as prefill in the time of such a run (at least MIN_CHUNK_TOKENS); None until both costs are
+        known. A prompt that short or shorter goes whole."""
+        if self.prefill_s_per_token is None or self.decode_step_s is None:
+            return None
+        return max(MIN_CHUNK_TOKENS, int(run_steps * self.decode_step_s / self.prefill_s_per_token))
+
+
+def _running(estimate: float | None, sample: float) -> float:
+    return sample if estimate is None else (1 - NEWEST_WEIGHT) * estimate + NEWEST_WEIGHT * sample
