@@ -8,6 +8,8 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   server streams them, per step) is part of what a step costs. So the policy hears of a step when the
   next one starts, and only when requests were still running after it.
 - An arrival's extension into the drafter is charged while speculating, from a step of prompts alone.
+- Goodput (tokens over a step's seconds) leaves out steps that first caught the drafter up: a switch's
+  price, which the arbiter's short epochs must not take for a mode's pace.
 - While requests decode, a prompt's chunk is cut to what prefills in about the time of their run of
   decode steps (``chunk_cap``), from the prefill cost per token and the decode step's cost it has seen:
   a long prompt then stalls the streams by about one run per chunk, not by a whole budget's prefill.
@@ -86,7 +88,9 @@ class StepAccounting:
             resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
             timed = (info.timed or resumed) and not info.num_prefill and running_after > 0
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
-        if running_before and running_after:  # (not the last step before idling)
+        # (not the last step before idling, nor a catch-up of held drafter input: that is the price of a switch,
+        # paid once per switch, and charged to a short epoch it would make a mode look slower than it runs)
+        if running_before and running_after and info.timed:
             mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started)
 
