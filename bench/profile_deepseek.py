@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,9 +43,18 @@ def _engine(path: Path, graphs: bool):
     return LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
 
 
-def _steps(engine, rid: str, steps: int) -> int:
-    """``steps`` engine steps of the one request → the tokens they decoded."""
-    return sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step() if o.rid == rid)
+def _decode(engine, rid: str, tokens: int, per_token: list | None = None) -> int:
+    """Engine steps of the one request until at least ``tokens`` are decoded → how many were (with graphs a
+    step queues several decode steps: tandem.engine.decode_ahead); ``per_token`` gets each step's seconds
+    per token (its median ignores a step that compiled a kernel variant, e.g. a new eager split count)."""
+    done = 0
+    while done < tokens:
+        started = time.perf_counter()
+        new = sum(len(o.new_token_ids) for o in engine.step() if o.rid == rid)
+        if per_token is not None and new:
+            per_token.append((time.perf_counter() - started) / new)
+        done += new
+    return done
 
 
 def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
@@ -72,16 +82,18 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
     decode_tok_s(engine, 1, 8)  # warm-up: the first steps compile kernels (and, eagerly, autotune nothing else)
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True), spec=None)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=2 * steps + 64, ignore_eos=True), spec=None)
     engine.step()  # prefill (and the first token) is not decode
-    _steps(engine, rid, 4)
+    _decode(engine, rid, 8)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    wall_tokens = _steps(engine, rid, steps)  # the wall time, without the profiler's host overhead
+    per_token: list[float] = []
+    wall_tokens = _decode(engine, rid, steps, per_token)  # the wall time, without the profiler's host overhead
     torch.cuda.synchronize()
     wall_us = 1e6 * (time.perf_counter() - started) / wall_tokens
+    median_us = 1e6 * statistics.median(per_token)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tokens = _steps(engine, rid, steps)
+        tokens = _decode(engine, rid, steps)
         torch.cuda.synchronize()
     while not engine.requests[rid].finished:
         engine.step()
@@ -94,12 +106,15 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
     prof.export_chrome_trace(str(trace))
     rows, counts = _kernel_table(trace, tokens)
     span = _idle_gaps(trace, top=0)  # busy: kernels, copies and memsets merged where they overlap
+    # PDL kernels (tandem.kernels.pdl) start before their predecessor ends and their time includes that wait:
+    # the summed kernel time exceeds the busy time, and a PDL kernel's share is an upper bound.
     busy_us, kernel_us = 1e3 * span["busy_ms"] / tokens, sum(r["us_per_token"] for r in rows)
     for r in rows:
         r["share_of_step"] = r["us_per_token"] / wall_us
     print(f"--- {mode}: {tokens} tokens; {counts['kernel']:.0f} kernels per token ({counts['kernel'] / layers:.1f} per "
           f"layer), {counts['gpu_memcpy']:.1f} copies, {counts['gpu_memset']:.1f} memsets ---")
-    print(f"  wall {wall_us:.0f} us/token ({1e6 / wall_us:.0f} tok/s), device busy {busy_us:.0f} us/token "
+    print(f"  wall {wall_us:.0f} us/token ({1e6 / wall_us:.0f} tok/s; median step {median_us:.0f}), "
+          f"device busy {busy_us:.0f} us/token "
           f"({busy_us / wall_us:.0%}), kernels {kernel_us:.0f} us/token; weight-read floor {floor_us:.0f} us/token "
           f"({floor_us / wall_us:.0%} of the step)")
     if counts["kernel"] < layers:  # a profiler that sees graph launches but not the kernels inside them
@@ -107,7 +122,8 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
     print(f"  {'us/tok':>8} {'share':>6} {'calls':>6}  kernel")
     for r in rows[:top]:
         print(f"  {r['us_per_token']:8.1f} {r['share_of_step']:6.1%} {r['calls_per_token']:6.1f}  {r['name'][:100]}")
-    return {"tokens": tokens, "trace": trace.name, "wall_us_per_token": wall_us, "busy_us_per_token": busy_us,
+    return {"tokens": tokens, "trace": trace.name, "wall_us_per_token": wall_us,
+            "wall_median_us_per_token": median_us, "busy_us_per_token": busy_us,
             "kernel_us_per_token": kernel_us, "kernels_per_token": counts["kernel"],
             "kernels_per_layer": counts["kernel"] / layers, "copies_per_token": counts["gpu_memcpy"],
             "memsets_per_token": counts["gpu_memset"], "distinct_kernels": len(rows), "top_kernels": rows[:top]}
@@ -116,7 +132,7 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"])
-    ap.add_argument("--steps", type=int, default=20, help="decode steps profiled (and timed) per mode")
+    ap.add_argument("--steps", type=int, default=20, help="decoded tokens profiled (and timed) per mode")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per mode")
     ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
     ap.add_argument("--copy-tbps", type=float, default=4.22, help="the copy rate the read floor assumes (H200: 4.22)")
