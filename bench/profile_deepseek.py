@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Where a batch-1 decode step of the DeepSeek-V2-Lite shape spends its device time, kernel by kernel.
+
+Builds the V2-Lite-shaped target as the ``deepseek`` section does (random bf16 weights, MLA + MoE),
+warms it up at batch 1, then records decode steps under torch.profiler (CUDA activity only), once on
+CUDA graphs and once eagerly (``disable_cuda_graph=True``), and prints and writes per mode: the top
+kernels by device time per decoded token (calls per token, µs per token, share of the step), the kernel
+launches per token (and per layer), and the device-busy time per token against the wall time per
+token. The wall time is taken over the same number of steps without the profiler (its host overhead
+would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
+
+    python3 bench/profile_deepseek.py [--layers 27] [--steps 20] [--out profile_deepseek.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from measure import decode_tok_s, free_gpu, read_seconds  # noqa: E402
+from sections_deepseek import V2_LITE, active_weight_bytes, deepseek_dir  # noqa: E402
+from sections_profile import _idle_gaps  # noqa: E402
+
+
+def _engine(path: Path, graphs: bool):
+    """As sections_deepseek._engine builds it (decode graphs only), with graphs on or off."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    cfg = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", load_format="random", cuda_graph_widths=(1,),
+                       cuda_graph_max_bs=1, disable_cuda_graph=not graphs, kv_pages=2048)
+    return LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+
+
+def _decode(engine, rid: str, tokens: int, per_token: list | None = None) -> int:
+    """Engine steps of the one request until at least ``tokens`` are decoded → how many were (with graphs a
+    step queues several decode steps: tandem.engine.decode_ahead); ``per_token`` gets each step's seconds
+    per token (its median ignores a step that compiled a kernel variant, e.g. a new eager split count)."""
+    done = 0
+    while done < tokens:
+        started = time.perf_counter()
+        new = sum(len(o.new_token_ids) for o in engine.step() if o.rid == rid)
+        if per_token is not None and new:
+            per_token.append((time.perf_counter() - started) / new)
+        done += new
+    return done
+
+
+def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
+    """The trace's kernels grouped by name (µs and calls per token), and the launch and copy counts."""
+    events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
+    groups: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            g = groups.setdefault(e["name"], [0.0, 0])
+            g[0], g[1] = g[0] + e["dur"], g[1] + 1
+    rows = [{"name": name, "calls_per_token": n / tokens, "us_per_token": us / tokens}
+            for name, (us, n) in groups.items()]
+    rows.sort(key=lambda r: r["us_per_token"], reverse=True)
+    counts = {cat: sum(e.get("cat") == cat for e in events) / tokens for cat in ("kernel", "gpu_memcpy", "gpu_memset")}
+    return rows, counts
+
+
+def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, floor_us: float, out_dir: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem.sampling import SamplingParams
+
+    mode = "graphs" if graphs else "eager"
+    engine = _engine(path, graphs)
+    decode_tok_s(engine, 1, 8)  # warm-up: the first steps compile kernels (and, eagerly, autotune nothing else)
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=2 * steps + 64, ignore_eos=True), spec=None)
+    engine.step()  # prefill (and the first token) is not decode
+    _decode(engine, rid, 8)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    per_token: list[float] = []
+    wall_tokens = _decode(engine, rid, steps, per_token)  # the wall time, without the profiler's host overhead
+    torch.cuda.synchronize()
+    wall_us = 1e6 * (time.perf_counter() - started) / wall_tokens
+    median_us = 1e6 * statistics.median(per_token)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tokens = _decode(engine, rid, steps)
+        torch.cuda.synchronize()
+    while not engine.requests[rid].finished:
+        engine.step()
+    engine.requests.pop(rid)
+    engine.shutdown()
+    del engine
+    free_gpu()
+
+    trace = out_dir / f"trace-deepseek-{mode}.json"
+    prof.export_chrome_trace(str(trace))
+    rows, counts = _kernel_table(trace, tokens)
+    span = _idle_gaps(trace, top=0)  # busy: kernels, copies and memsets merged where they overlap
+    # PDL kernels (tandem.kernels.pdl) start before their predecessor ends and their time includes that wait:
+    # the summed kernel time exceeds the busy time, and a PDL kernel's share is an upper bound.
+    busy_us, kernel_us = 1e3 * span["busy_ms"] / tokens, sum(r["us_per_token"] for r in rows)
+    for r in rows:
+        r["share_of_step"] = r["us_per_token"] / wall_us
+    print(f"--- {mode}: {tokens} tokens; {counts['kernel']:.0f} kernels per token ({counts['kernel'] / layers:.1f} per "
+          f"layer), {counts['gpu_memcpy']:.1f} copies, {counts['gpu_memset']:.1f} memsets ---")
+    print(f"  wall {wall_us:.0f} us/token ({1e6 / wall_us:.0f} tok/s; median step {median_us:.0f}), "
+          f"device busy {busy_us:.0f} us/token "
+          f"({busy_us / wall_us:.0%}), kernels {kernel_us:.0f} us/token; weight-read floor {floor_us:.0f} us/token "
+          f"({floor_us / wall_us:.0%} of the step)")
+    if counts["kernel"] < layers:  # a profiler that sees graph launches but not the kernels inside them
+        print("  (fewer kernels than layers: this profiler does not see the kernels inside graph replays)")
+    print(f"  {'us/tok':>8} {'share':>6} {'calls':>6}  kernel")
+    for r in rows[:top]:
+        print(f"  {r['us_per_token']:8.1f} {r['share_of_step']:6.1%} {r['calls_per_token']:6.1f}  {r['name'][:100]}")
+    return {"tokens": tokens, "trace": trace.name, "wall_us_per_token": wall_us,
+            "wall_median_us_per_token": median_us, "busy_us_per_token": busy_us,
+            "kernel_us_per_token": kernel_us, "kernels_per_token": counts["kernel"],
+            "kernels_per_layer": counts["kernel"] / layers, "copies_per_token": counts["gpu_memcpy"],
+            "memsets_per_token": counts["gpu_memset"], "distinct_kernels": len(rows), "top_kernels": rows[:top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"])
+    ap.add_argument("--steps", type=int, default=20, help="decoded tokens profiled (and timed) per mode")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per mode")
+    ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
+    ap.add_argument("--copy-tbps", type=float, default=4.22, help="the copy rate the read floor assumes (H200: 4.22)")
+    ap.add_argument("--out", default="profile_deepseek.json")
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("graphs", "eager") for m in modes):
+        ap.error(f"--modes takes graphs and/or eager, got {args.modes!r}")
+
+    fields = dict(V2_LITE, num_hidden_layers=args.layers)
+    path = deepseek_dir(f"v2-lite-{args.layers}l", fields)  # the deepseek section's folder: same config
+    weight_bytes = active_weight_bytes(fields)
+    floor_us = 1e6 * read_seconds(weight_bytes, args.copy_tbps)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"v2-lite, {args.layers} layers: {weight_bytes / 1e9:.2f} GB read per token, floor {floor_us:.0f} us/token "
+          f"at {args.copy_tbps} TB/s ({1e6 / floor_us:.0f} tok/s)", flush=True)
+    result = {"fields": fields, "active_weight_bytes": weight_bytes, "copy_tbps": args.copy_tbps,
+              "floor_us_per_token": floor_us, "steps": args.steps, "modes": {}}
+    for mode in modes:
+        result["modes"][mode] = profile_mode(path, mode == "graphs", args.steps, args.layers, args.top, floor_us,
+                                             out.parent)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
