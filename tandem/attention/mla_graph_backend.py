@@ -2,8 +2,8 @@
 Kimi-K2) on the static buffers of tandem.engine.cuda_graph's GraphMeta.
 
 Always the absorbed form (every graphed forward extends cached sequences), through the Triton latent
-kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes only; the latent store is
-the reference's (an ``index_copy_`` at the static slots). Nothing is planned on the host. The kernel's
+kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes only; the latent's norm,
+rotary and store run before it in one launch (``fused_prologue``: tandem/kernels/mla_prologue.py). Nothing is planned on the host. The kernel's
 per-sequence offsets and mask widths are uniform in a graph (every sequence has the family's width):
 device tensors made once per width, outside capture (a family's largest bucket runs first, in its warm-up).
 """
@@ -17,6 +17,7 @@ from tandem.attention.mla_torch_backend import TorchMLABackend
 
 class MLAGraphBackend:
     name = "triton-mla-graph"
+    fused_prologue = True  # tandem/kernels/mla_prologue.py
     plain_prefill = False  # a graph never holds a fresh prompt
 
     def __init__(self):

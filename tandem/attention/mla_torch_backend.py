@@ -25,6 +25,7 @@ from tandem.attention.torch_backend import TorchAttentionBackend
 
 class TorchMLABackend(TorchAttentionBackend):
     name = "torch-mla"
+    fused_prologue = False  # MLAttention runs the reference norm, rotary and store
 
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)

@@ -92,7 +92,7 @@ def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
-             "fused_moe", "mla_attention")
+             "fused_moe", "mla_attention", "mla_prologue")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -100,7 +100,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -137,6 +137,12 @@ def main(dtype_name: str = "bfloat16") -> int:
     for tiles in ((16, 16, 4, 2), (16, 32, 4, 3), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)):  # bench's sweep
         for heads, q_len in ((8, 4), (64, 1)):  # the most registers of each tile (h8 q1, h64 q4: no more)
             latent_attention(8, q_len, heads, 64, tiles=tiles)
+    for heads, lora in ((16, 512), (64, 512), (8, 512)):  # V2-Lite, Kimi at TP 1 and TP 8: 128 nope + 64 rope
+        table = torch.empty(4096, 32)
+        mlp.mla_prologue(torch.empty(8, heads, 192, dtype=dt), torch.empty(8, lora + 64, dtype=dt),
+                         torch.empty(lora, dtype=dt), 1e-6, table, table, torch.zeros(8, dtype=torch.int64),
+                         torch.empty(64, 64, 1, lora + 64, dtype=dt), torch.zeros(8, dtype=torch.int64), True)
+        _report(f"mla_prologue h{heads} kv_lora {lora}", failures)
     tokens = 64
     qkv = torch.empty(tokens, 48 * 128, dtype=dt)
     q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], -1))

@@ -87,11 +87,23 @@ class MLAttention(nn.Module):
     def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend) -> torch.Tensor:
         m, heads = self.mla, self.local_heads
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(-1, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        c_kv, q_pe, k_pe = self.kv_a_layernorm(c_kv), self.rotary(positions, q_pe), self.rotary(positions, k_pe)
+        q = q.view(-1, heads, m.qk_head_dim)
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
         pool, _ = kv.layer(self.layer_id)
-        backend.store(torch.cat([c_kv, k_pe], dim=-1), pool, meta)
+        if backend.fused_prologue:  # norm, both rotaries and the store in one launch, in place in q and kv_a
+            from tandem.kernels.mla_prologue import mla_prologue
+
+            norm = self.kv_a_layernorm
+            mla_prologue(q, kv_a, norm.weight, norm.eps, self.rotary.cos, self.rotary.sin, positions, pool,
+                         meta.slot_mapping, self.rotary.interleave)
+        else:
+            c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+            kv_a = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(positions, k_pe)], dim=-1)
+            q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            q = torch.cat([q_nope, self.rotary(positions, q_pe)], dim=-1)
+            backend.store(kv_a, pool, meta)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         # kv_b_proj rows per head: [W_UK (nope) ; W_UV (v)], each over the kv_lora latent.
         w_kv_b = self.kv_b_weight()
         w_uk, w_uv = w_kv_b.view(heads, -1, m.kv_lora_rank).split([m.qk_nope_head_dim, m.v_head_dim], 1)
@@ -99,7 +111,7 @@ class MLAttention(nn.Module):
             k_nope, v = matmul(c_kv, w_kv_b).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
                 [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
-            out = backend.forward_plain(torch.cat([q_nope, q_pe], dim=-1), k, v, meta, self.scale)
+            out = backend.forward_plain(q, k, v, meta, self.scale)
         else:
             q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
             attended = backend.forward_absorbed(torch.cat([q_latent, q_pe], dim=-1), pool, meta, self.scale,
