@@ -92,7 +92,7 @@ def main(dtype_name: str = "bfloat16") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
-             "fused_moe", "mla_attention", "mla_prologue")
+             "fused_moe", "mla_attention", "mla_prologue", "moe_route")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -100,7 +100,7 @@ def main(dtype_name: str = "bfloat16") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -143,6 +143,9 @@ def main(dtype_name: str = "bfloat16") -> int:
                          torch.empty(lora, dtype=dt), 1e-6, table, table, torch.zeros(8, dtype=torch.int64),
                          torch.empty(64, 64, 1, lora + 64, dtype=dt), torch.zeros(8, dtype=torch.int64), True)
         _report(f"mla_prologue h{heads} kv_lora {lora}", failures)
+    for experts, groups, kept, k in ((64, 1, 1, 6), (256, 8, 4, 8), (384, 1, 1, 8)):  # V2-Lite, V3, Kimi
+        mr.noaux_route(torch.empty(8, experts), torch.empty(experts), groups, kept, k, True, 2.5)
+        _report(f"noaux_route {experts} experts, {groups} groups, top {k}", failures)
     tokens = 64
     qkv = torch.empty(tokens, 48 * 128, dtype=dt)
     q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], -1))

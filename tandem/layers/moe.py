@@ -9,7 +9,8 @@ allocated once when the layer is built, so the checkpoint loads through each exp
 both paths read the same memory. Under tensor parallelism
 every rank holds every expert with 1/TP of its intermediate dimension; the routed and shared partial
 sums are all-reduced once per layer. Routing follows transformers' DeepseekV3TopkRouter
-(../shared/reference/deepseek_v3_kimi.md §3).
+(../shared/reference/deepseek_v3_kimi.md §3); on the GPU, what follows the router's logits is one kernel
+(tandem/kernels/moe_route.py).
 
 Quantized checkpoints: each expert's linears take the format its checkpoint name gets (routed experts
 INT4 or FP8, shared experts and dense MLPs FP8 or unquantized), held packed and dequantized per call by
@@ -68,7 +69,14 @@ class NoAuxRouter(nn.Module):
         target.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return noaux_tc_route(torch.nn.functional.linear(x.float(), self.weight), self.e_score_correction_bias, self.cfg)
+        logits = torch.nn.functional.linear(x.float(), self.weight)
+        if use_triton(x):  # the routing in one launch instead of ~10 (tandem/kernels/moe_route.py)
+            from tandem.kernels.moe_route import noaux_route
+
+            c = self.cfg
+            return noaux_route(logits, self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
+                               c.norm_topk_prob, c.routed_scaling_factor)
+        return noaux_tc_route(logits, self.e_score_correction_bias, self.cfg)
 
 
 class SwiGLUMLP(nn.Module):
