@@ -1,7 +1,8 @@
 """DeepSeek-V3 (MLA + MoE) under tensor parallelism on the CPU (gloo): q_b/kv_b split by heads, o and
-the experts' down projections reduced, the latent cache whole on every rank — at TP 2 and at TP 8 (one
+the experts' down projections reduced, the latent cache whole on every rank — at TP 2, 4 and 8 (at 8, one
 head per rank), against transformers: prompt and packed logits, greedy output, EAGLE-3 features and
-a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path. Runs in tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
+a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path. Runs in
+tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ VOCAB = 512
 PROMPTS = [random_prompt(70, 11, VOCAB), random_prompt(71, 26, VOCAB)]
 MAX_NEW = 12
 TREE_PARENTS = [-1, 0, 0, 1, 2]
-TP_SIZES = (2, 8)
+TP_SIZES = (2, 4, 8)
 
 
 def tree_job(prompt: list[int]) -> dict:
