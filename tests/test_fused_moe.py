@@ -60,8 +60,9 @@ def test_align_by_expert_gives_each_slot_one_row_in_a_block_of_its_expert(align,
                for b in range(block_expert.numel()))  # slot order within a block, padding last
 
 
-def test_fused_moe_matches_a_per_token_loop():
-    """The kernel alone against the formula, token by token, in float32."""
+@pytest.mark.parametrize("with_add", [False, True], ids=["routed", "plus-shared"])
+def test_fused_moe_matches_a_per_token_loop(with_add):
+    """The kernel alone against the formula, token by token, in float32 (with a shared output added)."""
     g = torch.Generator().manual_seed(0)
     experts, inter, tokens, top_k = 8, 32, 6, 2
     w13 = torch.randn(experts, 2 * inter, HIDDEN, generator=g) * 0.1
@@ -69,9 +70,11 @@ def test_fused_moe_matches_a_per_token_loop():
     x = torch.randn(tokens, HIDDEN, generator=g)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     route = torch.rand(tokens, top_k, generator=g)
+    add = torch.randn(tokens, HIDDEN, generator=g)
     y = fused_moe(x.to(DEVICE), ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)),
-                  route.to(DEVICE), ids.to(DEVICE), MoeTiles(16, 16, 32, 4, 2)).cpu()
-    ref = torch.zeros(tokens, HIDDEN)
+                  route.to(DEVICE), ids.to(DEVICE), MoeTiles(16, 16, 32, 4, 2),
+                  add=add.to(DEVICE) if with_add else None).cpu()
+    ref = add.clone() if with_add else torch.zeros(tokens, HIDDEN)
     for t in range(tokens):
         for j in range(top_k):
             gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)

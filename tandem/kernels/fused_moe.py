@@ -244,11 +244,33 @@ def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slo
     )
 
 
+@triton.jit
+def _sum_slots_kernel(per_slot_ptr, add_ptr, out_ptr, hidden, stride_add, stride_out,
+                      TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """A token's k weighted slots summed in float32 and rounded to the output dtype, then ``add`` (the shared
+    experts' output) added as the model adds it: one launch for what was a sum, a cast and an add."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_slot_ptr + (t * TOP_K + j) * hidden + h, mask=ok, other=0.0)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        shared = tl.load(add_ptr + t * stride_add + h, mask=ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + shared).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + h, out, mask=ok)
+
+
 def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, route_weights: torch.Tensor,
-              ids: torch.Tensor, config: MoeTiles | None = None) -> torch.Tensor:
+              ids: torch.Tensor, config: MoeTiles | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_j route_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = ids[t, j]``:
     ``x [T, H]``, gate_up ``[E, 2I, H]`` (gate rows first), down ``[E, H, I]``, ``route_weights``
-    ``[T, k]`` float32, ``ids [T, k]`` → ``[T, H]`` in x's dtype."""
+    ``[T, k]`` float32, ``ids [T, k]`` → ``[T, H]`` in x's dtype, plus ``add`` ``[T, H]`` if given (added
+    after the sum is rounded to x's dtype)."""
+    if add is not None and (add.shape != x.shape or add.stride(-1) != 1):
+        raise ValueError(f"fused_moe: add {tuple(add.shape)} for x {tuple(x.shape)}")
     if x.dim() != 2 or ids.shape != route_weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
     tokens, hidden = x.shape
@@ -266,4 +288,9 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     per_slot = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     route_w = route_weights.float().flatten().contiguous()
     _grouped_gemm(act, down, per_slot, slots, block_expert, route_w, hidden, 1, False, True, cfg)
-    return per_slot.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    out = torch.empty_like(x)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        per_slot, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),
+        TOP_K=top_k, HAS_ADD=add is not None, BLOCK_H=block_h, num_warps=4, **pdl_launch(x))
+    return out

@@ -162,17 +162,18 @@ class MoE(nn.Module):
             out.index_add_(0, token, (y.float() * weights[token, slot, None]).to(x.dtype))
         return out
 
-    def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same share from the fused kernel (device-side grouping, no host synchronisation)."""
+    def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     add: torch.Tensor | None = None) -> torch.Tensor:
+        """The same share from the fused kernel (device-side grouping, no host synchronisation), plus ``add``."""
         from tandem.kernels.fused_moe import fused_moe
 
         gate_up, down = self.expert_weights()
-        return fused_moe(x, gate_up, down, weights, ids)
+        return fused_moe(x, gate_up, down, weights, ids, add=add)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = self.routed_fused if use_triton(x) else self.routed_reference
-        out = routed(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts.partial(x)
-        return all_reduce(out)
+        shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
+        if use_triton(x):  # the shared experts' share added in the kernel's last step
+            return all_reduce(self.routed_fused(x, weights, ids, add=shared))
+        out = self.routed_reference(x, weights, ids)
+        return all_reduce(out if shared is None else out + shared)
