@@ -103,7 +103,7 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
     ttft = time.perf_counter() - arrived
     # A stream's gap across the prompt's last step closes at its next token: the window runs until each has one.
     closed = {o.rid for o in outputs if o.new_token_ids}
-    while not closed.issuperset(rids):
+    while any(rid not in closed and rid in engine.requests and not engine.requests[rid].finished for rid in rids):
         closed.update(o.rid for o in step_and_record(during) if o.new_token_ids)
     engine.requests.pop(long_rid, None)
     for rid in rids:

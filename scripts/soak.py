@@ -74,9 +74,13 @@ def references(target: str, prompts: list[list[int]], device: str, dtype: str) -
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
+    import gc
+
     cfg = EngineConfig(model=target, device=device, dtype=dtype, kv_pages=64 * len(prompts))  # (not sized from memory)
     with LLMEngine(cfg) as engine:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    del engine  # (the engine holds itself in a cycle: collected, then its memory handed back)
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the stack's processes size their pools from the memory left free
     return [o.output_token_ids for o in outs]

@@ -132,11 +132,11 @@ def test_decoding_requests_get_a_token_every_step_while_a_long_prompt_prefills(p
 
 
 def test_beside_decoding_requests_a_prompt_is_cut_to_the_learned_cap_and_alone_to_the_budget(pair):
-    """The cap (StepAccounting.chunk_cap, learned from step times; fixed here) cuts a prompt's chunks while
+    """The cap (PrefillPace.chunk_cap, learned from step times; fixed here) cuts a prompt's chunks while
     requests decode; a prompt no longer than the cap goes whole; with nothing decoding, the budget alone."""
     budget, cap, long_prompt = 64, 12, random_prompt(321, 61)
     with engine(pair, budget, enable_prefix_caching=False) as eng:  # (the same prompt twice: computed twice)
-        eng.accounting.chunk_cap = lambda run_steps: cap
+        eng.accounting.pace.chunk_cap = lambda run_steps, speculating: cap
         alone = eng.add_request(long_prompt, GREEDY)
         eng.step()
         assert eng.requests[alone].output  # nothing decoding: the 61 tokens in one step of the 64 budget

@@ -38,6 +38,12 @@ def test_the_kernel_routes_as_the_reference(experts, n_group, topk_group, k, nor
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
 
 
-def test_routing_that_does_not_fit_is_refused():
+@pytest.mark.parametrize("experts,n_group,topk_group,k", [
+    (10, 3, 1, 2),  # groups do not divide the experts
+    (12, 4, 1, 4),  # more experts wanted than the kept group holds
+    (8, 8, 2, 2),  # one expert per group: a group scores its best two
+    (8, 2, 3, 2),  # more groups kept than there are
+])
+def test_routing_that_does_not_fit_is_refused(experts, n_group, topk_group, k):
     with pytest.raises(ValueError, match="routing does not fit"):
-        noaux_route(torch.zeros(2, 10), torch.zeros(10), 3, 1, 2, True, 1.0)
+        noaux_route(torch.zeros(2, experts), torch.zeros(experts), n_group, topk_group, k, True, 1.0)

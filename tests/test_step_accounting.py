@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.step import StepInfo
-from tandem.engine.step_accounting import MAX_DECODE_OWED_S, MIN_CHUNK_TOKENS, StepAccounting
+from tandem.engine.step_accounting import MAX_DECODE_OWED_S, StepAccounting
 
 PROPOSER = object()
 
@@ -56,6 +56,11 @@ def test_a_step_with_prompts_or_before_idling_is_not_timed_and_a_catch_up_round_
     acc.step_starts(5.5, policy)
     # timed apart for the cost model; no goodput: a catch-up is a switch's price, not the mode's pace
     assert policy.calls == [("step", 2, True, 1, pytest.approx(0.5), True)]
+    policy.calls.clear()
+    # a plain step that flushed held input to the drafter: plain mode's own recurring cost, in its goodput
+    acc.step_ended(policy, decode(2, speculative=False, timed=False), 6.0, 6.2, 2, 2, False, PROPOSER, True, 2)
+    acc.step_starts(6.5, policy)
+    assert ("goodput", 2, False, 2, pytest.approx(0.5)) in policy.calls
 
 
 def test_arrivals_are_charged_from_prompts_alone_while_speculating_with_a_drafter():
@@ -90,23 +95,3 @@ def test_prompts_kept_apart_leave_decoding_owed_as_long_as_they_took_capped_and_
     together = StepAccounting(prefill_apart=False)
     together.step_ended(policy, prompts, 0.0, 0.02, 3, 4, False, None, False, 1)
     assert together.decode_owed_s == 0.0
-
-
-def test_a_chunk_beside_decoding_requests_is_cut_to_what_prefills_in_their_run():
-    acc, policy = StepAccounting(prefill_apart=True), Heard()
-    assert acc.chunk_cap(4) is None  # nothing seen yet: the budget alone
-    prompts = StepInfo(num_prefill=1, num_decode=0, spans={}, prefill_tokens=8192)
-    acc.step_ended(policy, prompts, 0.0, 0.4096, 0, 1, False, None, False, 1)  # 50 us per prompt token
-    assert acc.chunk_cap(4) is None  # no decode step seen yet
-    acc.step_ended(policy, decode(16, steps=4), 1.0, 1.02, 16, 16, False, None, False, 64)  # 5 ms per step
-    assert acc.chunk_cap(4) == 400  # a run of 4 steps (20 ms) prefills 400 tokens
-    assert acc.chunk_cap(1) == MIN_CHUNK_TOKENS  # 100 tokens would be all fixed cost
-    # the newest step weighs a quarter: a chunk step at 60 us per token lowers the cap
-    acc.step_ended(policy, StepInfo(num_prefill=1, num_decode=0, spans={}, prefill_tokens=400), 2.0, 2.024, 16, 16,
-                   False, None, False, 1)
-    assert acc.chunk_cap(4) == int(0.02 / (0.75 * 50e-6 + 0.25 * 60e-6))
-    # a step mixing prompts and decoding says neither cost alone
-    before = acc.chunk_cap(4)
-    mixed = StepInfo(num_prefill=1, num_decode=16, spans={}, prefill_tokens=400)
-    acc.step_ended(policy, mixed, 3.0, 4.0, 16, 17, False, None, False, 17)
-    assert acc.chunk_cap(4) == before

@@ -6,6 +6,7 @@ process under a timeout, as test_tp.py does."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import assert_rel, hf_greedy, hf_logits, random_prompt, run_tp_jobs
 
@@ -34,5 +35,6 @@ def test_tp_wider_than_the_kv_heads_matches_hf_and_tp1(wide, tp):
     assert res["children_left"] == [] and res["pages_back"]
     for prompt, logits in zip(PROMPTS, res["prompt_logits"]):
         assert_rel(logits, hf_logits(hf, prompt), 1e-4, "prompt")
+    assert_rel(res["packed_logits"], torch.cat([hf_logits(hf, p) for p in PROMPTS]), 1e-4, "packed")
     assert res["greedy"] == [hf_greedy(hf, p, MAX_NEW - 3 * i) for i, p in enumerate(PROMPTS)]
     assert res["sampled"] == results[1]["sampled"]

@@ -3,16 +3,15 @@ Kimi-K2) on the static buffers of tandem.engine.cuda_graph's GraphMeta.
 
 Always the absorbed form (every graphed forward extends cached sequences), through the Triton latent
 kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes only; the latent's norm,
-rotary and store run before it in one launch (``fused_prologue``: tandem/kernels/mla_prologue.py). Nothing is planned on the host. The kernel's
-per-sequence offsets and mask widths are uniform in a graph (every sequence has the family's width):
-device tensors made once per width, outside capture (a family's largest bucket runs first, in its warm-up).
+rotary and store run before it in one launch (``fused_prologue``: tandem/kernels/mla_prologue.py). Nothing
+is planned on the host. The kernel's per-sequence offsets and mask widths are uniform in a graph (every
+sequence has the family's width): device tensors made once per width, outside capture (a family's largest
+bucket runs first, in its warm-up).
 """
 
 from __future__ import annotations
 
 import torch
-
-from tandem.attention.mla_torch_backend import TorchMLABackend
 
 
 class MLAGraphBackend:
@@ -25,8 +24,6 @@ class MLAGraphBackend:
 
     def plan(self, meta) -> None:  # static buffers: nothing to prepare
         pass
-
-    store = staticmethod(TorchMLABackend.store)
 
     def _offsets(self, bs: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cu_q_lens [bs + 1], mask widths [bs]) of ``bs`` sequences of ``width`` new tokens each."""

@@ -127,7 +127,7 @@ class Scheduler:
             if fresh:
                 self._start_on_cache(req)
             start, n = req.kv.num_tokens, req.num_tokens
-            if self.chunked:  # (chunk_cap: a chunk's most while requests decode, StepAccounting.chunk_cap)
+            if self.chunked:  # (chunk_cap: one prompt's most while requests decode: tandem.engine.prefill_pace)
                 end = min(n, start + (budget if chunk_cap is None else min(budget, chunk_cap)))
             elif n - start <= budget or budget == self.prefill_budget:  # one long prompt always may go
                 end = n

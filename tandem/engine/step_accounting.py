@@ -8,22 +8,21 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   server streams them, per step) is part of what a step costs. So the policy hears of a step when the
   next one starts, and only when requests were still running after it.
 - An arrival's extension into the drafter is charged while speculating, from a step of prompts alone.
-- Goodput (tokens over a step's seconds) leaves out steps that first caught the drafter up: a switch's
-  price, which the arbiter's short epochs must not take for a mode's pace.
-- While requests decode, a prompt's chunk is cut to what prefills in about the time of their run of
-  decode steps (``chunk_cap``), from the prefill cost per token and the decode step's cost it has seen:
-  a long prompt then stalls the streams by about one run per chunk, not by a whole budget's prefill.
+- Goodput (tokens over a step's seconds) leaves out a round that first caught the drafter up on held input:
+  a switch's price, which the arbiter's short epochs must not take for speculation's pace. (A plain step that
+  flushes held input to the drafter is plain mode's own recurring cost: it counts.)
+- Each step's cost also goes to the prefill pace (tandem.engine.prefill_pace), which cuts long prompts'
+  chunks while requests decode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engine.prefill_pace import PrefillPace
 from tandem.engine.step import StepInfo
 
 MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
-MIN_CHUNK_TOKENS = 128  # a chunk cut to the streams' pace is never smaller (its fixed cost would dominate)
-NEWEST_WEIGHT = 0.25  # the newest step's weight in the running cost estimates
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,7 @@ class StepAccounting:
         self.decode_owed_s = 0.0
         self._step: _TimedStep | None = None
         self._goodput: _GoodputStep | None = None
-        self.prefill_s_per_token: float | None = None  # steps of prompts alone
-        self.decode_step_s: float | None = None  # one decode step or round (a run's time over its steps)
+        self.pace = PrefillPace()
 
     def step_starts(self, now: float, policy) -> None:
         """The previous step's time, up to ``now``, goes to ``policy``."""
@@ -70,10 +68,7 @@ class StepAccounting:
         decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
         ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted."""
         took = ended - started
-        if info.prefill_tokens and not info.num_decode:
-            self.prefill_s_per_token = _running(self.prefill_s_per_token, took / info.prefill_tokens)
-        elif info.num_decode and not info.num_prefill:
-            self.decode_step_s = _running(self.decode_step_s, took / info.steps)
+        self.pace.observe(info, took)
         if self.prefill_apart:
             if info.num_prefill and not info.num_decode and running_before:  # prompts kept apart
                 self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
@@ -84,24 +79,10 @@ class StepAccounting:
             policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
         if proposer is None:
             return
+        resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
         if info.num_decode:
-            resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
             timed = (info.timed or resumed) and not info.num_prefill and running_after > 0
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
-        # (not the last step before idling, nor a catch-up of held drafter input: that is the price of a switch,
-        # paid once per switch, and charged to a short epoch it would make a mode look slower than it runs)
-        if running_before and running_after and info.timed:
+        if running_before and running_after and not resumed:  # (not the last step before idling; nor a switch's price)
             mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started)
-
-    def chunk_cap(self, run_steps: int) -> int | None:
-        """Prompt tokens one prompt may add to a step while requests decode in runs of ``run_steps``: about
-        as many as prefill in the time of such a run (at least MIN_CHUNK_TOKENS); None until both costs are
-        known. A prompt that short or shorter goes whole."""
-        if self.prefill_s_per_token is None or self.decode_step_s is None:
-            return None
-        return max(MIN_CHUNK_TOKENS, int(run_steps * self.decode_step_s / self.prefill_s_per_token))
-
-
-def _running(estimate: float | None, sample: float) -> float:
-    return sample if estimate is None else (1 - NEWEST_WEIGHT) * estimate + NEWEST_WEIGHT * sample

@@ -288,7 +288,7 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     per_slot = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     route_w = route_weights.float().flatten().contiguous()
     _grouped_gemm(act, down, per_slot, slots, block_expert, route_w, hidden, 1, False, True, cfg)
-    out = torch.empty_like(x)
+    out = x.new_empty(tokens, hidden)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, block_h))](
         per_slot, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),

@@ -9,9 +9,10 @@ In place: the query's rope dims are rotated where they lie (``q`` [T, H, nope + 
 output), and the latent and key are written back into the kv_a projection's output ``kv_a`` [T, kv_lora +
 rope], so the plain-prefill form reads them there. The rotation is YarnRotary's: pairs ``(x[2i], x[2i+1])``
 when interleaved, else halves, by the float32 tables ``cos``/``sin`` [max_pos, rope / 2] (YaRN's attention
-factor folded in), in float32 with one rounding. The norm rounds as RMSNorm does (normalised value in the
-input dtype, then times the weight). One program per token; positions and slots are read through their
-strides; a negative slot skips the store (padding).
+factor folded in). Both halves round as the reference does in the input dtype, so the kernel's route and the
+torch route agree bit for bit on a GPU: the rotary casts cos and sin to it and rounds each product and the
+sum; the norm rounds the normalised value, then its product with the weight. One program per token;
+positions and slots are read through their strides; a negative slot skips the store (padding).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def _pair_offsets(HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+    """YarnRotary in ``dtype``'s arithmetic: each product and the sum rounded, as torch does."""
+    p1, p2 = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
+    p3, p4 = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
+    return (p1 - p2).to(dtype), (p3 + p4).to(dtype)
+
+
+@triton.jit
 def _mla_prologue_kernel(
     q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, pool_ptr,
     num_heads, eps, stride_pos, stride_slot, stride_qt, stride_qh, stride_kvt, stride_cos, stride_sin,
@@ -43,8 +52,9 @@ def _mla_prologue_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
     i = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_cos + i)
-    sin = tl.load(sin_ptr + pos * stride_sin + i)
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_cos + i).to(dtype).to(tl.float32)  # the reference's cast to x's dtype
+    sin = tl.load(sin_ptr + pos * stride_sin + i).to(dtype).to(tl.float32)
     first, second = _pair_offsets(HALF, INTERLEAVE)
 
     # the query's rope dims, every head
@@ -53,9 +63,9 @@ def _mla_prologue_kernel(
     q_row = q_ptr + t * stride_qt + h[:, None] * stride_qh + NOPE
     q1 = tl.load(q_row + first[None, :], mask=h_ok, other=0.0).to(tl.float32)
     q2 = tl.load(q_row + second[None, :], mask=h_ok, other=0.0).to(tl.float32)
-    out_ty = q_ptr.dtype.element_ty
-    tl.store(q_row + first[None, :], (q1 * cos[None, :] - q2 * sin[None, :]).to(out_ty), mask=h_ok)
-    tl.store(q_row + second[None, :], (q2 * cos[None, :] + q1 * sin[None, :]).to(out_ty), mask=h_ok)
+    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], dtype)
+    tl.store(q_row + first[None, :], q1, mask=h_ok)
+    tl.store(q_row + second[None, :], q2, mask=h_ok)
 
     # the latent, normalised
     kv_row = kv_ptr + t * stride_kvt
@@ -71,7 +81,7 @@ def _mla_prologue_kernel(
     # the key's rope dims
     k1 = tl.load(kv_row + KV_LORA + first).to(tl.float32)
     k2 = tl.load(kv_row + KV_LORA + second).to(tl.float32)
-    k1, k2 = (k1 * cos - k2 * sin).to(kv_ptr.dtype.element_ty), (k2 * cos + k1 * sin).to(kv_ptr.dtype.element_ty)
+    k1, k2 = _rotate(k1, k2, cos, sin, kv_ptr.dtype.element_ty)
     tl.store(kv_row + KV_LORA + first, k1)
     tl.store(kv_row + KV_LORA + second, k2)
 

@@ -64,7 +64,9 @@ def noaux_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
                 normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float32) and the correction bias [E] → (weights [T, k] float32, ids [T, k] int64)."""
     tokens, experts = logits.shape
-    if bias.shape != (experts,) or experts % n_group or not 0 < topk_group <= n_group or k > experts:
+    per_group = experts // n_group if n_group > 0 and experts % n_group == 0 else 0
+    if (bias.shape != (experts,) or not per_group or not 0 < topk_group <= n_group
+            or k > topk_group * per_group or (n_group > 1 and per_group < 2)):  # (a group scores its best two)
         raise ValueError(f"routing does not fit: logits {tuple(logits.shape)}, bias {tuple(bias.shape)}, "
                          f"{n_group} groups, {topk_group} kept, top {k}")
     if logits.stride(-1) != 1 or bias.stride(-1) != 1:
@@ -73,7 +75,6 @@ def noaux_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if tokens == 0:
         return weights, ids
-    per_group = experts // n_group
     _noaux_route_kernel[(tokens,)](
         logits, bias, weights, ids, logits.stride(0), weights.stride(0), ids.stride(0), scale,
         GROUPS=n_group, PER_GROUP=per_group, BLOCK_G=triton.next_power_of_2(n_group),

@@ -1,0 +1,44 @@
+"""PrefillPace: how long a prompt's chunk may be while requests decode, from the step costs seen.
+
+A chunk beside decoding requests stalls them for as long as it takes; cut to what prefills in about one run
+of their decode steps, a long prompt delays each stream by about one run per chunk instead of a whole
+budget's prefill. Only long prompts are cut (as vLLM's ``long_prefill_token_threshold`` singles them out):
+a prompt no longer than the cap goes whole, so arrivals still batch.
+
+Both costs are medians of recent samples, so one outlier (a kernel compiled in the step, a catch-up of held
+drafter input) does not move them: the prefill cost per token from steps of prompts alone of at least
+MIN_CHUNK_TOKENS tokens (a short prompt's step is mostly fixed cost), the decode cost per step or round
+from timed steps of decoding alone, per mode (a round costs more than a plain step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from tandem.engine.step import StepInfo
+
+MIN_CHUNK_TOKENS = 128  # never cut smaller (fixed costs would dominate); nor learn from smaller steps
+SAMPLES = 9  # recent samples per cost
+
+
+class PrefillPace:
+    def __init__(self):
+        self._prefill_s_per_token: deque[float] = deque(maxlen=SAMPLES)
+        self._decode_step_s = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}
+
+    def observe(self, info: StepInfo, seconds: float) -> None:
+        if info.prefill_tokens >= MIN_CHUNK_TOKENS and not info.num_decode:
+            self._prefill_s_per_token.append(seconds / info.prefill_tokens)
+        elif info.num_decode and not info.num_prefill and info.timed:
+            self._decode_step_s[info.speculative].append(seconds / info.steps)
+
+    def chunk_cap(self, run_steps: int, speculating: bool) -> int | None:
+        """Prompt tokens one prompt may add to a step while requests decode in runs of ``run_steps`` steps or
+        rounds (``speculating``: rounds): about as many as prefill in such a run, at least MIN_CHUNK_TOKENS;
+        None until both costs are known."""
+        decode = self._decode_step_s[speculating] or self._decode_step_s[not speculating]
+        if not self._prefill_s_per_token or not decode:
+            return None
+        per_token, per_step = statistics.median(self._prefill_s_per_token), statistics.median(decode)
+        return max(MIN_CHUNK_TOKENS, int(run_steps * per_step / per_token))

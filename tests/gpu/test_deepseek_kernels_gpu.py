@@ -1,0 +1,82 @@
+"""The DeepSeek layers' fused kernels on a real GPU in bf16, against the torch route's own pieces on the same
+GPU: the MLA prologue (tandem/kernels/mla_prologue.py) against RMSNorm, YarnRotary and the torch latent store —
+the rotary bit for bit, the norm within a rounding (its reduction order differs) —, the routing kernel
+(tandem/kernels/moe_route.py) against noaux_tc_route at V2-Lite's, V3's and Kimi's expert counts, and the fused
+MoE's shared add against the sum without it plus a torch add, bit for bit. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before importing triton kernels: nothing here may run on the CPU
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+from helpers import norm_rel_err  # noqa: E402
+from tandem.attention.metadata import AttentionMetadata  # noqa: E402
+from tandem.attention.mla_torch_backend import TorchMLABackend  # noqa: E402
+from tandem.configs.deepseek import MlaConfig, MoeConfig, YarnConfig  # noqa: E402
+from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
+from tandem.kernels.mla_prologue import mla_prologue  # noqa: E402
+from tandem.kernels.moe_route import noaux_route  # noqa: E402
+from tandem.layers.moe import noaux_tc_route  # noqa: E402
+from tandem.layers.norm import RMSNorm  # noqa: E402
+from tandem.layers.yarn_rotary import YarnRotary  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+@pytest.mark.parametrize("heads,tokens", [(16, 1), (64, 7), (8, 64)])
+def test_the_prologue_equals_the_torch_route_in_bf16(heads, tokens):
+    m = MlaConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  rope_theta=10000.0, rope_interleave=True, attention_bias=False,
+                  yarn=YarnConfig(factor=32.0, original_max_position_embeddings=4096, attention_factor=1.3))
+    g = torch.Generator(device=DEVICE).manual_seed(heads)
+    rotary = YarnRotary(m, 8192).to(DEVICE)
+    norm = RMSNorm(m.kv_lora_rank, 1e-6).to(DEVICE, torch.bfloat16)
+    norm.weight.data = (torch.rand(m.kv_lora_rank, generator=g, device=DEVICE) + 0.5).bfloat16()
+    q = torch.randn(tokens, heads, m.qk_head_dim, generator=g, device=DEVICE).bfloat16()
+    kv_a = torch.randn(tokens, m.cache_dim, generator=g, device=DEVICE).bfloat16()
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device=DEVICE)
+    slots = torch.randperm(64 * 64, generator=g, device=DEVICE)[:tokens]
+    q_nope, q_pe = q.split([128, 64], dim=-1)
+    c_kv, k_pe = kv_a.split([512, 64], dim=-1)
+    want_q = torch.cat([q_nope, rotary(positions, q_pe)], dim=-1)
+    want_latent = torch.cat([norm._norm(c_kv), rotary(positions, k_pe)], dim=-1)
+    pool = torch.zeros(64, 64, 1, m.cache_dim, dtype=torch.bfloat16, device=DEVICE)
+    want_pool = pool.clone()
+    meta = AttentionMetadata.__new__(AttentionMetadata)
+    meta.slot_mapping = slots
+    TorchMLABackend.store(want_latent, want_pool, meta)
+    mla_prologue(q, kv_a, norm.weight, 1e-6, rotary.cos, rotary.sin, positions, pool, slots, True)
+    assert torch.equal(q, want_q) and torch.equal(kv_a[:, 512:], want_latent[:, 512:])  # the rotary: bit for bit
+    assert norm_rel_err(kv_a[:, :512], want_latent[:, :512]) < 4e-3  # the norm: within a rounding
+    assert torch.equal(pool.view(-1, m.cache_dim)[slots], kv_a)
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,k", [(64, 1, 1, 6), (256, 8, 4, 8), (384, 1, 1, 8)],
+                         ids=["v2-lite", "v3", "kimi"])
+def test_the_routing_kernel_equals_noaux_tc_route(experts, n_group, topk_group, k):
+    cfg = MoeConfig(n_routed_experts=experts, num_experts_per_tok=k, n_shared_experts=1, moe_intermediate_size=8,
+                    first_k_dense_replace=0, moe_layer_freq=1, n_group=n_group, topk_group=topk_group,
+                    norm_topk_prob=True, routed_scaling_factor=2.5)
+    g = torch.Generator(device=DEVICE).manual_seed(experts)
+    logits = torch.randn(64, experts, generator=g, device=DEVICE) * 4
+    bias = torch.randn(experts, generator=g, device=DEVICE) * 0.3
+    want_w, want_ids = noaux_tc_route(logits, bias, cfg)
+    got_w, got_ids = noaux_route(logits, bias, n_group, topk_group, k, True, 2.5)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=2e-6)
+
+
+def test_the_shared_add_equals_a_torch_add_after_the_sum_in_bf16():
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    experts, hidden, inter, tokens, k = 64, 2048, 1408, 8, 6
+    gate_up = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g, device=DEVICE) * 0.02).bfloat16())
+    down = ExpertWeights((torch.randn(experts, hidden, inter, generator=g, device=DEVICE) * 0.02).bfloat16())
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g, device=DEVICE)[:k] for _ in range(tokens)])
+    route = torch.rand(tokens, k, generator=g, device=DEVICE)
+    shared = torch.randn(tokens, hidden, generator=g, device=DEVICE).bfloat16()
+    assert torch.equal(fused_moe(x, gate_up, down, route, ids, add=shared), fused_moe(x, gate_up, down, route, ids) + shared)
