@@ -194,7 +194,7 @@ class LLMEngine:
             return step_run_in_flight(self, timer)
         # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
         apart = self.prefill_apart and bool(self.scheduler.running)
-        # while requests decode, a long prompt's chunks are cut to their pace (StepAccounting.chunk_cap)
+        # while requests decode, a long prompt's chunks are cut to their pace (tandem.engine.prefill_pace)
         run_steps = self.spec_rounds if self.speculating else self.decode_steps
         cap = self.accounting.pace.chunk_cap(run_steps, self.speculating) if self.scheduler.running else None
         sched = None
