@@ -141,15 +141,15 @@ def deepseek(ctx: dict) -> dict:
         path = deepseek_dir(f"{name}-{fields['num_hidden_layers']}l", fields)
         print(f"{name} ({fields['num_hidden_layers']} layers, {active_weight_bytes(fields) / 1e9:.2f} GB read per "
               f"token at batch 1):", flush=True)
-        widths, starts = ((1, 4), 2) if full else ((1,), 1)
+        widths = (1, 4) if full else (1,)
         try:
-            for start in range(starts):
-                if start:
-                    engine.shutdown()
-                    del engine
-                    free_gpu()
+            engine = _engine(path, widths, max(batches), kv_pages=2048)
+            first_start = engine.executor.runner.graph_report
+            if full:
+                engine.shutdown()
+                del engine
+                free_gpu()
                 engine = _engine(path, widths, max(batches), kv_pages=2048)
-                first_start = first_start if start else engine.executor.runner.graph_report
         except (torch.cuda.OutOfMemoryError, ConfigError) as e:  # Kimi-K2's bf16 experts fill most of one GPU
             print(f"  could not start: {e}", flush=True)  # (a capture's out-of-memory comes as a ConfigError)
             out[name] = {"fields": fields, "error": str(e)}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import CheckpointError
+from tandem.configs.fields import decoder_dims, required_field
 from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
 
 DEEPSEEK_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -98,13 +99,12 @@ def deepseek_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, An
     text = text_config(raw, arch, source)
 
     def need(key: str) -> Any:
-        if text.get(key) is None:
-            raise CheckpointError(f"{source}: missing required field '{key}'")
-        return text[key]
+        return required_field(text, key, source)
 
     if text.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: hidden_act '{text['hidden_act']}' is not supported (silu only)")
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    dims = decoder_dims(text, source)
+    hidden, heads = dims["hidden_size"], dims["num_heads"]
     q_lora = text.get("q_lora_rank")
     mla = MlaConfig(
         q_lora_rank=int(q_lora) if q_lora else None,
@@ -118,17 +118,12 @@ def deepseek_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, An
         attention_bias=bool(text.get("attention_bias", False)),
     )
     return dict(
+        **dims,
         architecture=arch,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
         num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
         # What a Llama-shaped EAGLE-3 head for this target would use; the target itself reads ``mla``.
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         mla=mla,
         moe=_moe(text, source),

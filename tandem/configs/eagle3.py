@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
-from tandem.configs.model import AttentionWidths, ModelConfig, RopeConfig, _rope_from_hf, read_config_json, required_field
+from tandem.configs.fields import decoder_dims
+from tandem.configs.model import AttentionWidths, ModelConfig, RopeConfig, _rope_from_hf, read_config_json
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)
@@ -73,24 +74,15 @@ class DraftConfig(AttentionWidths):
         if layers != 1:
             raise CheckpointError(f"{source}: num_hidden_layers is {layers}; only 1-layer EAGLE-3 heads are supported")
 
-        def need(key: str) -> Any:
-            return required_field(raw, key, source)
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        vocab = int(need("vocab_size"))
+        dims = decoder_dims(raw, source)
+        hidden, heads, vocab = dims["hidden_size"], dims["num_heads"], dims["vocab_size"]
         eagle = raw.get("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
         return cls(
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_heads=heads,
+            **dims,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(raw, source),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            vocab_size=vocab,
             draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
             target_hidden_size=int(raw.get("target_hidden_size") or hidden),
             aux_layer_ids=tuple(int(k) for k in aux) if aux is not None else None,

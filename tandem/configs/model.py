@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError
+from tandem.configs.fields import decoder_dims, required_field
 from tandem.configs.quantization import QuantConfig, parse_quantization
 from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
 from tandem.configs.deepseek import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
@@ -122,25 +123,16 @@ class ModelConfig(AttentionWidths):
         if raw.get("use_sliding_window"):
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported (full attention only)")
 
-        def need(key: str) -> Any:
-            return required_field(raw, key, source)
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        dims = decoder_dims(raw, source)
+        hidden, heads = dims["hidden_size"], dims["num_heads"]
         eos = gen.get("eos_token_id", raw.get("eos_token_id"))
         dtype = _dtype_name(raw)
         return cls(
+            **dims,
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
+            num_layers=int(required_field(raw, "num_hidden_layers", source)),
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
             rope=_rope_from_hf(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -161,12 +153,6 @@ def _eos_ids(eos: Any) -> tuple[int, ...]:
 def _dtype_name(*raws: dict[str, Any]) -> str:
     named = next((r.get("torch_dtype") or r.get("dtype") for r in raws if r.get("torch_dtype") or r.get("dtype")), None)
     return str(named or "float32").replace("torch.", "")
-
-
-def required_field(raw: dict[str, Any], key: str, source: str) -> Any:
-    if key not in raw:
-        raise CheckpointError(f"{source}: missing required field '{key}'")
-    return raw[key]
 
 
 def read_config_json(folder: str | Path, kind: str) -> tuple[Path, dict[str, Any]]:

@@ -195,8 +195,10 @@ class LLMEngine:
         # Prompts apart: a step of prompts alone, then one of the running requests (graphed, or a queued run).
         apart = self.prefill_apart and bool(self.scheduler.running)
         # while requests decode, a long prompt's chunks are cut to their pace (tandem.engine.prefill_pace)
-        run_steps = self.spec_rounds if self.speculating else self.decode_steps
-        cap = self.accounting.pace.chunk_cap(run_steps, self.speculating) if self.scheduler.running else None
+        cap = None
+        if self.scheduler.waiting and self.scheduler.running:  # (asked only then: not on every round)
+            cap = self.accounting.pace.chunk_cap(self.spec_rounds if self.speculating else self.decode_steps,
+                                                 self.speculating)
         sched = None
         if apart and self.prompts_due():
             sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False, chunk_cap=cap)
