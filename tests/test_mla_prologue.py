@@ -1,8 +1,8 @@
 """The fused MLA prologue kernel (tandem/kernels/mla_prologue.py) against the reference path's own pieces —
 RMSNorm, YarnRotary and the torch MLA backend's latent store — on the CPU under the Triton interpreter:
 YaRN and plain rope, interleaved and halves, strided positions, scattered slots and a skipped one, pools with
-and without the head axis, float32 and bf16 (the interpreter truncates where a GPU rounds, so bf16 is
-compared loosely here; tests/gpu/test_mla_kernel_gpu.py checks it bit for bit). The engines on the kernel
+and without the head axis, float32 and bf16 (the rotary bit for bit — its rounding is done on the bits,
+tandem/kernels/rounding.py — the norm loosely, its rsqrt being the interpreter's). The engines on the kernel
 route (with this prologue) against the torch route: tests/test_mla_kernel_route.py."""
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def test_the_prologue_equals_norm_rotary_and_store(dtype, interleave, yarn, head
     mla_prologue(q, kv_a, norm.weight, 1e-6, rotary.cos, rotary.sin, positions, pool, skip, interleave)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert norm_rel_err(q, want_q) < tol and norm_rel_err(kv_a, want_latent) < tol
+    rope = slice(m.kv_lora_rank, None)
+    assert torch.equal(q, want_q) and torch.equal(kv_a[:, rope], want_latent[:, rope])  # the rotary: bit for bit
     flat, want_flat = pool.view(-1, m.cache_dim), want_pool.view(-1, m.cache_dim)
     assert norm_rel_err(flat[slots[1:]], want_latent[1:]) < tol  # the entries written
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.pdl import pdl_enter, pdl_launch
+from tandem.kernels.rounding import round_to
 
 
 @triton.jit
@@ -35,9 +36,9 @@ def _pair_offsets(HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
 @triton.jit
 def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
     """YarnRotary in ``dtype``'s arithmetic: each product and the sum rounded, as torch does."""
-    p1, p2 = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
-    p3, p4 = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
-    return (p1 - p2).to(dtype), (p3 + p4).to(dtype)
+    p1, p2 = round_to(x1 * cos, dtype), round_to(x2 * sin, dtype)
+    p3, p4 = round_to(x2 * cos, dtype), round_to(x1 * sin, dtype)
+    return round_to(p1 - p2, dtype).to(dtype), round_to(p3 + p4, dtype).to(dtype)
 
 
 @triton.jit
@@ -53,8 +54,8 @@ def _mla_prologue_kernel(
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
     i = tl.arange(0, HALF)
     dtype = q_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * stride_cos + i).to(dtype).to(tl.float32)  # the reference's cast to x's dtype
-    sin = tl.load(sin_ptr + pos * stride_sin + i).to(dtype).to(tl.float32)
+    cos = round_to(tl.load(cos_ptr + pos * stride_cos + i), dtype)  # the reference's cast to x's dtype
+    sin = round_to(tl.load(sin_ptr + pos * stride_sin + i), dtype)
     first, second = _pair_offsets(HALF, INTERLEAVE)
 
     # the query's rope dims, every head
@@ -75,7 +76,7 @@ def _mla_prologue_kernel(
     x32 = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x32 * x32, 0) / KV_LORA + eps)
     w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    latent = ((x32 * inv).to(x.dtype).to(tl.float32) * w).to(kv_ptr.dtype.element_ty)
+    latent = round_to(round_to(x32 * inv, x.dtype) * w, x.dtype).to(kv_ptr.dtype.element_ty)
     tl.store(kv_row + c, latent, mask=c_ok)
 
     # the key's rope dims
