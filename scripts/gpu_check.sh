@@ -4,6 +4,7 @@
 #   usage: scripts/gpu_check.sh [tests|bench|all] [bench args...]
 #          scripts/gpu_check.sh tests [test paths...]   (GPU_TEST_TIMEOUT seconds, default 420)
 #          scripts/gpu_check.sh pair   (train the larger demo pair into gpu-pair/, then bench it and demo-pair/)
+#          scripts/gpu_check.sh run CMD...   (any command with the carried wheels on its path: soak, profiles)
 set -u
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,6 +24,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$what" = run ]; then
+  "$@"
 fi
 if [ "$what" = pair ]; then
   # The carried CPU demo pair (demo-pair/) through the demo bench, then the larger trained pair

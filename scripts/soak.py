@@ -408,6 +408,8 @@ def main(argv=None) -> int:
         report["stack_exit_code"] = stack.stop()
         stack.log.close()
         log = (work / "stack.log").read_text(errors="replace")
+        if sys.exc_info()[0] is not None:  # the soak failed: what the stack said last
+            print(log[-6000:], file=sys.stderr)
         report["launcher_restarts"] = {role: log.count(f"restarting {role} (") for role in ("drafter", "verifier", "gateway")}
     time.sleep(1.0)  # the watchdogs of killed owners unlink within ~50 ms of the death
     pids = {str(pid) for pid in stack.pids_seen}

@@ -173,3 +173,17 @@ def test_tied_checkpoint_that_also_stores_lm_head_and_rotary_cache(checkpoint, t
     with LLMEngine(EngineConfig(model=str(folder))) as eng:
         ours = eng.prompt_logits(prompt)
     assert_rel(ours, hf_logits(ckpt.hf, prompt), 1e-4)
+
+
+def test_prompt_logits_match_hf_when_attention_runs_in_row_blocks(checkpoint, monkeypatch):
+    """The torch backend bounds its score matrix by attending a long prompt in blocks of query rows; with a
+    bound that forces blocks of a few rows (and chunked prefill, so blocks meet a cached prefix), the logits
+    are still transformers'."""
+    import tandem.attention.torch_backend as torch_backend
+
+    ckpt = checkpoint("llama")
+    prompt = random_prompt(3, 100)
+    monkeypatch.setattr(torch_backend, "SCORE_BYTES", 4 * 4 * 100 * 3)  # heads x keys x 3 rows of float32
+    with LLMEngine(EngineConfig(model=ckpt.path, chunked_prefill_size=48)) as eng:
+        ours = eng.prompt_logits(prompt)
+    assert_rel(ours, hf_logits(ckpt.hf, prompt), 1e-4)

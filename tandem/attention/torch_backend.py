@@ -1,7 +1,9 @@
 """Reference attention in plain torch: gather each sequence's pages, then scaled dot-product attention.
 
 Correct for every shape the engine produces (prefill, decode, tree verification, chunks) on CPU and
-GPU; not fast. It is what other backends are tested against.
+GPU; not fast. It is what other backends are tested against. Long prompts are attended in blocks of query
+rows, so the score matrix it materialises (heads x rows x keys, float32 where SDPA takes the math route)
+stays under SCORE_BYTES: a 32k-token prompt on a GPU without FlashInfer would otherwise ask for 128 GiB.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+
+SCORE_BYTES = 1 << 30  # the most one block's scores may take
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -39,9 +43,12 @@ class TorchAttentionBackend(AttentionBackend):
             values = self._cached(v_pool, meta, i)[2]
             keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
             values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-            query = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
-            attended = F.scaled_dot_product_attention(
-                query, keys.to(q.dtype), values.to(q.dtype), attn_mask=self._masks[i], scale=scale
-            )
-            out[start:end] = attended.transpose(0, 1)
+            keys, values, mask = keys.to(q.dtype), values.to(q.dtype), self._masks[i]
+            rows = max(1, SCORE_BYTES // (4 * q.shape[1] * keys.shape[1]))
+            for first in range(start, end, rows):
+                last = min(end, first + rows)
+                query = q[first:last].transpose(0, 1)  # [Hq, rows, D]
+                block_mask = None if mask is None else mask[first - start:last - start]
+                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=block_mask, scale=scale)
+                out[first:last] = attended.transpose(0, 1)
         return out
