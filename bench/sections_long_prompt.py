@@ -37,7 +37,8 @@ def long_prompt(ctx: dict) -> dict:
         print(f"{name:8s} (--chunked-prefill-size {chunk}): ITL p99 {1e3 * r['baseline']['p99_s']:.1f} ms without, "
               f"{1e3 * r['during']['p99_s']:.1f} ms during the {long_tokens}-token prompt = {r['p99_ratio']:.2f}x "
               f"(goal <= {ITL_GOAL}x: {'met' if r['p99_ratio'] <= ITL_GOAL else 'NOT met'}); its TTFT "
-              f"{r['long_ttft_s']:.2f} s", flush=True)
+              f"{r['long_ttft_s']:.2f} s; {len(r['prompt_steps'])} prompt steps (tokens, ms): "
+              f"{r['prompt_steps'][:3]} ... {r['prompt_steps'][-3:]}", flush=True)
         engine.shutdown()
         del engine
         free_gpu()
@@ -74,10 +75,15 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
     rids = [engine.add_request([rng.randrange(vocab) for _ in range(stream_prompt)], endless, spec=None)
             for _ in range(streams)]
     last: dict[str, float] = {}
+    prompt_steps: list[tuple[int, float]] = []  # (prompt tokens, ms) of each step with the long prompt's chunk
 
     def step_and_record(gaps: list[float]) -> list:
+        started = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        info = engine.last_step
+        if gaps is during and info is not None and info.prefill_tokens:
+            prompt_steps.append((info.prefill_tokens, round(1e3 * (now - started), 2)))
         for o in outputs:
             if o.rid in last and o.new_token_ids:  # a burst of k tokens: one gap, then k - 1 zero gaps
                 gaps += [now - last[o.rid]] + [0.0] * (len(o.new_token_ids) - 1)
@@ -85,6 +91,7 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
                 last[o.rid] = now
         return outputs
 
+    during: list[float] = []
     while len(last) < streams:  # every stream past its first token
         step_and_record([])
     for _ in range(8):  # warm: runs of steps at full length
@@ -93,7 +100,6 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
     started = time.perf_counter()
     while time.perf_counter() - started < baseline_s:
         step_and_record(baseline)
-    during: list[float] = []
     arrived = time.perf_counter()
     long_rid = engine.add_request([rng.randrange(vocab) for _ in range(long_tokens)],
                                   SamplingParams(max_new_tokens=1, ignore_eos=True), spec=None)
@@ -111,5 +117,5 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
     while engine.has_unfinished():
         engine.step()
     base, dur = _gaps_summary(baseline), _gaps_summary(during)
-    return {"streams": streams, "baseline": base, "during": dur, "long_ttft_s": ttft,
+    return {"streams": streams, "baseline": base, "during": dur, "long_ttft_s": ttft, "prompt_steps": prompt_steps,
             "p99_ratio": dur["p99_s"] / base["p99_s"] if base["p99_s"] > 0 else float("inf")}

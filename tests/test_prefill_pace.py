@@ -4,7 +4,7 @@ move, per mode, and never below its floor."""
 
 from __future__ import annotations
 
-from tandem.engine.prefill_pace import MIN_CHUNK_TOKENS, PrefillPace
+from tandem.engine.prefill_pace import MIN_CHUNK_TOKENS, PACE_SHARE, PrefillPace
 from tandem.engine.step import StepInfo
 
 
@@ -22,10 +22,11 @@ def test_the_cap_is_what_prefills_in_a_run_of_decode_steps():
     pace.observe(prompts(8192), 0.4096)  # 50 us per prompt token
     assert pace.chunk_cap(4, False) is None  # no decode step seen yet
     pace.observe(decode(steps=4), 0.02)  # 5 ms per step
-    assert pace.chunk_cap(4, False) == 400  # a run of 4 steps (20 ms) prefills 400 tokens
+    assert pace.chunk_cap(4, False) == int(PACE_SHARE * 400)  # a run of 4 steps (20 ms) prefills 400 tokens
     assert pace.chunk_cap(1, False) == MIN_CHUNK_TOKENS  # 100 would be all fixed cost
     pace.observe(decode(steps=2, speculative=True), 0.016)  # rounds: 8 ms each
-    assert pace.chunk_cap(4, True) == 640 and pace.chunk_cap(4, False) == 400  # each mode its own pace
+    assert pace.chunk_cap(4, True) == int(PACE_SHARE * 640)  # each mode its own pace
+    assert pace.chunk_cap(4, False) == int(PACE_SHARE * 400)
 
 
 def test_outliers_short_prompts_mixed_and_catch_up_steps_do_not_move_it():
@@ -37,4 +38,15 @@ def test_outliers_short_prompts_mixed_and_catch_up_steps_do_not_move_it():
     pace.observe(prompts(20), 0.01)  # a short prompt: mostly fixed cost, not learned from
     pace.observe(StepInfo(num_prefill=1, num_decode=16, spans={}, prefill_tokens=512), 1.0)  # mixed: neither
     pace.observe(decode(timed=False), 5.0)  # a step that caught the drafter up
-    assert pace.chunk_cap(4, False) == 400
+    assert pace.chunk_cap(4, False) == int(PACE_SHARE * 400)
+
+
+def test_the_prefill_cost_follows_a_long_prompt_whose_chunks_grow_dearer():
+    """A long prompt's chunks cost more per token as its prefix grows: the cap follows within a few chunks."""
+    pace = PrefillPace()
+    pace.observe(decode(), 0.02)
+    for _ in range(9):
+        pace.observe(prompts(2048), 2048 * 25e-6)  # the streams' own prompts: cheap per token
+    for _ in range(3):
+        pace.observe(prompts(400), 400 * 100e-6)  # late chunks: four times dearer
+    assert pace.chunk_cap(4, False) == int(PACE_SHARE * 200)

@@ -6,9 +6,12 @@ budget's prefill. Only long prompts are cut (as vLLM's ``long_prefill_token_thre
 a prompt no longer than the cap goes whole, so arrivals still batch.
 
 Both costs are medians of recent samples, so one outlier (a kernel compiled in the step, a catch-up of held
-drafter input) does not move them: the prefill cost per token from steps of prompts alone of at least
-MIN_CHUNK_TOKENS tokens (a short prompt's step is mostly fixed cost), the decode cost per step or round
-from timed steps of decoding alone, per mode (a round costs more than a plain step).
+drafter input) does not move them: the prefill cost per token from the last PREFILL_SAMPLES steps of prompts
+alone of at least MIN_CHUNK_TOKENS tokens (a short prompt's step is mostly fixed cost; few samples, because a
+long prompt's chunks cost more per token as its prefix grows: on an H200 the 8B shape's chunks at 32k keys
+cost about twice those at the start), the decode cost per step or round from timed steps of decoding alone,
+per mode (a round costs more than a plain step). A stream's gap across a chunk is the chunk's step plus the
+run after it, so the chunk aims at PACE_SHARE of a run: the gap stays under two runs' with some margin.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from collections import deque
 from tandem.engine.step import StepInfo
 
 MIN_CHUNK_TOKENS = 128  # never cut smaller (fixed costs would dominate); nor learn from smaller steps
-SAMPLES = 9  # recent samples per cost
+SAMPLES = 9  # recent samples of the decode cost
+PREFILL_SAMPLES = 3  # recent samples of the prefill cost (it grows along a long prompt)
+PACE_SHARE = 0.8  # of a run's time, a chunk's step
 
 
 class PrefillPace:
     def __init__(self):
-        self._prefill_s_per_token: deque[float] = deque(maxlen=SAMPLES)
+        self._prefill_s_per_token: deque[float] = deque(maxlen=PREFILL_SAMPLES)
         self._decode_step_s = {False: deque(maxlen=SAMPLES), True: deque(maxlen=SAMPLES)}
 
     def observe(self, info: StepInfo, seconds: float) -> None:
@@ -35,10 +40,10 @@ class PrefillPace:
 
     def chunk_cap(self, run_steps: int, speculating: bool) -> int | None:
         """Prompt tokens one prompt may add to a step while requests decode in runs of ``run_steps`` steps or
-        rounds (``speculating``: rounds): about as many as prefill in such a run, at least MIN_CHUNK_TOKENS;
-        None until both costs are known."""
+        rounds (``speculating``: rounds): about as many as prefill in PACE_SHARE of such a run, at least
+        MIN_CHUNK_TOKENS; None until both costs are known."""
         decode = self._decode_step_s[speculating] or self._decode_step_s[not speculating]
         if not self._prefill_s_per_token or not decode:
             return None
         per_token, per_step = statistics.median(self._prefill_s_per_token), statistics.median(decode)
-        return max(MIN_CHUNK_TOKENS, int(run_steps * per_step / per_token))
+        return max(MIN_CHUNK_TOKENS, int(PACE_SHARE * run_steps * per_step / per_token))
