@@ -76,14 +76,18 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
             for _ in range(streams)]
     last: dict[str, float] = {}
     prompt_steps: list[tuple[int, float]] = []  # (prompt tokens, ms) of each step with the long prompt's chunk
+    timeline: list[tuple[int, int, int, float]] = []  # every step in the window: (prompt tokens, decoding, steps, ms)
 
     def step_and_record(gaps: list[float]) -> list:
         started = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
         info = engine.last_step
-        if gaps is during and info is not None and info.prefill_tokens:
-            prompt_steps.append((info.prefill_tokens, round(1e3 * (now - started), 2)))
+        if gaps is during and info is not None:
+            ms = round(1e3 * (now - started), 2)
+            timeline.append((info.prefill_tokens, info.num_decode, info.steps, ms))
+            if info.prefill_tokens:
+                prompt_steps.append((info.prefill_tokens, ms))
         for o in outputs:
             if o.rid in last and o.new_token_ids:  # a burst of k tokens: one gap, then k - 1 zero gaps
                 gaps += [now - last[o.rid]] + [0.0] * (len(o.new_token_ids) - 1)
@@ -118,4 +122,5 @@ def itl_around_a_long_prompt(engine, streams: int, stream_prompt: int, long_toke
         engine.step()
     base, dur = _gaps_summary(baseline), _gaps_summary(during)
     return {"streams": streams, "baseline": base, "during": dur, "long_ttft_s": ttft, "prompt_steps": prompt_steps,
+            "timeline_head": timeline[:80], "timeline_tail": timeline[-40:],
             "p99_ratio": dur["p99_s"] / base["p99_s"] if base["p99_s"] > 0 else float("inf")}

@@ -27,6 +27,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -306,7 +307,7 @@ class Soak:
     def faults_loop(self) -> None:
         started = time.monotonic()
         restart_at = started + self.args.seconds * self.args.verifier_restart_at
-        drafter, up_since, killed = None, started, set()  # the drafter's process, since when it runs
+        drafter, up_since, killed = None, None, set()  # the drafter's process, since when it serves
         while time.monotonic() < self.stop_at:
             now = time.monotonic()
             if restart_at is not None and now >= restart_at:
@@ -318,15 +319,23 @@ class Soak:
             pid = self.stack.child("drafter")
             pid = None if pid in killed else pid  # (the launcher has not noticed yet)
             if pid != drafter:  # a new incarnation (the launcher restarted it): its own time to run
-                drafter, up_since = pid, now
-            # Each incarnation runs --kill-drafter-every seconds before its kill, so that the verifier
-            # reconnects and speculates between kills however long the launcher's back-off has grown.
-            if pid and now - up_since >= self.args.kill_drafter_every:
+                drafter, up_since = pid, None
+            if pid and up_since is None and _accepts(self.stack.ports["drafter"]):
+                up_since = now  # serving (it listens once loaded: on a GPU ~10 s after its start)
+            # Each incarnation serves --kill-drafter-every seconds before its kill, so that the verifier
+            # reconnects and speculates between kills however long the launcher's back-off or the load takes.
+            if pid and up_since is not None and now - up_since >= self.args.kill_drafter_every:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     self.faults["drafter_sigkill"] += 1
                 killed.add(pid)
             time.sleep(0.1)
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
 
 
 class Retry(Exception):
