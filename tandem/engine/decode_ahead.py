@@ -100,7 +100,8 @@ def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeR
     graph fits the batch."""
     runner = executor.runner
     if after is None:
-        first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
+        first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table(),
+                                                    split_span=req.split_span)
                                       for req in reqs], capture_features=capture), None
         if runner.graphs is None or not runner.graphs.can_run(first):
             return None
@@ -155,9 +156,10 @@ def _forward_steps(executor, reqs: list[Request], steps: int, pick, capture: boo
         for i, req in enumerate(reqs):
             committed = req.num_tokens - 1 + k  # KV entries before this step's input token
             if k == 0:
-                chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
+                chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table(), split_span=req.split_span))
             else:
-                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
+                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1],
+                                            split_span=req.split_span))
         logits, features = executor.forward(ForwardBatch(chunks, capture_features=capture), sync=False)
         token = pick(logits, features, k)
 
