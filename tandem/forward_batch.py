@@ -27,9 +27,6 @@ class SequenceChunk:
     # Token ids still on rank 0's device, for the entries of token_ids that are -1 (a chain draft the
     # verify takes straight from the drafter; see tandem.speculative.tree.PendingTokens).
     device_ids: torch.Tensor | None = None
-    # Keys the attention kernels cut their split-K chunks for, fixed for the request's life (Request.split_span;
-    # 0: not known, the kernel's fallback): every step then groups a token's keys alike (same bits).
-    split_span: int = 0
 
 
 @dataclass
@@ -100,7 +97,6 @@ def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> Devi
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         tree_masks=[torch.tensor(s.tree_mask, dtype=torch.bool) if s.tree_mask is not None else None for s in batch.seqs],
         page_size=page_size,
-        split_spans=torch.tensor([s.split_span for s in batch.seqs], dtype=torch.int32, device=device),
     )
     return DeviceBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

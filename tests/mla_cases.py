@@ -60,27 +60,3 @@ def torch_reference(case: dict) -> torch.Tensor:
     backend = TorchMLABackend()
     backend.plan(case["meta"])
     return backend.forward_absorbed(case["q"], case["pool"], case["meta"], case["scale"], case["kv_lora"])
-
-
-def latent_decode_and_verify_rows(case: dict, kv_lora: int, p: int, width: int, row: int, splits: int,
-                                  span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ``p``'s latent attention computed twice over one sequence's pool (``latent_case`` of one
-    sequence, ``q`` row t the query of token t): as a decode step (kv_len p + 1) and as row ``row`` of a
-    verify step over a chain of ``width`` tokens (kv_len p - row + width, chain mask)."""
-    from tandem.kernels.mla_attention import mla_paged_attention
-
-    q, pool, table = case["q"], case["pool"], case["meta"].block_tables
-    device = q.device
-
-    def ints(*values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    def attend(first, n, **mask):
-        rows = q[first : first + n].contiguous()
-        return mla_paged_attention(rows[..., :kv_lora], rows[..., kv_lora:], pool, table, ints(first + n), ints(0, n),
-                                   n, case["scale"], num_splits=splits, split_spans=ints(span), **mask)
-
-    decode = attend(p, 1)
-    chain = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None]
-    verify = attend(p - row, width, mask=chain, mask_widths=ints(width))
-    return decode[0], verify[row]

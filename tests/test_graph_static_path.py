@@ -96,64 +96,6 @@ def test_static_decode_and_verify_match_eager(model, request):
         kv.release()
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek"])
-def test_split_spans_reach_the_split_kernels_through_the_static_buffers(model, request, monkeypatch):
-    """A request's split span (prompt + max_new_tokens, capped at the context) is set at admission, goes
-    with its chunks into the static buffers (padding rows 0: the kernel's fallback) and on to the split-K
-    kernels, which (4 splits forced; a CPU picks 1) still give the eager logits."""
-    import importlib
-
-    from tandem.attention.graph_backend import TritonGraphBackend
-    from tandem.attention.mla_graph_backend import MLAGraphBackend
-    from tandem.engine.cuda_graph import TargetGraphRunner
-    from tandem.engine.verify import verify_chunk
-    from tandem.forward_batch import ForwardBatch
-    from tandem.sampling import SamplingParams
-    from tandem.speculative.tree import DraftTree
-
-    engine = request.getfixturevalue("engine" if model == "llama" else "mla_engine")
-    runner = engine.executor.runner
-    runner.graph_backend = TritonGraphBackend() if model == "llama" else MLAGraphBackend()
-    graphs = TargetGraphRunner(runner, widths=(1, 5), max_bs=4)
-    seen = []
-    for module_name, name in (("paged_attention", "paged_attention"), ("mla_attention", "mla_paged_attention")):
-        module = importlib.import_module(f"tandem.kernels.{module_name}")  # (tandem.kernels exports the functions)
-        def spy(*args, _kernel=getattr(module, name), **kwargs):
-            seen.append(kwargs.get("split_spans"))
-            return _kernel(*args, **kwargs)
-        monkeypatch.setattr(module, name, spy)
-        monkeypatch.setattr(module, "default_num_splits", lambda *args, **kwargs: 4)
-
-    g = torch.Generator().manual_seed(1)
-    context = engine.context_len
-    reqs = []
-    for n, new in ((9, 20), (30, 10**7), (5, 3)):  # the last: a verify runs past its span (the safety rule)
-        rid = engine.add_request(torch.randint(0, 300, (n,), generator=g).tolist(),
-                                 SamplingParams(max_new_tokens=new, ignore_eos=True), spec=None)
-        reqs.append(engine.requests[rid])
-    assert [r.split_span for r in reqs] == [29, context, 8]
-    try:
-        engine.step()  # prefill them (eager), the first token sampled
-        assert all(len(r.output) == 1 for r in reqs)
-        for r in reqs:
-            r.kv.reserve(r.num_tokens + 4)
-        decode = ForwardBatch([verify_chunk(r, DraftTree([r.last_token], [-1])) for r in reqs])
-        tree = DraftTree([5, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
-        verify = ForwardBatch([verify_chunk(r, tree) for r in reqs])
-        for batch in (decode, verify):
-            seen.clear()
-            static_logits, _ = graphs.run_static_eagerly(batch)
-            fam = graphs.families[len(batch.seqs[0].token_ids)]
-            spans = [29, context, 8] + [0] * (graphs.bucket(3) - 3)  # padding rows: 0
-            assert fam.split_spans[: len(spans)].tolist() == spans
-            assert seen and all(s is not None and s.tolist() == spans for s in seen)
-            eager_logits, _ = runner.forward(batch)
-            torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
-    finally:
-        for r in reqs:
-            engine.abort(r.rid)
-
-
 def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(engine):
     """Traffic capture with no drafter asks every decode step for features: the decode graphs must be
     captured with them (graph_decode_features), or such steps run eagerly rather than lose them."""

@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.
 pytest.importorskip("triton")
 
 from helpers import norm_rel_err  # noqa: E402
-from mla_cases import branching_tree, latent_case, latent_decode_and_verify_rows, torch_reference  # noqa: E402
+from mla_cases import branching_tree, latent_case, torch_reference  # noqa: E402
 from tandem.attention.mla_triton_backend import TritonMLABackend  # noqa: E402
 from tandem.kernels.mla_attention import LatentTiles, mla_paged_attention  # noqa: E402
 
@@ -97,15 +97,3 @@ def test_a_tree_mask_that_does_not_fit_its_sequence_is_refused():
     case = latent_case([(2, 3, branching_tree([-1, 0, 1, 2]))], 2, 16, 16, 4)  # 4 rows for 3 new tokens
     with pytest.raises(ValueError, match="does not fit"):
         TritonMLABackend().plan(case["meta"])
-
-
-@pytest.mark.parametrize("splits", [2, 4])
-def test_decode_and_verify_give_a_token_the_same_bits(splits):
-    """A token's row from a decode step equals, bit for bit, its row in a verify step: the splits are cut
-    from the sequence's span, and their number does not follow the step's width. (The token leads a chain
-    of 4: 16 rows a program in both steps, its own in the same places, as numpy's matmul, the interpreter's
-    dot, rounds a row by where it sits in the tile.)"""
-    case = latent_case([(0, 140, None)], HEADS, KV_LORA, ROPE, PAGE, seed=splits)  # q row t: token t's query
-    for p, span in ((33, 140), (62, 50), (126, 7), (125, 0)):  # span 0: the table's capacity
-        decode, verify = latent_decode_and_verify_rows(case, KV_LORA, p, 4, 0, splits, span)
-        assert torch.equal(decode, verify), f"token {p}, span {span}"

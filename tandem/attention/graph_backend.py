@@ -3,8 +3,7 @@ planning on the host before a replay.
 
 Per layer: one kernel rotates q and k and stores k and v in the paged pool, one kernel attends
 (decode, or a fixed-width tree / extension with its mask). The metadata is a GraphMeta of static
-buffers (tandem.engine.cuda_graph) that the runner refills before each replay; its split spans keep a
-token's attention the same bits in the decode and the verify graphs.
+buffers (tandem.engine.cuda_graph) that the runner refills before each replay.
 """
 
 from __future__ import annotations
@@ -26,23 +25,22 @@ class TritonGraphBackend(AttentionBackend):
         from tandem.kernels.rotary_kv import store_kv
 
         store_kv(k, v, k_pool, v_pool, meta.slot_mapping)
-        return paged_attention(q, k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.tree_mask,
-                               split_spans=meta.split_spans)
+        return paged_attention(q, k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.tree_mask)
 
     def forward_with_rotary(self, q, k, v, positions, rotary, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
         return rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
-                                   meta.kv_lens, meta.tree_mask, scale, split_spans=meta.split_spans)
+                                   meta.kv_lens, meta.tree_mask, scale)
 
 
 def rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, slot_mapping, block_tables, kv_lens, mask,
-                        scale: float, split_spans: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float) -> torch.Tensor:
     """Two kernels: rotary on q and k fused with the K/V store, then paged attention (``mask``: over the
-    last W keys, or None; ``split_spans``: paged_attention's). Shared by the target's graphs and the drafter's."""
+    last W keys, or None). Shared by the target's graphs and the drafter's."""
     from tandem.kernels.paged_attention import paged_attention
     from tandem.kernels.rotary_kv import rotary_and_store
 
     q = rotary_and_store(q, k, v, rotary.cos, rotary.sin, positions, k_pool, v_pool, slot_mapping, q_out=torch.empty_like(q))
-    return paged_attention(q, k_pool, v_pool, block_tables, kv_lens, scale, mask=mask, split_spans=split_spans)
+    return paged_attention(q, k_pool, v_pool, block_tables, kv_lens, scale, mask=mask)
 
 
 def make_graph_backend(latent: bool = False):

@@ -7,8 +7,7 @@ one shape; a tree only adds ``tree_mask`` — a ``[q_len, W]`` boolean "row may 
 matrix over the *last W* keys of the sequence (``W >= q_len``; the new tokens are the last ``q_len``
 of them). Keys before those W are always visible. ``W == q_len`` is verification (the tree is all
 new); ``W > q_len`` lets a multi-step draft see tree nodes written by earlier steps — its own
-ancestors, not its cousins. Without a mask the new tokens are causal. ``split_spans`` fixes where
-split-K kernels cut each sequence's keys, whatever the step.
+ancestors, not its cousins. Without a mask the new tokens are causal.
 """
 
 from __future__ import annotations
@@ -28,9 +27,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], flat pool slot (page * page_size + offset) of each new token
     tree_masks: list[torch.Tensor | None]  # per sequence: bool [q_len, W <= kv_len] or None (causal)
     page_size: int
-    # int32 [B]: keys each sequence's split-K chunks are cut for, fixed for its life (0: not known); the
-    # Triton kernels read it so a token's row has the same bits in every step (tandem/kernels/paged_attention.py)
-    split_spans: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

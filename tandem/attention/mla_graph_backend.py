@@ -42,5 +42,4 @@ class MLAGraphBackend:
         cu_q_lens, widths = self._offsets(meta.num_seqs, meta.q_len, q.device)
         return mla_paged_attention(q[..., :kv_lora_rank], q[..., kv_lora_rank:], pool, meta.block_tables,
                                    meta.kv_lens, cu_q_lens, meta.q_len, scale, mask=meta.tree_mask,
-                                   mask_widths=widths if meta.tree_mask is not None else None,
-                                   split_spans=meta.split_spans)
+                                   mask_widths=widths if meta.tree_mask is not None else None)

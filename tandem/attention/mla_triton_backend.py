@@ -59,7 +59,7 @@ class TritonMLABackend(TorchMLABackend):
 
         return mla_paged_attention(q[..., :kv_lora_rank], q[..., kv_lora_rank:], pool, meta.block_tables,
                                    meta.kv_lens, meta.cu_q_lens, self._max_q_len, scale,
-                                   mask=self._mask, mask_widths=self._mask_widths, split_spans=meta.split_spans)
+                                   mask=self._mask, mask_widths=self._mask_widths)
 
     def forward_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 (width = num_draft_tokens per request).
 
 One graph per (width, padded batch size), captured by tandem.graph_capture. Each graph reads static
-input buffers (token ids, positions, KV slots, block tables, KV lengths, split spans, tree masks) and writes static
+input buffers (token ids, positions, KV slots, block tables, KV lengths, tree masks) and writes static
 outputs (logits, and for verification the EAGLE-3 features). Padding rows write their KV into the
 reserved dummy page 0 and are never read back. Everything else — prefill, mixed widths, batches beyond
 the largest bucket — runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
@@ -35,7 +35,6 @@ class GraphMeta:
     slot_mapping: torch.Tensor  # int64 [bs * q_len]
     tree_mask: torch.Tensor | None  # bool [bs, q_len, q_len] over the last q_len keys; None for decode
     page_size: int
-    split_spans: torch.Tensor | None = None  # int32 [bs]: SequenceChunk.split_span (0: not known)
 
 
 class _Family:
@@ -49,7 +48,6 @@ class _Family:
         self.slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
         self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.split_spans = torch.zeros(max_bs, dtype=torch.int32, device=device)  # constant per request: never advanced
         self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if width > 1 else None
         self.causal = np.tril(np.ones((width, width), dtype=np.int64))  # the mask of a sequence without a tree
         # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
@@ -61,7 +59,7 @@ class _Family:
     def meta(self, bs: int) -> GraphMeta:
         w = self.width
         return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],
-                         self.mask[:bs] if self.mask is not None else None, self.page_size, self.split_spans[:bs])
+                         self.mask[:bs] if self.mask is not None else None, self.page_size)
 
 
 class TargetGraphRunner(GraphRunner):
@@ -76,8 +74,8 @@ class TargetGraphRunner(GraphRunner):
         self.page_size = runner.cfg.page_size
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
         self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
-        # ids, positions, slots, kv_lens, split spans, block tables, masks of the widest family's largest batch
-        self.staging = PinnedStaging(max(self.max_bs * (3 * w + 2 + self.max_pages + w * w) for w in widths), self.device)
+        # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
+        self.staging = PinnedStaging(max(self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths), self.device)
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
         self.decode_features = any(w > 1 for w in widths) or runner.cfg.graph_decode_features
@@ -219,10 +217,10 @@ class TargetGraphRunner(GraphRunner):
         bs = self.bucket(n)
         m = width * n
         max_pages = max(len(s.pages) for s in seqs)
-        sizes = [m, m, m, n, n, n * max_pages, n * width * width if fam.mask is not None else 0]
+        sizes = [m, m, m, n, n * max_pages, n * width * width if fam.mask is not None else 0]
         host = self.staging.host_array()
         bounds = list(itertools.accumulate(sizes, initial=0))
-        ids, pos, slots, kv_lens, spans, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
+        ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
         tables = tables.reshape(n, max_pages)
         tables[:] = 0
         prefix = np.empty(n, dtype=np.int64)
@@ -230,7 +228,6 @@ class TargetGraphRunner(GraphRunner):
             tables[i, : len(s.pages)] = s.pages
             ids[i * width : (i + 1) * width] = s.token_ids
             prefix[i] = s.prefix_len
-            spans[i] = s.split_span
         keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
         slots.reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
         pos.reshape(n, width)[:] = keys  # unless positions are given
@@ -249,10 +246,9 @@ class TargetGraphRunner(GraphRunner):
         fam.positions[:m].copy_(dev[1])
         fam.slots[:m].copy_(dev[2])
         fam.kv_lens[:n].copy_(dev[3])
-        fam.split_spans[:n].copy_(dev[4])
-        fam.block_tables[:n, :max_pages].copy_(dev[5].view(n, max_pages))
+        fam.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
         if fam.mask is not None:
-            fam.mask[:n].copy_(dev[6].view(n, width, width))
+            fam.mask[:n].copy_(dev[5].view(n, width, width))
         if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
             ids = fam.input_ids[:m].view(n, width)
             on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
@@ -271,4 +267,3 @@ class TargetGraphRunner(GraphRunner):
         fam.slots[start * w : bs * w].copy_((torch.arange(w, device=self.device) % ps + DUMMY_PAGE * ps).repeat(bs - start))
         fam.block_tables[start:bs].fill_(DUMMY_PAGE)
         fam.kv_lens[start:bs].fill_(w)
-        fam.split_spans[start:bs].zero_()

@@ -100,8 +100,7 @@ def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeR
     graph fits the batch."""
     runner = executor.runner
     if after is None:
-        first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table(),
-                                                    split_span=req.split_span)
+        first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
                                       for req in reqs], capture_features=capture), None
         if runner.graphs is None or not runner.graphs.can_run(first):
             return None
@@ -156,10 +155,9 @@ def _forward_steps(executor, reqs: list[Request], steps: int, pick, capture: boo
         for i, req in enumerate(reqs):
             committed = req.num_tokens - 1 + k  # KV entries before this step's input token
             if k == 0:
-                chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table(), split_span=req.split_span))
+                chunks.append(SequenceChunk([req.tokens[-1]], committed, req.kv.page_table()))
             else:
-                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1],
-                                            split_span=req.split_span))
+                chunks.append(SequenceChunk([-1], committed, req.kv.page_table(), device_ids=token[i : i + 1]))
         logits, features = executor.forward(ForwardBatch(chunks, capture_features=capture), sync=False)
         token = pick(logits, features, k)
 

@@ -117,8 +117,7 @@ class LLMEngine:
             raise ConfigError("speculation was requested but the engine has no draft model")
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
-        req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec,
-                      split_span=min(len(prompt) + params.max_new_tokens, context))
+        req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
         self.scheduler.add(req)
         self.requests[rid] = req
         return rid
@@ -235,8 +234,7 @@ class LLMEngine:
                     trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
         chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
-                                logits="all" if wants_prompt_logits(p.req) else "last", split_span=p.req.split_span)
-                  for p in sched.prefill]
+                                logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.up() or self.traffic is not None
         with timer("verify"):

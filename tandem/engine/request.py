@@ -49,9 +49,6 @@ class Request:
     prefix_hit: int = 0
     skip_prefix_cache: bool = False  # its next admission recomputes every token (to feed a drafter)
     cached_tokens: int | None = None
-    # Keys the split-K attention kernels cut this request's sequence for (SequenceChunk.split_span): its
-    # prompt plus max_new_tokens, capped at the served context; set at admission, constant for its life.
-    split_span: int = 0
 
     @property
     def tokens(self) -> list[int]:

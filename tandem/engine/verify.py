@@ -20,7 +20,7 @@ from tandem.speculative.tree import DraftTree
 def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
     committed = req.num_tokens - 1
     if tree.size == 1:
-        return SequenceChunk([tree.tokens[0]], committed, req.kv.page_table(), split_span=req.split_span)
+        return SequenceChunk([tree.tokens[0]], committed, req.kv.page_table())
     return SequenceChunk(
         token_ids=list(tree.tokens),
         prefix_len=committed,
@@ -29,7 +29,6 @@ def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
         tree_mask=tree.ancestor_mask(),
         logits="all",
         device_ids=tree.pending.ids if tree.pending is not None else None,
-        split_span=req.split_span,
     )
 
 

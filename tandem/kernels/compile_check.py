@@ -103,25 +103,21 @@ def main(dtype_name: str = "bfloat16") -> int:
     pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr = mods.values()
     failures: list[str] = []
 
-    def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1, spans=False):
+    def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
         q = torch.empty(batch * q_len, group * kv_heads, head_dim, dtype=dt)
         pool = torch.empty(64, page, kv_heads, head_dim, dtype=dt)
         mask = torch.ones(batch, q_len, width, dtype=torch.bool) if width else None
         pa.paged_attention(q, pool, pool, torch.zeros(batch, 16, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
-                           0.1, mask=mask, num_splits=splits,
-                           split_spans=torch.ones(batch, dtype=torch.int32) if spans else None)
-        _report(f"attn b{batch} q{q_len} g{group} h{kv_heads} d{head_dim} p{page} w{width} s{splits}"
-                f"{' spans' if spans else ''}", failures)
+                           0.1, mask=mask, num_splits=splits)
+        _report(f"attn b{batch} q{q_len} g{group} h{kv_heads} d{head_dim} p{page} w{width} s{splits}", failures)
 
     attention(8, 1, 4, 8, 128, 16)  # Llama-3-8B decode
     attention(1, 1, 4, 8, 128, 16, splits=16)  # batch-1 decode, split-K
     attention(8, 8, 4, 8, 128, 16, width=8)  # verify 8-node trees
-    attention(8, 16, 8, 1, 128, 16, width=16)  # verify 16 nodes, GQA 8 (64 rows per program)
-    attention(8, 1, 4, 8, 128, 16, splits=2, spans=True)  # the engine's decode: splits cut from split spans
-    attention(8, 8, 4, 8, 128, 16, width=8, splits=2, spans=True)  # and its verify
+    attention(8, 16, 8, 1, 128, 16, width=16)  # verify 16 nodes, GQA 8 (128 rows per program)
     attention(8, 1, 1, 8, 64, 16)  # MHA, head_dim 64
     attention(1, 256, 4, 8, 128, 16)  # prefill-like width
-    def latent_attention(batch, q_len, heads, page, width=None, splits=1, tiles=None, spans=False):
+    def latent_attention(batch, q_len, heads, page, width=None, splits=1, tiles=None):
         # Kimi's latent: kv_lora 512 + rope 64 in one entry per token
         q = torch.empty(batch * q_len, heads, 576, dtype=dt)
         mask = torch.ones(batch, q_len, width, dtype=torch.bool) if width else None
@@ -130,17 +126,14 @@ def main(dtype_name: str = "bfloat16") -> int:
         mla.mla_paged_attention(q[..., :512], q[..., 512:], torch.empty(64, page, 1, 576, dtype=dt),
                                 torch.zeros(batch, 16, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), cu,
                                 q_len, 0.1, mask=mask, mask_widths=widths, num_splits=splits,
-                                tiles=tiles and mla.LatentTiles(*tiles),
-                                split_spans=torch.ones(batch, dtype=torch.int32) if spans else None)
-        _report(f"mla b{batch} q{q_len} h{heads} p{page} w{width} s{splits} t{tiles or ''}{' spans' if spans else ''}",
-                failures)
+                                tiles=tiles and mla.LatentTiles(*tiles))
+        _report(f"mla b{batch} q{q_len} h{heads} p{page} w{width} s{splits} t{tiles or ''}", failures)
 
     latent_attention(8, 1, 8, 64)  # Kimi decode at TP 8
     latent_attention(1, 1, 8, 64, splits=16)  # batch-1 decode, split-K
     latent_attention(8, 4, 8, 16, width=16)  # verify 4-node trees at TP 8
     latent_attention(8, 1, 64, 64)  # TP 1: 64 heads in blocks of 32
     latent_attention(8, 8, 64, 16, width=16, splits=2)  # TP 1 tree verify
-    latent_attention(8, 4, 8, 16, width=16, splits=2, spans=True)  # the engine's: splits cut from split spans
     for tiles in ((16, 16, 4, 2), (16, 32, 4, 3), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)):  # bench's sweep
         for heads, q_len in ((8, 4), (64, 1)):  # the most registers of each tile (h8 q1, h64 q4: no more)
             latent_attention(8, q_len, heads, 64, tiles=tiles)

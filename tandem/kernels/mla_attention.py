@@ -18,9 +18,7 @@ keys before the last ``W`` are always seen and new token ``i`` sees the last ``W
 
 Split-K ("flash-decoding"): with ``num_splits > 1`` each sequence's keys are cut into that many
 chunks whose partial outputs and log-sum-exps are merged by paged_attention's merge kernel in a fixed
-order, so results do not depend on timing. The split count is a launch constant (graph-safe) that does
-not depend on ``max_q_len``, and the chunks are cut from each sequence's ``split_span`` as in
-paged_attention: a token's row has the same bits whether a decode or a verify step computes it.
+order, so results do not depend on timing. The split count is a launch constant (graph-safe).
 Rows that see no key produce zeros, never NaN; keys past ``kv_len`` are never loaded.
 """
 
@@ -32,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.paged_attention import (_NO_KEY, _load_span, _merge_splits_kernel, _split_bounds,
-                                            _store_result, default_num_splits)
+from tandem.kernels.paged_attention import (_NO_KEY, _merge_splits_kernel, _split_bounds, _store_result,
+                                            default_num_splits)
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -77,16 +75,16 @@ def _latent_tile(q_lat, q_pe, n0, end, m_i, l_i, acc, bt_row, pool_ptr, row_limi
 
 @triton.jit
 def _mla_attention_kernel(
-    q_lat_ptr, q_pe_ptr, pool_ptr, out_ptr, bt_ptr, kv_lens_ptr, spans_ptr, cu_q_ptr, mask_ptr, widths_ptr,
+    q_lat_ptr, q_pe_ptr, pool_ptr, out_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, mask_ptr, widths_ptr,
     part_o_ptr, part_lse_ptr,
-    num_heads, default_span, scale_log2,
+    num_heads, scale_log2,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pool_page, stride_pool_slot,
     stride_bt, stride_mb, stride_mi, stride_mj,
     stride_ps, stride_part_t, stride_ph, stride_ls, stride_lt,
     LORA: tl.constexpr, ROPE: tl.constexpr, ROPE_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_W: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SPANS: tl.constexpr, IEEE_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    MASK_W: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -133,8 +131,7 @@ def _mla_attention_kernel(
         row_limit = causal_limit
     stop = tl.where(q_tile * BLOCK_Q < q_len, stop, 0)  # a tile past this sequence's tokens reads nothing
 
-    span = _load_span(spans_ptr, b, default_span, HAS_SPANS)
-    start, end = _split_bounds(stop, span, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_bounds(stop, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], _NO_KEY, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -202,7 +199,6 @@ def mla_paged_attention(
     out: torch.Tensor | None = None,  # [T, H, kv_lora]; allocated in q_latent's dtype when None
     num_splits: int | None = None,  # power of two; None: from the shapes
     tiles: LatentTiles | None = None,  # None: default_tiles (benchmarks try others)
-    split_spans: torch.Tensor | None = None,  # int32 [B]: keys the splits are cut for (paged_attention's)
 ) -> torch.Tensor:
     num_tokens, num_heads, lora = q_latent.shape
     rope = q_rope.shape[-1]
@@ -226,8 +222,8 @@ def mla_paged_attention(
     num_warps = tiles.num_warps or (4 if block_m * lora <= 16 * 512 else 8)
     head_blocks = -(-num_heads // block_h)
     q_tiles = -(-max_q_len // block_q)
-    if num_splits is None:  # not from q_tiles: decode and verify steps must split a sequence alike
-        num_splits = default_num_splits(batch, head_blocks, block_tables.shape[1] * page_size,
+    if num_splits is None:
+        num_splits = default_num_splits(batch, head_blocks * q_tiles, block_tables.shape[1] * page_size,
                                         q_latent.device, MLA_MIN_SPLIT_KEYS)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -249,19 +245,16 @@ def mla_paged_attention(
     else:
         part_o = part_lse = out  # never touched
         part_strides = (0, 0, 0, 0, 0)
-    if split_spans is not None and split_spans.shape != (batch,):
-        raise ValueError(f"split_spans {tuple(split_spans.shape)} does not fit batch {batch}")
     pdl = pdl_launch(q_latent)
     _mla_attention_kernel[(batch, head_blocks, q_tiles * num_splits)](
-        q_latent, q_rope, pool, out, block_tables, kv_lens, split_spans if split_spans is not None else kv_lens,
-        cu_q_lens, mask, mask_widths, part_o, part_lse,
-        num_heads, block_tables.shape[1] * page_size, scale * 1.4426950408889634,
+        q_latent, q_rope, pool, out, block_tables, kv_lens, cu_q_lens, mask, mask_widths, part_o, part_lse,
+        num_heads, scale * 1.4426950408889634,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), block_tables.stride(0), *mask_strides, *part_strides,
         LORA=lora, ROPE=rope, ROPE_BLOCK=max(16, triton.next_power_of_2(rope)), PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        MASK_W=mask_w, NUM_SPLITS=num_splits, HAS_SPANS=split_spans is not None,
-        IEEE_DOT=q_latent.dtype == torch.float32, INTERPRET=bool(triton.knobs.runtime.interpret),
+        MASK_W=mask_w, NUM_SPLITS=num_splits, IEEE_DOT=q_latent.dtype == torch.float32,
+        INTERPRET=bool(triton.knobs.runtime.interpret),
         num_warps=num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if num_splits > 1:

@@ -15,11 +15,7 @@ into a 32- or 64-bit word per row), or, without a mask, new token ``i`` sees new
 Split-K ("flash-decoding"): with ``num_splits > 1`` the keys of a sequence are cut into that many
 chunks, each program writes a normalised partial output and its log-sum-exp, and a second small
 kernel merges them. The number of splits is a launch constant, so the work is graph-safe; empty
-chunks just write an empty partial. The chunk boundaries come from each sequence's ``split_span``
-(a key count fixed for the request's life), not from its current length: a token's row is then summed
-in the same grouping whether a decode step or a verify step computes it, so both give the same bits
-(boundaries that moved with the length made near-tied logits flip between the two). The key tile
-``BLOCK_N`` depends on the head shape only, for the same reason.
+chunks just write an empty partial.
 
 Padding rows are harmless: a row that sees no key (``kv_len`` 0, or a dummy sequence of ``kv_len``
 1 with ``q_len`` > 1) produces zeros, never NaN; keys past ``kv_len`` are never loaded.
@@ -80,29 +76,16 @@ def _attend_tile(q, n0, end, m_i, l_i, acc, bt_row, k_head, v_head, row_info, ta
 
 
 @triton.jit
-def _split_bounds(stop, span, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, end) this program attends: all ``stop`` of them, or its split's share in whole tiles.
-    The shares are cut from ``span`` (fixed per sequence), then clipped to ``stop``: a split past ``stop``
-    is empty, and the last split runs to ``stop`` should the span be too short, so no key is lost."""
+def _split_bounds(stop, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, end) this program attends: all ``stop`` of them, or its split's share in whole tiles."""
     if NUM_SPLITS == 1:
         start = stop * 0  # a tensor like the split branch's (what a jit function returns keeps one type)
         end = stop
     else:
-        chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = tl.minimum(split * chunk, stop)
-        end = tl.where(split == NUM_SPLITS - 1, stop, tl.minimum(stop, start + chunk))
+        chunk = tl.cdiv(tl.cdiv(stop, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(stop, start + chunk)
     return start, end
-
-
-@triton.jit
-def _load_span(spans_ptr, b, default_span, HAS_SPANS: tl.constexpr):
-    """Sequence ``b``'s split span: its entry (0: not known) or else ``default_span``."""
-    if HAS_SPANS:
-        span = tl.load(spans_ptr + b)
-        span = tl.where(span > 0, span, default_span)
-    else:
-        span = default_span + b * 0  # a tensor like the loaded branch's
-    return span
 
 
 @triton.jit
@@ -125,16 +108,16 @@ def _store_result(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, split, tok, 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, kv_lens_ptr, spans_ptr, mask_ptr, part_o_ptr, part_lse_ptr,
-    q_len, default_span, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, kv_lens_ptr, mask_ptr, part_o_ptr, part_lse_ptr,
+    q_len, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_bt, stride_mb, stride_mi, stride_mj,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_W: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SPANS: tl.constexpr, IEEE_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    MASK_W: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -170,8 +153,7 @@ def _paged_attention_kernel(
         # Keys after the tile's last row are invisible to the whole tile (prefill-like widths skip them).
         stop = tl.maximum(tl.minimum(kv_len, kv_len - q_len + (q_tile + 1) * BLOCK_Q), 0)
 
-    span = _load_span(spans_ptr, b, default_span, HAS_SPANS)
-    start, end = _split_bounds(stop, span, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_bounds(stop, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], _NO_KEY, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -246,11 +228,7 @@ def paged_attention(
     mask: torch.Tensor | None = None,  # bool/uint8 [B, q_len, W], q_len <= W <= 64, over the last W keys
     out: torch.Tensor | None = None,  # [B * q_len, Hq, D]; allocated in q's dtype when None
     num_splits: int | None = None,  # power of two; None: default_num_splits from the shapes
-    split_spans: torch.Tensor | None = None,  # int32 [B]: keys the splits are cut for, fixed per request
 ) -> torch.Tensor:
-    """Attention of every new token (module docstring). ``split_spans``: where an entry is 0, or with
-    None, the split boundaries are cut for the block table's capacity (``max_pages * page_size``): fixed
-    too, but a short sequence then keeps its keys in the first splits."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pool.shape
     batch = kv_lens.shape[0]
@@ -282,18 +260,11 @@ def paged_attention(
         mask_w, mask_strides = 0, (0, 0, 0)
         mask = kv_lens  # never read; any pointer will do
 
-    # Query rows per program: the whole group times as many new tokens as fit in 128 rows and in
-    # 64 * 128 row-dims (registers), at least one token. tl.dot needs >= 16 rows.
-    group_m = max(16, triton.next_power_of_2(group))
-    max_rows = max(group_m, min(128, (64 * 128) // head_dim))
-    block_q = 1
-    while block_q < q_len and triton.next_power_of_2(group * block_q * 2) <= max_rows:
-        block_q *= 2
-    block_m = max(16, triton.next_power_of_2(group * block_q))
+    # Query rows per program: the whole group times up to 128/group new tokens (64..128 rows).
+    block_q = min(triton.next_power_of_2(q_len), max(1, triton.next_power_of_2(128 // group + 1) // 2))
+    block_m = max(16, triton.next_power_of_2(group * block_q))  # tl.dot needs >= 16 rows
     num_q_tiles = -(-q_len // block_q)
-    # The key tile from the head shape only (never from q_len): decode and verify steps then walk a
-    # token's keys in the same tiles, so the online softmax rounds alike (bit-equal rows).
-    block_n = 64 if group_m * head_dim <= 64 * 128 else 32
+    block_n = 64 if block_m * head_dim <= 64 * 128 else 32
     num_warps = 4 if block_m <= 16 else 8  # 32-row tiles: 208 regs at 4 warps, 144 at 8
 
     if num_splits > 1:
@@ -301,14 +272,11 @@ def paged_attention(
         part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_o, part_lse = out, out  # never touched
-    if split_spans is not None and split_spans.shape != (batch,):
-        raise ValueError(f"split_spans {tuple(split_spans.shape)} does not fit batch {batch}")
     grid = (batch, num_kv_heads, num_q_tiles * num_splits)
     pdl = pdl_launch(q)
     _paged_attention_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, kv_lens, split_spans if split_spans is not None else kv_lens,
-        mask, part_o, part_lse,
-        q_len, block_tables.shape[1] * page_size, scale * 1.4426950408889634,
+        q, k_pool, v_pool, out, block_tables, kv_lens, mask, part_o, part_lse,
+        q_len, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         block_tables.stride(0), *mask_strides,
@@ -316,7 +284,7 @@ def paged_attention(
         *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        MASK_W=mask_w, NUM_SPLITS=num_splits, HAS_SPANS=split_spans is not None, IEEE_DOT=q.dtype == torch.float32,
+        MASK_W=mask_w, NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
         INTERPRET=bool(triton.knobs.runtime.interpret),
         num_warps=num_warps, num_stages=3, **pdl,
     )

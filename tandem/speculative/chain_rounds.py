@@ -213,8 +213,7 @@ def queue_chain_rounds(target_graphs, side, reqs: list, spec, rounds: int, steer
             chain = [[j <= i for j in range(nd)] for i in range(nd)]
             first = ForwardBatch([SequenceChunk([req.last_token] * nd, req.num_tokens - 1, req.kv.page_table(),
                                                 positions=list(range(req.num_tokens - 1, req.num_tokens - 1 + nd)),
-                                                tree_mask=chain, logits="all", split_span=req.split_span)
-                                  for req in reqs])
+                                                tree_mask=chain, logits="all") for req in reqs])
             fam, verify_bs, _ = target_graphs.prepare(first)
             if followers is not None:
                 followers.start(first, None, n, rounds)

@@ -37,9 +37,7 @@ class StaticAttention(AttentionBackend):
     """Store K/V at the static slots, then paged attention: the Triton kernel (GPU, or CPU under
     TRITON_INTERPRET=1) or a static-shape torch version of it (CPU tests; gathers every page of the
     table, so it is for small tables only). With the Triton kernels the head's rotary and K/V store
-    are one kernel too (``forward_with_rotary``, reached through ``attend``). The kernel's split-K
-    chunks are cut for each step's own key count (``split_spans=kv_lens``): balanced splits, and a draft
-    needs no bit-equality between steps (the target's verify decides; its spans are fixed per request)."""
+    are one kernel too (``forward_with_rotary``, reached through ``attend``)."""
 
     name = "static"
 
@@ -54,7 +52,7 @@ class StaticAttention(AttentionBackend):
         from tandem.attention.graph_backend import rotate_store_attend
 
         return rotate_store_attend(q, k, v, positions, rotary, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
-                                   meta.kv_lens, meta.mask, scale, split_spans=meta.kv_lens)
+                                   meta.kv_lens, meta.mask, scale)
 
     def plan(self, meta) -> None:  # everything is in the static tensors
         pass
@@ -66,8 +64,7 @@ class StaticAttention(AttentionBackend):
         if self.kernel == "triton":
             from tandem.kernels.paged_attention import paged_attention
 
-            return paged_attention(q.contiguous(), k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.mask,
-                                   split_spans=meta.kv_lens)
+            return paged_attention(q.contiguous(), k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, mask=meta.mask)
         return torch_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.kv_lens, scale, meta.mask)
 
 
