@@ -23,7 +23,7 @@ class Proposer:
 
 
 def request(rid: str):
-    return SimpleNamespace(rid=rid, pending_extend=[], pending_bytes=0, draft_ready=False)
+    return SimpleNamespace(rid=rid, pending_extend=[], pending_bytes=0, draft_ready=False, attach_at=None)
 
 
 def link():

@@ -222,3 +222,60 @@ def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(pair):
         assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
     assert req.output == ref_req.output and later.output == ref_later.output
     assert later.cached_tokens == (len(second) - 1) // PAGE * PAGE
+
+
+class _Counting:
+    """The in-process drafter with its calls counted by name."""
+
+    def __init__(self, drafter, names=("attach_prefix", "extend", "release", "draft")):
+        self.calls = dict.fromkeys(names, 0)
+        for name in names:
+            setattr(self, name, self._counted(name, getattr(drafter, name)))
+        self._drafter = drafter
+
+    def _counted(self, name, method):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return method(*args, **kwargs)
+        return call
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)
+
+
+def _policy_says(eng: LLMEngine, speculate) -> None:
+    """The policy's decision for the batch at each step: ``speculate()``."""
+    eng.policy.decide = lambda *args, **kwargs: speculate()
+    eng.speculating = speculate()
+
+
+def test_a_batch_that_decodes_plainly_costs_the_drafter_nothing(pair, reference):
+    """With the cache on and speculation off for the batch, a request neither starts on the drafter nor
+    catches it up when it finishes: no drafter call at all; every token the target's."""
+    with engine(pair, spec=SpecConfig(3, 1, 4)) as eng:
+        eng.proposer = counting = _Counting(eng.proposer)
+        _policy_says(eng, lambda: False)
+        outputs, reqs = conversation(eng)
+        assert counting.calls == {"attach_prefix": 0, "extend": 0, "release": 0, "draft": 0}
+        assert eng.drafts.held_bytes == 0 and all(r.attach_at is None and not r.pending_extend for r in reqs)
+    assert outputs == reference
+
+
+def test_speculation_resuming_makes_the_deferred_start_first_and_output_stays_exact(pair, reference):
+    """Speculation off for the first steps, then on: requests that began while the batch decoded plainly
+    start on the drafter's cached prefix at their first draft (the deferred attach, then their held
+    features), speculate from then on, and every token is still the target's."""
+    steps = []
+
+    def speculate():
+        steps.append(None)
+        return len(steps) > 4
+
+    with engine(pair, spec=SpecConfig(3, 2, 6)) as eng:
+        eng.proposer = counting = _Counting(eng.proposer)
+        _policy_says(eng, speculate)
+        outputs, reqs = conversation(eng)
+        assert counting.calls["attach_prefix"] > 0 and counting.calls["draft"] > 0
+        assert eng.proposer.allocator.num_free == eng.proposer.allocator.capacity_pages
+    assert outputs == reference
+    assert reqs[0].spec_stats.rounds > 0  # began plainly, speculated once it was on

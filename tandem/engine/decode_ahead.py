@@ -249,7 +249,7 @@ def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], 
     state is released); → whether a request's held features had to be sent now."""
     if features is None:
         return False
-    last_turn = engine.prefix_cache is not None
+    last_turn = engine.prefix_cache is not None and engine.speculating  # (DraftLink.forget_all)
     items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
              if (last_turn or not req.finished) and req.spec is not None and req.draft_ready]
     return engine.drafts.keep_in_step(items)

@@ -48,10 +48,14 @@ class DraftLink:
         return self.proposer is not None and self.proposer.available
 
     def extend(self, items: list) -> None:
-        """``items``: (request, next tokens, their features)."""
+        """``items``: (request, next tokens, their features); a request's deferred attach is made first."""
         if not items or not self.up():
             return
         try:
+            for req, _, _ in items:
+                if req.attach_at is not None:
+                    cached, req.attach_at = req.attach_at, None
+                    self.proposer.attach_prefix(req.rid, req.tokens[: cached + 1])
             self.proposer.extend([(req.rid, tokens, feats) for req, tokens, feats in items])
         except ProposerUnavailable as e:
             self.lost(e)
@@ -66,9 +70,14 @@ class DraftLink:
     def attach(self, req, cached: int) -> bool:
         """Before a request's first extend after its prompt started on ``cached`` tokens of cached target KV:
         start the drafter on the same prefix (its own cached pages for those tokens). → whether the
-        request's features may go to the drafter."""
+        request's features may go to the drafter. While the batch decodes plainly the start is deferred to
+        the request's first extend (``Request.attach_at``): a request that never drafts costs the drafter
+        nothing, not even a lookup or the zero-feature rebuild of pages it lacks."""
         if not self._caching() or not self.up():
             return cached == 0  # without the head's KV of the prefix the request does not speculate
+        if not self.engine.speculating:
+            req.attach_at, req.draft_ready = cached, True  # its features are held until then
+            return True
         try:
             self.proposer.attach_prefix(req.rid, req.tokens[: cached + 1])
         except ProposerUnavailable as e:
@@ -184,13 +193,16 @@ class DraftLink:
         """``forget`` for several requests, their held features sent in one extend (requests finishing
         together: one drafter forward, not one each). Also while the batch decodes plainly: a later request
         on the same prefix would otherwise find the target's pages cached and the drafter's not, and draft
-        from zero features there (tandem.speculative.drafter.attach_prefix)."""
+        from zero features there (tandem.speculative.drafter.attach_prefix) — but not while the batch decodes
+        plainly: then a finish costs the drafter nothing (its cache lacks those pages; a later request on
+        them drafts from zero features there, and only if speculation resumes)."""
+        complete = complete and self.engine.speculating
         if self.proposer is not None and complete and self._caching() and self.up():
             self.extend([self.take_pending(req) for req in reqs if req.draft_ready and req.pending_extend])
         for req in reqs:
-            if self.proposer is not None and req.draft_ready:
+            if self.proposer is not None and req.draft_ready and req.attach_at is None:
                 self.proposer.release(req.rid)
-            req.draft_ready = False
+            req.draft_ready, req.attach_at = False, None
             self._drop_held(req)
 
     def broken_drafts(self, reqs: list, problem: str) -> None:
@@ -206,7 +218,7 @@ class DraftLink:
         log.warning("drafter unavailable (%s): continuing without speculation", error)
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
-            req.draft_ready = False
+            req.draft_ready, req.attach_at = False, None
             self._drop_held(req)
 
     def refeed_after_reconnect(self) -> None:

@@ -32,6 +32,9 @@ class Request:
     num_preemptions: int = 0
     spec: Any = None  # SpecConfig of this request, or None when it does not speculate
     draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
+    # With the prefix cache, the drafter's start on the prompt's cached tokens, deferred while the batch decodes
+    # plainly (DraftLink.attach): made right before the request's first extend; None once made (or never due).
+    attach_at: int | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     spec_state: RequestSpecState = field(default_factory=RequestSpecState)  # the policy's view of it
     # Plain steps' (tokens, features) not yet given to the drafter — and the prompt's, for a request
