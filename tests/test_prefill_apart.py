@@ -160,3 +160,29 @@ def test_prompts_that_arrive_while_decoding_is_owed_go_together(pair):
         while eng.has_unfinished():
             eng.step()
         assert len(eng.requests[running].output) == 12
+
+
+def test_right_after_a_step_of_prompts_alone_the_running_requests_take_one_step_not_a_run(pair):
+    """A chunk's step stalls the streams; their next token then comes after one decode step, and runs of
+    steps queued ahead resume after it (a stream's gap across a chunk: the chunk plus one step, not a run)."""
+    from tandem.sampling import SamplingParams
+
+    streams = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    with engine(pair, 8, mixed_prefill=False, decode_steps=4) as eng:
+        rids = [eng.add_request(p, streams) for p in PROMPTS[:2]]
+        while not all(eng.requests[r].output for r in rids):
+            eng.step()
+        for _ in range(2):
+            eng.step()
+        assert eng.last_step.steps == 4  # runs while no prompt waits
+        eng.add_request(PROMPTS[3], GREEDY)  # 64 tokens: chunks of 8
+        kinds = []
+        while not eng.requests["req-2"].output:
+            eng.step()
+            kinds.append((eng.last_step.num_prefill, eng.last_step.steps))
+        after_chunk = [kinds[i + 1] for i, (p, _) in enumerate(kinds[:-1]) if p]
+        assert after_chunk and all(p == 0 and steps == 1 for p, steps in after_chunk)
+        for r in rids:
+            eng.abort(r)
+        while eng.has_unfinished():
+            eng.step()

@@ -166,12 +166,14 @@ def _forward_steps(executor, reqs: list[Request], steps: int, pick, capture: boo
 def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 0) -> int:
     """Plain decode steps of ``reqs`` (default: the running requests) to queue back to back now, past
     ``queued`` steps not read back yet: up to ``engine.decode_steps`` when nothing needs the host
-    between them, else 1 (0 when ``queued``: none to queue)."""
+    between them, else 1 (0 when ``queued``: none to queue) — also right after a step of prompts alone, so
+    that the requests it stalled get their next token one step later, not a run later."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
     # (several ranks: only with graphs, whose runs every rank follows on the device)
     several_ranks_eager = engine.cfg.tp_size > 1 and engine.executor.runner.graphs is None
-    if steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due() or engine.traffic is not None:
+    if (steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due() or engine.accounting.after_prompts
+            or engine.traffic is not None):
         return none
     context = engine.context_len
     for req in reqs:

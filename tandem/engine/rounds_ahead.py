@@ -43,7 +43,8 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    if engine.prompts_due():  # a prompt comes in after one round (prompts apart), or in a mixed step
+    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round
+    if engine.prompts_due() or engine.accounting.after_prompts:
         if queued or not engine.prefill_apart:
             return 0
         rounds = 1

@@ -48,6 +48,9 @@ class StepAccounting:
     def __init__(self, prefill_apart: bool):
         self.prefill_apart = prefill_apart
         self.decode_owed_s = 0.0
+        # A step of prompts alone just stalled the running requests: their next token comes after one step,
+        # not after a run (a stream's gap across a chunk is the chunk plus what follows it before a token).
+        self.after_prompts = False
         self._step: _TimedStep | None = None
         self._goodput: _GoodputStep | None = None
         self.pace = PrefillPace()
@@ -72,8 +75,10 @@ class StepAccounting:
         if self.prefill_apart:
             if info.num_prefill and not info.num_decode and running_before:  # prompts kept apart
                 self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
+                self.after_prompts = True
             elif info.num_decode:
                 self.decode_owed_s = max(0.0, self.decode_owed_s - took)
+                self.after_prompts = False
         if info.prefill_tokens and not info.num_decode and speculating and drafter_up:
             # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
             policy.observe_arrivals(info.prefill_tokens, info.seconds.get("draft_extend", 0.0))
