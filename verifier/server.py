@@ -104,7 +104,7 @@ class VerifierService:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while not finished:
-                out = await outputs.get()
+                out = _coalesced(await outputs.get(), outputs)
                 if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts
                     await context.abort(grpc.StatusCode.INTERNAL, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
@@ -165,3 +165,20 @@ class VerifierService:
         if self.cfg.drafter == IN_PROCESS and spec.topk > most:  # (a drafter service refuses it in its round)
             raise ConfigError(f"speculation.topk {spec.topk} exceeds the in-process head's {most}")
         return params, spec
+
+
+def _coalesced(out, outputs: asyncio.Queue):
+    """``out`` and the outputs queued behind it, as one message: when the client reads slower than the engine
+    steps (many streams through one gateway), the tokens waiting go together instead of one message a step —
+    the same text, fewer messages to carry (a round's tokens already go together)."""
+    while not isinstance(out, BaseException) and out.finish_reason is None and not outputs.empty():
+        more = outputs.get_nowait()
+        if isinstance(more, BaseException):
+            return more
+        out = StepOutput(out.rid, out.new_token_ids + more.new_token_ids, more.finish_reason,
+                         out.drafted + more.drafted, more.spec_stats, out.round_accepts + more.round_accepts,
+                         None if out.logprobs is None and more.logprobs is None
+                         else (out.logprobs or []) + (more.logprobs or []),
+                         out.prompt_logprobs or more.prompt_logprobs, out.cached_tokens or more.cached_tokens)
+    return out
+

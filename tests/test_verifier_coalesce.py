@@ -1,0 +1,43 @@
+"""The verifier's stream coalesces the outputs that queue up behind a slow client into one message
+(verifier/server.py): the tokens in order, the logprobs with them, the finish and the totals of the last, the
+prompt's logprobs and cached count of the first; nothing read past a finish; an engine failure passes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.engine.step import StepOutput
+from tandem.engine.request import FinishReason
+from tandem.logprobs import TokenLogprobs
+from verifier.server import _coalesced
+
+
+def _queue(*items) -> asyncio.Queue:
+    q: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        q.put_nowait(item)
+    return q
+
+
+def _lp(token: int) -> TokenLogprobs:
+    return TokenLogprobs(logprob=-float(token), top=[(token, -float(token))])
+
+
+def test_queued_outputs_go_as_one_message_up_to_the_finish():
+    first = StepOutput("r", [1, 2], None, logprobs=[_lp(1), _lp(2)], prompt_logprobs=[_lp(9)], cached_tokens=16)
+    second = StepOutput("r", [3], None, drafted=3, round_accepts=[2], logprobs=[_lp(3)])
+    last = StepOutput("r", [4], FinishReason.LENGTH, logprobs=[_lp(4)])
+    after = StepOutput("r", [5], None)
+    q = _queue(second, last, after)
+    out = _coalesced(first, q)
+    assert out.new_token_ids == [1, 2, 3, 4] and out.finish_reason == FinishReason.LENGTH
+    assert [e.logprob for e in out.logprobs] == [-1, -2, -3, -4] and out.prompt_logprobs == [_lp(9)]
+    assert out.cached_tokens == 16 and out.drafted == 3 and out.round_accepts == [2]
+    assert q.qsize() == 1  # nothing read past the finish
+
+
+def test_nothing_queued_leaves_the_output_alone_and_a_failure_passes():
+    lone = StepOutput("r", [7], None)
+    assert _coalesced(lone, _queue()) is lone
+    failure = RuntimeError("engine died")
+    assert _coalesced(StepOutput("r", [1], None), _queue(failure)) is failure
