@@ -34,7 +34,7 @@ ROWS = (1, 4, 64, 256)
 GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
 ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")]  # one row
-# the gemv kernel's tiles (after block_m, which is the rows: 1, 2 or 4): block_n, block_k, warps, stages, split
+# the gemv kernel's tiles (after block_m, which is the rows): block_n, block_k, warps, stages, split
 GEMV_PATH_TILES = [(8, 1024, 4, 1, 1), (8, 512, 4, 1, 1), (16, 1024, 4, 1, 1), (4, 1024, 4, 1, 1),
                    (8, 2048, 8, 1, 1), (16, 1024, 4, 1, 2), (8, 1024, 4, 1, 2)]
 SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
@@ -102,13 +102,12 @@ def linear_rows(ctx: dict) -> list[dict]:
                 best, best_tile = min((ms, default), (old_ms, old), key=lambda t: t[0])
                 gemv_best, gemv_tile = (ms, default) if default.kernel == "gemv" else (None, None)
                 if m <= 4 and label in SWEPT:
-                    block_m = 1 if m == 1 else 2 if m == 2 else 4
                     for tile in GEMV_TILES + (ROW_TILES if m == 1 else []):
                         cfg = DequantConfig(*tile)
                         if cfg not in (default, old) and (t := run(fmt, cfg)) < best:
                             best, best_tile = t, cfg
                     for tile in GEMV_PATH_TILES:
-                        cfg = DequantConfig(block_m, *tile, kernel="gemv")
+                        cfg = DequantConfig(m, *tile, kernel="gemv")
                         if cfg == default or (m > 1 and cfg.block_n > 8):  # several rows: 16 spill (FP8)
                             continue
                         t = run(fmt, cfg)

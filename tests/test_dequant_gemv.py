@@ -5,7 +5,7 @@ the Triton interpreter, against an independent reference: INT4 packed and dequan
 kernel multiplies it exactly in float32).
 
 Tiny shapes: N a multiple of the tile and not (the last tile re-reads rows), K ending inside a step,
-1-4 rows (3: a masked row of a 4-row program), K split or not, with and without bias, float32 and bf16
+1-4 rows (and 3 rows in programs of 2: a masked row), K split or not, with and without bias, float32 and bf16
 activations; FP8 blocks whose rows hold the whole tile or not, and whose columns a step holds or lies
 inside. Outputs are poisoned with NaN first. The helpers are tests/test_quant_kernels.py's (the other
 kernels' tests). Compiled for sm_90: tests/test_kernels.py (compile_check).

@@ -2,15 +2,16 @@
 W4A16 (compressed-tensors INT4 ``pack-quantized``, one scale per group of input columns) and W8A16
 (FP8 e4m3 with one ``scale_inv`` per block), for bf16, fp16 or float32 activations.
 
-One kernel here serves every row count (up to GEMV_MAX_ROWS rows the default is another: see the end).
-Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and walks K, multiplying the activation
-tile with the dequantized weight tile on the tensor cores (``tl.dot``, float32 accumulation); the ``rows`` variant (one row per program, CUDA-core products into
-a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as tandem/kernels/gemv.py's one-row kernel)
-skips the tensor cores' shared-memory round trip for a single row. A decode or verify step (a few rows) is a GEMV: the rows are padded
-to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
-hundred rows takes GEMM tiles. Where even 16-row N tiles leave the GPU's SMs without programs (a
-tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x 7168), K is split too: each split writes
-float32 partial sums, summed in order afterwards (deterministic), then the bias and one rounding.
+One kernel here serves every row count (up to GEMV_MAX_ROWS rows the default is another: see the end). Each
+program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and walks K, multiplying the activation tile with
+the dequantized weight tile on the tensor cores (``tl.dot``, float32 accumulation); the ``rows`` variant (one
+row per program, CUDA-core products into a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as
+tandem/kernels/gemv.py's one-row kernel) skips the tensor cores' shared-memory round trip for a single row. A
+decode or verify step (a few rows) is a GEMV: the rows are padded to 16 in registers, the grid splits N only,
+and the packed weight is streamed once; a batch of a few hundred rows takes GEMM tiles. Where even 16-row N
+tiles leave the GPU's SMs without programs (a tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x
+7168), K is split too: each split writes float32 partial sums, summed in order afterwards (deterministic, one
+more launch), then the bias and one rounding.
 float32 activations multiply in full precision (``ieee``), not tf32.
 Up to GEMV_MAX_ROWS rows, ``default_config`` takes instead the ``gemv`` kernel
 (tandem/kernels/dequant_gemv.py), written for the read bandwidth; ``_launch`` splits K for it the same way.
@@ -39,14 +40,14 @@ class DequantConfig:
     num_stages: int = 4
     split_k: int = 1
     # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1; "gemv": CUDA cores,
-    # block_m (1, 2 or 4) rows a program, per-group partial sums (tandem/kernels/dequant_gemv.py)
+    # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py)
     kernel: str = "dot"
 
     def __post_init__(self):
-        rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": self.block_m in (1, 2, 4)}
+        rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4}
         if not rows_ok.get(self.kernel, False):
             raise ValueError("DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1, 'gemv' block_m "
-                             f"1, 2 or 4; got {self}")
+                             f"1 to 4; got {self}")
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -82,7 +83,7 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
     if m <= (GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows):
-        rows = 1 if m == 1 else 2 if m == 2 else 4
+        rows = m
         block_k = min(1024 if fmt == INT4 else 512, max(64, triton.next_power_of_2(k)))
         if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
             return DequantConfig(rows, 32, block_k, num_warps=4, num_stages=1, kernel="gemv")
@@ -147,6 +148,23 @@ def _dequant_matmul_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row ``program_id(1)`` of y: the splits' float32 partial sums added in split order (deterministic),
+    plus the bias, rounded once. One launch where torch took two or three."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    p_ptr += tl.program_id(1).to(tl.int64) * stride_pm + offs
+    pdl_enter(PDL)
+    acc = tl.load(p_ptr, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + split * stride_ps, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
@@ -170,7 +188,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
             cfg = default_config(m, n, k, x.dtype, gemv_max_rows=0, fmt=fmt)
             block_k, block_m = cfg.block_k, cfg.block_m
         else:
-            block_m = min(block_m, triton.next_power_of_2(m))
+            block_m = min(block_m, m)
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -190,8 +208,9 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
             WHOLE_GROUPS=whole_groups(fmt, s_cols, block_k), BLOCK_M=block_m, USE_DOT=cfg.kernel == "dot",
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(), **shared)
     if split > 1:
-        total = target.sum(0)
-        y.copy_(total + bias.float() if bias is not None else total)
+        _split_sum_kernel[(triton.cdiv(n, 1024), m)](
+            target, b, y, n, target.stride(0), target.stride(1), y.stride(-2), SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=1024, num_warps=4, **pdl_launch(x))
     return y.view(*lead, n)
 
 

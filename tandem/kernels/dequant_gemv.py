@@ -19,11 +19,10 @@ of loads in flight. The design (instruction counts: the SASS of tandem/kernels/c
   at the end.
 * INT4 unpacking without a shift or an int-to-float conversion per weight: the word is OR-ed with the
   bits of 2^23 (its high half shifted down first: once per 8 weights); nibble j (of 4 per half) is then
-  masked in place, which leaves the float ``2^23 + q * 16^j``, and ``2^23 + 8 * 16^j`` is subtracted:
-  ``(q - 8) * 16^j`` exactly. The activation is pre-multiplied by ``16^-j`` (a power of two: exact),
-  once per step for all rows of the tile. Per weight: one LOP3 and one FADD, then one FFMA per
+  masked in place, which leaves the float ``f = 2^23 + q * 16^j``, and one FFMA makes ``f * 16^-j -
+  (2^23 * 16^-j + 8) = q - 8`` exactly. Per weight: one LOP3 and one FFMA, then one FFMA per
   activation row. FP8: the hardware's e4m3 pair conversion.
-* Up to four activation rows share each unpacked tile (``ROWS``: 1, 2 or 4, one accumulator each).
+* Up to four activation rows share each unpacked tile (``ROWS``: 1 to 4, one accumulator each).
 
 The products are the exact dequantized weight times the activation in float32 (the tensor-core kernel
 rounds the dequantized weight to the activation dtype first; the two agree to that rounding).
@@ -125,16 +124,17 @@ def _columns(t):
 
 @triton.jit
 def _nibble(half, J: tl.constexpr):
-    """``(q - 8) * 16^J`` for the nibble at bits 4J.. of ``half`` (a word OR-ed with the bits of 2^23):
-    masked in place with those bits, the float ``2^23 + q * 16^J``, then offset; one LOP3, one FADD."""
+    """``q - 8`` for the nibble at bits 4J.. of ``half`` (a word OR-ed with the bits of 2^23): masked in
+    place with those bits, the float ``f = 2^23 + q * 16^J``, then ``f * 16^-J - (2^23 * 16^-J + 8)`` in
+    one FFMA, exact (powers of two; the result a small integer); one LOP3, one FFMA."""
     bits = half & (0x4B000000 | (0xF << (4 * J)))
-    return bits.to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * 16.0 ** J)
+    return bits.to(tl.float32, bitcast=True) * (0.0625 ** J) - (8388608.0 * 0.0625 ** J + 8.0)
 
 
 @triton.jit
 def _unpack(FORMAT: tl.constexpr, w, magic):
     """The tile's weights without their scales as a tuple of ``[BLOCK_N, words]`` float32 tensors, one
-    per position in the word: INT4 ``(q - 8) * 16^(j % 4)`` for nibble j, FP8 the e4m3 values.
+    per position in the word: INT4 ``q - 8``, FP8 the e4m3 values.
     ``magic``: the bits of 2^23 (0x4B000000), an argument so that the compiler cannot fold it into each
     nibble's mask (which would cost two instructions a nibble)."""
     if FORMAT == 1:
@@ -158,8 +158,7 @@ def _row_partial(FORMAT: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.co
     xs = _columns(x.to(tl.float32))
     p = q[0] * xs[0][None, :]
     for i in tl.static_range(1, PER_WORD):
-        xi = xs[i] * (0.0625 ** (i % 4)) if FORMAT == 1 else xs[i]  # 16^-(i % 4) undoes the nibble's 16^i: exact
-        p += q[i] * xi[None, :]
+        p += q[i] * xs[i][None, :]
     return p
 
 
@@ -216,6 +215,7 @@ def _dequant_gemv_kernel(
             acc1 += s * _row_partial(FORMAT, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K)
         if ROWS > 2:
             acc2 += s * _row_partial(FORMAT, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K)
+        if ROWS > 3:
             acc3 += s * _row_partial(FORMAT, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K)
         w = w_next
         s = s_next
@@ -226,4 +226,5 @@ def _dequant_gemv_kernel(
         _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias)
     if ROWS > 2:
         _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias)
+    if ROWS > 3:
         _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias)
