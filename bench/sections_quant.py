@@ -8,7 +8,9 @@ bandwidth limit and the plain alternative, on random weights.
   (H200 peak; the measured copy rate when the ceilings section ran first is shown beside it). Each
   timing replays a CUDA graph of calls that rotate through enough weight copies to miss the 50 MB L2.
   For 1 and 4 rows on three of the shapes a few tiles are tried (for one row also the CUDA-core ``rows``
-  kernel) and the best shown next to the default.
+  kernel) and the best shown next to the default. Up to 4 rows the default is the ``gemv`` kernel
+  (tandem/kernels/dequant_gemv.py); the tiles it replaced (``old default``) are timed beside it, and on
+  the swept shapes a few ``gemv`` tiles too (``best gemv``).
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also
   their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
@@ -32,6 +34,9 @@ ROWS = (1, 4, 64, 256)
 GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
 ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")]  # one row
+# the gemv kernel's tiles (after block_m, which is the rows): block_n, block_k, warps, stages, split
+GEMV_PATH_TILES = [(8, 1024, 4, 1, 1), (8, 512, 4, 1, 1), (16, 1024, 4, 1, 1), (4, 1024, 4, 1, 1),
+                   (8, 2048, 8, 1, 1), (16, 1024, 4, 1, 2), (8, 1024, 4, 1, 2)]
 SWEPT = ("kimi expert gate_up", "TP8 shared gate_up", "8B down")  # GEMV tiles swept here (a compile per K)
 MOE_HIDDEN, MOE_TOP_K, MOE_BATCHES = 7168, 8, (1, 8, 64)
 MOE_CASES = ((384, 2048, True), (384, 256, True), (64, 2048, False))  # (experts, intermediate, INT4)
@@ -71,6 +76,7 @@ def _weights(n: int, k: int, copies: int) -> dict:
 
 def linear_rows(ctx: dict) -> list[dict]:
     from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear
+    from tandem.kernels.dequant_tiles import FP8, INT4
 
     copy_tbps = ctx.get("copy_tbps")
     rows_out = []
@@ -89,24 +95,41 @@ def linear_rows(ctx: dict) -> list[dict]:
                                  for q, s in w["fp8"]])
 
             for fmt in ("int4", "fp8"):
-                default = default_config(m, n, k)
+                code = INT4 if fmt == "int4" else FP8
+                default, old = default_config(m, n, k, fmt=code), default_config(m, n, k, gemv_max_rows=0, fmt=code)
                 ms = run(fmt, default)
-                best, best_tile = ms, default
+                old_ms = run(fmt, old) if old != default else ms
+                best, best_tile = min((ms, default), (old_ms, old), key=lambda t: t[0])
+                gemv_best, gemv_tile = (ms, default) if default.kernel == "gemv" else (None, None)
                 if m <= 4 and label in SWEPT:
                     for tile in GEMV_TILES + (ROW_TILES if m == 1 else []):
                         cfg = DequantConfig(*tile)
-                        if cfg != default and (t := run(fmt, cfg)) < best:
+                        if cfg not in (default, old) and (t := run(fmt, cfg)) < best:
+                            best, best_tile = t, cfg
+                    for tile in GEMV_PATH_TILES:
+                        cfg = DequantConfig(m, *tile, kernel="gemv")
+                        if cfg == default or (m > 1 and cfg.block_n > 8):  # several rows: 16 spill (FP8)
+                            continue
+                        t = run(fmt, cfg)
+                        if gemv_best is None or t < gemv_best:
+                            gemv_best, gemv_tile = t, cfg
+                        if t < best:
                             best, best_tile = t, cfg
                 limit_ms = nbytes[fmt] / (PEAK_TBPS * 1e12) * 1e3
-                row = {"shape": label, "n": n, "k": k, "rows": m, "format": fmt, "ms": ms, "best_ms": best,
-                       "best_tile": best_tile.__dict__, "cublas_bf16_ms": cublas, "limit_ms_4.8TBps": limit_ms,
-                       "of_limit": limit_ms / best, "default_of_limit": limit_ms / ms, "speedup_vs_bf16": cublas / best}
+                row = {"shape": label, "n": n, "k": k, "rows": m, "format": fmt, "ms": ms,
+                       "default_kernel": default.kernel, "old_default_ms": old_ms, "best_gemv_ms": gemv_best,
+                       "best_gemv_tile": gemv_tile and gemv_tile.__dict__, "best_ms": best,
+                       "best_tile": best_tile.__dict__, "cublas_bf16_ms": cublas,
+                       "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / best, "default_of_limit": limit_ms / ms,
+                       "old_default_of_limit": limit_ms / old_ms, "speedup_vs_bf16": cublas / best}
                 if copy_tbps:
                     row["limit_ms_measured_copy"] = read_seconds(nbytes[fmt], copy_tbps) * 1e3
                 rows_out.append(row)
-                print(f"{label:20s} {fmt} M={m:3d}: {1e3 * ms:7.1f} us (best tile {1e3 * best:7.1f}), cuBLAS bf16 "
-                      f"{1e3 * cublas:7.1f} us, limit {1e3 * limit_ms:6.1f} us = {100 * row['of_limit']:5.1f} %",
-                      flush=True)
+                gemv = f", best gemv {1e3 * gemv_best:7.1f}" if gemv_best is not None else ""
+                print(f"{label:20s} {fmt} M={m:3d}: default ({default.kernel}) {1e3 * ms:7.1f} us = "
+                      f"{100 * row['default_of_limit']:5.1f} %, old default {1e3 * old_ms:7.1f}{gemv}, best tile "
+                      f"{1e3 * best:7.1f}, cuBLAS bf16 {1e3 * cublas:7.1f} us, limit {1e3 * limit_ms:6.1f} us "
+                      f"(best = {100 * row['of_limit']:5.1f} %)", flush=True)
         w = None  # frees this shape's weights (the timed lambdas still name them: no del)
         torch.cuda.empty_cache()
     return rows_out

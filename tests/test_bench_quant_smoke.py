@@ -23,6 +23,8 @@ def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
     for name, value in {"DEVICE": "cpu", "L2_BYTES": 1, "ROWS": (1, 20), "MOE_HIDDEN": 64, "MOE_TOP_K": 2,
                         "MOE_BATCHES": (1, 3), "MOE_CASES": ((16, 32, True), (8, 32, False)),
                         "LINEAR_SHAPES": {"kimi expert gate_up": (32, 256), "8B down": (16, 128)},
+                        "GEMV_TILES": [(16, 16, 64, 4, 2, 2)], "ROW_TILES": [(1, 8, 64, 4, 2, 1, "rows")],
+                        "GEMV_PATH_TILES": [(8, 64, 4, 1, 2)],  # one tile of each kernel
                         "graph_ms": wall_ms, "free_gpu": lambda: None,
                         "events_ms": lambda fn, iters, warmup=3: wall_ms([fn])}.items():
         monkeypatch.setattr(sq, name, value)
@@ -31,7 +33,8 @@ def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
     assert len(linear) == 2 * 2 * 2  # shapes x rows x formats
     assert all(r["ms"] > 0 and r["cublas_bf16_ms"] > 0 and r["limit_ms_measured_copy"] > 0 for r in linear)
     swept = [r for r in linear if r["shape"] == "kimi expert gate_up" and r["rows"] == 1]
-    assert all(r["best_ms"] <= r["ms"] for r in swept)
+    assert all(r["best_ms"] <= min(r["ms"], r["old_default_ms"], r["best_gemv_ms"]) for r in swept)
+    assert all(r["default_kernel"] == "gemv" for r in linear if r["rows"] == 1)
     moe = result["moe"]
     assert [(r["experts"], r["batch"]) for r in moe] == [(16, 1), (16, 3), (8, 1), (8, 3)]
     # bf16 through the interpreter, which truncates where the GPU rounds (float32 agreement: test_fused_moe.py)

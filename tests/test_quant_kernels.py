@@ -31,9 +31,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x times the dequantized weight rounded to x's dtype (what the kernel multiplies), in float64."""
-    y = x.double() @ w.to(x.dtype).double().t()
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              exact: bool = False) -> torch.Tensor:
+    """x times the dequantized weight rounded to x's dtype (what the tensor-core kernel multiplies; ``exact``:
+    unrounded, what the gemv kernel multiplies), in float64."""
+    y = x.double() @ (w if exact else w.to(x.dtype)).double().t()
     return y + bias.double() if bias is not None else y
 
 
@@ -54,13 +56,19 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int, lead: tuple[int, 
                                     DequantConfig(1, 8, 64, 4, 2, kernel="rows"), None],
                          ids=["whole-groups", "gathered-scales", "split-k", "rows", "default"])
 def test_int4_linear_matches_compressed_tensors_dequantization(dtype, m, config):
-    n, k, group = 40, 160, 32  # K = 2.5 tiles of 64; N = 2.5 tiles of 16
+    check_int4_linear(dtype, m, config)
+
+
+def check_int4_linear(dtype: torch.dtype, m: int, config: DequantConfig | None, exact: bool = False):
+    """``m`` rows times a 40 x 160 weight (group 32; K = 2.5 tiles of 64, N = 2.5 tiles of 16) against
+    ``reference(..., exact)``, the output poisoned with NaN first."""
+    n, k, group = 40, 160, 32
     packed, scale, deq = int4_weight(n, k, group, seed=m)
     x = activations(m, k, dtype, seed=100 + m)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     y = int4_linear(x, packed, scale, group, config=config, out=out)
     assert y.dtype == dtype and not y.isnan().any()
-    assert norm_rel_err(y, reference(x, deq)) < TOL[dtype]
+    assert norm_rel_err(y, reference(x, deq, exact=exact)) < TOL[dtype]
 
 
 def test_int4_linear_bias_leading_dims_and_group_64():
@@ -140,16 +148,20 @@ def test_a_config_names_a_kernel_its_rows_fit():
 def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():
     from tandem.kernels.dequant_gemm import default_config
 
-    assert default_config(4, 512, 7168).split_k > 1  # a TP 8 shared expert's gate/up, 4 rows
-    assert default_config(1, 28672, 4096).split_k == 1 and default_config(64, 512, 7168).split_k == 1
+    assert default_config(4, 512, 7168, gemv_max_rows=0).split_k > 1  # a TP 8 shared expert's gate/up, 4 rows
+    assert default_config(1, 28672, 4096, gemv_max_rows=0).split_k == 1 and default_config(64, 512, 7168).split_k == 1
 
 
 def test_one_row_over_a_long_k_takes_the_cuda_core_kernel():
-    """Where the H200 measured it faster (K 7168 and 14336, one row); the tensor-core tiles elsewhere."""
+    """Without the GEMV kernel (tests/test_dequant_gemv.py), where the H200 measured it faster (K 7168 and
+    14336, one row); the tensor-core tiles elsewhere."""
     from tandem.kernels.dequant_gemm import default_config
 
-    assert default_config(1, 512, 7168).kernel == "rows" and default_config(1, 4096, 14336).kernel == "rows"
-    assert default_config(1, 28672, 4096).kernel == "dot" and default_config(4, 4096, 14336).kernel == "dot"
+    def kernel(m, n, k):
+        return default_config(m, n, k, gemv_max_rows=0).kernel
+
+    assert kernel(1, 512, 7168) == "rows" and kernel(1, 4096, 14336) == "rows"
+    assert kernel(1, 28672, 4096) == "dot" and kernel(4, 4096, 14336) == "dot"
 
 
 def test_the_tile_configs_above_cover_each_way_of_loading_scales():

@@ -196,6 +196,17 @@ def main(dtype_name: str = "bfloat16") -> int:
         dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),
                             config=cfg)
         _report(f"int4/fp8 GEMV tile {tile}", failures)
+    for rows in (1, 2, 3, 4):  # the gemv kernel's tiles bench/sections_quant.py tries (16 rows of W: one row only)
+        x = torch.empty(rows, 7168, dtype=dt)
+        for bn, bk, warps in ((8, 1024, 4), (8, 512, 4), (16, 1024, 4), (4, 1024, 4), (8, 2048, 8)):
+            if rows > 1 and bn > 8 or rows in (2, 3) and (bn, bk) != (8, 1024):
+                continue
+            cfg = dq.DequantConfig(rows, bn, bk, warps, 1, kernel="gemv")
+            dq.int4_linear(x, torch.empty(4096, 7168 // 8, dtype=torch.int32), torch.empty(4096, 7168 // 32), 32,
+                           config=cfg)
+            dq.fp8_block_linear(x, torch.empty(4096, 7168, dtype=torch.float8_e4m3fn), torch.empty(32, 56), (128, 128),
+                                config=cfg)
+            _report(f"int4/fp8 gemv {rows} rows, tile {bn}x{bk} w{warps}", failures)
     # Kimi-K2.5's routed experts (hidden 7168, intermediate 2048) with 8 of their 384 experts held here
     experts, hid, inter = 8, 7168, 2048
     plain = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=dt)),

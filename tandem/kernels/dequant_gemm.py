@@ -2,16 +2,19 @@
 W4A16 (compressed-tensors INT4 ``pack-quantized``, one scale per group of input columns) and W8A16
 (FP8 e4m3 with one ``scale_inv`` per block), for bf16, fp16 or float32 activations.
 
-One kernel serves every row count. Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows
-and walks K, multiplying the activation tile with the dequantized weight tile on the tensor cores
-(``tl.dot``, float32 accumulation); the ``rows`` variant (one row per program, CUDA-core products into
-a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as tandem/kernels/gemv.py's one-row kernel)
-skips the tensor cores' shared-memory round trip for a single row. A decode or verify step (a few rows) is a GEMV: the rows are padded
-to 16 in registers, the grid splits N only, and the packed weight is streamed once; a batch of a few
-hundred rows takes GEMM tiles. Where even 16-row N tiles leave the GPU's SMs without programs (a
-tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x 7168), K is split too: each split writes
-float32 partial sums, summed in order afterwards (deterministic), then the bias and one rounding.
+One kernel here serves every row count (up to GEMV_MAX_ROWS rows the default is another: see the end). Each
+program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and walks K, multiplying the activation tile with
+the dequantized weight tile on the tensor cores (``tl.dot``, float32 accumulation); the ``rows`` variant (one
+row per program, CUDA-core products into a ``[BLOCK_K, BLOCK_N]`` float32 accumulator reduced once, as
+tandem/kernels/gemv.py's one-row kernel) skips the tensor cores' shared-memory round trip for a single row. A
+decode or verify step (a few rows) is a GEMV: the rows are padded to 16 in registers, the grid splits N only,
+and the packed weight is streamed once; a batch of a few hundred rows takes GEMM tiles. Where even 16-row N
+tiles leave the GPU's SMs without programs (a tensor-parallel shard: a TP 8 shared expert's gate/up is 512 x
+7168), K is split too: each split writes float32 partial sums, summed in order afterwards (deterministic, one
+more launch), then the bias and one rounding.
 float32 activations multiply in full precision (``ieee``), not tf32.
+Up to GEMV_MAX_ROWS rows, ``default_config`` takes instead the ``gemv`` kernel
+(tandem/kernels/dequant_gemv.py), written for the read bandwidth; ``_launch`` splits K for it the same way.
 Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
 """
 
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k
 from tandem.kernels.dequant_tiles import FP8, INT4, interpreting, weight_tile, whole_groups
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
@@ -35,11 +39,15 @@ class DequantConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
-    kernel: str = "dot"  # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1
+    # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1; "gemv": CUDA cores,
+    # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py)
+    kernel: str = "dot"
 
     def __post_init__(self):
-        if self.kernel not in ("dot", "rows") or (self.kernel == "rows") != (self.block_m == 1):
-            raise ValueError(f"DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1; got {self}")
+        rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4}
+        if not rows_ok.get(self.kernel, False):
+            raise ValueError("DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1, 'gemv' block_m "
+                             f"1 to 4; got {self}")
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -47,13 +55,41 @@ PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in f
 # (bench --sections quant_kernels, INT4 and FP8): 2.0-3.2x faster than the tensor-core tiles at K 7168 and
 # 14336; slower at K 2048 and 4096.
 ROWS_KERNEL_MIN_K = 7168
+# Rows up to which default_config takes the bandwidth-minded GEMV kernel (tandem/kernels/dequant_gemv.py);
+# 0 gives the tiles above instead (bench/sections_quant.py times both). Chosen before any H200 timing.
+GEMV_MAX_ROWS = 4
+GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
 
 
-def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> DequantConfig:
-    """Few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED programs)
-    and wide K steps, so that enough loads are in flight to stream the weight; more rows: wider tiles
-    that reuse each dequantized weight tile for more rows. float32 (full-precision products, no tensor
-    cores) takes small tiles that fit in registers. bench/sections_quant.py times alternatives."""
+def _gemv_split(programs: int, steps: int) -> int:
+    """The fewest K splits that give GEMV_MIN_PROGRAMS programs, preferring (up to twice as many) splits
+    that divide the K steps evenly: the slowest split sets the time."""
+    enough = [s for s in range(1, steps + 1) if programs * s >= GEMV_MIN_PROGRAMS]
+    if not enough:
+        return steps
+    even = [s for s in enough if steps % s == 0 and s <= 2 * enough[0]]
+    return even[0] if even else enough[0]
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                   gemv_max_rows: int | None = None, fmt: int = INT4) -> DequantConfig:
+    """Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4)
+    or 512 (FP8) columns a step: 4 KB of weight, one 32-bit word of each row per thread of 4 warps (FP8
+    at 1024 columns holds twice the registers, halving the programs an SM keeps); K split where N leaves
+    too few programs (GEMV_MIN_PROGRAMS).
+    Otherwise few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED
+    programs) and wide K steps, so that enough loads are in flight to stream the weight; more rows:
+    wider tiles that reuse each dequantized weight tile for more rows. float32 (full-precision
+    products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
+    alternatives."""
+    if m <= (GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows):
+        rows = m
+        block_k = min(1024 if fmt == INT4 else 512, max(64, triton.next_power_of_2(k)))
+        if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
+            return DequantConfig(rows, 32, block_k, num_warps=4, num_stages=1, kernel="gemv")
+        block_n = 8
+        split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, rows), triton.cdiv(k, block_k))
+        return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=1, split_k=split, kernel="gemv")
     if dtype == torch.float32:
         return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m == 1 and k >= ROWS_KERNEL_MIN_K:
@@ -112,6 +148,23 @@ def _dequant_matmul_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row ``program_id(1)`` of y: the splits' float32 partial sums added in split order (deterministic),
+    plus the bias, rounded once. One launch where torch took two or three."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    p_ptr += tl.program_id(1).to(tl.int64) * stride_pm + offs
+    pdl_enter(PDL)
+    acc = tl.load(p_ptr, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + split * stride_ps, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
@@ -125,23 +178,39 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    cfg = config or default_config(m, n, k, x.dtype)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
+    block_k, block_m = cfg.block_k, cfg.block_m
+    if cfg.kernel == "gemv":
+        block_k = gemv_block_k(fmt, s_cols, cfg.block_k)
+        if block_k is None and config is not None:
+            raise ValueError(f"the GEMV kernel does not take groups of {s_cols} columns")
+        if block_k is None:
+            cfg = default_config(m, n, k, x.dtype, gemv_max_rows=0, fmt=fmt)
+            block_k, block_m = cfg.block_k, cfg.block_m
+        else:
+            block_m = min(block_m, m)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-    _dequant_matmul_kernel[grid](
-        x2, w, s, bias if bias is not None else s, target, m, n, x2.stride(0), w.stride(0), s.stride(0),
-        target.stride(-2), target.stride(0) if split > 1 else 0,
-        K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
-        WHOLE_GROUPS=whole_groups(fmt, s_cols, cfg.block_k), HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.kernel == "dot",
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
-    )
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split)
+    b = bias if bias is not None else s
+    stride_ys = target.stride(0) if split > 1 else 0
+    shared = dict(K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
+                  HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+    if cfg.kernel == "gemv":
+        _dequant_gemv_kernel[grid](
+            x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, MAGIC_2_23, STRIDE_W=w.stride(0),
+            STRIDE_S=s.stride(0), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, **shared)
+    else:
+        _dequant_matmul_kernel[grid](
+            x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,
+            WHOLE_GROUPS=whole_groups(fmt, s_cols, block_k), BLOCK_M=block_m, USE_DOT=cfg.kernel == "dot",
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(), **shared)
     if split > 1:
-        total = target.sum(0)
-        y.copy_(total + bias.float() if bias is not None else total)
+        _split_sum_kernel[(triton.cdiv(n, 1024), m)](
+            target, b, y, n, target.stride(0), target.stride(1), y.stride(-2), SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=1024, num_warps=4, **pdl_launch(x))
     return y.view(*lead, n)
 
 

@@ -1,0 +1,230 @@
+"""The quantized linear product for 1-4 rows (batch-1 decode, short verify) on the CUDA cores, written to
+stream the packed weight at the read bandwidth. Launched by tandem/kernels/dequant_gemm.py's ``_launch``
+for ``DequantConfig(kernel="gemv")``, which also splits K and sums the splits.
+
+At a few rows a quantized GEMV is ~1 multiply-add per weight and row, but an INT4 weight is half a
+byte: to read 4.8 TB/s an H200 SM must turn ~37 weights a clock into products, with 128 instruction
+issues a clock. So the unpacking must cost ~2 instructions a weight, and each SM must keep tens of KB
+of loads in flight. The design (instruction counts: the SASS of tandem/kernels/compile_check.py):
+
+* Each program owns ``BLOCK_N`` rows of W and walks its K range in ``BLOCK_K`` steps, reading the
+  checkpoint layout as it is (never repacked). A thread owns one 32-bit word of a row (8 INT4 or 4 FP8
+  weights) in every row of the tile; a warp's load of a row is 128 contiguous bytes. The activation
+  columns of a thread's word are one vector load, split in registers, shared by the tile's rows.
+* The next step's weights and scales are loaded before the current step is multiplied (two steps in
+  flight per program; the first step is read before the PDL wait: weights do not depend on the
+  previous kernel). The loop is unrolled twice, which spares the register moves of the hand-off.
+* Each word's products are summed without its scale, then scaled once: ``acc[n, word] += scale *
+  sum_j q_j x_j`` (a word never straddles two scale groups); ``acc`` is reduced across threads once,
+  at the end.
+* INT4 unpacking without a shift or an int-to-float conversion per weight: the word is OR-ed with the
+  bits of 2^23 (its high half shifted down first: once per 8 weights); nibble j (of 4 per half) is then
+  masked in place, which leaves the float ``f = 2^23 + q * 16^j``, and one FFMA makes ``f * 16^-j -
+  (2^23 * 16^-j + 8) = q - 8`` exactly. Per weight: one LOP3 and one FFMA, then one FFMA per
+  activation row. FP8: the hardware's e4m3 pair conversion.
+* Up to four activation rows share each unpacked tile (``ROWS``: 1 to 4, one accumulator each).
+
+The products are the exact dequantized weight times the activation in float32 (the tensor-core kernel
+rounds the dequantized weight to the activation dtype first; the two agree to that rounding).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tandem.kernels.dequant_tiles import FP8, INT4
+from tandem.kernels.pdl import pdl_enter
+
+MAGIC_2_23 = 0x4B000000  # the bits of the float 2^23, the kernel's ``magic`` argument (see _unpack)
+
+
+def gemv_block_k(fmt: int, s_cols: int, block_k: int) -> int | None:
+    """The K step the kernel takes for a requested ``block_k``: whole words (8 INT4 or 4 FP8 weights), and
+    whole scale groups or a part of one (so that a step's scales lie at a fixed offset from its first);
+    None where a word would straddle two scales."""
+    per_word = {INT4: 8, FP8: 4}.get(fmt)
+    if per_word is None or s_cols % per_word:
+        return None
+    block_k = max(block_k, per_word)
+    if block_k % s_cols and s_cols % block_k:  # a step must hold whole scale groups or lie inside one
+        block_k = s_cols & -s_cols  # the largest power of two dividing s_cols
+    return block_k
+
+
+@triton.jit
+def _tile_offsets(FORMAT: tl.constexpr, n0, rows, STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr,
+                  S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROW_UNIFORM: tl.constexpr):
+    """Offsets of a tile's elements from the program's first row ``n0`` at column 0 (``rows``: the
+    tile's rows counted from there): INT4 words ``[words, BLOCK_N]``, FP8 bytes ``[words, BLOCK_N, 4]``;
+    of each word's scale (``[words, BLOCK_N]`` from n0's, or ``[words, 1]`` where all the program's rows
+    share one scale row, or from row 0 where they span several); and each word's first column. Built
+    word-major and transposed after loading (free): the compiler then spreads a warp's threads along a
+    row's words, one word each, with the tile's rows repeated in every thread (at constant offsets:
+    immediates in the loads)."""
+    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
+    word = tl.arange(0, BLOCK_K // PER_WORD)
+    if FORMAT == 1:
+        # contiguity hidden from the compiler: one word a thread, not a 16-byte vector of four
+        w = rows[None, :] * STRIDE_W + tl.max_contiguous(word, 1)[:, None]
+        s = rows[None, :] * STRIDE_S + (word // (S_COLS // 8))[:, None]
+    else:
+        w = rows[None, :, None] * STRIDE_W + (word[:, None, None] * 4 + tl.arange(0, 4)[None, None, :])
+        if SCALE_ROW_UNIFORM:
+            s = (word * 4 // S_COLS)[:, None]
+        else:
+            s = ((n0 + rows)[None, :] // S_ROWS) * STRIDE_S + (word * 4 // S_COLS)[:, None]
+    return w, s, word * PER_WORD
+
+
+@triton.jit
+def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, k_begin, k0, live,
+               K: tl.constexpr, EVEN_K: tl.constexpr, S_COLS: tl.constexpr):
+    """The raw tile of columns ``k_begin + k0 ..`` (``w_base`` points at k_begin) as ``[BLOCK_N, words]``
+    (FP8: ``[BLOCK_N, words, 4]``) and its scales ``[BLOCK_N or 1, words]`` (both multiples of BLOCK_K,
+    which S_COLS divides or is a multiple of, so that s_offs hold). Nothing is read where ``live`` is
+    false (a prefetch past the program's K range) or past K."""
+    if EVEN_K:
+        ok = live
+    else:
+        ok = live & (k0 + first_col < K)[:, None]
+    if FORMAT == 1:
+        w = tl.load(w_base + k0 // 8 + w_offs, mask=ok, other=0)
+    elif EVEN_K:
+        w = tl.load(w_base + k0 + w_offs, mask=ok, other=0.0)
+    else:
+        w = tl.load(w_base + k0 + w_offs, mask=ok[:, :, None] & (k0 + first_col[:, None, None] + tl.arange(0, 4) < K),
+                    other=0.0)
+    s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs, mask=ok, other=0.0)
+    return tl.trans(w, 1, 0) if FORMAT == 1 else tl.trans(w, 1, 0, 2), tl.trans(s)
+
+
+@triton.jit
+def _halves(t):
+    """The even and odd entries of ``t``'s last dim, which each thread holds whole (no data moves)."""
+    if len(t.shape) == 2:
+        return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+    else:
+        return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
+
+
+@triton.jit
+def _columns(t):
+    """The 4 or 8 entries of ``t``'s last dim as a tuple of tensors, in order."""
+    even, odd = _halves(t)
+    if t.shape[-1] == 4:
+        t0, t2 = tl.split(even)
+        t1, t3 = tl.split(odd)
+        return t0, t1, t2, t3
+    else:
+        t0, t2, t4, t6 = _columns(even)
+        t1, t3, t5, t7 = _columns(odd)
+        return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _nibble(half, J: tl.constexpr):
+    """``q - 8`` for the nibble at bits 4J.. of ``half`` (a word OR-ed with the bits of 2^23): masked in
+    place with those bits, the float ``f = 2^23 + q * 16^J``, then ``f * 16^-J - (2^23 * 16^-J + 8)`` in
+    one FFMA, exact (powers of two; the result a small integer); one LOP3, one FFMA."""
+    bits = half & (0x4B000000 | (0xF << (4 * J)))
+    return bits.to(tl.float32, bitcast=True) * (0.0625 ** J) - (8388608.0 * 0.0625 ** J + 8.0)
+
+
+@triton.jit
+def _unpack(FORMAT: tl.constexpr, w, magic):
+    """The tile's weights without their scales as a tuple of ``[BLOCK_N, words]`` float32 tensors, one
+    per position in the word: INT4 ``q - 8``, FP8 the e4m3 values.
+    ``magic``: the bits of 2^23 (0x4B000000), an argument so that the compiler cannot fold it into each
+    nibble's mask (which would cost two instructions a nibble)."""
+    if FORMAT == 1:
+        lo = w | magic  # its high bits are cleared by each nibble's mask but for those of 2^23
+        hi = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | magic
+        return (_nibble(lo, 0), _nibble(lo, 1), _nibble(lo, 2), _nibble(lo, 3),
+                _nibble(hi, 0), _nibble(hi, 1), _nibble(hi, 2), _nibble(hi, 3))
+    else:
+        return _columns(w.to(tl.float32))
+
+
+@triton.jit
+def _row_partial(FORMAT: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr):
+    """``[BLOCK_N, words]``: each word's unscaled weights times the row's activations, summed. A thread's
+    activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
+    and ``k0`` count from the program's first column, ``first_col`` from 0."""
+    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
+    j = tl.arange(0, PER_WORD)
+    offs = k0 + tl.arange(0, first_col.shape[0])[:, None] * PER_WORD + j[None, :]
+    x = tl.load(x_row + offs, mask=row_ok & (k0 + first_col[:, None] + j[None, :] < K), other=0.0)
+    xs = _columns(x.to(tl.float32))
+    p = q[0] * xs[0][None, :]
+    for i in tl.static_range(1, PER_WORD):
+        p += q[i] * xs[i][None, :]
+    return p
+
+
+@triton.jit
+def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias):
+    y = tl.sum(acc, axis=1) + bias
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N) & (row < M))
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys, magic,
+    K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
+    ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
+    ``EVEN_N``: BLOCK_N divides N; otherwise the last tile re-reads valid rows (only its store is masked)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
+    SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N) if EVEN_N else tl.minimum(offs_n, N - 1) - n0
+    k_begin = pid_s * K_SPLIT
+    w_base = w_ptr + n0.to(tl.int64) * STRIDE_W + (k_begin // 8 if FORMAT == 1 else k_begin)
+    s_base = s_ptr
+    if S_ROWS == 1 or SCALE_ROW_UNIFORM:
+        s_base += (n0 // S_ROWS).to(tl.int64) * STRIDE_S
+    w_offs, s_offs, first_col = _tile_offsets(FORMAT, n0, rows, STRIDE_W, STRIDE_S, S_ROWS, S_COLS, BLOCK_K,
+                                              SCALE_ROW_UNIFORM)
+    first_col += k_begin
+    m0 = pid_m * ROWS
+    x_row = x_ptr + m0.to(tl.int64) * stride_xm + k_begin
+    # the first step's weights do not depend on the previous kernel: read while it finishes
+    w, s = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 0, k_begin < K, K, EVEN_K,
+                      S_COLS)
+    pdl_enter(PDL)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for kk in tl.range(0, K_SPLIT, BLOCK_K, loop_unroll_factor=2):
+        live = (kk + BLOCK_K < K_SPLIT) & (k_begin + kk + BLOCK_K < K)
+        w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, kk + BLOCK_K,
+                                    live, K, EVEN_K, S_COLS)
+        q = _unpack(FORMAT, w, magic)
+        acc0 += s * _row_partial(FORMAT, q, x_row, kk, first_col, m0 < M, K)
+        if ROWS > 1:
+            acc1 += s * _row_partial(FORMAT, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K)
+        if ROWS > 2:
+            acc2 += s * _row_partial(FORMAT, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K)
+        if ROWS > 3:
+            acc3 += s * _row_partial(FORMAT, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K)
+        w = w_next
+        s = s_next
+    bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)
+    y_ptr += pid_s.to(tl.int64) * stride_ys
+    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias)
+    if ROWS > 1:
+        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias)
+    if ROWS > 2:
+        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias)
+    if ROWS > 3:
+        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias)

@@ -1,0 +1,99 @@
+"""The GEMV kernel for 1-4 rows of quantized linear layers (tandem/kernels/dequant_gemv.py) on the CPU under
+the Triton interpreter, against an independent reference: INT4 packed and dequantized by the
+``compressed-tensors`` package itself, FP8 block-wise quantized as the published format says
+(tests/quantized_checkpoints.py), then ``x @ W.T`` in float64 on the unrounded dequantized weight (the
+kernel multiplies it exactly in float32).
+
+Tiny shapes: N a multiple of the tile and not (the last tile re-reads rows), K ending inside a step,
+1-4 rows (and 3 rows in programs of 2: a masked row), K split or not, with and without bias, float32 and bf16
+activations; FP8 blocks whose rows hold the whole tile or not, and whose columns a step holds or lies
+inside. Outputs are poisoned with NaN first. The helpers are tests/test_quant_kernels.py's (the other
+kernels' tests). Compiled for sm_90: tests/test_kernels.py (compile_check).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
+pytest.importorskip("triton")
+pytest.importorskip("compressed_tensors")
+
+from helpers import norm_rel_err  # noqa: E402
+from quantized_checkpoints import fp8_block_quantize  # noqa: E402
+from test_quant_kernels import DEVICE, TOL, activations, check_int4_linear, int4_weight, reference  # noqa: E402
+from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.dequant_tiles import FP8, INT4  # noqa: E402
+
+EVEN_N = DequantConfig(4, 8, 64, num_stages=1, kernel="gemv")  # N = 5 tiles, K = 2.5 steps
+RAGGED_N_SPLIT = DequantConfig(4, 16, 64, num_stages=1, split_k=2, kernel="gemv")  # N = 2.5 tiles, K in 2 splits
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", [EVEN_N, RAGGED_N_SPLIT], ids=["even-n", "ragged-n-split-k"])
+def test_int4_gemv_matches_compressed_tensors(dtype, m, config):
+    check_int4_linear(dtype, m, config, exact=True)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("split", [1, 3])
+def test_int4_gemv_bias_and_group_64(m, split):
+    n, k, group = 24, 192, 64  # a step of 64 columns is one group
+    packed, scale, deq = int4_weight(n, k, group, seed=5)
+    x = activations(m, k, torch.float32, seed=6)
+    bias = torch.randn(n, generator=gen(7)).to(DEVICE)
+    config = DequantConfig(4, 8, 64, num_stages=1, split_k=split, kernel="gemv")
+    y = int4_linear(x, packed, scale, group, bias, config=config)
+    assert norm_rel_err(y, reference(x, deq, bias, exact=True)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("block,config", [((32, 64), EVEN_N), ((32, 64), RAGGED_N_SPLIT),
+                                          ((32, 64), DequantConfig(2, 64, 64, num_stages=1, kernel="gemv")),
+                                          ((32, 48), DequantConfig(4, 8, 64, num_stages=1, split_k=3, kernel="gemv"))],
+                         ids=["one-block-row", "ragged-n-split-k", "tile-spans-block-rows", "step-inside-a-block"])
+def test_fp8_gemv_matches_the_published_dequantization(dtype, m, block, config):
+    n, k = 72, 224  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32 = 4 x 48 + 32
+    q, scale_inv, deq = (t.to(DEVICE) for t in fp8_block_quantize(torch.randn(n, k, generator=gen(m)) * 0.05, block))
+    x = activations(m, k, dtype, seed=200 + m)
+    bias = torch.randn(n, generator=gen(8)).to(DEVICE) if m == 3 else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    y = fp8_block_linear(x, q, scale_inv, block, bias, config=config, out=out)
+    assert not y.isnan().any()
+    assert norm_rel_err(y, reference(x, deq, bias, exact=True)) < TOL[dtype]
+
+
+def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
+    """GEMV_MAX_ROWS (the bench's ``old default`` passes 0); K split only where N leaves too few programs;
+    the step holds 4 KB of weight in either format. (The GPU's tiles: the interpreter takes wider ones.)"""
+    from tandem.kernels import dequant_gemm
+
+    monkeypatch.setattr(dequant_gemm, "interpreting", lambda: False)
+    assert default_config(1, 4096, 7168).kernel == "gemv" and default_config(4, 4096, 7168).kernel == "gemv"
+    assert default_config(5, 4096, 7168).kernel == "dot"
+    assert default_config(1, 4096, 7168, gemv_max_rows=0).kernel == "rows"
+    assert default_config(1, 28672, 4096).split_k == 1 and default_config(1, 4096, 14336).split_k == 1
+    assert default_config(1, 512, 7168).split_k == 7  # a TP 8 shared expert: 64 programs, 7 steps of 1024
+    assert default_config(1, 4096, 7168, fmt=INT4).block_k == 1024
+    assert default_config(1, 4096, 7168, fmt=FP8).block_k == 512
+
+
+def test_groups_the_gemv_kernel_cannot_take():
+    """FP8 blocks of 6 columns (a 4-byte word would straddle two scales): an explicit gemv config is
+    refused, the default falls back to the tensor-core kernel."""
+    n, k, block = 16, 48, (8, 6)
+    q, scale_inv, deq = (t.to(DEVICE) for t in fp8_block_quantize(torch.randn(n, k, generator=gen(3)) * 0.05, block))
+    x = activations(1, k, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="GEMV"):
+        fp8_block_linear(x, q, scale_inv, block, config=EVEN_N)
+    assert norm_rel_err(fp8_block_linear(x, q, scale_inv, block), reference(x, deq, exact=True)) < 1e-5
