@@ -56,8 +56,12 @@ PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in f
 # 14336; slower at K 2048 and 4096.
 ROWS_KERNEL_MIN_K = 7168
 # Rows up to which default_config takes the bandwidth-minded GEMV kernel (tandem/kernels/dequant_gemv.py);
-# 0 gives the tiles above instead (bench/sections_quant.py times both). Chosen before any H200 timing.
+# 0 gives the tiles above instead (bench/sections_quant.py times both). On the H200 the GEMV won at one row
+# everywhere and at four rows for INT4 everywhere; FP8 at 2-4 rows lost on the largest weight (8B gate_up,
+# 28672 x 4096: 71.0 against 46.2 us), where each row's multiply-add per weight on CUDA cores costs more than
+# the tensor-core tile's reuse: FP8 takes the GEMV for 2-4 rows only below FP8_GEMV_MAX_ELEMENTS weights.
 GEMV_MAX_ROWS = 4
+FP8_GEMV_MAX_ELEMENTS = 64 << 20
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
 
 
@@ -82,7 +86,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     wider tiles that reuse each dequantized weight tile for more rows. float32 (full-precision
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
-    if m <= (GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows):
+    gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    if fmt != INT4 and gemv_max_rows is None and n * k >= FP8_GEMV_MAX_ELEMENTS:
+        gemv_rows = min(gemv_rows, 1)
+    if m <= gemv_rows:
         rows = m
         block_k = min(1024 if fmt == INT4 else 512, max(64, triton.next_power_of_2(k)))
         if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
