@@ -20,6 +20,7 @@ from tandem.errors import ConfigError
 from tandem.kv_cache import KVPool, KVSpec
 from tandem.configs.model import ModelConfig
 from tandem.models.loader import default_dtype, resolve_dtype
+from tandem.models.random_weights import randomize_weights
 from tandem.models.registry import build_model
 from tandem.distributed import tp_group
 
@@ -31,17 +32,6 @@ def rank_device(device: str, rank: int) -> torch.device:
         return torch.device("cpu")
     base = torch.device(device)
     return torch.device("cuda", (base.index or 0) + rank)
-
-
-@torch.no_grad()
-def randomize_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Benchmark weights: normal(0, std) matrices, unit norms — drawn on the device, no checkpoint read."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.dim() == 1:
-            p.fill_(1.0 if "norm" in name else 0.0)
-        else:
-            p.normal_(0.0, std, generator=gen)
 
 
 def graph_widths(widths: tuple[int, ...], latent: bool) -> tuple[int, ...]:
