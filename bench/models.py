@@ -8,6 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from quant_schemes import MatrixBytes, dense_bytes
 from tandem.models.random_checkpoint import LLAMA_8B, hf_config
 
 LLAMA_8B_SHAPE = dataclasses.asdict(LLAMA_8B)
@@ -20,22 +21,28 @@ _ROOT = Path(tempfile.gettempdir()) / "tandem-bench"
 BENCH_CONTEXT = 8192  # positions the benchmark targets serve unless a section needs more
 
 
-def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b", context: int = BENCH_CONTEXT) -> Path:
+def target_dir(layers: int, base=LLAMA_8B, name: str = "llama8b", context: int = BENCH_CONTEXT,
+               extra: dict | None = None) -> Path:
+    """A config-only LlamaForCausalLM folder (weights drawn at load); ``extra``: more config.json fields
+    (a ``quantization_config``), which ``name`` must tell apart."""
     path = _ROOT / (f"{name}-{layers}l" if context == BENCH_CONTEXT else f"{name}-{layers}l-{context}")
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
         shape = dataclasses.replace(base, num_layers=layers, max_position_embeddings=context)
-        (path / "config.json").write_text(json.dumps(hf_config(shape, "bfloat16", bos=128000, eos=128001)))
+        config = {**hf_config(shape, "bfloat16", bos=128000, eos=128001), **(extra or {})}
+        (path / "config.json").write_text(json.dumps(config))
     return path
 
 
-def weight_bytes_per_token(shape: dict, layers: int, dtype_bytes: int = 2) -> int:
-    """Bytes of weights one decode step must read: every layer's matrices, the norms and the LM head
-    (the embedding contributes one row, negligible)."""
+def weight_bytes_per_token(shape: dict, layers: int, dtype_bytes: int = 2, linear: MatrixBytes | None = None) -> int:
+    """Bytes of weights one decode step must read: every layer's matrices (``linear``: the bytes of one
+    [rows, cols] projection in the target's format, bf16 by default; the engine's fused qkv and gate/up
+    as one matrix each), the norms and the LM head (the embedding contributes one row, negligible)."""
     h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     kv = shape["num_kv_heads"] * (h // shape["num_heads"])
-    per_layer = h * (h + 2 * kv) + h * h + 2 * h * i + h * i + 2 * h
-    return dtype_bytes * (layers * per_layer + v * h + h)
+    matrix = linear or dense_bytes(dtype_bytes)
+    per_layer = matrix(h + 2 * kv, h) + matrix(h, h) + matrix(2 * i, h) + matrix(h, i) + dtype_bytes * 2 * h
+    return layers * per_layer + dtype_bytes * (v * h + h)
 
 
 def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_graphs: bool = False):

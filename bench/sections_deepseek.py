@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from measure import decode_tok_s, free_gpu, rate_for, read_seconds
+from engine_rows import copy_tbps_of, decode_rows, random_weight_engine, speculation_rows
+from measure import free_gpu
 from models import _ROOT
-from sections_overlap import _steered_batch
+from quant_schemes import MatrixBytes, dense_bytes
 
 V2_LITE = dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
                q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -48,91 +49,34 @@ def deepseek_dir(name: str, fields: dict) -> Path:
     return path
 
 
-def active_weight_bytes(f: dict, dtype_bytes: int = 2) -> int:
-    """Weight bytes one token reads at batch 1 (``f``: the config fields above)."""
-    h, heads = f["hidden_size"], f["num_attention_heads"]
-    qk = f["qk_nope_head_dim"] + f["qk_rope_head_dim"]
-    q = h * heads * qk if not f["q_lora_rank"] else h * f["q_lora_rank"] + f["q_lora_rank"] * heads * qk
-    attention = (q + h * (f["kv_lora_rank"] + f["qk_rope_head_dim"])
-                 + f["kv_lora_rank"] * heads * (f["qk_nope_head_dim"] + f["v_head_dim"]) + heads * f["v_head_dim"] * h)
-    dense = 3 * h * f["intermediate_size"]
-    moe = (f["num_experts_per_tok"] + f["n_shared_experts"]) * 3 * h * f["moe_intermediate_size"]
-    router = f["n_routed_experts"] * h * 4 // dtype_bytes  # float32
+def active_weight_bytes(f: dict, dtype_bytes: int = 2, routed: MatrixBytes | None = None) -> int:
+    """Weight bytes one token reads at batch 1 (``f``: the config fields above; ``routed``: the bytes of one
+    [rows, cols] routed-expert matrix in the target's format, bf16 by default; the rest is bf16, the router
+    float32). The engine's fused matrices (gate/up) count as one each."""
+    h, heads, rope = f["hidden_size"], f["num_attention_heads"], f["qk_rope_head_dim"]
+    qk, lora, v = f["qk_nope_head_dim"] + rope, f["kv_lora_rank"], f["v_head_dim"]
+    dense = dense_bytes(dtype_bytes)
+    routed = routed or dense
+    lq = f["q_lora_rank"]
+    q = dense(lq, h) + dense(heads * qk, lq) if lq else dense(heads * qk, h)
+    attention = q + dense(lora + rope, h) + dense(heads * (f["qk_nope_head_dim"] + v), lora) + dense(h, heads * v)
+
+    def swiglu(matrix: MatrixBytes, inner: int) -> int:
+        return matrix(2 * inner, h) + matrix(h, inner)
+
+    shared, mi = f["n_shared_experts"] * f["moe_intermediate_size"], f["moe_intermediate_size"]
+    moe = f["num_experts_per_tok"] * swiglu(routed, mi) + (swiglu(dense, shared) if shared else 0)
+    router = 4 * f["n_routed_experts"] * h  # float32
     layers, dense_layers = f["num_hidden_layers"], f["first_k_dense_replace"]
-    per_token = layers * attention + dense_layers * dense + (layers - dense_layers) * (moe + router)
-    return dtype_bytes * (per_token + f["vocab_size"] * h)
-
-
-def _engine(path: Path, widths: tuple[int, ...], max_bs: int, kv_pages: int):
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-
-    cfg = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", load_format="random", cuda_graph_widths=widths,
-                       cuda_graph_max_bs=max_bs, kv_pages=kv_pages)
-    return LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))  # (the instrument: every round)
-
-
-def _copy_tbps(ctx: dict) -> float:
-    if "copy_tbps" not in ctx:
-        from sections import ceilings
-
-        ceilings(ctx)
-    return ctx["copy_tbps"]
-
-
-def _decode_rows(engine, fields: dict, batches: tuple[int, ...], new_tokens: int, copy_tbps: float) -> list[dict]:
-    limit = 1 / read_seconds(active_weight_bytes(fields), copy_tbps)
-    rows = []
-    decode_tok_s(engine, 1, 8)  # warm-up: the first steps compile kernels
-    for bs in batches:
-        row = decode_tok_s(engine, bs, new_tokens)
-        if bs == 1:
-            row["limit_tok_s"], row["of_limit"] = limit, row["tok_s"] / limit
-        rows.append(row)
-        print(f"  decode batch {bs:3d}: {row['tok_s']:9.1f} tok/s" + (
-            f" = {row['of_limit']:.1%} of its limit {limit:.0f} tok/s (goal >= {DECODE_GOAL:.0%})" if bs == 1 else ""),
-            flush=True)
-    return rows
-
-
-def _speculation_rows(engine, path: Path, batches: tuple[int, ...], goals: tuple[float, ...], new_tokens: int) -> list:
-    from models import random_draft
-    from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-
-    runner, spec = engine.executor.runner, SpecConfig(3, 1, 4)
-    drafter = Eagle3Drafter.from_dirs(str(random_draft(path, runner.capture_layers)), str(path),
-                                      DrafterConfig(device="cuda", dtype="bfloat16", cuda_graph_max_bs=max(batches),
-                                                    defer_chain_tokens=True),
-                                      capture_layers=runner.capture_layers,
-                                      embed_weight=runner.model.model.embed_tokens.weight)
-    drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
-    vocab, rows = engine.model_config.vocab_size, []
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    for bs in batches:
-        g = torch.Generator().manual_seed(bs)
-        prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(bs)]
-        engine.proposer = None  # the target alone
-        target_only = decode_tok_s(engine, bs, new_tokens)["tok_s"]
-        # the verify path's own greedy continuation (every draft corrupted), which the steered drafts then follow
-        references, _, _ = _steered_batch(engine, drafter, spec, prompts, params, 1.0, [[0]] * bs)
-        for goal in goals:
-            _, tok_s, accept = _steered_batch(engine, drafter, spec, prompts, params, rate_for(goal, spec.num_steps),
-                                              references)
-            rows.append({"batch": bs, "goal_accept_length": goal, "accept_length": accept, "tok_s": tok_s,
-                         "target_only_tok_s": target_only, "x_target_only": tok_s / target_only})
-            print(f"  chain of 3, batch {bs}, accept {accept:.2f} (goal {goal}): {tok_s:8.1f} tok/s = "
-                  f"{tok_s / target_only:.2f}x target-only ({target_only:.1f})", flush=True)
-    engine.proposer = None
-    return rows
+    return (layers * attention + dense_layers * swiglu(dense, f["intermediate_size"])
+            + (layers - dense_layers) * (moe + router) + dense(f["vocab_size"], h))
 
 
 def deepseek(ctx: dict) -> dict:
     from tandem.errors import ConfigError
 
     quick = ctx["quick"]
-    copy_tbps, out = _copy_tbps(ctx), {}
+    copy_tbps, out = copy_tbps_of(ctx), {}
     lite = dict(V2_LITE, num_hidden_layers=ctx.get("layers") or V2_LITE["num_hidden_layers"])
     # (name, fields, decode batches, whether to speculate and to start twice: the second start's capture has
     # its kernels compiled, which the goal asks for)
@@ -143,13 +87,13 @@ def deepseek(ctx: dict) -> dict:
               f"token at batch 1):", flush=True)
         widths = (1, 4) if full else (1,)
         try:
-            engine = _engine(path, widths, max(batches), kv_pages=2048)
+            engine = random_weight_engine(path, widths, max(batches), kv_pages=2048)
             first_start = engine.executor.runner.graph_report
             if full:
                 engine.shutdown()
                 del engine
                 free_gpu()
-                engine = _engine(path, widths, max(batches), kv_pages=2048)
+                engine = random_weight_engine(path, widths, max(batches), kv_pages=2048)
         except (torch.cuda.OutOfMemoryError, ConfigError) as e:  # Kimi-K2's bf16 experts fill most of one GPU
             print(f"  could not start: {e}", flush=True)  # (a capture's out-of-memory comes as a ConfigError)
             out[name] = {"fields": fields, "error": str(e)}
@@ -160,9 +104,10 @@ def deepseek(ctx: dict) -> dict:
               flush=True)
         out[name] = {"fields": fields, "active_weight_bytes": active_weight_bytes(fields), "capture": report,
                      "capture_first_start": first_start,
-                     "decode": _decode_rows(engine, fields, batches, 32 if quick else 128, copy_tbps)}
+                     "decode": decode_rows(engine, active_weight_bytes(fields), DECODE_GOAL, batches,
+                                           32 if quick else 128, copy_tbps)}
         if full:
-            out[name]["speculation"] = _speculation_rows(engine, path, (1,) if quick else (1, 8),
+            out[name]["speculation"] = speculation_rows(engine, path, (1,) if quick else (1, 8),
                                                          (4.0,) if quick else (3.0, 4.0), 48 if quick else 160)
         engine.shutdown()
         del engine
