@@ -29,6 +29,9 @@ Sections (each prints its rows as it finishes; the JSON holds everything):
             verify 4, vs the torch MLA backend and the latent read limit
   prefix    the prefix cache: TTFT of a request sharing a 4k-token prefix against the first's, and
             multi-turn prefix-heavy traffic (16 chats x 8 turns on a 1k system prompt) with and without it
+  quant_engines  quantized targets end to end, decode at batch 1 and 8 against each one's read limit: the
+            8B shape INT4 and FP8, V2-Lite and Kimi-K2 (4 layers) with INT4 routed experts; chain of 3 at
+            accept length 4 on the INT4 8B
 All models have random weights (nothing can be downloaded); acceptance is set by the experiment.
 """
 

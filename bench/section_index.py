@@ -14,6 +14,7 @@ from sections_overlap import decode_overlap, overlap
 from sections_prefix import prefix
 from sections_profile import demo, phases
 from sections_quant import quant_kernels
+from sections_quant_engines import quant_engines
 from sections_rest import rest, rest_demo
 from sections_scaling import service, tp
 
@@ -21,4 +22,4 @@ SECTIONS = {"ceilings": ceilings, "decode": decode, "spec": spec, "spec_goal": s
             "rest_demo": rest_demo, "arrivals": arrivals, "service": service, "tp": tp, "phases": phases, "demo": demo,
             "overlap": overlap, "decode_overlap": decode_overlap, "round_glue": round_glue,
             "quant_kernels": quant_kernels, "prefix": prefix, "long_prompt": long_prompt, "mla": mla,
-            "deepseek": deepseek}
+            "deepseek": deepseek, "quant_engines": quant_engines}
