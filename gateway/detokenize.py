@@ -88,6 +88,11 @@ class StopStrings:
         self._pending = ""
         self.hit = False
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def feed(self, text: str, final: bool = False) -> str:
         """Return the text that is safe to emit; after a hit, ``hit`` is True and nothing more is."""
         if self.hit:

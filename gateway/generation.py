@@ -31,8 +31,8 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     prompt_tokens: int
     completion_tokens: int  # total so far
-    # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them. A stop
-    # string cuts the text, not these: tokens past it in the same message keep theirs.
+    # The verifier's TokenLogprobs, one per entry of token_ids, when the request asked for them (tokens past a
+    # stop string are dropped with theirs).
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
     cached_tokens: int = 0  # of prompt_tokens, those the verifier found in its prefix cache
@@ -103,15 +103,17 @@ class GenerationStream:
 
     def _delta(self, new: list[int], reason: str | None, logprobs: list | None = None,
                prompt_logprobs: list | None = None) -> Delta:
-        self._completion_tokens += len(new)
+        if self.request.logprobs is None:
+            logprobs = None
+        elif len(logprobs or ()) != len(new):
+            raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
         final = reason is not None
-        shown = new
-        if (reason == "stop" and new and new[-1] in self._stop_ids
-                and not self.request.include_stop_str_in_output):
-            shown = new[:-1]
-        text = self._detok.add(shown, final=final)
-        if self._completion_tokens > self.request.min_tokens:  # as vLLM: no stop string before min_tokens
-            text = self._stops.feed(text, final=final)
+        hide_last = (reason == "stop" and bool(new) and new[-1] in self._stop_ids
+                     and not self.request.include_stop_str_in_output)
+        text, kept = self._text_of(new, final, hide_last)
+        if kept < len(new):  # a stop string ended at token kept - 1: the tokens after it were not wanted
+            new, logprobs = new[:kept], (logprobs[:kept] if logprobs is not None else None)
+        self._completion_tokens += len(new)
         if self._stops.hit:
             reason = "stop"
             self._call.cancel()  # the rest of the generation is not wanted
@@ -119,10 +121,6 @@ class GenerationStream:
             self._text.append(text)
         if reason is not None:
             self._finish(reason)
-        if self.request.logprobs is None:
-            logprobs = None
-        elif len(logprobs or ()) != len(new):
-            raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
         if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
             prompt_logprobs = None
         elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - 1:
@@ -130,6 +128,27 @@ class GenerationStream:
         self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
         return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
                      cached_tokens=self._cached_tokens)
+
+    def _text_of(self, new: list[int], final: bool, hide_last: bool) -> tuple[str, int]:
+        """The text a message's tokens add, and how many of them count: all, or up to the one that completes a
+        stop string. As vLLM, stop strings are not looked for in the first min_tokens tokens. A message may
+        carry many tokens (a round's, or those a slow client let queue: verifier/server.py), so with stop
+        strings the tokens past min_tokens go one at a time, and the answer is the same however they came."""
+        shown = new[:-1] if hide_last else new
+        if not self._stops.active:
+            return self._detok.add(shown, final=final), len(new)
+        head = max(0, min(len(shown), self.request.min_tokens - self._completion_tokens))
+        pieces = [self._detok.add(shown[:head], final=final and head == len(shown))] if head else []
+        for i in range(head, len(shown)):
+            last = final and i == len(shown) - 1
+            pieces.append(self._stops.feed(self._detok.add(shown[i : i + 1], final=last), final=last))
+            if self._stops.hit:
+                return "".join(pieces), i + 1
+        if final and head == len(shown):  # nothing fed with final above: flush what waits
+            tail = self._detok.add([], final=True)
+            past_min = self._completion_tokens + len(new) > self.request.min_tokens
+            pieces.append(self._stops.feed(tail, final=True) if past_min else tail)
+        return "".join(pieces), len(new)
 
     def _record_timing(self, n: int) -> None:
         now = time.monotonic()
