@@ -82,7 +82,9 @@ def test_prompts_kept_apart_leave_decoding_owed_as_long_as_they_took_capped_and_
     acc, policy = StepAccounting(prefill_apart=True), Heard()
     prompts = StepInfo(num_prefill=1, num_decode=0, spans={}, prefill_tokens=10)
     acc.step_ended(policy, prompts, 0.0, 0.02, 3, 4, False, None, False, 1)
-    assert acc.decode_owed_s == pytest.approx(0.02)
+    assert acc.decode_owed_s == pytest.approx(0.02) and acc.after_prompts
+    acc.step_ended(policy, decode(4), 0.5, 0.53, 4, 4, False, None, False, 4)  # the one step after prompts:
+    assert acc.decode_owed_s == pytest.approx(0.02) and not acc.after_prompts  # it pays nothing, runs follow
     acc.step_ended(policy, decode(4), 1.0, 1.015, 4, 4, False, None, False, 4)
     assert acc.decode_owed_s == pytest.approx(0.005)
     acc.step_ended(policy, decode(4), 2.0, 2.015, 4, 4, False, None, False, 4)

@@ -77,7 +77,10 @@ class StepAccounting:
                 self.decode_owed_s = min(took, MAX_DECODE_OWED_S)
                 self.after_prompts = True
             elif info.num_decode:
-                self.decode_owed_s = max(0.0, self.decode_owed_s - took)
+                # The one step right after prompts leaves what is owed: runs follow it (a cheap prompt step
+                # would otherwise be paid by that step alone, and short arrivals alternate with single steps).
+                if not self.after_prompts:
+                    self.decode_owed_s = max(0.0, self.decode_owed_s - took)
                 self.after_prompts = False
         if info.prefill_tokens and not info.num_decode and speculating and drafter_up:
             # prompts alone, their features extended into the drafter: what an arrival costs only while speculating
