@@ -58,3 +58,28 @@ def test_rows_of_other_shapes_are_copied_apart_and_a_request_past_its_limit_is_s
     assert torch.equal(sent[0][2], torch.tensor([[2.0] * 3, [2.0] * 3, [5.0] * 3]))
     assert [t for t, _ in a.pending_extend] == [[1], [4]] and b.pending_extend == [] and b.pending_bytes == 0
     assert drafts.held_bytes == a.pending_bytes + c.pending_bytes == 3 * 3 * 4
+
+
+def test_while_the_batch_decodes_plainly_a_finish_sends_nothing_and_a_preemption_completes():
+    """With the prefix cache: a request finishing while the batch decodes plainly is released without its held
+    features (no drafter work); a preempted one first sends them, so that its recompute finds the drafter's
+    pages whole; while the batch speculates a finish sends them too."""
+    proposer = Proposer()
+    proposer.caches_prefixes, released = True, []
+    proposer.release = released.append
+    engine = SimpleNamespace(proposer=proposer, prefix_cache=object(), speculating=False)
+    drafts = DraftLink(engine)
+
+    def holding(rid):
+        req = request(rid)
+        assert drafts.keep_in_step([(req, [5], torch.ones(1, 3))]) is False
+        return req
+
+    finished, preempted = holding("done"), holding("preempted")
+    drafts.forget(finished, finishing=True)
+    assert proposer.extended == [] and released == ["done"] and drafts.held_bytes > 0
+    drafts.forget(preempted)
+    assert [[rid for rid, _, _ in call] for call in proposer.extended] == [["preempted"]] and drafts.held_bytes == 0
+    engine.speculating = True
+    drafts.forget(holding("done while speculating"), finishing=True)
+    assert proposer.extended[-1][0][0] == "done while speculating"

@@ -247,8 +247,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
 
 def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], features: torch.Tensor | None) -> bool:
     """Hand the steps' tokens and features ([steps, n, 3H]) of the requests that go on drafting to the
-    drafter (held for their next draft; with the prefix cache, also those that end here, sent as their draft
-    state is released); → whether a request's held features had to be sent now."""
+    drafter (held for their next draft; with the prefix cache and the batch speculating, also those that end
+    here, sent as their draft state is released); → whether a request's held features had to be sent now."""
     if features is None:
         return False
     last_turn = engine.prefix_cache is not None and engine.speculating  # (DraftLink.forget_all)

@@ -7,9 +7,9 @@ a drafter that is lost (every request continues plainly) and comes back (long re
 by a prefill, which hands it their whole sequence). It never changes the target's output.
 
 With the prefix cache, every request starts on the drafter with ``attach_prefix`` and the tokens its prompt
-found cached (``attach``): the drafter takes its own cached pages for them and keeps the request's pages
-as they fill. A proposer without that capability gets no draft state for a request on a cached prefix:
-it decodes plainly.
+found cached (``attach``; while the batch decodes plainly, deferred to its first extend): the drafter takes
+its own cached pages for them and keeps the request's pages as they fill. A proposer without that
+capability gets no draft state for a request on a cached prefix: it decodes plainly.
 """
 
 from __future__ import annotations
@@ -184,19 +184,19 @@ class DraftLink:
             return f"draft tree of {req.rid} holds a token outside the vocabulary [0, {self.engine.model_config.vocab_size})"
         return None
 
-    def forget(self, req, complete: bool = True) -> None:
+    def forget(self, req, complete: bool = True, finishing: bool = False) -> None:
         """Release the request's draft state; ``complete``: with prefix caching, first send the drafter what
-        the request holds, so that the pages it caches on release are whole."""
-        self.forget_all([req], complete)
+        the request holds, so that the pages it caches on release are whole (see forget_all)."""
+        self.forget_all([req], complete, finishing)
 
-    def forget_all(self, reqs: list, complete: bool = True) -> None:
+    def forget_all(self, reqs: list, complete: bool = True, finishing: bool = False) -> None:
         """``forget`` for several requests, their held features sent in one extend (requests finishing
-        together: one drafter forward, not one each). Also while the batch decodes plainly: a later request
-        on the same prefix would otherwise find the target's pages cached and the drafter's not, and draft
-        from zero features there (tandem.speculative.drafter.attach_prefix) — but not while the batch decodes
-        plainly: then a finish costs the drafter nothing (its cache lacks those pages; a later request on
-        them drafts from zero features there, and only if speculation resumes)."""
-        complete = complete and self.engine.speculating
+        together: one drafter forward, not one each): a later request on the same prefix — a next turn, or a
+        preempted request recomputed — would otherwise find the target's pages cached and the drafter's not,
+        and draft from zero features there (tandem.speculative.drafter.attach_prefix). Requests ``finishing``
+        while the batch decodes plainly send nothing: a finish then costs the drafter nothing, and a later
+        request on those pages drafts from rebuilt entries there, only if speculation resumes."""
+        complete = complete and (self.engine.speculating or not finishing)
         if self.proposer is not None and complete and self._caching() and self.up():
             self.extend([self.take_pending(req) for req in reqs if req.draft_ready and req.pending_extend])
         for req in reqs:

@@ -310,7 +310,7 @@ class LLMEngine:
 
     def release_finished_drafts(self) -> None:
         finishing, self._finishing = self._finishing or [], None
-        self.drafts.forget_all(finishing)
+        self.drafts.forget_all(finishing, finishing=True)
 
     def _finish(self, req: Request) -> None:
         if req.output:
@@ -319,7 +319,7 @@ class LLMEngine:
         if self._finishing is not None:
             self._finishing.append(req)
         else:
-            self.drafts.forget(req)
+            self.drafts.forget(req, finishing=True)
         if self.traffic is not None:
             # A cancelled request keeps what the target wrote before (clients cancel at a stop string).
             if req.finish_reason == FinishReason.ABORT and not req.output:
