@@ -9,7 +9,7 @@ import asyncio
 from tandem.engine.step import StepOutput
 from tandem.engine.request import FinishReason
 from tandem.logprobs import TokenLogprobs
-from verifier.server import _coalesced
+from verifier.server import MAX_COALESCED_TOKENS, _coalesced
 
 
 def _queue(*items) -> asyncio.Queue:
@@ -41,3 +41,9 @@ def test_nothing_queued_leaves_the_output_alone_and_a_failure_passes():
     assert _coalesced(lone, _queue()) is lone
     failure = RuntimeError("engine died")
     assert _coalesced(StepOutput("r", [1], None), _queue(failure)) is failure
+
+
+def test_a_coalesced_message_stops_growing_at_its_cap():
+    q = _queue(*[StepOutput("r", list(range(100)), None) for _ in range(30)])
+    out = _coalesced(StepOutput("r", [0], None), q)
+    assert MAX_COALESCED_TOKENS <= len(out.new_token_ids) < MAX_COALESCED_TOKENS + 100 and not q.empty()

@@ -167,11 +167,17 @@ class VerifierService:
         return params, spec
 
 
+# The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the
+# gateway takes messages of at most 16 MiB (gateway/upstream.py).
+MAX_COALESCED_TOKENS = 1024
+
+
 def _coalesced(out, outputs: asyncio.Queue):
     """``out`` and the outputs queued behind it, as one message: when the client reads slower than the engine
     steps (many streams through one gateway), the tokens waiting go together instead of one message a step —
     the same text, fewer messages to carry (a round's tokens already go together)."""
-    while not isinstance(out, BaseException) and out.finish_reason is None and not outputs.empty():
+    while (not isinstance(out, BaseException) and out.finish_reason is None and not outputs.empty()
+           and len(out.new_token_ids) < MAX_COALESCED_TOKENS):
         more = outputs.get_nowait()
         if isinstance(more, BaseException):
             return more
