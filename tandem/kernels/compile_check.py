@@ -1,6 +1,6 @@
 """Compile every kernel for Hopper (sm_90) on a machine without a GPU and report what the H200 would run.
 
-``python -m tandem.kernels.compile_check [bfloat16|float16]`` prints, per kernel and shape: registers,
+``python -m tandem.kernels.compile_check [bfloat16|float16] [PART/PARTS]`` prints, per kernel and shape: registers,
 stack (non-zero means spills to local memory), shared memory, 16-byte global loads (``LDG.E.128``),
 16-byte async copies (``LDGSTS...128``, the software-pipelined K/V loads) and which matrix
 instruction the attention uses (``HGMMA`` = wgmma, ``HMMA`` = mma.sync). The interpreter tests never
@@ -54,6 +54,9 @@ class _Hopper(CudaDriver):
 
 
 _compiled: list[tuple[str, object]] = []
+# Each report closes a unit (the kernels compiled since the one before); ``PART/PARTS`` compiles only the units
+# whose index is PART modulo PARTS, so that PARTS processes share the work (the test runs two at once).
+_unit, _part, _parts = 0, 0, 1
 
 
 class _CompileOnly:
@@ -64,11 +67,14 @@ class _CompileOnly:
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
-            _compiled.append((self.jit_fn.fn.__name__, self.jit_fn.warmup(*args, grid=grid, **kwargs)))
+            if _unit % _parts == _part:
+                _compiled.append((self.jit_fn.fn.__name__, self.jit_fn.warmup(*args, grid=grid, **kwargs)))
         return call
 
 
 def _report(tag: str, failures: list[str]) -> None:
+    global _unit
+    _unit += 1
     with tempfile.TemporaryDirectory() as tmp:
         for name, kernel in _compiled:
             path = os.path.join(tmp, "k.cubin")
@@ -88,7 +94,9 @@ def _report(tag: str, failures: list[str]) -> None:
     _compiled.clear()
 
 
-def main(dtype_name: str = "bfloat16") -> int:
+def main(dtype_name: str = "bfloat16", part: str = "0/1") -> int:
+    global _part, _parts
+    _part, _parts = (int(x) for x in part.split("/"))
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
