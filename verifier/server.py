@@ -8,6 +8,7 @@ malformed message is an INVALID_ARGUMENT the client can read, not an opaque INTE
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -181,10 +182,13 @@ def _coalesced(out, outputs: asyncio.Queue):
         more = outputs.get_nowait()
         if isinstance(more, BaseException):
             return more
-        out = StepOutput(out.rid, out.new_token_ids + more.new_token_ids, more.finish_reason,
-                         out.drafted + more.drafted, more.spec_stats, out.round_accepts + more.round_accepts,
-                         None if out.logprobs is None and more.logprobs is None
-                         else (out.logprobs or []) + (more.logprobs or []),
-                         out.prompt_logprobs or more.prompt_logprobs, out.cached_tokens or more.cached_tokens)
+        out = dataclasses.replace(
+            out, new_token_ids=out.new_token_ids + more.new_token_ids, finish_reason=more.finish_reason,
+            drafted=out.drafted + more.drafted, spec_stats=more.spec_stats,
+            round_accepts=out.round_accepts + more.round_accepts,
+            logprobs=None if out.logprobs is None and more.logprobs is None
+            else (out.logprobs or []) + (more.logprobs or []),
+            prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
+            cached_tokens=out.cached_tokens or more.cached_tokens)
     return out
 

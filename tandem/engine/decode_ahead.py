@@ -251,7 +251,7 @@ def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], 
     here, sent as their draft state is released); → whether a request's held features had to be sent now."""
     if features is None:
         return False
-    last_turn = engine.prefix_cache is not None and engine.speculating  # (DraftLink.forget_all)
+    last_turn = engine.drafts.completes(finishing=True)  # held for the extend their release sends
     items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
              if (last_turn or not req.finished) and req.spec is not None and req.draft_ready]
     return engine.drafts.keep_in_step(items)

@@ -67,6 +67,11 @@ class DraftLink:
         """Whether requests start on the drafter's prefix cache (the engine caches, the proposer can)."""
         return self.engine.prefix_cache is not None and self.proposer.caches_prefixes
 
+    def completes(self, finishing: bool) -> bool:
+        """Whether a request released now first sends the drafter what it holds (forget_all): with the prefix
+        cache, a preempted one always, a finishing one only while the batch speculates."""
+        return self.up() and self._caching() and (self.engine.speculating or not finishing)
+
     def attach(self, req, cached: int) -> bool:
         """Before a request's first extend after its prompt started on ``cached`` tokens of cached target KV:
         start the drafter on the same prefix (its own cached pages for those tokens). → whether the
@@ -196,8 +201,7 @@ class DraftLink:
         and draft from zero features there (tandem.speculative.drafter.attach_prefix). Requests ``finishing``
         while the batch decodes plainly send nothing: a finish then costs the drafter nothing, and a later
         request on those pages drafts from rebuilt entries there, only if speculation resumes."""
-        complete = complete and (self.engine.speculating or not finishing)
-        if self.proposer is not None and complete and self._caching() and self.up():
+        if complete and self.completes(finishing):
             self.extend([self.take_pending(req) for req in reqs if req.draft_ready and req.pending_extend])
         for req in reqs:
             if self.proposer is not None and req.draft_ready and req.attach_at is None:
