@@ -70,6 +70,11 @@ def test_static_decode_and_verify_match_eager(model, request):
     eager_logits, _ = runner.forward(decode)
     static_logits, _ = graphs.run_static_eagerly(decode)
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    # What a run returned is the caller's: the family's next run (other tokens) leaves it as it was.
+    kept = static_logits.clone()
+    graphs.run_static_eagerly(ForwardBatch([SequenceChunk([9 + i], len(p), list(kv.pages))
+                                            for i, (p, kv) in enumerate(seqs)]))
+    assert torch.equal(static_logits, kept)
 
     tree = DraftTree([5, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
     verify = ForwardBatch([SequenceChunk(tree.tokens, len(p), list(kv.pages),

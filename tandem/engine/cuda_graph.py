@@ -62,6 +62,12 @@ class _Family:
                          self.mask[:bs] if self.mask is not None else None, self.page_size)
 
 
+def _own_float(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as float32 in a tensor of their own: in float32 ``.float()`` would return the static
+    buffer itself, which the family's next replay overwrites under a caller that keeps them."""
+    return logits.clone() if logits.dtype == torch.float32 else logits.float()
+
+
 class TargetGraphRunner(GraphRunner):
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
                  capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None):
@@ -136,7 +142,7 @@ class TargetGraphRunner(GraphRunner):
             self._launch(fam.width, bs)
             if sync and self.device.type == "cuda":  # (CPU tests stand replays in with eager code)
                 torch.cuda.current_stream(self.device).synchronize()
-        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+        return _own_float(fam.logits[:m]), (fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
@@ -205,7 +211,7 @@ class TargetGraphRunner(GraphRunner):
         eagerly. Lets the CPU tests (Triton's interpreter) check everything but capture itself."""
         fam, bs, m = self.prepare(batch)
         self._run_model(fam, bs)
-        return fam.logits[:m].float(), (fam.features[:m] if fam.features is not None else None)
+        return _own_float(fam.logits[:m]), (fam.features[:m] if fam.features is not None else None)
 
     def prepare(self, batch: ForwardBatch) -> tuple[_Family, int, int]:
         """Fill the static inputs of the bucket that fits ``batch`` (one host→device copy); → (family,
