@@ -1,8 +1,8 @@
 """Benchmark section ``arrivals``: a closed-loop load in process on an engine built as the verifier builds
 it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR, default: the shipped one) at concurrency 8 and 64, every finished
 request replaced at once by the next prompt, 120 new tokens, greedy — target-only, the default policy,
-speculating always, and a drafter attached to a batch that never speculates (what holding the drafter's
-input costs plain steps); → tokens/s and, per kind of step (plain or speculative, its run length, whether it
+speculating always, and a drafter beside a batch whose policy never speculates (what a drafter costs that
+never pays: after a second it is detached, tandem.speculative.attachment); → tokens/s and, per kind of step (plain or speculative, its run length, whether it
 prefilled, decoded, ran queued on the device), how many, their mean time and the tokens they emitted.
 Where the time of a loaded server goes, without the REST front in the way."""
 
@@ -72,20 +72,20 @@ def arrivals(ctx: dict) -> dict:
     base = ["--model", str(folder / "target"), "--device", device, "--dtype", dtype, "--kv-pages", "12288"]
     spec = ["--drafter", "in-process", "--draft-model", str(folder / "draft"), *SPEC_FLAGS]
     modes = {"target-only": base, "policy": base + spec, "always": base + spec + ["--speculation-policy", "always"],
-             "attached-plain": base + spec}  # a drafter attached, the batch never speculating: what attachment costs
+             "never-speculating": base + spec}  # a drafter whose policy never speculates: what it costs
     seconds = 2.0 if ctx["quick"] else 5.0
     out = {}
     for mode, argv in modes.items():
         args = build_parser().parse_args(argv)
         engine, _, _ = build_engine(VerifierConfig.from_args(args, args.model), VerifierMetrics())
-        if mode == "attached-plain":
+        if mode == "never-speculating":
             engine.policy.decide = lambda *args, **kwargs: False
         try:
             out[mode] = {c: _closed_loop(engine, prompts, c, seconds) for c in (8, 64)}
         finally:
             engine.shutdown()
         for c, r in out[mode].items():
-            print(f"{mode:12s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s", flush=True)
+            print(f"{mode:16s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s", flush=True)
             for kind, k in r["steps"].items():
                 print(f"    {kind:55s} {k['n']:5d} steps, {k['ms_mean']:7.3f} ms, {k['tokens']} tokens", flush=True)
     return out

@@ -192,7 +192,7 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
 def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:
     """Queue ``steps`` decode steps from the committed tokens, then read them back (overlapped with
     CUDA graphs: see ``_read_back``)."""
-    capture = engine.drafts.up()
+    capture = engine.drafts.keeping()
     with timer("verify"):
         run = queue_decode_steps(engine.executor, reqs, steps, capture=capture)
         if run is None:  # eager, or no graph fits: one synchronous run
@@ -225,7 +225,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         if more:
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
-            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=run.features is not None)
+            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=run.features is not None and engine.drafts.keeping())
         tokens = read_decode_steps(runner, run)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):

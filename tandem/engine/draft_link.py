@@ -47,6 +47,20 @@ class DraftLink:
     def up(self) -> bool:
         return self.proposer is not None and self.proposer.available
 
+    @property
+    def detached(self) -> bool:
+        """The engine detached the drafter from a batch kept plain (tandem.speculative.attachment): no request
+        keeps draft state, none starts on it, nothing is captured for it."""
+        return self.engine.attachment.detached
+
+    def keeping(self) -> bool:
+        """Whether the target's steps capture EAGLE-3 features for the drafter: it is up and attached."""
+        return self.up() and not self.detached
+
+    def detach(self, reqs: list) -> None:
+        """On detaching: release the requests' draft state, held input dropped (they decode plainly to their end)."""
+        self.forget_all(reqs, complete=False)
+
     def extend(self, items: list) -> None:
         """``items``: (request, next tokens, their features); a request's deferred attach is made first."""
         if not items or not self.up():
@@ -78,6 +92,8 @@ class DraftLink:
         request's features may go to the drafter. While the batch decodes plainly the start is deferred to
         the request's first extend (``Request.attach_at``): a request that never drafts costs the drafter
         nothing, not even a lookup or the zero-feature rebuild of pages it lacks."""
+        if self.detached:
+            return False
         if not self._caching() or not self.up():
             return cached == 0  # without the head's KV of the prefix the request does not speculate
         if not self.engine.speculating:
@@ -231,7 +247,7 @@ class DraftLink:
         they speculate again instead of decoding plainly to the end."""
         up = self.up()
         back, self._was_up = up and not self._was_up, up
-        if not back:
+        if not back or self.detached:  # (detached: they would not start on it anyway)
             return
         scheduler = self.engine.scheduler
         for req in list(scheduler.running):

@@ -35,6 +35,7 @@ from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams, make_generator
+from tandem.speculative.attachment import DrafterAttachment
 from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer
@@ -72,6 +73,7 @@ class LLMEngine:
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
+        self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
@@ -154,9 +156,22 @@ class LLMEngine:
         if not running:
             return 1  # (the latest decision stands for the prompts about to be admitted)
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
+        asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(running))
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
-        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting], runs)
+        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting] if asked else [], runs)
+        self._keep_attachment(asked)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
+
+    def _keep_attachment(self, asked: bool) -> None:
+        """Detach the drafter from a batch the policy keeps plain, or attach it again (tandem.speculative.attachment);
+        never under a run of rounds in flight (its requests' draft state is in use)."""
+        can_switch = self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
+        change = self.attachment.after_decision(self.speculating, asked, can_switch)
+        if change == "detach":
+            self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
+            log.info("speculation off for a while: the drafter is detached (plain steps run target-only)")
+        elif change == "attach":
+            log.info("the drafter is attached again: prompts admitted from now on can speculate")
 
     def prompts_due(self) -> bool:
         """Whether a waiting prompt is prefilled now (and runs queued ahead stay short meanwhile): one can be
@@ -236,7 +251,7 @@ class LLMEngine:
         chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
                                 logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
-        capture = self.drafts.up() or self.traffic is not None
+        capture = self.drafts.keeping() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
         self.hold_finished_drafts()  # until after the extend below

@@ -97,6 +97,7 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     policy, took = engine.policy, {}
     modes = [("plain", False, True)] + ([("speculative", True, True)] if engine.default_spec is not None else [])
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True)
+    engine.attachment.pause()  # both kinds of step are forced here: nothing to detach from
     try:
         for name, speculate, greedy in modes + [("sampled", engine.default_spec is not None, False)]:
             started = time.perf_counter()
@@ -114,7 +115,9 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
             took["arrivals"] = time.perf_counter() - started
     finally:
         engine.policy = policy
+        engine.attachment.resume()
     policy.forget_traffic()
+    engine.attachment.reset()
     log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), sizes)
     if engine.default_spec is not None:  # what the policy starts from: ms per plain step / per round

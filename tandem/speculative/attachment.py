@@ -1,0 +1,103 @@
+"""DrafterAttachment: whether the engine keeps the drafter's input while the batch decodes plainly.
+
+A request stays ready to draft through plain steps only at a price: each step's EAGLE-3 features are
+captured and held for its next draft, each prompt's too, and a finishing request's held input goes to the
+drafter's prefix cache. On a large target that is about 1 % of a plain step; on a small one at batch it
+was 40 % of target-only's speed (the demo pair in process, a drafter attached to a batch that never
+speculated: 0.60x at concurrency 8). So once the policy has kept the batch plain for a while (it
+measured that speculation does not pay there), the engine *detaches*: every request's draft state is
+released and nothing more is captured — plain steps are then target-only steps. Requests prefilled while
+detached decode plainly to their end.
+
+After a detached period the engine attaches again: prompts admitted from then on start on the drafter, and
+once most of the batch can draft (``ready_share``; or after ``ready_timeout_s``) the policy is asked again,
+so that it measures speculation with the batch it would speculate with, not a few drafting rows among
+filler. Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
+pays costs a shrinking share of the time; a batch that speculates in earnest (``detach_after_steps``
+speculative steps in a row, not an exploration) starts the backoff over.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttachmentConfig:
+    # the policy kept the batch plain this long and this many steps (short explorations included): detach;
+    # as many speculative steps in a row: speculating in earnest (the clock and the backoff start over)
+    detach_after_s: float = 1.0
+    detach_after_steps: int = 64
+    detached_first_s: float = 2.0  # the first detached period
+    detached_max_s: float = 32.0  # the longest (each period that ends in detaching again doubles the next)
+    ready_share: float = 0.5  # attached again: the policy is asked once this share of the batch can draft ...
+    ready_timeout_s: float = 2.0  # ... or after this long
+
+
+class DrafterAttachment:
+    def __init__(self, cfg: AttachmentConfig = AttachmentConfig(), clock=time.perf_counter):
+        self.cfg, self.clock = cfg, clock
+        self.detached = False
+        self._paused = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Attached, nothing counted (a fresh engine, or after the warm-up)."""
+        self.detached = False
+        self._plain_since: float | None = None
+        self._plain_steps = 0
+        self._spec_streak = 0  # consecutive speculative decisions
+        self._period = self.cfg.detached_first_s
+        self._detached_until = 0.0
+        self._waiting_since: float | None = None  # attached again, the policy not asked yet
+
+    def pause(self) -> None:
+        """Until ``resume``: neither detach nor count (the warm-up forces both kinds of step)."""
+        self._paused += 1
+
+    def resume(self) -> None:
+        self._paused -= 1
+
+    def policy_may_decide(self, drafting: int, running: int) -> bool:
+        """Whether the policy is asked this step. Right after attaching again, not until ``ready_share`` of
+        the ``running`` requests can draft (``drafting``) or ``ready_timeout_s`` has passed: the batch
+        decodes plainly meanwhile, and those steps count towards nothing."""
+        if self._waiting_since is None:
+            return True
+        if drafting >= self.cfg.ready_share * running or self.clock() - self._waiting_since >= self.cfg.ready_timeout_s:
+            self._waiting_since = None
+            return True
+        return False
+
+    def after_decision(self, speculating: bool, asked: bool, can_switch: bool) -> str | None:
+        """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
+        flight). → "detach", "attach" or None: what the engine does now."""
+        if self._paused:
+            return None
+        now = self.clock()
+        if self.detached:
+            if now < self._detached_until:
+                return None
+            self.detached, self._waiting_since = False, now
+            self._plain_since, self._plain_steps = None, 0
+            return "attach"
+        if not asked:
+            return None
+        c = self.cfg
+        if speculating:
+            # Speculating in earnest (not a short exploration): the plain clock and the backoff start over.
+            self._spec_streak += 1
+            if self._spec_streak >= c.detach_after_steps:
+                self._plain_since, self._plain_steps = None, 0
+                self._period = c.detached_first_s
+            return None
+        self._spec_streak = 0
+        if self._plain_since is None:
+            self._plain_since = now
+        self._plain_steps += 1
+        if can_switch and now - self._plain_since >= c.detach_after_s and self._plain_steps >= c.detach_after_steps:
+            self.detached, self._detached_until = True, now + self._period
+            self._period = min(2 * self._period, c.detached_max_s)
+            return "detach"
+        return None

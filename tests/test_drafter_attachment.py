@@ -1,0 +1,163 @@
+"""Detaching the drafter from a batch the policy keeps plain (tandem.speculative.attachment): when it
+detaches and attaches again (a clock the test moves), and in the engine: once detached, no forward
+captures features and the drafter gets no call — plain steps are target-only steps — requests prefilled
+while detached stay plain, those admitted after attaching again speculate, and every token is the
+target's."""
+
+from __future__ import annotations
+
+import pytest
+
+from draft_checkpoints import pair_engine
+from helpers import random_prompt
+from tandem.sampling import SamplingParams
+from tandem.speculative.attachment import AttachmentConfig, DrafterAttachment
+from tandem.speculative.drafter import SpecConfig
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CFG = AttachmentConfig(detach_after_s=1.0, detach_after_steps=4, detached_first_s=2.0, detached_max_s=8.0,
+                       ready_share=0.5, ready_timeout_s=3.0)
+
+
+def _plain_steps(att: DrafterAttachment, clock: Clock, n: int, dt: float = 0.1) -> list:
+    changes = []
+    for _ in range(n):
+        changes.append(att.after_decision(False, asked=True, can_switch=True))
+        clock.now += dt
+    return changes
+
+
+def _until_detached(att: DrafterAttachment, clock: Clock, dt: float = 0.1, limit: int = 100) -> int:
+    """Plain decisions every ``dt`` until one detaches (the clock stays at that moment); → how many."""
+    for n in range(1, limit + 1):
+        if att.after_decision(False, asked=True, can_switch=True) == "detach":
+            return n
+        clock.now += dt
+    raise AssertionError("never detached")
+
+
+def test_detaches_after_both_the_time_and_the_steps_and_backs_off():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    assert _plain_steps(att, clock, 3, dt=1.0)[-1] is None  # a second passed, but 3 steps only
+    assert att.after_decision(False, asked=True, can_switch=True) == "detach" and att.detached
+    assert att.after_decision(False, asked=False, can_switch=True) is None  # 2 s detached
+    clock.now += 2.0
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach" and not att.detached
+    # attached again: the policy is not asked until half the batch can draft (or 3 s pass)
+    assert not att.policy_may_decide(drafting=1, running=8)
+    assert att.policy_may_decide(drafting=4, running=8)
+    assert _until_detached(att, clock, dt=0.125) == 9  # 1 s of plain decisions again
+    clock.now += 3.9  # the second detached period is twice the first
+    assert att.after_decision(False, asked=False, can_switch=True) is None
+    clock.now += 0.2
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+
+
+def test_not_asked_or_under_a_speculative_run_it_does_not_detach():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    for _ in range(20):
+        assert att.after_decision(False, asked=False, can_switch=True) is None
+        clock.now += 0.5
+    for _ in range(20):
+        assert att.after_decision(False, asked=True, can_switch=False) is None
+        clock.now += 0.5
+    assert att.after_decision(False, asked=True, can_switch=True) == "detach"
+
+
+def test_short_explorations_keep_the_clock_and_earnest_speculation_resets_the_backoff():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    _plain_steps(att, clock, 5, dt=0.15)
+    assert att.after_decision(True, asked=True, can_switch=True) is None  # one exploring step
+    assert "detach" in _plain_steps(att, clock, 5, dt=0.15)  # the plain clock kept running through it
+    clock.now += 2.0
+    att.after_decision(False, asked=False, can_switch=True)  # attached again
+    assert att.policy_may_decide(4, 4)
+    for _ in range(CFG.detach_after_steps):  # speculating in earnest
+        att.after_decision(True, asked=True, can_switch=True)
+    _until_detached(att, clock)
+    clock.now += 2.0  # the first period again, not twice it
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+
+
+def test_the_ready_gate_opens_after_its_timeout_and_pause_holds_everything():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    _plain_steps(att, clock, 12)
+    clock.now += 2.0
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+    assert not att.policy_may_decide(0, 8)
+    clock.now += 3.0
+    assert att.policy_may_decide(0, 8)
+    att.pause()
+    assert _plain_steps(att, clock, 30) == [None] * 30
+    att.resume()
+    assert "detach" in _plain_steps(att, clock, 12)
+
+
+# -- in the engine -------------------------------------------------------------------------------
+GREEDY = SamplingParams(max_new_tokens=14, ignore_eos=True)
+
+
+class _Recorder:
+    """The in-process drafter's calls, and whether each target forward captured features."""
+
+    def __init__(self, eng):
+        self.calls, self.captures = [], []
+        drafter, forward = eng.proposer, eng.executor.forward
+        for name in ("attach_prefix", "extend", "release", "draft"):
+            setattr(drafter, name, self._counted(name, getattr(drafter, name)))
+
+        def recorded(batch, *args, **kwargs):
+            self.captures.append(batch.capture_features)
+            return forward(batch, *args, **kwargs)
+        eng.executor.forward = recorded
+
+    def _counted(self, name, method):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pair, cache):
+    prompts = [random_prompt(700 + i, 9 + 3 * i) for i in range(6)]
+    with pair_engine(pair, page_size=4, enable_prefix_caching=cache) as eng:
+        reference = [r.output_token_ids for r in eng.generate(prompts, GREEDY)]
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4, enable_prefix_caching=cache) as eng:
+        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                            detached_first_s=5.0), clock)
+        speculate = [False]
+        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+        seen = _Recorder(eng)
+        first = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+        while not eng.attachment.detached:
+            eng.step()
+        assert all(not eng.requests[r].draft_ready for r in first) and eng.drafts.held_bytes == 0
+        seen.calls.clear(), seen.captures.clear()
+        speculate[0] = True  # the policy would speculate now, but nothing can draft while detached
+        late = eng.add_request(prompts[3], GREEDY)  # prefilled while detached: plain to its end
+        for _ in range(4):
+            eng.step()
+        assert seen.calls == [] and seen.captures and not any(seen.captures)
+        assert not eng.requests[late].draft_ready
+        clock.now += 5.0  # the detached period ends: prompts admitted from now on start on the drafter
+        fresh = [eng.add_request(p, GREEDY) for p in prompts[4:]]
+        while eng.has_unfinished():
+            eng.step()
+        got = [eng.requests[r].output for r in first + [late] + fresh]
+        stats = {r: eng.requests[r].spec_stats.rounds for r in first + [late] + fresh}
+    assert got == reference
+    assert all(stats[r] == 0 for r in [late]) and all(stats[r] > 0 for r in fresh)
