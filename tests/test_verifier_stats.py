@@ -37,6 +37,8 @@ def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
     assert "accept len n/a" in stats.line(1, 0, 0.0) and "spec off (the policy" in stats.line(1, 0, 0.0)
     stats.step(now=300.0, step_s=1.0, tokens=5, rounds=0, accepted=0, speculative=False)
     assert "spec off (the drafter is down" in stats.line(1, 0, 0.0, drafter_up=False)
+    stats.step(now=350.0, step_s=1.0, tokens=5, rounds=0, accepted=0, speculative=False)
+    assert "drafter detached" in stats.line(1, 0, 0.0, detached=True)
     # a step of prompts alone is not a decode step: the share counts the steps that ran the running requests
     stats.step(now=400.0, step_s=0.1, tokens=1, rounds=0, accepted=0, speculative=False, decoded=False)
     stats.step(now=400.1, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True)

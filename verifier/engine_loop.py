@@ -231,7 +231,7 @@ class EngineLoop(threading.Thread):
         if self.stats.due(now):
             engine = self.engine
             self.stats.maybe_log(now, len(engine.scheduler.running), len(engine.scheduler.waiting),
-                                 self._kv_usage(), engine.drafts.up())
+                                 self._kv_usage(), engine.drafts.up(), engine.drafts.detached)
 
     def _count_preemptions(self) -> None:
         """The step's preemptions: the scheduler's total since the last step's."""
@@ -265,6 +265,7 @@ class EngineLoop(threading.Thread):
         m.kv_pages_free.set(engine.allocator.num_free)
         m.kv_pages_total.set(engine.allocator.capacity_pages)
         m.kv_usage.set(self._kv_usage())
+        m.drafter_detached.set(1 if engine.drafts.detached else 0)
 
     def _observe(self, out: StepOutput, sub: Submission, now: float) -> None:
         m = self.metrics

@@ -69,6 +69,8 @@ class VerifierMetrics:
         self.accept_length = Histogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus included)",
                                        buckets=tuple(range(1, max_positions + 2)), registry=r)
         self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
+        self.drafter_detached = Gauge("tandem:drafter_detached", "1 while the drafter is detached from a batch the "
+                                      "policy keeps plain (its steps run target-only)", registry=r)
         self.drafter_round_lane = Gauge("tandem:drafter_round_lane", "1 while the drafter's rounds go on the round "
                                         "lane (a local socket), 0 on the gRPC stream or while disconnected", registry=r)
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)

@@ -50,9 +50,10 @@ class StatsLine:
     def due(self, now: float) -> bool:
         return self.interval_s > 0 and self._since is not None and now - self._since >= self.interval_s
 
-    def line(self, running: int, waiting: int, kv_usage: float, drafter_up: bool = True) -> str:
+    def line(self, running: int, waiting: int, kv_usage: float, drafter_up: bool = True,
+             detached: bool = False) -> str:
         """The line for the window now ending (and a new window begins); ``drafter_up``: whether the drafter
-        is reachable now."""
+        is reachable now; ``detached``: the engine has it detached from a batch kept plain."""
         throughput = self._tokens / self._busy_s if self._busy_s > 0 else 0.0
         accept = f"{(self._accepted + self._rounds) / self._rounds:.2f}" if self._rounds else "n/a"
         if not self.speculative:
@@ -61,6 +62,8 @@ class StatsLine:
             spec = f"spec on ({100 * self._spec_steps / self._steps:.0f}% of steps)"
         elif not drafter_up:
             spec = "spec off (the drafter is down: reconnecting)"
+        elif detached:
+            spec = "spec off (the policy: it did not pay; drafter detached, plain steps run target-only)"
         else:
             spec = "spec off (the policy: it did not pay)"
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
@@ -70,6 +73,7 @@ class StatsLine:
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
         return text
 
-    def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float, drafter_up: bool = True) -> None:
+    def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float, drafter_up: bool = True,
+                  detached: bool = False) -> None:
         if self.due(now):
-            log.info("%s", self.line(running, waiting, kv_usage, drafter_up))
+            log.info("%s", self.line(running, waiting, kv_usage, drafter_up, detached))
