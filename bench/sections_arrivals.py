@@ -1,6 +1,9 @@
 """Benchmark section ``arrivals``: a closed-loop load in process on an engine built as the verifier builds
 it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR, default: the shipped one) at concurrency 8 and 64, every finished
-request replaced at once by the next prompt, 120 new tokens, greedy — target-only, the default policy,
+request replaced at once by the next prompt, 60–180 new tokens (drawn in the same seeded order for every
+mode: real traffic's answers differ in length, and answers of one length would keep target-only's batch in
+lockstep — every request finishing in the same step, their successors prefilled together — which no
+served traffic does), greedy — target-only, the default policy,
 speculating always, and a drafter beside a batch whose policy never speculates (what a drafter costs that
 never pays: after a second it is detached, tandem.speculative.attachment); → tokens/s and, per kind of step (plain or speculative, its run length, whether it
 prefilled, decoded, ran queued on the device), how many, their mean time and the tokens they emitted.
@@ -11,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -27,9 +31,13 @@ def _step_kind(info) -> str:
 def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dict:
     from tandem.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+    lengths = random.Random(concurrency)
+
+    def params():
+        return SamplingParams(temperature=0.0, max_new_tokens=lengths.randint(60, 180), ignore_eos=True)
+
     for i in range(concurrency):
-        engine.add_request(prompts[i % len(prompts)], params)
+        engine.add_request(prompts[i % len(prompts)], params())
     sent, tokens, kinds = concurrency, 0, collections.defaultdict(lambda: [0, 0.0, 0])
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
@@ -42,7 +50,7 @@ def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dic
         for o in outputs:
             if o.finish_reason is not None:
                 engine.requests.pop(o.rid, None)
-                engine.add_request(prompts[sent % len(prompts)], params)
+                engine.add_request(prompts[sent % len(prompts)], params())
                 sent += 1
     elapsed = time.perf_counter() - started
     while engine.has_unfinished():
