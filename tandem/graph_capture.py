@@ -118,9 +118,13 @@ class GraphRunner:
         (sizing the static outputs); replays then run the bodies."""
         for _, members in self.capture_plan():
             for member in members:
-                largest = self.member_buckets(member)[-1]
-                self._pad_all(member, largest)
-                self._body(member, largest)
+                bs = self.static_warmup_bucket(member)
+                self._pad_all(member, bs)
+                self._body(member, bs)
+
+    def static_warmup_bucket(self, member) -> int:
+        """The bucket ``run_statically`` runs ``member`` at: the largest, as a capture's warm-up."""
+        return self.member_buckets(member)[-1]
 
     def _capture_one(self, member, bs: int) -> torch.cuda.CUDAGraph:
         self._pad_all(member, bs)
