@@ -133,7 +133,7 @@ class PrefillFamily(GraphFamily):
         w, device = self.width, self.input_ids.device
         hidden, features = runner.model(self.input_ids[: bs * w], self.positions[: bs * w], self.meta(bs), runner.kv,
                                         runner.graph_backend, layers)
-        logits = runner.model.logits(hidden.view(bs, w, -1)[:, -1])
+        logits = runner.model.logits(hidden.reshape(bs, w, -1)[:, -1])
         if self.logits is None:  # the first (largest) bucket's warm-up sizes the outputs
             self.logits = torch.empty(self.buckets[-1], logits.shape[1], dtype=logits.dtype, device=device)
             if features is not None:
