@@ -91,6 +91,12 @@ DISABLE_GRAPH = Flag(("--disable-cuda-graph", "--enforce-eager"),
                      dict(action="store_true", help="run every forward eagerly (no CUDA graphs)"))
 GRAPH_MAX_BS = Flag(("--cuda-graph-max-bs",), dict(type=int, default=e.cuda_graph_max_bs,
                                                    help="largest batch (requests) captured as a CUDA graph"))
+PREFILL_GRAPH_TOKENS = Flag(("--prefill-graph-tokens",), dict(
+    type=int, default=e.prefill_graph_tokens, help="prompt chunks up to this many tokens, in steps of prompts alone, "
+                                                   "run on CUDA graphs (each padded to a width 16, 32, ... this); "
+                                                   "0: prefill eagerly"))
+PREFILL_GRAPH_MAX_BS = Flag(("--prefill-graph-max-bs",), dict(
+    type=int, default=e.prefill_graph_max_bs, help="most prompt chunks in one graphed prefill step"))
 DECODE_STEPS = Flag(("--decode-steps",), dict(
     type=int, default=None, help="plain decode steps queued back to back while no request speculates and no prompt "
                                  "waits; their tokens stream together (default: 4 with CUDA graphs, else 1; one "
@@ -146,7 +152,8 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
     default=None, metavar="FILE", help=f"the internal plane's shared secret (Rounds, Reload), from FILE instead of "
                                        f"${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
-ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
+ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
+                PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE)
 # The drafter service takes these of them too (its own graphs and dtype).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)

@@ -43,6 +43,7 @@ def generate_settings(args: argparse.Namespace) -> tuple:
                        tp_size=args.tp_size, mem_fraction_static=args.mem_fraction_static, kv_pages=args.kv_pages,
                        max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
+                       prefill_graph_tokens=args.prefill_graph_tokens, prefill_graph_max_bs=args.prefill_graph_max_bs,
                        spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs,
                        chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
                        mixed_prefill=args.enable_mixed_chunk or None, logprobs_mode=args.logprobs_mode,

@@ -68,6 +68,10 @@ class GraphRunner:
         """Stage ``bs`` padding rows (their KV goes to the dummy page only), for a capture."""
         raise NotImplementedError
 
+    def member_buckets(self, member) -> list[int]:
+        """The batch sizes ``member`` is captured at: the runner's buckets unless a member has its own."""
+        return self.buckets
+
     # -- buckets, guards, replays --------------------------------------------------------------------
     def bucket(self, n: int) -> int | None:
         """The captured batch size ``n`` requests pad to (None: more than the largest)."""
@@ -96,7 +100,7 @@ class GraphRunner:
             free_before = torch.cuda.mem_get_info(self.device)[0]
             started = time.perf_counter()
             for member in members:
-                for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                for bs in reversed(self.member_buckets(member)):  # largest first: smaller graphs reuse its pool memory
                     with self.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
                         self.graphs[(member, bs)] = self._capture_one(member, bs)
             torch.cuda.synchronize(self.device)
@@ -114,8 +118,13 @@ class GraphRunner:
         (sizing the static outputs); replays then run the bodies."""
         for _, members in self.capture_plan():
             for member in members:
-                self._pad_all(member, self.max_bs)
-                self._body(member, self.max_bs)
+                bs = self.static_warmup_bucket(member)
+                self._pad_all(member, bs)
+                self._body(member, bs)
+
+    def static_warmup_bucket(self, member) -> int:
+        """The bucket ``run_statically`` runs ``member`` at: the largest, as a capture's warm-up."""
+        return self.member_buckets(member)[-1]
 
     def _capture_one(self, member, bs: int) -> torch.cuda.CUDAGraph:
         self._pad_all(member, bs)

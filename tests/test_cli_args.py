@@ -234,7 +234,7 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     t, d = folders
     argvs = _argvs(_up(["--model", t, "--draft-model", d, "--mem-fraction-static", "0.7", "--dtype", "bfloat16",
                         "--enforce-eager", "--cuda-graph-max-bs", "8", "--kv-pages", "100", "--max-num-seqs", "4",
-                        "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5",
+                        "--prefill-graph-tokens", "64", "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5",
                         "--enable-log-requests", "--log-requests-level", "2", "--max-concurrent-requests", "9",
                         "--generation-config", "vllm", "--max-tokens-limit", "99", "--drafter-metrics-port", "7"]))
     parsers = {"drafter": drafter_parser(), "verifier": verifier_parser(), "gateway": gateway_parser()}
@@ -244,6 +244,7 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
             v.max_running_requests, v.speculation_policy, v.decode_steps, v.log_stats_interval) == \
         (0.7, "bfloat16", True, 8, 100, 4, "always", 2, 5.0)
     assert v.drafter == "127.0.0.1:2" and v.draft_model == d and v.metrics_port == 3
+    assert (v.prefill_graph_tokens, v.prefill_graph_max_bs) == (64, 8)
     dr = parsed["drafter"]
     assert (dr.dtype, dr.disable_cuda_graph, dr.cuda_graph_max_bs, dr.port) == ("bfloat16", True, 8, 2)
     assert "--enforce-eager" not in argvs["verifier"] and "--disable-cuda-graph" in argvs["verifier"]

@@ -117,6 +117,7 @@ class VerifierConfig:
                               page_size=a.page_size,
                               mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
                               disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                              prefill_graph_tokens=a.prefill_graph_tokens, prefill_graph_max_bs=a.prefill_graph_max_bs,
                               load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
                               spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
                               chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,

@@ -3,7 +3,7 @@ planning on the host before a replay.
 
 Per layer: one kernel rotates q and k and stores k and v in the paged pool, one kernel attends
 (decode, or a fixed-width tree / extension with its mask). The metadata is a GraphMeta of static
-buffers (tandem.engine.cuda_graph) that the runner refills before each replay.
+buffers (tandem.engine.graph_buffers) that the runner refills before each replay.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """MLA inside CUDA graphs: decode and fixed-width verification of a latent-cache model (DeepSeek-V3,
-Kimi-K2) on the static buffers of tandem.engine.cuda_graph's GraphMeta.
+Kimi-K2) on the static buffers of tandem.engine.graph_buffers' GraphMeta.
 
 Always the absorbed form (every graphed forward extends cached sequences), through the Triton latent
 kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes only; the latent's norm,
@@ -21,6 +21,9 @@ class MLAGraphBackend:
 
     def __init__(self):
         self._uniform: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Outgrown offsets stay alive: graphs captured on them (a prefill family and a verify family of one
+        # width, different largest buckets) still read them.
+        self._outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def plan(self, meta) -> None:  # static buffers: nothing to prepare
         pass
@@ -29,6 +32,8 @@ class MLAGraphBackend:
         """(cu_q_lens [bs + 1], mask widths [bs]) of ``bs`` sequences of ``width`` new tokens each."""
         held = self._uniform.get((width, device))
         if held is None or held[1].shape[0] < bs:
+            if held is not None:
+                self._outgrown.append(held)
             held = self._uniform[(width, device)] = (
                 torch.arange(bs + 1, dtype=torch.int32, device=device) * width,
                 torch.full((bs,), width, dtype=torch.int32, device=device))

@@ -43,6 +43,10 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # --disable-cuda-graph: every forward eager (CPU runs always are)
     cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured batch (requests)
     cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
+    # --prefill-graph-tokens: prompt chunks up to this long, in batches of prompts alone, run on CUDA graphs (families
+    # of widths 16, 32, ... this, each chunk padded to one; tandem.engine.prefill_graphs); 0 = every prefill eager
+    prefill_graph_tokens: int = 128
+    prefill_graph_max_bs: int = 8  # --prefill-graph-max-bs: most prompt chunks in one graphed prefill
     graph_decode_features: bool = False  # decode graphs also output EAGLE-3 features (traffic capture without a drafter)
     # The graphed paths' static buffers without capturing graphs (a replay runs the captured code eagerly): how the
     # CPU tests drive those paths, TP ranks included (the attention then needs TRITON_INTERPRET=1 on a CPU)
@@ -78,6 +82,9 @@ class EngineConfig:
             raise ConfigError(f"--context-length must be >= 2, got {self.context_length}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got '{self.logprobs_mode}'")
+        if self.prefill_graph_tokens < 0 or self.prefill_graph_max_bs < 1:
+            raise ConfigError(f"--prefill-graph-tokens must be >= 0 (0: off) and --prefill-graph-max-bs >= 1, got "
+                              f"{self.prefill_graph_tokens} and {self.prefill_graph_max_bs}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:

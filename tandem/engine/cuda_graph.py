@@ -1,17 +1,17 @@
 """CUDA graphs for the target's uniform-width forwards: plain decode (width 1) and tree verification
-(width = num_draft_tokens per request).
+(width = num_draft_tokens per request); and, through tandem.engine.prefill_graphs, for batches of short
+prompt chunks (each padded to a prefill family's width).
 
 One graph per (width, padded batch size), captured by tandem.graph_capture. Each graph reads static
 input buffers (token ids, positions, KV slots, block tables, KV lengths, tree masks) and writes static
 outputs (logits, and for verification the EAGLE-3 features). Padding rows write their KV into the
-reserved dummy page 0 and are never read back. Everything else — prefill, mixed widths, batches beyond
-the largest bucket — runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
+reserved dummy page 0 and are never read back. Everything else — long prompts, mixed widths, batches
+beyond the largest bucket — runs eagerly, which is also what ``--disable-cuda-graph`` and CPU runs do.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,87 +20,64 @@ from tandem.distributed import broadcast_tensor
 from tandem.forward_batch import ForwardBatch
 from tandem.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
+from tandem.engine.graph_buffers import GraphFamily, own_float
+from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk, prefill_buckets
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.watchdog import Watchdog
 
 
-@dataclass
-class GraphMeta:
-    """The attention metadata a graph reads: static tensors, filled before every replay."""
-
-    num_seqs: int
-    q_len: int  # tokens per sequence (the family's width)
-    block_tables: torch.Tensor  # int32 [bs, max_pages]
-    kv_lens: torch.Tensor  # int32 [bs]
-    slot_mapping: torch.Tensor  # int64 [bs * q_len]
-    tree_mask: torch.Tensor | None  # bool [bs, q_len, q_len] over the last q_len keys; None for decode
-    page_size: int
-
-
-class _Family:
-    """Static buffers of one width (its graphs are the runner's, keyed (width, bucket))."""
-
-    def __init__(self, width: int, max_bs: int, max_pages: int, page_size: int, device: torch.device):
-        n = max_bs * width
-        self.width = width
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
-        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if width > 1 else None
-        self.causal = np.tril(np.ones((width, width), dtype=np.int64))  # the mask of a sequence without a tree
-        # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
-        # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
-        self.logits: torch.Tensor | None = None  # [max_bs * width, vocab], model dtype
-        self.features: torch.Tensor | None = None  # [max_bs * width, 3H] (verification only)
-        self.page_size = page_size
-
-    def meta(self, bs: int) -> GraphMeta:
-        w = self.width
-        return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],
-                         self.mask[:bs] if self.mask is not None else None, self.page_size)
-
-
-def _own_float(logits: torch.Tensor) -> torch.Tensor:
-    """The logits as float32 in a tensor of their own: in float32 ``.float()`` would return the static
-    buffer itself, which the family's next replay overwrites under a caller that keeps them."""
-    return logits.clone() if logits.dtype == torch.float32 else logits.float()
-
-
 class TargetGraphRunner(GraphRunner):
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
-                 capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None):
+                 capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None,
+                 prefill_widths: tuple[int, ...] = (), prefill_max_bs: int = 8):
         """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend). Graphs are keyed
-        (width, bucket)."""
+        (width, bucket), a prefill family's (("prefill", width), bucket) (tandem.engine.prefill_graphs)."""
         super().__init__(runner.device, batch_buckets(max_bs), log_name="tandem.cuda_graph", watchdog=watchdog,
                          use_graphs=runner.device.type == "cuda" if use_graphs is None else use_graphs,
                          capture_deadline_s=capture_deadline_s, replay_deadline_s=replay_deadline_s)
         self.runner = runner
         self.page_size = runner.cfg.page_size
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
-        self.families = {w: _Family(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
+        self.families = {w: GraphFamily(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
+        buckets = prefill_buckets(prefill_max_bs)
+        self.prefill = {w: PrefillFamily(w, buckets, self.max_pages, self.page_size, self.device) for w in prefill_widths}
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
-        self.staging = PinnedStaging(max(self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths), self.device)
+        self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
+                                         + [f.staging_size for f in self.prefill.values()]), self.device)
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
         self.decode_features = any(w > 1 for w in widths) or runner.cfg.graph_decode_features
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_plan(self) -> list[tuple[str, list]]:
-        return [(self._family_name(w), [w]) for w in sorted(self.families, reverse=True)]
+        members = [w for w in sorted(self.families, reverse=True)]
+        members += [f.key for _, f in sorted(self.prefill.items(), reverse=True)]
+        return [(self._family_name(m), [m]) for m in members]
 
     @staticmethod
-    def _family_name(width: int) -> str:
-        return "decode" if width == 1 else f"verify(width={width})"
+    def _family_name(member) -> str:
+        if isinstance(member, tuple):
+            return f"prefill(width={member[1]})"
+        return "decode" if member == 1 else f"verify(width={member})"
 
-    def _pad_all(self, width: int, bs: int) -> None:
-        self._fill_padding(self.families[width], 0, bs)
+    def member_buckets(self, member) -> list[int]:
+        return self.prefill[member[1]].buckets if isinstance(member, tuple) else self.buckets
 
-    def _body(self, width: int, bs: int) -> None:
-        self._run_model(self.families[width], bs)
+    def static_warmup_bucket(self, member) -> int:
+        # a prefill family sizes its outputs for its largest bucket at any: the smallest is the cheapest (the CPU
+        # tests' interpreted kernels)
+        return self.member_buckets(member)[0] if isinstance(member, tuple) else super().static_warmup_bucket(member)
 
-    def _run_model(self, fam: _Family, bs: int) -> None:
+    def _pad_all(self, member, bs: int) -> None:
+        self._fill_padding(self.prefill[member[1]] if isinstance(member, tuple) else self.families[member], 0, bs)
+
+    def _body(self, member, bs: int) -> None:
+        if isinstance(member, tuple):
+            self.prefill[member[1]].run_model(self.runner, bs, self.runner.capture_layers if self.decode_features else ())
+        else:
+            self._run_model(self.families[member], bs)
+
+    def _run_model(self, fam: GraphFamily, bs: int) -> None:
         n = bs * fam.width
         r = self.runner
         layers = r.capture_layers if fam.width > 1 or self.decode_features else ()
@@ -117,8 +94,22 @@ class TargetGraphRunner(GraphRunner):
 
     # -- replay ----------------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:
+        return bool(batch.seqs) and (self._uniform_fits(batch) or self._prefill_family(batch) is not None)
+
+    def _prefill_family(self, batch: ForwardBatch) -> PrefillFamily | None:
+        """The narrowest prefill family for a batch of prompt chunks alone, if one takes it."""
+        if not self.prefill or not all(is_prompt_chunk(s) for s in batch.seqs):
+            return None
+        if batch.capture_features and not self.decode_features:
+            return None  # (as a decode graph's rule)
+        longest = max(len(s.token_ids) for s in batch.seqs)
+        fam = next((f for w, f in sorted(self.prefill.items()) if w >= longest), None)
+        return fam if fam is not None and fam.takes(batch) else None
+
+    def _uniform_fits(self, batch: ForwardBatch) -> bool:
+        """A decode or verify family takes the batch: every sequence as wide as the family."""
         seqs = batch.seqs
-        if not seqs or len(seqs) > self.max_bs:
+        if len(seqs) > self.max_bs:
             return False
         width = len(seqs[0].token_ids)
         fam = self.families.get(width)
@@ -127,7 +118,7 @@ class TargetGraphRunner(GraphRunner):
         if batch.capture_features and width == 1 and not self.decode_features:
             return False  # features asked of a decode graph captured without them: eager (correct, slower)
         if width > 1 and any(s.logits != "all" for s in seqs):
-            return False  # the graph returns every row's logits: a short prompt (one row wanted) is eager
+            return False  # the graph returns every row's logits: a prompt (one row wanted) is a prefill family's
         # a tree mask must cover exactly the new tokens (verification); the last W keys of drafting are eager
         return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
 
@@ -135,14 +126,25 @@ class TargetGraphRunner(GraphRunner):
     def run(self, batch: ForwardBatch, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the bucket that fits ``batch``. ``sync=False`` returns as soon as the replay is queued
         (the caller queues more work behind it and waits later, under ``guard``)."""
-        fam, bs, m = self.prepare(batch)
+        member, bs, outputs = self._stage(batch)
         # A hang shows at the first wait on the replay's work; the caller reads the logits right after
         # anyway, so waiting here costs nothing and puts the hang inside the guard.
-        with self.guard(self._replay_name(fam, bs)):
-            self._launch(fam.width, bs)
+        with self.guard(self._replay_name(member, bs)):
+            self._launch(member, bs)
             if sync and self.device.type == "cuda":  # (CPU tests stand replays in with eager code)
                 torch.cuda.current_stream(self.device).synchronize()
-        return _own_float(fam.logits[:m]), (fam.features[:m] if fam.features is not None else None)
+        return outputs()
+
+    def _stage(self, batch: ForwardBatch) -> tuple[object, int, object]:
+        """Fill the static inputs of the family that takes ``batch`` → (its member, bucket, a function that
+        reads the replay's (float32 logits, features) into tensors of the caller's own)."""
+        fam = None if self._uniform_fits(batch) else self._prefill_family(batch)
+        if fam is not None:
+            bs, n, real = fam.stage(batch, self.staging)
+            self._fill_padding(fam, n, bs)
+            return fam.key, bs, lambda: fam.outputs(n, real, batch.capture_features)
+        fam, bs, m = self.prepare(batch)
+        return fam.width, bs, lambda: (own_float(fam.logits[:m]), fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
@@ -167,16 +169,16 @@ class TargetGraphRunner(GraphRunner):
             token = pick(logits, feats if features else None, k)
         return fam, bs, token
 
-    def replay_prepared(self, fam: _Family, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def replay_prepared(self, fam: GraphFamily, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay bucket ``bs`` of ``fam`` on the static inputs as they stand (``prepare``d, then
         ``advance``d), without waiting: → views of the first ``n`` sequences' logits (model dtype) and
         features, valid until the family's next replay."""
-        with self.guard(self._replay_name(fam, bs)):
+        with self.guard(self._replay_name(fam.width, bs)):
             self._launch(fam.width, bs)
         m = n * fam.width
         return fam.logits[:m], (fam.features[:m] if fam.features is not None else None)
 
-    def advance(self, fam: _Family, n: int, ids: torch.Tensor, by: torch.Tensor | int) -> None:
+    def advance(self, fam: GraphFamily, n: int, ids: torch.Tensor, by: torch.Tensor | int) -> None:
         """Stage, on the device, the next forward of the ``n`` sequences the static inputs hold: ``ids``
         ([n, width] device tokens) in, each sequence moved ``by`` tokens further (an int, or a device
         int64 [n]) — positions, KV lengths and slots follow through the block tables, which must
@@ -189,31 +191,31 @@ class TargetGraphRunner(GraphRunner):
         fam.kv_lens[:n] += by
         fam.slots[: n * w].view(n, w).copy_(page_slots(fam.block_tables[:n], positions, ps))
 
-    def share_inputs(self, fam: _Family, n: int) -> None:
+    def share_inputs(self, fam: GraphFamily, n: int) -> None:
         """Several ranks: the first ``n`` sequences' inputs as rank 0 advanced them on the device (tokens,
         positions, slots, lengths) become every rank's, by device broadcasts queued before the replay."""
         w = fam.width
         for t in (fam.input_ids[: n * w], fam.positions[: n * w], fam.slots[: n * w], fam.kv_lens[:n]):
             broadcast_tensor(t)
 
-    def restage_pages(self, fam: _Family, tables: list) -> None:
+    def restage_pages(self, fam: GraphFamily, tables: list) -> None:
         """Copy the block tables of the sequences the static inputs hold again (more pages were reserved
         for forwards queued further), leaving positions, lengths and slots as the device advanced them."""
         rows = send_page_rows(self.staging, tables)
         fam.block_tables[: rows.shape[0], : rows.shape[1]].copy_(rows)
 
-    def _replay_name(self, fam: _Family, bs: int) -> str:
-        return f"replay {self._family_name(fam.width)} cuda graph bs={bs}"
+    def _replay_name(self, member, bs: int) -> str:
+        return f"replay {self._family_name(member)} cuda graph bs={bs}"
 
     @torch.inference_mode()
     def run_static_eagerly(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the graph computes, without the graph: the static buffers, kernels and padding, run
         eagerly. Lets the CPU tests (Triton's interpreter) check everything but capture itself."""
-        fam, bs, m = self.prepare(batch)
-        self._run_model(fam, bs)
-        return _own_float(fam.logits[:m]), (fam.features[:m] if fam.features is not None else None)
+        member, bs, outputs = self._stage(batch)
+        self._body(member, bs)
+        return outputs()
 
-    def prepare(self, batch: ForwardBatch) -> tuple[_Family, int, int]:
+    def prepare(self, batch: ForwardBatch) -> tuple[GraphFamily, int, int]:
         """Fill the static inputs of the bucket that fits ``batch`` (one host→device copy); → (family,
         bucket, real rows)."""
         seqs = batch.seqs
@@ -262,7 +264,7 @@ class TargetGraphRunner(GraphRunner):
         self._fill_padding(fam, n, bs)
         return fam, bs, m
 
-    def _fill_padding(self, fam: _Family, start: int, bs: int) -> None:
+    def _fill_padding(self, fam: GraphFamily, start: int, bs: int) -> None:
         """Rows [start, bs) of a padded batch: their KV goes to the dummy page, they see only it."""
         if start >= bs:
             return

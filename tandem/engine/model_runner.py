@@ -84,11 +84,14 @@ class ModelRunner:
         if wanted and graphable:
             from tandem.attention.graph_backend import make_graph_backend
             from tandem.engine.cuda_graph import TargetGraphRunner
+            from tandem.engine.prefill_graphs import prefill_widths
 
             latent = spec.entries == 1
             self.graph_backend = make_graph_backend(latent)
             widths = graph_widths(cfg.cuda_graph_widths, latent)
-            self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path)
+            self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path,
+                                            prefill_widths=prefill_widths(cfg.prefill_graph_tokens),
+                                            prefill_max_bs=cfg.prefill_graph_max_bs)
             if cfg.static_graph_path:
                 self.graphs.run_statically()
             else:

@@ -228,3 +228,86 @@ def test_capture_logs_time_and_memory(target, caplog):
     run(target, prompts(1), graphs=True, new=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Capture decode cuda graph end.")]
     assert lines and "Time elapsed:" in lines[0] and "mem usage=" in lines[0] and "avail mem=" in lines[0]
+
+
+def _greedy_with_arrivals(target, graphs: bool) -> list[list[int]]:
+    """float32 greedy: two prompts, then two more at each of steps 3 and 6 while they decode (steps of prompts
+    apart, on the prefill graphs when ``graphs``)."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    batch, params = prompts(6), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    cfg = EngineConfig(model=str(target), device="cuda", dtype="float32", disable_cuda_graph=not graphs,
+                       cuda_graph_max_bs=16, page_size=16, kv_pages=2048, decode_steps=1)
+    with LLMEngine(cfg) as eng:
+        rids = [eng.add_request(p, params) for p in batch[:2]]
+        done, steps = {}, 0
+        while eng.has_unfinished():
+            for out in eng.step():
+                done.setdefault(out.rid, []).extend(out.new_token_ids)
+            steps += 1
+            if steps in (3, 6):
+                rids += [eng.add_request(p, params) for p in batch[2 + 2 * (steps == 6) : 4 + 2 * (steps == 6)]]
+        return [done[r] for r in rids]
+
+
+def test_prefill_graphs_greedy_equals_eager(target, monkeypatch):
+    """Prompts arriving while others decode are prefilled on the prefill graph families (captured for real):
+    greedy output identical to --disable-cuda-graph's in float32, and the prefill graphs were replayed."""
+    from tandem.engine.cuda_graph import TargetGraphRunner
+
+    launched = []
+    launch = TargetGraphRunner._launch
+    monkeypatch.setattr(TargetGraphRunner, "_launch", lambda self, member, bs: launched.append(member) or
+                        launch(self, member, bs))
+    graphed = _greedy_with_arrivals(target, True)
+    assert sum(isinstance(m, tuple) for m in launched) >= 3, launched  # the first prompts, then each arrival pair
+    assert graphed == _greedy_with_arrivals(target, False)
+
+
+def test_timing_prefill_step_of_8_prompts_graphed_vs_eager(tmp_path):
+    """Not a check (run with -s): one prefill step of 8 prompts of 100 tokens on a Llama-3-8B-shaped random
+    target in bf16, replayed on the prefill graphs vs run eagerly; and what capturing the prefill families cost."""
+    import dataclasses
+    import json
+    import time
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
+    from tandem.kv_cache import SequenceKV
+    from tandem.models.random_checkpoint import LLAMA_8B, hf_config
+
+    shape = dataclasses.replace(LLAMA_8B, max_position_embeddings=4096)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(shape, "bfloat16")))
+    cfg = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", load_format="random", kv_pages=1024,
+                       cuda_graph_max_bs=16)
+    with LLMEngine(cfg) as eng:
+        runner = eng.executor.runner
+        for name, (seconds, gb) in runner.graph_report.items():
+            print(f"capture {name}: {seconds:.2f} s, {gb:.2f} GB")
+        g = torch.Generator().manual_seed(0)
+        chunks = []
+        for _ in range(8):
+            kv = SequenceKV(eng.allocator)
+            kv.reserve(100)
+            chunks.append(SequenceChunk(torch.randint(0, 128000, (100,), generator=g).tolist(), 0, list(kv.pages)))
+        batch = ForwardBatch(chunks)
+        assert runner.graphs.can_run(batch)
+
+        def per_step_ms(reps=20):
+            for _ in range(3):
+                runner.forward(batch)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(reps):
+                runner.forward(batch)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - started) / reps * 1e3
+
+        graphed = per_step_ms()
+        graphs, runner.graphs = runner.graphs, None
+        eager = per_step_ms()
+        runner.graphs = graphs
+    print(f"prefill step, 8 prompts x 100 tokens, 8B-shaped bf16: graphed {graphed:.2f} ms, eager {eager:.2f} ms")

@@ -1,0 +1,58 @@
+"""The static buffers of the target's graph families (tandem.engine.cuda_graph, .prefill_graphs): what a
+graph reads (token ids, positions, KV slots, block tables, KV lengths, masks) and the GraphMeta its
+attention sees. The host refills them before every replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class GraphMeta:
+    """The attention metadata a graph reads: static tensors, filled before every replay."""
+
+    num_seqs: int
+    q_len: int  # tokens per sequence (the family's width)
+    block_tables: torch.Tensor  # int32 [bs, max_pages]
+    kv_lens: torch.Tensor  # int32 [bs]
+    slot_mapping: torch.Tensor  # int64 [bs * q_len]
+    tree_mask: torch.Tensor | None  # bool [bs, q_len, q_len] over the last q_len keys; None: causal
+    page_size: int
+
+
+class GraphFamily:
+    """Static buffers of one width (its graphs are the runner's, keyed by member and bucket). ``masked``:
+    a mask buffer for tree masks (verification); without it the attention is causal."""
+
+    def __init__(self, width: int, max_bs: int, max_pages: int, page_size: int, device: torch.device,
+                 masked: bool = True):
+        n = max_bs * width
+        self.width = width
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
+        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        masked = masked and width > 1
+        self.mask = torch.ones(max_bs, width, width, dtype=torch.bool, device=device) if masked else None
+        # the mask of a sequence without a tree
+        self.causal = np.tril(np.ones((width, width), dtype=np.int64)) if masked else None
+        # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
+        # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
+        self.logits: torch.Tensor | None = None  # [max_bs * width, vocab], model dtype
+        self.features: torch.Tensor | None = None  # [max_bs * width, 3H] (verification only)
+        self.page_size = page_size
+
+    def meta(self, bs: int) -> GraphMeta:
+        w = self.width
+        return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],
+                         self.mask[:bs] if self.mask is not None else None, self.page_size)
+
+
+def own_float(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as float32 in a tensor of their own: in float32 ``.float()`` would return the static
+    buffer itself, which the family's next replay overwrites under a caller that keeps them."""
+    return logits.clone() if logits.dtype == torch.float32 else logits.float()
