@@ -80,10 +80,13 @@ def arrivals(ctx: dict) -> dict:
     base = ["--model", str(folder / "target"), "--device", device, "--dtype", dtype, "--kv-pages", "12288"]
     spec = ["--drafter", "in-process", "--draft-model", str(folder / "draft"), *SPEC_FLAGS]
     modes = {"target-only": base, "policy": base + spec, "always": base + spec + ["--speculation-policy", "always"],
-             "never-speculating": base + spec}  # a drafter whose policy never speculates: what it costs
+             "never-speculating": base + spec,  # a drafter whose policy never speculates: what it costs
+             "target-only-eager-prefill": base + ["--prefill-graph-tokens", "0"]}  # (only when asked for)
+    # TANDEM_BENCH_ARRIVALS_MODES: a comma-separated subset (default: the first four)
+    wanted = os.environ.get("TANDEM_BENCH_ARRIVALS_MODES", "target-only,policy,always,never-speculating").split(",")
     seconds = 2.0 if ctx["quick"] else 8.0  # (a detached drafter attaches again after 2, 4, 8 s)
     out = {}
-    for mode, argv in modes.items():
+    for mode, argv in ((m, modes[m]) for m in wanted):
         args = build_parser().parse_args(argv)
         engine, _, _ = build_engine(VerifierConfig.from_args(args, args.model), VerifierMetrics())
         if mode == "never-speculating":

@@ -20,7 +20,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared by identity (the scheduler's `in` tests run per step)
 class Request:
     rid: str
     prompt: list[int]
