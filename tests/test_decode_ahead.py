@@ -42,6 +42,20 @@ def test_greedy_tokens_equal_one_step_decoding_and_hf(llama):
     assert len(four_steps) < len(one_steps) / 2
 
 
+def test_a_request_at_its_budget_does_not_cut_the_others_run(llama):
+    """The request with 6 new tokens ends inside the second run: it takes what it has left (1), the others
+    take a whole run in that step (the rest of its run is computed and dropped), not a run cut to one."""
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    four, four_steps, _ = _run(llama.path, 4, greedy)
+    assert [len(o) for o in four] == MAX_NEW
+    done = 0
+    for counts in four_steps:  # the step where the second request reaches its 6 tokens
+        done += counts[1]
+        if done == MAX_NEW[1]:
+            break
+    assert counts[1] < 4 and counts[0] == counts[2] == 4, four_steps
+
+
 def test_seeded_sampling_draws_the_same_tokens(llama):
     sampled = [SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_new_tokens=MAX_NEW[0], ignore_eos=True),
                SamplingParams(temperature=1.0, top_k=20, seed=8, max_new_tokens=MAX_NEW[1], ignore_eos=True),

@@ -10,7 +10,7 @@ last step. The host's work now overlaps the GPU's. (Speculative rounds are queue
 tandem.speculative.chain_rounds.)
 
 What this changes for a request: pages for all the steps are reserved up front, and a request that
-stops early (EOS, a stop token) has its later tokens computed and dropped (its KV beyond the stop is
+stops early (EOS, a stop token, its token budget) has its later tokens computed and dropped (its KV beyond the stop is
 released at commit, as after a speculative round). Streaming delivers the steps' tokens together.
 Greedy tokens are those of one-step decoding; a sampled request draws its uniforms from its own
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
@@ -179,8 +179,12 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     for req in reqs:
         if engine.tree_width(req) != 1 or (engine.processed_logprobs and req.params.logprobs is not None):
             return none  # (runs record raw logprobs only)
-        # never past a request's token budget or the context: only a stop token wastes steps
-        steps = min(steps, req.params.max_new_tokens - len(req.output) - queued, context - req.num_tokens - queued)
+        steps = min(steps, context - req.num_tokens - queued)  # never past the context
+    # Past the budget of the request with the most tokens to go, no step is of use. A request that reaches its own
+    # budget within the run has the rest of it computed and dropped, as after a stop token: under traffic whose
+    # answers differ in length one of many requests is nearly always a step or two from its end, and cutting every
+    # run to it would make most steps single ones.
+    steps = min(steps, max(req.params.max_new_tokens - len(req.output) - queued for req in reqs))
     if steps <= (0 if queued else 1):
         return none
     # Reserving the extra steps' pages must not preempt anyone that one-step decoding would keep.
