@@ -93,7 +93,8 @@ GRAPH_MAX_BS = Flag(("--cuda-graph-max-bs",), dict(type=int, default=e.cuda_grap
                                                    help="largest batch (requests) captured as a CUDA graph"))
 PREFILL_GRAPH_TOKENS = Flag(("--prefill-graph-tokens",), dict(
     type=int, default=e.prefill_graph_tokens, help="prompt chunks up to this many tokens, in steps of prompts alone, "
-                                                   "run on CUDA graphs (each padded to a width 16, 32, ... this); "
+                                                   "run on CUDA graphs (each padded to a width 16, 32, ... this; not yet for "
+                                                   "latent-cache models); "
                                                    "0: prefill eagerly"))
 PREFILL_GRAPH_MAX_BS = Flag(("--prefill-graph-max-bs",), dict(
     type=int, default=e.prefill_graph_max_bs, help="most prompt chunks in one graphed prefill step"))

@@ -89,9 +89,13 @@ class ModelRunner:
             latent = spec.entries == 1
             self.graph_backend = make_graph_backend(latent)
             widths = graph_widths(cfg.cuda_graph_widths, latent)
+            # The latent kernel's causal mode at 16-128 rows is checked on the CPU (Triton's interpreter) but has not
+            # yet been captured on a GPU, where a tile can outgrow shared memory: latent models prefill eagerly there.
+            prefills = prefill_widths(cfg.prefill_graph_tokens) if cfg.static_graph_path or not latent else ()
+            if latent and cfg.prefill_graph_tokens and not prefills:
+                log.info("rank %d: prefill graphs are not used for a latent-cache model yet (eager prefill)", self.rank)
             self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path,
-                                            prefill_widths=prefill_widths(cfg.prefill_graph_tokens),
-                                            prefill_max_bs=cfg.prefill_graph_max_bs)
+                                            prefill_widths=prefills, prefill_max_bs=cfg.prefill_graph_max_bs)
             if cfg.static_graph_path:
                 self.graphs.run_statically()
             else:
