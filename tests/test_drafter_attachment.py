@@ -161,3 +161,28 @@ def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pa
         stats = {r: eng.requests[r].spec_stats.rounds for r in first + [late] + fresh}
     assert got == reference
     assert all(stats[r] == 0 for r in [late]) and all(stats[r] > 0 for r in fresh)
+
+
+def test_a_prompt_arriving_at_an_idle_engine_after_the_detached_period_speculates(pair):
+    """Detached, then the batch drains and the detached period ends while the engine is idle: the next prompt
+    starts on the drafter (the period's end is noticed before prompts are admitted) and speculates."""
+    greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    prompts = [random_prompt(700 + i, 9 + 3 * i) for i in range(4)]
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                            detached_first_s=5.0), clock)
+        speculate = [False]
+        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+        for p in prompts[:3]:
+            eng.add_request(p, greedy)
+        while not eng.attachment.detached:
+            eng.step()
+        while eng.has_unfinished():
+            eng.step()
+        speculate[0] = True
+        clock.now += 60.0  # idle for a minute: the 5 s detached period is long over
+        late = eng.add_request(prompts[3], greedy)
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.requests[late].spec_stats.rounds > 0

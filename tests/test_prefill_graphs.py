@@ -117,8 +117,9 @@ def test_prefill_family_takes_only_batches_of_short_prompt_chunks(engine):
     # a speculating batch: prompts beside verify rows (tree masks, every row's logits)
     verify = SequenceChunk([7, 8, 9, 10, 11], 12, pages, tree_mask=[[True] * 5] * 5, logits="all")
     assert family(chunk(10), verify) is None
-    # a batch of one-token chunks is the decode family's
-    assert graphs.can_run(ForwardBatch([chunk(1), chunk(1, prefix=4)])) and family(chunk(1), chunk(1, prefix=4)) == 16
+    # a batch of one-token chunks is a decode step: the decode family's (or eager past its buckets), never a prefill's
+    assert graphs._prefill_family(ForwardBatch([chunk(1), chunk(1, prefix=4)])) is None
+    assert graphs._prefill_family(ForwardBatch([chunk(1)] * 5)) is None
     assert graphs._uniform_fits(ForwardBatch([chunk(1), chunk(1, prefix=4)]))
     # features asked of graphs captured without them (no verify width, no traffic capture): eager
     plain = type(graphs)(runner, widths=(1,), max_bs=4, prefill_widths=(16,), prefill_max_bs=4)
@@ -174,3 +175,28 @@ def test_engine_greedy_with_prefill_graphs_equals_without(tmp_path, monkeypatch)
         assert (len(prefills) >= 3) == (tokens > 0), prefills  # the first prompts, then each pair of arrivals
         launched.clear()
     assert outputs[32] == outputs[0]
+
+
+def test_a_decode_run_wider_than_the_decode_graphs_but_within_a_prefill_bucket_runs(tmp_path, monkeypatch):
+    """--cuda-graph-max-bs 2 with --prefill-graph-max-bs 4: a run of decode steps of 3 requests fits no decode
+    graph and runs eagerly; three one-token chunks are not a prefill family's (whose graphs a run cannot step),
+    and the output is the eager engine's."""
+    from helpers import TorchGraphBackend, torch_prompts
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
+    from tandem.sampling import SamplingParams
+
+    path = write_random_llama(tmp_path / "t", LlamaShape(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        max_position_embeddings=256), seed=8, std=0.08)
+    monkeypatch.setattr("tandem.attention.graph_backend.make_graph_backend", lambda latent=False: TorchGraphBackend())
+    prompts = torch_prompts(9, (5, 12, 3))
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    outputs = {}
+    for graphs in (True, False):
+        cfg = EngineConfig(model=str(path), page_size=4, static_graph_path=graphs, cuda_graph_max_bs=2,
+                           decode_steps=4, prefill_graph_tokens=16, prefill_graph_max_bs=4)
+        with LLMEngine(cfg) as eng:
+            outputs[graphs] = [r.output_token_ids for r in eng.generate(prompts, params)]
+    assert outputs[True] == outputs[False]

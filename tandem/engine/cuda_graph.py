@@ -103,6 +103,8 @@ class TargetGraphRunner(GraphRunner):
         if batch.capture_features and not self.decode_features:
             return None  # (as a decode graph's rule)
         longest = max(len(s.token_ids) for s in batch.seqs)
+        if longest == 1:
+            return None  # single tokens are a decode step (its family, or eager: a run's graphs are the decode family's)
         fam = next((f for w, f in sorted(self.prefill.items()) if w >= longest), None)
         return fam if fam is not None and fam.takes(batch) else None
 

@@ -10,8 +10,8 @@ last step. The host's work now overlaps the GPU's. (Speculative rounds are queue
 tandem.speculative.chain_rounds.)
 
 What this changes for a request: pages for all the steps are reserved up front, and a request that
-stops early (EOS, a stop token, its token budget) has its later tokens computed and dropped (its KV beyond the stop is
-released at commit, as after a speculative round). Streaming delivers the steps' tokens together.
+stops early (EOS, a stop token, its token budget) has its later tokens computed and dropped (its KV beyond
+the stop is released at commit, as after a speculative round). Streaming delivers the steps' tokens together.
 Greedy tokens are those of one-step decoding; a sampled request draws its uniforms from its own
 generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
 
@@ -229,7 +229,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         if more:
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
-            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=run.features is not None and engine.drafts.keeping())
+            capture = run.features is not None and engine.drafts.keeping()  # (not once the drafter is detached)
+            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=capture)
         tokens = read_decode_steps(runner, run)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):

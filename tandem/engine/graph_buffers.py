@@ -42,8 +42,8 @@ class GraphFamily:
         self.causal = np.tril(np.ones((width, width), dtype=np.int64)) if masked else None
         # One output buffer per family, written by every bucket's graph: the graphs' temporaries are
         # freed after capture and reused from the shared pool, so memory is the largest bucket's, not the sum.
-        self.logits: torch.Tensor | None = None  # [max_bs * width, vocab], model dtype
-        self.features: torch.Tensor | None = None  # [max_bs * width, 3H] (verification only)
+        self.logits: torch.Tensor | None = None  # model dtype: [max_bs * width, vocab] (a prefill family: [max_bs, vocab])
+        self.features: torch.Tensor | None = None  # [max_bs * width, 3H], when the family captures features
         self.page_size = page_size
 
     def meta(self, bs: int) -> GraphMeta:

@@ -153,8 +153,10 @@ class LLMEngine:
         width (1: a plain step). Requests that cannot draft in a speculating step are verified as filler
         rows of that width (``DraftTree.padded``), so the batch keeps one width, one graphed forward."""
         running = self.scheduler.running
-        if not running:
-            return 1  # (the latest decision stands for the prompts about to be admitted)
+        if not running:  # (the latest decision stands for the prompts about to be admitted)
+            self.attachment.idle()
+            self._keep_attachment(asked=False)  # a detached period that ended while idle ends before they arrive
+            return 1
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(running))
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()

@@ -52,6 +52,10 @@ class DrafterAttachment:
         self._detached_until = 0.0
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
 
+    def idle(self) -> None:
+        """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding)."""
+        self._plain_since, self._plain_steps, self._spec_streak = None, 0, 0
+
     def pause(self) -> None:
         """Until ``resume``: neither detach nor count (the warm-up forces both kinds of step)."""
         self._paused += 1
