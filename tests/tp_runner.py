@@ -72,8 +72,10 @@ def run_job(job: dict) -> dict:
                 out["turns"], SamplingParams(max_new_tokens=8, ignore_eos=True))]
             out["turns_cache_hits"] = eng.prefix_cache.stats.hits
     if job.get("decode_steps"):  # greedy and sampled again, with runs of decode steps on the graphs' static path
+        # Prefill families 16 and 32 only (the prompts' batch is the 32's): on the static path their attention is
+        # interpreted Triton, so the chain rounds' engine below prefills eagerly (the prefill graphs are this one's).
         cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
-                           decode_steps=job["decode_steps"], cuda_graph_max_bs=4)
+                           decode_steps=job["decode_steps"], cuda_graph_max_bs=4, prefill_graph_tokens=32)
         with LLMEngine(cfg) as eng:
             runs = []
             for prompts, params in ((job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)
@@ -94,7 +96,7 @@ def run_job(job: dict) -> dict:
         from tandem.engine.speculative_setup import speculative_engine
 
         cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
-                           spec_rounds=job["spec_rounds"], cuda_graph_max_bs=4)
+                           spec_rounds=job["spec_rounds"], cuda_graph_max_bs=4, prefill_graph_tokens=0)  # (above)
         with speculative_engine(cfg, job["draft"], SpecConfig(*job["spec"]), policy=always_speculate()) as eng:
             rids = [eng.add_request(p, SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True))
                     for i, p in enumerate(job["prompts"])]
