@@ -60,37 +60,36 @@ class TargetGraphRunner(GraphRunner):
             return f"prefill(width={member[1]})"
         return "decode" if member == 1 else f"verify(width={member})"
 
+    def _family_of(self, member) -> GraphFamily:
+        """A member's static buffers: a width's decode or verify family, or ("prefill", width)'s."""
+        return self.prefill[member[1]] if isinstance(member, tuple) else self.families[member]
+
     def member_buckets(self, member) -> list[int]:
-        return self.prefill[member[1]].buckets if isinstance(member, tuple) else self.buckets
+        fam = self._family_of(member)
+        return fam.buckets if isinstance(fam, PrefillFamily) else self.buckets
 
     def static_warmup_bucket(self, member) -> int:
         # a prefill family sizes its outputs for its largest bucket at any: the smallest is the cheapest (the CPU
         # tests' interpreted kernels)
-        return self.member_buckets(member)[0] if isinstance(member, tuple) else super().static_warmup_bucket(member)
+        fam = self._family_of(member)
+        return fam.buckets[0] if isinstance(fam, PrefillFamily) else super().static_warmup_bucket(member)
 
     def _pad_all(self, member, bs: int) -> None:
-        self._fill_padding(self.prefill[member[1]] if isinstance(member, tuple) else self.families[member], 0, bs)
+        self._fill_padding(self._family_of(member), 0, bs)
 
     def _body(self, member, bs: int) -> None:
-        if isinstance(member, tuple):
-            self.prefill[member[1]].run_model(self.runner, bs, self.runner.capture_layers if self.decode_features else ())
+        fam = self._family_of(member)
+        if isinstance(fam, PrefillFamily):
+            fam.run_model(self.runner, bs, self.runner.capture_layers if self.decode_features else ())
         else:
-            self._run_model(self.families[member], bs)
+            self._run_model(fam, bs)
 
     def _run_model(self, fam: GraphFamily, bs: int) -> None:
         n = bs * fam.width
         r = self.runner
         layers = r.capture_layers if fam.width > 1 or self.decode_features else ()
         hidden, features = r.model(fam.input_ids[:n], fam.positions[:n], fam.meta(bs), r.kv, r.graph_backend, layers)
-        logits = r.model.logits(hidden)
-        if fam.logits is None:  # first (largest) bucket's warm-up sizes the family's outputs
-            fam.logits = torch.empty(self.max_bs * fam.width, logits.shape[1], dtype=logits.dtype, device=self.device)
-            if features is not None:
-                fam.features = torch.empty(self.max_bs * fam.width, features.shape[1], dtype=features.dtype,
-                                           device=self.device)
-        fam.logits[:n].copy_(logits)
-        if features is not None:
-            fam.features[:n].copy_(features)
+        fam.store(r.model.logits(hidden), features, self.max_bs * fam.width, self.max_bs * fam.width)
 
     # -- replay ----------------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:

@@ -46,6 +46,18 @@ class GraphFamily:
         self.features: torch.Tensor | None = None  # [max_bs * width, 3H], when the family captures features
         self.page_size = page_size
 
+    def store(self, logits: torch.Tensor, features: torch.Tensor | None, logit_rows: int, feature_rows: int) -> None:
+        """Copy a forward's outputs into the family's static ones; the first call (the largest bucket's warm-up)
+        allocates them, ``logit_rows`` and ``feature_rows`` long."""
+        if self.logits is None:
+            self.logits = torch.empty(logit_rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
+            if features is not None:
+                self.features = torch.empty(feature_rows, features.shape[1], dtype=features.dtype,
+                                            device=features.device)
+        self.logits[: logits.shape[0]].copy_(logits)
+        if features is not None:
+            self.features[: features.shape[0]].copy_(features)
+
     def meta(self, bs: int) -> GraphMeta:
         w = self.width
         return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],

@@ -130,18 +130,11 @@ class PrefillFamily(GraphFamily):
     def run_model(self, runner, bs: int, layers: tuple[int, ...]) -> None:
         """What a graph of this family computes: the model over ``bs`` padded chunks, the LM head over each
         one's last row, into the static outputs."""
-        w, device = self.width, self.input_ids.device
+        w = self.width
         hidden, features = runner.model(self.input_ids[: bs * w], self.positions[: bs * w], self.meta(bs), runner.kv,
                                         runner.graph_backend, layers)
         logits = runner.model.logits(hidden.reshape(bs, w, -1)[:, -1])
-        if self.logits is None:  # the first (largest) bucket's warm-up sizes the outputs
-            self.logits = torch.empty(self.buckets[-1], logits.shape[1], dtype=logits.dtype, device=device)
-            if features is not None:
-                self.features = torch.empty(self.buckets[-1] * w, features.shape[1], dtype=features.dtype,
-                                            device=device)
-        self.logits[:bs].copy_(logits)
-        if features is not None:
-            self.features[: bs * w].copy_(features)
+        self.store(logits, features, self.buckets[-1], self.buckets[-1] * w)
 
     def outputs(self, n: int, real: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After a replay: float32 logits of the ``n`` sequences' last tokens [n, V] and, when asked for, the
