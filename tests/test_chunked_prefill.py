@@ -156,6 +156,26 @@ def test_beside_decoding_requests_a_prompt_is_cut_to_the_learned_cap_and_alone_t
         assert eng.requests[late].output == eng.requests[alone].output  # greedy: as prefilled whole
 
 
+def test_a_chunk_kept_apart_from_decoding_requests_is_waited_for_so_that_the_pace_learns_its_cost(pair):
+    """A chunk emits no token, so nothing reads its device work back: without a wait, the prefill pace would
+    learn only its launch's time (on an H200 the 8B shape's chunks near 32k keys ran ~3x longer than timed)."""
+    budget, cap, long_prompt = 64, 12, random_prompt(322, 61)
+    with engine(pair, budget, mixed_prefill=False) as eng:
+        eng.accounting.pace.chunk_cap = lambda run_steps, speculating: cap
+        waits = []
+        eng.executor.synchronize = lambda: waits.append(eng.last_step)
+        streams = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
+        while not all(eng.requests[rid].output for rid in streams):
+            eng.step()
+        assert not waits  # prompts with nothing decoding beside them: their tokens are read back anyway
+        late = eng.add_request(long_prompt, GREEDY)
+        while not eng.requests[late].output:
+            eng.step()
+        chunks = -(-len(long_prompt) // cap)
+        assert len(waits) == chunks - 1  # every chunk but the last, which samples the first token
+        assert all(info.num_prefill and not info.num_decode for info in waits)
+
+
 def test_a_prompt_mid_prefill_is_preempted_and_recomputed(pair, reference):
     """A KV cache so small that the decoding requests need the pages of the prompt in prefill: it gives
     them back (the most recently admitted) and is prefilled again later; outputs are unchanged."""

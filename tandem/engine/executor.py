@@ -147,6 +147,11 @@ class TargetExecutor:
             broadcast_object(("move_kv", (src, dst)))
             self.runner.move_kv(src, dst)
 
+    def synchronize(self) -> None:
+        """Wait for the device work queued so far (rank 0's; the ranks run in step)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
     def shutdown(self) -> None:
         if self._workers:
             broadcast_object(("stop", None))
@@ -154,6 +159,7 @@ class TargetExecutor:
                 p.join(timeout=30)
             self._kill_workers()
         destroy_tp()
+        self.runner.release()
 
     def _kill_workers(self) -> None:
         """Stop every rank process and reap it (a terminated process not yet waited for is still a child)."""

@@ -194,6 +194,10 @@ class LLMEngine:
         running = len(self.scheduler.running)
         outputs = self._step()
         if self.last_step is not None:
+            if running and self.last_step.num_prefill and not self.last_step.num_decode and not outputs:
+                # A prompt's chunk emits no token, so nothing waited for its device work: its time (the prefill
+                # pace's measure of what a chunk stalls the streams) would be only its launch's.
+                self.executor.synchronize()
             self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
                                        len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
                                        sum(len(o.new_token_ids) for o in outputs))

@@ -7,6 +7,7 @@ residual stream is replicated after every row-parallel all-reduce) and decides w
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -89,11 +90,7 @@ class ModelRunner:
             latent = spec.entries == 1
             self.graph_backend = make_graph_backend(latent)
             widths = graph_widths(cfg.cuda_graph_widths, latent)
-            # The latent kernel's causal mode at 16-128 rows is checked on the CPU (Triton's interpreter) but has not
-            # yet been captured on a GPU, where a tile can outgrow shared memory: latent models prefill eagerly there.
-            prefills = prefill_widths(cfg.prefill_graph_tokens) if cfg.static_graph_path or not latent else ()
-            if latent and cfg.prefill_graph_tokens and not prefills:
-                log.info("rank %d: prefill graphs are not used for a latent-cache model yet (eager prefill)", self.rank)
+            prefills = prefill_widths(cfg.prefill_graph_tokens)
             self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path,
                                             prefill_widths=prefills, prefill_max_bs=cfg.prefill_graph_max_bs)
             if cfg.static_graph_path:
@@ -113,6 +110,8 @@ class ModelRunner:
             pages = -(-cfg.cpu_kv_tokens // cfg.page_size) + 1
         else:
             free, total = torch.cuda.mem_get_info(self.device)
+            # Blocks this process's allocator caches are ours to reuse.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             used = total - free
             budget = total * cfg.mem_fraction_static - used
             per_page = KVPool.bytes_per_page(m.num_layers, cfg.page_size, spec.heads, spec.dim, self.dtype, spec.entries)
@@ -129,6 +128,14 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
+    def release(self) -> None:
+        """Give the device memory back (weights, KV pool, graphs) even where something still holds this
+        runner: the next engine in the process sizes its KV pool from what is free."""
+        self.graphs = self.kv = self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         self.kv.move_slots(src, dst)
 
