@@ -1,6 +1,7 @@
 """Benchmark section ``arrivals``: a closed-loop load in process on an engine built as the verifier builds
 it (warm-up included) — the trained demo pair (TANDEM_DEMO_DIR, default: the shipped one) at concurrency 8 and 64, every finished
-request replaced at once by the next prompt, 60–180 new tokens (drawn in the same seeded order for every
+request replaced at once by the next prompt (tokens/s over a first window, and over as long again once the
+policy has learned the load: a server runs for hours), 60–180 new tokens (drawn in the same seeded order for every
 mode: real traffic's answers differ in length, and answers of one length would keep target-only's batch in
 lockstep — every request finishing in the same step, their successors prefilled together — which no
 served traffic does), greedy — target-only, the default policy,
@@ -38,15 +39,16 @@ def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dic
 
     for i in range(concurrency):
         engine.add_request(prompts[i % len(prompts)], params())
-    sent, tokens, kinds = concurrency, 0, collections.defaultdict(lambda: [0, 0.0, 0])
+    sent, tokens, kinds = concurrency, [0, 0], collections.defaultdict(lambda: [0, 0.0, 0])
     started = time.perf_counter()
-    while time.perf_counter() - started < seconds:
+    while time.perf_counter() - started < 2 * seconds:  # the first window, then as long again (settled)
         t0 = time.perf_counter()
+        window = int(t0 - started >= seconds)
         outputs = engine.step()
         kind = kinds[_step_kind(engine.last_step)]
         emitted = sum(len(o.new_token_ids) for o in outputs)
         kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + time.perf_counter() - t0, kind[2] + emitted
-        tokens += emitted
+        tokens[window] += emitted
         for o in outputs:
             if o.finish_reason is not None:
                 engine.requests.pop(o.rid, None)
@@ -57,8 +59,8 @@ def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dic
         for o in engine.step():
             if o.finish_reason is not None:
                 engine.requests.pop(o.rid, None)
-    return {"tok_s": tokens / elapsed, "steps": {k: {"n": n, "ms_mean": 1e3 * s / n, "tokens": t}
-                                                 for k, (n, s, t) in sorted(kinds.items())}}
+    steps = {k: {"n": n, "ms_mean": 1e3 * s / n, "tokens": t} for k, (n, s, t) in sorted(kinds.items())}
+    return {"tok_s": tokens[0] / seconds, "tok_s_settled": tokens[1] / (elapsed - seconds), "steps": steps}
 
 
 def arrivals(ctx: dict) -> dict:
@@ -96,7 +98,8 @@ def arrivals(ctx: dict) -> dict:
         finally:
             engine.shutdown()
         for c, r in out[mode].items():
-            print(f"{mode:16s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s", flush=True)
+            print(f"{mode:16s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s in the first {seconds:.0f} s, "
+                  f"{r['tok_s_settled']:8.0f} in the next", flush=True)
             for kind, k in r["steps"].items():
                 print(f"    {kind:55s} {k['n']:5d} steps, {k['ms_mean']:7.3f} ms, {k['tokens']} tokens", flush=True)
     return out

@@ -186,3 +186,15 @@ def test_a_prompt_arriving_at_an_idle_engine_after_the_detached_period_speculate
         while eng.has_unfinished():
             eng.step()
         assert eng.requests[late].spec_stats.rounds > 0
+
+
+def test_a_measured_verdict_for_plain_steps_detaches_without_waiting_for_the_clock():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    for _ in range(CFG.detach_measured_steps - 1):
+        assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True) is None
+    # no time has passed: only the verdict could detach now
+    assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True) == "detach"
+    clock.now += CFG.detached_first_s
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+    assert att.after_decision(False, asked=True, can_switch=False, plain_measured_faster=True) is None  # a run in flight

@@ -514,3 +514,41 @@ def test_an_arrivals_drafter_extension_is_charged_against_the_plain_step():
     assert policy.arrival_cost_per_output_token() == pytest.approx(1e-4)
     assert policy.cost_ratio(8) == pytest.approx(7.5) and not policy.decide(8, states)
     assert policy.cost_ratio(1) == pytest.approx(0.0015 / 0.0009)  # one request pays its own arrivals only
+
+
+def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured():
+    """Attached plain steps pay for the drafter's input; detached ones are what plain decoding costs once the
+    policy has settled on it. Measured detached, they are plain's goodput, and the verdict follows them."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+
+    def meter(speculative, tokens_per_s, seconds=0.3, detached=False):
+        for _ in range(30):
+            clock.now += seconds / 30
+            arbiter.observe(8, speculative, tokens_per_s * seconds / 30, seconds / 30, detached)
+
+    def verdict():
+        """Epoch ends until one that is not an exploration: the mode measured faster."""
+        for _ in range(200):
+            clock.now += cfg.goodput_epoch_s
+            arbiter._epoch_steps = cfg.goodput_epoch_steps  # (the epoch's steps, as observe would count them)
+            arbiter.choose(8, True, lambda: 0.1)
+            if arbiter.verdict(8) is not None:
+                return arbiter.verdict(8)
+        raise AssertionError("no verdict")
+
+    assert arbiter.verdict(8) is None  # nothing measured
+    meter(True, 1000.0)
+    meter(False, 900.0)  # attached plain: slower than speculating
+    assert verdict() is True
+    meter(False, 1200.0, detached=True)  # the same batch with the drafter detached
+    assert verdict() is False
+    meter(False, 800.0)  # attached again for a while (say, before an exploration): detached steps still speak for plain
+    assert verdict() is False
+    clock.now += cfg.goodput_stale_s + 1  # the detached meter goes stale: attached plain's again
+    meter(True, 1000.0)
+    meter(False, 900.0)
+    assert verdict() is True

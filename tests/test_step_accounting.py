@@ -18,7 +18,7 @@ class Heard:
     def observe_step(self, num_decode, speculative, steps, seconds, resumed=False):
         self.calls.append(("step", num_decode, speculative, steps, seconds, resumed))
 
-    def observe_goodput(self, running, speculative, tokens, seconds):
+    def observe_goodput(self, running, speculative, tokens, seconds, detached=False):
         self.calls.append(("goodput", running, speculative, tokens, seconds))
 
     def observe_arrivals(self, tokens, seconds):

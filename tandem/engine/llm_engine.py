@@ -168,7 +168,8 @@ class LLMEngine:
         """Detach the drafter from a batch the policy keeps plain, or attach it again (tandem.speculative.attachment);
         never under a run of rounds in flight (its requests' draft state is in use)."""
         can_switch = self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
-        change = self.attachment.after_decision(self.speculating, asked, can_switch)
+        measured = asked and not self.speculating and self.policy.plain_measured_faster(len(self.scheduler.running))
+        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster=measured)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("speculation off for a while: the drafter is detached (plain steps run target-only)")
@@ -200,7 +201,7 @@ class LLMEngine:
                 self.executor.synchronize()
             self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
                                        len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
-                                       sum(len(o.new_token_ids) for o in outputs))
+                                       sum(len(o.new_token_ids) for o in outputs), self.attachment.detached)
         return outputs
 
     def _step(self) -> list[StepOutput]:

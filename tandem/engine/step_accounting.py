@@ -40,6 +40,7 @@ class _GoodputStep:
     speculative: bool
     tokens: int
     started: float
+    detached: bool  # plain, with the drafter detached
 
 
 class StepAccounting:
@@ -63,13 +64,15 @@ class StepAccounting:
                                      None if s.started is None else now - s.started, resumed=s.resumed)
         if self._goodput is not None:
             g, self._goodput = self._goodput, None
-            policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started)
+            policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started, detached=g.detached)
 
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
-                   running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int) -> None:
+                   running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,
+                   detached: bool = False) -> None:
         """``info`` of the step that ran from ``started`` to ``ended``, with ``running_before`` requests
         decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
-        ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted."""
+        ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted;
+        ``detached``: the drafter was (tandem.speculative.attachment)."""
         took = ended - started
         self.pace.observe(info, took)
         if self.prefill_apart:
@@ -93,4 +96,4 @@ class StepAccounting:
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
         if running_before and running_after and not resumed:  # (not the last step before idling; nor a switch's price)
             mode = info.speculative if info.num_decode else speculating
-            self._goodput = _GoodputStep(running_before, mode, tokens, started)
+            self._goodput = _GoodputStep(running_before, mode, tokens, started, detached and not mode)

@@ -50,8 +50,11 @@ class _Forced:
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         pass
 
-    def observe_goodput(self, batch_size, speculative, tokens, seconds) -> None:
+    def observe_goodput(self, batch_size, speculative, tokens, seconds, detached=False) -> None:
         pass  # the warm-up's forced modes and random prompts say nothing of the traffic's goodput
+
+    def plain_measured_faster(self, batch_size) -> bool:
+        return False  # (nothing detaches during the warm-up)
 
 
 def warmup_batch_sizes(max_bs: int) -> list[int]:

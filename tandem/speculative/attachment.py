@@ -15,6 +15,10 @@ so that it measures speculation with the batch it would speculate with, not a fe
 filler. Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
 pays costs a shrinking share of the time; a batch that speculates in earnest (``detach_after_steps``
 speculative steps in a row, not an exploration) starts the backoff over.
+
+Where measured goodput (tandem.speculative.goodput) has found plain steps faster at the running batch size,
+the engine detaches after ``detach_measured_steps`` plain decisions instead of the time and steps above: the
+verdict is already measured, and attached plain steps pay for input no draft will use.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class AttachmentConfig:
     # as many speculative steps in a row: speculating in earnest (the clock and the backoff start over)
     detach_after_s: float = 1.0
     detach_after_steps: int = 64
+    detach_measured_steps: int = 8  # ... or this many where measured goodput found plain steps faster
     detached_first_s: float = 2.0  # the first detached period
     detached_max_s: float = 32.0  # the longest (each period that ends in detaching again doubles the next)
     ready_share: float = 0.5  # attached again: the policy is asked once this share of the batch can draft ...
@@ -74,9 +79,11 @@ class DrafterAttachment:
             return True
         return False
 
-    def after_decision(self, speculating: bool, asked: bool, can_switch: bool) -> str | None:
+    def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
+                       plain_measured_faster: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
-        flight). → "detach", "attach" or None: what the engine does now."""
+        flight; ``plain_measured_faster``: measured goodput at this batch size chose plain).
+        → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
         now = self.clock()
@@ -100,7 +107,9 @@ class DrafterAttachment:
         if self._plain_since is None:
             self._plain_since = now
         self._plain_steps += 1
-        if can_switch and now - self._plain_since >= c.detach_after_s and self._plain_steps >= c.detach_after_steps:
+        settled = (self._plain_steps >= c.detach_measured_steps if plain_measured_faster
+                   else now - self._plain_since >= c.detach_after_s and self._plain_steps >= c.detach_after_steps)
+        if can_switch and settled:
             self.detached, self._detached_until = True, now + self._period
             self._period = min(2 * self._period, c.detached_max_s)
             return "detach"

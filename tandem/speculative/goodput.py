@@ -16,6 +16,10 @@ faster one runs, held unless the other is ahead by ``goodput_margin``, and the s
 once what that epoch lost (its length times the share of goodput the slower mode gives up) is
 ``goodput_explore_cost`` of the time since (at most ``goodput_explore_max_s`` later): a mode far behind is
 measured rarely, modes about even often — which is where load or text can tip them.
+
+Plain steps run with the drafter detached (tandem.speculative.attachment) are metered apart: they are what
+plain decoding costs once the policy has settled on it, so where they have been measured they are plain's
+goodput. ``verdict`` says which mode measured faster, for the engine to detach at once on a plain one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+
+
+DETACHED = "detached"  # the meter key of plain steps with the drafter detached
 
 
 @dataclass
@@ -46,17 +53,19 @@ class GoodputArbiter:
     def __init__(self, cfg, bucket, clock=time.perf_counter):
         """``cfg``: the PolicyConfig (its ``goodput_*`` fields); ``bucket``: batch size -> bucket."""
         self.cfg, self.bucket, self.clock = cfg, bucket, clock
-        self._meters: dict[tuple[int, bool], _Meter] = {}
+        self._meters: dict[tuple[int, bool | str], _Meter] = {}  # (bucket, True / False / DETACHED)
         self._mode: bool | None = None  # the current epoch's mode
         self._epoch_start, self._epoch_steps, self._exploring = 0.0, 0, False
         self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
         self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
 
-    def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
-        """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``."""
+    def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float, detached: bool = False) -> None:
+        """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``;
+        ``detached``: a plain step with the drafter detached."""
         if seconds <= 0:
             return
-        meter = self._meters.setdefault((self.bucket(batch_size), speculative), _Meter())
+        key = DETACHED if detached and not speculative else speculative
+        meter = self._meters.setdefault((self.bucket(batch_size), key), _Meter())
         meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
         if speculative == self._mode:
             self._epoch_steps += 1
@@ -86,22 +95,40 @@ class GoodputArbiter:
         self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
         return mode
 
+    def verdict(self, batch_size: int) -> bool | None:
+        """The mode measured faster at ``batch_size``'s bucket (both measured, outside an exploration), or None."""
+        b, now = self.bucket(batch_size), self.clock()
+        if self._exploring or b not in self._best or not (self._measured(b, True, now) and self._measured(b, False, now)):
+            return None
+        return self._best[b]
+
+    def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
+        """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured."""
+        if not mode:
+            detached = self._meters.get((b, DETACHED))
+            if self._fresh(detached, now):
+                return detached
+        return self._meters.get((b, mode))
+
+    def _fresh(self, meter: "_Meter | None", now: float) -> bool:
+        return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
+
     def _explore_gap(self, epoch_s: float, loss: float) -> float:
         c = self.cfg
         return min(c.goodput_explore_max_s, epoch_s * max(0.02, loss) / c.goodput_explore_cost)
 
     def _loss(self, b: int) -> float:
         """The share of goodput the slower mode loses at bucket ``b``, as measured."""
-        rates = [self._meters[(b, mode)].rate for mode in (True, False) if (b, mode) in self._meters]
+        now = self.clock()
+        rates = [m.rate for m in (self._meter(b, mode, now) for mode in (True, False)) if m is not None]
         return 1.0 if len(rates) < 2 or max(rates) <= 0 else 1 - min(rates) / max(rates)
 
     def _measured(self, b: int, mode: bool, now: float) -> bool:
-        meter = self._meters.get((b, mode))
-        return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
+        return self._fresh(self._meter(b, mode, now), now)
 
     def _pick(self, b: int, model_says: bool, now: float) -> tuple[bool, bool]:
         """Both modes measured at ``b`` → (mode, whether it is an exploration of the slower one)."""
-        spec, plain = self._meters[(b, True)].rate, self._meters[(b, False)].rate
+        spec, plain = self._meter(b, True, now).rate, self._meter(b, False, now).rate
         held, margin = self._best.get(b, model_says), 1 + self.cfg.goodput_margin
         best = self._best[b] = (plain <= spec * margin) if held else (spec > plain * margin)
         if now >= self._next_explore.setdefault(b, now + self._explore_gap(self.cfg.goodput_epoch_s, self._loss(b))):

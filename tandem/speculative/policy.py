@@ -187,11 +187,16 @@ class SpeculationPolicy:
         self._prompt_per_output.add(prompt_tokens / output_tokens)
 
     # -- the decision ----------------------------------------------------------------------------
-    def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
+                        detached: bool = False) -> None:
         """Any step run with ``batch_size`` requests running (prefill steps too): the tokens it emitted and
-        its wall time up to the next step (tandem.speculative.goodput)."""
+        its wall time up to the next step (tandem.speculative.goodput); ``detached``: the drafter was."""
         if self.goodput is not None:
-            self.goodput.observe(batch_size, speculative, tokens, seconds)
+            self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
+
+    def plain_measured_faster(self, batch_size: int) -> bool:
+        """Whether measured goodput at ``batch_size`` says plain steps are faster (not a guess, nor an exploration)."""
+        return self.goodput is not None and self.goodput.verdict(batch_size) is False
 
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
