@@ -552,3 +552,22 @@ def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured()
     meter(True, 1000.0)
     meter(False, 900.0)
     assert verdict() is True
+
+
+def test_without_a_goodput_verdict_plain_is_settled_only_well_below_the_measured_cost_ratio():
+    """The engine detaches at once on a settled plain verdict; where goodput has none yet, the cost model's
+    answer settles it only with τ far below the ratio of measured step times, never on defaults."""
+    policy = SpeculationPolicy(PolicyConfig(goodput=False))
+    states = [RequestSpecState() for _ in range(8)]
+    for state in states:
+        for _ in range(10):
+            policy.observe_round(state, 1)  # τ = 1: drafts never accepted
+    assert not policy.plain_measured_faster(8, states)  # costs at this bucket not measured: no settling
+    for _ in range(3):
+        policy.observe_step(8, False, 1, 1e-3)
+        policy.observe_step(8, True, 1, 1.2e-3)  # ratio 1.2: τ 1 is below it, but not by 25 %
+    assert not policy.plain_measured_faster(8, states)
+    for _ in range(16):
+        policy.observe_step(8, True, 1, 2e-3)  # ratio 2
+    assert policy.plain_measured_faster(8, states)
+    assert not policy.plain_measured_faster(8, [])  # nothing can draft: nothing to settle

@@ -160,16 +160,18 @@ class LLMEngine:
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(running))
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
-        self.speculating = self.policy.decide(len(running), [req.spec_state for req in drafting] if asked else [], runs)
-        self._keep_attachment(asked)
+        states = [req.spec_state for req in drafting] if asked else []
+        self.speculating = self.policy.decide(len(running), states, runs)
+        # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment)
+        settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running), states)
+        self._keep_attachment(asked, settled)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
-    def _keep_attachment(self, asked: bool) -> None:
+    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False) -> None:
         """Detach the drafter from a batch the policy keeps plain, or attach it again (tandem.speculative.attachment);
         never under a run of rounds in flight (its requests' draft state is in use)."""
         can_switch = self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
-        measured = asked and not self.speculating and self.policy.plain_measured_faster(len(self.scheduler.running))
-        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster=measured)
+        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("speculation off for a while: the drafter is detached (plain steps run target-only)")

@@ -62,6 +62,7 @@ class PolicyConfig:
     arrival_window: int = 64  # arrivals / finished requests: the prompt-extension cost decays over about this many
     # Measured goodput overrides the model (tandem.speculative.goodput; off with a fixed ratio or enabled=False)
     goodput: bool = True
+    settled_margin: float = 0.25  # without a goodput verdict, plain is settled once τ is this far below the cost ratio
     goodput_epoch_steps: int = 8  # an epoch of one mode: at least this many steps ...
     goodput_epoch_s: float = 0.05  # ... and seconds
     goodput_window_s: float = 0.5  # a mode's goodput at a bucket decays over about this many seconds of it
@@ -194,9 +195,18 @@ class SpeculationPolicy:
         if self.goodput is not None:
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
 
-    def plain_measured_faster(self, batch_size: int) -> bool:
-        """Whether measured goodput at ``batch_size`` says plain steps are faster (not a guess, nor an exploration)."""
-        return self.goodput is not None and self.goodput.verdict(batch_size) is False
+    def plain_measured_faster(self, batch_size: int, drafting: list[RequestSpecState]) -> bool:
+        """Whether measurements say plain steps are faster at ``batch_size``: measured goodput's verdict, or
+        where it has none, the batch's τ well below the cost ratio of measured step times (by
+        ``settled_margin``: not a guess, nor a close call an exploration should settle)."""
+        verdict = self.goodput.verdict(batch_size) if self.goodput is not None else None
+        c = self.cfg
+        if verdict is not None or not drafting or c.fixed_cost_ratio is not None or self.rounds_all < max(1, c.warmup_rounds):
+            return verdict is False  # (a fixed ratio is no measurement)
+        if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
+            return False  # this bucket's costs are not measured both ways
+        mean, stderr = self._batch_tau(batch_size, drafting)
+        return (mean + c.confidence_z * stderr) * (1 + c.settled_margin) < self.cost_ratio(batch_size)
 
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
