@@ -74,7 +74,8 @@ class DrafterServiceConfig:
         runtime = DrafterConfig(device=shared.resolve_device(a.device), dtype=a.dtype, page_size=a.page_size,
                                 max_kv_tokens=a.max_kv_tokens,
                                 max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
-                                cuda_graph_max_bs=a.cuda_graph_max_bs)
+                                cuda_graph_max_bs=a.cuda_graph_max_bs, prefill_graph_tokens=a.prefill_graph_tokens,
+                                prefill_graph_max_bs=a.prefill_graph_max_bs)
         if not 0 <= a.round_lane_busy_poll_ms <= MAX_LANE_BUSY_POLL_MS:  # a spin never ended blocks the event loop
             raise ConfigError(f"--round-lane-busy-poll-ms must be in [0, {MAX_LANE_BUSY_POLL_MS:g}], "
                               f"got {a.round_lane_busy_poll_ms}")

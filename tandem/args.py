@@ -156,8 +156,9 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE)
-# The drafter service takes these of them too (its own graphs and dtype).
-DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS)
+# The drafter service takes these of them too (its own graphs and dtype; its prompt extends' graphs take the prefill
+# graphs' widths).
+DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_MAX_BS)
 
 NUM_STEPS = Flag(("--speculative-num-steps",), dict(type=int, default=None,
                                                     help=f"draft tree depth (default: {DEFAULT_NUM_STEPS})"))

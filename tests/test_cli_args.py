@@ -113,6 +113,19 @@ def test_drafter_aliases(folders):
     assert _drafter(["--draft-model", d, "--disable-cuda-graph", "--speculative-algorithm", "EAGLE3"], t) == canonical
 
 
+def test_the_drafter_takes_the_prefill_graph_flags_with_the_engines_defaults(folders):
+    from tandem.engine.config import EngineConfig
+
+    t, d = folders
+    runtime = _drafter(["--model", d], t).runtime
+    assert (runtime.prefill_graph_tokens, runtime.prefill_graph_max_bs) == (EngineConfig.prefill_graph_tokens,
+                                                                            EngineConfig.prefill_graph_max_bs)
+    runtime = _drafter(["--model", d, "--prefill-graph-tokens", "32", "--prefill-graph-max-bs", "2"], t).runtime
+    assert (runtime.prefill_graph_tokens, runtime.prefill_graph_max_bs) == (32, 2)
+    with pytest.raises(ConfigError, match="--prefill-graph-tokens"):
+        _drafter(["--model", d, "--prefill-graph-tokens", "-1"], t)
+
+
 def test_generate_aliases(folders):
     t, d = folders
     canonical = _generate(["--model", t, "--tp-size", "2", "--draft-model", d, "--max-running-requests", "3",
@@ -247,6 +260,7 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     assert (v.prefill_graph_tokens, v.prefill_graph_max_bs) == (64, 8)
     dr = parsed["drafter"]
     assert (dr.dtype, dr.disable_cuda_graph, dr.cuda_graph_max_bs, dr.port) == ("bfloat16", True, 8, 2)
+    assert (dr.prefill_graph_tokens, dr.prefill_graph_max_bs) == (64, 8)  # its prompt-extend graphs' widths
     assert "--enforce-eager" not in argvs["verifier"] and "--disable-cuda-graph" in argvs["verifier"]
     g = parsed["gateway"]
     assert g.verifier == "127.0.0.1:1"

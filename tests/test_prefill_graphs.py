@@ -128,7 +128,7 @@ def test_prefill_family_takes_only_batches_of_short_prompt_chunks(engine):
 
 
 def test_prefill_widths_and_buckets():
-    from tandem.engine.prefill_graphs import prefill_buckets, prefill_widths
+    from tandem.prefill_shapes import prefill_buckets, prefill_widths
 
     assert prefill_widths(128) == (16, 32, 64, 128) and prefill_widths(100) == (16, 32, 64, 100)
     assert prefill_widths(8) == (8,) and prefill_widths(0) == ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.errors import ConfigError
+from tandem.prefill_shapes import PREFILL_GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS
 
 
 DEFAULT_DECODE_STEPS = 4
@@ -45,8 +46,9 @@ class EngineConfig:
     cuda_graph_widths: tuple[int, ...] = (1,)  # tokens per request the graphs take: 1 (decode) and the verify width
     # --prefill-graph-tokens: prompt chunks up to this long, in batches of prompts alone, run on CUDA graphs (families
     # of widths 16, 32, ... this, each chunk padded to one; tandem.engine.prefill_graphs); 0 = every prefill eager
-    prefill_graph_tokens: int = 128
-    prefill_graph_max_bs: int = 8  # --prefill-graph-max-bs: most prompt chunks in one graphed prefill
+    # (the drafter's prompt extends are graphed at the same widths: DrafterConfig)
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
+    prefill_graph_max_bs: int = PREFILL_GRAPH_MAX_BS  # --prefill-graph-max-bs: most prompt chunks in one graphed prefill
     graph_decode_features: bool = False  # decode graphs also output EAGLE-3 features (traffic capture without a drafter)
     # The graphed paths' static buffers without capturing graphs (a replay runs the captured code eagerly): how the
     # CPU tests drive those paths, TP ranks included (the attention then needs TRITON_INTERPRET=1 on a CPU)

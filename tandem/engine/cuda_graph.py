@@ -21,8 +21,9 @@ from tandem.forward_batch import ForwardBatch
 from tandem.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.engine.graph_buffers import GraphFamily, own_float
-from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk, prefill_buckets
+from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.kv_cache import DUMMY_PAGE, page_slots
+from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
 
 

@@ -85,7 +85,7 @@ class ModelRunner:
         if wanted and graphable:
             from tandem.attention.graph_backend import make_graph_backend
             from tandem.engine.cuda_graph import TargetGraphRunner
-            from tandem.engine.prefill_graphs import prefill_widths
+            from tandem.prefill_shapes import prefill_widths
 
             latent = spec.entries == 1
             self.graph_backend = make_graph_backend(latent)

@@ -2,8 +2,8 @@
 launching every kernel of an eager forward from the host.
 
 One family per width (powers of two from 16 up to ``prefill_graph_tokens``), captured at batch buckets
-1, 2, 4, ... ``prefill_graph_max_bs``. A batch of prompt chunks runs on the narrowest family that holds its
-longest chunk. Each chunk is LEFT-padded to the width, its real tokens the family's last rows:
+1, 2, 4, ... ``prefill_graph_max_bs`` (tandem.prefill_shapes: the drafter's prompt-extend graphs share these
+shapes). A batch of prompt chunks runs on the narrowest family that holds its longest chunk. Each chunk is LEFT-padded to the width, its real tokens the family's last rows:
 
 - the attention's KV length stays the chunk's real one (prefix + tokens), and the causal kernels (no mask:
   new row i sees keys up to ``kv_len - width + i``) give real row ``width - L + j`` exactly the keys up to
@@ -29,32 +29,7 @@ import torch
 from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.forward_batch import ForwardBatch
 from tandem.kv_cache import DUMMY_PAGE
-
-NARROWEST = 16  # a shorter chunk pads to 16 rows: nothing on a GPU, and fewer families to capture
-# A batch whose padded rows pass both MAX_PADDING times its real ones and FREE_ROWS runs eagerly: on a large
-# model padded rows are compute (8 x 128 rows cost an 8B target ~25 ms, more than the launches a graph saves),
-# while a few hundred rows cost little beside reading the weights once.
-MAX_PADDING = 2
-FREE_ROWS = 256
-
-
-def prefill_widths(max_tokens: int) -> tuple[int, ...]:
-    """The chunk widths captured: 16, 32, ... below ``max_tokens``, then ``max_tokens``; () when 0 (off)."""
-    if max_tokens <= 0:
-        return ()
-    widths, w = [], min(NARROWEST, max_tokens)
-    while w < max_tokens:
-        widths.append(w)
-        w *= 2
-    return tuple(widths + [max_tokens])
-
-
-def prefill_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, ... then ``max_bs``: few graphs per width (capture time), at most twice the sequences."""
-    sizes = [1]
-    while sizes[-1] * 2 < max_bs:
-        sizes.append(sizes[-1] * 2)
-    return sorted(set(sizes + [max(1, max_bs)]))
+from tandem.prefill_shapes import padding_fits
 
 
 def is_prompt_chunk(s) -> bool:
@@ -82,12 +57,12 @@ class PrefillFamily(GraphFamily):
         return next((b for b in self.buckets if b >= n), None)
 
     def takes(self, batch: ForwardBatch) -> bool:
-        """Room for the batch: sequences, the longest chunk, and the padding rule (MAX_PADDING)."""
+        """Room for the batch: sequences, the longest chunk, and the padding bound (tandem.prefill_shapes)."""
         lens = [len(s.token_ids) for s in batch.seqs]
         bs = self.bucket(len(lens))
         if bs is None or max(lens) > self.width:
             return False
-        return bs * self.width <= max(MAX_PADDING * sum(lens), FREE_ROWS)
+        return padding_fits(bs, self.width, sum(lens))
 
     def stage(self, batch: ForwardBatch, staging) -> tuple[int, int, int]:
         """Fill the static inputs for ``batch`` (one host→device copy), each chunk left-padded; the rows

@@ -14,7 +14,8 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
                        policy=None, max_topk: int = 8) -> LLMEngine:
     """Validate the head against the target, build the engine with the head's capture layers and a
     verify graph of the tree's width, load the head sharing the target's embedding (TP=1, where rank
-    0 holds the whole vocabulary) and capture its draft and draft-extend graphs in the target's pool."""
+    0 holds the whole vocabulary) and capture its draft, draft-extend and prompt-extend graphs (the prefill graphs'
+    widths) in the target's pool."""
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
 
@@ -27,6 +28,7 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
         drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
             device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+            prefill_graph_tokens=cfg.prefill_graph_tokens, prefill_graph_max_bs=cfg.prefill_graph_max_bs,
             defer_chain_tokens=cfg.tp_size == 1),
             capture_layers=capture, embed_weight=embed)
         if runner.graphs is not None:

@@ -1,16 +1,19 @@
-"""CUDA graphs for the EAGLE-3 drafter (docs/architecture.md, "CUDA graphs"): the whole multi-step tree draft, and the
-fixed-width draft-extend, each captured per padded batch-size bucket.
+"""CUDA graphs for the EAGLE-3 drafter (docs/architecture.md, "CUDA graphs"): the whole multi-step tree draft, the
+fixed-width draft-extend and the prompt extends, each captured per padded batch-size bucket.
 
 One graph per (member, bucket) — a SpecConfig for the ``draft`` family, "extend" (one width,
-``max num_steps + 1``: accepted path ≤ num_steps plus the bonus) for ``draft_extend`` — captured by
-tandem.graph_capture into the caller's memory pool (the target's) or a new one. The graphs run ``draft_static``'s pure-tensor code over static buffers; the host
-fills them with one host→device copy of packed integers (lengths, roots or token ids, block tables)
-plus on-device stacks of the per-request state, and reads a draft's trees back in one device→host copy.
+``max num_steps + 1``: accepted path ≤ num_steps plus the bonus) for ``draft_extend``, (PROMPT, width) for
+``draft_prompt`` (tandem.speculative.draft_prompt_graphs: prompts and their chunks) — captured by
+tandem.graph_capture into the caller's memory pool (the target's) or a new one. The graphs run
+``draft_static``'s pure-tensor code over static buffers; the host fills them with one host→device copy of
+packed integers (lengths, roots or token ids, block tables) plus on-device stacks of the per-request state,
+and reads a draft's trees back in one device→host copy.
 
 The same code runs without graphs (``use_graphs=False``: the static function called directly), which
 is how the CPU tests prove it equals the eager drafter. Batches that do not fit — more requests than
-the largest bucket, an uncaptured SpecConfig, an extend wider than the width or a prefill, too few
-free pages for the padding — return None / False and the drafter runs eagerly.
+the largest bucket, an uncaptured SpecConfig, an extend that neither the draft-extend (a prefill, wider than its
+width) nor a prompt family takes, too few free pages for the padding — return None / False and the drafter runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from tandem.staging import PinnedStaging, send_page_rows
 from tandem.errors import ConfigError
 from tandem.graph_capture import GraphRunner, batch_buckets
+from tandem.speculative.draft_prompt_graphs import (PromptFamilies, extend_prompts, is_prompt_member,
+                                                    replay_extend_items)
 from tandem.speculative.draft_static import MAX_MASK_W, StaticAttention, static_draft, static_extend
 from tandem.speculative.tree import DraftTree, PendingTokens
 from tandem.watchdog import Watchdog
@@ -30,9 +35,11 @@ EXTEND = "extend"  # the draft-extend's member (a draft's is its SpecConfig)
 class DraftGraphRunner(GraphRunner):
     def __init__(self, drafter, specs, max_bs: int = 64, *, buckets: list[int] | None = None,
                  watchdog: Watchdog | None = None, pool=None, use_graphs: bool | None = None,
-                 attention: str | None = None, capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0):
+                 attention: str | None = None, capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0,
+                 prompt_widths: tuple[int, ...] = (), prompt_max_bs: int = 1):
         """``drafter``: the Eagle3Drafter whose head, KV pool and requests the graphs serve. ``specs``: the
-        SpecConfigs to capture draft graphs for. ``attention``: "triton" (default on GPU) or "torch"."""
+        SpecConfigs to capture draft graphs for. ``attention``: "triton" (default on GPU) or "torch".
+        ``prompt_widths`` / ``prompt_max_bs``: the prompt-extend families (none by default)."""
         device = drafter.device
         super().__init__(device, buckets or batch_buckets(max_bs), log_name="tandem.draft_graph", watchdog=watchdog,
                          pool=pool, use_graphs=device.type == "cuda" if use_graphs is None else use_graphs,
@@ -49,15 +56,18 @@ class DraftGraphRunner(GraphRunner):
                 raise ConfigError(f"draft graphs need (--speculative-num-steps - 1) * --speculative-eagle-topk <= "
                                   f"{MAX_MASK_W}, got ({s.num_steps} - 1) * {s.topk}; use --disable-cuda-graph")
         self.width = max(s.num_steps for s in self.specs) + 1  # draft-extend tokens per request
+        self.prompts = PromptFamilies(prompt_widths, prompt_max_bs)
         self.page_size = ps = drafter.cfg.page_size
         scratch = max((s.num_steps - 1) * s.topk for s in self.specs)
-        self.max_pages = -(-(self.head.max_positions + max(scratch, self.width)) // ps)  # a request never needs more
-        self.replays = {"draft": 0, "draft_extend": 0}  # how often each family ran (tests, metrics)
+        reach = max(scratch, self.width, self.prompts.max_width)  # past the context: padded tails and scratch
+        self.max_pages = -(-(self.head.max_positions + reach) // ps)  # a request never needs more
+        self.replays = {"draft": 0, "draft_extend": 0, "draft_prompt": 0}  # how often each family ran (tests, metrics)
 
-        mb, dev, H, tw = self.max_bs, self.device, self.head.config.hidden_size, drafter.top_width
-        cols = 2 + self.width + self.max_pages  # the widest packed row (extend): L, count/root, tokens, pages
-        # Host → device staging: one copy of packed int64 rows (+ the extend's feature destinations).
-        self.staging = PinnedStaging(mb * (cols + self.width), dev)
+        extends = ((self.max_bs, self.width), (self.prompts.max_bs, self.prompts.max_width))  # (requests, tokens)
+        mb, rows = max(b for b, _ in extends), max(b * w for b, w in extends)  # buffers fit the largest family
+        dev, H, tw = self.device, self.head.config.hidden_size, drafter.top_width
+        # Host → device staging: one copy of packed int64 rows (+ an extend's feature destinations).
+        self.staging = PinnedStaging(max(b * (2 + 2 * w + self.max_pages) for b, w in extends), dev)
         # Static inputs shared by both families (filled before every replay).
         self.lens = torch.zeros(mb, dtype=torch.int64, device=dev)  # committed draft KV
         self.aux = torch.ones(mb, dtype=torch.int64, device=dev)  # draft: root token; extend: real count
@@ -68,19 +78,23 @@ class DraftGraphRunner(GraphRunner):
         self.top_ids = torch.zeros(mb, tw, dtype=torch.int64, device=dev)
         self.trees = {s: torch.zeros(mb, 3 * s.num_draft_tokens + 1, dtype=torch.float64, device=dev) for s in self.specs}
         # Extend inputs / outputs.
-        self.token_ids = torch.zeros(mb * self.width, dtype=torch.int64, device=dev)
-        self.features = torch.zeros(mb * self.width, self.head.config.feature_width, dtype=self.dtype, device=dev)
+        self.token_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.features = torch.zeros(rows, self.head.config.feature_width, dtype=self.dtype, device=dev)
         self.out_state = torch.zeros(mb, H, dtype=self.dtype, device=dev)
         self.out_logp = torch.zeros(mb, tw, dtype=torch.float32, device=dev)
         self.out_ids = torch.zeros(mb, tw, dtype=torch.int64, device=dev)
 
     # -- the captured bodies -----------------------------------------------------------------------
     def capture_plan(self) -> list[tuple[str, list]]:
-        return [("draft", list(self.specs)), ("draft_extend", [EXTEND])]
+        prompts = [("draft_prompt", self.prompts.members)] if self.prompts.members else []
+        return [("draft", list(self.specs)), ("draft_extend", [EXTEND])] + prompts
+
+    def member_buckets(self, member) -> list[int]:
+        return self.prompts.buckets if is_prompt_member(member) else self.buckets
 
     def _body(self, member, bs: int) -> None:
-        if member == EXTEND:
-            w = self.width
+        if member == EXTEND or is_prompt_member(member):
+            w = self.width if member == EXTEND else member[1]
             static_extend(self.head, self.drafter.kv, self.attn, self.page_size, w, self.lens[:bs], self.aux[:bs],
                           self.block_tables[:bs], self.token_ids[: bs * w], self.features[: bs * w],
                           self.out_state[:bs], self.out_logp[:bs], self.out_ids[:bs])
@@ -97,11 +111,12 @@ class DraftGraphRunner(GraphRunner):
 
     # -- host → static buffers ---------------------------------------------------------------------
     def _stage(self, bs: int, heads: list[list[int]], pages: list, pad_aux: int,
-               tail: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+               tail: list[int] = (), cols: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one row ``[L, aux, *extra, *pages]`` per request — padding rows: length 0, ``pad_aux``, the
         dummy page 0 — and ``tail`` into the pinned buffer, copy it to the device once, and scatter the
-        columns into the static buffers. Returns the device views of the ``extra`` columns and the tail."""
-        h, p = len(heads[0]), max(len(pg) for pg in pages)
+        columns into the static buffers (``cols`` block-table columns at least: the dummy page past a
+        request's pages). Returns the device views of the ``extra`` columns and the tail."""
+        h, p = len(heads[0]), max(cols, *(len(pg) for pg in pages))
         m, n = bs * (h + p), len(heads)
         host = self.staging.host_array()
         rows = host[:m].reshape(bs, h + p)
@@ -179,13 +194,17 @@ class DraftGraphRunner(GraphRunner):
     # -- extend ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, reqs: list, prefixes: list[int], items: list) -> bool:
-        """Draft-extend of already-extended requests (the round after verification) through the static
-        path; False when the batch does not fit (the caller extends eagerly). On True each request's
-        committed length, root, state and top-k are updated as the eager extend would."""
-        n, bs, w, ps = len(items), self.bucket(len(items)), self.width, self.page_size
+        """Extend through the static path: the draft-extend for already-extended requests (the round after
+        verification), else a prompt-extend family (draft_prompt_graphs); False when neither takes the batch
+        (the caller extends eagerly). On True each request's committed length, root, state and top-k are
+        updated as the eager extend would."""
+        return self._extend_rounds(reqs, prefixes, items) or extend_prompts(self, reqs, prefixes, items)
+
+    def _extend_rounds(self, reqs: list, prefixes: list[int], items: list) -> bool:
+        bs, w, ps = self.bucket(len(items)), self.width, self.page_size
         counts = [len(tokens) for _, tokens, _ in items]
         if bs is None or not items or any(p == 0 for p in prefixes) or max(counts) > w:
-            return False  # prefills (whole prompts) and wide extends stay eager
+            return False  # prefills (whole prompts) and wide extends: not this family's
         if any(p + c > self.head.max_positions or p + w > self.max_pages * ps for p, c in zip(prefixes, counts)):
             return False
         need = sum(r.kv.pages_needed(p + w) for r, p in zip(reqs, prefixes))
@@ -194,17 +213,7 @@ class DraftGraphRunner(GraphRunner):
         for r, p in zip(reqs, prefixes):
             r.kv.reserve(p + w)  # room for the padded tail too
         try:
-            heads = [[p, c, *tokens, *[0] * (w - c)] for p, c, (_, tokens, _) in zip(prefixes, counts, items)]
-            dest = [b * w + i for b, c in enumerate(counts) for i in range(c)]  # feature rows of real tokens
-            tokens, dest_dev = self._stage(bs, heads, [r.kv.page_table(copy=False) for r in reqs], pad_aux=1, tail=dest)
-            self.token_ids[: bs * w].copy_(tokens)
-            self.features[: bs * w].zero_()  # padded tokens get zero features (finite K/V in the scratch)
-            feats = torch.cat([f.to(self.device, self.dtype, non_blocking=True) for _, _, f in items])
-            self.features.index_copy_(0, dest_dev, feats)
-            with self.guard(f"Replay draft_extend cuda graph bs={bs}"):
-                self._launch(EXTEND, bs)
-            # Fresh tensors: the static outputs are overwritten by the next replay.
-            states, top_logp, top_ids = self.out_state[:n].clone(), self.out_logp[:n].clone(), self.out_ids[:n].clone()
+            states, top_logp, top_ids = replay_extend_items(self, EXTEND, w, bs, reqs, prefixes, items)
         except BaseException:
             for r, p in zip(reqs, prefixes):
                 r.kv.truncate(p)

@@ -40,6 +40,7 @@ from tandem.models.eagle3 import Eagle3Head
 from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
 from tandem.configs.eagle3 import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
+from tandem.prefill_shapes import PREFILL_GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, prefill_widths
 from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
@@ -90,9 +91,18 @@ class DrafterConfig:
     page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
     disable_cuda_graph: bool = False  # --disable-cuda-graph: draft and draft-extend always eager
     cuda_graph_max_bs: int = 64  # --cuda-graph-max-bs: largest captured draft batch (requests)
+    # --prefill-graph-tokens / --prefill-graph-max-bs (the target's flags, and their defaults): prompt extends of up to
+    # this many tokens a request, this many requests, replay graphs (draft_prompt_graphs); 0 tokens = always eager
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
+    prefill_graph_max_bs: int = PREFILL_GRAPH_MAX_BS
     # In process with the target: a graphed chain draft returns without waiting, its tokens left on the
     # device for the verify (tree.PendingTokens). Off where trees leave the process (the drafter service).
     defer_chain_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefill_graph_tokens < 0 or self.prefill_graph_max_bs < 1:
+            raise ConfigError(f"--prefill-graph-tokens must be >= 0 (0: off) and --prefill-graph-max-bs >= 1, got "
+                              f"{self.prefill_graph_tokens} and {self.prefill_graph_max_bs}")
 
 
 @dataclass
@@ -129,14 +139,18 @@ class Eagle3Drafter(Proposer):
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
-        """Capture the draft and draft-extend graphs for ``specs`` (docs/architecture.md, "CUDA graphs"). A no-op
+        """Capture the draft, draft-extend and prompt-extend graphs for ``specs`` (docs/architecture.md, "CUDA
+        graphs"; the prompt widths and batches from ``prefill_graph_tokens`` / ``prefill_graph_max_bs``). A no-op
         on CPU and with ``disable_cuda_graph``; batches the graphs cannot take still run eagerly. ``static``: the
         graphs' static path without capture, on any device (EngineConfig.static_graph_path)."""
         if not static and (self.device.type != "cuda" or self.cfg.disable_cuda_graph):
             return None
         from tandem.speculative.draft_graph import DraftGraphRunner
 
-        self.graphs = DraftGraphRunner(self, specs, self.cfg.cuda_graph_max_bs, use_graphs=not static, **runner_kw)
+        cfg = self.cfg
+        prompts = dict(prompt_widths=prefill_widths(cfg.prefill_graph_tokens), prompt_max_bs=cfg.prefill_graph_max_bs)
+        self.graphs = DraftGraphRunner(self, specs, self.cfg.cuda_graph_max_bs, use_graphs=not static,
+                                       **{**prompts, **runner_kw})
         if static:
             self.graphs.run_statically()
             return None
@@ -285,11 +299,12 @@ class Eagle3Drafter(Proposer):
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
         if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
-            for req, (_, tokens, _) in zip(reqs, items):
+            for rid, req, (_, tokens, _) in zip(rids, reqs, items):
                 if req.tokens is not None:
                     req.tokens.extend(tokens)
+                self._reqs[rid] = req  # a new request (a prompt-extend graph takes prefills) starts here
             self._cache_filled(reqs)
-            return None  # replayed the draft-extend graph (only requests already extended go there)
+            return None  # replayed a draft-extend or prompt-extend graph
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
             req.kv.reserve(prefix + len(tokens))

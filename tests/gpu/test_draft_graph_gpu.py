@@ -1,4 +1,5 @@
-"""On the GPU: the drafter's CUDA graphs (draft, draft_extend; tandem/speculative/draft_graph.py).
+"""On the GPU: the drafter's CUDA graphs (draft, draft_extend, draft_prompt; tandem/speculative/draft_graph.py,
+draft_prompt_graphs.py).
 
 - capture: one log line per family in the format of docs/architecture.md, "CUDA graphs", every
   (SpecConfig, bucket) captured, the watchdog silent, nothing written outside the dummy page 0;
@@ -6,9 +7,11 @@
   padding rows; the first is one request drafting a tree, whose expanded positions have stride 0),
   random SpecConfigs and random extend widths ≤ num_steps + 1 on scattered pages; every
   graphed draft equals the eager drafter's tree (tokens and parents exactly, scores within 1e-4) and
-  every graphed extend leaves the same lengths, roots, states, top-k and committed KV as an eager twin.
+  every graphed extend leaves the same lengths, roots, states, top-k and committed KV as an eager twin;
+  then new prompts and a chunk going on from a request's KV on the prompt-extend family, likewise.
   float32 with the torch attention backend for the eager side, so both agree to rounding;
-- timing (run with -s): a Llama-3-8B-shaped head in bf16, eager vs graphed draft and extend per batch.
+- timing (run with -s): a Llama-3-8B-shaped head in bf16, eager vs graphed draft and extend per batch, and
+  eager vs graphed prompt extends.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tandem.watchdog import Watchdog
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-LOG_LINE = re.compile(r"^Capture (draft|draft_extend) cuda graph end\. Time elapsed: \d+\.\d\d s\. "
+LOG_LINE = re.compile(r"^Capture (draft|draft_extend|draft_prompt) cuda graph end\. Time elapsed: \d+\.\d\d s\. "
                       r"mem usage=-?\d+\.\d\d GB\. avail mem=\d+\.\d\d GB\.$")
 SPECS = [SpecConfig(6, 4, 16), SpecConfig(3, 1, 4), SpecConfig(4, 2, 8)]
 LENGTHS = [5, 17, 40, 63, 100, 129, 250, 300]  # committed draft KV per request, across pages of 16
@@ -59,15 +62,18 @@ def committed_kv(drafter, rid):
 
 def test_capture_then_replay_equals_eager(pair, caplog):
     watchdog = Watchdog(exit_code=None)
-    eager, graphed = make(pair), make(pair, cuda_graph_max_bs=8)
+    eager, graphed = make(pair), make(pair, cuda_graph_max_bs=8, prefill_graph_tokens=64, prefill_graph_max_bs=4)
     with caplog.at_level(logging.INFO, logger="tandem.draft_graph"):
         report = graphed.capture_cuda_graphs(SPECS, watchdog=watchdog, buckets=[1, 2, 4, 8])
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.draft_graph"]
     print("\n" + "\n".join(lines))
-    assert [m.group(1) for m in map(LOG_LINE.match, lines) if m] == ["draft", "draft_extend"], lines
-    assert set(report) == {"draft", "draft_extend"}
+    families = ["draft", "draft_extend", "draft_prompt"]
+    assert [m.group(1) for m in map(LOG_LINE.match, lines) if m] == families, lines
+    assert set(report) == set(families)
     runner = graphed.graphs
-    assert set(runner.graphs) == {(s, bs) for s in SPECS for bs in (1, 2, 4, 8)} | {("extend", bs) for bs in (1, 2, 4, 8)}
+    assert set(runner.graphs) == ({(s, bs) for s in SPECS for bs in (1, 2, 4, 8)}
+                                  | {("extend", bs) for bs in (1, 2, 4, 8)}
+                                  | {(("prompt", w), bs) for w in (16, 32, 64) for bs in (1, 2, 4)})
     assert not graphed.kv.data[:, :, 1:].any(), "capture wrote outside the dummy page"
     assert runner.width == 7
 
@@ -75,7 +81,7 @@ def test_capture_then_replay_equals_eager(pair, caplog):
     prefill = [(rid, *inputs(i, n)) for i, (rid, n) in enumerate(zip(rids, LENGTHS))]
     for d in (eager, graphed):
         d.extend(prefill)
-    assert runner.replays["draft_extend"] == 0  # prefills stay eager
+    assert runner.replays["draft_extend"] == runner.replays["draft_prompt"] == 0  # 8 prompts, to 300 tokens: eager
 
     rng = random.Random(0)
     rounds = 16
@@ -97,15 +103,30 @@ def test_capture_then_replay_equals_eager(pair, caplog):
             torch.testing.assert_close(g.top_logp, e.top_logp, atol=TOL, rtol=TOL)
             assert torch.equal(g.top_ids, e.top_ids)
         assert graphed.allocator.num_free == eager.allocator.num_free
-    assert runner.replays == {"draft": rounds, "draft_extend": rounds}
-    for rid in rids:
+    assert runner.replays == {"draft": rounds, "draft_extend": rounds, "draft_prompt": 0}
+    # new prompts (bucket 4, width 64), then a chunk going on from one of them and a new one (width 32)
+    for batch in ([("p0", *inputs(90, 3)), ("p1", *inputs(91, 17)), ("p2", *inputs(92, 40))],
+                  [("p1", *inputs(93, 30)), ("p3", *inputs(94, 9))]):
+        for d in (eager, graphed):
+            d.extend(batch)
+    assert runner.replays["draft_prompt"] == 2
+    for rid in rids + ["p0", "p1", "p2", "p3"]:
+        e, g = eager._reqs[rid], graphed._reqs[rid]
+        assert (g.kv.num_tokens, g.root) == (e.kv.num_tokens, e.root)
+        torch.testing.assert_close(g.state, e.state, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(g.top_logp, e.top_logp, atol=TOL, rtol=TOL)
+        assert torch.equal(g.top_ids, e.top_ids)
         torch.testing.assert_close(committed_kv(graphed, rid), committed_kv(eager, rid), atol=TOL, rtol=TOL)
+    assert graphed.allocator.num_free == eager.allocator.num_free
+    for spec in SPECS:
+        for g, w in zip(graphed.draft(["p0", "p1", "p2", "p3"], spec), eager.draft(["p0", "p1", "p2", "p3"], spec)):
+            assert g.tokens == w.tokens and g.parents == w.parents
     assert watchdog.fired == []
 
 
 def test_disabled_or_too_large_batches_stay_eager(pair):
     assert make(pair, disable_cuda_graph=True).capture_cuda_graphs(SPECS) is None
-    eager, graphed = make(pair), make(pair, cuda_graph_max_bs=2)
+    eager, graphed = make(pair), make(pair, cuda_graph_max_bs=2, prefill_graph_tokens=0)  # no prompt families
     graphed.capture_cuda_graphs([SPECS[1]], watchdog=Watchdog(exit_code=None))
     items = [(f"r{i}", *inputs(i, 9 + i)) for i in range(3)]
     for d in (eager, graphed):
@@ -113,7 +134,7 @@ def test_disabled_or_too_large_batches_stay_eager(pair):
         d.extend([(rid, *inputs(50, 3)) for rid, _, _ in items])  # 3 requests > bucket 2: eager
     rids = [rid for rid, _, _ in items]
     assert graphed.draft(rids, SPECS[1]) == eager.draft(rids, SPECS[1])
-    assert graphed.graphs.replays == {"draft": 0, "draft_extend": 0}
+    assert graphed.graphs.replays == {"draft": 0, "draft_extend": 0, "draft_prompt": 0}
 
 
 # -- timing -----------------------------------------------------------------------------------------
@@ -190,3 +211,29 @@ def test_timing_llama8b_shaped_head(caplog):
                   f"{x_eager:8.2f} / {x_graph:6.2f} ({x_eager / x_graph:4.1f}x) | {same}/{bs}")
             assert all(t.size == spec.num_draft_tokens for t in graph_trees)
     assert runner.replays["draft"] > 0 and runner.replays["draft_extend"] > 0
+
+
+@pytest.mark.slow
+def test_timing_prompt_extends_llama8b_shaped_head(caplog):
+    """New prompts extended into a Llama-3-8B-shaped head (bf16), eagerly and on the prompt-extend family."""
+    drafter = Eagle3Drafter(llama8b_head(), DrafterConfig(device="cuda", page_size=16, kv_pages=64 * 128))
+    with caplog.at_level(logging.INFO, logger="tandem.draft_graph"):
+        drafter.capture_cuda_graphs([SpecConfig(3, 1, 4)], watchdog=Watchdog(exit_code=None))
+    print("\n" + "\n".join(r.getMessage() for r in caplog.records if r.name == "tandem.draft_graph"))
+    runner = drafter.graphs
+    print(f"{'bs':>3} {'tokens':>6} | prompt extend eager / graph ms")
+    for bs, n in ((1, 16), (1, 100), (2, 128), (4, 40), (8, 64), (8, 100)):
+        items = [(f"n{j}", *inputs(j, n, width=3 * 4096, dtype=torch.bfloat16)) for j in range(bs)]
+
+        def extend_new():
+            drafter.extend(items)
+            for rid, _, _ in items:
+                drafter.release(rid)
+
+        drafter.graphs = None
+        eager = ms(extend_new, iters=5)
+        drafter.graphs = runner
+        before = runner.replays["draft_prompt"]
+        graphed = ms(extend_new, iters=5)
+        assert runner.replays["draft_prompt"] == before + 6
+        print(f"{bs:>3} {n:>6} | {eager:8.2f} / {graphed:6.2f} ({eager / graphed:4.1f}x)")
