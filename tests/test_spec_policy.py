@@ -571,3 +571,33 @@ def test_without_a_goodput_verdict_plain_is_settled_only_well_below_the_measured
         policy.observe_step(8, True, 1, 2e-3)  # ratio 2
     assert policy.plain_measured_faster(8, states)
     assert not policy.plain_measured_faster(8, [])  # nothing can draft: nothing to settle
+
+
+def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detaches_the_drafter():
+    """Goodput measured speculation 2x faster while the cost model says plain: the arbiter's short epochs of
+    plain steps (explorations) must not count as a settled plain verdict, or the drafter detaches every few seconds."""
+    from tandem.speculative.attachment import DrafterAttachment
+
+    clock = SimClock()
+    policy = SpeculationPolicy(PolicyConfig(), clock=clock)
+    states = [RequestSpecState() for _ in range(8)]
+    for state in states:
+        for _ in range(10):
+            policy.observe_round(state, 1)  # the model: τ 1
+    for _ in range(16):
+        policy.observe_step(8, False, 1, 1e-3)
+        policy.observe_step(8, True, 1, 2e-3)  # ratio 2: the model says plain
+    for _ in range(30):  # measured: speculating makes twice the tokens per second
+        clock.now += 0.01
+        policy.goodput.observe(8, True, 20, 0.01)
+        policy.goodput.observe(8, False, 10, 0.01)
+    attachment = DrafterAttachment(clock=clock)
+    plain_steps = 0
+    for _ in range(2000):
+        clock.now += 0.005
+        speculate = policy.decide(8, states, True)
+        policy.goodput.observe(8, speculate, 20 if speculate else 10, 0.005)
+        plain_steps += not speculate
+        settled = not speculate and policy.plain_measured_faster(8, states)
+        assert attachment.after_decision(speculate, True, True, settled) != "detach"
+    assert plain_steps  # plain steps were explored

@@ -35,6 +35,9 @@ class GuardedHead(Proposer):
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
 
+    def release_device(self) -> None:
+        self.drafter.release_device()
+
     @property
     def rounds_drafter(self):
         """The head, for greedy chain rounds queued on the device (tandem.engine.rounds_ahead), which the

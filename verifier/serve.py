@@ -169,7 +169,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         client.close()
     if engine.traffic is not None:
         engine.traffic.close()
-    engine.shutdown()
+    engine.shutdown(release=not loop.is_alive())  # (a step still running keeps its model and pool)
     if ring is not None:
         ring.close()
     tracing.shutdown_tracing()

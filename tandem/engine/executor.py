@@ -152,14 +152,16 @@ class TargetExecutor:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 
-    def shutdown(self) -> None:
+    def shutdown(self, release: bool = True) -> None:
+        """Stop the ranks; ``release``: give this rank's device memory back (not while a step may still run)."""
         if self._workers:
             broadcast_object(("stop", None))
             for p in self._workers:
                 p.join(timeout=30)
             self._kill_workers()
         destroy_tp()
-        self.runner.release()
+        if release:
+            self.runner.release()
 
     def _kill_workers(self) -> None:
         """Stop every rank process and reap it (a terminated process not yet waited for is still a child)."""

@@ -93,9 +93,13 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def shutdown(self) -> None:
+    def shutdown(self, release: bool = True) -> None:
+        """Stop the target's ranks; ``release``: give the device memory back too (the drafter's graphs first:
+        they live in the target's graph pool). Not while another thread may still be in a step."""
         self.run_in_flight = None  # its device work is abandoned with the executor
-        self.executor.shutdown()
+        if release and self.proposer is not None:
+            self.proposer.release_device()
+        self.executor.shutdown(release)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,

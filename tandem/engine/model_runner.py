@@ -127,7 +127,6 @@ class ModelRunner:
             pages = int(t.item())
         return pages
 
-    @torch.inference_mode()
     def release(self) -> None:
         """Give the device memory back (weights, KV pool, graphs) even where something still holds this
         runner: the next engine in the process sizes its KV pool from what is free."""
@@ -136,6 +135,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @torch.inference_mode()
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         self.kv.move_slots(src, dst)
 

@@ -84,6 +84,9 @@ class ControlledAcceptanceProposer(Proposer):
         self._refs.pop(rid, None)
         self._device_table = None
 
+    def release_device(self) -> None:
+        self.drafter.release_device()
+
     def draft(self, rids: list[str], spec: SpecConfig) -> list[DraftTree]:
         trees = self.drafter.draft(rids, spec)  # the real head runs; only tokens are rewritten
         return [self._steer(rid, tree) if rid in self._refs else tree for rid, tree in zip(rids, trees)]

@@ -212,6 +212,9 @@ class Eagle3Drafter(Proposer):
             self._cache_filled([req])
             req.kv.release()
 
+    def release_device(self) -> None:
+        self.graphs = None  # captured in the target's graph pool, which its runner gives back next
+
     def release_all(self) -> None:
         """Forget every request and every cached page (a new verifier stream starts from nothing)."""
         for rid in list(self._reqs):

@@ -96,9 +96,10 @@ class GoodputArbiter:
         return mode
 
     def verdict(self, batch_size: int) -> bool | None:
-        """The mode measured faster at ``batch_size``'s bucket (both measured, outside an exploration), or None."""
+        """The mode measured faster at ``batch_size``'s bucket (both measured), or None; an exploration of the
+        slower mode does not change it."""
         b, now = self.bucket(batch_size), self.clock()
-        if self._exploring or b not in self._best or not (self._measured(b, True, now) and self._measured(b, False, now)):
+        if b not in self._best or not (self._measured(b, True, now) and self._measured(b, False, now)):
             return None
         return self._best[b]
 

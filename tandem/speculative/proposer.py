@@ -37,6 +37,9 @@ class Proposer:
         """One DraftTree per request, rooted at the last token given to ``extend``."""
         raise NotImplementedError
 
+    def release_device(self) -> None:
+        """The engine shuts down: drop what holds device memory in the target's graph pool (in-process drafters)."""
+
     def release(self, rid: str) -> None:
         """Forget a request (finished, aborted or preempted)."""
         raise NotImplementedError
