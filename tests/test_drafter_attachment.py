@@ -198,3 +198,15 @@ def test_a_measured_verdict_for_plain_steps_detaches_without_waiting_for_the_clo
     clock.now += CFG.detached_first_s
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
     assert att.after_decision(False, asked=True, can_switch=False, plain_measured_faster=True) is None  # a run in flight
+
+
+def test_by_default_the_policy_is_asked_again_only_once_the_whole_batch_can_draft():
+    """An exploration with requests that cannot draft riding along as filler rows measures a diluted round."""
+    clock = Clock()
+    att = DrafterAttachment(clock=clock)
+    while att.after_decision(False, asked=True, can_switch=True) != "detach":
+        clock.now += 0.05
+    clock.now += att.cfg.detached_first_s
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+    assert not att.policy_may_decide(drafting=7, running=8)
+    assert att.policy_may_decide(drafting=8, running=8)

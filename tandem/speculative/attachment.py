@@ -10,9 +10,10 @@ released and nothing more is captured — plain steps are then target-only steps
 detached decode plainly to their end.
 
 After a detached period the engine attaches again: prompts admitted from then on start on the drafter, and
-once most of the batch can draft (``ready_share``; or after ``ready_timeout_s``) the policy is asked again,
-so that it measures speculation with the batch it would speculate with, not a few drafting rows among
-filler. Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
+once the whole batch can draft (``ready_share``; or after ``ready_timeout_s``) the policy is asked again,
+so that it measures speculation with the batch it would speculate with, not drafting rows among filler: with
+half the batch drafting (the earlier default) a round's tokens were diluted by a third on the demo pair, and the
+policy kept concurrency 8 plain where speculating always made 1.49x target-only (docs/benchmarks.md). Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
 pays costs a shrinking share of the time; a batch that speculates in earnest (``detach_after_steps``
 speculative steps in a row, not an exploration) starts the backoff over.
 
@@ -36,7 +37,7 @@ class AttachmentConfig:
     detach_measured_steps: int = 8  # ... or this many where measured goodput found plain steps faster
     detached_first_s: float = 2.0  # the first detached period
     detached_max_s: float = 32.0  # the longest (each period that ends in detaching again doubles the next)
-    ready_share: float = 0.5  # attached again: the policy is asked once this share of the batch can draft ...
+    ready_share: float = 1.0  # attached again: the policy is asked once this share of the batch can draft ...
     ready_timeout_s: float = 2.0  # ... or after this long
 
 
