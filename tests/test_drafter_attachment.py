@@ -115,7 +115,7 @@ class _Recorder:
     def __init__(self, eng):
         self.calls, self.captures = [], []
         drafter, forward = eng.proposer, eng.executor.forward
-        for name in ("attach_prefix", "extend", "release", "draft"):
+        for name in ("attach_prefix", "extend", "release", "draft", "flush"):
             setattr(drafter, name, self._counted(name, getattr(drafter, name)))
 
         def recorded(batch, *args, **kwargs):
@@ -146,6 +146,7 @@ def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pa
         while not eng.attachment.detached:
             eng.step()
         assert all(not eng.requests[r].draft_ready for r in first) and eng.drafts.held_bytes == 0
+        assert seen.calls[-1] == "flush"  # the releases go out now (a drafter service's with a Round of their own)
         seen.calls.clear(), seen.captures.clear()
         speculate[0] = True  # the policy would speculate now, but nothing can draft while detached
         late = eng.add_request(prompts[3], GREEDY)  # prefilled while detached: plain to its end

@@ -344,3 +344,32 @@ def test_a_connection_made_while_the_client_closes_is_closed_and_never_used(monk
         assert not client._reconnector._thread.is_alive()  # closed: no further attempt
         assert handshakes.made[0].closed and not client.available and states == []
         assert handshakes.attempts == 1
+
+
+class RecordingConnection(EchoConnection):
+    def __init__(self):
+        super().__init__()
+        self.rounds: list[pb.Round] = []
+
+    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
+        self.rounds.append(message.round)
+        super().send_round(message, timeout_s)
+
+
+def test_a_flush_sends_the_queued_releases_in_a_round_that_drafts_nothing():
+    """The engine detaching the drafter sends no Round for a while: the releases it queued go at once."""
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0)
+        conn = client._conn = RecordingConnection()
+        ring.begin_round(client._seq)
+        client.extend([("a", [1, 2], torch.zeros(2, 4)), ("b", [3], torch.zeros(1, 4))])
+        client.draft([], None)  # both extended on the drafter
+        client.release("a")
+        client.release("b")
+        sent = len(conn.rounds)
+        client.flush()
+        assert len(conn.rounds) == sent + 1
+        assert list(conn.rounds[-1].release) == ["a", "b"] and not conn.rounds[-1].draft
+        assert client._pending_release == []
+        client._conn = None
+        client.flush()  # the drafter away: nothing to send, no error

@@ -206,6 +206,11 @@ class DrafterClient(Proposer):
                 raise ProposerUnavailable("the drafter is not connected")
             self._pending_start[rid] = pb.PrefixStart(token_ids=tokens)
 
+    def flush(self) -> None:
+        """Send the queued releases and extends now, in a Round that drafts nothing."""
+        if self._conn is not None:
+            self.draft([], None)
+
     def release(self, rid: str) -> None:
         self._traces.pop(rid, None)
         with self._lock:

@@ -58,8 +58,14 @@ class DraftLink:
         return self.up() and not self.detached
 
     def detach(self, reqs: list) -> None:
-        """On detaching: release the requests' draft state, held input dropped (they decode plainly to their end)."""
+        """On detaching: release the requests' draft state, held input dropped (they decode plainly to their end);
+        a drafter service gets the releases now, not with a Round that may be a detached period away."""
         self.forget_all(reqs, complete=False)
+        if self.up():
+            try:
+                self.proposer.flush()
+            except ProposerUnavailable as e:
+                self.lost(e)
 
     def extend(self, items: list) -> None:
         """``items``: (request, next tokens, their features); a request's deferred attach is made first."""

@@ -37,6 +37,10 @@ class Proposer:
         """One DraftTree per request, rooted at the last token given to ``extend``."""
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Deliver what is queued for the proposer now (a drafter service gets releases with its next Round;
+        the engine detaching it sends no Round for a while)."""
+
     def release_device(self) -> None:
         """The engine shuts down: drop what holds device memory in the target's graph pool (in-process drafters)."""
 
