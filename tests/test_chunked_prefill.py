@@ -136,7 +136,7 @@ def test_beside_decoding_requests_a_prompt_is_cut_to_the_learned_cap_and_alone_t
     requests decode; a prompt no longer than the cap goes whole; with nothing decoding, the budget alone."""
     budget, cap, long_prompt = 64, 12, random_prompt(321, 61)
     with engine(pair, budget, enable_prefix_caching=False) as eng:  # (the same prompt twice: computed twice)
-        eng.accounting.pace.chunk_cap = lambda run_steps, speculating: cap
+        eng.accounting.pace.chunk_cap = lambda run_steps, speculating, graph_width=0: cap
         alone = eng.add_request(long_prompt, GREEDY)
         eng.step()
         assert eng.requests[alone].output  # nothing decoding: the 61 tokens in one step of the 64 budget
@@ -161,7 +161,7 @@ def test_a_chunk_kept_apart_from_decoding_requests_is_waited_for_so_that_the_pac
     learn only its launch's time (on an H200 the 8B shape's chunks near 32k keys ran ~3x longer than timed)."""
     budget, cap, long_prompt = 64, 12, random_prompt(322, 61)
     with engine(pair, budget, mixed_prefill=False) as eng:
-        eng.accounting.pace.chunk_cap = lambda run_steps, speculating: cap
+        eng.accounting.pace.chunk_cap = lambda run_steps, speculating, graph_width=0: cap
         waits = []
         eng.executor.synchronize = lambda: waits.append(eng.last_step)
         streams = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]

@@ -4,7 +4,7 @@ move, per mode, and never below its floor."""
 
 from __future__ import annotations
 
-from tandem.engine.prefill_pace import MIN_CHUNK_TOKENS, PACE_SHARE, PrefillPace
+from tandem.engine.prefill_pace import GRAPH_SNAP, MIN_CHUNK_TOKENS, PACE_SHARE, PrefillPace
 from tandem.engine.step import StepInfo
 
 
@@ -50,3 +50,15 @@ def test_the_prefill_cost_follows_a_long_prompt_whose_chunks_grow_dearer():
     for _ in range(3):
         pace.observe(prompts(400), 400 * 100e-6)  # late chunks: four times dearer
     assert pace.chunk_cap(4, False) == int(PACE_SHARE * 200)
+
+
+def test_a_cap_within_reach_of_the_widest_prefill_graph_is_cut_to_its_width():
+    """A replayed graph's chunk costs far less than an eager one of a few more tokens."""
+    pace = PrefillPace()
+    pace.observe(prompts(8192), 0.4096)  # 50 us per prompt token
+    pace.observe(decode(steps=4), 0.02)  # a run of 4 steps prefills 400 tokens: cap 320
+    assert pace.chunk_cap(4, False) == 320
+    assert pace.chunk_cap(4, False, graph_width=256) == 256  # within GRAPH_SNAP of the 256-wide graph
+    assert pace.chunk_cap(4, False, graph_width=128) == 320  # 320 >= 2 x 128: eager, as paced
+    assert pace.chunk_cap(4, False, graph_width=512) == 320  # the graph is wider than the cap: the cap
+    assert GRAPH_SNAP * 128 <= 320

@@ -112,6 +112,12 @@ class TargetExecutor:
             raise
 
     @property
+    def prefill_graph_width(self) -> int:
+        """The widest prompt chunk a prefill graph takes (0: none)."""
+        graphs = self.runner.graphs
+        return max(graphs.prefill, default=0) if graphs is not None else 0
+
+    @property
     def num_pages(self) -> int:
         return self.runner.num_pages
 

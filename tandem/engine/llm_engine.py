@@ -226,7 +226,7 @@ class LLMEngine:
         cap = None
         if self.scheduler.waiting and self.scheduler.running:  # (asked only then: not on every round)
             cap = self.accounting.pace.chunk_cap(self.spec_rounds if self.speculating else self.decode_steps,
-                                                 self.speculating)
+                                                 self.speculating, self.executor.prefill_graph_width)
         sched = None
         if apart and self.prompts_due():
             sched = self.scheduler.schedule(lambda req: self._row_width(req, width), decode=False, chunk_cap=cap)
