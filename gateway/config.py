@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,9 +62,10 @@ class GatewayConfig:
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"--model-dir {self.model_dir}: no such folder")
 
-    @property
+    @functools.cached_property
     def model_name(self) -> str:
-        """The name clients put in ``model`` (and what /v1/models lists)."""
+        """The name clients put in ``model`` (and what /v1/models lists); resolved once (it walks the folder's
+        path, and every request asks)."""
         return served_name(self.model_dir, self.served_model_name)
 
 
