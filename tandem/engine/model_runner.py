@@ -131,8 +131,8 @@ class ModelRunner:
         """Give the device memory back (weights, KV pool, graphs) even where something still holds this
         runner: the next engine in the process sizes its KV pool from what is free."""
         self.graphs = self.kv = self.model = None
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # (a collection costs ~0.1 s; host memory needs none of this)
+            gc.collect()
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
