@@ -211,3 +211,29 @@ def test_by_default_the_policy_is_asked_again_only_once_the_whole_batch_can_draf
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
     assert not att.policy_may_decide(drafting=7, running=8)
     assert att.policy_may_decide(drafting=8, running=8)
+
+
+def test_requests_with_speculation_off_do_not_hold_the_ready_gate(pair):
+    """Attached again, the policy is asked once every request that can speculate drafts: a request with
+    speculation off never will, and must not keep the gate shut until its timeout."""
+    prompts = [random_prompt(720 + i, 9 + 3 * i) for i in range(3)]
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                            detached_first_s=5.0, ready_timeout_s=1e9), clock)
+        asked = []
+        eng.policy.decide = lambda batch, drafting, runs=None: asked.append(len(drafting)) or False
+        plain = eng.add_request(prompts[0], SamplingParams(max_new_tokens=80, ignore_eos=True), spec=None)
+        first = eng.add_request(prompts[1], GREEDY)
+        while not eng.attachment.detached:
+            eng.step()
+        clock.now += 5.0
+        eng.step()  # the detached period is over: attached again
+        assert not eng.attachment.detached
+        asked.clear()
+        fresh = eng.add_request(prompts[2], GREEDY)
+        while eng.requests[first].finish_reason is None or not eng.requests[fresh].output:
+            eng.step()
+        eng.step()
+        assert eng.requests[plain].finish_reason is None
+        assert any(asked), "the policy was not asked with the drafting request while the plain one ran"

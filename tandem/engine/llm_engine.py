@@ -162,7 +162,8 @@ class LLMEngine:
             self._keep_attachment(asked=False)  # a detached period that ended while idle ends before they arrive
             return 1
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(running))
+        speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
+        asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), speculative)
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
         states = [req.spec_state for req in drafting] if asked else []
         self.speculating = self.policy.decide(len(running), states, runs)
