@@ -562,15 +562,20 @@ def test_without_a_goodput_verdict_plain_is_settled_only_well_below_the_measured
     for state in states:
         for _ in range(10):
             policy.observe_round(state, 1)  # τ = 1: drafts never accepted
-    assert not policy.plain_measured_faster(8, states)  # costs at this bucket not measured: no settling
+
+    def settled(drafting=states):
+        policy.decide(8, drafting)  # (the engine asks right after the step's decision)
+        return policy.plain_measured_faster(8)
+
+    assert not settled()  # costs at this bucket not measured: no settling
     for _ in range(3):
         policy.observe_step(8, False, 1, 1e-3)
         policy.observe_step(8, True, 1, 1.2e-3)  # ratio 1.2: τ 1 is below it, but not by 25 %
-    assert not policy.plain_measured_faster(8, states)
+    assert not settled()
     for _ in range(16):
         policy.observe_step(8, True, 1, 2e-3)  # ratio 2
-    assert policy.plain_measured_faster(8, states)
-    assert not policy.plain_measured_faster(8, [])  # nothing can draft: nothing to settle
+    assert settled()
+    assert not settled([])  # nothing can draft: nothing to settle
 
 
 def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detaches_the_drafter():
@@ -598,6 +603,6 @@ def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detac
         speculate = policy.decide(8, states, True)
         policy.goodput.observe(8, speculate, 20 if speculate else 10, 0.005)
         plain_steps += not speculate
-        settled = not speculate and policy.plain_measured_faster(8, states)
+        settled = not speculate and policy.plain_measured_faster(8)
         assert attachment.after_decision(speculate, True, True, settled) != "detach"
     assert plain_steps  # plain steps were explored

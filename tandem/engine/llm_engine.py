@@ -168,7 +168,7 @@ class LLMEngine:
         states = [req.spec_state for req in drafting] if asked else []
         self.speculating = self.policy.decide(len(running), states, runs)
         # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment)
-        settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running), states)
+        settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
         self._keep_attachment(asked, settled)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 

@@ -53,7 +53,7 @@ class _Forced:
     def observe_goodput(self, batch_size, speculative, tokens, seconds, detached=False) -> None:
         pass  # the warm-up's forced modes and random prompts say nothing of the traffic's goodput
 
-    def plain_measured_faster(self, batch_size, drafting) -> bool:
+    def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)
 
 

@@ -118,6 +118,7 @@ class SpeculationPolicy:
         self.rounds_all = 0
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
+        self._model_view: tuple[int, float, float] | None = None  # this step's (batch size, τ's upper bound, ratio)
 
     # -- costs -----------------------------------------------------------------------------------
     def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
@@ -195,24 +196,26 @@ class SpeculationPolicy:
         if self.goodput is not None:
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
 
-    def plain_measured_faster(self, batch_size: int, drafting: list[RequestSpecState]) -> bool:
+    def plain_measured_faster(self, batch_size: int) -> bool:
         """Whether measurements say plain steps are faster at ``batch_size``: measured goodput's verdict, or
         where it has none, the batch's τ well below the cost ratio of measured step times (by
-        ``settled_margin``: not a guess, nor a close call an exploration should settle)."""
+        ``settled_margin``: not a guess, nor a close call an exploration should settle) — as this step's
+        ``decide`` weighed them (asked after it; nothing is computed again)."""
         verdict = self.goodput.verdict(batch_size) if self.goodput is not None else None
-        c = self.cfg
-        if verdict is not None or not drafting or c.fixed_cost_ratio is not None or self.rounds_all < max(1, c.warmup_rounds):
-            return verdict is False  # (a fixed ratio is no measurement)
+        view, c = self._model_view, self.cfg
+        if verdict is not None or view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
+            return verdict is False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
         if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
             return False  # this bucket's costs are not measured both ways
-        mean, stderr = self._batch_tau(batch_size, drafting)
-        return (mean + c.confidence_z * stderr) * (1 + c.settled_margin) < self.cost_ratio(batch_size)
+        _, tau_upper, ratio = view
+        return tau_upper * (1 + c.settled_margin) < ratio
 
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
         ``runs``: whether this step can be a run of several steps (None: unknown). The cost model's answer,
         unless measured goodput says otherwise (tandem.speculative.goodput)."""
+        self._model_view = None
         if not drafting:
             return False
         if not self.cfg.enabled:
@@ -241,6 +244,7 @@ class SpeculationPolicy:
             if self.spec_steps_since_plain >= every:
                 return False
         mean, stderr = self._batch_tau(batch_size, drafting)
+        self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio)  # (for plain_measured_faster)
         if mean + c.confidence_z * stderr >= ratio:
             return True
         return self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
