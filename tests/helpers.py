@@ -54,6 +54,20 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return new
 
 
+def generate_with_arrivals(engine, prompts: list[list[int]], params) -> tuple[list[str], list[list[int]]]:
+    """The first two of six ``prompts`` at once, two more after 3 steps and the last two after 6 (prompts that
+    arrive while others decode); → the request ids and each one's output tokens, in prompt order."""
+    rids = [engine.add_request(p, params) for p in prompts[:2]]
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            done.setdefault(out.rid, []).extend(out.new_token_ids)
+        steps += 1
+        if steps in (3, 6):
+            rids += [engine.add_request(p, params) for p in prompts[2 + 2 * (steps == 6): 4 + 2 * (steps == 6)]]
+    return rids, [done[r] for r in rids]
+
+
 def forward_fresh(engine, prompts: list[list[int]], capture_features: bool = False):
     """One executor forward of fresh sequences packed together (prefix_len 0, logits at every row);
     their pages are reserved for the forward and released after it. → (logits, features)."""

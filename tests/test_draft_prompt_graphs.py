@@ -133,7 +133,7 @@ def test_prompt_extend_with_the_triton_kernel(pair):
 def test_speculative_engine_on_the_static_path_gives_target_only_greedy(pair, monkeypatch, prefix_caching):
     """Prompts arriving while others speculate (a step of prompts apart, chunked past 64 tokens): their extends
     go to the drafter's prompt-extend graphs, and the greedy output is the target's alone."""
-    from helpers import TorchGraphBackend, target_only_greedy, torch_prompts
+    from helpers import TorchGraphBackend, generate_with_arrivals, target_only_greedy, torch_prompts
     from proposers import always_speculate
     from tandem.engine.config import EngineConfig
     from tandem.engine.speculative_setup import speculative_engine
@@ -149,16 +149,8 @@ def test_speculative_engine_on_the_static_path_gives_target_only_greedy(pair, mo
                        enable_prefix_caching=prefix_caching)
     with speculative_engine(cfg, str(pair.draft_dir), SpecConfig(3, 1, 4), policy=always_speculate()) as eng:
         assert eng.prefill_apart and eng.proposer.graphs.prompts.widths == (16, 32, 64)
-        rids = [eng.add_request(p, params) for p in prompts[:2]]
-        done, steps = {}, 0
-        while eng.has_unfinished():
-            for out in eng.step():
-                done.setdefault(out.rid, []).extend(out.new_token_ids)
-            steps += 1
-            if steps in (3, 6):  # arrivals while the first ones speculate
-                rids += [eng.add_request(p, params) for p in prompts[2 + 2 * (steps == 6): 4 + 2 * (steps == 6)]]
+        rids, outputs = generate_with_arrivals(eng, prompts, params)  # arrivals while the first ones speculate
         replays = dict(eng.proposer.graphs.replays)
         rounds = sum(eng.requests[r].spec_stats.rounds for r in rids)
-        outputs = [done[r] for r in rids]
     assert outputs == reference
     assert replays["draft_prompt"] >= 3 and rounds > 0, replays

@@ -138,7 +138,7 @@ def test_prefill_widths_and_buckets():
 def test_engine_greedy_with_prefill_graphs_equals_without(tmp_path, monkeypatch):
     """A static-path engine (graphs' code without capture) with prefill families and without them: prompts
     arrive while others decode (prefill steps apart), and their greedy outputs agree; the prefill family ran."""
-    from helpers import TorchGraphBackend, torch_prompts
+    from helpers import TorchGraphBackend, generate_with_arrivals, torch_prompts
     from tandem.engine.config import EngineConfig
     from tandem.engine.cuda_graph import TargetGraphRunner
     from tandem.engine.llm_engine import LLMEngine
@@ -161,16 +161,7 @@ def test_engine_greedy_with_prefill_graphs_equals_without(tmp_path, monkeypatch)
                            prefill_graph_tokens=tokens, prefill_graph_max_bs=4)
         with LLMEngine(cfg) as eng:
             assert eng.prefill_apart
-            rids = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts[:2]]
-            done, steps = {}, 0
-            while eng.has_unfinished():
-                for out in eng.step():
-                    done.setdefault(out.rid, []).extend(out.new_token_ids)
-                steps += 1
-                if steps in (3, 6):  # arrivals while the first ones decode
-                    rids += [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
-                             for p in prompts[2 + 2 * (steps == 6) : 4 + 2 * (steps == 6)]]
-            outputs[tokens] = [done[r] for r in rids]
+            outputs[tokens] = generate_with_arrivals(eng, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))[1]
         prefills = [m for m in launched if isinstance(m, tuple)]
         assert (len(prefills) >= 3) == (tokens > 0), prefills  # the first prompts, then each pair of arrivals
         launched.clear()

@@ -233,6 +233,7 @@ def test_capture_logs_time_and_memory(target, caplog):
 def _greedy_with_arrivals(target, graphs: bool) -> list[list[int]]:
     """float32 greedy: two prompts, then two more at each of steps 3 and 6 while they decode (steps of prompts
     apart, on the prefill graphs when ``graphs``)."""
+    from helpers import generate_with_arrivals
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
@@ -241,15 +242,7 @@ def _greedy_with_arrivals(target, graphs: bool) -> list[list[int]]:
     cfg = EngineConfig(model=str(target), device="cuda", dtype="float32", disable_cuda_graph=not graphs,
                        cuda_graph_max_bs=16, page_size=16, kv_pages=2048, decode_steps=1)
     with LLMEngine(cfg) as eng:
-        rids = [eng.add_request(p, params) for p in batch[:2]]
-        done, steps = {}, 0
-        while eng.has_unfinished():
-            for out in eng.step():
-                done.setdefault(out.rid, []).extend(out.new_token_ids)
-            steps += 1
-            if steps in (3, 6):
-                rids += [eng.add_request(p, params) for p in batch[2 + 2 * (steps == 6) : 4 + 2 * (steps == 6)]]
-        return [done[r] for r in rids]
+        return generate_with_arrivals(eng, batch, params)[1]
 
 
 def test_prefill_graphs_greedy_equals_eager(target, monkeypatch):
