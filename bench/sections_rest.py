@@ -10,7 +10,6 @@ the last finished), the prefill included."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -19,6 +18,7 @@ import sys
 import time
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
+from rest_load import cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
 
 CONCURRENCY = (1, 8, 64)
@@ -28,8 +28,8 @@ SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "
 
 @contextlib.contextmanager
 def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16", verifier_flags=("--load-format", "random")):
-    """Verifier (+ drafter for "pair") + gateway as processes; yields the gateway's base URL and the
-    seconds the verifier took to say SERVING."""
+    """Verifier (+ drafter for "pair") + gateway as processes; yields the gateway's base URL, the seconds
+    the verifier took to say SERVING and the services' process ids by name."""
     from tandem.service_probe import free_port, wait_serving
 
     v_port, d_port, g_port, g_grpc = free_port(), free_port(), free_port(), free_port()
@@ -56,7 +56,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                                        "--max-concurrent-requests", "1024", "--log-level", "warning"],
                                       cwd=ROOT_DIR, env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
-        yield f"http://127.0.0.1:{g_port}", ready_s
+        names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]
+        yield f"http://127.0.0.1:{g_port}", ready_s, {name: p.pid for name, p in zip(names, procs)}
     finally:
         stop_processes(procs[::-1])  # the gateway first, the drafter last
 
@@ -75,82 +76,25 @@ def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
-async def _one(client, base: str, prompt: list[int], max_tokens: int) -> tuple[int, float, str]:
-    """One streamed completion → (completion tokens, seconds to its first token, its text)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    started, first, tokens, text = time.perf_counter(), None, 0, []
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                first = first or time.perf_counter() - started
-                text.append(chunk["choices"][0].get("text") or "")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return tokens, first or 0.0, "".join(text)
-
-
-async def _wave(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        started = time.perf_counter()
-        done = await asyncio.gather(*(_one(client, base, p, max_tokens) for p in prompts))
-        elapsed = time.perf_counter() - started
-    tokens = sum(t for t, _, _ in done)
-    assert tokens == len(prompts) * max_tokens, (tokens, len(prompts), max_tokens)
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft_s_mean": sum(f for _, f, _ in done) / len(done),
-            "texts": [t for _, _, t in done]}
-
-
-async def _sustained(base: str, prompts: list[list[int]], conc: int, max_tokens: int, seconds: float) -> dict:
-    """Closed-loop load: ``conc`` clients each send the next prompt as soon as their last answer ends, for
-    ``seconds``; → completion tokens/s over the requests that finished (a steady state, where one wave of
-    a tiny model lasts a few tens of milliseconds and measures mostly noise)."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
-    started = time.perf_counter()
-    deadline = started + seconds
-    finished: list[tuple[int, float]] = []  # (tokens, finish time)
-
-    async def client(k: int) -> None:
-        i = k
-        while time.perf_counter() < deadline:
-            tokens, _, _ = await _one(http, base, prompts[i % len(prompts)], max_tokens)
-            finished.append((tokens, time.perf_counter()))
-            i += conc
-
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
-        await asyncio.gather(*(client(k) for k in range(conc)))
-    end = max(t for _, t in finished)
-    return {"tok_s": sum(n for n, _ in finished) / (end - started), "requests": len(finished),
-            "seconds": end - started}
-
-
 def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_s: float = 0.0, **stack_kw) -> dict:
     """Each mode's stack in turn, every cell (concurrency, new tokens) a wave (texts, and its rate unless
     ``sustain_s``: then the rate is a closed-loop load of that many seconds); → per mode its start-up,
     first and warm request times and rows, each row beside target-only's and its texts compared."""
     out: dict = {}
     for mode in modes:
-        with _stack(tdir, draft, mode, **stack_kw) as (base, ready_s):
-            first = asyncio.run(_wave(base, prompts[:1], 64))  # the first request after SERVING
-            warm = min((asyncio.run(_wave(base, prompts[:1], 64)) for _ in range(3)), key=lambda r: r["seconds"])
-            rows = {}
-            for conc, max_tokens in cells:
-                rows[f"c{conc}_n{max_tokens}"] = r = asyncio.run(_wave(base, prompts[:conc], max_tokens))
+        with _stack(tdir, draft, mode, **stack_kw) as (base, ready_s, pids):
+            first, warm, rows = run(_waves(base, prompts, cells))
+            for (conc, max_tokens), r in zip(cells, rows.values()):
                 if sustain_s:
                     r["wave_tok_s"] = r["tok_s"]
-                    r.update(asyncio.run(_sustained(base, prompts, conc, max_tokens, sustain_s)))
+                    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    r.update(sustained(base, prompts, conc, max_tokens, sustain_s))
+                    r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2)
+                                             for name, pid in pids.items()}
                 print(f"{mode:17s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
-                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)", flush=True)
+                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)" + (f"; CPU share: clients {r['client_cpu_share']:.2f} "
+                      f"(of {r['client_procs']}), " + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items())
+                      if sustain_s else ""), flush=True)
             out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
                          "rows": rows}
             print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
@@ -166,6 +110,18 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
     for r in (r for m in out.values() for r in m["rows"].values()):
         r.pop("texts")
     return out
+
+
+async def _waves(base: str, prompts: list, cells: list) -> tuple[dict, dict, dict]:
+    """On one warm client (its first request, a health check, is not timed): the first request after SERVING,
+    the same request warm (best of 3), and a wave per cell → (first, warm, rows by cell)."""
+    async with http_client(max(c for c, _ in cells)) as client:
+        await client.get(f"{base}/health")
+        first = await wave(client, base, prompts[:1], 64)
+        warm = min([await wave(client, base, prompts[:1], 64) for _ in range(3)], key=lambda r: r["seconds"])
+        rows = {f"c{conc}_n{max_tokens}": await wave(client, base, prompts[:conc], max_tokens)
+                for conc, max_tokens in cells}
+    return first, warm, rows
 
 
 def rest(ctx: dict) -> dict:
