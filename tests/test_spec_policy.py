@@ -606,3 +606,15 @@ def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detac
         settled = not speculate and policy.plain_measured_faster(8)
         assert attachment.after_decision(speculate, True, True, settled) != "detach"
     assert plain_steps  # plain steps were explored
+
+
+def test_explain_names_what_a_decision_weighed():
+    """The detach log line's reasons: goodput measured each way at the batch's bucket, and the step costs."""
+    policy = SpeculationPolicy(PolicyConfig(), clock=lambda: 0.0)
+    assert "speculating - tok/s, plain - tok/s" in policy.explain(8)  # nothing measured yet
+    for _ in range(20):
+        policy.observe_goodput(8, True, 24, 0.01)
+        policy.observe_goodput(8, False, 8, 0.005)
+    text = policy.explain(8)
+    assert "speculating 2400 tok/s, plain 1600 tok/s" in text, text
+    assert "ms plain / round" in text

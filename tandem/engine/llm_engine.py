@@ -179,7 +179,8 @@ class LLMEngine:
         change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
-            log.info("speculation off for a while: the drafter is detached (plain steps run target-only)")
+            log.info("speculation off for a while at batch %d: the drafter is detached (plain steps run target-only); "
+                     "%s", len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
         elif change == "attach":
             log.info("the drafter is attached again: prompts admitted from now on can speculate")
 

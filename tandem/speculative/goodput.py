@@ -103,6 +103,11 @@ class GoodputArbiter:
             return None
         return self._best[b]
 
+    def rates(self, batch_size: int) -> tuple[float | None, float | None]:
+        """(speculative, plain) goodput in tokens/s at ``batch_size``'s bucket where measured, else None."""
+        b, now = self.bucket(batch_size), self.clock()
+        return tuple(self._meter(b, mode, now).rate if self._measured(b, mode, now) else None for mode in (True, False))
+
     def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
         """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured."""
         if not mode:

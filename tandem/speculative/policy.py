@@ -210,6 +210,20 @@ class SpeculationPolicy:
         _, tau_upper, ratio = view
         return tau_upper * (1 + c.settled_margin) < ratio
 
+    def explain(self, batch_size: int) -> str:
+        """What this step's decision at ``batch_size`` weighed, in words for a log line."""
+        parts = []
+        if self.goodput is not None:
+            spec, plain = self.goodput.rates(batch_size)
+            parts.append("measured goodput: " + ", ".join(f"{name} {'-' if r is None else f'{r:.0f}'} tok/s"
+                                                         for name, r in (("speculating", spec), ("plain", plain))))
+        if self._model_view is not None and self._model_view[0] == batch_size:
+            parts.append(f"τ at most {self._model_view[1]:.2f} against a cost ratio of {self._model_view[2]:.2f}")
+        times = [self.step_time(batch_size, mode) for mode in (False, True)]
+        parts.append("step costs " + " / ".join("-" if t is None else f"{1e3 * t:.2f}" for t in times) + " ms plain / round"
+                     f", prompt extension {1e6 * self.arrival_cost_per_output_token():.1f} µs per output token")
+        return "; ".join(parts)
+
     def decide(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """Whether this step speculates: ``drafting`` are the states of the requests that can draft, out of
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
