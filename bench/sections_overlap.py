@@ -22,6 +22,7 @@ def _steered_batch(engine, drafter, spec, prompts, params, rate: float, referenc
 
     proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
     engine.proposer, engine.default_spec = proposer, spec
+    engine.attachment.reset()  # attached: a measured policy's earlier run may have detached the drafter
     rids = [engine.add_request(p, params) for p in prompts]
     for rid, prompt, ref in zip(rids, prompts, references):
         proposer.set_reference(rid, len(prompt), ref + [0] * 16)
