@@ -516,6 +516,18 @@ def test_an_arrivals_drafter_extension_is_charged_against_the_plain_step():
     assert policy.cost_ratio(1) == pytest.approx(0.0015 / 0.0009)  # one request pays its own arrivals only
 
 
+def test_the_arrival_charge_is_total_extension_seconds_over_total_output_tokens():
+    """Prompts of different lengths whose extension costs the same 1 ms each (a launch-bound drafter): a mean of
+    per-token costs (1 ms / 10 tokens beside 1 ms / 190) made the charge 10x the traffic's; its sums make it exact:
+    2 ms for 200 prompt tokens, 200 prompt tokens for 400 output tokens → 5 µs per output token."""
+    policy = SpeculationPolicy(PolicyConfig())
+    policy.observe_arrivals(10, 0.001)
+    policy.observe_arrivals(190, 0.001)
+    policy.observe_finished(10, 300)
+    policy.observe_finished(190, 100)
+    assert policy.arrival_cost_per_output_token() == pytest.approx(0.002 / 400, rel=0.02)
+
+
 def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured():
     """Attached plain steps pay for the drafter's input; detached ones are what plain decoding costs once the
     policy has settled on it. Measured detached, they are plain's goodput, and the verdict follows them."""

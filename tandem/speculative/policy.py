@@ -182,11 +182,11 @@ class SpeculationPolicy:
         """Prompts of ``prompt_tokens`` tokens, prefilled alone while speculating, took ``seconds`` to extend
         into the drafter (a cost plain decoding does not pay: it holds them)."""
         self._extend_per_token.decay(1)
-        self._extend_per_token.add(seconds / prompt_tokens)
+        self._extend_per_token.add(seconds / prompt_tokens, weight=prompt_tokens)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         self._prompt_per_output.decay(1)
-        self._prompt_per_output.add(prompt_tokens / output_tokens)
+        self._prompt_per_output.add(prompt_tokens / output_tokens, weight=output_tokens)
 
     # -- the decision ----------------------------------------------------------------------------
     def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
@@ -330,10 +330,11 @@ class DecayedMean:
         factor = self.keep ** ages
         self.total, self.squares, self.weight = factor * self.total, factor * self.squares, factor * self.weight
 
-    def add(self, value: float) -> None:
-        self.total += value
-        self.squares += value * value
-        self.weight += 1.0
+    def add(self, value: float, weight: float = 1.0) -> None:
+        """A sample of ``weight`` (a ratio's denominator as its weight makes the mean a ratio of decayed sums)."""
+        self.total += weight * value
+        self.squares += weight * value * value
+        self.weight += weight
 
     @property
     def mean(self) -> float | None:
