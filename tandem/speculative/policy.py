@@ -36,6 +36,7 @@ chooses where nothing is measured yet.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class RequestSpecState:
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
+@functools.lru_cache(maxsize=1024)
 def cost_bucket(batch_size: int) -> int:
     """The power of two nearest to ``batch_size`` (in log scale): where its step costs are kept."""
     return 1 << max(0, round(math.log2(max(1, batch_size))))
@@ -110,6 +112,7 @@ class SpeculationPolicy:
         measured = cfg.goodput and cfg.enabled and cfg.fixed_cost_ratio is None
         self.goodput = GoodputArbiter(cfg, cost_bucket, *([clock] if clock else [])) if measured else None
         self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
+        self._step_times_known: dict[int, dict] = {}  # bucket -> {(kind, runs): step_time}, until its next sample
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         # What an arrival costs only while speculating — the drafter's extension over the prompt — per
         # prompt token, and the traffic's prompt tokens per output token: together, a cost per output token.
@@ -135,6 +138,9 @@ class SpeculationPolicy:
         if seconds is not None:
             times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
             kind = "resume" if resumed else "spec" if speculative else "plain"
+            known = self._step_times_known.get(cost_bucket(batch_size), {})
+            for runs in (True, False, None):
+                known.pop((kind, runs), None)
             samples = times.samples.setdefault((kind, steps > 1), deque())
             samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
@@ -147,21 +153,23 @@ class SpeculationPolicy:
         step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
         sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
         single steps only (False), or of both (None)."""
-        times = self._times.get(cost_bucket(batch_size))
+        bucket = cost_bucket(batch_size)
         kind = "resume" if resumed else "spec" if speculative else "plain"
-        samples = [] if times is None else times.of(kind, runs)
-        if not samples:
-            return None
-        kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
-        return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
+        known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
+        if (kind, runs) not in known:
+            times = self._times.get(bucket)
+            samples = [] if times is None else times.of(kind, runs)
+            kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+            known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
+        return known[kind, runs]
 
     def cost_ratio(self, batch_size: int, runs: bool | None = None) -> float:
         """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways; within
         ``runs``' class (runs, or single steps) where both kinds have samples of it there."""
         if self.cfg.fixed_cost_ratio is not None:
             return self.cfg.fixed_cost_ratio
-        measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b, t in self._times.items()
-                    if t.of("plain") and t.of("spec")]
+        measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b in self._times
+                    if self.step_time(b, False) is not None and self.step_time(b, True) is not None]
         if not measured:
             return self.cfg.default_cost_ratio
         _, b = min(measured)
