@@ -530,7 +530,8 @@ def test_the_arrival_charge_is_total_extension_seconds_over_total_output_tokens(
 
 def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured():
     """Attached plain steps pay for the drafter's input; detached ones are what plain decoding costs once the
-    policy has settled on it. Measured detached, they are plain's goodput, and the verdict follows them."""
+    policy has settled on it. Measured detached, they are plain's goodput, and the verdict follows them; a detached
+    period forgets speculation's goodput (it could not be measured meanwhile)."""
     from tandem.speculative.goodput import GoodputArbiter
     from tandem.speculative.policy import cost_bucket
 
@@ -556,7 +557,9 @@ def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured()
     meter(True, 1000.0)
     meter(False, 900.0)  # attached plain: slower than speculating
     assert verdict() is True
-    meter(False, 1200.0, detached=True)  # the same batch with the drafter detached
+    meter(False, 1200.0, detached=True)  # the same batch with the drafter detached ...
+    assert arbiter.verdict(8) is None and arbiter.rates(8) == (None, pytest.approx(1200.0))  # measured again after it
+    meter(True, 1000.0)  # ... attached again
     assert verdict() is False
     meter(False, 800.0)  # attached again for a while (say, before an exploration): detached steps still speak for plain
     assert verdict() is False

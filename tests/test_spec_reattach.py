@@ -1,0 +1,130 @@
+"""After the drafter detaches on a plain verdict, speculation is measured again once it is attached again: a
+speculative goodput read low early (a wave's prefill steps metered as speculative) must not keep a batch
+plain for good. The policy, the attachment and the step accounting are driven as LLMEngine._decide,
+_keep_attachment and step() drive them, on a simulated clock and a closed-loop load of 8 requests."""
+
+from __future__ import annotations
+
+from test_spec_policy import SimClock
+from tandem.engine.step import StepInfo
+from tandem.engine.step_accounting import StepAccounting
+from tandem.speculative.attachment import DrafterAttachment
+from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy
+
+N = 8  # concurrency (closed loop: a finished request's successor is prefilled apart at the next step)
+OUTPUT_TOKENS = 96
+SPEC_S, PLAIN_S, PREFILL_S = 1.0e-3, 0.5e-3, 0.5e-3  # a round emits 3 tokens a request: 24k vs 16k tok/s
+TAU = 3
+
+
+class _Request:
+    def __init__(self, left: int, drafts: bool):
+        self.left, self.drafts, self.held, self.state = left, drafts, False, RequestSpecState()
+
+
+class SimEngine:
+    """The engine's calls into the policy and the attachment, per step, with simulated steps."""
+
+    def __init__(self, policy: SpeculationPolicy, running: int, waiting: int):
+        self.clock, self.policy = policy.goodput.clock, policy
+        self.attachment = DrafterAttachment(clock=self.clock)
+        self.accounting = StepAccounting(prefill_apart=True)
+        self.running = [_Request(OUTPUT_TOKENS * (i + 1) // N, True) for i in range(running)]  # finishes spread out
+        self.waiting, self.speculating, self.log = waiting, False, []
+        self.seconds = {True: 0.0, False: 0.0}  # decode time by mode
+
+    def _decide(self) -> list[_Request]:
+        drafting = [r for r in self.running if r.drafts]
+        asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(self.running))
+        self.speculating = self.policy.decide(len(self.running), [r.state for r in drafting] if asked else [], False)
+        settled = asked and not self.speculating and self.policy.plain_measured_faster(len(self.running))
+        change = self.attachment.after_decision(self.speculating, asked, True, settled)
+        if change == "detach":
+            for r in self.running:
+                r.drafts, r.held = False, False
+        if change:
+            self.log.append((self.clock.now, change, self.policy.explain(N)))
+        return drafting
+
+    def step(self) -> None:
+        started = self.clock.now
+        self.accounting.step_starts(started, self.policy)
+        drafting = self._decide()
+        before = len(self.running)
+        if self.waiting:  # prompts alone; a prompt admitted while plain holds its features for its first draft
+            info = StepInfo(self.waiting, 0, {}, prefill_tokens=64 * self.waiting)
+            self.running += [_Request(OUTPUT_TOKENS, not self.attachment.detached) for _ in range(self.waiting)]
+            for r in self.running[-self.waiting:]:
+                r.held = r.drafts and not self.speculating
+            tokens, self.waiting, took = info.num_prefill, 0, PREFILL_S
+        else:
+            resumed = self.speculating and any(r.held for r in drafting)  # a round that first catches the drafter up
+            info = StepInfo(0, before, {}, speculative=self.speculating, timed=not resumed)
+            tokens = 0
+            for r in self.running:
+                made = TAU if self.speculating and r in drafting else 1
+                if made > 1:
+                    self.policy.observe_round(r.state, made)
+                r.held = r.drafts and not self.speculating
+                r.left -= made
+                tokens += made
+            took = SPEC_S * (1.5 if resumed else 1.0) if self.speculating else PLAIN_S
+            self.seconds[self.speculating] += took
+        self.clock.now += took
+        self.waiting = sum(r.left <= 0 for r in self.running)
+        self.running = [r for r in self.running if r.left > 0]
+        self.accounting.step_ended(self.policy, info, started, self.clock.now, before, len(self.running),
+                                   self.speculating, object(), True, tokens, detached=self.attachment.detached)
+
+    def run_until(self, t: float) -> None:
+        while self.clock.now < t:
+            self.step()
+
+
+def _meter(policy: SpeculationPolicy, n: int, speculative: bool, tokens_per_s: float, seconds: float = 0.3) -> None:
+    for _ in range(100):
+        policy.goodput.clock.now += seconds / 100
+        policy.observe_goodput(n, speculative, tokens_per_s * seconds / 100, seconds / 100)
+
+
+def test_a_plain_verdict_on_an_early_low_speculative_reading_is_measured_again_after_reattaching():
+    """The H200 demo pair at concurrency 8 detached three times in 6 s with the speculative meter unchanged
+    (9035 tok/s) while plain read 12-16k and τ 3.4 stood against a cost ratio of 1.34. Here speculating makes
+    1.5x plain's tokens per second at batch 8, but a first wave measured it at 9k and plain (attached) at 12k,
+    and the wave after it ramps up through batch 4 (where speculation measured 2x faster), whose exploration
+    of plain steps goes on at batch 8: the drafter detaches there. That exploration's epoch spans the detached
+    period, so its end at the re-attach put batch 8's next exploration 5 s away: kept, the 9k reading detached
+    the drafter twice more with no round measured. Once attached again speculation must be measured again at
+    batch 8, and win: no second detach, and the batch speculates."""
+    clock = SimClock()
+    policy = SpeculationPolicy(PolicyConfig(), clock=clock)
+    states = [RequestSpecState() for _ in range(N)]
+    for n in (N // 2, N):
+        for _ in range(3):  # the warm-up's step times
+            policy.observe_step(n, False, 1, PLAIN_S)
+            policy.observe_step(n, True, 1, SPEC_S)
+    for state in states:
+        for _ in range(4):
+            policy.observe_round(state, TAU)
+    # The first wave: batch 8 measured low while speculating (its prefill steps), then plain faster ...
+    _meter(policy, N, True, 9000.0)
+    _meter(policy, N, False, 12000.0)
+    assert not policy.decide(N, states)  # (a plain epoch)
+    _meter(policy, N, False, 12000.0, 0.05)
+    # ... and batch 4 speculation faster, its next exploration a few seconds away.
+    _meter(policy, N // 2, True, 16000.0)
+    _meter(policy, N // 2, False, 8000.0)
+    assert policy.decide(N // 2, states[: N // 2])
+    _meter(policy, N // 2, True, 16000.0, 0.05)
+    clock.now += 5.0
+    engine = SimEngine(policy, N // 2, N // 2)  # the next wave: 4 running, 4 prompts waiting
+    start = clock.now
+    engine.run_until(start + 1.0)
+    assert [change for _, change, _ in engine.log] == ["detach"]  # the biased verdict took effect
+    engine.run_until(start + 10.0)
+    changes = [change for _, change, _ in engine.log]
+    assert changes == ["detach", "attach"], engine.log  # measured again once attached: it stays attached
+    assert policy.goodput.rates(N)[0] > 20000
+    engine.seconds = {True: 0.0, False: 0.0}
+    engine.run_until(start + 12.0)
+    assert engine.seconds[True] > 0.9 * (engine.seconds[True] + engine.seconds[False]), engine.log
