@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
+from tandem.service_runtime import freeze_startup_heap, report_hangs_in_health, set_health, wait_for_stop
 from tandem.configs.model import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -45,6 +45,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     drafter = Eagle3Drafter.from_dirs(cfg.draft_model, cfg.target_model, cfg.runtime)
     if cfg.graph_specs:  # health stays NOT_SERVING until the draft and draft-extend graphs are captured
         drafter.capture_cuda_graphs(list(cfg.graph_specs))
+        freeze_startup_heap()
     profiler = RoundProfiler(cfg.profile_rounds, cfg.profile_dir)
     metrics = DrafterMetrics()
     if cfg.metrics_port is not None:

@@ -4,6 +4,7 @@ and waiting for SIGTERM/SIGINT. Torch-free (the gateway uses it too)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 from typing import Awaitable, Callable
@@ -25,6 +26,15 @@ def run_service(main: Callable[[], Awaitable[None]]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """Collect what loading, capture and warm-up left, then move every surviving object out of the
+    collector's generations (``gc.freeze``): the model's modules, graphs and buffers live as long as the
+    process, and without this a full collection walks them all in the middle of a request. Called once,
+    before SERVING, on a GPU (where start-up captures graphs and is long anyway)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def set_health(health_servicer, service: str, status) -> None:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import report_hangs_in_health, set_health, wait_for_stop
+from tandem.service_runtime import freeze_startup_heap, report_hangs_in_health, set_health, wait_for_stop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.warmup import warm_up
 from tandem.configs.model import ModelConfig
@@ -54,6 +54,7 @@ def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngi
         if client is not None and not client.wait_connected(DRAFTER_WAIT_BEFORE_WARMUP_S):
             log.warning("the drafter did not connect within %.0f s: warming up without it", DRAFTER_WAIT_BEFORE_WARMUP_S)
         warm_up(engine)
+        freeze_startup_heap()
     if cfg.capture_traffic is not None:
         engine.traffic = _traffic_recorder(cfg, engine)
     return engine, client, ring

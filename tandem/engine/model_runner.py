@@ -132,6 +132,7 @@ class ModelRunner:
         runner: the next engine in the process sizes its KV pool from what is free."""
         self.graphs = self.kv = self.model = None
         if self.device.type == "cuda":  # (a collection costs ~0.1 s; host memory needs none of this)
+            gc.unfreeze()  # a service froze its start-up heap (tandem.service_runtime): this runner is in it
             gc.collect()
             torch.cuda.empty_cache()
 
