@@ -73,6 +73,9 @@ class GoodputArbiter:
         key = DETACHED if detached and not speculative else speculative
         if key == DETACHED and not self._detached:  # a detached period starts: speculation is measured again after it
             self._meters = {k: m for k, m in self._meters.items() if k[1] is not True}
+            # ... and that measurement is the exploration: one scheduled before the detached period is not due
+            # right after it (it would measure speculation a second epoch in a row at each re-attach)
+            self._next_explore.clear()
         self._detached = key == DETACHED
         meter = self._meters.setdefault((self.bucket(batch_size), key), _Meter())
         meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
