@@ -83,8 +83,9 @@ def test_short_explorations_keep_the_clock_and_earnest_speculation_resets_the_ba
     clock.now += 2.0
     att.after_decision(False, asked=False, can_switch=True)  # attached again
     assert att.policy_may_decide(4, 4)
-    for _ in range(CFG.detach_after_steps):  # speculating in earnest
+    for _ in range(CFG.detach_after_steps):  # speculating in earnest: as many steps, for as long as a detach takes
         att.after_decision(True, asked=True, can_switch=True)
+        clock.now += 0.5
     _until_detached(att, clock)
     clock.now += 2.0  # the first period again, not twice it
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"

@@ -54,13 +54,14 @@ class DrafterAttachment:
         self._plain_since: float | None = None
         self._plain_steps = 0
         self._spec_streak = 0  # consecutive speculative decisions
+        self._spec_since: float | None = None  # ... since when
         self._period = self.cfg.detached_first_s
         self._detached_until = 0.0
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
 
     def idle(self) -> None:
         """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding)."""
-        self._plain_since, self._plain_steps, self._spec_streak = None, 0, 0
+        self._plain_since, self._plain_steps, self._spec_streak, self._spec_since = None, 0, 0, None
 
     def pause(self) -> None:
         """Until ``resume``: neither detach nor count (the warm-up forces both kinds of step)."""
@@ -98,11 +99,16 @@ class DrafterAttachment:
             return None
         c = self.cfg
         if speculating:
-            # Speculating in earnest (not a short exploration): the plain clock and the backoff start over.
+            # Speculating in earnest (not a short exploration): the plain clock starts over; and the backoff, once
+            # it has lasted as long as a detach takes (not goodput measuring speculation again after a re-attach:
+            # an epoch of goodput_epoch_s is more than detach_after_steps rounds of a small target).
+            if self._spec_streak == 0:
+                self._spec_since = now
             self._spec_streak += 1
             if self._spec_streak >= c.detach_after_steps:
                 self._plain_since, self._plain_steps = None, 0
-                self._period = c.detached_first_s
+                if now - self._spec_since >= c.detach_after_s:
+                    self._period = c.detached_first_s
             return None
         self._spec_streak = 0
         if self._plain_since is None:
