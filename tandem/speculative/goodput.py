@@ -64,6 +64,7 @@ class GoodputArbiter:
         self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
         self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
         self._detached = False  # the latest step observed was a detached one
+        self._due: set[int] = set()  # buckets whose speculative goodput a detached period forgot: measured at once
 
     def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float, detached: bool = False) -> None:
         """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``;
@@ -72,10 +73,13 @@ class GoodputArbiter:
             return
         key = DETACHED if detached and not speculative else speculative
         if key == DETACHED and not self._detached:  # a detached period starts: speculation is measured again after it
+            forgotten = {k[0] for k in self._meters if k[1] is True}
             self._meters = {k: m for k, m in self._meters.items() if k[1] is not True}
-            # ... and that measurement is the exploration: one scheduled before the detached period is not due
-            # right after it (it would measure speculation a second epoch in a row at each re-attach)
-            self._next_explore.clear()
+            # ... at once, whichever mode the cost model prefers (where it prefers plain, its settled verdict would
+            # detach again before an exploration scheduled before the detached period came due); that measurement
+            # is the exploration, not one more on top of it
+            self._next_explore = {b: t for b, t in self._next_explore.items() if b not in forgotten}
+            self._due.update(forgotten)
         self._detached = key == DETACHED
         meter = self._meters.setdefault((self.bucket(batch_size), key), _Meter())
         meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
@@ -88,21 +92,27 @@ class GoodputArbiter:
         mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch)."""
         c, now = self.cfg, self.clock()
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
-        if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s):
-            return self._mode
         b = self.bucket(batch_size)
+        if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s
+                                       or (self._exploring and not self._measured(b, self._mode, now)
+                                           and now - self._epoch_start < 4 * c.goodput_epoch_s)):
+            return self._mode  # (an exploration lasts until its mode is measured: its decayed seconds reach goodput_min_s)
         if self._exploring:  # the other mode had its epoch: again once that epoch's loss is a small share
             self._next_explore[b] = now + self._explore_gap(now - self._epoch_start, self._loss(b))
         self._mode, self._exploring = None, False
         if not self._measured(b, model_says, now):
             return model_says  # step by step, measured as it goes
         if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
+            if b in self._due:  # speculation forgotten by a detached period: its epoch now
+                self._due.discard(b)
+                self._next_explore[b] = now
             if b not in self._next_explore:
                 self._next_explore[b] = now + self._explore_gap(c.goodput_epoch_s, predicted_loss())
             if now < self._next_explore[b]:
                 return model_says
             mode, self._exploring = not model_says, True
-        else:
+        else:  # (speculation measured again after a detached period, step by step: that was the exploration due)
+            self._due.discard(b)
             mode, self._exploring = self._pick(b, model_says, now)
         self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
         return mode
