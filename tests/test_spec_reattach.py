@@ -25,8 +25,10 @@ class _Request:
 class SimEngine:
     """The engine's calls into the policy and the attachment, per step, with simulated steps."""
 
-    def __init__(self, policy: SpeculationPolicy, running: int, waiting: int):
-        self.clock, self.policy = policy.goodput.clock, policy
+    def __init__(self, policy: SpeculationPolicy, running: int, waiting: int, made: int = TAU, told: int = TAU):
+        """``made``: tokens a request's round really emits; ``told``: what the policy hears of it (the cost
+        model's τ): apart, the model and measured goodput disagree."""
+        self.clock, self.policy, self.made, self.told = policy.goodput.clock, policy, made, told
         self.attachment = DrafterAttachment(clock=self.clock)
         self.accounting = StepAccounting(prefill_apart=True)
         self.running = [_Request(OUTPUT_TOKENS * (i + 1) // N, True) for i in range(running)]  # finishes spread out
@@ -62,9 +64,9 @@ class SimEngine:
             info = StepInfo(0, before, {}, speculative=self.speculating, timed=not resumed)
             tokens = 0
             for r in self.running:
-                made = TAU if self.speculating and r in drafting else 1
-                if made > 1:
-                    self.policy.observe_round(r.state, made)
+                made = self.made if self.speculating and r in drafting else 1
+                if self.speculating and r in drafting:
+                    self.policy.observe_round(r.state, self.told)
                 r.held = r.drafts and not self.speculating
                 r.left -= made
                 tokens += made
@@ -128,3 +130,38 @@ def test_a_plain_verdict_on_an_early_low_speculative_reading_is_measured_again_a
     engine.seconds = {True: 0.0, False: 0.0}
     engine.run_until(start + 12.0)
     assert engine.seconds[True] > 0.9 * (engine.seconds[True] + engine.seconds[False]), engine.log
+
+
+def _seeded_policy() -> SpeculationPolicy:
+    policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
+    for n in (N // 2, N):
+        for _ in range(3):  # the warm-up's step times
+            policy.observe_step(n, False, 1, PLAIN_S)
+            policy.observe_step(n, True, 1, SPEC_S)
+    return policy
+
+
+def test_where_plain_wins_against_the_model_the_detached_periods_still_grow():
+    """Rounds emit one token (every draft wrong) while the model hears τ 3: measured goodput keeps the batch
+    plain. Measuring speculation again at each re-attach must stay a short price: the detached period doubles
+    to its maximum (a re-measurement of 0.05 s is 50 rounds here and once reset the backoff at every re-attach:
+    38 detaches in 120 s instead of 7), and speculation takes a small share of the time."""
+    engine = SimEngine(_seeded_policy(), N, 0, made=1, told=TAU)
+    while not engine.log:  # until the first verdict detaches (the model's prior speculates until plain is measured)
+        engine.step()
+    spec_before = engine.seconds[True]
+    engine.run_until(40.0)
+    detaches = [t for t, change, _ in engine.log if change == "detach"]
+    assert len(detaches) <= 6, engine.log
+    assert engine.attachment._period == engine.attachment.cfg.detached_max_s
+    assert engine.seconds[True] - spec_before < 0.15 * len(detaches), engine.seconds  # ~0.05-0.1 s a re-attach
+
+
+def test_where_speculation_wins_against_the_model_it_is_measured_and_kept():
+    """Rounds emit 3 tokens while the model hears τ 1, so it settles on plain and the drafter detaches. Once
+    attached again speculation (forgotten while detached) must be measured at once, before the model's settled
+    verdict detaches again (it did, every time: 0.25 s of speculation in 110), and win."""
+    engine = SimEngine(_seeded_policy(), N, 0, made=TAU, told=1)
+    engine.run_until(20.0)
+    assert sum(change == "detach" for _, change, _ in engine.log) <= 2, engine.log
+    assert engine.seconds[True] > 0.7 * (engine.seconds[True] + engine.seconds[False]), engine.log
