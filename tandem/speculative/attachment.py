@@ -15,7 +15,8 @@ so that it measures speculation with the batch it would speculate with, not draf
 half the batch drafting (the earlier default) a round's tokens were diluted by a third on the demo pair, and the
 policy kept concurrency 8 plain where speculating always made 1.49x target-only (docs/benchmarks.md). Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
 pays costs a shrinking share of the time; a batch that speculates in earnest (``detach_after_steps``
-speculative steps in a row, not an exploration) starts the backoff over.
+speculative steps in a row lasting ``detach_after_s``, not an exploration nor the re-measurement after a
+re-attach) starts the backoff over.
 
 Where measured goodput (tandem.speculative.goodput) has found plain steps faster at the running batch size,
 the engine detaches after ``detach_measured_steps`` plain decisions instead of the time and steps above: the
