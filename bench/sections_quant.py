@@ -16,10 +16,13 @@ bandwidth limit and the plain alternative, on random weights.
   their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
   batch touches; for INT4 at batch 1 and 8 a few tiles are tried besides the default. On the GPU the loop runs
   each chosen expert's linears through the same kernels as a dense layer (W4A16 for INT4, cuBLAS for
-  bf16), one expert after another, with the routing read on the host.
+  bf16), one expert after another, with the routing read on the host. The default at batch 1 and 8 goes slot
+  by slot (tandem/kernels/moe_slots.py); the tiles tried are the grouped GEMM's.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -195,6 +198,8 @@ def moe_rows() -> list[dict]:
 
 
 def quant_kernels(ctx: dict) -> dict:
-    result = {"linear": linear_rows(ctx), "moe": moe_rows()}
+    """``TANDEM_BENCH_QUANT_PARTS``: which parts run (``linear,moe`` by default)."""
+    parts = os.environ.get("TANDEM_BENCH_QUANT_PARTS", "linear,moe").split(",")
+    result = {"linear": linear_rows(ctx) if "linear" in parts else [], "moe": moe_rows() if "moe" in parts else []}
     free_gpu()
     return result

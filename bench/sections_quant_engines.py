@@ -23,6 +23,7 @@ The byte counts and the folders are tested on the CPU (tests/test_bench_quant_en
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 from pathlib import Path
 
@@ -84,8 +85,12 @@ def _run_case(case: Case, quick: bool, copy_tbps: float) -> dict:
 
 
 def quant_engines(ctx: dict) -> dict:
+    """``TANDEM_BENCH_QUANT_CASES``: the cases whose names start with one of these (comma-separated; all by default)."""
     copy_tbps, out = copy_tbps_of(ctx), {}
+    wanted = [w for w in os.environ.get("TANDEM_BENCH_QUANT_CASES", "").split(",") if w]
     for case in cases(ctx.get("layers")):
+        if wanted and not any(case.name.startswith(w) for w in wanted):
+            continue
         print(f"{case.name} ({case.path.name}, {case.weight_bytes / 1e9:.2f} GB read per token at batch 1):",
               flush=True)
         out[case.name] = {"path": str(case.path), "weight_bytes": case.weight_bytes, "goal": case.goal}

@@ -20,6 +20,7 @@ Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +173,9 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
     tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
+def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0):
+    """``ids``: mixture-of-experts slots (tandem/kernels/moe_slots.py): w and s stacked per expert, one output
+    row per slot, the GEMV kernel only."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
     if w.stride(-1) != 1 or s.stride(-1) != 1:
@@ -181,21 +184,30 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
+    m = x2.shape[0] if ids is None else ids.numel()
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
+    if ids is None:
+        cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
+    else:  # one slot a program row (its own expert), K split for the grid the slots give
+        lead = (m,)
+        cfg = config or default_config(1, n, k, x.dtype, fmt=fmt)
+        if cfg.kernel != "gemv" or cfg.block_m != 1 or gemv_block_k(fmt, s_cols, cfg.block_k) is None:
+            raise ValueError(f"expert slots take the one-row GEMV kernel and whole words per scale group; got {cfg}")
+        if config is None and not interpreting():
+            steps = triton.cdiv(k, gemv_block_k(fmt, s_cols, cfg.block_k))
+            cfg = dataclasses.replace(cfg, split_k=_gemv_split(triton.cdiv(n, cfg.block_n) * m, steps))
     block_k, block_m = cfg.block_k, cfg.block_m
     if cfg.kernel == "gemv":
         block_k = gemv_block_k(fmt, s_cols, cfg.block_k)
-        if block_k is None and config is not None:
+        if block_k is None and (config is not None or ids is not None):
             raise ValueError(f"the GEMV kernel does not take groups of {s_cols} columns")
         if block_k is None:
             cfg = default_config(m, n, k, x.dtype, gemv_max_rows=0, fmt=fmt)
             block_k, block_m = cfg.block_k, cfg.block_m
         else:
-            block_m = min(block_m, m)
+            block_m = min(block_m, m) if ids is None else 1
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -206,9 +218,12 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out):
                   HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     if cfg.kernel == "gemv":
+        experts = ids is not None
         _dequant_gemv_kernel[grid](
-            x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, MAGIC_2_23, STRIDE_W=w.stride(0),
-            STRIDE_S=s.stride(0), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, **shared)
+            x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
+            w.stride(0) if experts else 0, s.stride(0) if experts else 0, MAGIC_2_23, STRIDE_W=w.stride(-2),
+            STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
+            **shared)
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,

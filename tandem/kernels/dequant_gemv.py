@@ -170,17 +170,25 @@ def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias):
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys, magic,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, M, N, stride_xm, stride_ym, stride_ys, stride_we, stride_se, magic,
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
-    ``EVEN_N``: BLOCK_N divides N; otherwise the last tile re-reads valid rows (only its store is masked)."""
+    ``EVEN_N``: BLOCK_N divides N; otherwise the last tile re-reads valid rows (only its store is masked).
+    ``SLOTS_PER_ROW`` > 0: mixture-of-experts slots (ROWS 1): output row ``pid_m`` is slot ``pid_m`` of
+    ``ids_ptr`` (its expert: W and its scales offset by ``stride_we`` / ``stride_se`` per expert), its
+    activation row ``pid_m // SLOTS_PER_ROW`` (the token for gate/up, the slot itself for down)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if SLOTS_PER_ROW > 0:  # the slot's expert comes from the routing kernel before: wait for it first
+        pdl_enter(PDL)
+        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
     PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
     SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
@@ -196,11 +204,15 @@ def _dequant_gemv_kernel(
                                               SCALE_ROW_UNIFORM)
     first_col += k_begin
     m0 = pid_m * ROWS
-    x_row = x_ptr + m0.to(tl.int64) * stride_xm + k_begin
-    # the first step's weights do not depend on the previous kernel: read while it finishes
+    x_m = m0
+    if SLOTS_PER_ROW > 0:
+        x_m = m0 // SLOTS_PER_ROW
+    x_row = x_ptr + x_m.to(tl.int64) * stride_xm + k_begin
+    # the first step's weights do not depend on the previous kernel (but for an expert's): read while it finishes
     w, s = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 0, k_begin < K, K, EVEN_K,
                       S_COLS)
-    pdl_enter(PDL)
+    if SLOTS_PER_ROW == 0:
+        pdl_enter(PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0

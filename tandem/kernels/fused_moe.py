@@ -27,6 +27,7 @@ import triton.language as tl
 
 from tandem.kernels.dequant_gemm import PROGRAMS_WANTED
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
+from tandem.kernels.moe_slots import routed_by_slots, slots_apply, sum_slots
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -244,25 +245,6 @@ def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slo
     )
 
 
-@triton.jit
-def _sum_slots_kernel(per_slot_ptr, add_ptr, out_ptr, hidden, stride_add, stride_out,
-                      TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """A token's k weighted slots summed in float32 and rounded to the output dtype, then ``add`` (the shared
-    experts' output) added as the model adds it: one launch for what was a sum, a cast and an add."""
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = h < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(per_slot_ptr + (t * TOP_K + j) * hidden + h, mask=ok, other=0.0)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if HAS_ADD:
-        shared = tl.load(add_ptr + t * stride_add + h, mask=ok, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) + shared).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_out + h, out, mask=ok)
-
-
 def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, route_weights: torch.Tensor,
               ids: torch.Tensor, config: MoeTiles | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_j route_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = ids[t, j]``:
@@ -281,6 +263,8 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     if tokens == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
+    if config is None and slots_apply(gate_up.format, tokens * top_k, [gate_up.block[1], down.block[1]]):
+        return routed_by_slots(x, gate_up, down, route_weights, ids, add)
     cfg = config or default_config(tokens * top_k, num_experts, x.dtype, gate_up.format)
     slots, block_expert = align_by_expert(ids, num_experts, cfg.block_m)
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
@@ -288,9 +272,4 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     per_slot = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     route_w = route_weights.float().flatten().contiguous()
     _grouped_gemm(act, down, per_slot, slots, block_expert, route_w, hidden, 1, False, True, cfg)
-    out = x.new_empty(tokens, hidden)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _sum_slots_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        per_slot, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),
-        TOP_K=top_k, HAS_ADD=add is not None, BLOCK_H=block_h, num_warps=4, **pdl_launch(x))
-    return out
+    return sum_slots(per_slot, top_k, None, add, x.dtype)
