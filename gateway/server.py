@@ -16,6 +16,7 @@ from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
 from gateway.upstream import VerifierClient
+from gateway.warmup import warm_up_streaming
 
 log = logging.getLogger("gateway")
 
@@ -49,6 +50,7 @@ class Gateway(GatewayContext):
         sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
         self.port = sock.getsockname()[1]
         app = create_app(self)
+        await warm_up_streaming()  # the first streamed request must not import anyio's backend (gateway/warmup.py)
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
                                                    timeout_keep_alive=cfg.keep_alive_s))
@@ -71,14 +73,14 @@ class Gateway(GatewayContext):
             except Exception:  # never let the mirror die: it is the only thing that flips us back
                 log.exception("health check of the verifier failed")
                 ok = False
+            if ok:  # the model info cached before we say serving, so that the first request does not wait on it
+                with contextlib.suppress(Exception):
+                    await self.client.model_info()
             self.verifier_serving = ok
             if ok != serving:
                 await set_serving(self._health, ok)
                 log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")
                 serving = ok
-            if ok:
-                with contextlib.suppress(Exception):
-                    await self.client.model_info()  # warm the cache so the first request does not wait
             await asyncio.sleep(self.cfg.health_poll_s)
 
     def request_stop(self) -> None:
