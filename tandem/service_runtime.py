@@ -32,7 +32,8 @@ def freeze_startup_heap() -> None:
     """Collect what loading, capture and warm-up left, then move every surviving object out of the
     collector's generations (``gc.freeze``): the model's modules, graphs and buffers live as long as the
     process, and without this a full collection walks them all in the middle of a request. Called once,
-    before SERVING, on a GPU (where start-up captures graphs and is long anyway)."""
+    before SERVING: by the verifier and the drafter on a GPU (where start-up captures graphs and is long
+    anyway), by the gateway's process once it has started."""
     gc.collect()
     gc.freeze()
 
