@@ -42,3 +42,22 @@ def test_warm_up_sizes_reach_the_largest_graph_bucket():
     assert warmup_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
     assert warmup_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
     assert {cost_bucket(n) for n in warmup_batch_sizes(256)} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+
+
+def test_warm_up_runs_a_lone_prompt_padding_to_each_graphed_prefill_width(tmp_path):
+    """The batch sizes' prompts fill a step's prefill budget (longer than any graphed width at batch 1): a first
+    short chat turn must not be the first to run the graphed prefill widths' host work."""
+    from tandem.prefill_shapes import NARROWEST, prefill_widths
+
+    path = tmp_path / "llama"
+    write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
+    with LLMEngine(EngineConfig(model=str(path), prefill_graph_tokens=64)) as eng:
+        lone = []
+        generate = eng.generate
+        eng.generate = lambda prompts, params: (lone.extend(len(p) for p in prompts if len(prompts) == 1),
+                                                generate(prompts, params))[1]
+        warm_up(eng, [1, 2])
+    widths = prefill_widths(64)
+    assert widths == (16, 32, 64)
+    padded_to = {next(w for w in widths if n <= w) for n in lone if n <= widths[-1]}
+    assert padded_to == set(widths) and min(lone) > NARROWEST // 2

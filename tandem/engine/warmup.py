@@ -7,7 +7,8 @@ sizes 1, 2, 4, ... up to its largest graph bucket — each batch's prompts toget
 admits (``--chunked-prefill-size``: the largest prefill and drafter extend a request mix can make, whose
 kernels compile by size) — once with every step plain and once with every step
 speculative (the drafter's real graphs and kernels; random prompts accept little, which does not matter
-for timing), greedy — the runs of queued steps and rounds — then once sampled, and once with prompts
+for timing), greedy — the runs of queued steps and rounds — and a lone short prompt of each graphed prefill
+width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
 that compile on first use). The policy keeps the step times and forgets the rounds' acceptance.
 """
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from tandem.prefill_shapes import prefill_widths
 from tandem.sampling import SamplingParams
 
 log = logging.getLogger("tandem.engine")
@@ -90,6 +92,14 @@ def _prompt_tokens(engine, batch_size: int) -> int:
     return max(1, min(max(WARMUP_MIN_PROMPT_TOKENS, engine.scheduler.prefill_budget // batch_size), room))
 
 
+def _short_prompt_lengths(engine) -> list[int]:
+    """A prompt length that pads to each graphed prefill width (tandem.prefill_shapes): the batch sizes' prompts
+    above fill a step's prefill budget, longer than any graphed width at batch 1, so a first short prompt (a
+    chat turn) would otherwise be the first to run the host work around those graphs at their shapes."""
+    widths = prefill_widths(engine.cfg.prefill_graph_tokens)
+    return [max(1, w - 3) for w in widths if w - 3 + WARMUP_NEW_TOKENS < engine.context_len]
+
+
 @torch.inference_mode()
 def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     """Run the warm-up (see the module's docstring) on ``engine``, which must be idle; → seconds per part."""
@@ -109,6 +119,10 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
             for bs in (sizes if greedy else sizes[:1] + sizes[-1:]):
                 n = _prompt_tokens(engine, bs)
                 engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(bs)], params)
+            if greedy:  # a lone short prompt of each graphed prefill width (and the drafter's extend of it)
+                for n in _short_prompt_lengths(engine):
+                    engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist()],
+                                    SamplingParams(max_new_tokens=4, ignore_eos=True))
             took[name] = time.perf_counter() - started
         if engine.default_spec is not None:  # a prompt arriving while others speculate: one eager forward of
             started = time.perf_counter()    # a prefill beside verified trees (masked attention kernels)
