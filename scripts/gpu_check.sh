@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: install the carried wheels (flashinfer; see .whl), run the GPU
+# One call on the lent GPU machine: install the carried wheels (.whl/, made by scripts/fetch_gpu_wheels.sh), run the GPU
 # tests, then the benchmark. Everything it prints also lands under $OUT.
 #   usage: scripts/gpu_check.sh [tests|bench|all] [bench args...]
 #          scripts/gpu_check.sh tests [test paths...]   (GPU_TEST_TIMEOUT seconds, default 420)
