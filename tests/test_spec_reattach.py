@@ -25,10 +25,13 @@ class _Request:
 class SimEngine:
     """The engine's calls into the policy and the attachment, per step, with simulated steps."""
 
-    def __init__(self, policy: SpeculationPolicy, running: int, waiting: int, made: int = TAU, told: int = TAU):
+    def __init__(self, policy: SpeculationPolicy, running: int, waiting: int, made: int = TAU, told: int = TAU,
+                 spec_s: float = SPEC_S, plain_s: float = PLAIN_S):
         """``made``: tokens a request's round really emits; ``told``: what the policy hears of it (the cost
-        model's τ): apart, the model and measured goodput disagree."""
+        model's τ): apart, the model and measured goodput disagree. ``spec_s``, ``plain_s``: a round's and a
+        plain step's time."""
         self.clock, self.policy, self.made, self.told = policy.goodput.clock, policy, made, told
+        self.spec_s, self.plain_s = spec_s, plain_s
         self.attachment = DrafterAttachment(clock=self.clock)
         self.accounting = StepAccounting(prefill_apart=True)
         self.running = [_Request(OUTPUT_TOKENS * (i + 1) // N, True) for i in range(running)]  # finishes spread out
@@ -70,7 +73,7 @@ class SimEngine:
                 r.held = r.drafts and not self.speculating
                 r.left -= made
                 tokens += made
-            took = SPEC_S * (1.5 if resumed else 1.0) if self.speculating else PLAIN_S
+            took = self.spec_s * (1.5 if resumed else 1.0) if self.speculating else self.plain_s
             self.seconds[self.speculating] += took
         self.clock.now += took
         self.waiting = sum(r.left <= 0 for r in self.running)
@@ -83,10 +86,11 @@ class SimEngine:
             self.step()
 
 
-def _meter(policy: SpeculationPolicy, n: int, speculative: bool, tokens_per_s: float, seconds: float = 0.3) -> None:
+def _meter(policy: SpeculationPolicy, n: int, speculative: bool, tokens_per_s: float, seconds: float = 0.3,
+           detached: bool = False) -> None:
     for _ in range(100):
         policy.goodput.clock.now += seconds / 100
-        policy.observe_goodput(n, speculative, tokens_per_s * seconds / 100, seconds / 100)
+        policy.observe_goodput(n, speculative, tokens_per_s * seconds / 100, seconds / 100, detached=detached)
 
 
 def test_a_plain_verdict_on_an_early_low_speculative_reading_is_measured_again_after_reattaching():
@@ -165,3 +169,35 @@ def test_where_speculation_wins_against_the_model_it_is_measured_and_kept():
     engine.run_until(20.0)
     assert sum(change == "detach" for _, change, _ in engine.log) <= 2, engine.log
     assert engine.seconds[True] > 0.7 * (engine.seconds[True] + engine.seconds[False]), engine.log
+
+
+def test_a_low_detached_plain_reading_does_not_hold_speculation_once_attached_plain_steps_measure_faster():
+    """The H200 8B shape with a useless head (every draft rejected), concurrency 8 over REST: the detached plain
+    meter at batch 8 last read low — the concurrency-64 wave's ramp through batch 6-11 metered its prompt steps
+    there — and a detached meter is not refreshed while attached: every plain step then, each exploration of
+    plain too, feeds the attached meter. At the next concurrency-8 wave speculation measured faster than that
+    frozen reading and ran for the whole wave (6 s, 86-100 % of steps, 0.81x target-only) with no detach, its
+    plain explorations (attached, as fast as ever) changing nothing until the reading went stale (30 s). Here a
+    round emits one token a request in 1.2 ms (6667 tok/s at batch 8), a plain step one in 1 ms (8000), a cost
+    ratio the model's τ of 1 does not settle against (it explores), and the detached meter froze at 5500: once
+    a plain exploration measures attached plain steps faster, plain must win and the drafter detach (on the old
+    code: no detach in 6 s, speculating 82 % of the time)."""
+    spec_s, plain_s = 1.2e-3, 1.0e-3
+    policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
+    for _ in range(3):  # the warm-up's step times
+        policy.observe_step(N, False, 1, plain_s)
+        policy.observe_step(N, True, 1, spec_s)
+    clock = policy.goodput.clock
+    for state in [RequestSpecState() for _ in range(N)]:
+        for _ in range(4):
+            policy.observe_round(state, 1)  # the head's τ: 1
+    _meter(policy, N, False, 8000.0)  # an earlier wave: attached plain steps at batch 8 ...
+    _meter(policy, N, False, 5500.0, detached=True)  # ... then detached ones, read low by a ramp's prompt steps
+    policy.observe_step(N, False, 2000)  # plain (detached) steps since, at other batch sizes: an exploration is due
+    clock.now += 5.0  # attached again, the next wave (the detached reading still fresh: goodput_stale_s 30)
+    engine = SimEngine(policy, N, 0, made=1, told=1, spec_s=spec_s, plain_s=plain_s)
+    start = clock.now
+    engine.run_until(start + 6.0)
+    changes = [(round(t - start, 2), change) for t, change, _ in engine.log]
+    assert changes and changes[0][1] == "detach" and changes[0][0] < 2.0, (changes, policy.goodput.rates(N))
+    assert engine.seconds[True] < 0.1 * (engine.seconds[True] + engine.seconds[False]), (engine.seconds, changes)

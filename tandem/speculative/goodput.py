@@ -19,7 +19,13 @@ measured rarely, modes about even often — which is where load or text can tip 
 
 Plain steps run with the drafter detached (tandem.speculative.attachment) are metered apart: they are what
 plain decoding costs once the policy has settled on it, so where they have been measured they are plain's
-goodput. ``verdict`` says which mode measured faster, for the engine to detach at once on a plain one. Speculation
+goodput, except where plain steps run attached since then measured faster: a detached reading cannot be
+refreshed while attached (every plain step then, an exploration's too, feeds the attached meter), so one read low —
+a wave's ramp through the bucket meters its prompt steps too — held speculation, plain's explorations changing
+nothing, until it went stale (goodput_stale_s): on the H200 8B shape with a useless head, concurrency 8 speculated
+for a whole 6 s wave at 0.81x target-only (docs/bench-results/2026-12-02f-...-useless-head-full.log). (Attached
+plain steps measured slower do not replace it: they pay for input no draft uses.) ``verdict`` says which mode
+measured faster, for the engine to detach at once on a plain one. Speculation
 cannot be measured while detached, so a detached period forgets its goodput: once attached again it is measured
 afresh. Kept, a reading that was low early (a wave's prompt steps metered with it) held the drafter off at every
 re-attach, a detach after a few plain steps: an exploration due then is too short to move a decayed meter, and one
@@ -94,9 +100,11 @@ class GoodputArbiter:
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         b = self.bucket(batch_size)
         if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s
-                                       or (self._exploring and not self._measured(b, self._mode, now)
+                                       or (self._exploring and not self._fresh(self._meters.get((b, self._mode)), now)
                                            and now - self._epoch_start < 4 * c.goodput_epoch_s)):
-            return self._mode  # (an exploration lasts until its mode is measured: its decayed seconds reach goodput_min_s)
+            # (an exploration lasts until its mode is measured — its decayed seconds reach goodput_min_s — on the
+            # meter it feeds: plain explores attached, whatever a detached period measured)
+            return self._mode
         if self._exploring:  # the other mode had its epoch: again once that epoch's loss is a small share
             self._next_explore[b] = now + self._explore_gap(now - self._epoch_start, self._loss(b))
         self._mode, self._exploring = None, False
@@ -131,12 +139,16 @@ class GoodputArbiter:
         return tuple(self._meter(b, mode, now).rate if self._measured(b, mode, now) else None for mode in (True, False))
 
     def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
-        """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured."""
+        """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured, unless
+        plain steps run attached since measured faster (see the module: a detached reading is frozen while
+        attached)."""
+        attached = self._meters.get((b, mode))
         if not mode:
             detached = self._meters.get((b, DETACHED))
-            if self._fresh(detached, now):
+            if self._fresh(detached, now) and not (self._fresh(attached, now) and attached.last > detached.last
+                                                   and attached.rate > detached.rate):
                 return detached
-        return self._meters.get((b, mode))
+        return attached
 
     def _fresh(self, meter: "_Meter | None", now: float) -> bool:
         return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
