@@ -100,7 +100,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1") -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
-             "fused_moe", "mla_attention", "mla_prologue", "moe_route")
+             "fused_moe", "mla_attention", "mla_prologue", "moe_route", "moe_slots")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -108,7 +108,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1") -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr, _ = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -234,6 +234,11 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1") -> int:
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
                          torch.zeros(tokens, 8, dtype=torch.int64), cfg)
             _report(f"fused_moe {name} {tokens} tokens top-8 m{cfg.block_m}", failures)
+    for tokens in (1, 8):  # a decode step's quantized experts go slot by slot (tandem/kernels/moe_slots.py)
+        for name, (gate_up, down) in (("int4", int4), ("fp8", fp8)):
+            fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
+                         torch.zeros(tokens, 8, dtype=torch.int64))
+            _report(f"moe slots {name} {tokens} tokens top-8", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
