@@ -19,18 +19,14 @@ measured rarely, modes about even often — which is where load or text can tip 
 
 Plain steps run with the drafter detached (tandem.speculative.attachment) are metered apart: they are what
 plain decoding costs once the policy has settled on it, so where they have been measured they are plain's
-goodput, except where plain steps run attached since then measured faster: a detached reading cannot be
-refreshed while attached (every plain step then, an exploration's too, feeds the attached meter), so one read low —
-a wave's ramp through the bucket meters its prompt steps too — held speculation, plain's explorations changing
-nothing, until it went stale (goodput_stale_s): on the H200 8B shape with a useless head, concurrency 8 speculated
-for a whole 6 s wave at 0.81x target-only (docs/bench-results/2026-12-02f-...-useless-head-full.log). (Attached
-plain steps measured slower do not replace it: they pay for input no draft uses.) ``verdict`` says which mode
-measured faster, for the engine to detach at once on a plain one. Speculation
-cannot be measured while detached, so a detached period forgets its goodput: once attached again it is measured
-afresh. Kept, a reading that was low early (a wave's prompt steps metered with it) held the drafter off at every
-re-attach, a detach after a few plain steps: an exploration due then is too short to move a decayed meter, and one
-is not due at all where an epoch spanned the detached period (its end sets the next exploration up to
-``goodput_explore_max_s`` away) — on the H200 demo pair, speculating's 9035 tok/s stood through three detaches.
+goodput — unless plain steps run attached since then measured faster. A detached reading cannot be refreshed
+while attached (every plain step then, an exploration's too, feeds the attached meter), so one read low (a wave's
+ramp through the bucket meters its prompt steps too) would hold speculation until it went stale; attached plain
+steps measured slower do not replace it, since they pay for input no draft uses. ``verdict`` says which mode
+measured faster, for the engine to detach at once on a plain one. Speculation cannot be measured while detached,
+so a detached period forgets its goodput and it is measured afresh, at once, after the re-attach: a reading kept
+from before (low early, a wave's prompt steps metered with it) would detach again after a few plain steps, an
+exploration then too short to move a decayed meter, or not due at all where an epoch spanned the detached period.
 """
 
 from __future__ import annotations
