@@ -131,8 +131,9 @@ def test_fused_moe_bf16_experts(tokens):
     assert norm_rel_err(y, ref) < 1e-2
 
 
-def test_fused_moe_fp8_experts():
-    experts, hidden, inter, top_k, tokens = 32, 7168, 2048, 8, 16
+@pytest.mark.parametrize("tokens", [1, 16])  # 8 slots go slot by slot (tandem/kernels/moe_slots.py), 128 grouped
+def test_fused_moe_fp8_experts(tokens):
+    experts, hidden, inter, top_k = 32, 7168, 2048, 8
     def fp8(n, k):
         return ExpertWeights((torch.randn(experts, n, k, device="cuda") * 50).to(torch.float8_e4m3fn),
                              torch.rand(experts, n // 128, k // 128, device="cuda") * 2e-4, BLOCK)
