@@ -174,8 +174,8 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
 
 
 def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0):
-    """``ids``: mixture-of-experts slots (tandem/kernels/moe_slots.py): w and s stacked per expert, one output
-    row per slot, the GEMV kernel only."""
+    """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
+    slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots)."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
     if w.stride(-1) != 1 or s.stride(-1) != 1:
@@ -201,13 +201,13 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     block_k, block_m = cfg.block_k, cfg.block_m
     if cfg.kernel == "gemv":
         block_k = gemv_block_k(fmt, s_cols, cfg.block_k)
-        if block_k is None and (config is not None or ids is not None):
+        if block_k is None and config is not None:
             raise ValueError(f"the GEMV kernel does not take groups of {s_cols} columns")
         if block_k is None:
             cfg = default_config(m, n, k, x.dtype, gemv_max_rows=0, fmt=fmt)
             block_k, block_m = cfg.block_k, cfg.block_m
         else:
-            block_m = min(block_m, m) if ids is None else 1
+            block_m = min(block_m, m)
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -260,3 +260,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         raise ValueError(f"fp8_block_linear: weight {tuple(weight.shape)} {weight.dtype}, scale_inv "
                          f"{tuple(scale_inv.shape)} (expected {expected}) for x [..., {x.shape[-1]}]")
     return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out)
+
+
+def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: int,
+                ids: torch.Tensor, n: int, slots_per_row: int) -> torch.Tensor:
+    """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
+    activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
+    per expert in format ``fmt``, one scale per ``block``)."""
+    return _launch(x, weight, scale, None, n, fmt, block[0], block[1], None, None, ids=ids, slots_per_row=slots_per_row)

@@ -13,6 +13,9 @@ GEMM launches, with no host synchronisation (capturable in a CUDA graph).
    weight, written per slot in float32; the slots of a token are then summed (no atomics: the result
    does not depend on scheduling).
 
+Quantized experts of a decode or verify step (up to moe_slots.SLOTS_MAX slots) go slot by slot instead
+(tandem/kernels/moe_slots.py): a 16-row tensor-core tile spends its time dequantizing for one row per expert.
+
 Expert weights are stacked ``[E, N, K]`` in any format of tandem/kernels/dequant_tiles.py (a float
 weight, INT4 pack-quantized with its group scales, FP8 with its block scales), dequantized in the kernel.
 """

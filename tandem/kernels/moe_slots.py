@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.activation import silu_and_mul
-from tandem.kernels.dequant_gemm import _launch
+from tandem.kernels.dequant_gemm import slot_linear
 from tandem.kernels.dequant_gemv import gemv_block_k
 from tandem.kernels.dequant_tiles import FP8, INT4
 from tandem.kernels.pdl import pdl_enter, pdl_launch
@@ -39,20 +39,15 @@ def slots_apply(fmt: int, slots: int, group_cols: list[int]) -> bool:
             and all(gemv_block_k(fmt, cols, 1024) is not None for cols in group_cols))
 
 
-def _expert_linear(x: torch.Tensor, weights, ids: torch.Tensor, n: int, slots_per_row: int) -> torch.Tensor:
-    """``[slots, n]`` in x's dtype: slot ``s``'s activation row ``s // slots_per_row`` times its expert's weight."""
-    return _launch(x, weights.weight, weights.scale, None, n, weights.format, weights.block[0], weights.block[1],
-                   None, None, ids=ids, slots_per_row=slots_per_row)
-
-
 def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor, ids: torch.Tensor,
                     add: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe's result (same arguments; ``gate_up`` / ``down``: its ExpertWeights) slot by slot."""
     tokens, hidden = x.shape
     top_k, inter = ids.shape[1], gate_up.weight.shape[1] // 2
     flat_ids = ids.reshape(-1).contiguous()
-    act = silu_and_mul(_expert_linear(x, gate_up, flat_ids, 2 * inter, top_k))
-    per_slot = _expert_linear(act, down, flat_ids, hidden, 1)
+    act = silu_and_mul(slot_linear(x, gate_up.weight, gate_up.scale, gate_up.block, gate_up.format, flat_ids,
+                                   2 * inter, top_k))
+    per_slot = slot_linear(act, down.weight, down.scale, down.block, down.format, flat_ids, hidden, 1)
     return sum_slots(per_slot, top_k, route_weights.float().reshape(-1).contiguous(), add, x.dtype)
 
 
