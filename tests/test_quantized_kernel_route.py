@@ -51,11 +51,11 @@ def test_the_kernel_route_equals_the_reference_route(folders, method, monkeypatc
     reference = logits(folders / method)
     for module in (quantized_linear, moe):
         monkeypatch.setattr(module, "use_triton", lambda x: True)
-    calls = {"linear": 0, "moe": 0}
+    calls = {"linear": 0, "moe": 0, "moe slots": 0}
 
     def counted(fn, key):
         def call(*args, **kwargs):
-            calls[key] += 1
+            calls["moe slots" if key == "linear" and kwargs.get("ids") is not None else key] += 1
             return fn(*args, **kwargs)
         return call
 
@@ -63,6 +63,7 @@ def test_the_kernel_route_equals_the_reference_route(folders, method, monkeypatc
     monkeypatch.setattr(fused_moe, "fused_moe", counted(fused_moe.fused_moe, "moe"))
     kernels = logits(folders / method)
     assert calls["moe"] > 0 and (calls["linear"] > 0) == (method != "int4"), calls  # Kimi-style INT4: experts only
+    assert calls["moe slots"] > 0, calls  # a decode step's experts go slot by slot (tandem/kernels/moe_slots.py)
     assert_rel(kernels[0], reference[0], 1e-4, "prompt logits")
     assert_rel(kernels[1], reference[1], 1e-4, "decode logits")
 
