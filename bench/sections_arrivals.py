@@ -60,7 +60,8 @@ def _closed_loop(engine, prompts: list, concurrency: int, seconds: float) -> dic
             if o.finish_reason is not None:
                 engine.requests.pop(o.rid, None)
     steps = {k: {"n": n, "ms_mean": 1e3 * s / n, "tokens": t} for k, (n, s, t) in sorted(kinds.items())}
-    return {"tok_s": tokens[0] / seconds, "tok_s_settled": tokens[1] / (elapsed - seconds), "steps": steps}
+    return {"tok_s": tokens[0] / seconds, "tok_s_settled": tokens[1] / (elapsed - seconds), "steps": steps,
+            "policy": engine.policy.explain(concurrency)}
 
 
 def arrivals(ctx: dict) -> dict:
@@ -86,6 +87,8 @@ def arrivals(ctx: dict) -> dict:
              "target-only-eager-prefill": base + ["--prefill-graph-tokens", "0"]}  # (only when asked for)
     # TANDEM_BENCH_ARRIVALS_MODES: a comma-separated subset (default: the first four)
     wanted = os.environ.get("TANDEM_BENCH_ARRIVALS_MODES", "target-only,policy,always,never-speculating").split(",")
+    # TANDEM_BENCH_ARRIVALS_CONCURRENCY: the closed loops' concurrencies (default 8,64)
+    concurrencies = [int(c) for c in os.environ.get("TANDEM_BENCH_ARRIVALS_CONCURRENCY", "8,64").split(",")]
     seconds = 2.0 if ctx["quick"] else 8.0  # (a detached drafter attaches again after 2, 4, 8 s)
     out = {}
     for mode, argv in ((m, modes[m]) for m in wanted):
@@ -94,12 +97,12 @@ def arrivals(ctx: dict) -> dict:
         if mode == "never-speculating":
             engine.policy.decide = lambda *args, **kwargs: False
         try:
-            out[mode] = {c: _closed_loop(engine, prompts, c, seconds) for c in (8, 64)}
+            out[mode] = {c: _closed_loop(engine, prompts, c, seconds) for c in concurrencies}
         finally:
             engine.shutdown()
         for c, r in out[mode].items():
             print(f"{mode:16s} concurrency {c:2d}: {r['tok_s']:8.0f} tok/s in the first {seconds:.0f} s, "
-                  f"{r['tok_s_settled']:8.0f} in the next", flush=True)
+                  f"{r['tok_s_settled']:8.0f} in the next; the policy: {r['policy']}", flush=True)
             for kind, k in r["steps"].items():
                 print(f"    {kind:55s} {k['n']:5d} steps, {k['ms_mean']:7.3f} ms, {k['tokens']} tokens", flush=True)
     return out

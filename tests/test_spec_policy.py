@@ -593,6 +593,34 @@ def test_without_a_goodput_verdict_plain_is_settled_only_well_below_the_measured
     assert not settled([])  # nothing can draft: nothing to settle
 
 
+def test_plain_is_not_settled_by_step_costs_that_measured_speculation_outruns():
+    """Served, step times carry the server's share unevenly (the demo pair over REST at concurrency 1: rounds timed
+    at 3.4 plain steps, τ 2.6, while speculation measured 2878 tok/s against plain's predicted 2222): where
+    speculation's goodput is measured and plain's not, the cost model settles plain only if plain's predicted
+    goodput (a token per request per plain step) is well above what speculation measured."""
+    clock = SimClock()
+
+    def settled(spec_tok_s):
+        policy = SpeculationPolicy(PolicyConfig(), clock=clock)
+        states = [RequestSpecState() for _ in range(8)]
+        for state in states:
+            for _ in range(10):
+                policy.observe_round(state, 1)  # the model: τ 1 ...
+        for _ in range(16):
+            policy.observe_step(8, False, 1, 1e-3)
+            policy.observe_step(8, True, 1, 2e-3)  # ... against a ratio of 2: far below it
+        for _ in range(30):  # speculation's goodput measured, plain's not
+            clock.now += 0.01
+            policy.goodput.observe(8, True, round(spec_tok_s * 0.01), 0.01)
+        assert policy.goodput.rates(8) == (pytest.approx(spec_tok_s), None)
+        assert not policy.decide(8, states, True)  # the model says plain (measured as it goes) ...
+        return policy.plain_measured_faster(8)  # ... but is it settled?
+
+    assert not settled(9000.0)  # measured above plain's predicted 8 / 1 ms = 8000 tok/s
+    assert not settled(7000.0)  # below it, but not by the margin
+    assert settled(4000.0)
+
+
 def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detaches_the_drafter():
     """Goodput measured speculation 2x faster while the cost model says plain: the arbiter's short epochs of
     plain steps (explorations) must not count as a settled plain verdict, or the drafter detaches every few seconds."""

@@ -207,16 +207,24 @@ class SpeculationPolicy:
     def plain_measured_faster(self, batch_size: int) -> bool:
         """Whether measurements say plain steps are faster at ``batch_size``: measured goodput's verdict, or
         where it has none, the batch's τ well below the cost ratio of measured step times (by
-        ``settled_margin``: not a guess, nor a close call an exploration should settle) — as this step's
+        ``settled_margin``: not a guess, nor a close call an exploration should settle), and plain's predicted
+        goodput (a token per request per plain step) that far above speculation's where that is measured — as this step's
         ``decide`` weighed them (asked after it; nothing is computed again)."""
         verdict = self.goodput.verdict(batch_size) if self.goodput is not None else None
         view, c = self._model_view, self.cfg
         if verdict is not None or view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
             return verdict is False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
-        if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
+        plain_time = self.step_time(batch_size, False)
+        if self.step_time(batch_size, True) is None or plain_time is None:
             return False  # this bucket's costs are not measured both ways
         _, tau_upper, ratio = view
-        return tau_upper * (1 + c.settled_margin) < ratio
+        if tau_upper * (1 + c.settled_margin) >= ratio:
+            return False
+        # Speculation's goodput measured here, plain's not: plain is settled only if the step costs predict it
+        # faster than that measurement. (Served, a step's time holds the server's share — streaming, the GIL — which
+        # the step costs may carry unevenly between runs of rounds and plain steps; goodput is what clients got.)
+        spec_rate = self.goodput.rates(batch_size)[0] if self.goodput is not None else None
+        return spec_rate is None or batch_size / plain_time > spec_rate * (1 + c.settled_margin)
 
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
