@@ -181,6 +181,42 @@ def test_explorations_are_spaced_by_what_resuming_costs():
     assert policy._explore_gap(1, 1.5) == PolicyConfig().explore_max_gap
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_at_break_even_explorations_are_spaced_by_the_switch_they_pay(seed):
+    """Batch 64 where speculating and plain steps make the same tokens per second (τ 1.75: a 10 ms round against
+    a 5.7 ms plain step), and every switch back to speculation first catches the drafter up over the batch's held
+    steps (16 ms more: the 8B shape's resume at batch 64), a price goodput leaves out (it is the switch's, not a
+    mode's). Modes this close lose little per step, so their explorations would come every 0.1 s and pay that
+    catch-up each time: they must be spaced by what the switch costs, keeping the policy within 3 % of either."""
+    plain_s, round_s, catch_up_s, tau, n = 0.0057, 0.010, 0.016, 1.75, 64
+    rng = random.Random(seed)
+    clock = SimClock()
+    policy = SpeculationPolicy(clock=clock)
+    for _ in range(3):  # the warm-up's seeds
+        policy.observe_step(n, False, 1, plain_s)
+        policy.observe_step(n, True, 1, round_s)
+    states = [RequestSpecState() for _ in range(n)]
+    tokens, was_speculating, switches = 0, True, 0
+    while clock.now < 20.0:
+        speculate = policy.decide(n, states)
+        resumed = speculate and not was_speculating
+        seconds = (round_s + (catch_up_s if resumed else 0.0) if speculate else plain_s) * rng.uniform(0.97, 1.03)
+        made = 0
+        for state in states:
+            got = round_tokens(rng, tau) if speculate else 1
+            if speculate:
+                policy.observe_round(state, got)
+            made += got
+        policy.observe_step(n, speculate, 1, seconds, resumed=resumed)
+        clock.now += seconds
+        if not resumed:  # (the engine's goodput leaves a catch-up's round out)
+            policy.observe_goodput(n, speculate, made, seconds)
+        tokens, switches, was_speculating = tokens + made, switches + resumed, speculate
+    rate = tokens / clock.now
+    better = max(n / plain_s, n * tau / round_s)
+    assert rate >= 0.97 * better, (rate, better, switches)
+
+
 def test_requests_that_cannot_draft_count_one_token_a_round():
     """A batch of 4 where 2 requests draft at τ 3: the batch makes (3 + 3 + 1 + 1) / 4 = 2 tokens per
     request-round; it speculates where the ratio is below that and not where it is above."""

@@ -110,7 +110,8 @@ class SpeculationPolicy:
     def __init__(self, cfg: PolicyConfig = PolicyConfig(), clock=None):
         self.cfg = cfg
         measured = cfg.goodput and cfg.enabled and cfg.fixed_cost_ratio is None
-        self.goodput = GoodputArbiter(cfg, cost_bucket, *([clock] if clock else [])) if measured else None
+        self.goodput = (GoodputArbiter(cfg, cost_bucket, *([clock] if clock else []), switch_cost=self._switch_cost)
+                        if measured else None)
         self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
         self._step_times_known: dict[int, dict] = {}  # bucket -> {(kind, runs): step_time}, until its next sample
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
@@ -162,6 +163,12 @@ class SpeculationPolicy:
             kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
             known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
         return known[kind, runs]
+
+    def _switch_cost(self, bucket: int) -> float:
+        """Seconds a switch back to speculation costs at ``bucket`` beyond a plain step (the drafter's catch-up over
+        the held plain steps: a resume's measured time); 0 until measured."""
+        resume, plain = self.step_time(bucket, True, resumed=True), self.step_time(bucket, False)
+        return max(0.0, resume - plain) if resume is not None and plain is not None else 0.0
 
     def cost_ratio(self, batch_size: int, runs: bool | None = None) -> float:
         """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways; within
