@@ -172,12 +172,20 @@ class Soak:
         """``refs[i]``: prompt i's reference tokens; ``ref_texts[i][k]``: the text of its first k."""
         self.args, self.stack, self.prompts, self.model = args, stack, prompts, model_name
         self.refs, self.ref_texts = refs, ref_texts
-        self.counts = {"served": 0, "cancelled": 0, "lost": 0, "wrong": 0, "retries": 0}
+        # every request sent ("submitted") ends served, cancelled (the client went away), lost or wrong
+        self.counts = {"submitted": 0, "served": 0, "cancelled": 0, "lost": 0, "wrong": 0, "retries": 0}
         self.by_kind: dict[str, int] = {}
         self.faults = {"drafter_sigkill": 0, "verifier_restart": 0, "client_disconnect": 0}
         self.lock = threading.Lock()
         self.stop_at = time.monotonic() + args.seconds
         self.failures: list[str] = []
+
+    def done(self) -> bool:
+        """--seconds have passed and at least --min-requests were sent and --min-drafter-kills made: the soak's
+        size is a count as well as a time, so that a slow machine runs longer instead of doing less."""
+        with self.lock:
+            return (time.monotonic() >= self.stop_at and self.counts["submitted"] >= self.args.min_requests
+                    and self.faults["drafter_sigkill"] >= self.args.min_drafter_kills)
 
     def count(self, key: str, kind: str | None = None) -> None:
         with self.lock:
@@ -188,13 +196,14 @@ class Soak:
     # -- clients ---------------------------------------------------------------------------------
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < self.stop_at:
+        while not self.done():
             i, k = rng.randrange(len(self.prompts)), rng.randint(4, MAX_NEW)
             kind = rng.choice(["rest", "rest_stream", "grpc"])
             disconnect = rng.random() < self.args.disconnect_rate
             self.one(kind, i, k, disconnect, rng)
 
     def one(self, kind: str, i: int, k: int, disconnect: bool, rng: random.Random) -> None:
+        self.count("submitted")
         deadline = time.monotonic() + self.args.request_deadline_s
         while True:
             try:
@@ -308,7 +317,7 @@ class Soak:
         started = time.monotonic()
         restart_at = started + self.args.seconds * self.args.verifier_restart_at
         drafter, up_since, killed = None, None, set()  # the drafter's process, since when it serves
-        while time.monotonic() < self.stop_at:
+        while not self.done():
             now = time.monotonic()
             if restart_at is not None and now >= restart_at:
                 pid = self.stack.child("verifier")
@@ -358,6 +367,10 @@ def main(argv=None) -> int:
     p.add_argument("--disconnect-rate", type=float, default=0.15)
     p.add_argument("--kill-drafter-every", type=float, default=6.0)
     p.add_argument("--verifier-restart-at", type=float, default=0.4, help="fraction of --seconds (once)")
+    p.add_argument("--min-requests", type=int, default=0,
+                   help="keep sending past --seconds until this many requests were sent")
+    p.add_argument("--min-drafter-kills", type=int, default=0,
+                   help="keep going past --seconds until the drafter was SIGKILLed this many times")
     p.add_argument("--request-deadline-s", type=float, default=90.0, help="a request is lost once retried this long")
     p.add_argument("--workdir", default=None)
     p.add_argument("--seed", type=int, default=0)
