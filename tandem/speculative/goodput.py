@@ -153,7 +153,7 @@ class GoodputArbiter:
     def _explore_gap(self, b: int, epoch_s: float, loss: float) -> float:
         """Seconds until the slower mode's next epoch at bucket ``b``: what one costs — its loss over ``epoch_s``, and
         the switch (modes about even lose little per step, but every switch back to speculation catches the drafter up
-        over the whole batch: 22-27 ms at batch 64 on the 8B shape) — as ``goodput_explore_cost`` of the time between."""
+        over the whole batch, which goodput leaves out) — as ``goodput_explore_cost`` of the time between."""
         c = self.cfg
         cost = epoch_s * max(0.02, loss) + self.switch_cost(b)
         return min(c.goodput_explore_max_s, cost / c.goodput_explore_cost)

@@ -292,9 +292,9 @@ class SpeculationPolicy:
         explore_budget of the plain steps between two."""
         c = self.cfg
         gap = math.ceil(c.explore_every * max(1.0, ratio) ** 2)
-        resume, plain = self.step_time(batch_size, True, resumed=True), self.step_time(batch_size, False)
-        if resume is not None and plain:
-            gap = max(gap, math.ceil((resume - plain) / (c.explore_budget * plain)))
+        plain = self.step_time(batch_size, False)
+        if plain:
+            gap = max(gap, math.ceil(self._switch_cost(cost_bucket(batch_size)) / (c.explore_budget * plain)))
         return min(gap, c.explore_max_gap)
 
     def _batch_tau(self, batch_size: int, drafting: list[RequestSpecState]) -> tuple[float, float]:
