@@ -72,25 +72,34 @@ class _CompileOnly:
         return call
 
 
+# cubin → (regs, stack, mma, LDG.128, LDGSTS.128): a kernel that two shapes compile to the same binary (the same
+# specialization: triton's in-memory cache returns it) is disassembled once (cuobjdump -sass takes ~0.4 s a kernel)
+_usage: dict[bytes, tuple[int, int, str, int, int]] = {}
+
+
+def _resources(cubin: bytes) -> tuple[int, int, str, int, int]:
+    if cubin not in _usage:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
+            sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout
+        _usage[cubin] = (int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)),
+                         ",".join(sorted({m.split(".")[0] for m in re.findall(r"\b(H[G]?MMA\.\S+)", sass)})),
+                         len(re.findall(r"LDG\.E[.A-Z]*\.128", sass)), len(re.findall(r"LDGSTS\.E[.A-Z]*\.128", sass)))
+    return _usage[cubin]
+
+
 def _report(tag: str, failures: list[str]) -> None:
     global _unit
     _unit += 1
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, kernel in _compiled:
-            path = os.path.join(tmp, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(kernel.asm["cubin"])
-            usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
-            sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout
-            regs = int(re.search(r"REG:(\d+)", usage).group(1))
-            stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-            mma = ",".join(sorted({m.split(".")[0] for m in re.findall(r"\b(H[G]?MMA\.\S+)", sass)}))
-            ldg = len(re.findall(r"LDG\.E[.A-Z]*\.128", sass))
-            ldgsts = len(re.findall(r"LDGSTS\.E[.A-Z]*\.128", sass))
-            print(f"{tag:34s} {name:24s} regs={regs:3d} stack={stack:3d} smem={kernel.metadata.shared:6d} "
-                  f"LDG.128={ldg:3d} LDGSTS.128={ldgsts:3d} warps={kernel.metadata.num_warps} {mma}")
-            if stack:
-                failures.append(f"{tag} {name}: {stack} bytes of stack (spills)")
+    for name, kernel in _compiled:
+        regs, stack, mma, ldg, ldgsts = _resources(kernel.asm["cubin"])
+        print(f"{tag:34s} {name:24s} regs={regs:3d} stack={stack:3d} smem={kernel.metadata.shared:6d} "
+              f"LDG.128={ldg:3d} LDGSTS.128={ldgsts:3d} warps={kernel.metadata.num_warps} {mma}")
+        if stack:
+            failures.append(f"{tag} {name}: {stack} bytes of stack (spills)")
     _compiled.clear()
 
 
