@@ -31,10 +31,14 @@ from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 
+# A pool of this many pages holds every job's sequences; the default (sized from memory: 16k pages) made each
+# interpreted Triton launch copy the whole pool back (the interpreter copies its arguments' storages)
+KV_PAGES = 512
+
 
 def run_job(job: dict) -> dict:
     out: dict = {}
-    with LLMEngine(EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4)) as eng:
+    with LLMEngine(EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES)) as eng:
         attn = eng.executor.runner.model.model.layers[0].self_attn
         proj = getattr(attn, "qkv_proj", None)  # MLA (DeepSeek-V3) has heads but no KV heads to split
         out["local_heads"] = proj.local_heads if proj is not None else attn.local_heads
@@ -62,7 +66,7 @@ def run_job(job: dict) -> dict:
             kv.release()
         out["pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
     if job.get("chunked_prefill_size"):  # the same greedy run with prompts prefilled in chunks
-        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4,
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES,
                            chunked_prefill_size=job["chunked_prefill_size"])
         with LLMEngine(cfg) as eng:
             out["chunked_greedy"] = [r.output_token_ids for r in eng.generate(job["prompts"], [
@@ -74,7 +78,7 @@ def run_job(job: dict) -> dict:
     if job.get("decode_steps"):  # greedy and sampled again, with runs of decode steps on the graphs' static path
         # Prefill families 16 and 32 only (the prompts' batch is the 32's): on the static path their attention is
         # interpreted Triton, so the chain rounds' engine below prefills eagerly (the prefill graphs are this one's).
-        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES, static_graph_path=True,
                            decode_steps=job["decode_steps"], cuda_graph_max_bs=4, prefill_graph_tokens=32)
         with LLMEngine(cfg) as eng:
             runs = []
@@ -95,7 +99,7 @@ def run_job(job: dict) -> dict:
         from tandem.speculative.drafter import SpecConfig
         from tandem.engine.speculative_setup import speculative_engine
 
-        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, static_graph_path=True,
+        cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES, static_graph_path=True,
                            spec_rounds=job["spec_rounds"], cuda_graph_max_bs=4, prefill_graph_tokens=0)  # (above)
         with speculative_engine(cfg, job["draft"], SpecConfig(*job["spec"]), policy=always_speculate()) as eng:
             rids = [eng.add_request(p, SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True))
