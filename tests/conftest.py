@@ -30,6 +30,21 @@ for p in (str(ROOT), str(TESTS)):
         sys.path.insert(0, p)
 
 
+# pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup). Tests that start process groups or CPU-heavy child
+# processes are marked ``pytest.mark.xdist_group(PROCS)``: all on one worker, one after another, so that two of them
+# never oversubscribe the cores at once (TP ranks under gloo time out that way).
+PROCS = "procs"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Every other test is grouped by its file: a file's tests run on one worker, in order, and its module-scoped
+    fixtures (tiny stacks of services, checkpoints) are built once instead of once per worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 @dataclass
 class Checkpoint:
     path: str  # the model folder

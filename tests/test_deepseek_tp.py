@@ -12,7 +12,7 @@ import torch
 from deepseek_checkpoints import write_deepseek
 from helpers import assert_rel, hf_greedy, hf_hidden_states, hf_logits, random_prompt, run_tp_jobs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("procs")]  # TP ranks under gloo: one at a time (conftest.py)
 
 TIMEOUT_S = 400
 VOCAB = 512

@@ -141,6 +141,7 @@ def test_a_tensor_of_the_wrong_dtype_is_a_checkpoint_error(ckpts, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("procs")  # TP ranks: one at a time with the others (conftest.py)
 def test_tp2_equals_tp1(ckpts, tmp_path):
     jobs = [dict(model=str(ckpts[c][0]), tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW) for c in ("int4", "fp8")]
     (tmp_path / "spec.json").write_text(json.dumps(jobs))

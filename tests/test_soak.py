@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("procs")]  # a stack of services: with the others (conftest.py)
 
 
 def test_a_short_soak_loses_nothing(tmp_path):

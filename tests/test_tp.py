@@ -22,7 +22,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.configs.model import ModelConfig
 from tandem.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("procs")]  # TP ranks under gloo: one at a time (conftest.py)
 
 TIMEOUT_S = 300
 CASES = {

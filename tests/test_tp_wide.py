@@ -10,7 +10,7 @@ import torch
 
 from helpers import assert_rel, hf_greedy, hf_logits, random_prompt, run_tp_jobs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("procs")]  # TP ranks under gloo: one at a time (conftest.py)
 
 TIMEOUT_S = 400
 VOCAB = 256
