@@ -1,9 +1,11 @@
 """Compile every kernel for Hopper (sm_90) on a machine without a GPU and report what the H200 would run.
 
-``python -m tandem.kernels.compile_check [bfloat16|float16] [PART/PARTS]`` prints, per kernel and shape: registers,
+``python -m tandem.kernels.compile_check [bfloat16|float16] [PART/PARTS] [--sass attention]`` prints, per kernel and shape: registers,
 stack (non-zero means spills to local memory), shared memory, 16-byte global loads (``LDG.E.128``),
 16-byte async copies (``LDGSTS...128``, the software-pipelined K/V loads) and which matrix
-instruction the attention uses (``HGMMA`` = wgmma, ``HMMA`` = mma.sync). The interpreter tests never
+instruction the attention uses (``HGMMA`` = wgmma, ``HMMA`` = mma.sync); ``--sass attention`` disassembles only the
+attention kernels (the SASS, ~0.4 s a kernel, is what the load counts and the matrix instruction come from; registers
+and stack come from the resource usage: the test's run). The interpreter tests never
 compile anything, so this is what catches errors on the compiled path (for example a global a kernel
 may not read) before a GPU run. Exits non-zero if a kernel fails to compile or spills.
 
@@ -57,6 +59,7 @@ _compiled: list[tuple[str, object]] = []
 # Each report closes a unit (the kernels compiled since the one before); ``PART/PARTS`` compiles only the units
 # whose index is PART modulo PARTS, so that PARTS processes share the work (the test runs two at once).
 _unit, _part, _parts = 0, 0, 1
+_sass_only: str | None = None  # --sass NAME: disassemble only the kernels whose name holds NAME
 
 
 class _CompileOnly:
@@ -77,17 +80,23 @@ class _CompileOnly:
 _usage: dict[bytes, tuple[int, int, str, int, int]] = {}
 
 
-def _resources(cubin: bytes) -> tuple[int, int, str, int, int]:
+def _resources(name: str, cubin: bytes) -> tuple[int, int, str, int, int]:
+    """→ (registers, stack bytes, matrix instructions, LDG.128, LDGSTS.128); the last three -1/"-" when not disassembled."""
     if cubin not in _usage:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "k.cubin")
             with open(path, "wb") as f:
                 f.write(cubin)
             usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
-            sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout
-        _usage[cubin] = (int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)),
-                         ",".join(sorted({m.split(".")[0] for m in re.findall(r"\b(H[G]?MMA\.\S+)", sass)})),
-                         len(re.findall(r"LDG\.E[.A-Z]*\.128", sass)), len(re.findall(r"LDGSTS\.E[.A-Z]*\.128", sass)))
+            sass = None
+            if _sass_only is None or _sass_only in name:
+                sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout
+        regs, stack = int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+        if sass is None:
+            _usage[cubin] = (regs, stack, "-", -1, -1)
+        else:
+            _usage[cubin] = (regs, stack, ",".join(sorted({m.split(".")[0] for m in re.findall(r"\b(H[G]?MMA\.\S+)", sass)})),
+                             len(re.findall(r"LDG\.E[.A-Z]*\.128", sass)), len(re.findall(r"LDGSTS\.E[.A-Z]*\.128", sass)))
     return _usage[cubin]
 
 
@@ -95,7 +104,7 @@ def _report(tag: str, failures: list[str]) -> None:
     global _unit
     _unit += 1
     for name, kernel in _compiled:
-        regs, stack, mma, ldg, ldgsts = _resources(kernel.asm["cubin"])
+        regs, stack, mma, ldg, ldgsts = _resources(name, kernel.asm["cubin"])
         print(f"{tag:34s} {name:24s} regs={regs:3d} stack={stack:3d} smem={kernel.metadata.shared:6d} "
               f"LDG.128={ldg:3d} LDGSTS.128={ldgsts:3d} warps={kernel.metadata.num_warps} {mma}")
         if stack:
@@ -103,9 +112,13 @@ def _report(tag: str, failures: list[str]) -> None:
     _compiled.clear()
 
 
-def main(dtype_name: str = "bfloat16", part: str = "0/1") -> int:
-    global _part, _parts
+def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
+    global _part, _parts, _sass_only
     _part, _parts = (int(x) for x in part.split("/"))
+    if flags:
+        if len(flags) != 2 or flags[0] != "--sass":
+            sys.exit(f"unknown arguments {flags}: [--sass NAME]")
+        _sass_only = flags[1]
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
