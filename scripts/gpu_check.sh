@@ -18,9 +18,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The test run itself is timed, not this script, so a test process cannot outlive the limit and
-  # keep the GPU's memory from what runs next.
+  # keep the GPU's memory from what runs next. One process (-o addopts: not pyproject's two pytest-xdist workers,
+  # which would share the GPU, and the carried wheels have no pytest-xdist).
   paths=("$@"); [ "$what" = tests ] && [ $# -gt 0 ] || paths=(tests/gpu)
-  timeout --kill-after=10 "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu "${paths[@]}" -q -p no:cacheprovider -x --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout --kill-after=10 "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -o addopts=-ra -m gpu "${paths[@]}" -q -p no:cacheprovider -x --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
