@@ -140,7 +140,7 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
     runner = engine.executor.runner
     # torch attention: this test is about the inputs advancing between replays (the Triton kernels'
     # static path is the other tests'), and interpreted Triton attention was most of its time
-    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend())
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
     graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 13, 21)]

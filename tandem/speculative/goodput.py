@@ -111,8 +111,9 @@ class GoodputArbiter:
             if b in self._due:  # speculation forgotten by a detached period: its epoch now
                 self._due.discard(b)
                 self._next_explore[b] = now
-            if b not in self._next_explore:
-                self._next_explore[b] = now + self._explore_gap(b, c.goodput_epoch_s, predicted_loss())
+            if b not in self._next_explore:  # the first at this bucket: soon, the model's prediction is no measurement
+                gap = self._explore_gap(b, c.goodput_epoch_s, predicted_loss())
+                self._next_explore[b] = now + min(gap, c.goodput_first_explore_s)
             if now < self._next_explore[b]:
                 return model_says
             mode, self._exploring = not model_says, True

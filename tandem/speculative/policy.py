@@ -73,6 +73,7 @@ class PolicyConfig:
     goodput_explore_steps: int = 2  # an exploration of the other mode: at least this many steps (and goodput_epoch_s)
     goodput_explore_cost: float = 0.01  # measuring the slower mode again costs about this share of goodput ...
     goodput_explore_max_s: float = 5.0  # ... measured again at least this often
+    goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
 
 
 @dataclass
@@ -215,8 +216,9 @@ class SpeculationPolicy:
         """Whether measurements say plain steps are faster at ``batch_size``: measured goodput's verdict, or
         where it has none, the batch's τ well below the cost ratio of measured step times (by
         ``settled_margin``: not a guess, nor a close call an exploration should settle), and plain's predicted
-        goodput (a token per request per plain step) that far above speculation's where that is measured — as this step's
-        ``decide`` weighed them (asked after it; nothing is computed again)."""
+        goodput (a token per request per plain step) that far above speculation's measured goodput (with goodput
+        on, never before speculation's is measured) — as this step's ``decide`` weighed them (asked after it;
+        nothing is computed again)."""
         verdict = self.goodput.verdict(batch_size) if self.goodput is not None else None
         view, c = self._model_view, self.cfg
         if verdict is not None or view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
@@ -227,11 +229,14 @@ class SpeculationPolicy:
         _, tau_upper, ratio = view
         if tau_upper * (1 + c.settled_margin) >= ratio:
             return False
+        if self.goodput is None:
+            return True
         # Speculation's goodput measured here, plain's not: plain is settled only if the step costs predict it
-        # faster than that measurement. (Served, a step's time holds the server's share — streaming, the GIL — which
-        # the step costs may carry unevenly between runs of rounds and plain steps; goodput is what clients got.)
-        spec_rate = self.goodput.rates(batch_size)[0] if self.goodput is not None else None
-        return spec_rate is None or batch_size / plain_time > spec_rate * (1 + c.settled_margin)
+        # faster than that measurement, never before it (its first epoch at a bucket comes soon:
+        # goodput_first_explore_s). Served, a step's time holds the server's share — streaming, the GIL — which the
+        # step costs carry unevenly between runs of rounds and plain steps; goodput is what clients got.
+        spec_rate = self.goodput.rates(batch_size)[0]
+        return spec_rate is not None and batch_size / plain_time > spec_rate * (1 + c.settled_margin)
 
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
