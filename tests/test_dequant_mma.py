@@ -66,7 +66,7 @@ def test_int4_mma_max_rows_routes_the_default(monkeypatch):
     assert dequant_gemm.default_config(1, 4096, 7168).kernel != "mma"
     monkeypatch.setattr(dequant_gemm, "INT4_MMA_MAX_ROWS", 16)
     assert dequant_gemm.default_config(16, 4096, 7168).kernel == "mma"
-    assert dequant_gemm.default_config(4, 4096, 7168).block_m == 8
+    assert dequant_gemm.default_config(4, 4096, 7168).block_m == 16
     assert dequant_gemm.default_config(17, 4096, 7168).kernel == "dot"
     assert dequant_gemm.default_config(1, 4096, 7168, torch.float32).kernel != "mma"
     n, k, group = 40, 96, 32

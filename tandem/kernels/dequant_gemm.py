@@ -124,9 +124,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
 
 def mma_config(m: int, n: int, k: int, block_n: int = 64, block_k: int = 256) -> DequantConfig:
     """The "mma" kernel's tile: one warpgroup's 64 rows of W (wgmma's M) by 256 columns a step, the rows of x
-    padded to 8 or 16 (wgmma's N: 8 halves the accumulator the scales multiply), K split like the GEMV's where N
-    leaves too few programs."""
-    rows = 8 if m <= 8 else 16
+    padded to 16, K split like the GEMV's where N leaves too few programs. (8 rows of x would halve the float32
+    accumulator the scales multiply, but Triton then takes mma.sync instead of wgmma, with more instructions a
+    weight in the SASS: bench/sections_quant.py times both.)"""
+    rows = 16
     if interpreting():
         return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=1, kernel="mma")
     split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, rows), triton.cdiv(k, block_k))
