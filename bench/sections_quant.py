@@ -10,7 +10,9 @@ bandwidth limit and the plain alternative, on random weights.
   For 1 and 4 rows on three of the shapes a few tiles are tried (for one row also the CUDA-core ``rows``
   kernel) and the best shown next to the default. Up to 4 rows the default is the ``gemv`` kernel
   (tandem/kernels/dequant_gemv.py); the tiles it replaced (``old default``) are timed beside it, and on
-  the swept shapes a few ``gemv`` tiles too (``best gemv``).
+  the swept shapes a few ``gemv`` tiles too (``best gemv``). INT4 at 1, 4 and 16 rows also times the
+  tensor-core ``mma`` kernel (tandem/kernels/dequant_mma.py, not yet a default: ``mma``, and on the swept
+  shapes ``best mma`` over MMA_TILES). ``TANDEM_BENCH_QUANT_ROWS`` (``1,4,16,64,256``) picks the rows.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also
   their TP 8 share: intermediate 256) and bf16 experts (64), against the read limit of the experts the
@@ -33,7 +35,11 @@ PEAK_TBPS = 4.8
 L2_BYTES = 50 << 20
 LINEAR_SHAPES = {"kimi expert gate_up": (4096, 7168), "kimi expert down": (7168, 2048),
                  "TP8 shared gate_up": (512, 7168), "8B gate_up": (28672, 4096), "8B down": (4096, 14336)}
-ROWS = (1, 4, 64, 256)
+ROWS = tuple(int(r) for r in os.environ.get("TANDEM_BENCH_QUANT_ROWS", "1,4,16,64,256").split(","))
+MMA_ROWS = (1, 4, 16)  # INT4 rows the tensor-core "mma" kernel is timed at (its tile and MMA_TILES on SWEPT shapes)
+# besides mma_config's: (block_m, block_n, block_k, warps): a step of 128, x padded to 8 (mma.sync), 128 rows of W
+# (a step of 512 spills)
+MMA_TILES = [(16, 64, 128, 4), (8, 64, 256, 4), (16, 128, 256, 8)]
 GEMV_TILES = [(16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
               (16, 16, 256, 4, 4, 2)]  # besides the default; the last splits K in two
 ROW_TILES = [(1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")]  # one row
@@ -78,7 +84,7 @@ def _weights(n: int, k: int, copies: int) -> dict:
 
 
 def linear_rows(ctx: dict) -> list[dict]:
-    from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear
+    from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear, mma_config
     from tandem.kernels.dequant_tiles import FP8, INT4
 
     copy_tbps = ctx.get("copy_tbps")
@@ -118,17 +124,32 @@ def linear_rows(ctx: dict) -> list[dict]:
                             gemv_best, gemv_tile = t, cfg
                         if t < best:
                             best, best_tile = t, cfg
+                mma_ms = mma_best = mma_tile = None
+                if fmt == "int4" and m in MMA_ROWS:
+                    mma = mma_config(m, n, k)
+                    mma_ms = run(fmt, mma) if mma != default else ms
+                    mma_best, mma_tile = mma_ms, mma
+                    for bm, bn, bk, warps in MMA_TILES if label in SWEPT else []:
+                        cfg = DequantConfig(bm, bn, bk, warps, 1, split_k=mma_config(m, n, k, bn, bk).split_k, kernel="mma")
+                        if (t := run(fmt, cfg)) < mma_best:
+                            mma_best, mma_tile = t, cfg
+                    if mma_best < best:
+                        best, best_tile = mma_best, mma_tile
                 limit_ms = nbytes[fmt] / (PEAK_TBPS * 1e12) * 1e3
                 row = {"shape": label, "n": n, "k": k, "rows": m, "format": fmt, "ms": ms,
                        "default_kernel": default.kernel, "old_default_ms": old_ms, "best_gemv_ms": gemv_best,
                        "best_gemv_tile": gemv_tile and gemv_tile.__dict__, "best_ms": best,
                        "best_tile": best_tile.__dict__, "cublas_bf16_ms": cublas,
                        "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / best, "default_of_limit": limit_ms / ms,
-                       "old_default_of_limit": limit_ms / old_ms, "speedup_vs_bf16": cublas / best}
+                       "old_default_of_limit": limit_ms / old_ms, "speedup_vs_bf16": cublas / best,
+                       "mma_ms": mma_ms, "mma_of_limit": mma_ms and limit_ms / mma_ms, "best_mma_ms": mma_best,
+                       "best_mma_tile": mma_tile and mma_tile.__dict__}
                 if copy_tbps:
                     row["limit_ms_measured_copy"] = read_seconds(nbytes[fmt], copy_tbps) * 1e3
                 rows_out.append(row)
                 gemv = f", best gemv {1e3 * gemv_best:7.1f}" if gemv_best is not None else ""
+                if mma_ms is not None:
+                    gemv += f", mma {1e3 * mma_ms:7.1f} = {100 * row['mma_of_limit']:5.1f} % (best mma {1e3 * mma_best:7.1f})"
                 print(f"{label:20s} {fmt} M={m:3d}: default ({default.kernel}) {1e3 * ms:7.1f} us = "
                       f"{100 * row['default_of_limit']:5.1f} %, old default {1e3 * old_ms:7.1f}{gemv}, best tile "
                       f"{1e3 * best:7.1f}, cuBLAS bf16 {1e3 * cublas:7.1f} us, limit {1e3 * limit_ms:6.1f} us "

@@ -25,6 +25,7 @@ def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
                         "LINEAR_SHAPES": {"kimi expert gate_up": (32, 256), "8B down": (16, 128)},
                         "GEMV_TILES": [(16, 16, 64, 4, 2, 2)], "ROW_TILES": [(1, 8, 64, 4, 2, 1, "rows")],
                         "GEMV_PATH_TILES": [(8, 64, 4, 1, 2)],  # one tile of each kernel
+                        "MMA_ROWS": (1,), "MMA_TILES": [(8, 64, 128, 4)],
                         "graph_ms": wall_ms, "free_gpu": lambda: None,
                         "events_ms": lambda fn, iters, warmup=3: wall_ms([fn])}.items():
         monkeypatch.setattr(sq, name, value)
@@ -35,6 +36,8 @@ def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
     swept = [r for r in linear if r["shape"] == "kimi expert gate_up" and r["rows"] == 1]
     assert all(r["best_ms"] <= min(r["ms"], r["old_default_ms"], r["best_gemv_ms"]) for r in swept)
     assert all(r["default_kernel"] == "gemv" for r in linear if r["rows"] == 1)
+    mma = [r for r in linear if r["format"] == "int4" and r["rows"] == 1]
+    assert all(r["mma_ms"] > 0 and r["best_mma_ms"] <= r["mma_ms"] for r in mma) and len(mma) == 2
     moe = result["moe"]
     assert [(r["experts"], r["batch"]) for r in moe] == [(16, 1), (16, 3), (8, 1), (8, 3)]
     # bf16 through the interpreter, which truncates where the GPU rounds (float32 agreement: test_fused_moe.py)

@@ -237,6 +237,16 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
             dq.fp8_block_linear(x, torch.empty(4096, 7168, dtype=torch.float8_e4m3fn), torch.empty(32, 56), (128, 128),
                                 config=cfg)
             _report(f"int4/fp8 gemv {rows} rows, tile {bn}x{bk} w{warps}", failures)
+    for rows, n, k in ((1, 28672, 4096), (4, 4096, 14336), (16, 4096, 7168), (16, 512, 7168)):  # the mma kernel's tiles
+        cfg = dq.mma_config(rows, n, k)  # (bench/sections_quant.py's shapes; 8 and 16 rows of x a program)
+        dq.int4_linear(torch.empty(rows, k, dtype=dt), torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32),
+                       32, config=cfg)
+        _report(f"int4 mma {rows}x{k} -> {n} split {cfg.split_k}", failures)
+    x = torch.empty(1, 14336, dtype=dt)  # the mma tiles bench/sections_quant.py tries (MMA_TILES)
+    for bm, bn, bk, warps in ((16, 64, 128, 4), (8, 64, 256, 4), (16, 128, 256, 8)):
+        cfg = dq.DequantConfig(bm, bn, bk, warps, 1, split_k=2, kernel="mma")
+        dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
+        _report(f"int4 mma tile {bm}x{bn}x{bk} w{warps}", failures)
     # Kimi-K2.5's routed experts (hidden 7168, intermediate 2048) with 8 of their 384 experts held here
     experts, hid, inter = 8, 7168, 2048
     plain = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=dt)),

@@ -15,7 +15,8 @@ more launch), then the bias and one rounding.
 float32 activations multiply in full precision (``ieee``), not tf32.
 Up to GEMV_MAX_ROWS rows, ``default_config`` takes instead the ``gemv`` kernel
 (tandem/kernels/dequant_gemv.py), written for the read bandwidth; ``_launch`` splits K for it the same way.
-Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
+For INT4 with 1-16 rows, the "mma" kernel (tandem/kernels/dequant_mma.py: tensor cores, packed unpack) is an
+option that INT4_MMA_MAX_ROWS routes to by default (0: not yet). Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k
+from tandem.kernels.dequant_mma import _dequant_mma_kernel
 from tandem.kernels.dequant_tiles import FP8, INT4, interpreting, weight_tile, whole_groups
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
@@ -41,14 +43,16 @@ class DequantConfig:
     num_stages: int = 4
     split_k: int = 1
     # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1; "gemv": CUDA cores,
-    # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py)
+    # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py); "mma": INT4 only, tensor cores
+    # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py)
     kernel: str = "dot"
 
     def __post_init__(self):
-        rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4}
+        rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4,
+                   "mma": self.block_m in (8, 16)}
         if not rows_ok.get(self.kernel, False):
             raise ValueError("DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1, 'gemv' block_m "
-                             f"1 to 4; got {self}")
+                             f"1 to 4, 'mma' block_m 8 or 16; got {self}")
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -64,6 +68,9 @@ ROWS_KERNEL_MIN_K = 7168
 GEMV_MAX_ROWS = 4
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
+# Rows up to which default_config takes the "mma" kernel for INT4 with bf16/fp16 activations (before the GEMV);
+# 0 until the GPU measurement decides (bench/sections_quant.py times it beside the others).
+INT4_MMA_MAX_ROWS = 0
 
 
 def _gemv_split(programs: int, steps: int) -> int:
@@ -87,6 +94,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     wider tiles that reuse each dequantized weight tile for more rows. float32 (full-precision
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
+    if fmt == INT4 and m <= INT4_MMA_MAX_ROWS and dtype != torch.float32 and gemv_max_rows is None:
+        return mma_config(m, n, k)
     gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
     if fmt != INT4 and gemv_max_rows is None and n * k >= FP8_GEMV_MAX_ELEMENTS:
         gemv_rows = min(gemv_rows, 1)
@@ -111,6 +120,18 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     if m <= 64:
         return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
     return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def mma_config(m: int, n: int, k: int, block_n: int = 64, block_k: int = 256) -> DequantConfig:
+    """The "mma" kernel's tile: one warpgroup's 64 rows of W (wgmma's M) by 256 columns a step, the rows of x
+    padded to 16, K split like the GEMV's where N leaves too few programs. (8 rows of x would halve the float32
+    accumulator the scales multiply, but Triton then takes mma.sync instead of wgmma, with more instructions a
+    weight in the SASS: bench/sections_quant.py times both.)"""
+    rows = 16
+    if interpreting():
+        return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=1, kernel="mma")
+    split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, rows), triton.cdiv(k, block_k))
+    return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=1, split_k=split, kernel="mma")
 
 
 @triton.jit
@@ -208,6 +229,11 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             block_k, block_m = cfg.block_k, cfg.block_m
         else:
             block_m = min(block_m, m)
+    elif cfg.kernel == "mma":
+        if fmt != INT4 or x.dtype == torch.float32 or s_cols < 16 or s_cols & (s_cols - 1):
+            raise ValueError(f"the mma kernel takes INT4 groups of 16, 32, 64 ... columns and bf16/fp16 activations; "
+                             f"got groups of {s_cols}, {x.dtype}")
+        block_k = max(s_cols, block_k // s_cols * s_cols)
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -217,7 +243,13 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     shared = dict(K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
                   HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
-    if cfg.kernel == "gemv":
+    if cfg.kernel == "mma":
+        _dequant_mma_kernel[grid](
+            x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, K=k, K_SPLIT=k_split,
+            STRIDE_W=w.stride(0), STRIDE_S=s.stride(0), GROUP=s_cols, HAS_BIAS=shared["HAS_BIAS"], BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=block_k, ASM=not interpreting(), INTERPRET=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+    elif cfg.kernel == "gemv":
         experts = ids is not None
         _dequant_gemv_kernel[grid](
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,

@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
 from helpers import capture_graph, norm_rel_err  # noqa: E402
 
-from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear, mma_config  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,52 @@ def test_fp8_block_linear(n, k, rows):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     y = fp8_block_linear(x, w, scale_inv, BLOCK)
     assert norm_rel_err(y, product(x, fp8_reference_weight(w, scale_inv))) < 5e-3
+
+
+MMA_SHAPES = [(4096, 4096), (28672, 4096), (512, 7168), (4096, 14336)]  # the last two split K
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("n,k", MMA_SHAPES)
+def test_int4_mma_kernel(n, k, rows):
+    """The tensor-core kernel (tandem/kernels/dequant_mma.py, its PTX unpack) against the unrounded dequantized
+    weight in float32: the kernel multiplies exact integers and scales in float32, so only the output rounds."""
+    packed, scale = random_int4(n, k, seed=n + k + rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    y = int4_linear(x, packed, scale, GROUP, config=mma_config(rows, n, k))
+    assert norm_rel_err(y, product(x, int4_reference_weight(packed, scale, torch.float32))) < 4e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_int4_mma_kernel_unpacks_every_nibble_exactly(dtype):
+    """Unit rows of x pick single columns of W: with scales of 1 each output is one ``q - 8`` (an integer, exact in
+    either dtype), so every nibble's position and value is checked bit for bit, 16 columns a call."""
+    n, k = 192, 512
+    packed, _ = random_int4(n, k, seed=3)
+    scale = torch.ones(n, k // GROUP, device="cuda")
+    w = int4_reference_weight(packed, scale, torch.float32)
+    eye = torch.eye(k, device="cuda", dtype=dtype)
+    for k0 in range(0, k, 16):
+        y = int4_linear(eye[k0:k0 + 16], packed, scale, GROUP, config=mma_config(16, n, k))
+        assert torch.equal(y.float(), w[:, k0:k0 + 16].t()), k0
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("n", [4096, 512], ids=["n4096", "n512-split-k"])
+def test_int4_mma_kernel_replays_in_a_cuda_graph(rows, n):
+    k = 7168
+    packed, scale = random_int4(n, k, seed=7)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    config = mma_config(rows, n, k)
+    graph, y = capture_graph(lambda: int4_linear(x, packed, scale, GROUP, bias, config=config))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, int4_linear(x, packed, scale, GROUP, bias, config=config))
+        ref = product(x, int4_reference_weight(packed, scale, torch.float32)) + bias.float()
+        assert norm_rel_err(y, ref) < 4e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
