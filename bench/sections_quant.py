@@ -11,7 +11,7 @@ bandwidth limit and the plain alternative, on random weights.
   kernel) and the best shown next to the default. Up to 4 rows the default is the ``gemv`` kernel
   (tandem/kernels/dequant_gemv.py); the tiles it replaced (``old default``) are timed beside it, and on
   the swept shapes a few ``gemv`` tiles too (``best gemv``). INT4 at 1, 4 and 16 rows also times the
-  tensor-core ``mma`` kernel (tandem/kernels/dequant_mma.py, not yet a default: ``mma``, and on the swept
+  tensor-core ``mma`` kernel (tandem/kernels/dequant_mma.py, the INT4 default at 5-16 rows below 64 Mi weights: ``mma``, and on the swept
   shapes ``best mma`` over MMA_TILES). ``TANDEM_BENCH_QUANT_ROWS`` (``1,4,16,64,256``) picks the rows.
 * The MoE layer's fused path (tandem/kernels/fused_moe.py) against its reference loop at batch 1, 8 and
   64, Kimi expert shapes (hidden 7168, intermediate 2048, top-8) with INT4 experts (384 of them, also

@@ -80,7 +80,7 @@ def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
 
     monkeypatch.setattr(dequant_gemm, "interpreting", lambda: False)
     assert default_config(1, 4096, 7168).kernel == "gemv" and default_config(4, 4096, 7168).kernel == "gemv"
-    assert default_config(5, 4096, 7168).kernel == "dot"
+    assert default_config(5, 4096, 7168).kernel == "mma" and default_config(5, 4096, 7168, fmt=FP8).kernel == "dot"
     assert default_config(1, 4096, 7168, gemv_max_rows=0).kernel == "rows"
     assert default_config(1, 28672, 4096).split_k == 1 and default_config(1, 4096, 14336).split_k == 1
     assert default_config(1, 512, 7168).split_k == 7  # a TP 8 shared expert: 64 programs, 7 steps of 1024

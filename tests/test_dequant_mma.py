@@ -61,14 +61,20 @@ def test_int4_mma_group_64_and_leading_dims():
 
 
 def test_int4_mma_max_rows_routes_the_default(monkeypatch):
-    """INT4_MMA_MAX_ROWS (0 by default: the GPU measurement decides) sends INT4 with bf16/fp16 activations of up
-    to that many rows to the mma kernel; float32 activations and more rows keep the other kernels."""
-    assert dequant_gemm.default_config(1, 4096, 7168).kernel != "mma"
-    monkeypatch.setattr(dequant_gemm, "INT4_MMA_MAX_ROWS", 16)
+    """INT4 with bf16/fp16 activations of more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS goes to the mma
+    kernel, below INT4_MMA_MAX_ELEMENTS weights; one row, float32 activations, more rows and the largest weights
+    keep the other kernels."""
+    assert dequant_gemm.default_config(1, 4096, 7168).kernel == "gemv"
+    assert dequant_gemm.default_config(4, 4096, 7168).kernel == "gemv"
     assert dequant_gemm.default_config(16, 4096, 7168).kernel == "mma"
-    assert dequant_gemm.default_config(4, 4096, 7168).block_m == 16
+    assert dequant_gemm.default_config(8, 4096, 7168).block_m == 16
     assert dequant_gemm.default_config(17, 4096, 7168).kernel == "dot"
-    assert dequant_gemm.default_config(1, 4096, 7168, torch.float32).kernel != "mma"
+    assert dequant_gemm.default_config(16, 28672, 4096).kernel == "dot"  # 8B gate_up: the tiles
+    assert dequant_gemm.default_config(8, 4096, 7168, torch.float32).kernel != "mma"
+    monkeypatch.setattr(dequant_gemm, "INT4_MMA_MAX_ROWS", 4)
+    assert dequant_gemm.default_config(8, 4096, 7168).kernel == "dot"
+    monkeypatch.setattr(dequant_gemm, "GEMV_MAX_ROWS", 1)
+    assert dequant_gemm.default_config(2, 4096, 7168).kernel == "mma"
     n, k, group = 40, 96, 32
     packed, scale, deq = int4_weight(n, k, group, seed=3)
     x = activations(2, k, torch.bfloat16, seed=4)

@@ -15,8 +15,8 @@ more launch), then the bias and one rounding.
 float32 activations multiply in full precision (``ieee``), not tf32.
 Up to GEMV_MAX_ROWS rows, ``default_config`` takes instead the ``gemv`` kernel
 (tandem/kernels/dequant_gemv.py), written for the read bandwidth; ``_launch`` splits K for it the same way.
-For INT4 with 1-16 rows, the "mma" kernel (tandem/kernels/dequant_mma.py: tensor cores, packed unpack) is an
-option that INT4_MMA_MAX_ROWS routes to by default (0: not yet). Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
+For INT4 with more rows than that and up to INT4_MMA_MAX_ROWS, the "mma" kernel (tandem/kernels/dequant_mma.py:
+tensor cores, packed unpack) below INT4_MMA_MAX_ELEMENTS weights. Tile loaders: tandem/kernels/dequant_tiles.py. Graph-safe: the launch depends on shapes only.
 """
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ ROWS_KERNEL_MIN_K = 7168
 GEMV_MAX_ROWS = 4
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
-# Rows up to which default_config takes the "mma" kernel for INT4 with bf16/fp16 activations (before the GEMV);
-# 0 until the GPU measurement decides (bench/sections_quant.py times it beside the others).
-INT4_MMA_MAX_ROWS = 0
+# INT4 with bf16/fp16 activations, more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS: the "mma" kernel
+# (tandem/kernels/dequant_mma.py). On the H200 (bench --sections quant_kernels, 16 rows) it took 0.5-0.6x the time of
+# the tiles below on four of five shapes, and 1.07x on the largest (8B gate_up, 117 Mi weights), which keeps the
+# tiles (INT4_MMA_MAX_ELEMENTS); at 1-4 rows the GEMV was 2-3.5x faster than it.
+INT4_MMA_MAX_ROWS = 16
+INT4_MMA_MAX_ELEMENTS = 64 << 20
 
 
 def _gemv_split(programs: int, steps: int) -> int:
@@ -94,9 +97,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     wider tiles that reuse each dequantized weight tile for more rows. float32 (full-precision
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
-    if fmt == INT4 and m <= INT4_MMA_MAX_ROWS and dtype != torch.float32 and gemv_max_rows is None:
-        return mma_config(m, n, k)
     gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    if (fmt == INT4 and gemv_max_rows is None and gemv_rows < m <= INT4_MMA_MAX_ROWS and n * k < INT4_MMA_MAX_ELEMENTS
+            and dtype != torch.float32):
+        return mma_config(m, n, k)
     if fmt != INT4 and gemv_max_rows is None and n * k >= FP8_GEMV_MAX_ELEMENTS:
         gemv_rows = min(gemv_rows, 1)
     if m <= gemv_rows:
