@@ -440,7 +440,8 @@ def test_measured_costs_turn_off_costly_speculation(setup):
     results = _run(path, prompts, PerfectChains(256, oracle=_oracle(prompts, ref), delay_s=0.1), slow)
     assert [r.output_token_ids for r in results] == ref
     assert slow.step_time(3, False) is not None and slow.cost_ratio(3) > 5
-    assert all(r.spec_stats.rounds <= 6 for r in results), [r.spec_stats.rounds for r in results]
+    # (the warm-up's rounds and a probe, then one measured epoch: plain is settled by goodput's verdict, not the model)
+    assert all(r.spec_stats.rounds <= 8 for r in results), [r.spec_stats.rounds for r in results]
     fast = SpeculationPolicy(cfg)
     results = _run(path, prompts, PerfectChains(256, oracle=_oracle(prompts, ref)), fast)
     assert [r.output_token_ids for r in results] == ref
@@ -632,8 +633,8 @@ def test_without_a_goodput_verdict_plain_is_settled_only_well_below_the_measured
 def test_plain_is_not_settled_by_step_costs_that_measured_speculation_outruns():
     """Served, step times carry the server's share unevenly (the demo pair over REST at concurrency 1: rounds timed
     at 3.4 plain steps, τ 2.6, while speculation measured 2878 tok/s against plain's predicted 2222): where
-    speculation's goodput is measured and plain's not, the cost model settles plain only if plain's predicted
-    goodput (a token per request per plain step) is well above what speculation measured."""
+    speculation's goodput is measured and plain's not, the cost model does not settle plain, however far its step
+    costs put it ahead: plain must be measured too (goodput's verdict)."""
     clock = SimClock()
 
     def settled(spec_tok_s):
@@ -654,7 +655,9 @@ def test_plain_is_not_settled_by_step_costs_that_measured_speculation_outruns():
 
     assert not settled(9000.0)  # measured above plain's predicted 8 / 1 ms = 8000 tok/s
     assert not settled(7000.0)  # below it, but not by the margin
-    assert settled(4000.0)
+    # far below it: still not settled — served, plain steps were predicted 1.5x faster than they measured (the demo pair
+    # over REST at batch 4: 9.5k predicted, detached against speculation's measured 6.4k); only goodput's verdict settles
+    assert not settled(4000.0)
 
 
 def test_an_exploration_of_plain_steps_against_a_speculation_verdict_never_detaches_the_drafter():
