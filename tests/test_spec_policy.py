@@ -47,6 +47,17 @@ def round_tokens(rng: random.Random, tau: float) -> int:
     return made
 
 
+def step_tokens(policy: SpeculationPolicy, states: list, speculate: bool, rng: random.Random, tau: float) -> int:
+    """The tokens one step makes over ``states`` (a round's each, reported to the policy, or one each)."""
+    made = 0
+    for state in states:
+        got = round_tokens(rng, tau) if speculate else 1
+        if speculate:
+            policy.observe_round(state, got)
+        made += got
+    return made
+
+
 class SimClock:
     """Simulated seconds: what the policy's goodput arbiter reads instead of the wall clock."""
 
@@ -201,12 +212,7 @@ def test_at_break_even_explorations_are_spaced_by_the_switch_they_pay(seed):
         speculate = policy.decide(n, states)
         resumed = speculate and not was_speculating
         seconds = (round_s + (catch_up_s if resumed else 0.0) if speculate else plain_s) * rng.uniform(0.97, 1.03)
-        made = 0
-        for state in states:
-            got = round_tokens(rng, tau) if speculate else 1
-            if speculate:
-                policy.observe_round(state, got)
-            made += got
+        made = step_tokens(policy, states, speculate, rng, tau)
         policy.observe_step(n, speculate, 1, seconds, resumed=resumed)
         clock.now += seconds
         if not resumed:  # (the engine's goodput leaves a catch-up's round out)
@@ -722,12 +728,7 @@ def test_step_costs_alone_never_detach_a_drafter_whose_speculation_was_not_measu
     tokens = 0
     while clock.now < 2.0:
         speculate = policy.decide(n, states)
-        made = 0
-        for state in states:
-            got = round_tokens(rng, tau) if speculate else 1
-            if speculate:
-                policy.observe_round(state, got)
-            made += got
+        made = step_tokens(policy, states, speculate, rng, tau)
         policy.observe_step(n, speculate, 1, round_seen if speculate else plain_seen)
         seconds = (round_wall if speculate else plain_wall) * rng.uniform(0.95, 1.05)
         clock.now += seconds
