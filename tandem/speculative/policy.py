@@ -213,24 +213,21 @@ class SpeculationPolicy:
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
 
     def plain_measured_faster(self, batch_size: int) -> bool:
-        """Whether measurements say plain steps are faster at ``batch_size``: measured goodput's verdict, or
-        where it has none, the batch's τ well below the cost ratio of measured step times (by
-        ``settled_margin``: not a guess, nor a close call an exploration should settle), where goodput is
-        off — as this step's ``decide`` weighed them (asked after it; nothing is computed again)."""
-        verdict = self.goodput.verdict(batch_size) if self.goodput is not None else None
+        """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, only its verdict
+        (both modes measured): served, a step's time holds the server's share — streaming, the GIL — unevenly
+        between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain steps where they
+        took 1.5). Without it, the batch's τ well below the cost ratio of measured step times (by
+        ``settled_margin``: not a guess, nor a close call an exploration should settle), as this step's
+        ``decide`` weighed them (asked after it; nothing is computed again)."""
+        if self.goodput is not None:
+            return self.goodput.verdict(batch_size) is False
         view, c = self._model_view, self.cfg
-        if verdict is not None or view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
-            return verdict is False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
-        plain_time = self.step_time(batch_size, False)
-        if self.step_time(batch_size, True) is None or plain_time is None:
+        if view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
+            return False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
+        if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
             return False  # this bucket's costs are not measured both ways
         _, tau_upper, ratio = view
-        if tau_upper * (1 + c.settled_margin) >= ratio:
-            return False
-        # With goodput on, only its verdict settles plain: served, a step's time holds the server's share — streaming,
-        # the GIL — unevenly between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain
-        # steps where they took 1.5, and plain predicted 1.5x faster than it measured).
-        return self.goodput is None
+        return tau_upper * (1 + c.settled_margin) < ratio
 
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
