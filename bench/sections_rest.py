@@ -82,29 +82,35 @@ def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
-def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_s: float = 0.0, **stack_kw) -> dict:
-    """Each mode's stack in turn, every cell (concurrency, new tokens) a wave (texts, and its rate unless
-    ``sustain_s``: then the rate is a closed-loop load of that many seconds); → per mode its start-up,
-    first and warm request times and rows, each row beside target-only's and its texts compared."""
+def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_s: float = 0.0, repeats: int = 1,
+             **stack_kw) -> dict:
+    """Each mode's stack started in turn (its start-up, first and warm request times and a wave per cell
+    (concurrency, new tokens): texts, and the rate unless ``sustain_s``), all kept up; then with ``sustain_s``,
+    per cell, ``repeats`` closed-loop loads of that many seconds on every mode, interleaved (the order reversed
+    on every other pass: the host's pace drifts by 10-20 % over minutes, and modes measured one after another
+    took that drift for their difference) → per mode its rows, each beside target-only's, texts compared."""
     out: dict = {}
-    for mode in modes:
-        with _stack(tdir, draft, mode, **stack_kw) as (base, ready_s, pids):
+    with contextlib.ExitStack() as stacks:
+        up = {}
+        for mode in modes:
+            base, ready_s, pids = stacks.enter_context(_stack(tdir, draft, mode, **stack_kw))
             first, warm, rows = run(_waves(base, prompts, cells))
-            for (conc, max_tokens), r in zip(cells, rows.values()):
-                if sustain_s:
-                    r["wave_tok_s"] = r["tok_s"]
-                    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                    r.update(sustained(base, prompts, conc, max_tokens, sustain_s))
-                    r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2)
-                                             for name, pid in pids.items()}
-                print(f"{mode:17s} concurrency {conc:2d}, {max_tokens:4d} tokens: {r['tok_s']:8.1f} tok/s "
-                      f"(TTFT {1e3 * r['ttft_s_mean']:.0f} ms)" + (f"; CPU share: clients {r['client_cpu_share']:.2f} "
-                      f"(of {r['client_procs']}), " + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items())
-                      if sustain_s else ""), flush=True)
+            up[mode] = base, pids
             out[mode] = {"ready_s": ready_s, "first_request_s": first["seconds"], "warm_request_s": warm["seconds"],
                          "rows": rows}
             print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
                   f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
+        for cell in cells:
+            for k in range(repeats if sustain_s else 0):
+                for mode in modes if k % 2 == 0 else modes[::-1]:
+                    _sample(out[mode]["rows"][f"c{cell[0]}_n{cell[1]}"], mode, *up[mode], prompts, cell, sustain_s)
+            for mode in modes:
+                r = out[mode]["rows"][f"c{cell[0]}_n{cell[1]}"]
+                if sustain_s:
+                    r["tok_s"] = sum(x["tok_s"] for x in r["samples"]) / len(r["samples"])
+                print(f"{mode:17s} concurrency {cell[0]:2d}, {cell[1]:4d} tokens: {r['tok_s']:8.1f} tok/s (TTFT "
+                      f"{1e3 * r['ttft_s_mean']:.0f} ms)" + (" = mean of " + ", ".join(
+                          f"{x['tok_s']:.0f}" for x in r["samples"]) if sustain_s else ""), flush=True)
     for mode in [m for m in modes if m != "target-only" and "target-only" in out]:
         for cell, r in out[mode]["rows"].items():
             base = out["target-only"]["rows"][cell]
@@ -116,6 +122,19 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
     for r in (r for m in out.values() for r in m["rows"].values()):
         r.pop("texts")
     return out
+
+
+def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tuple, sustain_s: float) -> None:
+    """One closed-loop load of ``cell`` on the stack at ``base``, appended to ``row["samples"]`` with the
+    services' CPU share (the wave's rate kept as ``wave_tok_s``)."""
+    row.setdefault("wave_tok_s", row["tok_s"])
+    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    r = sustained(base, prompts, cell[0], cell[1], sustain_s)
+    r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2) for name, pid in pids.items()}
+    row.setdefault("samples", []).append(r)
+    print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
+          f"{r['client_cpu_share']:.2f} (of {r['client_procs']}), "
+          + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items()), flush=True)
 
 
 async def _waves(base: str, prompts: list, cells: list) -> tuple[dict, dict, dict]:
@@ -162,7 +181,8 @@ def rest_demo(ctx: dict) -> dict:
     the one shipped in the package)
     over REST: target-only, the head in the verifier under the default policy and speculating always, and
     the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64, each a closed-loop load
-of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
+of TANDEM_BENCH_SUSTAIN_S seconds (default 8), TANDEM_BENCH_REST_REPEATS times (default 2) interleaved across the
+modes, averaged."""
     from pathlib import Path
 
     from tandem.training.demo_pair import demo_eval_prompts
@@ -176,4 +196,6 @@ of TANDEM_BENCH_SUSTAIN_S seconds (default 8)."""
     prompts = (prompts * 64)[:64]
     modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,in-process-always,pair").split(",")
     sustain_s = float(os.environ.get("TANDEM_BENCH_SUSTAIN_S", "8"))
-    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, verifier_flags=())
+    repeats = int(os.environ.get("TANDEM_BENCH_REST_REPEATS", "2"))
+    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, repeats,
+                    verifier_flags=())
