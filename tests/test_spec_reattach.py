@@ -5,6 +5,8 @@ _keep_attachment and step() drive them, on a simulated clock and a closed-loop l
 
 from __future__ import annotations
 
+import re
+
 from test_spec_policy import SimClock
 from tandem.engine.step import StepInfo
 from tandem.engine.step_accounting import StepAccounting
@@ -43,7 +45,8 @@ class SimEngine:
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), len(self.running))
         self.speculating = self.policy.decide(len(self.running), [r.state for r in drafting] if asked else [], False)
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(self.running))
-        change = self.attachment.after_decision(self.speculating, asked, True, settled)
+        loss = self.policy.measured_loss(len(self.running)) if settled else 0.0
+        change = self.attachment.after_decision(self.speculating, asked, True, settled, loss)
         if change == "detach":
             for r in self.running:
                 r.drafts, r.held = False, False
@@ -159,6 +162,29 @@ def test_where_plain_wins_against_the_model_the_detached_periods_still_grow():
     assert len(detaches) <= 6, engine.log
     assert engine.attachment._period == engine.attachment.cfg.detached_max_s
     assert engine.seconds[True] - spec_before < 0.15 * len(detaches), engine.seconds  # ~0.05-0.1 s a re-attach
+
+
+def test_where_plain_wins_by_far_a_reattach_costs_about_its_share_of_the_detached_period():
+    """Speculation makes half plain's goodput (rounds of one token, twice a plain step's time). Each re-attach
+    spends a span attached (the batch turning over onto the drafter, an epoch of speculation, the plain steps to
+    the verdict) losing about half its goodput: the detached period after it must be long enough that this
+    costs about ``remeasure_cost`` of it, not only twice the one before (a short period, re-measured again and
+    again, was most of what a batch a drafter never pays lost at concurrency 64 over REST)."""
+    engine = SimEngine(_seeded_policy(), N, 0, made=1, told=1, spec_s=2 * PLAIN_S)
+    while not engine.log:
+        engine.step()
+    engine.run_until(engine.clock.now + 30.0)
+    cfg, log = engine.attachment.cfg, engine.log
+    spans = [(a[0], d[0]) for a, d in zip(log[1::2], log[2::2])]  # (attached again, detached) after the first detach
+    assert [change for _, change, _ in log[:3]] == ["detach", "attach", "detach"], log
+    rates = [re.search(r"speculating (\d+) tok/s, plain (\d+) tok/s", why).groups() for _, _, why in log[::2]]
+    losses = [1 - int(spec) / int(plain) for spec, plain in rates]  # as measured at each detach
+    assert all(0.35 < loss < 0.65 for loss in losses), losses
+    for (attached, detached), loss, (next_attach, _, _) in zip(spans, losses[1:], log[3::2]):
+        cost = (detached - attached) * loss
+        assert next_attach - detached >= min(cfg.detached_max_s, 0.95 * cost / cfg.remeasure_cost), (spans, log)
+    lost = sum((d - a) * loss for (a, d), loss in zip(spans, losses[1:]))
+    assert lost < 2 * cfg.remeasure_cost * (engine.clock.now - log[0][0]), (spans, losses)
 
 
 def test_where_speculation_wins_against_the_model_it_is_measured_and_kept():

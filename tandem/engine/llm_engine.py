@@ -169,14 +169,14 @@ class LLMEngine:
         self.speculating = self.policy.decide(len(running), states, runs)
         # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment)
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
-        self._keep_attachment(asked, settled)
+        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
-    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False) -> None:
+    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0) -> None:
         """Detach the drafter from a batch the policy keeps plain, or attach it again (tandem.speculative.attachment);
         never under a run of rounds in flight (its requests' draft state is in use)."""
         can_switch = self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
-        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster)
+        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster, loss)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("speculation off for a while at batch %d: the drafter is detached (plain steps run target-only); "

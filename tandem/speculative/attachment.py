@@ -14,7 +14,11 @@ once the whole batch can draft (``ready_share``; or after ``ready_timeout_s``) t
 so that it measures speculation with the batch it would speculate with, not drafting rows among filler: with
 half the batch drafting (the earlier default) a round's tokens were diluted by a third on the demo pair, and the
 policy kept concurrency 8 plain where speculating always made 1.49x target-only (docs/benchmarks.md). Each detach doubles the next detached period (up to ``detached_max_s``), so a drafter that never
-pays costs a shrinking share of the time; a batch that speculates in earnest (``detach_after_steps``
+pays costs a shrinking share of the time — and where measured goodput found plain steps far faster, the next
+detached period is long enough that the attached span that measured it again (its ramp, the exploration of
+speculation, the plain steps to the verdict), times the share of goodput speculation lost there, is
+``remeasure_cost`` of it (a small target at high concurrency loses much of its goodput speculating, and a
+re-attach's span is then a large share of a few seconds detached). A batch that speculates in earnest (``detach_after_steps``
 speculative steps in a row lasting ``detach_after_s``, not an exploration nor the re-measurement after a
 re-attach) starts the backoff over.
 
@@ -40,6 +44,7 @@ class AttachmentConfig:
     detached_max_s: float = 32.0  # the longest (each period that ends in detaching again doubles the next)
     ready_share: float = 1.0  # attached again: the policy is asked once this share of the batch can draft ...
     ready_timeout_s: float = 2.0  # ... or after this long
+    remeasure_cost: float = 0.01  # a re-attach's measured loss: at most about this share of the detached period before it
 
 
 class DrafterAttachment:
@@ -59,6 +64,7 @@ class DrafterAttachment:
         self._period = self.cfg.detached_first_s
         self._detached_until = 0.0
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
+        self._attached_at: float | None = None  # attached again at (None: not since earnest speculation or start)
 
     def idle(self) -> None:
         """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding)."""
@@ -83,17 +89,17 @@ class DrafterAttachment:
         return False
 
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
-                       plain_measured_faster: bool = False) -> str | None:
+                       plain_measured_faster: bool = False, loss: float = 0.0) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
-        flight; ``plain_measured_faster``: measured goodput at this batch size chose plain).
-        → "detach", "attach" or None: what the engine does now."""
+        flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
+        ``loss`` of it). → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
         now = self.clock()
         if self.detached:
             if now < self._detached_until:
                 return None
-            self.detached, self._waiting_since = False, now
+            self.detached, self._waiting_since, self._attached_at = False, now, now
             self._plain_since, self._plain_steps = None, 0
             return "attach"
         if not asked:
@@ -109,7 +115,7 @@ class DrafterAttachment:
             if self._spec_streak >= c.detach_after_steps:
                 self._plain_since, self._plain_steps = None, 0
                 if now - self._spec_since >= c.detach_after_s:
-                    self._period = c.detached_first_s
+                    self._period, self._attached_at = c.detached_first_s, None
             return None
         self._spec_streak = 0
         if self._plain_since is None:
@@ -118,7 +124,9 @@ class DrafterAttachment:
         settled = (self._plain_steps >= c.detach_measured_steps if plain_measured_faster
                    else now - self._plain_since >= c.detach_after_s and self._plain_steps >= c.detach_after_steps)
         if can_switch and settled:
-            self.detached, self._detached_until = True, now + self._period
-            self._period = min(2 * self._period, c.detached_max_s)
+            remeasured = 0.0 if self._attached_at is None or not plain_measured_faster else now - self._attached_at
+            period = min(max(self._period, remeasured * loss / c.remeasure_cost), c.detached_max_s)
+            self.detached, self._detached_until = True, now + period
+            self._period = min(2 * period, c.detached_max_s)
             return "detach"
         return None

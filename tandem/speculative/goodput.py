@@ -131,6 +131,10 @@ class GoodputArbiter:
             return None
         return self._best[b]
 
+    def loss(self, batch_size: int) -> float:
+        """The share of goodput the slower mode loses at ``batch_size``'s bucket, as measured (1.0 until both are)."""
+        return self._loss(self.bucket(batch_size))
+
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculative, plain) goodput in tokens/s at ``batch_size``'s bucket where measured, else None."""
         b, now = self.bucket(batch_size), self.clock()

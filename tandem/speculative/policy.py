@@ -229,6 +229,10 @@ class SpeculationPolicy:
         _, tau_upper, ratio = view
         return tau_upper * (1 + c.settled_margin) < ratio
 
+    def measured_loss(self, batch_size: int) -> float:
+        """The share of goodput the slower mode loses at ``batch_size``, as measured goodput has it (0 without it)."""
+        return self.goodput.loss(batch_size) if self.goodput is not None else 0.0
+
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
         parts = []
