@@ -7,7 +7,12 @@ section ran first is shown beside it). Kernel timings replay a CUDA graph of cal
 enough pool copies to miss the 50 MB L2; at batch 1 a few split counts are tried besides the default,
 at batch 8 and 64 with 4k entries a few launch tiles (heads x tokens per program, keys per step, warps,
 stages; the ones compile_check finds spill-free on sm_90).
-Each row also gives the kernel's relative error against the reference (bf16: ~1e-3)."""
+Each row also gives the kernel's relative error against the reference (bf16: ~1e-3).
+
+``absorb_rows``: the absorbed projections (tandem/kernels/mla_absorb.py) at DeepSeek-V2-Lite's shapes (16
+heads, nope 128, v 128, the latent above) for 1 and 8 tokens, each against the einsums (and the concatenation)
+it replaces, both replayed in a CUDA graph over enough weight copies to miss the L2, with the read limit:
+the weight and activation bytes read ÷ 4.8 TB/s, and ÷ the measured copy rate where known."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ TP1_BATCHES = (1, 8)  # 64 heads: the TP 1 shape, where a latent tile serves two
 SPLITS_TRIED = (1, 4, 8, 16, 32)  # at batch 1, besides the default
 TILES_TRIED = ((16, 16, 4, 2), (16, 32, 4, 3), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2))  # LatentTiles
 TILE_SWEEP = {"batches": (8, 64), "kv_len": 4096}
+ABSORB_HEADS, NOPE, V_HEAD, ABSORB_TOKENS = 16, 128, 128, (1, 8)  # DeepSeek-V2-Lite (kv_lora and rope: above)
 
 
 def _problem(batch: int, kv_len: int, q_len: int, heads: int, copies: int) -> dict:
@@ -91,6 +97,42 @@ def _row(batch: int, kv_len: int, q_len: int, heads: int, copy_tbps: float | Non
     return row
 
 
+def _absorb_rows(copy_tbps: float | None) -> list[dict]:
+    from tandem.kernels.mla_absorb import absorb_out, absorb_q
+
+    rows, h = [], ABSORB_HEADS
+    weight_bytes = h * NOPE * KV_LORA * 2  # W_UK or W_UV, bf16
+    for tokens in ABSORB_TOKENS:
+        gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+        kv_bs = [torch.randn(h * (NOPE + V_HEAD), KV_LORA, device=DEVICE, generator=gen).bfloat16() * 0.05
+                 for _ in range(max(2, -(-4 * L2_BYTES // (2 * weight_bytes))))]
+        ws = [kv_b.view(h, NOPE + V_HEAD, KV_LORA).split([NOPE, V_HEAD], 1) for kv_b in kv_bs]
+        q = torch.randn(tokens, h, NOPE + ROPE, device=DEVICE, generator=gen).bfloat16()
+        attended = torch.randn(tokens, h, KV_LORA, device=DEVICE, generator=gen).bfloat16()
+        ops = {  # name: (kernel, einsum route, bytes read)
+            "absorb_q": (lambda w: absorb_q(q, w[0], KV_LORA),
+                         lambda w: torch.cat([torch.einsum("thn,hnc->thc", q[..., :NOPE], w[0]), q[..., NOPE:]], -1),
+                         weight_bytes + q.numel() * 2),
+            "absorb_out": (lambda w: absorb_out(attended, w[1]), lambda w: torch.einsum("thc,hvc->thv", attended, w[1]),
+                           h * V_HEAD * KV_LORA * 2 + attended.numel() * 2)}
+        for name, (kernel, einsum, nbytes) in ops.items():
+            ms = graph_ms([lambda w=w: kernel(w) for w in ws])
+            einsum_ms = graph_ms([lambda w=w: einsum(w) for w in ws])
+            ref = einsum(ws[0]).float()
+            rel = ((kernel(ws[0]).float() - ref).norm() / ref.norm()).item()
+            limit_ms = nbytes / (PEAK_TBPS * 1e12) * 1e3
+            row = {"op": name, "heads": h, "tokens": tokens, "bytes_read": nbytes, "ms": ms, "einsum_ms": einsum_ms,
+                   "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / ms, "speedup_vs_einsum": einsum_ms / ms,
+                   "rel_err_vs_einsum": rel}
+            if copy_tbps:
+                row["limit_ms_measured_copy"] = read_seconds(nbytes, copy_tbps) * 1e3
+            print(f"MLA {name:10s} h{h} tokens {tokens}: {1e3 * ms:6.1f} us, einsum {1e3 * einsum_ms:6.1f} us, "
+                  f"limit {1e3 * limit_ms:5.1f} us = {100 * row['of_limit']:5.1f} %, rel err {rel:.1e}", flush=True)
+            rows.append(row)
+        free_gpu()
+    return rows
+
+
 def mla(ctx: dict) -> dict:
     rows = []
     for heads, batches in ((8, BATCHES), (64, TP1_BATCHES)):
@@ -99,4 +141,4 @@ def mla(ctx: dict) -> dict:
                 for q_len in Q_LENS:
                     rows.append(_row(batch, kv_len, q_len, heads, ctx.get("copy_tbps")))
                 free_gpu()
-    return {"rows": rows}
+    return {"rows": rows, "absorb_rows": _absorb_rows(ctx.get("copy_tbps"))}

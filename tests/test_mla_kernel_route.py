@@ -3,7 +3,9 @@ kernel for every absorbed forward, run here under the interpreter, and torch's f
 for fresh prompts) against the same checkpoint on the torch reference route: prompt logits of a batch,
 decode logits, a chunk after a cached prefix, a branching tree's logits, greedy tokens of a batch of
 different lengths over scattered pages, and tree speculation (random trees holding the reference
-continuation). The kernel's launches are counted, so a silent fallback to the reference would fail."""
+continuation). The kernel's launches are counted, so a silent fallback to the reference would fail; so
+are the absorbed projections' kernels (tandem/kernels/mla_absorb.py) and torch's einsums, which only a
+forward of more rows than the kernels take still runs."""
 
 from __future__ import annotations
 
@@ -39,19 +41,30 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launches():
-    """Counts the kernel wrapper's calls (patched for the whole module, restored after)."""
-    from tandem.kernels import mla_attention
+    """Counts the latent kernel's calls (``n``), the absorbed projections' (``absorb_q``, ``absorb_out``) and
+    torch's einsums (patched for the whole module, restored after)."""
+    from tandem.kernels import mla_absorb, mla_attention
 
-    calls = {"n": 0}
-    original = mla_attention.mla_paged_attention
+    calls = {"n": 0, "absorb_q": 0, "absorb_out": 0, "einsum": 0}
+    patched = [(mla_attention, "mla_paged_attention", "n"), (mla_absorb, "absorb_q", "absorb_q"),
+               (mla_absorb, "absorb_out", "absorb_out"), (torch, "einsum", "einsum")]
+    originals = [getattr(mod, name) for mod, name, _ in patched]
 
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
+    def counter(original, key):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        return counted
 
-    mla_attention.mla_paged_attention = counted
+    for (mod, name, key), original in zip(patched, originals):
+        setattr(mod, name, counter(original, key))
     yield calls
-    mla_attention.mla_paged_attention = original
+    for (mod, name, _), original in zip(patched, originals):
+        setattr(mod, name, original)
+
+
+def _since(launches, before: dict) -> dict:
+    return {k: launches[k] - before[k] for k in launches}
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +98,12 @@ def test_prompt_logits_of_a_batch_equal_the_reference_route(engines, launches):
 
 
 def test_decode_logits_equal_the_reference_route(engines, launches):
-    before = launches["n"]
     prompt = random_prompt(1, 11, VOCAB)
     ref_tokens, ref_rows = manual_greedy_logits(engines["torch"], prompt, 6)
+    before = dict(launches)
     tokens, rows = manual_greedy_logits(engines["triton"], prompt, 6)
-    assert launches["n"] - before == 6 * 3  # every decode step, every layer
+    # every decode step, every layer: the latent kernel and both projections' kernels, no einsum
+    assert _since(launches, before) == {"n": 6 * 3, "absorb_q": 6 * 3, "absorb_out": 6 * 3, "einsum": 0}
     assert tokens == ref_tokens
     assert_rel(rows, ref_rows, 1e-4, "decode")
 
@@ -113,12 +127,34 @@ def _chunk_then_tree(eng) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_chunk_and_tree_logits_equal_the_reference_route(engines, launches):
-    before = launches["n"]
     ref_chunk, ref_tree = _chunk_then_tree(engines["torch"])
+    before = dict(launches)
     chunk, tree = _chunk_then_tree(engines["triton"])
-    assert launches["n"] - before == 2 * 3  # the chunk and the tree; the fresh prefix is the plain form
+    # the chunk (13 rows) and the tree (5), both within mla_absorb.MAX_ROWS; the fresh prefix is the plain form
+    assert _since(launches, before) == {"n": 2 * 3, "absorb_q": 2 * 3, "absorb_out": 2 * 3, "einsum": 0}
     assert_rel(chunk, ref_chunk, 1e-4, "chunk")
     assert_rel(tree, ref_tree, 1e-4, "tree")
+
+
+def _long_chunk(eng) -> torch.Tensor:
+    """A 20-token chunk after 5 cached: more rows than mla_absorb.MAX_ROWS. Its logits."""
+    prompt = random_prompt(3, 25, VOCAB)
+    kv = SequenceKV(eng.allocator)
+    try:
+        kv.reserve(25)
+        eng.executor.forward(ForwardBatch([SequenceChunk(prompt[:5], 0, kv.page_table(), logits="none")]))
+        logits, _ = eng.executor.forward(ForwardBatch([SequenceChunk(prompt[5:], 5, kv.page_table(), logits="all")]))
+    finally:
+        kv.release()
+    return logits
+
+
+def test_a_chunk_beyond_the_absorb_kernels_rows_keeps_the_einsums(engines, launches):
+    reference = _long_chunk(engines["torch"])
+    before = dict(launches)
+    logits = _long_chunk(engines["triton"])
+    assert _since(launches, before) == {"n": 3, "absorb_q": 0, "absorb_out": 0, "einsum": 2 * 3}
+    assert_rel(logits, reference, 1e-4, "long chunk")
 
 
 def test_greedy_tokens_of_a_mixed_batch_equal_the_reference_route(engines, launches):

@@ -26,6 +26,7 @@ from tandem.attention.torch_backend import TorchAttentionBackend
 class TorchMLABackend(TorchAttentionBackend):
     name = "torch-mla"
     fused_prologue = False  # MLAttention runs the reference norm, rotary and store
+    fused_absorb = False  # ... and the absorbed projections as einsums
 
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)

@@ -24,6 +24,7 @@ MAX_MASK_WIDTH = 64  # the kernel packs a row's mask into one 64-bit word
 class TritonMLABackend(TorchMLABackend):
     name = "triton-mla"
     fused_prologue = True  # tandem/kernels/mla_prologue.py
+    fused_absorb = True  # tandem/kernels/mla_absorb.py (up to its MAX_ROWS rows)
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._max_q_len = max(meta.q_lens, default=0)

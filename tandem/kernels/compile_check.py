@@ -122,7 +122,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     driver.set_active(_Hopper())
     dt = getattr(torch, dtype_name)
     names = ("paged_attention", "rotary_kv", "norm", "activation", "gemv", "round_glue", "chain_pick", "dequant_gemm",
-             "fused_moe", "mla_attention", "mla_prologue", "moe_route", "moe_slots")
+             "fused_moe", "mla_attention", "mla_prologue", "moe_route", "moe_slots", "mla_absorb")
     mods = {m: importlib.import_module(f"tandem.kernels.{m}") for m in names}
     # compile the programmatic-dependent-launch variants the GPU runs
     importlib.import_module("tandem.kernels.pdl").use_pdl = lambda x: True
@@ -130,7 +130,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         for attr in dir(mod):
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
-    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr, _ = mods.values()
+    pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr, _, mab = mods.values()
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -173,6 +173,12 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
                          torch.empty(lora, dtype=dt), 1e-6, table, table, torch.zeros(8, dtype=torch.int64),
                          torch.empty(64, 64, 1, lora + 64, dtype=dt), torch.zeros(8, dtype=torch.int64), True)
         _report(f"mla_prologue h{heads} kv_lora {lora}", failures)
+    for heads, tokens in ((16, 1), (64, 16), (8, 4)):  # V2-Lite, Kimi at TP 1 and TP 8: 128 nope + 64 rope, v 128
+        kv_b = torch.empty(heads * 256, 512, dtype=dt)
+        w_uk, w_uv = kv_b.view(heads, 256, 512).split([128, 128], 1)
+        mab.absorb_q(torch.empty(tokens, heads, 192, dtype=dt), w_uk, 512)
+        mab.absorb_out(torch.empty(tokens, heads, 512, dtype=dt), w_uv)
+        _report(f"mla_absorb h{heads} t{tokens}", failures)
     for experts, groups, kept, k in ((64, 1, 1, 6), (256, 8, 4, 8), (384, 1, 1, 8)):  # V2-Lite, V3, Kimi
         mr.noaux_route(torch.empty(8, experts), torch.empty(experts), groups, kept, k, True, 2.5)
         _report(f"noaux_route {experts} experts, {groups} groups, top {k}", failures)

@@ -113,10 +113,20 @@ class MLAttention(nn.Module):
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
             out = backend.forward_plain(q, k, v, meta, self.scale)
         else:
-            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-            attended = backend.forward_absorbed(torch.cat([q_latent, q_pe], dim=-1), pool, meta, self.scale,
-                                                m.kv_lora_rank)  # [T, H, kv_lora]
-            out = torch.einsum("thc,hvc->thv", attended, w_uv)
+            absorb = None  # the kernels for a few rows (tandem/kernels/mla_absorb.py), else the einsums
+            if backend.fused_absorb:
+                from tandem.kernels import mla_absorb
+
+                absorb = mla_absorb if q.shape[0] <= mla_absorb.MAX_ROWS else None
+            if absorb is not None:
+                q_absorbed = absorb.absorb_q(q, w_uk, m.kv_lora_rank)  # [q_nope W_UK, q_pe]
+            else:
+                q_absorbed = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
+            attended = backend.forward_absorbed(q_absorbed, pool, meta, self.scale, m.kv_lora_rank)  # [T, H, kv_lora]
+            if absorb is not None:
+                out = absorb.absorb_out(attended, w_uv)
+            else:
+                out = torch.einsum("thc,hvc->thv", attended, w_uv)
         return self.o_proj(out.flatten(1))
 
 

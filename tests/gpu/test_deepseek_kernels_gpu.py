@@ -2,7 +2,8 @@
 GPU: the MLA prologue (tandem/kernels/mla_prologue.py) against RMSNorm, YarnRotary and the torch latent store —
 the rotary bit for bit, the norm within a rounding (its reduction order differs) —, the routing kernel
 (tandem/kernels/moe_route.py) against noaux_tc_route at V2-Lite's, V3's and Kimi's expert counts, and the fused
-MoE's shared add against the sum without it plus a torch add, bit for bit. Skipped without a GPU."""
+MoE's shared add against the sum without it plus a torch add, bit for bit, and the absorbed projections
+(tandem/kernels/mla_absorb.py) against the einsums, directly and replayed in a CUDA graph. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tandem.attention.metadata import AttentionMetadata  # noqa: E402
 from tandem.attention.mla_torch_backend import TorchMLABackend  # noqa: E402
 from tandem.configs.deepseek import MlaConfig, MoeConfig, YarnConfig  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
+from tandem.kernels.mla_absorb import absorb_out, absorb_q  # noqa: E402
 from tandem.kernels.mla_prologue import mla_prologue  # noqa: E402
 from tandem.kernels.moe_route import noaux_route  # noqa: E402
 from tandem.layers.moe import noaux_tc_route  # noqa: E402
@@ -80,3 +82,43 @@ def test_the_shared_add_equals_a_torch_add_after_the_sum_in_bf16():
     route = torch.rand(tokens, k, generator=g, device=DEVICE)
     shared = torch.randn(tokens, hidden, generator=g, device=DEVICE).bfloat16()
     assert torch.equal(fused_moe(x, gate_up, down, route, ids, add=shared), fused_moe(x, gate_up, down, route, ids) + shared)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_the_absorbed_projections_equal_the_einsums_in_bf16_and_in_a_graph(tokens):
+    """V2-Lite's shapes: 16 heads, nope 128, rope 64, kv_lora 512, v 128; W_UK and W_UV views of one kv_b
+    weight and q a view of a wider projection output, as MLAttention passes them. Against the float32
+    einsums within a bf16 rounding (the summation order differs from cuBLAS'), the rope dims bit for bit."""
+    heads, nope, rope, kv_lora, v = 16, 128, 64, 512, 128
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    kv_b = (torch.randn(heads * (nope + v), kv_lora, generator=g, device=DEVICE) * 0.05).bfloat16()
+    w_uk, w_uv = kv_b.view(heads, nope + v, kv_lora).split([nope, v], 1)
+    q = torch.randn(tokens, heads * (nope + rope) + 8, generator=g, device=DEVICE).bfloat16()
+    q = q[:, 8:].view(tokens, heads, nope + rope)
+    attended = torch.randn(tokens, heads, kv_lora, generator=g, device=DEVICE).bfloat16()
+
+    def reference(q, attended):
+        q_latent = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_uk.float())
+        return q_latent, torch.einsum("thc,hvc->thv", attended.float(), w_uv.float())
+
+    def check(got_q, got_out, q, attended):
+        want_q, want_out = reference(q, attended)
+        torch.testing.assert_close(got_q[..., :kv_lora].float(), want_q, rtol=2 ** -8, atol=1e-3)
+        torch.testing.assert_close(got_out.float(), want_out, rtol=2 ** -8, atol=1e-3)
+        assert torch.equal(got_q[..., kv_lora:], q[..., nope:])
+
+    check(absorb_q(q, w_uk, kv_lora), absorb_out(attended, w_uv), q, attended)
+
+    side = torch.cuda.Stream()  # warm up (compile) off the capturing stream, as graph capture wants
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        absorb_out(attended, w_uv), absorb_q(q, w_uk, kv_lora)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_q, got_out = absorb_q(q, w_uk, kv_lora), absorb_out(attended, w_uv)
+    q.copy_(torch.randn(q.shape, generator=g, device=DEVICE))  # new inputs in the captured buffers
+    attended.copy_(torch.randn(attended.shape, generator=g, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(got_q, got_out, q, attended)

@@ -1,0 +1,146 @@
+"""MLA's absorbed projections for a few query rows (decode, chains, small trees): ``W_UK`` folded into the
+query before the latent attention and ``W_UV`` applied to its result.
+
+The reference (MLAttention.forward on the torch backend) writes them as two batched einsums and a
+concatenation; at batch 1 those are a handful of cuBLAS and copy kernels outside the chain of
+PDL-launched kernels around them. Here each is one launch:
+
+* ``absorb_q(q, w_uk, kv_lora)`` → ``[T, H, kv_lora + rope]``: ``q_nope[t, h] @ w_uk[h]`` in the first
+  kv_lora columns and ``q_pe[t, h]`` copied behind them — what the latent attention reads.
+* ``absorb_out(attended, w_uv)`` → ``[T, H, v]``: ``attended[t, h] @ w_uv[h]ᵀ``.
+
+At a few rows the weights (slices of the kv_b projection) are nearly all the bytes read, so the grid is
+split over heads × column tiles (absorb_q) or heads × value rows (absorb_out) until it has ~256 programs.
+Each program loads its weight tile before ``pdl_enter`` (no earlier kernel writes the weights, so the load
+overlaps the previous kernel's tail), then walks the token rows with the tile held in registers. The
+products are elementwise and summed in float32 (no ``tl.dot``: the shapes are skinny, and the interpreter's
+dot reads bf16 as integers), then rounded once to the activation dtype as cuBLAS rounds its result; the
+summation order differs from cuBLAS, so bf16 results may differ from the einsums by an ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.pdl import pdl_enter, pdl_launch
+from tandem.kernels.rounding import round_to
+
+MAX_ROWS = 16  # above this the model keeps the einsums: cuBLAS' GEMMs read each weight once for all rows anyway
+PROGRAMS_WANTED = 256  # enough programs in flight to stream the weights on Hopper's 132 SMs
+
+
+@triton.jit
+def _absorb_q_kernel(
+    q_ptr, w_ptr, out_ptr, num_tokens,
+    stride_qt, stride_qh, stride_wh, stride_wn, stride_ot, stride_oh,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, KV_LORA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = tl.arange(0, BLOCK_N)
+    c_ok, n_ok = c < KV_LORA, n < NOPE
+    # the weights are no earlier kernel's output: read them while it finishes
+    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_R)
+    copies_pe = tl.program_id(1) == 0  # one column tile per head copies the rope dims
+    q_row, out_row = q_ptr + h * stride_qh, out_ptr + h * stride_oh
+    t = 0
+    while t < num_tokens:
+        x = tl.load(q_row + n, mask=n_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(x[:, None] * w, axis=0)
+        tl.store(out_row + c, round_to(acc, dtype).to(dtype), mask=c_ok)
+        if copies_pe:
+            pe = tl.load(q_row + NOPE + r, mask=r < ROPE)
+            tl.store(out_row + KV_LORA + r, pe, mask=r < ROPE)
+        q_row += stride_qt
+        out_row += stride_ot
+        t += 1
+
+
+@triton.jit
+def _absorb_out_kernel(
+    a_ptr, w_ptr, out_ptr, num_tokens,
+    stride_at, stride_ah, stride_wh, stride_wv, stride_ot, stride_oh,
+    V: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    c = tl.arange(0, BLOCK_C)
+    v_ok, c_ok = v < V, c < KV_LORA
+    w = tl.load(w_ptr + h * stride_wh + v[:, None] * stride_wv + c[None, :], mask=v_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)  # before the wait, as in absorb_q
+    pdl_enter(PDL)
+    dtype = out_ptr.dtype.element_ty
+    a_row, out_row = a_ptr + h * stride_ah, out_ptr + h * stride_oh
+    t = 0
+    while t < num_tokens:
+        a = tl.load(a_row + c, mask=c_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w * a[None, :], axis=1)
+        tl.store(out_row + v, round_to(acc, dtype).to(dtype), mask=v_ok)
+        a_row += stride_at
+        out_row += stride_ot
+        t += 1
+
+
+def _tile(heads: int, cols: int, widest: int, narrowest: int) -> int:
+    """The widest power-of-two tile (``narrowest`` .. ``widest``) that still gives ~PROGRAMS_WANTED programs."""
+    block = min(widest, triton.next_power_of_2(cols))
+    while block > narrowest and heads * triton.cdiv(cols, block) < PROGRAMS_WANTED:
+        block //= 2
+    return block
+
+
+def _check(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: activations {x.dtype} and weights {w.dtype} differ")
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"{name} needs contiguous last dimensions")
+
+
+def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int) -> torch.Tensor:
+    """``q`` [T, H, nope + rope] (any strides but the last), ``w_uk`` [H, nope, kv_lora] (a view of kv_b's
+    weight) → ``[q_nope @ w_uk, q_pe]`` [T, H, kv_lora + rope], contiguous, in q's dtype."""
+    tokens, heads, head_dim = q.shape
+    nope = w_uk.shape[1]
+    if w_uk.shape != (heads, nope, kv_lora) or head_dim <= nope:
+        raise ValueError(f"absorb_q: q {tuple(q.shape)} and w_uk {tuple(w_uk.shape)} (kv_lora {kv_lora}) "
+                         f"do not agree")
+    _check("absorb_q", q, w_uk)
+    rope = head_dim - nope
+    out = torch.empty(tokens, heads, kv_lora + rope, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    block_c = _tile(heads, kv_lora, 64, 16)
+    _absorb_q_kernel[(heads, triton.cdiv(kv_lora, block_c))](
+        q, w_uk, out, tokens, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1),
+        NOPE=nope, ROPE=rope, KV_LORA=kv_lora, BLOCK_N=triton.next_power_of_2(nope),
+        BLOCK_R=triton.next_power_of_2(rope), BLOCK_C=block_c, num_warps=4, **pdl_launch(q),
+    )
+    return out
+
+
+def absorb_out(attended: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``attended`` [T, H, kv_lora], ``w_uv`` [H, v, kv_lora] (a view of kv_b's weight) →
+    ``attended @ w_uvᵀ`` per head [T, H, v], contiguous, in attended's dtype."""
+    tokens, heads, kv_lora = attended.shape
+    v = w_uv.shape[1]
+    if w_uv.shape != (heads, v, kv_lora):
+        raise ValueError(f"absorb_out: attended {tuple(attended.shape)} and w_uv {tuple(w_uv.shape)} do not agree")
+    _check("absorb_out", attended, w_uv)
+    out = torch.empty(tokens, heads, v, dtype=attended.dtype, device=attended.device)
+    if tokens == 0:
+        return out
+    block_v = _tile(heads, v, 16, 4)
+    _absorb_out_kernel[(heads, triton.cdiv(v, block_v))](
+        attended, w_uv, out, tokens, attended.stride(0), attended.stride(1), w_uv.stride(0), w_uv.stride(1),
+        out.stride(0), out.stride(1),
+        V=v, KV_LORA=kv_lora, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(kv_lora), num_warps=4,
+        **pdl_launch(attended),
+    )
+    return out
