@@ -219,7 +219,8 @@ def _dequant_gemv_kernel(
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
     # a thread's word: 32 bits of INT4 or FP8, 16 bytes of a plain weight (see plain_word)
-    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4 if FORMAT == 2 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+    PER_WORD: tl.constexpr = (8 if FORMAT == 1 else 4 if FORMAT == 2
+                              else 128 // w_ptr.dtype.element_ty.primitive_bitwidth)
     SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     n0 = pid_n * BLOCK_N

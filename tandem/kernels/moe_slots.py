@@ -1,7 +1,8 @@
 """The routed experts of a few tokens slot by slot: one GEMV program row per (token, expert) slot, reading
-that slot's expert's weight as the checkpoint stores it (INT4, FP8 or plain bf16/fp16/fp32; the bandwidth-minded GEMV kernel of
-tandem/kernels/dequant_gemv.py, its weight pointer moved to the slot's expert on the device), then
-``silu(gate) * up``, the down GEMV per slot, and the weighted sum of each token's slots.
+that slot's expert's weight as the checkpoint stores it (INT4, FP8 or plain bf16/fp16/fp32; the
+bandwidth-minded GEMV kernel of tandem/kernels/dequant_gemv.py, its weight pointer moved to the slot's
+expert on the device), then ``silu(gate) * up``, the down GEMV per slot, and the weighted sum of each
+token's slots.
 
 Why: at decode (a token's 6–8 slots, mostly on different experts) the grouped GEMM of
 tandem/kernels/fused_moe.py pads each expert's one row to a 16-row tensor-core tile and dequantizes the
