@@ -184,3 +184,26 @@ def test_plain_slots_need_whole_16_byte_words():
     assert slots_apply(8, *experts(torch.bfloat16, 40)) and slots_apply(PLAIN_SLOTS_MAX, *experts(torch.float16, 40))
     assert not slots_apply(PLAIN_SLOTS_MAX + 1, *experts(torch.bfloat16, 40))
     assert not slots_apply(0, *experts(torch.bfloat16, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_plain_moe_layer_at_decode_takes_the_slots_and_matches_its_reference(dtype, tokens, monkeypatch):
+    """A DeepSeek MoE layer of plain experts (top-2 of 8, a shared expert: the fused route's ``add``) through
+    ``forward`` with the Triton path forced on, against the layer's per-expert loop with it off."""
+    from test_fused_moe import PLAIN_TOPK, build_moe
+    from tandem.layers import moe as moe_module
+
+    moe = build_moe(PLAIN_TOPK, "plain", dtype, seed=11 + tokens)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
+    ref = moe(x)
+    taken = []
+    real = fused_moe_module.routed_by_slots
+    monkeypatch.setattr(fused_moe_module, "routed_by_slots", lambda *a, **k: taken.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+    fused = moe(x)
+    assert taken == [1] and fused.dtype == dtype
+    # the reference rounds each expert's weighted share to the dtype, the kernels the sum (and the interpreter's
+    # bf16 cast truncates): bf16 agrees to its rounding only
+    assert norm_rel_err(fused, ref) < (1e-5 if dtype == torch.float32 else 3e-2)
