@@ -19,7 +19,9 @@ bandwidth limit and the plain alternative, on random weights.
   batch touches; for INT4 at batch 1 and 8 a few tiles are tried besides the default. On the GPU the loop runs
   each chosen expert's linears through the same kernels as a dense layer (W4A16 for INT4, cuBLAS for
   bf16), one expert after another, with the routing read on the host. The default at batch 1 and 8 goes slot
-  by slot (tandem/kernels/moe_slots.py); the tiles tried are the grouped GEMM's.
+  by slot (tandem/kernels/moe_slots.py; bf16 experts up to PLAIN_SLOTS_MAX slots); the tiles tried are the grouped
+  GEMM's. At batch 1 and 8 both routes are also timed whichever the default takes (``slots_ms``, ``grouped_ms``):
+  what moe_slots.SLOTS_MAX and PLAIN_SLOTS_MAX are tuned on.
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def _moe_layer(experts: int, inter: int, quantized: bool):
 
 def moe_rows() -> list[dict]:
     from tandem.kernels.fused_moe import MoeTiles, fused_moe
+    from tandem.kernels.fused_moe import default_config as moe_tiles
+    from tandem.kernels.moe_slots import routed_by_slots
 
     rows_out = []
     for experts, inter, quantized in MOE_CASES:
@@ -194,6 +198,12 @@ def moe_rows() -> list[dict]:
             touched = int(ids.unique().numel())
             fused = graph_ms([lambda: moe.routed_fused(x, weights, ids)])
             best, best_tile = fused, "default"
+            routes = {}
+            if batch <= 8:
+                gate_up, down = moe.expert_weights()
+                grouped_cfg = moe_tiles(ids.numel(), experts, x.dtype, gate_up.format)
+                routes = {"slots_ms": graph_ms([lambda: routed_by_slots(x, gate_up, down, weights, ids)]),
+                          "grouped_ms": graph_ms([lambda: fused_moe(x, gate_up, down, weights, ids, grouped_cfg)])}
             if batch <= 8 and quantized:
                 gate_up, down = moe.expert_weights()
                 for tile in MOE_TILES:
@@ -208,11 +218,14 @@ def moe_rows() -> list[dict]:
             row = {"experts": experts, "intermediate": inter, "format": "int4" if quantized else "bf16", "batch": batch,
                    "experts_touched": touched, "fused_ms": fused, "best_ms": best, "best_tile": best_tile,
                    "reference_loop_ms": reference, "limit_ms_4.8TBps": limit_ms, "of_limit": limit_ms / best,
-                   "default_of_limit": limit_ms / fused, "speedup_vs_loop": reference / fused, "rel_err_vs_loop": rel}
+                   "default_of_limit": limit_ms / fused, "speedup_vs_loop": reference / fused, "rel_err_vs_loop": rel,
+                   **routes}
             rows_out.append(row)
             print(f"MoE {row['format']} {experts} experts x {inter} batch {batch:2d} ({touched:3d} touched): fused "
                   f"{1e3 * fused:8.1f} us (best tile {1e3 * best:8.1f}), reference loop {1e3 * reference:9.1f} us, "
-                  f"limit {1e3 * limit_ms:7.1f} us = {100 * row['of_limit']:5.1f} %, rel err {rel:.1e}", flush=True)
+                  f"limit {1e3 * limit_ms:7.1f} us = {100 * row['of_limit']:5.1f} %, rel err {rel:.1e}"
+                  + (f"; slots {1e3 * routes['slots_ms']:8.1f} us, grouped {1e3 * routes['grouped_ms']:8.1f} us"
+                     if routes else ""), flush=True)
         moe = None  # frees the experts (the timed lambdas still name the layer: no del)
         free_gpu()
     return rows_out

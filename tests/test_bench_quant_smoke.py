@@ -42,3 +42,4 @@ def test_the_section_reports_every_row_on_tiny_shapes(monkeypatch):
     assert [(r["experts"], r["batch"]) for r in moe] == [(16, 1), (16, 3), (8, 1), (8, 3)]
     # bf16 through the interpreter, which truncates where the GPU rounds (float32 agreement: test_fused_moe.py)
     assert all(r["rel_err_vs_loop"] < 5e-2 and 1 <= r["experts_touched"] <= 6 for r in moe)
+    assert all(r["slots_ms"] > 0 and r["grouped_ms"] > 0 for r in moe)  # both MoE routes timed at batch <= 8

@@ -272,11 +272,18 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
                          torch.zeros(tokens, 8, dtype=torch.int64), cfg)
             _report(f"fused_moe {name} {tokens} tokens top-8 m{cfg.block_m}", failures)
-    for tokens in (1, 8):  # a decode step's quantized experts go slot by slot (tandem/kernels/moe_slots.py)
-        for name, (gate_up, down) in (("int4", int4), ("fp8", fp8)):
+    # a decode step's experts go slot by slot (tandem/kernels/moe_slots.py): plain ones up to 2 tokens at top-8
+    for tokens, names in ((1, ("bf16", "int4", "fp8")), (8, ("int4", "fp8"))):
+        for name in names:
+            gate_up, down = {"bf16": plain, "int4": int4, "fp8": fp8}[name]
             fm.fused_moe(torch.empty(tokens, hid, dtype=dt), gate_up, down, torch.empty(tokens, 8),
                          torch.zeros(tokens, 8, dtype=torch.int64))
             _report(f"moe slots {name} {tokens} tokens top-8", failures)
+    # DeepSeek-V2-Lite's plain experts (hidden 2048, intermediate 1408: the down GEMV's K is no multiple of its step)
+    fm.fused_moe(torch.empty(1, 2048, dtype=dt), fm.ExpertWeights(torch.empty(64, 2 * 1408, 2048, dtype=dt)),
+                 fm.ExpertWeights(torch.empty(64, 2048, 1408, dtype=dt)), torch.empty(1, 6),
+                 torch.zeros(1, 6, dtype=torch.int64))
+    _report("moe slots bf16 V2-Lite 1 token top-6", failures)
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0

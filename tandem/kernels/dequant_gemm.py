@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k
+from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
-from tandem.kernels.dequant_tiles import FP8, INT4, interpreting, weight_tile, whole_groups
+from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -105,7 +105,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         gemv_rows = min(gemv_rows, 1)
     if m <= gemv_rows:
         rows = m
-        block_k = min(1024 if fmt == INT4 else 512, max(64, triton.next_power_of_2(k)))
+        # INT4 and plain (moe slots' bf16: 8 weights a thread) at 1024 columns: 4 warps' threads one word each
+        block_k = min(1024 if fmt in (INT4, PLAIN) else 512, max(64, triton.next_power_of_2(k)))
         if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
             return DequantConfig(rows, 32, block_k, num_warps=4, num_stages=1, kernel="gemv")
         block_n = 8
@@ -200,7 +201,14 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
 
 def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0):
     """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
-    slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots)."""
+    slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots). A plain
+    weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``)."""
+    if fmt == PLAIN:
+        word = plain_word(w.dtype)
+        if ids is None or word is None or x.shape[-1] % word:
+            raise ValueError(f"plain weights take the slot GEMV only, bf16/fp16/fp32 rows of whole 16-byte words; "
+                             f"got {w.dtype} [..., {x.shape[-1]}]")
+        s = w  # never read
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
     if w.stride(-1) != 1 or s.stride(-1) != 1:
@@ -298,9 +306,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out)
 
 
-def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: int,
+def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fmt: int,
                 ids: torch.Tensor, n: int, slots_per_row: int) -> torch.Tensor:
     """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
     activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
-    per expert in format ``fmt``, one scale per ``block``)."""
+    per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale)."""
     return _launch(x, weight, scale, None, n, fmt, block[0], block[1], None, None, ids=ids, slots_per_row=slots_per_row)

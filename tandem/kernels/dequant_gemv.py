@@ -26,23 +26,36 @@ of loads in flight. The design (instruction counts: the SASS of tandem/kernels/c
 
 The products are the exact dequantized weight times the activation in float32 (the tensor-core kernel
 rounds the dequantized weight to the activation dtype first; the two agree to that rounding).
+
+A plain float weight (``PLAIN``, the mixture-of-experts slots of tandem/kernels/moe_slots.py only) takes the same
+loop without scales: a thread's "word" is 16 bytes of a row (8 bf16/fp16 or 4 fp32 weights, one vector load),
+rounded to the activation dtype as the tensor-core kernels round it; K must hold whole words (``plain_word``).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.dequant_tiles import FP8, INT4
+from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
 from tandem.kernels.pdl import pdl_enter
 
 MAGIC_2_23 = 0x4B000000  # the bits of the float 2^23, the kernel's ``magic`` argument (see _unpack)
 
 
+def plain_word(dtype: torch.dtype) -> int | None:
+    """The weights of a plain (float) weight's word: 16 bytes, one vector load per thread and row (the kernel
+    computes the same from the weight's dtype); None for a dtype the kernel does not take plain."""
+    return 16 // dtype.itemsize if dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+
+
 def gemv_block_k(fmt: int, s_cols: int, block_k: int) -> int | None:
     """The K step the kernel takes for a requested ``block_k``: whole words (8 INT4 or 4 FP8 weights), and
     whole scale groups or a part of one (so that a step's scales lie at a fixed offset from its first);
-    None where a word would straddle two scales."""
+    None where a word would straddle two scales. A plain weight has no scales: whole words of up to 8."""
+    if fmt == PLAIN:
+        return max(block_k, 8)
     per_word = {INT4: 8, FP8: 4}.get(fmt)
     if per_word is None or s_cols % per_word:
         return None
@@ -53,24 +66,27 @@ def gemv_block_k(fmt: int, s_cols: int, block_k: int) -> int | None:
 
 
 @triton.jit
-def _tile_offsets(FORMAT: tl.constexpr, n0, rows, STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr,
-                  S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROW_UNIFORM: tl.constexpr):
+def _tile_offsets(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, n0, rows, STRIDE_W: tl.constexpr,
+                  STRIDE_S: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALE_ROW_UNIFORM: tl.constexpr):
     """Offsets of a tile's elements from the program's first row ``n0`` at column 0 (``rows``: the
-    tile's rows counted from there): INT4 words ``[words, BLOCK_N]``, FP8 bytes ``[words, BLOCK_N, 4]``;
+    tile's rows counted from there): INT4 words ``[words, BLOCK_N]``, FP8 bytes ``[words, BLOCK_N, 4]``
+    (PLAIN elements ``[words, BLOCK_N, PER_WORD]``, no scales);
     of each word's scale (``[words, BLOCK_N]`` from n0's, or ``[words, 1]`` where all the program's rows
     share one scale row, or from row 0 where they span several); and each word's first column. Built
     word-major and transposed after loading (free): the compiler then spreads a warp's threads along a
     row's words, one word each, with the tile's rows repeated in every thread (at constant offsets:
     immediates in the loads)."""
-    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
     word = tl.arange(0, BLOCK_K // PER_WORD)
     if FORMAT == 1:
         # contiguity hidden from the compiler: one word a thread, not a 16-byte vector of four
         w = rows[None, :] * STRIDE_W + tl.max_contiguous(word, 1)[:, None]
         s = rows[None, :] * STRIDE_S + (word // (S_COLS // 8))[:, None]
     else:
-        w = rows[None, :, None] * STRIDE_W + (word[:, None, None] * 4 + tl.arange(0, 4)[None, None, :])
-        if SCALE_ROW_UNIFORM:
+        w = rows[None, :, None] * STRIDE_W + (word[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :])
+        if FORMAT == 0:
+            s = word[:, None]  # unused: a plain weight has no scales
+        elif SCALE_ROW_UNIFORM:
             s = (word * 4 // S_COLS)[:, None]
         else:
             s = ((n0 + rows)[None, :] // S_ROWS) * STRIDE_S + (word * 4 // S_COLS)[:, None]
@@ -83,7 +99,8 @@ def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, 
     """The raw tile of columns ``k_begin + k0 ..`` (``w_base`` points at k_begin) as ``[BLOCK_N, words]``
     (FP8: ``[BLOCK_N, words, 4]``) and its scales ``[BLOCK_N or 1, words]`` (both multiples of BLOCK_K,
     which S_COLS divides or is a multiple of, so that s_offs hold). Nothing is read where ``live`` is
-    false (a prefetch past the program's K range) or past K."""
+    false (a prefetch past the program's K range) or past K. PLAIN: the tile ``[BLOCK_N, words, PER_WORD]``
+    and ones for its scales (multiplying by 1.0 compiles to nothing); whole words lie inside K."""
     if EVEN_K:
         ok = live
     else:
@@ -92,10 +109,15 @@ def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, 
         w = tl.load(w_base + k0 // 8 + w_offs, mask=ok, other=0)
     elif EVEN_K:
         w = tl.load(w_base + k0 + w_offs, mask=ok, other=0.0)
+    elif FORMAT == 0:  # masked per word: the load stays one vector
+        w = tl.load(w_base + k0 + w_offs, mask=ok[:, :, None], other=0.0)
     else:
         w = tl.load(w_base + k0 + w_offs, mask=ok[:, :, None] & (k0 + first_col[:, None, None] + tl.arange(0, 4) < K),
                     other=0.0)
-    s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs, mask=ok, other=0.0)
+    if FORMAT == 0:
+        s = tl.full([first_col.shape[0], 1], 1.0, tl.float32)
+    else:
+        s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs, mask=ok, other=0.0)
     return tl.trans(w, 1, 0) if FORMAT == 1 else tl.trans(w, 1, 0, 2), tl.trans(s)
 
 
@@ -132,9 +154,10 @@ def _nibble(half, J: tl.constexpr):
 
 
 @triton.jit
-def _unpack(FORMAT: tl.constexpr, w, magic):
+def _unpack(FORMAT: tl.constexpr, w, magic, x_dtype: tl.constexpr):
     """The tile's weights without their scales as a tuple of ``[BLOCK_N, words]`` float32 tensors, one
-    per position in the word: INT4 ``q - 8``, FP8 the e4m3 values.
+    per position in the word: INT4 ``q - 8``, FP8 the e4m3 values, PLAIN the weights rounded to the
+    activation dtype ``x_dtype`` (as the tensor-core kernels multiply them; nothing where it is theirs).
     ``magic``: the bits of 2^23 (0x4B000000), an argument so that the compiler cannot fold it into each
     nibble's mask (which would cost two instructions a nibble)."""
     if FORMAT == 1:
@@ -142,19 +165,25 @@ def _unpack(FORMAT: tl.constexpr, w, magic):
         hi = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | magic
         return (_nibble(lo, 0), _nibble(lo, 1), _nibble(lo, 2), _nibble(lo, 3),
                 _nibble(hi, 0), _nibble(hi, 1), _nibble(hi, 2), _nibble(hi, 3))
-    else:
+    elif FORMAT == 2:
         return _columns(w.to(tl.float32))
+    else:
+        return _columns(w.to(x_dtype).to(tl.float32))
 
 
 @triton.jit
-def _row_partial(FORMAT: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr):
+def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr):
     """``[BLOCK_N, words]``: each word's unscaled weights times the row's activations, summed. A thread's
     activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
-    and ``k0`` count from the program's first column, ``first_col`` from 0."""
-    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
+    and ``k0`` count from the program's first column, ``first_col`` from 0. (PLAIN: whole words inside K, masked
+    per word: the load stays one vector.)"""
     j = tl.arange(0, PER_WORD)
     offs = k0 + tl.arange(0, first_col.shape[0])[:, None] * PER_WORD + j[None, :]
-    x = tl.load(x_row + offs, mask=row_ok & (k0 + first_col[:, None] + j[None, :] < K), other=0.0)
+    if FORMAT == 0:
+        ok = row_ok & (k0 + first_col < K)[:, None]
+    else:
+        ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
+    x = tl.load(x_row + offs, mask=ok, other=0.0)
     xs = _columns(x.to(tl.float32))
     p = q[0] * xs[0][None, :]
     for i in tl.static_range(1, PER_WORD):
@@ -189,7 +218,9 @@ def _dequant_gemv_kernel(
         expert = tl.load(ids_ptr + pid_m).to(tl.int64)
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
-    PER_WORD: tl.constexpr = 8 if FORMAT == 1 else 4
+    # a thread's word: 32 bits of INT4 or FP8, 16 bytes of a plain weight (see plain_word)
+    PER_WORD: tl.constexpr = (8 if FORMAT == 1 else 4 if FORMAT == 2
+                              else 128 // w_ptr.dtype.element_ty.primitive_bitwidth)
     SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     n0 = pid_n * BLOCK_N
@@ -200,7 +231,7 @@ def _dequant_gemv_kernel(
     s_base = s_ptr
     if S_ROWS == 1 or SCALE_ROW_UNIFORM:
         s_base += (n0 // S_ROWS).to(tl.int64) * STRIDE_S
-    w_offs, s_offs, first_col = _tile_offsets(FORMAT, n0, rows, STRIDE_W, STRIDE_S, S_ROWS, S_COLS, BLOCK_K,
+    w_offs, s_offs, first_col = _tile_offsets(FORMAT, PER_WORD, n0, rows, STRIDE_W, STRIDE_S, S_ROWS, S_COLS, BLOCK_K,
                                               SCALE_ROW_UNIFORM)
     first_col += k_begin
     m0 = pid_m * ROWS
@@ -221,14 +252,14 @@ def _dequant_gemv_kernel(
         live = (kk + BLOCK_K < K_SPLIT) & (k_begin + kk + BLOCK_K < K)
         w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, kk + BLOCK_K,
                                     live, K, EVEN_K, S_COLS)
-        q = _unpack(FORMAT, w, magic)
-        acc0 += s * _row_partial(FORMAT, q, x_row, kk, first_col, m0 < M, K)
+        q = _unpack(FORMAT, w, magic, x_ptr.dtype.element_ty)
+        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K)
         if ROWS > 1:
-            acc1 += s * _row_partial(FORMAT, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K)
+            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K)
         if ROWS > 2:
-            acc2 += s * _row_partial(FORMAT, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K)
+            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K)
         if ROWS > 3:
-            acc3 += s * _row_partial(FORMAT, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K)
+            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K)
         w = w_next
         s = s_next
     bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)

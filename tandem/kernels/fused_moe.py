@@ -15,6 +15,7 @@ GEMM launches, with no host synchronisation (capturable in a CUDA graph).
 
 Quantized experts of a decode or verify step (up to moe_slots.SLOTS_MAX slots) go slot by slot instead
 (tandem/kernels/moe_slots.py): a 16-row tensor-core tile spends its time dequantizing for one row per expert.
+Plain experts too, up to moe_slots.PLAIN_SLOTS_MAX slots: there the 16-row padding and the grouping's launches.
 
 Expert weights are stacked ``[E, N, K]`` in any format of tandem/kernels/dequant_tiles.py (a float
 weight, INT4 pack-quantized with its group scales, FP8 with its block scales), dequantized in the kernel.
@@ -266,7 +267,7 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     if tokens == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if config is None and slots_apply(gate_up.format, tokens * top_k, [gate_up.block[1], down.block[1]]):
+    if config is None and slots_apply(tokens * top_k, gate_up, down):
         return routed_by_slots(x, gate_up, down, route_weights, ids, add)
     cfg = config or default_config(tokens * top_k, num_experts, x.dtype, gate_up.format)
     slots, block_expert = align_by_expert(ids, num_experts, cfg.block_m)

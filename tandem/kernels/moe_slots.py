@@ -1,17 +1,21 @@
 """The routed experts of a few tokens slot by slot: one GEMV program row per (token, expert) slot, reading
-that slot's expert's quantized weight as the checkpoint packs it (the bandwidth-minded GEMV kernel of
-tandem/kernels/dequant_gemv.py, its weight pointer moved to the slot's expert on the device), then
-``silu(gate) * up``, the down GEMV per slot, and the weighted sum of each token's slots.
+that slot's expert's weight as the checkpoint stores it (INT4, FP8 or plain bf16/fp16/fp32; the
+bandwidth-minded GEMV kernel of tandem/kernels/dequant_gemv.py, its weight pointer moved to the slot's
+expert on the device), then ``silu(gate) * up``, the down GEMV per slot, and the weighted sum of each
+token's slots.
 
 Why: at decode (a token's 6–8 slots, mostly on different experts) the grouped GEMM of
 tandem/kernels/fused_moe.py pads each expert's one row to a 16-row tensor-core tile and dequantizes the
 tile for it; the INT4 tiles streamed 7–15 % of the bandwidth there. Here each packed weight is read once per
 slot with one row's arithmetic, as the one-row linear GEMV reads a dense weight. A weight two slots share is
 read twice (from L2 if close in time): the grouped GEMM takes over where slots outnumber experts.
+Plain experts have nothing to dequantize; what the slots spare them is the 16-row padding of each slot's row
+and the grouping's launches (the sort by expert; the weighted sum is the same kernel on both routes).
 No host synchronisation: the expert ids stay on the device (graph-safe).
 
 Rounding as the grouped GEMM's: gate and up rounded to the activation dtype, then the silu, then their
-product; each slot's down product rounded, then weighted in float32, the slots summed in float32.
+product; each slot's down product rounded, then weighted in float32, the slots summed in float32, rounded,
+then ``add``. A plain weight is rounded to the activation dtype before its products, as the grouped GEMM's tile.
 """
 
 from __future__ import annotations
@@ -22,21 +26,33 @@ import triton.language as tl
 
 from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.dequant_gemm import slot_linear
-from tandem.kernels.dequant_gemv import gemv_block_k
-from tandem.kernels.dequant_tiles import FP8, INT4
+from tandem.kernels.dequant_gemv import gemv_block_k, plain_word
+from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 # Up to this many slots (tokens x top_k) the routed experts go slot by slot: a decode or verify step of a
 # few requests. The grouped GEMM reads each touched expert once for all its rows, which wins once several
 # rows share experts (bench --sections quant_kernels times both).
 SLOTS_MAX = 64
+# The same for plain (float) experts: a decode step of two tokens at top-8. Without a dequantization to spare, the
+# slots' gain is the tile padding and the grouping's launches, which the re-reads of shared experts outweigh
+# sooner: the grouped GEMM reads a shared expert once for its rows (bench --sections quant_kernels to tune).
+PLAIN_SLOTS_MAX = 16
 
 
-def slots_apply(fmt: int, slots: int, group_cols: list[int]) -> bool:
-    """Whether the slot-by-slot GEMVs take ``slots`` slots of experts in format ``fmt`` (INT4 or FP8) whose
-    scale groups span ``group_cols`` columns (each must hold whole 32-bit words of weights)."""
-    return (fmt in (INT4, FP8) and 0 < slots <= SLOTS_MAX
-            and all(gemv_block_k(fmt, cols, 1024) is not None for cols in group_cols))
+def _slot_ready(w) -> bool:
+    """Whether the slot GEMV reads ``w`` (an ExpertWeights): whole words in each scale group (INT4, FP8), or a
+    bf16/fp16/fp32 plain weight of whole 16-byte words per row."""
+    if w.format == PLAIN:
+        word = plain_word(w.weight.dtype)
+        return word is not None and w.weight.shape[-1] % word == 0
+    return w.format in (INT4, FP8) and gemv_block_k(w.format, w.block[1], 1024) is not None
+
+
+def slots_apply(slots: int, gate_up, down) -> bool:
+    """Whether fused_moe's ``slots`` slots (tokens x top_k) of these ExpertWeights go slot by slot."""
+    limit = PLAIN_SLOTS_MAX if gate_up.format == PLAIN else SLOTS_MAX
+    return 0 < slots <= limit and gate_up.format == down.format and _slot_ready(gate_up) and _slot_ready(down)
 
 
 def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor, ids: torch.Tensor,

@@ -165,9 +165,12 @@ def test_fused_moe_int4_kimi_experts(experts, inter, tokens):
     assert norm_rel_err(y, ref) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])  # 300 x 8 slots: grouped by torch ops, not the one-program kernel
-def test_fused_moe_bf16_experts(tokens):
-    experts, hidden, inter, top_k = 64, 7168, 2048, 8
+# 1 and 2 tokens x 8 slots go slot by slot (moe_slots.PLAIN_SLOTS_MAX), 300 x 8: grouped by torch ops, not the
+# one-program kernel; V2-Lite's intermediate 1408 leaves the down GEMV a partial last K step
+@pytest.mark.parametrize("tokens", [1, 2, 8, 64, 300])
+@pytest.mark.parametrize("hidden,inter,top_k", [(7168, 2048, 8), (2048, 1408, 6)], ids=["kimi", "v2-lite"])
+def test_fused_moe_bf16_experts(tokens, hidden, inter, top_k):
+    experts = 64
     gate_up = ExpertWeights(torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02)
     down = ExpertWeights(torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
