@@ -324,6 +324,22 @@ def test_gemv_matches_linear(kernel, rows, n, k, bias):
     assert norm_rel_err(out, F.linear(x, w, b)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_router_logits_equal_a_float32_linear_of_the_upcast_rows(dtype, rows):
+    """The MoE router's logits: rows of any dtype against a float32 weight, in float32 — what
+    ``linear(x.float(), W)`` gives (float64 reference: the sums' order differs)."""
+    from tandem.kernels.gemv import router_logits
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(24, 200, generator=gen).to(DEVICE)
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32 and out.shape == (rows, 24)
+    ref = F.linear(x.double(), w.double())
+    assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
 def test_gemv_rejects_bad_shapes():
     from tandem.kernels.gemv import GemvConfig, gemv
 

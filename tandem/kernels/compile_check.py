@@ -203,6 +203,9 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         gv.gemv(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=dt),
                 config=gv.default_config(rows, n, k))
         _report(f"gemv {rows}x{k} -> {n}", failures)
+    for rows, n, k in ((1, 64, 2048), (16, 384, 7168)):  # the MoE router's float32 logits (V2-Lite, Kimi)
+        gv.router_logits(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=torch.float32))
+        _report(f"router logits {rows}x{k} -> {n}", failures)
     # a chain of 4 at batch 8 on the 8B shape (features 3 x 4096, draft state 4096, top-k width 8)
     n, nd, w, feat, hid = 8, 4, 6, 3 * 4096, 4096
     rows, broken = torch.empty(n, 3 * nd + 1, dtype=torch.float64), torch.empty(n, dtype=torch.bool)

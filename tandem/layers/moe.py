@@ -69,7 +69,7 @@ class NoAuxRouter(nn.Module):
         target.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(x.float(), self.weight)
+        logits = self.logits(x)
         if use_triton(x):  # the routing in one launch instead of ~10 (tandem/kernels/moe_route.py)
             from tandem.kernels.moe_route import noaux_route
 
@@ -77,6 +77,19 @@ class NoAuxRouter(nn.Module):
             return noaux_route(logits, self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                                c.norm_topk_prob, c.routed_scaling_factor)
         return noaux_tc_route(logits, self.e_score_correction_bias, self.cfg)
+
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``linear(x.float(), weight)`` [T, experts] in float32. A few rows on the GPU: one GEMV launch that reads x
+        in its dtype and multiplies and sums in float32, where torch pays a cast and cuBLAS's float32 GEMV and its
+        reduction (three kernels a MoE layer at decode)."""
+        from tandem.kernels.gemv import MAX_ROWS
+
+        if not use_triton(x) or x.shape[0] > MAX_ROWS or x.stride(-1) != 1:
+            return torch.nn.functional.linear(x.float(), self.weight)
+        from tandem.kernels.gemv import router_logits
+
+        return router_logits(x, self.weight)
 
 
 class SwiGLUMLP(nn.Module):

@@ -72,6 +72,25 @@ def test_the_routing_kernel_equals_noaux_tc_route(experts, n_group, topk_group, 
     torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("experts,hidden", [(64, 2048), (384, 7168)], ids=["v2-lite", "kimi"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_the_router_gemv_equals_the_float32_linear_and_routes_alike(experts, hidden, tokens):
+    """The router's logits from the GEMV kernel against ``linear(x.float(), W)`` (TF32 off) and a float64
+    reference; the experts they select are the same."""
+    from tandem.kernels.gemv import router_logits
+
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).bfloat16()
+    w = torch.randn(experts, hidden, generator=g, device=DEVICE) * 0.02
+    got = router_logits(x, w)
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    assert (got.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w), rtol=1e-5, atol=1e-5)
+    bias = torch.randn(experts, generator=g, device=DEVICE) * 0.01
+    assert torch.equal(noaux_route(got, bias, 1, 1, 8, True, 2.5)[1],
+                       noaux_route(torch.nn.functional.linear(x.float(), w), bias, 1, 1, 8, True, 2.5)[1])
+
+
 def test_the_shared_add_equals_a_torch_add_after_the_sum_in_bf16():
     g = torch.Generator(device=DEVICE).manual_seed(3)
     experts, hidden, inter, tokens, k = 64, 2048, 1408, 8, 6
