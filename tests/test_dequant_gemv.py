@@ -73,6 +73,29 @@ def test_fp8_gemv_matches_the_published_dequantization(dtype, m, block, config):
     assert norm_rel_err(y, reference(x, deq, bias, exact=True)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt,config", [("int4", EVEN_N), ("int4", RAGGED_N_SPLIT), ("fp8", EVEN_N),
+                                        ("int4", DequantConfig(16, 16, 32, 4, 2))],
+                         ids=["int4-gemv", "int4-gemv-split-k", "fp8-gemv", "int4-tiles"])
+def test_swiglu_rows_multiply_silu_of_gate_times_up(dtype, fmt, config):
+    """``swiglu``: the input is [gate | up] and the product is with silu(gate) * up (rounded to x's dtype as torch's
+    two ops round it) — read so by the GEMV kernel, computed apart before the tile kernels."""
+    n, k, m = 40, 160, (1 if config.kernel == "gemv" else 5)
+    if fmt == "int4":
+        packed, scale, deq = int4_weight(n, k, 32, seed=11)
+        run = lambda x, **kw: int4_linear(x, packed, scale, 32, config=config, **kw)  # noqa: E731
+    else:
+        q, scale_inv, deq = (t.to(DEVICE) for t in fp8_block_quantize(torch.randn(n, k, generator=gen(12)) * 0.05,
+                                                                      (32, 64)))
+        run = lambda x, **kw: fp8_block_linear(x, q, scale_inv, (32, 64), config=config, **kw)  # noqa: E731
+    gate_up = activations(m, 2 * k, dtype, seed=13)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)  # torch's roundings, to nearest
+    y = run(gate_up, swiglu=True)
+    assert y.shape == (m, n)
+    assert norm_rel_err(y, reference(act, deq, exact=config.kernel == "gemv")) < TOL[dtype]
+
+
 def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
     """GEMV_MAX_ROWS (the bench's ``old default`` passes 0); K split only where N leaves too few programs;
     the step holds 4 KB of weight in either format. (The GPU's tiles: the interpreter takes wider ones.)"""

@@ -340,6 +340,23 @@ def test_router_logits_equal_a_float32_linear_of_the_upcast_rows(dtype, rows):
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k", [(1, 256), (1, 200), (3, 128)])
+def test_gemv_reads_silu_of_gate_times_up_with_swiglu(dtype, rows, k):
+    """x = [gate | up] rows: the product is with silu(gate) * up, rounded as torch's two ops round (float64 after)."""
+    from tandem.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(rows * 7 + k)
+    gate_up = torch.randn(rows, 2 * k, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(40, k, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    y = gemv(gate_up, w, config=GemvConfig("rows", block_n=8, block_k=64), swiglu=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up  # (in dtype: the silu rounded, then the product)
+    assert norm_rel_err(y, F.linear(act.double(), w.double())) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(gate_up, w, config=GemvConfig("dot", block_n=16, block_k=64), swiglu=True)
+
+
 def test_gemv_rejects_bad_shapes():
     from tandem.kernels.gemv import GemvConfig, gemv
 

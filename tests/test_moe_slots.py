@@ -83,13 +83,15 @@ def test_more_slots_than_the_limit_take_the_grouped_route(monkeypatch):
 # ---------------------------------------------------------------- plain (bf16 / fp16 / fp32) experts
 def _plain_reference(x, w13, w2, route, ids, add, dtype):
     """Per-slot ``F.linear`` with the documented rounding: gate and up rounded to ``dtype``, the silu rounded, the
-    product rounded; each slot's down product rounded, weighted and summed in float32, rounded, then ``add``."""
+    product rounded; each slot's down product rounded, weighted and summed in float32, rounded, then ``add``. (The
+    down GEMV computes the activation itself, rounding to nearest as torch does also under the interpreter.)"""
     r = lambda t: _rounded(t, dtype)  # noqa: E731
+    nearest = lambda t: t.to(dtype).float()  # noqa: E731
     out = torch.zeros(x.shape[0], w2.shape[1])
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             gate, up = r(F.linear(r(x[t]), r(w13[ids[t, j]]))).chunk(2)
-            act = r(r(F.silu(gate)) * up)
+            act = nearest(nearest(F.silu(gate)) * up)
             out[t] += route[t, j] * r(F.linear(act, r(w2[ids[t, j]])))
     return (r(out) if add is None else r(r(out) + r(add))).to(dtype)
 
@@ -157,7 +159,8 @@ def test_plain_slots_match_the_per_expert_reference_and_the_grouped_route(dtype,
         assert norm_rel_err(by_slots, grouped) < 1e-6
     else:  # the roundings of the reference: the summation order may move one by an ulp
         assert norm_rel_err(by_slots, _plain_reference(x, w13, w2, route, ids, add, dtype)) < 4e-3
-        assert norm_rel_err(by_slots, grouped) < 4e-3
+        # (the interpreter's stores cast toward zero, the grouped kernel's in-register roundings to nearest)
+        assert norm_rel_err(by_slots, grouped) < (4e-3 if DEVICE == "cuda" else 1.5e-2)
         assert norm_rel_err(by_slots, exact) < 3e-2  # bf16 cast toward zero under the interpreter: a biased error
 
 

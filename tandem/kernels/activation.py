@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.pdl import pdl_enter, pdl_launch
+from tandem.kernels.rounding import round_to
 
 
 @triton.jit
@@ -20,8 +21,28 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+    dtype = x_ptr.dtype.element_ty  # (round_to: a plain cast's round trip may be folded away or truncate)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_o + cols, round_to(act * up, dtype).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_load(gate_ptrs, mask, INTER: tl.constexpr, DTYPE: tl.constexpr):
+    """``silu(gate) * up`` at ``gate_ptrs`` (up ``INTER`` elements after), in float32 holding ``DTYPE``'s
+    roundings as torch's two ops make them (the silu rounded, then the product): a GEMV reads its input through
+    this instead of a separate activation kernel's output."""
+    gate = load_f32(gate_ptrs, mask)
+    up = load_f32(gate_ptrs + INTER, mask)
+    return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DTYPE) * up, DTYPE)
+
+
+@triton.jit
+def load_f32(ptrs, mask):
+    """A load in float32, masked (zeros outside) unless ``mask`` is None (unmasked loads vectorise freely)."""
+    if mask is None:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

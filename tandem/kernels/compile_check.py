@@ -203,6 +203,9 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         gv.gemv(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=dt),
                 config=gv.default_config(rows, n, k))
         _report(f"gemv {rows}x{k} -> {n}", failures)
+    gv.gemv(torch.empty(1, 2 * 14336, dtype=dt), torch.empty(4096, 14336, dtype=dt),  # the down projection of SwiGLU
+            config=gv.default_config(1, 4096, 14336), swiglu=True)
+    _report("gemv swiglu 1x14336 -> 4096", failures)
     for rows, n, k in ((1, 64, 2048), (16, 384, 7168)):  # the MoE router's float32 logits (V2-Lite, Kimi)
         gv.router_logits(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=torch.float32))
         _report(f"router logits {rows}x{k} -> {n}", failures)
@@ -227,6 +230,11 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         _report(f"int4_linear {rows}x{k} -> {n}", failures)
         dq.fp8_block_linear(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128), (128, 128))
         _report(f"fp8_block_linear {rows}x{k} -> {n}", failures)
+    x = torch.empty(1, 2 * 14336, dtype=dt)  # [gate | up]: the quantized down projections of SwiGLU at decode
+    dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, swiglu=True)
+    dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),
+                        swiglu=True)
+    _report("int4/fp8 swiglu 1x14336 -> 4096", failures)
     x = torch.empty(1, 14336, dtype=dt)  # the GEMV tiles bench/sections_quant.py tries
     for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")):

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
@@ -199,22 +200,25 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
     tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0):
+def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0, swiglu=False):
     """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
     slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots). A plain
-    weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``)."""
+    weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``). ``swiglu``: x
+    is [..., 2K] = [gate | up] and the product is with silu(gate) * up — read so by the GEMV kernel, computed
+    apart for the others."""
+    k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     if fmt == PLAIN:
         word = plain_word(w.dtype)
-        if ids is None or word is None or x.shape[-1] % word:
+        if ids is None or word is None or k % word:
             raise ValueError(f"plain weights take the slot GEMV only, bf16/fp16/fp32 rows of whole 16-byte words; "
-                             f"got {w.dtype} [..., {x.shape[-1]}]")
+                             f"got {w.dtype} [..., {k}]")
         s = w  # never read
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantized linear kernels take bf16, fp16 or float32 activations, got {x.dtype}")
     if w.stride(-1) != 1 or s.stride(-1) != 1:
         raise ValueError("quantized linear kernels need the weight and scale rows contiguous")
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0] if ids is None else ids.numel()
@@ -231,6 +235,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         if config is None and not interpreting():
             steps = triton.cdiv(k, gemv_block_k(fmt, s_cols, cfg.block_k))
             cfg = dataclasses.replace(cfg, split_k=_gemv_split(triton.cdiv(n, cfg.block_n) * m, steps))
+    if swiglu and cfg.kernel != "gemv":
+        x2, swiglu = silu_and_mul(x2), False
     block_k, block_m = cfg.block_k, cfg.block_m
     if cfg.kernel == "gemv":
         block_k = gemv_block_k(fmt, s_cols, cfg.block_k)
@@ -239,6 +245,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         if block_k is None:
             cfg = default_config(m, n, k, x.dtype, gemv_max_rows=0, fmt=fmt)
             block_k, block_m = cfg.block_k, cfg.block_m
+            if swiglu:
+                x2, swiglu = silu_and_mul(x2), False
         else:
             block_m = min(block_m, m)
     elif cfg.kernel == "mma":
@@ -267,7 +275,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
             w.stride(0) if experts else 0, s.stride(0) if experts else 0, MAGIC_2_23, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
-            **shared)
+            SWIGLU=swiglu, **shared)
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,
@@ -282,33 +290,35 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None, config: DequantConfig | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """W4A16: ``x [..., K]`` times ``W [N, K]`` given as ``packed [N, ceil(K/8)]`` int32 and
-    ``scale [N, ceil(K/group_size)]`` float32 → ``[..., N]`` in x's dtype."""
-    n, k = packed.shape[0], x.shape[-1]
+    ``scale [N, ceil(K/group_size)]`` float32 → ``[..., N]`` in x's dtype. ``swiglu``: x is ``[..., 2K]``
+    (gate | up), multiplied as ``silu(gate) * up``."""
+    n, k = packed.shape[0], x.shape[-1] // (2 if swiglu else 1)
     if packed.dtype != torch.int32 or packed.shape[1] != triton.cdiv(k, 8) or group_size % 8:
         raise ValueError(f"int4_linear: packed {tuple(packed.shape)} {packed.dtype} does not hold [{n}, {k}] int4")
     if tuple(scale.shape) != (n, triton.cdiv(k, group_size)):
         raise ValueError(f"int4_linear: scale {tuple(scale.shape)}, expected {(n, triton.cdiv(k, group_size))}")
-    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out)
+    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out, swiglu=swiglu)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None, config: DequantConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """W8A16: ``x [..., K]`` times ``W = weight * scale_inv`` (e4m3 ``[N, K]``, float32 ``scale_inv``
-    ``[ceil(N/bn), ceil(K/bk)]``) → ``[..., N]`` in x's dtype."""
+    ``[ceil(N/bn), ceil(K/bk)]``) → ``[..., N]`` in x's dtype. ``swiglu``: as int4_linear's."""
     n, k = weight.shape
     expected = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
-    if k != x.shape[-1] or weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
+    if k * (2 if swiglu else 1) != x.shape[-1] or weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
         raise ValueError(f"fp8_block_linear: weight {tuple(weight.shape)} {weight.dtype}, scale_inv "
                          f"{tuple(scale_inv.shape)} (expected {expected}) for x [..., {x.shape[-1]}]")
-    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out)
+    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out, swiglu=swiglu)
 
 
 def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fmt: int,
-                ids: torch.Tensor, n: int, slots_per_row: int) -> torch.Tensor:
+                ids: torch.Tensor, n: int, slots_per_row: int, swiglu: bool = False) -> torch.Tensor:
     """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
     activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
-    per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale)."""
-    return _launch(x, weight, scale, None, n, fmt, block[0], block[1], None, None, ids=ids, slots_per_row=slots_per_row)
+    per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale). ``swiglu``: as int4_linear's."""
+    return _launch(x, weight, scale, None, n, fmt, block[0], block[1], None, None, ids=ids, slots_per_row=slots_per_row,
+                   swiglu=swiglu)

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.activation import swiglu_load
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
 from tandem.kernels.pdl import pdl_enter
 
@@ -172,19 +173,23 @@ def _unpack(FORMAT: tl.constexpr, w, magic, x_dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr):
+def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr,
+                 SWIGLU: tl.constexpr):
     """``[BLOCK_N, words]``: each word's unscaled weights times the row's activations, summed. A thread's
     activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
     and ``k0`` count from the program's first column, ``first_col`` from 0. (PLAIN: whole words inside K, masked
-    per word: the load stays one vector.)"""
+    per word: the load stays one vector. ``SWIGLU``: the row is [gate | up], its activations silu(gate) * up.)"""
     j = tl.arange(0, PER_WORD)
     offs = k0 + tl.arange(0, first_col.shape[0])[:, None] * PER_WORD + j[None, :]
     if FORMAT == 0:
         ok = row_ok & (k0 + first_col < K)[:, None]
     else:
         ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
-    x = tl.load(x_row + offs, mask=ok, other=0.0)
-    xs = _columns(x.to(tl.float32))
+    if SWIGLU:
+        x = swiglu_load(x_row + offs, ok, K, x_row.dtype.element_ty)
+    else:
+        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+    xs = _columns(x)
     p = q[0] * xs[0][None, :]
     for i in tl.static_range(1, PER_WORD):
         p += q[i] * xs[i][None, :]
@@ -203,6 +208,7 @@ def _dequant_gemv_kernel(
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr = False,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
@@ -253,13 +259,13 @@ def _dequant_gemv_kernel(
         w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, kk + BLOCK_K,
                                     live, K, EVEN_K, S_COLS)
         q = _unpack(FORMAT, w, magic, x_ptr.dtype.element_ty)
-        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K)
+        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU)
         if ROWS > 1:
-            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K)
+            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU)
         if ROWS > 2:
-            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K)
+            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU)
         if ROWS > 3:
-            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K)
+            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU)
         w = w_next
         s = s_next
     bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)

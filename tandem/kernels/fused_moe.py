@@ -32,6 +32,7 @@ import triton.language as tl
 from tandem.kernels.dequant_gemm import PROGRAMS_WANTED
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
 from tandem.kernels.moe_slots import routed_by_slots, slots_apply, sum_slots
+from tandem.kernels.rounding import round_to
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -184,13 +185,13 @@ def _moe_gemm_kernel(
                 else:
                     acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         dtype = a_ptr.dtype.element_ty
-        if GATED:
-            gate = acc.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            result = act * acc_up.to(dtype).to(tl.float32)
+        if GATED:  # (round_to: a cast's round trip may be folded away on the GPU, truncates in the interpreter)
+            gate = round_to(acc, dtype)
+            act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+            result = round_to(act * round_to(acc_up, dtype), dtype)
         elif WEIGHTED:
             route_w = tl.load(route_w_ptr + slots, mask=m_ok, other=0.0)
-            result = acc.to(dtype).to(tl.float32) * route_w[:, None]
+            result = round_to(acc, dtype) * route_w[:, None]
         else:
             result = acc
         out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]

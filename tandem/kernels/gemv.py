@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.activation import load_f32, swiglu_load
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -57,11 +58,21 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
+def _x_tile(x_ptrs, mask, SWIGLU: tl.constexpr, K: tl.constexpr):
+    """The activations at ``x_ptrs`` in float32: loaded, or ``silu(gate) * up`` of a [gate | up] row."""
+    if SWIGLU:
+        return swiglu_load(x_ptrs, mask, K, x_ptrs.dtype.element_ty)
+    else:
+        return load_f32(x_ptrs, mask)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SWIGLU: tl.constexpr = False,
 ):
+    """``SWIGLU``: x holds ``[gate | up]`` rows of 2K; the product is with ``silu(gate) * up`` (swiglu_load)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last block re-reads valid rows instead of masking its loads; only its store is masked.
@@ -76,18 +87,18 @@ def _gemv_rows_kernel(
     first_ok = offs_k < K
     w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0).to(tl.float32)
     pdl_enter(PDL)
-    x0 = tl.load(x_ptrs, mask=m_ok[:, None] & first_ok[None, :], other=0.0).to(tl.float32)
+    x0 = _x_tile(x_ptrs, m_ok[:, None] & first_ok[None, :], SWIGLU, K)
     if ROWS == 1:
         acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = tl.load(x_ptrs + k)
+                xv = _x_tile(x_ptrs + k, None, SWIGLU, K)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * xv.to(tl.float32)
+                xv = _x_tile(x_ptrs + k, k_ok[None, :], SWIGLU, K)
+            acc += w.to(tl.float32) * xv
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         # Several rows share each weight tile: a [ROWS, BLOCK_N, BLOCK_K] accumulator, reduced once.
@@ -96,12 +107,12 @@ def _gemv_rows_kernel(
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
+                xv = _x_tile(x_ptrs + k, m_ok[:, None], SWIGLU, K)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+                xv = _x_tile(x_ptrs + k, m_ok[:, None] & k_ok[None, :], SWIGLU, K)
+            acc3 += w.to(tl.float32)[None, :, :] * xv[:, None, :]
         y = tl.sum(acc3, axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
@@ -151,12 +162,16 @@ def gemv(
     config: GemvConfig = GemvConfig(),
     out: torch.Tensor | None = None,  # [M, N]
     pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
+    swiglu: bool = False,  # x is [M, 2K] = [gate | up]: multiply silu(gate) * up (the "rows" kernel only)
 ) -> torch.Tensor:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if swiglu else 1):
+        raise ValueError(f"gemv takes x [M, K] ([M, 2K] with swiglu) and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if swiglu and config.kernel != "rows":
+        raise ValueError("gemv applies swiglu in the 'rows' kernel only")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs the last dim of x and weight contiguous")
-    m, k = x.shape
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
@@ -169,7 +184,7 @@ def gemv(
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
             *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_args,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, SWIGLU=swiglu, **pdl_args,
         )
     else:
         _gemv_dot_kernel[grid](

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.dequant_gemm import slot_linear
 from tandem.kernels.dequant_gemv import gemv_block_k, plain_word
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
@@ -61,9 +60,10 @@ def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor,
     tokens, hidden = x.shape
     top_k, inter = ids.shape[1], gate_up.weight.shape[1] // 2
     flat_ids = ids.reshape(-1).contiguous()
-    act = silu_and_mul(slot_linear(x, gate_up.weight, gate_up.scale, gate_up.block, gate_up.format, flat_ids,
-                                   2 * inter, top_k))
-    per_slot = slot_linear(act, down.weight, down.scale, down.block, down.format, flat_ids, hidden, 1)
+    gate_up_rows = slot_linear(x, gate_up.weight, gate_up.scale, gate_up.block, gate_up.format, flat_ids, 2 * inter,
+                               top_k)
+    per_slot = slot_linear(gate_up_rows, down.weight, down.scale, down.block, down.format, flat_ids, hidden, 1,
+                           swiglu=True)  # silu(gate) * up read by the down GEMV: no activation launch
     return sum_slots(per_slot, top_k, route_weights.float().reshape(-1).contiguous(), add, x.dtype)
 
 

@@ -19,15 +19,17 @@ from torch import nn
 
 from tandem.distributed import all_reduce, divide, tp_group
 from tandem.layers import gemv_routes
+from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import gemv_max_rows, use_triton
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """``x Wᵀ + b``. Up to ``gemv_max_rows()`` bf16/fp16 rows on the GPU (by default one: batch-1
     decode), and the few-row products that tandem/layers/gemv_routes.py routes (a width-4 verify at
     batch 1: qkv, o, the LM head), go to the Triton GEMV (tandem/kernels/gemv.py), which streams W at
     the read bandwidth and joins the programmatic dependent launch chain of the other kernels;
-    everything else, float32 included, is ``F.linear``."""
+    everything else, float32 included, is ``F.linear``. ``swiglu``: x is ``[..., 2K]`` (gate | up) and the
+    product is with ``silu(gate) * up``, which the GEMV's "rows" kernel reads directly (one launch less)."""
     if (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and weight.stride(1) == 1 and use_triton(x)):
         rows, (n, k) = x.shape[0], weight.shape
@@ -35,8 +37,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if route is not None or 0 < rows <= gemv_max_rows():
             from tandem.kernels.gemv import GemvConfig, default_config, gemv
 
-            return gemv(x, weight, bias, GemvConfig(**route) if route is not None else default_config(rows, n, k))
-    return F.linear(x, weight, bias)
+            config = GemvConfig(**route) if route is not None else default_config(rows, n, k)
+            if not swiglu or config.kernel == "rows":
+                return gemv(x, weight, bias, config, swiglu=swiglu)
+    return F.linear(silu_mul(x) if swiglu else x, weight, bias)
 
 
 class ShapeMismatch(ValueError):
@@ -103,13 +107,14 @@ class _ShardedLinear(nn.Module):
             dst, src = self.cols.copy(dst, src, 1)
             dst.copy_(src)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         if self.quant is not None:
-            return self.quant.apply(self, x, bias)
-        return matmul(x, self.weight, bias)
+            return self.quant.apply(self, x, bias, swiglu)
+        return matmul(x, self.weight, bias, swiglu)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """``x Wᵀ (+ b)``; ``swiglu``: of ``silu(gate) * up`` for x = [gate | up] (see ``matmul``)."""
+        return self._product(x, self.bias, swiglu)
 
 
 class ReplicatedLinear(_ShardedLinear):
@@ -220,11 +225,11 @@ class RowParallelLinear(_ShardedLinear):
     def rows(self, shard_id: object) -> Span:
         return Span.whole(self.out_features)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """This rank's share of ``x Wᵀ`` before the all-reduce (no bias), for callers that sum several
-        shares and reduce once (the MoE layer)."""
-        return self._product(x, None)
+        shares and reduce once (the MoE layer); ``swiglu`` as in ``forward``."""
+        return self._product(x, None, swiglu)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.partial(x))
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        y = all_reduce(self.partial(x, swiglu))
         return y + self.bias if self.bias is not None else y

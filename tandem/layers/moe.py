@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from tandem.distributed import all_reduce
-from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
 from tandem.layers.quantized_linear import Fp8BlockFormat, Int4GroupFormat, linear_format
@@ -105,10 +104,10 @@ class SwiGLUMLP(nn.Module):
                                            quant=linear_format(quant, prefix, ("down_proj",)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.partial(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj.partial(self.gate_up_proj(x), swiglu=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), swiglu=True)
 
 
 class MoE(nn.Module):

@@ -23,6 +23,7 @@ from torch import nn
 
 from tandem.distributed import tp_group
 from tandem.errors import ConfigError
+from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import ShapeMismatch, Span, check_shape
 from tandem.configs.quantization import Fp8Block, Int4Group, QuantConfig
@@ -131,9 +132,10 @@ class QuantFormat:
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The float reference: this rank's W dequantized for this call only."""
-        return F.linear(x, self.dequantize(layer, x.dtype), bias)
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
+        """The float reference: this rank's W dequantized for this call only. ``swiglu``: x is [gate | up], the
+        product is with silu(gate) * up."""
+        return F.linear(silu_mul(x) if swiglu else x, self.dequantize(layer, x.dtype), bias)
 
 
 class Fp8BlockFormat(QuantFormat):
@@ -149,12 +151,12 @@ class Fp8BlockFormat(QuantFormat):
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(layer.weight, layer.weight_scale_inv, self.block, dtype)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         if use_triton(x):
             from tandem.kernels.dequant_gemm import fp8_block_linear
 
-            return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
-        return super().apply(layer, x, bias)
+            return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias, swiglu=swiglu)
+        return super().apply(layer, x, bias, swiglu)
 
 
 class Int4GroupFormat(QuantFormat):
@@ -174,12 +176,12 @@ class Int4GroupFormat(QuantFormat):
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(layer.weight_packed, layer.weight_scale, self.shape[1], self.group_size, dtype)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         if use_triton(x):
             from tandem.kernels.dequant_gemm import int4_linear
 
-            return int4_linear(x, layer.weight_packed, layer.weight_scale, self.group_size, bias)
-        return super().apply(layer, x, bias)
+            return int4_linear(x, layer.weight_packed, layer.weight_scale, self.group_size, bias, swiglu=swiglu)
+        return super().apply(layer, x, bias, swiglu)
 
 
 def _scaled(span: Span, unit: int) -> Span:

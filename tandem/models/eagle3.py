@@ -18,7 +18,6 @@ from torch import nn
 from tandem.attention.backend import AttentionBackend, attend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool
-from tandem.layers.activation import silu_mul
 from tandem.layers.linear import ReplicatedLinear, check_shape
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -91,7 +90,7 @@ class Eagle3MLP(nn.Module):
         self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), swiglu=True)  # silu(gate) * up
 
 
 class Eagle3MidLayer(nn.Module):

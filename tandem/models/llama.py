@@ -17,7 +17,6 @@ from torch import nn
 from tandem.attention.backend import AttentionBackend, attend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool, KVSpec
-from tandem.layers.activation import silu_mul
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
@@ -74,7 +73,7 @@ class MLP(nn.Module):
                                            quant=linear_format(q, p, ("down_proj",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), swiglu=True)  # silu(gate) * up
 
 
 class PreNormLayer(nn.Module):
