@@ -141,6 +141,22 @@ def test_gemv_serving_shapes(rows, n, k):
     assert norm_rel_err(gemv(x, w, b, default_config(rows, n, k)), ref) < 1e-2
 
 
+@pytest.mark.parametrize("n,k", [(4096, 14336), (2048, 1408), (2048, 2816)])
+def test_gemv_swiglu_equals_the_activation_kernel_then_the_gemv(n, k):
+    """The down projection reading [gate | up] (8B, V2-Lite's expert and shared widths): bit for bit the separate
+    activation kernel then the GEMV (the same roundings, the same sums), and torch's silu * up within bf16."""
+    from tandem.kernels.gemv import default_config, gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    fused = gemv(gate_up, w, config=default_config(1, n, k), swiglu=True)
+    assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, config=default_config(1, n, k)))
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.linear((torch.nn.functional.silu(gate) * up).float(), w.float())
+    assert norm_rel_err(fused, ref) < 1e-2
+
+
 def test_gemv_default_routes():
     """The tiles the linear layers route these few-row products to, against cuBLAS, in bf16."""
     from tandem.kernels.gemv import GemvConfig, gemv
