@@ -260,27 +260,26 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split)
     b = bias if bias is not None else s
     stride_ys = target.stride(0) if split > 1 else 0
-    shared = dict(K=k, K_SPLIT=k_split, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols,
-                  HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+    shared = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
-    if cfg.kernel == "mma":
+    formatted = dict(shared, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols)  # the gemv and tile kernels take any format
+    if cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
         _dequant_mma_kernel[grid](
-            x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, K=k, K_SPLIT=k_split,
-            STRIDE_W=w.stride(0), STRIDE_S=s.stride(0), GROUP=s_cols, HAS_BIAS=shared["HAS_BIAS"], BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=block_k, ASM=not interpreting(), INTERPRET=interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+            x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, STRIDE_W=w.stride(0),
+            STRIDE_S=s.stride(0), GROUP=s_cols, BLOCK_M=block_m, ASM=not interpreting(), INTERPRET=interpreting(),
+            **shared)
     elif cfg.kernel == "gemv":
         experts = ids is not None
         _dequant_gemv_kernel[grid](
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
             w.stride(0) if experts else 0, s.stride(0) if experts else 0, MAGIC_2_23, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
-            SWIGLU=swiglu, **shared)
+            SWIGLU=swiglu, **formatted)
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,
             WHOLE_GROUPS=whole_groups(fmt, s_cols, block_k), BLOCK_M=block_m, USE_DOT=cfg.kernel == "dot",
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(), **shared)
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET=interpreting(), **formatted)
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 1024), m)](
             target, b, y, n, target.stride(0), target.stride(1), y.stride(-2), SPLIT=split, HAS_BIAS=bias is not None,
