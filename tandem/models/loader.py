@@ -85,7 +85,7 @@ def load_checkpoint(
                     continue
                 if name.endswith(IGNORED_SUFFIXES) or name in ignored:
                     continue
-                module_name, param, shard_id = _locate(name, packed)
+                module_name, param, shard_id = _locate(name, packed, modules)
                 module = modules.get(module_name)
                 if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
                     raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' (no such weight in this architecture)")
@@ -104,12 +104,14 @@ def load_checkpoint(
     return skipped
 
 
-def _locate(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, str, object]:
+def _locate(name: str, packed: dict[str, tuple[str, object]], modules: dict[str, nn.Module]) -> tuple[str, str, object]:
     module_name, _, param = name.rpartition(".")
     head, _, leaf = module_name.rpartition(".")
     if leaf in packed:
         fused, shard_id = packed[leaf]
-        return f"{head}.{fused}" if head else fused, param, shard_id
+        fused_name = f"{head}.{fused}" if head else fused
+        if fused_name in modules:  # else this layer keeps the part as its own module (e.g. formats that cannot fuse)
+            return fused_name, param, shard_id
     return module_name, param, None
 
 
