@@ -1,8 +1,9 @@
 """MLA's fused input projection (tandem/layers/mla_qkv_a.py): one product of the attention input per layer
-where q_proj / q_a_proj and kv_a_proj_with_mqa can share a weight (unquantized, with and without q_lora;
-FP8 with q rows ending on a block), two linears where they cannot (FP8 with q rows mid-block); logits
-against transformers in every case (FP8: on the dequantized twin), the Triton route's in-place prologue on
-the fused output's column views, and each rank's shard at TP 2 against slices of the checkpoint."""
+where q_proj / q_a_proj and kv_a_proj_with_mqa can share a weight (unquantized, with and without q_lora,
+with biases; FP8 with q rows ending on a block), two linears where they cannot (FP8 with q rows mid-block,
+q_proj beside kv_a's bias); logits against transformers in every case (FP8: on the dequantized twin), the
+Triton route's in-place prologue on the fused output's column views, and each rank's shard at TP 2 against
+slices of the checkpoint."""
 
 from __future__ import annotations
 
@@ -31,8 +32,17 @@ BLOCK = (16, 32)  # FP8 blocks of 16 rows: q_a's 32 rows end on one, 24 rows do 
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla-qkv-a")
     out = {}
-    for i, (name, kw) in enumerate({"q_lora": {}, "no_q_lora": dict(q_lora_rank=None)}.items()):
-        out[name] = (root / name, write_deepseek(root / name, seed=41 + i, num_hidden_layers=LAYERS, **kw))
+    variants = {"q_lora": {}, "no_q_lora": dict(q_lora_rank=None), "bias-q_lora": dict(attention_bias=True),
+                "bias-no_q_lora": dict(q_lora_rank=None, attention_bias=True)}
+    for i, (name, kw) in enumerate(variants.items()):
+        hf = write_deepseek(root / name, seed=41 + i, num_hidden_layers=LAYERS, **kw)
+        if kw.get("attention_bias"):  # transformers initialises biases to zero: make them count
+            with torch.no_grad():
+                for param, t in hf.named_parameters():
+                    if param.endswith(".bias"):
+                        t.normal_(0, 0.1)
+            hf.save_pretrained(root / name, safe_serialization=True)
+        out[name] = (root / name, hf)
     for rank in (32, 24):
         write_deepseek(root / f"src{rank}", seed=43, num_hidden_layers=LAYERS, q_lora_rank=rank)
         write_quantized_deepseek(root / f"src{rank}", root / f"fp8-q{rank}", root / f"fp8-q{rank}-twin", "fp8",
@@ -69,8 +79,9 @@ def products_of_attention_input(model, run) -> list[int]:
     return [n for _, n in calls]
 
 
-@pytest.mark.parametrize("name, fused", [("q_lora", True), ("no_q_lora", True), ("fp8-q32", True),
-                                         ("fp8-q24", False)])
+# attention_bias: q_a_proj's bias and kv_a's concatenate; transformers' q_proj has none, so it stays apart
+@pytest.mark.parametrize("name, fused", [("q_lora", True), ("no_q_lora", True), ("bias-q_lora", True),
+                                         ("bias-no_q_lora", False), ("fp8-q32", True), ("fp8-q24", False)])
 def test_one_product_of_x_where_fusable_and_logits_match_hf(folders, name, fused):
     path, hf = folders[name]
     prompt = random_prompt(50, 30, VOCAB)
@@ -83,7 +94,8 @@ def test_one_product_of_x_where_fusable_and_logits_match_hf(folders, name, fused
     for layer in model.model.layers:
         attn = layer.self_attn
         assert isinstance(attn.fused_qkv_a_proj_with_mqa, QKVAProjection) == fused
-        assert hasattr(attn, "kv_a_proj_with_mqa") != fused and not hasattr(attn, "q_a_proj" if fused else "q_proj")
+        q_name = "q_proj" if name.endswith("no_q_lora") else "q_a_proj"
+        assert hasattr(attn, "kv_a_proj_with_mqa") != fused and hasattr(attn, q_name) != fused
         if name.startswith("fp8"):
             proj = attn.fused_qkv_a_proj_with_mqa if fused else attn.q_a_proj
             assert proj.weight.dtype == torch.float8_e4m3fn

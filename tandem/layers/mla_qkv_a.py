@@ -28,7 +28,7 @@ class QKVAProjection(_ShardedLinear):
         self.q_local = q_local_rows(q_size, q_sharded)
         self.q_start = tp_group().rank * self.q_local if q_sharded else 0
         self.cols = Span.whole(in_features)
-        self._make_weights(self.q_local + kv_size, in_features, bias, quant)  # (after the spans' fields)
+        self._make_weights(self.q_local + kv_size, in_features, bias, quant)  # reads row_spans(): last
 
     def rows(self, shard_id: object) -> Span:
         local = self.q_local + self.kv_size
@@ -44,7 +44,7 @@ class QKVAProjection(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [T, q_local], kv_a [T, kv])``: column views of one output, rows strided by its width (the
         consumers — views by head, norms, the prologue kernel writing in place — take any row stride)."""
-        return tuple(self._product(x, self.bias).split([self.q_local, self.kv_size], dim=-1))
+        return self._product(x, self.bias).split([self.q_local, self.kv_size], dim=-1)
 
 
 def q_local_rows(q_size: int, q_sharded: bool) -> int:

@@ -3,11 +3,11 @@ noaux_tc mixture of experts after ``first_k_dense_replace`` dense layers.
 
 Parameter names mirror the Hugging Face checkpoint, with the dense MLPs' and experts' gate/up fused, and
 attention's q_proj or q_a_proj with kv_a_proj_with_mqa where they can share a weight (``packed_weights``).
-The cache holds one latent entry per token per layer (``kv_spec``); attention
-runs in the absorbed form (MQA over the latents: ``W_UK`` folded into the query, ``W_UV`` applied to
-the attended latent) except for forwards of fresh prompts, which use the plain form
-(../shared/reference/deepseek_v3_kimi.md §2). ``forward``/``logits`` are the dense model's: the same
-residual-stream loop, with the same EAGLE-3 capture (inputs of the capture layers).
+The cache holds one latent entry per token per layer (``kv_spec``); attention runs in the absorbed form
+(MQA over the latents: ``W_UK`` folded into the query, ``W_UV`` applied to the attended latent) except for
+forwards of fresh prompts, which use the plain form (../shared/reference/deepseek_v3_kimi.md §2).
+``forward``/``logits`` are the dense model's: the same residual-stream loop, with the same EAGLE-3 capture
+(inputs of the capture layers).
 
 Quantized checkpoints (§5): every linear takes the format ``cfg.quantization`` gives its checkpoint
 name (prefix included, as the ignore lists name them): FP8 block-wise everywhere (DeepSeek-V3, Kimi-K2),

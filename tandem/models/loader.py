@@ -62,7 +62,8 @@ def load_checkpoint(
     ignored: tuple[str, ...] = (),
     rename: Callable[[str], str | None] | None = None,
 ) -> list[str]:
-    """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules;
+    """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules (where
+    a layer has no such fused module, the fragment loads into its own);
     ``optional`` lists tensors that may be absent, ``ignored`` tensors skipped if present (e.g.
     ``lm_head.weight`` of a tied checkpoint, which some exporters write anyway). ``rename`` maps a
     checkpoint name to the model's (a wrapper's prefix dropped), or to None for a tensor the model
@@ -104,13 +105,14 @@ def load_checkpoint(
     return skipped
 
 
-def _locate(name: str, packed: dict[str, tuple[str, object]], modules: dict[str, nn.Module]) -> tuple[str, str, object]:
+def _locate(name: str, packed: dict[str, tuple[str, object]],
+            modules: dict[str, nn.Module]) -> tuple[str, str, object]:
     module_name, _, param = name.rpartition(".")
     head, _, leaf = module_name.rpartition(".")
     if leaf in packed:
         fused, shard_id = packed[leaf]
         fused_name = f"{head}.{fused}" if head else fused
-        if fused_name in modules:  # else this layer keeps the part as its own module (e.g. formats that cannot fuse)
+        if fused_name in modules:  # else this layer keeps the part as its own module (formats that cannot fuse)
             return fused_name, param, shard_id
     return module_name, param, None
 
