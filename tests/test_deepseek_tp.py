@@ -1,8 +1,9 @@
 """DeepSeek-V3 (MLA + MoE) under tensor parallelism on the CPU (gloo): q_b/kv_b split by heads, o and
 the experts' down projections reduced, the latent cache whole on every rank — at TP 2, 4 and 8 (at 8, one
 head per rank), against transformers: prompt and packed logits, greedy output, EAGLE-3 features and
-a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path. Runs in
-tests/tp_runner.py's child process under a timeout, as test_tp.py does."""
+a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path, and a
+DeepSeek-V2-style model (q_proj by heads, fused with kv_a). Runs in tests/tp_runner.py's child process
+under a timeout, as test_tp.py does."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def test_tp_matches_hf(tp_results, tp):
     hf, results = tp_results
     res = results[tp]
     assert res["local_heads"] == 8 // tp and res["local_vocab"] == VOCAB // tp
+    assert res["qkv_a_rows"] == 32 + 24  # q_a (q_lora 32) and kv_a (kv_lora 16 + rope 8), whole on every rank
     assert res["children_left"] == [] and res["pages_back"]
     for prompt, logits in zip(PROMPTS, res["prompt_logits"]):
         assert_rel(logits, hf_logits(hf, prompt), 1e-4, "prompt")
@@ -74,3 +76,21 @@ def test_tp2_runs_of_decode_steps_on_the_latent_graph_path_keep_the_output(tp_re
     res = results[2]
     assert res["queued_most_steps"] == 4 and res["queued_pages_back"]
     assert res["queued"] == [res["greedy"], [res["sampled"]]]
+
+
+@pytest.fixture(scope="module")
+def v2_tp2(tmp_path_factory):
+    work = tmp_path_factory.mktemp("deepseek-v2-tp")
+    hf = write_deepseek(work / "model", seed=32, q_lora_rank=None)
+    [res] = run_tp_jobs([dict(model=str(work / "model"), tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW)],
+                        work, TIMEOUT_S, "the DeepSeek-V2-style TP run")
+    return hf, res
+
+
+def test_tp2_v2_style_q_proj_fused_with_kv_a_matches_hf(v2_tp2):
+    """Without q_lora, each rank's fused input projection holds its heads' q_proj rows and all of kv_a."""
+    hf, res = v2_tp2
+    assert res["local_heads"] == 4 and res["qkv_a_rows"] == 4 * 24 + 24  # its heads' q (nope + rope), kv_lora + rope
+    for prompt, logits in zip(PROMPTS, res["prompt_logits"]):
+        assert_rel(logits, hf_logits(hf, prompt), 1e-4, "prompt")
+    assert res["greedy"] == [hf_greedy(hf, p, MAX_NEW - 3 * i) for i, p in enumerate(PROMPTS)]

@@ -64,7 +64,7 @@ def test_logits_and_greedy_equal_the_dequantized_float32_twin(folders, method):
         assert attn.kv_b_proj.quant is None and layer.mlp.shared_experts.down_proj.quant is None
         assert ours["model"].model.layers[0].mlp.gate_up_proj.quant is None
     else:  # every linear fp8, kv_b_proj also dense (dequantized once, at load) for the absorbed form
-        for proj in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj,
+        for proj in (attn.fused_qkv_a_proj_with_mqa, attn.q_b_proj, attn.kv_b_proj, attn.o_proj,
                      expert.gate_up_proj, layer.mlp.shared_experts.down_proj,
                      ours["model"].model.layers[0].mlp.down_proj):
             assert proj.weight.dtype == torch.float8_e4m3fn and proj.weight_scale_inv.dtype == torch.float32

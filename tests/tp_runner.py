@@ -44,6 +44,8 @@ def run_job(job: dict) -> dict:
         out["local_heads"] = proj.local_heads if proj is not None else attn.local_heads
         out["local_kv_heads"] = proj.local_kv_heads if proj is not None else None
         out["local_vocab"] = eng.executor.runner.model.lm_head.weight.shape[0]
+        fused = getattr(attn, "fused_qkv_a_proj_with_mqa", None)  # MLA's q + kv_a input projection, if fused
+        out["qkv_a_rows"] = fused.weight.shape[0] if fused is not None else None
         out["prompt_logits"] = [eng.prompt_logits(p) for p in job["prompts"]]
         n = job["max_new_tokens"]
         greedy = eng.generate(job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)

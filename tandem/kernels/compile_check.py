@@ -206,6 +206,12 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     gv.gemv(torch.empty(1, 2 * 14336, dtype=dt), torch.empty(4096, 14336, dtype=dt),  # the down projection of SwiGLU
             config=gv.default_config(1, 4096, 14336), swiglu=True)
     _report("gemv swiglu 1x14336 -> 4096", failures)
+    for n, k in ((3648, 2048), (2112, 7168)):  # MLA's fused q_proj / q_a_proj + kv_a at batch 1 (V2-Lite, Kimi)
+        gv.gemv(torch.empty(1, k, dtype=dt), torch.empty(n, k, dtype=dt), config=gv.default_config(1, n, k))
+        _report(f"gemv 1x{k} -> {n} (MLA q + kv_a)", failures)
+        dq.fp8_block_linear(torch.empty(1, k, dtype=dt), torch.empty(n, k, dtype=torch.float8_e4m3fn),
+                            torch.empty(-(-n // 128), k // 128), (128, 128))
+        _report(f"fp8_block_linear 1x{k} -> {n} (MLA q + kv_a)", failures)
     for rows, n, k in ((1, 64, 2048), (16, 384, 7168)):  # the MoE router's float32 logits (V2-Lite, Kimi)
         gv.router_logits(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=torch.float32))
         _report(f"router logits {rows}x{k} -> {n}", failures)

@@ -1,12 +1,13 @@
 """DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 (text): multi-head latent attention (MLA) over a latent KV cache,
 noaux_tc mixture of experts after ``first_k_dense_replace`` dense layers.
 
-Parameter names mirror the Hugging Face checkpoint, with the dense MLPs' and experts' gate/up fused
-(``PACKED_WEIGHTS``). The cache holds one latent entry per token per layer (``kv_spec``); attention
-runs in the absorbed form (MQA over the latents: ``W_UK`` folded into the query, ``W_UV`` applied to
-the attended latent) except for forwards of fresh prompts, which use the plain form
-(../shared/reference/deepseek_v3_kimi.md §2). ``forward``/``logits`` are the dense model's: the same
-residual-stream loop, with the same EAGLE-3 capture (inputs of the capture layers).
+Parameter names mirror the Hugging Face checkpoint, with the dense MLPs' and experts' gate/up fused, and
+attention's q_proj or q_a_proj with kv_a_proj_with_mqa where they can share a weight (``packed_weights``).
+The cache holds one latent entry per token per layer (``kv_spec``); attention runs in the absorbed form
+(MQA over the latents: ``W_UK`` folded into the query, ``W_UV`` applied to the attended latent) except for
+forwards of fresh prompts, which use the plain form (../shared/reference/deepseek_v3_kimi.md §2).
+``forward``/``logits`` are the dense model's: the same residual-stream loop, with the same EAGLE-3 capture
+(inputs of the capture layers).
 
 Quantized checkpoints (§5): every linear takes the format ``cfg.quantization`` gives its checkpoint
 name (prefix included, as the ignore lists name them): FP8 block-wise everywhere (DeepSeek-V3, Kimi-K2),
@@ -26,6 +27,7 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.kv_cache import KVPool, KVSpec
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, matmul
+from tandem.layers.mla_qkv_a import QKVAProjection, can_fuse, q_local_rows
 from tandem.layers.moe import MoE, SwiGLUMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
@@ -36,7 +38,8 @@ from tandem.models.loader import load_checkpoint
 
 log = logging.getLogger("tandem.models")
 
-PACKED_WEIGHTS = {k: v for k, v in LLAMA_PACKED.items() if k in ("gate_proj", "up_proj")}
+KV_A = "kv_a_proj_with_mqa"
+GATE_UP = {k: v for k, v in LLAMA_PACKED.items() if k in ("gate_proj", "up_proj")}
 # DeepSeek's (and transformers') q_a/kv_a norms use 1e-6 whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
 
@@ -52,14 +55,17 @@ class MLAttention(nn.Module):
         def fmt(name: str):
             return linear_format(cfg.quantization, p, (name,))
 
-        if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim, quant=fmt("q_proj"))
-        else:
-            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias=m.attention_bias, quant=fmt("q_a_proj"))
+        # x's two projections (q_proj or q_a_proj, and kv_a) in one matmul where they can share a weight
+        self.fused_qkv_a_proj_with_mqa = fused_q_kv_a(cfg, p)
+        if self.fused_qkv_a_proj_with_mqa is None:
+            if m.q_lora_rank is None:
+                self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim, quant=fmt("q_proj"))
+            else:
+                self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias=m.attention_bias, quant=fmt("q_a_proj"))
+            self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim, bias=m.attention_bias, quant=fmt(KV_A))
+        if m.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim, quant=fmt("q_b_proj"))
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim, bias=m.attention_bias,
-                                                   quant=fmt("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim),
                                               quant=fmt("kv_b_proj"))
@@ -67,6 +73,13 @@ class MLAttention(nn.Module):
         self.local_heads = self.kv_b_proj.local_out // (m.qk_nope_head_dim + m.v_head_dim)
         self.scale = m.softmax_scale
         self._kv_b_dense: torch.Tensor | None = None
+
+    def project_q_kv_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))``: one matmul where fused."""
+        if self.fused_qkv_a_proj_with_mqa is not None:
+            return self.fused_qkv_a_proj_with_mqa(x)
+        q_in = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        return q_in(x), self.kv_a_proj_with_mqa(x)
 
     def kv_b_weight(self) -> torch.Tensor:
         """This rank's kv_b_proj weight [heads·(nope + v), kv_lora] in the model's dtype. A quantized one is
@@ -86,9 +99,10 @@ class MLAttention(nn.Module):
 
     def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend) -> torch.Tensor:
         m, heads = self.mla, self.local_heads
-        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a = self.project_q_kv_a(x)  # [T, heads·qk_head_dim or q_lora], [T, kv_lora + rope]
+        if m.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(-1, heads, m.qk_head_dim)
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
         pool, _ = kv.layer(self.layer_id)
         if backend.fused_prologue:  # norm, both rotaries and the store in one launch, in place in q and kv_a
             from tandem.kernels.mla_prologue import mla_prologue
@@ -130,6 +144,20 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+def fused_q_kv_a(cfg: ModelConfig, prefix: str) -> QKVAProjection | None:
+    """The layer's q_proj (V2 style, by heads) or q_a_proj fused with kv_a_proj_with_mqa, or None where
+    they cannot share a weight: formats that differ or do not align (tandem/layers/mla_qkv_a.py), or
+    q_proj beside kv_a biases (transformers' q_proj has none)."""
+    m = cfg.mla
+    q_sharded = m.q_lora_rank is None
+    q_name, q_size = ("q_proj", cfg.num_heads * m.qk_head_dim) if q_sharded else ("q_a_proj", m.q_lora_rank)
+    formats = [linear_format(cfg.quantization, prefix, (name,)) for name in (q_name, KV_A)]
+    if (q_sharded and m.attention_bias) or not can_fuse(*formats, q_local_rows(q_size, q_sharded)):
+        return None
+    return QKVAProjection(cfg.hidden_size, q_size, m.cache_dim, q_sharded, m.attention_bias,
+                          linear_format(cfg.quantization, prefix, (q_name, KV_A)))
+
+
 class DeepseekDecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: YarnRotary):
         super().__init__()
@@ -169,13 +197,20 @@ class DeepseekV3ForCausalLM(CausalLM):
     def load(self, model_dir: str | Path) -> None:
         cfg = self.config
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        skipped = load_checkpoint(self, model_dir, PACKED_WEIGHTS, optional=optional, ignored=optional,
+        skipped = load_checkpoint(self, model_dir, packed_weights(cfg), optional=optional, ignored=optional,
                                   rename=checkpoint_rename(cfg))
         for layer in self.model.layers:
             layer.self_attn.finish_load()
         if skipped:
             log.info("%s: skipped %d tensors the text model does not use: %s", model_dir, len(skipped),
                      ", ".join(sorted({_group(n) for n in skipped})))
+
+
+def packed_weights(cfg: ModelConfig) -> dict[str, tuple[str, object]]:
+    """Checkpoint module → (fused module, part): gate/up, and the query's first projection with kv_a (a
+    layer that keeps them apart loads them as they are: tandem/models/loader.py)."""
+    q_name = "q_proj" if cfg.mla.q_lora_rank is None else "q_a_proj"
+    return {**GATE_UP, q_name: ("fused_qkv_a_proj_with_mqa", "q"), KV_A: ("fused_qkv_a_proj_with_mqa", "kv")}
 
 
 def checkpoint_rename(cfg: ModelConfig):

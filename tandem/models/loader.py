@@ -62,7 +62,8 @@ def load_checkpoint(
     ignored: tuple[str, ...] = (),
     rename: Callable[[str], str | None] | None = None,
 ) -> list[str]:
-    """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules;
+    """Fill ``model`` from ``model_dir``. ``packed`` maps checkpoint name fragments to fused modules (where
+    a layer has no such fused module, the fragment loads into its own);
     ``optional`` lists tensors that may be absent, ``ignored`` tensors skipped if present (e.g.
     ``lm_head.weight`` of a tied checkpoint, which some exporters write anyway). ``rename`` maps a
     checkpoint name to the model's (a wrapper's prefix dropped), or to None for a tensor the model
@@ -85,7 +86,7 @@ def load_checkpoint(
                     continue
                 if name.endswith(IGNORED_SUFFIXES) or name in ignored:
                     continue
-                module_name, param, shard_id = _locate(name, packed)
+                module_name, param, shard_id = _locate(name, packed, modules)
                 module = modules.get(module_name)
                 if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
                     raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' (no such weight in this architecture)")
@@ -104,12 +105,15 @@ def load_checkpoint(
     return skipped
 
 
-def _locate(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, str, object]:
+def _locate(name: str, packed: dict[str, tuple[str, object]],
+            modules: dict[str, nn.Module]) -> tuple[str, str, object]:
     module_name, _, param = name.rpartition(".")
     head, _, leaf = module_name.rpartition(".")
     if leaf in packed:
         fused, shard_id = packed[leaf]
-        return f"{head}.{fused}" if head else fused, param, shard_id
+        fused_name = f"{head}.{fused}" if head else fused
+        if fused_name in modules:  # else this layer keeps the part as its own module (formats that cannot fuse)
+            return fused_name, param, shard_id
     return module_name, param, None
 
 
