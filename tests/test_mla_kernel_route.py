@@ -109,15 +109,15 @@ def test_decode_logits_equal_the_reference_route(engines, launches):
 
 
 def _chunk_then_tree(eng) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 13-token chunk after 17 cached, then a 5-node tree after those 30 (root's children a, b; a's c, d;
+    """A 7-token chunk after 23 cached, then a 5-node tree after those 30 (root's children a, b; a's c, d;
     b's e): the logits of both forwards."""
     prompt, nodes, parents, depth = random_prompt(2, 30, VOCAB), [7, 8, 9, 10, 11], [-1, -1, 0, 0, 1], [0, 0, 1, 1, 1]
     mask = [[j == i or parents[i] == j for j in range(5)] for i in range(5)]
     kv = SequenceKV(eng.allocator)
     try:
         kv.reserve(35)
-        eng.executor.forward(ForwardBatch([SequenceChunk(prompt[:17], 0, kv.page_table(), logits="none")]))
-        chunk, _ = eng.executor.forward(ForwardBatch([SequenceChunk(prompt[17:], 17, kv.page_table(), logits="all")]))
+        eng.executor.forward(ForwardBatch([SequenceChunk(prompt[:23], 0, kv.page_table(), logits="none")]))
+        chunk, _ = eng.executor.forward(ForwardBatch([SequenceChunk(prompt[23:], 23, kv.page_table(), logits="all")]))
         tree = SequenceChunk(nodes, 30, kv.page_table(), positions=[30 + d for d in depth], tree_mask=mask,
                              logits="all")
         tree_logits, _ = eng.executor.forward(ForwardBatch([tree]))
@@ -130,7 +130,7 @@ def test_chunk_and_tree_logits_equal_the_reference_route(engines, launches):
     ref_chunk, ref_tree = _chunk_then_tree(engines["torch"])
     before = dict(launches)
     chunk, tree = _chunk_then_tree(engines["triton"])
-    # the chunk (13 rows) and the tree (5), both within mla_absorb.MAX_ROWS; the fresh prefix is the plain form
+    # the chunk (7 rows) and the tree (5), both within mla_absorb.MAX_ROWS; the fresh prefix is the plain form
     assert _since(launches, before) == {"n": 2 * 3, "absorb_q": 2 * 3, "absorb_out": 2 * 3, "einsum": 0}
     assert_rel(chunk, ref_chunk, 1e-4, "chunk")
     assert_rel(tree, ref_tree, 1e-4, "tree")

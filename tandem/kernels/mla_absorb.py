@@ -27,7 +27,9 @@ import triton.language as tl
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 from tandem.kernels.rounding import round_to
 
-MAX_ROWS = 16  # above this the model keeps the einsums: cuBLAS' GEMMs read each weight once for all rows anyway
+# Above this the model keeps the einsums: each program walks its rows one after another, and at 8 rows the kernels
+# took about as long as the einsums with their cat and copies on the H200 (bench --sections mla, absorb rows).
+MAX_ROWS = 8
 PROGRAMS_WANTED = 256  # enough programs in flight to stream the weights on Hopper's 132 SMs
 
 
