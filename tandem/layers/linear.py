@@ -75,7 +75,7 @@ class Span:
         return dst.narrow(dim, self.dst, self.length), src.narrow(dim, self.src, self.length)
 
 
-class _ShardedLinear(nn.Module):
+class ShardedLinear(nn.Module):
     """Shared weights, loading and forward; subclasses set ``rows(shard_id)`` and ``cols``."""
 
     def _make_weights(self, out_local: int, in_local: int, bias: bool, quant) -> None:
@@ -117,7 +117,7 @@ class _ShardedLinear(nn.Module):
         return self._product(x, self.bias, swiglu)
 
 
-class ReplicatedLinear(_ShardedLinear):
+class ReplicatedLinear(ShardedLinear):
     """A plain linear layer, the same on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):
@@ -130,7 +130,7 @@ class ReplicatedLinear(_ShardedLinear):
         return Span.whole(self.out_features)
 
 
-class ColumnParallelLinear(_ShardedLinear):
+class ColumnParallelLinear(ShardedLinear):
     """y = x Wᵀ with W split by output rows: each rank computes its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):
@@ -147,7 +147,7 @@ class ColumnParallelLinear(_ShardedLinear):
         return Span(rank * self.local_out, 0, self.local_out, self.out_features, self.local_out)
 
 
-class MergedColumnParallelLinear(_ShardedLinear):
+class MergedColumnParallelLinear(ShardedLinear):
     """Several column-parallel projections of the same input fused into one matmul (e.g. gate and up).
 
     The local weight is ``[rank's slice of part 0; rank's slice of part 1; ...]``, so a forward yields
@@ -173,7 +173,7 @@ class MergedColumnParallelLinear(_ShardedLinear):
         return [self.rows(i) for i in range(len(self.part_sizes))]
 
 
-class QKVParallelLinear(_ShardedLinear):
+class QKVParallelLinear(ShardedLinear):
     """Fused q/k/v projection split by attention heads.
 
     Query heads are divided among ranks. Key/value heads are divided too when there are at least as
@@ -211,7 +211,7 @@ class QKVParallelLinear(_ShardedLinear):
         return [self.rows(s) for s in ("q", "k", "v")]
 
 
-class RowParallelLinear(_ShardedLinear):
+class RowParallelLinear(ShardedLinear):
     """y = x Wᵀ with W split by input columns; partial sums are all-reduced, then the bias is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant=None):

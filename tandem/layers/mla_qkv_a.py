@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from tandem.distributed import divide, tp_group
-from tandem.layers.linear import Span, _ShardedLinear
+from tandem.layers.linear import Span, ShardedLinear
 from tandem.layers.quantized_linear import Fp8BlockFormat, QuantFormat
 
 
-class QKVAProjection(_ShardedLinear):
+class QKVAProjection(ShardedLinear):
     """``x → (q, kv_a)``: one product, split by columns."""
 
     def __init__(self, in_features: int, q_size: int, kv_size: int, q_sharded: bool, bias: bool = False,
