@@ -9,7 +9,7 @@ launches per token (and per layer), and the device-busy time per token against t
 token. The wall time is taken over the same number of steps without the profiler (its host overhead
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
-    python3 bench/profile_deepseek.py [--layers 27] [--steps 20] [--out profile_deepseek.json]
+    python3 bench/profile_deepseek.py [--layers 27] [--steps 20] [--gemv-ahead-k 4096] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -129,6 +129,24 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
             "memsets_per_token": counts["gpu_memset"], "distinct_kernels": len(rows), "top_kernels": rows[:top]}
 
 
+def read_ahead(max_k: int) -> None:
+    """One-row GEMVs with K <= ``max_k`` read every weight tile before the PDL wait (an A/B of prefetch_steps:
+    the linear layers ask tandem.kernels.gemv.default_config at each call, graph capture included)."""
+    import dataclasses
+
+    from tandem.kernels import gemv
+
+    default = gemv.default_config
+
+    def config(rows: int, n: int, k: int):
+        cfg = default(rows, n, k)
+        if rows == 1 and cfg.kernel == "rows" and k <= max_k:
+            cfg = dataclasses.replace(cfg, prefetch_steps=-(-k // cfg.block_k))
+        return cfg
+
+    gemv.default_config = config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"])
@@ -136,8 +154,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per mode")
     ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
     ap.add_argument("--copy-tbps", type=float, default=4.22, help="the copy rate the read floor assumes (H200: 4.22)")
+    ap.add_argument("--gemv-ahead-k", type=int, default=0,
+                    help="one-row GEMVs with K up to this read their whole weight slice before the PDL wait "
+                         "(GemvConfig.prefetch_steps; 0: the default, the first tile)")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
+    if args.gemv_ahead_k:
+        read_ahead(args.gemv_ahead_k)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("graphs", "eager") for m in modes):
         ap.error(f"--modes takes graphs and/or eager, got {args.modes!r}")

@@ -357,6 +357,23 @@ def test_gemv_reads_silu_of_gate_times_up_with_swiglu(dtype, rows, k):
         gemv(gate_up, w, config=GemvConfig("dot", block_n=16, block_k=64), swiglu=True)
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("k,steps", [(256, 4), (256, 2), (200, 4), (96, 8)])
+def test_gemv_reading_several_weight_tiles_before_the_wait_matches_linear(k, steps, swiglu):
+    """``prefetch_steps``: the first tiles read ahead (all of K, part of it, a ragged last tile, more steps than K
+    holds); the same product as F.linear, in float32."""
+    from tandem.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(k + steps)
+    x = torch.randn(1, (2 if swiglu else 1) * k, generator=gen).to(DEVICE)
+    w = torch.randn(40, k, generator=gen).to(DEVICE)
+    y = gemv(x, w, config=GemvConfig("rows", block_n=8, block_k=64, prefetch_steps=steps), swiglu=swiglu)
+    act = F.silu(x[:, :k]) * x[:, k:] if swiglu else x
+    assert norm_rel_err(y, F.linear(act.double(), w.double())) < 1e-6
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.zeros(2, k), w.cpu(), config=GemvConfig("rows", block_n=8, block_k=64, prefetch_steps=steps))
+
+
 def test_gemv_rejects_bad_shapes():
     from tandem.kernels.gemv import GemvConfig, gemv
 

@@ -203,6 +203,10 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         gv.gemv(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=dt),
                 config=gv.default_config(rows, n, k))
         _report(f"gemv {rows}x{k} -> {n}", failures)
+    for n, k, steps, swiglu in ((3648, 2048, 4, False), (2048, 2816, 6, True), (4096, 4096, 8, False)):
+        gv.gemv(torch.empty(1, k * (2 if swiglu else 1), dtype=dt), torch.empty(n, k, dtype=dt), swiglu=swiglu,
+                config=gv.GemvConfig("rows", 4, 512, 4, prefetch_steps=steps))  # a whole slice read before the wait
+        _report(f"gemv 1x{k} -> {n}, {steps} tiles ahead", failures)
     gv.gemv(torch.empty(1, 2 * 14336, dtype=dt), torch.empty(4096, 14336, dtype=dt),  # the down projection of SwiGLU
             config=gv.default_config(1, 4096, 14336), swiglu=True)
     _report("gemv swiglu 1x14336 -> 4096", failures)

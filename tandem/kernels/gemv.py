@@ -39,10 +39,15 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3  # only the "dot" kernel pipelines its loop
+    # weight tiles the one-row "rows" kernel reads before the PDL wait (weights never depend on the kernel before):
+    # more than the first lets a short GEMV stream most of its weight while its predecessor finishes
+    prefetch_steps: int = 1
 
     def __post_init__(self):
         if self.kernel not in ("rows", "dot"):
             raise ValueError(f"GemvConfig.kernel must be 'rows' or 'dot', got {self.kernel!r}")
+        if self.prefetch_steps < 1:
+            raise ValueError(f"GemvConfig.prefetch_steps must be at least 1, got {self.prefetch_steps}")
 
 
 MAX_ROWS = 16  # beyond this a tensor-core GEMM (cuBLAS) reads W once for all rows anyway
@@ -71,8 +76,10 @@ def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SWIGLU: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 1,
 ):
-    """``SWIGLU``: x holds ``[gate | up]`` rows of 2K; the product is with ``silu(gate) * up`` (swiglu_load)."""
+    """``SWIGLU``: x holds ``[gate | up]`` rows of 2K; the product is with ``silu(gate) * up`` (swiglu_load).
+    ``PREFETCH``: weight tiles read before the PDL wait (more than one: ROWS 1 only), held in their dtype."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last block re-reads valid rows instead of masking its loads; only its store is masked.
@@ -86,11 +93,20 @@ def _gemv_rows_kernel(
     # launch it is read while that kernel finishes, and x only after it has.
     first_ok = offs_k < K
     w0 = tl.load(w_ptrs, mask=first_ok[None, :], other=0.0).to(tl.float32)
+    ahead = ()
+    for i in tl.static_range(1, PREFETCH):
+        if EVEN_K:
+            ahead += (tl.load(w_ptrs + i * BLOCK_K),)
+        else:
+            ahead += (tl.load(w_ptrs + i * BLOCK_K, mask=(i * BLOCK_K + offs_k < K)[None, :], other=0.0),)
     pdl_enter(PDL)
     x0 = _x_tile(x_ptrs, m_ok[:, None] & first_ok[None, :], SWIGLU, K)
     if ROWS == 1:
         acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
-        for k in range(BLOCK_K, K, BLOCK_K):
+        for i in tl.static_range(1, PREFETCH):
+            x_ok = None if EVEN_K else (i * BLOCK_K + offs_k < K)[None, :]
+            acc += ahead[i - 1].to(tl.float32) * _x_tile(x_ptrs + i * BLOCK_K, x_ok, SWIGLU, K)
+        for k in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
                 xv = _x_tile(x_ptrs + k, None, SWIGLU, K)
@@ -169,6 +185,8 @@ def gemv(
                          f"{tuple(weight.shape)}")
     if swiglu and config.kernel != "rows":
         raise ValueError("gemv applies swiglu in the 'rows' kernel only")
+    if config.prefetch_steps > 1 and (config.kernel != "rows" or x.shape[0] != 1):
+        raise ValueError("gemv reads several weight tiles ahead in the 'rows' kernel at one row only")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs the last dim of x and weight contiguous")
     m, k = x.shape[0], weight.shape[1]
@@ -184,7 +202,8 @@ def gemv(
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
             *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, SWIGLU=swiglu, **pdl_args,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, SWIGLU=swiglu,
+            PREFETCH=min(config.prefetch_steps, triton.cdiv(k, config.block_k)), **pdl_args,
         )
     else:
         _gemv_dot_kernel[grid](
