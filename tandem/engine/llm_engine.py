@@ -167,20 +167,29 @@ class LLMEngine:
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
         states = [req.spec_state for req in drafting] if asked else []
         self.speculating = self.policy.decide(len(running), states, runs)
-        # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment)
+        # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment); or a
+        # probe: speculation ahead of attached plain steps only, the step plain and the drafter detached briefly
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
-        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0)
+        probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
+        self.speculating = self.speculating and not probe
+        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
-    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0) -> None:
-        """Detach the drafter from a batch the policy keeps plain, or attach it again (tandem.speculative.attachment);
-        never under a run of rounds in flight (its requests' draft state is in use)."""
-        can_switch = self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
-        change = self.attachment.after_decision(self.speculating, asked, can_switch, plain_measured_faster, loss)
+    def _can_switch(self) -> bool:
+        """No run of rounds in flight (its requests' draft state is in use)."""
+        return self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
+
+    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0,
+                         probe: bool = False) -> None:
+        """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
+        (tandem.speculative.attachment); never under a run of rounds in flight."""
+        change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
+                                                loss, probe)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
-            log.info("speculation off for a while at batch %d: the drafter is detached (plain steps run target-only); "
-                     "%s", len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
+            log.info("%s at batch %d: the drafter is detached (plain steps run target-only); %s",
+                     "plain steps measured without the drafter" if probe else "speculation off for a while",
+                     len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
         elif change == "attach":
             log.info("the drafter is attached again: prompts admitted from now on can speculate")
 

@@ -24,7 +24,9 @@ re-attach) starts the backoff over.
 
 Where measured goodput (tandem.speculative.goodput) has found plain steps faster at the running batch size,
 the engine detaches after ``detach_measured_steps`` plain decisions instead of the time and steps above: the
-verdict is already measured, and attached plain steps pay for input no draft will use.
+verdict is already measured, and attached plain steps pay for input no draft will use. Where speculation won
+only narrowly against attached plain steps and plain was never measured detached there, the engine detaches for
+``probe_detached_s`` (a probe) to measure it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class AttachmentConfig:
     ready_share: float = 1.0  # attached again: the policy is asked once this share of the batch can draft ...
     ready_timeout_s: float = 2.0  # ... or after this long
     remeasure_cost: float = 0.01  # a re-attach's measured loss: at most about this share of the detached period before it
+    probe_detached_s: float = 1.0  # a probe (plain steps measured without the drafter): detached this long
 
 
 class DrafterAttachment:
@@ -89,13 +92,17 @@ class DrafterAttachment:
         return False
 
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
-                       plain_measured_faster: bool = False, loss: float = 0.0) -> str | None:
+                       plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
         flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
-        ``loss`` of it). → "detach", "attach" or None: what the engine does now."""
+        ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller).
+        → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
         now = self.clock()
+        if probe and asked and can_switch and not self.detached:  # (the backoff and the clocks untouched)
+            self.detached, self._detached_until = True, now + self.cfg.probe_detached_s
+            return "detach"
         if self.detached:
             if now < self._detached_until:
                 return None

@@ -68,6 +68,7 @@ class GoodputArbiter:
         self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
         self._detached = False  # the latest step observed was a detached one
         self._due: set[int] = set()  # buckets whose speculative goodput a detached period forgot: measured at once
+        self._probed: dict[int, float] = {}  # bucket -> when it was last probed (take_probe)
 
     def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float, detached: bool = False) -> None:
         """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``;
@@ -130,6 +131,21 @@ class GoodputArbiter:
         if b not in self._best or not (self._measured(b, True, now) and self._measured(b, False, now)):
             return None
         return self._best[b]
+
+    def take_probe(self, batch_size: int) -> bool:
+        """Whether the engine is to detach briefly now (a probe; then taken: a bucket is probed at most once in
+        ``goodput_stale_s``): speculation won at ``batch_size``'s bucket only against plain steps run attached, by
+        less than ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
+        draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
+        speculation, which only detaching can measure."""
+        b, now = self.bucket(batch_size), self.clock()
+        spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
+        if (now - self._probed.get(b, -math.inf) < self.cfg.goodput_stale_s or self.verdict(batch_size) is not True
+                or self._fresh(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
+                or spec.rate >= attached.rate * (1 + self.cfg.goodput_probe_margin)):
+            return False
+        self._probed[b] = now
+        return True
 
     def loss(self, batch_size: int) -> float:
         """The share of goodput the slower mode loses at ``batch_size``'s bucket, as measured (1.0 until both are)."""

@@ -74,6 +74,7 @@ class PolicyConfig:
     goodput_explore_cost: float = 0.01  # measuring the slower mode again costs about this share of goodput ...
     goodput_explore_max_s: float = 5.0  # ... measured again at least this often
     goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
+    goodput_probe_margin: float = 0.15  # speculation ahead of attached plain steps by less: measure plain detached
 
 
 @dataclass
@@ -228,6 +229,11 @@ class SpeculationPolicy:
             return False  # this bucket's costs are not measured both ways
         _, tau_upper, ratio = view
         return tau_upper * (1 + c.settled_margin) < ratio
+
+    def probe_detached(self, batch_size: int) -> bool:
+        """Whether to detach briefly now at ``batch_size`` to measure plain steps without the drafter (goodput's
+        ``take_probe``, which counts it as taken; never without goodput)."""
+        return self.goodput is not None and self.goodput.take_probe(batch_size)
 
     def measured_loss(self, batch_size: int) -> float:
         """The share of goodput the slower mode loses at ``batch_size``, as measured goodput has it (0 without it)."""
