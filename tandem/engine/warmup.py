@@ -58,6 +58,9 @@ class _Forced:
     def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)
 
+    def probe_detached(self, batch_size) -> bool:
+        return False
+
 
 def warmup_batch_sizes(max_bs: int) -> list[int]:
     sizes, b = [], 1
