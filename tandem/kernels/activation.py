@@ -18,22 +18,27 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty  # (round_to: a plain cast's round trip may be folded away or truncate)
-    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_o + cols, round_to(act * up, dtype).to(out_ptr.dtype.element_ty), mask=ok)
+    act = swiglu_load(x_ptr + row * stride_x + cols, cols < inter, inter, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=cols < inter)
 
 
 @triton.jit
-def swiglu_load(gate_ptrs, mask, INTER: tl.constexpr, DTYPE: tl.constexpr):
-    """``silu(gate) * up`` at ``gate_ptrs`` (up ``INTER`` elements after), in float32 holding ``DTYPE``'s
-    roundings as torch's two ops make them (the silu rounded, then the product): a GEMV reads its input through
-    this instead of a separate activation kernel's output."""
+def swiglu_load(gate_ptrs, mask, inter, DTYPE: tl.constexpr):
+    """``silu(gate) * up`` at ``gate_ptrs`` (up ``inter`` elements after), in float32 holding ``DTYPE``'s
+    roundings as torch's two ops make them (the silu rounded, then the product; round_to, since a cast's round
+    trip may be folded away or truncate): the activation kernel's output, or a GEMV's input read directly."""
     gate = load_f32(gate_ptrs, mask)
-    up = load_f32(gate_ptrs + INTER, mask)
+    up = load_f32(gate_ptrs + inter, mask)
     return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DTYPE) * up, DTYPE)
+
+
+@triton.jit
+def activation_load(x_ptrs, mask, SWIGLU: tl.constexpr, K: tl.constexpr):
+    """A GEMV's activations at ``x_ptrs`` in float32: loaded, or ``silu(gate) * up`` of a [gate | up] row of 2K."""
+    if SWIGLU:
+        return swiglu_load(x_ptrs, mask, K, x_ptrs.dtype.element_ty)
+    else:
+        return load_f32(x_ptrs, mask)
 
 
 @triton.jit

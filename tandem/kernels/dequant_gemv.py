@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import swiglu_load
+from tandem.kernels.activation import activation_load
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
 from tandem.kernels.pdl import pdl_enter
 
@@ -185,11 +185,7 @@ def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, fir
         ok = row_ok & (k0 + first_col < K)[:, None]
     else:
         ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
-    if SWIGLU:
-        x = swiglu_load(x_row + offs, ok, K, x_row.dtype.element_ty)
-    else:
-        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-    xs = _columns(x)
+    xs = _columns(activation_load(x_row + offs, ok, SWIGLU, K))
     p = q[0] * xs[0][None, :]
     for i in tl.static_range(1, PER_WORD):
         p += q[i] * xs[i][None, :]

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import load_f32, swiglu_load
+from tandem.kernels.activation import activation_load
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -63,15 +63,6 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _x_tile(x_ptrs, mask, SWIGLU: tl.constexpr, K: tl.constexpr):
-    """The activations at ``x_ptrs`` in float32: loaded, or ``silu(gate) * up`` of a [gate | up] row."""
-    if SWIGLU:
-        return swiglu_load(x_ptrs, mask, K, x_ptrs.dtype.element_ty)
-    else:
-        return load_f32(x_ptrs, mask)
-
-
-@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -100,20 +91,20 @@ def _gemv_rows_kernel(
         else:
             ahead += (tl.load(w_ptrs + i * BLOCK_K, mask=(i * BLOCK_K + offs_k < K)[None, :], other=0.0),)
     pdl_enter(PDL)
-    x0 = _x_tile(x_ptrs, m_ok[:, None] & first_ok[None, :], SWIGLU, K)
+    x0 = activation_load(x_ptrs, m_ok[:, None] & first_ok[None, :], SWIGLU, K)
     if ROWS == 1:
         acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
         for i in tl.static_range(1, PREFETCH):
             x_ok = None if EVEN_K else (i * BLOCK_K + offs_k < K)[None, :]
-            acc += ahead[i - 1].to(tl.float32) * _x_tile(x_ptrs + i * BLOCK_K, x_ok, SWIGLU, K)
+            acc += ahead[i - 1].to(tl.float32) * activation_load(x_ptrs + i * BLOCK_K, x_ok, SWIGLU, K)
         for k in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = _x_tile(x_ptrs + k, None, SWIGLU, K)
+                xv = activation_load(x_ptrs + k, None, SWIGLU, K)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = _x_tile(x_ptrs + k, k_ok[None, :], SWIGLU, K)
+                xv = activation_load(x_ptrs + k, k_ok[None, :], SWIGLU, K)
             acc += w.to(tl.float32) * xv
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -123,11 +114,11 @@ def _gemv_rows_kernel(
         for k in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k)
-                xv = _x_tile(x_ptrs + k, m_ok[:, None], SWIGLU, K)
+                xv = activation_load(x_ptrs + k, m_ok[:, None], SWIGLU, K)
             else:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = _x_tile(x_ptrs + k, m_ok[:, None] & k_ok[None, :], SWIGLU, K)
+                xv = activation_load(x_ptrs + k, m_ok[:, None] & k_ok[None, :], SWIGLU, K)
             acc3 += w.to(tl.float32)[None, :, :] * xv[:, None, :]
         y = tl.sum(acc3, axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
