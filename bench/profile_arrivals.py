@@ -1,15 +1,19 @@
 """cProfile of the arrivals closed loop (bench/sections_arrivals.py) on the shipped demo pair's target, target-only
-at concurrency 64: host time per function. Extra arguments go to the verifier's parser (e.g.
---prefill-graph-tokens 0).
-  usage: python3 bench/profile_arrivals.py [verifier flags...]"""
+at concurrency 64 (--concurrency N): host time per function, and the steps and seconds spent with the drafter
+attached and detached. Extra arguments go to the verifier's parser (e.g. --prefill-graph-tokens 0, or --drafter
+in-process --draft-model DIR; --never-speculating: that drafter's policy never speculates).
+  usage: python3 bench/profile_arrivals.py [--concurrency N] [--never-speculating] [verifier flags...]"""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import collections
 import json
 import os
 import pstats
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
@@ -31,15 +35,36 @@ def main() -> None:
     saved = folder / "prompts.json"
     prompts = json.loads(saved.read_text()) if saved.is_file() else demo_eval_prompts(str(folder / "target"), 64)
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--concurrency", type=int, default=64)
+    own.add_argument("--never-speculating", action="store_true")
+    mine, rest = own.parse_known_args()
     args = build_parser().parse_args(["--model", str(folder / "target"), "--device", device, "--dtype", dtype,
-                                      "--kv-pages", "12288", *sys.argv[1:]])
+                                      "--kv-pages", "12288", *rest])
     engine, _, _ = build_engine(VerifierConfig.from_args(args, args.model), VerifierMetrics())
-    _closed_loop(engine, prompts, 64, 2.0)  # warm
+    if mine.never_speculating:
+        engine.policy.decide = lambda *a, **k: False
+    attachment = collections.defaultdict(lambda: [0, 0.0])  # detached? -> steps, seconds
+    step = engine.step
+
+    def timed_step():
+        detached, t0 = engine.attachment.detached, time.perf_counter()
+        try:
+            return step()
+        finally:
+            attachment[detached][0] += 1
+            attachment[detached][1] += time.perf_counter() - t0
+
+    engine.step = timed_step
+    _closed_loop(engine, prompts, mine.concurrency, 2.0)  # warm
+    attachment.clear()
     profile = cProfile.Profile()
     profile.enable()
-    result = _closed_loop(engine, prompts, 64, 4.0)
+    result = _closed_loop(engine, prompts, mine.concurrency, 4.0)
     profile.disable()
-    print("tok/s", round(result["tok_s"]), json.dumps(result["steps"]))
+    print("tok/s", round(result["tok_s"]), round(result["tok_s_settled"]), json.dumps(result["steps"]))
+    for detached, (n, s) in sorted(attachment.items()):
+        print(f"drafter {'detached' if detached else 'attached'}: {n} steps, {s:.2f} s, {1e3 * s / max(n, 1):.3f} ms a step")
     pstats.Stats(profile).sort_stats("tottime").print_stats(35)
     pstats.Stats(profile).sort_stats("cumtime").print_stats(45)
 
