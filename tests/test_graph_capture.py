@@ -15,7 +15,7 @@ from draft_checkpoints import pair_drafter
 from helpers import TorchGraphBackend
 from tandem import graph_capture
 from tandem.engine.config import EngineConfig
-from tandem.engine.cuda_graph import TargetGraphRunner
+from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
 from tandem.engine.llm_engine import LLMEngine
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.speculative.draft_graph import DraftGraphRunner
@@ -133,8 +133,10 @@ def test_the_target_runner_captures_decode_and_verify_widths_on_padding_rows(pai
         runner.graph_backend = TorchGraphBackend()
         graphs = TargetGraphRunner(runner, widths=(1, 4), max_bs=3, use_graphs=True)
         report = graphs.capture()
-        assert list(report) == ["verify(width=4)", "decode"]
-        assert list(graphs.graphs) == [(4, 3), (4, 2), (4, 1), (1, 3), (1, 2), (1, 1)]
+        assert list(report) == ["verify(width=4)", "decode", "decode without features"]
+        assert list(graphs.graphs) == [(4, 3), (4, 2), (4, 1), (1, 3), (1, 2), (1, 1),
+                                       (PLAIN_DECODE, 3), (PLAIN_DECODE, 2), (PLAIN_DECODE, 1)]
+        assert graphs.families[1].features is not None and graphs.plain_decode.features is None
         fam = graphs.families[4]
         # the last capture staged padding rows: every KV write goes to the dummy page
         assert fam.logits.shape[0] == 3 * 4 and fam.features is not None

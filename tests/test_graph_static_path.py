@@ -247,3 +247,40 @@ def test_verify_widths_past_the_latent_kernels_mask_are_not_captured():
 
     assert graph_widths((1, 4, 65), latent=False) == (1, 4, 65)
     assert graph_widths((1, 4, 64, 65), latent=True) == (1, 4, 64)
+
+
+def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine, monkeypatch):
+    """A speculative engine's decode and prefill graphs compute the EAGLE-3 features for a drafter that keeps
+    them; a step that asks for none (the drafter detached) replays a twin captured without them — what
+    target-only's graphs compute — with the same logits. Target-only graphs have no twins."""
+    from helpers import TorchGraphBackend
+    from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    plain_only = TargetGraphRunner(runner, widths=(1,), max_bs=2, use_graphs=False, prefill_widths=(16,))
+    assert plain_only.plain_decode is None and not plain_only.plain_prefill
+    graphs = TargetGraphRunner(runner, widths=(1, 4), max_bs=2, use_graphs=False, prefill_widths=(16,),
+                               prefill_max_bs=2)
+    graphs.run_statically()
+    members, body = [], graphs._body
+    monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
+
+    def run(chunk, features: bool):
+        members.clear()
+        logits, feats = graphs.run(ForwardBatch([chunk], capture_features=features))
+        return members[-1], logits.clone(), feats
+
+    for chunk, kept, twin in ((SequenceChunk([7], 3, [1]), 1, PLAIN_DECODE),
+                              (SequenceChunk(list(range(1, 7)), 0, [1, 2]), ("prefill", 16, True),
+                               ("prefill", 16, False))):
+        member, logits, feats = run(chunk, True)
+        assert member == kept and feats is not None and feats.shape[-1] == 3 * runner.model_cfg.hidden_size
+        member, twin_logits, feats = run(chunk, False)
+        assert member == twin and feats is None
+        assert torch.equal(twin_logits, logits)
+    # a run of decode steps without features replays the twin at every step
+    members.clear()
+    graphs.run_decode_steps(ForwardBatch([SequenceChunk([7], 3, [1])]), 3, lambda logits, feats, k: logits.argmax(-1))
+    assert members == [PLAIN_DECODE] * 3

@@ -26,44 +26,65 @@ from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
 
+PLAIN_DECODE = ("decode", "plain")  # the member of the decode family's twin without features
+
+
+def _name(fam: GraphFamily) -> str:
+    if isinstance(fam, PrefillFamily):
+        return f"prefill(width={fam.width})"
+    return "decode" if fam.width == 1 else f"verify(width={fam.width})"
+
 
 class TargetGraphRunner(GraphRunner):
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
                  capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None,
                  prefill_widths: tuple[int, ...] = (), prefill_max_bs: int = 8):
         """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend). Graphs are keyed
-        (width, bucket), a prefill family's (("prefill", width), bucket) (tandem.engine.prefill_graphs)."""
+        (member, bucket): a member is a width, PLAIN_DECODE, or a prefill family's ("prefill", width, captures)
+        (tandem.engine.prefill_graphs)."""
         super().__init__(runner.device, batch_buckets(max_bs), log_name="tandem.cuda_graph", watchdog=watchdog,
                          use_graphs=runner.device.type == "cuda" if use_graphs is None else use_graphs,
                          capture_deadline_s=capture_deadline_s, replay_deadline_s=replay_deadline_s)
         self.runner = runner
         self.page_size = runner.cfg.page_size
         self.max_pages = -(-runner.model_cfg.max_position_embeddings // self.page_size)
-        self.families = {w: GraphFamily(w, self.max_bs, self.max_pages, self.page_size, self.device) for w in widths}
-        buckets = prefill_buckets(prefill_max_bs)
-        self.prefill = {w: PrefillFamily(w, buckets, self.max_pages, self.page_size, self.device) for w in prefill_widths}
-        # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
-        self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
-                                         + [f.staging_size for f in self.prefill.values()]), self.device)
         # A speculative engine also needs features from plain decode steps (the drafter stays in step
         # while the policy has speculation off for a request).
         self.decode_features = any(w > 1 for w in widths) or runner.cfg.graph_decode_features
+        # ... and, for the steps whose features no drafter keeps (it is detached), twins of the decode and prefill
+        # families without them: such steps replay what target-only's graphs compute, not the capture layers' adds,
+        # concatenation and copies on top (a small target's step is mostly kernel launches).
+        twins = self.decode_features and not runner.cfg.graph_decode_features
+        family = lambda w, captures, key=None: GraphFamily(  # noqa: E731
+            w, self.max_bs, self.max_pages, self.page_size, self.device, captures=captures, key=key)
+        self.families = {w: family(w, w > 1 or self.decode_features) for w in widths}
+        self.plain_decode = family(1, False, PLAIN_DECODE) if twins and 1 in widths else None
+        buckets = prefill_buckets(prefill_max_bs)
+        prefill = lambda captures: {w: PrefillFamily(w, buckets, self.max_pages, self.page_size, self.device,  # noqa: E731
+                                                     captures) for w in prefill_widths}
+        self.prefill = prefill(self.decode_features)
+        self.plain_prefill = prefill(False) if twins else {}
+        twin_families = ([self.plain_decode] if self.plain_decode is not None else []) + list(self.plain_prefill.values())
+        self._members = {f.key: f for f in (*self.families.values(), *self.prefill.values(), *twin_families)}
+        self._names = {key: _name(f) + (" without features" if f in twin_families else "") for key, f in self._members.items()}
+        # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
+        self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
+                                         + [f.staging_size for f in self.prefill.values()]), self.device)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_plan(self) -> list[tuple[str, list]]:
         members = [w for w in sorted(self.families, reverse=True)]
-        members += [f.key for _, f in sorted(self.prefill.items(), reverse=True)]
+        members += [PLAIN_DECODE] if self.plain_decode is not None else []
+        for families in (self.prefill, self.plain_prefill):
+            members += [f.key for _, f in sorted(families.items(), reverse=True)]
         return [(self._family_name(m), [m]) for m in members]
 
-    @staticmethod
-    def _family_name(member) -> str:
-        if isinstance(member, tuple):
-            return f"prefill(width={member[1]})"
-        return "decode" if member == 1 else f"verify(width={member})"
+    def _family_name(self, member) -> str:
+        return self._names[member]
 
     def _family_of(self, member) -> GraphFamily:
-        """A member's static buffers: a width's decode or verify family, or ("prefill", width)'s."""
-        return self.prefill[member[1]] if isinstance(member, tuple) else self.families[member]
+        """A member's static buffers: a width's decode or verify family, a prefill family, or a twin."""
+        return self._members[member]
 
     def member_buckets(self, member) -> list[int]:
         fam = self._family_of(member)
@@ -80,15 +101,15 @@ class TargetGraphRunner(GraphRunner):
 
     def _body(self, member, bs: int) -> None:
         fam = self._family_of(member)
+        layers = self.runner.capture_layers if fam.captures else ()
         if isinstance(fam, PrefillFamily):
-            fam.run_model(self.runner, bs, self.runner.capture_layers if self.decode_features else ())
+            fam.run_model(self.runner, bs, layers)
         else:
-            self._run_model(fam, bs)
+            self._run_model(fam, bs, layers)
 
-    def _run_model(self, fam: GraphFamily, bs: int) -> None:
+    def _run_model(self, fam: GraphFamily, bs: int, layers: tuple[int, ...]) -> None:
         n = bs * fam.width
         r = self.runner
-        layers = r.capture_layers if fam.width > 1 or self.decode_features else ()
         hidden, features = r.model(fam.input_ids[:n], fam.positions[:n], fam.meta(bs), r.kv, r.graph_backend, layers)
         fam.store(r.model.logits(hidden), features, self.max_bs * fam.width, self.max_bs * fam.width)
 
@@ -105,7 +126,8 @@ class TargetGraphRunner(GraphRunner):
         longest = max(len(s.token_ids) for s in batch.seqs)
         if longest == 1:
             return None  # single tokens are a decode step (its family, or eager: a run's graphs are the decode family's)
-        fam = next((f for w, f in sorted(self.prefill.items()) if w >= longest), None)
+        families = self.plain_prefill if self.plain_prefill and not batch.capture_features else self.prefill
+        fam = next((f for w, f in sorted(families.items()) if w >= longest), None)
         return fam if fam is not None and fam.takes(batch) else None
 
     def _uniform_fits(self, batch: ForwardBatch) -> bool:
@@ -146,7 +168,7 @@ class TargetGraphRunner(GraphRunner):
             self._fill_padding(fam, n, bs)
             return fam.key, bs, lambda: fam.outputs(n, real, batch.capture_features)
         fam, bs, m = self.prepare(batch)
-        return fam.width, bs, lambda: (own_float(fam.logits[:m]), fam.features[:m] if fam.features is not None else None)
+        return fam.key, bs, lambda: (own_float(fam.logits[:m]), fam.features[:m] if fam.features is not None else None)
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
@@ -175,8 +197,8 @@ class TargetGraphRunner(GraphRunner):
         """Replay bucket ``bs`` of ``fam`` on the static inputs as they stand (``prepare``d, then
         ``advance``d), without waiting: → views of the first ``n`` sequences' logits (model dtype) and
         features, valid until the family's next replay."""
-        with self.guard(self._replay_name(fam.width, bs)):
-            self._launch(fam.width, bs)
+        with self.guard(self._replay_name(fam.key, bs)):
+            self._launch(fam.key, bs)
         m = n * fam.width
         return fam.logits[:m], (fam.features[:m] if fam.features is not None else None)
 
@@ -222,7 +244,8 @@ class TargetGraphRunner(GraphRunner):
         bucket, real rows)."""
         seqs = batch.seqs
         width = len(seqs[0].token_ids)
-        fam = self.families[width]
+        fam = (self.plain_decode if width == 1 and self.plain_decode is not None and not batch.capture_features
+               else self.families[width])
         n, ps = len(seqs), self.page_size
         bs = self.bucket(n)
         m = width * n

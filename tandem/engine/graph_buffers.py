@@ -28,9 +28,13 @@ class GraphFamily:
     a mask buffer for tree masks (verification); without it the attention is causal."""
 
     def __init__(self, width: int, max_bs: int, max_pages: int, page_size: int, device: torch.device,
-                 masked: bool = True):
+                 masked: bool = True, captures: bool = False, key=None):
+        """``captures``: its graphs output the EAGLE-3 features; ``key``: its graphs' member in the runner
+        (default: the width)."""
         n = max_bs * width
         self.width = width
+        self.captures = captures
+        self.key = width if key is None else key
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.zeros(n, dtype=torch.int64, device=device)

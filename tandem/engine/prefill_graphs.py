@@ -15,8 +15,9 @@ shapes). A batch of prompt chunks runs on the narrowest family that holds its lo
   view, no index buffer) before the LM head, so the head computes [bs, vocab], not [bs * width, vocab].
 
 No mask: causal attention needs none, so the MLA kernel's 64-key mask limit does not bound the widths.
-Features (EAGLE-3) are captured for every row when the runner's decode graphs capture them; the caller gets
-the real rows', packed in the eager path's order, by one gather after the replay.
+Features (EAGLE-3) are captured for every row when the runner's decode graphs capture them (a speculative
+engine also captures a twin of each family without them, for prompts no drafter keeps); the caller gets the
+real rows', packed in the eager path's order, by one gather after the replay.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def is_prompt_chunk(s) -> bool:
 class PrefillFamily(GraphFamily):
     """The static buffers of one prefill width (causal: no mask), its buckets and its member key."""
 
-    def __init__(self, width: int, buckets: list[int], max_pages: int, page_size: int, device: torch.device):
-        super().__init__(width, buckets[-1], max_pages, page_size, device, masked=False)
+    def __init__(self, width: int, buckets: list[int], max_pages: int, page_size: int, device: torch.device,
+                 captures: bool = False):
+        # its graphs' member in the runner (verify members are plain widths; a twin without features has its own)
+        super().__init__(width, buckets[-1], max_pages, page_size, device, masked=False, captures=captures,
+                         key=("prefill", width, captures))
         self.buckets = buckets
-        self.key = ("prefill", width)  # its graphs' member in the runner (verify members are plain widths)
         self.feature_rows = torch.zeros(buckets[-1] * width, dtype=torch.int64, device=device)  # real rows, packed
         self.max_pages = max_pages
         # logits: [max_bs, vocab] (one row per sequence); features: [max_bs * width, F]
