@@ -284,3 +284,30 @@ def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine,
     members.clear()
     graphs.run_decode_steps(ForwardBatch([SequenceChunk([7], 3, [1])]), 3, lambda logits, feats, k: logits.argmax(-1))
     assert members == [PLAIN_DECODE] * 3
+
+
+def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair, monkeypatch):
+    """With the drafter detached, a speculative engine's plain steps — a prefill graph, queued decode runs — replay
+    only the twins without features, and greedy output equals a target-only engine's (float32, eager)."""
+    import tandem.attention.graph_backend as graph_backend
+    from helpers import TorchGraphBackend
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.cuda_graph import PLAIN_DECODE
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.speculative_setup import speculative_engine
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.drafter import SpecConfig
+
+    prompts, params = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(pair.target_dir), page_size=4)) as plain:
+        reference = [r.output_token_ids for r in plain.generate(prompts, params)]
+    monkeypatch.setattr(graph_backend, "make_graph_backend", lambda latent: TorchGraphBackend())
+    cfg = EngineConfig(model=str(pair.target_dir), page_size=4, static_graph_path=True, decode_steps=4,
+                       cuda_graph_max_bs=2, prefill_graph_tokens=16, prefill_graph_max_bs=2)
+    with speculative_engine(cfg, str(pair.draft_dir), SpecConfig(3, 1, 4)) as engine:
+        graphs = engine.executor.runner.graphs
+        members, body = [], graphs._body
+        monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
+        engine.attachment.detached, engine.attachment._detached_until = True, float("inf")
+        assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
+    assert set(members) == {PLAIN_DECODE, ("prefill", 16, False)}
