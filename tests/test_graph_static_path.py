@@ -280,6 +280,11 @@ def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine,
         member, twin_logits, feats = run(chunk, False)
         assert member == twin and feats is None
         assert torch.equal(twin_logits, logits)
+    # the twin's step is target-only's, op for op (the featured family's has the capture layers' ops on top)
+    plain_only.run_statically()
+    step = lambda g, features: ops_of(lambda: g.run(ForwardBatch([SequenceChunk([7], 3, [1])],  # noqa: E731
+                                                                    capture_features=features)))
+    assert step(graphs, False) == step(plain_only, False) != step(graphs, True)
     # a run of decode steps without features replays the twin at every step
     members.clear()
     graphs.run_decode_steps(ForwardBatch([SequenceChunk([7], 3, [1])]), 3, lambda logits, feats, k: logits.argmax(-1))
@@ -311,3 +316,18 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
         engine.attachment.detached, engine.attachment._detached_until = True, float("inf")
         assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
     assert set(members) == {PLAIN_DECODE, ("prefill", 16, False)}
+
+
+def ops_of(fn) -> list[str]:
+    """The aten ops ``fn`` runs, in order (what a CUDA graph of it would launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ops: list[str] = []
+    with Recorder():
+        fn()
+    return ops
