@@ -2,7 +2,8 @@
 at concurrency 64 (--concurrency N): host time per function, and the steps and seconds spent with the drafter
 attached and detached. Extra arguments go to the verifier's parser (e.g. --prefill-graph-tokens 0, or --drafter
 in-process --draft-model DIR; --never-speculating: that drafter's policy never speculates).
-  usage: python3 bench/profile_arrivals.py [--concurrency N] [--never-speculating] [verifier flags...]"""
+  usage: python3 bench/profile_arrivals.py [--concurrency N] [--never-speculating] [--torch-threads N] [--no-profile]
+                                           [verifier flags...]"""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ def main() -> None:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--concurrency", type=int, default=64)
     own.add_argument("--never-speculating", action="store_true")
+    own.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads before the engine (0: as is)")
+    own.add_argument("--no-profile", action="store_true", help="only the timings and the threads' CPU time")
     mine, rest = own.parse_known_args()
+    if mine.torch_threads:
+        torch.set_num_threads(mine.torch_threads)
     args = build_parser().parse_args(["--model", str(folder / "target"), "--device", device, "--dtype", dtype,
                                       "--kv-pages", "12288", *rest])
     engine, _, _ = build_engine(VerifierConfig.from_args(args, args.model), VerifierMetrics())
@@ -59,14 +64,36 @@ def main() -> None:
     _closed_loop(engine, prompts, mine.concurrency, 2.0)  # warm
     attachment.clear()
     profile = cProfile.Profile()
-    profile.enable()
+    threads_before = thread_cpu_ticks()
+    if not mine.no_profile:
+        profile.enable()
     result = _closed_loop(engine, prompts, mine.concurrency, 4.0)
     profile.disable()
+    threads_after = thread_cpu_ticks()
     print("tok/s", round(result["tok_s"]), round(result["tok_s_settled"]), json.dumps(result["steps"]))
     for detached, (n, s) in sorted(attachment.items()):
         print(f"drafter {'detached' if detached else 'attached'}: {n} steps, {s:.2f} s, {1e3 * s / max(n, 1):.3f} ms a step")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(35)
-    pstats.Stats(profile).sort_stats("cumtime").print_stats(45)
+    print(f"torch threads {torch.get_num_threads()}; the process's threads that ran in the loop (CPU ticks of "
+          f"1/{os.sysconf('SC_CLK_TCK')} s):")
+    for tid, (name, ticks) in sorted(threads_after.items(), key=lambda kv: -kv[1][1]):
+        used = ticks - threads_before.get(tid, (name, 0))[1]
+        if used:
+            print(f"  thread {tid} {name}: {used}")
+    if not mine.no_profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(35)
+        pstats.Stats(profile).sort_stats("cumtime").print_stats(45)
+
+
+def thread_cpu_ticks() -> dict[str, tuple[str, int]]:
+    """This process's threads (Linux): id -> (name, user + system CPU ticks so far)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[tid] = (Path(f"/proc/self/task/{tid}/comm").read_text().strip(), int(fields[11]) + int(fields[12]))
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+    return out
 
 
 if __name__ == "__main__":
