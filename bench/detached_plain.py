@@ -3,7 +3,7 @@ TANDEM_DEMO_DIR), a closed loop of BATCH requests, 120 new tokens each, greedy. 
 same device and settings; the speculative one held detached for the whole run, so every step should be a
 target-only step. Prints tok/s and host seconds per engine step; --profile: the top host functions.
 
-    python3 bench/detached_plain.py [--device cuda] [--batch 8] [--seconds 6] [--profile]
+    python3 bench/detached_plain.py [--device cuda] [--batch 8] [--seconds 6] [--profile] [--engines a,b]
 """
 
 from __future__ import annotations
@@ -55,17 +55,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--engines", default="target-only,detached,features",
+                    help="comma-separated, built in this order (a process-wide effect of the drafter shows as "
+                         "target-only alone against target-only with the others built)")
     a = ap.parse_args()
     folder = Path(os.environ.get("TANDEM_DEMO_DIR", SHIPPED))
     prompts = demo_eval_prompts(str(folder / "target"), 64)
     cfg = EngineConfig(model=str(folder / "target"), device=a.device,
                        dtype="bfloat16" if a.device.startswith("cuda") else "float32", kv_pages=2048)
-    spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
-    spec.attachment.detached, spec.attachment._detached_until = True, float("inf")  # detached throughout
-    # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's do)
-    engines = {"target-only": LLMEngine(cfg), "detached": spec,
-               "features": LLMEngine(dataclasses.replace(cfg, graph_decode_features=True,
-                                                         capture_layers=spec.executor.runner.capture_layers))}
+    def detached():
+        spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
+        spec.attachment.detached, spec.attachment._detached_until = True, float("inf")  # detached throughout
+        return spec
+
+    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached,
+                # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's did)
+                "features": lambda: LLMEngine(dataclasses.replace(cfg, graph_decode_features=True))}
+    engines = {name: builders[name]() for name in a.engines.split(",")}
     for engine in engines.values():
         closed_loop(engine, prompts, a.batch, 1.0)  # warm-up
     for rep in range(2):
