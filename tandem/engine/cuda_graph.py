@@ -60,13 +60,14 @@ class TargetGraphRunner(GraphRunner):
         self.families = {w: family(w, w > 1 or self.decode_features) for w in widths}
         self.plain_decode = family(1, False, PLAIN_DECODE) if twins and 1 in widths else None
         buckets = prefill_buckets(prefill_max_bs)
-        prefill = lambda captures: {w: PrefillFamily(w, buckets, self.max_pages, self.page_size, self.device,  # noqa: E731
-                                                     captures) for w in prefill_widths}
+        prefill = lambda captures: {  # noqa: E731
+            w: PrefillFamily(w, buckets, self.max_pages, self.page_size, self.device, captures) for w in prefill_widths}
         self.prefill = prefill(self.decode_features)
         self.plain_prefill = prefill(False) if twins else {}
-        twin_families = ([self.plain_decode] if self.plain_decode is not None else []) + list(self.plain_prefill.values())
+        twin_families = [f for f in (self.plain_decode, *self.plain_prefill.values()) if f is not None]
         self._members = {f.key: f for f in (*self.families.values(), *self.prefill.values(), *twin_families)}
-        self._names = {key: _name(f) + (" without features" if f in twin_families else "") for key, f in self._members.items()}
+        self._names = {key: _name(f) + (" without features" if f in twin_families else "")
+                       for key, f in self._members.items()}
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
                                          + [f.staging_size for f in self.prefill.values()]), self.device)
