@@ -82,11 +82,12 @@ def run_job(job: dict) -> dict:
         # interpreted Triton, so the chain rounds' engine below prefills eagerly (the prefill graphs are this one's).
         cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES, static_graph_path=True,
                            decode_steps=job["decode_steps"], cuda_graph_max_bs=4, prefill_graph_tokens=32)
+        q = job.get("queued_new_tokens", n)  # (fewer: a prefix of the runs above, for a slow static path)
         with LLMEngine(cfg) as eng:
             runs = []
-            for prompts, params in ((job["prompts"], [SamplingParams(max_new_tokens=n - 3 * i, ignore_eos=True)
+            for prompts, params in ((job["prompts"], [SamplingParams(max_new_tokens=min(q, n - 3 * i), ignore_eos=True)
                                                       for i in range(len(job["prompts"]))]),
-                                    (job["prompts"][:1], [SamplingParams(temperature=1.0, seed=5, max_new_tokens=n,
+                                    (job["prompts"][:1], [SamplingParams(temperature=1.0, seed=5, max_new_tokens=q,
                                                                          ignore_eos=True)])):
                 rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
                 while eng.has_unfinished():
