@@ -34,11 +34,14 @@ def closed_loop(engine, prompts: list[list[int]], batch: int, seconds: float) ->
         for o in outs:
             tokens += len(o.new_token_ids)
             if o.finish_reason is not None:
+                engine.requests.pop(o.rid, None)  # (as a server forgets them: the engine's table stays small)
                 engine.add_request(prompts[nxt % len(prompts)], params)
                 nxt += 1
     elapsed = time.perf_counter() - start
     while engine.has_unfinished():
-        engine.step()
+        for o in engine.step():
+            if o.finish_reason is not None:
+                engine.requests.pop(o.rid, None)
     return {"tok_s": tokens / elapsed, "steps": steps, "ms_per_step": 1e3 * host / max(steps, 1)}
 
 
@@ -63,13 +66,15 @@ def main() -> None:
     prompts = demo_eval_prompts(str(folder / "target"), 64)
     cfg = EngineConfig(model=str(folder / "target"), device=a.device,
                        dtype="bfloat16" if a.device.startswith("cuda") else "float32", kv_pages=2048)
+
     def detached():
         spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
         spec.attachment.detached, spec.attachment._detached_until = True, float("inf")  # detached throughout
         return spec
 
     builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached,
-                # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's did)
+                # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's attached
+                # steps do)
                 "features": lambda: LLMEngine(dataclasses.replace(cfg, graph_decode_features=True))}
     engines = {name: builders[name]() for name in a.engines.split(",")}
     for engine in engines.values():
