@@ -64,21 +64,24 @@ def main() -> None:
     _closed_loop(engine, prompts, mine.concurrency, 2.0)  # warm
     attachment.clear()
     profile = cProfile.Profile()
-    threads_before = thread_cpu_ticks()
+    threads_before, wall0 = thread_cpu_ticks(), time.perf_counter()
     if not mine.no_profile:
         profile.enable()
     result = _closed_loop(engine, prompts, mine.concurrency, 4.0)
     profile.disable()
-    threads_after = thread_cpu_ticks()
+    threads_after, wall = thread_cpu_ticks(), time.perf_counter() - wall0
     print("tok/s", round(result["tok_s"]), round(result["tok_s_settled"]), json.dumps(result["steps"]))
     for detached, (n, s) in sorted(attachment.items()):
         print(f"drafter {'detached' if detached else 'attached'}: {n} steps, {s:.2f} s, {1e3 * s / max(n, 1):.3f} ms a step")
-    print(f"torch threads {torch.get_num_threads()}; the process's threads that ran in the loop (CPU ticks of "
-          f"1/{os.sysconf('SC_CLK_TCK')} s):")
+    # A main thread whose CPU ticks fall short of the wall time waited (GIL, a synchronize, preemption); one that
+    # used all of it but ran each call slower ran on a slower or shared core.
+    print(f"torch threads {torch.get_num_threads()}; {len(os.sched_getaffinity(0))} CPUs allowed; loop wall "
+          f"{wall:.2f} s = {wall * os.sysconf('SC_CLK_TCK'):.0f} ticks; the process's threads that ran in the loop "
+          f"(CPU ticks of 1/{os.sysconf('SC_CLK_TCK')} s, last CPU):")
     for tid, (name, ticks) in sorted(threads_after.items(), key=lambda kv: -kv[1][1]):
         used = ticks - threads_before.get(tid, (name, 0))[1]
         if used:
-            print(f"  thread {tid} {name}: {used}")
+            print(f"  thread {tid} {name}: {used} (cpu {last_cpu(tid)})")
     if not mine.no_profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(35)
         pstats.Stats(profile).sort_stats("cumtime").print_stats(45)
@@ -94,6 +97,13 @@ def thread_cpu_ticks() -> dict[str, tuple[str, int]]:
         except OSError:  # (a thread that ended meanwhile)
             continue
     return out
+
+
+def last_cpu(tid: str) -> str:
+    try:
+        return Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[36]
+    except OSError:
+        return "?"
 
 
 if __name__ == "__main__":

@@ -14,3 +14,6 @@ run beside bench/detached_plain.py --device cuda --batch 8 --seconds 4 --engines
 run arrivals_plain bench/profile_arrivals.py --concurrency 8 --no-profile
 run arrivals_never bench/profile_arrivals.py --concurrency 8 --no-profile --never-speculating $SPEC
 run arrivals_never_1thread bench/profile_arrivals.py --concurrency 8 --no-profile --torch-threads 1 --never-speculating $SPEC
+OMP_NUM_THREADS=1 run arrivals_never_omp1 bench/profile_arrivals.py --concurrency 8 --no-profile --never-speculating $SPEC
+run arrivals_plain_again bench/profile_arrivals.py --concurrency 8 --no-profile
+lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|NUMA node)" > "$OUT/host_lscpu.log"
