@@ -22,7 +22,7 @@ from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_tar
 from rest_load import cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
 
-CONCURRENCY = (1, 8, 64)
+CONCURRENCY = tuple(int(c) for c in os.environ.get("TANDEM_BENCH_REST_CONCURRENCY", "1,8,64").split(","))
 NEW_TOKENS = (256, 1024)
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 
