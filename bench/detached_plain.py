@@ -69,7 +69,7 @@ def main() -> None:
 
     def detached():
         spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
-        spec.attachment.detached, spec.attachment._detached_until = True, float("inf")  # detached throughout
+        spec.attachment.hold_detached()
         return spec
 
     builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached,

@@ -106,6 +106,17 @@ def test_the_ready_gate_opens_after_its_timeout_and_pause_holds_everything():
     assert "detach" in _plain_steps(att, clock, 12)
 
 
+def test_held_detached_it_never_attaches_until_reset():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    att.hold_detached()
+    for asked in (False, True):
+        clock.now += 1e6
+        assert att.after_decision(True, asked=asked, can_switch=True) is None and att.detached
+    att.reset()
+    assert not att.detached
+
+
 # -- in the engine -------------------------------------------------------------------------------
 GREEDY = SamplingParams(max_new_tokens=14, ignore_eos=True)
 

@@ -313,7 +313,7 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
         graphs = engine.executor.runner.graphs
         members, body = [], graphs._body
         monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
-        engine.attachment.detached, engine.attachment._detached_until = True, float("inf")
+        engine.attachment.hold_detached()
         assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
     assert set(members) == {PLAIN_DECODE, ("prefill", 16, False)}
 

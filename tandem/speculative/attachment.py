@@ -69,6 +69,11 @@ class DrafterAttachment:
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
         self._attached_at: float | None = None  # attached again at (None: not since earnest speculation or start)
 
+    def hold_detached(self) -> None:
+        """Detached from now on, until ``reset``: plain steps only, whatever the policy says (an engine measured
+        as a target-only one: bench/detached_plain.py, the graph tests). The engine must not hold draft state yet."""
+        self.detached, self._detached_until = True, float("inf")
+
     def idle(self) -> None:
         """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding)."""
         self._plain_since, self._plain_steps, self._spec_streak, self._spec_since = None, 0, 0, None
