@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shlex
@@ -68,8 +69,27 @@ class Child:
     backoff: Backoff = field(default_factory=Backoff)
 
     def start(self, env: dict) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with(os.getpid()))
         self.started_at, self.restart_at = time.monotonic(), None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(launcher_pid: int):
+    """Linux: the hook that makes a service get SIGTERM (it then stops as on Ctrl-C) when the launcher's thread that
+    started it ends, the launcher killed outright included; otherwise a SIGKILLed or OOM-killed `tandem up` leaves its
+    services running, holding their ports, GPU memory and shared memory. (Every start is from the main thread; a
+    thread that starts services would take them with it when it ends.) None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def hook() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before the hook ran
+            os._exit(1)
+    return hook
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+
+import pytest
 
 from tandem.launcher import Backoff, Child, _stop_all, _supervise
 
@@ -40,3 +43,32 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     assert 2 <= crasher.restarts <= 5, crasher.restarts
     assert len(starts.read_text()) in (crasher.restarts, crasher.restarts + 1)  # each restart really ran it (the last may be stopped first)
     assert steady.proc.pid == steady_pid and steady.restarts == 0
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_services_stop_when_the_launcher_is_killed_outright():
+    """A SIGKILLed `tandem up` runs no clean-up of its own: its services must not outlive it."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\nfrom tandem.launcher import Child\n"
+         "c = Child('verifier', [sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+         "c.start(dict(os.environ)); print(c.proc.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    service = int(launcher.stdout.readline())
+    assert _running(service)
+    launcher.kill()
+    launcher.wait(10)
+    deadline = time.monotonic() + 10
+    while _running(service) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(service):
+        os.kill(service, 9)
+        raise AssertionError("the service outlived its killed launcher")
