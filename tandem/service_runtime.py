@@ -65,8 +65,14 @@ def report_hangs_in_health(health_servicer, loop: asyncio.AbstractEventLoop) -> 
     from tandem.watchdog import on_any_hang
 
     def hang(what: str) -> None:
+        shutdown = health_servicer.enter_graceful_shutdown()
         try:
-            asyncio.run_coroutine_threadsafe(health_servicer.enter_graceful_shutdown(), loop).result(timeout=2)
+            future = asyncio.run_coroutine_threadsafe(shutdown, loop)
+        except RuntimeError:  # the loop is closed: nothing left to tell
+            shutdown.close()
+            return
+        try:
+            future.result(timeout=2)
         except (concurrent.futures.TimeoutError, RuntimeError):
             pass
 
