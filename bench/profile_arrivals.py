@@ -78,32 +78,26 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; {len(os.sched_getaffinity(0))} CPUs allowed; loop wall "
           f"{wall:.2f} s = {wall * os.sysconf('SC_CLK_TCK'):.0f} ticks; the process's threads that ran in the loop "
           f"(CPU ticks of 1/{os.sysconf('SC_CLK_TCK')} s, last CPU):")
-    for tid, (name, ticks) in sorted(threads_after.items(), key=lambda kv: -kv[1][1]):
-        used = ticks - threads_before.get(tid, (name, 0))[1]
+    for tid, (name, ticks, cpu) in sorted(threads_after.items(), key=lambda kv: -kv[1][1]):
+        used = ticks - threads_before.get(tid, (name, 0, cpu))[1]
         if used:
-            print(f"  thread {tid} {name}: {used} (cpu {last_cpu(tid)})")
+            print(f"  thread {tid} {name}: {used} (cpu {cpu})")
     if not mine.no_profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(35)
         pstats.Stats(profile).sort_stats("cumtime").print_stats(45)
 
 
-def thread_cpu_ticks() -> dict[str, tuple[str, int]]:
-    """This process's threads (Linux): id -> (name, user + system CPU ticks so far)."""
+def thread_cpu_ticks() -> dict[str, tuple[str, int, str]]:
+    """This process's threads (Linux): id -> (name, user + system CPU ticks so far, the CPU it last ran on)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[tid] = (Path(f"/proc/self/task/{tid}/comm").read_text().strip(), int(fields[11]) + int(fields[12]))
+            out[tid] = (Path(f"/proc/self/task/{tid}/comm").read_text().strip(), int(fields[11]) + int(fields[12]),
+                        fields[36])
         except OSError:  # (a thread that ended meanwhile)
             continue
     return out
-
-
-def last_cpu(tid: str) -> str:
-    try:
-        return Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[36]
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":
