@@ -31,6 +31,9 @@ from tandem.kernels.dequant_tiles import FP8, INT4  # noqa: E402
 
 EVEN_N = DequantConfig(4, 8, 64, num_stages=1, kernel="gemv")  # N = 5 tiles, K = 2.5 steps
 RAGGED_N_SPLIT = DequantConfig(4, 16, 64, num_stages=1, split_k=2, kernel="gemv")  # N = 2.5 tiles, K in 2 splits
+# three and four steps in flight: more than the 2.5 steps of K, and more than a split's steps
+THREE_AHEAD = DequantConfig(4, 8, 32, num_stages=3, kernel="gemv")
+FOUR_AHEAD_SPLIT = DequantConfig(4, 16, 32, num_stages=4, split_k=2, kernel="gemv")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -39,9 +42,29 @@ def gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", [EVEN_N, RAGGED_N_SPLIT], ids=["even-n", "ragged-n-split-k"])
+@pytest.mark.parametrize("config", [EVEN_N, RAGGED_N_SPLIT, THREE_AHEAD, FOUR_AHEAD_SPLIT],
+                         ids=["even-n", "ragged-n-split-k", "three-steps-in-flight", "four-in-flight-split-k"])
 def test_int4_gemv_matches_compressed_tensors(dtype, m, config):
     check_int4_linear(dtype, m, config, exact=True)
+
+
+@pytest.mark.parametrize("config", [EVEN_N, FOUR_AHEAD_SPLIT], ids=["even-n", "four-in-flight-split-k"])
+def test_int4_gemv_keeps_tiny_and_large_activations(config):
+    """The kernel reads nibbles as subnormal floats and carries their place in the activation (dequant_gemv's
+    _nibble): activations from 2^-40 to 2^40 in one row, float32, still give the float64 product to 1e-5 of
+    each column's share (a flushed subnormal or an overflowed activation would zero or poison whole columns)."""
+    n, k, group = 40, 160, 32
+    packed, scale, deq = int4_weight(n, k, group, seed=21)
+    magnitude = 2.0 ** torch.linspace(-40, 40, k).round()
+    x = (activations(1, k, torch.float32, seed=22) * magnitude.to(DEVICE)).float()
+    y = int4_linear(x, packed, scale, group, config=config)
+    want = reference(x, deq, exact=True)
+    # per column of x: the error is judged against the largest term, or the tiny columns would drown in the big
+    for cols in (slice(0, 32), slice(64, 96), slice(128, 160)):
+        part = int4_linear(x[:, cols].contiguous(), packed[:, cols.start // 8:cols.stop // 8].contiguous(),
+                           scale[:, cols.start // group:cols.stop // group].contiguous(), group, config=config)
+        assert norm_rel_err(part, reference(x[:, cols], deq[:, cols], exact=True)) < 1e-5
+    assert norm_rel_err(y, want) < 1e-5
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -60,8 +83,10 @@ def test_int4_gemv_bias_and_group_64(m, split):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("block,config", [((32, 64), EVEN_N), ((32, 64), RAGGED_N_SPLIT),
                                           ((32, 64), DequantConfig(2, 64, 64, num_stages=1, kernel="gemv")),
-                                          ((32, 48), DequantConfig(4, 8, 64, num_stages=1, split_k=3, kernel="gemv"))],
-                         ids=["one-block-row", "ragged-n-split-k", "tile-spans-block-rows", "step-inside-a-block"])
+                                          ((32, 48), DequantConfig(4, 8, 64, num_stages=1, split_k=3, kernel="gemv")),
+                                          ((32, 64), FOUR_AHEAD_SPLIT)],
+                         ids=["one-block-row", "ragged-n-split-k", "tile-spans-block-rows", "step-inside-a-block",
+                              "four-in-flight-split-k"])
 def test_fp8_gemv_matches_the_published_dequantization(dtype, m, block, config):
     n, k = 72, 224  # edge blocks on both dims: 72 = 2 x 32 + 8, 224 = 3 x 64 + 32 = 4 x 48 + 32
     q, scale_inv, deq = (t.to(DEVICE) for t in fp8_block_quantize(torch.randn(n, k, generator=gen(m)) * 0.05, block))

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.activation import silu_and_mul
-from tandem.kernels.dequant_gemv import MAGIC_2_23, _dequant_gemv_kernel, gemv_block_k, plain_word
+from tandem.kernels.dequant_gemv import INT4_HI_SHIFT, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
 from tandem.kernels.pdl import pdl_enter, pdl_launch
@@ -45,7 +45,8 @@ class DequantConfig:
     split_k: int = 1
     # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1; "gemv": CUDA cores,
     # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py); "mma": INT4 only, tensor cores
-    # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py)
+    # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py). (num_stages, for
+    # "gemv": K steps of the weight in flight, the one multiplied included; 1 and 2 are the same)
     kernel: str = "dot"
 
     def __post_init__(self):
@@ -272,9 +273,9 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         experts = ids is not None
         _dequant_gemv_kernel[grid](
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
-            w.stride(0) if experts else 0, s.stride(0) if experts else 0, MAGIC_2_23, STRIDE_W=w.stride(-2),
+            w.stride(0) if experts else 0, s.stride(0) if experts else 0, INT4_HI_SHIFT, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
-            SWIGLU=swiglu, **formatted)
+            SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1))
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,

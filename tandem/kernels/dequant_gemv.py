@@ -11,21 +11,23 @@ of loads in flight. The design (instruction counts: the SASS of tandem/kernels/c
   checkpoint layout as it is (never repacked). A thread owns one 32-bit word of a row (8 INT4 or 4 FP8
   weights) in every row of the tile; a warp's load of a row is 128 contiguous bytes. The activation
   columns of a thread's word are one vector load, split in registers, shared by the tile's rows.
-* The next step's weights and scales are loaded before the current step is multiplied (two steps in
-  flight per program; the first step is read before the PDL wait: weights do not depend on the
-  previous kernel). The loop is unrolled twice, which spares the register moves of the hand-off.
+* ``AHEAD`` steps' weights and scales are loaded before the current step is multiplied (the first step is
+  read before the PDL wait: weights do not depend on the previous kernel); the loop is unrolled AHEAD + 1
+  times, which spares the register moves of the hand-off. ``DequantConfig.num_stages`` = AHEAD + 1.
 * Each word's products are summed without its scale, then scaled once: ``acc[n, word] += scale *
   sum_j q_j x_j`` (a word never straddles two scale groups); ``acc`` is reduced across threads once,
   at the end.
-* INT4 unpacking without a shift or an int-to-float conversion per weight: the word is OR-ed with the
-  bits of 2^23 (its high half shifted down first: once per 8 weights); nibble j (of 4 per half) is then
-  masked in place, which leaves the float ``f = 2^23 + q * 16^j``, and one FFMA makes ``f * 16^-j -
-  (2^23 * 16^-j + 8) = q - 8`` exactly. Per weight: one LOP3 and one FFMA, then one FFMA per
-  activation row. FP8: the hardware's e4m3 pair conversion.
+* INT4 unpacking in one instruction a weight, with no shift and no int-to-float conversion: nibble j is masked
+  in place (nibbles 6-7 after one shift a word) and its bits read as a float32 whose exponent field is 0 or 1,
+  which is exactly ``q * 16^J * 2^-149`` (subnormals are not flushed). The activation it multiplies carries
+  ``2^64 * 16^-J`` (once a step for all rows of W), the stored ``q + 8``'s offset is ``-8 * sum_j x_j`` (once a
+  word for all rows), and the sum is scaled back by a power of two at the end. Per weight: one LOP3 and one
+  FFMA per activation row. FP8: the hardware's e4m3 pair conversion.
 * Up to four activation rows share each unpacked tile (``ROWS``: 1 to 4, one accumulator each).
 
-The products are the exact dequantized weight times the activation in float32 (the tensor-core kernel
-rounds the dequantized weight to the activation dtype first; the two agree to that rounding).
+The products are the unrounded dequantized weight times the activation in float32 (INT4: summed as ``sum q x -
+8 sum x``, float32-accurate; the tensor-core kernel rounds the dequantized weight to the activation dtype first;
+the two agree to that rounding).
 
 A plain float weight (``PLAIN``, the mixture-of-experts slots of tandem/kernels/moe_slots.py only) takes the same
 loop without scales: a thread's "word" is 16 bytes of a row (8 bf16/fp16 or 4 fp32 weights, one vector load),
@@ -42,7 +44,8 @@ from tandem.kernels.activation import activation_load
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
 from tandem.kernels.pdl import pdl_enter
 
-MAGIC_2_23 = 0x4B000000  # the bits of the float 2^23, the kernel's ``magic`` argument (see _unpack)
+INT4_HI_SHIFT = 24  # the kernel's ``hi_shift`` argument (_unpack)
+INT4_SHIFT = tl.constexpr(85)  # INT4 products are summed times 2^-85 (149 - 64: _nibble, _row_partial), then scaled back
 
 
 def plain_word(dtype: torch.dtype) -> int | None:
@@ -146,26 +149,25 @@ def _columns(t):
 
 
 @triton.jit
-def _nibble(half, J: tl.constexpr):
-    """``q - 8`` for the nibble at bits 4J.. of ``half`` (a word OR-ed with the bits of 2^23): masked in
-    place with those bits, the float ``f = 2^23 + q * 16^J``, then ``f * 16^-J - (2^23 * 16^-J + 8)`` in
-    one FFMA, exact (powers of two; the result a small integer); one LOP3, one FFMA."""
-    bits = half & (0x4B000000 | (0xF << (4 * J)))
-    return bits.to(tl.float32, bitcast=True) * (0.0625 ** J) - (8388608.0 * 0.0625 ** J + 8.0)
+def _nibble(bits, J: tl.constexpr):
+    """Nibble ``q`` at bits 4J.. of ``bits`` as the float ``q * 16^J * 2^-149``, for J up to 5: masked in place,
+    the bits read as a float32 whose exponent field is 0 or 1, where a float's value is its bits times 2^-149
+    (a subnormal or the smallest binade; the kernels compile without flushing subnormals). One LOP3; the
+    activation it multiplies carries ``16^-J`` and the sum is scaled back (_row_partial, _store_row)."""
+    return (bits & (0xF << (4 * J))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _unpack(FORMAT: tl.constexpr, w, magic, x_dtype: tl.constexpr):
+def _unpack(FORMAT: tl.constexpr, w, hi_shift, x_dtype: tl.constexpr):
     """The tile's weights without their scales as a tuple of ``[BLOCK_N, words]`` float32 tensors, one
-    per position in the word: INT4 ``q - 8``, FP8 the e4m3 values, PLAIN the weights rounded to the
-    activation dtype ``x_dtype`` (as the tensor-core kernels multiply them; nothing where it is theirs).
-    ``magic``: the bits of 2^23 (0x4B000000), an argument so that the compiler cannot fold it into each
-    nibble's mask (which would cost two instructions a nibble)."""
+    per position in the word: INT4 the stored nibble ``q + 8`` as ``_nibble`` leaves it (nibbles 0-5 in place,
+    6-7 shifted down by ``hi_shift`` = 24: an argument, so that the compiler cannot turn shift and mask into
+    two bit-field instructions a nibble), FP8 the e4m3 values, PLAIN the weights rounded to the activation dtype
+    ``x_dtype`` (as the tensor-core kernels multiply them; nothing where it is theirs)."""
     if FORMAT == 1:
-        lo = w | magic  # its high bits are cleared by each nibble's mask but for those of 2^23
-        hi = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | magic
-        return (_nibble(lo, 0), _nibble(lo, 1), _nibble(lo, 2), _nibble(lo, 3),
-                _nibble(hi, 0), _nibble(hi, 1), _nibble(hi, 2), _nibble(hi, 3))
+        hi = (w.to(tl.uint32, bitcast=True) >> hi_shift).to(tl.int32, bitcast=True)
+        return (_nibble(w, 0), _nibble(w, 1), _nibble(w, 2), _nibble(w, 3), _nibble(w, 4), _nibble(w, 5),
+                _nibble(hi, 0), _nibble(hi, 1))
     elif FORMAT == 2:
         return _columns(w.to(tl.float32))
     else:
@@ -186,25 +188,38 @@ def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, fir
     else:
         ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
     xs = _columns(activation_load(x_row + offs, ok, SWIGLU, K))
-    p = q[0] * xs[0][None, :]
-    for i in tl.static_range(1, PER_WORD):
-        p += q[i] * xs[i][None, :]
+    if FORMAT == 1:
+        # q_j * 16^J * 2^-149 (_nibble) times x_j * 2^64 * 16^-J is q_j * x_j * 2^-INT4_SHIFT, normal for any
+        # |x| from 2^-41 up to 2^64; the -8 of every weight is -8 * sum_j x_j, once per word for all rows of W
+        offset = xs[0]
+        for i in tl.static_range(1, 8):
+            offset += xs[i]
+        p = q[0] * (xs[0] * 2.0**64)[None, :] + (offset * -(8.0 * 2.0**-INT4_SHIFT))[None, :]
+        for i in tl.static_range(1, 8):
+            p += q[i] * (xs[i] * (2.0**64 * 0.0625 ** (i % 6)))[None, :]  # (_unpack reads nibble i at 16^(i % 6))
+    else:
+        p = q[0] * xs[0][None, :]
+        for i in tl.static_range(1, PER_WORD):
+            p += q[i] * xs[i][None, :]
     return p
 
 
 @triton.jit
-def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias):
-    y = tl.sum(acc, axis=1) + bias
+def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.constexpr):
+    y = tl.sum(acc, axis=1)
+    if FORMAT == 1:
+        y *= 2.0**INT4_SHIFT  # (exact: a power of two)
+    y += bias
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N) & (row < M))
 
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, M, N, stride_xm, stride_ym, stride_ys, stride_we, stride_se, magic,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, M, N, stride_xm, stride_ym, stride_ys, stride_we, stride_se, hi_shift,
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
-    SWIGLU: tl.constexpr = False,
+    SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
@@ -244,17 +259,23 @@ def _dequant_gemv_kernel(
     # the first step's weights do not depend on the previous kernel (but for an expert's): read while it finishes
     w, s = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 0, k_begin < K, K, EVEN_K,
                       S_COLS)
+    if AHEAD > 1:  # (AHEAD 3: w2 the third step; each step hands its tile down the line: w <- w1 <- w2 <- load)
+        w1, s1 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, BLOCK_K,
+                            (BLOCK_K < K_SPLIT) & (k_begin + BLOCK_K < K), K, EVEN_K, S_COLS)
+    if AHEAD > 2:
+        w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 2 * BLOCK_K,
+                            (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS)
     if SLOTS_PER_ROW == 0:
         pdl_enter(PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    for kk in tl.range(0, K_SPLIT, BLOCK_K, loop_unroll_factor=2):
-        live = (kk + BLOCK_K < K_SPLIT) & (k_begin + kk + BLOCK_K < K)
-        w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, kk + BLOCK_K,
-                                    live, K, EVEN_K, S_COLS)
-        q = _unpack(FORMAT, w, magic, x_ptr.dtype.element_ty)
+    for kk in tl.range(0, K_SPLIT, BLOCK_K, loop_unroll_factor=AHEAD + 1):
+        ahead = kk + AHEAD * BLOCK_K
+        w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, ahead,
+                                    (ahead < K_SPLIT) & (k_begin + ahead < K), K, EVEN_K, S_COLS)
+        q = _unpack(FORMAT, w, hi_shift, x_ptr.dtype.element_ty)
         acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU)
         if ROWS > 1:
             acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU)
@@ -262,14 +283,18 @@ def _dequant_gemv_kernel(
             acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU)
         if ROWS > 3:
             acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU)
-        w = w_next
-        s = s_next
+        if AHEAD == 1:
+            w, s = w_next, s_next
+        elif AHEAD == 2:
+            w, s, w1, s1 = w1, s1, w_next, s_next
+        else:
+            w, s, w1, s1, w2, s2 = w1, s1, w2, s2, w_next, s_next
     bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)
     y_ptr += pid_s.to(tl.int64) * stride_ys
-    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias)
+    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 1:
-        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias)
+        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 2:
-        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias)
+        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 3:
-        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias)
+        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias, FORMAT)

@@ -134,6 +134,23 @@ def test_linear_kernels_take_fp16_and_fp32_activations(dtype, rows):
     assert norm_rel_err(y8, product(x, fp8_reference_weight(w8, scale_inv, dtype))) < tol
 
 
+@pytest.mark.parametrize("n,k", [(4096, 7168), (4096, 14336)])
+def test_int4_gemv_keeps_tiny_and_large_activations(n, k):
+    """The one-row INT4 GEMV reads nibbles as subnormal floats (tandem/kernels/dequant_gemv.py): on the GPU too
+    nothing may flush them. Float32 activations of 2^-40 .. 2^40 in thirds of K, each third's product to 1e-5."""
+    packed, scale = random_int4(n, k, seed=31)
+    w = int4_reference_weight(packed, scale, torch.float32)
+    x = torch.randn(1, k, device="cuda")
+    third = k // 3 // GROUP * GROUP
+    for lo, exponent in ((0, -40), (third, 0), (2 * third, 40)):
+        cols = slice(lo, lo + third)
+        xs = x[:, cols].contiguous() * 2.0**exponent
+        y = int4_linear(xs, packed[:, lo // 8:(lo + third) // 8].contiguous(),
+                        scale[:, lo // GROUP:(lo + third) // GROUP].contiguous(), GROUP)
+        ref = xs.double() @ w[:, cols].double().t()
+        assert norm_rel_err(y, ref) < 1e-5, exponent
+
+
 def moe_reference(x, gate_up_w, down_w, route, ids):
     """Float32 loop over the experts the tokens chose; ``*_w(e)`` give expert e's bf16 weights."""
     out = torch.zeros(x.shape, dtype=torch.float32, device="cuda")

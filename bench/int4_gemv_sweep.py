@@ -1,0 +1,91 @@
+"""Which tile and how many K steps in flight stream a one-row quantized GEMV fastest on this GPU? The GEMV kernel
+(tandem/kernels/dequant_gemv.py) over a grid of tiles on the quantized linear shapes of bench/sections_quant.py,
+INT4 (group 32) and FP8 (128 x 128 blocks), bf16 activations, each against its read limit in the same run (bytes of
+the packed weight and its scales ÷ the measured copy rate) and beside the default tile. Timings replay CUDA graphs
+that rotate through weight copies larger than the L2 (sections_quant.graph_ms); a tile counts only if its output
+equals the default's to bf16 rounding. ``stages`` = steps of the weight in flight, the one multiplied included.
+
+    python3 bench/int4_gemv_sweep.py [--formats int4,fp8] [--shapes "8B gate_up,8B down"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, str(Path(__file__).parent))
+
+# (block_n, block_k, warps, stages): the default's neighbours, deeper pipelines at fewer rows of W a program
+TILES = [(8, 1024, 4, 2), (8, 1024, 4, 3), (4, 1024, 4, 2), (4, 1024, 4, 3), (4, 1024, 4, 4), (2, 1024, 4, 4),
+         (4, 2048, 4, 2), (4, 2048, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (4, 1024, 8, 3),
+         (2, 1024, 8, 4), (4, 2048, 8, 2)]
+
+
+def main() -> None:
+    import torch
+
+    from sections import ceilings
+    from sections_quant import LINEAR_SHAPES, _copies, graph_ms
+    from measure import read_seconds
+    from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear
+    from tandem.kernels.dequant_tiles import FP8, INT4
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="int4,fp8")
+    ap.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    ctx: dict = {}
+    ceilings(ctx)
+    rows = []
+    for label in a.shapes.split(","):
+        n, k = LINEAR_SHAPES[label]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        for fmt in a.formats.split(","):
+            if fmt == "int4":
+                nbytes = n * k // 2 + n * (k // 32) * 4
+                ws = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32),
+                       torch.rand(n, k // 32, device="cuda") * 0.01) for _ in range(_copies(nbytes))]
+                run = lambda p, s, cfg: int4_linear(x, p, s, 32, config=cfg)  # noqa: E731
+            else:
+                nbytes = n * k + 4 * -(-n // 128) * -(-k // 128)
+                ws = [((torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn),
+                       torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3) for _ in range(_copies(nbytes))]
+                run = lambda q, s, cfg: fp8_block_linear(x, q, s, (128, 128), config=cfg)  # noqa: E731
+            limit_ms = 1e3 * read_seconds(nbytes, ctx["copy_tbps"])
+            default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8)
+            want = run(*ws[0], default).float()
+            results = []
+            for tile in [None] + TILES:
+                cfg = default if tile is None else DequantConfig(1, *tile, split_k=default.split_k, kernel="gemv")
+                if tile is not None and cfg == default:
+                    continue
+                try:
+                    got = run(*ws[0], cfg).float()
+                except Exception as e:  # noqa: BLE001 (a tile the compiler refuses is reported, not fatal)
+                    print(f"{label} {fmt} {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                err = ((got - want).norm() / want.norm()).item()
+                ms = graph_ms([lambda w=w, cfg=cfg: run(*w, cfg) for w in ws])
+                results.append((ms, tile, err))
+                name = "default " + str((default.block_n, default.block_k, default.num_warps, default.num_stages)) \
+                    if tile is None else str(tile)
+                print(f"{label:22s} {fmt} {name:28s} split {cfg.split_k}: {1e3 * ms:7.1f} us "
+                      f"{100 * limit_ms / ms:5.1f} % of limit ({1e3 * limit_ms:.1f} us), rel err {err:.1e}", flush=True)
+                rows.append({"shape": label, "format": fmt, "tile": tile or "default", "split": cfg.split_k,
+                             "us": 1e3 * ms, "of_limit": limit_ms / ms, "rel_err": err})
+            ok = [r for r in results if r[2] < 1e-2]
+            best = min(ok, key=lambda r: r[0])
+            print(f"{label:22s} {fmt} BEST {best[1] or 'default'}: {100 * limit_ms / best[0]:.1f} % of limit", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps({"copy_tbps": ctx["copy_tbps"], "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
