@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Where a batch-1 decode step of the DeepSeek-V2-Lite shape spends its device time, kernel by kernel.
+"""Where a batch-1 decode step of the DeepSeek-V2-Lite shape spends its device time, kernel by kernel (``--target``:
+also the quantized Llama-3.1-8B shapes of the ``quant_engines`` section, INT4 or FP8).
 
 Builds the V2-Lite-shaped target as the ``deepseek`` section does (random bf16 weights, MLA + MoE),
 warms it up at batch 1, then records decode steps under torch.profiler (CUDA activity only), once on
@@ -9,7 +10,8 @@ launches per token (and per layer), and the device-busy time per token against t
 token. The wall time is taken over the same number of steps without the profiler (its host overhead
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
-    python3 bench/profile_deepseek.py [--layers 27] [--steps 20] [--gemv-ahead-k 4096] [--out profile_deepseek.json]
+    python3 bench/profile_deepseek.py [--target v2-lite|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
+        [--gemv-ahead-k 4096] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
     del engine
     free_gpu()
 
-    trace = out_dir / f"trace-deepseek-{mode}.json"
+    trace = out_dir / f"trace-{path.name}-{mode}.json"
     prof.export_chrome_trace(str(trace))
     rows, counts = _kernel_table(trace, tokens)
     span = _idle_gaps(trace, top=0)  # busy: kernels, copies and memsets merged where they overlap
@@ -149,7 +151,8 @@ def read_ahead(max_k: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"])
+    ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "llama8b-int4", "llama8b-fp8"))
+    ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"], help="v2-lite's layers")
     ap.add_argument("--steps", type=int, default=20, help="decoded tokens profiled (and timed) per mode")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per mode")
     ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
@@ -165,13 +168,19 @@ def main() -> None:
     if not modes or any(m not in ("graphs", "eager") for m in modes):
         ap.error(f"--modes takes graphs and/or eager, got {args.modes!r}")
 
-    fields = dict(V2_LITE, num_hidden_layers=args.layers)
-    path = deepseek_dir(f"v2-lite-{args.layers}l", fields)  # the deepseek section's folder: same config
-    weight_bytes = active_weight_bytes(fields)
+    if args.target == "v2-lite":
+        fields = dict(V2_LITE, num_hidden_layers=args.layers)
+        path = deepseek_dir(f"v2-lite-{args.layers}l", fields)  # the deepseek section's folder: same config
+        weight_bytes = active_weight_bytes(fields)
+    else:  # the quant_engines section's folder (its layer count: the 8B shape's 32)
+        from sections_quant_engines import llama_case
+
+        case = llama_case(args.target.split("-")[1])
+        fields, path, weight_bytes, args.layers = {"case": case.name}, case.path, case.weight_bytes, 32
     floor_us = 1e6 * read_seconds(weight_bytes, args.copy_tbps)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"v2-lite, {args.layers} layers: {weight_bytes / 1e9:.2f} GB read per token, floor {floor_us:.0f} us/token "
+    print(f"{args.target}, {args.layers} layers: {weight_bytes / 1e9:.2f} GB read per token, floor {floor_us:.0f} us/token "
           f"at {args.copy_tbps} TB/s ({1e6 / floor_us:.0f} tok/s)", flush=True)
     result = {"fields": fields, "active_weight_bytes": weight_bytes, "copy_tbps": args.copy_tbps,
               "floor_us_per_token": floor_us, "steps": args.steps, "modes": {}}

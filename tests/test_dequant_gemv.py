@@ -123,7 +123,7 @@ def test_swiglu_rows_multiply_silu_of_gate_times_up(dtype, fmt, config):
 
 def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
     """GEMV_MAX_ROWS (the bench's ``old default`` passes 0); K split only where N leaves too few programs;
-    the step holds 4 KB of weight in either format. (The GPU's tiles: the interpreter takes wider ones.)"""
+    the step holds 1024 columns (FP8 at 2-4 rows: 512). (The GPU's tiles: the interpreter takes wider ones.)"""
     from tandem.kernels import dequant_gemm
 
     monkeypatch.setattr(dequant_gemm, "interpreting", lambda: False)
@@ -133,7 +133,7 @@ def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
     assert default_config(1, 28672, 4096).split_k == 1 and default_config(1, 4096, 14336).split_k == 1
     assert default_config(1, 512, 7168).split_k == 7  # a TP 8 shared expert: 64 programs, 7 steps of 1024
     assert default_config(1, 4096, 7168, fmt=INT4).block_k == 1024
-    assert default_config(1, 4096, 7168, fmt=FP8).block_k == 512
+    assert default_config(1, 4096, 7168, fmt=FP8).block_k == 1024 and default_config(2, 4096, 7168, fmt=FP8).block_k == 512
     # FP8 at 2-4 rows of the largest weights: the tensor-core tile (measured faster on the H200 there)
     assert default_config(4, 28672, 4096, fmt=FP8).kernel == "dot" and default_config(1, 28672, 4096, fmt=FP8).kernel == "gemv"
     assert default_config(4, 4096, 7168, fmt=FP8).kernel == "gemv" and default_config(4, 28672, 4096, fmt=INT4).kernel == "gemv"

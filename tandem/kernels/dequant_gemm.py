@@ -90,9 +90,9 @@ def _gemv_split(programs: int, steps: int) -> int:
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
                    gemv_max_rows: int | None = None, fmt: int = INT4) -> DequantConfig:
-    """Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4)
-    or 512 (FP8) columns a step: 4 KB of weight, one 32-bit word of each row per thread of 4 warps (FP8
-    at 1024 columns holds twice the registers, halving the programs an SM keeps); K split where N leaves
+    """Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4, and
+    FP8 at one row) or 512 (FP8 at 2-4 rows) columns a step: one 32-bit word of each row per thread of 4 warps
+    (FP8 at 1024 columns holds twice the registers, which several rows cannot afford); K split where N leaves
     too few programs (GEMV_MIN_PROGRAMS).
     Otherwise few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED
     programs) and wide K steps, so that enough loads are in flight to stream the weight; more rows:
@@ -107,8 +107,9 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         gemv_rows = min(gemv_rows, 1)
     if m <= gemv_rows:
         rows = m
-        # INT4 and plain (moe slots' bf16: 8 weights a thread) at 1024 columns: 4 warps' threads one word each
-        block_k = min(1024 if fmt in (INT4, PLAIN) else 512, max(64, triton.next_power_of_2(k)))
+        # INT4 and plain (moe slots' bf16: 8 weights a thread) at 1024 columns: 4 warps' threads one word each;
+        # FP8 at one row too (bench/int4_gemv_sweep.py: faster on 4 of its 5 shapes), at 2-4 rows 512 (registers)
+        block_k = min(1024 if fmt in (INT4, PLAIN) or m == 1 else 512, max(64, triton.next_power_of_2(k)))
         if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
             return DequantConfig(rows, 32, block_k, num_warps=4, num_stages=1, kernel="gemv")
         block_n = 8
