@@ -102,9 +102,15 @@ def test_fp8_gemv_matches_the_published_dequantization(dtype, m, block, config):
 @pytest.mark.parametrize("fmt,config", [("int4", EVEN_N), ("int4", RAGGED_N_SPLIT), ("fp8", EVEN_N),
                                         ("int4", DequantConfig(16, 16, 32, 4, 2))],
                          ids=["int4-gemv", "int4-gemv-split-k", "fp8-gemv", "int4-tiles"])
-def test_swiglu_rows_multiply_silu_of_gate_times_up(dtype, fmt, config):
+@pytest.mark.parametrize("folded", [True, False], ids=["read-by-the-gemv", "computed-first"])
+def test_swiglu_rows_multiply_silu_of_gate_times_up(dtype, fmt, config, folded, monkeypatch):
     """``swiglu``: the input is [gate | up] and the product is with silu(gate) * up (rounded to x's dtype as torch's
-    two ops round it) — read so by the GEMV kernel, computed apart before the tile kernels."""
+    two ops round it) — read so by the GEMV kernel (unless activation.SWIGLU_FOLD_MAX says to compute it first),
+    computed apart before the tile kernels."""
+    from tandem.kernels import activation
+
+    if not folded:
+        monkeypatch.setattr(activation, "SWIGLU_FOLD_MAX", 0)
     n, k, m = 40, 160, (1 if config.kernel == "gemv" else 5)
     if fmt == "int4":
         packed, scale, deq = int4_weight(n, k, 32, seed=11)

@@ -340,11 +340,19 @@ def test_router_logits_equal_a_float32_linear_of_the_upcast_rows(dtype, rows):
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("folded", [True, False], ids=["read-by-the-gemv", "computed-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,k", [(1, 256), (1, 200), (3, 128)])
-def test_gemv_reads_silu_of_gate_times_up_with_swiglu(dtype, rows, k):
-    """x = [gate | up] rows: the product is with silu(gate) * up, rounded as torch's two ops round (float64 after)."""
+def test_gemv_reads_silu_of_gate_times_up_with_swiglu(dtype, rows, k, folded, monkeypatch):
+    """x = [gate | up] rows: the product is with silu(gate) * up, rounded as torch's two ops round (float64 after);
+    read by the GEMV, or (beyond activation.SWIGLU_FOLD_MAX recomputed activations) computed first."""
+    from tandem.kernels import activation, gemv as gemv_module
     from tandem.kernels.gemv import GemvConfig, gemv
+
+    calls = []
+    monkeypatch.setattr(gemv_module, "silu_and_mul", lambda x: calls.append(1) or activation.silu_and_mul(x))
+    if not folded:
+        monkeypatch.setattr(activation, "SWIGLU_FOLD_MAX", 0)
 
     gen = torch.Generator().manual_seed(rows * 7 + k)
     gate_up = torch.randn(rows, 2 * k, generator=gen).to(dtype).to(DEVICE)
@@ -353,8 +361,19 @@ def test_gemv_reads_silu_of_gate_times_up_with_swiglu(dtype, rows, k):
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) * up  # (in dtype: the silu rounded, then the product)
     assert norm_rel_err(y, F.linear(act.double(), w.double())) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert len(calls) == (0 if folded else 1)
     with pytest.raises(ValueError, match="rows"):
         gemv(gate_up, w, config=GemvConfig("dot", block_n=16, block_k=64), swiglu=True)
+
+
+def test_swiglu_is_read_by_the_gemv_only_where_its_recomputation_is_small():
+    """Each program of a SwiGLU-reading GEMV recomputes the activations: the 8B shape's down projections (bf16:
+    1024 programs of 4 rows, INT4: 512 of 8, over 14336 columns) and Kimi's experts at batch 1 (896 programs x 8
+    slots x 2048) compute them first; DeepSeek-V2-Lite's experts at batch 1 (256 programs x 6 slots x 1408) read them."""
+    from tandem.kernels.activation import fold_swiglu
+
+    assert not fold_swiglu(1024 * 14336) and not fold_swiglu(512 * 14336) and not fold_swiglu(896 * 8 * 2048)
+    assert fold_swiglu(256 * 6 * 1408)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import silu_and_mul
+from tandem.kernels.activation import fold_swiglu, silu_and_mul
 from tandem.kernels.dequant_gemv import INT4_HI_SHIFT, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
@@ -206,8 +206,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
     slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots). A plain
     weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``). ``swiglu``: x
-    is [..., 2K] = [gate | up] and the product is with silu(gate) * up — read so by the GEMV kernel, computed
-    apart for the others."""
+    is [..., 2K] = [gate | up] and the product is with silu(gate) * up — read so by the GEMV kernel where
+    fold_swiglu allows, computed apart otherwise and for the other kernels."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     if fmt == PLAIN:
         word = plain_word(w.dtype)
@@ -256,6 +256,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             raise ValueError(f"the mma kernel takes INT4 groups of 16, 32, 64 ... columns and bf16/fp16 activations; "
                              f"got groups of {s_cols}, {x.dtype}")
         block_k = max(s_cols, block_k // s_cols * s_cols)
+    if swiglu and not fold_swiglu(triton.cdiv(n, cfg.block_n) * m * k):
+        x2, swiglu = silu_and_mul(x2), False
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import activation_load
+from tandem.kernels.activation import activation_load, fold_swiglu, silu_and_mul
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -169,7 +169,8 @@ def gemv(
     config: GemvConfig = GemvConfig(),
     out: torch.Tensor | None = None,  # [M, N]
     pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
-    swiglu: bool = False,  # x is [M, 2K] = [gate | up]: multiply silu(gate) * up (the "rows" kernel only)
+    swiglu: bool = False,  # x is [M, 2K] = [gate | up]: multiply silu(gate) * up (read by the "rows" kernel where
+    # fold_swiglu allows, else computed first)
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if swiglu else 1):
         raise ValueError(f"gemv takes x [M, K] ([M, 2K] with swiglu) and weight [N, K], got {tuple(x.shape)} and "
@@ -186,9 +187,11 @@ def gemv(
         raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n),)
+    if swiglu and not fold_swiglu(grid[0] * m * k):
+        x, swiglu = silu_and_mul(x), False
     pdl_args = pdl_launch(x, pdl)
     even_k = k % config.block_k == 0
-    grid = (triton.cdiv(n, config.block_n),)
     args = (x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0))
     if config.kernel == "rows":
         _gemv_rows_kernel[grid](
