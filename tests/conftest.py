@@ -29,6 +29,10 @@ for p in (str(ROOT), str(TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from triton_interpreter import skip_nested_repatching  # noqa: E402
+
+skip_nested_repatching()  # (tests/tp_runner.py does the same in its processes)
+
 
 # pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup). Tests that start process groups or CPU-heavy child
 # processes are marked ``pytest.mark.xdist_group(PROCS)``: all on one worker, one after another, so that two of them

@@ -25,11 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from helpers import forward_fresh  # noqa: E402
+from triton_interpreter import skip_nested_repatching  # noqa: E402
 from tandem.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
+
+skip_nested_repatching()  # at import: the TP ranks, spawned, import this file too (as __mp_main__)
 
 # A pool of this many pages holds every job's sequences; the default (sized from memory: 16k pages) made each
 # interpreted Triton launch copy the whole pool back (the interpreter copies its arguments' storages)
