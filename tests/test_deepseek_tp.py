@@ -1,9 +1,9 @@
 """DeepSeek-V3 (MLA + MoE) under tensor parallelism on the CPU (gloo): q_b/kv_b split by heads, o and
 the experts' down projections reduced, the latent cache whole on every rank — at TP 2, 4 and 8 (at 8, one
-head per rank), against transformers: prompt and packed logits, greedy output, EAGLE-3 features and
-a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static path, and a
-DeepSeek-V2-style model (q_proj by heads, fused with kv_a). Runs in tests/tp_runner.py's child process
-under a timeout, as test_tp.py does."""
+head per rank; 4 and 8 on a 4-layer twin), against transformers: prompt and packed logits, greedy output,
+EAGLE-3 features and a tree's logits; at TP 2 also runs of decode steps on the MLA graph backend's static
+path, and a DeepSeek-V2-style model (q_proj by heads, fused with kv_a). Runs in tests/tp_runner.py's child
+process under a timeout, as test_tp.py does."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ PROMPTS = [random_prompt(70, 11, VOCAB), random_prompt(71, 26, VOCAB)]
 MAX_NEW = 12
 TREE_PARENTS = [-1, 0, 0, 1, 2]
 TP_SIZES = (2, 4, 8)
+# TP 4 and 8 run a 4-layer twin (1 dense + 3 MoE layers, the same seed): at those sizes a step's cost is its
+# collectives (two a layer, 8 ranks on 2 cores). TP 2 runs the 8 layers whose default capture is 3 distinct layers.
+LAYERS = {2: 8, 4: 4, 8: 4}
+CAPTURE = {8: (2, 4, 5), 4: (1, 2, 2)}  # EAGLE-3's default [2, N//2, N-3] by depth (clamped at 4: a layer twice)
 QUEUED_NEW = 6  # runs of decode steps on the latent graph path (interpreted Triton): the first 6 tokens, a run of 4
 
 
@@ -44,8 +48,8 @@ def _path(node: int) -> list[int]:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     work = tmp_path_factory.mktemp("deepseek-tp")
-    hf = write_deepseek(work / "model", seed=31)
-    spec = [dict(model=str(work / "model"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
+    hf = {n: write_deepseek(work / f"model-{n}", seed=31, num_hidden_layers=n) for n in set(LAYERS.values())}
+    spec = [dict(model=str(work / f"model-{LAYERS[tp]}"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
                  tree=tree_job(PROMPTS[1]), decode_steps=4 if tp == 2 else None, queued_new_tokens=QUEUED_NEW)
             for tp in TP_SIZES]
     return hf, dict(zip(TP_SIZES, run_tp_jobs(spec, work, TIMEOUT_S, "the DeepSeek TP run")))
@@ -53,8 +57,8 @@ def tp_results(tmp_path_factory):
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_tp_matches_hf(tp_results, tp):
-    hf, results = tp_results
-    res = results[tp]
+    hfs, results = tp_results
+    hf, res = hfs[LAYERS[tp]], results[tp]
     assert res["local_heads"] == 8 // tp and res["local_vocab"] == VOCAB // tp
     assert res["qkv_a_rows"] == 32 + 24  # q_a (q_lora 32) and kv_a (kv_lora 16 + rope 8), whole on every rank
     assert res["children_left"] == [] and res["pages_back"]
@@ -62,8 +66,8 @@ def test_tp_matches_hf(tp_results, tp):
         assert_rel(logits, hf_logits(hf, prompt), 1e-4, "prompt")
     assert_rel(res["packed_logits"], torch.cat([hf_logits(hf, p) for p in PROMPTS]), 1e-4, "packed")
     assert res["greedy"] == [hf_greedy(hf, p, MAX_NEW - 3 * i) for i, p in enumerate(PROMPTS)]
-    # 8 layers: EAGLE-3's default capture is the inputs of layers 2, 4, 5
-    want = torch.cat([torch.cat([hf_hidden_states(hf, p)[i] for i in (2, 4, 5)], dim=-1) for p in PROMPTS])
+    capture = CAPTURE[LAYERS[tp]]  # the features are the inputs of these layers
+    want = torch.cat([torch.cat([hf_hidden_states(hf, p)[i] for i in capture], dim=-1) for p in PROMPTS])
     assert_rel(res["features"], want, 1e-4, "features")
     tree = tree_job(PROMPTS[1])
     for node, row in enumerate(res["tree_logits"]):
