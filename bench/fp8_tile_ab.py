@@ -19,7 +19,7 @@ def main() -> None:
     import torch
 
     from engine_rows import random_weight_engine
-    from measure import decode_tok_s
+    from measure import interleaved_decode
     from sections_quant_engines import llama_case
     from tandem.kernels import dequant_gemm
 
@@ -40,15 +40,7 @@ def main() -> None:
     dequant_gemm.default_config = step_512  # (graphs captured from now on take it)
     engines["512"] = random_weight_engine(case.path, (1,), 1, 2048)
     dequant_gemm.default_config = default
-    for engine in engines.values():
-        decode_tok_s(engine, 1, 16)  # warm-up
-    results = {name: [] for name in engines}
-    for _ in range(a.repeats):
-        for name, engine in engines.items():
-            results[name].append(decode_tok_s(engine, 1, 256)["tok_s"])
-    for name, rates in results.items():
-        print(f"8B FP8 batch 1, {name:15s}: " + " ".join(f"{r:.1f}" for r in rates)
-              + f" tok/s, mean {sum(rates) / len(rates):.1f}")
+    interleaved_decode(engines, a.repeats, "8B FP8 batch 1")
 
 
 if __name__ == "__main__":

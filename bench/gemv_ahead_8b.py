@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:
-    from measure import decode_tok_s
+    from measure import interleaved_decode
     from models import LLAMA_8B_SHAPE, target_dir
     from engine_rows import random_weight_engine
     from profile_deepseek import read_ahead
@@ -28,14 +28,7 @@ def main() -> None:
     engines = {"default": random_weight_engine(path, (1,), 1, 256)}
     read_ahead(a.max_k)  # (graphs captured from now on read ahead)
     engines[f"ahead<={a.max_k}"] = random_weight_engine(path, (1,), 1, 256)
-    for engine in engines.values():
-        decode_tok_s(engine, 1, 16)  # warm-up
-    results = {name: [] for name in engines}
-    for _ in range(a.repeats):
-        for name, engine in engines.items():
-            results[name].append(decode_tok_s(engine, 1, 256)["tok_s"])
-    for name, rates in results.items():
-        print(f"8B batch 1 {name:12s}: " + " ".join(f"{r:.1f}" for r in rates) + f" tok/s, mean {sum(rates) / len(rates):.1f}")
+    interleaved_decode(engines, a.repeats, "8B batch 1")
 
 
 if __name__ == "__main__":

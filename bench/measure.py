@@ -61,6 +61,20 @@ def decode_tok_s(engine, bs: int, new_tokens: int, prompt_len: int = 128) -> dic
             "tok_s_per_request": per_request / elapsed, "ms_per_step": 1e3 * elapsed / per_request}
 
 
+def interleaved_decode(engines: dict, repeats: int, label: str, new_tokens: int = 256) -> dict[str, list[float]]:
+    """Batch-1 decode tok/s of each engine (name -> engine), warmed up, then ``repeats`` passes taking each in turn
+    (this host's pass-to-pass drift hits them alike); printed per engine with ``label``."""
+    for engine in engines.values():
+        decode_tok_s(engine, 1, 16)  # warm-up
+    results: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            results[name].append(decode_tok_s(engine, 1, new_tokens)["tok_s"])
+    for name, rates in results.items():
+        print(f"{label}, {name:15s}: " + " ".join(f"{r:.1f}" for r in rates) + f" tok/s, mean {sum(rates) / len(rates):.1f}")
+    return results
+
+
 def rate_for(accept_length: float, depth: int) -> float:
     """Corruption rate giving the expected accept length of a path of ``depth`` drafts (bisection)."""
     from tandem.speculative.controlled import expected_accept_length
