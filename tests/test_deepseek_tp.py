@@ -47,18 +47,23 @@ def _path(node: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
+    """The module's TP runs, the V2-style model's too, in one runner (its start and its fork server's cost seconds)
+    → (transformers models by folder, results by TP size and "v2")."""
     work = tmp_path_factory.mktemp("deepseek-tp")
-    hf = {n: write_deepseek(work / f"model-{n}", seed=31, num_hidden_layers=n) for n in set(LAYERS.values())}
+    hf = {f"model-{n}": write_deepseek(work / f"model-{n}", seed=31, num_hidden_layers=n)
+          for n in set(LAYERS.values())}
+    hf["v2"] = write_deepseek(work / "v2", seed=32, q_lora_rank=None)
     spec = [dict(model=str(work / f"model-{LAYERS[tp]}"), tp_size=tp, prompts=PROMPTS, max_new_tokens=MAX_NEW,
                  tree=tree_job(PROMPTS[1]), decode_steps=4 if tp == 2 else None, queued_new_tokens=QUEUED_NEW)
             for tp in TP_SIZES]
-    return hf, dict(zip(TP_SIZES, run_tp_jobs(spec, work, TIMEOUT_S, "the DeepSeek TP run")))
+    spec.append(dict(model=str(work / "v2"), tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW))
+    return hf, dict(zip([*TP_SIZES, "v2"], run_tp_jobs(spec, work, TIMEOUT_S, "the DeepSeek TP runs")))
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_tp_matches_hf(tp_results, tp):
     hfs, results = tp_results
-    hf, res = hfs[LAYERS[tp]], results[tp]
+    hf, res = hfs[f"model-{LAYERS[tp]}"], results[tp]
     assert res["local_heads"] == 8 // tp and res["local_vocab"] == VOCAB // tp
     assert res["qkv_a_rows"] == 32 + 24  # q_a (q_lora 32) and kv_a (kv_lora 16 + rope 8), whole on every rank
     assert res["children_left"] == [] and res["pages_back"]
@@ -85,12 +90,9 @@ def test_tp2_runs_of_decode_steps_on_the_latent_graph_path_keep_the_output(tp_re
 
 
 @pytest.fixture(scope="module")
-def v2_tp2(tmp_path_factory):
-    work = tmp_path_factory.mktemp("deepseek-v2-tp")
-    hf = write_deepseek(work / "model", seed=32, q_lora_rank=None)
-    [res] = run_tp_jobs([dict(model=str(work / "model"), tp_size=2, prompts=PROMPTS, max_new_tokens=MAX_NEW)],
-                        work, TIMEOUT_S, "the DeepSeek-V2-style TP run")
-    return hf, res
+def v2_tp2(tp_results):
+    hfs, results = tp_results
+    return hfs["v2"], results["v2"]
 
 
 def test_tp2_v2_style_q_proj_fused_with_kv_a_matches_hf(v2_tp2):
