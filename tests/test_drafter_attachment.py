@@ -176,17 +176,20 @@ def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pa
     assert all(stats[r] == 0 for r in [late]) and all(stats[r] > 0 for r in fresh)
 
 
-def test_a_prompt_arriving_at_an_idle_engine_after_the_detached_period_speculates(pair):
-    """Detached, then the batch drains and the detached period ends while the engine is idle: the next prompt
-    starts on the drafter (the period's end is noticed before prompts are admitted) and speculates."""
+def test_idle_time_does_not_end_a_detached_period_and_a_favoured_batch_attaches_at_once(pair):
+    """Detached, then the batch drains and the engine idles for a minute: the 5 s detached period stands still
+    (loads apart in time would each pay a re-measurement), so the next prompt is prefilled plain; once requests
+    run at a batch size whose last verdict was speculation, the engine attaches within ``favoured_attach_s`` of
+    traffic and the prompt after that speculates."""
     greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    prompts = [random_prompt(700 + i, 9 + 3 * i) for i in range(4)]
+    prompts = [random_prompt(700 + i, 9 + 3 * i) for i in range(5)]
     clock = Clock()
     with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
         eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
-                                                            detached_first_s=5.0), clock)
-        speculate = [False]
+                                                            detached_first_s=5.0, favoured_attach_s=0.2), clock)
+        speculate, favoured = [False], [False]
         eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+        eng.policy.speculation_favoured = lambda batch: favoured[0]
         for p in prompts[:3]:
             eng.add_request(p, greedy)
         while not eng.attachment.detached:
@@ -194,11 +197,72 @@ def test_a_prompt_arriving_at_an_idle_engine_after_the_detached_period_speculate
         while eng.has_unfinished():
             eng.step()
         speculate[0] = True
-        clock.now += 60.0  # idle for a minute: the 5 s detached period is long over
+        clock.now += 60.0  # idle for a minute
         late = eng.add_request(prompts[3], greedy)
+        eng.step()
+        clock.now += 0.5
+        eng.step()
+        assert eng.attachment.detached  # a minute idle and half a second of traffic: the period goes on
+        favoured[0] = True
+        eng.step()
+        assert eng.attachment.detached  # favoured, but not for 0.2 s yet
+        clock.now += 0.25
+        eng.step()
+        assert not eng.attachment.detached
+        fresh = eng.add_request(prompts[4], greedy)
         while eng.has_unfinished():
             eng.step()
-        assert eng.requests[late].spec_stats.rounds > 0
+        assert eng.requests[late].spec_stats.rounds == 0 and eng.requests[fresh].spec_stats.rounds > 0
+
+
+def test_a_detached_period_stands_still_while_idle_and_a_favoured_bucket_ends_it():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    _until_detached(att, clock)
+    att.idle()
+    clock.now += 100.0
+    assert att.after_decision(False, asked=False, can_switch=True) is None  # traffic again: 2 s of it to go
+    clock.now += 1.9
+    assert att.after_decision(False, asked=False, can_switch=True) is None
+    clock.now += 0.1
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+    _until_detached(att, clock)  # (the next period: 4 s)
+    for favoured in (True, True, False, True, True, True):  # a favoured bucket for favoured_attach_s in a row
+        assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=favoured) is None
+        clock.now += 0.1
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
+    att.hold_detached()
+    clock.now += 10.0
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) is None
+
+
+def test_a_probe_is_not_cut_short_by_a_favoured_bucket():
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    assert att.after_decision(False, asked=True, can_switch=True, probe=True) == "detach"
+    for _ in range(7):  # (steps of 1/8 s: exact in binary)
+        clock.now += 0.125
+        assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) is None
+    clock.now += 0.125
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
+
+
+@pytest.mark.parametrize("lead, first_again", [(0.10, True), (0.02, False), (None, True)])
+def test_earnest_speculation_restarts_the_backoff_only_well_ahead_of_plain(lead, first_again):
+    """Modes about even (speculation 2 % ahead) must not restart the backoff: each re-attach then measures again."""
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    _until_detached(att, clock)
+    clock.now += CFG.detached_first_s
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+    assert att.policy_may_decide(4, 4)
+    for _ in range(CFG.detach_after_steps):  # as many speculative steps, for as long as a detach takes
+        att.after_decision(True, asked=True, can_switch=True, spec_lead=lead)
+        clock.now += 0.5
+    _until_detached(att, clock)
+    clock.now += CFG.detached_first_s
+    attached = att.after_decision(False, asked=False, can_switch=True) == "attach"
+    assert attached == first_again  # the first period again, or twice it
 
 
 def test_a_measured_verdict_for_plain_steps_detaches_without_waiting_for_the_clock():

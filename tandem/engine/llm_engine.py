@@ -159,7 +159,6 @@ class LLMEngine:
         running = self.scheduler.running
         if not running:  # (the latest decision stands for the prompts about to be admitted)
             self.attachment.idle()
-            self._keep_attachment(asked=False)  # a detached period that ended while idle ends before they arrive
             return 1
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
@@ -172,7 +171,9 @@ class LLMEngine:
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
         probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
         self.speculating = self.speculating and not probe
-        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe)
+        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
+                              self.policy.measured_lead(len(running)) if self.speculating else None,
+                              self.attachment.detached and self.policy.speculation_favoured(len(running)))
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
     def _can_switch(self) -> bool:
@@ -180,11 +181,11 @@ class LLMEngine:
         return self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
 
     def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0,
-                         probe: bool = False) -> None:
+                         probe: bool = False, spec_lead: float | None = None, spec_favoured: bool = False) -> None:
         """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
         (tandem.speculative.attachment); never under a run of rounds in flight."""
         change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
-                                                loss, probe)
+                                                loss, probe, spec_lead, spec_favoured)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("%s at batch %d: the drafter is detached (plain steps run target-only); %s",

@@ -20,13 +20,17 @@ speculation, the plain steps to the verdict), times the share of goodput specula
 ``remeasure_cost`` of it (a small target at high concurrency loses much of its goodput speculating, and a
 re-attach's span is then a large share of a few seconds detached). A batch that speculates in earnest (``detach_after_steps``
 speculative steps in a row lasting ``detach_after_s``, not an exploration nor the re-measurement after a
-re-attach) starts the backoff over.
+re-attach) starts the backoff over — where measured goodput has it ahead of plain by at least ``earnest_lead``
+(or has not measured both): modes about even at a large batch would otherwise attach, measure and detach again
+every few seconds, each attached span paying for input no round uses.
 
 Where measured goodput (tandem.speculative.goodput) has found plain steps faster at the running batch size,
 the engine detaches after ``detach_measured_steps`` plain decisions instead of the time and steps above: the
 verdict is already measured, and attached plain steps pay for input no draft will use. Where speculation won
 only narrowly against attached plain steps and plain was never measured detached there, the engine detaches for
-``probe_detached_s`` (a probe) to measure it.
+``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
+whose last measured verdict was speculation (``favoured_attach_s`` in a row), the engine attaches at once: a
+light load after a heavy one does not wait out a detached period meant for the heavy one. Idle time does not count towards a detached period (``idle``).
 """
 
 from __future__ import annotations
@@ -48,18 +52,19 @@ class AttachmentConfig:
     ready_timeout_s: float = 2.0  # ... or after this long
     remeasure_cost: float = 0.01  # a re-attach's measured loss: at most about this share of the detached period before it
     probe_detached_s: float = 1.0  # a probe (plain steps measured without the drafter): detached this long
+    earnest_lead: float = 0.05  # earnest speculation restarts the backoff only this far ahead of plain (measured)
+    favoured_attach_s: float = 0.2  # detached, at a bucket whose verdict was speculation this long: attach at once
 
 
 class DrafterAttachment:
     def __init__(self, cfg: AttachmentConfig = AttachmentConfig(), clock=time.perf_counter):
         self.cfg, self.clock = cfg, clock
-        self.detached = False
         self._paused = 0
         self.reset()
 
     def reset(self) -> None:
         """Attached, nothing counted (a fresh engine, or after the warm-up)."""
-        self.detached = False
+        self.detached, self._held, self._probing = False, False, False
         self._plain_since: float | None = None
         self._plain_steps = 0
         self._spec_streak = 0  # consecutive speculative decisions
@@ -68,15 +73,23 @@ class DrafterAttachment:
         self._detached_until = 0.0
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
         self._attached_at: float | None = None  # attached again at (None: not since earnest speculation or start)
+        self._favoured_since: float | None = None  # detached, at a bucket whose verdict was speculation, since
+        self._idle_since: float | None = None  # nothing running since (a detached period stands still)
+        self._last_decision: float | None = None  # when after_decision was last called
 
     def hold_detached(self) -> None:
         """Detached from now on, until ``reset``: plain steps only, whatever the policy says (an engine measured
         as a target-only one: bench/detached_plain.py, the graph tests). The engine must not hold draft state yet."""
-        self.detached, self._detached_until = True, float("inf")
+        self.detached, self._held, self._detached_until = True, True, float("inf")
 
     def idle(self) -> None:
-        """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding)."""
+        """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding),
+        and a detached period stands still until then (it bounds what measuring again costs as a share of the
+        serving between, and idle time serves nothing: loads apart in time would each pay a re-measurement)."""
         self._plain_since, self._plain_steps, self._spec_streak, self._spec_since = None, 0, 0, None
+        self._favoured_since = None
+        if self._idle_since is None:  # (since the last decision: an engine is not stepped while idle)
+            self._idle_since = self.clock() if self._last_decision is None else self._last_decision
 
     def pause(self) -> None:
         """Until ``resume``: neither detach nor count (the warm-up forces both kinds of step)."""
@@ -97,21 +110,29 @@ class DrafterAttachment:
         return False
 
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
-                       plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False) -> str | None:
+                       plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False,
+                       spec_lead: float | None = None, spec_favoured: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
         flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
-        ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller).
+        ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller;
+        ``spec_lead``: speculation's measured goodput over plain's at this batch size, less one (None: not both
+        measured); ``spec_favoured``: the last verdict measured at this batch size was speculation).
         → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
         now = self.clock()
+        if self._idle_since is not None:  # traffic again: the detached period resumes where it stood
+            self._detached_until += now - self._idle_since
+            self._idle_since = None
+        self._last_decision = now
         if probe and asked and can_switch and not self.detached:  # (the backoff and the clocks untouched)
-            self.detached, self._detached_until = True, now + self.cfg.probe_detached_s
+            self.detached, self._probing, self._detached_until = True, True, now + self.cfg.probe_detached_s
             return "detach"
         if self.detached:
-            if now < self._detached_until:
+            if self._held or (now < self._detached_until
+                              and (self._probing or not self._favoured_long_enough(spec_favoured, now))):
                 return None
-            self.detached, self._waiting_since, self._attached_at = False, now, now
+            self.detached, self._waiting_since, self._attached_at, self._favoured_since = False, now, now, None
             self._plain_since, self._plain_steps = None, 0
             return "attach"
         if not asked:
@@ -126,7 +147,7 @@ class DrafterAttachment:
             self._spec_streak += 1
             if self._spec_streak >= c.detach_after_steps:
                 self._plain_since, self._plain_steps = None, 0
-                if now - self._spec_since >= c.detach_after_s:
+                if now - self._spec_since >= c.detach_after_s and (spec_lead is None or spec_lead >= c.earnest_lead):
                     self._period, self._attached_at = c.detached_first_s, None
             return None
         self._spec_streak = 0
@@ -138,7 +159,16 @@ class DrafterAttachment:
         if can_switch and settled:
             remeasured = 0.0 if self._attached_at is None or not plain_measured_faster else now - self._attached_at
             period = min(max(self._period, remeasured * loss / c.remeasure_cost), c.detached_max_s)
-            self.detached, self._detached_until = True, now + period
+            self.detached, self._probing, self._detached_until = True, False, now + period
             self._period = min(2 * period, c.detached_max_s)
             return "detach"
         return None
+
+    def _favoured_long_enough(self, spec_favoured: bool, now: float) -> bool:
+        """Detached: whether the batch has run ``favoured_attach_s`` at buckets whose verdict was speculation."""
+        if not spec_favoured:
+            self._favoured_since = None
+            return False
+        if self._favoured_since is None:
+            self._favoured_since = now
+        return now - self._favoured_since >= self.cfg.favoured_attach_s

@@ -132,6 +132,11 @@ class GoodputArbiter:
             return None
         return self._best[b]
 
+    def favours_speculation(self, batch_size: int) -> bool:
+        """Whether the last verdict at ``batch_size``'s bucket, both modes measured then, was speculation (however
+        long ago: a detached period forgets speculation's goodput, not this)."""
+        return self._best.get(self.bucket(batch_size)) is True
+
     def take_probe(self, batch_size: int) -> bool:
         """Whether the engine is to detach briefly now (a probe; then taken: a bucket is probed at most once in
         ``goodput_stale_s``): speculation won at ``batch_size``'s bucket only against plain steps run attached, by

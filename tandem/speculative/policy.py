@@ -239,6 +239,16 @@ class SpeculationPolicy:
         """The share of goodput the slower mode loses at ``batch_size``, as measured goodput has it (0 without it)."""
         return self.goodput.loss(batch_size) if self.goodput is not None else 0.0
 
+    def measured_lead(self, batch_size: int) -> float | None:
+        """Speculation's measured goodput over plain's at ``batch_size``, less one; None unless both are measured."""
+        spec, plain = self.goodput.rates(batch_size) if self.goodput is not None else (None, None)
+        return None if spec is None or not plain else spec / plain - 1
+
+    def speculation_favoured(self, batch_size: int) -> bool:
+        """Whether the last verdict measured at ``batch_size``'s bucket was speculation (kept through a detached
+        period, which forgets speculation's goodput but not what it decided)."""
+        return self.goodput is not None and self.goodput.favours_speculation(batch_size)
+
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
         parts = []
