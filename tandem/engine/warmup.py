@@ -61,6 +61,12 @@ class _Forced:
     def probe_detached(self, batch_size) -> bool:
         return False
 
+    def measured_lead(self, batch_size) -> None:
+        return None
+
+    def speculation_favoured(self, batch_size) -> bool:
+        return False
+
 
 def warmup_batch_sizes(max_bs: int) -> list[int]:
     sizes, b = [], 1
