@@ -98,6 +98,7 @@ class Stack:
                 "--metrics-port", str(self.ports["metrics"]), "--speculation-policy", "always", "--dtype", args.dtype]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", "1")  # three processes share the cores
+        self.log_path = log_path
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.pids_seen: set[int] = {self.proc.pid}
@@ -132,6 +133,25 @@ class Stack:
                 self.pids_seen.add(pid)
                 return pid
         return None
+
+    def restarts(self) -> dict[str, int]:
+        """The restarts the launcher made so far, by role (it logs each as it starts the service again)."""
+        log = self.log_path.read_text(errors="replace")
+        return {role: log.count(f"restarting {role} (") for role in ("drafter", "verifier", "gateway")}
+
+    def wait_restarts(self, owed: dict[str, int], timeout_s: float) -> float:
+        """Wait, at most ``timeout_s``, until the launcher restarted each role at least ``owed[role]`` times;
+        returns the seconds waited. A killed service comes back after its back-off, which doubles with each
+        exit in a row (the drafter killed again and again: 0.5, 1, 2, 4 s ...), and the launcher sees the exit
+        at its next poll: the last kill's restart may still be pending when the clients stop, later still on a
+        busy machine."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s and self.proc.poll() is None:
+            done = self.restarts()
+            if all(done[role] >= n for role, n in owed.items()):
+                break
+            time.sleep(0.1)
+        return round(time.monotonic() - started, 2)
 
     def rss_mb(self) -> dict[str, dict]:
         out = {}
@@ -410,6 +430,10 @@ def main(argv=None) -> int:
         for t in threads:
             t.join()
         report["elapsed_s"] = round(time.monotonic() - started, 1)
+        # Every service killed is owed a restart: counted once it happened, not at whichever moment the soak
+        # ended (a restart that does not come within the bound stays missing from launcher_restarts).
+        report["restarts_waited_s"] = stack.wait_restarts(
+            {"drafter": soak.faults["drafter_sigkill"], "verifier": soak.faults["verifier_restart"]}, timeout_s=60)
         report["rss_end"] = stack.rss_mb()
         kv = {}
         deadline = time.monotonic() + 30
@@ -432,12 +456,18 @@ def main(argv=None) -> int:
         log = (work / "stack.log").read_text(errors="replace")
         if sys.exc_info()[0] is not None:  # the soak failed: what the stack said last
             print(log[-6000:], file=sys.stderr)
-        report["launcher_restarts"] = {role: log.count(f"restarting {role} (") for role in ("drafter", "verifier", "gateway")}
-    time.sleep(1.0)  # the watchdogs of killed owners unlink within ~50 ms of the death
+        report["launcher_restarts"] = stack.restarts()
     pids = {str(pid) for pid in stack.pids_seen}
-    left = sorted(e.name for e in Path("/dev/shm").iterdir()
-                  if e.name not in shm_before and (e.name.startswith("tandem-") or e.name.startswith("torch_"))
-                  and any(part in pids for part in e.name.split("-") + e.name.split("_")))
+
+    def shm_left() -> list[str]:
+        return sorted(e.name for e in Path("/dev/shm").iterdir()
+                      if e.name not in shm_before and (e.name.startswith("tandem-") or e.name.startswith("torch_"))
+                      and any(part in pids for part in e.name.split("-") + e.name.split("_")))
+
+    # The watchdogs of killed owners unlink within ~50 ms of the death (later on a busy machine): polled, bounded.
+    deadline = time.monotonic() + 15
+    while (left := shm_left()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     report["shm_left"] = left
     text = json.dumps(report, indent=2)
     print(text)

@@ -32,7 +32,11 @@ def test_a_short_soak_loses_nothing(tmp_path):
     assert requests["submitted"] >= 50
     assert requests["served"] + requests["cancelled"] == requests["submitted"], requests
     assert requests["served"] >= 1 and requests["cancelled"] >= 1
-    assert report["faults"]["drafter_sigkill"] >= 2 and report["faults"]["verifier_restart"] == 1
-    assert report["launcher_restarts"]["drafter"] >= 2 and report["launcher_restarts"]["verifier"] == 1
+    assert report["faults"]["drafter_sigkill"] >= 2 and report["faults"]["verifier_restart"] == 1, report["faults"]
+    # each killed service restarted by the launcher: the soak waits (at most 60 s) for the restarts it owes
+    # before counting them (the last kill's back-off may still run when the clients stop)
+    restarts = report["launcher_restarts"]
+    assert restarts["drafter"] >= 2 and restarts["verifier"] == 1, (restarts, report["restarts_waited_s"])
+    assert restarts["drafter"] >= report["faults"]["drafter_sigkill"], (restarts, report["faults"])
     assert report["kv_pages"]["back_to_total"] and report["shm_left"] == []
     assert proc.returncode == 0
