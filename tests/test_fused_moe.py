@@ -7,6 +7,7 @@ scaling 2.5). GPU versions at Kimi shapes: tests/gpu/test_quant_kernels_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -22,6 +23,7 @@ from tandem.models.loader import default_dtype  # noqa: E402
 from tandem.kernels.fused_moe import (  # noqa: E402
     ExpertWeights, MoeTiles, align_by_expert, align_by_expert_torch, fused_moe,
 )
+from tandem.kernels import fused_moe as fused_moe_module  # noqa: E402
 from tandem.layers import moe as moe_module  # noqa: E402
 from tandem.layers.moe import MoE  # noqa: E402
 from tandem.configs.deepseek import MoeConfig as RoutingConfig  # noqa: E402
@@ -166,3 +168,58 @@ def test_experts_are_views_of_the_stacks_and_restack_after_a_move():
     gate_up, _ = moe.expert_weights()
     assert gate_up.weight.data_ptr() == moe.experts[0].gate_up_proj.weight_packed.data_ptr()
     assert torch.equal(gate_up.weight[3], moe.experts[3].gate_up_proj.weight_packed)
+
+
+SHARED_TWO = RoutingConfig(n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=32,
+                           first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                           routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("method", ["plain", "int4", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch):
+    """Two shared experts cut into two pieces stacked behind the routed ones once the weights are in: a decode step
+    routes each token to its top 3 and the two pieces (weight 1) in the same slot launches — no shared GEMVs of
+    their own — and equals the reference (routed loop plus the shared MLP) on the same weights."""
+    moe = build_moe(SHARED_TWO, method, torch.float32, seed=11 + tokens)
+    assert moe.shared_pieces == 2 and not moe.shared_slots_ready
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(60 + tokens)).to(DEVICE)
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
+    ref = moe(x)
+    moe.weights_loaded()
+    routed = []
+    real = fused_moe_module.routed_by_slots
+    monkeypatch.setattr(fused_moe_module, "routed_by_slots", lambda *a, **k: routed.append(a[4].cpu()) or real(*a, **k))
+    shared_calls = []
+    monkeypatch.setattr(moe.shared_experts, "partial", lambda *a: shared_calls.append(1))
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+    got = moe(x)
+    assert shared_calls == [] and len(routed) == 1
+    assert routed[0].shape == (tokens, 5) and (routed[0][:, 3:] == torch.tensor([8, 9])).all()
+    assert norm_rel_err(got, ref) < 1e-5
+
+
+def test_shared_experts_stay_apart_where_they_are_not_stored_as_the_routed_ones():
+    """Kimi-K2.5's layout (INT4 routed experts, the shared expert in bf16: ``ignore``d by the quantization config),
+    and a shared MLP whose width is no multiple of a routed expert's: no pieces, the shared MLP runs on its own."""
+    kimi = QuantConfig("compressed-tensors", Int4Group(32), ignore=("re:.*shared_experts.*",))
+    with torch.device(DEVICE):
+        moe = MoE(HIDDEN, SHARED_TWO, kimi, "model.layers.1.mlp.")
+    assert moe.experts[0].gate_up_proj.quant is not None and moe.shared_experts.gate_up_proj.quant is None
+    assert moe.shared_pieces == 0
+    with torch.device(DEVICE):
+        moe = MoE(HIDDEN, dataclasses.replace(SHARED_TWO, n_shared_experts=1), None, "model.layers.1.mlp.")
+    assert moe.shared_pieces == 1  # one shared expert of the routed width: one piece
+    moe.shared_experts.down_proj.weight.data = torch.zeros(HIDDEN, 48)  # (wider than a routed expert's 32)
+    assert not moe._shared_stackable(1)
+
+
+def test_the_pieces_follow_a_restack_after_a_move():
+    moe = build_moe(SHARED_TWO, "plain", torch.float32, seed=5)
+    moe.weights_loaded()
+    for p in moe.parameters():  # what Module.to() does: new storage for every parameter
+        p.data = p.data.clone()
+    gate_up, down = moe.expert_weights()
+    shared_gate, shared_up = moe.shared_experts.gate_up_proj.weight.chunk(2)
+    assert torch.equal(gate_up.weight[9], torch.cat([shared_gate[32:], shared_up[32:]]))
+    assert torch.equal(down.weight[8], moe.shared_experts.down_proj.weight[:, :32])

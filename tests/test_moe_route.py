@@ -47,3 +47,18 @@ def test_the_kernel_routes_as_the_reference(experts, n_group, topk_group, k, nor
 def test_routing_that_does_not_fit_is_refused(experts, n_group, topk_group, k):
     with pytest.raises(ValueError, match="routing does not fit"):
         noaux_route(torch.zeros(2, experts), torch.zeros(experts), n_group, topk_group, k, True, 1.0)
+
+
+def test_extra_slots_hold_the_experts_behind_the_routed_ones_at_weight_one():
+    """``extra``: the shared experts' pieces stacked behind the routed experts (tandem.layers.moe), every token's."""
+    cfg = MoeConfig(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=8,
+                    first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=2.5)
+    gen = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(5, 64, generator=gen) * 3, torch.randn(64, generator=gen) * 0.5
+    want_w, want_ids = noaux_tc_route(logits, bias, cfg)
+    got_w, got_ids = noaux_route(logits, bias, 1, 1, 6, True, 2.5, extra=2)
+    assert got_ids.shape == (5, 8) and torch.equal(got_ids[:, :6], want_ids)
+    assert torch.equal(got_ids[:, 6:], torch.tensor([[64, 65]] * 5))
+    torch.testing.assert_close(got_w[:, :6], want_w, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_w[:, 6:], torch.ones(5, 2))

@@ -68,6 +68,9 @@ class ModelRunner:
             randomize_weights(self.model, seed=1234 + self.rank)
         else:
             self.model.load(cfg.model)
+        for module in self.model.modules():  # what a layer derives from its weights (tandem.layers.moe)
+            if hasattr(module, "weights_loaded"):
+                module.weights_loaded()
         log.info("rank %d: loaded %s (%s, %s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - started)
 

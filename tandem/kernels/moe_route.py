@@ -22,7 +22,8 @@ from tandem.kernels.pdl import pdl_enter, pdl_launch
 def _noaux_route_kernel(
     logits_ptr, bias_ptr, w_ptr, id_ptr, stride_lt, stride_wt, stride_it, scale,
     GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr, PDL: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr,
+    EXTRA: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -56,13 +57,18 @@ def _noaux_route_kernel(
         choice = tl.where(e == idx, float("-inf"), choice)
     if NORMALISE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    tl.store(w_ptr + t * stride_wt + slots, weights * scale, mask=slots < K)
-    tl.store(id_ptr + t * stride_it + slots, ids, mask=slots < K)
+    # the always-chosen slots after the routed ones: experts GROUPS * PER_GROUP + i, weight 1 (the shared experts)
+    extra = (slots >= K) & (slots < K + EXTRA)
+    ids = tl.where(extra, GROUPS * PER_GROUP + slots - K, ids)
+    tl.store(w_ptr + t * stride_wt + slots, tl.where(extra, 1.0, weights * scale), mask=slots < K + EXTRA)
+    tl.store(id_ptr + t * stride_it + slots, ids, mask=slots < K + EXTRA)
 
 
 def noaux_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, k: int,
-                normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float32) and the correction bias [E] → (weights [T, k] float32, ids [T, k] int64)."""
+                normalise: bool, scale: float, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) and the correction bias [E] → (weights [T, k + extra] float32, ids [T, k +
+    extra] int64); ``extra`` slots after the routed ones hold experts E, E + 1, ... with weight 1 (the shared experts
+    stacked behind the routed ones: tandem.layers.moe)."""
     tokens, experts = logits.shape
     per_group = experts // n_group if n_group > 0 and experts % n_group == 0 else 0
     if (bias.shape != (experts,) or not per_group or not 0 < topk_group <= n_group
@@ -71,14 +77,14 @@ def noaux_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
                          f"{n_group} groups, {topk_group} kept, top {k}")
     if logits.stride(-1) != 1 or bias.stride(-1) != 1:
         raise ValueError("noaux_route needs a contiguous last dimension")
-    weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, k + extra, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, k + extra, dtype=torch.int64, device=logits.device)
     if tokens == 0:
         return weights, ids
     _noaux_route_kernel[(tokens,)](
         logits, bias, weights, ids, logits.stride(0), weights.stride(0), ids.stride(0), scale,
         GROUPS=n_group, PER_GROUP=per_group, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_P=triton.next_power_of_2(per_group), TOPK_GROUP=topk_group, K=k, BLOCK_K=triton.next_power_of_2(k),
-        NORMALISE=normalise, num_warps=4, **pdl_launch(logits),
+        BLOCK_P=triton.next_power_of_2(per_group), TOPK_GROUP=topk_group, K=k, BLOCK_K=triton.next_power_of_2(k + extra),
+        NORMALISE=normalise, EXTRA=extra, num_warps=4, **pdl_launch(logits),
     )
     return weights, ids

@@ -15,6 +15,15 @@ sums are all-reduced once per layer. Routing follows transformers' DeepseekV3Top
 Quantized checkpoints: each expert's linears take the format its checkpoint name gets (routed experts
 INT4 or FP8, shared experts and dense MLPs FP8 or unquantized), held packed and dequantized per call by
 the reference path, per tile by the fused kernel; the router stays float32.
+
+Shared experts as slots: where the shared experts are stored as the routed ones are (same format, and
+``n_shared_experts`` pieces each shaped as one routed expert), a copy of them, cut into those pieces, is
+stacked behind the routed experts once the weights are loaded (``weights_loaded``; each piece an SwiGLU expert
+of ``moe_intermediate_size``: the intermediate units are independent, the down projection sums them). A decode
+step that goes slot by slot then routes every token to its top-k experts plus the pieces, weight 1: the shared
+experts' GEMVs are the routed ones' launches, not two more a layer (DeepSeek-V2-Lite: 16.5 kernels a layer at
+batch 1). The pieces cost ``n_shared_experts`` experts' memory a layer; their products are rounded and summed as
+the routed slots' are, not apart and added.
 """
 
 from __future__ import annotations
@@ -52,6 +61,13 @@ def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoeConfig) -> 
     return weights * cfg.routed_scaling_factor, ids
 
 
+def _same_format(a, b) -> bool:
+    """Two linears' formats (None: unquantized) store their weights alike."""
+    if a is None or b is None:
+        return a is b
+    return type(a) is type(b) and all(getattr(a, k, None) == getattr(b, k, None) for k in ("block", "group_size"))
+
+
 class NoAuxRouter(nn.Module):
     """``mlp.gate``: the router weight and the selection bias, kept in float32 whatever the model's dtype."""
 
@@ -67,14 +83,17 @@ class NoAuxRouter(nn.Module):
         check_shape(tensor, tuple(target.shape))
         target.data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids); ``extra`` (GPU only): that many slots more, experts E, E + 1, ... at weight 1."""
         logits = self.logits(x)
         if use_triton(x):  # the routing in one launch instead of ~10 (tandem/kernels/moe_route.py)
             from tandem.kernels.moe_route import noaux_route
 
             c = self.cfg
             return noaux_route(logits, self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
-                               c.norm_topk_prob, c.routed_scaling_factor)
+                               c.norm_topk_prob, c.routed_scaling_factor, extra)
+        if extra:
+            raise ValueError("shared experts as routing slots are the GPU path's")
         return noaux_tc_route(logits, self.e_score_correction_bias, self.cfg)
 
 
@@ -118,22 +137,69 @@ class MoE(nn.Module):
                                      for e in range(cfg.n_routed_experts))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = SwiGLUMLP(hidden_size, shared, quant, f"{prefix}shared_experts.") if shared else None
+        self.shared_pieces = cfg.n_shared_experts if self._shared_stackable(cfg.n_shared_experts) else 0
+        self.shared_slots_ready = False  # the pieces copied behind the routed experts (weights_loaded)
         self._stacks: dict[str, torch.Tensor] = {}
         self._stack_experts()
 
+    def _names(self, proj: str) -> list[str]:
+        layer = getattr(self.experts[0], proj)
+        return list(layer.quant.tensors) if layer.quant is not None else ["weight"]
+
+    def _shared_stackable(self, pieces: int) -> bool:
+        """Whether the shared experts cut into ``pieces`` experts shaped and stored as the routed ones: gate/up rows
+        (and their scales) 2 x pieces times a routed expert's, down columns pieces times."""
+        if self.shared_experts is None or pieces < 1:
+            return False
+        for proj, dim in (("gate_up_proj", 0), ("down_proj", -1)):
+            routed, shared = getattr(self.experts[0], proj), getattr(self.shared_experts, proj)
+            if not _same_format(routed.quant, shared.quant):
+                return False
+            for name in self._names(proj):
+                r, s = getattr(routed, name), getattr(shared, name)
+                want = list(r.shape)
+                want[dim] *= pieces
+                if r.dim() != 2 or list(s.shape) != want or r.dtype != s.dtype or (dim == 0 and r.shape[0] % 2):
+                    return False  # (odd gate/up rows: a scale block spans the gate and up halves)
+        return True
+
+    def _shared_piece(self, proj: str, name: str, j: int) -> torch.Tensor:
+        """Piece ``j`` of the shared experts' tensor ``name``: rows j of the gate half and of the up half
+        (gate_up), columns j (down), each as wide as a routed expert's."""
+        t = getattr(getattr(self.shared_experts, proj), name).data
+        if proj == "down_proj":
+            return t.chunk(self.shared_pieces, dim=-1)[j]
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate.chunk(self.shared_pieces, dim=0)[j], up.chunk(self.shared_pieces, dim=0)[j]])
+
     def _stack_experts(self) -> None:
-        """Gather each expert tensor (``gate_up_proj.weight_packed``, ...) into one ``[E, ...]`` stack and
-        make every expert's parameter a view of its row."""
+        """Gather each expert tensor (``gate_up_proj.weight_packed``, ...) into one ``[E, ...]`` stack (``[E +
+        shared pieces, ...]``, see the module) and make every expert's parameter a view of its row."""
         for proj in ("gate_up_proj", "down_proj"):
-            layer = getattr(self.experts[0], proj)
-            names = list(layer.quant.tensors) if layer.quant is not None else ["weight"]
-            for name in names:
-                first = getattr(layer, name)
-                stack = torch.empty((len(self.experts), *first.shape), dtype=first.dtype, device=first.device)
+            for name in self._names(proj):
+                first = getattr(getattr(self.experts[0], proj), name)
+                rows = len(self.experts) + self.shared_pieces
+                stack = torch.empty((rows, *first.shape), dtype=first.dtype, device=first.device)
                 for e, expert in enumerate(self.experts):  # copy_, not torch.stack: fp8 included everywhere
                     stack[e].copy_(getattr(getattr(expert, proj), name).data)
                     setattr(getattr(expert, proj), name, nn.Parameter(stack[e], requires_grad=False))
                 self._stacks[f"{proj}.{name}"] = stack
+        if self.shared_slots_ready:
+            self._copy_shared_pieces()
+
+    def _copy_shared_pieces(self) -> None:
+        for key, stack in self._stacks.items():
+            proj, name = key.split(".")
+            for j in range(self.shared_pieces):
+                stack[len(self.experts) + j].copy_(self._shared_piece(proj, name, j))
+
+    @torch.no_grad()
+    def weights_loaded(self) -> None:
+        """The checkpoint (or random weights) is in: copy the shared experts' pieces behind the routed experts."""
+        if self.shared_pieces:
+            self._stacked()
+            self._copy_shared_pieces()
+            self.shared_slots_ready = True
 
     def _stacked(self) -> dict[str, torch.Tensor]:
         """The stacks, gathered again if the experts' parameters stopped being their views (a ``.to()``
@@ -182,7 +248,19 @@ class MoE(nn.Module):
         gate_up, down = self.expert_weights()
         return fused_moe(x, gate_up, down, weights, ids, add=add)
 
+    def _shared_as_slots(self, x: torch.Tensor) -> bool:
+        """Whether this step routes the shared experts' pieces as slots (see the module): a step the slots take."""
+        if not self.shared_slots_ready:
+            return False
+        from tandem.kernels.moe_slots import slots_apply
+
+        gate_up, down = self.expert_weights()
+        return slots_apply(x.shape[0] * (self.gate.cfg.num_experts_per_tok + self.shared_pieces), gate_up, down)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and self._shared_as_slots(x):
+            weights, ids = self.gate(x, extra=self.shared_pieces)
+            return all_reduce(self.routed_fused(x, weights, ids))
         weights, ids = self.gate(x)
         shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
         if use_triton(x):  # the shared experts' share added in the kernel's last step
