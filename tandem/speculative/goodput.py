@@ -85,7 +85,8 @@ class GoodputArbiter:
             self._next_explore = {b: t for b, t in self._next_explore.items() if b not in forgotten}
             self._due.update(forgotten)
         self._detached = key == DETACHED
-        meter = self._meters.setdefault((self.bucket(batch_size), key), _Meter())
+        at = (self.bucket(batch_size), key)
+        meter = self._meters.get(at) or self._meters.setdefault(at, _Meter())  # (get first: this runs every step)
         meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
         if speculative == self._mode:
             self._epoch_steps += 1

@@ -138,13 +138,17 @@ class SpeculationPolicy:
         else:
             self.plain_steps_since_spec += steps
             self.spec_steps_since_plain = 0
-        if seconds is not None:
-            times = self._times.setdefault(cost_bucket(batch_size), _StepTimes())
+        if seconds is not None:  # (get before create: this runs every step)
+            bucket = cost_bucket(batch_size)
+            times = self._times.get(bucket) or self._times.setdefault(bucket, _StepTimes())
             kind = "resume" if resumed else "spec" if speculative else "plain"
-            known = self._step_times_known.get(cost_bucket(batch_size), {})
-            for runs in (True, False, None):
-                known.pop((kind, runs), None)
-            samples = times.samples.setdefault((kind, steps > 1), deque())
+            known = self._step_times_known.get(bucket)
+            if known:
+                for runs in (True, False, None):
+                    known.pop((kind, runs), None)
+            samples = times.samples.get((kind, steps > 1))
+            if samples is None:
+                samples = times.samples[kind, steps > 1] = deque()
             samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
