@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
@@ -25,6 +26,19 @@ from service_pair import stop_processes
 CONCURRENCY = tuple(int(c) for c in os.environ.get("TANDEM_BENCH_REST_CONCURRENCY", "1,8,64").split(","))
 NEW_TOKENS = (256, 1024)
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+def _tagged(args: list[str], tag: str, **kwargs) -> subprocess.Popen:
+    """A service process whose output lines go to this process's stderr behind ``[tag]``: several stacks log into
+    one file, and an engine's decisions (detach, attach) must say whose they are."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kwargs)
+
+    def relay() -> None:
+        for line in proc.stdout:
+            sys.stderr.write(f"[{tag}] {line}")
+
+    threading.Thread(target=relay, daemon=True).start()
+    return proc
 
 
 @contextlib.contextmanager
@@ -44,8 +58,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         if mode.startswith("pair"):
-            procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model",
-                                           str(tdir), "--port", str(d_port), *common, *SPEC_FLAGS], cwd=ROOT_DIR, env=env))
+            procs.append(_tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
+                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", cwd=ROOT_DIR, env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
@@ -54,13 +68,12 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                          "--draft-model", str(draft), *SPEC_FLAGS]
             verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
-        procs.append(subprocess.Popen(verifier, cwd=ROOT_DIR, env=env))
+        procs.append(_tagged(verifier, mode, cwd=ROOT_DIR, env=env))
         wait_serving(v_port, 420, procs[-1], "verifier")
         ready_s = time.perf_counter() - started
-        procs.append(subprocess.Popen([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir",
-                                       str(tdir), "--port", str(g_port), "--grpc-port", str(g_grpc),
-                                       "--max-concurrent-requests", "1024", "--log-level", "warning"],
-                                      cwd=ROOT_DIR, env=env))
+        procs.append(_tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
+                              "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
+                              "--log-level", "warning"], f"{mode} gateway", cwd=ROOT_DIR, env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]
         yield f"http://127.0.0.1:{g_port}", ready_s, {name: p.pid for name, p in zip(names, procs)}
