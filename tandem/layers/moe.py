@@ -241,29 +241,29 @@ class MoE(nn.Module):
         return out
 
     def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     add: torch.Tensor | None = None) -> torch.Tensor:
-        """The same share from the fused kernel (device-side grouping, no host synchronisation), plus ``add``."""
+                     add: torch.Tensor | None = None, experts=None) -> torch.Tensor:
+        """The same share from the fused kernel (device-side grouping, no host synchronisation), plus ``add``;
+        ``experts``: ``expert_weights()`` where the caller has them."""
         from tandem.kernels.fused_moe import fused_moe
 
-        gate_up, down = self.expert_weights()
+        gate_up, down = experts or self.expert_weights()
         return fused_moe(x, gate_up, down, weights, ids, add=add)
 
-    def _shared_as_slots(self, x: torch.Tensor) -> bool:
+    def _shared_as_slots(self, x: torch.Tensor, experts) -> bool:
         """Whether this step routes the shared experts' pieces as slots (see the module): a step the slots take."""
-        if not self.shared_slots_ready:
-            return False
         from tandem.kernels.moe_slots import slots_apply
 
-        gate_up, down = self.expert_weights()
-        return slots_apply(x.shape[0] * (self.gate.cfg.num_experts_per_tok + self.shared_pieces), gate_up, down)
+        slots = x.shape[0] * (self.gate.cfg.num_experts_per_tok + self.shared_pieces)
+        return self.shared_slots_ready and slots_apply(slots, *experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and self._shared_as_slots(x):
+        experts = self.expert_weights() if use_triton(x) else None
+        if experts is not None and self._shared_as_slots(x, experts):
             weights, ids = self.gate(x, extra=self.shared_pieces)
-            return all_reduce(self.routed_fused(x, weights, ids))
+            return all_reduce(self.routed_fused(x, weights, ids, experts=experts))
         weights, ids = self.gate(x)
         shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
-        if use_triton(x):  # the shared experts' share added in the kernel's last step
-            return all_reduce(self.routed_fused(x, weights, ids, add=shared))
+        if experts is not None:  # the shared experts' share added in the kernel's last step
+            return all_reduce(self.routed_fused(x, weights, ids, add=shared, experts=experts))
         out = self.routed_reference(x, weights, ids)
         return all_reduce(out if shared is None else out + shared)

@@ -30,7 +30,8 @@ verdict is already measured, and attached plain steps pay for input no draft wil
 only narrowly against attached plain steps and plain was never measured detached there, the engine detaches for
 ``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
 whose last measured verdict was speculation (``favoured_attach_s`` in a row), the engine attaches at once: a
-light load after a heavy one does not wait out a detached period meant for the heavy one. Idle time does not count towards a detached period (``idle``).
+light load after a heavy one does not wait out a detached period meant for the heavy one. Idle time does not count
+towards a detached period (``idle``).
 """
 
 from __future__ import annotations
