@@ -14,31 +14,17 @@ import contextlib
 import gc
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from rest_load import cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
+from stack_log import EVENTS, since, tagged
 
 CONCURRENCY = tuple(int(c) for c in os.environ.get("TANDEM_BENCH_REST_CONCURRENCY", "1,8,64").split(","))
 NEW_TOKENS = (256, 1024)
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-
-
-def _tagged(args: list[str], tag: str, **kwargs) -> subprocess.Popen:
-    """A service process whose output lines go to this process's stderr behind ``[tag]``: several stacks log into
-    one file, and an engine's decisions (detach, attach) must say whose they are."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kwargs)
-
-    def relay() -> None:
-        for line in proc.stdout:
-            sys.stderr.write(f"[{tag}] {line}")
-
-    threading.Thread(target=relay, daemon=True).start()
-    return proc
 
 
 @contextlib.contextmanager
@@ -58,7 +44,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         if mode.startswith("pair"):
-            procs.append(_tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
+            procs.append(tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
                                   "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", cwd=ROOT_DIR, env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
@@ -68,10 +54,10 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                          "--draft-model", str(draft), *SPEC_FLAGS]
             verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
-        procs.append(_tagged(verifier, mode, cwd=ROOT_DIR, env=env))
+        procs.append(tagged(verifier, mode, cwd=ROOT_DIR, env=env))
         wait_serving(v_port, 420, procs[-1], "verifier")
         ready_s = time.perf_counter() - started
-        procs.append(_tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
+        procs.append(tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
                               "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
                               "--log-level", "warning"], f"{mode} gateway", cwd=ROOT_DIR, env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
@@ -142,12 +128,18 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     services' CPU share (the wave's rate kept as ``wave_tok_s``)."""
     row.setdefault("wave_tok_s", row["tok_s"])
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    logged = EVENTS[mode].copy()
     r = sustained(base, prompts, cell[0], cell[1], sustain_s)
     r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2) for name, pid in pids.items()}
+    r["engine"] = since(mode, logged)  # (the stats windows the load spanned, one either side at most)
     row.setdefault("samples", []).append(r)
+    e = r["engine"]
+    engine = "" if e["spec_step_share"] is None or mode == "target-only" else (
+        f"; engine: {e['spec_step_share']:.0%} of steps speculative, windows detached {e['detached_share']:.0%}, "
+        f"plain attached {e['attached_plain_share']:.0%}, {e['detaches']} detaches, {e['attaches']} attaches")
     print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
           f"{r['client_cpu_share']:.2f} (of {r['client_procs']}), "
-          + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items()), flush=True)
+          + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items()) + engine, flush=True)
 
 
 async def _waves(base: str, prompts: list, cells: list) -> tuple[dict, dict, dict]:

@@ -1,0 +1,56 @@
+"""The REST benchmarks' service processes, their output tagged by stack and read as it goes: several stacks log into
+one file, and an engine's decisions must say whose they are. From each verifier's lines this keeps what a load's
+row reports beside its rate: detaches and attaches of the drafter, and per stats window (--log-stats-interval)
+whether the engine speculated (its share of steps), decoded plainly with the drafter attached, or detached."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter, defaultdict
+
+_SPEC_ON = re.compile(r"spec on \((\d+)% of steps\)")
+EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
+
+
+def tagged(args: list[str], tag: str, **kwargs) -> subprocess.Popen:
+    """A service process whose output lines go to this process's stderr behind ``[tag]``, noted (``note``)."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kwargs)
+
+    def relay() -> None:
+        for line in proc.stdout:
+            sys.stderr.write(f"[{tag}] {line}")
+            note(tag, line)
+
+    threading.Thread(target=relay, daemon=True).start()
+    return proc
+
+
+def note(tag: str, line: str) -> None:
+    counts = EVENTS[tag]
+    if "the drafter is detached" in line:
+        counts["detaches"] += 1
+    elif "the drafter is attached again" in line:
+        counts["attaches"] += 1
+    elif "Decode batch:" in line:
+        counts["windows"] += 1
+        spec = _SPEC_ON.search(line)
+        if spec:
+            counts["spec_percent_sum"] += int(spec.group(1))
+        elif "drafter detached" in line:
+            counts["detached_windows"] += 1
+        elif "did not pay" in line:
+            counts["attached_plain_windows"] += 1
+
+
+def since(tag: str, before: Counter) -> dict:
+    """What ``tag``'s engine did since ``before`` (a copy of ``EVENTS[tag]``): detaches, attaches, and over its
+    stats windows the mean share of speculative steps and the shares of windows detached / plain attached."""
+    d = EVENTS[tag] - before
+    windows = d["windows"]
+    return {"detaches": d["detaches"], "attaches": d["attaches"], "windows": windows,
+            "spec_step_share": round(d["spec_percent_sum"] / 100 / windows, 3) if windows else None,
+            "detached_share": round(d["detached_windows"] / windows, 3) if windows else None,
+            "attached_plain_share": round(d["attached_plain_windows"] / windows, 3) if windows else None}

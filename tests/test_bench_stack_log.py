@@ -1,0 +1,38 @@
+"""bench/stack_log.py reads the verifier's own stats lines (verifier/stats_line.py writes them here) and the engine's
+detach / attach log lines: a load's row reports how much the engine speculated, decoded plainly attached or detached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench_modules import import_bench
+from verifier.stats_line import StatsLine
+
+(stack_log,) = import_bench("stack_log")
+
+
+def _window(spec_steps: int, plain_steps: int, detached: bool = False) -> str:
+    stats = StatsLine(0.5, speculative=True)
+    for k in range(spec_steps + plain_steps):
+        stats.step(1.0 + 0.001 * k, 0.001, 3, 1, 2, speculative=k < spec_steps)
+    return "2026-12-03 18:04:00,000 INFO verifier.stats: " + stats.line(8, 0, 0.01, detached=detached) + "\n"
+
+
+def test_a_load_reports_what_the_engine_did_in_its_stats_windows():
+    tag = "in-process (test)"
+    stack_log.note(tag, _window(1, 0))  # before the load: not counted
+    before = stack_log.EVENTS[tag].copy()
+    for line in (_window(3, 1), _window(1, 1),  # 75 % and 50 % of steps speculative
+                 "... INFO tandem.engine: speculation off for a while at batch 8: the drafter is detached (plain ...)\n",
+                 _window(0, 4, detached=True), _window(0, 4, detached=True),
+                 "... INFO tandem.engine: the drafter is attached again: prompts admitted from now on can speculate\n",
+                 _window(0, 4)):
+        stack_log.note(tag, line)
+    got = stack_log.since(tag, before)
+    assert got == {"detaches": 1, "attaches": 1, "windows": 5, "spec_step_share": 0.25, "detached_share": 0.4,
+                   "attached_plain_share": 0.2}
+
+
+def test_the_engine_still_logs_the_phrases_the_bench_counts():
+    source = (Path(__file__).resolve().parents[1] / "tandem" / "engine" / "llm_engine.py").read_text()
+    assert "the drafter is detached" in source and "the drafter is attached again" in source
