@@ -257,7 +257,7 @@ def test_earnest_speculation_restarts_the_backoff_only_well_ahead_of_plain(lead,
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
     assert att.policy_may_decide(4, 4)
     for _ in range(CFG.detach_after_steps):  # as many speculative steps, for as long as a detach takes
-        att.after_decision(True, asked=True, can_switch=True, spec_lead=lead)
+        att.after_decision(True, asked=True, can_switch=True, spec_lead=lambda: lead)
         clock.now += 0.5
     _until_detached(att, clock)
     clock.now += CFG.detached_first_s

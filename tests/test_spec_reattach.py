@@ -48,7 +48,7 @@ class SimEngine:
         loss = self.policy.measured_loss(len(self.running)) if settled else 0.0
         probe = asked and self.speculating and self.policy.probe_detached(len(self.running))
         self.speculating = self.speculating and not probe
-        lead = self.policy.measured_lead(len(self.running)) if self.speculating else None
+        lead = lambda: self.policy.measured_lead(len(self.running))  # noqa: E731 (as the engine passes it)
         favoured = self.attachment.detached and self.policy.speculation_favoured(len(self.running))
         change = self.attachment.after_decision(self.speculating, asked, True, settled, loss, probe, lead, favoured)
         if change == "detach":

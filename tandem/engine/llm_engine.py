@@ -172,7 +172,7 @@ class LLMEngine:
         probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
         self.speculating = self.speculating and not probe
         self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
-                              self.policy.measured_lead(len(running)) if self.speculating else None,
+                              lambda: self.policy.measured_lead(len(running)),
                               self.attachment.detached and self.policy.speculation_favoured(len(running)))
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
@@ -181,7 +181,7 @@ class LLMEngine:
         return self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
 
     def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0,
-                         probe: bool = False, spec_lead: float | None = None, spec_favoured: bool = False) -> None:
+                         probe: bool = False, spec_lead=lambda: None, spec_favoured: bool = False) -> None:
         """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
         (tandem.speculative.attachment); never under a run of rounds in flight."""
         change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,

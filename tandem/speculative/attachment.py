@@ -37,6 +37,7 @@ towards a detached period (``idle``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -112,12 +113,13 @@ class DrafterAttachment:
 
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
                        plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False,
-                       spec_lead: float | None = None, spec_favoured: bool = False) -> str | None:
+                       spec_lead: Callable[[], float | None] = lambda: None,
+                       spec_favoured: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
         flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
         ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller;
-        ``spec_lead``: speculation's measured goodput over plain's at this batch size, less one (None: not both
-        measured); ``spec_favoured``: the last verdict measured at this batch size was speculation).
+        ``spec_lead()``: speculation's measured goodput over plain's at this batch size, less one (None: not both
+        measured; asked only once a speculative streak is earnest); ``spec_favoured``: the last verdict measured at this batch size was speculation).
         → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
@@ -148,8 +150,11 @@ class DrafterAttachment:
             self._spec_streak += 1
             if self._spec_streak >= c.detach_after_steps:
                 self._plain_since, self._plain_steps = None, 0
-                if now - self._spec_since >= c.detach_after_s and (spec_lead is None or spec_lead >= c.earnest_lead):
-                    self._period, self._attached_at = c.detached_first_s, None
+                started_over = self._period == c.detached_first_s and self._attached_at is None
+                if now - self._spec_since >= c.detach_after_s and not started_over:
+                    lead = spec_lead()
+                    if lead is None or lead >= c.earnest_lead:
+                        self._period, self._attached_at = c.detached_first_s, None
             return None
         self._spec_streak = 0
         if self._plain_since is None:
