@@ -129,7 +129,8 @@ def wait_for(condition, timeout_s, what):
     raise TimeoutError(f"waited {timeout_s} s for {what}")
 
 
-def generate(address, prompt, max_new_tokens=24, **sampling):
+def generate(address, prompt, max_new_tokens=24, progress=None, **sampling):
+    """Stream one request; ``progress``: a list whose last item is set to the tokens received so far."""
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         tokens, last = [], None
@@ -138,4 +139,6 @@ def generate(address, prompt, max_new_tokens=24, **sampling):
         for message in stub.Generate(request, timeout=120):
             tokens += message.token_ids
             last = message
+            if progress is not None:
+                progress[-1] = len(tokens)
         return tokens, last

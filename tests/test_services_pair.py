@@ -7,6 +7,8 @@ References are independent of the services: target-only greedy decoding by the i
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import grpc
@@ -254,10 +256,11 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
     recomputes their sequences by a prefill (as after a preemption), which gives the drafter their
     whole history: long requests speculate again, and their outputs stay target-only greedy."""
     from tandem.engine.config import EngineConfig
+    from tandem.engine.draft_link import REFEED_MIN_TOKENS_LEFT
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
-    n, new_tokens = 12, 440  # context 512; twelve at a time decode slowly enough to outlive a drafter restart
+    n, new_tokens = 12, 440  # context 512
     prompts = prompts_of(n)
     with LLMEngine(EngineConfig(model=str(pair_dirs / "target"))) as eng:
         want = [r.output_token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
@@ -267,11 +270,11 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
     drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000",
                                                                         "--speculation-policy", "always"))
     try:
-        results, errors = {}, []
+        results, errors, received = {}, [], [[0] for _ in range(n)]
 
         def run(i):
             try:
-                results[i] = generate(verifier.address, prompts[i], max_new_tokens=new_tokens)[0]
+                results[i] = generate(verifier.address, prompts[i], max_new_tokens=new_tokens, progress=received[i])[0]
             except Exception as e:  # noqa: BLE001 - asserted below
                 errors.append(e)
 
@@ -282,11 +285,18 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
         wait_for(lambda: drafts() >= 4, 60, "speculative rounds before the kill")
         drafter.kill()
         wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 0.0, 30, "drafter_up to drop")
-        restarted = Service("drafter", drafter.args, drafter.port, tmp_path / "drafter2.log").start()
+        # The verifier stands still while the new drafter starts (its start-up, seconds on a loaded machine, would
+        # otherwise let the requests decode to their end plainly): only its reconnection's wait is decoding time.
+        os.kill(verifier.proc.pid, signal.SIGSTOP)
+        try:
+            restarted = Service("drafter", drafter.args, drafter.port, tmp_path / "drafter2.log").start()
+        finally:
+            os.kill(verifier.proc.pid, signal.SIGCONT)
         try:
             wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, 30, "reconnection")
+            assert max(new_tokens - r[0] for r in received) >= 2 * REFEED_MIN_TOKENS_LEFT, \
+                "the requests were about to finish when the drafter came back"
             back = drafts()
-            assert any(t.is_alive() for t in threads), "the requests finished before the drafter came back"
             for t in threads:
                 t.join(180)
             assert drafts() > back, "the running requests speculated again after the reconnect"

@@ -514,6 +514,26 @@ def test_a_lost_drafter_leaves_nothing_held(setup):
         assert [eng.requests.pop(r).output for r in rids] == ref
 
 
+def test_a_drafter_lost_and_back_before_the_next_step_gets_its_running_requests_back(setup):
+    """A drafter service can drop and reconnect inside one step (its loss seen by the step's own call, its
+    reconnection done by the next): the engine never sees it down at a step's start, yet every request's draft
+    state is gone. The running requests are still recomputed onto it and speculate again, tokens unchanged."""
+    path, prompts, ref = setup
+    with LLMEngine(EngineConfig(model=str(path)), proposer=CountingProposer(vocab=256, seed=7), spec=Spec(5),
+                   policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
+        rids = [eng.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True)) for p in prompts]
+        for _ in range(3):
+            eng.step()
+        rounds = {r: eng.requests[r].spec_stats.rounds for r in rids}
+        assert all(rounds.values()) and all(48 - len(eng.requests[r].output) >= 32 for r in rids)
+        eng.drafts.lost(RuntimeError("drafter gone"))  # (and back: the proposer stays available)
+        while eng.has_unfinished():
+            eng.step()
+        results = {r: eng.requests.pop(r) for r in rids}
+    assert [results[r].output for r in rids] == ref
+    assert all(results[r].spec_stats.rounds > rounds[r] for r in rids)
+
+
 def test_costs_are_compared_within_runs_or_within_single_steps():
     """Arrivals cut runs short. Lone rounds (8 ms) against lone plain steps (5 ms) give a ratio of 1.6, a
     win at τ 3; pooled with plain runs (4 steps in 5 ms) the plain step looks cheaper than it is under

@@ -242,6 +242,7 @@ class DraftLink:
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
         log.warning("drafter unavailable (%s): continuing without speculation", error)
+        self._was_up = False  # (a drafter back before the next step is still a drafter that came back)
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
             req.draft_ready, req.attach_at = False, None
@@ -255,9 +256,11 @@ class DraftLink:
         back, self._was_up = up and not self._was_up, up
         if not back or self.detached:  # (detached: they would not start on it anyway)
             return
-        scheduler = self.engine.scheduler
+        scheduler, refed = self.engine.scheduler, 0
         for req in list(scheduler.running):
             left = req.params.max_new_tokens - len(req.output)
             if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
                 scheduler.requeue(req, recompute=True)
                 self.forget(req)
+                refed += 1
+        log.info("the drafter is back: %d running request(s) recomputed to speculate again", refed)
