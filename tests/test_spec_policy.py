@@ -526,7 +526,9 @@ def test_a_drafter_lost_and_back_before_the_next_step_gets_its_running_requests_
             eng.step()
         rounds = {r: eng.requests[r].spec_stats.rounds for r in rids}
         assert all(rounds.values()) and all(48 - len(eng.requests[r].output) >= 32 for r in rids)
-        eng.drafts.lost(RuntimeError("drafter gone"))  # (and back: the proposer stays available)
+        eng.proposer.available = False  # the connection fails inside a step ...
+        eng.drafts.lost(RuntimeError("drafter gone"))
+        eng.proposer.available = True  # ... and is back before the next one
         while eng.has_unfinished():
             eng.step()
         results = {r: eng.requests.pop(r) for r in rids}
