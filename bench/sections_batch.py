@@ -27,21 +27,22 @@ GOALS = tuple(float(t) for t in os.environ.get("TANDEM_BENCH_GOALS", "1,2,3,4").
 
 
 class StepLog:
-    """The policy's view of each decode step of a run: (speculative, steps, ms per step or None, resumed)."""
+    """The policy's view of each decode step of a run: (verify width or None, steps, ms per step or None, resumed)."""
 
     def __init__(self, policy):
         self.steps, real = [], policy.observe_step
 
-        def observe(n, speculative, steps=1, seconds=None, resumed=False):
-            self.steps.append((speculative, steps, None if seconds is None else round(1e3 * seconds / steps, 2), resumed))
-            real(n, speculative, steps, seconds, resumed)
+        def observe(n, speculative, steps=1, seconds=None, resumed=False, width=None):
+            self.steps.append((width if speculative else None, steps,
+                               None if seconds is None else round(1e3 * seconds / steps, 2), resumed))
+            real(n, speculative, steps, seconds, resumed, width)
 
         policy.observe_step = observe
 
     def summary(self) -> str:
         kinds = {}
-        for speculative, steps, ms, resumed in self.steps:
-            key = "resume" if resumed else f"{'spec' if speculative else 'plain'} x{steps}"
+        for width, steps, ms, resumed in self.steps:
+            key = "resume" if resumed else f"{f'spec {width} wide' if width else 'plain'} x{steps}"
             kinds.setdefault(key, []).append(ms)
         def median(values):
             timed = sorted(m for m in values if m is not None)
@@ -67,6 +68,7 @@ def _target_only(engine, prompts, params) -> float:
 
 
 def batch(ctx: dict) -> dict:
+    from tandem.engine.speculative_setup import verify_widths
     from tandem.engine.warmup import warm_up
     from tandem.sampling import SamplingParams
     from tandem.speculative.drafter import SpecConfig
@@ -76,9 +78,10 @@ def batch(ctx: dict) -> dict:
     new_tokens = 48 if ctx["quick"] else 192
     batches = (1, 8) if ctx["quick"] else BATCHES
     spec = SpecConfig(3, 1, 4)
-    engine = bench_engine(layers, widths=(1, spec.num_draft_tokens), max_bs=max(batches))
-    drafter, capture = bench_drafter(engine, layers, [spec], max_bs=max(batches))
-    always = engine.policy  # bench_engine's: speculation at every step
+    chains = SpeculationPolicy().ladder(spec)  # the measured policy may shorten the chain at batch: graphs for each
+    engine = bench_engine(layers, widths=verify_widths(chains), max_bs=max(batches))
+    drafter, capture = bench_drafter(engine, layers, list(chains), max_bs=max(batches))
+    always = engine.policy  # bench_engine's: speculation at every step (the configured chain)
     engine.proposer, engine.default_spec, engine.policy = drafter, spec, SpeculationPolicy()
     took = warm_up(engine)  # what a service runs before SERVING: compiles, and seeds the measured policy's costs
     seeded = engine.policy

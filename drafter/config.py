@@ -68,6 +68,7 @@ class DrafterServiceConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
+        from tandem.speculative.chain_depth import chain_ladder
         from tandem.speculative.drafter import SpecConfig
 
         speculative = shared.resolve_speculative(a, target_model)
@@ -89,7 +90,8 @@ class DrafterServiceConfig:
                               "the verifier")
         reload_root = os.path.realpath(a.reload_root or os.path.dirname(os.path.abspath(draft_model)))
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
-                   otlp_endpoint=a.otlp_endpoint, graph_specs=(spec,), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
+                   # (a verifier's policy may shorten the chain at batch: the shorter chains' graphs too)
+                   otlp_endpoint=a.otlp_endpoint, graph_specs=chain_ladder(spec), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
                    reload_root=reload_root, metrics_port=a.metrics_port)
 

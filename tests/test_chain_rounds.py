@@ -14,7 +14,9 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
+from tandem.speculative.chain_depth import chain_ladder
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from proposers import always_speculate
 
 triton = pytest.importorskip("triton")
@@ -57,7 +59,7 @@ def engine(pair):
         yield eng
 
 
-def _speculative_engine(root, prefix_caching: bool = True) -> LLMEngine:
+def _speculative_engine(root, prefix_caching: bool = True, policy=None) -> LLMEngine:
     """An in-process speculative engine whose target and drafter graphs run their static code eagerly,
     with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
     interpreted, where a test forces the fused path)."""
@@ -69,15 +71,16 @@ def _speculative_engine(root, prefix_caching: bool = True) -> LLMEngine:
     capture = validate_draft(DraftConfig.from_dir(root / "draft"), ModelConfig.from_dir(root / "target"))
     cfg = EngineConfig(model=str(root / "target"), page_size=4, page_shuffle_seed=3, capture_layers=capture,
                        enable_prefix_caching=prefix_caching)
-    eng = LLMEngine(cfg, spec=SPEC, policy=always_speculate())
+    chains = chain_ladder(SPEC)  # graphs for every chain a policy may shorten to
+    eng = LLMEngine(cfg, spec=SPEC, policy=policy or always_speculate())
     runner = eng.executor.runner
     drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                       DrafterConfig(page_size=4, defer_chain_tokens=True, page_shuffle_seed=5),
                                       capture_layers=capture, embed_weight=runner.model.model.embed_tokens.weight)
-    drafter.graphs = DraftGraphRunner(drafter, [SPEC], buckets=[1, 2, 4], use_graphs=False, attention="torch")
+    drafter.graphs = DraftGraphRunner(drafter, list(chains), buckets=[1, 2, 4], use_graphs=False, attention="torch")
     eng.proposer, eng.default_spec = drafter, SPEC
     runner.graph_backend = TorchGraphBackend()  # the target's attention in torch: these tests are about the rounds
-    runner.graphs = static_target_graphs(runner, widths=(1, SPEC.num_draft_tokens), max_bs=4)
+    runner.graphs = static_target_graphs(runner, widths=(1, *(c.num_draft_tokens for c in chains)), max_bs=4)
     return eng
 
 
@@ -408,3 +411,44 @@ def test_queued_rounds_record_logprobs_equal_to_transformers(engine, pair, monke
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
             assert max(abs(v - w) for (_, v), w in zip(entry.top, row.topk(3).values.tolist())) <= 1e-3
     assert _all_pages_free(engine)
+
+
+class ChainEveryFewSteps(SpeculationPolicy):
+    """Speculates at every step, its chain cycling 3, 1, 2 drafts decision by decision (what a measured policy does
+    when acceptance or costs move, scripted)."""
+
+    def __init__(self):
+        super().__init__(PolicyConfig(enabled=False))
+        self.decisions = 0
+
+    def chain_spec(self, batch_size, spec):
+        self.decisions += 1
+        return chain_ladder(spec)[(2, 0, 1)[self.decisions % 3]]
+
+
+def test_a_shorter_chain_takes_over_between_runs_and_tokens_stay_target_greedy(pair):
+    """With runs of rounds queued back to back, a chain the policy picks anew takes over once the run in flight is
+    read back (no further run of the old chain is queued behind it): every chain runs, in runs, and the output is
+    target-only greedy."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from helpers import target_only_greedy
+
+    root, prompts, _ = pair
+    ref = target_only_greedy(root / "target", prompts, 48)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+
+    widths, real = [], rounds_ahead.queue_chain_rounds
+
+    def recording(graphs, side, reqs, spec, rounds, *rest):
+        widths.append((spec.num_draft_tokens, rounds))
+        return real(graphs, side, reqs, spec, rounds, *rest)
+
+    with _speculative_engine(pair[0], policy=ChainEveryFewSteps()) as eng:
+        rounds_ahead.queue_chain_rounds = recording
+        try:
+            outputs, _, most = _run(eng, prompts, params, 4, ref, rate=0.3)
+        finally:
+            rounds_ahead.queue_chain_rounds = real
+        assert outputs == ref and most > 1
+        assert {w for w, _ in widths} == {2, 3, 4} and any(r > 1 for w, r in widths if w < 4)
+        assert _all_pages_free(eng)

@@ -467,9 +467,9 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=1, explore_every=1000, fixed_cost_ratio=5.0))
     timed_steps = []
     real_observe = policy.observe_step
-    policy.observe_step = lambda n, spec, steps=1, seconds=None, resumed=False: (
+    policy.observe_step = lambda n, spec, steps=1, seconds=None, resumed=False, width=None: (
         seconds is not None and timed_steps.append(step_no - 1),  # a step is timed when the next one starts
-        real_observe(n, spec, steps, seconds, resumed))
+        real_observe(n, spec, steps, seconds, resumed, width))
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(5), policy=policy) as eng:
         row_bytes = 3 * eng.model_config.hidden_size * 4  # float32 features on the CPU
         monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 10 * row_bytes)

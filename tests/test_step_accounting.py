@@ -15,7 +15,7 @@ class Heard:
     def __init__(self):
         self.calls = []
 
-    def observe_step(self, num_decode, speculative, steps, seconds, resumed=False):
+    def observe_step(self, num_decode, speculative, steps, seconds, resumed=False, width=None):
         self.calls.append(("step", num_decode, speculative, steps, seconds, resumed))
 
     def observe_goodput(self, running, speculative, tokens, seconds, detached=False):

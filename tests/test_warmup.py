@@ -37,6 +37,23 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path, mixed_p
         assert eng.generate([prompt], params)[0].output_token_ids == reference
 
 
+def test_warm_up_times_every_chain_the_policy_may_draft(tmp_path):
+    """A chain of 3 configured, the measured policy may draft chains of 1 and 2 at batch: the warm-up times rounds of
+    each width at each batch size (the depth is weighed on them from the first request), the configured chain's last."""
+    from tandem.speculative.drafter import SpecConfig
+
+    path = tmp_path / "llama"
+    write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
+    proposer = RandomTreeProposer(vocab=256, seed=1)
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=SpecConfig(3, 1, 4)) as eng:
+        took = warm_up(eng, [1, 4])
+        assert set(took) == {"plain", "speculative (chain of 1)", "speculative (chain of 2)", "speculative", "sampled",
+                             "arrivals"}
+        for n in (1, 4):
+            assert all(eng.policy.step_time(n, True, width=w) is not None for w in (2, 3, 4)), n
+        assert eng.policy.spec_width == 4 and eng.chain.current == SpecConfig(3, 1, 4)
+
+
 def test_warm_up_sizes_reach_the_largest_graph_bucket():
     assert warmup_batch_sizes(1) == [1]
     assert warmup_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]

@@ -26,7 +26,7 @@ from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.rpc.drafter.v1 import drafter_pb2
 from tandem.speculative.drafter import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-from tandem.engine.speculative_setup import speculative_engine
+from tandem.engine.speculative_setup import speculative_engine, verify_widths
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.drafter_client import DrafterClient
 from verifier.engine_loop import EngineFailed, EngineLoop
@@ -83,8 +83,9 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
         engine.proposer = GuardedHead(engine.proposer)
         metrics.drafter_up.set(1)
         return engine, None, None
-    # verification graphs take the tree width; decode graphs serve requests that do not speculate
-    engine_cfg = dataclasses.replace(cfg.engine, cuda_graph_widths=(1, spec.num_draft_tokens))
+    # verification graphs take the tree width (and each shorter chain's); decode graphs serve requests that do not
+    # speculate
+    engine_cfg = dataclasses.replace(cfg.engine, cuda_graph_widths=verify_widths(policy.ladder(spec)))
     if cfg.draft_model is not None:  # validate the pair before anything is allocated
         capture = validate_draft(DraftConfig.from_dir(cfg.draft_model), ModelConfig.from_dir(engine_cfg.model),
                                  engine_cfg.capture_layers)

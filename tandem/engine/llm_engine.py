@@ -29,6 +29,7 @@ from tandem.engine.request_sampling import wants_prompt_logits
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Schedule, Scheduler
 from tandem.engine.step_accounting import StepAccounting
+from tandem.engine.step_chain import StepChain
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
@@ -72,6 +73,7 @@ class LLMEngine:
         self.traffic = None  # a TrafficRecorder (tandem.traffic) when served traffic is captured for training
         self.phase_sync = None  # profiling: called at each phase end (see StepTimer)
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
+        self.chain = StepChain()  # the chain default requests draft now (the policy may shorten it at batch)
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
@@ -118,7 +120,7 @@ class LLMEngine:
         if rid in self.requests:
             raise DuplicateRequestError(f"request id '{rid}' is already in use")
         if spec == DEFAULT:
-            spec = self.default_spec
+            spec = self.chain.for_new_request(self.default_spec)
         elif spec is not None and self.proposer is None:
             raise ConfigError("speculation was requested but the engine has no draft model")
         # A stable per-request seed (Python's str hash is salted per process).
@@ -171,6 +173,9 @@ class LLMEngine:
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
         probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
         self.speculating = self.speculating and not probe
+        if self.speculating and self.default_spec is not None:
+            self.chain.use(self.policy.chain_spec(len(running), self.default_spec), self.default_spec,
+                           running + list(self.scheduler.waiting), now=self._can_switch())
         self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
                               lambda: self.policy.measured_lead(len(running)),
                               self.attachment.detached and self.policy.speculation_favoured(len(running)))
@@ -306,7 +311,7 @@ class LLMEngine:
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
                                   prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
-                                  timed=not catch_up and not accepted.caught_up)
+                                  timed=not catch_up and not accepted.caught_up, width=width)
         return outputs
 
     def commit(self, reqs: list[Request], emitted: dict[str, list[int]],

@@ -49,7 +49,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
             return 0
         rounds = 1
     spec = reqs[0].spec
-    if spec is None or spec.topk != 1:
+    if spec is None or spec.topk != 1 or (queued and not engine.chain.settled(spec)):  # (the policy shortens it)
         return 0
     nd, context = spec.num_draft_tokens, engine.context_len
     for req in reqs:
@@ -183,7 +183,7 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
                     break
                 committed -= len(toks)
                 req.spec_stats.record(drafted, len(toks) - 1)
-                engine.policy.observe_round(req.spec_state, len(toks))
+                engine.policy.observe_round(req.spec_state, len(toks), drafted)
                 out.drafted += drafted
                 out.round_accepts.append(len(toks) - 1)
         broken = [req for i, req in live if result.broken[i] and not req.finished]
@@ -195,5 +195,5 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
     engine.run_in_flight = following
     # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
     engine.last_step = StepInfo(0, len(live), dict(timer.spans, **({"queue": queued_ns} if queued_ns else {})),
-                                steps=run.rounds, speculative=True)
+                                steps=run.rounds, speculative=True, width=nd)
     return outputs

@@ -8,19 +8,27 @@ import dataclasses
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.policy import SpeculationPolicy
+
+
+def verify_widths(chains: tuple) -> tuple[int, ...]:
+    """The target's graph widths for a drafter drafting ``chains`` (SpecConfigs): plain decode and each verify."""
+    return (1, *sorted({chain.num_draft_tokens for chain in chains}))
 
 
 def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draft_dtype: str = "auto",
                        policy=None, max_topk: int = 8) -> LLMEngine:
-    """Validate the head against the target, build the engine with the head's capture layers and a
-    verify graph of the tree's width, load the head sharing the target's embedding (TP=1, where rank
+    """Validate the head against the target, build the engine with the head's capture layers and verify
+    graphs of the tree's width (and of each shorter chain the policy may draft), load the head sharing the target's embedding (TP=1, where rank
     0 holds the whole vocabulary) and capture its draft, draft-extend and prompt-extend graphs (the prefill graphs'
     widths) in the target's pool."""
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
 
     capture = validate_draft(DraftConfig.from_dir(draft_dir), ModelConfig.from_dir(cfg.model), cfg.capture_layers)
-    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=(1, spec.num_draft_tokens)),
+    policy = policy or SpeculationPolicy()
+    chains = policy.ladder(spec)
+    engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=verify_widths(chains)),
                        policy=policy)
     runner = engine.executor.runner
     embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
@@ -32,7 +40,7 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
             defer_chain_tokens=cfg.tp_size == 1),
             capture_layers=capture, embed_weight=embed)
         if runner.graphs is not None:
-            drafter.capture_cuda_graphs([spec], static=cfg.static_graph_path, pool=runner.graphs.pool)
+            drafter.capture_cuda_graphs(list(chains), static=cfg.static_graph_path, pool=runner.graphs.pool)
     except BaseException:
         engine.shutdown()  # the target's TP ranks and memory go with the failed head
         raise

@@ -40,6 +40,7 @@ class StepInfo:
     speculative: bool = False  # the step drafted (a round), else a plain decode step
     timed: bool = True  # its wall time is that of its steps alone (no catch-up of held drafter input)
     prefill_tokens: int = 0  # prompt tokens prefilled (whole prompts or chunks)
+    width: int = 1  # a speculative step's verify width (its chain's drafts + 1, or its tree's size)
 
     @property
     def seconds(self) -> dict[str, float]:

@@ -32,6 +32,7 @@ class _TimedStep:
     steps: int  # decode steps or rounds the step ran
     started: float | None  # None: its time says nothing of a step's cost (prompts in it, or none left running)
     resumed: bool  # a round that first caught the drafter up
+    width: int  # a speculative step's verify width
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class StepAccounting:
         if self._step is not None:
             s, self._step = self._step, None
             policy.observe_step(s.num_decode, s.speculative, s.steps,
-                                     None if s.started is None else now - s.started, resumed=s.resumed)
+                                None if s.started is None else now - s.started, resumed=s.resumed, width=s.width)
         if self._goodput is not None:
             g, self._goodput = self._goodput, None
             policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started, detached=g.detached)
@@ -93,7 +94,8 @@ class StepAccounting:
         resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
         if info.num_decode:
             timed = (info.timed or resumed) and not info.num_prefill and running_after > 0
-            self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed)
+            self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed,
+                                    info.width)
         if running_before and running_after and not resumed:  # (not the last step before idling; nor a switch's price)
             mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started, detached and not mode)

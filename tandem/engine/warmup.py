@@ -6,8 +6,9 @@ size (tandem.speculative.policy). So the engine generates a few tokens from rand
 sizes 1, 2, 4, ... up to its largest graph bucket — each batch's prompts together as long as a step
 admits (``--chunked-prefill-size``: the largest prefill and drafter extend a request mix can make, whose
 kernels compile by size) — once with every step plain and once with every step
-speculative (the drafter's real graphs and kernels; random prompts accept little, which does not matter
-for timing), greedy — the runs of queued steps and rounds — and a lone short prompt of each graphed prefill
+speculative for each chain the policy may draft (the configured one, and each shorter one where it shortens
+chains at batch: tandem.speculative.chain_depth; the drafter's real graphs and kernels; random prompts accept
+little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt of each graphed prefill
 width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
 that compile on first use). The policy keeps the step times and forgets the rounds' acceptance.
@@ -32,17 +33,21 @@ class _Forced:
     """A stand-in for the engine's policy that decides every step one way; the step times go to the real
     policy (``record``), the rounds nowhere."""
 
-    def __init__(self, policy, speculate: bool, record: bool):
-        self.policy, self.speculate, self.record = policy, speculate, record
+    def __init__(self, policy, speculate: bool, record: bool, chain=None):
+        """``chain``: the SpecConfig speculative steps draft (None: the configured one)."""
+        self.policy, self.speculate, self.record, self.chain = policy, speculate, record, chain
 
     def decide(self, batch_size, drafting, runs=None) -> bool:
         return self.speculate and bool(drafting)
+
+    def chain_spec(self, batch_size, spec):
+        return self.chain or spec
 
     def observe_step(self, *args, **kwargs) -> None:
         if self.record:
             self.policy.observe_step(*args, **kwargs)
 
-    def observe_round(self, state, tokens) -> None:
+    def observe_round(self, state, tokens, depth=None) -> None:
         pass
 
     def observe_arrivals(self, prompt_tokens: int, seconds: float) -> None:
@@ -117,13 +122,17 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     policy, took = engine.policy, {}
-    modes = [("plain", False, True)] + ([("speculative", True, True)] if engine.default_spec is not None else [])
+    # each chain the policy may shorten to (shortest first), the configured one last
+    chains = policy.ladder(engine.default_spec) if engine.default_spec is not None else ()
+    modes = [("plain", False, True, None)] + [
+        ("speculative" if chain is chains[-1] else f"speculative (chain of {chain.num_steps})", True, True, chain)
+        for chain in chains]
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True)
     engine.attachment.pause()  # both kinds of step are forced here: nothing to detach from
     try:
-        for name, speculate, greedy in modes + [("sampled", engine.default_spec is not None, False)]:
+        for name, speculate, greedy, chain in modes + [("sampled", engine.default_spec is not None, False, None)]:
             started = time.perf_counter()
-            engine.policy = _Forced(policy, speculate, record=greedy)
+            engine.policy = _Forced(policy, speculate, record=greedy, chain=chain)
             params = SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True) if greedy else sampled
             for bs in (sizes if greedy else sizes[:1] + sizes[-1:]):
                 n = _prompt_tokens(engine, bs)
@@ -147,8 +156,10 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), sizes)
     if engine.default_spec is not None:  # what the policy starts from: ms per plain step / per round
-        log.info("step costs seeded (ms, plain / round): %s", ", ".join(
-            f"batch {bs} {_ms(policy.step_time(bs, False))} / {_ms(policy.step_time(bs, True))}" for bs in sizes))
+        widths = [chain.num_draft_tokens for chain in chains]
+        log.info("step costs seeded (ms, plain / round %s wide): %s", " / ".join(map(str, widths)), ", ".join(
+            f"batch {bs} {_ms(policy.step_time(bs, False))} / "
+            + " / ".join(_ms(policy.step_time(bs, True, width=w)) for w in widths) for bs in sizes))
     return took
 
 

@@ -41,6 +41,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.speculative.chain_depth import ChainDepth, chain_ladder
 from tandem.speculative.goodput import GoodputArbiter
 
 
@@ -75,6 +76,9 @@ class PolicyConfig:
     goodput_explore_max_s: float = 5.0  # ... measured again at least this often
     goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
     goodput_probe_margin: float = 0.15  # speculation ahead of attached plain steps by less: measure plain detached
+    # a speculating batch drafts the chain (or shorter one) that promises the most tokens a second at its batch size
+    # (tandem.speculative.chain_depth; chains only, and only with the measured policy)
+    shorter_chains: bool = True
 
 
 @dataclass
@@ -86,6 +90,11 @@ class RequestSpecState:
 
 
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
+
+
+@functools.lru_cache(maxsize=16)
+def _ladder(spec) -> tuple:
+    return chain_ladder(spec)  # (cached: asked at every speculative step, and the same tuple each time)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,13 +134,41 @@ class SpeculationPolicy:
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
         self._model_view: tuple[int, float, float] | None = None  # this step's (batch size, τ's upper bound, ratio)
+        self.depth: ChainDepth | None = None  # the chain's depth by batch size, for the spec it was built for
+        self.spec_width: int | None = None  # the verify width of the latest speculative step observed
+
+    # -- the chain's depth ---------------------------------------------------------------------------
+    def ladder(self, spec) -> tuple:
+        """The SpecConfigs a speculating batch may draft with ``spec`` configured: shorter chains too where this
+        policy picks them (the engine captures graphs for each)."""
+        return _ladder(spec) if self.cfg.enabled and self.cfg.shorter_chains else (spec,)
+
+    def chain_spec(self, batch_size: int, spec):
+        """The SpecConfig this speculative step drafts with ``spec`` configured, at ``batch_size``: ``spec``, or a
+        shorter chain that promises more tokens a second there (tandem.speculative.chain_depth)."""
+        ladder = self.ladder(spec)
+        if len(ladder) > 1:
+            if self.depth is None or self.depth.ladder is not ladder:
+                self.depth = ChainDepth(ladder)
+            bucket = cost_bucket(batch_size)
+            spec = self.depth.choose(bucket, lambda width: self.step_time(bucket, True, width=width))
+        return spec
+
+    def _spec_kind(self, bucket: int, width: int | None) -> str:
+        """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
+        if width is None:
+            width = self.depth.chosen_width(bucket) if self.depth is not None else self.spec_width
+        return "spec" if width is None else f"spec{width}"
 
     # -- costs -----------------------------------------------------------------------------------
     def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
-                     resumed: bool = False) -> None:
+                     resumed: bool = False, width: int | None = None) -> None:
         """``steps`` decode steps (or rounds) of ``batch_size`` requests ran; ``seconds``: their wall time
         (None: not timed, e.g. a prefill shared the step); ``resumed``: a speculative step that first sent
-        the drafter what plain steps held (its time is the price of resuming, not of a round)."""
+        the drafter what plain steps held (its time is the price of resuming, not of a round); ``width``: a
+        speculative step's verify width (its times are kept by width; None: unknown, kept apart)."""
+        if speculative and width:
+            self.spec_width = width
         if speculative:
             self.spec_steps_since_plain += steps
             self.plain_steps_since_spec = 0
@@ -141,7 +178,7 @@ class SpeculationPolicy:
         if seconds is not None:  # (get before create: this runs every step)
             bucket = cost_bucket(batch_size)
             times = self._times.get(bucket) or self._times.setdefault(bucket, _StepTimes())
-            kind = "resume" if resumed else "spec" if speculative else "plain"
+            kind = "resume" if resumed else (f"spec{width}" if width else "spec") if speculative else "plain"
             known = self._step_times_known.get(bucket)
             if known:
                 for runs in (True, False, None):
@@ -154,14 +191,14 @@ class SpeculationPolicy:
                 samples.popleft()
 
     def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
-                  runs: bool | None = None) -> float | None:
+                  runs: bool | None = None, width: int | None = None) -> float | None:
         """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
         total steps — what the engine's mix of runs and single steps really costs, which a median per
         step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
         sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
-        single steps only (False), or of both (None)."""
+        single steps only (False), or of both (None). ``width``: of rounds that wide (None: the width in use)."""
         bucket = cost_bucket(batch_size)
-        kind = "resume" if resumed else "spec" if speculative else "plain"
+        kind = "resume" if resumed else self._spec_kind(bucket, width) if speculative else "plain"
         known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
         if (kind, runs) not in known:
             times = self._times.get(bucket)
@@ -333,8 +370,11 @@ class SpeculationPolicy:
         return total / batch_size, math.sqrt(prior_var / samples) * len(drafting) / batch_size
 
     # -- acceptance ------------------------------------------------------------------------------
-    def observe_round(self, state: RequestSpecState, tokens: int) -> None:
-        """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus)."""
+    def observe_round(self, state: RequestSpecState, tokens: int, depth: int | None = None) -> None:
+        """A speculative round of the request emitted ``tokens`` (accepted drafts + bonus); ``depth``: the drafts of
+        its chain (None: a tree)."""
+        if depth is not None and self.depth is not None:
+            self.depth.observe(depth, tokens - 1)
         state.rounds += 1
         if state.recent is None:
             state.recent = DecayedMean(self.cfg.request_window_tokens)
@@ -354,6 +394,7 @@ class SpeculationPolicy:
         self._all, self.rounds_all = DecayedMean(self.cfg.engine_window), 0
         self._prompt_per_output = DecayedMean(self.cfg.arrival_window)  # (the extension's speed is kept)
         self.spec_steps_since_plain = self.plain_steps_since_spec = 0
+        self.depth = None  # (acceptance by position is the traffic's too; the costs it weighs are kept)
         if self.goodput is not None:
             self.goodput = GoodputArbiter(self.cfg, cost_bucket, self.goodput.clock)
 

@@ -1,0 +1,114 @@
+"""ChainDepth: how many tokens a speculating batch's chains draft, by the goodput each depth promises.
+
+A chain of ``d`` drafts (``--speculative-eagle-topk 1``) is verified ``d + 1`` tokens wide. At batch 1 a wider
+verify costs about what a narrow one does, so the longest chain pays; at a large batch the verify is
+compute-bound and its cost grows with the width, while the chain's last drafts are the ones least often
+accepted — so a shorter chain can make more tokens a second than the configured one (SGLang and vLLM shorten
+speculation with batch size by a fixed table; here it is measured). The depths are the configured chain and
+every shorter one (``chain_ladder``); the engine captures graphs for each.
+
+What each depth would make comes from acceptance by position: of the rounds whose chain reached position ``i``
+with every draft before it accepted, the share that accepted draft ``i`` too (decayed over about
+``window`` rounds). A depth's tokens per round are then 1 + sum over its positions of the product of those
+shares up to there. Rounds at any depth teach the positions they reach; positions a shorter chain does not reach
+are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
+cost is the policy's measured round time at its width and batch bucket (seeded by the warm-up; a depth whose width
+is not measured there is not chosen); a bucket keeps its depth unless another promises ``margin`` more tokens a
+second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into
+the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+PRIOR_ROUNDS = 2.0  # a position with no rounds yet is taken to accept half of its drafts, worth this many rounds
+MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed at all: the full one until then
+
+
+def chain_ladder(spec) -> tuple:
+    """The chains from one draft up to ``spec`` (a SpecConfig) when ``spec`` is a whole chain (topk 1, num_steps + 1
+    tokens), shortest first; otherwise ``spec`` alone (a tree keeps its shape)."""
+    if getattr(spec, "topk", None) != 1 or spec.num_draft_tokens != spec.num_steps + 1:
+        return (spec,)
+    return tuple(dataclasses.replace(spec, num_steps=d, num_draft_tokens=d + 1) for d in range(1, spec.num_steps + 1))
+
+
+class ChainDepth:
+    def __init__(self, ladder: tuple, window: int = 256, margin: float = 0.03,
+                 explore_every: int = 64, recheck_every: int = 8):
+        self.ladder = ladder
+        self.full = len(ladder)  # depth d is ladder[d - 1]
+        self.keep = 1.0 - 1.0 / window
+        self.margin, self.explore_every, self.recheck_every = margin, explore_every, recheck_every
+        self._due: dict[int, int] = {}  # bucket -> steps until its depth is weighed again
+        self._trials = [0.0] * (self.full + 1)  # by position 1..full (index 0 unused)
+        self._accepts = [0.0] * (self.full + 1)
+        self._pending: dict[tuple[int, int], int] = {}  # (depth, accepted) -> rounds not folded in yet
+        self._chosen: dict[int, int] = {}  # bucket -> depth
+        self._short_steps = 0  # speculative steps at a shorter depth since the full one last ran
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
+        key = (depth, accepted)
+        self._pending[key] = self._pending.get(key, 0) + 1
+
+    def tokens_per_round(self, depth: int) -> float:
+        """Expected tokens a round of a chain of ``depth`` makes (the bonus token included)."""
+        self._fold()
+        total, reach = 1.0, 1.0
+        for i in range(1, depth + 1):
+            reach *= (self._accepts[i] + 0.5 * PRIOR_ROUNDS) / (self._trials[i] + PRIOR_ROUNDS)
+            total += reach
+        return total
+
+    def choose(self, bucket: int, round_time: Callable[[int], float | None]):
+        """This step's chain at batch ``bucket``; ``round_time(width)``: seconds a round of that verify width
+        costs there (None: not measured; such a depth is not chosen)."""
+        held = self._chosen.get(bucket, self.full)
+        if held < self.full:
+            self._short_steps += 1
+            if self._short_steps >= self.explore_every:  # the positions past it are measured again
+                self._short_steps = 0
+                return self.ladder[-1]
+        due = self._due.get(bucket, 0)
+        if due > 0:  # (weighed every few steps: acceptance and costs move slowly)
+            self._due[bucket] = due - 1
+            return self.ladder[held - 1]
+        self._fold()
+        if self._trials[1] < MIN_ROUNDS:
+            return self.ladder[-1]
+        self._due[bucket] = self.recheck_every - 1
+        rates = {}
+        for depth in range(1, self.full + 1):
+            seconds = round_time(depth + 1)
+            if seconds:
+                rates[depth] = self.tokens_per_round(depth) / seconds
+        if held not in rates:
+            best = max(rates, key=rates.get, default=self.full)
+        else:
+            best = max(rates, key=rates.get)
+            if rates[best] < rates[held] * (1 + self.margin):
+                best = held
+        self._chosen[bucket] = best
+        return self.ladder[best - 1]
+
+    def chosen_width(self, bucket: int) -> int:
+        """The verify width of the depth last chosen at ``bucket`` (the full chain's before any)."""
+        return self._chosen.get(bucket, self.full) + 1
+
+    def _fold(self) -> None:
+        """Count the rounds observed since the last fold into the shares by position, decayed per round."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for (depth, accepted), count in pending.items():
+            factor = self.keep ** count
+            for i in range(1, self.full + 1):
+                self._trials[i] *= factor
+                self._accepts[i] *= factor
+            for i in range(1, min(accepted + 1, depth) + 1):  # position i was tried when all before it were kept
+                self._trials[i] += count
+                if i <= accepted:
+                    self._accepts[i] += count

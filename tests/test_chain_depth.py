@@ -1,0 +1,143 @@
+"""Shorter chains at batch (tandem.speculative.chain_depth): the depth a speculating batch drafts is the one whose
+expected tokens per round over its measured round time is highest — checked against the optimum computed here
+from the acceptance law the rounds are drawn from and the simulated cost curves; and in an engine whose policy
+sees wide verifies cost more, the chains shorten and the output stays target-only greedy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from checkpoints import write_checkpoint
+from helpers import target_only_greedy, torch_prompts
+from proposers import RandomTreeProposer
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling import SamplingParams
+from tandem.speculative.chain_depth import ChainDepth, chain_ladder
+from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy, cost_bucket
+from tandem.speculative.tree import DraftTree
+
+CHAIN = SpecConfig(3, 1, 4)
+
+
+def test_the_ladder_is_every_shorter_chain_and_a_tree_keeps_its_shape():
+    assert chain_ladder(CHAIN) == (SpecConfig(1, 1, 2), SpecConfig(2, 1, 3), CHAIN)
+    assert chain_ladder(SpecConfig(4, 2, 6)) == (SpecConfig(4, 2, 6),)
+    assert chain_ladder(SpecConfig(3, 1, 3)) == (SpecConfig(3, 1, 3),)  # a chain cut short by its flags: as given
+    assert SpeculationPolicy(PolicyConfig(enabled=False)).ladder(CHAIN) == (CHAIN,)  # "always": the configured one
+    assert SpeculationPolicy(PolicyConfig(shorter_chains=False)).ladder(CHAIN) == (CHAIN,)
+
+
+def _expected_tokens(p: list[float], depth: int) -> float:
+    """1 + sum over positions i <= depth of P(drafts 1..i all accepted), position i accepted with p[i-1]."""
+    total, reach = 1.0, 1.0
+    for q in p[:depth]:
+        reach *= q
+        total += reach
+    return total
+
+
+def _rounds(depth_model: ChainDepth, p: list[float], depth: int, n: int, rng: random.Random) -> None:
+    for _ in range(n):
+        accepted = 0
+        while accepted < depth and rng.random() < p[accepted]:
+            accepted += 1
+        depth_model.observe(depth, accepted)
+
+
+@pytest.mark.parametrize("p", [[0.8, 0.8, 0.8], [0.9, 0.5, 0.2], [1.0, 0.0, 0.0]])
+def test_tokens_per_round_by_depth_match_the_acceptance_law(p):
+    """From rounds at the full depth and at shorter ones, mixed: each depth's expected tokens per round."""
+    rng, model = random.Random(1), ChainDepth(chain_ladder(CHAIN), window=100_000)
+    for depth in (3, 1, 3, 2, 3):
+        _rounds(model, p, depth, 4000, rng)
+    for depth in (1, 2, 3):
+        assert model.tokens_per_round(depth) == pytest.approx(_expected_tokens(p, depth), abs=0.03)
+
+
+@pytest.mark.parametrize("p", [[0.8, 0.8, 0.8], [0.9, 0.5, 0.2], [1.0, 1.0, 0.0], [0.95, 0.9, 0.9]])
+@pytest.mark.parametrize("cost", ["flat", "linear", "steep"])
+def test_the_chosen_depth_makes_the_most_tokens_a_second(p, cost):
+    """Batch 1: a wider verify costs what a narrow one does; batch 64: round time grows with the width, more or less
+    steeply. The choice is the best depth under the law (or within the margin of it, where two are that close)."""
+    curves = {"flat": lambda w: 1.0, "linear": lambda w: 0.5 + 0.25 * w, "steep": lambda w: 0.1 + 0.5 * w}
+    round_time = curves[cost]
+    rng, model = random.Random(2), ChainDepth(chain_ladder(CHAIN), window=100_000)
+    _rounds(model, p, 3, 20_000, rng)
+    rates = {d: _expected_tokens(p, d) / round_time(d + 1) for d in (1, 2, 3)}
+    chosen = model.choose(64, round_time).num_steps
+    assert rates[chosen] >= max(rates.values()) / (1 + model.margin) - 1e-3, (chosen, rates)
+    if cost == "flat" and p[2] > 0:
+        assert chosen == 3  # a verify's width is free: the longest chain
+
+
+def test_a_depth_is_kept_within_the_margin_weighed_every_few_steps_and_the_full_chain_explored():
+    model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.05, explore_every=16, recheck_every=4)
+    for _ in range(1000):
+        model.observe(3, 1)  # always the first draft only: 2 tokens a round at every depth
+    times = {2: 1.0, 3: 1.02, 4: 1.5}
+    assert model.choose(8, times.get).num_steps == 1
+    times[3] = 0.97  # depth 2 now 3 % ahead: inside the margin, depth 1 stays
+    picks = [model.choose(8, times.get).num_steps for _ in range(40)]
+    assert set(picks[:15]) == {1} and picks[15] == 3  # the full chain once, after explore_every steps at depth 1
+    times[3] = 0.5  # far ahead: taken at the next weighing
+    picks = [model.choose(8, times.get).num_steps for _ in range(5)]
+    assert picks[-1] == 2 and picks[0] in (1, 2)
+    assert model.choose(1, {4: 1.0}.get).num_steps == 3  # a bucket with only the full width measured: the full chain
+
+
+def test_the_policy_weighs_each_width_apart_and_never_picks_an_unmeasured_one():
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    assert policy.chain_spec(64, CHAIN) == CHAIN  # nothing measured
+    for width, seconds in ((4, 0.004), (2, 0.002)):
+        for _ in range(3):
+            policy.observe_step(64, True, 1, seconds, width=width)
+    assert policy.step_time(64, True, width=4) == pytest.approx(0.004)
+    assert policy.step_time(64, True, width=2) == pytest.approx(0.002)
+    assert policy.step_time(64, True, width=3) is None
+    for _ in range(500):
+        policy.observe_round(RequestSpecState(), 2, depth=3)  # one draft kept of three
+    assert policy.chain_spec(64, CHAIN) == SpecConfig(1, 1, 2)  # 2 tokens in 2 ms beat 2 in 4; depth 2 unmeasured
+    assert policy.step_time(64, True) == pytest.approx(0.002)  # the cost model now weighs the chain in use
+
+
+class FirstDraftRight(RandomTreeProposer):
+    """A chain whose first draft is the target's next token and whose later drafts are not."""
+
+    def _tree(self, rid, size):
+        full, pos = self.oracle[rid], len(self.tokens[rid])
+        wrong = [(t + 1) % self.vocab for t in full[pos + 2 : pos + size]]
+        return DraftTree.chain(full[pos], full[pos + 1 : pos + 2] + wrong)
+
+
+class WideVerifiesCostMore(SpeculationPolicy):
+    """Step times of a compute-bound batch, simulated: a round costs 0.5 + 0.25 x its width plain steps."""
+
+    def step_time(self, batch_size, speculative, resumed=False, runs=None, width=None):
+        if not speculative:
+            return 1e-3
+        if width is None:
+            width = self.depth.chosen_width(cost_bucket(batch_size)) if self.depth is not None else (self.spec_width or 4)
+        return 1e-3 * (0.5 + 0.25 * width)
+
+
+def test_an_engine_shortens_its_chains_where_wide_verifies_cost_more(tmp_path):
+    path = tmp_path / "llama"
+    write_checkpoint(path, "llama", seed=9, num_hidden_layers=2)
+    prompts = torch_prompts(1, (6, 19, 11))
+    ref = target_only_greedy(path, prompts, 96)
+    oracle = {f"req-{i}": p + e + [0] * 8 for i, (p, e) in enumerate(zip(prompts, ref))}
+    proposer = FirstDraftRight(vocab=256, seed=3, oracle=oracle)
+    widths = []
+    draft = proposer.draft
+    proposer.draft = lambda rids, spec: (widths.append(spec.num_draft_tokens), draft(rids, spec))[1]
+    policy = WideVerifiesCostMore(PolicyConfig(goodput=False, warmup_rounds=1))
+    with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=CHAIN, policy=policy) as eng:
+        out = eng.generate(prompts, SamplingParams(max_new_tokens=96, ignore_eos=True))
+    assert [o.output_token_ids for o in out] == ref
+    # 2 tokens a round at any depth: 2 / 1.0 at width 2 against 2 / 1.5 at width 4
+    assert widths[0] == 4 and widths[-1] == 2 and widths.count(2) > 0.8 * len(widths)
+    assert all(w in (2, 4) for w in widths)  # the full chain now and then (its later positions measured again)
