@@ -141,3 +141,45 @@ def test_an_engine_shortens_its_chains_where_wide_verifies_cost_more(tmp_path):
     # 2 tokens a round at any depth: 2 / 1.0 at width 2 against 2 / 1.5 at width 4
     assert widths[0] == 4 and widths[-1] == 2 and widths.count(2) > 0.8 * len(widths)
     assert all(w in (2, 4) for w in widths)  # the full chain now and then (its later positions measured again)
+
+
+class EveryDecisionAnotherChain(SpeculationPolicy):
+    """Speculates at every step, its chain 3, 1, 2, 3, ... drafts decision by decision (scripted)."""
+
+    def __init__(self):
+        super().__init__(PolicyConfig(enabled=False))
+        self.decisions = 0
+
+    def chain_spec(self, batch_size, spec):
+        self.decisions += 1
+        return chain_ladder(spec)[(2, 0, 1)[self.decisions % 3]]
+
+
+def test_sampling_keeps_the_target_distribution_while_the_chain_changes(tmp_path):
+    """Three sampled tokens, the rounds behind them drafted at depths that change every step: their joint law is the
+    target's exactly (chi-square against the enumerated law, as for a fixed tree in test_spec_engine)."""
+    from scipy.stats import chisquare
+    from test_spec_engine import _exact_joint
+
+    path = tmp_path / "tiny_vocab"
+    hf = write_checkpoint(path, "llama", seed=5, num_hidden_layers=2, vocab_size=6)
+    prompt, n, steps = [1, 4, 2, 5, 3], 3000, 3
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
+    policy = EveryDecisionAnotherChain()
+    with LLMEngine(EngineConfig(model=str(path), seed=7), proposer=RandomTreeProposer(vocab=6, seed=1), spec=CHAIN,
+                   policy=policy) as eng:
+        results = eng.generate([prompt] * n, params)
+    assert policy.decisions >= 3 and sum(r.spec_stats.rounds for r in results) > n
+    counts: dict[tuple, int] = {}
+    for r in results:
+        key = tuple(r.output_token_ids[:steps])
+        counts[key] = counts.get(key, 0) + 1
+    exact = _exact_joint(hf, prompt, params, steps)
+    assert all(exact[k] > 0 for k in counts), "a token with zero target probability was emitted"
+    cells = [k for k in exact if exact[k] * n >= 5]
+    observed, expected = [counts.get(k, 0) for k in cells], [exact[k] * n for k in cells]
+    if n - sum(expected) >= 1:
+        observed.append(n - sum(observed))
+        expected.append(n - sum(expected))
+    p_value = chisquare(observed, [e * sum(observed) / sum(expected) for e in expected]).pvalue
+    assert p_value > 1e-3, f"speculative samples do not follow the target distribution (p={p_value:.2e})"
