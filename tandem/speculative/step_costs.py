@@ -1,0 +1,180 @@
+"""StepCosts: what a plain step and a speculative round cost at each batch size, as measured — the speculation
+policy's cost model (tandem.speculative.policy) rests on it.
+
+Costs are kept per batch bucket (powers of two: ``cost_bucket``) from the recent steps there — their time over their
+steps, the slowest left out — apart for runs (several steps queued at once) and single steps, and a round's by its
+verify width (a chain the policy shortens at batch is another width: tandem.speculative.chain_depth). What only
+speculating pays for an arrival (the drafter's extension over the prompt) is kept as a cost per output token.
+``DecayedMean`` is the decayed mean both these and the policy's acceptance use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
+
+
+@functools.lru_cache(maxsize=1024)
+def cost_bucket(batch_size: int) -> int:
+    """The power of two nearest to ``batch_size`` (in log scale): where its step costs are kept."""
+    return 1 << max(0, round(math.log2(max(1, batch_size))))
+
+
+@dataclass
+class _StepTimes:
+    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
+    that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
+    single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
+    so costs are compared within one class where both modes have samples."""
+    samples: dict = field(default_factory=dict)  # (kind, run) -> deque
+
+    def of(self, kind: str, run: bool | None = None) -> list:
+        if run is not None:
+            return list(self.samples.get((kind, run), ()))
+        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
+
+
+class StepCosts:
+    """The cost bookkeeping of a policy (its base class): ``cfg`` holds ``step_samples``, ``fixed_cost_ratio``,
+    ``default_cost_ratio`` and ``arrival_window``; ``depth`` (a ChainDepth or None) says which width a bucket's rounds
+    run at now."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._times: dict[int, _StepTimes] = {}  # bucket -> recent step times (seconds per round / step)
+        self._step_times_known: dict[int, dict] = {}  # bucket -> {(kind, runs): step_time}, until its next sample
+        # What an arrival costs only while speculating — the drafter's extension over the prompt — per
+        # prompt token, and the traffic's prompt tokens per output token: together, a cost per output token.
+        self._extend_per_token = DecayedMean(cfg.arrival_window)
+        self._prompt_per_output = DecayedMean(cfg.arrival_window)
+        self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
+        self.plain_steps_since_spec = 0
+        self.depth = None  # the chain's depth by batch bucket (the policy's ChainDepth), or None
+        self.spec_width: int | None = None  # the verify width of the latest speculative step observed
+
+    def _spec_kind(self, bucket: int, width: int | None) -> str:
+        """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
+        if width is None:
+            width = self.depth.chosen_width(bucket) if self.depth is not None else self.spec_width
+        return "spec" if width is None else f"spec{width}"
+    def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
+                     resumed: bool = False, width: int | None = None) -> None:
+        """``steps`` decode steps (or rounds) of ``batch_size`` requests ran; ``seconds``: their wall time
+        (None: not timed, e.g. a prefill shared the step); ``resumed``: a speculative step that first sent
+        the drafter what plain steps held (its time is the price of resuming, not of a round); ``width``: a
+        speculative step's verify width (its times are kept by width; None: unknown, kept apart)."""
+        if speculative and width:
+            self.spec_width = width
+        if speculative:
+            self.spec_steps_since_plain += steps
+            self.plain_steps_since_spec = 0
+        else:
+            self.plain_steps_since_spec += steps
+            self.spec_steps_since_plain = 0
+        if seconds is not None:  # (get before create: this runs every step)
+            bucket = cost_bucket(batch_size)
+            times = self._times.get(bucket) or self._times.setdefault(bucket, _StepTimes())
+            kind = "resume" if resumed else (f"spec{width}" if width else "spec") if speculative else "plain"
+            known = self._step_times_known.get(bucket)
+            if known:
+                for runs in (True, False, None):
+                    known.pop((kind, runs), None)
+            samples = times.samples.get((kind, steps > 1))
+            if samples is None:
+                samples = times.samples[kind, steps > 1] = deque()
+            samples.append((seconds, steps))
+            while len(samples) > self.cfg.step_samples:
+                samples.popleft()
+
+    def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
+                  runs: bool | None = None, width: int | None = None) -> float | None:
+        """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
+        total steps — what the engine's mix of runs and single steps really costs, which a median per
+        step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
+        sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
+        single steps only (False), or of both (None). ``width``: of rounds that wide (None: the width in use)."""
+        bucket = cost_bucket(batch_size)
+        kind = "resume" if resumed else self._spec_kind(bucket, width) if speculative else "plain"
+        known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
+        if (kind, runs) not in known:
+            times = self._times.get(bucket)
+            samples = [] if times is None else times.of(kind, runs)
+            kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+            known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
+        return known[kind, runs]
+
+    def _switch_cost(self, bucket: int) -> float:
+        """Seconds a switch back to speculation costs at ``bucket`` beyond a plain step (the drafter's catch-up over
+        the held plain steps: a resume's measured time); 0 until measured."""
+        resume, plain = self.step_time(bucket, True, resumed=True), self.step_time(bucket, False)
+        return max(0.0, resume - plain) if resume is not None and plain is not None else 0.0
+
+    def cost_ratio(self, batch_size: int, runs: bool | None = None) -> float:
+        """t_spec / t_plain at ``batch_size``'s bucket, or at the nearest bucket measured both ways; within
+        ``runs``' class (runs, or single steps) where both kinds have samples of it there."""
+        if self.cfg.fixed_cost_ratio is not None:
+            return self.cfg.fixed_cost_ratio
+        measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b in self._times
+                    if self.step_time(b, False) is not None and self.step_time(b, True) is not None]
+        if not measured:
+            return self.cfg.default_cost_ratio
+        _, b = min(measured)
+        spec, plain = self.step_time(b, True, runs=runs), self.step_time(b, False, runs=runs)
+        if spec is None or plain is None:
+            spec, plain = self.step_time(b, True), self.step_time(b, False)
+        # Per output token, speculating also pays the drafter's extension over each arriving prompt: with n
+        # requests, τ tokens a round beat one a plain step when τ >= t_spec / (t_plain - n x that cost).
+        arrival = self.arrival_cost_per_output_token()
+        return spec / max(plain - batch_size * arrival, MIN_PLAIN_SHARE * plain)
+
+    def arrival_cost_per_output_token(self) -> float:
+        """Seconds of the drafter's prompt extension per output token of the recent traffic (0 until known)."""
+        per_token, ratio = self._extend_per_token.mean, self._prompt_per_output.mean
+        return 0.0 if per_token is None or ratio is None else per_token * ratio
+
+    def observe_arrivals(self, prompt_tokens: int, seconds: float) -> None:
+        """Prompts of ``prompt_tokens`` tokens, prefilled alone while speculating, took ``seconds`` to extend
+        into the drafter (a cost plain decoding does not pay: it holds them)."""
+        self._extend_per_token.decay(1)
+        self._extend_per_token.add(seconds / prompt_tokens, weight=prompt_tokens)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        self._prompt_per_output.decay(1)
+        self._prompt_per_output.add(prompt_tokens / output_tokens, weight=output_tokens)
+
+
+def _keep(window: int) -> float:
+    """Per-sample decay of a mean over about ``window`` samples (1: the latest alone)."""
+    return 1.0 - 1.0 / max(1, window)
+
+
+class DecayedMean:
+    """Mean and variance of samples whose weights decay (``decay``) as they age."""
+
+    def __init__(self, window: int):
+        self.keep, self.total, self.squares, self.weight = _keep(window), 0.0, 0.0, 0.0
+
+    def decay(self, ages: int) -> None:
+        factor = self.keep ** ages
+        self.total, self.squares, self.weight = factor * self.total, factor * self.squares, factor * self.weight
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        """A sample of ``weight`` (a ratio's denominator as its weight makes the mean a ratio of decayed sums)."""
+        self.total += weight * value
+        self.squares += weight * value * value
+        self.weight += weight
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.weight if self.weight else None
+
+    @property
+    def variance(self) -> float:
+        if not self.weight:
+            return 0.0
+        mean = self.total / self.weight
+        return max(0.0, self.squares / self.weight - mean * mean)
