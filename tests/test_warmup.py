@@ -32,6 +32,7 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path, mixed_p
             assert eng.policy.step_time(n, False) is not None and eng.policy.step_time(n, True) is not None, n
         assert eng.policy.step_time(16, False) is None  # a bucket it did not run
         assert eng.policy.rounds_all == 0 and eng.policy.tau_all is None  # random prompts' acceptance forgotten
+        assert eng.policy.goodput.switch_cost == eng.policy._switch_cost  # the arbiter afresh, its switch cost kept
         assert not eng.requests and not eng.has_unfinished() and eng.allocator.num_free == free
         assert not proposer.tokens  # every warm-up request's draft state released
         assert eng.generate([prompt], params)[0].output_token_ids == reference
