@@ -183,3 +183,16 @@ def test_sampling_keeps_the_target_distribution_while_the_chain_changes(tmp_path
         expected.append(n - sum(expected))
     p_value = chisquare(observed, [e * sum(observed) / sum(expected) for e in expected]).pvalue
     assert p_value > 1e-3, f"speculative samples do not follow the target distribution (p={p_value:.2e})"
+
+
+def test_positions_a_shorter_chain_does_not_reach_keep_their_share():
+    """Thousands of rounds at depth 1 say nothing of positions 2 and 3: their shares stay what full-depth rounds
+    measured (not drift to the prior), so the depth is not pulled back by forgetting."""
+    p, rng = [0.9, 0.3, 0.3], random.Random(4)
+    model = ChainDepth(chain_ladder(CHAIN), window=256)
+    _rounds(model, p, 3, 3000, rng)
+    before = [model.tokens_per_round(d) for d in (1, 2, 3)]
+    _rounds(model, p, 1, 20_000, rng)
+    after = [model.tokens_per_round(d) for d in (1, 2, 3)]
+    assert after == pytest.approx(before, abs=0.05)
+    assert after[2] == pytest.approx(_expected_tokens(p, 3), abs=0.05)

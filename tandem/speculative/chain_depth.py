@@ -9,7 +9,7 @@ every shorter one (``chain_ladder``); the engine captures graphs for each.
 
 What each depth would make comes from acceptance by position: of the rounds whose chain reached position ``i``
 with every draft before it accepted, the share that accepted draft ``i`` too (decayed over about
-``window`` rounds). A depth's tokens per round are then 1 + sum over its positions of the product of those
+``window`` of the rounds that reached it). A depth's tokens per round are then 1 + sum over its positions of the product of those
 shares up to there. Rounds at any depth teach the positions they reach; positions a shorter chain does not reach
 are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
 cost is the policy's measured round time at its width and batch bucket (seeded by the warm-up; a depth whose width
@@ -99,16 +99,19 @@ class ChainDepth:
         return self._chosen.get(bucket, self.full) + 1
 
     def _fold(self) -> None:
-        """Count the rounds observed since the last fold into the shares by position, decayed per round."""
+        """Count the rounds observed since the last fold into the shares by position, each position's decayed per
+        round that reached it: one a shorter chain does not reach keeps its share until a full-depth step."""
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
+        tried, kept = [0] * (self.full + 1), [0] * (self.full + 1)
         for (depth, accepted), count in pending.items():
-            factor = self.keep ** count
-            for i in range(1, self.full + 1):
-                self._trials[i] *= factor
-                self._accepts[i] *= factor
             for i in range(1, min(accepted + 1, depth) + 1):  # position i was tried when all before it were kept
-                self._trials[i] += count
-                if i <= accepted:
-                    self._accepts[i] += count
+                tried[i] += count
+                kept[i] += count if i <= accepted else 0
+        for i in range(1, self.full + 1):
+            if tried[i]:  # n rounds at once: the old weight decays by keep^n, theirs sums to (1 - keep^n) / (1 - keep)
+                factor = self.keep ** tried[i]
+                weight = (1 - factor) / (1 - self.keep)
+                self._trials[i] = factor * self._trials[i] + weight
+                self._accepts[i] = factor * self._accepts[i] + weight * kept[i] / tried[i]
