@@ -196,3 +196,79 @@ def test_positions_a_shorter_chain_does_not_reach_keep_their_share():
     after = [model.tokens_per_round(d) for d in (1, 2, 3)]
     assert after == pytest.approx(before, abs=0.05)
     assert after[2] == pytest.approx(_expected_tokens(p, 3), abs=0.05)
+
+
+# -- the whole policy (goodput, the speculate-or-not model, the depth) against simulated costs --------------------------
+def _round_ms(n: int, width: int) -> float:
+    """tests/test_spec_policy.py's round cost, by verify width: drafting and extending (fixed, per request, per draft),
+    a verify of ``width`` rows per request that turns compute-bound as the batch grows."""
+    return 4.0 + 0.2 * (width - 1) + 0.2 * n + 0.03 * width * n + 0.0025 * (width * n) ** 1.5
+
+
+def _plain_ms(n: int) -> float:
+    return 4.0 + 0.03 * n
+
+
+def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | None = None,
+              plain_ms=_plain_ms, round_ms=_round_ms) -> float:
+    """Tokens per ms of a batch of ``n`` decoding for ``steps`` steps: plain (``fixed_depth`` 0), one fixed chain
+    (1-3 drafts), or the measured policy picking both (its goodput on a simulated clock)."""
+    from test_spec_policy import SimClock
+
+    rng = random.Random(seed)
+    policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
+    for size in (1, 2, 4, 8, 16, 32, 64):  # seeded as the warm-up does: every width at every bucket
+        for _ in range(3):
+            policy.observe_step(size, False, 1, plain_ms(size) / 1e3)
+            for width in (2, 3, 4):
+                policy.observe_step(size, True, 1, round_ms(size, width) / 1e3, width=width)
+    policy.forget_traffic()
+    states = [RequestSpecState() for _ in range(n)]
+    tokens, spent = 0, 0.0
+    for _ in range(steps):
+        if fixed_depth is None:
+            depth = policy.chain_spec(n, CHAIN).num_steps if policy.decide(n, states) else 0
+        else:
+            depth = fixed_depth
+        ms = (round_ms(n, depth + 1) if depth else plain_ms(n)) * rng.uniform(0.95, 1.05)
+        made = 0
+        for state in states:
+            accepted = 0
+            while accepted < depth and rng.random() < p[accepted]:
+                accepted += 1
+            if depth:
+                policy.observe_round(state, accepted + 1, depth)
+            made += accepted + 1
+        tokens += made
+        policy.observe_step(n, bool(depth), 1, ms / 1e3, width=depth + 1 if depth else None)
+        policy.goodput.clock.now += ms / 1e3
+        policy.observe_goodput(n, bool(depth), made, ms / 1e3)
+        spent += ms
+    return tokens / spent
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("p", [[0.9, 0.8, 0.7], [0.8, 0.4, 0.2], [0.95, 0.95, 0.95]], ids=["decaying", "steep", "high"])
+def test_the_measured_policy_is_within_3_percent_of_the_best_fixed_setting(n, p):
+    """Plain, and chains of 1, 2 and 3 drafts each run always: the policy — speculating or not by goodput and the
+    cost model, its chain by acceptance per position and measured round times — makes at least 0.97 of the best."""
+    steps = 600
+    fixed = {depth: _simulate(n, p, steps, seed=0, fixed_depth=depth) for depth in (0, 1, 2, 3)}
+    chosen = _simulate(n, p, steps, seed=0)
+    assert chosen >= 0.97 * max(fixed.values()), (chosen, fixed)
+
+
+def test_at_batch_64_a_shorter_chain_is_what_beats_the_configured_one():
+    """The case the depth exists for: a large target at batch 64 (a plain step reads the weights; a round's verify
+    adds compute by its width) with acceptance falling along the chain. A chain of 1 beats both plain decoding and the
+    configured chain of 3 run always; the policy takes it."""
+    def plain(n):
+        return 10.0
+
+    def round_(n, width):
+        return 11.0 + 2.5 * (width - 1)
+
+    p = [0.8, 0.4, 0.2]
+    fixed = {depth: _simulate(64, p, 600, 1, depth, plain, round_) for depth in (0, 1, 3)}
+    assert fixed[1] > 1.1 * fixed[3] and fixed[1] > 1.1 * fixed[0], fixed
+    assert _simulate(64, p, 600, 1, None, plain, round_) >= 0.97 * fixed[1]
