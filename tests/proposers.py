@@ -28,6 +28,21 @@ def always_speculate() -> SpeculationPolicy:
     return SpeculationPolicy(PolicyConfig(enabled=False))
 
 
+class CyclingChains(SpeculationPolicy):
+    """Speculates at every step, its chain 3, 1, 2, 3, ... drafts decision by decision (what a measured policy does
+    when acceptance or costs move, scripted: no clock decides it)."""
+
+    def __init__(self):
+        super().__init__(PolicyConfig(enabled=False))
+        self.decisions = 0
+
+    def chain_spec(self, batch_size, spec):
+        from tandem.speculative.chain_depth import chain_ladder
+
+        self.decisions += 1
+        return chain_ladder(spec)[(2, 0, 1)[self.decisions % 3]]
+
+
 class RandomTreeProposer(Proposer):
     """Random tree shapes and tokens; optionally puts the true continuation somewhere in the tree."""
 

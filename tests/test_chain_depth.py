@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints import write_checkpoint
 from helpers import target_only_greedy, torch_prompts
-from proposers import RandomTreeProposer
+from proposers import CyclingChains, RandomTreeProposer
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
@@ -143,18 +143,6 @@ def test_an_engine_shortens_its_chains_where_wide_verifies_cost_more(tmp_path):
     assert all(w in (2, 4) for w in widths)  # the full chain now and then (its later positions measured again)
 
 
-class EveryDecisionAnotherChain(SpeculationPolicy):
-    """Speculates at every step, its chain 3, 1, 2, 3, ... drafts decision by decision (scripted)."""
-
-    def __init__(self):
-        super().__init__(PolicyConfig(enabled=False))
-        self.decisions = 0
-
-    def chain_spec(self, batch_size, spec):
-        self.decisions += 1
-        return chain_ladder(spec)[(2, 0, 1)[self.decisions % 3]]
-
-
 def test_sampling_keeps_the_target_distribution_while_the_chain_changes(tmp_path):
     """Three sampled tokens, the rounds behind them drafted at depths that change every step: their joint law is the
     target's exactly (chi-square against the enumerated law, as for a fixed tree in test_spec_engine)."""
@@ -165,7 +153,7 @@ def test_sampling_keeps_the_target_distribution_while_the_chain_changes(tmp_path
     hf = write_checkpoint(path, "llama", seed=5, num_hidden_layers=2, vocab_size=6)
     prompt, n, steps = [1, 4, 2, 5, 3], 3000, 3
     params = SamplingParams(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
-    policy = EveryDecisionAnotherChain()
+    policy = CyclingChains()
     with LLMEngine(EngineConfig(model=str(path), seed=7), proposer=RandomTreeProposer(vocab=6, seed=1), spec=CHAIN,
                    policy=policy) as eng:
         results = eng.generate([prompt] * n, params)

@@ -16,8 +16,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.chain_depth import chain_ladder
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
-from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
-from proposers import always_speculate
+from proposers import CyclingChains, always_speculate
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -413,19 +412,6 @@ def test_queued_rounds_record_logprobs_equal_to_transformers(engine, pair, monke
     assert _all_pages_free(engine)
 
 
-class ChainEveryFewSteps(SpeculationPolicy):
-    """Speculates at every step, its chain cycling 3, 1, 2 drafts decision by decision (what a measured policy does
-    when acceptance or costs move, scripted)."""
-
-    def __init__(self):
-        super().__init__(PolicyConfig(enabled=False))
-        self.decisions = 0
-
-    def chain_spec(self, batch_size, spec):
-        self.decisions += 1
-        return chain_ladder(spec)[(2, 0, 1)[self.decisions % 3]]
-
-
 def test_a_shorter_chain_takes_over_between_runs_and_tokens_stay_target_greedy(pair):
     """With runs of rounds queued back to back, a chain the policy picks anew takes over once the run in flight is
     read back (no further run of the old chain is queued behind it): every chain runs, in runs, and the output is
@@ -443,7 +429,7 @@ def test_a_shorter_chain_takes_over_between_runs_and_tokens_stay_target_greedy(p
         widths.append((spec.num_draft_tokens, rounds))
         return real(graphs, side, reqs, spec, rounds, *rest)
 
-    with _speculative_engine(pair[0], policy=ChainEveryFewSteps()) as eng:
+    with _speculative_engine(pair[0], policy=CyclingChains()) as eng:
         rounds_ahead.queue_chain_rounds = recording
         try:
             outputs, _, most = _run(eng, prompts, params, 4, ref, rate=0.3)

@@ -31,18 +31,21 @@ def prompts(n):
 
 
 def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_rate=None, spec=None, new=40,
-        decode_steps=None, params=None, spec_rounds=None, accepted=None):
+        decode_steps=None, params=None, spec_rounds=None, accepted=None, policy=None):
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
     from proposers import always_speculate
 
-    widths = (1,) if spec is None else (1, spec.num_draft_tokens)
+    from tandem.speculative.chain_depth import chain_ladder
+
+    chains = chain_ladder(spec) if policy is not None and spec is not None else (spec,)  # a policy may shorten it
+    widths = (1,) if spec is None else (1, *(c.num_draft_tokens for c in chains))
     cfg = EngineConfig(model=str(target), device="cuda", dtype=dtype, disable_cuda_graph=not graphs,
                        cuda_graph_max_bs=16, cuda_graph_widths=widths, attention_backend=backend, page_size=16,
                        kv_pages=2048, decode_steps=decode_steps, spec_rounds=spec_rounds)
     # Counting accepted drafts per round compares runs round for round: no timing-driven policy then.
-    policy = always_speculate() if accepted is not None else None
+    policy = policy or (always_speculate() if accepted is not None else None)
     with LLMEngine(cfg, policy=policy) as eng:
         params = params or SamplingParams(max_new_tokens=new, ignore_eos=True)
         if spec is None:
@@ -64,7 +67,7 @@ def run(target, batch, dtype="float32", graphs=True, backend="auto", proposer_ra
             device="cuda", dtype=dtype, disable_cuda_graph=not graphs, cuda_graph_max_bs=16, defer_chain_tokens=True),
             capture_layers=runner.capture_layers, embed_weight=runner.model.model.embed_tokens.weight)
         if graphs:
-            drafter.capture_cuda_graphs([spec], pool=runner.graphs.pool)
+            drafter.capture_cuda_graphs(list(chains), pool=runner.graphs.pool)
         proposer = ControlledAcceptanceProposer(drafter, proposer_rate, seed=2)
         eng.proposer, eng.default_spec = proposer, spec
         rids = [eng.add_request(p, params) for p in batch]
@@ -189,6 +192,23 @@ def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, mon
     run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=1, accepted=one_round)
     assert not runs
     assert queued == one_round
+
+
+@pytest.mark.parametrize("spec_rounds", [1, 4])
+def test_chains_the_policy_shortens_between_steps_stay_target_greedy(target, spec_rounds, monkeypatch):
+    """Graphs for every chain (verify widths 2-4, draft graphs of 1-3 steps); a policy switching the chain decision
+    by decision, one round per step or runs of four queued on the device: each chain runs graphed and the tokens are
+    target-only greedy (run() compares them)."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from proposers import CyclingChains
+    from tandem.speculative.drafter import SpecConfig
+
+    widths, real = [], rounds_ahead.queue_chain_rounds
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: widths.append(a[3].num_draft_tokens) or real(*a))
+    run(target, prompts(6), graphs=True, proposer_rate=0.3, spec=SpecConfig(3, 1, 4), spec_rounds=spec_rounds,
+        new=60, policy=CyclingChains())
+    if spec_rounds > 1:
+        assert set(widths) == {2, 3, 4}
 
 
 def test_bf16_graphed_decode_logits_match_eager(target):
