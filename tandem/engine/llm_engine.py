@@ -175,7 +175,7 @@ class LLMEngine:
         self.speculating = self.speculating and not probe
         if self.speculating and self.default_spec is not None:
             self.chain.use(self.policy.chain_spec(len(running), self.default_spec), self.default_spec,
-                           running + list(self.scheduler.waiting), now=self._can_switch())
+                           lambda: running + list(self.scheduler.waiting), now=self._can_switch())
         self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
                               lambda: self.policy.measured_lead(len(running)),
                               self.attachment.detached and self.policy.speculation_favoured(len(running)))

@@ -25,14 +25,14 @@ class StepChain:
         return self.current
 
     def use(self, spec, default_spec, requests, now: bool = True) -> None:
-        """From now on default requests (among ``requests``: the running and waiting ones) draft ``spec``; not
-        ``now`` (a run of rounds in flight): once the run is read back."""
+        """From now on default requests (among ``requests()``: the running and waiting ones; asked only on a change)
+        draft ``spec``; not ``now`` (a run of rounds in flight): once the run is read back."""
         self._sync(default_spec)
         self.wanted = spec
         if spec == self.current or not now:
             return
         self.current = spec
-        for req in requests:
+        for req in requests():
             if req.spec in self._ladder:
                 req.spec = spec
 
