@@ -64,6 +64,22 @@ def test_every_split_count_and_tile_gives_the_reference_and_repeats_bit_for_bit(
     assert torch.equal(first, run())
 
 
+def test_split_merges_of_a_wide_latent_take_it_in_column_blocks():
+    """A latent wider than a merge program's columns (256: two blocks of 128), split four ways: the merged output is
+    the reference's in every column."""
+    from tandem.kernels.paged_attention import MERGE_D_BLOCK
+
+    lora = 2 * MERGE_D_BLOCK
+    case = latent_case(CASES["mixed batch"], HEADS, lora, ROPE, PAGE, seed=8)
+    backend = TritonMLABackend()
+    backend.plan(case["meta"])
+    m, q = case["meta"], case["q"]
+    out = mla_paged_attention(q[..., :lora], q[..., lora:], case["pool"], m.block_tables, m.kv_lens, m.cu_q_lens,
+                              backend._max_q_len, case["scale"], mask=backend._mask, mask_widths=backend._mask_widths,
+                              num_splits=4)
+    assert norm_rel_err(out, torch_reference(case)) < 1e-4
+
+
 def test_heads_that_fill_no_power_of_two_and_a_narrow_rope():
     """6 heads (a partial head block) and rope 8 (padded to the 16 a dot needs): the tiny model's shape."""
     case = latent_case(CASES["mixed batch"], 6, 16, 8, 8, seed=5)

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.paged_attention import (_NO_KEY, _merge_splits_kernel, _split_bounds, _store_result,
-                                            default_num_splits)
+from tandem.kernels.paged_attention import _NO_KEY, _split_bounds, _store_result, default_num_splits, merge_splits
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -258,10 +257,5 @@ def mla_paged_attention(
         num_warps=num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, num_heads,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=lora, num_warps=4, **pdl,
-        )
+        merge_splits(part_o, part_lse, out, pdl)
     return out

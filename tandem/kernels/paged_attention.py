@@ -180,22 +180,37 @@ def _paged_attention_kernel(
                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
+MERGE_D_BLOCK = 128  # output columns a merge program takes (an MLA head's 512 in one: 32 splits x 512 floats spilled)
+
+
 @triton.jit
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
     w = tl.exp2(lse - tl.max(lse, 0))  # every lse is finite (>= _NO_KEY), so no NaN
     o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
     merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, pdl: dict) -> None:
+    """``out[t, h]`` = the splits' partial outputs ``part_o[s, t, h]`` weighted by their log-sum-exps (base 2)."""
+    num_splits, num_tokens, num_heads, head_dim = part_o.shape
+    d_block = min(head_dim, MERGE_D_BLOCK)
+    _merge_splits_kernel[(num_tokens, num_heads, head_dim // d_block)](
+        part_o, part_lse, out, num_heads,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, D_BLOCK=d_block, num_warps=4, **pdl,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,10 +304,5 @@ def paged_attention(
         num_warps=num_warps, num_stages=3, **pdl,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, num_heads,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=4, **pdl,
-        )
+        merge_splits(part_o, part_lse, out, pdl)
     return out
