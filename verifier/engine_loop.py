@@ -202,7 +202,7 @@ class EngineLoop(threading.Thread):
         now = time.perf_counter()
         info = self.engine.last_step
         m = self.metrics
-        tokens = rounds = accepted = 0
+        tokens = rounds = accepted = drafted = 0
         if info is not None:
             m.batch_size.observe(info.num_prefill + info.num_decode)
             for phase, seconds in info.seconds.items():
@@ -215,6 +215,7 @@ class EngineLoop(threading.Thread):
             tokens += len(out.new_token_ids)
             rounds += len(out.round_accepts) if out.drafted else 0
             accepted += out.accepted if out.drafted else 0
+            drafted += out.drafted
             if info is not None:
                 self.spans.record(sub.trace_context, info, out)
             sub.sink(out)
@@ -226,7 +227,7 @@ class EngineLoop(threading.Thread):
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
-                        decoded=info is None or bool(info.num_decode))
+                        decoded=info is None or bool(info.num_decode), drafted=drafted)
         self._gauges()
         if self.stats.due(now):
             engine = self.engine

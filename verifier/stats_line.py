@@ -2,9 +2,10 @@
 "Avg generation throughput" lines:
 
     Decode batch: running 4, waiting 0, gen throughput 312.5 tok/s, accept len 3.21, KV usage 12.5%,
-    preemptions 0, spec on (87% of steps)
+    preemptions 0, spec on (87% of steps, 3.0 drafts a round)
 
-The share of steps counts the steps that ran the running requests (not a step of prompts alone).
+The share of steps counts the steps that ran the running requests (not a step of prompts alone); drafts a round
+is the mean length of the trees verified (less than configured where the policy shortened the chain at batch).
 
 Throughput is over the time the engine was stepping since the last line (an idle gap between two steps
 is not counted), accept length over the rounds verified meanwhile (bonus token included, SGLang's
@@ -27,12 +28,13 @@ class StatsLine:
         self._last_step = None
         self._busy_s = 0.0
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
+        self._drafted = 0
 
     def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
-             decoded: bool = True) -> None:
-        """One engine step that took ``step_s`` and ended at ``now``: its generated tokens, verified rounds and
-        accepted drafts; ``decoded``: it ran the running requests (a step of prompts alone does not count
-        in the share of steps that speculated)."""
+             decoded: bool = True, drafted: int = 0) -> None:
+        """One engine step that took ``step_s`` and ended at ``now``: its generated tokens, verified rounds, their
+        drafted tokens and accepted drafts; ``decoded``: it ran the running requests (a step of prompts alone does
+        not count in the share of steps that speculated)."""
         gap = now - self._last_step if self._last_step is not None else IDLE_GAP_S
         self._busy_s += gap if gap < IDLE_GAP_S else step_s  # the loop's own work between steps is busy time
         if self._since is None:
@@ -41,6 +43,7 @@ class StatsLine:
         self._tokens += tokens
         self._rounds += rounds
         self._accepted += accepted
+        self._drafted += drafted
         self._steps += decoded
         self._spec_steps += speculative and decoded
 
@@ -59,7 +62,8 @@ class StatsLine:
         if not self.speculative:
             spec = "spec off (no drafter)"
         elif self._spec_steps:
-            spec = f"spec on ({100 * self._spec_steps / self._steps:.0f}% of steps)"
+            drafts = f", {self._drafted / self._rounds:.1f} drafts a round" if self._rounds and self._drafted else ""
+            spec = f"spec on ({100 * self._spec_steps / self._steps:.0f}% of steps{drafts})"
         elif not drafter_up:
             spec = "spec off (the drafter is down: reconnecting)"
         elif detached:
@@ -71,6 +75,7 @@ class StatsLine:
         self._since = None
         self._busy_s = 0.0
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
+        self._drafted = 0
         return text
 
     def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float, drafter_up: bool = True,
