@@ -49,7 +49,7 @@ def main() -> None:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.training.demo import SHIPPED
     from tandem.training.demo_pair import demo_eval_prompts
 

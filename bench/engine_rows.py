@@ -54,7 +54,8 @@ def speculation_rows(engine, path: Path, batches: tuple[int, ...], goals: tuple[
     on average, against the target alone at the same batch."""
     from models import random_draft
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+    from tandem.speculative.spec_config import SpecConfig
 
     runner, spec = engine.executor.runner, SpecConfig(3, 1, 4)
     drafter = Eagle3Drafter.from_dirs(str(random_draft(path, runner.capture_layers)), str(path),

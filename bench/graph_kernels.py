@@ -65,7 +65,7 @@ def _kernels_per_replay(graph, reps: int) -> tuple[float, list[tuple[str, float,
 
 
 def main() -> None:
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="graph_kernels.json")

@@ -141,7 +141,7 @@ def decode(ctx: dict) -> dict:
 def spec(ctx: dict) -> dict:
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 160

@@ -71,7 +71,7 @@ def batch(ctx: dict) -> dict:
     from tandem.engine.speculative_setup import verify_widths
     from tandem.engine.warmup import warm_up
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.speculative.policy import SpeculationPolicy
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]

@@ -41,7 +41,7 @@ def chain_setup(ctx: dict) -> tuple:
     """The 8B-shaped engine and head with graphs for a chain of 3, eight 128-token prompts and greedy
     parameters for ``ctx``'s run length, kernels warmed up → (engine, drafter, spec, prompts, params)."""
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 160

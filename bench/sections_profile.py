@@ -113,7 +113,7 @@ def phases(ctx: dict) -> dict:
     from measure import rate_for
     from tandem.sampling import SamplingParams
     from tandem.speculative.controlled import ControlledAcceptanceProposer
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     sc = SpecConfig(3, 1, 4)
@@ -202,7 +202,7 @@ def demo(ctx: dict) -> dict:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.training.demo_pair import demo_eval_prompts

@@ -28,7 +28,7 @@ def service(ctx: dict) -> dict:
     TANDEM_BENCH_PROFILE_DRAFTER=1 adds a pair whose drafter traces 64 rounds with the torch profiler
     (``--profile-rounds``: a Chrome trace in $OUT, the busiest host ops and kernels in the log)."""
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
     new_tokens = 48 if ctx["quick"] else 128

@@ -85,7 +85,7 @@ def engine_graphs(routes: dict, layers: int, reps: int) -> dict:
     from sections import replay_ms, round_graphs
 
     from tandem.layers.gemv_routes import set_routes
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     set_routes(routes)
     spec = SpecConfig(3, 1, 4)

@@ -69,7 +69,7 @@ class DrafterServiceConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace, draft_model: str, target_model: str) -> "DrafterServiceConfig":
         from tandem.speculative.chain_depth import chain_ladder
-        from tandem.speculative.drafter import SpecConfig
+        from tandem.speculative.spec_config import SpecConfig
 
         speculative = shared.resolve_speculative(a, target_model)
         runtime = DrafterConfig(device=shared.resolve_device(a.device), dtype=a.dtype, page_size=a.page_size,

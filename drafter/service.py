@@ -39,7 +39,8 @@ from tandem.ring import HiddenRingView, RingSpec
 from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.tree_wire import pack_trees

@@ -113,7 +113,7 @@ def _build_engine(cfg, speculative: shared.Speculative):
 
     if speculative.draft_model is None:
         return LLMEngine(cfg)
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.engine.speculative_setup import speculative_engine
 
     spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)

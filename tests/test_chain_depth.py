@@ -16,7 +16,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.chain_depth import ChainDepth, chain_ladder
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy, cost_bucket
 from tandem.speculative.tree import DraftTree
 

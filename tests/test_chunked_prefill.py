@@ -15,7 +15,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.errors import ConfigError, OutOfPagesError
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import SpeculationPolicy
 
 PAGE = 4

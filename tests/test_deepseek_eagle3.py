@@ -26,7 +26,8 @@ from tandem.errors import CheckpointError
 from tandem.configs.model import ModelConfig
 from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.engine.speculative_setup import speculative_engine
 
 VOCAB = 512

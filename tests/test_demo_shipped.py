@@ -31,7 +31,7 @@ def test_shipped_pair_is_lossless_and_accepts(empty_cache):
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.training.demo_pair import demo_eval_prompts

@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 from draft_checkpoints import draft_inputs, pair_drafter  # noqa: E402
 from tandem.errors import ConfigError  # noqa: E402
 from tandem.speculative.draft_graph import DraftGraphRunner  # noqa: E402
-from tandem.speculative.drafter import SpecConfig  # noqa: E402
+from tandem.speculative.spec_config import SpecConfig  # noqa: E402
 
 TOL = 1e-5
 BUCKETS = [2, 4, 8]  # batches of 1, 3 and 5 requests carry padding rows

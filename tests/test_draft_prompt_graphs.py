@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 from draft_checkpoints import draft_inputs  # noqa: E402
 from tandem.prefill_shapes import prefill_widths  # noqa: E402
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig  # noqa: E402
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from tandem.speculative.spec_config import SpecConfig
 
 TOL = 1e-5
 SPECS = (SpecConfig(3, 2, 6), SpecConfig(4, 1, 5))

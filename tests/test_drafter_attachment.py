@@ -12,7 +12,7 @@ from draft_checkpoints import pair_engine
 from helpers import random_prompt
 from tandem.sampling import SamplingParams
 from tandem.speculative.attachment import AttachmentConfig, DrafterAttachment
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 
 
 class Clock:

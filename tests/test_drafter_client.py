@@ -100,7 +100,7 @@ class DraftingConnection:
 
 
 def _prefetching_client(ring):
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     kinds = []
     client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0,
@@ -129,7 +129,7 @@ def test_a_prefetched_round_answers_the_next_draft_of_the_same_requests():
 
 
 def test_requests_that_changed_since_the_prefetch_are_drafted_in_a_round_of_their_own():
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     with HiddenRing.create(64, 4, "float32") as ring:
         client, conn, kinds, spec = _prefetching_client(ring)
@@ -222,7 +222,7 @@ class RunConnection(EchoConnection):
 
 
 def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.speculative.round_mailbox import DRAFTED, MailboxLayout, RoundMailbox
 
     spec = SpecConfig(3, 1, 4)

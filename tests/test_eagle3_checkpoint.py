@@ -17,7 +17,8 @@ from draft_checkpoints import design_tensor_shapes, edit_config, make_draft, rew
 from tandem.errors import CheckpointError
 from tandem.models.eagle3_checkpoint import load_eagle3, save_eagle3
 from tandem.configs.eagle3 import DraftConfig
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 
 H, HT, Q, KV, I, VD, V = 64, 64, 64, 32, 128, 200, 256  # draft/target hidden, q/kv widths, mlp, vocabs
 DESIGN_TENSORS = design_tensor_shapes(H, HT, Q, KV, I, VD, V)

@@ -13,7 +13,8 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.speculative.controlled import ControlledAcceptanceProposer, expected_accept_length
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 
 
 def make_drafter(pair) -> Eagle3Drafter:

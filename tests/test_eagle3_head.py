@@ -12,7 +12,8 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.models.eagle3_checkpoint import load_eagle3
-from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 
 TOL = 1e-4
 

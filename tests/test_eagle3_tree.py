@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draft_checkpoints import DenseEagle3, draft_inputs, pair_drafter
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 
 TOL = 1e-4
 

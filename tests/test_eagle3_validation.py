@@ -10,7 +10,8 @@ from draft_checkpoints import edit_config, make_draft, rewrite_tensors
 from tandem.errors import CheckpointError, ConfigError
 from tandem.models.eagle3_checkpoint import load_eagle3
 from tandem.configs.eagle3 import DraftConfig, validate_draft
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 
 
 @pytest.fixture

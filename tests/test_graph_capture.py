@@ -19,7 +19,7 @@ from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
 from tandem.engine.llm_engine import LLMEngine
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.speculative.draft_graph import DraftGraphRunner
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 
 
 class Recorder:

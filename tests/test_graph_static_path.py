@@ -301,7 +301,7 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     prompts, params = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_new_tokens=12, ignore_eos=True)
     with LLMEngine(EngineConfig(model=str(pair.target_dir), page_size=4)) as plain:

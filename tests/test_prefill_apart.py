@@ -10,7 +10,7 @@ import pytest
 
 from helpers import random_prompt
 from test_chunked_prefill import GREEDY, PROMPTS, engine, staggered
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from draft_checkpoints import pair_engine
 from helpers import random_prompt
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 
 PAGE = 4
 SYSTEM = random_prompt(500, 23)  # a shared prefix that ends inside a page

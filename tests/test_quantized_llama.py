@@ -165,7 +165,8 @@ def test_tp2_equals_tp1(ckpts, tmp_path):
 def test_eagle3_speculation_on_an_int4_target_is_token_identical(ckpts, tmp_path):
     from draft_checkpoints import make_draft
     from tandem.configs.eagle3 import DraftConfig, validate_draft
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+    from tandem.speculative.spec_config import SpecConfig
     from proposers import always_speculate
 
     target = ckpts["int4"][0]

@@ -378,7 +378,7 @@ def test_a_failing_in_process_head_leaves_the_engine_decoding_target_only_greedy
     from tandem.engine.config import EngineConfig
     from tandem.errors import OutOfPagesError
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
     from verifier.in_process_head import GuardedHead
@@ -443,7 +443,8 @@ def _in_process_run(pair_dirs, prompt: list[int]):
     from tandem.configs.eagle3 import DraftConfig, validate_draft
     from tandem.configs.model import ModelConfig
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+    from tandem.speculative.spec_config import SpecConfig
     from proposers import always_speculate
 
     target, draft = str(pair_dirs / "target"), str(pair_dirs / "draft")

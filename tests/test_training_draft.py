@@ -16,7 +16,8 @@ from safetensors import safe_open
 from draft_checkpoints import design_tensor_shapes
 from tandem.configs.model import ModelConfig
 from tandem.models.random_checkpoint import LlamaShape, write_random_llama
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.training.data import Sample
 from tandem.training.eagle3_dense import DenseEagle3
 from tandem.training.eagle3_train import Eagle3TrainConfig, draft_config_for, draft_metrics, export

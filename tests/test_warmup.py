@@ -41,7 +41,7 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path, mixed_p
 def test_warm_up_times_every_chain_the_policy_may_draft(tmp_path):
     """A chain of 3 configured, the measured policy may draft chains of 1 and 2 at batch: the warm-up times rounds of
     each width at each batch size (the depth is weighed on them from the first request), the configured chain's last."""
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     path = tmp_path / "llama"
     write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)

@@ -102,7 +102,7 @@ def run_job(job: dict) -> dict:
             out["queued_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
     if job.get("draft"):  # greedy again, speculating in runs of chain rounds on the graphs' static path
         from proposers import always_speculate
-        from tandem.speculative.drafter import SpecConfig
+        from tandem.speculative.spec_config import SpecConfig
         from tandem.engine.speculative_setup import speculative_engine
 
         cfg = EngineConfig(model=job["model"], tp_size=job["tp_size"], page_size=4, kv_pages=KV_PAGES, static_graph_path=True,

@@ -24,7 +24,7 @@ from tandem.configs.eagle3 import DraftConfig, validate_draft
 from tandem.ring import CUDA_IPC, HiddenRing
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.rpc.drafter.v1 import drafter_pb2
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 from tandem.engine.speculative_setup import speculative_engine, verify_widths
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig

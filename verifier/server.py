@@ -21,7 +21,7 @@ from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, T
 from tandem.configs.model import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
-from tandem.speculative.drafter import SpecConfig
+from tandem.speculative.spec_config import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
 

@@ -43,7 +43,7 @@ from tandem.speculative.proposer import Proposer
 from tandem.engine.verify import verify_chunk
 
 if TYPE_CHECKING:
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
 log = logging.getLogger("tandem.engine")
 DEFAULT = "default"

@@ -7,7 +7,8 @@ import dataclasses
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import SpeculationPolicy
 
 

@@ -31,7 +31,8 @@ import zlib
 import torch
 
 from tandem.errors import ConfigError
-from tandem.speculative.drafter import Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 

@@ -64,7 +64,7 @@ def evaluate_pair(target_dir: str, draft_dir: str, prompts: list[list[int]], cfg
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
     from tandem.engine.speculative_setup import speculative_engine
 

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from draft_checkpoints import shared_pair
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter, SpecConfig
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.spec_config import SpecConfig
 from tandem.watchdog import Watchdog
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

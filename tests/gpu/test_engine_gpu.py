@@ -126,7 +126,7 @@ def test_eager_bf16_forwards_repeat_exactly_with_and_without_pdl(target):
 @pytest.mark.parametrize("bs", [1, 5])
 @pytest.mark.parametrize("steps,topk,ndt", [(4, 1, 5), (3, 2, 6)])
 def test_speculative_graphs_equal_eager(target, bs, steps, topk, ndt):
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     spec = SpecConfig(steps, topk, ndt)
     batch = prompts(bs)
@@ -142,7 +142,7 @@ def test_overlapped_chain_runs_are_committed_while_the_next_run_computes(target,
     Python list, a pageable host-to-device copy that waited for that run: the device then idled at
     every run boundary."""
     import tandem.engine.rounds_ahead as rounds_ahead
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     queue, read_back = rounds_ahead.queue_chain_rounds, rounds_ahead._read_back
     following_done: list[torch.cuda.Event] = []
@@ -179,7 +179,7 @@ def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, mon
     one round per step accepts; runs after the first are queued before the run they follow is read back
     (overlapped runs, going on from the device's state)."""
     import tandem.engine.rounds_ahead as rounds_ahead
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     runs, real = [], rounds_ahead.queue_chain_rounds
     monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: runs.append((a[4], a[6] is not None)) or real(*a))
@@ -201,7 +201,7 @@ def test_chains_the_policy_shortens_between_steps_stay_target_greedy(target, spe
     target-only greedy (run() compares them)."""
     import tandem.engine.rounds_ahead as rounds_ahead
     from proposers import CyclingChains
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
 
     widths, real = [], rounds_ahead.queue_chain_rounds
     monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: widths.append(a[3].num_draft_tokens) or real(*a))

@@ -151,7 +151,7 @@ def test_a_deepseek_engine_on_cuda_graphs_equals_it_eager(tmp_path, spec):
     from tandem.engine.llm_engine import LLMEngine
     from tandem.configs.model import ModelConfig
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from tandem.engine.speculative_setup import speculative_engine
 
     write_deepseek(tmp_path / "target", seed=21, num_hidden_layers=6)

@@ -123,7 +123,7 @@ def test_a_graphed_head_whose_chain_comes_back_nan_costs_speculation_not_the_eng
     decode that request on without speculation: outputs stay target-only greedy."""
     from tandem.engine.config import EngineConfig
     from tandem.sampling import SamplingParams
-    from tandem.speculative.drafter import SpecConfig
+    from tandem.speculative.spec_config import SpecConfig
     from proposers import always_speculate
     from tandem.engine.speculative_setup import speculative_engine
 
