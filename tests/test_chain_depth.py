@@ -260,3 +260,16 @@ def test_at_batch_64_a_shorter_chain_is_what_beats_the_configured_one():
     fixed = {depth: _simulate(64, p, 600, 1, depth, plain, round_) for depth in (0, 1, 3)}
     assert fixed[1] > 1.1 * fixed[3] and fixed[1] > 1.1 * fixed[0], fixed
     assert _simulate(64, p, 600, 1, None, plain, round_) >= 0.97 * fixed[1]
+
+
+def test_a_change_of_depth_is_logged_once(caplog):
+    import logging
+
+    model = ChainDepth(chain_ladder(CHAIN), window=1000, recheck_every=1)
+    for _ in range(100):
+        model.observe(3, 1)
+    with caplog.at_level(logging.INFO, logger="tandem.policy"):
+        for _ in range(5):
+            model.choose(64, {2: 1e-3, 3: 2e-3, 4: 3e-3}.get)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("batch bucket 64: chains of 1 draft now"), lines

@@ -21,7 +21,10 @@ the shares when the depths are weighed, so accounting costs one dictionary updat
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
+
+log = logging.getLogger("tandem.policy")
 
 PRIOR_ROUNDS = 2.0  # a position with no rounds yet is taken to accept half of its drafts, worth this many rounds
 MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed at all: the full one until then
@@ -91,6 +94,9 @@ class ChainDepth:
             best = max(rates, key=rates.get)
             if rates[best] < rates[held] * (1 + self.margin):
                 best = held
+        if best != held:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
+            log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
+                     "s" if best > 1 else "", ", ".join(f"{d}: {1e-3 * r:.1f}k" for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self.ladder[best - 1]
 
