@@ -273,3 +273,19 @@ def test_a_change_of_depth_is_logged_once(caplog):
             model.choose(64, {2: 1e-3, 3: 2e-3, 4: 3e-3}.get)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("batch bucket 64: chains of 1 draft now"), lines
+
+
+def test_the_engines_capture_a_verify_width_for_every_chain_the_policy_may_draft(tmp_path):
+    """In process (tandem.engine.speculative_setup) and in the drafter service's config: every chain of the ladder
+    has its graphs; `always` keeps the configured one alone."""
+    from draft_checkpoints import write_pair
+    from tandem.engine.speculative_setup import speculative_engine, verify_widths
+
+    write_pair(tmp_path, target_seed=1, draft_seed=2)
+    cfg = EngineConfig(model=str(tmp_path / "target"))
+    with speculative_engine(cfg, str(tmp_path / "draft"), CHAIN) as eng:
+        assert eng.executor.runner.cfg.cuda_graph_widths == (1, 2, 3, 4)
+    always = SpeculationPolicy(PolicyConfig(enabled=False))
+    with speculative_engine(cfg, str(tmp_path / "draft"), CHAIN, policy=always) as eng:
+        assert eng.executor.runner.cfg.cuda_graph_widths == (1, 4)
+    assert verify_widths(chain_ladder(SpecConfig(4, 2, 6))) == (1, 6)

@@ -113,6 +113,19 @@ def test_drafter_aliases(folders):
     assert _drafter(["--draft-model", d, "--disable-cuda-graph", "--speculative-algorithm", "EAGLE3"], t) == canonical
 
 
+def test_the_drafter_captures_draft_graphs_for_every_shorter_chain(folders):
+    """A verifier's measured policy may shorten the chain at batch: the drafter service has graphs for each."""
+    from tandem.speculative.spec_config import SpecConfig
+
+    t, d = folders
+    specs = _drafter(["--model", d, "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                      "--speculative-num-draft-tokens", "4"], t).graph_specs
+    assert specs == (SpecConfig(1, 1, 2), SpecConfig(2, 1, 3), SpecConfig(3, 1, 4))
+    tree = _drafter(["--model", d, "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                     "--speculative-num-draft-tokens", "6"], t).graph_specs
+    assert tree == (SpecConfig(3, 2, 6),)
+
+
 def test_the_drafter_takes_the_prefill_graph_flags_with_the_engines_defaults(folders):
     from tandem.engine.config import EngineConfig
 
