@@ -17,9 +17,10 @@ from tandem.speculative.tree import DraftTree
 
 @dataclass(frozen=True)
 class Spec:
-    """What these proposers read of a speculation setting: the tree's size."""
+    """What these proposers read of a speculation setting: the tree's size (a tree, not a chain: topk is not 1)."""
 
     num_draft_tokens: int
+    topk: int = 0
 
 
 def always_speculate() -> SpeculationPolicy:

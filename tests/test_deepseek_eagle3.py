@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -64,9 +63,7 @@ def test_greedy_speculation_is_token_identical_to_hf(pair, spec):
 
 
 def test_accepted_tree_paths_are_compacted_in_the_latent_cache(pair):
-    @dataclass(frozen=True)
-    class Spec:
-        num_draft_tokens: int
+    from proposers import Spec
 
     root, _, prompts, ref = pair
     oracle = {f"r{i}": p + e for i, (p, e) in enumerate(zip(prompts, ref))}

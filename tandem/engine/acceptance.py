@@ -90,8 +90,8 @@ def accept_verified(sched: Schedule, trees: dict[str, DraftTree], logits: torch.
         moves_src += src
         moves_dst += dst
         req.spec_stats.record(max(tree.depths), len(result.accepted_nodes))
-        chain = getattr(req.spec, "topk", None) == 1  # (a chain's depth is its drafts; a tree's is not)
-        policy.observe_round(req.spec_state, len(result.tokens), tree.size - 1 if chain else None)
+        # (a chain's depth is its drafts; a tree's is not)
+        policy.observe_round(req.spec_state, len(result.tokens), tree.size - 1 if req.spec.topk == 1 else None)
         rounds[req.rid] = (tree.size - 1, len(result.accepted_nodes))
         emitted[req.rid] = result.tokens
         nodes = [first_token_row + n for n in (0, *result.accepted_nodes)]

@@ -33,7 +33,7 @@ MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed
 def chain_ladder(spec) -> tuple:
     """The chains from one draft up to ``spec`` (a SpecConfig) when ``spec`` is a whole chain (topk 1, num_steps + 1
     tokens), shortest first; otherwise ``spec`` alone (a tree keeps its shape)."""
-    if getattr(spec, "topk", None) != 1 or spec.num_draft_tokens != spec.num_steps + 1:
+    if spec.topk != 1 or spec.num_draft_tokens != spec.num_steps + 1:
         return (spec,)
     return tuple(dataclasses.replace(spec, num_steps=d, num_draft_tokens=d + 1) for d in range(1, spec.num_steps + 1))
 

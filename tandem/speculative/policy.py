@@ -103,7 +103,6 @@ class SpeculationPolicy(StepCosts):
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         self.rounds_all = 0
         self._model_view: tuple[int, float, float] | None = None  # this step's (batch size, τ's upper bound, ratio)
-        self.depth: ChainDepth | None = None  # the chain's depth by batch size, for the spec it was built for
 
     # -- the chain's depth ---------------------------------------------------------------------------
     def ladder(self, spec) -> tuple:

@@ -53,7 +53,7 @@ class StepCosts:
         self._prompt_per_output = DecayedMean(cfg.arrival_window)
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
-        self.depth = None  # the chain's depth by batch bucket (the policy's ChainDepth), or None
+        self.depth = None  # the policy's ChainDepth (the chain by batch bucket, for the spec it was built for), or None
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
