@@ -61,7 +61,28 @@ def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_grap
     # Every round speculates: the controlled-acceptance runs measure speculation itself (with the measured
     # policy a request could decode plain steps, whose width-1 graph rounds differently in bf16 and
     # would leave the instrument's reference).
-    return LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+    engine = LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
+    sharpen_greedy(engine.executor.runner.model)
+    return engine
+
+
+def sharpen_greedy(model, scale: float = 1000.0, seed: int = 0) -> None:
+    """Give a random target a greedy continuation with wide margins, so that no kernel's bf16 rounding (another
+    batch size, verify width, a plain step's graph) can change it and the controlled-acceptance instrument's
+    reference holds whatever the policy picks. The embedding is scaled until it dominates the residual stream
+    and the LM head reads the embedding of a permuted token: greedy after token x is perm(x), by a margin of
+    ~sqrt(hidden) over any other logit. Shapes, kernels and therefore timings are unchanged."""
+    import torch
+
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight.data_ptr() == embed.data_ptr():
+        return  # tied: the head cannot read another token's row
+    with torch.no_grad():
+        embed.mul_(scale)
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(embed.shape[0], generator=g).to(embed.device)
+        # lm_head[perm[x]] = embed[x]: the logit of perm(x) is embed[x] . embed[x]
+        model.lm_head.weight.index_copy_(0, perm, embed)
 
 
 def bench_engine_for(shape: dict, layers: int, tp_size: int):

@@ -125,6 +125,26 @@ def test_the_policy_is_within_3_percent_of_the_better_of_always_and_never(n, tau
         assert chosen >= 0.97 * max(always, never), (n, tau, seed, chosen, always, never)
 
 
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_new_traffic_does_not_measure_plain_steps_again_at_once(n):
+    """After the warm-up (or any traffic) measured plain steps' goodput, new traffic forgets what speculation made,
+    not what a plain step costs: a short run at τ 4 (~50 steps, a third of a second) speculates throughout, within
+    3 % of always, instead of spending an early epoch re-measuring plain steps."""
+    policy = SpeculationPolicy(clock=SimClock())
+    clock = policy.goodput.clock
+    for size in (1, 2, 4, 8, 16, 32, 64):  # the warm-up: costs and goodput of both kinds at every bucket
+        for speculative, ms, tokens in ((False, plain_ms(size), size), (True, spec_ms(size), 2 * size)):
+            for _ in range(16):
+                policy.observe_step(size, speculative, 1, ms / 1e3)
+                clock.now += ms / 1e3
+                policy.observe_goodput(size, speculative, tokens, ms / 1e3)
+        policy.observe_round(RequestSpecState(), 1)
+    policy.forget_traffic()
+    always = simulate(SpeculationPolicy(PolicyConfig(enabled=False)), n, [4.0], 48, seed=0)
+    chosen = simulate(policy, n, [4.0], 48, seed=0)
+    assert chosen >= 0.97 * always, (chosen, always)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_measured_goodput_corrects_a_model_that_misses_the_time_around_the_steps(seed):
     """A server's per-step work (streaming, scheduling) that the cost model's step times leave out makes

@@ -125,6 +125,13 @@ class GoodputArbiter:
         self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
         return mode
 
+    def forget_traffic(self) -> None:
+        """New traffic: speculation's goodput was its acceptance, so it is measured afresh (and every verdict and
+        schedule built on it goes); plain steps' goodput is a cost, kept until it goes stale like any reading."""
+        self._meters = {k: m for k, m in self._meters.items() if k[1] is not True}
+        self._mode, self._epoch_steps, self._exploring = None, 0, False
+        self._best, self._next_explore, self._due = {}, {}, set()
+
     def verdict(self, batch_size: int) -> bool | None:
         """The mode measured faster at ``batch_size``'s bucket (both measured), or None; an exploration of the
         slower mode does not change it."""

@@ -271,4 +271,4 @@ class SpeculationPolicy(StepCosts):
         self.spec_steps_since_plain = self.plain_steps_since_spec = 0
         self.depth = None  # (acceptance by position is the traffic's too; the costs it weighs are kept)
         if self.goodput is not None:
-            self.goodput = GoodputArbiter(self.cfg, cost_bucket, self.goodput.clock, switch_cost=self._switch_cost)
+            self.goodput.forget_traffic()
