@@ -180,7 +180,7 @@ def _paged_attention_kernel(
                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
-MERGE_D_BLOCK = 128  # output columns a merge program takes (an MLA head's 512 in one: 32 splits x 512 floats spilled)
+MERGE_D_BLOCK = 512  # output columns a merge program takes: a whole head (narrower blocks re-read every split's LSE, slower)
 
 
 @triton.jit
@@ -205,6 +205,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     """``out[t, h]`` = the splits' partial outputs ``part_o[s, t, h]`` weighted by their log-sum-exps (base 2)."""
     num_splits, num_tokens, num_heads, head_dim = part_o.shape
     d_block = min(head_dim, MERGE_D_BLOCK)
+    assert head_dim % d_block == 0, f"head dim {head_dim} is not whole blocks of {d_block} columns"
     _merge_splits_kernel[(num_tokens, num_heads, head_dim // d_block)](
         part_o, part_lse, out, num_heads,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
