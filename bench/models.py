@@ -58,9 +58,8 @@ def bench_engine(layers: int, widths: tuple[int, ...], max_bs: int, disable_grap
                        # token comes from a short chunk whose bf16 rounding differs, and the random target's
                        # near-ties then leave the reference (on the H200: τ 1.0-1.06 at every goal, 2026-12-02).
                        enable_prefix_caching=False)
-    # Every round speculates: the controlled-acceptance runs measure speculation itself (with the measured
-    # policy a request could decode plain steps, whose width-1 graph rounds differently in bf16 and
-    # would leave the instrument's reference).
+    # Every round speculates: the controlled-acceptance runs measure speculation itself (sections that measure
+    # the policy set their own).
     engine = LLMEngine(cfg, policy=SpeculationPolicy(PolicyConfig(enabled=False)))
     sharpen_greedy(engine.executor.runner.model)
     return engine

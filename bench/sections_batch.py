@@ -3,11 +3,10 @@ always and the default (measured) policy, at controlled accept length 1 (every d
 head), 2, 3 and 4, chain of 3, 8B shape, each cell's three settings interleaved (two passes, best kept).
 
 BENCHMARK INSTRUMENT (controlled acceptance, see the spec section): the real head drafts and the real
-verify checks; the chain's tokens are steered to the verify path's own greedy continuation *at the same
-batch size* (computed first with every draft corrupted), since a batch's kernels round differently in
-bf16 from another's. The measured policy's plain steps run the decode graph, which rounds differently
-again: where its greedy path parts from the verify's at a near-tie, the steered drafts stop matching and
-that request's accept length falls below the goal. Each row records the accept length reached.
+verify checks; the chain's tokens are steered to the target's greedy continuation (computed first with
+every draft corrupted). The target's greedy continuation has wide margins (bench/models.py,
+``sharpen_greedy``), so the policy's plain steps and shorter chains, whose kernels round differently in
+bf16, reproduce it too; each row records whether they did and the accept length reached.
 
 Rates are output tokens per second after every request's first token (the prefill's step)."""
 
