@@ -186,6 +186,35 @@ def test_a_stop_token_inside_a_run_ends_the_request_there(engine, pair):
     assert _all_pages_free(engine)
 
 
+def test_a_request_near_its_end_does_not_cut_a_batchs_runs_to_single_rounds(engine, pair, monkeypatch):
+    """Four requests, one of them wanting 2 tokens (its end one round away after the prefill's token): the batch's
+    first run is still two rounds (the round after its end is an eighth of the run's request-rounds); each
+    request's tokens are target-only greedy's, cut at its own length, and every page comes back."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+    from tandem.engine.rounds_ahead import _useful_run
+
+    _, prompts, ref = pair
+    batch, refs = prompts + prompts[:1], ref + ref[:1]
+    lengths = [2, NEW_TOKENS, NEW_TOKENS, NEW_TOKENS]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    runs, real = [], rounds_ahead.queue_chain_rounds
+
+    def recording(graphs, drafter, reqs, spec, rounds, *rest):
+        runs.append((len(reqs), rounds))
+        return real(graphs, drafter, reqs, spec, rounds, *rest)
+
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", recording)
+    outputs, _, _ = _run(engine, batch, params, 4, refs, rate=0.0)
+    assert outputs == [r[:n] for r, n in zip(refs, lengths)]
+    assert runs[0] == (4, 2)
+    assert _all_pages_free(engine)
+    # the rule: alone, a run stops at the request's end; in a batch of 64, one request near its end does not
+    # shorten it, half the batch does
+    assert (_useful_run(4, [2]), _useful_run(4, [0])) == (2, 0)
+    assert _useful_run(4, [1] + [30] * 63) == 4
+    assert _useful_run(4, [1] * 32 + [30] * 32) == 1
+
+
 def test_runs_fall_back_to_one_round_where_the_device_cannot_decide(engine, pair):
     """A sampled request (rejection sampling stays on the host) makes every step one round; the
     tokens still follow the engine's one-round path (seeded: the same with and without --spec-rounds)."""

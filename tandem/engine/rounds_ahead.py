@@ -6,9 +6,9 @@ drafter, nothing waits for admission, and no one (a traffic capture, a request w
 honour) needs the host between rounds; other ranks of a tensor-parallel target follow each round's
 verify on the device (TargetExecutor.round_followers); log-probabilities are recorded on the device at
 each round's verify (RunLogprobs) and come back with the tokens. Its length is cut to what the
-requests can use: a request expected to finish in fewer rounds (its recent tokens per round against its
-tokens left) shortens the run, so the rounds computed after a request's end stay few. Tokens stream a
-run at a time.
+requests can use: rounds computed after the requests' expected ends (their recent tokens per round against
+their tokens left) stay at most an eighth of the run's request-rounds, so a request near its end shortens a
+small batch's run and not a large one's. Tokens stream a run at a time.
 
 Runs overlap (``engine.overlap_runs``, on by default): a step that reads a run back first queues the
 next one after it, from the device's state, so the GPU goes on while the host waits, commits and
@@ -52,6 +52,7 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     if spec is None or spec.topk != 1 or (queued and not engine.chain.settled(spec)):  # (the policy shortens it)
         return 0
     nd, context = spec.num_draft_tokens, engine.context_len
+    wanted = []  # rounds each request is expected to use
     for req in reqs:
         if (req.spec != spec or not req.params.greedy or req.pending_extend or not req.draft_ready
                 or engine.tree_width(req) != nd or needs_host_each_round(req, engine.processed_logprobs)):
@@ -60,8 +61,9 @@ def _run_length(engine, reqs: list, queued: int) -> int:
         per_round = max(1.0, recent.mean if recent is not None and recent.weight else 1.0)
         # tokens still wanted, after what the queued rounds are expected to emit
         left = req.params.max_new_tokens - len(req.output) - queued * per_round
-        rounds = min(rounds, math.ceil(left / per_round),
-                     (context - req.num_tokens + 1) // nd - queued)  # every verify's positions inside the context
+        wanted.append(math.ceil(left / per_round))
+        rounds = min(rounds, (context - req.num_tokens + 1) // nd - queued)  # every verify's positions inside the context
+    rounds = _useful_run(rounds, wanted)
     if rounds < 1:
         return 0
     # Reserving the worst case (every draft accepted) must not preempt anyone a one-round step would keep.
@@ -75,6 +77,20 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     while rounds >= 1 and not chain_rounds_fit(drafter, graphs, rids, spec, queued + rounds):
         rounds -= 1  # the drafter's pages or positions may still fit a shorter run
     return rounds
+
+
+RUN_WASTE_SHARE = 0.125  # of a run's request-rounds, at most this share may fall after their requests' ends
+
+
+def _useful_run(cap: int, wanted: list[int]) -> int:
+    """The longest run up to ``cap`` rounds whose rounds past the requests' expected ends (``wanted``: rounds each
+    is expected to use) are at most RUN_WASTE_SHARE of its request-rounds: in a large batch, a few requests near
+    their end do not cut every other one's run to single rounds, each paying the host between rounds; alone, a
+    request's run stops at its end."""
+    for rounds in range(cap, 0, -1):
+        if sum(max(0, rounds - w) for w in wanted) <= RUN_WASTE_SHARE * rounds * len(wanted):
+            return rounds
+    return 0
 
 
 def _device_drafter(proposer):
