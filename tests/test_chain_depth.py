@@ -86,10 +86,13 @@ def test_a_depth_is_kept_within_the_margin_weighed_every_few_steps_and_the_full_
     times[3] = 0.5  # far ahead: taken at the next weighing
     picks = [model.choose(8, times.get).num_steps for _ in range(5)]
     assert picks[-1] == 2 and picks[0] in (1, 2)
-    assert model.choose(1, {4: 1.0}.get).num_steps == 3  # a bucket with only the full width measured: the full chain
+    # a bucket with only the full width measured: each shorter depth drafted three times to time it, one a weighing;
+    # unmeasured still (the rounds were not timed), the full chain
+    picks = [model.choose(1, {4: 1.0}.get).num_steps for _ in range(28)]
+    assert sorted(p for p in picks if p != 3) == [1, 1, 1, 2, 2, 2] and picks[-4:] == [3] * 4
 
 
-def test_the_policy_weighs_each_width_apart_and_never_picks_an_unmeasured_one():
+def test_the_policy_weighs_each_width_apart_and_never_settles_on_an_unmeasured_one():
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
     assert policy.chain_spec(64, CHAIN) == CHAIN  # nothing measured
     for width, seconds in ((4, 0.004), (2, 0.002)):
@@ -100,7 +103,10 @@ def test_the_policy_weighs_each_width_apart_and_never_picks_an_unmeasured_one():
     assert policy.step_time(64, True, width=3) is None
     for _ in range(500):
         policy.observe_round(RequestSpecState(), 2, depth=3)  # one draft kept of three
-    assert policy.chain_spec(64, CHAIN) == SpecConfig(1, 1, 2)  # 2 tokens in 2 ms beat 2 in 4; depth 2 unmeasured
+    # depth 2 unmeasured: drafted at three weighings (every 8 steps) to time it, which these steps do not
+    picks = [policy.chain_spec(64, CHAIN) for _ in range(25)]
+    assert picks.count(SpecConfig(2, 1, 3)) == 3
+    assert picks[-1] == SpecConfig(1, 1, 2)  # 2 tokens in 2 ms beat 2 in 4
     assert policy.step_time(64, True) == pytest.approx(0.002)  # the cost model now weighs the chain in use
 
 
@@ -198,9 +204,10 @@ def _plain_ms(n: int) -> float:
 
 
 def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | None = None,
-              plain_ms=_plain_ms, round_ms=_round_ms) -> float:
+              plain_ms=_plain_ms, round_ms=_round_ms, seeded_widths=(2, 3, 4)) -> float:
     """Tokens per ms of a batch of ``n`` decoding for ``steps`` steps: plain (``fixed_depth`` 0), one fixed chain
-    (1-3 drafts), or the measured policy picking both (its goodput on a simulated clock)."""
+    (1-3 drafts), or the measured policy picking both (its goodput on a simulated clock; its step costs seeded as the
+    warm-up does, round times of ``seeded_widths`` only)."""
     from test_spec_policy import SimClock
 
     rng = random.Random(seed)
@@ -208,7 +215,7 @@ def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | 
     for size in (1, 2, 4, 8, 16, 32, 64):  # seeded as the warm-up does: every width at every bucket
         for _ in range(3):
             policy.observe_step(size, False, 1, plain_ms(size) / 1e3)
-            for width in (2, 3, 4):
+            for width in seeded_widths:
                 policy.observe_step(size, True, 1, round_ms(size, width) / 1e3, width=width)
     policy.forget_traffic()
     states = [RequestSpecState() for _ in range(n)]
@@ -260,6 +267,25 @@ def test_at_batch_64_a_shorter_chain_is_what_beats_the_configured_one():
     fixed = {depth: _simulate(64, p, 600, 1, depth, plain, round_) for depth in (0, 1, 3)}
     assert fixed[1] > 1.1 * fixed[3] and fixed[1] > 1.1 * fixed[0], fixed
     assert _simulate(64, p, 600, 1, None, plain, round_) >= 0.97 * fixed[1]
+
+
+def test_an_engine_not_warmed_up_times_the_shorter_chains_itself():
+    """Only the configured chain's rounds timed (no warm-up seeded the shorter widths): the policy drafts a few steps
+    at each shorter depth to time them, then takes the chain of 1 that wins at batch 64, as the warmed-up one does."""
+    def plain(n):
+        return 10.0
+
+    def round_(n, width):
+        return 11.0 + 2.5 * (width - 1)
+
+    p = [0.8, 0.4, 0.2]
+    best = _simulate(64, p, 600, 1, 1, plain, round_)
+    assert _simulate(64, p, 600, 1, None, plain, round_, seeded_widths=(4,)) >= 0.97 * best
+    model = ChainDepth(chain_ladder(CHAIN), recheck_every=1)
+    for _ in range(100):
+        model.observe(3, 3)
+    picks = [model.choose(64, {4: 3e-3}.get).num_steps for _ in range(8)]
+    assert picks == [1, 1, 1, 2, 2, 2, 3, 3]  # each unmeasured depth tried three times, then the measured one
 
 
 def test_a_change_of_depth_is_logged_once(caplog):

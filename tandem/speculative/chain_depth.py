@@ -12,8 +12,9 @@ with every draft before it accepted, the share that accepted draft ``i`` too (de
 ``window`` of the rounds that reached it). A depth's tokens per round are then 1 + sum over its positions of the product of those
 shares up to there. Rounds at any depth teach the positions they reach; positions a shorter chain does not reach
 are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
-cost is the policy's measured round time at its width and batch bucket (seeded by the warm-up; a depth whose width
-is not measured there is not chosen); a bucket keeps its depth unless another promises ``margin`` more tokens a
+cost is the policy's measured round time at its width and batch bucket, seeded by the warm-up; where it is not (an
+engine that was not warmed up, or a bucket the warm-up did not reach), a weighing drafts one step at that depth to time
+it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless another promises ``margin`` more tokens a
 second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into
 the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
 """
@@ -28,6 +29,7 @@ log = logging.getLogger("tandem.policy")
 
 PRIOR_ROUNDS = 2.0  # a position with no rounds yet is taken to accept half of its drafts, worth this many rounds
 MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed at all: the full one until then
+UNMEASURED_TRIALS = 3  # steps a depth whose round time is unknown at a bucket is tried there, one a weighing
 
 
 def chain_ladder(spec) -> tuple:
@@ -51,6 +53,7 @@ class ChainDepth:
         self._pending: dict[tuple[int, int], int] = {}  # (depth, accepted) -> rounds not folded in yet
         self._chosen: dict[int, int] = {}  # bucket -> depth
         self._short_steps = 0  # speculative steps at a shorter depth since the full one last ran
+        self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> steps drafted to time an unmeasured width
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -88,6 +91,9 @@ class ChainDepth:
             seconds = round_time(depth + 1)
             if seconds:
                 rates[depth] = self.tokens_per_round(depth) / seconds
+            elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # this step times it
+                self._tried[bucket, depth] = self._tried.get((bucket, depth), 0) + 1
+                return self.ladder[depth - 1]
         if held not in rates:
             best = max(rates, key=rates.get, default=self.full)
         else:
