@@ -23,9 +23,10 @@ def _steered_batch(engine, drafter, spec, prompts, params, rate: float, referenc
     proposer = ControlledAcceptanceProposer(drafter, rate, seed=1)
     engine.proposer, engine.default_spec = proposer, spec
     engine.attachment.reset()  # attached: a measured policy's earlier run may have detached the drafter
-    rids = [engine.add_request(p, params) for p in prompts]
+    # the same names run after run: each prompt's corruption pattern (seeded by its name) is the same in every mode
+    rids = [engine.add_request(p, params, rid=f"steered-{i}") for i, p in enumerate(prompts)]
     for rid, prompt, ref in zip(rids, prompts, references):
-        proposer.set_reference(rid, len(prompt), ref + [0] * 16)
+        proposer.set_reference(rid, len(prompt), ref + [0] * 16, depth=spec.num_steps)
     engine.step()  # the prefills and their first tokens
     first_at, first = time.perf_counter(), sum(len(engine.requests[rid].output) for rid in rids)
     while engine.has_unfinished():

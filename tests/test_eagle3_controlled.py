@@ -133,3 +133,38 @@ def test_in_the_engine_it_is_lossless_and_accepts_as_designed(pair, spec):
         if rate == 0.0:  # every round accepts as deep as its tree goes
             assert all(r.spec_stats.accept_length_mean >= 3 for r in results)
         assert moves == []  # accepted nodes are always 1..k: the steered path is in front, no KV compaction
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.5])
+def test_given_the_chains_depth_each_request_reaches_its_expected_accept_length(pair, rate):
+    """A run of a few rounds per request reaches the rate's accept length to within 0.1 per request (the pattern is
+    chosen among draws for the chain's depth), as the engine's own verification counts it."""
+    from proposers import always_speculate
+    from tandem.speculative.controlled import chain_accept_length
+
+    spec, new = SpecConfig(3, 1, 4), 160
+    prompts = [[5 + i, 17, 99, 3, 40 + 7 * i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    with LLMEngine(EngineConfig(model=str(pair.target_dir), kv_pages=256)) as plain:
+        reference = [r.output_token_ids for r in plain.generate(prompts, params)]
+    drafter = make_drafter(pair)
+    proposer = ControlledAcceptanceProposer(drafter, rate, seed=0)
+    cfg = EngineConfig(model=str(pair.target_dir), kv_pages=256, capture_layers=drafter.capture_layers)
+    with LLMEngine(cfg, proposer, spec, policy=always_speculate()) as engine:
+        for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+            engine.add_request(prompt, params, rid=f"p{i}")
+            proposer.set_reference(f"p{i}", len(prompt), ref + [0] * spec.num_steps, depth=spec.num_steps)
+        while engine.has_unfinished():
+            engine.step()
+        results = [engine.requests.pop(f"p{i}") for i in range(len(prompts))]
+    goal = expected_accept_length(rate, spec.num_steps)
+    assert [r.output for r in results] == reference
+    reached = [r.spec_stats.accept_length_mean for r in results]
+    assert all(abs(t - goal) <= 0.1 for t in reached), (goal, reached)
+    # without the depth, one draw's spread: these patterns' accept lengths scatter wider (what the choice removes)
+    loose = ControlledAcceptanceProposer(drafter, rate, seed=0)
+    spread = []
+    for i, ref in enumerate(reference):
+        loose.set_reference(f"p{i}", len(prompts[i]), ref + [0] * spec.num_steps)
+        spread.append(chain_accept_length(loose._refs[f"p{i}"][2], ref + [0] * spec.num_steps, spec.num_steps))
+    assert max(abs(t - goal) for t in spread) > max(abs(t - goal) for t in reached)

@@ -37,9 +37,24 @@ from tandem.speculative.proposer import Proposer
 from tandem.speculative.tree import DraftTree
 
 
+PATTERN_DRAWS = 16  # with a chain's depth given: corruption patterns drawn, the one nearest the expectation kept
+
+
 def expected_accept_length(corruption_rate: float, depth: int) -> float:
     """Mean tokens per round (accepted drafts + bonus) for a path of ``depth`` draft tokens."""
     return 1.0 + sum((1.0 - corruption_rate) ** d for d in range(1, depth + 1))
+
+
+def chain_accept_length(proposed: list[int], truth: list[int], depth: int) -> float | None:
+    """The mean tokens per round chains of ``depth`` drafts make along ``truth`` when they propose ``proposed``
+    (position 0: the first round's root), one round after another; None where no round fits."""
+    start, rounds, tokens = 0, 0, 0
+    while start + depth < len(truth):
+        accepted = 0
+        while accepted < depth and proposed[start + accepted + 1] == truth[start + accepted + 1]:
+            accepted += 1
+        rounds, tokens, start = rounds + 1, tokens + accepted + 1, start + accepted + 1
+    return tokens / rounds if rounds else None
 
 
 class ControlledAcceptanceProposer(Proposer):
@@ -54,11 +69,26 @@ class ControlledAcceptanceProposer(Proposer):
         self._refs: dict[str, tuple[int, list[int], list[int], random.Random]] = {}
         self._device_table: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
 
-    def set_reference(self, rid: str, prompt_len: int, continuation: list[int]) -> None:
-        """``continuation``: the target's greedy tokens after the prompt (its first is the prefill's sample)."""
+    def set_reference(self, rid: str, prompt_len: int, continuation: list[int], depth: int | None = None) -> None:
+        """``continuation``: the target's greedy tokens after the prompt (its first is the prefill's sample).
+        ``depth``: the drafts of the chain the run drafts, where known: of PATTERN_DRAWS corruption patterns, the one
+        whose accept length for such chains along the continuation is nearest the rate's expectation is kept, so that
+        a short run (one request of a few hundred tokens) reaches its goal, not the goal give or take a draw's spread."""
         # A per-request generator: the corruption pattern does not depend on what else is batched.
         rng = random.Random((self.seed * 1_000_003) ^ zlib.crc32(rid.encode()))
-        proposed = [self._other(rng, {truth}) if rng.random() < self.rate else truth for truth in continuation]
+
+        def pattern() -> list[int]:
+            return [self._other(rng, {truth}) if rng.random() < self.rate else truth for truth in continuation]
+
+        proposed = pattern()
+        if depth and 0.0 < self.rate < 1.0:
+            goal = expected_accept_length(self.rate, depth)
+
+            def miss(candidate: list[int]) -> float:
+                reached = chain_accept_length(candidate, continuation, depth)
+                return abs(reached - goal) if reached is not None else 0.0
+
+            proposed = min([proposed] + [pattern() for _ in range(PATTERN_DRAWS - 1)], key=miss)
         self._refs[rid] = (prompt_len, list(continuation), proposed, rng)
         self._device_table = None
 
