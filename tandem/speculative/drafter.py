@@ -290,16 +290,17 @@ class Eagle3Drafter(Proposer):
                 req.kv.truncate(prefix)
             raise
         last = dev.meta.cu_q_lens[1:].long() - 1  # [B] last row of each item
-        logp = torch.log_softmax(self.head.logits(states[last]), dim=-1)  # [B, draft_vocab]
+        last_states = states[last]  # [B, H]
+        logp = torch.log_softmax(self.head.logits(last_states), dim=-1)  # [B, draft_vocab]
         top_logp, top_draft = logp.topk(self.top_width, dim=-1)  # [B, top_width]
-        top_ids = self.head.to_target_ids(top_draft)
-        for b, (rid, tokens, _) in enumerate(items):
+        top_logp, top_ids = top_logp.clamp(max=0.0), self.head.to_target_ids(top_draft)
+        for b, (rid, tokens, _) in enumerate(items):  # (rows of the batch's tensors: no launch a request)
             req = reqs[b]
             req.kv.num_tokens = prefixes[b] + len(tokens)
             if req.tokens is not None:
                 req.tokens.extend(tokens)
-            req.root, req.state = tokens[-1], states[last[b]].clone()
-            req.top_logp, req.top_ids = top_logp[b].clamp(max=0.0), top_ids[b]
+            req.root, req.state = tokens[-1], last_states[b]
+            req.top_logp, req.top_ids = top_logp[b], top_ids[b]
             self._reqs[rid] = req
         self._cache_filled(reqs)
         if not return_logits:
