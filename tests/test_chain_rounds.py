@@ -380,6 +380,34 @@ def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
     assert _all_pages_free(engine)
 
 
+def test_a_run_the_targets_free_pages_cannot_hold_is_shortened(engine, pair, monkeypatch):
+    """With the target's KV cache nearly full, four rounds' worst case (every draft accepted) does not fit but two
+    rounds' does: the step queues the shorter run rather than falling back to one round; tokens as target-only's."""
+    import tandem.engine.rounds_ahead as rounds_ahead
+
+    _, prompts, ref = pair
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    rid = engine.add_request(prompts[2], params, rid="full")
+    engine.step()  # the prefill
+    req, nd = engine.requests[rid], SPEC.num_draft_tokens
+
+    def need(rounds):
+        return req.kv.pages_needed(req.num_tokens - 1 + rounds * nd)
+
+    assert need(2) < need(4)
+    held = engine.allocator.allocate(engine.allocator.num_free - need(2))  # someone else's pages
+    runs, real = [], rounds_ahead.queue_chain_rounds
+    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: runs.append(a[4]) or real(*a))
+    engine.spec_rounds = 4
+    engine.step()
+    assert runs and 1 < runs[0] < 4
+    engine.allocator.free(held)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests.pop(rid).output == ref[2]
+    assert _all_pages_free(engine)
+
+
 def test_the_fused_round_glue_runs_rounds_as_one_round_steps(engine, pair, one_round_steered, monkeypatch):
     """On the GPU the glue between a round's graphs is three kernels (tandem/kernels/round_glue.py):
     forced here under the interpreter, steered runs of rounds (overlapped, so a run goes on from the

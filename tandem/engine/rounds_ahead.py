@@ -64,11 +64,11 @@ def _run_length(engine, reqs: list, queued: int) -> int:
         wanted.append(math.ceil(left / per_round))
         rounds = min(rounds, (context - req.num_tokens + 1) // nd - queued)  # every verify's positions inside the context
     rounds = _useful_run(rounds, wanted)
-    if rounds < 1:
-        return 0
     # Reserving the worst case (every draft accepted) must not preempt anyone a one-round step would keep.
-    if (sum(req.kv.pages_needed(req.num_tokens - 1 + (queued + rounds) * nd) for req in reqs)
-            > engine.allocator.num_free):
+    while rounds >= 1 and (sum(req.kv.pages_needed(req.num_tokens - 1 + (queued + rounds) * nd) for req in reqs)
+                           > engine.allocator.num_free):
+        rounds -= 1
+    if rounds < 1:
         return 0
     drafter, _ = _device_drafter(engine.proposer)
     rids, graphs = [req.rid for req in reqs], engine.executor.runner.graphs
