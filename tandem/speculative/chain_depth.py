@@ -14,8 +14,8 @@ shares up to there. Rounds at any depth teach the positions they reach; position
 are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
 cost is the policy's measured round time at its width and batch bucket, seeded by the warm-up; where it is not (an
 engine that was not warmed up, or a bucket the warm-up did not reach), a weighing drafts one step at that depth to time
-it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless another promises ``margin`` more tokens a
-second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into
+it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
+another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into
 the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
 """
 
