@@ -363,6 +363,12 @@ def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
     while chain_rounds_fit(drafter, graphs, [rid], SPEC, 4):
         held += drafter.allocator.allocate(1)  # someone else's pages
     assert chain_rounds_fit(drafter, graphs, [rid], SPEC, 2)
+    _a_shorter_run_then_the_rest(engine, rid, ref[2], lambda: drafter.allocator.free(held))
+
+
+def _a_shorter_run_then_the_rest(engine, rid: str, expected: list[int], free_held) -> None:
+    """The next step (up to 4 rounds allowed) queues a run of 2 or 3 rounds; then the held pages go back
+    (``free_held``), the request decodes to its end as target-only does, and every page is free."""
     import tandem.engine.rounds_ahead as rounds_ahead
 
     runs, real = [], rounds_ahead.queue_chain_rounds
@@ -373,18 +379,16 @@ def test_a_run_the_drafters_pages_cannot_hold_is_shortened(engine, pair):
     finally:
         rounds_ahead.queue_chain_rounds = real
     assert runs and 1 < runs[0] < 4
-    drafter.allocator.free(held)
+    free_held()
     while engine.has_unfinished():
         engine.step()
-    assert engine.requests.pop(rid).output == ref[2]
+    assert engine.requests.pop(rid).output == expected
     assert _all_pages_free(engine)
 
 
-def test_a_run_the_targets_free_pages_cannot_hold_is_shortened(engine, pair, monkeypatch):
+def test_a_run_the_targets_free_pages_cannot_hold_is_shortened(engine, pair):
     """With the target's KV cache nearly full, four rounds' worst case (every draft accepted) does not fit but two
     rounds' does: the step queues the shorter run rather than falling back to one round; tokens as target-only's."""
-    import tandem.engine.rounds_ahead as rounds_ahead
-
     _, prompts, ref = pair
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     rid = engine.add_request(prompts[2], params, rid="full")
@@ -396,16 +400,7 @@ def test_a_run_the_targets_free_pages_cannot_hold_is_shortened(engine, pair, mon
 
     assert need(2) < need(4)
     held = engine.allocator.allocate(engine.allocator.num_free - need(2))  # someone else's pages
-    runs, real = [], rounds_ahead.queue_chain_rounds
-    monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: runs.append(a[4]) or real(*a))
-    engine.spec_rounds = 4
-    engine.step()
-    assert runs and 1 < runs[0] < 4
-    engine.allocator.free(held)
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.requests.pop(rid).output == ref[2]
-    assert _all_pages_free(engine)
+    _a_shorter_run_then_the_rest(engine, rid, ref[2], lambda: engine.allocator.free(held))
 
 
 def test_the_fused_round_glue_runs_rounds_as_one_round_steps(engine, pair, one_round_steered, monkeypatch):
