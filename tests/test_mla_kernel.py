@@ -65,8 +65,8 @@ def test_every_split_count_and_tile_gives_the_reference_and_repeats_bit_for_bit(
 
 
 def test_split_merges_of_a_wide_latent_take_it_in_column_blocks():
-    """A latent wider than a merge program's columns (256: two blocks of 128), split four ways: the merged output is
-    the reference's in every column."""
+    """A latent wider than a merge program's columns (two blocks of MERGE_D_BLOCK), split four ways: the merged output
+    is the reference's in every column."""
     from tandem.kernels.paged_attention import MERGE_D_BLOCK
 
     lora = 2 * MERGE_D_BLOCK
@@ -78,6 +78,29 @@ def test_split_merges_of_a_wide_latent_take_it_in_column_blocks():
                               backend._max_q_len, case["scale"], mask=backend._mask, mask_widths=backend._mask_widths,
                               num_splits=4)
     assert norm_rel_err(out, torch_reference(case)) < 1e-4
+
+
+def test_the_merge_reads_no_output_of_a_split_that_saw_no_key():
+    """Graphs size the splits for the longest context, so at a short one most splits see no key and store only their
+    log-sum-exp: whatever their output slots hold (NaN here) stays out of the merge; a row no split saw stays 0."""
+    from tandem.kernels.paged_attention import merge_splits
+    from tandem.kernels.pdl import pdl_launch
+
+    g = torch.Generator().manual_seed(3)
+    splits, tokens, heads, dim = 8, 2, 3, 64
+    part_o = torch.full((splits, tokens, heads, dim), float("nan"))
+    part_lse = torch.full((splits, tokens, heads), -1.0e30)
+    live = torch.randn(2, tokens, heads, dim, generator=g)
+    lse = torch.randn(2, tokens, heads, generator=g)
+    part_o[:2], part_lse[:2] = live, lse
+    part_lse[:, 1, 2] = -1.0e30  # token 1, head 2: no split saw a key (its outputs stay NaN too)
+    part_o[:, 1, 2] = float("nan")
+    out = torch.empty(tokens, heads, dim)
+    merge_splits(part_o, part_lse, out, pdl_launch(out))
+    w = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=0)  # base-2 log-sum-exps
+    expected = (w[..., None] * live).sum(0)
+    expected[1, 2] = 0.0
+    assert torch.allclose(out, expected, atol=1e-6)
 
 
 def test_heads_that_fill_no_power_of_two_and_a_narrow_rope():

@@ -101,8 +101,10 @@ def _store_result(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, split, tok, 
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), _NO_KEY)
+        # a row that saw no key in this split stores its lse alone: the merge reads no output of it (graphs size the
+        # splits for the longest context, so at a short one most are empty)
         tl.store(part_o_ptr + split * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
-                 o, mask=row_ok[:, None])
+                 o, mask=(row_ok & has_key)[:, None])
         tl.store(part_lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
@@ -196,7 +198,9 @@ def _merge_splits_kernel(
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
     w = tl.exp2(lse - tl.max(lse, 0))  # every lse is finite (>= _NO_KEY), so no NaN
-    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
+    # a split that saw no key wrote no output (its weight is 0, or all are equal and every output 0): not read
+    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=(lse > _NO_KEY)[:, None], other=0.0)
     merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
 
