@@ -106,11 +106,11 @@ def batch(ctx: dict) -> dict:
                     # what it learned of earlier texts' acceptance goes.
                     engine.policy = always if name == "always" else copy.deepcopy(seeded)
                     engine.policy.forget_traffic()
-                    log = StepLog(engine.policy) if name == "policy" else None
+                    log = StepLog(engine.policy)
                     outputs, tok_s, tau = _steered_batch(engine, drafter, spec, prompts, params, rate, reference)
+                    del engine.policy.observe_step  # the instance's wrapper goes: the class's method again
+                    print(f"  {name} steps: {log.summary()}", flush=True)
                     if name == "policy":
-                        del engine.policy.observe_step  # the instance's wrapper goes: the class's method again
-                        print(f"  policy steps: {log.summary()}", flush=True)
                         seeded = engine.policy
                         learned = [seeded.step_time(bs, k == "spec", k == "resume") for k in ("plain", "spec", "resume")]
                     if tok_s > best[name]:
