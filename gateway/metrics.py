@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # The *_created series double the output and no dashboard reads them.
 prometheus_client.disable_created_metrics()
 
+FINISH_REASONS = ("stop", "length", "abort")  # what a generation that did not fail ends with (the API's finish_reason)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
@@ -39,6 +40,12 @@ class GatewayMetrics:
                                         f"metrics (--{service}-metrics-url), 0 when it did not answer in time", m,
                                         registry=r) for service in ("verifier", "drafter")}
         self._model = model_name
+        # Every series a dashboard reads exists from the start, at zero (as vLLM's do): a scrape before the first
+        # request shows the histograms' buckets and the finish reasons, not only their HELP lines.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.running):
+            self.labels(metric)
+        for reason in FINISH_REASONS:
+            self.labels(self.request_success, finished_reason=reason)
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self._model, **labels)

@@ -166,6 +166,21 @@ def test_metrics_move(stack, client):
     assert metric_value(after, "tandem:num_requests_running") == 0
 
 
+def test_every_series_a_dashboard_reads_is_there_before_the_first_request():
+    """A fresh gateway's scrape holds the histograms' buckets, the token counters, the running gauge and every finish
+    reason at zero (a dashboard or alert on them sees 0, not "no data")."""
+    from gateway.metrics import FINISH_REASONS, GatewayMetrics
+
+    text = GatewayMetrics("m").render().decode()
+    for name in ("tandem:time_to_first_token_seconds_bucket", "tandem:inter_token_latency_seconds_bucket",
+                 "tandem:e2e_request_latency_seconds_bucket", "tandem:prompt_tokens_total",
+                 "tandem:generation_tokens_total", "tandem:num_requests_running"):
+        assert any(line.startswith(name + "{") and 'model_name="m"' in line for line in text.splitlines()), name
+    for reason in FINISH_REASONS:
+        assert f'tandem:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text, reason
+    assert metric_value(text, "tandem:time_to_first_token_seconds_count") == 0
+
+
 def test_concurrent_streams_each_get_their_own_text(stack):
     import asyncio
 
