@@ -91,7 +91,8 @@ class DrafterServiceConfig:
         reload_root = os.path.realpath(a.reload_root or os.path.dirname(os.path.abspath(draft_model)))
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
                    # (a verifier's policy may shorten the chain at batch: the shorter chains' graphs too)
-                   otlp_endpoint=a.otlp_endpoint, graph_specs=chain_ladder(spec), lane_busy_poll_ms=a.round_lane_busy_poll_ms,
+                   otlp_endpoint=a.otlp_endpoint, graph_specs=chain_ladder(spec),
+                   lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
                    reload_root=reload_root, metrics_port=a.metrics_port)
 

@@ -19,10 +19,10 @@ def verify_widths(chains: tuple) -> tuple[int, ...]:
 
 def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draft_dtype: str = "auto",
                        policy=None, max_topk: int = 8) -> LLMEngine:
-    """Validate the head against the target, build the engine with the head's capture layers and verify
-    graphs of the tree's width (and of each shorter chain the policy may draft), load the head sharing the target's embedding (TP=1, where rank
-    0 holds the whole vocabulary) and capture its draft, draft-extend and prompt-extend graphs (the prefill graphs'
-    widths) in the target's pool."""
+    """Validate the head against the target, build the engine with the head's capture layers and verify graphs of
+    the tree's width (and of each shorter chain the policy may draft), load the head sharing the target's embedding
+    (TP=1, where rank 0 holds the whole vocabulary) and capture its draft, draft-extend and prompt-extend graphs (the
+    prefill graphs' widths) in the target's pool."""
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
 

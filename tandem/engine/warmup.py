@@ -8,8 +8,8 @@ admits (``--chunked-prefill-size``: the largest prefill and drafter extend a req
 kernels compile by size) — once with every step plain and once with every step
 speculative for each chain the policy may draft (the configured one, and each shorter one where it shortens
 chains at batch: tandem.speculative.chain_depth; the drafter's real graphs and kernels; random prompts accept
-little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt of each graphed prefill
-width, then once sampled, and once with prompts
+little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt
+of each graphed prefill width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
 that compile on first use). The policy keeps the step times and forgets the rounds' acceptance.
 """

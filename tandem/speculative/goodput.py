@@ -62,13 +62,10 @@ class GoodputArbiter:
         bucket -> seconds an exploration pays to switch and back beyond its steps (the drafter's catch-up)."""
         self.cfg, self.bucket, self.clock, self.switch_cost = cfg, bucket, clock, switch_cost
         self._meters: dict[tuple[int, bool | str], _Meter] = {}  # (bucket, True / False / DETACHED)
-        self._mode: bool | None = None  # the current epoch's mode
-        self._epoch_start, self._epoch_steps, self._exploring = 0.0, 0, False
-        self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
-        self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
+        self._epoch_start = 0.0
         self._detached = False  # the latest step observed was a detached one
-        self._due: set[int] = set()  # buckets whose speculative goodput a detached period forgot: measured at once
         self._probed: dict[int, float] = {}  # bucket -> when it was last probed (take_probe)
+        self.forget_traffic()  # (what follows from speculation's goodput: none yet)
 
     def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float, detached: bool = False) -> None:
         """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``;
@@ -129,8 +126,11 @@ class GoodputArbiter:
         """New traffic: speculation's goodput was its acceptance, so it is measured afresh (and every verdict and
         schedule built on it goes); plain steps' goodput is a cost, kept until it goes stale like any reading."""
         self._meters = {k: m for k, m in self._meters.items() if k[1] is not True}
-        self._mode, self._epoch_steps, self._exploring = None, 0, False
-        self._best, self._next_explore, self._due = {}, {}, set()
+        self._mode: bool | None = None  # the current epoch's mode
+        self._epoch_steps, self._exploring = 0, False
+        self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
+        self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
+        self._due: set[int] = set()  # buckets whose speculative goodput a detached period forgot: measured at once
 
     def verdict(self, batch_size: int) -> bool | None:
         """The mode measured faster at ``batch_size``'s bucket (both measured), or None; an exploration of the

@@ -8,7 +8,6 @@ flip later tokens between kernels).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
