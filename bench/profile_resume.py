@@ -50,6 +50,18 @@ def _timed_step(engine) -> tuple[float, dict]:
                                            **{k: round(1e3 * v, 3) for k, v in info.seconds.items()}}
 
 
+def _until_speculative(engine, limit: int = 4) -> tuple[float, dict, list]:
+    """Steps until one speculates: plain runs already queued on the device when the switch came finish first
+    (their steps are returned apart, in ms per token), then the resume step itself."""
+    queued = []
+    for _ in range(limit):
+        seconds, info = _timed_step(engine)
+        if info["speculative"]:
+            return seconds, info, queued
+        queued.append(round(1e3 * seconds / info["steps"], 3))
+    raise RuntimeError(f"no speculative step within {limit} steps of the switch")
+
+
 def _one_resume(engine, policy, prompts, params, plain: int, profile_dir: Path | None) -> dict:
     rids = [engine.add_request(p, params) for p in prompts]
     policy.speculate = False
@@ -75,12 +87,12 @@ def _one_resume(engine, policy, prompts, params, plain: int, profile_dir: Path |
     engine.phase_sync = torch.cuda.synchronize
     try:
         if profile_dir is None:
-            seconds, resume = _timed_step(engine)
+            seconds, resume, queued = _until_speculative(engine)
         else:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                seconds, resume = _timed_step(engine)
+                seconds, resume, queued = _until_speculative(engine)
             prof.export_chrome_trace(str(profile_dir / "trace-resume.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
@@ -97,7 +109,8 @@ def _one_resume(engine, policy, prompts, params, plain: int, profile_dir: Path |
         engine.step()
     for rid in rids:
         engine.requests.pop(rid, None)
-    return {"resume_ms": round(1e3 * seconds, 3), "phases_ms": resume, "catch_up": catch_up,
+    return {"queued_plain_ms": queued, "resume_ms": round(1e3 * seconds, 3), "phases_ms": resume,
+            "catch_up": catch_up,
             "plain_ms_median": round(statistics.median(plain_ms), 3), "rounds_after_ms": rounds}
 
 

@@ -16,6 +16,9 @@ from tandem.engine.request import Request
 from tandem.engine.request_sampling import (LogprobJobs, keep_prompt_logprobs, prefill_rows, prompt_logprob_jobs,
                                             sample_rows, tree_logits)
 from tandem.logprobs import TokenLogprobs
+from tandem.request_logits import history_matters
+from tandem.sampling import argmax_rows
+from tandem.speculative.accept import accept_greedy
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.engine.verify import accept_tree, compaction_moves
 
@@ -81,10 +84,14 @@ def accept_verified(sched: Schedule, trees: dict[str, DraftTree], logits: torch.
             held.append((req, emitted[req.rid], features[root_row : root_row + 1]))
     caught_up = drafts.keep_in_step(held)
     moves_src, moves_dst = [], []
+    plain_argmax = _plain_greedy_argmax(tree_jobs, trees, logits)
     for req, first_row, first_token_row in tree_jobs:
         tree = trees[req.rid]
-        node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos_token_ids)
-        result = accept_tree(tree, node_logits, req.params, req.generator)
+        if req.rid in plain_argmax:
+            result = accept_greedy(tree, plain_argmax[req.rid])
+        else:
+            node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos_token_ids)
+            result = accept_tree(tree, node_logits, req.params, req.generator)
         logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
         src, dst = compaction_moves(req, result.accepted_nodes)
         moves_src += src
@@ -105,6 +112,19 @@ def accept_verified(sched: Schedule, trees: dict[str, DraftTree], logits: torch.
     if traffic is not None and features is not None:
         traffic.observe(features, observed)
     return Accepted(emitted, extend_items, rounds, caught_up, logprob_jobs.compute(logits))
+
+
+def _plain_greedy_argmax(tree_jobs: list, trees: dict[str, DraftTree], logits: torch.Tensor) -> dict[str, list[int]]:
+    """The target's argmax at every node of the greedy trees whose logits acceptance takes as they are (no
+    penalty, min_tokens met), rid -> [tree.size] ints: one reduction over the rows from the first such tree
+    to the last and one copy to the host for the batch, not one of each a request (each copy waits)."""
+    jobs = [(req.rid, row, trees[req.rid].size) for req, row, _ in tree_jobs
+            if req.params.greedy and not history_matters(req.params, len(req.output))]
+    if not jobs:
+        return {}
+    start = min(row for _, row, _ in jobs)
+    argmax = argmax_rows(logits[start : max(row + size for _, row, size in jobs)]).tolist()
+    return {rid: argmax[row - start : row - start + size] for rid, row, size in jobs}
 
 
 def _drop_broken_drafts(decoding: list[Request], trees: dict[str, DraftTree], drafts: DraftLink) -> set[str]:
