@@ -145,6 +145,27 @@ def test_new_traffic_does_not_measure_plain_steps_again_at_once(n):
     assert chosen >= 0.97 * always, (chosen, always)
 
 
+def test_a_head_that_accepts_nothing_is_not_explored_at_once():
+    """A useless head (every round one token) at batch 64 on a warm engine, a run of ~1 s (a bench cell): its rounds
+    cannot beat a plain step, which makes the same token for less, so after the warm-up's round the rejected mode's
+    first epoch is not hastened — an exploration within 0.1 s would cost several rounds, each dearer than a plain
+    step, in a run this short. One speculative step (the warm-up's) in the whole run."""
+    n = 64
+    policy = SpeculationPolicy(clock=SimClock())
+    clock = policy.goodput.clock
+    for size in (1, 2, 4, 8, 16, 32, 64):  # the warm-up: costs and goodput of both kinds at every bucket
+        for speculative, ms, tokens in ((False, plain_ms(size), size), (True, spec_ms(size), 2 * size)):
+            for _ in range(16):
+                policy.observe_step(size, speculative, 1, ms / 1e3)
+                clock.now += ms / 1e3
+                policy.observe_goodput(size, speculative, tokens, ms / 1e3)
+        policy.observe_round(RequestSpecState(), 1)
+    policy.forget_traffic()
+    chosen = simulate(policy, n, [1.0], int(1000 / plain_ms(n)), seed=0)
+    assert policy.rounds_all == n  # (a round a request: one speculative step)
+    assert chosen >= 0.96 * n / plain_ms(n)  # (that step is a round of ~11 plain steps' cost here)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_measured_goodput_corrects_a_model_that_misses_the_time_around_the_steps(seed):
     """A server's per-step work (streaming, scheduling) that the cost model's step times leave out makes

@@ -88,10 +88,12 @@ class GoodputArbiter:
         if speculative == self._mode:
             self._epoch_steps += 1
 
-    def choose(self, batch_size: int, model_says: bool, predicted_loss) -> bool:
+    def choose(self, batch_size: int, model_says: bool, predicted_loss, rounds_can_pay: bool = True) -> bool:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
         ``model_says``: the cost model's choice; ``predicted_loss()``: the share of goodput it expects the other
-        mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch)."""
+        mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch);
+        ``rounds_can_pay``: False where the batch's rounds make about one token each (no round can beat a plain
+        step, which makes that token for less), so the first epoch of speculation is not hastened."""
         c, now = self.cfg, self.clock()
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         b = self.bucket(batch_size)
@@ -112,7 +114,8 @@ class GoodputArbiter:
                 self._next_explore[b] = now
             if b not in self._next_explore:  # the first at this bucket: soon, the model's prediction is no measurement
                 gap = self._explore_gap(b, c.goodput_epoch_s, predicted_loss())
-                self._next_explore[b] = now + min(gap, c.goodput_first_explore_s)
+                soon = rounds_can_pay or model_says  # (plain rejected: its first epoch is soon whatever τ is)
+                self._next_explore[b] = now + (min(gap, c.goodput_first_explore_s) if soon else gap)
             if now < self._next_explore[b]:
                 return model_says
             mode, self._exploring = not model_says, True

@@ -194,7 +194,10 @@ class SpeculationPolicy(StepCosts):
             return model_says
         if self.rounds_all < max(1, self.cfg.warmup_rounds):
             return model_says  # (it speculates to learn the traffic's τ)
-        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs))
+        view = self._model_view  # (τ's upper bound within the margin of one token a round: rounds cannot pay)
+        rounds_can_pay = view is None or view[1] > 1 + self.cfg.goodput_margin
+        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
+                                   rounds_can_pay)
 
     def _predicted_loss(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None) -> float:
         """The share of goodput the model expects the mode it rejects to lose: 1 - min(τ/ratio, ratio/τ)
