@@ -103,6 +103,7 @@ class SpeculationPolicy(StepCosts):
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         self.rounds_all = 0
         self._model_view: tuple[int, float, float] | None = None  # this step's (batch size, τ's upper bound, ratio)
+        self._learning_rounds: int | None = None  # see rounds_to_learn
 
     # -- the chain's depth ---------------------------------------------------------------------------
     def ladder(self, spec) -> tuple:
@@ -184,20 +185,27 @@ class SpeculationPolicy(StepCosts):
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
         ``runs``: whether this step can be a run of several steps (None: unknown). The cost model's answer,
         unless measured goodput says otherwise (tandem.speculative.goodput)."""
-        self._model_view = None
+        self._model_view = self._learning_rounds = None
         if not drafting:
             return False
         if not self.cfg.enabled:
             return True
         model_says = self.model_decision(batch_size, drafting, runs)
-        if self.goodput is None:
-            return model_says
-        if self.rounds_all < max(1, self.cfg.warmup_rounds):
-            return model_says  # (it speculates to learn the traffic's τ)
+        if self.goodput is None or self.rounds_all < max(1, self.cfg.warmup_rounds):
+            return model_says  # (in the warm-up rounds it speculates to learn the traffic's τ)
         view = self._model_view  # (τ's upper bound within the margin of one token a round: rounds cannot pay)
         rounds_can_pay = view is None or view[1] > 1 + self.cfg.goodput_margin
-        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
-                                   rounds_can_pay)
+        chosen = self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
+                                     rounds_can_pay)
+        if not self.goodput.stepwise:
+            self._learning_rounds = None  # (an epoch of the arbiter's: measured over seconds, not one round)
+        return chosen
+
+    def rounds_to_learn(self) -> int | None:
+        """After a ``decide`` that speculates to learn rather than because rounds pay: the rounds worth running
+        (queued back to back) for it — the warm-up's rounds left over the batch, one round for an exploration
+        (it measures every running request); None: no such limit."""
+        return self._learning_rounds
 
     def _predicted_loss(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None) -> float:
         """The share of goodput the model expects the mode it rejects to lose: 1 - min(τ/ratio, ratio/τ)
@@ -209,6 +217,7 @@ class SpeculationPolicy(StepCosts):
         """The cost model's answer: the batch's τ against the cost ratio, with probes and explorations."""
         c = self.cfg
         if self.rounds_all < max(1, c.warmup_rounds):
+            self._learning_rounds = math.ceil((c.warmup_rounds - self.rounds_all) / len(drafting))
             return True  # too little known about this traffic: find out
         ratio = self.cost_ratio(batch_size, runs)
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
@@ -219,7 +228,9 @@ class SpeculationPolicy(StepCosts):
         self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio)  # (for plain_measured_faster)
         if mean + c.confidence_z * stderr >= ratio:
             return True
-        return self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
+        explores = self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
+        self._learning_rounds = 1 if explores else None
+        return explores
 
     def _explore_gap(self, batch_size: int, ratio: float) -> int:
         """Plain steps between two explorations: explore_every x ratio², and enough that an exploration
