@@ -741,8 +741,8 @@ def test_plain_is_not_settled_by_step_costs_that_measured_speculation_outruns():
         policy = SpeculationPolicy(PolicyConfig(), clock=clock)
         states = [RequestSpecState() for _ in range(8)]
         for state in states:
-            for _ in range(10):
-                policy.observe_round(state, 1)  # the model: τ 1 ...
+            for _ in range(10):  # the model: τ 1.5 (τ 1, rounds of one token, would settle plain on its own) ...
+                policy.observe_round(state, 1.5)
         for _ in range(16):
             policy.observe_step(8, False, 1, 1e-3)
             policy.observe_step(8, True, 1, 2e-3)  # ... against a ratio of 2: far below it

@@ -131,15 +131,19 @@ class SpeculationPolicy(StepCosts):
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
 
     def plain_measured_faster(self, batch_size: int) -> bool:
-        """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, only its verdict
-        (both modes measured): served, a step's time holds the server's share — streaming, the GIL — unevenly
+        """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, its verdict
+        (both modes measured), or where it has none the batch's rounds making about one token each (τ's bound
+        within ``goodput_margin`` of 1, as this step's ``decide`` weighed it: a round then makes a plain step's tokens
+        for more), never step costs alone: served, a step's time holds the server's share — streaming, the GIL — unevenly
         between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain steps where they
         took 1.5). Without it, the batch's τ well below the cost ratio of measured step times (by
         ``settled_margin``: not a guess, nor a close call an exploration should settle), as this step's
         ``decide`` weighed them (asked after it; nothing is computed again)."""
-        if self.goodput is not None:
-            return self.goodput.verdict(batch_size) is False
         view, c = self._model_view, self.cfg
+        if self.goodput is not None:  # (or rounds that make about one token each: none can beat a plain step)
+            verdict = self.goodput.verdict(batch_size)
+            return verdict is False or (verdict is None and view is not None and view[0] == batch_size
+                                        and view[1] <= 1 + c.goodput_margin)
         if view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
             return False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
         if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
