@@ -197,6 +197,25 @@ def test_speculating_to_learn_asks_for_the_rounds_that_teach_not_a_full_run():
     assert useful.decide(8, states) and useful.rounds_to_learn() is None
 
 
+def test_rounds_of_one_token_settle_plain_only_by_the_requests_that_draft():
+    """Plain is settled without a goodput verdict where the drafting requests' rounds make one token each, not where
+    rows that cannot draft (prompts not yet on the drafter, a batch ramping up) dilute the batch's τ towards one:
+    one request drafting at τ 2 among 64 (the batch's τ 1.016) says nothing against the head."""
+    def settled(drafting_tau: float, drafting: int) -> bool:
+        policy = SpeculationPolicy(clock=SimClock())
+        for _ in range(3):
+            policy.observe_step(64, False, 1, 0.0056)
+            policy.observe_step(64, True, 1, 0.0095)
+        states = [RequestSpecState() for _ in range(drafting)]
+        for _ in range(8):
+            for state in states:
+                policy.observe_round(state, drafting_tau)
+        return not policy.decide(64, states) and policy.plain_measured_faster(64)
+
+    assert settled(1.0, 64) and settled(1.0, 1)
+    assert not settled(2.0, 1) and not settled(2.0, 64)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_measured_goodput_corrects_a_model_that_misses_the_time_around_the_steps(seed):
     """A server's per-step work (streaming, scheduling) that the cost model's step times leave out makes

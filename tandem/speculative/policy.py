@@ -102,7 +102,8 @@ class SpeculationPolicy(StepCosts):
                         if measured else None)
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         self.rounds_all = 0
-        self._model_view: tuple[int, float, float] | None = None  # this step's (batch size, τ's upper bound, ratio)
+        # this step's (batch size, the batch's τ's upper bound, ratio, the drafting requests' own τ's upper bound)
+        self._model_view: tuple[int, float, float, float] | None = None
         self._learning_rounds: int | None = None  # see rounds_to_learn
 
     # -- the chain's depth ---------------------------------------------------------------------------
@@ -132,9 +133,9 @@ class SpeculationPolicy(StepCosts):
 
     def plain_measured_faster(self, batch_size: int) -> bool:
         """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, its verdict
-        (both modes measured), or where it has none the batch's rounds making about one token each (τ's bound
-        within ``goodput_margin`` of 1, as this step's ``decide`` weighed it: a round then makes a plain step's tokens
-        for more), never step costs alone: served, a step's time holds the server's share — streaming, the GIL — unevenly
+        (both modes measured), or where it has none the drafting requests' rounds making about one token each (their
+        τ's bound within ``goodput_margin`` of 1, as this step's ``decide`` weighed it: a round then makes a plain
+        step's tokens for more), never step costs alone: served, a step's time holds the server's share — streaming, the GIL — unevenly
         between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain steps where they
         took 1.5). Without it, the batch's τ well below the cost ratio of measured step times (by
         ``settled_margin``: not a guess, nor a close call an exploration should settle), as this step's
@@ -142,13 +143,12 @@ class SpeculationPolicy(StepCosts):
         view, c = self._model_view, self.cfg
         if self.goodput is not None:  # (or rounds that make about one token each: none can beat a plain step)
             verdict = self.goodput.verdict(batch_size)
-            return verdict is False or (verdict is None and view is not None and view[0] == batch_size
-                                        and view[1] <= 1 + c.goodput_margin)
+            return verdict is False or (verdict is None and self._rounds_of_one_token(batch_size))
         if view is None or view[0] != batch_size or c.fixed_cost_ratio is not None:
             return False  # (a fixed ratio is no measurement; a probe or the warm-up weighed nothing)
         if self.step_time(batch_size, True) is None or self.step_time(batch_size, False) is None:
             return False  # this bucket's costs are not measured both ways
-        _, tau_upper, ratio = view
+        _, tau_upper, ratio, _ = view
         return tau_upper * (1 + c.settled_margin) < ratio
 
     def probe_detached(self, batch_size: int) -> bool:
@@ -197,8 +197,7 @@ class SpeculationPolicy(StepCosts):
         model_says = self.model_decision(batch_size, drafting, runs)
         if self.goodput is None or self.rounds_all < max(1, self.cfg.warmup_rounds):
             return model_says  # (in the warm-up rounds it speculates to learn the traffic's τ)
-        view = self._model_view  # (τ's upper bound within the margin of one token a round: rounds cannot pay)
-        rounds_can_pay = view is None or view[1] > 1 + self.cfg.goodput_margin
+        rounds_can_pay = not self._rounds_of_one_token(batch_size)
         chosen = self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
                                      rounds_can_pay)
         if not self.goodput.stepwise:
@@ -210,6 +209,12 @@ class SpeculationPolicy(StepCosts):
         (queued back to back) for it — the warm-up's rounds left over the batch, one round for an exploration
         (it measures every running request); None: no such limit."""
         return self._learning_rounds
+
+    def _rounds_of_one_token(self, batch_size: int) -> bool:
+        """Whether this step's ``decide`` found the drafting requests' rounds making about one token each (their τ's
+        upper bound within ``goodput_margin`` of 1): a round then makes a plain step's tokens for more."""
+        view = self._model_view
+        return view is not None and view[0] == batch_size and view[3] <= 1 + self.cfg.goodput_margin
 
     def _predicted_loss(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None) -> float:
         """The share of goodput the model expects the mode it rejects to lose: 1 - min(τ/ratio, ratio/τ)
@@ -229,7 +234,10 @@ class SpeculationPolicy(StepCosts):
             if self.spec_steps_since_plain >= every:
                 return False
         mean, stderr = self._batch_tau(batch_size, drafting)
-        self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio)  # (for plain_measured_faster)
+        # (for plain_measured_faster; the drafting requests' own: rows that cannot draft say nothing of the head)
+        share = batch_size / len(drafting)
+        drafting_upper = (mean * batch_size - (batch_size - len(drafting))) / len(drafting) + c.confidence_z * stderr * share
+        self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio, drafting_upper)
         if mean + c.confidence_z * stderr >= ratio:
             return True
         explores = self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
