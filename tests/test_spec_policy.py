@@ -166,37 +166,6 @@ def test_a_head_that_accepts_nothing_is_not_explored_at_once():
     assert chosen >= 0.96 * n / plain_ms(n)  # (that step is a round of ~11 plain steps' cost here)
 
 
-def test_speculating_to_learn_asks_for_the_rounds_that_teach_not_a_full_run():
-    """Rounds queued back to back (a run of 4) pay off only where rounds pay: the warm-up's rounds are asked for over
-    the batch (8 at batch 1 and 2 at batch 4; one at batch 64), an exploration of a batch kept plain for one round
-    (it measures every running request), a batch speculating because its rounds pay for no limit."""
-    for n, learning in ((1, 8), (4, 2), (64, 1)):
-        policy = seeded()
-        states = [RequestSpecState() for _ in range(n)]
-        assert policy.decide(n, states) and policy.rounds_to_learn() == learning
-    policy = SpeculationPolicy(clock=SimClock())  # the 8B shape's costs at batch 64: a round 9.5 ms, a plain step 5.6
-    for _ in range(3):
-        policy.observe_step(64, False, 1, 0.0056)
-        policy.observe_step(64, True, 1, 0.0095)
-    states = [RequestSpecState() for _ in range(64)]
-    policy.decide(64, states)
-    step_tokens(policy, states, True, random.Random(0), 1.0)  # the warm-up's round: one token each
-    explored = []
-    for _ in range(400):
-        speculate = policy.decide(64, states)
-        if speculate:
-            explored.append(policy.rounds_to_learn())
-            step_tokens(policy, states, True, random.Random(0), 1.0)
-        policy.observe_step(64, speculate, 1, 0.0095 if speculate else 0.0056)
-    assert explored and set(explored) == {1}, explored
-    useful = seeded()
-    states = [RequestSpecState() for _ in range(8)]
-    for _ in range(4):
-        useful.decide(8, states)
-        step_tokens(useful, states, True, random.Random(0), 4.0)
-    assert useful.decide(8, states) and useful.rounds_to_learn() is None
-
-
 def test_rounds_of_one_token_settle_plain_only_by_the_requests_that_draft():
     """Plain is settled without a goodput verdict where the drafting requests' rounds make one token each, not where
     rows that cannot draft (prompts not yet on the drafter, a batch ramping up) dilute the batch's τ towards one:

@@ -43,11 +43,6 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    learning = engine.policy.rounds_to_learn()  # (speculating to learn: the rounds that teaches, not a full run)
-    if learning is not None:
-        if queued:
-            return 0
-        rounds = min(rounds, learning)
     # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round
     if engine.prompts_due() or engine.accounting.after_prompts:
         if queued or not engine.prefill_apart:

@@ -43,9 +43,6 @@ class _Forced:
     def chain_spec(self, batch_size, spec):
         return self.chain or spec
 
-    def rounds_to_learn(self) -> None:
-        return None
-
     def observe_step(self, *args, **kwargs) -> None:
         if self.record:
             self.policy.observe_step(*args, **kwargs)

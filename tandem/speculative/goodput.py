@@ -125,11 +125,6 @@ class GoodputArbiter:
         self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
         return mode
 
-    @property
-    def stepwise(self) -> bool:
-        """Whether the latest ``choose`` took the cost model's answer step by step (no epoch of its own)."""
-        return self._mode is None
-
     def forget_traffic(self) -> None:
         """New traffic: speculation's goodput was its acceptance, so it is measured afresh (and every verdict and
         schedule built on it goes); plain steps' goodput is a cost, kept until it goes stale like any reading."""

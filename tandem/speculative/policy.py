@@ -104,7 +104,6 @@ class SpeculationPolicy(StepCosts):
         self.rounds_all = 0
         # this step's (batch size, the batch's τ's upper bound, ratio, the drafting requests' own τ's upper bound)
         self._model_view: tuple[int, float, float, float] | None = None
-        self._learning_rounds: int | None = None  # see rounds_to_learn
 
     # -- the chain's depth ---------------------------------------------------------------------------
     def ladder(self, spec) -> tuple:
@@ -189,7 +188,7 @@ class SpeculationPolicy(StepCosts):
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
         ``runs``: whether this step can be a run of several steps (None: unknown). The cost model's answer,
         unless measured goodput says otherwise (tandem.speculative.goodput)."""
-        self._model_view = self._learning_rounds = None
+        self._model_view = None
         if not drafting:
             return False
         if not self.cfg.enabled:
@@ -198,17 +197,8 @@ class SpeculationPolicy(StepCosts):
         if self.goodput is None or self.rounds_all < max(1, self.cfg.warmup_rounds):
             return model_says  # (in the warm-up rounds it speculates to learn the traffic's τ)
         rounds_can_pay = not self._rounds_of_one_token(batch_size)
-        chosen = self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
-                                     rounds_can_pay)
-        if not self.goodput.stepwise:
-            self._learning_rounds = None  # (an epoch of the arbiter's: measured over seconds, not one round)
-        return chosen
-
-    def rounds_to_learn(self) -> int | None:
-        """After a ``decide`` that speculates to learn rather than because rounds pay: the rounds worth running
-        (queued back to back) for it — the warm-up's rounds left over the batch, one round for an exploration
-        (it measures every running request); None: no such limit."""
-        return self._learning_rounds
+        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
+                                   rounds_can_pay)
 
     def _rounds_of_one_token(self, batch_size: int) -> bool:
         """Whether this step's ``decide`` found the drafting requests' rounds making about one token each (their τ's
@@ -226,7 +216,6 @@ class SpeculationPolicy(StepCosts):
         """The cost model's answer: the batch's τ against the cost ratio, with probes and explorations."""
         c = self.cfg
         if self.rounds_all < max(1, c.warmup_rounds):
-            self._learning_rounds = math.ceil((c.warmup_rounds - self.rounds_all) / len(drafting))
             return True  # too little known about this traffic: find out
         ratio = self.cost_ratio(batch_size, runs)
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
@@ -240,9 +229,7 @@ class SpeculationPolicy(StepCosts):
         self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio, drafting_upper)
         if mean + c.confidence_z * stderr >= ratio:
             return True
-        explores = self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
-        self._learning_rounds = 1 if explores else None
-        return explores
+        return self.plain_steps_since_spec >= self._explore_gap(batch_size, ratio)
 
     def _explore_gap(self, batch_size: int, ratio: float) -> int:
         """Plain steps between two explorations: explore_every x ratio², and enough that an exploration
