@@ -83,3 +83,22 @@ def test_while_the_batch_decodes_plainly_a_finish_sends_nothing_and_a_preemption
     engine.speculating = True
     drafts.forget(holding("done while speculating"), finishing=True)
     assert proposer.extended[-1][0][0] == "done while speculating"
+
+
+def test_a_catch_up_sends_each_requests_held_rows_in_order_in_one_extend():
+    """Resuming: every request's held steps, in the order they were held, as one extend item each, all in one extend;
+    nothing held after it (a request with nothing held is left out)."""
+    drafts, proposer = link()
+    reqs = [request(f"r{i}") for i in range(3)]
+    for step in range(4):
+        rows = torch.arange(3 * 2.0).view(3, 2) + 10 * step
+        drafts.keep_in_step([(req, [100 * step + i], rows[i : i + 1]) for i, req in enumerate(reqs[:2])]
+                            + ([(reqs[2], [7, 8], torch.full((2, 2), -1.0))] if step == 0 else []))
+    drafts.flush_pending(reqs + [request("idle")])
+    (sent,) = proposer.extended
+    assert [rid for rid, _, _ in sent] == ["r0", "r1", "r2"]
+    for i, (_, tokens, feats) in enumerate(sent[:2]):
+        assert tokens == [100 * step + i for step in range(4)]
+        assert torch.equal(feats, torch.stack([torch.arange(3 * 2.0).view(3, 2)[i] + 10 * step for step in range(4)]))
+    assert sent[2][1] == [7, 8] and torch.equal(sent[2][2], torch.full((2, 2), -1.0))
+    assert all(req.pending_extend == [] and req.pending_bytes == 0 for req in reqs) and drafts.held_bytes == 0

@@ -156,8 +156,21 @@ class DraftLink:
         return req, [t for toks, _ in held for t in toks], torch.cat([f for _, f in held])
 
     def flush_pending(self, reqs: list) -> None:
-        """Catch the drafter up on the plain steps of requests about to draft: one extend per request."""
-        self.extend([self.take_pending(req) for req in reqs])
+        """Catch the drafter up on the plain steps of requests about to draft, in one extend; their held features
+        joined in one copy (a resume at batch 64 held a dozen pieces a request: one concatenation each was a
+        launch each, on the host's clock)."""
+        reqs = [req for req in reqs if req.pending_extend]
+        if not reqs:
+            return
+        pieces = [f for req in reqs for _, f in req.pending_extend]
+        joined = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        items, start = [], 0
+        for req in reqs:
+            tokens = [t for toks, _ in req.pending_extend for t in toks]
+            items.append((req, tokens, joined[start:start + len(tokens)]))
+            start += len(tokens)
+            self._drop_held(req)
+        self.extend(items)
 
     def draft(self, decoding: list, tree_width) -> dict[str, DraftTree]:
         """A tree per decoding request: drafted for those that speculate this step, the bare root otherwise."""
