@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -79,6 +80,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.py measures GPU performance; no CUDA device is visible", file=sys.stderr)
         return 2
+    # what an engine in this process decides (detaches, attaches, chain depths) goes into the log beside the figures
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for decisions in ("tandem.engine", "tandem.policy"):
+        logging.getLogger(decisions).setLevel(logging.INFO)
     results = {"environment": environment(), "sections": {}}
     print(json.dumps(results["environment"]), flush=True)
     ctx: dict = {"quick": args.quick, "layers": args.layers}
