@@ -11,7 +11,7 @@ import sys
 import threading
 from collections import Counter, defaultdict
 
-_SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?\)")
+_SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?(?:, ([\d.]+) rounds a step)?\)")
 EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
 
 
@@ -39,9 +39,11 @@ def note(tag: str, line: str) -> None:
         spec = _SPEC_ON.search(line)
         if spec:
             counts["spec_percent_sum"] += int(spec.group(1))
+            counts["spec_windows"] += 1
             if spec.group(2):  # (Counter keeps ints: tenths of a draft)
                 counts["drafts_tenths_sum"] += round(10 * float(spec.group(2)))
                 counts["drafted_windows"] += 1
+            counts["run_tenths_sum"] += round(10 * float(spec.group(3) or 1))  # (rounds a speculative step)
         elif "drafter detached" in line:
             counts["detached_windows"] += 1
         elif "did not pay" in line:
@@ -51,11 +53,13 @@ def note(tag: str, line: str) -> None:
 def since(tag: str, before: Counter) -> dict:
     """What ``tag``'s engine did since ``before`` (a copy of ``EVENTS[tag]``): detaches, attaches, and over its
     stats windows the mean share of speculative steps, the shares of windows detached / plain attached, and the
-    mean drafts a round of the windows that speculated (below the configured chain where the policy shortened it)."""
+    mean drafts a round and rounds a step of the windows that speculated (below the configured chain where the policy
+    shortened it; below the configured run where runs were cut short)."""
     d = EVENTS[tag] - before
-    windows, drafted = d["windows"], d["drafted_windows"]
+    windows, drafted, spec_windows = d["windows"], d["drafted_windows"], d["spec_windows"]
     return {"detaches": d["detaches"], "attaches": d["attaches"], "windows": windows,
             "spec_step_share": round(d["spec_percent_sum"] / 100 / windows, 3) if windows else None,
             "detached_share": round(d["detached_windows"] / windows, 3) if windows else None,
             "attached_plain_share": round(d["attached_plain_windows"] / windows, 3) if windows else None,
-            "drafts_per_round": round(d["drafts_tenths_sum"] / 10 / drafted, 2) if drafted else None}
+            "drafts_per_round": round(d["drafts_tenths_sum"] / 10 / drafted, 2) if drafted else None,
+            "rounds_per_step": round(d["run_tenths_sum"] / 10 / spec_windows, 2) if spec_windows else None}

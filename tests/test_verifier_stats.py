@@ -46,6 +46,10 @@ def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
     # the trees' mean size: what the policy drafts (a chain it shortened at batch shows here)
     stats.step(now=500.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=6)
     assert "spec on (100% of steps, 1.5 drafts a round)" in stats.line(1, 0, 0.0)
+    # rounds a step: how long the speculative steps' runs of rounds were
+    stats.step(now=600.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=4)
+    stats.step(now=600.1, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=1)
+    assert "spec on (100% of steps, 3.0 drafts a round, 2.5 rounds a step)" in stats.line(1, 0, 0.0)
     off = StatsLine(0.0, speculative=False)
     off.step(now=1.0, step_s=1.0, tokens=1, rounds=0, accepted=0, speculative=False)
     assert not off.due(1e9) and "spec off (no drafter)" in off.line(1, 0, 0.0)

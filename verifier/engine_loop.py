@@ -227,7 +227,8 @@ class EngineLoop(threading.Thread):
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
-                        decoded=info is None or bool(info.num_decode), drafted=drafted)
+                        decoded=info is None or bool(info.num_decode), drafted=drafted,
+                        run=info.steps if info is not None else 1)
         self._gauges()
         if self.stats.due(now):
             engine = self.engine
