@@ -17,7 +17,7 @@ from gateway.config import build_parser, config_from_args
 from gateway.server import Gateway
 from tandem import args as shared
 from tandem import tracing
-from tandem.service_runtime import freeze_startup_heap
+from tandem.service_runtime import die_with_launcher, freeze_startup_heap
 
 log = logging.getLogger("gateway")
 
@@ -40,6 +40,7 @@ async def serve(gateway: Gateway) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()  # (started by `tandem up`: not outliving it)
     args = shared.parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import os
 import shlex
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import TandemError
+from tandem.service_runtime import LAUNCHER_PID_ENV
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
 STABLE_S = 30.0  # a service that ran this long restarts after the first delay again
@@ -69,27 +69,11 @@ class Child:
     backoff: Backoff = field(default_factory=Backoff)
 
     def start(self, env: dict) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with(os.getpid()))
+        # The service asks for its parent-death signal itself (tandem.service_runtime.die_with_launcher): no hook
+        # between fork and exec, so no gRPC fork handlers in the child. (Every start is from the main thread: a thread
+        # that starts services would take them with it when it ends.)
+        self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())})
         self.started_at, self.restart_at = time.monotonic(), None
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with(launcher_pid: int):
-    """Linux: the hook that makes a service get SIGTERM (it then stops as on Ctrl-C) when the launcher's thread that
-    started it ends, the launcher killed outright included; otherwise a SIGKILLed or OOM-killed `tandem up` leaves its
-    services running, holding their ports, GPU memory and shared memory. (Every start is from the main thread; a
-    thread that starts services would take them with it when it ends.) None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def hook() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher_pid:  # the launcher died before the hook ran
-            os._exit(1)
-    return hook
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import sys
 from tandem import args as shared
 from tandem import tracing
 from tandem.errors import TandemError
-from tandem.service_runtime import run_service
+from tandem.service_runtime import die_with_launcher, run_service
 from verifier.config import VerifierConfig
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()  # (started by `tandem up`: not outliving it)
     args = shared.parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
