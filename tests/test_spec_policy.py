@@ -185,6 +185,23 @@ def test_rounds_of_one_token_settle_plain_only_by_the_requests_that_draft():
     assert not settled(2.0, 1) and not settled(2.0, 64)
 
 
+def test_rounds_of_one_token_settle_plain_only_on_rounds_of_the_requests_running():
+    """After rounds of one token (the engine's mean τ 1), requests with no round of their own yet (new traffic, a batch
+    after a detached period) are not settled plain by that mean: the text may have changed, and a settled batch never
+    drafts, so nothing would ever tell. Once they have rounds of one token too, they are."""
+    policy = SpeculationPolicy(clock=SimClock())
+    for _ in range(3):
+        policy.observe_step(8, False, 1, 0.005)
+        policy.observe_step(8, True, 1, 0.006)
+    for _ in range(16):
+        policy.observe_round(RequestSpecState(), 1)  # earlier requests: one token a round
+    fresh = [RequestSpecState() for _ in range(8)]
+    assert not policy.decide(8, fresh) and not policy.plain_measured_faster(8)
+    for state in fresh:
+        policy.observe_round(state, 1)
+    assert not policy.decide(8, fresh) and policy.plain_measured_faster(8)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_measured_goodput_corrects_a_model_that_misses_the_time_around_the_steps(seed):
     """A server's per-step work (streaming, scheduling) that the cost model's step times leave out makes

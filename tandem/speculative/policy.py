@@ -223,9 +223,12 @@ class SpeculationPolicy(StepCosts):
             if self.spec_steps_since_plain >= every:
                 return False
         mean, stderr = self._batch_tau(batch_size, drafting)
-        # (for plain_measured_faster; the drafting requests' own: rows that cannot draft say nothing of the head)
+        # (for plain_measured_faster; the drafting requests' own: rows that cannot draft say nothing of the head — and
+        # only once each has rounds of its own: the engine's mean alone, kept from earlier traffic while no round ran,
+        # would settle every later batch plain without one round of it ever being tried)
         share = batch_size / len(drafting)
-        drafting_upper = (mean * batch_size - (batch_size - len(drafting))) / len(drafting) + c.confidence_z * stderr * share
+        drafting_upper = ((mean * batch_size - (batch_size - len(drafting))) / len(drafting) + c.confidence_z * stderr * share
+                          if all(state.recent is not None and state.recent.weight > 0 for state in drafting) else math.inf)
         self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio, drafting_upper)
         if mean + c.confidence_z * stderr >= ratio:
             return True
