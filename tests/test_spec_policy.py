@@ -111,6 +111,22 @@ def seeded(cfg: PolicyConfig = PolicyConfig()) -> SpeculationPolicy:
     return policy
 
 
+def warmed_with_goodput() -> SpeculationPolicy:
+    """A policy after a service's warm-up: costs and goodput of both kinds of step measured at every bucket, then
+    what its rounds taught forgotten (on a simulated clock)."""
+    policy = SpeculationPolicy(clock=SimClock())
+    clock = policy.goodput.clock
+    for size in (1, 2, 4, 8, 16, 32, 64):
+        for speculative, ms, tokens in ((False, plain_ms(size), size), (True, spec_ms(size), 2 * size)):
+            for _ in range(16):
+                policy.observe_step(size, speculative, 1, ms / 1e3)
+                clock.now += ms / 1e3
+                policy.observe_goodput(size, speculative, tokens, ms / 1e3)
+        policy.observe_round(RequestSpecState(), 1)
+    policy.forget_traffic()
+    return policy
+
+
 @pytest.mark.parametrize("n", [1, 8, 32, 64])
 @pytest.mark.parametrize("tau", [1.0, 1.5, 2.0, 3.0, 4.0])
 def test_the_policy_is_within_3_percent_of_the_better_of_always_and_never(n, tau):
@@ -130,16 +146,7 @@ def test_new_traffic_does_not_measure_plain_steps_again_at_once(n):
     """After the warm-up (or any traffic) measured plain steps' goodput, new traffic forgets what speculation made,
     not what a plain step costs: a short run at τ 4 (~50 steps, a third of a second) speculates throughout, within
     3 % of always, instead of spending an early epoch re-measuring plain steps."""
-    policy = SpeculationPolicy(clock=SimClock())
-    clock = policy.goodput.clock
-    for size in (1, 2, 4, 8, 16, 32, 64):  # the warm-up: costs and goodput of both kinds at every bucket
-        for speculative, ms, tokens in ((False, plain_ms(size), size), (True, spec_ms(size), 2 * size)):
-            for _ in range(16):
-                policy.observe_step(size, speculative, 1, ms / 1e3)
-                clock.now += ms / 1e3
-                policy.observe_goodput(size, speculative, tokens, ms / 1e3)
-        policy.observe_round(RequestSpecState(), 1)
-    policy.forget_traffic()
+    policy = warmed_with_goodput()
     always = simulate(SpeculationPolicy(PolicyConfig(enabled=False)), n, [4.0], 48, seed=0)
     chosen = simulate(policy, n, [4.0], 48, seed=0)
     assert chosen >= 0.97 * always, (chosen, always)
@@ -151,16 +158,7 @@ def test_a_head_that_accepts_nothing_is_not_explored_at_once():
     first epoch is not hastened — an exploration within 0.1 s would cost several rounds, each dearer than a plain
     step, in a run this short. One speculative step (the warm-up's) in the whole run."""
     n = 64
-    policy = SpeculationPolicy(clock=SimClock())
-    clock = policy.goodput.clock
-    for size in (1, 2, 4, 8, 16, 32, 64):  # the warm-up: costs and goodput of both kinds at every bucket
-        for speculative, ms, tokens in ((False, plain_ms(size), size), (True, spec_ms(size), 2 * size)):
-            for _ in range(16):
-                policy.observe_step(size, speculative, 1, ms / 1e3)
-                clock.now += ms / 1e3
-                policy.observe_goodput(size, speculative, tokens, ms / 1e3)
-        policy.observe_round(RequestSpecState(), 1)
-    policy.forget_traffic()
+    policy = warmed_with_goodput()
     chosen = simulate(policy, n, [1.0], int(1000 / plain_ms(n)), seed=0)
     assert policy.rounds_all == n  # (a round a request: one speculative step)
     assert chosen >= 0.96 * n / plain_ms(n)  # (that step is a round of ~11 plain steps' cost here)

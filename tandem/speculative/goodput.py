@@ -92,8 +92,8 @@ class GoodputArbiter:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
         ``model_says``: the cost model's choice; ``predicted_loss()``: the share of goodput it expects the other
         mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch);
-        ``rounds_can_pay``: False where the batch's rounds make about one token each (no round can beat a plain
-        step, which makes that token for less), so the first epoch of speculation is not hastened."""
+        ``rounds_can_pay``: False where the drafting requests' rounds make about one token each (no round can beat a
+        plain step, which makes that token for less), so the first epoch of speculation is not hastened."""
         c, now = self.cfg, self.clock()
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         b = self.bucket(batch_size)

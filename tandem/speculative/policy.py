@@ -134,9 +134,9 @@ class SpeculationPolicy(StepCosts):
         """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, its verdict
         (both modes measured), or where it has none the drafting requests' rounds making about one token each (their
         τ's bound within ``goodput_margin`` of 1, as this step's ``decide`` weighed it: a round then makes a plain
-        step's tokens for more), never step costs alone: served, a step's time holds the server's share — streaming, the GIL — unevenly
-        between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain steps where they
-        took 1.5). Without it, the batch's τ well below the cost ratio of measured step times (by
+        step's tokens for more), never step costs alone: served, a step's time holds the server's share — streaming,
+        the GIL — unevenly between runs of rounds and plain steps (the demo pair over REST: rounds timed at 3.3 plain
+        steps where they took 1.5). Without it, the batch's τ well below the cost ratio of measured step times (by
         ``settled_margin``: not a guess, nor a close call an exploration should settle), as this step's
         ``decide`` weighed them (asked after it; nothing is computed again)."""
         view, c = self._model_view, self.cfg
@@ -222,13 +222,13 @@ class SpeculationPolicy(StepCosts):
             every = c.plain_probe_every if self.step_time(batch_size, False) is not None else c.plain_probe_first
             if self.spec_steps_since_plain >= every:
                 return False
-        mean, stderr = self._batch_tau(batch_size, drafting)
+        mean, stderr, own = self._batch_tau(batch_size, drafting)
         # (for plain_measured_faster; the drafting requests' own: rows that cannot draft say nothing of the head — and
         # only once each has rounds of its own: the engine's mean alone, kept from earlier traffic while no round ran,
         # would settle every later batch plain without one round of it ever being tried)
-        share = batch_size / len(drafting)
-        drafting_upper = ((mean * batch_size - (batch_size - len(drafting))) / len(drafting) + c.confidence_z * stderr * share
-                          if all(state.recent is not None and state.recent.weight > 0 for state in drafting) else math.inf)
+        n = len(drafting)
+        drafting_mean = (mean * batch_size - (batch_size - n)) / n
+        drafting_upper = drafting_mean + c.confidence_z * stderr * batch_size / n if own else math.inf
         self._model_view = (batch_size, mean + c.confidence_z * stderr, ratio, drafting_upper)
         if mean + c.confidence_z * stderr >= ratio:
             return True
@@ -245,20 +245,20 @@ class SpeculationPolicy(StepCosts):
             gap = max(gap, math.ceil(self._switch_cost(cost_bucket(batch_size)) / (c.explore_budget * plain)))
         return min(gap, c.explore_max_gap)
 
-    def _batch_tau(self, batch_size: int, drafting: list[RequestSpecState]) -> tuple[float, float]:
-        """Expected tokens per request per round over the batch, and its standard error (requests that
-        cannot draft make one token)."""
+    def _batch_tau(self, batch_size: int, drafting: list[RequestSpecState]) -> tuple[float, float, bool]:
+        """Expected tokens per request per round over the batch, its standard error (requests that cannot draft
+        make one token), and whether every drafting request has rounds of its own."""
         k, prior, prior_var = self.cfg.prior_rounds, self._all.mean, self._all.variance
-        total, weight = float(batch_size - len(drafting)), 0.0
+        total, weight, own = float(batch_size - len(drafting)), 0.0, True
         for state in drafting:
             recent = state.recent
             w = recent.weight if recent is not None else 0.0
             total += (w * recent.mean + k * prior) / (w + k) if w else prior
-            weight += w
+            weight, own = weight + w, own and w > 0
         # Rounds of one request scatter around its τ; the batch's mean is known to within the engine's
         # spread over the rounds it rests on (the prior counting as k rounds per request).
         samples = weight + k * len(drafting)
-        return total / batch_size, math.sqrt(prior_var / samples) * len(drafting) / batch_size
+        return total / batch_size, math.sqrt(prior_var / samples) * len(drafting) / batch_size, own
 
     # -- acceptance ------------------------------------------------------------------------------
     def observe_round(self, state: RequestSpecState, tokens: int, depth: int | None = None) -> None:
