@@ -74,6 +74,26 @@ def test_the_chosen_depth_makes_the_most_tokens_a_second(p, cost):
         assert chosen == 3  # a verify's width is free: the longest chain
 
 
+def test_depths_are_compared_by_rounds_of_one_class():
+    """The configured chain's recent rounds were mostly lone ones (arrivals cut the runs short: 3 ms a round) while the
+    shorter chains were last timed in runs (about 1 ms a round, as the configured chain's runs too): compared across
+    those mixes the chain of 2 would look better; in runs — where every depth has samples — the chain of 3 is."""
+    p = [0.8, 0.8, 0.8]
+    policy = SpeculationPolicy()
+    for _ in range(8):
+        policy.observe_step(8, True, 4, 4 * 1.0e-3, width=4)  # runs of 4 rounds
+        policy.observe_step(8, True, 1, 3.0e-3, width=4)  # lone rounds
+        policy.observe_step(8, True, 4, 4 * 0.95e-3, width=3)
+        policy.observe_step(8, True, 4, 4 * 0.9e-3, width=2)
+    policy.chain_spec(8, CHAIN)  # (the depth model starts)
+    _rounds(policy.depth, p, 3, 4000, random.Random(4))
+    rates = {d: _expected_tokens(p, d) / t for d, t in ((3, 1.0), (2, 0.95), (1, 0.9))}
+    assert max(rates, key=rates.get) == 3
+    mixed = _expected_tokens(p, 3) / (1e3 * policy.step_time(8, True, width=4))  # (the mix: 1.4 ms a round)
+    assert mixed < rates[2]  # ... across mixes the chain of 2 would win
+    assert policy.chain_spec(8, CHAIN) == CHAIN
+
+
 def test_a_depth_is_kept_within_the_margin_weighed_every_few_steps_and_the_full_chain_explored():
     model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.05, explore_every=16, recheck_every=4)
     for _ in range(1000):

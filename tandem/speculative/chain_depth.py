@@ -12,7 +12,8 @@ with every draft before it accepted, the share that accepted draft ``i`` too (de
 ``window`` of the rounds that reached it). A depth's tokens per round are then 1 + sum over its positions of the product of those
 shares up to there. Rounds at any depth teach the positions they reach; positions a shorter chain does not reach
 are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
-cost is the policy's measured round time at its width and batch bucket, seeded by the warm-up; where it is not (an
+cost is the policy's measured round time at its width and batch bucket (of rounds queued in runs where every
+depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
 engine that was not warmed up, or a bucket the warm-up did not reach), a weighing drafts one step at that depth to time
 it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
 another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into

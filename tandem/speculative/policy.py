@@ -119,8 +119,22 @@ class SpeculationPolicy(StepCosts):
             if self.depth is None or self.depth.ladder is not ladder:
                 self.depth = ChainDepth(ladder)
             bucket = cost_bucket(batch_size)
-            spec = self.depth.choose(bucket, lambda width: self.step_time(bucket, True, width=width))
+            spec = self.depth.choose(bucket, self._round_times(bucket, ladder))
         return spec
+
+    def _round_times(self, bucket: int, ladder: tuple):
+        """ChainDepth's ``round_time(width)`` at ``bucket``: every depth's rounds of one class — queued in runs where
+        each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last timed while
+        arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
+        mixes, depths about even took turns). The class is settled at the first call (a weighing's)."""
+        runs: list = []
+
+        def round_time(width: int) -> float | None:
+            if not runs:
+                runs.append(True if all(self.step_time(bucket, True, runs=True, width=c.num_draft_tokens) is not None
+                                        for c in ladder) else None)
+            return self.step_time(bucket, True, runs=runs[0], width=width)
+        return round_time
 
     # -- the decision ----------------------------------------------------------------------------
     def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
