@@ -79,3 +79,19 @@ def test_warm_up_runs_a_lone_prompt_padding_to_each_graphed_prefill_width(tmp_pa
     assert widths == (16, 32, 64)
     padded_to = {next(w for w in widths if n <= w) for n in lone if n <= widths[-1]}
     assert padded_to == set(widths) and min(lone) > NARROWEST // 2
+
+
+def test_the_warm_up_notes_the_runs_of_rounds_it_queued():
+    """What lets the warm-up say which chain and batch size never ran a queued run of rounds (their first would be met
+    while serving): runs of several rounds are noted by batch size and width, lone rounds and plain runs are not, and
+    the step times still reach the real policy."""
+    from tandem.engine.warmup import _Forced
+    from tandem.speculative.policy import SpeculationPolicy
+
+    policy = SpeculationPolicy()
+    forced = _Forced(policy, True, record=True)
+    forced.observe_step(64, True, 4, 0.04, resumed=False, width=3)
+    forced.observe_step(64, True, 1, 0.01, resumed=False, width=4)
+    forced.observe_step(8, False, 4, 0.02, resumed=False, width=None)
+    assert forced.queued_runs == {(64, 3)}
+    assert policy.step_time(64, True, width=3) == pytest.approx(0.01) and policy.step_time(8, False) == pytest.approx(0.005)

@@ -11,7 +11,8 @@ chains at batch: tandem.speculative.chain_depth; the drafter's real graphs and k
 little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt
 of each graphed prefill width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
-that compile on first use). The policy keeps the step times and forgets the rounds' acceptance.
+that compile on first use). The policy keeps the step times and forgets the rounds' acceptance. A chain that ran
+no queued run of rounds at a batch size (its first would be met while serving) is named in a warning.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Forced:
     def __init__(self, policy, speculate: bool, record: bool, chain=None):
         """``chain``: the SpecConfig speculative steps draft (None: the configured one)."""
         self.policy, self.speculate, self.record, self.chain = policy, speculate, record, chain
+        self.queued_runs: set[tuple[int, int]] = set()  # (batch size, verify width) of the runs of rounds seen
 
     def decide(self, batch_size, drafting, runs=None) -> bool:
         return self.speculate and bool(drafting)
@@ -43,9 +45,11 @@ class _Forced:
     def chain_spec(self, batch_size, spec):
         return self.chain or spec
 
-    def observe_step(self, *args, **kwargs) -> None:
+    def observe_step(self, batch_size, speculative, steps=1, *args, **kwargs) -> None:
+        if speculative and steps > 1:
+            self.queued_runs.add((batch_size, kwargs.get("width")))
         if self.record:
-            self.policy.observe_step(*args, **kwargs)
+            self.policy.observe_step(batch_size, speculative, steps, *args, **kwargs)
 
     def observe_round(self, state, tokens, depth=None) -> None:
         pass
@@ -128,6 +132,7 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
         ("speculative" if chain is chains[-1] else f"speculative (chain of {chain.num_steps})", True, True, chain)
         for chain in chains]
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True)
+    unqueued = []  # (speculative chains whose rounds the warm-up never ran queued at a batch size)
     engine.attachment.pause()  # both kinds of step are forced here: nothing to detach from
     try:
         for name, speculate, greedy, chain in modes + [("sampled", engine.default_spec is not None, False, None)]:
@@ -137,6 +142,10 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
             for bs in (sizes if greedy else sizes[:1] + sizes[-1:]):
                 n = _prompt_tokens(engine, bs)
                 engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(bs)], params)
+                if speculate and greedy and graphs is not None and engine.spec_rounds > 1:
+                    width = (chain or engine.default_spec).num_draft_tokens
+                    if (bs, width) not in engine.policy.queued_runs:  # (its first run would meet it while serving)
+                        unqueued.append(f"{width} wide at batch {bs}")
             if greedy:  # a lone short prompt of each graphed prefill width (and the drafter's extend of it)
                 for n in _short_prompt_lengths(engine):
                     engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist()],
@@ -155,6 +164,9 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     engine.attachment.reset()
     log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), sizes)
+    if unqueued:
+        log.warning("warm-up ran no queued run of rounds %s: the first such run will be its first use",
+                    ", ".join(unqueued))
     if engine.default_spec is not None:  # what the policy starts from: ms per plain step / per round
         widths = [chain.num_draft_tokens for chain in chains]
         log.info("step costs seeded (ms, plain / round %s wide): %s", " / ".join(map(str, widths)), ", ".join(
