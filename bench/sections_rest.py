@@ -137,7 +137,9 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     engine = "" if e["spec_step_share"] is None or mode == "target-only" else (
         f"; engine: {e['spec_step_share']:.0%} of steps speculative, windows detached {e['detached_share']:.0%}, "
         f"plain attached {e['attached_plain_share']:.0%}, {e['detaches']} detaches, {e['attaches']} attaches, "
-        f"{e['drafts_per_round'] or 0:.1f} drafts a round, {e['rounds_per_step'] or 0:.1f} rounds a speculative step")
+        f"{e['drafts_per_round'] or 0:.1f} drafts a round, {e['rounds_per_step'] or 0:.1f} rounds a speculative step, "
+        f"{e['chain_switches']} chain switches, plain steps for: "
+        + (", ".join(f"{why} {n}" for why, n in sorted(e["plain_steps_for"].items(), key=lambda i: -i[1])) or "-"))
     print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
           f"{r['client_cpu_share']:.2f} (of {r['client_procs']}), "
           + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items()) + engine, flush=True)

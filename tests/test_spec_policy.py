@@ -6,6 +6,7 @@ while off, and output never changes (greedy equals target-only decoding)."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -835,3 +836,28 @@ def test_step_costs_alone_never_detach_a_drafter_whose_speculation_was_not_measu
         tokens += made
     always = n * tau / round_wall
     assert tokens / clock.now >= 0.95 * always, (tokens / clock.now, always)
+
+
+@pytest.mark.parametrize("tau, plain_wins", [(3.0, False), (1.0, True)])
+def test_a_plain_decision_says_why(tau, plain_wins):
+    """The verifier's stats line tallies plain steps by the policy's reason: where speculation pays, they are the
+    goodput meter's explorations of plain (and a plain step now and then re-timing its cost); where it does not, the
+    meter's verdict holds plain. A speculative decision has no reason."""
+    policy = warmed_with_goodput()
+    decide, seen = policy.decide, []
+
+    def recorded(*args, **kwargs):
+        speculate = decide(*args, **kwargs)
+        seen.append(None if speculate else policy.plain_reason)
+        assert (policy.plain_reason is None) == speculate
+        return speculate
+    policy.decide = recorded
+    simulate(policy, 8, [tau], 4000, seed=3)
+    reasons = Counter(why for why in seen[-2000:] if why is not None)
+    assert set(reasons) <= {"measured", "exploring", "timing", "model"}, reasons
+    if plain_wins:
+        assert reasons["measured"] > 0.8 * sum(seen_is_plain is not None for seen_is_plain in seen[-2000:]), reasons
+    else:
+        assert reasons["exploring"] > 0 and reasons["measured"] == 0, reasons
+    fresh = SpeculationPolicy()
+    assert fresh.decide(8, []) is False and fresh.plain_reason == "no drafts"

@@ -50,6 +50,14 @@ def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
     stats.step(now=600.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=4)
     stats.step(now=600.1, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=1)
     assert "spec on (100% of steps, 3.0 drafts a round, 2.5 rounds a step)" in stats.line(1, 0, 0.0)
+    # plain for: the plain decode steps by the engine's reason, most first; chain switches: the policy's depth changes
+    for k, why in enumerate(("exploring", "timing", "exploring", None)):
+        stats.step(now=700.0 + k, step_s=0.1, tokens=1, rounds=0, accepted=0, speculative=False, plain_reason=why)
+    stats.step(now=704.0, step_s=0.1, tokens=1, rounds=0, accepted=0, speculative=False, decoded=False,
+               plain_reason="model")  # (prompts alone: no decode step)
+    stats.step(now=705.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True)
+    stats.chain_switched(3)
+    assert stats.line(1, 0, 0.0).endswith("spec on (20% of steps; plain for: exploring 2, timing 1; 3 chain switches)")
     off = StatsLine(0.0, speculative=False)
     off.step(now=1.0, step_s=1.0, tokens=1, rounds=0, accepted=0, speculative=False)
     assert not off.due(1e9) and "spec off (no drafter)" in off.line(1, 0, 0.0)

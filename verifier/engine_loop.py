@@ -88,6 +88,7 @@ class EngineLoop(threading.Thread):
         self.spans = RoundSpans()
         self.stats = stats or StatsLine(0.0, speculative=False)  # the periodic stats line (off by default)
         self._preemptions_counted = 0  # of the scheduler's total
+        self._chain_switches_counted = 0  # of the engine's chain switches
         self._prefix_counted = (0, 0, 0)  # of the prefix cache's totals: queries, hits, evictions
         self.fatal: BaseException | None = None
 
@@ -228,7 +229,10 @@ class EngineLoop(threading.Thread):
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
                         decoded=info is None or bool(info.num_decode), drafted=drafted,
-                        run=info.steps if info is not None else 1)
+                        run=info.steps if info is not None else 1, plain_reason=self.engine.plain_reason)
+        switches = self.engine.chain.switches
+        self.stats.chain_switched(switches - self._chain_switches_counted)
+        self._chain_switches_counted = switches
         self._gauges()
         if self.stats.due(now):
             engine = self.engine

@@ -75,6 +75,7 @@ class LLMEngine:
         self.drafts = DraftLink(self)  # the drafter's per-request state, kept in step with the target
         self.chain = StepChain()  # the chain default requests draft now (the policy may shorten it at batch)
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
+        self.plain_reason: str | None = None  # why it was plain, in a word (the verifier's stats line tallies them)
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
@@ -173,6 +174,8 @@ class LLMEngine:
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
         probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
         self.speculating = self.speculating and not probe
+        self.plain_reason = (None if self.speculating else "probe" if probe else "drafter down" if not self.drafts.up()
+                             else "no drafts" if not drafting else "detached" if not asked else self.policy.plain_reason)
         if self.speculating and self.default_spec is not None:
             self.chain.use(self.policy.chain_spec(len(running), self.default_spec), self.default_spec,
                            lambda: running + list(self.scheduler.waiting), now=self._can_switch())

@@ -18,6 +18,7 @@ class StepChain:
         self._ladder: frozenset = frozenset()  # the chains a default request may be switched between
         self.current = None  # what default requests draft now
         self.wanted = None  # what the policy picked last (differs from current while a run of rounds is in flight)
+        self.switches = 0  # changes of the chain default requests draft (each ends a queued run of rounds)
 
     def for_new_request(self, default_spec):
         """The setting a request on the engine's default starts with: the chain in use."""
@@ -32,6 +33,7 @@ class StepChain:
         if spec == self.current or not now:
             return
         self.current = spec
+        self.switches += 1
         for req in requests():
             if req.spec in self._ladder:
                 req.spec = spec

@@ -105,7 +105,7 @@ class GoodputArbiter:
             return self._mode
         if self._exploring:  # the other mode had its epoch: again once that epoch's loss is a small share
             self._next_explore[b] = now + self._explore_gap(b, now - self._epoch_start, self._loss(b))
-        self._mode, self._exploring = None, False
+        self._mode, self._exploring, self.basis = None, False, "model"
         if not self._measured(b, model_says, now):
             return model_says  # step by step, measured as it goes
         if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
@@ -123,6 +123,7 @@ class GoodputArbiter:
             self._due.discard(b)
             mode, self._exploring = self._pick(b, model_says, now)
         self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
+        self.basis = "exploring" if self._exploring else "measured"
         return mode
 
     def forget_traffic(self) -> None:
@@ -130,6 +131,7 @@ class GoodputArbiter:
         schedule built on it goes); plain steps' goodput is a cost, kept until it goes stale like any reading."""
         self._meters = {k: m for k, m in self._meters.items() if k[1] is not True}
         self._mode: bool | None = None  # the current epoch's mode
+        self.basis = "model"  # what the latest choice rested on: the model's answer, a measured epoch, an exploration
         self._epoch_steps, self._exploring = 0, False
         self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
         self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again

@@ -104,6 +104,8 @@ class SpeculationPolicy(StepCosts):
         self.rounds_all = 0
         # this step's (batch size, the batch's τ's upper bound, ratio, the drafting requests' own τ's upper bound)
         self._model_view: tuple[int, float, float, float] | None = None
+        self.plain_reason: str | None = None  # why this step's decision was plain (None: it speculates), in a word
+        self._model_reason = "model"
 
     # -- the chain's depth ---------------------------------------------------------------------------
     def ladder(self, spec) -> tuple:
@@ -202,17 +204,22 @@ class SpeculationPolicy(StepCosts):
         ``batch_size`` decoding requests (the others ride along as plain rows of the same forward);
         ``runs``: whether this step can be a run of several steps (None: unknown). The cost model's answer,
         unless measured goodput says otherwise (tandem.speculative.goodput)."""
-        self._model_view = None
+        self._model_view, self.plain_reason = None, None
         if not drafting:
+            self.plain_reason = "no drafts"
             return False
         if not self.cfg.enabled:
             return True
         model_says = self.model_decision(batch_size, drafting, runs)
         if self.goodput is None or self.rounds_all < max(1, self.cfg.warmup_rounds):
+            self.plain_reason = None if model_says else self._model_reason
             return model_says  # (in the warm-up rounds it speculates to learn the traffic's τ)
         rounds_can_pay = not self._rounds_of_one_token(batch_size)
-        return self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
+        mode = self.goodput.choose(batch_size, model_says, lambda: self._predicted_loss(batch_size, drafting, runs),
                                    rounds_can_pay)
+        basis = self.goodput.basis
+        self.plain_reason = None if mode else self._model_reason if basis == "model" else basis
+        return mode
 
     def _rounds_of_one_token(self, batch_size: int) -> bool:
         """Whether this step's ``decide`` found the drafting requests' rounds making about one token each (their τ's
@@ -235,7 +242,9 @@ class SpeculationPolicy(StepCosts):
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
             every = c.plain_probe_every if self.step_time(batch_size, False) is not None else c.plain_probe_first
             if self.spec_steps_since_plain >= every:
+                self._model_reason = "timing"
                 return False
+        self._model_reason = "model"
         mean, stderr, own = self._batch_tau(batch_size, drafting)
         # (for plain_measured_faster; the drafting requests' own: rows that cannot draft say nothing of the head — and
         # only once each has rounds of its own: the engine's mean alone, kept from earlier traffic while no round ran,
