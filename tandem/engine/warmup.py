@@ -34,6 +34,8 @@ class _Forced:
     """A stand-in for the engine's policy that decides every step one way; the step times go to the real
     policy (``record``), the rounds nowhere."""
 
+    plain_reason = "warm-up"  # (the engine's stats tally plain steps by the policy's reason)
+
     def __init__(self, policy, speculate: bool, record: bool, chain=None):
         """``chain``: the SpecConfig speculative steps draft (None: the configured one)."""
         self.policy, self.speculate, self.record, self.chain = policy, speculate, record, chain
