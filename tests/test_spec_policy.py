@@ -5,6 +5,7 @@ while off, and output never changes (greedy equals target-only decoding)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -861,3 +862,36 @@ def test_a_plain_decision_says_why(tau, plain_wins):
         assert reasons["exploring"] > 0 and reasons["measured"] == 0, reasons
     fresh = SpeculationPolicy()
     assert fresh.decide(8, []) is False and fresh.plain_reason == "no drafts"
+
+
+def _plain_epochs(spec_lead: float, sizes: tuple, seconds: float = 60.0) -> int:
+    """Drive a goodput arbiter as the engine does for ``seconds`` (simulated): speculation makes ``spec_lead`` times
+    plain's tokens a second; the batch cycles through ``sizes``; → how many epochs of plain steps began."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+    epochs, last, k = 0, True, 0
+    while clock.now < seconds:
+        n = sizes[k % len(sizes)]
+        k += 1
+        speculative = arbiter.choose(n, True, lambda: 1 - 1 / spec_lead)
+        epochs += last and not speculative
+        last = speculative
+        step_s = 0.003 if speculative else 0.001
+        clock.now += step_s
+        arbiter.observe(n, speculative, n * 1000 * step_s * (spec_lead if speculative else 1.0), step_s)
+    return epochs
+
+
+def test_plain_far_behind_is_measured_again_only_to_refresh_it():
+    """Speculation's goodput is measured all along while it runs; plain's is a cost that moves with the load. So
+    plain steps far behind (by ``goodput_close`` or more) get an epoch only every ``goodput_explore_max_s``, whatever
+    the cost formula would allow — each switch back also breaks the queued runs and catches the drafter up — while
+    modes about even are measured by the formula, often. An exploration is scheduled again at the bucket it began at,
+    wherever the batch ended it (a batch between two buckets explored again at once on its way back)."""
+    refreshes = math.ceil(60.0 / PolicyConfig().goodput_explore_max_s) + 1  # per bucket, the first one included
+    assert _plain_epochs(1.5, (8,)) <= refreshes
+    assert _plain_epochs(1.5, (5, 8)) <= 2 * refreshes  # buckets 4 and 8, each refreshed
+    assert _plain_epochs(1.05, (8,)) > 3 * refreshes  # about even: measured often

@@ -63,6 +63,7 @@ class GoodputArbiter:
         self.cfg, self.bucket, self.clock, self.switch_cost = cfg, bucket, clock, switch_cost
         self._meters: dict[tuple[int, bool | str], _Meter] = {}  # (bucket, True / False / DETACHED)
         self._epoch_start = 0.0
+        self._epoch_bucket = 0  # the bucket the current epoch began at (an exploration is scheduled there)
         self._detached = False  # the latest step observed was a detached one
         self._probed: dict[int, float] = {}  # bucket -> when it was last probed (take_probe)
         self.forget_traffic()  # (what follows from speculation's goodput: none yet)
@@ -96,15 +97,16 @@ class GoodputArbiter:
         plain step, which makes that token for less), so the first epoch of speculation is not hastened."""
         c, now = self.cfg, self.clock()
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
-        b = self.bucket(batch_size)
+        b, e = self.bucket(batch_size), self._epoch_bucket
         if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s
-                                       or (self._exploring and not self._fresh(self._meters.get((b, self._mode)), now)
+                                       or (self._exploring and not self._fresh(self._meters.get((e, self._mode)), now)
                                            and now - self._epoch_start < 4 * c.goodput_epoch_s)):
             # (an exploration lasts until its mode is measured — its decayed seconds reach goodput_min_s — on the
             # meter it feeds: plain explores attached, whatever a detached period measured)
             return self._mode
-        if self._exploring:  # the other mode had its epoch: again once that epoch's loss is a small share
-            self._next_explore[b] = now + self._explore_gap(b, now - self._epoch_start, self._loss(b))
+        if self._exploring:  # the other mode had its epoch (at the bucket it began at, wherever the batch is now):
+            # again once that epoch's loss is a small share
+            self._next_explore[e] = now + self._explore_gap(e, now - self._epoch_start, self._loss(e), self._mode)
         self._mode, self._exploring, self.basis = None, False, "model"
         if not self._measured(b, model_says, now):
             return model_says  # step by step, measured as it goes
@@ -122,7 +124,7 @@ class GoodputArbiter:
         else:  # (speculation measured again after a detached period, step by step: that was the exploration due)
             self._due.discard(b)
             mode, self._exploring = self._pick(b, model_says, now)
-        self._mode, self._epoch_start, self._epoch_steps = mode, now, 0
+        self._mode, self._epoch_start, self._epoch_steps, self._epoch_bucket = mode, now, 0, b
         self.basis = "exploring" if self._exploring else "measured"
         return mode
 
@@ -189,11 +191,18 @@ class GoodputArbiter:
     def _fresh(self, meter: "_Meter | None", now: float) -> bool:
         return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
 
-    def _explore_gap(self, b: int, epoch_s: float, loss: float) -> float:
+    def _explore_gap(self, b: int, epoch_s: float, loss: float, explored: bool | None = None) -> float:
         """Seconds until the slower mode's next epoch at bucket ``b``: what one costs — its loss over ``epoch_s``, and
         the switch (modes about even lose little per step, but every switch back to speculation catches the drafter up
-        over the whole batch, which goodput leaves out) — as ``goodput_explore_cost`` of the time between."""
+        over the whole batch, which goodput leaves out) — as ``goodput_explore_cost`` of the time between.
+        ``explored``: the slower mode (None: not known). Plain steps behind by ``goodput_close`` or more are only
+        measured again every ``goodput_explore_max_s``: their goodput is a cost that moves with the load, while
+        speculation's, which moves with the text, is measured all along as it runs — should it fall near plain's
+        reading, the gap is the cost's again (every switch back to speculation also breaks runs and catches the drafter
+        up, which served costs more than the formula charges)."""
         c = self.cfg
+        if explored is False and loss >= c.goodput_close:
+            return c.goodput_explore_max_s
         cost = epoch_s * max(0.02, loss) + self.switch_cost(b)
         return min(c.goodput_explore_max_s, cost / c.goodput_explore_cost)
 
@@ -211,6 +220,7 @@ class GoodputArbiter:
         spec, plain = self._meter(b, True, now).rate, self._meter(b, False, now).rate
         held, margin = self._best.get(b, model_says), 1 + self.cfg.goodput_margin
         best = self._best[b] = (plain <= spec * margin) if held else (spec > plain * margin)
-        if now >= self._next_explore.setdefault(b, now + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b))):
+        if now >= self._next_explore.setdefault(b, now + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b),
+                                                                           not best)):
             return not best, True
         return best, False

@@ -74,6 +74,7 @@ class PolicyConfig:
     goodput_explore_steps: int = 2  # an exploration of the other mode: at least this many steps (and goodput_epoch_s)
     goodput_explore_cost: float = 0.01  # measuring the slower mode again costs about this share of goodput ...
     goodput_explore_max_s: float = 5.0  # ... measured again at least this often
+    goodput_close: float = 0.1  # plain behind speculation by more: measured again only every goodput_explore_max_s
     goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
     goodput_probe_margin: float = 0.15  # speculation ahead of attached plain steps by less: measure plain detached
     # a speculating batch drafts the chain (or shorter one) that promises the most tokens a second at its batch size
