@@ -491,3 +491,33 @@ def test_a_shorter_chain_takes_over_between_runs_and_tokens_stay_target_greedy(p
         assert outputs == ref and most > 1
         assert {w for w, _ in widths} == {2, 3, 4} and any(r > 1 for w, r in widths if w < 4)
         assert _all_pages_free(eng)
+
+
+def test_a_policy_learning_the_traffic_drafts_lone_rounds_until_it_has_heard_enough(pair):
+    """While the default policy has yet to hear ``warmup_rounds`` rounds of new traffic it speculates to learn τ: one
+    round a step, since what those rounds teach decides whether queuing runs pays (a head that accepts nothing paid
+    the runs queued meanwhile). Then runs of rounds; the output stays target-only greedy."""
+    from helpers import target_only_greedy
+    from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
+
+    class Speculating(SpeculationPolicy):  # the default policy's learning, every step speculative
+        def decide(self, batch_size, drafting, runs=None):
+            return bool(drafting)
+
+    root, prompts, _ = pair
+    ref = target_only_greedy(root / "target", prompts, 24)
+    policy = Speculating(PolicyConfig(warmup_rounds=6))
+    with _speculative_engine(root, policy=policy) as eng:
+        eng.spec_rounds = 4
+        rids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
+        steps = []  # (rounds heard before the step, rounds the step ran) of speculative decode steps
+        while eng.has_unfinished():
+            heard = policy.rounds_all
+            eng.step()
+            info = eng.last_step
+            if info is not None and info.speculative and info.num_decode:
+                steps.append((heard, info.steps))
+        assert [eng.requests.pop(rid).output for rid in rids] == ref
+    learning = [run for heard, run in steps if heard < 6]
+    assert learning and set(learning) == {1}, steps
+    assert max(run for heard, run in steps if heard >= 6) > 1, steps

@@ -43,8 +43,10 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round
-    if engine.prompts_due() or engine.accounting.after_prompts:
+    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round; and while
+    # the policy has yet to learn the traffic's τ (its first rounds after start-up or new traffic), one round: what it
+    # teaches decides whether runs are worth queuing (a head that accepts nothing paid runs of rounds queued meanwhile)
+    if engine.prompts_due() or engine.accounting.after_prompts or engine.policy.learning_traffic():
         if queued or not engine.prefill_apart:
             return 0
         rounds = 1

@@ -69,6 +69,9 @@ class _Forced:
     def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)
 
+    def learning_traffic(self) -> bool:
+        return False  # (the warm-up times runs of rounds)
+
     def probe_detached(self, batch_size) -> bool:
         return False
 

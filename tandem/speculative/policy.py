@@ -299,6 +299,11 @@ class SpeculationPolicy(StepCosts):
         self._all.add(tokens)
         self.rounds_all += 1
 
+    def learning_traffic(self) -> bool:
+        """Whether this policy still speculates to learn the traffic's τ (fewer than ``warmup_rounds`` rounds since
+        start-up or new traffic); never when it speculates always."""
+        return self.cfg.enabled and self.rounds_all < max(1, self.cfg.warmup_rounds)
+
     @property
     def tau_all(self) -> float | None:
         """The engine's mean tokens per round over its recent rounds (every request's)."""
