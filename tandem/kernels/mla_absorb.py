@@ -7,10 +7,7 @@ PDL-launched kernels around them. Here each is one launch:
 
 * ``absorb_q(q, w_uk, kv_lora)`` → ``[T, H, kv_lora + rope]``: ``q_nope[t, h] @ w_uk[h]`` in the first
   kv_lora columns and ``q_pe[t, h]`` copied behind them — what the latent attention reads.
-* ``absorb_out(attended, w_uv)`` → ``[T, H, v]``: ``attended[t, h] @ w_uv[h]ᵀ``; ``attended`` may be the latent
-  attention's splits unmerged (``LatentSplits``): each program then merges its head's splits as it reads them,
-  exactly as the merge kernel would (the same float32 sums, rounded to the activation dtype), which spares a
-  dependent kernel a layer.
+* ``absorb_out(attended, w_uv)`` → ``[T, H, v]``: ``attended[t, h] @ w_uv[h]ᵀ``.
 
 At a few rows the weights (slices of the kv_b projection) are nearly all the bytes read, so the grid is
 split over heads × column tiles (absorb_q) or heads × value rows (absorb_out) until it has ~256 programs.
@@ -27,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.mla_attention import LatentSplits
-from tandem.kernels.paged_attention import _NO_KEY
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 from tandem.kernels.rounding import round_to
 
@@ -71,23 +66,10 @@ def _absorb_q_kernel(
 
 
 @triton.jit
-def _merged_row(o_row, lse_row, c, c_ok, stride_os, stride_ls, NUM_SPLITS: tl.constexpr, dtype: tl.constexpr):
-    """One token's and head's latent output from its splits, as paged_attention's merge kernel computes and rounds
-    it (the splits weighted by their log-sum-exps; a split that saw no key wrote nothing and is not read)."""
-    s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(lse_row + s * stride_ls)
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(o_row + s[:, None] * stride_os + c[None, :], mask=(lse > _NO_KEY)[:, None] & c_ok[None, :], other=0.0)
-    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    return merged.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _absorb_out_kernel(
-    a_ptr, lse_ptr, w_ptr, out_ptr, num_tokens,
-    stride_as, stride_at, stride_ah, stride_ls, stride_lt, stride_wh, stride_wv, stride_ot, stride_oh,
-    V: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    a_ptr, w_ptr, out_ptr, num_tokens,
+    stride_at, stride_ah, stride_wh, stride_wv, stride_ot, stride_oh,
+    V: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -97,17 +79,13 @@ def _absorb_out_kernel(
                 other=0.0).to(tl.float32)  # before the wait, as in absorb_q
     pdl_enter(PDL)
     dtype = out_ptr.dtype.element_ty
-    a_row, lse_row, out_row = a_ptr + h * stride_ah, lse_ptr + h, out_ptr + h * stride_oh
+    a_row, out_row = a_ptr + h * stride_ah, out_ptr + h * stride_oh
     t = 0
     while t < num_tokens:
-        if NUM_SPLITS == 1:
-            a = tl.load(a_row + c, mask=c_ok, other=0.0).to(tl.float32)
-        else:
-            a = _merged_row(a_row, lse_row, c, c_ok, stride_as, stride_ls, NUM_SPLITS, dtype)
+        a = tl.load(a_row + c, mask=c_ok, other=0.0).to(tl.float32)
         acc = tl.sum(w * a[None, :], axis=1)
         tl.store(out_row + v, round_to(acc, dtype).to(dtype), mask=v_ok)
         a_row += stride_at
-        lse_row += stride_lt
         out_row += stride_ot
         t += 1
 
@@ -149,32 +127,22 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int) -> torch.Tensor:
     return out
 
 
-def absorb_out(attended: "torch.Tensor | LatentSplits", w_uv: torch.Tensor) -> torch.Tensor:
-    """``attended`` [T, H, kv_lora] (or the latent attention's unmerged splits of that, ``LatentSplits``), ``w_uv``
-    [H, v, kv_lora] (a view of kv_b's weight) → ``attended @ w_uvᵀ`` per head [T, H, v], contiguous, in attended's
-    dtype."""
+def absorb_out(attended: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``attended`` [T, H, kv_lora], ``w_uv`` [H, v, kv_lora] (a view of kv_b's weight) →
+    ``attended @ w_uvᵀ`` per head [T, H, v], contiguous, in attended's dtype."""
     tokens, heads, kv_lora = attended.shape
     v = w_uv.shape[1]
     if w_uv.shape != (heads, v, kv_lora):
         raise ValueError(f"absorb_out: attended {tuple(attended.shape)} and w_uv {tuple(w_uv.shape)} do not agree")
-    if isinstance(attended, LatentSplits):
-        dtype, parts, lse = attended.dtype, attended.part_o, attended.part_lse
-        if dtype != w_uv.dtype or parts.stride(-1) != 1 or w_uv.stride(-1) != 1:
-            raise ValueError(f"absorb_out: splits for {dtype} (last stride {parts.stride(-1)}) and weights {w_uv.dtype} "
-                             f"(last stride {w_uv.stride(-1)}) do not go together")
-        splits, strides = parts.shape[0], (parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
-                                           lse.stride(1))
-    else:
-        _check("absorb_out", attended, w_uv)
-        dtype, parts, lse, splits = attended.dtype, attended, attended, 1
-        strides = (0, attended.stride(0), attended.stride(1), 0, 0)
-    out = torch.empty(tokens, heads, v, dtype=dtype, device=w_uv.device)
+    _check("absorb_out", attended, w_uv)
+    out = torch.empty(tokens, heads, v, dtype=attended.dtype, device=attended.device)
     if tokens == 0:
         return out
     block_v = _tile(heads, v, 16, 4)
     _absorb_out_kernel[(heads, triton.cdiv(v, block_v))](
-        parts, lse, w_uv, out, tokens, *strides, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        V=v, KV_LORA=kv_lora, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(kv_lora), NUM_SPLITS=splits,
-        num_warps=4, **pdl_launch(w_uv),
+        attended, w_uv, out, tokens, attended.stride(0), attended.stride(1), w_uv.stride(0), w_uv.stride(1),
+        out.stride(0), out.stride(1),
+        V=v, KV_LORA=kv_lora, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(kv_lora), num_warps=4,
+        **pdl_launch(attended),
     )
     return out

@@ -136,9 +136,7 @@ class MLAttention(nn.Module):
                 q_absorbed = absorb.absorb_q(q, w_uk, m.kv_lora_rank)  # [q_nope W_UK, q_pe]
             else:
                 q_absorbed = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
-            # [T, H, kv_lora]; the absorb kernel takes the splits unmerged and merges them as it reads them
-            attended = backend.forward_absorbed(q_absorbed, pool, meta, self.scale, m.kv_lora_rank,
-                                                merge=absorb is None)
+            attended = backend.forward_absorbed(q_absorbed, pool, meta, self.scale, m.kv_lora_rank)  # [T, H, kv_lora]
             if absorb is not None:
                 out = absorb.absorb_out(attended, w_uv)
             else:
