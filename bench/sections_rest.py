@@ -18,6 +18,7 @@ import sys
 import time
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
+from paired import paired_ratio, versus_the_better
 from rest_load import cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
 from stack_log import EVENTS, since, tagged
@@ -118,9 +119,26 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
         print(f"{mode} / target-only: " + ", ".join(f"{c} {r['x_target_only']:.2f}x (same text "
                                                     f"{r['same_text_as_target_only']:.0%})"
                                                     for c, r in out[mode]["rows"].items()), flush=True)
+    if sustain_s and repeats > 1 and "target-only" in out:
+        _paired(out, modes)
     for r in (r for m in out.values() for r in m["rows"].values()):
         r.pop("texts")
     return out
+
+
+def _paired(out: dict, modes: list[str]) -> None:
+    """Each stack's loads against target-only's, pass by pass, and a policy stack's against the better of its
+    ``-always`` twin and target-only (bench/paired.py): the host's drift between passes mostly cancels."""
+    for mode in [m for m in modes if m != "target-only"]:
+        for cell, r in out[mode]["rows"].items():
+            samples = lambda m: [x["tok_s"] for x in out[m]["rows"][cell]["samples"]]  # noqa: E731
+            r["paired_x_target_only"] = paired_ratio(samples(mode), samples("target-only"))
+            line = f"{mode:17s} {cell}: per pass {r['paired_x_target_only']['geomean']:.3f}x target-only"
+            if f"{mode}-always" in out:
+                vs = r["paired_vs_better"] = versus_the_better(samples(mode), samples(f"{mode}-always"),
+                                                              samples("target-only"))
+                line += f"; {vs['geomean']:.3f} of the better of always and target-only ({vs['low']:.3f}-{vs['high']:.3f})"
+            print(line, flush=True)
 
 
 def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tuple, sustain_s: float) -> None:

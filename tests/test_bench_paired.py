@@ -1,0 +1,34 @@
+"""bench/paired.py: per-pass ratios of two stacks' loads, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench_modules import import_bench
+
+(paired,) = import_bench("paired")
+
+
+def test_a_pass_by_pass_ratio_cancels_a_drift_the_ratio_of_means_keeps():
+    # the host runs 40 % slower in the second pass; within a pass the policy makes 0.9 of always
+    always, policy = [1000.0, 600.0], [900.0, 540.0]
+    got = paired.paired_ratio(policy, always)
+    assert got == {"geomean": pytest.approx(0.9), "low": pytest.approx(0.9), "high": pytest.approx(0.9), "passes": 2}
+    # with a pass order that put the policy's load into the slow stretch, the ratio of means says otherwise
+    assert sum([900.0, 360.0]) / sum(always) == pytest.approx(0.7875)
+    assert paired.paired_ratio([900.0, 360.0], always)["geomean"] == pytest.approx(math.sqrt(0.9 * 0.6))
+
+
+def test_against_the_better_of_always_and_target_only_pass_by_pass():
+    got = paired.versus_the_better([110.0, 90.0], always=[100.0, 120.0], plain=[105.0, 80.0])
+    assert got["geomean"] == pytest.approx(math.sqrt(110 / 105 * 90 / 120))
+    assert (got["low"], got["high"]) == (pytest.approx(0.75), pytest.approx(110 / 105))
+
+
+def test_unpaired_samples_are_refused():
+    with pytest.raises(ValueError, match="as many"):
+        paired.paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="as many"):
+        paired.paired_ratio([], [])
