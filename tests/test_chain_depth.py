@@ -335,3 +335,18 @@ def test_the_engines_capture_a_verify_width_for_every_chain_the_policy_may_draft
     with speculative_engine(cfg, str(tmp_path / "draft"), CHAIN, policy=always) as eng:
         assert eng.executor.runner.cfg.cuda_graph_widths == (1, 4)
     assert verify_widths(chain_ladder(SpecConfig(4, 2, 6))) == (1, 6)
+
+
+def test_after_a_change_the_new_depth_is_kept_for_a_few_weighings():
+    """Each change of depth ends the queued run of rounds, and round times read just after one are the noisiest:
+    depths about even must not take turns at every weighing. After a change the new depth stays ``dwell``
+    weighings, whatever they read; then the margin rules again."""
+    model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.03, explore_every=1000, recheck_every=1, dwell=2)
+    for _ in range(1000):
+        model.observe(3, 1)  # always the first draft only: 2 tokens a round at every depth
+    times = {2: 1.0, 3: 1.5, 4: 1.5}
+    assert model.choose(8, times.get).num_steps == 1  # a change (from the full chain): kept two weighings
+    times[3] = 0.5  # depth 2 now far ahead
+    assert [model.choose(8, times.get).num_steps for _ in range(3)] == [1, 1, 2]
+    times[2] = 0.4  # depth 1 ahead again, just after the change to 2: kept two weighings, then back
+    assert [model.choose(8, times.get).num_steps for _ in range(3)] == [2, 2, 1]

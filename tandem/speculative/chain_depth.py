@@ -16,8 +16,11 @@ cost is the policy's measured round time at its width and batch bucket (of round
 depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
 engine that was not warmed up, or a bucket the warm-up did not reach), a weighing drafts one step at that depth to time
 it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
-another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps. Rounds are counted as they come and folded into
-the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
+another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
+change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
+measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
+second). Rounds are counted as they come and folded into the shares when the depths are weighed, so accounting costs
+one dictionary update per request and round.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ def chain_ladder(spec) -> tuple:
 
 class ChainDepth:
     def __init__(self, ladder: tuple, window: int = 256, margin: float = 0.03,
-                 explore_every: int = 64, recheck_every: int = 8):
+                 explore_every: int = 64, recheck_every: int = 8, dwell: int = 3):
         self.ladder = ladder
         self.full = len(ladder)  # depth d is ladder[d - 1]
         self.keep = 1.0 - 1.0 / window
-        self.margin, self.explore_every, self.recheck_every = margin, explore_every, recheck_every
+        self.margin, self.explore_every, self.recheck_every, self.dwell = margin, explore_every, recheck_every, dwell
+        self._dwelling: dict[int, int] = {}  # bucket -> weighings its depth is still kept after a change
         self._due: dict[int, int] = {}  # bucket -> steps until its depth is weighed again
         self._trials = [0.0] * (self.full + 1)  # by position 1..full (index 0 unused)
         self._accepts = [0.0] * (self.full + 1)
@@ -99,9 +103,13 @@ class ChainDepth:
             best = max(rates, key=rates.get, default=self.full)
         else:
             best = max(rates, key=rates.get)
-            if rates[best] < rates[held] * (1 + self.margin):
+            dwelling = self._dwelling.get(bucket, 0)
+            if dwelling:
+                self._dwelling[bucket] = dwelling - 1
+            if dwelling or rates[best] < rates[held] * (1 + self.margin):
                 best = held
         if best != held:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
+            self._dwelling[bucket] = self.dwell
             log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
                      "s" if best > 1 else "", ", ".join(f"{d}: {1e-3 * r:.1f}k" for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
