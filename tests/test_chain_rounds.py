@@ -521,3 +521,27 @@ def test_a_policy_learning_the_traffic_drafts_lone_rounds_until_it_has_heard_eno
     learning = [run for heard, run in steps if heard < 6]
     assert learning and set(learning) == {1}, steps
     assert max(run for heard, run in steps if heard >= 6) > 1, steps
+
+
+def test_a_round_time_is_never_taken_from_the_steps_around_a_change_of_depth(pair):
+    """A depth the policy runs only now and then would otherwise be timed by the steps that pay for the change (the
+    old runs ended, the new one queued with nothing to overlap): with the chain changing at every decision no
+    speculative step is timed; with one chain throughout, the runs are."""
+    from helpers import target_only_greedy
+
+    root, prompts, _ = pair
+    ref = target_only_greedy(root / "target", prompts, 24)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for policy, cycling in ((CyclingChains(), True), (always_speculate(), False)):
+        timed = []
+        observe = policy.observe_step
+
+        def recording(batch_size, speculative, steps=1, seconds=None, *args, **kwargs):
+            if speculative and steps > 1:
+                timed.append(seconds is not None)
+            return observe(batch_size, speculative, steps, seconds, *args, **kwargs)
+        policy.observe_step = recording
+        with _speculative_engine(root, policy=policy) as eng:
+            outputs, _, most = _run(eng, prompts, params, 4, ref, rate=0.3)
+        assert outputs == ref and most > 1 and timed
+        assert not any(timed) if cycling else any(timed), (cycling, timed)

@@ -76,6 +76,7 @@ class LLMEngine:
         self.chain = StepChain()  # the chain default requests draft now (the policy may shorten it at batch)
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
         self.plain_reason: str | None = None  # why it was plain, in a word (the verifier's stats line tallies them)
+        self._steps_after_switch = 0  # steps still to run after the chain's depth changed (not timed)
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
@@ -218,8 +219,10 @@ class LLMEngine:
         time goes to the policy, by batch size and kind."""
         started, self.last_step = time.perf_counter(), None
         self.accounting.step_starts(started, self.policy)
-        running = len(self.scheduler.running)
+        running, switches = len(self.scheduler.running), self.chain.switches
         outputs = self._step()
+        if self.chain.switches != switches:  # (see StepAccounting.step_ended's ``switched``)
+            self._steps_after_switch = 2
         if self.last_step is not None:
             if running and self.last_step.num_prefill and not self.last_step.num_decode and not outputs:
                 # A prompt's chunk emits no token, so nothing waited for its device work: its time (the prefill
@@ -227,7 +230,9 @@ class LLMEngine:
                 self.executor.synchronize()
             self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
                                        len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
-                                       sum(len(o.new_token_ids) for o in outputs), self.attachment.detached)
+                                       sum(len(o.new_token_ids) for o in outputs), self.attachment.detached,
+                                       switched=self._steps_after_switch > 0)
+        self._steps_after_switch = max(0, self._steps_after_switch - 1)
         return outputs
 
     def _step(self) -> list[StepOutput]:

@@ -11,6 +11,10 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
 - Goodput (tokens over a step's seconds) leaves out a round that first caught the drafter up on held input:
   a switch's price, which the arbiter's short epochs must not take for speculation's pace. (A plain step that
   flushes held input to the drafter is plain mode's own recurring cost: it counts.)
+- The step in which the chain's depth changed and the one after it are not timed: the first ends the queued runs
+  of the old depth (nothing queued behind it), the second queues the new depth's first run with nothing to overlap
+  it; a depth run only now and then (the full chain explored while a shorter one is held) would be timed by such
+  steps alone, slower than it runs.
 - Each step's cost also goes to the prefill pace (tandem.engine.prefill_pace), which cuts long prompts'
   chunks while requests decode.
 """
@@ -69,11 +73,12 @@ class StepAccounting:
 
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
                    running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,
-                   detached: bool = False) -> None:
+                   detached: bool = False, switched: bool = False) -> None:
         """``info`` of the step that ran from ``started`` to ``ended``, with ``running_before`` requests
         decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
         ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted;
-        ``detached``: the drafter was (tandem.speculative.attachment)."""
+        ``detached``: the drafter was (tandem.speculative.attachment); ``switched``: the chain's depth changed in this
+        step or the one before (not timed)."""
         took = ended - started
         self.pace.observe(info, took)
         if self.prefill_apart:
@@ -93,7 +98,7 @@ class StepAccounting:
             return
         resumed = info.speculative and not info.timed  # a round that first caught the drafter up: timed apart
         if info.num_decode:
-            timed = (info.timed or resumed) and not info.num_prefill and running_after > 0
+            timed = (info.timed or resumed) and not info.num_prefill and running_after > 0 and not switched
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed,
                                     info.width)
         if running_before and running_after and not resumed:  # (not the last step before idling; nor a switch's price)
