@@ -895,3 +895,30 @@ def test_plain_far_behind_is_measured_again_only_to_refresh_it():
     assert _plain_epochs(1.5, (8,)) <= refreshes
     assert _plain_epochs(1.5, (5, 8)) <= 2 * refreshes  # buckets 4 and 8, each refreshed
     assert _plain_epochs(1.05, (8,)) > 3 * refreshes  # about even: measured often
+
+
+def test_a_detached_reading_speaks_for_plain_only_a_few_seconds_after_it():
+    """A detached reading is frozen while attached. Compared with speculation measured now, one from a faster stretch
+    of a drifting host detached the drafter on a tie (the demo pair over REST at concurrency 1: speculating 3520 tok/s
+    against a detached 3618 from ~20 s before, while plain then ran at ~2000). Past ``goodput_detached_stale_s`` plain
+    is what attached plain steps measure (a probe may measure it detached again)."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+
+    def meter(speculative, tokens_per_s, detached=False):
+        for _ in range(30):
+            clock.now += 0.01
+            arbiter.observe(1, speculative, tokens_per_s * 0.01, 0.01, detached)
+
+    meter(False, 3618.0, detached=True)
+    meter(False, 2500.0)  # attached plain (a service drafter's features shipped every step)
+    meter(True, 3520.0)
+    assert arbiter.rates(1) == (pytest.approx(3520.0), pytest.approx(3618.0))  # just measured: detached speaks
+    assert cfg.goodput_detached_stale_s < 10.0 < cfg.goodput_stale_s
+    clock.now += 10.0  # stale as a detached reading, not as a reading
+    meter(True, 3520.0)
+    meter(False, 2500.0)
+    assert arbiter.rates(1) == (pytest.approx(3520.0, rel=1e-3), pytest.approx(2500.0, rel=1e-3))

@@ -161,7 +161,7 @@ class GoodputArbiter:
         b, now = self.bucket(batch_size), self.clock()
         spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
         if (now - self._probed.get(b, -math.inf) < self.cfg.goodput_stale_s or self.verdict(batch_size) is not True
-                or self._fresh(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
+                or self._fresh_detached(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
                 or spec.rate >= attached.rate * (1 + self.cfg.goodput_probe_margin)):
             return False
         self._probed[b] = now
@@ -183,13 +183,20 @@ class GoodputArbiter:
         attached = self._meters.get((b, mode))
         if not mode:
             detached = self._meters.get((b, DETACHED))
-            if self._fresh(detached, now) and not (self._fresh(attached, now) and attached.last > detached.last
-                                                   and attached.rate > detached.rate):
+            if self._fresh_detached(detached, now) and not (self._fresh(attached, now) and attached.last > detached.last
+                                                            and attached.rate > detached.rate):
                 return detached
         return attached
 
     def _fresh(self, meter: "_Meter | None", now: float) -> bool:
         return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
+
+    def _fresh_detached(self, meter: "_Meter | None", now: float) -> bool:
+        """A detached reading speaks for plain only ``goodput_detached_stale_s`` after its last step: it is frozen
+        while attached, and compared with speculation measured now, a reading from a faster stretch of a drifting
+        host detached the drafter on a tie (the demo pair over REST at concurrency 1); past it, plain is what attached
+        plain steps measure, and a probe may measure it detached again."""
+        return self._fresh(meter, now) and now - meter.last < self.cfg.goodput_detached_stale_s
 
     def _explore_gap(self, b: int, epoch_s: float, loss: float, explored: bool | None = None) -> float:
         """Seconds until the slower mode's next epoch at bucket ``b``: what one costs — its loss over ``epoch_s``, and
