@@ -11,7 +11,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -160,10 +160,17 @@ def main() -> None:
     ap.add_argument("--gemv-ahead-k", type=int, default=0,
                     help="one-row GEMVs with K up to this read their whole weight slice before the PDL wait "
                          "(GemvConfig.prefetch_steps; 0: the default, the first tile)")
+    ap.add_argument("--absorb-merge", type=int, default=0,
+                    help="the absorbed output projection merges the latent attention's splits itself, its value rows "
+                         "cut into about this many programs a head (mla_absorb.MERGE_SPLITS_HERE; 0: the merge kernel)")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
     if args.gemv_ahead_k:
         read_ahead(args.gemv_ahead_k)
+    if args.absorb_merge:
+        from tandem.kernels import mla_absorb
+
+        mla_absorb.MERGE_SPLITS_HERE, mla_absorb.SPLIT_PROGRAMS_PER_HEAD = True, args.absorb_merge
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("graphs", "eager") for m in modes):
         ap.error(f"--modes takes graphs and/or eager, got {args.modes!r}")

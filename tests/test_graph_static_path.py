@@ -223,7 +223,7 @@ def test_queued_decode_steps_of_a_latent_model_on_the_static_buffers_equal_one_s
     engine, runner = mla_engine, mla_engine.executor.runner
     backend, calls = MLAGraphBackend(), {"attend": 0, "runs": 0}
     attend, queue = backend.forward_absorbed, decode_ahead.queue_decode_steps
-    monkeypatch.setattr(backend, "forward_absorbed", lambda *a: calls.__setitem__("attend", calls["attend"] + 1) or attend(*a))
+    monkeypatch.setattr(backend, "forward_absorbed", lambda *a, **k: calls.__setitem__("attend", calls["attend"] + 1) or attend(*a, **k))
     monkeypatch.setattr(decode_ahead, "queue_decode_steps",
                         lambda *a, **kw: calls.__setitem__("runs", calls["runs"] + 1) or queue(*a, **kw))
     monkeypatch.setattr(runner, "graph_backend", backend, raising=False)

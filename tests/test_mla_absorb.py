@@ -114,3 +114,32 @@ def test_float16_and_shape_errors():
     with pytest.raises(ValueError, match="differ"):
         absorb_out(torch.randn(2, heads, kv_lora), w_uv)
     assert absorb_out(torch.empty(0, heads, kv_lora, dtype=torch.float16), w_uv).shape == (0, heads, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,splits,per_head", [(1, 8, 4), (3, 2, 1), (MAX_ROWS, 4, 16)])
+def test_absorb_out_merges_the_latent_attentions_splits_as_the_merge_kernel_does(tokens, splits, per_head, dtype,
+                                                                                  monkeypatch):
+    """Handed the latent attention's splits unmerged (LatentSplits), absorb_out merges each head's as it reads them:
+    bit for bit what merge_splits then absorb_out give, splits that saw no key included (their outputs NaN, unread;
+    a row no split saw is zero) — and the latent kernel hands its splits over only where it has several."""
+    from tandem.kernels import mla_absorb
+    from tandem.kernels.mla_attention import LatentSplits
+    from tandem.kernels.paged_attention import merge_splits
+    from tandem.kernels.pdl import pdl_launch
+
+    monkeypatch.setattr(mla_absorb, "SPLIT_PROGRAMS_PER_HEAD", per_head)  # value rows cut into this many programs
+    heads, kv_lora = 4, 64
+    gen = torch.Generator().manual_seed(tokens * 10 + splits)
+    _, w_uv = _weights(heads, kv_lora, dtype, gen)
+    part_o = torch.randn(splits, tokens, heads, kv_lora, generator=gen)
+    part_lse = torch.randn(splits, tokens, heads, generator=gen) * 4
+    part_lse[-1], part_o[-1] = -1.0e30, float("nan")  # the last split saw no key anywhere ...
+    part_lse[:, 0, 1], part_o[:, 0, 1] = -1.0e30, float("nan")  # ... and token 0's head 1 none at all
+    merged = torch.empty(tokens, heads, kv_lora, dtype=dtype)
+    merge_splits(part_o, part_lse, merged, pdl_launch(merged))
+    want = absorb_out(merged, w_uv)
+    got = absorb_out(LatentSplits(part_o, part_lse, dtype), w_uv)
+    assert torch.equal(got, want) and not got.isnan().any() and torch.equal(got[0, 1], torch.zeros(V, dtype=dtype))
+    with pytest.raises(ValueError, match="do not go together"):
+        absorb_out(LatentSplits(part_o, part_lse, torch.float16), w_uv)

@@ -184,3 +184,25 @@ def test_tree_speculation_equals_the_reference_route(folder, engines, launches):
     assert runs["triton"][0] == reference
     assert runs["triton"] == runs["torch"]
     assert min(runs["triton"][1]) > 1.5  # long paths were accepted: trees really were verified
+
+
+@pytest.mark.parametrize("merged_here", [False, True])
+def test_decode_with_split_keys_equals_the_reference_route(engines, launches, monkeypatch, merged_here):
+    """On a GPU the latent kernel splits a long context's keys (on the CPU it never does: forced here, four ways):
+    the merge kernel merges them, or with ``MERGE_SPLITS_HERE`` the absorb kernel as it reads them (no merge kernel
+    runs); decode is the reference's either way."""
+    from tandem.kernels import mla_absorb, mla_attention
+
+    monkeypatch.setattr(mla_absorb, "MERGE_SPLITS_HERE", merged_here)
+    monkeypatch.setattr(mla_absorb, "SPLIT_PROGRAMS_PER_HEAD", 2)
+    merges = []
+    monkeypatch.setattr(mla_attention, "default_num_splits", lambda *args: 4)
+    real_merge = mla_attention.merge_splits
+    monkeypatch.setattr(mla_attention, "merge_splits", lambda *args: merges.append(1) or real_merge(*args))
+    prompt = random_prompt(5, 21, VOCAB)
+    ref_tokens, ref_rows = manual_greedy_logits(engines["torch"], prompt, 4)
+    before = dict(launches)
+    tokens, rows = manual_greedy_logits(engines["triton"], prompt, 4)
+    assert _since(launches, before) == {"n": 4 * 3, "absorb_q": 4 * 3, "absorb_out": 4 * 3, "einsum": 0}
+    assert len(merges) == (0 if merged_here else 4 * 3) and tokens == ref_tokens
+    assert_rel(rows, ref_rows, 1e-4, "decode, split keys")

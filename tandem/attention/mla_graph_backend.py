@@ -42,11 +42,12 @@ class MLAGraphBackend:
         return held[0][: bs + 1], held[1][:bs]
 
     def forward_absorbed(self, q: torch.Tensor, pool: torch.Tensor, meta, scale: float,
-                         kv_lora_rank: int) -> torch.Tensor:
-        """``q`` [bs * width, H, kv_lora + rope] → ``Σ p_t c_t`` [bs * width, H, kv_lora]."""
+                         kv_lora_rank: int, merge: bool = True):
+        """``q`` [bs * width, H, kv_lora + rope] → ``Σ p_t c_t`` [bs * width, H, kv_lora] (not ``merge``: the
+        kernel's splits unmerged where it has several, tandem.kernels.mla_attention.LatentSplits)."""
         from tandem.kernels.mla_attention import mla_paged_attention
 
         cu_q_lens, widths = self._offsets(meta.num_seqs, meta.q_len, q.device)
         return mla_paged_attention(q[..., :kv_lora_rank], q[..., kv_lora_rank:], pool, meta.block_tables,
                                    meta.kv_lens, cu_q_lens, meta.q_len, scale, mask=meta.tree_mask,
-                                   mask_widths=widths if meta.tree_mask is not None else None)
+                                   mask_widths=widths if meta.tree_mask is not None else None, merge=merge)

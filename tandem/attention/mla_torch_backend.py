@@ -39,8 +39,9 @@ class TorchMLABackend(TorchAttentionBackend):
         pool.view(-1, pool.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(pool.dtype))
 
     def forward_absorbed(self, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         kv_lora_rank: int) -> torch.Tensor:
-        """``q`` [T, H, kv_lora + rope] (absorbed nope part, then rotated pe) → ``Σ p_t c_t`` [T, H, kv_lora]."""
+                         kv_lora_rank: int, merge: bool = True) -> torch.Tensor:
+        """``q`` [T, H, kv_lora + rope] (absorbed nope part, then rotated pe) → ``Σ p_t c_t`` [T, H, kv_lora]
+        (merged whatever ``merge`` says: nothing here is split)."""
         width = pool.shape[-1]
         out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
         for i in range(meta.num_seqs):

@@ -52,15 +52,16 @@ class TritonMLABackend(TorchMLABackend):
             self._mask_widths = _to_device(torch.tensor(widths, dtype=torch.int32), device)
 
     def forward_absorbed(self, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         kv_lora_rank: int) -> torch.Tensor:
-        """``q`` [T, H, kv_lora + rope] (absorbed nope part, then rotated pe) → ``Σ p_t c_t`` [T, H, kv_lora]."""
+                         kv_lora_rank: int, merge: bool = True):
+        """``q`` [T, H, kv_lora + rope] (absorbed nope part, then rotated pe) → ``Σ p_t c_t`` [T, H, kv_lora] (not
+        ``merge``: the kernel's splits unmerged where it has several, tandem.kernels.mla_attention.LatentSplits)."""
         if not self._kernel_fits:
             return super().forward_absorbed(q, pool, meta, scale, kv_lora_rank)
         from tandem.kernels.mla_attention import mla_paged_attention
 
         return mla_paged_attention(q[..., :kv_lora_rank], q[..., kv_lora_rank:], pool, meta.block_tables,
                                    meta.kv_lens, meta.cu_q_lens, self._max_q_len, scale,
-                                   mask=self._mask, mask_widths=self._mask_widths)
+                                   mask=self._mask, mask_widths=self._mask_widths, merge=merge)
 
     def forward_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:

@@ -7,7 +7,12 @@ PDL-launched kernels around them. Here each is one launch:
 
 * ``absorb_q(q, w_uk, kv_lora)`` → ``[T, H, kv_lora + rope]``: ``q_nope[t, h] @ w_uk[h]`` in the first
   kv_lora columns and ``q_pe[t, h]`` copied behind them — what the latent attention reads.
-* ``absorb_out(attended, w_uv)`` → ``[T, H, v]``: ``attended[t, h] @ w_uv[h]ᵀ``.
+* ``absorb_out(attended, w_uv)`` → ``[T, H, v]``: ``attended[t, h] @ w_uv[h]ᵀ``; ``attended`` may be the latent
+  attention's splits unmerged (``LatentSplits``): each program then merges its head's splits as it reads them,
+  exactly as the merge kernel would (the same float32 sums, rounded to the activation dtype), which spares a
+  dependent kernel a layer but merges a head's splits once per program of that head. Off by default
+  (``MERGE_SPLITS_HERE``) until it measures faster (docs/benchmarks.md, the V2-Lite profile);
+  ``bench/profile_deepseek.py --absorb-merge N`` tries it with about N programs a head.
 
 At a few rows the weights (slices of the kv_b projection) are nearly all the bytes read, so the grid is
 split over heads × column tiles (absorb_q) or heads × value rows (absorb_out) until it has ~256 programs.
@@ -24,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.mla_attention import LatentSplits
+from tandem.kernels.paged_attention import _NO_KEY
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 from tandem.kernels.rounding import round_to
 
@@ -31,6 +38,8 @@ from tandem.kernels.rounding import round_to
 # took about as long as the einsums with their cat and copies on the H200 (bench --sections mla, absorb rows).
 MAX_ROWS = 8
 PROGRAMS_WANTED = 256  # enough programs in flight to stream the weights on Hopper's 132 SMs
+MERGE_SPLITS_HERE = False  # the model hands absorb_out the latent attention's splits unmerged (see the module)
+SPLIT_PROGRAMS_PER_HEAD = 4  # ... and each head's value rows are cut into about this many programs, each merging
 
 
 @triton.jit
@@ -66,10 +75,23 @@ def _absorb_q_kernel(
 
 
 @triton.jit
+def _merged_row(o_row, lse_row, c, c_ok, stride_os, stride_ls, NUM_SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """One token's and head's latent output from its splits, as paged_attention's merge kernel computes and rounds
+    it (the splits weighted by their log-sum-exps; a split that saw no key wrote nothing and is not read)."""
+    s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_row + s * stride_ls)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(o_row + s[:, None] * stride_os + c[None, :], mask=(lse > _NO_KEY)[:, None] & c_ok[None, :], other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    return merged.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _absorb_out_kernel(
-    a_ptr, w_ptr, out_ptr, num_tokens,
-    stride_at, stride_ah, stride_wh, stride_wv, stride_ot, stride_oh,
-    V: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    a_ptr, lse_ptr, w_ptr, out_ptr, num_tokens,
+    stride_as, stride_at, stride_ah, stride_ls, stride_lt, stride_wh, stride_wv, stride_ot, stride_oh,
+    V: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -79,13 +101,17 @@ def _absorb_out_kernel(
                 other=0.0).to(tl.float32)  # before the wait, as in absorb_q
     pdl_enter(PDL)
     dtype = out_ptr.dtype.element_ty
-    a_row, out_row = a_ptr + h * stride_ah, out_ptr + h * stride_oh
+    a_row, lse_row, out_row = a_ptr + h * stride_ah, lse_ptr + h, out_ptr + h * stride_oh
     t = 0
     while t < num_tokens:
-        a = tl.load(a_row + c, mask=c_ok, other=0.0).to(tl.float32)
+        if NUM_SPLITS == 1:
+            a = tl.load(a_row + c, mask=c_ok, other=0.0).to(tl.float32)
+        else:
+            a = _merged_row(a_row, lse_row, c, c_ok, stride_as, stride_ls, NUM_SPLITS, dtype)
         acc = tl.sum(w * a[None, :], axis=1)
         tl.store(out_row + v, round_to(acc, dtype).to(dtype), mask=v_ok)
         a_row += stride_at
+        lse_row += stride_lt
         out_row += stride_ot
         t += 1
 
@@ -127,22 +153,33 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int) -> torch.Tensor:
     return out
 
 
-def absorb_out(attended: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``attended`` [T, H, kv_lora], ``w_uv`` [H, v, kv_lora] (a view of kv_b's weight) →
-    ``attended @ w_uvᵀ`` per head [T, H, v], contiguous, in attended's dtype."""
+def absorb_out(attended: "torch.Tensor | LatentSplits", w_uv: torch.Tensor) -> torch.Tensor:
+    """``attended`` [T, H, kv_lora] (or the latent attention's unmerged splits of that, ``LatentSplits``), ``w_uv``
+    [H, v, kv_lora] (a view of kv_b's weight) → ``attended @ w_uvᵀ`` per head [T, H, v], contiguous, in attended's
+    dtype."""
     tokens, heads, kv_lora = attended.shape
     v = w_uv.shape[1]
     if w_uv.shape != (heads, v, kv_lora):
         raise ValueError(f"absorb_out: attended {tuple(attended.shape)} and w_uv {tuple(w_uv.shape)} do not agree")
-    _check("absorb_out", attended, w_uv)
-    out = torch.empty(tokens, heads, v, dtype=attended.dtype, device=attended.device)
+    if isinstance(attended, LatentSplits):
+        dtype, parts, lse = attended.dtype, attended.part_o, attended.part_lse
+        if dtype != w_uv.dtype or parts.stride(-1) != 1 or w_uv.stride(-1) != 1:
+            raise ValueError(f"absorb_out: splits for {dtype} (last stride {parts.stride(-1)}) and weights {w_uv.dtype} "
+                             f"(last stride {w_uv.stride(-1)}) do not go together")
+        splits, strides = parts.shape[0], (parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+                                           lse.stride(1))
+    else:
+        _check("absorb_out", attended, w_uv)
+        dtype, parts, lse, splits = attended.dtype, attended, attended, 1
+        strides = (0, attended.stride(0), attended.stride(1), 0, 0)
+    out = torch.empty(tokens, heads, v, dtype=dtype, device=w_uv.device)
     if tokens == 0:
         return out
-    block_v = _tile(heads, v, 16, 4)
+    block_v = (_tile(heads, v, 16, 4) if splits == 1 else
+               max(4, triton.next_power_of_2(triton.cdiv(v, SPLIT_PROGRAMS_PER_HEAD))))
     _absorb_out_kernel[(heads, triton.cdiv(v, block_v))](
-        attended, w_uv, out, tokens, attended.stride(0), attended.stride(1), w_uv.stride(0), w_uv.stride(1),
-        out.stride(0), out.stride(1),
-        V=v, KV_LORA=kv_lora, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(kv_lora), num_warps=4,
-        **pdl_launch(attended),
+        parts, lse, w_uv, out, tokens, *strides, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+        V=v, KV_LORA=kv_lora, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(kv_lora), NUM_SPLITS=splits,
+        num_warps=4, **pdl_launch(w_uv),
     )
     return out

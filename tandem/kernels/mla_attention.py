@@ -18,7 +18,9 @@ keys before the last ``W`` are always seen and new token ``i`` sees the last ``W
 
 Split-K ("flash-decoding"): with ``num_splits > 1`` each sequence's keys are cut into that many
 chunks whose partial outputs and log-sum-exps are merged by paged_attention's merge kernel in a fixed
-order, so results do not depend on timing. The split count is a launch constant (graph-safe).
+order, so results do not depend on timing — or, with ``merge=False``, handed back unmerged (``LatentSplits``)
+for the kernel after it to merge as it reads them (tandem/kernels/mla_absorb.py's ``absorb_out``: one dependent
+kernel a layer fewer). The split count is a launch constant (graph-safe).
 Rows that see no key produce zeros, never NaN; keys past ``kv_len`` are never loaded.
 """
 
@@ -32,6 +34,21 @@ import triton.language as tl
 
 from tandem.kernels.paged_attention import _NO_KEY, _split_bounds, _store_result, default_num_splits, merge_splits
 from tandem.kernels.pdl import pdl_enter, pdl_launch
+
+
+@dataclass(frozen=True)
+class LatentSplits:
+    """The latent attention's output before its splits are merged: ``part_o`` [S, T, H, kv_lora] float32 partial
+    outputs and ``part_lse`` [S, T, H] their log-sum-exps (base 2; a split that saw no key has ``_NO_KEY`` and wrote
+    nothing); ``dtype``: what the merged output is rounded to, as the merge kernel rounds it."""
+
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.part_o.shape[1:])
 
 
 @triton.jit
@@ -198,7 +215,8 @@ def mla_paged_attention(
     out: torch.Tensor | None = None,  # [T, H, kv_lora]; allocated in q_latent's dtype when None
     num_splits: int | None = None,  # power of two; None: from the shapes
     tiles: LatentTiles | None = None,  # None: default_tiles (benchmarks try others)
-) -> torch.Tensor:
+    merge: bool = True,  # False: with several splits, return them unmerged (LatentSplits)
+) -> "torch.Tensor | LatentSplits":
     num_tokens, num_heads, lora = q_latent.shape
     rope = q_rope.shape[-1]
     batch = kv_lens.shape[0]
@@ -257,5 +275,7 @@ def mla_paged_attention(
         num_warps=num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if num_splits > 1:
+        if not merge:
+            return LatentSplits(part_o, part_lse, out.dtype)
         merge_splits(part_o, part_lse, out, pdl)
     return out

@@ -136,7 +136,9 @@ class MLAttention(nn.Module):
                 q_absorbed = absorb.absorb_q(q, w_uk, m.kv_lora_rank)  # [q_nope W_UK, q_pe]
             else:
                 q_absorbed = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
-            attended = backend.forward_absorbed(q_absorbed, pool, meta, self.scale, m.kv_lora_rank)  # [T, H, kv_lora]
+            # [T, H, kv_lora] (or its splits unmerged, for the absorb kernel to merge: mla_absorb.MERGE_SPLITS_HERE)
+            attended = backend.forward_absorbed(q_absorbed, pool, meta, self.scale, m.kv_lora_rank,
+                                                merge=absorb is None or not absorb.MERGE_SPLITS_HERE)
             if absorb is not None:
                 out = absorb.absorb_out(attended, w_uv)
             else:
