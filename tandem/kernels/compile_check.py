@@ -179,6 +179,11 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         mab.absorb_q(torch.empty(tokens, heads, 192, dtype=dt), w_uk, 512)
         mab.absorb_out(torch.empty(tokens, heads, 512, dtype=dt), w_uv)
         _report(f"mla_absorb h{heads} t{tokens}", failures)
+        for per_head in (4, 8, 16):  # splits merged in absorb_out (MERGE_SPLITS_HERE), value rows cut so (2: spills)
+            mab.SPLIT_PROGRAMS_PER_HEAD = per_head
+            mab.absorb_out(mla.LatentSplits(torch.empty(8, tokens, heads, 512), torch.empty(8, tokens, heads), dt), w_uv)
+            _report(f"mla_absorb merging h{heads} t{tokens} {per_head}/head", failures)
+        mab.SPLIT_PROGRAMS_PER_HEAD = 4
     for experts, groups, kept, k in ((64, 1, 1, 6), (256, 8, 4, 8), (384, 1, 1, 8)):  # V2-Lite, V3, Kimi
         mr.noaux_route(torch.empty(8, experts), torch.empty(experts), groups, kept, k, True, 2.5)
         _report(f"noaux_route {experts} experts, {groups} groups, top {k}", failures)
