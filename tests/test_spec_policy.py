@@ -922,3 +922,34 @@ def test_a_detached_reading_speaks_for_plain_only_a_few_seconds_after_it():
     meter(True, 3520.0)
     meter(False, 2500.0)
     assert arbiter.rates(1) == (pytest.approx(3520.0, rel=1e-3), pytest.approx(2500.0, rel=1e-3))
+
+
+def test_a_probe_needs_a_closer_race_where_attached_plain_steps_only_hold_features():
+    """Speculation 10 % ahead of attached plain steps: with a drafter service (every plain step ships its features)
+    detached plain steps may well be faster, so a probe measures them; with an in-process head, which only holds the
+    features, they can hardly be 10 % faster, and a probe would cost the batch admitted meanwhile its drafts."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    def arbiter_with_a_verdict() -> GoodputArbiter:
+        clock, cfg = SimClock(), PolicyConfig()
+        arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+        for speculative, rate in ((True, 1100.0), (False, 1000.0)):
+            for _ in range(30):
+                clock.now += 0.01
+                arbiter.observe(8, speculative, rate * 0.01, 0.01)
+        for _ in range(50):  # epochs until speculation is the verdict
+            clock.now += cfg.goodput_epoch_s
+            arbiter._epoch_steps = cfg.goodput_epoch_steps
+            arbiter.choose(8, True, lambda: 0.1)
+        assert arbiter.verdict(8) is True
+        return arbiter
+
+    assert arbiter_with_a_verdict().take_probe(8, ships_features=True)
+    assert not arbiter_with_a_verdict().take_probe(8, ships_features=False)
+    assert PolicyConfig().goodput_probe_margin_held < 0.1 < PolicyConfig().goodput_probe_margin
+    from tandem.speculative.drafter import Eagle3Drafter
+    from verifier.drafter_client import DrafterClient
+    from verifier.in_process_head import GuardedHead
+
+    assert DrafterClient.ships_features and not GuardedHead.ships_features and not Eagle3Drafter.ships_features

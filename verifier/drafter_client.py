@@ -50,6 +50,7 @@ MAX_TRACES = 65536  # trace contexts kept at most (each request's is forgotten w
 class DrafterClient(Proposer):
     prefetches = True  # a Round sent at the end of a step is answered while the engine finishes it
     caches_prefixes = True  # the drafter service keeps its own prefix cache (attach_prefix travels in Extend.prefix)
+    ships_features = True  # attached, every plain step's features travel to the service
 
     FLUSH_ROWS = ROUND_FEATURE_ROWS  # pending extend rows that trigger an extend-only round
 

@@ -173,7 +173,8 @@ class LLMEngine:
         # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment); or a
         # probe: speculation ahead of attached plain steps only, the step plain and the drafter detached briefly
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
-        probe = asked and self.speculating and self._can_switch() and self.policy.probe_detached(len(running))
+        probe = (asked and self.speculating and self._can_switch()
+                 and self.policy.probe_detached(len(running), self.proposer.ships_features))
         self.speculating = self.speculating and not probe
         self.plain_reason = (None if self.speculating else "probe" if probe else "drafter down" if not self.drafts.up()
                              else "no drafts" if not drafting else "detached" if not asked else self.policy.plain_reason)

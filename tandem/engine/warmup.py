@@ -72,7 +72,7 @@ class _Forced:
     def learning_traffic(self) -> bool:
         return False  # (the warm-up times runs of rounds)
 
-    def probe_detached(self, batch_size) -> bool:
+    def probe_detached(self, batch_size, ships_features=True) -> bool:
         return False
 
     def measured_lead(self, batch_size) -> None:

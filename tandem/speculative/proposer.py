@@ -25,6 +25,9 @@ class Proposer:
     steer_on_device: Callable | None = None
     # Whether ``prefetch`` does anything (a proposer that answers later: the drafter service's client).
     prefetches: bool = False
+    # Whether plain steps with it attached send it every token's features (a drafter service): they then pay for input
+    # no draft may use, and plain steps with it detached may be much faster (the policy probes them sooner).
+    ships_features: bool = False
     # Whether it keeps a prefix cache of its own KV (``attach_prefix``): requests on cached target pages
     # start on it; without one, such requests do not speculate.
     caches_prefixes: bool = False
