@@ -30,8 +30,11 @@ IDLE_GAP_S = 1.0  # a pause between two steps longer than this was idle time, no
 class StatsLine:
     def __init__(self, interval_s: float, speculative: bool):
         self.interval_s, self.speculative = interval_s, speculative
-        self._since = None  # when the current window's first step ended
         self._last_step = None
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self._since = None  # when the window's first step ended
         self._busy_s = 0.0
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
         self._drafted = self._spec_rounds = self._chain_switches = 0
@@ -90,11 +93,7 @@ class StatsLine:
             spec = "spec off (the policy: it did not pay)"
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
                 f"accept len {accept}, KV usage {100 * kv_usage:.1f}%, preemptions {self._preempted}, {spec}")
-        self._since = None
-        self._busy_s = 0.0
-        self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
-        self._drafted = self._spec_rounds = self._chain_switches = 0
-        self._plain_for = {}
+        self._new_window()
         return text
 
     def maybe_log(self, now: float, running: int, waiting: int, kv_usage: float, drafter_up: bool = True,

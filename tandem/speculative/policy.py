@@ -215,7 +215,7 @@ class SpeculationPolicy(StepCosts):
         if not self.cfg.enabled:
             return True
         model_says = self.model_decision(batch_size, drafting, runs)
-        if self.goodput is None or self.rounds_all < max(1, self.cfg.warmup_rounds):
+        if self.goodput is None or self._learning:
             self.plain_reason = None if model_says else self._model_reason
             return model_says  # (in the warm-up rounds it speculates to learn the traffic's τ)
         rounds_can_pay = not self._rounds_of_one_token(batch_size)
@@ -240,7 +240,7 @@ class SpeculationPolicy(StepCosts):
     def model_decision(self, batch_size: int, drafting: list[RequestSpecState], runs: bool | None = None) -> bool:
         """The cost model's answer: the batch's τ against the cost ratio, with probes and explorations."""
         c = self.cfg
-        if self.rounds_all < max(1, c.warmup_rounds):
+        if self._learning:
             return True  # too little known about this traffic: find out
         ratio = self.cost_ratio(batch_size, runs)
         if c.fixed_cost_ratio is None:  # time a plain step where none is known, and now and then again
@@ -305,7 +305,12 @@ class SpeculationPolicy(StepCosts):
     def learning_traffic(self) -> bool:
         """Whether this policy still speculates to learn the traffic's τ (fewer than ``warmup_rounds`` rounds since
         start-up or new traffic); never when it speculates always."""
-        return self.cfg.enabled and self.rounds_all < max(1, self.cfg.warmup_rounds)
+        return self.cfg.enabled and self._learning
+
+    @property
+    def _learning(self) -> bool:
+        """Fewer than ``warmup_rounds`` rounds heard since start-up or new traffic: τ is not trusted yet."""
+        return self.rounds_all < max(1, self.cfg.warmup_rounds)
 
     @property
     def tau_all(self) -> float | None:
