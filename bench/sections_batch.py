@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 
@@ -26,33 +27,42 @@ GOALS = tuple(float(t) for t in os.environ.get("TANDEM_BENCH_GOALS", "1,2,3,4").
 
 
 class StepLog:
-    """The policy's view of each decode step of a run: (verify width or None, steps, ms per step or None, resumed)."""
+    """The policy's view of each decode step of a run: (verify width or None, steps, ms per step or None, resumed,
+    wall ms). The policy hears of a step as the next one starts, so the time between two such calls is the earlier
+    step's wall time, also where the policy is told none (a step around a change of depth, after prompts)."""
 
     def __init__(self, policy):
-        self.steps, real = [], policy.observe_step
+        self.steps, real, last = [], policy.observe_step, [None]
 
         def observe(n, speculative, steps=1, seconds=None, resumed=False, width=None):
+            now = time.perf_counter()
+            wall = None if last[0] is None else round(1e3 * (now - last[0]), 1)
+            last[0] = now
             self.steps.append((width if speculative else None, steps,
-                               None if seconds is None else round(1e3 * seconds / steps, 2), resumed))
+                               None if seconds is None else round(1e3 * seconds / steps, 2), resumed, wall))
             real(n, speculative, steps, seconds, resumed, width)
 
         policy.observe_step = observe
 
     def summary(self) -> str:
         kinds = {}
-        for width, steps, ms, resumed in self.steps:
+        for width, steps, ms, resumed, wall in self.steps:
             key = "resume" if resumed else f"{f'spec {width} wide' if width else 'plain'} x{steps}"
-            kinds.setdefault(key, []).append(ms)
+            kinds.setdefault(key, []).append((ms, wall))
+
         def median(values):
             timed = sorted(m for m in values if m is not None)
             return timed[len(timed) // 2] if timed else None
 
-        return "; ".join(f"{k}: {len(v)} steps, median {median(v)} ms" for k, v in sorted(kinds.items()))
+        def slowest(values):
+            walls = [w for _, w in values if w is not None]
+            return f" (slowest {max(walls)} ms wall)" if walls else ""
+
+        return "; ".join(f"{k}: {len(v)} steps, median {median(m for m, _ in v)} ms{slowest(v)}"
+                         for k, v in sorted(kinds.items()))
 
 
 def _target_only(engine, prompts, params) -> float:
-    import time
-
     proposer, engine.proposer = engine.proposer, None  # the target alone: no features kept for anyone
     try:
         rids = [engine.add_request(p, params, spec=None) for p in prompts]

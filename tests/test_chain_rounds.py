@@ -493,10 +493,11 @@ def test_a_shorter_chain_takes_over_between_runs_and_tokens_stay_target_greedy(p
         assert _all_pages_free(eng)
 
 
-def test_a_policy_learning_the_traffic_drafts_lone_rounds_until_it_has_heard_enough(pair):
-    """While the default policy has yet to hear ``warmup_rounds`` rounds of new traffic it speculates to learn τ: one
-    round a step, since what those rounds teach decides whether queuing runs pays (a head that accepts nothing paid
-    the runs queued meanwhile). Then runs of rounds; the output stays target-only greedy."""
+def test_a_policy_learning_the_traffic_queues_no_more_rounds_than_it_has_left_to_learn(pair):
+    """While the default policy has yet to hear ``warmup_rounds`` rounds of new traffic it speculates to learn τ, in
+    runs no longer than the rounds it has left to learn spread over the batch (what those rounds teach decides
+    whether queuing runs pays: a head that accepts nothing paid the runs queued meanwhile). Then full runs; the
+    output stays target-only greedy."""
     from helpers import target_only_greedy
     from tandem.speculative.policy import PolicyConfig, SpeculationPolicy
 
@@ -506,7 +507,7 @@ def test_a_policy_learning_the_traffic_drafts_lone_rounds_until_it_has_heard_eno
 
     root, prompts, _ = pair
     ref = target_only_greedy(root / "target", prompts, 24)
-    policy = Speculating(PolicyConfig(warmup_rounds=6))
+    policy = Speculating(PolicyConfig(warmup_rounds=12))
     with _speculative_engine(root, policy=policy) as eng:
         eng.spec_rounds = 4
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
@@ -518,30 +519,37 @@ def test_a_policy_learning_the_traffic_drafts_lone_rounds_until_it_has_heard_eno
             if info is not None and info.speculative and info.num_decode:
                 steps.append((heard, info.steps))
         assert [eng.requests.pop(rid).output for rid in rids] == ref
-    learning = [run for heard, run in steps if heard < 6]
-    assert learning and set(learning) == {1}, steps
-    assert max(run for heard, run in steps if heard >= 6) > 1, steps
+    learning = [(heard, run) for heard, run in steps if heard < 12]
+    batch = len(prompts)
+    assert all(run <= -(-(12 - heard) // batch) for heard, run in learning), steps
+    assert any(run > 1 for _, run in learning), steps  # (runs, not lone rounds, where the batch leaves some to learn)
+    assert max(run for heard, run in steps if heard >= 12) == 4, steps
 
 
 def test_a_round_time_is_never_taken_from_the_steps_around_a_change_of_depth(pair):
     """A depth the policy runs only now and then would otherwise be timed by the steps that pay for the change (the
     old runs ended, the new one queued with nothing to overlap): with the chain changing at every decision no
-    speculative step is timed; with one chain throughout, the runs are."""
+    speculative step is timed, nor counted in goodput; with one chain throughout, the runs are."""
     from helpers import target_only_greedy
 
     root, prompts, _ = pair
     ref = target_only_greedy(root / "target", prompts, 24)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     for policy, cycling in ((CyclingChains(), True), (always_speculate(), False)):
-        timed = []
-        observe = policy.observe_step
+        timed, goodput = [], []
+        observe, observe_goodput = policy.observe_step, policy.observe_goodput
 
         def recording(batch_size, speculative, steps=1, seconds=None, *args, **kwargs):
             if speculative and steps > 1:
                 timed.append(seconds is not None)
             return observe(batch_size, speculative, steps, seconds, *args, **kwargs)
-        policy.observe_step = recording
+
+        def recording_goodput(batch_size, speculative, *args, **kwargs):
+            goodput.append(speculative)
+            return observe_goodput(batch_size, speculative, *args, **kwargs)
+        policy.observe_step, policy.observe_goodput = recording, recording_goodput
         with _speculative_engine(root, policy=policy) as eng:
             outputs, _, most = _run(eng, prompts, params, 4, ref, rate=0.3)
         assert outputs == ref and most > 1 and timed
         assert not any(timed) if cycling else any(timed), (cycling, timed)
+        assert not any(goodput) if cycling else any(goodput), (cycling, goodput)

@@ -101,9 +101,13 @@ def test_prompts_kept_apart_leave_decoding_owed_as_long_as_they_took_capped_and_
 
 def test_the_steps_around_a_change_of_chain_depth_are_not_timed():
     """The step in which the chain's depth changed ends the old depth's queued runs and the next queues the new
-    depth's first run with nothing to overlap it: neither is a round's cost (the engine says ``switched``). Their
-    goodput still counts: a switch's price is the mode's."""
+    depth's first run with nothing to overlap it: neither is a round's cost (the engine says ``switched``), nor
+    speculation's goodput (a burst of them would read as speculation far slower than it runs)."""
     acc, policy = StepAccounting(prefill_apart=False), Heard()
     acc.step_ended(policy, decode(4, steps=3, width=3), 0.0, 0.1, 4, 4, True, PROPOSER, True, 9, switched=True)
     acc.step_starts(0.2, policy)
-    assert policy.calls == [("step", 4, True, 3, None, False), ("goodput", 4, True, 9, pytest.approx(0.2))]
+    assert policy.calls == [("step", 4, True, 3, None, False)]
+    acc.step_ended(policy, decode(4, steps=3, width=3), 0.2, 0.3, 4, 4, True, PROPOSER, True, 9)
+    acc.step_starts(0.4, policy)
+    assert policy.calls[1:] == [("step", 4, True, 3, pytest.approx(0.2), False),
+                                ("goodput", 4, True, 9, pytest.approx(0.2))]

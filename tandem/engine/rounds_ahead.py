@@ -43,13 +43,20 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round; and while
-    # the policy has yet to learn the traffic's τ (its first rounds after start-up or new traffic), one round: what it
-    # teaches decides whether runs are worth queuing (a head that accepts nothing paid runs of rounds queued meanwhile)
-    if engine.prompts_due() or engine.accounting.after_prompts or engine.policy.learning_traffic():
+    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round
+    if engine.prompts_due() or engine.accounting.after_prompts:
         if queued or not engine.prefill_apart:
             return 0
         rounds = 1
+    # While the policy has yet to learn the traffic's τ (its first rounds after start-up or new traffic), no more rounds
+    # than it has left to learn: what they teach decides whether runs pay (a head that accepts nothing paid the runs
+    # queued meanwhile at batch 64); alone, a request learns in runs, cheaper per round than rounds on the host.
+    learning = engine.policy.learning_rounds_left()
+    if learning:
+        learning -= queued * len(reqs)  # (rounds queued and not read back yet teach it too)
+        if learning <= 0:
+            return 0
+        rounds = min(rounds, math.ceil(learning / len(reqs)))
     spec = reqs[0].spec
     if spec is None or spec.topk != 1 or (queued and not engine.chain.settled(spec)):  # (the policy shortens it)
         return 0

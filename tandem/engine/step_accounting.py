@@ -11,7 +11,9 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
 - Goodput (tokens over a step's seconds) leaves out a round that first caught the drafter up on held input:
   a switch's price, which the arbiter's short epochs must not take for speculation's pace. (A plain step that
   flushes held input to the drafter is plain mode's own recurring cost: it counts.)
-- The step in which the chain's depth changed and the one after it are not timed: the first ends the queued runs
+- The step in which the chain's depth changed and the one after it are not timed, nor counted in goodput (where a
+  burst of such steps after the policy shortened the chain read as speculation far below plain, and detached the
+  drafter): the first ends the queued runs
   of the old depth (nothing queued behind it), the second queues the new depth's first run with nothing to overlap
   it; a depth run only now and then (the full chain explored while a shorter one is held) would be timed by such
   steps alone, slower than it runs.
@@ -101,6 +103,7 @@ class StepAccounting:
             timed = (info.timed or resumed) and not info.num_prefill and running_after > 0 and not switched
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed,
                                     info.width)
-        if running_before and running_after and not resumed:  # (not the last step before idling; nor a switch's price)
+        if running_before and running_after and not resumed and not switched:
+            # (not the last step before idling; nor a drafter's catching up, nor a change of depth: their price)
             mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started, detached and not mode)

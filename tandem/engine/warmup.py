@@ -69,8 +69,8 @@ class _Forced:
     def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)
 
-    def learning_traffic(self) -> bool:
-        return False  # (the warm-up times runs of rounds)
+    def learning_rounds_left(self) -> int:
+        return 0  # (the warm-up times runs of rounds)
 
     def probe_detached(self, batch_size, ships_features=True) -> bool:
         return False

@@ -302,10 +302,10 @@ class SpeculationPolicy(StepCosts):
         self._all.add(tokens)
         self.rounds_all += 1
 
-    def learning_traffic(self) -> bool:
-        """Whether this policy still speculates to learn the traffic's τ (fewer than ``warmup_rounds`` rounds since
-        start-up or new traffic); never when it speculates always."""
-        return self.cfg.enabled and self._learning
+    def learning_rounds_left(self) -> int:
+        """Rounds (all requests') this policy still speculates to learn the traffic's τ since start-up or new traffic
+        (``warmup_rounds`` in all); 0 once learnt, and always 0 when it speculates always."""
+        return max(0, max(1, self.cfg.warmup_rounds) - self.rounds_all) if self.cfg.enabled else 0
 
     @property
     def _learning(self) -> bool:
