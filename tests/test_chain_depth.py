@@ -350,3 +350,23 @@ def test_after_a_change_the_new_depth_is_kept_for_a_few_weighings():
     assert [model.choose(8, times.get).num_steps for _ in range(3)] == [1, 1, 2]
     times[2] = 0.4  # depth 1 ahead again, just after the change to 2: kept two weighings, then back
     assert [model.choose(8, times.get).num_steps for _ in range(3)] == [2, 2, 1]
+
+
+def test_a_batch_moving_between_buckets_does_not_change_depth_at_each_crossing():
+    """A steady load's batch moves between two buckets all the time (requests end and arrive): here two steps at
+    bucket 8, two at bucket 4. At bucket 8 the full chain makes 15 % more than the chain of 2; at bucket 4 the chain of
+    2 is ahead (8 %, or twice). A change costs about a step's overlap, which two steps' gain does not pay back: once
+    the stays are measured the depth stops changing at the crossings (at bucket 4, where its best is far ahead, that
+    best)."""
+    p = [0.9, 0.9, 0.5]
+    for gain in (1.08, 2.0):
+        model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.03, explore_every=1000, recheck_every=1)
+        _rounds(model, p, 3, 4000, random.Random(5))
+        tokens = {d: model.tokens_per_round(d) for d in (1, 2, 3)}
+        costs = {8: {w: 1.0 for w in (2, 3, 4)}, 4: {2: 1.0, 3: 1.0, 4: tokens[3] / tokens[2] * gain}}
+        assert [model.choose(4, costs[4].get).num_steps for _ in range(20)][-1] == 2  # (a long stay at 4 first)
+        assert model.choose(8, costs[8].get).num_steps == 3
+        picks = [model.choose(bucket, costs[bucket].get).num_steps for bucket in (8, 4, 4, 8) * 20]
+        late = picks[20:]  # (the stays learnt: 2 steps at a time)
+        assert len(set(late)) == 1, (gain, picks)
+        assert gain < 2 or set(late) == {2}, (gain, picks)

@@ -19,7 +19,11 @@ it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chose
 another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
-second). Rounds are counted as they come and folded into the shares when the depths are weighed, so accounting costs
+second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
+the bucket's best beats it there by the margin. And any change must promise enough to pay its price
+(``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
+bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
+crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into the shares when the depths are weighed, so accounting costs
 one dictionary update per request and round.
 """
 
@@ -33,6 +37,9 @@ log = logging.getLogger("tandem.policy")
 
 PRIOR_ROUNDS = 2.0  # a position with no rounds yet is taken to accept half of its drafts, worth this many rounds
 MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed at all: the full one until then
+# What changing depth costs, in steps: the queued run in flight ends with none behind it, and the next is queued with
+# nothing to overlap its host work
+SWITCH_PRICE_STEPS = 1.0
 UNMEASURED_TRIALS = 3  # steps a depth whose round time is unknown at a bucket is tried there, one a weighing
 
 
@@ -59,6 +66,10 @@ class ChainDepth:
         self._chosen: dict[int, int] = {}  # bucket -> depth
         self._short_steps = 0  # speculative steps at a shorter depth since the full one last ran
         self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> steps drafted to time an unmeasured width
+        self._running: int | None = None  # the depth the last step drafted
+        self._bucket: int | None = None  # the bucket the last step ran at
+        self._steps_here = 0  # speculative steps since the batch came into it
+        self._stay: dict[int, float] = {}  # bucket -> speculative steps the batch stays there once it comes in
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -78,18 +89,23 @@ class ChainDepth:
         """This step's chain at batch ``bucket``; ``round_time(width)``: seconds a round of that verify width
         costs there (None: not measured; such a depth is not chosen)."""
         held = self._chosen.get(bucket, self.full)
-        if held < self.full:
+        # The batch just came into this bucket with another depth running (buckets hold their own depths): weighed now,
+        # the running depth kept unless this bucket's best beats it by the margin (a batch moving between buckets 4
+        # and 8 would otherwise change depth at each crossing, each change ending the queued runs).
+        entered = self._running is not None and bucket != self._bucket and held != self._running
+        self._count_stay(bucket)
+        if held < self.full and not entered:
             self._short_steps += 1
             if self._short_steps >= self.explore_every:  # the positions past it are measured again
                 self._short_steps = 0
-                return self.ladder[-1]
+                return self._run(self.full)
         due = self._due.get(bucket, 0)
-        if due > 0:  # (weighed every few steps: acceptance and costs move slowly)
+        if due > 0 and not entered:  # (weighed every few steps: acceptance and costs move slowly)
             self._due[bucket] = due - 1
-            return self.ladder[held - 1]
+            return self._run(held)
         self._fold()
         if self._trials[1] < MIN_ROUNDS:
-            return self.ladder[-1]
+            return self._run(self.full)
         self._due[bucket] = self.recheck_every - 1
         rates = {}
         for depth in range(1, self.full + 1):
@@ -98,22 +114,40 @@ class ChainDepth:
                 rates[depth] = self.tokens_per_round(depth) / seconds
             elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # this step times it
                 self._tried[bucket, depth] = self._tried.get((bucket, depth), 0) + 1
-                return self.ladder[depth - 1]
-        if held not in rates:
+                return self._run(depth)
+        incumbent = self._running if entered else held
+        if incumbent not in rates:
             best = max(rates, key=rates.get, default=self.full)
         else:
             best = max(rates, key=rates.get)
-            dwelling = self._dwelling.get(bucket, 0)
+            dwelling = 0 if entered else self._dwelling.get(bucket, 0)
             if dwelling:
                 self._dwelling[bucket] = dwelling - 1
-            if dwelling or rates[best] < rates[held] * (1 + self.margin):
-                best = held
-        if best != held:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
+            # a change must pay its price back in the steps the batch is expected to stay in the bucket
+            stay = self._stay.get(bucket)
+            margin = self.margin if stay is None else max(self.margin, SWITCH_PRICE_STEPS / stay)
+            if dwelling or rates[best] < rates[incumbent] * (1 + margin):
+                best = incumbent
+        if best != incumbent:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
             self._dwelling[bucket] = self.dwell
             log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
                      "s" if best > 1 else "", ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k" for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
-        return self.ladder[best - 1]
+        return self._run(best)
+
+    def _count_stay(self, bucket: int) -> None:
+        """Speculative steps the batch stays in a bucket once it comes in (decayed mean, by bucket)."""
+        if bucket == self._bucket:
+            self._steps_here += 1
+            return
+        if self._bucket is not None:
+            old = self._stay.get(self._bucket)
+            self._stay[self._bucket] = self._steps_here if old is None else 0.75 * old + 0.25 * self._steps_here
+        self._bucket, self._steps_here = bucket, 1
+
+    def _run(self, depth: int):
+        self._running = depth
+        return self.ladder[depth - 1]
 
     def chosen_width(self, bucket: int) -> int:
         """The verify width of the depth last chosen at ``bucket`` (the full chain's before any)."""
