@@ -28,7 +28,8 @@ class SimEngine:
     """The engine's calls into the policy and the attachment, per step, with simulated steps."""
 
     def __init__(self, policy: SpeculationPolicy, running: int, waiting: int, made: int = TAU, told: float = TAU,
-                 spec_s: float = SPEC_S, plain_s: float = PLAIN_S, attached_tax: float = 0.0):
+                 spec_s: float = SPEC_S, plain_s: float = PLAIN_S, attached_tax: float = 0.0,
+                 output_tokens: int = OUTPUT_TOKENS):
         """``made``: tokens a request's round really emits; ``told``: what the policy hears of it (the cost
         model's τ): apart, the model and measured goodput disagree. ``spec_s``, ``plain_s``: a round's and a
         plain step's time (detached); ``attached_tax``: a plain step's extra share with the drafter attached."""
@@ -36,7 +37,8 @@ class SimEngine:
         self.spec_s, self.plain_s, self.attached_tax = spec_s, plain_s, attached_tax
         self.attachment = DrafterAttachment(clock=self.clock)
         self.accounting = StepAccounting(prefill_apart=True)
-        self.running = [_Request(OUTPUT_TOKENS * (i + 1) // N, True) for i in range(running)]  # finishes spread out
+        self.output_tokens = output_tokens
+        self.running = [_Request(output_tokens * (i + 1) // N, True) for i in range(running)]  # finishes spread out
         self.waiting, self.speculating, self.log = waiting, False, []
         self.seconds = {True: 0.0, False: 0.0}  # decode time by mode
 
@@ -66,7 +68,7 @@ class SimEngine:
         before = len(self.running)
         if self.waiting:  # prompts alone; a prompt admitted while plain holds its features for its first draft
             info = StepInfo(self.waiting, 0, {}, prefill_tokens=64 * self.waiting)
-            self.running += [_Request(OUTPUT_TOKENS, not self.attachment.detached) for _ in range(self.waiting)]
+            self.running += [_Request(self.output_tokens, not self.attachment.detached) for _ in range(self.waiting)]
             for r in self.running[-self.waiting:]:
                 r.held = r.drafts and not self.speculating
             tokens, self.waiting, took = info.num_prefill, 0, PREFILL_S
@@ -88,7 +90,8 @@ class SimEngine:
         self.waiting = sum(r.left <= 0 for r in self.running)
         self.running = [r for r in self.running if r.left > 0]
         self.accounting.step_ended(self.policy, info, started, self.clock.now, before, len(self.running),
-                                   self.speculating, object(), True, tokens, detached=self.attachment.detached)
+                                   self.speculating, object(), True, tokens, detached=self.attachment.detached,
+                                   undrafted=len(drafting) < before)
 
     def run_until(self, t: float) -> None:
         while self.clock.now < t:
@@ -289,3 +292,26 @@ def test_a_low_detached_plain_reading_does_not_hold_speculation_once_attached_pl
     changes = [(round(t - start, 2), change) for t, change, _ in engine.log]
     assert changes and changes[0][1] == "detach" and changes[0][0] < 2.0, (changes, policy.goodput.rates(N))
     assert engine.seconds[True] < 0.1 * (engine.seconds[True] + engine.seconds[False]), (engine.seconds, changes)
+
+
+def test_requests_admitted_while_detached_do_not_read_as_speculations_pace_after_the_reattach():
+    """After a detached period the batch holds requests admitted while detached, which hold no drafter state until
+    they finish: a speculative step verifies them at its full width for one token each. The policy is asked again
+    once the whole batch can draft or ``ready_timeout_s`` after the re-attach; with long requests the batch is still
+    mixed then, and measured afresh on that mix speculation read below plain and detached the drafter again at once
+    (without the engine's word on it, this load re-detached at every re-attach and speculated 0.5 % of the time).
+    Those steps are not speculation's goodput: here a biased verdict detaches the drafter first (speculation read
+    low, plain high); once attached again the drafter stays attached and the batch speculates."""
+    policy = _seeded_policy()
+    engine = SimEngine(policy, N, 0, output_tokens=8000)
+    for state in [r.state for r in engine.running]:
+        for _ in range(4):
+            policy.observe_round(state, TAU)
+    _meter(policy, N, False, 16000.0, detached=True)
+    _meter(policy, N, True, 9000.0)
+    start = policy.goodput.clock.now
+    engine.run_until(start + 20.0)
+    engine.seconds = {True: 0.0, False: 0.0}
+    engine.run_until(start + 30.0)
+    assert _without_probes([change for _, change, _ in engine.log]) == ["detach", "attach"], engine.log
+    assert engine.seconds[True] > 0.9 * sum(engine.seconds.values()), engine.seconds

@@ -111,3 +111,16 @@ def test_the_steps_around_a_change_of_chain_depth_are_not_timed():
     acc.step_starts(0.4, policy)
     assert policy.calls[1:] == [("step", 4, True, 3, pytest.approx(0.2), False),
                                 ("goodput", 4, True, 9, pytest.approx(0.2))]
+
+
+def test_a_speculative_step_whose_batch_could_not_all_draft_is_not_speculations_goodput():
+    """Requests admitted while the drafter was detached cannot draft until they finish: a speculative step with them
+    is not speculation's pace (its step time still counts); a plain step with them is plain's goodput."""
+    acc, policy = StepAccounting(prefill_apart=False), Heard()
+    acc.step_ended(policy, decode(4, steps=3, width=3), 0.0, 0.1, 4, 4, True, PROPOSER, True, 9, undrafted=True)
+    acc.step_starts(0.2, policy)
+    assert policy.calls == [("step", 4, True, 3, pytest.approx(0.2), False)]
+    acc.step_ended(policy, decode(4, speculative=False), 0.2, 0.3, 4, 4, False, PROPOSER, True, 4, undrafted=True)
+    acc.step_starts(0.4, policy)
+    assert policy.calls[1:] == [("step", 4, False, 1, pytest.approx(0.2), False),
+                                ("goodput", 4, False, 4, pytest.approx(0.2))]

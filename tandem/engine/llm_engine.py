@@ -77,6 +77,7 @@ class LLMEngine:
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
         self.plain_reason: str | None = None  # why it was plain, in a word (the verifier's stats line tallies them)
         self._steps_after_switch = 0  # steps still to run after the chain's depth changed (not timed)
+        self._undrafted = False  # the latest decision's batch held requests that could not draft (no drafter state)
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
@@ -166,6 +167,7 @@ class LLMEngine:
             return 1
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
+        self._undrafted = speculative > len(drafting)
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), speculative)
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
         states = [req.spec_state for req in drafting] if asked else []
@@ -232,7 +234,7 @@ class LLMEngine:
             self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
                                        len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
                                        sum(len(o.new_token_ids) for o in outputs), self.attachment.detached,
-                                       switched=self._steps_after_switch > 0)
+                                       switched=self._steps_after_switch > 0, undrafted=self._undrafted)
         self._steps_after_switch = max(0, self._steps_after_switch - 1)
         return outputs
 

@@ -17,6 +17,11 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   of the old depth (nothing queued behind it), the second queues the new depth's first run with nothing to overlap
   it; a depth run only now and then (the full chain explored while a shorter one is held) would be timed by such
   steps alone, slower than it runs.
+- Nor is a speculative step's goodput counted while some of its batch's requests cannot draft (admitted while the
+  drafter was detached, they hold no drafter state until they finish, and pay a verify's full width for one token):
+  long requests keep the batch mixed past the attachment's ``ready_timeout_s``, and measured afresh on that mix
+  speculation read far below its pace, detached the drafter again at once and admitted the next requests undrafted
+  too (tests/test_spec_reattach.py).
 - Each step's cost also goes to the prefill pace (tandem.engine.prefill_pace), which cuts long prompts'
   chunks while requests decode.
 """
@@ -75,12 +80,13 @@ class StepAccounting:
 
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
                    running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,
-                   detached: bool = False, switched: bool = False) -> None:
+                   detached: bool = False, switched: bool = False, undrafted: bool = False) -> None:
         """``info`` of the step that ran from ``started`` to ``ended``, with ``running_before`` requests
         decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
         ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted;
         ``detached``: the drafter was (tandem.speculative.attachment); ``switched``: the chain's depth changed in this
-        step or the one before (not timed)."""
+        step or the one before (not timed); ``undrafted``: some of the batch's requests could not draft (see the
+        module)."""
         took = ended - started
         self.pace.observe(info, took)
         if self.prefill_apart:
@@ -103,7 +109,7 @@ class StepAccounting:
             timed = (info.timed or resumed) and not info.num_prefill and running_after > 0 and not switched
             self._step = _TimedStep(info.num_decode, info.speculative, info.steps, started if timed else None, resumed,
                                     info.width)
-        if running_before and running_after and not resumed and not switched:
+        mode = info.speculative if info.num_decode else speculating
+        if running_before and running_after and not resumed and not switched and not (mode and undrafted):
             # (not the last step before idling; nor a drafter's catching up, nor a change of depth: their price)
-            mode = info.speculative if info.num_decode else speculating
             self._goodput = _GoodputStep(running_before, mode, tokens, started, detached and not mode)
