@@ -131,15 +131,11 @@ class SpeculationPolicy(StepCosts):
     def keep_idle_round_times(self, ladder: tuple) -> None:
         """What a round of each of ``ladder``'s widths costs at each bucket now, kept as the idle costs (the warm-up
         calls this once it has timed them: no server around, every width timed alike)."""
-        widths = sorted(c.num_draft_tokens for c in ladder)
+        widths = [c.num_draft_tokens for c in ladder]
         self._idle_rounds = {}
         for bucket in self._times:
             times = {w: self.step_time(bucket, True, runs=True, width=w) for w in widths}
             if all(times.values()):
-                # A longer chain drafts more and verifies wider: never cheaper. (Timed idle on a target whose rounds
-                # take well under a millisecond, the chain the warm-up ran first read the dearest, at every bucket.)
-                for narrower, wider in zip(widths, widths[1:]):
-                    times[wider] = max(times[wider], times[narrower])
                 self._idle_rounds[bucket] = times
 
     def _round_times(self, bucket: int, ladder: tuple):
