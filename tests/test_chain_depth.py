@@ -370,25 +370,3 @@ def test_a_batch_moving_between_buckets_does_not_change_depth_at_each_crossing()
         late = picks[20:]  # (the stays learnt: 2 steps at a time)
         assert len(set(late)) == 1, (gain, picks)
         assert gain < 2 or set(late) == {2}, (gain, picks)
-
-
-def test_the_depths_are_weighed_by_their_idle_costs_plus_what_serving_adds_to_the_running_one():
-    """The warm-up timed rounds 2, 3 and 4 wide at 1.0, 1.05 and 1.1 ms (runs at batch 64). Served, the running full
-    chain's rounds take 1.6 ms (the server's share of each step), while the shorter widths keep the warm-up's times:
-    compared as they stand, the chain of 2 would win (2.62 tokens in 1.05 ms against 3.12 in 1.6). Serving adds its
-    share to every width alike: the full chain stays."""
-    p = [0.9, 0.8, 0.7]
-    for kept in (True, False):
-        policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
-        for width, ms in ((2, 1.0), (3, 1.05), (4, 1.1)):
-            for _ in range(3):
-                policy.observe_step(64, True, 4, 4 * ms / 1e3, width=width)
-        if kept:
-            policy.keep_idle_round_times(chain_ladder(CHAIN))
-        policy.forget_traffic()
-        assert policy.chain_spec(64, CHAIN) == CHAIN  # (the depth model starts: the full chain until rounds are heard)
-        for _ in range(policy.cfg.step_samples):
-            policy.observe_step(64, True, 4, 4 * 1.6e-3, width=4)
-        _rounds(policy.depth, p, 3, 4000, random.Random(6))
-        picks = [policy.chain_spec(64, CHAIN).num_steps for _ in range(20)]
-        assert set(picks) == {3} if kept else 2 in picks, (kept, picks)

@@ -165,8 +165,6 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
     finally:
         engine.policy = policy
         engine.attachment.resume()
-    if len(chains) > 1:
-        policy.keep_idle_round_times(chains)  # (the depths are weighed by these: tandem.speculative.policy)
     policy.forget_traffic()
     engine.attachment.reset()
     log.info("warm-up done in %.1f s (%s) at batch sizes %s", sum(took.values()),

@@ -149,10 +149,6 @@ class ChainDepth:
         self._running = depth
         return self.ladder[depth - 1]
 
-    def running_width(self) -> int:
-        """The verify width of the depth the latest step drafted (the full chain's before any)."""
-        return (self._running or self.full) + 1
-
     def chosen_width(self, bucket: int) -> int:
         """The verify width of the depth last chosen at ``bucket`` (the full chain's before any)."""
         return self._chosen.get(bucket, self.full) + 1

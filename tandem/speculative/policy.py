@@ -109,7 +109,6 @@ class SpeculationPolicy(StepCosts):
         self._model_view: tuple[int, float, float, float] | None = None
         self.plain_reason: str | None = None  # why this step's decision was plain (None: it speculates), in a word
         self._model_reason = "model"
-        self._idle_rounds: dict[int, dict[int, float]] = {}  # bucket -> width -> a round's idle cost (the warm-up's)
 
     # -- the chain's depth ---------------------------------------------------------------------------
     def ladder(self, spec) -> tuple:
@@ -128,32 +127,11 @@ class SpeculationPolicy(StepCosts):
             spec = self.depth.choose(bucket, self._round_times(bucket, ladder))
         return spec
 
-    def keep_idle_round_times(self, ladder: tuple) -> None:
-        """What a round of each of ``ladder``'s widths costs at each bucket now, kept as the idle costs (the warm-up
-        calls this once it has timed them: no server around, every width timed alike)."""
-        widths = [c.num_draft_tokens for c in ladder]
-        self._idle_rounds = {}
-        for bucket in self._times:
-            times = {w: self.step_time(bucket, True, runs=True, width=w) for w in widths}
-            if all(times.values()):
-                self._idle_rounds[bucket] = times
-
     def _round_times(self, bucket: int, ladder: tuple):
-        """ChainDepth's ``round_time(width)`` at ``bucket``. Where the warm-up kept idle costs for every width there:
-        a width's idle cost plus what serving adds to a round — the width running now, as measured served, over its
-        idle cost — since only the running width is timed served: the others' samples are older (the warm-up's, or
-        from before a load changed), and compared as they were, the running depth looked dearer than it is, the
-        policy changed depth, and the new one in turn (on the demo pair over REST at concurrency 64 depths took turns
-        and drafted 1.9 a round where the configured 3 were the best). Else every depth's rounds of one class:
-        queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds (a depth
-        last timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth). The
-        class is settled at the first call (a weighing's)."""
-        idle = self._idle_rounds.get(bucket)
-        if idle is not None and all(c.num_draft_tokens in idle for c in ladder) and self.depth is not None:
-            running = self.depth.running_width()
-            served = self.step_time(bucket, True, runs=True, width=running)
-            share = 0.0 if served is None else served - idle[running]
-            return lambda width: max(idle[width] + share, 0.5 * idle[width]) if width in idle else None
+        """ChainDepth's ``round_time(width)`` at ``bucket``: every depth's rounds of one class — queued in runs where
+        each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last timed while
+        arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
+        mixes, depths about even took turns). The class is settled at the first call (a weighing's)."""
         runs: list = []
 
         def round_time(width: int) -> float | None:
