@@ -370,3 +370,26 @@ def test_a_batch_moving_between_buckets_does_not_change_depth_at_each_crossing()
         late = picks[20:]  # (the stays learnt: 2 steps at a time)
         assert len(set(late)) == 1, (gain, picks)
         assert gain < 2 or set(late) == {2}, (gain, picks)
+
+
+def test_a_shorter_chain_is_taken_only_where_its_lead_stands_out_of_the_round_times_noise():
+    """At batch 8 the chain of 2 makes 2.71 tokens a round and the full chain 3.12 (p 0.9, 0.9, 0.5); rounds 3 wide
+    average 0.75 ms, 4 wide 1.0 ms: the chain of 2 leads by 8 %. Timed alike each round, that lead is taken; with each
+    width's rounds scattering by ±40 % (sub-millisecond rounds served over REST), it is noise: the full chain stays."""
+    p = [0.9, 0.9, 0.5]
+    for scatter in (0.0, 0.4):
+        rng = random.Random(7)
+        policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+        policy.chain_spec(8, CHAIN)  # (the depth model starts)
+        _rounds(policy.depth, p, 3, 4000, random.Random(8))
+        for _ in range(policy.cfg.step_samples):
+            for width, ms in ((2, 0.9), (3, 0.75), (4, 1.0)):
+                noisy = ms * (1 + scatter * rng.uniform(-1, 1))
+                policy.observe_step(8, True, 4, 4 * noisy / 1e3, width=width)
+        means = {w: policy.step_time(8, True, runs=True, width=w) for w in (3, 4)}
+        lead = (policy.depth.tokens_per_round(2) / means[3]) / (policy.depth.tokens_per_round(3) / means[4])
+        picks = [policy.chain_spec(8, CHAIN).num_steps for _ in range(24)]
+        if scatter:
+            assert lead > 1 + policy.depth.margin and set(picks) == {3}, (lead, picks)
+        else:
+            assert picks[-1] == 2, (lead, picks)

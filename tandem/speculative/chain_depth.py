@@ -20,7 +20,9 @@ another promises ``margin`` more tokens a second, weighed again every ``recheck_
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
 second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
-the bucket's best beats it there by the margin. And any change must promise enough to pay its price
+the bucket's best beats it there by the margin. A lead must also stand out of the noise: ``NOISE_Z`` standard errors
+of the round times compared (from their samples' spread; on the demo pair's sub-millisecond rounds served over REST,
+a width's times scatter by tens of percent). And any change must promise enough to pay its price
 (``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
 bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
 crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into the shares when the depths are weighed, so accounting costs
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 
 log = logging.getLogger("tandem.policy")
@@ -40,6 +43,7 @@ MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed
 # What changing depth costs, in steps: the queued run in flight ends with none behind it, and the next is queued with
 # nothing to overlap its host work
 SWITCH_PRICE_STEPS = 1.0
+NOISE_Z = 2.0  # a depth's lead must exceed this many standard errors of the two round times' ratio
 UNMEASURED_TRIALS = 3  # steps a depth whose round time is unknown at a bucket is tried there, one a weighing
 
 
@@ -87,8 +91,9 @@ class ChainDepth:
 
     def choose(self, bucket: int, round_time: Callable[[int], float | None]):
         """This step's chain at batch ``bucket``; ``round_time(width)``: seconds a round of that verify width
-        costs there (None: not measured; such a depth is not chosen)."""
-        held = self._chosen.get(bucket, self.full)
+        costs there (None: not measured; such a depth is not chosen); its ``spread(width)``, where it has one: the
+        relative standard error of that."""
+        held, spread = self._chosen.get(bucket, self.full), getattr(round_time, "spread", None)
         # The batch just came into this bucket with another depth running (buckets hold their own depths): weighed now,
         # the running depth kept unless this bucket's best beats it by the margin (a batch moving between buckets 4
         # and 8 would otherwise change depth at each crossing, each change ending the queued runs).
@@ -123,9 +128,11 @@ class ChainDepth:
             dwelling = 0 if entered else self._dwelling.get(bucket, 0)
             if dwelling:
                 self._dwelling[bucket] = dwelling - 1
-            # a change must pay its price back in the steps the batch is expected to stay in the bucket
+            # a change must pay its price back in the steps the batch is expected to stay in the bucket, and its
+            # lead must stand out of the round times' noise
             stay = self._stay.get(bucket)
             margin = self.margin if stay is None else max(self.margin, SWITCH_PRICE_STEPS / stay)
+            margin += NOISE_Z * math.hypot(*(spread(d + 1) or 0.0 for d in (best, incumbent))) if spread else 0.0
             if dwelling or rates[best] < rates[incumbent] * (1 + margin):
                 best = incumbent
         if best != incumbent:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)

@@ -107,6 +107,19 @@ class StepCosts:
             known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
         return known[kind, runs]
 
+    def step_time_spread(self, batch_size: int, speculative: bool, runs: bool | None = None,
+                         width: int | None = None) -> float | None:
+        """The relative standard error of ``step_time``'s samples (as it keeps them) per step; None under three."""
+        bucket = cost_bucket(batch_size)
+        times = self._times.get(bucket)
+        kind = self._spec_kind(bucket, width) if speculative else "plain"
+        per_step = sorted(seconds / steps for seconds, steps in ([] if times is None else times.of(kind, runs)))[:-1]
+        if len(per_step) < 3:
+            return None
+        mean = sum(per_step) / len(per_step)
+        var = sum((x - mean) ** 2 for x in per_step) / (len(per_step) - 1)
+        return math.sqrt(var / len(per_step)) / mean if mean > 0 else None
+
     def _switch_cost(self, bucket: int) -> float:
         """Seconds a switch back to speculation costs at ``bucket`` beyond a plain step (the drafter's catch-up over
         the held plain steps: a resume's measured time); 0 until measured."""
