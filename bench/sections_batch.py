@@ -93,6 +93,9 @@ def batch(ctx: dict) -> dict:
     always = engine.policy  # bench_engine's: speculation at every step (the configured chain)
     engine.proposer, engine.default_spec, engine.policy = drafter, spec, SpeculationPolicy()
     took = warm_up(engine)  # what a service runs before SERVING: compiles, and seeds the measured policy's costs
+    from tandem.kernels.compile_watch import watch_compiles
+
+    watch_compiles()  # (as the verifier: a kernel first compiled in a measured run is logged)
     seeded = engine.policy
     costs = {n: (seeded.step_time(n, False), seeded.step_time(n, True)) for n in batches}
     print(f"warm-up {took}; seeded step times (plain, round) in ms: "

@@ -54,6 +54,9 @@ def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngi
         if client is not None and not client.wait_connected(DRAFTER_WAIT_BEFORE_WARMUP_S):
             log.warning("the drafter did not connect within %.0f s: warming up without it", DRAFTER_WAIT_BEFORE_WARMUP_S)
         warm_up(engine)
+        from tandem.kernels.compile_watch import watch_compiles  # (the GPU path's: imports triton)
+
+        watch_compiles()  # a kernel compiled from now on is a first use a request pays for: logged
         freeze_startup_heap()
     if cfg.capture_traffic is not None:
         engine.traffic = _traffic_recorder(cfg, engine)
