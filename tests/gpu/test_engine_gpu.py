@@ -323,3 +323,40 @@ def test_timing_prefill_step_of_8_prompts_graphed_vs_eager(tmp_path):
         eager = per_step_ms()
         runner.graphs = graphs
     print(f"prefill step, 8 prompts x 100 tokens, 8B-shaped bf16: graphed {graphed:.2f} ms, eager {eager:.2f} ms")
+
+
+def test_after_the_warm_up_no_request_mix_compiles_a_kernel(target, tmp_path):
+    """Ready means ready (issue 19): the warm-up (tandem.engine.warmup) runs what requests run, so that after it a mix
+    of requests — batch sizes between the warm-up's, the policy's chains switched between runs, prompts arriving while
+    others speculate, sampled requests — compiles no Triton kernel (tandem.kernels.compile_watch logs any that is)."""
+    from proposers import CyclingChains
+    from tandem.configs.model import ModelConfig
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.speculative_setup import speculative_engine
+    from tandem.engine.warmup import warm_up
+    from tandem.kernels import compile_watch
+    from tandem.models.eagle3_checkpoint import write_random_eagle3
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.spec_config import SpecConfig
+
+    cfg = EngineConfig(model=str(target), device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, page_size=16,
+                       kv_pages=2048)
+    write_random_eagle3(tmp_path / "draft", ModelConfig.from_dir(target), draft_vocab_size=1024, seed=1,
+                        aux_layer_ids=(1, 2, 3))
+    with speculative_engine(cfg, str(tmp_path / "draft"), SpecConfig(3, 1, 4)) as eng:
+        warm_up(eng)
+        assert compile_watch.watch_compiles()
+        before = len(compile_watch.compiled_while_serving)
+        eng.policy = CyclingChains()  # every decision another chain: each switch between runs at each batch size
+        greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24, ignore_eos=True)
+        for n in (1, 3, 5, 11, 16):
+            eng.generate(prompts(n), greedy)
+        rids = [eng.add_request(p, greedy) for p in prompts(6)]
+        for _ in range(3):
+            eng.step()
+        rids += [eng.add_request(p, sampled) for p in prompts(4)]  # arriving while the others speculate
+        while eng.has_unfinished():
+            eng.step()
+        compiled = compile_watch.compiled_while_serving[before:]
+        assert not compiled, compiled
