@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from test_spec_policy import SimClock
 from tandem.engine.step import StepInfo
 from tandem.engine.step_accounting import StepAccounting
@@ -315,3 +317,43 @@ def test_requests_admitted_while_detached_do_not_read_as_speculations_pace_after
     engine.run_until(start + 30.0)
     assert _without_probes([change for _, change, _ in engine.log]) == ["detach", "attach"], engine.log
     assert engine.seconds[True] > 0.9 * sum(engine.seconds.values()), engine.seconds
+
+
+def test_a_drafter_service_whose_attached_plain_steps_are_taxed_more_than_the_probe_margin_is_still_probed():
+    """Attached, a drafter service's plain steps ship every token's features: here they cost 25 % over detached ones,
+    as the warm-up timed both (runs of 4). Speculating makes 0.95 of detached plain's tokens a second, so it leads
+    attached plain by 19 %: beyond ``goodput_probe_margin`` (15 %), never probed, speculation ran on 5 % slower than no
+    speculation (the demo pair as a service over REST at concurrency 8: 0.94-0.95x target-only). Within the measured
+    tax and ``goodput_margin`` it is probed: the batch goes plain, detached."""
+    spec_s = 3 * PLAIN_S / 0.95
+    policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
+    for n in (N // 2, N):
+        for _ in range(3):  # the warm-up's step times
+            policy.observe_step(n, False, 4, 4 * PLAIN_S * 1.25)
+            policy.observe_step(n, False, 4, 4 * PLAIN_S, detached=True)
+            policy.observe_step(n, True, 1, spec_s)
+    assert policy.attached_plain_tax(N) == pytest.approx(0.25)
+    engine = SimEngine(policy, N, 0, made=TAU, told=TAU, spec_s=spec_s, attached_tax=0.25)
+    start = engine.clock.now
+    engine.run_until(start + 20.0)
+    changes = [change for _, change, _ in engine.log]
+    assert changes[:1] == ["probe"], engine.log
+    assert engine.seconds[True] < 0.1 * sum(engine.seconds.values()), (engine.seconds, engine.log)
+
+
+def test_the_probe_margin_widens_to_the_measured_tax_up_to_its_cap():
+    cfg = PolicyConfig()
+    for tax, lead, probed in ((None, 0.19, False), (0.25, 0.19, True), (0.25, 0.30, False), (2.0, 0.45, True),
+                              (2.0, 0.55, False)):
+        policy = SpeculationPolicy(cfg, clock=SimClock())
+        for _ in range(3):
+            policy.observe_step(N, False, 4, 4e-3)
+            if tax is not None:
+                policy.observe_step(N, False, 4, 4e-3 / (1 + tax), detached=True)
+        states = [RequestSpecState() for _ in range(N)]
+        for state in states:
+            policy.observe_round(state, TAU)
+        _meter(policy, N, False, 10000.0)
+        _meter(policy, N, True, 10000.0 * (1 + lead))
+        assert policy.decide(N, states) and policy.goodput.verdict(N) is True
+        assert policy.probe_detached(N, ships_features=True) is probed, (tax, lead)

@@ -55,6 +55,23 @@ def test_warm_up_times_every_chain_the_policy_may_draft(tmp_path):
         assert eng.policy.spec_width == 4 and eng.chain.current == SpecConfig(3, 1, 4)
 
 
+def test_with_a_drafter_service_the_warm_up_times_plain_steps_without_the_drafter_too(tmp_path):
+    """A drafter service's attached plain steps ship every token's features: the warm-up also times plain steps with
+    the drafter out of the way (the policy's ``attached_plain_tax``, which widens the probe's margin), with no draft
+    state left behind; an in-process head's (which only holds the features) does not."""
+    path = tmp_path / "llama"
+    write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
+    for ships in (True, False):
+        proposer = RandomTreeProposer(vocab=256, seed=1)
+        proposer.ships_features = ships
+        with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(4)) as eng:
+            took = warm_up(eng, [1, 4])
+            assert ("plain (drafter detached)" in took) is ships
+            for n in (1, 4):
+                assert (eng.policy.step_time(n, False, detached=True) is not None) is ships, n
+            assert eng.proposer is proposer and not proposer.tokens and not eng.requests
+
+
 def test_warm_up_sizes_reach_the_largest_graph_bucket():
     assert warmup_batch_sizes(1) == [1]
     assert warmup_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]

@@ -11,7 +11,10 @@ chains at batch: tandem.speculative.chain_depth; the drafter's real graphs and k
 little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt
 of each graphed prefill width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
-that compile on first use). The policy keeps the step times and forgets the rounds' acceptance. A chain that ran
+that compile on first use). With a drafter service (whose attached plain steps ship every token's features), plain
+steps are also timed without the drafter: what they cost over detached ones widens the margin within which the policy
+probes detached plain steps (tandem.speculative.goodput, ``take_probe``). The policy keeps the step times and forgets
+the rounds' acceptance. A chain that ran
 no queued run of rounds at a batch size (its first would be met while serving) is named in a warning.
 """
 
@@ -36,9 +39,11 @@ class _Forced:
 
     plain_reason = "warm-up"  # (the engine's stats tally plain steps by the policy's reason)
 
-    def __init__(self, policy, speculate: bool, record: bool, chain=None):
-        """``chain``: the SpecConfig speculative steps draft (None: the configured one)."""
+    def __init__(self, policy, speculate: bool, record: bool, chain=None, detached: bool = False):
+        """``chain``: the SpecConfig speculative steps draft (None: the configured one); ``detached``: the steps run
+        without the drafter (their times kept apart)."""
         self.policy, self.speculate, self.record, self.chain = policy, speculate, record, chain
+        self.detached = detached
         self.queued_runs: set[tuple[int, int]] = set()  # (batch size, verify width) of the runs of rounds seen
 
     def decide(self, batch_size, drafting, runs=None) -> bool:
@@ -51,7 +56,8 @@ class _Forced:
         if speculative and steps > 1:
             self.queued_runs.add((batch_size, kwargs.get("width")))
         if self.record:
-            self.policy.observe_step(batch_size, speculative, steps, *args, **kwargs)
+            self.policy.observe_step(batch_size, speculative, steps, *args, **kwargs,
+                                     **({"detached": True} if self.detached else {}))
 
     def observe_round(self, state, tokens, depth=None) -> None:
         pass
@@ -156,6 +162,15 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
                     engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist()],
                                     SamplingParams(max_new_tokens=4, ignore_eos=True))
             took[name] = time.perf_counter() - started
+        if engine.default_spec is not None and engine.proposer is not None and engine.proposer.ships_features:
+            started = time.perf_counter()  # plain steps without the drafter: what a probe compares (see the module)
+            engine.policy = _Forced(policy, False, record=True, detached=True)
+            engine.attachment.hold_detached()
+            for bs in sizes:
+                engine.generate([torch.randint(0, vocab, (_prompt_tokens(engine, bs),), generator=g).tolist()
+                                 for _ in range(bs)], SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True))
+            engine.attachment.reset()
+            took["plain (drafter detached)"] = time.perf_counter() - started
         if engine.default_spec is not None:  # a prompt arriving while others speculate: one eager forward of
             started = time.perf_counter()    # a prefill beside verified trees (masked attention kernels)
             engine.policy = _Forced(policy, True, record=False)

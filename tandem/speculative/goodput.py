@@ -152,16 +152,21 @@ class GoodputArbiter:
         long ago: a detached period forgets speculation's goodput, not this)."""
         return self._best.get(self.bucket(batch_size)) is True
 
-    def take_probe(self, batch_size: int, ships_features: bool = True) -> bool:
+    def take_probe(self, batch_size: int, ships_features: bool = True, tax: float | None = None) -> bool:
         """Whether the engine is to detach briefly now (a probe; then taken: a bucket is probed at most once in
         ``goodput_stale_s``): speculation won at ``batch_size``'s bucket only against plain steps run attached, by
         less than ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
         draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
         speculation, which only detaching can measure. Where they only hold the features (``ships_features`` False: an
         in-process head) that price is small, and a probe costs more than it can find — the batch admitted while
-        detached cannot draft until it finishes — so the margin is ``goodput_probe_margin_held``."""
-        b, now = self.bucket(batch_size), self.clock()
-        margin = self.cfg.goodput_probe_margin if ships_features else self.cfg.goodput_probe_margin_held
+        detached cannot draft until it finishes — so the margin is ``goodput_probe_margin_held``. ``tax``: what attached
+        plain steps were timed to cost over detached ones at this bucket, less one (the warm-up's): speculation ahead
+        of attached plain steps by less than that (and ``goodput_margin``) may be behind detached ones, up to
+        ``goodput_probe_margin_max``."""
+        b, now, c = self.bucket(batch_size), self.clock(), self.cfg
+        margin = c.goodput_probe_margin if ships_features else c.goodput_probe_margin_held
+        if tax is not None:
+            margin = max(margin, min(c.goodput_probe_margin_max, tax + c.goodput_margin))
         spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
         if (now - self._probed.get(b, -math.inf) < self.cfg.goodput_stale_s or self.verdict(batch_size) is not True
                 or self._fresh_detached(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)

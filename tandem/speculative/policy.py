@@ -79,6 +79,7 @@ class PolicyConfig:
     goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
     goodput_probe_margin: float = 0.15  # speculation ahead of attached plain steps by less: measure plain detached ...
     goodput_probe_margin_held: float = 0.05  # ... where attached plain steps only hold features (an in-process head)
+    goodput_probe_margin_max: float = 0.5  # ... or by less than attached plain's measured tax, up to this
     # a speculating batch drafts the chain (or shorter one) that promises the most tokens a second at its batch size
     # (tandem.speculative.chain_depth; chains only, and only with the measured policy)
     shorter_chains: bool = True
@@ -162,7 +163,8 @@ class SpeculationPolicy(StepCosts):
         """Whether to detach briefly now at ``batch_size`` to measure plain steps without the drafter (goodput's
         ``take_probe``, which counts it as taken; never without goodput); ``ships_features``: attached plain steps send
         the drafter every token's features (a drafter service), else they only hold them."""
-        return self.goodput is not None and self.goodput.take_probe(batch_size, ships_features)
+        return self.goodput is not None and self.goodput.take_probe(batch_size, ships_features,
+                                                                     self.attached_plain_tax(batch_size))
 
     def measured_loss(self, batch_size: int) -> float:
         """The share of goodput the slower mode loses at ``batch_size``, as measured goodput has it (0 without it)."""

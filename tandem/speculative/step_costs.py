@@ -62,11 +62,12 @@ class StepCosts:
             width = self.depth.chosen_width(bucket) if self.depth is not None else self.spec_width
         return "spec" if width is None else f"spec{width}"
     def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
-                     resumed: bool = False, width: int | None = None) -> None:
+                     resumed: bool = False, width: int | None = None, detached: bool = False) -> None:
         """``steps`` decode steps (or rounds) of ``batch_size`` requests ran; ``seconds``: their wall time
         (None: not timed, e.g. a prefill shared the step); ``resumed``: a speculative step that first sent
         the drafter what plain steps held (its time is the price of resuming, not of a round); ``width``: a
-        speculative step's verify width (its times are kept by width; None: unknown, kept apart)."""
+        speculative step's verify width (its times are kept by width; None: unknown, kept apart); ``detached``: plain
+        steps timed without the drafter, as the warm-up times them (kept apart: ``attached_plain_tax``)."""
         if speculative and width:
             self.spec_width = width
         if speculative:
@@ -78,7 +79,8 @@ class StepCosts:
         if seconds is not None:  # (get before create: this runs every step)
             bucket = cost_bucket(batch_size)
             times = self._times.get(bucket) or self._times.setdefault(bucket, _StepTimes())
-            kind = "resume" if resumed else (f"spec{width}" if width else "spec") if speculative else "plain"
+            kind = ("resume" if resumed else (f"spec{width}" if width else "spec") if speculative
+                    else "plain_detached" if detached else "plain")
             known = self._step_times_known.get(bucket)
             if known:
                 for runs in (True, False, None):
@@ -91,14 +93,16 @@ class StepCosts:
                 samples.popleft()
 
     def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
-                  runs: bool | None = None, width: int | None = None) -> float | None:
+                  runs: bool | None = None, width: int | None = None, detached: bool = False) -> float | None:
         """Seconds per step (or round) at ``batch_size``'s bucket: the recent samples' total time over their
         total steps — what the engine's mix of runs and single steps really costs, which a median per
         step misses (a run of 4 rounds and a lone round are one sample each) — leaving out the slowest
         sample once there are three (a first launch, a collection). ``runs``: of runs only (True), of
-        single steps only (False), or of both (None). ``width``: of rounds that wide (None: the width in use)."""
+        single steps only (False), or of both (None). ``width``: of rounds that wide (None: the width in use).
+        ``detached``: of plain steps timed without the drafter (observe_step's)."""
         bucket = cost_bucket(batch_size)
-        kind = "resume" if resumed else self._spec_kind(bucket, width) if speculative else "plain"
+        kind = ("resume" if resumed else self._spec_kind(bucket, width) if speculative
+                else "plain_detached" if detached else "plain")
         known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
         if (kind, runs) not in known:
             times = self._times.get(bucket)
@@ -106,6 +110,14 @@ class StepCosts:
             kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
             known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
         return known[kind, runs]
+
+    def attached_plain_tax(self, batch_size: int) -> float | None:
+        """What a plain step with the drafter attached costs over one without it at ``batch_size``'s bucket, less one
+        (a drafter service: each attached step ships its features), from plain steps timed both ways in runs (the
+        warm-up's); None unless both were."""
+        attached = self.step_time(batch_size, False, runs=True)
+        detached = self.step_time(batch_size, False, runs=True, detached=True)
+        return attached / detached - 1 if attached and detached else None
 
     def step_time_spread(self, batch_size: int, speculative: bool, runs: bool | None = None,
                          width: int | None = None) -> float | None:
