@@ -247,6 +247,17 @@ def test_a_probe_is_not_cut_short_by_a_favoured_bucket():
     assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
 
 
+def test_a_probe_taken_as_the_traffic_stops_ends_while_idle():
+    """A probe measures plain steps now or not at all: idle, its second runs out (a detached period stands still)."""
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    assert att.after_decision(False, asked=True, can_switch=True, probe=True) == "detach"
+    clock.now += 0.125
+    att.idle()
+    clock.now += 40.0
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach"
+
+
 @pytest.mark.parametrize("lead, first_again", [(0.10, True), (0.02, False), (None, True)])
 def test_earnest_speculation_restarts_the_backoff_only_well_ahead_of_plain(lead, first_again):
     """Modes about even (speculation 2 % ahead) must not restart the backoff: each re-attach then measures again."""

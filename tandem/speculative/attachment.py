@@ -31,7 +31,9 @@ only narrowly against attached plain steps and plain was never measured detached
 ``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
 whose last measured verdict was speculation (``favoured_attach_s`` in a row), the engine attaches at once: a
 light load after a heavy one does not wait out a detached period meant for the heavy one. Idle time does not count
-towards a detached period (``idle``).
+towards a detached period (``idle``) — except a probe's: one taken as the traffic stopped held the next traffic
+detached (the demo pair as a service over REST: a probe at batch 1 among the bench's first requests held the
+first load at concurrency 1, 40 s later, detached for a quarter of its windows).
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ class DrafterAttachment:
         if self._paused:
             return None
         now = self.clock()
-        if self._idle_since is not None:  # traffic again: the detached period resumes where it stood
-            self._detached_until += now - self._idle_since
+        if self._idle_since is not None:  # traffic again: the detached period resumes where it stood ...
+            if not self._probing:  # ... unless a probe's: it measures now, or it ends (the next traffic drafts)
+                self._detached_until += now - self._idle_since
             self._idle_since = None
         self._last_decision = now
         if probe and asked and can_switch and not self.detached:  # (the backoff and the clocks untouched)
