@@ -71,6 +71,18 @@ def test_arrivals_are_charged_from_prompts_alone_while_speculating_with_a_drafte
         assert (("arrivals", 64, pytest.approx(0.003)) in policy.calls) == heard
 
 
+def test_prompts_alone_go_to_goodput_only_as_their_extension_into_the_drafter_while_speculating():
+    """A step of prompts alone beside running requests is paid in either mode: speculative goodput hears its drafter
+    extension (3 ms, no tokens), plain goodput nothing; its wall time is no mode's (a wave's burst of prompt steps
+    read as the pace of whichever mode it came in)."""
+    prompts = StepInfo(num_prefill=2, num_decode=0, spans={"draft_extend": (0, 3_000_000)}, prefill_tokens=64)
+    for speculating, heard in ((True, [("goodput", 4, True, 0, pytest.approx(0.003))]), (False, [])):
+        acc, policy = StepAccounting(prefill_apart=True), Heard()
+        acc.step_ended(policy, prompts, 0.0, 0.1, 4, 6, speculating, PROPOSER, True, 2)
+        acc.step_starts(0.2, policy)
+        assert [c for c in policy.calls if c[0] == "goodput"] == heard, speculating
+
+
 def test_without_a_proposer_the_policy_hears_no_step():
     acc, policy = StepAccounting(prefill_apart=False), Heard()
     acc.step_ended(policy, decode(4, speculative=False), 0.0, 0.1, 4, 4, False, None, False, 4)

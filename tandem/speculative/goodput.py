@@ -4,8 +4,10 @@ The cost model (tandem.speculative.policy) predicts from step times and acceptan
 what a served engine pays around the steps: prompts that arrive (prefilled apart, extended into the drafter
 only while speculating), runs of queued steps cut short by them, held features, catch-ups when speculation
 resumes, the per-step streaming of a server. So the engine also reports every step it runs with requests
-running — prefill steps included — as (batch size, mode, tokens emitted, wall seconds to the next step), and
-this keeps, per batch bucket and mode, the decayed tokens over seconds: the goodput each way.
+running as (batch size, mode, tokens emitted, wall seconds to the next step) — of a step of prompts alone only its
+extension of the prompts into the drafter, as speculative seconds (the prefill is paid either way:
+tandem.engine.step_accounting) — and this keeps, per batch bucket and mode, the decayed tokens over seconds: the
+goodput each way.
 
 Until both modes have been measured at a batch bucket, the cost model decides, step by step, and the mode it
 rejects is measured in an epoch of its own once the loss the model predicts for it allows (as below). Then
