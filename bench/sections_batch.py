@@ -28,8 +28,9 @@ GOALS = tuple(float(t) for t in os.environ.get("TANDEM_BENCH_GOALS", "1,2,3,4").
 
 class StepLog:
     """The policy's view of each decode step of a run: (verify width or None, steps, ms per step or None, resumed,
-    wall ms). The policy hears of a step as the next one starts, so the time between two such calls is the earlier
-    step's wall time, also where the policy is told none (a step around a change of depth, after prompts)."""
+    wall ms). The policy hears of a decode step as the next one starts, so the time between two such calls is the
+    earlier step's wall time, also where the policy is told none (a step around a change of depth) — plus any steps
+    of prompts alone between them, which it does not hear of (a batch of 32 or 64 prompts takes several)."""
 
     def __init__(self, policy):
         self.steps, real, last = [], policy.observe_step, [None]
