@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from tandem.speculative.chain_depth import ChainDepth, chain_ladder
 from tandem.speculative.goodput import GoodputArbiter
-from tandem.speculative.step_costs import DecayedMean, StepCosts, cost_bucket
+from tandem.speculative.step_costs import DecayedMean, RoundTimes, StepCosts, cost_bucket
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ class SpeculationPolicy(StepCosts):
             spec = self.depth.choose(bucket, self._round_times(bucket, ladder))
         return spec
 
-    def _round_times(self, bucket: int, ladder: tuple) -> "_RoundTimes":
-        return _RoundTimes(self, bucket, ladder)
+    def _round_times(self, bucket: int, ladder: tuple) -> RoundTimes:
+        return RoundTimes(self, bucket, ladder)
 
     # -- the decision ----------------------------------------------------------------------------
     def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float,
@@ -317,25 +317,3 @@ class SpeculationPolicy(StepCosts):
         if self.goodput is not None:
             self.goodput.forget_traffic()
 
-
-class _RoundTimes:
-    """ChainDepth's ``round_time(width)`` at ``bucket`` (and its ``spread(width)``): every depth's rounds of one class —
-    queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last
-    timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
-    mixes, depths about even took turns). The class is settled at the first call (a weighing's)."""
-
-    def __init__(self, costs: StepCosts, bucket: int, ladder: tuple):
-        self.costs, self.bucket, self.ladder, self._runs = costs, bucket, ladder, []
-
-    def _class(self) -> bool | None:
-        if not self._runs:
-            self._runs.append(True if all(self.costs.step_time(self.bucket, True, runs=True, width=c.num_draft_tokens)
-                                          is not None for c in self.ladder) else None)
-        return self._runs[0]
-
-    def __call__(self, width: int) -> float | None:
-        return self.costs.step_time(self.bucket, True, runs=self._class(), width=width)
-
-    def spread(self, width: int) -> float | None:
-        """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
-        return self.costs.step_time_spread(self.bucket, True, runs=self._class(), width=width)

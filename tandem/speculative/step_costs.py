@@ -203,3 +203,26 @@ class DecayedMean:
             return 0.0
         mean = self.total / self.weight
         return max(0.0, self.squares / self.weight - mean * mean)
+
+
+class RoundTimes:
+    """ChainDepth's ``round_time(width)`` at ``bucket`` (and its ``spread(width)``): every depth's rounds of one class —
+    queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last
+    timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
+    mixes, depths about even took turns). The class is settled at the first call (a weighing's)."""
+
+    def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple):
+        self.costs, self.bucket, self.ladder, self._runs = costs, bucket, ladder, []
+
+    def _class(self) -> bool | None:
+        if not self._runs:
+            self._runs.append(True if all(self.costs.step_time(self.bucket, True, runs=True, width=c.num_draft_tokens)
+                                          is not None for c in self.ladder) else None)
+        return self._runs[0]
+
+    def __call__(self, width: int) -> float | None:
+        return self.costs.step_time(self.bucket, True, runs=self._class(), width=width)
+
+    def spread(self, width: int) -> float | None:
+        """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
+        return self.costs.step_time_spread(self.bucket, True, runs=self._class(), width=width)
