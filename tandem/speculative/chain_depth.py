@@ -25,8 +25,8 @@ of the round times compared (from their samples' spread; on the demo pair's sub-
 a width's times scatter by tens of percent). And any change must promise enough to pay its price
 (``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
 bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
-crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into the shares when the depths are weighed, so accounting costs
-one dictionary update per request and round.
+crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into
+the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
 """
 
 from __future__ import annotations
