@@ -138,7 +138,8 @@ class ChainDepth:
         if best != incumbent:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
             self._dwelling[bucket] = self.dwell
             log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
-                     "s" if best > 1 else "", ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k" for d, r in sorted(rates.items())))
+                     "s" if best > 1 else "",
+                     ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k" for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
 
