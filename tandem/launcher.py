@@ -20,13 +20,11 @@ $TANDEM_INTERNAL_SECRET is set, written to a private file (0600) that the drafte
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ from dataclasses import dataclass, field
 from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import TandemError
+from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
@@ -184,15 +183,6 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
 
 def _passthrough(args: argparse.Namespace, flags: tuple[shared.Flag, ...]) -> list[str]:
     return [word for flag in flags for word in flag.argv(args)]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now (held together while picked, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -6,15 +6,51 @@ services as processes and wait until they say SERVING. Torch-free.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
 import subprocess
 import time
 
+PORT_FLOOR = 20000  # free ports are picked from here up to the ephemeral range (clear of well-known services)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now, held together while picked (so none repeats). Picked below the kernel's
+    ephemeral range where it leaves room: that range is where outgoing connections take their local ports, and a port
+    picked there (what binding port 0 gives) was taken by some client's connection before the service bound it (the
+    CI's service tests, two workers starting services side by side: "Address already in use")."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for attempt in range(100 * n):
+            if len(ports) == n:
+                break
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", pick.randrange(PORT_FLOOR, low) if low - PORT_FLOOR > 1000 else 0))
+            except OSError:
+                continue
+            ports.append(s.getsockname()[1])
+        while len(ports) < n:  # (nearly everything below the range taken: the kernel's pick)
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; elsewhere the IANA range's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def is_serving(port: int, host: str = "127.0.0.1", timeout_s: float = 2.0) -> bool:
