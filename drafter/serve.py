@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import freeze_startup_heap, report_hangs_in_health, set_health, wait_for_stop
+from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, listen, report_hangs_in_health,
+                                    set_health, wait_for_stop)
 from tandem.configs.model import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -26,7 +27,8 @@ log = logging.getLogger("drafter")
 
 
 async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    server = grpc.aio.server(options=[*GRPC_SERVER_OPTIONS,
+                                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                                       ("grpc.http2.max_ping_strikes", 0),
                                       # A verifier that vanished without closing its connection (a hung host,
                                       # a cut link) ends its stream within ~15 s, so its restart is not refused
@@ -58,7 +60,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
                     "`tandem up` and compose set one")
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = listen(server, f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("drafter serving on %s:%d", cfg.host, port)

@@ -27,7 +27,7 @@ from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model
                              resolve_max_tokens)
 from tandem import tracing
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
-from tandem.service_runtime import set_health
+from tandem.service_runtime import GRPC_SERVER_OPTIONS, listen, set_health
 
 if TYPE_CHECKING:
     from gateway.context import GatewayContext
@@ -129,12 +129,12 @@ def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server
     reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
     interceptors = [ApiKeyInterceptor(gw.cfg.api_key)] if gw.cfg.api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
+                             options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = listen(server, address)
     return server, port, health_servicer
 
 

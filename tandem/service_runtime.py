@@ -15,6 +15,9 @@ from typing import Awaitable, Callable
 from tandem.errors import TandemError
 
 LAUNCHER_PID_ENV = "TANDEM_LAUNCHER_PID"  # set by `tandem up` for the services it starts (tandem.launcher)
+# Every service's gRPC server: a port another process listens on is refused, not shared (gRPC's default on Linux,
+# SO_REUSEPORT, lets a second server bind it silently, each new connection going to either process).
+GRPC_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -99,3 +102,13 @@ def report_hangs_in_health(health_servicer, loop: asyncio.AbstractEventLoop) -> 
             pass
 
     on_any_hang(hang)
+
+
+def listen(server, address: str) -> int:
+    """``server.add_insecure_port(address)`` (a server built with GRPC_SERVER_OPTIONS) → the bound port; where the
+    address is taken or cannot be bound, one clear error."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        raise TandemError(f"cannot listen on {address}: the port is in use (another service runs there?) or the "
+                          "address is not this host's") from None

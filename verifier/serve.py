@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import freeze_startup_heap, report_hangs_in_health, set_health, wait_for_stop
+from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, listen, report_hangs_in_health,
+                                    set_health, wait_for_stop)
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.warmup import warm_up
 from tandem.configs.model import ModelConfig
@@ -128,7 +129,8 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens, model_name=cfg.model_name)
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
-    server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
+    server = grpc.aio.server(options=[*GRPC_SERVER_OPTIONS,
+                                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -136,7 +138,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
     server.add_generic_rpc_handlers([service.handler()])
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = listen(server, f"{cfg.host}:{cfg.port}")
     await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads
     log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
 
