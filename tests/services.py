@@ -37,7 +37,11 @@ class Service:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        self.wait_serving(timeout_s)
+        try:
+            self.wait_serving(timeout_s)
+        except BaseException:
+            self.stop()  # (one that never served is not left running after the failed test)
+            raise
         return self
 
     def wait_serving(self, timeout_s: float) -> None:
@@ -102,9 +106,16 @@ def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
                                     "--speculative-num-draft-tokens", "5",
                                     # these tests check speculation's mechanics; the policy has its own tests
                                     "--speculation-policy", "always", *verifier_args],
-                       free_port(), tmp_path / "verifier.log").start()
-    verifier.metrics_port = metrics_port
-    wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 30, "the verifier to reach the drafter")
+                       free_port(), tmp_path / "verifier.log")
+    try:
+        verifier.start()
+        verifier.metrics_port = metrics_port
+        wait_for(lambda: read_metrics(metrics_port).get("tandem:drafter_up") == 1.0, 30,
+                 "the verifier to reach the drafter")
+    except BaseException:  # (the drafter is not left running after the failed test)
+        verifier.stop()
+        drafter.stop()
+        raise
     return drafter, verifier
 
 
