@@ -1,7 +1,8 @@
 """The REST benchmarks' service processes, their output tagged by stack and read as it goes: several stacks log into
 one file, and an engine's decisions must say whose they are. From each verifier's lines this keeps what a load's
 row reports beside its rate: detaches and attaches of the drafter, and per stats window (--log-stats-interval)
-whether the engine speculated (its share of steps), decoded plainly with the drafter attached, or detached."""
+whether the engine speculated (its share of steps), decoded plainly with the drafter attached, or detached; and
+kernels compiled while serving."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def tagged(args: list[str], tag: str, **kwargs) -> subprocess.Popen:
 
 def note(tag: str, line: str) -> None:
     counts = EVENTS[tag]
-    if "the drafter is detached" in line:
+    if "compiled while serving" in line:  # (tandem.kernels.compile_watch: a step waited for a kernel's compilation)
+        counts["kernels_compiled"] += 1
+    elif "the drafter is detached" in line:
         counts["detaches"] += 1
     elif "the drafter is attached again" in line:
         counts["attaches"] += 1
@@ -61,7 +64,7 @@ def since(tag: str, before: Counter) -> dict:
     stats windows the mean share of speculative steps, the shares of windows detached / plain attached, and the
     mean drafts a round and rounds a step of the windows that speculated (below the configured chain where the policy
     shortened it; below the configured run where runs were cut short); the plain steps by reason and the chain
-    switches, counted over the windows that speculated."""
+    switches, counted over the windows that speculated; the Triton kernels compiled while serving."""
     d = EVENTS[tag] - before
     windows, drafted, spec_windows = d["windows"], d["drafted_windows"], d["spec_windows"]
     return {"detaches": d["detaches"], "attaches": d["attaches"], "windows": windows,
@@ -71,4 +74,4 @@ def since(tag: str, before: Counter) -> dict:
             "drafts_per_round": round(d["drafts_tenths_sum"] / 10 / drafted, 2) if drafted else None,
             "rounds_per_step": round(d["run_tenths_sum"] / 10 / spec_windows, 2) if spec_windows else None,
             "plain_steps_for": {k.removeprefix("plain for "): n for k, n in d.items() if k.startswith("plain for ")},
-            "chain_switches": d["chain_switches"]}
+            "chain_switches": d["chain_switches"], "kernels_compiled": d["kernels_compiled"]}
