@@ -24,7 +24,7 @@ def free_ports(n: int) -> list[int]:
     pick = random.SystemRandom()
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
-        for attempt in range(100 * n):
+        for _ in range(100 * n):
             if len(ports) == n:
                 break
             s = stack.enter_context(socket.socket())

@@ -296,12 +296,17 @@ class SpeculationPolicy(StepCosts):
     def learning_rounds_left(self) -> int:
         """Rounds (all requests') this policy still speculates to learn the traffic's τ since start-up or new traffic
         (``warmup_rounds`` in all); 0 once learnt, and always 0 when it speculates always."""
-        return max(0, max(1, self.cfg.warmup_rounds) - self.rounds_all) if self.cfg.enabled else 0
+        return self._rounds_to_learn if self.cfg.enabled else 0
+
+    @property
+    def _rounds_to_learn(self) -> int:
+        """Rounds still to be heard of start-up's or new traffic before τ is trusted (``warmup_rounds`` in all)."""
+        return max(0, max(1, self.cfg.warmup_rounds) - self.rounds_all)
 
     @property
     def _learning(self) -> bool:
         """Fewer than ``warmup_rounds`` rounds heard since start-up or new traffic: τ is not trusted yet."""
-        return self.rounds_all < max(1, self.cfg.warmup_rounds)
+        return self._rounds_to_learn > 0
 
     @property
     def tau_all(self) -> float | None:
