@@ -56,8 +56,7 @@ class _Forced:
         if speculative and steps > 1:
             self.queued_runs.add((batch_size, kwargs.get("width")))
         if self.record:
-            self.policy.observe_step(batch_size, speculative, steps, *args, **kwargs,
-                                     **({"detached": True} if self.detached else {}))
+            self.policy.observe_step(batch_size, speculative, steps, *args, detached=self.detached, **kwargs)
 
     def observe_round(self, state, tokens, depth=None) -> None:
         pass

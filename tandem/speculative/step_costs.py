@@ -101,15 +101,23 @@ class StepCosts:
         single steps only (False), or of both (None). ``width``: of rounds that wide (None: the width in use).
         ``detached``: of plain steps timed without the drafter (observe_step's)."""
         bucket = cost_bucket(batch_size)
-        kind = ("resume" if resumed else self._spec_kind(bucket, width) if speculative
-                else "plain_detached" if detached else "plain")
+        kind = self._kind(bucket, speculative, resumed, width, detached)
         known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
         if (kind, runs) not in known:
-            times = self._times.get(bucket)
-            samples = [] if times is None else times.of(kind, runs)
-            kept = sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+            kept = self._kept(bucket, kind, runs)
             known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
         return known[kind, runs]
+
+    def _kind(self, bucket: int, speculative: bool, resumed: bool = False, width: int | None = None,
+              detached: bool = False) -> str:
+        return ("resume" if resumed else self._spec_kind(bucket, width) if speculative
+                else "plain_detached" if detached else "plain")
+
+    def _kept(self, bucket: int, kind: str, runs: bool | None) -> list:
+        """The samples ``step_time`` rests on: the recent ones, the slowest left out once there are three."""
+        times = self._times.get(bucket)
+        samples = [] if times is None else times.of(kind, runs)
+        return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
 
     def attached_plain_tax(self, batch_size: int) -> float | None:
         """What a plain step with the drafter attached costs over one without it at ``batch_size``'s bucket, less one
@@ -123,9 +131,8 @@ class StepCosts:
                          width: int | None = None) -> float | None:
         """The relative standard error of ``step_time``'s samples (as it keeps them) per step; None under three."""
         bucket = cost_bucket(batch_size)
-        times = self._times.get(bucket)
-        kind = self._spec_kind(bucket, width) if speculative else "plain"
-        per_step = sorted(seconds / steps for seconds, steps in ([] if times is None else times.of(kind, runs)))[:-1]
+        kept = self._kept(bucket, self._kind(bucket, speculative, width=width), runs)
+        per_step = [seconds / steps for seconds, steps in kept]
         if len(per_step) < 3:
             return None
         mean = sum(per_step) / len(per_step)
