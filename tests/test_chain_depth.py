@@ -15,7 +15,7 @@ from proposers import CyclingChains, RandomTreeProposer
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
-from tandem.speculative.chain_depth import ChainDepth, chain_ladder
+from tandem.speculative.chain_depth import TRIAL_STEPS, ChainDepth, chain_ladder
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy, cost_bucket
 from tandem.speculative.tree import DraftTree
@@ -106,10 +106,10 @@ def test_a_depth_is_kept_within_the_margin_weighed_every_few_steps_and_the_full_
     times[3] = 0.5  # far ahead: taken at the next weighing
     picks = [model.choose(8, times.get).num_steps for _ in range(5)]
     assert picks[-1] == 2 and picks[0] in (1, 2)
-    # a bucket with only the full width measured: each shorter depth drafted three times to time it, one a weighing;
-    # unmeasured still (the rounds were not timed), the full chain
-    picks = [model.choose(1, {4: 1.0}.get).num_steps for _ in range(28)]
-    assert sorted(p for p in picks if p != 3) == [1, 1, 1, 2, 2, 2] and picks[-4:] == [3] * 4
+    # a bucket with only the full width measured: each shorter depth drafted in three trials of TRIAL_STEPS in a row to
+    # time it; unmeasured still (the rounds were not timed), the full chain
+    picks = [model.choose(1, {4: 1.0}.get).num_steps for _ in range(6 * TRIAL_STEPS + 4)]
+    assert picks[: 6 * TRIAL_STEPS] == [1] * 3 * TRIAL_STEPS + [2] * 3 * TRIAL_STEPS and picks[-4:] == [3] * 4
 
 
 def test_the_policy_weighs_each_width_apart_and_never_settles_on_an_unmeasured_one():
@@ -123,9 +123,9 @@ def test_the_policy_weighs_each_width_apart_and_never_settles_on_an_unmeasured_o
     assert policy.step_time(64, True, width=3) is None
     for _ in range(500):
         policy.observe_round(RequestSpecState(), 2, depth=3)  # one draft kept of three
-    # depth 2 unmeasured: drafted at three weighings (every 8 steps) to time it, which these steps do not
-    picks = [policy.chain_spec(64, CHAIN) for _ in range(25)]
-    assert picks.count(SpecConfig(2, 1, 3)) == 3
+    # depth 2 unmeasured: drafted in three trials (TRIAL_STEPS each) to time it, which these steps do not
+    picks = [policy.chain_spec(64, CHAIN) for _ in range(3 * TRIAL_STEPS + 7)]
+    assert picks.count(SpecConfig(2, 1, 3)) == 3 * TRIAL_STEPS
     assert picks[-1] == SpecConfig(1, 1, 2)  # 2 tokens in 2 ms beat 2 in 4
     assert policy.step_time(64, True) == pytest.approx(0.002)  # the cost model now weighs the chain in use
 
@@ -148,6 +148,9 @@ class WideVerifiesCostMore(SpeculationPolicy):
         if width is None:
             width = self.depth.chosen_width(cost_bucket(batch_size)) if self.depth is not None else (self.spec_width or 4)
         return 1e-3 * (0.5 + 0.25 * width)
+
+    def samples_since(self, batch_size, width):
+        return 0.0  # (these times hold at every step: never too old to weigh)
 
 
 def test_an_engine_shortens_its_chains_where_wide_verifies_cost_more(tmp_path):
@@ -224,10 +227,12 @@ def _plain_ms(n: int) -> float:
 
 
 def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | None = None,
-              plain_ms=_plain_ms, round_ms=_round_ms, seeded_widths=(2, 3, 4)) -> float:
-    """Tokens per ms of a batch of ``n`` decoding for ``steps`` steps: plain (``fixed_depth`` 0), one fixed chain
-    (1-3 drafts), or the measured policy picking both (its goodput on a simulated clock; its step costs seeded as the
-    warm-up does, round times of ``seeded_widths`` only)."""
+              plain_ms=_plain_ms, round_ms=_round_ms, seeded_widths=(2, 3, 4), drift=None, count_from: int = 0) -> float:
+    """Tokens per ms of a batch of ``n`` decoding for ``steps`` steps (those from ``count_from`` on): plain
+    (``fixed_depth`` 0), one fixed chain (1-3 drafts), or the measured policy picking both (its goodput on a simulated
+    clock; its step costs seeded as the warm-up does, round times of ``seeded_widths`` only). ``drift(step, width)``:
+    a factor on served rounds' times (the warm-up's are as given). As in the engine, the two steps around a change of
+    depth are not timed."""
     from test_spec_policy import SimClock
 
     rng = random.Random(seed)
@@ -239,13 +244,16 @@ def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | 
                 policy.observe_step(size, True, 1, round_ms(size, width) / 1e3, width=width)
     policy.forget_traffic()
     states = [RequestSpecState() for _ in range(n)]
-    tokens, spent = 0, 0.0
-    for _ in range(steps):
+    tokens, spent, last_depth, untimed = 0, 0.0, fixed_depth or 3, 0
+    for step in range(steps):
         if fixed_depth is None:
             depth = policy.chain_spec(n, CHAIN).num_steps if policy.decide(n, states) else 0
         else:
             depth = fixed_depth
-        ms = (round_ms(n, depth + 1) if depth else plain_ms(n)) * rng.uniform(0.95, 1.05)
+        if depth and depth != last_depth:
+            last_depth, untimed = depth, 2
+        ms = (round_ms(n, depth + 1) * (drift(step, depth + 1) if drift else 1.0) if depth else plain_ms(n))
+        ms *= rng.uniform(0.95, 1.05)
         made = 0
         for state in states:
             accepted = 0
@@ -254,11 +262,13 @@ def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | 
             if depth:
                 policy.observe_round(state, accepted + 1, depth)
             made += accepted + 1
-        tokens += made
-        policy.observe_step(n, bool(depth), 1, ms / 1e3, width=depth + 1 if depth else None)
+        if step >= count_from:
+            tokens, spent = tokens + made, spent + ms
         policy.goodput.clock.now += ms / 1e3
-        policy.observe_goodput(n, bool(depth), made, ms / 1e3)
-        spent += ms
+        if not untimed:
+            policy.observe_step(n, bool(depth), 1, ms / 1e3, width=depth + 1 if depth else None)
+            policy.observe_goodput(n, bool(depth), made, ms / 1e3)
+        untimed = max(0, untimed - 1)
     return tokens / spent
 
 
@@ -289,6 +299,27 @@ def test_at_batch_64_a_shorter_chain_is_what_beats_the_configured_one():
     assert _simulate(64, p, 600, 1, None, plain, round_) >= 0.97 * fixed[1]
 
 
+def test_a_depth_left_long_ago_is_timed_again_before_it_is_weighed_against_the_running_one():
+    """Batch 1, where a verify's width is about free: rounds of every width cost 0.6 ms — but for the first 400 steps
+    the full chain's cost 1.6 times that (a slow start: clocks, caches, the host), and the chain of 2 rightly took
+    over. Once that passes, the full chain's old times must not keep it out: timed again, it wins back (the
+    fixed full chain's rate, within 3 %, over the last steps)."""
+    def plain(n):
+        return 0.45
+
+    def round_(n, width):
+        return 0.6
+
+    def slow_start(step, width):
+        return 1.6 if step < 400 and width == 4 else 1.0
+
+    p = [0.9, 0.8, 0.7]
+    full = _simulate(1, p, 4000, 1, 3, plain, round_, drift=slow_start, count_from=2500)
+    assert _simulate(1, p, 400, 1, None, plain, round_, drift=slow_start) > 1.05 * _simulate(
+        1, p, 400, 1, 3, plain, round_, drift=slow_start)  # (the chain of 2 pays at the start)
+    assert _simulate(1, p, 4000, 1, None, plain, round_, drift=slow_start, count_from=2500) >= 0.97 * full
+
+
 def test_an_engine_not_warmed_up_times_the_shorter_chains_itself():
     """Only the configured chain's rounds timed (no warm-up seeded the shorter widths): the policy drafts a few steps
     at each shorter depth to time them, then takes the chain of 1 that wins at batch 64, as the warmed-up one does."""
@@ -304,8 +335,9 @@ def test_an_engine_not_warmed_up_times_the_shorter_chains_itself():
     model = ChainDepth(chain_ladder(CHAIN), recheck_every=1)
     for _ in range(100):
         model.observe(3, 3)
-    picks = [model.choose(64, {4: 3e-3}.get).num_steps for _ in range(8)]
-    assert picks == [1, 1, 1, 2, 2, 2, 3, 3]  # each unmeasured depth tried three times, then the measured one
+    picks = [model.choose(64, {4: 3e-3}.get).num_steps for _ in range(6 * TRIAL_STEPS + 2)]
+    # each unmeasured depth tried three times (TRIAL_STEPS in a row each), then the measured one
+    assert picks == [1] * 3 * TRIAL_STEPS + [2] * 3 * TRIAL_STEPS + [3, 3]
 
 
 def test_a_change_of_depth_is_logged_once(caplog):

@@ -56,7 +56,8 @@ class _Forced:
         if speculative and steps > 1:
             self.queued_runs.add((batch_size, kwargs.get("width")))
         if self.record:
-            self.policy.observe_step(batch_size, speculative, steps, *args, detached=self.detached, **kwargs)
+            self.policy.observe_step(batch_size, speculative, steps, *args, detached=self.detached, seeded=True,
+                                     **kwargs)
 
     def observe_round(self, state, tokens, depth=None) -> None:
         pass

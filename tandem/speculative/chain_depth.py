@@ -14,8 +14,9 @@ shares up to there. Rounds at any depth teach the positions they reach; position
 are taught again by one step at the full depth every ``explore_every`` steps at a shorter one. Each depth's
 cost is the policy's measured round time at its width and batch bucket (of rounds queued in runs where every
 depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
-engine that was not warmed up, or a bucket the warm-up did not reach), a weighing drafts one step at that depth to time
-it, up to ``UNMEASURED_TRIALS`` times, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
+engine that was not warmed up, a bucket the warm-up did not reach, or times too old to weigh against the running
+depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
+it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
 another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
@@ -44,7 +45,9 @@ MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed
 # nothing to overlap its host work
 SWITCH_PRICE_STEPS = 1.0
 NOISE_Z = 2.0  # a depth's lead must exceed this many standard errors of the two round times' ratio
-UNMEASURED_TRIALS = 3  # steps a depth whose round time is unknown at a bucket is tried there, one a weighing
+UNMEASURED_TRIALS = 3  # trials in a row of a depth whose round time is unknown at a bucket before it is given up there
+# Steps a trial drafts at that depth: the engine leaves the two steps around a change of depth untimed
+TRIAL_STEPS = 6
 
 
 def chain_ladder(spec) -> tuple:
@@ -69,7 +72,8 @@ class ChainDepth:
         self._pending: dict[tuple[int, int], int] = {}  # (depth, accepted) -> rounds not folded in yet
         self._chosen: dict[int, int] = {}  # bucket -> depth
         self._short_steps = 0  # speculative steps at a shorter depth since the full one last ran
-        self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> steps drafted to time an unmeasured width
+        self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> trials since its width was last measured
+        self._trial: dict[int, tuple[int, int]] = {}  # bucket -> (depth under trial, its steps still to draft)
         self._running: int | None = None  # the depth the last step drafted
         self._bucket: int | None = None  # the bucket the last step ran at
         self._steps_here = 0  # speculative steps since the batch came into it
@@ -99,6 +103,13 @@ class ChainDepth:
         # and 8 would otherwise change depth at each crossing, each change ending the queued runs).
         entered = self._running is not None and bucket != self._bucket and held != self._running
         self._count_stay(bucket)
+        trial = self._trial.pop(bucket, None)
+        if trial is not None:  # a depth being timed drafts its trial's steps in a row, then the bucket weighs again
+            depth, left = trial
+            if left > 1:
+                self._trial[bucket] = (depth, left - 1)
+            self._due[bucket] = 0
+            return self._run(depth)
         if held < self.full and not entered:
             self._short_steps += 1
             if self._short_steps >= self.explore_every:  # the positions past it are measured again
@@ -116,9 +127,15 @@ class ChainDepth:
         for depth in range(1, self.full + 1):
             seconds = round_time(depth + 1)
             if seconds:
+                self._tried.pop((bucket, depth), None)
                 rates[depth] = self.tokens_per_round(depth) / seconds
-            elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # this step times it
+            elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # a trial times it
                 self._tried[bucket, depth] = self._tried.get((bucket, depth), 0) + 1
+                forget = getattr(round_time, "forget", None)
+                if forget is not None:  # (the trial's times alone: what is left of the old ones is as old)
+                    forget(depth + 1)
+                if TRIAL_STEPS > 1:
+                    self._trial[bucket] = (depth, TRIAL_STEPS - 1)
                 return self._run(depth)
         incumbent = self._running if entered else held
         if incumbent not in rates:

@@ -15,6 +15,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+# Timed steps at a bucket after which a round width not served since reads unmeasured there (RoundTimes)
+FRESH_STEPS = 1024
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
@@ -54,6 +56,8 @@ class StepCosts:
         self.spec_steps_since_plain = 0  # decode steps (rounds) since the last plain step
         self.plain_steps_since_spec = 0
         self.depth = None  # the policy's ChainDepth (the chain by batch bucket, for the spec it was built for), or None
+        self._served: dict[int, int] = {}  # bucket -> steps timed there while serving (not the warm-up's)
+        self._last_served: dict[tuple[int, str], int] = {}  # (bucket, kind) -> _served there at its latest sample
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
@@ -62,12 +66,14 @@ class StepCosts:
             width = self.depth.chosen_width(bucket) if self.depth is not None else self.spec_width
         return "spec" if width is None else f"spec{width}"
     def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
-                     resumed: bool = False, width: int | None = None, detached: bool = False) -> None:
+                     resumed: bool = False, width: int | None = None, detached: bool = False,
+                     seeded: bool = False) -> None:
         """``steps`` decode steps (or rounds) of ``batch_size`` requests ran; ``seconds``: their wall time
         (None: not timed, e.g. a prefill shared the step); ``resumed``: a speculative step that first sent
         the drafter what plain steps held (its time is the price of resuming, not of a round); ``width``: a
         speculative step's verify width (its times are kept by width; None: unknown, kept apart); ``detached``: plain
-        steps timed without the drafter, as the warm-up times them (kept apart: ``attached_plain_tax``)."""
+        steps timed without the drafter, as the warm-up times them (kept apart: ``attached_plain_tax``); ``seeded``: timed
+        by the warm-up (not serving: see ``samples_since``)."""
         if speculative and width:
             self.spec_width = width
         if speculative:
@@ -91,6 +97,9 @@ class StepCosts:
             samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
+            if not seeded:
+                served = self._served[bucket] = self._served.get(bucket, 0) + 1
+                self._last_served[bucket, kind] = served
 
     def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
                   runs: bool | None = None, width: int | None = None, detached: bool = False) -> float | None:
@@ -118,6 +127,26 @@ class StepCosts:
         times = self._times.get(bucket)
         samples = [] if times is None else times.of(kind, runs)
         return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+
+    def samples_since(self, batch_size: int, width: int) -> float:
+        """Steps timed while serving at ``batch_size``'s bucket since its last served round ``width`` wide: 0 while
+        none was served there (the warm-up's times alone: one occasion), infinite where only the warm-up timed that
+        width. Times taken apart in time are not comparable (the host's and the device's pace drift)."""
+        bucket = cost_bucket(batch_size)
+        served = self._served.get(bucket, 0)
+        if not served:
+            return 0.0
+        last = self._last_served.get((bucket, f"spec{width}"))
+        return math.inf if last is None else float(served - last)
+
+    def forget_width(self, batch_size: int, width: int) -> None:
+        """Drop the round times ``width`` wide at ``batch_size``'s bucket (about to be timed afresh)."""
+        bucket = cost_bucket(batch_size)
+        times = self._times.get(bucket)
+        if times is not None:
+            for runs in (False, True):
+                times.samples.pop((f"spec{width}", runs), None)
+        self._step_times_known.pop(bucket, None)
 
     def attached_plain_tax(self, batch_size: int) -> float | None:
         """What a plain step with the drafter attached costs over one without it at ``batch_size``'s bucket, less one
@@ -216,7 +245,11 @@ class RoundTimes:
     """ChainDepth's ``round_time(width)`` at ``bucket`` (and its ``spread(width)``): every depth's rounds of one class —
     queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last
     timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
-    mixes, depths about even took turns). The class is settled at the first call (a weighing's)."""
+    mixes, depths about even took turns). The class is settled at the first call (a weighing's). A width last served
+    more than ``FRESH_STEPS`` timed steps ago here (or timed by the warm-up alone, once serving has begun here) reads
+    unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
+    old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
+    first seconds, which the always-full stack beat by 16 %)."""
 
     def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple):
         self.costs, self.bucket, self.ladder, self._runs = costs, bucket, ladder, []
@@ -228,7 +261,12 @@ class RoundTimes:
         return self._runs[0]
 
     def __call__(self, width: int) -> float | None:
+        if self.costs.samples_since(self.bucket, width) > FRESH_STEPS:
+            return None
         return self.costs.step_time(self.bucket, True, runs=self._class(), width=width)
+
+    def forget(self, width: int) -> None:
+        self.costs.forget_width(self.bucket, width)
 
     def spread(self, width: int) -> float | None:
         """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
