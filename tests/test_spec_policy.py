@@ -701,7 +701,7 @@ def test_plain_steps_with_the_drafter_detached_are_plain_goodput_once_measured()
     assert verdict() is True
     meter(False, 1200.0, detached=True)  # the same batch with the drafter detached ...
     assert arbiter.verdict(8) is None and arbiter.rates(8) == (None, pytest.approx(1200.0))  # measured again after it
-    meter(True, 1000.0)  # ... attached again
+    meter(True, 1000.0, 0.6)  # ... attached again (measured afresh: long enough to be called, goodput_tie_s)
     assert verdict() is False
     meter(False, 800.0)  # attached again for a while (say, before an exploration): detached steps still speak for plain
     assert verdict() is False

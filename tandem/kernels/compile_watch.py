@@ -41,10 +41,10 @@ def watch_compiles() -> bool:
     def compiled(**kwargs):
         started = _started.pop(kwargs["repr"], None)
         if started is not None:
-            ms = 1e3 * (time.perf_counter() - started)
-            compiled_while_serving.append((kwargs["repr"], ms))
+            ms, specialisation = 1e3 * (time.perf_counter() - started), " ".join(kwargs["repr"].split())
+            compiled_while_serving.append((specialisation, ms))
             log.warning("a Triton kernel was compiled while serving (%.0f ms, in a step that waited for it; the "
-                        "warm-up did not run it): %s", ms, kwargs["repr"])
+                        "warm-up did not run it): %s", ms, specialisation)  # (on one line: its repr spans several)
         return after(**kwargs) if after else None
 
     missed.tandem_watch = True

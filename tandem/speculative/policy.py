@@ -72,6 +72,7 @@ class PolicyConfig:
     goodput_stale_s: float = 30.0  # ... the latest less than this long ago
     goodput_detached_stale_s: float = 5.0  # plain measured detached speaks for plain this long after its last step
     goodput_margin: float = 0.03  # the other mode must be this much faster to take over
+    goodput_tie_s: float = 0.3  # after a detached period, speculation is called slower only once measured this long
     goodput_explore_steps: int = 2  # an exploration of the other mode: at least this many steps (and goodput_epoch_s)
     goodput_explore_cost: float = 0.01  # measuring the slower mode again costs about this share of goodput ...
     goodput_explore_max_s: float = 5.0  # ... measured again at least this often
