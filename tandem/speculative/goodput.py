@@ -53,10 +53,12 @@ class _Meter:
     tokens: float = 0.0
     seconds: float = 0.0
     last: float = -math.inf  # when it was last measured
+    tokenless: float = 0.0  # of ``seconds``, those of steps that emitted nothing (speculation's prompt extensions)
 
     def add(self, tokens: int, seconds: float, window_s: float, now: float) -> None:
         keep = math.exp(-seconds / window_s)
         self.tokens, self.seconds, self.last = keep * self.tokens + tokens, keep * self.seconds + seconds, now
+        self.tokenless = keep * self.tokenless + (0.0 if tokens else seconds)
 
     @property
     def rate(self) -> float:
@@ -192,6 +194,13 @@ class GoodputArbiter:
         """(speculative, plain) goodput in tokens/s at ``batch_size``'s bucket where measured, else None."""
         b, now = self.bucket(batch_size), self.clock()
         return tuple(self._meter(b, mode, now).rate if self._measured(b, mode, now) else None for mode in (True, False))
+
+    def tokenless_share(self, batch_size: int) -> float | None:
+        """The share of speculation's measured seconds at ``batch_size``'s bucket that emitted nothing (its prompt
+        extensions), where it is measured (for the log)."""
+        b, now = self.bucket(batch_size), self.clock()
+        return self._meter(b, True, now).tokenless / self._meter(b, True, now).seconds if self._measured(b, True, now) \
+            else None
 
     def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
         """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured, unless

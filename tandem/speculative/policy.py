@@ -188,6 +188,9 @@ class SpeculationPolicy(StepCosts):
             spec, plain = self.goodput.rates(batch_size)
             parts.append("measured goodput: " + ", ".join(f"{name} {'-' if r is None else f'{r:.0f}'} tok/s"
                                                          for name, r in (("speculating", spec), ("plain", plain))))
+            tokenless = self.goodput.tokenless_share(batch_size)
+            if tokenless:
+                parts[-1] += f" (speculation's seconds {100 * tokenless:.0f} % extending prompts)"
         if self._model_view is not None and self._model_view[0] == batch_size:
             parts.append(f"τ at most {self._model_view[1]:.2f} against a cost ratio of {self._model_view[2]:.2f}")
         times = [self.step_time(batch_size, mode) for mode in (False, True)]
