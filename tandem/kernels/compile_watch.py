@@ -41,7 +41,10 @@ def watch_compiles() -> bool:
     def compiled(**kwargs):
         started = _started.pop(kwargs["repr"], None)
         if started is not None:
-            ms, specialisation = 1e3 * (time.perf_counter() - started), " ".join(kwargs["repr"].split())
+            ms = 1e3 * (time.perf_counter() - started)
+            # (the repr names the kernel, not always what it was specialised on: its constants and arguments' key say)
+            specialisation = " ".join(f"{kwargs['repr']} constants {kwargs.get('constants')} key {kwargs.get('key')}"
+                                      .split())
             compiled_while_serving.append((specialisation, ms))
             log.warning("a Triton kernel was compiled while serving (%.0f ms, in a step that waited for it; the "
                         "warm-up did not run it): %s", ms, specialisation)  # (on one line: its repr spans several)
