@@ -953,38 +953,3 @@ def test_a_probe_needs_a_closer_race_where_attached_plain_steps_only_hold_featur
     from verifier.in_process_head import GuardedHead
 
     assert DrafterClient.ships_features and not GuardedHead.ships_features and not Eagle3Drafter.ships_features
-
-
-def test_steps_of_prompts_are_charged_to_each_mode_per_output_token_at_their_own_price():
-    """Concurrency 64 over REST in the verifier: decoding steps alone read speculation at 0.93 of plain, yet speculating
-    always ran 1.1-1.3x target-only — the steps of prompts, left out, cost plain twice what they cost speculating per
-    output token (smaller batches of prompts). Measured both ways, each mode's goodput is charged its own price of
-    prompt steps per output token (the traffic's prompt tokens per output token times seconds per prompt token):
-    1 / (1 / rate + ratio x cost). Measured one way only, speculation is charged its drafter extension, as before."""
-    from tandem.speculative.goodput import GoodputArbiter
-    from tandem.speculative.policy import cost_bucket
-
-    clock, cfg = SimClock(), PolicyConfig()
-    ratio, extension = 1.1, 2e-6  # prompt tokens per output token; extension seconds per output token
-    arbiter = GoodputArbiter(cfg, cost_bucket, clock, prompts_per_output=lambda: ratio,
-                             extension_per_output=lambda: extension)
-    for _ in range(60):
-        clock.now += 0.01
-        arbiter.observe(64, True, 0.01 * 37000, 0.01)
-        arbiter.observe(64, False, 0.01 * 40000, 0.01)
-    assert arbiter.rates(64) == (pytest.approx(1 / (1 / 37000 + extension)), pytest.approx(40000))
-    spec_cost, plain_cost = 4e-6, 12e-6  # seconds a prompt token, in steps of prompts
-    for _ in range(60):
-        clock.now += 0.01
-        arbiter.observe_prompts(True, 0.01 / spec_cost, 0.01)
-        arbiter.observe_prompts(False, 0.01 / plain_cost, 0.01)
-    spec, plain = arbiter.rates(64)
-    assert spec == pytest.approx(1 / (1 / 37000 + ratio * spec_cost))
-    assert plain == pytest.approx(1 / (1 / 40000 + ratio * plain_cost))
-    assert spec > 1.1 * plain
-    assert arbiter.prompt_costs() == (pytest.approx(spec_cost), pytest.approx(plain_cost))
-    for _ in range(200):  # epochs end: the verdict is speculation's
-        clock.now += cfg.goodput_epoch_s
-        arbiter._epoch_steps = cfg.goodput_epoch_steps
-        arbiter.choose(64, False, lambda: 0.1)
-    assert arbiter.verdict(64) is True

@@ -21,9 +21,6 @@ class Heard:
     def observe_goodput(self, running, speculative, tokens, seconds, detached=False):
         self.calls.append(("goodput", running, speculative, tokens, seconds))
 
-    def observe_prompt_goodput(self, speculative, prompt_tokens, seconds, detached=False):
-        self.calls.append(("prompts", speculative, prompt_tokens, seconds, detached))
-
     def observe_arrivals(self, tokens, seconds):
         self.calls.append(("arrivals", tokens, seconds))
 
@@ -74,22 +71,16 @@ def test_arrivals_are_charged_from_prompts_alone_while_speculating_with_a_drafte
         assert (("arrivals", 64, pytest.approx(0.003)) in policy.calls) == heard
 
 
-def test_prompts_alone_go_to_goodput_as_what_a_step_of_prompts_costs_in_its_mode():
-    """A step of prompts alone beside running requests is paid in either mode, at another price (speculating it extends
-    the prompts into the drafter): goodput hears it apart from the decoding steps, its prompt tokens over its time up to
-    the next step, in its mode (never into the decoding meters: a wave's burst of prompt steps read as the pace of
-    whichever mode it came in). A step that speculated without extending its prompts (the drafter away) is neither."""
-    extended = StepInfo(num_prefill=2, num_decode=0, spans={"draft_extend": (0, 3_000_000)}, prefill_tokens=64)
-    held = StepInfo(num_prefill=2, num_decode=0, spans={}, prefill_tokens=64)
-    for info, speculating, detached, heard in (
-            (extended, True, False, [("prompts", True, 64, pytest.approx(0.2), False)]),
-            (held, False, False, [("prompts", False, 64, pytest.approx(0.2), False)]),
-            (held, False, True, [("prompts", False, 64, pytest.approx(0.2), True)]),
-            (held, True, False, [])):
+def test_prompts_alone_go_to_goodput_only_as_their_extension_into_the_drafter_while_speculating():
+    """A step of prompts alone beside running requests is paid in either mode: speculative goodput hears its drafter
+    extension (3 ms, no tokens), plain goodput nothing; its wall time is no mode's (a wave's burst of prompt steps
+    read as the pace of whichever mode it came in)."""
+    prompts = StepInfo(num_prefill=2, num_decode=0, spans={"draft_extend": (0, 3_000_000)}, prefill_tokens=64)
+    for speculating, heard in ((True, [("goodput", 4, True, 0, pytest.approx(0.003))]), (False, [])):
         acc, policy = StepAccounting(prefill_apart=True), Heard()
-        acc.step_ended(policy, info, 0.0, 0.1, 4, 6, speculating, PROPOSER, True, 2, detached=detached)
+        acc.step_ended(policy, prompts, 0.0, 0.1, 4, 6, speculating, PROPOSER, True, 2)
         acc.step_starts(0.2, policy)
-        assert [c for c in policy.calls if c[0] in ("goodput", "prompts")] == heard, (speculating, detached)
+        assert [c for c in policy.calls if c[0] == "goodput"] == heard, speculating
 
 
 def test_without_a_proposer_the_policy_hears_no_step():

@@ -8,15 +8,11 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   server streams them, per step) is part of what a step costs. So the policy hears of a step when the
   next one starts, and only when requests were still running after it.
 - An arrival's extension into the drafter is charged while speculating, from a step of prompts alone.
-- A step of prompts alone is paid in either mode, at another price: speculating, it extends the prompts into the
-  drafter; and the prompts batch differently (a run of rounds is longer than a run of plain steps, so more prompts
-  wait for the next step of prompts, whose fixed cost they share). It goes to goodput as what such a step costs per
-  prompt token in its mode (its wall time up to the next step), which the arbiter charges per output token
-  (tandem.speculative.goodput). (Metered whole into the mode's goodput, a wave's burst of prompt steps read as that
-  mode's pace: "speculating 3010 tok/s" against plain's 32477 at the start of a concurrency-64 wave, and detached;
-  metered as the extension alone, over REST at concurrency 64 in the verifier speculation read 0.86-0.93 of plain
-  while speculating always ran 1.11-1.34x target-only: per output token, the time goodput left out was twice as long
-  plain as speculating.) Steps that prefill and decode together are metered whole.
+- A step of prompts alone is paid in either mode (and emits the prompts' first tokens in either): only its extension
+  of the prompts into the drafter is speculation's, and only that goes to goodput, as speculative seconds. (Metered
+  whole, in the mode of the moment, a wave's burst of prompt steps read as that mode's pace: the demo pair as a
+  service at the start of a concurrency-64 wave measured "speculating 3010 tok/s" against plain's 32477, and
+  detached.) Steps that prefill and decode together are metered whole.
 - Goodput (tokens over a step's seconds) leaves out a round that first caught the drafter up on held input:
   a switch's price, which the arbiter's short epochs must not take for speculation's pace. (A plain step that
   flushes held input to the drafter is plain mode's own recurring cost: it counts.)
@@ -62,7 +58,6 @@ class _GoodputStep:
     tokens: int
     started: float
     detached: bool  # plain, with the drafter detached
-    prompts: bool = False  # a step of prompts alone (``tokens``: their prompt tokens)
 
 
 class StepAccounting:
@@ -86,10 +81,7 @@ class StepAccounting:
                                 None if s.started is None else now - s.started, resumed=s.resumed, width=s.width)
         if self._goodput is not None:
             g, self._goodput = self._goodput, None
-            if g.prompts:
-                policy.observe_prompt_goodput(g.speculative, g.tokens, now - g.started, detached=g.detached)
-            else:
-                policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started, detached=g.detached)
+            policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started, detached=g.detached)
 
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
                    running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,
@@ -127,7 +119,5 @@ class StepAccounting:
             # (not the last step before idling; nor a drafter's catching up, nor a change of depth: their price)
             if info.num_decode:
                 self._goodput = _GoodputStep(running_before, mode, tokens, started, detached and not mode)
-            elif info.prefill_tokens and (not mode or (drafter_up and info.seconds.get("draft_extend"))):
-                # prompts alone (speculating: extended into the drafter): what they cost each way, see the module
-                self._goodput = _GoodputStep(running_before, mode, info.prefill_tokens, started, detached and not mode,
-                                             prompts=True)
+            elif mode and drafter_up and info.seconds.get("draft_extend"):  # prompts alone: see the module
+                policy.observe_goodput(running_before, True, 0, info.seconds["draft_extend"])

@@ -72,9 +72,6 @@ class _Forced:
     def observe_goodput(self, batch_size, speculative, tokens, seconds, detached=False) -> None:
         pass  # the warm-up's forced modes and random prompts say nothing of the traffic's goodput
 
-    def observe_prompt_goodput(self, speculative, prompt_tokens, seconds, detached=False) -> None:
-        pass
-
     def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)
 

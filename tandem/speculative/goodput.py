@@ -53,10 +53,12 @@ class _Meter:
     tokens: float = 0.0
     seconds: float = 0.0
     last: float = -math.inf  # when it was last measured
+    tokenless: float = 0.0  # of ``seconds``, those of steps that emitted nothing (speculation's prompt extensions)
 
     def add(self, tokens: int, seconds: float, window_s: float, now: float) -> None:
         keep = math.exp(-seconds / window_s)
         self.tokens, self.seconds, self.last = keep * self.tokens + tokens, keep * self.seconds + seconds, now
+        self.tokenless = keep * self.tokenless + (0.0 if tokens else seconds)
 
     @property
     def rate(self) -> float:
@@ -64,16 +66,11 @@ class _Meter:
 
 
 class GoodputArbiter:
-    def __init__(self, cfg, bucket, clock=time.perf_counter, switch_cost=lambda bucket: 0.0,
-                 prompts_per_output=lambda: None, extension_per_output=lambda: 0.0):
+    def __init__(self, cfg, bucket, clock=time.perf_counter, switch_cost=lambda bucket: 0.0):
         """``cfg``: the PolicyConfig (its ``goodput_*`` fields); ``bucket``: batch size -> bucket; ``switch_cost``:
-        bucket -> seconds an exploration pays to switch and back beyond its steps (the drafter's catch-up);
-        ``prompts_per_output()``: the traffic's prompt tokens per output token (None: not known);
-        ``extension_per_output()``: seconds of the drafter's prompt extension per output token (see the module)."""
+        bucket -> seconds an exploration pays to switch and back beyond its steps (the drafter's catch-up)."""
         self.cfg, self.bucket, self.clock, self.switch_cost = cfg, bucket, clock, switch_cost
-        self.prompts_per_output, self.extension_per_output = prompts_per_output, extension_per_output
         self._meters: dict[tuple[int, bool | str], _Meter] = {}  # (bucket, True / False / DETACHED)
-        self._prompts: dict[bool | str, _Meter] = {}  # steps of prompts alone by mode: prompt tokens over seconds
         self._epoch_start = 0.0
         self._epoch_bucket = 0  # the bucket the current epoch began at (an exploration is scheduled there)
         self._detached = False  # the latest step observed was a detached one
@@ -101,14 +98,6 @@ class GoodputArbiter:
         meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
         if speculative == self._mode:
             self._epoch_steps += 1
-
-    def observe_prompts(self, speculative: bool, prompt_tokens: int, seconds: float, detached: bool = False) -> None:
-        """A step of prompts alone (``prompt_tokens``) took ``seconds`` in that mode (speculating: their extension
-        into the drafter included)."""
-        if seconds > 0:
-            key = DETACHED if detached and not speculative else speculative
-            meter = self._prompts.get(key) or self._prompts.setdefault(key, _Meter())
-            meter.add(prompt_tokens, seconds, self.cfg.goodput_window_s, self.clock())
 
     def choose(self, batch_size: int, model_says: bool, predicted_loss, rounds_can_pay: bool = True) -> bool:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).
@@ -192,8 +181,7 @@ class GoodputArbiter:
         spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
         if (now - self._probed.get(b, -math.inf) < self.cfg.goodput_stale_s or self.verdict(batch_size) is not True
                 or self._fresh_detached(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
-                or self._with_prompts(spec.rate, True, now)
-                >= self._with_prompts(attached.rate, False, now) * (1 + margin)):
+                or spec.rate >= attached.rate * (1 + margin)):
             return False
         self._probed[b] = now
         return True
@@ -205,12 +193,14 @@ class GoodputArbiter:
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculative, plain) goodput in tokens/s at ``batch_size``'s bucket where measured, else None."""
         b, now = self.bucket(batch_size), self.clock()
-        return tuple(self._rate(b, mode, now) if self._measured(b, mode, now) else None for mode in (True, False))
+        return tuple(self._meter(b, mode, now).rate if self._measured(b, mode, now) else None for mode in (True, False))
 
-    def prompt_costs(self) -> tuple[float | None, float | None]:
-        """Seconds a step of prompts alone takes per prompt token, (speculating, plain), where measured."""
-        now = self.clock()
-        return self._prompt_cost(True, now), self._prompt_cost(False, now)
+    def tokenless_share(self, batch_size: int) -> float | None:
+        """The share of speculation's measured seconds at ``batch_size``'s bucket that emitted nothing (its prompt
+        extensions), where it is measured (for the log)."""
+        b, now = self.bucket(batch_size), self.clock()
+        return self._meter(b, True, now).tokenless / self._meter(b, True, now).seconds if self._measured(b, True, now) \
+            else None
 
     def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
         """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured, unless
@@ -223,31 +213,6 @@ class GoodputArbiter:
                                                             and attached.rate > detached.rate):
                 return detached
         return attached
-
-    def _rate(self, b: int, mode: bool, now: float) -> float:
-        """Mode ``mode``'s goodput at bucket ``b`` with what its steps of prompts cost per output token (see the
-        module)."""
-        return self._with_prompts(self._meter(b, mode, now).rate, mode, now)
-
-    def _with_prompts(self, rate: float, mode: bool, now: float) -> float:
-        if rate <= 0:
-            return 0.0
-        ratio, costs = self.prompts_per_output(), (self._prompt_cost(True, now), self._prompt_cost(False, now))
-        if ratio and None not in costs:
-            extra = ratio * costs[0 if mode else 1]
-        else:  # (steps of prompts not measured both ways: speculation pays its extension, which plain steps do not)
-            extra = self.extension_per_output() if mode else 0.0
-        return 1.0 / (1.0 / rate + extra)
-
-    def _prompt_cost(self, mode: bool, now: float) -> float | None:
-        """Seconds per prompt token of a step of prompts alone in mode ``mode`` (plain: detached where that is
-        measured), where measured."""
-        keys = (True,) if mode else (DETACHED, False)
-        for key in keys:
-            meter = self._prompts.get(key)
-            if self._fresh(meter, now) and meter.tokens > 0:
-                return meter.seconds / meter.tokens
-        return None
 
     def _fresh(self, meter: "_Meter | None", now: float) -> bool:
         return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
@@ -277,7 +242,7 @@ class GoodputArbiter:
     def _loss(self, b: int) -> float:
         """The share of goodput the slower mode loses at bucket ``b``, as measured."""
         now = self.clock()
-        rates = [self._rate(b, mode, now) for mode in (True, False) if self._meter(b, mode, now) is not None]
+        rates = [m.rate for m in (self._meter(b, mode, now) for mode in (True, False)) if m is not None]
         return 1.0 if len(rates) < 2 or max(rates) <= 0 else 1 - min(rates) / max(rates)
 
     def _measured(self, b: int, mode: bool, now: float) -> bool:
@@ -285,7 +250,7 @@ class GoodputArbiter:
 
     def _pick(self, b: int, model_says: bool, now: float) -> tuple[bool, bool]:
         """Both modes measured at ``b`` → (mode, whether it is an exploration of the slower one)."""
-        spec, plain = self._rate(b, True, now), self._rate(b, False, now)
+        spec, plain = self._meter(b, True, now).rate, self._meter(b, False, now).rate
         held, margin = self._best.get(b, model_says), 1 + self.cfg.goodput_margin
         best = (plain <= spec * margin) if held else (spec > plain * margin)
         if b in self._afresh and self._meter(b, True, now).seconds < self.cfg.goodput_tie_s:

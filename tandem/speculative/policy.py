@@ -103,9 +103,7 @@ class SpeculationPolicy(StepCosts):
     def __init__(self, cfg: PolicyConfig = PolicyConfig(), clock=None):
         super().__init__(cfg)
         measured = cfg.goodput and cfg.enabled and cfg.fixed_cost_ratio is None
-        self.goodput = (GoodputArbiter(cfg, cost_bucket, *([clock] if clock else []), switch_cost=self._switch_cost,
-                                       prompts_per_output=lambda: self._prompt_per_output.mean,
-                                       extension_per_output=self.arrival_cost_per_output_token)
+        self.goodput = (GoodputArbiter(cfg, cost_bucket, *([clock] if clock else []), switch_cost=self._switch_cost)
                         if measured else None)
         self._all = DecayedMean(cfg.engine_window)  # τ over every request's rounds
         self.rounds_all = 0
@@ -141,13 +139,6 @@ class SpeculationPolicy(StepCosts):
         its wall time up to the next step (tandem.speculative.goodput); ``detached``: the drafter was."""
         if self.goodput is not None:
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
-
-    def observe_prompt_goodput(self, speculative: bool, prompt_tokens: int, seconds: float,
-                               detached: bool = False) -> None:
-        """A step of prompts alone, with requests running: its wall time up to the next step (tandem.speculative.goodput:
-        what steps of prompts cost per prompt token, each way)."""
-        if self.goodput is not None:
-            self.goodput.observe_prompts(speculative, prompt_tokens, seconds, detached)
 
     def plain_measured_faster(self, batch_size: int) -> bool:
         """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, its verdict
@@ -197,10 +188,9 @@ class SpeculationPolicy(StepCosts):
             spec, plain = self.goodput.rates(batch_size)
             parts.append("measured goodput: " + ", ".join(f"{name} {'-' if r is None else f'{r:.0f}'} tok/s"
                                                          for name, r in (("speculating", spec), ("plain", plain))))
-            prompts = self.goodput.prompt_costs()
-            if any(prompts):
-                parts[-1] += " (with steps of prompts at " + " / ".join(
-                    "-" if c is None else f"{1e6 * c:.1f}" for c in prompts) + " µs a prompt token, speculating / plain)"
+            tokenless = self.goodput.tokenless_share(batch_size)
+            if tokenless:
+                parts[-1] += f" (speculation's seconds {100 * tokenless:.0f} % extending prompts)"
         if self._model_view is not None and self._model_view[0] == batch_size:
             parts.append(f"τ at most {self._model_view[1]:.2f} against a cost ratio of {self._model_view[2]:.2f}")
         times = [self.step_time(batch_size, mode) for mode in (False, True)]
