@@ -179,11 +179,13 @@ class StepCosts:
         ``runs``' class (runs, or single steps) where both kinds have samples of it there."""
         if self.cfg.fixed_cost_ratio is not None:
             return self.cfg.fixed_cost_ratio
-        measured = [(abs(math.log2(b) - math.log2(cost_bucket(batch_size))), b) for b in self._times
-                    if self.step_time(b, False) is not None and self.step_time(b, True) is not None]
-        if not measured:
-            return self.cfg.default_cost_ratio
-        _, b = min(measured)
+        b = cost_bucket(batch_size)
+        if self.step_time(b, False) is None or self.step_time(b, True) is None:  # (asked every step: its own first)
+            measured = [(abs(math.log2(m) - math.log2(b)), m) for m in self._times
+                        if self.step_time(m, False) is not None and self.step_time(m, True) is not None]
+            if not measured:
+                return self.cfg.default_cost_ratio
+            _, b = min(measured)
         spec, plain = self.step_time(b, True, runs=runs), self.step_time(b, False, runs=runs)
         if spec is None or plain is None:
             spec, plain = self.step_time(b, True), self.step_time(b, False)
