@@ -156,7 +156,8 @@ class ChainDepth:
             self._dwelling[bucket] = self.dwell
             log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
                      "s" if best > 1 else "",
-                     ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k" for d, r in sorted(rates.items())))
+                     ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k ({self.tokens_per_round(d):.2f} a round in "
+                               f"{1e3 * self.tokens_per_round(d) / r:.2f} ms)" for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
 
