@@ -325,4 +325,3 @@ class SpeculationPolicy(StepCosts):
         self.depth = None  # (acceptance by position is the traffic's too; the costs it weighs are kept)
         if self.goodput is not None:
             self.goodput.forget_traffic()
-

@@ -26,6 +26,11 @@ def cost_bucket(batch_size: int) -> int:
     return 1 << max(0, round(math.log2(max(1, batch_size))))
 
 
+def _round_kind(width: int | None) -> str:
+    """The key of speculative step times for rounds ``width`` wide (None or 0: width unknown, kept apart)."""
+    return f"spec{width}" if width else "spec"
+
+
 @dataclass
 class _StepTimes:
     """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
@@ -64,7 +69,7 @@ class StepCosts:
         """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
         if width is None:
             width = self.depth.chosen_width(bucket) if self.depth is not None else self.spec_width
-        return "spec" if width is None else f"spec{width}"
+        return _round_kind(width)
     def observe_step(self, batch_size: int, speculative: bool, steps: int = 1, seconds: float | None = None,
                      resumed: bool = False, width: int | None = None, detached: bool = False,
                      seeded: bool = False) -> None:
@@ -85,7 +90,7 @@ class StepCosts:
         if seconds is not None:  # (get before create: this runs every step)
             bucket = cost_bucket(batch_size)
             times = self._times.get(bucket) or self._times.setdefault(bucket, _StepTimes())
-            kind = ("resume" if resumed else (f"spec{width}" if width else "spec") if speculative
+            kind = ("resume" if resumed else _round_kind(width) if speculative
                     else "plain_detached" if detached else "plain")
             known = self._step_times_known.get(bucket)
             if known:
@@ -136,7 +141,7 @@ class StepCosts:
         served = self._served.get(bucket, 0)
         if not served:
             return 0.0
-        last = self._last_served.get((bucket, f"spec{width}"))
+        last = self._last_served.get((bucket, _round_kind(width)))
         return math.inf if last is None else float(served - last)
 
     def forget_width(self, batch_size: int, width: int) -> None:
@@ -145,7 +150,7 @@ class StepCosts:
         times = self._times.get(bucket)
         if times is not None:
             for runs in (False, True):
-                times.samples.pop((f"spec{width}", runs), None)
+                times.samples.pop((_round_kind(width), runs), None)
         self._step_times_known.pop(bucket, None)
 
     def attached_plain_tax(self, batch_size: int) -> float | None:
