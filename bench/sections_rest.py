@@ -16,11 +16,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import paired_ratio, versus_the_better
 from rest_load import cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
+from spy import finish as finish_spy, start as start_spy
 from stack_log import EVENTS, since, tagged
 
 CONCURRENCY = tuple(int(c) for c in os.environ.get("TANDEM_BENCH_REST_CONCURRENCY", "1,8,64").split(","))
@@ -147,7 +149,11 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     row.setdefault("wave_tok_s", row["tok_s"])
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     logged = EVENTS[mode].copy()
+    spied = os.environ.get("TANDEM_BENCH_PYSPY")  # a folder: the verifier's threads sampled during the load (bench/spy.py)
+    n = len(row.get("samples", []))
+    spy = spied and start_spy(pids["verifier"], sustain_s, Path(spied) / f"{mode}-c{cell[0]}-{n}.txt")
     r = sustained(base, prompts, cell[0], cell[1], sustain_s)
+    finish_spy(spy or None)
     r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2) for name, pid in pids.items()}
     r["engine"] = since(mode, logged)  # (the stats windows the load spanned, one either side at most)
     row.setdefault("samples", []).append(r)

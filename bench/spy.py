@@ -1,0 +1,114 @@
+"""Where a served verifier's threads spend their time: py-spy samples the verifier during each REST load
+(``TANDEM_BENCH_PYSPY=DIR``: bench/sections_rest.py; the py-spy wheel is carried by scripts/fetch_gpu_wheels.sh),
+one raw folded-stack file a load, ``DIR/<mode>-c<concurrency>-<pass>.txt``; this folds them by stack and thread.
+
+    python3 bench/spy.py DIR            each stack's busiest functions per thread, summed over its loads by concurrency,
+                                        and a policy stack against its ``-always`` twin (shares of the engine's samples)
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RATE_HZ = 250
+_FRAME = re.compile(r"^(?P<name>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
+
+
+def start(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
+    """py-spy recording ``pid``'s threads (idle samples included: a thread waiting on the GPU or the GIL is where its
+    time goes) for ``seconds`` into ``path``; None where py-spy is not installed."""
+    spy = shutil.which("py-spy") or next((str(p) for p in map(Path, sys.path) if (p / "bin" / "py-spy").is_file()
+                                          for p in [p / "bin" / "py-spy"]), None)
+    if spy is None:
+        print("TANDEM_BENCH_PYSPY: py-spy not found", flush=True)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
+                             str(RATE_HZ), "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if proc.returncode:
+        print(f"py-spy exited {proc.returncode}: {err.strip()[-300:]}", flush=True)
+
+
+def _stacks(path: Path):
+    """(thread, [function names, root first], samples) per line of a raw py-spy file."""
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        names = []
+        for frame in frames[1:]:
+            m = _FRAME.match(frame)
+            names.append(f"{m['name']} ({Path(m['file']).name})" if m else frame)
+        yield frames[0], names, int(count)
+
+
+def fold(paths: list[Path]) -> dict:
+    """Per thread kind (the engine's: its stacks reach llm_engine.py; the others by their root function):
+    samples, and per function its inclusive and self samples."""
+    kinds: dict = collections.defaultdict(lambda: {"samples": 0, "inclusive": collections.Counter(),
+                                                   "self": collections.Counter()})
+    threads: dict = collections.defaultdict(list)
+    for path in paths:
+        for thread, names, n in _stacks(path):
+            threads[(path, thread)].append((names, n))
+    for stacks in threads.values():
+        engine = any("(llm_engine.py)" in name for names, _ in stacks for name in names)
+        kind = "engine" if engine else (stacks[0][0][0] if stacks[0][0] else "?")
+        k = kinds[kind]
+        for names, n in stacks:
+            k["samples"] += n
+            for name in set(names):
+                k["inclusive"][name] += n
+            if names:
+                k["self"][names[-1]] += n
+    return kinds
+
+
+def _shares(counter: collections.Counter, total: int) -> dict:
+    return {name: n / total for name, n in counter.items()} if total else {}
+
+
+def main(folder: str) -> None:
+    groups = collections.defaultdict(list)
+    for path in sorted(Path(folder).glob("*.txt")):
+        mode, _, rest = path.stem.rpartition("-c")
+        groups[(mode, rest.split("-")[0])].append(path)
+    folded = {key: fold(paths) for key, paths in groups.items()}
+    for (mode, conc), kinds in sorted(folded.items()):
+        print(f"=== {mode}, concurrency {conc}: " + ", ".join(f"{kind} {k['samples']}" for kind, k in kinds.items()))
+        e = kinds.get("engine")
+        if e is None:
+            continue
+        for what in ("inclusive", "self"):
+            top = sorted(_shares(e[what], e["samples"]).items(), key=lambda i: -i[1])[:30]
+            print(f"  engine thread, {what}: " + "; ".join(f"{100 * s:.1f}% {name}" for name, s in top))
+    for (mode, conc), kinds in sorted(folded.items()):
+        twin = folded.get((f"{mode}-always", conc))
+        if twin is None or "engine" not in kinds or "engine" not in twin:
+            continue
+        a, b = kinds["engine"], twin["engine"]
+        mine, theirs = _shares(a["inclusive"], a["samples"]), _shares(b["inclusive"], b["samples"])
+        diff = sorted(((mine.get(n, 0) - theirs.get(n, 0), n) for n in set(mine) | set(theirs)), key=lambda d: -abs(d[0]))
+        print(f"=== {mode} against {mode}-always at concurrency {conc} (inclusive share of the engine thread, points): "
+              + "; ".join(f"{100 * d:+.1f} {n}" for d, n in diff[:30] if abs(d) >= 0.005))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
