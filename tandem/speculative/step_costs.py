@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 # Timed steps at a bucket after which a round width not served since reads unmeasured there (RoundTimes)
 FRESH_STEPS = 1024
+MIN_WEIGHED = 3  # RoundTimes weighs each width on at least this many of its latest samples (where it has them)
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
@@ -33,16 +34,17 @@ def _round_kind(width: int | None) -> str:
 
 @dataclass
 class _StepTimes:
-    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
+    """A bucket's recent (seconds, steps, order) samples by kind — "plain", "spec", "resume" (speculative steps
     that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
     single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
     so costs are compared within one class where both modes have samples."""
     samples: dict = field(default_factory=dict)  # (kind, run) -> deque
 
     def of(self, kind: str, run: bool | None = None) -> list:
+        """The samples of ``kind`` (of one class, or of both: ``run`` None), oldest first."""
         if run is not None:
             return list(self.samples.get((kind, run), ()))
-        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
+        return sorted((s for r in (False, True) for s in self.samples.get((kind, r), ())), key=lambda s: s[2])
 
 
 class StepCosts:
@@ -64,6 +66,7 @@ class StepCosts:
         self._served: dict[int, int] = {}  # bucket -> steps timed there while serving (not the warm-up's)
         self._last_served: dict[tuple[int, str], int] = {}  # (bucket, kind) -> _served there at its latest sample
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
+        self._order = 0  # timed samples so far (each sample's place in time)
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
         """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
@@ -99,7 +102,8 @@ class StepCosts:
             samples = times.samples.get((kind, steps > 1))
             if samples is None:
                 samples = times.samples[kind, steps > 1] = deque()
-            samples.append((seconds, steps))
+            self._order += 1
+            samples.append((seconds, steps, self._order))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
             if not seeded:
@@ -119,18 +123,29 @@ class StepCosts:
         known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
         if (kind, runs) not in known:
             kept = self._kept(bucket, kind, runs)
-            known[kind, runs] = sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept) if kept else None
+            known[kind, runs] = _per_step(kept)
         return known[kind, runs]
+
+    def recent_round_time(self, batch_size: int, width: int, runs: bool | None, last: int) -> float | None:
+        """``step_time`` of rounds ``width`` wide at ``batch_size``'s bucket over their ``last`` latest samples of the
+        class ``runs`` (RoundTimes: widths weighed on as many samples each)."""
+        return _per_step(self._kept(cost_bucket(batch_size), _round_kind(width), runs, last))
+
+    def round_samples(self, batch_size: int, width: int, runs: bool | None) -> int:
+        """How many samples of rounds ``width`` wide of the class ``runs`` are kept at ``batch_size``'s bucket."""
+        times = self._times.get(cost_bucket(batch_size))
+        return 0 if times is None else len(times.of(_round_kind(width), runs))
 
     def _kind(self, bucket: int, speculative: bool, resumed: bool = False, width: int | None = None,
               detached: bool = False) -> str:
         return ("resume" if resumed else self._spec_kind(bucket, width) if speculative
                 else "plain_detached" if detached else "plain")
 
-    def _kept(self, bucket: int, kind: str, runs: bool | None) -> list:
-        """The samples ``step_time`` rests on: the recent ones, the slowest left out once there are three."""
+    def _kept(self, bucket: int, kind: str, runs: bool | None, last: int | None = None) -> list:
+        """The samples ``step_time`` rests on: the recent ones (the ``last`` latest), the slowest left out once there
+        are three."""
         times = self._times.get(bucket)
-        samples = [] if times is None else times.of(kind, runs)
+        samples = [] if times is None else times.of(kind, runs)[-last if last else 0:]
         return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
 
     def samples_since(self, batch_size: int, width: int) -> float:
@@ -162,11 +177,12 @@ class StepCosts:
         return attached / detached - 1 if attached and detached else None
 
     def step_time_spread(self, batch_size: int, speculative: bool, runs: bool | None = None,
-                         width: int | None = None) -> float | None:
-        """The relative standard error of ``step_time``'s samples (as it keeps them) per step; None under three."""
+                         width: int | None = None, last: int | None = None) -> float | None:
+        """The relative standard error of ``step_time``'s samples (as it keeps them; of the ``last`` latest) per step;
+        None under three."""
         bucket = cost_bucket(batch_size)
-        kept = self._kept(bucket, self._kind(bucket, speculative, width=width), runs)
-        per_step = [seconds / steps for seconds, steps in kept]
+        kept = self._kept(bucket, self._kind(bucket, speculative, width=width), runs, last)
+        per_step = [seconds / steps for seconds, steps, _ in kept]
         if len(per_step) < 3:
             return None
         mean = sum(per_step) / len(per_step)
@@ -215,6 +231,11 @@ class StepCosts:
         self._prompt_per_output.add(prompt_tokens / output_tokens, weight=output_tokens)
 
 
+def _per_step(kept: list) -> float | None:
+    """Seconds per step of ``kept`` samples: their total time over their total steps."""
+    return sum(s[0] for s in kept) / sum(s[1] for s in kept) if kept else None
+
+
 def _keep(window: int) -> float:
     """Per-sample decay of a mean over about ``window`` samples (1: the latest alone)."""
     return 1.0 - 1.0 / max(1, window)
@@ -256,10 +277,14 @@ class RoundTimes:
     more than ``FRESH_STEPS`` timed steps ago here (or timed by the warm-up alone, once serving has begun here) reads
     unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
     old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
-    first seconds, which the always-full stack beat by 16 %)."""
+    first seconds, which the always-full stack beat by 16 %). Widths are weighed on as many of their latest samples each
+    (the fewest any fresh width has, at least MIN_WEIGHED): a trial's few steps against the running width's steps just
+    before it, close in time and trimmed alike — the slowest of 4 left out reads faster than the slowest of 16 where a
+    served step's time now and then holds a long wait (the GIL, streaming), and over REST a trial's 4 steps at batch 1 read
+    a chain of 2's rounds at 0.24-0.32 ms against the full chain's 16 at 0.66, the next trial 0.72-0.77)."""
 
     def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple):
-        self.costs, self.bucket, self.ladder, self._runs = costs, bucket, ladder, []
+        self.costs, self.bucket, self.ladder, self._runs, self._last = costs, bucket, ladder, [], []
 
     def _class(self) -> bool | None:
         if not self._runs:
@@ -267,14 +292,25 @@ class RoundTimes:
                                           is not None for c in self.ladder) else None)
         return self._runs[0]
 
+    def _fresh(self, width: int) -> bool:
+        return self.costs.samples_since(self.bucket, width) <= FRESH_STEPS
+
+    def _weighed(self) -> int:
+        """How many latest samples each width is weighed on (settled at the first call, as the class)."""
+        if not self._last:
+            counts = [self.costs.round_samples(self.bucket, c.num_draft_tokens, self._class()) for c in self.ladder
+                      if self._fresh(c.num_draft_tokens)]
+            self._last.append(max(MIN_WEIGHED, min((n for n in counts if n), default=0)))
+        return self._last[0]
+
     def __call__(self, width: int) -> float | None:
-        if self.costs.samples_since(self.bucket, width) > FRESH_STEPS:
+        if not self._fresh(width):
             return None
-        return self.costs.step_time(self.bucket, True, runs=self._class(), width=width)
+        return self.costs.recent_round_time(self.bucket, width, self._class(), self._weighed())
 
     def forget(self, width: int) -> None:
         self.costs.forget_width(self.bucket, width)
 
     def spread(self, width: int) -> float | None:
         """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
-        return self.costs.step_time_spread(self.bucket, True, runs=self._class(), width=width)
+        return self.costs.step_time_spread(self.bucket, True, runs=self._class(), width=width, last=self._weighed())
