@@ -91,6 +91,23 @@ def test_short_explorations_keep_the_clock_and_earnest_speculation_resets_the_ba
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
 
 
+def test_plain_steps_that_only_measure_plain_do_not_run_the_detach_clock():
+    """Explorations of plain steps (and steps timing one) while the policy speculates break a speculative streak but
+    do not count towards detaching: served at concurrency 64, a load's first explorations at each bucket of its ramp
+    added up to a second and 64 plain steps between streaks too short to reset the clock, and detached a drafter
+    measured 53 % ahead. Plain steps the policy settles on still detach after the clock's second and steps."""
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    for _ in range(20):  # 6 s of 3 passing plain steps to 1 speculative one
+        for _ in range(3):
+            assert att.after_decision(False, asked=True, can_switch=True, passing=True) is None
+            clock.now += 0.1
+        assert att.after_decision(True, asked=True, can_switch=True) is None
+        clock.now += 0.1
+    assert not att.detached
+    assert _until_detached(att, clock, dt=0.125) == 9  # 1 s of settled plain decisions, 0.125 s apart
+
+
 def test_the_ready_gate_opens_after_its_timeout_and_pause_holds_everything():
     clock = Clock()
     att = DrafterAttachment(CFG, clock)

@@ -37,7 +37,7 @@ from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams, make_generator
 from tandem.speculative.attachment import DrafterAttachment
-from tandem.speculative.policy import SpeculationPolicy
+from tandem.speculative.policy import PASSING_PLAIN, SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer
 from tandem.engine.verify import verify_chunk
@@ -197,7 +197,8 @@ class LLMEngine:
         """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
         (tandem.speculative.attachment); never under a run of rounds in flight."""
         change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
-                                                loss, probe, spec_lead, spec_favoured)
+                                                loss, probe, spec_lead, spec_favoured,
+                                                passing=self.plain_reason in PASSING_PLAIN)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("%s at batch %d: the drafter is detached (plain steps run target-only); %s",

@@ -116,12 +116,16 @@ class DrafterAttachment:
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
                        plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False,
                        spec_lead: Callable[[], float | None] = lambda: None,
-                       spec_favoured: bool = False) -> str | None:
+                       spec_favoured: bool = False, passing: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
         flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
         ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller;
         ``spec_lead()``: speculation's measured goodput over plain's at this batch size, less one (None: not both
-        measured; asked only once a speculative streak is earnest); ``spec_favoured``: the last verdict measured at this batch size was speculation).
+        measured; asked only once a speculative streak is earnest); ``spec_favoured``: the last verdict measured at this batch size was speculation;
+        ``passing``: a plain step the policy takes only to measure plain (an exploration of it, or a step timing it)
+        while it keeps speculating: it breaks a speculative streak but does not run the plain clock (served at
+        concurrency 64, the ramp's first explorations at each bucket added up to a second and 64 plain steps between
+        streaks shorter than 64 rounds, and detached a drafter measured 53 % ahead).
         → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
@@ -160,6 +164,8 @@ class DrafterAttachment:
                         self._period, self._attached_at = c.detached_first_s, None
             return None
         self._spec_streak = 0
+        if passing:
+            return None
         if self._plain_since is None:
             self._plain_since = now
         self._plain_steps += 1

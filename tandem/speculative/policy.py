@@ -45,6 +45,11 @@ from tandem.speculative.goodput import GoodputArbiter
 from tandem.speculative.step_costs import DecayedMean, RoundTimes, StepCosts, cost_bucket
 
 
+# plain_reason of plain steps taken only to measure plain while the policy keeps speculating (an exploration of plain
+# steps, a step timing one): passing, they do not settle anything (DrafterAttachment.after_decision's ``passing``)
+PASSING_PLAIN = frozenset({"exploring", "timing"})
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     enabled: bool = True  # False: speculate at every step (--speculation-policy always)
