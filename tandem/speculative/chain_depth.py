@@ -154,10 +154,12 @@ class ChainDepth:
                 best = incumbent
         if best != incumbent:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
             self._dwelling[bucket] = self.dwell
+            on = getattr(round_time, "weighed_on", None)
             log.info("batch bucket %d: chains of %d draft%s now (expected tokens a second %s)", bucket, best,
                      "s" if best > 1 else "",
                      ", ".join(f"{d}: {1e-3 * bucket * r:.1f}k ({self.tokens_per_round(d):.2f} a round in "
-                               f"{1e3 * self.tokens_per_round(d) / r:.2f} ms)" for d, r in sorted(rates.items())))
+                               f"{1e3 * self.tokens_per_round(d) / r:.2f} ms" + (f", {on(d + 1)} steps)" if on else ")")
+                               for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
 

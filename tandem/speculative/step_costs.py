@@ -308,6 +308,10 @@ class RoundTimes:
             return None
         return self.costs.recent_round_time(self.bucket, width, self._class(), self._weighed())
 
+    def weighed_on(self, width: int) -> int:
+        """How many samples ``__call__(width)`` rests on (for the log)."""
+        return min(self._weighed(), self.costs.round_samples(self.bucket, width, self._class()))
+
     def forget(self, width: int) -> None:
         self.costs.forget_width(self.bucket, width)
 
