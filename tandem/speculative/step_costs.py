@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 # Timed steps at a bucket after which a round width not served since reads unmeasured there (RoundTimes)
 FRESH_STEPS = 1024
-MIN_WEIGHED = 3  # RoundTimes weighs each width on at least this many of its latest samples (where it has them)
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
@@ -34,17 +33,16 @@ def _round_kind(width: int | None) -> str:
 
 @dataclass
 class _StepTimes:
-    """A bucket's recent (seconds, steps, order) samples by kind — "plain", "spec", "resume" (speculative steps
+    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
     that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
     single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
     so costs are compared within one class where both modes have samples."""
     samples: dict = field(default_factory=dict)  # (kind, run) -> deque
 
     def of(self, kind: str, run: bool | None = None) -> list:
-        """The samples of ``kind`` (of one class, or of both: ``run`` None), oldest first."""
         if run is not None:
             return list(self.samples.get((kind, run), ()))
-        return sorted((s for r in (False, True) for s in self.samples.get((kind, r), ())), key=lambda s: s[2])
+        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
 
 
 class StepCosts:
@@ -66,7 +64,6 @@ class StepCosts:
         self._served: dict[int, int] = {}  # bucket -> steps timed there while serving (not the warm-up's)
         self._last_served: dict[tuple[int, str], int] = {}  # (bucket, kind) -> _served there at its latest sample
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
-        self._order = 0  # timed samples so far (each sample's place in time)
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
         """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
@@ -102,8 +99,7 @@ class StepCosts:
             samples = times.samples.get((kind, steps > 1))
             if samples is None:
                 samples = times.samples[kind, steps > 1] = deque()
-            self._order += 1
-            samples.append((seconds, steps, self._order))
+            samples.append((seconds, steps))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
             if not seeded:
@@ -126,27 +122,21 @@ class StepCosts:
             known[kind, runs] = _per_step(kept)
         return known[kind, runs]
 
-    def recent_round_time(self, batch_size: int, width: int, runs: bool | None, last: int) -> float | None:
-        """``step_time`` of rounds ``width`` wide at ``batch_size``'s bucket over their ``last`` latest samples of the
-        class ``runs`` (RoundTimes: widths weighed on as many samples each)."""
-        return _per_step(self._kept(cost_bucket(batch_size), _round_kind(width), runs, last))
-
-    def round_samples(self, batch_size: int, width: int, runs: bool | None) -> int:
-        """How many samples of rounds ``width`` wide of the class ``runs`` are kept at ``batch_size``'s bucket."""
-        times = self._times.get(cost_bucket(batch_size))
-        return 0 if times is None else len(times.of(_round_kind(width), runs))
+    def round_times(self, batch_size: int, width: int, runs: bool | None) -> list:
+        """The kept (seconds, steps) samples of rounds ``width`` wide at ``batch_size``'s bucket of the class ``runs``,
+        none left out (RoundTimes: see there)."""
+        return self._kept(cost_bucket(batch_size), _round_kind(width), runs, trim=False)
 
     def _kind(self, bucket: int, speculative: bool, resumed: bool = False, width: int | None = None,
               detached: bool = False) -> str:
         return ("resume" if resumed else self._spec_kind(bucket, width) if speculative
                 else "plain_detached" if detached else "plain")
 
-    def _kept(self, bucket: int, kind: str, runs: bool | None, last: int | None = None) -> list:
-        """The samples ``step_time`` rests on: the recent ones (the ``last`` latest), the slowest left out once there
-        are three."""
+    def _kept(self, bucket: int, kind: str, runs: bool | None, trim: bool = True) -> list:
+        """The samples ``step_time`` rests on: the recent ones, the slowest left out once there are three (``trim``)."""
         times = self._times.get(bucket)
-        samples = [] if times is None else times.of(kind, runs)[-last if last else 0:]
-        return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if len(samples) >= 3 else None]
+        samples = [] if times is None else times.of(kind, runs)
+        return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if trim and len(samples) >= 3 else None]
 
     def samples_since(self, batch_size: int, width: int) -> float:
         """Steps timed while serving at ``batch_size``'s bucket since its last served round ``width`` wide: 0 while
@@ -175,19 +165,6 @@ class StepCosts:
         attached = self.step_time(batch_size, False, runs=True)
         detached = self.step_time(batch_size, False, runs=True, detached=True)
         return attached / detached - 1 if attached and detached else None
-
-    def step_time_spread(self, batch_size: int, speculative: bool, runs: bool | None = None,
-                         width: int | None = None, last: int | None = None) -> float | None:
-        """The relative standard error of ``step_time``'s samples (as it keeps them; of the ``last`` latest) per step;
-        None under three."""
-        bucket = cost_bucket(batch_size)
-        kept = self._kept(bucket, self._kind(bucket, speculative, width=width), runs, last)
-        per_step = [seconds / steps for seconds, steps, _ in kept]
-        if len(per_step) < 3:
-            return None
-        mean = sum(per_step) / len(per_step)
-        var = sum((x - mean) ** 2 for x in per_step) / (len(per_step) - 1)
-        return math.sqrt(var / len(per_step)) / mean if mean > 0 else None
 
     def _switch_cost(self, bucket: int) -> float:
         """Seconds a switch back to speculation costs at ``bucket`` beyond a plain step (the drafter's catch-up over
@@ -232,7 +209,7 @@ class StepCosts:
 
 
 def _per_step(kept: list) -> float | None:
-    """Seconds per step of ``kept`` samples: their total time over their total steps."""
+    """Seconds per step of ``kept`` (seconds, steps) samples: their total time over their total steps."""
     return sum(s[0] for s in kept) / sum(s[1] for s in kept) if kept else None
 
 
@@ -277,14 +254,16 @@ class RoundTimes:
     more than ``FRESH_STEPS`` timed steps ago here (or timed by the warm-up alone, once serving has begun here) reads
     unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
     old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
-    first seconds, which the always-full stack beat by 16 %). Widths are weighed on as many of their latest samples each
-    (the fewest any fresh width has, at least MIN_WEIGHED): a trial's few steps against the running width's steps just
-    before it, close in time and trimmed alike — the slowest of 4 left out reads faster than the slowest of 16 where a
-    served step's time now and then holds a long wait (the GIL, streaming), and over REST a trial's 4 steps at batch 1 read
-    a chain of 2's rounds at 0.24-0.32 ms against the full chain's 16 at 0.66, the next trial 0.72-0.77)."""
+    first seconds, which the always-full stack beat by 16 %).
+    Every sample counts, none left out: a trial times a width in 3-4 steps, the running width has 16, and leaving out
+    the slowest of each read the trial's few about 8 % faster where a served step's time now and then holds a long wait
+    (the GIL, streaming). Such waits are the serving's, not a width's: a width's ``spread`` is the scatter of every
+    weighed width's samples about their own means, pooled, over the root of its own count — 3 clean steps of a
+    trial are no sign of a quieter width (weighed on their own scatter, chance runs of them changed depth every tenth
+    of a second over REST)."""
 
     def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple):
-        self.costs, self.bucket, self.ladder, self._runs, self._last = costs, bucket, ladder, [], []
+        self.costs, self.bucket, self.ladder, self._runs, self._scatter = costs, bucket, ladder, [], []
 
     def _class(self) -> bool | None:
         if not self._runs:
@@ -292,29 +271,36 @@ class RoundTimes:
                                           is not None for c in self.ladder) else None)
         return self._runs[0]
 
-    def _fresh(self, width: int) -> bool:
-        return self.costs.samples_since(self.bucket, width) <= FRESH_STEPS
-
-    def _weighed(self) -> int:
-        """How many latest samples each width is weighed on (settled at the first call, as the class)."""
-        if not self._last:
-            counts = [self.costs.round_samples(self.bucket, c.num_draft_tokens, self._class()) for c in self.ladder
-                      if self._fresh(c.num_draft_tokens)]
-            self._last.append(max(MIN_WEIGHED, min((n for n in counts if n), default=0)))
-        return self._last[0]
+    def _samples(self, width: int) -> list:
+        if self.costs.samples_since(self.bucket, width) > FRESH_STEPS:
+            return []
+        return self.costs.round_times(self.bucket, width, self._class())
 
     def __call__(self, width: int) -> float | None:
-        if not self._fresh(width):
-            return None
-        return self.costs.recent_round_time(self.bucket, width, self._class(), self._weighed())
+        return _per_step(self._samples(width))
 
     def weighed_on(self, width: int) -> int:
         """How many samples ``__call__(width)`` rests on (for the log)."""
-        return min(self._weighed(), self.costs.round_samples(self.bucket, width, self._class()))
+        return len(self._samples(width))
+
+    def _pooled_scatter(self) -> float | None:
+        """The relative standard deviation of one sample about its width's mean, pooled over the weighed widths
+        (settled at the first call); None under two degrees of freedom."""
+        if not self._scatter:
+            squares, freedom = 0.0, 0
+            for spec in self.ladder:
+                per_round = [seconds / steps for seconds, steps in self._samples(spec.num_draft_tokens)]
+                if len(per_round) >= 2:
+                    mean = sum(per_round) / len(per_round)
+                    squares += sum((x / mean - 1.0) ** 2 for x in per_round)
+                    freedom += len(per_round) - 1
+            self._scatter.append(math.sqrt(squares / freedom) if freedom >= 2 else None)
+        return self._scatter[0]
 
     def forget(self, width: int) -> None:
         self.costs.forget_width(self.bucket, width)
 
     def spread(self, width: int) -> float | None:
         """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
-        return self.costs.step_time_spread(self.bucket, True, runs=self._class(), width=width, last=self._weighed())
+        scatter, n = self._pooled_scatter(), self.weighed_on(width)
+        return None if scatter is None or not n else scatter / math.sqrt(n)
