@@ -924,26 +924,31 @@ def test_a_detached_reading_speaks_for_plain_only_a_few_seconds_after_it():
     assert arbiter.rates(1) == (pytest.approx(3520.0, rel=1e-3), pytest.approx(2500.0, rel=1e-3))
 
 
+def _arbiter_with_a_verdict():
+    """A GoodputArbiter whose verdict at batch 8 is speculation, 10 % ahead of attached plain steps; → (it, its clock)."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+    for speculative, rate in ((True, 1100.0), (False, 1000.0)):
+        for _ in range(30):
+            clock.now += 0.01
+            arbiter.observe(8, speculative, rate * 0.01, 0.01)
+    for _ in range(50):  # epochs until speculation is the verdict
+        clock.now += cfg.goodput_epoch_s
+        arbiter._epoch_steps = cfg.goodput_epoch_steps
+        arbiter.choose(8, True, lambda: 0.1)
+    assert arbiter.verdict(8) is True
+    return arbiter, clock
+
+
 def test_a_probe_needs_a_closer_race_where_attached_plain_steps_only_hold_features():
     """Speculation 10 % ahead of attached plain steps: with a drafter service (every plain step ships its features)
     detached plain steps may well be faster, so a probe measures them; with an in-process head, which only holds the
     features, they can hardly be 10 % faster, and a probe would cost the batch admitted meanwhile its drafts."""
-    from tandem.speculative.goodput import GoodputArbiter
-    from tandem.speculative.policy import cost_bucket
-
-    def arbiter_with_a_verdict() -> GoodputArbiter:
-        clock, cfg = SimClock(), PolicyConfig()
-        arbiter = GoodputArbiter(cfg, cost_bucket, clock)
-        for speculative, rate in ((True, 1100.0), (False, 1000.0)):
-            for _ in range(30):
-                clock.now += 0.01
-                arbiter.observe(8, speculative, rate * 0.01, 0.01)
-        for _ in range(50):  # epochs until speculation is the verdict
-            clock.now += cfg.goodput_epoch_s
-            arbiter._epoch_steps = cfg.goodput_epoch_steps
-            arbiter.choose(8, True, lambda: 0.1)
-        assert arbiter.verdict(8) is True
-        return arbiter
+    def arbiter_with_a_verdict():
+        return _arbiter_with_a_verdict()[0]
 
     assert arbiter_with_a_verdict().take_probe(8, ships_features=True)
     assert not arbiter_with_a_verdict().take_probe(8, ships_features=False)
@@ -953,3 +958,23 @@ def test_a_probe_needs_a_closer_race_where_attached_plain_steps_only_hold_featur
     from verifier.in_process_head import GuardedHead
 
     assert DrafterClient.ships_features and not GuardedHead.ships_features and not Eagle3Drafter.ships_features
+
+
+def test_probes_are_spaced_by_time_served_not_by_idle_time():
+    """A bucket is probed at most once in goodput_stale_s of traffic: loads seconds apart, idle between, each paid a
+    probe of a second detached (a quarter of a 4 s load); idle time brings the next one no sooner, served time does."""
+    arbiter, clock = _arbiter_with_a_verdict()
+    cfg = arbiter.cfg
+    assert arbiter.take_probe(8, ships_features=True)
+    clock.now += 4 * cfg.goodput_stale_s  # idle: no steps
+    for _ in range(30):  # a new load: both modes measured again, speculation 10 % ahead
+        for speculative, rate in ((True, 1100.0), (False, 1000.0)):
+            clock.now += 0.01
+            arbiter.observe(8, speculative, rate * 0.01, 0.01)
+    assert arbiter.verdict(8) is True and not arbiter.take_probe(8, ships_features=True)
+    served = arbiter.served_s
+    while arbiter.served_s - served < cfg.goodput_stale_s:  # 30 s of traffic later
+        for speculative, rate in ((True, 1100.0), (False, 1000.0)):
+            clock.now += 0.05
+            arbiter.observe(8, speculative, rate * 0.05, 0.05)
+    assert arbiter.verdict(8) is True and arbiter.take_probe(8, ships_features=True)
