@@ -20,7 +20,7 @@ from pathlib import Path
 
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import paired_ratio, versus_the_better
-from rest_load import cpu_seconds, http_client, run, sustained, wave
+from rest_load import START_DELAY_S, cpu_seconds, http_client, run, sustained, wave
 from service_pair import stop_processes
 from spy import finish as finish_spy, start as start_spy
 from stack_log import EVENTS, since, tagged
@@ -151,7 +151,7 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     logged = EVENTS[mode].copy()
     spied = os.environ.get("TANDEM_BENCH_PYSPY")  # a folder: the verifier's threads sampled during the load (bench/spy.py)
     n = len(row.get("samples", []))
-    spy = spied and start_spy(pids["verifier"], sustain_s, Path(spied) / f"{mode}-c{cell[0]}-{n}.txt")
+    spy = spied and start_spy(pids["verifier"], sustain_s, Path(spied) / f"{mode}-c{cell[0]}-{n}.txt", START_DELAY_S)
     r = sustained(base, prompts, cell[0], cell[1], sustain_s)
     finish_spy(spy or None)
     r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2) for name, pid in pids.items()}

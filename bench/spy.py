@@ -19,16 +19,17 @@ RATE_HZ = 250
 _FRAME = re.compile(r"^(?P<name>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
-def start(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
+def start(pid: int, seconds: float, path: Path, delay_s: float = 0.0) -> subprocess.Popen | None:
     """py-spy recording ``pid``'s threads (idle samples included: a thread waiting on the GPU or the GIL is where its
-    time goes) for ``seconds`` into ``path``; None where py-spy is not installed."""
+    time goes) for ``seconds`` from ``delay_s`` on (a load's clients start that late) into ``path``; None where py-spy
+    is not installed."""
     spy = shutil.which("py-spy") or next((str(p) for p in map(Path, sys.path) if (p / "bin" / "py-spy").is_file()
                                           for p in [p / "bin" / "py-spy"]), None)
     if spy is None:
         print("TANDEM_BENCH_PYSPY: py-spy not found", flush=True)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
+    return subprocess.Popen(["sh", "-c", f'sleep {delay_s}; exec "$0" "$@"', spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
                              str(RATE_HZ), "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
