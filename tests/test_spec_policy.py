@@ -960,6 +960,29 @@ def test_a_probe_needs_a_closer_race_where_attached_plain_steps_only_hold_featur
     assert DrafterClient.ships_features and not GuardedHead.ships_features and not Eagle3Drafter.ships_features
 
 
+def test_explorations_are_spaced_by_time_served_not_by_idle_time():
+    """Speculation 10 % ahead: plain is explored again once an exploration's loss is a small share of the time since,
+    counted in served time — a pause between loads brings the next exploration no sooner (the demo pair's 4 s loads
+    over REST each explored plain at their start, 20-80 plain steps)."""
+    arbiter, clock = _arbiter_with_a_verdict()
+
+    def step() -> bool:
+        mode = arbiter.choose(8, True, lambda: 0.1)
+        clock.now += 0.01
+        arbiter.observe(8, mode, (1100.0 if mode else 1000.0) * 0.01, 0.01)
+        return mode
+
+    modes = [step() for _ in range(300)]
+    assert False in modes  # explored while served
+    while modes[-1] is not False:  # up to an exploration, and through it
+        modes.append(step())
+    while modes[-1] is False:
+        modes.append(step())
+    clock.now += 10.0  # a pause between loads (the readings stay fresh)
+    after = [step() for _ in range(20)]
+    assert all(after), after
+
+
 def test_probes_are_spaced_by_time_served_not_by_idle_time():
     """A bucket is probed at most once in goodput_stale_s of traffic: loads seconds apart, idle between, each paid a
     probe of a second detached (a quarter of a 4 s load); idle time brings the next one no sooner, served time does."""

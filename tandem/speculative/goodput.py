@@ -16,7 +16,7 @@ so that a switch's cost is spread over enough steps to be measured with them; an
 ``goodput_explore_steps`` steps and as many seconds): the
 faster one runs, held unless the other is ahead by ``goodput_margin``, and the slower one gets an epoch again
 once what that epoch lost (its length times the share of goodput the slower mode gives up) is
-``goodput_explore_cost`` of the time since (at most ``goodput_explore_max_s`` later): a mode far behind is
+``goodput_explore_cost`` of the served time since (idle left out; at most ``goodput_explore_max_s`` later): a mode far behind is
 measured rarely, modes about even often — which is where load or text can tip them.
 
 Plain steps run with the drafter detached (tandem.speculative.attachment) are metered apart: they are what
@@ -118,19 +118,20 @@ class GoodputArbiter:
             return self._mode
         if self._exploring:  # the other mode had its epoch (at the bucket it began at, wherever the batch is now):
             # again once that epoch's loss is a small share
-            self._next_explore[e] = now + self._explore_gap(e, now - self._epoch_start, self._loss(e), self._mode)
+            self._next_explore[e] = self.served_s + self._explore_gap(e, now - self._epoch_start, self._loss(e),
+                                                                      self._mode)
         self._mode, self._exploring, self.basis = None, False, "model"
         if not self._measured(b, model_says, now):
             return model_says  # step by step, measured as it goes
         if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
             if b in self._due:  # speculation forgotten by a detached period: its epoch now
                 self._due.discard(b)
-                self._next_explore[b] = now
+                self._next_explore[b] = self.served_s
             if b not in self._next_explore:  # the first at this bucket: soon, the model's prediction is no measurement
                 gap = self._explore_gap(b, c.goodput_epoch_s, predicted_loss())
                 soon = rounds_can_pay or model_says  # (plain rejected: its first epoch is soon whatever τ is)
-                self._next_explore[b] = now + (min(gap, c.goodput_first_explore_s) if soon else gap)
-            if now < self._next_explore[b]:
+                self._next_explore[b] = self.served_s + (min(gap, c.goodput_first_explore_s) if soon else gap)
+            if self.served_s < self._next_explore[b]:
                 return model_says
             mode, self._exploring = not model_says, True
         else:  # (speculation measured again after a detached period, step by step: that was the exploration due)
@@ -148,7 +149,9 @@ class GoodputArbiter:
         self.basis = "model"  # what the latest choice rested on: the model's answer, a measured epoch, an exploration
         self._epoch_steps, self._exploring = 0, False
         self._best: dict[int, bool] = {}  # bucket -> the mode measured faster (with hysteresis)
-        self._next_explore: dict[int, float] = {}  # bucket -> when the slower mode is measured again
+        # bucket -> when the slower mode is measured again, in served seconds (``served_s``: idle time costs no
+        # goodput, and loads seconds apart each explored at their start)
+        self._next_explore: dict[int, float] = {}
         self._due: set[int] = set()  # buckets whose speculative goodput a detached period forgot: measured at once
         self._afresh: set[int] = set()  # ... and not called since (see the module: goodput_tie_s)
 
@@ -263,7 +266,8 @@ class GoodputArbiter:
         else:
             self._afresh.discard(b)
         self._best[b] = best
-        if now >= self._next_explore.setdefault(b, now + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b),
+        served = self.served_s
+        if served >= self._next_explore.setdefault(b, served + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b),
                                                                            not best)):
             return not best, True
         return best, False
