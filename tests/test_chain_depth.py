@@ -5,6 +5,7 @@ sees wide verifies cost more, the chains shorten and the output stays target-onl
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -464,3 +465,27 @@ def test_served_waits_in_step_times_do_not_make_the_chain_change_depth(n):
     p = [0.9, 0.8, 0.7]
     full = _simulate(n, p, 6000, 5, 3, round_ms=round_, waits=0.25, count_from=1000)
     assert _simulate(n, p, 6000, 5, None, round_ms=round_, waits=0.25, count_from=1000) >= 0.97 * full
+
+
+def test_a_depth_a_trial_found_far_behind_is_timed_again_ever_more_rarely(monkeypatch):
+    """Batch 8, every width costing the same: the chains of 1 and 2 make 41 % and 18 % fewer tokens a round than the
+    full chain. Each trial finds them far behind, so the next one comes twice as late as the last (up to 8 times): the
+    shorter chains draft a third of the trial steps they drafted at the fixed spacing, and the rate is kept (served,
+    each trial ends the queued runs twice, which this simulation does not charge)."""
+    import tandem.speculative.chain_depth as chain_depth
+
+    def round_(size, width):
+        return 1.0
+
+    picks = collections.Counter()
+    run = ChainDepth._run
+    monkeypatch.setattr(ChainDepth, "_run", lambda self, depth: (picks.update([depth]), run(self, depth))[1])
+    p = [0.9, 0.8, 0.7]
+    spaced = _simulate(8, p, 30000, 5, None, round_ms=round_)
+    spaced_trials = picks[1] + picks[2]
+    picks.clear()
+    monkeypatch.setattr(chain_depth, "TRIAL_SPACING_MAX", 1)
+    fixed = _simulate(8, p, 30000, 5, None, round_ms=round_)
+    fixed_trials = picks[1] + picks[2]
+    assert spaced_trials < 0.4 * fixed_trials, (spaced_trials, fixed_trials)
+    assert spaced >= 0.995 * fixed

@@ -37,6 +37,8 @@ import logging
 import math
 from collections.abc import Callable
 
+from tandem.speculative.step_costs import FRESH_STEPS
+
 log = logging.getLogger("tandem.policy")
 
 PRIOR_ROUNDS = 2.0  # a position with no rounds yet is taken to accept half of its drafts, worth this many rounds
@@ -48,6 +50,10 @@ NOISE_Z = 2.0  # a depth's lead must exceed this many standard errors of the two
 UNMEASURED_TRIALS = 3  # trials in a row of a depth whose round time is unknown at a bucket before it is given up there
 # Steps a trial drafts at that depth: the engine leaves the two steps around a change of depth untimed
 TRIAL_STEPS = 6
+# A depth whose trial found it this far behind the bucket's best (in tokens a second) is timed again only after twice
+# as many steps as before (up to TRIAL_SPACING_MAX times FRESH_STEPS); one within it, after FRESH_STEPS again
+FAR_BEHIND = 0.15
+TRIAL_SPACING_MAX = 8
 
 
 def chain_ladder(spec) -> tuple:
@@ -78,6 +84,8 @@ class ChainDepth:
         self._bucket: int | None = None  # the bucket the last step ran at
         self._steps_here = 0  # speculative steps since the batch came into it
         self._stay: dict[int, float] = {}  # bucket -> speculative steps the batch stays there once it comes in
+        self._spacing: dict[tuple[int, int], int] = {}  # (bucket, width) -> FRESH_STEPS times this: when timed again
+        self._judged: set[tuple[int, int]] = set()  # (bucket, depth) of trials whose outcome sets their spacing
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -136,7 +144,9 @@ class ChainDepth:
                     forget(depth + 1)
                 if TRIAL_STEPS > 1:
                     self._trial[bucket] = (depth, TRIAL_STEPS - 1)
+                self._judged.add((bucket, depth))
                 return self._run(depth)
+        self._space_trials(bucket, rates)
         incumbent = self._running if entered else held
         if incumbent not in rates:
             best = max(rates, key=rates.get, default=self.full)
@@ -162,6 +172,21 @@ class ChainDepth:
                                for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
+
+    def trial_spacing(self, bucket: int) -> Callable[[int], int]:
+        """Width -> timed steps at ``bucket`` after which that width, not served since, is timed again in a trial."""
+        return lambda width: FRESH_STEPS * self._spacing.get((bucket, width), 1)
+
+    def _space_trials(self, bucket: int, rates: dict) -> None:
+        """A depth just timed by a trial: far behind the best (FAR_BEHIND), its next trial comes twice as late as its
+        last; else after FRESH_STEPS (on the demo pair served at concurrency 1 and 8 a trial of each shorter depth came
+        every few seconds at each bucket, 4-12 changes of depth a 4 s load, each ending the queued runs)."""
+        best = max(rates.values(), default=0.0)
+        for depth in [d for b, d in self._judged if b == bucket and d in rates]:
+            self._judged.discard((bucket, depth))
+            key = (bucket, depth + 1)
+            far = rates[depth] * (1 + FAR_BEHIND) < best
+            self._spacing[key] = min(TRIAL_SPACING_MAX, 2 * self._spacing.get(key, 1)) if far else 1
 
     def _count_stay(self, bucket: int) -> None:
         """Speculative steps the batch stays in a bucket once it comes in (decayed mean, by bucket)."""

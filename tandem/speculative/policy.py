@@ -135,7 +135,7 @@ class SpeculationPolicy(StepCosts):
         return spec
 
     def _round_times(self, bucket: int, ladder: tuple) -> RoundTimes:
-        return RoundTimes(self, bucket, ladder)
+        return RoundTimes(self, bucket, ladder, self.depth.trial_spacing(bucket))
 
     # -- the decision ----------------------------------------------------------------------------
     def observe_goodput(self, batch_size: int, speculative: bool, tokens: int, seconds: float,

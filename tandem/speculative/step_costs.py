@@ -251,7 +251,7 @@ class RoundTimes:
     queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last
     timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
     mixes, depths about even took turns). The class is settled at the first call (a weighing's). A width last served
-    more than ``FRESH_STEPS`` timed steps ago here (or timed by the warm-up alone, once serving has begun here) reads
+    more than ``FRESH_STEPS`` timed steps ago here (``fresh_steps``) (or timed by the warm-up alone, once serving has begun here) reads
     unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
     old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
     first seconds, which the always-full stack beat by 16 %).
@@ -262,8 +262,11 @@ class RoundTimes:
     trial are no sign of a quieter width (weighed on their own scatter, chance runs of them changed depth every tenth
     of a second over REST)."""
 
-    def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple):
+    def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple, fresh_steps=lambda width: FRESH_STEPS):
+        """``fresh_steps(width)``: timed steps after which a width not served since reads unmeasured (ChainDepth
+        spaces the trials of a width far behind: ``trial_spacing``)."""
         self.costs, self.bucket, self.ladder, self._runs, self._scatter = costs, bucket, ladder, [], []
+        self.fresh_steps = fresh_steps
 
     def _class(self) -> bool | None:
         if not self._runs:
@@ -272,7 +275,7 @@ class RoundTimes:
         return self._runs[0]
 
     def _samples(self, width: int) -> list:
-        if self.costs.samples_since(self.bucket, width) > FRESH_STEPS:
+        if self.costs.samples_since(self.bucket, width) > self.fresh_steps(width):
             return []
         return self.costs.round_times(self.bucket, width, self._class())
 
