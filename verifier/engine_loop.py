@@ -290,5 +290,7 @@ class EngineLoop(threading.Thread):
             m.accepted_tokens.inc(out.accepted)
             for accepted in out.round_accepts:
                 m.accept_length.observe(accepted + 1)
-                for position in range(accepted):
-                    m.accepted_per_pos.labels(str(position)).inc()
+            # rounds that accepted position i or more, once per position (a label lookup a round and position cost
+            # ~2 % of a served step of the demo pair at concurrency 8)
+            for position in range(max(out.round_accepts, default=0)):
+                m.accepted_at(position).inc(sum(accepted > position for accepted in out.round_accepts))

@@ -66,6 +66,7 @@ class VerifierMetrics:
         self.accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens", "Accepted draft tokens", registry=r)
         self.accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                         "Rounds accepting the draft token at each depth", ["position"], registry=r)
+        self._accepted_at: dict = {}  # position -> accepted_per_pos's child (accepted_at)
         self.accept_length = Histogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus included)",
                                        buckets=tuple(range(1, max_positions + 2)), registry=r)
         self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
@@ -97,6 +98,13 @@ class VerifierMetrics:
         # Round went out early (prefetched at the end of the previous step) and the drafter worked meanwhile.
         self.drafter_wait = Histogram("tandem:drafter_wait_seconds", "Time the engine waited for the drafter per round",
                                       buckets=round_buckets, registry=r)
+
+    def accepted_at(self, position: int):
+        """The per-position acceptance counter's child for ``position`` (looked up once)."""
+        child = self._accepted_at.get(position)
+        if child is None:
+            child = self._accepted_at[position] = self.accepted_per_pos.labels(str(position))
+        return child
 
     def observe_drafter_round(self, round_trip_s: float, wait_s: float, drafts, kind: str = "direct") -> None:
         """One round as the verifier saw it (from the Round's send to its reply's receipt, and the part the
