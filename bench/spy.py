@@ -23,8 +23,9 @@ def start(pid: int, seconds: float, path: Path, delay_s: float = 0.0) -> subproc
     """py-spy recording ``pid``'s threads (idle samples included: a thread waiting on the GPU or the GIL is where its
     time goes) for ``seconds`` from ``delay_s`` on (a load's clients start that late) into ``path``; None where py-spy
     is not installed."""
-    spy = shutil.which("py-spy") or next((str(p) for p in map(Path, sys.path) if (p / "bin" / "py-spy").is_file()
-                                          for p in [p / "bin" / "py-spy"]), None)
+    # (gpu_check.sh installs the carried wheels with --target: the binary lands in a bin/ beside the packages)
+    beside = (Path(entry) / "bin" / "py-spy" for entry in sys.path)
+    spy = shutil.which("py-spy") or next((str(p) for p in beside if p.is_file()), None)
     if spy is None:
         print("TANDEM_BENCH_PYSPY: py-spy not found", flush=True)
         return None

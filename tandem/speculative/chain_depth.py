@@ -23,8 +23,8 @@ measured just after one are the noisiest: on the demo pair over REST depths abou
 second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
 the bucket's best beats it there by the margin. A lead must also stand out of the noise: ``NOISE_Z`` standard errors
 of the round times compared (the samples' scatter pooled over the widths weighed, over the root of each one's count:
-RoundTimes; on the demo pair's sub-millisecond rounds served over REST, a width's times scatter by tens of percent). And any change must promise enough to pay its price
-(``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
+RoundTimes; on the demo pair's sub-millisecond rounds served over REST, a width's times scatter by tens of percent).
+And any change must promise enough to pay its price (``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
 bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
 crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into
 the shares when the depths are weighed, so accounting costs one dictionary update per request and round.

@@ -16,8 +16,8 @@ so that a switch's cost is spread over enough steps to be measured with them; an
 ``goodput_explore_steps`` steps and as many seconds): the
 faster one runs, held unless the other is ahead by ``goodput_margin``, and the slower one gets an epoch again
 once what that epoch lost (its length times the share of goodput the slower mode gives up) is
-``goodput_explore_cost`` of the served time since (idle left out; at most ``goodput_explore_max_s`` later): a mode far behind is
-measured rarely, modes about even often — which is where load or text can tip them.
+``goodput_explore_cost`` of the served time since (idle left out; at most ``goodput_explore_max_s`` later): a mode
+far behind is measured rarely, modes about even often — which is where load or text can tip them.
 
 Plain steps run with the drafter detached (tandem.speculative.attachment) are metered apart: they are what
 plain decoding costs once the policy has settled on it, so where they have been measured they are plain's
@@ -170,8 +170,8 @@ class GoodputArbiter:
 
     def take_probe(self, batch_size: int, ships_features: bool = True, tax: float | None = None) -> bool:
         """Whether the engine is to detach briefly now (a probe; then taken: a bucket is probed at most once in
-        ``goodput_stale_s`` of serving — idle time left out: loads seconds apart each paid a probe of a second, a quarter
-        of a 4 s load of the demo pair at concurrency 1 run detached, where one in 30 s of traffic costs 1 %):
+        ``goodput_stale_s`` of serving — idle time left out: loads seconds apart each paid a probe of a second, a
+        quarter of a 4 s load of the demo pair at concurrency 1 run detached, where one in 30 s of traffic costs 1 %):
         speculation won at ``batch_size``'s bucket only against plain steps run attached, by less than
         ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
         draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
@@ -266,8 +266,9 @@ class GoodputArbiter:
         else:
             self._afresh.discard(b)
         self._best[b] = best
-        served = self.served_s
-        if served >= self._next_explore.setdefault(b, served + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b),
-                                                                           not best)):
+        if b not in self._next_explore:  # (the gap walks the meters: reckoned once, not at every choice)
+            self._next_explore[b] = self.served_s + self._explore_gap(b, self.cfg.goodput_epoch_s, self._loss(b),
+                                                                      not best)
+        if self.served_s >= self._next_explore[b]:
             return not best, True
         return best, False

@@ -251,8 +251,8 @@ class RoundTimes:
     queued in runs where each depth has run samples here, else the engine's mix of runs and lone rounds. A depth last
     timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
     mixes, depths about even took turns). The class is settled at the first call (a weighing's). A width last served
-    more than ``FRESH_STEPS`` timed steps ago here (``fresh_steps``) (or timed by the warm-up alone, once serving has begun here) reads
-    unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
+    more than ``FRESH_STEPS`` timed steps ago here (``fresh_steps``: ChainDepth spaces some widths' further), or timed
+    by the warm-up alone once serving has begun here, reads unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
     old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
     first seconds, which the always-full stack beat by 16 %).
     Every sample counts, none left out: a trial times a width in 3-4 steps, the running width has 16, and leaving out
@@ -267,6 +267,7 @@ class RoundTimes:
         spaces the trials of a width far behind: ``trial_spacing``)."""
         self.costs, self.bucket, self.ladder, self._runs, self._scatter = costs, bucket, ladder, [], []
         self.fresh_steps = fresh_steps
+        self._by_width: dict[int, list] = {}  # width -> its samples (a weighing asks for each several times)
 
     def _class(self) -> bool | None:
         if not self._runs:
@@ -275,9 +276,10 @@ class RoundTimes:
         return self._runs[0]
 
     def _samples(self, width: int) -> list:
-        if self.costs.samples_since(self.bucket, width) > self.fresh_steps(width):
-            return []
-        return self.costs.round_times(self.bucket, width, self._class())
+        if width not in self._by_width:
+            fresh = self.costs.samples_since(self.bucket, width) <= self.fresh_steps(width)
+            self._by_width[width] = self.costs.round_times(self.bucket, width, self._class()) if fresh else []
+        return self._by_width[width]
 
     def __call__(self, width: int) -> float | None:
         return _per_step(self._samples(width))
@@ -302,6 +304,7 @@ class RoundTimes:
 
     def forget(self, width: int) -> None:
         self.costs.forget_width(self.bucket, width)
+        self._by_width.pop(width, None)
 
     def spread(self, width: int) -> float | None:
         """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
