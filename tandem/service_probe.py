@@ -7,20 +7,26 @@ services as processes and wait until they say SERVING. Torch-free.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import subprocess
 import time
 
 PORT_FLOOR = 20000  # free ports are picked from here up to the ephemeral range (clear of well-known services)
+# "LOW-HIGH": the ports free_ports picks from instead (HIGH excluded). The tests give each pytest-xdist worker its own
+# (tests/conftest.py; the services they start inherit it): a drafter killed and started again at its address found
+# its port taken meanwhile by a service of the other worker ("Address already in use").
+PORT_RANGE_ENV = "TANDEM_PORT_RANGE"
 
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free now, held together while picked (so none repeats). Picked below the kernel's
     ephemeral range where it leaves room: that range is where outgoing connections take their local ports, and a port
     picked there (what binding port 0 gives) was taken by some client's connection before the service bound it (the
-    CI's service tests, two workers starting services side by side: "Address already in use")."""
-    low = _ephemeral_low()
+    CI's service tests, two workers starting services side by side: "Address already in use"). PORT_RANGE_ENV narrows
+    the range."""
+    low, high = port_range()
     pick = random.SystemRandom()
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
@@ -29,7 +35,7 @@ def free_ports(n: int) -> list[int]:
                 break
             s = stack.enter_context(socket.socket())
             try:
-                s.bind(("127.0.0.1", pick.randrange(PORT_FLOOR, low) if low - PORT_FLOOR > 1000 else 0))
+                s.bind(("127.0.0.1", pick.randrange(low, high) if high - low > 1000 else 0))
             except OSError:
                 continue
             ports.append(s.getsockname()[1])
@@ -42,6 +48,16 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def port_range() -> tuple[int, int]:
+    """(low, high): the ports free_ports picks from, high excluded: PORT_RANGE_ENV's where set, else PORT_FLOOR up to
+    the kernel's ephemeral range."""
+    given = os.environ.get(PORT_RANGE_ENV)
+    if given:
+        low, _, high = given.partition("-")
+        return int(low), int(high)
+    return PORT_FLOOR, _ephemeral_low()
 
 
 def _ephemeral_low() -> int:

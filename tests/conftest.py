@@ -34,6 +34,17 @@ from triton_interpreter import skip_nested_repatching  # noqa: E402
 skip_nested_repatching()  # (tests/tp_runner.py does the same in its processes)
 
 
+# Each pytest-xdist worker starts services on ports of its own range (and so do the processes its tests start): a
+# service restarted at its address found its port taken meanwhile by the other worker's (tandem.service_probe).
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "TANDEM_PORT_RANGE" not in os.environ:
+    from tandem.service_probe import PORT_RANGE_ENV, port_range  # noqa: E402
+
+    _low, _high = port_range()
+    _span = (_high - _low) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _first = _low + int(_worker[2:]) * _span
+    os.environ[PORT_RANGE_ENV] = f"{_first}-{_first + _span}"
+
 # pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup). Tests that start process groups or CPU-heavy child
 # processes are marked ``pytest.mark.xdist_group(PROCS)``: all on one worker, one after another, so that two of them
 # never oversubscribe the cores at once (TP ranks under gloo time out that way).

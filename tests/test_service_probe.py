@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from tandem.service_probe import _ephemeral_low, free_ports
+from tandem.service_probe import PORT_RANGE_ENV, _ephemeral_low, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_clear_of_the_ephemeral_range():
@@ -18,3 +18,11 @@ def test_free_ports_are_distinct_bindable_and_clear_of_the_ephemeral_range():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_a_given_port_range_narrows_the_pick(monkeypatch):
+    """The tests give each pytest-xdist worker its own range (tests/conftest.py): a drafter killed and started again at
+    its address found its port taken meanwhile by the other worker's service."""
+    monkeypatch.setenv(PORT_RANGE_ENV, "23000-25000")
+    ports = free_ports(16)
+    assert len(set(ports)) == 16 and all(23000 <= p < 25000 for p in ports), ports
