@@ -280,9 +280,7 @@ class EngineLoop(threading.Thread):
         if last is None:
             m.ttft.observe(now - sub.submitted_at)
         elif out.new_token_ids:
-            gap = (now - last) / len(out.new_token_ids)
-            for _ in out.new_token_ids:
-                m.itl.observe(gap)
+            m.itl.observe((now - last) / len(out.new_token_ids), len(out.new_token_ids))  # (each token's gap)
         self._last_token_at[out.rid] = now
         if out.drafted:
             m.num_drafts.inc(len(out.round_accepts))  # a step may hold a run of rounds (--spec-rounds)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
 
+from verifier.bulk_histogram import BulkHistogram
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -59,16 +61,16 @@ class VerifierMetrics:
         self.prefix_cache_evictions = Counter("tandem:prefix_cache_evictions", "Cached KV pages evicted to make room",
                                               registry=r)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between streamed tokens (per token)",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = BulkHistogram("tandem:inter_token_latency_seconds", "Time between streamed tokens (per token)",
+                                 LATENCY_BUCKETS, r)
         self.num_drafts = Counter("tandem:spec_decode_num_drafts", "Verified draft trees", registry=r)
         self.draft_tokens = Counter("tandem:spec_decode_num_draft_tokens", "Verified draft tokens", registry=r)
         self.accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens", "Accepted draft tokens", registry=r)
         self.accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                         "Rounds accepting the draft token at each depth", ["position"], registry=r)
         self._accepted_at: dict = {}  # position -> accepted_per_pos's child (accepted_at)
-        self.accept_length = Histogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus included)",
-                                       buckets=tuple(range(1, max_positions + 2)), registry=r)
+        self.accept_length = BulkHistogram("tandem:spec_decode_accept_length", "Tokens per verify round (bonus "
+                                           "included)", range(1, max_positions + 2), r)
         self.drafter_up = Gauge("tandem:drafter_up", "1 while the drafter is connected", registry=r)
         self.drafter_detached = Gauge("tandem:drafter_detached", "1 while the drafter is detached from a batch the "
                                       "policy keeps plain (its steps run target-only)", registry=r)
