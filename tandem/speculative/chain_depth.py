@@ -16,16 +16,16 @@ cost is the policy's measured round time at its width and batch bucket (of round
 depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
 engine that was not warmed up, a bucket the warm-up did not reach, or times too old to weigh against the running
 depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
-it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A bucket keeps its depth unless
-another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
+it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A bucket keeps its depth
+unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
 second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
 the bucket's best beats it there by the margin. A lead must also stand out of the noise: ``NOISE_Z`` standard errors
 of the round times compared (the samples' scatter pooled over the widths weighed, over the root of each one's count:
 RoundTimes; on the demo pair's sub-millisecond rounds served over REST, a width's times scatter by tens of percent).
-And any change must promise enough to pay its price (``SWITCH_PRICE_STEPS``) over the steps the batch is expected to stay in the bucket once it comes in (measured by
-bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
+And any change must promise enough to pay its price (``SWITCH_PRICE_STEPS``) over the steps the batch is expected to
+stay in the bucket once it comes in (measured by bucket): a steady load's batch moves between two buckets all the time, and per-bucket depths changed at each
 crossing (111-202 changes in 4 s at concurrency 8 on the demo pair). Rounds are counted as they come and folded into
 the shares when the depths are weighed, so accounting costs one dictionary update per request and round.
 """
@@ -85,7 +85,9 @@ class ChainDepth:
         self._steps_here = 0  # speculative steps since the batch came into it
         self._stay: dict[int, float] = {}  # bucket -> speculative steps the batch stays there once it comes in
         self._spacing: dict[tuple[int, int], int] = {}  # (bucket, width) -> FRESH_STEPS times this: when timed again
-        self._judged: set[tuple[int, int]] = set()  # (bucket, depth) of trials whose outcome sets their spacing
+        # (bucket, depth) of trials whose outcome sets their spacing at the next weighing that measures every depth (one
+        # that starts another depth's trial returns before it)
+        self._judged: set[tuple[int, int]] = set()
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -178,8 +180,8 @@ class ChainDepth:
         return lambda width: FRESH_STEPS * self._spacing.get((bucket, width), 1)
 
     def _space_trials(self, bucket: int, rates: dict) -> None:
-        """A depth just timed by a trial: far behind the best (FAR_BEHIND), its next trial comes twice as late as its
-        last; else after FRESH_STEPS (on the demo pair served at concurrency 1 and 8 a trial of each shorter depth came
+        """Depths just timed by trials: one far behind the best (FAR_BEHIND) is tried next twice as late as last;
+        else after FRESH_STEPS (on the demo pair served at concurrency 1 and 8 a trial of each shorter depth came
         every few seconds at each bucket, 4-12 changes of depth a 4 s load, each ending the queued runs)."""
         best = max(rates.values(), default=0.0)
         for depth in [d for b, d in self._judged if b == bucket and d in rates]:

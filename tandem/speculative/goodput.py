@@ -206,8 +206,10 @@ class GoodputArbiter:
         """The share of speculation's measured seconds at ``batch_size``'s bucket that emitted nothing (its prompt
         extensions), where it is measured (for the log)."""
         b, now = self.bucket(batch_size), self.clock()
-        return self._meter(b, True, now).tokenless / self._meter(b, True, now).seconds if self._measured(b, True, now) \
-            else None
+        if not self._measured(b, True, now):
+            return None
+        meter = self._meter(b, True, now)
+        return meter.tokenless / meter.seconds
 
     def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
         """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured, unless

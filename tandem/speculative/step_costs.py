@@ -252,8 +252,8 @@ class RoundTimes:
     timed while arrivals cut runs short and one timed in runs differ by their mix, not by their depth (compared across
     mixes, depths about even took turns). The class is settled at the first call (a weighing's). A width last served
     more than ``FRESH_STEPS`` timed steps ago here (``fresh_steps``: ChainDepth spaces some widths' further), or timed
-    by the warm-up alone once serving has begun here, reads unmeasured: ChainDepth times it again (``forget`` first) rather than weigh the running depth's fresh times against
-    old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
+    by the warm-up alone once serving has begun here, reads unmeasured: ChainDepth times it again (``forget`` first)
+    rather than weigh the running depth's fresh times against old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
     first seconds, which the always-full stack beat by 16 %).
     Every sample counts, none left out: a trial times a width in 3-4 steps, the running width has 16, and leaving out
     the slowest of each read the trial's few about 8 % faster where a served step's time now and then holds a long wait
@@ -265,20 +265,19 @@ class RoundTimes:
     def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple, fresh_steps=lambda width: FRESH_STEPS):
         """``fresh_steps(width)``: timed steps after which a width not served since reads unmeasured (ChainDepth
         spaces the trials of a width far behind: ``trial_spacing``)."""
-        self.costs, self.bucket, self.ladder, self._runs, self._scatter = costs, bucket, ladder, [], []
-        self.fresh_steps = fresh_steps
+        self.costs, self.bucket, self.ladder, self.fresh_steps = costs, bucket, ladder, fresh_steps
         self._by_width: dict[int, list] = {}  # width -> its samples (a weighing asks for each several times)
 
+    @functools.cached_property
     def _class(self) -> bool | None:
-        if not self._runs:
-            self._runs.append(True if all(self.costs.step_time(self.bucket, True, runs=True, width=c.num_draft_tokens)
-                                          is not None for c in self.ladder) else None)
-        return self._runs[0]
+        """Runs (True) where every depth has run samples here, else the engine's mix (None)."""
+        return True if all(self.costs.step_time(self.bucket, True, runs=True, width=c.num_draft_tokens) is not None
+                           for c in self.ladder) else None
 
     def _samples(self, width: int) -> list:
         if width not in self._by_width:
             fresh = self.costs.samples_since(self.bucket, width) <= self.fresh_steps(width)
-            self._by_width[width] = self.costs.round_times(self.bucket, width, self._class()) if fresh else []
+            self._by_width[width] = self.costs.round_times(self.bucket, width, self._class) if fresh else []
         return self._by_width[width]
 
     def __call__(self, width: int) -> float | None:
@@ -288,19 +287,18 @@ class RoundTimes:
         """How many samples ``__call__(width)`` rests on (for the log)."""
         return len(self._samples(width))
 
+    @functools.cached_property
     def _pooled_scatter(self) -> float | None:
         """The relative standard deviation of one sample about its width's mean, pooled over the weighed widths
         (settled at the first call); None under two degrees of freedom."""
-        if not self._scatter:
-            squares, freedom = 0.0, 0
-            for spec in self.ladder:
-                per_round = [seconds / steps for seconds, steps in self._samples(spec.num_draft_tokens)]
-                if len(per_round) >= 2:
-                    mean = sum(per_round) / len(per_round)
-                    squares += sum((x / mean - 1.0) ** 2 for x in per_round)
-                    freedom += len(per_round) - 1
-            self._scatter.append(math.sqrt(squares / freedom) if freedom >= 2 else None)
-        return self._scatter[0]
+        squares, freedom = 0.0, 0
+        for spec in self.ladder:
+            per_round = [seconds / steps for seconds, steps in self._samples(spec.num_draft_tokens)]
+            if len(per_round) >= 2:
+                mean = sum(per_round) / len(per_round)
+                squares += sum((x / mean - 1.0) ** 2 for x in per_round)
+                freedom += len(per_round) - 1
+        return math.sqrt(squares / freedom) if freedom >= 2 else None
 
     def forget(self, width: int) -> None:
         self.costs.forget_width(self.bucket, width)
@@ -308,5 +306,5 @@ class RoundTimes:
 
     def spread(self, width: int) -> float | None:
         """The relative standard error of ``__call__(width)`` (None: too few samples to say)."""
-        scatter, n = self._pooled_scatter(), self.weighed_on(width)
+        scatter, n = self._pooled_scatter, self.weighed_on(width)
         return None if scatter is None or not n else scatter / math.sqrt(n)
