@@ -59,6 +59,28 @@ def test_advance_stages_the_verify_as_the_torch_path(moved, rewritten):
         assert torch.equal(getattr(fam, name), getattr(reference, name)), name
 
 
+@pytest.mark.parametrize("width", [1, ND])
+def test_advance_stages_a_queued_decode_step_as_the_torch_path(width):
+    """A decode run's step between replays (TargetGraphRunner.advance on a GPU): no draft rows, every sequence one
+    further, its page crossing included; the tokens a strided view (a column of the sampled logits' rows)."""
+    g = torch.Generator().manual_seed(3)
+    fam = _family(g)
+    fam.width = width
+    if width == 1:
+        fam.positions, fam.input_ids, fam.slots = fam.positions.view(N, ND)[:, -1].clone(), fam.input_ids[:N], fam.slots[:N]
+        fam.positions[0] = PS - 1  # request 0's next token opens a new page
+    reference = SimpleNamespace(**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in vars(fam).items()})
+    tokens = torch.randint(0, 1000, (N, 2 * width), generator=g)[:, ::2]  # not contiguous
+
+    round_glue.advance(None, None, 1, fam.input_ids, fam.positions, fam.kv_lens, fam.slots, fam.block_tables, PS, width,
+                       chains=tokens.contiguous())
+    TargetGraphRunner.advance(SimpleNamespace(page_size=PS), reference, N, tokens, 1)
+    for name in ("input_ids", "positions", "kv_lens", "slots"):
+        assert torch.equal(getattr(fam, name), getattr(reference, name)), name
+    if width == 1:
+        assert fam.slots[0] == fam.block_tables[0, 1] * PS  # the new page's first slot
+
+
 @pytest.mark.parametrize("steered", [False, True])
 def test_accept_emits_and_feeds_the_extend_as_the_torch_path(steered):
     g = torch.Generator().manual_seed(2)

@@ -23,6 +23,7 @@ from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.kv_cache import DUMMY_PAGE, page_slots
+from tandem.layers.fast_path import use_triton
 from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
 
@@ -208,8 +209,15 @@ class TargetGraphRunner(GraphRunner):
         ([n, width] device tokens) in, each sequence moved ``by`` tokens further (an int, or a device
         int64 [n]) — positions, KV lengths and slots follow through the block tables, which must
         already hold the pages. For forwards whose KV index is the token's position: decode steps
-        and chains (a tree's nodes share positions)."""
+        and chains (a tree's nodes share positions). On a GPU in one kernel (tandem.kernels.round_glue):
+        these ten small torch ops ran between every two replays of a queued decode run."""
         w, ps = fam.width, self.page_size
+        if use_triton(fam.input_ids):
+            from tandem.kernels import round_glue
+
+            round_glue.advance(None, None, by, fam.input_ids, fam.positions, fam.kv_lens, fam.slots, fam.block_tables,
+                               ps, w, chains=ids.reshape(n, w).contiguous())
+            return
         fam.input_ids[: n * w].copy_(ids.reshape(-1))
         positions = fam.positions[: n * w].view(n, w)
         positions += by if isinstance(by, int) else by[:, None]

@@ -231,6 +231,9 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     rg.advance(rows, broken, i64(n), i64(n * nd), i64(n * nd), torch.empty(n, dtype=torch.int32), i64(n * nd),
                torch.empty(n, 512, dtype=torch.int32), 16, nd)
     _report("round_glue.advance", failures)
+    rg.advance(None, None, 1, i64(n), i64(n), torch.empty(n, dtype=torch.int32), i64(n),
+               torch.empty(n, 512, dtype=torch.int32), 16, 1, chains=i64(n, 1))  # a queued decode step's inputs
+    _report("round_glue.advance (decode step)", failures)
     rg.accept(i64(n, nd), i64(n, nd), broken, torch.empty(n * nd, feat, dtype=dt), i64(n, nd + 2), i64(n * w),
               torch.empty(n * w, feat, dtype=dt), i64(n), w, roots=i64(n))
     _report("round_glue.accept", failures)

@@ -28,15 +28,16 @@ from tandem.kernels.pdl import pdl_enter, pdl_launch
 @triton.jit
 def _advance_kernel(rows_ptr, chains_ptr, broken_ptr, by_ptr, ids_ptr, pos_ptr, kv_lens_ptr, slots_ptr, bt_ptr,
                     stride_rows, stride_bt, flag_col,
-                    ND: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    FROM_ROWS: tl.constexpr, HAS_BY: tl.constexpr, PDL: tl.constexpr):
+                    ND: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROWS: tl.constexpr,
+                    FROM_ROWS: tl.constexpr, HAS_BY: tl.constexpr, BY_CONST: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ok = j < ND
-    flag = tl.load(rows_ptr + b * stride_rows + flag_col)
-    old = tl.load(broken_ptr + b)
-    tl.store(broken_ptr + b, (old != 0) | (flag != 0))
+    if HAS_ROWS:
+        flag = tl.load(rows_ptr + b * stride_rows + flag_col)
+        old = tl.load(broken_ptr + b)
+        tl.store(broken_ptr + b, (old != 0) | (flag != 0))
     if FROM_ROWS:
         chain = tl.load(rows_ptr + b * stride_rows + j, mask=ok, other=0.0).to(tl.int64)
         tl.store(chains_ptr + b * ND + j, chain, mask=ok)
@@ -49,27 +50,34 @@ def _advance_kernel(rows_ptr, chains_ptr, broken_ptr, by_ptr, ids_ptr, pos_ptr, 
         pos = pos + by
         tl.store(pos_ptr + b * ND + j, pos, mask=ok)
         tl.store(kv_lens_ptr + b, tl.load(kv_lens_ptr + b) + by.to(tl.int32))
+    elif BY_CONST != 0:
+        pos = pos + BY_CONST
+        tl.store(pos_ptr + b * ND + j, pos, mask=ok)
+        tl.store(kv_lens_ptr + b, tl.load(kv_lens_ptr + b) + BY_CONST)
     page = tl.load(bt_ptr + b * stride_bt + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
     tl.store(slots_ptr + b * ND + j, page * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
 
 
-def advance(rows: torch.Tensor, broken: torch.Tensor, by: torch.Tensor | None, input_ids: torch.Tensor,
-            positions: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-            page_size: int, nd: int, chains: torch.Tensor | None = None) -> torch.Tensor:
+def advance(rows: torch.Tensor | None, broken: torch.Tensor | None, by: torch.Tensor | int | None,
+            input_ids: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, page_size: int, nd: int, chains: torch.Tensor | None = None) -> torch.Tensor:
     """Stage the verify of n chains (``rows`` [n, 3nd+1] float64 from the draft; ``chains`` [n, nd] int64
     instead of the rows' tokens when given) in place: ``broken`` [n] bool |= the rows' NaN flag; the
     verify's ``input_ids`` [n*nd], ``positions`` [n*nd] int64 and ``kv_lens`` [n] int32 moved by
-    ``by`` [n] int64 (None: not moved), ``slots`` [n*nd] int64 through ``block_tables`` [n, P] int32.
-    → the chains [n, nd] int64."""
-    n = rows.shape[0]
+    ``by`` ([n] int64, or one int for all; None: not moved), ``slots`` [n*nd] int64 through ``block_tables``
+    [n, P] int32. ``rows`` and ``broken`` None: no draft, ``chains`` are the tokens (a queued decode step,
+    TargetGraphRunner.advance). → the chains [n, nd] int64."""
     from_rows = chains is None
     if from_rows:
-        chains = torch.empty(n, nd, dtype=torch.int64, device=rows.device)
+        chains = torch.empty(rows.shape[0], nd, dtype=torch.int64, device=rows.device)
+    n = chains.shape[0]
+    by_tensor = by if torch.is_tensor(by) else None
     _advance_kernel[(n,)](
-        rows, chains, broken.view(torch.uint8), by if by is not None else kv_lens, input_ids, positions, kv_lens,
-        slots, block_tables, rows.stride(0), block_tables.stride(0), 3 * nd,
-        ND=nd, BLOCK=triton.next_power_of_2(nd), PAGE_SIZE=page_size, FROM_ROWS=from_rows, HAS_BY=by is not None,
-        **pdl_launch(rows))
+        rows if rows is not None else chains, chains, broken.view(torch.uint8) if broken is not None else chains,
+        by_tensor if by_tensor is not None else kv_lens, input_ids, positions, kv_lens,
+        slots, block_tables, rows.stride(0) if rows is not None else 0, block_tables.stride(0), 3 * nd,
+        ND=nd, BLOCK=triton.next_power_of_2(nd), PAGE_SIZE=page_size, HAS_ROWS=rows is not None, FROM_ROWS=from_rows,
+        HAS_BY=by_tensor is not None, BY_CONST=by if isinstance(by, int) else 0, **pdl_launch(chains))
     return chains
 
 
