@@ -53,7 +53,7 @@ class DrafterServiceConfig:
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
         p.add_argument("--host", default=cls.host,
                        help="address to bind (default: loopback; the verifier is on the same machine)")
-        shared.add(p, shared.INTERNAL_SECRET_FILE, shared.METRICS_PORT)
+        shared.add(p, shared.INTERNAL_SECRET_FILE, shared.METRICS_PORT, shared.LOG_LEVEL)
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
         p.add_argument("--port", type=int, default=cls.port, help="gRPC port")

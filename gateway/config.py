@@ -68,6 +68,14 @@ class GatewayConfig:
         path, and every request asks)."""
         return served_name(self.model_dir, self.served_model_name)
 
+    @functools.cached_property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` may say: the served name, and without --served-model-name also the model's
+        path as the server was given it (vLLM's and SGLang's default name, which their clients send)."""
+        if self.served_model_name is not None:
+            return (self.model_name,)
+        return tuple(dict.fromkeys((self.model_name, self.model_dir, str(Path(self.model_dir).resolve()))))
+
 
 def _header_token(s: str) -> bool:
     return bool(s) and s.isascii() and s.isprintable() and " " not in s
@@ -94,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--drafter-metrics-url", default=None,
                    help="the drafter service's Prometheus URL, served within our /metrics too")
-    shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log threshold")
+    shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL)
+    p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=["debug", "info", "warning", "error"],
+                   help="vLLM's name for --log-level")
     return p
 
 

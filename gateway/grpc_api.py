@@ -92,7 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
         gw = self._gw
-        check_model(r.model, gw.cfg.model_name)
+        check_model(r.model, gw.cfg.model_names)
         which = r.WhichOneof("prompt")
         if which is None:
             raise bad_request("prompt", "set text or token_ids")

@@ -76,6 +76,7 @@ def create_app(gw: GatewayContext) -> FastAPI:
     add_tokenize_routes(app, gw)  # /version, /tokenize, /detokenize, at the root as vLLM serves them
 
     @app.get("/health")
+    @app.get("/ping")  # (vLLM's alias; SGLang's /health_generate runs a generation, this does not)
     async def health():
         # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
         if gw.verifier_serving:
@@ -139,7 +140,7 @@ async def _generate(gw: GatewayContext, request: Request, api: str, shape_cls: t
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
         info = await gw.client.model_info()
-        limits = Limits(gw.cfg.model_name, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound,
+        limits = Limits(gw.cfg.model_names, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound,
                         gw.sampling_defaults)
         if shape_cls is ChatShape:
             parse = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits)

@@ -19,7 +19,8 @@ ENGINE_FIELDS = {
     "use_beam_search": lambda v: v is None or v is False,
     # guided decoding and token restrictions (vLLM's extensions): no grammar or mask in the engine
     **{name: (lambda v: v is None) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                                "guided_decoding_backend", "structured_outputs")},
+                                                "guided_decoding_backend", "structured_outputs",
+                                                "regex", "json_schema", "ebnf")},  # (the last three: SGLang's)
     "bad_words": lambda v: not v,
     "allowed_token_ids": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,

@@ -42,7 +42,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 @dataclass(frozen=True)
 class Limits:
     """What bounds a request: the verifier's model and this server's settings."""
-    model_name: str
+    model_names: tuple[str, ...]  # what a request's model may say (GatewayConfig.model_names)
     info: verifier_pb2.ModelInfo
     max_tokens_limit: int | None
     default_max_tokens: int
@@ -141,7 +141,7 @@ def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTe
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,
             default: int | None, max_param: str = "max_tokens", prompt_param: str = "prompt",
             chat: bool = False) -> OpenAIRequest:
-    check_model(body.get("model"), limits.model_name)
+    check_model(body.get("model"), limits.model_names)
     for field, is_no_op in _NO_OP.items():
         if not is_no_op(body.get(field)):
             raise bad_request(field, f"is not supported by this server (got {json.dumps(body[field])[:80]})")
@@ -156,6 +156,9 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
         if not stream:
             raise bad_request("stream_options", "can only be set when stream is true")
         include_usage = flag(options, "include_usage", param="stream_options.include_usage") or False
+        if flag(options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"):
+            raise bad_request("stream_options.continuous_usage_stats", "is not supported (usage comes in the last "
+                                                                       "chunk with include_usage)")
     temperature = number(body, "temperature")
     top_p = number(body, "top_p")
     top_k = integer(body, "top_k")

@@ -132,10 +132,11 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int,
     return requested
 
 
-def check_model(model, served: str) -> None:
-    """A request's ``model`` (None or "": the served one) must be the served name: else 404 naming it."""
+def check_model(model, served: tuple[str, ...]) -> None:
+    """A request's ``model`` (None or "": the served one) must be one of the ``served`` names (the first the one
+    listed): else 404 naming it."""
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"must be a string, got {type(model).__name__}")
-    if model and model != served:
-        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{served}`",
+    if model and model not in served:
+        raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{served[0]}`",
                            param="model")

@@ -41,7 +41,7 @@ async def _answer(gw: GatewayContext, request: Request, work) -> JSONResponse:
     try:
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
         body = parse_json(raw)
-        check_model(body.get("model"), gw.cfg.model_name)
+        check_model(body.get("model"), gw.cfg.model_names)
         info = await gw.client.model_info()  # the context length and vocabulary the verifier serves
         # Megabytes of text take a while to tokenize: off the event loop, as the generation paths do.
         result = await asyncio.to_thread(work, gw, body, info) if len(raw) > OFFLOAD_PARSE_BYTES else \

@@ -1,8 +1,10 @@
 """Command-line flags that several Tandem CLIs share, defined once: ``tandem up``, ``tandem generate``,
 ``python -m verifier`` and ``python -m drafter`` (the gateway takes the model alias). SGLang's and vLLM's
 spellings are aliases of ours where they mean the same thing (``--model-path``, ``--tensor-parallel-size``
-/ ``-tp``, ``--speculative-draft-model-path``, ``--max-num-seqs``, ``--enforce-eager``), and
-``--speculative-algorithm`` / vLLM's ``--speculative-config`` resolve to the same draft settings.
+/ ``--tp`` / ``-tp``, ``--speculative-draft-model-path``, ``--max-num-seqs``, ``--enforce-eager``,
+``--disable-radix-cache``, ``--random-seed``, ``--dtype half``), switches that ask for what Tandem does anyway
+are accepted (``--enable-prefix-caching``, ``--enable-chunked-prefill``, ``--trust-remote-code``: no remote code
+is ever run), and ``--speculative-algorithm`` / vLLM's ``--speculative-config`` resolve to the same draft settings.
 
 Torch-free: ``--device auto`` is decided by ``resolve_device`` in the process that runs the model.
 """
@@ -74,12 +76,29 @@ MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model:
                                                                    "(default: the embedded demo target)"))
 REVISION = Flag(("--revision",), dict(default=None, help="the target's revision, with a Hugging Face id (default: main)"))
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
-TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "-tp"),
+TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "--tp", "-tp"),
                dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
 DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when torch sees a GPU, else cpu), cpu, "
                                                                 "cuda or cuda:N"))
-DTYPE = Flag(("--dtype",), dict(default=e.dtype, choices=["auto", "bfloat16", "float16", "float32"],
-                                help="weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU"))
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+
+def _dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value.lower(), value.lower())
+
+
+def _tokens(value: str) -> int:
+    """A token count as vLLM's --max-model-len takes it: 4096, 32k / 32K (x 1024), 1m / 1M (x 1024^2)."""
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(value[-1:].lower(), 1)
+    try:
+        return int(value[:-1] if scale > 1 else value) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {value!r} (e.g. 4096 or 32k)") from None
+
+
+DTYPE = Flag(("--dtype",), dict(default=e.dtype, type=_dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                                help="weights and activations (also half, bf16, float); auto: the checkpoint's dtype "
+                                     "on GPU, float32 on CPU"))
 MEM_FRACTION = Flag(("--mem-fraction-static", "--gpu-memory-utilization"), dict(type=float, default=e.mem_fraction_static,
                                                      help="GPU: fraction of the device's memory for weights + KV"))
 KV_PAGES = Flag(("--kv-pages",), dict(type=int, default=None,
@@ -93,19 +112,18 @@ GRAPH_MAX_BS = Flag(("--cuda-graph-max-bs",), dict(type=int, default=e.cuda_grap
                                                    help="largest batch (requests) captured as a CUDA graph"))
 PREFILL_GRAPH_TOKENS = Flag(("--prefill-graph-tokens",), dict(
     type=int, default=e.prefill_graph_tokens, help="prompt chunks up to this many tokens, in steps of prompts alone, "
-                                                   "run on CUDA graphs (each padded to a width 16, 32, ... this; not yet for "
-                                                   "latent-cache models); "
+                                                   "run on CUDA graphs (each padded to a width 16, 32, ... this); "
                                                    "0: prefill eagerly"))
 PREFILL_GRAPH_MAX_BS = Flag(("--prefill-graph-max-bs",), dict(
     type=int, default=e.prefill_graph_max_bs, help="most prompt chunks in one graphed prefill step"))
 DECODE_STEPS = Flag(("--decode-steps",), dict(
     type=int, default=None, help="plain decode steps queued back to back while no request speculates and no prompt "
                                  "waits; their tokens stream together (default: 4 with CUDA graphs, else 1; one "
-                                 "step at a time with --tp-size > 1 or --capture-traffic)"))
+                                 "step at a time with --capture-traffic, or --tp-size > 1 without CUDA graphs)"))
 SPEC_ROUNDS = Flag(("--spec-rounds",), dict(
-    type=int, default=None, help="greedy chain rounds queued back to back with the head in process while no prompt "
-                                 "waits; their tokens stream together (default: 4 with CUDA graphs, else 1; one "
-                                 "round at a time with --tp-size > 1 or --capture-traffic)"))
+    type=int, default=None, help="greedy chain rounds queued back to back while no prompt waits, with the head in "
+                                 "process or (on one GPU rank) in the drafter service; their tokens stream together "
+                                 "(default: 4 with CUDA graphs, else 1; one round at a time with --capture-traffic)"))
 NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
     action="store_true", help="read each run of --decode-steps or --spec-rounds back before queuing the next "
                               "(default: the next run is queued first, from the device's state)"))
@@ -115,7 +133,7 @@ CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
 MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
     action="store_true", help="prefill prompts in the same forward as the running requests' step (default: in a step "
                               "of their own with CUDA graphs, so the running requests' steps stay graphed)"))
-DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching",), dict(
+DISABLE_PREFIX_CACHING = Flag(("--disable-prefix-caching", "--disable-radix-cache", "--no-enable-prefix-caching"), dict(
     action="store_true", help="prefill every prompt from its first token (default: a prompt starts on the KV "
                               "pages of earlier requests that began with the same tokens)"))
 LOGPROBS_MODE = Flag(("--logprobs-mode",), dict(
@@ -123,8 +141,25 @@ LOGPROBS_MODE = Flag(("--logprobs-mode",), dict(
     help="what logprobs report, as vLLM's flag: raw_logprobs, the target's log-softmax; processed_logprobs, after "
          "penalties, min_tokens, temperature, min_p, top-k and top-p (what the request samples from)"))
 CONTEXT_LENGTH = Flag(("--context-length", "--max-model-len"), dict(
-    type=int, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
+    type=_tokens, default=None, help="tokens a request may reach (prompt + output), at most the model's maximum "
                                  "(default: the model's)"))
+SEED = Flag(("--seed", "--random-seed"), dict(type=int, default=None,
+                                            help=f"seeds the requests that bring no seed of their own (default: {e.seed})"))
+ATTENTION_BACKENDS = {"auto": "auto", "flashinfer": "flashinfer", "triton": "triton", "torch": "torch",
+                      "torch_native": "torch"}  # (SGLang's name for the reference)
+ATTENTION_BACKEND = Flag(("--attention-backend",), dict(
+    default=e.attention_backend, type=lambda v: ATTENTION_BACKENDS.get(v.lower(), v), choices=sorted(set(ATTENTION_BACKENDS.values())),
+    help="eager attention: auto (FlashInfer on a GPU where installed, else the torch reference), flashinfer, triton or "
+         "torch (SGLang's torch_native); CUDA graphs always run Tandem's Triton kernels"))
+# Switches of SGLang / vLLM that ask for what Tandem does anyway: taken, so their command lines run here.
+ENABLE_PREFIX_CACHING = Flag(("--enable-prefix-caching",), dict(
+    action="store_true", help="vLLM's switch; prefix caching is on unless --disable-prefix-caching"))
+ENABLE_CHUNKED_PREFILL = Flag(("--enable-chunked-prefill",), dict(
+    action="store_true", help="vLLM's switch; long prompts are always prefilled in chunks (--chunked-prefill-size)"))
+TRUST_REMOTE_CODE = Flag(("--trust-remote-code",), dict(
+    action="store_true", help="taken for vLLM / SGLang command lines; Tandem runs only its own model code"))
+LOG_LEVEL = Flag(("--log-level",), dict(default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                                       help="log threshold"))
 # The gateway's admission and logging flags: python -m gateway takes them, tandem up passes them on.
 MAX_TOKENS_LIMIT = Flag(("--max-tokens-limit",), dict(
     type=int, default=None, help="largest max_tokens accepted (default: only the model's context bounds it)"))
@@ -145,8 +180,12 @@ LOG_REQUESTS_LEVEL = Flag(("--log-requests-level",), dict(
 TIMEOUT_KEEP_ALIVE = Flag(("--timeout-keep-alive",), dict(
     type=float, default=75.0, help="seconds an idle HTTP keep-alive connection stays open (longer than clients' "
                                    "pools keep theirs, or a reused connection can be reset)"))
+DISABLE_LOG_REQUESTS = Flag(("--disable-log-requests",), dict(
+    action="store_true", help="vLLM's switch; requests are logged only with --log-requests"))
+ENABLE_METRICS = Flag(("--enable-metrics",), dict(
+    action="store_true", help="SGLang's switch; the gateway always serves Prometheus metrics at /metrics"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
-                 TIMEOUT_KEEP_ALIVE)
+                 TIMEOUT_KEEP_ALIVE, DISABLE_LOG_REQUESTS, ENABLE_METRICS)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
@@ -155,7 +194,8 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
-                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE)
+                NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE, SEED,
+                ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE)
 # The drafter service takes these of them too (its own graphs and dtype; its prompt extends' graphs take the prefill
 # graphs' widths).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_MAX_BS)
@@ -341,6 +381,18 @@ def _hidden_size(target: str | None) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def engine_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's fields that ENGINE_FLAGS set (tandem generate and the verifier), from parsed flags."""
+    return dict(dtype=a.dtype, mem_fraction_static=a.mem_fraction_static, kv_pages=a.kv_pages,
+                max_running_requests=a.max_running_requests, disable_cuda_graph=a.disable_cuda_graph,
+                cuda_graph_max_bs=a.cuda_graph_max_bs, prefill_graph_tokens=a.prefill_graph_tokens,
+                prefill_graph_max_bs=a.prefill_graph_max_bs, decode_steps=a.decode_steps, spec_rounds=a.spec_rounds,
+                overlap_runs=not a.no_overlap_runs, chunked_prefill_size=a.chunked_prefill_size,
+                context_length=a.context_length, mixed_prefill=a.enable_mixed_chunk or None,
+                logprobs_mode=a.logprobs_mode, enable_prefix_caching=not a.disable_prefix_caching,
+                attention_backend=a.attention_backend, **({} if a.seed is None else {"seed": a.seed}))
+
+
 def resolve_device(device: str) -> str:
     """``auto``: cuda when torch sees a GPU, else cpu, said in the log; other values as given."""
     if device != "auto":
@@ -355,6 +407,9 @@ def resolve_device(device: str) -> str:
 
 def resolve_target(args: argparse.Namespace) -> str | None:
     """The target folder ``--model`` (with ``--revision``) names, or None when none is given (the demo's)."""
+    if getattr(args, "trust_remote_code", False):
+        log.info("--trust-remote-code: taken; Tandem runs its own code for the architectures it knows, never a "
+                 "checkpoint's")
     if args.model is None:
         return None
     from tandem.model_source import resolve_model

@@ -27,7 +27,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=_run_generate)
@@ -39,15 +38,8 @@ def generate_settings(args: argparse.Namespace) -> tuple:
 
     speculative = shared.resolve_speculative(args, args.model)
     speculative.require_draft()
-    cfg = EngineConfig(model=args.model, device=shared.resolve_device(args.device), dtype=args.dtype,
-                       tp_size=args.tp_size, mem_fraction_static=args.mem_fraction_static, kv_pages=args.kv_pages,
-                       max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
-                       cuda_graph_max_bs=args.cuda_graph_max_bs, decode_steps=args.decode_steps,
-                       prefill_graph_tokens=args.prefill_graph_tokens, prefill_graph_max_bs=args.prefill_graph_max_bs,
-                       spec_rounds=args.spec_rounds, overlap_runs=not args.no_overlap_runs,
-                       chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
-                       mixed_prefill=args.enable_mixed_chunk or None, logprobs_mode=args.logprobs_mode,
-                       enable_prefix_caching=not args.disable_prefix_caching)
+    cfg = EngineConfig(model=args.model, device=shared.resolve_device(args.device), tp_size=args.tp_size,
+                       **shared.engine_settings(args))
     return cfg, speculative
 
 

@@ -76,7 +76,9 @@ class Child:
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help="the target model, as `vllm serve MODEL` takes it (or --model)")
+    shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG, shared.LOG_LEVEL)
     shared.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
                                          "no speculation; 'none' turns it off for the demo)")
     p.add_argument("--drafter", choices=["service", "in-process"], default="service",
@@ -123,6 +125,10 @@ class UpPlan:
 
 def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     """The three services' command lines, every user spelling turned into the services' own flags."""
+    if args.model_positional is not None:
+        if args.model is not None and args.model != args.model_positional:
+            raise TandemError(f"two models: {args.model_positional} and --model {args.model}: give one")
+        args.model = args.model_positional
     from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
     speculative = shared.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
@@ -156,10 +162,11 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         children.append(Child("drafter", py + ["drafter", "--model", draft, "--target-model", model, *device,
                                               "--port", str(ports["drafter"]), *speculative.argv(),
                                               *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
-                                              *reload_root, *drafter_metrics, *shlex.split(args.drafter_args)]))
+                                              *reload_root, *drafter_metrics, *shared.LOG_LEVEL.argv(args),
+                                              *shlex.split(args.drafter_args)]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
-                          *_passthrough(args, shared.ENGINE_FLAGS), *tracing]
+                          *_passthrough(args, (*shared.ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing]
     if draft is not None:
         drafter = "in-process" if in_process else f"127.0.0.1:{ports['drafter']}"
         verifier_argv += ["--drafter", drafter, "--draft-model", draft, *speculative.argv(),
@@ -177,7 +184,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                                            str(args.grpc_port), "--served-model-name", name, *tracing,
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
                                            *drafter_relay,
-                                           *_passthrough(args, shared.GATEWAY_FLAGS), *shlex.split(args.gateway_args)]))
+                                           *_passthrough(args, (*shared.GATEWAY_FLAGS, shared.LOG_LEVEL)),
+                                           *shlex.split(args.gateway_args)]))
     return UpPlan(children, ports, model, name, draft)
 
 

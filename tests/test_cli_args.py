@@ -93,6 +93,49 @@ def test_vllm_engine_flag_spellings(folders):
     assert vllm == ours and (ours.engine.context_length, ours.engine.mem_fraction_static, ours.engine.page_size) == (64, 0.5, 8)
 
 
+def test_more_sglang_and_vllm_engine_spellings(folders):
+    """The spellings of SGLang's and vLLM's command lines give the config ours gives, in the verifier and in
+    tandem generate; switches asking for what Tandem does anyway are taken and change nothing."""
+    t, _ = folders
+    theirs = ["--model", t, "--tp", "1", "--dtype", "half", "--max-model-len", "32k", "--disable-radix-cache",
+              "--random-seed", "7", "--attention-backend", "torch_native", "--enable-chunked-prefill",
+              "--trust-remote-code"]
+    ours = ["--model", t, "--tp-size", "1", "--dtype", "float16", "--context-length", "32768",
+            "--disable-prefix-caching", "--seed", "7", "--attention-backend", "torch"]
+    assert _verifier(theirs).engine == _verifier(ours).engine
+    engine = _verifier(ours).engine
+    assert (engine.dtype, engine.context_length, engine.enable_prefix_caching, engine.seed, engine.attention_backend) == \
+        ("float16", 32768, False, 7, "torch")
+    assert _generate(theirs)[0] == _generate(ours)[0] == engine
+    assert _verifier(["--model", t, "--no-enable-prefix-caching"]).engine.enable_prefix_caching is False
+    assert _verifier(["--model", t, "--enable-prefix-caching"]).engine == _verifier(["--model", t]).engine
+    assert _verifier(["--model", t, "--dtype", "bf16"]).engine.dtype == "bfloat16"
+    for bad in (["--max-model-len", "32q"], ["--attention-backend", "fa3"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            _verifier(["--model", t, *bad])
+
+
+def test_log_level_in_every_service_and_through_tandem_up(folders):
+    from gateway.config import build_parser as gateway_parser
+
+    t, d = folders
+    argvs = _argvs(_up(["--model", t, "--draft-model", d, "--log-level", "DEBUG"]))
+    for name in ("verifier", "drafter", "gateway"):
+        words = argvs[name]
+        assert words[words.index("--log-level") + 1] == "debug", name
+    assert "--log-level" not in _argvs(_up(["--model", t, "--draft-model", d]))["verifier"]  # the default: not passed
+    assert gateway_parser().parse_args(["--verifier", "x:1", "--model", t, "--uvicorn-log-level", "warning"]).log_level \
+        == "warning"
+    assert gateway_parser().parse_args(["--verifier", "x:1", "--model", t]).log_level == "info"
+
+
+def test_up_takes_the_model_as_vllm_serve_does(folders):
+    t, d = folders
+    assert _argvs(_up([t, "--draft-model", d])) == _argvs(_up(["--model", t, "--draft-model", d]))
+    with pytest.raises(Exception, match="two models"):
+        _up([d, "--model", t])
+
+
 def test_vllm_speculative_config_is_a_chain_of_n_steps(folders):
     t, d = folders
     config = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 5})

@@ -283,6 +283,8 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/completions", "allowed_token_ids", [1, 2]), ("/v1/completions", "truncate_prompt_tokens", 8),
     ("/v1/chat/completions", "functions", [{"name": "f"}]), ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ("/v1/completions", "regex", "a+"), ("/v1/chat/completions", "json_schema", "{}"),
+    ("/v1/completions", "ebnf", "root ::= 'a'"),  # SGLang's constrained output
 ])
 def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
@@ -296,6 +298,26 @@ def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
                                          ("use_beam_search", False)])
 def test_no_op_values_are_accepted(stack, field, value):
     assert _post(stack, "/v1/completions", {"prompt": PROMPT, field: value, "max_tokens": 2}).status_code == 200
+
+
+def test_the_model_may_be_named_by_its_path_as_vllm_names_it(stack, model_dir):
+    """Without --served-model-name vLLM's and SGLang's model name is the path they were given: clients written
+    for them send it. The served name stays what /v1/models lists; another path is still 404."""
+    for name in (str(model_dir), MODEL):
+        r = _post(stack, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    assert _post(stack, "/v1/completions", {"model": str(model_dir.parent), "prompt": PROMPT}).status_code == 404
+    assert [m["id"] for m in httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]] == [MODEL]
+
+
+def test_ping_is_health(stack):
+    assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == httpx.get(f"{stack.url}/health").status_code == 200
+
+
+def test_continuous_usage_stats_is_refused_by_name(stack):
+    r = _post(stack, "/v1/completions", {"prompt": PROMPT, "stream": True, "max_tokens": 2,
+                                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
 
 
 def _stream(stack, path: str, body: dict) -> list[dict]:

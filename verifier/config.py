@@ -96,7 +96,7 @@ class VerifierConfig:
                        help=f"feature rows of the shared-memory ring (at least {MIN_RING_ROWS})")
         p.add_argument("--max-waiting-requests", type=int, default=cls.max_waiting,
                        help="queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
-        shared.add(p, shared.METRICS_PORT)
+        shared.add(p, shared.METRICS_PORT, shared.LOG_LEVEL)
         p.add_argument("--log-stats-interval", type=float, default=cls.log_stats_interval_s, metavar="SECONDS",
                        help="log a stats line (batch, throughput, accept length, KV usage) this often while busy; "
                             "0: off")
@@ -113,16 +113,8 @@ class VerifierConfig:
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
         spec = shared.resolve_speculative(a, model)
         spec.require_draft()
-        engine = EngineConfig(model=model, device=shared.resolve_device(a.device), dtype=a.dtype, tp_size=a.tp_size,
-                              page_size=a.page_size,
-                              mem_fraction_static=a.mem_fraction_static, max_running_requests=a.max_running_requests,
-                              disable_cuda_graph=a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                              prefill_graph_tokens=a.prefill_graph_tokens, prefill_graph_max_bs=a.prefill_graph_max_bs,
-                              load_format=a.load_format, kv_pages=a.kv_pages, decode_steps=a.decode_steps,
-                              spec_rounds=a.spec_rounds, overlap_runs=not a.no_overlap_runs,
-                              chunked_prefill_size=a.chunked_prefill_size, context_length=a.context_length,
-                              mixed_prefill=a.enable_mixed_chunk or None, logprobs_mode=a.logprobs_mode,
-                              enable_prefix_caching=not a.disable_prefix_caching)
+        engine = EngineConfig(model=model, device=shared.resolve_device(a.device), tp_size=a.tp_size,
+                              page_size=a.page_size, load_format=a.load_format, **shared.engine_settings(a))
         # Asked for as SGLang users do, or by naming a draft alone, speculation without a drafter service runs
         # the head in this process.
         drafter = IN_PROCESS if (spec.requested or spec.draft_model is not None) and a.drafter is None else a.drafter

@@ -8,7 +8,7 @@
 The share of steps counts the steps that ran the running requests (not a step of prompts alone); drafts a round
 is the mean length of the trees verified (less than configured where the policy shortened the chain at batch);
 rounds a step, the mean rounds a speculative step ran (queued back to back on the device: below the configured
-``--speculative-rounds`` where prompts, switches or lone rounds cut the runs short); plain for, the plain decode steps
+``--spec-rounds`` where prompts, switches or lone rounds cut the runs short); plain for, the plain decode steps
 by the engine's reason (``LLMEngine.plain_reason``: the goodput meter's verdict or exploration, the cost model, a plain
 step timing its cost, no request able to draft, the drafter detached or probing); chain switches, how often the
 policy changed the chain's depth (each ends a queued run of rounds).
