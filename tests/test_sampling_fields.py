@@ -5,8 +5,6 @@ with the fields' documented formulas, and target-only decoding. Speculation must
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from scipy.stats import chisquare
