@@ -2,9 +2,12 @@
 
 ``adjusted_probs`` turns logits into the distribution a request actually samples from; speculative
 acceptance uses the same function, so what is accepted and what plain decoding would sample are the
-same distribution by construction. Randomness comes from one uniform number per row, drawn from the
-request's own CPU generator: a seeded request gives the same tokens whatever else is in the batch and
-on whatever device the logits live.
+same distribution by construction. Randomness is one uniform number per token, a hash of the request's
+seed and the token's place in its sequence (``token_uniform``), drawn by inverse CDF (``sample_from_probs``):
+every path that samples a token — a plain step, a queued run of steps, the acceptance of a speculative round
+(tandem.speculative.accept) — draws the same number for it, so a seeded request gives the same tokens whatever
+else is in the batch, whether or not its steps speculate, and on whatever device the logits live (up to the
+logits' own rounding).
 """
 
 from __future__ import annotations
@@ -73,10 +76,25 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
-def make_generator(seed: int) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
-    return g
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_uniform(seed: int, index: int) -> float:
+    """The uniform in [0, 1) that samples token ``index`` (its place in the sequence, the prompt's tokens
+    included) of a request seeded ``seed``. 24 bits: exact in float32, so never rounded up to 1."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 40) * 2.0 ** -24
+
+
+def token_uniforms(starts: list[tuple[int, int]], steps: int) -> list[list[float]]:
+    """``[steps][rows]`` uniforms of the tokens ``first + k`` of each row's ``(seed, first)``."""
+    return [[token_uniform(seed, first + k) for seed, first in starts] for k in range(steps)]
 
 
 @dataclass(frozen=True)
@@ -143,20 +161,18 @@ def adjusted_probs_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor
     return probs
 
 
-def draw_uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
-
-
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: the first token whose cumulative probability exceeds u·total."""
+    """Inverse-CDF sampling: the first token whose cumulative probability exceeds u·total — never past the
+    last token of positive probability (u·total rounded up to the total would land on the flat tail)."""
     cdf = probs.cumsum(dim=-1)
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    targets = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # (the first index reaching the final count)
+    return torch.minimum(torch.searchsorted(cdf, targets, right=True).squeeze(1), last_positive)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of ``logits`` ([B, V]) → int64 [B]."""
-    return StepSampler(params, generators, logits.device, logits.shape[1], steps=1)(logits, 0)
+def sample(logits: torch.Tensor, params: list[SamplingParams], starts: list[tuple[int, int]]) -> torch.Tensor:
+    """One token per row of ``logits`` ([B, V]); ``starts``: each row's (seed, index of the token) → int64 [B]."""
+    return StepSampler(params, starts, logits.device, logits.shape[1], steps=1)(logits, 0)
 
 
 ARGMAX_CHUNKS = 64  # the vocabulary's split for argmax_rows
@@ -182,15 +198,15 @@ def argmax_rows(logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor
 class StepSampler:
     """Samples the same rows for ``steps`` consecutive steps with only device work per step: the
     settings and every step's uniforms are on the device before the first step (each small host copy
-    waits for the device), so steps can be queued behind forwards (tandem.engine.decode_ahead). Each
-    request's generator yields its uniforms in step order, the numbers one call of ``sample`` per
-    step would draw. An all-greedy batch needs neither."""
+    waits for the device), so steps can be queued behind forwards (tandem.engine.decode_ahead).
+    ``starts``: each row's (seed, index of its first step's token); step k samples token ``index + k``,
+    with the uniform one call of ``sample`` per step would use. An all-greedy batch needs neither."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device,
+    def __init__(self, params: list[SamplingParams], starts: list[tuple[int, int]], device: torch.device,
                  vocab: int, steps: int):
         greedy = all(p.greedy for p in params)
         self.rows = None if greedy else row_sampling(params, device, vocab)
-        self.uniforms = None if greedy else torch.stack([draw_uniforms(generators, device) for _ in range(steps)])
+        self.uniforms = None if greedy else torch.tensor(token_uniforms(starts, steps), device=device)
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""

@@ -16,8 +16,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tandem.sampling import SamplingParams, adjusted_probs, make_generator
-from tandem.speculative.accept import AcceptResult, accept_batch, accept_greedy, accept_sampling
+from tandem.sampling import SamplingParams, adjusted_probs, sample_from_probs
+from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampling
 from tandem.speculative.tree import DraftTree
 
 # ---------------------------------------------------------------------------------------------- greedy
@@ -98,7 +98,7 @@ V = 6
 def true_probs(path: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
     """P(next | path) after the request's adjustments: a fixed function of the path (context-consistent)."""
     seed = 1 + sum((t + 1) * (V + 1) ** i for i, t in enumerate(path))
-    logits = torch.randn(V, generator=make_generator(seed))
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(seed))
     return adjusted_probs(logits.unsqueeze(0), [params])[0].double()
 
 
@@ -135,10 +135,12 @@ def build_tree(root: int, params: SamplingParams, shape: list) -> tuple[DraftTre
 
 
 def run_rounds(accept_fn, tree: DraftTree, probs: torch.Tensor, params: SamplingParams, n: int, trials: int, seed: int):
-    gen, rng = make_generator(seed), np.random.default_rng(seed)
-    root, counts = tree.tokens[0], {}
+    """``trials`` rounds, each with fresh uniforms (one per depth, as the engine draws them), completed to ``n``
+    tokens by draws from the true distribution → counts of the ``n``-token sequences."""
+    rng = np.random.default_rng(seed)
+    root, counts, depth = tree.tokens[0], {}, max(tree.depths)
     for _ in range(trials):
-        res = accept_fn(tree, probs, gen)
+        res = accept_fn(tree, probs, rng.random(depth + 1).tolist())
         for node, token in zip([0, *res.accepted_nodes], res.tokens):  # never a zero-probability token
             assert float(probs[node, token]) > 0.0
         seq = list(res.tokens[:n])
@@ -201,8 +203,9 @@ def test_top_k_case_drafts_zero_probability_tokens() -> None:
         assert any(float(probs[tree.parents[i], tree.tokens[i]]) == 0.0 for i in range(1, tree.size))
 
 
-def _accept_without_renormalising(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator) -> AcceptResult:
+def _accept_without_renormalising(tree: DraftTree, probs: torch.Tensor, uniforms: list[float]) -> AcceptResult:
     """A plausible-looking but biased rule (accept with p(x), not p(x)/remaining) the test must catch."""
+    gen = torch.Generator().manual_seed(int(uniforms[0] * 2**53))  # (a draw per sibling tried: its own stream)
     accepted, node = [], 0
     while True:
         p = probs[node].double()
@@ -237,21 +240,29 @@ def test_duplicate_sibling_tokens() -> None:
     # Root children: rank 1, rank 1 again (a duplicate), rank 0; the duplicate's subtree must never be used.
     tree, probs = build_tree(root, params, [(1, [(0, [])]), (1, [(0, [])]), (0, [(0, [])])])
     assert tree.tokens[1] == tree.tokens[3] and tree.parents[3] == 0
-    gen, seen = make_generator(9), set()
+    rng, seen = np.random.default_rng(9), set()
     for _ in range(2_000):
-        seen.update(accept_sampling(tree, probs, gen).accepted_nodes)
+        seen.update(accept_sampling(tree, probs, rng.random(3).tolist()).accepted_nodes)
     assert 3 not in seen and 4 not in seen and {1, 5} <= seen
     counts = run_rounds(accept_sampling, tree, probs, params, n=2, trials=trials, seed=21)
     assert chi_square_pvalue(counts, exact_joint(root, 2, params), trials) > 1e-3
 
 
-def test_seeded_reproducibility() -> None:
-    tree, probs = build_tree(2, CASES["plain"], SHAPE)
-    runs = []
-    for seed in (42, 42, 43):
-        gen = make_generator(seed)
-        runs.append([accept_sampling(tree, probs, gen).tokens for _ in range(50)])
-    assert runs[0] == runs[1] and runs[0] != runs[2]
+@pytest.mark.parametrize("name", list(CASES))
+def test_with_the_same_uniforms_the_tokens_are_target_only_samplings(name: str) -> None:
+    """What a round emits is what target-only sampling emits with the same uniforms (one per token, by its
+    place in the sequence): token after token drawn from the target's distribution after the ones before —
+    so a seeded request's text does not depend on whether its steps speculate."""
+    params, rng = CASES[name], np.random.default_rng(17)
+    tree, probs = build_tree(2, params, SHAPE)
+    for _ in range(300):
+        u = rng.random(max(tree.depths) + 1).astype(np.float32).tolist()
+        got = accept_sampling(tree, probs, u).tokens
+        plain: list[int] = []
+        for k in range(len(got)):  # target-only: one token per step, from the distribution after the ones before
+            p = true_probs((2, *plain), params).float()
+            plain.append(int(sample_from_probs(p.unsqueeze(0), torch.tensor([u[k]]))[0]))
+        assert got == plain
 
 
 def test_one_hot_probs_reduce_to_greedy() -> None:
@@ -261,30 +272,15 @@ def test_one_hot_probs_reduce_to_greedy() -> None:
         tree = random_tree(rng, vocab=5, max_nodes=10)
         argmax = [rng.choice([tree.tokens[c] for c in tree.children(i)] or [rng.randrange(5)]) for i in range(tree.size)]
         probs = torch.nn.functional.one_hot(torch.tensor(argmax), 5).float()
-        assert accept_sampling(tree, probs, make_generator(0)).tokens == accept_greedy(tree, argmax).tokens
+        u = [rng.random() for _ in range(max(tree.depths) + 1)]
+        assert accept_sampling(tree, probs, u).tokens == accept_greedy(tree, argmax).tokens
 
 
 def test_sampling_rejects_bad_inputs() -> None:
     tree = DraftTree.chain(0, [1])
     with pytest.raises(ValueError):
-        accept_sampling(tree, torch.full((1, 4), 0.25), make_generator(0))
+        accept_sampling(tree, torch.full((1, 4), 0.25), [0.5, 0.5])
     with pytest.raises(ValueError):
-        accept_sampling(tree, torch.zeros(2, 4), make_generator(0))
-
-
-def test_accept_batch_matches_per_request_calls() -> None:
-    rng = random.Random(3)
-    trees = [random_tree(rng, vocab=5, max_nodes=8) for _ in range(4)]
-    greedy = [True, False, True, False]
-    total = sum(t.size for t in trees)
-    probs = torch.softmax(torch.randn(total, 5, generator=make_generator(1)), dim=-1)
-    argmax = probs.argmax(dim=-1)
-    gens = [None if g else make_generator(100 + i) for i, g in enumerate(greedy)]
-    got = accept_batch(trees, greedy, argmax, probs, gens)
-    start = 0
-    for i, tree in enumerate(trees):
-        rows = slice(start, start + tree.size)
-        want = (accept_greedy(tree, argmax[rows]) if greedy[i]
-                else accept_sampling(tree, probs[rows], make_generator(100 + i)))
-        assert got[i] == want
-        start += tree.size
+        accept_sampling(tree, torch.zeros(2, 4), [0.5, 0.5])
+    with pytest.raises(ValueError):
+        accept_sampling(tree, torch.full((2, 4), 0.25), [0.5])  # one uniform for two depths

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -13,7 +14,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from helpers import hf_logits, random_prompt
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.sampling import SamplingParams, adjusted_probs, make_generator, sample, sample_from_probs
+from tandem.sampling import SamplingParams, adjusted_probs, sample, sample_from_probs, token_uniform
 
 VOCAB = 40
 
@@ -84,13 +85,12 @@ def test_adjusted_probs_per_row_params_in_one_batch():
 def test_greedy_rows_in_a_mixed_batch_return_argmax():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=5.0) for i in range(6)]
-    gens = [make_generator(i) for i in range(6)]
-    for _ in range(20):
-        tokens = sample(logits, params, gens)
+    for k in range(20):
+        tokens = sample(logits, params, [(i, k) for i in range(6)])
         assert tokens.dtype == torch.int64 and tokens.shape == (6,)
         for i in range(0, 6, 2):
             assert tokens[i].item() == logits[i].argmax().item()
-    assert sample(logits, [SamplingParams()] * 6, gens).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams()] * 6, [(i, 0) for i in range(6)]).tolist() == logits.argmax(-1).tolist()
 
 
 DRAWS = 20_000
@@ -124,9 +124,24 @@ def test_inverse_cdf_sampling_chi_square():
 
 def test_inverse_cdf_never_draws_zero_probability_tokens():
     probs = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.5, 0.0])
-    u = torch.cat([torch.tensor([0.0, 0.5, 1.0 - 1e-7]), torch.rand(5000, generator=torch.Generator().manual_seed(5))])
+    # (1.0: u·total rounded up to the total, which lands past the last positive token)
+    u = torch.cat([torch.tensor([0.0, 0.5, 1.0 - 1e-7, 1.0]), torch.rand(5000, generator=torch.Generator().manual_seed(5))])
     tokens = sample_from_probs(probs.expand(len(u), -1).contiguous(), u)
     assert set(tokens.tolist()) <= {1, 4}
+
+
+def test_token_uniforms_are_uniform_and_independent_across_tokens_and_seeds():
+    """A request's token i samples with token_uniform(seed, i): uniform on [0, 1) (Kolmogorov-Smirnov), exact in
+    float32, uncorrelated between neighbouring tokens and between seeds; equal for equal arguments."""
+    from scipy.stats import kstest, pearsonr
+
+    u = np.array([token_uniform(seed, i) for seed in (0, 1, 2**40 + 3) for i in range(6000)])
+    assert u.min() >= 0.0 and u.max() < 1.0 and np.array_equal(u.astype(np.float32).astype(np.float64), u)
+    assert kstest(u, "uniform").pvalue > 1e-3
+    by_seed = u.reshape(3, 6000)
+    assert abs(pearsonr(by_seed[0, :-1], by_seed[0, 1:])[0]) < 0.05  # token i and i + 1
+    assert abs(pearsonr(by_seed[0], by_seed[1])[0]) < 0.05  # seeds 0 and 1 at the same token
+    assert token_uniform(7, 100) == token_uniform(7, 100) != token_uniform(7, 101)
 
 
 def exact_adjusted(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -151,8 +166,7 @@ def test_sampled_top_k_top_p_distribution_chi_square():
     p = SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=1)
     want = exact_adjusted(logits, 0.7, 5, 0.8)
     assert 2 <= int((want > 0).sum()) < 5  # both cuts bite
-    g = make_generator(2024)
-    tokens = sample(logits.expand(DRAWS, -1).contiguous(), [p] * DRAWS, [g] * DRAWS)
+    tokens = sample(logits.expand(DRAWS, -1).contiguous(), [p] * DRAWS, [(2024, i) for i in range(DRAWS)])
     counts = torch.bincount(tokens, minlength=len(logits)).double()
     support = want > 0
     assert counts[~support].sum() == 0, "drew a token the cuts remove"

@@ -147,6 +147,33 @@ def test_sampling_speculation_keeps_target_distribution(tmp_path, params):
     assert any(r.spec_stats.rounds for r in results)
 
 
+@pytest.mark.parametrize("tree_size", [2, 4, 8])
+def test_seeded_sampled_requests_give_target_onlys_tokens_whether_or_not_they_speculate(target, tree_size):
+    """A seeded sampled request's tokens are those target-only sampling gives it — one step at a time or in
+    queued runs of steps — when its steps speculate (chains and trees, drafts accepted or not, beside other
+    requests): each token draws the uniform of its place in the sequence on every path."""
+    path, _ = target
+    prompts = torch_prompts(5, (7, 19, 30))
+    params = [SamplingParams(temperature=t, top_p=top_p, seed=seed, max_new_tokens=40, ignore_eos=True)
+              for t, top_p, seed in ((1.0, 1.0, 3), (0.7, 0.9, 11), (1.3, 1.0, 12))]
+    with LLMEngine(EngineConfig(model=str(path), page_size=4)) as eng:
+        plain = [r.output_token_ids for r in eng.generate(prompts, params)]
+    with LLMEngine(EngineConfig(model=str(path), page_size=4, decode_steps=4)) as eng:
+        runs = [r.output_token_ids for r in eng.generate(prompts, params)]
+    oracle = {f"r{i}": p + e for i, (p, e) in enumerate(zip(prompts, plain))}
+    proposer = RandomTreeProposer(vocab=256, seed=tree_size, oracle=oracle, hit_rate=0.7)
+    with LLMEngine(EngineConfig(model=str(path), page_size=4), proposer=proposer, spec=Spec(tree_size),
+                   policy=always_speculate()) as eng:
+        rids = [eng.add_request(p, params[i], rid=f"r{i}") for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        speculated = [eng.requests[r].output for r in rids]
+        stats = [eng.requests[r].spec_stats for r in rids]
+    assert runs == plain
+    assert speculated == plain
+    assert all(s.rounds > 0 for s in stats) and max(s.accept_length_mean for s in stats) > 1.5
+
+
 class BrokenTrees(RandomTreeProposer):
     """Drafts like RandomTreeProposer, except that one round returns an unusable tree of ``kind``."""
 

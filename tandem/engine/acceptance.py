@@ -91,7 +91,7 @@ def accept_verified(sched: Schedule, trees: dict[str, DraftTree], logits: torch.
             result = accept_greedy(tree, plain_argmax[req.rid])
         else:
             node_logits = tree_logits(logits[first_row : first_row + tree.size], req, tree, eos_token_ids)
-            result = accept_tree(tree, node_logits, req.params, req.generator)
+            result = accept_tree(tree, node_logits, req.params, req.seed, req.num_tokens - 1)
         logprob_jobs.add(req, [first_row + n for n in (0, *result.accepted_nodes)], result.tokens)
         src, dst = compaction_moves(req, result.accepted_nodes)
         moves_src += src

@@ -12,8 +12,8 @@ tandem.speculative.chain_rounds.)
 What this changes for a request: pages for all the steps are reserved up front, and a request that
 stops early (EOS, a stop token, its token budget) has its later tokens computed and dropped (its KV beyond
 the stop is released at commit, as after a speculative round). Streaming delivers the steps' tokens together.
-Greedy tokens are those of one-step decoding; a sampled request draws its uniforms from its own
-generator in step order, the numbers one-step decoding would draw, so seeded output is the same too.
+Greedy tokens are those of one-step decoding; a sampled request's token draws the uniform of its place in
+the sequence (tandem.sampling.token_uniform), as one-step decoding does, so seeded output is the same too.
 
 The engine uses it only when nothing else needs the host between steps (``decode_steps_ahead``:
 no prompt waiting, no request speculating, no traffic capture; several ranks with graphs only: the
@@ -67,7 +67,8 @@ def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after:
     features into the second and records its log-probabilities). ``after``: the run not read back that
     this one follows."""
     # Settings and uniforms reach the device before the first forward is queued.
-    sampler = StepSampler([req.params for req in reqs], [req.generator for req in reqs], runner.device,
+    queued = 0 if after is None else after.steps  # (the run before, not committed yet: its tokens come first)
+    sampler = StepSampler([req.params for req in reqs], [(req.seed, req.num_tokens + queued) for req in reqs], runner.device,
                           runner.model_cfg.vocab_size, steps)
     tokens = torch.empty(steps, len(reqs), dtype=torch.int64, device=runner.device)
     kept: list[torch.Tensor] = []

@@ -35,7 +35,7 @@ from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
-from tandem.sampling import SamplingParams, make_generator
+from tandem.sampling import SamplingParams
 from tandem.speculative.attachment import DrafterAttachment
 from tandem.speculative.policy import PASSING_PLAIN, SpeculationPolicy
 from tandem.speculative.tree import DraftTree
@@ -128,7 +128,7 @@ class LLMEngine:
             raise ConfigError("speculation was requested but the engine has no draft model")
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
-        req = Request(rid, list(prompt), params, make_generator(seed), SequenceKV(self.allocator), spec=spec)
+        req = Request(rid, list(prompt), params, seed, SequenceKV(self.allocator), spec=spec)
         self.scheduler.add(req)
         self.requests[rid] = req
         return rid

@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tandem.kv_cache import SequenceKV
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import RequestSpecState
@@ -25,7 +23,7 @@ class Request:
     rid: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # its sampling's: token i draws tandem.sampling.token_uniform(seed, i)
     kv: SequenceKV
     output: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

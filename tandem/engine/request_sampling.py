@@ -28,7 +28,7 @@ def sample_rows(logits: torch.Tensor, reqs_rows: list[tuple[Request, int]], eos_
             req = reqs_rows[j][0]
             picked[j] = request_logits(picked[j : j + 1], req.params, req.prompt, req.output, eos_token_ids)[0]
     reqs = [req for req, _ in reqs_rows]
-    return sample(picked, [req.params for req in reqs], [req.generator for req in reqs]).tolist()
+    return sample(picked, [req.params for req in reqs], [(req.seed, req.num_tokens) for req in reqs]).tolist()
 
 
 def tree_logits(logits: torch.Tensor, req: Request, tree: DraftTree, eos_token_ids) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from tandem.forward_batch import SequenceChunk
 from tandem.engine.request import Request
-from tandem.sampling import SamplingParams, adjusted_probs
+from tandem.sampling import SamplingParams, adjusted_probs, token_uniform
 from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampling
 from tandem.speculative.tree import DraftTree
 
@@ -32,12 +32,13 @@ def verify_chunk(req: Request, tree: DraftTree) -> SequenceChunk:
     )
 
 
-def accept_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> AcceptResult:
-    """Accept against the target's logits at every node ([tree.size, V]), greedily or by rejection sampling."""
+def accept_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, seed: int, root: int) -> AcceptResult:
+    """Accept against the target's logits at every node ([tree.size, V]), greedily or by sampling; ``root``: the
+    index of the tree's root token in the request's sequence (a sampled token after a depth-d node is ``root + 1 + d``)."""
     if params.greedy:
         return accept_greedy(tree, logits.argmax(dim=-1).tolist())
     probs = adjusted_probs(logits, [params] * tree.size)
-    return accept_sampling(tree, probs, generator)
+    return accept_sampling(tree, probs, [token_uniform(seed, root + 1 + d) for d in range(max(tree.depths) + 1)])
 
 
 def compaction_moves(req: Request, accepted_nodes: list[int]) -> tuple[list[int], list[int]]:
