@@ -25,6 +25,7 @@ from gateway.choices import Choices
 from gateway.generation import Delta, GenerationStream
 from gateway.openai_extras import choice_seed
 from gateway.openai_params import Limits, OpenAIRequest, parse_chat, parse_completion, parse_json
+from gateway.request import check_model
 from gateway.request import OFFLOAD_PARSE_BYTES
 from gateway.tokenize_api import add_tokenize_routes
 from gateway.openai_shapes import SSE_DONE, ChatShape, CompletionShape, DisconnectAwareStreamingResponse, sse_event
@@ -65,18 +66,29 @@ def create_app(gw: GatewayContext) -> FastAPI:
     async def chat_completions(request: Request):
         return await _generate(gw, request, "chat_completions", ChatShape)
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card() -> dict:
         card = {"id": gw.cfg.model_name, "object": "model", "created": gw.started_at, "owned_by": "tandem",
                 "root": gw.cfg.model_name, "parent": None}  # vLLM puts the model's path here: not ours to show
         if gw.client.known_info is not None:
             card["max_model_len"] = gw.client.known_info.max_context
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # (the OpenAI client's models.retrieve; a path may hold slashes)
+    async def model(model: str):
+        try:
+            check_model(model, gw.cfg.model_names)
+        except GatewayError as e:
+            return _error_response(e)
+        return model_card()
 
     add_tokenize_routes(app, gw)  # /version, /tokenize, /detokenize, at the root as vLLM serves them
 
-    @app.get("/health")
-    @app.get("/ping")  # (vLLM's alias; SGLang's /health_generate runs a generation, this does not)
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "HEAD"])  # (vLLM's alias; SGLang's /health_generate generates: not this)
     async def health():
         # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
         if gw.verifier_serving:

@@ -202,6 +202,9 @@ def run_up(args: argparse.Namespace) -> int:
         f.write(secret_value)
     children: list[Child] = []
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
+    # ... and SIGINT always: a shell that starts us in the background has it ignored, and the services, which
+    # handle it, would stop on a group's SIGINT and be restarted by a launcher that stays up
+    previous_int = signal.signal(signal.SIGINT, _interrupt)
     try:
         plan = plan_up(args, secret_file)
         children = plan.children
@@ -235,6 +238,7 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         _stop_all(children)
         signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, previous_int)
         shutil.rmtree(secret_dir, ignore_errors=True)
 
 

@@ -310,8 +310,19 @@ def test_the_model_may_be_named_by_its_path_as_vllm_names_it(stack, model_dir):
     assert [m["id"] for m in httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]] == [MODEL]
 
 
-def test_ping_is_health(stack):
-    assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == httpx.get(f"{stack.url}/health").status_code == 200
+def test_ping_is_health_and_both_answer_head(stack):
+    for path in ("/health", "/ping"):
+        assert httpx.get(f"{stack.url}{path}", timeout=10).status_code == 200
+        assert httpx.head(f"{stack.url}{path}", timeout=10).status_code == 200
+
+
+def test_a_model_is_retrieved_by_its_names_as_the_openai_client_does(stack, model_dir):
+    listed = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]
+    for name in (MODEL, str(model_dir)):
+        r = httpx.get(f"{stack.url}/v1/models/{name}", timeout=10)
+        assert r.status_code == 200 and r.json() == listed, r.text
+    r = httpx.get(f"{stack.url}/v1/models/other-model", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_continuous_usage_stats_is_refused_by_name(stack):

@@ -117,3 +117,35 @@ def test_each_service_asks_for_its_parent_death_signal_first(service, monkeypatc
     with pytest.raises(SystemExit):
         module.main(["--no-such-flag"])
     assert called == [True]
+
+
+def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(tmp_path):
+    """A shell starts a background job with SIGINT ignored; the services handle SIGINT themselves, so a SIGINT to
+    the group stopped them and the launcher, staying up, restarted them. `tandem up` stops on SIGINT always."""
+    pid_file = tmp_path / "service.pid"
+    service = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from types import SimpleNamespace\n"
+        "import tandem.launcher as launcher\n"
+        f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
+        "launcher.plan_up = lambda args, secret: launcher.UpPlan(kids, {'metrics': 1, 'drafter': 2}, 'm', 'm', None)\n"
+        "launcher._wait_healthy = lambda *a, **k: None\n"
+        "args = SimpleNamespace(api_key=None, model='m', device='cpu', host='127.0.0.1', port=1, grpc_port=2,\n"
+        "                       drafter='service')\n"
+        "sys.exit(launcher.run_up(args))\n")
+    up = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    service_pid = int(pid_file.read_text())
+    up.send_signal(2)  # SIGINT
+    try:
+        assert up.wait(30) == 0, up.stderr.read()
+    finally:
+        up.kill()
+    deadline = time.monotonic() + 30
+    while _running(service_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(service_pid)

@@ -201,7 +201,7 @@ class LLMEngine:
                                                 passing=self.plain_reason in PASSING_PLAIN)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
-            log.info("%s at batch %d: the drafter is detached (plain steps run target-only); %s",
+            log.info("%s at batch %d: the drafter is detached (it is healthy; plain steps run target-only); %s",
                      "plain steps measured without the drafter" if probe else "speculation off for a while",
                      len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
         elif change == "attach":
