@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.staging import upload
 
 
 @dataclass(eq=False)  # holds arrays and tensors: compared by identity
@@ -88,20 +89,22 @@ def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> Devi
         cu.append(start + n)
     q_lens = [len(s.token_ids) for s in batch.seqs]
     prefix_lens = [s.prefix_len for s in batch.seqs]
+    # (every array through pinned memory: an eager forward's inputs queue behind the device's work, no sync)
     meta = AttentionMetadata(
         q_lens=q_lens,
         prefix_lens=prefix_lens,
-        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        kv_lens=torch.tensor([p + q for p, q in zip(prefix_lens, q_lens)], dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(tables).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        cu_q_lens=upload(np.asarray(cu, dtype=np.int32), device),
+        kv_lens=upload(np.asarray([p + q for p, q in zip(prefix_lens, q_lens)], dtype=np.int32), device),
+        block_tables=upload(tables, device),
+        slot_mapping=upload(np.concatenate(slots), device),
         tree_masks=[torch.tensor(s.tree_mask, dtype=torch.bool) if s.tree_mask is not None else None for s in batch.seqs],
         page_size=page_size,
+        host_block_tables=tables,
     )
     return DeviceBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.from_numpy(np.concatenate(positions)).to(device),
+        input_ids=upload(np.asarray(ids, dtype=np.int64), device),
+        positions=upload(np.concatenate(positions), device),
         meta=meta,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_indices=upload(np.asarray(logits_rows, dtype=np.int64), device),
         logits_counts=counts,
     )

@@ -18,6 +18,16 @@ import numpy as np
 import torch
 
 
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``: to a GPU through pinned memory (torch's caching host allocator keeps the block
+    until the copy has read it), so the copy is queued behind the device's work instead of waiting for it — a
+    pageable ``.to(device)`` synchronises the stream first."""
+    t = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PinnedStaging:
     def __init__(self, numel: int, device: torch.device):
         cuda = device.type == "cuda"

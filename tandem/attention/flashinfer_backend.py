@@ -23,10 +23,12 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+from tandem.staging import upload
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 _CPU = torch.device("cpu")
@@ -53,18 +55,19 @@ def new_workspace(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def _page_arrays(kv_lens: list[int], block_tables: torch.Tensor, page_size: int):
-    """→ kv_indptr (int32, host) [B+1], kv_indices (int32, block_tables' device) [total pages],
-    last_page_len (int32, host) [B], in 1..page_size. Only the pages a sequence uses are listed."""
-    lens = torch.tensor(kv_lens, dtype=torch.int64)
+def _page_arrays(kv_lens: list[int], tables: np.ndarray, page_size: int, device: torch.device):
+    """→ kv_indptr (int32, host) [B+1], kv_indices (int32, ``device``) [total pages], last_page_len (int32,
+    host) [B], in 1..page_size, from the host's block tables ``tables`` [B, max pages]. Only the pages a
+    sequence uses are listed. Built with numpy (torch's per-op overhead made this most of an eager step's host
+    work); the indices reach the device through pinned memory: FlashInfer copies host indices with a sync."""
+    lens = np.asarray(kv_lens, dtype=np.int64)
     npages = (lens + page_size - 1) // page_size
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), npages.cumsum(0)])
-    last = lens - (npages - 1) * page_size
-    rows = torch.repeat_interleave(torch.arange(len(kv_lens)), npages)
-    cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1], npages)
-    flat = (rows * block_tables.shape[1] + cols).to(block_tables.device)
-    indices = block_tables.reshape(-1).index_select(0, flat).to(torch.int32)  # a gather, no host sync
-    return indptr.to(torch.int32), indices, last.to(torch.int32)
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(npages, out=indptr[1:])
+    last = (lens - (npages - 1) * page_size).astype(np.int32)
+    used = np.arange(tables.shape[1]) < npages[:, None]  # row-major: each sequence's first pages, in order
+    indices = np.ascontiguousarray(tables[used], dtype=np.int32)
+    return torch.from_numpy(indptr), upload(indices, device), torch.from_numpy(last)
 
 
 def _flat_mask(meta: AttentionMetadata, kv_lens: list[int]) -> torch.Tensor:
@@ -113,13 +116,14 @@ def _plan_arrays(meta: AttentionMetadata, kind: str, device: torch.device) -> di
     """Host-built FlashInfer plan inputs. With a custom mask everything goes to the device: FlashInfer
     packs the mask there (segment_packbits) with offsets computed from these very tensors."""
     kv_lens = [p + q for p, q in zip(meta.prefix_lens, meta.q_lens)]
-    indptr, indices, last = _page_arrays(kv_lens, meta.block_tables, meta.page_size)
+    tables = meta.host_block_tables if meta.host_block_tables is not None else meta.block_tables.cpu().numpy()
+    indptr, indices, last = _page_arrays(kv_lens, tables, meta.page_size, device)
     arrays = {"indptr": indptr, "indices": indices, "last": last}
     if kind != "decode":
-        arrays["qo_indptr"] = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+        arrays["qo_indptr"] = torch.from_numpy(np.cumsum([0, *meta.q_lens], dtype=np.int32))
     if kind == "masked":
-        arrays = {k: t.to(device) for k, t in arrays.items()}
-        arrays["mask"] = _flat_mask(meta, kv_lens).to(device)
+        arrays = {k: upload(t, device) for k, t in arrays.items()}
+        arrays["mask"] = upload(_flat_mask(meta, kv_lens), device)
     return arrays
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], flat pool slot (page * page_size + offset) of each new token
     tree_masks: list[torch.Tensor | None]  # per sequence: bool [q_len, W <= kv_len] or None (causal)
     page_size: int
+    host_block_tables: np.ndarray | None = None  # block_tables on the host, where the caller has them
 
     @property
     def num_seqs(self) -> int:

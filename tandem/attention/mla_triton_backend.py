@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.mla_torch_backend import TorchMLABackend
+from tandem.staging import upload
 
 MAX_MASK_WIDTH = 64  # the kernel packs a row's mask into one 64-bit word
 
@@ -48,8 +49,8 @@ class TritonMLABackend(TorchMLABackend):
                         raise ValueError(f"tree mask of shape {tuple(tree.shape)} does not fit sequence {i}")
                     packed[i, : tree.shape[0], : tree.shape[1]] = tree
             device = meta.block_tables.device
-            self._mask = _to_device(packed, device)
-            self._mask_widths = _to_device(torch.tensor(widths, dtype=torch.int32), device)
+            self._mask = upload(packed, device)
+            self._mask_widths = upload(torch.tensor(widths, dtype=torch.int32), device)
 
     def forward_absorbed(self, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, merge: bool = True):
@@ -71,10 +72,3 @@ class TritonMLABackend(TorchMLABackend):
             heads_first = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [H, q_len, *]
             out[start:end] = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=scale).transpose(0, 1)
         return out
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory, so the copy queues without a sync."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
