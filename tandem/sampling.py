@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.errors import ConfigError
 from tandem.sampling_limits import MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY
+from tandem.staging import upload
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class StepSampler:
                  vocab: int, steps: int):
         greedy = all(p.greedy for p in params)
         self.rows = None if greedy else row_sampling(params, device, vocab)
-        self.uniforms = None if greedy else torch.tensor(token_uniforms(starts, steps), device=device)
+        self.uniforms = None if greedy else upload(np.asarray(token_uniforms(starts, steps), dtype=np.float32), device)
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""
