@@ -116,12 +116,13 @@ class RowSampling:
 def row_sampling(params: list[SamplingParams], device: torch.device, vocab: int) -> RowSampling:
     greedy = [p.greedy for p in params]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    f32 = lambda values: upload(np.asarray(values, dtype=np.float32), device)  # noqa: E731 (pinned: no sync)
     return RowSampling(
-        greedy=torch.tensor(greedy, device=device),
-        temps=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
-        top_k=torch.tensor(top_k, device=device),
-        top_p=torch.tensor([p.top_p for p in params], device=device),
-        min_p=torch.tensor([p.min_p for p in params], device=device),
+        greedy=upload(np.asarray(greedy, dtype=np.bool_), device),
+        temps=f32([p.temperature if not p.greedy else 1.0 for p in params]),
+        top_k=upload(np.asarray(top_k, dtype=np.int64), device),
+        top_p=f32([p.top_p for p in params]),
+        min_p=f32([p.min_p for p in params]),
         any_greedy=any(greedy),
         any_cut=any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params),
         any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
