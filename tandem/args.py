@@ -158,6 +158,20 @@ ENABLE_CHUNKED_PREFILL = Flag(("--enable-chunked-prefill",), dict(
     action="store_true", help="vLLM's switch; long prompts are always prefilled in chunks (--chunked-prefill-size)"))
 TRUST_REMOTE_CODE = Flag(("--trust-remote-code",), dict(
     action="store_true", help="taken for vLLM / SGLang command lines; Tandem runs only its own model code"))
+QUANTIZATION = Flag(("--quantization", "-q"), dict(
+    default=None, help="as vLLM / SGLang name it (fp8, compressed-tensors): checked against the checkpoint's "
+                       "quantization_config, which is what Tandem reads (default: whatever the checkpoint holds)"))
+
+
+def _kv_cache_dtype(value: str) -> str:
+    if value.lower() != "auto":
+        raise argparse.ArgumentTypeError(f"{value!r}: the KV cache keeps the model's dtype (auto); quantized KV "
+                                         "caches are not supported")
+    return "auto"
+
+
+KV_CACHE_DTYPE = Flag(("--kv-cache-dtype",), dict(default="auto", type=_kv_cache_dtype,
+                                                  help="auto: the model's dtype (the only one Tandem keeps)"))
 LOG_LEVEL = Flag(("--log-level",), dict(default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
                                        help="log threshold"))
 # The gateway's admission and logging flags: python -m gateway takes them, tandem up passes them on.
@@ -184,8 +198,34 @@ DISABLE_LOG_REQUESTS = Flag(("--disable-log-requests",), dict(
     action="store_true", help="vLLM's switch; requests are logged only with --log-requests"))
 ENABLE_METRICS = Flag(("--enable-metrics",), dict(
     action="store_true", help="SGLang's switch; the gateway always serves Prometheus metrics at /metrics"))
+
+
+def _refused(why: str, takes_value: bool = True) -> type[argparse.Action]:
+    """An argparse action that stops with ``why`` (a peer's flag for something Tandem does not do: said, not an
+    "unrecognized arguments")."""
+
+    class Refused(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest, nargs=None if takes_value else 0, default=None,
+                             help=kwargs.get("help"))
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {why}")
+
+    return Refused
+
+
+_NO_TOOL_PARSER = ("Tandem has no tool-call or reasoning parser: chat requests may carry tools with tool_choice "
+                   "\"none\" only, and reasoning text stays in the content")
+TOOL_CALL_PARSER = Flag(("--tool-call-parser",), dict(action=_refused(_NO_TOOL_PARSER),
+                                                      help="refused: no tool-call parser (vLLM / SGLang flag)"))
+AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(action=_refused(_NO_TOOL_PARSER, takes_value=False),
+                                                             help="refused: no tool-call parser (vLLM flag)"))
+REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_PARSER),
+                                                      help="refused: no reasoning parser (vLLM / SGLang flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
-                 TIMEOUT_KEEP_ALIVE, DISABLE_LOG_REQUESTS, ENABLE_METRICS)
+                 TIMEOUT_KEEP_ALIVE, DISABLE_LOG_REQUESTS, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE,
+                 REASONING_PARSER)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
@@ -195,7 +235,8 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE, SEED,
-                ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE)
+                ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE, QUANTIZATION,
+                KV_CACHE_DTYPE)
 # The drafter service takes these of them too (its own graphs and dtype; its prompt extends' graphs take the prefill
 # graphs' widths).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_MAX_BS)
@@ -414,7 +455,30 @@ def resolve_target(args: argparse.Namespace) -> str | None:
         return None
     from tandem.model_source import resolve_model
 
-    return resolve_model(args.model, getattr(args, "revision", None))
+    model = resolve_model(args.model, getattr(args, "revision", None))
+    check_quantization(getattr(args, "quantization", None), model)
+    return model
+
+
+QUANTIZATION_NAMES = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
+
+
+def check_quantization(asked: str | None, model: str) -> None:
+    """``--quantization``, where given, must name what the checkpoint's quantization_config holds: Tandem reads that
+    (a flag cannot quantize a checkpoint here, nor load one as another method)."""
+    if asked is None:
+        return
+    from tandem.configs.quantization import find_quantization_config
+
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # (the model's loader says what is wrong with its config)
+    held = (find_quantization_config(raw) or {}).get("quant_method")
+    name = QUANTIZATION_NAMES.get(asked.lower(), asked.lower())
+    if name != (held or "none"):
+        raise ConfigError(f"--quantization {asked}: the checkpoint's quantization_config says "
+                          f"{held or 'none (not quantized)'}; Tandem loads what the checkpoint holds (leave the flag out)")
 
 
 def served_name(model_dir: str, served_model_name: str | None) -> str:

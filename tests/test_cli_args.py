@@ -115,6 +115,38 @@ def test_more_sglang_and_vllm_engine_spellings(folders):
             _verifier(["--model", t, *bad])
 
 
+def test_quantization_flags_name_what_the_checkpoint_holds(folders, tmp_path):
+    """vLLM's and SGLang's --quantization is checked against the checkpoint's quantization_config (what Tandem
+    loads); --kv-cache-dtype takes auto only (the KV cache keeps the model's dtype)."""
+    t, _ = folders
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({"hidden_size": 64, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    parse = lambda argv: build_parser().parse_args(["generate", "--prompt-token-ids", "1", "--max-new-tokens", "1",  # noqa: E731
+                                                    *argv])
+    assert shared.resolve_target(parse(["--model", str(fp8), "--quantization", "fp8"])) == str(fp8)
+    assert shared.resolve_target(parse(["--model", t, "-q", "none"])) == t
+    for folder, asked, held in ((t, "fp8", "none"), (str(fp8), "awq", "fp8"), (str(fp8), "compressed_tensors", "fp8")):
+        with pytest.raises(ConfigError, match=f"--quantization {asked}: the checkpoint's quantization_config says {held}"):
+            shared.resolve_target(parse(["--model", folder, "--quantization", asked]))
+    assert _verifier(["--model", t, "--kv-cache-dtype", "auto"]).engine == _verifier(["--model", t]).engine
+    with pytest.raises(SystemExit):
+        _verifier(["--model", t, "--kv-cache-dtype", "fp8_e4m3"])
+
+
+@pytest.mark.parametrize("argv", [["--tool-call-parser", "hermes"], ["--enable-auto-tool-choice"],
+                                  ["--reasoning-parser", "deepseek_r1"]])
+def test_tool_and_reasoning_parser_flags_are_refused_saying_why(argv, capsys):
+    from gateway.config import build_parser as gateway_parser
+
+    for parse in (lambda: build_parser().parse_args(["up", *argv]),
+                  lambda: gateway_parser().parse_args(["--verifier", "x:1", "--model", "m", *argv])):
+        with pytest.raises(SystemExit):
+            parse()
+        assert f"{argv[0]}: Tandem has no tool-call or reasoning parser" in capsys.readouterr().err
+
+
 def test_log_level_in_every_service_and_through_tandem_up(folders):
     from gateway.config import build_parser as gateway_parser
 
