@@ -24,8 +24,10 @@ class ChoiceResult:
 
 
 class Choices:
-    def __init__(self, streams: list[GenerationStream]):
+    def __init__(self, streams: list[GenerationStream], per_prompt: int | None = None):
+        """``per_prompt``: the choices of each prompt, which follow each other (default: all of them: one prompt)."""
         self.streams = streams
+        self.per_prompt = per_prompt or len(streams)
 
     async def first(self) -> list[Delta]:
         # gather marks the exceptions of the others retrieved when one fails; cancel() ends them.
@@ -57,13 +59,14 @@ class Choices:
 
     @property
     def usage(self) -> dict:
-        # The prompt is counted once (its cached part as the first choice found it) and each choice's
+        # Each prompt is counted once (its cached part as its first choice found it) and each choice's
         # tokens are added up, as vLLM does.
-        first = self.streams[0].usage
+        firsts = [s.usage for s in self.streams[:: self.per_prompt]]
+        prompt = sum(u["prompt_tokens"] for u in firsts)
         completion = sum(s.usage["completion_tokens"] for s in self.streams)
-        return {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
-                "total_tokens": first["prompt_tokens"] + completion,
-                "prompt_tokens_details": first["prompt_tokens_details"]}
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {**firsts[0]["prompt_tokens_details"], "cached_tokens": cached}}
 
 
 def _next(stream: GenerationStream) -> asyncio.Future:

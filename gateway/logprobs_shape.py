@@ -21,19 +21,21 @@ def _finite(v: float) -> float:
 
 
 class LogprobsShape:
-    def __init__(self, token_text: Callable[[int], str], n: int = 1, prompt_ids: Sequence[int] = ()):
+    def __init__(self, token_text: Callable[[int], str], prompt_ids: Sequence[Sequence[int]] = ((),)):
+        """``prompt_ids``: per choice, its prompt's token ids (echoed with their log-probabilities when asked)."""
         self.token_text = token_text
         self.prompt_ids = prompt_ids
-        self.offsets = [0] * n  # per choice: where its next token's text starts
+        self.offsets = [0] * len(prompt_ids)  # per choice: where its next token's text starts
 
     def prompt(self, entries: Sequence, index: int = 0) -> dict:
         """The echoed prompt's part: ``entries`` are the verifier's, for every prompt token but the first."""
-        first = self.prompt_ids[0]
+        prompt_ids = self.prompt_ids[index]
+        first = prompt_ids[0]
         text = self.token_text(first)
         head = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
                 "text_offset": [self.offsets[index]]}
         self.offsets[index] += len(text)
-        return merge(head, self.completion(self.prompt_ids[1:], entries, index))
+        return merge(head, self.completion(prompt_ids[1:], entries, index))
 
     def completion(self, token_ids: Sequence[int], entries: Sequence, index: int = 0) -> dict:
         texts = [self.token_text(t) for t in token_ids]

@@ -162,11 +162,11 @@ async def _generate(gw: GatewayContext, request: Request, api: str, shape_cls: t
         params = await asyncio.to_thread(parse) if len(raw) > OFFLOAD_PARSE_BYTES else parse()
         scope.span.set_attributes(params.generation.span_attributes())
         n = params.options.n
-        scope.take_slots(n - 1)
+        scope.take_slots(n * len(params.prompts) - 1)
         token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
                       else None)
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, n, params.echo_text, token_text,
-                          params.generation.prompt_ids)
+        prompts = [(part.echo_text, part.generation.prompt_ids) for part in params.prompts for _ in range(n)]
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, prompts, token_text)
         choices = _start_choices(gw, params, scope, arrival)
         if params.stream:
             # Wait for the first deltas before answering, so that a refusal by the verifier (over
@@ -201,17 +201,20 @@ async def _generate(gw: GatewayContext, request: Request, api: str, shape_cls: t
 
 
 def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:
-    """One generation per choice; choice i > 0 gets its own request id and seed (seed + i)."""
-    base, opts = params.generation, params.options
-    decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=base.skip_special_tokens)
+    """One generation per choice: ``n`` for each prompt of the batch, choice ``i`` the ``j``-th of its prompt, with a
+    request id of its own (when there are several) and seed + j."""
+    n, parts = params.options.n, params.prompts
+    decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=params.generation.skip_special_tokens)
     eos = tuple(gw.client.known_info.eos_token_ids) if gw.client.known_info is not None else ()
     streams = []
-    for i in range(opts.n):
-        generation = base if opts.n == 1 else dataclasses.replace(
-            base, request_id=f"{base.request_id}-{i}", seed=choice_seed(base.seed, i))
-        streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
-                                        gw.request_log))
-    return Choices(streams)
+    for p, part in enumerate(parts):
+        for j in range(n):
+            base = part.generation
+            generation = base if n * len(parts) == 1 else dataclasses.replace(
+                base, request_id=f"{base.request_id}-{p * n + j}", seed=choice_seed(base.seed, j))
+            streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
+                                            gw.request_log))
+    return Choices(streams, per_prompt=n)
 
 
 def _token_text(tokenizer, token: int) -> str:

@@ -57,6 +57,13 @@ class OpenAIRequest:
     include_usage: bool
     options: OutputOptions = OutputOptions()  # n, echo, special tokens, stop strings in the text
     echo_text: str = ""  # the prompt's text, put before each choice's when options.echo
+    # A completion's batch of prompts: the ones after the first, each parsed as a request of its own (its choices
+    # follow the first's, n each, in order)
+    more: tuple["OpenAIRequest", ...] = ()
+
+    @property
+    def prompts(self) -> tuple["OpenAIRequest", ...]:
+        return (self, *self.more)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -99,7 +106,25 @@ def _utf8(s: str, field: str) -> None:
                           "(an unpaired \\uD800-\\uDFFF escape), which is not text") from None
 
 
+MAX_PROMPTS = 64  # a completion's batch of prompts: each a generation (times n) on the verifier
+
+
 def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
+    """A completion: one prompt, or a batch of them (vLLM and the OpenAI API take a list: evaluation harnesses send
+    one), each parsed as a request of its own."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)):
+        return _parse_prompt(body, request_id, tok, limits)
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request("prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+    if len(prompt) * (integer(body, "n") or 1) > MAX_PROMPTS:
+        raise bad_request("n", f"a batch's prompts times n must be at most {MAX_PROMPTS}, got {len(prompt)} x "
+                               f"{integer(body, 'n')}")
+    parsed = [_parse_prompt({**body, "prompt": p}, request_id, tok, limits) for p in prompt]
+    return dataclasses.replace(parsed[0], more=tuple(parsed[1:]))
+
+
+def _parse_prompt(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
     prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
     parsed = _common(body, request_id, prompt_ids, limits, integer(body, "max_tokens"), limits.default_max_tokens)
@@ -204,9 +229,7 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits, add_special_tok
         return tok.encode(prompt, add_special_tokens=add_special_tokens)  # as transformers: a Llama-3 prompt gets BOS
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("prompt", f"batches of prompts are not supported (got {len(prompt)}); send one per request")
-    raise bad_request("prompt", "must be a string or a list of token ids")
+    raise bad_request("prompt", "must be a string, a list of token ids, or a list of those (a batch)")
 
 
 def _messages(messages: Any) -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -28,14 +29,16 @@ class CompletionShape:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False, n: int = 1, echo_text: str = "",
-                 token_text=None, prompt_ids: tuple[int, ...] = ()):
-        """``token_text``: a token id's text, given when the request asked for logprobs."""
+    def __init__(self, request_id: str, model: str, include_usage: bool = False,
+                 prompts: Sequence[tuple[str, Sequence[int]]] = (("", ()),), token_text=None):
+        """``prompts``: per choice (their number), the text echoed before its own ("" without echo; vLLM) and its
+        prompt's token ids (a batch of prompts gives each its choices); ``token_text``: a token id's text, given when
+        the request asked for logprobs."""
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
-        self.n = n  # choices, each streamed with its index
-        self.echo_text = echo_text  # completions' echo: before each choice's text (vLLM)
-        self.logprobs = LogprobsShape(token_text, n, prompt_ids) if token_text is not None else None
+        self.n = len(prompts)  # choices, each streamed with its index
+        self.echo_texts = [echo for echo, _ in prompts]
+        self.logprobs = (LogprobsShape(token_text, [ids for _, ids in prompts]) if token_text is not None else None)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -43,11 +46,9 @@ class CompletionShape:
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         """Chunks before any generated text: the echoed prompt, first for each choice (with its tokens'
         log-probabilities, which come on each choice's first delta)."""
-        if not self.echo_text:
-            return []
         return [self._with_usage({**self._head(self.object), "choices": [self.choice(
-            self.echo_text, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i))]})
-            for i in range(self.n)]
+            echo, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i))]})
+            for i, echo in enumerate(self.echo_texts) if echo]
 
     def _prompt_logprobs(self, entries: list | None, index: int) -> dict | None:
         if self.logprobs is None or entries is None:
@@ -82,7 +83,7 @@ class CompletionShape:
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
         """The whole response: ``results`` holds each choice's generation, in index order."""
-        choices = [self.choice(self.echo_text + r.text, r.finish_reason, i,
+        choices = [self.choice(self.echo_texts[i] + r.text, r.finish_reason, i,
                                merge(self._prompt_logprobs(r.prompt_logprobs, i),
                                      self._logprobs(r.token_ids, r.logprobs, i)))
                    for i, r in enumerate(results)]
@@ -100,10 +101,9 @@ class ChatShape(CompletionShape):
         chunks = [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             for i in range(self.n)]
-        if self.echo_text:
-            chunks += [self._with_usage({**self._head(self.object), "choices": [
-                {"index": i, "delta": {"content": self.echo_text}, "logprobs": None, "finish_reason": None}]})
-                for i in range(self.n)]
+        chunks += [self._with_usage({**self._head(self.object), "choices": [
+            {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}]})
+            for i, echo in enumerate(self.echo_texts) if echo]
         return chunks
 
     def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
@@ -120,7 +120,7 @@ class ChatShape(CompletionShape):
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_text + r.text},
+        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_texts[i] + r.text},
                     "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason}
                    for i, r in enumerate(results)]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}

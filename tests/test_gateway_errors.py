@@ -26,7 +26,10 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"prompt": 12}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 7]}, "prompt"),  # neither token ids nor a batch of prompts
+    ({"prompt": ["a", ""]}, "prompt"),  # a batch with an empty prompt
+    ({"prompt": ["a"] * 65}, "prompt"),  # a batch past MAX_PROMPTS
+    ({"prompt": ["a", "b"], "n": 40}, "n"),  # prompts x n past MAX_PROMPTS
     ({"prompt": [1, 100000]}, "prompt"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -5}, "max_tokens"),

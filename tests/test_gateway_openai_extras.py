@@ -239,6 +239,31 @@ def test_n_streamed_chunks_carry_their_index(stack, ref):
         stack.fake.delay_s = 0.0
 
 
+def test_a_batch_of_prompts_gives_each_its_choices_in_order(stack, ref):
+    """A list of prompts (vLLM, the OpenAI API: evaluation harnesses send them) is one generation per prompt and
+    choice: choice p * n + j is prompt p's j-th (seed + j), with its own echo; usage counts each prompt once.
+    Streamed, each chunk carries its choice's index."""
+    prompts = [PROMPT, "x = 1", [ref.token_to_id(BOS), 5, 6, 7]]  # text, text, token ids
+    ids = [ref.encode(prompts[0]).ids, ref.encode(prompts[1]).ids, prompts[2]]
+    before = len(stack.fake.requests)
+    body = {"prompt": prompts, "max_tokens": 4, "n": 2, "temperature": 0.8, "seed": 5, "echo": True}
+    r = _post(stack, "/v1/completions", body).json()
+    upstream = stack.fake.requests[before:]
+    assert sorted((list(u.prompt_token_ids), u.sampling.seed) for u in upstream) == \
+        sorted((p, s) for p in ids for s in (5, 6))
+    assert len({u.request_id for u in upstream}) == 6
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    for i, choice in enumerate(r["choices"]):
+        p = i // 2
+        echo = prompts[p] if isinstance(prompts[p], str) else ref.decode(ids[p], skip_special_tokens=True)
+        assert choice["text"] == echo + ref.decode(stack.expected(ids[p], 4)), i
+    assert r["usage"]["prompt_tokens"] == sum(len(i) for i in ids) and r["usage"]["completion_tokens"] == 24
+    chunks = _stream(stack, "/v1/completions", {**body, "echo": False, "n": 1, "stream_options": {"include_usage": True}})
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks[:-1] if c["choices"][0]["index"] == i) for i in range(3)}
+    assert texts == {p: ref.decode(stack.expected(ids[p], 4)) for p in range(3)}
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_n_greedy_asks_each_choice_greedily(stack, client):
     before = len(stack.fake.requests)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0)
