@@ -39,6 +39,7 @@ class GatewayConfig:
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
     log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
     keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
+    chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -119,4 +120,4 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
                          generation_config=args.generation_config,
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level,
-                         keep_alive_s=args.timeout_keep_alive)
+                         keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template)

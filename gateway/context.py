@@ -22,7 +22,7 @@ class GatewayContext:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.tokenizer = TextTokenizer(cfg.model_dir)
-        self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir)
+        self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir, cfg.chat_template)
         self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
         self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
         self.metrics = GatewayMetrics(cfg.model_name)

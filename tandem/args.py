@@ -194,6 +194,9 @@ LOG_REQUESTS_LEVEL = Flag(("--log-requests-level",), dict(
 TIMEOUT_KEEP_ALIVE = Flag(("--timeout-keep-alive",), dict(
     type=float, default=75.0, help="seconds an idle HTTP keep-alive connection stays open (longer than clients' "
                                    "pools keep theirs, or a reused connection can be reset)"))
+CHAT_TEMPLATE = Flag(("--chat-template",), dict(
+    default=None, metavar="FILE_OR_TEMPLATE", help="the chat template, as vLLM takes it (a Jinja file, or the template "
+                                                  "itself), instead of the model folder's (default: the folder's)"))
 DISABLE_LOG_REQUESTS = Flag(("--disable-log-requests",), dict(
     action="store_true", help="vLLM's switch; requests are logged only with --log-requests"))
 ENABLE_METRICS = Flag(("--enable-metrics",), dict(
@@ -224,7 +227,7 @@ AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(action=_refused(_NO
 REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_PARSER),
                                                       help="refused: no reasoning parser (vLLM / SGLang flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
-                 TIMEOUT_KEEP_ALIVE, DISABLE_LOG_REQUESTS, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE,
+                 TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE,
                  REASONING_PARSER)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))

@@ -73,8 +73,10 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The folder's template, or None when it has none (chat requests are then refused)."""
+    def from_model_dir(cls, model_dir: str | Path, given: str | None = None) -> ChatTemplate | None:
+        """The folder's template, or None when it has none (chat requests are then refused). ``given``: a
+        template file or the template's text (``--chat-template``, as vLLM's), used instead (the folder's
+        tokenizer_config.json still gives the BOS and EOS tokens)."""
         folder = Path(model_dir)
         config_path = folder / "tokenizer_config.json"
         config: dict = {}
@@ -86,6 +88,8 @@ class ChatTemplate:
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             source = (folder / "chat_template.jinja").read_text()
+        if given is not None:
+            source = _given_template(given)
         if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
@@ -116,3 +120,13 @@ class ChatTemplate:
                 raise ChatTemplateError("continue_final_message needs a final message whose text the template shows")
             text = text[: text.rindex(final.strip()) + len(final.strip())]
         return text
+
+
+def _given_template(given: str) -> str:
+    """``--chat-template``'s value: a file's text, or the template itself when it reads as Jinja."""
+    path = Path(given)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in given or "{%" in given:
+        return given
+    raise CheckpointError(f"--chat-template {given[:80]}: no such file, and not a Jinja template either")

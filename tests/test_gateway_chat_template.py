@@ -107,3 +107,32 @@ def test_what_cannot_be_honoured_is_refused_by_name(stack, extra, param):
     r = _post(stack, "/v1/chat/completions", {"model": "chat-model", "messages": MESSAGES, "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_given_template_replaces_the_folders_file_or_text(model_dir, tmp_path):
+    """--chat-template (vLLM's): a Jinja file, or the template's text, instead of the model folder's; anything else is
+    refused at start-up naming it."""
+    from tandem.errors import CheckpointError
+
+    plain = tiny_model_copy(tmp_path / "no-template", chat_template="")  # a folder without a template
+    assert ChatTemplate.from_model_dir(plain) is None
+    other = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(other)
+    want = "[system] Be brief.\n[user] Weather in Paris?\n"
+    for given in (str(tmp_path / "t.jinja"), other):
+        assert ChatTemplate.from_model_dir(plain, given).render(MESSAGES) == want
+        assert ChatTemplate.from_model_dir(model_dir, given).render(MESSAGES) == want  # the folder's is replaced
+    with pytest.raises(CheckpointError, match="--chat-template no/such.jinja: no such file"):
+        ChatTemplate.from_model_dir(plain, "no/such.jinja")
+
+
+def test_a_gateway_given_a_template_serves_chat_for_a_folder_without_one(tmp_path):
+    from gateway_harness import Stack
+
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    stack = Stack(model_dir=tiny_model_copy(tmp_path / "bare", chat_template=""), chat_template=str(tmp_path / "t.jinja"))
+    try:
+        r = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        stack.close()
