@@ -15,6 +15,7 @@ from gateway.auth import ApiKeyMiddleware
 from gateway.errors import INTERNAL_ERROR, UNAVAILABLE, GatewayError
 from gateway.request import check_model
 from gateway.rest_flow import error_response, generate
+from gateway.sglang_api import add_sglang_routes
 from gateway.tokenize_api import add_tokenize_routes
 from gateway.openai_shapes import ChatShape, CompletionShape
 
@@ -67,6 +68,7 @@ def create_app(gw: GatewayContext) -> FastAPI:
         return model_card()
 
     add_tokenize_routes(app, gw)  # /version, /tokenize, /detokenize, at the root as vLLM serves them
+    add_sglang_routes(app, gw)  # SGLang's /generate and /get_model_info
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "HEAD"])  # (vLLM's alias; SGLang's /health_generate generates: not this)

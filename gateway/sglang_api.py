@@ -1,0 +1,158 @@
+"""SGLang's native API, for the scripts and benchmarks written against it: ``POST /generate`` and
+``GET /get_model_info``.
+
+/generate takes ``text`` or ``input_ids`` (one prompt, or a batch) and ``sampling_params`` in SGLang's names,
+which map onto the completion request the OpenAI path parses (so every check and default is that path's; an error
+names the SGLang field); ``max_new_tokens`` defaults to SGLang's 128. The answer is SGLang's: per generation
+``{"text", "output_ids", "meta_info"}`` — a list for a batch or ``n`` > 1 — with ``meta_info`` holding ``id``,
+``finish_reason`` (``{"type": "length", "length": N}``, ``{"type": "stop"}``, ``{"type": "abort"}``; null while
+running), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and, once finished, ``e2e_latency`` and, where
+the request speculated, ``spec_verify_ct`` (the target forwards that made the tokens: speculative rounds plus plain
+decode steps, so that ``completion_tokens / spec_verify_ct`` is tokens per forward as SGLang's tests read it) and
+``spec_accept_length`` (tokens per speculative round). Streamed, each event holds the text so far (SGLang's default)
+and the new ``output_ids`` (with ``index`` when there are several generations), then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+
+from gateway.errors import GatewayError, bad_request
+from gateway.openai_params import Limits, OpenAIRequest, parse_completion
+from gateway.openai_shapes import CompletionShape
+from gateway.rest_flow import generate
+
+if TYPE_CHECKING:
+    from gateway.choices import ChoiceResult, Choices
+    from gateway.context import GatewayContext
+    from gateway.generation import Delta
+
+SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default
+# sampling_params' SGLang names → the completion request's (the same meaning)
+SAMPLING_NAMES = {
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
+    "top_k": "top_k", "min_p": "min_p", "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "include_stop_str_in_output", "n": "n",
+    "sampling_seed": "seed", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
+}
+# sampling_params SGLang takes that change nothing here at their default
+NO_OP_SAMPLING = {"spaces_between_special_tokens": True, "logit_bias": None, "custom_params": None}
+NO_OP_REQUEST = {"return_logprob": False, "return_hidden_states": False, "lora_path": None, "image_data": None,
+                 "input_embeds": None}
+
+
+def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
+    @app.post("/generate")
+    async def sglang_generate(request: Request):
+        return await generate(gw, request, "generate", GenerateShape, parse=_parser(gw))
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": gw.cfg.model_name, "tokenizer_path": gw.cfg.model_name, "is_generation": True}
+
+
+def _parser(gw: GatewayContext):
+    def parse(body: dict, request_id: str, limits: Limits) -> OpenAIRequest:
+        completion = completion_body(body)
+        try:
+            return parse_completion(completion, request_id, gw.tokenizer, limits)
+        except GatewayError as e:  # named as the client named it
+            raise _renamed(e, completion) from None
+
+    return parse
+
+
+def completion_body(body: dict) -> dict:
+    """An SGLang /generate body as the completion request that means the same."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise bad_request("text", "give one of text and input_ids")
+    for name, default in NO_OP_REQUEST.items():
+        if body.get(name, default) not in (default, None, False):
+            raise bad_request(name, "is not supported by this server")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise bad_request("sampling_params", "must be an object")
+    unknown = sorted(set(sampling) - set(SAMPLING_NAMES) - set(NO_OP_SAMPLING))
+    if unknown:
+        raise bad_request(f"sampling_params.{unknown[0]}", "is not a sampling parameter this server takes")
+    for name, default in NO_OP_SAMPLING.items():
+        if sampling.get(name, default) not in (default, None):
+            raise bad_request(f"sampling_params.{name}", "is not supported by this server")
+    completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if theirs in sampling}
+    completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
+    return {**completion, "prompt": text if text is not None else ids, "stream": bool(body.get("stream", False))}
+
+
+def _renamed(e: GatewayError, completion: dict) -> GatewayError:
+    theirs = {ours: f"sampling_params.{name}" for name, ours in SAMPLING_NAMES.items()}
+    theirs["prompt"] = "text" if isinstance(completion.get("prompt"), str) or (
+        isinstance(completion.get("prompt"), list) and completion["prompt"] and isinstance(completion["prompt"][0], str)
+    ) else "input_ids"
+    if e.param not in theirs:
+        return e
+    name = theirs[e.param]
+    message = e.message[len(e.param):] if e.message.startswith(e.param) else f": {e.message}"
+    return GatewayError(e.status, name + message, param=name)
+
+
+class GenerateShape(CompletionShape):
+    """SGLang's answer to /generate (see the module), from the generations of the choices it follows."""
+
+    id_prefix = "gen"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.include_usage = False  # (the counts are in each meta_info)
+        self.started = time.monotonic()
+        self.streams: list = []
+        self._texts = [""] * self.n  # per generation: its text so far (each streamed event carries it all)
+
+    def follow(self, choices: Choices) -> None:
+        self.streams = choices.streams
+
+    def opening(self, firsts: list[Delta] = ()) -> list[dict]:
+        return []
+
+    def chunk(self, delta: Delta, index: int = 0) -> dict | None:
+        self._texts[index] += delta.text
+        out = {"text": self._texts[index], "output_ids": list(delta.token_ids),
+               "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
+                                       delta.cached_tokens)}
+        return {**out, "index": index} if self.n > 1 else out
+
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
+        outs = []
+        for i, r in enumerate(results):
+            counts = self.streams[i].usage
+            outs.append({"text": r.text, "output_ids": r.token_ids,
+                         "meta_info": self._meta(i, r.finish_reason, counts["prompt_tokens"],
+                                                 counts["completion_tokens"],
+                                                 counts["prompt_tokens_details"]["cached_tokens"])})
+        return outs if self.n > 1 else outs[0]
+
+    def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int) -> dict:
+        stream = self.streams[index]
+        meta = {"id": stream.request.request_id, "finish_reason": _finish_reason(finish, completion),
+                "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+        if finish is not None:
+            meta["e2e_latency"] = time.monotonic() - self.started
+            spec = stream.spec_stats
+            if spec is not None and spec.rounds:  # (a request that never speculated reports none, as SGLang without)
+                round_tokens = round(spec.rounds * spec.accept_length_mean)
+                # (the first token is the prefill's; the others came from rounds or plain decode steps)
+                meta["spec_verify_ct"] = spec.rounds + max(0, completion - 1 - round_tokens)
+                meta["spec_accept_length"] = spec.accept_length_mean
+        return meta
+
+
+def _finish_reason(finish: str | None, completion: int) -> dict | None:
+    if finish is None:
+        return None
+    if finish == "length":
+        return {"type": "length", "length": completion}
+    return {"type": finish}

@@ -1,0 +1,110 @@
+"""SGLang's native API on the gateway (gateway/sglang_api.py), against the fake verifier: /generate with text or
+input_ids, one prompt or a batch, n, SGLang's sampling names reaching the verifier as the completion path sends
+them, SGLang's answer (text, output_ids, meta_info with its finish_reason objects and the speculation counts its
+tests read), streamed with the text so far; errors naming SGLang's fields; /get_model_info."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_harness import stack_fixture
+from tokenizers import Tokenizer
+
+stack = stack_fixture()
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def ref(stack) -> Tokenizer:
+    return Tokenizer.from_file(str(Path(stack.model_dir) / "tokenizer.json"))
+
+
+def _generate(stack, body: dict) -> httpx.Response:
+    return httpx.post(f"{stack.url}/generate", json=body, timeout=10)
+
+
+def test_a_text_prompt_gets_sglangs_answer(stack, ref):
+    ids = ref.encode(PROMPT).ids
+    r = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 7, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    want = stack.expected(ids, 7)
+    assert out["output_ids"] == want and out["text"] == ref.decode(want)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 7}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (len(ids), 7, 0)
+    assert meta["e2e_latency"] > 0 and meta["id"] == stack.fake.requests[-1].request_id
+    # the fake sent 7 tokens in rounds of 1, 2, 3, 1: four forwards, 1.75 tokens a round
+    assert meta["spec_verify_ct"] == 4 and meta["spec_accept_length"] == pytest.approx(7 / 4)
+
+
+def test_sglangs_sampling_names_reach_the_verifier(stack):
+    params = {"max_new_tokens": 5, "min_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+              "stop_token_ids": [9], "ignore_eos": True, "sampling_seed": 11, "repetition_penalty": 1.1,
+              "spaces_between_special_tokens": True}
+    assert _generate(stack, {"input_ids": [5, 6, 7], "sampling_params": params}).status_code == 200
+    sent = stack.fake.requests[-1]
+    s = sent.sampling
+    assert list(sent.prompt_token_ids) == [5, 6, 7]
+    assert (s.max_new_tokens, s.min_tokens, s.top_k, s.seed, list(s.stop_token_ids), s.ignore_eos) == (5, 2, 20, 11, [9], True)
+    assert (s.temperature, s.top_p, s.min_p, s.repetition_penalty) == pytest.approx((0.7, 0.9, 0.05, 1.1))
+    _generate(stack, {"text": PROMPT})
+    assert stack.fake.requests[-1].sampling.max_new_tokens == 128  # SGLang's default
+
+
+def test_a_batch_and_n_give_a_list_in_order(stack, ref):
+    prompts = [PROMPT, "x = 1"]
+    r = _generate(stack, {"text": prompts, "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0.5}})
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 4
+    for i, out in enumerate(outs):
+        assert out["output_ids"] == stack.expected(ref.encode(prompts[i // 2]).ids, 3), i
+    assert len({o["meta_info"]["id"] for o in outs}) == 4
+    by_ids = _generate(stack, {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert [o["output_ids"] for o in by_ids] == [stack.expected([5, 6], 2), stack.expected([7, 8, 9], 2)]
+
+
+def test_streamed_events_hold_the_text_so_far_and_end_with_done(stack, ref):
+    ids = ref.encode(PROMPT).ids
+    with httpx.stream("POST", f"{stack.url}/generate", timeout=10,
+                      json={"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 9}}) as r:
+        assert r.status_code == 200
+        events = [e.removeprefix("data: ") for e in r.read().decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    want = stack.expected(ids, 9)
+    assert sum((c["output_ids"] for c in chunks), []) == want
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == ref.decode(want)
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 9}
+    assert "spec_verify_ct" in chunks[-1]["meta_info"] and "index" not in chunks[-1]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"text": PROMPT, "input_ids": [1, 2]}, "text"),
+    ({}, "text"),
+    ({"text": ""}, "text"),
+    ({"input_ids": [1, 10**9]}, "input_ids"),
+    ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": PROMPT, "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ({"text": PROMPT, "sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
+    ({"text": PROMPT, "sampling_params": {"spaces_between_special_tokens": False}},
+     "sampling_params.spaces_between_special_tokens"),
+    ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
+    ({"text": PROMPT, "sampling_params": [1]}, "sampling_params"),
+])
+def test_bad_requests_name_sglangs_field(stack, body, param):
+    r = _generate(stack, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_model_info(stack):
+    r = httpx.get(f"{stack.url}/get_model_info", timeout=10)
+    assert r.status_code == 200 and r.json()["is_generation"] is True
