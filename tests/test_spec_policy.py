@@ -1001,3 +1001,28 @@ def test_probes_are_spaced_by_time_served_not_by_idle_time():
             clock.now += 0.05
             arbiter.observe(8, speculative, rate * 0.05, 0.05)
     assert arbiter.verdict(8) is True and arbiter.take_probe(8, ships_features=True)
+
+
+def test_one_probe_in_goodput_stale_s_of_serving_whatever_the_bucket():
+    """A batch about the edge of two buckets (concurrency 64 served between 42 and 57 requests: buckets 32 and 64)
+    was probed at each, a second detached apiece, within one 4 s load; a probe speaks for plain steps detached near
+    that batch size, so the next waits goodput_stale_s of serving wherever the batch is."""
+    arbiter, clock = _arbiter_with_a_verdict()
+    cfg = arbiter.cfg
+    for speculative, rate in ((True, 2200.0), (False, 2000.0)):  # the bucket of 16: speculation 10 % ahead too
+        for _ in range(30):
+            clock.now += 0.01
+            arbiter.observe(16, speculative, rate * 0.01, 0.01)
+    for _ in range(50):
+        clock.now += cfg.goodput_epoch_s
+        arbiter._epoch_steps = cfg.goodput_epoch_steps
+        arbiter.choose(16, True, lambda: 0.1)
+    assert arbiter.verdict(8) is True and arbiter.verdict(16) is True
+    assert arbiter.take_probe(8, ships_features=True)
+    assert not arbiter.take_probe(16, ships_features=True)
+    served = arbiter.served_s
+    while arbiter.served_s - served < cfg.goodput_stale_s:
+        for speculative, rate in ((True, 2200.0), (False, 2000.0)):
+            clock.now += 0.05
+            arbiter.observe(16, speculative, rate * 0.05, 0.05)
+    assert arbiter.take_probe(16, ships_features=True)

@@ -74,7 +74,7 @@ class GoodputArbiter:
         self._epoch_start = 0.0
         self._epoch_bucket = 0  # the bucket the current epoch began at (an exploration is scheduled there)
         self._detached = False  # the latest step observed was a detached one
-        self._probed: dict[int, float] = {}  # bucket -> ``served_s`` when it was last probed (take_probe)
+        self._probed_at = -math.inf  # ``served_s`` when the latest probe was taken, at whichever bucket (take_probe)
         self.served_s = 0.0  # seconds of steps observed (time with requests running: idle time left out)
         self.forget_traffic()  # (what follows from speculation's goodput: none yet)
 
@@ -169,9 +169,11 @@ class GoodputArbiter:
         return self._best.get(self.bucket(batch_size)) is True
 
     def take_probe(self, batch_size: int, ships_features: bool = True, tax: float | None = None) -> bool:
-        """Whether the engine is to detach briefly now (a probe; then taken: a bucket is probed at most once in
-        ``goodput_stale_s`` of serving — idle time left out: loads seconds apart each paid a probe of a second, a
-        quarter of a 4 s load of the demo pair at concurrency 1 run detached, where one in 30 s of traffic costs 1 %):
+        """Whether the engine is to detach briefly now (a probe; then taken: at most one probe in ``goodput_stale_s``
+        of serving, whatever the bucket — idle time left out: loads seconds apart each paid a probe of a second, a
+        quarter of a 4 s load of the demo pair at concurrency 1 run detached, where one in 30 s of traffic costs 1 %;
+        and a batch about a bucket's edge, at concurrency 64 between 42 and 57 requests, paid one at either bucket,
+        each a second detached and its admitted requests undrafted, 10-20 % of those loads, finding nothing):
         speculation won at ``batch_size``'s bucket only against plain steps run attached, by less than
         ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
         draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
@@ -186,11 +188,11 @@ class GoodputArbiter:
         if tax is not None:
             margin = max(margin, min(c.goodput_probe_margin_max, tax + c.goodput_margin))
         spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
-        if (self.served_s - self._probed.get(b, -math.inf) < c.goodput_stale_s or self.verdict(batch_size) is not True
+        if (self.served_s - self._probed_at < c.goodput_stale_s or self.verdict(batch_size) is not True
                 or self._fresh_detached(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
                 or spec.rate >= attached.rate * (1 + margin)):
             return False
-        self._probed[b] = self.served_s
+        self._probed_at = self.served_s
         return True
 
     def loss(self, batch_size: int) -> float:
