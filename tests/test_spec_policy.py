@@ -1026,3 +1026,28 @@ def test_one_probe_in_goodput_stale_s_of_serving_whatever_the_bucket():
             clock.now += 0.05
             arbiter.observe(16, speculative, rate * 0.05, 0.05)
     assert arbiter.take_probe(16, ships_features=True)
+
+
+def test_a_batch_about_a_buckets_edge_is_measured_as_one_load():
+    """Concurrency 64 served between 42 and 57 requests (the edge of buckets 32 and 64 is 45): its steps fed one
+    bucket's meters, not two at half the readings each (each explored and probed apart); a batch that moves well
+    past the edge takes the next bucket, and a first step the nearest."""
+    from tandem.speculative.goodput import GoodputArbiter, StickyBuckets
+    from tandem.speculative.policy import cost_bucket
+
+    sticky = StickyBuckets(cost_bucket)
+    assert sticky(42) == 32 and sticky(57) == 64  # nothing served yet: the nearest
+    sticky.track(57)
+    assert [sticky(n) for n in (42, 45, 50, 57, 64, 80)] == [64] * 6
+    assert sticky(30) == 32 and sticky(120) == 128  # well past the edge (1.25 times): the next bucket
+    sticky.track(30)
+    assert sticky(42) == 32 and sticky(56) == 32 and sticky(60) == 64
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+    for i in range(60):
+        for speculative, rate in ((True, 1100.0), (False, 1000.0)):
+            clock.now += 0.01
+            arbiter.observe(57 if i % 2 else 42, speculative, rate * 0.01, 0.01)
+    spec, plain = arbiter.rates(42)
+    assert arbiter.rates(57) == (spec, plain) and spec == pytest.approx(1100.0) and plain == pytest.approx(1000.0)
