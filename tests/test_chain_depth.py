@@ -240,7 +240,7 @@ def _simulate(n: int, p: list[float], steps: int, seed: int, fixed_depth: int | 
     clock; its step costs seeded as the warm-up does, round times of ``seeded_widths`` only). ``drift(step, width)``:
     a factor on served rounds' times (the warm-up's are as given). As in the engine, the two steps around a change of
     depth are not timed. ``waits``: the share of served steps whose time is doubled by a wait (the GIL, streaming)."""
-    from test_spec_policy import SimClock
+    from policy_sim import SimClock
 
     rng = random.Random(seed)
     policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())

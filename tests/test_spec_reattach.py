@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from test_spec_policy import SimClock
+from policy_sim import SimClock
 from tandem.engine.step import StepInfo
 from tandem.engine.step_accounting import StepAccounting
 from tandem.speculative.attachment import DrafterAttachment
