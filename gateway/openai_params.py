@@ -60,6 +60,7 @@ class OpenAIRequest:
     # A completion's batch of prompts: the ones after the first, each parsed as a request of its own (its choices
     # follow the first's, n each, in order)
     more: tuple["OpenAIRequest", ...] = ()
+    batched: bool = False  # the prompt came as a list of prompts (a batch, of one too)
 
     @property
     def prompts(self) -> tuple["OpenAIRequest", ...]:
@@ -113,15 +114,16 @@ def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Li
     """A completion: one prompt, or a batch of them (vLLM and the OpenAI API take a list: evaluation harnesses send
     one), each parsed as a request of its own."""
     prompt = body.get("prompt")
-    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)):
-        return _parse_prompt(body, request_id, tok, limits)
+    batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    if not batched or len(prompt) == 1:
+        return dataclasses.replace(_parse_prompt(body, request_id, tok, limits), batched=batched)
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}")
     if len(prompt) * (integer(body, "n") or 1) > MAX_PROMPTS:
         raise bad_request("n", f"a batch's prompts times n must be at most {MAX_PROMPTS}, got {len(prompt)} x "
                                f"{integer(body, 'n')}")
     parsed = [_parse_prompt({**body, "prompt": p}, request_id, tok, limits) for p in prompt]
-    return dataclasses.replace(parsed[0], more=tuple(parsed[1:]))
+    return dataclasses.replace(parsed[0], more=tuple(parsed[1:]), batched=True)
 
 
 def _parse_prompt(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:

@@ -43,8 +43,9 @@ class CompletionShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def follow(self, choices) -> None:
-        """The Choices this shape answers for, once started (a shape that reads their streams keeps them)."""
+    def follow(self, choices, request) -> None:
+        """The Choices this shape answers for, once started, and the OpenAIRequest they run (a shape that reads their
+        streams keeps them)."""
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         """Chunks before any generated text: the echoed prompt, first for each choice (with its tokens'

@@ -107,7 +107,7 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         prompts = [(part.echo_text, part.generation.prompt_ids) for part in params.prompts for _ in range(n)]
         shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, prompts, token_text)
         choices = _start_choices(gw, params, scope, arrival)
-        shape.follow(choices)
+        shape.follow(choices, params)
         if params.stream:
             # Wait for the first deltas before answering, so that a refusal by the verifier (over
             # capacity, prompt too long) is an HTTP status the client can act on, not a 200 whose

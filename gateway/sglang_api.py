@@ -4,7 +4,7 @@
 /generate takes ``text`` or ``input_ids`` (one prompt, or a batch) and ``sampling_params`` in SGLang's names,
 which map onto the completion request the OpenAI path parses (so every check and default is that path's; an error
 names the SGLang field); ``max_new_tokens`` defaults to SGLang's 128. The answer is SGLang's: per generation
-``{"text", "output_ids", "meta_info"}`` — a list for a batch or ``n`` > 1 — with ``meta_info`` holding ``id``,
+``{"text", "output_ids", "meta_info"}`` — a list for a batch (of one too) or ``n`` > 1 — with ``meta_info`` holding ``id``,
 ``finish_reason`` (``{"type": "length", "length": N}``, ``{"type": "stop"}``, ``{"type": "abort"}``; null while
 running), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and, once finished, ``e2e_latency`` and, where
 the request speculated, ``spec_verify_ct`` (the target forwards that made the tokens: speculative rounds plus plain
@@ -110,10 +110,11 @@ class GenerateShape(CompletionShape):
         self.include_usage = False  # (the counts are in each meta_info)
         self.started = time.monotonic()
         self.streams: list = []
+        self.listed = False  # answered as a list: a batch (of one too) or n > 1
         self._texts = [""] * self.n  # per generation: its text so far (each streamed event carries it all)
 
-    def follow(self, choices: Choices) -> None:
-        self.streams = choices.streams
+    def follow(self, choices: Choices, request: OpenAIRequest) -> None:
+        self.streams, self.listed = choices.streams, self.n > 1 or request.batched
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         return []
@@ -123,7 +124,7 @@ class GenerateShape(CompletionShape):
         out = {"text": self._texts[index], "output_ids": list(delta.token_ids),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
                                        delta.cached_tokens)}
-        return {**out, "index": index} if self.n > 1 else out
+        return {**out, "index": index} if self.listed else out
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
         outs = []
@@ -133,7 +134,7 @@ class GenerateShape(CompletionShape):
                          "meta_info": self._meta(i, r.finish_reason, counts["prompt_tokens"],
                                                  counts["completion_tokens"],
                                                  counts["prompt_tokens_details"]["cached_tokens"])})
-        return outs if self.n > 1 else outs[0]
+        return outs if self.listed else outs[0]
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int) -> dict:
         stream = self.streams[index]

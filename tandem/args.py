@@ -87,13 +87,19 @@ def _dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower())
 
 
+TOKEN_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def _tokens(value: str) -> int:
-    """A token count as vLLM's --max-model-len takes it: 4096, 32k / 32K (x 1024), 1m / 1M (x 1024^2)."""
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(value[-1:].lower(), 1)
+    """A token count as vLLM's --max-model-len takes it: 4096; 32k = 32000 and 25.6k (decimal suffixes k, m, g);
+    32K = 32768 (binary suffixes K, M, G, whole numbers only)."""
+    value = value.strip()
+    scale = TOKEN_SUFFIXES.get(value[-1:], 1)
+    number = value[:-1] if scale > 1 else value
     try:
-        return int(value[:-1] if scale > 1 else value) * scale
+        return int(float(number) * scale) if scale > 1 and value[-1].islower() else int(number) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {value!r} (e.g. 4096 or 32k)") from None
+        raise argparse.ArgumentTypeError(f"not a token count: {value!r} (e.g. 4096, 32k = 32000, 32K = 32768)") from None
 
 
 DTYPE = Flag(("--dtype",), dict(default=e.dtype, type=_dtype, choices=["auto", "bfloat16", "float16", "float32"],

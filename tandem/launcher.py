@@ -179,9 +179,12 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     children.append(Child("verifier", verifier_argv + shlex.split(args.verifier_args)))
     drafter_relay = (["--drafter-metrics-url", f"http://127.0.0.1:{ports['drafter_metrics']}/metrics"]
                      if draft is not None and not in_process else [])
+    # (the gateway names a model given without --served-model-name as the verifier does, and then also takes its path
+    # as given for a name, as vLLM and SGLang name it)
+    gateway_name = ["--served-model-name", name] if args.served_model_name or args.model is None else []
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
-                                           str(args.grpc_port), "--served-model-name", name, *tracing,
+                                           str(args.grpc_port), *gateway_name, *tracing,
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
                                            *drafter_relay,
                                            *_passthrough(args, (*shared.GATEWAY_FLAGS, shared.LOG_LEVEL)),

@@ -169,7 +169,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     last token of positive probability (u·total rounded up to the total would land on the flat tail)."""
     cdf = probs.cumsum(dim=-1)
     targets = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # (the first index reaching the final count)
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).byte().argmax(dim=-1)  # (from the end: the first)
     return torch.minimum(torch.searchsorted(cdf, targets, right=True).squeeze(1), last_positive)
 
 

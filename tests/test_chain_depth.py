@@ -489,15 +489,3 @@ def test_a_depth_a_trial_found_far_behind_is_timed_again_ever_more_rarely(monkey
     fixed_trials = picks[1] + picks[2]
     assert spaced_trials < 0.4 * fixed_trials, (spaced_trials, fixed_trials)
     assert spaced >= 0.995 * fixed
-
-
-def test_the_chains_depth_is_weighed_at_the_bucket_goodput_holds_the_batch_at():
-    """A batch moving about a bucket's edge (5 to 7 requests: buckets 4 and 8 by the nearest power of two) had two
-    depths, each weighed on half the readings, and switched the chain at the crossings; the depth now follows the
-    bucket the batch is served at, held past the edge (tandem.speculative.goodput.StickyBuckets)."""
-    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
-    policy.observe_goodput(7, True, 14, 0.002)  # served at 7 requests: bucket 8
-    for n in (5, 7, 6, 5):
-        policy.chain_spec(n, CHAIN)
-    assert policy.goodput.bucket(5) == 8
-    assert policy.depth._stay == {} and policy.depth._steps_here == 4  # one stay, in one bucket: no crossing

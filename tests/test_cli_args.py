@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -97,7 +98,7 @@ def test_more_sglang_and_vllm_engine_spellings(folders):
     """The spellings of SGLang's and vLLM's command lines give the config ours gives, in the verifier and in
     tandem generate; switches asking for what Tandem does anyway are taken and change nothing."""
     t, _ = folders
-    theirs = ["--model", t, "--tp", "1", "--dtype", "half", "--max-model-len", "32k", "--disable-radix-cache",
+    theirs = ["--model", t, "--tp", "1", "--dtype", "half", "--max-model-len", "32K", "--disable-radix-cache",
               "--random-seed", "7", "--attention-backend", "torch_native", "--enable-chunked-prefill",
               "--trust-remote-code"]
     ours = ["--model", t, "--tp-size", "1", "--dtype", "float16", "--context-length", "32768",
@@ -110,7 +111,9 @@ def test_more_sglang_and_vllm_engine_spellings(folders):
     assert _verifier(["--model", t, "--no-enable-prefix-caching"]).engine.enable_prefix_caching is False
     assert _verifier(["--model", t, "--enable-prefix-caching"]).engine == _verifier(["--model", t]).engine
     assert _verifier(["--model", t, "--dtype", "bf16"]).engine.dtype == "bfloat16"
-    for bad in (["--max-model-len", "32q"], ["--attention-backend", "fa3"], ["--dtype", "int8"]):
+    for given, tokens in (("32k", 32000), ("25.6k", 25600), ("1M", 1 << 20), ("4096", 4096)):  # vLLM's rule
+        assert _verifier(["--model", t, "--max-model-len", given]).engine.context_length == tokens, given
+    for bad in (["--max-model-len", "32q"], ["--max-model-len", "2.5K"], ["--attention-backend", "fa3"], ["--dtype", "int8"]):
         with pytest.raises(SystemExit):
             _verifier(["--model", t, *bad])
 
@@ -162,8 +165,16 @@ def test_log_level_in_every_service_and_through_tandem_up(folders):
 
 
 def test_up_takes_the_model_as_vllm_serve_does(folders):
+    """`tandem up MODEL`, and a request may then name the model by that path (vLLM's and SGLang's default name)
+    beside the folder's name; with --served-model-name, that name alone."""
+    from gateway.config import build_parser as gateway_parser, config_from_args
+
     t, d = folders
     assert _argvs(_up([t, "--draft-model", d])) == _argvs(_up(["--model", t, "--draft-model", d]))
+    for argv, names in (([t], (Path(t).name, t)), ([t, "--served-model-name", "mine"], ("mine",))):
+        gateway = _argvs(_up([*argv, "--draft-model", d]))["gateway"]
+        cfg = config_from_args(gateway_parser().parse_args(gateway[gateway.index("gateway") + 1:]))
+        assert cfg.model_names[: len(names)] == names and (len(names) > 1 or len(cfg.model_names) == 1), cfg.model_names
     with pytest.raises(Exception, match="two models"):
         _up([d, "--model", t])
 

@@ -65,6 +65,9 @@ def test_a_batch_and_n_give_a_list_in_order(stack, ref):
     assert len({o["meta_info"]["id"] for o in outs}) == 4
     by_ids = _generate(stack, {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2}}).json()
     assert [o["output_ids"] for o in by_ids] == [stack.expected([5, 6], 2), stack.expected([7, 8, 9], 2)]
+    for one in ({"text": [PROMPT]}, {"input_ids": [[5, 6]]}):  # a batch of one is a list of one, as SGLang answers
+        outs = _generate(stack, {**one, "sampling_params": {"max_new_tokens": 2}}).json()
+        assert isinstance(outs, list) and len(outs) == 1, outs
 
 
 def test_streamed_events_hold_the_text_so_far_and_end_with_done(stack, ref):

@@ -130,9 +130,9 @@ class SpeculationPolicy(StepCosts):
         if len(ladder) > 1:
             if self.depth is None or self.depth.ladder is not ladder:
                 self.depth = ChainDepth(ladder)
-            # (goodput's bucket, held past an edge the batch moves about: two buckets' depths, each weighed on half
-            # the readings, switched the chain every few steps — 9 to 17 switches in a 4 s load at concurrency 8)
-            bucket = self.goodput.bucket(batch_size) if self.goodput is not None else cost_bucket(batch_size)
+            # (the step costs' bucket, where its round times are filed: ChainDepth keeps a batch crossing buckets on
+            # one depth itself; goodput's held bucket here read one bucket's times while the rounds went to another)
+            bucket = cost_bucket(batch_size)
             spec = self.depth.choose(bucket, self._round_times(bucket, ladder))
         return spec
 
