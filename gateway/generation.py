@@ -80,6 +80,8 @@ class GenerationStream:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as e:
                 self._finish("error")
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._client.unreachable = True
                 raise from_upstream(e, self._client.address) from e
             except asyncio.CancelledError:
                 self.cancel()

@@ -38,6 +38,9 @@ class VerifierClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: verifier_pb2.ModelInfo | None = None
         self._info_lock = asyncio.Lock()
+        # A generation found the verifier unreachable since the last health check that reached it: GET /health says
+        # so at once rather than at the next check (up to health_poll_s later, while requests already got 503).
+        self.unreachable = False
 
     async def model_info(self) -> verifier_pb2.ModelInfo:
         """The verifier's ModelInfo (context length, vocab, EOS ids), fetched on first need and kept:
@@ -67,12 +70,14 @@ class VerifierClient:
         healthy when it answers GetModelInfo."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout)
+            self.unreachable = False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return False
         try:
             await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
+            self.unreachable = False
             return True
         except grpc.aio.AioRpcError:
             return False

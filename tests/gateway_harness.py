@@ -91,8 +91,9 @@ class Stack:
         if address is None:
             self._fake_server, self.fake, port = await start_fake_verifier(self.vocab_size, max_context=512)
             address = f"127.0.0.1:{port}"
+        quick = dict(health_poll_s=0.1, upstream_timeout_s=1.0, shutdown_grace_s=1.0)  # (a test's config wins)
         cfg = GatewayConfig(verifier=address, model_dir=self.model_dir, host="127.0.0.1", port=0, grpc_port=0,
-                            health_poll_s=0.1, upstream_timeout_s=1.0, shutdown_grace_s=1.0, **self._config)
+                            **{**quick, **self._config})
         self.gateway = Gateway(cfg)
         await self.gateway.start()
         self.url = f"http://127.0.0.1:{self.gateway.port}"

@@ -3,6 +3,8 @@ meaning (400, 429, 503); the gateway keeps serving after each."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import openai
@@ -186,6 +188,25 @@ def test_verifier_down_is_503_and_health_says_so():
             assert httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"] == MODEL_NAME
         finally:
             s.close()
+
+
+def test_health_says_503_as_soon_as_a_generation_finds_the_verifier_unavailable():
+    """/health mirrors the verifier's health every health_poll_s; a generation that finds the verifier unavailable
+    meanwhile (killed: requests already get 503) turns it 503 at once, and the next health check that reaches a
+    serving verifier turns it back."""
+    s = Stack(health_poll_s=0.5)
+    try:
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{s.url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s.fake.fail_with = (grpc.StatusCode.UNAVAILABLE, "connection refused")
+        assert httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=10).status_code == 503
+        assert httpx.get(f"{s.url}/health").status_code == 503  # at once, not at the next check
+        while httpx.get(f"{s.url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{s.url}/health").status_code == 200  # the fake serves: the next check says so
+    finally:
+        s.close()
 
 
 class socket_port:
