@@ -94,9 +94,20 @@ def token_uniform(seed: int, index: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 40) * 2.0 ** -24
 
 
-def token_uniforms(starts: list[tuple[int, int]], steps: int) -> list[list[float]]:
-    """``[steps][rows]`` uniforms of the tokens ``first + k`` of each row's ``(seed, first)``."""
-    return [[token_uniform(seed, first + k) for seed, first in starts] for k in range(steps)]
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` of every uint64 of ``x`` (array arithmetic wraps modulo 2^64, as the masks do)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def token_uniforms(starts: list[tuple[int, int]], steps: int) -> np.ndarray:
+    """float32 ``[steps, rows]``: ``token_uniform`` of the tokens ``first + k`` of each row's ``(seed, first)``, at
+    once (a queued run's sampled batch: steps x rows of them)."""
+    seeds = _splitmix64_array(np.array([seed & _MASK64 for seed, _ in starts], dtype=np.uint64))
+    index = np.array([first for _, first in starts], dtype=np.uint64)[None, :] + np.arange(steps, dtype=np.uint64)[:, None]
+    return ((_splitmix64_array(seeds[None, :] ^ index) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24))
 
 
 @dataclass(frozen=True)
@@ -209,7 +220,7 @@ class StepSampler:
                  vocab: int, steps: int):
         greedy = all(p.greedy for p in params)
         self.rows = None if greedy else row_sampling(params, device, vocab)
-        self.uniforms = None if greedy else upload(np.asarray(token_uniforms(starts, steps), dtype=np.float32), device)
+        self.uniforms = None if greedy else upload(token_uniforms(starts, steps), device)
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""

@@ -14,7 +14,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from helpers import hf_logits, random_prompt
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.sampling import SamplingParams, adjusted_probs, sample, sample_from_probs, token_uniform
+from tandem.sampling import SamplingParams, adjusted_probs, sample, sample_from_probs, token_uniform, token_uniforms
 
 VOCAB = 40
 
@@ -142,6 +142,10 @@ def test_token_uniforms_are_uniform_and_independent_across_tokens_and_seeds():
     assert abs(pearsonr(by_seed[0, :-1], by_seed[0, 1:])[0]) < 0.05  # token i and i + 1
     assert abs(pearsonr(by_seed[0], by_seed[1])[0]) < 0.05  # seeds 0 and 1 at the same token
     assert token_uniform(7, 100) == token_uniform(7, 100) != token_uniform(7, 101)
+    starts = [(0, 0), (2**64 - 1, 5), (12345, 2**40)]  # a queued run's rows at once: the same numbers
+    many = token_uniforms(starts, 4)
+    assert many.dtype == np.float32 and [[float(v) for v in row] for row in many] == \
+        [[token_uniform(seed, first + k) for seed, first in starts] for k in range(4)]
 
 
 def exact_adjusted(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
