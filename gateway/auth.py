@@ -16,7 +16,7 @@ _SCHEME = b"bearer"
 _OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 _DENIED = "a valid API key is required: send 'Authorization: Bearer <key>'"
 # vLLM's tokenizer endpoints and SGLang's native API live at the root but serve the model as /v1 does: the same key.
-_GUARDED_ROOT = frozenset({"/tokenize", "/detokenize", "/version", "/generate", "/get_model_info"})
+_GUARDED_ROOT = frozenset({"/tokenize", "/detokenize", "/version", "/generate", "/get_model_info", "/health_generate"})
 
 
 def _guarded(path: str) -> bool:

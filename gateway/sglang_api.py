@@ -1,5 +1,6 @@
-"""SGLang's native API, for the scripts and benchmarks written against it: ``POST /generate`` and
-``GET /get_model_info``.
+"""SGLang's native API, for the scripts and benchmarks written against it: ``POST /generate``,
+``GET /get_model_info`` and ``GET /health_generate`` (200 once one token was generated now; behind ``--api-key``, unlike
+/health: it spends a step of the model).
 
 /generate takes ``text`` or ``input_ids`` (one prompt, or a batch) and ``sampling_params`` in SGLang's names,
 which map onto the completion request the OpenAI path parses (so every check and default is that path's; an error
@@ -15,15 +16,20 @@ and the new ``output_ids`` (with ``index`` when there are several generations), 
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from typing import TYPE_CHECKING
 
+import grpc
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import UNAVAILABLE, GatewayError, bad_request
 from gateway.openai_params import Limits, OpenAIRequest, parse_completion
 from gateway.openai_shapes import CompletionShape
-from gateway.rest_flow import generate
+from gateway.request import GenerationRequest
+from gateway.rest_flow import error_response, generate
 
 if TYPE_CHECKING:
     from gateway.choices import ChoiceResult, Choices
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from gateway.generation import Delta
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # /health_generate: a token not back by then is unhealthy
 # sampling_params' SGLang names → the completion request's (the same meaning)
 SAMPLING_NAMES = {
     "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -53,6 +60,28 @@ def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": gw.cfg.model_name, "tokenizer_path": gw.cfg.model_name, "is_generation": True}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if gw.verifier_serving and not gw.client.unreachable and await _one_token(gw):
+            return Response(status_code=200)
+        return error_response(GatewayError(503, UNAVAILABLE))
+
+
+async def _one_token(gw: GatewayContext) -> bool:
+    """Whether the verifier generates a token now (greedy, after token 0) within HEALTH_GENERATE_TIMEOUT_S."""
+    request = GenerationRequest(f"health-{uuid.uuid4().hex}", (0,), max_tokens=1, temperature=0.0, ignore_eos=True)
+    call = gw.client.generate(request.to_proto(), metadata=[])
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                if msg.token_ids:
+                    return True
+    except (grpc.aio.AioRpcError, TimeoutError):
+        pass
+    finally:
+        call.cancel()
+    return False
 
 
 def _parser(gw: GatewayContext):

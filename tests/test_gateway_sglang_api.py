@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from gateway_harness import stack_fixture
@@ -111,3 +112,13 @@ def test_bad_requests_name_sglangs_field(stack, body, param):
 def test_model_info(stack):
     r = httpx.get(f"{stack.url}/get_model_info", timeout=10)
     assert r.status_code == 200 and r.json()["is_generation"] is True
+
+
+def test_health_generate_generates_a_token(stack):
+    before = len(stack.fake.requests)
+    assert httpx.get(f"{stack.url}/health_generate", timeout=30).status_code == 200
+    sent = stack.fake.requests[before:]
+    assert len(sent) == 1 and sent[0].sampling.max_new_tokens == 1
+    stack.fake.fail_with = (grpc.StatusCode.INTERNAL, "engine failed")
+    assert httpx.get(f"{stack.url}/health_generate", timeout=30).status_code == 503
+    assert httpx.get(f"{stack.url}/health_generate", timeout=30).status_code == 200  # (the failure was one call's)
