@@ -22,6 +22,7 @@ class GatewayConfig:
     port: int = 8000  # OpenAI-compatible REST API; 0 picks a free port
     grpc_port: int = 50050  # public gRPC Generation service; 0 picks a free port
     served_model_name: str | None = None  # default: the model folder's name
+    served_model_aliases: tuple[str, ...] = ()  # --served-model-name's further names (vLLM takes several), also accepted
     otlp_endpoint: str | None = None  # default: OTEL_EXPORTER_OTLP_ENDPOINT, else tracing off
     max_tokens_limit: int | None = shared.MAX_TOKENS_LIMIT.default  # cap on max_tokens besides the model's context
     default_max_tokens: int = 16  # completions without max_tokens (the OpenAI default)
@@ -74,7 +75,7 @@ class GatewayConfig:
         """What a request's ``model`` may say: the served name, and without --served-model-name also the model's
         path as the server was given it (vLLM's and SGLang's default name, which their clients send)."""
         if self.served_model_name is not None:
-            return (self.model_name,)
+            return (self.model_name, *self.served_model_aliases)
         return tuple(dict.fromkeys((self.model_name, self.model_dir, str(Path(self.model_dir).resolve()))))
 
 
@@ -93,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host, help="address to listen on (REST and gRPC)")
     p.add_argument("--port", type=int, default=d.port, help="REST port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="public gRPC port")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name clients send; more names, as vLLM takes them, are accepted too (default: the "
+                        "folder's name)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     p.add_argument("--api-key", default=None,
@@ -113,7 +116,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from tandem.model_source import resolve_model
 
     return GatewayConfig(verifier=args.verifier, model_dir=resolve_model(args.model_dir, flag="--model-dir", weights=False), host=args.host, port=args.port,
-                         grpc_port=args.grpc_port, served_model_name=args.served_model_name,
+                         grpc_port=args.grpc_port,
+                         served_model_name=args.served_model_name[0] if args.served_model_name else None,
+                         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,

@@ -87,9 +87,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     shared.add(p, *shared.ENGINE_FLAGS)
     p.add_argument("--speculation-policy", choices=["measured", "always"], default="measured",
                    help="measured: speculate where it pays for the batch; always: every step")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API and metrics (default: the folder's name, tandem-demo for the "
-                        "demo)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API and metrics; more names, as vLLM takes them, are accepted in "
+                        "requests too (default: the folder's name, tandem-demo for the demo)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8000, help="the gateway's REST port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
@@ -153,8 +153,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     secret = ["--internal-secret-file", secret_file]
     device = ["--device", args.device]
-    name = ("tandem-demo" if args.model is None and not args.served_model_name
-            else shared.served_name(model, args.served_model_name))
+    names = args.served_model_name or []
+    name = ("tandem-demo" if args.model is None and not names else shared.served_name(model, names[0] if names else None))
     children = []
     if draft is not None and not in_process:
         reload_root = ["--reload-root", args.reload_root] if args.reload_root else []
@@ -181,7 +181,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                      if draft is not None and not in_process else [])
     # (the gateway names a model given without --served-model-name as the verifier does, and then also takes its path
     # as given for a name, as vLLM and SGLang name it)
-    gateway_name = ["--served-model-name", name] if args.served_model_name or args.model is None else []
+    gateway_name = ["--served-model-name", name, *names[1:]] if names or args.model is None else []
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
                                            str(args.grpc_port), *gateway_name, *tracing,

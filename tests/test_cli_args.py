@@ -171,10 +171,12 @@ def test_up_takes_the_model_as_vllm_serve_does(folders):
 
     t, d = folders
     assert _argvs(_up([t, "--draft-model", d])) == _argvs(_up(["--model", t, "--draft-model", d]))
-    for argv, names in (([t], (Path(t).name, t)), ([t, "--served-model-name", "mine"], ("mine",))):
+    for argv, names in (([t], (Path(t).name, t)), ([t, "--served-model-name", "mine"], ("mine",)),
+                        ([t, "--served-model-name", "mine", "org/also-mine"], ("mine", "org/also-mine"))):
         gateway = _argvs(_up([*argv, "--draft-model", d]))["gateway"]
         cfg = config_from_args(gateway_parser().parse_args(gateway[gateway.index("gateway") + 1:]))
-        assert cfg.model_names[: len(names)] == names and (len(names) > 1 or len(cfg.model_names) == 1), cfg.model_names
+        assert cfg.model_names == names if "--served-model-name" in argv else cfg.model_names[:2] == names, cfg.model_names
+        assert cfg.model_name == names[0]
     with pytest.raises(Exception, match="two models"):
         _up([d, "--model", t])
 
