@@ -33,8 +33,9 @@ class PinnedStaging:
         cuda = device.type == "cuda"
         self.host = torch.zeros(numel, dtype=torch.int64, pin_memory=cuda)
         self.device_buffer = torch.zeros(numel, dtype=torch.int64, device=device)
-        self._copied: torch.cuda.Event | None = None  # the last copy; host is reused after it completes
-        self._cuda = cuda
+        # The last copy (one event, recorded again by each: only the latest copy matters); host is reused after it
+        self._copied: torch.cuda.Event | None = torch.cuda.Event() if cuda else None
+        self._sent = False
 
     @property
     def numel(self) -> int:
@@ -42,7 +43,7 @@ class PinnedStaging:
 
     def host_array(self) -> np.ndarray:
         """The host buffer to fill, once the previous copy has read it."""
-        if self._copied is not None:
+        if self._sent:
             self._copied.synchronize()
         return self.host.numpy()
 
@@ -50,9 +51,9 @@ class PinnedStaging:
         """Copy the first ``count`` values to the device (queued on the current stream); → their device view."""
         dev = self.device_buffer[:count]
         dev.copy_(self.host[:count], non_blocking=True)
-        if self._cuda:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
+            self._sent = True
         return dev
 
 
