@@ -230,5 +230,6 @@ modes, averaged."""
     modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,in-process-always,pair").split(",")
     sustain_s = float(os.environ.get("TANDEM_BENCH_SUSTAIN_S", "8"))
     repeats = int(os.environ.get("TANDEM_BENCH_REST_REPEATS", "2"))
+    device = os.environ.get("TANDEM_BENCH_DEVICE", "cuda")  # (cpu: the stack as tandem up serves the demo there)
     return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, repeats,
-                    verifier_flags=())
+                    verifier_flags=(), device=device, dtype="bfloat16" if device.startswith("cuda") else "float32")
