@@ -297,12 +297,28 @@ def test_a_measured_verdict_for_plain_steps_detaches_without_waiting_for_the_clo
     clock = Clock()
     att = DrafterAttachment(CFG, clock)
     for _ in range(CFG.detach_measured_steps - 1):
-        assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True) is None
+        assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True, loss=0.2) is None
     # no time has passed: only the verdict could detach now
-    assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True) == "detach"
+    assert att.after_decision(False, asked=True, can_switch=True, plain_measured_faster=True, loss=0.2) == "detach"
     clock.now += CFG.detached_first_s
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
     assert att.after_decision(False, asked=True, can_switch=False, plain_measured_faster=True) is None  # a run in flight
+
+
+def test_a_close_measured_verdict_waits_out_the_clock():
+    """Plain ahead by 1.8 % (a hard prompt's acceptance at concurrency 1): no quick detach — its cost, seconds of plain
+    steps and requests admitted undrafted, outweighs such a loss, which the next prompt may reverse; the clock's time
+    and steps still detach a batch kept plain."""
+    clock = Clock()
+    att = DrafterAttachment(CFG, clock)
+    close = dict(asked=True, can_switch=True, plain_measured_faster=True, loss=0.018)
+    assert CFG.detach_measured_loss > 0.018
+    changes = []
+    for _ in range(CFG.detach_measured_steps + 2):
+        changes.append(att.after_decision(False, **close))
+    assert changes == [None] * len(changes)
+    clock.now += CFG.detach_after_s
+    assert att.after_decision(False, **close) == "detach"
 
 
 def test_by_default_the_policy_is_asked_again_only_once_the_whole_batch_can_draft():
