@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-metrics-url", default=None,
                    help="the drafter service's Prometheus URL, served within our /metrics too")
     shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL)
-    p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=["debug", "info", "warning", "error"],
+    p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=shared.LOG_LEVELS,
                    help="vLLM's name for --log-level")
     return p
 

@@ -32,3 +32,8 @@ class GatewayContext:
         self.started_at = int(time.time())
         self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
+
+    @property
+    def verifier_ready(self) -> bool:
+        """The verifier was SERVING at the last health check, and no generation has found it unavailable since."""
+        return self.verifier_serving and self.client is not None and not self.client.unreachable

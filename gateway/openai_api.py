@@ -74,7 +74,7 @@ def create_app(gw: GatewayContext) -> FastAPI:
     @app.api_route("/ping", methods=["GET", "HEAD"])  # (vLLM's alias; SGLang's /health_generate generates: not this)
     async def health():
         # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
-        if gw.verifier_serving and not gw.client.unreachable:
+        if gw.verifier_ready:
             return Response(status_code=200)
         return error_response(GatewayError(503, UNAVAILABLE))
 

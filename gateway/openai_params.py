@@ -116,7 +116,8 @@ def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Li
     prompt = body.get("prompt")
     batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
     if not batched or len(prompt) == 1:
-        return dataclasses.replace(_parse_prompt(body, request_id, tok, limits), batched=batched)
+        parsed = _parse_prompt(body, request_id, tok, limits)
+        return dataclasses.replace(parsed, batched=True) if batched else parsed
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}")
     if len(prompt) * (integer(body, "n") or 1) > MAX_PROMPTS:

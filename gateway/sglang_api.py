@@ -63,7 +63,7 @@ def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        if gw.verifier_serving and not gw.client.unreachable and await _one_token(gw):
+        if gw.verifier_ready and await _one_token(gw):
             return Response(status_code=200)
         return error_response(GatewayError(503, UNAVAILABLE))
 
@@ -86,11 +86,10 @@ async def _one_token(gw: GatewayContext) -> bool:
 
 def _parser(gw: GatewayContext):
     def parse(body: dict, request_id: str, limits: Limits) -> OpenAIRequest:
-        completion = completion_body(body)
         try:
-            return parse_completion(completion, request_id, gw.tokenizer, limits)
+            return parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
         except GatewayError as e:  # named as the client named it
-            raise _renamed(e, completion) from None
+            raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
 
     return parse
 
@@ -112,16 +111,15 @@ def completion_body(body: dict) -> dict:
     for name, default in NO_OP_SAMPLING.items():
         if sampling.get(name, default) not in (default, None):
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
-    completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if theirs in sampling}
+    completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
     return {**completion, "prompt": text if text is not None else ids, "stream": bool(body.get("stream", False))}
 
 
-def _renamed(e: GatewayError, completion: dict) -> GatewayError:
-    theirs = {ours: f"sampling_params.{name}" for name, ours in SAMPLING_NAMES.items()}
-    theirs["prompt"] = "text" if isinstance(completion.get("prompt"), str) or (
-        isinstance(completion.get("prompt"), list) and completion["prompt"] and isinstance(completion["prompt"][0], str)
-    ) else "input_ids"
+def _renamed(e: GatewayError, prompt_name: str) -> GatewayError:
+    """``e`` naming the SGLang field that the completion field it names came from (``prompt_name``: text or
+    input_ids)."""
+    theirs = {ours: f"sampling_params.{name}" for name, ours in SAMPLING_NAMES.items()} | {"prompt": prompt_name}
     if e.param not in theirs:
         return e
     name = theirs[e.param]

@@ -178,8 +178,8 @@ def _kv_cache_dtype(value: str) -> str:
 
 KV_CACHE_DTYPE = Flag(("--kv-cache-dtype",), dict(default="auto", type=_kv_cache_dtype,
                                                   help="auto: the model's dtype (the only one Tandem keeps)"))
-LOG_LEVEL = Flag(("--log-level",), dict(default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
-                                       help="log threshold"))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVEL = Flag(("--log-level",), dict(default="info", type=str.lower, choices=LOG_LEVELS, help="log threshold"))
 # The gateway's admission and logging flags: python -m gateway takes them, tandem up passes them on.
 MAX_TOKENS_LIMIT = Flag(("--max-tokens-limit",), dict(
     type=int, default=None, help="largest max_tokens accepted (default: only the model's context bounds it)"))
@@ -469,9 +469,6 @@ def resolve_target(args: argparse.Namespace) -> str | None:
     return model
 
 
-QUANTIZATION_NAMES = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
-
-
 def check_quantization(asked: str | None, model: str) -> None:
     """``--quantization``, where given, must name what the checkpoint's quantization_config holds: Tandem reads that
     (a flag cannot quantize a checkpoint here, nor load one as another method)."""
@@ -484,7 +481,7 @@ def check_quantization(asked: str | None, model: str) -> None:
     except (OSError, ValueError):
         return  # (the model's loader says what is wrong with its config)
     held = (find_quantization_config(raw) or {}).get("quant_method")
-    name = QUANTIZATION_NAMES.get(asked.lower(), asked.lower())
+    name = asked.lower().replace("_", "-")  # (compressed_tensors and compressed-tensors alike)
     if name != (held or "none"):
         raise ConfigError(f"--quantization {asked}: the checkpoint's quantization_config says "
                           f"{held or 'none (not quantized)'}; Tandem loads what the checkpoint holds (leave the flag out)")

@@ -81,21 +81,9 @@ class SamplingParams:
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def token_uniform(seed: int, index: int) -> float:
-    """The uniform in [0, 1) that samples token ``index`` (its place in the sequence, the prompt's tokens
-    included) of a request seeded ``seed``. 24 bits: exact in float32, so never rounded up to 1."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 40) * 2.0 ** -24
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    """``_splitmix64`` of every uint64 of ``x`` (array arithmetic wraps modulo 2^64, as the masks do)."""
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output for each uint64 state of ``x`` (its first output from that state; array arithmetic wraps
+    modulo 2^64 as the generator's does)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -103,11 +91,17 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 
 
 def token_uniforms(starts: list[tuple[int, int]], steps: int) -> np.ndarray:
-    """float32 ``[steps, rows]``: ``token_uniform`` of the tokens ``first + k`` of each row's ``(seed, first)``, at
-    once (a queued run's sampled batch: steps x rows of them)."""
-    seeds = _splitmix64_array(np.array([seed & _MASK64 for seed, _ in starts], dtype=np.uint64))
+    """float32 ``[steps, rows]``: the uniform in [0, 1) that samples token ``first + k`` (its place in the sequence,
+    the prompt's tokens included) of each row's request ``(seed, first)`` — a hash of the two, 24 bits: exact in
+    float32, so never rounded up to 1."""
+    seeds = splitmix64(np.array([seed & _MASK64 for seed, _ in starts], dtype=np.uint64))
     index = np.array([first for _, first in starts], dtype=np.uint64)[None, :] + np.arange(steps, dtype=np.uint64)[:, None]
-    return ((_splitmix64_array(seeds[None, :] ^ index) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24))
+    return (splitmix64(seeds[None, :] ^ index) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def token_uniform(seed: int, index: int) -> float:
+    """``token_uniforms`` of one token: request ``seed``'s token ``index``."""
+    return float(token_uniforms([(seed, index)], 1)[0, 0])
 
 
 @dataclass(frozen=True)

@@ -142,10 +142,20 @@ def test_token_uniforms_are_uniform_and_independent_across_tokens_and_seeds():
     assert abs(pearsonr(by_seed[0, :-1], by_seed[0, 1:])[0]) < 0.05  # token i and i + 1
     assert abs(pearsonr(by_seed[0], by_seed[1])[0]) < 0.05  # seeds 0 and 1 at the same token
     assert token_uniform(7, 100) == token_uniform(7, 100) != token_uniform(7, 101)
-    starts = [(0, 0), (2**64 - 1, 5), (12345, 2**40)]  # a queued run's rows at once: the same numbers
-    many = token_uniforms(starts, 4)
-    assert many.dtype == np.float32 and [[float(v) for v in row] for row in many] == \
-        [[token_uniform(seed, first + k) for seed, first in starts] for k in range(4)]
+    many = token_uniforms([(0, 0), (2**64 - 1, 5)], 4)  # a queued run's rows and steps at once: token by token
+    assert many.dtype == np.float32 and many.shape == (4, 2)
+    assert [float(v) for v in many[:, 1]] == [token_uniform(2**64 - 1, 5 + k) for k in range(4)]
+
+
+def test_the_hash_is_splitmix64():
+    """SplitMix64 against the published outputs of the reference generator seeded 1234567 (the xoshiro authors' page):
+    its k-th output is the mix of the state seed + k x the golden gamma."""
+    from tandem.sampling import splitmix64
+
+    gamma, seed = 0x9E3779B97F4A7C15, 1234567
+    states = np.array([(seed + k * gamma) % 2**64 for k in range(5)], dtype=np.uint64)
+    assert [int(v) for v in splitmix64(states)] == [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                                                    4593380528125082431, 16408922859458223821]
 
 
 def exact_adjusted(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -1,15 +1,16 @@
 """A Prometheus histogram the engine thread fills in bulk: ``observe(value, count)`` adds one value ``count`` times.
 
 The engine observes the inter-token gap once per streamed token and the accept length once per round; through
-prometheus_client's Histogram (a lock and a bucket search each) those observations and their label lookups took
-4-9 % of a served step's host time on the demo pair (py-spy, docs/benchmarks.md). A step's tokens of one request share
-one gap, so here they are one call. One writer (the engine loop's thread); a scrape reads a copy of the counts, which
+prometheus_client's Histogram (a lock and a bucket search each) those observations and their label lookups were a
+visible share of a served step's host time on a small target (py-spy: docs/benchmarks.md). A step's tokens of one
+request share one gap, so here they are one call. One writer (the engine loop's thread); a scrape reads a copy of the counts, which
 at most misses the observation in flight. Exposed as prometheus_client exposes a Histogram (cumulative ``le``
 buckets, ``_count``, ``_sum``), without ``_created``."""
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 from prometheus_client.metrics_core import HistogramMetricFamily
@@ -33,14 +34,7 @@ class BulkHistogram:
 
     def collect(self):
         counts, total, buckets = list(self.counts), self.sum, []
-        for bound, n in zip(self.bounds, _cumulative(counts)):
+        for bound, n in zip(self.bounds, itertools.accumulate(counts)):
             buckets.append(("+Inf" if bound == math.inf else repr(bound), n))
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
 
-
-def _cumulative(counts: list) -> list:
-    out, running = [], 0
-    for n in counts:
-        running += n
-        out.append(running)
-    return out

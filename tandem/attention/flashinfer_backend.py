@@ -58,8 +58,9 @@ def new_workspace(device: torch.device | str) -> torch.Tensor:
 def _page_arrays(kv_lens: list[int], tables: np.ndarray, page_size: int, device: torch.device):
     """→ kv_indptr (int32, host) [B+1], kv_indices (int32, ``device``) [total pages], last_page_len (int32,
     host) [B], in 1..page_size, from the host's block tables ``tables`` [B, max pages]. Only the pages a
-    sequence uses are listed. Built with numpy (torch's per-op overhead made this most of an eager step's host
-    work); the indices reach the device through pinned memory: FlashInfer copies host indices with a sync."""
+    sequence uses are listed. Built with numpy (a dozen small torch ops per plan were a large share of an eager
+    step's host work); the indices reach the device through pinned memory: FlashInfer copies host indices with a
+    sync."""
     lens = np.asarray(kv_lens, dtype=np.int64)
     npages = (lens + page_size - 1) // page_size
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)

@@ -12,7 +12,7 @@ import torch
 
 from tandem.forward_batch import SequenceChunk
 from tandem.engine.request import Request
-from tandem.sampling import SamplingParams, adjusted_probs, token_uniform
+from tandem.sampling import SamplingParams, adjusted_probs, token_uniforms
 from tandem.speculative.accept import AcceptResult, accept_greedy, accept_sampling
 from tandem.speculative.tree import DraftTree
 
@@ -38,7 +38,7 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, s
     if params.greedy:
         return accept_greedy(tree, logits.argmax(dim=-1).tolist())
     probs = adjusted_probs(logits, [params] * tree.size)
-    return accept_sampling(tree, probs, [token_uniform(seed, root + 1 + d) for d in range(max(tree.depths) + 1)])
+    return accept_sampling(tree, probs, token_uniforms([(seed, root + 1)], max(tree.depths) + 1)[:, 0].tolist())
 
 
 def compaction_moves(req: Request, accepted_nodes: list[int]) -> tuple[list[int], list[int]]:

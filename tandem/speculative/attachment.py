@@ -28,9 +28,8 @@ Where measured goodput (tandem.speculative.goodput) has found plain steps faster
 the engine detaches after ``detach_measured_steps`` plain decisions instead of the time and steps above — where
 speculation loses at least ``detach_measured_loss`` there: the verdict is already measured, and attached plain steps pay
 for input no draft will use. A closer verdict waits out the time and steps: at concurrency 1 speculation's reading
-follows each prompt's acceptance, and the demo pair on the CPU detached on hard prompts where it lost 1.8 % and 5 %, then
-ran its next requests plain for two seconds and more (undrafted: admitted while detached): 328-354 tok/s over 32
-requests against 366-379 without a detach. Where speculation won
+follows each prompt's acceptance, and detaching on a hard prompt's small loss ran the next requests plain for seconds
+(undrafted: admitted while detached). Where speculation won
 only narrowly against attached plain steps and plain was never measured detached there, the engine detaches for
 ``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
 whose last measured verdict was speculation (``favoured_attach_s`` in a row), the engine attaches at once: a
@@ -128,9 +127,9 @@ class DrafterAttachment:
         ``spec_lead()``: speculation's measured goodput over plain's at this batch size, less one (None: not both
         measured; asked only once a speculative streak is earnest); ``spec_favoured``: the last verdict measured at this batch size was speculation;
         ``passing``: a plain step the policy takes only to measure plain (an exploration of it, or a step timing it)
-        while it keeps speculating: it breaks a speculative streak but does not run the plain clock (served at
-        concurrency 64, the ramp's first explorations at each bucket added up to a second and 64 plain steps between
-        streaks shorter than 64 rounds, and detached a drafter measured 53 % ahead).
+        while it keeps speculating: it breaks a speculative streak but does not run the plain clock (a load's first
+        explorations at each bucket could add up to the detach clock between short streaks and detach a drafter that
+        led).
         → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None

@@ -181,8 +181,8 @@ class ChainDepth:
 
     def _space_trials(self, bucket: int, rates: dict) -> None:
         """Depths just timed by trials: one far behind the best (FAR_BEHIND) is tried next twice as late as last;
-        else after FRESH_STEPS (on the demo pair served at concurrency 1 and 8 a trial of each shorter depth came
-        every few seconds at each bucket, 4-12 changes of depth a 4 s load, each ending the queued runs)."""
+        else after FRESH_STEPS (a trial of each shorter depth every few seconds at each bucket changed the depth
+        several times a load, each change ending the queued runs)."""
         best = max(rates.values(), default=0.0)
         for depth in [d for b, d in self._judged if b == bucket and d in rates]:
             self._judged.discard((bucket, depth))

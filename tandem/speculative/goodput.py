@@ -68,9 +68,8 @@ class _Meter:
 
 class StickyBuckets:
     """Batch size -> bucket (``bucket``: powers of two, each batch to the nearest), except that the bucket the batch
-    was last served at keeps it ``reach`` times past its edge: a load whose batch moves about an edge (the demo pair
-    over REST at concurrency 8 ran 5 to 8 requests, edge 5.7; at 64, 42 to 57, edge 45) was measured, explored and
-    probed as two loads, each at half the readings."""
+    was last served at keeps it ``reach`` times past its edge: a load whose batch moves about an edge (requests ending
+    and arriving) would be measured, explored and probed as two loads, each at half the readings."""
 
     def __init__(self, bucket, reach: float = BUCKET_REACH):
         self._bucket, self._reach = bucket, reach * math.sqrt(2)
@@ -194,19 +193,18 @@ class GoodputArbiter:
 
     def take_probe(self, batch_size: int, ships_features: bool = True, tax: float | None = None) -> bool:
         """Whether the engine is to detach briefly now (a probe; then taken: at most one probe in ``goodput_stale_s``
-        of serving, whatever the bucket — idle time left out: loads seconds apart each paid a probe of a second, a
-        quarter of a 4 s load of the demo pair at concurrency 1 run detached, where one in 30 s of traffic costs 1 %;
-        and a batch about a bucket's edge, at concurrency 64 between 42 and 57 requests, paid one at either bucket,
-        each a second detached and its admitted requests undrafted, 10-20 % of those loads, finding nothing):
+        of serving, whatever the bucket — idle time left out, or loads seconds apart would each pay a probe; and a
+        batch about a bucket's edge paid one at either bucket, each a second detached with its admitted requests
+        undrafted):
         speculation won at ``batch_size``'s bucket only against plain steps run attached, by less than
         ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
         draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
         speculation, which only detaching can measure. Where they only hold the features (``ships_features`` False: an
         in-process head) that price is small, and a probe costs more than it can find — the batch admitted while
         detached cannot draft until it finishes —, so none is taken unless attached plain steps were timed to cost
-        ``goodput_margin`` more: at concurrency 1 speculation's reading follows each prompt's acceptance (the demo pair
-        on the CPU: 381, 408, 325, 301 tok/s over four prompts against plain's 288), and a 5 % margin probed on the
-        fourth and left the next two requests undrafted. ``tax``: what attached plain steps were timed to cost over
+        ``goodput_margin`` more: at concurrency 1 speculation's reading follows each prompt's acceptance, and a margin
+        of a few percent probed on a hard prompt and left the next requests undrafted. ``tax``: what attached plain
+        steps were timed to cost over
         detached ones at this bucket, less one (the warm-up's): speculation ahead of attached plain steps by less than
         that (and ``goodput_margin``) may be behind detached ones, up to ``goodput_probe_margin_max``."""
         b, now, c = self.bucket(batch_size), self.clock(), self.cfg
