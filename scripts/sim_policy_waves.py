@@ -5,7 +5,7 @@ A useless head (every draft rejected: a round emits one token a request), the se
 (plain / round ms by batch bucket), runs of 4 queued steps or rounds (overlapped: a step reads one back and queues
 the next where the batch and the mode stay), a catch-up round after plain steps (not metered), prompts prefilled
 apart (REST arrivals ARRIVAL_S apart, a step of prompts PREFILL_S + PREFILL_PER_S each), prompts admitted while
-detached never draft, and the waves c1x64 x4, c1x256, c8x256, c64x256, c1x1024, c8x1024, c64x1024 with idle gaps.
+detached never draft (the engine's join after a re-attach, DraftLink.join_running, is not simulated), and the waves c1x64 x4, c1x256, c8x256, c64x256, c1x1024, c8x1024, c64x1024 with idle gaps.
 Prints each wave's throughput and steps by mode, the detaches and attaches, and the batch-8 meters at each wave's
 start. ``python scripts/sim_policy_waves.py [WAVE_INDEX]``: WAVE_INDEX traces every decision of that wave.
 With the defaults the c8x1024 wave (index 8) speculated ~86 % of its steps with no detach before the fix

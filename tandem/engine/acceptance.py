@@ -80,7 +80,7 @@ def accept_verified(sched: Schedule, trees: dict[str, DraftTree], logits: torch.
         token_row += n
     for req, root_row in plain_rows:  # a plain step keeps the drafter in step: (token, root's feature)
         observed.append((req.rid, req.num_tokens - 1, [root_row]))
-        if features is not None and req.spec is not None and req.draft_ready:
+        if features is not None and req.spec is not None and req.follows_drafter:
             held.append((req, emitted[req.rid], features[root_row : root_row + 1]))
     caught_up = drafts.keep_in_step(held)
     moves_src, moves_dst = [], []

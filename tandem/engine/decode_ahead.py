@@ -259,5 +259,5 @@ def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], 
         return False
     last_turn = engine.drafts.completes(finishing=True)  # held for the extend their release sends
     items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
-             if (last_turn or not req.finished) and req.spec is not None and req.draft_ready]
+             if (last_turn or not req.finished) and req.spec is not None and req.follows_drafter]
     return engine.drafts.keep_in_step(items)

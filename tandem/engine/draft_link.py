@@ -22,7 +22,8 @@ from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("tandem.engine")
-REFEED_MIN_TOKENS_LEFT = 32  # a drafter that reconnects gets back requests with at least this many tokens to go
+# a drafter that reconnects, or attaches again, gets back requests with at least this many tokens to go
+REFEED_MIN_TOKENS_LEFT = 32
 # Features a request may hold for the drafter (plain steps, a plain-starting prompt) before they are
 # sent anyway: ~340 rows of an 8B target's (3 x 4096 bf16), whole prompts of a small one; and all
 # requests together (device memory outside the KV budget).
@@ -39,6 +40,7 @@ class DraftLink:
         self.engine = engine
         self._was_up = True
         self.held_bytes = 0  # features held by all requests (see hold)
+        self.joins_due = False  # attached again: running requests join the drafter (join_running)
 
     @property
     def proposer(self):
@@ -58,8 +60,10 @@ class DraftLink:
         return self.up() and not self.detached
 
     def detach(self, reqs: list) -> None:
-        """On detaching: release the requests' draft state, held input dropped (they decode plainly to their end);
+        """On detaching: release the requests' draft state, held input dropped (they decode plainly until they join
+        again: join_running);
         a drafter service gets the releases now, not with a Round that may be a detached period away."""
+        self.joins_due = False
         self.forget_all(reqs, complete=False)
         if self.up():
             try:
@@ -112,6 +116,28 @@ class DraftLink:
             return False
         req.draft_ready = True  # it holds draft state now (forget releases it)
         return True
+
+    def join_running(self) -> int:
+        """After the drafter attached again (``joins_due``), the running requests without draft state — admitted
+        while it was detached — start on it too, where they have REFEED_MIN_TOKENS_LEFT to go: on all their
+        committed tokens (``Request.attach_at``), whose entries the drafter rebuilds from zero features since it
+        never saw theirs (or finds in its prefix cache), then their next steps' features, held for their first
+        draft. Drafts over such entries accept less, output is exact either way; without a join they would
+        decode plainly to their end. Called between runs only: a run queued while detached goes on without
+        features, and the join must start at the first step that has them. → requests joined."""
+        if not self.joins_due:
+            return 0
+        self.joins_due = False
+        if not self.keeping() or not self.proposer.caches_prefixes:
+            return 0
+        joined = 0
+        for req in self.engine.scheduler.running:
+            left = req.params.max_new_tokens - len(req.output)
+            if (req.spec is not None and req.output and not req.finished and not req.follows_drafter
+                    and left >= REFEED_MIN_TOKENS_LEFT):
+                req.attach_at = req.num_tokens - 1  # its last token's KV and feature come with its next step
+                joined += 1
+        return joined
 
     def _may_hold(self, req, features: torch.Tensor) -> bool:
         """Whether the request may hold ``features`` too (PENDING_LIMIT_BYTES, and all requests' total);

@@ -205,6 +205,7 @@ class LLMEngine:
                      "plain steps measured without the drafter" if probe else "speculation off for a while",
                      len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
         elif change == "attach":
+            self.drafts.joins_due = True
             log.info("the drafter is attached again: prompts admitted from now on can speculate")
 
     def prompts_due(self) -> bool:
@@ -244,6 +245,8 @@ class LLMEngine:
         ahead, or one verify forward."""
         timer = StepTimer(self.phase_sync)
         self.drafts.refeed_after_reconnect()
+        if self.run_in_flight is None and (joined := self.drafts.join_running()):
+            log.info("%d running request(s) admitted while the drafter was detached join it (their entries rebuilt)", joined)
         width = self._decide()  # decided once per step, before any page is reserved
         if isinstance(self.run_in_flight, DecodeRun):  # read it back first (queuing the next run where
             return step_decode_in_flight(self, timer)  # nothing changed)

@@ -30,8 +30,9 @@ class Request:
     num_preemptions: int = 0
     spec: Any = None  # SpecConfig of this request, or None when it does not speculate
     draft_ready: bool = False  # the proposer holds this request's draft state (it can draft now)
-    # With the prefix cache, the drafter's start on the prompt's cached tokens, deferred while the batch decodes
-    # plainly (DraftLink.attach): made right before the request's first extend; None once made (or never due).
+    # The drafter's start on the request's first tokens, made right before its first extend (None once made, or never
+    # due): with the prefix cache, on the prompt's cached tokens while the batch decodes plainly (DraftLink.attach);
+    # or on all it had committed when a drafter attached again found it running (DraftLink.join_running).
     attach_at: int | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     spec_state: RequestSpecState = field(default_factory=RequestSpecState)  # the policy's view of it
@@ -63,6 +64,11 @@ class Request:
     @property
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def follows_drafter(self) -> bool:
+        """Whether its steps' features go to the drafter: it holds draft state, or starts on it at its next extend."""
+        return self.draft_ready or self.attach_at is not None
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ was 40 % of target-only's speed (the demo pair in process, a drafter attached to
 speculated: 0.60x at concurrency 8). So once the policy has kept the batch plain for a while (it
 measured that speculation does not pay there), the engine *detaches*: every request's draft state is
 released and nothing more is captured — plain steps are then target-only steps. Requests prefilled while
-detached decode plainly to their end.
+detached join the drafter when it attaches again (tandem.engine.draft_link.DraftLink.join_running).
 
 After a detached period the engine attaches again: prompts admitted from then on start on the drafter, and
 once the whole batch can draft (``ready_share``; or after ``ready_timeout_s``) the policy is asked again,

@@ -194,14 +194,14 @@ class GoodputArbiter:
     def take_probe(self, batch_size: int, ships_features: bool = True, tax: float | None = None) -> bool:
         """Whether the engine is to detach briefly now (a probe; then taken: at most one probe in ``goodput_stale_s``
         of serving, whatever the bucket — idle time left out, or loads seconds apart would each pay a probe; and a
-        batch about a bucket's edge paid one at either bucket, each a second detached with its admitted requests
-        undrafted):
+        batch about a bucket's edge paid one at either bucket, each a second detached, its admitted requests undrafted
+        until they join the drafter after it):
         speculation won at ``batch_size``'s bucket only against plain steps run attached, by less than
         ``goodput_probe_margin``, plain not measured detached there. Attached, plain steps pay for input no
         draft may use (a service drafter: the features shipped every step), so detached ones may be faster than
         speculation, which only detaching can measure. Where they only hold the features (``ships_features`` False: an
-        in-process head) that price is small, and a probe costs more than it can find — the batch admitted while
-        detached cannot draft until it finishes —, so none is taken unless attached plain steps were timed to cost
+        in-process head) that price is small, and a probe costs more than it can find — the requests admitted while
+        detached draft only once they join the drafter after it, from rebuilt entries —, so none is taken unless attached plain steps were timed to cost
         ``goodput_margin`` more: at concurrency 1 speculation's reading follows each prompt's acceptance, and a margin
         of a few percent probed on a hard prompt and left the next requests undrafted. ``tax``: what attached plain
         steps were timed to cost over

@@ -1,0 +1,110 @@
+"""Requests admitted while the drafter was detached join it when it attaches again (DraftLink.join_running):
+from their committed tokens, whose draft entries the drafter rebuilds from zero features, then each step's
+features. They speculate for the rest of their generation instead of decoding plainly to their end, every token
+is still the target's, the drafter's entries keep pace with the target's KV, and — on the shipped demo pair,
+whose head really accepts — a joined request accepts about as much as one drafted from its prompt on."""
+
+from __future__ import annotations
+
+import pytest
+
+from draft_checkpoints import pair_engine
+from helpers import random_prompt
+from test_drafter_attachment import Clock
+from tandem.sampling import SamplingParams
+from tandem.speculative.attachment import AttachmentConfig, DrafterAttachment
+from tandem.speculative.spec_config import SpecConfig
+
+LONG = SamplingParams(max_new_tokens=72, ignore_eos=True)  # past the 32 tokens a join needs to go
+SHORT = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_requests_prefilled_while_detached_join_the_drafter_once_it_attaches_again(pair, cache):
+    prompts = [random_prompt(740 + i, 9 + 3 * i) for i in range(4)]
+    params = [SHORT, LONG, LONG, SHORT]
+    with pair_engine(pair, page_size=4, enable_prefix_caching=cache) as eng:
+        reference = [eng.generate([p], sp)[0].output_token_ids for p, sp in zip(prompts, params)]
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4, enable_prefix_caching=cache) as eng:
+        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                            detached_first_s=5.0, ready_timeout_s=1e9), clock)
+        speculate = [False]
+        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+        first = eng.add_request(prompts[0], params[0])
+        while not eng.attachment.detached:
+            eng.step()
+        late = [eng.add_request(p, sp) for p, sp in zip(prompts[1:], params[1:])]  # prefilled while detached
+        for _ in range(6):
+            eng.step()
+        assert all(eng.requests[r].output and not eng.requests[r].follows_drafter for r in late)
+        speculate[0] = True
+        attached = {}
+        attach_prefix = eng.proposer.attach_prefix
+        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        clock.now += 5.0
+        eng.step()  # the detached period is over: attached again; the join is made at the next step
+        assert not eng.attachment.detached
+        committed = {r: eng.requests[r].tokens for r in late}
+        eng.step()  # the first step with features: held for the joined requests' first drafts
+        joined = [r for r in late if eng.requests[r].params is LONG]
+        assert [r for r in late if eng.requests[r].follows_drafter] == joined  # short ones have < 32 tokens to go
+        assert not attached  # made with the first extend, right before the first draft
+        checked = set()
+        while eng.has_unfinished():
+            eng.step()
+            for r in joined:
+                req = eng.requests[r]
+                if req.spec_stats.rounds and not req.finished and not req.pending_extend and r not in checked:
+                    # the drafter's entries pair token t+1 with the target's feature at t: one fewer than tokens
+                    assert eng.proposer.num_tokens(r) == req.num_tokens - 1
+                    checked.add(r)
+        got = [eng.requests[r].output for r in [first, *late]]
+        rounds = {r: eng.requests[r].spec_stats.rounds for r in late}
+    assert got == reference
+    assert checked == set(joined)
+    assert attached == {r: committed[r] for r in joined}  # on every token committed when it joined
+    assert all(rounds[r] > 0 for r in joined) and all(rounds[r] == 0 for r in late if r not in joined)
+
+
+def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
+    """The shipped demo pair, greedy, float32: requests that join after 48 plain tokens accept, over their later
+    rounds, at least 0.9 of what the same requests accept over the same positions drafted from the start."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.speculative_setup import speculative_engine
+    from tandem.training import demo
+    from tandem.training.demo_pair import demo_eval_prompts
+    from proposers import always_speculate
+
+    target, draft = str(demo.SHIPPED / "target"), str(demo.SHIPPED / "draft")
+    prompts, join_at = demo_eval_prompts(target)[:6], 48
+    params = SamplingParams(max_new_tokens=144, ignore_eos=True)
+
+    def tau_from(req, start: int) -> float:
+        """Tokens per round over the rounds that began at output ``start`` or later."""
+        made, kept = 1, []
+        for accepted in req.spec_stats.accepted_per_round:
+            if made >= start:
+                kept.append(accepted + 1)
+            made += accepted + 1
+        return sum(kept) / len(kept)
+
+    taus, outputs = {}, {}
+    for joins in (False, True):
+        with speculative_engine(EngineConfig(model=target), draft, SpecConfig(3, 1, 4),
+                                policy=always_speculate()) as eng:
+            if joins:
+                eng.attachment.hold_detached()
+            reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
+            if joins:
+                while any(len(r.output) < join_at for r in reqs):
+                    eng.step()
+                assert not any(r.spec_stats.rounds for r in reqs)
+                eng.attachment.reset()  # attached again, as after a detached period
+                eng.drafts.joins_due = True
+            while eng.has_unfinished():
+                eng.step()
+            taus[joins] = sum(tau_from(r, join_at) for r in reqs) / len(reqs)
+            outputs[joins] = [r.output for r in reqs]
+    assert outputs[True] == outputs[False]
+    assert taus[False] > 2.5 and taus[True] >= 0.9 * taus[False], taus
