@@ -27,7 +27,7 @@ them are worse, never wrong (the target verifies every token).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,6 +87,9 @@ class _Request:
     block_keys: list[bytes] | None = None
     pages_cached: int = 0
     zero_pages: range = range(0)
+    # Tokens whose entries attach_prefix found in no cached page: built from zero features at the front of the
+    # request's next extend (requests joining together rebuilt in one forward, not one each).
+    rebuild: list[int] = field(default_factory=list)
 
 
 class Eagle3Drafter(Proposer):
@@ -216,8 +219,8 @@ class Eagle3Drafter(Proposer):
         """Start a new request whose prompt may start on cached target KV, and keep its pages in the prefix
         cache as they fill: ``tokens`` are ``x_0..x_c`` (c: the tokens found cached, maybe 0), so that its
         entries ``0..c-1`` (entry t pairs x_{t+1} with the target's feature at t) come from the cache. Pages
-        not found are built from zero features. The next ``extend`` goes on from entry c with x_{c+1}, ….
-        → the entries found cached."""
+        not found are built from zero features, at the front of the request's next ``extend``, which goes on from
+        entry c with x_{c+1}, …. → the entries found cached."""
         if rid in self._reqs:
             raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
         if not tokens:
@@ -228,18 +231,21 @@ class Eagle3Drafter(Proposer):
         req.pages_cached = len(req.kv.pages)
         self._reqs[rid] = req
         found = req.kv.num_tokens
-        del req.tokens[found + 1 :]  # the rebuild below extends with the rest
+        del req.tokens[found + 1 :]  # the next extend adds the rebuilt ones and its own
         self.prefix_cache.record(cached, found)
         if found < cached:
             req.zero_pages = range(found // ps, -(-cached // ps))
-            missing = tokens[found + 1 :]
-            zeros = torch.zeros(len(missing), self.head.config.feature_width, dtype=self.dtype, device=self.device)
-            try:
-                self.extend([(rid, missing, zeros)])
-            except BaseException:
-                self.release(rid)
-                raise
+            req.rebuild = tokens[found + 1 :]
         return found
+
+    def _with_rebuild(self, item: tuple[str, list[int], torch.Tensor]) -> tuple[str, list[int], torch.Tensor]:
+        """An extend item with its request's entries to rebuild (attach_prefix) in front, from zero features."""
+        rid, tokens, feats = item
+        req = self._reqs.get(rid)
+        if req is None or not req.rebuild:
+            return item
+        zeros = feats.new_zeros(len(req.rebuild), *feats.shape[1:])
+        return rid, req.rebuild + list(tokens), torch.cat([zeros, feats])
 
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -264,6 +270,8 @@ class Eagle3Drafter(Proposer):
                 )
             if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
                 raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
+        asked = [len(tokens) for _, tokens, _ in items]  # (return_logits: the rows of the caller's tokens only)
+        items = [self._with_rebuild(item) for item in items]
         reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
@@ -273,6 +281,7 @@ class Eagle3Drafter(Proposer):
             for rid, req, (_, tokens, _) in zip(rids, reqs, items):
                 if req.tokens is not None:
                     req.tokens.extend(tokens)
+                req.rebuild = []
                 self._reqs[rid] = req  # a new request (a prompt-extend graph takes prefills) starts here
             self._cache_filled(reqs)
             return None  # replayed a draft-extend or prompt-extend graph
@@ -301,12 +310,13 @@ class Eagle3Drafter(Proposer):
                 req.tokens.extend(tokens)
             req.root, req.state = tokens[-1], last_states[b]
             req.top_logp, req.top_ids = top_logp[b], top_ids[b]
+            req.rebuild = []
             self._reqs[rid] = req
         self._cache_filled(reqs)
         if not return_logits:
             return None
-        cu = dev.meta.cu_q_lens.tolist()
-        return [(states[cu[b]:cu[b + 1]], self.head.logits(states[cu[b]:cu[b + 1]])) for b in range(len(items))]
+        ends = dev.meta.cu_q_lens[1:].tolist()
+        return [(states[end - n : end], self.head.logits(states[end - n : end])) for end, n in zip(ends, asked)]
 
     # -- draft -----------------------------------------------------------------------------------
     @torch.inference_mode()
