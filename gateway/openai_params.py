@@ -259,12 +259,6 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-
-
-
-
-
-
 def _stop(v: Any) -> list[str]:
     if v is None:
         return []

@@ -69,6 +69,40 @@ def test_requests_prefilled_while_detached_join_the_drafter_once_it_attaches_aga
     assert all(rounds[r] > 0 for r in joined) and all(rounds[r] == 0 for r in late if r not in joined)
 
 
+def test_after_the_drafter_is_lost_and_back_running_requests_join_it_without_a_recompute(pair):
+    """A lost drafter (every draft state dropped) that comes back: the long running requests join it from their
+    committed tokens; the target computes no token twice (no prefill after the prompts), and output is the target's."""
+    prompts = [random_prompt(780 + i, 10 + 2 * i) for i in range(3)]
+    with pair_engine(pair, page_size=4) as eng:
+        reference = [r.output_token_ids for r in eng.generate(prompts, LONG)]
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        rids = [eng.add_request(p, LONG) for p in prompts]
+        for _ in range(4):
+            eng.step()
+        starts = []  # the KV each forward's sequences start on: a recompute starts on none
+        forward = eng.executor.forward
+        eng.executor.forward = lambda batch, *a, **k: starts.extend(c.prefix_len for c in batch.seqs) or forward(batch, *a, **k)
+        eng.proposer.available = False
+        eng.drafts.lost(RuntimeError("the drafter went away"))
+        eng.step()
+        eng.step()
+        assert not any(eng.requests[r].follows_drafter for r in rids)
+        committed = {r: eng.requests[r].tokens for r in rids}
+        rounds = {r: eng.requests[r].spec_stats.rounds for r in rids}
+        attached = {}
+        attach_prefix = eng.proposer.attach_prefix
+        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        eng.proposer.release_all()  # a restarted drafter knows nothing
+        eng.proposer.available = True  # back: the next step's start joins them
+        while eng.has_unfinished():
+            eng.step()
+        got = [eng.requests[r].output for r in rids]
+        again = {r: eng.requests[r].spec_stats.rounds - rounds[r] for r in rids}
+    assert got == reference
+    assert attached == committed and all(again[r] > 0 for r in rids)
+    assert starts and min(starts) >= min(len(p) for p in prompts)  # nothing recomputed
+
+
 def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
     """The shipped demo pair, greedy, float32: requests that join after 48 plain tokens accept, over their later
     rounds, at least 0.9 of what the same requests accept over the same positions drafted from the start."""

@@ -252,11 +252,11 @@ def test_drafter_death_loses_nothing_and_speculation_resumes(pair_dirs, referenc
 
 
 def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs, tmp_path):
-    """A drafter restart loses the draft state of running requests; when it is back, the verifier
-    recomputes their sequences by a prefill (as after a preemption), which gives the drafter their
-    whole history: long requests speculate again, and their outputs stay target-only greedy."""
+    """A drafter restart loses the draft state of running requests; when it is back, they join it (their
+    committed tokens' entries rebuilt there): long requests speculate again, and their outputs stay target-only
+    greedy."""
     from tandem.engine.config import EngineConfig
-    from tandem.engine.draft_link import REFEED_MIN_TOKENS_LEFT
+    from tandem.engine.draft_link import JOIN_MIN_TOKENS_LEFT
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling import SamplingParams
 
@@ -294,7 +294,7 @@ def test_running_requests_speculate_again_after_the_drafter_comes_back(pair_dirs
             os.kill(verifier.proc.pid, signal.SIGCONT)
         try:
             wait_for(lambda: read_metrics(verifier.metrics_port)["tandem:drafter_up"] == 1.0, 30, "reconnection")
-            assert max(new_tokens - r[0] for r in received) >= 2 * REFEED_MIN_TOKENS_LEFT, \
+            assert max(new_tokens - r[0] for r in received) >= 2 * JOIN_MIN_TOKENS_LEFT, \
                 "the requests were about to finish when the drafter came back"
             back = drafts()
             for t in threads:

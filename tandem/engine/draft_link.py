@@ -3,8 +3,8 @@
 The proposer (an in-process Eagle3Drafter, or the client of the drafter service) holds draft KV for
 each request; this keeps it in step with the target: extends after every step (plain steps' tokens
 wait on the request and go in one extend before its next draft), drafts, releases, and recovers from
-a drafter that is lost (every request continues plainly) and comes back (long requests are recomputed
-by a prefill, which hands it their whole sequence). It never changes the target's output.
+a drafter that is lost (every request continues plainly) and comes back (long requests join it again:
+``join_running``). It never changes the target's output.
 
 With the prefix cache, every request starts on the drafter with ``attach_prefix`` and the tokens its prompt
 found cached (``attach``; while the batch decodes plainly, deferred to its first extend): the drafter takes
@@ -22,8 +22,8 @@ from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("tandem.engine")
-# a drafter that reconnects, or attaches again, gets back requests with at least this many tokens to go
-REFEED_MIN_TOKENS_LEFT = 32
+# a drafter that comes back, or attaches again, takes the running requests with at least this many tokens to go
+JOIN_MIN_TOKENS_LEFT = 32
 # Features a request may hold for the drafter (plain steps, a plain-starting prompt) before they are
 # sent anyway: ~340 rows of an 8B target's (3 x 4096 bf16), whole prompts of a small one; and all
 # requests together (device memory outside the KV budget).
@@ -118,8 +118,8 @@ class DraftLink:
         return True
 
     def join_running(self) -> int:
-        """After the drafter attached again (``joins_due``), the running requests without draft state — admitted
-        while it was detached — start on it too, where they have REFEED_MIN_TOKENS_LEFT to go: on all their
+        """After the drafter attached again or came back (``joins_due``), the running requests without draft state — admitted
+        while it was detached or down — start on it too, where they have JOIN_MIN_TOKENS_LEFT to go: on all their
         committed tokens (``Request.attach_at``), whose entries the drafter rebuilds from zero features since it
         never saw theirs (or finds in its prefix cache), then their next steps' features, held for their first
         draft. Drafts over such entries accept less, output is exact either way; without a join they would
@@ -134,7 +134,7 @@ class DraftLink:
         for req in self.engine.scheduler.running:
             left = req.params.max_new_tokens - len(req.output)
             if (req.spec is not None and req.output and not req.finished and not req.follows_drafter
-                    and left >= REFEED_MIN_TOKENS_LEFT):
+                    and left >= JOIN_MIN_TOKENS_LEFT):
                 req.attach_at = req.num_tokens - 1  # its last token's KV and feature come with its next step
                 joined += 1
         return joined
@@ -289,19 +289,12 @@ class DraftLink:
             req.draft_ready, req.attach_at = False, None
             self._drop_held(req)
 
-    def refeed_after_reconnect(self) -> None:
-        """When the drafter comes back after a loss, requests that still have a long way to go are
-        recomputed by a prefill (as after a preemption), which hands the drafter their whole sequence:
-        they speculate again instead of decoding plainly to the end."""
+    def after_reconnect(self) -> None:
+        """When the drafter comes back after a loss, the running requests join it (join_running): long ones speculate
+        again instead of decoding plainly to their end, and no target work is spent on it (a recompute of their
+        sequences would stall every stream for a prefill of all of them)."""
         up = self.up()
         back, self._was_up = up and not self._was_up, up
-        if not back or self.detached:  # (detached: they would not start on it anyway)
-            return
-        scheduler, refed = self.engine.scheduler, 0
-        for req in list(scheduler.running):
-            left = req.params.max_new_tokens - len(req.output)
-            if req.spec is not None and not req.draft_ready and left >= REFEED_MIN_TOKENS_LEFT:
-                scheduler.requeue(req, recompute=True)
-                self.forget(req)
-                refed += 1
-        log.info("the drafter is back: %d running request(s) recomputed to speculate again", refed)
+        if back and not self.detached:  # (detached: they join when it attaches)
+            self.joins_due = True
+            log.info("the drafter is back: the running requests join it")

@@ -244,9 +244,9 @@ class LLMEngine:
         """Schedule the step and run it: a queued run read back, a run of decode steps or rounds queued
         ahead, or one verify forward."""
         timer = StepTimer(self.phase_sync)
-        self.drafts.refeed_after_reconnect()
+        self.drafts.after_reconnect()
         if self.run_in_flight is None and (joined := self.drafts.join_running()):
-            log.info("%d running request(s) admitted while the drafter was detached join it (their entries rebuilt)", joined)
+            log.info("%d running request(s) without draft state join the drafter (their entries rebuilt)", joined)
         width = self._decide()  # decided once per step, before any page is reserved
         if isinstance(self.run_in_flight, DecodeRun):  # read it back first (queuing the next run where
             return step_decode_in_flight(self, timer)  # nothing changed)

@@ -49,7 +49,6 @@ class Request:
     # usage reports; None until the request is first admitted).
     block_keys: list = field(default_factory=list)
     prefix_hit: int = 0
-    skip_prefix_cache: bool = False  # its next admission recomputes every token (to feed a drafter)
     cached_tokens: int | None = None
 
     @property

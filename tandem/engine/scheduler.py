@@ -141,7 +141,6 @@ class Scheduler:
             req.kv.reserve(end)
             if fresh:
                 self._started(req)
-                req.skip_prefix_cache = False
             budget -= end - start
             out.prefill.append(Prefill(req, start, end, last=end == n))
             if end < n:  # the rest goes in later steps; the request keeps the head of the queue
@@ -150,19 +149,11 @@ class Scheduler:
             self.running.append(req)
         return out
 
-    def requeue(self, req: Request, recompute: bool = False) -> None:
-        """Send a running request back to the front of the queue: its KV is recomputed by a prefill
-        (used to rebuild a reconnected drafter's state from the whole sequence). ``recompute``: from its
-        first token, not from cached pages (the prefill's features are what is wanted)."""
-        if req in self.running:
-            self._preempt(req)
-            req.skip_prefix_cache = recompute
-
     def _start_on_cache(self, req: Request) -> None:
         """Adopt the request's longest cached run of full pages, leaving at least its last token to compute
         (none for a prompt whose every position's logits are wanted: prompt_logprobs)."""
         req.prefix_hit = 0
-        if self.cache is not None and not req.skip_prefix_cache and not wants_prompt_logits(req):
+        if self.cache is not None and not wants_prompt_logits(req):
             usable = (req.num_tokens - 1) // self.allocator.page_size
             keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys)[:usable]
             pages = self.cache.match(keys)
