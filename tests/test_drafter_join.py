@@ -116,9 +116,10 @@ def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
     prompts, join_at = demo_eval_prompts(target)[:6], 48
     params = SamplingParams(max_new_tokens=144, ignore_eos=True)
 
-    def tau_from(req, start: int) -> float:
-        """Tokens per round over the rounds that began at output ``start`` or later."""
-        made, kept = 1, []
+    def tau_from(req, start: int, plain: int) -> float:
+        """Tokens per round over the rounds that began at output ``start`` or later, the first ``plain`` tokens
+        made without rounds."""
+        made, kept = plain, []
         for accepted in req.spec_stats.accepted_per_round:
             if made >= start:
                 kept.append(accepted + 1)
@@ -132,15 +133,17 @@ def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
             if joins:
                 eng.attachment.hold_detached()
             reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
+            plain = {r.rid: 1 for r in reqs}  # (a prompt's step makes the first token)
             if joins:
                 while any(len(r.output) < join_at for r in reqs):
                     eng.step()
                 assert not any(r.spec_stats.rounds for r in reqs)
+                plain = {r.rid: len(r.output) for r in reqs}
                 eng.attachment.reset()  # attached again, as after a detached period
                 eng.drafts.joins_due = True
             while eng.has_unfinished():
                 eng.step()
-            taus[joins] = sum(tau_from(r, join_at) for r in reqs) / len(reqs)
+            taus[joins] = sum(tau_from(r, join_at, plain[r.rid]) for r in reqs) / len(reqs)
             outputs[joins] = [r.output for r in reqs]
     assert outputs[True] == outputs[False]
     assert taus[False] > 2.5 and taus[True] >= 0.9 * taus[False], taus
