@@ -179,3 +179,35 @@ def _entries(drafter, rid: str) -> torch.Tensor:
     state = drafter.request_states([rid])[0]
     slots = torch.tensor([state.kv.slot(t) for t in range(state.kv.num_tokens)])
     return drafter.kv.data.flatten(2, 3)[:, 0].index_select(1, slots)
+
+
+def test_overlapped_decode_runs_stop_for_a_join(pair, monkeypatch):
+    """Decode runs queued one after another (the static graph path: what CUDA graphs run) go on from the device while
+    the batch stays the same, without features once detached: a lone request that started detached would never join.
+    Due to join, the run after the one read back is not queued; it joins, speculates, and its output is the target's."""
+    import tandem.attention.graph_backend as graph_backend
+    from helpers import TorchGraphBackend
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.speculative_setup import speculative_engine
+    from proposers import always_speculate
+
+    prompt = random_prompt(800, 11)
+    with LLMEngine(EngineConfig(model=str(pair.target_dir), page_size=4)) as plain:
+        reference = plain.generate([prompt], LONG)[0].output_token_ids
+    monkeypatch.setattr(graph_backend, "make_graph_backend", lambda latent: TorchGraphBackend())
+    cfg = EngineConfig(model=str(pair.target_dir), page_size=4, static_graph_path=True, decode_steps=4,
+                       cuda_graph_max_bs=2, prefill_graph_tokens=16, prefill_graph_max_bs=2)
+    with speculative_engine(cfg, str(pair.draft_dir), SpecConfig(3, 1, 4), policy=always_speculate()) as engine:
+        engine.attachment.hold_detached()
+        rid = engine.add_request(prompt, LONG)
+        while len(engine.requests[rid].output) < 12:
+            engine.step()
+        assert engine.run_in_flight is not None  # runs overlap
+        engine.attachment.reset()  # attached again (the engine's "attach" change)
+        engine.drafts.joins_due = True
+        while engine.has_unfinished():
+            engine.step()
+        req = engine.requests[rid]
+        assert req.output == reference
+        assert req.spec_stats.rounds > 0

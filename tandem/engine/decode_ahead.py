@@ -226,7 +226,9 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
     following = None
     with timer("verify"):
         same_batch = engine.scheduler.running_exactly(run.reqs)
-        more = decode_steps_ahead(engine, run.reqs, queued=run.steps) if engine.overlap_runs and same_batch else 0
+        # (requests due to join the drafter join between runs: a run queued after this one would have no features)
+        going_on = engine.overlap_runs and same_batch and not engine.drafts.joins_due
+        more = decode_steps_ahead(engine, run.reqs, queued=run.steps) if going_on else 0
         if more:
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
