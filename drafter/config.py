@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -83,11 +82,7 @@ class DrafterServiceConfig:
         if a.profile_rounds < 0:
             raise ConfigError(f"--profile-rounds must be >= 0, got {a.profile_rounds}")
         spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)
-        secret = internal_secret.load(a.internal_secret_file)
-        if secret is None and not is_loopback(a.host):
-            raise ConfigError(f"--host {a.host} is not a loopback address: the drafter's port would be an open control "
-                              f"plane; set ${internal_secret.ENV} (or --internal-secret-file) on the drafter and "
-                              "the verifier")
+        secret = internal_secret.load_for(a.internal_secret_file, a.host, "the drafter", "the verifier")
         reload_root = os.path.realpath(a.reload_root or os.path.dirname(os.path.abspath(draft_model)))
         return cls(draft_model=draft_model, target_model=target_model, runtime=runtime, host=a.host, port=a.port,
                    # (a verifier's policy may shorten the chain at batch: the shorter chains' graphs too)
@@ -95,12 +90,3 @@ class DrafterServiceConfig:
                    lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
                    reload_root=reload_root, metrics_port=a.metrics_port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem import args as shared
+from tandem import args as shared, internal_secret
 from tandem.args import MODEL, HelpFormatter, served_name
 
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -30,6 +30,7 @@ class GatewayConfig:
     health_poll_s: float = 2.0  # how often gRPC health mirrors the verifier's
     shutdown_grace_s: float = 5.0  # streams in flight get this long to finish on SIGTERM
     api_key: str | None = field(default=None, repr=False)  # required as a bearer token on /v1/* and gRPC; None = open
+    internal_secret: str | None = field(default=None, repr=False)  # presented to the verifier (tandem.internal_secret)
     max_body_bytes: int = shared.MAX_BODY_BYTES.default  # larger request bodies get 413 before they are read
     body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds a slot)
     max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--drafter-metrics-url", default=None,
                    help="the drafter service's Prometheus URL, served within our /metrics too")
-    shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL)
+    shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL, shared.INTERNAL_SECRET_FILE)
     p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=shared.LOG_LEVELS,
                    help="vLLM's name for --log-level")
     return p
@@ -125,4 +126,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
                          generation_config=args.generation_config,
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level,
-                         keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template)
+                         keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template,
+                         internal_secret=internal_secret.load(args.internal_secret_file))

@@ -12,6 +12,7 @@ import uvicorn
 
 from gateway.config import GatewayConfig
 from gateway.context import GatewayContext
+from gateway.errors import GatewayError
 from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
@@ -35,7 +36,7 @@ class Gateway(GatewayContext):
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s)
+        self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s, cfg.internal_secret)
         self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
                                for service, url in (("verifier", cfg.verifier_metrics_url),
                                                     ("drafter", cfg.drafter_metrics_url)) if url is not None]
@@ -74,8 +75,12 @@ class Gateway(GatewayContext):
                 log.exception("health check of the verifier failed")
                 ok = False
             if ok:  # the model info cached before we say serving, so that the first request does not wait on it
-                with contextlib.suppress(Exception):
+                try:
                     await self.client.model_info()
+                except GatewayError:  # (unreachable since, or it refuses us: logged by the client)
+                    ok = False
+                except Exception:
+                    log.exception("the verifier's model info")
             self.verifier_serving = ok
             if ok != serving:
                 await set_serving(self._health, ok)

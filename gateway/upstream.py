@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UNAVAILABLE, GatewayError, from_upstream
+from tandem import internal_secret
 from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("gateway.upstream")
@@ -30,9 +31,13 @@ _CHANNEL_OPTIONS = [
 
 
 class VerifierClient:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
+        """``secret``: the internal plane's (tandem.internal_secret), presented on every call a verifier that has one
+        requires it of."""
         self.address = address
         self._timeout = timeout_s
+        self._auth = list(internal_secret.metadata(secret))
+        self._refused = False  # the verifier refused our credentials (logged once)
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -50,8 +55,15 @@ class VerifierClient:
         async with self._info_lock:
             if self._info is None:
                 try:
-                    self._info = await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
+                    self._info = await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout,
+                                                               metadata=self._auth)
                 except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        if not self._refused:
+                            log.error("verifier %s refused this gateway: give the gateway the verifier's internal secret "
+                                      "($%s or --internal-secret-file)", self.address, internal_secret.ENV)
+                        self._refused = True
+                        raise GatewayError(503, UNAVAILABLE) from e
                     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         log.warning("verifier %s not reachable: %s", self.address, e.code().name)
                         raise GatewayError(503, UNAVAILABLE) from e
@@ -76,7 +88,7 @@ class VerifierClient:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return False
         try:
-            await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout)
+            await self._stub.GetModelInfo(verifier_pb2.ModelInfoRequest(), timeout=self._timeout, metadata=self._auth)
             self.unreachable = False
             return True
         except grpc.aio.AioRpcError:
@@ -85,7 +97,7 @@ class VerifierClient:
     def generate(self, request: verifier_pb2.GenerateRequest, metadata: list[tuple[str, str]]):
         """Start one generation; the caller reads it with ``await call.read()`` and must
         ``call.cancel()`` when it stops reading early, so the verifier frees the request."""
-        return self._stub.Generate(request, metadata=metadata)
+        return self._stub.Generate(request, metadata=[*metadata, *self._auth])
 
     async def close(self) -> None:
         await self._channel.close()

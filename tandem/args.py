@@ -238,8 +238,8 @@ GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CO
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
-    default=None, metavar="FILE", help=f"the internal plane's shared secret (Rounds, Reload), from FILE instead of "
-                                       f"${internal_secret.ENV}"))
+    default=None, metavar="FILE", help=f"the internal plane's shared secret (the drafter's Rounds and Reload, the "
+                                       f"verifier's Generate), from FILE instead of ${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,

@@ -1,6 +1,7 @@
 """The shared secret of the internal plane (docs/architecture.md, "Contracts"): the verifier↔drafter Rounds
-stream and the drafter's Reload carry it in gRPC metadata, and the drafter refuses calls without it
-(UNAUTHENTICATED).
+stream and the drafter's Reload carry it in gRPC metadata, and so do the gateway's calls to the verifier
+(Generate, GetModelInfo); the drafter and the verifier refuse calls without it (UNAUTHENTICATED) — the verifier's
+port is no way around the gateway's API key.
 
 ``tandem up`` generates one per stack and hands it to both processes in the environment; compose passes
 it as an environment variable; ``--internal-secret-file`` reads it from a file (a Docker/Kubernetes
@@ -10,6 +11,7 @@ secret) instead. Torch-free: the launcher and both services use it.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 
@@ -43,6 +45,25 @@ def load(path: str | None = None) -> str | None:
         raise ConfigError(f"{where}: the internal secret must be at least {MIN_LENGTH} characters "
                           f"(tandem up generates one; e.g. `openssl rand -hex 32`)")
     return value
+
+
+def load_for(path: str | None, host: str, service: str, peer: str) -> str | None:
+    """``load`` for a service binding ``host``: without a secret only a loopback address may be bound, or its port
+    would be an open internal plane (ConfigError naming ``service`` and the ``peer`` that must share the secret)."""
+    secret = load(path)
+    if secret is None and not is_loopback(host):
+        raise ConfigError(f"--host {host} is not a loopback address: {service}'s port would be an open internal plane; "
+                          f"set ${ENV} (or --internal-secret-file) on {service} and {peer}")
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def metadata(secret: str | None) -> tuple[tuple[str, str], ...]:

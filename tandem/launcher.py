@@ -13,8 +13,8 @@ reach. A service that fails during start-up stops everything with its exit code 
 does not get better by retrying).
 
 The internal plane's secret (tandem.internal_secret) is generated here for each stack unless
-$TANDEM_INTERNAL_SECRET is set, written to a private file (0600) that the drafter and the verifier read
-(``--internal-secret-file``; ``tandem reload-drafter`` can use it too), and removed at exit.
+$TANDEM_INTERNAL_SECRET is set, written to a private file (0600) that all three services read (``--internal-secret-file``: the drafter and the
+verifier require it of their callers; ``tandem reload-drafter`` can use it too), and removed at exit.
 """
 
 from __future__ import annotations
@@ -166,12 +166,11 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                                               *shlex.split(args.drafter_args)]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
-                          *_passthrough(args, (*shared.ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing]
+                          *_passthrough(args, (*shared.ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing, *secret]
     if draft is not None:
         drafter = "in-process" if in_process else f"127.0.0.1:{ports['drafter']}"
         verifier_argv += ["--drafter", drafter, "--draft-model", draft, *speculative.argv(),
                           "--speculation-policy", args.speculation_policy]
-        verifier_argv += [] if in_process else secret
     if args.capture_traffic:
         verifier_argv += ["--capture-traffic", args.capture_traffic]
     if args.log_stats_interval is not None:
@@ -184,7 +183,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     gateway_name = ["--served-model-name", name, *names[1:]] if names or args.model is None else []
     children.append(Child("gateway", py + ["gateway", "--verifier", f"127.0.0.1:{ports['verifier']}", "--model-dir",
                                            model, "--host", args.host, "--port", str(args.port), "--grpc-port",
-                                           str(args.grpc_port), *gateway_name, *tracing,
+                                           str(args.grpc_port), *gateway_name, *tracing, *secret,
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
                                            *drafter_relay,
                                            *_passthrough(args, (*shared.GATEWAY_FLAGS, shared.LOG_LEVEL)),

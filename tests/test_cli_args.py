@@ -164,16 +164,18 @@ def test_log_level_in_every_service_and_through_tandem_up(folders):
     assert gateway_parser().parse_args(["--verifier", "x:1", "--model", t]).log_level == "info"
 
 
-def test_up_takes_the_model_as_vllm_serve_does(folders):
+def test_up_takes_the_model_as_vllm_serve_does(folders, tmp_path):
     """`tandem up MODEL`, and a request may then name the model by that path (vLLM's and SGLang's default name)
     beside the folder's name; with --served-model-name, that name alone."""
     from gateway.config import build_parser as gateway_parser, config_from_args
 
     t, d = folders
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
     assert _argvs(_up([t, "--draft-model", d])) == _argvs(_up(["--model", t, "--draft-model", d]))
     for argv, names in (([t], (Path(t).name, t)), ([t, "--served-model-name", "mine"], ("mine",)),
                         ([t, "--served-model-name", "mine", "org/also-mine"], ("mine", "org/also-mine"))):
-        gateway = _argvs(_up([*argv, "--draft-model", d]))["gateway"]
+        gateway = _argvs(_up([*argv, "--draft-model", d], secret=str(secret)))["gateway"]
         cfg = config_from_args(gateway_parser().parse_args(gateway[gateway.index("gateway") + 1:]))
         assert cfg.model_names == names if "--served-model-name" in argv else cfg.model_names[:2] == names, cfg.model_names
         assert cfg.model_name == names[0]
@@ -389,7 +391,9 @@ def test_up_drafter_in_process_starts_no_drafter(folders):
     argvs = _argvs(_up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--spec-rounds", "2"]))
     assert set(argvs) == {"verifier", "gateway"}
     v = argvs["verifier"]
-    assert v[v.index("--drafter") + 1] == "in-process" and "--internal-secret-file" not in v
+    assert v[v.index("--drafter") + 1] == "in-process"
+    for service in ("verifier", "gateway"):  # the verifier requires it of its gateway
+        assert argvs[service][argvs[service].index("--internal-secret-file") + 1] == "/tmp/secret"
     assert v[v.index("--spec-rounds") + 1] == "2"
     with pytest.raises(Exception, match="--reload-root"):
         _up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--reload-root", "/x"])

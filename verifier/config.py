@@ -39,7 +39,8 @@ class VerifierConfig:
     capture_traffic_max_gb: float = 50.0
     round_lane: bool = True  # offer the drafter a local socket for the per-round messages (tandem/round_lane.py)
     round_prefetch: bool = True  # send the next step's Round at the end of a step (DrafterClient.prefetch)
-    internal_secret: str | None = None  # presented to the drafter on its Rounds stream (tandem.internal_secret)
+    # presented to the drafter on its Rounds stream, required of the gateway's calls (tandem.internal_secret)
+    internal_secret: str | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
 
     def __post_init__(self) -> None:
@@ -126,7 +127,8 @@ class VerifierConfig:
                    speculation_policy=a.speculation_policy,
                    capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane,
                    round_prefetch=not a.disable_round_prefetch,
-                   internal_secret=internal_secret.load(a.internal_secret_file),
+                   internal_secret=internal_secret.load_for(a.internal_secret_file, a.host, "the verifier",
+                                                            "its gateway (and drafter)"),
                    log_stats_interval_s=a.log_stats_interval)
 
     @property

@@ -137,6 +137,9 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
     server.add_generic_rpc_handlers([service.handler()])
+    if cfg.internal_secret is None:
+        log.warning("no internal secret (tandem.internal_secret): any local process may call this verifier directly, "
+                    "past the gateway's API key and limits; `tandem up` and compose set one")
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = listen(server, f"{cfg.host}:{cfg.port}")
     await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads

@@ -15,7 +15,7 @@ import uuid
 import grpc
 from google.protobuf.message import DecodeError
 
-from tandem import tracing
+from tandem import internal_secret, tracing
 from tandem.engine.step import StepOutput
 from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, TandemError
 from tandem.configs.model import ModelConfig
@@ -61,12 +61,22 @@ class VerifierService:
                 response_serializer=pb.ModelInfo.SerializeToString),
         })
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """Only callers with the internal secret (its gateway; tandem.internal_secret), where one is set: the
+        gateway's API key, limits and request log must not be a port away from anyone who can reach this one."""
+        if not internal_secret.matches(self.cfg.internal_secret, context.invocation_metadata()):
+            log.warning("refused a call without the internal secret from %s", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this verifier serves its gateway only "
+                                f"(the internal secret: ${internal_secret.ENV} or --internal-secret-file)")
+
     async def model_info(self, request, context) -> pb.ModelInfo:
+        await self._authenticate(context)
         return pb.ModelInfo(model=self.cfg.model_name,
                             vocab_size=self.model_cfg.vocab_size, max_context=self.context,
                             eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative)
 
     async def generate(self, request, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
         if request is _MALFORMED:
