@@ -4,6 +4,7 @@ stay thin: parse (openai_params), run (rest_flow: admission, choices, streaming)
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import TYPE_CHECKING
 
@@ -25,8 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.openai")
 
 
+# FastAPI 0.165 traces every HTTP request itself, on the global tracer provider ours sets: a REST request's own spans
+# (gateway.<api> → verifier.generate → drafter.draft) then had a second root beside them, and every /health poll a
+# trace of its own. Off where the version has it.
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "operation_spans": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def create_app(gw: GatewayContext) -> FastAPI:
-    app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None, **_NO_NATIVE_TELEMETRY)
     if gw.cfg.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=gw.cfg.api_key)
 

@@ -42,6 +42,20 @@ def test_rest_request_and_verifier_share_one_trace(stack, exporter):
     assert stack.fake.metadata[-1]["traceparent"].split("-")[1] == format(gw.context.trace_id, "032x")
 
 
+def test_a_rest_request_is_one_trace_and_health_probes_are_none(stack, exporter):
+    """Every span a REST request makes is in the gateway span's trace (FastAPI 0.165's own HTTP spans, on the same
+    provider, were a second root), and a health probe makes no span at all."""
+    exporter.clear()
+    for _ in range(3):
+        assert httpx.get(f"{stack.url}/health").status_code == 200
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 200
+    gw = _spans(exporter, "gateway.completions", "verifier.generate")["gateway.completions"]
+    spans = exporter.get_finished_spans()
+    assert gw.parent is None
+    assert {s.context.trace_id for s in spans} == {gw.context.trace_id}, [(s.name, s.parent) for s in spans]
+
+
 def test_incoming_traceparent_is_the_parent_and_streams_end_their_span(stack, exporter):
     exporter.clear()
     trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"

@@ -1,7 +1,9 @@
 """Per-round trace spans: ``draft``, ``verify``, ``accept``, ``draft_extend`` under each request's span.
 
 A round serves a whole batch, so its phases are timed once (StepInfo) and written as child spans of
-every request in the batch that has a trace, with that request's accept length and token counts.
+every request in the batch that has a trace and speculated in it, with that request's accept length and token
+counts. A plain step writes none: the request's own span covers it, and four spans a plain token (most steps of a
+batch the policy keeps plain) were most of a trace's volume and said nothing.
 Spans are created after the fact with the recorded start/end times, so tracing adds nothing to the
 round itself; with tracing off (no SDK, or no provider configured) this is a no-op.
 """
@@ -23,7 +25,7 @@ class RoundSpans:
         self.tracer = trace.get_tracer("tandem.verifier") if trace is not None else None
 
     def record(self, parent: Any, info: StepInfo, out: StepOutput) -> None:
-        if self.tracer is None or parent is None:
+        if self.tracer is None or parent is None or not out.round_accepts:
             return
         attrs = {
             "tandem.request_id": out.rid,
