@@ -39,6 +39,7 @@ class GatewayConfig:
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
     generation_config: str = shared.GENERATION_CONFIG.default  # auto (the model's generation_config.json), vllm, DIR
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
+    access_log: bool = True  # a line per HTTP request, refused ones too (uvicorn's; --disable-uvicorn-access-log)
     log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
     keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
@@ -127,4 +128,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          generation_config=args.generation_config,
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level,
                          keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template,
-                         internal_secret=internal_secret.load(args.internal_secret_file))
+                         internal_secret=internal_secret.load(args.internal_secret_file),
+                         access_log=not args.disable_uvicorn_access_log)

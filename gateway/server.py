@@ -52,7 +52,7 @@ class Gateway(GatewayContext):
         self.port = sock.getsockname()[1]
         app = create_app(self)
         await warm_up_streaming()  # the first streamed request must not import anyio's backend (gateway/warmup.py)
-        self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
+        self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=cfg.access_log, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
                                                    timeout_keep_alive=cfg.keep_alive_s))
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")

@@ -205,6 +205,8 @@ CHAT_TEMPLATE = Flag(("--chat-template",), dict(
                                                   "itself), instead of the model folder's (default: the folder's)"))
 DISABLE_LOG_REQUESTS = Flag(("--disable-log-requests",), dict(
     action="store_true", help="vLLM's switch; requests are logged only with --log-requests"))
+DISABLE_ACCESS_LOG = Flag(("--disable-uvicorn-access-log",), dict(
+    action="store_true", help="no line per HTTP request (uvicorn's access log: method, path, status, refusals included)"))
 ENABLE_METRICS = Flag(("--enable-metrics",), dict(
     action="store_true", help="SGLang's switch; the gateway always serves Prometheus metrics at /metrics"))
 
@@ -233,8 +235,8 @@ AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(action=_refused(_NO
 REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_PARSER),
                                                       help="refused: no reasoning parser (vLLM / SGLang flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
-                 TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE,
-                 REASONING_PARSER)
+                 TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
+                 TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(

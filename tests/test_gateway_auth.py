@@ -4,11 +4,13 @@ constant time and never logged."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack, stack_fixture, tiny_model_dir
+from gateway_harness import MODEL_NAME, Stack, stack_fixture, tiny_model_dir, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import auth
@@ -99,3 +101,19 @@ def test_the_comparison_is_constant_time(monkeypatch):
     assert not auth.bearer_matches("Basic " + KEY, KEY.encode())  # a wrong scheme still goes through it
     assert not auth.bearer_matches(None, KEY.encode())
     assert calls == [(KEY.encode(), KEY.encode())] * 2
+
+
+def test_refused_requests_leave_an_access_log_line(stack, caplog):
+    """Every HTTP request has a line (uvicorn's access log, on by default as in vLLM): a refusal never reaches the
+    request log, so this is where an operator sees 401s; the key never appears in it."""
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, headers={"Authorization": "Bearer wrong"}, timeout=10)
+        assert r.status_code == 401
+        wait_until(lambda: any("/v1/completions" in m and "401" in m for m in caplog.messages), what="an access line")
+    assert KEY not in caplog.text
+
+
+def test_the_access_log_can_be_turned_off():
+    argv = ["--verifier", "127.0.0.1:1", "--model-dir", str(tiny_model_dir())]
+    assert config_from_args(build_parser().parse_args(argv)).access_log
+    assert not config_from_args(build_parser().parse_args([*argv, "--disable-uvicorn-access-log"])).access_log
