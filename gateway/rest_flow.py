@@ -123,21 +123,20 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         results = await _unless_disconnected(request, choices.collect())
         scope.finish(200)
         return JSONResponse(shape.response(results, choices.usage))
-    except GatewayError as e:
-        scope.finish(e.status, e.message)
-        return error_response(e)
-    except (ClientGone, ClientDisconnect):
-        scope.finish(CLIENT_CLOSED, "client disconnected")
-        return Response(status_code=CLIENT_CLOSED)
-    except asyncio.CancelledError:
-        scope.finish(CLIENT_CLOSED, "cancelled")
+    except BaseException as e:
+        if choices is not None:  # frees the verifier's requests; first, as an aborted generation writes on the span
+            choices.cancel()
+        if isinstance(e, GatewayError):
+            scope.finish(e.status, e.message)
+            return error_response(e)
+        if isinstance(e, (ClientGone, ClientDisconnect)):
+            scope.finish(CLIENT_CLOSED, "client disconnected")
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(e, asyncio.CancelledError):
+            scope.finish(CLIENT_CLOSED, "cancelled")
+        else:
+            scope.finish(500, repr(e))
         raise
-    except Exception as e:
-        scope.finish(500, repr(e))
-        raise
-    finally:
-        if choices is not None:
-            choices.cancel()  # a no-op when they finished; frees the verifier's requests otherwise
 
 
 def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arrival: float) -> Choices:

@@ -3,6 +3,9 @@ context in the gRPC metadata; tandem.tracing's propagation helpers round-trip.""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import grpc
 import httpx
 import pytest
@@ -54,6 +57,24 @@ def test_a_rest_request_is_one_trace_and_health_probes_are_none(stack, exporter)
     spans = exporter.get_finished_spans()
     assert gw.parent is None
     assert {s.context.trace_id for s in spans} == {gw.context.trace_id}, [(s.name, s.parent) for s in spans]
+
+
+def test_a_client_that_leaves_a_whole_answer_ends_its_span_once_with_usage(stack, exporter, caplog):
+    """A non-streamed request whose client gives up: its generation is cancelled before the span ends, so what it
+    made is on the span and nothing writes on an ended span (the SDK's warning for normal client behaviour)."""
+    exporter.clear()
+    stack.fake.delay_s = 0.05
+    try:
+        with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{stack.url}/v1/completions", timeout=0.3,
+                           json={"model": MODEL_NAME, "prompt": "slow", "max_tokens": 400})
+            gw = _spans(exporter, "gateway.completions")["gateway.completions"]
+            time.sleep(0.2)
+    finally:
+        stack.fake.delay_s = 0.0
+    assert gw.attributes["http.status_code"] == 499 and "gen_ai.usage.completion_tokens" in gw.attributes
+    assert "ended span" not in caplog.text
 
 
 def test_incoming_traceparent_is_the_parent_and_streams_end_their_span(stack, exporter):
