@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # (started by `tandem up`: not outliving it)
     args = shared.parse_args(build_parser(), argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=shared.LOG_FORMAT)
     try:
         from tandem.training.demo import ensure_demo_draft, ensure_demo_target
         from tandem.model_source import resolve_model

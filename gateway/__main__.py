@@ -42,7 +42,7 @@ async def serve(gateway: Gateway) -> None:
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # (started by `tandem up`: not outliving it)
     args = shared.parse_args(build_parser(), argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=shared.LOG_FORMAT)
     try:
         cfg = config_from_args(args)
         gateway = Gateway(cfg)

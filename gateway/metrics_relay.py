@@ -53,7 +53,10 @@ class MetricsRelay:
             return r.read(_MAX_BYTES)
 
     def _filter(self, text: str) -> bytes:
-        families = [f for f in text_string_to_metric_families(text) if f.name not in self._own]
+        # (the text parser reads a counter's or histogram's ``<name>_created`` samples as a gauge family of their own:
+        # kept, they carried the service's start time beside the gateway's own counts)
+        families = [f for f in text_string_to_metric_families(text)
+                    if f.name not in self._own and f.name.removesuffix("_created") not in self._own]
         return prometheus_client.generate_latest(_Families(families))
 
 

@@ -179,6 +179,7 @@ def _kv_cache_dtype(value: str) -> str:
 KV_CACHE_DTYPE = Flag(("--kv-cache-dtype",), dict(default="auto", type=_kv_cache_dtype,
                                                   help="auto: the model's dtype (the only one Tandem keeps)"))
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every process's lines, tandem up's own too
 LOG_LEVEL = Flag(("--log-level",), dict(default="info", type=str.lower, choices=LOG_LEVELS, help="log threshold"))
 # The gateway's admission and logging flags: python -m gateway takes them, tandem up passes them on.
 MAX_TOKENS_LIMIT = Flag(("--max-tokens-limit",), dict(

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = shared.parse_args(build_parser(), argv, subcommand=True)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+                        format=shared.LOG_FORMAT, stream=sys.stderr)
     try:
         return args.run(args)
     except TandemError as e:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import shlex
 import shutil
@@ -38,6 +39,7 @@ from tandem.errors import TandemError
 from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
 
+log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
 STABLE_S = 30.0  # a service that ran this long restarts after the first delay again
 
@@ -223,13 +225,14 @@ def run_up(args: argparse.Namespace) -> int:
             child.start(env)
             _wait_healthy(child, args, plan.ports)
         base = f"http://{args.host}:{args.port}"
+        auth = "-H 'Authorization: Bearer <your --api-key>' " if args.api_key else ""
         mode = "no speculation" if plan.draft is None else \
             f"EAGLE-3 speculation on, head {'in the verifier' if args.drafter == 'in-process' else 'in the drafter'}"
         print(f"\nTandem is up ({mode}).\n"
               f"  OpenAI API:   {base}/v1   (model: {plan.name})\n"
               f"  gRPC:         {args.host}:{args.grpc_port}   (tandem.rpc.generation.v1.Generation)\n"
               f"  metrics:      {base}/metrics   and   http://127.0.0.1:{plan.ports['metrics']}/metrics (verifier)\n"
-              f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' "
+              f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' {auth}"
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
               f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
               f"--internal-secret-file): {secret_file}\n"
@@ -278,15 +281,14 @@ def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lamb
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restarts += 1
-                    print(f"restarting {child.name} (restart {child.restarts})", file=sys.stderr, flush=True)
+                    log.warning("restarting %s (restart %d)", child.name, child.restarts)
                     child.start(env)
                 continue
             code = child.proc.poll()
             if code is not None:
                 delay = child.backoff.delay(now - child.started_at)
                 child.restart_at = now + delay
-                print(f"{child.name} exited with code {code}; restarting it in {delay:.1f} s", file=sys.stderr,
-                      flush=True)
+                log.warning("%s exited with code %d; restarting it in %.1f s", child.name, code, delay)
         time.sleep(poll_s)
     return 0
 

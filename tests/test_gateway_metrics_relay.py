@@ -106,3 +106,37 @@ def test_the_drafter_services_metrics_come_in_the_same_scrape(verifier_metrics):
         s.close()
         server.shutdown()
         thread.join(5)
+
+
+def test_a_services_created_samples_of_the_gateways_own_families_are_dropped_too():
+    """A service process exposes ``<name>_created`` beside its counters and histograms (the gateway turns them off in
+    its own), which the text parser reads as gauge families of their own: those of families the gateway has are
+    dropped with them, not left carrying the service's start time beside the gateway's counts."""
+    from gateway.metrics_relay import MetricsRelay
+
+    text = """# HELP tandem:prompt_tokens_total Prefilled prompt tokens
+# TYPE tandem:prompt_tokens_total counter
+tandem:prompt_tokens_total{model_name="m"} 99.0
+# HELP tandem:prompt_tokens_created Prefilled prompt tokens
+# TYPE tandem:prompt_tokens_created gauge
+tandem:prompt_tokens_created{model_name="m"} 1.7e+09
+# HELP tandem:time_to_first_token_seconds Time to first token
+# TYPE tandem:time_to_first_token_seconds histogram
+tandem:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 1.0
+tandem:time_to_first_token_seconds_count{model_name="m"} 1.0
+tandem:time_to_first_token_seconds_sum{model_name="m"} 0.5
+# HELP tandem:time_to_first_token_seconds_created Time to first token
+# TYPE tandem:time_to_first_token_seconds_created gauge
+tandem:time_to_first_token_seconds_created{model_name="m"} 1.7e+09
+# HELP tandem:spec_decode_num_drafts_total Drafts
+# TYPE tandem:spec_decode_num_drafts_total counter
+tandem:spec_decode_num_drafts_total 7.0
+# HELP tandem:spec_decode_num_drafts_created Drafts
+# TYPE tandem:spec_decode_num_drafts_created gauge
+tandem:spec_decode_num_drafts_created 1.7e+09
+"""  # (prometheus_client's text for a service process, which keeps _created samples)
+    relay = MetricsRelay("verifier", "http://127.0.0.1:1/metrics", 1.0,
+                         {"tandem:prompt_tokens", "tandem:time_to_first_token_seconds"})
+    kept = relay._filter(text).decode()
+    assert "tandem:prompt_tokens" not in kept and "tandem:time_to_first_token_seconds" not in kept
+    assert "tandem:spec_decode_num_drafts_total 7.0" in kept and "tandem:spec_decode_num_drafts_created" in kept

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ class _TimedChild(Child):
         self.starts_at = [*getattr(self, "starts_at", []), self.started_at]
 
 
-def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(tmp_path):
+def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(tmp_path, caplog):
     starts = tmp_path / "starts"
     crasher = _TimedChild("drafter", [sys.executable, "-c",
                                       f"open({str(starts)!r}, 'a').write('x'); import os; os.kill(os.getpid(), 9)"],
@@ -41,6 +42,7 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     steady_pid = steady.proc.pid
     done = threading.Event()
     supervisor = threading.Thread(target=_supervise, args=(children, dict(os.environ), 0.05, done.is_set))
+    caplog.set_level(logging.WARNING, logger="tandem.up")
     supervisor.start()
     # Polled, not a fixed time: each start of the crasher is a Python start-up, seconds on a busy machine.
     # Unloaded: delays 0.2, 0.4, 0.8, 0.8 (+ start-up of each), ~2.3 s.
@@ -61,6 +63,10 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     assert all(gap >= min(0.2 * 2 ** i, 0.8) for i, gap in enumerate(gaps)), gaps
     assert len(starts.read_text()) in (crasher.restarts, crasher.restarts + 1)  # each restart really ran it (the last may be stopped first)
     assert steady.proc.pid == steady_pid and steady.restarts == 0
+    # each exit and restart is a timestamped WARNING line of tandem.up (among the services' lines in one log)
+    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("tandem.up", "WARNING", "drafter exited with code -9; restarting it in 0.2 s") in lines
+    assert ("tandem.up", "WARNING", "restarting drafter (restart 1)") in lines
 
 
 def _running(pid: int) -> bool:

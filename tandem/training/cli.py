@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from tandem.args import LOG_FORMAT
 from tandem.errors import TandemError
 
 
@@ -219,7 +220,7 @@ def main_train_drafter(argv: list[str] | None = None) -> int:
                                 description="Train an EAGLE-3 draft head for a target (training-time test)")
     add_train_drafter(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     try:
         return run_train_drafter(args)
     except (TandemError, ValueError, FileNotFoundError) as e:
