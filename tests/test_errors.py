@@ -120,6 +120,44 @@ def test_sharded_index_lists_missing_shard(checkpoint, tmp_path):
     assert shard in load_error(folder)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "wrong shard in the index"])
+def test_a_damaged_shard_is_one_line_naming_it(checkpoint, tmp_path, damage):
+    """What an interrupted download of a large checkpoint looks like: one line naming the file, no traceback."""
+    src = Path(checkpoint("llama", seed=5, max_shard_size="50KB").path)
+    folder = tmp_path / "sharded"
+    shutil.copytree(src, folder)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    if damage == "wrong shard in the index":
+        name = next(n for n, f in index["weight_map"].items() if f == shards[0])
+        index["weight_map"][name] = shards[1]
+        index_path.write_text(json.dumps(index))
+        expected = [name, shards[1], "model.safetensors.index.json"]
+    else:
+        data = (folder / shards[1]).read_bytes()
+        (folder / shards[1]).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
+        expected = [shards[1], "not a whole safetensors file"]
+    msg = load_error(folder)
+    assert all(part in msg for part in expected) and "\n" not in msg, msg
+
+
+def test_a_verifier_that_cannot_load_its_model_says_so_in_one_line_and_exits(broken):
+    """The service, started as a user starts it: the checkpoint's one-line error and a non-zero exit, with no
+    traceback after it (the gRPC server, started before the load, used to be collected after its loop closed)."""
+    import subprocess
+    import sys
+
+    from tandem.service_probe import free_port
+
+    rewrite_tensors(broken, lambda t: t.pop("model.layers.0.mlp.down_proj.weight"))
+    run = subprocess.run([sys.executable, "-m", "verifier", "--model", str(broken), "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "missing tensor 'model.layers.0.mlp.down_proj.weight'" in run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+
+
 def test_unknown_dtype_is_a_clear_error(llama):
     with pytest.raises(TandemError) as info:
         LLMEngine(EngineConfig(model=llama.path, dtype="float8"))

@@ -161,6 +161,9 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     except asyncio.CancelledError:  # the loop shuts down what it built once the load ends
         loop.stop()
         raise
+    except Exception:  # the load failed: the server stops while its event loop runs (else grpc's __del__ raises later)
+        await server.stop(0)
+        raise
     service.attach(loop)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("verifier serving on %s:%d%s", cfg.host, port,

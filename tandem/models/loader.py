@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tandem.errors import CheckpointError
@@ -34,6 +34,25 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+@contextmanager
+def open_shard(path: Path):
+    """``safe_open`` of one shard, a file that is not whole safetensors (a download cut short, an empty file) a
+    CheckpointError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a whole safetensors file ({e}); download it again") from None
+
+
+def _get_tensor(f, path: Path, stored: str, model_dir: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(stored)
+    except SafetensorError:
+        raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'}: maps '{stored}' to {path.name}, which does "
+                              "not hold it") from None
+
+
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
@@ -49,7 +68,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
     files = {}
     for path in shards:
-        with safe_open(str(path), framework="pt") as f:
+        with open_shard(path) as f:
             files.update({name: path for name in f.keys()})
     return files
 
@@ -78,7 +97,7 @@ def load_checkpoint(
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_shard(path) as f:
             for stored in names:
                 name = rename(stored) if rename is not None else stored
                 if name is None:
@@ -90,7 +109,7 @@ def load_checkpoint(
                 module = modules.get(module_name)
                 if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
                     raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' (no such weight in this architecture)")
-                tensor = f.get_tensor(stored)
+                tensor = _get_tensor(f, path, stored, model_dir)
                 try:
                     module.load_weight(param, tensor, shard_id)
                 except ShapeMismatch as e:
