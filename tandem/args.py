@@ -133,7 +133,7 @@ SPEC_ROUNDS = Flag(("--spec-rounds",), dict(
 NO_OVERLAP = Flag(("--no-overlap-runs",), dict(
     action="store_true", help="read each run of --decode-steps or --spec-rounds back before queuing the next "
                               "(default: the next run is queued first, from the device's state)"))
-CHUNKED_PREFILL = Flag(("--chunked-prefill-size",), dict(
+CHUNKED_PREFILL = Flag(("--chunked-prefill-size", "--max-num-batched-tokens"), dict(
     type=int, default=e.chunked_prefill_size, help="prompt tokens prefilled per step: a longer prompt is prefilled in "
                                                    "chunks beside the decoding requests; -1: prompts go whole"))
 MIXED_CHUNK = Flag(("--enable-mixed-chunk",), dict(
@@ -235,6 +235,12 @@ AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(action=_refused(_NO
                                                              help="refused: no tool-call parser (vLLM flag)"))
 REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_PARSER),
                                                       help="refused: no reasoning parser (vLLM / SGLang flag)"))
+_NO_EXPERT_PARALLEL = ("expert parallelism is not supported: with --tp N every rank holds a 1/N slice of every expert "
+                       "(the experts' intermediate dimension is split)")
+EXPERT_PARALLEL = Flag(("--enable-expert-parallel",), dict(action=_refused(_NO_EXPERT_PARALLEL, takes_value=False),
+                                                           help="refused: no expert parallelism (vLLM flag)"))
+EP_SIZE = Flag(("--ep-size", "--expert-parallel-size"), dict(action=_refused(_NO_EXPERT_PARALLEL),
+                                                             help="refused: no expert parallelism (SGLang flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
                  TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
                  TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)
@@ -248,7 +254,7 @@ ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE, SEED,
                 ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE, QUANTIZATION,
-                KV_CACHE_DTYPE)
+                KV_CACHE_DTYPE, EXPERT_PARALLEL, EP_SIZE)
 # The drafter service takes these of them too (its own graphs and dtype; its prompt extends' graphs take the prefill
 # graphs' widths).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_MAX_BS)

@@ -226,6 +226,8 @@ def run_up(args: argparse.Namespace) -> int:
             _wait_healthy(child, args, plan.ports)
         base = f"http://{args.host}:{args.port}"
         auth = "-H 'Authorization: Bearer <your --api-key>' " if args.api_key else ""
+        drafter = (f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
+                   f"--internal-secret-file): {secret_file}\n" if any(c.name == "drafter" for c in children) else "")
         mode = "no speculation" if plan.draft is None else \
             f"EAGLE-3 speculation on, head {'in the verifier' if args.drafter == 'in-process' else 'in the drafter'}"
         print(f"\nTandem is up ({mode}).\n"
@@ -234,9 +236,7 @@ def run_up(args: argparse.Namespace) -> int:
               f"  metrics:      {base}/metrics   and   http://127.0.0.1:{plan.ports['metrics']}/metrics (verifier)\n"
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' {auth}"
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
-              f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
-              f"--internal-secret-file): {secret_file}\n"
-              "Ctrl-C stops all three; a service that exits is restarted.", flush=True)
+              f"{drafter}Ctrl-C stops every service; a service that exits is restarted.", flush=True)
         return _supervise(children, env)
     except KeyboardInterrupt:
         return 0

@@ -89,9 +89,12 @@ def test_speculative_algorithm_eagle3_runs_the_head_in_process(folders):
 
 def test_vllm_engine_flag_spellings(folders):
     t, _ = folders
-    vllm = _verifier(["--model", t, "--max-model-len", "64", "--gpu-memory-utilization", "0.5", "--block-size", "8"])
-    ours = _verifier(["--model", t, "--context-length", "64", "--mem-fraction-static", "0.5", "--page-size", "8"])
+    vllm = _verifier(["--model", t, "--max-model-len", "64", "--gpu-memory-utilization", "0.5", "--block-size", "8",
+                      "--max-num-batched-tokens", "512"])
+    ours = _verifier(["--model", t, "--context-length", "64", "--mem-fraction-static", "0.5", "--page-size", "8",
+                      "--chunked-prefill-size", "512"])
     assert vllm == ours and (ours.engine.context_length, ours.engine.mem_fraction_static, ours.engine.page_size) == (64, 0.5, 8)
+    assert ours.engine.chunked_prefill_size == 512
 
 
 def test_more_sglang_and_vllm_engine_spellings(folders):
@@ -148,6 +151,17 @@ def test_tool_and_reasoning_parser_flags_are_refused_saying_why(argv, capsys):
         with pytest.raises(SystemExit):
             parse()
         assert f"{argv[0]}: Tandem has no tool-call or reasoning parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--enable-expert-parallel"], ["--ep-size", "8"], ["--expert-parallel-size", "8"]])
+def test_expert_parallel_flags_are_refused_saying_why(argv, capsys):
+    from verifier.__main__ import build_parser as verifier_parser
+
+    for parse in (lambda: build_parser().parse_args(["up", *argv]),
+                  lambda: verifier_parser().parse_args(["--model", "m", *argv])):
+        with pytest.raises(SystemExit):
+            parse()
+        assert f"{argv[0]}: expert parallelism is not supported" in capsys.readouterr().err
 
 
 def test_log_level_in_every_service_and_through_tandem_up(folders):

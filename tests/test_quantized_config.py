@@ -52,6 +52,33 @@ def test_kimi_ignore_list_in_text_config_quantizes_only_routed_experts():
         assert q.scheme_for([p + dense]) is None, dense
 
 
+@pytest.mark.parametrize("ignored, accepted", [(("lm_head",), True), (("language_model.lm_head",), True),
+                                               (("re:.*lm_head",), True), (("language_model.model.norm",), False)])
+def test_a_wrappers_lm_head_may_be_ignored_by_its_checkpoint_name(ignored, accepted):
+    """Kimi-K2.5's LM head is ``language_model.lm_head`` in its checkpoint: ignored under that name it is not refused as
+    quantized (it was: only the bare ``lm_head`` counted)."""
+    raw = llama_with(int4_config(32, ignore=ignored), wrapped=True)
+    if accepted:
+        assert ModelConfig.from_hf_dict(raw).quantization.scheme == Int4Group(32)
+    else:
+        with pytest.raises(CheckpointError, match="a quantized lm_head"):
+            ModelConfig.from_hf_dict(raw)
+
+
+def test_a_dense_sparsity_config_is_no_sparsity():
+    """compressed-tensors' own "dense" sparsity config (some llm-compressor versions write it beside W4A16) is taken
+    as none; a real sparsity format is refused."""
+    from compressed_tensors.config import SparsityCompressionConfig
+
+    for fmt, accepted in (("dense", True), ("sparse-bitmask", False)):
+        quant = _with(int4_config(32), sparsity_config=SparsityCompressionConfig.load_from_registry(fmt).model_dump())
+        if accepted:
+            assert ModelConfig.from_hf_dict(llama_with(quant)).quantization.scheme == Int4Group(32)
+        else:
+            with pytest.raises(CheckpointError, match="sparsity_config is not supported"):
+                ModelConfig.from_hf_dict(llama_with(quant))
+
+
 def test_fused_parts_quantized_differently_are_refused():
     q = parse_quantization({"quantization_config": int4_config(32, ignore=("lm_head", "re:.*k_proj"))})
     with pytest.raises(CheckpointError, match="fused into one matmul must be quantized alike"):

@@ -116,8 +116,9 @@ class VerifierService:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while not finished:
                 out = _coalesced(await outputs.get(), outputs)
-                if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts
-                    await context.abort(grpc.StatusCode.INTERNAL, "the verifier's engine failed; it restarts")
+                if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts:
+                    # UNAVAILABLE, a retry's status (the gateway's 503), not a fault of the request
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
                 yield self._response(rid, request, out, produced)

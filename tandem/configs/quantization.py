@@ -108,7 +108,9 @@ def parse_quantization(raw: dict[str, Any], source: str = "config.json") -> Quan
         cfg = _parse_compressed_tensors(q, refuse)
     else:
         raise refuse(f"quant_method '{method}'")
-    if cfg.scheme_for(["lm_head"]) is not None:
+    # The LM head stays unquantized: named plainly in the ignore list, or as a multimodal wrapper's checkpoint names it.
+    heads = ("lm_head", "language_model.lm_head") if raw.get("text_config") else ("lm_head",)
+    if all(cfg.scheme_for([head]) is not None for head in heads):
         raise refuse("a quantized lm_head (add it to the ignore list)")
     return cfg
 
@@ -136,7 +138,8 @@ def _parse_compressed_tensors(q: dict[str, Any], refuse) -> QuantConfig:
     if status != "compressed":
         raise refuse(f"quantization_status '{status}' (only compressed checkpoints)")
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(key):
+        # (a "dense" sparsity format is no sparsity: some llm-compressor versions write it into W4A16 checkpoints)
+        if q.get(key) and not (key == "sparsity_config" and (q[key] or {}).get("format") == "dense"):
             raise refuse(key)
     groups = q.get("config_groups") or {}
     if not groups:
