@@ -15,15 +15,15 @@ from gateway.prompt_bound import PromptBound
 from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
 from tandem.chat_template import ChatTemplate
-from tandem.tokenizer import TextTokenizer
+from tandem.tokenizer import load_tokenizer
 
 
 class GatewayContext:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
-        self.tokenizer = TextTokenizer(cfg.model_dir)
+        self.tokenizer = load_tokenizer(cfg.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir, cfg.chat_template)
-        self.prompt_bound = PromptBound.from_model_dir(cfg.model_dir)
+        self.prompt_bound = PromptBound.of(self.tokenizer)
         self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
         self.metrics = GatewayMetrics(cfg.model_name)
         self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None

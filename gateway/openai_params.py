@@ -24,7 +24,7 @@ from gateway.prompt_bound import PromptBound
 from gateway.request import GenerationRequest, check_model, check_prompt_ids, check_sampling, resolve_max_tokens
 from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
-from tandem.tokenizer import TextTokenizer
+from tandem.tokenizer import Tokenizer
 
 # Fields of the OpenAI API we do not implement: allowed only with their no-op value.
 _NO_OP = {
@@ -110,7 +110,7 @@ def _utf8(s: str, field: str) -> None:
 MAX_PROMPTS = 64  # a completion's batch of prompts: each a generation (times n) on the verifier
 
 
-def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
+def parse_completion(body: dict, request_id: str, tok: Tokenizer, limits: Limits) -> OpenAIRequest:
     """A completion: one prompt, or a batch of them (vLLM and the OpenAI API take a list: evaluation harnesses send
     one), each parsed as a request of its own."""
     prompt = body.get("prompt")
@@ -127,7 +127,7 @@ def parse_completion(body: dict, request_id: str, tok: TextTokenizer, limits: Li
     return dataclasses.replace(parsed[0], more=tuple(parsed[1:]), batched=True)
 
 
-def _parse_prompt(body: dict, request_id: str, tok: TextTokenizer, limits: Limits) -> OpenAIRequest:
+def _parse_prompt(body: dict, request_id: str, tok: Tokenizer, limits: Limits) -> OpenAIRequest:
     prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
     parsed = _common(body, request_id, prompt_ids, limits, integer(body, "max_tokens"), limits.default_max_tokens)
@@ -140,7 +140,7 @@ def _parse_prompt(body: dict, request_id: str, tok: TextTokenizer, limits: Limit
     return dataclasses.replace(parsed, echo_text=text)
 
 
-def parse_chat(body: dict, request_id: str, tok: TextTokenizer, template: ChatTemplate | None,
+def parse_chat(body: dict, request_id: str, tok: Tokenizer, template: ChatTemplate | None,
                limits: Limits) -> OpenAIRequest:
     messages = _messages(body.get("messages"))
     limits.prompt_bound.check(sum(len(m["content"]) for m in messages), limits.info.max_context, "messages")
@@ -219,7 +219,7 @@ def _add_special_tokens(body: dict, default: bool) -> bool:
     return default if value is None else value
 
 
-def _prompt_ids(prompt: Any, tok: TextTokenizer, limits: Limits, add_special_tokens: bool = True) -> list[int]:
+def _prompt_ids(prompt: Any, tok: Tokenizer, limits: Limits, add_special_tokens: bool = True) -> list[int]:
     # A one-element list is a batch of one: accepted, since clients wrap prompts that way.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]

@@ -10,9 +10,8 @@ tokenization.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gateway.errors import bad_request
+from tandem.tokenizer import Tokenizer
 
 _NORMALIZER_SLACK = 2
 
@@ -22,14 +21,8 @@ class PromptBound:
         self.chars_per_token = chars_per_token
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> PromptBound:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        texts = tok.decode_batch([[i] for i in range(tok.get_vocab_size(with_added_tokens=True))],
-                                 skip_special_tokens=False)
-        longest = max((len(t.encode("utf-8", "replace")) for t in texts), default=1)
-        return cls((longest + 1) * _NORMALIZER_SLACK)
+    def of(cls, tokenizer: Tokenizer) -> PromptBound:
+        return cls((tokenizer.longest_token_bytes() + 1) * _NORMALIZER_SLACK)
 
     def max_chars(self, max_context: int) -> int | None:
         return max_context * self.chars_per_token if max_context else None

@@ -45,17 +45,17 @@ def generate_settings(args: argparse.Namespace) -> tuple:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from tandem.sampling import SamplingParams
-    from tandem.tokenizer import TextTokenizer
+    from tandem.tokenizer import load_tokenizer, tokenizer_available
 
     args.model = shared.resolve_target(args)
     if args.model is None:
         from tandem.training.demo import ensure_demo_target
 
         args.model = str(ensure_demo_target())
-    tokenizer = TextTokenizer(args.model) if TextTokenizer.available(args.model) else None
+    tokenizer = load_tokenizer(args.model) if tokenizer_available(args.model) else None
     if args.prompt is not None:
         if tokenizer is None:
-            raise TandemError(f"{args.model} has no tokenizer.json; use --prompt-token-ids")
+            raise TandemError(f"{args.model} has no tokenizer (tokenizer.json or tiktoken.model); use --prompt-token-ids")
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     else:
         try:

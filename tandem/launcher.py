@@ -38,6 +38,7 @@ from tandem import internal_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
+from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
@@ -212,6 +213,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         plan = plan_up(args, secret_file)
         children = plan.children
+        load_tokenizer(plan.model)  # the gateway's: refused now, not after the model's load (hundreds of GB)
         env = dict(os.environ)
         if args.api_key:  # through the environment, not the gateway's argv that ps shows
             env["TANDEM_API_KEY"] = args.api_key

@@ -1,10 +1,26 @@
-"""Text ↔ token ids through a model folder's ``tokenizer.json`` (HF ``tokenizers``; torch-free)."""
+"""Text ↔ token ids through a model folder's ``tokenizer.json`` (HF ``tokenizers``), or its ``tiktoken.model``
+(tandem.tiktoken_tokenizer: Kimi-K2 / K2.5); torch-free. ``load_tokenizer`` picks the one the folder has."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from tandem.errors import CheckpointError
+
+
+class Tokenizer(Protocol):
+    """What the gateway, ``tandem generate`` and training ask of a tokenizer (TextTokenizer, TiktokenTokenizer)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_id(self, token: str) -> int | None: ...
+
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to, special tokens included (gateway.prompt_bound)."""
+        ...
 
 
 class TextTokenizer:
@@ -13,7 +29,7 @@ class TextTokenizer:
 
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise CheckpointError(f"{model_dir}: no tokenizer.json; pass token ids instead (--prompt-token-ids)")
+            raise CheckpointError(f"{model_dir}: no tokenizer.json")
         self._tok = Tokenizer.from_file(str(path))
 
     @staticmethod
@@ -33,3 +49,25 @@ class TextTokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def longest_token_bytes(self) -> int:
+        texts = self._tok.decode_batch([[i] for i in range(self._tok.get_vocab_size(with_added_tokens=True))],
+                                       skip_special_tokens=False)
+        return max((len(t.encode("utf-8", "replace")) for t in texts), default=1)
+
+
+def tokenizer_available(model_dir: str | Path) -> bool:
+    from tandem.tiktoken_tokenizer import TiktokenTokenizer
+
+    return TextTokenizer.available(model_dir) or TiktokenTokenizer.available(model_dir)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The folder's tokenizer: ``tokenizer.json`` first, else ``tiktoken.model``; a CheckpointError naming both."""
+    from tandem.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenTokenizer
+
+    if TextTokenizer.available(model_dir):
+        return TextTokenizer(model_dir)
+    if TiktokenTokenizer.available(model_dir):
+        return TiktokenTokenizer(model_dir)
+    raise CheckpointError(f"{model_dir}: no tokenizer (tokenizer.json, or {TIKTOKEN_FILE} with its tokenization_*.py)")

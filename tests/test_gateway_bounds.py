@@ -106,7 +106,7 @@ def test_the_prompt_bound_never_refuses_a_prompt_that_fits(stack):
     import random
 
     tok = stack.tok
-    bound = PromptBound.from_model_dir(stack.model_dir)
+    bound = PromptBound.of(tok)
     texts = [tok.decode([i]) for i in range(stack.vocab_size)]
     longest = max(texts, key=len)
     rng = random.Random(0)

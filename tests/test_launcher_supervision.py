@@ -138,6 +138,7 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
         f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
         "launcher.plan_up = lambda args, secret: launcher.UpPlan(kids, {'metrics': 1, 'drafter': 2}, 'm', 'm', None)\n"
         "launcher._wait_healthy = lambda *a, **k: None\n"
+        "launcher.load_tokenizer = lambda model: None\n"
         "args = SimpleNamespace(api_key=None, model='m', device='cpu', host='127.0.0.1', port=1, grpc_port=2,\n"
         "                       drafter='service')\n"
         "sys.exit(launcher.run_up(args))\n")

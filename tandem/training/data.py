@@ -43,9 +43,9 @@ class _Text:
 
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
-            from tandem.tokenizer import TextTokenizer
+            from tandem.tokenizer import load_tokenizer
 
-            self._tok = TextTokenizer(self.model_dir)
+            self._tok = load_tokenizer(self.model_dir)
         return self._tok.encode(text, add_special_tokens=False)  # pieces joined by the data's own markers
 
     def render(self, messages: list[dict], where: str) -> str:
