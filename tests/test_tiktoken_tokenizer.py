@@ -145,5 +145,12 @@ def test_the_gateway_serves_a_chat_through_it(folder, monkeypatch):
         assert list(stack.fake.requests[-1].prompt_token_ids) == prompt
         made = stack.expected(prompt, 6)
         assert r.json()["choices"][0]["message"]["content"] == ref.decode([i for i in made if i < plain])  # (specials skipped)
+        # streamed: the deltas (bytes of a character split across tokens held back) add up to the same text
+        body = {"model": MODEL_NAME, "prompt": "你好 hello", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as s:
+            deltas = [json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        made = stack.expected(ref.encode("你好 hello"), 40)
+        assert "".join(deltas) == ref.decode([i for i in made if i < plain])
     finally:
         stack.close()
