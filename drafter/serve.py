@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
+from tandem.round_lane import MAX_FRAME_BYTES
 from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, listen, report_hangs_in_health,
                                     set_health, wait_for_stop)
 from tandem.configs.model import ModelConfig
@@ -28,6 +29,8 @@ log = logging.getLogger("drafter")
 
 async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     server = grpc.aio.server(options=[*GRPC_SERVER_OPTIONS,
+                                      # a Round as large as the round lane takes (requests starting on long prefixes)
+                                      ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
                                       ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                                       ("grpc.http2.max_ping_strikes", 0),
                                       # A verifier that vanished without closing its connection (a hung host,

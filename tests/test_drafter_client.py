@@ -15,9 +15,11 @@ class EchoConnection:
 
     def __init__(self):
         self.round_rows: list[int] = []
+        self.rounds: list[pb.Round] = []
 
     def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
         self.round_rows.append(sum(e.ring_rows for e in message.round.extend))
+        self.rounds.append(message.round)
         self._reply = pb.DrafterMessage(drafts=pb.Drafts(seq=message.round.seq))
 
     def receive_round(self, timeout_s: float) -> pb.DrafterMessage:
@@ -346,14 +348,7 @@ def test_a_connection_made_while_the_client_closes_is_closed_and_never_used(monk
         assert handshakes.attempts == 1
 
 
-class RecordingConnection(EchoConnection):
-    def __init__(self):
-        super().__init__()
-        self.rounds: list[pb.Round] = []
-
-    def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
-        self.rounds.append(message.round)
-        super().send_round(message, timeout_s)
+RecordingConnection = EchoConnection  # (it records each Round too)
 
 
 def test_a_flush_sends_the_queued_releases_in_a_round_that_drafts_nothing():
@@ -373,3 +368,21 @@ def test_a_flush_sends_the_queued_releases_in_a_round_that_drafts_nothing():
         assert client._pending_release == []
         client._conn = None
         client.flush()  # the drafter away: nothing to send, no error
+
+
+def test_requests_starting_on_long_prefixes_go_out_in_rounds_of_bounded_size():
+    """attach_prefix's tokens ride on a request's next extend: many requests starting on long prefixes at once (a burst
+    on a cached document, requests joining after a detached period) go out in several Rounds, none carrying more than
+    FLUSH_PREFIX_TOKENS prefix tokens beyond its first request's, and none is lost."""
+    with HiddenRing.create(64, 4, "float32") as ring:
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0)
+        client.FLUSH_PREFIX_TOKENS = 1000
+        conn = client._conn = EchoConnection()
+        ring.begin_round(client._seq)
+        for i in range(10):
+            client.attach_prefix(f"req-{i}", list(range(400)))
+        client.extend([(f"req-{i}", [1], torch.zeros(1, 4)) for i in range(10)])
+        client.draft([], None)
+        sizes = [sum(len(e.prefix.token_ids) for e in r.extend) for r in conn.rounds]
+        assert sum(sizes) == 4000 and max(sizes) <= 1000 and len(sizes) == 5, sizes
+        assert [e.request_id for r in conn.rounds for e in r.extend] == [f"req-{i}" for i in range(10)]

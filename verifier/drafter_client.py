@@ -53,6 +53,9 @@ class DrafterClient(Proposer):
     ships_features = True  # attached, every plain step's features travel to the service
 
     FLUSH_ROWS = ROUND_FEATURE_ROWS  # pending extend rows that trigger an extend-only round
+    # ... and pending prefix tokens (attach_prefix: a request starting on a long cached prefix, or joining with all
+    # it committed): 64 requests of 32k tokens in one Round were ~6 MB, past gRPC's default 4 MB message
+    FLUSH_PREFIX_TOKENS = 262_144
 
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, deadline_s: float,
                  reconnect_interval_s: float = 1.0, on_state: Callable[[bool], None] = lambda up: None,
@@ -173,12 +176,16 @@ class DrafterClient(Proposer):
         pieces = [(rid, tokens[i : i + self.FLUSH_ROWS], features[i : i + self.FLUSH_ROWS])
                   for rid, tokens, features in items for i in range(0, len(tokens), self.FLUSH_ROWS)]
         queued = sum(e.ring_rows for e in self._pending_extend)
+        prefixes = sum(len(e.prefix.token_ids) for e in self._pending_extend)
         for rid, tokens, features in pieces:
-            # Queued extends go out with the next draft; past FLUSH_ROWS they go first in an extend-only
-            # round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the ring.
-            if queued and queued + features.shape[0] > self.FLUSH_ROWS:
+            # Queued extends go out with the next draft; past FLUSH_ROWS (or FLUSH_PREFIX_TOKENS) they go first in
+            # an extend-only round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the
+            # ring, nor the prefixes starting requests make a message too large.
+            starting = len(self._pending_start[rid].token_ids) if rid in self._pending_start else 0
+            if queued and (queued + features.shape[0] > self.FLUSH_ROWS
+                           or prefixes + starting > self.FLUSH_PREFIX_TOKENS):
                 self.draft([], None)
-                queued = 0
+                queued = prefixes = 0
             with self._lock:
                 if self._conn is None:
                     raise ProposerUnavailable("the drafter is not connected")
@@ -194,6 +201,7 @@ class DrafterClient(Proposer):
                 if self._prefetched is not None:
                     self._prefetched.changed.add(rid)
             queued += features.shape[0]
+            prefixes += starting
 
     def discard(self, reason: str) -> None:
         """The engine found a tree unusable: drop this connection (the drafter starts the next one empty)."""
