@@ -161,7 +161,8 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     compiled = f"; {e['kernels_compiled']} kernels compiled while serving" if e["kernels_compiled"] else ""
     engine = compiled if e["spec_step_share"] is None or mode == "target-only" else compiled + (
         f"; engine: {e['spec_step_share']:.0%} of steps speculative, windows detached {e['detached_share']:.0%}, "
-        f"plain attached {e['attached_plain_share']:.0%}, {e['detaches']} detaches, {e['attaches']} attaches, "
+        f"plain attached {e['attached_plain_share']:.0%}, {e['detaches']} detaches, {e['attaches']} attaches "
+                f"({e['joined']} requests joined), "
         f"{e['drafts_per_round'] or 0:.1f} drafts a round, {e['rounds_per_step'] or 0:.1f} rounds a speculative step, "
         f"{e['chain_switches']} chain switches, plain steps for: "
         + (", ".join(f"{why} {n}" for why, n in sorted(e["plain_steps_for"].items(), key=lambda i: -i[1])) or "-"))

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections import Counter, defaultdict
 
+_JOINED = re.compile(r"(\d+) running request\(s\) without draft state join the drafter")
 _SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?(?:, ([\d.]+) rounds a step)?"
                       r"(?:; plain for: ([^;)]*))?(?:; (\d+) chain switches)?\)")
 EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
@@ -38,6 +39,8 @@ def note(tag: str, line: str) -> None:
         counts["detaches"] += 1
     elif "the drafter is attached again" in line:
         counts["attaches"] += 1
+    elif (joined := _JOINED.search(line)) is not None:  # (tandem.engine.llm_engine: requests that joined the drafter)
+        counts["joined"] += int(joined.group(1))
     elif "Decode batch:" in line:
         counts["windows"] += 1
         spec = _SPEC_ON.search(line)
@@ -67,7 +70,7 @@ def since(tag: str, before: Counter) -> dict:
     switches, counted over the windows that speculated; the Triton kernels compiled while serving."""
     d = EVENTS[tag] - before
     windows, drafted, spec_windows = d["windows"], d["drafted_windows"], d["spec_windows"]
-    return {"detaches": d["detaches"], "attaches": d["attaches"], "windows": windows,
+    return {"detaches": d["detaches"], "attaches": d["attaches"], "joined": d["joined"], "windows": windows,
             "spec_step_share": round(d["spec_percent_sum"] / 100 / windows, 3) if windows else None,
             "detached_share": round(d["detached_windows"] / windows, 3) if windows else None,
             "attached_plain_share": round(d["attached_plain_windows"] / windows, 3) if windows else None,
