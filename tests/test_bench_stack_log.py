@@ -31,11 +31,12 @@ def test_a_load_reports_what_the_engine_did_in_its_stats_windows():
                  "... INFO tandem.engine: speculation off for a while at batch 8: the drafter is detached (plain ...)\n",
                  _window(0, 4, detached=True), _window(0, 4, detached=True),
                  "... INFO tandem.engine: the drafter is attached again: prompts admitted from now on can speculate\n",
+                 "... INFO tandem.engine: 3 running request(s) without draft state join the drafter (their entries ...)\n",
                  "... WARNING tandem.kernels: a Triton kernel was compiled while serving (54 ms, ...): k[...](...)\n",
                  _window(0, 4)):
         stack_log.note(tag, line)
     got = stack_log.since(tag, before)
-    assert got == {"detaches": 1, "attaches": 1, "windows": 5, "spec_step_share": 0.25, "detached_share": 0.4,
+    assert got == {"detaches": 1, "attaches": 1, "joined": 3, "windows": 5, "spec_step_share": 0.25, "detached_share": 0.4,
                    "attached_plain_share": 0.2, "drafts_per_round": 2.0, "rounds_per_step": 2.5,
                    "plain_steps_for": {"exploring": 1, "timing": 1}, "chain_switches": 2, "kernels_compiled": 1}
 
@@ -43,5 +44,6 @@ def test_a_load_reports_what_the_engine_did_in_its_stats_windows():
 def test_the_engine_still_logs_the_phrases_the_bench_counts():
     source = (Path(__file__).resolve().parents[1] / "tandem" / "engine" / "llm_engine.py").read_text()
     assert "the drafter is detached" in source and "the drafter is attached again" in source
+    assert "running request(s) without draft state join the drafter" in source
     watch = (Path(__file__).resolve().parents[1] / "tandem" / "kernels" / "compile_watch.py").read_text()
     assert "compiled while serving" in watch
