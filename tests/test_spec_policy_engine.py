@@ -266,12 +266,21 @@ def test_a_lost_drafter_leaves_nothing_held(setup):
         assert [eng.requests.pop(r).output for r in rids] == ref
 
 
+class JoiningProposer(CountingProposer):
+    """Takes requests that start on tokens it never saw (attach_prefix: their history, no features)."""
+
+    caches_prefixes = True
+
+    def attach_prefix(self, rid, tokens):
+        self.tokens[rid] = list(tokens[1:])  # (its history of extended tokens: entry t is token t + 1)
+
+
 def test_a_drafter_lost_and_back_before_the_next_step_gets_its_running_requests_back(setup):
     """A drafter service can drop and reconnect inside one step (its loss seen by the step's own call, its
     reconnection done by the next): the engine never sees it down at a step's start, yet every request's draft
-    state is gone. The running requests are still recomputed onto it and speculate again, tokens unchanged."""
+    state is gone. The running requests still join it again and speculate, tokens unchanged."""
     path, prompts, ref = setup
-    with LLMEngine(EngineConfig(model=str(path)), proposer=CountingProposer(vocab=256, seed=7), spec=Spec(5),
+    with LLMEngine(EngineConfig(model=str(path)), proposer=JoiningProposer(vocab=256, seed=7), spec=Spec(5),
                    policy=SpeculationPolicy(PolicyConfig(enabled=False))) as eng:
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True)) for p in prompts]
         for _ in range(3):
