@@ -197,5 +197,32 @@ def test_tp_size_that_does_not_divide_the_heads_is_a_config_error(checkpoint):
     assert out["error"] is not None, "tp_size=3 with 4 heads was accepted"
     assert out["children_left"] == []
     msg = out["message"]
-    assert "\n" not in msg and "num_attention_heads" in msg and "4" in msg and "3" in msg, msg
+    assert "\n" not in msg and msg.startswith("--tp-size 3: the model's 4 attention heads cannot be split 3 ways"), msg
+    assert "(sizes that can: 1, 2, 4)" in msg, msg
     assert out["tandem"], f"{out['error']}: {msg} — not a TandemError, so the CLI shows a traceback"
+
+
+def test_the_tensor_parallel_check_names_the_dimension_that_does_not_split(checkpoint):
+    """Before any rank starts: heads, key/value heads (fewer than the ranks: replicated, if they share them evenly),
+    the MLP's and the experts' intermediate sizes — each named, with the sizes that would split it."""
+    import dataclasses
+
+    from tandem.configs.deepseek import MoeConfig
+    from tandem.configs.model import ModelConfig
+    from tandem.errors import ConfigError
+
+    base = dataclasses.replace(ModelConfig.from_dir(checkpoint("llama").path), num_heads=8, num_kv_heads=2,
+                               intermediate_size=96)
+    for tp in (1, 2, 4, 8):
+        base.check_tensor_parallel(tp)  # (2 KV heads at TP 4 and 8: replicated)
+    moe = MoeConfig(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=36,
+                    first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=1.0)
+    for changed, tp, named in ((dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads cannot be split 4 ways"),
+                               (dict(num_heads=12, num_kv_heads=6), 4, "6 key/value heads cannot be split 4 ways"),
+                               (dict(num_kv_heads=3, num_heads=12), 4, "3 key/value heads cannot be shared evenly by 4"),
+                               (dict(intermediate_size=100), 8, "100 MLP intermediate size cannot be split 8 ways"),
+                               (dict(moe=moe), 8, "36 experts' intermediate size cannot be split 8 ways")):
+        with pytest.raises(ConfigError) as e:
+            dataclasses.replace(base, **changed).check_tensor_parallel(tp)
+        assert str(e.value).startswith(f"--tp-size {tp}: the model's {named}"), str(e.value)

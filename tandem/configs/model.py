@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.errors import CheckpointError
+from tandem.errors import CheckpointError, ConfigError
 from tandem.configs.fields import decoder_dims, required_field
 from tandem.configs.quantization import QuantConfig, parse_quantization
 from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
@@ -85,6 +85,23 @@ class ModelConfig(AttentionWidths):
         six layers they are clamped into range and may repeat."""
         n = self.num_layers
         return tuple(sorted((min(2, n - 1), n // 2, max(n - 3, 0))))
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """ConfigError naming the first of this model's dimensions that ``tp`` ranks cannot split (the layers' own
+        checks name only a width, and only once the ranks are up)."""
+        splits = [("attention heads", self.num_heads), ("MLP intermediate size", self.intermediate_size)]
+        if self.mla is None and self.num_kv_heads >= tp:  # (fewer KV heads than ranks are replicated)
+            splits.append(("key/value heads", self.num_kv_heads))
+        if self.moe is not None:
+            splits.append(("experts' intermediate size", self.moe.moe_intermediate_size))
+        for what, n in splits:
+            if n % tp:
+                sizes = [d for d in range(1, min(n, 8) + 1) if n % d == 0]
+                raise ConfigError(f"--tp-size {tp}: the model's {n} {what} cannot be split {tp} ways (sizes that "
+                                  f"can: {', '.join(map(str, sizes))})")
+        if self.mla is None and self.num_kv_heads < tp and tp % self.num_kv_heads:
+            raise ConfigError(f"--tp-size {tp}: the model's {self.num_kv_heads} key/value heads cannot be shared "
+                              f"evenly by {tp} ranks")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

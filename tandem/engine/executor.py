@@ -88,6 +88,7 @@ class TargetExecutor:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model)  # fail fast, before any process starts
+        self.model_config.check_tensor_parallel(cfg.tp_size)
         self._workers: list[mp.Process] = []
         if cfg.tp_size > 1:
             if cfg.device == "cpu":
