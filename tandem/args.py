@@ -453,10 +453,15 @@ def engine_settings(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_device(device: str) -> str:
-    """``auto``: cuda when torch sees a GPU, else cpu, said in the log; other values as given."""
+    """``auto``: cuda when torch sees a GPU, else cpu, said in the log; other values as given — a GPU asked of a torch
+    that sees none refused in one line (not torch's AttributeError deep in the first CUDA call)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ConfigError(f"--device {device}: torch {torch.__version__} sees no GPU ({build}); use --device cpu or auto")
     if device != "auto":
         return device
-    import torch
 
     picked = "cuda" if torch.cuda.is_available() else "cpu"
     log.info("--device auto: %s (%s)", picked,

@@ -51,7 +51,7 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("devices")
     g.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="auto", help="auto: cuda when torch sees a GPU, else cpu")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-data", default=None, help="held-out JSONL (default: a slice of --data)")
@@ -65,6 +65,35 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-only", action="store_true", help="only evaluate --draft-model against --target-model")
     g.add_argument("--draft-model", default=None, help="with --eval-only: the draft folder to evaluate")
     g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _check_before_loading(args: argparse.Namespace) -> None:
+    """What the command line can get wrong, refused before the target loads (minutes for a large one)."""
+    from tandem.configs.model import ModelConfig
+
+    for flag, value, least in (("--ttt-steps", args.ttt_steps, 1), ("--batch-size", args.batch_size, 1),
+                               ("--checkpoint-every", args.checkpoint_every, 1), ("--max-steps", args.max_steps, 1),
+                               ("--draft-vocab-size", args.draft_vocab_size, 2), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value is not None and value < least:
+            raise TandemError(f"{flag} must be at least {least}, got {value}")
+    out, target = Path(args.out).resolve(), Path(args.target_model).resolve()
+    if out == target or target in out.parents or out in target.parents:
+        raise TandemError(f"--out {args.out} is (or holds, or lies in) the target's folder: the head is written elsewhere")
+    if (out / "config.json").is_file() and "Eagle3" not in (out / "config.json").read_text():
+        raise TandemError(f"--out {args.out} holds a model that is not an EAGLE-3 head: not overwritten; give a new folder")
+    model = ModelConfig.from_dir(args.target_model)
+    layers = args.capture_layers
+    if layers is not None and (len(layers) != 3 or not all(0 <= i < model.num_layers for i in layers)):
+        raise TandemError(f"--capture-layers {','.join(map(str, layers))}: an EAGLE-3 head reads three target layers, "
+                          f"each in [0, {model.num_layers})")
+    if args.data is not None and not Path(args.data).is_file():
+        raise TandemError(f"--data {args.data}: no such file")
+    if args.reload_drafter is not None and not args.reload_drafter.rpartition(":")[2].isdigit():
+        raise TandemError(f"--reload-drafter {args.reload_drafter}: want HOST:PORT")
 
 
 def job_from_args(args: argparse.Namespace):
@@ -98,6 +127,9 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         from tandem.training.demo import ensure_demo_target
 
         args.target_model = str(ensure_demo_target())
+    from tandem.args import resolve_device
+
+    args.device = resolve_device(args.device)
     if args.eval_only:
         return _eval_only(args)
     if args.out is None:
@@ -105,9 +137,16 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if args.data is None and not args.traffic:
         raise TandemError("--data or --traffic is required (a JSONL of prompts, conversations or completed samples; "
                           "or a folder of captured traffic)")
+    _check_before_loading(args)
     from tandem.training.pipeline import run_job
 
-    summary = run_job(job_from_args(args), resume=args.resume)
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a checkpoint of the last whole step, as on Ctrl-C
+    try:
+        summary = run_job(job_from_args(args), resume=args.resume)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(summary, default=str))
     if args.reload_drafter:

@@ -27,6 +27,7 @@ from tandem.training.eagle3_dense import DenseEagle3
 from tandem.training.lm import use_bf16
 from tandem.training.optim import OptimConfig, make_optimizer, optimizer_step
 from tandem.training.progress import Progress, note
+from tandem.errors import TandemError
 from tandem.training.state import has_state, load_state, save_state
 from tandem.training.teacher import TargetTeacher
 from tandem.training.ttt_batch import make_batch, ttt_loss
@@ -173,23 +174,50 @@ def train_eagle3(teacher: TargetTeacher, target_dir: str, samples: list[Sample],
     ema: dict[str, float] = {}
     started = time.perf_counter()
     head.train()
-    for step in range(start, total):
-        batch = [samples[i] for i in batch_indices(len(samples), cfg.batch_size, cfg.seed, step)]
-        loss, _, accs, counts, ntok = step_fn(batch)
-        loss.backward()
-        optimizer_step(head, opt, cfg.optim, step, total)
-        accs = torch.where(counts > 0, accs, torch.nan).tolist()
-        for key, value in (("loss", float(loss.detach())), ("acc0", accs[0]), (f"acc{cfg.ttt_steps - 1}", accs[-1])):
-            if not math.isnan(value):
-                ema[key] = value if key not in ema else 0.9 * ema[key] + 0.1 * value
-        done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == total:
-            save_state(run_dir, head, opt, done)
-        bar.update(done, ntok, **ema)
-    bar.close()
+    try:
+        _train_steps(head, opt, step_fn, samples, cfg, range(start, total), run_dir, bar, ema)
+    finally:
+        bar.close()
     export(head, draft_cfg, out_dir)
     return head, {"steps": total, "train_ema": ema, "seconds_this_run": round(time.perf_counter() - started, 1),
             "draft_vocab_size": vocab.size, "vocab_coverage": vocab.coverage, "head_parameters": params}
+
+
+class TrainingInterrupted(TandemError):
+    """Training stopped by an interrupt, the last whole step saved."""
+
+
+def _train_steps(head, opt, step_fn, samples, cfg, steps: range, run_dir: Path, bar, ema: dict) -> None:
+    """The steps of ``steps``, a checkpoint every ``cfg.checkpoint_every`` and at the end — and at an interrupt
+    (SIGINT; SIGTERM where the command line turns it into one), of the last whole step: a step cut short is not
+    saved half-applied."""
+    total, done = steps.stop, steps.start
+    try:
+        for step in steps:
+            ntok = _one_step(head, opt, step_fn, samples, cfg, step, total, ema)
+            done = step + 1
+            if done % cfg.checkpoint_every == 0 or done == total:
+                save_state(run_dir, head, opt, done)
+            bar.update(done, ntok, **ema)
+    except KeyboardInterrupt:
+        if done > steps.start:
+            save_state(run_dir, head, opt, done)
+        saved = f"step {done} of {total}" if done or has_state(run_dir) else "no step yet"
+        raise TrainingInterrupted(f"interrupted; the run folder {run_dir} holds {saved}: --resume continues "
+                                  "from there") from None
+
+
+def _one_step(head, opt, step_fn, samples, cfg, step: int, total: int, ema: dict) -> int:
+    """One optimizer step; → the tokens it trained on."""
+    batch = [samples[i] for i in batch_indices(len(samples), cfg.batch_size, cfg.seed, step)]
+    loss, _, accs, counts, ntok = step_fn(batch)
+    loss.backward()
+    optimizer_step(head, opt, cfg.optim, step, total)
+    accs = torch.where(counts > 0, accs, torch.nan).tolist()
+    for key, value in (("loss", float(loss.detach())), ("acc0", accs[0]), (f"acc{cfg.ttt_steps - 1}", accs[-1])):
+        if not math.isnan(value):
+            ema[key] = value if key not in ema else 0.9 * ema[key] + 0.1 * value
+    return ntok
 
 
 def export(head: DenseEagle3, draft_cfg: DraftConfig, out_dir: str | Path) -> Path:

@@ -70,16 +70,18 @@ def split_eval(samples: list[Sample], job: DrafterTrainJob) -> tuple[list[Sample
     return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
 
 
-def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, eval_samples: list[Sample] | None,
-                    resume: bool) -> tuple[list[Sample], list[Sample]]:
-    from tandem.sampling import SamplingParams
+def _reusing(job: DrafterTrainJob, resume: bool) -> bool:
+    """Whether a resumed run takes its completed samples from the run folder."""
+    return resume and (job.run_path / "samples.jsonl").is_file()
 
-    run = job.run_path
-    train_file, eval_file = run / "samples.jsonl", run / "eval_samples.jsonl"
-    if resume and train_file.is_file():
-        note(f"reusing the completed samples in {run}")
-        return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
-    context = engine.model_config.max_position_embeddings
+
+def read_data(job: DrafterTrainJob, samples: list[Sample] | None, eval_samples: list[Sample] | None,
+              resume: bool) -> tuple[list[Sample] | None, list[Sample] | None]:
+    """The rows of --data, --traffic and --eval-data, read (every line checked) before the target loads: a bad line
+    at the end of a large file is not found after minutes of loading. (None, None) where a resumed run reuses its
+    completed samples."""
+    if _reusing(job, resume):
+        return None, None
     if samples is None:
         if job.data is None and not job.traffic:
             raise ValueError("no training data: pass --data JSONL or --traffic DIR")
@@ -93,6 +95,21 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
             # Held out from served traffic: measured like any held-out sample, against the target's own
             # greedy response and distribution (a served response may have been sampled at any temperature).
             eval_samples = [Sample(s.prompt) if s.traffic is not None else s for s in eval_samples]
+    return samples, eval_samples
+
+
+def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, eval_samples: list[Sample] | None,
+                    resume: bool) -> tuple[list[Sample], list[Sample]]:
+    """``samples`` and ``eval_samples`` (read_data's) with the target's responses, saved in the run folder; or a resumed
+    run's, from there."""
+    from tandem.sampling import SamplingParams
+
+    run = job.run_path
+    train_file, eval_file = run / "samples.jsonl", run / "eval_samples.jsonl"
+    if _reusing(job, resume):
+        note(f"reusing the completed samples in {run}")
+        return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
+    context = engine.model_config.max_position_embeddings
     samples = [fit_context(s, context) for s in samples]
     eval_samples = [fit_context(s, context) for s in eval_samples]
     params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
@@ -102,7 +119,11 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     # Held-out responses the target writes here are greedy: they measure the draft loss on the target's
     # own argmax path (held-out served traffic keeps the responses it was served with).
     eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0))
-    samples = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
+    kept = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
+    if not kept:
+        raise ConfigError(f"no sample to train on: each of the {len(samples)} has fewer than 3 tokens (prompt and "
+                          "response together); give longer prompts, or a larger --max-new-tokens")
+    samples = kept
     run.mkdir(parents=True, exist_ok=True)
     save_samples(train_file, samples)
     save_samples(eval_file, eval_samples)
@@ -149,6 +170,8 @@ def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samp
 
     if job.traffic:
         job = with_traffic_layers(job)
+    check_settings(job, resume)
+    samples, eval_samples = read_data(job, samples, eval_samples, resume)
     torch.manual_seed(job.seed)
     engine = make_engine(job)
     try:
@@ -169,6 +192,32 @@ def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samp
         note(format_report(summary["eval"]))
     (Path(job.out) / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+SETTINGS_FILE = "settings.json"
+
+
+def check_settings(job: DrafterTrainJob, resume: bool) -> None:
+    """What shapes the head (the target, its layers, the draft vocabulary, TTT, the loss) is written to the run folder;
+    a resumed run with other values is refused, naming them: its samples, vocabulary and checkpoint are of the first."""
+    from tandem.configs.model import ModelConfig
+
+    target = ModelConfig.from_dir(job.target_model)
+    settings = {"target_model": str(Path(job.target_model).resolve()),
+                "capture_layers": job.capture_layers or target.default_capture_layers(),
+                "draft_vocab_size": job.draft_vocab_size or min(32000, target.vocab_size), "ttt_steps": job.train.ttt_steps,
+                "loss_type": job.train.loss_type, "include_prompt_loss": job.train.include_prompt_loss}
+    settings = json.loads(json.dumps(settings))  # (tuples as the file holds them: lists)
+    path = job.run_path / SETTINGS_FILE
+    if resume and path.is_file():
+        before = json.loads(path.read_text())
+        changed = [f"{k} {before.get(k)!r} → {v!r}" for k, v in settings.items() if before.get(k) != v]
+        if changed:
+            raise ConfigError(f"--resume of {job.run_path} with other settings ({'; '.join(changed)}): resume with "
+                              "the first run's, or start a new run folder")
+        return
+    job.run_path.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1) + "\n")
 
 
 def heldout_metrics(head, teacher, eval_samples: list[Sample], vocab: DraftVocab, cfg) -> dict:

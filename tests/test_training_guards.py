@@ -1,0 +1,117 @@
+"""python -m drafter.train refuses what it can before the target loads — an --out that is the target's folder or
+another model, flags out of range, capture layers an EAGLE-3 head cannot read, a missing or malformed data file —
+refuses a --resume with other settings than the run's, says when filtering left nothing to train on, and an interrupt
+saves the last whole step, from which --resume goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_training_draft import TRAIN, VD, job, target, data  # noqa: F401 (fixtures)
+from tandem.errors import ConfigError, TandemError
+from tandem.training import pipeline
+from tandem.training.cli import main_train_drafter
+
+
+def _refused(argv: list[str], capsys, monkeypatch) -> str:
+    """Run the command line with the target's load made to fail loudly: → its one-line error."""
+    monkeypatch.setattr(pipeline, "make_engine", lambda job: pytest.fail("the target was loaded"))
+    assert main_train_drafter(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ttt-steps", "0"], "--ttt-steps must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["--max-steps", "0"], "--max-steps must be at least 1"),
+    (["--draft-vocab-size", "0"], "--draft-vocab-size must be at least 2"),
+    (["--capture-layers", "1,2"], "--capture-layers 1,2: an EAGLE-3 head reads three target layers, each in [0, 6)"),
+    (["--capture-layers", "1,2,6"], "each in [0, 6)"),
+    (["--reload-drafter", "notaport"], "--reload-drafter notaport: want HOST:PORT"),
+])
+def test_bad_flags_are_refused_before_the_target_loads(target, data, tmp_path, capsys, monkeypatch, extra, message):  # noqa: F811
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(tmp_path / "d"), *extra],
+                   capsys, monkeypatch)
+    assert message in err, err
+
+
+def test_out_is_never_the_target_or_another_model(target, data, tmp_path, capsys, monkeypatch):  # noqa: F811
+    copy = tmp_path / "target"
+    shutil.copytree(target, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    for out in (copy, copy / "head"):
+        err = _refused(["--target-model", str(copy), "--data", str(data), "--out", str(out)], capsys, monkeypatch)
+        assert "is (or holds, or lies in) the target's folder" in err
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(other)], capsys, monkeypatch)
+    assert "holds a model that is not an EAGLE-3 head: not overwritten" in err
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
+def test_data_is_read_whole_before_the_target_loads(target, tmp_path, capsys, monkeypatch):  # noqa: F811
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n" for _ in range(500)) + "{not json\n")
+    err = _refused(["--target-model", str(target), "--data", str(bad), "--out", str(tmp_path / "d")], capsys, monkeypatch)
+    assert "501" in err and str(bad) in err, err
+    err = _refused(["--target-model", str(target), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "d")],
+                   capsys, monkeypatch)
+    assert "none.jsonl: no such file" in err
+
+
+def test_nothing_left_to_train_on_is_said_plainly(target, tmp_path):  # noqa: F811
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"prompt_token_ids": [7], "response_token_ids": []}) + "\n" for _ in range(4)))
+    with pytest.raises(ConfigError, match="no sample to train on: each of the 4 has fewer than 3 tokens"):
+        pipeline.run_job(dataclasses.replace(job(target, short, tmp_path / "d"), eval_fraction=0.0))
+
+
+def test_resume_with_other_settings_is_refused_naming_them(target, data, tmp_path):  # noqa: F811
+    out = tmp_path / "draft"
+    pipeline.run_job(job(target, data, out, max_steps=2))
+    with pytest.raises(ConfigError) as e:
+        pipeline.run_job(dataclasses.replace(job(target, data, out, max_steps=4, ttt_steps=2), draft_vocab_size=VD + 8),
+                         resume=True)
+    assert f"draft_vocab_size {VD!r} → {VD + 8!r}" in str(e.value) and "ttt_steps 3 → 2" in str(e.value)
+    assert pipeline.run_job(job(target, data, out, max_steps=4), resume=True)["steps"] == 4  # the same: goes on
+
+
+def test_an_interrupt_saves_the_last_whole_step_and_resume_goes_on(target, data, tmp_path, monkeypatch):  # noqa: F811
+    from tandem.training import eagle3_train
+
+    out = tmp_path / "draft"
+    one_step, calls, interrupt_at = eagle3_train._one_step, [], [7]
+
+    def interrupted_at_7(*args, **kwargs):
+        calls.append(args[5])  # the step
+        if args[5] in interrupt_at:
+            raise KeyboardInterrupt
+        return one_step(*args, **kwargs)
+
+    monkeypatch.setattr(eagle3_train, "_one_step", interrupted_at_7)
+    with pytest.raises(TandemError, match=r"interrupted; the run folder .* holds step 7 of 12: --resume continues"):
+        pipeline.run_job(job(target, data, out, max_steps=12, checkpoint_every=5))
+    assert torch.load(out.with_name("draft.run") / "train_state.pt", weights_only=False)["step"] == 7
+    calls.clear()
+    interrupt_at.clear()
+    assert pipeline.run_job(job(target, data, out, max_steps=12, checkpoint_every=5), resume=True)["steps"] == 12
+    assert calls[0] == 7 and calls[-1] == 11
+
+
+def test_a_gpu_asked_of_a_torch_that_sees_none_is_one_line():
+    from tandem.args import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    with pytest.raises(ConfigError, match=r"--device cuda: torch .* sees no GPU"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
