@@ -228,6 +228,7 @@ def test_jsonl_rows_prompts_conversations_and_completed_samples(tmp_path):
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
         {"prompt": "x = ", "response": "1"},
         {"prompt_token_ids": [9], "response_token_ids": [10, 11]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
     ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
@@ -235,7 +236,11 @@ def test_jsonl_rows_prompts_conversations_and_completed_samples(tmp_path):
     assert samples[0] == Sample(tuple(tok.encode("def f():")))
     assert samples[1] == Sample((5, 6, 7))
     rendered = tok.encode(chat.render([{"role": "user", "content": "hi"}], add_generation_prompt=True))
-    assert samples[2] == Sample(tuple(rendered)) and samples[3] == Sample(tuple(rendered), tuple(tok.encode("hello")))
+    # the final assistant turn as the demo template writes it: "hello<|eos|>\n", its end-of-turn token included
+    answer = tuple(tok.encode("hello<|eos|>\n"))
+    assert tok.token_id("<|eos|>") in answer
+    assert samples[2] == Sample(tuple(rendered)) and samples[3] == Sample(tuple(rendered), answer)
+    assert samples[6] == samples[3]  # ShareGPT's spelling of the same conversation
     assert samples[4] == Sample(tuple(tok.encode("x = ")), tuple(tok.encode("1")))
     assert samples[5] == Sample((9,), (10, 11))
     assert all(s.response is None for s in read_jsonl(path, str(tmp_path), regenerate=True))

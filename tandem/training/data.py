@@ -48,30 +48,46 @@ class _Text:
             self._tok = load_tokenizer(self.model_dir)
         return self._tok.encode(text, add_special_tokens=False)  # pieces joined by the data's own markers
 
-    def render(self, messages: list[dict], where: str) -> str:
+    def render(self, messages: list[dict], where: str, add_generation_prompt: bool = True) -> str:
         if self._chat is None:
             from tandem.chat_template import ChatTemplate
 
             self._chat = ChatTemplate.from_model_dir(self.model_dir)
             if self._chat is None:
                 raise ConfigError(f"{where}: 'messages' need a chat template, but {self.model_dir} has none")
-        return self._chat.render(messages, add_generation_prompt=True)
+        return self._chat.render(messages, add_generation_prompt=add_generation_prompt)
+
+
+# ShareGPT's (SpecForge's) "conversations" rows: their speakers as chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _sharegpt(turns: list, where: str) -> list[dict]:
+    try:
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    except (KeyError, TypeError):
+        raise ConfigError(f"{where}: 'conversations' turns need 'from' ({', '.join(SHAREGPT_ROLES)}) and 'value'") from None
 
 
 def parse_row(row: dict, text: _Text, where: str, regenerate: bool = False) -> Sample:
     response = None
-    if "messages" in row:
-        messages = list(row["messages"])
-        if messages and messages[-1].get("role") == "assistant":
-            response = text.encode(str(messages[-1].get("content", "")))
-            messages = messages[:-1]
-        prompt = text.encode(text.render(messages, where))
+    if "messages" in row or "conversations" in row:
+        messages = list(row["messages"]) if "messages" in row else _sharegpt(row["conversations"], where)
+        answered = bool(messages) and messages[-1].get("role") == "assistant"
+        head = text.render(messages[:-1] if answered else messages, where)
+        if answered:
+            # the final turn as the template writes it after the generation prompt: its end-of-turn token included
+            # (the head learns where answers end), not the bare content
+            whole = text.render(messages, where, add_generation_prompt=False)
+            turn = whole[len(head):] if whole.startswith(head) else str(messages[-1].get("content", ""))
+            response = text.encode(turn)
+        prompt = text.encode(head)
     elif "prompt_token_ids" in row:
         prompt = [int(t) for t in row["prompt_token_ids"]]
     elif "prompt" in row:
         prompt = text.encode(str(row["prompt"]))
     else:
-        raise ConfigError(f"{where}: a row needs 'prompt', 'prompt_token_ids' or 'messages'")
+        raise ConfigError(f"{where}: a row needs 'prompt', 'prompt_token_ids', 'messages' or 'conversations'")
     if "response_token_ids" in row:
         response = [int(t) for t in row["response_token_ids"]]
     elif "response" in row:
