@@ -115,3 +115,17 @@ def test_a_gpu_asked_of_a_torch_that_sees_none_is_one_line():
     with pytest.raises(ConfigError, match=r"--device cuda: torch .* sees no GPU"):
         resolve_device("cuda")
     assert resolve_device("auto") == "cpu"
+
+
+def test_specforge_spellings_are_the_same_settings():
+    import argparse
+
+    from tandem.training.cli import add_train_drafter
+
+    parser = argparse.ArgumentParser()
+    add_train_drafter(parser)
+    theirs = parser.parse_args("--target-model-path T --train-data-path D --output-dir O --num-epochs 3 --learning-rate 1e-4 "
+                               "--ttt-length 5 --save-interval 9 --tensor-parallel-size 2 --eval-data-path E".split())
+    ours = parser.parse_args("--target-model T --data D --out O --epochs 3 --lr 1e-4 --ttt-steps 5 --checkpoint-every 9 "
+                             "--tp-size 2 --eval-data E".split())
+    assert vars(theirs) == vars(ours)

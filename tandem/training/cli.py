@@ -19,15 +19,16 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_train_drafter(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", "--model", dest="target_model", default=None,
+    # (second names: SpecForge's spellings of the same settings)
+    p.add_argument("--target-model", "--model", "--target-model-path", dest="target_model", default=None,
                    help="target HF model folder (default: the embedded demo target)")
-    p.add_argument("--data", default=None, help="JSONL: {prompt | prompt_token_ids | messages} [+ response]")
+    p.add_argument("--data", "--train-data-path", dest="data", default=None, help="JSONL: {prompt | prompt_token_ids | messages} [+ response]")
     p.add_argument("--traffic", action="append", default=[], metavar="DIR",
                    help="served traffic captured by python -m verifier --capture-traffic DIR (repeatable; "
                         "alone or with --data): its stored features need no target forward")
     p.add_argument("--reload-drafter", default=None, metavar="HOST:PORT",
                    help="when done, make the drafter service there serve the new head (tandem reload-drafter)")
-    p.add_argument("--out", default=None, help="draft folder to write (SGLang LlamaForCausalLMEagle3 format)")
+    p.add_argument("--out", "--output-dir", dest="out", default=None, help="draft folder to write (SGLang LlamaForCausalLMEagle3 format)")
     p.add_argument("--run-dir", default=None, help="samples, vocabulary and checkpoints (default: OUT.run)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder (samples, vocab, checkpoint)")
     g = p.add_argument_group("responses")
@@ -38,23 +39,23 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("head and training")
     g.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
     g.add_argument("--capture-layers", type=_ints, default=None, help="target layer inputs, e.g. 2,16,29 (default [2, N//2, N-3])")
-    g.add_argument("--ttt-steps", type=int, default=7)
+    g.add_argument("--ttt-steps", "--ttt-length", dest="ttt_steps", type=int, default=7)
     g.add_argument("--loss", choices=["soft", "hard"], default="soft", help="target distribution or target argmax")
     g.add_argument("--include-prompt-loss", action="store_true", help="also train on prompt positions")
-    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--epochs", "--num-epochs", dest="epochs", type=float, default=2.0)
     g.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
     g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=2e-3)
     g.add_argument("--warmup-steps", type=int, default=30)
-    g.add_argument("--checkpoint-every", type=int, default=100)
+    g.add_argument("--checkpoint-every", "--save-interval", dest="checkpoint_every", type=int, default=100)
     g.add_argument("--no-compile", action="store_true", help="train eagerly (no torch.compile)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("devices")
-    g.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
     g.add_argument("--device", default="auto", help="auto: cuda when torch sees a GPU, else cpu")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-data", default=None, help="held-out JSONL (default: a slice of --data)")
+    g.add_argument("--eval-data", "--eval-data-path", dest="eval_data", default=None, help="held-out JSONL (default: a slice of --data)")
     g.add_argument("--eval-fraction", type=float, default=0.05)
     g.add_argument("--max-eval-prompts", type=int, default=64)
     g.add_argument("--eval-max-new-tokens", type=int, default=96)
