@@ -170,6 +170,8 @@ def train_eagle3(teacher: TargetTeacher, target_dir: str, samples: list[Sample],
     covers = "" if math.isnan(vocab.coverage) else f" (covers {vocab.coverage:.1%} of the counted tokens)"
     note(f"EAGLE-3 head: {params / 1e6:.2f} M parameters, draft vocab {vocab.size}{covers}, capture layers "
          f"{list(teacher.capture_layers)}, {len(samples)} samples, {total} steps, TTT {cfg.ttt_steps}")
+    if cfg.compile:
+        note("compiling the training step (torch.compile; --no-compile skips it): the first step takes longer")
     bar = Progress("eagle3", total, start)
     ema: dict[str, float] = {}
     started = time.perf_counter()

@@ -28,18 +28,27 @@ class Progress:
         self.tokens = 0
         self._last_print = 0.0
         self._shown = False
+        self._first: tuple[float, int, int] | None = None  # (time, step, tokens) at the first update
 
     def update(self, step: int, tokens: int = 0, force: bool = False, **metrics: float) -> None:
         """``step`` done out of ``total``; ``tokens`` processed since the last update."""
         self.tokens += tokens
         now = time.perf_counter()
+        if self._first is None:
+            self._first = (now, step, self.tokens)
         if not force and now - self._last_print < self.every_s and step < self.total:
             return
         self._last_print = now
         elapsed = now - self.t0
         done = step - self.start
-        rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        # Rate and ETA from the first update on where there are steps since: the first step pays one-off costs
+        # (torch.compile: a minute and more), which would make the ETA of a long run many times too long.
+        t1, step1, tokens1 = self._first
+        if step > step1 and now > t1:
+            rate, eta = (self.tokens - tokens1) / (now - t1), (now - t1) / (step - step1) * (self.total - step)
+        else:
+            rate = self.tokens / elapsed if elapsed > 0 else 0.0
+            eta = elapsed / done * (self.total - step) if done > 0 else 0.0
         parts = [f"{self.label} {step}/{self.total}"]
         parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
         if self.tokens:
