@@ -129,3 +129,35 @@ def test_specforge_spellings_are_the_same_settings():
     ours = parser.parse_args("--target-model T --data D --out O --epochs 3 --lr 1e-4 --ttt-steps 5 --checkpoint-every 9 "
                              "--tp-size 2 --eval-data E".split())
     assert vars(theirs) == vars(ours)
+
+
+def test_responses_written_before_an_interrupt_are_not_generated_again(tmp_path):
+    """complete_samples keeps each chunk's responses as it completes; a second run over the same prompts (a --resume)
+    generates only the rest, and a cut last line or a line of another prompt is passed over."""
+    from types import SimpleNamespace
+
+    from tandem.sampling import SamplingParams
+    from tandem.training.data import Sample, complete_samples
+
+    class Engine:
+        model_config = SimpleNamespace(max_position_embeddings=64)
+
+        def __init__(self, stop_after: int | None = None):
+            self.asked, self.stop_after = [], stop_after
+
+        def generate(self, prompts, params, spec=None):
+            if self.stop_after is not None and len(self.asked) >= self.stop_after:
+                raise KeyboardInterrupt
+            self.asked += [p[0] for p in prompts]
+            return [SimpleNamespace(output_token_ids=[p[0] + 1, q.seed]) for p, q in zip(prompts, params)]
+
+    samples = [Sample((10 * i + 1, 2)) for i in range(6)] + [Sample((99,), (5,))]
+    params, kept = SamplingParams(max_new_tokens=4, seed=7), tmp_path / "responses.partial.jsonl"
+    whole = complete_samples(Engine(), samples, params, chunk=2)
+    with pytest.raises(KeyboardInterrupt):
+        complete_samples(Engine(stop_after=4), samples, params, chunk=2, kept=kept)
+    with open(kept, "a") as f:
+        f.write('{"index": 5, "prompt_token_ids": [51, 2], "respo')  # cut mid-line
+    again = Engine()
+    assert complete_samples(again, samples, params, chunk=2, kept=kept) == whole
+    assert again.asked == [41, 51]  # the first four were kept

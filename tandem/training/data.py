@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tandem.errors import ConfigError
 from tandem.traffic.dataset import TrafficRef
-from tandem.training.progress import Progress
+from tandem.training.progress import Progress, note
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,18 @@ def fit_context(sample: Sample, context: int) -> Sample:
     return Sample(prompt, sample.response[: context - len(prompt)])
 
 
-def complete_samples(engine, samples: list[Sample], params, chunk: int = 64) -> list[Sample]:
+def complete_samples(engine, samples: list[Sample], params, chunk: int = 64, kept: Path | None = None) -> list[Sample]:
     """Generate a response with the target for every sample that lacks one (continuous batching,
-    ``chunk`` prompts at a time). Sampling is seeded per prompt (``params.seed + index``)."""
+    ``chunk`` prompts at a time). Sampling is seeded per prompt (``params.seed + index``). ``kept``: a file each chunk's
+    responses are appended to as it completes, and read first — the responses of an interrupted run (of the same
+    prompts: each line names its sample's index and prompt) are not generated again."""
     import dataclasses
 
-    todo = [i for i, s in enumerate(samples) if s.response is None]
     out = list(samples)
+    done = _kept_responses(kept, samples) if kept is not None else {}
+    for i, response in done.items():
+        out[i] = Sample(samples[i].prompt, response)
+    todo = [i for i, s in enumerate(samples) if s.response is None and i not in done]
     context = engine.model_config.max_position_embeddings
     bar = Progress("generate", len(todo))
     for start in range(0, len(todo), chunk):
@@ -147,9 +152,32 @@ def complete_samples(engine, samples: list[Sample], params, chunk: int = 64) -> 
         results = engine.generate([list(samples[i].prompt) for i in idx], per, spec=None)
         for i, res in zip(idx, results):
             out[i] = Sample(samples[i].prompt, tuple(res.output_token_ids))
+        if kept is not None:
+            with open(kept, "a") as f:
+                f.writelines(json.dumps({"index": i, "prompt_token_ids": list(samples[i].prompt),
+                                         "response_token_ids": list(out[i].response)}) + "\n" for i in idx)
         bar.update(min(start + chunk, len(todo)), sum(len(r.output_token_ids) for r in results))
     bar.close()
     return out
+
+
+def _kept_responses(path: Path, samples: list[Sample]) -> dict[int, tuple[int, ...]]:
+    """complete_samples' file: index → response, where the line's prompt is still that sample's (a cut last line, as
+    an interrupt leaves it, and lines of other prompts are passed over)."""
+    if not path.is_file():
+        return {}
+    done = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            i = row["index"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        if 0 <= i < len(samples) and tuple(row.get("prompt_token_ids", ())) == samples[i].prompt:
+            done[i] = tuple(row["response_token_ids"])
+    if done:
+        note(f"reusing {len(done)} responses the target wrote before ({path})")
+    return done
 
 
 def save_samples(path: Path, samples: list[Sample]) -> None:

@@ -2,7 +2,8 @@
 SGLang-format export → held-out metrics and speculative evaluation.
 
 Everything a resumed run needs is kept in the run folder: the completed samples
-(``samples.jsonl``, ``eval_samples.jsonl`` — generating them is the slow part on a CPU), the
+(``samples.jsonl``, ``eval_samples.jsonl`` — generating them is the slow part on a CPU; until they are complete, the
+responses written so far, chunk by chunk), the settings that shape the head (``settings.json``), the
 vocabulary (``vocab.pt``) and the trainer's checkpoint. ``--resume`` reuses all three.
 """
 
@@ -115,18 +116,26 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
     note(f"the target writes responses for {sum(s.response is None for s in samples)} of {len(samples)} samples "
          f"(+{len(eval_samples)} held out), up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
-    samples = complete_samples(engine, samples, params)
+    # Each chunk's responses are kept in the run folder as they come, for a --resume after an interrupt.
+    run.mkdir(parents=True, exist_ok=True)
+    partial = {name: run / f"{name}.partial.jsonl" for name in ("responses", "eval_responses")}
+    if not resume:
+        for path in partial.values():
+            path.unlink(missing_ok=True)
+    samples = complete_samples(engine, samples, params, kept=partial["responses"])
     # Held-out responses the target writes here are greedy: they measure the draft loss on the target's
     # own argmax path (held-out served traffic keeps the responses it was served with).
-    eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0))
+    eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0),
+                                    kept=partial["eval_responses"])
     kept = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
     if not kept:
         raise ConfigError(f"no sample to train on: each of the {len(samples)} has fewer than 3 tokens (prompt and "
                           "response together); give longer prompts, or a larger --max-new-tokens")
     samples = kept
-    run.mkdir(parents=True, exist_ok=True)
     save_samples(train_file, samples)
     save_samples(eval_file, eval_samples)
+    for path in partial.values():  # (the completed samples hold them now)
+        path.unlink(missing_ok=True)
     return samples, eval_samples
 
 
