@@ -143,9 +143,15 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 
     import signal
 
+    from tandem.training.eagle3_train import TrainingInterrupted
+
+    job = job_from_args(args)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a checkpoint of the last whole step, as on Ctrl-C
     try:
-        summary = run_job(job_from_args(args), resume=args.resume)
+        summary = run_job(job, resume=args.resume)
+    except KeyboardInterrupt:  # (while the target wrote responses: those written so far are kept)
+        raise TrainingInterrupted(f"interrupted; the run folder {job.run_path} keeps what was done: --resume goes "
+                                  "on from there") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.json:

@@ -4,7 +4,7 @@ SGLang-format export → held-out metrics and speculative evaluation.
 Everything a resumed run needs is kept in the run folder: the completed samples
 (``samples.jsonl``, ``eval_samples.jsonl`` — generating them is the slow part on a CPU; until they are complete, the
 responses written so far, chunk by chunk), the settings that shape the head (``settings.json``), the
-vocabulary (``vocab.pt``) and the trainer's checkpoint. ``--resume`` reuses all three.
+vocabulary (``vocab.pt``) and the trainer's checkpoint. ``--resume`` reuses what it finds.
 """
 
 from __future__ import annotations
