@@ -97,6 +97,9 @@ def format_report(report: dict) -> str:
              f"num_draft_tokens={spec['num_draft_tokens']}, {report['prompts']} held-out prompts, "
              f"{report['max_new_tokens']} new tokens each"]
     for temp, agg in report["by_temperature"].items():
+        if not agg["rounds"]:  # (every response ended before a round: nothing measured)
+            lines.append(f"  T={temp}: accept length n/a (no speculative round: the responses ended at once)")
+            continue
         pos = " ".join(f"{a:.2f}" for a in agg["acceptance_by_position"])
         lines.append(f"  T={temp}: accept length {agg['accept_length_mean']:.3f} over {agg['rounds']} rounds; "
                      f"acceptance by position [{pos}]")
