@@ -14,7 +14,7 @@ from drafter.config import DrafterServiceConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head",
+    parser = shared.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head",
                                      formatter_class=shared.HelpFormatter)
     DrafterServiceConfig.add_arguments(parser)
     shared.add(parser, shared.CONFIG)

@@ -87,7 +87,7 @@ def _header_token(s: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig
-    p = argparse.ArgumentParser(prog="python -m gateway",
+    p = shared.ArgumentParser(prog="python -m gateway",
                                 description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.",
                                 formatter_class=HelpFormatter)
     p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")

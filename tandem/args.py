@@ -32,6 +32,14 @@ SPECULATIVE_ALGORITHMS = ("EAGLE3",)
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line and a pointer to ``--help``: a refused flag of ``tandem up`` came
+    after its whole usage block (~50 lines) otherwise."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` after each flag's help, except where the help already says its default or there is
     none to show (None, a switch that is off)."""

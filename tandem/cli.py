@@ -132,7 +132,7 @@ def _add_reload(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
+    parser = shared.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

@@ -14,7 +14,7 @@ from verifier.config import VerifierConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model",
+    parser = shared.ArgumentParser(prog="python -m verifier", description="Tandem verifier: the target model",
                                      formatter_class=shared.HelpFormatter)
     VerifierConfig.add_arguments(parser)
     shared.add(parser, shared.CONFIG)
