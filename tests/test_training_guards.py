@@ -161,3 +161,17 @@ def test_responses_written_before_an_interrupt_are_not_generated_again(tmp_path)
     again = Engine()
     assert complete_samples(again, samples, params, chunk=2, kept=kept) == whole
     assert again.asked == [41, 51]  # the first four were kept
+
+
+def test_eval_only_takes_the_prompts_the_training_held_out(target, tmp_path, monkeypatch, capsys):  # noqa: F811
+    from tandem.training import evaluate
+    from tandem.training.data import Sample, save_samples
+
+    draft = tmp_path / "draft"
+    (tmp_path / "draft.run").mkdir()
+    save_samples(tmp_path / "draft.run" / "eval_samples.jsonl", [Sample((5, 6, 7), (8,)), Sample((9, 10), (11,))])
+    asked = []
+    monkeypatch.setattr(evaluate, "evaluate_pair", lambda t, d, prompts, cfg: asked.append(prompts) or {})
+    monkeypatch.setattr(evaluate, "format_report", lambda report: "")
+    assert main_train_drafter(["--eval-only", "--target-model", str(target), "--draft-model", str(draft)]) == 0
+    assert asked == [[[5, 6, 7], [9, 10]]]

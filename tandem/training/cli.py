@@ -63,7 +63,8 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-eagle-topk", type=int, default=1)
     g.add_argument("--speculative-num-draft-tokens", type=int, default=6)
     g.add_argument("--no-eval", action="store_true", help="skip the speculative evaluation after training")
-    g.add_argument("--eval-only", action="store_true", help="only evaluate --draft-model against --target-model")
+    g.add_argument("--eval-only", action="store_true", help="only evaluate --draft-model against --target-model: on "
+                   "--eval-data / --data, else the prompts its training held out (DRAFT.run), else the demo's")
     g.add_argument("--draft-model", default=None, help="with --eval-only: the draft folder to evaluate")
     g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
@@ -173,7 +174,13 @@ def _eval_only(args: argparse.Namespace) -> int:
     if args.draft_model is None:
         raise TandemError("--eval-only needs --draft-model DIR")
     source = args.eval_data or args.data
-    if source is None:
+    held_out = Path(args.run_dir) if args.run_dir else Path(args.draft_model).with_name(Path(args.draft_model).name + ".run")
+    held_out = held_out / "eval_samples.jsonl"
+    if source is None and held_out.is_file():  # the slice its training held out (its run folder's)
+        from tandem.training.data import load_samples
+
+        prompts = [list(s.prompt) for s in load_samples(held_out)[: args.max_eval_prompts]]
+    elif source is None:
         from tandem.training.demo_pair import demo_eval_prompts
 
         prompts = demo_eval_prompts(args.target_model, args.max_eval_prompts)
