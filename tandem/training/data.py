@@ -201,11 +201,13 @@ def load_samples(path: Path) -> list[Sample]:
 def read_traffic(folders: list[str]) -> list[Sample]:
     """Samples captured from served traffic (``python -m verifier --capture-traffic DIR``)."""
     from tandem.traffic.dataset import read_index
+    from tandem.traffic.recorder import CaptureConfig
 
     samples = []
     for folder in folders:
         index = read_index(Path(folder))
         if not index:
-            raise ConfigError(f"{folder}: no captured samples yet")
+            raise ConfigError(f"{folder}: no captured samples yet (a capturing verifier writes a shard every "
+                              f"{CaptureConfig.shard_samples} samples or {CaptureConfig.shard_mb:g} MB of features, and the rest when it stops)")
         samples += [Sample(tuple(tokens[:plen]), tuple(tokens[plen:]), ref) for ref, tokens, plen, _ in index]
     return samples
