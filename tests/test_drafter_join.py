@@ -149,10 +149,13 @@ def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
     assert taus[False] > 2.5 and taus[True] >= 0.9 * taus[False], taus
 
 
-def test_entries_found_in_no_cached_page_are_rebuilt_in_the_next_extend_as_an_extend_of_zero_features(pair):
+def test_entries_found_in_no_cached_page_are_rebuilt_in_the_next_extend_as_an_extend_of_zero_features(pair, monkeypatch):
+    import tandem.speculative.drafter as drafter_module
+
     """attach_prefix of two requests, then one extend of both: their entries equal those of a drafter extended with
     zero features for the prefix, then the same features (its own API, one request at a time), their next drafts
-    too, and the two rebuilds and extends ran as one forward of the head."""
+    too; the two rebuilds share one forward of the head, the extend another — and with a smaller cap on a rebuild's
+    forward, the rebuilds go in pieces within it, to the same entries."""
     spec = SpecConfig(3, 2, 6)
     inputs = [draft_inputs(760 + i, n) for i, n in enumerate((23, 30))]  # (tokens, features) of each request
     joined_at = (15, 9)  # tokens committed when each joined: entries 0..n-2 are rebuilt
@@ -160,18 +163,24 @@ def test_entries_found_in_no_cached_page_are_rebuilt_in_the_next_extend_as_an_ex
     for i, ((tokens, feats), n) in enumerate(zip(inputs, joined_at)):
         reference.extend([(f"r{i}", tokens[1:n], torch.zeros(n - 1, feats.shape[1]))])
         reference.extend([(f"r{i}", tokens[n:], feats[n - 1 : -1])])
-    drafter = pair_drafter(pair)
-    forwards = []
-    drafter.head.register_forward_hook(lambda *_: forwards.append(1))
-    for i, ((tokens, _), n) in enumerate(zip(inputs, joined_at)):
-        assert drafter.attach_prefix(f"r{i}", tokens[:n]) == 0  # nothing cached: all rebuilt
-    drafter.extend([(f"r{i}", tokens[n:], feats[n - 1 : -1]) for i, ((tokens, feats), n) in enumerate(zip(inputs, joined_at))])
-    assert len(forwards) == 1
-    for i, (tokens, _) in enumerate(inputs):
-        assert drafter.num_tokens(f"r{i}") == reference.num_tokens(f"r{i}") == len(tokens) - 1
-        torch.testing.assert_close(_entries(drafter, f"r{i}"), _entries(reference, f"r{i}"), rtol=1e-5, atol=1e-6)
-    got, want = drafter.draft(["r0", "r1"], spec), reference.draft(["r0", "r1"], spec)
-    assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
+    for cap in (8192, 6):
+        monkeypatch.setattr(drafter_module, "REBUILD_TOKENS", cap)
+        drafter = pair_drafter(pair)
+        rows = []
+        drafter.head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+        for i, ((tokens, _), n) in enumerate(zip(inputs, joined_at)):
+            assert drafter.attach_prefix(f"r{i}", tokens[:n]) == 0  # nothing cached: all rebuilt
+        drafter.extend([(f"r{i}", tokens[n:], feats[n - 1 : -1])
+                        for i, ((tokens, feats), n) in enumerate(zip(inputs, joined_at))])
+        rebuilt = sum(n - 1 for n in joined_at)
+        extended = sum(len(tokens) - n for (tokens, _), n in zip(inputs, joined_at))
+        assert rows[-1] == extended and sum(rows[:-1]) == rebuilt
+        assert len(rows) == 2 if cap == 8192 else max(rows[:-1]) <= cap
+        for i, (tokens, _) in enumerate(inputs):
+            assert drafter.num_tokens(f"r{i}") == reference.num_tokens(f"r{i}") == len(tokens) - 1
+            torch.testing.assert_close(_entries(drafter, f"r{i}"), _entries(reference, f"r{i}"), rtol=1e-5, atol=1e-6)
+        got, want = drafter.draft(["r0", "r1"], spec), reference.draft(["r0", "r1"], spec)
+        assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
 
 
 def _entries(drafter, rid: str) -> torch.Tensor:

@@ -47,6 +47,10 @@ from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree
 
 
+# Entries a forward rebuilds from zero features at most (attach_prefix's pages found in no cache: Eagle3Drafter._rebuild)
+REBUILD_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     device: str = "cpu"
@@ -87,8 +91,8 @@ class _Request:
     block_keys: list[bytes] | None = None
     pages_cached: int = 0
     zero_pages: range = range(0)
-    # Tokens whose entries attach_prefix found in no cached page: built from zero features at the front of the
-    # request's next extend (requests joining together rebuilt in one forward, not one each).
+    # Tokens whose entries attach_prefix found in no cached page: built from zero features right before the request's
+    # next extend (Eagle3Drafter._rebuild: requests joining together share forwards).
     rebuild: list[int] = field(default_factory=list)
 
 
@@ -219,7 +223,7 @@ class Eagle3Drafter(Proposer):
         """Start a new request whose prompt may start on cached target KV, and keep its pages in the prefix
         cache as they fill: ``tokens`` are ``x_0..x_c`` (c: the tokens found cached, maybe 0), so that its
         entries ``0..c-1`` (entry t pairs x_{t+1} with the target's feature at t) come from the cache. Pages
-        not found are built from zero features, at the front of the request's next ``extend``, which goes on from
+        not found are built from zero features right before the request's next ``extend``, which goes on from
         entry c with x_{c+1}, …. → the entries found cached."""
         if rid in self._reqs:
             raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
@@ -238,14 +242,25 @@ class Eagle3Drafter(Proposer):
             req.rebuild = tokens[found + 1 :]
         return found
 
-    def _with_rebuild(self, item: tuple[str, list[int], torch.Tensor]) -> tuple[str, list[int], torch.Tensor]:
-        """An extend item with its request's entries to rebuild (attach_prefix) in front, from zero features."""
-        rid, tokens, feats = item
-        req = self._reqs.get(rid)
-        if req is None or not req.rebuild:
-            return item
-        zeros = feats.new_zeros(len(req.rebuild), *feats.shape[1:])
-        return rid, req.rebuild + list(tokens), torch.cat([zeros, feats])
+    def _rebuild(self, rids: list[str]) -> None:
+        """The entries attach_prefix left to rebuild of these requests, from zero features, before their extend: requests
+        joining together share forwards, each of at most REBUILD_TOKENS entries (64 joins of 32k tokens are not one
+        forward of 2M rows)."""
+        pieces = []
+        for rid in rids:
+            req = self._reqs.get(rid)
+            if req is not None and req.rebuild:
+                tokens, req.rebuild = req.rebuild, []
+                pieces += [(rid, tokens[i : i + REBUILD_TOKENS]) for i in range(0, len(tokens), REBUILD_TOKENS)]
+        batch: list = []
+        for rid, tokens in pieces:
+            if batch and (sum(len(t) for _, t, _ in batch) + len(tokens) > REBUILD_TOKENS or batch[-1][0] == rid):
+                self.extend(batch)
+                batch = []
+            zeros = torch.zeros(len(tokens), self.head.config.feature_width, dtype=self.dtype, device=self.device)
+            batch.append((rid, tokens, zeros))
+        if batch:
+            self.extend(batch)
 
     # -- extend ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -270,8 +285,7 @@ class Eagle3Drafter(Proposer):
                 )
             if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
                 raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
-        asked = [len(tokens) for _, tokens, _ in items]  # (return_logits: the rows of the caller's tokens only)
-        items = [self._with_rebuild(item) for item in items]
+        self._rebuild(rids)
         reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
@@ -281,7 +295,6 @@ class Eagle3Drafter(Proposer):
             for rid, req, (_, tokens, _) in zip(rids, reqs, items):
                 if req.tokens is not None:
                     req.tokens.extend(tokens)
-                req.rebuild = []
                 self._reqs[rid] = req  # a new request (a prompt-extend graph takes prefills) starts here
             self._cache_filled(reqs)
             return None  # replayed a draft-extend or prompt-extend graph
@@ -310,13 +323,12 @@ class Eagle3Drafter(Proposer):
                 req.tokens.extend(tokens)
             req.root, req.state = tokens[-1], last_states[b]
             req.top_logp, req.top_ids = top_logp[b], top_ids[b]
-            req.rebuild = []
             self._reqs[rid] = req
         self._cache_filled(reqs)
         if not return_logits:
             return None
-        ends = dev.meta.cu_q_lens[1:].tolist()
-        return [(states[end - n : end], self.head.logits(states[end - n : end])) for end, n in zip(ends, asked)]
+        cu = dev.meta.cu_q_lens.tolist()
+        return [(states[cu[b]:cu[b + 1]], self.head.logits(states[cu[b]:cu[b + 1]])) for b in range(len(items))]
 
     # -- draft -----------------------------------------------------------------------------------
     @torch.inference_mode()
