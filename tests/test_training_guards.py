@@ -175,3 +175,21 @@ def test_eval_only_takes_the_prompts_the_training_held_out(target, tmp_path, mon
     monkeypatch.setattr(evaluate, "format_report", lambda report: "")
     assert main_train_drafter(["--eval-only", "--target-model", str(target), "--draft-model", str(draft)]) == 0
     assert asked == [[[5, 6, 7], [9, 10]]]
+
+
+def test_a_fresh_run_clears_the_run_folder_a_later_resume_reads(target, data, tmp_path, monkeypatch):  # noqa: F811
+    """An earlier run's samples, vocabulary and checkpoint beside a new run's settings would be taken by a --resume
+    of the new run (interrupted before it wrote its own): a fresh run removes them first."""
+    out = tmp_path / "draft"
+    pipeline.run_job(job(target, data, out, max_steps=3))
+    run = out.with_name("draft.run")
+    assert (run / "samples.jsonl").is_file() and (run / "train_state.pt").is_file()
+
+    def interrupted(job):  # the fresh run is stopped while it loads the target
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "make_engine", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_job(job(target, data, out, max_steps=3, ttt_steps=2))
+    assert not any((run / name).exists() for name in (*pipeline.RUN_FILES, "train_state.pt"))
+    assert json.loads((run / "settings.json").read_text())["ttt_steps"] == 2

@@ -23,7 +23,14 @@ from tandem.training.data import (Sample, complete_samples, fit_context, load_sa
 from tandem.training.eagle3_train import Eagle3TrainConfig, draft_metrics, train_eagle3
 from tandem.training.evaluate import EvalConfig, evaluate_pair, format_report
 from tandem.training.progress import note
+from tandem.training.state import STATE_FILE
 from tandem.training.vocab import DraftVocab, build_draft_vocab, vocab_from_tensors
+
+
+# What a run folder keeps (besides the trainer's checkpoint, tandem.training.state)
+SAMPLES, EVAL_SAMPLES, VOCAB = "samples.jsonl", "eval_samples.jsonl", "vocab.pt"
+PARTIAL = {SAMPLES: "responses.partial.jsonl", EVAL_SAMPLES: "eval_responses.partial.jsonl"}  # until they are complete
+RUN_FILES = (SAMPLES, EVAL_SAMPLES, *PARTIAL.values(), VOCAB)
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def split_eval(samples: list[Sample], job: DrafterTrainJob) -> tuple[list[Sample
 
 def _reusing(job: DrafterTrainJob, resume: bool) -> bool:
     """Whether a resumed run takes its completed samples from the run folder."""
-    return resume and (job.run_path / "samples.jsonl").is_file()
+    return resume and (job.run_path / SAMPLES).is_file()
 
 
 def read_data(job: DrafterTrainJob, samples: list[Sample] | None, eval_samples: list[Sample] | None,
@@ -106,7 +113,7 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     from tandem.sampling import SamplingParams
 
     run = job.run_path
-    train_file, eval_file = run / "samples.jsonl", run / "eval_samples.jsonl"
+    train_file, eval_file = run / SAMPLES, run / EVAL_SAMPLES
     if _reusing(job, resume):
         note(f"reusing the completed samples in {run}")
         return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
@@ -116,17 +123,15 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
     note(f"the target writes responses for {sum(s.response is None for s in samples)} of {len(samples)} samples "
          f"(+{len(eval_samples)} held out), up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
-    # Each chunk's responses are kept in the run folder as they come, for a --resume after an interrupt.
+    # Each chunk's responses are kept in the run folder as they come, for a --resume after an interrupt (a fresh
+    # run's check_settings cleared the folder).
     run.mkdir(parents=True, exist_ok=True)
-    partial = {name: run / f"{name}.partial.jsonl" for name in ("responses", "eval_responses")}
-    if not resume:
-        for path in partial.values():
-            path.unlink(missing_ok=True)
-    samples = complete_samples(engine, samples, params, kept=partial["responses"])
+    partial = {name: run / kept for name, kept in PARTIAL.items()}
+    samples = complete_samples(engine, samples, params, kept=partial[SAMPLES])
     # Held-out responses the target writes here are greedy: they measure the draft loss on the target's
     # own argmax path (held-out served traffic keeps the responses it was served with).
     eval_samples = complete_samples(engine, eval_samples, dataclasses.replace(params, temperature=0.0),
-                                    kept=partial["eval_responses"])
+                                    kept=partial[EVAL_SAMPLES])
     kept = [s for s in samples if len(s.tokens) >= 3]  # a sample needs a row to train on
     if not kept:
         raise ConfigError(f"no sample to train on: each of the {len(samples)} has fewer than 3 tokens (prompt and "
@@ -140,11 +145,11 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
 
 
 def prepare_vocab(job: DrafterTrainJob, samples: list[Sample], target_vocab: int, resume: bool) -> DraftVocab:
-    path = job.run_path / "vocab.pt"
+    path = job.run_path / VOCAB
     if resume and path.is_file():
         blob = torch.load(path, weights_only=True)
         return vocab_from_tensors(blob["d2t"], blob["t2d"])
-    size = job.draft_vocab_size or min(32000, target_vocab)
+    size = _draft_vocab_size(job, target_vocab)
     # Frequencies of the tokens the head learns to predict: the responses (and the prompts when
     # their positions are trained too).
     counted = [s.tokens if job.train.include_prompt_loss else list(s.response or ()) for s in samples]
@@ -214,8 +219,10 @@ def check_settings(job: DrafterTrainJob, resume: bool) -> None:
     target = ModelConfig.from_dir(job.target_model)
     settings = {"target_model": str(Path(job.target_model).resolve()),
                 "capture_layers": job.capture_layers or target.default_capture_layers(),
-                "draft_vocab_size": job.draft_vocab_size or min(32000, target.vocab_size), "ttt_steps": job.train.ttt_steps,
-                "loss_type": job.train.loss_type, "include_prompt_loss": job.train.include_prompt_loss}
+                "draft_vocab_size": _draft_vocab_size(job, target.vocab_size), "ttt_steps": job.train.ttt_steps,
+                "loss_type": job.train.loss_type, "include_prompt_loss": job.train.include_prompt_loss,
+                # (what shapes the responses the run folder keeps)
+                "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "seed": job.seed}
     settings = json.loads(json.dumps(settings))  # (tuples as the file holds them: lists)
     path = job.run_path / SETTINGS_FILE
     if resume and path.is_file():
@@ -226,7 +233,14 @@ def check_settings(job: DrafterTrainJob, resume: bool) -> None:
                               "the first run's, or start a new run folder")
         return
     job.run_path.mkdir(parents=True, exist_ok=True)
+    if not resume:  # a fresh run starts from nothing: a later --resume must not find an earlier run's files
+        for name in (*RUN_FILES, STATE_FILE):
+            (job.run_path / name).unlink(missing_ok=True)
     path.write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def _draft_vocab_size(job: DrafterTrainJob, target_vocab: int) -> int:
+    return job.draft_vocab_size or min(32000, target_vocab)
 
 
 def heldout_metrics(head, teacher, eval_samples: list[Sample], vocab: DraftVocab, cfg) -> dict:
