@@ -85,26 +85,33 @@ def test_resume_with_other_settings_is_refused_naming_them(target, data, tmp_pat
     assert pipeline.run_job(job(target, data, out, max_steps=4), resume=True)["steps"] == 4  # the same: goes on
 
 
-def test_an_interrupt_saves_the_last_whole_step_and_resume_goes_on(target, data, tmp_path, monkeypatch):  # noqa: F811
+def test_an_interrupt_saves_the_step_under_way_once_whole_and_resume_goes_on(target, data, tmp_path, monkeypatch):  # noqa: F811
+    """SIGINT in the middle of step 7 (after its optimizer step, where a GPU run waits on the host): the step ends, is
+    saved as 8 done, and the run stops saying so; --resume trains steps 8..11, none twice."""
+    import os
+    import signal
+
     from tandem.training import eagle3_train
 
     out = tmp_path / "draft"
     one_step, calls, interrupt_at = eagle3_train._one_step, [], [7]
 
-    def interrupted_at_7(*args, **kwargs):
+    def interrupted_in_7(*args, **kwargs):
         calls.append(args[5])  # the step
+        result = one_step(*args, **kwargs)
         if args[5] in interrupt_at:
-            raise KeyboardInterrupt
-        return one_step(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
 
-    monkeypatch.setattr(eagle3_train, "_one_step", interrupted_at_7)
-    with pytest.raises(TandemError, match=r"interrupted; the run folder .* holds step 7 of 12: --resume continues"):
+    monkeypatch.setattr(eagle3_train, "_one_step", interrupted_in_7)
+    with pytest.raises(TandemError, match=r"interrupted; the run folder .* holds step 8 of 12: --resume continues"):
         pipeline.run_job(job(target, data, out, max_steps=12, checkpoint_every=5))
-    assert torch.load(out.with_name("draft.run") / "train_state.pt", weights_only=False)["step"] == 7
+    assert torch.load(out.with_name("draft.run") / "train_state.pt", weights_only=False)["step"] == 8
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handler is gone
     calls.clear()
     interrupt_at.clear()
     assert pipeline.run_job(job(target, data, out, max_steps=12, checkpoint_every=5), resume=True)["steps"] == 12
-    assert calls[0] == 7 and calls[-1] == 11
+    assert calls == [8, 9, 10, 11]
 
 
 def test_a_gpu_asked_of_a_torch_that_sees_none_is_one_line():

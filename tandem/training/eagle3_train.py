@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,23 +192,26 @@ class TrainingInterrupted(TandemError):
 
 
 def _train_steps(head, opt, step_fn, samples, cfg, steps: range, run_dir: Path, bar, ema: dict) -> None:
-    """The steps of ``steps``, a checkpoint every ``cfg.checkpoint_every`` and at the end — and at an interrupt
-    (SIGINT; SIGTERM where the command line turns it into one), of the last whole step: a step cut short is not
-    saved half-applied."""
-    total, done = steps.stop, steps.start
+    """The steps of ``steps``, a checkpoint every ``cfg.checkpoint_every`` and at the end — and, at SIGINT or SIGTERM,
+    of the step under way once it is whole: the signals only ask (in the main thread), the loop stops between steps,
+    so no checkpoint holds a step half applied or applied and not counted."""
+    total, asked = steps.stop, []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, lambda signum, frame: asked.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for step in steps:
             ntok = _one_step(head, opt, step_fn, samples, cfg, step, total, ema)
             done = step + 1
-            if done % cfg.checkpoint_every == 0 or done == total:
+            if done % cfg.checkpoint_every == 0 or done == total or asked:
                 save_state(run_dir, head, opt, done)
             bar.update(done, ntok, **ema)
-    except KeyboardInterrupt:
-        if done > steps.start:
-            save_state(run_dir, head, opt, done)
-        saved = f"step {done} of {total}" if done or has_state(run_dir) else "no step yet"
-        raise TrainingInterrupted(f"interrupted; the run folder {run_dir} holds {saved}: --resume continues "
-                                  "from there") from None
+            if asked and done < total:
+                raise TrainingInterrupted(f"interrupted; the run folder {run_dir} holds step {done} of {total}: "
+                                          "--resume continues from there")
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def _one_step(head, opt, step_fn, samples, cfg, step: int, total: int, ema: dict) -> int:
