@@ -38,12 +38,12 @@ from tandem.service_probe import free_port, wait_serving  # noqa: E402
 NEW_TOKENS = 64
 
 
-async def _grpc_one(stub, pb, prompt: list[int]) -> tuple[float, float]:
+async def _grpc_one(stub, pb, prompt: list[int], auth) -> tuple[float, float]:
     gc.collect()  # a full collection of this process (torch is imported) would be counted as the server's
     started, first = time.perf_counter(), None
     req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_new_tokens=NEW_TOKENS,
                                                                                  ignore_eos=True))
-    async for msg in stub.Generate(req, timeout=300):
+    async for msg in stub.Generate(req, timeout=300, metadata=auth):
         if first is None and msg.token_ids:
             first = time.perf_counter() - started
     return time.perf_counter() - started, first or 0.0
@@ -52,14 +52,16 @@ async def _grpc_one(stub, pb, prompt: list[int]) -> tuple[float, float]:
 async def _direct(port: int, prompt: list[int], warm: int) -> None:
     import grpc
 
+    from tandem import internal_secret
     from tandem.rpc.verifier.v1 import verifier_pb2 as pb
     from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
 
+    auth = internal_secret.metadata(internal_secret.load())  # (the verifier's, from the environment it inherits)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.VerifierStub(channel)
-        await stub.GetModelInfo(pb.ModelInfoRequest())  # the channel connected before the clock starts
-        _report("gRPC first", [await _grpc_one(stub, pb, prompt)])
-        _report("gRPC warm", [await _grpc_one(stub, pb, prompt[k:] + prompt[:k]) for k in range(1, warm + 1)])
+        await stub.GetModelInfo(pb.ModelInfoRequest(), metadata=auth)  # the channel connected before the clock starts
+        _report("gRPC first", [await _grpc_one(stub, pb, prompt, auth)])
+        _report("gRPC warm", [await _grpc_one(stub, pb, prompt[k:] + prompt[:k], auth) for k in range(1, warm + 1)])
 
 
 async def _rest(base: str, prompt: list[int], warm: int, idle_s: float) -> None:

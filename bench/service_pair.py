@@ -19,6 +19,7 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
     import grpc
 
     from models import ROOT_DIR
+    from tandem import internal_secret
     from tandem.rpc.verifier.v1 import verifier_pb2 as pb
     from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
     from tandem.service_probe import free_port, wait_serving
@@ -40,11 +41,12 @@ def service_pair(tdir, draft_dir, device: str, dtype: str, spec_flags: list[str]
         time.sleep(2.0)  # the drafter connection comes up in the background
         with grpc.insecure_channel(f"127.0.0.1:{v_port}") as ch:
             stub = pb_grpc.VerifierStub(ch)
+            auth = internal_secret.metadata(internal_secret.load())  # (the verifier's, from the environment it inherits)
 
             def generate(prompt: list[int], n: int):
                 req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
                 last = None
-                for last in stub.Generate(req, timeout=300):
+                for last in stub.Generate(req, timeout=300, metadata=auth):
                     pass
                 return last
 

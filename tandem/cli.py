@@ -21,7 +21,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     shared.add(p, *shared.ENGINE_FLAGS)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, encoded with the tokenizer's special tokens (BOS) as "
-                                         "transformers does (needs tokenizer.json in the model folder)")
+                                         "transformers does (needs tokenizer.json, or tiktoken.model, in the model folder)")
     prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3 (used as given)")
     p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

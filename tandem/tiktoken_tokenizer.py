@@ -52,10 +52,6 @@ class TiktokenTokenizer:
     def available(model_dir: str | Path) -> bool:
         return (Path(model_dir) / TIKTOKEN_FILE).is_file()
 
-    @property
-    def vocab_size(self) -> int:
-        return self._enc.n_vocab
-
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``add_special_tokens`` changes nothing: this tokenizer adds no BOS (as its remote code does not)."""
         ids: list[int] = []
@@ -84,6 +80,9 @@ class TiktokenTokenizer:
 def _pieces(text: str):
     """``text`` in pieces of at most MAX_PIECE_CHARS, each cut before a run of MAX_RUN_CHARS + 1 characters that are
     all whitespace or all not."""
+    if len(text) <= MAX_RUN_CHARS:  # (every prompt but the longest: no walk over its characters)
+        yield text
+        return
     for start in range(0, len(text), MAX_PIECE_CHARS):
         piece, cut, run, space = text[start : start + MAX_PIECE_CHARS], 0, 0, None
         for i, ch in enumerate(piece):

@@ -176,16 +176,18 @@ class DrafterClient(Proposer):
         pieces = [(rid, tokens[i : i + self.FLUSH_ROWS], features[i : i + self.FLUSH_ROWS])
                   for rid, tokens, features in items for i in range(0, len(tokens), self.FLUSH_ROWS)]
         queued = sum(e.ring_rows for e in self._pending_extend)
-        prefixes = sum(len(e.prefix.token_ids) for e in self._pending_extend)
+        prefixes = None  # prefix tokens queued, counted only once a piece carries a prefix (rare: a request's start)
         for rid, tokens, features in pieces:
             # Queued extends go out with the next draft; past FLUSH_ROWS (or FLUSH_PREFIX_TOKENS) they go first in
             # an extend-only round, so that many at once (prefills, catch-ups of held plain steps) cannot fill the
             # ring, nor the prefixes starting requests make a message too large.
             starting = len(self._pending_start[rid].token_ids) if rid in self._pending_start else 0
+            if starting and prefixes is None:
+                prefixes = sum(len(e.prefix.token_ids) for e in self._pending_extend)
             if queued and (queued + features.shape[0] > self.FLUSH_ROWS
-                           or prefixes + starting > self.FLUSH_PREFIX_TOKENS):
+                           or starting and prefixes + starting > self.FLUSH_PREFIX_TOKENS):
                 self.draft([], None)
-                queued = prefixes = 0
+                queued, prefixes = 0, 0
             with self._lock:
                 if self._conn is None:
                     raise ProposerUnavailable("the drafter is not connected")
@@ -201,7 +203,8 @@ class DrafterClient(Proposer):
                 if self._prefetched is not None:
                     self._prefetched.changed.add(rid)
             queued += features.shape[0]
-            prefixes += starting
+            if starting:
+                prefixes += starting
 
     def discard(self, reason: str) -> None:
         """The engine found a tree unusable: drop this connection (the drafter starts the next one empty)."""

@@ -96,7 +96,7 @@ class ModelConfig(AttentionWidths):
             splits.append(("experts' intermediate size", self.moe.moe_intermediate_size))
         for what, n in splits:
             if n % tp:
-                sizes = [d for d in range(1, min(n, 8) + 1) if n % d == 0]
+                sizes = [d for d in range(1, 9) if all(m % d == 0 for _, m in splits)]  # (up to one node's 8)
                 raise ConfigError(f"--tp-size {tp}: the model's {n} {what} cannot be split {tp} ways (sizes that "
                                   f"can: {', '.join(map(str, sizes))})")
         if self.mla is None and self.num_kv_heads < tp and tp % self.num_kv_heads:

@@ -281,8 +281,8 @@ class DraftLink:
     def lost(self, error: Exception) -> None:
         """The drafter's state is gone: every request continues without speculation (nothing fails)."""
         log.warning("drafter unavailable (%s): continuing without speculation", error)
-        # A drafter down now and back before the next step is still one that came back (its requests are refed); a
-        # head that stays up (in process: a broken draft) leaves them plain to their end, not recomputed again and again.
+        # A drafter down now and back before the next step is still one that came back (its requests join it again); a
+        # head that stays up (in process: a broken draft) leaves them plain to their end, not joined again and again.
         self._was_up = self._was_up and self.up()
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):

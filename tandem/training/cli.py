@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.args import LOG_FORMAT
+from tandem.args import LOG_FORMAT, ArgumentParser
 from tandem.errors import TandemError
 
 
@@ -269,8 +269,8 @@ def _head_at_temperature(args: argparse.Namespace) -> int:
 def main_train_drafter(argv: list[str] | None = None) -> int:
     import logging
 
-    p = argparse.ArgumentParser(prog="python -m drafter.train",
-                                description="Train an EAGLE-3 draft head for a target (training-time test)")
+    p = ArgumentParser(prog="python -m drafter.train",
+                       description="Train an EAGLE-3 draft head for a target (training-time test)")
     add_train_drafter(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)

@@ -32,6 +32,7 @@ def serve_and_capture(target: str, draft: str, prompts: list[list[int]], traffic
     """Run the prompts through the drafter + verifier pair with capture on; → serving stats."""
     import grpc
 
+    from tandem import internal_secret
     from tandem.rpc.verifier.v1 import verifier_pb2 as pb
     from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -49,10 +50,11 @@ def serve_and_capture(target: str, draft: str, prompts: list[list[int]], traffic
         started = time.perf_counter()
         with grpc.insecure_channel(f"127.0.0.1:{v_port}") as channel:
             stub = pb_grpc.VerifierStub(channel)
+            auth = internal_secret.metadata(internal_secret.load())  # (the verifier's, from the environment it inherits)
 
             def one(prompt: list[int]) -> int:
                 request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_new_tokens=new_tokens))
-                return sum(len(m.token_ids) for m in stub.Generate(request, timeout=600))
+                return sum(len(m.token_ids) for m in stub.Generate(request, timeout=600, metadata=auth))
 
             with ThreadPoolExecutor(concurrency) as pool:
                 for n in pool.map(one, prompts):
