@@ -75,7 +75,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | Non
     if not math.isfinite(top_p) or not 0 < _float32(top_p) <= 1:
         raise bad_request("top_p", f"must be in (0, 1] once rounded to a 32-bit float, got {top_p}")
     if not 0 <= top_k <= _INT32_MAX:
-        raise bad_request("top_k", f"must be in [0, {_INT32_MAX}] (0 or -1 turn it off), got {top_k}")
+        raise bad_request("top_k", f"must be in [0, {_INT32_MAX}] (0 turns it off), got {top_k}")
     if seed is not None and not 0 <= seed <= _UINT64_MAX:
         raise bad_request("seed", f"must be in [0, 2^64), got {seed}")
     if len(stop) > MAX_STOP_STRINGS:

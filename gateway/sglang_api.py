@@ -50,6 +50,8 @@ SAMPLING_NAMES = {
 NO_OP_SAMPLING = {"spaces_between_special_tokens": True, "logit_bias": None, "custom_params": None}
 NO_OP_REQUEST = {"return_logprob": False, "return_hidden_states": False, "lora_path": None, "image_data": None,
                  "input_embeds": None}
+# the request's own fields (``rid``: SGLang's request id, taken and not used: meta_info.id is the server's)
+REQUEST_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", *NO_OP_REQUEST}
 
 
 def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
@@ -96,9 +98,19 @@ def _parser(gw: GatewayContext):
 
 def completion_body(body: dict) -> dict:
     """An SGLang /generate body as the completion request that means the same."""
+    unknown = sorted(set(body) - REQUEST_FIELDS)
+    if unknown:
+        raise bad_request(unknown[0], "is not a field of /generate this server takes")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise bad_request("text", "give one of text and input_ids")
+    if text is not None and not (isinstance(text, str) or (isinstance(text, list) and text
+                                                            and all(isinstance(t, str) for t in text))):
+        raise bad_request("text", "must be a string or a list of strings (a batch)")
+    if ids is not None and not (_token_ids(ids) or (isinstance(ids, list) and ids and all(_token_ids(i) for i in ids))):
+        raise bad_request("input_ids", "must be a list of token ids or a list of those (a batch)")
+    if not isinstance(body.get("stream", False), bool):
+        raise bad_request("stream", "must be a boolean")
     for name, default in NO_OP_REQUEST.items():
         if body.get(name, default) not in (default, None, False):
             raise bad_request(name, "is not supported by this server")
@@ -113,7 +125,11 @@ def completion_body(body: dict) -> dict:
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
-    return {**completion, "prompt": text if text is not None else ids, "stream": bool(body.get("stream", False))}
+    return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _renamed(e: GatewayError, prompt_name: str) -> GatewayError:

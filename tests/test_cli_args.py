@@ -473,3 +473,17 @@ def _verifier_config(args):
     from verifier.config import VerifierConfig
 
     return VerifierConfig.from_args(args, args.model)
+
+
+def test_generate_refuses_more_new_tokens_than_the_context_holds(capsys):
+    """As the gateway refuses it (400 / INVALID_ARGUMENT): not cut short to the context without a word."""
+    from tandem.cli import main
+    from tandem.training import demo
+
+    target = str(demo.SHIPPED / "target")  # context 256
+    assert main(["generate", "--model", target, "--prompt-token-ids", "5,6,7", "--max-new-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-new-tokens 100000: the prompt's 3 tokens") and "at most 253" in err, err
+    assert main(["generate", "--model", target, "--prompt-token-ids", "5,6,7", "--max-new-tokens", "253",
+                 "--temperature", "0", "--ignore-eos"]) == 0
+    assert "[253 tokens" in capsys.readouterr().err

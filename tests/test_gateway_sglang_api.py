@@ -101,6 +101,12 @@ def test_streamed_events_hold_the_text_so_far_and_end_with_done(stack, ref):
      "sampling_params.spaces_between_special_tokens"),
     ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
     ({"text": PROMPT, "sampling_params": [1]}, "sampling_params"),
+    ({"input_ids": "def f(x):"}, "input_ids"),  # each kind of prompt in its own field, as SGLang checks them
+    ({"input_ids": ["a"]}, "input_ids"),
+    ({"text": [1, 2, 3]}, "text"),
+    ({"text": 5}, "text"),
+    ({"text": PROMPT, "stream": "yes"}, "stream"),
+    ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),
 ])
 def test_bad_requests_name_sglangs_field(stack, body, param):
     r = _generate(stack, body)
