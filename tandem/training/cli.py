@@ -174,8 +174,9 @@ def _eval_only(args: argparse.Namespace) -> int:
     if args.draft_model is None:
         raise TandemError("--eval-only needs --draft-model DIR")
     source = args.eval_data or args.data
-    held_out = Path(args.run_dir) if args.run_dir else Path(args.draft_model).with_name(Path(args.draft_model).name + ".run")
-    held_out = held_out / "eval_samples.jsonl"
+    from tandem.training.pipeline import EVAL_SAMPLES, run_folder
+
+    held_out = run_folder(args.draft_model, args.run_dir) / EVAL_SAMPLES
     if source is None and held_out.is_file():  # the slice its training held out (its run folder's)
         from tandem.training.data import load_samples
 

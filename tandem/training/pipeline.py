@@ -57,7 +57,12 @@ class DrafterTrainJob:
 
     @property
     def run_path(self) -> Path:
-        return Path(self.run_dir) if self.run_dir else Path(self.out).with_name(Path(self.out).name + ".run")
+        return run_folder(self.out, self.run_dir)
+
+
+def run_folder(out: str, run_dir: str | None = None) -> Path:
+    """Where the run that writes the head ``out`` keeps its samples, vocabulary and checkpoint: ``run_dir``, else OUT.run."""
+    return Path(run_dir) if run_dir else Path(out).with_name(Path(out).name + ".run")
 
 
 def make_engine(job: DrafterTrainJob):
