@@ -78,8 +78,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: the cancel landed while grpc.aio was sending a message (this generator
             # is closed at its yield instead of its task being cancelled).
-            status = "CANCELLED"
-            tracing.set_error(span, "cancelled by the client")
+            remaining = context.time_remaining()  # (None: the call had no deadline)
+            status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            tracing.set_error(span, "the client's deadline passed" if status == "DEADLINE_EXCEEDED"
+                              else "cancelled by the client")
             raise
         finally:
             if stream is not None:

@@ -107,6 +107,23 @@ def test_cancel_reaches_the_verifier(stack, stub):
         stack.fake.delay_s = 0.0
 
 
+def test_a_passed_deadline_is_counted_as_such_and_reaches_the_verifier(stack, stub):
+    expired = dict(name="tandem:requests_total", api="grpc", status="DEADLINE_EXCEEDED")
+    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **expired)
+    stack.fake.delay_s = 0.05
+    try:
+        call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=0.5)
+        first = next(call)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: first.request_id in stack.fake.cancelled, what="the verifier to see the cancel")
+        wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **expired) == before + 1,
+                   what="the gateway to count the request's deadline")
+    finally:
+        stack.fake.delay_s = 0.0
+
+
 def test_health_mirrors_the_verifier_and_reflection_lists_the_service(channel):
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "tandem.rpc.generation.v1.Generation"):
