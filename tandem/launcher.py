@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -200,11 +199,8 @@ def _passthrough(args: argparse.Namespace, flags: tuple[shared.Flag, ...]) -> li
 
 def run_up(args: argparse.Namespace) -> int:
     secret_value = internal_secret.load() or internal_secret.generate()
-    secret_dir = tempfile.mkdtemp(prefix="tandem-up-")  # 0700
-    secret_file = os.path.join(secret_dir, "internal-secret")
-    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret_value)
+    secret_file = internal_secret.write_for_stack(secret_value)
+    secret_dir = os.path.dirname(secret_file)
     children: list[Child] = []
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     # ... and SIGINT always: a shell that starts us in the background has it ignored, and the services, which
