@@ -1,7 +1,9 @@
 """What the gateway lets in before it does any work: a bounded number of generations in flight
 (429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
 Content-Length header or as soon as a chunked body passes the limit, never read whole first) that
-arrive in bounded time (408: a client trickling its body would otherwise hold a slot forever)."""
+arrive in bounded time (408: a client trickling its body would otherwise hold a slot forever), declared as JSON
+(415 for another media type: a web page can send text/plain or a form to a server on localhost without a CORS
+preflight, so parsing those as JSON would let any site a user visits run generations on their server)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Slots:
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    _check_media_type(request.headers.get("content-type"))
     try:
         async with asyncio.timeout(timeout_s):
             return await _read(request, limit)
@@ -53,6 +56,16 @@ async def _read(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _check_media_type(content_type: str | None) -> None:
+    """JSON, or no Content-Type at all (a client that sends none is no browser's form)."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise GatewayError(415, f"the request body must be JSON (Content-Type: application/json), got {media!r}")
 
 
 def _too_large(limit: int) -> GatewayError:

@@ -45,6 +45,21 @@ def test_a_body_declared_too_large_is_413_before_it_is_sent(stack):
     assert b" 413 " in _raw_post(stack.gateway.port, head, [b'{"prompt": "'])  # 64 MiB announced, 12 bytes sent
 
 
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", GOOD), ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}), ("/tokenize", {"prompt": "hi"})])
+def test_only_json_bodies_are_read_so_no_web_page_can_post_a_simple_request(stack, path, fields):
+    import json
+
+    body = json.dumps(fields).encode()
+    for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = httpx.post(f"{stack.url}{path}", content=body, headers={"content-type": media}, timeout=10)
+        assert r.status_code == 415 and "application/json" in r.text, (media, r.text)
+    for media in ("application/json; charset=utf-8", "application/vnd.api+json", None):
+        r = httpx.post(f"{stack.url}{path}", content=body, headers={"content-type": media} if media else {}, timeout=10)
+        assert r.status_code == 200, (media, r.text)
+
+
 def test_a_chunked_body_is_cut_off_at_the_limit(stack):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
