@@ -61,6 +61,7 @@ class OpenAIRequest:
     # follow the first's, n each, in order)
     more: tuple["OpenAIRequest", ...] = ()
     batched: bool = False  # the prompt came as a list of prompts (a batch, of one too)
+    answer_ids: tuple[str, ...] = ()  # ids the client chose for its answers, in order (SGLang's rid): shown for ours
 
     @property
     def prompts(self) -> tuple["OpenAIRequest", ...]:

@@ -17,6 +17,7 @@ and the new ``output_ids`` (with ``index`` when there are several generations), 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -50,7 +51,8 @@ SAMPLING_NAMES = {
 NO_OP_SAMPLING = {"spaces_between_special_tokens": True, "logit_bias": None, "custom_params": None}
 NO_OP_REQUEST = {"return_logprob": False, "return_hidden_states": False, "lora_path": None, "image_data": None,
                  "input_embeds": None}
-# the request's own fields (``rid``: SGLang's request id, taken and not used: meta_info.id is the server's)
+# the request's own fields (``rid``: the client's ids for its answers, shown as meta_info.id as SGLang does; the
+# verifier keeps the server's own, so two clients choosing the same rid do not meet)
 REQUEST_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", *NO_OP_REQUEST}
 
 
@@ -89,9 +91,10 @@ async def _one_token(gw: GatewayContext) -> bool:
 def _parser(gw: GatewayContext):
     def parse(body: dict, request_id: str, limits: Limits) -> OpenAIRequest:
         try:
-            return parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
+            parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
+        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed))
 
     return parse
 
@@ -128,6 +131,21 @@ def completion_body(body: dict) -> dict:
     return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
 
 
+def answer_ids(rid, parsed: OpenAIRequest) -> tuple[str, ...]:
+    """The ids ``rid`` gives the answers to ``parsed`` (none: the server's), as SGLang numbers them: one answer takes
+    the string itself; several (a batch, n) take it with _0, _1, ... after it, or a list of as many strings."""
+    if rid is None:
+        return ()
+    count = parsed.options.n * len(parsed.prompts)
+    if isinstance(rid, str):
+        return (rid,) if count == 1 and not parsed.batched else tuple(f"{rid}_{i}" for i in range(count))
+    if not (isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+        raise bad_request("rid", "must be a string or a list of strings")
+    if len(rid) != count:
+        raise bad_request("rid", f"has {len(rid)} ids for {count} answers (the batch's prompts times n)")
+    return tuple(rid)
+
+
 def _token_ids(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -153,11 +171,13 @@ class GenerateShape(CompletionShape):
         self.include_usage = False  # (the counts are in each meta_info)
         self.started = time.monotonic()
         self.streams: list = []
+        self._ids: tuple[str, ...] = ()  # meta_info.id of each answer
         self.listed = False  # answered as a list: a batch (of one too) or n > 1
         self._texts = [""] * self.n  # per generation: its text so far (each streamed event carries it all)
 
     def follow(self, choices: Choices, request: OpenAIRequest) -> None:
         self.streams, self.listed = choices.streams, self.n > 1 or request.batched
+        self._ids = request.answer_ids or tuple(stream.request.request_id for stream in self.streams)
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         return []
@@ -181,7 +201,7 @@ class GenerateShape(CompletionShape):
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int) -> dict:
         stream = self.streams[index]
-        meta = {"id": stream.request.request_id, "finish_reason": _finish_reason(finish, completion),
+        meta = {"id": self._ids[index], "finish_reason": _finish_reason(finish, completion),
                 "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
         if finish is not None:
             meta["e2e_latency"] = time.monotonic() - self.started

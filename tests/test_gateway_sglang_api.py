@@ -71,6 +71,24 @@ def test_a_batch_and_n_give_a_list_in_order(stack, ref):
         assert isinstance(outs, list) and len(outs) == 1, outs
 
 
+def test_rid_names_the_answers_as_sglang_numbers_them(stack):
+    one = _generate(stack, {"text": PROMPT, "rid": "mine", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert one["meta_info"]["id"] == "mine"
+    assert stack.fake.requests[-1].request_id != "mine"  # (the verifier keeps the server's own id)
+    two = _generate(stack, {"text": [PROMPT, "x"], "rid": "b", "sampling_params": {"max_new_tokens": 2, "n": 2}}).json()
+    assert [o["meta_info"]["id"] for o in two] == ["b_0", "b_1", "b_2", "b_3"]
+    listed = _generate(stack, {"input_ids": [[5], [6]], "rid": ["p", "q"], "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["id"] for o in listed.json()] == ["p", "q"]
+    with httpx.stream("POST", f"{stack.url}/generate", timeout=10,
+                      json={"text": PROMPT, "rid": "s", "stream": True, "sampling_params": {"max_new_tokens": 3}}) as r:
+        events = [json.loads(e.removeprefix("data: ")) for e in r.read().decode().split("\n\n") if e
+                  and e != "data: [DONE]"]
+    assert events and {e["meta_info"]["id"] for e in events} == {"s"}
+    for rid, why in ((["p"], "1 ids for 2 answers"), (7, "a string or a list")):
+        r = _generate(stack, {"input_ids": [[5], [6]], "rid": rid})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
 def test_streamed_events_hold_the_text_so_far_and_end_with_done(stack, ref):
     ids = ref.encode(PROMPT).ids
     with httpx.stream("POST", f"{stack.url}/generate", timeout=10,
