@@ -34,6 +34,11 @@ class GatewayContext:
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
 
     @property
+    def shutting_down(self) -> bool:
+        """The server is stopping (new connections refused, streams given a grace period)."""
+        return False
+
+    @property
     def verifier_ready(self) -> bool:
         """The verifier was SERVING at the last health check, and no generation has found it unavailable since."""
         return self.verifier_serving and self.client is not None and not self.client.unreachable

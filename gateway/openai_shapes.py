@@ -3,6 +3,8 @@ and the SSE framing. Shapes follow the OpenAI reference (and vLLM where OpenAI i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ def sse_event(obj: dict | str) -> str:
 
 
 SSE_DONE = sse_event("[DONE]")
+CUT_SHORT_SEND_S = 1.0  # a stream cut short by the server's shutdown: at most this long to send its last event
 
 
 class CompletionShape:
@@ -138,16 +141,26 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     the body iterator at once is what lets it cancel the verifier call at once.
     """
 
-    def __init__(self, content, on_close, **kwargs):
+    def __init__(self, content, on_close, cut_short: str = "", **kwargs):
         super().__init__(content, **kwargs)
         self._on_close = on_close  # runs once the response is over, however it ended
+        # what ends a started stream that the server cancels (its shutdown's grace period over): an error event the
+        # client can act on, where it would otherwise see the stream stop mid-answer
+        self._cut_short = cut_short
 
     async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            await send(message)
+            started = True
+
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(sending)
                     except OSError:  # the client went away between our check and the write
                         pass
                     group.cancel_scope.cancel()
@@ -155,5 +168,12 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                 group.start_soon(stream)
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
+        except asyncio.CancelledError:  # (a disconnect cancels inside the group: this is the server's own cancel)
+            if not started:
+                raise
+            asyncio.current_task().uncancel()  # the answer is ended here, not left to a traceback in uvicorn's log
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CUT_SHORT_SEND_S):
+                    await send({"type": "http.response.body", "body": self._cut_short.encode(), "more_body": False})
         finally:
             self._on_close()

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from gateway.admission import read_body
-from gateway.errors import INTERNAL_ERROR, GatewayError
+from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError
 from gateway.choices import Choices
 from gateway.generation import Delta, GenerationStream
 from gateway.openai_extras import choice_seed
@@ -118,7 +118,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
             # ...and if it is never run to its end (the client left before or while it streamed),
             # the response's close still frees the verifier's request and the slot.
             on_close = functools.partial(_abandon, owned, scope)
-            return DisconnectAwareStreamingResponse(body_iter, on_close, media_type="text/event-stream",
+            cut_short = sse_event(GatewayError(503, SHUTTING_DOWN).body()) + SSE_DONE
+            return DisconnectAwareStreamingResponse(body_iter, on_close, cut_short, media_type="text/event-stream",
                                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await _unless_disconnected(request, choices.collect())
         scope.finish(200)
@@ -209,6 +210,10 @@ async def _sse(firsts: list[Delta], choices: Choices, shape: CompletionShape,
         status, error = e.status, e.message
         yield sse_event(e.body())
         yield SSE_DONE
+    except asyncio.CancelledError:
+        if scope.gw.shutting_down:  # (its last event is the response's: DisconnectAwareStreamingResponse)
+            status, error = 503, SHUTTING_DOWN
+        raise
     except Exception:  # a bug of ours mid-stream: the stream still ends properly, saying nothing internal
         log.exception("stream %s failed", shape.id)
         status, error = 500, INTERNAL_ERROR

@@ -88,6 +88,10 @@ class Gateway(GatewayContext):
                 serving = ok
             await asyncio.sleep(self.cfg.health_poll_s)
 
+    @property
+    def shutting_down(self) -> bool:
+        return self._http is not None and self._http.should_exit
+
     def request_stop(self) -> None:
         if self._http is not None:
             self._http.should_exit = True
