@@ -55,7 +55,7 @@ class DrafterServiceConfig:
         shared.add(p, shared.INTERNAL_SECRET_FILE, shared.METRICS_PORT, shared.LOG_LEVEL)
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
-        p.add_argument("--port", type=int, default=cls.port, help="gRPC port")
+        p.add_argument("--port", type=shared.port, default=cls.port, help="gRPC port")
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
         p.add_argument("--profile-rounds", type=int, default=cls.profile_rounds,
                        help="trace this many rounds, after a warm-up of 32, with the torch profiler: a Chrome trace "

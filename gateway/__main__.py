@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a bad flag or model folder: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.check_config:
+        return 0
     log.info("%s", cfg)
     tracing.setup_tracing("tandem-gateway", cfg.otlp_endpoint)
     try:

@@ -91,11 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.",
                                 formatter_class=HelpFormatter)
     p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")
+    p.add_argument("--check-config", action="store_true",
+                   help="check the flags and the model folder (tokenizer, chat template, generation config), then exit "
+                        "(tandem up runs this before any model loads)")
     p.add_argument("--model-dir", *MODEL.names, dest="model_dir", required=True,
                    help="the target's folder: tokenizer.json, its chat template, generation_config.json")
     p.add_argument("--host", default=d.host, help="address to listen on (REST and gRPC)")
-    p.add_argument("--port", type=int, default=d.port, help="REST port (OpenAI API)")
-    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="public gRPC port")
+    p.add_argument("--port", type=shared.port, default=d.port, help="REST port (OpenAI API)")
+    p.add_argument("--grpc-port", type=shared.port, default=d.grpc_port, help="public gRPC port")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name clients send; more names, as vLLM takes them, are accepted too (default: the "
                         "folder's name)")

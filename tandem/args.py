@@ -95,6 +95,17 @@ def _dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower())
 
 
+def port(value: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: a larger number is refused, not wrapped to another port by bind."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a port (0 to 65535)")
+    return number
+
+
 TOKEN_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -252,7 +263,7 @@ EP_SIZE = Flag(("--ep-size", "--expert-parallel-size"), dict(action=_refused(_NO
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
                  TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
                  TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)
-METRICS_PORT = Flag(("--metrics-port",), dict(type=int, default=None, help="serve Prometheus metrics on this port "
+METRICS_PORT = Flag(("--metrics-port",), dict(type=port, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
     default=None, metavar="FILE", help=f"the internal plane's shared secret (the drafter's Rounds and Reload, the "
@@ -307,7 +318,31 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
             argv = argv[:at] + config_argv(path) + argv[at:]
         except ConfigError as e:
             parser.error(str(e))
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(_glue_flag_strings(argv))
+    if unknown:  # refused by the subcommand's parser, which names its own --help (and may say where such flags go)
+        refusing = _subparser(parser, getattr(args, "command", None)) if subcommand else parser
+        hint = getattr(refusing, "unknown_hint", "")
+        refusing.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint else ""))
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _glue_flag_strings(argv: list[str]) -> list[str]:
+    """``--verifier-args '--disable-log-stats'`` as ``--verifier-args=--disable-log-stats``: argparse takes a value
+    that starts with a dash for an option of its own, and these options' values are other services' flags."""
+    out = []
+    for word in argv:
+        if out and out[-1].startswith("--") and out[-1].endswith("-args") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
 
 
 def config_argv(path: str) -> list[str]:

@@ -95,7 +95,13 @@ class ChatTemplate:
             source = named.get("default")
         if not isinstance(source, str) or not source:
             return None
-        return cls(source, _special(config.get("bos_token")), _special(config.get("eos_token")))
+        from jinja2.exceptions import TemplateSyntaxError
+
+        try:
+            return cls(source, _special(config.get("bos_token")), _special(config.get("eos_token")))
+        except TemplateSyntaxError as e:
+            where = f"--chat-template {given[:80]}" if given is not None else f"{folder}'s chat template"
+            raise CheckpointError(f"{where}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **extra: Any) -> str:

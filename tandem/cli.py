@@ -101,6 +101,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start drafter, verifier and gateway locally (the demo pair by default)",
                        formatter_class=shared.HelpFormatter)
     add_up_arguments(p)
+    p.unknown_hint = "a service's own flags go through --verifier-args, --drafter-args or --gateway-args"
     p.set_defaults(run=run_up)
 
 

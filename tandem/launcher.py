@@ -37,7 +37,6 @@ from tandem import internal_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
-from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
@@ -93,17 +92,17 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the API and metrics; more names, as vLLM takes them, are accepted in "
                         "requests too (default: the folder's name, tandem-demo for the demo)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
-    p.add_argument("--port", type=int, default=8000, help="the gateway's REST port (OpenAI API)")
-    p.add_argument("--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
-    p.add_argument("--verifier-port", type=int, default=None, help="the verifier's gRPC port (default: a free one)")
-    p.add_argument("--drafter-port", type=int, default=None, help="the drafter's gRPC port (default: a free one)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--port", type=shared.port, default=8000, help="the gateway's REST port (OpenAI API)")
+    p.add_argument("--grpc-port", type=shared.port, default=50050, help="the gateway's public gRPC port")
+    p.add_argument("--verifier-port", type=shared.port, default=None, help="the verifier's gRPC port (default: a free one)")
+    p.add_argument("--drafter-port", type=shared.port, default=None, help="the drafter's gRPC port (default: a free one)")
+    p.add_argument("--metrics-port", type=shared.port, default=None,
                    help="the verifier's Prometheus port (default: a free one; the gateway's /metrics relays it)")
     for service in ("verifier", "drafter", "gateway"):  # every other setting of a service, passed through as given
         p.add_argument(f"--{service}-args", default="", metavar="'FLAGS'",
                        help=f"more flags for python -m {service}, e.g. --{service}-args '--log-level debug' (they come "
                             "last: they win)")
-    p.add_argument("--drafter-metrics-port", type=int, default=None,
+    p.add_argument("--drafter-metrics-port", type=shared.port, default=None,
                    help="the drafter service's Prometheus port (default: a free one; the gateway's /metrics relays it)")
     shared.add(p, *shared.GATEWAY_FLAGS)
     p.add_argument("--log-stats-interval", type=float, default=None, metavar="SECONDS",
@@ -209,10 +208,10 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         plan = plan_up(args, secret_file)
         children = plan.children
-        load_tokenizer(plan.model)  # the gateway's: refused now, not after the model's load (hundreds of GB)
         env = dict(os.environ)
         if args.api_key:  # through the environment, not the gateway's argv that ps shows
             env["TANDEM_API_KEY"] = args.api_key
+        _check_gateway(plan.children[-1], env)  # refused now, not after the models' load (hundreds of GB)
         if args.model is None and args.device in ("cpu", "auto"):
             # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
             # in each of the drafter and the verifier, which oversubscribes the cores between the two processes.
@@ -243,6 +242,15 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGINT, previous_int)
         shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _check_gateway(gateway: Child, env: dict) -> None:
+    """The gateway's flags and the model folder's tokenizer and chat template, checked by the gateway itself
+    (``--check-config``) before anything starts: the gateway starts last, after the models have loaded."""
+    check = subprocess.run(gateway.argv + ["--check-config"], env=env, capture_output=True, text=True)
+    if check.returncode != 0:
+        lines = check.stderr.strip().splitlines() or [f"exit code {check.returncode}"]
+        raise TandemError(f"the gateway refuses its settings: {lines[-1].removeprefix('error: ')}")
 
 
 def _interrupt(signum, frame) -> None:

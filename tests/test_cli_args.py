@@ -487,3 +487,42 @@ def test_generate_refuses_more_new_tokens_than_the_context_holds(capsys):
     assert main(["generate", "--model", target, "--prompt-token-ids", "5,6,7", "--max-new-tokens", "253",
                  "--temperature", "0", "--ignore-eos"]) == 0
     assert "[253 tokens" in capsys.readouterr().err
+
+
+def test_flags_for_a_service_pass_through_tandem_up_even_a_single_dashed_one(folders, tmp_path):
+    """argparse takes a value that starts with a dash for an option: --verifier-args '--disable-log-stats' was refused
+    (expected one argument); from a config file too."""
+    t, _ = folders
+    up = shared.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", "--disable-log-stats",
+                                            "--gateway-args", "--max-tokens-limit 9"], subcommand=True)
+    argvs = _argvs(plan_up(up, "/tmp/secret"))
+    assert argvs["verifier"][-1] == "--disable-log-stats" and argvs["gateway"][-2:] == ["--max-tokens-limit", "9"]
+    config = tmp_path / "up.yaml"
+    config.write_text("verifier-args: --disable-log-stats\n")
+    up = shared.parse_args(build_parser(), ["up", "--model", t, "--config", str(config)], subcommand=True)
+    assert up.verifier_args == "--disable-log-stats"
+    with pytest.raises(SystemExit):
+        shared.parse_args(build_parser(), ["up", "--verifier-args"], subcommand=True)
+
+
+def test_ports_out_of_range_and_empty_batches_are_refused_in_one_line(folders, capsys):
+    """bind() took port 99999 as another port (the log then named that one); --max-num-seqs 0 started and failed
+    every request in the engine loop."""
+    t, _ = folders
+    from gateway.config import build_parser as gateway_parser
+    from verifier.__main__ import build_parser as verifier_parser
+
+    for parser, argv in ((build_parser(), ["up", "--grpc-port", "99999"]),
+                         (gateway_parser(), ["--verifier", "x:1", "--model-dir", t, "--port", "-1"]),
+                         (verifier_parser(), ["--model", t, "--port", "65536"])):
+        with pytest.raises(SystemExit):
+            shared.parse_args(parser, argv, subcommand=parser.prog == "tandem")
+        assert "is not a port (0 to 65535)" in capsys.readouterr().err
+    for flag, named in (("--max-num-seqs", r"--max-running-requests \(--max-num-seqs\)"), ("--kv-pages", "--kv-pages"),
+                        ("--cuda-graph-max-bs", "--cuda-graph-max-bs")):
+        with pytest.raises(ConfigError, match=f"{named} must be >= 1"):
+            _verifier_config(shared.parse_args(verifier_parser(), ["--model", t, flag, "0"]))
+    with pytest.raises(SystemExit):
+        shared.parse_args(build_parser(), ["up", "--disable-log-stats"], subcommand=True)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem up: error: unrecognized arguments: --disable-log-stats") and "--verifier-args" in err

@@ -138,7 +138,7 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
         f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
         "launcher.plan_up = lambda args, secret: launcher.UpPlan(kids, {'metrics': 1, 'drafter': 2}, 'm', 'm', None)\n"
         "launcher._wait_healthy = lambda *a, **k: None\n"
-        "launcher.load_tokenizer = lambda model: None\n"
+        "launcher._check_gateway = lambda *a: None\n"
         "args = SimpleNamespace(api_key=None, model='m', device='cpu', host='127.0.0.1', port=1, grpc_port=2,\n"
         "                       drafter='service')\n"
         "sys.exit(launcher.run_up(args))\n")
@@ -156,3 +156,17 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
     while _running(service_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(service_pid)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-tokens-limit", "0"], "--max-tokens-limit must be at least 1"),
+    (["--gateway-args", "--chat-template '{{ bad'"], "not a valid Jinja template"),
+])
+def test_the_gateways_settings_are_refused_before_any_service_starts(flags, says):
+    """The gateway starts last, after the models' load: its refusals come first, from the gateway's own checks."""
+    started = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "tandem.cli", "up", "--device", "cpu", *flags], capture_output=True,
+                        text=True, timeout=120)
+    assert up.returncode != 0 and says in up.stderr.splitlines()[-1], up.stderr
+    assert "starting drafter" not in up.stderr and "starting verifier" not in up.stderr
+    assert time.monotonic() - started < 60

@@ -74,7 +74,7 @@ class VerifierConfig:
         p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "random"],
                        help="random: weights drawn on the device, only config.json read (benchmarks)")
         p.add_argument("--host", default=cls.host, help="address the gRPC server binds")
-        p.add_argument("--port", type=int, default=cls.port, help="gRPC port")
+        p.add_argument("--port", type=shared.port, default=cls.port, help="gRPC port")
         p.add_argument("--drafter", default=None,
                        help="drafter service address host:port; 'in-process' to run the --draft-model head inside "
                             "this process (the in-process engine's speed; no drafter isolation or hot reload); "

@@ -87,6 +87,12 @@ class EngineConfig:
         if self.prefill_graph_tokens < 0 or self.prefill_graph_max_bs < 1:
             raise ConfigError(f"--prefill-graph-tokens must be >= 0 (0: off) and --prefill-graph-max-bs >= 1, got "
                               f"{self.prefill_graph_tokens} and {self.prefill_graph_max_bs}")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests (--max-num-seqs) must be >= 1, got {self.max_running_requests}")
+        if self.kv_pages is not None and self.kv_pages < 1:
+            raise ConfigError(f"--kv-pages must be >= 1, got {self.kv_pages}")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:
