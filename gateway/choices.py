@@ -21,6 +21,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None  # one TokenLogprobs per token, when asked for
     prompt_logprobs: list | None = None  # one per prompt token after the first, when asked for (echo)
+    stop_reason: str | int | None = None  # (Delta.stop_reason)
 
 
 class Choices:
@@ -80,6 +81,7 @@ async def _collect(stream: GenerationStream) -> ChoiceResult:
     async for delta in stream:
         parts.append(delta.text)
         result.finish_reason = delta.finish_reason or result.finish_reason
+        result.stop_reason = delta.stop_reason if delta.finish_reason else result.stop_reason
         result.token_ids += delta.token_ids
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs

@@ -87,6 +87,7 @@ class StopStrings:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._pending = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string that was hit
 
     @property
     def active(self) -> bool:
@@ -104,6 +105,7 @@ class StopStrings:
         if found:
             self.hit = True
             cut, neg_len = min(found)  # the earliest; at one place the longest
+            self.matched = self._pending[cut:cut - neg_len]
             out, self._pending = self._pending[:cut - neg_len if self._include else cut], ""
             return out
         keep = 0 if final else self._held_back()

@@ -36,6 +36,9 @@ class Delta:
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # on the first delta, when asked: one per prompt token after the first
     cached_tokens: int = 0  # of prompt_tokens, those the verifier found in its prefix cache
+    # vLLM's stop_reason, on a last delta whose finish_reason is "stop": the stop string matched, or the stop token id
+    # (of the request's stop_token_ids) that ended it; None for an EOS
+    stop_reason: str | int | None = None
 
 
 class GenerationStream:
@@ -57,6 +60,7 @@ class GenerationStream:
         # A generation the verifier ends with "stop" ends on an EOS or stop token: its text is left
         # out unless include_stop_str_in_output (vLLM's rule), also when special tokens are kept.
         self._stop_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
+        self._last_token: int | None = None
         self._prompt_tokens = len(request.prompt_ids)
         self._completion_tokens = 0
         self._cached_tokens = 0
@@ -110,6 +114,8 @@ class GenerationStream:
         elif len(logprobs or ()) != len(new):
             raise GatewayError(502, "the verifier sent no log-probabilities for some tokens")
         final = reason is not None
+        if new:
+            self._last_token = new[-1]
         hide_last = (reason == "stop" and bool(new) and new[-1] in self._stop_ids
                      and not self.request.include_stop_str_in_output)
         text, kept = self._text_of(new, final, hide_last)
@@ -129,7 +135,14 @@ class GenerationStream:
             raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
         self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
         return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
-                     cached_tokens=self._cached_tokens)
+                     cached_tokens=self._cached_tokens, stop_reason=self._stop_reason(reason))
+
+    def _stop_reason(self, reason: str | None) -> str | int | None:
+        if reason != "stop":
+            return None
+        if self._stops.matched is not None:
+            return self._stops.matched
+        return self._last_token if self._last_token in self.request.stop_token_ids else None
 
     def _text_of(self, new: list[int], final: bool, hide_last: bool) -> tuple[str, int]:
         """The text a message's tokens add, and how many of them count: all, or up to the one that completes a

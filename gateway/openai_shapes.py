@@ -62,8 +62,10 @@ class CompletionShape:
             return None
         return self.logprobs.prompt(entries, index)
 
-    def choice(self, text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def choice(self, text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None,
+               stop_reason: str | int | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
         if self.logprobs is None or entries is None:
@@ -76,7 +78,7 @@ class CompletionShape:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, index)
-        choice = self.choice(delta.text, delta.finish_reason, index, logprobs)
+        choice = self.choice(delta.text, delta.finish_reason, index, logprobs, delta.stop_reason)
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def _with_usage(self, chunk: dict) -> dict:
@@ -92,7 +94,7 @@ class CompletionShape:
         """The whole response: ``results`` holds each choice's generation, in index order."""
         choices = [self.choice(self.echo_texts[i] + r.text, r.finish_reason, i,
                                merge(self._prompt_logprobs(r.prompt_logprobs, i),
-                                     self._logprobs(r.token_ids, r.logprobs, i)))
+                                     self._logprobs(r.token_ids, r.logprobs, i)), r.stop_reason)
                    for i, r in enumerate(results)]
         return {**self._head(self.object), "choices": choices, "usage": usage}
 
@@ -123,12 +125,13 @@ class ChatShape(CompletionShape):
             return None
         content = {"content": delta.text} if delta.text else {}
         choice = {"index": index, "delta": content, "logprobs": self._logprobs(delta.token_ids, delta.logprobs, index),
-                  "finish_reason": delta.finish_reason}
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_texts[i] + r.text},
-                    "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason}
+                    "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason}
                    for i, r in enumerate(results)]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}
 

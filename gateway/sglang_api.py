@@ -186,7 +186,7 @@ class GenerateShape(CompletionShape):
         self._texts[index] += delta.text
         out = {"text": self._texts[index], "output_ids": list(delta.token_ids),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
-                                       delta.cached_tokens)}
+                                       delta.cached_tokens, delta.stop_reason)}
         return {**out, "index": index} if self.listed else out
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
@@ -196,12 +196,13 @@ class GenerateShape(CompletionShape):
             outs.append({"text": r.text, "output_ids": r.token_ids,
                          "meta_info": self._meta(i, r.finish_reason, counts["prompt_tokens"],
                                                  counts["completion_tokens"],
-                                                 counts["prompt_tokens_details"]["cached_tokens"])})
+                                                 counts["prompt_tokens_details"]["cached_tokens"], r.stop_reason)})
         return outs if self.listed else outs[0]
 
-    def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int) -> dict:
+    def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int,
+              matched: str | int | None) -> dict:
         stream = self.streams[index]
-        meta = {"id": self._ids[index], "finish_reason": _finish_reason(finish, completion),
+        meta = {"id": self._ids[index], "finish_reason": _finish_reason(finish, completion, matched),
                 "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
         if finish is not None:
             meta["e2e_latency"] = time.monotonic() - self.started
@@ -214,9 +215,9 @@ class GenerateShape(CompletionShape):
         return meta
 
 
-def _finish_reason(finish: str | None, completion: int) -> dict | None:
+def _finish_reason(finish: str | None, completion: int, matched: str | int | None) -> dict | None:
     if finish is None:
         return None
     if finish == "length":
         return {"type": "length", "length": completion}
-    return {"type": finish}
+    return {"type": finish} if matched is None else {"type": finish, "matched": matched}

@@ -113,6 +113,27 @@ def test_stop_string_cuts_the_text_streamed_or_not(stack, client):
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=60, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # vLLM's stop_reason: the stop string matched
+    assert r.choices[0].model_extra["stop_reason"] == stop and chunks[-1].choices[0].model_extra["stop_reason"] == stop
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-1])
+
+
+def test_stop_reason_names_the_stop_token_and_is_null_at_the_length_limit(stack, client):
+    prompt_ids = [7, 8, 9]
+    token = stack.expected(prompt_ids, 5)[3]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=20,
+                                  extra_body={"stop_token_ids": [token]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", token)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert (chat.choices[0].finish_reason, chat.choices[0].model_extra["stop_reason"]) == ("length", None)
+    body = {"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": 20, "stop_token_ids": [token], "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as resp:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[-1]["choices"][0]["stop_reason"] == token
+    sglang = httpx.post(f"{stack.url}/generate", json={"input_ids": prompt_ids, "sampling_params": {
+        "max_new_tokens": 20, "stop_token_ids": [token]}}, timeout=10).json()
+    assert sglang["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
 
 
 def test_models_and_health(stack, client):
