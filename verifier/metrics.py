@@ -13,8 +13,8 @@ from verifier.bulk_histogram import BulkHistogram
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-# The families that carry model_name: the gateway's too, and vLLM's KV usage, preemptions and prefix cache.
-MODEL_LABELLED = {"tandem:num_requests_running", "tandem:prompt_tokens", "tandem:generation_tokens",
+# The families that carry model_name: the gateway's too, and vLLM's queue, KV usage, preemptions and prefix cache.
+MODEL_LABELLED = {"tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:prompt_tokens", "tandem:generation_tokens",
                   "tandem:request_success", "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
                   "tandem:kv_cache_usage_perc", "tandem:num_preemptions", "tandem:prefix_cache_queries",
                   "tandem:prefix_cache_hits", "tandem:prefix_cache_evictions"}
