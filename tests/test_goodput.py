@@ -461,3 +461,35 @@ def test_a_batch_about_a_buckets_edge_is_measured_as_one_load():
             arbiter.observe(57 if i % 2 else 42, speculative, rate * 0.01, 0.01)
     spec, plain = arbiter.rates(42)
     assert arbiter.rates(57) == (spec, plain) and spec == pytest.approx(1100.0) and plain == pytest.approx(1000.0)
+
+
+def test_a_pause_in_the_traffic_ages_no_reading():
+    """Readings go stale in served time: after a minute with nothing to serve (a user reading an answer) the verdict
+    stands and the next request is not made to measure the slower mode again; 30 s of serving elsewhere does age them."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+
+    def serve(batch, speculative, tokens_per_s, seconds):
+        for _ in range(int(seconds / 0.01)):
+            clock.now += 0.01
+            arbiter.observe(batch, speculative, tokens_per_s * 0.01, 0.01)
+
+    serve(1, True, 2000.0, 0.3)
+    serve(1, False, 1100.0, 0.3)
+    for _ in range(50):  # epochs end: the verdict is taken
+        clock.now += cfg.goodput_epoch_s
+        arbiter._epoch_steps = cfg.goodput_epoch_steps
+        arbiter.choose(1, True, lambda: 0.4)
+    assert arbiter.verdict(1) is True
+    clock.now += 120.0  # idle
+    assert arbiter.verdict(1) is True and arbiter.rates(1)[1] == pytest.approx(1100.0)
+    modes = []
+    for _ in range(20):  # the next request: speculation on its verdict, no plain epoch to measure plain again
+        modes.append(arbiter.choose(1, True, lambda: 0.4))
+        serve(1, modes[-1], 2000.0, 0.01)
+    assert all(modes) and arbiter.basis == "measured"
+    serve(64, True, 30000.0, cfg.goodput_stale_s + 1)  # served at another bucket for a while: batch 1's readings age
+    assert arbiter.verdict(1) is None

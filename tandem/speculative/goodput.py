@@ -53,12 +53,14 @@ class _Meter:
 
     tokens: float = 0.0
     seconds: float = 0.0
-    last: float = -math.inf  # when it was last measured
+    last: float = -math.inf  # when it was last measured, in served seconds (GoodputArbiter.served_s) ...
+    last_at: float = -math.inf  # ... and on the clock
     tokenless: float = 0.0  # of ``seconds``, those of steps that emitted nothing (speculation's prompt extensions)
 
-    def add(self, tokens: int, seconds: float, window_s: float, now: float) -> None:
+    def add(self, tokens: int, seconds: float, window_s: float, served: float, now: float) -> None:
         keep = math.exp(-seconds / window_s)
-        self.tokens, self.seconds, self.last = keep * self.tokens + tokens, keep * self.seconds + seconds, now
+        self.tokens, self.seconds, self.last = keep * self.tokens + tokens, keep * self.seconds + seconds, served
+        self.last_at = now
         self.tokenless = keep * self.tokenless + (0.0 if tokens else seconds)
 
     @property
@@ -120,7 +122,7 @@ class GoodputArbiter:
         self._detached = key == DETACHED
         at = (self.bucket(batch_size), key)
         meter = self._meters.get(at) or self._meters.setdefault(at, _Meter())  # (get first: this runs every step)
-        meter.add(tokens, seconds, self.cfg.goodput_window_s, self.clock())
+        meter.add(tokens, seconds, self.cfg.goodput_window_s, self.served_s, self.clock())
         if speculative == self._mode:
             self._epoch_steps += 1
 
@@ -134,7 +136,7 @@ class GoodputArbiter:
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         b, e = self.bucket(batch_size), self._epoch_bucket
         if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s
-                                       or (self._exploring and not self._fresh(self._meters.get((e, self._mode)), now)
+                                       or (self._exploring and not self._fresh(self._meters.get((e, self._mode)))
                                            and now - self._epoch_start < 4 * c.goodput_epoch_s)):
             # (an exploration lasts until its mode is measured — its decayed seconds reach goodput_min_s — on the
             # meter it feeds: plain explores attached, whatever a detached period measured)
@@ -144,9 +146,9 @@ class GoodputArbiter:
             self._next_explore[e] = self.served_s + self._explore_gap(e, now - self._epoch_start, self._loss(e),
                                                                       self._mode)
         self._mode, self._exploring, self.basis = None, False, "model"
-        if not self._measured(b, model_says, now):
+        if not self._measured(b, model_says):
             return model_says  # step by step, measured as it goes
-        if not self._measured(b, not model_says, now):  # the other mode: an epoch once its predicted loss allows
+        if not self._measured(b, not model_says):  # the other mode: an epoch once its predicted loss allows
             if b in self._due:  # speculation forgotten by a detached period: its epoch now
                 self._due.discard(b)
                 self._next_explore[b] = self.served_s
@@ -159,7 +161,7 @@ class GoodputArbiter:
             mode, self._exploring = not model_says, True
         else:  # (speculation measured again after a detached period, step by step: that was the exploration due)
             self._due.discard(b)
-            mode, self._exploring = self._pick(b, model_says, now)
+            mode, self._exploring = self._pick(b, model_says)
         self._mode, self._epoch_start, self._epoch_steps, self._epoch_bucket = mode, now, 0, b
         self.basis = "exploring" if self._exploring else "measured"
         return mode
@@ -181,8 +183,8 @@ class GoodputArbiter:
     def verdict(self, batch_size: int) -> bool | None:
         """The mode measured faster at ``batch_size``'s bucket (both measured), or None; an exploration of the
         slower mode does not change it."""
-        b, now = self.bucket(batch_size), self.clock()
-        if b not in self._best or not (self._measured(b, True, now) and self._measured(b, False, now)):
+        b = self.bucket(batch_size)
+        if b not in self._best or not (self._measured(b, True) and self._measured(b, False)):
             return None
         return self._best[b]
 
@@ -207,7 +209,7 @@ class GoodputArbiter:
         steps were timed to cost over
         detached ones at this bucket, less one (the warm-up's): speculation ahead of attached plain steps by less than
         that (and ``goodput_margin``) may be behind detached ones, up to ``goodput_probe_margin_max``."""
-        b, now, c = self.bucket(batch_size), self.clock(), self.cfg
+        b, c = self.bucket(batch_size), self.cfg
         if not ships_features and (tax is None or tax < c.goodput_margin):
             return False
         margin = c.goodput_probe_margin if ships_features else 0.0
@@ -215,7 +217,7 @@ class GoodputArbiter:
             margin = max(margin, min(c.goodput_probe_margin_max, tax + c.goodput_margin))
         spec, attached = self._meters.get((b, True)), self._meters.get((b, False))
         if (self.served_s - self._probed_at < c.goodput_stale_s or self.verdict(batch_size) is not True
-                or self._fresh_detached(self._meters.get((b, DETACHED)), now) or not self._fresh(attached, now)
+                or self._fresh_detached(self._meters.get((b, DETACHED))) or not self._fresh(attached)
                 or spec.rate >= attached.rate * (1 + margin)):
             return False
         self._probed_at = self.served_s
@@ -227,39 +229,44 @@ class GoodputArbiter:
 
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculative, plain) goodput in tokens/s at ``batch_size``'s bucket where measured, else None."""
-        b, now = self.bucket(batch_size), self.clock()
-        return tuple(self._meter(b, mode, now).rate if self._measured(b, mode, now) else None for mode in (True, False))
+        b = self.bucket(batch_size)
+        return tuple(self._meter(b, mode).rate if self._measured(b, mode) else None for mode in (True, False))
 
     def tokenless_share(self, batch_size: int) -> float | None:
         """The share of speculation's measured seconds at ``batch_size``'s bucket that emitted nothing (its prompt
         extensions), where it is measured (for the log)."""
-        b, now = self.bucket(batch_size), self.clock()
-        if not self._measured(b, True, now):
+        b = self.bucket(batch_size)
+        if not self._measured(b, True):
             return None
-        meter = self._meter(b, True, now)
+        meter = self._meter(b, True)
         return meter.tokenless / meter.seconds
 
-    def _meter(self, b: int, mode: bool, now: float) -> "_Meter | None":
+    def _meter(self, b: int, mode: bool) -> "_Meter | None":
         """Mode ``mode``'s meter at bucket ``b``; plain's: the detached steps' where they are measured, unless
         plain steps run attached since measured faster (see the module: a detached reading is frozen while
         attached)."""
         attached = self._meters.get((b, mode))
         if not mode:
             detached = self._meters.get((b, DETACHED))
-            if self._fresh_detached(detached, now) and not (self._fresh(attached, now) and attached.last > detached.last
+            if self._fresh_detached(detached) and not (self._fresh(attached) and attached.last > detached.last
                                                             and attached.rate > detached.rate):
                 return detached
         return attached
 
-    def _fresh(self, meter: "_Meter | None", now: float) -> bool:
-        return meter is not None and meter.seconds >= self.cfg.goodput_min_s and now - meter.last < self.cfg.goodput_stale_s
+    def _fresh(self, meter: "_Meter | None") -> bool:
+        """Measured for ``goodput_min_s`` (decayed), the latest less than ``goodput_stale_s`` ago in served time: idle
+        time does not age a reading (a load resuming after a pause is the load it was; measured afresh, each request
+        after a pause of interactive traffic paid an exploration of the slower mode)."""
+        return (meter is not None and meter.seconds >= self.cfg.goodput_min_s
+                and self.served_s - meter.last < self.cfg.goodput_stale_s)
 
-    def _fresh_detached(self, meter: "_Meter | None", now: float) -> bool:
-        """A detached reading speaks for plain only ``goodput_detached_stale_s`` after its last step: it is frozen
+    def _fresh_detached(self, meter: "_Meter | None") -> bool:
+        """A detached reading speaks for plain only ``goodput_detached_stale_s`` after its last step (on the clock, idle
+        time included: the host drifts whether it serves or not): it is frozen
         while attached, and compared with speculation measured now, a reading from a faster stretch of a drifting
         host detached the drafter on a tie (the demo pair over REST at concurrency 1); past it, plain is what attached
         plain steps measure, and a probe may measure it detached again."""
-        return self._fresh(meter, now) and now - meter.last < self.cfg.goodput_detached_stale_s
+        return self._fresh(meter) and self.clock() - meter.last_at < self.cfg.goodput_detached_stale_s
 
     def _explore_gap(self, b: int, epoch_s: float, loss: float, explored: bool | None = None) -> float:
         """Seconds until the slower mode's next epoch at bucket ``b``: what one costs — its loss over ``epoch_s``, and
@@ -278,19 +285,18 @@ class GoodputArbiter:
 
     def _loss(self, b: int) -> float:
         """The share of goodput the slower mode loses at bucket ``b``, as measured."""
-        now = self.clock()
-        rates = [m.rate for m in (self._meter(b, mode, now) for mode in (True, False)) if m is not None]
+        rates = [m.rate for m in (self._meter(b, mode) for mode in (True, False)) if m is not None]
         return 1.0 if len(rates) < 2 or max(rates) <= 0 else 1 - min(rates) / max(rates)
 
-    def _measured(self, b: int, mode: bool, now: float) -> bool:
-        return self._fresh(self._meter(b, mode, now), now)
+    def _measured(self, b: int, mode: bool) -> bool:
+        return self._fresh(self._meter(b, mode))
 
-    def _pick(self, b: int, model_says: bool, now: float) -> tuple[bool, bool]:
+    def _pick(self, b: int, model_says: bool) -> tuple[bool, bool]:
         """Both modes measured at ``b`` → (mode, whether it is an exploration of the slower one)."""
-        spec, plain = self._meter(b, True, now).rate, self._meter(b, False, now).rate
+        spec, plain = self._meter(b, True).rate, self._meter(b, False).rate
         held, margin = self._best.get(b, model_says), 1 + self.cfg.goodput_margin
         best = (plain <= spec * margin) if held else (spec > plain * margin)
-        if b in self._afresh and self._meter(b, True, now).seconds < self.cfg.goodput_tie_s:
+        if b in self._afresh and self._meter(b, True).seconds < self.cfg.goodput_tie_s:
             if not best and spec * TIE_LEAD >= plain:
                 return True, False  # (measured afresh, and briefly: on, see the module)
         else:

@@ -74,8 +74,8 @@ class PolicyConfig:
     goodput_epoch_s: float = 0.05  # ... and seconds
     goodput_window_s: float = 0.5  # a mode's goodput at a bucket decays over about this many seconds of it
     goodput_min_s: float = 0.05  # measured: at least this many (decayed) seconds ...
-    goodput_stale_s: float = 30.0  # ... the latest less than this long ago
-    goodput_detached_stale_s: float = 5.0  # plain measured detached speaks for plain this long after its last step
+    goodput_stale_s: float = 30.0  # ... the latest less than this long ago, in served time (idle left out)
+    goodput_detached_stale_s: float = 5.0  # plain measured detached speaks for plain this long after its last step (clock)
     goodput_margin: float = 0.03  # the other mode must be this much faster to take over
     goodput_tie_s: float = 0.3  # after a detached period, speculation is called slower only once measured this long
     goodput_explore_steps: int = 2  # an exploration of the other mode: at least this many steps (and goodput_epoch_s)
