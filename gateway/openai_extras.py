@@ -28,6 +28,8 @@ ENGINE_FIELDS = {
     "functions": lambda v: not v,
     "function_call": lambda v: v is None or v == "none",
     "chat_template": lambda v: v is None,  # a request's own template: only the model's renders
+    "return_tokens_as_token_ids": lambda v: not v,  # log-probabilities name tokens by their text
+    "priority": lambda v: v is None or (v == 0 and not isinstance(v, bool)),  # one queue, first come first served
 }
 
 

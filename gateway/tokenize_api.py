@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 import tandem
 from gateway.admission import read_body
+from gateway.body_fields import flag
 from gateway.chat_request import render_chat
 from gateway.errors import GatewayError, bad_request
 from gateway.openai_params import _add_special_tokens, _messages, parse_json
@@ -65,7 +66,8 @@ def _tokenize(gw: GatewayContext, body: dict, info) -> dict:
         text = render_chat(gw.chat_template, body, _messages(body["messages"]))
         ids = gw.tokenizer.encode(text, add_special_tokens=_add_special_tokens(body, False))
     # No context check: /tokenize is how a client learns that a prompt is too long.
-    return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": None}
+    strs = [gw.tokenizer.token_str(i) for i in ids] if flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": strs}
 
 
 def _detokenize(gw: GatewayContext, body: dict, info) -> dict:

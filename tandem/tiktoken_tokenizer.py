@@ -68,6 +68,15 @@ class TiktokenTokenizer:
         return max([len(self._enc.decode_single_token_bytes(i)) for i in range(self.first_special)]
                    + [len(name.encode()) for name in self._specials])
 
+    def token_str(self, token_id: int) -> str | None:
+        names = {i: name for name, i in self._specials.items()}
+        if token_id in names:
+            return names[token_id]
+        try:
+            return self._enc.decode_single_token_bytes(token_id).decode("utf-8", "replace")
+        except KeyError:
+            return None
+
     def token_id(self, token: str) -> int | None:
         if token in self._specials:
             return self._specials[token]

@@ -18,6 +18,10 @@ class Tokenizer(Protocol):
 
     def token_id(self, token: str) -> int | None: ...
 
+    def token_str(self, token_id: int) -> str | None:
+        """The vocabulary's entry for ``token_id`` (byte-level BPE's spelling, e.g. "Ġhello"), None out of range."""
+        ...
+
     def longest_token_bytes(self) -> int:
         """The most UTF-8 bytes one token decodes to, special tokens included (gateway.prompt_bound)."""
         ...
@@ -49,6 +53,9 @@ class TextTokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_str(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     def longest_token_bytes(self) -> int:
         texts = self._tok.decode_batch([[i] for i in range(self._tok.get_vocab_size(with_added_tokens=True))],

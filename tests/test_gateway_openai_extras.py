@@ -305,6 +305,7 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/completions", "include_stop_str_in_output", 1),
     ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a", "b"]),
     ("/v1/completions", "guided_regex", "a+"), ("/v1/completions", "bad_words", ["x"]),
+    ("/v1/completions", "return_tokens_as_token_ids", True), ("/v1/chat/completions", "priority", 5),
     ("/v1/completions", "allowed_token_ids", [1, 2]), ("/v1/completions", "truncate_prompt_tokens", 8),
     ("/v1/chat/completions", "functions", [{"name": "f"}]), ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),

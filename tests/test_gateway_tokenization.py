@@ -54,6 +54,16 @@ def test_text_tokenizer_matches_transformers(bos_model_dir, hf):
         assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
 
 
+def test_tokenize_returns_the_token_strings_transformers_names(stack, hf):
+    import httpx
+
+    text = "def fibonacci(n):\n    return n"
+    r = httpx.post(f"{stack.url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=10).json()
+    assert r["tokens"] == hf(text)["input_ids"]
+    assert r["token_strs"] == hf.convert_ids_to_tokens(r["tokens"])
+    assert httpx.post(f"{stack.url}/tokenize", json={"prompt": text}, timeout=10).json()["token_strs"] is None
+
+
 def test_completion_prompt_gets_the_bos_transformers_adds(stack, client, hf):
     prompt = "def fibonacci(n):"
     client.completions.create(model="bos-model", prompt=prompt, max_tokens=2)

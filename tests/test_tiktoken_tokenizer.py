@@ -94,6 +94,9 @@ def test_encodings_and_decodings_equal_the_tiktoken_encoding_of_the_same_facts(f
     assert tok.token_id("<|reserved_token_%d|>" % (first + 2)) == first + 2
     assert tok.token_id("hello") == _ranks()[b"hello"] and tok.token_id("no such token") is None
     assert tok.decode([first + 10_000, *tok.encode("hello")]) == "hello"  # a model's padded rows: nothing
+    assert [tok.token_str(i) for i in tok.encode("hello<|im_end|>")] == \
+        [ref.decode_single_token_bytes(_ranks()[b"hello"]).decode(), "<|im_end|>"]
+    assert tok.token_str(first + 10_000) is None
 
 
 def test_a_run_longer_than_tiktoken_takes_is_cut_and_round_trips(folder):
