@@ -526,3 +526,12 @@ def test_ports_out_of_range_and_empty_batches_are_refused_in_one_line(folders, c
         shared.parse_args(build_parser(), ["up", "--disable-log-stats"], subcommand=True)
     err = capsys.readouterr().err.strip()
     assert err.startswith("tandem up: error: unrecognized arguments: --disable-log-stats") and "--verifier-args" in err
+
+
+def test_vllms_load_format_names(folders):
+    t, _ = folders
+    from verifier.__main__ import build_parser as verifier_parser
+
+    for given, means in (("dummy", "random"), ("auto", "safetensors"), ("random", "random")):
+        assert _verifier_config(shared.parse_args(verifier_parser(), ["--model", t, "--load-format", given])) \
+            .engine.load_format == means

@@ -71,8 +71,10 @@ class VerifierConfig:
         shared.add(p, shared.TP_SIZE, shared.DEVICE)
         p.add_argument("--page-size", "--block-size", type=int, default=e.page_size, help="tokens per KV page")
         shared.add(p, *shared.ENGINE_FLAGS)
-        p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "random"],
-                       help="random: weights drawn on the device, only config.json read (benchmarks)")
+        p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "random", "dummy", "auto"],
+                       type=lambda v: {"dummy": "random", "auto": "safetensors"}.get(v, v),
+                       help="random (vLLM's dummy): weights drawn on the device, only config.json read (benchmarks); "
+                            "auto: safetensors")
         p.add_argument("--host", default=cls.host, help="address the gRPC server binds")
         p.add_argument("--port", type=shared.port, default=cls.port, help="gRPC port")
         p.add_argument("--drafter", default=None,
