@@ -103,6 +103,17 @@ class BlockingLane:
         except OSError as e:
             raise LaneError(f"round lane send failed: {e}") from None
 
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed its end (asked between rounds, without waiting; a frame waiting to be read
+        says it is alive)."""
+        try:
+            self._sock.settimeout(0.0)  # (each send and receive sets its own deadline again)
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def receive(self, timeout_s: float) -> bytes:
         """The next frame within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

@@ -268,8 +268,9 @@ class FakeHandshakes:
         self.started.set()
         self.proceed.wait(10.0)
         conn = DraftingConnection()
-        conn.welcome, conn.lane, conn.closed = pb.Welcome(draft_model="fake-head"), None, False
+        conn.welcome, conn.lane, conn.closed, conn.ended = pb.Welcome(draft_model="fake-head"), None, False, False
         conn.close = lambda: setattr(conn, "closed", True)
+        conn.gone = lambda: conn.ended
         self.made.append(conn)
         return conn
 
@@ -328,6 +329,26 @@ def test_the_reconnector_logs_a_refusal_once_connects_when_it_can_and_again_afte
         finally:
             client.close()
         assert not client.available and handshakes.made[1].closed
+
+
+def test_a_drafter_that_goes_while_no_round_runs_is_dropped_and_its_successor_connected(monkeypatch):
+    """A detached drafter gets no rounds: one that died was found only at the next round (13 s after a kill, its
+    restarted successor ready 10 s earlier, tandem:drafter_up still 1). The reconnector's looks drop it."""
+    handshakes = FakeHandshakes()
+    monkeypatch.setattr("verifier.drafter_reconnect.DrafterConnection", handshakes)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        states = []
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
+                               on_state=states.append)
+        client.start()
+        try:
+            assert client.wait_connected(10.0) and states == [True]
+            assert _wait_until(lambda: False, 0.1) is False and client._conn is handshakes.made[0]  # alive: kept
+            handshakes.made[0].ended = True  # the process died; nothing is sent to it
+            assert _wait_until(lambda: len(handshakes.made) == 2 and client.available)
+            assert handshakes.made[0].closed and states == [True, False, True]
+        finally:
+            client.close()
 
 
 def test_a_connection_made_while_the_client_closes_is_closed_and_never_used(monkeypatch):

@@ -106,6 +106,20 @@ def test_a_silent_peer_times_out_and_a_closed_one_fails_at_once(peer):
     lane.close()
 
 
+def test_a_closed_peer_is_seen_between_rounds_without_sending(peer):
+    lane, far = connected(peer)
+    assert not lane.peer_closed()
+    peer.submit(far.send(b"reply")).result(5)  # a frame waiting to be read: alive
+    time.sleep(0.05)
+    assert not lane.peer_closed() and lane.receive(1.0) == b"reply"
+    far.close()
+    deadline = time.monotonic() + 5
+    while not lane.peer_closed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lane.peer_closed()
+    lane.close()
+
+
 def test_a_peer_that_stops_reading_cannot_hold_the_sender_past_its_deadline(peer):
     lane, far = connected(peer)  # far never reads: a big frame fills the socket buffers
     started = time.monotonic()

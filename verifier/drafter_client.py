@@ -89,7 +89,8 @@ class DrafterClient(Proposer):
         self._reconnector = DrafterReconnector(
             address, ring, target, mailbox, deadline_s=lambda: self.deadline_s, interval_s=reconnect_interval_s,
             offer_lane=round_lane, metadata=internal_secret.metadata(secret),  # the stream's credentials
-            connected=lambda: self._conn is not None, adopt=self._adopt, on_up=lambda: self.on_state(True))
+            connected=lambda: self._conn is not None, adopt=self._adopt, on_up=lambda: self.on_state(True),
+            check=self._check_alive)
 
     # -- connection ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +140,17 @@ class DrafterClient(Proposer):
             self._pending_start.clear()
             self.ring.begin_round(self._seq)
         return True
+
+    def _check_alive(self) -> None:
+        """Drop the connection if its drafter has gone (the reconnector's thread, now and then). Skipped while the
+        engine holds the lock: a round under way finds a dead drafter itself."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._conn is not None and self._prefetched is None and self._conn.gone():
+                self._drop("the drafter's connection closed")
+        finally:
+            self._lock.release()
 
     def _drop(self, reason: str) -> None:
         """Forget the connection and everything in flight (called with the lock held)."""

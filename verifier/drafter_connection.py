@@ -118,6 +118,17 @@ class DrafterConnection:
         except DecodeError as e:
             raise ProposerUnavailable(f"the drafter sent an unreadable message on the round lane: {e}") from None
 
+    def gone(self) -> bool:
+        """Whether the drafter's end has gone, seen without sending anything (asked between rounds, when none may be
+        sent for a while: a drafter detached by the policy): its round lane closed, or the stream ended."""
+        if self.lane is not None:
+            return self.lane.peer_closed()
+        try:
+            self._run(asyncio.sleep(0), 1.0)  # (the stream's events are taken in only while its loop runs)
+        except ProposerUnavailable:
+            return False  # (the loop busy closing an old stream: asked again later)
+        return self.call is None or self.call.done()
+
     @staticmethod
     def _checked(message) -> pb.DrafterMessage:
         if message is grpc.aio.EOF:

@@ -32,14 +32,16 @@ class DrafterReconnector:
     def __init__(self, address: str, ring: HiddenRing, target: pb.TargetInfo, mailbox: RoundMailbox | None,
                  deadline_s: Callable[[], float], interval_s: float, offer_lane: bool, metadata: tuple,
                  connected: Callable[[], bool], adopt: Callable[[DrafterConnection], bool],
-                 on_up: Callable[[], None]):
+                 on_up: Callable[[], None], check: Callable[[], None] = lambda: None):
         """``deadline_s()``: the owner's round deadline, read at each attempt (a handshake gets at least
         5 s). ``adopt(conn)``: False when the owner was closed meanwhile (the connection is then closed
-        here and the thread ends). ``on_up()`` after the connection was adopted and logged."""
+        here and the thread ends). ``on_up()`` after the connection was adopted and logged. ``check()`` at every look
+        while connected: the owner drops a connection whose drafter has gone (one that no round uses for a while, a
+        detached drafter's, would otherwise be found dead only when the next round is sent)."""
         self.address, self.ring, self.target, self.mailbox = address, ring, target, mailbox
         self.deadline_s, self.interval_s = deadline_s, interval_s
         self.offer_lane, self.metadata = offer_lane, metadata
-        self.connected, self.adopt, self.on_up = connected, adopt, on_up
+        self.connected, self.adopt, self.on_up, self.check = connected, adopt, on_up, check
         self.last_refusal = ""  # the last refusal logged: the same one again is not
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep_connected, name="drafter-connect", daemon=True)
@@ -82,6 +84,11 @@ class DrafterReconnector:
                     log.info("connected to the drafter at %s (%s); rounds on %s", self.address, conn.welcome.draft_model,
                              "the round lane" if conn.lane is not None else "the gRPC stream")
                     self.on_up()
+            else:
+                try:
+                    self.check()
+                except Exception:  # noqa: BLE001 - this thread must outlive a failed look too
+                    log.exception("checking the drafter connection")
             self._stop.wait(self.interval_s)
 
     def _failed(self, e: Exception) -> None:
