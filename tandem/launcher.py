@@ -72,7 +72,10 @@ class Child:
         # The service asks for its parent-death signal itself (tandem.service_runtime.die_with_launcher): no hook
         # between fork and exec, so no gRPC fork handlers in the child. (Every start is from the main thread: a thread
         # that starts services would take them with it when it ends.)
-        self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())})
+        # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops the services in order
+        # (the gateway first, drained, then the others), where each one stopping on its own raced the others: streams
+        # the gateway was draining were cut by the verifier's own stop.
+        self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())}, start_new_session=True)
         self.started_at, self.restart_at = time.monotonic(), None
 
 
@@ -300,12 +303,15 @@ def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lamb
 
 
 def _stop_all(children: list[Child]) -> None:
-    for child in reversed(children):  # gateway first, so no new requests arrive while the others stop
-        if child.proc is not None and child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
+    """Each service stopped after the one that depends on it has exited: the gateway first (no new requests; its
+    streams drain, as long as its grace period allows), then the verifier, then the drafter."""
     for child in reversed(children):
-        if child.proc is not None:
-            try:
-                child.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # stuck, or a second Ctrl-C: stop now
-                child.proc.kill()
+        if child.proc is None:
+            continue
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        try:
+            child.proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # stuck, or a second Ctrl-C: stop now
+            child.proc.kill()
+            child.proc.wait()

@@ -170,3 +170,32 @@ def test_the_gateways_settings_are_refused_before_any_service_starts(flags, says
     assert up.returncode != 0 and says in up.stderr.splitlines()[-1], up.stderr
     assert "starting drafter" not in up.stderr and "starting verifier" not in up.stderr
     assert time.monotonic() - started < 60
+
+
+def test_services_stop_in_order_each_after_the_one_that_depends_on_it_has_exited(tmp_path):
+    """The gateway drains its streams before the verifier stops (the verifier stopping with it cut the streams being
+    drained, each client told the model server was unavailable); then the drafter."""
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    open(sys.argv[1], 'a').write(f'term {time.monotonic()}\\n')\n"
+              "    time.sleep(float(sys.argv[2]))\n"
+              "    open(sys.argv[1], 'a').write(f'exit {time.monotonic()}\\n')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "open(sys.argv[1], 'a').write('up\\n')\n"
+              "while True: time.sleep(0.05)\n")
+    logs = {name: tmp_path / name for name in ("drafter", "verifier", "gateway")}
+    children = [Child(name, [sys.executable, "-c", script, str(log), "0.3" if name == "gateway" else "0"])
+                for name, log in logs.items()]
+    for child in children:
+        child.start(dict(os.environ))
+    deadline = time.monotonic() + 30
+    while not all(log.exists() for log in logs.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _stop_all(children)
+
+    def at(name, what):
+        return next(float(line.split()[1]) for line in logs[name].read_text().splitlines() if line.startswith(what))
+
+    assert at("gateway", "exit") <= at("verifier", "term") and at("verifier", "exit") <= at("drafter", "term")
+    assert all(child.proc.returncode == 0 for child in children)
