@@ -322,8 +322,9 @@ class DrafterService:
             log.warning("reload of %r refused: not a folder below the reload root %s", request.draft_model,
                         self.guard.reload_root)
             self.metrics.reloads.labels("refused").inc()
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "draft_model: not an EAGLE-3 folder below this drafter's reload root")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,  # (the root is the operator's setting, named)
+                                f"draft_model: not an EAGLE-3 folder below this drafter's reload root "
+                                f"{self.guard.reload_root} (--reload-root)")
         async with self._reload_lock:
             started = time.perf_counter()
             log.info("reload: loading %s beside generation %d", folder, self.heads.generation)

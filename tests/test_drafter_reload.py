@@ -84,6 +84,12 @@ def test_reload_under_load_loses_no_request(pair_dirs, reference, tmp_path):
         metrics = read_metrics(verifier.metrics_port)
         assert metrics["tandem:drafter_up"] == 1.0, "a refused reload must not cut the stream"
         assert metrics.get("tandem:drafter_failures_total", 0.0) == 0.0, "no reload may drop the stream, even briefly"
+
+        # Idle: the last request's release reached the drafter when the verifier went idle (not with a next Round),
+        # so a reload now finds no request on the previous head and frees it at once.
+        reply = reload_drafter(drafter.address, str(pair_dirs / "draft_v2"))
+        assert reply.generation == 3 and reply.requests_on_previous == 0
+        wait_for(lambda: "freed draft head generation 2" in drafter.log(), 10, "the idle previous head to be freed")
     finally:
         verifier.stop()
         drafter.stop()

@@ -163,7 +163,8 @@ def test_reload_loads_only_below_its_root_and_echoes_no_filesystem_error(drafter
                    models / "no_such_head", models):
         error = reload(drafter, folder)
         assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (folder, error.details())
-        assert error.details() == "draft_model: not an EAGLE-3 folder below this drafter's reload root"
+        assert error.details() == (f"draft_model: not an EAGLE-3 folder below this drafter's reload root "
+                                   f"{os.path.realpath(models)} (--reload-root)")  # (the default: the head's parent)
     error = reload(drafter, models / "alias")  # below the root (a link to a folder there), but nothing to load
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not_a_head" not in error.details()  # where the link leads is not the caller's to learn

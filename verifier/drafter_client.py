@@ -231,8 +231,8 @@ class DrafterClient(Proposer):
             self._pending_start[rid] = pb.PrefixStart(token_ids=tokens)
 
     def flush(self) -> None:
-        """Send the queued releases and extends now, in a Round that drafts nothing."""
-        if self._conn is not None:
+        """Send the queued releases and extends now, in a Round that drafts nothing (none when nothing is queued)."""
+        if self._conn is not None and (self._pending_release or self._pending_extend or self._pending_start):
             self.draft([], None)
 
     def release(self, rid: str) -> None:

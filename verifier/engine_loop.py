@@ -127,6 +127,8 @@ class EngineLoop(threading.Thread):
         self._gauges()
         try:
             while not self._stopping.is_set():
+                if not self.engine.has_unfinished():
+                    self.engine.drafts.settle()  # (the last requests' releases: a reload's old head is freed now)
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._step()

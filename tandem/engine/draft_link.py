@@ -65,6 +65,11 @@ class DraftLink:
         a drafter service gets the releases now, not with a Round that may be a detached period away."""
         self.joins_due = False
         self.forget_all(reqs, complete=False)
+        self.settle()
+
+    def settle(self) -> None:
+        """A drafter service gets what is queued for it now, where no Round may come for a while (detached, or nothing
+        running): the last requests' releases would otherwise wait for it, keeping a reloaded drafter's previous head."""
         if self.up():
             try:
                 self.proposer.flush()
