@@ -6,7 +6,8 @@ Each service's text is fetched from its URL (``--verifier-metrics-url``, ``--dra
 short timeout, parsed and re-rendered. Families the gateway has itself (request counts, latencies, tokens:
 the same names with a ``model_name`` label) are the gateway's view and a service's copy is dropped, so no
 name appears twice. ``tandem:verifier_metrics_up`` / ``tandem:drafter_metrics_up`` say whether a service's
-part is there. Scrapes within ``_CACHE_S`` share one fetch, so a flood of scrapes is not relayed.
+part is there. Scrapes within ``_CACHE_S`` share one fetch, so a flood of scrapes is not relayed; a service that did
+not answer is asked again only ``_RETRY_S`` later, so a hung one does not hold every scrape for its timeout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger("gateway.metrics")
 
 _CACHE_S = 1.0
+_RETRY_S = 5.0
 _MAX_BYTES = 16 << 20
 
 
@@ -37,7 +39,7 @@ class MetricsRelay:
         """The service's families as exposition text, or None when it did not answer in time."""
         async with self._lock:
             at, text = self._cached
-            if time.monotonic() - at < _CACHE_S:
+            if time.monotonic() - at < (_CACHE_S if text is not None else _RETRY_S):
                 return text
             try:
                 raw = await asyncio.wait_for(asyncio.to_thread(self._get), self._timeout + 0.5)

@@ -140,3 +140,25 @@ tandem:spec_decode_num_drafts_created 1.7e+09
     kept = relay._filter(text).decode()
     assert "tandem:prompt_tokens" not in kept and "tandem:time_to_first_token_seconds" not in kept
     assert "tandem:spec_decode_num_drafts_total 7.0" in kept and "tandem:spec_decode_num_drafts_created" in kept
+
+
+def test_a_hung_service_costs_one_scrape_its_timeout_not_every_scrape(verifier_metrics):
+    """A drafter stopped (SIGSTOP) held every scrape for its timeout, the verifier's part fetched after it."""
+    import socket
+
+    hung = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    s = Stack(verifier_metrics_url=verifier_metrics,
+              drafter_metrics_url=f"http://127.0.0.1:{hung.getsockname()[1]}/metrics")
+    try:
+        seconds = []
+        for _ in range(3):
+            started = time.monotonic()
+            text = httpx.get(f"{s.url}/metrics", timeout=10).text
+            seconds.append(time.monotonic() - started)
+            assert metric_value(text, "tandem:drafter_metrics_up", model_name=MODEL_NAME) == 0
+            assert metric_value(text, "tandem:verifier_metrics_up", model_name=MODEL_NAME) == 1
+            time.sleep(1.2)  # (past the cache of a good answer)
+        assert seconds[0] < 3 and max(seconds[1:]) < 0.5, seconds
+    finally:
+        s.close()
+        hung.close()
