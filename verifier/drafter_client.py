@@ -277,7 +277,7 @@ class DrafterClient(Proposer):
                         replies.append((early.rids, reply))
                 if rest or spec is None:  # what the prefetch did not cover (or an extend-only flush)
                     seq = self._send_round(rest, spec)
-                    replies.append((tuple(rest), self._collect(seq, "direct", observed)))
+                    replies.append((tuple(rest), self._collect(seq, "direct" if spec is not None else "flush", observed)))
         finally:
             for round_trip, wait, drafts, kind in observed:
                 self.on_round(round_trip, wait, drafts, kind)
@@ -339,7 +339,8 @@ class DrafterClient(Proposer):
     def _collect(self, seq: int, kind: str, observed: list) -> pb.Drafts:
         """Wait for round ``seq``'s reply (lock held) and free its rows; appends what the round cost to
         ``observed``. ``kind``: "direct" (sent by this draft), "prefetched" (sent early, some of its
-        trees used) or "prefetch_dropped" (sent early, then all its requests changed). The deadline
+        trees used), "prefetch_dropped" (sent early, then all its requests changed) or "flush" (drafting nothing:
+        queued extends and releases sent on their own). The deadline
         counts the time the engine waits, from here: a prefetched reply may have waited for the engine
         far longer (a pause in speculation), which says nothing about the drafter."""
         sent, waiting = self._sent_at, time.perf_counter()

@@ -95,7 +95,8 @@ class VerifierMetrics:
                                       buckets=round_buckets, registry=r)
         self.drafter_rounds = Counter("tandem:drafter_rounds", "Drafter rounds by how they were sent: direct, "
                                       "prefetched (sent at the end of the previous step, its trees used) or "
-                                      "prefetch_dropped (all its requests changed meanwhile)", ["kind"], registry=r)
+                                      "prefetch_dropped (all its requests changed meanwhile) or flush (extends and "
+                                      "releases alone, drafting nothing)", ["kind"], registry=r)
         # What a round costs the engine: the time it blocked for the reply. Below the round trip when the
         # Round went out early (prefetched at the end of the previous step) and the drafter worked meanwhile.
         self.drafter_wait = Histogram("tandem:drafter_wait_seconds", "Time the engine waited for the drafter per round",
