@@ -2,12 +2,15 @@
 (429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
 Content-Length header or as soon as a chunked body passes the limit, never read whole first) that
 arrive in bounded time (408: a client trickling its body would otherwise hold a slot forever), declared as JSON
-(415 for another media type: a web page can send text/plain or a form to a server on localhost without a CORS
-preflight, so parsing those as JSON would let any site a user visits run generations on their server)."""
+(415 for another media type), from no other web origin (403): a web page can post text/plain, a form or a body with
+no type to a server on localhost without a CORS preflight, and this server answers no preflight, so a browser's
+request from another origin is never an API client's — refused, no site a user visits runs generations on their
+server."""
 
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
@@ -32,6 +35,8 @@ class Slots:
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    h = request.headers
+    _check_origin(h.get("origin"), (h.get("host"), h.get("x-forwarded-host")))
     _check_media_type(request.headers.get("content-type"))
     try:
         async with asyncio.timeout(timeout_s):
@@ -56,6 +61,16 @@ async def _read(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _check_origin(origin: str | None, hosts: tuple[str | None, ...]) -> None:
+    """A browser names the page's origin on a POST (``null`` from a file or a sandbox); clients that are not browsers
+    send none. ``hosts``: the Host header, and the one a reverse proxy forwarded (a page served through it)."""
+    if origin is None:
+        return
+    if origin == "null" or urlsplit(origin).netloc.lower() not in {h.lower() for h in hosts if h}:
+        raise GatewayError(403, f"requests from another web origin ({origin[:100]}) are refused: this server answers "
+                                "no CORS preflight")
 
 
 def _check_media_type(content_type: str | None) -> None:

@@ -307,7 +307,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
     line's (after a ``subcommand``), so what the command line says wins."""
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # (glued first: a service's own --config passed through --verifier-args is not tandem up's)
+    argv = _glue_flag_strings(list(sys.argv[1:] if argv is None else argv))
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--config")
@@ -318,7 +319,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
             argv = argv[:at] + config_argv(path) + argv[at:]
         except ConfigError as e:
             parser.error(str(e))
-    args, unknown = parser.parse_known_args(_glue_flag_strings(argv))
+    args, unknown = parser.parse_known_args(_glue_flag_strings(argv))  # (again: a config file's words too)
     if unknown:  # refused by the subcommand's parser, which names its own --help (and may say where such flags go)
         refusing = _subparser(parser, getattr(args, "command", None)) if subcommand else parser
         hint = getattr(refusing, "unknown_hint", "")

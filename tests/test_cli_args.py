@@ -535,3 +535,11 @@ def test_vllms_load_format_names(folders):
     for given, means in (("dummy", "random"), ("auto", "safetensors"), ("random", "random")):
         assert _verifier_config(shared.parse_args(verifier_parser(), ["--model", t, "--load-format", given])) \
             .engine.load_format == means
+
+
+def test_a_services_own_config_file_passes_through_not_taken_for_tandem_ups(folders, tmp_path):
+    t, _ = folders
+    mine = tmp_path / "verifier.yaml"
+    mine.write_text("model: /elsewhere\n")
+    up = shared.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", f"--config={mine}"], subcommand=True)
+    assert up.model == t and up.verifier_args == f"--config={mine}"

@@ -103,6 +103,30 @@ def test_after_the_drafter_is_lost_and_back_running_requests_join_it_without_a_r
     assert starts and min(starts) >= min(len(p) for p in prompts)  # nothing recomputed
 
 
+def test_a_drafter_connection_made_again_between_two_steps_is_joined_not_drafted_from_state_it_lacks(pair):
+    """The drafter client can drop a connection whose drafter went and make the next one between two steps (no round
+    ran meanwhile): the engine never saw it down, and drafted its running requests on a drafter that had never seen
+    them. A new connection number makes it forget their draft state; they join it, and output is the target's."""
+    prompts = [random_prompt(790 + i, 12 + 2 * i) for i in range(2)]
+    with pair_engine(pair, page_size=4) as eng:
+        reference = [r.output_token_ids for r in eng.generate(prompts, LONG)]
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        rids = [eng.add_request(p, LONG) for p in prompts]
+        for _ in range(4):
+            eng.step()
+        attached = {}
+        attach_prefix = eng.proposer.attach_prefix
+        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        committed = {r: eng.requests[r].tokens for r in rids}
+        eng.proposer.release_all()  # the new drafter knows nothing ...
+        eng.proposer.connection = 7  # ... behind a new connection; available all along
+        while eng.has_unfinished():
+            eng.step()
+        got = [eng.requests[r].output for r in rids]
+    assert got == reference
+    assert attached == committed
+
+
 def test_a_joined_request_drafts_about_as_well_as_one_drafted_from_its_prompt():
     """The shipped demo pair, greedy, float32: requests that join after 48 plain tokens accept, over their later
     rounds, at least 0.9 of what the same requests accept over the same positions drafted from the start."""

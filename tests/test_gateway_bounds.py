@@ -60,6 +60,23 @@ def test_only_json_bodies_are_read_so_no_web_page_can_post_a_simple_request(stac
         assert r.status_code == 200, (media, r.text)
 
 
+def test_a_browsers_request_from_another_origin_is_refused_whatever_its_body(stack):
+    """A page on another site can post a typeless body (a Blob, sendBeacon) without a CORS preflight: the browser then
+    names the page's origin. Clients that are not browsers send no Origin; a page of this origin (or served through
+    a proxy that forwards the host) is served."""
+    import json
+
+    body = json.dumps(GOOD).encode()
+    port = stack.gateway.port
+    for origin in ("https://evil.example", "null", "http://127.0.0.1:1"):
+        r = httpx.post(f"{stack.url}/v1/completions", content=body, headers={"origin": origin}, timeout=10)
+        assert r.status_code == 403 and "another web origin" in r.text, (origin, r.text)
+    for headers in ({}, {"origin": f"http://127.0.0.1:{port}"},
+                    {"origin": "https://chat.example", "x-forwarded-host": "chat.example"}):
+        r = httpx.post(f"{stack.url}/v1/completions", content=body, headers=headers, timeout=10)
+        assert r.status_code == 200, (headers, r.text)
+
+
 def test_a_chunked_body_is_cut_off_at_the_limit(stack):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")

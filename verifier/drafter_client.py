@@ -108,6 +108,10 @@ class DrafterClient(Proposer):
         return self._conn is not None
 
     @property
+    def connection(self) -> int:
+        return self._seq
+
+    @property
     def chain_runs_available(self) -> bool:
         """Whether the drafter takes its half of runs of chain rounds queued on the device."""
         conn = self._conn

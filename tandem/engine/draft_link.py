@@ -39,6 +39,7 @@ class DraftLink:
         """``engine``: the LLMEngine (its ``proposer`` may be replaced at any time; read it here)."""
         self.engine = engine
         self._was_up = True
+        self._connection: int | None = None  # the proposer's connection number seen at the last step
         self.held_bytes = 0  # features held by all requests (see hold)
         self.joins_due = False  # attached again: running requests join the drafter (join_running)
 
@@ -289,6 +290,9 @@ class DraftLink:
         # A drafter down now and back before the next step is still one that came back (its requests join it again); a
         # head that stays up (in process: a broken draft) leaves them plain to their end, not joined again and again.
         self._was_up = self._was_up and self.up()
+        self._forget_drafter_state()
+
+    def _forget_drafter_state(self) -> None:
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
             req.draft_ready, req.attach_at = False, None
@@ -299,6 +303,15 @@ class DraftLink:
         again instead of decoding plainly to their end, and no target work is spent on it (a recompute of their
         sequences would stall every stream for a prefill of all of them)."""
         up = self.up()
+        if up:
+            seen, self._connection = self._connection, self.proposer.connection
+            if seen is not None and seen != self._connection and self._was_up:
+                # dropped and made again between two steps (the drafter client saw it go while no round ran): the new
+                # drafter never saw the running requests' state
+                log.warning("the drafter's connection was made again: continuing without speculation until the "
+                            "running requests join it")
+                self._forget_drafter_state()
+                self._was_up = False
         back, self._was_up = up and not self._was_up, up
         if back and not self.detached:  # (detached: they join when it attaches)
             self.joins_due = True

@@ -31,6 +31,9 @@ class Proposer:
     # Whether it keeps a prefix cache of its own KV (``attach_prefix``): requests on cached target pages
     # start on it; without one, such requests do not speculate.
     caches_prefixes: bool = False
+    # The number of the connection behind it (a drafter service's client: each new one starts empty); the engine
+    # forgets every request's draft state when it changes
+    connection: int = 0
 
     def extend(self, items: list) -> None:
         """Per request (rid, new tokens, the target features of the tokens before them, same count)."""
