@@ -69,7 +69,7 @@ def bad_request(param: str, problem: str) -> GatewayError:
 # address or a gRPC core message (those go to the log).
 INTERNAL_ERROR = "internal server error"
 UNAVAILABLE = "the model server is not available right now; retry shortly"
-SHUTTING_DOWN = "the server is shutting down and cut this stream short; retry the request"
+SHUTTING_DOWN = "the server is shutting down and cut this generation short; retry the request"
 _GENERIC = {500: INTERNAL_ERROR, 503: UNAVAILABLE, 504: "the model server did not answer in time"}
 
 

@@ -133,6 +133,10 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         if isinstance(e, (ClientGone, ClientDisconnect)):
             scope.finish(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
+        if isinstance(e, asyncio.CancelledError) and gw.shutting_down:  # the server's grace period is over: answered
+            asyncio.current_task().uncancel()  # (not left to a traceback in uvicorn's log and its 500)
+            scope.finish(503, SHUTTING_DOWN)
+            return error_response(GatewayError(503, SHUTTING_DOWN))
         if isinstance(e, asyncio.CancelledError):
             scope.finish(CLIENT_CLOSED, "cancelled")
         else:

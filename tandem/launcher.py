@@ -20,6 +20,7 @@ verifier require it of their callers; ``tandem reload-drafter`` can use it too),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -304,14 +305,32 @@ def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lamb
 
 def _stop_all(children: list[Child]) -> None:
     """Each service stopped after the one that depends on it has exited: the gateway first (no new requests; its
-    streams drain, as long as its grace period allows), then the verifier, then the drafter."""
+    streams drain, as long as its grace period allows), then the verifier, then the drafter. One stuck for 30 s is
+    killed; a second Ctrl-C kills all that are left."""
+    hurry = False
     for child in reversed(children):
         if child.proc is None:
             continue
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
+        if not hurry:
+            try:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+                child.proc.wait(timeout=30)
+                continue
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:
+                hurry = True
+        _kill(child)
+
+
+def _kill(child: Child) -> None:
+    """SIGKILL to the service's process group (a verifier's tensor-parallel workers are in it), then reaped."""
+    while True:
         try:
-            child.proc.wait(timeout=30)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # stuck, or a second Ctrl-C: stop now
-            child.proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
+            return
+        except KeyboardInterrupt:  # (yet another Ctrl-C: this is what it asks for already)
+            continue
