@@ -493,3 +493,31 @@ def test_a_pause_in_the_traffic_ages_no_reading():
     assert all(modes) and arbiter.basis == "measured"
     serve(64, True, 30000.0, cfg.goodput_stale_s + 1)  # served at another bucket for a while: batch 1's readings age
     assert arbiter.verdict(1) is None
+
+
+def test_an_exploration_spanning_a_pause_is_not_ended_by_it():
+    """Epochs last in served time: an exploration that began just before a pause (a user reading an answer) goes on
+    after it until it has measured its mode, where the pause's wall time ended it unmeasured."""
+    from tandem.speculative.goodput import GoodputArbiter
+    from tandem.speculative.policy import cost_bucket
+
+    clock, cfg = SimClock(), PolicyConfig()
+    arbiter = GoodputArbiter(cfg, cost_bucket, clock)
+
+    def serve(speculative, tokens_per_s, seconds, step_s=0.01):
+        for _ in range(round(seconds / step_s)):
+            clock.now += step_s
+            arbiter.observe(1, speculative, tokens_per_s * step_s, step_s)
+
+    serve(True, 2000.0, 0.3)
+    serve(False, 1100.0, 0.3)
+    for _ in range(50):
+        clock.now += cfg.goodput_epoch_s
+        arbiter._epoch_steps = cfg.goodput_epoch_steps
+        arbiter.choose(1, True, lambda: 0.4)
+    assert arbiter.verdict(1) is True
+    while arbiter.basis != "exploring":  # served on until plain's next exploration is due
+        serve(arbiter.choose(1, True, lambda: 0.4), 2000.0, 0.01)
+    serve(False, 1100.0, 0.002, step_s=0.001)  # its first two steps ...
+    clock.now += 60.0  # ... then nothing to serve for a minute
+    assert arbiter.choose(1, True, lambda: 0.4) is False and arbiter.basis == "exploring"

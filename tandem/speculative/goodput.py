@@ -132,7 +132,7 @@ class GoodputArbiter:
         mode to lose (how soon that one is measured where it has not been; asked only then: it walks the batch);
         ``rounds_can_pay``: False where the drafting requests' rounds make about one token each (no round can beat a
         plain step, which makes that token for less), so the first epoch of speculation is not hastened."""
-        c, now = self.cfg, self.clock()
+        c, now = self.cfg, self.served_s  # (epochs are served time too: one spanning a pause is not over for it)
         steps = c.goodput_explore_steps if self._exploring else c.goodput_epoch_steps
         b, e = self.bucket(batch_size), self._epoch_bucket
         if self._mode is not None and (self._epoch_steps < steps or now - self._epoch_start < c.goodput_epoch_s

@@ -71,7 +71,7 @@ class PolicyConfig:
     goodput: bool = True
     settled_margin: float = 0.25  # without a goodput verdict, plain is settled once τ is this far below the cost ratio
     goodput_epoch_steps: int = 8  # an epoch of one mode: at least this many steps ...
-    goodput_epoch_s: float = 0.05  # ... and seconds
+    goodput_epoch_s: float = 0.05  # ... and seconds (served: a pause does not end one)
     goodput_window_s: float = 0.5  # a mode's goodput at a bucket decays over about this many seconds of it
     goodput_min_s: float = 0.05  # measured: at least this many (decayed) seconds ...
     goodput_stale_s: float = 30.0  # ... the latest less than this long ago, in served time (idle left out)
