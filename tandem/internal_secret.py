@@ -14,15 +14,12 @@ import hmac
 import ipaddress
 import os
 import secrets
-import shutil
-import tempfile
 
 from tandem.errors import ConfigError
 
 ENV = "TANDEM_INTERNAL_SECRET"
 METADATA_KEY = "x-tandem-internal-secret"  # gRPC metadata keys are lower case
 MIN_LENGTH = 16  # characters: a guessable secret is no secret
-STACK_DIR_PREFIX = "tandem-up-"  # tandem up's folder for its stack's secret: tandem-up-<its pid>-<random>
 
 
 def generate() -> str:
@@ -48,47 +45,6 @@ def load(path: str | None = None) -> str | None:
         raise ConfigError(f"{where}: the internal secret must be at least {MIN_LENGTH} characters "
                           f"(tandem up generates one; e.g. `openssl rand -hex 32`)")
     return value
-
-
-def write_for_stack(value: str) -> str:
-    """Write ``value`` for one ``tandem up`` stack into a new private folder (0700, the file 0600) and return the
-    file's path; the caller removes the folder when it stops. Folders left by a launcher that was killed (no
-    ``finally`` ran) are removed first: the folder's name carries its launcher's pid."""
-    _remove_orphaned_stack_dirs()
-    folder = tempfile.mkdtemp(prefix=f"{STACK_DIR_PREFIX}{os.getpid()}-")
-    path = os.path.join(folder, "internal-secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value)
-    return path
-
-
-def _remove_orphaned_stack_dirs() -> None:
-    root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(STACK_DIR_PREFIX):].split("-", 1)[0]
-        path = os.path.join(root, name)
-        if not (name.startswith(STACK_DIR_PREFIX) and pid.isdigit()) or _alive(int(pid)):
-            continue
-        try:
-            if os.stat(path).st_uid == os.getuid():  # (another user's folder is theirs to clear)
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # (another user's process)
-    return True
 
 
 def load_for(path: str | None, host: str, service: str, peer: str) -> str | None:

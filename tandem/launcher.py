@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from tandem import args as shared
-from tandem import internal_secret
+from tandem import internal_secret, stack_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
@@ -202,7 +202,7 @@ def _passthrough(args: argparse.Namespace, flags: tuple[shared.Flag, ...]) -> li
 
 def run_up(args: argparse.Namespace) -> int:
     secret_value = internal_secret.load() or internal_secret.generate()
-    secret_file = internal_secret.write_for_stack(secret_value)
+    secret_file = stack_secret.write(secret_value)
     secret_dir = os.path.dirname(secret_file)
     children: list[Child] = []
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
@@ -254,7 +254,8 @@ def _check_gateway(gateway: Child, env: dict) -> None:
     check = subprocess.run(gateway.argv + ["--check-config"], env=env, capture_output=True, text=True)
     if check.returncode != 0:
         lines = check.stderr.strip().splitlines() or [f"exit code {check.returncode}"]
-        raise TandemError(f"the gateway refuses its settings: {lines[-1].removeprefix('error: ')}")
+        said = lines[-1].removeprefix("python -m gateway: ").removeprefix("error: ")
+        raise TandemError(f"the gateway refuses its settings: {said}")
 
 
 def _interrupt(signum, frame) -> None:

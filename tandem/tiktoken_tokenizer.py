@@ -47,6 +47,7 @@ class TiktokenTokenizer:
         self._enc = tiktoken.Encoding(name=folder.name, pat_str=pattern, mergeable_ranks=ranks,
                                       special_tokens=specials)
         self._specials = specials
+        self._special_names = {i: name for name, i in specials.items()}
 
     @staticmethod
     def available(model_dir: str | Path) -> bool:
@@ -69,9 +70,8 @@ class TiktokenTokenizer:
                    + [len(name.encode()) for name in self._specials])
 
     def token_str(self, token_id: int) -> str | None:
-        names = {i: name for name, i in self._specials.items()}
-        if token_id in names:
-            return names[token_id]
+        if token_id in self._special_names:
+            return self._special_names[token_id]
         try:
             return self._enc.decode_single_token_bytes(token_id).decode("utf-8", "replace")
         except KeyError:

@@ -19,7 +19,7 @@ class BrokenEngine:
     def __init__(self):
         self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.allocator = SimpleNamespace(num_free=8, capacity_pages=8)
-        self.drafts = SimpleNamespace(detached=False, up=lambda: False)
+        self.drafts = SimpleNamespace(detached=False, up=lambda: False, settle=lambda: None)
         self.proposer, self.requests, self.added = None, {}, []
 
     def add_request(self, prompt, params, rid, spec):

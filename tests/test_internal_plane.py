@@ -193,20 +193,25 @@ def test_ring_names_in_hello_are_checked_and_links_never_followed(drafter, pair_
 
 
 def test_tandem_ups_secret_folder_is_private_and_a_killed_launchers_is_cleared(tmp_path, monkeypatch):
+    import socket
     import tempfile
+
+    from tandem import stack_secret
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    orphan = tmp_path / f"tandem-up-{ended.pid}-abc"  # left by a launcher SIGKILLed (its pid is gone)
+    host = socket.gethostname()
+    orphan = tmp_path / f"tandem-up-{ended.pid}@{host}-abc"  # left by a launcher SIGKILLed (its pid is gone)
     orphan.mkdir()
     (orphan / "internal-secret").write_text("old secret")
-    living = tmp_path / f"tandem-up-{os.getppid()}-def"  # a running launcher's
-    living.mkdir()
+    living = tmp_path / f"tandem-up-{os.getppid()}@{host}-def"  # a running launcher's
+    elsewhere = tmp_path / f"tandem-up-{ended.pid}@not-{host}-ghi"  # another host's (a container sharing /tmp)
     other = tmp_path / "tandem-up-notapid"
-    other.mkdir()
-    path = internal_secret.write_for_stack(SECRET)
+    for folder in (living, elsewhere, other):
+        folder.mkdir()
+    path = stack_secret.write(SECRET)
     assert open(path).read() == SECRET and oct(os.stat(path).st_mode & 0o777) == "0o600"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
-    assert os.path.basename(os.path.dirname(path)).startswith(f"tandem-up-{os.getpid()}-")
-    assert not orphan.exists() and living.exists() and other.exists()
+    assert os.path.basename(os.path.dirname(path)).startswith(f"tandem-up-{os.getpid()}@{host}-")
+    assert not orphan.exists() and living.exists() and elsewhere.exists() and other.exists()

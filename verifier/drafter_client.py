@@ -78,7 +78,8 @@ class DrafterClient(Proposer):
         self.on_state, self.on_round = on_state, on_round
         self._lock = threading.Lock()
         self._conn: DrafterConnection | None = None
-        self._seq = 0
+        self._seq = 0  # the latest Round's number (never back, across connections too)
+        self._connections = 0  # connections adopted so far
         self._pending_extend: list[pb.Extend] = []
         self._pending_release: list[str] = []
         self._pending_start: dict[str, pb.PrefixStart] = {}  # rides on the request's next extend
@@ -109,7 +110,7 @@ class DrafterClient(Proposer):
 
     @property
     def connection(self) -> int:
-        return self._seq
+        return self._connections
 
     @property
     def chain_runs_available(self) -> bool:
@@ -138,7 +139,7 @@ class DrafterClient(Proposer):
         with self._lock:
             if self._reconnector.stopped:
                 return False
-            self._conn, self._seq = conn, self._seq + 1
+            self._conn, self._seq, self._connections = conn, self._seq + 1, self._connections + 1
             self._pending_extend.clear()
             self._pending_release.clear()
             self._pending_start.clear()
@@ -236,7 +237,7 @@ class DrafterClient(Proposer):
 
     def flush(self) -> None:
         """Send the queued releases and extends now, in a Round that drafts nothing (none when nothing is queued)."""
-        if self._conn is not None and (self._pending_release or self._pending_extend or self._pending_start):
+        if self._conn is not None and (self._pending_release or self._pending_extend):
             self.draft([], None)
 
     def release(self, rid: str) -> None:

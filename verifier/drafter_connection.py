@@ -120,13 +120,16 @@ class DrafterConnection:
 
     def gone(self) -> bool:
         """Whether the drafter's end has gone, seen without sending anything (asked between rounds, when none may be
-        sent for a while: a drafter detached by the policy): its round lane closed, or the stream ended."""
+        sent for a while: a drafter detached by the policy): its round lane closed where it has one (the drafter's
+        process holds both ends), else its stream ended."""
         if self.lane is not None:
             return self.lane.peer_closed()
+        if not self.loop_lock.acquire(blocking=False):
+            return False  # (the loop busy closing an old stream: asked again at the next look, never waited for)
         try:
-            self._run(asyncio.sleep(0), 1.0)  # (the stream's events are taken in only while its loop runs)
-        except ProposerUnavailable:
-            return False  # (the loop busy closing an old stream: asked again later)
+            self.loop.run_until_complete(asyncio.sleep(0))  # (the stream's events are taken in only while it runs)
+        finally:
+            self.loop_lock.release()
         return self.call is None or self.call.done()
 
     @staticmethod
