@@ -22,6 +22,7 @@ class ChoiceResult:
     logprobs: list | None = None  # one TokenLogprobs per token, when asked for
     prompt_logprobs: list | None = None  # one per prompt token after the first, when asked for (echo)
     stop_reason: str | int | None = None  # (Delta.stop_reason)
+    stop_token: int | None = None  # (Delta.stop_token)
 
 
 class Choices:
@@ -81,7 +82,8 @@ async def _collect(stream: GenerationStream) -> ChoiceResult:
     async for delta in stream:
         parts.append(delta.text)
         result.finish_reason = delta.finish_reason or result.finish_reason
-        result.stop_reason = delta.stop_reason if delta.finish_reason else result.stop_reason
+        if delta.finish_reason:
+            result.stop_reason, result.stop_token = delta.stop_reason, delta.stop_token
         result.token_ids += delta.token_ids
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs

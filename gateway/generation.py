@@ -39,6 +39,7 @@ class Delta:
     # vLLM's stop_reason, on a last delta whose finish_reason is "stop": the stop string matched, or the stop token id
     # (of the request's stop_token_ids) that ended it; None for an EOS
     stop_reason: str | int | None = None
+    stop_token: int | None = None  # ... and the token that ended it there, EOS included (SGLang's matched)
 
 
 class GenerationStream:
@@ -135,7 +136,8 @@ class GenerationStream:
             raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
         self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
         return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
-                     cached_tokens=self._cached_tokens, stop_reason=self._stop_reason(reason))
+                     cached_tokens=self._cached_tokens, stop_reason=self._stop_reason(reason),
+                     stop_token=self._last_token if reason == "stop" and self._last_token in self._stop_ids else None)
 
     def _stop_reason(self, reason: str | None) -> str | int | None:
         if reason != "stop":

@@ -186,7 +186,7 @@ class GenerateShape(CompletionShape):
         self._texts[index] += delta.text
         out = {"text": self._texts[index], "output_ids": list(delta.token_ids),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
-                                       delta.cached_tokens, delta.stop_reason)}
+                                       delta.cached_tokens, _matched(delta.stop_reason, delta.stop_token))}
         return {**out, "index": index} if self.listed else out
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
@@ -196,7 +196,8 @@ class GenerateShape(CompletionShape):
             outs.append({"text": r.text, "output_ids": r.token_ids,
                          "meta_info": self._meta(i, r.finish_reason, counts["prompt_tokens"],
                                                  counts["completion_tokens"],
-                                                 counts["prompt_tokens_details"]["cached_tokens"], r.stop_reason)})
+                                                 counts["prompt_tokens_details"]["cached_tokens"],
+                                                 _matched(r.stop_reason, r.stop_token))})
         return outs if self.listed else outs[0]
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int,
@@ -213,6 +214,11 @@ class GenerateShape(CompletionShape):
                 meta["spec_verify_ct"] = spec.rounds + max(0, completion - 1 - round_tokens)
                 meta["spec_accept_length"] = spec.accept_length_mean
         return meta
+
+
+def _matched(stop_reason: str | int | None, stop_token: int | None) -> str | int | None:
+    """SGLang's ``matched``: the stop string, else the token that stopped it (EOS too, where vLLM says none)."""
+    return stop_reason if isinstance(stop_reason, str) else stop_token
 
 
 def _finish_reason(finish: str | None, completion: int, matched: str | int | None) -> dict | None:

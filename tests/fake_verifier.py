@@ -12,7 +12,8 @@ import grpc
 from tandem import tracing
 from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
-SPECIAL_IDS = 3  # ids 0..2 are <|bos|>, <|eos|>, <|pad|>: the fake never emits them
+SPECIAL_IDS = 3  # ids 0..2 are <|bos|>, <|eos|>, <|pad|>: the fake never emits them (unless a test scripts them)
+EOS_ID = 1  # ... and stops at its EOS, unless ignore_eos
 
 
 def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
@@ -46,7 +47,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context):
         return verifier_pb2.ModelInfo(model="fake", vocab_size=self.vocab_size, max_context=self.max_context,
-                                      eos_token_ids=[1], speculative=True)
+                                      eos_token_ids=[EOS_ID], speculative=True)
 
     async def Generate(self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         md = context.invocation_metadata()
@@ -65,7 +66,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                                     f"prompt: {len(prompt)} tokens do not fit the context of {self.max_context}")
             n = request.sampling.max_new_tokens
             out = expected_tokens(prompt, n, self.vocab_size)
-            stops = set(request.sampling.stop_token_ids)
+            stops = set(request.sampling.stop_token_ids) | (set() if request.sampling.ignore_eos else {EOS_ID})
             cut = next((i + 1 for i, t in enumerate(out) if t in stops), None)
             if cut is not None:
                 out = out[:cut]

@@ -148,6 +148,12 @@ def test_stop_token_text_is_left_out_unless_asked(stack, ref, scripted):
     assert (r["text"], r["finish_reason"]) == (ref.decode(out[:-1]), "stop")
     r = _post(stack, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]
     assert r["text"] == ref.decode(out, skip_special_tokens=False) and r["text"].endswith("<|eos|>")
+    # The model's own EOS: vLLM's stop_reason is null, SGLang's matched names the token
+    del body["stop_token_ids"]
+    r = _post(stack, "/v1/completions", body).json()["choices"][0]
+    assert (r["text"], r["finish_reason"], r["stop_reason"]) == (ref.decode(out[:-1]), "stop", None)
+    sglang = _post(stack, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 16}}).json()
+    assert sglang["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
 
 
 @pytest.mark.parametrize("stream", [False, True])
