@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tandem import args as shared
+from tandem import command_line
 from tandem import tracing
 from tandem.errors import TandemError
 from tandem.service_runtime import die_with_launcher, run_service
@@ -14,8 +15,8 @@ from drafter.config import DrafterServiceConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = shared.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head",
-                                     formatter_class=shared.HelpFormatter)
+    parser = command_line.ArgumentParser(prog="python -m drafter", description="Tandem drafter: the EAGLE-3 head",
+                                     formatter_class=command_line.HelpFormatter)
     DrafterServiceConfig.add_arguments(parser)
     shared.add(parser, shared.CONFIG)
     return parser
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # (started by `tandem up`: not outliving it)
-    args = shared.parse_args(build_parser(), argv)
+    args = command_line.parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format=shared.LOG_FORMAT)
     try:
         from tandem.training.demo import ensure_demo_draft, ensure_demo_target

@@ -16,6 +16,7 @@ import sys
 from gateway.config import build_parser, config_from_args
 from gateway.server import Gateway
 from tandem import args as shared
+from tandem import command_line
 from tandem import tracing
 from tandem.service_runtime import die_with_launcher, freeze_startup_heap
 
@@ -41,7 +42,7 @@ async def serve(gateway: Gateway) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # (started by `tandem up`: not outliving it)
-    args = shared.parse_args(build_parser(), argv)
+    args = command_line.parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format=shared.LOG_FORMAT)
     try:
         cfg = config_from_args(args)

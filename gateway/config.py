@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem import args as shared, internal_secret
-from tandem.args import MODEL, HelpFormatter, served_name
+from tandem import command_line
+from tandem.args import MODEL, served_name
+from tandem.command_line import HelpFormatter
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -87,7 +89,7 @@ def _header_token(s: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig
-    p = shared.ArgumentParser(prog="python -m gateway",
+    p = command_line.ArgumentParser(prog="python -m gateway",
                                 description="Tandem gateway: OpenAI-compatible REST and gRPC in front of the verifier.",
                                 formatter_class=HelpFormatter)
     p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")

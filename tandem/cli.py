@@ -10,12 +10,13 @@ import sys
 import time
 
 from tandem import args as shared
+from tandem import command_line
 from tandem.errors import TandemError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
-                       formatter_class=shared.HelpFormatter)
+                       formatter_class=command_line.HelpFormatter)
     shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
     shared.add_speculative(p)
     shared.add(p, *shared.ENGINE_FLAGS)
@@ -99,7 +100,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     from tandem.launcher import add_up_arguments, run_up
 
     p = sub.add_parser("up", help="start drafter, verifier and gateway locally (the demo pair by default)",
-                       formatter_class=shared.HelpFormatter)
+                       formatter_class=command_line.HelpFormatter)
     add_up_arguments(p)
     p.unknown_hint = "a service's own flags go through --verifier-args, --drafter-args or --gateway-args"
     p.set_defaults(run=run_up)
@@ -138,7 +139,7 @@ def _add_reload(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = shared.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
+    parser = command_line.ArgumentParser(prog="tandem", description="LLM serving with EAGLE-3 speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = shared.parse_args(build_parser(), argv, subcommand=True)
+    args = command_line.parse_args(build_parser(), argv, subcommand=True)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format=shared.LOG_FORMAT, stream=sys.stderr)
     try:

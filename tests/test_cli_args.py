@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem import args as shared
+from tandem import command_line
 from tandem.cli import build_parser, generate_settings
 from tandem.errors import ConfigError
 from tandem.launcher import plan_up
@@ -448,25 +449,24 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(folders, tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(f"model: {t}\ndraft_model: {d}\nspeculative-num-steps: 5\nenforce-eager: true\n"
                       f"max-num-seqs: 8\nspeculative_config: null\n")
-    from tandem import args as shared
     from verifier.__main__ import build_parser as verifier_parser
 
-    v = _verifier_config(shared.parse_args(verifier_parser(), ["--config", str(config), "--max-num-seqs", "4"]))
+    v = _verifier_config(command_line.parse_args(verifier_parser(), ["--config", str(config), "--max-num-seqs", "4"]))
     assert (v.engine.model, v.draft_model, v.num_steps, v.engine.disable_cuda_graph, v.engine.max_running_requests) \
         == (t, d, 5, True, 4)
-    v = _verifier_config(shared.parse_args(verifier_parser(), ["--max-num-seqs", "4", "--config", str(config)]))
+    v = _verifier_config(command_line.parse_args(verifier_parser(), ["--max-num-seqs", "4", "--config", str(config)]))
     assert v.engine.max_running_requests == 4  # the command line wins before the file's position too
-    up = shared.parse_args(build_parser(), ["up", "--config", str(config), "--port", "9000"], subcommand=True)
+    up = command_line.parse_args(build_parser(), ["up", "--config", str(config), "--port", "9000"], subcommand=True)
     assert (up.model, up.draft_model, up.speculative_num_steps, up.port) == (t, d, 5, 9000)
     as_json = tmp_path / "serve.json"
     as_json.write_text(json.dumps({"model": t, "speculative-config": {"method": "eagle3", "model": d,
                                                                         "num_speculative_tokens": 2}}))
-    v = _verifier_config(shared.parse_args(verifier_parser(), ["--config", str(as_json)]))
+    v = _verifier_config(command_line.parse_args(verifier_parser(), ["--config", str(as_json)]))
     assert (v.draft_model, v.num_steps, v.num_draft_tokens) == (d, 2, 3)
     for bad in ("- just\n- a list\n", "config: other.yaml\n", "model: [unclosed\n"):
         config.write_text(bad)
         with pytest.raises(SystemExit):
-            shared.parse_args(verifier_parser(), ["--config", str(config)])
+            command_line.parse_args(verifier_parser(), ["--config", str(config)])
 
 
 def _verifier_config(args):
@@ -493,16 +493,16 @@ def test_flags_for_a_service_pass_through_tandem_up_even_a_single_dashed_one(fol
     """argparse takes a value that starts with a dash for an option: --verifier-args '--disable-log-stats' was refused
     (expected one argument); from a config file too."""
     t, _ = folders
-    up = shared.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", "--disable-log-stats",
+    up = command_line.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", "--disable-log-stats",
                                             "--gateway-args", "--max-tokens-limit 9"], subcommand=True)
     argvs = _argvs(plan_up(up, "/tmp/secret"))
     assert argvs["verifier"][-1] == "--disable-log-stats" and argvs["gateway"][-2:] == ["--max-tokens-limit", "9"]
     config = tmp_path / "up.yaml"
     config.write_text("verifier-args: --disable-log-stats\n")
-    up = shared.parse_args(build_parser(), ["up", "--model", t, "--config", str(config)], subcommand=True)
+    up = command_line.parse_args(build_parser(), ["up", "--model", t, "--config", str(config)], subcommand=True)
     assert up.verifier_args == "--disable-log-stats"
     with pytest.raises(SystemExit):
-        shared.parse_args(build_parser(), ["up", "--verifier-args"], subcommand=True)
+        command_line.parse_args(build_parser(), ["up", "--verifier-args"], subcommand=True)
 
 
 def test_ports_out_of_range_and_empty_batches_are_refused_in_one_line(folders, capsys):
@@ -516,14 +516,14 @@ def test_ports_out_of_range_and_empty_batches_are_refused_in_one_line(folders, c
                          (gateway_parser(), ["--verifier", "x:1", "--model-dir", t, "--port", "-1"]),
                          (verifier_parser(), ["--model", t, "--port", "65536"])):
         with pytest.raises(SystemExit):
-            shared.parse_args(parser, argv, subcommand=parser.prog == "tandem")
+            command_line.parse_args(parser, argv, subcommand=parser.prog == "tandem")
         assert "is not a port (0 to 65535)" in capsys.readouterr().err
     for flag, named in (("--max-num-seqs", r"--max-running-requests \(--max-num-seqs\)"), ("--kv-pages", "--kv-pages"),
                         ("--cuda-graph-max-bs", "--cuda-graph-max-bs")):
         with pytest.raises(ConfigError, match=f"{named} must be >= 1"):
-            _verifier_config(shared.parse_args(verifier_parser(), ["--model", t, flag, "0"]))
+            _verifier_config(command_line.parse_args(verifier_parser(), ["--model", t, flag, "0"]))
     with pytest.raises(SystemExit):
-        shared.parse_args(build_parser(), ["up", "--disable-log-stats"], subcommand=True)
+        command_line.parse_args(build_parser(), ["up", "--disable-log-stats"], subcommand=True)
     err = capsys.readouterr().err.strip()
     assert err.startswith("tandem up: error: unrecognized arguments: --disable-log-stats") and "--verifier-args" in err
 
@@ -533,7 +533,7 @@ def test_vllms_load_format_names(folders):
     from verifier.__main__ import build_parser as verifier_parser
 
     for given, means in (("dummy", "random"), ("auto", "safetensors"), ("random", "random")):
-        assert _verifier_config(shared.parse_args(verifier_parser(), ["--model", t, "--load-format", given])) \
+        assert _verifier_config(command_line.parse_args(verifier_parser(), ["--model", t, "--load-format", given])) \
             .engine.load_format == means
 
 
@@ -541,5 +541,5 @@ def test_a_services_own_config_file_passes_through_not_taken_for_tandem_ups(fold
     t, _ = folders
     mine = tmp_path / "verifier.yaml"
     mine.write_text("model: /elsewhere\n")
-    up = shared.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", f"--config={mine}"], subcommand=True)
+    up = command_line.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", f"--config={mine}"], subcommand=True)
     assert up.model == t and up.verifier_args == f"--config={mine}"

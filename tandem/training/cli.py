@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.args import LOG_FORMAT, ArgumentParser
+from tandem.args import LOG_FORMAT
+from tandem.command_line import ArgumentParser
 from tandem.errors import TandemError
 
 
