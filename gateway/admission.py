@@ -36,7 +36,7 @@ class Slots:
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     h = request.headers
-    _check_origin(h.get("origin"), (h.get("host"), h.get("x-forwarded-host")))
+    _check_origin(h.get("origin"), [h.get("host"), *(h.get("x-forwarded-host") or "").split(",")])
     _check_media_type(request.headers.get("content-type"))
     try:
         async with asyncio.timeout(timeout_s):
@@ -63,12 +63,15 @@ async def _read(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _check_origin(origin: str | None, hosts: tuple[str | None, ...]) -> None:
+def _check_origin(origin: str | None, hosts: list[str | None]) -> None:
     """A browser names the page's origin on a POST (``null`` from a file or a sandbox); clients that are not browsers
-    send none. ``hosts``: the Host header, and the one a reverse proxy forwarded (a page served through it)."""
+    send none. ``hosts``: the Host header, and those reverse proxies forwarded (a page served through them). Host
+    names are compared, not ports: a proxy may forward the host without its port, and a page of this host on another
+    port is no other site's (a DNS-rebinding page names this host too: the gateway keeps no allow-list of names)."""
     if origin is None:
         return
-    if origin == "null" or urlsplit(origin).netloc.lower() not in {h.lower() for h in hosts if h}:
+    names = {urlsplit(f"//{h.strip()}").hostname for h in hosts if h and h.strip()}
+    if origin == "null" or urlsplit(origin).hostname not in names:
         raise GatewayError(403, f"requests from another web origin ({origin[:100]}) are refused: this server answers "
                                 "no CORS preflight")
 

@@ -255,6 +255,7 @@ def _check_gateway(gateway: Child, env: dict) -> None:
     if check.returncode != 0:
         lines = check.stderr.strip().splitlines() or [f"exit code {check.returncode}"]
         said = lines[-1].removeprefix("python -m gateway: ").removeprefix("error: ")
+        said = said.removesuffix(" (see python -m gateway --help)")
         raise TandemError(f"the gateway refuses its settings: {said}")
 
 
@@ -310,28 +311,29 @@ def _stop_all(children: list[Child]) -> None:
     killed; a second Ctrl-C kills all that are left."""
     hurry = False
     for child in reversed(children):
-        if child.proc is None:
-            continue
-        if not hurry:
-            try:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
+        try:
+            if child.proc is None or child.proc.poll() is not None:  # (never started, or exited and reaped)
+                continue
+            if not hurry:
+                child.proc.send_signal(signal.SIGTERM)
                 child.proc.wait(timeout=30)
                 continue
-            except subprocess.TimeoutExpired:
-                pass
-            except KeyboardInterrupt:
-                hurry = True
+        except subprocess.TimeoutExpired:
+            pass
+        except KeyboardInterrupt:
+            hurry = True
         _kill(child)
 
 
 def _kill(child: Child) -> None:
-    """SIGKILL to the service's process group (a verifier's tensor-parallel workers are in it), then reaped."""
+    """SIGKILL to the service's process group (a verifier's tensor-parallel workers are in it), then reaped. Only a
+    process not reaped yet: its pid, and so its group's, cannot have gone to another process."""
     while True:
         try:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            child.proc.wait()
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
             return
         except KeyboardInterrupt:  # (yet another Ctrl-C: this is what it asks for already)
             continue

@@ -103,10 +103,12 @@ def test_after_the_drafter_is_lost_and_back_running_requests_join_it_without_a_r
     assert starts and min(starts) >= min(len(p) for p in prompts)  # nothing recomputed
 
 
-def test_a_drafter_connection_made_again_between_two_steps_is_joined_not_drafted_from_state_it_lacks(pair):
-    """The drafter client can drop a connection whose drafter went and make the next one between two steps (no round
-    ran meanwhile): the engine never saw it down, and drafted its running requests on a drafter that had never seen
-    them. A new connection number makes it forget their draft state; they join it, and output is the target's."""
+@pytest.mark.parametrize("down_steps", [0, 2])
+def test_a_drafter_connection_made_again_is_joined_not_drafted_from_state_it_lacks(pair, down_steps):
+    """The drafter client can drop a connection whose drafter went and make the next one while no round ran (between
+    two steps, or with steps seeing it down meanwhile): no lost() told the engine, which drafted its running requests
+    on a drafter that had never seen them. A new connection number makes it forget their draft state; they join it,
+    and output is the target's."""
     prompts = [random_prompt(790 + i, 12 + 2 * i) for i in range(2)]
     with pair_engine(pair, page_size=4) as eng:
         reference = [r.output_token_ids for r in eng.generate(prompts, LONG)]
@@ -117,9 +119,13 @@ def test_a_drafter_connection_made_again_between_two_steps_is_joined_not_drafted
         attached = {}
         attach_prefix = eng.proposer.attach_prefix
         eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        eng.proposer.available = False  # (the client dropped it: the reconnector waits a second before the next)
+        for _ in range(down_steps):
+            eng.step()
         committed = {r: eng.requests[r].tokens for r in rids}
         eng.proposer.release_all()  # the new drafter knows nothing ...
-        eng.proposer.connection = 7  # ... behind a new connection; available all along
+        eng.proposer.connection = 7  # ... behind a new connection
+        eng.proposer.available = True
         while eng.has_unfinished():
             eng.step()
         got = [eng.requests[r].output for r in rids]

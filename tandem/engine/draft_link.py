@@ -292,9 +292,11 @@ class DraftLink:
         self._was_up = self._was_up and self.up()
         self._forget_drafter_state()
 
-    def _forget_drafter_state(self) -> None:
+    def _forget_drafter_state(self, release: bool = False) -> None:
         scheduler = self.engine.scheduler
         for req in scheduler.running + list(scheduler.waiting):
+            if release and (req.draft_ready or req.attach_at is not None):
+                self.proposer.release(req.rid)
             req.draft_ready, req.attach_at = False, None
             self._drop_held(req)
 
@@ -305,12 +307,11 @@ class DraftLink:
         up = self.up()
         if up:
             seen, self._connection = self._connection, self.proposer.connection
-            if seen is not None and seen != self._connection and self._was_up:
-                # dropped and made again between two steps (the drafter client saw it go while no round ran): the new
-                # drafter never saw the running requests' state
-                log.warning("the drafter's connection was made again: continuing without speculation until the "
-                            "running requests join it")
-                self._forget_drafter_state()
+            if seen is not None and seen != self._connection:
+                # made again since the last step — the drafter client may have dropped the old one itself, while no
+                # round ran, so no lost() forgot what the requests held: the new drafter never saw their state (and
+                # whatever a catch-up gave it mid-step is released, so that they join it from whole entries)
+                self._forget_drafter_state(release=True)
                 self._was_up = False
         back, self._was_up = up and not self._was_up, up
         if back and not self.detached:  # (detached: they join when it attaches)
