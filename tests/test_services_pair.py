@@ -65,9 +65,16 @@ def test_stream_equals_target_only_greedy(pair, reference):
     # The drafter's own metrics: every Round the verifier sent was served there, each drafting at least one
     # tree but those sent idle (the last request's release); its head took in each prompt (its tokens after the
     # first, and the first output) and at most every token after it.
-    d = read_metrics(pair[0].metrics_port)
-    sent = sum(v for k, v in m.items() if k.startswith("tandem:drafter_rounds_total{"))
-    assert d['tandem:drafter_served_rounds_total{kind="drafts"}'] == sent
+    snapshots = []  # (sent and served: the idle round that takes the last release may be under way between the reads)
+
+    def settled() -> bool:
+        m = read_metrics(verifier.metrics_port)
+        d = read_metrics(pair[0].metrics_port)
+        snapshots.append((m, d, sum(v for k, v in m.items() if k.startswith("tandem:drafter_rounds_total{"))))
+        return d['tandem:drafter_served_rounds_total{kind="drafts"}'] == snapshots[-1][2]
+
+    wait_for(settled, 10, "every Round the verifier sent to be served there")
+    m, d, sent = snapshots[-1]
     assert d["tandem:drafter_trees_total"] >= sent - m.get('tandem:drafter_rounds_total{kind="flush"}', 0)
     lengths = [len(prompts_of(32)[i]) for i in (0, 5, 9)]
     assert sum(lengths) < d["tandem:drafter_extend_tokens_total"] <= sum(n + 24 for n in lengths)
