@@ -275,6 +275,14 @@ class FakeHandshakes:
         return conn
 
 
+def _reconnecting(ring, on_state) -> DrafterClient:
+    """A started client whose reconnector looks every 10 ms (its handshakes: FakeHandshakes, patched in)."""
+    client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
+                           on_state=on_state)
+    client.start()
+    return client
+
+
 def _wait_until(condition, timeout_s=10.0):
     import time
 
@@ -299,9 +307,7 @@ def test_the_reconnector_logs_a_refusal_once_connects_when_it_can_and_again_afte
     handshakes.refusal = refusal
     with HiddenRing.create(64, 4, "float32") as ring, caplog.at_level(logging.DEBUG, logger="verifier.drafter_client"):
         states = []
-        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
-                               on_state=lambda up: states.append((up, client.available)))
-        client.start()
+        client = _reconnecting(ring, lambda up: states.append((up, client.available)))
         try:
             assert _wait_until(lambda: handshakes.attempts >= 3) and not client.available
             refused = [r for r in caplog.records if "refused this verifier" in r.getMessage()]
@@ -338,9 +344,7 @@ def test_a_drafter_that_goes_while_no_round_runs_is_dropped_and_its_successor_co
     monkeypatch.setattr("verifier.drafter_reconnect.DrafterConnection", handshakes)
     with HiddenRing.create(64, 4, "float32") as ring:
         states = []
-        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
-                               on_state=states.append)
-        client.start()
+        client = _reconnecting(ring, states.append)
         try:
             assert client.wait_connected(10.0) and states == [True]
             assert _wait_until(lambda: False, 0.1) is False and client._conn is handshakes.made[0]  # alive: kept
@@ -360,9 +364,7 @@ def test_a_connection_made_while_the_client_closes_is_closed_and_never_used(monk
     monkeypatch.setattr("verifier.drafter_reconnect.DrafterConnection", handshakes)
     with HiddenRing.create(64, 4, "float32") as ring:
         states = []
-        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(), deadline_s=1.0, reconnect_interval_s=0.01,
-                               on_state=states.append)
-        client.start()
+        client = _reconnecting(ring, states.append)
         assert handshakes.started.wait(10.0)
         client.close()
         handshakes.proceed.set()

@@ -21,6 +21,27 @@ LONG = SamplingParams(max_new_tokens=72, ignore_eos=True)  # past the 32 tokens 
 SHORT = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
 
+def _target_only(pair, prompts) -> list[list[int]]:
+    """The target's own greedy tokens for ``prompts`` (the reference every joined request must reproduce)."""
+    with pair_engine(pair, page_size=4) as eng:
+        return [r.output_token_ids for r in eng.generate(prompts, LONG)]
+
+
+def _started(eng, prompts, steps: int = 4) -> list[str]:
+    """``prompts`` added and ``steps`` steps run: requests speculating mid-generation."""
+    rids = [eng.add_request(p, LONG) for p in prompts]
+    for _ in range(steps):
+        eng.step()
+    return rids
+
+
+def _record_attaches(eng) -> dict:
+    """rid -> the tokens the engine attached it on (``attach_prefix``), recorded as they pass to the drafter."""
+    attached, attach_prefix = {}, eng.proposer.attach_prefix
+    eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+    return attached
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_requests_prefilled_while_detached_join_the_drafter_once_it_attaches_again(pair, cache):
     prompts = [random_prompt(740 + i, 9 + 3 * i) for i in range(4)]
@@ -41,9 +62,7 @@ def test_requests_prefilled_while_detached_join_the_drafter_once_it_attaches_aga
             eng.step()
         assert all(eng.requests[r].output and not eng.requests[r].follows_drafter for r in late)
         speculate[0] = True
-        attached = {}
-        attach_prefix = eng.proposer.attach_prefix
-        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        attached = _record_attaches(eng)
         clock.now += 5.0
         eng.step()  # the detached period is over: attached again; the join is made at the next step
         assert not eng.attachment.detached
@@ -73,12 +92,9 @@ def test_after_the_drafter_is_lost_and_back_running_requests_join_it_without_a_r
     """A lost drafter (every draft state dropped) that comes back: the long running requests join it from their
     committed tokens; the target computes no token twice (no prefill after the prompts), and output is the target's."""
     prompts = [random_prompt(780 + i, 10 + 2 * i) for i in range(3)]
-    with pair_engine(pair, page_size=4) as eng:
-        reference = [r.output_token_ids for r in eng.generate(prompts, LONG)]
+    reference = _target_only(pair, prompts)
     with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
-        rids = [eng.add_request(p, LONG) for p in prompts]
-        for _ in range(4):
-            eng.step()
+        rids = _started(eng, prompts)
         starts = []  # the KV each forward's sequences start on: a recompute starts on none
         forward = eng.executor.forward
         eng.executor.forward = lambda batch, *a, **k: starts.extend(c.prefix_len for c in batch.seqs) or forward(batch, *a, **k)
@@ -89,9 +105,7 @@ def test_after_the_drafter_is_lost_and_back_running_requests_join_it_without_a_r
         assert not any(eng.requests[r].follows_drafter for r in rids)
         committed = {r: eng.requests[r].tokens for r in rids}
         rounds = {r: eng.requests[r].spec_stats.rounds for r in rids}
-        attached = {}
-        attach_prefix = eng.proposer.attach_prefix
-        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        attached = _record_attaches(eng)
         eng.proposer.release_all()  # a restarted drafter knows nothing
         eng.proposer.available = True  # back: the next step's start joins them
         while eng.has_unfinished():
@@ -110,15 +124,10 @@ def test_a_drafter_connection_made_again_is_joined_not_drafted_from_state_it_lac
     on a drafter that had never seen them. A new connection number makes it forget their draft state; they join it,
     and output is the target's."""
     prompts = [random_prompt(790 + i, 12 + 2 * i) for i in range(2)]
-    with pair_engine(pair, page_size=4) as eng:
-        reference = [r.output_token_ids for r in eng.generate(prompts, LONG)]
+    reference = _target_only(pair, prompts)
     with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
-        rids = [eng.add_request(p, LONG) for p in prompts]
-        for _ in range(4):
-            eng.step()
-        attached = {}
-        attach_prefix = eng.proposer.attach_prefix
-        eng.proposer.attach_prefix = lambda rid, tokens: attached.setdefault(rid, list(tokens)) and attach_prefix(rid, tokens)
+        rids = _started(eng, prompts)
+        attached = _record_attaches(eng)
         eng.proposer.available = False  # (the client dropped it: the reconnector waits a second before the next)
         for _ in range(down_steps):
             eng.step()

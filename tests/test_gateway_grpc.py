@@ -92,36 +92,34 @@ def test_unknown_model_is_not_found_and_verifier_refusals_pass_through(stack, st
     assert len(list(stub.Generate(pb.GenerateRequest(text="hi", max_tokens=3), timeout=10))) > 0
 
 
-def test_cancel_reaches_the_verifier(stack, stub):
-    cancelled = dict(name="tandem:requests_total", api="grpc", status="CANCELLED")
-    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **cancelled)
+def _ended_early(stack, stub, timeout: float, end, status: str) -> None:
+    """A slow stream of Generate, ``end(call)`` after its first message: the verifier sees the cancel, and the gateway
+    counts the request in tandem:requests_total with ``status``."""
+    counted = dict(name="tandem:requests_total", api="grpc", status=status)
+    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **counted)
     stack.fake.delay_s = 0.05
     try:
-        call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=10)
+        call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=timeout)
         first = next(call)
-        call.cancel()
+        end(call)
         wait_until(lambda: first.request_id in stack.fake.cancelled, what="the verifier to see the cancel")
-        wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **cancelled) == before + 1,
-                   what="the gateway to count the request as cancelled")
+        wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **counted) == before + 1,
+                   what=f"the gateway to count the request as {status}")
     finally:
         stack.fake.delay_s = 0.0
+
+
+def test_cancel_reaches_the_verifier(stack, stub):
+    _ended_early(stack, stub, 10, lambda call: call.cancel(), "CANCELLED")
 
 
 def test_a_passed_deadline_is_counted_as_such_and_reaches_the_verifier(stack, stub):
-    expired = dict(name="tandem:requests_total", api="grpc", status="DEADLINE_EXCEEDED")
-    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **expired)
-    stack.fake.delay_s = 0.05
-    try:
-        call = stub.Generate(pb.GenerateRequest(text="slow", max_tokens=400), timeout=0.5)
-        first = next(call)
+    def outlived(call):
         with pytest.raises(grpc.RpcError) as e:
             list(call)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: first.request_id in stack.fake.cancelled, what="the verifier to see the cancel")
-        wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **expired) == before + 1,
-                   what="the gateway to count the request's deadline")
-    finally:
-        stack.fake.delay_s = 0.0
+
+    _ended_early(stack, stub, 0.5, outlived, "DEADLINE_EXCEEDED")
 
 
 def test_health_mirrors_the_verifier_and_reflection_lists_the_service(channel):
