@@ -37,6 +37,10 @@ class Choices:
 
     async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
         """(index, delta) for every delta after the first ones, in arrival order."""
+        if len(self.streams) == 1:  # (most requests: read in place, not by a task and a wait per delta)
+            async for delta in self.streams[0]:
+                yield 0, delta
+            return
         pending = {_next(s): i for i, s in enumerate(self.streams) if s.finish_reason is None}
         try:
             while pending:

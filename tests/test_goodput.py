@@ -521,3 +521,43 @@ def test_an_exploration_spanning_a_pause_is_not_ended_by_it():
     serve(False, 1100.0, 0.002, step_s=0.001)  # its first two steps ...
     clock.now += 60.0  # ... then nothing to serve for a minute
     assert arbiter.choose(1, True, lambda: 0.4) is False and arbiter.basis == "exploring"
+
+
+def test_a_bucket_without_a_verdict_favours_speculation_only_where_the_traffic_clears_its_cost_ratio():
+    """Detached on a verdict at the full bucket (plain faster at 64), the batch falls to 8 as a wave of requests ends:
+    with no verdict there, the traffic's τ against the cost ratio measured there decides whether a batch there should
+    have the drafter back — τ 3 clears a ratio of 1.5 by far, τ 1.6 does not (settled_margin); a verdict reached at 8
+    is the answer there, whatever τ says."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0), clock=SimClock())
+    clock = policy.goodput.clock
+    for size, plain_s, spec_s in ((8, 0.001, 0.0015), (64, 0.002, 0.006)):
+        for _ in range(5):
+            policy.observe_step(size, False, 1, plain_s)
+            policy.observe_step(size, True, 1, spec_s)
+
+    def measure(size, spec_rate, plain_rate):
+        for speculative, rate in ((True, spec_rate), (False, plain_rate)):
+            for _ in range(30):
+                clock.now += 0.01
+                policy.observe_goodput(size, speculative, rate * 0.01, 0.01)
+        for _ in range(200):  # epoch ends until a verdict
+            clock.now += policy.cfg.goodput_epoch_s
+            policy.goodput._epoch_steps = policy.cfg.goodput_epoch_steps
+            policy.goodput.choose(size, True, lambda: 0.1)
+            if policy.goodput.verdict(size) is not None:
+                return policy.goodput.verdict(size)
+        raise AssertionError("no verdict")
+
+    def traffic(tau):
+        for _ in range(400):
+            policy.observe_round(RequestSpecState(), tau)
+
+    assert measure(64, 30000.0, 40000.0) is False
+    traffic(3)
+    assert not policy.speculation_favoured(64)  # the verdict there stands
+    assert policy.speculation_favoured(8) and policy.speculation_favoured(6)
+    traffic(1.6)
+    assert not policy.speculation_favoured(8)
+    traffic(3)
+    assert measure(8, 9000.0, 10000.0) is False
+    assert not policy.speculation_favoured(8)

@@ -188,6 +188,10 @@ class GoodputArbiter:
             return None
         return self._best[b]
 
+    def has_verdict(self, batch_size: int) -> bool:
+        """Whether a verdict was ever reached at ``batch_size``'s bucket (both modes measured), since this traffic."""
+        return self.bucket(batch_size) in self._best
+
     def favours_speculation(self, batch_size: int) -> bool:
         """Whether the last verdict at ``batch_size``'s bucket, both modes measured then, was speculation (however
         long ago: a detached period forgets speculation's goodput, not this)."""

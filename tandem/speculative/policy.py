@@ -184,8 +184,16 @@ class SpeculationPolicy(StepCosts):
 
     def speculation_favoured(self, batch_size: int) -> bool:
         """Whether the last verdict measured at ``batch_size``'s bucket was speculation (kept through a detached
-        period, which forgets speculation's goodput but not what it decided)."""
-        return self.goodput is not None and self.goodput.favours_speculation(batch_size)
+        period, which forgets speculation's goodput but not what it decided) — or, at a bucket with no verdict, the
+        traffic's τ clears the cost ratio there by ``settled_margin``: a detach decided at another bucket does not hold
+        here (a closed loop's batch swings between a full bucket, where plain measured faster, and the low stretches
+        as waves of requests end, where speculation pays most: detached for the one, the other ran plain too)."""
+        if self.goodput is None:
+            return False
+        if self.goodput.has_verdict(batch_size):
+            return self.goodput.favours_speculation(batch_size)
+        tau = self._all.mean
+        return tau is not None and tau >= self.cost_ratio(batch_size) * (1 + self.cfg.settled_margin)
 
     def explain(self, batch_size: int) -> str:
         """What this step's decision at ``batch_size`` weighed, in words for a log line."""
