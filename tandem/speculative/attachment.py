@@ -32,8 +32,9 @@ follows each prompt's acceptance, and detaching on a hard prompt's small loss ra
 (undrafted: admitted while detached). Where speculation won
 only narrowly against attached plain steps and plain was never measured detached there, the engine detaches for
 ``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
-whose last measured verdict was speculation (``favoured_attach_s`` in a row), the engine attaches at once: a
-light load after a heavy one does not wait out a detached period meant for the heavy one. Idle time does not count
+whose last measured verdict was speculation (``favoured_attach_s`` in a row; or with no verdict, where the traffic's τ
+clears its cost ratio: SpeculationPolicy.speculation_favoured), the engine attaches at once: a light load after a heavy
+one does not wait out a detached period meant for the heavy one. Idle time does not count
 towards a detached period (``idle``) — except a probe's: one taken as the traffic stopped held the next traffic
 detached (the demo pair as a service over REST: a probe at batch 1 among the bench's first requests held the
 first load at concurrency 1, 40 s later, detached for a quarter of its windows).
