@@ -45,6 +45,7 @@ class GatewayConfig:
     log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
     keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
+    max_message_interval_ms: float = 50.0  # the longest a stream's tokens wait while this loop falls behind; 0: never
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -63,6 +64,8 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be an http(s) URL, got {url!r}")
         if not self.keep_alive_s >= 1:
             raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {self.keep_alive_s}")
+        if not 0 <= self.max_message_interval_ms <= 1000:
+            raise ValueError(f"--max-message-interval-ms must be within 0-1000, got {self.max_message_interval_ms}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
@@ -113,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--drafter-metrics-url", default=None,
                    help="the drafter service's Prometheus URL, served within our /metrics too")
+    p.add_argument("--max-message-interval-ms", type=float, default=d.max_message_interval_ms,
+                   help="while the gateway's event loop falls behind, the verifier sends a stream's tokens together, at "
+                        "most this far apart (the first tokens and the last never wait); 0: a message every step")
     shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL, shared.INTERNAL_SECRET_FILE)
     p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=shared.LOG_LEVELS,
                    help="vLLM's name for --log-level")
@@ -134,4 +140,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level,
                          keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template,
                          internal_secret=internal_secret.load(args.internal_secret_file),
-                         access_log=not args.disable_uvicorn_access_log)
+                         access_log=not args.disable_uvicorn_access_log,
+                         max_message_interval_ms=args.max_message_interval_ms)

@@ -11,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.generation_defaults import SamplingDefaults
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_relay import MetricsRelay
+from gateway.pacing import MessagePace, PaceConfig
 from gateway.prompt_bound import PromptBound
 from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
@@ -32,6 +33,8 @@ class GatewayContext:
         self.started_at = int(time.time())
         self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
+        # how far apart the verifier sends a stream's messages, from this loop's lag (sampled from start)
+        self.pace = MessagePace(PaceConfig(most_s=cfg.max_message_interval_ms / 1e3))
 
     @property
     def shutting_down(self) -> bool:

@@ -36,7 +36,8 @@ class Gateway(GatewayContext):
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s, cfg.internal_secret)
+        self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s, cfg.internal_secret,
+                                     message_interval_us=self.pace.interval_us)
         self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
                                for service, url in (("verifier", cfg.verifier_metrics_url),
                                                     ("drafter", cfg.drafter_metrics_url)) if url is not None]
@@ -61,7 +62,8 @@ class Gateway(GatewayContext):
                 http_task.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server exited during start-up")
             await asyncio.sleep(0.01)
-        self._tasks = [http_task, asyncio.create_task(self._mirror_health(), name="gateway-health")]
+        self._tasks = [http_task, asyncio.create_task(self._mirror_health(), name="gateway-health"),
+                       asyncio.create_task(self.pace.run(), name="gateway-pace")]
         log.info("gateway ready: OpenAI API at http://%s:%d/v1 and gRPC Generation at %s:%d (model %s, verifier %s)",
                  cfg.host, self.port, cfg.host, self.grpc_port, cfg.model_name, cfg.verifier)
 
@@ -106,9 +108,10 @@ class Gateway(GatewayContext):
         if self._tasks:
             with contextlib.suppress(Exception):
                 await self._tasks[0]
-            self._tasks[1].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tasks[1]
+            for task in self._tasks[1:]:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._grpc is not None:
             await self._health.enter_graceful_shutdown()
             await self._grpc.stop(self.cfg.shutdown_grace_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,10 +32,12 @@ _CHANNEL_OPTIONS = [
 
 
 class VerifierClient:
-    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None,
+                 message_interval_us: Callable[[], int] = lambda: 0):
         """``secret``: the internal plane's (tandem.internal_secret), presented on every call a verifier that has one
-        requires it of."""
+        requires it of; ``message_interval_us()``: what each generation asks of its stream's pace (gateway/pacing.py)."""
         self.address = address
+        self._message_interval_us = message_interval_us
         self._timeout = timeout_s
         self._auth = list(internal_secret.metadata(secret))
         self._refused = False  # the verifier refused our credentials (logged once)
@@ -97,6 +100,7 @@ class VerifierClient:
     def generate(self, request: verifier_pb2.GenerateRequest, metadata: list[tuple[str, str]]):
         """Start one generation; the caller reads it with ``await call.read()`` and must
         ``call.cancel()`` when it stops reading early, so the verifier frees the request."""
+        request.message_interval_us = self._message_interval_us()
         return self._stub.Generate(request, metadata=[*metadata, *self._auth])
 
     async def close(self) -> None:

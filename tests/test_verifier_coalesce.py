@@ -47,3 +47,22 @@ def test_a_coalesced_message_stops_growing_at_its_cap():
     q = _queue(*[StepOutput("r", list(range(100)), None) for _ in range(30)])
     out = _coalesced(StepOutput("r", [0], None), q)
     assert MAX_COALESCED_TOKENS <= len(out.new_token_ids) < MAX_COALESCED_TOKENS + 100 and not q.empty()
+
+
+def test_a_paced_message_takes_what_comes_until_its_time_and_no_later_than_the_finish():
+    from verifier.server import _paced
+
+    async def scenario(last_reason):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        loop.call_later(0.02, q.put_nowait, StepOutput("r", [2], None))
+        loop.call_later(0.04, q.put_nowait, StepOutput("r", [3], last_reason))
+        loop.call_later(0.3, q.put_nowait, StepOutput("r", [4], None))
+        started = loop.time()
+        out = await _paced(StepOutput("r", [1], None), q, until=started + (1.0 if last_reason else 0.1))
+        return out, loop.time() - started, q
+
+    out, took, q = asyncio.run(scenario(FinishReason.LENGTH))
+    assert out.new_token_ids == [1, 2, 3] and out.finish_reason == FinishReason.LENGTH and took < 0.25
+    out, took, q = asyncio.run(scenario(None))  # its time comes first: what came by then, the rest later
+    assert out.new_token_ids == [1, 2, 3] and out.finish_reason is None and 0.09 <= took < 0.25

@@ -114,14 +114,19 @@ class VerifierService:
             except TandemError as e:
                 tracing.set_error(span, str(e))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            pace, sent_at = request.message_interval_us / 1e6, None
             while not finished:
-                out = _coalesced(await outputs.get(), outputs)
+                out = await outputs.get()
+                # the gateway asked for a pace (its loop falls behind): what comes until the interval is over goes too
+                out = (await _paced(out, outputs, sent_at + pace) if pace and sent_at is not None
+                       else _coalesced(out, outputs))
                 if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts:
                     # UNAVAILABLE, a retry's status (the gateway's 503), not a fault of the request
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
                 yield self._response(rid, request, out, produced)
+                sent_at = aio_loop.time()
         finally:
             span.set_attribute("tandem.completion_tokens", produced)
             span.end()
@@ -147,6 +152,9 @@ class VerifierService:
         context = self.context
         if not request.prompt_token_ids:
             raise ConfigError("prompt_token_ids: the prompt is empty")
+        if request.message_interval_us > MAX_MESSAGE_INTERVAL_US:
+            raise ConfigError(f"message_interval_us must be at most {MAX_MESSAGE_INTERVAL_US}, "
+                              f"got {request.message_interval_us}")
         if s.max_new_tokens <= 0:
             raise ConfigError("sampling.max_new_tokens must be > 0")
         if s.max_new_tokens > context:
@@ -182,24 +190,46 @@ class VerifierService:
 # The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the
 # gateway takes messages of at most 16 MiB (gateway/upstream.py).
 MAX_COALESCED_TOKENS = 1024
+MAX_MESSAGE_INTERVAL_US = 1_000_000  # GenerateRequest.message_interval_us: a stream waits at most this long
+
+
+def _final(out) -> bool:
+    """The engine loop's last word on a request: its finishing output, or the error that ended the loop."""
+    return isinstance(out, BaseException) or out.finish_reason is not None
 
 
 def _coalesced(out, outputs: asyncio.Queue):
-    """``out`` and the outputs queued behind it, as one message: when the client reads slower than the engine
-    steps (many streams through one gateway), the tokens waiting go together instead of one message a step —
-    the same text, fewer messages to carry (a round's tokens already go together)."""
-    while (not isinstance(out, BaseException) and out.finish_reason is None and not outputs.empty()
-           and len(out.new_token_ids) < MAX_COALESCED_TOKENS):
-        more = outputs.get_nowait()
-        if isinstance(more, BaseException):
-            return more
-        out = dataclasses.replace(
-            out, new_token_ids=out.new_token_ids + more.new_token_ids, finish_reason=more.finish_reason,
-            drafted=out.drafted + more.drafted, spec_stats=more.spec_stats,
-            round_accepts=out.round_accepts + more.round_accepts,
-            logprobs=None if out.logprobs is None and more.logprobs is None
-            else (out.logprobs or []) + (more.logprobs or []),
-            prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
-            cached_tokens=out.cached_tokens or more.cached_tokens)
+    """``out`` and the outputs queued behind it, as one message: when this loop falls behind the engine's steps, the
+    tokens waiting go together instead of one message a step — the same text, fewer messages to carry (a round's
+    tokens already go together). A slow reader alone does not make them wait here: gRPC's flow control takes thousands
+    of small messages before a write blocks (a paced stream waits on purpose: ``_paced``)."""
+    while not _final(out) and not outputs.empty() and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
+        out = _merged(out, outputs.get_nowait())
     return out
 
+
+async def _paced(out, outputs: asyncio.Queue, until: float):
+    """``out`` and the outputs that come until ``until`` (the event loop's time), as one message — sent at once when
+    the request's last output comes (a paced stream's end never waits)."""
+    loop = asyncio.get_running_loop()
+    while not _final(out) and len(out.new_token_ids) < MAX_COALESCED_TOKENS and (wait := until - loop.time()) > 0:
+        try:
+            more = await asyncio.wait_for(outputs.get(), wait)
+        except TimeoutError:
+            break
+        out = _merged(out, more)
+    return _coalesced(out, outputs)
+
+
+def _merged(out: StepOutput, more):
+    """Two outputs of a request as one (or the engine loop's error, which ends the stream)."""
+    if isinstance(more, BaseException):
+        return more
+    return dataclasses.replace(
+        out, new_token_ids=out.new_token_ids + more.new_token_ids, finish_reason=more.finish_reason,
+        drafted=out.drafted + more.drafted, spec_stats=more.spec_stats,
+        round_accepts=out.round_accepts + more.round_accepts,
+        logprobs=None if out.logprobs is None and more.logprobs is None
+        else (out.logprobs or []) + (more.logprobs or []),
+        prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
+        cached_tokens=out.cached_tokens or more.cached_tokens)
