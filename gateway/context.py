@@ -33,6 +33,8 @@ class GatewayContext:
         self.started_at = int(time.time())
         self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
+        self.grpc_streams: set = set()  # the public gRPC API's generations in flight (their tasks)
+        self.grpc_cut_short = False  # the shutdown's grace period ran out on them: they end UNAVAILABLE
         # how far apart the verifier sends a stream's messages, from this loop's lag (sampled from start)
         self.pace = MessagePace(PaceConfig(most_s=cfg.max_message_interval_ms / 1e3))
 

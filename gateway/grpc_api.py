@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.errors import INTERNAL_ERROR, GatewayError, bad_request
+from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_request
 from gateway.generation import GenerationStream
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model, check_prompt_ids, check_sampling,
@@ -48,6 +48,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                   kind="server", attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME,
                                                              "rpc.method": "Generate"})
         status, stream, slot = "OK", None, False
+        task = asyncio.current_task()
+        gw.grpc_streams.add(task)
         try:
             gw.slots.take()
             slot = True
@@ -75,7 +77,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.exception("gRPC Generate failed")
             tracing.set_error(span, "internal error")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit) as e:
+            if gw.grpc_cut_short and isinstance(e, asyncio.CancelledError):  # the shutdown's grace is over: our cancel
+                task.uncancel()  # (Gateway._drain_grpc), answered with a status clients retry
+                status = "UNAVAILABLE"
+                tracing.set_error(span, SHUTTING_DOWN)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             # GeneratorExit: the cancel landed while grpc.aio was sending a message (this generator
             # is closed at its yield instead of its task being cancelled).
             remaining = context.time_remaining()  # (None: the call had no deadline)
@@ -84,6 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               else "cancelled by the client")
             raise
         finally:
+            gw.grpc_streams.discard(task)
             if stream is not None:
                 stream.cancel()  # no-op once finished; frees the verifier's request otherwise
             if slot:

@@ -16,6 +16,7 @@ from gateway.errors import GatewayError
 from gateway.grpc_api import build_grpc_server, set_serving
 from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
+from gateway.openai_shapes import CUT_SHORT_SEND_S
 from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
 
@@ -33,6 +34,9 @@ class Gateway(GatewayContext):
         self._http: uvicorn.Server | None = None
         self._grpc = self._health = None
         self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None  # set by request_stop: gRPC drains beside REST
+        self._grpc_drain: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -46,6 +50,8 @@ class Gateway(GatewayContext):
             raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")
         await set_serving(self._health, False)
         await self._grpc.start()
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        self._grpc_drain = asyncio.create_task(self._drain_grpc(), name="gateway-grpc-drain")
 
         # Bind the HTTP socket ourselves so that port 0 works and the real port is known before
         # uvicorn starts (its own logs only say what it was asked).
@@ -95,8 +101,27 @@ class Gateway(GatewayContext):
         return self._http is not None and self._http.should_exit
 
     def request_stop(self) -> None:
+        """Stop taking work and drain (a signal handler's call too: the loop is told thread-safely)."""
         if self._http is not None:
             self._http.should_exit = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    async def _drain_grpc(self) -> None:
+        """Once told to stop: the public gRPC API takes no new calls and its generations get the grace period, as REST's
+        do and at the same time (after REST's, they had twice as long and new calls were taken meanwhile); those still
+        running shortly before it ends are ended UNAVAILABLE, a status clients retry (the server's own cancel at the end
+        would reach them as CANCELLED, which reads as their own)."""
+        await self._stopping.wait()
+        await self._health.enter_graceful_shutdown()
+        grace = self.cfg.shutdown_grace_s
+        stopping = asyncio.ensure_future(self._grpc.stop(grace))
+        _, running = await asyncio.wait({stopping}, timeout=grace - min(CUT_SHORT_SEND_S, grace / 2))
+        if running:
+            self.grpc_cut_short = True
+            for task in list(self.grpc_streams):
+                task.cancel()
+        await stopping
 
     async def wait(self) -> None:
         if self._tasks:
@@ -112,8 +137,9 @@ class Gateway(GatewayContext):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._grpc is not None:
-            await self._health.enter_graceful_shutdown()
-            await self._grpc.stop(self.cfg.shutdown_grace_s)
+        if self._grpc_drain is not None:
+            await self._grpc_drain
+        elif self._grpc is not None:  # (stopped before it had started)
+            await self._grpc.stop(0)
         if self.client is not None:
             await self.client.close()

@@ -7,6 +7,7 @@ import json
 import threading
 
 import httpx
+import pytest
 from gateway_harness import MODEL_NAME, Stack, wait_until
 
 
@@ -44,6 +45,44 @@ def test_streams_running_past_the_grace_period_end_with_an_error_event():
         assert all("error" not in json.loads(e) for e in long[:-2])
         (status, answer), = whole  # a whole answer still being made: a 503 the client can act on, not uvicorn's 500
         assert status == 503 and "shutting down" in answer["error"]["message"]
+    finally:
+        stack.fake.delay_s = 0.0
+        stack.close()
+
+
+def test_grpc_generations_drain_beside_rest_and_end_unavailable_past_the_grace_period():
+    """Told to stop, the public gRPC API refuses new calls at once and gives its generations the same grace period
+    as REST's, at the same time; one still running near its end is ended UNAVAILABLE with the reason (a status
+    clients retry), not CANCELLED, which reads as the client's own doing."""
+    import time
+
+    import grpc
+
+    from tandem.rpc.generation.v1 import generation_pb2 as pb
+    from tandem.rpc.generation.v1 import generation_pb2_grpc
+
+    stack = Stack(shutdown_grace_s=2.0)
+    try:
+        stack.fake.delay_s = 0.05
+        with grpc.insecure_channel(stack.grpc_target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            short = stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text="hello", max_tokens=8), timeout=30)
+            long = stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text="hello", max_tokens=400), timeout=30)
+            next(long)
+            next(short)
+            stopped_at = time.monotonic()
+            stack.gateway.request_stop()  # (as SIGTERM does)
+            time.sleep(0.2)
+            with pytest.raises(grpc.RpcError) as refused:  # no new work while draining
+                list(stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text="hi", max_tokens=2), timeout=5))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert [r.finish_reason for r in short][-1] == "length"  # a short one finishes within the grace
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in long:
+                    pass
+            took = time.monotonic() - stopped_at
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in cut.value.details()
+            assert 0.5 <= took < 2.5, took  # within the grace period, not after REST's and its own
     finally:
         stack.fake.delay_s = 0.0
         stack.close()
