@@ -52,8 +52,13 @@ class StandIn(pb_grpc.VerifierServicer):
         try:
             while sent < n:
                 k = await q.get() if STEP_S else K
-                if pace and sent_at is not None and sent + k < n:  # (as verifier/server.py paces)
-                    await asyncio.sleep(max(0.0, sent_at + pace - loop.time()))
+                if pace and sent_at is not None:  # as verifier/server.py paces: what comes until then, the end at once
+                    try:
+                        async with asyncio.timeout_at(sent_at + pace):
+                            while sent + k < n:
+                                k += await q.get()
+                    except TimeoutError:
+                        pass
                 while not q.empty():
                     k += q.get_nowait()
                 chunk = [3 + (base + sent + j) % (VOCAB - 3) for j in range(min(k, n - sent))]
@@ -125,6 +130,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=6.0)
     a = ap.parse_args()
+    if a.step_ms <= 0 and any(a.max_interval_ms):
+        ap.error("pacing (--max-interval-ms > 0) needs a stand-in engine that steps (--step-ms > 0)")
     from tandem.training.stdlib_text import train_tokenizer
 
     with tempfile.TemporaryDirectory() as folder:

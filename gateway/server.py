@@ -135,8 +135,12 @@ class Gateway(GatewayContext):
                 await self._tasks[0]
             for task in self._tasks[1:]:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # (logged; the drain and the client's close still run)
+                    log.exception("%s failed", task.get_name())
         if self._grpc_drain is not None:
             await self._grpc_drain
         elif self._grpc is not None:  # (stopped before it had started)

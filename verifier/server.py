@@ -211,13 +211,12 @@ def _coalesced(out, outputs: asyncio.Queue):
 async def _paced(out, outputs: asyncio.Queue, until: float):
     """``out`` and the outputs that come until ``until`` (the event loop's time), as one message — sent at once when
     the request's last output comes (a paced stream's end never waits)."""
-    loop = asyncio.get_running_loop()
-    while not _final(out) and len(out.new_token_ids) < MAX_COALESCED_TOKENS and (wait := until - loop.time()) > 0:
-        try:
-            more = await asyncio.wait_for(outputs.get(), wait)
-        except TimeoutError:
-            break
-        out = _merged(out, more)
+    try:
+        async with asyncio.timeout_at(until):  # (one deadline: not a task per output, and a cancel is never lost)
+            while not _final(out) and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
+                out = _merged(out, await outputs.get())
+    except TimeoutError:  # (an output the deadline interrupted stays queued: a Queue.get cancelled takes nothing)
+        pass
     return _coalesced(out, outputs)
 
 
