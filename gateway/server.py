@@ -21,6 +21,7 @@ from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
 
 log = logging.getLogger("gateway")
+STOP_POLL_S = 0.05  # how soon the gRPC API starts draining once uvicorn was told to stop
 
 
 class Gateway(GatewayContext):
@@ -112,7 +113,9 @@ class Gateway(GatewayContext):
         do and at the same time (after REST's, they had twice as long and new calls were taken meanwhile); those still
         running shortly before it ends are ended UNAVAILABLE, a status clients retry (the server's own cancel at the end
         would reach them as CANCELLED, which reads as their own)."""
-        await self._stopping.wait()
+        # (uvicorn takes SIGINT/SIGTERM from our handlers while it serves and only sets its should_exit: both are watched)
+        while not (self._stopping.is_set() or self.shutting_down):
+            await asyncio.sleep(STOP_POLL_S)
         await self._health.enter_graceful_shutdown()
         grace = self.cfg.shutdown_grace_s
         stopping = asyncio.ensure_future(self._grpc.stop(grace))

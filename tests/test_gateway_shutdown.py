@@ -54,6 +54,7 @@ def test_grpc_generations_drain_beside_rest_and_end_unavailable_past_the_grace_p
     """Told to stop, the public gRPC API refuses new calls at once and gives its generations the same grace period
     as REST's, at the same time; one still running near its end is ended UNAVAILABLE with the reason (a status
     clients retry), not CANCELLED, which reads as the client's own doing."""
+    import signal
     import time
 
     import grpc
@@ -71,7 +72,7 @@ def test_grpc_generations_drain_beside_rest_and_end_unavailable_past_the_grace_p
             next(long)
             next(short)
             stopped_at = time.monotonic()
-            stack.gateway.request_stop()  # (as SIGTERM does)
+            stack.gateway._http.handle_exit(signal.SIGTERM, None)  # uvicorn's own handler: it holds the signals
             time.sleep(0.2)
             with pytest.raises(grpc.RpcError) as refused:  # no new work while draining
                 list(stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text="hi", max_tokens=2), timeout=5))
