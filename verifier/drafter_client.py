@@ -100,7 +100,7 @@ class DrafterClient(Proposer):
     def close(self) -> None:
         self._reconnector.stop()
         with self._lock:
-            self._drop("shutting down")
+            self._drop(None)
         if self.mailbox is not None:
             self.mailbox.close()
 
@@ -157,11 +157,15 @@ class DrafterClient(Proposer):
         finally:
             self._lock.release()
 
-    def _drop(self, reason: str) -> None:
-        """Forget the connection and everything in flight (called with the lock held)."""
+    def _drop(self, reason: str | None) -> None:
+        """Forget the connection and everything in flight (called with the lock held); ``reason`` None: this verifier
+        closes it (shutting down), not a loss."""
         if self._conn is None:
             return
-        log.warning("lost the drafter: %s; decoding without speculation until it is back", reason)
+        if reason is None:
+            log.info("closed the connection to the drafter (shutting down)")
+        else:
+            log.warning("lost the drafter: %s; decoding without speculation until it is back", reason)
         conn, self._conn = self._conn, None
         self._prefetched = None
         for side in self._runs:  # no verify may wait on chains that will not come
