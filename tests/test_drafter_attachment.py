@@ -62,6 +62,43 @@ def test_detaches_after_both_the_time_and_the_steps_and_backs_off():
     assert att.after_decision(False, asked=False, can_switch=True) == "attach"
 
 
+def test_attached_early_by_a_favoured_bucket_it_goes_back_to_the_period_at_any_other_until_that_ends():
+    """A batch that falls to a favoured bucket attaches before its detached period ends; back at a bucket that is not
+    favoured (the one whose plain verdict detached it) before that end, it detaches again at once — to the same
+    period, not a doubled one — with no speculation measured there again; idle time moves that end as it moves the
+    period's; once the period is over, a re-attach is an ordinary one."""
+    clock = Clock()
+    cfg = AttachmentConfig(detach_after_s=1.0, detach_after_steps=4, detached_first_s=4.0, detached_max_s=16.0,
+                           favoured_attach_s=0.2)
+    att = DrafterAttachment(cfg, clock)
+    assert _until_detached(att, clock, dt=0.3) and att.detached
+    period_end = clock.now + 4.0
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) is None
+    clock.now += 0.25
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
+    assert att.attached_early and not att.returns_detached(spec_favoured=True)
+    clock.now += 0.5
+    assert att.returns_detached(spec_favoured=False)  # the engine makes this step plain ...
+    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False) == "detach"  # ... and this
+    assert att.detached and not att.attached_early
+    clock.now = period_end - 0.01
+    assert att.after_decision(False, asked=False, can_switch=True) is None  # the same period, not doubled
+    clock.now = period_end + 0.01
+    assert att.after_decision(False, asked=False, can_switch=True) == "attach" and not att.attached_early
+    assert not att.returns_detached(spec_favoured=False)
+    # early again, then an idle minute: the period's end moves with it
+    assert _until_detached(att, clock, dt=0.3)
+    period_end = clock.now + 8.0  # (doubled: the attach above ended a whole period)
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) is None
+    clock.now += 0.25
+    assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
+    att.idle()
+    clock.now += 60.0
+    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False) == "detach"
+    clock.now = period_end + 60.0 - 0.6
+    assert att.after_decision(False, asked=False, can_switch=True) is None
+
+
 def test_not_asked_or_under_a_speculative_run_it_does_not_detach():
     clock = Clock()
     att = DrafterAttachment(CFG, clock)
@@ -230,6 +267,46 @@ def test_idle_time_does_not_end_a_detached_period_and_a_favoured_batch_attaches_
         while eng.has_unfinished():
             eng.step()
         assert eng.requests[late].spec_stats.rounds == 0 and eng.requests[fresh].spec_stats.rounds > 0
+
+
+def test_an_engine_attached_early_goes_back_detached_with_a_plain_step_at_a_bucket_not_favoured(pair):
+    """Attached early by a favoured bucket, the engine speculates there; when the batch's bucket is not favoured
+    before the detached period's end, that step is plain (no draft is asked for) and the drafter detaches again —
+    and every request's tokens are still the target's."""
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)  # (the first one joins: JOIN_MIN_TOKENS_LEFT to go)
+    prompts = [random_prompt(720 + i, 9 + 2 * i) for i in range(4)]
+    with pair_engine(pair, None, page_size=4) as plain_eng:
+        reference = [r.output_token_ids for r in plain_eng.generate(prompts, greedy)]
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                            detached_first_s=30.0, favoured_attach_s=0.2), clock)
+        speculate, favoured = [False], [True]
+        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+        eng.policy.speculation_favoured = lambda batch: favoured[0]
+        first = eng.add_request(prompts[0], greedy)
+        while not eng.attachment.detached:
+            eng.step()
+        speculate[0] = True
+        eng.step()
+        clock.now += 0.25
+        eng.step()
+        assert not eng.attachment.detached and eng.attachment.attached_early
+        rest = [eng.add_request(p, greedy) for p in prompts[1:]]
+        for _ in range(8):  # (the policy is asked once the batch can draft: the joins and the new prompts' first step)
+            eng.step()
+            if eng.speculating:
+                break
+        assert eng.speculating  # at its favoured bucket
+        favoured[0] = False
+        drafted = eng.proposer.draft
+        calls = []
+        eng.proposer.draft = lambda *a, **k: calls.append(1) or drafted(*a, **k)
+        eng.step()
+        assert eng.attachment.detached and not eng.speculating and eng.plain_reason == "detached" and not calls
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.requests[r].output for r in [first, *rest]] == reference
 
 
 def test_a_detached_period_stands_still_while_idle_and_a_favoured_bucket_ends_it():

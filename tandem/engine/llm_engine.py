@@ -177,15 +177,19 @@ class LLMEngine:
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
         probe = (asked and self.speculating and self._can_switch()
                  and self.policy.probe_detached(len(running), self.proposer.ships_features))
-        self.speculating = self.speculating and not probe
+        # detached, or attached early by a favoured bucket: whether this bucket favours speculation (attach / stay)
+        favoured = ((self.attachment.detached or self.attachment.attached_early)
+                    and self.policy.speculation_favoured(len(running)))
+        back = self._can_switch() and self.attachment.returns_detached(favoured)  # (plain: it detaches again now)
+        self.speculating = self.speculating and not probe and not back
         self.plain_reason = (None if self.speculating else "probe" if probe else "drafter down" if not self.drafts.up()
-                             else "no drafts" if not drafting else "detached" if not asked else self.policy.plain_reason)
+                             else "no drafts" if not drafting else "detached" if not asked or back
+                             else self.policy.plain_reason)
         if self.speculating and self.default_spec is not None:
             self.chain.use(self.policy.chain_spec(len(running), self.default_spec), self.default_spec,
                            lambda: running + list(self.scheduler.waiting), now=self._can_switch())
         self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
-                              lambda: self.policy.measured_lead(len(running)),
-                              self.attachment.detached and self.policy.speculation_favoured(len(running)))
+                              lambda: self.policy.measured_lead(len(running)), favoured, back)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
 
     def _can_switch(self) -> bool:
@@ -193,7 +197,8 @@ class LLMEngine:
         return self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
 
     def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0,
-                         probe: bool = False, spec_lead=lambda: None, spec_favoured: bool = False) -> None:
+                         probe: bool = False, spec_lead=lambda: None, spec_favoured: bool = False,
+                         back: bool = False) -> None:
         """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
         (tandem.speculative.attachment); never under a run of rounds in flight."""
         change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
@@ -202,7 +207,9 @@ class LLMEngine:
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("%s at batch %d: the drafter is detached (it is healthy; plain steps run target-only); %s",
-                     "plain steps measured without the drafter" if probe else "speculation off for a while",
+                     "plain steps measured without the drafter" if probe
+                     else "back to the detached period a favoured batch cut short" if back
+                     else "speculation off for a while",
                      len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
         elif change == "attach":
             self.drafts.joins_due = True

@@ -34,7 +34,8 @@ only narrowly against attached plain steps and plain was never measured detached
 ``probe_detached_s`` (a probe) to measure it. And where the running batch falls, while detached, to a batch bucket
 whose last measured verdict was speculation (``favoured_attach_s`` in a row; or with no verdict, where the traffic's τ
 clears its cost ratio: SpeculationPolicy.speculation_favoured), the engine attaches at once: a light load after a heavy
-one does not wait out a detached period meant for the heavy one. Idle time does not count
+one does not wait out a detached period meant for the heavy one; and a batch back at a bucket that is not favoured
+before that period's end goes back to it at once (``returns_detached``), measuring nothing again there. Idle time does not count
 towards a detached period (``idle``) — except a probe's: one taken as the traffic stopped held the next traffic
 detached (the demo pair as a service over REST: a probe at batch 1 among the bench's first requests held the
 first load at concurrency 1, 40 s later, detached for a quarter of its windows).
@@ -83,6 +84,7 @@ class DrafterAttachment:
         self._waiting_since: float | None = None  # attached again, the policy not asked yet
         self._attached_at: float | None = None  # attached again at (None: not since earnest speculation or start)
         self._favoured_since: float | None = None  # detached, at a bucket whose verdict was speculation, since
+        self._early_until: float | None = None  # attached by a favoured bucket before this end of its detached period
         self._idle_since: float | None = None  # nothing running since (a detached period stands still)
         self._last_decision: float | None = None  # when after_decision was last called
 
@@ -106,6 +108,23 @@ class DrafterAttachment:
 
     def resume(self) -> None:
         self._paused -= 1
+
+    @property
+    def attached_early(self) -> bool:
+        """Attached by a favoured bucket before its detached period was over (see ``returns_detached``)."""
+        return self._early_until is not None and not self.detached
+
+    def returns_detached(self, spec_favoured: bool) -> bool:
+        """Attached early by a favoured bucket: whether the batch, now at a bucket that is not favoured before the
+        detached period's end, goes back to it at once — the step is then plain, and ``after_decision`` detaches without
+        the speculation a period's end measures again at that bucket (a closed loop's batch climbing back to the full
+        bucket measured speculation afresh for about goodput_tie_s at every swing: 6-8 % of its goodput, simulated)."""
+        if not self.attached_early or self._paused:
+            return False
+        if self.clock() >= self._early_until:
+            self._early_until = None  # the period is over: measured as any re-attach is
+            return False
+        return not spec_favoured
 
     def policy_may_decide(self, drafting: int, running: int) -> bool:
         """Whether the policy is asked this step. Right after attaching again, not until ``ready_share`` of
@@ -138,8 +157,14 @@ class DrafterAttachment:
         if self._idle_since is not None:  # traffic again: the detached period resumes where it stood ...
             if not self._probing:  # ... unless a probe's: it measures now, or it ends (the next traffic drafts)
                 self._detached_until += now - self._idle_since
+                if self._early_until is not None:  # (so does the one an early attach cut short)
+                    self._early_until += now - self._idle_since
             self._idle_since = None
         self._last_decision = now
+        if self.attached_early and can_switch and self.returns_detached(spec_favoured):  # (the period it cut short)
+            self.detached, self._probing, self._detached_until, self._early_until = True, False, self._early_until, None
+            self._plain_since, self._plain_steps = None, 0
+            return "detach"
         if probe and asked and can_switch and not self.detached:  # (the backoff and the clocks untouched)
             self.detached, self._probing, self._detached_until = True, True, now + self.cfg.probe_detached_s
             return "detach"
@@ -147,6 +172,7 @@ class DrafterAttachment:
             if self._held or (now < self._detached_until
                               and (self._probing or not self._favoured_long_enough(spec_favoured, now))):
                 return None
+            self._early_until = self._detached_until if now < self._detached_until else None
             self.detached, self._waiting_since, self._attached_at, self._favoured_since = False, now, now, None
             self._plain_since, self._plain_steps = None, 0
             return "attach"
