@@ -144,9 +144,10 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     the body iterator at once is what lets it cancel the verifier call at once.
     """
 
-    def __init__(self, content, on_close, cut_short: str = "", **kwargs):
+    def __init__(self, content, on_close, cut_short: str = "", on_disconnect=lambda: None, **kwargs):
         super().__init__(content, **kwargs)
         self._on_close = on_close  # runs once the response is over, however it ended
+        self._on_disconnect = on_disconnect  # runs when the client went away, before the stream is cancelled
         # what ends a started stream that the server cancels (its shutdown's grace period over): an error event the
         # client can act on, where it would otherwise see the stream stop mid-answer
         self._cut_short = cut_short
@@ -170,6 +171,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
 
                 group.start_soon(stream)
                 await self.listen_for_disconnect(receive)
+                self._on_disconnect()
                 group.cancel_scope.cancel()
         except asyncio.CancelledError:  # (a disconnect cancels inside the group: this is the server's own cancel)
             if not started:

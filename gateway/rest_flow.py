@@ -52,6 +52,7 @@ class _Scope:
         self.gw, self.api = gw, api
         self.slots = 0
         self.done = False
+        self.client_gone = False  # the client disconnected (a cancel then is theirs, even while the server stops)
         attributes = {"http.method": request.method, "http.route": request.url.path}
         self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
                                        kind="server", attributes=attributes)
@@ -61,6 +62,9 @@ class _Scope:
         for _ in range(n):
             self.gw.slots.take()
             self.slots += 1
+
+    def client_left(self) -> None:
+        self.client_gone = True
 
     def finish(self, status: int, error: str | None = None) -> None:
         if self.done:
@@ -119,7 +123,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
             # the response's close still frees the verifier's request and the slot.
             on_close = functools.partial(_abandon, owned, scope)
             cut_short = sse_event(GatewayError(503, SHUTTING_DOWN).body()) + SSE_DONE
-            return DisconnectAwareStreamingResponse(body_iter, on_close, cut_short, media_type="text/event-stream",
+            return DisconnectAwareStreamingResponse(body_iter, on_close, cut_short, scope.client_left,
+                                                    media_type="text/event-stream",
                                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await _unless_disconnected(request, choices.collect())
         scope.finish(200)
@@ -215,8 +220,8 @@ async def _sse(firsts: list[Delta], choices: Choices, shape: CompletionShape,
         yield sse_event(e.body())
         yield SSE_DONE
     except asyncio.CancelledError:
-        if scope.gw.shutting_down:  # (its last event is the response's: DisconnectAwareStreamingResponse)
-            status, error = 503, SHUTTING_DOWN
+        if scope.gw.shutting_down and not scope.client_gone:  # (its last event is the response's:
+            status, error = 503, SHUTTING_DOWN  # DisconnectAwareStreamingResponse)
         raise
     except Exception:  # a bug of ours mid-stream: the stream still ends properly, saying nothing internal
         log.exception("stream %s failed", shape.id)

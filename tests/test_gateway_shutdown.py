@@ -87,3 +87,32 @@ def test_grpc_generations_drain_beside_rest_and_end_unavailable_past_the_grace_p
     finally:
         stack.fake.delay_s = 0.0
         stack.close()
+
+
+def test_a_client_that_leaves_during_the_grace_period_is_counted_as_gone_not_as_cut_short():
+    """While the server drains, a client that closes its stream is counted 499 (it left), not 503 (the server's cut)."""
+    import time
+
+    from gateway_harness import metric_value
+
+    stack = Stack(shutdown_grace_s=3.0)
+    try:
+        stack.fake.delay_s = 0.05
+
+        def counted(status: str) -> float:
+            return metric_value(stack.gateway.metrics.render().decode(), "tandem:requests_total", api="completions",
+                                status=status)
+
+        before = counted("499"), counted("503")
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "stream": True}
+        with httpx.Client(timeout=30) as client, client.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            stack.gateway.request_stop()
+            time.sleep(0.3)
+        wait_until(lambda: counted("499") > before[0], what="the request counted")
+        assert counted("503") == before[1]
+    finally:
+        stack.fake.delay_s = 0.0
+        stack.close()
