@@ -4,8 +4,6 @@ and waiting for SIGTERM/SIGINT. Torch-free (the gateway uses it too)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -13,12 +11,12 @@ import sys
 from typing import Awaitable, Callable
 
 from tandem.errors import TandemError
+from tandem.parent_death import signal_on_parent_death
 
 LAUNCHER_PID_ENV = "TANDEM_LAUNCHER_PID"  # set by `tandem up` for the services it starts (tandem.launcher)
 # Every service's gRPC server: a port another process listens on is refused, not shared (gRPC's default on Linux,
 # SO_REUSEPORT, lets a second server bind it silently, each new connection going to either process).
 GRPC_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_launcher() -> None:
@@ -29,10 +27,8 @@ def die_with_launcher() -> None:
     child while the launcher's health probes use gRPC, and 3 children in 150 aborted before their exec (grpcio 1.85;
     grpc/grpc#43055). Called first thing in each service's ``main``; the variable is not passed on."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if launcher is None or not sys.platform.startswith("linux"):
+    if launcher is None or not signal_on_parent_death(signal.SIGTERM):
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(launcher):  # the launcher died before the signal was asked for
         os._exit(1)
 

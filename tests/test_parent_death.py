@@ -1,0 +1,59 @@
+"""signal_on_parent_death (tandem/parent_death.py): a process that asked for it goes with its parent, killed outright;
+one that did not outlives it (as a TP rank blocked in an NCCL collective would, holding its GPU's memory)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {child!r}])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tandem.parent_death import signal_on_parent_death
+import signal
+if {ask}:
+    assert signal_on_parent_death(signal.SIGKILL)
+print("ready", flush=True)  # (on the parent's stdout, which it shares)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has exited)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("ask", [True, False])
+def test_a_child_that_asked_goes_with_its_parent_killed_outright(ask):
+    child_code = CHILD.format(root=str(ROOT), ask=ask)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(child=child_code)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready" and _alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + (10 if ask else 1.5)
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(child) is not ask
+    finally:
+        parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
