@@ -1,7 +1,7 @@
 """``python -m gateway --verifier HOST:PORT --model-dir DIR [--host H] [--port P] [--grpc-port G]
 [--served-model-name NAME] [--otlp-endpoint URL] [--max-tokens-limit N] [--api-key KEY]
 [--max-body-bytes N] [--max-concurrent-requests N] [--verifier-metrics-url URL]
-[--max-message-interval-ms MS]`` (gateway/config.py).
+[--max-message-interval-ms MS] [--metrics-prefix tandem|vllm]`` (gateway/config.py).
 
 Runs the REST and gRPC servers on one event loop (uvloop when installed) until SIGINT/SIGTERM,
 then drains: streams in flight get the grace period, new requests are refused.

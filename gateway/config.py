@@ -14,6 +14,7 @@ from tandem.args import MODEL, served_name
 from tandem.command_line import HelpFormatter
 
 API_KEY_ENV = "TANDEM_API_KEY"
+METRICS_PREFIXES = ("tandem", "vllm")  # --metrics-prefix: the /metrics families' name space (vllm: as vLLM names them)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class GatewayConfig:
     keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
     max_message_interval_ms: float = 50.0  # the longest a stream's tokens wait while this loop falls behind; 0: never
+    metrics_prefix: str = "tandem"  # /metrics families as tandem:NAME, or vllm:NAME (vLLM's dashboards)
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -66,6 +68,8 @@ class GatewayConfig:
             raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {self.keep_alive_s}")
         if not 0 <= self.max_message_interval_ms <= 1000:
             raise ValueError(f"--max-message-interval-ms must be within 0-1000, got {self.max_message_interval_ms}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"--metrics-prefix must be one of {', '.join(METRICS_PREFIXES)}, got {self.metrics_prefix!r}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
@@ -119,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-interval-ms", type=float, default=d.max_message_interval_ms,
                    help="while the gateway's event loop falls behind, the verifier sends a stream's tokens together, at "
                         "most this far apart (the first tokens and the last never wait); 0: a message every step")
+    p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default=d.metrics_prefix,
+                   help="the name space of /metrics (the gateway's and the services' it relays): vllm names the families "
+                        "as vLLM does (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), for its "
+                        "dashboards")
     shared.add(p, *shared.GATEWAY_FLAGS, shared.CONFIG, shared.LOG_LEVEL, shared.INTERNAL_SECRET_FILE)
     p.add_argument("--uvicorn-log-level", dest="log_level", type=str.lower, choices=shared.LOG_LEVELS,
                    help="vLLM's name for --log-level")
@@ -141,4 +149,4 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template,
                          internal_secret=internal_secret.load(args.internal_secret_file),
                          access_log=not args.disable_uvicorn_access_log,
-                         max_message_interval_ms=args.max_message_interval_ms)
+                         max_message_interval_ms=args.max_message_interval_ms, metrics_prefix=args.metrics_prefix)

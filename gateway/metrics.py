@@ -4,6 +4,8 @@ process); ``/metrics`` renders it."""
 
 from __future__ import annotations
 
+import re
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -61,3 +63,14 @@ class GatewayMetrics:
         return prometheus_client.generate_latest(self.registry)
 
     CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+
+_FAMILY = re.compile(rb"^(# (?:HELP|TYPE) )?tandem:", re.MULTILINE)
+
+
+def with_prefix(exposition: bytes, prefix: str) -> bytes:
+    """A Prometheus text exposition with its ``tandem:`` families named ``prefix:`` (names only: a label value that
+    says ``tandem:`` is left as it is)."""
+    if prefix == "tandem":
+        return exposition
+    return _FAMILY.sub(rb"\1" + prefix.encode() + b":", exposition)

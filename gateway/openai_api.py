@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import ApiKeyMiddleware
 from gateway.errors import INTERNAL_ERROR, UNAVAILABLE, GatewayError
+from gateway.metrics import with_prefix
 from gateway.request import check_model
 from gateway.rest_flow import error_response, generate
 from gateway.sglang_api import add_sglang_routes
@@ -93,6 +94,7 @@ def create_app(gw: GatewayContext) -> FastAPI:
         for relay, text in zip(gw.metrics_relays, await asyncio.gather(*(r.fetch() for r in gw.metrics_relays))):
             gw.metrics.labels(gw.metrics.relay_up[relay.service]).set(text is not None)
             relayed.append(text or b"")
-        return Response(gw.metrics.render() + b"".join(relayed), media_type=gw.metrics.CONTENT_TYPE)
+        return Response(with_prefix(gw.metrics.render() + b"".join(relayed), gw.cfg.metrics_prefix),
+                        media_type=gw.metrics.CONTENT_TYPE)
 
     return app

@@ -162,3 +162,26 @@ def test_a_hung_service_costs_one_scrape_its_timeout_not_every_scrape(verifier_m
     finally:
         s.close()
         hung.close()
+
+
+def test_metrics_can_be_named_as_vllm_names_them(tmp_path):
+    """--metrics-prefix vllm: every family of /metrics, the gateway's and the relayed services', is vllm:NAME (vLLM's
+    dashboards read them as they are); a label value is not renamed; the default keeps tandem:."""
+    from gateway.metrics import with_prefix
+
+    relayed = (b'# HELP tandem:num_requests_running Requests running.\n# TYPE tandem:num_requests_running gauge\n'
+               b'tandem:num_requests_running{model_name="tandem:x"} 3.0\n')
+    assert with_prefix(relayed, "vllm") == (
+        b'# HELP vllm:num_requests_running Requests running.\n# TYPE vllm:num_requests_running gauge\n'
+        b'vllm:num_requests_running{model_name="tandem:x"} 3.0\n')
+    assert with_prefix(relayed, "tandem") == relayed
+    stack = Stack(metrics_prefix="vllm")
+    try:
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+        assert httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).status_code == 200
+        text = httpx.get(f"{stack.url}/metrics", timeout=30).text
+        assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+        assert metric_value(text, "vllm:request_success_total", finished_reason="length") == 1
+        assert not [line for line in text.splitlines() if "tandem:" in line.split("{")[0]]
+    finally:
+        stack.close()
