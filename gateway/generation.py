@@ -67,7 +67,6 @@ class GenerationStream:
         self._cached_tokens = 0
         self._prompt_logprobs_sent = False
         self._last_token_at: float | None = None
-        self._itl = None  # the inter-token latency histogram's child for this model
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
         # The W3C context of this request's span rides in the metadata, so the verifier's spans
@@ -176,11 +175,7 @@ class GenerationStream:
             m.labels(m.ttft).observe(now - self._arrival)
             self._span.add_event("first_token")
         else:
-            gap = (now - self._last_token_at) / n
-            if self._itl is None:  # (the labelled child once a stream: its lookup was a tenth of a message's cost)
-                self._itl = m.labels(m.itl)
-            for _ in range(n):
-                self._itl.observe(gap)
+            m.itl.observe((now - self._last_token_at) / n, n)
         self._last_token_at = now
 
     def cancel(self) -> None:

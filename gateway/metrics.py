@@ -9,6 +9,8 @@ import re
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tandem.bulk_histogram import BulkHistogram
+
 # The *_created series double the output and no dashboard reads them.
 prometheus_client.disable_created_metrics()
 
@@ -31,9 +33,10 @@ class GatewayMetrics:
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", m, registry=r)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Request arrival to first token.", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between tokens; a message of k tokens "
-                             "counts k gaps of 1/k of its wait (speculation delivers several at once).", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        # (observed in bulk: a message of k tokens is one call, not k of a labelled Histogram's)
+        self.itl = BulkHistogram("tandem:inter_token_latency_seconds", "Time between tokens; a message of k tokens "
+                                 "counts k gaps of 1/k of its wait (speculation delivers several at once).",
+                                 _LATENCY_BUCKETS, r, labels={"model_name": model_name})
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
@@ -44,7 +47,7 @@ class GatewayMetrics:
         self._model = model_name
         # Every series a dashboard reads exists from the start, at zero (as vLLM's do): a scrape before the first
         # request shows the histograms' buckets and the finish reasons, not only their HELP lines.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.running):
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.running):  # (itl: always)
             self.labels(metric)
         for reason in FINISH_REASONS:
             self.labels(self.request_success, finished_reason=reason)

@@ -1,13 +1,14 @@
-"""verifier.bulk_histogram against prometheus_client's own Histogram: the same observations (values on the bucket
+"""tandem.bulk_histogram against prometheus_client's own Histogram: the same observations (values on the bucket
 bounds, beyond the last, one value observed many times at once) give the same exposed samples."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from verifier.bulk_histogram import BulkHistogram
+from tandem.bulk_histogram import BulkHistogram
 from verifier.metrics import LATENCY_BUCKETS
 
 
@@ -16,10 +17,13 @@ def _samples(registry: CollectorRegistry) -> dict:
             for s in family.samples if not s.name.endswith("_created")}
 
 
-def test_bulk_observations_expose_what_prometheus_histogram_does():
+@pytest.mark.parametrize("labels", [None, {"model_name": "tiny"}])
+def test_bulk_observations_expose_what_prometheus_histogram_does(labels):
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    bulk = BulkHistogram("tandem:gap_seconds", "a gap", LATENCY_BUCKETS, ours)
-    reference = Histogram("tandem:gap_seconds", "a gap", buckets=LATENCY_BUCKETS, registry=theirs)
+    bulk = BulkHistogram("tandem:gap_seconds", "a gap", LATENCY_BUCKETS, ours, labels=labels)
+    reference = Histogram("tandem:gap_seconds", "a gap", list(labels or ()), buckets=LATENCY_BUCKETS, registry=theirs)
+    if labels:
+        reference = reference.labels(**labels)
     rng = random.Random(3)
     values = [*LATENCY_BUCKETS, 0.0, 45.0] + [rng.expovariate(50.0) for _ in range(200)]
     for value in values:
