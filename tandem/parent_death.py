@@ -1,5 +1,7 @@
-"""A signal when this process's parent dies (Linux's PR_SET_PDEATHSIG): the one home of that call, for a service
-started by `tandem up` and for a tensor-parallel rank started by rank 0."""
+"""A signal when this process's parent dies (Linux's PR_SET_PDEATHSIG): the one home of that call (a service started
+by `tandem up`: tandem.service_runtime.die_with_launcher). Not for tensor-parallel ranks: the signal follows the
+*thread* that started the process, and rank 0 starts its ranks from the engine loop's thread, which ends before the
+engine shuts its ranks down."""
 
 from __future__ import annotations
 

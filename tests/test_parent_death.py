@@ -1,5 +1,5 @@
-"""signal_on_parent_death (tandem/parent_death.py): a process that asked for it goes with its parent, killed outright;
-one that did not outlives it (as a TP rank blocked in an NCCL collective would, holding its GPU's memory)."""
+"""signal_on_parent_death (tandem/parent_death.py, what a service started by `tandem up` asks for): a process that
+asked goes with its parent killed outright; one that did not outlives it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", {child!r}])
 print(child.pid, flush=True)
-time.sleep(600)
+time.sleep(60)
 """
 CHILD = """
 import sys, time
@@ -27,7 +27,7 @@ import signal
 if {ask}:
     assert signal_on_parent_death(signal.SIGKILL)
 print("ready", flush=True)  # (on the parent's stdout, which it shares)
-time.sleep(600)
+time.sleep(60)
 """
 
 

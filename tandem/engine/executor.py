@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import signal
 
 import torch
 
@@ -23,15 +22,11 @@ from tandem.forward_batch import ForwardBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
 from tandem.configs.model import ModelConfig
-from tandem.parent_death import signal_on_parent_death
 
 log = logging.getLogger("tandem.executor")
 
 
 def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
-    # A rank whose rank 0 died (killed, crashed) would wait in its next collective for ever, holding its device's
-    # memory: it goes with its parent (rank 0, or the fork server, which ends with rank 0).
-    signal_on_parent_death(signal.SIGKILL)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     init_tp(rank, cfg.tp_size, init_method, rank_device(cfg.device, rank))
