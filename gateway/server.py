@@ -63,6 +63,7 @@ class Gateway(GatewayContext):
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=cfg.access_log, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
                                                    timeout_keep_alive=cfg.keep_alive_s))
+        self._http.should_exit = self._stopping.is_set()  # (told to stop before it existed: it stops at once)
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
         while not self._http.started:
             if http_task.done():

@@ -152,9 +152,9 @@ class Sim:
         spec = self.policy.decide(n, states, runs)
         settled = asked and not spec and self.policy.plain_measured_faster(n)
         can_switch = self.in_flight is None or self.in_flight[0] == "plain"
-        probe = asked and spec and can_switch and self.policy.probe_detached(n, True)
-        favoured = (self.att.detached or getattr(self.att, "attached_early", False)) and self.policy.speculation_favoured(n)
-        back = can_switch and hasattr(self.att, "returns_detached") and self.att.returns_detached(favoured)
+        favoured = (self.att.detached or self.att.attached_early) and self.policy.speculation_favoured(n)
+        back = can_switch and self.att.returns_detached(favoured)
+        probe = not back and asked and spec and can_switch and self.policy.probe_detached(n, True)
         spec = spec and not probe and not back
         self.speculating = spec
         reason = (None if spec else "probe" if probe else "no drafts" if not drafting else "detached" if not asked or back
@@ -166,7 +166,7 @@ class Sim:
         change = self.att.after_decision(spec, asked, can_switch, settled,
                                          self.policy.measured_loss(n) if settled else 0.0, probe,
                                          lambda: self.policy.measured_lead(n), favoured,
-                                         passing=reason in PASSING_PLAIN)
+                                         passing=reason in PASSING_PLAIN, back=back)
         if change == "detach":
             for r in self.running + self.waiting:
                 r.drafts, r.held = False, False

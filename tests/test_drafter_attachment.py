@@ -79,7 +79,7 @@ def test_attached_early_by_a_favoured_bucket_it_goes_back_to_the_period_at_any_o
     assert att.attached_early and not att.returns_detached(spec_favoured=True)
     clock.now += 0.5
     assert att.returns_detached(spec_favoured=False)  # the engine makes this step plain ...
-    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False) == "detach"  # ... and this
+    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False, back=True) == "detach"
     assert att.detached and not att.attached_early
     clock.now = period_end - 0.01
     assert att.after_decision(False, asked=False, can_switch=True) is None  # the same period, not doubled
@@ -93,8 +93,9 @@ def test_attached_early_by_a_favoured_bucket_it_goes_back_to_the_period_at_any_o
     clock.now += 0.25
     assert att.after_decision(False, asked=False, can_switch=True, spec_favoured=True) == "attach"
     att.idle()
-    clock.now += 60.0
-    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False) == "detach"
+    clock.now += 60.0  # (asked first, as the engine asks: the idle minute is not part of the period)
+    assert att.returns_detached(spec_favoured=False)
+    assert att.after_decision(False, asked=True, can_switch=True, spec_favoured=False, back=True) == "detach"
     clock.now = period_end + 60.0 - 0.6
     assert att.after_decision(False, asked=False, can_switch=True) is None
 

@@ -175,12 +175,12 @@ class LLMEngine:
         # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment); or a
         # probe: speculation ahead of attached plain steps only, the step plain and the drafter detached briefly
         settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
-        probe = (asked and self.speculating and self._can_switch()
-                 and self.policy.probe_detached(len(running), self.proposer.ships_features))
         # detached, or attached early by a favoured bucket: whether this bucket favours speculation (attach / stay)
         favoured = ((self.attachment.detached or self.attachment.attached_early)
                     and self.policy.speculation_favoured(len(running)))
         back = self._can_switch() and self.attachment.returns_detached(favoured)  # (plain: it detaches again now)
+        probe = (not back and asked and self.speculating and self._can_switch()
+                 and self.policy.probe_detached(len(running), self.proposer.ships_features))
         self.speculating = self.speculating and not probe and not back
         self.plain_reason = (None if self.speculating else "probe" if probe else "drafter down" if not self.drafts.up()
                              else "no drafts" if not drafting else "detached" if not asked or back
@@ -203,7 +203,7 @@ class LLMEngine:
         (tandem.speculative.attachment); never under a run of rounds in flight."""
         change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
                                                 loss, probe, spec_lead, spec_favoured,
-                                                passing=self.plain_reason in PASSING_PLAIN)
+                                                passing=self.plain_reason in PASSING_PLAIN, back=back)
         if change == "detach":
             self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
             log.info("%s at batch %d: the drafter is detached (it is healthy; plain steps run target-only); %s",

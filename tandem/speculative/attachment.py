@@ -116,11 +116,13 @@ class DrafterAttachment:
 
     def returns_detached(self, spec_favoured: bool) -> bool:
         """Attached early by a favoured bucket: whether the batch, now at a bucket that is not favoured before the
-        detached period's end, goes back to it at once — the step is then plain, and ``after_decision`` detaches without
-        the speculation a period's end measures again at that bucket (a closed loop's batch climbing back to the full
-        bucket measured speculation afresh for about goodput_tie_s at every swing: 6-8 % of its goodput, simulated)."""
+        detached period's end, goes back to it at once — asked once a step, before the decision: the step is then
+        plain, and ``after_decision(back=True)`` detaches without the speculation a period's end measures again at that
+        bucket (a closed loop's batch climbing back to the full bucket measured speculation afresh for about
+        goodput_tie_s at every swing: 6-8 % of its goodput, simulated)."""
         if not self.attached_early or self._paused:
             return False
+        self._wake(self.clock())
         if self.clock() >= self._early_until:
             self._early_until = None  # the period is over: measured as any re-attach is
             return False
@@ -140,7 +142,7 @@ class DrafterAttachment:
     def after_decision(self, speculating: bool, asked: bool, can_switch: bool,
                        plain_measured_faster: bool = False, loss: float = 0.0, probe: bool = False,
                        spec_lead: Callable[[], float | None] = lambda: None,
-                       spec_favoured: bool = False, passing: bool = False) -> str | None:
+                       spec_favoured: bool = False, passing: bool = False, back: bool = False) -> str | None:
         """The step's decision is made (``asked``: by the policy; ``can_switch``: no speculative run is in
         flight; ``plain_measured_faster``: measured goodput at this batch size chose plain, speculation losing
         ``loss`` of it; ``probe``: plain steps are to be measured detached, the step made plain by the caller;
@@ -149,19 +151,14 @@ class DrafterAttachment:
         ``passing``: a plain step the policy takes only to measure plain (an exploration of it, or a step timing it)
         while it keeps speculating: it breaks a speculative streak but does not run the plain clock (a load's first
         explorations at each bucket could add up to the detach clock between short streaks and detach a drafter that
-        led).
+        led); ``back``: ``returns_detached`` sent the batch back to its detached period (the step made plain).
         → "detach", "attach" or None: what the engine does now."""
         if self._paused:
             return None
         now = self.clock()
-        if self._idle_since is not None:  # traffic again: the detached period resumes where it stood ...
-            if not self._probing:  # ... unless a probe's: it measures now, or it ends (the next traffic drafts)
-                self._detached_until += now - self._idle_since
-                if self._early_until is not None:  # (so does the one an early attach cut short)
-                    self._early_until += now - self._idle_since
-            self._idle_since = None
+        self._wake(now)
         self._last_decision = now
-        if self.attached_early and can_switch and self.returns_detached(spec_favoured):  # (the period it cut short)
+        if back and can_switch and self.attached_early:  # (returns_detached said so: the period it cut short)
             self.detached, self._probing, self._detached_until, self._early_until = True, False, self._early_until, None
             self._plain_since, self._plain_steps = None, 0
             return "detach"
@@ -209,6 +206,17 @@ class DrafterAttachment:
             self._period = min(2 * period, c.detached_max_s)
             return "detach"
         return None
+
+    def _wake(self, now: float) -> None:
+        """Traffic again after idle time: the detached period resumes where it stood (and the one an early attach cut
+        short) — unless a probe's: it measures now, or it ends (the next traffic drafts)."""
+        if self._idle_since is None:
+            return
+        if not self._probing:
+            self._detached_until += now - self._idle_since
+            if self._early_until is not None:
+                self._early_until += now - self._idle_since
+        self._idle_since = None
 
     def _favoured_long_enough(self, spec_favoured: bool, now: float) -> bool:
         """Detached: whether the batch has run ``favoured_attach_s`` at buckets whose verdict was speculation."""
