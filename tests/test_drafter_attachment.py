@@ -231,6 +231,17 @@ def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pa
     assert all(stats[r] == 0 for r in [late]) and all(stats[r] > 0 for r in fresh)
 
 
+def _steered(eng, clock: Clock, detached_first_s: float, favoured: bool) -> tuple[list, list]:
+    """The engine's attachment on ``clock`` (detaching after two plain steps), its policy steered by the test: →
+    ([speculate], [favoured]), flags the test sets (speculate: whenever some request can draft; favoured: every bucket)."""
+    eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
+                                                        detached_first_s=detached_first_s, favoured_attach_s=0.2), clock)
+    speculate, favour = [False], [favoured]
+    eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
+    eng.policy.speculation_favoured = lambda batch: favour[0]
+    return speculate, favour
+
+
 def test_idle_time_does_not_end_a_detached_period_and_a_favoured_batch_attaches_at_once(pair):
     """Detached, then the batch drains and the engine idles for a minute: the 5 s detached period stands still
     (loads apart in time would each pay a re-measurement), so the next prompt is prefilled plain; once requests
@@ -240,11 +251,7 @@ def test_idle_time_does_not_end_a_detached_period_and_a_favoured_batch_attaches_
     prompts = [random_prompt(700 + i, 9 + 3 * i) for i in range(5)]
     clock = Clock()
     with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
-        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
-                                                            detached_first_s=5.0, favoured_attach_s=0.2), clock)
-        speculate, favoured = [False], [False]
-        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
-        eng.policy.speculation_favoured = lambda batch: favoured[0]
+        speculate, favoured = _steered(eng, clock, detached_first_s=5.0, favoured=False)
         for p in prompts[:3]:
             eng.add_request(p, greedy)
         while not eng.attachment.detached:
@@ -280,11 +287,7 @@ def test_an_engine_attached_early_goes_back_detached_with_a_plain_step_at_a_buck
         reference = [r.output_token_ids for r in plain_eng.generate(prompts, greedy)]
     clock = Clock()
     with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
-        eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
-                                                            detached_first_s=30.0, favoured_attach_s=0.2), clock)
-        speculate, favoured = [False], [True]
-        eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
-        eng.policy.speculation_favoured = lambda batch: favoured[0]
+        speculate, favoured = _steered(eng, clock, detached_first_s=30.0, favoured=True)
         first = eng.add_request(prompts[0], greedy)
         while not eng.attachment.detached:
             eng.step()
