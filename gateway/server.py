@@ -35,8 +35,7 @@ class Gateway(GatewayContext):
         self._http: uvicorn.Server | None = None
         self._grpc = self._health = None
         self._tasks: list[asyncio.Task] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping: asyncio.Event | None = None  # set by request_stop: gRPC drains beside REST
+        self._stop_requested = False  # request_stop was called (a signal before uvicorn took them, a test, stop())
         self._grpc_drain: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -51,7 +50,6 @@ class Gateway(GatewayContext):
             raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")
         await set_serving(self._health, False)
         await self._grpc.start()
-        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         self._grpc_drain = asyncio.create_task(self._drain_grpc(), name="gateway-grpc-drain")
 
         # Bind the HTTP socket ourselves so that port 0 works and the real port is known before
@@ -63,7 +61,7 @@ class Gateway(GatewayContext):
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=cfg.access_log, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
                                                    timeout_keep_alive=cfg.keep_alive_s))
-        self._http.should_exit = self._stopping.is_set()  # (told to stop before it existed: it stops at once)
+        self._http.should_exit = self._stop_requested  # (told to stop before it existed: it stops at once)
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
         while not self._http.started:
             if http_task.done():
@@ -100,14 +98,13 @@ class Gateway(GatewayContext):
 
     @property
     def shutting_down(self) -> bool:
-        return self._http is not None and self._http.should_exit
+        return self._stop_requested or (self._http is not None and self._http.should_exit)
 
     def request_stop(self) -> None:
-        """Stop taking work and drain (a signal handler's call too: the loop is told thread-safely)."""
+        """Stop taking work and drain (a signal handler's or another thread's call too: it only sets flags)."""
+        self._stop_requested = True
         if self._http is not None:
             self._http.should_exit = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stopping.set)
 
     async def _drain_grpc(self) -> None:
         """Once told to stop: the public gRPC API takes no new calls and its generations get the grace period, as REST's
@@ -115,7 +112,7 @@ class Gateway(GatewayContext):
         running shortly before it ends are ended UNAVAILABLE, a status clients retry (the server's own cancel at the end
         would reach them as CANCELLED, which reads as their own)."""
         # (uvicorn takes SIGINT/SIGTERM from our handlers while it serves and only sets its should_exit: both are watched)
-        while not (self._stopping.is_set() or self.shutting_down):
+        while not self.shutting_down:
             await asyncio.sleep(STOP_POLL_S)
         await self._health.enter_graceful_shutdown()
         grace = self.cfg.shutdown_grace_s

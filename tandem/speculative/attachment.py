@@ -122,8 +122,9 @@ class DrafterAttachment:
         goodput_tie_s at every swing: 6-8 % of its goodput, simulated)."""
         if not self.attached_early or self._paused:
             return False
-        self._wake(self.clock())
-        if self.clock() >= self._early_until:
+        now = self.clock()
+        self._wake(now)
+        if now >= self._early_until:
             self._early_until = None  # the period is over: measured as any re-attach is
             return False
         return not spec_favoured
