@@ -154,8 +154,10 @@ def test_client_disconnect_mid_stream_cancels_the_verifier_call(stack):
 
         # A non-streamed request whose client gives up before the answer cancels it too.
         n = len(stack.fake.requests)
+        # The answer takes 400 × 50 ms; the client waits 2 s, ample for the gateway to forward it on a loaded host.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{stack.url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+            httpx.post(f"{stack.url}/v1/completions", json={**body, "stream": False}, timeout=2.0)
+        wait_until(lambda: len(stack.fake.requests) > n, what="the verifier to receive the non-streamed request")
         request_id = stack.fake.requests[n].request_id
         wait_until(lambda: request_id in stack.fake.cancelled, what="the non-streamed request's cancellation")
     finally:
