@@ -57,3 +57,49 @@ def test_a_child_that_asked_goes_with_its_parent_killed_outright(ask):
         parent.kill()
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+MP_PARENT = """
+import multiprocessing as mp, sys, time
+sys.path.insert(0, {root!r})
+
+def rank(ask):
+    from tandem.parent_death import exit_with_parent_process
+    if ask:
+        assert exit_with_parent_process("test rank")
+    print("ready", flush=True)
+    time.sleep(60)  # (a rank blocked in a collective whose rank 0 is gone)
+
+if __name__ == "__main__":
+    child = mp.get_context({method!r}).Process(target=rank, args=({ask},), daemon=True)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])  # (the executor's contexts on GPUs and on the CPU)
+@pytest.mark.parametrize("ask", [True, False])
+def test_a_multiprocessing_child_that_watches_goes_with_its_parent_killed_outright(tmp_path, method, ask):
+    script = tmp_path / "parent.py"
+    script.write_text(MP_PARENT.format(root=str(ROOT), method=method, ask=ask))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready" and _alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + (10 if ask else 1.5)
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(child) is not ask
+    finally:
+        parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_process_not_started_by_multiprocessing_has_no_parent_to_watch():
+    from tandem.parent_death import exit_with_parent_process
+
+    assert exit_with_parent_process("the test process") is False

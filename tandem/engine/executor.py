@@ -22,12 +22,14 @@ from tandem.forward_batch import ForwardBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
 from tandem.configs.model import ModelConfig
+from tandem.parent_death import exit_with_parent_process
 
 log = logging.getLogger("tandem.executor")
 
 
 def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    exit_with_parent_process(f"tensor-parallel rank {rank}")  # (rank 0 killed outright: nothing broadcasts "stop")
     torch.set_num_threads(1)
     init_tp(rank, cfg.tp_size, init_method, rank_device(cfg.device, rank))
     runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model))
