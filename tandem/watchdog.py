@@ -19,6 +19,7 @@ from typing import Callable
 
 log = logging.getLogger("tandem.watchdog")
 HUNG_EXIT_CODE = 75
+ENGINE_FAILED_EXIT_CODE = 3  # the engine cannot go on (its loop died, a tensor-parallel rank was lost): restart it
 _HANG_HOOKS: list[Callable[[str], None]] = []
 
 
@@ -72,14 +73,21 @@ class Watchdog:
                 self._fire(what)
 
     def _fire(self, what: str) -> None:
-        message = f"watchdog: {what} exceeded its deadline; it is hung. Stacks of all threads:\n{all_thread_stacks()}"
-        log.critical(message)
-        print(message, file=sys.stderr, flush=True)
         self.fired.append(what)
-        for hook in ([self.on_hang] if self.on_hang is not None else []) + _HANG_HOOKS:
-            try:
-                hook(what)
-            except Exception:  # reporting must not stop the exit
-                log.exception("watchdog hang hook failed")
-        if self.exit_code is not None:
-            os._exit(self.exit_code)
+        fail_process(what, f"watchdog: {what} exceeded its deadline; it is hung. Stacks of all threads:\n"
+                           f"{all_thread_stacks()}", self.exit_code, [self.on_hang] if self.on_hang is not None else [])
+
+
+def fail_process(what: str, message: str, exit_code: int | None, hooks: list[Callable[[str], None]] = ()) -> None:
+    """End a process that cannot go on from a thread beside the stuck one: ``message`` logged and printed, ``hooks``
+    and every hook registered with ``on_any_hang`` told ``what`` (health NOT_SERVING), then exit with ``exit_code``
+    (None: no exit, for tests)."""
+    log.critical(message)
+    print(message, file=sys.stderr, flush=True)
+    for hook in list(hooks) + _HANG_HOOKS:
+        try:
+            hook(what)
+        except Exception:  # reporting must not stop the exit
+            log.exception("hang hook failed")
+    if exit_code is not None:
+        os._exit(exit_code)

@@ -12,8 +12,11 @@ decision happen on rank 0 only, so ranks cannot diverge.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
+import threading
+from multiprocessing.connection import wait
 
 import torch
 
@@ -23,6 +26,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
 from tandem.configs.model import ModelConfig
 from tandem.parent_death import exit_with_parent_process
+from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, fail_process
 
 log = logging.getLogger("tandem.executor")
 
@@ -92,6 +96,7 @@ class TargetExecutor:
         self.model_config = ModelConfig.from_dir(cfg.model)  # fail fast, before any process starts
         self.model_config.check_tensor_parallel(cfg.tp_size)
         self._workers: list[mp.Process] = []
+        self._stopping = threading.Event()  # set before ranks end on purpose (their watch then stays quiet)
         if cfg.tp_size > 1:
             if cfg.device == "cpu":
                 # Split the machine's cores between ranks instead of oversubscribing them.
@@ -108,6 +113,7 @@ class TargetExecutor:
                 p = ctx.Process(target=_worker_main, args=(cfg, rank, init_method), daemon=True, name=f"tandem-tp{rank}")
                 p.start()
                 self._workers.append(p)
+            self._watch_ranks()
             try:
                 init_tp(0, cfg.tp_size, init_method, rank_device(cfg.device, 0))
             except Exception:
@@ -119,6 +125,26 @@ class TargetExecutor:
             self._kill_workers()
             destroy_tp()
             raise
+
+    def _watch_ranks(self) -> None:
+        """Exit this process (ENGINE_FAILED_EXIT_CODE, health NOT_SERVING first) as soon as another rank ends unasked —
+        killed, OOM-killed, failed to load its shard: every collective after that waits for it forever under NCCL (at
+        start-up, init's rendezvous for 30 minutes), the service SERVING and its requests hung. A supervisor starts
+        the whole group again. At interpreter exit, ``multiprocessing`` ends the ranks (daemons): not a loss."""
+        workers, stopping = list(self._workers), self._stopping
+        atexit.register(stopping.set)  # (runs before multiprocessing's own exit hook, registered earlier)
+
+        def watch() -> None:
+            ended = wait([p.sentinel for p in workers])
+            if stopping.is_set():
+                return
+            rank = next(r for r, p in enumerate(workers, start=1) if p.sentinel in ended)
+            workers[rank - 1].join(timeout=1)
+            fail_process(f"tensor-parallel rank {rank}", f"tensor-parallel rank {rank} of {len(workers) + 1} ended "
+                         f"(exit code {workers[rank - 1].exitcode}; see its log above); the target cannot run without "
+                         "it: exiting so that a supervisor starts the group again", ENGINE_FAILED_EXIT_CODE)
+
+        threading.Thread(target=watch, name="tandem-rank-watch", daemon=True).start()
 
     @property
     def prefill_graph_width(self) -> int:
@@ -169,6 +195,7 @@ class TargetExecutor:
 
     def shutdown(self, release: bool = True) -> None:
         """Stop the ranks; ``release``: give this rank's device memory back (not while a step may still run)."""
+        self._stopping.set()
         if self._workers:
             broadcast_object(("stop", None))
             for p in self._workers:
@@ -180,6 +207,7 @@ class TargetExecutor:
 
     def _kill_workers(self) -> None:
         """Stop every rank process and reap it (a terminated process not yet waited for is still a child)."""
+        self._stopping.set()
         for p in self._workers:
             if p.is_alive():
                 p.terminate()
