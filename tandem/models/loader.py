@@ -9,6 +9,8 @@ ignored tensor usually means the wrong architecture), except rotary caches some 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,10 +19,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tandem.distributed import tp_group
 from tandem.errors import CheckpointError
 from tandem.layers.linear import ShapeMismatch
 
+log = logging.getLogger("tandem.loader")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+PROGRESS_EVERY_S = 5.0  # a checkpoint that takes longer to load reports its progress this often (rank 0)
 
 
 @contextmanager
@@ -96,6 +101,7 @@ def load_checkpoint(
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
+    progress = _Progress(model_dir, list(by_file))
     for path, names in by_file.items():
         with open_shard(path) as f:
             for stored in names:
@@ -115,6 +121,7 @@ def load_checkpoint(
                 except ShapeMismatch as e:
                     raise CheckpointError(f"{path.name}: tensor '{stored}' {e}") from None
                 loaded.add(name)
+        progress.file_done(path)
     missing = sorted(set(expected) - loaded - set(optional))
     if missing:
         raise CheckpointError(
@@ -122,6 +129,28 @@ def load_checkpoint(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     return skipped
+
+
+class _Progress:
+    """Rank 0's log of a long load: files and bytes read so far, every PROGRESS_EVERY_S (a Kimi-K2.5 checkpoint is
+    64 files, ~594 GB, minutes to read; nothing is logged for a load shorter than that)."""
+
+    def __init__(self, model_dir: Path, paths: list[Path]):
+        self.model_dir, self.files = model_dir, len(paths)
+        self.total = sum(path.stat().st_size for path in paths)
+        self.done_files, self.done_bytes = 0, 0
+        self.started = self.last = time.monotonic()
+        self.quiet = not tp_group().is_leader
+
+    def file_done(self, path: Path) -> None:
+        self.done_files += 1
+        self.done_bytes += path.stat().st_size
+        now = time.monotonic()
+        if self.quiet or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        log.info("loading %s: %d of %d files (%.1f of %.1f GB) in %.0f s", self.model_dir.name, self.done_files,
+                 self.files, self.done_bytes / 1e9, self.total / 1e9, now - self.started)
 
 
 def _locate(name: str, packed: dict[str, tuple[str, object]],
