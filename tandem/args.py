@@ -65,6 +65,7 @@ MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model:
                                                                    "(default: the embedded demo target)"))
 REVISION = Flag(("--revision",), dict(default=None, help="the target's revision, with a Hugging Face id (default: main)"))
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
+NO_DRAFT = "none"  # --draft-model none: no draft (tandem up: not the demo's head; the verifier: target-only)
 TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "--tp", "-tp"),
                dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
 DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when torch sees a GPU, else cpu), cpu, "
@@ -332,7 +333,7 @@ def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> 
             raise ConfigError(f"--speculative-config and {', '.join(given)} both set the draft: give one or the other")
         draft, steps = _from_speculative_config(args.speculative_config, target)
         topk, tokens, requested = 1, steps + 1, True
-    if draft is not None and draft != "none":  # (tandem up's "none": no draft)
+    if draft is not None and draft != NO_DRAFT:
         from tandem.model_source import resolve_model
 
         draft = resolve_model(draft, flag="--draft-model")

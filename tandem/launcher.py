@@ -141,7 +141,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     draft = speculative.draft_model
     if draft is None and args.model is None:
         draft = str(ensure_demo_draft())
-    if draft == "none":
+    if draft == shared.NO_DRAFT:
         draft = None
     speculative = dataclasses.replace(speculative, draft_model=draft)
     speculative.require_draft()

@@ -73,6 +73,12 @@ def test_verifier_aliases_give_the_canonical_config(folders):
         assert _verifier(alias) == canonical
 
 
+def test_draft_model_none_is_target_only_in_the_verifier_as_in_tandem_up(folders):
+    t, _ = folders
+    assert _verifier(["--model", t, "--draft-model", "none"]) == _verifier(["--model", t])
+    assert _verifier(["--model", t, "--draft-model", "none"]).draft_model is None
+
+
 def test_speculative_algorithm_eagle3_runs_the_head_in_process(folders):
     t, d = folders
     sglang = _verifier(["--model-path", t, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", d,

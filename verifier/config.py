@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, fields
 
 from tandem import args as shared
@@ -115,6 +116,8 @@ class VerifierConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
         spec = shared.resolve_speculative(a, model)
+        if spec.draft_model == shared.NO_DRAFT:
+            spec = dataclasses.replace(spec, draft_model=None)
         spec.require_draft()
         engine = EngineConfig(model=model, device=shared.resolve_device(a.device), tp_size=a.tp_size,
                               page_size=a.page_size, load_format=a.load_format, **shared.engine_settings(a))
