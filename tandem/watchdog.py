@@ -79,11 +79,10 @@ class Watchdog:
 
 
 def fail_process(what: str, message: str, exit_code: int | None, hooks: list[Callable[[str], None]] = ()) -> None:
-    """End a process that cannot go on from a thread beside the stuck one: ``message`` logged and printed, ``hooks``
+    """End a process that cannot go on from a thread beside the stuck one: ``message`` logged, ``hooks``
     and every hook registered with ``on_any_hang`` told ``what`` (health NOT_SERVING), then exit with ``exit_code``
     (None: no exit, for tests)."""
-    log.critical(message)
-    print(message, file=sys.stderr, flush=True)
+    log.critical(message)  # (logging not set up: its last resort still writes it to stderr)
     for hook in list(hooks) + _HANG_HOOKS:
         try:
             hook(what)
