@@ -31,7 +31,6 @@ class GatewayContext:
         self.slots = Slots(cfg.max_concurrent_requests)
         self.metrics_relays: list[MetricsRelay] = []  # made at start: their locks bind to the loop
         self.started_at = int(time.time())
-        self.verifier_serving = False  # as last seen by the health mirror (GET /health answers from it)
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop
         self.grpc_streams: set = set()  # the public gRPC API's generations in flight (their tasks)
         self.grpc_cut_short = False  # the shutdown's grace period ran out on them: they end UNAVAILABLE
@@ -46,4 +45,4 @@ class GatewayContext:
     @property
     def verifier_ready(self) -> bool:
         """The verifier was SERVING at the last health check, and no generation has found it unavailable since."""
-        return self.verifier_serving and self.client is not None and not self.client.unreachable
+        return self.client is not None and self.client.ready

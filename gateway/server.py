@@ -68,33 +68,38 @@ class Gateway(GatewayContext):
                 http_task.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server exited during start-up")
             await asyncio.sleep(0.01)
-        self._tasks = [http_task, asyncio.create_task(self._mirror_health(), name="gateway-health"),
+        # The first health check before "ready": generations are refused while the verifier is not seen SERVING
+        serving = await self._check_health(None)
+        self._tasks = [http_task, asyncio.create_task(self._mirror_health(serving), name="gateway-health"),
                        asyncio.create_task(self.pace.run(), name="gateway-pace")]
         log.info("gateway ready: OpenAI API at http://%s:%d/v1 and gRPC Generation at %s:%d (model %s, verifier %s)",
                  cfg.host, self.port, cfg.host, self.grpc_port, cfg.model_name, cfg.verifier)
 
-    async def _mirror_health(self) -> None:
+    async def _mirror_health(self, serving: bool | None) -> None:
         """Our gRPC health is the verifier's: a load balancer should not send work we cannot do."""
-        serving = None
         while True:
-            try:
-                ok = await self.client.healthy()
-            except Exception:  # never let the mirror die: it is the only thing that flips us back
-                log.exception("health check of the verifier failed")
-                ok = False
-            if ok:  # the model info cached before we say serving, so that the first request does not wait on it
-                try:
-                    await self.client.model_info()
-                except GatewayError:  # (unreachable since, or it refuses us: logged by the client)
-                    ok = False
-                except Exception:
-                    log.exception("the verifier's model info")
-            self.verifier_serving = ok
-            if ok != serving:
-                await set_serving(self._health, ok)
-                log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")
-                serving = ok
             await asyncio.sleep(self.cfg.health_poll_s)
+            serving = await self._check_health(serving)
+
+    async def _check_health(self, serving: bool | None) -> bool:
+        """One look at the verifier's health (``serving``: what the last one found); → whether it is SERVING."""
+        try:
+            ok = await self.client.healthy()
+        except Exception:  # never let the mirror die: it is the only thing that flips us back
+            log.exception("health check of the verifier failed")
+            ok = False
+        if ok:  # the model info cached before we say serving, so that the first request does not wait on it
+            try:
+                await self.client.model_info()
+            except GatewayError:  # (unreachable since, or it refuses us: logged by the client)
+                ok = False
+            except Exception:
+                log.exception("the verifier's model info")
+        self.client.serving = ok
+        if ok != serving:
+            await set_serving(self._health, ok)
+            log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")
+        return ok
 
     @property
     def shutting_down(self) -> bool:

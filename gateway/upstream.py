@@ -49,6 +49,7 @@ class VerifierClient:
         # A generation found the verifier unreachable since the last health check that reached it: GET /health says
         # so at once rather than at the next check (up to health_poll_s later, while requests already got 503).
         self.unreachable = False
+        self.serving = False  # SERVING at the health mirror's last check (gateway.server._mirror_health)
 
     async def model_info(self) -> verifier_pb2.ModelInfo:
         """The verifier's ModelInfo (context length, vocab, EOS ids), fetched on first need and kept:
@@ -97,9 +98,19 @@ class VerifierClient:
         except grpc.aio.AioRpcError:
             return False
 
+    @property
+    def ready(self) -> bool:
+        """SERVING at the last health check, and no generation has found it unavailable since."""
+        return self.serving and not self.unreachable
+
     def generate(self, request: verifier_pb2.GenerateRequest, metadata: list[tuple[str, str]]):
         """Start one generation; the caller reads it with ``await call.read()`` and must
-        ``call.cancel()`` when it stops reading early, so the verifier frees the request."""
+        ``call.cancel()`` when it stops reading early, so the verifier frees the request. Refused at once (503,
+        which clients retry) while the last health check did not find the verifier SERVING: a stopped, hung or
+        restarting verifier would leave it waiting with no deadline while GET /health already says 503. (One
+        generation's UNAVAILABLE does not refuse the others: a dead verifier refuses their calls at once itself.)"""
+        if not self.serving:
+            raise GatewayError(503, UNAVAILABLE)
         request.message_interval_us = self._message_interval_us()
         return self._stub.Generate(request, metadata=[*metadata, *self._auth])
 

@@ -39,13 +39,19 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.max_context = max_context
         self.delay_s = 0.0  # pause between messages (disconnect tests)
         self.fail_with: tuple[grpc.StatusCode, str] | None = None  # answer the next Generate with this status
+        self.hung = False  # answer nothing (a stopped or hung verifier: its socket still accepts)
         self.requests: list[verifier_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []  # request ids whose call was cancelled by the client
         self.finished: list[str] = []
         self.metadata: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
+    async def _hang_while_hung(self) -> None:
+        while self.hung:
+            await asyncio.sleep(0.05)
+
     async def GetModelInfo(self, request, context):
+        await self._hang_while_hung()
         return verifier_pb2.ModelInfo(model="fake", vocab_size=self.vocab_size, max_context=self.max_context,
                                       eos_token_ids=[EOS_ID], speculative=True)
 
@@ -55,6 +61,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         with self._lock:
             self.requests.append(request)
             self.metadata.append({k: v for k, v in md if isinstance(v, str)})
+        await self._hang_while_hung()
         try:
             if self.fail_with is not None:
                 code, message = self.fail_with

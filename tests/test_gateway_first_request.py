@@ -52,7 +52,7 @@ def test_model_info_cached_before_serving():
         try:
             await gw.start()
             async with asyncio.timeout(10):
-                while not gw.verifier_serving:  # looked at on every turn of the loop the mirror runs on
+                while not gw.client.serving:  # looked at on every turn of the loop the mirror runs on
                     await asyncio.sleep(0)
             assert gw.client.known_info is not None
         finally:

@@ -52,3 +52,21 @@ def test_the_verifier_channel_retries_at_least_every_second():
     options = dict(upstream._CHANNEL_OPTIONS)
     assert options["grpc.max_reconnect_backoff_ms"] <= 1_000
     assert options["grpc.initial_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"]
+
+
+def test_a_hung_verifier_gets_new_requests_refused_at_once_not_left_waiting():
+    """A verifier that stops answering (SIGSTOP, a hang) while its socket still accepts: once a health check goes
+    unanswered, new generations are refused with a 503 clients retry, not held with no deadline."""
+    stack = Stack()
+    try:
+        assert _status(stack) == 200
+        stack.fake.hung = True
+        wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).status_code == 503, 5, "health to say 503")
+        started = time.monotonic()
+        assert _status(stack) == 503
+        assert time.monotonic() - started < 1.0
+        stack.fake.hung = False
+        wait_until(lambda: _status(stack) == 200, 5, "the gateway to serve again")
+    finally:
+        stack.fake.hung = False
+        stack.close()
