@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -38,6 +37,7 @@ from tandem import internal_secret, stack_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
 from tandem.service_runtime import LAUNCHER_PID_ENV
+from tandem.up_passthrough import passthrough_words
 
 log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
@@ -150,6 +150,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         raise TandemError("--drafter in-process runs a draft model in the verifier: give --draft-model DIR")
     if in_process and args.reload_root:
         raise TandemError("--reload-root: the drafter service reloads heads, which --drafter in-process does not have")
+    passed = {service: passthrough_words(service, getattr(args, f"{service}_args"))
+              for service in ("drafter", "verifier", "gateway")}
     picked = iter(free_ports(4))  # internal ports not given: free ones, so two stacks on a host do not collide
     ports = {name: given if given is not None else next(picked)
              for name, given in (("verifier", args.verifier_port), ("drafter", args.drafter_port),
@@ -168,7 +170,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                                               "--port", str(ports["drafter"]), *speculative.argv(),
                                               *_passthrough(args, shared.DRAFTER_ENGINE_FLAGS), *tracing, *secret,
                                               *reload_root, *drafter_metrics, *shared.LOG_LEVEL.argv(args),
-                                              *shlex.split(args.drafter_args)]))
+                                              *passed["drafter"]]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
                           *_passthrough(args, (*shared.ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing, *secret]
@@ -180,7 +182,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         verifier_argv += ["--capture-traffic", args.capture_traffic]
     if args.log_stats_interval is not None:
         verifier_argv += ["--log-stats-interval", str(args.log_stats_interval)]
-    children.append(Child("verifier", verifier_argv + shlex.split(args.verifier_args)))
+    children.append(Child("verifier", verifier_argv + passed["verifier"]))
     drafter_relay = (["--drafter-metrics-url", f"http://127.0.0.1:{ports['drafter_metrics']}/metrics"]
                      if draft is not None and not in_process else [])
     # (the gateway names a model given without --served-model-name as the verifier does, and then also takes its path
@@ -192,7 +194,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                                            "--verifier-metrics-url", f"http://127.0.0.1:{ports['metrics']}/metrics",
                                            *drafter_relay,
                                            *_passthrough(args, (*shared.GATEWAY_FLAGS, shared.LOG_LEVEL)),
-                                           *shlex.split(args.gateway_args)]))
+                                           *passed["gateway"]]))
     return UpPlan(children, ports, model, name, draft)
 
 

@@ -407,6 +407,32 @@ def test_up_passes_any_other_service_flag_through(folders):
     assert gateway_parser().parse_args(argvs["gateway"][3:]).log_level == "debug"
 
 
+def test_up_refuses_pass_through_flags_that_set_its_own_wiring(folders):
+    """A gateway given another --port through --gateway-args served there while tandem up waited on its own port for
+    600 s; every flag the launcher wires (each one a real flag of its service) is refused, abbreviations too."""
+    from drafter.__main__ import build_parser as drafter_parser
+    from gateway.config import build_parser as gateway_parser
+    from tandem.up_passthrough import OWNED
+    from verifier.__main__ import build_parser as verifier_parser
+
+    t, d = folders
+    parsers = {"drafter": drafter_parser(), "verifier": verifier_parser(), "gateway": gateway_parser()}
+    for service, owned in OWNED.items():
+        known = set(parsers[service]._option_string_actions)
+        for flag, ours in owned.items():
+            assert flag in known, (service, flag)
+            for word in (f"{flag} 1", f"{flag}=1", f"{flag[:-1]} 1"):
+                with pytest.raises(ConfigError) as refused:
+                    _up(["--model", t, "--draft-model", d, f"--{service}-args={word}"])
+                said = str(refused.value)
+                assert said.startswith(f"--{service}-args: {word.split()[0].split('=')[0]} is set by tandem up"), said
+                assert ours is None or said.endswith(f": give tandem up {ours}"), said
+    with pytest.raises(ConfigError, match="^--verifier-args: no closing quotation in "):
+        _up(["--model", t, "--draft-model", d, "--verifier-args=--served-model-name 'x"])
+    _up(["--model", t, "--draft-model", d, "--gateway-args=--metrics-prefix vllm",
+         "--verifier-args=--drafter-deadline-ms 3000"])  # (flags beside them pass)
+
+
 def test_up_drafter_in_process_starts_no_drafter(folders):
     t, d = folders
     argvs = _argvs(_up(["--model", t, "--draft-model", d, "--drafter", "in-process", "--spec-rounds", "2"]))
