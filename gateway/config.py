@@ -10,10 +10,9 @@ from pathlib import Path
 
 from tandem import args as shared, internal_secret
 from tandem import command_line
-from tandem.args import MODEL, served_name
+from tandem.args import API_KEY_ENV, MODEL, served_name
 from tandem.command_line import HelpFormatter
 
-API_KEY_ENV = "TANDEM_API_KEY"
 METRICS_PREFIXES = ("tandem", "vllm")  # --metrics-prefix: the /metrics families' name space (vllm: as vLLM names them)
 
 

@@ -65,6 +65,7 @@ MODEL = Flag(("--model", "--model-path"), dict(default=None, help="target model:
                                                                    "(default: the embedded demo target)"))
 REVISION = Flag(("--revision",), dict(default=None, help="the target's revision, with a Hugging Face id (default: main)"))
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
+API_KEY_ENV = "TANDEM_API_KEY"  # the gateway's API key where --api-key is not given (tandem up passes its own so)
 NO_DRAFT = "none"  # --draft-model none: no draft (tandem up: not the demo's head; the verifier: target-only)
 TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "--tp", "-tp"),
                dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))

@@ -216,7 +216,7 @@ def run_up(args: argparse.Namespace) -> int:
         children = plan.children
         env = dict(os.environ)
         if args.api_key:  # through the environment, not the gateway's argv that ps shows
-            env["TANDEM_API_KEY"] = args.api_key
+            env[shared.API_KEY_ENV] = args.api_key
         _check_gateway(plan.children[-1], env)  # refused now, not after the models' load (hundreds of GB)
         if args.model is None and args.device in ("cpu", "auto"):
             # The demo's models are tiny: one intra-op thread per service beats torch's default of one per core
@@ -228,7 +228,7 @@ def run_up(args: argparse.Namespace) -> int:
             child.start(env)
             _wait_healthy(child, args, plan.ports)
         base = f"http://{args.host}:{args.port}"
-        auth = "-H 'Authorization: Bearer <your --api-key>' " if args.api_key else ""
+        auth = "-H 'Authorization: Bearer <your API key>' " if env.get(shared.API_KEY_ENV) else ""
         drafter = (f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
                    f"--internal-secret-file): {secret_file}\n" if any(c.name == "drafter" for c in children) else "")
         mode = "no speculation" if plan.draft is None else \

@@ -14,7 +14,7 @@ _TARGET = dict.fromkeys(("--model", "--model-path"), "--model")
 _DRAFT = dict.fromkeys(("--draft-model", "--speculative-draft-model-path"), "--draft-model")
 OWNED: dict[str, dict[str, str | None]] = {
     "gateway": {**_TARGET, "--model-dir": "--model", "--port": "--port", "--grpc-port": "--grpc-port",
-                "--host": "--host", "--verifier": None, "--internal-secret-file": None,
+                "--host": "--host", "--api-key": "--api-key", "--verifier": None, "--internal-secret-file": None,
                 "--verifier-metrics-url": "--metrics-port", "--drafter-metrics-url": "--drafter-metrics-port"},
     "verifier": {**_TARGET, **_DRAFT, "--port": "--verifier-port", "--metrics-port": "--metrics-port",
                  "--drafter": "--drafter", "--internal-secret-file": None},
