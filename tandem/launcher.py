@@ -42,6 +42,8 @@ from tandem.up_passthrough import passthrough_words
 log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
 STABLE_S = 30.0  # a service that ran this long restarts after the first delay again
+STOP_TIMEOUT_S = 30.0  # a service told to stop that has not exited after this long is killed
+STOP_NOTICE_S = 10.0  # ... and one still running after this long is named (past the gateway's grace period)
 
 
 @dataclass
@@ -309,8 +311,8 @@ def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lamb
 
 def _stop_all(children: list[Child]) -> None:
     """Each service stopped after the one that depends on it has exited: the gateway first (no new requests; its
-    streams drain, as long as its grace period allows), then the verifier, then the drafter. One stuck for 30 s is
-    killed; a second Ctrl-C kills all that are left."""
+    streams drain, as long as its grace period allows), then the verifier, then the drafter. One stuck for STOP_TIMEOUT_S is
+    killed, saying so; a second Ctrl-C kills all that are left."""
     hurry = False
     for child in reversed(children):
         try:
@@ -318,10 +320,15 @@ def _stop_all(children: list[Child]) -> None:
                 continue
             if not hurry:
                 child.proc.send_signal(signal.SIGTERM)
-                child.proc.wait(timeout=30)
+                try:
+                    child.proc.wait(timeout=STOP_NOTICE_S)
+                except subprocess.TimeoutExpired:  # (a stuck service's stop is otherwise a silence of STOP_TIMEOUT_S)
+                    print(f"waiting for {child.name} to stop (killed {STOP_TIMEOUT_S - STOP_NOTICE_S:.0f} s from now; "
+                          "Ctrl-C again to kill everything now) ...", file=sys.stderr, flush=True)
+                    child.proc.wait(timeout=STOP_TIMEOUT_S - STOP_NOTICE_S)
                 continue
         except subprocess.TimeoutExpired:
-            pass
+            print(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s: killed", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             hurry = True
         _kill(child)

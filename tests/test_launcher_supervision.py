@@ -199,3 +199,24 @@ def test_services_stop_in_order_each_after_the_one_that_depends_on_it_has_exited
 
     assert at("gateway", "exit") <= at("verifier", "term") and at("verifier", "exit") <= at("drafter", "term")
     assert all(child.proc.returncode == 0 for child in children)
+
+
+def test_a_service_that_does_not_stop_is_named_then_killed(tmp_path, monkeypatch, capsys):
+    """A stuck service's stop was a silence of 30 s and a kill nobody was told of."""
+    from tandem import launcher
+
+    monkeypatch.setattr(launcher, "STOP_NOTICE_S", 0.3)
+    monkeypatch.setattr(launcher, "STOP_TIMEOUT_S", 1.0)
+    ready = tmp_path / "ready"
+    stuck = Child("verifier", [sys.executable, "-c", "import signal, sys, time\n"
+                                                     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                                     "open(sys.argv[1], 'w').close()\n"
+                                                     "time.sleep(60)\n", str(ready)])
+    stuck.start(dict(os.environ))
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:  # (its handler set before it is told to stop)
+        time.sleep(0.05)
+    _stop_all([stuck])
+    err = capsys.readouterr().err
+    assert stuck.proc.poll() is not None
+    assert "waiting for verifier to stop (killed 1 s from now" in err and "verifier did not stop within 1 s: killed" in err
