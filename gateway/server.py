@@ -21,6 +21,21 @@ from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
 
 log = logging.getLogger("gateway")
+
+
+class _GraceOverIsAWarning(logging.Filter):
+    """uvicorn logs the end of its graceful shutdown's wait as an ERROR; here it is the expected path of a stop with
+    streams still running (each is then ended with an event telling its client to retry): a WARNING, said so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in str(record.msg):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = ("shutdown: the grace period is over; %s stream(s) still running are cut short "
+                                       "(each client is told to retry)"), record.args
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_GraceOverIsAWarning())
 STOP_POLL_S = 0.05  # how soon the gRPC API starts draining once uvicorn was told to stop
 
 

@@ -4,6 +4,7 @@ error event the client can act on (then [DONE]), never by dropping the connectio
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import httpx
@@ -25,7 +26,7 @@ def _whole(stack, max_tokens: int, answers: list) -> None:
     answers.append((r.status_code, r.json()))
 
 
-def test_streams_running_past_the_grace_period_end_with_an_error_event():
+def test_streams_running_past_the_grace_period_end_with_an_error_event(caplog):
     stack = Stack(shutdown_grace_s=1.0)
     try:
         stack.fake.delay_s = 0.05
@@ -35,9 +36,15 @@ def test_streams_running_past_the_grace_period_end_with_an_error_event():
         for t in threads:
             t.start()
         wait_until(lambda: len(long) >= 2, what="the long stream to start")
-        stack.gateway.request_stop()  # (as SIGTERM does)
-        for t in threads:
-            t.join(15)
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            stack.gateway.request_stop()  # (as SIGTERM does)
+            for t in threads:
+                t.join(15)
+        # the expected end of a stop with streams running: a warning saying what happens, not uvicorn's ERROR
+        said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "uvicorn.error"]
+        assert ("WARNING", "shutdown: the grace period is over; 2 stream(s) still running are cut short (each client "
+                           "is told to retry)") in said, said
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], said
         assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
         assert long[-1] == "[DONE]", long[-3:]
         error = json.loads(long[-2])["error"]
