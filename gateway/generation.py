@@ -192,7 +192,12 @@ class GenerationStream:
         m.labels(m.generation_tokens).inc(self._completion_tokens)
         if reason != "error":
             m.labels(m.request_success, finished_reason=reason).inc()
-            m.labels(m.e2e).observe(time.monotonic() - self._arrival)
+            now = time.monotonic()
+            m.labels(m.e2e).observe(now - self._arrival)
+            if self._first_token_at is not None:
+                m.labels(m.decode_time).observe(now - self._first_token_at)
+            m.labels(m.request_prompt_tokens).observe(self._prompt_tokens)
+            m.labels(m.request_generation_tokens).observe(self._completion_tokens)
         self._span.set_attributes({"gen_ai.usage.prompt_tokens": self._prompt_tokens,
                                    "gen_ai.usage.completion_tokens": self._completion_tokens,
                                    "gen_ai.response.finish_reasons": [reason]})

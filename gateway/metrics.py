@@ -17,6 +17,7 @@ prometheus_client.disable_created_metrics()
 FINISH_REASONS = ("stop", "length", "abort")  # what a generation that did not fail ends with (the API's finish_reason)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))[:-2]  # vLLM's 1-2-5 steps, to 1M tokens
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0)
 
@@ -39,6 +40,12 @@ class GatewayMetrics:
                                  _LATENCY_BUCKETS, r, labels={"model_name": model_name})
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("tandem:request_decode_time_seconds", "First token to last, of requests that "
+                                     "finished (vLLM's decode phase).", m, buckets=_E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("tandem:request_prompt_tokens", "Prompt tokens of each request that "
+                                               "finished.", m, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("tandem:request_generation_tokens", "Tokens generated for each "
+                                                   "request that finished.", m, buckets=_TOKEN_BUCKETS, registry=r)
         self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
                              registry=r)
         self.relay_up = {service: Gauge(f"tandem:{service}_metrics_up", f"1 when this scrape holds the {service}'s "
@@ -47,7 +54,8 @@ class GatewayMetrics:
         self._model = model_name
         # Every series a dashboard reads exists from the start, at zero (as vLLM's do): a scrape before the first
         # request shows the histograms' buckets and the finish reasons, not only their HELP lines.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.running):  # (itl: always)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.decode_time,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.running):  # (itl: always)
             self.labels(metric)
         for reason in FINISH_REASONS:
             self.labels(self.request_success, finished_reason=reason)

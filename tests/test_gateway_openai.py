@@ -187,6 +187,13 @@ def test_metrics_move(stack, client):
     assert metric_value(after, "tandem:inter_token_latency_seconds_count") >= \
         metric_value(before, "tandem:inter_token_latency_seconds_count") + 5
     assert metric_value(after, "tandem:num_requests_running") == 0
+    for name, tokens in (("tandem:request_prompt_tokens", 2), ("tandem:request_generation_tokens", 6)):
+        assert metric_value(after, f"{name}_count") == metric_value(before, f"{name}_count") + 1
+        assert metric_value(after, f"{name}_sum") == metric_value(before, f"{name}_sum") + tokens
+        assert metric_value(after, f"{name}_bucket", le="5.0") == metric_value(before, f"{name}_bucket", le="5.0") + \
+            (tokens <= 5)
+    decode = "tandem:request_decode_time_seconds_count"
+    assert metric_value(after, decode) == metric_value(before, decode) + 1
 
 
 def test_every_series_a_dashboard_reads_is_there_before_the_first_request():
@@ -197,7 +204,8 @@ def test_every_series_a_dashboard_reads_is_there_before_the_first_request():
     text = GatewayMetrics("m").render().decode()
     for name in ("tandem:time_to_first_token_seconds_bucket", "tandem:inter_token_latency_seconds_bucket",
                  "tandem:e2e_request_latency_seconds_bucket", "tandem:prompt_tokens_total",
-                 "tandem:generation_tokens_total", "tandem:num_requests_running"):
+                 "tandem:generation_tokens_total", "tandem:num_requests_running", "tandem:request_prompt_tokens_bucket",
+                 "tandem:request_generation_tokens_bucket", "tandem:request_decode_time_seconds_bucket"):
         assert any(line.startswith(name + "{") and 'model_name="m"' in line for line in text.splitlines()), name
     for reason in FINISH_REASONS:
         assert f'tandem:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text, reason
