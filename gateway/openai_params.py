@@ -131,7 +131,11 @@ def parse_completion(body: dict, request_id: str, tok: Tokenizer, limits: Limits
 def _parse_prompt(body: dict, request_id: str, tok: Tokenizer, limits: Limits) -> OpenAIRequest:
     prompt_ids = _prompt_ids(body.get("prompt"), tok, limits, _add_special_tokens(body, True))
     check_prompt_ids(prompt_ids, limits.info.vocab_size, "prompt")
-    parsed = _common(body, request_id, prompt_ids, limits, integer(body, "max_tokens"), limits.default_max_tokens)
+    # (max_completion_tokens is chat's name; sent to a completion without max_tokens, it is what the client means)
+    requested, param = integer(body, "max_tokens"), "max_tokens"
+    if requested is None and body.get("max_completion_tokens") is not None:
+        requested, param = integer(body, "max_completion_tokens"), "max_completion_tokens"
+    parsed = _common(body, request_id, prompt_ids, limits, requested, limits.default_max_tokens, param)
     if not parsed.options.echo:
         return parsed
     prompt = body["prompt"]  # a string echoes as sent; token ids as their decode (vLLM does the same)

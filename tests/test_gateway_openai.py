@@ -87,6 +87,17 @@ def test_chat_without_max_tokens_uses_the_room_left_in_the_context(stack, client
     assert r.usage.completion_tokens == 512 - prompt_len
 
 
+def test_a_completion_takes_max_completion_tokens_without_max_tokens(stack):
+    body = {"model": MODEL_NAME, "prompt": [5, 6], "max_completion_tokens": 3}
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert stack.fake.requests[-1].sampling.max_new_tokens == 3
+    r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=10)  # (its own name wins)
+    assert stack.fake.requests[-1].sampling.max_new_tokens == 2
+    r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_completion_tokens": 0}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+
+
 def test_token_id_prompt_and_sampling_fields_reach_the_verifier(stack, client):
     r = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0.5, top_p=0.9,
                                   seed=11, extra_body={"top_k": 5, "ignore_eos": True, "stop_token_ids": [2]})
