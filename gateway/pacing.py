@@ -31,7 +31,8 @@ class PaceConfig:
     busy_floor: float = 0.5  # a loop busy this share of the time or less asks for nothing (by its CPU) ...
     floor_s: float = 0.001  # ... nor one whose mean lag is below this
     ratio: float = 2.0  # the interval asked for, in lags
-    sample_every_s: float = 0.01  # how often the lag is sampled
+    sample_every_s: float = 0.01  # how often the lag is sampled ...
+    idle_every_s: float = 0.1  # ... and while the last sample found the loop keeping up (an idle gateway's CPU)
     window: int = 16  # samples: the mean lag decays over about this many
 
 
@@ -59,13 +60,18 @@ class MessagePace:
         """Sample the running loop's lag until cancelled."""
         if self.cfg.most_s <= 0:
             return
-        loop = asyncio.get_running_loop()
+        c, loop = self.cfg, asyncio.get_running_loop()
         wall, cpu = self.clock(), time.thread_time()  # (this thread's: the loop's)
+        every = c.sample_every_s
         while True:
-            await asyncio.sleep(self.cfg.sample_every_s)
+            await asyncio.sleep(every)
             asked, lag = self.clock(), loop.create_future()
             loop.call_soon(lambda: lag.done() or lag.set_result(self.clock() - asked))
             lag_s = await lag
             now, cpu_now = self.clock(), time.thread_time()
-            self.observe(lag_s, min(1.0, (cpu_now - cpu) / max(now - wall, 1e-9)))
+            busy = min(1.0, (cpu_now - cpu) / max(now - wall, 1e-9))
+            # a slower sample counts as the samples its time holds, so the means decay at the same pace per second
+            for _ in range(max(1, round(every / c.sample_every_s))):
+                self.observe(lag_s, busy)
             wall, cpu = now, cpu_now
+            every = c.idle_every_s if lag_s < c.floor_s and busy <= c.busy_floor else c.sample_every_s
