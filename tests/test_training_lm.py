@@ -77,3 +77,31 @@ def test_train_writes_a_servable_folder_and_resume_matches_an_uninterrupted_run(
     with LLMEngine(EngineConfig(model=str(folder), kv_pages=32)) as engine:
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 5
+
+
+def test_out_that_this_trainer_did_not_write_is_refused_and_left_alone(tmp_path, capsys):
+    """--out is replaced by the trained model: a folder of anything else was deleted whole (user sweep)."""
+    from tandem.training.lm import main
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("precious")
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((victim, "holds files this trainer did not write"), (tmp_path / "afile", "is a file")):
+        assert main(["--out", str(out), "--steps", "1", "--no-compile"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --out {out}: {says}") and "\n" not in err, err
+    assert (victim / "notes.txt").read_text() == "precious" and (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("flags, says", [(["--steps", "0"], "--steps and --batch-size must be at least 1"),
+                                         (["--batch-size", "-1"], "--steps and --batch-size must be at least 1"),
+                                         (["--lr", "-1"], "--lr must be a positive number"),
+                                         (["--lr", "nan"], "--lr must be a positive number")])
+def test_settings_that_cannot_train_are_one_line_before_any_work(tmp_path, capsys, flags, says):
+    from tandem.training.lm import main
+
+    assert main(["--out", str(tmp_path / "m"), "--no-compile", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {says}") and "\n" not in err, err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.run").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.errors import ConfigError, TandemError
 from tandem.training import corpus
 from tandem.training.dense_llama import DenseLlama, LlamaDims, save_hf_folder
 from tandem.training.optim import OptimConfig, make_optimizer, optimizer_step
@@ -112,9 +114,32 @@ def prepare_tokenizer(run_dir: Path, vocab_size: int) -> None:
         train_tokenizer(run_dir, vocab_size)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """``out_dir`` is replaced by the trained model, so it must be new, empty, or a model this trainer wrote (its
+    training.json names the run's dims): any other folder or a file is refused, never deleted."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: is a file, not a folder")
+    if not any(out_dir.iterdir()):
+        return
+    try:
+        written = "dims" in json.loads((out_dir / "training.json").read_text()).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        written = False
+    if not written:
+        raise ConfigError(f"--out {out_dir}: holds files this trainer did not write (no training.json of a run): it "
+                          "would be replaced; give a new or empty folder")
+
+
 def train_lm(cfg: LMTrainConfig, out_dir: str | Path, run_dir: str | Path | None = None, resume: bool = False) -> dict:
     """Train and write the HF folder ``out_dir``; returns the summary also written to training.json."""
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
+    if cfg.steps < 1 or cfg.batch_size < 1:
+        raise ConfigError(f"--steps and --batch-size must be at least 1, got {cfg.steps} and {cfg.batch_size}")
+    if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
+        raise ConfigError(f"--lr must be a positive number, got {cfg.optim.lr}")
     run_dir = Path(run_dir) if run_dir is not None else out_dir.with_name(out_dir.name + ".run")
     run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device)
@@ -220,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(cfg, **overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train_lm(cfg, args.out, args.run_dir, resume=args.resume)
+    try:
+        train_lm(cfg, args.out, args.run_dir, resume=args.resume)
+    except (TandemError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
