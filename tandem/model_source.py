@@ -85,7 +85,7 @@ def safetensors_copy(folder: str) -> str:
     if (out / "model.safetensors").is_file():
         return str(out)
     import torch
-    from safetensors.torch import save_file
+    from tandem.safetensors_file import write_safetensors
 
     tensors: dict = {}
     for b in bins:
@@ -96,7 +96,7 @@ def safetensors_copy(folder: str) -> str:
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith("pytorch_model") and not f.name.startswith("."):
             shutil.copyfile(f, partial / f.name)
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(partial / "model.safetensors"),
+    write_safetensors({k: t.contiguous() for k, t in tensors.items()}, partial / "model.safetensors",
               metadata={"format": "pt", "converted_from": ",".join(b.name for b in bins)})
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from tandem.safetensors_file import write_safetensors
 
 from tandem.errors import CheckpointError
 from tandem.configs.model import ModelConfig
@@ -98,7 +98,7 @@ def save_eagle3(source: Eagle3Head | dict[str, torch.Tensor], cfg: DraftConfig, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # safetensors refuses views that share storage (the split fused weights): save contiguous copies.
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"))
+    write_safetensors({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, out / "model.safetensors")
     hf = dataclasses.replace(cfg, dtype=dtype, model_dir=None).to_hf_dict()
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from tandem.safetensors_file import write_safetensors
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ def write_random_llama(path: str | Path, shape: LlamaShape, dtype: str = "float3
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    save_file(random_llama_state(shape, torch_dtype, seed, std), str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(random_llama_state(shape, torch_dtype, seed, std), path / "model.safetensors",
+                      metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config(shape, dtype, bos, eos), indent=2))
     return path

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from tandem.safetensors_file import write_safetensors
 
 from tandem.errors import ConfigError
 
@@ -89,12 +89,9 @@ def write_shard(folder: Path, index: int, samples: list[TrafficSample]) -> Path:
     feature_offsets = torch.tensor([0] + [s.features.shape[0] for s in samples]).cumsum(0)
     prompt_lens = torch.tensor([s.prompt_len for s in samples], dtype=torch.int32)
     path = Path(folder) / f"shard-{index:06d}.safetensors"
-    tmp = path.with_suffix(".tmp")
-    save_file({"tokens": tokens, "features": features.contiguous(), "token_offsets": token_offsets,
-               "feature_offsets": feature_offsets, "prompt_lens": prompt_lens}, str(tmp),
-              metadata={"format": FORMAT, "samples": json.dumps([s.info for s in samples])})
-    tmp.replace(path)
-    return path
+    return write_safetensors({"tokens": tokens, "features": features.contiguous(), "token_offsets": token_offsets,
+                              "feature_offsets": feature_offsets, "prompt_lens": prompt_lens}, path,
+                             metadata={"format": FORMAT, "samples": json.dumps([s.info for s in samples])})
 
 
 @dataclass(frozen=True)

@@ -133,8 +133,6 @@ class TrafficRecorder:
             path = write_shard(self.folder, self._next_shard, samples)
         except Exception as e:  # noqa: BLE001 - a full disk or a removed folder must not take serving down
             log.error("traffic capture stops: could not write a shard (%s); %d samples dropped", e, len(samples))
-            for tmp in self.folder.glob("shard-*.tmp"):
-                tmp.unlink(missing_ok=True)
             with self._lock:
                 self._failed = True
             self._drop(len(samples))

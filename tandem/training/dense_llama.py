@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from tandem.safetensors_file import write_safetensors
 from torch import nn
 
 from tandem.layers.rotary import inverse_frequencies
@@ -173,7 +173,7 @@ def save_hf_folder(model: DenseLlama, out_dir: str | Path, bos: int | None, eos:
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     state = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg = hf_config(model.dims.shape(), dtype, bos, eos)
     cfg["rms_norm_eps"] = model.dims.rms_norm_eps
     cfg["tandem_training"] = {"dims": asdict(model.dims), **(extra or {})}  # provenance; loaders ignore it
