@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def _refused(argv: list[str], capsys, monkeypatch) -> str:
     (["--capture-layers", "1,2"], "--capture-layers 1,2: an EAGLE-3 head reads three target layers, each in [0, 6)"),
     (["--capture-layers", "1,2,6"], "each in [0, 6)"),
     (["--reload-drafter", "notaport"], "--reload-drafter notaport: want HOST:PORT"),
+    (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--epochs", "-3"], "--epochs must be a positive number, got -3.0"),
+    (["--temperature", "-2"], "--temperature must be 0 (greedy) or more, got -2.0"),
+    (["--eval-fraction", "5"], "--eval-fraction must be in [0, 1), got 5.0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
 ])
 def test_bad_flags_are_refused_before_the_target_loads(target, data, tmp_path, capsys, monkeypatch, extra, message):  # noqa: F811
     err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(tmp_path / "d"), *extra],
@@ -56,6 +63,34 @@ def test_out_is_never_the_target_or_another_model(target, data, tmp_path, capsys
     err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(other)], capsys, monkeypatch)
     assert "holds a model that is not an EAGLE-3 head: not overwritten" in err
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
+def test_out_that_is_a_file_a_foreign_head_or_unwritable_is_refused_before_loading(target, data, tmp_path, capsys,  # noqa: F811
+                                                                                   monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(afile)], capsys, monkeypatch)
+    assert f"--out {afile}: is a file, not a folder" in err
+    foreign = tmp_path / "foreign"  # a head from elsewhere (a SpecForge export), copied in: no training.json
+    from tandem.configs.model import ModelConfig
+    from tandem.models.eagle3_checkpoint import write_random_eagle3
+
+    write_random_eagle3(foreign, ModelConfig.from_dir(target), draft_vocab_size=VD)
+    before = {p.name: p.read_bytes() for p in foreign.iterdir()}
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(foreign)], capsys, monkeypatch)
+    assert "holds an EAGLE-3 head this trainer did not write (no training.json): not overwritten" in err
+    assert {p.name: p.read_bytes() for p in foreign.iterdir()} == before
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # (root writes anywhere: nothing to refuse)
+            pytest.skip("this user can write a read-only folder")
+        err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(locked / "head")], capsys,
+                       monkeypatch)
+        assert f"{locked} is not writable" in err
+    finally:
+        locked.chmod(0o700)
 
 
 def test_data_is_read_whole_before_the_target_loads(target, tmp_path, capsys, monkeypatch):  # noqa: F811

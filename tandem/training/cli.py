@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -80,14 +82,22 @@ def _check_before_loading(args: argparse.Namespace) -> None:
 
     for flag, value, least in (("--ttt-steps", args.ttt_steps, 1), ("--batch-size", args.batch_size, 1),
                                ("--checkpoint-every", args.checkpoint_every, 1), ("--max-steps", args.max_steps, 1),
-                               ("--draft-vocab-size", args.draft_vocab_size, 2), ("--max-new-tokens", args.max_new_tokens, 1)):
+                               ("--draft-vocab-size", args.draft_vocab_size, 2), ("--max-new-tokens", args.max_new_tokens, 1),
+                               ("--warmup-steps", args.warmup_steps, 0), ("--max-samples", args.max_samples, 1),
+                               ("--max-eval-prompts", args.max_eval_prompts, 1), ("--threads", args.threads, 1),
+                               ("--eval-max-new-tokens", args.eval_max_new_tokens, 1)):
         if value is not None and value < least:
             raise TandemError(f"{flag} must be at least {least}, got {value}")
+    for flag, value, ok, want in (("--lr", args.lr, args.lr > 0, "a positive number"),
+                                  ("--epochs", args.epochs, args.epochs > 0, "a positive number"),
+                                  ("--temperature", args.temperature, args.temperature >= 0, "0 (greedy) or more"),
+                                  ("--eval-fraction", args.eval_fraction, 0 <= args.eval_fraction < 1, "in [0, 1)")):
+        if not (math.isfinite(value) and ok):
+            raise TandemError(f"{flag} must be {want}, got {value}")
     out, target = Path(args.out).resolve(), Path(args.target_model).resolve()
     if out == target or target in out.parents or out in target.parents:
         raise TandemError(f"--out {args.out} is (or holds, or lies in) the target's folder: the head is written elsewhere")
-    if (out / "config.json").is_file() and "Eagle3" not in (out / "config.json").read_text():
-        raise TandemError(f"--out {args.out} holds a model that is not an EAGLE-3 head: not overwritten; give a new folder")
+    _check_out(args.out, out, args.resume)
     model = ModelConfig.from_dir(args.target_model)
     layers = args.capture_layers
     if layers is not None and (len(layers) != 3 or not all(0 <= i < model.num_layers for i in layers)):
@@ -97,6 +107,25 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise TandemError(f"--data {args.data}: no such file")
     if args.reload_drafter is not None and not args.reload_drafter.rpartition(":")[2].isdigit():
         raise TandemError(f"--reload-drafter {args.reload_drafter}: want HOST:PORT")
+
+
+def _check_out(given: str, out: Path, resume: bool) -> None:
+    """--out: a folder this run may write — not a file, not another model, not a head this trainer did not make
+    (its training.json: a copied head would be replaced without a word), and writable (found now, not after the
+    target's responses were generated)."""
+    if out.exists() and not out.is_dir():
+        raise TandemError(f"--out {given}: is a file, not a folder")
+    config = out / "config.json"
+    if config.is_file():
+        if "Eagle3" not in config.read_text():
+            raise TandemError(f"--out {given} holds a model that is not an EAGLE-3 head: not overwritten; give a new "
+                              "folder")
+        if not (out / "training.json").is_file() and not resume:
+            raise TandemError(f"--out {given} holds an EAGLE-3 head this trainer did not write (no training.json): not "
+                              "overwritten; give a new folder")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TandemError(f"--out {given}: {existing} is not writable")
 
 
 def job_from_args(args: argparse.Namespace):
@@ -278,6 +307,6 @@ def main_train_drafter(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     try:
         return run_train_drafter(args)
-    except (TandemError, ValueError, FileNotFoundError) as e:
+    except (TandemError, ValueError, OSError) as e:  # (OSError: a disk that filled, a folder removed meanwhile)
         print(f"error: {e}", file=sys.stderr)
         return 2
