@@ -103,6 +103,18 @@ def test_data_is_read_whole_before_the_target_loads(target, tmp_path, capsys, mo
     assert "none.jsonl: no such file" in err
 
 
+@pytest.mark.parametrize("row, says", [(b"5", "a row is a JSON object, got int"),
+                                       (b'{"messages": "hi"}', "a field of the wrong type"),
+                                       (b'{"prompt": "x", "response_token_ids": 7}', "a field of the wrong type"),
+                                       (b'{"prompt_token_ids": ["a"]}', "a field of the wrong type"),
+                                       (b'{"prompt": "abc\xff"}', "not UTF-8 text (byte 16 of the line)")])
+def test_a_malformed_row_is_one_line_naming_its_file_and_line(target, tmp_path, capsys, monkeypatch, row, says):  # noqa: F811
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt_token_ids": [5, 6, 7]}\n' + row + b"\n")
+    err = _refused(["--target-model", str(target), "--data", str(bad), "--out", str(tmp_path / "d")], capsys, monkeypatch)
+    assert f"error: {bad}:2: {says}" in err, err
+
+
 def test_nothing_left_to_train_on_is_said_plainly(target, tmp_path):  # noqa: F811
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"prompt_token_ids": [7], "response_token_ids": []}) + "\n" for _ in range(4)))

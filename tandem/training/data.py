@@ -97,19 +97,38 @@ def parse_row(row: dict, text: _Text, where: str, regenerate: bool = False) -> S
     return Sample(tuple(prompt), None if regenerate or response is None else tuple(response))
 
 
+def _parsed(row, text: _Text, where: str, regenerate: bool) -> Sample:
+    """parse_row, any malformed value of the row (a number for a row, a string for messages, a token id that is not a
+    number) one line naming where it is."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a row is a JSON object, got {type(row).__name__}")
+    try:
+        return parse_row(row, text, where, regenerate)
+    except (TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: a field of the wrong type ({type(e).__name__}: {str(e)[:120]}); rows hold 'prompt' "
+                          "or 'response' text, 'prompt_token_ids' or 'response_token_ids' integer lists, or "
+                          "'messages' / 'conversations' lists") from None
+
+
 def read_jsonl(path: str | Path, model_dir: str, regenerate: bool = False, limit: int | None = None) -> list[Sample]:
     text = _Text(model_dir)
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e})") from None
-            samples.append(parse_row(row, text, where, regenerate))
+            samples.append(_parsed(row, text, where, regenerate))
             if limit is not None and len(samples) >= limit:
                 break
     if not samples:
