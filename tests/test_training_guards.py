@@ -38,6 +38,8 @@ def _refused(argv: list[str], capsys, monkeypatch) -> str:
     (["--capture-layers", "1,2"], "--capture-layers 1,2: an EAGLE-3 head reads three target layers, each in [0, 6)"),
     (["--capture-layers", "1,2,6"], "each in [0, 6)"),
     (["--reload-drafter", "notaport"], "--reload-drafter notaport: want HOST:PORT"),
+    (["--reload-drafter", "127.0.0.1:1", "--internal-secret-file", "/nonexistent/secret"],
+     "--internal-secret-file /nonexistent/secret: No such file or directory"),
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--epochs", "-3"], "--epochs must be a positive number, got -3.0"),

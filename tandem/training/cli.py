@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tandem import args as shared
+from tandem import internal_secret
 from tandem.args import LOG_FORMAT
 from tandem.command_line import ArgumentParser
 from tandem.errors import TandemError
@@ -31,6 +33,7 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
                         "alone or with --data): its stored features need no target forward")
     p.add_argument("--reload-drafter", default=None, metavar="HOST:PORT",
                    help="when done, make the drafter service there serve the new head (tandem reload-drafter)")
+    shared.add(p, shared.INTERNAL_SECRET_FILE)  # (the drafter's, for --reload-drafter: tandem up prints where it is)
     p.add_argument("--out", "--output-dir", dest="out", default=None, help="draft folder to write (SGLang LlamaForCausalLMEagle3 format)")
     p.add_argument("--run-dir", default=None, help="samples, vocabulary and checkpoints (default: OUT.run)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder (samples, vocab, checkpoint)")
@@ -107,6 +110,8 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise TandemError(f"--data {args.data}: no such file")
     if args.reload_drafter is not None and not args.reload_drafter.rpartition(":")[2].isdigit():
         raise TandemError(f"--reload-drafter {args.reload_drafter}: want HOST:PORT")
+    if args.reload_drafter is not None:
+        internal_secret.load(args.internal_secret_file)  # (an unreadable file found now, not after training)
 
 
 def _check_out(given: str, out: Path, resume: bool) -> None:
@@ -190,7 +195,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if args.reload_drafter:
         from tandem.reload_client import reload_drafter
 
-        reply = reload_drafter(args.reload_drafter, args.out)
+        reply = reload_drafter(args.reload_drafter, args.out, secret=internal_secret.load(args.internal_secret_file))
         print(f"drafter at {args.reload_drafter} now serves {reply.draft_model} (generation {reply.generation})",
               file=sys.stderr)
     return 0

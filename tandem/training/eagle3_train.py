@@ -165,7 +165,9 @@ def train_eagle3(teacher: TargetTeacher, target_dir: str, samples: list[Sample],
     start = 0
     if resume and has_state(run_dir):
         start, _ = load_state(run_dir, head, opt)
-        note(f"resumed EAGLE-3 training at step {start} of {total}")
+        note(f"resumed EAGLE-3 training at step {start} of {total}" if start <= total else
+             f"the run folder holds step {start}, past the {total} steps asked: nothing more to train; the head "
+             f"written holds {start} steps")
     # Padding every batch to the longest sample lets torch.compile specialise once.
     step_fn = StepFunction(head, teacher, vocab, cfg, pad_to=-(-longest // 32) * 32)
     params = sum(p.numel() for p in head.parameters())
@@ -183,8 +185,10 @@ def train_eagle3(teacher: TargetTeacher, target_dir: str, samples: list[Sample],
     finally:
         bar.close()
     export(head, draft_cfg, out_dir)
-    return head, {"steps": total, "train_ema": ema, "seconds_this_run": round(time.perf_counter() - started, 1),
-            "draft_vocab_size": vocab.size, "vocab_coverage": vocab.coverage, "head_parameters": params}
+    return head, {"steps": max(start, total), "train_ema": ema,
+                  "seconds_this_run": round(time.perf_counter() - started, 1), "draft_vocab_size": vocab.size,
+                  # (a vocabulary read back from a resumed run has no counts: null, not NaN, which JSON lacks)
+                  "vocab_coverage": None if math.isnan(vocab.coverage) else vocab.coverage, "head_parameters": params}
 
 
 class TrainingInterrupted(TandemError):

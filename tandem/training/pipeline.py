@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +121,8 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     run = job.run_path
     train_file, eval_file = run / SAMPLES, run / EVAL_SAMPLES
     if _reusing(job, resume):
-        note(f"reusing the completed samples in {run}")
+        note(f"reusing the completed samples in {run} (those of the run that wrote them: --data and --traffic given "
+             "now are not read; a new run folder trains on them)")
         return load_samples(train_file), (load_samples(eval_file) if eval_file.is_file() else [])
     context = engine.model_config.max_position_embeddings
     samples = [fit_context(s, context) for s in samples]
@@ -209,8 +211,19 @@ def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samp
         eval_cfg = dataclasses.replace(job.eval, device=job.device, tp_size=job.tp_size, seed=job.seed)
         summary["eval"] = evaluate_pair(job.target_model, job.out, [list(s.prompt) for s in eval_samples], eval_cfg)
         note(format_report(summary["eval"]))
-    (Path(job.out) / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (Path(job.out) / "training.json").write_text(json.dumps(_without_nan(summary), indent=2, default=str) + "\n")
     return summary
+
+
+def _without_nan(value):
+    """``value`` with every NaN or infinity as None: training.json stays JSON (strict parsers refuse NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _without_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(v) for v in value]
+    return value
 
 
 SETTINGS_FILE = "settings.json"
