@@ -173,8 +173,9 @@ QUANTIZATION = Flag(("--quantization", "-q"), dict(
 
 def _kv_cache_dtype(value: str) -> str:
     if value.lower() != "auto":
-        raise argparse.ArgumentTypeError(f"{value!r}: the KV cache keeps the model's dtype (auto); quantized KV "
-                                         "caches are not supported")
+        quantized = value.lower().startswith(("fp8", "int8", "fp4"))
+        raise argparse.ArgumentTypeError(f"{value!r}: the KV cache always keeps the model's dtype: give auto"
+                                         + ("; quantized KV caches are not supported" if quantized else ""))
     return "auto"
 
 
@@ -214,17 +215,19 @@ ENABLE_METRICS = Flag(("--enable-metrics",), dict(
     action="store_true", help="SGLang's switch; the gateway always serves Prometheus metrics at /metrics"))
 
 
-def _refused(why: str, takes_value: bool = True) -> type[argparse.Action]:
+def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None) -> type[argparse.Action]:
     """An argparse action that stops with ``why`` (a peer's flag for something Tandem does not do: said, not an
-    "unrecognized arguments")."""
+    "unrecognized arguments"); ``takes_value``: True (one), False (none) or an argparse nargs ("+"); ``no_op``: the
+    value that asks for nothing (``--ep-size 1``, a peer's default), taken."""
 
     class Refused(argparse.Action):
         def __init__(self, option_strings, dest, **kwargs):
-            super().__init__(option_strings, dest, nargs=None if takes_value else 0, default=None,
-                             help=kwargs.get("help"))
+            nargs = takes_value if isinstance(takes_value, str) else (None if takes_value else 0)
+            super().__init__(option_strings, dest, nargs=nargs, default=None, help=kwargs.get("help"))
 
         def __call__(self, parser, namespace, values, option_string=None):
-            parser.error(f"{option_string}: {why}")
+            if no_op is None or values != no_op:
+                parser.error(f"{option_string}: {why}")
 
     return Refused
 
@@ -239,10 +242,39 @@ REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_P
                                                       help="refused: no reasoning parser (vLLM / SGLang flag)"))
 _NO_EXPERT_PARALLEL = ("expert parallelism is not supported: with --tp N every rank holds a 1/N slice of every expert "
                        "(the experts' intermediate dimension is split)")
-EXPERT_PARALLEL = Flag(("--enable-expert-parallel",), dict(action=_refused(_NO_EXPERT_PARALLEL, takes_value=False),
-                                                           help="refused: no expert parallelism (vLLM flag)"))
-EP_SIZE = Flag(("--ep-size", "--expert-parallel-size"), dict(action=_refused(_NO_EXPERT_PARALLEL),
-                                                             help="refused: no expert parallelism (SGLang flag)"))
+EXPERT_PARALLEL = Flag(("--enable-expert-parallel", "--enable-ep-moe"), dict(
+    action=_refused(_NO_EXPERT_PARALLEL, takes_value=False), help="refused: no expert parallelism (vLLM / SGLang flag)"))
+EP_SIZE = Flag(("--ep-size", "--expert-parallel-size"), dict(action=_refused(_NO_EXPERT_PARALLEL, no_op="1"),
+                                                             help="refused past 1: no expert parallelism (SGLang flag)"))
+# The multi-host and multi-replica layouts of SGLang and vLLM: a stack is one host, one replica
+_ONE_REPLICA = ("data parallelism is not built in: run one stack per replica behind a load balancer (each gateway's "
+                "/health says when it can take work)")
+DATA_PARALLEL = Flag(("--dp-size", "--dp", "--data-parallel-size"), dict(
+    action=_refused(_ONE_REPLICA, no_op="1"), help="refused past 1: one replica a stack (SGLang / vLLM flag)"))
+DP_ATTENTION = Flag(("--enable-dp-attention",), dict(
+    action=_refused("data-parallel attention is not supported: MLA's heads are split across the --tp ranks, each "
+                    "holding the whole latent cache", takes_value=False), help="refused (SGLang flag)"))
+_ONE_HOST = "one host only: --tp splits the model across the GPUs of one machine (up to 8)"
+NNODES = Flag(("--nnodes",), dict(action=_refused(_ONE_HOST, no_op="1"), help="refused past 1 (SGLang / vLLM flag)"))
+MULTI_NODE = Flag(("--node-rank", "--dist-init-addr"), dict(action=_refused(_ONE_HOST), help="refused (SGLang flags)"))
+PIPELINE_PARALLEL = Flag(("--pp-size", "--pipeline-parallel-size"), dict(
+    action=_refused("pipeline parallelism is not supported: " + _ONE_HOST.split(": ")[1], no_op="1"),
+    help="refused past 1 (SGLang / vLLM flag)"))
+MOE_BACKEND = Flag(("--moe-runner-backend", "--enable-eplb"), dict(
+    action=_refused("Tandem runs its own fused MoE kernels (no backend to choose) and places no experts (every rank "
+                    "holds a slice of each): nothing to balance", takes_value="?"),
+    help="refused (SGLang / vLLM flags)"))
+TOKENIZER = Flag(("--tokenizer", "--tokenizer-path"), dict(
+    action=_refused("the tokenizer is read from the model folder (the gateway's --model-dir)"),
+    help="refused: the model folder's tokenizer is used (vLLM / SGLang flag)"))
+GRAPH_BATCH_SIZES = Flag(("--cuda-graph-bs",), dict(
+    action=_refused("the graphs' batch sizes are 1 to 8, every 8 to 64, then every 16 up to --cuda-graph-max-bs: give "
+                    "that",
+                    takes_value="+"), help="refused: give --cuda-graph-max-bs (SGLang flag)"))
+TORCH_COMPILE = Flag(("--enable-torch-compile",), dict(
+    action="store_true", help="SGLang's switch, taken: serving runs CUDA graphs of Tandem's own kernels"))
+PEER_LAYOUT_FLAGS = (DATA_PARALLEL, DP_ATTENTION, NNODES, MULTI_NODE, PIPELINE_PARALLEL, MOE_BACKEND, TOKENIZER,
+                     GRAPH_BATCH_SIZES, TORCH_COMPILE)
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
                  TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
                  TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)
@@ -256,7 +288,7 @@ ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE, SEED,
                 ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE, QUANTIZATION,
-                KV_CACHE_DTYPE, EXPERT_PARALLEL, EP_SIZE)
+                KV_CACHE_DTYPE, EXPERT_PARALLEL, EP_SIZE, *PEER_LAYOUT_FLAGS)
 # The drafter service takes these of them too (its own graphs and dtype; its prompt extends' graphs take the prefill
 # graphs' widths).
 DRAFTER_ENGINE_FLAGS = (DTYPE, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_MAX_BS)

@@ -160,7 +160,8 @@ def test_tool_and_reasoning_parser_flags_are_refused_saying_why(argv, capsys):
         assert f"{argv[0]}: Tandem has no tool-call or reasoning parser" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--enable-expert-parallel"], ["--ep-size", "8"], ["--expert-parallel-size", "8"]])
+@pytest.mark.parametrize("argv", [["--enable-expert-parallel"], ["--enable-ep-moe"], ["--ep-size", "8"],
+                                  ["--expert-parallel-size", "8"]])
 def test_expert_parallel_flags_are_refused_saying_why(argv, capsys):
     from verifier.__main__ import build_parser as verifier_parser
 
@@ -169,6 +170,35 @@ def test_expert_parallel_flags_are_refused_saying_why(argv, capsys):
         with pytest.raises(SystemExit):
             parse()
         assert f"{argv[0]}: expert parallelism is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--dp", "2"], "data parallelism is not built in"), (["--data-parallel-size", "4"], "data parallelism is not"),
+    (["--enable-dp-attention"], "data-parallel attention is not supported"), (["--nnodes", "2"], "one host only"),
+    (["--dist-init-addr", "10.0.0.1:5000"], "one host only"), (["--pp-size", "2"], "pipeline parallelism is not"),
+    (["--moe-runner-backend", "triton"], "its own fused MoE kernels"), (["--enable-eplb"], "its own fused MoE"),
+    (["--tokenizer", "/x"], "the tokenizer is read from the model folder"),
+    (["--cuda-graph-bs", "1", "2", "4"], "the graphs' batch sizes are 1 to 8"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "give auto; quantized KV caches are not supported"),
+])
+def test_deployment_flags_of_sglang_and_vllm_are_refused_saying_why(argv, says, capsys):
+    """A DeepSeek deployment's command line: each layout flag Tandem does not have is refused with its reason, from
+    tandem up and the verifier, not "unrecognized arguments" (or a value taken for the model)."""
+    from verifier.__main__ import build_parser as verifier_parser
+
+    for parse in (lambda: build_parser().parse_args(["up", *argv]),
+                  lambda: verifier_parser().parse_args(["--model", "m", *argv])):
+        with pytest.raises(SystemExit):
+            parse()
+        err = capsys.readouterr().err
+        assert f"{argv[0]}: " in err and says in err, err
+
+
+def test_the_peers_no_op_values_of_those_flags_are_taken(folders):
+    t, _ = folders
+    plain = _verifier(["--model", t])
+    assert _verifier(["--model", t, "--ep-size", "1", "--dp", "1", "--nnodes", "1", "--pp-size", "1",
+                      "--enable-torch-compile", "--kv-cache-dtype", "auto"]) == plain
 
 
 def test_log_level_in_every_service_and_through_tandem_up(folders):
