@@ -70,7 +70,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         room = engine.context_len - len(prompt)
         if args.max_new_tokens > room:  # (as the gateway refuses it: not cut short without a word)
             raise TandemError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(prompt)} tokens and that many "
-                              f"new ones exceed the model's maximum context length of {engine.context_len}; lower it to "
+                              f"new ones exceed the context length of {engine.context_len} served here (the model's, or "
+                              f"--context-length / --max-model-len); lower it to "
                               f"at most {max(room, 0)}")
         started = time.perf_counter()
         result = engine.generate([prompt], params)[0]

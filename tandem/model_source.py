@@ -55,8 +55,12 @@ def _from_hub(name: str, revision: str | None, flag: str) -> str:
     try:
         return snapshot_download(name, **kwargs)
     except Exception as e:
+        said = " ".join(str(e).split())  # (one line: the hub's messages span several)
+        network = any(w in said for w in ("ConnectError", "Name or service not known", "Connection", "resolve"))
+        hint = ("; no network here? give a local folder, or set HF_HUB_OFFLINE=1 with the model in the cache" if network
+                else "")
         raise ConfigError(f"{flag} {name}{'@' + revision if revision else ''}: not in the Hugging Face cache {where}, and "
-                          f"downloading it failed ({type(e).__name__}: {str(e)[:200]})") from None
+                          f"downloading it failed ({type(e).__name__}: {said[:200]}){hint}") from None
 
 
 def cache_root() -> Path:

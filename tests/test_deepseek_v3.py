@@ -174,3 +174,13 @@ def test_unsupported_routing_is_refused_by_name(models, tmp_path):
     raw = json.loads((Path(models["q_lora-groups2"][0]) / "config.json").read_text())
     with pytest.raises(CheckpointError, match="topk_method=greedy, scoring_func=softmax is not supported"):
         ModelConfig.from_hf_dict({**raw, "topk_method": "greedy", "scoring_func": "softmax"})
+
+
+def test_routing_groups_that_cannot_work_are_named_plainly(models):
+    from tandem.errors import CheckpointError
+
+    raw = json.loads((Path(models["q_lora-groups2"][0]) / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="topk_group 4 exceeds n_group 1"):
+        ModelConfig.from_hf_dict({**raw, "n_group": 1, "topk_group": 4})
+    with pytest.raises(CheckpointError, match=r"experts do not form 3 groups of at least 2"):
+        ModelConfig.from_hf_dict({**raw, "n_group": 3, "topk_group": 1})

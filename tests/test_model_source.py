@@ -101,3 +101,21 @@ def test_a_bin_only_head_is_served_from_a_safetensors_copy(tmp_path, monkeypatch
     assert validate_draft(DraftConfig.from_dir(served), target) == validate_draft(DraftConfig.from_dir(original), target)
     assert resolve_model(str(published)) == str(served)  # made once
     assert resolve_model(str(original)) == str(original)  # safetensors: as given
+
+
+def test_a_download_that_fails_without_a_network_is_one_line_with_the_way_out(hub, monkeypatch):
+    import huggingface_hub
+
+    def unreachable(name, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise FileNotFoundError("not cached")
+        raise ConnectionError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while "
+                              "trying to locate the files on the Hub")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(ConfigError) as e:
+        resolve_model("moonshotai/Kimi-K2.5")
+    said = str(e.value)
+    assert "\n" not in said and "Name or service not known An error happened" in said, said
+    assert said.endswith("no network here? give a local folder, or set HF_HUB_OFFLINE=1 with the model in the cache")

@@ -208,3 +208,22 @@ def test_a_stack_of_experts_loads_and_dequantizes_per_expert():
             fmt.load(layer, name, t, Span.whole(48), Span.whole(64), expert=e)
         want.append(deq)
     assert torch.equal(fmt.dequantize(layer, torch.float32), torch.stack(want))
+
+
+def test_fused_parts_that_split_a_block_at_one_rank_say_so_not_choose_a_tp_size(ckpts, monkeypatch):
+    """Blocks taller than gate's rows (a checkpoint whose intermediate size is not a multiple of the block's rows):
+    up starts inside a block at TP 1 too, and the message says what the checkpoint lacks (a user sweep was told to
+    change a tensor-parallel size of 1)."""
+    import dataclasses
+
+    from tandem.configs.quantization import Fp8Block
+
+    cfg = ModelConfig.from_dir(ckpts["fp8"][0])
+    rows = 2 * cfg.intermediate_size  # taller than gate's rows: up's first row falls inside gate's block
+    cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, scheme=Fp8Block((rows, 64))))
+    _set_rank(monkeypatch, 0, 1)
+    with pytest.raises(ConfigError) as e:
+        CausalLM(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "choose a tensor-parallel size" not in msg, msg
+    assert "the parts fused into this projection must each hold whole" in msg and "not supported" in msg, msg

@@ -221,8 +221,8 @@ def test_the_tensor_parallel_check_names_the_dimension_that_does_not_split(check
     for changed, tp, named in ((dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads cannot be split 4 ways"),
                                (dict(num_heads=12, num_kv_heads=6), 4, "6 key/value heads cannot be split 4 ways"),
                                (dict(num_kv_heads=3, num_heads=12), 4, "3 key/value heads cannot be shared evenly by 4"),
-                               (dict(intermediate_size=100), 8, "100 MLP intermediate size cannot be split 8 ways"),
-                               (dict(moe=moe), 8, "36 experts' intermediate size cannot be split 8 ways")):
+                               (dict(intermediate_size=100), 8, "MLP intermediate size 100 cannot be split 8 ways"),
+                               (dict(moe=moe), 8, "experts' intermediate size 36 cannot be split 8 ways")):
         with pytest.raises(ConfigError) as e:
             dataclasses.replace(base, **changed).check_tensor_parallel(tp)
         assert str(e.value).startswith(f"--tp-size {tp}: the model's {named}"), str(e.value)

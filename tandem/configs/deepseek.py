@@ -180,7 +180,10 @@ def _moe(text: dict[str, Any], source: str) -> MoeConfig | None:
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
     )
     per_group = cfg.n_routed_experts // cfg.n_group
-    if cfg.n_routed_experts % cfg.n_group or (cfg.n_group > 1 and per_group < 2) or cfg.topk_group > cfg.n_group:
+    if cfg.topk_group > cfg.n_group:
+        raise CheckpointError(f"{source}: topk_group {cfg.topk_group} exceeds n_group {cfg.n_group} (the groups a token's "
+                              "experts are chosen from are among the n_group groups)")
+    if cfg.n_routed_experts % cfg.n_group or (cfg.n_group > 1 and per_group < 2):
         raise CheckpointError(
             f"{source}: {cfg.n_routed_experts} experts do not form {cfg.n_group} groups of at least 2 "
             f"(topk_group {cfg.topk_group})"

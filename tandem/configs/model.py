@@ -89,15 +89,17 @@ class ModelConfig(AttentionWidths):
     def check_tensor_parallel(self, tp: int) -> None:
         """ConfigError naming the first of this model's dimensions that ``tp`` ranks cannot split (the layers' own
         checks name only a width, and only once the ranks are up)."""
-        splits = [("attention heads", self.num_heads), ("MLP intermediate size", self.intermediate_size)]
+        # (a count reads before its noun, a size after: "4 attention heads", "MLP intermediate size 160")
+        splits = [(f"{self.num_heads} attention heads", self.num_heads),
+                  (f"MLP intermediate size {self.intermediate_size}", self.intermediate_size)]
         if self.mla is None and self.num_kv_heads >= tp:  # (fewer KV heads than ranks are replicated)
-            splits.append(("key/value heads", self.num_kv_heads))
+            splits.append((f"{self.num_kv_heads} key/value heads", self.num_kv_heads))
         if self.moe is not None:
-            splits.append(("experts' intermediate size", self.moe.moe_intermediate_size))
+            splits.append((f"experts' intermediate size {self.moe.moe_intermediate_size}", self.moe.moe_intermediate_size))
         for what, n in splits:
             if n % tp:
                 sizes = [d for d in range(1, 9) if all(m % d == 0 for _, m in splits)]  # (up to one node's 8)
-                raise ConfigError(f"--tp-size {tp}: the model's {n} {what} cannot be split {tp} ways (sizes that "
+                raise ConfigError(f"--tp-size {tp}: the model's {what} cannot be split {tp} ways (sizes that "
                                   f"can: {', '.join(map(str, sizes))})")
         if self.mla is None and self.num_kv_heads < tp and tp % self.num_kv_heads:
             raise ConfigError(f"--tp-size {tp}: the model's {self.num_kv_heads} key/value heads cannot be shared "

@@ -51,6 +51,15 @@ class QuantConfig:
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors: "Linear" means every linear
     ignore: tuple[str, ...] = ()
 
+    def describe(self) -> str:
+        """One phrase for a start-up log line: the scheme and what it covers."""
+        if isinstance(self.scheme, Fp8Block):
+            what = f"fp8 block-wise {self.scheme.block[0]}x{self.scheme.block[1]}"
+        else:
+            what = f"int4 group {self.scheme.group_size}"
+        covers = "every linear" if self.method == "fp8" or "Linear" in self.targets else "the targeted linears"
+        return f"{what} on {covers}" + (f" but {len(self.ignore)} ignored" if self.ignore else "")
+
     def scheme_for(self, names: Sequence[str]) -> LinearScheme | None:
         """The scheme of the linear whose checkpoint module names are ``names`` (several for a fused
         projection: they must agree), or None where it stays unquantized."""

@@ -31,8 +31,9 @@ from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, fail_process
 log = logging.getLogger("tandem.executor")
 
 
-def _worker_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+def _worker_main(cfg: EngineConfig, rank: int, init_method: str, log_level: int) -> None:
+    """``log_level``: rank 0's (a quiet `tandem generate` keeps every rank quiet)."""
+    logging.basicConfig(level=log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     exit_with_parent_process(f"tensor-parallel rank {rank}")  # (rank 0 killed outright: nothing broadcasts "stop")
     torch.set_num_threads(1)
     init_tp(rank, cfg.tp_size, init_method, rank_device(cfg.device, rank))
@@ -110,7 +111,9 @@ class TargetExecutor:
                 ctx = mp.get_context("forkserver")
                 ctx.set_forkserver_preload([__name__])
             for rank in range(1, cfg.tp_size):
-                p = ctx.Process(target=_worker_main, args=(cfg, rank, init_method), daemon=True, name=f"tandem-tp{rank}")
+                level = logging.getLogger().getEffectiveLevel()
+                p = ctx.Process(target=_worker_main, args=(cfg, rank, init_method, level), daemon=True,
+                                name=f"tandem-tp{rank}")
                 p.start()
                 self._workers.append(p)
             self._watch_ranks()

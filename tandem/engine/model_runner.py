@@ -71,14 +71,20 @@ class ModelRunner:
         for module in self.model.modules():  # what a layer derives from its weights (tandem.layers.moe)
             if hasattr(module, "weights_loaded"):
                 module.weights_loaded()
-        log.info("rank %d: loaded %s (%s, %s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
-                 str(self.dtype).replace("torch.", ""), time.perf_counter() - started)
+        quant = model_cfg.quantization
+        log.info("rank %d: loaded %s (%s, %s%s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
+                 str(self.dtype).replace("torch.", ""), f", {quant.describe()}" if quant is not None else "",
+                 time.perf_counter() - started)
 
         spec = self.model.kv_spec()
         self.backend = make_backend(cfg.attention_backend, self.device, latent=spec.entries == 1)
         self.num_pages = self._size_kv_pool(spec)
         self.kv = KVPool.from_spec(spec, model_cfg.num_layers, self.num_pages, cfg.page_size, self.dtype, self.device)
-        log.info("rank %d: KV cache %d pages x %d tokens", self.rank, self.num_pages, cfg.page_size)
+        page_bytes = KVPool.bytes_per_page(model_cfg.num_layers, cfg.page_size, spec.heads, spec.dim, self.dtype,
+                                           spec.entries)
+        log.info("rank %d: KV cache %d pages x %d tokens = %d tokens, %.2f GiB (%d bytes a token)", self.rank,
+                 self.num_pages, cfg.page_size, self.num_pages * cfg.page_size, self.num_pages * page_bytes / 2**30,
+                 page_bytes // cfg.page_size)
         self.graphs = None
         graphable = self.model.supports_cuda_graphs
         wanted = (self.device.type == "cuda" and not cfg.disable_cuda_graph) or cfg.static_graph_path

@@ -103,10 +103,13 @@ class QuantFormat:
         tail = span.src + span.length == span.full and span.dst + span.length == span.local
         if span.src % unit == 0 and span.dst % unit == 0 and (span.length % unit == 0 or tail):
             return
+        tp = tp_group().size
+        fix = (f"choose a tensor-parallel size (now {tp}) that keeps whole {what}s" if tp > 1 else
+               f"the parts fused into this projection must each hold whole {what}s, and this checkpoint's do not "
+               f"(their {dim} are not a multiple of {unit}): not supported")
         raise ConfigError(
             f"{self.name}: this rank's {dim} {span.src}..{span.src + span.length} of {span.full} (placed at "
-            f"{span.dst} of {span.local}) would split a {what} ({unit} {dim} each); choose a tensor-parallel "
-            f"size (now {tp_group().size}) that keeps whole {what}s"
+            f"{span.dst} of {span.local}) would split a {what} ({unit} {dim} each); {fix}"
         )
 
     def load(self, layer: nn.Module, param: str, tensor: torch.Tensor, rows: Span, cols: Span,
