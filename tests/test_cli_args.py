@@ -280,6 +280,15 @@ def test_the_drafter_takes_the_prefill_graph_flags_with_the_engines_defaults(fol
         _drafter(["--model", d, "--prefill-graph-tokens", "-1"], t)
 
 
+def test_verbose_is_taken_before_or_after_generate():
+    from tandem import command_line
+
+    tail = ["--max-new-tokens", "1", "--prompt", "x"]
+    said = [command_line.parse_args(build_parser(), argv, subcommand=True).verbose
+            for argv in (["generate", *tail], ["-v", "generate", *tail], ["generate", "-v", *tail])]
+    assert said == [False, True, True]
+
+
 def test_generate_aliases(folders):
     t, d = folders
     canonical = _generate(["--model", t, "--tp-size", "2", "--draft-model", d, "--max-running-requests", "3",
