@@ -15,6 +15,7 @@ def test_the_eta_leaves_out_the_first_steps_one_off_cost(monkeypatch):
     bar = progress.Progress("eagle3", 101, stream=out, every_s=0.0)
     clock[0] = 90.0  # the first step compiles: 90 s
     bar.update(1, tokens=100)
+    assert "ETA ?" in out.getvalue().splitlines()[-1]  # (one step, its time all compilation: no ETA yet)
     clock[0] = 100.0  # then 1 s a step
     bar.update(11, tokens=1000)
     line = out.getvalue().splitlines()[-1]

@@ -40,20 +40,20 @@ class Progress:
             return
         self._last_print = now
         elapsed = now - self.t0
-        done = step - self.start
         # Rate and ETA from the first update on where there are steps since: the first step pays one-off costs
         # (torch.compile: a minute and more), which would make the ETA of a long run many times too long.
         t1, step1, tokens1 = self._first
+        eta_text = None
         if step > step1 and now > t1:
             rate, eta = (self.tokens - tokens1) / (now - t1), (now - t1) / (step - step1) * (self.total - step)
-        else:
-            rate = self.tokens / elapsed if elapsed > 0 else 0.0
-            eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        else:  # (the first update alone: its time holds those costs, so no ETA until a second one)
+            rate, eta = (self.tokens / elapsed if elapsed > 0 else 0.0), 0.0
+            eta_text = "?" if step < self.total else None
         parts = [f"{self.label} {step}/{self.total}"]
         parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
         if self.tokens:
             parts.append(f"{rate:,.0f} tok/s")
-        parts.append(f"{format_seconds(elapsed)} elapsed, ETA {format_seconds(eta)}")
+        parts.append(f"{format_seconds(elapsed)} elapsed, ETA {eta_text or format_seconds(eta)}")
         line = " | ".join(parts)
         if self.tty:
             self.stream.write("\r\033[K" + line)
