@@ -16,11 +16,12 @@ from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("gateway.upstream")
 
-# Keepalive lets a dead verifier surface as UNAVAILABLE on streams that are waiting on it, instead
-# of hanging until TCP notices. The verifier must allow pings this often (ecosystem.md §2).
+# Keepalive lets a dead or stopped verifier surface as UNAVAILABLE on streams that are waiting on it (within ~20 s),
+# instead of hanging until TCP notices — or forever, where the host still answers TCP for a stopped process. The
+# verifier allows pings every 10 s (verifier/serve.py: min_recv_ping_interval_without_data_ms): 15 s stays above it.
 _CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", 15_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
     # gRPC's reconnect backoff grows to 2 minutes by default: a verifier back after a restart went
