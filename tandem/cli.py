@@ -21,7 +21,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     shared.add_speculative(p)
     shared.add(p, *shared.ENGINE_FLAGS)
     # (also after the subcommand, where users put it; SUPPRESS: absent here, `tandem -v generate` keeps its value)
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress at INFO level")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log progress at INFO level (default: off, as tandem -v generate)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, encoded with the tokenizer's special tokens (BOS) as "
                                          "transformers does (needs tokenizer.json, or tiktoken.model, in the model folder)")
