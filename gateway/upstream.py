@@ -22,6 +22,7 @@ log = logging.getLogger("gateway.upstream")
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 15_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # (any ping's ack: without it a stopped verifier's streams waited 60 s)
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
     # gRPC's reconnect backoff grows to 2 minutes by default: a verifier back after a restart went
