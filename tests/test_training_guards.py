@@ -250,3 +250,19 @@ def test_a_fresh_run_clears_the_run_folder_a_later_resume_reads(target, data, tm
         pipeline.run_job(job(target, data, out, max_steps=3, ttt_steps=2))
     assert not any((run / name).exists() for name in (*pipeline.RUN_FILES, "train_state.pt"))
     assert json.loads((run / "settings.json").read_text())["ttt_steps"] == 2
+
+
+def test_a_fresh_run_refused_for_its_data_leaves_the_run_folder_as_it_was(target, data, tmp_path, capsys,  # noqa: F811
+                                                                          monkeypatch):
+    """A fresh run cleared the earlier run's files (and wrote its settings) before reading --data: a typo in the
+    data's path or a bad row cost the earlier run's samples and checkpoint."""
+    out = tmp_path / "draft"
+    pipeline.run_job(job(target, data, out, max_steps=3))
+    run = out.with_name("draft.run")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [5, 6]}\n{not json\n')
+    monkeypatch.setattr(pipeline, "make_engine", lambda job: pytest.fail("the target was loaded"))
+    with pytest.raises(ConfigError, match="bad.jsonl:2: not valid JSON"):
+        pipeline.run_job(job(target, bad, out, max_steps=3, ttt_steps=2))
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

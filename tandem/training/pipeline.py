@@ -131,7 +131,7 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     note(f"the target writes responses for {sum(s.response is None for s in samples)} of {len(samples)} samples "
          f"(+{len(eval_samples)} held out), up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
     # Each chunk's responses are kept in the run folder as they come, for a --resume after an interrupt (a fresh
-    # run's check_settings cleared the folder).
+    # run's start_run_folder cleared the folder).
     run.mkdir(parents=True, exist_ok=True)
     partial = {name: run / kept for name, kept in PARTIAL.items()}
     samples = complete_samples(engine, samples, params, kept=partial[SAMPLES])
@@ -191,8 +191,9 @@ def run_job(job: DrafterTrainJob, samples: list[Sample] | None = None, eval_samp
 
     if job.traffic:
         job = with_traffic_layers(job)
-    check_settings(job, resume)
+    settings = check_settings(job, resume)
     samples, eval_samples = read_data(job, samples, eval_samples, resume)
+    start_run_folder(job, resume, settings)  # (after the data is read: a run refused for its data changes nothing)
     torch.manual_seed(job.seed)
     engine = make_engine(job)
     try:
@@ -229,9 +230,10 @@ def _without_nan(value):
 SETTINGS_FILE = "settings.json"
 
 
-def check_settings(job: DrafterTrainJob, resume: bool) -> None:
-    """What shapes the head (the target, its layers, the draft vocabulary, TTT, the loss) is written to the run folder;
-    a resumed run with other values is refused, naming them: its samples, vocabulary and checkpoint are of the first."""
+def check_settings(job: DrafterTrainJob, resume: bool) -> dict | None:
+    """What shapes the head (the target, its layers, the draft vocabulary, TTT, the loss), to be written to the run
+    folder (``start_run_folder``; None: a resumed run's, already there); a resumed run with other values is refused,
+    naming them: its samples, vocabulary and checkpoint are of the first."""
     from tandem.configs.model import ModelConfig
 
     target = ModelConfig.from_dir(job.target_model)
@@ -249,12 +251,19 @@ def check_settings(job: DrafterTrainJob, resume: bool) -> None:
         if changed:
             raise ConfigError(f"--resume of {job.run_path} with other settings ({'; '.join(changed)}): resume with "
                               "the first run's, or start a new run folder")
+        return None
+    return settings
+
+
+def start_run_folder(job: DrafterTrainJob, resume: bool, settings: dict | None) -> None:
+    """Write ``settings`` (check_settings') to the run folder; a fresh run first clears an earlier run's files there."""
+    if settings is None:
         return
     job.run_path.mkdir(parents=True, exist_ok=True)
     if not resume:  # a fresh run starts from nothing: a later --resume must not find an earlier run's files
         for name in (*RUN_FILES, STATE_FILE):
             (job.run_path / name).unlink(missing_ok=True)
-    path.write_text(json.dumps(settings, indent=1) + "\n")
+    (job.run_path / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
 
 
 def _draft_vocab_size(job: DrafterTrainJob, target_vocab: int) -> int:
