@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from multiprocessing.connection import wait
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -27,20 +28,41 @@ def signal_on_parent_death(signum: int) -> bool:
     return False
 
 
-def exit_with_parent_process(what: str) -> bool:
+def exit_with_parent_process(what: str, parent_pid: int | None = None) -> bool:
     """In a process started by ``multiprocessing``: exit (code 1, after one log line naming ``what``) as soon as the
     parent process ends, however it ends. A tensor-parallel rank blocked in an NCCL collective waits for a rank 0 that
     was killed outright forever, holding its GPU's memory; a thread waiting on the parent's sentinel (a pipe the parent
     holds, closed by the kernel when it dies) ends it. The main thread may sit in the collective: the GIL is free
-    there. → whether the watch started (False: not a ``multiprocessing`` child)."""
+    there. ``parent_pid``: the process that started it, where ``multiprocessing`` names another (its fork server).
+    → whether the watch started (False: not a ``multiprocessing`` child)."""
     parent = multiprocessing.parent_process()
     if parent is None or parent.sentinel is None:
         return False
+    pid = parent_pid if parent_pid is not None else parent.pid
 
     def watch() -> None:
         wait([parent.sentinel])
-        logging.getLogger("tandem.parent_death").error("%s: the parent process (pid %s) ended; exiting", what, parent.pid)
+        # Started through a fork server (the CPU's), the sentinel follows that server, which a signal to the process
+        # group may end while the parent lives on: the parent's pid decides.
+        while process_alive(pid):
+            time.sleep(0.5)
+        logging.getLogger("tandem.parent_death").error("%s: the parent process (pid %s) ended; exiting", what, pid)
         os._exit(1)
 
     threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
     return True
+
+
+def process_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` runs (not a zombie: one that ended and awaits its reaping is gone)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return not sys.platform.startswith("linux")  # (Linux without /proc/PID: gone)

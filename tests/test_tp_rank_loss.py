@@ -29,6 +29,15 @@ if __name__ == "__main__":
     print("generated", flush=True)
     if {then!r} == "wait":
         time.sleep(60)  # (idle: rank 1 waits in a broadcast)
+    elif {then!r} == "group-term":  # a service's drain on SIGTERM, sent to the whole group (systemd's default)
+        import signal
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        print("ready", flush=True)
+        while not stop:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the drain: a dead rank would be reported meanwhile)
+        engine.shutdown()
     elif {then!r} == "shutdown":
         engine.shutdown()
 """
@@ -37,7 +46,8 @@ if __name__ == "__main__":
 def _rank0(tmp_path, llama, then: str) -> subprocess.Popen:
     script = tmp_path / "rank0.py"
     script.write_text(RANK0.format(root=str(ROOT), tests=str(ROOT / "tests"), model=llama.path, then=then))
-    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def test_rank_0_exits_when_another_rank_is_killed(tmp_path, llama):
@@ -60,5 +70,19 @@ def test_ranks_ended_on_purpose_are_not_a_loss(tmp_path, llama, then):
         out, err = rank0.communicate(timeout=60)
         assert rank0.returncode == 0 and "generated" in out, err[-2000:]
         assert "ended (exit code" not in err
+    finally:
+        rank0.kill()
+
+
+def test_a_sigterm_to_the_whole_group_is_rank_0s_to_answer_not_a_lost_rank(tmp_path, llama):
+    """systemd (KillMode=control-group) and a terminal's Ctrl-C signal every process of the group: the ranks leave the
+    stop to rank 0, which drains and shuts them down; none dies under it, read as a lost rank (exit 3)."""
+    rank0 = _rank0(tmp_path, llama, "group-term")
+    try:
+        assert rank0.stdout.readline().split() and rank0.stdout.readline().strip() == "generated"
+        assert rank0.stdout.readline().strip() == "ready"
+        os.killpg(rank0.pid, signal.SIGTERM)
+        assert rank0.wait(30) == 0, rank0.stderr.read()[-2000:]
+        assert "ended (exit code" not in rank0.stderr.read()
     finally:
         rank0.kill()

@@ -15,7 +15,10 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
+import time
 from multiprocessing.connection import wait
 
 import torch
@@ -25,16 +28,21 @@ from tandem.forward_batch import ForwardBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner, rank_device
 from tandem.configs.model import ModelConfig
-from tandem.parent_death import exit_with_parent_process
+from tandem.parent_death import exit_with_parent_process, process_alive
 from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, fail_process
 
 log = logging.getLogger("tandem.executor")
 
 
-def _worker_main(cfg: EngineConfig, rank: int, init_method: str, log_level: int) -> None:
+def _worker_main(cfg: EngineConfig, rank: int, init_method: str, log_level: int, rank0_pid: int) -> None:
     """``log_level``: rank 0's (a quiet `tandem generate` keeps every rank quiet)."""
     logging.basicConfig(level=log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    exit_with_parent_process(f"tensor-parallel rank {rank}")  # (rank 0 killed outright: nothing broadcasts "stop")
+    # A rank ends by rank 0's "stop", its parent's end, or a kill — not by a terminal's Ctrl-C or a service manager's
+    # SIGTERM to the whole process group, which rank 0 answers with a drain of its own (the rank gone meanwhile would
+    # read as a lost rank, and a trainer's last step could not be saved).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent_process(f"tensor-parallel rank {rank}", rank0_pid)  # (rank 0 killed outright: no "stop" comes)
     torch.set_num_threads(1)
     init_tp(rank, cfg.tp_size, init_method, rank_device(cfg.device, rank))
     runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model))
@@ -83,6 +91,16 @@ def _follow_chain_rounds(runner: ModelRunner, first: ForwardBatch | None, tables
     return fam, bs
 
 
+def _end_ranks(workers: list, stopping: threading.Event) -> None:
+    """At interpreter exit with the ranks still up: kill them (they ignore the SIGTERM multiprocessing's own exit hook
+    sends, and it would then wait on them forever), quietly."""
+    stopping.set()
+    for p in workers:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+
+
 class _RoundFollowers:
     """Rank 0's handle on the other ranks for a run of chain rounds (``queue_chain_rounds(followers=...)``)."""
 
@@ -112,7 +130,7 @@ class TargetExecutor:
                 ctx.set_forkserver_preload([__name__])
             for rank in range(1, cfg.tp_size):
                 level = logging.getLogger().getEffectiveLevel()
-                p = ctx.Process(target=_worker_main, args=(cfg, rank, init_method, level), daemon=True,
+                p = ctx.Process(target=_worker_main, args=(cfg, rank, init_method, level, os.getpid()), daemon=True,
                                 name=f"tandem-tp{rank}")
                 p.start()
                 self._workers.append(p)
@@ -135,13 +153,20 @@ class TargetExecutor:
         start-up, init's rendezvous for 30 minutes), the service SERVING and its requests hung. A supervisor starts
         the whole group again. At interpreter exit, ``multiprocessing`` ends the ranks (daemons): not a loss."""
         workers, stopping = list(self._workers), self._stopping
-        atexit.register(stopping.set)  # (runs before multiprocessing's own exit hook, registered earlier)
+        atexit.register(_end_ranks, workers, stopping)  # (before multiprocessing's own exit hook, registered earlier)
 
         def watch() -> None:
-            ended = wait([p.sentinel for p in workers])
+            wait([p.sentinel for p in workers])
+            # (ranks started through a fork server, the CPU's: their sentinels follow that server, which a signal to
+            # the process group may end while they live on; their pids decide)
+            def lost() -> list[int]:
+                return [r for r, p in enumerate(workers, start=1) if not process_alive(p.pid)]
+
+            while not stopping.is_set() and not lost():
+                time.sleep(0.5)
             if stopping.is_set():
                 return
-            rank = next(r for r, p in enumerate(workers, start=1) if p.sentinel in ended)
+            rank = lost()[0]
             workers[rank - 1].join(timeout=1)
             fail_process(f"tensor-parallel rank {rank}", f"tensor-parallel rank {rank} of {len(workers) + 1} ended "
                          f"(exit code {workers[rank - 1].exitcode}; see its log above); the target cannot run without "
@@ -209,14 +234,12 @@ class TargetExecutor:
             self.runner.release()
 
     def _kill_workers(self) -> None:
-        """Stop every rank process and reap it (a terminated process not yet waited for is still a child)."""
+        """Stop every rank process and reap it (a killed process not yet waited for is still a child). Killed: a rank
+        ignores SIGTERM (``_worker_main``) and holds nothing to save."""
         self._stopping.set()
         for p in self._workers:
             if p.is_alive():
-                p.terminate()
+                p.kill()
         for p in self._workers:
             p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
         self._workers = []
