@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 
+from tandem.command_line import config_argv
 from tandem.errors import ConfigError
 
 # per service: its flag -> tandem up's flag that sets it (None: tandem up wires it itself)
@@ -17,9 +18,9 @@ OWNED: dict[str, dict[str, str | None]] = {
                 "--host": "--host", "--api-key": "--api-key", "--verifier": None, "--internal-secret-file": None,
                 "--verifier-metrics-url": "--metrics-port", "--drafter-metrics-url": "--drafter-metrics-port"},
     "verifier": {**_TARGET, **_DRAFT, "--port": "--verifier-port", "--metrics-port": "--metrics-port",
-                 "--drafter": "--drafter", "--internal-secret-file": None},
+                 "--drafter": "--drafter", "--host": None, "--internal-secret-file": None},
     "drafter": {**_DRAFT, "--model": "--draft-model", "--target-model": "--model", "--port": "--drafter-port",
-                "--metrics-port": "--drafter-metrics-port", "--internal-secret-file": None},
+                "--metrics-port": "--drafter-metrics-port", "--host": None, "--internal-secret-file": None},
 }
 
 
@@ -30,12 +31,17 @@ def passthrough_words(service: str, text: str) -> list[str]:
         words = shlex.split(text)
     except ValueError as e:
         raise ConfigError(f"--{service}-args: {str(e).lower()} in {text!r}") from None
-    owned = OWNED[service]
-    for word in words:
-        if not word.startswith("--") or len(word) < 4:
-            continue
+    owned, checked = OWNED[service], list(words)
+    for i, word in enumerate(words):  # (a config file passed through is read by the service: its flags count too)
+        if word == "--config" and i + 1 < len(words):
+            checked += config_argv(words[i + 1])
+        elif word.startswith("--config="):
+            checked += config_argv(word.split("=", 1)[1])
+    for word in checked:
         given = word.split("=", 1)[0]
-        hit = next((flag for flag in owned if flag == given or flag.startswith(given)), None)
+        if not given.startswith("--") or given == "--":
+            continue
+        hit = given if given in owned else next((flag for flag in owned if flag.startswith(given)), None)
         if hit is not None:
             ours = owned[hit]
             instead = f": give tandem up {ours}" if ours is not None else ""

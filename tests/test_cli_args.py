@@ -446,7 +446,7 @@ def test_up_passes_any_other_service_flag_through(folders):
     assert gateway_parser().parse_args(argvs["gateway"][3:]).log_level == "debug"
 
 
-def test_up_refuses_pass_through_flags_that_set_its_own_wiring(folders):
+def test_up_refuses_pass_through_flags_that_set_its_own_wiring(folders, tmp_path):
     """A gateway given another --port through --gateway-args served there while tandem up waited on its own port for
     600 s; every flag the launcher wires (each one a real flag of its service) is refused, abbreviations too."""
     from drafter.__main__ import build_parser as drafter_parser
@@ -460,12 +460,25 @@ def test_up_refuses_pass_through_flags_that_set_its_own_wiring(folders):
         known = set(parsers[service]._option_string_actions)
         for flag, ours in owned.items():
             assert flag in known, (service, flag)
-            for word in (f"{flag} 1", f"{flag}=1", f"{flag[:-1]} 1"):
+            shortest = next(flag[:n] for n in range(3, len(flag) + 1)  # (the shortest argparse takes for it)
+                            if [o for o in known if o.startswith(flag[:n])] in ([flag], [])
+                            or flag[:n] == flag)
+            for word in (f"{flag} 1", f"{flag}=1", f"{flag[:-1]} 1", f"{shortest} 1", f"{flag[:3]} 1"):
                 with pytest.raises(ConfigError) as refused:
                     _up(["--model", t, "--draft-model", d, f"--{service}-args={word}"])
-                said = str(refused.value)
-                assert said.startswith(f"--{service}-args: {word.split()[0].split('=')[0]} is set by tandem up"), said
-                assert ours is None or said.endswith(f": give tandem up {ours}"), said
+                said, given = str(refused.value), word.split()[0].split("=")[0]
+                assert said.startswith(f"--{service}-args: {given} is set by tandem up"), said
+                named = [o for o in owned if o == given] or [o for o in owned if o.startswith(given)]
+                if len({owned[o] for o in named}) == 1:  # (an abbreviation of several: argparse refuses it anyway)
+                    assert ours is None or said.endswith(f": give tandem up {ours}"), said
+    for service, parser in parsers.items():  # every flag of a service that tandem up does not wire passes
+        for flag in parser._option_string_actions:
+            if flag.startswith("--") and flag not in OWNED[service] and flag not in ("--help", "--config"):
+                assert not [o for o in OWNED[service] if o.startswith(flag)], (service, flag)
+    config = tmp_path / "verifier.yaml"
+    config.write_text("max-waiting-requests: 7\nport: 9000\n")  # (its flags count as the command line's)
+    with pytest.raises(ConfigError, match="^--verifier-args: --port is set by tandem up: give tandem up --verifier-port"):
+        _up(["--model", t, "--draft-model", d, f"--verifier-args=--config {config}"])
     with pytest.raises(ConfigError, match="^--verifier-args: no closing quotation in "):
         _up(["--model", t, "--draft-model", d, "--verifier-args=--served-model-name 'x"])
     _up(["--model", t, "--draft-model", d, "--gateway-args=--metrics-prefix vllm",
