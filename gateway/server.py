@@ -111,6 +111,7 @@ class Gateway(GatewayContext):
             except Exception:
                 log.exception("the verifier's model info")
         self.client.serving = ok
+        self.client.failed_checks = 0 if ok else self.client.failed_checks + 1
         if ok != serving:
             await set_serving(self._health, ok)
             log.info("verifier %s is %s", self.cfg.verifier, "serving" if ok else "not serving")

@@ -16,13 +16,13 @@ from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("gateway.upstream")
 
-# Keepalive lets a dead or stopped verifier surface as UNAVAILABLE on streams that are waiting on it (within ~20 s),
+# Keepalive lets a dead or stopped verifier surface as UNAVAILABLE on streams that are waiting on it (within ~25 s),
 # instead of hanging until TCP notices — or forever, where the host still answers TCP for a stopped process. The
 # verifier allows pings every 10 s (verifier/serve.py: min_recv_ping_interval_without_data_ms): 15 s stays above it.
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 15_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.ping_timeout_ms", 5_000),  # (any ping's ack: without it a stopped verifier's streams waited 60 s)
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # (any ping's ack: without it a stopped verifier's streams waited 60 s)
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
     # gRPC's reconnect backoff grows to 2 minutes by default: a verifier back after a restart went
@@ -31,6 +31,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.min_reconnect_backoff_ms", 2_000),
 ]
+
+
+REFUSE_AFTER_FAILED_CHECKS = 2  # health checks in a row that did not find the verifier SERVING before generations
 
 
 class VerifierClient:
@@ -52,6 +55,7 @@ class VerifierClient:
         # so at once rather than at the next check (up to health_poll_s later, while requests already got 503).
         self.unreachable = False
         self.serving = False  # SERVING at the health mirror's last check (gateway.server._mirror_health)
+        self.failed_checks = 0  # the mirror's checks in a row that did not find it SERVING
 
     async def model_info(self) -> verifier_pb2.ModelInfo:
         """The verifier's ModelInfo (context length, vocab, EOS ids), fetched on first need and kept:
@@ -109,9 +113,10 @@ class VerifierClient:
         """Start one generation; the caller reads it with ``await call.read()`` and must
         ``call.cancel()`` when it stops reading early, so the verifier frees the request. Refused at once (503,
         which clients retry) while the last health check did not find the verifier SERVING: a stopped, hung or
-        restarting verifier would leave it waiting with no deadline while GET /health already says 503. (One
-        generation's UNAVAILABLE does not refuse the others: a dead verifier refuses their calls at once itself.)"""
-        if not self.serving:
+        restarting verifier would leave it waiting with no deadline while GET /health already says 503. Two checks in
+        a row, so that one slow answer from a busy verifier does not turn its traffic away. (One generation's
+        UNAVAILABLE does not refuse the others: a dead verifier refuses their calls at once itself.)"""
+        if self.failed_checks >= REFUSE_AFTER_FAILED_CHECKS:
             raise GatewayError(503, UNAVAILABLE)
         request.message_interval_us = self._message_interval_us()
         return self._stub.Generate(request, metadata=[*metadata, *self._auth])

@@ -55,13 +55,14 @@ def test_the_verifier_channel_retries_at_least_every_second():
 
 
 def test_a_hung_verifier_gets_new_requests_refused_at_once_not_left_waiting():
-    """A verifier that stops answering (SIGSTOP, a hang) while its socket still accepts: once a health check goes
-    unanswered, new generations are refused with a 503 clients retry, not held with no deadline."""
+    """A verifier that stops answering (SIGSTOP, a hang) while its socket still accepts: once two health checks in a
+    row go unanswered, new generations are refused with a 503 clients retry, not held with no deadline."""
     stack = Stack()
     try:
         assert _status(stack) == 200
         stack.fake.hung = True
         wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).status_code == 503, 5, "health to say 503")
+        wait_until(lambda: stack.gateway.client.failed_checks >= 2, 5, "a second check to find it not serving")
         started = time.monotonic()
         assert _status(stack) == 503
         assert time.monotonic() - started < 1.0
