@@ -79,8 +79,10 @@ def test_out_that_is_a_file_a_foreign_head_or_unwritable_is_refused_before_loadi
 
     write_random_eagle3(foreign, ModelConfig.from_dir(target), draft_vocab_size=VD)
     before = {p.name: p.read_bytes() for p in foreign.iterdir()}
-    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(foreign)], capsys, monkeypatch)
-    assert "holds an EAGLE-3 head this trainer did not write (no training.json): not overwritten" in err
+    for resume in ([], ["--resume"]):
+        err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(foreign), *resume], capsys,
+                       monkeypatch)
+        assert "holds an EAGLE-3 head this trainer did not write: not overwritten" in err
     assert {p.name: p.read_bytes() for p in foreign.iterdir()} == before
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -93,6 +95,17 @@ def test_out_that_is_a_file_a_foreign_head_or_unwritable_is_refused_before_loadi
         assert f"{locked} is not writable" in err
     finally:
         locked.chmod(0o700)
+
+
+def test_a_head_this_trainer_exported_is_its_own_without_training_json(target, data, tmp_path):  # noqa: F811
+    """The export comes before the held-out evaluation and training.json: a run stopped between them left a head that
+    a rerun refused as another's."""
+    from tandem.training.cli import _check_out
+
+    out = tmp_path / "draft"
+    pipeline.run_job(job(target, data, out, max_steps=2))
+    (out / "training.json").unlink()
+    _check_out(str(out), out)  # (no refusal)
 
 
 def test_data_is_read_whole_before_the_target_loads(target, tmp_path, capsys, monkeypatch):  # noqa: F811

@@ -100,7 +100,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     out, target = Path(args.out).resolve(), Path(args.target_model).resolve()
     if out == target or target in out.parents or out in target.parents:
         raise TandemError(f"--out {args.out} is (or holds, or lies in) the target's folder: the head is written elsewhere")
-    _check_out(args.out, out, args.resume)
+    _check_out(args.out, out)
     model = ModelConfig.from_dir(args.target_model)
     layers = args.capture_layers
     if layers is not None and (len(layers) != 3 or not all(0 <= i < model.num_layers for i in layers)):
@@ -114,20 +114,23 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         internal_secret.load(args.internal_secret_file)  # (an unreadable file found now, not after training)
 
 
-def _check_out(given: str, out: Path, resume: bool) -> None:
+def _check_out(given: str, out: Path) -> None:
     """--out: a folder this run may write — not a file, not another model, not a head this trainer did not make
-    (its training.json: a copied head would be replaced without a word), and writable (found now, not after the
-    target's responses were generated)."""
+    (its config's TRAINED_MARK, or its training.json: a copied head would be replaced without a word, --resume or
+    not), and writable (found now, not after the target's responses were generated)."""
+    from tandem.training.eagle3_train import TRAINED_MARK
+
     if out.exists() and not out.is_dir():
         raise TandemError(f"--out {given}: is a file, not a folder")
     config = out / "config.json"
     if config.is_file():
-        if "Eagle3" not in config.read_text():
+        text = config.read_text()
+        if "Eagle3" not in text:
             raise TandemError(f"--out {given} holds a model that is not an EAGLE-3 head: not overwritten; give a new "
                               "folder")
-        if not (out / "training.json").is_file() and not resume:
-            raise TandemError(f"--out {given} holds an EAGLE-3 head this trainer did not write (no training.json): not "
-                              "overwritten; give a new folder")
+        if TRAINED_MARK not in text and not (out / "training.json").is_file():
+            raise TandemError(f"--out {given} holds an EAGLE-3 head this trainer did not write: not overwritten; give a "
+                              "new folder")
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise TandemError(f"--out {given}: {existing} is not writable")
