@@ -81,9 +81,9 @@ def head_state_dict(head: Eagle3Head) -> dict[str, torch.Tensor]:
 
 
 def save_eagle3(source: Eagle3Head | dict[str, torch.Tensor], cfg: DraftConfig, out_dir: str | Path,
-                extra: dict | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors``; a state dict must use checkpoint names exactly. ``extra``: more
-    keys for config.json (provenance; loaders ignore them)."""
+                config_extra: dict | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors``; a state dict must use checkpoint names exactly.
+    ``config_extra``: more keys for config.json (provenance; loaders ignore them)."""
     state = head_state_dict(source) if isinstance(source, Eagle3Head) else dict(source)
     expected = eagle3_tensor_shapes(cfg)
     if "embed_tokens.weight" in state:
@@ -101,7 +101,7 @@ def save_eagle3(source: Eagle3Head | dict[str, torch.Tensor], cfg: DraftConfig, 
     out.mkdir(parents=True, exist_ok=True)
     # safetensors refuses views that share storage (the split fused weights): save contiguous copies.
     write_safetensors({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, out / "model.safetensors")
-    hf = {**dataclasses.replace(cfg, dtype=dtype, model_dir=None).to_hf_dict(), **(extra or {})}
+    hf = {**dataclasses.replace(cfg, dtype=dtype, model_dir=None).to_hf_dict(), **(config_extra or {})}
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
 

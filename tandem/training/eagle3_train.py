@@ -237,5 +237,6 @@ TRAINED_MARK = "tandem_training"  # the config.json key that says this trainer w
 def export(head: DenseEagle3, draft_cfg: DraftConfig, out_dir: str | Path) -> Path:
     """The SGLang/SpecForge folder: state_dict names are already the checkpoint's; its config marked as ours."""
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in head.state_dict().items()}
-    return save_eagle3(state, dataclasses.replace(draft_cfg, dtype="float32"), out_dir,
-                       extra={TRAINED_MARK: {"run_dir": str(Path(out_dir).with_name(Path(out_dir).name + ".run"))}})
+    out = Path(out_dir)
+    return save_eagle3(state, dataclasses.replace(draft_cfg, dtype="float32"), out,
+                       config_extra={TRAINED_MARK: {"run_dir": str(out.with_name(out.name + ".run"))}})
