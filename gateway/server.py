@@ -30,7 +30,7 @@ class _GraceOverIsAWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in str(record.msg):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = ("shutdown: the grace period is over; %s stream(s) still running are cut short "
+            record.msg, record.args = ("shutdown: the grace period is over; %s request(s) still running are cut short "
                                        "(each client is told to retry)"), record.args
         return True
 

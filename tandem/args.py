@@ -215,6 +215,16 @@ ENABLE_METRICS = Flag(("--enable-metrics",), dict(
     action="store_true", help="SGLang's switch; the gateway always serves Prometheus metrics at /metrics"))
 
 
+def _normal(value):
+    """A flag's value as compared with a no-op one: numbers by value (``01``, ``1.0``), words case-blind."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return value.lower()
+
+
 def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None) -> type[argparse.Action]:
     """An argparse action that stops with ``why`` (a peer's flag for something Tandem does not do: said, not an
     "unrecognized arguments"); ``takes_value``: True (one), False (none) or an argparse nargs ("+"); ``no_op``: the
@@ -226,7 +236,7 @@ def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None)
             super().__init__(option_strings, dest, nargs=nargs, default=None, help=kwargs.get("help"))
 
         def __call__(self, parser, namespace, values, option_string=None):
-            if no_op is None or values != no_op:
+            if no_op is None or _normal(values) != _normal(no_op):
                 parser.error(f"{option_string}: {why}")
 
     return Refused
@@ -256,14 +266,16 @@ DP_ATTENTION = Flag(("--enable-dp-attention",), dict(
                     "holding the whole latent cache", takes_value=False), help="refused (SGLang flag)"))
 _ONE_HOST = "one host only: --tp splits the model across the GPUs of one machine (up to 8)"
 NNODES = Flag(("--nnodes",), dict(action=_refused(_ONE_HOST, no_op="1"), help="refused past 1 (SGLang / vLLM flag)"))
-MULTI_NODE = Flag(("--node-rank", "--dist-init-addr"), dict(action=_refused(_ONE_HOST), help="refused (SGLang flags)"))
+NODE_RANK = Flag(("--node-rank",), dict(action=_refused(_ONE_HOST, no_op="0"), help="refused past 0 (SGLang flag)"))
+DIST_INIT = Flag(("--dist-init-addr",), dict(action=_refused(_ONE_HOST), help="refused (SGLang flag)"))
 PIPELINE_PARALLEL = Flag(("--pp-size", "--pipeline-parallel-size"), dict(
     action=_refused("pipeline parallelism is not supported: " + _ONE_HOST.split(": ")[1], no_op="1"),
     help="refused past 1 (SGLang / vLLM flag)"))
-MOE_BACKEND = Flag(("--moe-runner-backend", "--enable-eplb"), dict(
-    action=_refused("Tandem runs its own fused MoE kernels (no backend to choose) and places no experts (every rank "
-                    "holds a slice of each): nothing to balance", takes_value="?"),
-    help="refused (SGLang / vLLM flags)"))
+_OWN_MOE = ("Tandem runs its own fused MoE kernels (no backend to choose) and places no experts (every rank holds a "
+            "slice of each): nothing to balance")
+MOE_BACKEND = Flag(("--moe-runner-backend",), dict(action=_refused(_OWN_MOE, no_op="auto"),
+                                                   help="refused past auto (SGLang flag)"))
+EPLB = Flag(("--enable-eplb",), dict(action=_refused(_OWN_MOE, takes_value=False), help="refused (SGLang / vLLM flag)"))
 TOKENIZER = Flag(("--tokenizer", "--tokenizer-path"), dict(
     action=_refused("the tokenizer is read from the model folder (the gateway's --model-dir)"),
     help="refused: the model folder's tokenizer is used (vLLM / SGLang flag)"))
@@ -273,8 +285,8 @@ GRAPH_BATCH_SIZES = Flag(("--cuda-graph-bs",), dict(
                     takes_value="+"), help="refused: give --cuda-graph-max-bs (SGLang flag)"))
 TORCH_COMPILE = Flag(("--enable-torch-compile",), dict(
     action="store_true", help="SGLang's switch, taken: serving runs CUDA graphs of Tandem's own kernels"))
-PEER_LAYOUT_FLAGS = (DATA_PARALLEL, DP_ATTENTION, NNODES, MULTI_NODE, PIPELINE_PARALLEL, MOE_BACKEND, TOKENIZER,
-                     GRAPH_BATCH_SIZES, TORCH_COMPILE)
+PEER_LAYOUT_FLAGS = (DATA_PARALLEL, DP_ATTENTION, NNODES, NODE_RANK, DIST_INIT, PIPELINE_PARALLEL, MOE_BACKEND, EPLB,
+                     TOKENIZER, GRAPH_BATCH_SIZES, TORCH_COMPILE)
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
                  TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
                  TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)

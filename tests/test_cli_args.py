@@ -177,6 +177,7 @@ def test_expert_parallel_flags_are_refused_saying_why(argv, capsys):
     (["--enable-dp-attention"], "data-parallel attention is not supported"), (["--nnodes", "2"], "one host only"),
     (["--dist-init-addr", "10.0.0.1:5000"], "one host only"), (["--pp-size", "2"], "pipeline parallelism is not"),
     (["--moe-runner-backend", "triton"], "its own fused MoE kernels"), (["--enable-eplb"], "its own fused MoE"),
+    (["--node-rank", "1"], "one host only"),
     (["--tokenizer", "/x"], "the tokenizer is read from the model folder"),
     (["--cuda-graph-bs", "1", "2", "4"], "the graphs' batch sizes are 1 to 8"),
     (["--kv-cache-dtype", "fp8_e5m2"], "give auto; quantized KV caches are not supported"),
@@ -198,7 +199,9 @@ def test_the_peers_no_op_values_of_those_flags_are_taken(folders):
     t, _ = folders
     plain = _verifier(["--model", t])
     assert _verifier(["--model", t, "--ep-size", "1", "--dp", "1", "--nnodes", "1", "--pp-size", "1",
-                      "--enable-torch-compile", "--kv-cache-dtype", "auto"]) == plain
+                      "--enable-torch-compile", "--kv-cache-dtype", "auto", "--node-rank", "0",
+                      "--moe-runner-backend", "auto"]) == plain
+    assert _verifier(["--model", t, "--ep-size", "01", "--dp", "1.0", "--moe-runner-backend", "AUTO"]) == plain
 
 
 def test_log_level_in_every_service_and_through_tandem_up(folders):

@@ -42,7 +42,7 @@ def test_streams_running_past_the_grace_period_end_with_an_error_event(caplog):
                 t.join(15)
         # the expected end of a stop with streams running: a warning saying what happens, not uvicorn's ERROR
         said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "uvicorn.error"]
-        assert ("WARNING", "shutdown: the grace period is over; 2 stream(s) still running are cut short (each client "
+        assert ("WARNING", "shutdown: the grace period is over; 2 request(s) still running are cut short (each client "
                            "is told to retry)") in said, said
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], said
         assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
