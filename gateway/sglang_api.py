@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -49,11 +50,12 @@ SAMPLING_NAMES = {
 }
 # sampling_params SGLang takes that change nothing here at their default
 NO_OP_SAMPLING = {"spaces_between_special_tokens": True, "logit_bias": None, "custom_params": None}
-NO_OP_REQUEST = {"return_logprob": False, "return_hidden_states": False, "lora_path": None, "image_data": None,
-                 "input_embeds": None}
-# the request's own fields (``rid``: the client's ids for its answers, shown as meta_info.id as SGLang does; the
-# verifier keeps the server's own, so two clients choosing the same rid do not meet)
-REQUEST_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", *NO_OP_REQUEST}
+# /generate's fields SGLang's clients send (its bench_serving: lora_path, logprob_start_len...), taken at the values
+# that ask for nothing here, refused at any other; other fields are ignored, as vLLM ignores what it does not know
+NO_OP_REQUEST = {"return_logprob": lambda v: not v, "return_hidden_states": lambda v: not v,
+                 "lora_path": lambda v: not v, "image_data": lambda v: v is None, "input_embeds": lambda v: v is None,
+                 "logprob_start_len": lambda v: v is None or v == -1, "top_logprobs_num": lambda v: not v,
+                 "token_ids_logprob": lambda v: v is None}
 
 
 def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
@@ -101,9 +103,6 @@ def _parser(gw: GatewayContext):
 
 def completion_body(body: dict) -> dict:
     """An SGLang /generate body as the completion request that means the same."""
-    unknown = sorted(set(body) - REQUEST_FIELDS)
-    if unknown:
-        raise bad_request(unknown[0], "is not a field of /generate this server takes")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise bad_request("text", "give one of text and input_ids")
@@ -114,8 +113,8 @@ def completion_body(body: dict) -> dict:
         raise bad_request("input_ids", "must be a list of token ids or a list of those (a batch)")
     if not isinstance(body.get("stream", False), bool):
         raise bad_request("stream", "must be a boolean")
-    for name, default in NO_OP_REQUEST.items():
-        if body.get(name, default) not in (default, None, False):
+    for name, is_no_op in NO_OP_REQUEST.items():
+        if not is_no_op(body.get(name)):
             raise bad_request(name, "is not supported by this server")
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
@@ -158,6 +157,8 @@ def _renamed(e: GatewayError, prompt_name: str) -> GatewayError:
         return e
     name = theirs[e.param]
     message = e.message[len(e.param):] if e.message.startswith(e.param) else f": {e.message}"
+    short = name.rpartition(".")[2]  # (the body names the field too: "lower max_tokens to ...")
+    message = re.sub(rf"\b{re.escape(e.param)}\b", short, message)
     return GatewayError(e.status, name + message, param=name)
 
 

@@ -124,13 +124,34 @@ def test_streamed_events_hold_the_text_so_far_and_end_with_done(stack, ref):
     ({"text": [1, 2, 3]}, "text"),
     ({"text": 5}, "text"),
     ({"text": PROMPT, "stream": "yes"}, "stream"),
-    ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),
+    ({"text": PROMPT, "lora_path": "adapter-1"}, "lora_path"),
+    ({"text": PROMPT, "top_logprobs_num": 5}, "top_logprobs_num"),
+    ({"text": PROMPT, "logprob_start_len": 0}, "logprob_start_len"),
 ])
 def test_bad_requests_name_sglangs_field(stack, body, param):
     r = _generate(stack, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_sglangs_own_benchmark_client_is_served(stack):
+    """SGLang's bench_serving sends lora_path, logprob_start_len and more at their no-op values (they were refused);
+    fields no one here knows are ignored, as vLLM ignores them."""
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True},
+            "stream": False, "lora_path": "", "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+            "return_text_in_logprobs": False, "stream_options": {"include_usage": True}, "frobnicate": 1}
+    r = _generate(stack, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 4
+
+
+def test_a_refusal_names_sglangs_field_in_its_text_too(stack):
+    r = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 100000}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "sampling_params.max_new_tokens", error
+    assert "lower max_new_tokens to at most" in error["message"] and "max_tokens" not in \
+        error["message"].replace("max_new_tokens", ""), error
 
 
 def test_model_info(stack):
