@@ -19,6 +19,9 @@ _RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "too
 def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
     continue_final = flag(body, "continue_final_message", False)
     add_prompt = flag(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_prompt:  # (vLLM refuses it too; named here, not as the template's error on messages)
+        raise bad_request("continue_final_message", "and add_generation_prompt exclude each other: set "
+                                                    "add_generation_prompt to false to continue the last message")
     extra = dict(_template_kwargs(body))
     tools = _tools(body)
     if tools is not None:

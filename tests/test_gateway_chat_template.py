@@ -99,7 +99,7 @@ def test_chat_request_options_reach_the_prompt_as_transformers_renders_them(stac
     ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-    ({"continue_final_message": True, "add_generation_prompt": True}, "messages"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
 ])
