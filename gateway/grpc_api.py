@@ -117,6 +117,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         d = gw.sampling_defaults  # the model's generation_config.json, as over REST
         temperature = r.temperature if r.HasField("temperature") else d.temperature
         top_p = r.top_p if r.HasField("top_p") else d.top_p
+        if r.top_k < -1:  # (check_sampling's words are REST's, where 0 is "off")
+            raise bad_request("top_k", f"must be -1 (off), 0 (the model's default) or a count to keep, got {r.top_k}")
         top_k = 0 if r.top_k == -1 else r.top_k or d.top_k  # proto3's unset is 0; -1 is "off"
         seed = r.seed if r.HasField("seed") else None
         check_sampling(temperature, top_p, top_k, seed, list(r.stop))

@@ -81,6 +81,12 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
     assert e.value.details().startswith(field), e.value.details()
 
 
+def test_top_k_is_refused_in_the_grpc_apis_own_terms(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text="hi", max_tokens=3, top_k=-7), timeout=10))
+    assert e.value.details() == "top_k: must be -1 (off), 0 (the model's default) or a count to keep, got -7"
+
+
 def test_unknown_model_is_not_found_and_verifier_refusals_pass_through(stack, stub):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(model="other", text="hi", max_tokens=3), timeout=10))
