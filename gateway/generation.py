@@ -102,6 +102,9 @@ class GenerationStream:
                 self._cached_tokens = msg.cached_tokens
             if msg.HasField("spec"):
                 self.spec_stats = msg.spec
+            if self.request.prompt_only:  # the first message holds the prompt's log-probabilities: that is the answer
+                self._call.cancel()
+                return self._delta([], "length", [], list(msg.prompt_logprobs))
             new = list(msg.token_ids)
             if new:
                 self._record_timing(len(new))

@@ -135,7 +135,12 @@ def _parse_prompt(body: dict, request_id: str, tok: Tokenizer, limits: Limits) -
     requested, param = integer(body, "max_tokens"), "max_tokens"
     if requested is None and body.get("max_completion_tokens") is not None:
         requested, param = integer(body, "max_completion_tokens"), "max_completion_tokens"
-    parsed = _common(body, request_id, prompt_ids, limits, requested, limits.default_max_tokens, param)
+    # vLLM's log-likelihood request: echo with max_tokens 0 answers the prompt alone (evaluation harnesses score it)
+    prompt_only = requested == 0 and flag(body, "echo", False)
+    parsed = _common(body, request_id, prompt_ids, limits, 1 if prompt_only else requested, limits.default_max_tokens,
+                     param)
+    if prompt_only:
+        parsed = dataclasses.replace(parsed, generation=dataclasses.replace(parsed.generation, prompt_only=True))
     if not parsed.options.echo:
         return parsed
     prompt = body["prompt"]  # a string echoes as sent; token ids as their decode (vLLM does the same)

@@ -42,6 +42,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; N: each token's log-probability and its top N alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    # vLLM's echo with max_tokens 0: the prompt (and its log-probabilities) alone; the verifier makes one token, unsent
+    prompt_only: bool = False
 
     def to_proto(self) -> verifier_pb2.GenerateRequest:
         sampling = verifier_pb2.SamplingParams(

@@ -147,3 +147,29 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(stack, tok, stream):
     all_texts = prompt_texts + texts
     assert lp["text_offset"] == [sum(len(t) for t in all_texts[:i]) for i in range(len(all_texts))]
     assert text == PROMPT + "".join(texts)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs_alone(stack, tok, stream):
+    """vLLM's log-likelihood request (evaluation harnesses send it): echo with max_tokens 0 is the prompt, its tokens'
+    log-probabilities (the first null), nothing generated, finish_reason length — it was refused (max_tokens >= 1)."""
+    body = {"prompt": PROMPT, "max_tokens": 0, "logprobs": 1, "echo": True}
+    if stream:
+        events = _events(stack, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        choices = [c for e in events for c in e["choices"]]
+        parts = [c["logprobs"] for c in choices if c["logprobs"] is not None]
+        lp = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+        text, finish = "".join(c["text"] for c in choices), [c["finish_reason"] for c in choices if c["finish_reason"]]
+        usage = next(e["usage"] for e in events if e.get("usage"))
+    else:
+        answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10).json()
+        lp, text, finish, usage = (answer["choices"][0]["logprobs"], answer["choices"][0]["text"],
+                                   [answer["choices"][0]["finish_reason"]], answer["usage"])
+    prompt = list(stack.fake.requests[-1].prompt_token_ids)
+    entries = [fake_logprobs(t, 100 + i, 1, vocab_size()) for i, t in enumerate(prompt[1:], 1)]
+    assert text == PROMPT and finish == ["length"]
+    assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in prompt]
+    assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in entries])
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(prompt)
+    r = httpx.post(f"{stack.url}/v1/completions", json={**body, "echo": False}, timeout=10)  # (without echo: refused)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
