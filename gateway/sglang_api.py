@@ -11,7 +11,7 @@ running), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and, once 
 the request speculated, ``spec_verify_ct`` (the target forwards that made the tokens: speculative rounds plus plain
 decode steps, so that ``completion_tokens / spec_verify_ct`` is tokens per forward as SGLang's tests read it) and
 ``spec_accept_length`` (tokens per speculative round). Streamed, each event holds the text so far (SGLang's default)
-and the new ``output_ids`` (with ``index`` when there are several generations), then ``data: [DONE]``.
+and the ``output_ids`` so far (with ``index`` when there are several generations), then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class GenerateShape(CompletionShape):
         self.streams: list = []
         self._ids: tuple[str, ...] = ()  # meta_info.id of each answer
         self.listed = False  # answered as a list: a batch (of one too) or n > 1
-        self._texts = [""] * self.n  # per generation: its text so far (each streamed event carries it all)
+        # per generation: its text and ids so far (each streamed event carries them all, as SGLang's default streaming)
+        self._texts = [""] * self.n
+        self._output_ids: list[list[int]] = [[] for _ in range(self.n)]
 
     def follow(self, choices: Choices, request: OpenAIRequest) -> None:
         self.streams, self.listed = choices.streams, self.n > 1 or request.batched
@@ -185,7 +187,8 @@ class GenerateShape(CompletionShape):
 
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         self._texts[index] += delta.text
-        out = {"text": self._texts[index], "output_ids": list(delta.token_ids),
+        self._output_ids[index] += delta.token_ids
+        out = {"text": self._texts[index], "output_ids": list(self._output_ids[index]),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
                                        delta.cached_tokens, _matched(delta.stop_reason, delta.stop_token))}
         return {**out, "index": index} if self.listed else out
