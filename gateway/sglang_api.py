@@ -65,7 +65,10 @@ def add_sglang_routes(app: FastAPI, gw: GatewayContext) -> None:
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": gw.cfg.model_name, "tokenizer_path": gw.cfg.model_name, "is_generation": True}
+        # (SGLang's keys; the model's path is not the client's to see: its served name stands for it)
+        return {"model_path": gw.cfg.model_name, "tokenizer_path": gw.cfg.model_name, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+                "has_audio_understanding": False}
 
     @app.get("/health_generate")
     async def health_generate():

@@ -158,6 +158,7 @@ def test_a_refusal_names_sglangs_field_in_its_text_too(stack):
 def test_model_info(stack):
     r = httpx.get(f"{stack.url}/get_model_info", timeout=10)
     assert r.status_code == 200 and r.json()["is_generation"] is True
+    assert {"model_path", "tokenizer_path", "weight_version", "has_image_understanding"} <= set(r.json())
 
 
 def test_health_generate_generates_a_token(stack):
