@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -18,7 +19,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
                        formatter_class=command_line.HelpFormatter)
     shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
-    shared.add_speculative(p)
+    shared.add_speculative(p, draft_help="EAGLE-3 draft folder; enables speculative decoding (default: the demo draft "
+                                         "without --model, else none; 'none' turns it off)")
     shared.add(p, *shared.ENGINE_FLAGS)
     # (also after the subcommand, where users put it; SUPPRESS: absent here, `tandem -v generate` keeps its value)
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -41,6 +43,8 @@ def generate_settings(args: argparse.Namespace) -> tuple:
     from tandem.engine.config import EngineConfig
 
     speculative = shared.resolve_speculative(args, args.model)
+    if speculative.draft_model == shared.NO_DRAFT:
+        speculative = dataclasses.replace(speculative, draft_model=None)
     speculative.require_draft()
     cfg = EngineConfig(model=args.model, device=shared.resolve_device(args.device), tp_size=args.tp_size,
                        **shared.engine_settings(args))
@@ -52,10 +56,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from tandem.tokenizer import load_tokenizer, tokenizer_available
 
     args.model = shared.resolve_target(args)
-    if args.model is None:
-        from tandem.training.demo import ensure_demo_target
+    if args.model is None:  # the demo pair, as tandem up serves it ('--draft-model none': the target alone)
+        from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
         args.model = str(ensure_demo_target())
+        if args.draft_model is None and args.speculative_config is None:
+            args.draft_model = str(ensure_demo_draft())
     tokenizer = load_tokenizer(args.model) if tokenizer_available(args.model) else None
     if args.prompt is not None:
         if tokenizer is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from tandem.errors import ConfigError
@@ -26,9 +27,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        # (by identity: a default of 0 is one to show, though 0 == False)
+        if _STATES_DEFAULT.search(text) or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
             return text
         return super()._get_help_string(action)
+
+
+_STATES_DEFAULT = re.compile(r"\(default|default:|%\(default\)")  # a help that names its default ("sampling defaults" does not)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,

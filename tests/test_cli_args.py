@@ -382,8 +382,9 @@ def test_every_flag_has_help_and_help_shows_defaults():
                 continue
             assert action.help, f"{name} {action.option_strings} has no help"
             shown = formatter._get_help_string(action)
-            if action.default not in (None, False):
-                assert "default" in shown, f"{name} {action.option_strings}: --help does not show its default"
+            if not any(action.default is v for v in (None, False, argparse.SUPPRESS)):  # (0 is a default to show)
+                assert "(default" in shown or "default:" in shown, \
+                    f"{name} {action.option_strings}: --help does not show its default"
         assert "(default: 1)" in parser.format_help() or name == "gateway"
 
 
@@ -574,6 +575,20 @@ def test_generate_refuses_more_new_tokens_than_the_context_holds(capsys):
     assert main(["generate", "--model", target, "--prompt-token-ids", "5,6,7", "--max-new-tokens", "253",
                  "--temperature", "0", "--ignore-eos"]) == 0
     assert "[253 tokens" in capsys.readouterr().err
+
+
+def test_generate_without_a_model_runs_the_demo_pair_as_tandem_up_serves_it(capsys):
+    """README: without --model, tandem generate serves the demo pair — it ran the target alone (no draft)."""
+    from tandem.cli import main
+
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos",
+            "--json"]
+    assert main(argv) == 0
+    paired = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--draft-model", "none"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert paired["acceptance_by_position"] and not alone["acceptance_by_position"], (paired, alone)
+    assert paired["output_token_ids"] == alone["output_token_ids"]  # (greedy: the same tokens either way)
 
 
 def test_flags_for_a_service_pass_through_tandem_up_even_a_single_dashed_one(folders, tmp_path):
