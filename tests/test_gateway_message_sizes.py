@@ -44,7 +44,7 @@ def _answer(tokens: list[int], sizes: list[int], min_tokens: int, stop: list[str
                                         logprobs=[pb.TokenLogprobs(logprob=-float(t)) for t in part]))
     req = SimpleNamespace(prompt_ids=[0, 1], stop=stop, include_stop_str_in_output=False, stop_token_ids=[],
                           max_tokens=len(tokens), min_tokens=min_tokens, logprobs=0, prompt_logprobs=None,
-                          to_proto=lambda: None)
+                          prompt_only=False, to_proto=lambda: None)
     stream = GenerationStream(req, SimpleNamespace(generate=lambda *a: _Call(msgs), address="x"), decode,
                               MagicMock(), MagicMock(), 0.0)
 
