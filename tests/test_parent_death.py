@@ -42,17 +42,22 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("ask", [True, False])
 def test_a_child_that_asked_goes_with_its_parent_killed_outright(ask):
-    child_code = CHILD.format(root=str(ROOT), ask=ask)
-    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(child=child_code)], stdout=subprocess.PIPE, text=True)
+    _goes_with_its_parent([sys.executable, "-c", PARENT.format(child=CHILD.format(root=str(ROOT), ask=ask))], ask)
+
+
+def _goes_with_its_parent(parent_argv: list[str], asked: bool) -> None:
+    """Start the parent (it prints its child's pid, the child "ready"), kill it outright: the child goes with it
+    within 10 s where it ``asked``, and outlives it by 1.5 s where it did not."""
+    parent = subprocess.Popen(parent_argv, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
         assert parent.stdout.readline().strip() == "ready" and _alive(child)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + (10 if ask else 1.5)
+        deadline = time.monotonic() + (10 if asked else 1.5)
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _alive(child) is not ask
+        assert _alive(child) is not asked
     finally:
         parent.kill()
         if _alive(child):
@@ -83,20 +88,7 @@ if __name__ == "__main__":
 def test_a_multiprocessing_child_that_watches_goes_with_its_parent_killed_outright(tmp_path, method, ask):
     script = tmp_path / "parent.py"
     script.write_text(MP_PARENT.format(root=str(ROOT), method=method, ask=ask))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    try:
-        assert parent.stdout.readline().strip() == "ready" and _alive(child)
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(10)
-        deadline = time.monotonic() + (10 if ask else 1.5)
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _alive(child) is not ask
-    finally:
-        parent.kill()
-        if _alive(child):
-            os.kill(child, signal.SIGKILL)
+    _goes_with_its_parent([sys.executable, str(script)], ask)
 
 
 def test_a_process_not_started_by_multiprocessing_has_no_parent_to_watch():
