@@ -63,6 +63,8 @@ def process_alive(pid: int | None) -> bool:
     except (OSError, IndexError):
         try:
             os.kill(pid, 0)
+        except PermissionError:
+            return True  # (another user's process)
         except OSError:
             return False
         return not sys.platform.startswith("linux")  # (Linux without /proc/PID: gone)

@@ -10,6 +10,8 @@ import shutil
 import socket
 import tempfile
 
+from tandem.parent_death import process_alive
+
 PREFIX = "tandem-up-"
 
 
@@ -33,7 +35,7 @@ def _remove_orphaned() -> None:
         return
     for name in names:
         pid, _, rest = name.removeprefix(PREFIX).partition("@")
-        if not (name.startswith(PREFIX) and pid.isdigit() and rest.rsplit("-", 1)[0] == host) or _alive(int(pid)):
+        if not (name.startswith(PREFIX) and pid.isdigit() and rest.rsplit("-", 1)[0] == host) or process_alive(int(pid)):
             continue
         path = os.path.join(root, name)
         try:
@@ -43,11 +45,3 @@ def _remove_orphaned() -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # (another user's process)
-    return True

@@ -20,6 +20,15 @@ from tandem.service_probe import free_port, is_serving
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` runs, read from /proc (a zombie nobody reaped has ended): the tests' own look, not the code's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class Service:
     def __init__(self, module: str, args: list[str], port: int, log_path: Path, env: dict | None = None,
                  health_port: int | None = None):

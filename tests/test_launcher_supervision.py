@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from services import process_running
 
 from tandem.launcher import Backoff, Child, _stop_all, _supervise
 
@@ -69,13 +70,6 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     assert ("tandem.up", "WARNING", "restarting drafter (restart 1)") in lines
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie nobody reaped has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
@@ -89,13 +83,13 @@ def test_services_stop_when_the_launcher_is_killed_outright():
          "c.start(dict(os.environ)); print(c.proc.pid, flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
     service = int(launcher.stdout.readline())
-    assert _running(service)
+    assert process_running(service)
     launcher.kill()
     launcher.wait(10)
     deadline = time.monotonic() + 30  # polled: at once unless the machine is busy
-    while _running(service) and time.monotonic() < deadline:
+    while process_running(service) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _running(service):
+    if process_running(service):
         os.kill(service, 9)
         raise AssertionError("the service outlived its killed launcher")
 
@@ -153,9 +147,9 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
     finally:
         up.kill()
     deadline = time.monotonic() + 30
-    while _running(service_pid) and time.monotonic() < deadline:
+    while process_running(service_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(service_pid)
+    assert not process_running(service_pid)
 
 
 @pytest.mark.parametrize("flags, says", [

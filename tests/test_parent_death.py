@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from services import process_running
 
 ROOT = Path(__file__).resolve().parent.parent
 PARENT = """
@@ -31,12 +32,6 @@ time.sleep(60)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has exited)
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -51,16 +46,16 @@ def _goes_with_its_parent(parent_argv: list[str], asked: bool) -> None:
     parent = subprocess.Popen(parent_argv, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
-        assert parent.stdout.readline().strip() == "ready" and _alive(child)
+        assert parent.stdout.readline().strip() == "ready" and process_running(child)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + (10 if asked else 1.5)
-        while _alive(child) and time.monotonic() < deadline:
+        while process_running(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _alive(child) is not asked
+        assert process_running(child) is not asked
     finally:
         parent.kill()
-        if _alive(child):
+        if process_running(child):
             os.kill(child, signal.SIGKILL)
 
 

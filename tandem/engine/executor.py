@@ -92,13 +92,15 @@ def _follow_chain_rounds(runner: ModelRunner, first: ForwardBatch | None, tables
 
 
 def _end_ranks(workers: list, stopping: threading.Event) -> None:
-    """At interpreter exit with the ranks still up: kill them (they ignore the SIGTERM multiprocessing's own exit hook
-    sends, and it would then wait on them forever), quietly."""
+    """Kill the ranks, quietly (``stopping`` set first), and reap them (a killed process not yet waited for is still a
+    child). Killed: a rank ignores SIGTERM (``_worker_main``) and holds nothing to save — at interpreter exit too, where
+    multiprocessing's own exit hook would send SIGTERM and then wait on them forever."""
     stopping.set()
     for p in workers:
         if p.is_alive():
             p.kill()
-            p.join(timeout=10)
+    for p in workers:
+        p.join(timeout=10)
 
 
 class _RoundFollowers:
@@ -151,7 +153,7 @@ class TargetExecutor:
         """Exit this process (ENGINE_FAILED_EXIT_CODE, health NOT_SERVING first) as soon as another rank ends unasked —
         killed, OOM-killed, failed to load its shard: every collective after that waits for it forever under NCCL (at
         start-up, init's rendezvous for 30 minutes), the service SERVING and its requests hung. A supervisor starts
-        the whole group again. At interpreter exit, ``multiprocessing`` ends the ranks (daemons): not a loss."""
+        the whole group again. Ranks ended on purpose (``_end_ranks``: shutdown, interpreter exit) are not a loss."""
         workers, stopping = list(self._workers), self._stopping
         atexit.register(_end_ranks, workers, stopping)  # (before multiprocessing's own exit hook, registered earlier)
 
@@ -234,12 +236,5 @@ class TargetExecutor:
             self.runner.release()
 
     def _kill_workers(self) -> None:
-        """Stop every rank process and reap it (a killed process not yet waited for is still a child). Killed: a rank
-        ignores SIGTERM (``_worker_main``) and holds nothing to save."""
-        self._stopping.set()
-        for p in self._workers:
-            if p.is_alive():
-                p.kill()
-        for p in self._workers:
-            p.join(timeout=10)
+        _end_ranks(self._workers, self._stopping)
         self._workers = []

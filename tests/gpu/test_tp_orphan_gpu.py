@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from services import process_running
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -33,12 +34,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_rank_1_ends_when_rank_0_is_killed_outright(tmp_path):
@@ -49,15 +44,15 @@ def test_rank_1_ends_when_rank_0_is_killed_outright(tmp_path):
     workers = []
     try:
         workers = [int(pid) for pid in rank0.stdout.readline().split()]
-        assert workers and all(_alive(pid) for pid in workers)
+        assert workers and all(process_running(pid) for pid in workers)
         rank0.send_signal(signal.SIGKILL)
         rank0.wait(10)
         deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(process_running(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(process_running(pid) for pid in workers)
     finally:
         rank0.kill()
         for pid in workers:
-            if _alive(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
