@@ -277,8 +277,8 @@ MOE_BACKEND = Flag(("--moe-runner-backend",), dict(action=_refused(_OWN_MOE, no_
                                                    help="refused past auto (SGLang flag)"))
 EPLB = Flag(("--enable-eplb",), dict(action=_refused(_OWN_MOE, takes_value=False), help="refused (SGLang / vLLM flag)"))
 TOKENIZER = Flag(("--tokenizer", "--tokenizer-path"), dict(
-    action=_refused("the tokenizer is read from the model folder (the gateway's --model-dir)"),
-    help="refused: the model folder's tokenizer is used (vLLM / SGLang flag)"))
+    default=None, metavar="PATH", help="taken where it names the model folder, whose tokenizer is used; refused "
+                                       "otherwise (vLLM / SGLang flag)"))
 GRAPH_BATCH_SIZES = Flag(("--cuda-graph-bs",), dict(
     action=_refused("the graphs' batch sizes are 1 to 8, every 8 to 64, then every 16 up to --cuda-graph-max-bs: give "
                     "that",
@@ -466,12 +466,28 @@ def resolve_target(args: argparse.Namespace) -> str | None:
         log.info("--trust-remote-code: taken; Tandem runs its own code for the architectures it knows, never a "
                  "checkpoint's")
     if args.model is None:
+        _check_tokenizer(getattr(args, "tokenizer", None), None, None)
         return None
     from tandem.model_source import resolve_model
 
     model = resolve_model(args.model, getattr(args, "revision", None))
+    _check_tokenizer(getattr(args, "tokenizer", None), args.model, model)
     check_quantization(getattr(args, "quantization", None), model)
     return model
+
+
+def _check_tokenizer(tokenizer: str | None, given: str | None, model: str | None) -> None:
+    """``--tokenizer`` as peers' launch scripts pass it (the model's own path again) is taken; another tokenizer is
+    refused: the gateway detokenizes with the model folder's."""
+    if tokenizer is None or tokenizer == given:
+        return
+    try:
+        if model is not None and Path(tokenizer).resolve() == Path(model).resolve():
+            return
+    except OSError:
+        pass
+    where = f"the model folder's ({model})" if model else "the model folder's (give --model)"
+    raise ConfigError(f"--tokenizer {tokenizer}: the tokenizer is {where}; a separate tokenizer is not supported")
 
 
 def check_quantization(asked: str | None, model: str) -> None:

@@ -178,7 +178,6 @@ def test_expert_parallel_flags_are_refused_saying_why(argv, capsys):
     (["--dist-init-addr", "10.0.0.1:5000"], "one host only"), (["--pp-size", "2"], "pipeline parallelism is not"),
     (["--moe-runner-backend", "triton"], "its own fused MoE kernels"), (["--enable-eplb"], "its own fused MoE"),
     (["--node-rank", "1"], "one host only"),
-    (["--tokenizer", "/x"], "the tokenizer is read from the model folder"),
     (["--cuda-graph-bs", "1", "2", "4"], "the graphs' batch sizes are 1 to 8"),
     (["--kv-cache-dtype", "fp8_e5m2"], "give auto; quantized KV caches are not supported"),
 ])
@@ -193,6 +192,23 @@ def test_deployment_flags_of_sglang_and_vllm_are_refused_saying_why(argv, says, 
             parse()
         err = capsys.readouterr().err
         assert f"{argv[0]}: " in err and says in err, err
+
+
+def test_tokenizer_naming_the_model_folder_is_taken_another_refused(folders, tmp_path):
+    from tandem.errors import ConfigError
+
+    t, _ = folders
+    plain = _verifier(["--model", t])
+    assert _verifier(["--model", t, "--tokenizer", t]) == plain
+    assert _verifier(["--model", t, "--tokenizer-path", t + "/"]) == plain
+    from verifier.__main__ import build_parser as verifier_parser
+
+    resolve = lambda argv: shared.resolve_target(verifier_parser().parse_args(argv))  # noqa: E731
+    assert resolve(["--model", t, "--tokenizer", t + "/"]) == resolve(["--model", t])
+    with pytest.raises(ConfigError, match=r"--tokenizer .*other: the tokenizer is the model folder's"):
+        resolve(["--model", t, "--tokenizer", str(tmp_path / "other")])
+    with pytest.raises(ConfigError, match="give --model"):
+        _up(["--tokenizer", str(tmp_path / "other")])
 
 
 def test_the_peers_no_op_values_of_those_flags_are_taken(folders):
