@@ -157,8 +157,9 @@ ATTENTION_BACKENDS = {"auto": "auto", "flashinfer": "flashinfer", "triton": "tri
                       "torch_native": "torch"}  # (SGLang's name for the reference)
 ATTENTION_BACKEND = Flag(("--attention-backend",), dict(
     default=e.attention_backend, type=lambda v: ATTENTION_BACKENDS.get(v.lower(), v), choices=sorted(set(ATTENTION_BACKENDS.values())),
-    help="eager attention: auto (FlashInfer on a GPU where installed, else the torch reference), flashinfer, triton or "
-         "torch (SGLang's torch_native); CUDA graphs always run Tandem's Triton kernels"))
+    help="eager attention: auto (FlashInfer on a GPU where installed, else the torch reference; MLA: the Triton latent "
+         "kernel), flashinfer, triton or torch (SGLang's torch_native); a name with no path for the model is taken as "
+         "auto; CUDA graphs always run Tandem's Triton kernels"))
 # Switches of SGLang / vLLM that ask for what Tandem does anyway: taken, so their command lines run here.
 ENABLE_PREFIX_CACHING = Flag(("--enable-prefix-caching",), dict(
     action="store_true", help="vLLM's switch; prefix caching is on unless --disable-prefix-caching"))

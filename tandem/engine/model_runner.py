@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tandem.attention.choice import make_backend
+from tandem.attention.choice import make_backend, resolve_backend
 from tandem.forward_batch import ForwardBatch, to_device
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
@@ -61,6 +61,7 @@ class ModelRunner:
         if bad:
             raise ConfigError(f"capture layer {bad[0]} is out of range for a {model_cfg.num_layers}-layer model")
 
+        attention = resolve_backend(cfg.attention_backend, self.device, latent=model_cfg.mla is not None)
         started = time.perf_counter()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(model_cfg).eval()
@@ -77,7 +78,7 @@ class ModelRunner:
                  time.perf_counter() - started)
 
         spec = self.model.kv_spec()
-        self.backend = make_backend(cfg.attention_backend, self.device, latent=spec.entries == 1)
+        self.backend = make_backend(attention, self.device, latent=spec.entries == 1)
         self.num_pages = self._size_kv_pool(spec)
         self.kv = KVPool.from_spec(spec, model_cfg.num_layers, self.num_pages, cfg.page_size, self.dtype, self.device)
         page_bytes = KVPool.bytes_per_page(model_cfg.num_layers, cfg.page_size, spec.heads, spec.dim, self.dtype,
