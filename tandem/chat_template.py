@@ -58,8 +58,9 @@ class ChatTemplate:
         def raise_exception(message: str):
             raise TemplateError(message)
 
-        def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-            return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # (transformers')
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
 
         def strftime_now(format: str) -> str:
             return datetime.now().strftime(format)

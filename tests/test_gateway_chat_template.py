@@ -64,6 +64,16 @@ def test_continue_final_message_equals_transformers(model_dir, hf):
     assert ours == theirs and ours.endswith("Paris is")
 
 
+def test_tojson_takes_transformers_arguments(hf):
+    """Kimi-K2's template writes ``tools | tojson(separators=(',', ':'))``; positional arguments in transformers'
+    order (ensure_ascii, indent)."""
+    source = ("{{ tools | tojson(separators=(',', ':')) }}|{{ tools | tojson(true, 1) }}|"
+              "{{ tools | tojson(sort_keys=true, indent=2) }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    ours = ChatTemplate(source).render(MESSAGES, add_generation_prompt=False, tools=TOOLS)
+    theirs = hf.apply_chat_template(MESSAGES, tools=TOOLS, chat_template=source, tokenize=False)
+    assert ours == theirs and '"type":"function"' in ours
+
+
 def test_a_template_error_is_a_chat_template_error(model_dir):
     with pytest.raises(ChatTemplateError, match="unknown role robot"):
         ChatTemplate.from_model_dir(model_dir).render([{"role": "robot", "content": "x"}])
