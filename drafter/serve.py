@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
 from tandem.round_lane import MAX_FRAME_BYTES
-from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, listen, report_hangs_in_health,
-                                    set_health, wait_for_stop)
+from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, host_port, listen,
+                                    report_hangs_in_health, set_health, wait_for_stop)
 from tandem.configs.model import ModelConfig
 from tandem.rpc.drafter.v1 import drafter_pb2_grpc
 from tandem.speculative.drafter import Eagle3Drafter
@@ -63,7 +63,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
                     "`tandem up` and compose set one")
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = listen(server, f"{cfg.host}:{cfg.port}")
+    port = listen(server, host_port(cfg.host, cfg.port))
     await server.start()
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("drafter serving on %s:%d", cfg.host, port)

@@ -19,7 +19,8 @@ from gateway.server import Gateway
 from tandem import args as shared
 from tandem import command_line
 from tandem import tracing
-from tandem.service_runtime import die_with_launcher, freeze_startup_heap
+from tandem.errors import TandemError
+from tandem.service_runtime import check_can_listen, die_with_launcher, freeze_startup_heap
 
 log = logging.getLogger("gateway")
 
@@ -51,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a bad flag or model folder: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.check_config:
+    if args.check_config:  # (tandem up asks before the models load: the ports too)
+        try:
+            check_can_listen(cfg.host, (cfg.port, cfg.grpc_port))
+        except TandemError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     log.info("%s", cfg)
     tracing.setup_tracing("tandem-gateway", cfg.otlp_endpoint)
@@ -64,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         run(serve(gateway))
     except OSError as e:  # the port is taken, the address is not ours
         print(f"error: cannot listen on {cfg.host} ports {cfg.port}/{cfg.grpc_port}: {e}", file=sys.stderr)
+        return 1
+    except TandemError as e:  # (the gRPC port's: tandem.service_runtime.listen)
+        print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         tracing.shutdown_tracing()

@@ -19,6 +19,7 @@ from gateway.openai_api import create_app
 from gateway.openai_shapes import CUT_SHORT_SEND_S
 from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
+from tandem.service_runtime import host_port
 
 log = logging.getLogger("gateway")
 
@@ -60,7 +61,7 @@ class Gateway(GatewayContext):
         self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
                                for service, url in (("verifier", cfg.verifier_metrics_url),
                                                     ("drafter", cfg.drafter_metrics_url)) if url is not None]
-        self._grpc, self.grpc_port, self._health = build_grpc_server(self, f"{cfg.host}:{cfg.grpc_port}")
+        self._grpc, self.grpc_port, self._health = build_grpc_server(self, host_port(cfg.host, cfg.grpc_port))
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")
         await set_serving(self._health, False)

@@ -36,7 +36,7 @@ from tandem import args as shared
 from tandem import internal_secret, stack_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
-from tandem.service_runtime import LAUNCHER_PID_ENV
+from tandem.service_runtime import LAUNCHER_PID_ENV, host_port
 from tandem.up_passthrough import passthrough_words
 
 log = logging.getLogger("tandem.up")
@@ -229,7 +229,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"starting {child.name} ...", file=sys.stderr, flush=True)
             child.start(env)
             _wait_healthy(child, args, plan.ports)
-        base = f"http://{args.host}:{args.port}"
+        base = f"http://{host_port(args.host, args.port)}"
         auth = "-H 'Authorization: Bearer <your API key>' " if env.get(shared.API_KEY_ENV) else ""
         drafter = (f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
                    f"--internal-secret-file): {secret_file}\n" if any(c.name == "drafter" for c in children) else "")
@@ -237,7 +237,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"EAGLE-3 speculation on, head {'in the verifier' if args.drafter == 'in-process' else 'in the drafter'}"
         print(f"\nTandem is up ({mode}).\n"
               f"  OpenAI API:   {base}/v1   (model: {plan.name})\n"
-              f"  gRPC:         {args.host}:{args.grpc_port}   (tandem.rpc.generation.v1.Generation)\n"
+              f"  gRPC:         {host_port(args.host, args.grpc_port)}   (tandem.rpc.generation.v1.Generation)\n"
               f"  metrics:      {base}/metrics   and   http://127.0.0.1:{plan.ports['metrics']}/metrics (verifier)\n"
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' {auth}"
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
@@ -281,7 +281,7 @@ def _wait_healthy(child: Child, args: argparse.Namespace, ports: dict[str, int],
 def _healthy(name: str, args: argparse.Namespace, ports: dict[str, int]) -> bool:
     if name == "gateway":
         try:
-            return urllib.request.urlopen(f"http://{args.host}:{args.port}/health", timeout=2).status == 200
+            return urllib.request.urlopen(f"http://{host_port(args.host, args.port)}/health", timeout=2).status == 200
         except OSError:
             return False
     from tandem.service_probe import is_serving

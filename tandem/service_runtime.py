@@ -100,6 +100,28 @@ def report_hangs_in_health(health_servicer, loop: asyncio.AbstractEventLoop) -> 
     on_any_hang(hang)
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC and URLs take it: an IPv6 address in brackets (``[::1]:50050``)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_can_listen(host: str, ports) -> None:
+    """Each of ``ports`` can be bound on ``host`` now, or one clear TandemError (``tandem up`` asks before the models
+    load, and must not take another server's answers on a taken port for its own)."""
+    import socket
+
+    for port in ports:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the servers bind)
+                probe.bind(address)
+        except OSError as e:
+            raise TandemError(f"cannot listen on {host_port(host, port)}: {e.strerror or e} (another server runs "
+                              "there? choose another port)") from None
+
+
 def listen(server, address: str) -> int:
     """``server.add_insecure_port(address)`` (a server built with GRPC_SERVER_OPTIONS) → the bound port; where the
     address is taken or cannot be bound, one clear error."""

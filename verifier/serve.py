@@ -16,8 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, listen, report_hangs_in_health,
-                                    set_health, wait_for_stop)
+from tandem.service_runtime import (GRPC_SERVER_OPTIONS, freeze_startup_heap, host_port, listen,
+                                    report_hangs_in_health, set_health, wait_for_stop)
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.warmup import warm_up
 from tandem.configs.model import ModelConfig
@@ -141,7 +141,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         log.warning("no internal secret (tandem.internal_secret): any local process may call this verifier directly, "
                     "past the gateway's API key and limits; `tandem up` and compose set one")
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = listen(server, f"{cfg.host}:{cfg.port}")
+    port = listen(server, host_port(cfg.host, cfg.port))
     await server.start()  # health answers NOT_SERVING (and Generate UNAVAILABLE) while the model loads
     log.info("loading %s (tp=%d, %s)", cfg.engine.model, cfg.engine.tp_size, cfg.engine.device)
 

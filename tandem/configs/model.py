@@ -110,12 +110,17 @@ class ModelConfig(AttentionWidths):
         path, raw = read_config_json(model_dir, "a Hugging Face model folder")
         generation = Path(model_dir) / "generation_config.json"
         gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
-        return cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw)
+        return cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw,
+                                tokenizer_eos=tokenizer_eos_id(model_dir))
 
     @classmethod
     def from_hf_dict(
-        cls, raw: dict[str, Any], source: str = "config.json", generation_config: dict | None = None
+        cls, raw: dict[str, Any], source: str = "config.json", generation_config: dict | None = None,
+        tokenizer_eos: int | None = None,
     ) -> "ModelConfig":
+        """``generation_config``: generation_config.json's fields; ``tokenizer_eos``: the tokenizer's EOS id. A
+        request stops at any of the EOS ids the three name (as vLLM and SGLang: a chat model's end of turn is often
+        the tokenizer's or generation_config's, not config.json's)."""
         archs = raw.get("architectures") or []
         quant = parse_quantization(raw, source)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES or a in DEEPSEEK_ARCHITECTURES), None)
@@ -126,12 +131,12 @@ class ModelConfig(AttentionWidths):
         gen = generation_config or {}
         if arch in DEEPSEEK_ARCHITECTURES:
             text = text_config(raw, arch, source)
-            eos = gen.get("eos_token_id", raw.get("eos_token_id", text.get("eos_token_id")))
+            eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id", text.get("eos_token_id")), tokenizer_eos)
             fields = deepseek_fields(raw, arch, source)
             # ``rope``: what a Llama-shaped EAGLE-3 head for this target would use; the target reads ``mla``.
             return cls(**fields, rope=RopeConfig(theta=fields["mla"].rope_theta),
                        qkv_bias=False, qk_norm=False, o_bias=False, mlp_bias=False, dtype=_dtype_name(text, raw),
-                       eos_token_ids=_eos_ids(eos), bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
+                       eos_token_ids=eos, bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
                        quantization=quant)
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         # Llama and Qwen3 read attention_bias for q/k/v and o_proj; Qwen2 always biases q/k/v only.
@@ -144,7 +149,7 @@ class ModelConfig(AttentionWidths):
 
         dims = decoder_dims(raw, source)
         hidden, heads = dims["hidden_size"], dims["num_heads"]
-        eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+        eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"), tokenizer_eos)
         dtype = _dtype_name(raw)
         return cls(
             **dims,
@@ -159,14 +164,40 @@ class ModelConfig(AttentionWidths):
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             dtype=dtype,
-            eos_token_ids=_eos_ids(eos),
+            eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
             quantization=quant,
         )
 
 
-def _eos_ids(eos: Any) -> tuple[int, ...]:
-    return tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+def _eos_ids(*named: Any) -> tuple[int, ...]:
+    """The EOS ids ``named`` (each an id, a list of ids or None), in order, each once."""
+    ids = [int(e) for eos in named for e in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
+    return tuple(dict.fromkeys(ids))
+
+
+def tokenizer_eos_id(model_dir: str | Path) -> int | None:
+    """The id of tokenizer_config.json's ``eos_token`` where the folder says it without loading a tokenizer: in
+    tokenizer_config.json's ``added_tokens_decoder`` (Kimi's tiktoken folders too) or tokenizer.json's
+    ``added_tokens``; None otherwise."""
+    folder = Path(model_dir)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    decoder = config.get("added_tokens_decoder") or {}
+    found = [int(i) for i, t in decoder.items() if isinstance(t, dict) and t.get("content") == eos and i.isdigit()]
+    if not found:
+        try:
+            added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens") or []
+        except (OSError, ValueError, AttributeError):
+            added = []
+        found = [t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos and isinstance(t.get("id"), int)]
+    return found[0] if found else None
 
 
 def _dtype_name(*raws: dict[str, Any]) -> str:
