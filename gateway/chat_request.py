@@ -6,6 +6,7 @@ a named function are refused rather than answered without ``tool_calls``."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.body_fields import flag
@@ -51,7 +52,8 @@ def _tools(body: dict) -> list[dict] | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice", "names a tool but the request has no tools")
+            what = f"is {json.dumps(choice)[:40]}" if isinstance(choice, str) else "names a tool"
+            raise bad_request("tool_choice", f"{what} but the request has no tools")
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad_request("tools", "must be a list of tool objects")

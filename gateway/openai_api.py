@@ -71,6 +71,8 @@ def create_app(gw: GatewayContext) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")  # (the OpenAI client's models.retrieve; a path may hold slashes)
     async def model(model: str):
+        if not model:  # (/v1/models/: the list, as /v1/models)
+            return await models()
         try:
             check_model(model, gw.cfg.model_names)
         except GatewayError as e:

@@ -30,6 +30,13 @@ ENGINE_FIELDS = {
     "chat_template": lambda v: v is None,  # a request's own template: only the model's renders
     "return_tokens_as_token_ids": lambda v: not v,  # log-probabilities name tokens by their text
     "priority": lambda v: v is None or (v == 0 and not isinstance(v, bool)),  # one queue, first come first served
+    "return_token_ids": lambda v: not v,  # (vLLM's token ids beside the text: not in these responses)
+    "cache_salt": lambda v: v is None,  # no prefix-cache partition per salt (--disable-prefix-caching shares nothing)
+    "logits_processors": lambda v: not v,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,  # (the tokenizer's detokenization, always)
+    # SGLang's OpenAI-server extensions (its /generate takes the same)
+    "lora_path": lambda v: not v,
+    "return_hidden_states": lambda v: not v,
 }
 
 
@@ -50,8 +57,9 @@ def parse_output_options(body: dict, chat: bool) -> OutputOptions:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise bad_request("n", f"must be an integer in [1, {MAX_N}], got {json.dumps(n)[:40]}")
     echo = flag(body, "echo", False)
-    return OutputOptions(n, echo, flag(body, "skip_special_tokens", True),
-                         flag(body, "include_stop_str_in_output", False))
+    # (SGLang's OpenAI server spells include_stop_str_in_output no_stop_trim)
+    keep_stop = flag(body, "include_stop_str_in_output", False) or flag(body, "no_stop_trim", False)
+    return OutputOptions(n, echo, flag(body, "skip_special_tokens", True), keep_stop)
 
 
 

@@ -397,6 +397,8 @@ def _from_speculative_config(raw: str, target: str | None) -> tuple[str | None, 
         raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {raw[:80]}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {raw[:80]}")
+    if cfg.get("draft_tensor_parallel_size") in (1, None):  # (vLLM's EAGLE docs pass 1: the head runs on one GPU here)
+        cfg.pop("draft_tensor_parallel_size", None)
     unknown = sorted(set(cfg) - set(SPECULATIVE_CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"--speculative-config: {', '.join(map(repr, unknown))} not supported (Tandem takes "

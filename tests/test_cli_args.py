@@ -260,6 +260,10 @@ def test_vllm_speculative_config_is_a_chain_of_n_steps(folders):
     ours = _verifier(["--model", t, "--draft-model", d, "--speculative-num-steps", "5", "--speculative-eagle-topk",
                       "1", "--speculative-num-draft-tokens", "6", "--drafter", "127.0.0.1:1"])
     assert vllm == ours
+    one_gpu = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": 5, "draft_tensor_parallel_size": 1})
+    assert _verifier(["--model", t, "--speculative-config", one_gpu, "--drafter", "127.0.0.1:1"]) == ours
+    with pytest.raises(ConfigError, match="'draft_tensor_parallel_size' not supported"):
+        _verifier(["--model", t, "--speculative-config", one_gpu.replace('size": 1', 'size": 2'), "--drafter", "x:1"])
     assert _drafter(["--speculative-config", config], t) == _drafter(
         ["--model", d, "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "6"], t)
     assert _generate(["--model", t, "--speculative-config", config]) == _generate(

@@ -163,8 +163,10 @@ def test_include_stop_str_in_output(stack, ref, stream):
     stop = whole[len(whole) // 2:len(whole) // 2 + 2]
     cut = whole.find(stop)
     body = {"prompt": PROMPT, "max_tokens": 40, "stop": [stop]}
-    for include, expected in [(False, whole[:cut]), (True, whole[:cut + len(stop)])]:
-        b = {**body, "include_stop_str_in_output": include}
+    for include, expected, field in [(False, whole[:cut], "include_stop_str_in_output"),
+                                     (True, whole[:cut + len(stop)], "include_stop_str_in_output"),
+                                     (True, whole[:cut + len(stop)], "no_stop_trim")]:  # (SGLang's spelling)
+        b = {**body, field: include}
         if stream:
             text = "".join(c["choices"][0]["text"] for c in _stream(stack, "/v1/completions", b))
         else:
@@ -317,6 +319,9 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/completions", "regex", "a+"), ("/v1/chat/completions", "json_schema", "{}"),
     ("/v1/completions", "ebnf", "root ::= 'a'"),  # SGLang's constrained output
+    ("/v1/completions", "return_token_ids", True), ("/v1/chat/completions", "cache_salt", "tenant-a"),
+    ("/v1/completions", "logits_processors", ["x"]), ("/v1/completions", "spaces_between_special_tokens", False),
+    ("/v1/chat/completions", "lora_path", "my-lora"), ("/v1/completions", "return_hidden_states", True),
 ])
 def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
@@ -355,6 +360,7 @@ def test_a_model_is_retrieved_by_its_names_as_the_openai_client_does(stack, mode
         assert r.status_code == 200 and r.json() == listed, r.text
     r = httpx.get(f"{stack.url}/v1/models/other-model", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert httpx.get(f"{stack.url}/v1/models/", timeout=10).json() == {"object": "list", "data": [listed]}
 
 
 def test_continuous_usage_stats_is_refused_by_name(stack):

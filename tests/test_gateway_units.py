@@ -140,3 +140,14 @@ def test_bad_model_dir_is_one_line_error():
     r = subprocess.run([sys.executable, "-m", "gateway", "--verifier", "127.0.0.1:1", "--model-dir", "/nonexistent"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --model-dir /nonexistent: no such folder (nor a Hugging Face id, org/name)"]
+
+
+@pytest.mark.parametrize("choice, says", [("required", 'tool_choice: is "required" but the request has no tools'),
+                                          ({"type": "function", "function": {"name": "f"}},
+                                           "tool_choice: names a tool but the request has no tools")])
+def test_tool_choice_without_tools_says_what_it_asked(choice, says):
+    from gateway.chat_request import _tools
+
+    with pytest.raises(GatewayError) as raised:
+        _tools({"tool_choice": choice})
+    assert raised.value.message == says, raised.value.message
