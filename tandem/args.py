@@ -370,7 +370,7 @@ def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> 
         args.speculative_num_draft_tokens
     requested = False
     if args.speculative_algorithm is not None:
-        _check_method(args.speculative_algorithm, "--speculative-algorithm", target)
+        _check_method(args.speculative_algorithm, "--speculative-algorithm", target, has_draft=draft is not None)
         requested = True
     if args.speculative_config is not None:
         given = [f.names[0] for f in (ALGORITHM, *SPEC_SHAPE_FLAGS) if getattr(args, f.dest) is not None]
@@ -412,10 +412,14 @@ def _from_speculative_config(raw: str, target: str | None) -> tuple[str | None, 
     return model, n
 
 
-def _check_method(value: str, where: str, target: str | None) -> None:
+def _check_method(value: str, where: str, target: str | None, has_draft: bool = True) -> None:
     name = value.strip().upper().replace("-", "").replace("_", "")
     if name in SPECULATIVE_ALGORITHMS:
         return
+    if name in ("EAGLE", "NEXTN") and not has_draft:  # (SGLang's way to run DeepSeek's own MTP layer)
+        raise ConfigError(f"{where} {value} without a draft: the model's own MTP layer (DeepSeek-V3 / Kimi's "
+                          "layers.<num_hidden_layers>) is not served; Tandem speculates with an EAGLE-3 head: "
+                          "--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR, or no speculation")
     if name == "EAGLE":
         h = _hidden_size(target)
         one, three = (f"{h}", f"{3 * h}") if h else ("H", "3 x H")

@@ -365,12 +365,19 @@ def test_eagle_1_2_is_refused_naming_both_widths(folders):
         _up(["--model", "/nowhere", "--speculative-algorithm", "EAGLE", "--draft-model", d])
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN"])
+def test_sglangs_mtp_line_without_a_draft_is_refused_saying_the_mtp_layer_is_not_served(folders, algorithm):
+    t, _ = folders
+    message = _refused(["--model", t, "--speculative-algorithm", algorithm])
+    assert "without a draft: the model's own MTP layer" in message and "EAGLE3" in message, message
+
+
 def test_other_algorithms_unknown_keys_and_mixed_spellings_are_refused(folders):
     t, d = folders
     assert "'NGRAM' is not supported" in _refused(["--model", t, "--speculative-algorithm", "NGRAM"])
     assert "'medusa'" in _refused(["--model", t, "--speculative-config", '{"method": "medusa"}'])
     message = _refused(["--model", t, "--speculative-config",
-                        json.dumps({"method": "eagle3", "model": d, "draft_tensor_parallel_size": 1, "x": 2})])
+                        json.dumps({"method": "eagle3", "model": d, "draft_tensor_parallel_size": 2, "x": 2})])
     assert "'draft_tensor_parallel_size', 'x' not supported" in message
     assert "not valid JSON" in _refused(["--model", t, "--speculative-config", "{method: eagle3}"])
     assert "JSON object" in _refused(["--model", t, "--speculative-config", "[1]"])
