@@ -70,6 +70,7 @@ class Child:
     restart_at: float | None = None  # set while it is down and waiting for its back-off
     restarts: int = 0
     backoff: Backoff = field(default_factory=Backoff)
+    healthy_at: float | None = None  # when it last said it serves (None: not since its latest start)
 
     def start(self, env: dict) -> None:
         # The service asks for its parent-death signal itself (tandem.service_runtime.die_with_launcher): no hook
@@ -79,7 +80,7 @@ class Child:
         # (the gateway first, drained, then the others), where each one stopping on its own raced the others: streams
         # the gateway was draining were cut by the verifier's own stop.
         self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())}, start_new_session=True)
-        self.started_at, self.restart_at = time.monotonic(), None
+        self.started_at, self.restart_at, self.healthy_at = time.monotonic(), None, None
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
@@ -213,6 +214,7 @@ def run_up(args: argparse.Namespace) -> int:
     # ... and SIGINT always: a shell that starts us in the background has it ignored, and the services, which
     # handle it, would stop on a group's SIGINT and be restarted by a launcher that stays up
     previous_int = signal.signal(signal.SIGINT, _interrupt)
+    previous_hup = signal.signal(signal.SIGHUP, _interrupt)  # (the terminal closed: the same ordered stop)
     try:
         plan = plan_up(args, secret_file)
         children = plan.children
@@ -242,13 +244,17 @@ def run_up(args: argparse.Namespace) -> int:
               f"  try:  curl {base}/v1/completions -H 'Content-Type: application/json' {auth}"
               "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n"
               f"{drafter}Ctrl-C stops every service; a service that exits is restarted.", flush=True)
-        return _supervise(children, env)
+        return _supervise(children, env, healthy=lambda child: _healthy(child.name, args, plan.ports))
     except KeyboardInterrupt:
-        return 0
+        killed = _stop_all(children)
+        if killed:  # (an operator's script sees the stop was not clean)
+            print(f"stopped; killed: {', '.join(killed)}", file=sys.stderr, flush=True)
+        return 1 if killed else 0
     finally:
         _stop_all(children)
         signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGHUP, previous_hup)
         shutil.rmtree(secret_dir, ignore_errors=True)
 
 
@@ -289,8 +295,13 @@ def _healthy(name: str, args: argparse.Namespace, ports: dict[str, int]) -> bool
     return is_serving(ports[name])
 
 
-def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lambda: False) -> int:
-    """Restart whichever service exits, after its back-off; returns through an interrupt (or ``until()``)."""
+def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lambda: False,
+               healthy=lambda child: True) -> int:
+    """Restart whichever service exits, after its back-off, and say when a restarted one serves again (``healthy``);
+    returns through an interrupt (or ``until()``). A run counts as stable from when the service served, not from its
+    start: a long load followed by a crash must not restart at the first delay forever."""
+    for child in children:
+        child.healthy_at = child.healthy_at or time.monotonic()  # (started and waited for by run_up)
     while not until():
         now = time.monotonic()
         for child in children:
@@ -302,18 +313,32 @@ def _supervise(children: list[Child], env: dict, poll_s: float = 0.2, until=lamb
                 continue
             code = child.proc.poll()
             if code is not None:
-                delay = child.backoff.delay(now - child.started_at)
+                served = now - child.healthy_at if child.healthy_at is not None else 0.0
+                delay = child.backoff.delay(served)
                 child.restart_at = now + delay
-                log.warning("%s exited with code %d; restarting it in %.1f s", child.name, code, delay)
+                log.warning("%s exited (%s); restarting it in %.1f s", child.name, _exit_said(code), delay)
+            elif child.healthy_at is None and healthy(child):
+                child.healthy_at = now
+                log.info("%s serves again (%.1f s after its restart)", child.name, now - child.started_at)
         time.sleep(poll_s)
     return 0
 
 
-def _stop_all(children: list[Child]) -> None:
+def _exit_said(code: int) -> str:
+    """An exit status in words: ``code 3``, or the signal that killed it (``killed by SIGKILL``)."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _stop_all(children: list[Child]) -> list[str]:
     """Each service stopped after the one that depends on it has exited: the gateway first (no new requests; its
     streams drain, as long as its grace period allows), then the verifier, then the drafter. One stuck for STOP_TIMEOUT_S is
-    killed, saying so; a second Ctrl-C kills all that are left."""
-    hurry = False
+    killed, saying so; a second Ctrl-C kills all that are left, naming them. → the services killed."""
+    hurry, killed = False, []
     for child in reversed(children):
         try:
             if child.proc is None or child.proc.poll() is not None:  # (never started, or exited and reaped)
@@ -331,7 +356,11 @@ def _stop_all(children: list[Child]) -> None:
             print(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s: killed", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             hurry = True
+        if hurry:
+            print(f"{child.name}: killed (interrupted again)", file=sys.stderr, flush=True)
         _kill(child)
+        killed.append(child.name)
+    return killed
 
 
 def _kill(child: Child) -> None:

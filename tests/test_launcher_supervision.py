@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -66,7 +67,7 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     assert steady.proc.pid == steady_pid and steady.restarts == 0
     # each exit and restart is a timestamped WARNING line of tandem.up (among the services' lines in one log)
     lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
-    assert ("tandem.up", "WARNING", "drafter exited with code -9; restarting it in 0.2 s") in lines
+    assert ("tandem.up", "WARNING", "drafter exited (killed by SIGKILL); restarting it in 0.2 s") in lines
     assert ("tandem.up", "WARNING", "restarting drafter (restart 1)") in lines
 
 
@@ -119,7 +120,45 @@ def test_each_service_asks_for_its_parent_death_signal_first(service, monkeypatc
     assert called == [True]
 
 
-def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(tmp_path):
+def _supervised(children, seconds_or_until, healthy):
+    """_supervise over ``children`` (started here) until ``seconds_or_until()`` is true; then all stopped."""
+    for child in children:
+        child.start(dict(os.environ))
+    done = threading.Event()
+    supervisor = threading.Thread(target=_supervise, args=(children, dict(os.environ), 0.05, done.is_set),
+                                  kwargs=dict(healthy=healthy))
+    supervisor.start()
+    deadline = time.monotonic() + 60
+    try:
+        while not seconds_or_until() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        done.set()
+        supervisor.join(30)
+        _stop_all(children)
+
+
+def test_a_restarted_service_is_said_to_serve_again(caplog):
+    child = Child("drafter", [sys.executable, "-c", "import time; time.sleep(0.3)"],
+                  backoff=Backoff(first_s=0.1, most_s=0.1, stable_s=60.0))
+    caplog.set_level(logging.INFO, logger="tandem.up")
+    said = lambda: any("drafter serves again" in r.getMessage() for r in caplog.records)  # noqa: E731
+    _supervised([child], said, healthy=lambda c: c.proc.poll() is None)
+    assert said() and child.restarts >= 1
+
+
+def test_a_run_that_never_served_is_no_stable_run(tmp_path):
+    """A service that loads for longer than the stable time and then crashes, again and again, backs off; it restarted
+    at the first delay each time (the stable time counted from its start, not from when it served)."""
+    child = _TimedChild("verifier", [sys.executable, "-c", "import time; time.sleep(0.4)"],
+                        backoff=Backoff(first_s=0.1, most_s=0.8, stable_s=0.2))
+    _supervised([child], lambda: child.restarts >= 3, healthy=lambda c: False)
+    delays = [b - a - 0.4 for a, b in zip(child.starts_at, child.starts_at[1:])]
+    assert delays[2] >= 0.4 - 0.05, delays  # 0.1, 0.2, 0.4: doubled, not 0.1 each time
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(tmp_path, signum):
     """A shell starts a background job with SIGINT ignored; the services handle SIGINT themselves, so a SIGINT to
     the group stopped them and the launcher, staying up, restarted them. `tandem up` stops on SIGINT always."""
     pid_file = tmp_path / "service.pid"
@@ -141,7 +180,7 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     service_pid = int(pid_file.read_text())
-    up.send_signal(2)  # SIGINT
+    up.send_signal(signum)  # (SIGHUP: the terminal of a foreground tandem up closed; it ended without a stop)
     try:
         assert up.wait(30) == 0, up.stderr.read()
     finally:
@@ -210,7 +249,7 @@ def test_a_service_that_does_not_stop_is_named_then_killed(tmp_path, monkeypatch
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:  # (its handler set before it is told to stop)
         time.sleep(0.05)
-    _stop_all([stuck])
+    assert _stop_all([stuck]) == ["verifier"]
     err = capsys.readouterr().err
     assert stuck.proc.poll() is not None
     assert "waiting for verifier to stop (killed 1 s from now" in err and "verifier did not stop within 1 s: killed" in err
