@@ -26,6 +26,7 @@ from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model, check_prompt_ids, check_sampling,
                              resolve_max_tokens)
 from tandem import tracing
+from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
 from tandem.service_runtime import GRPC_SERVER_OPTIONS, listen, set_health
 
@@ -42,6 +43,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Stream one generation; the last message carries finish_reason and the token counts."""
+        if request is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
         gw = self._gw
         arrival = time.monotonic()
         span = tracing.start_span("gateway.generate", parent=tracing.extract_context(context.invocation_metadata()),
@@ -142,7 +145,11 @@ def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server
     interceptors = [ApiKeyInterceptor(gw.cfg.api_key)] if gw.cfg.api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
+    servicer = GenerationServicer(gw)  # (registered by hand: its requests decoded by tandem.grpc_decode)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=tolerant(generation_pb2.GenerateRequest),
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString)}),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -117,3 +117,15 @@ def test_the_access_log_can_be_turned_off():
     argv = ["--verifier", "127.0.0.1:1", "--model-dir", str(tiny_model_dir())]
     assert config_from_args(build_parser().parse_args(argv)).access_log
     assert not config_from_args(build_parser().parse_args([*argv, "--disable-uvicorn-access-log"])).access_log
+
+
+def test_a_malformed_body_without_the_key_is_unauthenticated(stack):
+    """Refused for the key, not decoded first (gRPC's UNKNOWN and a logged traceback per call, to anyone)."""
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        raw = channel.unary_stream("/tandem.rpc.generation.v1.Generation/Generate",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                               ((("authorization", f"Bearer {KEY}"),), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(b"\xff" * 50, metadata=metadata, timeout=10))
+            assert e.value.code() == code, e.value.details()

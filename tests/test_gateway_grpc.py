@@ -138,3 +138,13 @@ def test_health_mirrors_the_verifier_and_reflection_lists_the_service(channel):
                                               timeout=5))
     names = {s.name for s in reply.list_services_response.service}
     assert "tandem.rpc.generation.v1.Generation" in names and "grpc.health.v1.Health" in names
+
+
+def test_malformed_protobuf_is_invalid_argument_without_a_traceback(channel, caplog):
+    raw = channel.unary_stream("/tandem.rpc.generation.v1.Generation/Generate",
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\xff" * 50, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "malformed GenerateRequest" in err.value.details() and "DecodeError" not in err.value.details()
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"

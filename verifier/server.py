@@ -13,11 +13,11 @@ import logging
 import uuid
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from tandem import internal_secret, tracing
 from tandem.engine.step import StepOutput
 from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, TandemError
+from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.configs.model import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
@@ -27,17 +27,6 @@ from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submissio
 
 log = logging.getLogger("verifier.server")
 SERVICE = "tandem.rpc.verifier.v1.Verifier"
-_MALFORMED = object()
-
-
-def _parse(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except DecodeError:
-            return _MALFORMED
-
-    return parse
 
 
 class VerifierService:
@@ -54,10 +43,10 @@ class VerifierService:
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self.generate, request_deserializer=_parse(pb.GenerateRequest),
+                self.generate, request_deserializer=tolerant(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self.model_info, request_deserializer=_parse(pb.ModelInfoRequest),
+                self.model_info, request_deserializer=tolerant(pb.ModelInfoRequest),
                 response_serializer=pb.ModelInfo.SerializeToString),
         })
 
@@ -79,7 +68,7 @@ class VerifierService:
         await self._authenticate(context)
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
-        if request is _MALFORMED:
+        if request is MALFORMED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
         try:
             params, spec = self._convert(request)
