@@ -38,6 +38,9 @@ _FROM_UPSTREAM: dict[grpc.StatusCode, int] = {
 }
 
 
+RETRY_AFTER_S = 1  # a 429's or 503's Retry-After: a slot frees or a restarted verifier serves within seconds
+
+
 class GatewayError(Exception):
     """A request the gateway answers with an error. ``param`` names the offending field."""
 
@@ -54,6 +57,10 @@ class GatewayError(Exception):
     @property
     def grpc_code(self) -> grpc.StatusCode:
         return _KINDS.get(self.status, (None, grpc.StatusCode.UNKNOWN))[1]
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the answer: ``Retry-After`` on the retryable statuses (too many requests, unavailable)."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
 
     def body(self) -> dict:
         """The OpenAI error shape; ``code`` is the HTTP status, as vLLM sends it."""

@@ -41,7 +41,7 @@ class ClientGone(Exception):
 
 
 def error_response(err: GatewayError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
 class _Scope:

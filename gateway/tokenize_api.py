@@ -49,7 +49,7 @@ async def _answer(gw: GatewayContext, request: Request, work) -> JSONResponse:
             work(gw, body, info)
         return JSONResponse(result)
     except GatewayError as e:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 def _tokenize(gw: GatewayContext, body: dict, info) -> dict:

@@ -176,6 +176,7 @@ def test_generations_in_flight_are_bounded_and_their_slots_come_back(stack):
         assert slots.in_use == SLOTS
         r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10)
         assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError", r.text
+        assert r.headers["retry-after"] == "1"  # (clients and proxies back off by it)
         with grpc.insecure_channel(stack.grpc_target) as channel:
             with pytest.raises(grpc.RpcError) as e:
                 list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x", max_tokens=1),

@@ -64,7 +64,8 @@ def test_a_hung_verifier_gets_new_requests_refused_at_once_not_left_waiting():
         wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).status_code == 503, 5, "health to say 503")
         wait_until(lambda: stack.gateway.client.failed_checks >= 2, 5, "a second check to find it not serving")
         started = time.monotonic()
-        assert _status(stack) == 503
+        r = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert time.monotonic() - started < 1.0
         stack.fake.hung = False
         wait_until(lambda: _status(stack) == 200, 5, "the gateway to serve again")
