@@ -69,8 +69,12 @@ class DrafterConnection:
         self.welcome = welcome.welcome
 
     async def _open(self, address: str, metadata: tuple) -> None:
+        # A frozen drafter (stopped, swapping) surfaces within ~15 s even while no round is asked of it (the policy
+        # plain): its up metric and the attachment's next round see it gone (30 s without a ping timeout: ~50 s).
+        # The drafter takes pings every 10 s (drafter/serve.py).
         self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1)])
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.ping_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1)])
         self.call = pb_grpc.DrafterStub(self.channel).Rounds(metadata=metadata or None)
 
     def _run(self, coro, timeout_s: float | None = None):
