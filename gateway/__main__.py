@@ -31,7 +31,11 @@ async def serve(gateway: Gateway) -> None:
     # rather than a KeyboardInterrupt in the middle of draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: gateway.request_stop())
-    await gateway.start()
+    try:
+        await gateway.start()
+    except BaseException:  # (a taken REST port after gRPC started: its server stopped here, not at exit's collection)
+        await gateway.stop()
+        raise
     # What start-up left (FastAPI, pydantic, gRPC, the tokenizer: ~50k objects) out of the collector's
     # generations: a full collection walked them all, 35-65 ms on a CPU core, in the middle of a stream.
     freeze_startup_heap()

@@ -65,3 +65,18 @@ def test_grpc_listens_on_an_ipv6_host():
         assert listen(server, host_port("::1", 0)) > 0
     finally:
         server.stop(None)
+
+
+def test_a_gateway_started_on_a_taken_rest_port_ends_in_one_line(tmp_path):
+    """Its gRPC server, already started, is stopped before it exits (no "Exception ignored ... Event loop is closed")."""
+    from gateway_harness import tiny_model_copy
+
+    model = tiny_model_copy(tmp_path / "m")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "gateway", "--verifier", "127.0.0.1:1", "--model-dir", str(model),
+                               "--port", str(taken), "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Address already in use" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
