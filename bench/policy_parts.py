@@ -1,9 +1,8 @@
 """Which part of the measured policy costs speculation its pace where speculating always is best: the demo pair
 (or TANDEM_DEMO_DIR) in process, a closed loop of BATCH requests (120 new tokens, greedy), engines that differ only in
 the policy: speculating always, the default policy, and the default without shorter chains (no chain-depth weighing,
-one chain's graphs) or without measured goodput (the cost model alone). Passes interleaved; tok/s, engine steps, host
-ms per step, rounds per speculative step and plain steps, and with --profile the host functions whose time per step
-differs most from always's.
+one chain's graphs) or without measured goodput (the cost model alone). Passes interleaved; tok/s, engine steps and
+host ms per step, and with --profile the host functions whose time per step differs most from always's.
 
     python3 bench/policy_parts.py [--device cuda] [--batch 1] [--seconds 6] [--passes 3] [--profile]
 """

@@ -66,7 +66,7 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     port = listen(server, host_port(cfg.host, cfg.port))
     await server.start()
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    log.info("drafter serving on %s:%d", cfg.host, port)
+    log.info("drafter serving on %s", host_port(cfg.host, port))
     if ready is not None:
         ready.set()
     await wait_for_stop(stop)

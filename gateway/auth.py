@@ -85,4 +85,4 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     return make[(handler.request_streaming, handler.response_streaming)](
-        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        deny, response_serializer=handler.response_serializer)  # (the body is never decoded: refused as bytes)

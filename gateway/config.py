@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--verifier", required=True, help="the verifier's gRPC address, HOST:PORT")
     p.add_argument("--check-config", action="store_true",
-                   help="check the flags and the model folder (tokenizer, chat template, generation config), then exit "
-                        "(tandem up runs this before any model loads)")
+                   help="check the flags, the model folder (tokenizer, chat template, generation config) and that the "
+                        "REST and gRPC ports can be bound, then exit (tandem up runs this before any model loads)")
     p.add_argument("--model-dir", *MODEL.names, dest="model_dir", required=True,
                    help="the target's folder: tokenizer.json, its chat template, generation_config.json")
     p.add_argument("--host", default=d.host, help="address to listen on (REST and gRPC)")

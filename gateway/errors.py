@@ -97,24 +97,23 @@ def from_upstream(err: grpc.aio.AioRpcError, verifier: str) -> GatewayError:
 
 
 class _FailureLog:
-    """The verifier's failures of requests in the log: the first of a kind at once, the same kind again at most every
-    ``every_s`` with how many came meanwhile (a dead verifier failed one request per line, thousands a second at
-    production rates, before the health checks refused new ones)."""
+    """The verifier's failures of requests in the log: the first of a kind (a verifier and a status code) at once, the
+    same kind again at most every ``every_s`` with how many came meanwhile (a dead verifier failed one request per
+    line, thousands a second at production rates, before the health checks refused new ones). Failures held back
+    after the last line of a burst are counted in the next line of that kind."""
 
     def __init__(self, every_s: float = 5.0, clock=time.monotonic):
         self.every_s, self.clock = every_s, clock
-        self._last: dict[tuple, tuple[float, int]] = {}  # (verifier, code, details) -> (said at, held since)
+        self._last: dict[tuple, tuple[float, int]] = {}  # (verifier, code) -> (said at, held since)
 
     def say(self, verifier: str, code: str, details: str) -> None:
-        key, now = (verifier, code, details), self.clock()
+        key, now = (verifier, code), self.clock()
         said, held = self._last.get(key, (None, 0))
         if said is not None and now - said < self.every_s:
             self._last[key] = (said, held + 1)
             return
         more = f" (and {held} more like it in {now - said:.0f} s)" if held else ""
         log.warning("verifier at %s failed a request: %s: %s%s", verifier, code, details, more)
-        if len(self._last) > 256:  # (details hold addresses and times: kinds do not pile up)
-            self._last.clear()
         self._last[key] = (now, 0)
 
 

@@ -63,14 +63,15 @@ class Gateway(GatewayContext):
                                                     ("drafter", cfg.drafter_metrics_url)) if url is not None]
         self._grpc, self.grpc_port, self._health = build_grpc_server(self, host_port(cfg.host, cfg.grpc_port))
         if self.grpc_port == 0:
-            raise OSError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}")
+            raise OSError(f"cannot listen for gRPC on {host_port(cfg.host, cfg.grpc_port)}")
         await set_serving(self._health, False)
         await self._grpc.start()
         self._grpc_drain = asyncio.create_task(self._drain_grpc(), name="gateway-grpc-drain")
 
         # Bind the HTTP socket ourselves so that port 0 works and the real port is known before
         # uvicorn starts (its own logs only say what it was asked).
-        sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        bare = cfg.host.strip("[]")
+        sock = socket.create_server((bare, cfg.port), family=socket.AF_INET6 if ":" in bare else socket.AF_INET)
         self.port = sock.getsockname()[1]
         app = create_app(self)
         await warm_up_streaming()  # the first streamed request must not import anyio's backend (gateway/warmup.py)
@@ -88,8 +89,8 @@ class Gateway(GatewayContext):
         serving = await self._check_health(None)
         self._tasks = [http_task, asyncio.create_task(self._mirror_health(serving), name="gateway-health"),
                        asyncio.create_task(self.pace.run(), name="gateway-pace")]
-        log.info("gateway ready: OpenAI API at http://%s:%d/v1 and gRPC Generation at %s:%d (model %s, verifier %s)",
-                 cfg.host, self.port, cfg.host, self.grpc_port, cfg.model_name, cfg.verifier)
+        log.info("gateway ready: OpenAI API at http://%s/v1 and gRPC Generation at %s (model %s, verifier %s)",
+                 host_port(cfg.host, self.port), host_port(cfg.host, self.grpc_port), cfg.model_name, cfg.verifier)
 
     async def _mirror_health(self, serving: bool | None) -> None:
         """Our gRPC health is the verifier's: a load balancer should not send work we cannot do."""

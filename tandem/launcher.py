@@ -5,7 +5,7 @@ Each service is its own process, exactly as in production (``python -m drafter|v
 this only wires their addresses together and supervises them. Torch is never imported here.
 
 Supervision: once the stack is up, a service that exits is started again after a back-off (0.5 s,
-doubling to 10 s; back to 0.5 s once it had run for 30 s). Every service, not only the drafter:
+doubling to 10 s; back to 0.5 s once it had served for 30 s). Every service, not only the drafter:
 the verifier tolerates a lost drafter and reconnects to the new one; a verifier exits non-zero when
 its engine fails (its requests failed first), precisely so that it is restarted, and the gateway
 answers 503 meanwhile and reconnects; a gateway that dies would otherwise leave a stack nobody can
@@ -41,7 +41,7 @@ from tandem.up_passthrough import passthrough_words
 
 log = logging.getLogger("tandem.up")
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, most; doubled at each exit in a row
-STABLE_S = 30.0  # a service that ran this long restarts after the first delay again
+STABLE_S = 30.0  # a service that served this long restarts after the first delay again
 STOP_TIMEOUT_S = 30.0  # a service told to stop that has not exited after this long is killed
 STOP_NOTICE_S = 10.0  # ... and one still running after this long is named (past the gateway's grace period)
 
@@ -176,7 +176,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
                                               *passed["drafter"]]))
     verifier_argv = py + ["verifier", "--model", model, "--served-model-name", name, *shared.TP_SIZE.argv(args),
                           *device, "--port", str(ports["verifier"]), "--metrics-port", str(ports["metrics"]),
-                          *_passthrough(args, (*shared.ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing, *secret]
+                          *_passthrough(args, (*_VERIFIER_ENGINE_FLAGS, shared.LOG_LEVEL)), *tracing, *secret]
     if draft is not None:
         drafter = "in-process" if in_process else f"127.0.0.1:{ports['drafter']}"
         verifier_argv += ["--drafter", drafter, "--draft-model", draft, *speculative.argv(),
@@ -201,6 +201,10 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     return UpPlan(children, ports, model, name, draft)
 
 
+# (--tokenizer is checked here against the model as given; the verifier is handed the resolved folder instead)
+_VERIFIER_ENGINE_FLAGS = tuple(flag for flag in shared.ENGINE_FLAGS if flag is not shared.TOKENIZER)
+
+
 def _passthrough(args: argparse.Namespace, flags: tuple[shared.Flag, ...]) -> list[str]:
     return [word for flag in flags for word in flag.argv(args)]
 
@@ -214,7 +218,10 @@ def run_up(args: argparse.Namespace) -> int:
     # ... and SIGINT always: a shell that starts us in the background has it ignored, and the services, which
     # handle it, would stop on a group's SIGINT and be restarted by a launcher that stays up
     previous_int = signal.signal(signal.SIGINT, _interrupt)
-    previous_hup = signal.signal(signal.SIGHUP, _interrupt)  # (the terminal closed: the same ordered stop)
+    # the terminal closed: the same ordered stop — unless started under nohup (SIGHUP ignored: it keeps running)
+    previous_hup = signal.getsignal(signal.SIGHUP)
+    if previous_hup is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _interrupt)
     try:
         plan = plan_up(args, secret_file)
         children = plan.children
@@ -248,14 +255,16 @@ def run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         killed = _stop_all(children)
         if killed:  # (an operator's script sees the stop was not clean)
-            print(f"stopped; killed: {', '.join(killed)}", file=sys.stderr, flush=True)
+            _say(f"stopped; killed: {', '.join(killed)}")
         return 1 if killed else 0
     finally:
-        _stop_all(children)
-        signal.signal(signal.SIGTERM, previous_term)
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGHUP, previous_hup)
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        try:
+            _stop_all(children)
+        finally:
+            signal.signal(signal.SIGTERM, previous_term)
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGHUP, previous_hup)
+            shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def _check_gateway(gateway: Child, env: dict) -> None:
@@ -348,19 +357,25 @@ def _stop_all(children: list[Child]) -> list[str]:
                 try:
                     child.proc.wait(timeout=STOP_NOTICE_S)
                 except subprocess.TimeoutExpired:  # (a stuck service's stop is otherwise a silence of STOP_TIMEOUT_S)
-                    print(f"waiting for {child.name} to stop (killed {STOP_TIMEOUT_S - STOP_NOTICE_S:.0f} s from now; "
-                          "Ctrl-C again to kill everything now) ...", file=sys.stderr, flush=True)
+                    _say(f"waiting for {child.name} to stop (killed {STOP_TIMEOUT_S - STOP_NOTICE_S:.0f} s from now; "
+                         "Ctrl-C again to kill everything now) ...")
                     child.proc.wait(timeout=STOP_TIMEOUT_S - STOP_NOTICE_S)
                 continue
         except subprocess.TimeoutExpired:
-            print(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s: killed", file=sys.stderr, flush=True)
+            _say(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s: killed")
         except KeyboardInterrupt:
             hurry = True
         if hurry:
-            print(f"{child.name}: killed (interrupted again)", file=sys.stderr, flush=True)
+            _say(f"{child.name}: killed (interrupted again)")
         _kill(child)
         killed.append(child.name)
     return killed
+
+
+def _say(message: str) -> None:
+    """A line to the operator on stderr; none where it cannot be written (a hung-up terminal: the stop goes on)."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr, flush=True)
 
 
 def _kill(child: Child) -> None:

@@ -110,13 +110,13 @@ def check_can_listen(host: str, ports) -> None:
     load, and must not take another server's answers on a taken port for its own)."""
     import socket
 
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET  # (the family the gateway's REST socket takes)
     for port in ports:
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                 flags=socket.AI_PASSIVE)[0]
-            with socket.socket(family, kind, proto) as probe:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the servers bind)
-                probe.bind(address)
+                probe.bind((bare, port))
         except OSError as e:
             raise TandemError(f"cannot listen on {host_port(host, port)}: {e.strerror or e} (another server runs "
                               "there? choose another port)") from None

@@ -16,8 +16,8 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("name, latent, interpret, expected", [
     ("triton", False, "1", "auto"), ("flashinfer", True, "1", "auto"), ("triton", True, None, "auto"),
-    ("triton", True, "1", "triton"), ("torch", True, None, "torch"), ("flashinfer", False, None, "flashinfer"),
-    ("auto", True, None, "auto"),
+    ("triton", True, "1", "triton"), ("torch", True, None, "torch"),
+    ("auto", True, None, "auto"), ("flashinfer", False, "1", "auto"),
 ])
 def test_names_without_a_path_for_the_model_are_taken_as_auto(name, latent, interpret, expected, monkeypatch, caplog):
     if interpret is None:
@@ -35,7 +35,17 @@ def test_an_unknown_name_is_refused():
         resolve_backend("xformers", CPU, False)
 
 
-def test_a_dense_engine_asked_for_triton_serves_as_the_torch_reference(tmp_path):
+def test_flashinfer_on_a_gpu_without_the_package_is_refused_before_the_load(monkeypatch):
+    from tandem.attention import choice
+    from tandem.errors import ConfigError
+
+    monkeypatch.setattr(choice, "_flashinfer_importable", lambda: False)
+    with pytest.raises(ConfigError, match="flashinfer cannot be imported"):
+        resolve_backend("flashinfer", torch.device("cuda"), False)
+
+
+def test_a_dense_engine_asked_for_triton_is_served(tmp_path):
+    """(On the CPU auto is the torch reference, so the equality says only that it serves, not which kernel ran.)"""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.models.random_checkpoint import LlamaShape, write_random_llama

@@ -209,6 +209,8 @@ def test_tokenizer_naming_the_model_folder_is_taken_another_refused(folders, tmp
         resolve(["--model", t, "--tokenizer", str(tmp_path / "other")])
     with pytest.raises(ConfigError, match="give --model"):
         _up(["--tokenizer", str(tmp_path / "other")])
+    # checked by tandem up against the model as given; the verifier, handed the resolved folder, is not passed it
+    assert "--tokenizer" not in _argvs(_up(["--model", t, "--tokenizer", t, "--draft-model", "none"]))["verifier"]
 
 
 def test_the_peers_no_op_values_of_those_flags_are_taken(folders):

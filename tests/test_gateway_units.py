@@ -164,6 +164,8 @@ def test_a_verifiers_repeated_failures_are_one_log_line_every_few_seconds(caplog
             now[0] = 100.0 + step / 10
             failures.say("127.0.0.1:1", "UNAVAILABLE", "connection refused")
         failures.say("127.0.0.1:1", "INTERNAL", "boom")  # another kind: said at once
+        now[0] += 1.0
+        failures.say("127.0.0.1:1", "UNAVAILABLE", "connection refused (again)")  # held: counted in the next line
     said = [r.getMessage() for r in caplog.records]
     assert said == ["verifier at 127.0.0.1:1 failed a request: UNAVAILABLE: connection refused",
                     "verifier at 127.0.0.1:1 failed a request: UNAVAILABLE: connection refused (and 49 more like it in 5 s)",

@@ -120,6 +120,18 @@ def test_each_service_asks_for_its_parent_death_signal_first(service, monkeypatc
     assert called == [True]
 
 
+def test_a_launcher_started_under_nohup_keeps_running_on_sighup(tmp_path):
+    up, service_pid = _up_with_one_service(tmp_path, "SIGHUP")
+    try:
+        up.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert up.poll() is None and process_running(service_pid)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0, up.stderr.read()
+    finally:
+        up.kill()
+
+
 def _supervised(children, seconds_or_until, healthy):
     """_supervise over ``children`` (started here) until ``seconds_or_until()`` is true; then all stopped."""
     for child in children:
@@ -157,15 +169,14 @@ def test_a_run_that_never_served_is_no_stable_run(tmp_path):
     assert delays[2] >= 0.4 - 0.05, delays  # 0.1, 0.2, 0.4: doubled, not 0.1 each time
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
-def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(tmp_path, signum):
-    """A shell starts a background job with SIGINT ignored; the services handle SIGINT themselves, so a SIGINT to
-    the group stopped them and the launcher, staying up, restarted them. `tandem up` stops on SIGINT always."""
+def _up_with_one_service(tmp_path, ignored: str) -> tuple[subprocess.Popen, int]:
+    """A launcher (run_up, the services' plan replaced by one sleeping process) started with signal ``ignored``
+    set to be ignored, as a shell or nohup starts it; → the launcher and its service's pid once it runs."""
     pid_file = tmp_path / "service.pid"
     service = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     script = (
         "import signal, sys\n"
-        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"signal.signal(signal.{ignored}, signal.SIG_IGN)\n"
         "from types import SimpleNamespace\n"
         "import tandem.launcher as launcher\n"
         f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
@@ -179,8 +190,16 @@ def test_sigint_stops_the_stack_even_where_the_launcher_started_with_it_ignored(
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    service_pid = int(pid_file.read_text())
-    up.send_signal(signum)  # (SIGHUP: the terminal of a foreground tandem up closed; it ended without a stop)
+    return up, int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_sigint_and_sighup_stop_the_stack_in_order(tmp_path, signum):
+    """A shell starts a background job with SIGINT ignored; the services handle SIGINT themselves, so a SIGINT to
+    the group stopped them and the launcher, staying up, restarted them. `tandem up` stops on SIGINT always; and on
+    SIGHUP (the terminal of a foreground `tandem up` closed: it exited 129 at once, the services racing to stop)."""
+    up, service_pid = _up_with_one_service(tmp_path, "SIGINT")
+    up.send_signal(signum)
     try:
         assert up.wait(30) == 0, up.stderr.read()
     finally:

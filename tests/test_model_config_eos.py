@@ -1,6 +1,5 @@
-"""A request stops at every EOS id the folder names — config.json's, generation_config.json's and the tokenizer's — as
-vLLM and SGLang stop (a chat model's end of turn is often only in one of them: generation_config.json's replaced
-config.json's, and the tokenizer's was never read)."""
+"""A request stops at the EOS ids of generation_config.json (config.json's where it names none) and at the tokenizer's
+``eos_token``, as vLLM stops (a chat model's end of turn is often only the tokenizer's, which was never read)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def test_every_named_eos_id_stops(tmp_path):
     folder = _folder(tmp_path, 52, [2, 7], {"eos_token": "<|im_end|>",
                                             "added_tokens_decoder": {"163586": {"content": "<|im_end|>"},
                                                                      "163585": {"content": "[EOS]"}}})
-    assert ModelConfig.from_dir(folder).eos_token_ids == (2, 7, 52, 163586)
+    assert ModelConfig.from_dir(folder).eos_token_ids == (2, 7, 163586)  # (generation_config's win over config's 52)
 
 
 def test_one_id_named_twice_counts_once_and_none_named_is_none(tmp_path):
@@ -47,3 +46,12 @@ def test_the_tokenizers_eos_from_tokenizer_json_or_as_a_dict(tmp_path):
 def test_a_tokenizer_eos_the_folder_does_not_place_adds_nothing(tmp_path):
     folder = _folder(tmp_path, 2, None, {"eos_token": "</s>"})  # (a SentencePiece model's own piece: not read here)
     assert tokenizer_eos_id(folder) is None and ModelConfig.from_dir(folder).eos_token_ids == (2,)
+
+
+def test_the_tokenizers_eos_from_the_models_vocabulary(tmp_path):
+    (tmp_path / "bpe").mkdir()
+    (tmp_path / "unigram").mkdir()
+    bpe = _folder(tmp_path / "bpe", 2, None, {"eos_token": "</s>"}, {"added_tokens": [], "model": {"vocab": {"</s>": 9}}})
+    unigram = _folder(tmp_path / "unigram", None, None, {"eos_token": "</s>"},
+                      {"model": {"vocab": [["<unk>", 0.0], ["</s>", 0.0]]}})
+    assert ModelConfig.from_dir(bpe).eos_token_ids == (2, 9) and ModelConfig.from_dir(unigram).eos_token_ids == (1,)

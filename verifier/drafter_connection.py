@@ -74,7 +74,8 @@ class DrafterConnection:
         # The drafter takes pings every 10 s (drafter/serve.py).
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.http2.ping_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1)])
+            ("grpc.http2.ping_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)])  # (gRPC's default 2 stops the pings of an idle stream)
         self.call = pb_grpc.DrafterStub(self.channel).Rounds(metadata=metadata or None)
 
     def _run(self, coro, timeout_s: float | None = None):

@@ -166,7 +166,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         raise
     service.attach(loop)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    log.info("verifier serving on %s:%d%s", cfg.host, port,
+    log.info("verifier serving on %s%s", host_port(cfg.host, port),
              " (drafter in process)" if cfg.drafter == IN_PROCESS else
              f" (drafter at {cfg.drafter})" if cfg.drafter else " (no drafter: speculation off)")
     if ready is not None:

@@ -152,10 +152,6 @@ class VerifierService:
             raise ConfigError(f"sampling.temperature must be >= 0, got {s.temperature:g}")
         if not 0.0 <= s.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p must be in (0, 1], got {s.top_p:g}")
-        vocab = self.model_cfg.vocab_size
-        outside = next((t for t in s.stop_token_ids if not 0 <= t < vocab), None)
-        if outside is not None:
-            raise ConfigError(f"sampling.stop_token_ids: {outside} is outside the vocabulary [0, {vocab})")
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
                                 seed=s.seed if s.HasField("seed") else None, max_new_tokens=s.max_new_tokens,
                                 ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids), min_p=s.min_p,

@@ -8,6 +8,7 @@ import os
 import torch
 
 from tandem.attention.backend import AttentionBackend
+from tandem.errors import ConfigError
 from tandem.layers.fast_path import triton_importable
 
 
@@ -27,6 +28,13 @@ def resolve_backend(name: str, device: torch.device, latent: bool) -> str:
         taken = "FlashInfer has no MLA path here: the Triton latent kernel on a GPU, else the torch reference"
     elif latent and name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         taken = "the Triton latent kernel needs a GPU: the torch reference"
+    elif latent and name == "triton" and not triton_importable():
+        taken = "triton cannot be imported: the torch reference"
+    elif not latent and name == "flashinfer" and device.type != "cuda":
+        taken = "FlashInfer needs a GPU: the torch reference"
+    elif not latent and name == "flashinfer" and not _flashinfer_importable():
+        raise ConfigError("--attention-backend flashinfer: flashinfer cannot be imported (pip install 'tandem[gpu]'), "
+                          "or give auto")
     elif not latent and name == "triton":
         taken = ("eager steps run FlashInfer on a GPU where installed, else the torch reference; CUDA graphs run "
                  "Tandem's Triton kernels")
@@ -34,6 +42,12 @@ def resolve_backend(name: str, device: torch.device, latent: bool) -> str:
         return name
     log.info("--attention-backend %s: taken as auto (%s)", name, taken)
     return "auto"
+
+
+def _flashinfer_importable() -> bool:
+    from tandem.attention.flashinfer_backend import flashinfer_available
+
+    return flashinfer_available()
 
 
 def make_backend(name: str, device: torch.device, latent: bool = False) -> AttentionBackend:
@@ -53,10 +67,7 @@ def make_backend(name: str, device: torch.device, latent: bool = False) -> Atten
     from tandem.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
 
     if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_available()):
-        if not flashinfer_available():
-            raise ValueError("attention backend 'flashinfer' asked for, but flashinfer cannot be imported "
-                             "(pip install 'tandem[gpu]')")
-        return FlashInferBackend(device)
+        return FlashInferBackend(device)  # (resolve_backend took a flashinfer that cannot serve as auto)
     if name in ("auto", "torch"):
         from tandem.attention.torch_backend import TorchAttentionBackend
 

@@ -119,8 +119,9 @@ class ModelConfig(AttentionWidths):
         tokenizer_eos: int | None = None,
     ) -> "ModelConfig":
         """``generation_config``: generation_config.json's fields; ``tokenizer_eos``: the tokenizer's EOS id. A
-        request stops at any of the EOS ids the three name (as vLLM and SGLang: a chat model's end of turn is often
-        the tokenizer's or generation_config's, not config.json's)."""
+        request stops at generation_config's EOS ids (config.json's where it names none, as transformers derives a
+        generation config) and at the tokenizer's, as vLLM stops (a chat model's end of turn is often only one of
+        them)."""
         archs = raw.get("architectures") or []
         quant = parse_quantization(raw, source)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES or a in DEEPSEEK_ARCHITECTURES), None)
@@ -131,7 +132,8 @@ class ModelConfig(AttentionWidths):
         gen = generation_config or {}
         if arch in DEEPSEEK_ARCHITECTURES:
             text = text_config(raw, arch, source)
-            eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id", text.get("eos_token_id")), tokenizer_eos)
+            eos = _eos_ids(_first(gen.get("eos_token_id"), raw.get("eos_token_id", text.get("eos_token_id"))),
+                           tokenizer_eos)
             fields = deepseek_fields(raw, arch, source)
             # ``rope``: what a Llama-shaped EAGLE-3 head for this target would use; the target reads ``mla``.
             return cls(**fields, rope=RopeConfig(theta=fields["mla"].rope_theta),
@@ -149,7 +151,7 @@ class ModelConfig(AttentionWidths):
 
         dims = decoder_dims(raw, source)
         hidden, heads = dims["hidden_size"], dims["num_heads"]
-        eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"), tokenizer_eos)
+        eos = _eos_ids(_first(gen.get("eos_token_id"), raw.get("eos_token_id")), tokenizer_eos)
         dtype = _dtype_name(raw)
         return cls(
             **dims,
@@ -170,6 +172,11 @@ class ModelConfig(AttentionWidths):
         )
 
 
+def _first(*values: Any) -> Any:
+    """The first of ``values`` that is not None."""
+    return next((v for v in values if v is not None), None)
+
+
 def _eos_ids(*named: Any) -> tuple[int, ...]:
     """The EOS ids ``named`` (each an id, a list of ids or None), in order, each once."""
     ids = [int(e) for eos in named for e in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
@@ -178,8 +185,8 @@ def _eos_ids(*named: Any) -> tuple[int, ...]:
 
 def tokenizer_eos_id(model_dir: str | Path) -> int | None:
     """The id of tokenizer_config.json's ``eos_token`` where the folder says it without loading a tokenizer: in
-    tokenizer_config.json's ``added_tokens_decoder`` (Kimi's tiktoken folders too) or tokenizer.json's
-    ``added_tokens``; None otherwise."""
+    tokenizer_config.json's ``added_tokens_decoder`` (Kimi's tiktoken folders too), tokenizer.json's ``added_tokens``
+    or its model's vocabulary (BPE / WordPiece: token → id; Unigram: a list of [token, score]); None otherwise."""
     folder = Path(model_dir)
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -191,12 +198,23 @@ def tokenizer_eos_id(model_dir: str | Path) -> int | None:
         return None
     decoder = config.get("added_tokens_decoder") or {}
     found = [int(i) for i, t in decoder.items() if isinstance(t, dict) and t.get("content") == eos and i.isdigit()]
-    if not found:
-        try:
-            added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens") or []
-        except (OSError, ValueError, AttributeError):
-            added = []
-        found = [t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos and isinstance(t.get("id"), int)]
+    if found:
+        return found[0]
+    try:
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(tokenizer, dict):
+        return None
+    added = tokenizer.get("added_tokens") or []
+    found = [t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos and isinstance(t.get("id"), int)]
+    if found:
+        return found[0]
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        found = [vocab[eos]] if isinstance(vocab.get(eos), int) else []
+    elif isinstance(vocab, list):
+        found = [i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry and entry[0] == eos]
     return found[0] if found else None
 
 

@@ -119,6 +119,9 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise DuplicateRequestError(f"request id '{rid}' is already in use")
