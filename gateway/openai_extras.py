@@ -31,7 +31,6 @@ ENGINE_FIELDS = {
     "return_tokens_as_token_ids": lambda v: not v,  # log-probabilities name tokens by their text
     "priority": lambda v: v is None or (v == 0 and not isinstance(v, bool)),  # one queue, first come first served
     "return_token_ids": lambda v: not v,  # (vLLM's token ids beside the text: not in these responses)
-    "cache_salt": lambda v: v is None,  # no prefix-cache partition per salt (--disable-prefix-caching shares nothing)
     "logits_processors": lambda v: not v,
     "spaces_between_special_tokens": lambda v: v is None or v is True,  # (the tokenizer's detokenization, always)
     # SGLang's OpenAI-server extensions (its /generate takes the same)

@@ -44,6 +44,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
     # vLLM's echo with max_tokens 0: the prompt (and its log-probabilities) alone; the verifier makes one token, unsent
     prompt_only: bool = False
+    cache_salt: str = ""  # vLLM's: cached prefix pages shared only with requests of the same salt
 
     def to_proto(self) -> verifier_pb2.GenerateRequest:
         sampling = verifier_pb2.SamplingParams(
@@ -58,7 +59,7 @@ class GenerationRequest:
         if self.prompt_logprobs is not None:
             sampling.prompt_logprobs = self.prompt_logprobs
         return verifier_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
-                                            sampling=sampling)
+                                            sampling=sampling, cache_salt=self.cache_salt)
 
     def span_attributes(self) -> dict:
         # gen_ai.* semantic-convention names, as vLLM's request spans use them.

@@ -9,7 +9,9 @@ before them), so sharing needs no copy-on-write.
 A page is in exactly one of three states: free (the allocator's list), owned by one sequence and not
 cached, or cached (in the index, with a reference count of the sequences holding it). A cached page
 nobody holds stays until the allocator needs it: allocation evicts the least recently released ones
-first. Keys are 128-bit BLAKE2b digests, so a client cannot craft another client's key.
+first. Keys are 128-bit BLAKE2b digests, so a client cannot craft another client's key. A request's cache salt (vLLM's
+``cache_salt``) starts its chain, so only requests of the same salt share pages: a tenant cannot time another's
+prompts through the cache.
 """
 
 from __future__ import annotations
@@ -24,17 +26,23 @@ KEY_BYTES = 16
 
 
 def block_keys(tokens: list[int], page_size: int, known: list[bytes] | None = None,
-               limit: int | None = None) -> list[bytes]:
+               limit: int | None = None, salt: str = "") -> list[bytes]:
     """Chained keys of every full ``page_size`` block of ``tokens`` (of the first ``limit`` blocks at most);
-    ``known``: keys already computed for a prefix of the same tokens (extended in place and returned)."""
+    ``known``: keys already computed for a prefix of the same tokens (extended in place and returned); ``salt``: the
+    request's cache salt ("" for none), the chain's start."""
     keys = known if known is not None else []
-    prev = keys[-1] if keys else b""
+    prev = keys[-1] if keys else _salt_root(salt)
     blocks = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)
     for b in range(len(keys), blocks):
         block = np.asarray(tokens[b * page_size : (b + 1) * page_size], dtype=np.int64).tobytes()
         prev = hashlib.blake2b(prev + block, digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
+
+
+def _salt_root(salt: str) -> bytes:
+    """The start of a salted chain (b"" without a salt: the keys an unsalted request always had)."""
+    return hashlib.blake2b(b"cache-salt:" + salt.encode(), digest_size=KEY_BYTES).digest() if salt else b""
 
 
 def draft_page_key(block_key: bytes, next_token: int) -> bytes:

@@ -319,7 +319,8 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/completions", "regex", "a+"), ("/v1/chat/completions", "json_schema", "{}"),
     ("/v1/completions", "ebnf", "root ::= 'a'"),  # SGLang's constrained output
-    ("/v1/completions", "return_token_ids", True), ("/v1/chat/completions", "cache_salt", "tenant-a"),
+    ("/v1/completions", "return_token_ids", True), ("/v1/chat/completions", "cache_salt", ""),
+    ("/v1/completions", "cache_salt", 5),
     ("/v1/completions", "logits_processors", ["x"]), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/chat/completions", "lora_path", "my-lora"), ("/v1/completions", "return_hidden_states", True),
 ])
@@ -376,3 +377,13 @@ def _stream(stack, path: str, body: dict) -> list[dict]:
         events = r.read().decode().split("\n\n")
     assert events[-2] == "data: [DONE]"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_cache_salt_reaches_the_verifier(stack, path):
+    """(The engine's sharing by salt: tests/test_prefix_cache_engine.py.)"""
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    for salt, sent in (("tenant-a", "tenant-a"), (None, "")):
+        r = _post(stack, path, {**body, "max_tokens": 2, "n": 2, **({} if salt is None else {"cache_salt": salt})})
+        assert r.status_code == 200, r.text
+        assert [q.cache_salt for q in stack.fake.requests[-2:]] == [sent, sent]

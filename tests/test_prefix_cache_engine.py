@@ -280,3 +280,28 @@ def test_speculation_resuming_makes_the_deferred_start_first_and_output_stays_ex
         assert eng.proposer.allocator.num_free == eng.proposer.allocator.capacity_pages
     assert outputs == reference
     assert reqs[0].spec_stats.rounds > 0  # began plainly, speculated once it was on
+
+
+def test_a_cache_salt_shares_pages_only_with_its_own_salt(pair):
+    """vLLM's cache_salt: a tenant's prompt finds none of another salt's (or the unsalted) pages — so it cannot time
+    another's prompts through the cache — its own salt's, as an unsalted one finds the unsalted; outputs unchanged.
+    With speculation: the head's cache is consulted only up to what the target found (DraftLink's attach)."""
+    first, second = SYSTEM + random_prompt(520, 5), SYSTEM + random_prompt(521, 8)
+    with engine(pair, cache=False) as eng:
+        expected = eng.generate([second], GREEDY)[0].output_token_ids
+    for spec in (None, SpecConfig(3, 1, 4)):
+        with engine(pair, spec=spec) as eng:
+            eng.add_request(first, GREEDY, cache_salt="tenant-a")
+            while eng.has_unfinished():
+                eng.step()
+            found = {}
+            for salt in ("", "tenant-b", "tenant-a"):
+                rid = eng.add_request(second, GREEDY, cache_salt=salt)
+                while eng.has_unfinished():
+                    eng.step()
+                req = eng.requests.pop(rid)
+                found[salt] = req.cached_tokens
+                assert req.output == expected, salt
+            assert found == {"": 0, "tenant-b": 0, "tenant-a": 20}, found
+            if spec is not None:  # the head found its pages of the shared prefix for tenant-a's request alone
+                assert eng.proposer.prefix_cache.stats.hits == 20

@@ -64,6 +64,7 @@ class Submission:
     spec: Any  # SpecConfig, None (off), or "default"
     sink: Callable[[StepOutput | BaseException], None]
     trace_context: Any = None  # the request span's context, parent of its round spans
+    cache_salt: str = ""  # (LLMEngine.add_request's)
     added: Future = field(default_factory=Future)
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -173,7 +174,7 @@ class EngineLoop(threading.Thread):
             sub.added.set_exception(QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later"))
             return
         try:
-            self.engine.add_request(sub.prompt, sub.params, rid=sub.rid, spec=sub.spec)
+            self.engine.add_request(sub.prompt, sub.params, rid=sub.rid, spec=sub.spec, cache_salt=sub.cache_salt)
         except TandemError as e:
             sub.added.set_exception(e)
             return

@@ -83,7 +83,7 @@ class VerifierService:
                                   tracer="tandem.verifier")
         sub = Submission(rid, list(request.prompt_token_ids), params, spec,
                          sink=lambda out: aio_loop.call_soon_threadsafe(outputs.put_nowait, out),
-                         trace_context=tracing.context_with(span))
+                         trace_context=tracing.context_with(span), cache_salt=request.cache_salt)
         finished, produced = False, 0
         try:
             try:

@@ -108,8 +108,9 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    spec: "SpecConfig | None | str" = DEFAULT) -> str:
-        """Queue a prompt. ``spec``: the request's speculation setting (default: the engine's; None: off)."""
+                    spec: "SpecConfig | None | str" = DEFAULT, cache_salt: str = "") -> str:
+        """Queue a prompt. ``spec``: the request's speculation setting (default: the engine's; None: off);
+        ``cache_salt``: it shares cached prefix pages only with requests of the same salt (tandem.prefix_cache)."""
         params.validate()
         context, vocab = self.context_len, self.model_config.vocab_size
         if not prompt:
@@ -131,7 +132,7 @@ class LLMEngine:
             raise ConfigError("speculation was requested but the engine has no draft model")
         # A stable per-request seed (Python's str hash is salted per process).
         seed = params.seed if params.seed is not None else (self.cfg.seed * 1_000_003 + zlib.crc32(rid.encode())) & 0x7FFFFFFF
-        req = Request(rid, list(prompt), params, seed, SequenceKV(self.allocator), spec=spec)
+        req = Request(rid, list(prompt), params, seed, SequenceKV(self.allocator), spec=spec, cache_salt=cache_salt)
         self.scheduler.add(req)
         self.requests[rid] = req
         return rid

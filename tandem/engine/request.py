@@ -48,6 +48,7 @@ class Request:
     # the tokens found cached at the current admission (prefilled from there), and at the first (what
     # usage reports; None until the request is first admitted).
     block_keys: list = field(default_factory=list)
+    cache_salt: str = ""  # only requests of the same salt share cached pages ("" : the unsalted ones)
     prefix_hit: int = 0
     cached_tokens: int | None = None
 

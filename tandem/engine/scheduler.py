@@ -155,7 +155,7 @@ class Scheduler:
         req.prefix_hit = 0
         if self.cache is not None and not wants_prompt_logits(req):
             usable = (req.num_tokens - 1) // self.allocator.page_size
-            keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys)[:usable]
+            keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys, salt=req.cache_salt)[:usable]
             pages = self.cache.match(keys)
             if pages:
                 req.kv.adopt(pages)
@@ -172,7 +172,8 @@ class Scheduler:
         prompts that start the same way share them while it decodes; it keeps writing only past them)."""
         if self.cache is not None and req.kv.num_tokens:
             full = req.kv.full_pages
-            self.cache.insert(block_keys(req.tokens, self.allocator.page_size, req.block_keys)[: len(full)], full)
+            keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys, salt=req.cache_salt)
+            self.cache.insert(keys[: len(full)], full)
 
     def _release(self, req: Request) -> None:
         """Free the request's pages, leaving its full committed ones in the prefix cache."""
