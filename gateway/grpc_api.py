@@ -23,8 +23,8 @@ from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_request
 from gateway.generation import GenerationStream
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
-from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_model, check_prompt_ids, check_sampling,
-                             resolve_max_tokens)
+from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_cache_salt, check_model, check_prompt_ids,
+                             check_sampling, resolve_max_tokens)
 from tandem import tracing
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
@@ -136,7 +136,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine = parse_engine_sampling(fields, False, d, False)
         check_min_tokens(engine.min_tokens, max_tokens, "max_tokens")
         return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
-                                 tuple(r.stop), (), r.ignore_eos, **dataclasses.asdict(engine))
+                                 tuple(r.stop), (), r.ignore_eos, **dataclasses.asdict(engine),
+                                 cache_salt=check_cache_salt(r.cache_salt or None))
 
 
 def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:

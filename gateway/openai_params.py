@@ -21,7 +21,8 @@ from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.prompt_bound import PromptBound
-from gateway.request import GenerationRequest, check_model, check_prompt_ids, check_sampling, resolve_max_tokens
+from gateway.request import (GenerationRequest, check_cache_salt, check_model, check_prompt_ids, check_sampling,
+                             resolve_max_tokens)
 from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
 from tandem.tokenizer import Tokenizer
@@ -216,23 +217,11 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
                                    tuple(stop), tuple(stop_token_ids), flag(body, "ignore_eos") or False,
                                    output.skip_special_tokens, output.include_stop_str_in_output,
-                                   **dataclasses.asdict(engine), cache_salt=_cache_salt(body))
+                                   **dataclasses.asdict(engine), cache_salt=check_cache_salt(body.get("cache_salt")))
     return OpenAIRequest(generation, stream, include_usage, output)
 
 
 # ---- fields ------------------------------------------------------------------------------------
-
-MAX_CACHE_SALT_CHARS = 1024
-
-
-def _cache_salt(body: dict) -> str:
-    """vLLM's ``cache_salt``: a non-empty string (absent or null: none)."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return ""
-    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
-        raise bad_request("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
-    return salt
 
 
 

@@ -143,3 +143,15 @@ def check_model(model, served: tuple[str, ...]) -> None:
     if model and model not in served:
         raise GatewayError(404, f"the model `{model[:100]}` does not exist; this server serves `{served[0]}`",
                            param="model")
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt) -> str:
+    """vLLM's ``cache_salt``: a non-empty string (None: no salt, "")."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt

@@ -56,6 +56,9 @@ def test_token_id_prompt_and_sampling(stack, stub):
     s = stack.fake.requests[-1].sampling
     assert (s.min_p, s.min_tokens, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == \
         (0.25, 2, 1.5, -0.5, 0.75)
+    assert stack.fake.requests[-1].cache_salt == ""
+    list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7]), max_tokens=1, cache_salt="t-1"), timeout=10))
+    assert stack.fake.requests[-1].cache_salt == "t-1"  # (vLLM's cache_salt, as over REST)
 
 
 @pytest.mark.parametrize("req,field", [
@@ -71,6 +74,7 @@ def test_token_id_prompt_and_sampling(stack, stub):
     (pb.GenerateRequest(text="hi", max_tokens=3, stop=[""]), "stop"),
     (pb.GenerateRequest(text="hi", max_tokens=3, min_p=2), "min_p"),
     (pb.GenerateRequest(text="hi", max_tokens=3, min_tokens=4), "min_tokens"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, cache_salt="x" * 1025), "cache_salt"),
     (pb.GenerateRequest(text="hi", max_tokens=3, repetition_penalty=0), "repetition_penalty"),
     (pb.GenerateRequest(text="hi", max_tokens=3, frequency_penalty=3), "frequency_penalty"),
 ])
