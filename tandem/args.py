@@ -112,6 +112,9 @@ MEM_FRACTION = Flag(("--mem-fraction-static", "--gpu-memory-utilization"), dict(
 KV_PAGES = Flag(("--kv-pages",), dict(type=int, default=None,
                                       help="KV pool size in pages (default: from --mem-fraction-static on GPU, "
                                            f"{e.cpu_kv_tokens} tokens on CPU)"))
+MAX_TOTAL_TOKENS = Flag(("--max-total-tokens",), dict(
+    type=_tokens, default=None, metavar="TOKENS", help="KV pool size in tokens (SGLang's flag): --kv-pages of it, "
+                                                       "rounded up to whole pages"))
 MAX_RUNNING = Flag(("--max-running-requests", "--max-num-seqs"),
                    dict(type=int, default=e.max_running_requests, help="requests in the running batch at most"))
 DISABLE_GRAPH = Flag(("--disable-cuda-graph", "--enforce-eager"),
@@ -297,7 +300,7 @@ INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
     default=None, metavar="FILE", help=f"the internal plane's shared secret (the drafter's Rounds and Reload, the "
                                        f"verifier's Generate), from FILE instead of ${internal_secret.ENV}"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
-ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
+ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_TOTAL_TOKENS, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,
                 NO_OVERLAP, CHUNKED_PREFILL, MIXED_CHUNK, DISABLE_PREFIX_CACHING, CONTEXT_LENGTH, LOGPROBS_MODE, SEED,
                 ATTENTION_BACKEND, ENABLE_PREFIX_CACHING, ENABLE_CHUNKED_PREFILL, TRUST_REMOTE_CODE, QUANTIZATION,
@@ -440,7 +443,7 @@ def _hidden_size(target: str | None) -> int | None:
 
 def engine_settings(a: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's fields that ENGINE_FLAGS set (tandem generate and the verifier), from parsed flags."""
-    return dict(dtype=a.dtype, mem_fraction_static=a.mem_fraction_static, kv_pages=a.kv_pages,
+    return dict(dtype=a.dtype, mem_fraction_static=a.mem_fraction_static, kv_pages=_kv_pages(a),
                 max_running_requests=a.max_running_requests, disable_cuda_graph=a.disable_cuda_graph,
                 cuda_graph_max_bs=a.cuda_graph_max_bs, prefill_graph_tokens=a.prefill_graph_tokens,
                 prefill_graph_max_bs=a.prefill_graph_max_bs, decode_steps=a.decode_steps, spec_rounds=a.spec_rounds,
@@ -448,6 +451,20 @@ def engine_settings(a: argparse.Namespace) -> dict[str, Any]:
                 context_length=a.context_length, mixed_prefill=a.enable_mixed_chunk or None,
                 logprobs_mode=a.logprobs_mode, enable_prefix_caching=not a.disable_prefix_caching,
                 attention_backend=a.attention_backend, **({} if a.seed is None else {"seed": a.seed}))
+
+
+def _kv_pages(a: argparse.Namespace) -> int | None:
+    """--kv-pages, or SGLang's --max-total-tokens in whole pages of --page-size (the engine's default where a CLI has
+    no --page-size)."""
+    tokens = getattr(a, "max_total_tokens", None)
+    if tokens is None:
+        return a.kv_pages
+    if a.kv_pages is not None:
+        raise ConfigError("--kv-pages and --max-total-tokens both size the KV pool: give one")
+    if tokens < 1:
+        raise ConfigError(f"--max-total-tokens must be at least 1, got {tokens}")
+    page = getattr(a, "page_size", None) or e.page_size
+    return -(-tokens // page)
 
 
 def resolve_device(device: str) -> str:

@@ -73,6 +73,17 @@ def test_verifier_aliases_give_the_canonical_config(folders):
         assert _verifier(alias) == canonical
 
 
+def test_sglangs_max_total_tokens_sizes_the_kv_pool_in_whole_pages(folders):
+    t, _ = folders
+    assert _verifier(["--model", t, "--max-total-tokens", "1000"]) == _verifier(["--model", t, "--kv-pages", "63"])
+    assert _verifier(["--model", t, "--max-total-tokens", "64K", "--page-size", "64"]) == \
+        _verifier(["--model", t, "--kv-pages", "1024", "--page-size", "64"])
+    assert "--max-total-tokens" in _argvs(_up(["--model", t, "--max-total-tokens", "4096", "--draft-model", "none"]))[
+        "verifier"]
+    with pytest.raises(ConfigError, match="give one"):
+        _verifier(["--model", t, "--max-total-tokens", "1000", "--kv-pages", "9"])
+
+
 def test_draft_model_none_is_target_only_in_the_verifier_as_in_tandem_up(folders):
     t, _ = folders
     assert _verifier(["--model", t, "--draft-model", "none"]) == _verifier(["--model", t])

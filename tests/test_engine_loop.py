@@ -22,7 +22,7 @@ class BrokenEngine:
         self.drafts = SimpleNamespace(detached=False, up=lambda: False, settle=lambda: None)
         self.proposer, self.requests, self.added = None, {}, []
 
-    def add_request(self, prompt, params, rid, spec):
+    def add_request(self, prompt, params, rid, spec, cache_salt=""):
         self.added.append(rid)
 
     def has_unfinished(self) -> bool:
