@@ -19,7 +19,7 @@ from gateway.openai_api import create_app
 from gateway.openai_shapes import CUT_SHORT_SEND_S
 from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
-from tandem.service_runtime import host_port
+from tandem.service_runtime import check_can_listen, host_port
 
 log = logging.getLogger("gateway")
 
@@ -56,6 +56,7 @@ class Gateway(GatewayContext):
 
     async def start(self) -> None:
         cfg = self.cfg
+        check_can_listen(cfg.host, (cfg.port, cfg.grpc_port))  # (one line for either, before gRPC's own log of it)
         self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s, cfg.internal_secret,
                                      message_interval_us=self.pace.interval_us)
         self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
