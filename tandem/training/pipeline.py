@@ -128,9 +128,10 @@ def prepare_samples(engine, job: DrafterTrainJob, samples: list[Sample] | None, 
     samples = [fit_context(s, context) for s in samples]
     eval_samples = [fit_context(s, context) for s in eval_samples]
     params = SamplingParams(temperature=job.temperature, max_new_tokens=job.max_new_tokens, seed=job.seed)
-    note(f"{sum(s.response is None for s in samples)} of {len(samples)} samples need a response (+{len(eval_samples)} "
-         f"held out): the target writes them, up to {job.max_new_tokens} tokens, temperature {job.temperature:g}, "
-         f"but for those an interrupted run kept")
+    missing = sum(s.response is None for s in samples)
+    if missing or eval_samples:  # (complete_samples says which an interrupted run had kept)
+        note(f"{missing} of {len(samples)} samples need a response (+{len(eval_samples)} held out): the target writes "
+             f"them, up to {job.max_new_tokens} tokens, temperature {job.temperature:g}")
     # Each chunk's responses are kept in the run folder as they come, for a --resume after an interrupt (a fresh
     # run's start_run_folder cleared the folder).
     run.mkdir(parents=True, exist_ok=True)
