@@ -15,9 +15,11 @@ log = logging.getLogger("gateway.errors")
 _KINDS: dict[int, tuple[str, grpc.StatusCode]] = {
     400: ("BadRequestError", grpc.StatusCode.INVALID_ARGUMENT),
     401: ("AuthenticationError", grpc.StatusCode.UNAUTHENTICATED),
+    403: ("PermissionDeniedError", grpc.StatusCode.PERMISSION_DENIED),  # (the OpenAI client's class names)
     404: ("NotFoundError", grpc.StatusCode.NOT_FOUND),
     408: ("RequestTimeoutError", grpc.StatusCode.DEADLINE_EXCEEDED),
     413: ("RequestTooLargeError", grpc.StatusCode.INVALID_ARGUMENT),
+    415: ("UnsupportedMediaTypeError", grpc.StatusCode.INVALID_ARGUMENT),
     429: ("RateLimitError", grpc.StatusCode.RESOURCE_EXHAUSTED),
     499: ("ClientClosedRequest", grpc.StatusCode.CANCELLED),
     500: ("InternalServerError", grpc.StatusCode.INTERNAL),

@@ -55,6 +55,7 @@ def test_only_json_bodies_are_read_so_no_web_page_can_post_a_simple_request(stac
     for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
         r = httpx.post(f"{stack.url}{path}", content=body, headers={"content-type": media}, timeout=10)
         assert r.status_code == 415 and "application/json" in r.text, (media, r.text)
+        assert r.json()["error"]["type"] == "UnsupportedMediaTypeError"
     for media in ("application/json; charset=utf-8", "application/vnd.api+json", None):
         r = httpx.post(f"{stack.url}{path}", content=body, headers={"content-type": media} if media else {}, timeout=10)
         assert r.status_code == 200, (media, r.text)
@@ -71,6 +72,7 @@ def test_a_browsers_request_from_another_origin_is_refused_whatever_its_body(sta
     for origin in ("https://evil.example", "null", f"http://127.0.0.2:{port}"):
         r = httpx.post(f"{stack.url}/v1/completions", content=body, headers={"origin": origin}, timeout=10)
         assert r.status_code == 403 and "another web origin" in r.text, (origin, r.text)
+        assert r.json()["error"]["type"] == "PermissionDeniedError"
     for headers in ({}, {"origin": f"http://127.0.0.1:{port}"}, {"origin": "http://127.0.0.1:3000"},
                     {"origin": "https://chat.example", "x-forwarded-host": "edge.example, chat.example:8443"}):
         r = httpx.post(f"{stack.url}/v1/completions", content=body, headers=headers, timeout=10)
