@@ -11,8 +11,10 @@ import os
 import grpc
 
 from tandem import internal_secret
+from tandem.log_limit import LimitedLog
 
 log = logging.getLogger("drafter.service")
+_refusals = LimitedLog(log)
 # A new stream waits this long for the previous one's handler to end (a verifier reconnecting right after
 # its stream broke) before it is refused as a second verifier.
 PREVIOUS_STREAM_WAIT_S = 2.0
@@ -27,7 +29,7 @@ class InternalPlaneGuard:
 
     async def authenticate(self, context: grpc.aio.ServicerContext) -> None:
         if not internal_secret.matches(self.secret, context.invocation_metadata()):
-            log.warning("refused a call without the internal secret from %s", context.peer())
+            internal_secret.log_refused(_refusals, context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this drafter serves its verifier only")
 
     async def claim_stream(self) -> asyncio.Event | None:

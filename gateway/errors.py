@@ -5,9 +5,10 @@ front ends answer the same failure the same way."""
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
+
+from tandem.log_limit import LimitedLog
 
 log = logging.getLogger("gateway.errors")
 
@@ -94,29 +95,9 @@ def from_upstream(err: grpc.aio.AioRpcError, verifier: str) -> GatewayError:
         return GatewayError(status, details)  # already phrased for the user by the verifier
     if status == 429:
         return GatewayError(429, f"the server is at capacity, retry later ({details})")
-    _failures.say(verifier, code.name, details)
+    _failures.warning((verifier, code.name), "verifier at %s failed a request: %s: %s", verifier, code.name, details)
     return GatewayError(status, _GENERIC.get(status, INTERNAL_ERROR))
 
 
-class _FailureLog:
-    """The verifier's failures of requests in the log: the first of a kind (a verifier and a status code) at once, the
-    same kind again at most every ``every_s`` with how many came meanwhile (a dead verifier failed one request per
-    line, thousands a second at production rates, before the health checks refused new ones). Failures held back
-    after the last line of a burst are counted in the next line of that kind."""
-
-    def __init__(self, every_s: float = 5.0, clock=time.monotonic):
-        self.every_s, self.clock = every_s, clock
-        self._last: dict[tuple, tuple[float, int]] = {}  # (verifier, code) -> (said at, held since)
-
-    def say(self, verifier: str, code: str, details: str) -> None:
-        key, now = (verifier, code), self.clock()
-        said, held = self._last.get(key, (None, 0))
-        if said is not None and now - said < self.every_s:
-            self._last[key] = (said, held + 1)
-            return
-        more = f" (and {held} more like it in {now - said:.0f} s)" if held else ""
-        log.warning("verifier at %s failed a request: %s: %s%s", verifier, code, details, more)
-        self._last[key] = (now, 0)
-
-
-_failures = _FailureLog()
+# (a dead verifier failed each request in a line of its own: thousands a second at production rates)
+_failures = LimitedLog(log)

@@ -25,6 +25,7 @@ from gateway.request import (GenerationRequest, check_cache_salt, check_model, c
                              resolve_max_tokens)
 from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
+from tandem.sampling_limits import MAX_STOP_TOKEN_IDS
 from tandem.tokenizer import Tokenizer
 
 # Fields of the OpenAI API we do not implement: allowed only with their no-op value.
@@ -212,6 +213,8 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
                                     default, max_param, prompt_param)
     check_min_tokens(engine.min_tokens, max_tokens, max_param)
     stop_token_ids = _int_list(body, "stop_token_ids")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_token_ids)}")
     if stop_token_ids:
         check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,

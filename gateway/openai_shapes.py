@@ -136,6 +136,15 @@ class ChatShape(CompletionShape):
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}
 
 
+# A client that takes none of a stream's bytes for this long is gone: it held its concurrency slots (and the
+# connection) for as long as it kept the socket open, and 256 such streams refused everyone else (429)
+STREAM_SEND_TIMEOUT_S = 60.0
+
+
+class _StalledClient(Exception):
+    pass
+
+
 class DisconnectAwareStreamingResponse(StreamingResponse):
     """A StreamingResponse that always watches for ``http.disconnect`` while it streams.
 
@@ -151,13 +160,18 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
         # what ends a started stream that the server cancels (its shutdown's grace period over): an error event the
         # client can act on, where it would otherwise see the stream stop mid-answer
         self._cut_short = cut_short
+        self.send_timeout_s = STREAM_SEND_TIMEOUT_S
 
     async def __call__(self, scope, receive, send) -> None:
         started = False
 
         async def sending(message) -> None:
             nonlocal started
-            await send(message)
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise _StalledClient() from None
             started = True
 
         try:
@@ -167,6 +181,8 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                         await self.stream_response(sending)
                     except OSError:  # the client went away between our check and the write
                         pass
+                    except _StalledClient:  # (its connection is closed by the server once the answer ends unfinished)
+                        self._on_disconnect()
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)

@@ -89,8 +89,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
     choices: Choices | None = None
     try:
-        scope.take_slots()
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
+        scope.take_slots()  # (after the body: a slow one held a slot for its whole read, 256 of them everyone's)
         body = parse_json(raw)
         info = await gw.client.model_info()
         limits = Limits(gw.cfg.model_names, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound,

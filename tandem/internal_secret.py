@@ -84,3 +84,9 @@ def matches(expected: str | None, invocation_metadata) -> bool:
     if not expected:
         return True
     return hmac.compare_digest(presented(invocation_metadata).encode(), expected.encode())
+
+
+def log_refused(refusals, peer: str) -> None:
+    """A call refused for the secret, in the log (``refusals``: the service's tandem.log_limit.LimitedLog: anyone who
+    reaches the port could otherwise write a line per call)."""
+    refusals.warning(("refused",), "refused a call without the internal secret from %s", peer)

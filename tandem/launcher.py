@@ -79,6 +79,8 @@ class Child:
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops the services in order
         # (the gateway first, drained, then the others), where each one stopping on its own raced the others: streams
         # the gateway was draining were cut by the verifier's own stop.
+        if self.name != "gateway":  # (only the gateway checks the API key: no other service's environment holds it)
+            env = {k: v for k, v in env.items() if k != shared.API_KEY_ENV}
         self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())}, start_new_session=True)
         self.started_at, self.restart_at, self.healthy_at = time.monotonic(), None, None
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tandem.errors import ConfigError
-from tandem.sampling_limits import MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY
+from tandem.sampling_limits import MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS
 from tandem.staging import upload
 
 
@@ -57,6 +57,8 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ConfigError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.max_new_tokens < 1:

@@ -320,7 +320,7 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/completions", "regex", "a+"), ("/v1/chat/completions", "json_schema", "{}"),
     ("/v1/completions", "ebnf", "root ::= 'a'"),  # SGLang's constrained output
     ("/v1/completions", "return_token_ids", True), ("/v1/chat/completions", "cache_salt", ""),
-    ("/v1/completions", "cache_salt", 5),
+    ("/v1/completions", "cache_salt", 5), ("/v1/completions", "stop_token_ids", [1] * 257),
     ("/v1/completions", "logits_processors", ["x"]), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/chat/completions", "lora_path", "my-lora"), ("/v1/completions", "return_hidden_states", True),
 ])

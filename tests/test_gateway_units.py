@@ -155,18 +155,51 @@ def test_tool_choice_without_tools_says_what_it_asked(choice, says):
 
 def test_a_verifiers_repeated_failures_are_one_log_line_every_few_seconds(caplog):
     """A dead verifier failed each request in a line of its own (159 lines in 1.7 s under a light load)."""
-    from gateway.errors import _FailureLog
+    import logging
+
+    from tandem.log_limit import LimitedLog
 
     now = [100.0]
-    failures = _FailureLog(every_s=5.0, clock=lambda: now[0])
+    failures = LimitedLog(logging.getLogger("gateway.errors"), every_s=5.0, clock=lambda: now[0])
+    say = lambda code, details: failures.warning(("127.0.0.1:1", code), "verifier at %s failed a request: %s: %s",  # noqa: E731
+                                                 "127.0.0.1:1", code, details)
     with caplog.at_level("WARNING", logger="gateway.errors"):
         for step in range(60):  # 6 s of failures, ten a second
             now[0] = 100.0 + step / 10
-            failures.say("127.0.0.1:1", "UNAVAILABLE", "connection refused")
-        failures.say("127.0.0.1:1", "INTERNAL", "boom")  # another kind: said at once
+            say("UNAVAILABLE", "connection refused")
+        say("INTERNAL", "boom")  # another kind: said at once
         now[0] += 1.0
-        failures.say("127.0.0.1:1", "UNAVAILABLE", "connection refused (again)")  # held: counted in the next line
+        say("UNAVAILABLE", "connection refused (again)")  # held: counted in the next line
     said = [r.getMessage() for r in caplog.records]
     assert said == ["verifier at 127.0.0.1:1 failed a request: UNAVAILABLE: connection refused",
                     "verifier at 127.0.0.1:1 failed a request: UNAVAILABLE: connection refused (and 49 more like it in 5 s)",
                     "verifier at 127.0.0.1:1 failed a request: INTERNAL: boom"], said
+
+
+def test_a_stream_whose_client_takes_no_bytes_ends_and_gives_its_slots_back():
+    """A client that never reads held its concurrency slots for as long as its socket stayed open (256 of them refused
+    everyone else). A send that does not complete within the timeout ends the answer as a client gone."""
+    import asyncio
+
+    from gateway.openai_shapes import DisconnectAwareStreamingResponse
+
+    async def run():
+        closed, left, never = [], [], asyncio.Event()
+
+        async def body():
+            while True:
+                yield "data: {}\n\n"
+
+        async def send(message):  # (a full socket: flow control waits for a read that never comes)
+            await never.wait()
+
+        async def receive():
+            await never.wait()
+
+        response = DisconnectAwareStreamingResponse(body(), lambda: closed.append(True), "",
+                                                    lambda: left.append(True), media_type="text/event-stream")
+        response.send_timeout_s = 0.2
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send), 10)
+        return closed, left
+
+    assert asyncio.run(run()) == ([True], [True])

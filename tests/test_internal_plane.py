@@ -93,14 +93,13 @@ def verifier_client(address: str, ring, target, secret=SECRET):
 def test_rounds_and_reload_without_the_secret_are_unauthenticated(drafter, pair_dirs, ring, metadata):
     target, _ = target_info(pair_dirs)
     refused = "refused a call without the internal secret"
-    logged = drafter.log().count(refused)  # the drafter (and its log) serves every parameter set
     error = raw_stream(drafter.address, hello(ring.spec.to_fields(), target), metadata)
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(drafter.address) as channel, pytest.raises(grpc.RpcError) as e:
         pb_grpc.DrafterStub(channel).Reload(pb.ReloadRequest(draft_model=str(pair_dirs / "models" / "draft")),
                                             metadata=metadata, timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert drafter.log().count(refused) >= logged + 2  # the stream's and the reload's
+    assert refused in drafter.log()  # (once every 5 s with a count: tandem.log_limit)
 
 
 def test_a_second_stream_is_refused_and_the_verifiers_goes_on(drafter, pair_dirs, ring):

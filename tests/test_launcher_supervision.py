@@ -108,6 +108,17 @@ def test_services_are_started_without_a_hook_between_fork_and_exec(monkeypatch):
     assert seen.get("preexec_fn") is None and seen["env"] == {"PATH": "/bin", LAUNCHER_PID_ENV: str(os.getpid())}
 
 
+def test_only_the_gateway_is_given_the_api_key(monkeypatch):
+    from tandem import launcher
+    from tandem.args import API_KEY_ENV
+
+    seen = {}
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
+    for name in ("drafter", "verifier", "gateway"):
+        launcher.Child(name, [name]).start({"PATH": "/bin", API_KEY_ENV: "sk-1"})
+    assert [API_KEY_ENV in seen[name] for name in ("drafter", "verifier", "gateway")] == [False, False, True]
+
+
 @pytest.mark.parametrize("service", ["verifier", "drafter", "gateway"])
 def test_each_service_asks_for_its_parent_death_signal_first(service, monkeypatch):
     import importlib

@@ -122,6 +122,8 @@ def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):
     (dict(prompt_token_ids=[10**6], sampling=pb.SamplingParams(max_new_tokens=4)), "vocabulary"),
     (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, stop_token_ids=[3, -5])),
      "stop_token_ids: -5 is outside the vocabulary"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, stop_token_ids=[3] * 257)),
+     "stop_token_ids: at most 256"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request_kwargs, field):
     _, verifier = pair

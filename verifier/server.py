@@ -18,6 +18,7 @@ from tandem import internal_secret, tracing
 from tandem.engine.step import StepOutput
 from tandem.errors import ConfigError, DuplicateRequestError, OutOfPagesError, TandemError
 from tandem.grpc_decode import MALFORMED, tolerant
+from tandem.log_limit import LimitedLog
 from tandem.configs.model import ModelConfig
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
@@ -26,6 +27,7 @@ from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
 from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
 
 log = logging.getLogger("verifier.server")
+_refusals = LimitedLog(log)
 SERVICE = "tandem.rpc.verifier.v1.Verifier"
 
 
@@ -54,7 +56,7 @@ class VerifierService:
         """Only callers with the internal secret (its gateway; tandem.internal_secret), where one is set: the
         gateway's API key, limits and request log must not be a port away from anyone who can reach this one."""
         if not internal_secret.matches(self.cfg.internal_secret, context.invocation_metadata()):
-            log.warning("refused a call without the internal secret from %s", context.peer())
+            internal_secret.log_refused(_refusals, context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this verifier serves its gateway only "
                                 f"(the internal secret: ${internal_secret.ENV} or --internal-secret-file)")
 
