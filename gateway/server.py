@@ -14,6 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.context import GatewayContext
 from gateway.errors import GatewayError
 from gateway.grpc_api import build_grpc_server, set_serving
+from gateway.http_protocol import http_protocol
 from gateway.metrics_relay import MetricsRelay
 from gateway.openai_api import create_app
 from gateway.openai_shapes import CUT_SHORT_SEND_S
@@ -78,7 +79,7 @@ class Gateway(GatewayContext):
         await warm_up_streaming()  # the first streamed request must not import anyio's backend (gateway/warmup.py)
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=cfg.access_log, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
-                                                   timeout_keep_alive=cfg.keep_alive_s))
+                                                   timeout_keep_alive=cfg.keep_alive_s, http=http_protocol()))
         self._http.should_exit = self._stop_requested  # (told to stop before it existed: it stops at once)
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
         while not self._http.started:

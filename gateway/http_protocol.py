@@ -1,0 +1,59 @@
+"""The HTTP protocol the gateway's uvicorn runs: uvicorn's own (httptools where installed, else h11, as its ``auto``),
+with a deadline for a request's head. uvicorn times out a connection only between requests (its keep-alive): one
+that never sends a request, or trickles its headers a byte at a time, was held forever — a remote client opening a
+few thousand such connections took the gateway's file descriptors, and with them REST, gRPC and /health."""
+
+from __future__ import annotations
+
+import importlib.util
+
+REQUEST_HEAD_TIMEOUT_S = 15.0  # from a connection's first byte (or the last answer) to the end of a request's head
+
+
+class _HeadDeadline:
+    """Mixed into a uvicorn HTTP protocol: close the connection unless a request's head has arrived within
+    ``head_timeout_s`` of its opening (or of the last byte after an answer)."""
+
+    head_timeout_s = REQUEST_HEAD_TIMEOUT_S
+    _head_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests():
+            self._arm_head_timer()  # (after an answer: uvicorn's keep-alive timer is cancelled by these bytes)
+        super().data_received(data)
+        if not self._between_requests():  # a request's head is in
+            self._disarm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_overdue)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def http_protocol() -> type:
+    """The protocol class for ``uvicorn.Config(http=...)``."""
+    if importlib.util.find_spec("httptools") is not None:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type(f"HeadDeadline{base.__name__}", (_HeadDeadline, base), {})

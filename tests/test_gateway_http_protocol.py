@@ -1,0 +1,85 @@
+"""The gateway's HTTP protocol closes a connection whose request head does not arrive in time (gateway/http_protocol.py):
+idle connections and trickled headers were held forever and could take every file descriptor; a request served,
+a slow answer and a second request on a kept-alive connection are unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from gateway.http_protocol import http_protocol
+
+HEAD_S = 0.5
+
+
+async def _app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(2 * HEAD_S + 0.5)  # (longer than the head deadline: it applies to the head alone)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def port():
+    protocol = type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S})
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, http=protocol, timeout_keep_alive=30))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+
+
+def _closed_within(conn: socket.socket, seconds: float) -> bool:
+    conn.settimeout(seconds)
+    try:
+        return conn.recv(1024) == b""
+    except TimeoutError:
+        return False
+
+
+def _get(conn: socket.socket, path: str = "/") -> bytes:
+    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    conn.settimeout(10)
+    data = b""
+    while not data.endswith(b"ok"):
+        data += conn.recv(1024)
+    return data
+
+
+def test_a_connection_that_sends_nothing_is_closed(port):
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        started = time.monotonic()
+        assert _closed_within(conn, 5)
+        assert time.monotonic() - started < HEAD_S + 2
+
+
+def test_trickled_headers_are_closed_at_the_deadline(port):
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\n")
+        for _ in range(int(2 * HEAD_S / 0.2)):
+            time.sleep(0.2)
+            try:
+                conn.sendall(b"X-A: b\r\n")
+            except OSError:
+                break
+        assert _closed_within(conn, 5)
+
+
+def test_requests_slow_answers_and_kept_alive_connections_are_served(port):
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        assert _get(conn).startswith(b"HTTP/1.1 200")
+        assert _get(conn, "/slow").startswith(b"HTTP/1.1 200")
+        time.sleep(HEAD_S / 2)
+        assert _get(conn).startswith(b"HTTP/1.1 200")  # (the same connection, within the deadline)
