@@ -16,6 +16,10 @@ from starlette.requests import Request
 
 from gateway.errors import GatewayError
 
+# A client that takes none of a stream's bytes for this long is gone (REST and gRPC): it held its slots and its
+# connection for as long as it kept the socket open, and 256 such streams refused everyone else (429)
+STREAM_SEND_TIMEOUT_S = 60.0
+
 
 class Slots:
     """Generations in flight, REST and gRPC together. Single event loop: no lock needed."""

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.admission import STREAM_SEND_TIMEOUT_S
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_request
 from gateway.generation import GenerationStream
@@ -40,6 +41,7 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, gw: GatewayContext):
         self._gw = gw
+        self.send_timeout_s = STREAM_SEND_TIMEOUT_S
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Stream one generation; the last message carries finish_reason and the token counts."""
@@ -65,10 +67,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival,
                                       request_log=gw.request_log)
             async for d in stream:
-                yield generation_pb2.GenerateResponse(
-                    request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
-                    finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
-                    completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens)
+                # (written, not yielded: a client that reads nothing — a flow-control window of 0 — is let go)
+                async with asyncio.timeout(self.send_timeout_s):
+                    await context.write(generation_pb2.GenerateResponse(
+                        request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
+                        finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
+                        completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens))
+        except TimeoutError:  # (only the write's: the stream's own waits end in GatewayErrors)
+            status = "CANCELLED"
+            tracing.set_error(span, "the client read nothing for the send timeout")
+            await context.abort(grpc.StatusCode.CANCELLED, "the client read nothing of the stream for "
+                                f"{self.send_timeout_s:.0f} s")
         except GatewayError as e:
             status = e.grpc_code.name
             tracing.set_error(span, e.message)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import anyio
 from starlette.responses import StreamingResponse
 
+from gateway.admission import STREAM_SEND_TIMEOUT_S
 from gateway.choices import ChoiceResult
 from gateway.generation import Delta
 from gateway.logprobs_shape import LogprobsShape, merge
@@ -134,11 +135,6 @@ class ChatShape(CompletionShape):
                     "stop_reason": r.stop_reason}
                    for i, r in enumerate(results)]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}
-
-
-# A client that takes none of a stream's bytes for this long is gone: it held its concurrency slots (and the
-# connection) for as long as it kept the socket open, and 256 such streams refused everyone else (429)
-STREAM_SEND_TIMEOUT_S = 60.0
 
 
 class _StalledClient(Exception):

@@ -152,3 +152,42 @@ def test_malformed_protobuf_is_invalid_argument_without_a_traceback(channel, cap
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert "malformed GenerateRequest" in err.value.details() and "DecodeError" not in err.value.details()
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_a_stream_whose_client_reads_nothing_ends_and_gives_its_slot_back(stack):
+    """gRPC's flow control holds a write while the client reads nothing (a window of 0): 256 such streams held every
+    slot for as long as their connections stayed open."""
+    import asyncio
+
+    from gateway.grpc_api import GenerationServicer
+
+    class Aborted(Exception):
+        pass
+
+    class StalledContext:
+        aborted = None
+
+        def invocation_metadata(self):
+            return ()
+
+        def time_remaining(self):
+            return None
+
+        async def write(self, message):  # (the client takes no bytes)
+            await asyncio.Event().wait()
+
+        async def abort(self, code, details):
+            self.aborted = (code, details)
+            raise Aborted()
+
+    servicer, context = GenerationServicer(stack.gateway), StalledContext()
+    servicer.send_timeout_s = 0.3
+    in_use = stack.gateway.slots.in_use
+
+    async def call():
+        with pytest.raises(Aborted):
+            await servicer.Generate(pb.GenerateRequest(text="hello", max_tokens=4), context)
+
+    stack.run(call(), timeout=20)
+    assert context.aborted[0] == grpc.StatusCode.CANCELLED and "read nothing" in context.aborted[1]
+    assert stack.gateway.slots.in_use == in_use
