@@ -45,9 +45,10 @@ async def _answer(gw: GatewayContext, request: Request, work) -> JSONResponse:
         check_model(body.get("model"), gw.cfg.model_names)
         info = await gw.client.model_info()  # the context length and vocabulary the verifier serves
         # Megabytes of text take a while to tokenize: off the event loop, as the generation paths do.
-        result = await asyncio.to_thread(work, gw, body, info) if len(raw) > OFFLOAD_PARSE_BYTES else \
-            work(gw, body, info)
-        return JSONResponse(result)
+        if len(raw) <= OFFLOAD_PARSE_BYTES:
+            return JSONResponse(work(gw, body, info))
+        # (and its answer's encoding: megabytes of token ids and strings held the loop, /health waited seconds)
+        return await asyncio.to_thread(lambda: JSONResponse(work(gw, body, info)))
     except GatewayError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
@@ -59,13 +60,16 @@ def _tokenize(gw: GatewayContext, body: dict, info) -> dict:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad_request("prompt", "must be a string")
+        gw.prompt_bound.check(len(prompt), info.max_context, "prompt")
         ids = gw.tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, True))
     else:
         if gw.chat_template is None:
             raise bad_request("messages", "this model has no chat template (tokenizer_config.json has none)")
         text = render_chat(gw.chat_template, body, _messages(body["messages"]))
+        gw.prompt_bound.check(len(text), info.max_context, "messages")
         ids = gw.tokenizer.encode(text, add_special_tokens=_add_special_tokens(body, False))
-    # No context check: /tokenize is how a client learns that a prompt is too long.
+    # No token-count check: /tokenize is how a client learns that a prompt is too long. A text that cannot fit by its
+    # characters alone is refused as the generation routes refuse it (megabytes tokenized held the event loop seconds)
     strs = [gw.tokenizer.token_str(i) for i in ids] if flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": info.max_context, "tokens": ids, "token_strs": strs}
 

@@ -129,6 +129,9 @@ def test_an_obviously_too_long_prompt_is_refused_without_tokenizing(stack, monke
             list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="c" * over, max_tokens=1),
                                                             timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("text")
+    for body, param in (({"prompt": "a" * over}, "prompt"), ({"messages": messages}, "messages")):  # /tokenize too
+        r = httpx.post(f"{stack.url}/tokenize", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert encoded == []
     assert httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
     assert encoded == [len("hello")]
