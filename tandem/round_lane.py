@@ -21,6 +21,7 @@ reads on its asyncio loop, where its rounds already run.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import select
@@ -32,6 +33,9 @@ import time
 LANE_SUPPORTED = sys.platform.startswith("linux")  # abstract-namespace Unix sockets
 HEADER = struct.Struct("<I")  # payload length, little-endian
 MAX_FRAME_BYTES = 64 << 20  # a Round or Drafts is kilobytes; anything near this is a broken peer
+TOKEN_WAIT_S = 2.0  # a peer's first frame (the token) within this, or it is dropped and the next one accepted
+
+log = logging.getLogger("tandem.round_lane")
 
 
 class LaneError(ConnectionError):
@@ -59,31 +63,53 @@ class LaneListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(_sockaddr(self.address))
-            self._sock.listen(1)
+            self._sock.listen(8)
         except OSError:
             self._sock.close()
             raise
 
     def accept(self, timeout_s: float) -> "BlockingLane":
-        """The drafter's connection, once its first frame proved it read our Hello."""
-        self._sock.settimeout(timeout_s)
-        try:
-            conn, _ = self._sock.accept()
-        except OSError as e:  # socket.timeout is an OSError
-            raise LaneError(f"the drafter did not connect to the round lane: {e}") from None
-        lane = BlockingLane(conn)
-        try:
-            token = lane.receive(timeout_s)
-        except LaneError:
+        """The drafter's connection, once its first frame proved it read our Hello. An abstract address has no
+        permissions and is listed in /proc/net/unix: a peer of another user, or one without the token within
+        TOKEN_WAIT_S, is dropped and the next one accepted (a local process connecting first kept speculation off)."""
+        deadline = time.monotonic() + timeout_s
+        dropped = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaneError("the drafter did not connect to the round lane"
+                                + (f" ({dropped} other connection(s) dropped)" if dropped else ""))
+            self._sock.settimeout(left)
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as e:  # socket.timeout is an OSError
+                raise LaneError(f"the drafter did not connect to the round lane: {e}"
+                                + (f" ({dropped} other connection(s) dropped)" if dropped else "")) from None
+            lane = BlockingLane(conn)
+            why = None if _same_user(conn) else "another user's process"
+            if why is None:
+                try:
+                    token = lane.receive(min(left, TOKEN_WAIT_S))
+                    why = None if secrets.compare_digest(token, self.token) else "a process that did not read our Hello"
+                except LaneError as e:
+                    why = f"a peer that sent no token ({e})"
+            if why is None:
+                return lane
             lane.close()
-            raise
-        if not secrets.compare_digest(token, self.token):
-            lane.close()
-            raise LaneError("a process that did not read our Hello connected to the round lane")
-        return lane
+            dropped += 1
+            log.warning("round lane: dropped %s; waiting for the drafter", why)
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the peer runs as this process's user (or root), by the kernel's credentials of the connection."""
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):  # (no SO_PEERCRED: not Linux, where the lane is not offered)
+        return True
+    return uid in (os.getuid(), 0)
 
 
 class BlockingLane:

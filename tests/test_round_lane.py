@@ -74,13 +74,37 @@ def test_frames_go_both_ways_in_order_whatever_their_size(peer):
     far.close()
 
 
-def test_a_peer_without_the_token_is_refused(peer):
+def test_a_peer_without_the_token_is_dropped_and_the_drafter_accepted_after_it(peer, caplog):
+    """A local process connecting first (the address is listed in /proc/net/unix) kept speculation off: it is
+    dropped, and the drafter that connects next is accepted."""
+    listener = LaneListener()
+    intruder = peer.submit(AsyncLane.connect(listener.address, b"not the token")).result(5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (connects and says nothing)
+    silent.connect(b"\0" + listener.address[1:].encode())
+    drafter = peer.submit(AsyncLane.connect(listener.address, listener.token))
+    with caplog.at_level("WARNING", logger="tandem.round_lane"):
+        lane = listener.accept(10.0)
+    assert "did not read our Hello" in caplog.text and "sent no token" in caplog.text
+    exchange_done = peer.submit(_echo_once(drafter.result(5)))
+    assert exchange(lane, b"round", 5.0) == b"round"
+    exchange_done.result(5)
+    for end in (intruder, lane):
+        end.close()
+    silent.close()
+    listener.close()
+
+
+def test_a_peer_without_the_token_alone_is_no_drafter(peer):
     listener = LaneListener()
     pending = peer.submit(AsyncLane.connect(listener.address, b"not the token"))
-    with pytest.raises(LaneError, match="did not read our Hello"):
-        listener.accept(5.0)
+    with pytest.raises(LaneError, match=r"did not connect to the round lane.*\(1 other connection\(s\) dropped\)"):
+        listener.accept(1.0)
     pending.result(5).close()
     listener.close()
+
+
+async def _echo_once(far):
+    await far.send(await far.receive())
 
 
 def test_nobody_connecting_is_an_error_within_the_deadline():
