@@ -1,7 +1,7 @@
 """What the gateway lets in before it does any work: a bounded number of generations in flight
 (429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
 Content-Length header or as soon as a chunked body passes the limit, never read whole first) that
-arrive in bounded time (408: a client trickling its body would otherwise hold a slot forever), declared as JSON
+arrive in bounded time (408: a client trickling its body would otherwise hold its connection forever), declared as JSON
 (415 for another media type), from no other web origin (403): a web page can post text/plain, a form or a body with
 no type to a server on localhost without a CORS preflight, and this server answers no preflight, so a browser's
 request from another origin is never an API client's — refused, no site a user visits runs generations on their

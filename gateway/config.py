@@ -34,7 +34,7 @@ class GatewayConfig:
     api_key: str | None = field(default=None, repr=False)  # required as a bearer token on /v1/* and gRPC; None = open
     internal_secret: str | None = field(default=None, repr=False)  # presented to the verifier (tandem.internal_secret)
     max_body_bytes: int = shared.MAX_BODY_BYTES.default  # larger request bodies get 413 before they are read
-    body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds a slot)
+    body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds its connection)
     max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     drafter_metrics_url: str | None = None  # the drafter service's /metrics, appended too

@@ -38,6 +38,10 @@ log = logging.getLogger("gateway.grpc")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+class _StalledClient(Exception):
+    """The client took none of a message for the send timeout (a flow-control window of 0)."""
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, gw: GatewayContext):
         self._gw = gw
@@ -68,16 +72,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       request_log=gw.request_log)
             async for d in stream:
                 # (written, not yielded: a client that reads nothing — a flow-control window of 0 — is let go)
-                async with asyncio.timeout(self.send_timeout_s):
-                    await context.write(generation_pb2.GenerateResponse(
-                        request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
-                        finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
-                        completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens))
-        except TimeoutError:  # (only the write's: the stream's own waits end in GatewayErrors)
+                await self._write(context, generation_pb2.GenerateResponse(
+                    request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
+                    finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
+                    completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens))
+        except _StalledClient:
+            # (not abort: its status would queue behind the message the client does not take, and this handler —
+            # its slot, the verifier's request — would wait for it as long as the client holds the connection)
             status = "CANCELLED"
             tracing.set_error(span, "the client read nothing for the send timeout")
-            await context.abort(grpc.StatusCode.CANCELLED, "the client read nothing of the stream for "
-                                f"{self.send_timeout_s:.0f} s")
+            context.set_code(grpc.StatusCode.CANCELLED)
+            context.set_details(f"the client read nothing of the stream for {self.send_timeout_s:.0f} s")
         except GatewayError as e:
             status = e.grpc_code.name
             tracing.set_error(span, e.message)
@@ -111,6 +116,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             gw.metrics.count_request("grpc", status)
             span.set_attribute("rpc.grpc.status_code", status)
             span.end()
+
+    async def _write(self, context: grpc.aio.ServicerContext, message) -> None:
+        try:
+            async with asyncio.timeout(self.send_timeout_s):
+                await context.write(message)
+        except TimeoutError:
+            raise _StalledClient() from None
 
     def _parse(self, r: generation_pb2.GenerateRequest, info) -> GenerationRequest:
         gw = self._gw

@@ -1,21 +1,46 @@
 """The HTTP protocol the gateway's uvicorn runs: uvicorn's own (httptools where installed, else h11, as its ``auto``),
-with a deadline for a request's head. uvicorn times out a connection only between requests (its keep-alive): one
-that never sends a request, or trickles its headers a byte at a time, was held forever — a remote client opening a
-few thousand such connections took the gateway's file descriptors, and with them REST, gRPC and /health."""
+with two deadlines. uvicorn times out a connection only between requests (its keep-alive): one that never sends a
+request, or trickles its headers a byte at a time, was held forever — a remote client opening a few thousand such
+connections took the gateway's file descriptors, and with them REST, gRPC and /health. And a client that reads
+nothing of its answer held the connection forever too (a close waits for the unsent bytes): one whose socket has
+taken no bytes for the stream send timeout is cut."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from gateway.admission import STREAM_SEND_TIMEOUT_S
+
 REQUEST_HEAD_TIMEOUT_S = 15.0  # from a connection's first byte (or the last answer) to the end of a request's head
 
 
-class _HeadDeadline:
+class _Deadlines:
     """Mixed into a uvicorn HTTP protocol: close the connection unless a request's head has arrived within
-    ``head_timeout_s`` of its opening (or of the last byte after an answer)."""
+    ``head_timeout_s`` of its opening (or of the last byte after an answer); abort it when its writes have been
+    paused (the client's window full) for ``stall_timeout_s``."""
 
     head_timeout_s = REQUEST_HEAD_TIMEOUT_S
+    stall_timeout_s = STREAM_SEND_TIMEOUT_S
     _head_timer = None
+    _stall_timer = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._disarm_stall_timer()
+        super().resume_writing()
+
+    def _disarm_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        self.transport.abort()  # (the stream's answer, waiting on the write, ends as a client gone)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -30,6 +55,7 @@ class _HeadDeadline:
 
     def connection_lost(self, exc) -> None:
         self._disarm_head_timer()
+        self._disarm_stall_timer()
         super().connection_lost(exc)
 
     def _between_requests(self) -> bool:
@@ -46,7 +72,8 @@ class _HeadDeadline:
 
     def _head_overdue(self) -> None:
         self._head_timer = None
-        if self._between_requests() and not self.transport.is_closing():
+        upgraded = self.transport.get_protocol() is not self  # (a websocket's: its own protocol now)
+        if self._between_requests() and not upgraded and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -56,4 +83,4 @@ def http_protocol() -> type:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return type(f"HeadDeadline{base.__name__}", (_HeadDeadline, base), {})
+    return type(f"Deadlines{base.__name__}", (_Deadlines, base), {})

@@ -20,6 +20,14 @@ HEAD_S = 0.5
 async def _app(scope, receive, send):
     if scope["type"] != "http":
         return
+    if scope["path"] == "/endless":  # (an answer the client never reads: its writes pause)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        chunk = b"x" * (1 << 20)
+        try:
+            while True:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except OSError:  # (the client gone: uvicorn raises once the connection is lost)
+            return
     if scope["path"] == "/slow":
         await asyncio.sleep(2 * HEAD_S + 0.5)  # (longer than the head deadline: it applies to the head alone)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -27,8 +35,8 @@ async def _app(scope, receive, send):
 
 
 @pytest.fixture(scope="module")
-def port():
-    protocol = type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S})
+def served():
+    protocol = type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S, "stall_timeout_s": HEAD_S})
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, http=protocol, timeout_keep_alive=30))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
@@ -36,9 +44,14 @@ def port():
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
-    yield sock.getsockname()[1]
+    yield server, sock.getsockname()[1]
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port(served):
+    return served[1]
 
 
 def _closed_within(conn: socket.socket, seconds: float) -> bool:
@@ -81,5 +94,21 @@ def test_requests_slow_answers_and_kept_alive_connections_are_served(port):
     with socket.create_connection(("127.0.0.1", port)) as conn:
         assert _get(conn).startswith(b"HTTP/1.1 200")
         assert _get(conn, "/slow").startswith(b"HTTP/1.1 200")
-        time.sleep(HEAD_S / 2)
-        assert _get(conn).startswith(b"HTTP/1.1 200")  # (the same connection, within the deadline)
+        time.sleep(2 * HEAD_S)  # (kept alive past the head deadline: it runs from the next request's first byte)
+        assert _get(conn).startswith(b"HTTP/1.1 200")
+
+
+def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
+    """Its writes paused (the client's window full): aborted after the stall timeout (a close would wait for the
+    unsent bytes as long as the client keeps the socket open)."""
+    server, port = served
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.sendall(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.5)
+    assert len(server.server_state.connections) == 1
+    deadline = time.monotonic() + 10
+    while server.server_state.connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.server_state.connections
+    conn.close()
