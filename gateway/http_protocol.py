@@ -30,13 +30,8 @@ class _Deadlines:
             self._stall_timer = self.loop.call_later(self.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
-        self._disarm_stall_timer()
+        self._stall_timer = _cancelled(self._stall_timer)
         super().resume_writing()
-
-    def _disarm_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
 
     def _stalled(self) -> None:
         self._stall_timer = None
@@ -51,11 +46,11 @@ class _Deadlines:
             self._arm_head_timer()  # (after an answer: uvicorn's keep-alive timer is cancelled by these bytes)
         super().data_received(data)
         if not self._between_requests():  # a request's head is in
-            self._disarm_head_timer()
+            self._head_timer = _cancelled(self._head_timer)
 
     def connection_lost(self, exc) -> None:
-        self._disarm_head_timer()
-        self._disarm_stall_timer()
+        self._head_timer = _cancelled(self._head_timer)
+        self._stall_timer = _cancelled(self._stall_timer)
         super().connection_lost(exc)
 
     def _between_requests(self) -> bool:
@@ -65,16 +60,18 @@ class _Deadlines:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_overdue)
 
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
     def _head_overdue(self) -> None:
         self._head_timer = None
         upgraded = self.transport.get_protocol() is not self  # (a websocket's: its own protocol now)
         if self._between_requests() and not upgraded and not self.transport.is_closing():
             self.transport.close()
+
+
+def _cancelled(timer) -> None:
+    """Cancel ``timer`` where there is one; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
+    return None
 
 
 def http_protocol() -> type:
