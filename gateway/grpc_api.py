@@ -94,14 +94,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.exception("gRPC Generate failed")
             tracing.set_error(span, "internal error")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
-        except (asyncio.CancelledError, GeneratorExit) as e:
-            if gw.grpc_cut_short and isinstance(e, asyncio.CancelledError):  # the shutdown's grace is over: our cancel
+        except asyncio.CancelledError:  # (a coroutine now, writing its messages: no GeneratorExit to catch)
+            if gw.grpc_cut_short:  # the shutdown's grace is over: our cancel
                 task.uncancel()  # (Gateway._drain_grpc), answered with a status clients retry
                 status = "UNAVAILABLE"
                 tracing.set_error(span, SHUTTING_DOWN)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-            # GeneratorExit: the cancel landed while grpc.aio was sending a message (this generator
-            # is closed at its yield instead of its task being cancelled).
             remaining = context.time_remaining()  # (None: the call had no deadline)
             status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             tracing.set_error(span, "the client's deadline passed" if status == "DEADLINE_EXCEEDED"
