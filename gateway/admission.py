@@ -38,18 +38,44 @@ class Slots:
         self.in_use -= 1
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+# Bodies being read at once hold at most this many bodies' worth of the largest allowed (slots are taken only after a
+# body is read, so without it thousands of connections each sending megabytes held gigabytes)
+BODY_BUDGET_BODIES = 16
+
+
+class BodyBudget:
+    """Bytes of request bodies being received, all connections together; a body that would pass ``limit`` gets 503
+    (retryable). A declared Content-Length is reserved whole at the start, a chunked body as its chunks come.
+    Single event loop: no lock needed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_use = 0
+
+    def reserve(self, n: int) -> None:
+        if self.in_use + n > self.limit:
+            raise GatewayError(503, f"the server is receiving {self.limit} bytes of request bodies already, retry later")
+        self.in_use += n
+
+    def release(self, n: int) -> None:
+        self.in_use -= n
+
+
+async def read_body(request: Request, limit: int, timeout_s: float, budget: BodyBudget) -> bytes:
     h = request.headers
     _check_origin(h.get("origin"), [h.get("host"), *(h.get("x-forwarded-host") or "").split(",")])
     _check_media_type(request.headers.get("content-type"))
+    held = [0]  # bytes of the budget this read holds, given back however it ends
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read(request, limit)
+            return await _read(request, limit, budget, held)
     except TimeoutError:
         raise GatewayError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    finally:
+        budget.release(held[0])
 
 
-async def _read(request: Request, limit: int) -> bytes:
+async def _read(request: Request, limit: int, budget: BodyBudget, held: list[int]) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -58,11 +84,16 @@ async def _read(request: Request, limit: int) -> bytes:
             raise GatewayError(400, "the Content-Length header is not a number") from None
         if size > limit:
             raise _too_large(limit)
+        budget.reserve(max(size, 0))
+        held[0] = max(size, 0)
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
+        if size > held[0]:  # (chunked, or more than declared: the server stops at the declared length anyway)
+            budget.reserve(size - held[0])
+            held[0] = size
         parts.append(chunk)
     return b"".join(parts)
 

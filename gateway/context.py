@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from gateway.admission import Slots
+from gateway.admission import BODY_BUDGET_BODIES, BodyBudget, Slots
 from gateway.config import GatewayConfig
 from gateway.generation_defaults import SamplingDefaults
 from gateway.metrics import GatewayMetrics
@@ -29,6 +29,7 @@ class GatewayContext:
         self.metrics = GatewayMetrics(cfg.model_name)
         self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
         self.slots = Slots(cfg.max_concurrent_requests)
+        self.body_budget = BodyBudget(BODY_BUDGET_BODIES * cfg.max_body_bytes)
         self.metrics_relays: list[MetricsRelay] = []  # made at start: their locks bind to the loop
         self.started_at = int(time.time())
         self.client: VerifierClient | None = None  # made at start: gRPC aio objects bind to the running loop

@@ -89,7 +89,7 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
     request_id = f"{shape_cls.id_prefix}-{uuid.uuid4().hex}"
     choices: Choices | None = None
     try:
-        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
+        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s, gw.body_budget)
         scope.take_slots()  # (after the body: a slow one held a slot for its whole read, 256 of them everyone's)
         body = parse_json(raw)
         info = await gw.client.model_info()

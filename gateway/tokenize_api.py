@@ -40,7 +40,7 @@ def add_tokenize_routes(app: FastAPI, gw: GatewayContext) -> None:
 
 async def _answer(gw: GatewayContext, request: Request, work) -> JSONResponse:
     try:
-        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s)
+        raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s, gw.body_budget)
         body = parse_json(raw)
         check_model(body.get("model"), gw.cfg.model_names)
         info = await gw.client.model_info()  # the context length and vocabulary the verifier serves
