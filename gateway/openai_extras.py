@@ -1,6 +1,6 @@
 """The output fields of vLLM's OpenAI server that the gateway honours without the engine's help:
 ``n`` (fanned out as ``n`` generations: gateway/choices.py), ``echo``,
-``skip_special_tokens`` and ``include_stop_str_in_output``. Also vLLM's fields that nothing implements
+``skip_special_tokens``, ``include_stop_str_in_output`` and ``return_token_ids``. Also vLLM's fields that nothing implements
 yet, refused unless they hold their no-op value (never silently ignored)."""
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ ENGINE_FIELDS = {
     "chat_template": lambda v: v is None,  # a request's own template: only the model's renders
     "return_tokens_as_token_ids": lambda v: not v,  # log-probabilities name tokens by their text
     "priority": lambda v: v is None or (v == 0 and not isinstance(v, bool)),  # one queue, first come first served
-    "return_token_ids": lambda v: not v,  # (vLLM's token ids beside the text: not in these responses)
     "logits_processors": lambda v: not v,
     "spaces_between_special_tokens": lambda v: v is None or v is True,  # (the tokenizer's detokenization, always)
     # SGLang's OpenAI-server extensions (its /generate takes the same)
@@ -45,6 +44,7 @@ class OutputOptions:
     echo: bool = False  # the prompt's text before each choice's (chat: the last message's, when the assistant's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
 
 
 def parse_output_options(body: dict, chat: bool) -> OutputOptions:
@@ -58,7 +58,8 @@ def parse_output_options(body: dict, chat: bool) -> OutputOptions:
     echo = flag(body, "echo", False)
     # (SGLang's OpenAI server spells include_stop_str_in_output no_stop_trim)
     keep_stop = flag(body, "include_stop_str_in_output", False) or flag(body, "no_stop_trim", False)
-    return OutputOptions(n, echo, flag(body, "skip_special_tokens", True), keep_stop)
+    return OutputOptions(n, echo, flag(body, "skip_special_tokens", True), keep_stop,
+                         flag(body, "return_token_ids", False))
 
 
 

@@ -34,14 +34,18 @@ class CompletionShape:
     id_prefix = "cmpl"
 
     def __init__(self, request_id: str, model: str, include_usage: bool = False,
-                 prompts: Sequence[tuple[str, Sequence[int]]] = (("", ()),), token_text=None):
+                 prompts: Sequence[tuple[str, Sequence[int]]] = (("", ()),), token_text=None,
+                 token_ids: bool = False):
         """``prompts``: per choice (their number), the text echoed before its own ("" without echo; vLLM) and its
         prompt's token ids (a batch of prompts gives each its choices); ``token_text``: a token id's text, given when
-        the request asked for logprobs."""
+        the request asked for logprobs; ``token_ids``: vLLM's ``return_token_ids`` — the prompt's token ids and each
+        choice's generated ones (the EOS or stop token that ended it included) beside the text."""
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
         self.n = len(prompts)  # choices, each streamed with its index
         self.echo_texts = [echo for echo, _ in prompts]
+        self.prompt_ids = [list(ids) for _, ids in prompts] if token_ids else None
+        self._prompt_ids_due = set(range(self.n)) if token_ids else set()  # streamed choices yet to name theirs
         self.logprobs = (LogprobsShape(token_text, [ids for _, ids in prompts]) if token_text is not None else None)
 
     def _head(self, obj: str) -> dict:
@@ -54,8 +58,8 @@ class CompletionShape:
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         """Chunks before any generated text: the echoed prompt, first for each choice (with its tokens'
         log-probabilities, which come on each choice's first delta)."""
-        return [self._with_usage({**self._head(self.object), "choices": [self.choice(
-            echo, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i))]})
+        return [self._with_usage({**self._head(self.object), "choices": [self._with_token_ids(self.choice(
+            echo, None, i, self._prompt_logprobs(firsts[i].prompt_logprobs if firsts else None, i)), i, [], True)]})
             for i, echo in enumerate(self.echo_texts) if echo]
 
     def _prompt_logprobs(self, entries: list | None, index: int) -> dict | None:
@@ -68,6 +72,16 @@ class CompletionShape:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
+    def _with_token_ids(self, choice: dict, index: int, token_ids: list[int], streamed: bool) -> dict:
+        """A completion choice with its prompt's token ids (a stream's: on the choice's first chunk) and its tokens."""
+        if self.prompt_ids is None:
+            return choice
+        if not streamed or index in self._prompt_ids_due:
+            self._prompt_ids_due.discard(index)
+            choice["prompt_token_ids"] = self.prompt_ids[index]
+        choice["token_ids"] = list(token_ids)
+        return choice
+
     def _logprobs(self, token_ids: list[int], entries: list | None, index: int) -> dict | None:
         if self.logprobs is None or entries is None:
             return None
@@ -76,11 +90,18 @@ class CompletionShape:
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         """The stream chunk for choice ``index``'s ``delta``, or None when it carries nothing a
         client would see (tokens whose text is still held back, and no log-probabilities)."""
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not self._shows(delta):
             return None
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, index)
         choice = self.choice(delta.text, delta.finish_reason, index, logprobs, delta.stop_reason)
-        return self._with_usage({**self._head(self.object), "choices": [choice]})
+        return self._with_usage({**self._head(self.object),
+                                 "choices": [self._with_token_ids(choice, index, delta.token_ids, True)]})
+
+    def _shows(self, delta: Delta) -> bool:
+        """Whether a delta carries anything a client would see: text, its end, log-probabilities, or (asked for) token
+        ids — tokens whose text is still held back come as ids alone."""
+        return bool(delta.text or delta.finish_reason is not None or delta.logprobs
+                    or (self.prompt_ids is not None and delta.token_ids))
 
     def _with_usage(self, chunk: dict) -> dict:
         # With include_usage, OpenAI puts "usage": null on every chunk but the final usage chunk.
@@ -93,9 +114,10 @@ class CompletionShape:
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
         """The whole response: ``results`` holds each choice's generation, in index order."""
-        choices = [self.choice(self.echo_texts[i] + r.text, r.finish_reason, i,
-                               merge(self._prompt_logprobs(r.prompt_logprobs, i),
-                                     self._logprobs(r.token_ids, r.logprobs, i)), r.stop_reason)
+        choices = [self._with_token_ids(self.choice(self.echo_texts[i] + r.text, r.finish_reason, i,
+                                                    merge(self._prompt_logprobs(r.prompt_logprobs, i),
+                                                          self._logprobs(r.token_ids, r.logprobs, i)), r.stop_reason),
+                                        i, r.token_ids, False)
                    for i, r in enumerate(results)]
         return {**self._head(self.object), "choices": choices, "usage": usage}
 
@@ -111,6 +133,8 @@ class ChatShape(CompletionShape):
         chunks = [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             for i in range(self.n)]
+        if self.prompt_ids is not None:  # (vLLM: the response's, on the stream's first chunk alone)
+            chunks[0]["prompt_token_ids"] = self.prompt_ids[0]
         chunks += [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}]})
             for i, echo in enumerate(self.echo_texts) if echo]
@@ -122,11 +146,13 @@ class ChatShape(CompletionShape):
         return self.logprobs.chat(token_ids, entries)
 
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not self._shows(delta):
             return None
         content = {"content": delta.text} if delta.text else {}
         choice = {"index": index, "delta": content, "logprobs": self._logprobs(delta.token_ids, delta.logprobs, index),
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(delta.token_ids)
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
@@ -134,7 +160,12 @@ class ChatShape(CompletionShape):
                     "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason,
                     "stop_reason": r.stop_reason}
                    for i, r in enumerate(results)]
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+        if self.prompt_ids is None:
+            return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+        for choice, r in zip(choices, results):
+            choice["token_ids"] = list(r.token_ids)
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage,
+                "prompt_token_ids": self.prompt_ids[0]}
 
 
 class _StalledClient(Exception):

@@ -109,7 +109,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
                       else None)
         prompts = [(part.echo_text, part.generation.prompt_ids) for part in params.prompts for _ in range(n)]
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, prompts, token_text)
+        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, prompts, token_text,
+                          token_ids=params.options.return_token_ids)
         choices = _start_choices(gw, params, scope, arrival)
         shape.follow(choices, params)
         if params.stream:

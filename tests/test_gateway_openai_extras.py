@@ -174,6 +174,46 @@ def test_include_stop_str_in_output(stack, ref, stream):
         assert text == expected
 
 
+# ---- return_token_ids (vLLM) ---------------------------------------------------------------------
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(stack, ref, scripted):
+    """As vLLM answers it: a completion choice's prompt_token_ids and token_ids, the EOS that ended it in the ids but
+    not in the text; none of them unless asked."""
+    eos = ref.token_to_id("<|eos|>")
+    out = ref.encode("y = 2", add_special_tokens=False).ids + [eos]
+    scripted(out)
+    prompt_ids = ref.encode(PROMPT).ids
+    body = {"prompt": PROMPT, "max_tokens": 16, "return_token_ids": True}
+    choice = _post(stack, "/v1/completions", body).json()["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt_ids, out)
+    assert choice["text"] == ref.decode(out[:-1]) and ref.decode(choice["token_ids"]).startswith(choice["text"])
+    for off in ({"return_token_ids": False}, {}):
+        plain = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, **off}).json()["choices"][0]
+        assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    # streamed: each chunk its new ids, the first chunk of each choice its prompt's
+    chunks = _stream(stack, "/v1/completions", {**body, "n": 2, "temperature": 1})
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum((c["token_ids"] for c in mine), []) == out
+
+
+def test_chat_return_token_ids_gives_the_rendered_prompts_ids_on_the_response(stack, ref, scripted, model_dir):
+    eos = ref.token_to_id("<|eos|>")
+    out = ref.encode("fine", add_special_tokens=False).ids + [eos]
+    scripted(out)
+    rendered = ChatTemplate.from_model_dir(model_dir).render(MESSAGES, add_generation_prompt=True)
+    prompt_ids = ref.encode(rendered, add_special_tokens=False).ids
+    body = {"messages": MESSAGES, "max_tokens": 16, "return_token_ids": True}
+    r = _post(stack, "/v1/chat/completions", body).json()
+    assert list(stack.fake.requests[-1].prompt_token_ids) == r["prompt_token_ids"] == prompt_ids
+    assert r["choices"][0]["token_ids"] == out and r["choices"][0]["message"]["content"] == ref.decode(out[:-1])
+    chunks = _stream(stack, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == out
+    assert "prompt_token_ids" not in _post(stack, "/v1/chat/completions", {**body, "return_token_ids": False}).json()
+
+
 # ---- echo ---------------------------------------------------------------------------------------
 
 def test_echo_puts_the_prompt_before_the_text(stack, ref):
@@ -319,7 +359,7 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/completions", "regex", "a+"), ("/v1/chat/completions", "json_schema", "{}"),
     ("/v1/completions", "ebnf", "root ::= 'a'"),  # SGLang's constrained output
-    ("/v1/completions", "return_token_ids", True), ("/v1/chat/completions", "cache_salt", ""),
+    ("/v1/completions", "return_token_ids", "yes"), ("/v1/chat/completions", "cache_salt", ""),
     ("/v1/completions", "cache_salt", 5), ("/v1/completions", "stop_token_ids", [1] * 257),
     ("/v1/completions", "logits_processors", ["x"]), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/chat/completions", "lora_path", "my-lora"), ("/v1/completions", "return_hidden_states", True),
