@@ -58,8 +58,8 @@ def create_app(gw: GatewayContext) -> FastAPI:
     async def chat_completions(request: Request):
         return await generate(gw, request, "chat_completions", ChatShape)
 
-    def model_card() -> dict:
-        card = {"id": gw.cfg.model_name, "object": "model", "created": gw.started_at, "owned_by": "tandem",
+    def model_card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": gw.started_at, "owned_by": "tandem",
                 "root": gw.cfg.model_name, "parent": None}  # vLLM puts the model's path here: not ours to show
         if gw.client.known_info is not None:
             card["max_model_len"] = gw.client.known_info.max_context
@@ -67,7 +67,9 @@ def create_app(gw: GatewayContext) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        # every served name, as vLLM lists its --served-model-name's (without one: the folder's name, not its paths)
+        names = (gw.cfg.model_name, *gw.cfg.served_model_aliases) if gw.cfg.served_model_name else (gw.cfg.model_name,)
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{model:path}")  # (the OpenAI client's models.retrieve; a path may hold slashes)
     async def model(model: str):
@@ -77,7 +79,7 @@ def create_app(gw: GatewayContext) -> FastAPI:
             check_model(model, gw.cfg.model_names)
         except GatewayError as e:
             return error_response(e)
-        return model_card()
+        return model_card(model if model in gw.cfg.served_model_aliases else gw.cfg.model_name)
 
     add_tokenize_routes(app, gw)  # /version, /tokenize, /detokenize, at the root as vLLM serves them
     add_sglang_routes(app, gw)  # SGLang's /generate and /get_model_info

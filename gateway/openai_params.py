@@ -265,7 +265,7 @@ def _messages(messages: Any) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"{where}.content", "only text content parts are supported")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # (as vLLM joins a message's text parts for a template that takes strings)
         elif content is None:
             content = ""
         elif not isinstance(content, str):

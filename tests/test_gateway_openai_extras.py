@@ -74,6 +74,29 @@ def test_tokenize_messages_as_the_chat_path_does(stack, ref, model_dir):
                                      add_special_tokens=False).ids
 
 
+def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_joins_them(stack, ref, model_dir):
+    template = ChatTemplate.from_model_dir(model_dir)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    ids = ref.encode(template.render([{"role": "user", "content": "a\nb"}], add_generation_prompt=True),
+                     add_special_tokens=False).ids
+    assert _post(stack, "/tokenize", {"messages": parts}).json()["tokens"] == ids
+    _post(stack, "/v1/chat/completions", {"messages": parts, "max_tokens": 1})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == ids
+
+
+def test_every_served_model_name_is_listed_and_retrieved_by_itself():
+    s = Stack(served_model_name="main-name", served_model_aliases=("alias-2",))
+    try:
+        listed = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"]
+        assert [card["id"] for card in listed] == ["main-name", "alias-2"]
+        for name in ("main-name", "alias-2"):
+            assert httpx.get(f"{s.url}/v1/models/{name}", timeout=10).json()["id"] == name
+        r = _post(s, "/v1/completions", {"model": "alias-2", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "main-name"  # (vLLM answers with its first name too)
+    finally:
+        s.close()
+
+
 def test_detokenize_keeps_special_tokens_as_the_tokenizer_decodes(stack, ref):
     ids = ref.encode(PROMPT).ids + [ref.token_to_id("<|eos|>")]
     r = _post(stack, "/detokenize", {"model": MODEL, "tokens": ids})
