@@ -130,6 +130,8 @@ def completion_body(body: dict) -> dict:
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
+    if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
+        completion["echo"] = True
     return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
 
 

@@ -42,6 +42,18 @@ def test_a_text_prompt_gets_sglangs_answer(stack, ref):
     assert meta["spec_verify_ct"] == 4 and meta["spec_accept_length"] == pytest.approx(7 / 4)
 
 
+def test_max_new_tokens_0_answers_the_prompt_alone(stack, ref):
+    """SGLang takes 0 (a prompt's processing alone): no text, length 0, the prompt counted."""
+    for stream in (False, True):
+        r = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "stream": stream})
+        assert r.status_code == 200, r.text
+        out = json.loads(r.text.split("\n\n")[-3].removeprefix("data: ")) if stream else r.json()
+        assert (out["text"], out["output_ids"]) == ("", [])
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ref.encode(PROMPT).ids), 0)
+
+
 def test_sglangs_sampling_names_reach_the_verifier(stack):
     params = {"max_new_tokens": 5, "min_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
               "stop_token_ids": [9], "ignore_eos": True, "sampling_seed": 11, "repetition_penalty": 1.1,
@@ -112,7 +124,7 @@ def test_streamed_events_hold_the_text_and_ids_so_far_and_end_with_done(stack, r
     ({}, "text"),
     ({"text": ""}, "text"),
     ({"input_ids": [1, 10**9]}, "input_ids"),
-    ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"text": PROMPT, "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
     ({"text": PROMPT, "sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
