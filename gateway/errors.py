@@ -18,6 +18,7 @@ _KINDS: dict[int, tuple[str, grpc.StatusCode]] = {
     401: ("AuthenticationError", grpc.StatusCode.UNAUTHENTICATED),
     403: ("PermissionDeniedError", grpc.StatusCode.PERMISSION_DENIED),  # (the OpenAI client's class names)
     404: ("NotFoundError", grpc.StatusCode.NOT_FOUND),
+    405: ("MethodNotAllowedError", grpc.StatusCode.UNIMPLEMENTED),
     408: ("RequestTimeoutError", grpc.StatusCode.DEADLINE_EXCEEDED),
     413: ("RequestTooLargeError", grpc.StatusCode.INVALID_ARGUMENT),
     415: ("UnsupportedMediaTypeError", grpc.StatusCode.INVALID_ARGUMENT),
