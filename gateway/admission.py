@@ -39,14 +39,15 @@ class Slots:
 
 
 # Bodies being read at once hold at most this many bodies' worth of the largest allowed (slots are taken only after a
-# body is read, so without it thousands of connections each sending megabytes held gigabytes)
+# body is read, so without it thousands of connections each sending megabytes held gigabytes; REST only: the gRPC
+# port's messages are whole before a handler runs)
 BODY_BUDGET_BODIES = 16
 
 
 class BodyBudget:
-    """Bytes of request bodies being received, all connections together; a body that would pass ``limit`` gets 503
-    (retryable). A declared Content-Length is reserved whole at the start, a chunked body as its chunks come.
-    Single event loop: no lock needed."""
+    """Bytes of request bodies received and held while the rest comes, all connections together; a body that would
+    pass ``limit`` gets 503 (retryable). Counted as the bytes arrive, never from a declared Content-Length: headers
+    alone (a length announced, nothing sent) would fill it for free. Single event loop: no lock needed."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -84,16 +85,13 @@ async def _read(request: Request, limit: int, budget: BodyBudget, held: list[int
             raise GatewayError(400, "the Content-Length header is not a number") from None
         if size > limit:
             raise _too_large(limit)
-        budget.reserve(max(size, 0))
-        held[0] = max(size, 0)
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
-        if size > held[0]:  # (chunked, or more than declared: the server stops at the declared length anyway)
-            budget.reserve(size - held[0])
-            held[0] = size
+        budget.reserve(len(chunk))
+        held[0] = size
         parts.append(chunk)
     return b"".join(parts)
 

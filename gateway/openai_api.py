@@ -42,7 +42,9 @@ def create_app(gw: GatewayContext) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method
-        return error_response(GatewayError(exc.status_code, str(exc.detail)))
+        response = error_response(GatewayError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # (a 405's Allow)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

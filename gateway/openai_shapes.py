@@ -133,8 +133,9 @@ class ChatShape(CompletionShape):
         chunks = [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             for i in range(self.n)]
-        if self.prompt_ids is not None:  # (vLLM: the response's, on the stream's first chunk alone)
-            chunks[0]["prompt_token_ids"] = self.prompt_ids[0]
+        if self.prompt_ids is not None:  # (vLLM: the response's, on each choice's role chunk)
+            for chunk in chunks:
+                chunk["prompt_token_ids"] = self.prompt_ids[0]
         chunks += [self._with_usage({**self._head(self.object), "choices": [
             {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}]})
             for i, echo in enumerate(self.echo_texts) if echo]

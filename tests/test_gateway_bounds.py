@@ -101,18 +101,30 @@ def test_a_body_trickled_too_slowly_is_408_and_frees_its_slot(stack):
 
 
 def test_bodies_being_received_hold_bounded_memory_together(stack):
-    """Slots are taken after a body is read, so bodies in flight are bounded by bytes: connections that declared
-    the largest body and trickle it fill the budget, the next body is 503 (retryable) until they end (408)."""
+    """Slots are taken after a body is read, so bodies in flight are bounded by bytes: connections that sent all but
+    the last byte of the largest body fill the budget, the next body is 503 (retryable) until they end (408).
+    Announcing a length costs nothing: connections that send headers alone hold none of it."""
     from gateway.admission import BODY_BUDGET_BODIES
 
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {BODY_LIMIT}\r\n\r\n{{\"prompt\"").encode()
+            f"Content-Length: {BODY_LIMIT}\r\n\r\n").encode()
+    announcers = [socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10)
+                  for _ in range(BODY_BUDGET_BODIES * 2)]
+    try:
+        for sock in announcers:
+            sock.sendall(head)
+        time.sleep(0.1)
+        assert stack.gateway.body_budget.in_use == 0
+        assert httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
+    finally:
+        for sock in announcers:
+            sock.close()
     holders = [socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10)
                for _ in range(BODY_BUDGET_BODIES)]
     try:
         for sock in holders:
-            sock.sendall(head)
-        wait_until(lambda: stack.gateway.body_budget.in_use == BODY_BUDGET_BODIES * BODY_LIMIT, timeout=5)
+            sock.sendall(head + b"{" + b" " * (BODY_LIMIT - 2))
+        wait_until(lambda: stack.gateway.body_budget.in_use == BODY_BUDGET_BODIES * (BODY_LIMIT - 1), timeout=5)
         r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10)
         assert r.status_code == 503 and "request bodies" in r.text and r.headers["retry-after"] == "1", r.text
         assert all(b" 408 " in sock.makefile("rb").readline() for sock in holders)

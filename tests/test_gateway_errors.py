@@ -176,6 +176,7 @@ def test_unknown_route_and_method_use_the_error_shape(stack):
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
     r = httpx.get(f"{stack.url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
+    assert r.headers["allow"] == "POST"
 
 
 def test_verifier_down_is_503_and_health_says_so():

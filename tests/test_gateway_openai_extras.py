@@ -234,6 +234,8 @@ def test_chat_return_token_ids_gives_the_rendered_prompts_ids_on_the_response(st
     chunks = _stream(stack, "/v1/chat/completions", body)
     assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
     assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == out
+    chunks = _stream(stack, "/v1/chat/completions", {**body, "n": 2, "temperature": 1})  # (each choice's role chunk)
+    assert [c["choices"][0]["index"] for c in chunks if "prompt_token_ids" in c] == [0, 1]
     assert "prompt_token_ids" not in _post(stack, "/v1/chat/completions", {**body, "return_token_ids": False}).json()
 
 
