@@ -131,6 +131,8 @@ def completion_body(body: dict) -> dict:
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
     if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
+        if completion.get("min_tokens"):  # (checked here: that request asks the verifier for one token)
+            raise bad_request("sampling_params.min_new_tokens", "must be at most max_new_tokens (0)")
         completion["echo"] = True
     return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
 

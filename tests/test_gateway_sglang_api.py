@@ -52,6 +52,8 @@ def test_max_new_tokens_0_answers_the_prompt_alone(stack, ref):
         meta = out["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": 0}
         assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ref.encode(PROMPT).ids), 0)
+    r = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0, "min_new_tokens": 3}})
+    assert r.status_code == 400 and "max_new_tokens (0)" in r.json()["error"]["message"], r.text
 
 
 def test_sglangs_sampling_names_reach_the_verifier(stack):
