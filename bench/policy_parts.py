@@ -1,7 +1,7 @@
 """Which part of the measured policy costs speculation its pace where speculating always is best: the demo pair
 (or TANDEM_DEMO_DIR) in process, a closed loop of BATCH requests (120 new tokens, greedy), engines that differ only in
 the policy: speculating always, the default policy, and the default without shorter chains (no chain-depth weighing,
-one chain's graphs) or without measured goodput (the cost model alone). Passes interleaved; tok/s, engine steps and
+one chain's graphs), without measured goodput (the cost model alone) or without measuring plain steps again. Passes interleaved; tok/s, engine steps and
 host ms per step, and with --profile the host functions whose time per step differs most from always's.
 
     python3 bench/policy_parts.py [--device cuda] [--batch 1] [--seconds 6] [--passes 3] [--profile]
@@ -18,7 +18,9 @@ from pathlib import Path
 from detached_plain import closed_loop
 
 MODES = {"always": dict(enabled=False), "policy": {}, "no-shorter-chains": dict(shorter_chains=False),
-         "no-goodput": dict(goodput=False)}
+         "no-goodput": dict(goodput=False),
+         # the default without its measurements of plain: no plain probes, goodput's other mode measured once a day
+         "no-plain-measuring": dict(plain_probe_every=1 << 30, goodput_explore_max_s=86400.0, goodput_explore_cost=1e-9)}
 
 
 def _per_step_functions(prof: cProfile.Profile, steps: int) -> dict[str, float]:
