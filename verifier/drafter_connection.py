@@ -59,7 +59,7 @@ class DrafterConnection:
                 try:  # the drafter connected before it sent the Welcome: the accept is immediate
                     self.lane = listener.accept(LANE_ACCEPT_S)
                 except LaneError as e:
-                    raise ProposerUnavailable(str(e)) from None
+                    raise LaneNotJoined(str(e)) from None
         except ProposerUnavailable:
             self.close()
             raise
@@ -163,6 +163,11 @@ class DrafterConnection:
         closer = threading.Thread(target=run, name="drafter-close", daemon=True)
         closer.start()
         closer.join(5.0)
+
+
+class LaneNotJoined(ProposerUnavailable):
+    """The drafter said it joined the offered round lane and no connection of its came (one of another user, or
+    without the lane's token, is dropped: a drafter running as another user in the same network namespace)."""
 
 
 def _listen() -> LaneListener | None:

@@ -21,7 +21,7 @@ from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.proposer import ProposerUnavailable
 from tandem.speculative.round_mailbox import RoundMailbox
-from verifier.drafter_connection import DrafterConnection
+from verifier.drafter_connection import DrafterConnection, LaneNotJoined
 
 log = logging.getLogger("verifier.drafter_client")  # one logger for the verifier's whole drafter side
 # Handshake refusals that retrying alone will not fix (or not soon): logged once each, as errors.
@@ -75,6 +75,11 @@ class DrafterReconnector:
                 try:
                     conn = DrafterConnection(self.address, hello, max(self.deadline_s(), 5.0), self._loop,
                                              self._loop_lock, self.offer_lane, self.metadata)
+                except LaneNotJoined as e:  # the next connection offers none: rounds on the stream, not none at all
+                    log.warning("the drafter at %s said it joined the round lane and did not (%s): its rounds go on "
+                                "the gRPC stream from now on", self.address, e)
+                    self.offer_lane = False
+                    continue  # (at once: nothing is wrong with the drafter itself)
                 except Exception as e:  # noqa: BLE001 - this thread must outlive any failed attempt
                     self._failed(e)
                 else:
