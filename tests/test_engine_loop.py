@@ -104,7 +104,10 @@ def test_a_step_with_a_run_of_rounds_counts_every_round_in_the_metrics():
     loop = EngineLoop(lambda: None, metrics, max_waiting=4, on_fatal=lambda error: None)
     out = StepOutput("a", list(range(8)), None, drafted=9, round_accepts=[2, 0, 3])
     loop._observe(out, submission("a", lambda _: None), now=1.0)
-    sample = metrics.registry.get_sample_value
+    def sample(name, labels=None):
+        return metrics.registry.get_sample_value(name, labels if "spec_decode_num" not in name
+                                                 else {"model_name": "", **(labels or {})})
+
     assert sample("tandem:spec_decode_num_drafts_total") == 3
     assert sample("tandem:spec_decode_num_draft_tokens_total") == 9
     assert sample("tandem:spec_decode_num_accepted_tokens_total") == 5

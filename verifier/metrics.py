@@ -1,7 +1,7 @@
 """The verifier's Prometheus metrics (vLLM/SGLang-style names, prefixed ``tandem:``). The families the gateway
 also has are labelled as the gateway's are: ``model_name`` (added at collection, so no call site passes it) and a
-finished request's ``finished_reason`` (vLLM's label); so are vLLM's ``kv_cache_usage_perc`` and
-``num_preemptions``. The verifier's own families keep the labels scrapers already read (bench/, soak)."""
+finished request's ``finished_reason`` (vLLM's label); so are vLLM's ``kv_cache_usage_perc``, ``num_preemptions`` and
+speculative-decoding counters. The verifier's own families keep the labels scrapers already read (bench/, soak)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from tandem.bulk_histogram import BulkHistogram
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-# The families that carry model_name: the gateway's too, and vLLM's queue, KV usage, preemptions and prefix cache.
+# The families that carry model_name: the gateway's too, and vLLM's queue, KV usage, preemptions, prefix cache and
+# speculative-decoding counters (vLLM's dashboards select every panel by model_name)
 MODEL_LABELLED = {"tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:prompt_tokens", "tandem:generation_tokens",
                   "tandem:request_success", "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
                   "tandem:kv_cache_usage_perc", "tandem:num_preemptions", "tandem:prefix_cache_queries",
-                  "tandem:prefix_cache_hits", "tandem:prefix_cache_evictions"}
+                  "tandem:prefix_cache_hits", "tandem:prefix_cache_evictions", "tandem:spec_decode_num_drafts",
+                  "tandem:spec_decode_num_draft_tokens", "tandem:spec_decode_num_accepted_tokens",
+                  "tandem:spec_decode_num_accepted_tokens_per_pos"}
 
 
 class _WithLabels:
