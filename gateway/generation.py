@@ -42,19 +42,41 @@ class Delta:
     stop_token: int | None = None  # ... and the token that ended it there, EOS included (SGLang's matched)
 
 
+class SpanUsage:
+    """A request's usage on its span, summed over its generations (``n`` choices, a batch of prompts: each prompt
+    counted once, as the response's usage counts it); written whole after each generation ends."""
+
+    def __init__(self, span):
+        self.span = span
+        self.input_tokens = self.output_tokens = 0
+        self.finish_reasons: list[str] = []
+
+    def add(self, prompt_tokens: int, completion_tokens: int, reason: str) -> None:
+        self.input_tokens += prompt_tokens
+        self.output_tokens += completion_tokens
+        self.finish_reasons.append(reason)
+        self.span.set_attributes({"gen_ai.usage.input_tokens": self.input_tokens,
+                                  "gen_ai.usage.output_tokens": self.output_tokens,
+                                  "gen_ai.response.finish_reasons": self.finish_reasons})
+
+
 class GenerationStream:
     """Async iterator of Delta. The last one has ``finish_reason`` set; an upstream failure is
     raised as GatewayError. Call ``cancel()`` when abandoning it before the end."""
 
     def __init__(self, request: GenerationRequest, client: VerifierClient, decode: Callable[[list[int]], str],
                  metrics: GatewayMetrics, span, arrival: float, eos_token_ids: Sequence[int] = (),
-                 request_log: RequestLog | None = None):
+                 request_log: RequestLog | None = None, span_usage: SpanUsage | None = None,
+                 counts_prompt: bool = True):
+        """``span_usage``: the request's, shared by its generations (default: this one's alone); ``counts_prompt``:
+        this generation's prompt is counted there (the first choice of its prompt)."""
         self.request = request
         self._decode, self._log, self._text = decode, request_log, []  # the text only for a log that keeps it
         self._first_token_at: float | None = None
         self._client = client
         self._metrics = metrics
         self._span = span
+        self._span_usage, self._counts_prompt = span_usage or SpanUsage(span), counts_prompt
         self._arrival = arrival
         self._detok = IncrementalDetokenizer(decode)
         self._stops = StopStrings(request.stop, request.include_stop_str_in_output)
@@ -201,9 +223,7 @@ class GenerationStream:
                 m.labels(m.decode_time).observe(now - self._first_token_at)
             m.labels(m.request_prompt_tokens).observe(self._prompt_tokens)
             m.labels(m.request_generation_tokens).observe(self._completion_tokens)
-        self._span.set_attributes({"gen_ai.usage.prompt_tokens": self._prompt_tokens,
-                                   "gen_ai.usage.completion_tokens": self._completion_tokens,
-                                   "gen_ai.response.finish_reasons": [reason]})
+        self._span_usage.add(self._prompt_tokens if self._counts_prompt else 0, self._completion_tokens, reason)
         spec = self.spec_stats if self.spec_stats is not None and self.spec_stats.rounds else None
         if spec is not None:
             self._span.set_attributes({"tandem.spec.rounds": spec.rounds,
@@ -213,7 +233,7 @@ class GenerationStream:
             prompt = self._decode(list(self.request.prompt_ids)) if self._log.keeps_text else ""
             self._log.finished(self.request, reason, self._prompt_tokens, self._completion_tokens, ttft,
                                time.monotonic() - self._arrival, spec.accept_length_mean if spec else None,
-                               prompt, "".join(self._text))
+                               prompt, "".join(self._text), tracing.trace_id_hex(self._span))
 
     @property
     def usage(self) -> dict:

@@ -53,10 +53,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
         gw = self._gw
         arrival = time.monotonic()
-        span = tracing.start_span("gateway.generate", parent=tracing.extract_context(context.invocation_metadata()),
-                                  kind="server", attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME,
-                                                             "rpc.method": "Generate"})
-        status, stream, slot = "OK", None, False
+        span = tracing.start_span(f"{SERVICE_NAME}/Generate",  # (OpenTelemetry's RPC span name)
+                                  parent=tracing.extract_context(context.invocation_metadata()), kind="server",
+                                  attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME,
+                                              "rpc.method": "Generate", "gen_ai.operation.name": "text_completion",
+                                              "gen_ai.response.model": gw.cfg.model_name})
+        status, error, stream, slot = "OK", None, None, False
         task = asyncio.current_task()
         gw.grpc_streams.add(task)
         try:
@@ -79,31 +81,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except _StalledClient:
             # (not abort: its status would queue behind the message the client does not take, and this handler —
             # its slot, the verifier's request — would wait for it as long as the client holds the connection)
-            status = "CANCELLED"
-            tracing.set_error(span, "the client read nothing for the send timeout")
+            status, error = "CANCELLED", "the client read nothing for the send timeout"
             context.set_code(grpc.StatusCode.CANCELLED)
             context.set_details(f"the client read nothing of the stream for {self.send_timeout_s:.0f} s")
         except GatewayError as e:
-            status = e.grpc_code.name
-            tracing.set_error(span, e.message)
+            status, error = e.grpc_code.name, e.message
             await context.abort(e.grpc_code, e.message)
         except grpc.aio.AbortError:
             raise
         except Exception:  # grpc.aio would send the exception's text: the log gets it, the client not
-            status = "INTERNAL"
+            status, error = "INTERNAL", "internal error"
             log.exception("gRPC Generate failed")
-            tracing.set_error(span, "internal error")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         except asyncio.CancelledError:  # (a coroutine now, writing its messages: no GeneratorExit to catch)
             if gw.grpc_cut_short:  # the shutdown's grace is over: our cancel
                 task.uncancel()  # (Gateway._drain_grpc), answered with a status clients retry
-                status = "UNAVAILABLE"
-                tracing.set_error(span, SHUTTING_DOWN)
+                status, error = "UNAVAILABLE", SHUTTING_DOWN
                 await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             remaining = context.time_remaining()  # (None: the call had no deadline)
             status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-            tracing.set_error(span, "the client's deadline passed" if status == "DEADLINE_EXCEEDED"
-                              else "cancelled by the client")
+            error = "the client's deadline passed" if status == "DEADLINE_EXCEEDED" else "cancelled by the client"
             raise
         finally:
             gw.grpc_streams.discard(task)
@@ -112,7 +109,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if slot:
                 gw.slots.give_back()
             gw.metrics.count_request("grpc", status)
-            span.set_attribute("rpc.grpc.status_code", status)
+            span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
+            if error is not None:
+                tracing.end_refused_or_failed(span, error, server_fault=status in tracing.GRPC_SERVER_FAULTS)
             span.end()
 
     async def _write(self, context: grpc.aio.ServicerContext, message) -> None:

@@ -64,8 +64,7 @@ class GenerationRequest:
     def span_attributes(self) -> dict:
         # gen_ai.* semantic-convention names, as vLLM's request spans use them.
         return {"gen_ai.request.id": self.request_id, "gen_ai.request.max_tokens": self.max_tokens,
-                "gen_ai.request.temperature": self.temperature, "gen_ai.request.top_p": self.top_p,
-                "gen_ai.usage.prompt_tokens": len(self.prompt_ids)}
+                "gen_ai.request.temperature": self.temperature, "gen_ai.request.top_p": self.top_p}
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | None,

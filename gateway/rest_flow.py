@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from gateway.admission import read_body
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError
 from gateway.choices import Choices
-from gateway.generation import Delta, GenerationStream
+from gateway.generation import Delta, GenerationStream, SpanUsage
 from gateway.openai_extras import choice_seed
 from gateway.openai_params import Limits, OpenAIRequest, parse_chat, parse_completion, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES
@@ -53,7 +53,9 @@ class _Scope:
         self.slots = 0
         self.done = False
         self.client_gone = False  # the client disconnected (a cancel then is theirs, even while the server stops)
-        attributes = {"http.method": request.method, "http.route": request.url.path}
+        attributes = {"http.request.method": request.method, "http.route": request.url.path,
+                      "gen_ai.operation.name": "chat" if api == "chat_completions" else "text_completion",
+                      "gen_ai.response.model": gw.cfg.model_name}
         self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
                                        kind="server", attributes=attributes)
 
@@ -73,9 +75,9 @@ class _Scope:
         for _ in range(self.slots):
             self.gw.slots.give_back()
         self.gw.metrics.count_request(self.api, status)
-        self.span.set_attribute("http.status_code", status)
+        self.span.set_attribute("http.response.status_code", status)
         if error is not None:
-            tracing.set_error(self.span, error)
+            tracing.end_refused_or_failed(self.span, error, server_fault=status >= 500)
         self.span.end()
 
 
@@ -156,6 +158,7 @@ def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arr
     n, parts = params.options.n, params.prompts
     decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=params.generation.skip_special_tokens)
     eos = tuple(gw.client.known_info.eos_token_ids) if gw.client.known_info is not None else ()
+    usage = SpanUsage(scope.span)
     streams = []
     for p, part in enumerate(parts):
         for j in range(n):
@@ -163,7 +166,7 @@ def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arr
             generation = base if n * len(parts) == 1 else dataclasses.replace(
                 base, request_id=f"{base.request_id}-{p * n + j}", seed=choice_seed(base.seed, j))
             streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
-                                            gw.request_log))
+                                            gw.request_log, span_usage=usage, counts_prompt=j == 0))
     return Choices(streams, per_prompt=n)
 
 

@@ -80,11 +80,20 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
     if isinstance(current, TracerProvider):
         current.add_span_processor(processor)
         return current
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # (the standard variables name the service where they say one: Resource.create lets given attributes win)
+    resource = Resource.create({} if _named_by_environment() else {"service.name": service_name})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
-    log.info("tracing %s to %s", service_name, endpoint or type(exporter).__name__)
+    log.info("tracing %s to %s", resource.attributes.get("service.name"), endpoint or type(exporter).__name__)
     return provider
+
+
+def _named_by_environment() -> bool:
+    """Whether OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES names the service."""
+    listed = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    return bool(os.environ.get("OTEL_SERVICE_NAME")) or any(
+        pair.partition("=")[0].strip() == "service.name" for pair in listed.split(","))
 
 
 def shutdown_tracing() -> None:
@@ -126,6 +135,20 @@ def use_span(span):
 def set_error(span, message: str) -> None:
     if OTEL_AVAILABLE:
         span.set_status(Status(StatusCode.ERROR, message))
+
+
+# gRPC codes that are the server's fault, by OpenTelemetry's RPC conventions: a server span ends in error on these alone
+GRPC_SERVER_FAULTS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
+
+
+def end_refused_or_failed(span, message: str, server_fault: bool) -> None:
+    """A server span's unsuccessful end, as OpenTelemetry's HTTP and RPC conventions mark it: in error where the server
+    failed (5xx, GRPC_SERVER_FAULTS), else its status left unset (a client's bad request, a client gone: span-derived
+    error rates would count them as the server's) with the reason in ``tandem.refused``."""
+    if server_fault:
+        set_error(span, message)
+    else:
+        span.set_attribute("tandem.refused", message)
 
 
 def trace_id_hex(span) -> str:

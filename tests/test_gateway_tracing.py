@@ -9,7 +9,7 @@ import time
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, stack_fixture, wait_until
+from gateway_harness import MODEL_NAME, Stack, stack_fixture, wait_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem import tracing
@@ -24,6 +24,7 @@ def exporter():
 
 
 stack = stack_fixture(after=("exporter",))
+GRPC_SPAN = "tandem.rpc.generation.v1.Generation/Generate"
 
 
 def _spans(exporter, *names):
@@ -40,8 +41,8 @@ def test_rest_request_and_verifier_share_one_trace(stack, exporter):
     gw, vf = spans["gateway.completions"], spans["verifier.generate"]
     assert gw.context.trace_id == vf.context.trace_id
     assert vf.parent is not None and vf.parent.span_id == gw.context.span_id
-    assert gw.kind.name == "SERVER" and gw.attributes["http.status_code"] == 200
-    assert gw.attributes["gen_ai.usage.completion_tokens"] == 4
+    assert gw.kind.name == "SERVER" and gw.attributes["http.response.status_code"] == 200
+    assert gw.attributes["gen_ai.usage.output_tokens"] == 4 and gw.attributes["gen_ai.operation.name"] == "text_completion"
     assert stack.fake.metadata[-1]["traceparent"].split("-")[1] == format(gw.context.trace_id, "032x")
 
 
@@ -73,7 +74,9 @@ def test_a_client_that_leaves_a_whole_answer_ends_its_span_once_with_usage(stack
             time.sleep(0.2)
     finally:
         stack.fake.delay_s = 0.0
-    assert gw.attributes["http.status_code"] == 499 and "gen_ai.usage.completion_tokens" in gw.attributes
+    assert gw.attributes["http.response.status_code"] == 499 and "gen_ai.usage.output_tokens" in gw.attributes
+    # a client that left is no server fault (OpenTelemetry's HTTP conventions): status unset, the reason beside it
+    assert gw.status.status_code.name == "UNSET" and gw.attributes["tandem.refused"] == "client disconnected"
     assert "ended span" not in caplog.text
 
 
@@ -95,13 +98,32 @@ def test_grpc_request_is_traced_and_errors_are_marked(stack, exporter):
     with grpc.insecure_channel(stack.grpc_target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=3), timeout=10))
-        spans = _spans(exporter, "gateway.generate", "verifier.generate")
-        assert spans["gateway.generate"].context.trace_id == spans["verifier.generate"].context.trace_id
+        spans = _spans(exporter, GRPC_SPAN, "verifier.generate")
+        assert spans[GRPC_SPAN].context.trace_id == spans["verifier.generate"].context.trace_id
         exporter.clear()
         with pytest.raises(grpc.RpcError):
             list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=0), timeout=10))
-    span = _spans(exporter, "gateway.generate")["gateway.generate"]
-    assert span.status.status_code.name == "ERROR" and span.attributes["rpc.grpc.status_code"] == "INVALID_ARGUMENT"
+        span = _spans(exporter, GRPC_SPAN)[GRPC_SPAN]
+        # a bad request is no server fault (OpenTelemetry's RPC conventions): status unset, the code an integer
+        assert span.status.status_code.name == "UNSET" and span.attributes["rpc.grpc.status_code"] == 3
+        assert span.attributes["tandem.refused"].startswith("max_tokens")
+        exporter.clear()
+        stack.fake.fail_with = (grpc.StatusCode.INTERNAL, "boom")
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=3), timeout=10))
+    span = _spans(exporter, GRPC_SPAN)[GRPC_SPAN]
+    assert span.status.status_code.name == "ERROR" and span.attributes["rpc.grpc.status_code"] == 13
+
+
+def test_n_choices_sum_their_usage_on_the_span(stack, exporter):
+    exporter.clear()
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL_NAME, "prompt": ["hi", "hello there"],
+                                                         "n": 2, "temperature": 1, "max_tokens": 5})
+    usage = r.json()["usage"]
+    gw = _spans(exporter, "gateway.completions")["gateway.completions"]
+    assert (gw.attributes["gen_ai.usage.input_tokens"], gw.attributes["gen_ai.usage.output_tokens"]) == (
+        usage["prompt_tokens"], usage["completion_tokens"])
+    assert len(gw.attributes["gen_ai.response.finish_reasons"]) == 4
 
 
 def test_propagation_helpers_round_trip(exporter):
@@ -119,3 +141,17 @@ def test_propagation_helpers_round_trip(exporter):
     span.end()
     assert tracing.inject_metadata() == []  # no current span: nothing to send
     assert tracing.extract_context(None) is None and tracing.extract({}) is None
+
+
+def test_the_request_log_line_names_the_trace(exporter, caplog):
+    s = Stack(log_requests=True)
+    try:
+        exporter.clear()
+        with caplog.at_level(logging.INFO, logger="gateway.requests"):
+            assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+            gw = _spans(exporter, "gateway.completions")["gateway.completions"]
+            wait_until(lambda: any(r.name == "gateway.requests" for r in caplog.records), what="the log line")
+        [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.requests"]
+        assert line.endswith(f", trace {gw.context.trace_id:032x}"), line
+    finally:
+        s.close()

@@ -102,6 +102,19 @@ def test_tracing_is_a_no_op_without_opentelemetry():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)
 
 
+@pytest.mark.parametrize("env, named", [({}, "tandem-gateway"), ({"OTEL_SERVICE_NAME": "edge-gw"}, "edge-gw"),
+                                        ({"OTEL_RESOURCE_ATTRIBUTES": "team=x, service.name=gw-b"}, "gw-b")])
+def test_the_standard_variables_name_the_traced_service_where_they_say_one(env, named):
+    code = ("from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+            "from tandem import tracing as t\n"
+            "p = t.setup_tracing('tandem-gateway', exporter=InMemorySpanExporter())\n"
+            "print(p.resource.attributes['service.name'])\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30, capture_output=True,
+                         text=True, env={**clean, **env}).stdout
+    assert out.strip() == named
+
+
 def test_gateway_imports_no_torch():
     code = "import sys, gateway.__main__, gateway.server; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
