@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 
 import grpc
 
@@ -36,16 +37,19 @@ def bearer_matches(header: bytes | str | None, key: bytes) -> bool:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 for the guarded paths without the key; everything else passes through."""
+    """ASGI middleware: 401 for the guarded paths without the key; everything else passes through. ``denied()`` is
+    called for each refusal (the gateway counts them: a broken key rotation shows on its metrics)."""
 
-    def __init__(self, app, key: str):
+    def __init__(self, app, key: str, denied: Callable[[], None] = lambda: None):
         self.app = app
         self._key = key.encode()
+        self._denied = denied
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and _guarded(scope["path"]) and scope["method"] != "OPTIONS":
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not bearer_matches(header, self._key):
+                self._denied()
                 await _send_401(send)
                 return
         await self.app(scope, receive, send)
@@ -60,10 +64,12 @@ async def _send_401(send) -> None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for every gRPC method but health's, unless the metadata carries the key."""
+    """UNAUTHENTICATED for every gRPC method but health's, unless the metadata carries the key; ``denied()`` called
+    for each refusal."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str, denied: Callable[[], None] = lambda: None):
         self._key = key.encode()
+        self._denied = denied
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -72,6 +78,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if bearer_matches(header, self._key):
             return handler
+        self._denied()
         return _denying(handler)
 
 

@@ -161,7 +161,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A server with Generation, health (NOT_SERVING until the verifier is seen serving) and
     reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
-    interceptors = [ApiKeyInterceptor(gw.cfg.api_key)] if gw.cfg.api_key is not None else []
+    interceptors = ([ApiKeyInterceptor(gw.cfg.api_key, denied=lambda: gw.metrics.count_request("grpc", "UNAUTHENTICATED"))]
+                    if gw.cfg.api_key is not None else [])
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
     servicer = GenerationServicer(gw)  # (registered by hand: its requests decoded by tandem.grpc_decode)

@@ -38,7 +38,7 @@ _NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "operation_spans": Fals
 def create_app(gw: GatewayContext) -> FastAPI:
     app = FastAPI(title="Tandem gateway", docs_url=None, redoc_url=None, openapi_url=None, **_NO_NATIVE_TELEMETRY)
     if gw.cfg.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, key=gw.cfg.api_key)
+        app.add_middleware(ApiKeyMiddleware, key=gw.cfg.api_key, denied=lambda: gw.metrics.count_request("rest", 401))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method

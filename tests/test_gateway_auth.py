@@ -10,7 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from gateway_harness import MODEL_NAME, Stack, stack_fixture, tiny_model_dir, wait_until
+from gateway_harness import MODEL_NAME, Stack, metric_value, stack_fixture, tiny_model_dir, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import auth
@@ -70,6 +70,22 @@ def test_grpc_needs_the_key_but_health_does_not(stack):
         assert replies[-1].completion_tokens == 3
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_refusals_are_counted_on_the_metrics(stack):
+    """(A broken key rotation or someone guessing keys shows on the dashboards, not only in the access log.)"""
+    def counted():
+        text = httpx.get(f"{stack.url}/metrics", timeout=10).text
+        return (metric_value(text, "tandem:requests_total", api="rest", status="401"),
+                metric_value(text, "tandem:requests_total", api="grpc", status="UNAUTHENTICATED"))
+
+    rest, grpc_ = counted()
+    for _ in range(3):
+        assert httpx.post(f"{stack.url}/v1/completions", json=GOOD, timeout=10).status_code == 401
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError):
+            list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x", max_tokens=1), timeout=10))
+    assert counted() == (rest + 3, grpc_ + 1)
 
 
 def test_no_key_configured_means_open():
