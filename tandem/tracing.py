@@ -21,6 +21,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tandem.log_limit import RepeatFilter
+
 log = logging.getLogger("tandem.tracing")
 
 try:
@@ -38,6 +40,9 @@ except ImportError:  # pragma: no cover - exercised on machines without opentele
     Context = Any  # type: ignore[misc,assignment]
 
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# The OpenTelemetry loggers that say a line per failed export (the OTLP exporter's retries, the batch processor's)
+EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter", "opentelemetry.sdk._shared_internal",
+                  "opentelemetry.sdk.trace.export")
 
 
 def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter: Any = None):
@@ -72,6 +77,8 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
             # insecure unless the URL says https: collectors beside the services speak plain gRPC.
             processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
                                                             insecure=not endpoint.startswith("https")))
+            for name in EXPORT_LOGGERS:  # (a collector down: a line per failed export, from every service)
+                logging.getLogger(name).addFilter(RepeatFilter())
     except ImportError as e:  # the API without the SDK or the OTLP exporter
         log.warning("tracing requested but %s is missing; spans are not recorded", e.name)
         return None

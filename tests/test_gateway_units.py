@@ -189,6 +189,40 @@ def test_a_verifiers_repeated_failures_are_one_log_line_every_few_seconds(caplog
                     "verifier at 127.0.0.1:1 failed a request: INTERNAL: boom"], said
 
 
+def test_opentelemetrys_export_failures_are_one_line_a_minute(caplog):
+    """A collector down: the OTLP exporter said a line per failed export in every service (14 in 25 s)."""
+    import importlib
+    import logging
+
+    from tandem.log_limit import RepeatFilter
+    from tandem.tracing import EXPORT_LOGGERS
+
+    for name in EXPORT_LOGGERS:  # (the modules whose loggers these are: a rename upstream would leave the flood)
+        importlib.import_module(name)
+    now = [0.0]
+    logger = logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter.test")
+    limited = RepeatFilter(every_s=60.0, clock=lambda: now[0])
+    logger.addFilter(limited)
+    try:
+        with caplog.at_level("WARNING", logger=logger.name):
+            for second in range(0, 130, 5):
+                now[0] = float(second)
+                logger.warning("Transient error %s encountered while exporting span batch", "UNAVAILABLE")
+            logger.error("Failed to export span batch")  # another level: said at once
+    finally:
+        logger.removeFilter(limited)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["Transient error UNAVAILABLE encountered while exporting span batch",
+                    "Transient error UNAVAILABLE encountered while exporting span batch (and 11 more like it in 60 s)",
+                    "Transient error UNAVAILABLE encountered while exporting span batch (and 11 more like it in 60 s)",
+                    "Failed to export span batch"], said
+    code = ("import logging\nfrom tandem import tracing as t\nfrom tandem.log_limit import RepeatFilter\n"
+            "assert t.setup_tracing('x', 'http://127.0.0.1:9') is not None\n"
+            "assert all(any(isinstance(f, RepeatFilter) for f in logging.getLogger(n).filters) for n in t.EXPORT_LOGGERS)\n"
+            "t.shutdown_tracing()\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
 def test_a_stream_whose_client_takes_no_bytes_ends_and_gives_its_slots_back():
     """A client that never reads held its concurrency slots for as long as its socket stayed open (256 of them refused
     everyone else). A send that does not complete within the timeout ends the answer as a client gone."""
