@@ -296,10 +296,11 @@ class DrafterService:
             spec = SpecConfig(d.spec.num_steps, d.spec.topk, d.spec.num_draft_tokens)
             by_spec.setdefault((self.heads.for_request(d.request_id)[0], spec), []).append((i, d))
         for (gen, spec), group in by_spec.items():
+            # (a request whose verifier traces no rounds sends no context: no span, rather than a root of its own)
             spans = [tracing.start_span("drafter.draft", parent=tracing.extract(dict(d.trace_context)),
                                         attributes={"tandem.request_id": d.request_id,
                                                     "tandem.num_draft_tokens": spec.num_draft_tokens},
-                                        tracer="tandem.drafter") for _, d in group]
+                                        tracer="tandem.drafter") for _, d in group if d.trace_context]
             try:
                 trees = self.heads.drafter(gen).draft([d.request_id for _, d in group], spec)
                 resolve_pending(trees)  # trees leave the process: no token may stay on the device

@@ -212,7 +212,8 @@ def test_one_request_is_one_trace_across_gateway_verifier_and_drafter(stack_dirs
         loops.append((loop, lambda: stop, thread))
 
     run_in_thread(lambda r, s: serve_drafter(DrafterServiceConfig(draft, target, DrafterConfig(), port=d_port), r, s))
-    vcfg = VerifierConfig(engine=EngineConfig(model=target), port=v_port, drafter=f"127.0.0.1:{d_port}", draft_model=draft)
+    vcfg = VerifierConfig(engine=EngineConfig(model=target), port=v_port, drafter=f"127.0.0.1:{d_port}", draft_model=draft,
+                          trace_rounds=True)
     run_in_thread(lambda r, s: serve_verifier(vcfg, r, s))
     gw_loop = asyncio.new_event_loop()
     threading.Thread(target=gw_loop.run_forever, daemon=True).start()

@@ -119,7 +119,7 @@ def loop_with_client(target_dir):
         engine.proposer = client
         return engine, None, None
 
-    loop = EngineLoop(build, VerifierMetrics(), max_waiting=16)
+    loop = EngineLoop(build, VerifierMetrics(), max_waiting=16, trace_rounds=True)  # (the drafter is sent traces)
     loop.start()
     loop.built.result(60)
     yield loop, client

@@ -34,6 +34,9 @@ class VerifierConfig:
     max_waiting: int = 256  # queued requests beyond which new ones get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     otlp_endpoint: str | None = None
+    # per-round spans (draft, verify, accept, draft_extend; the drafter service's drafter.draft) under each traced
+    # request: four a request a round, most of a trace's volume — off unless asked for
+    trace_rounds: bool = False
     served_model_name: str | None = None
     speculation_policy: str = "measured"  # measured: the batch speculates while it pays (tandem.speculative.policy); always
     capture_traffic: str | None = None  # folder for finished requests' tokens + features (drafter training); None = off
@@ -107,6 +110,8 @@ class VerifierConfig:
         p.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
                        help="vLLM's switch: --log-stats-interval 0")
         p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        p.add_argument("--trace-rounds", action="store_true",
+                       help="also trace each speculative round's phases under its requests (4 spans a request a round)")
         p.add_argument("--capture-traffic", default=None, metavar="DIR",
                        help="append every finished request's tokens and EAGLE-3 features to DIR, for "
                             "python -m drafter.train --traffic DIR (off by default; stores prompts)")
@@ -128,6 +133,7 @@ class VerifierConfig:
                    num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
                    drafter_deadline_s=a.drafter_deadline_ms / 1000, ring_rows=a.ring_rows,
                    max_waiting=a.max_waiting_requests, metrics_port=a.metrics_port, otlp_endpoint=a.otlp_endpoint,
+                   trace_rounds=a.trace_rounds,
                    served_model_name=a.served_model_name, capture_traffic=a.capture_traffic,
                    speculation_policy=a.speculation_policy,
                    capture_traffic_max_gb=a.capture_traffic_max_gb, round_lane=not a.disable_round_lane,

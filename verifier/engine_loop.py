@@ -71,7 +71,8 @@ class Submission:
 
 class EngineLoop(threading.Thread):
     def __init__(self, build: Callable[[], Any], metrics: VerifierMetrics, max_waiting: int,
-                 on_fatal: Callable[[BaseException], None] = lambda error: None, stats: StatsLine | None = None):
+                 on_fatal: Callable[[BaseException], None] = lambda error: None, stats: StatsLine | None = None,
+                 trace_rounds: bool = False):
         """``build()`` → ``(engine, ...)``: run first on this thread, its result in ``built`` (a Future).
         The model loads on the thread that then steps it: on CPU, torch's intra-op threads of a loading
         thread and of a stepping thread fought over the cores, and decoding slowed down."""
@@ -86,7 +87,7 @@ class EngineLoop(threading.Thread):
         self._live: dict[str, Submission] = {}
         self._last_token_at: dict[str, float] = {}
         self._stopping = threading.Event()
-        self.spans = RoundSpans()
+        self.spans = RoundSpans() if trace_rounds else None  # (VerifierConfig.trace_rounds)
         self.stats = stats or StatsLine(0.0, speculative=False)  # the periodic stats line (off by default)
         self._preemptions_counted = 0  # of the scheduler's total
         self._chain_switches_counted = 0  # of the engine's chain switches
@@ -179,7 +180,7 @@ class EngineLoop(threading.Thread):
             sub.added.set_exception(e)
             return
         self._live[sub.rid] = sub
-        if self.engine.proposer is not None and sub.trace_context is not None:
+        if self.engine.proposer is not None and sub.trace_context is not None and self.spans is not None:
             self.engine.proposer.note_trace(sub.rid, tracing.inject_dict(sub.trace_context))
         self.metrics.prompt_tokens.inc(len(sub.prompt))
         sub.added.set_result(sub.rid)
@@ -220,7 +221,7 @@ class EngineLoop(threading.Thread):
             rounds += len(out.round_accepts) if out.drafted else 0
             accepted += out.accepted if out.drafted else 0
             drafted += out.drafted
-            if info is not None:
+            if info is not None and self.spans is not None:
                 self.spans.record(sub.trace_context, info, out)
             sub.sink(out)
             if out.finish_reason is not None:

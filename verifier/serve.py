@@ -154,7 +154,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         aio_loop.call_soon_threadsafe(stop.set)
 
     loop = EngineLoop(lambda: build_engine(cfg, metrics), metrics, cfg.max_waiting, on_fatal,
-                      StatsLine(cfg.log_stats_interval_s, speculative=cfg.drafter is not None))
+                      StatsLine(cfg.log_stats_interval_s, speculative=cfg.drafter is not None), cfg.trace_rounds)
     loop.start()  # loads the model on its own thread, then steps it there
     try:
         engine, client, ring = await asyncio.shield(asyncio.wrap_future(loop.built))
