@@ -106,10 +106,11 @@ class GenerationStream:
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as e:
-                self._finish("error")
+                error = from_upstream(e, self._client.address)
+                self._finish("error", cause=f"verifier {e.code().name}: {(e.details() or '')[:200]}")
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._client.unreachable = True
-                raise from_upstream(e, self._client.address) from e
+                raise error from e
             except asyncio.CancelledError:
                 self.cancel()
                 raise
@@ -209,7 +210,8 @@ class GenerationStream:
             self._call.cancel()
             self._finish("abort")
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, cause: str = "") -> None:
+        """``cause``: what failed, for an "error" (the request log's line says it)."""
         self.finish_reason = reason
         m = self._metrics
         m.labels(m.running).dec()
@@ -233,7 +235,7 @@ class GenerationStream:
             prompt = self._decode(list(self.request.prompt_ids)) if self._log.keeps_text else ""
             self._log.finished(self.request, reason, self._prompt_tokens, self._completion_tokens, ttft,
                                time.monotonic() - self._arrival, spec.accept_length_mean if spec else None,
-                               prompt, "".join(self._text), tracing.trace_id_hex(self._span))
+                               prompt, "".join(self._text), tracing.trace_id_hex(self._span), cause)
 
     @property
     def usage(self) -> dict:

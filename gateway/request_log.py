@@ -24,11 +24,14 @@ class RequestLog:
 
     def finished(self, request: GenerationRequest, reason: str, prompt_tokens: int, completion_tokens: int,
                  ttft_s: float | None, e2e_s: float, accept_length: float | None, prompt_text: str = "",
-                 output_text: str = "", trace_id: str = "") -> None:
-        """``trace_id``: the request's trace (32 hex digits) when it is traced, to find its spans from the line."""
+                 output_text: str = "", trace_id: str = "", cause: str = "") -> None:
+        """``trace_id``: the request's trace (32 hex digits) when it is traced, to find its spans from the line;
+        ``cause``: what failed, for a generation that ended in an error."""
         line = (f"request {request.request_id} {reason}: prompt {prompt_tokens} tokens, completion "
                 f"{completion_tokens} tokens, ttft {'-' if ttft_s is None else f'{1e3 * ttft_s:.0f} ms'}, "
                 f"e2e {1e3 * e2e_s:.0f} ms, accept len {'-' if accept_length is None else f'{accept_length:.2f}'}")
+        if cause:
+            line += f", cause {cause}"
         if trace_id:
             line += f", trace {trace_id}"
         if self.level >= 1:

@@ -48,3 +48,18 @@ def test_the_level_is_checked():
 
     with pytest.raises(ValueError, match="--log-requests-level"):
         GatewayConfig(verifier="127.0.0.1:1", model_dir=str(tiny_model_dir()), log_requests=True, log_requests_level=3)
+
+
+def test_a_failed_generations_line_says_what_failed(caplog):
+    import grpc
+
+    stack = Stack(log_requests=True)
+    try:
+        stack.fake.fail_with = (grpc.StatusCode.INTERNAL, "kernel fault")
+        with caplog.at_level(logging.INFO, logger="gateway.requests"):
+            r = httpx.post(f"{stack.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)
+            wait_until(lambda: _records(caplog), what="the request's log line")
+        [line] = _records(caplog)
+        assert r.status_code >= 500 and " error: " in line and ", cause verifier INTERNAL: kernel fault" in line, line
+    finally:
+        stack.close()
