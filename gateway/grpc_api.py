@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_requ
 from gateway.generation import GenerationStream
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_cache_salt, check_model, check_prompt_ids,
-                             check_sampling, resolve_max_tokens)
+                             check_sampling, check_stop_token_ids, resolve_max_tokens)
 from tandem import tracing
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
@@ -70,14 +71,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             else:
                 generation = self._parse(request, info)
             span.set_attributes(generation.span_attributes())
-            stream = GenerationStream(generation, gw.client, gw.tokenizer.decode, gw.metrics, span, arrival,
+            decode = functools.partial(gw.tokenizer.decode, skip_special_tokens=generation.skip_special_tokens)
+            eos = tuple(info.eos_token_ids)  # (an EOS's text is left out as over REST, unless asked for)
+            stream = GenerationStream(generation, gw.client, decode, gw.metrics, span, arrival, eos,
                                       request_log=gw.request_log)
             async for d in stream:
                 # (written, not yielded: a client that reads nothing — a flow-control window of 0 — is let go)
-                await self._write(context, generation_pb2.GenerateResponse(
+                message = generation_pb2.GenerateResponse(
                     request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
                     finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
-                    completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens))
+                    completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens)
+                if isinstance(d.stop_reason, str):
+                    message.stop_string = d.stop_reason
+                elif d.stop_reason is not None:
+                    message.stop_token_id = d.stop_reason
+                await self._write(context, message)
         except _StalledClient:
             # (not abort: its status would queue behind the message the client does not take, and this handler —
             # its slot, the verifier's request — would wait for it as long as the client holds the connection)
@@ -153,8 +161,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                   "presence_penalty": r.presence_penalty, "frequency_penalty": r.frequency_penalty}
         engine = parse_engine_sampling(fields, False, d, False)
         check_min_tokens(engine.min_tokens, max_tokens, "max_tokens")
+        check_stop_token_ids(r.stop_token_ids, info.vocab_size)
+        skip_special = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
         return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
-                                 tuple(r.stop), (), r.ignore_eos, **dataclasses.asdict(engine),
+                                 tuple(r.stop), tuple(r.stop_token_ids), r.ignore_eos, skip_special,
+                                 r.include_stop_str_in_output, **dataclasses.asdict(engine),
                                  cache_salt=check_cache_salt(r.cache_salt or None))
 
 

@@ -22,10 +22,9 @@ from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_opt
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.prompt_bound import PromptBound
 from gateway.request import (GenerationRequest, check_cache_salt, check_model, check_prompt_ids, check_sampling,
-                             resolve_max_tokens)
+                             check_stop_token_ids, resolve_max_tokens)
 from tandem.chat_template import ChatTemplate
 from tandem.rpc.verifier.v1 import verifier_pb2
-from tandem.sampling_limits import MAX_STOP_TOKEN_IDS
 from tandem.tokenizer import Tokenizer
 
 # Fields of the OpenAI API we do not implement: allowed only with their no-op value.
@@ -213,10 +212,7 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
                                     default, max_param, prompt_param)
     check_min_tokens(engine.min_tokens, max_tokens, max_param)
     stop_token_ids = _int_list(body, "stop_token_ids")
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad_request("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_token_ids)}")
-    if stop_token_ids:
-        check_prompt_ids(stop_token_ids, limits.info.vocab_size, "stop_token_ids")
+    check_stop_token_ids(stop_token_ids, limits.info.vocab_size)
     generation = GenerationRequest(request_id, tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed,
                                    tuple(stop), tuple(stop_token_ids), flag(body, "ignore_eos") or False,
                                    output.skip_special_tokens, output.include_stop_str_in_output,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from gateway.errors import GatewayError, bad_request
 from tandem.rpc.verifier.v1 import verifier_pb2
+from tandem.sampling_limits import MAX_STOP_TOKEN_IDS
 
 _UINT64_MAX = (1 << 64) - 1
 _INT32_MAX = (1 << 31) - 1  # top_k and token ids travel as int32
@@ -103,6 +104,14 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt")
     bad = next((t for t in ids if not 0 <= t < end), None)
     if bad is not None:
         raise bad_request(param, f"token id {bad} is outside the vocabulary [0, {end})")
+
+
+def check_stop_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """A 400 for more stop token ids than the engine checks each step, or one outside the vocabulary."""
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}")
+    if ids:
+        check_prompt_ids(ids, vocab_size, "stop_token_ids")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int, limit: int | None,

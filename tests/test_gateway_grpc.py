@@ -61,6 +61,38 @@ def test_token_id_prompt_and_sampling(stack, stub):
     assert stack.fake.requests[-1].cache_salt == "t-1"  # (vLLM's cache_salt, as over REST)
 
 
+def test_stop_token_ids_and_what_stopped_the_generation(stack, stub, monkeypatch):
+    """As over REST: vLLM's stop_token_ids reach the verifier; the last message says which stop ended it (a stop
+    token or string; nothing for the model's EOS), the stop token's text left out unless asked for."""
+    import fake_verifier
+
+    whole = stack.expected([7, 8, 9], 12)
+    stop_id = whole[4]
+    replies = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8, 9]), max_tokens=12,
+                                                    stop_token_ids=[stop_id]), timeout=10))
+    assert list(stack.fake.requests[-1].sampling.stop_token_ids) == [stop_id]
+    assert [t for r in replies for t in r.token_ids] == whole[:5]
+    last = replies[-1]
+    assert (last.finish_reason, last.WhichOneof("stop_reason"), last.stop_token_id) == ("stop", "stop_token_id", stop_id)
+    assert "".join(r.text for r in replies) == stack.tok.decode(whole[:4])
+    kept = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8, 9]), max_tokens=12,
+                                                 stop_token_ids=[stop_id], include_stop_str_in_output=True), timeout=10))
+    assert "".join(r.text for r in kept) == stack.tok.decode(whole[:5])
+    text = stack.tok.decode(whole)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    replies = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8, 9]), max_tokens=12, stop=[stop]),
+                                 timeout=10))
+    assert (replies[-1].WhichOneof("stop_reason"), replies[-1].stop_string) == ("stop_string", stop)
+    # the model's EOS: no stop_reason, and its text left out whatever skip_special_tokens says
+    eos = fake_verifier.EOS_ID
+    monkeypatch.setattr(fake_verifier, "expected_tokens", lambda prompt, n, vocab: (whole[:3] + [eos])[:n])
+    for skip in (True, False):
+        replies = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7]), max_tokens=6,
+                                                        skip_special_tokens=skip), timeout=10))
+        assert replies[-1].finish_reason == "stop" and replies[-1].WhichOneof("stop_reason") is None
+        assert "".join(r.text for r in replies) == stack.tok.decode(whole[:3])
+
+
 @pytest.mark.parametrize("req,field", [
     (pb.GenerateRequest(max_tokens=3), "prompt"),
     (pb.GenerateRequest(text="", max_tokens=3), "text"),
@@ -77,6 +109,8 @@ def test_token_id_prompt_and_sampling(stack, stub):
     (pb.GenerateRequest(text="hi", max_tokens=3, cache_salt="x" * 1025), "cache_salt"),
     (pb.GenerateRequest(text="hi", max_tokens=3, repetition_penalty=0), "repetition_penalty"),
     (pb.GenerateRequest(text="hi", max_tokens=3, frequency_penalty=3), "frequency_penalty"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, stop_token_ids=[99999]), "stop_token_ids"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, stop_token_ids=[5] * 257), "stop_token_ids"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
     with pytest.raises(grpc.RpcError) as e:
