@@ -63,6 +63,7 @@ class OpenAIRequest:
     more: tuple["OpenAIRequest", ...] = ()
     batched: bool = False  # the prompt came as a list of prompts (a batch, of one too)
     answer_ids: tuple[str, ...] = ()  # ids the client chose for its answers, in order (SGLang's rid): shown for ours
+    sglang_logprobs: Any = None  # SGLang's return_logprob settings (gateway/sglang_logprobs.LogprobRequest); None: off
 
     @property
     def prompts(self) -> tuple["OpenAIRequest", ...]:

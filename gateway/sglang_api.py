@@ -10,7 +10,8 @@ names the SGLang field); ``max_new_tokens`` defaults to SGLang's 128. The answer
 running), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and, once finished, ``e2e_latency`` and, where
 the request speculated, ``spec_verify_ct`` (the target forwards that made the tokens: speculative rounds plus plain
 decode steps, so that ``completion_tokens / spec_verify_ct`` is tokens per forward as SGLang's tests read it) and
-``spec_accept_length`` (tokens per speculative round). Streamed, each event holds the text so far (SGLang's default)
+``spec_accept_length`` (tokens per speculative round); with ``return_logprob``, SGLang's log-probability lists
+(gateway/sglang_logprobs.py). Streamed, each event holds the text so far (SGLang's default)
 and the ``output_ids`` so far (with ``index`` when there are several generations), then ``data: [DONE]``.
 """
 
@@ -27,11 +28,14 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.body_fields import flag, integer
 from gateway.errors import UNAVAILABLE, GatewayError, bad_request
 from gateway.openai_params import Limits, OpenAIRequest, parse_completion
 from gateway.openai_shapes import CompletionShape
 from gateway.request import GenerationRequest
 from gateway.rest_flow import error_response, generate
+from gateway.sglang_logprobs import LogprobRequest, meta_logprobs
+from tandem.sampling_limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from gateway.choices import ChoiceResult, Choices
@@ -52,9 +56,8 @@ SAMPLING_NAMES = {
 NO_OP_SAMPLING = {"spaces_between_special_tokens": True, "logit_bias": None, "custom_params": None}
 # /generate's fields SGLang's clients send (its bench_serving: lora_path, logprob_start_len...), taken at the values
 # that ask for nothing here, refused at any other; other fields are ignored, as vLLM ignores what it does not know
-NO_OP_REQUEST = {"return_logprob": lambda v: not v, "return_hidden_states": lambda v: not v,
+NO_OP_REQUEST = {"return_hidden_states": lambda v: not v,
                  "lora_path": lambda v: not v, "image_data": lambda v: v is None, "input_embeds": lambda v: v is None,
-                 "logprob_start_len": lambda v: v is None or v == -1, "top_logprobs_num": lambda v: not v,
                  "token_ids_logprob": lambda v: v is None}
 
 
@@ -99,7 +102,8 @@ def _parser(gw: GatewayContext):
             parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
-        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed))
+        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed),
+                                   sglang_logprobs=logprob_request(body))
 
     return parse
 
@@ -130,11 +134,28 @@ def completion_body(body: dict) -> dict:
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
+    asked = logprob_request(body)
+    if asked is not None:  # the completion path's logprobs: N; its echo gives the prompt's (no prompt text here)
+        completion["logprobs"] = asked.top
+        completion["echo"] = asked.start is not None
     if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
         if completion.get("min_tokens"):  # (checked here: that request asks the verifier for one token)
             raise bad_request("sampling_params.min_new_tokens", "must be at most max_new_tokens (0)")
         completion["echo"] = True
     return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
+
+
+def logprob_request(body: dict) -> LogprobRequest | None:
+    """``return_logprob``'s settings, each checked (None: not asked for)."""
+    if not flag(body, "return_logprob", False):
+        return None
+    top = integer(body, "top_logprobs_num", 0)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+    start = integer(body, "logprob_start_len", -1)
+    if start < -1:
+        raise bad_request("logprob_start_len", f"must be -1 (no prompt log-probabilities) or a prompt position, got {start}")
+    return LogprobRequest(top, None if start == -1 else start, flag(body, "return_text_in_logprobs", False))
 
 
 def answer_ids(rid, parsed: OpenAIRequest) -> tuple[str, ...]:
@@ -184,10 +205,14 @@ class GenerateShape(CompletionShape):
         # per generation: its text and ids so far (each streamed event carries them all, as SGLang's default streaming)
         self._texts = [""] * self.n
         self._output_ids: list[list[int]] = [[] for _ in range(self.n)]
+        self._asked: LogprobRequest | None = None  # return_logprob's settings (follow)
+        self._entries: list[list] = [[] for _ in range(self.n)]  # per generation: its tokens' log-probabilities so far
+        self._prompt_entries: list[list | None] = [None] * self.n  # ... and its prompt's, once they came
 
     def follow(self, choices: Choices, request: OpenAIRequest) -> None:
         self.streams, self.listed = choices.streams, self.n > 1 or request.batched
         self._ids = request.answer_ids or tuple(stream.request.request_id for stream in self.streams)
+        self._asked = request.sglang_logprobs
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         return []
@@ -195,21 +220,31 @@ class GenerateShape(CompletionShape):
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         self._texts[index] += delta.text
         self._output_ids[index] += delta.token_ids
+        self._entries[index] += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self._prompt_entries[index] = delta.prompt_logprobs
         out = {"text": self._texts[index], "output_ids": list(self._output_ids[index]),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
                                        delta.cached_tokens, _matched(delta.stop_reason, delta.stop_token))}
+        out["meta_info"].update(self._logprobs(index, self._output_ids[index], self._entries[index],
+                                               self._prompt_entries[index]))
         return {**out, "index": index} if self.listed else out
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
         outs = []
         for i, r in enumerate(results):
             counts = self.streams[i].usage
-            outs.append({"text": r.text, "output_ids": r.token_ids,
-                         "meta_info": self._meta(i, r.finish_reason, counts["prompt_tokens"],
-                                                 counts["completion_tokens"],
-                                                 counts["prompt_tokens_details"]["cached_tokens"],
-                                                 _matched(r.stop_reason, r.stop_token))})
+            meta = self._meta(i, r.finish_reason, counts["prompt_tokens"], counts["completion_tokens"],
+                              counts["prompt_tokens_details"]["cached_tokens"], _matched(r.stop_reason, r.stop_token))
+            meta.update(self._logprobs(i, r.token_ids, r.logprobs or [], r.prompt_logprobs))
+            outs.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
         return outs if self.listed else outs[0]
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list, prompt_entries: list | None) -> dict:
+        if self._asked is None:
+            return {}
+        return meta_logprobs(self._asked, self.logprobs.token_text, token_ids, entries,
+                             self.logprobs.prompt_ids[index], prompt_entries)
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int,
               matched: str | int | None) -> dict:

@@ -132,7 +132,7 @@ def test_streamed_events_hold_the_text_and_ids_so_far_and_end_with_done(stack, r
     ({"text": PROMPT, "sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
     ({"text": PROMPT, "sampling_params": {"spaces_between_special_tokens": False}},
      "sampling_params.spaces_between_special_tokens"),
-    ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
+    ({"text": PROMPT, "return_logprob": "yes"}, "return_logprob"),
     ({"text": PROMPT, "sampling_params": [1]}, "sampling_params"),
     ({"input_ids": "def f(x):"}, "input_ids"),  # each kind of prompt in its own field, as SGLang checks them
     ({"input_ids": ["a"]}, "input_ids"),
@@ -140,8 +140,9 @@ def test_streamed_events_hold_the_text_and_ids_so_far_and_end_with_done(stack, r
     ({"text": 5}, "text"),
     ({"text": PROMPT, "stream": "yes"}, "stream"),
     ({"text": PROMPT, "lora_path": "adapter-1"}, "lora_path"),
-    ({"text": PROMPT, "top_logprobs_num": 5}, "top_logprobs_num"),
-    ({"text": PROMPT, "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": PROMPT, "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": PROMPT, "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": PROMPT, "return_logprob": True, "token_ids_logprob": [5]}, "token_ids_logprob"),
 ])
 def test_bad_requests_name_sglangs_field(stack, body, param):
     r = _generate(stack, body)
@@ -183,3 +184,59 @@ def test_health_generate_generates_a_token(stack):
     stack.fake.fail_with = (grpc.StatusCode.INTERNAL, "engine failed")
     assert httpx.get(f"{stack.url}/health_generate", timeout=30).status_code == 503
     assert httpx.get(f"{stack.url}/health_generate", timeout=30).status_code == 200  # (the failure was one call's)
+
+
+def _sglang_entry(token: int, position: int, top: int, vocab: int, text_of=None) -> tuple[list, list]:
+    """What SGLang's meta_info holds for a token the fake verifier scored at ``position``: its [logprob, id, text] and
+    its top ``top`` entries (tests/fake_verifier.fake_logprobs)."""
+    from fake_verifier import fake_logprobs
+
+    e = fake_logprobs(token, position, top, vocab)
+    text = (lambda t: text_of(t) if text_of else None)
+    tops = [[max(v, -9999.0), t, text(t)] for t, v in zip(e.top_token_ids, e.top_logprobs)]
+    return [pytest.approx(e.logprob), token, text(token)], tops
+
+
+def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
+    """return_logprob as SGLang answers it: [logprob, token id, text or null] per generated token, the prompt's from
+    logprob_start_len (its first token null), the top_logprobs_num most likely per position; streamed events carry
+    them so far; nothing unless asked."""
+    ids = ref.encode(PROMPT).ids
+    want = stack.expected(ids, 5)
+    vocab = stack.fake.vocab_size
+    text_of = lambda t: ref.decode([t], skip_special_tokens=False)  # noqa: E731
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 1, "return_text_in_logprobs": True}
+    meta = _generate(stack, body).json()["meta_info"]
+    out = [_sglang_entry(t, i, 2, vocab, text_of) for i, t in enumerate(want)]
+    assert meta["output_token_logprobs"] == [entry for entry, _ in out]
+    assert meta["output_top_logprobs"] == [tops for _, tops in out]
+    prompt = [_sglang_entry(t, 100 + i, 2, vocab, text_of) for i, t in enumerate(ids) if i >= 1]
+    assert meta["input_token_logprobs"] == [entry for entry, _ in prompt]
+    assert meta["input_top_logprobs"] == [tops for _, tops in prompt]
+    # from the prompt's start: its first token has no log-probability; no text unless asked; no tops with N = 0
+    meta = _generate(stack, {**body, "logprob_start_len": 0, "top_logprobs_num": 0,
+                             "return_text_in_logprobs": False}).json()["meta_info"]
+    assert meta["input_token_logprobs"][0] == [None, ids[0], None] and len(meta["input_token_logprobs"]) == len(ids)
+    assert meta["output_token_logprobs"][0][2] is None and "output_top_logprobs" not in meta
+    # streamed: each event's lists so far, the last one's as the whole answer's
+    events = [json.loads(e.removeprefix("data: ")) for e in _generate(stack, {**body, "stream": True}).text.split("\n\n")
+              if e.startswith("data: {")]
+    whole = _generate(stack, body).json()["meta_info"]
+    assert [len(e["meta_info"]["output_token_logprobs"]) for e in events] == [len(e["output_ids"]) for e in events]
+    last = events[-1]["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+        assert last[key] == whole[key], key
+    plain = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]
+    assert not any("logprobs" in key for key in plain)
+
+
+def test_a_prompt_is_scored_with_max_new_tokens_0(stack, ref):
+    """(The evaluation and RL use: the prompt's log-probabilities alone.)"""
+    ids = ref.encode(PROMPT).ids
+    out = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                            "logprob_start_len": 0}).json()
+    meta = out["meta_info"]
+    assert (out["output_ids"], meta["output_token_logprobs"]) == ([], [])
+    assert [lp for lp, _, _ in meta["input_token_logprobs"]] == [None] + [
+        pytest.approx(-(100 + i + 1) / 10) for i in range(1, len(ids))]
