@@ -34,7 +34,7 @@ from gateway.openai_params import Limits, OpenAIRequest, parse_completion
 from gateway.openai_shapes import CompletionShape
 from gateway.request import GenerationRequest
 from gateway.rest_flow import error_response, generate
-from gateway.sglang_logprobs import LogprobRequest, meta_logprobs
+from gateway.sglang_logprobs import LogprobLists, LogprobRequest
 from tandem.sampling_limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -102,8 +102,13 @@ def _parser(gw: GatewayContext):
             parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
-        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed),
-                                   sglang_logprobs=logprob_request(body))
+        asked = logprob_request(body)
+        if asked is not None and asked.start is not None:
+            shortest = min(len(part.generation.prompt_ids) for part in parsed.prompts)
+            if asked.start >= shortest:  # (SGLang refuses it too)
+                raise bad_request("logprob_start_len", f"must be less than the prompt's length ({shortest} tokens), "
+                                                       f"got {asked.start}")
+        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed), sglang_logprobs=asked)
 
     return parse
 
@@ -137,7 +142,7 @@ def completion_body(body: dict) -> dict:
     asked = logprob_request(body)
     if asked is not None:  # the completion path's logprobs: N; its echo gives the prompt's (no prompt text here)
         completion["logprobs"] = asked.top
-        completion["echo"] = asked.start is not None
+        completion["echo"] = asked.needs_prompt_logprobs
     if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
         if completion.get("min_tokens"):  # (checked here: that request asks the verifier for one token)
             raise bad_request("sampling_params.min_new_tokens", "must be at most max_new_tokens (0)")
@@ -206,13 +211,14 @@ class GenerateShape(CompletionShape):
         self._texts = [""] * self.n
         self._output_ids: list[list[int]] = [[] for _ in range(self.n)]
         self._asked: LogprobRequest | None = None  # return_logprob's settings (follow)
-        self._entries: list[list] = [[] for _ in range(self.n)]  # per generation: its tokens' log-probabilities so far
-        self._prompt_entries: list[list | None] = [None] * self.n  # ... and its prompt's, once they came
+        self._lists: list[LogprobLists] = []  # per generation, with return_logprob: its lists so far
 
     def follow(self, choices: Choices, request: OpenAIRequest) -> None:
         self.streams, self.listed = choices.streams, self.n > 1 or request.batched
         self._ids = request.answer_ids or tuple(stream.request.request_id for stream in self.streams)
         self._asked = request.sglang_logprobs
+        if self._asked is not None:
+            self._lists = [self._new_lists(i) for i in range(self.n)]
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         return []
@@ -220,14 +226,15 @@ class GenerateShape(CompletionShape):
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         self._texts[index] += delta.text
         self._output_ids[index] += delta.token_ids
-        self._entries[index] += delta.logprobs or []
-        if delta.prompt_logprobs is not None:
-            self._prompt_entries[index] = delta.prompt_logprobs
         out = {"text": self._texts[index], "output_ids": list(self._output_ids[index]),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
                                        delta.cached_tokens, _matched(delta.stop_reason, delta.stop_token))}
-        out["meta_info"].update(self._logprobs(index, self._output_ids[index], self._entries[index],
-                                               self._prompt_entries[index]))
+        if self._lists:
+            lists = self._lists[index]
+            lists.add(delta.token_ids, delta.logprobs or [])
+            if delta.prompt_logprobs is not None:
+                lists.set_prompt(delta.prompt_logprobs)
+            out["meta_info"].update(lists.meta())
         return {**out, "index": index} if self.listed else out
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict | list:
@@ -236,15 +243,17 @@ class GenerateShape(CompletionShape):
             counts = self.streams[i].usage
             meta = self._meta(i, r.finish_reason, counts["prompt_tokens"], counts["completion_tokens"],
                               counts["prompt_tokens_details"]["cached_tokens"], _matched(r.stop_reason, r.stop_token))
-            meta.update(self._logprobs(i, r.token_ids, r.logprobs or [], r.prompt_logprobs))
+            if self._asked is not None:
+                lists = self._new_lists(i)
+                lists.add(r.token_ids, r.logprobs or [])
+                if r.prompt_logprobs is not None:
+                    lists.set_prompt(r.prompt_logprobs)
+                meta.update(lists.meta())
             outs.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
         return outs if self.listed else outs[0]
 
-    def _logprobs(self, index: int, token_ids: list[int], entries: list, prompt_entries: list | None) -> dict:
-        if self._asked is None:
-            return {}
-        return meta_logprobs(self._asked, self.logprobs.token_text, token_ids, entries,
-                             self.logprobs.prompt_ids[index], prompt_entries)
+    def _new_lists(self, index: int) -> LogprobLists:
+        return LogprobLists(self._asked, self.logprobs.token_text, self.logprobs.prompt_ids[index])
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int,
               matched: str | int | None) -> dict:

@@ -31,22 +31,24 @@ class LimitedLog:
 
 
 class RepeatFilter(logging.Filter):
-    """A logger's records at most once every ``every_s`` per level; the next one let through says how many were
-    held back. Installed on a library's logger (``logging.getLogger(name).addFilter``): it sees what that logger
-    itself logs."""
+    """A logger's records at most once every ``every_s`` per level and message (its format string, so a line whose
+    numbers change is one kind); the next one let through says how many were held back. Installed on a library's
+    logger (``logging.getLogger(name).addFilter``): it sees what that logger itself logs."""
 
     def __init__(self, every_s: float = 60.0, clock=time.monotonic):
         super().__init__()
         self.every_s, self.clock = every_s, clock
-        self._last: dict[tuple, tuple[float, int]] = {}  # (logger, level) -> (said at, held since)
+        self._last: dict[tuple, tuple[float, int]] = {}  # (logger, level, message) -> (said at, held since)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key, now = (record.name, record.levelno), self.clock()
+        key, now = (record.name, record.levelno, str(record.msg)), self.clock()
         said, held = self._last.get(key, (None, 0))
         if said is not None and now - said < self.every_s:
             self._last[key] = (said, held + 1)
             return False
         if held:
             record.msg, record.args = f"{record.getMessage()} (and {held} more like it in {now - said:.0f} s)", ()
+        if len(self._last) > 256:  # (kinds are a library's format strings: few, but never a pile)
+            self._last.clear()
         self._last[key] = (now, 0)
         return True

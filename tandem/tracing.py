@@ -78,7 +78,9 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
             processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
                                                             insecure=not endpoint.startswith("https")))
             for name in EXPORT_LOGGERS:  # (a collector down: a line per failed export, from every service)
-                logging.getLogger(name).addFilter(RepeatFilter())
+                logger = logging.getLogger(name)
+                if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+                    logger.addFilter(RepeatFilter())
     except ImportError as e:  # the API without the SDK or the OTLP exporter
         log.warning("tracing requested but %s is missing; spans are not recorded", e.name)
         return None

@@ -199,8 +199,8 @@ def _sglang_entry(token: int, position: int, top: int, vocab: int, text_of=None)
 
 def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
     """return_logprob as SGLang answers it: [logprob, token id, text or null] per generated token, the prompt's from
-    logprob_start_len (its first token null), the top_logprobs_num most likely per position; streamed events carry
-    them so far; nothing unless asked."""
+    logprob_start_len (its first entry null, as SGLang pads it; by default the prompt's last token alone), the
+    top_logprobs_num most likely per position; streamed events carry them so far; nothing unless asked."""
     ids = ref.encode(PROMPT).ids
     want = stack.expected(ids, 5)
     vocab = stack.fake.vocab_size
@@ -211,13 +211,21 @@ def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
     out = [_sglang_entry(t, i, 2, vocab, text_of) for i, t in enumerate(want)]
     assert meta["output_token_logprobs"] == [entry for entry, _ in out]
     assert meta["output_top_logprobs"] == [tops for _, tops in out]
-    prompt = [_sglang_entry(t, 100 + i, 2, vocab, text_of) for i, t in enumerate(ids) if i >= 1]
-    assert meta["input_token_logprobs"] == [entry for entry, _ in prompt]
-    assert meta["input_top_logprobs"] == [tops for _, tops in prompt]
+    prompt = [_sglang_entry(t, 100 + i, 2, vocab, text_of) for i, t in enumerate(ids) if i >= 2]
+    assert meta["input_token_logprobs"] == [[None, ids[1], text_of(ids[1])]] + [entry for entry, _ in prompt]
+    assert meta["input_top_logprobs"] == [None] + [tops for _, tops in prompt]
+    assert stack.fake.requests[-1].sampling.prompt_logprobs == 2
+    # SGLang's default start (-1): the prompt's last token alone, null; the verifier not asked to score the prompt
+    meta = _generate(stack, {k: v for k, v in body.items() if k != "logprob_start_len"}).json()["meta_info"]
+    assert (meta["input_token_logprobs"], meta["input_top_logprobs"]) == ([[None, ids[-1], text_of(ids[-1])]], [None])
+    assert not stack.fake.requests[-1].sampling.HasField("prompt_logprobs")
+    r = _generate(stack, {**body, "logprob_start_len": len(ids)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
     # from the prompt's start: its first token has no log-probability; no text unless asked; no tops with N = 0
     meta = _generate(stack, {**body, "logprob_start_len": 0, "top_logprobs_num": 0,
                              "return_text_in_logprobs": False}).json()["meta_info"]
-    assert meta["input_token_logprobs"][0] == [None, ids[0], None] and len(meta["input_token_logprobs"]) == len(ids)
+    assert meta["input_token_logprobs"][:2] == [[None, ids[0], None], [pytest.approx(-(100 + 1 + 1) / 10), ids[1], None]]
+    assert len(meta["input_token_logprobs"]) == len(ids)
     assert meta["output_token_logprobs"][0][2] is None and "output_top_logprobs" not in meta
     # streamed: each event's lists so far, the last one's as the whole answer's
     events = [json.loads(e.removeprefix("data: ")) for e in _generate(stack, {**body, "stream": True}).text.split("\n\n")

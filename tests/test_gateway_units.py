@@ -209,16 +209,19 @@ def test_opentelemetrys_export_failures_are_one_line_a_minute(caplog):
                 now[0] = float(second)
                 logger.warning("Transient error %s encountered while exporting span batch", "UNAVAILABLE")
             logger.error("Failed to export span batch")  # another level: said at once
+            logger.warning("Failed to export %s, error code: %s", "span batch", "UNAUTHENTICATED")  # another message
     finally:
         logger.removeFilter(limited)
     said = [r.getMessage() for r in caplog.records]
     assert said == ["Transient error UNAVAILABLE encountered while exporting span batch",
                     "Transient error UNAVAILABLE encountered while exporting span batch (and 11 more like it in 60 s)",
                     "Transient error UNAVAILABLE encountered while exporting span batch (and 11 more like it in 60 s)",
-                    "Failed to export span batch"], said
+                    "Failed to export span batch", "Failed to export span batch, error code: UNAUTHENTICATED"], said
     code = ("import logging\nfrom tandem import tracing as t\nfrom tandem.log_limit import RepeatFilter\n"
             "assert t.setup_tracing('x', 'http://127.0.0.1:9') is not None\n"
-            "assert all(any(isinstance(f, RepeatFilter) for f in logging.getLogger(n).filters) for n in t.EXPORT_LOGGERS)\n"
+            "assert t.setup_tracing('x', 'http://127.0.0.1:9') is not None\n"  # (a second call adds no second filter)
+            "assert all([isinstance(f, RepeatFilter) for f in logging.getLogger(n).filters].count(True) == 1\n"
+            "           for n in t.EXPORT_LOGGERS)\n"
             "t.shutdown_tracing()\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 

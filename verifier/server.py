@@ -91,20 +91,15 @@ class VerifierService:
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
             except DuplicateRequestError as e:  # the running request with this id goes on untouched
-                tracing.set_error(span, str(e))
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+                await self._refuse(context, span, grpc.StatusCode.ALREADY_EXISTS, e)
             except QueueFull as e:  # retry later
-                tracing.set_error(span, str(e))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await self._refuse(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, e)
             except OutOfPagesError as e:  # larger than the whole KV cache: retrying can never help
-                tracing.set_error(span, str(e))
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+                await self._refuse(context, span, grpc.StatusCode.OUT_OF_RANGE, e)
             except EngineStopped as e:
-                tracing.set_error(span, str(e))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                await self._refuse(context, span, grpc.StatusCode.UNAVAILABLE, e)
             except TandemError as e:
-                tracing.set_error(span, str(e))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await self._refuse(context, span, grpc.StatusCode.INVALID_ARGUMENT, e)
             pace, sent_at = request.message_interval_us / 1e6, None
             while not finished:
                 out = await outputs.get()
@@ -113,6 +108,7 @@ class VerifierService:
                        else _coalesced(out, outputs))
                 if isinstance(out, BaseException):  # the engine loop died (logged there); the process restarts:
                     # UNAVAILABLE, a retry's status (the gateway's 503), not a fault of the request
+                    tracing.set_error(span, "the engine failed")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
@@ -123,6 +119,12 @@ class VerifierService:
             span.end()
             if not finished:  # client went away or cancelled: free the request's KV next round (only this
                 self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, span, code: grpc.StatusCode, error: Exception) -> None:
+        """Abort with ``code``; the span in error only where the server failed (OpenTelemetry's RPC conventions)."""
+        tracing.end_refused_or_failed(span, str(error), server_fault=code.name in tracing.GRPC_SERVER_FAULTS)
+        await context.abort(code, str(error))
 
     def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
