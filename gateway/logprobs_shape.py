@@ -62,6 +62,19 @@ class LogprobsShape:
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
+def vllm_prompt_logprobs(token_text: Callable[[int], str], prompt_ids: Sequence[int], entries: Sequence) -> list:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per prompt token ``{token_id: {logprob, rank,
+    decoded_token}}`` for the token itself and the N most likely (``entries``: the verifier's, one per token after
+    the first). ``rank`` is 1 for the most likely; the prompt token's is null when it is not among the N (the
+    verifier reports the top N, not every token's rank)."""
+    out: list = [None]
+    for token, entry in zip(prompt_ids[1:], entries):
+        ranked = {t: (_finite(v), i + 1) for i, (t, v) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
+        here = {token: ranked.get(token, (_finite(entry.logprob), None)), **ranked}
+        out.append({str(t): {"logprob": v, "rank": rank, "decoded_token": token_text(t)} for t, (v, rank) in here.items()})
+    return out
+
+
 def merge(first: dict | None, then: dict | None) -> dict | None:
     """Two completions ``logprobs`` objects of consecutive tokens as one."""
     if first is None or then is None:

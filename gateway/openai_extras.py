@@ -1,6 +1,7 @@
 """The output fields of vLLM's OpenAI server that the gateway honours without the engine's help:
 ``n`` (fanned out as ``n`` generations: gateway/choices.py), ``echo``,
-``skip_special_tokens``, ``include_stop_str_in_output`` and ``return_token_ids``. Also vLLM's fields that nothing implements
+``skip_special_tokens``, ``include_stop_str_in_output``, ``return_token_ids`` and ``prompt_logprobs``'s place in the
+response. Also vLLM's fields that nothing implements
 yet, refused unless they hold their no-op value (never silently ignored)."""
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ MAX_N = 16  # each choice is a whole generation on the verifier: a bound keeps o
 
 # Fields vLLM accepts that would need the engine (not implemented there): refused unless no-op.
 ENGINE_FIELDS = {
-    "prompt_logprobs": lambda v: v is None,
     "use_beam_search": lambda v: v is None or v is False,
     # guided decoding and token restrictions (vLLM's extensions): no grammar or mask in the engine
     **{name: (lambda v: v is None) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -45,6 +45,7 @@ class OutputOptions:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: the response carries them in vLLM's shape
 
 
 def parse_output_options(body: dict, chat: bool) -> OutputOptions:
@@ -59,7 +60,7 @@ def parse_output_options(body: dict, chat: bool) -> OutputOptions:
     # (SGLang's OpenAI server spells include_stop_str_in_output no_stop_trim)
     keep_stop = flag(body, "include_stop_str_in_output", False) or flag(body, "no_stop_trim", False)
     return OutputOptions(n, echo, flag(body, "skip_special_tokens", True), keep_stop,
-                         flag(body, "return_token_ids", False))
+                         flag(body, "return_token_ids", False), body.get("prompt_logprobs") is not None)
 
 
 

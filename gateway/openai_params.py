@@ -188,6 +188,8 @@ def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, 
     output = parse_output_options(body, chat)
     engine = parse_engine_sampling(body, chat, limits.defaults, output.echo and not chat)  # (chat: no prompt logprobs)
     stream = flag(body, "stream") or False
+    if stream and output.prompt_logprobs:  # (vLLM's chat refuses them streamed too)
+        raise bad_request("prompt_logprobs", "is only answered whole, not streamed")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:

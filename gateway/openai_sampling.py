@@ -45,7 +45,7 @@ def parse_engine_sampling(body: dict, chat: bool, defaults: SamplingDefaults, ec
         raise bad_request("min_tokens", f"must be >= 0, got {min_tokens}")
     logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     return EngineSampling(min_p, min_tokens, repetition, penalties["presence_penalty"],
-                          penalties["frequency_penalty"], logprobs, logprobs if echo else None)
+                          penalties["frequency_penalty"], logprobs, _prompt_logprobs(body, logprobs if echo else None))
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int, max_param: str) -> None:
@@ -63,6 +63,19 @@ def _completion_logprobs(body: dict) -> int | None:
     n = integer(body, "logprobs", 0)
     if not 0 <= n <= MAX_LOGPROBS:
         raise bad_request("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {n}")
+    return n
+
+
+def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
+    """The prompt's log-probabilities: vLLM's ``prompt_logprobs: N`` (each prompt token's and the N most likely), or
+    ``echoed``'s (completions' echo with logprobs); both asked for, they must agree (one set is computed)."""
+    if body.get("prompt_logprobs") is None:
+        return echoed
+    n = integer(body, "prompt_logprobs")
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {n}")
+    if echoed is not None and echoed != n:
+        raise bad_request("prompt_logprobs", f"must equal logprobs ({echoed}) when echo asks for the prompt's too, got {n}")
     return n
 
 

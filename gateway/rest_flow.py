@@ -22,6 +22,7 @@ from gateway.admission import read_body
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError
 from gateway.choices import Choices
 from gateway.generation import Delta, GenerationStream, SpanUsage
+from gateway.logprobs_shape import vllm_prompt_logprobs
 from gateway.openai_extras import choice_seed
 from gateway.openai_params import Limits, OpenAIRequest, parse_chat, parse_completion, parse_json
 from gateway.request import OFFLOAD_PARSE_BYTES
@@ -131,7 +132,10 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
                                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await _unless_disconnected(request, choices.collect())
         scope.finish(200)
-        return JSONResponse(shape.response(results, choices.usage))
+        answer = shape.response(results, choices.usage)
+        if params.options.prompt_logprobs:
+            _add_prompt_logprobs(answer, results, params, functools.partial(_token_text, gw.tokenizer))
+        return JSONResponse(answer)
     except BaseException as e:
         if choices is not None:  # frees the verifier's requests; first, as an aborted generation writes on the span
             choices.cancel()
@@ -168,6 +172,17 @@ def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arr
             streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
                                             gw.request_log, span_usage=usage, counts_prompt=j == 0))
     return Choices(streams, per_prompt=n)
+
+
+def _add_prompt_logprobs(answer: dict, results: list, params: OpenAIRequest, token_text) -> None:
+    """vLLM's ``prompt_logprobs``: on each completion choice (its prompt's), on a chat answer itself."""
+    prompt_ids = [part.generation.prompt_ids for part in params.prompts for _ in range(params.options.n)]
+    lists = [vllm_prompt_logprobs(token_text, ids, r.prompt_logprobs or []) for ids, r in zip(prompt_ids, results)]
+    if answer["object"] == "chat.completion":
+        answer["prompt_logprobs"] = lists[0]
+    else:
+        for choice, listed in zip(answer["choices"], lists):
+            choice["prompt_logprobs"] = listed
 
 
 def _token_text(tokenizer, token: int) -> str:

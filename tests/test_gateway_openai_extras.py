@@ -373,7 +373,7 @@ def test_n_out_of_range_is_refused(stack, n):
 # ---- fields still refused -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "prompt_logprobs", 1), ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 21), ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", "no"),
     ("/v1/completions", "include_stop_str_in_output", 1),
     ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a", "b"]),

@@ -173,3 +173,44 @@ def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs_alone(stack,
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(prompt)
     r = httpx.post(f"{stack.url}/v1/completions", json={**body, "echo": False}, timeout=10)  # (without echo: refused)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def _vllm_prompt_entries(tok, prompt: list[int], k: int) -> list:
+    """vLLM's prompt_logprobs for the fake verifier's prompt scores (token i at position 100 + i)."""
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    out = [None]
+    for i, t in enumerate(prompt[1:], 1):
+        e = fake_logprobs(t, 100 + i, k, vocab_size())
+        tops = {tid: (max(v, -9999.0), r + 1) for r, (tid, v) in enumerate(zip(e.top_token_ids, e.top_logprobs))}
+        here = {t: tops.get(t, (e.logprob, None)), **tops}
+        out.append({str(tid): {"logprob": pytest.approx(v), "rank": rank, "decoded_token": text(tid)}
+                    for tid, (v, rank) in here.items()})
+    return out
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllms_prompt_logprobs(stack, tok, path):
+    """vLLM's prompt_logprobs: N — per prompt token after the first its own and the N most likely, keyed by token id,
+    with rank; on each completion choice, on a chat answer; refused streamed, and beside echo's only when they agree."""
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    r = httpx.post(f"{stack.url}{path}", json={**body, "max_tokens": 2, "prompt_logprobs": 2}, timeout=10).json()
+    sent = stack.fake.requests[-1]
+    assert sent.sampling.prompt_logprobs == 2 and not sent.sampling.HasField("logprobs")
+    want = _vllm_prompt_entries(tok, list(sent.prompt_token_ids), 2)
+    if path == "/v1/completions":
+        assert r["choices"][0]["prompt_logprobs"] == want and r["choices"][0]["logprobs"] is None
+    else:
+        assert r["prompt_logprobs"] == want and r["choices"][0]["logprobs"] is None
+    # N = 0: each prompt token alone, its rank unknown (the verifier reports the top N, not every token's rank)
+    r = httpx.post(f"{stack.url}{path}", json={**body, "max_tokens": 1, "prompt_logprobs": 0}, timeout=10).json()
+    listed = r["choices"][0]["prompt_logprobs"] if path == "/v1/completions" else r["prompt_logprobs"]
+    prompt = list(stack.fake.requests[-1].prompt_token_ids)
+    assert listed[0] is None and [list(p) for p in listed[1:]] == [[str(t)] for t in prompt[1:]]
+    assert all(p[str(t)]["rank"] is None for p, t in zip(listed[1:], prompt[1:]))
+    streamed = httpx.post(f"{stack.url}{path}", json={**body, "prompt_logprobs": 1, "stream": True}, timeout=10)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    if path == "/v1/completions":
+        both = {**body, "max_tokens": 2, "echo": True, "logprobs": 1}
+        assert httpx.post(f"{stack.url}{path}", json={**both, "prompt_logprobs": 1}, timeout=10).status_code == 200
+        r = httpx.post(f"{stack.url}{path}", json={**both, "prompt_logprobs": 2}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
