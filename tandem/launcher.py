@@ -81,6 +81,8 @@ class Child:
         # the gateway was draining were cut by the verifier's own stop.
         if self.name != "gateway":  # (only the gateway checks the API key: no other service's environment holds it)
             env = {k: v for k, v in env.items() if k != shared.API_KEY_ENV}
+        if env.get("OTEL_SERVICE_NAME"):  # one name for the stack: each service's traces still told apart
+            env = {**env, "OTEL_SERVICE_NAME": f"{env['OTEL_SERVICE_NAME']}-{self.name}"}
         self.proc = subprocess.Popen(self.argv, env={**env, LAUNCHER_PID_ENV: str(os.getpid())}, start_new_session=True)
         self.started_at, self.restart_at, self.healthy_at = time.monotonic(), None, None
 

@@ -119,6 +119,20 @@ def test_only_the_gateway_is_given_the_api_key(monkeypatch):
     assert [API_KEY_ENV in seen[name] for name in ("drafter", "verifier", "gateway")] == [False, False, True]
 
 
+def test_one_service_name_for_the_stack_names_each_service_apart(monkeypatch):
+    """(OTEL_SERVICE_NAME given to tandem up, by an operator's injection say: each service's spans still told apart.)"""
+    from tandem import launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
+    for name in ("drafter", "verifier", "gateway"):
+        launcher.Child(name, [name]).start({"PATH": "/bin", "OTEL_SERVICE_NAME": "chat-prod"})
+    assert [seen[name]["OTEL_SERVICE_NAME"] for name in ("drafter", "verifier", "gateway")] == [
+        "chat-prod-drafter", "chat-prod-verifier", "chat-prod-gateway"]
+    launcher.Child("gateway", ["gateway"]).start({"PATH": "/bin"})
+    assert "OTEL_SERVICE_NAME" not in seen["gateway"]  # (unset: each service's default name)
+
+
 @pytest.mark.parametrize("service", ["verifier", "drafter", "gateway"])
 def test_each_service_asks_for_its_parent_death_signal_first(service, monkeypatch):
     import importlib
