@@ -112,11 +112,13 @@ class VerifierService:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
-                yield self._response(rid, request, out, produced)
+                response = self._response(rid, request, out, produced)
+                if finished:  # (ended before the last message goes: the caller's span, ended on it, stays the parent
+                    _end(span, produced)  # that outlasts this one)
+                yield response
                 sent_at = aio_loop.time()
         finally:
-            span.set_attribute("tandem.completion_tokens", produced)
-            span.end()
+            _end(span, produced)
             if not finished:  # client went away or cancelled: free the request's KV next round (only this
                 self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
 
@@ -183,6 +185,13 @@ class VerifierService:
 # The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the
 # gateway takes messages of at most 16 MiB (gateway/upstream.py).
 MAX_COALESCED_TOKENS = 1024
+def _end(span, produced: int) -> None:
+    """End the request's span once (a second end would be the SDK's warning)."""
+    if span.is_recording():
+        span.set_attribute("tandem.completion_tokens", produced)
+        span.end()
+
+
 MAX_MESSAGE_INTERVAL_US = 1_000_000  # GenerateRequest.message_interval_us: a stream waits at most this long
 
 
