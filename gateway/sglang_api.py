@@ -102,13 +102,14 @@ def _parser(gw: GatewayContext):
             parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
-        asked = logprob_request(body)
-        if asked is not None and asked.start is not None:
-            shortest = min(len(part.generation.prompt_ids) for part in parsed.prompts)
-            if asked.start >= shortest:  # (SGLang refuses it too)
-                raise bad_request("logprob_start_len", f"must be less than the prompt's length ({shortest} tokens), "
-                                                       f"got {asked.start}")
-        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed), sglang_logprobs=asked)
+        asked = logprob_requests(body, len(parsed.prompts))
+        for part, mine in zip(parsed.prompts, asked):
+            length = len(part.generation.prompt_ids)
+            if mine is not None and mine.start is not None and mine.start >= length:  # (SGLang refuses it too)
+                raise bad_request("logprob_start_len", f"must be less than the prompt's length ({length} tokens), "
+                                                       f"got {mine.start}")
+        return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed),
+                                   sglang_logprobs=asked if any(asked) else None)
 
     return parse
 
@@ -139,10 +140,12 @@ def completion_body(body: dict) -> dict:
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
     completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
-    asked = logprob_request(body)
-    if asked is not None:  # the completion path's logprobs: N; its echo gives the prompt's (no prompt text here)
-        completion["logprobs"] = asked.top
-        completion["echo"] = asked.needs_prompt_logprobs
+    batch = text if isinstance(text, list) else ids if ids is not None and isinstance(ids[0], list) else None
+    prompts = 1 if batch is None else len(batch)
+    asked = [a for a in logprob_requests(body, prompts) if a is not None]
+    if asked:  # the completion path's logprobs: N (the most any prompt asks); its echo gives the prompt's (no text here)
+        completion["logprobs"] = max(a.top for a in asked)
+        completion["echo"] = any(a.needs_prompt_logprobs for a in asked)
     if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
         if completion.get("min_tokens"):  # (checked here: that request asks the verifier for one token)
             raise bad_request("sampling_params.min_new_tokens", "must be at most max_new_tokens (0)")
@@ -150,17 +153,33 @@ def completion_body(body: dict) -> dict:
     return {**completion, "prompt": text if text is not None else ids, "stream": body.get("stream", False)}
 
 
-def logprob_request(body: dict) -> LogprobRequest | None:
-    """``return_logprob``'s settings, each checked (None: not asked for)."""
-    if not flag(body, "return_logprob", False):
-        return None
-    top = integer(body, "top_logprobs_num", 0)
-    if not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
-    start = integer(body, "logprob_start_len", -1)
-    if start < -1:
-        raise bad_request("logprob_start_len", f"must be -1 (no prompt log-probabilities) or a prompt position, got {start}")
-    return LogprobRequest(top, None if start == -1 else start, flag(body, "return_text_in_logprobs", False))
+def logprob_requests(body: dict, prompts: int) -> tuple[LogprobRequest | None, ...]:
+    """``return_logprob``'s settings for each of the batch's ``prompts``, each checked (None: not asked for). As SGLang
+    takes them, ``return_logprob``, ``top_logprobs_num`` and ``logprob_start_len`` are each one value for all or a
+    list of one per prompt."""
+    def each(name: str, default) -> list:
+        value = body.get(name)
+        if not isinstance(value, list):
+            return [{name: value}] * prompts
+        if len(value) != prompts:
+            raise bad_request(name, f"has {len(value)} values for {prompts} prompts")
+        return [{name: v} for v in value]
+
+    asked = []
+    for on, top, start in zip(each("return_logprob", False), each("top_logprobs_num", 0),
+                              each("logprob_start_len", -1)):
+        if not flag(on, "return_logprob", False):
+            asked.append(None)
+            continue
+        top = integer(top, "top_logprobs_num", 0)
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        start = integer(start, "logprob_start_len", -1)
+        if start < -1:
+            raise bad_request("logprob_start_len", f"must be -1 (the prompt's last token) or a prompt position, "
+                                                   f"got {start}")
+        asked.append(LogprobRequest(top, None if start == -1 else start, flag(body, "return_text_in_logprobs", False)))
+    return tuple(asked)
 
 
 def answer_ids(rid, parsed: OpenAIRequest) -> tuple[str, ...]:
@@ -210,14 +229,15 @@ class GenerateShape(CompletionShape):
         # per generation: its text and ids so far (each streamed event carries them all, as SGLang's default streaming)
         self._texts = [""] * self.n
         self._output_ids: list[list[int]] = [[] for _ in range(self.n)]
-        self._asked: LogprobRequest | None = None  # return_logprob's settings (follow)
-        self._lists: list[LogprobLists] = []  # per generation, with return_logprob: its lists so far
+        self._asked: tuple[LogprobRequest | None, ...] = ()  # return_logprob's settings, per prompt (follow)
+        self._per_prompt = 1  # generations per prompt (n)
+        self._lists: list[LogprobLists | None] = []  # per generation, with return_logprob: its lists so far
 
     def follow(self, choices: Choices, request: OpenAIRequest) -> None:
         self.streams, self.listed = choices.streams, self.n > 1 or request.batched
         self._ids = request.answer_ids or tuple(stream.request.request_id for stream in self.streams)
-        self._asked = request.sglang_logprobs
-        if self._asked is not None:
+        self._asked, self._per_prompt = request.sglang_logprobs or (), request.options.n
+        if self._asked:
             self._lists = [self._new_lists(i) for i in range(self.n)]
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
@@ -229,8 +249,7 @@ class GenerateShape(CompletionShape):
         out = {"text": self._texts[index], "output_ids": list(self._output_ids[index]),
                "meta_info": self._meta(index, delta.finish_reason, delta.prompt_tokens, delta.completion_tokens,
                                        delta.cached_tokens, _matched(delta.stop_reason, delta.stop_token))}
-        if self._lists:
-            lists = self._lists[index]
+        if self._lists and (lists := self._lists[index]) is not None:
             lists.add(delta.token_ids, delta.logprobs or [])
             if delta.prompt_logprobs is not None:
                 lists.set_prompt(delta.prompt_logprobs)
@@ -243,8 +262,7 @@ class GenerateShape(CompletionShape):
             counts = self.streams[i].usage
             meta = self._meta(i, r.finish_reason, counts["prompt_tokens"], counts["completion_tokens"],
                               counts["prompt_tokens_details"]["cached_tokens"], _matched(r.stop_reason, r.stop_token))
-            if self._asked is not None:
-                lists = self._new_lists(i)
+            if self._asked and (lists := self._new_lists(i)) is not None:
                 lists.add(r.token_ids, r.logprobs or [])
                 if r.prompt_logprobs is not None:
                     lists.set_prompt(r.prompt_logprobs)
@@ -252,8 +270,9 @@ class GenerateShape(CompletionShape):
             outs.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
         return outs if self.listed else outs[0]
 
-    def _new_lists(self, index: int) -> LogprobLists:
-        return LogprobLists(self._asked, self.logprobs.token_text, self.logprobs.prompt_ids[index])
+    def _new_lists(self, index: int) -> LogprobLists | None:
+        asked = self._asked[index // self._per_prompt]  # (a prompt's generations follow each other)
+        return None if asked is None else LogprobLists(asked, self.logprobs.token_text, self.logprobs.prompt_ids[index])
 
     def _meta(self, index: int, finish: str | None, prompt: int, completion: int, cached: int,
               matched: str | int | None) -> dict:

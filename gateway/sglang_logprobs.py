@@ -49,7 +49,8 @@ class LogprobLists:
                 self._token_text(token) if self.asked.with_text else None]
 
     def _tops(self, e) -> list:
-        return [self._entry(v, t) for t, v in zip(e.top_token_ids, e.top_logprobs)]
+        # (the verifier computed the most any prompt of the batch asked for: this one's N first)
+        return [self._entry(v, t) for t, v in list(zip(e.top_token_ids, e.top_logprobs))[:self.asked.top]]
 
     def add(self, token_ids: Sequence[int], entries: Sequence) -> None:
         """Generated tokens and their TokenLogprobs, one each."""

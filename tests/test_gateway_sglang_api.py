@@ -248,3 +248,26 @@ def test_a_prompt_is_scored_with_max_new_tokens_0(stack, ref):
     assert (out["output_ids"], meta["output_token_logprobs"]) == ([], [])
     assert [lp for lp, _, _ in meta["input_token_logprobs"]] == [None] + [
         pytest.approx(-(100 + i + 1) / 10) for i in range(1, len(ids))]
+
+
+def test_logprob_settings_may_differ_by_prompt_in_a_batch(stack, ref):
+    """As SGLang takes them: return_logprob, top_logprobs_num and logprob_start_len one value for all or one per
+    prompt; each answer shows what its prompt asked for (the verifier computes the most any asked)."""
+    prompts = [PROMPT, "import os\n", "x = 1"]
+    body = {"text": prompts, "sampling_params": {"max_new_tokens": 3}, "return_logprob": [True, True, False],
+            "top_logprobs_num": [2, 0, 0], "logprob_start_len": [0, -1, 0]}
+    answers = _generate(stack, body).json()
+    sent = stack.fake.requests[-3:]
+    assert [s.sampling.logprobs for s in sent] == [2, 2, 2] and all(s.sampling.prompt_logprobs == 2 for s in sent)
+    first, second, third = (a["meta_info"] for a in answers)
+    assert [len(t) for t in first["output_top_logprobs"]] == [2, 2, 2]
+    assert len(first["input_token_logprobs"]) == len(ref.encode(PROMPT).ids) and first["input_token_logprobs"][0][0] is None
+    ids = ref.encode("import os\n").ids
+    assert second["input_token_logprobs"] == [[None, ids[-1], None]] and "output_top_logprobs" not in second
+    assert len(second["output_token_logprobs"]) == 3
+    assert not any("logprobs" in key for key in third)
+    r = _generate(stack, {**body, "top_logprobs_num": [1, 2]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num" and "2 values for 3" in r.text
+    one = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+                            "logprob_start_len": [0]}).json()["meta_info"]  # (a one-prompt list, for one prompt)
+    assert one["input_token_logprobs"][0] == [None, ref.encode(PROMPT).ids[0], None]
