@@ -30,6 +30,7 @@ from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_cache
 from tandem import tracing
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
+from tandem.sampling_limits import MAX_LOGPROBS
 from tandem.service_runtime import GRPC_SERVER_OPTIONS, listen, set_health
 
 if TYPE_CHECKING:
@@ -81,6 +82,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     request_id=generation.request_id, text=d.text, token_ids=d.token_ids,
                     finish_reason=d.finish_reason or "", prompt_tokens=d.prompt_tokens,
                     completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens)
+                for entry in d.logprobs or ():
+                    message.logprobs.add(logprob=entry.logprob, top_token_ids=entry.top_token_ids,
+                                         top_logprobs=entry.top_logprobs)
                 if isinstance(d.stop_reason, str):
                     message.stop_string = d.stop_reason
                 elif d.stop_reason is not None:
@@ -163,6 +167,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_min_tokens(engine.min_tokens, max_tokens, "max_tokens")
         check_stop_token_ids(r.stop_token_ids, info.vocab_size)
         skip_special = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
+        if r.HasField("logprobs"):
+            if r.logprobs > MAX_LOGPROBS:
+                raise bad_request("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {r.logprobs}")
+            engine = dataclasses.replace(engine, logprobs=r.logprobs)
         return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
                                  tuple(r.stop), tuple(r.stop_token_ids), r.ignore_eos, skip_special,
                                  r.include_stop_str_in_output, **dataclasses.asdict(engine),

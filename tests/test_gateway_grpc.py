@@ -93,6 +93,25 @@ def test_stop_token_ids_and_what_stopped_the_generation(stack, stub, monkeypatch
         assert "".join(r.text for r in replies) == stack.tok.decode(whole[:3])
 
 
+def test_logprobs_come_with_their_tokens(stack, stub):
+    """One TokenLogprob per token id of each message: the verifier's (tests/fake_verifier.fake_logprobs), as over REST;
+    none unless asked, and the verifier asked for none."""
+    from fake_verifier import fake_logprobs
+
+    replies = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8]), max_tokens=6, logprobs=2),
+                                 timeout=10))
+    assert stack.fake.requests[-1].sampling.logprobs == 2
+    tokens = [t for r in replies for t in r.token_ids]
+    assert all(len(r.logprobs) == len(r.token_ids) for r in replies)
+    got = [e for r in replies for e in r.logprobs]
+    want = [fake_logprobs(t, i, 2, stack.fake.vocab_size) for i, t in enumerate(tokens)]
+    assert [e.logprob for e in got] == pytest.approx([w.logprob for w in want])
+    assert [list(e.top_token_ids) for e in got] == [list(w.top_token_ids) for w in want]
+    assert [list(e.top_logprobs) for e in got] == [pytest.approx(list(w.top_logprobs)) for w in want]
+    plain = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, 8]), max_tokens=3), timeout=10))
+    assert not any(r.logprobs for r in plain) and not stack.fake.requests[-1].sampling.HasField("logprobs")
+
+
 @pytest.mark.parametrize("req,field", [
     (pb.GenerateRequest(max_tokens=3), "prompt"),
     (pb.GenerateRequest(text="", max_tokens=3), "text"),
@@ -111,6 +130,7 @@ def test_stop_token_ids_and_what_stopped_the_generation(stack, stub, monkeypatch
     (pb.GenerateRequest(text="hi", max_tokens=3, frequency_penalty=3), "frequency_penalty"),
     (pb.GenerateRequest(text="hi", max_tokens=3, stop_token_ids=[99999]), "stop_token_ids"),
     (pb.GenerateRequest(text="hi", max_tokens=3, stop_token_ids=[5] * 257), "stop_token_ids"),
+    (pb.GenerateRequest(text="hi", max_tokens=3, logprobs=21), "logprobs"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
     with pytest.raises(grpc.RpcError) as e:

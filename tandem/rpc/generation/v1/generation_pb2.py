@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)tandem/rpc/generation/v1/generation.proto\x12\x18tandem.rpc.generation.v1\"\xc5\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x37\n\ttoken_ids\x18\x03 \x01(\x0b\x32\".tandem.rpc.generation.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x12\n\ncache_salt\x18\x10 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\x05H\x00\x42\r\n\x0bstop_reason2q\n\nGeneration\x12\x63\n\x08Generate\x12).tandem.rpc.generation.v1.GenerateRequest\x1a*.tandem.rpc.generation.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)tandem/rpc/generation/v1/generation.proto\x12\x18tandem.rpc.generation.v1\"\xe9\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x37\n\ttoken_ids\x18\x03 \x01(\x0b\x32\".tandem.rpc.generation.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x12\n\ncache_salt\x18\x10 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\x05H\x00\x12\x38\n\x08logprobs\x18\n \x03(\x0b\x32&.tandem.rpc.generation.v1.TokenLogprobB\r\n\x0bstop_reason\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x32q\n\nGeneration\x12\x63\n\x08Generate\x12).tandem.rpc.generation.v1.GenerateRequest\x1a*.tandem.rpc.generation.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.rpc.generation.v1.ge
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=72
-  _globals['_GENERATEREQUEST']._serialized_end=653
-  _globals['_TOKENIDS']._serialized_start=655
-  _globals['_TOKENIDS']._serialized_end=678
-  _globals['_GENERATERESPONSE']._serialized_start=681
-  _globals['_GENERATERESPONSE']._serialized_end=911
-  _globals['_GENERATION']._serialized_start=913
-  _globals['_GENERATION']._serialized_end=1026
+  _globals['_GENERATEREQUEST']._serialized_end=689
+  _globals['_TOKENIDS']._serialized_start=691
+  _globals['_TOKENIDS']._serialized_end=714
+  _globals['_GENERATERESPONSE']._serialized_start=717
+  _globals['_GENERATERESPONSE']._serialized_end=1005
+  _globals['_TOKENLOGPROB']._serialized_start=1007
+  _globals['_TOKENLOGPROB']._serialized_end=1083
+  _globals['_GENERATION']._serialized_start=1085
+  _globals['_GENERATION']._serialized_end=1198
 # @@protoc_insertion_point(module_scope)
