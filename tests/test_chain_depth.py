@@ -489,3 +489,25 @@ def test_a_depth_a_trial_found_far_behind_is_timed_again_ever_more_rarely(monkey
     fixed_trials = picks[1] + picks[2]
     assert spaced_trials < 0.4 * fixed_trials, (spaced_trials, fixed_trials)
     assert spaced >= 0.995 * fixed
+
+
+def test_a_depth_timed_on_one_step_is_timed_by_a_trial_before_it_is_chosen():
+    """Served over REST, one step read a chain of 1 at 0.13 ms a round at bucket 4 where its rounds took over 1 ms, and
+    the bucket switched to it at once. A time resting on fewer than MIN_TIMED_STEPS steps is unknown: a trial of that
+    depth times it first, and with its true cost the full chain stays."""
+    from tandem.speculative.chain_depth import MIN_TIMED_STEPS
+
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    policy.chain_spec(4, CHAIN)
+    _rounds(policy.depth, [0.9, 0.9, 0.8], 3, 4000, random.Random(3))
+    for _ in range(policy.cfg.step_samples):
+        for width in (3, 4):
+            policy.observe_step(4, True, 4, 4 * 1.0e-3, width=width)
+    policy.observe_step(4, True, 4, 4 * 0.13e-3, width=2)  # (one step, read far too fast)
+    assert RoundTimes(policy, 4, chain_ladder(CHAIN)).weighed_on(2) < MIN_TIMED_STEPS
+    picks = []
+    for _ in range(TRIAL_STEPS + 8):
+        depth = policy.chain_spec(4, CHAIN).num_steps
+        picks.append(depth)
+        policy.observe_step(4, True, 4, 4 * 1.0e-3, width=depth + 1)  # (what a round of each width really costs)
+    assert picks[:TRIAL_STEPS] == [1] * TRIAL_STEPS and set(picks[TRIAL_STEPS:]) == {3}, picks

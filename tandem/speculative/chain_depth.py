@@ -48,6 +48,9 @@ MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed
 SWITCH_PRICE_STEPS = 1.0
 NOISE_Z = 2.0  # a depth's lead must exceed this many standard errors of the two round times' ratio
 UNMEASURED_TRIALS = 3  # trials in a row of a depth whose round time is unknown at a bucket before it is given up there
+# A depth's round time resting on fewer timed steps is unknown (a trial times it): on the demo pair over REST one step
+# read a chain of 1 at 0.13 ms a round where its rounds took 1.1-1.6 ms, and the bucket switched to it
+MIN_TIMED_STEPS = 3
 # Steps a trial drafts at that depth: the engine leaves the two steps around a change of depth untimed
 TRIAL_STEPS = 6
 # A depth whose trial found it this far behind the bucket's best (in tokens a second) is timed again only after twice
@@ -134,9 +137,10 @@ class ChainDepth:
             return self._run(self.full)
         self._due[bucket] = self.recheck_every - 1
         rates = {}
+        counted = getattr(round_time, "weighed_on", None)
         for depth in range(1, self.full + 1):
             seconds = round_time(depth + 1)
-            if seconds:
+            if seconds and (counted is None or counted(depth + 1) >= MIN_TIMED_STEPS):
                 self._tried.pop((bucket, depth), None)
                 rates[depth] = self.tokens_per_round(depth) / seconds
             elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # a trial times it
