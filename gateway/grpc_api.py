@@ -24,13 +24,12 @@ from gateway.admission import STREAM_SEND_TIMEOUT_S
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_request
 from gateway.generation import GenerationStream
-from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
+from gateway.openai_sampling import check_logprobs_count, check_min_tokens, parse_engine_sampling
 from gateway.request import (OFFLOAD_PARSE_BYTES, GenerationRequest, check_cache_salt, check_model, check_prompt_ids,
                              check_sampling, check_stop_token_ids, resolve_max_tokens)
 from tandem import tracing
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.generation.v1 import generation_pb2, generation_pb2_grpc
-from tandem.sampling_limits import MAX_LOGPROBS
 from tandem.service_runtime import GRPC_SERVER_OPTIONS, listen, set_health
 
 if TYPE_CHECKING:
@@ -123,7 +122,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             gw.metrics.count_request("grpc", status)
             span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
             if error is not None:
-                tracing.end_refused_or_failed(span, error, server_fault=status in tracing.GRPC_SERVER_FAULTS)
+                tracing.end_rpc_unsuccessful(span, status, error)
             span.end()
 
     async def _write(self, context: grpc.aio.ServicerContext, message) -> None:
@@ -168,9 +167,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_stop_token_ids(r.stop_token_ids, info.vocab_size)
         skip_special = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
         if r.HasField("logprobs"):
-            if r.logprobs > MAX_LOGPROBS:
-                raise bad_request("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {r.logprobs}")
-            engine = dataclasses.replace(engine, logprobs=r.logprobs)
+            engine = dataclasses.replace(engine, logprobs=check_logprobs_count(r.logprobs, "logprobs"))
         return GenerationRequest(f"gen-{uuid.uuid4().hex}", tuple(ids), max_tokens, temperature, top_p, top_k, seed,
                                  tuple(r.stop), tuple(r.stop_token_ids), r.ignore_eos, skip_special,
                                  r.include_stop_str_in_output, **dataclasses.asdict(engine),

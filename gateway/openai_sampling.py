@@ -53,6 +53,13 @@ def check_min_tokens(min_tokens: int, max_tokens: int, max_param: str) -> None:
         raise bad_request("min_tokens", f"must be at most {max_param} ({max_tokens}), got {min_tokens}")
 
 
+def check_logprobs_count(n: int, param: str) -> int:
+    """``n`` most likely tokens a position, within what the engine reports (a 400 naming ``param`` beyond)."""
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request(param, f"must be in [0, {MAX_LOGPROBS}], got {n}")
+    return n
+
+
 def _completion_logprobs(body: dict) -> int | None:
     """Completions: ``logprobs: N`` — the token's log-probability and the N most likely (0: the token's only)."""
     if body.get("top_logprobs") is not None:
@@ -60,10 +67,7 @@ def _completion_logprobs(body: dict) -> int | None:
     v = body.get("logprobs")
     if v is None or v is False:  # false: what some clients send for "none"
         return None
-    n = integer(body, "logprobs", 0)
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise bad_request("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {n}")
-    return n
+    return check_logprobs_count(integer(body, "logprobs", 0), "logprobs")
 
 
 def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
@@ -71,9 +75,7 @@ def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
     ``echoed``'s (completions' echo with logprobs); both asked for, they must agree (one set is computed)."""
     if body.get("prompt_logprobs") is None:
         return echoed
-    n = integer(body, "prompt_logprobs")
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise bad_request("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {n}")
+    n = check_logprobs_count(integer(body, "prompt_logprobs"), "prompt_logprobs")
     if echoed is not None and echoed != n:
         raise bad_request("prompt_logprobs", f"must equal logprobs ({echoed}) when echo asks for the prompt's too, got {n}")
     return n
@@ -86,9 +88,7 @@ def _chat_logprobs(body: dict) -> int | None:
         raise bad_request("logprobs", f"must be true or false, got {json.dumps(on)[:40]}")
     top = body.get("top_logprobs")
     if top is not None:
-        top = integer(body, "top_logprobs", 0)
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise bad_request("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        top = check_logprobs_count(integer(body, "top_logprobs", 0), "top_logprobs")
         if not on:
             raise bad_request("top_logprobs", "needs logprobs set to true")
     return (top or 0) if on else None

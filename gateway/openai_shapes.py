@@ -103,6 +103,12 @@ class CompletionShape:
         return bool(delta.text or delta.finish_reason is not None or delta.logprobs
                     or (self.prompt_ids is not None and delta.token_ids))
 
+    def with_prompt_logprobs(self, answer: dict, per_choice: list) -> dict:
+        """The whole ``answer`` with vLLM's ``prompt_logprobs`` (one list per choice): on each completion choice."""
+        for choice, listed in zip(answer["choices"], per_choice):
+            choice["prompt_logprobs"] = listed
+        return answer
+
     def _with_usage(self, chunk: dict) -> dict:
         # With include_usage, OpenAI puts "usage": null on every chunk but the final usage chunk.
         if self.include_usage:
@@ -167,6 +173,10 @@ class ChatShape(CompletionShape):
             choice["token_ids"] = list(r.token_ids)
         return {**self._head("chat.completion"), "choices": choices, "usage": usage,
                 "prompt_token_ids": self.prompt_ids[0]}
+
+    def with_prompt_logprobs(self, answer: dict, per_choice: list) -> dict:
+        answer["prompt_logprobs"] = per_choice[0]  # (vLLM's: the conversation's, on the answer itself)
+        return answer
 
 
 class _StalledClient(Exception):

@@ -134,7 +134,9 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         scope.finish(200)
         answer = shape.response(results, choices.usage)
         if params.options.prompt_logprobs:
-            _add_prompt_logprobs(answer, results, params, functools.partial(_token_text, gw.tokenizer))
+            token_text = functools.partial(_token_text, gw.tokenizer)
+            answer = shape.with_prompt_logprobs(answer, [vllm_prompt_logprobs(token_text, ids, r.prompt_logprobs or [])
+                                                         for (_, ids), r in zip(prompts, results)])
         return JSONResponse(answer)
     except BaseException as e:
         if choices is not None:  # frees the verifier's requests; first, as an aborted generation writes on the span
@@ -172,17 +174,6 @@ def _start_choices(gw: GatewayContext, params: OpenAIRequest, scope: _Scope, arr
             streams.append(GenerationStream(generation, gw.client, decode, gw.metrics, scope.span, arrival, eos,
                                             gw.request_log, span_usage=usage, counts_prompt=j == 0))
     return Choices(streams, per_prompt=n)
-
-
-def _add_prompt_logprobs(answer: dict, results: list, params: OpenAIRequest, token_text) -> None:
-    """vLLM's ``prompt_logprobs``: on each completion choice (its prompt's), on a chat answer itself."""
-    prompt_ids = [part.generation.prompt_ids for part in params.prompts for _ in range(params.options.n)]
-    lists = [vllm_prompt_logprobs(token_text, ids, r.prompt_logprobs or []) for ids, r in zip(prompt_ids, results)]
-    if answer["object"] == "chat.completion":
-        answer["prompt_logprobs"] = lists[0]
-    else:
-        for choice, listed in zip(answer["choices"], lists):
-            choice["prompt_logprobs"] = listed
 
 
 def _token_text(tokenizer, token: int) -> str:

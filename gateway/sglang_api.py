@@ -31,11 +31,11 @@ from fastapi.responses import Response
 from gateway.body_fields import flag, integer
 from gateway.errors import UNAVAILABLE, GatewayError, bad_request
 from gateway.openai_params import Limits, OpenAIRequest, parse_completion
+from gateway.openai_sampling import check_logprobs_count
 from gateway.openai_shapes import CompletionShape
 from gateway.request import GenerationRequest
 from gateway.rest_flow import error_response, generate
 from gateway.sglang_logprobs import LogprobLists, LogprobRequest
-from tandem.sampling_limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from gateway.choices import ChoiceResult, Choices
@@ -171,9 +171,7 @@ def logprob_requests(body: dict, prompts: int) -> tuple[LogprobRequest | None, .
         if not flag(on, "return_logprob", False):
             asked.append(None)
             continue
-        top = integer(top, "top_logprobs_num", 0)
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        top = check_logprobs_count(integer(top, "top_logprobs_num", 0), "top_logprobs_num")
         start = integer(start, "logprob_start_len", -1)
         if start < -1:
             raise bad_request("logprob_start_len", f"must be -1 (the prompt's last token) or a prompt position, "

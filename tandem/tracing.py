@@ -160,6 +160,11 @@ def end_refused_or_failed(span, message: str, server_fault: bool) -> None:
         span.set_attribute("tandem.refused", message)
 
 
+def end_rpc_unsuccessful(span, code: str, message: str) -> None:
+    """``end_refused_or_failed`` for a gRPC server span ended with status ``code`` (its name)."""
+    end_refused_or_failed(span, message, server_fault=code in GRPC_SERVER_FAULTS)
+
+
 def trace_id_hex(span) -> str:
     """The 32-hex-digit trace id of ``span`` (empty when not recording): for log lines."""
     if not OTEL_AVAILABLE or not span.get_span_context().is_valid:

@@ -125,7 +125,7 @@ class VerifierService:
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, span, code: grpc.StatusCode, error: Exception) -> None:
         """Abort with ``code``; the span in error only where the server failed (OpenTelemetry's RPC conventions)."""
-        tracing.end_refused_or_failed(span, str(error), server_fault=code.name in tracing.GRPC_SERVER_FAULTS)
+        tracing.end_rpc_unsuccessful(span, code.name, str(error))
         await context.abort(code, str(error))
 
     def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
