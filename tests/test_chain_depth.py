@@ -495,7 +495,7 @@ def test_a_depth_timed_on_one_step_is_timed_by_a_trial_before_it_is_chosen():
     """Served over REST, one step read a chain of 1 at 0.13 ms a round at bucket 4 where its rounds took over 1 ms, and
     the bucket switched to it at once. A time resting on fewer than MIN_TIMED_STEPS steps is unknown: a trial of that
     depth times it first, and with its true cost the full chain stays."""
-    from tandem.speculative.chain_depth import MIN_TIMED_STEPS
+    from tandem.speculative.step_costs import MIN_TIMED_STEPS
 
     policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
     policy.chain_spec(4, CHAIN)
@@ -511,3 +511,30 @@ def test_a_depth_timed_on_one_step_is_timed_by_a_trial_before_it_is_chosen():
         picks.append(depth)
         policy.observe_step(4, True, 4, 4 * 1.0e-3, width=depth + 1)  # (what a round of each width really costs)
     assert picks[:TRIAL_STEPS] == [1] * TRIAL_STEPS and set(picks[TRIAL_STEPS:]) == {3}, picks
+
+
+def test_a_trial_is_weighed_against_the_running_depths_steps_just_before_it_not_a_slow_spell_before_those():
+    """Served, step times drift in spells. At batch 1 every width costs about 0.55 ms a round (2.2 ms a step of 4
+    rounds), but the full chain's 16 latest steps hold 11 from a slow spell (4-31 ms, as an H100's log over REST showed)
+    before 5 normal ones; a trial of the chain of 2 then times 5 normal steps. Weighed against the full chain's whole
+    record it reads about twice as fast and the bucket switched to it; weighed against the full chain's steps just
+    before it (as many as the trial has), the two read alike and the full chain stays."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    policy.chain_spec(1, CHAIN)
+    _rounds(policy.depth, [0.9, 0.9, 0.8], 3, 4000, random.Random(3))
+    normal = [2.2, 1.65, 1.98, 2.29, 2.30, 2.33]
+    spell = [4.07, 4.47, 4.49, 4.94, 6.11, 7.93, 14.4, 20.5, 31.1, 5.4, 8.2]
+    for ms in normal:  # the chain of 1, timed long before
+        policy.observe_step(1, True, 4, 1.3 * ms / 1e3, width=2)
+    for ms in spell + normal[1:]:  # the running full chain
+        policy.observe_step(1, True, 4, ms / 1e3, width=4)
+    for ms in normal[1:]:  # a trial of the chain of 2, just now
+        policy.observe_step(1, True, 4, ms / 1e3, width=3)
+    times = RoundTimes(policy, 1, chain_ladder(CHAIN))
+    assert 0.85 < times(3) / times(4) < 1.15, (times(3), times(4))
+    picks = []
+    for _ in range(16):
+        depth = policy.chain_spec(1, CHAIN).num_steps
+        picks.append(depth)
+        policy.observe_step(1, True, 4, 2.2e-3, width=depth + 1)
+    assert set(picks) == {3}, picks

@@ -16,7 +16,10 @@ cost is the policy's measured round time at its width and batch bucket (of round
 depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
 engine that was not warmed up, a bucket the warm-up did not reach, or times too old to weigh against the running
 depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
-it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A bucket keeps its depth
+it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A depth shorter than the
+running one is taken only while its times are as recent as the running one's (right after its trial, weighed against
+the running depth's steps just before it: served, step times drift in spells, RoundTimes); a longer one at any weighing.
+A bucket keeps its depth
 unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
@@ -48,15 +51,13 @@ MIN_ROUNDS = 16.0  # (decayed) rounds observed before a shorter chain is weighed
 SWITCH_PRICE_STEPS = 1.0
 NOISE_Z = 2.0  # a depth's lead must exceed this many standard errors of the two round times' ratio
 UNMEASURED_TRIALS = 3  # trials in a row of a depth whose round time is unknown at a bucket before it is given up there
-# A depth's round time resting on fewer timed steps is unknown (a trial times it): on the demo pair over REST one step
-# read a chain of 1 at 0.13 ms a round where its rounds took 1.1-1.6 ms, and the bucket switched to it
-MIN_TIMED_STEPS = 3
 # Steps a trial drafts at that depth: the engine leaves the two steps around a change of depth untimed
 TRIAL_STEPS = 6
 # A depth whose trial found it this far behind the bucket's best (in tokens a second) is timed again only after twice
 # as many steps as before (up to TRIAL_SPACING_MAX times FRESH_STEPS); one within it, after FRESH_STEPS again
 FAR_BEHIND = 0.15
 TRIAL_SPACING_MAX = 8
+RETRIAL_GAP = 16  # weighings where a shorter depth's older times lead the running one's, between two trials of it
 
 
 def chain_ladder(spec) -> tuple:
@@ -91,6 +92,7 @@ class ChainDepth:
         # (bucket, depth) of trials whose outcome sets their spacing at the next weighing that measures every depth (one
         # that starts another depth's trial returns before it)
         self._judged: set[tuple[int, int]] = set()
+        self._retrial_gap: dict[tuple[int, int], int] = {}  # (bucket, depth) -> weighings before it is timed again
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -137,21 +139,14 @@ class ChainDepth:
             return self._run(self.full)
         self._due[bucket] = self.recheck_every - 1
         rates = {}
-        counted = getattr(round_time, "weighed_on", None)
         for depth in range(1, self.full + 1):
             seconds = round_time(depth + 1)
-            if seconds and (counted is None or counted(depth + 1) >= MIN_TIMED_STEPS):
+            if seconds:
                 self._tried.pop((bucket, depth), None)
                 rates[depth] = self.tokens_per_round(depth) / seconds
             elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # a trial times it
                 self._tried[bucket, depth] = self._tried.get((bucket, depth), 0) + 1
-                forget = getattr(round_time, "forget", None)
-                if forget is not None:  # (the trial's times alone: what is left of the old ones is as old)
-                    forget(depth + 1)
-                if TRIAL_STEPS > 1:
-                    self._trial[bucket] = (depth, TRIAL_STEPS - 1)
-                self._judged.add((bucket, depth))
-                return self._run(depth)
+                return self._start_trial(bucket, depth, round_time)
         self._space_trials(bucket, rates)
         incumbent = self._running if entered else held
         if incumbent not in rates:
@@ -168,6 +163,15 @@ class ChainDepth:
             margin += NOISE_Z * math.hypot(*(spread(d + 1) or 0.0 for d in (best, incumbent))) if spread else 0.0
             if dwelling or rates[best] < rates[incumbent] * (1 + margin):
                 best = incumbent
+            elif best < incumbent and not getattr(round_time, "recent", lambda width: True)(best + 1):
+                # A shorter chain's times older than the running one's: served, step times drift in spells, so it is
+                # timed again next to the running depth's latest steps before it is taken (once in RETRIAL_GAP such
+                # weighings)
+                left = self._retrial_gap.get((bucket, best), 0)
+                self._retrial_gap[bucket, best] = left - 1 if left else RETRIAL_GAP
+                if not left:
+                    return self._start_trial(bucket, best, round_time)
+                best = incumbent
         if best != incumbent:  # (an operator sees the policy shorten or lengthen its chains, not every weighing)
             self._dwelling[bucket] = self.dwell
             on = getattr(round_time, "weighed_on", None)
@@ -178,6 +182,15 @@ class ChainDepth:
                                for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
+
+    def _start_trial(self, bucket: int, depth: int, round_time):
+        forget = getattr(round_time, "forget", None)
+        if forget is not None:  # (the trial's times alone: what is left of the old ones is as old)
+            forget(depth + 1)
+        if TRIAL_STEPS > 1:
+            self._trial[bucket] = (depth, TRIAL_STEPS - 1)
+        self._judged.add((bucket, depth))
+        return self._run(depth)
 
     def trial_spacing(self, bucket: int) -> Callable[[int], int]:
         """Width -> timed steps at ``bucket`` after which that width, not served since, is timed again in a trial."""

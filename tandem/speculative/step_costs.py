@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 # Timed steps at a bucket after which a round width not served since reads unmeasured there (RoundTimes)
 FRESH_STEPS = 1024
+# A width's round time resting on fewer timed steps is unknown (RoundTimes; a trial times it): on the demo pair over
+# REST one step read a chain of 1 at 0.13 ms a round where its rounds took 1.1-1.6 ms, and the bucket switched to it
+MIN_TIMED_STEPS = 3
+RECENT_STEPS = 2  # a width timed within this many of a bucket's latest timed steps is current there (RoundTimes.recent)
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
@@ -33,7 +37,7 @@ def _round_kind(width: int | None) -> str:
 
 @dataclass
 class _StepTimes:
-    """A bucket's recent (seconds, steps) samples by kind — "plain", "spec", "resume" (speculative steps
+    """A bucket's recent (seconds, steps, serial) samples by kind — "plain", "spec", "resume" (speculative steps
     that first caught the drafter up) — and by whether they were runs (several steps queued at once) or
     single steps: arrivals cut runs short, and a short run costs more per step in one mode than the other,
     so costs are compared within one class where both modes have samples."""
@@ -42,7 +46,7 @@ class _StepTimes:
     def of(self, kind: str, run: bool | None = None) -> list:
         if run is not None:
             return list(self.samples.get((kind, run), ()))
-        return [s for r in (False, True) for s in self.samples.get((kind, r), ())]
+        return sorted((s for r in (False, True) for s in self.samples.get((kind, r), ())), key=lambda s: s[2])
 
 
 class StepCosts:
@@ -64,6 +68,7 @@ class StepCosts:
         self._served: dict[int, int] = {}  # bucket -> steps timed there while serving (not the warm-up's)
         self._last_served: dict[tuple[int, str], int] = {}  # (bucket, kind) -> _served there at its latest sample
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
+        self._serial = 0  # timed steps observed: orders samples of different kinds in time
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
         """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
@@ -99,7 +104,8 @@ class StepCosts:
             samples = times.samples.get((kind, steps > 1))
             if samples is None:
                 samples = times.samples[kind, steps > 1] = deque()
-            samples.append((seconds, steps))
+            self._serial += 1
+            samples.append((seconds, steps, self._serial))
             while len(samples) > self.cfg.step_samples:
                 samples.popleft()
             if not seeded:
@@ -123,9 +129,10 @@ class StepCosts:
         return known[kind, runs]
 
     def round_times(self, batch_size: int, width: int, runs: bool | None) -> list:
-        """The kept (seconds, steps) samples of rounds ``width`` wide at ``batch_size``'s bucket of the class ``runs``,
-        none left out (RoundTimes: see there)."""
-        return self._kept(cost_bucket(batch_size), _round_kind(width), runs, trim=False)
+        """The kept (seconds, steps, serial) samples of rounds ``width`` wide at ``batch_size``'s bucket of the class
+        ``runs``, oldest first, none left out (RoundTimes: see there)."""
+        times = self._times.get(cost_bucket(batch_size))
+        return [] if times is None else times.of(_round_kind(width), runs)
 
     def _kind(self, bucket: int, speculative: bool, resumed: bool = False, width: int | None = None,
               detached: bool = False) -> str:
@@ -260,7 +267,11 @@ class RoundTimes:
     (the GIL, streaming). Such waits are the serving's, not a width's: a width's ``spread`` is the scatter of every
     weighed width's samples about their own means, pooled, over the root of its own count — 3 clean steps of a
     trial are no sign of a quieter width (weighed on their own scatter, chance runs of them changed depth every tenth
-    of a second over REST)."""
+    of a second over REST).
+    Each width is read from its latest samples, as many as the width with the fewest has (``MIN_TIMED_STEPS`` at least;
+    fewer: unmeasured): served, step times drift in spells (the demo pair over REST on an H100: a chain's 16 latest steps
+    held 9 of 4-31 ms among 7 of about 2 ms, and a 5-step trial of another chain just after them read half its cost), so
+    the running width's steps just before a trial, not its longer record, are what the trial is weighed against."""
 
     def __init__(self, costs: "StepCosts", bucket: int, ladder: tuple, fresh_steps=lambda width: FRESH_STEPS):
         """``fresh_steps(width)``: timed steps after which a width not served since reads unmeasured (ChainDepth
@@ -280,12 +291,25 @@ class RoundTimes:
             self._by_width[width] = self.costs.round_times(self.bucket, width, self._class) if fresh else []
         return self._by_width[width]
 
+    def _span(self) -> int:
+        """Samples each width is read from: the fewest any measured width here has."""
+        counts = [len(self._samples(c.num_draft_tokens)) for c in self.ladder]
+        return min([n for n in counts if n >= MIN_TIMED_STEPS], default=0)
+
+    def _window(self, width: int) -> list:
+        samples = self._samples(width)
+        return samples[-self._span():] if len(samples) >= MIN_TIMED_STEPS else []
+
     def __call__(self, width: int) -> float | None:
-        return _per_step(self._samples(width))
+        return _per_step(self._window(width))
 
     def weighed_on(self, width: int) -> int:
-        """How many samples ``__call__(width)`` rests on (for the log)."""
-        return len(self._samples(width))
+        """How many samples ``__call__(width)`` rests on (0: unmeasured)."""
+        return len(self._window(width))
+
+    def recent(self, width: int) -> bool:
+        """Whether ``width`` ran among the latest timed steps here (the running width, or one a trial has just timed)."""
+        return self.costs.samples_since(self.bucket, width) <= RECENT_STEPS
 
     @functools.cached_property
     def _pooled_scatter(self) -> float | None:
@@ -293,7 +317,7 @@ class RoundTimes:
         (settled at the first call); None under two degrees of freedom."""
         squares, freedom = 0.0, 0
         for spec in self.ladder:
-            per_round = [seconds / steps for seconds, steps in self._samples(spec.num_draft_tokens)]
+            per_round = [s[0] / s[1] for s in self._window(spec.num_draft_tokens)]
             if len(per_round) >= 2:
                 mean = sum(per_round) / len(per_round)
                 squares += sum((x / mean - 1.0) ** 2 for x in per_round)
