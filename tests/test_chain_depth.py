@@ -538,3 +538,25 @@ def test_a_trial_is_weighed_against_the_running_depths_steps_just_before_it_not_
         picks.append(depth)
         policy.observe_step(1, True, 4, 2.2e-3, width=depth + 1)
     assert set(picks) == {3}, picks
+
+
+def test_a_bucket_the_batch_comes_into_during_a_trial_keeps_its_own_depth():
+    """At concurrency 8 the batch moves between buckets 4 and 8. A trial at bucket 4 drafts chains of 1; the batch
+    comes into bucket 8 meanwhile, where the two depths read within the noise of each other and the full chain is
+    held. Bucket 8 must not take the trial's depth up as its own (over REST on an H100 it held chains of 2 for seconds
+    that way, 2.0 drafts a round where the full chain made 10 % more): a trial's depth is no running depth."""
+    model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.03, explore_every=1000, recheck_every=1)
+    for _ in range(1000):
+        model.observe(3, 3)  # every draft accepted: the full chain makes the most at equal times
+    flat = {2: 1.0, 3: 1.0, 4: 1.0}
+    assert model.choose(8, flat.get).num_steps == 3  # bucket 8 holds the full chain
+    assert model.choose(4, flat.get).num_steps == 3
+
+    def unmeasured_shorter(width):  # bucket 4: the chain of 1 is not measured, so a trial times it
+        return None if width == 2 else 1.0
+
+    assert model.choose(4, unmeasured_shorter).num_steps == 1  # the trial's first step
+    even = {2: 0.5, 3: 1.0, 4: 1.0}  # bucket 8: the chain of 1 within noise of the full chain (1.5x the tokens)
+    even_noisy = lambda width: even[width]
+    even_noisy.spread = lambda width: 0.5
+    assert model.choose(8, even_noisy).num_steps == 3

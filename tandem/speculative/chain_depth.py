@@ -85,6 +85,7 @@ class ChainDepth:
         self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> trials since its width was last measured
         self._trial: dict[int, tuple[int, int]] = {}  # bucket -> (depth under trial, its steps still to draft)
         self._running: int | None = None  # the depth the last step drafted
+        self._running_trial = False  # ... in a trial (a bucket the batch comes into does not take that depth up)
         self._bucket: int | None = None  # the bucket the last step ran at
         self._steps_here = 0  # speculative steps since the batch came into it
         self._stay: dict[int, float] = {}  # bucket -> speculative steps the batch stays there once it comes in
@@ -116,7 +117,8 @@ class ChainDepth:
         # The batch just came into this bucket with another depth running (buckets hold their own depths): weighed now,
         # the running depth kept unless this bucket's best beats it by the margin (a batch moving between buckets 4
         # and 8 would otherwise change depth at each crossing, each change ending the queued runs).
-        entered = self._running is not None and bucket != self._bucket and held != self._running
+        entered = (self._running is not None and not self._running_trial and bucket != self._bucket
+                   and held != self._running)
         self._count_stay(bucket)
         trial = self._trial.pop(bucket, None)
         if trial is not None:  # a depth being timed drafts its trial's steps in a row, then the bucket weighs again
@@ -124,7 +126,7 @@ class ChainDepth:
             if left > 1:
                 self._trial[bucket] = (depth, left - 1)
             self._due[bucket] = 0
-            return self._run(depth)
+            return self._run(depth, trial=True)
         if held < self.full and not entered:
             self._short_steps += 1
             if self._short_steps >= self.explore_every:  # the positions past it are measured again
@@ -190,7 +192,7 @@ class ChainDepth:
         if TRIAL_STEPS > 1:
             self._trial[bucket] = (depth, TRIAL_STEPS - 1)
         self._judged.add((bucket, depth))
-        return self._run(depth)
+        return self._run(depth, trial=True)
 
     def trial_spacing(self, bucket: int) -> Callable[[int], int]:
         """Width -> timed steps at ``bucket`` after which that width, not served since, is timed again in a trial."""
@@ -217,8 +219,8 @@ class ChainDepth:
             self._stay[self._bucket] = self._steps_here if old is None else 0.75 * old + 0.25 * self._steps_here
         self._bucket, self._steps_here = bucket, 1
 
-    def _run(self, depth: int):
-        self._running = depth
+    def _run(self, depth: int, trial: bool = False):
+        self._running, self._running_trial = depth, trial
         return self.ladder[depth - 1]
 
     def chosen_width(self, bucket: int) -> int:
