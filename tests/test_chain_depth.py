@@ -479,7 +479,8 @@ def test_a_depth_a_trial_found_far_behind_is_timed_again_ever_more_rarely(monkey
 
     picks = collections.Counter()
     run = ChainDepth._run
-    monkeypatch.setattr(ChainDepth, "_run", lambda self, depth: (picks.update([depth]), run(self, depth))[1])
+    monkeypatch.setattr(ChainDepth, "_run", lambda self, depth, trial=False: (picks.update([depth]),
+                                                                            run(self, depth, trial))[1])
     p = [0.9, 0.8, 0.7]
     spaced = _simulate(8, p, 30000, 5, None, round_ms=round_)
     spaced_trials = picks[1] + picks[2]
