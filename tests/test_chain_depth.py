@@ -561,3 +561,29 @@ def test_a_bucket_the_batch_comes_into_during_a_trial_keeps_its_own_depth():
     even_noisy = lambda width: even[width]
     even_noisy.spread = lambda width: 0.5
     assert model.choose(8, even_noisy).num_steps == 3
+
+
+@pytest.mark.parametrize("seeded_ms", [{2: 0.48, 3: 0.61, 4: 0.56}, {2: 0.40, 3: 0.70, 4: 1.00}],
+                         ids=["about-even", "wide-costs-more"])
+def test_a_depth_a_longer_chain_beats_at_the_warm_ups_times_is_never_timed(seeded_ms):
+    """The demo pair on an H100: the warm-up timed rounds 2, 3 and 4 wide at batch 8 at 0.48 / 0.61 / 0.56 ms — about
+    even — and the full chain makes the most tokens a round. Serving only adds to each round, which cannot bring a
+    shorter chain level, so the policy neither times (a trial drafts 6 steps at that depth, twice ending the queued
+    runs) nor picks one: the full chain from the first step. Where the warm-up found wide rounds dearer (0.40 / 0.70 /
+    1.00 ms: the chain of 1 ahead), trials time the shorter chains as before."""
+    p = [0.9, 0.9, 0.8]
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    for width, ms in seeded_ms.items():
+        for _ in range(12):
+            policy.observe_step(8, True, 4, 4 * ms / 1e3, width=width, seeded=True)
+    policy.chain_spec(8, CHAIN)
+    _rounds(policy.depth, p, 3, 4000, random.Random(3))
+    picks = []
+    for _ in range(40):
+        depth = policy.chain_spec(8, CHAIN).num_steps
+        picks.append(depth)
+        policy.observe_step(8, True, 4, 4 * seeded_ms[depth + 1] * 1.5e-3, width=depth + 1)  # (served: half again)
+    if seeded_ms[4] < 0.6:
+        assert set(picks) == {3}, picks
+    else:
+        assert 1 in picks, picks

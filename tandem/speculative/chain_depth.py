@@ -17,10 +17,11 @@ depth has such samples there: SpeculationPolicy._round_times), seeded by the war
 engine that was not warmed up, a bucket the warm-up did not reach, or times too old to weigh against the running
 depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
 it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A depth shorter than the
-running one is taken only while its times are as recent as the running one's (right after its trial, weighed against
-the running depth's steps just before it: served, step times drift in spells, RoundTimes); a longer one at any weighing.
-A bucket keeps its depth
-unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
+running one is taken only on times as recent as the running one's — its trial's, weighed against the running depth's
+steps just before it (served, step times drift in spells: RoundTimes); one that leads on older times is timed again
+first. A depth that a longer chain beats at the warm-up's round times is neither timed nor chosen (``_outdone``: serving
+only widens that gap; on a small target whose rounds cost about the same at every width, this spares every trial).
+A bucket keeps its depth unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
 second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
@@ -140,8 +141,10 @@ class ChainDepth:
         if self._trials[1] < MIN_ROUNDS:
             return self._run(self.full)
         self._due[bucket] = self.recheck_every - 1
-        rates = {}
+        rates, outdone = {}, self._outdone(getattr(round_time, "seeded", None))
         for depth in range(1, self.full + 1):
+            if depth in outdone:
+                continue
             seconds = round_time(depth + 1)
             if seconds:
                 self._tried.pop((bucket, depth), None)
@@ -184,6 +187,21 @@ class ChainDepth:
                                for d, r in sorted(rates.items())))
         self._chosen[bucket] = best
         return self._run(best)
+
+    def _outdone(self, seeded) -> set:
+        """Depths a longer chain beats by ``margin`` at the warm-up's round times (``seeded(width)``, in process): served
+        they can only fall further behind, so they are neither timed nor chosen. Serving adds to every round what the
+        warm-up did not pay (streaming, the GIL, the gateway) — about the same whatever the width, or in proportion to
+        the tokens a round makes — and either kind of addition favours the chain that makes more tokens a round."""
+        if seeded is None:
+            return set()
+        at_seeds = {}
+        for depth in range(1, self.full + 1):
+            seconds = seeded(depth + 1)
+            if seconds:
+                at_seeds[depth] = self.tokens_per_round(depth) / seconds
+        return {d for d, rate in at_seeds.items()
+                if any(e > d and other >= rate * (1 + self.margin) for e, other in at_seeds.items())}
 
     def _start_trial(self, bucket: int, depth: int, round_time):
         forget = getattr(round_time, "forget", None)

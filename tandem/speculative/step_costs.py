@@ -69,6 +69,7 @@ class StepCosts:
         self._last_served: dict[tuple[int, str], int] = {}  # (bucket, kind) -> _served there at its latest sample
         self.spec_width: int | None = None  # the verify width of the latest speculative step observed
         self._serial = 0  # timed steps observed: orders samples of different kinds in time
+        self._seeded: dict[tuple[int, int], list] = {}  # (bucket, verify width) -> the warm-up's seconds per round
 
     def _spec_kind(self, bucket: int, width: int | None) -> str:
         """The key of speculative step times at ``bucket`` for rounds ``width`` wide (None: the width in use there)."""
@@ -111,6 +112,8 @@ class StepCosts:
             if not seeded:
                 served = self._served[bucket] = self._served.get(bucket, 0) + 1
                 self._last_served[bucket, kind] = served
+            elif speculative and width and not resumed and not detached:
+                self._seeded.setdefault((bucket, width), []).append(seconds / steps)
 
     def step_time(self, batch_size: int, speculative: bool, resumed: bool = False,
                   runs: bool | None = None, width: int | None = None, detached: bool = False) -> float | None:
@@ -155,6 +158,15 @@ class StepCosts:
             return 0.0
         last = self._last_served.get((bucket, _round_kind(width)))
         return math.inf if last is None else float(served - last)
+
+    def seeded_round_time(self, batch_size: int, width: int) -> float | None:
+        """Seconds a round ``width`` wide cost at ``batch_size``'s bucket in the warm-up (in process, no serving around
+        it): the median of its steps (a first launch left out by it); None where the warm-up timed none."""
+        per_round = sorted(self._seeded.get((cost_bucket(batch_size), width), ()))
+        if not per_round:
+            return None
+        mid = len(per_round) // 2
+        return per_round[mid] if len(per_round) % 2 else 0.5 * (per_round[mid - 1] + per_round[mid])
 
     def forget_width(self, batch_size: int, width: int) -> None:
         """Drop the round times ``width`` wide at ``batch_size``'s bucket (about to be timed afresh)."""
@@ -306,6 +318,10 @@ class RoundTimes:
     def weighed_on(self, width: int) -> int:
         """How many samples ``__call__(width)`` rests on (0: unmeasured)."""
         return len(self._window(width))
+
+    def seeded(self, width: int) -> float | None:
+        """What a round ``width`` wide cost here in the warm-up (StepCosts.seeded_round_time)."""
+        return self.costs.seeded_round_time(self.bucket, width)
 
     def recent(self, width: int) -> bool:
         """Whether ``width`` ran among the latest timed steps here (the running width, or one a trial has just timed)."""
