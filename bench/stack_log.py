@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 
 _JOINED = re.compile(r"(\d+) running request\(s\) without draft state join the drafter")
 _SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?(?:, ([\d.]+) rounds a step)?"
-                      r"(?:; plain for: ([^;)]*))?(?:; (\d+) chain switches)?\)")
+                      r"(?:, (\d+)% overlapped)?(?:; plain for: ([^;)]*))?(?:; (\d+) chain switches)?\)")
 EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
 
 
@@ -51,11 +51,14 @@ def note(tag: str, line: str) -> None:
                 counts["drafts_tenths_sum"] += round(10 * float(spec.group(2)))
                 counts["drafted_windows"] += 1
             counts["run_tenths_sum"] += round(10 * float(spec.group(3) or 1))  # (rounds a speculative step)
-            for part in (spec.group(4) or "").split(", "):
+            if spec.group(4):
+                counts["overlapped_percent_sum"] += int(spec.group(4))
+                counts["run_windows"] += 1
+            for part in (spec.group(5) or "").split(", "):
                 if part:
                     why, n = part.rsplit(" ", 1)
                     counts[f"plain for {why}"] += int(n)
-            counts["chain_switches"] += int(spec.group(5) or 0)
+            counts["chain_switches"] += int(spec.group(6) or 0)
         elif "drafter detached" in line:
             counts["detached_windows"] += 1
         elif "did not pay" in line:
@@ -66,7 +69,8 @@ def since(tag: str, before: Counter) -> dict:
     """What ``tag``'s engine did since ``before`` (a copy of ``EVENTS[tag]``): detaches, attaches, and over its
     stats windows the mean share of speculative steps, the shares of windows detached / plain attached, and the
     mean drafts a round and rounds a step of the windows that speculated (below the configured chain where the policy
-    shortened it; below the configured run where runs were cut short); the plain steps by reason and the chain
+    shortened it; below the configured run where runs were cut short), the mean share of runs overlapped (queued behind
+    the one before) over the windows that ran some; the plain steps by reason and the chain
     switches, counted over the windows that speculated; the Triton kernels compiled while serving."""
     d = EVENTS[tag] - before
     windows, drafted, spec_windows = d["windows"], d["drafted_windows"], d["spec_windows"]
@@ -76,5 +80,6 @@ def since(tag: str, before: Counter) -> dict:
             "attached_plain_share": round(d["attached_plain_windows"] / windows, 3) if windows else None,
             "drafts_per_round": round(d["drafts_tenths_sum"] / 10 / drafted, 2) if drafted else None,
             "rounds_per_step": round(d["run_tenths_sum"] / 10 / spec_windows, 2) if spec_windows else None,
+            "overlapped_share": round(d["overlapped_percent_sum"] / 100 / d["run_windows"], 3) if d["run_windows"] else None,
             "plain_steps_for": {k.removeprefix("plain for "): n for k, n in d.items() if k.startswith("plain for ")},
             "chain_switches": d["chain_switches"], "kernels_compiled": d["kernels_compiled"]}

@@ -46,10 +46,15 @@ def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
     # the trees' mean size: what the policy drafts (a chain it shortened at batch shows here)
     stats.step(now=500.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=6)
     assert "spec on (100% of steps, 1.5 drafts a round)" in stats.line(1, 0, 0.0)
-    # rounds a step: how long the speculative steps' runs of rounds were
+    # rounds a step: how long the speculative steps' runs of rounds were; overlapped: the runs queued behind the one
+    # before (of the runs of several rounds)
     stats.step(now=600.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=4)
     stats.step(now=600.1, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=1)
-    assert "spec on (100% of steps, 3.0 drafts a round, 2.5 rounds a step)" in stats.line(1, 0, 0.0)
+    assert "spec on (100% of steps, 3.0 drafts a round, 2.5 rounds a step, 0% overlapped)" in stats.line(1, 0, 0.0)
+    for k, ahead in enumerate((True, True, True, False)):
+        stats.step(now=650.0 + k, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True, drafted=12, run=4,
+                   queued_ahead=ahead)
+    assert "4.0 rounds a step, 75% overlapped)" in stats.line(1, 0, 0.0)
     # plain for: the plain decode steps by the engine's reason, most first; chain switches: the policy's depth changes
     for k, why in enumerate(("exploring", "timing", "exploring", None)):
         stats.step(now=700.0 + k, step_s=0.1, tokens=1, rounds=0, accepted=0, speculative=False, plain_reason=why)

@@ -233,7 +233,8 @@ class EngineLoop(threading.Thread):
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
                         decoded=info is None or bool(info.num_decode), drafted=drafted,
-                        run=info.steps if info is not None else 1, plain_reason=self.engine.plain_reason)
+                        run=info.steps if info is not None else 1, plain_reason=self.engine.plain_reason,
+                        queued_ahead=bool(info is not None and info.queued_ahead))
         switches = self.engine.chain.switches
         self.stats.chain_switched(switches - self._chain_switches_counted)
         self._chain_switches_counted = switches

@@ -2,13 +2,15 @@
 "Avg generation throughput" lines:
 
     Decode batch: running 4, waiting 0, gen throughput 312.5 tok/s, accept len 3.21, KV usage 12.5%,
-    preemptions 0, spec on (87% of steps, 3.0 drafts a round, 3.6 rounds a step; plain for: exploring 30, timing 2;
+    preemptions 0, spec on (87% of steps, 3.0 drafts a round, 3.6 rounds a step, 71% overlapped; plain for: exploring 30,
+    timing 2;
     5 chain switches)
 
 The share of steps counts the steps that ran the running requests (not a step of prompts alone); drafts a round
 is the mean length of the trees verified (less than configured where the policy shortened the chain at batch);
 rounds a step, the mean rounds a speculative step ran (queued back to back on the device: below the configured
-``--spec-rounds`` where prompts, switches or lone rounds cut the runs short); plain for, the plain decode steps
+``--spec-rounds`` where prompts, switches or lone rounds cut the runs short), and the share of those runs queued
+behind the one before (overlapped: the device went on while the host read that one back); plain for, the plain decode steps
 by the engine's reason (``LLMEngine.plain_reason``: the goodput meter's verdict or exploration, the cost model, a plain
 step timing its cost, no request able to draft, the drafter detached or probing); chain switches, how often the
 policy changed the chain's depth (each ends a queued run of rounds).
@@ -37,15 +39,16 @@ class StatsLine:
         self._since = None  # when the window's first step ended
         self._busy_s = 0.0
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
-        self._drafted = self._spec_rounds = self._chain_switches = 0
+        self._drafted = self._spec_rounds = self._chain_switches = self._runs = self._overlapped = 0
         self._plain_for: dict[str, int] = {}
 
     def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
-             decoded: bool = True, drafted: int = 0, run: int = 1, plain_reason: str | None = None) -> None:
+             decoded: bool = True, drafted: int = 0, run: int = 1, plain_reason: str | None = None,
+             queued_ahead: bool = False) -> None:
         """One engine step that took ``step_s`` and ended at ``now``: its generated tokens, verified rounds, their
         drafted tokens and accepted drafts; ``decoded``: it ran the running requests (a step of prompts alone does
         not count in the share of steps that speculated); ``run``: the rounds (or decode steps) it ran;
-        ``plain_reason``: why a plain step was plain."""
+        ``plain_reason``: why a plain step was plain; ``queued_ahead``: its run was queued behind the one before."""
         gap = now - self._last_step if self._last_step is not None else IDLE_GAP_S
         self._busy_s += gap if gap < IDLE_GAP_S else step_s  # the loop's own work between steps is busy time
         if self._since is None:
@@ -58,6 +61,9 @@ class StatsLine:
         self._steps += decoded
         self._spec_steps += speculative and decoded
         self._spec_rounds += run if speculative and decoded else 0
+        if speculative and decoded and run > 1:
+            self._runs += 1
+            self._overlapped += queued_ahead
         if decoded and not speculative and plain_reason is not None:
             self._plain_for[plain_reason] = self._plain_for.get(plain_reason, 0) + 1
 
@@ -81,6 +87,7 @@ class StatsLine:
         elif self._spec_steps:
             drafts = f", {self._drafted / self._rounds:.1f} drafts a round" if self._rounds and self._drafted else ""
             runs = f", {self._spec_rounds / self._spec_steps:.1f} rounds a step" if self._spec_rounds > self._spec_steps else ""
+            runs += f", {100 * self._overlapped / self._runs:.0f}% overlapped" if self._runs else ""
             plain = "; plain for: " + ", ".join(f"{why} {n}" for why, n in sorted(
                 self._plain_for.items(), key=lambda item: -item[1])) if self._plain_for else ""
             switches = f"; {self._chain_switches} chain switches" if self._chain_switches else ""

@@ -203,7 +203,7 @@ def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer)
         if run is None:  # eager, or no graph fits: one synchronous run
             tokens, features, logprobs = decode_steps_eagerly(engine.executor, reqs, steps, capture)
     if run is not None:
-        return _read_back(engine, run, timer)
+        return _read_back(engine, run, timer, queued_ahead=False)
     with timer("accept"):
         engine.hold_finished_drafts()  # the drafter gets the steps of requests they end too
         try:
@@ -218,10 +218,10 @@ def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer)
 def step_decode_in_flight(engine, timer: StepTimer) -> list[StepOutput]:
     """A step that starts with decode steps queued and not read back: read them back (queuing more first)."""
     run, engine.run_in_flight = engine.run_in_flight, None
-    return _read_back(engine, run, timer)
+    return _read_back(engine, run, timer, queued_ahead=True)
 
 
-def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
+def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> list[StepOutput]:
     runner = engine.executor.runner
     following = None
     with timer("verify"):
@@ -249,7 +249,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer) -> list[StepOutput]:
         read_decode_steps(runner, following)  # no one left to commit it to
         following = None
     engine.run_in_flight = following
-    engine.last_step = StepInfo(0, len(live), dict(timer.spans), steps=run.steps, timed=not caught_up)
+    engine.last_step = StepInfo(0, len(live), dict(timer.spans), steps=run.steps, timed=not caught_up,
+                                queued_ahead=queued_ahead)
     return outputs
 
 

@@ -169,6 +169,7 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
     and count each round that reached the output. ``queued_ns``: when this step queued ``run`` itself."""
     nd = run.spec.num_draft_tokens
     drafted = nd - 1
+    queued_ahead = queued_ns is None
     live = [(i, req) for i, req in enumerate(run.reqs) if not req.finished]  # aborted since: nothing to commit
     following = None
     with timer("verify"):
@@ -220,5 +221,5 @@ def _read_back(engine, run: QueuedRun, timer: StepTimer, queued_ns: tuple[int, i
     engine.run_in_flight = following
     # "queue": inside "verify", the host's queuing of the rounds (the rest of "verify" waits for the GPU)
     engine.last_step = StepInfo(0, len(live), dict(timer.spans, **({"queue": queued_ns} if queued_ns else {})),
-                                steps=run.rounds, speculative=True, width=nd)
+                                steps=run.rounds, speculative=True, width=nd, queued_ahead=queued_ahead)
     return outputs

@@ -41,6 +41,7 @@ class StepInfo:
     timed: bool = True  # its wall time is that of its steps alone (no catch-up of held drafter input)
     prefill_tokens: int = 0  # prompt tokens prefilled (whole prompts or chunks)
     width: int = 1  # a speculative step's verify width (its chain's drafts + 1, or its tree's size)
+    queued_ahead: bool = False  # its run was queued by the step before, behind the run that step read back
 
     @property
     def seconds(self) -> dict[str, float]:
