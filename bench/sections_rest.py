@@ -164,7 +164,7 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
         f"plain attached {e['attached_plain_share']:.0%}, {e['detaches']} detaches, {e['attaches']} attaches "
                 f"({e['joined']} requests joined), "
         f"{e['drafts_per_round'] or 0:.1f} drafts a round, {e['rounds_per_step'] or 0:.1f} rounds a speculative step, "
-        f"{e['overlapped_share'] or 0:.0%} of runs overlapped, "
+        + (f"{e['overlapped_share']:.0%} of runs overlapped, " if e["overlapped_share"] is not None else "") +
         f"{e['chain_switches']} chain switches, plain steps for: "
         + (", ".join(f"{why} {n}" for why, n in sorted(e["plain_steps_for"].items(), key=lambda i: -i[1])) or "-"))
     print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
