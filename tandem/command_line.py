@@ -15,7 +15,12 @@ from tandem.errors import ConfigError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line and a pointer to ``--help``: a refused flag of ``tandem up`` came
-    after its whole usage block (~50 lines) otherwise."""
+    after its whole usage block (~50 lines) otherwise. Flags are taken only spelled whole: argparse's abbreviations took
+    ``--cuda-graph-m 8`` for ``--cuda-graph-max-bs`` and would take a mistyped flag for whichever one it begins."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

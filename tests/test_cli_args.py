@@ -685,3 +685,23 @@ def test_a_services_own_config_file_passes_through_not_taken_for_tandem_ups(fold
     mine.write_text("model: /elsewhere\n")
     up = command_line.parse_args(build_parser(), ["up", "--model", t, "--verifier-args", f"--config={mine}"], subcommand=True)
     assert up.model == t and up.verifier_args == f"--config={mine}"
+
+
+@pytest.mark.parametrize("which, argv, abbreviated", [
+    ("up", ["up", "--cuda-graph-m", "8"], "--cuda-graph-m"),
+    ("verifier", ["--model", "m", "--cuda-graph-m", "8"], "--cuda-graph-m"),
+    ("gateway", ["--verifier", "x:1", "--model", "m", "--max-body", "10"], "--max-body"),
+    ("drafter", ["--model", "m", "--draft-model", "d", "--cuda-graph-m", "8"], "--cuda-graph-m"),
+])
+def test_a_flag_is_taken_only_spelled_whole(which, argv, abbreviated, capsys):
+    """argparse takes the start of a flag for the flag it begins (``--cuda-graph-m 8`` was --cuda-graph-max-bs): a
+    mistyped or shortened flag is refused, on every command line."""
+    from drafter.__main__ import build_parser as drafter_parser
+    from gateway.config import build_parser as gateway_parser
+    from verifier.__main__ import build_parser as verifier_parser
+
+    parser = {"up": build_parser, "verifier": verifier_parser, "gateway": gateway_parser,
+              "drafter": drafter_parser}[which]()
+    with pytest.raises(SystemExit):
+        command_line.parse_args(parser, argv, subcommand=which == "up")
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
