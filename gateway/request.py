@@ -42,7 +42,8 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; N: each token's log-probability and its top N alternatives
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo) ...
+    prompt_logprobs_from: int = 1  # ... from this one on (SGLang's logprob_start_len + 1; before it: None entries)
     # vLLM's echo with max_tokens 0: the prompt (and its log-probabilities) alone; the verifier makes one token, unsent
     prompt_only: bool = False
     cache_salt: str = ""  # vLLM's: cached prefix pages shared only with requests of the same salt
@@ -59,6 +60,7 @@ class GenerationRequest:
             sampling.logprobs = self.logprobs
         if self.prompt_logprobs is not None:
             sampling.prompt_logprobs = self.prompt_logprobs
+            sampling.prompt_logprobs_from = self.prompt_logprobs_from
         return verifier_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
                                             sampling=sampling, cache_salt=self.cache_salt)
 

@@ -103,11 +103,19 @@ def _parser(gw: GatewayContext):
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
         asked = logprob_requests(body, len(parsed.prompts))
+        parts = []
         for part, mine in zip(parsed.prompts, asked):
             length = len(part.generation.prompt_ids)
             if mine is not None and mine.start is not None and mine.start >= length:  # (SGLang refuses it too)
                 raise bad_request("logprob_start_len", f"must be less than the prompt's length ({length} tokens), "
                                                        f"got {mine.start}")
+            if mine is not None and mine.start is not None and part.generation.prompt_logprobs is not None:
+                # the verifier scores the prompt from there on: the prefix cache may hold the context before it
+                start = max(1, mine.start + 1)
+                part = dataclasses.replace(part, generation=dataclasses.replace(part.generation,
+                                                                                 prompt_logprobs_from=start))
+            parts.append(part)
+        parsed = dataclasses.replace(parts[0], more=tuple(parts[1:]))
         return dataclasses.replace(parsed, answer_ids=answer_ids(body.get("rid"), parsed),
                                    sglang_logprobs=asked if any(asked) else None)
 

@@ -38,7 +38,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first ...
+    # ... from this one on (SGLang's logprob_start_len + 1): the prefix cache may hold the prompt before it
+    prompt_logprobs_from: int = 1
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +76,9 @@ class SamplingParams:
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
                 raise ConfigError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
                                   f"got {getattr(self, name)}")
+        if self.prompt_logprobs_from < 1:
+            raise ConfigError(f"prompt_logprobs_from must be >= 1 (the first prompt token has none), "
+                              f"got {self.prompt_logprobs_from}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

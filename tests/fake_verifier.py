@@ -89,8 +89,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                                                     finish_reason=reason, prompt_tokens=len(prompt),
                                                     completion_tokens=sent)
                 if request.sampling.HasField("prompt_logprobs") and step == 1:  # (prompt token i: position 100 + i)
+                    start = max(1, request.sampling.prompt_logprobs_from)  # (as the engine: from there on)
                     msg.prompt_logprobs.extend(fake_logprobs(t, 100 + i, request.sampling.prompt_logprobs,
-                                                             self.vocab_size) for i, t in enumerate(prompt[1:], 1))
+                                                             self.vocab_size) for i, t in enumerate(prompt[start:], start))
                 if request.sampling.HasField("logprobs"):
                     msg.logprobs.extend(fake_logprobs(t, sent - len(chunk) + j, request.sampling.logprobs,
                                                       self.vocab_size) for j, t in enumerate(chunk))

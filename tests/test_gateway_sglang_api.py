@@ -215,6 +215,8 @@ def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
     assert meta["input_token_logprobs"] == [[None, ids[1], text_of(ids[1])]] + [entry for entry, _ in prompt]
     assert meta["input_top_logprobs"] == [None] + [tops for _, tops in prompt]
     assert stack.fake.requests[-1].sampling.prompt_logprobs == 2
+    # the verifier scores the prompt from token 2 on (its prefix cache may hold what comes before)
+    assert stack.fake.requests[-1].sampling.prompt_logprobs_from == 2
     # SGLang's default start (-1): the prompt's last token alone, null; the verifier not asked to score the prompt
     meta = _generate(stack, {k: v for k, v in body.items() if k != "logprob_start_len"}).json()["meta_info"]
     assert (meta["input_token_logprobs"], meta["input_top_logprobs"]) == ([[None, ids[-1], text_of(ids[-1])]], [None])
@@ -225,6 +227,7 @@ def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
     meta = _generate(stack, {**body, "logprob_start_len": 0, "top_logprobs_num": 0,
                              "return_text_in_logprobs": False}).json()["meta_info"]
     assert meta["input_token_logprobs"][:2] == [[None, ids[0], None], [pytest.approx(-(100 + 1 + 1) / 10), ids[1], None]]
+    assert stack.fake.requests[-1].sampling.prompt_logprobs_from == 1
     assert len(meta["input_token_logprobs"]) == len(ids)
     assert meta["output_token_logprobs"][0][2] is None and "output_top_logprobs" not in meta
     # streamed: each event's lists so far, the last one's as the whole answer's

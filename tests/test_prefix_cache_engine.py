@@ -225,6 +225,34 @@ def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(pair):
     assert later.cached_tokens == (len(second) - 1) // PAGE * PAGE
 
 
+@pytest.mark.parametrize("chunk", [-1, 7])
+def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chunk):
+    """SGLang's logprob_start_len: entries from token ``start`` on (scoring a continuation of a shared context). The
+    context's pages before position ``start - 1`` come from the cache; the entries equal the same tokens' from a
+    whole prefill with the cache off (all of them asked), and the output is the same."""
+    first, second = SYSTEM + random_prompt(540, 5), SYSTEM + random_prompt(541, 9)
+    start = len(SYSTEM) + 1
+    tail = SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2, prompt_logprobs_from=start)
+    whole = SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2)
+
+    def run(cache: bool, params):
+        with engine(pair, chunk, cache=cache) as eng:
+            eng.generate([first], GREEDY)
+            rid = eng.add_request(second, params)
+            got = None
+            while eng.has_unfinished():
+                for out in eng.step():
+                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+            return eng.requests.pop(rid), got
+
+    (req, got), (ref_req, ref_got) = run(True, tail), run(False, whole)
+    assert req.cached_tokens == (start - 1) // PAGE * PAGE > 0
+    assert len(got) == len(second) - start and len(ref_got) == len(second) - 1
+    for a, b in zip(got, ref_got[start - 1:]):
+        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert req.output == ref_req.output
+
+
 class _Counting:
     """The in-process drafter with its calls counted by name."""
 

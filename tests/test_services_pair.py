@@ -124,6 +124,8 @@ def test_concurrent_requests_batch_together_and_none_is_lost(pair, reference):
      "stop_token_ids: -5 is outside the vocabulary"),
     (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, stop_token_ids=[3] * 257)),
      "stop_token_ids: at most 256"),
+    (dict(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_new_tokens=4, prompt_logprobs=1,
+                                                                prompt_logprobs_from=3)), "prompt_logprobs_from"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(pair, reference, request_kwargs, field):
     _, verifier = pair
@@ -164,6 +166,32 @@ def test_logprobs_over_the_stream_equal_transformers_while_speculating(pair, pai
         assert abs(entry.logprob - row[token].item()) <= 1e-3
         assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
         assert max(abs(a - b) for a, b in zip(entry.top_logprobs, row.topk(3).values.tolist())) <= 1e-3
+
+
+def test_prompt_logprobs_from_a_position_reuse_the_cached_context_and_equal_transformers(pair, pair_dirs):
+    """SGLang's logprob_start_len over the service: a context served once, then scored with a continuation from the
+    continuation's first token. Its pages before that position come from the prefix cache, and the entries are the
+    target's raw log-softmax (transformers on the same weights) for each token from there on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, verifier = pair
+    context = [t for p in prompts_of(32)[5:15] for t in p]  # (several pages)
+    prompt = context + prompts_of(32)[7][:9]
+    start = len(context)
+    with grpc.insecure_channel(verifier.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=context, sampling=pb.SamplingParams(max_new_tokens=2)),
+                           timeout=120))
+        messages = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_new_tokens=2, prompt_logprobs=2, prompt_logprobs_from=start)), timeout=120))
+    assert messages[0].cached_tokens > 0 and len(messages[0].prompt_logprobs) == len(prompt) - start
+    hf = AutoModelForCausalLM.from_pretrained(pair_dirs / "target", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for t, entry in enumerate(messages[0].prompt_logprobs, start=start):
+        assert abs(entry.logprob - ref[t - 1, prompt[t]].item()) <= 1e-3
+        assert list(entry.top_token_ids) == ref[t - 1].topk(2).indices.tolist()
 
 
 def test_malformed_protobuf_is_invalid_argument(pair):

@@ -164,7 +164,11 @@ class VerifierService:
                                 min_tokens=s.min_tokens, repetition_penalty=s.repetition_penalty or 1.0,
                                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                 logprobs=s.logprobs if s.HasField("logprobs") else None,
-                                prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
+                                prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                                prompt_logprobs_from=s.prompt_logprobs_from or 1)
+        if params.prompt_logprobs_from > len(request.prompt_token_ids):
+            raise ConfigError(f"sampling.prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt "
+                              f"({len(request.prompt_token_ids)} tokens)")
         try:
             params.validate()
         except ConfigError as e:

@@ -138,9 +138,17 @@ class RunLogprobs:
 
 
 def wants_prompt_logits(req: Request) -> bool:
-    """Whether the request's prefill needs logits at every prompt position (params.prompt_logprobs, not
+    """Whether the request's prefill needs logits at every prompt position it computes (params.prompt_logprobs, not
     sent yet: a preempted request's recomputation does not need them again)."""
     return req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent
+
+
+def cacheable_prompt_tokens(req: Request) -> int:
+    """How many of the prompt's first tokens the prefix cache may supply: those before the first position whose logits
+    give a wanted prompt entry (position t - 1 for token t), or all but the last."""
+    if wants_prompt_logits(req):
+        return min(req.num_tokens - 1, req.params.prompt_logprobs_from - 1)
+    return req.num_tokens - 1
 
 
 def prefill_rows(prefills) -> list[tuple[int, int]]:
@@ -156,11 +164,11 @@ def prefill_rows(prefills) -> list[tuple[int, int]]:
 
 def prompt_logprob_jobs(prefills, rows: list[tuple[int, int]]) -> list:
     """gather_logprobs jobs for the prompt tokens each chunk's rows predict (row of position t: token t+1,
-    while it is a prompt token)."""
+    while it is a prompt token), from params.prompt_logprobs_from on."""
     jobs = []
     for p, (first, n) in zip(prefills, rows):
         if wants_prompt_logits(p.req):
-            predicted = range(p.start + 1, min(p.end + 1, len(p.req.prompt)))
+            predicted = range(max(p.start + 1, p.req.params.prompt_logprobs_from), min(p.end + 1, len(p.req.prompt)))
             if predicted:
                 jobs.append((p.req.rid, [first + t - 1 - p.start for t in predicted],
                              [p.req.prompt[t] for t in predicted], p.req.params.prompt_logprobs))
@@ -170,7 +178,7 @@ def prompt_logprob_jobs(prefills, rows: list[tuple[int, int]]) -> list:
 def keep_prompt_logprobs(prefills, logprobs: dict) -> None:
     """Append each chunk's prompt entries to its request's, in chunk order."""
     for p in prefills:
-        if p.start == 0 and wants_prompt_logits(p.req):
+        if p.start == p.req.prefix_hit and wants_prompt_logits(p.req):  # (its first chunk: past the cached tokens)
             p.req.prompt_logprobs = []  # (again, after a preemption in the middle of its chunks)
         if p.req.rid in logprobs:
             p.req.prompt_logprobs += logprobs[p.req.rid]

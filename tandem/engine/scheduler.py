@@ -28,7 +28,7 @@ from typing import Callable
 
 from tandem.engine.config import DEFAULT_CHUNKED_PREFILL_SIZE
 from tandem.engine.request import Request
-from tandem.engine.request_sampling import wants_prompt_logits
+from tandem.engine.request_sampling import cacheable_prompt_tokens
 from tandem.errors import OutOfPagesError
 from tandem.kv_cache import PageAllocator
 from tandem.prefix_cache import block_keys
@@ -150,11 +150,11 @@ class Scheduler:
         return out
 
     def _start_on_cache(self, req: Request) -> None:
-        """Adopt the request's longest cached run of full pages, leaving at least its last token to compute
-        (none for a prompt whose every position's logits are wanted: prompt_logprobs)."""
+        """Adopt the request's longest cached run of full pages, leaving at least its last token to compute, and
+        every position whose logits give a prompt entry it asks for (prompt_logprobs, from prompt_logprobs_from)."""
         req.prefix_hit = 0
-        if self.cache is not None and not wants_prompt_logits(req):
-            usable = (req.num_tokens - 1) // self.allocator.page_size
+        if self.cache is not None:
+            usable = cacheable_prompt_tokens(req) // self.allocator.page_size
             keys = block_keys(req.tokens, self.allocator.page_size, req.block_keys, salt=req.cache_salt)[:usable]
             pages = self.cache.match(keys)
             if pages:
