@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_pins import describe as pins, pinned
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import paired_ratio, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds, http_client, run, sustained, wave
@@ -48,7 +49,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     try:
         if mode.startswith("pair"):
             procs.append(tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
-                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", cwd=ROOT_DIR, env=env))
+                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", cwd=ROOT_DIR, env=env,
+                                 preexec_fn=pinned("drafter")))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
@@ -57,12 +59,13 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                          "--draft-model", str(draft), *SPEC_FLAGS]
             verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
-        procs.append(tagged(verifier, mode, cwd=ROOT_DIR, env=env))
+        procs.append(tagged(verifier, mode, cwd=ROOT_DIR, env=env, preexec_fn=pinned("verifier")))
         wait_serving(v_port, 420, procs[-1], "verifier")
         ready_s = time.perf_counter() - started
         procs.append(tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
                               "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
-                              "--log-level", "warning"], f"{mode} gateway", cwd=ROOT_DIR, env=env))
+                              "--log-level", "warning"], f"{mode} gateway", cwd=ROOT_DIR, env=env,
+                             preexec_fn=pinned("gateway")))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]
         yield f"http://127.0.0.1:{g_port}", ready_s, {name: p.pid for name, p in zip(names, procs)}
@@ -92,6 +95,7 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
     on every other pass: the host's pace drifts by 10-20 % over minutes, and modes measured one after another
     took that drift for their difference) → per mode its rows, each beside target-only's, texts compared."""
     out: dict = {}
+    print(f"CPUs: {pins()}", flush=True)
     with contextlib.ExitStack() as stacks:
         up = {}
         for mode in modes:
