@@ -182,11 +182,21 @@ def test_chain_rounds_queued_on_the_device_equal_one_round_steps(target, bs, mon
 
     runs, real = [], rounds_ahead.queue_chain_rounds
     monkeypatch.setattr(rounds_ahead, "queue_chain_rounds", lambda *a: runs.append((a[4], a[6] is not None)) or real(*a))
+    ahead, read_back = [], rounds_ahead._read_back  # (what each step says of its run: the stats line's overlapped)
+
+    def read_and_note(engine, *rest, **kw):
+        outputs = read_back(engine, *rest, **kw)
+        ahead.append(engine.last_step.queued_ahead)
+        return outputs
+
+    monkeypatch.setattr(rounds_ahead, "_read_back", read_and_note)
     spec, batch = SpecConfig(3, 1, 4), prompts(bs)
     queued, one_round = [], []
     run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=4, accepted=queued)
     assert runs and max(rounds for rounds, _ in runs) > 1
     assert sum(following for _, following in runs) >= 2  # overlapped runs
+    # each run read back says whether it was queued behind another (a run whose requests all ended is read unsaid)
+    assert 2 <= sum(ahead) <= sum(following for _, following in runs) and not all(ahead)
     runs.clear()
     run(target, batch, graphs=True, proposer_rate=0.3, spec=spec, spec_rounds=1, accepted=one_round)
     assert not runs
