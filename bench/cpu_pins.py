@@ -10,6 +10,7 @@ are allowed): not yet compared with unpinned runs on a GPU machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,12 +48,24 @@ def plan(cpus: set[int] | None = None) -> dict[str, set[int]] | None:
 
 
 _PLAN = plan() if os.environ.get("TANDEM_BENCH_PIN") == "1" else None
+if _PLAN is not None:  # the bench itself (its timed requests, its threads relaying the services' logs) with the clients
+    os.sched_setaffinity(0, _PLAN["clients"])
 
 
-def pinned(role: str):
-    """A ``preexec_fn`` for a process of ``role`` (None: not pinned)."""
-    cpus = _PLAN.get(role) if _PLAN is not None else None
-    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+@contextlib.contextmanager
+def as_role(role: str | None):
+    """Processes started inside run on ``role``'s CPUs (they inherit the starting thread's; no ``preexec_fn``, which
+    may deadlock in a process with threads). Start no thread inside."""
+    cpus = _PLAN.get(role) if _PLAN is not None and role is not None else None
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def describe() -> str:

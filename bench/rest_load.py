@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 
-from cpu_pins import pinned
 
 CLIENT_PROCS = int(os.environ.get("TANDEM_BENCH_CLIENT_PROCS", "4"))  # client processes of a closed-loop load
 START_DELAY_S = 1.5  # client processes start together this long after they are launched (their imports)
@@ -90,8 +89,7 @@ def sustained(base: str, prompts: list[list[int]], conc: int, max_tokens: int, s
     try:
         workers = [subprocess.Popen([sys.executable, __file__, base, f.name, str(max_tokens), str(start),
                                      str(seconds), ",".join(str(k) for k in range(j, conc, procs)), str(conc)],
-                                    stdout=subprocess.PIPE, text=True, preexec_fn=pinned("clients"))
-                   for j in range(procs)]
+                                    stdout=subprocess.PIPE, text=True) for j in range(procs)]
         results = []
         for w in workers:
             out, _ = w.communicate(timeout=seconds + 600)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpu_pins import describe as pins, pinned
+from cpu_pins import describe as pins
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import paired_ratio, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds, http_client, run, sustained, wave
@@ -49,8 +49,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     try:
         if mode.startswith("pair"):
             procs.append(tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
-                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", cwd=ROOT_DIR, env=env,
-                                 preexec_fn=pinned("drafter")))
+                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", "drafter", cwd=ROOT_DIR,
+                                 env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
@@ -59,13 +59,13 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                          "--draft-model", str(draft), *SPEC_FLAGS]
             verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
-        procs.append(tagged(verifier, mode, cwd=ROOT_DIR, env=env, preexec_fn=pinned("verifier")))
+        procs.append(tagged(verifier, mode, "verifier", cwd=ROOT_DIR, env=env))
         wait_serving(v_port, 420, procs[-1], "verifier")
         ready_s = time.perf_counter() - started
         procs.append(tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
                               "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
-                              "--log-level", "warning"], f"{mode} gateway", cwd=ROOT_DIR, env=env,
-                             preexec_fn=pinned("gateway")))
+                              "--log-level", "warning"], f"{mode} gateway", "gateway", cwd=ROOT_DIR,
+                             env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]
         yield f"http://127.0.0.1:{g_port}", ready_s, {name: p.pid for name, p in zip(names, procs)}

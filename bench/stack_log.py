@@ -12,15 +12,19 @@ import sys
 import threading
 from collections import Counter, defaultdict
 
+from cpu_pins import as_role
+
 _JOINED = re.compile(r"(\d+) running request\(s\) without draft state join the drafter")
 _SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?(?:, ([\d.]+) rounds a step)?"
                       r"(?:, (\d+)% overlapped)?(?:; plain for: ([^;)]*))?(?:; (\d+) chain switches)?\)")
 EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
 
 
-def tagged(args: list[str], tag: str, **kwargs) -> subprocess.Popen:
-    """A service process whose output lines go to this process's stderr behind ``[tag]``, noted (``note``)."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kwargs)
+def tagged(args: list[str], tag: str, role: str | None = None, **kwargs) -> subprocess.Popen:
+    """A service process whose output lines go to this process's stderr behind ``[tag]``, noted (``note``); on
+    ``role``'s CPUs where the bench pins them (bench/cpu_pins.py)."""
+    with as_role(role):
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kwargs)
 
     def relay() -> None:
         for line in proc.stdout:

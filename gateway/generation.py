@@ -158,10 +158,13 @@ class GenerationStream:
             self._finish(reason)
         if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
             prompt_logprobs = None
-        elif len(prompt_logprobs or ()) != len(self.request.prompt_ids) - self.request.prompt_logprobs_from:
-            raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
-        else:  # (one per prompt token after the first, as every shape reads them: None before the first asked)
-            prompt_logprobs = [None] * (self.request.prompt_logprobs_from - 1) + prompt_logprobs
+        else:  # one per prompt token after the first, as every shape reads them: None before the first asked
+            got, whole = list(prompt_logprobs or ()), len(self.request.prompt_ids) - 1
+            skipped = self.request.prompt_logprobs_from - 1
+            if len(got) == whole - skipped:
+                prompt_logprobs = [None] * skipped + got
+            elif len(got) != whole:  # (whole: a verifier that scores every prompt token, as before field 15)
+                raise GatewayError(502, "the verifier sent no log-probabilities for the prompt")
         self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
         return Delta(text, new, reason, self._prompt_tokens, self._completion_tokens, logprobs, prompt_logprobs,
                      cached_tokens=self._cached_tokens, stop_reason=self._stop_reason(reason),

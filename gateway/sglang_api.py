@@ -109,9 +109,10 @@ def _parser(gw: GatewayContext):
             if mine is not None and mine.start is not None and mine.start >= length:  # (SGLang refuses it too)
                 raise bad_request("logprob_start_len", f"must be less than the prompt's length ({length} tokens), "
                                                        f"got {mine.start}")
-            if mine is not None and mine.start is not None and part.generation.prompt_logprobs is not None:
-                # the verifier scores the prompt from there on: the prefix cache may hold the context before it
-                start = max(1, mine.start + 1)
+            if part.generation.prompt_logprobs is not None:
+                # the verifier scores the prompt from there on (none of it for a prompt that asked for none, in a
+                # batch whose others did): the prefix cache may hold the context before it
+                start = length if mine is None or mine.start is None else max(1, mine.start + 1)
                 part = dataclasses.replace(part, generation=dataclasses.replace(part.generation,
                                                                                  prompt_logprobs_from=start))
             parts.append(part)

@@ -41,6 +41,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.fail_with: tuple[grpc.StatusCode, str] | None = None  # answer the next Generate with this status
         self.hung = False  # answer nothing (a stopped or hung verifier: its socket still accepts)
         self.requests: list[verifier_pb2.GenerateRequest] = []
+        self.scores_from = True  # honours SamplingParams.prompt_logprobs_from (False: as a verifier from before it)
         self.cancelled: list[str] = []  # request ids whose call was cancelled by the client
         self.finished: list[str] = []
         self.metadata: list[dict[str, str]] = []
@@ -89,7 +90,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                                                     finish_reason=reason, prompt_tokens=len(prompt),
                                                     completion_tokens=sent)
                 if request.sampling.HasField("prompt_logprobs") and step == 1:  # (prompt token i: position 100 + i)
-                    start = max(1, request.sampling.prompt_logprobs_from)  # (as the engine: from there on)
+                    # (as the engine: from there on; a verifier from before the field scored every prompt token)
+                    start = max(1, request.sampling.prompt_logprobs_from) if self.scores_from else 1
                     msg.prompt_logprobs.extend(fake_logprobs(t, 100 + i, request.sampling.prompt_logprobs,
                                                              self.vocab_size) for i, t in enumerate(prompt[start:], start))
                 if request.sampling.HasField("logprobs"):

@@ -19,4 +19,21 @@ def test_each_role_gets_its_own_physical_cores_and_the_clients_the_rest(monkeypa
 def test_too_few_cores_leave_the_processes_unpinned(monkeypatch):
     monkeypatch.setattr(cpu_pins, "_physical_cores", lambda cpus: [[k] for k in range(6)])
     assert cpu_pins.plan(set(range(6))) is None
-    assert cpu_pins.pinned("verifier") is None or cpu_pins._PLAN is not None  # (off unless TANDEM_BENCH_PIN=1)
+
+
+def test_a_process_started_as_a_role_runs_on_its_cpus_and_the_bench_keeps_its_own(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    own = os.sched_getaffinity(0)
+    one = {min(own)}
+    monkeypatch.setattr(cpu_pins, "_PLAN", {"verifier": one, "clients": own})
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    with cpu_pins.as_role("verifier"):
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str(sorted(one)) and os.sched_getaffinity(0) == own
+    monkeypatch.setattr(cpu_pins, "_PLAN", None)  # (off: as it started)
+    with cpu_pins.as_role("verifier"):
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str(sorted(own))

@@ -479,8 +479,8 @@ def test_a_depth_a_trial_found_far_behind_is_timed_again_ever_more_rarely(monkey
 
     picks = collections.Counter()
     run = ChainDepth._run
-    monkeypatch.setattr(ChainDepth, "_run", lambda self, depth, trial=False: (picks.update([depth]),
-                                                                            run(self, depth, trial))[1])
+    monkeypatch.setattr(ChainDepth, "_run", lambda self, depth, transient=False: (picks.update([depth]),
+                                                                            run(self, depth, transient))[1])
     p = [0.9, 0.8, 0.7]
     spaced = _simulate(8, p, 30000, 5, None, round_ms=round_)
     spaced_trials = picks[1] + picks[2]
@@ -561,6 +561,45 @@ def test_a_bucket_the_batch_comes_into_during_a_trial_keeps_its_own_depth():
     even_noisy = lambda width: even[width]
     even_noisy.spread = lambda width: 0.5
     assert model.choose(8, even_noisy).num_steps == 3
+
+
+def test_a_bucket_the_batch_comes_into_after_an_exploring_step_keeps_its_own_depth():
+    """Buckets 4 and 8 both hold the chain of 1; every 64th step at bucket 4 drafts the full chain once to measure the
+    positions past it. The next step comes into bucket 8: it keeps its chain of 1, not the exploring step's depth."""
+    model = ChainDepth(chain_ladder(CHAIN), window=100_000, margin=0.03, explore_every=2, recheck_every=1000)
+    for _ in range(1000):
+        model.observe(3, 0)  # the first draft never kept: the chain of 1 makes as many tokens as longer ones
+    cheap_short = {2: 0.5, 3: 0.75, 4: 1.0}
+    cheap_noisy = lambda width: cheap_short[width]
+    cheap_noisy.spread = lambda width: 0.5
+    assert model.choose(8, cheap_short.get).num_steps == 1 and model.choose(4, cheap_short.get).num_steps == 1
+    picks = [model.choose(4, cheap_noisy).num_steps for _ in range(2)]
+    assert picks[-1] == 3  # the exploring step
+    assert model.choose(8, cheap_noisy).num_steps == 1
+
+
+def test_an_outdone_depth_is_still_timed_now_and_then_and_taken_where_serving_makes_it_pay():
+    """The greedy warm-up timed rounds 2, 3 and 4 wide alike, but served (sampled traffic: its work per verified row
+    grows with the width) they cost 1.0 / 1.5 / 2.0 ms, and acceptance falls fast (0.6, 0.4, 0.3): the chain of 1
+    makes over half as much again as the full chain. The cold start does not time it, a later trial does, and the
+    policy takes it."""
+    p = [0.6, 0.4, 0.3]
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    for width in (2, 3, 4):
+        for _ in range(12):
+            policy.observe_step(8, True, 4, 4e-3, width=width, seeded=True)
+    policy.chain_spec(8, CHAIN)
+    rng = random.Random(5)
+    _rounds(policy.depth, p, 3, 4000, rng)
+    served = {2: 1.0, 3: 1.5, 4: 2.0}
+    picks = []
+    for _ in range(3000):
+        depth = policy.chain_spec(8, CHAIN).num_steps
+        picks.append(depth)
+        _rounds(policy.depth, p, depth, 8, rng)
+        policy.observe_step(8, True, 4, 4 * served[depth + 1] * rng.uniform(0.95, 1.05) / 1e3, width=depth + 1)
+    assert set(picks[:500]) == {3}, picks[:500]  # (not timed at the cold start)
+    assert collections.Counter(picks[-500:])[1] > 400, collections.Counter(picks[-500:])
 
 
 @pytest.mark.parametrize("seeded_ms", [{2: 0.48, 3: 0.61, 4: 0.56}, {2: 0.40, 3: 0.70, 4: 1.00}],

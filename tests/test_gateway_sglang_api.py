@@ -242,6 +242,32 @@ def test_return_logprob_gives_sglangs_logprob_lists(stack, ref):
     assert not any("logprobs" in key for key in plain)
 
 
+def test_the_prompt_is_scored_only_where_asked(stack, ref):
+    """A start at the prompt's last token asks the verifier for no prompt entry (the answer: that token, null); in a
+    batch where one prompt asks from its start and the other asks nothing, the other is not scored; a verifier from
+    before prompt_logprobs_from (every prompt token scored) is read the same."""
+    ids = ref.encode(PROMPT).ids
+    for stream in (False, True):
+        r = _generate(stack, {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+                              "logprob_start_len": len(ids) - 1, "stream": stream})
+        assert r.status_code == 200, r.text
+        assert stack.fake.requests[-1].sampling.prompt_logprobs_from == len(ids)
+    assert r.text.count("input_token_logprobs") >= 1 and "null" in r.text
+    meta = _generate(stack, {"text": [PROMPT, PROMPT + " return"], "sampling_params": {"max_new_tokens": 2},
+                             "return_logprob": [True, False], "logprob_start_len": [0, -1]}).json()
+    sent = {len(r.prompt_token_ids): r.sampling.prompt_logprobs_from for r in stack.fake.requests[-2:]}
+    other = len(ref.encode(PROMPT + " return").ids)
+    assert sent == {len(ids): 1, other: other}
+    assert len(meta[0]["meta_info"]["input_token_logprobs"]) == len(ids)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "logprob_start_len": 2}
+    want = _generate(stack, body).json()["meta_info"]["input_token_logprobs"]
+    stack.fake.scores_from = False
+    try:
+        assert _generate(stack, body).json()["meta_info"]["input_token_logprobs"] == want
+    finally:
+        stack.fake.scores_from = True
+
+
 def test_a_prompt_is_scored_with_max_new_tokens_0(stack, ref):
     """(The evaluation and RL use: the prompt's log-probabilities alone.)"""
     ids = ref.encode(PROMPT).ids

@@ -19,8 +19,9 @@ depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_ST
 it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A depth shorter than the
 running one is taken only on times as recent as the running one's — its trial's, weighed against the running depth's
 steps just before it (served, step times drift in spells: RoundTimes); one that leads on older times is timed again
-first. A depth that a longer chain beats at the warm-up's round times is neither timed nor chosen (``_outdone``: serving
-only widens that gap; on a small target whose rounds cost about the same at every width, this spares every trial).
+first. A depth that a longer chain beats at the warm-up's round times is timed only once in ``OUTDONE_TRIAL_GAP``
+weighings while unmeasured (``_outdone``: served alike, that gap only widens; on a small target whose rounds cost about
+the same at every width this spares the cold start's trials).
 A bucket keeps its depth unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
 change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
 measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
@@ -58,6 +59,7 @@ TRIAL_STEPS = 6
 # as many steps as before (up to TRIAL_SPACING_MAX times FRESH_STEPS); one within it, after FRESH_STEPS again
 FAR_BEHIND = 0.15
 TRIAL_SPACING_MAX = 8
+OUTDONE_TRIAL_GAP = 128  # weighings (of 8 speculative steps) at a bucket between trials of an outdone, unmeasured depth
 RETRIAL_GAP = 16  # weighings where a shorter depth's older times lead the running one's, between two trials of it
 
 
@@ -86,7 +88,7 @@ class ChainDepth:
         self._tried: dict[tuple[int, int], int] = {}  # (bucket, depth) -> trials since its width was last measured
         self._trial: dict[int, tuple[int, int]] = {}  # bucket -> (depth under trial, its steps still to draft)
         self._running: int | None = None  # the depth the last step drafted
-        self._running_trial = False  # ... in a trial (a bucket the batch comes into does not take that depth up)
+        self._running_transient = False  # ... in a trial or an exploring step (not a depth to take up elsewhere)
         self._bucket: int | None = None  # the bucket the last step ran at
         self._steps_here = 0  # speculative steps since the batch came into it
         self._stay: dict[int, float] = {}  # bucket -> speculative steps the batch stays there once it comes in
@@ -95,6 +97,7 @@ class ChainDepth:
         # that starts another depth's trial returns before it)
         self._judged: set[tuple[int, int]] = set()
         self._retrial_gap: dict[tuple[int, int], int] = {}  # (bucket, depth) -> weighings before it is timed again
+        self._outdone_wait: dict[tuple[int, int], int] = {}  # (bucket, depth) -> weighings before an outdone one's trial
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round drafted ``depth`` tokens and ``accepted`` of them were kept."""
@@ -118,7 +121,7 @@ class ChainDepth:
         # The batch just came into this bucket with another depth running (buckets hold their own depths): weighed now,
         # the running depth kept unless this bucket's best beats it by the margin (a batch moving between buckets 4
         # and 8 would otherwise change depth at each crossing, each change ending the queued runs).
-        entered = (self._running is not None and not self._running_trial and bucket != self._bucket
+        entered = (self._running is not None and not self._running_transient and bucket != self._bucket
                    and held != self._running)
         self._count_stay(bucket)
         trial = self._trial.pop(bucket, None)
@@ -127,12 +130,12 @@ class ChainDepth:
             if left > 1:
                 self._trial[bucket] = (depth, left - 1)
             self._due[bucket] = 0
-            return self._run(depth, trial=True)
+            return self._run(depth, transient=True)
         if held < self.full and not entered:
             self._short_steps += 1
             if self._short_steps >= self.explore_every:  # the positions past it are measured again
                 self._short_steps = 0
-                return self._run(self.full)
+                return self._run(self.full, transient=True)
         due = self._due.get(bucket, 0)
         if due > 0 and not entered:  # (weighed every few steps: acceptance and costs move slowly)
             self._due[bucket] = due - 1
@@ -143,12 +146,12 @@ class ChainDepth:
         self._due[bucket] = self.recheck_every - 1
         rates, outdone = {}, self._outdone(getattr(round_time, "seeded", None))
         for depth in range(1, self.full + 1):
-            if depth in outdone:
-                continue
             seconds = round_time(depth + 1)
             if seconds:
                 self._tried.pop((bucket, depth), None)
                 rates[depth] = self.tokens_per_round(depth) / seconds
+            elif depth in outdone and self._outdone_waits(bucket, depth):
+                continue
             elif self._tried.get((bucket, depth), 0) < UNMEASURED_TRIALS:  # a trial times it
                 self._tried[bucket, depth] = self._tried.get((bucket, depth), 0) + 1
                 return self._start_trial(bucket, depth, round_time)
@@ -189,10 +192,12 @@ class ChainDepth:
         return self._run(best)
 
     def _outdone(self, seeded) -> set:
-        """Depths a longer chain beats by ``margin`` at the warm-up's round times (``seeded(width)``, in process): served
-        they can only fall further behind, so they are neither timed nor chosen. Serving adds to every round what the
-        warm-up did not pay (streaming, the GIL, the gateway) — about the same whatever the width, or in proportion to
-        the tokens a round makes — and either kind of addition favours the chain that makes more tokens a round."""
+        """Depths a longer chain beats by ``margin`` at the warm-up's round times (``seeded(width)``, in process, greedy):
+        served alike they can only fall further behind — serving adds to every round what the warm-up did not pay
+        (streaming, the GIL, the gateway), about the same whatever the width or in proportion to the tokens a round
+        makes, and either favours the chain that makes more tokens a round — so they are not timed while unmeasured,
+        but once in ``OUTDONE_TRIAL_GAP`` weighings (sampled traffic and log-probabilities cost a wide verify more than
+        the greedy warm-up did). A depth measured served is weighed as any other."""
         if seeded is None:
             return set()
         at_seeds = {}
@@ -203,6 +208,12 @@ class ChainDepth:
         return {d for d, rate in at_seeds.items()
                 if any(e > d and other >= rate * (1 + self.margin) for e, other in at_seeds.items())}
 
+    def _outdone_waits(self, bucket: int, depth: int) -> bool:
+        """Whether an outdone, unmeasured depth at ``bucket`` waits on (True) or is timed by a trial now."""
+        left = self._outdone_wait.get((bucket, depth), OUTDONE_TRIAL_GAP)
+        self._outdone_wait[bucket, depth] = left - 1 if left > 0 else OUTDONE_TRIAL_GAP
+        return left > 0
+
     def _start_trial(self, bucket: int, depth: int, round_time):
         forget = getattr(round_time, "forget", None)
         if forget is not None:  # (the trial's times alone: what is left of the old ones is as old)
@@ -210,7 +221,7 @@ class ChainDepth:
         if TRIAL_STEPS > 1:
             self._trial[bucket] = (depth, TRIAL_STEPS - 1)
         self._judged.add((bucket, depth))
-        return self._run(depth, trial=True)
+        return self._run(depth, transient=True)
 
     def trial_spacing(self, bucket: int) -> Callable[[int], int]:
         """Width -> timed steps at ``bucket`` after which that width, not served since, is timed again in a trial."""
@@ -237,8 +248,8 @@ class ChainDepth:
             self._stay[self._bucket] = self._steps_here if old is None else 0.75 * old + 0.25 * self._steps_here
         self._bucket, self._steps_here = bucket, 1
 
-    def _run(self, depth: int, trial: bool = False):
-        self._running, self._running_trial = depth, trial
+    def _run(self, depth: int, transient: bool = False):
+        self._running, self._running_transient = depth, transient
         return self.ladder[depth - 1]
 
     def chosen_width(self, bucket: int) -> int:
