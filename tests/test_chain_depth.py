@@ -626,3 +626,17 @@ def test_a_depth_a_longer_chain_beats_at_the_warm_ups_times_is_never_timed(seede
         assert set(picks) == {3}, picks
     else:
         assert 1 in picks, picks
+
+
+def test_long_after_a_trial_the_running_width_is_read_from_its_whole_record():
+    """Right after a trial of 4 steps the running width is read from its 4 steps just before it; once it has run on,
+    from its whole record (16 steps), not from as few as that trial had."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_rounds=0))
+    for width, steps in ((4, 16), (3, 4)):
+        for _ in range(steps):
+            policy.observe_step(8, True, 4, 4e-3, width=width)
+    assert RoundTimes(policy, 8, chain_ladder(CHAIN)).weighed_on(4) == 4
+    for _ in range(20):
+        policy.observe_step(8, True, 4, 4e-3, width=4)
+    times = RoundTimes(policy, 8, chain_ladder(CHAIN))
+    assert times.weighed_on(4) == policy.cfg.step_samples and times.weighed_on(3) == 4

@@ -280,8 +280,8 @@ class RoundTimes:
     weighed width's samples about their own means, pooled, over the root of its own count — 3 clean steps of a
     trial are no sign of a quieter width (weighed on their own scatter, chance runs of them changed depth every tenth
     of a second over REST).
-    Each width is read from its latest samples, as many as the width with the fewest has (``MIN_TIMED_STEPS`` at least;
-    fewer: unmeasured): served, step times drift in spells (the demo pair over REST on an H100: a chain's 16 latest steps
+    Each width is read from its latest samples, as many as the fewest-timed width among those timed last has (right
+    after a trial, the trial's; ``MIN_TIMED_STEPS`` at least, fewer: unmeasured): served, step times drift in spells (the demo pair over REST on an H100: a chain's 16 latest steps
     held 9 of 4-31 ms among 7 of about 2 ms, 1.77 ms a round, against 0.66 ms read by a 5-step trial of another chain), so
     the running width's steps just before a trial, not its longer record, are what the trial is weighed against."""
 
@@ -304,9 +304,12 @@ class RoundTimes:
         return self._by_width[width]
 
     def _span(self) -> int:
-        """Samples each width is read from: the fewest any measured width here has."""
-        counts = [len(self._samples(c.num_draft_tokens)) for c in self.ladder]
-        return min([n for n in counts if n >= MIN_TIMED_STEPS], default=0)
+        """Samples each width is read from: the fewest any measured width among the latest timed here has (right after
+        a trial, the trial's: the running width is read from its steps just before it), else any measured width."""
+        counts = {c.num_draft_tokens: len(self._samples(c.num_draft_tokens)) for c in self.ladder}
+        measured = {w: n for w, n in counts.items() if n >= MIN_TIMED_STEPS}
+        latest = [n for w, n in measured.items() if self.recent(w)]
+        return min(latest or measured.values(), default=0)
 
     def _window(self, width: int) -> list:
         samples = self._samples(width)
