@@ -20,7 +20,7 @@ from tandem.sampling import SamplingParams
 from tandem.speculative.chain_depth import TRIAL_STEPS, ChainDepth, chain_ladder
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import PolicyConfig, RequestSpecState, SpeculationPolicy, cost_bucket
-from tandem.speculative.step_costs import RoundTimes
+from tandem.speculative.round_times import RoundTimes
 from tandem.speculative.tree import DraftTree
 
 CHAIN = SpecConfig(3, 1, 4)

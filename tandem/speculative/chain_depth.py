@@ -15,7 +15,7 @@ are taught again by one step at the full depth every ``explore_every`` steps at 
 cost is the policy's measured round time at its width and batch bucket (of rounds queued in runs where every
 depth has such samples there: SpeculationPolicy._round_times), seeded by the warm-up; where it is not (an
 engine that was not warmed up, a bucket the warm-up did not reach, or times too old to weigh against the running
-depth's: tandem.speculative.step_costs.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
+depth's: tandem.speculative.round_times.RoundTimes), a weighing drafts ``TRIAL_STEPS`` steps at that depth to time
 it, up to ``UNMEASURED_TRIALS`` times in a row, and a depth still unmeasured is not chosen. A depth shorter than the
 running one is taken only on times as recent as the running one's — its trial's, weighed against the running depth's
 steps just before it (served, step times drift in spells: RoundTimes); one that leads on older times is timed again

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from tandem.speculative.chain_depth import ChainDepth, chain_ladder
 from tandem.speculative.goodput import GoodputArbiter
-from tandem.speculative.step_costs import DecayedMean, RoundTimes, StepCosts, cost_bucket
+from tandem.speculative.round_times import RoundTimes
+from tandem.speculative.step_costs import DecayedMean, StepCosts, cost_bucket
 
 
 # plain_reason of plain steps taken only to measure plain while the policy keeps speculating (an exploration of plain
