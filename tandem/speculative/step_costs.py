@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 # Timed steps at a bucket after which a round width not served since reads unmeasured there (round_times.RoundTimes)
 FRESH_STEPS = 1024
-# A width's round time resting on fewer timed steps is unknown (round_times.RoundTimes; a trial times it): on the demo pair over
-# REST one step read a chain of 1 at 0.13 ms a round where its rounds took 1.1-1.6 ms, and the bucket switched to it
+# A width's round time resting on fewer timed steps is unknown (round_times.RoundTimes; a trial times it): on the demo
+# pair over REST one step read a chain of 1 at 0.13 ms a round where its rounds took 1.1-1.6 ms, and the bucket took it
 MIN_TIMED_STEPS = 3
-RECENT_STEPS = 2  # a width timed within this many of a bucket's latest timed steps is current there (round_times.RoundTimes.recent)
+RECENT_STEPS = 2  # a width timed within this many of a bucket's latest timed steps is current there (RoundTimes.recent)
 MIN_PLAIN_SHARE = 0.05  # the arrival-adjusted plain step never counts below this share of its time (the ratio stays finite)
 
 
