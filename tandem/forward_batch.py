@@ -25,6 +25,7 @@ class SequenceChunk:
     positions: list[int] | None = None  # rotary positions; default prefix_len + 0..n-1
     tree_mask: list[list[bool]] | None = None  # [n, W]: row sees column among the last W keys; None = causal
     logits: str = "last"  # which new tokens need logits: "last", "all" or "none"
+    logits_from: int = 0  # with "all": the first of the new tokens that does (a prompt scored from a later position)
     # Token ids still on rank 0's device, for the entries of token_ids that are -1 (a chain draft the
     # verify takes straight from the drafter; see tandem.speculative.tree.PendingTokens).
     device_ids: torch.Tensor | None = None
@@ -83,7 +84,7 @@ def to_device(batch: ForwardBatch, page_size: int, device: torch.device) -> Devi
         positions.append(keys if s.positions is None else np.asarray(s.positions, dtype=np.int64))
         tables[i, : len(s.pages)] = s.pages
         slots.append(tables[i, keys // page_size].astype(np.int64) * page_size + keys % page_size)
-        rows = {"last": [start + n - 1], "all": list(range(start, start + n)), "none": []}[s.logits]
+        rows = {"last": [start + n - 1], "all": list(range(start + s.logits_from, start + n)), "none": []}[s.logits]
         logits_rows.extend(rows)
         counts.append(len(rows))
         cu.append(start + n)

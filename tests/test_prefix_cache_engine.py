@@ -11,6 +11,7 @@ import torch
 from draft_checkpoints import pair_engine
 from helpers import random_prompt
 from tandem.engine.llm_engine import LLMEngine
+from tandem.forward_batch import SequenceChunk
 from tandem.sampling import SamplingParams
 from tandem.speculative.drafter import Eagle3Drafter
 from tandem.speculative.spec_config import SpecConfig
@@ -251,6 +252,24 @@ def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chun
     for a, b in zip(got, ref_got[start - 1:]):
         assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
     assert req.output == ref_req.output
+    # scored cold (the cache off) the same, with logits only from position start - 1 on
+    rows = []
+    forward = SequenceChunk.__init__
+
+    def noting(self, *args, **kwargs):
+        forward(self, *args, **kwargs)
+        if self.logits == "all" and self.tree_mask is None:
+            rows.append(len(self.token_ids) - self.logits_from)
+
+    SequenceChunk.__init__ = noting
+    try:
+        cold_req, cold = run(False, tail)
+    finally:
+        SequenceChunk.__init__ = forward
+    assert cold_req.output == ref_req.output and len(cold) == len(got)
+    for a, b in zip(cold, got):
+        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert sum(rows) == len(second) - (start - 1)  # (positions start - 1 to the prompt's last)
 
 
 class _Counting:

@@ -25,7 +25,7 @@ from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decod
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request
-from tandem.engine.request_sampling import wants_prompt_logits
+from tandem.engine.request_sampling import prompt_logits_skip
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Schedule, Scheduler
 from tandem.engine.step_accounting import StepAccounting
@@ -304,8 +304,10 @@ class LLMEngine:
                 if trees[req.rid].size == 1 and rows > 1:
                     trees[req.rid] = DraftTree.padded(req.last_token, rows)
         # A prompt's chunk appends to the KV of its chunks before (its prefix); only a last chunk samples.
+        skips = [prompt_logits_skip(p) for p in sched.prefill]  # (a prompt scored from a position: its rows from there)
         chunks = [SequenceChunk(p.req.tokens[p.start : p.end], p.start, p.req.kv.page_table(),
-                                logits="all" if wants_prompt_logits(p.req) else "last") for p in sched.prefill]
+                                logits="last" if skip is None else "all", logits_from=skip or 0)
+                  for p, skip in zip(sched.prefill, skips)]
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.keeping() or self.traffic is not None
         with timer("verify"):

@@ -151,12 +151,23 @@ def cacheable_prompt_tokens(req: Request) -> int:
     return req.num_tokens - 1
 
 
+def prompt_logits_skip(p) -> int | None:
+    """Of a prefill chunk ``p``'s tokens, how many come before the first whose logits give a wanted prompt entry
+    (position prompt_logprobs_from - 1 on: its tokens from there on have logits); None: the chunk needs its last
+    token's alone (no prompt entry wanted, or none in this chunk)."""
+    if not wants_prompt_logits(p.req):
+        return None
+    skip = max(0, p.req.params.prompt_logprobs_from - 1 - p.start)
+    return skip if skip < p.end - p.start else None
+
+
 def prefill_rows(prefills) -> list[tuple[int, int]]:
-    """(first row, rows) of each prefill chunk in a forward's logits: all its tokens' for a request that
-    wants prompt logits, else its last token's."""
+    """(first row, rows) of each prefill chunk in a forward's logits: its tokens' from the first whose logits give a
+    wanted prompt entry (prompt_logits_skip), else its last token's."""
     out, row = [], 0
     for p in prefills:
-        n = p.end - p.start if wants_prompt_logits(p.req) else 1
+        skip = prompt_logits_skip(p)
+        n = 1 if skip is None else p.end - p.start - skip
         out.append((row, n))
         row += n
     return out
@@ -170,7 +181,8 @@ def prompt_logprob_jobs(prefills, rows: list[tuple[int, int]]) -> list:
         if wants_prompt_logits(p.req):
             predicted = range(max(p.start + 1, p.req.params.prompt_logprobs_from), min(p.end + 1, len(p.req.prompt)))
             if predicted:
-                jobs.append((p.req.rid, [first + t - 1 - p.start for t in predicted],
+                at = p.start + (prompt_logits_skip(p) or 0)  # (the position of the chunk's first logits row)
+                jobs.append((p.req.rid, [first + t - 1 - at for t in predicted],
                              [p.req.prompt[t] for t in predicted], p.req.params.prompt_logprobs))
     return jobs
 
