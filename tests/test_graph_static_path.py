@@ -58,6 +58,8 @@ def test_static_decode_and_verify_match_eager(model, request):
     # A prompt as long as a verify is wide is a prefill (one logits row wanted), not a verify: eager.
     assert not graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2])]))
     assert graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2], logits="all")]))
+    # a prompt scored from a later position wants its rows from there on: not the graph's every row
+    assert not graphs.can_run(ForwardBatch([SequenceChunk([1, 2, 3, 4, 5], 0, [1, 2], logits="all", logits_from=2)]))
     g = torch.Generator().manual_seed(0)
     seqs = []
     for n in (3, 9, 17):  # prefill eagerly, then compare one decode and one verify step

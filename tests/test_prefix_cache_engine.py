@@ -272,6 +272,30 @@ def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chun
     assert sum(rows) == len(second) - (start - 1)  # (positions start - 1 to the prompt's last)
 
 
+def test_prompt_logprobs_from_every_position_across_chunk_boundaries(pair):
+    """Chunks of 4 tokens, the cache off: from every start (a chunk wholly before it, one that straddles it, one whose
+    last token's logits are its first entry) the entries are the whole prefill's from there on."""
+    prompt = random_prompt(550, 14)
+    whole = SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1)
+
+    def entries(params):
+        with engine(pair, 4, cache=False) as eng:
+            rid = eng.add_request(prompt, params)
+            got = None
+            while eng.has_unfinished():
+                for out in eng.step():
+                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+            return got, eng.requests.pop(rid).output
+
+    ref, ref_out = entries(whole)
+    for start in range(2, len(prompt) + 1):
+        got, out = entries(SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1,
+                                          prompt_logprobs_from=start))
+        assert out == ref_out and len(got) == len(prompt) - start, start
+        for a, b in zip(got, ref[start - 1:]):
+            assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top], start
+
+
 class _Counting:
     """The in-process drafter with its calls counted by name."""
 

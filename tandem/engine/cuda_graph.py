@@ -143,8 +143,10 @@ class TargetGraphRunner(GraphRunner):
             return False
         if batch.capture_features and width == 1 and not self.decode_features:
             return False  # features asked of a decode graph captured without them: eager (correct, slower)
-        if width > 1 and any(s.logits != "all" for s in seqs):
-            return False  # the graph returns every row's logits: a prompt (one row wanted) is a prefill family's
+        if width > 1 and any(s.logits != "all" or s.logits_from for s in seqs):
+            # the graph returns every row's logits: a prompt (one row wanted, or those from a position) is eager or a
+            # prefill family's
+            return False
         # a tree mask must cover exactly the new tokens (verification); the last W keys of drafting are eager
         return all(s.tree_mask is None or len(s.tree_mask[0]) == width for s in seqs)
 

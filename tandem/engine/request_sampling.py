@@ -158,7 +158,7 @@ def prompt_logits_skip(p) -> int | None:
     if not wants_prompt_logits(p.req):
         return None
     skip = max(0, p.req.params.prompt_logprobs_from - 1 - p.start)
-    return skip if skip < p.end - p.start else None
+    return skip if skip < p.end - p.start - 1 else None  # (its last row alone: as any prompt's, graphable)
 
 
 def prefill_rows(prefills) -> list[tuple[int, int]]:
@@ -181,7 +181,8 @@ def prompt_logprob_jobs(prefills, rows: list[tuple[int, int]]) -> list:
         if wants_prompt_logits(p.req):
             predicted = range(max(p.start + 1, p.req.params.prompt_logprobs_from), min(p.end + 1, len(p.req.prompt)))
             if predicted:
-                at = p.start + (prompt_logits_skip(p) or 0)  # (the position of the chunk's first logits row)
+                skip = prompt_logits_skip(p)
+                at = p.end - 1 if skip is None else p.start + skip  # (the position of the chunk's first logits row)
                 jobs.append((p.req.rid, [first + t - 1 - at for t in predicted],
                              [p.req.prompt[t] for t in predicted], p.req.params.prompt_logprobs))
     return jobs
