@@ -22,10 +22,10 @@ steps just before it (served, step times drift in spells: RoundTimes); one that 
 first. A depth that a longer chain beats at the warm-up's round times is timed only once in ``OUTDONE_TRIAL_GAP``
 weighings while unmeasured (``_outdone``: served alike, that gap only widens; on a small target whose rounds cost about
 the same at every width this spares the cold start's trials).
-A bucket keeps its depth unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every`` speculative steps; after a
-change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of rounds, and round times
-measured just after one are the noisiest: on the demo pair over REST depths about even took turns several times a
-second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
+A bucket keeps its depth unless another promises ``margin`` more tokens a second, weighed again every ``recheck_every``
+speculative steps; after a change it keeps the new depth for ``dwell`` weighings (each change ends the queued run of
+rounds, and round times measured just after one are the noisiest: on the demo pair over REST depths about even took
+turns several times a second). A batch that comes into a bucket holding another depth than the one running keeps the running one unless
 the bucket's best beats it there by the margin. A lead must also stand out of the noise: ``NOISE_Z`` standard errors
 of the round times compared (the samples' scatter pooled over the widths weighed, over the root of each one's count:
 RoundTimes; on the demo pair's sub-millisecond rounds served over REST, a width's times scatter by tens of percent).

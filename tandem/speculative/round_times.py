@@ -16,8 +16,9 @@ class RoundTimes:
     mixes, depths about even took turns). The class is settled at the first call (a weighing's). A width last served
     more than ``FRESH_STEPS`` timed steps ago here (``fresh_steps``: ChainDepth spaces some widths' further), or timed
     by the warm-up alone once serving has begun here, reads unmeasured: ChainDepth times it again (``forget`` first)
-    rather than weigh the running depth's fresh times against old ones (the demo pair over REST held chains of 2 at batch 1 for minutes against the full chain's times from its
-    first seconds, which the always-full stack beat by 16 %).
+    rather than weigh the running depth's fresh times against old ones (the demo pair over REST held chains of 2 at
+    batch 1 for minutes against the full chain's times from its first seconds, which the always-full stack beat by 16
+    %).
     Every sample counts, none left out: a trial times a width in 3-4 steps, the running width has 16, and leaving out
     the slowest of each read the trial's few about 8 % faster where a served step's time now and then holds a long wait
     (the GIL, streaming). Such waits are the serving's, not a width's: a width's ``spread`` is the scatter of every
@@ -25,9 +26,10 @@ class RoundTimes:
     trial are no sign of a quieter width (weighed on their own scatter, chance runs of them changed depth every tenth
     of a second over REST).
     Each width is read from its latest samples, as many as the fewest-timed width among those timed last has (right
-    after a trial, the trial's; ``MIN_TIMED_STEPS`` at least, fewer: unmeasured): served, step times drift in spells (the demo pair over REST on an H100: a chain's 16 latest steps
-    held 9 of 4-31 ms among 7 of about 2 ms, 1.77 ms a round, against 0.66 ms read by a 5-step trial of another chain), so
-    the running width's steps just before a trial, not its longer record, are what the trial is weighed against."""
+    after a trial, the trial's; ``MIN_TIMED_STEPS`` at least, fewer: unmeasured): served, step times drift in spells
+    (the demo pair over REST on an H100: a chain's 16 latest steps held 9 of 4-31 ms among 7 of about 2 ms, 1.77 ms a
+    round, against 0.66 ms read by a 5-step trial of another chain), so the running width's steps just before a trial,
+    not its longer record, are what the trial is weighed against."""
 
     def __init__(self, costs: StepCosts, bucket: int, ladder: tuple, fresh_steps=lambda width: FRESH_STEPS):
         """``fresh_steps(width)``: timed steps after which a width not served since reads unmeasured (ChainDepth
