@@ -198,6 +198,22 @@ def test_pages_the_drafter_rebuilt_without_features_are_never_cached(pair):
         assert drafter.prefix_cache.stats.hits == 0  # nothing poisoned was found
 
 
+def _scored(eng: LLMEngine, prompt: list[int], params: SamplingParams):
+    """Run ``prompt`` to its end → (its request, the prompt entries its first output carried)."""
+    rid = eng.add_request(prompt, params)
+    got = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    return eng.requests.pop(rid), got
+
+
+def _assert_same_entries(got: list, want: list, note=None) -> None:
+    assert len(got) == len(want), note
+    for a, b in zip(got, want):
+        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top], note
+
+
 def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(pair):
     """Its every position's logits are wanted, so it starts on no cached page: all its prompt entries come
     back, equal to the cache-off engine's; the next request on the same prefix still finds it cached."""
@@ -207,27 +223,21 @@ def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(pair):
     def run(cache: bool):
         with engine(pair, 7, cache=cache) as eng:
             eng.generate([first], GREEDY)
-            rid = eng.add_request(second, asking)
-            got = None
-            while eng.has_unfinished():
-                for out in eng.step():
-                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
-            req = eng.requests.pop(rid)
+            req, got = _scored(eng, second, asking)
             later = eng.add_request(second, GREEDY)
             while eng.has_unfinished():
                 eng.step()
             return req, got, eng.requests.pop(later)
 
     (req, got, later), (ref_req, ref_got, ref_later) = run(True), run(False)
-    assert req.cached_tokens == 0 and len(got) == len(second) - 1 == len(ref_got)
-    for a, b in zip(got, ref_got):
-        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert req.cached_tokens == 0 and len(got) == len(second) - 1
+    _assert_same_entries(got, ref_got)
     assert req.output == ref_req.output and later.output == ref_later.output
     assert later.cached_tokens == (len(second) - 1) // PAGE * PAGE
 
 
 @pytest.mark.parametrize("chunk", [-1, 7])
-def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chunk):
+def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chunk, monkeypatch):
     """SGLang's logprob_start_len: entries from token ``start`` on (scoring a continuation of a shared context). The
     context's pages before position ``start - 1`` come from the cache; the entries equal the same tokens' from a
     whole prefill with the cache off (all of them asked), and the output is the same."""
@@ -239,18 +249,12 @@ def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chun
     def run(cache: bool, params):
         with engine(pair, chunk, cache=cache) as eng:
             eng.generate([first], GREEDY)
-            rid = eng.add_request(second, params)
-            got = None
-            while eng.has_unfinished():
-                for out in eng.step():
-                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
-            return eng.requests.pop(rid), got
+            return _scored(eng, second, params)
 
     (req, got), (ref_req, ref_got) = run(True, tail), run(False, whole)
     assert req.cached_tokens == (start - 1) // PAGE * PAGE > 0
     assert len(got) == len(second) - start and len(ref_got) == len(second) - 1
-    for a, b in zip(got, ref_got[start - 1:]):
-        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    _assert_same_entries(got, ref_got[start - 1:])
     assert req.output == ref_req.output
     # scored cold (the cache off) the same, with logits only from position start - 1 on
     rows = []
@@ -261,14 +265,10 @@ def test_prompt_logprobs_from_a_position_start_on_the_cache_before_it(pair, chun
         if self.logits == "all" and self.tree_mask is None:
             rows.append(len(self.token_ids) - self.logits_from)
 
-    SequenceChunk.__init__ = noting
-    try:
-        cold_req, cold = run(False, tail)
-    finally:
-        SequenceChunk.__init__ = forward
-    assert cold_req.output == ref_req.output and len(cold) == len(got)
-    for a, b in zip(cold, got):
-        assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    monkeypatch.setattr(SequenceChunk, "__init__", noting)
+    cold_req, cold = run(False, tail)
+    assert cold_req.output == ref_req.output
+    _assert_same_entries(cold, got)
     assert sum(rows) == len(second) - (start - 1)  # (positions start - 1 to the prompt's last)
 
 
@@ -280,20 +280,14 @@ def test_prompt_logprobs_from_every_position_across_chunk_boundaries(pair):
 
     def entries(params):
         with engine(pair, 4, cache=False) as eng:
-            rid = eng.add_request(prompt, params)
-            got = None
-            while eng.has_unfinished():
-                for out in eng.step():
-                    got = out.prompt_logprobs if out.prompt_logprobs is not None else got
-            return got, eng.requests.pop(rid).output
+            return _scored(eng, prompt, params)
 
-    ref, ref_out = entries(whole)
+    ref_req, ref = entries(whole)
     for start in range(2, len(prompt) + 1):
-        got, out = entries(SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1,
+        req, got = entries(SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1,
                                           prompt_logprobs_from=start))
-        assert out == ref_out and len(got) == len(prompt) - start, start
-        for a, b in zip(got, ref[start - 1:]):
-            assert abs(a.logprob - b.logprob) < 1e-5 and [i for i, _ in a.top] == [i for i, _ in b.top], start
+        assert req.output == ref_req.output and len(got) == len(prompt) - start, start
+        _assert_same_entries(got, ref[start - 1:], start)
 
 
 class _Counting:
