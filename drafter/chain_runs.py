@@ -71,7 +71,9 @@ class ChainRuns:
         graphs, stream = drafter.graphs, box.stream()
         rows = side.begin(rids, spec, rounds, previous.side if previous else None)
         record = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=box.device)
-        ids, features = graphs.token_ids.view(-1, side.width), graphs.features.view(-1, side.width, graphs.features.shape[1])
+        # one row a request (the buffers may be longer: sized for the prompt-extend family too)
+        ids = graphs.token_ids[: n * side.width].view(n, side.width)
+        features = graphs.features[: n * side.width].view(n, side.width, -1)
         mail_features = box.features.view(box.layout.max_bs, box.layout.max_nd, -1)
         for r in range(rounds):
             g = first_round + r

@@ -59,10 +59,11 @@ def engine(pair):
         yield eng
 
 
-def _speculative_engine(root, prefix_caching: bool = True, policy=None) -> LLMEngine:
+def _speculative_engine(root, prefix_caching: bool = True, policy=None, draft_prompts: tuple[int, int] = (0, 1)) -> LLMEngine:
     """An in-process speculative engine whose target and drafter graphs run their static code eagerly,
     with torch attention on both sides (the round glue and the chain's pick stay Triton kernels,
-    interpreted, where a test forces the fused path)."""
+    interpreted, where a test forces the fused path). ``draft_prompts``: the drafter's prompt-extend
+    family (width, requests) as served, none by default."""
     from helpers import TorchGraphBackend, static_target_graphs
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
@@ -77,7 +78,9 @@ def _speculative_engine(root, prefix_caching: bool = True, policy=None) -> LLMEn
     drafter = Eagle3Drafter.from_dirs(str(root / "draft"), str(root / "target"),
                                       DrafterConfig(page_size=4, defer_chain_tokens=True, page_shuffle_seed=5),
                                       capture_layers=capture, embed_weight=runner.model.model.embed_tokens.weight)
-    drafter.graphs = DraftGraphRunner(drafter, list(chains), buckets=[1, 2, 4], use_graphs=False, attention="torch")
+    width, requests = draft_prompts
+    drafter.graphs = DraftGraphRunner(drafter, list(chains), buckets=[1, 2, 4], use_graphs=False, attention="torch",
+                                      prompt_widths=(width,) if width else (), prompt_max_bs=requests)
     eng.proposer, eng.default_spec = drafter, SPEC
     runner.graph_backend = TorchGraphBackend()  # the target's attention in torch: these tests are about the rounds
     runner.graphs = static_target_graphs(runner, widths=(1, *(c.num_draft_tokens for c in chains)), max_bs=4)

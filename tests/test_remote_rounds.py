@@ -170,12 +170,14 @@ def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_acce
 
     monkeypatch.setattr(chain_rounds, "use_triton", lambda x: glue == "fused")
     root, prompts, ref = pair
-    with _speculative_engine(root) as eng:
+    # the drafter's extend buffers sized by a prompt family whose rows (21) are no multiple of a round's width (4),
+    # as served (1024 rows for 6-wide rounds)
+    with _speculative_engine(root, draft_prompts=(7, 3)) as eng:
         local, accepted_local, _ = _generate(eng, prompts, ref, remote=False)
     local_chains = [list(c) for c in chains.values()]
     for c in chains.values():
         c.clear()
-    with _speculative_engine(root) as eng:
+    with _speculative_engine(root, draft_prompts=(7, 3)) as eng:
         remote, accepted_remote, loopback = _generate(eng, prompts, ref, remote=True)
         drafter = eng.proposer
         assert drafter.allocator.num_free == drafter.allocator.capacity_pages  # every draft page back

@@ -81,7 +81,7 @@ def test_the_service_pair_on_the_gpu_equals_target_only_greedy(demo_pair, refere
             assert tokens == expected, f"service output differs from target-only greedy\n{verifier.log()}"
             accepted.append(last.spec.accept_length_mean)
         m = read_metrics(metrics_port)
-        assert m["tandem:drafter_round_lane"] == 1.0
+        assert m["tandem:drafter_round_lane"] == 1.0, f"rounds not on the round lane\n{verifier.log()}\n{drafter.log()}"
         assert sum(accepted) / len(accepted) > 1.5, f"the trained head's drafts were hardly accepted: {accepted}"
         runs = m.get('tandem:drafter_rounds_total{kind="chain_run"}', 0.0)
         if spec_rounds == "1":
