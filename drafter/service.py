@@ -40,6 +40,7 @@ from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.proposer import ProposerUnavailable
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
@@ -71,6 +72,9 @@ class DrafterService:
         self._lock = asyncio.Lock()  # one stream drives the model at a time
         self._reload_lock = asyncio.Lock()  # one reload at a time
         self._generation = 0  # of verifier streams (not of heads)
+        # why runs of chain rounds are refused: one failed to queue (a fault of this drafter, not of a connection: every
+        # reconnect would meet it again, closing the connection each time); rounds then go one at a time until a reload
+        self._runs_failed: str | None = None
         self.metrics = metrics or DrafterMetrics()  # recorded always; served with --metrics-port
         self.metrics.watch_prefix_cache(lambda: self.heads.current.prefix_cache.stats)
 
@@ -232,7 +236,9 @@ class DrafterService:
         run = round_msg.chain_run
         rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
         gens = {self.heads.for_request(rid)[0] for rid in rids}
-        if runs is None:
+        if self._runs_failed is not None:
+            why = f"runs of chain rounds are off on this drafter since one failed to queue ({self._runs_failed})"
+        elif runs is None:
             why = "this connection has no round mailbox"
         elif len(gens) != 1:
             why = "the run's requests draft with different heads"
@@ -244,7 +250,15 @@ class DrafterService:
             return reply, _nothing
 
         def queue() -> None:
-            previous = runs.queue(drafter, rids, spec, run.first_round, run.rounds, run.continues)
+            try:
+                previous = runs.queue(drafter, rids, spec, run.first_round, run.rounds, run.continues)
+            except ProposerUnavailable:  # (the verifier gone: the connection's end, not this drafter's fault)
+                raise
+            except Exception as e:
+                self._runs_failed = f"{type(e).__name__}: {e}"
+                log.error("a run of chain rounds failed to queue (%s): this drafter refuses runs from now on and drafts "
+                          "one round at a time (a reload of the head tries runs again)", self._runs_failed)
+                raise
             if previous is not None:
                 runs.settle(previous, keep_pages=True)
 
@@ -345,6 +359,7 @@ class DrafterService:
                         self.metrics.reloads.labels("refused").inc()
                         await _refuse_reload(context, request.draft_model, e, folder)
                 left = self.heads.install(drafter, request.draft_model)
+                self._runs_failed = None  # (a new head, new graphs: runs are tried again)
             seconds = time.perf_counter() - started
             self.metrics.reloads.labels("loaded").inc()
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "

@@ -226,3 +226,42 @@ def test_the_drafter_refuses_runs_it_cannot_take(pair):
             assert loopback.next_round == 0 and not loopback.queued
         finally:
             box.close()
+
+
+@pytest.mark.parametrize("failure", ["fault", "verifier gone"])
+def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypatch, failure):
+    """A run the drafter accepted and then could not queue (a fault of its own: the 6-wide rounds on GPU extend
+    buffers of 1024 rows) ends that connection; the next connection would meet it again, so later runs are
+    refused, naming the failure, and the verifier drafts one round at a time. A verifier gone (the mailbox's wait
+    timing out) is the connection's end, not the drafter's fault: runs go on being taken."""
+    from drafter.chain_runs import ChainRuns
+    from tandem.speculative.round_mailbox import MailboxTimeout
+
+    def failing_queue(self, *args, **kwargs):
+        raise (RuntimeError("shape '[-1, 6]' is invalid for input of size 1024") if failure == "fault"
+               else MailboxTimeout("flag 1 did not reach 1 within 1 s"))
+
+    root, _, _ = pair
+    with _speculative_engine(root) as eng:
+        box = _mailbox(eng, wait_s=1.0)
+        loopback = LoopbackDrafter(ControlledAcceptanceProposer(eng.proposer, 0.3), box, eng.model_config.vocab_size)
+        monkeypatch.setattr(ChainRuns, "check", lambda self, *args: "")
+        monkeypatch.setattr(ChainRuns, "queue", failing_queue)
+        try:
+            assert loopback.queue_run(["x"], SPEC, 4, False, [1]) is not None  # taken ...
+            with pytest.raises(RuntimeError if failure == "fault" else MailboxTimeout):
+                loopback.job.result()  # ... and failed after the reply (the service closes the connection)
+            loopback.job = None
+            loopback.runs = ChainRuns(box)  # the verifier's next connection
+            taken = loopback.queue_run(["x"], SPEC, 4, False, [1])
+            if failure == "fault":
+                assert taken is None and loopback.refusals == [
+                    "runs of chain rounds are off on this drafter since one failed to queue (RuntimeError: shape "
+                    "'[-1, 6]' is invalid for input of size 1024)"]
+            else:
+                assert taken is not None and not loopback.refusals
+        finally:
+            if loopback.job is not None:
+                with pytest.raises(Exception):
+                    loopback.job.result()
+            box.close()
