@@ -40,12 +40,11 @@ from tandem.round_lane import AsyncLane, LaneError
 from tandem.rpc.drafter.v1 import drafter_pb2 as pb
 from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
-from tandem.speculative.proposer import ProposerUnavailable
 from tandem.speculative.spec_config import SpecConfig
-from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.tree_wire import pack_trees
 from drafter.chain_runs import ChainRuns
+from drafter.run_desk import RunDesk
 from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads
 from drafter.metrics import DrafterMetrics
@@ -72,9 +71,7 @@ class DrafterService:
         self._lock = asyncio.Lock()  # one stream drives the model at a time
         self._reload_lock = asyncio.Lock()  # one reload at a time
         self._generation = 0  # of verifier streams (not of heads)
-        # why runs of chain rounds are refused: one failed to queue (a fault of this drafter, not of a connection: every
-        # reconnect would meet it again, closing the connection each time); rounds then go one at a time until a reload
-        self._runs_failed: str | None = None
+        self.run_desk = RunDesk()  # runs of chain rounds, over every connection
         self.metrics = metrics or DrafterMetrics()  # recorded always; served with --metrics-port
         self.metrics.watch_prefix_cache(lambda: self.heads.current.prefix_cache.stats)
 
@@ -113,7 +110,7 @@ class DrafterService:
                     said_hello = True
                     async with self._lock:
                         ring = await self._hello(message.hello, context, ring)
-                        runs = self._attach_mailbox(message.hello)
+                        runs = self.run_desk.attach(message.hello, self.drafter)
                     self.metrics.verifier_connected.set(1)
                     lane = await _attach_lane(message.hello)
                     if lane is not None:
@@ -199,25 +196,6 @@ class DrafterService:
         log.info("verifier connected (target %s, ring %s, %d rows)", hello.target.model, hello.ring.name, hello.ring.num_rows)
         return ring
 
-    def _attach_mailbox(self, hello: pb.Hello) -> ChainRuns | None:
-        """The connection's runs of chain rounds, if the verifier offered a mailbox and this drafter can
-        queue its half (graphs on the mailbox's GPU); else None (rounds go one at a time)."""
-        if not hello.HasField("mailbox") or getattr(self.drafter, "graphs", None) is None:
-            return None
-        offer = hello.mailbox
-        layout = MailboxLayout(offer.max_batch, offer.max_draft_tokens, hello.ring.row_width,
-                               RingSpec.from_fields(hello.ring).torch_dtype)
-        try:
-            box = RoundMailbox.attach(layout, RingSpec.from_fields(offer.storage), offer.flags)
-        except (TandemError, OSError, ValueError, RuntimeError) as e:
-            log.info("round mailbox not reachable (%s); rounds go one at a time", e)
-            return None
-        if box.device != self.drafter.device:
-            box.close()
-            log.info("round mailbox on %s, the head on %s; rounds go one at a time", box.device, self.drafter.device)
-            return None
-        return ChainRuns(box)
-
     def _round(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None = None):
         """→ (the reply, what to do once it is sent)."""
         started = time.perf_counter()
@@ -230,39 +208,9 @@ class DrafterService:
         return reply
 
     def _chain_run(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None):
-        """Check the run now (the reply says whether it is queued); queue it after the reply, then read
-        back and commit the run it follows."""
-        self._release_and_extend(round_msg, ring)  # (it drafts no trees)
-        run = round_msg.chain_run
-        rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
-        gens = {self.heads.for_request(rid)[0] for rid in rids}
-        if self._runs_failed is not None:
-            why = f"runs of chain rounds are off on this drafter since one failed to queue ({self._runs_failed})"
-        elif runs is None:
-            why = "this connection has no round mailbox"
-        elif len(gens) != 1:
-            why = "the run's requests draft with different heads"
-        else:
-            drafter = self.heads.drafter(gens.pop())
-            why = runs.check(drafter, rids, spec, run.rounds, run.continues)
-        reply = pb.Drafts(seq=round_msg.seq, chain_run_refused=why)
-        if why:
-            return reply, _nothing
-
-        def queue() -> None:
-            try:
-                previous = runs.queue(drafter, rids, spec, run.first_round, run.rounds, run.continues)
-            except ProposerUnavailable:  # (the verifier gone: the connection's end, not this drafter's fault)
-                raise
-            except Exception as e:
-                self._runs_failed = f"{type(e).__name__}: {e}"
-                log.error("a run of chain rounds failed to queue (%s): this drafter refuses runs from now on and drafts "
-                          "one round at a time (a reload of the head tries runs again)", self._runs_failed)
-                raise
-            if previous is not None:
-                runs.settle(previous, keep_pages=True)
-
-        return reply, queue
+        """A Round's releases and extends (it drafts no trees), then its run checked, answered and queued (RunDesk)."""
+        self._release_and_extend(round_msg, ring)
+        return self.run_desk.take(round_msg.seq, round_msg.chain_run, runs, self.heads)
 
     def _release_and_extend(self, round_msg: pb.Round, ring: HiddenRingView) -> None:
         """A Round's releases, then its extends (before any draft or run reads the state). An extend may
@@ -359,7 +307,7 @@ class DrafterService:
                         self.metrics.reloads.labels("refused").inc()
                         await _refuse_reload(context, request.draft_model, e, folder)
                 left = self.heads.install(drafter, request.draft_model)
-                self._runs_failed = None  # (a new head, new graphs: runs are tried again)
+                self.run_desk.failed = None  # (a new head, new graphs: runs are tried again)
             seconds = time.perf_counter() - started
             self.metrics.reloads.labels("loaded").inc()
             log.info("reload: generation %d (%s) drafts new requests; %d running requests finish on the previous "

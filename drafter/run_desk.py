@@ -1,0 +1,85 @@
+"""The drafter's desk for runs of chain rounds (tandem.speculative.chain_rounds), over all its verifier
+connections: each connection's half of the round mailbox attached, each ChainRun checked, answered at once and
+queued after the reply (drafter/chain_runs.py).
+
+A run it took and then could not queue is a fault of this drafter, not of the connection (the 6-wide rounds on
+extend buffers of 1024 rows were one): that connection ends, and every reconnect would meet the same failure,
+speculation off most of the time. So from then on runs are refused naming the error, and the verifier drafts
+one round at a time, until a reload brings a new head (``failed`` cleared). A verifier gone while a run waits on
+it (ProposerUnavailable) is the connection's end and changes nothing here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.errors import TandemError
+from tandem.ring import RingSpec
+from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+from tandem.speculative.proposer import ProposerUnavailable
+from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
+from tandem.speculative.spec_config import SpecConfig
+from drafter.chain_runs import ChainRuns
+
+log = logging.getLogger("drafter.service")
+
+
+def _nothing() -> None:
+    pass
+
+
+class RunDesk:
+    def __init__(self):
+        self.failed: str | None = None  # why runs are refused on this drafter (one failed to queue), or None
+
+    def attach(self, hello: pb.Hello, drafter) -> ChainRuns | None:
+        """The connection's runs of chain rounds, if the verifier offered a mailbox and ``drafter`` (the head new
+        requests draft with) can queue its half (graphs on the mailbox's GPU); else None (rounds go one at a time)."""
+        if not hello.HasField("mailbox") or getattr(drafter, "graphs", None) is None:
+            return None
+        offer = hello.mailbox
+        layout = MailboxLayout(offer.max_batch, offer.max_draft_tokens, hello.ring.row_width,
+                               RingSpec.from_fields(hello.ring).torch_dtype)
+        try:
+            box = RoundMailbox.attach(layout, RingSpec.from_fields(offer.storage), offer.flags)
+        except (TandemError, OSError, ValueError, RuntimeError) as e:
+            log.info("round mailbox not reachable (%s); rounds go one at a time", e)
+            return None
+        if box.device != drafter.device:
+            box.close()
+            log.info("round mailbox on %s, the head on %s; rounds go one at a time", box.device, drafter.device)
+            return None
+        return ChainRuns(box)
+
+    def take(self, seq: int, run: pb.ChainRun, runs: ChainRuns | None, heads):
+        """Check the run now (the reply says whether it is queued) → (the reply, what queues it once the reply is
+        sent, then reads back and commits the run it follows). ``heads``: the drafter's DraftHeads."""
+        rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
+        gens = {heads.for_request(rid)[0] for rid in rids}
+        if self.failed is not None:
+            why = f"runs of chain rounds are off on this drafter since one failed to queue ({self.failed})"
+        elif runs is None:
+            why = "this connection has no round mailbox"
+        elif len(gens) != 1:
+            why = "the run's requests draft with different heads"
+        else:
+            drafter = heads.drafter(gens.pop())
+            why = runs.check(drafter, rids, spec, run.rounds, run.continues)
+        reply = pb.Drafts(seq=seq, chain_run_refused=why)
+        if why:
+            return reply, _nothing
+
+        def queue() -> None:
+            try:
+                previous = runs.queue(drafter, rids, spec, run.first_round, run.rounds, run.continues)
+            except ProposerUnavailable:  # (the verifier gone: the connection's end, not this drafter's fault)
+                raise
+            except Exception as e:
+                self.failed = f"{type(e).__name__}: {e}"
+                log.error("a run of chain rounds failed to queue (%s): this drafter refuses runs from now on and drafts "
+                          "one round at a time (a reload of the head tries runs again)", self.failed)
+                raise
+            if previous is not None:
+                runs.settle(previous, keep_pages=True)
+
+        return reply, queue
