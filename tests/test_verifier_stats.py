@@ -19,19 +19,21 @@ from verifier.metrics import VerifierMetrics
 from verifier.stats_line import StatsLine
 
 LINE = re.compile(r"Decode batch: running (\d+), waiting (\d+), gen throughput ([\d.]+) tok/s, accept len (\S+), "
-                  r"KV usage ([\d.]+)%, preemptions (\d+), (spec .*)$")
+                  r"KV usage ([\d.]+)%, preemptions (\d+), (spec .*?)(?:; host ([\d.]+) CPUs, (\d+) µs a token)?$")
 
 
 def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
-    stats = StatsLine(10.0, speculative=True)
+    cpu = [2.0]  # the process's CPU seconds
+    stats = StatsLine(10.0, speculative=True, cpu_clock=lambda: cpu[0])
     stats.step(now=100.0, step_s=0.5, tokens=10, rounds=2, accepted=4, speculative=True)
     stats.step(now=100.5, step_s=0.4, tokens=10, rounds=0, accepted=0, speculative=False)
     stats.step(now=105.0, step_s=0.5, tokens=10, rounds=0, accepted=0, speculative=False)  # after 4.5 s idle
     assert not stats.due(109.9) and stats.due(110.0)
     stats.preempted(2)
+    cpu[0] += 0.3  # over 1.5 s of steps and 30 tokens
     line = stats.line(running=3, waiting=1, kv_usage=0.125)
     assert line == ("Decode batch: running 3, waiting 1, gen throughput 20.0 tok/s, accept len 3.00, "
-                    "KV usage 12.5%, preemptions 2, spec on (33% of steps)")
+                    "KV usage 12.5%, preemptions 2, spec on (33% of steps); host 0.20 CPUs, 10000 µs a token")
     assert not stats.due(1e9)  # a new window starts with the next step
     stats.step(now=200.0, step_s=1.0, tokens=5, rounds=0, accepted=0, speculative=False)
     assert "accept len n/a" in stats.line(1, 0, 0.0) and "spec off (the policy" in stats.line(1, 0, 0.0)
@@ -62,7 +64,8 @@ def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
                plain_reason="model")  # (prompts alone: no decode step)
     stats.step(now=705.0, step_s=0.1, tokens=8, rounds=4, accepted=4, speculative=True)
     stats.chain_switched(3)
-    assert stats.line(1, 0, 0.0).endswith("spec on (20% of steps; plain for: exploring 2, timing 1; 3 chain switches)")
+    assert stats.line(1, 0, 0.0).endswith("spec on (20% of steps; plain for: exploring 2, timing 1; 3 chain switches)"
+                                          "; host 0.00 CPUs, 0 µs a token")
     off = StatsLine(0.0, speculative=False)
     off.step(now=1.0, step_s=1.0, tokens=1, rounds=0, accepted=0, speculative=False)
     assert not off.due(1e9) and "spec off (no drafter)" in off.line(1, 0, 0.0)
@@ -156,3 +159,4 @@ def test_a_busy_loop_logs_stats_lines_and_counts_preemptions(target_dir, caplog)
     assert any(float(m.group(5)) > 50 for m in lines) and all(0 <= float(m.group(5)) <= 100 for m in lines)
     assert all(m.group(7) == "spec off (no drafter)" and m.group(4) == "n/a" for m in lines)
     assert any(float(m.group(3)) > 0 for m in lines)
+    assert all(m.group(8) is not None for m in lines) and any(float(m.group(8)) > 0 for m in lines)  # host CPU

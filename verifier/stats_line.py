@@ -4,7 +4,7 @@
     Decode batch: running 4, waiting 0, gen throughput 312.5 tok/s, accept len 3.21, KV usage 12.5%,
     preemptions 0, spec on (87% of steps, 3.0 drafts a round, 3.6 rounds a step, 71% overlapped; plain for: exploring 30,
     timing 2;
-    5 chain switches)
+    5 chain switches); host 1.07 CPUs, 64 µs a token
 
 The share of steps counts the steps that ran the running requests (not a step of prompts alone); drafts a round
 is the mean length of the trees verified (less than configured where the policy shortened the chain at batch);
@@ -17,12 +17,16 @@ policy changed the chain's depth (each ends a queued run of rounds).
 
 Throughput is over the time the engine was stepping since the last line (an idle gap between two steps
 is not counted), accept length over the rounds verified meanwhile (bonus token included, SGLang's
-meaning). Fed by the engine loop's thread only; logs at most every ``interval_s`` (0: never).
+meaning). Host: the whole process's CPU time since the last line (every thread: the engine loop's, the gRPC
+front's, the drafter's where it runs in process) over that busy time, and per token generated — near one CPU the
+process is bound by its host work and the GIL, not the GPU, and a mode that makes tokens for less CPU serves more.
+Fed by the engine loop's thread only; logs at most every ``interval_s`` (0: never).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger("verifier.stats")
 
@@ -30,8 +34,9 @@ IDLE_GAP_S = 1.0  # a pause between two steps longer than this was idle time, no
 
 
 class StatsLine:
-    def __init__(self, interval_s: float, speculative: bool):
-        self.interval_s, self.speculative = interval_s, speculative
+    def __init__(self, interval_s: float, speculative: bool, cpu_clock=time.process_time):
+        """``cpu_clock``: the process's CPU seconds (all threads)."""
+        self.interval_s, self.speculative, self._cpu_clock = interval_s, speculative, cpu_clock
         self._last_step = None
         self._new_window()
 
@@ -41,6 +46,7 @@ class StatsLine:
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
         self._drafted = self._spec_rounds = self._chain_switches = self._runs = self._overlapped = 0
         self._plain_for: dict[str, int] = {}
+        self._cpu_start = self._cpu_clock()
 
     def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
              decoded: bool = True, drafted: int = 0, run: int = 1, plain_reason: str | None = None,
@@ -98,8 +104,11 @@ class StatsLine:
             spec = "spec off (the policy: it did not pay; drafter detached, plain steps run target-only)"
         else:
             spec = "spec off (the policy: it did not pay)"
+        cpu = self._cpu_clock() - self._cpu_start
+        host = (f"; host {cpu / self._busy_s:.2f} CPUs, {1e6 * cpu / self._tokens:.0f} µs a token"
+                if self._busy_s > 0 and self._tokens else "")
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
-                f"accept len {accept}, KV usage {100 * kv_usage:.1f}%, preemptions {self._preempted}, {spec}")
+                f"accept len {accept}, KV usage {100 * kv_usage:.1f}%, preemptions {self._preempted}, {spec}{host}")
         self._new_window()
         return text
 
