@@ -36,13 +36,14 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def graph_widths(widths: tuple[int, ...], latent: bool) -> tuple[int, ...]:
-    """The verify widths to capture: MLA's kernel takes trees of at most 64 nodes (wider ones verify eagerly)."""
+    """The verify widths to capture: the graphs' attention kernels (tandem/kernels/paged_attention.py, and MLA's) hold a
+    row's tree mask in one 64-bit word, so they take trees of at most 64 nodes (wider ones verify eagerly)."""
     from tandem.attention.mla_triton_backend import MAX_MASK_WIDTH
 
-    kept = tuple(w for w in widths if not latent or w <= MAX_MASK_WIDTH)
+    kept = tuple(w for w in widths if w <= MAX_MASK_WIDTH)
     if kept != tuple(widths):
-        log.warning("verify widths %s exceed the MLA kernel's %d nodes: those verifies run eagerly",
-                    sorted(set(widths) - set(kept)), MAX_MASK_WIDTH)
+        log.warning("verify widths %s exceed the %s kernel's %d nodes: those verifies run eagerly",
+                    sorted(set(widths) - set(kept)), "MLA" if latent else "paged attention", MAX_MASK_WIDTH)
     return kept
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tandem.engine.request import Request
-from tandem.staging import HostReadback
+from tandem.staging import HostReadback, upload
 from tandem.logprobs import TokenLogprobs, gather_logprobs
 from tandem.request_logits import history_matters, request_logits
 from tandem.sampling import adjusted_probs, sample
@@ -100,7 +101,7 @@ class RunLogprobs:
         asking = [i for i, req in enumerate(reqs) if req.params.logprobs is not None]
         self.rids = [reqs[i].rid for i in asking]
         self.wanted = [reqs[i].params.logprobs for i in asking]
-        self.rows = torch.tensor(asking, device=device)
+        self.rows = upload(np.asarray(asking, dtype=np.int64), device)  # pinned: no wait for a run in flight
         self.top = max(self.wanted)
         a = len(asking)
         self.chosen = torch.empty(steps, a, width, device=device)

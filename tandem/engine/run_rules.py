@@ -11,9 +11,11 @@ committed. (A run after one without rules needs none: whether a rule applies onl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.request_logits import history_matters
+from tandem.staging import upload
 
 
 class RunRules:
@@ -22,8 +24,9 @@ class RunRules:
         picked = (after.picked if after is not None else
                   [i for i, req in enumerate(reqs) if history_matters(req.params, len(req.output) + queued)])
         params = [reqs[i].params for i in picked]
-        self.rows = torch.tensor(picked, device=device)
-        col = lambda values: torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # noqa: E731
+        # (host lists go up through pinned memory: a run queued behind one in flight must not wait for it)
+        self.rows = upload(np.asarray(picked, dtype=np.int64), device)
+        col = lambda values: upload(np.asarray(values, dtype=np.float32), device).unsqueeze(1)  # noqa: E731
         self.repetition = col([p.repetition_penalty for p in params])
         self.presence = col([p.presence_penalty for p in params])
         self.frequency = col([p.frequency_penalty for p in params])
@@ -39,13 +42,15 @@ class RunRules:
                                               torch.ones(len(out), dtype=torch.int64, device=device))
                 self.seen[j, torch.tensor(reqs[i].prompt + out, device=device)] = True
         self.picked = picked
-        self.stops = torch.zeros(len(picked), vocab, dtype=torch.bool, device=device)
+        stops = np.zeros((len(picked), vocab), dtype=np.bool_)
         for j, p in enumerate(params):
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            self.stops[j, [t for t in ids if 0 <= t < vocab]] = True
+            stops[j, [t for t in ids if 0 <= t < vocab]] = True
+        self.stops = upload(stops, device)
         produced = [len(reqs[i].output) + queued for i in picked]
-        self.early = torch.tensor([[n + k < p.min_tokens for n, p in zip(produced, params)] for k in range(steps)],
-                                  dtype=torch.bool, device=device).unsqueeze(2)  # [steps, R, 1]
+        early = np.array([[n + k < p.min_tokens for n, p in zip(produced, params)] for k in range(steps)],
+                         dtype=np.bool_).reshape(steps, len(picked))
+        self.early = upload(early, device).unsqueeze(2)  # [steps, R, 1]
 
     @classmethod
     def of(cls, reqs: list, steps: int, device, vocab: int, eos_token_ids, after=None, queued: int = 0):

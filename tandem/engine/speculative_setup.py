@@ -33,9 +33,14 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
                        policy=policy)
     runner = engine.executor.runner
     embed = runner.model.model.embed_tokens.weight if cfg.tp_size == 1 else None
+    # The head's KV holds every running request's entries plus a round's reach past them: as many tokens as the
+    # target's pool (sized from GPU memory there, not the fixed default), one layer of the head's KV a token.
+    reach = max(max((c.num_steps - 1) * c.topk, c.num_steps + 1) for c in chains) + cfg.prefill_graph_tokens
+    draft_tokens = max(DrafterConfig.max_kv_tokens,
+                       engine.allocator.capacity_pages * cfg.page_size + cfg.max_running_requests * reach)
     try:
         drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
-            device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk),
+            device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk), max_kv_tokens=draft_tokens,
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             prefill_graph_tokens=cfg.prefill_graph_tokens, prefill_graph_max_bs=cfg.prefill_graph_max_bs,
             defer_chain_tokens=cfg.tp_size == 1),

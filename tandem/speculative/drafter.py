@@ -26,6 +26,7 @@ them are worse, never wrong (the target verifies every token).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree
+
+log = logging.getLogger("tandem.drafter")
 
 
 # Entries a forward rebuilds from zero features at most (attach_prefix's pages found in no cache: Eagle3Drafter._rebuild)
@@ -106,6 +109,9 @@ class Eagle3Drafter(Proposer):
         self.backend = make_backend(cfg.attention_backend, self.device)
         num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
         self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
+        log.info("EAGLE-3 head: KV cache %d pages x %d tokens = %d tokens, %.2f GiB", num_pages, cfg.page_size,
+                 num_pages * cfg.page_size, num_pages * cfg.page_size * 2 * dc.num_kv_heads * dc.head_dim
+                 * head.fc.weight.element_size() / 2**30)
         self.prefix_cache = PrefixCache(cfg.page_size)
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed, cache=self.prefix_cache)
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)

@@ -1,0 +1,91 @@
+"""Paths that only a GPU deployment takes, each run here on the CPU the way serving builds it: the CPU suite's own
+engines (torch graph attention, the CPU's fixed KV pools, copies that never wait) hid them."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton graph backend: set TRITON_INTERPRET=1 on a CPU machine")
+def test_a_dense_verify_wider_than_the_paged_kernels_mask_is_left_to_the_eager_path(tmp_path):
+    """--speculative-eagle-topk 8 --speculative-num-draft-tokens 80 (or a chain of 64 steps) on a Llama target: the
+    verifier's graphs take widths (1, 80). The CPU tests stand the target's graph attention in with torch
+    (helpers.TorchGraphBackend), which has no width limit; on the GPU the graphs run tandem/kernels/paged_attention.py,
+    whose tree mask is one 64-bit word a row, so capture raised and the verifier did not start. Widths past 64 must
+    verify eagerly, as they already do for MLA."""
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.cuda_graph import TargetGraphRunner
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.model_runner import graph_widths
+    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
+
+    path = write_random_llama(tmp_path / "t", LlamaShape(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                                         num_layers=2, num_heads=4, num_kv_heads=2,
+                                                         max_position_embeddings=256), seed=5)
+    with LLMEngine(EngineConfig(model=str(path), page_size=4)) as eng:
+        runner = eng.executor.runner
+        runner.graph_backend = TritonGraphBackend()  # what ModelRunner gives a dense model's graphs
+        graphs = TargetGraphRunner(runner, widths=graph_widths((1, 4, 80), latent=False), max_bs=1)
+        graphs.run_statically()  # capture's warm-up: every member at its largest bucket
+        assert 4 in graphs.families and 80 not in graphs.families
+
+
+def _reqs():
+    from tandem.sampling import SamplingParams
+
+    params = [SamplingParams(max_new_tokens=8, logprobs=2), SamplingParams(max_new_tokens=8),
+              SamplingParams(max_new_tokens=8, repetition_penalty=1.3, min_tokens=4, logprobs=1)]
+    return [types.SimpleNamespace(rid=f"r{i}", params=p, prompt=[1, 2, 3], output=[4, 5]) for i, p in enumerate(params)]
+
+
+def test_a_run_queued_behind_another_sends_its_host_lists_without_waiting_for_it(monkeypatch):
+    """A run queued after one in flight (overlap, on by default) is built while the device still computes that one.
+    ``torch.tensor(list, device=cuda)`` copies from pageable memory, which synchronises the stream: the host then
+    waits for the whole run in flight before queuing the next (the device idles at every boundary), and with the
+    drafter service a drafter that dies while queuing its half leaves the verifier's engine thread in that wait for
+    ever (its deadline release, RemoteDraftSide.wait_drafted, is never reached). StepSampler uploads through pinned
+    memory (tandem.staging.upload); RunLogprobs and RunRules must too. On the CPU the copy is what gives it away."""
+    from tandem.engine.request_sampling import RunLogprobs
+    from tandem.engine.run_rules import RunRules
+
+    pageable, real = [], torch.tensor
+
+    def spy(data, *args, **kwargs):
+        if kwargs.get("device") is not None:
+            pageable.append(kwargs["device"])
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    reqs, dev = _reqs(), torch.device("cpu")
+    first = RunRules.of(reqs, 4, dev, 16, [0])
+    pageable.clear()  # (a fresh run's own history may be copied: nothing is in flight then)
+    logprobs = RunLogprobs.of(reqs, 4, dev, 6)  # a chain run's (rounds 4, 6 nodes a round)
+    rules = RunRules.of(reqs, 4, dev, 16, [0], after=first, queued=4)  # a decode run after another
+    assert logprobs is not None and rules is not None
+    assert logprobs.rows.tolist() == [0, 2] and rules.rows.tolist() == [2]
+    assert not pageable, f"{len(pageable)} pageable host-to-device copies while a run may be in flight"
+
+
+def test_the_in_process_heads_kv_cache_holds_what_the_targets_holds(pair):
+    """On the GPU the target's KV pool is sized from memory (--mem-fraction-static: ~430K tokens for an 8B target on
+    an H100) while the head's stays DrafterConfig's fixed 65536 tokens; the CPU tests give both 65536
+    (EngineConfig.cpu_kv_tokens) or small explicit pools, so the head never runs out first there. Past 65536 tokens of
+    running requests (64 requests of 1K tokens) the head's extend raises OutOfPagesError: ``tandem generate
+    --draft-model`` crashes, the verifier's in-process head drops every request's speculation, the drafter service
+    closes the connection and the rejoined requests overflow it again. ``kv_pages`` stands in for the GPU's sizing."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.speculative_setup import speculative_engine
+    from tandem.speculative.spec_config import SpecConfig
+
+    cfg = EngineConfig(model=str(pair.target_dir), page_size=4, kv_pages=40_000)  # 160K tokens, as a GPU sizes it
+    with speculative_engine(cfg, str(pair.draft_dir), SpecConfig(3, 1, 4)) as eng:
+        head = eng.proposer
+        assert head.allocator.capacity_pages * head.cfg.page_size >= eng.allocator.capacity_pages * cfg.page_size
