@@ -45,20 +45,23 @@ class ChainRuns:
         self.box, self.deadline_s = mailbox, deadline_s
         self.pending: _Run | None = None  # queued, not read back and committed
 
-    def check(self, drafter, rids: list[str], spec, rounds: int, continues: bool) -> str:
-        """Why the run cannot be queued ("" when it can). A run that does not continue the pending one
-        first has that one read back and committed."""
+    def check(self, drafter, rids: list[str], spec, rounds: int, continues: bool) -> tuple[str, int]:
+        """Why the run cannot be queued ("" when it can), and where only the drafter's graphs or pages refuse it, the
+        most rounds of it that fit (else 0). A run that does not continue the pending one first has that one read back
+        and committed."""
         previous = self.pending if continues else None
         if continues and (previous is None or previous.rids != rids or previous.spec != spec):
-            return "a run that continues must follow the last run of the same requests"
+            return "a run that continues must follow the last run of the same requests", 0
         if not continues and self.pending is not None:
             self.settle()
         nd, box = spec.num_draft_tokens, self.box
         if len(rids) > box.layout.max_bs or nd > box.layout.max_nd:
-            return f"{len(rids)} requests of {nd} tokens do not fit the mailbox"
-        if not drafter_rounds_fit(drafter, rids, spec, rounds + (previous.rounds if previous else 0)):
-            return "the run does not fit the drafter's graphs or pages"
-        return ""
+            return f"{len(rids)} requests of {nd} tokens do not fit the mailbox", 0
+        before = previous.rounds if previous else 0
+        if not drafter_rounds_fit(drafter, rids, spec, rounds + before):
+            fits = next((r for r in range(rounds - 1, 0, -1) if drafter_rounds_fit(drafter, rids, spec, r + before)), 0)
+            return "the run does not fit the drafter's graphs or pages", fits
+        return "", 0
 
     @torch.inference_mode()
     def queue(self, drafter, rids: list[str], spec, first_round: int, rounds: int, continues: bool) -> "_Run | None":

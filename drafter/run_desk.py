@@ -52,10 +52,11 @@ class RunDesk:
         return ChainRuns(box)
 
     def take(self, seq: int, run: pb.ChainRun, runs: ChainRuns | None, heads):
-        """Check the run now (the reply says whether it is queued) → (the reply, what queues it once the reply is
-        sent, then reads back and commits the run it follows). ``heads``: the drafter's DraftHeads."""
+        """Check the run now (the reply says whether it is queued, and where only pages or graphs refused it, how many
+        of its rounds fit: the verifier asks that at once) → (the reply, what queues it once the reply is sent, then
+        reads back and commits the run it follows). ``heads``: the drafter's DraftHeads."""
         rids, spec = list(run.request_ids), SpecConfig(run.spec.num_steps, run.spec.topk, run.spec.num_draft_tokens)
-        gens = {heads.for_request(rid)[0] for rid in rids}
+        gens, fits = {heads.for_request(rid)[0] for rid in rids}, 0
         if self.failed is not None:
             why = f"runs of chain rounds are off on this drafter since one failed to queue ({self.failed})"
         elif runs is None:
@@ -64,8 +65,8 @@ class RunDesk:
             why = "the run's requests draft with different heads"
         else:
             drafter = heads.drafter(gens.pop())
-            why = runs.check(drafter, rids, spec, run.rounds, run.continues)
-        reply = pb.Drafts(seq=seq, chain_run_refused=why)
+            why, fits = runs.check(drafter, rids, spec, run.rounds, run.continues)
+        reply = pb.Drafts(seq=seq, chain_run_refused=why, chain_run_fits=fits)
         if why:
             return reply, _nothing
 

@@ -209,18 +209,22 @@ def test_nothing_is_prefetched_while_a_round_is_in_flight_or_the_drafter_is_away
 
 
 class RunConnection(EchoConnection):
-    """Answers each Round at once; a ChainRun is refused while ``refuse`` says why."""
+    """Answers each Round at once; a ChainRun is refused while ``refuse`` says why, or when longer than ``fits`` rounds
+    (the drafter's pages: the reply then says how many fit)."""
 
     def __init__(self):
         super().__init__()
-        self.refuse, self.runs = "", []
+        self.refuse, self.runs, self.fits = "", [], None
         self.welcome = pb.Welcome(chain_runs=True)
 
     def send_round(self, message: pb.VerifierMessage, timeout_s: float) -> None:
         super().send_round(message, timeout_s)
         if message.round.HasField("chain_run"):
             self.runs.append(message.round.chain_run)
-            self._reply.drafts.chain_run_refused = self.refuse
+            too_long = self.fits is not None and message.round.chain_run.rounds > self.fits
+            self._reply.drafts.chain_run_refused = self.refuse or (
+                "the run does not fit the drafter's graphs or pages" if too_long else "")
+            self._reply.drafts.chain_run_fits = self.fits if too_long and not self.refuse else 0
 
 
 def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
@@ -245,6 +249,31 @@ def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
         assert client._next_round == 7  # a refused run takes no numbers
         client.discard("gone")  # a lost drafter: the verifier's waits must not hang on its flags
         assert box.flags[DRAFTED] == 7
+        box.close()
+
+
+def test_a_run_the_drafters_pages_hold_only_in_part_is_asked_again_as_long_as_they_hold():
+    """The drafter refuses a run its pages cannot hold and says how many of its rounds fit: the client asks that run
+    at once (runs stay on), where it used to back off and ask the same full run again, refused every time under page
+    pressure."""
+    from tandem.speculative.spec_config import SpecConfig
+    from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
+
+    spec = SpecConfig(3, 1, 4)
+    with HiddenRing.create(64, 4, "float32") as ring:
+        box = RoundMailbox.create(MailboxLayout(2, 4, 4, torch.float32), "cpu")
+        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(vocab_size=100), deadline_s=1.0, mailbox=box)
+        conn = client._conn = RunConnection()
+        ring.begin_round(client._seq)
+        conn.fits = 2
+        side = client.queue_run(["a"], spec, 4, False, [5])
+        assert side is not None and side.rounds == 2 and side.last_needed == 2
+        assert [(r.first_round, r.rounds) for r in conn.runs] == [(0, 4), (0, 2)]
+        assert client.chain_runs_available and client._next_round == 2
+        conn.fits = 0  # nothing fits: refused, as before
+        assert client.queue_run(["a"], spec, 4, False, [5]) is None and not client.chain_runs_available
+        assert client._next_round == 2
+        client.discard("done")
         box.close()
 
 

@@ -90,6 +90,11 @@ class LoopbackDrafter(Proposer):
         self.seq += 1
         reply, after_reply = self.service._round(pb.Round(seq=self.seq, chain_run=run), None, self.runs)
         assert reply.seq == self.seq and not reply.tree_sizes
+        if reply.chain_run_refused and 0 < reply.chain_run_fits < rounds:  # as DrafterClient: the part that fits
+            self.refusals.append(reply.chain_run_refused)
+            rounds = run.rounds = reply.chain_run_fits
+            self.seq += 1
+            reply, after_reply = self.service._round(pb.Round(seq=self.seq, chain_run=run), None, self.runs)
         if reply.chain_run_refused:
             self.refusals.append(reply.chain_run_refused)
             return None
@@ -245,7 +250,7 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
     with _speculative_engine(root) as eng:
         box = _mailbox(eng, wait_s=1.0)
         loopback = LoopbackDrafter(ControlledAcceptanceProposer(eng.proposer, 0.3), box, eng.model_config.vocab_size)
-        monkeypatch.setattr(ChainRuns, "check", lambda self, *args: "")
+        monkeypatch.setattr(ChainRuns, "check", lambda self, *args: ("", 0))
         monkeypatch.setattr(ChainRuns, "queue", failing_queue)
         try:
             assert loopback.queue_run(["x"], SPEC, 4, False, [1]) is not None  # taken ...
@@ -265,3 +270,39 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
                 with pytest.raises(Exception):
                     loopback.job.result()
             box.close()
+
+
+def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
+    """In process, a run the head's pages cannot hold is shortened (rounds_ahead._run_length asks chain_rounds_fit
+    for each length); with the drafter service (GPU only: the round mailbox needs a CUDA IPC ring) the verifier asked
+    for the full run, the drafter refused it, the step emitted nothing and runs stayed off for REFUSED_RUN_BACKOFF_S,
+    after which the same full run was asked and refused again: under a nearly full draft KV cache runs never came
+    back. The drafter now says how many rounds fit, and the run is queued that long."""
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.chain_rounds import drafter_rounds_fit
+
+    root, prompts, ref = pair
+    with _speculative_engine(root) as eng:
+        drafter = eng.proposer
+        box = _mailbox(eng, wait_s=60.0)
+        loop = LoopbackDrafter(drafter, box, eng.model_config.vocab_size)
+        eng.proposer, eng.spec_rounds = loop, 4
+        try:
+            rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), rid="full")
+            eng.step()  # the prefill (and the head's first extend)
+            held = []
+            while drafter_rounds_fit(drafter, [rid], SPEC, 4):
+                held += drafter.allocator.allocate(1)  # someone else's pages
+            assert drafter_rounds_fit(drafter, [rid], SPEC, 2)
+            eng.step()
+            queued, refusals = list(loop.queued), list(loop.refusals)
+            loop._caught_up()
+            drafter.allocator.free(held)
+            while eng.has_unfinished():
+                eng.step()
+            assert eng.requests.pop(rid).output == ref[2]
+        finally:
+            loop._caught_up()
+            eng.proposer = drafter
+            box.close()
+    assert queued and 1 < queued[0][0] < 4, (queued, refusals)  # a shorter run, not a step without one

@@ -298,7 +298,8 @@ class DrafterClient(Proposer):
     def queue_run(self, rids: list[str], spec, rounds: int, continues: bool, roots: list[int]) -> RemoteDraftSide | None:
         """Announce a run of ``rounds`` chain rounds of ``rids`` (``continues``: after the last one, not
         read back yet) and wait for the drafter's answer → the run's drafter half for the verifier's
-        queue, or None when the drafter refused it (rounds then go one at a time for a while)."""
+        queue (of fewer rounds, ``side.rounds``, where the drafter's pages held only those), or None when the drafter
+        refused it (rounds then go one at a time for a while)."""
         observed = []
         try:
             with self._lock:
@@ -311,6 +312,9 @@ class DrafterClient(Proposer):
                 run = pb.ChainRun(first_round=first, rounds=rounds, request_ids=rids, continues=continues,
                                   spec=_spec_params(spec))
                 reply = self._collect(self._send_round([], None, chain_run=run), "chain_run", observed)
+                if reply.chain_run_refused and 0 < reply.chain_run_fits < rounds:  # its pages hold a shorter one
+                    rounds = run.rounds = reply.chain_run_fits
+                    reply = self._collect(self._send_round([], None, chain_run=run), "chain_run", observed)
                 if reply.chain_run_refused:
                     log.debug("the drafter refused a run of %d rounds: %s", rounds, reply.chain_run_refused)
                     self._refused_until = time.monotonic() + REFUSED_RUN_BACKOFF_S

@@ -121,14 +121,16 @@ def _queue(engine, reqs: list, rounds: int, after: QueuedRun | None) -> QueuedRu
     """Queue a run (None: the drafter process refused it; it then drafts round by round for a while)."""
     drafter, steer = _device_drafter(engine.proposer)
     graphs = engine.executor.runner.graphs
-    logprobs = RunLogprobs.of(reqs, rounds, engine.executor.runner.device, reqs[0].spec.num_draft_tokens)
     if drafter is None:
         side = engine.proposer.queue_run([req.rid for req in reqs], reqs[0].spec, rounds, after is not None,
                                          [req.last_token for req in reqs])
         if side is None:
             return None
+        rounds = side.rounds  # (fewer where the drafter's pages held only those; the target's extra pages go back)
+        logprobs = RunLogprobs.of(reqs, rounds, engine.executor.runner.device, reqs[0].spec.num_draft_tokens)
         return queue_chain_rounds(graphs, side, reqs, reqs[0].spec, rounds, steer, after, logprobs,
                                   engine.executor.round_followers())
+    logprobs = RunLogprobs.of(reqs, rounds, engine.executor.runner.device, reqs[0].spec.num_draft_tokens)
     # A proposer that guards its head (the verifier's in-process head) turns the head's recoverable
     # failures into ProposerUnavailable: the requests then go on without speculation, as after a loss.
     return engine.proposer.guarded(queue_chain_rounds, graphs, LocalDraftSide(drafter), reqs, reqs[0].spec, rounds,

@@ -30,6 +30,7 @@ class RemoteDraftSide:
                  roots: list[int] | None = None):
         self.box, self.vocab_size, self._first_roots = mailbox, vocab_size, roots
         self.next_round = first_round
+        self.rounds = rounds
         self.last_needed = first_round + rounds  # the DRAFTED value this run's last wait needs
         self.width = mailbox.layout.max_nd  # the accept's row stride in the mailbox
         self.snapshot: tuple = ()

@@ -160,7 +160,7 @@ class Round(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., extend: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., draft: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ..., chain_run: _Optional[_Union[ChainRun, _Mapping]] = ...) -> None: ...
 
 class Drafts(_message.Message):
-    __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores", "chain_run_refused")
+    __slots__ = ("seq", "draft_seconds", "extend_seconds", "tree_sizes", "tree_tokens", "tree_parents", "tree_scores", "chain_run_refused", "chain_run_fits")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class Drafts(_message.Message):
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TREE_SCORES_FIELD_NUMBER: _ClassVar[int]
     CHAIN_RUN_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_RUN_FITS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     draft_seconds: float
     extend_seconds: float
@@ -177,7 +178,8 @@ class Drafts(_message.Message):
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_scores: _containers.RepeatedScalarFieldContainer[float]
     chain_run_refused: str
-    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ..., chain_run_refused: _Optional[str] = ...) -> None: ...
+    chain_run_fits: int
+    def __init__(self, seq: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., extend_seconds: _Optional[float] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_scores: _Optional[_Iterable[float]] = ..., chain_run_refused: _Optional[str] = ..., chain_run_fits: _Optional[int] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("hello", "round")
