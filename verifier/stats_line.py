@@ -17,8 +17,9 @@ policy changed the chain's depth (each ends a queued run of rounds).
 
 Throughput is over the time the engine was stepping since the last line (an idle gap between two steps
 is not counted), accept length over the rounds verified meanwhile (bonus token included, SGLang's
-meaning). Host: the whole process's CPU time since the last line (every thread: the engine loop's, the gRPC
-front's, the drafter's where it runs in process) over that busy time, and per token generated — near one CPU the
+meaning). Host: the whole process's CPU time between steps less than that pause apart (every thread: the engine
+loop's, the gRPC front's, the drafter's where it runs in process) over those spans, and per token they generated (a
+step after an idle pause is left out: start-up or idle CPU came before it) — near one CPU the
 process is bound by its host work and the GIL, not the GPU, and a mode that makes tokens for less CPU serves more.
 Fed by the engine loop's thread only; logs at most every ``interval_s`` (0: never).
 """
@@ -38,6 +39,7 @@ class StatsLine:
         """``cpu_clock``: the process's CPU seconds (all threads)."""
         self.interval_s, self.speculative, self._cpu_clock = interval_s, speculative, cpu_clock
         self._last_step = None
+        self._cpu_at_last_step = self._cpu_clock()
         self._new_window()
 
     def _new_window(self) -> None:
@@ -46,7 +48,10 @@ class StatsLine:
         self._tokens = self._rounds = self._accepted = self._steps = self._spec_steps = self._preempted = 0
         self._drafted = self._spec_rounds = self._chain_switches = self._runs = self._overlapped = 0
         self._plain_for: dict[str, int] = {}
-        self._cpu_start = self._cpu_clock()
+        # the process's CPU between steps close together, the seconds and tokens those spans held (a step after an
+        # idle pause, or the first, is left out: the CPU before it was start-up or idle, not this work)
+        self._cpu_s = self._cpu_wall_s = 0.0
+        self._cpu_tokens = 0
 
     def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
              decoded: bool = True, drafted: int = 0, run: int = 1, plain_reason: str | None = None,
@@ -57,6 +62,12 @@ class StatsLine:
         ``plain_reason``: why a plain step was plain; ``queued_ahead``: its run was queued behind the one before."""
         gap = now - self._last_step if self._last_step is not None else IDLE_GAP_S
         self._busy_s += gap if gap < IDLE_GAP_S else step_s  # the loop's own work between steps is busy time
+        cpu = self._cpu_clock()
+        if gap < IDLE_GAP_S:
+            self._cpu_s += cpu - self._cpu_at_last_step
+            self._cpu_wall_s += gap
+            self._cpu_tokens += tokens
+        self._cpu_at_last_step = cpu
         if self._since is None:
             self._since = now
         self._last_step = now
@@ -104,9 +115,8 @@ class StatsLine:
             spec = "spec off (the policy: it did not pay; drafter detached, plain steps run target-only)"
         else:
             spec = "spec off (the policy: it did not pay)"
-        cpu = self._cpu_clock() - self._cpu_start
-        host = (f"; host {cpu / self._busy_s:.2f} CPUs, {1e6 * cpu / self._tokens:.0f} µs a token"
-                if self._busy_s > 0 and self._tokens else "")
+        host = (f"; host {self._cpu_s / self._cpu_wall_s:.2f} CPUs, {1e6 * self._cpu_s / self._cpu_tokens:.0f} µs a token"
+                if self._cpu_wall_s > 0 and self._cpu_tokens else "")
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
                 f"accept len {accept}, KV usage {100 * kv_usage:.1f}%, preemptions {self._preempted}, {spec}{host}")
         self._new_window()
