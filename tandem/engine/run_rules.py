@@ -42,11 +42,14 @@ class RunRules:
                                               torch.ones(len(out), dtype=torch.int64, device=device))
                 self.seen[j, torch.tensor(reqs[i].prompt + out, device=device)] = True
         self.picked = picked
-        stops = np.zeros((len(picked), vocab), dtype=np.bool_)
-        for j, p in enumerate(params):
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            stops[j, [t for t in ids if 0 <= t < vocab]] = True
-        self.stops = upload(stops, device)
+        if after is not None:
+            self.stops = after.stops  # (the same requests and parameters)
+        else:  # [R, vocab] set on the device from the (row, token) pairs: a host array that wide is megabytes a run
+            pairs = [(j, t) for j, p in enumerate(params)
+                     for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)) if 0 <= t < vocab]
+            at = upload(np.asarray(pairs, dtype=np.int64).reshape(-1, 2), device)
+            self.stops = torch.zeros(len(picked), vocab, dtype=torch.bool, device=device)
+            self.stops[at[:, 0], at[:, 1]] = True
         produced = [len(reqs[i].output) + queued for i in picked]
         early = np.array([[n + k < p.min_tokens for n, p in zip(produced, params)] for k in range(steps)],
                          dtype=np.bool_).reshape(steps, len(picked))
