@@ -4,14 +4,16 @@ queued after the reply (drafter/chain_runs.py).
 
 A run it took and then could not queue is a fault of this drafter, not of the connection (the 6-wide rounds on
 extend buffers of 1024 rows were one): that connection ends, and every reconnect would meet the same failure,
-speculation off most of the time. So from then on runs are refused naming the error, and the verifier drafts
-one round at a time, until a reload brings a new head (``failed`` cleared). A verifier gone while a run waits on
-it (ProposerUnavailable) is the connection's end and changes nothing here.
+speculation off most of the time. So for RUNS_OFF_S (or until a reload brings a new head: ``failed`` cleared)
+connections are offered no runs (the Welcome says so) and a run asked on one that has them is refused naming the
+error: the verifier drafts one round at a time. A verifier gone while a run waits on it (ProposerUnavailable) is the
+connection's end and changes nothing here.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from tandem.errors import TandemError
 from tandem.ring import RingSpec
@@ -22,6 +24,7 @@ from tandem.speculative.spec_config import SpecConfig
 from drafter.chain_runs import ChainRuns
 
 log = logging.getLogger("drafter.service")
+RUNS_OFF_S = 300.0  # runs are tried again this long after one failed to queue (a transient failure: out of memory)
 
 
 def _nothing() -> None:
@@ -29,13 +32,29 @@ def _nothing() -> None:
 
 
 class RunDesk:
-    def __init__(self):
-        self.failed: str | None = None  # why runs are refused on this drafter (one failed to queue), or None
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._failed: str | None = None  # why runs are refused on this drafter (one failed to queue), or None
+        self._failed_at = 0.0
+
+    @property
+    def failed(self) -> str | None:
+        if self._failed is not None and self.clock() - self._failed_at >= RUNS_OFF_S:
+            log.info("runs of chain rounds are offered again (%s ago one failed to queue)", f"{RUNS_OFF_S:.0f} s")
+            self._failed = None
+        return self._failed
+
+    @failed.setter
+    def failed(self, why: str | None) -> None:
+        self._failed, self._failed_at = why, self.clock()
 
     def attach(self, hello: pb.Hello, drafter) -> ChainRuns | None:
         """The connection's runs of chain rounds, if the verifier offered a mailbox and ``drafter`` (the head new
         requests draft with) can queue its half (graphs on the mailbox's GPU); else None (rounds go one at a time)."""
         if not hello.HasField("mailbox") or getattr(drafter, "graphs", None) is None:
+            return None
+        if self.failed is not None:
+            log.info("this connection's rounds go one at a time: a run failed to queue (%s)", self.failed)
             return None
         offer = hello.mailbox
         layout = MailboxLayout(offer.max_batch, offer.max_draft_tokens, hello.ring.row_width,
@@ -76,9 +95,9 @@ class RunDesk:
             except ProposerUnavailable:  # (the verifier gone: the connection's end, not this drafter's fault)
                 raise
             except Exception as e:
-                self.failed = f"{type(e).__name__}: {e}"
-                log.error("a run of chain rounds failed to queue (%s): this drafter refuses runs from now on and drafts "
-                          "one round at a time (a reload of the head tries runs again)", self.failed)
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log.error("a run of chain rounds failed to queue (%s): this drafter drafts one round at a time for "
+                          "%.0f s (or until a reload of the head)", self.failed, RUNS_OFF_S)
                 raise
             if previous is not None:
                 runs.settle(previous, keep_pages=True)

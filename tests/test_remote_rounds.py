@@ -240,6 +240,8 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
     refused, naming the failure, and the verifier drafts one round at a time. A verifier gone (the mailbox's wait
     timing out) is the connection's end, not the drafter's fault: runs go on being taken."""
     from drafter.chain_runs import ChainRuns
+    from drafter.run_desk import RUNS_OFF_S
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
     from tandem.speculative.round_mailbox import MailboxTimeout
 
     def failing_queue(self, *args, **kwargs):
@@ -263,6 +265,11 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
                 assert taken is None and loopback.refusals == [
                     "runs of chain rounds are off on this drafter since one failed to queue (RuntimeError: shape "
                     "'[-1, 6]' is invalid for input of size 1024)"]
+                desk = loopback.service.run_desk  # a new connection is offered no runs (its Welcome says so) ...
+                assert desk.attach(pb.Hello(mailbox=pb.RoundMailbox()), loopback.service.drafter) is None
+                now = desk.clock()
+                desk.clock = lambda: now + RUNS_OFF_S  # ... for a while (a failure may have been transient)
+                assert loopback.queue_run(["x"], SPEC, 4, False, [1]) is not None
             else:
                 assert taken is not None and not loopback.refusals
         finally:
