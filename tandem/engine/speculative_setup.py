@@ -4,12 +4,20 @@ trainer's evaluation and the benchmarks build, configured the same way everywher
 from __future__ import annotations
 
 import dataclasses
+import logging
+
+import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import SpeculationPolicy
+
+log = logging.getLogger("tandem.engine")
+# Of the GPU memory free once the target's pool is allocated (what mem_fraction_static left: graphs, activations, the
+# head's weights), the most the head's KV cache may take
+HEAD_KV_SHARE_OF_FREE = 0.5
 
 
 def verify_widths(chains: tuple) -> tuple[int, ...]:
@@ -26,7 +34,8 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     from tandem.configs.model import ModelConfig
     from tandem.configs.eagle3 import DraftConfig, validate_draft
 
-    capture = validate_draft(DraftConfig.from_dir(draft_dir), ModelConfig.from_dir(cfg.model), cfg.capture_layers)
+    head_cfg = DraftConfig.from_dir(draft_dir)
+    capture = validate_draft(head_cfg, ModelConfig.from_dir(cfg.model), cfg.capture_layers)
     policy = policy or SpeculationPolicy()
     chains = policy.ladder(spec)
     engine = LLMEngine(dataclasses.replace(cfg, capture_layers=capture, cuda_graph_widths=verify_widths(chains)),
@@ -38,6 +47,13 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     reach = max(max((c.num_steps - 1) * c.topk, c.num_steps + 1) for c in chains) + cfg.prefill_graph_tokens
     draft_tokens = max(DrafterConfig.max_kv_tokens,
                        engine.allocator.capacity_pages * cfg.page_size + cfg.max_running_requests * reach)
+    if runner.device.type == "cuda":  # the target's sizing left nothing for it by name: a share of what is free
+        per_token = 2 * head_cfg.num_kv_heads * head_cfg.head_dim * runner.dtype.itemsize
+        room = int(HEAD_KV_SHARE_OF_FREE * torch.cuda.mem_get_info(runner.device)[0]) // per_token
+        if draft_tokens > max(room, DrafterConfig.max_kv_tokens):
+            log.warning("the EAGLE-3 head's KV cache holds %d tokens, not the target's %d: the GPU memory left "
+                        "(lower --mem-fraction-static for more)", max(room, DrafterConfig.max_kv_tokens), draft_tokens)
+            draft_tokens = max(room, DrafterConfig.max_kv_tokens)
     try:
         drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
             device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk), max_kv_tokens=draft_tokens,
