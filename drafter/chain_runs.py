@@ -44,6 +44,7 @@ class ChainRuns:
     def __init__(self, mailbox: RoundMailbox, deadline_s: float = 30.0):
         self.box, self.deadline_s = mailbox, deadline_s
         self.pending: _Run | None = None  # queued, not read back and committed
+        self.queued_upto = 0  # the ACCEPTED value the latest run's waits need, queued in full or not (abandon)
 
     def check(self, drafter, rids: list[str], spec, rounds: int, continues: bool) -> tuple[str, int]:
         """Why the run cannot be queued ("" when it can), and where only the drafter's graphs or pages refuse it, the
@@ -72,6 +73,7 @@ class ChainRuns:
         nd, box = spec.num_draft_tokens, self.box
         side, n = LocalDraftSide(drafter), len(rids)
         graphs, stream = drafter.graphs, box.stream()
+        self.queued_upto = first_round + rounds  # (a run that fails part-way has waits queued: abandon releases them)
         rows = side.begin(rids, spec, rounds, previous.side if previous else None)
         record = torch.empty(rounds, n, nd + 1, dtype=torch.int64, device=box.device)
         # one row a request (the buffers may be longer: sized for the prompt-extend family too)
@@ -118,7 +120,7 @@ class ChainRuns:
     def abandon(self) -> None:
         """The connection is over: release this process's waits on the verifier's flag (the rounds then
         run on whatever the mailbox holds) and forget the runs (the drafter forgets every request)."""
-        runs = [r for r in (self.pending,) if r is not None]
-        if runs:
-            self.box.flags[ACCEPTED] = max(r.last_needed for r in runs)
+        needed = max([r.last_needed for r in (self.pending,) if r is not None] + [self.queued_upto])
+        if needed > self.box.flags[ACCEPTED]:
+            self.box.flags[ACCEPTED] = needed
         self.pending = None

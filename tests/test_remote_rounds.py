@@ -313,3 +313,62 @@ def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
             eng.proposer = drafter
             box.close()
     assert queued and 1 < queued[0][0] < 4, (queued, refusals)  # a shorter run, not a step without one
+
+
+def test_a_run_that_fails_part_way_has_its_queued_waits_released_when_the_connection_ends(monkeypatch):
+    """A run whose queuing failed after some of its rounds were queued leaves waits on the verifier's ACCEPTED flag
+    on the drafter's stream; the connection's end (ChainRuns.abandon) must release them as it does a pending run's,
+    or the stream (and every later round on it) waits for ever."""
+    import types
+
+    from drafter.chain_runs import ChainRuns
+    from tandem.speculative.round_mailbox import ACCEPTED
+
+    box = RoundMailbox.create(MailboxLayout(2, 4, 8, torch.float32), "cpu", 1.0)
+    try:
+        runs = ChainRuns(box)
+        monkeypatch.setattr(LocalDraftSide, "begin", lambda self, *args: (_ for _ in ()).throw(RuntimeError("boom")))
+        drafter = types.SimpleNamespace(graphs=types.SimpleNamespace(width=4))
+        with pytest.raises(RuntimeError):
+            runs.queue(drafter, ["a"], SPEC, 10, 4, False)
+        assert runs.pending is None and box.flags[ACCEPTED] == 0
+        runs.abandon()
+        assert box.flags[ACCEPTED] == 14  # every wait the run may have queued passes
+    finally:
+        box.close()
+
+
+def test_a_continuing_run_the_drafters_pages_hold_only_in_part_is_shortened(pair):
+    """A run queued behind another (continues) that the drafter's pages hold only in part: the drafter counts the
+    rounds still pending in what fits, the shorter continuing run is queued, the output is target greedy's and every
+    target page comes back."""
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.chain_rounds import drafter_rounds_fit
+
+    root, prompts, ref = pair
+    with _speculative_engine(root) as eng:
+        drafter = eng.proposer
+        box = _mailbox(eng, wait_s=60.0)
+        loop = LoopbackDrafter(drafter, box, eng.model_config.vocab_size)
+        eng.proposer, eng.spec_rounds = loop, 4
+        free = eng.allocator.num_free
+        try:
+            rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), rid="full")
+            eng.step()
+            held = []
+            while drafter_rounds_fit(drafter, [rid], SPEC, 6):
+                held += drafter.allocator.allocate(1)  # someone else's pages
+            assert drafter_rounds_fit(drafter, [rid], SPEC, 4)
+            eng.step()  # a fresh run of 4, then (overlapped) a continuing one: 4 + 4 do not fit
+            queued = list(loop.queued)
+            loop._caught_up()
+            drafter.allocator.free(held)
+            while eng.has_unfinished():
+                eng.step()
+            assert eng.requests.pop(rid).output == ref[2]
+        finally:
+            loop._caught_up()
+            eng.proposer = drafter
+            box.close()
+        assert eng.allocator.num_free == free
+    assert (4, False) in queued and any(continues and rounds < 4 for rounds, continues in queued), queued
