@@ -3,6 +3,8 @@ at once (a batch of prefills, the catch-ups of requests that decoded plainly for
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tandem.ring import HiddenRing
@@ -227,16 +229,28 @@ class RunConnection(EchoConnection):
             self._reply.drafts.chain_run_fits = self.fits if too_long and not self.refuse else 0
 
 
-def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
-    from tandem.speculative.spec_config import SpecConfig
-    from tandem.speculative.round_mailbox import DRAFTED, MailboxLayout, RoundMailbox
+@contextlib.contextmanager
+def _run_client():
+    """A client with a round mailbox on a RunConnection (its drafter's answers) → (client, connection, mailbox)."""
+    from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 
-    spec = SpecConfig(3, 1, 4)
     with HiddenRing.create(64, 4, "float32") as ring:
         box = RoundMailbox.create(MailboxLayout(2, 4, 4, torch.float32), "cpu")
-        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(vocab_size=100), deadline_s=1.0, mailbox=box)
-        conn = client._conn = RunConnection()
-        ring.begin_round(client._seq)
+        try:
+            client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(vocab_size=100), deadline_s=1.0, mailbox=box)
+            conn = client._conn = RunConnection()
+            ring.begin_round(client._seq)
+            yield client, conn, box
+        finally:
+            box.close()
+
+
+def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
+    from tandem.speculative.spec_config import SpecConfig
+    from tandem.speculative.round_mailbox import DRAFTED
+
+    spec = SpecConfig(3, 1, 4)
+    with _run_client() as (client, conn, box):
         assert client.chain_runs_available
         first = client.queue_run(["a", "b"], spec, 4, False, [5, 6])
         second = client.queue_run(["a", "b"], spec, 3, True, [5, 6])
@@ -249,7 +263,6 @@ def test_runs_are_announced_numbered_refused_and_released_on_a_lost_drafter():
         assert client._next_round == 7  # a refused run takes no numbers
         client.discard("gone")  # a lost drafter: the verifier's waits must not hang on its flags
         assert box.flags[DRAFTED] == 7
-        box.close()
 
 
 def test_a_run_the_drafters_pages_hold_only_in_part_is_asked_again_as_long_as_they_hold():
@@ -257,14 +270,9 @@ def test_a_run_the_drafters_pages_hold_only_in_part_is_asked_again_as_long_as_th
     at once (runs stay on), where it used to back off and ask the same full run again, refused every time under page
     pressure."""
     from tandem.speculative.spec_config import SpecConfig
-    from tandem.speculative.round_mailbox import MailboxLayout, RoundMailbox
 
     spec = SpecConfig(3, 1, 4)
-    with HiddenRing.create(64, 4, "float32") as ring:
-        box = RoundMailbox.create(MailboxLayout(2, 4, 4, torch.float32), "cpu")
-        client = DrafterClient("127.0.0.1:1", ring, pb.TargetInfo(vocab_size=100), deadline_s=1.0, mailbox=box)
-        conn = client._conn = RunConnection()
-        ring.begin_round(client._seq)
+    with _run_client() as (client, conn, box):
         conn.fits = 2
         side = client.queue_run(["a"], spec, 4, False, [5])
         assert side is not None and side.rounds == 2 and side.last_needed == 2
@@ -274,7 +282,6 @@ def test_a_run_the_drafters_pages_hold_only_in_part_is_asked_again_as_long_as_th
         assert client.queue_run(["a"], spec, 4, False, [5]) is None and not client.chain_runs_available
         assert client._next_round == 2
         client.discard("done")
-        box.close()
 
 
 class FakeHandshakes:

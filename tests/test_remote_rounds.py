@@ -279,12 +279,10 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
             box.close()
 
 
-def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
-    """In process, a run the head's pages cannot hold is shortened (rounds_ahead._run_length asks chain_rounds_fit
-    for each length); with the drafter service (GPU only: the round mailbox needs a CUDA IPC ring) the verifier asked
-    for the full run, the drafter refused it, the step emitted nothing and runs stayed off for REFUSED_RUN_BACKOFF_S,
-    after which the same full run was asked and refused again: under a nearly full draft KV cache runs never came
-    back. The drafter now says how many rounds fit, and the run is queued that long."""
+def _starved_run(pair, short_of: int, holds: int) -> tuple[list, list]:
+    """One request generating through the loopback drafter service, 4 rounds a run, its head's pages taken by someone
+    else after the prefill until ``short_of`` rounds no longer fit (``holds`` still do), for one step → (the runs
+    queued then as (rounds, continues), the refusals). The output must be target greedy's and every page come back."""
     from tandem.sampling import SamplingParams
     from tandem.speculative.chain_rounds import drafter_rounds_fit
 
@@ -294,13 +292,14 @@ def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
         box = _mailbox(eng, wait_s=60.0)
         loop = LoopbackDrafter(drafter, box, eng.model_config.vocab_size)
         eng.proposer, eng.spec_rounds = loop, 4
+        free = eng.allocator.num_free
         try:
             rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), rid="full")
             eng.step()  # the prefill (and the head's first extend)
             held = []
-            while drafter_rounds_fit(drafter, [rid], SPEC, 4):
+            while drafter_rounds_fit(drafter, [rid], SPEC, short_of):
                 held += drafter.allocator.allocate(1)  # someone else's pages
-            assert drafter_rounds_fit(drafter, [rid], SPEC, 2)
+            assert drafter_rounds_fit(drafter, [rid], SPEC, holds)
             eng.step()
             queued, refusals = list(loop.queued), list(loop.refusals)
             loop._caught_up()
@@ -312,6 +311,17 @@ def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
             loop._caught_up()
             eng.proposer = drafter
             box.close()
+        assert eng.allocator.num_free == free
+    return queued, refusals
+
+
+def test_a_run_the_drafter_services_pages_cannot_hold_is_shortened_too(pair):
+    """In process, a run the head's pages cannot hold is shortened (rounds_ahead._run_length asks chain_rounds_fit
+    for each length); with the drafter service (GPU only: the round mailbox needs a CUDA IPC ring) the verifier asked
+    for the full run, the drafter refused it, the step emitted nothing and runs stayed off for REFUSED_RUN_BACKOFF_S,
+    after which the same full run was asked and refused again: under a nearly full draft KV cache runs never came
+    back. The drafter now says how many rounds fit, and the run is queued that long."""
+    queued, refusals = _starved_run(pair, short_of=4, holds=2)
     assert queued and 1 < queued[0][0] < 4, (queued, refusals)  # a shorter run, not a step without one
 
 
@@ -340,35 +350,6 @@ def test_a_run_that_fails_part_way_has_its_queued_waits_released_when_the_connec
 
 def test_a_continuing_run_the_drafters_pages_hold_only_in_part_is_shortened(pair):
     """A run queued behind another (continues) that the drafter's pages hold only in part: the drafter counts the
-    rounds still pending in what fits, the shorter continuing run is queued, the output is target greedy's and every
-    target page comes back."""
-    from tandem.sampling import SamplingParams
-    from tandem.speculative.chain_rounds import drafter_rounds_fit
-
-    root, prompts, ref = pair
-    with _speculative_engine(root) as eng:
-        drafter = eng.proposer
-        box = _mailbox(eng, wait_s=60.0)
-        loop = LoopbackDrafter(drafter, box, eng.model_config.vocab_size)
-        eng.proposer, eng.spec_rounds = loop, 4
-        free = eng.allocator.num_free
-        try:
-            rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), rid="full")
-            eng.step()
-            held = []
-            while drafter_rounds_fit(drafter, [rid], SPEC, 6):
-                held += drafter.allocator.allocate(1)  # someone else's pages
-            assert drafter_rounds_fit(drafter, [rid], SPEC, 4)
-            eng.step()  # a fresh run of 4, then (overlapped) a continuing one: 4 + 4 do not fit
-            queued = list(loop.queued)
-            loop._caught_up()
-            drafter.allocator.free(held)
-            while eng.has_unfinished():
-                eng.step()
-            assert eng.requests.pop(rid).output == ref[2]
-        finally:
-            loop._caught_up()
-            eng.proposer = drafter
-            box.close()
-        assert eng.allocator.num_free == free
+    rounds still pending in what fits, and the shorter continuing run is queued."""
+    queued, _ = _starved_run(pair, short_of=6, holds=4)  # a fresh run of 4, then (overlapped) 4 more do not fit
     assert (4, False) in queued and any(continues and rounds < 4 for rounds, continues in queued), queued
