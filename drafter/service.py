@@ -194,6 +194,11 @@ class DrafterService:
             old_ring.close()
         self.heads.release_all()
         log.info("verifier connected (target %s, ring %s, %d rows)", hello.target.model, hello.ring.name, hello.ring.num_rows)
+        held = self.drafter.allocator.capacity_pages * self.drafter.cfg.page_size
+        if hello.target.kv_tokens > held:
+            log.warning("the verifier's KV cache holds %d tokens, this head's %d: under load its oldest entries go "
+                        "first, requests draft from rebuilt ones and runs of rounds are shortened (--max-kv-tokens %d "
+                        "matches the verifier)", hello.target.kv_tokens, held, hello.target.kv_tokens)
         return ring
 
     def _round(self, round_msg: pb.Round, ring: HiddenRingView, runs: ChainRuns | None = None):

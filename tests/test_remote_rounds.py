@@ -353,3 +353,28 @@ def test_a_continuing_run_the_drafters_pages_hold_only_in_part_is_shortened(pair
     rounds still pending in what fits, and the shorter continuing run is queued."""
     queued, _ = _starved_run(pair, short_of=6, holds=4)  # a fresh run of 4, then (overlapped) 4 more do not fit
     assert (4, False) in queued and any(continues and rounds < 4 for rounds, continues in queued), queued
+
+
+def test_a_head_whose_kv_cache_holds_less_than_the_verifiers_says_so_at_the_handshake(pair, caplog):
+    """The verifier's Hello says how many tokens its KV cache holds; a drafter service whose head holds fewer (its
+    --max-kv-tokens, 65536 by default, against a GPU target's hundreds of thousands) warns, naming the setting."""
+    import asyncio
+
+    from drafter.service import DrafterService
+    from tandem.ring import HiddenRing
+    from tandem.rpc.drafter.v1 import PROTOCOL_VERSION
+    from tandem.rpc.drafter.v1 import drafter_pb2 as pb
+
+    root, _, _ = pair
+    with _speculative_engine(root) as eng:
+        drafter = eng.proposer
+        service = DrafterService(drafter, "draft", "target", drafter.head.config.hidden_size)
+        held = drafter.allocator.capacity_pages * drafter.cfg.page_size
+        with HiddenRing.create(16, drafter.head.config.feature_width, "float32") as ring:
+            for kv_tokens, warned in ((held, False), (held + 1, True)):
+                hello = pb.Hello(protocol_version=PROTOCOL_VERSION, ring=pb.RingSpec(**ring.spec.to_fields()),
+                                 target=pb.TargetInfo(model="t", kv_tokens=kv_tokens,
+                                                      capture_layers=list(drafter.capture_layers)))
+                caplog.clear()
+                asyncio.run(service._hello(hello, None, None)).close()
+                assert (f"--max-kv-tokens {held + 1}" in caplog.text) == warned, caplog.text

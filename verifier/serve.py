@@ -99,6 +99,7 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
     mc = engine.model_config
     ring = HiddenRing.create(cfg.ring_rows, len(runner.capture_layers) * mc.hidden_size, runner.dtype, runner.device)
     target = drafter_pb2.TargetInfo(model=cfg.engine.model, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
+                                    kv_tokens=engine.allocator.capacity_pages * engine_cfg.page_size,
                                     num_layers=mc.num_layers, capture_layers=list(runner.capture_layers))
 
     def on_state(up: bool) -> None:

@@ -27,18 +27,20 @@ class RingSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., dtype: _Optional[str] = ..., owner_pid: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "hidden_size", "vocab_size", "num_layers", "capture_layers")
+    __slots__ = ("model", "hidden_size", "vocab_size", "num_layers", "capture_layers", "kv_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     hidden_size: int
     vocab_size: int
     num_layers: int
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "ring", "target", "round_lane", "round_lane_token", "mailbox")
