@@ -46,8 +46,9 @@ class DrafterServiceConfig:
         p.add_argument("--target-model", default=None, help="the target's folder (default: the embedded demo target)")
         shared.add(p, shared.DEVICE)
         p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page of the head's cache")
-        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens, help="the head's KV cache, in tokens (the log warns at the "
-                       "verifier's handshake where the verifier's holds more)")
+        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
+                       help="the head's KV cache, in tokens (the log warns at the verifier's handshake where the "
+                       "verifier's holds more)")
         p.add_argument("--max-topk", type=int, default=d.max_topk, help="the largest --speculative-eagle-topk a "
                                                                         "request may ask for")
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
