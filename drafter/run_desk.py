@@ -4,10 +4,10 @@ queued after the reply (drafter/chain_runs.py).
 
 A run it took and then could not queue is a fault of this drafter, not of the connection (the 6-wide rounds on
 extend buffers of 1024 rows were one): that connection ends, and every reconnect would meet the same failure,
-speculation off most of the time. So for RUNS_OFF_S (or until a reload brings a new head: ``failed`` cleared)
-connections are offered no runs (the Welcome says so) and a run asked on one that has them is refused naming the
-error: the verifier drafts one round at a time. A verifier gone while a run waits on it (ProposerUnavailable) is the
-connection's end and changes nothing here.
+speculation off most of the time. So for RUNS_OFF_S (or until a reload brings a new head: ``failed`` cleared) runs
+are refused naming the error, and the verifier drafts one round at a time, asking again now and then (a refusal is a
+round trip; connections are still offered runs, so that they come back on a connection that stays up). A verifier
+gone while a run waits on it (ProposerUnavailable) is the connection's end and changes nothing here.
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ class RunDesk:
         """The connection's runs of chain rounds, if the verifier offered a mailbox and ``drafter`` (the head new
         requests draft with) can queue its half (graphs on the mailbox's GPU); else None (rounds go one at a time)."""
         if not hello.HasField("mailbox") or getattr(drafter, "graphs", None) is None:
-            return None
-        if self.failed is not None:
-            log.info("this connection's rounds go one at a time: a run failed to queue (%s)", self.failed)
             return None
         offer = hello.mailbox
         layout = MailboxLayout(offer.max_batch, offer.max_draft_tokens, hello.ring.row_width,

@@ -284,6 +284,26 @@ def test_a_run_the_drafters_pages_hold_only_in_part_is_asked_again_as_long_as_th
         client.discard("done")
 
 
+def test_a_run_whose_answer_is_lost_keeps_its_round_numbers():
+    """The drafter may have queued a run whose answer never came (the connection dropped meanwhile): its release at the
+    connection's end raises the accepted flag past that run's rounds, so a later run numbered the same would find its
+    waits passed at once and read what was never accepted. A lost answer keeps the numbers taken."""
+    import pytest
+
+    from tandem.speculative.proposer import ProposerUnavailable
+    from tandem.speculative.spec_config import SpecConfig
+
+    class LostAnswer(RunConnection):
+        def receive_round(self, timeout_s):
+            raise ProposerUnavailable("the drafter's connection closed")
+
+    with _run_client() as (client, _, box):
+        client._conn = LostAnswer()
+        with pytest.raises(ProposerUnavailable):
+            client.queue_run(["a"], SpecConfig(3, 1, 4), 4, False, [5])
+        assert client._next_round == 4  # the next run starts past the lost one's rounds
+
+
 class FakeHandshakes:
     """Stands in for DrafterConnection's constructor (the handshake) in verifier.drafter_reconnect: each
     attempt raises ``refusal`` while it is set, else blocks until ``proceed`` is set and connects."""

@@ -241,6 +241,7 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
     timing out) is the connection's end, not the drafter's fault: runs go on being taken."""
     from drafter.chain_runs import ChainRuns
     from drafter.run_desk import RUNS_OFF_S
+    from tandem.ring import HiddenRing
     from tandem.rpc.drafter.v1 import drafter_pb2 as pb
     from tandem.speculative.round_mailbox import MailboxTimeout
 
@@ -265,10 +266,20 @@ def test_a_run_that_fails_to_queue_turns_runs_off_on_the_drafter(pair, monkeypat
                 assert taken is None and loopback.refusals == [
                     "runs of chain rounds are off on this drafter since one failed to queue (RuntimeError: shape "
                     "'[-1, 6]' is invalid for input of size 1024)"]
-                desk = loopback.service.run_desk  # a new connection is offered no runs (its Welcome says so) ...
-                assert desk.attach(pb.Hello(mailbox=pb.RoundMailbox()), loopback.service.drafter) is None
+                desk = loopback.service.run_desk  # a connection made meanwhile still gets runs (to come back on) ...
+                with HiddenRing.create(16, box.layout.feature_width, "float32") as ring:
+                    layout = box.layout
+                    hello = pb.Hello(ring=pb.RingSpec(**ring.spec.to_fields()), mailbox=pb.RoundMailbox(
+                        storage=pb.RingSpec(**box.storage_spec.to_fields()), flags=box.flags_name,
+                        max_batch=layout.max_bs, max_draft_tokens=layout.max_nd))
+                    attached = desk.attach(hello, loopback.service.drafter)
+                    assert attached is not None
+                    attached.box.close()
+                # ... refused for a while (a failure may have been transient) ...
                 now = desk.clock()
-                desk.clock = lambda: now + RUNS_OFF_S  # ... for a while (a failure may have been transient)
+                desk.clock = lambda: now + RUNS_OFF_S - 1
+                assert loopback.queue_run(["x"], SPEC, 4, False, [1]) is None
+                desk.clock = lambda: now + RUNS_OFF_S  # ... then taken again on the same connection
                 assert loopback.queue_run(["x"], SPEC, 4, False, [1]) is not None
             else:
                 assert taken is not None and not loopback.refusals

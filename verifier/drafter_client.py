@@ -311,15 +311,20 @@ class DrafterClient(Proposer):
                 first = self._next_round
                 run = pb.ChainRun(first_round=first, rounds=rounds, request_ids=rids, continues=continues,
                                   spec=_spec_params(spec))
+                # The numbers are taken before the answer: a reply lost on the way (the drafter queued the run, this
+                # side dropped the connection) must not have a later run reuse them, whose waits the drafter's
+                # release of this one (ChainRuns.abandon) would pass at once.
+                self._next_round = first + rounds
                 reply = self._collect(self._send_round([], None, chain_run=run), "chain_run", observed)
                 if reply.chain_run_refused and 0 < reply.chain_run_fits < rounds:  # its pages hold a shorter one
                     rounds = run.rounds = reply.chain_run_fits
+                    self._next_round = first + rounds
                     reply = self._collect(self._send_round([], None, chain_run=run), "chain_run", observed)
                 if reply.chain_run_refused:
                     log.debug("the drafter refused a run of %d rounds: %s", rounds, reply.chain_run_refused)
                     self._refused_until = time.monotonic() + REFUSED_RUN_BACKOFF_S
+                    self._next_round = first  # (answered: nothing was queued)
                     return None
-                self._next_round += rounds
                 side = RemoteDraftSide(self.mailbox, first, rounds, self.target.vocab_size, roots)
                 flags_drafted = self.mailbox.flags[DRAFTED]
                 self._runs = [s for s in self._runs if s.last_needed > flags_drafted] + [side]

@@ -48,7 +48,10 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     draft_tokens = max(DrafterConfig.max_kv_tokens,
                        engine.allocator.capacity_pages * cfg.page_size + cfg.max_running_requests * reach)
     if runner.device.type == "cuda":  # the target's sizing left nothing for it by name: a share of what is free
-        per_token = 2 * head_cfg.num_kv_heads * head_cfg.head_dim * runner.dtype.itemsize
+        from tandem.models.loader import resolve_dtype
+
+        head_dtype = resolve_dtype(draft_dtype, head_cfg.dtype, runner.device)  # (as Eagle3Drafter resolves it)
+        per_token = 2 * head_cfg.num_kv_heads * head_cfg.head_dim * head_dtype.itemsize
         room = int(HEAD_KV_SHARE_OF_FREE * torch.cuda.mem_get_info(runner.device)[0]) // per_token
         if draft_tokens > max(room, DrafterConfig.max_kv_tokens):
             log.warning("the EAGLE-3 head's KV cache holds %d tokens, not the target's %d: the GPU memory left "
