@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 
-
 CLIENT_PROCS = int(os.environ.get("TANDEM_BENCH_CLIENT_PROCS", "4"))  # client processes of a closed-loop load
 START_DELAY_S = 1.5  # client processes start together this long after they are launched (their imports)
 

@@ -27,8 +27,8 @@ log = logging.getLogger("drafter.service")
 RUNS_OFF_S = 300.0  # runs are tried again this long after one failed to queue (a transient failure: out of memory)
 
 
-def _nothing() -> None:
-    pass
+def nothing() -> None:
+    """What is left to do after a reply that queues nothing."""
 
 
 class RunDesk:
@@ -84,7 +84,7 @@ class RunDesk:
             why, fits = runs.check(drafter, rids, spec, run.rounds, run.continues)
         reply = pb.Drafts(seq=seq, chain_run_refused=why, chain_run_fits=fits)
         if why:
-            return reply, _nothing
+            return reply, nothing
 
         def queue() -> None:
             try:

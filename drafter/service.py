@@ -44,7 +44,7 @@ from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree, resolve_pending
 from tandem.speculative.tree_wire import pack_trees
 from drafter.chain_runs import ChainRuns
-from drafter.run_desk import RunDesk
+from drafter.run_desk import RunDesk, nothing
 from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads
 from drafter.metrics import DrafterMetrics
@@ -207,7 +207,7 @@ class DrafterService:
         if runs is not None and not (round_msg.HasField("chain_run") and round_msg.chain_run.continues):
             runs.settle()  # the last run read back and committed before anything reads the state
         kind = "chain_run" if round_msg.HasField("chain_run") else "drafts"
-        reply = self._chain_run(round_msg, ring, runs) if kind == "chain_run" else (self._drafts(round_msg, ring), _nothing)
+        reply = self._chain_run(round_msg, ring, runs) if kind == "chain_run" else (self._drafts(round_msg, ring), nothing)
         self.metrics.rounds.labels(kind).inc()
         self.metrics.round_seconds.labels(kind).observe(time.perf_counter() - started)
         return reply
@@ -327,10 +327,6 @@ class DrafterService:
         serving = self.heads.current
         return Eagle3Drafter.from_dirs(draft_model, self.target_model, self.runtime, serving.capture_layers,
                                        embed_weight=serving.head.shared_embedding)
-
-
-def _nothing() -> None:
-    pass
 
 
 async def _attach_lane(hello: pb.Hello) -> AsyncLane | None:
