@@ -136,15 +136,15 @@ def chains(monkeypatch):
     return seen
 
 
-def _generate(eng, prompts, ref, remote: bool, half="real"):
+def _generate(eng, prompts, ref, remote: bool, half="real", first_round: int = 0):
     """Greedy generation, 4 rounds per step, steered at corruption 0.3 → (outputs, accepted drafts per
-    round, the loopback or None)."""
+    round, the loopback or None); the loopback's round numbers from ``first_round``."""
     drafter = eng.proposer
     steered = ControlledAcceptanceProposer(drafter, 0.3, seed=7)
     box = _mailbox(eng, wait_s=1.0 if half == "dead" else 60.0) if remote else None
     eng.proposer = LoopbackDrafter(steered, box, eng.model_config.vocab_size) if remote else steered
     if remote:
-        eng.proposer.half = half
+        eng.proposer.half, eng.proposer.next_round = half, first_round
     eng.spec_rounds = 4
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -164,13 +164,15 @@ def _generate(eng, prompts, ref, remote: bool, half="real"):
     return [r.output for r in results], [r.spec_stats.accepted_per_round for r in results], loopback
 
 
-@pytest.mark.parametrize("glue", ["torch", "fused"])
+@pytest.mark.parametrize("glue, first_round", [("torch", 0), ("fused", 2**32 - 5)])
 def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_accept_as_in_process(pair, chains, glue,
+                                                                                                 first_round,
                                                                                                  monkeypatch):
     """Steered (corruption 0.3), so that rounds accept 0..3 drafts: the mailbox then carries counts
     above one and the features of several nodes; the head's own chains, before the steering, show
     that its state follows the in-process one round after round. Both glues between the graphs: torch
-    ops (the CPU's), and the GPU's fused kernels writing into the mailbox (forced under the interpreter)."""
+    ops (the CPU's), and the GPU's fused kernels writing into the mailbox (forced under the interpreter).
+    Round numbers crossing 2**32 (weeks of a verifier's uptime) go on as before it: the flags must not wrap."""
     import tandem.speculative.chain_rounds as chain_rounds
 
     monkeypatch.setattr(chain_rounds, "use_triton", lambda x: glue == "fused")
@@ -183,7 +185,7 @@ def test_runs_with_the_drafter_half_in_another_party_emit_target_greedy_and_acce
     for c in chains.values():
         c.clear()
     with _speculative_engine(root, draft_prompts=(7, 3)) as eng:
-        remote, accepted_remote, loopback = _generate(eng, prompts, ref, remote=True)
+        remote, accepted_remote, loopback = _generate(eng, prompts, ref, remote=True, first_round=first_round)
         drafter = eng.proposer
         assert drafter.allocator.num_free == drafter.allocator.capacity_pages  # every draft page back
         assert eng.allocator.num_free == eng.allocator.capacity_pages

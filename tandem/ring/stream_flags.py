@@ -4,15 +4,16 @@ The drafter and the verifier are two processes on one GPU. For the device to go 
 the other's without a host in between, a stream must wait for the other process's work. Interprocess
 events can do it, but a stream waiting on the event of a process that dies with the record still
 queued waits forever (measured on an H200: bench/ipc_handoff.py ``--dead-peer``), and nothing can
-release it: the verifier would hang with its drafter. These flags can be released: each is a uint32 in
+release it: the verifier would hang with its drafter. These flags can be released: each is a uint64 in
 a POSIX shared-memory page that both processes map and pin into their CUDA context; a stream waits
-with the driver's ``cuStreamWaitValue32`` (until the flag is ≥ a sequence number) and the other
-process's stream writes it with ``cuStreamWriteValue32`` (which fences the writes queued before it, so
+with the driver's ``cuStreamWaitValue64`` (until the flag is ≥ a sequence number) and the other
+process's stream writes it with ``cuStreamWriteValue64`` (which fences the writes queued before it, so
 the data is visible to whoever the flag releases). Both hosts may queue a whole run ahead, and a host
 that gives up on its peer writes the flag itself.
 
 The driver API is reached through ctypes (torch exposes no stream memory operations). Sequence
-numbers are uint32 compared with ≥: a connection must start its numbering again before 2**32.
+numbers are uint64 compared with ≥: 32 bits would wrap after 2**32 rounds (weeks of uptime at thousands
+of rounds a second), after which every wait would pass at once or never.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _REGISTER_FLAGS = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+_CAN_USE_64_BIT_MEM_OPS = 93  # CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+FLAG_BYTES = 8
 _driver = None
 
 
@@ -42,8 +45,9 @@ def _lib():
                            ("cuMemHostUnregister", (ctypes.c_void_p,)),
                            ("cuMemHostGetDevicePointer_v2", (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
                                                              ctypes.c_uint)),
-                           ("cuStreamWaitValue32_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)),
-                           ("cuStreamWriteValue32_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)),
+                           ("cuStreamWaitValue64_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)),
+                           ("cuStreamWriteValue64_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)),
+                           ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)),
                            ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
             fn = getattr(_driver, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -57,18 +61,28 @@ def _check(result: int, what: str) -> None:
         raise StreamFlagsError(f"{what}: CUDA driver error {result} ({(text.value or b'?').decode()})")
 
 
+def _require_64_bit_ops(device: torch.device) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    value = ctypes.c_int()
+    _check(_lib().cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_64_BIT_MEM_OPS, index),
+           "asking for 64-bit stream memory operations")
+    if not value.value:
+        raise StreamFlagsError(f"the driver offers no 64-bit stream memory operations on cuda:{index}")
+
+
 class StreamFlags:
-    """``count`` uint32 flags at the start of ``buffer`` (a shared mapping), pinned and mapped into this
+    """``count`` uint64 flags at the start of ``buffer`` (a shared mapping), pinned and mapped into this
     process's context on ``device``. Keep the object alive while any queued wait or write may use it."""
 
     def __init__(self, buffer: mmap.mmap, count: int, device: torch.device):
-        if count * 4 > len(buffer):
-            raise ValueError(f"{count} flags need {count * 4} bytes; the mapping has {len(buffer)}")
+        if count * FLAG_BYTES > len(buffer):
+            raise ValueError(f"{count} flags need {count * FLAG_BYTES} bytes; the mapping has {len(buffer)}")
         torch.cuda.init()
         self.device = device
+        _require_64_bit_ops(device)
         with torch.cuda.device(device):
             torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
-            self._host = (ctypes.c_uint32 * count).from_buffer(buffer)
+            self._host = (ctypes.c_uint64 * count).from_buffer(buffer)
             self._base = ctypes.addressof(self._host)
             self._buffer, self._length = buffer, len(buffer)
             _check(_lib().cuMemHostRegister_v2(self._base, self._length, _REGISTER_FLAGS), "pinning the flags")
@@ -80,17 +94,17 @@ class StreamFlags:
     def _addr(self, i: int) -> int:
         if not 0 <= i < self.count:
             raise IndexError(f"flag {i} of {self.count}")
-        return self._device_base + 4 * i
+        return self._device_base + FLAG_BYTES * i
 
     def wait(self, stream: torch.cuda.Stream, i: int, seq: int) -> None:
         """Queue on ``stream``: go on once flag ``i`` is ≥ ``seq``."""
-        _check(_lib().cuStreamWaitValue32_v2(stream.cuda_stream, self._addr(i), seq & 0xFFFFFFFF, _WAIT_GEQ),
+        _check(_lib().cuStreamWaitValue64_v2(stream.cuda_stream, self._addr(i), seq, _WAIT_GEQ),
                f"waiting on flag {i}")
 
     def write(self, stream: torch.cuda.Stream, i: int, seq: int) -> None:
         """Queue on ``stream``: once the work queued before it is done (and its writes visible), set flag
         ``i`` to ``seq``."""
-        _check(_lib().cuStreamWriteValue32_v2(stream.cuda_stream, self._addr(i), seq & 0xFFFFFFFF, 0),
+        _check(_lib().cuStreamWriteValue64_v2(stream.cuda_stream, self._addr(i), seq, 0),
                f"writing flag {i}")
 
     def __getitem__(self, i: int) -> int:
@@ -101,7 +115,7 @@ class StreamFlags:
     def __setitem__(self, i: int, seq: int) -> None:
         """Set the flag from the host (releasing a stream that waits on a peer that gave up)."""
         self._addr(i)
-        self._host[i] = seq & 0xFFFFFFFF
+        self._host[i] = seq
 
     def close(self) -> None:
         """Unpin; only once nothing queued uses the flags any more."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.ring import HiddenRing, HiddenRingView, RingSpec, posix
+from tandem.ring.stream_flags import FLAG_BYTES, StreamFlags
 from tandem.speculative.proposer import ProposerUnavailable
 
 log = logging.getLogger("tandem.round_mailbox")
@@ -47,7 +48,7 @@ class HostFlags:
     ignored, since on CPU the work before a write has finished when it is issued."""
 
     def __init__(self, buffer: mmap.mmap, count: int, wait_s: float = 60.0):
-        self._view = memoryview(buffer)[: 4 * count].cast("I")
+        self._view = memoryview(buffer)[: FLAG_BYTES * count].cast("Q")
         self.count, self.wait_s = count, wait_s
 
     def wait(self, stream, i: int, seq: int) -> None:
@@ -58,13 +59,13 @@ class HostFlags:
             time.sleep(0.0002)
 
     def write(self, stream, i: int, seq: int) -> None:
-        self._view[i] = seq & 0xFFFFFFFF
+        self._view[i] = seq
 
     def __getitem__(self, i: int) -> int:
         return self._view[i]
 
     def __setitem__(self, i: int, seq: int) -> None:
-        self._view[i] = seq & 0xFFFFFFFF
+        self._view[i] = seq
 
     def close(self) -> None:
         pass
@@ -189,7 +190,5 @@ class RoundMailbox:
 
 def _flags(page: mmap.mmap, device: torch.device, wait_s: float = 60.0):
     if device.type == "cuda":
-        from tandem.ring.stream_flags import StreamFlags
-
         return StreamFlags(page, 2, device)
     return HostFlags(page, 2, wait_s)

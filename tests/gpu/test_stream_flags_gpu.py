@@ -83,13 +83,17 @@ def test_another_process_waits_for_the_flag_and_sees_the_data_written_before_it(
         ring.close()
 
 
-def test_the_host_releases_a_stream_waiting_on_a_flag_no_peer_writes(flags_page):
+@pytest.mark.parametrize("base", [0, 2**32])
+def test_the_host_releases_a_stream_waiting_on_a_flag_no_peer_writes(flags_page, base):
+    """From ``base`` 2**32 on: the flag holding the round before (2**32 - 1), a wait for a round past 2**32 must
+    hold (32-bit flags wrapped: the wait passed at once)."""
     _, page = flags_page
     flags = StreamFlags(page, 1, torch.device("cuda", 0))
+    flags[0] = max(base - 1, 0)
     stream = torch.cuda.Stream()
     torch.ones(4, device="cuda:0") * 3  # the kernels' first launch, before any wait (see the child above)
     torch.cuda.synchronize()
-    flags.wait(stream, 0, 5)
+    flags.wait(stream, 0, base + 5)
     with torch.cuda.stream(stream):
         after = torch.ones(4, device="cuda:0") * 3
     done = torch.cuda.Event()
@@ -97,16 +101,16 @@ def test_the_host_releases_a_stream_waiting_on_a_flag_no_peer_writes(flags_page)
     try:
         time.sleep(0.2)
         assert not done.query()  # held: nothing wrote the flag
-        flags[0] = 4
+        flags[0] = base + 4
         time.sleep(0.05)
         assert not done.query()  # 4 < 5
-        flags[0] = 5
+        flags[0] = base + 5
         deadline = time.monotonic() + 5
         while not done.query():
             assert time.monotonic() < deadline, "the host's write did not release the stream"
             time.sleep(0.001)
         assert torch.equal(after.cpu(), torch.full((4,), 3.0))
     finally:
-        flags[0] = 5  # never leave a stream waiting at teardown
+        flags[0] = base + 5  # never leave a stream waiting at teardown
         torch.cuda.synchronize()
         flags.close()
