@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import ConfigError
-from tandem.speculative.drafter import DrafterConfig
+from tandem.speculative.drafter import (DEFAULT_KV_TOKENS, HEAD_KV_SHARE_OF_FREE, HEAD_KV_SHARE_OF_TOTAL,
+                                       DrafterConfig)
 
 MAX_LANE_BUSY_POLL_MS = 1000.0  # the event loop (health, reloads, a new verifier's Hello) waits out a spin
 
@@ -47,8 +48,10 @@ class DrafterServiceConfig:
         shared.add(p, shared.DEVICE)
         p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page of the head's cache")
         p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
-                       help="the head's KV cache, in tokens (the log warns at the verifier's handshake where the "
-                       "verifier's holds more)")
+                       help=f"the head's KV cache, in tokens (default: on a GPU, {HEAD_KV_SHARE_OF_TOTAL * 100:.0f}%% of its "
+                       f"memory, at most {HEAD_KV_SHARE_OF_FREE * 100:.0f}%% of what is free once the head is loaded, at least "
+                       f"{DEFAULT_KV_TOKENS} where that fits; on CPU {DEFAULT_KV_TOKENS}; the log warns at the "
+                       "verifier's handshake where the verifier's holds more)")
         p.add_argument("--max-topk", type=int, default=d.max_topk, help="the largest --speculative-eagle-topk a "
                                                                         "request may ask for")
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)

@@ -89,3 +89,25 @@ def test_the_in_process_heads_kv_cache_holds_what_the_targets_holds(pair):
     with speculative_engine(cfg, str(pair.draft_dir), SpecConfig(3, 1, 4)) as eng:
         head = eng.proposer
         assert head.allocator.capacity_pages * head.cfg.page_size >= eng.allocator.capacity_pages * cfg.page_size
+
+
+def test_a_drafter_service_sizes_its_heads_kv_cache_from_the_gpus_memory():
+    """The drafter service's head held a fixed 65536 tokens on any GPU (64 requests of 1K tokens), while its verifier's
+    pool holds hundreds of thousands: under load the head's entries went first and requests drafted from rebuilt
+    ones. On a GPU it now takes 5 % of the memory, at most half of what is free, at least 65536 tokens where that fits
+    (figures here by hand: an 80 GiB GPU, a 4 KiB-a-token head)."""
+    from tandem.speculative.drafter import head_kv_tokens
+
+    gib = 2**30
+    assert head_kv_tokens(4096, free=70 * gib, total=80 * gib) == 4 * gib // 4096  # 5 % of 80 GiB: ~1M tokens
+    assert head_kv_tokens(4096, free=4 * gib, total=80 * gib) == 2 * gib // 4096  # restarted beside a verifier
+    assert head_kv_tokens(4096, free=70 * gib, total=4 * gib) == 65536  # 5 % is less: the old size, which fits
+    assert head_kv_tokens(4096, free=256 * 2**20, total=80 * gib) == 128 * 2**20 // 4096  # less than 65536 fit
+    assert head_kv_tokens(4096, free=70 * gib) == 35 * gib // 4096  # in process: a share of what the target left
+
+
+def test_a_head_on_cpu_keeps_the_default_kv_cache(pair):
+    from tandem.speculative.drafter import DEFAULT_KV_TOKENS, DrafterConfig, Eagle3Drafter
+
+    head = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), DrafterConfig(page_size=16))
+    assert head.allocator.capacity_pages * 16 == DEFAULT_KV_TOKENS == 65536

@@ -10,14 +10,11 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.drafter import DEFAULT_KV_TOKENS, DrafterConfig, Eagle3Drafter, head_kv_tokens
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import SpeculationPolicy
 
 log = logging.getLogger("tandem.engine")
-# Of the GPU memory free once the target's pool is allocated (what mem_fraction_static left: graphs, activations, the
-# head's weights), the most the head's KV cache may take
-HEAD_KV_SHARE_OF_FREE = 0.5
 
 
 def verify_widths(chains: tuple) -> tuple[int, ...]:
@@ -45,18 +42,18 @@ def speculative_engine(cfg: EngineConfig, draft_dir: str, spec: SpecConfig, draf
     # The head's KV holds every running request's entries plus a round's reach past them: as many tokens as the
     # target's pool (sized from GPU memory there, not the fixed default), one layer of the head's KV a token.
     reach = max(max((c.num_steps - 1) * c.topk, c.num_steps + 1) for c in chains) + cfg.prefill_graph_tokens
-    draft_tokens = max(DrafterConfig.max_kv_tokens,
+    draft_tokens = max(DEFAULT_KV_TOKENS,
                        engine.allocator.capacity_pages * cfg.page_size + cfg.max_running_requests * reach)
-    if runner.device.type == "cuda":  # the target's sizing left nothing for it by name: a share of what is free
+    if runner.device.type == "cuda":  # the target's sizing left nothing for it by name: a share of what it left free
         from tandem.models.loader import resolve_dtype
 
         head_dtype = resolve_dtype(draft_dtype, head_cfg.dtype, runner.device)  # (as Eagle3Drafter resolves it)
         per_token = 2 * head_cfg.num_kv_heads * head_cfg.head_dim * head_dtype.itemsize
-        room = int(HEAD_KV_SHARE_OF_FREE * torch.cuda.mem_get_info(runner.device)[0]) // per_token
-        if draft_tokens > max(room, DrafterConfig.max_kv_tokens):
+        room = head_kv_tokens(per_token, torch.cuda.mem_get_info(runner.device)[0])
+        if draft_tokens > room:
             log.warning("the EAGLE-3 head's KV cache holds %d tokens, not the target's %d: the GPU memory left "
-                        "(lower --mem-fraction-static for more)", max(room, DrafterConfig.max_kv_tokens), draft_tokens)
-            draft_tokens = max(room, DrafterConfig.max_kv_tokens)
+                        "(lower --mem-fraction-static for more)", room, draft_tokens)
+            draft_tokens = room
     try:
         drafter = Eagle3Drafter.from_dirs(draft_dir, cfg.model, DrafterConfig(
             device=str(runner.device), dtype=draft_dtype, max_topk=max(max_topk, spec.topk), max_kv_tokens=draft_tokens,

@@ -52,6 +52,20 @@ log = logging.getLogger("tandem.drafter")
 
 # Entries a forward rebuilds from zero features at most (attach_prefix's pages found in no cache: Eagle3Drafter._rebuild)
 REBUILD_TOKENS = 8192
+# The head's KV cache: on CPU, and at least where the GPU has room (Llama-8B-shaped heads in bf16: 4 KiB a token, 256 MiB)
+DEFAULT_KV_TOKENS = 65536
+HEAD_KV_SHARE_OF_FREE = 0.5  # on a GPU, the most of the memory free once the head is loaded its KV cache takes ...
+HEAD_KV_SHARE_OF_TOTAL = 0.05  # ... and, sized by itself (a drafter service), of the GPU's whole memory
+
+
+def head_kv_tokens(bytes_per_token: int, free: int, total: int | None = None) -> int:
+    """Tokens of the head's KV cache a GPU with ``free`` bytes free (``total`` in all, where the head sizes its cache
+    by itself) can hold: a share of each, and DEFAULT_KV_TOKENS where that fits in the free share. A drafter service
+    starts before its verifier, which counts what the head took as used and sizes its own pool from the rest; one
+    restarted beside a running verifier gets a share of what that left."""
+    of_free = int(HEAD_KV_SHARE_OF_FREE * free) // bytes_per_token
+    room = of_free if total is None else min(of_free, int(HEAD_KV_SHARE_OF_TOTAL * total) // bytes_per_token)
+    return max(room, min(DEFAULT_KV_TOKENS, of_free))
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,8 @@ class DrafterConfig:
     dtype: str = "auto"  # auto = the draft checkpoint's dtype on GPU, float32 on CPU
     page_size: int = 16
     kv_pages: int | None = None  # explicit pool size; None = max_kv_tokens worth (+ the reserved page)
-    max_kv_tokens: int = 65536  # one layer of KV is small: Llama-8B shape in bf16 is 4 KiB/token, 256 MiB here
+    # None: DEFAULT_KV_TOKENS on CPU, sized from the GPU's memory on one (head_kv_tokens)
+    max_kv_tokens: int | None = None
     max_topk: int = 8  # top-k kept per request after extend; a SpecConfig may not ask for more
     attention_backend: str = "auto"
     page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
@@ -107,7 +122,7 @@ class Eagle3Drafter(Proposer):
         dc = head.config
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.backend = make_backend(cfg.attention_backend, self.device)
-        num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
+        num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(self._kv_tokens() / cfg.page_size) + 1
         self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
         log.info("EAGLE-3 head: KV cache %d pages x %d tokens = %d tokens, %.2f GiB", num_pages, cfg.page_size,
                  num_pages * cfg.page_size, num_pages * cfg.page_size * 2 * dc.num_kv_heads * dc.head_dim
@@ -118,6 +133,15 @@ class Eagle3Drafter(Proposer):
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, _Request] = {}
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
+
+    def _kv_tokens(self) -> int:
+        if self.cfg.max_kv_tokens is not None:
+            return self.cfg.max_kv_tokens
+        if self.device.type != "cuda":
+            return DEFAULT_KV_TOKENS
+        dc = self.head.config
+        free, total = torch.cuda.mem_get_info(self.device)
+        return head_kv_tokens(2 * dc.num_kv_heads * dc.head_dim * self.dtype.itemsize, free, total)
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
         """Capture the draft, draft-extend and prompt-extend graphs for ``specs`` (docs/architecture.md, "CUDA
