@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import ConfigError
-from tandem.speculative.drafter import (DEFAULT_KV_TOKENS, HEAD_KV_SHARE_OF_FREE, HEAD_KV_SHARE_OF_TOTAL,
-                                       DrafterConfig)
+from tandem.speculative.drafter import DrafterConfig
+from tandem.speculative.head_kv import DEFAULT_KV_TOKENS, HEAD_KV_SHARE_OF_FREE, HEAD_KV_SHARE_OF_TOTAL
 
 MAX_LANE_BUSY_POLL_MS = 1000.0  # the event loop (health, reloads, a new verifier's Hello) waits out a spin
 

@@ -96,7 +96,7 @@ def test_a_drafter_service_sizes_its_heads_kv_cache_from_the_gpus_memory():
     pool holds hundreds of thousands: under load the head's entries went first and requests drafted from rebuilt
     ones. On a GPU it now takes 5 % of the memory, at most half of what is free, at least 65536 tokens where that fits
     (figures here by hand: an 80 GiB GPU, a 4 KiB-a-token head)."""
-    from tandem.speculative.drafter import head_kv_tokens
+    from tandem.speculative.head_kv import head_kv_tokens
 
     gib = 2**30
     assert head_kv_tokens(4096, free=70 * gib, total=80 * gib) == 4 * gib // 4096  # 5 % of 80 GiB: ~1M tokens
@@ -107,7 +107,8 @@ def test_a_drafter_service_sizes_its_heads_kv_cache_from_the_gpus_memory():
 
 
 def test_a_head_on_cpu_keeps_the_default_kv_cache(pair):
-    from tandem.speculative.drafter import DEFAULT_KV_TOKENS, DrafterConfig, Eagle3Drafter
+    from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+    from tandem.speculative.head_kv import DEFAULT_KV_TOKENS
 
     head = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), DrafterConfig(page_size=16))
     assert head.allocator.capacity_pages * 16 == DEFAULT_KV_TOKENS == 65536

@@ -10,7 +10,8 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.speculative.drafter import DEFAULT_KV_TOKENS, DrafterConfig, Eagle3Drafter, head_kv_tokens
+from tandem.speculative.drafter import DrafterConfig, Eagle3Drafter
+from tandem.speculative.head_kv import DEFAULT_KV_TOKENS, head_kv_tokens
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.policy import SpeculationPolicy
 
