@@ -115,3 +115,61 @@ def test_a_step_with_a_run_of_rounds_counts_every_round_in_the_metrics():
     assert sample("tandem:spec_decode_accept_length_sum") == 3 + 1 + 4
     per_position = [sample("tandem:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(p)}) for p in range(3)]
     assert per_position == [2, 2, 1]
+
+
+class CountingLoop:
+    """An asyncio loop's call_soon_threadsafe, counted (the hops the engine thread makes to the server's loop)."""
+
+    def __init__(self):
+        self.hops = 0
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.hops += 1
+        fn(*args)
+
+
+def test_a_steps_outputs_reach_their_streams_in_one_hop_in_order():
+    """Eight requests stepping together: a hop per output woke the server's loop eight times a step and held the GIL
+    both threads share for each; one hop a step carries them all, each request's outputs in order."""
+    from tandem.engine.step import StepOutput
+    from tandem.engine.request import FinishReason
+    from verifier.engine_loop import QueueSink
+
+    class Queue(list):
+        put_nowait = list.append
+
+    class Engine(IdleEngine):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def has_unfinished(self) -> bool:
+            return bool(self.added)
+
+        def step(self):
+            self.steps += 1
+            last = self.steps == 3
+            outs = [StepOutput(rid, [self.steps], FinishReason.LENGTH if last else None) for rid in self.added]
+            if last:
+                self.added = []
+            return outs
+
+    aio, engine, queues = CountingLoop(), Engine(), {f"r{i}": Queue() for i in range(8)}
+    loop = EngineLoop(lambda: (engine, None, None), VerifierMetrics(), max_waiting=16)
+    engine.last_step, engine.plain_reason = None, ""
+    engine.chain = SimpleNamespace(switches=0)
+    engine.prefix_cache = None
+    engine.scheduler.preemptions = 0
+    for rid, q in queues.items():
+        loop.submit(submission(rid, QueueSink(aio, q)))
+    loop.start()
+    loop.built.result(10)
+    for _ in range(500):
+        if engine.steps == 3 and all(len(q) == 3 for q in queues.values()):
+            break
+        threading.Event().wait(0.01)
+    loop.stop()
+    loop.join(5)
+    assert [[o.new_token_ids for o in q] for q in queues.values()] == [[[1], [2], [3]]] * 8
+    assert all(q[-1].finish_reason is FinishReason.LENGTH for q in queues.values())
+    assert aio.hops == 3  # one a step, not one an output (24)

@@ -24,7 +24,7 @@ from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.spec_config import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
-from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, Submission
+from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, QueueSink, Submission
 
 log = logging.getLogger("verifier.server")
 _refusals = LimitedLog(log)
@@ -84,7 +84,7 @@ class VerifierService:
                                                              "tandem.prompt_tokens": len(request.prompt_token_ids)},
                                   tracer="tandem.verifier")
         sub = Submission(rid, list(request.prompt_token_ids), params, spec,
-                         sink=lambda out: aio_loop.call_soon_threadsafe(outputs.put_nowait, out),
+                         sink=QueueSink(aio_loop, outputs),
                          trace_context=tracing.context_with(span), cache_salt=request.cache_salt)
         finished, produced = False, 0
         try:
