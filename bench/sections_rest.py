@@ -37,10 +37,13 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     the verifier took to say SERVING and the services' process ids by name."""
     from tandem.service_probe import free_port, wait_serving
 
-    mode, _, variant = mode.partition("+")  # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms)
+    # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms); "+old": the verifier of the tree in
+    # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call
+    tag, (mode, _, variant) = mode, mode.partition("+")
     run_verifier = ([sys.executable, "-c", "import runpy, sys; sys.setswitchinterval(0.0005); "
                      "runpy.run_module('verifier', run_name='__main__', alter_sys=True)"] if variant == "si"
                     else [sys.executable, "-m", "verifier"])
+    verifier_cwd = os.environ["TANDEM_BENCH_OLD_TREE"] if variant == "old" else ROOT_DIR
 
     v_port, d_port, g_port, g_grpc = free_port(), free_port(), free_port(), free_port()
     common = ["--device", device, "--dtype", dtype]
@@ -49,7 +52,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     try:
         if mode.startswith("pair"):
             procs.append(tagged([sys.executable, "-m", "drafter", "--model", str(draft), "--target-model", str(tdir),
-                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{mode} drafter", "drafter", cwd=ROOT_DIR,
+                                  "--port", str(d_port), *common, *SPEC_FLAGS], f"{tag} drafter", "drafter", cwd=ROOT_DIR,
                                  env=env))
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
@@ -59,12 +62,12 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
                          "--draft-model", str(draft), *SPEC_FLAGS]
             verifier += ["--speculation-policy", "always"] if mode.endswith("-always") else []
         started = time.perf_counter()
-        procs.append(tagged(verifier, mode, "verifier", cwd=ROOT_DIR, env=env))
+        procs.append(tagged(verifier, tag, "verifier", cwd=verifier_cwd, env=env))
         wait_serving(v_port, 420, procs[-1], "verifier")
         ready_s = time.perf_counter() - started
         procs.append(tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
                               "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
-                              "--log-level", "warning"], f"{mode} gateway", "gateway", cwd=ROOT_DIR,
+                              "--log-level", "warning"], f"{tag} gateway", "gateway", cwd=ROOT_DIR,
                              env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]
