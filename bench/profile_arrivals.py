@@ -30,7 +30,7 @@ def main() -> None:
     from verifier.__main__ import build_parser
     from verifier.config import VerifierConfig
     from verifier.metrics import VerifierMetrics
-    from verifier.serve import build_engine
+    from verifier.engine_build import build_engine
 
     folder = Path(SHIPPED)
     saved = folder / "prompts.json"

@@ -69,7 +69,17 @@ async def wave(client, base: str, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used (Linux /proc)."""
+    """User + system CPU seconds process ``pid`` and its running children (a verifier's engine process) have used
+    (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return _own_cpu_seconds(pid) + sum(_own_cpu_seconds(c) for c in children if os.path.exists(f"/proc/{c}"))
+
+
+def _own_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

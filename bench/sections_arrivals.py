@@ -68,7 +68,7 @@ def arrivals(ctx: dict) -> dict:
     from verifier.__main__ import build_parser
     from verifier.config import VerifierConfig
     from verifier.metrics import VerifierMetrics
-    from verifier.serve import build_engine
+    from verifier.engine_build import build_engine
 
     import torch
 

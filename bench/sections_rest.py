@@ -38,7 +38,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     from tandem.service_probe import free_port, wait_serving
 
     # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms); "+old": the verifier of the tree in
-    # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call
+    # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call; "+proc": the
+    # verifier's engine loop in a process of its own (--engine-process)
     tag, (mode, _, variant) = mode, mode.partition("+")
     run_verifier = ([sys.executable, "-c", "import runpy, sys; sys.setswitchinterval(0.0005); "
                      "runpy.run_module('verifier', run_name='__main__', alter_sys=True)"] if variant == "si"
@@ -57,6 +58,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
+        verifier += ["--engine-process"] if variant == "proc" else []
         if mode != "target-only":  # in-process | pair, "-always": every step speculates
             verifier += ["--drafter", "in-process" if mode.startswith("in-process") else f"127.0.0.1:{d_port}",
                          "--draft-model", str(draft), *SPEC_FLAGS]

@@ -46,6 +46,9 @@ class VerifierConfig:
     # presented to the drafter on its Rounds stream, required of the gateway's calls (tandem.internal_secret)
     internal_secret: str | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
+    # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py); off
+    # until measured on a GPU against the thread
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter == IN_PROCESS:
@@ -117,6 +120,9 @@ class VerifierConfig:
                             "python -m drafter.train --traffic DIR (off by default; stores prompts)")
         p.add_argument("--capture-traffic-max-gb", type=float, default=cls.capture_traffic_max_gb,
                        help="stop capturing once DIR holds this much")
+        p.add_argument("--engine-process", action="store_true",
+                       help="run the engine loop in a process of its own (the gRPC front's work then takes nothing "
+                            "from the engine's steps; the metrics port is served from that process)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
@@ -140,7 +146,7 @@ class VerifierConfig:
                    round_prefetch=not a.disable_round_prefetch,
                    internal_secret=internal_secret.load_for(a.internal_secret_file, a.host, "the verifier",
                                                             "its gateway (and drafter)"),
-                   log_stats_interval_s=a.log_stats_interval)
+                   log_stats_interval_s=a.log_stats_interval, engine_process=a.engine_process)
 
     @property
     def model_name(self) -> str:

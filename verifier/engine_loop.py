@@ -56,21 +56,32 @@ class EngineFailed(RuntimeError):
     that its supervisor (tandem up, compose) starts a fresh one."""
 
 
-@dataclass(frozen=True)
-class QueueSink:
-    """A request's outputs into ``queue``, on ``loop`` (an asyncio loop on another thread). The engine loop hands a
-    step's outputs for one asyncio loop over in one hop (``deliver``): a hop per output woke that loop once a request
-    and took both threads' time from the GIL they share (about 5 µs of this thread's a hop)."""
+class BatchedSink:
+    """A request's outputs, delivered with the other outputs of a step that go the same way (``hop``) in one go:
+    ``deliver(hop, [(target, output), ...])`` (``deliver_outputs``)."""
 
-    loop: Any  # asyncio.AbstractEventLoop
-    queue: Any  # asyncio.Queue
+    hop: Any
+    target: Any
 
     def __call__(self, out: StepOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        type(self).deliver(self.hop, [(self.target, out)])
+
+    @staticmethod
+    def deliver(hop, items: list) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class QueueSink(BatchedSink):
+    """Outputs into ``target`` (an asyncio.Queue) on ``hop`` (its asyncio loop, on another thread): a step's outputs for
+    one loop go in one call_soon_threadsafe, where one an output woke that loop once a request and took both threads'
+    time from the GIL they share (~5 µs of the engine thread's a hop)."""
+
+    hop: Any  # asyncio.AbstractEventLoop
+    target: Any  # asyncio.Queue
 
     @staticmethod
     def deliver(loop, items: list) -> None:
-        """``items``' outputs, ``(queue, output)`` each, put on their queues in one hop to ``loop``."""
         loop.call_soon_threadsafe(_put_all, items)
 
 
@@ -79,13 +90,25 @@ def _put_all(items: list) -> None:
         into.put_nowait(out)
 
 
+def deliver_outputs(pairs) -> None:
+    """``(sink, output)`` pairs, in order: batched sinks' together by the way they go, the others one by one."""
+    hops: dict[tuple, list] = {}
+    for sink, out in pairs:
+        if isinstance(sink, BatchedSink):
+            hops.setdefault((type(sink), sink.hop), []).append((sink.target, out))
+        else:
+            sink(out)
+    for (kind, hop), items in hops.items():
+        kind.deliver(hop, items)
+
+
 @dataclass
 class Submission:
     rid: str
     prompt: list[int]
     params: SamplingParams
     spec: Any  # SpecConfig, None (off), or "default"
-    sink: Callable[[StepOutput | BaseException], None]  # (a QueueSink: a step's outputs go in one hop)
+    sink: Callable[[StepOutput | BaseException], None]  # (a BatchedSink: a step's outputs go together)
     trace_context: Any = None  # the request span's context, parent of its round spans
     cache_salt: str = ""  # (LLMEngine.add_request's)
     added: Future = field(default_factory=Future)
@@ -235,7 +258,7 @@ class EngineLoop(threading.Thread):
             m.batch_size.observe(info.num_prefill + info.num_decode)
             for phase, seconds in info.seconds.items():
                 m.phase_seconds.labels(phase).observe(seconds)
-        hops: dict[Any, list] = {}  # asyncio loop -> this step's (queue, output) pairs for it
+        delivered = []  # (sink, output) of this step, delivered together at its end
         for out in outputs:
             sub = self._live.get(out.rid)
             if sub is None:
@@ -247,18 +270,13 @@ class EngineLoop(threading.Thread):
             drafted += out.drafted
             if info is not None and self.spans is not None:
                 self.spans.record(sub.trace_context, info, out)
-            sink = sub.sink
-            if type(sink) is QueueSink:
-                hops.setdefault(sink.loop, []).append((sink.queue, out))
-            else:
-                sink(out)
+            delivered.append((sub.sink, out))
             if out.finish_reason is not None:
                 self._live.pop(out.rid, None)
                 self._forget(out.rid)
                 self.engine.requests.pop(out.rid, None)
                 m.requests.labels(out.finish_reason.value).inc()
-        for aio_loop, items in hops.items():
-            QueueSink.deliver(aio_loop, items)
+        deliver_outputs(delivered)
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),

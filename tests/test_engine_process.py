@@ -1,0 +1,134 @@
+"""The verifier with its engine loop in a process of its own (``--engine-process``, verifier/engine_process.py), over
+real sockets: what it serves is what the thread serves (target-only greedy, speculating in process, concurrent
+streams), cancellations and refusals reach the right submission across the pipe, the metrics come from the engine's
+process, and the engine process's end — killed, or the service stopped — is the service's, with nothing left behind.
+
+References are independent of the services: target-only greedy decoding by the in-process engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services import Service, generate, process_running, prompts_of, read_metrics, wait_for
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+from tandem.rpc.verifier.v1 import verifier_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    from draft_checkpoints import write_pair
+
+    root = tmp_path_factory.mktemp("pair")
+    write_pair(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(pair_dirs):
+    from helpers import target_only_greedy
+
+    return target_only_greedy(pair_dirs / "target", prompts_of(8), 24)
+
+
+def _verifier(pair_dirs, logs: Path) -> Service:
+    verifier = Service("verifier", ["--model", str(pair_dirs / "target"), "--draft-model", str(pair_dirs / "draft"),
+                                    "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                    "--speculative-num-draft-tokens", "4", "--speculation-policy", "always",
+                                    "--engine-process", "--metrics-port", str(metrics_port := _free_port())],
+                       _free_port(), logs / "verifier.log")
+    verifier.metrics_port = metrics_port
+    return verifier.start()
+
+
+def _free_port() -> int:
+    from services import free_port
+
+    return free_port()
+
+
+def _engine_child(pid: int) -> int:
+    """The verifier's engine process: its child started by multiprocessing's spawn (not its resource tracker)."""
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if "spawn_main" in cmdline:
+            return int(child)
+    raise AssertionError(f"no engine process under {pid}")
+
+
+@pytest.fixture(scope="module")
+def verifier(pair_dirs, tmp_path_factory):
+    service = _verifier(pair_dirs, tmp_path_factory.mktemp("logs"))
+    yield service
+    service.stop()
+
+
+def test_concurrent_streams_speculate_and_equal_target_only_greedy(verifier, reference):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: generate(verifier.address, p), prompts_of(8)))
+    assert [tokens for tokens, _ in results] == reference
+    assert all(last.finish_reason == "length" and last.spec.rounds > 0 for _, last in results)
+    m = read_metrics(verifier.metrics_port)  # (served by the engine's process)
+    assert m["tandem:generation_tokens_total"] >= 8 * 24 and m["tandem:spec_decode_num_drafts_total"] > 0
+
+
+def test_a_cancelled_stream_frees_its_kv_and_a_duplicate_id_leaves_the_running_one_alone(verifier, reference):
+    with grpc.insecure_channel(verifier.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        long = pb.GenerateRequest(request_id="dup", prompt_token_ids=prompts_of(8)[0],
+                                  sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True))
+        running = stub.Generate(long, timeout=120)
+        next(running)  # it runs
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[5, 6, 7],
+                                                  sampling=pb.SamplingParams(max_new_tokens=4)), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        more = next(running)  # the refused duplicate's cancellation did not reach the running one
+        assert more.token_ids and not more.finish_reason
+        running.cancel()
+    wait_for(lambda: (lambda m: m["tandem:num_requests_running"] == 0
+                      and m["tandem:kv_pages_free"] == m["tandem:kv_pages_total"])(read_metrics(verifier.metrics_port)),
+             30, "the cancelled request's KV to be freed")
+    tokens, _ = generate(verifier.address, prompts_of(8)[2])  # serving on
+    assert tokens == reference[2]
+
+
+def test_stopping_the_service_ends_its_engine_process(pair_dirs, tmp_path):
+    service = _verifier(pair_dirs, tmp_path)
+    child = _engine_child(service.proc.pid)
+    assert service.stop() == 0
+    wait_for(lambda: not process_running(child), 10, "the engine process to end")
+
+
+def test_an_engine_process_that_dies_fails_its_streams_and_the_service_exits_to_be_restarted(pair_dirs, tmp_path):
+    from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
+
+    service = _verifier(pair_dirs, tmp_path)
+    try:
+        child = _engine_child(service.proc.pid)
+        with grpc.insecure_channel(service.address) as channel:
+            running = pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(
+                prompt_token_ids=prompts_of(8)[1], sampling=pb.SamplingParams(max_new_tokens=400, ignore_eos=True)),
+                timeout=120)
+            next(running)
+            os.kill(child, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in running:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 60
+        while service.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert service.proc.returncode == ENGINE_FAILED_EXIT_CODE, service.log()
+        assert "the engine process ended" in service.log()
+    finally:
+        service.stop()

@@ -1,0 +1,269 @@
+"""EngineProcess: the engine loop in a process of its own (``--engine-process``), as vLLM's EngineCore and SGLang's
+scheduler run apart from their front ends.
+
+In one process the gRPC front (the asyncio loop: every request's stream, a message each step) and the engine loop's
+thread (the host's half of every step) take turns at one GIL: under load the front's work is taken out of the engine's
+steps (bench/verifier_front.py). Here the engine loop (verifier/engine_loop.py, unchanged) runs in a child process
+with the engine, the drafter's side, the metrics (and their port) and its round spans; this process keeps the
+server. They talk through two pipes: requests and cancellations one way; the other way each step's outputs in one
+message, each submission's acceptance or refusal, and the end (an engine failure, or the child's exit). Submissions
+are numbered here, so a cancellation reaches only the submission it names (as ``EngineLoop.cancel`` with ``sub``).
+
+The child is started with ``spawn`` (CUDA and the TP ranks are started there, never in this process); it ends when
+told, or when this process goes (the pipe closes), taking its engine down as the service does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import pickle
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+from verifier.engine_loop import BatchedSink, EngineStopped, Submission, deliver_outputs
+
+log = logging.getLogger("verifier.engine_process")
+
+
+class EngineProcess:
+    """The engine loop's interface to the server (``submit``, ``cancel``, ``stop``, ``join``, ``built``, ``fatal``)
+    over a child process that runs ``build(cfg, metrics)`` and the loop."""
+
+    def __init__(self, cfg, on_fatal: Callable[[BaseException], None] = lambda error: None, build=None):
+        """``build``: a module-level function ``(cfg, metrics) -> (engine, client, ring)`` the child can import
+        (default: verifier.engine_build.build_engine)."""
+        from verifier.engine_build import build_engine
+
+        self.cfg, self.on_fatal, self._build = cfg, on_fatal, build or build_engine
+        self.built: Future = Future()  # None once the child serves (what it built stays there)
+        self.fatal: BaseException | None = None
+        self._subs: dict[int, Submission] = {}  # number -> the submission, until its last output or its refusal
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()  # a submission reaches a live child or fails at once; one writer on the pipe
+        self._stopping = False
+        self._process = self._commands = self._reader = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        events, events_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_child, name="verifier-engine", daemon=False,
+                                    args=(self.cfg, self._build, logging.getLogger().level, commands_in, events_out))
+        self._process.start()
+        commands_in.close()
+        events_out.close()
+        self._reader = threading.Thread(target=self._read, args=(events,), name="engine-events", daemon=True)
+        self._reader.start()
+
+    # -- the server's side (any thread) -----------------------------------------------------------
+    def submit(self, sub: Submission) -> Future:
+        with self._lock:
+            if self.fatal is not None:
+                sub.added.set_exception(EngineStopped.after(self.fatal))
+                return sub.added
+            number = next(self._numbers)
+            self._subs[number] = sub
+            self._send(("add", number, sub.rid, sub.prompt, sub.params, sub.spec, _carrier(sub.trace_context),
+                        sub.cache_salt, sub.submitted_at))
+        return sub.added
+
+    def cancel(self, rid: str, sub: Submission | None = None) -> None:
+        with self._lock:
+            number = next((n for n, s in self._subs.items() if s is sub), None) if sub is not None else 0
+            if number is not None:  # (a submission already over has nothing to cancel)
+                self._send(("cancel", rid, number))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._send(("stop",))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._process is not None:
+            self._process.join(timeout)
+        if self._reader is not None:
+            self._reader.join(1.0)
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def _send(self, message) -> None:
+        try:
+            self._commands.send(message)
+        except (OSError, ValueError):  # the child is gone: its end arrives through the reader
+            pass
+
+    # -- the reader thread ------------------------------------------------------------------------
+    def _read(self, events) -> None:
+        error: BaseException | None = None
+        while True:
+            try:
+                message = events.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                self._outputs(message[1])
+            elif kind == "added":
+                self._added(*message[1:])
+            elif kind == "built":
+                self.built.set_result(None)
+            elif kind == "build_failed":  # (the server raises it; the child then ends, as a failed load's thread does)
+                self.built.set_exception(message[1])
+                return
+            elif kind == "fatal":
+                error = message[1]
+                break
+        if error is None and not self._stopping:  # the child died (killed, a crash): its exit code says how
+            self._process.join(30)
+            error = EngineStopped(f"the engine process ended (exit code {self._process.exitcode})")
+        if error is not None:
+            self._fail(error)
+
+    def _outputs(self, items: list) -> None:
+        pairs = []
+        with self._lock:
+            for number, out in items:
+                sub = self._subs.get(number)
+                if sub is None:
+                    continue
+                if out.finish_reason is not None:
+                    del self._subs[number]
+                pairs.append((sub.sink, out))
+        deliver_outputs(pairs)
+
+    def _added(self, number: int, error: BaseException | None) -> None:
+        with self._lock:
+            sub = self._subs.get(number)
+            if sub is not None and error is not None:
+                del self._subs[number]
+        if sub is None or not sub.added.set_running_or_notify_cancel():  # (its caller gave up: its cancel follows)
+            return
+        if error is None:
+            sub.added.set_result(sub.rid)
+        else:
+            sub.added.set_exception(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.fatal = error
+            subs, self._subs = list(self._subs.values()), {}
+        if not self.built.done():
+            self.built.set_exception(error)
+        for sub in subs:  # running: the error ends its stream; waiting to be added: refused (a caller gone: nothing)
+            if sub.added.done():
+                sub.sink(error)
+            elif sub.added.set_running_or_notify_cancel():
+                sub.added.set_exception(EngineStopped.after(error))
+        self.on_fatal(error)
+
+
+class _Outbox:
+    """The child's end of the events pipe: one writer at a time (the engine loop's thread, the command reader); and
+    the submissions the engine loop may still answer, by number (those a cancellation may name)."""
+
+    def __init__(self, events):
+        self.events, self.lock = events, threading.Lock()
+        self.live: dict[int, Submission] = {}
+
+    def send(self, message) -> None:
+        with self.lock:
+            try:
+                self.events.send(message)
+            except (OSError, ValueError):  # the server is gone; the commands' end tells the child to stop
+                pass
+
+
+class _PipeSink(BatchedSink):
+    """A submission's outputs, a step's together in one message to the server's process."""
+
+    def __init__(self, outbox: _Outbox, number: int):
+        self.hop, self.target = outbox, number
+
+    @staticmethod
+    def deliver(outbox: _Outbox, items: list) -> None:
+        if isinstance(items[-1][1], BaseException):  # the loop died: its end goes once, as "fatal"
+            return
+        for number, out in items:
+            if out.finish_reason is not None:
+                outbox.live.pop(number, None)
+        outbox.send(("outputs", items))
+
+
+def _carrier(context) -> dict[str, str] | None:
+    if context is None:
+        return None
+    from tandem import tracing
+
+    return tracing.inject_dict(context) or None
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an exception whose arguments do not travel goes as its text
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _child(cfg, build, log_level: int, commands, events) -> None:
+    """The engine process: the loop, its metrics and spans; commands until told to stop or the server's end closes."""
+    from tandem import args as shared
+    from tandem import tracing
+    from verifier.engine_build import take_down
+    from verifier.engine_loop import EngineLoop
+    from verifier.metrics import VerifierMetrics
+    from verifier.stats_line import StatsLine
+
+    logging.basicConfig(level=log_level, format=shared.LOG_FORMAT)
+    tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
+    metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens, model_name=cfg.model_name)
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port, cfg.host)
+    outbox = _Outbox(events)
+    loop = EngineLoop(lambda: build(cfg, metrics), metrics, cfg.max_waiting,
+                      lambda error: outbox.send(("fatal", _picklable(error))),
+                      StatsLine(cfg.log_stats_interval_s, speculative=cfg.drafter is not None), cfg.trace_rounds)
+    loop.start()
+    try:
+        built = loop.built.result()
+    except BaseException as e:  # noqa: BLE001 - the server reports it
+        outbox.send(("build_failed", _picklable(e)))
+        return
+    outbox.send(("built",))
+    live = outbox.live
+    while True:
+        try:
+            message = commands.recv()
+        except (EOFError, OSError):  # the server's process is gone
+            break
+        kind = message[0]
+        if kind == "add":
+            number, rid, prompt, params, spec, carrier, salt, submitted_at = message[1:]
+            sub = live[number] = Submission(rid, prompt, params, spec, _PipeSink(outbox, number),
+                                            trace_context=tracing.extract(carrier) if carrier else None,
+                                            cache_salt=salt, submitted_at=submitted_at)
+
+            def added(future, number=number):
+                error = future.exception()
+                if error is not None:
+                    live.pop(number, None)
+                outbox.send(("added", number, None if error is None else _picklable(error)))
+
+            loop.submit(sub).add_done_callback(added)
+        elif kind == "cancel":  # (number 0: whichever runs under the id; a submission over: nothing to cancel)
+            rid, number = message[1:]
+            sub = live.pop(number, None)
+            if number == 0 or sub is not None:
+                loop.cancel(rid, sub)
+        elif kind == "stop":
+            break
+    loop.stop()
+    loop.join(timeout=10)
+    take_down(built, stepping=loop.is_alive())
+    tracing.shutdown_tracing()
+    if loop.fatal is None:
+        outbox.send(("stopped",))
