@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 
@@ -10,8 +11,10 @@ from tandem import args as shared
 from tandem import internal_secret
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
-from tandem.speculative.head_kv import DEFAULT_KV_TOKENS, HEAD_KV_SHARE_OF_FREE, HEAD_KV_SHARE_OF_TOTAL
+from tandem.speculative.head_kv import (DEFAULT_KV_TOKENS, HEAD_KV_SHARE_OF_FREE, HEAD_KV_SHARE_OF_TOTAL,
+                                       head_kv_tokens)
 
+log = logging.getLogger("drafter")
 MAX_LANE_BUSY_POLL_MS = 1000.0  # the event loop (health, reloads, a new verifier's Hello) waits out a spin
 
 
@@ -47,11 +50,11 @@ class DrafterServiceConfig:
         p.add_argument("--target-model", default=None, help="the target's folder (default: the embedded demo target)")
         shared.add(p, shared.DEVICE)
         p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page of the head's cache")
-        p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
+        p.add_argument("--max-kv-tokens", type=int, default=None,
                        help=f"the head's KV cache, in tokens (default: on a GPU, {HEAD_KV_SHARE_OF_TOTAL * 100:.0f}%% of its "
-                       f"memory, at most {HEAD_KV_SHARE_OF_FREE * 100:.0f}%% of what is free once the head is loaded, at least "
-                       f"{DEFAULT_KV_TOKENS} where that fits; on CPU {DEFAULT_KV_TOKENS}; the log warns at the "
-                       "verifier's handshake where the verifier's holds more)")
+                       f"memory, at most {HEAD_KV_SHARE_OF_FREE * 100:.0f}%% of what is free at start, at least "
+                       f"{DEFAULT_KV_TOKENS} where that fits, kept for reloads; on CPU {DEFAULT_KV_TOKENS}; the log "
+                       "warns at the verifier's handshake where the verifier's holds more)")
         p.add_argument("--max-topk", type=int, default=d.max_topk, help="the largest --speculative-eagle-topk a "
                                                                         "request may ask for")
         shared.add(p, *shared.DRAFTER_ENGINE_FLAGS)
@@ -76,8 +79,11 @@ class DrafterServiceConfig:
         from tandem.speculative.spec_config import SpecConfig
 
         speculative = shared.resolve_speculative(a, target_model)
-        runtime = DrafterConfig(device=shared.resolve_device(a.device), dtype=a.dtype, page_size=a.page_size,
-                                max_kv_tokens=a.max_kv_tokens,
+        if a.max_kv_tokens is not None and a.max_kv_tokens < 1:
+            raise ConfigError(f"--max-kv-tokens must be >= 1, got {a.max_kv_tokens}")
+        device = shared.resolve_device(a.device)
+        runtime = DrafterConfig(device=device, dtype=a.dtype, page_size=a.page_size,
+                                max_kv_tokens=a.max_kv_tokens or _gpu_kv_tokens(draft_model, device, a.dtype),
                                 max_topk=a.max_topk, disable_cuda_graph=a.disable_cuda_graph,
                                 cuda_graph_max_bs=a.cuda_graph_max_bs, prefill_graph_tokens=a.prefill_graph_tokens,
                                 prefill_graph_max_bs=a.prefill_graph_max_bs)
@@ -95,3 +101,24 @@ class DrafterServiceConfig:
                    lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
                    reload_root=reload_root, metrics_port=a.metrics_port)
+
+
+def _gpu_kv_tokens(draft_model: str, device: str, dtype: str) -> int:
+    """The head's KV cache where no size is given: DEFAULT_KV_TOKENS on CPU; on a GPU a share of its memory as it is
+    at start, before the head loads (tandem.speculative.head_kv; `tandem up` starts the drafter before its verifier,
+    which sizes its pool from what is left). Read once: a reload builds the new head's cache at the same size."""
+    if not device.startswith("cuda"):
+        return DEFAULT_KV_TOKENS
+    import torch
+
+    from tandem.configs.eagle3 import DraftConfig
+    from tandem.models.loader import resolve_dtype
+
+    head = DraftConfig.from_dir(draft_model)
+    per_token = 2 * head.num_kv_heads * head.head_dim * resolve_dtype(dtype, head.dtype, torch.device(device)).itemsize
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    tokens = head_kv_tokens(per_token, free, total)
+    if tokens < DEFAULT_KV_TOKENS:
+        log.warning("the EAGLE-3 head's KV cache holds %d tokens (%.1f GiB free of %.1f on %s): requests past it "
+                    "draft from rebuilt entries (--max-kv-tokens sets it)", tokens, free / 2**30, total / 2**30, device)
+    return tokens

@@ -173,3 +173,43 @@ def test_a_steps_outputs_reach_their_streams_in_one_hop_in_order():
     assert [[o.new_token_ids for o in q] for q in queues.values()] == [[[1], [2], [3]]] * 8
     assert all(q[-1].finish_reason is FinishReason.LENGTH for q in queues.values())
     assert aio.hops == 3  # one a step, not one an output (24)
+
+
+def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
+    """A step finishes request a and goes on with b, and the metrics' bookkeeping of b's output raises (a bug): the
+    loop dies and fails b, and a, no longer running, must still get its last output — delivering a step's outputs
+    together at its end once lost it, and its client waited until the server's grace ran out."""
+    from tandem.engine.request import FinishReason
+    from tandem.engine.step import StepOutput
+    from verifier.engine_loop import QueueSink
+
+    class Engine(IdleEngine):
+        def has_unfinished(self) -> bool:
+            return bool(self.added)
+
+        def step(self):
+            self.added = []
+            return [StepOutput("a", [1], FinishReason.LENGTH), StepOutput("b", [2], None)]
+
+    class Queue(list):
+        put_nowait = list.append
+
+    engine, fatal, got = Engine(), threading.Event(), {"a": Queue(), "b": Queue()}
+    engine.last_step = None
+    loop = EngineLoop(lambda: (engine, None, None), VerifierMetrics(), max_waiting=16, on_fatal=lambda e: fatal.set())
+    observe = loop._observe
+
+    def failing(out, sub, now):
+        if out.rid == "b":
+            raise RuntimeError("a bookkeeping bug (injected)")
+        observe(out, sub, now)
+
+    loop._observe = failing
+    aio = CountingLoop()
+    for rid in got:
+        loop.submit(submission(rid, QueueSink(aio, got[rid])))  # (as the server's: a step's outputs go together)
+    loop.start()
+    assert fatal.wait(10)
+    loop.join(5)
+    assert [o.new_token_ids for o in got["a"]] == [[1]] and got["a"][0].finish_reason is FinishReason.LENGTH
+    assert len(got["b"]) == 1 and isinstance(got["b"][0], RuntimeError)

@@ -112,3 +112,30 @@ def test_a_head_on_cpu_keeps_the_default_kv_cache(pair):
 
     head = Eagle3Drafter.from_dirs(str(pair.draft_dir), str(pair.target_dir), DrafterConfig(page_size=16))
     assert head.allocator.capacity_pages * 16 == DEFAULT_KV_TOKENS == 65536
+
+
+def test_a_drafter_service_on_a_gpu_sizes_its_heads_cache_once_at_start(pair, monkeypatch):
+    """The drafter service's flags: no --max-kv-tokens on a GPU reads the memory once, before the head loads, and the
+    size is the runtime's, which a reload's new head takes too (sizing again beside a verifier that took the memory
+    meanwhile would shrink it); on CPU the default; given, as given. The GPU's memory stood in for: 80 GiB, 70 free."""
+    import torch
+
+    from drafter.__main__ import build_parser
+    from drafter.config import DrafterServiceConfig
+    from tandem.configs.eagle3 import DraftConfig
+
+    head = DraftConfig.from_dir(pair.draft_dir)
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def runtime(*flags):
+        args = build_parser().parse_args(["--model", str(pair.draft_dir), "--target-model", str(pair.target_dir),
+                                          *flags])
+        return DrafterServiceConfig.from_args(args, str(pair.draft_dir), str(pair.target_dir)).runtime
+
+    per_token = 2 * head.num_kv_heads * head.head_dim * 4  # float32 asked for
+    assert runtime("--device", "cuda", "--dtype", "float32").max_kv_tokens == 4 * gib // per_token  # 5 % of 80 GiB
+    assert runtime("--device", "cpu").max_kv_tokens == 65536
+    assert runtime("--device", "cuda", "--max-kv-tokens", "1000").max_kv_tokens == 1000
+

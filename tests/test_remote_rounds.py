@@ -370,7 +370,8 @@ def test_a_continuing_run_the_drafters_pages_hold_only_in_part_is_shortened(pair
 
 def test_a_head_whose_kv_cache_holds_less_than_the_verifiers_says_so_at_the_handshake(pair, caplog):
     """The verifier's Hello says how many tokens its KV cache holds; a drafter service whose head holds fewer (its
-    --max-kv-tokens, 65536 by default, against a GPU target's hundreds of thousands) warns, naming the setting."""
+    --max-kv-tokens: 65536 on CPU, on a GPU a share of its memory; against a GPU target's hundreds of thousands)
+    warns, naming the setting."""
     import asyncio
 
     from drafter.service import DrafterService

@@ -259,24 +259,26 @@ class EngineLoop(threading.Thread):
             for phase, seconds in info.seconds.items():
                 m.phase_seconds.labels(phase).observe(seconds)
         delivered = []  # (sink, output) of this step, delivered together at its end
-        for out in outputs:
-            sub = self._live.get(out.rid)
-            if sub is None:
-                continue
-            self._observe(out, sub, now)
-            tokens += len(out.new_token_ids)
-            rounds += len(out.round_accepts) if out.drafted else 0
-            accepted += out.accepted if out.drafted else 0
-            drafted += out.drafted
-            if info is not None and self.spans is not None:
-                self.spans.record(sub.trace_context, info, out)
-            delivered.append((sub.sink, out))
-            if out.finish_reason is not None:
-                self._live.pop(out.rid, None)
-                self._forget(out.rid)
-                self.engine.requests.pop(out.rid, None)
-                m.requests.labels(out.finish_reason.value).inc()
-        deliver_outputs(delivered)
+        try:
+            for out in outputs:
+                sub = self._live.get(out.rid)
+                if sub is None:
+                    continue
+                self._observe(out, sub, now)
+                tokens += len(out.new_token_ids)
+                rounds += len(out.round_accepts) if out.drafted else 0
+                accepted += out.accepted if out.drafted else 0
+                drafted += out.drafted
+                if info is not None and self.spans is not None:
+                    self.spans.record(sub.trace_context, info, out)
+                delivered.append((sub.sink, out))
+                if out.finish_reason is not None:
+                    self._live.pop(out.rid, None)
+                    self._forget(out.rid)
+                    self.engine.requests.pop(out.rid, None)
+                    m.requests.labels(out.finish_reason.value).inc()
+        finally:  # (what the step finished goes out even where a later output's bookkeeping raised: the loop's end
+            deliver_outputs(delivered)  # then fails only the requests still live)
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),

@@ -25,7 +25,9 @@ import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _REGISTER_FLAGS = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
-_CAN_USE_64_BIT_MEM_OPS = 93  # CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+# CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: the _v2 memory operations' (93 is the deprecated v1 API's, off
+# on Linux unless the driver module enables it)
+_CAN_USE_64_BIT_MEM_OPS = 122
 FLAG_BYTES = 8
 _driver = None
 
@@ -47,6 +49,7 @@ def _lib():
                                                              ctypes.c_uint)),
                            ("cuStreamWaitValue64_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)),
                            ("cuStreamWriteValue64_v2", (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)),
+                           ("cuDeviceGet", (ctypes.POINTER(ctypes.c_int), ctypes.c_int)),
                            ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)),
                            ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
             fn = getattr(_driver, name)
@@ -63,8 +66,9 @@ def _check(result: int, what: str) -> None:
 
 def _require_64_bit_ops(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    value = ctypes.c_int()
-    _check(_lib().cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_64_BIT_MEM_OPS, index),
+    handle, value = ctypes.c_int(), ctypes.c_int()
+    _check(_lib().cuDeviceGet(ctypes.byref(handle), index), f"finding cuda:{index}")
+    _check(_lib().cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_64_BIT_MEM_OPS, handle),
            "asking for 64-bit stream memory operations")
     if not value.value:
         raise StreamFlagsError(f"the driver offers no 64-bit stream memory operations on cuda:{index}")

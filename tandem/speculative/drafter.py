@@ -43,7 +43,7 @@ from tandem.configs.eagle3 import DraftConfig, draft_tensor_files, validate_draf
 from tandem.models.loader import resolve_dtype
 from tandem.prefill_shapes import PREFILL_GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, prefill_widths
 from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
-from tandem.speculative.head_kv import DEFAULT_KV_TOKENS, head_kv_tokens
+from tandem.speculative.head_kv import DEFAULT_KV_TOKENS
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree
@@ -61,8 +61,7 @@ class DrafterConfig:
     dtype: str = "auto"  # auto = the draft checkpoint's dtype on GPU, float32 on CPU
     page_size: int = 16
     kv_pages: int | None = None  # explicit pool size; None = max_kv_tokens worth (+ the reserved page)
-    # None: DEFAULT_KV_TOKENS on CPU, sized from the GPU's memory on one (head_kv_tokens)
-    max_kv_tokens: int | None = None
+    max_kv_tokens: int = DEFAULT_KV_TOKENS  # (a drafter service sizes it from the GPU's memory: drafter/config.py)
     max_topk: int = 8  # top-k kept per request after extend; a SpecConfig may not ask for more
     attention_backend: str = "auto"
     page_shuffle_seed: int | None = None  # scatter page order (tests of the paged layout)
@@ -109,7 +108,7 @@ class Eagle3Drafter(Proposer):
         dc = head.config
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.backend = make_backend(cfg.attention_backend, self.device)
-        num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(self._kv_tokens() / cfg.page_size) + 1
+        num_pages = cfg.kv_pages if cfg.kv_pages is not None else math.ceil(cfg.max_kv_tokens / cfg.page_size) + 1
         self.kv = KVPool(1, num_pages, cfg.page_size, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
         log.info("EAGLE-3 head: KV cache %d pages x %d tokens = %d tokens, %.2f GiB", num_pages, cfg.page_size,
                  num_pages * cfg.page_size, num_pages * cfg.page_size * 2 * dc.num_kv_heads * dc.head_dim
@@ -120,15 +119,6 @@ class Eagle3Drafter(Proposer):
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, _Request] = {}
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
-
-    def _kv_tokens(self) -> int:
-        if self.cfg.max_kv_tokens is not None:
-            return self.cfg.max_kv_tokens
-        if self.device.type != "cuda":
-            return DEFAULT_KV_TOKENS
-        dc = self.head.config
-        free, total = torch.cuda.mem_get_info(self.device)
-        return head_kv_tokens(2 * dc.num_kv_heads * dc.head_dim * self.dtype.itemsize, free, total)
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
         """Capture the draft, draft-extend and prompt-extend graphs for ``specs`` (docs/architecture.md, "CUDA

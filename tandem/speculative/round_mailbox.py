@@ -152,7 +152,13 @@ class RoundMailbox:
             posix.unlink(posix.shm_path(name))
             storage.close()
             raise
-        box = cls(layout, storage, _flags(page, device, wait_s), name)
+        try:
+            flags = _flags(page, device, wait_s)
+        except BaseException:  # (the driver refused the flags: nothing of the mailbox stays behind)
+            guard.stop()
+            storage.close()
+            raise
+        box = cls(layout, storage, flags, name)
         box._flags_guard = guard
         box.warm_up()
         return box
