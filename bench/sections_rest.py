@@ -44,7 +44,10 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     run_verifier = ([sys.executable, "-c", "import runpy, sys; sys.setswitchinterval(0.0005); "
                      "runpy.run_module('verifier', run_name='__main__', alter_sys=True)"] if variant == "si"
                     else [sys.executable, "-m", "verifier"])
-    verifier_cwd = os.environ["TANDEM_BENCH_OLD_TREE"] if variant == "old" else ROOT_DIR
+    verifier_cwd = ROOT_DIR
+    if variant == "old":
+        verifier_cwd = os.environ.get("TANDEM_BENCH_OLD_TREE") or sys.exit(
+            "a '+old' mode runs the verifier of TANDEM_BENCH_OLD_TREE (an earlier commit's files): set it")
 
     v_port, d_port, g_port, g_grpc = free_port(), free_port(), free_port(), free_port()
     common = ["--device", device, "--dtype", dtype]

@@ -84,10 +84,29 @@ asyncio.run(main())
 '''
 
 
+def step_alone_s(tokens: int, busy_us: float, wait_us: float, steps: int = 300) -> float:
+    """The stand-in's step by itself on this host (its sleep overshoots the asked wait: ~0.57 ms more on a 2-core
+    VM), the "engine alone" the loads are set against."""
+    import time
+
+    os.environ.update(TANDEM_FRONT_TOKENS=str(tokens), TANDEM_FRONT_BUSY_US=str(busy_us), TANDEM_FRONT_WAIT_US=str(wait_us))
+    from front_stand_in import StandInEngine
+    from tandem.sampling import SamplingParams
+
+    engine = StandInEngine()
+    engine.add_request([1], SamplingParams(max_new_tokens=steps * tokens), "r")
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - started) / steps
+
+
 def measure(mode: str, concurrency: int, tokens: int, busy_us: float, wait_us: float, seconds: float,
             clients: int = 2, spy_to: Path | None = None, switch_us: float = 0.0) -> dict:
     """One load on a fresh verifier; ``mode``: "thread" (the engine loop beside the server) or "process"
-    (``--engine-process``)."""
+    (``--engine-process``). The engine alone: its step timed by itself on this host, every request given its tokens
+    each step (a closed loop's gap between a client's requests costs a step: with 12 tokens a step of 120-token
+    requests the ceiling is about 10/11 of it)."""
     from rest_load import cpu_seconds
     from spy import finish, start
     from tandem.service_probe import free_port
@@ -115,7 +134,7 @@ def measure(mode: str, concurrency: int, tokens: int, busy_us: float, wait_us: f
     streamed = sum(r["tokens"] for r in results)
     messages = sum(r["messages"] for r in results)
     wall = max(r["seconds"] for r in results)
-    alone = concurrency * tokens / ((busy_us + wait_us) / 1e6)
+    alone = concurrency * tokens / step_alone_s(tokens, busy_us, wait_us)
     return {"tok_s": streamed / wall, "of_engine_alone": streamed / wall / alone, "verifier_cpu_share": cpu / wall,
             "us_per_message": 1e6 * cpu / messages, "us_per_token": 1e6 * cpu / streamed,
             "tokens_per_message": streamed / messages}
