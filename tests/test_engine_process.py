@@ -132,3 +132,38 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_service_exits_to_
         assert "the engine process ended" in service.log()
     finally:
         service.stop()
+
+
+def test_ctrl_c_to_the_group_drains_and_a_killed_server_takes_its_engine_process_with_it(pair_dirs, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group: the server drains and stops its engine process in
+    order (exit 0, no traceback from the child). And a server killed outright: its engine process sees the pipe end
+    and stops too, nothing left in /dev/shm."""
+    import subprocess
+    import sys
+
+    from services import ROOT, free_port, shm_segments
+    from tandem.service_probe import wait_serving
+
+    def start():
+        port = free_port()
+        log = open(tmp_path / f"verifier-{port}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(pair_dirs / "target"), "--port",
+                                 str(port), "--engine-process"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_serving(port, 90, proc, "verifier")
+        return proc, tmp_path / f"verifier-{port}.log"
+
+    before = shm_segments()
+    proc, log = start()
+    child = _engine_child(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(60) == 0, log.read_text()
+    wait_for(lambda: not process_running(child), 10, "the engine process to end")
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+    proc, log = start()
+    child = _engine_child(proc.pid)
+    proc.kill()
+    proc.wait(10)
+    wait_for(lambda: not process_running(child), 30, "the orphaned engine process to end")
+    wait_for(lambda: shm_segments() <= before, 10, "its shared memory to go")

@@ -19,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import signal
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -218,6 +219,10 @@ def _child(cfg, build, log_level: int, commands, events) -> None:
     from verifier.metrics import VerifierMetrics
     from verifier.stats_line import StatsLine
 
+    # A terminal's Ctrl-C (or a supervisor's SIGTERM to the whole group) reaches this process too: the server's drain
+    # decides when the engine stops ("stop", or the pipe's end), not the signal, which would cut the streams short
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=shared.LOG_FORMAT)
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens, model_name=cfg.model_name)
