@@ -167,3 +167,39 @@ def test_ctrl_c_to_the_group_drains_and_a_killed_server_takes_its_engine_process
     proc.wait(10)
     wait_for(lambda: not process_running(child), 30, "the orphaned engine process to end")
     wait_for(lambda: shm_segments() <= before, 10, "its shared memory to go")
+
+
+def test_cancelled_submissions_leave_nothing_behind_on_either_side(pair_dirs):
+    """Streams cancelled at every point (before the engine took them, while they run) and streams that finish: the
+    server's side keeps no submission afterwards (a cancelled one gets no last output to clear it)."""
+    from verifier.config import VerifierConfig
+    from tandem.engine.config import EngineConfig
+    from verifier.engine_loop import Submission
+    from verifier.engine_process import EngineProcess
+    from tandem.sampling import SamplingParams
+
+    engine = EngineProcess(VerifierConfig(EngineConfig(model=str(pair_dirs / "target")), log_stats_interval_s=0.0))
+    engine.start()
+    try:
+        engine.built.result(120)
+        outputs = {}
+        subs = []
+        for i in range(12):
+            got = outputs[f"r{i}"] = []
+            sub = Submission(f"r{i}", prompts_of(8)[i % 8], SamplingParams(max_new_tokens=64 if i % 3 else 4,
+                                                                            ignore_eos=True), None, got.append)
+            subs.append(sub)
+            engine.submit(sub)
+            if i % 3 == 1:  # at once: before or just after the engine took it
+                engine.cancel(sub.rid, sub)
+        for sub in subs:
+            sub.added.result(30)
+        for sub in subs[2::3]:  # while running
+            engine.cancel(sub.rid, sub)
+        wait_for(lambda: all(outputs[s.rid] and outputs[s.rid][-1].finish_reason for s in subs[0::3]), 60,
+                 "the short requests to finish")
+        wait_for(lambda: not engine._subs, 10, "the server's side to forget every submission")
+    finally:
+        engine.stop()
+        engine.join(30)
+    assert not engine.is_alive() and engine.fatal is None

@@ -42,6 +42,7 @@ class EngineProcess:
         self.built: Future = Future()  # None once the child serves (what it built stays there)
         self.fatal: BaseException | None = None
         self._subs: dict[int, Submission] = {}  # number -> the submission, until its last output or its refusal
+        self._cancelled: set[int] = set()  # numbers cancelled before the child's answer to them came
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()  # a submission reaches a live child or fails at once; one writer on the pipe
         self._stopping = False
@@ -75,6 +76,10 @@ class EngineProcess:
         with self._lock:
             number = next((n for n, s in self._subs.items() if s is sub), None) if sub is not None else 0
             if number is not None:  # (a submission already over has nothing to cancel)
+                if sub is None or sub.added.done():  # (what still comes for it has no reader: dropped)
+                    self._subs.pop(number, None)
+                else:  # its answer is still to come (as on a thread, added, then cancelled): forgotten then
+                    self._cancelled.add(number)
                 self._send(("cancel", rid, number))
 
     def stop(self) -> None:
@@ -139,8 +144,9 @@ class EngineProcess:
     def _added(self, number: int, error: BaseException | None) -> None:
         with self._lock:
             sub = self._subs.get(number)
-            if sub is not None and error is not None:
+            if sub is not None and (error is not None or number in self._cancelled):
                 del self._subs[number]
+                self._cancelled.discard(number)
         if sub is None or not sub.added.set_running_or_notify_cancel():  # (its caller gave up: its cancel follows)
             return
         if error is None:
@@ -152,6 +158,7 @@ class EngineProcess:
         with self._lock:
             self.fatal = error
             subs, self._subs = list(self._subs.values()), {}
+            self._cancelled.clear()
         if not self.built.done():
             self.built.set_exception(error)
         for sub in subs:  # running: the error ends its stream; waiting to be added: refused (a caller gone: nothing)
