@@ -203,3 +203,28 @@ def test_cancelled_submissions_leave_nothing_behind_on_either_side(pair_dirs):
         engine.stop()
         engine.join(30)
     assert not engine.is_alive() and engine.fatal is None
+
+
+def test_a_start_that_fails_after_the_tp_ranks_began_ends_the_service_and_its_ranks(pair_dirs, tmp_path):
+    """--capture-traffic into a path that cannot be a folder fails the start after the engine (TP 2: a rank process)
+    is up: the engine process must take its ranks down and end (multiprocessing's own exit waited for the rank, which
+    ignores SIGTERM, without end), and the service exit with the error."""
+    import subprocess
+    import sys
+
+    from services import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "verifier", "--model", str(pair_dirs / "target"), "--port", "0",
+                             "--tp-size", "2", "--capture-traffic", "/etc/passwd/x", "--engine-process"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the verifier did not end after its engine's start failed")
+    assert proc.returncode != 0 and "Not a directory" in out, out
+    def running():  # (of its session: the engine process, its rank; an ended one awaiting its reaping is gone)
+        found = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        return [pid for pid in found if process_running(int(pid))]
+
+    wait_for(lambda: not running(), 15, "the failed start's processes to end")

@@ -37,20 +37,25 @@ def build_engine(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[LLMEngi
             log.info("--capture-traffic: prefix caching is off (a captured sample needs every token's features)")
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, graph_decode_features=True,
                                                                   enable_prefix_caching=False))
-    engine, client, ring = _engine_and_drafter(cfg, metrics)
-    if client is not None:
-        client.start()
-    if engine.executor.runner.graphs is not None:  # on a GPU: compile, launch and time before SERVING
-        if client is not None and not client.wait_connected(DRAFTER_WAIT_BEFORE_WARMUP_S):
-            log.warning("the drafter did not connect within %.0f s: warming up without it", DRAFTER_WAIT_BEFORE_WARMUP_S)
-        warm_up(engine)
-        from tandem.kernels.compile_watch import watch_compiles  # (the GPU path's: imports triton)
+    built = engine, client, ring = _engine_and_drafter(cfg, metrics)
+    try:
+        if client is not None:
+            client.start()
+        if engine.executor.runner.graphs is not None:  # on a GPU: compile, launch and time before SERVING
+            if client is not None and not client.wait_connected(DRAFTER_WAIT_BEFORE_WARMUP_S):
+                log.warning("the drafter did not connect within %.0f s: warming up without it",
+                            DRAFTER_WAIT_BEFORE_WARMUP_S)
+            warm_up(engine)
+            from tandem.kernels.compile_watch import watch_compiles  # (the GPU path's: imports triton)
 
-        watch_compiles()  # a kernel compiled from now on is a first use a request pays for: logged
-        freeze_startup_heap()
-    if cfg.capture_traffic is not None:
-        engine.traffic = _traffic_recorder(cfg, engine)
-    return engine, client, ring
+            watch_compiles()  # a kernel compiled from now on is a first use a request pays for: logged
+            freeze_startup_heap()
+        if cfg.capture_traffic is not None:
+            engine.traffic = _traffic_recorder(cfg, engine)
+    except BaseException:  # (the TP ranks, the ring and the connection go with the failed start)
+        take_down(built, stepping=False)
+        raise
+    return built
 
 
 def _traffic_recorder(cfg: VerifierConfig, engine: LLMEngine):
@@ -84,7 +89,17 @@ def _engine_and_drafter(cfg: VerifierConfig, metrics: VerifierMetrics) -> tuple[
                                  engine_cfg.capture_layers)
         engine_cfg = dataclasses.replace(engine_cfg, capture_layers=capture)
     engine = LLMEngine(engine_cfg, policy=policy)
-    runner = engine.executor.runner
+    try:
+        return _drafter_client(cfg, metrics, engine, spec)
+    except BaseException:  # (its TP ranks go with the failed start)
+        engine.shutdown()
+        raise
+
+
+def _drafter_client(cfg: VerifierConfig, metrics: VerifierMetrics, engine: LLMEngine,
+                    spec: SpecConfig) -> tuple[LLMEngine, DrafterClient, HiddenRing]:
+    """The ring, the round mailbox and the client of the drafter service, beside ``engine``."""
+    runner, engine_cfg = engine.executor.runner, engine.cfg
     mc = engine.model_config
     ring = HiddenRing.create(cfg.ring_rows, len(runner.capture_layers) * mc.hidden_size, runner.dtype, runner.device)
     target = drafter_pb2.TargetInfo(model=cfg.engine.model, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,

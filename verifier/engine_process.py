@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -44,7 +45,9 @@ class EngineProcess:
         self._subs: dict[int, Submission] = {}  # number -> the submission, until its last output or its refusal
         self._cancelled: set[int] = set()  # numbers cancelled before the child's answer to them came
         self._numbers = itertools.count(1)
-        self._lock = threading.Lock()  # a submission reaches a live child or fails at once; one writer on the pipe
+        self._lock = threading.Lock()  # the submissions' books: a submission reaches a live child or fails at once
+        self._send_lock = threading.Lock()  # one writer on the commands' pipe (not under _lock: a long prompt's write
+        # may wait on the child, whose outputs the reader, which takes _lock, must go on reading meanwhile)
         self._stopping = False
         self._process = self._commands = self._reader = None
 
@@ -67,29 +70,34 @@ class EngineProcess:
                 sub.added.set_exception(EngineStopped.after(self.fatal))
                 return sub.added
             number = next(self._numbers)
-            self._subs[number] = sub
-            self._send(("add", number, sub.rid, sub.prompt, sub.params, sub.spec, _carrier(sub.trace_context),
-                        sub.cache_salt, sub.submitted_at))
+            self._subs[number] = sub  # (an end of the child from here on fails it: _fail)
+        self._send(("add", number, sub.rid, sub.prompt, sub.params, sub.spec, _carrier(sub.trace_context),
+                    sub.cache_salt, sub.submitted_at))
         return sub.added
 
     def cancel(self, rid: str, sub: Submission | None = None) -> None:
         with self._lock:
             number = next((n for n, s in self._subs.items() if s is sub), None) if sub is not None else 0
-            if number is not None:  # (a submission already over has nothing to cancel)
-                if sub is None or sub.added.done():  # (what still comes for it has no reader: dropped)
-                    self._subs.pop(number, None)
-                else:  # its answer is still to come (as on a thread, added, then cancelled): forgotten then
-                    self._cancelled.add(number)
-                self._send(("cancel", rid, number))
+            if number is None:  # (a submission already over has nothing to cancel)
+                return
+            if sub is None or sub.added.done():  # (what still comes for it has no reader: dropped)
+                self._subs.pop(number, None)
+            else:  # its answer is still to come (as on a thread, added, then cancelled): forgotten then
+                self._cancelled.add(number)
+        self._send(("cancel", rid, number))
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._send(("stop",))
+        self._stopping = True
+        self._send(("stop",))
 
     def join(self, timeout: float | None = None) -> None:
+        """Wait for the child's end; past ``timeout`` it is killed (its exit must never hang this process's)."""
         if self._process is not None:
             self._process.join(timeout)
+            if self._process.is_alive():
+                log.warning("the engine process did not end within %.0f s; killing it", timeout)
+                self._process.kill()
+                self._process.join(10)
         if self._reader is not None:
             self._reader.join(1.0)
 
@@ -97,14 +105,14 @@ class EngineProcess:
         return self._process is not None and self._process.is_alive()
 
     def _send(self, message) -> None:
-        try:
-            self._commands.send(message)
-        except (OSError, ValueError):  # the child is gone: its end arrives through the reader
-            pass
+        with self._send_lock:
+            try:
+                self._commands.send(message)
+            except (OSError, ValueError):  # the child is gone: its end arrives through the reader
+                pass
 
     # -- the reader thread ------------------------------------------------------------------------
     def _read(self, events) -> None:
-        error: BaseException | None = None
         while True:
             try:
                 message = events.recv()
@@ -120,14 +128,11 @@ class EngineProcess:
             elif kind == "build_failed":  # (the server raises it; the child then ends, as a failed load's thread does)
                 self.built.set_exception(message[1])
                 return
-            elif kind == "fatal":
-                error = message[1]
-                break
-        if error is None and not self._stopping:  # the child died (killed, a crash): its exit code says how
+            elif kind == "fatal":  # (read on to the end: refusals of what was in flight still come)
+                self._fail(message[1])
+        if self.fatal is None and not self._stopping:  # the child died (killed, a crash): its exit code says how
             self._process.join(30)
-            error = EngineStopped(f"the engine process ended (exit code {self._process.exitcode})")
-        if error is not None:
-            self._fail(error)
+            self._fail(EngineStopped(f"the engine process ended (exit code {self._process.exitcode})"))
 
     def _outputs(self, items: list) -> None:
         pairs = []
@@ -142,17 +147,19 @@ class EngineProcess:
         deliver_outputs(pairs)
 
     def _added(self, number: int, error: BaseException | None) -> None:
-        with self._lock:
+        with self._lock:  # (settled under the books' lock: a cancel sees it pending or done, never in between)
             sub = self._subs.get(number)
-            if sub is not None and (error is not None or number in self._cancelled):
+            if sub is None:
+                return
+            if error is not None or number in self._cancelled:
                 del self._subs[number]
                 self._cancelled.discard(number)
-        if sub is None or not sub.added.set_running_or_notify_cancel():  # (its caller gave up: its cancel follows)
-            return
-        if error is None:
-            sub.added.set_result(sub.rid)
-        else:
-            sub.added.set_exception(error)
+            if not sub.added.set_running_or_notify_cancel():  # (its caller gave up: its cancel follows)
+                return
+            if error is None:
+                sub.added.set_result(sub.rid)
+            else:
+                sub.added.set_exception(error)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -218,64 +225,91 @@ def _picklable(error: BaseException) -> BaseException:
 
 
 def _child(cfg, build, log_level: int, commands, events) -> None:
-    """The engine process: the loop, its metrics and spans; commands until told to stop or the server's end closes."""
+    """The engine process: the loop, its metrics and spans; commands until told to stop or the server's end closes.
+    Ends with ``os._exit``: multiprocessing's exit would wait, without end, for TP ranks a failed start left."""
     from tandem import args as shared
+    from tandem import tracing
+    from tandem.parent_death import signal_on_parent_death
+
+    # A terminal's Ctrl-C (or a supervisor's SIGTERM to the whole group) reaches this process too: the server's drain
+    # decides when the engine stops ("stop", or the pipe's end), not the signal, which would cut the streams short
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    signal_on_parent_death(signal.SIGKILL)  # while loading (minutes for a large model), nothing reads the pipe
+    logging.basicConfig(level=log_level, format=shared.LOG_FORMAT)
+    tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
+    code = 1
+    try:
+        code = _serve_commands(cfg, build, commands, _Outbox(events))
+    except BaseException:  # noqa: BLE001 - said, then the server sees the pipe end
+        log.exception("the engine process failed")
+    finally:
+        tracing.shutdown_tracing()
+        logging.shutdown()
+        os._exit(code)
+
+
+def _serve_commands(cfg, build, commands, outbox: _Outbox) -> int:
+    """Build and run the engine loop, then take its commands; → the process's exit code."""
+    from tandem.errors import TandemError
+    from tandem.parent_death import signal_on_parent_death
     from tandem import tracing
     from verifier.engine_build import take_down
     from verifier.engine_loop import EngineLoop
     from verifier.metrics import VerifierMetrics
     from verifier.stats_line import StatsLine
 
-    # A terminal's Ctrl-C (or a supervisor's SIGTERM to the whole group) reaches this process too: the server's drain
-    # decides when the engine stops ("stop", or the pipe's end), not the signal, which would cut the streams short
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=shared.LOG_FORMAT)
-    tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     metrics = VerifierMetrics(max_positions=cfg.num_draft_tokens, model_name=cfg.model_name)
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
-    outbox = _Outbox(events)
     loop = EngineLoop(lambda: build(cfg, metrics), metrics, cfg.max_waiting,
                       lambda error: outbox.send(("fatal", _picklable(error))),
                       StatsLine(cfg.log_stats_interval_s, speculative=cfg.drafter is not None), cfg.trace_rounds)
     loop.start()
     try:
         built = loop.built.result()
-    except BaseException as e:  # noqa: BLE001 - the server reports it
+    except BaseException as e:  # noqa: BLE001 - the server raises it (build_engine took down what it had started)
+        if not isinstance(e, TandemError):  # (a bad flag or folder is one line; anything else keeps its traceback)
+            log.error("the engine's start failed", exc_info=e)
         outbox.send(("build_failed", _picklable(e)))
-        return
+        return 1
+    signal_on_parent_death(0)  # from now on the pipe's end stops it in order
     outbox.send(("built",))
     live = outbox.live
-    while True:
-        try:
-            message = commands.recv()
-        except (EOFError, OSError):  # the server's process is gone
-            break
-        kind = message[0]
-        if kind == "add":
-            number, rid, prompt, params, spec, carrier, salt, submitted_at = message[1:]
-            sub = live[number] = Submission(rid, prompt, params, spec, _PipeSink(outbox, number),
-                                            trace_context=tracing.extract(carrier) if carrier else None,
-                                            cache_salt=salt, submitted_at=submitted_at)
+    try:
+        while True:
+            try:
+                message = commands.recv()
+            except (EOFError, OSError):  # the server's process is gone
+                break
+            kind = message[0]
+            if kind == "add":
+                number, rid, prompt, params, spec, carrier, salt, submitted_at = message[1:]
+                sub = live[number] = Submission(rid, prompt, params, spec, _PipeSink(outbox, number),
+                                                trace_context=tracing.extract(carrier) if carrier else None,
+                                                cache_salt=salt, submitted_at=submitted_at)
 
-            def added(future, number=number):
-                error = future.exception()
-                if error is not None:
-                    live.pop(number, None)
-                outbox.send(("added", number, None if error is None else _picklable(error)))
+                def added(future, number=number):
+                    error = future.exception()
+                    if error is not None:
+                        live.pop(number, None)
+                    outbox.send(("added", number, None if error is None else _picklable(error)))
 
-            loop.submit(sub).add_done_callback(added)
-        elif kind == "cancel":  # (number 0: whichever runs under the id; a submission over: nothing to cancel)
-            rid, number = message[1:]
-            sub = live.pop(number, None)
-            if number == 0 or sub is not None:
-                loop.cancel(rid, sub)
-        elif kind == "stop":
-            break
-    loop.stop()
-    loop.join(timeout=10)
-    take_down(built, stepping=loop.is_alive())
-    tracing.shutdown_tracing()
-    if loop.fatal is None:
-        outbox.send(("stopped",))
+                # (before it is queued: the engine thread answers it before the step that gives its first outputs)
+                sub.added.add_done_callback(added)
+                loop.submit(sub)
+            elif kind == "cancel":  # (number 0: whichever runs under the id; a submission over: nothing to cancel)
+                rid, number = message[1:]
+                sub = live.pop(number, None)
+                if number == 0 or sub is not None:
+                    loop.cancel(rid, sub)
+            elif kind == "stop":
+                break
+    finally:
+        loop.stop()
+        loop.join(timeout=10)
+        take_down(built, stepping=loop.is_alive())
+    if loop.fatal is not None:
+        return 1
+    outbox.send(("stopped",))
+    return 0

@@ -72,6 +72,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         raise
     except Exception:  # the load failed: the server stops while its event loop runs (else grpc's __del__ raises later)
         await server.stop(0)
+        loop.join(timeout=30)  # (an engine process ends by itself after a failed start)
         raise
     service.attach(loop)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
