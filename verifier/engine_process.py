@@ -100,6 +100,8 @@ class EngineProcess:
                 self._process.join(10)
         if self._reader is not None:
             self._reader.join(1.0)
+        if self._commands is not None and not self.is_alive():
+            self._commands.close()
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
@@ -108,11 +110,17 @@ class EngineProcess:
         with self._send_lock:
             try:
                 self._commands.send(message)
-            except (OSError, ValueError):  # the child is gone: its end arrives through the reader
+            except (OSError, ValueError):  # the child is gone (or joined: the pipe closed): its end came by the reader
                 pass
 
     # -- the reader thread ------------------------------------------------------------------------
     def _read(self, events) -> None:
+        try:
+            self._read_events(events)
+        finally:
+            events.close()
+
+    def _read_events(self, events) -> None:
         while True:
             try:
                 message = events.recv()
