@@ -65,16 +65,22 @@ async def set_health(health_servicer, service: str, status) -> None:
         await health_servicer.set(name, status)
 
 
-async def wait_for_stop(stop: asyncio.Event | None) -> None:
-    """Return when ``stop`` is set or the process gets SIGTERM/SIGINT (signals only on the main thread:
-    tests run services on other threads and stop them through the event)."""
-    stop = stop or asyncio.Event()
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """From now on SIGTERM/SIGINT set ``stop``, through the running loop (signals only on the main thread: tests run
+    services on other threads and stop them through the event). Also before a long start: Python's own SIGINT
+    handler runs only once the loop wakes, and a loop waiting for a model to load did not, for minutes."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+async def wait_for_stop(stop: asyncio.Event | None) -> None:
+    """Return when ``stop`` is set or the process gets SIGTERM/SIGINT (``stop_on_signals``)."""
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
     await stop.wait()
 
 

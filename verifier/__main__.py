@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tandem import args as shared
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("verifier").info("config: model=%s, device=%s, %s", model, cfg.engine.device, cfg.describe())
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     from verifier.engine_loop import EngineFailed
-    from verifier.serve import serve
+    from verifier.serve import StoppedWhileLoading, serve
     from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
 
     try:
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     except EngineFailed as e:  # its requests were failed; a supervisor (tandem up, compose) restarts it
         print(f"error: {e}", file=sys.stderr)
         return ENGINE_FAILED_EXIT_CODE
+    except StoppedWhileLoading:  # (the load's thread cannot be stopped: the process ends under it)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import tracing
-from tandem.service_runtime import GRPC_SERVER_OPTIONS, host_port, listen, report_hangs_in_health, set_health, wait_for_stop
+from tandem.service_runtime import (GRPC_SERVER_OPTIONS, host_port, listen, report_hangs_in_health, set_health,
+                                    stop_on_signals, wait_for_stop)
 from tandem.configs.model import ModelConfig
 from verifier.config import IN_PROCESS, VerifierConfig
 from verifier.engine_build import build_engine, take_down
@@ -57,6 +58,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
 
     aio_loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
+    stop_on_signals(stop)  # (a Ctrl-C while the model loads stops the start)
 
     def on_fatal(error: BaseException) -> None:  # the engine loop died: probes see it, new requests are refused,
         asyncio.run_coroutine_threadsafe(  # and the service drains and exits non-zero (EngineFailed) to be restarted
@@ -66,7 +68,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     loop = EngineProcess(cfg, on_fatal, build_engine) if cfg.engine_process else engine_loop(cfg, on_fatal)
     loop.start()  # loads the model on its own thread, then steps it there
     try:
-        built = await asyncio.shield(asyncio.wrap_future(loop.built))
+        built = await _built_unless_stopped(loop, stop)
     except asyncio.CancelledError:  # the loop shuts down what it built once the load ends
         loop.stop()
         raise
@@ -74,6 +76,13 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         await server.stop(0)
         loop.join(timeout=30)  # (an engine process ends by itself after a failed start)
         raise
+    if built is _STOPPED:  # (the loop shuts down what it built once the load ends; a child process is ended)
+        log.info("stopped while loading")
+        loop.stop()
+        await server.stop(0)
+        loop.join(timeout=5)
+        tracing.shutdown_tracing()
+        raise StoppedWhileLoading()
     service.attach(loop)
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("verifier serving on %s%s", host_port(cfg.host, port),
@@ -93,3 +102,27 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     tracing.shutdown_tracing()
     if loop.fatal is not None:
         raise EngineFailed(f"the engine loop failed: {type(loop.fatal).__name__}: {loop.fatal}")
+
+
+_STOPPED = object()
+
+
+class StoppedWhileLoading(Exception):
+    """serve() stopped before its engine was built: the load goes on in its thread, which nothing can stop, so the
+    process ends at once (``python -m verifier``); torch's threads abort an interpreter's exit under a running load."""
+
+
+async def _built_unless_stopped(loop, stop: asyncio.Event):
+    """What the engine loop built, or ``_STOPPED`` where ``stop`` came first (the load itself cannot be interrupted:
+    the loop's thread discards what it built, an engine process is ended)."""
+    built = asyncio.ensure_future(asyncio.shield(asyncio.wrap_future(loop.built)))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({built, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if built.done():
+        return built.result()
+    built.cancel()
+    return _STOPPED
+
