@@ -2,7 +2,7 @@
 
 gRPC health says NOT_SERVING until the model is loaded and the loop runs, and again while draining.
 SIGTERM/SIGINT stop accepting, let in-flight streams finish for a grace period, stop the TP ranks,
-and unlink the shared-memory ring. The engine loop runs on a thread of this process, or with
+and unlink the shared-memory ring; during the model's load they stop the start at once. The engine loop runs on a thread of this process, or with
 ``--engine-process`` in a process of its own (verifier/engine_process.py), which then also serves the metrics.
 """
 
