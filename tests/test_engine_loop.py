@@ -199,10 +199,10 @@ def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
     loop = EngineLoop(lambda: (engine, None, None), VerifierMetrics(), max_waiting=16, on_fatal=lambda e: fatal.set())
     observe = loop._observe
 
-    def failing(out, sub, now):
+    def failing(out, sub, now, *tally):
         if out.rid == "b":
             raise RuntimeError("a bookkeeping bug (injected)")
-        observe(out, sub, now)
+        observe(out, sub, now, *tally)
 
     loop._observe = failing
     aio = CountingLoop()

@@ -21,7 +21,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.step import StepOutput
 from tandem.errors import TandemError
 from tandem.sampling import SamplingParams
-from verifier.metrics import VerifierMetrics
+from verifier.metrics import StepTally, VerifierMetrics
 from verifier.round_spans import RoundSpans
 from verifier.stats_line import StatsLine
 
@@ -259,12 +259,13 @@ class EngineLoop(threading.Thread):
             for phase, seconds in info.seconds.items():
                 m.phase_seconds.labels(phase).observe(seconds)
         delivered = []  # (sink, output) of this step, delivered together at its end
+        tally = StepTally()
         try:
             for out in outputs:
                 sub = self._live.get(out.rid)
                 if sub is None:
                     continue
-                self._observe(out, sub, now)
+                self._observe(out, sub, now, tally)
                 tokens += len(out.new_token_ids)
                 rounds += len(out.round_accepts) if out.drafted else 0
                 accepted += out.accepted if out.drafted else 0
@@ -279,6 +280,7 @@ class EngineLoop(threading.Thread):
                     m.requests.labels(out.finish_reason.value).inc()
         finally:  # (what the step finished goes out even where a later output's bookkeeping raised: the loop's end
             deliver_outputs(delivered)  # then fails only the requests still live)
+        tally.flush(m)
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
@@ -328,22 +330,18 @@ class EngineLoop(threading.Thread):
         m.kv_usage.set(self._kv_usage())
         m.drafter_detached.set(1 if engine.drafts.detached else 0)
 
-    def _observe(self, out: StepOutput, sub: Submission, now: float) -> None:
+    def _observe(self, out: StepOutput, sub: Submission, now: float, tally: StepTally | None = None) -> None:
+        """An output's latencies now, its counts into the step's ``tally`` (the metrics at once without one)."""
         m = self.metrics
-        m.generation_tokens.inc(len(out.new_token_ids))
         last = self._last_token_at.get(out.rid)
         if last is None:
             m.ttft.observe(now - sub.submitted_at)
         elif out.new_token_ids:
             m.itl.observe((now - last) / len(out.new_token_ids), len(out.new_token_ids))  # (each token's gap)
         self._last_token_at[out.rid] = now
-        if out.drafted:
-            m.num_drafts.inc(len(out.round_accepts))  # a step may hold a run of rounds (--spec-rounds)
-            m.draft_tokens.inc(out.drafted)
-            m.accepted_tokens.inc(out.accepted)
-            for accepted in out.round_accepts:
-                m.accept_length.observe(accepted + 1)
-            # rounds that accepted position i or more, once per position (a label lookup a round and position cost
-            # ~2 % of a served step of the demo pair at concurrency 8)
-            for position in range(max(out.round_accepts, default=0)):
-                m.accepted_at(position).inc(sum(accepted > position for accepted in out.round_accepts))
+        if tally is None:
+            tally = StepTally()
+            tally.add(out)
+            tally.flush(m)
+        else:
+            tally.add(out)

@@ -5,6 +5,8 @@ speculative-decoding counters. The verifier's own families keep the labels scrap
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
 
@@ -127,3 +129,40 @@ class VerifierMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class StepTally:
+    """A step's generated tokens and speculative rounds, added up over its outputs and put into the metrics once: a
+    counter's increment takes a lock and a position's label a lookup, per output and round ~4 µs an output of a run
+    of 3 rounds on the CPU VM, in the engine thread's every step."""
+
+    def __init__(self):
+        self.tokens = self.drafts = self.draft_tokens = self.accepted = 0
+        self.lengths: collections.Counter = collections.Counter()  # accept length (the bonus token included) -> rounds
+        self.reached: collections.Counter = collections.Counter()  # draft position -> rounds that accepted it
+
+    def add(self, out) -> None:
+        """One output (a StepOutput): its tokens, and its rounds where it speculated (a run of rounds: --spec-rounds)."""
+        self.tokens += len(out.new_token_ids)
+        if out.drafted:
+            self.drafts += len(out.round_accepts)
+            self.draft_tokens += out.drafted
+            self.accepted += out.accepted
+            for accepted in out.round_accepts:
+                self.lengths[accepted + 1] += 1
+                for position in range(accepted):
+                    self.reached[position] += 1
+
+    def flush(self, m: VerifierMetrics) -> None:
+        if self.tokens:
+            m.generation_tokens.inc(self.tokens)
+        if not self.drafts:
+            return
+        m.num_drafts.inc(self.drafts)
+        m.draft_tokens.inc(self.draft_tokens)
+        m.accepted_tokens.inc(self.accepted)
+        for length, rounds in self.lengths.items():
+            m.accept_length.observe(length, rounds)
+        for position, rounds in self.reached.items():
+            m.accepted_at(position).inc(rounds)
+
