@@ -196,7 +196,8 @@ def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
 
     engine, fatal, got = Engine(), threading.Event(), {"a": Queue(), "b": Queue()}
     engine.last_step = None
-    loop = EngineLoop(lambda: (engine, None, None), VerifierMetrics(), max_waiting=16, on_fatal=lambda e: fatal.set())
+    metrics = VerifierMetrics()
+    loop = EngineLoop(lambda: (engine, None, None), metrics, max_waiting=16, on_fatal=lambda e: fatal.set())
     observe = loop._observe
 
     def failing(out, sub, now, *tally):
@@ -213,3 +214,6 @@ def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
     loop.join(5)
     assert [o.new_token_ids for o in got["a"]] == [[1]] and got["a"][0].finish_reason is FinishReason.LENGTH
     assert len(got["b"]) == 1 and isinstance(got["b"][0], RuntimeError)
+    sample = metrics.registry.get_sample_value
+    assert sample("tandem:generation_tokens_total", {"model_name": ""}) == 1  # a's token, counted
+    assert sample("tandem:request_success_total", {"model_name": "", "finished_reason": "length"}) == 1

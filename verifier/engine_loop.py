@@ -278,9 +278,9 @@ class EngineLoop(threading.Thread):
                     self._forget(out.rid)
                     self.engine.requests.pop(out.rid, None)
                     m.requests.labels(out.finish_reason.value).inc()
-        finally:  # (what the step finished goes out even where a later output's bookkeeping raised: the loop's end
-            deliver_outputs(delivered)  # then fails only the requests still live)
-        tally.flush(m)
+        finally:  # (what the step finished goes out, and is counted, even where a later output's bookkeeping raised:
+            deliver_outputs(delivered)  # the loop's end then fails only the requests still live)
+            tally.flush(m)
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),

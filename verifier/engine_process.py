@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -95,7 +96,8 @@ class EngineProcess:
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
-                log.warning("the engine process did not end within %.0f s; killing it", timeout)
+                if timeout:
+                    log.warning("the engine process did not end within %.0f s; killing it", timeout)
                 self._process.kill()
                 self._process.join(10)
         if self._reader is not None:
@@ -252,9 +254,13 @@ def _child(cfg, build, log_level: int, commands, events) -> None:
     except BaseException:  # noqa: BLE001 - said, then the server sees the pipe end
         log.exception("the engine process failed")
     finally:
-        tracing.shutdown_tracing()
-        logging.shutdown()
-        os._exit(code)
+        try:
+            tracing.shutdown_tracing()
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _serve_commands(cfg, build, commands, outbox: _Outbox) -> int:

@@ -156,7 +156,7 @@ class StepTally:
     def flush(self, m: VerifierMetrics) -> None:
         if self.tokens:
             m.generation_tokens.inc(self.tokens)
-        if not self.drafts:
+        if not (self.drafts or self.draft_tokens):
             return
         m.num_drafts.inc(self.drafts)
         m.draft_tokens.inc(self.draft_tokens)

@@ -80,7 +80,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         log.info("stopped while loading")
         loop.stop()
         await server.stop(0)
-        loop.join(timeout=5)
+        loop.join(timeout=0)  # (a load cannot be waited for: an engine process is killed, a thread left to the exit)
         tracing.shutdown_tracing()
         raise StoppedWhileLoading()
     service.attach(loop)
