@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 VERIFIER = r'''
-import asyncio, json, os, sys
+import asyncio, os, sys
 sys.path[:0] = [os.getcwd(), sys.argv[3]]
 import uvloop
 from tandem.engine.config import EngineConfig

@@ -101,6 +101,17 @@ def pair(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    """A target and its random draft as folders (``target/``, ``draft/``: draft_checkpoints.write_pair), for the
+    service tests that start them as processes. Test files that need more beside them define their own."""
+    from draft_checkpoints import write_pair
+
+    root = tmp_path_factory.mktemp("pair")
+    write_pair(root)
+    return root
+
+
+@pytest.fixture(scope="module")
 def client(stack):
     """An OpenAI client of the module's gateway ``stack`` (tests/gateway_harness.stack_fixture)."""
     import openai

@@ -22,15 +22,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    from draft_checkpoints import write_pair
-
-    root = tmp_path_factory.mktemp("pair")
-    write_pair(root)
-    return root
-
-
-@pytest.fixture(scope="module")
 def reference(pair_dirs):
     """Target-only greedy continuations of prompts_of(32), 24 new tokens each."""
     from helpers import target_only_greedy
