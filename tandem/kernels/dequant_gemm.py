@@ -319,9 +319,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
 
 
 def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fmt: int,
-                ids: torch.Tensor, n: int, slots_per_row: int, swiglu: bool = False) -> torch.Tensor:
+                ids: torch.Tensor, n: int, slots_per_row: int, swiglu: bool = False,
+                config: DequantConfig | None = None) -> torch.Tensor:
     """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
     activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
-    per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale). ``swiglu``: as int4_linear's."""
-    return _launch(x, weight, scale, None, n, fmt, block[0], block[1], None, None, ids=ids, slots_per_row=slots_per_row,
-                   swiglu=swiglu)
+    per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale). ``swiglu``: as int4_linear's.
+    ``config``: a one-row GEMV tile (bench/slot_gemv_sweep.py), else the default's."""
+    return _launch(x, weight, scale, None, n, fmt, block[0], block[1], config, None, ids=ids,
+                   slots_per_row=slots_per_row, swiglu=swiglu)
