@@ -11,7 +11,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -149,6 +149,37 @@ def read_ahead(max_k: int) -> None:
     gemv.default_config = config
 
 
+SKIPPABLE = ("norm", "sum_slots", "merge", "route")
+
+
+def skip_kernels(names: list[str]) -> None:
+    """An upper bound, not a model: the named kernels are not launched (their outputs are left as they were, or, for
+    ``route``, the same experts every step), so the step's time says what they cost in the chain at most; the
+    tokens are garbage. ``norm``: the decoder's RMS norms; ``sum_slots``: the MoE slots' weighted sum; ``merge``: the
+    latent attention's split merge; ``route``: the noaux routing after the router's logits."""
+    from tandem.kernels import mla_attention, moe_route, moe_slots, norm
+
+    if "norm" in names:
+        norm.rms_norm = lambda x, weight, eps, residual=None, out=None, residual_out=None: (
+            x if residual is None else (x, residual))
+    if "sum_slots" in names:
+        moe_slots.sum_slots = lambda per_slot, top_k, route_w, add, dtype: per_slot.view(-1, top_k, per_slot.shape[1])[:, 0]
+    if "merge" in names:
+        mla_attention.merge_splits = lambda part_o, part_lse, out, pdl: None
+    if "route" in names:
+        fixed: dict = {}
+
+        def route(logits, bias, n_group, topk_group, k, normalise, scale, extra=0):
+            key = (logits.shape[0], k + extra, logits.device)
+            if key not in fixed:  # (made by the eager warm-up, before any capture)
+                ids = torch.arange(k + extra, device=logits.device).repeat(logits.shape[0], 1)
+                ids[:, k:] += logits.shape[1] - k  # the shared experts' slots, as noaux_route places them
+                fixed[key] = (torch.full(ids.shape, 1.0 / k, device=logits.device), ids)
+            return fixed[key]
+
+        moe_route.noaux_route = route
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "llama8b-int4", "llama8b-fp8"))
@@ -163,8 +194,14 @@ def main() -> None:
     ap.add_argument("--absorb-merge", type=int, default=0,
                     help="the absorbed output projection merges the latent attention's splits itself, its value rows "
                          "cut into about this many programs a head (mla_absorb.MERGE_SPLITS_HERE; 0: the merge kernel)")
+    ap.add_argument("--skip", default="",
+                    help=f"comma-separated kernels not launched, an upper bound on their cost ({', '.join(SKIPPABLE)})")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
+    skip = [k for k in args.skip.split(",") if k]
+    if any(k not in SKIPPABLE for k in skip):
+        ap.error(f"--skip takes {', '.join(SKIPPABLE)}; got {args.skip!r}")
+    skip_kernels(skip)
     if args.gemv_ahead_k:
         read_ahead(args.gemv_ahead_k)
     if args.absorb_merge:
