@@ -40,8 +40,13 @@ class Slots:
 
 # Bodies being read at once hold at most this many bodies' worth of the largest allowed (slots are taken only after a
 # body is read, so without it thousands of connections each sending megabytes held gigabytes; REST only: the gRPC
-# port's messages are whole before a handler runs)
+# port's are bounded by its RPCs, GRPC_EXTRA_RPCS)
 BODY_BUDGET_BODIES = 16
+# The gRPC port's RPCs in progress at once: the generations allowed plus this many (health checks and watches,
+# reflection, generations being refused). Its messages arrive whole before a handler runs, so this is what bounds the
+# memory they hold, (max_concurrent_requests + GRPC_EXTRA_RPCS) x max_body_bytes; past it, RESOURCE_EXHAUSTED before a
+# message is read.
+GRPC_EXTRA_RPCS = 64
 
 
 class BodyBudget:

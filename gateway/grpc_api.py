@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway import admission
 from gateway.admission import STREAM_SEND_TIMEOUT_S
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import INTERNAL_ERROR, SHUTTING_DOWN, GatewayError, bad_request
@@ -180,7 +181,8 @@ def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server
     interceptors = ([ApiKeyInterceptor(gw.cfg.api_key, denied=lambda: gw.metrics.count_request("grpc", "UNAUTHENTICATED"))]
                     if gw.cfg.api_key is not None else [])
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)])
+                             options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)],
+                             maximum_concurrent_rpcs=gw.cfg.max_concurrent_requests + admission.GRPC_EXTRA_RPCS)
     servicer = GenerationServicer(gw)  # (registered by hand: its requests decoded by tandem.grpc_decode)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Generate": grpc.unary_stream_rpc_method_handler(

@@ -253,3 +253,38 @@ def test_chat_without_max_tokens_gets_the_room_the_context_leaves(stack):
     room = 512 - len(sent.prompt_token_ids)
     assert sent.sampling.max_new_tokens == min(room, 400)  # --max-tokens-limit 400 here
     assert r.json()["usage"]["completion_tokens"] == sent.sampling.max_new_tokens
+
+
+def test_the_grpc_ports_rpcs_in_progress_are_bounded_before_their_messages_are_read(monkeypatch):
+    """The gRPC port's messages arrive whole before a handler (and its slot) runs: what bounds the memory they hold is
+    the RPCs in progress, the generations allowed plus gateway.admission.GRPC_EXTRA_RPCS (0 here)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from gateway import admission
+    from gateway_harness import Stack
+
+    monkeypatch.setattr(admission, "GRPC_EXTRA_RPCS", 0)
+    s = Stack(max_concurrent_requests=SLOTS, max_body_bytes=BODY_LIMIT)
+    try:
+        with grpc.insecure_channel(s.grpc_target) as channel:
+            watches = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()) for _ in range(SLOTS)]
+            for w in watches:  # (each held open: its first answer read)
+                next(w)
+            with pytest.raises(grpc.RpcError) as e:
+                list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x" * 1000, max_tokens=1),
+                                                                timeout=10))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            for w in watches:
+                w.cancel()
+            wait_until(lambda: _generates(channel), 5, "a Generate once the watches ended")
+    finally:
+        s.close()
+
+
+def _generates(channel) -> bool:
+    try:
+        list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x", max_tokens=1), timeout=10))
+        return True
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+        return False
