@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: ${API_KEY_ENV}, "
-                        "else open); /health and /metrics stay open")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, SGLang's and vLLM's other routes (/generate, "
+                        f"/tokenize, ...) and the gRPC API (default: ${API_KEY_ENV}, else open); /health, /ping and "
+                        "/metrics stay open")
     p.add_argument("--verifier-metrics-url", default=None,
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--drafter-metrics-url", default=None,

@@ -87,7 +87,8 @@ class VerifierConfig:
         p.add_argument("--drafter", default=None,
                        help="drafter service address host:port; 'in-process' to run the --draft-model head inside "
                             "this process (the in-process engine's speed; no drafter isolation or hot reload); "
-                            "default: no speculation")
+                            "default: in process where a draft is named (--draft-model, --speculative-algorithm, "
+                            "--speculative-config), else no speculation")
         shared.add_speculative(p, draft_help="the drafter's EAGLE-3 folder: validated against the target at start-up "
                                              "and used to choose the captured layers (recommended with --drafter)")
         p.add_argument("--speculation-policy", choices=["measured", "always"], default=cls.speculation_policy,
