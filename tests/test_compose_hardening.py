@@ -39,7 +39,22 @@ def test_services_restart_on_exit_and_models_are_read_only():
     for name in ("verifier", "drafter", "gateway"):
         svc = compose()["services"][name]
         assert svc["restart"] in ("unless-stopped", "always", "on-failure"), name
-        assert all(v.endswith(":ro") for v in svc["volumes"]), svc["volumes"]
+        writable = [v for v in svc["volumes"] if not v.endswith(":ro")]
+        assert writable == ["compile-cache:/var/cache/tandem-compile"], svc["volumes"]  # (a named volume: not ./models)
+
+
+def test_compiled_kernels_outlive_a_recreated_container_in_a_volume_the_services_user_owns():
+    """Triton's and FlashInfer's caches point into the named volume (a recreated container would compile them
+    again), which Docker creates from the image's folder of the same path: made there for the services' user."""
+    spec = compose()
+    assert "compile-cache" in spec["volumes"]
+    for name in ("verifier", "drafter", "gateway"):
+        env = spec["services"][name]["environment"]
+        assert env["TRITON_CACHE_DIR"].startswith("/var/cache/tandem-compile/"), name
+        assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/tandem-compile", name
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"mkdir -p /var/cache/tandem-compile && chown tandem /var/cache/tandem-compile", dockerfile)
+    assert dockerfile.index("chown tandem /var/cache/tandem-compile") < dockerfile.rindex("USER tandem")
 
 
 def test_the_image_runs_unprivileged_with_its_demo_cache_off_the_model_volume():
