@@ -166,16 +166,20 @@ def test_tool_choice_without_tools_says_what_it_asked(choice, says):
     assert raised.value.message == says, raised.value.message
 
 
-def test_a_verifiers_repeated_failures_are_one_log_line_every_few_seconds(caplog):
+def test_a_verifiers_repeated_failures_are_one_log_line_every_few_seconds(caplog, monkeypatch):
     """A dead verifier failed each request in a line of its own (159 lines in 1.7 s under a light load)."""
-    import logging
+    import grpc
 
-    from tandem.log_limit import LimitedLog
+    from gateway import errors
 
     now = [100.0]
-    failures = LimitedLog(logging.getLogger("gateway.errors"), every_s=5.0, clock=lambda: now[0])
-    say = lambda code, details: failures.warning(("127.0.0.1:1", code), "verifier at %s failed a request: %s: %s",  # noqa: E731
-                                                 "127.0.0.1:1", code, details)
+    monkeypatch.setattr(errors._failures, "clock", lambda: now[0])
+    monkeypatch.setattr(errors._failures, "_last", {})
+
+    def say(code, details):  # the gateway's own path for a verifier's failure
+        err = grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        assert errors.from_upstream(err, "127.0.0.1:1").status in (500, 503)
+
     with caplog.at_level("WARNING", logger="gateway.errors"):
         for step in range(60):  # 6 s of failures, ten a second
             now[0] = 100.0 + step / 10

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -218,3 +219,17 @@ def test_tandem_ups_secret_folder_is_private_and_a_killed_launchers_is_cleared(t
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
     assert os.path.basename(os.path.dirname(path)).startswith(f"tandem-up-{os.getpid()}@{host}-")
     assert not orphan.exists() and living.exists() and elsewhere.exists() and other.exists()
+
+
+def test_the_drafter_maps_the_verifiers_ring_read_only(drafter, pair_dirs, ring):
+    """The drafter never writes the verifier's ring: its mapping of the segment (its /proc maps) has no write bit."""
+    target, _ = target_info(pair_dirs)
+    client = verifier_client(drafter.address, ring, target)
+    try:
+        assert client.wait_connected(10.0), drafter.log()
+        maps = [line for line in Path(f"/proc/{drafter.proc.pid}/maps").read_text().splitlines()
+                if ring.spec.name in line]
+        assert maps, f"no mapping of {ring.spec.name} in the drafter"
+        assert all(line.split()[1] == "r--s" for line in maps), maps
+    finally:
+        client.close()

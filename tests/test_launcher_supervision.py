@@ -194,16 +194,19 @@ def test_a_run_that_never_served_is_no_stable_run(tmp_path):
     assert delays[2] >= 0.4 - 0.05, delays  # 0.1, 0.2, 0.4: doubled, not 0.1 each time
 
 
-def _up_with_one_service(tmp_path, ignored: str) -> tuple[subprocess.Popen, int]:
+def _up_with_one_service(tmp_path, ignored: str, stuck: bool = False) -> tuple[subprocess.Popen, int]:
     """A launcher (run_up, the services' plan replaced by one sleeping process) started with signal ``ignored``
-    set to be ignored, as a shell or nohup starts it; → the launcher and its service's pid once it runs."""
+    set to be ignored, as a shell or nohup starts it; → the launcher and its service's pid once it runs. ``stuck``: the
+    service ignores SIGTERM (the launcher kills it 1 s after asking it to stop)."""
     pid_file = tmp_path / "service.pid"
-    service = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    service = ("import os, signal, time; " + ("signal.signal(signal.SIGTERM, signal.SIG_IGN); " if stuck else "")
+               + f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     script = (
         "import signal, sys\n"
         f"signal.signal(signal.{ignored}, signal.SIG_IGN)\n"
         "from types import SimpleNamespace\n"
         "import tandem.launcher as launcher\n"
+        "launcher.STOP_NOTICE_S, launcher.STOP_TIMEOUT_S = 0.3, 1.0\n"
         f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
         "launcher.plan_up = lambda args, secret: launcher.UpPlan(kids, {'metrics': 1, 'drafter': 2}, 'm', 'm', None)\n"
         "launcher._wait_healthy = lambda *a, **k: None\n"
@@ -235,6 +238,19 @@ def test_sigint_and_sighup_stop_the_stack_in_order(tmp_path, signum):
     assert not process_running(service_pid)
 
 
+def test_a_stop_that_had_to_kill_exits_1_naming_what_it_killed(tmp_path):
+    """An operator's script must see that the stop was not clean."""
+    up, service_pid = _up_with_one_service(tmp_path, "SIGHUP", stuck=True)
+    up.send_signal(signal.SIGINT)
+    try:
+        assert up.wait(30) == 1
+        err = up.stderr.read()
+    finally:
+        up.kill()
+    assert "stopped; killed: verifier" in err, err
+    assert not process_running(service_pid)
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--max-tokens-limit", "0"], "--max-tokens-limit must be at least 1"),
     (["--gateway-args", "--chat-template '{{ bad'"], "not a valid Jinja template"),
@@ -247,6 +263,21 @@ def test_the_gateways_settings_are_refused_before_any_service_starts(flags, says
     assert up.returncode != 0 and says in up.stderr.splitlines()[-1], up.stderr
     assert "starting drafter" not in up.stderr and "starting verifier" not in up.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("port_flag", ["--port", "--grpc-port"])
+def test_a_taken_gateway_port_is_refused_before_any_service_starts(port_flag):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = subprocess.run([sys.executable, "-m", "tandem.cli", "up", "--device", "cpu", port_flag, str(port)],
+                            capture_output=True, text=True, timeout=120)
+    last = up.stderr.splitlines()[-1]
+    assert up.returncode != 0 and "the gateway refuses its settings: cannot listen on" in last, up.stderr
+    assert str(port) in last and "starting verifier" not in up.stderr
 
 
 def test_services_stop_in_order_each_after_the_one_that_depends_on_it_has_exited(tmp_path):

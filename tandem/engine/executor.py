@@ -152,7 +152,7 @@ class TargetExecutor:
     def _watch_ranks(self) -> None:
         """Exit this process (ENGINE_FAILED_EXIT_CODE, health NOT_SERVING first) as soon as another rank ends unasked —
         killed, OOM-killed, failed to load its shard: every collective after that waits for it forever under NCCL (at
-        start-up, init's rendezvous for 30 minutes), the service SERVING and its requests hung. A supervisor starts
+        start-up, init's rendezvous for init_tp's 10 minutes), the service SERVING and its requests hung. A supervisor starts
         the whole group again. Ranks ended on purpose (``_end_ranks``: shutdown, interpreter exit) are not a loss."""
         workers, stopping = list(self._workers), self._stopping
         atexit.register(_end_ranks, workers, stopping)  # (before multiprocessing's own exit hook, registered earlier)
