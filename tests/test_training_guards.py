@@ -46,6 +46,10 @@ def _refused(argv: list[str], capsys, monkeypatch) -> str:
     (["--temperature", "-2"], "--temperature must be 0 (greedy) or more, got -2.0"),
     (["--eval-fraction", "5"], "--eval-fraction must be in [0, 1), got 5.0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
+    (["--draft-vocab-size", "100000"], "--draft-vocab-size 100000 exceeds the target's vocabulary of"),
+    (["--eval-data", "/nonexistent/eval.jsonl"], "--eval-data /nonexistent/eval.jsonl: no such file"),
+    (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be >= 1, got 0"),
+    (["--speculative-num-steps", "0"], "--speculative-num-steps must be >= 1, got 0"),
 ])
 def test_bad_flags_are_refused_before_the_target_loads(target, data, tmp_path, capsys, monkeypatch, extra, message):  # noqa: F811
     err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(tmp_path / "d"), *extra],
@@ -120,14 +124,38 @@ def test_data_is_read_whole_before_the_target_loads(target, tmp_path, capsys, mo
 
 @pytest.mark.parametrize("row, says", [(b"5", "a row is a JSON object, got int"),
                                        (b'{"messages": "hi"}', "a field of the wrong type"),
-                                       (b'{"prompt": "x", "response_token_ids": 7}', "a field of the wrong type"),
+                                       (b'{"prompt_token_ids": [5], "response_token_ids": 7}', "a field of the wrong type"),
                                        (b'{"prompt_token_ids": ["a"]}', "a field of the wrong type"),
+                                       (b'{"prompt_token_ids": [5, 99999]}',
+                                        "prompt_token_ids holds 99999, outside the target's vocabulary [0, "),
+                                       (b'{"prompt_token_ids": [5], "response_token_ids": [-3]}',
+                                        "response_token_ids holds -3, outside the target's vocabulary [0, "),
                                        (b'{"prompt": "abc\xff"}', "not UTF-8 text (byte 16 of the line)")])
 def test_a_malformed_row_is_one_line_naming_its_file_and_line(target, tmp_path, capsys, monkeypatch, row, says):  # noqa: F811
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt_token_ids": [5, 6, 7]}\n' + row + b"\n")
     err = _refused(["--target-model", str(target), "--data", str(bad), "--out", str(tmp_path / "d")], capsys, monkeypatch)
     assert f"error: {bad}:2: {says}" in err, err
+
+
+def test_the_packages_own_demo_pair_is_never_an_output(target, data, capsys, monkeypatch):  # noqa: F811
+    """The shipped head carries a training.json (which marks a head this trainer may replace): tandem up's default."""
+    import tandem
+
+    shipped = Path(tandem.__file__).resolve().parent / "demo_pair" / "draft"
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(shipped)], capsys, monkeypatch)
+    assert "lies inside the installed tandem package" in err, err
+
+
+def test_tandem_train_drafter_says_its_refusals_in_one_line_too(target, data, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """`tandem train-drafter` is the same command as python -m drafter.train: a ValueError or OSError was a traceback."""
+    from tandem import cli
+
+    monkeypatch.setattr(pipeline, "run_job", lambda job, resume: (_ for _ in ()).throw(OSError("disk full")))
+    assert cli.main(["train-drafter", "--target-model", str(target), "--data", str(data),
+                     "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: disk full\n", err
 
 
 def test_nothing_left_to_train_on_is_said_plainly(target, tmp_path):  # noqa: F811

@@ -105,3 +105,17 @@ def test_settings_that_cannot_train_are_one_line_before_any_work(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {says}") and "\n" not in err, err
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.run").exists()
+
+
+def test_the_shipped_demo_target_is_never_an_output():
+    """The shipped target carries the training.json of a run of this trainer, which would let a run replace it."""
+    from pathlib import Path
+
+    import tandem
+    from tandem.errors import ConfigError
+    from tandem.training.lm import check_out_dir
+
+    shipped = Path(tandem.__file__).resolve().parent / "demo_pair" / "target"
+    assert (shipped / "training.json").is_file()
+    with pytest.raises(ConfigError, match="inside the installed tandem package"):
+        check_out_dir(shipped)

@@ -27,7 +27,7 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     # (second names: SpecForge's spellings of the same settings)
     p.add_argument("--target-model", "--model", "--target-model-path", dest="target_model", default=None,
                    help="target HF model folder (default: the embedded demo target)")
-    p.add_argument("--data", "--train-data-path", dest="data", default=None, help="JSONL: {prompt | prompt_token_ids | messages} [+ response]")
+    p.add_argument("--data", "--train-data-path", dest="data", default=None, help="JSONL: {prompt | prompt_token_ids | messages | conversations} [+ response | response_token_ids]")
     p.add_argument("--traffic", action="append", default=[], metavar="DIR",
                    help="served traffic captured by python -m verifier --capture-traffic DIR (repeatable; "
                         "alone or with --data): its stored features need no target forward")
@@ -106,12 +106,27 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     if layers is not None and (len(layers) != 3 or not all(0 <= i < model.num_layers for i in layers)):
         raise TandemError(f"--capture-layers {','.join(map(str, layers))}: an EAGLE-3 head reads three target layers, "
                           f"each in [0, {model.num_layers})")
-    if args.data is not None and not Path(args.data).is_file():
-        raise TandemError(f"--data {args.data}: no such file")
+    _check_files(args)
+    if not args.no_eval:  # (the evaluation's shape, found wrong now rather than after training)
+        from tandem.speculative.spec_config import SpecConfig
+
+        SpecConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
+                   num_draft_tokens=args.speculative_num_draft_tokens)
+    if args.draft_vocab_size is not None and args.draft_vocab_size > model.vocab_size:
+        raise TandemError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
+                          f"{model.vocab_size} tokens")
     if args.reload_drafter is not None and not args.reload_drafter.rpartition(":")[2].isdigit():
         raise TandemError(f"--reload-drafter {args.reload_drafter}: want HOST:PORT")
     if args.reload_drafter is not None:
         internal_secret.load(args.internal_secret_file)  # (an unreadable file found now, not after training)
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """--data and --eval-data: files that exist (a folder said so)."""
+    for flag, value in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if value is not None and not Path(value).is_file():
+            raise TandemError(f"{flag} {value}: " + ("a folder, not a JSONL file" if Path(value).is_dir() else
+                                                      "no such file"))
 
 
 def _check_out(given: str, out: Path) -> None:
@@ -119,7 +134,9 @@ def _check_out(given: str, out: Path) -> None:
     (its config's TRAINED_MARK, or its training.json: a copied head would be replaced without a word, --resume or
     not), and writable (found now, not after the target's responses were generated)."""
     from tandem.training.eagle3_train import TRAINED_MARK
+    from tandem.training.lm import check_not_in_package
 
+    check_not_in_package(out)
     if out.exists() and not out.is_dir():
         raise TandemError(f"--out {given}: is a file, not a folder")
     config = out / "config.json"
@@ -211,6 +228,7 @@ def _eval_only(args: argparse.Namespace) -> int:
 
     if args.draft_model is None:
         raise TandemError("--eval-only needs --draft-model DIR")
+    _check_files(args)
     source = args.eval_data or args.data
     from tandem.training.pipeline import EVAL_SAMPLES, run_folder
 
@@ -313,6 +331,12 @@ def main_train_drafter(argv: list[str] | None = None) -> int:
     add_train_drafter(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    return train_drafter_command(args)
+
+
+def train_drafter_command(args: argparse.Namespace) -> int:
+    """run_train_drafter with its failures as one line, for both entry points (``tandem train-drafter`` and
+    ``python -m drafter.train``)."""
     try:
         return run_train_drafter(args)
     except (TandemError, ValueError, OSError) as e:  # (OSError: a disk that filled, a folder removed meanwhile)

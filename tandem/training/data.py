@@ -14,11 +14,13 @@ EAGLE-3 trains on the target's *own* outputs (SpecForge regenerates datasets wit
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, TandemError
 from tandem.traffic.dataset import TrafficRef
 from tandem.training.progress import Progress, note
 
@@ -40,6 +42,25 @@ class _Text:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self._tok = self._chat = None
+
+    @functools.cached_property
+    def vocab_size(self) -> float:
+        """The target's vocabulary (unbounded for a folder with a tokenizer but no model config: nothing to check)."""
+        from tandem.configs.model import ModelConfig
+
+        try:
+            return ModelConfig.from_dir(self.model_dir).vocab_size
+        except TandemError:
+            return math.inf
+
+    def ids(self, values, where: str, field: str) -> list[int]:
+        """A row's token-id list, each id checked against the target's vocabulary (found here, not as an index error
+        after the target has loaded)."""
+        ids = [int(t) for t in values]
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ConfigError(f"{where}: {field} holds {bad}, outside the target's vocabulary [0, {self.vocab_size})")
+        return ids
 
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
@@ -83,13 +104,13 @@ def parse_row(row: dict, text: _Text, where: str, regenerate: bool = False) -> S
             response = text.encode(turn)
         prompt = text.encode(head)
     elif "prompt_token_ids" in row:
-        prompt = [int(t) for t in row["prompt_token_ids"]]
+        prompt = text.ids(row["prompt_token_ids"], where, "prompt_token_ids")
     elif "prompt" in row:
         prompt = text.encode(str(row["prompt"]))
     else:
         raise ConfigError(f"{where}: a row needs 'prompt', 'prompt_token_ids', 'messages' or 'conversations'")
     if "response_token_ids" in row:
-        response = [int(t) for t in row["response_token_ids"]]
+        response = text.ids(row["response_token_ids"], where, "response_token_ids")
     elif "response" in row:
         response = text.encode(str(row["response"]))
     if not prompt:
@@ -105,7 +126,7 @@ def _parsed(row, text: _Text, where: str, regenerate: bool) -> Sample:
     try:
         return parse_row(row, text, where, regenerate)
     except (TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, ConfigError):
+        if isinstance(e, TandemError):  # (already one line: a bad id, a target folder without a tokenizer)
             raise
         raise ConfigError(f"{where}: a field of the wrong type ({type(e).__name__}: {str(e)[:120]}); rows hold 'prompt' "
                           "or 'response' text, 'prompt_token_ids' or 'response_token_ids' integer lists, or "

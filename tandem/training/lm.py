@@ -3,7 +3,7 @@
 ``python -m tandem.training.lm --out DIR`` trains a byte-level BPE tokenizer on the stdlib (the
 demo's), then a dense causal Llama (``dense_llama``) on the packed token stream, and writes a normal
 HF ``LlamaForCausalLM`` folder (config, safetensors, tokenizer with chat template) that our engine
-and transformers both load. Every ``--eval-every`` steps the loss on held-out stdlib files is shown;
+and transformers both load. Every ``LMTrainConfig.eval_every`` steps the loss on held-out stdlib files is shown;
 ``--resume`` continues a run from its last checkpoint. ``--preset gpu`` is the larger variant for
 benchmarks (a GPU and minutes there, instead of a CPU and minutes here).
 """
@@ -114,9 +114,22 @@ def prepare_tokenizer(run_dir: Path, vocab_size: int) -> None:
         train_tokenizer(run_dir, vocab_size)
 
 
+def check_not_in_package(out_dir: Path) -> None:
+    """A trainer's output never goes inside the installed package: its shipped demo pair (which ``tandem up`` serves by
+    default) carries training.json files, which would otherwise pass for a run of this trainer and be replaced."""
+    import tandem
+
+    package = Path(tandem.__file__).resolve().parent
+    out = out_dir.resolve()
+    if out == package or package in out.parents:
+        raise ConfigError(f"--out {out_dir}: lies inside the installed tandem package ({package}), whose demo pair it "
+                          "would replace; give a folder of your own")
+
+
 def check_out_dir(out_dir: Path) -> None:
     """``out_dir`` is replaced by the trained model, so it must be new, empty, or a model this trainer wrote (its
     training.json names the run's dims): any other folder or a file is refused, never deleted."""
+    check_not_in_package(out_dir)
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
