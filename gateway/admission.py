@@ -47,6 +47,7 @@ BODY_BUDGET_BODIES = 16
 # memory they hold, (max_concurrent_requests + GRPC_EXTRA_RPCS) x max_body_bytes; past it, RESOURCE_EXHAUSTED before a
 # message is read.
 GRPC_EXTRA_RPCS = 64
+GRPC_HEALTH_WATCHES = 16  # of those, health Watch streams (open without the API key, held for ever: gateway.grpc_api)
 
 
 class BodyBudget:
@@ -108,10 +109,18 @@ def _check_origin(origin: str | None, hosts: list[str | None]) -> None:
     port is no other site's (a DNS-rebinding page names this host too: the gateway keeps no allow-list of names)."""
     if origin is None:
         return
-    names = {urlsplit(f"//{h.strip()}").hostname for h in hosts if h and h.strip()}
-    if origin == "null" or urlsplit(origin).hostname not in names:
+    names = {_hostname(f"//{h.strip()}") for h in hosts if h and h.strip()} - {None}
+    if origin == "null" or _hostname(origin) not in names:
         raise GatewayError(403, f"requests from another web origin ({origin[:100]}) are refused: this server answers "
                                 "no CORS preflight")
+
+
+def _hostname(url: str) -> str | None:
+    """The host name in ``url``; None where it has none or cannot be parsed (a malformed IPv6 literal: ``[::1``)."""
+    try:
+        return urlsplit(url).hostname
+    except ValueError:
+        return None
 
 
 def _check_media_type(content_type: str | None) -> None:

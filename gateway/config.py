@@ -43,7 +43,7 @@ class GatewayConfig:
     log_requests: bool = False  # --log-requests: a line per finished generation (gateway/request_log.py)
     access_log: bool = True  # a line per HTTP request, refused ones too (uvicorn's; --disable-uvicorn-access-log)
     log_requests_level: int = shared.LOG_REQUESTS_LEVEL.default  # 0 numbers, 1 + sampling, 2 + prompt and output
-    keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP connection stays open this long
+    keep_alive_s: float = shared.TIMEOUT_KEEP_ALIVE.default  # an idle HTTP (or call-less gRPC) connection lasts this long
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
     max_message_interval_ms: float = 50.0  # the longest a stream's tokens wait while this loop falls behind; 0: never
     metrics_prefix: str = "tandem"  # /metrics families as tandem:NAME, or vllm:NAME (vLLM's dashboards)

@@ -175,20 +175,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                  cache_salt=check_cache_salt(r.cache_salt or None))
 
 
+class BoundedHealth(health.aio.HealthServicer):
+    """gRPC health with at most ``WATCHES_MAX`` Watch streams at once. Health answers without the API key (probes), and
+    a Watch is held open for ever: without a bound, a client without the key filled the port's RPCs in progress
+    (``admission.GRPC_EXTRA_RPCS`` past the generations) and every call was refused, Check included."""
+
+    def __init__(self):
+        super().__init__()
+        self.watching = 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watching >= admission.GRPC_HEALTH_WATCHES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"at most {admission.GRPC_HEALTH_WATCHES} health watches at once; probes can use Check")
+        self.watching += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watching -= 1
+
+
 def build_grpc_server(gw: GatewayContext, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A server with Generation, health (NOT_SERVING until the verifier is seen serving) and
     reflection (so grpcurl works without the protos). Returns it unstarted, with the bound port."""
     interceptors = ([ApiKeyInterceptor(gw.cfg.api_key, denied=lambda: gw.metrics.count_request("grpc", "UNAUTHENTICATED"))]
                     if gw.cfg.api_key is not None else [])
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes)],
+                             options=[*GRPC_SERVER_OPTIONS, ("grpc.max_receive_message_length", gw.cfg.max_body_bytes),
+                                      # (a connection left open without calls held a descriptor for ever: enough of
+                                      # them and the process could accept nothing, REST included)
+                                      ("grpc.max_connection_idle_ms", int(gw.cfg.keep_alive_s * 1000))],
                              maximum_concurrent_rpcs=gw.cfg.max_concurrent_requests + admission.GRPC_EXTRA_RPCS)
     servicer = GenerationServicer(gw)  # (registered by hand: its requests decoded by tandem.grpc_decode)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=tolerant(generation_pb2.GenerateRequest),
             response_serializer=generation_pb2.GenerateResponse.SerializeToString)}),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = listen(server, address)

@@ -16,6 +16,7 @@ from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("gateway.upstream")
 
+MAX_UPSTREAM_MESSAGE_BYTES = 256 << 20  # the largest message taken from the verifier (see below)
 # Keepalive lets a dead or stopped verifier surface as UNAVAILABLE on streams that are waiting on it (within ~25 s),
 # instead of hanging until TCP notices — or forever, where the host still answers TCP for a stopped process. The
 # verifier allows pings every 10 s (verifier/serve.py: min_recv_ping_interval_without_data_ms): 15 s stays above it.
@@ -23,7 +24,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 15_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),  # (any ping's ack: without it a stopped verifier's streams waited 60 s)
-    ("grpc.max_receive_message_length", 16 << 20),
+    # a long prompt's log-probabilities come in one message (~150 bytes a token at top-20: a 128k-token prompt
+    # ~20 MB, which 16 MB refused as RESOURCE_EXHAUSTED, a 429 the client retried for ever); the verifier is trusted
+    ("grpc.max_receive_message_length", MAX_UPSTREAM_MESSAGE_BYTES),
     ("grpc.max_send_message_length", 16 << 20),
     # gRPC's reconnect backoff grows to 2 minutes by default: a verifier back after a restart went
     # unnoticed for ~50 s. Loopback or LAN: retry every second at most, and give a connect 2 s.

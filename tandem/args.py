@@ -207,7 +207,8 @@ LOG_REQUESTS_LEVEL = Flag(("--log-requests-level",), dict(
 # equal timeouts a client reuses a connection at the moment the server closes it, and its request is reset.
 TIMEOUT_KEEP_ALIVE = Flag(("--timeout-keep-alive",), dict(
     type=float, default=75.0, help="seconds an idle HTTP keep-alive connection stays open (longer than clients' "
-                                   "pools keep theirs, or a reused connection can be reset)"))
+                                   "pools keep theirs, or a reused connection can be reset); the public gRPC port "
+                                   "closes a connection without calls after as long"))
 CHAT_TEMPLATE = Flag(("--chat-template",), dict(
     default=None, metavar="FILE_OR_TEMPLATE", help="the chat template, as vLLM takes it (a Jinja file, or the template "
                                                   "itself), instead of the model folder's (default: the folder's)"))

@@ -121,6 +121,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a variable of the wrong shape
             raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
+        except RecursionError:  # (a value nested deeper than the JSON parser refuses, e.g. tools read by tojson)
+            raise ChatTemplateError("the model's chat template failed on these messages: a value is nested too "
+                                    "deeply") from None
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final.strip() or final.strip() not in text:

@@ -292,3 +292,98 @@ def _generates(channel) -> bool:
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
         return False
+
+
+def test_health_watches_are_bounded_so_that_no_key_holder_locks_the_grpc_port(monkeypatch):
+    """Health answers without the API key and a Watch is held open: unbounded, they filled the port's RPCs in progress
+    and every call was refused, a keyed Generate and health Check included."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from gateway import admission
+    from gateway_harness import Stack
+
+    monkeypatch.setattr(admission, "GRPC_HEALTH_WATCHES", 2)
+    s = Stack(api_key="k" * 20)
+    try:
+        with grpc.insecure_channel(s.grpc_target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+            for w in watches:
+                next(w)
+            with pytest.raises(grpc.RpcError) as e:
+                next(health.Watch(health_pb2.HealthCheckRequest()))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Check" in e.value.details()
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            for w in watches:
+                w.cancel()
+            wait_until(lambda: _watch_opens(health), 5, "a watch once the others ended")
+    finally:
+        s.close()
+
+
+def _watch_opens(health) -> bool:
+    from grpc_health.v1 import health_pb2
+
+    watch = health.Watch(health_pb2.HealthCheckRequest())
+    try:
+        next(watch)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        watch.cancel()
+
+
+def test_a_grpc_connection_without_calls_is_closed_after_the_keep_alive():
+    """A connection that opens HTTP/2 and then says nothing held a descriptor for ever (enough of them and the process
+    accepted nothing, REST included); it goes after --timeout-keep-alive as an idle HTTP connection does."""
+    from gateway_harness import Stack
+
+    s = Stack(keep_alive_s=1.0)
+    try:
+        host, port = s.grpc_target.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface, SETTINGS
+            started = time.monotonic()
+            while sock.recv(4096):  # (the server's SETTINGS and, once idle, its GOAWAY; then the close)
+                pass
+            assert time.monotonic() - started < 8
+    finally:
+        s.close()
+
+
+def test_a_malformed_origin_is_a_refusal_not_a_server_error(stack):
+    for headers in ({"origin": "http://[::1"}, {"origin": "http://a.example", "x-forwarded-host": "["}):
+        r = httpx.post(f"{stack.url}/v1/completions", json=GOOD, headers=headers, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError", (headers, r.text)
+
+
+def test_a_requests_body_is_not_held_while_it_generates():
+    """A 4 MB body of small JSON values parses to ~100 MB of objects; held by its request until the generation ended,
+    every request in flight held that much (256 slots: ~25 GB)."""
+    import json
+    import tracemalloc
+
+    from gateway_harness import Stack
+
+    s = Stack()
+    try:
+        s.fake.delay_s = 0.4
+        body = json.dumps({**GOOD, "max_tokens": 6, "pad": [{}] * 300_000}).encode()
+        done = []
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            t = threading.Thread(target=lambda: done.append(httpx.post(
+                f"{s.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)))
+            t.start()
+            wait_until(lambda: s.gateway.slots.in_use == 1, 10, "the request to be generating")
+            time.sleep(0.5)  # (mid-generation: the body was parsed long ago)
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        t.join(30)
+        assert done and done[0].status_code == 200, done
+        assert held < 8 << 20, f"{held / 2**20:.0f} MiB held while generating"  # (300k dicts: ~20 MiB)
+    finally:
+        s.close()

@@ -146,3 +146,14 @@ def test_a_gateway_given_a_template_serves_chat_for_a_folder_without_one(tmp_pat
         assert r.status_code == 200, r.text
     finally:
         stack.close()
+
+
+def test_a_value_nested_too_deeply_for_the_template_is_a_request_error():
+    """JSON nested below the parser's limit still overflowed Python's stack in a template's ``tojson`` (Llama-3.1's and
+    Qwen's render ``tools`` so): a 500 with two tracebacks."""
+    deep: object = "x"
+    for _ in range(5000):
+        deep = {"a": deep}
+    with pytest.raises(ChatTemplateError, match="nested too deeply"):
+        ChatTemplate("{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}").render(
+            MESSAGES, tools=[deep])

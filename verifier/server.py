@@ -187,7 +187,7 @@ class VerifierService:
 
 
 # The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the
-# gateway takes messages of at most 16 MiB (gateway/upstream.py).
+# gateway takes messages of at most 256 MiB (gateway/upstream.py).
 MAX_COALESCED_TOKENS = 1024
 def _end(span, produced: int) -> None:
     """End the request's span once (a second end would be the SDK's warning)."""
