@@ -20,7 +20,7 @@ from tandem import args as shared
 from tandem import command_line
 from tandem import tracing
 from tandem.errors import TandemError
-from tandem.service_runtime import check_can_listen, die_with_launcher, freeze_startup_heap
+from tandem.service_runtime import check_can_listen, die_with_launcher, freeze_startup_heap, raise_open_files_limit
 
 log = logging.getLogger("gateway")
 
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     log.info("%s", cfg)
+    raise_open_files_limit()  # (a client connection a descriptor)
     tracing.setup_tracing("tandem-gateway", cfg.otlp_endpoint)
     try:
         import uvloop

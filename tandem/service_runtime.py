@@ -33,8 +33,31 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+OPEN_FILES_WANTED = 65536  # descriptors a service may hold (each client connection takes one)
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open descriptors towards ``wanted`` (never past the hard limit, never down), as
+    vLLM and SGLang do: at a shell's default of 1024 a few hundred idle client connections left the gateway unable to
+    accept any (REST or gRPC). → the soft limit now."""
+    try:
+        import resource
+    except ImportError:  # (not POSIX)
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def run_service(main: Callable[[], Awaitable[None]]) -> int:
     """Run ``main()`` on uvloop (when installed); a TandemError is one ``error:`` line and exit code 2."""
+    raise_open_files_limit()
     try:
         import uvloop
 

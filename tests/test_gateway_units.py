@@ -257,3 +257,19 @@ def test_a_stream_whose_client_takes_no_bytes_ends_and_gives_its_slots_back():
         return closed, left
 
     assert asyncio.run(run()) == ([True], [True])
+
+
+def test_the_gateway_raises_its_open_files_limit_as_far_as_allowed():
+    """At a shell's 1024 descriptors a few hundred idle connections left the gateway unable to accept any."""
+    script = ("import resource, sys\n"
+              "hard = int(sys.argv[1])\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+              "from tandem.service_runtime import raise_open_files_limit\n"
+              "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)  # (a hard limit below what it wants: up to it)
+    out = subprocess.run([sys.executable, "-c", script, str(hard)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.split()
+    assert out == [str(hard), str(hard)], out
