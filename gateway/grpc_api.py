@@ -176,9 +176,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class BoundedHealth(health.aio.HealthServicer):
-    """gRPC health with at most ``WATCHES_MAX`` Watch streams at once. Health answers without the API key (probes), and
-    a Watch is held open for ever: without a bound, a client without the key filled the port's RPCs in progress
-    (``admission.GRPC_EXTRA_RPCS`` past the generations) and every call was refused, Check included."""
+    """gRPC health with at most ``admission.GRPC_HEALTH_WATCHES`` Watch streams at once. Health answers without the API
+    key (probes), and a Watch is held open for ever: without a bound, a client without the key filled the port's RPCs
+    in progress (``admission.GRPC_EXTRA_RPCS`` past the generations) and every call was refused, Check included."""
 
     def __init__(self):
         super().__init__()

@@ -280,14 +280,16 @@ def test_the_grpc_ports_rpcs_in_progress_are_bounded_before_their_messages_are_r
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
             for w in watches:
                 w.cancel()
-            wait_until(lambda: _generates(channel), 5, "a Generate once the watches ended")
+            wait_until(lambda: _answers(lambda: list(gen_grpc.GenerationStub(channel).Generate(
+                gen_pb.GenerateRequest(text="x", max_tokens=1), timeout=10))), 5, "a Generate once the watches ended")
     finally:
         s.close()
 
 
-def _generates(channel) -> bool:
+def _answers(call) -> bool:
+    """Whether ``call()`` went through; False where the port refused it as over its RPCs (any other error raises)."""
     try:
-        list(gen_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(text="x", max_tokens=1), timeout=10))
+        call()
         return True
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
@@ -313,25 +315,14 @@ def test_health_watches_are_bounded_so_that_no_key_holder_locks_the_grpc_port(mo
             with pytest.raises(grpc.RpcError) as e:
                 next(health.Watch(health_pb2.HealthCheckRequest()))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Check" in e.value.details()
-            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
             for w in watches:
                 w.cancel()
-            wait_until(lambda: _watch_opens(health), 5, "a watch once the others ended")
+            wait_until(lambda: _answers(lambda: next(health.Watch(health_pb2.HealthCheckRequest()))), 5,
+                       "a watch once the others ended")
     finally:
         s.close()
-
-
-def _watch_opens(health) -> bool:
-    from grpc_health.v1 import health_pb2
-
-    watch = health.Watch(health_pb2.HealthCheckRequest())
-    try:
-        next(watch)
-        return True
-    except grpc.RpcError:
-        return False
-    finally:
-        watch.cancel()
 
 
 def test_a_grpc_connection_without_calls_is_closed_after_the_keep_alive():
@@ -343,7 +334,8 @@ def test_a_grpc_connection_without_calls_is_closed_after_the_keep_alive():
     try:
         host, port = s.grpc_target.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface, SETTINGS
+            # the HTTP/2 preface and an empty SETTINGS frame, then nothing
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
             started = time.monotonic()
             while sock.recv(4096):  # (the server's SETTINGS and, once idle, its GOAWAY; then the close)
                 pass
