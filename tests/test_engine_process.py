@@ -219,3 +219,17 @@ def test_a_start_that_fails_after_the_tp_ranks_began_ends_the_service_and_its_ra
         return [pid for pid in found if process_running(int(pid))]
 
     wait_for(lambda: not running(), 15, "the failed start's processes to end")
+
+
+def test_a_hang_the_childs_watchdog_caught_keeps_its_exit_code_for_the_server():
+    """A hang on the engine's thread exits the verifier 75 (HUNG_EXIT_CODE); in a process of its own the child exits 75
+    and the server, which exited 3 like any engine failure, now says hung and exits 75 too."""
+    from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, HUNG_EXIT_CODE
+    from verifier.engine_loop import EngineFailed
+    from verifier.engine_process import _child_ended
+
+    hung = _child_ended(HUNG_EXIT_CODE)
+    assert "hung" in str(hung) and hung.exit_code == HUNG_EXIT_CODE
+    killed = _child_ended(-9)
+    assert "exit code -9" in str(killed) and not hasattr(killed, "exit_code")
+    assert EngineFailed("x").exit_code == ENGINE_FAILED_EXIT_CODE

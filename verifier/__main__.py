@@ -41,13 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
     from verifier.engine_loop import EngineFailed
     from verifier.serve import StoppedWhileLoading, serve
-    from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
 
     try:
         return run_service(lambda: serve(cfg))
     except EngineFailed as e:  # its requests were failed; a supervisor (tandem up, compose) restarts it
         print(f"error: {e}", file=sys.stderr)
-        return ENGINE_FAILED_EXIT_CODE
+        return e.exit_code
     except StoppedWhileLoading:  # (the load's thread cannot be stopped: the process ends under it)
         logging.shutdown()
         sys.stdout.flush()

@@ -21,6 +21,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.step import StepOutput
 from tandem.errors import TandemError
 from tandem.sampling import SamplingParams
+from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
 from verifier.metrics import StepTally, VerifierMetrics
 from verifier.round_spans import RoundSpans
 from verifier.stats_line import StatsLine
@@ -52,8 +53,12 @@ class QueueFull(TandemError):
 
 
 class EngineFailed(RuntimeError):
-    """Raised by the service once it has drained after its engine loop died: the process exits non-zero so
-    that its supervisor (tandem up, compose) starts a fresh one."""
+    """Raised by the service once it has drained after its engine loop died: the process exits non-zero (``exit_code``)
+    so that its supervisor (tandem up, compose) starts a fresh one."""
+
+    def __init__(self, message: str, exit_code: int = ENGINE_FAILED_EXIT_CODE):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class BatchedSink:

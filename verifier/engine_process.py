@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+from tandem.watchdog import HUNG_EXIT_CODE
 from verifier.engine_loop import BatchedSink, EngineStopped, Submission, deliver_outputs
 
 log = logging.getLogger("verifier.engine_process")
@@ -142,7 +143,7 @@ class EngineProcess:
                 self._fail(message[1])
         if self.fatal is None and not self._stopping:  # the child died (killed, a crash): its exit code says how
             self._process.join(30)
-            self._fail(EngineStopped(f"the engine process ended (exit code {self._process.exitcode})"))
+            self._fail(_child_ended(self._process.exitcode))
 
     def _outputs(self, items: list) -> None:
         pairs = []
@@ -184,6 +185,16 @@ class EngineProcess:
             elif sub.added.set_running_or_notify_cancel():
                 sub.added.set_exception(EngineStopped.after(error))
         self.on_fatal(error)
+
+
+def _child_ended(code: int | None) -> EngineStopped:
+    """The failure a child's unasked end stands for; a hang its watchdog caught keeps the watchdog's exit code for the
+    server's own exit (HUNG_EXIT_CODE, as a hang on the engine's thread exits), its stacks already on stderr."""
+    if code == HUNG_EXIT_CODE:
+        error = EngineStopped(f"the engine process hung (its watchdog ended it, exit code {code})")
+        error.exit_code = HUNG_EXIT_CODE
+        return error
+    return EngineStopped(f"the engine process ended (exit code {code})")
 
 
 class _Outbox:
