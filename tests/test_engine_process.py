@@ -228,8 +228,8 @@ def test_a_hang_the_childs_watchdog_caught_keeps_its_exit_code_for_the_server():
     from verifier.engine_loop import EngineFailed
     from verifier.engine_process import _child_ended
 
-    hung = _child_ended(HUNG_EXIT_CODE)
-    assert "hung" in str(hung) and hung.exit_code == HUNG_EXIT_CODE
-    killed = _child_ended(-9)
-    assert "exit code -9" in str(killed) and not hasattr(killed, "exit_code")
-    assert EngineFailed("x").exit_code == ENGINE_FAILED_EXIT_CODE
+    hung, killed = _child_ended(HUNG_EXIT_CODE), _child_ended(-9)
+    assert "hung" in str(hung) and "exit code -9" in str(killed)
+    assert EngineFailed(hung).exit_code == HUNG_EXIT_CODE
+    assert EngineFailed(killed).exit_code == ENGINE_FAILED_EXIT_CODE
+    assert EngineFailed(RuntimeError("a step raised")).exit_code == ENGINE_FAILED_EXIT_CODE

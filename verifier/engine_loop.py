@@ -21,7 +21,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.step import StepOutput
 from tandem.errors import TandemError
 from tandem.sampling import SamplingParams
-from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
+from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, HUNG_EXIT_CODE
 from verifier.metrics import StepTally, VerifierMetrics
 from verifier.round_spans import RoundSpans
 from verifier.stats_line import StatsLine
@@ -52,13 +52,18 @@ class QueueFull(TandemError):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
 
-class EngineFailed(RuntimeError):
-    """Raised by the service once it has drained after its engine loop died: the process exits non-zero (``exit_code``)
-    so that its supervisor (tandem up, compose) starts a fresh one."""
+class EngineHung(EngineStopped):
+    """The engine's watchdog found it hung (an engine process's child exited HUNG_EXIT_CODE, its stacks on stderr)."""
 
-    def __init__(self, message: str, exit_code: int = ENGINE_FAILED_EXIT_CODE):
-        super().__init__(message)
-        self.exit_code = exit_code
+
+class EngineFailed(RuntimeError):
+    """Raised by the service once it has drained after its engine loop died (``fatal``): the process exits non-zero
+    (``exit_code``: HUNG_EXIT_CODE for a hang, as a hang on the engine's thread exits) so that its supervisor (tandem
+    up, compose) starts a fresh one."""
+
+    def __init__(self, fatal: BaseException):
+        super().__init__(f"the engine loop failed: {type(fatal).__name__}: {fatal}")
+        self.exit_code = HUNG_EXIT_CODE if isinstance(fatal, EngineHung) else ENGINE_FAILED_EXIT_CODE
 
 
 class BatchedSink:

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from tandem.watchdog import HUNG_EXIT_CODE
-from verifier.engine_loop import BatchedSink, EngineStopped, Submission, deliver_outputs
+from verifier.engine_loop import BatchedSink, EngineHung, EngineStopped, Submission, deliver_outputs
 
 log = logging.getLogger("verifier.engine_process")
 
@@ -188,12 +188,10 @@ class EngineProcess:
 
 
 def _child_ended(code: int | None) -> EngineStopped:
-    """The failure a child's unasked end stands for; a hang its watchdog caught keeps the watchdog's exit code for the
-    server's own exit (HUNG_EXIT_CODE, as a hang on the engine's thread exits), its stacks already on stderr."""
+    """The failure a child's unasked end stands for: a hang its watchdog caught (the server then exits as hung too:
+    EngineFailed), or any other end."""
     if code == HUNG_EXIT_CODE:
-        error = EngineStopped(f"the engine process hung (its watchdog ended it, exit code {code})")
-        error.exit_code = HUNG_EXIT_CODE
-        return error
+        return EngineHung(f"the engine process hung (its watchdog ended it, exit code {code})")
     return EngineStopped(f"the engine process ended (exit code {code})")
 
 

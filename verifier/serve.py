@@ -19,7 +19,6 @@ from tandem import tracing
 from tandem.service_runtime import (GRPC_SERVER_OPTIONS, host_port, listen, report_hangs_in_health, set_health,
                                     stop_on_signals, wait_for_stop)
 from tandem.configs.model import ModelConfig
-from tandem.watchdog import ENGINE_FAILED_EXIT_CODE
 from verifier.config import IN_PROCESS, VerifierConfig
 from verifier.engine_build import build_engine, take_down
 from verifier.engine_loop import EngineFailed, EngineLoop
@@ -102,8 +101,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
         take_down(built, stepping=loop.is_alive())
     tracing.shutdown_tracing()
     if loop.fatal is not None:
-        raise EngineFailed(f"the engine loop failed: {type(loop.fatal).__name__}: {loop.fatal}",
-                           getattr(loop.fatal, "exit_code", ENGINE_FAILED_EXIT_CODE))
+        raise EngineFailed(loop.fatal)
 
 
 _STOPPED = object()
