@@ -1,5 +1,6 @@
 """Which tile and how many K steps in flight stream a one-row quantized GEMV fastest on this GPU? The GEMV kernel
-(tandem/kernels/dequant_gemv.py) over a grid of tiles on the quantized linear shapes of bench/sections_quant.py,
+(tandem/kernels/dequant_gemv.py) over a grid of tiles, and for INT4 the register-fed mma.sync kernel
+(tandem/kernels/dequant_mma_sync.py), on the quantized linear shapes of bench/sections_quant.py,
 INT4 (group 32) and FP8 (128 x 128 blocks), bf16 activations, each against its read limit in the same run (bytes of
 the packed weight and its scales ÷ the measured copy rate) and beside the default tile. Timings replay CUDA graphs
 that rotate through weight copies larger than the L2 (sections_quant.graph_ms); a tile counts only if its output
@@ -26,6 +27,9 @@ TILES = [(8, 1024, 4, 2), (8, 1024, 4, 3), (4, 1024, 4, 2), (4, 1024, 4, 3), (4,
          # 16 rows of W: the activations' unpacking shared by twice the rows (3.10 instructions a weight in the
          # loop's SASS on the 8B down shape, against the default's 3.46; 96 registers)
          (16, 1024, 4, 1), (16, 1024, 4, 3)]
+# INT4 only: the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), rows of W a program, and programs
+# wanted as a multiple of 264 (two an H200 SM), K split to reach them
+MMA_SYNC_TILES = [("mma_sync", bn, f) for bn in (64, 128, 256) for f in (1, 2, 4)]
 
 
 def main() -> None:
@@ -63,8 +67,13 @@ def main() -> None:
             default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8)
             want = run(*ws[0], default).float()
             results = []
-            for tile in [None] + TILES:
-                cfg = default if tile is None else DequantConfig(1, *tile, split_k=default.split_k, kernel="gemv")
+            tiles = [None] + TILES + (MMA_SYNC_TILES if fmt == "int4" else [])
+            for tile in tiles:
+                if tile is not None and tile[0] == "mma_sync":
+                    split = max(1, min(k // 128, round(tile[2] * 264 / -(-n // tile[1]))))
+                    cfg = DequantConfig(8, tile[1], 128, 4, 1, split_k=split, kernel="mma_sync")
+                else:
+                    cfg = default if tile is None else DequantConfig(1, *tile, split_k=default.split_k, kernel="gemv")
                 if tile is not None and cfg == default:
                     continue
                 try:

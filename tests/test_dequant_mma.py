@@ -92,3 +92,18 @@ def test_what_the_mma_kernel_refuses():
         fp8_block_linear(activations(1, k, torch.bfloat16, seed=2), q, scale_inv, (16, 32), config=config)
     with pytest.raises(ValueError, match="block_m"):
         DequantConfig(4, 64, 64, kernel="mma")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs it: tests/gpu/test_quant_kernels_gpu.py")
+def test_mma_sync_kernel_is_refused_in_words_where_it_cannot_run():
+    """The register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py) is Gluon, which the interpreter does not
+    run: asked for on the CPU it says so in a ValueError, as it does for a tile or format it does not take (checked
+    first). Its arithmetic is checked on a GPU and its compilation for sm_90 by tests/test_kernels.py."""
+    w, s, _ = int4_weight(64, 256, 32, seed=1)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Gluon kernels do not run under the Triton interpreter"):
+        int4_linear(x, w, s, 32, config=DequantConfig(8, 64, 128, 4, 1, kernel="mma_sync"))
+    with pytest.raises(ValueError, match="64, 128 or 256 rows of W"):
+        int4_linear(x, w, s, 32, config=DequantConfig(8, 96, 128, 4, 1, kernel="mma_sync"))
+    with pytest.raises(ValueError, match="'mma_sync' block_m 8"):
+        DequantConfig(16, 64, 128, 4, 1, kernel="mma_sync")

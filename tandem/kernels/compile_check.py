@@ -131,6 +131,8 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
             if attr.startswith("_") and attr.endswith("_kernel"):
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
     pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr, _, mab = mods.values()
+    ms = importlib.import_module("tandem.kernels.dequant_mma_sync")
+    ms._dequant_mma_sync_kernel = _CompileOnly(ms._dequant_mma_sync_kernel)
     failures: list[str] = []
 
     def attention(batch, q_len, group, kv_heads, head_dim, page, width=None, splits=1):
@@ -282,6 +284,11 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         cfg = dq.DequantConfig(bm, bn, bk, warps, 1, split_k=2, kernel="mma")
         dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
         _report(f"int4 mma tile {bm}x{bn}x{bk} w{warps}", failures)
+    for rows, n, k, bn, split in ((1, 4096, 14336, 128, 8), (1, 28672, 4096, 256, 2), (8, 1000, 4000, 64, 3)):
+        cfg = dq.DequantConfig(8, bn, 128, 4, 1, split_k=split, kernel="mma_sync")  # register-fed mma.sync (Gluon)
+        dq.int4_linear(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k // 8, dtype=torch.int32),
+                       torch.empty(n, k // 32), 32, config=cfg)
+        _report(f"int4 mma_sync {rows}x{k} -> {n} {bn} rows", failures)
     # Kimi-K2.5's routed experts (hidden 7168, intermediate 2048) with 8 of their 384 experts held here
     experts, hid, inter = 8, 7168, 2048
     plain = (fm.ExpertWeights(torch.empty(experts, 2 * inter, hid, dtype=dt)),

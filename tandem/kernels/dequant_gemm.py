@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import dequant_mma_sync
 from tandem.kernels.activation import fold_swiglu, silu_and_mul
 from tandem.kernels.dequant_gemv import INT4_HI_SHIFT, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
@@ -45,16 +46,18 @@ class DequantConfig:
     split_k: int = 1
     # "dot": tensor cores, rows padded to block_m >= 16; "rows": CUDA cores, block_m 1; "gemv": CUDA cores,
     # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py); "mma": INT4 only, tensor cores
-    # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py). (num_stages, for
+    # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py); "mma_sync": INT4
+    # groups of 32, bf16, mma.sync fed from registers, 8 rows of x a program (tandem/kernels/dequant_mma_sync.py,
+    # block_n 64 / 128 / 256, block_k a multiple of 128). (num_stages, for
     # "gemv": K steps of the weight in flight, the one multiplied included; 1 and 2 are the same)
     kernel: str = "dot"
 
     def __post_init__(self):
         rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4,
-                   "mma": self.block_m in (8, 16)}
+                   "mma": self.block_m in (8, 16), "mma_sync": self.block_m == 8}
         if not rows_ok.get(self.kernel, False):
             raise ValueError("DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1, 'gemv' block_m "
-                             f"1 to 4, 'mma' block_m 8 or 16; got {self}")
+                             f"1 to 4, 'mma' block_m 8 or 16, 'mma_sync' block_m 8; got {self}")
 
 
 PROGRAMS_WANTED = 264  # two per H200 SM: fewer programs keep too few loads in flight to reach the bandwidth
@@ -256,6 +259,10 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             raise ValueError(f"the mma kernel takes INT4 groups of 16, 32, 64 ... columns and bf16/fp16 activations; "
                              f"got groups of {s_cols}, {x.dtype}")
         block_k = max(s_cols, block_k // s_cols * s_cols)
+    elif cfg.kernel == "mma_sync":
+        if fmt != INT4:
+            raise ValueError("the mma_sync kernel takes INT4 weights")
+        dequant_mma_sync.check(cfg.block_n, block_k, cfg.num_warps, s_cols, x.dtype)
     if swiglu and not fold_swiglu(triton.cdiv(n, cfg.block_n) * m * k):
         x2, swiglu = silu_and_mul(x2), False
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
@@ -267,7 +274,9 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     shared = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     formatted = dict(shared, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols)  # the gemv and tile kernels take any format
-    if cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
+    if cfg.kernel == "mma_sync":
+        dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, k_split, stride_ys, cfg.block_n, shared["HAS_BIAS"])
+    elif cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
         _dequant_mma_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, STRIDE_W=w.stride(0),
             STRIDE_S=s.stride(0), GROUP=s_cols, BLOCK_M=block_m, ASM=not interpreting(), INTERPRET=interpreting(),

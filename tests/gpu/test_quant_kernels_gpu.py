@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
 from helpers import capture_graph, norm_rel_err  # noqa: E402
 
-from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear, mma_config  # noqa: E402
+from tandem.kernels.dequant_gemm import DequantConfig, fp8_block_linear, int4_linear, mma_config  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -99,6 +99,38 @@ def test_int4_mma_kernel_unpacks_every_nibble_exactly(dtype):
     for k0 in range(0, k, 16):
         y = int4_linear(eye[k0:k0 + 16], packed, scale, GROUP, config=mma_config(16, n, k))
         assert torch.equal(y.float(), w[:, k0:k0 + 16].t()), k0
+
+
+def mma_sync_config(n: int, block_n: int, split: int) -> DequantConfig:
+    return DequantConfig(8, block_n, 128, 4, 1, split_k=split, kernel="mma_sync")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("block_n,split", [(64, 1), (128, 8), (256, 5)])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (1000, 4000), (512, 7168)])  # 4000: K not a multiple of 128
+def test_int4_mma_sync_kernel(n, k, rows, block_n, split):
+    """The register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py: the dot's K order permuted, 128 + q
+    unpacked, the offset by a constant-A mma) against the unrounded dequantized weight in float32, uneven N and K,
+    split K, rows of x past one program's 8, with a bias."""
+    packed, scale = random_int4(n, k, seed=n + k + rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = int4_linear(x, packed, scale, GROUP, bias=bias, config=mma_sync_config(n, block_n, split))
+    want = product(x, int4_reference_weight(packed, scale, torch.float32)) + bias.float()
+    assert y.dtype == torch.bfloat16 and norm_rel_err(y, want) < 4e-3
+
+
+def test_int4_mma_sync_kernel_unpacks_every_nibble_exactly():
+    """Unit rows of x pick single columns of W: with scales of 1 each output is one ``q - 8``, exact, so every
+    nibble's place in the permuted K order is checked bit for bit, 8 columns a call."""
+    n, k = 192, 512
+    packed, _ = random_int4(n, k, seed=5)
+    scale = torch.ones(n, k // GROUP, device="cuda")
+    w = int4_reference_weight(packed, scale, torch.float32)
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    for k0 in range(0, k, 8):
+        y = int4_linear(eye[k0:k0 + 8], packed, scale, GROUP, config=mma_sync_config(n, 64, 2))
+        assert torch.equal(y.float(), w[:, k0:k0 + 8].t()), k0
 
 
 @pytest.mark.parametrize("rows", [1, 16])

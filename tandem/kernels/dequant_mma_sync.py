@@ -1,0 +1,193 @@
+"""W4A16 for 1-8 activation rows on the tensor cores with no shared memory: the INT4 weight words feed
+``mma.sync``'s A operand straight from the registers they are loaded into. Launched by
+tandem/kernels/dequant_gemm.py's ``_launch`` for ``DequantConfig(kernel="mma_sync")``.
+
+Why: the CUDA-core GEMV (tandem/kernels/dequant_gemv.py) spends ~3.5 instructions a weight at one row (LOP3 and
+FFMA per weight plus the activations' handling), close to what an SM can issue while reading INT4 at full
+bandwidth; the wgmma kernel (tandem/kernels/dequant_mma.py) stages the unpacked tile through shared memory
+(~7 a weight). Here, in the SASS of the 8B down shape (compiled for sm_90 on a CPU, tandem/kernels/compile_check):
+~1.8-2.1 instructions a weight — 0.875 of them the unpack, 3 shifts and 4 LOP3 per 8 weights.
+
+How (Gluon, Triton's layout-explicit dialect, so that no layout conversion moves data — every
+``convert_layout`` here is asserted trivial at compile time):
+
+* The checkpoint's own packing (compressed-tensors ``pack-quantized``: word w of a row holds columns 8w .. 8w+7,
+  nibble i = column 8w + i, as q + 8) is used as it is: a thread with lane l loads word ``l % 4`` of each
+  32-column group, for rows ``l / 4`` and ``l / 4 + 8`` of its warp's 16 — exactly the rows and the four K pairs
+  of mma.m16n8k16's A fragment, once the dot's K order is permuted: logical column ``8t + 2j + h`` of a group is
+  checkpoint column ``8j + t + 4h``. LOP3 with 0x000F000F under bf16's 128 makes nibbles t and t + 4 the pair
+  ``(128 + q_t, 128 + q_{t+4})`` in one register — one A register, exact.
+* The activations take the same order: the 8 columns a thread needs are 8 consecutive ones (a 16-byte load),
+  paired (x_t, x_{t+4}) by PRMT.
+* ``128 + q`` instead of ``q - 8``: the products are summed and the ``-136 * sum(x)`` of each group comes from one
+  more mma with a constant A (shared by every row tile), so the unpack needs no HFMA2.
+* Float32 accumulation; each group's partial product is scaled in float32 (the scale never rounds to bf16).
+* Rows of x padded to 8 (mma's N); K split over programs like the GEMV's, partial sums summed by the caller.
+
+Gluon kernels do not run under the Triton interpreter: the CPU tests compile this one (compile_check) and the GPU
+tests run it against the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from tandem.kernels.dequant_tiles import interpreting
+
+GROUP = gl.constexpr(32)  # the only group size this kernel takes: a group is the four words of one A fragment's K span
+ROWS = gl.constexpr(8)  # activation rows a program (mma's N)
+TILE_ROWS = 64  # weight rows per repeat: 4 warps x mma's 16
+
+
+def _unpack_asm() -> str:
+    """PTX for one word ($4; $5 is the same word, the pack's second element) → four registers ($0-$3), register t
+    holding (128 + nibble t, 128 + nibble t + 4) as bf16 — exact, the format's spacing at 128 is 1."""
+    shifts = "".join(f"shr.u32 s{t}, $4, {4 * t};\n" for t in (1, 2, 3))
+    pairs = "".join(f"lop3.b32 ${t}, {'$4' if t == 0 else f's{t}'}, 0x000F000F, 0x43004300, 0xea;\n" for t in range(4))
+    return "{\n.reg .b32 s1, s2, s3;\n" + shifts + pairs + "}"
+
+
+UNPACK = gl.constexpr(_unpack_asm())
+
+
+@gluon.jit
+def _a_tile(words, A_L: gl.constexpr):
+    """``words [BLOCK_N, 4]`` (word j of a group per row) → the group's A tile ``[BLOCK_N, 32]`` bf16 of 128 + q in
+    the dot's K order (logical column 8t + 2j + h = checkpoint column 8j + t + 4h)."""
+    pair = gl.join(words, words)  # [N, j, h]: the asm's pack of two elements is one register's two halves
+    t = gl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,r,r", [pair], dtype=(gl.int16,) * 4, is_pure=True, pack=2)
+    tile = gl.join(gl.join(t[0], t[1]), gl.join(t[2], t[3]))  # [N, j, h, t bit 0, t bit 1]
+    tile = gl.reshape(gl.permute(tile, (0, 4, 3, 1, 2)), (words.shape[0], 32)).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(tile, A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _b_tile(x8, B_L: gl.constexpr):
+    """``x8 [8 rows, 4 (j), 8 (e)]``, column 8j + e of the group → the B tile ``[32, 8]`` in the dot's K order
+    (e = t + 4h)."""
+    x = gl.permute(gl.reshape(x8, (8, 4, 2, 4)), (3, 1, 2, 0))  # (t, j, h, row)
+    return gl.convert_layout(gl.reshape(x, (32, 8)), B_L, assert_trivial=True)
+
+
+@gluon.jit
+def _scale_of(scales, g: gl.constexpr):
+    """Column g (0-3) of ``scales [BLOCK_N, 4]`` held in registers (split: no data moves)."""
+    first, second = gl.split(gl.reshape(scales, (scales.shape[0], 2, 2)))
+    half = first if g // 2 == 0 else second
+    lo, hi = gl.split(half)
+    return lo if g % 2 == 0 else hi
+
+
+@gluon.jit
+def _step(w_ptrs, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constexpr):
+    """The words (a tuple of 4 ``[BLOCK_N, 4]``) and scales ``[BLOCK_N, 4]`` of the 4 groups from column k. Where K
+    is a multiple of 128 a step past K (a prefetch past the end, a split's tail) reads the last step again; otherwise
+    nothing past K is read. Either way x is masked to zero there."""
+    if EVEN_K:
+        k = gl.minimum(k, K - 4 * GROUP)
+        scales = gl.load(s_ptrs + k // GROUP)
+        words = (gl.load(w_ptrs + k // 8), gl.load(w_ptrs + (k // 8 + 4)), gl.load(w_ptrs + (k // 8 + 8)),
+                 gl.load(w_ptrs + (k // 8 + 12)))
+    else:
+        scales = gl.load(s_ptrs + k // GROUP, mask=k + s_cols * GROUP < K, other=0.0)
+        words = ()
+        for g in gl.static_range(4):
+            words += (gl.load(w_ptrs + (k // 8 + 4 * g), mask=k + g * GROUP < K, other=0),)
+    return words, scales
+
+
+@gluon.jit
+def _dequant_mma_sync_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys,
+    K: gl.constexpr, K_SPLIT: gl.constexpr, STRIDE_W: gl.constexpr, STRIDE_S: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BLOCK_N: gl.constexpr, EVEN_N: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
+):
+    """Rows ``pid_m * 8 ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns ``pid_s * K_SPLIT ..``
+    (K_SPLIT a multiple of 128: 4 groups a step, the next step's words loaded before this one's products)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    EVEN_K: gl.constexpr = K % (4 * GROUP) == 0
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    k_begin = pid_s * K_SPLIT
+    rows_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_L))
+    rows_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_L))
+    if not EVEN_N:  # the last tile re-reads valid rows (only its store is masked)
+        rows_w = gl.minimum(rows_w, N - 1)
+        rows_s = gl.minimum(rows_s, N - 1)
+    w_ptrs = w_ptr + rows_w.to(gl.int64)[:, None] * STRIDE_W + gl.arange(0, 4, layout=gl.SliceLayout(0, W_L))[None, :]
+    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))[None, :]
+    s_ptrs = s_ptr + rows_s.to(gl.int64)[:, None] * STRIDE_S + s_cols
+    xr = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_L)))
+    xc = (gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_L))) * 8)[None, :, None] \
+        + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_L)))[None, None, :]
+    x_ptrs = x_ptr + xr.to(gl.int64)[:, None, None] * stride_xm + xc
+    x_rows_ok = (xr < M)[:, None, None]
+    zero = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+    bias = gl.full([BLOCK_N, 4 * 8], -136.0, gl.bfloat16, A_L)  # -(128 + 8): the unpack's offset and the format's
+    acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+    words, scales = _step(w_ptrs, s_ptrs, s_cols, k_begin, K, EVEN_K)
+    for kk in tl.range(0, K_SPLIT, 4 * GROUP, loop_unroll_factor=2):  # unrolled: no moves to hand the prefetch over
+        k = k_begin + kk
+        words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
+        for g in gl.static_range(4):
+            kg = k + g * GROUP
+            if EVEN_K:  # whole groups: a group is in K or past it
+                xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg < K), other=0.0)
+            else:
+                xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg + xc < K), other=0.0)
+            b = _b_tile(xg, B_L)
+            part = mma_v2(_a_tile(words[g], A_L), b, zero) + mma_v2(bias, b, zero)
+            acc += part * gl.convert_layout(_scale_of(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True)[:, None]
+        words = words_next
+        scales = scales_next
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    cols = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    if HAS_BIAS:
+        acc += gl.load(b_ptr + gl.minimum(rows, N - 1)).to(gl.float32)[:, None]
+    y_ptrs = y_ptr + pid_s.to(gl.int64) * stride_ys + cols.to(gl.int64)[None, :] * stride_ym + rows[:, None]
+    gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(cols < M)[None, :] & (rows < N)[:, None])
+
+
+def _layouts(block_n: int):
+    """The words', scales' and activations' register layouts for ``block_n`` rows of W (64, 128 or 256): row bits
+    0-2 on lanes 2-4, bit 3 in a register, bits 4-5 on the warps, higher bits in registers — mma's A rows."""
+    repeats = [[64 << i, 0] for i in range((block_n // TILE_ROWS).bit_length() - 1)]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warps = [[16, 0], [32, 0]]
+    words = gl.DistributedLinearLayout([[8, 0]] + repeats, lanes, warps, [], [block_n, 4])
+    scales = gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]] + repeats, [[0, 0], [0, 0]] + lanes[2:], warps, [],
+                                        [block_n, 4])
+    x = gl.DistributedLinearLayout([[0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                                   [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [[0, 0, 0], [0, 0, 0]], [],
+                                   [ROWS.value, 4, 8])
+    return words, scales, x
+
+
+def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.dtype) -> None:
+    """Raise ValueError where this kernel cannot take the tile or the format."""
+    if block_n not in (64, 128, 256) or block_k % (4 * GROUP.value) or num_warps != 4:
+        raise ValueError(f"the mma_sync kernel takes 64, 128 or 256 rows of W, 4 warps and steps of 128 columns; "
+                         f"got {block_n} rows, {block_k} columns, {num_warps} warps")
+    if interpreting():
+        raise ValueError("the mma_sync kernel needs a GPU: Gluon kernels do not run under the Triton interpreter")
+    if group != GROUP.value or dtype != torch.bfloat16:
+        raise ValueError(f"the mma_sync kernel takes INT4 groups of {GROUP.value} columns and bf16 activations; got groups "
+                         f"of {group}, {dtype}")
+
+
+def launch(x2, w, s, b, target, m, n, k, k_split, stride_ys, block_n, has_bias):
+    """One launch over ``(n / block_n, m / 8, splits)`` programs (``target`` [splits, m, n] float32 when split)."""
+    words, scales, xl = _layouts(block_n)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS.value), triton.cdiv(k, k_split))
+    _dequant_mma_sync_kernel[grid](
+        x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, K=k, K_SPLIT=k_split,
+        STRIDE_W=w.stride(0), STRIDE_S=s.stride(0), HAS_BIAS=has_bias, BLOCK_N=block_n, EVEN_N=n % block_n == 0,
+        W_L=words, S_L=scales, X_L=xl, num_warps=4)
