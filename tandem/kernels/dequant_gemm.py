@@ -275,7 +275,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     formatted = dict(shared, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols)  # the gemv and tile kernels take any format
     if cfg.kernel == "mma_sync":
-        dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, k_split, stride_ys, cfg.block_n, shared["HAS_BIAS"])
+        dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, cfg.block_n, shared["HAS_BIAS"])
     elif cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
         _dequant_mma_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, STRIDE_W=w.stride(0),

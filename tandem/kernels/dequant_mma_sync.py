@@ -183,10 +183,11 @@ def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.d
                          f"of {group}, {dtype}")
 
 
-def launch(x2, w, s, b, target, m, n, k, k_split, stride_ys, block_n, has_bias):
-    """One launch over ``(n / block_n, m / 8, splits)`` programs (``target`` [splits, m, n] float32 when split)."""
+def launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, block_n, has_bias):
+    """One launch over ``(n / block_n, m / 8, split)`` programs (``target`` [split, m, n] float32 where split > 1;
+    a split starting past K writes zeros)."""
     words, scales, xl = _layouts(block_n)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS.value), triton.cdiv(k, k_split))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS.value), split)
     _dequant_mma_sync_kernel[grid](
         x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, K=k, K_SPLIT=k_split,
         STRIDE_W=w.stride(0), STRIDE_S=s.stride(0), HAS_BIAS=has_bias, BLOCK_N=block_n, EVEN_N=n % block_n == 0,

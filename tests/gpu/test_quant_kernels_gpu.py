@@ -106,7 +106,7 @@ def mma_sync_config(n: int, block_n: int, split: int) -> DequantConfig:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
-@pytest.mark.parametrize("block_n,split", [(64, 1), (128, 8), (256, 5)])
+@pytest.mark.parametrize("block_n,split", [(64, 1), (128, 8), (256, 5), (64, 40)])  # 40: splits past K
 @pytest.mark.parametrize("n,k", [(4096, 14336), (1000, 4000), (512, 7168)])  # 4000: K not a multiple of 128
 def test_int4_mma_sync_kernel(n, k, rows, block_n, split):
     """The register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py: the dot's K order permuted, 128 + q
