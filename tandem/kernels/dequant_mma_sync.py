@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -102,6 +101,23 @@ def _step(w_ptrs, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constexpr):
 
 
 @gluon.jit
+def _products(acc, words, scales, x_ptrs, x_rows_ok, xc, bias, zero, k, K: gl.constexpr, EVEN_K: gl.constexpr,
+              A_L: gl.constexpr, B_L: gl.constexpr, MMA: gl.constexpr):
+    """``acc`` plus the step's 4 groups from column k: per group, x's B tile, (128 + q) x and -136 x on the tensor
+    cores, scaled in float32."""
+    for g in gl.static_range(4):
+        kg = k + g * GROUP
+        if EVEN_K:  # whole groups: a group is in K or past it
+            xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg < K), other=0.0)
+        else:
+            xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg + xc < K), other=0.0)
+        b = _b_tile(xg, B_L)
+        part = mma_v2(_a_tile(words[g], A_L), b, zero) + mma_v2(bias, b, zero)
+        acc += part * gl.convert_layout(_scale_of(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True)[:, None]
+    return acc
+
+
+@gluon.jit
 def _dequant_mma_sync_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys,
     K: gl.constexpr, K_SPLIT: gl.constexpr, STRIDE_W: gl.constexpr, STRIDE_S: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -134,20 +150,21 @@ def _dequant_mma_sync_kernel(
     bias = gl.full([BLOCK_N, 4 * 8], -136.0, gl.bfloat16, A_L)  # -(128 + 8): the unpack's offset and the format's
     acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
     words, scales = _step(w_ptrs, s_ptrs, s_cols, k_begin, K, EVEN_K)
-    for kk in tl.range(0, K_SPLIT, 4 * GROUP, loop_unroll_factor=2):  # unrolled: no moves to hand the prefetch over
-        k = k_begin + kk
-        words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
-        for g in gl.static_range(4):
-            kg = k + g * GROUP
-            if EVEN_K:  # whole groups: a group is in K or past it
-                xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg < K), other=0.0)
-            else:
-                xg = gl.load(x_ptrs + kg, mask=x_rows_ok & (kg + xc < K), other=0.0)
-            b = _b_tile(xg, B_L)
-            part = mma_v2(_a_tile(words[g], A_L), b, zero) + mma_v2(bias, b, zero)
-            acc += part * gl.convert_layout(_scale_of(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True)[:, None]
-        words = words_next
-        scales = scales_next
+    if K_SPLIT % (8 * GROUP) == 0:  # two steps an iteration: the prefetched registers alternate without moves
+        for kk in range(0, K_SPLIT, 8 * GROUP):
+            k = k_begin + kk
+            words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
+            acc = _products(acc, words, scales, x_ptrs, x_rows_ok, xc, bias, zero, k, K, EVEN_K, A_L, B_L, MMA)
+            words, scales = _step(w_ptrs, s_ptrs, s_cols, k + 8 * GROUP, K, EVEN_K)
+            acc = _products(acc, words_next, scales_next, x_ptrs, x_rows_ok, xc, bias, zero, k + 4 * GROUP, K, EVEN_K,
+                            A_L, B_L, MMA)
+    else:
+        for kk in range(0, K_SPLIT, 4 * GROUP):
+            k = k_begin + kk
+            words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
+            acc = _products(acc, words, scales, x_ptrs, x_rows_ok, xc, bias, zero, k, K, EVEN_K, A_L, B_L, MMA)
+            words = words_next
+            scales = scales_next
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     cols = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     if HAS_BIAS:
