@@ -262,7 +262,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     elif cfg.kernel == "mma_sync":
         if fmt != INT4:
             raise ValueError("the mma_sync kernel takes INT4 weights")
-        dequant_mma_sync.check(cfg.block_n, block_k, cfg.num_warps, s_cols, x.dtype)
+        dequant_mma_sync.check(cfg.block_n, block_k, cfg.num_warps, s_cols, x.dtype, k)
     if swiglu and not fold_swiglu(triton.cdiv(n, cfg.block_n) * m * k):
         x2, swiglu = silu_and_mul(x2), False
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))

@@ -75,15 +75,15 @@ def _b_tile(x8, B_L: gl.constexpr):
 
 @gluon.jit
 def _scale_of(scales, g: gl.constexpr):
-    """Column g (0-3) of ``scales [BLOCK_N, 4]`` held in registers (split: no data moves)."""
-    first, second = gl.split(gl.reshape(scales, (scales.shape[0], 2, 2)))
-    half = first if g // 2 == 0 else second
-    lo, hi = gl.split(half)
-    return lo if g % 2 == 0 else hi
+    """Column g (0-3) of ``scales [BLOCK_N, 4]`` held in registers (split: no data moves). Reshaped to (a, b),
+    column 2a + b; split takes the last dimension: b first, then a."""
+    even, odd = gl.split(gl.reshape(scales, (scales.shape[0], 2, 2)))
+    lo, hi = gl.split(even if g % 2 == 0 else odd)
+    return lo if g // 2 == 0 else hi
 
 
 @gluon.jit
-def _step(w_ptrs, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constexpr):
+def _step(w_ptrs, w_cols, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constexpr):
     """The words (a tuple of 4 ``[BLOCK_N, 4]``) and scales ``[BLOCK_N, 4]`` of the 4 groups from column k. Where K
     is a multiple of 128 a step past K (a prefetch past the end, a split's tail) reads the last step again; otherwise
     nothing past K is read. Either way x is masked to zero there."""
@@ -96,7 +96,7 @@ def _step(w_ptrs, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constexpr):
         scales = gl.load(s_ptrs + k // GROUP, mask=k + s_cols * GROUP < K, other=0.0)
         words = ()
         for g in gl.static_range(4):
-            words += (gl.load(w_ptrs + (k // 8 + 4 * g), mask=k + g * GROUP < K, other=0),)
+            words += (gl.load(w_ptrs + (k // 8 + 4 * g), mask=k // 8 + 4 * g + w_cols < (K + 7) // 8, other=0),)
     return words, scales
 
 
@@ -138,7 +138,8 @@ def _dequant_mma_sync_kernel(
     if not EVEN_N:  # the last tile re-reads valid rows (only its store is masked)
         rows_w = gl.minimum(rows_w, N - 1)
         rows_s = gl.minimum(rows_s, N - 1)
-    w_ptrs = w_ptr + rows_w.to(gl.int64)[:, None] * STRIDE_W + gl.arange(0, 4, layout=gl.SliceLayout(0, W_L))[None, :]
+    w_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, W_L))[None, :]
+    w_ptrs = w_ptr + rows_w.to(gl.int64)[:, None] * STRIDE_W + w_cols
     s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))[None, :]
     s_ptrs = s_ptr + rows_s.to(gl.int64)[:, None] * STRIDE_S + s_cols
     xr = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_L)))
@@ -149,19 +150,19 @@ def _dequant_mma_sync_kernel(
     zero = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
     bias = gl.full([BLOCK_N, 4 * 8], -136.0, gl.bfloat16, A_L)  # -(128 + 8): the unpack's offset and the format's
     acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
-    words, scales = _step(w_ptrs, s_ptrs, s_cols, k_begin, K, EVEN_K)
+    words, scales = _step(w_ptrs, w_cols, s_ptrs, s_cols, k_begin, K, EVEN_K)
     if K_SPLIT % (8 * GROUP) == 0:  # two steps an iteration: the prefetched registers alternate without moves
         for kk in range(0, K_SPLIT, 8 * GROUP):
             k = k_begin + kk
-            words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
+            words_next, scales_next = _step(w_ptrs, w_cols, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
             acc = _products(acc, words, scales, x_ptrs, x_rows_ok, xc, bias, zero, k, K, EVEN_K, A_L, B_L, MMA)
-            words, scales = _step(w_ptrs, s_ptrs, s_cols, k + 8 * GROUP, K, EVEN_K)
+            words, scales = _step(w_ptrs, w_cols, s_ptrs, s_cols, k + 8 * GROUP, K, EVEN_K)
             acc = _products(acc, words_next, scales_next, x_ptrs, x_rows_ok, xc, bias, zero, k + 4 * GROUP, K, EVEN_K,
                             A_L, B_L, MMA)
     else:
         for kk in range(0, K_SPLIT, 4 * GROUP):
             k = k_begin + kk
-            words_next, scales_next = _step(w_ptrs, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
+            words_next, scales_next = _step(w_ptrs, w_cols, s_ptrs, s_cols, k + 4 * GROUP, K, EVEN_K)
             acc = _products(acc, words, scales, x_ptrs, x_rows_ok, xc, bias, zero, k, K, EVEN_K, A_L, B_L, MMA)
             words = words_next
             scales = scales_next
@@ -188,8 +189,10 @@ def _layouts(block_n: int):
     return words, scales, x
 
 
-def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.dtype) -> None:
+def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.dtype, k: int) -> None:
     """Raise ValueError where this kernel cannot take the tile or the format."""
+    if k < 1:
+        raise ValueError("the mma_sync kernel takes K >= 1")
     if block_n not in (64, 128, 256) or block_k % (4 * GROUP.value) or num_warps != 4:
         raise ValueError(f"the mma_sync kernel takes 64, 128 or 256 rows of W, 4 warps and steps of 128 columns; "
                          f"got {block_n} rows, {block_k} columns, {num_warps} warps")

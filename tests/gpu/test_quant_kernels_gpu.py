@@ -121,11 +121,13 @@ def test_int4_mma_sync_kernel(n, k, rows, block_n, split):
 
 
 def test_int4_mma_sync_kernel_unpacks_every_nibble_exactly():
-    """Unit rows of x pick single columns of W: with scales of 1 each output is one ``q - 8``, exact, so every
-    nibble's place in the permuted K order is checked bit for bit, 8 columns a call."""
+    """Unit rows of x pick single columns of W: with a power of two for each group's scale (1/4 to 2, in a
+    different order on every row) each output is ``q * scale`` exactly, so every nibble's place in the permuted K
+    order and every group's scale are checked bit for bit, 8 columns a call."""
     n, k = 192, 512
     packed, _ = random_int4(n, k, seed=5)
-    scale = torch.ones(n, k // GROUP, device="cuda")
+    rows, groups = torch.arange(n, device="cuda")[:, None], torch.arange(k // GROUP, device="cuda")[None, :]
+    scale = torch.exp2(((rows + groups) % 4 - 2).float())
     w = int4_reference_weight(packed, scale, torch.float32)
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     for k0 in range(0, k, 8):
