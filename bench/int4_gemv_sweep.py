@@ -6,7 +6,7 @@ the packed weight and its scales ÷ the measured copy rate) and beside the defau
 that rotate through weight copies larger than the L2 (sections_quant.graph_ms); a tile counts only if its output
 equals the default's to bf16 rounding. ``stages`` = steps of the weight in flight, the one multiplied included.
 
-    python3 bench/int4_gemv_sweep.py [--formats int4,fp8] [--shapes "8B gate_up,8B down"]
+    python3 bench/int4_gemv_sweep.py [--formats int4,fp8] [--shapes "8B gate_up,8B down"] [--kernels gemv,mma_sync]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,fp8")
     ap.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
+    ap.add_argument("--kernels", default="gemv,mma_sync", help="the tiles of which kernels beside the default")
     ap.add_argument("--out")
     a = ap.parse_args()
     ctx: dict = {}
@@ -67,7 +68,9 @@ def main() -> None:
             default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8)
             want = run(*ws[0], default).float()
             results = []
-            tiles = [None] + TILES + (MMA_SYNC_TILES if fmt == "int4" else [])
+            kernels = a.kernels.split(",")
+            tiles = [None] + (TILES if "gemv" in kernels else []) \
+                + (MMA_SYNC_TILES if fmt == "int4" and "mma_sync" in kernels else [])
             for tile in tiles:
                 if tile is not None and tile[0] == "mma_sync":
                     split = max(1, min(k // 128, round(tile[2] * 264 / -(-n // tile[1]))))

@@ -71,6 +71,10 @@ ROWS_KERNEL_MIN_K = 7168
 # 28672 x 4096: 71.0 against 46.2 us), where each row's multiply-add per weight on CUDA cores costs more than
 # the tensor-core tile's reuse: FP8 takes the GEMV for 2-4 rows only below FP8_GEMV_MAX_ELEMENTS weights.
 GEMV_MAX_ROWS = 4
+# INT4 in groups of 32 with bf16 activations at up to this many rows (not expert slots) takes the register-fed
+# mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a program
+MMA_SYNC_MAX_ROWS = 8
+MMA_SYNC_BLOCK_N = 128
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
 # INT4 with bf16/fp16 activations, more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS: the "mma" kernel
@@ -131,6 +135,13 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     if m <= 64:
         return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
     return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def mma_sync_config(m: int, n: int, k: int, block_n: int = MMA_SYNC_BLOCK_N) -> DequantConfig:
+    """The "mma_sync" kernel's tile: ``block_n`` rows of W and up to 8 rows of x a program, steps of 128 columns,
+    K split like the GEMV's where N leaves too few programs."""
+    split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, 8), triton.cdiv(k, 128))
+    return DequantConfig(8, block_n, 128, num_warps=4, num_stages=1, split_k=split, kernel="mma_sync")
 
 
 def mma_config(m: int, n: int, k: int, block_n: int = 64, block_k: int = 256) -> DequantConfig:
@@ -232,6 +243,9 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         return y.view(*lead, n)
     if ids is None:
         cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
+        if config is None and fmt == INT4 and s_cols == 32 and x.dtype == torch.bfloat16 and m <= MMA_SYNC_MAX_ROWS \
+                and not interpreting():
+            cfg = mma_sync_config(m, n, k)
     else:  # one slot a program row (its own expert), K split for the grid the slots give
         lead = (m,)
         cfg = config or default_config(1, n, k, x.dtype, fmt=fmt)
