@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 GROUP, BLOCK = 32, (128, 128)
 # (N, K): Kimi gate/up and down of one expert, their TP 8 share, the 8B shape's fused gate/up and down
 SHAPES = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (28672, 4096), (4096, 14336)]
-ROWS = [1, 4, 64, 256]
+ROWS = [1, 4, 8, 64, 256]  # 8: the mma_sync kernel by default
 
 
 
