@@ -71,11 +71,12 @@ ROWS_KERNEL_MIN_K = 7168
 # 28672 x 4096: 71.0 against 46.2 us), where each row's multiply-add per weight on CUDA cores costs more than
 # the tensor-core tile's reuse: FP8 takes the GEMV for 2-4 rows only below FP8_GEMV_MAX_ELEMENTS weights.
 GEMV_MAX_ROWS = 4
-# INT4 in groups of 32 with bf16 activations at GEMV_MAX_ROWS + 1 up to this many rows (not expert slots) takes the
+# INT4 in groups of 32 with bf16 activations at MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows (not expert slots) takes the
 # register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a program. Measured
-# (H100, bench --sections quant_engines, INT4 8B shape): batch-8 decode 1627 tok/s against 1002 with the wgmma kernel;
-# at one row it lost to the GEMV (240 against 372 tok/s; 8B down 24.0 against 17.2 us: its 4-byte loads, a quad's
-# four words 16 bytes apart, are what differs)
+# (H100, bench --sections quant_engines, INT4 8B): batch-8 decode 1981 tok/s (1002 with the wgmma kernel), a chain's
+# 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378 against 261 tok/s); 2-3 rows
+# not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a GPU) left to the others
+MMA_SYNC_MIN_ROWS = 4
 MMA_SYNC_MAX_ROWS = 8
 MMA_SYNC_BLOCK_N = 128
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
@@ -247,7 +248,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     if ids is None:
         cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
         if config is None and fmt == INT4 and s_cols == 32 and x.dtype == torch.bfloat16 \
-                and GEMV_MAX_ROWS < m <= MMA_SYNC_MAX_ROWS and not interpreting():
+                and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and k % 128 == 0 and not interpreting():
             cfg = mma_sync_config(m, n, k)
     else:  # one slot a program row (its own expert), K split for the grid the slots give
         lead = (m,)
