@@ -29,7 +29,7 @@ TILES = [(8, 1024, 4, 2), (8, 1024, 4, 3), (4, 1024, 4, 2), (4, 1024, 4, 3), (4,
          (16, 1024, 4, 1), (16, 1024, 4, 3)]
 # INT4 only: the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), rows of W a program, and programs
 # wanted as a multiple of 264 (two an H200 SM), K split to reach them
-MMA_SYNC_TILES = [("mma_sync", bn, f) for bn in (64, 128, 256) for f in (1, 2, 4)]
+MMA_SYNC_TILES = [("mma_sync", bn, f) for bn in (64, 128) for f in (1, 2, 4)]
 
 
 def main() -> None:
