@@ -65,7 +65,7 @@ def main() -> None:
                        torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3) for _ in range(_copies(nbytes))]
                 run = lambda q, s, cfg: fp8_block_linear(x, q, s, (128, 128), config=cfg)  # noqa: E731
             limit_ms = 1e3 * read_seconds(nbytes, ctx["copy_tbps"])
-            default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8)
+            default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8, group=32 if fmt == "int4" else None)
             want = run(*ws[0], default).float()
             results = []
             kernels = a.kernels.split(",")

@@ -107,7 +107,8 @@ def linear_rows(ctx: dict) -> list[dict]:
 
             for fmt in ("int4", "fp8"):
                 code = INT4 if fmt == "int4" else FP8
-                default, old = default_config(m, n, k, fmt=code), default_config(m, n, k, gemv_max_rows=0, fmt=code)
+                default = default_config(m, n, k, fmt=code, group=32 if fmt == "int4" else None)
+                old = default_config(m, n, k, gemv_max_rows=0, fmt=code)
                 ms = run(fmt, default)
                 old_ms = run(fmt, old) if old != default else ms
                 best, best_tile = min((ms, default), (old_ms, old), key=lambda t: t[0])

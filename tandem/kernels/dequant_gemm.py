@@ -48,7 +48,7 @@ class DequantConfig:
     # up to block_m (1 to 4) rows a program (tandem/kernels/dequant_gemv.py); "mma": INT4 only, tensor cores
     # with W's rows as the dot's M, 8 or 16 rows of x a program (tandem/kernels/dequant_mma.py); "mma_sync": INT4
     # groups of 32, bf16, mma.sync fed from registers, 8 rows of x a program (tandem/kernels/dequant_mma_sync.py,
-    # block_n 64 / 128 / 256, block_k a multiple of 128). (num_stages, for
+    # block_n 64 or 128, block_k a multiple of 128). (num_stages, for
     # "gemv": K steps of the weight in flight, the one multiplied included; 1 and 2 are the same)
     kernel: str = "dot"
 
@@ -71,8 +71,8 @@ ROWS_KERNEL_MIN_K = 7168
 # 28672 x 4096: 71.0 against 46.2 us), where each row's multiply-add per weight on CUDA cores costs more than
 # the tensor-core tile's reuse: FP8 takes the GEMV for 2-4 rows only below FP8_GEMV_MAX_ELEMENTS weights.
 GEMV_MAX_ROWS = 4
-# INT4 in groups of 32 with bf16 activations at MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows (not expert slots) takes the
-# register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a program. Measured
+# INT4 in groups of 32 with bf16 activations at MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows (default_config; not expert
+# slots) takes the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a program. Measured
 # (H100, bench --sections quant_engines, INT4 8B): batch-8 decode 1981 tok/s (1002 with the wgmma kernel), a chain's
 # 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378 against 261 tok/s); 2-3 rows
 # not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a GPU) left to the others
@@ -100,8 +100,10 @@ def _gemv_split(programs: int, steps: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-                   gemv_max_rows: int | None = None, fmt: int = INT4) -> DequantConfig:
-    """Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4, and
+                   gemv_max_rows: int | None = None, fmt: int = INT4, group: int | None = None) -> DequantConfig:
+    """INT4 in ``group``s of 32 (the scale groups' columns, where the caller knows them) with bf16 activations at
+    MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows and K a multiple of 128: the register-fed mma.sync kernel.
+    Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4, and
     FP8 at one row) or 512 (FP8 at 2-4 rows) columns a step: one 32-bit word of each row per thread of 4 warps
     (FP8 at 1024 columns holds twice the registers, which several rows cannot afford); K split where N leaves
     too few programs (GEMV_MIN_PROGRAMS).
@@ -111,6 +113,9 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
     gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    if (fmt == INT4 and group == 32 and dtype == torch.bfloat16 and gemv_max_rows is None
+            and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and k % 128 == 0 and not interpreting()):
+        return mma_sync_config(m, n, k)
     if (fmt == INT4 and gemv_max_rows is None and gemv_rows < m <= INT4_MMA_MAX_ROWS and n * k < INT4_MMA_MAX_ELEMENTS
             and dtype != torch.float32):
         return mma_config(m, n, k)
@@ -246,10 +251,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     if m == 0:
         return y.view(*lead, n)
     if ids is None:
-        cfg = config or default_config(m, n, k, x.dtype, fmt=fmt)
-        if config is None and fmt == INT4 and s_cols == 32 and x.dtype == torch.bfloat16 \
-                and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and k % 128 == 0 and not interpreting():
-            cfg = mma_sync_config(m, n, k)
+        cfg = config or default_config(m, n, k, x.dtype, fmt=fmt, group=s_cols)
     else:  # one slot a program row (its own expert), K split for the grid the slots give
         lead = (m,)
         cfg = config or default_config(1, n, k, x.dtype, fmt=fmt)
