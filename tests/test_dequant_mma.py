@@ -82,6 +82,8 @@ def test_int4_mma_max_rows_routes_the_default(monkeypatch):
     assert dequant_gemm.default_config(8, 4096, 7168, torch.float16, group=32).kernel == "mma"
     assert dequant_gemm.default_config(8, 4096, 7168, group=128).kernel == "mma"
     assert dequant_gemm.default_config(8, 4096, 7168, fmt=dequant_gemm.FP8, group=32).kernel != "mma_sync"
+    monkeypatch.setattr(dequant_gemm, "gluon_available", lambda: False)  # a Triton without Gluon (before 3.5)
+    assert dequant_gemm.default_config(8, 4096, 7168, group=32).kernel == "mma"
     monkeypatch.setattr(dequant_gemm, "interpreting", dequant_tiles_interpreting)
     monkeypatch.setattr(dequant_gemm, "INT4_MMA_MAX_ROWS", 4)
     assert dequant_gemm.default_config(8, 4096, 7168).kernel == "dot"

@@ -22,13 +22,14 @@ tensor cores, packed unpack) below INT4_MMA_MAX_ELEMENTS weights. Tile loaders: 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels import dequant_mma_sync
 from tandem.kernels.activation import fold_swiglu, silu_and_mul
 from tandem.kernels.dequant_gemv import INT4_HI_SHIFT, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
@@ -72,8 +73,8 @@ ROWS_KERNEL_MIN_K = 7168
 # the tensor-core tile's reuse: FP8 takes the GEMV for 2-4 rows only below FP8_GEMV_MAX_ELEMENTS weights.
 GEMV_MAX_ROWS = 4
 # INT4 in groups of 32 with bf16 activations at MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows (default_config; not expert
-# slots) takes the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a program. Measured
-# (H100, bench --sections quant_engines, INT4 8B): batch-8 decode 1981 tok/s (1002 with the wgmma kernel), a chain's
+# slots) takes the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a
+# program. Measured (H100, bench --sections quant_engines, INT4 8B): batch-8 decode 1981 tok/s (1002 with the wgmma kernel), a chain's
 # 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378 against 261 tok/s); 2-3 rows
 # not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a GPU) left to the others
 MMA_SYNC_MIN_ROWS = 4
@@ -113,8 +114,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
     gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
-    if (fmt == INT4 and group == 32 and dtype == torch.bfloat16 and gemv_max_rows is None
-            and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and k % 128 == 0 and not interpreting()):
+    if (fmt == INT4 and group == 32 and dtype == torch.bfloat16 and gemv_max_rows is None and k % 128 == 0
+            and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and not interpreting() and gluon_available()):
         return mma_sync_config(m, n, k)
     if (fmt == INT4 and gemv_max_rows is None and gemv_rows < m <= INT4_MMA_MAX_ROWS and n * k < INT4_MMA_MAX_ELEMENTS
             and dtype != torch.float32):
@@ -144,6 +145,13 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     if m <= 64:
         return DequantConfig(64, 64, 64, num_warps=4, num_stages=3)
     return DequantConfig(64, 128, 64, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon (3.5 on), which the mma_sync kernel is written in; an older one (torch 2.4-2.8's)
+    keeps the other kernels."""
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
 def mma_sync_config(m: int, n: int, k: int, block_n: int = MMA_SYNC_BLOCK_N) -> DequantConfig:
@@ -280,6 +288,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
                              f"got groups of {s_cols}, {x.dtype}")
         block_k = max(s_cols, block_k // s_cols * s_cols)
     elif cfg.kernel == "mma_sync":
+        from tandem.kernels import dequant_mma_sync  # (Gluon: not in every Triton, gluon_available)
+
         if fmt != INT4:
             raise ValueError("the mma_sync kernel takes INT4 weights")
         dequant_mma_sync.check(cfg.block_n, block_k, cfg.num_warps, s_cols, x.dtype, k)
@@ -295,7 +305,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     formatted = dict(shared, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols)  # the gemv and tile kernels take any format
     if cfg.kernel == "mma_sync":
-        dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, cfg.block_n, shared["HAS_BIAS"])
+        dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, cfg.block_n,
+                                shared["HAS_BIAS"])
     elif cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
         _dequant_mma_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, STRIDE_W=w.stride(0),

@@ -18,8 +18,8 @@ every other ``convert_layout`` here is asserted trivial at compile time):
   32-column group, for rows ``l / 4`` and ``l / 4 + 8`` of its warp's 16 — exactly the rows and the four K pairs
   of mma.m16n8k16's A fragment, once the dot's K order is permuted: logical column ``8t + 2j + h`` of a group is
   checkpoint column ``8j + t + 4h``. (A quad loads a step's 16 words of a row as 16-byte loads, one group each,
-  and transposes them through shared memory: ``_step``.) LOP3 with 0x000F000F under bf16's 128 makes nibbles t and t + 4 the pair
-  ``(128 + q_t, 128 + q_{t+4})`` in one register — one A register, exact.
+  and transposes them through shared memory: ``_step``.) LOP3 with 0x000F000F under bf16's 128 makes nibbles t and
+  t + 4 the pair ``(128 + q_t, 128 + q_{t+4})`` in one register — one A register, exact.
 * The activations take the same order: the 8 columns a thread needs are 8 consecutive ones (a 16-byte load),
   paired (x_t, x_{t+4}) by PRMT.
 * ``128 + q`` instead of ``q - 8``: the products are summed and the ``-136 * sum(x)`` of each group comes from one
@@ -216,8 +216,8 @@ def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.d
     if interpreting():
         raise ValueError("the mma_sync kernel needs a GPU: Gluon kernels do not run under the Triton interpreter")
     if group != GROUP.value or dtype != torch.bfloat16:
-        raise ValueError(f"the mma_sync kernel takes INT4 groups of {GROUP.value} columns and bf16 activations; got groups "
-                         f"of {group}, {dtype}")
+        raise ValueError(f"the mma_sync kernel takes INT4 groups of {GROUP.value} columns and bf16 activations; got "
+                         f"groups of {group}, {dtype}")
 
 
 def launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, block_n, has_bias):
