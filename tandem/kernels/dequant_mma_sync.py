@@ -189,8 +189,8 @@ def _dequant_mma_sync_kernel(
 
 def _layouts(block_n: int):
     """The words' (as mma wants them, as a quad loads them, transposed), scales' and activations' register layouts
-    for ``block_n`` rows of W (64 or 128): row bits
-    0-2 on lanes 2-4, bit 3 in a register, bits 4-5 on the warps, higher bits in registers — mma's A rows."""
+    for ``block_n`` rows of W (64 or 128): row bits 0-2 on lanes 2-4, bit 3 in a register, bits 4-5 on the warps,
+    higher bits in registers — mma's A rows."""
     repeats = [[64 << i, 0] for i in range((block_n // TILE_ROWS).bit_length() - 1)]
     lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
     warps = [[16, 0], [32, 0]]
