@@ -30,8 +30,8 @@ def main() -> None:
     engines = {"default (1024)": random_weight_engine(case.path, (1,), 1, 2048)}
     default = dequant_gemm.default_config
 
-    def step_512(m, n, k, dtype=torch.bfloat16, gemv_max_rows=None, fmt=dequant_gemm.INT4):
-        cfg = default(m, n, k, dtype, gemv_max_rows=gemv_max_rows, fmt=fmt)
+    def step_512(m, n, k, dtype=torch.bfloat16, gemv_max_rows=None, fmt=dequant_gemm.INT4, group=None):
+        cfg = default(m, n, k, dtype, gemv_max_rows=gemv_max_rows, fmt=fmt, group=group)
         if fmt == dequant_gemm.FP8 and cfg.kernel == "gemv" and cfg.block_k == 1024:
             cfg = dataclasses.replace(cfg, block_k=512, split_k=dequant_gemm._gemv_split(
                 -(-n // cfg.block_n) * -(-m // cfg.block_m), -(-k // 512)))

@@ -38,7 +38,8 @@ def main() -> None:
     from sections import ceilings
     from sections_quant import LINEAR_SHAPES, _copies, graph_ms
     from measure import read_seconds
-    from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear
+    from tandem.kernels.dequant_configs import DequantConfig, default_config
+    from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear
     from tandem.kernels.dequant_tiles import FP8, INT4
 
     ap = argparse.ArgumentParser()

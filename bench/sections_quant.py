@@ -86,7 +86,8 @@ def _weights(n: int, k: int, copies: int) -> dict:
 
 
 def linear_rows(ctx: dict) -> list[dict]:
-    from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear, mma_config
+    from tandem.kernels.dequant_configs import DequantConfig, default_config, mma_config
+    from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear
     from tandem.kernels.dequant_tiles import FP8, INT4
 
     copy_tbps = ctx.get("copy_tbps")

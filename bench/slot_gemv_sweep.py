@@ -34,7 +34,8 @@ def main() -> None:
     from measure import read_seconds
     from sections import ceilings
     from sections_quant import L2_BYTES, graph_ms
-    from tandem.kernels.dequant_gemm import DequantConfig, _gemv_split, default_config, slot_linear
+    from tandem.kernels.dequant_configs import DequantConfig, _gemv_split, default_config
+    from tandem.kernels.dequant_gemm import slot_linear
     from tandem.kernels.dequant_gemv import gemv_block_k
     from tandem.kernels.dequant_tiles import INT4, PLAIN
 

@@ -26,7 +26,8 @@ pytest.importorskip("compressed_tensors")
 from helpers import norm_rel_err  # noqa: E402
 from quantized_checkpoints import fp8_block_quantize  # noqa: E402
 from test_quant_kernels import DEVICE, TOL, activations, check_int4_linear, int4_weight, reference  # noqa: E402
-from tandem.kernels.dequant_gemm import DequantConfig, default_config, fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.dequant_configs import DequantConfig, default_config  # noqa: E402
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
 from tandem.kernels.dequant_tiles import FP8, INT4  # noqa: E402
 
 EVEN_N = DequantConfig(4, 8, 64, num_stages=1, kernel="gemv")  # N = 5 tiles, K = 2.5 steps
@@ -130,9 +131,9 @@ def test_swiglu_rows_multiply_silu_of_gate_times_up(dtype, fmt, config, folded, 
 def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
     """GEMV_MAX_ROWS (the bench's ``old default`` passes 0); K split only where N leaves too few programs;
     the step holds 1024 columns (FP8 at 2-4 rows: 512). (The GPU's tiles: the interpreter takes wider ones.)"""
-    from tandem.kernels import dequant_gemm
+    from tandem.kernels import dequant_configs
 
-    monkeypatch.setattr(dequant_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(dequant_configs, "interpreting", lambda: False)
     assert default_config(1, 4096, 7168).kernel == "gemv" and default_config(4, 4096, 7168).kernel == "gemv"
     assert default_config(5, 4096, 7168).kernel == "mma" and default_config(5, 4096, 7168, fmt=FP8).kernel == "dot"
     assert default_config(1, 4096, 7168, gemv_max_rows=0).kernel == "rows"

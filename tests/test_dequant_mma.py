@@ -25,8 +25,10 @@ pytest.importorskip("compressed_tensors")
 from helpers import norm_rel_err  # noqa: E402
 from quantized_checkpoints import fp8_block_quantize  # noqa: E402
 from test_quant_kernels import DEVICE, TOL, activations, int4_weight, reference  # noqa: E402
-from tandem.kernels import dequant_gemm  # noqa: E402
-from tandem.kernels.dequant_gemm import DequantConfig, fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels import dequant_configs  # noqa: E402
+from tandem.kernels.dequant_configs import DequantConfig  # noqa: E402
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.dequant_tiles import FP8  # noqa: E402
 from tandem.kernels.dequant_tiles import interpreting as dequant_tiles_interpreting  # noqa: E402
 
 # (config, k): K = 2.5 steps (masked tail); K = 3 steps in 2 splits (the second split's last step lies past K:
@@ -65,30 +67,30 @@ def test_int4_mma_max_rows_routes_the_default(monkeypatch):
     """INT4 with bf16/fp16 activations of more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS goes to the mma
     kernel, below INT4_MMA_MAX_ELEMENTS weights; one row, float32 activations, more rows and the largest weights
     keep the other kernels."""
-    assert dequant_gemm.default_config(1, 4096, 7168).kernel == "gemv"
-    assert dequant_gemm.default_config(4, 4096, 7168).kernel == "gemv"
-    assert dequant_gemm.default_config(16, 4096, 7168).kernel == "mma"
-    assert dequant_gemm.default_config(8, 4096, 7168).block_m == 16
-    assert dequant_gemm.default_config(17, 4096, 7168).kernel == "dot"
-    assert dequant_gemm.default_config(16, 28672, 4096).kernel == "dot"  # 8B gate_up: the tiles
-    assert dequant_gemm.default_config(8, 4096, 7168, torch.float32).kernel != "mma"
+    assert dequant_configs.default_config(1, 4096, 7168).kernel == "gemv"
+    assert dequant_configs.default_config(4, 4096, 7168).kernel == "gemv"
+    assert dequant_configs.default_config(16, 4096, 7168).kernel == "mma"
+    assert dequant_configs.default_config(8, 4096, 7168).block_m == 16
+    assert dequant_configs.default_config(17, 4096, 7168).kernel == "dot"
+    assert dequant_configs.default_config(16, 28672, 4096).kernel == "dot"  # 8B gate_up: the tiles
+    assert dequant_configs.default_config(8, 4096, 7168, torch.float32).kernel != "mma"
     # where the caller gives the group size (groups of 32), bf16 at 4-8 rows and K a multiple of 128 take mma_sync on a
     # GPU; the interpreter never (Gluon does not run there)
-    assert dequant_gemm.default_config(4, 4096, 7168, group=32).kernel == "gemv"
-    monkeypatch.setattr(dequant_gemm, "interpreting", lambda: False)
-    assert [dequant_gemm.default_config(m, 4096, 7168, group=32).kernel for m in (3, 4, 8, 9)] == \
+    assert dequant_configs.default_config(4, 4096, 7168, group=32).kernel == "gemv"
+    monkeypatch.setattr(dequant_configs, "interpreting", lambda: False)
+    assert [dequant_configs.default_config(m, 4096, 7168, group=32).kernel for m in (3, 4, 8, 9)] == \
         ["gemv", "mma_sync", "mma_sync", "mma"]
-    assert dequant_gemm.default_config(8, 4096, 7100, group=32).kernel == "mma"  # K not a multiple of 128
-    assert dequant_gemm.default_config(8, 4096, 7168, torch.float16, group=32).kernel == "mma"
-    assert dequant_gemm.default_config(8, 4096, 7168, group=128).kernel == "mma"
-    assert dequant_gemm.default_config(8, 4096, 7168, fmt=dequant_gemm.FP8, group=32).kernel != "mma_sync"
-    monkeypatch.setattr(dequant_gemm, "gluon_available", lambda: False)  # a Triton without Gluon (before 3.5)
-    assert dequant_gemm.default_config(8, 4096, 7168, group=32).kernel == "mma"
-    monkeypatch.setattr(dequant_gemm, "interpreting", dequant_tiles_interpreting)
-    monkeypatch.setattr(dequant_gemm, "INT4_MMA_MAX_ROWS", 4)
-    assert dequant_gemm.default_config(8, 4096, 7168).kernel == "dot"
-    monkeypatch.setattr(dequant_gemm, "GEMV_MAX_ROWS", 1)
-    assert dequant_gemm.default_config(2, 4096, 7168).kernel == "mma"
+    assert dequant_configs.default_config(8, 4096, 7100, group=32).kernel == "mma"  # K not a multiple of 128
+    assert dequant_configs.default_config(8, 4096, 7168, torch.float16, group=32).kernel == "mma"
+    assert dequant_configs.default_config(8, 4096, 7168, group=128).kernel == "mma"
+    assert dequant_configs.default_config(8, 4096, 7168, fmt=FP8, group=32).kernel != "mma_sync"
+    monkeypatch.setattr(dequant_configs, "gluon_available", lambda: False)  # a Triton without Gluon (before 3.5)
+    assert dequant_configs.default_config(8, 4096, 7168, group=32).kernel == "mma"
+    monkeypatch.setattr(dequant_configs, "interpreting", dequant_tiles_interpreting)
+    monkeypatch.setattr(dequant_configs, "INT4_MMA_MAX_ROWS", 4)
+    assert dequant_configs.default_config(8, 4096, 7168).kernel == "dot"
+    monkeypatch.setattr(dequant_configs, "GEMV_MAX_ROWS", 1)
+    assert dequant_configs.default_config(2, 4096, 7168).kernel == "mma"
     n, k, group = 40, 96, 32
     packed, scale, deq = int4_weight(n, k, group, seed=3)
     x = activations(2, k, torch.bfloat16, seed=4)

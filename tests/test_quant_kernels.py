@@ -23,7 +23,8 @@ pytest.importorskip("compressed_tensors")
 
 from quantized_checkpoints import fp8_block_quantize, int4_compress  # noqa: E402
 from helpers import norm_rel_err  # noqa: E402
-from tandem.kernels.dequant_gemm import DequantConfig, fp8_block_linear, int4_linear  # noqa: E402
+from tandem.kernels.dequant_configs import DequantConfig  # noqa: E402
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 SMALL = DequantConfig(16, 16, 64, num_warps=4, num_stages=2)  # several N tiles and K steps on tiny shapes
@@ -146,7 +147,7 @@ def test_a_config_names_a_kernel_its_rows_fit():
 
 
 def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():
-    from tandem.kernels.dequant_gemm import default_config
+    from tandem.kernels.dequant_configs import default_config
 
     assert default_config(4, 512, 7168, gemv_max_rows=0).split_k > 1  # a TP 8 shared expert's gate/up, 4 rows
     assert default_config(1, 28672, 4096, gemv_max_rows=0).split_k == 1 and default_config(64, 512, 7168).split_k == 1
@@ -155,7 +156,7 @@ def test_default_tiles_split_k_only_where_n_leaves_too_few_programs():
 def test_one_row_over_a_long_k_takes_the_cuda_core_kernel():
     """Without the GEMV kernel (tests/test_dequant_gemv.py), where the H200 measured it faster (K 7168 and
     14336, one row); the tensor-core tiles elsewhere."""
-    from tandem.kernels.dequant_gemm import default_config
+    from tandem.kernels.dequant_configs import default_config
 
     def kernel(m, n, k):
         return default_config(m, n, k, gemv_max_rows=0).kernel

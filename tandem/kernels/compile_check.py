@@ -132,6 +132,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
                 setattr(mod, attr, _CompileOnly(getattr(mod, attr)))
     pa, rk, nm, ac, gv, rg, cp, dq, fm, mla, mlp, mr, _, mab = mods.values()
     ms = importlib.import_module("tandem.kernels.dequant_mma_sync")
+    dc = importlib.import_module("tandem.kernels.dequant_configs")
     ms._dequant_mma_sync_kernel = _CompileOnly(ms._dequant_mma_sync_kernel)
     failures: list[str] = []
 
@@ -258,7 +259,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     x = torch.empty(1, 14336, dtype=dt)  # the GEMV tiles bench/sections_quant.py tries
     for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")):
-        cfg = dq.DequantConfig(*tile)
+        cfg = dc.DequantConfig(*tile)
         dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
         dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),
                             config=cfg)
@@ -268,25 +269,25 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         for bn, bk, warps in ((8, 1024, 4), (8, 512, 4), (16, 1024, 4), (4, 1024, 4), (8, 2048, 8)):
             if rows > 1 and bn > 8 or rows in (2, 3) and (bn, bk) != (8, 1024):
                 continue
-            cfg = dq.DequantConfig(rows, bn, bk, warps, 1, kernel="gemv")
+            cfg = dc.DequantConfig(rows, bn, bk, warps, 1, kernel="gemv")
             dq.int4_linear(x, torch.empty(4096, 7168 // 8, dtype=torch.int32), torch.empty(4096, 7168 // 32), 32,
                            config=cfg)
             dq.fp8_block_linear(x, torch.empty(4096, 7168, dtype=torch.float8_e4m3fn), torch.empty(32, 56), (128, 128),
                                 config=cfg)
             _report(f"int4/fp8 gemv {rows} rows, tile {bn}x{bk} w{warps}", failures)
     for rows, n, k in ((1, 28672, 4096), (4, 4096, 14336), (16, 4096, 7168), (16, 512, 7168)):  # the mma kernel's tiles
-        cfg = dq.mma_config(rows, n, k)  # (bench/sections_quant.py's shapes; 8 and 16 rows of x a program)
+        cfg = dc.mma_config(rows, n, k)  # (bench/sections_quant.py's shapes; 8 and 16 rows of x a program)
         dq.int4_linear(torch.empty(rows, k, dtype=dt), torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32),
                        32, config=cfg)
         _report(f"int4 mma {rows}x{k} -> {n} split {cfg.split_k}", failures)
     x = torch.empty(1, 14336, dtype=dt)  # the mma tiles bench/sections_quant.py tries (MMA_TILES)
     for bm, bn, bk, warps in ((16, 64, 128, 4), (8, 64, 256, 4), (16, 128, 256, 8)):
-        cfg = dq.DequantConfig(bm, bn, bk, warps, 1, split_k=2, kernel="mma")
+        cfg = dc.DequantConfig(bm, bn, bk, warps, 1, split_k=2, kernel="mma")
         dq.int4_linear(x, torch.empty(4096, 14336 // 8, dtype=torch.int32), torch.empty(4096, 14336 // 32), 32, config=cfg)
         _report(f"int4 mma tile {bm}x{bn}x{bk} w{warps}", failures)
     for rows, n, k, bn, split in ((1, 4096, 14336, 128, 8), (4, 28672, 4096, 128, 2), (8, 1000, 4000, 64, 3),
                                   (1, 4096, 4096, 64, 30)):
-        cfg = dq.DequantConfig(8, bn, 128, 4, 1, split_k=split, kernel="mma_sync")  # register-fed mma.sync (Gluon)
+        cfg = dc.DequantConfig(8, bn, 128, 4, 1, split_k=split, kernel="mma_sync")  # register-fed mma.sync (Gluon)
         dq.int4_linear(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k // 8, dtype=torch.int32),
                        torch.empty(n, k // 32), 32, config=cfg)
         _report(f"int4 mma_sync {rows}x{k} -> {n} {bn} rows", failures)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.dequant_gemm import PROGRAMS_WANTED
+from tandem.kernels.dequant_configs import PROGRAMS_WANTED
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
 from tandem.kernels.moe_slots import routed_by_slots, slots_apply, sum_slots
 from tandem.kernels.rounding import round_to

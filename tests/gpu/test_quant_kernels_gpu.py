@@ -19,7 +19,8 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
 from helpers import capture_graph, norm_rel_err  # noqa: E402
 
-from tandem.kernels.dequant_gemm import DequantConfig, fp8_block_linear, int4_linear, mma_config  # noqa: E402
+from tandem.kernels.dequant_configs import DequantConfig, mma_config  # noqa: E402
+from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
