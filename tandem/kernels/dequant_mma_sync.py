@@ -8,7 +8,7 @@ SASS). Here ~2.0 a weight in the SASS of the 8B down shape (compiled for sm_90 o
 them the unpack, whatever the rows. Measured on an H100 (INT4 8B engine, bench --sections quant_engines): batch-8
 decode 1981 tok/s, against 1635 with the words loaded 4 bytes at a time where mma wants them (same call) and 1002
 with the wgmma kernel (an earlier call); a chain's 4-row verify at τ 4 800 against 693 tok/s with the GEMV. At one
-row it stays slower than the GEMV (8B down 24.6 against 17.1 us), which keeps 1-3 rows.
+row it stays slower than the GEMV (8B down 26.2 against 17.1 us), which keeps 1-3 rows.
 
 How (Gluon, Triton's layout-explicit dialect, so that no layout conversion moves data but the quad's transpose —
 every other ``convert_layout`` here is asserted trivial at compile time):
