@@ -28,7 +28,7 @@ TILES = [(8, 1024, 4, 2), (8, 1024, 4, 3), (4, 1024, 4, 2), (4, 1024, 4, 3), (4,
          # loop's SASS on the 8B down shape, against the default's 3.46; 96 registers)
          (16, 1024, 4, 1), (16, 1024, 4, 3)]
 # INT4 only: the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), rows of W a program, and programs
-# wanted as a multiple of 264 (two an H200 SM), K split to reach them
+# wanted as a multiple of PROGRAMS_WANTED (two an H200 SM), K split to reach them
 MMA_SYNC_TILES = [("mma_sync", bn, f) for bn in (64, 128) for f in (1, 2, 4)]
 
 
@@ -38,7 +38,8 @@ def main() -> None:
     from sections import ceilings
     from sections_quant import LINEAR_SHAPES, _copies, graph_ms
     from measure import read_seconds
-    from tandem.kernels.dequant_configs import DequantConfig, default_config
+    from tandem.kernels.dequant_configs import (MMA_SYNC_STEP, PROGRAMS_WANTED, DequantConfig, default_config,
+                                                mma_sync_config)
     from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear
     from tandem.kernels.dequant_tiles import FP8, INT4
 
@@ -74,8 +75,8 @@ def main() -> None:
                 + (MMA_SYNC_TILES if fmt == "int4" and "mma_sync" in kernels else [])
             for tile in tiles:
                 if tile is not None and tile[0] == "mma_sync":
-                    split = max(1, min(k // 128, round(tile[2] * 264 / -(-n // tile[1]))))
-                    cfg = DequantConfig(8, tile[1], 128, 4, 1, split_k=split, kernel="mma_sync")
+                    split = max(1, min(k // MMA_SYNC_STEP, round(tile[2] * PROGRAMS_WANTED / -(-n // tile[1]))))
+                    cfg = mma_sync_config(1, n, k, tile[1], split)
                 else:
                     cfg = default if tile is None else DequantConfig(1, *tile, split_k=default.split_k, kernel="gemv")
                 if tile is not None and cfg == default:

@@ -287,7 +287,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         _report(f"int4 mma tile {bm}x{bn}x{bk} w{warps}", failures)
     for rows, n, k, bn, split in ((1, 4096, 14336, 128, 8), (4, 28672, 4096, 128, 2), (8, 1000, 4000, 64, 3),
                                   (1, 4096, 4096, 64, 30)):
-        cfg = dc.DequantConfig(8, bn, 128, 4, 1, split_k=split, kernel="mma_sync")  # register-fed mma.sync (Gluon)
+        cfg = dc.mma_sync_config(rows, n, k, bn, split)  # register-fed mma.sync (Gluon)
         dq.int4_linear(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k // 8, dtype=torch.int32),
                        torch.empty(n, k // 32), 32, config=cfg)
         _report(f"int4 mma_sync {rows}x{k} -> {n} {bn} rows", failures)

@@ -32,7 +32,7 @@ class DequantConfig:
 
     def __post_init__(self):
         rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4,
-                   "mma": self.block_m in (8, 16), "mma_sync": self.block_m == 8}
+                   "mma": self.block_m in (8, 16), "mma_sync": self.block_m == MMA_SYNC_ROWS}
         if not rows_ok.get(self.kernel, False):
             raise ValueError("DequantConfig: kernel 'dot' takes block_m >= 16, 'rows' block_m 1, 'gemv' block_m "
                              f"1 to 4, 'mma' block_m 8 or 16, 'mma_sync' block_m 8; got {self}")
@@ -51,12 +51,18 @@ ROWS_KERNEL_MIN_K = 7168
 GEMV_MAX_ROWS = 4
 # INT4 in groups of 32 with bf16 activations at MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows (default_config; not expert
 # slots) takes the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a
-# program. Measured (H100, bench --sections quant_engines, INT4 8B): batch-8 decode 1981 tok/s (1002 with the wgmma kernel), a chain's
-# 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378 against 261 tok/s); 2-3 rows
-# not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a GPU) left to the others
+# program. Measured (H100, bench --sections quant_engines, INT4 8B, in process): batch-8 decode 1981 tok/s (1002 with
+# the wgmma kernel), a chain's 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378
+# against 261 tok/s); 2-3 rows not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a
+# GPU) left to the others
 MMA_SYNC_MIN_ROWS = 4
 MMA_SYNC_MAX_ROWS = 8
 MMA_SYNC_BLOCK_N = 128
+# What the mma_sync kernel is built for (tandem/kernels/dequant_mma_sync.py reads them from here): scale groups of 32
+# columns (one A fragment's K span is a group's four words), steps of 4 groups, 8 rows of x a program (mma's N)
+MMA_SYNC_GROUP = 32
+MMA_SYNC_STEP = 4 * MMA_SYNC_GROUP
+MMA_SYNC_ROWS = 8
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
 # INT4 with bf16/fp16 activations, more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS: the "mma" kernel
@@ -91,8 +97,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     products, no tensor cores) takes small tiles that fit in registers. bench/sections_quant.py times
     alternatives."""
     gemv_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
-    if (fmt == INT4 and group == 32 and dtype == torch.bfloat16 and gemv_max_rows is None and k % 128 == 0
-            and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and not interpreting() and gluon_available()):
+    if (fmt == INT4 and group == MMA_SYNC_GROUP and dtype == torch.bfloat16 and gemv_max_rows is None
+            and k % MMA_SYNC_STEP == 0 and MMA_SYNC_MIN_ROWS <= m <= MMA_SYNC_MAX_ROWS and not interpreting() and gluon_available()):
         return mma_sync_config(m, n, k)
     if (fmt == INT4 and gemv_max_rows is None and gemv_rows < m <= INT4_MMA_MAX_ROWS and n * k < INT4_MMA_MAX_ELEMENTS
             and dtype != torch.float32):
@@ -131,11 +137,14 @@ def gluon_available() -> bool:
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def mma_sync_config(m: int, n: int, k: int, block_n: int = MMA_SYNC_BLOCK_N) -> DequantConfig:
-    """The "mma_sync" kernel's tile: ``block_n`` rows of W and up to 8 rows of x a program, steps of 128 columns,
-    K split like the GEMV's where N leaves too few programs."""
-    split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, 8), triton.cdiv(k, 128))
-    return DequantConfig(8, block_n, 128, num_warps=4, num_stages=1, split_k=split, kernel="mma_sync")
+def mma_sync_config(m: int, n: int, k: int, block_n: int = MMA_SYNC_BLOCK_N,
+                    split: int | None = None) -> DequantConfig:
+    """The "mma_sync" kernel's tile: ``block_n`` rows of W and up to MMA_SYNC_ROWS rows of x a program, steps of
+    MMA_SYNC_STEP columns, K split in ``split`` or, by default, like the GEMV's where N leaves too few programs."""
+    if split is None:
+        split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, MMA_SYNC_ROWS), triton.cdiv(k, MMA_SYNC_STEP))
+    return DequantConfig(MMA_SYNC_ROWS, block_n, MMA_SYNC_STEP, num_warps=4, num_stages=1, split_k=split,
+                         kernel="mma_sync")
 
 
 def mma_config(m: int, n: int, k: int, block_n: int = 64, block_k: int = 256) -> DequantConfig:

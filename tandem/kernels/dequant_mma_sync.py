@@ -39,10 +39,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from tandem.kernels.dequant_configs import MMA_SYNC_GROUP, MMA_SYNC_ROWS, MMA_SYNC_STEP
 from tandem.kernels.dequant_tiles import interpreting
 
-GROUP = gl.constexpr(32)  # the only group size this kernel takes: a group is the four words of one A fragment's K span
-ROWS = gl.constexpr(8)  # activation rows a program (mma's N)
+GROUP = gl.constexpr(MMA_SYNC_GROUP)  # the only group size this kernel takes: one A fragment's K span, four words
+ROWS = gl.constexpr(MMA_SYNC_ROWS)  # activation rows a program (mma's N)
 TILE_ROWS = 64  # weight rows per repeat: 4 warps x mma's 16
 
 
@@ -210,7 +211,7 @@ def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.d
     """Raise ValueError where this kernel cannot take the tile or the format."""
     if k < 1:
         raise ValueError("the mma_sync kernel takes K >= 1")
-    if block_n not in (64, 128) or block_k % (4 * GROUP.value) or num_warps != 4:  # (256 spills)
+    if block_n not in (64, 128) or block_k % MMA_SYNC_STEP or num_warps != 4:  # (256 spills)
         raise ValueError(f"the mma_sync kernel takes 64 or 128 rows of W, 4 warps and steps of 128 columns; "
                          f"got {block_n} rows, {block_k} columns, {num_warps} warps")
     if interpreting():

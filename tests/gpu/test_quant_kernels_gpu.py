@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32  # noqa: E402
 from helpers import capture_graph, norm_rel_err  # noqa: E402
 
-from tandem.kernels.dequant_configs import DequantConfig, mma_config  # noqa: E402
+from tandem.kernels.dequant_configs import mma_config, mma_sync_config  # noqa: E402
 from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear  # noqa: E402
 from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
 
@@ -102,10 +102,6 @@ def test_int4_mma_kernel_unpacks_every_nibble_exactly(dtype):
         assert torch.equal(y.float(), w[:, k0:k0 + 16].t()), k0
 
 
-def mma_sync_config(n: int, block_n: int, split: int) -> DequantConfig:
-    return DequantConfig(8, block_n, 128, 4, 1, split_k=split, kernel="mma_sync")
-
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("block_n,split", [(64, 1), (128, 8), (128, 5), (64, 40)])  # 40: splits past K
 # 4000: whole groups masked; 4008: a partial word's group; 4100: a partial group; 96: K under one step of 128
@@ -117,7 +113,7 @@ def test_int4_mma_sync_kernel(n, k, rows, block_n, split):
     packed, scale = random_int4(n, k, seed=n + k + rows)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    y = int4_linear(x, packed, scale, GROUP, bias=bias, config=mma_sync_config(n, block_n, split))
+    y = int4_linear(x, packed, scale, GROUP, bias=bias, config=mma_sync_config(rows, n, k, block_n, split))
     want = product(x, int4_reference_weight(packed, scale, torch.float32)[:, :k]) + bias.float()
     assert y.dtype == torch.bfloat16 and norm_rel_err(y, want) < 4e-3
 
@@ -133,7 +129,7 @@ def test_int4_mma_sync_kernel_unpacks_every_nibble_exactly():
     w = int4_reference_weight(packed, scale, torch.float32)
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     for k0 in range(0, k, 8):
-        y = int4_linear(eye[k0:k0 + 8], packed, scale, GROUP, config=mma_sync_config(n, 64, 2))
+        y = int4_linear(eye[k0:k0 + 8], packed, scale, GROUP, config=mma_sync_config(8, n, k, 64, 2))
         assert torch.equal(y.float(), w[:, k0:k0 + 8].t()), k0
 
 
