@@ -7,6 +7,9 @@ that rotate through weight copies larger than the L2 (sections_quant.graph_ms); 
 equals the default's to bf16 rounding. ``stages`` = steps of the weight in flight, the one multiplied included.
 
     python3 bench/int4_gemv_sweep.py [--formats int4,fp8] [--shapes "8B gate_up,8B down"] [--kernels gemv,mma_sync]
+                                     [--rows 1,2,3]
+
+``--rows``: rows of x (a batch's decode or a chain's verify width); the GEMV tiles take up to 4, the mma_sync kernel 8.
 """
 
 from __future__ import annotations
@@ -47,14 +50,15 @@ def main() -> None:
     ap.add_argument("--formats", default="int4,fp8")
     ap.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
     ap.add_argument("--kernels", default="gemv,mma_sync", help="the tiles of which kernels beside the default")
+    ap.add_argument("--rows", default="1", help="rows of x, comma-separated")
     ap.add_argument("--out")
     a = ap.parse_args()
     ctx: dict = {}
     ceilings(ctx)
     rows = []
-    for label in a.shapes.split(","):
+    for m, label in [(int(m), label) for m in a.rows.split(",") for label in a.shapes.split(",")]:
         n, k = LINEAR_SHAPES[label]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for fmt in a.formats.split(","):
             if fmt == "int4":
                 nbytes = n * k // 2 + n * (k // 32) * 4
@@ -67,7 +71,9 @@ def main() -> None:
                        torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3) for _ in range(_copies(nbytes))]
                 run = lambda q, s, cfg: fp8_block_linear(x, q, s, (128, 128), config=cfg)  # noqa: E731
             limit_ms = 1e3 * read_seconds(nbytes, ctx["copy_tbps"])
-            default = default_config(1, n, k, fmt=INT4 if fmt == "int4" else FP8, group=32 if fmt == "int4" else None)
+            default = default_config(m, n, k, fmt=INT4 if fmt == "int4" else FP8, group=32 if fmt == "int4" else None)
+            # the GEMV tiles' K split (the default's, where the default is not the GEMV: 4 rows take mma_sync)
+            gemv_split = default_config(m, n, k, gemv_max_rows=4, fmt=INT4 if fmt == "int4" else FP8).split_k
             want = run(*ws[0], default).float()
             results = []
             kernels = a.kernels.split(",")
@@ -76,9 +82,11 @@ def main() -> None:
             for tile in tiles:
                 if tile is not None and tile[0] == "mma_sync":
                     split = max(1, min(k // MMA_SYNC_STEP, round(tile[2] * PROGRAMS_WANTED / -(-n // tile[1]))))
-                    cfg = mma_sync_config(1, n, k, tile[1], split)
+                    cfg = mma_sync_config(m, n, k, tile[1], split)
+                elif tile is not None and m > 4:
+                    continue
                 else:
-                    cfg = default if tile is None else DequantConfig(1, *tile, split_k=default.split_k, kernel="gemv")
+                    cfg = default if tile is None else DequantConfig(m, *tile, split_k=gemv_split, kernel="gemv")
                 if tile is not None and cfg == default:
                     continue
                 try:
@@ -91,13 +99,13 @@ def main() -> None:
                 results.append((ms, tile, err))
                 name = "default " + str((default.block_n, default.block_k, default.num_warps, default.num_stages)) \
                     if tile is None else str(tile)
-                print(f"{label:22s} {fmt} {name:28s} split {cfg.split_k}: {1e3 * ms:7.1f} us "
+                print(f"{label:22s} {m} row {fmt} {name:28s} split {cfg.split_k}: {1e3 * ms:7.1f} us "
                       f"{100 * limit_ms / ms:5.1f} % of limit ({1e3 * limit_ms:.1f} us), rel err {err:.1e}", flush=True)
-                rows.append({"shape": label, "format": fmt, "tile": tile or "default", "split": cfg.split_k,
+                rows.append({"shape": label, "rows": m, "format": fmt, "tile": tile or "default", "split": cfg.split_k,
                              "us": 1e3 * ms, "of_limit": limit_ms / ms, "rel_err": err})
             ok = [r for r in results if r[2] < 1e-2]
             best = min(ok, key=lambda r: r[0])
-            print(f"{label:22s} {fmt} BEST {best[1] or 'default'}: {100 * limit_ms / best[0]:.1f} % of limit", flush=True)
+            print(f"{label:22s} {m} row {fmt} BEST {best[1] or 'default'}: {100 * limit_ms / best[0]:.1f} % of limit", flush=True)
             del ws
             torch.cuda.empty_cache()
     if a.out:
