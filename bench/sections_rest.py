@@ -39,8 +39,10 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
 
     # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms); "+old": the verifier of the tree in
     # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call; "+proc": the
-    # verifier's engine loop in a process of its own (--engine-process)
-    tag, (mode, _, variant) = mode, mode.partition("+")
+    # verifier's engine loop in a process of its own (--engine-process); "+per": the gateway's generations a Generate
+    # stream each (--upstream-streams per-request) instead of one GenerateMany stream; variants combine ("+proc+per")
+    tag, (mode, *variants) = mode, mode.split("+")
+    variant = next((v for v in variants if v != "per"), "")
     run_verifier = ([sys.executable, "-c", "import runpy, sys; sys.setswitchinterval(0.0005); "
                      "runpy.run_module('verifier', run_name='__main__', alter_sys=True)"] if variant == "si"
                     else [sys.executable, "-m", "verifier"])
@@ -72,7 +74,9 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
         ready_s = time.perf_counter() - started
         procs.append(tagged([sys.executable, "-m", "gateway", "--verifier", f"127.0.0.1:{v_port}", "--model-dir", str(tdir),
                               "--port", str(g_port), "--grpc-port", str(g_grpc), "--max-concurrent-requests", "1024",
-                              "--log-level", "warning"], f"{tag} gateway", "gateway", cwd=ROOT_DIR,
+                              "--log-level", "warning",
+                              *(["--upstream-streams", "per-request"] if "per" in variants else [])],
+                             f"{tag} gateway", "gateway", cwd=ROOT_DIR,
                              env=env))
         _wait_http(f"http://127.0.0.1:{g_port}/health", procs[-1])
         names = (["drafter"] if mode.startswith("pair") else []) + ["verifier", "gateway"]

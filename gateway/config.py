@@ -13,6 +13,7 @@ from tandem import command_line
 from tandem.args import API_KEY_ENV, MODEL, served_name
 from tandem.command_line import HelpFormatter
 
+UPSTREAM_STREAMS = ("one", "per-request")  # --upstream-streams
 METRICS_PREFIXES = ("tandem", "vllm")  # --metrics-prefix: the /metrics families' name space (vllm: as vLLM names them)
 
 
@@ -47,6 +48,9 @@ class GatewayConfig:
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model folder's
     max_message_interval_ms: float = 50.0  # the longest a stream's tokens wait while this loop falls behind; 0: never
     metrics_prefix: str = "tandem"  # /metrics families as tandem:NAME, or vllm:NAME (vLLM's dashboards)
+    # "one": every generation over one GenerateMany stream to the verifier, a step's tokens for all of them in one
+    # message (gateway/upstream_many.py; a verifier without it: a stream each); "per-request": a Generate stream each
+    upstream_streams: str = "one"
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -69,6 +73,9 @@ class GatewayConfig:
             raise ValueError(f"--max-message-interval-ms must be within 0-1000, got {self.max_message_interval_ms}")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"--metrics-prefix must be one of {', '.join(METRICS_PREFIXES)}, got {self.metrics_prefix!r}")
+        if self.upstream_streams not in UPSTREAM_STREAMS:
+            raise ValueError(f"--upstream-streams must be one of {', '.join(UPSTREAM_STREAMS)}, got "
+                             f"{self.upstream_streams!r}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
         if not Path(self.model_dir).is_dir():
@@ -120,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verifier's Prometheus URL (http://HOST:PORT/metrics), served within our /metrics")
     p.add_argument("--drafter-metrics-url", default=None,
                    help="the drafter service's Prometheus URL, served within our /metrics too")
+    p.add_argument("--upstream-streams", choices=UPSTREAM_STREAMS, default=d.upstream_streams,
+                   help="the generations to the verifier over one stream, a message a step for all of them (one), or "
+                        "a stream each (per-request)")
     p.add_argument("--max-message-interval-ms", type=float, default=d.max_message_interval_ms,
                    help="while the gateway's event loop falls behind, the verifier sends a stream's tokens together, at "
                         "most this far apart (the first tokens and the last never wait); 0: a message every step")
@@ -149,4 +159,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          keep_alive_s=args.timeout_keep_alive, chat_template=args.chat_template,
                          internal_secret=internal_secret.load(args.internal_secret_file),
                          access_log=not args.disable_uvicorn_access_log,
-                         max_message_interval_ms=args.max_message_interval_ms, metrics_prefix=args.metrics_prefix)
+                         max_message_interval_ms=args.max_message_interval_ms, metrics_prefix=args.metrics_prefix,
+                         upstream_streams=args.upstream_streams)

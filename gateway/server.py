@@ -59,7 +59,8 @@ class Gateway(GatewayContext):
         cfg = self.cfg
         check_can_listen(cfg.host, (cfg.port, cfg.grpc_port))  # (one line for either, before gRPC's own log of it)
         self.client = VerifierClient(cfg.verifier, cfg.upstream_timeout_s, cfg.internal_secret,
-                                     message_interval_us=self.pace.interval_us)
+                                     message_interval_us=self.pace.interval_us,
+                                     one_stream=cfg.upstream_streams == "one")
         self.metrics_relays = [MetricsRelay(service, url, cfg.verifier_metrics_timeout_s, self.metrics.names())
                                for service, url in (("verifier", cfg.verifier_metrics_url),
                                                     ("drafter", cfg.drafter_metrics_url)) if url is not None]

@@ -1,5 +1,6 @@
-"""The gateway's side of the verifier contract (tandem.rpc.verifier.v1): one channel, one
-server-stream per request, model info fetched once, health as the verifier reports it."""
+"""The gateway's side of the verifier contract (tandem.rpc.verifier.v1): one channel, the generations over one
+GenerateMany stream (gateway/upstream_many.py) or a Generate stream each, model info fetched once, health as the
+verifier reports it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UNAVAILABLE, GatewayError, from_upstream
+from gateway.upstream_many import ManyStream
 from tandem import internal_secret
 from tandem.rpc.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -41,9 +43,10 @@ REFUSE_AFTER_FAILED_CHECKS = 2  # health checks in a row that did not find the v
 
 class VerifierClient:
     def __init__(self, address: str, timeout_s: float, secret: str | None = None,
-                 message_interval_us: Callable[[], int] = lambda: 0):
+                 message_interval_us: Callable[[], int] = lambda: 0, one_stream: bool = True):
         """``secret``: the internal plane's (tandem.internal_secret), presented on every call a verifier that has one
-        requires it of; ``message_interval_us()``: what each generation asks of its stream's pace (gateway/pacing.py)."""
+        requires it of; ``message_interval_us()``: what each generation asks of its stream's pace (gateway/pacing.py);
+        ``one_stream``: the generations over one GenerateMany stream where the verifier serves it."""
         self.address = address
         self._message_interval_us = message_interval_us
         self._timeout = timeout_s
@@ -52,6 +55,8 @@ class VerifierClient:
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._one_stream = one_stream
+        self._many = ManyStream(lambda commands: self._stub.GenerateMany(commands, metadata=self._auth))
         self._info: verifier_pb2.ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         # A generation found the verifier unreachable since the last health check that reached it: GET /health says
@@ -122,7 +127,10 @@ class VerifierClient:
         if self.failed_checks >= REFUSE_AFTER_FAILED_CHECKS:
             raise GatewayError(503, UNAVAILABLE)
         request.message_interval_us = self._message_interval_us()
+        if self._one_stream and self._info is not None and self._info.generate_many:
+            return self._many.start(request, metadata)
         return self._stub.Generate(request, metadata=[*metadata, *self._auth])
 
     async def close(self) -> None:
+        await self._many.close()
         await self._channel.close()

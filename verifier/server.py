@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
 
@@ -43,10 +44,15 @@ class VerifierService:
         self.loop = loop
 
     def handler(self) -> grpc.GenericRpcHandler:
+        from verifier.generate_many import generate_many  # (it builds on this module's conversions)
+
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.generate, request_deserializer=tolerant(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString),
+            "GenerateMany": grpc.stream_stream_rpc_method_handler(
+                functools.partial(generate_many, self), request_deserializer=tolerant(pb.GenerateCommand),
+                response_serializer=pb.GenerateBatch.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.model_info, request_deserializer=tolerant(pb.ModelInfoRequest),
                 response_serializer=pb.ModelInfo.SerializeToString),
@@ -64,7 +70,8 @@ class VerifierService:
         await self._authenticate(context)
         return pb.ModelInfo(model=self.cfg.model_name,
                             vocab_size=self.model_cfg.vocab_size, max_context=self.context,
-                            eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative)
+                            eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative,
+                            generate_many=True)
 
     async def generate(self, request, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
@@ -73,33 +80,20 @@ class VerifierService:
         if request is MALFORMED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
         try:
-            params, spec = self._convert(request)
+            params, spec = self.convert(request)
         except ConfigError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         outputs: asyncio.Queue = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
-        span = tracing.start_span("verifier.generate", parent=tracing.extract_context(context.invocation_metadata()),
-                                  kind="server", attributes={"tandem.request_id": rid,
-                                                             "tandem.prompt_tokens": len(request.prompt_token_ids)},
-                                  tracer="tandem.verifier")
-        sub = Submission(rid, list(request.prompt_token_ids), params, spec,
-                         sink=QueueSink(aio_loop, outputs),
-                         trace_context=tracing.context_with(span), cache_salt=request.cache_salt)
+        span = self.request_span(rid, request, tracing.extract_context(context.invocation_metadata()))
+        sub = self.submission(rid, request, params, spec, QueueSink(aio_loop, outputs), span)
         finished, produced = False, 0
         try:
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
-            except DuplicateRequestError as e:  # the running request with this id goes on untouched
-                await self._refuse(context, span, grpc.StatusCode.ALREADY_EXISTS, e)
-            except QueueFull as e:  # retry later
-                await self._refuse(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, e)
-            except OutOfPagesError as e:  # larger than the whole KV cache: retrying can never help
-                await self._refuse(context, span, grpc.StatusCode.OUT_OF_RANGE, e)
-            except EngineStopped as e:
-                await self._refuse(context, span, grpc.StatusCode.UNAVAILABLE, e)
-            except TandemError as e:
-                await self._refuse(context, span, grpc.StatusCode.INVALID_ARGUMENT, e)
+            except REFUSALS as e:
+                await self._refuse(context, span, refusal_code(e), e)
             pace, sent_at = request.message_interval_us / 1e6, None
             while not finished:
                 out = await outputs.get()
@@ -112,7 +106,7 @@ class VerifierService:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
                 produced += len(out.new_token_ids)
                 finished = out.finish_reason is not None
-                response = self._response(rid, request, out, produced)
+                response = self.response(rid, request, out, produced)
                 if finished:  # (ended before the last message goes: the caller's span, ended on it, stays the parent
                     _end(span, produced)  # that outlasts this one)
                 yield response
@@ -123,12 +117,24 @@ class VerifierService:
                 self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
 
     @staticmethod
+    def submission(rid: str, request, params: SamplingParams, spec, sink, span) -> Submission:
+        return Submission(rid, list(request.prompt_token_ids), params, spec, sink=sink,
+                          trace_context=tracing.context_with(span), cache_salt=request.cache_salt)
+
+    @staticmethod
+    def request_span(rid: str, request, parent):
+        return tracing.start_span("verifier.generate", parent=parent, kind="server",
+                                  attributes={"tandem.request_id": rid,
+                                              "tandem.prompt_tokens": len(request.prompt_token_ids)},
+                                  tracer="tandem.verifier")
+
+    @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, span, code: grpc.StatusCode, error: Exception) -> None:
         """Abort with ``code``; the span in error only where the server failed (OpenTelemetry's RPC conventions)."""
         tracing.end_rpc_unsuccessful(span, code.name, str(error))
         await context.abort(code, str(error))
 
-    def _response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
+    def response(self, rid: str, request, out: StepOutput, produced: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, prompt_tokens=len(request.prompt_token_ids),
                                    completion_tokens=produced, cached_tokens=out.cached_tokens,
                                    finish_reason=out.finish_reason.value if out.finish_reason else "")
@@ -142,7 +148,7 @@ class VerifierService:
                                                 acceptance_by_position=stats.acceptance_by_position))
         return resp
 
-    def _convert(self, request) -> tuple[SamplingParams, object]:
+    def convert(self, request) -> tuple[SamplingParams, object]:
         s = request.sampling
         context = self.context
         if not request.prompt_token_ids:
@@ -184,6 +190,22 @@ class VerifierService:
         if self.cfg.drafter == IN_PROCESS and spec.topk > most:  # (a drafter service refuses it in its round)
             raise ConfigError(f"speculation.topk {spec.topk} exceeds the in-process head's {most}")
         return params, spec
+
+
+REFUSALS = (TandemError, EngineStopped)  # how the engine loop refuses a submission
+
+
+def refusal_code(error: Exception) -> grpc.StatusCode:
+    """The status a submission the engine loop refused (with one of REFUSALS) ends with."""
+    if isinstance(error, DuplicateRequestError):  # the running request with this id goes on untouched
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(error, QueueFull):  # retry later
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, OutOfPagesError):  # larger than the whole KV cache: retrying can never help
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
 
 
 # The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the

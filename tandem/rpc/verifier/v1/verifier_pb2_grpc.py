@@ -39,6 +39,11 @@ class VerifierStub:
                 request_serializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/tandem.rpc.verifier.v1.Verifier/GenerateMany',
+                request_serializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/tandem.rpc.verifier.v1.Verifier/GetModelInfo',
                 request_serializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.ModelInfoRequest.SerializeToString,
@@ -51,6 +56,14 @@ class VerifierServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Each generation as Generate would run it, its messages carried in batches: what every running generation got
+        since the last batch goes in one message (gRPC's cost is per message, whatever it carries).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,6 +81,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateCommand.FromString,
+                    response_serializer=tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateBatch.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -102,6 +120,33 @@ class Verifier:
             '/tandem.rpc.verifier.v1.Verifier/Generate',
             tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
             tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.rpc.verifier.v1.Verifier/GenerateMany',
+            tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateCommand.SerializeToString,
+            tandem_dot_rpc_dot_verifier_dot_v1_dot_verifier__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,208 @@
+"""GenerateMany: many generations over one bidirectional stream, each run as Generate runs it (verifier/server.py:
+the same validation, submission, refusals, spans and messages), what they all got since the last batch sent as one
+message.
+
+Why: gRPC's cost is per message, whatever it carries — on both sides, in the C core and the event loop, ~20-30 µs
+each (bench/verifier_front.py, bench/gateway_messages.py) — and with a stream per request every step of a batch of
+B requests is B messages. Here a step's outputs, which reach this event loop in one hop (QueueSink), leave in one.
+
+The caller names each generation with a ``key`` unique on its stream while it runs; ``start`` and ``cancel`` commands
+come in, ``GenerateEvent``s go out (a response, or the status Generate would have ended with). The stream ends when
+the caller has closed its side and every generation has finished; if the caller goes, its generations are cancelled.
+The pace (``message_interval_us``, the gateway's load) is the stream's: the latest start's value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem import tracing
+from tandem.errors import ConfigError
+from tandem.grpc_decode import MALFORMED
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+from verifier.engine_loop import QueueSink, Submission
+from verifier.server import (MAX_COALESCED_TOKENS, REFUSALS, VerifierService, _end, _final, _merged,
+                             refusal_code)
+
+log = logging.getLogger("verifier.generate_many")
+_CLOSED = object()  # the caller closed its side of the stream
+
+
+class _Keyed:
+    """A generation's outputs into its stream's one queue, tagged with its key (a QueueSink's target)."""
+
+    __slots__ = ("queue", "key")
+
+    def __init__(self, queue: asyncio.Queue, key: int):
+        self.queue, self.key = queue, key
+
+    def put_nowait(self, out) -> None:
+        self.queue.put_nowait((self.key, out))
+
+
+@dataclass
+class _Refused:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class _Running:
+    rid: str
+    request: Any  # pb.GenerateRequest
+    sub: Submission
+    span: Any
+    produced: int = 0
+    answered: bool = False  # a message has gone (the first one never waits for the pace)
+
+
+class _Stream:
+    def __init__(self, service: VerifierService, context: grpc.aio.ServicerContext):
+        self.service, self.context = service, context
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.running: dict[int, _Running] = {}
+        self.pace = 0.0
+        self.closed = False
+
+    async def read(self, commands) -> None:
+        """The caller's commands, until it closes its side."""
+        try:
+            async for command in commands:
+                if command is MALFORMED:
+                    self.queue.put_nowait((None, _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                                          "request: malformed GenerateCommand protobuf")))
+                    return
+                which = command.WhichOneof("command")
+                if which == "start":
+                    self._start(command)
+                elif which == "cancel":
+                    self._cancel(command.key)
+        finally:
+            self.queue.put_nowait((None, _CLOSED))
+
+    def _start(self, command) -> None:
+        key, request = command.key, command.start
+        if key in self.running:
+            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation")
+            return
+        try:
+            params, spec = self.service.convert(request)
+        except ConfigError as e:
+            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        span = self.service.request_span(rid, request, tracing.extract(dict(command.trace_context)))
+        sub = self.service.submission(rid, request, params, spec,
+                                      QueueSink(asyncio.get_running_loop(), _Keyed(self.queue, key)), span)
+        self.running[key] = _Running(rid, request, sub, span)
+        self.pace = request.message_interval_us / 1e6
+        admitted = asyncio.wrap_future(self.service.loop.submit(sub))
+        admitted.add_done_callback(lambda f: self._admitted(key, sub, f))
+
+    def _admitted(self, key: int, sub: Submission, admitted: asyncio.Future) -> None:
+        error = None if admitted.cancelled() else admitted.exception()
+        if error is None:
+            return
+        running = self.running.get(key)
+        if running is None or running.sub is not sub:  # cancelled meanwhile
+            return
+        if not isinstance(error, REFUSALS):
+            log.error("submission of %s failed: %r", running.rid, error)
+            self._refuse(key, running, grpc.StatusCode.INTERNAL, "internal error")
+            return
+        self._refuse(key, running, refusal_code(error), str(error))
+
+    def _refuse(self, key: int, running: _Running | None, code: grpc.StatusCode, message: str) -> None:
+        if running is not None:
+            del self.running[key]
+            tracing.end_rpc_unsuccessful(running.span, code.name, message)
+        self.queue.put_nowait((key, _Refused(code, message)))
+
+    def _cancel(self, key: int) -> None:
+        running = self.running.pop(key, None)
+        if running is not None:  # (one that already finished: nothing to free)
+            self.service.loop.cancel(running.rid, running.sub)
+            _end(running.span, running.produced)
+
+    def cancel_all(self) -> None:
+        for key in list(self.running):
+            self._cancel(key)
+
+    def _urgent(self, item) -> bool:
+        """An item that goes without waiting for the pace: a generation's first output or its last word."""
+        key, out = item
+        running = self.running.get(key)
+        return running is None or not running.answered or _final(out) or isinstance(out, _Refused)
+
+    async def batches(self):
+        """One GenerateBatch for everything queued each time this loop gets to it."""
+        sent_at = None
+        while not (self.closed and not self.running):
+            items = [await self.queue.get()]
+            if self.pace and sent_at is not None and not self._urgent(items[0]):
+                try:
+                    async with asyncio.timeout_at(sent_at + self.pace):
+                        while not self._urgent(items[-1]):
+                            items.append(await self.queue.get())
+                except TimeoutError:  # (an item the deadline interrupted stays queued)
+                    pass
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            events = await self._events(items)
+            if events:
+                yield pb.GenerateBatch(events=events)
+                sent_at = asyncio.get_running_loop().time()
+
+    async def _events(self, items: list) -> list:
+        merged: dict[int, Any] = {}  # key -> its outputs so far, as one (insertion order: first come, first sent)
+        events = []
+        for key, out in items:
+            if out is _CLOSED:
+                self.closed = True
+            elif isinstance(out, _Refused):
+                if key is None:  # the stream itself
+                    await self.context.abort(out.code, out.message)
+                events.append(pb.GenerateEvent(key=key, error=pb.GenerateError(code=out.code.value[0],
+                                                                                message=out.message)))
+            elif isinstance(out, BaseException):  # the engine loop died (logged there): as Generate, a retry's status
+                for running in self.running.values():
+                    tracing.set_error(running.span, "the engine failed")
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
+            elif key in self.running:  # (outputs of a generation cancelled meanwhile are dropped)
+                before = merged.get(key)
+                if before is not None and len(before.new_token_ids) >= MAX_COALESCED_TOKENS:
+                    events.append(self._event(key, merged.pop(key)))
+                    before = None
+                merged[key] = out if before is None else _merged(before, out)
+        events.extend(self._event(key, out) for key, out in merged.items())
+        return events
+
+    def _event(self, key: int, out) -> pb.GenerateEvent:
+        running = self.running[key]
+        running.produced += len(out.new_token_ids)
+        running.answered = True
+        response = self.service.response(running.rid, running.request, out, running.produced)
+        if out.finish_reason is not None:
+            del self.running[key]
+            _end(running.span, running.produced)
+        return pb.GenerateEvent(key=key, response=response)
+
+
+async def generate_many(service: VerifierService, commands, context: grpc.aio.ServicerContext):
+    await service._authenticate(context)
+    if service.loop is None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+    stream = _Stream(service, context)
+    reader = asyncio.create_task(stream.read(commands))
+    try:
+        async for batch in stream.batches():
+            yield batch
+    finally:
+        reader.cancel()
+        stream.cancel_all()  # the caller went, or the stream failed: free what still runs
