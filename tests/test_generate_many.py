@@ -9,7 +9,9 @@ the same verifier answers the same."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -196,11 +198,12 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
     from gateway.upstream_many import ManyStream
 
     async def scenario():
-        streams = []
+        streams, traces = [], []
 
         async def generate_many(commands, context):
             streams.append(None)
             async for command in commands:
+                traces.append(dict(command.trace_context))
                 if command.start.prompt_token_ids[0] == 1:  # refused alone
                     yield pb.GenerateBatch(events=[pb.GenerateEvent(key=command.key, error=pb.GenerateError(
                         code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="queue full"))])
@@ -225,6 +228,7 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
                 request = pb.GenerateRequest(prompt_token_ids=[5], sampling=pb.SamplingParams(max_new_tokens=2))
                 first = many.start(request, [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")])
                 assert list((await first.read()).token_ids) == [7, 8]
+                assert traces[0] == {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}  # the span's parent
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await first.read()
                 assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -241,3 +245,38 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_a_draining_verifier_refuses_new_starts_on_an_open_stream(target_dir, tmp_path):
+    service = Service("verifier", ["--model", str(target_dir)], free_port(), tmp_path / "verifier.log",
+                      env={internal_secret.ENV: SECRET}).start()
+
+    async def scenario():
+        commands: asyncio.Queue = asyncio.Queue()
+        commands.put_nowait(_start(1, [5, 6], 4))
+        events = []
+
+        async def feed():
+            while (command := await commands.get()) is not None:
+                yield command
+
+        async def on_event(event):
+            events.append(event)
+            if event.key == 1 and event.response.finish_reason:  # the stream stays open, idle: now drain
+                service.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.0)  # (within the 5 s grace the server gives open calls)
+                commands.put_nowait(_start(2, [7, 8], 4))
+            if event.key == 2:
+                commands.put_nowait(None)
+
+        with contextlib.suppress(grpc.aio.AioRpcError):  # (the server may end the stream once our side is closed)
+            await asyncio.wait_for(_many(service.address, feed(), on_event), 30)
+        return events
+
+    try:
+        events = asyncio.run(scenario())
+    finally:
+        service.stop()
+    refused = [e for e in events if e.key == 2]
+    assert len(refused) == 1 and refused[0].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "shutting down" in refused[0].error.message

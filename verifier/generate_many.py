@@ -88,6 +88,9 @@ class _Stream:
 
     def _start(self, command) -> None:
         key, request = command.key, command.start
+        if self.service.draining:
+            self._refuse(key, None, grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
+            return
         if key in self.running:
             self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation")
             return

@@ -39,6 +39,7 @@ class VerifierService:
         self.context = cfg.engine.served_context(model_cfg.max_position_embeddings)  # --context-length, checked
         self.default_spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens) if speculative else None
         self.loop: EngineLoop | None = None
+        self.draining = False  # set once the server stops taking calls
 
     def attach(self, loop: EngineLoop) -> None:
         self.loop = loop
