@@ -15,6 +15,7 @@ The pace (``message_interval_us``, the gateway's load) is the stream's: the late
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import grpc
 
 from tandem import tracing
 from tandem.errors import ConfigError
-from tandem.grpc_decode import MALFORMED
+from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from verifier.engine_loop import QueueSink, Submission
 from verifier.server import (MAX_COALESCED_TOKENS, REFUSALS, VerifierService, _end, _final, _merged,
@@ -195,6 +196,13 @@ class _Stream:
             del self.running[key]
             _end(running.span, running.produced)
         return pb.GenerateEvent(key=key, response=response)
+
+
+def method_handler(service: VerifierService) -> grpc.RpcMethodHandler:
+    """GenerateMany for ``service.handler(GenerateMany=...)``."""
+    return grpc.stream_stream_rpc_method_handler(
+        functools.partial(generate_many, service), request_deserializer=tolerant(pb.GenerateCommand),
+        response_serializer=pb.GenerateBatch.SerializeToString)
 
 
 async def generate_many(service: VerifierService, commands, context: grpc.aio.ServicerContext):

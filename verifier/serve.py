@@ -22,6 +22,7 @@ from tandem.configs.model import ModelConfig
 from verifier.config import IN_PROCESS, VerifierConfig
 from verifier.engine_build import build_engine, take_down
 from verifier.engine_loop import EngineFailed, EngineLoop
+from verifier import generate_many
 from verifier.engine_process import EngineProcess
 from verifier.metrics import VerifierMetrics
 from verifier.stats_line import StatsLine
@@ -47,7 +48,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     await set_health(health_servicer, SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     report_hangs_in_health(health_servicer, asyncio.get_running_loop())
     service = VerifierService(cfg, ModelConfig.from_dir(cfg.engine.model), speculative=cfg.drafter is not None)
-    server.add_generic_rpc_handlers([service.handler()])
+    server.add_generic_rpc_handlers([service.handler(GenerateMany=generate_many.method_handler(service))])
     if cfg.internal_secret is None:
         log.warning("no internal secret (tandem.internal_secret): any local process may call this verifier directly, "
                     "past the gateway's API key and limits; `tandem up` and compose set one")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import uuid
 
@@ -44,19 +43,16 @@ class VerifierService:
     def attach(self, loop: EngineLoop) -> None:
         self.loop = loop
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        from verifier.generate_many import generate_many  # (it builds on this module's conversions)
-
+    def handler(self, **more: grpc.RpcMethodHandler) -> grpc.GenericRpcHandler:
+        """Generate and GetModelInfo, and ``more`` methods by name (GenerateMany: verifier/generate_many.py)."""
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.generate, request_deserializer=tolerant(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString),
-            "GenerateMany": grpc.stream_stream_rpc_method_handler(
-                functools.partial(generate_many, self), request_deserializer=tolerant(pb.GenerateCommand),
-                response_serializer=pb.GenerateBatch.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.model_info, request_deserializer=tolerant(pb.ModelInfoRequest),
                 response_serializer=pb.ModelInfo.SerializeToString),
+            **more,
         })
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
