@@ -4,12 +4,14 @@ engine loop, metrics, spans) with a stand-in engine (bench/front_stand_in.py) wh
 (the host's work of a step: staging, launches, read-back) and then releases it ``--wait-us`` (waiting for the GPU),
 and emits ``--tokens`` tokens for each running request; closed-loop gRPC clients in other processes stream
 ``--concurrency`` requests of 120 tokens. The engine loop runs on a thread beside the server (``thread``) or in a
-process of its own (``process``: ``--engine-process``). The engine alone would make concurrency × tokens ÷ (busy +
+process of its own (``process``: ``--engine-process``); the clients stream a Generate call a request (``per-request``)
+or all of a client process's requests over one GenerateMany stream through the gateway's own client of it (``one``,
+gateway/upstream_many.py). The engine alone would make concurrency × tokens ÷ (busy +
 wait) tokens a second; what the front's handling of the streams takes from it (on a thread: the GIL they share) shows
 as the shortfall. Prints tokens/s, that share of the engine-alone rate, and the verifier's CPU (its processes) a
 message and a token.
 
-    python bench/verifier_front.py [--modes thread process] [--concurrency 8 64] [--tokens 1 12] [--busy-us 300]
+    python bench/verifier_front.py [--modes thread process] [--upstream per-request one] [--concurrency 8 64] [--tokens 1 12] [--busy-us 300]
                                    [--wait-us 300] [--repeats 1]
 """
 
@@ -83,6 +85,47 @@ async def main():
 asyncio.run(main())
 '''
 
+# The same load over one GenerateMany stream, through the gateway's own client of it (gateway/upstream_many.py);
+# "messages" counts the generations' responses (what a stream each would have sent), "batches" the stream's messages.
+CLIENT_ONE_STREAM = r'''
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[4])
+import grpc
+from gateway.upstream_many import ManyStream
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+PORT, STREAMS, SECONDS = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+
+async def main():
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{PORT}") as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        batches = [0]
+        def opened(commands):
+            call = stub.GenerateMany(commands)
+            async def counted():
+                async for batch in call:
+                    batches[0] += 1
+                    yield batch
+            return counted()
+        many = ManyStream(opened)
+        counts = [0, 0]
+        end = time.perf_counter() + SECONDS
+        async def stream():
+            while time.perf_counter() < end:
+                request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8],
+                                             sampling=pb.SamplingParams(max_new_tokens=120, ignore_eos=True))
+                call = many.start(request, [])
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    counts[0] += len(message.token_ids)
+                    counts[1] += 1
+        started = time.perf_counter()
+        await asyncio.gather(*(stream() for _ in range(STREAMS)))
+        await many.close()
+        print(json.dumps({"tokens": counts[0], "messages": counts[1], "batches": batches[0],
+                          "seconds": time.perf_counter() - started}))
+
+asyncio.run(main())
+'''
+
 
 def step_alone_s(tokens: int, busy_us: float, wait_us: float, steps: int = 300) -> float:
     """The stand-in's step by itself on this host (its sleep overshoots the asked wait: ~0.57 ms more on a 2-core
@@ -102,9 +145,9 @@ def step_alone_s(tokens: int, busy_us: float, wait_us: float, steps: int = 300) 
 
 
 def measure(mode: str, concurrency: int, tokens: int, busy_us: float, wait_us: float, seconds: float,
-            clients: int = 2, spy_to: Path | None = None, switch_us: float = 0.0) -> dict:
+            clients: int = 2, spy_to: Path | None = None, switch_us: float = 0.0, upstream: str = "per-request") -> dict:
     """One load on a fresh verifier; ``mode``: "thread" (the engine loop beside the server) or "process"
-    (``--engine-process``). The engine alone: its step timed by itself on this host, every request given its tokens
+    (``--engine-process``); ``upstream``: a Generate stream a request, or one GenerateMany stream a client process. The engine alone: its step timed by itself on this host, every request given its tokens
     each step (a closed loop's gap between a client's requests costs a step: with 12 tokens a step of 120-token
     requests the ceiling is about 10/11 of it)."""
     from rest_load import cpu_seconds
@@ -121,7 +164,8 @@ def measure(mode: str, concurrency: int, tokens: int, busy_us: float, wait_us: f
         before = cpu_seconds(verifier.pid)
         spy = start(verifier.pid, seconds - 1, spy_to, 0.5) if spy_to else None
         shares = [concurrency // clients + (i < concurrency % clients) for i in range(clients)]
-        procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(port), str(n), str(seconds), str(ROOT)],
+        client = CLIENT_ONE_STREAM if upstream == "one" else CLIENT
+        procs = [subprocess.Popen([sys.executable, "-c", client, str(port), str(n), str(seconds), str(ROOT)],
                                   stdout=subprocess.PIPE, text=True) for n in shares if n]
         results = [json.loads(p.communicate()[0]) for p in procs]
         finish(spy)
@@ -137,13 +181,16 @@ def measure(mode: str, concurrency: int, tokens: int, busy_us: float, wait_us: f
     alone = concurrency * tokens / step_alone_s(tokens, busy_us, wait_us)
     return {"tok_s": streamed / wall, "of_engine_alone": streamed / wall / alone, "verifier_cpu_share": cpu / wall,
             "us_per_message": 1e6 * cpu / messages, "us_per_token": 1e6 * cpu / streamed,
-            "tokens_per_message": streamed / messages}
+            "tokens_per_message": streamed / messages,
+            "messages_per_batch": messages / sum(r.get("batches", r["messages"]) for r in results)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["thread", "process"], choices=["thread", "process"],
                     help="the engine loop on a thread of the server's process, or in its own (--engine-process)")
+    ap.add_argument("--upstream", nargs="+", default=["per-request", "one"], choices=["per-request", "one"],
+                    help="the clients' streams: a Generate stream a request, or one GenerateMany stream a process")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 12], help="tokens a request gets each step")
     ap.add_argument("--busy-us", type=float, default=300.0, help="a step's host work, the GIL held")
@@ -157,10 +204,11 @@ def main() -> None:
     for c in a.concurrency:
         for k in a.tokens:
             for n in range(a.repeats):
-                for mode in a.modes if n % 2 == 0 else a.modes[::-1]:
+                cases = [(mode, up) for mode in a.modes for up in a.upstream]
+                for mode, up in cases if n % 2 == 0 else cases[::-1]:
                     r = measure(mode, c, k, a.busy_us, a.wait_us, a.seconds, switch_us=a.switch_interval_us,
-                                spy_to=a.spy and a.spy / f"{mode}-c{c}-k{k}.txt")
-                    print(f"{mode:7s} concurrency {c:3d}, {k:2d} token(s) a step ({a.busy_us:g} µs busy + {a.wait_us:g} µs "
+                                spy_to=a.spy and a.spy / f"{mode}-{up}-c{c}-k{k}.txt", upstream=up)
+                    print(f"{mode:7s} {up:11s} ({r['messages_per_batch']:4.1f} a message) concurrency {c:3d}, {k:2d} token(s) a step ({a.busy_us:g} µs busy + {a.wait_us:g} µs "
                           f"waiting): {r['tok_s']:8.0f} tok/s = {r['of_engine_alone']:.2f} of the engine alone; verifier "
                           f"CPU share {r['verifier_cpu_share']:.2f}, {r['us_per_message']:.0f} µs a message "
                           f"({r['tokens_per_message']:.1f} tokens), {r['us_per_token']:.1f} µs a token", flush=True)
