@@ -56,7 +56,8 @@ class VerifierClient:
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._one_stream = one_stream
-        self._many = ManyStream(lambda commands: self._stub.GenerateMany(commands, metadata=self._auth))
+        self._many = ManyStream(lambda commands: self._stub.GenerateMany(commands, metadata=self._auth),
+                                message_interval_us)
         self._info: verifier_pb2.ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         # A generation found the verifier unreachable since the last health check that reached it: GET /health says

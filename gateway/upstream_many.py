@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -57,9 +58,12 @@ class ManyCall:
 
 
 class ManyStream:
-    def __init__(self, open_stream):
-        """``open_stream(commands)``: the stub's GenerateMany with this gateway's metadata, taking an async iterator."""
+    def __init__(self, open_stream, pace: Callable[[], int] = lambda: 0):
+        """``open_stream(commands)``: the stub's GenerateMany with this gateway's metadata, taking an async iterator;
+        ``pace()``: the message interval this gateway's load asks for now (gateway/pacing.py), kept current on the
+        stream as it changes (a stream each had its pace fixed when its generation started)."""
         self._open_stream = open_stream
+        self._pace, self._paced_us = pace, 0
         self._keys = itertools.count(1)
         self._calls: dict[int, ManyCall] = {}
         self._outbox: asyncio.Queue | None = None
@@ -70,8 +74,17 @@ class ManyStream:
             self._open()
         call = ManyCall(self, next(self._keys))
         self._calls[call.key] = call
+        self._paced_us = request.message_interval_us  # (the stream's pace from this start on)
         self._outbox.put_nowait(verifier_pb2.GenerateCommand(key=call.key, start=request, trace_context=dict(trace)))
         return call
+
+    def _repace(self) -> None:
+        """Tell the verifier the pace asked for now where it moved by more than a quarter (or to or from none)."""
+        us = self._pace()
+        moved = abs(us - self._paced_us) > self._paced_us / 4 or (us == 0) != (self._paced_us == 0)
+        if us != self._paced_us and moved:
+            self._paced_us = us
+            self._outbox.put_nowait(verifier_pb2.GenerateCommand(message_interval_us=us))
 
     def _cancel(self, key: int) -> None:
         if self._calls.pop(key, None) is not None and self._outbox is not None:
@@ -103,6 +116,7 @@ class ManyStream:
                         if event.response.finish_reason:
                             del self._calls[event.key]
                         target._put(event.response)
+                self._repace()
             error = _error(grpc.StatusCode.UNAVAILABLE, "the verifier ended the generations' stream")
         except grpc.aio.AioRpcError as e:
             error = e

@@ -141,6 +141,17 @@ def test_a_cancel_frees_its_generation_and_the_stream_ends_when_the_rest_are_don
     wait_for(lambda: _aborted(verifier) == aborted + 1, 10, "the cancelled generation to be aborted")
 
 
+def test_a_pace_command_sends_what_comes_within_the_interval_together(verifier):
+    def batches(interval_us: int) -> int:
+        pace = pb.GenerateCommand(message_interval_us=interval_us)
+        got = asyncio.run(_many(verifier.address, [_start(1, [5, 6, 7], 60), _start(2, [8, 9], 60), pace]))
+        assert sum(len(e.response.token_ids) for b in got for e in b.events) == 120
+        return len(got)
+
+    unpaced, paced = batches(0), batches(1_000_000)  # (a second: longer than the generations take here)
+    assert unpaced >= 20 and paced <= 4  # the first outputs and the finishes never wait
+
+
 def _aborted(verifier) -> float:
     return read_metrics(verifier.metrics_port).get('tandem:request_success_total{finished_reason="abort"}', 0.0)
 
@@ -194,6 +205,63 @@ def test_over_rest_one_stream_and_a_stream_each_answer_the_same(verifier, target
             gateway.stop()
 
 
+@contextlib.asynccontextmanager
+async def _stand_in(generate_many):
+    """A channel to a server whose GenerateMany is ``generate_many(commands, context)``."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tandem.rpc.verifier.v1.Verifier", {
+        "GenerateMany": grpc.stream_stream_rpc_method_handler(
+            generate_many, request_deserializer=pb.GenerateCommand.FromString,
+            response_serializer=pb.GenerateBatch.SerializeToString)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+def test_the_gateway_keeps_the_streams_pace_current_between_starts():
+    from gateway.upstream_many import ManyStream
+
+    async def scenario():
+        asked = []
+
+        async def generate_many(commands, context):  # each start: three batches of a token, 20 ms apart
+            async for command in commands:
+                if command.WhichOneof("command") == "message_interval_us":
+                    asked.append(command.message_interval_us)
+                    continue
+                for i in range(3):
+                    await asyncio.sleep(0.02)
+                    yield pb.GenerateBatch(events=[pb.GenerateEvent(key=command.key, response=pb.GenerateResponse(
+                        token_ids=[i], finish_reason="length" if i == 2 else ""))])
+
+        async with _stand_in(generate_many) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            now = [0]  # what this gateway's load asks for (gateway/pacing.py), read at each batch received
+            many = ManyStream(lambda commands: stub.GenerateMany(commands), lambda: now[0])
+
+            def start():  # as VerifierClient.generate: the start carries the pace of the moment
+                return many.start(pb.GenerateRequest(prompt_token_ids=[5], message_interval_us=now[0]), [])
+
+            calls = [start()]
+            for value in (40_000, 41_000, 0):  # at the 2nd batch 40 ms goes; at the 3rd 41 ms, within a quarter, stays
+                await calls[0].read()
+                now[0] = value
+            calls.append(start())  # a start sets the stream's pace itself: nothing to send
+            await calls[1].read()
+            now[0] = 50_000
+            for _ in range(2):
+                await calls[1].read()
+            await start().read()  # (its start follows the command sent before it)
+            assert asked == [40_000, 50_000]
+            await many.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_opens_a_new_stream():
     from gateway.upstream_many import ManyStream
 
@@ -214,15 +282,8 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
                 if len(streams) == 1:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
 
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tandem.rpc.verifier.v1.Verifier", {
-            "GenerateMany": grpc.stream_stream_rpc_method_handler(
-                generate_many, request_deserializer=pb.GenerateCommand.FromString,
-                response_serializer=pb.GenerateBatch.SerializeToString)})])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with _stand_in(generate_many) as channel:
+            if True:
                 stub = pb_grpc.VerifierStub(channel)
                 many = ManyStream(lambda commands: stub.GenerateMany(commands))
                 request = pb.GenerateRequest(prompt_token_ids=[5], sampling=pb.SamplingParams(max_new_tokens=2))
@@ -241,8 +302,6 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
                     await refused.read()
                 assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and full.value.details() == "queue full"
                 await many.close()
-        finally:
-            await server.stop(None)
 
     asyncio.run(scenario())
 

@@ -9,7 +9,7 @@ B requests is B messages. Here a step's outputs, which reach this event loop in 
 The caller names each generation with a ``key`` unique on its stream while it runs; ``start`` and ``cancel`` commands
 come in, ``GenerateEvent``s go out (a response, or the status Generate would have ended with). The stream ends when
 the caller has closed its side and every generation has finished; if the caller goes, its generations are cancelled.
-The pace (``message_interval_us``, the gateway's load) is the stream's: the latest start's value.
+The pace (``message_interval_us``, the gateway's load) is the stream's: the latest start's or pace command's value.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tandem.errors import ConfigError
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from verifier.engine_loop import QueueSink, Submission
-from verifier.server import (MAX_COALESCED_TOKENS, REFUSALS, VerifierService, _end, _final, _merged,
+from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFUSALS, VerifierService, _end, _final, _merged,
                              refusal_code)
 
 log = logging.getLogger("verifier.generate_many")
@@ -84,6 +84,8 @@ class _Stream:
                     self._start(command)
                 elif which == "cancel":
                     self._cancel(command.key)
+                elif which == "message_interval_us":
+                    self._set_pace(command.message_interval_us)
         finally:
             self.queue.put_nowait((None, _CLOSED))
 
@@ -105,9 +107,16 @@ class _Stream:
         sub = self.service.submission(rid, request, params, spec,
                                       QueueSink(asyncio.get_running_loop(), _Keyed(self.queue, key)), span)
         self.running[key] = _Running(rid, request, sub, span)
-        self.pace = request.message_interval_us / 1e6
+        self._set_pace(request.message_interval_us)  # (convert checked its bound)
         admitted = asyncio.wrap_future(self.service.loop.submit(sub))
         admitted.add_done_callback(lambda f: self._admitted(key, sub, f))
+
+    def _set_pace(self, interval_us: int) -> None:
+        if interval_us > MAX_MESSAGE_INTERVAL_US:
+            self.queue.put_nowait((None, _Refused(grpc.StatusCode.INVALID_ARGUMENT, "message_interval_us must be at "
+                                                  f"most {MAX_MESSAGE_INTERVAL_US}, got {interval_us}")))
+            return
+        self.pace = interval_us / 1e6
 
     def _admitted(self, key: int, sub: Submission, admitted: asyncio.Future) -> None:
         error = None if admitted.cancelled() else admitted.exception()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%tandem/rpc/verifier/v1/verifier.proto\x12\x16tandem.rpc.verifier.v1\"\xfc\x01\n\x0fGenerateCommand\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x38\n\x05start\x18\x02 \x01(\x0b\x32\'.tandem.rpc.verifier.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12P\n\rtrace_context\x18\x04 \x03(\x0b\x32\x39.tandem.rpc.verifier.v1.GenerateCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x8e\x01\n\rGenerateEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12:\n\x08response\x18\x02 \x01(\x0b\x32(.tandem.rpc.verifier.v1.GenerateResponse\x12\x34\n\x05\x65rror\x18\x03 \x01(\x0b\x32%.tandem.rpc.verifier.v1.GenerateError\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\rGenerateBatch\x12\x35\n\x06\x65vents\x18\x01 \x03(\x0b\x32%.tandem.rpc.verifier.v1.GenerateEvent\"\x8b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x14prompt_logprobs_from\x18\x0f \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"_\n\x11SpeculationParams\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x0c\n\x04topk\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.tandem.rpc.verifier.v1.SamplingParams\x12>\n\x0bspeculation\x18\x04 \x01(\x0b\x32).tandem.rpc.verifier.v1.SpeculationParams\x12\x1b\n\x13message_interval_us\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"W\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pt_length_mean\x18\x02 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x03 \x03(\x01\"\xc3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12/\n\x04spec\x18\x06 \x01(\x0b\x32!.tandem.rpc.verifier.v1.SpecStats\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.tandem.rpc.verifier.v1.TokenLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.tandem.rpc.verifier.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\t \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x12\n\x10ModelInfoRequest\"\x86\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bspeculative\x18\x05 \x01(\x08\x12\x15\n\rgenerate_many\x18\x06 \x01(\x08\x32\xac\x02\n\x08Verifier\x12_\n\x08Generate\x12\'.tandem.rpc.verifier.v1.GenerateRequest\x1a(.tandem.rpc.verifier.v1.GenerateResponse0\x01\x12\x62\n\x0cGenerateMany\x12\'.tandem.rpc.verifier.v1.GenerateCommand\x1a%.tandem.rpc.verifier.v1.GenerateBatch(\x01\x30\x01\x12[\n\x0cGetModelInfo\x12(.tandem.rpc.verifier.v1.ModelInfoRequest\x1a!.tandem.rpc.verifier.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%tandem/rpc/verifier/v1/verifier.proto\x12\x16tandem.rpc.verifier.v1\"\x9b\x02\n\x0fGenerateCommand\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x38\n\x05start\x18\x02 \x01(\x0b\x32\'.tandem.rpc.verifier.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x1d\n\x13message_interval_us\x18\x05 \x01(\rH\x00\x12P\n\rtrace_context\x18\x04 \x03(\x0b\x32\x39.tandem.rpc.verifier.v1.GenerateCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x8e\x01\n\rGenerateEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12:\n\x08response\x18\x02 \x01(\x0b\x32(.tandem.rpc.verifier.v1.GenerateResponse\x12\x34\n\x05\x65rror\x18\x03 \x01(\x0b\x32%.tandem.rpc.verifier.v1.GenerateError\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\rGenerateBatch\x12\x35\n\x06\x65vents\x18\x01 \x03(\x0b\x32%.tandem.rpc.verifier.v1.GenerateEvent\"\x8b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x14prompt_logprobs_from\x18\x0f \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"_\n\x11SpeculationParams\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x0c\n\x04topk\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.tandem.rpc.verifier.v1.SamplingParams\x12>\n\x0bspeculation\x18\x04 \x01(\x0b\x32).tandem.rpc.verifier.v1.SpeculationParams\x12\x1b\n\x13message_interval_us\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"W\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pt_length_mean\x18\x02 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x03 \x03(\x01\"\xc3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12/\n\x04spec\x18\x06 \x01(\x0b\x32!.tandem.rpc.verifier.v1.SpecStats\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.tandem.rpc.verifier.v1.TokenLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.tandem.rpc.verifier.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\t \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x12\n\x10ModelInfoRequest\"\x86\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bspeculative\x18\x05 \x01(\x08\x12\x15\n\rgenerate_many\x18\x06 \x01(\x08\x32\xac\x02\n\x08Verifier\x12_\n\x08Generate\x12\'.tandem.rpc.verifier.v1.GenerateRequest\x1a(.tandem.rpc.verifier.v1.GenerateResponse0\x01\x12\x62\n\x0cGenerateMany\x12\'.tandem.rpc.verifier.v1.GenerateCommand\x1a%.tandem.rpc.verifier.v1.GenerateBatch(\x01\x30\x01\x12[\n\x0cGetModelInfo\x12(.tandem.rpc.verifier.v1.ModelInfoRequest\x1a!.tandem.rpc.verifier.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATECOMMAND']._serialized_start=66
-  _globals['_GENERATECOMMAND']._serialized_end=318
-  _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._serialized_start=256
-  _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._serialized_end=307
-  _globals['_GENERATEEVENT']._serialized_start=321
-  _globals['_GENERATEEVENT']._serialized_end=463
-  _globals['_GENERATEERROR']._serialized_start=465
-  _globals['_GENERATEERROR']._serialized_end=511
-  _globals['_GENERATEBATCH']._serialized_start=513
-  _globals['_GENERATEBATCH']._serialized_end=583
-  _globals['_SAMPLINGPARAMS']._serialized_start=586
-  _globals['_SAMPLINGPARAMS']._serialized_end=981
-  _globals['_SPECULATIONPARAMS']._serialized_start=983
-  _globals['_SPECULATIONPARAMS']._serialized_end=1078
-  _globals['_GENERATEREQUEST']._serialized_start=1081
-  _globals['_GENERATEREQUEST']._serialized_end=1315
-  _globals['_SPECSTATS']._serialized_start=1317
-  _globals['_SPECSTATS']._serialized_end=1404
-  _globals['_GENERATERESPONSE']._serialized_start=1407
-  _globals['_GENERATERESPONSE']._serialized_end=1730
-  _globals['_TOKENLOGPROBS']._serialized_start=1732
-  _globals['_TOKENLOGPROBS']._serialized_end=1809
-  _globals['_MODELINFOREQUEST']._serialized_start=1811
-  _globals['_MODELINFOREQUEST']._serialized_end=1829
-  _globals['_MODELINFO']._serialized_start=1832
-  _globals['_MODELINFO']._serialized_end=1966
-  _globals['_VERIFIER']._serialized_start=1969
-  _globals['_VERIFIER']._serialized_end=2269
+  _globals['_GENERATECOMMAND']._serialized_end=349
+  _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._serialized_start=287
+  _globals['_GENERATECOMMAND_TRACECONTEXTENTRY']._serialized_end=338
+  _globals['_GENERATEEVENT']._serialized_start=352
+  _globals['_GENERATEEVENT']._serialized_end=494
+  _globals['_GENERATEERROR']._serialized_start=496
+  _globals['_GENERATEERROR']._serialized_end=542
+  _globals['_GENERATEBATCH']._serialized_start=544
+  _globals['_GENERATEBATCH']._serialized_end=614
+  _globals['_SAMPLINGPARAMS']._serialized_start=617
+  _globals['_SAMPLINGPARAMS']._serialized_end=1012
+  _globals['_SPECULATIONPARAMS']._serialized_start=1014
+  _globals['_SPECULATIONPARAMS']._serialized_end=1109
+  _globals['_GENERATEREQUEST']._serialized_start=1112
+  _globals['_GENERATEREQUEST']._serialized_end=1346
+  _globals['_SPECSTATS']._serialized_start=1348
+  _globals['_SPECSTATS']._serialized_end=1435
+  _globals['_GENERATERESPONSE']._serialized_start=1438
+  _globals['_GENERATERESPONSE']._serialized_end=1761
+  _globals['_TOKENLOGPROBS']._serialized_start=1763
+  _globals['_TOKENLOGPROBS']._serialized_end=1840
+  _globals['_MODELINFOREQUEST']._serialized_start=1842
+  _globals['_MODELINFOREQUEST']._serialized_end=1860
+  _globals['_MODELINFO']._serialized_start=1863
+  _globals['_MODELINFO']._serialized_end=1997
+  _globals['_VERIFIER']._serialized_start=2000
+  _globals['_VERIFIER']._serialized_end=2300
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateCommand(_message.Message):
-    __slots__ = ("key", "start", "cancel", "trace_context")
+    __slots__ = ("key", "start", "cancel", "message_interval_us", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -18,12 +18,14 @@ class GenerateCommand(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_INTERVAL_US_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     key: int
     start: GenerateRequest
     cancel: bool
+    message_interval_us: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, key: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, key: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., message_interval_us: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("key", "response", "error")
