@@ -46,8 +46,10 @@ class VerifierConfig:
     # presented to the drafter on its Rounds stream, required of the gateway's calls (tandem.internal_secret)
     internal_secret: str | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
-    # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py); off
-    # until measured on a GPU against the thread
+    # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py). Off: with
+    # a stream a request it won over REST (H100, demo pair: 1.02 / 1.15 of the better at c8 / c64 against 0.93 / 0.77 on
+    # the thread), but the gateway now sends one GenerateMany stream, over which the front costs a third as much and
+    # thread and process were even (bench/verifier_front.py on the CPU VM; not yet over REST on a GPU)
     engine_process: bool = False
 
     def __post_init__(self) -> None:
