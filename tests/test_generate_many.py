@@ -306,13 +306,15 @@ def test_the_gateways_calls_fail_with_their_streams_status_and_the_next_start_op
     asyncio.run(scenario())
 
 
-def test_a_draining_verifier_refuses_new_starts_on_an_open_stream(target_dir, tmp_path):
+def _drained(target_dir, tmp_path, on_event_of):
+    """A verifier of its own; a GenerateMany stream whose side stays open, ``on_event_of(service, commands)`` called on
+    each event → (the events, the seconds from the SIGTERM to the verifier's exit)."""
     service = Service("verifier", ["--model", str(target_dir)], free_port(), tmp_path / "verifier.log",
                       env={internal_secret.ENV: SECRET}).start()
+    signalled = []
 
     async def scenario():
         commands: asyncio.Queue = asyncio.Queue()
-        commands.put_nowait(_start(1, [5, 6], 4))
         events = []
 
         async def feed():
@@ -321,21 +323,40 @@ def test_a_draining_verifier_refuses_new_starts_on_an_open_stream(target_dir, tm
 
         async def on_event(event):
             events.append(event)
-            if event.key == 1 and event.response.finish_reason:  # the stream stays open, idle: now drain
-                service.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(1.0)  # (within the 5 s grace the server gives open calls)
-                commands.put_nowait(_start(2, [7, 8], 4))
-            if event.key == 2:
-                commands.put_nowait(None)
+            await on_event_of(event, events, commands, lambda: signalled.append(time.monotonic())
+                              or service.proc.send_signal(signal.SIGTERM))
 
-        with contextlib.suppress(grpc.aio.AioRpcError):  # (the server may end the stream once our side is closed)
-            await asyncio.wait_for(_many(service.address, feed(), on_event), 30)
+        commands.put_nowait(_start(1, [5, 6], 200))
+        await asyncio.wait_for(_many(service.address, feed(), on_event), 30)  # (ended by the server: our side is open)
         return events
 
     try:
         events = asyncio.run(scenario())
+        service.proc.wait(30)
+        return events, time.monotonic() - signalled[0]
     finally:
         service.stop()
+
+
+def test_a_draining_verifier_refuses_new_starts_and_ends_the_stream_when_its_generations_finish(target_dir, tmp_path):
+    async def on_event(event, events, commands, drain):
+        if event.key == 1 and len(events) == 5:  # key 1 still running: drain, then ask for more
+            drain()
+            await asyncio.sleep(0.3)
+            commands.put_nowait(_start(2, [7, 8], 4))
+
+    events, _ = _drained(target_dir, tmp_path, on_event)
     refused = [e for e in events if e.key == 2]
     assert len(refused) == 1 and refused[0].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert "shutting down" in refused[0].error.message
+    assert sum(len(e.response.token_ids) for e in events if e.key == 1) == 200  # the running one finished
+    assert events[-1].response.finish_reason == "length"
+
+
+def test_an_idle_stream_does_not_hold_the_verifiers_drain(target_dir, tmp_path):
+    async def on_event(event, events, commands, drain):
+        if event.response.finish_reason:  # nothing runs now; the stream stays open
+            drain()
+
+    _, exit_s = _drained(target_dir, tmp_path, on_event)
+    assert exit_s < 4.0  # (the server's grace for open calls is 5 s)

@@ -33,6 +33,7 @@ from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFU
 
 log = logging.getLogger("verifier.generate_many")
 _CLOSED = object()  # the caller closed its side of the stream
+_DRAINING = object()  # the server drains: the stream ends once its generations finish
 
 
 class _Keyed:
@@ -156,7 +157,7 @@ class _Stream:
     async def batches(self):
         """One GenerateBatch for everything queued each time this loop gets to it."""
         sent_at = None
-        while not (self.closed and not self.running):
+        while not ((self.closed or self.service.draining) and not self.running):
             items = [await self.queue.get()]
             if self.pace and sent_at is not None and not self._urgent(items[0]):
                 try:
@@ -178,6 +179,8 @@ class _Stream:
         for key, out in items:
             if out is _CLOSED:
                 self.closed = True
+            elif out is _DRAINING:
+                pass  # (the loop's condition reads the service's state)
             elif isinstance(out, _Refused):
                 if key is None:  # the stream itself
                     await self.context.abort(out.code, out.message)
@@ -220,9 +223,12 @@ async def generate_many(service: VerifierService, commands, context: grpc.aio.Se
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
     stream = _Stream(service, context)
     reader = asyncio.create_task(stream.read(commands))
+    wake = functools.partial(stream.queue.put_nowait, (None, _DRAINING))
+    service.on_drain.add(wake)
     try:
         async for batch in stream.batches():
             yield batch
     finally:
+        service.on_drain.discard(wake)
         reader.cancel()
         stream.cancel_all()  # the caller went, or the stream failed: free what still runs

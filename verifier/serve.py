@@ -95,7 +95,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None, stop: a
     await wait_for_stop(stop)
     log.info("verifier draining")
     await health_servicer.enter_graceful_shutdown()
-    service.draining = True  # (GenerateMany's open streams refuse new starts, as the server refuses new calls)
+    service.drain()  # (GenerateMany's open streams refuse new starts, as the server refuses new calls)
     await server.stop(grace=5.0)
     loop.stop()
     loop.join(timeout=10)

@@ -38,10 +38,18 @@ class VerifierService:
         self.context = cfg.engine.served_context(model_cfg.max_position_embeddings)  # --context-length, checked
         self.default_spec = SpecConfig(cfg.num_steps, cfg.topk, cfg.num_draft_tokens) if speculative else None
         self.loop: EngineLoop | None = None
-        self.draining = False  # set once the server stops taking calls
+        self.draining = False  # set once the server stops taking calls (drain)
+        self.on_drain: set = set()  # callables: what an open GenerateMany stream does when the server drains
 
     def attach(self, loop: EngineLoop) -> None:
         self.loop = loop
+
+    def drain(self) -> None:
+        """The server stops taking calls: open GenerateMany streams refuse new starts and end once theirs finish (a
+        stream held open by an idle gateway would otherwise keep the server's grace period for itself)."""
+        self.draining = True
+        for wake in list(self.on_drain):
+            wake()
 
     def handler(self, **more: grpc.RpcMethodHandler) -> grpc.GenericRpcHandler:
         """Generate and GetModelInfo, and ``more`` methods by name (GenerateMany: verifier/generate_many.py)."""
