@@ -53,8 +53,9 @@ GEMV_MAX_ROWS = 4
 # slots) takes the register-fed mma.sync kernel (tandem/kernels/dequant_mma_sync.py), MMA_SYNC_BLOCK_N rows of W a
 # program. Measured (H100, bench --sections quant_engines, INT4 8B, in process): batch-8 decode 1981 tok/s (1002 with
 # the wgmma kernel), a chain's 4-row verify at τ 4 800 against 693 tok/s with the GEMV; at one row the GEMV wins (378
-# against 261 tok/s); 2-3 rows not timed, left to the GEMV; K not a multiple of 128 (its masked loads not yet run on a
-# GPU) left to the others
+# against 261 tok/s); at 2 rows the GEMV wins (bench/int4_gemv_sweep.py --rows: 8B down 20.4 against 25.5 us, gate_up
+# 35.0 against 44.7), at 3 rows 8B down is even: 1-3 rows keep the GEMV; K not a multiple of 128 (its masked loads
+# pass the GPU tests, their speed untimed) left to the others
 MMA_SYNC_MIN_ROWS = 4
 MMA_SYNC_MAX_ROWS = 8
 MMA_SYNC_BLOCK_N = 128
