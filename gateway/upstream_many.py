@@ -21,6 +21,7 @@ from tandem.rpc.verifier.v1 import verifier_pb2
 
 log = logging.getLogger("gateway.upstream_many")
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_CANCELLED = object()  # the call was cancelled: a read waiting in another task ends as a gRPC call's would
 
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -39,6 +40,8 @@ class ManyCall:
         if self._over:
             return grpc.aio.EOF
         item = await self._inbox.get()
+        if item is _CANCELLED:
+            raise asyncio.CancelledError()
         if isinstance(item, BaseException):
             self._over = True
             raise item
@@ -51,6 +54,7 @@ class ManyCall:
             return False
         self._over = True
         self._stream._cancel(self.key)
+        self._inbox.put_nowait(_CANCELLED)  # (a choice's reader in another task: gateway/choices.py)
         return True
 
     def _put(self, item) -> None:
@@ -123,16 +127,21 @@ class ManyStream:
         except asyncio.CancelledError:
             error = _error(grpc.StatusCode.CANCELLED, "the gateway closed the generations' stream")
             raise
+        except Exception as e:  # (a message that would not parse, a bug): its calls fail rather than wait for ever
+            log.exception("the generations' stream to the verifier failed")
+            error = _error(grpc.StatusCode.UNKNOWN, f"the generations' stream failed: {type(e).__name__}")
         finally:
             if self._outbox is outbox:  # the next start opens a new stream
                 self._outbox, self._reader = None, None
             outbox.put_nowait(None)
+            if error is None:  # (an exit no handler above saw: KeyboardInterrupt, SystemExit)
+                error = _error(grpc.StatusCode.CANCELLED, "the generations' stream ended")
             if self._calls:  # (all of them this stream's: a new one opens only once this reader is done)
                 log.warning("the generations' stream to the verifier ended (%s): %d generation(s) fail",
                             error.code().name, len(self._calls))
             calls, self._calls = self._calls, {}
-            for call in calls.values():
-                call._put(error)
+            for call in calls.values():  # (an error each: one raised in every call's task would chain their frames)
+                call._put(_error(error.code(), error.details()))
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -360,3 +360,25 @@ def test_an_idle_stream_does_not_hold_the_verifiers_drain(target_dir, tmp_path):
 
     _, exit_s = _drained(target_dir, tmp_path, on_event)
     assert exit_s < 4.0  # (the server's grace for open calls is 5 s)
+
+
+def test_cancelling_a_call_ends_a_read_waiting_in_another_task():
+    from gateway.upstream_many import ManyStream
+
+    async def scenario():
+        async def generate_many(commands, context):  # answers nothing: the read waits
+            async for _ in commands:
+                pass
+
+        async with _stand_in(generate_many) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            many = ManyStream(lambda commands: stub.GenerateMany(commands))
+            call = many.start(pb.GenerateRequest(prompt_token_ids=[5]), [])
+            reader = asyncio.create_task(call.read())
+            await asyncio.sleep(0.05)
+            call.cancel()  # (as gateway/choices.py cancels the other choices of a failed request)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(reader, 2)
+            await many.close()
+
+    asyncio.run(scenario())

@@ -33,19 +33,24 @@ from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFU
 
 log = logging.getLogger("verifier.generate_many")
 _CLOSED = object()  # the caller closed its side of the stream
-_DRAINING = object()  # the server drains: the stream ends once its generations finish
+_WAKE = object()  # look at the loop's end again (the server drains; a cancel may have left nothing running)
+# The most tokens one GenerateBatch carries (each generation's share still capped at MAX_COALESCED_TOKENS): a batch of
+# what queued behind a slow write stays far below the gateway's 256 MiB a message at ~150 bytes a token (top-20
+# log-probabilities); what is left waits for the next batch.
+MAX_BATCH_TOKENS = 64 * MAX_COALESCED_TOKENS
 
 
 class _Keyed:
-    """A generation's outputs into its stream's one queue, tagged with its key (a QueueSink's target)."""
+    """A generation's outputs into its stream's one queue, tagged with its key and its submission (a QueueSink's
+    target): a key the caller uses again after a cancel must not get the outputs its earlier generation had queued."""
 
-    __slots__ = ("queue", "key")
+    __slots__ = ("queue", "key", "sub")
 
     def __init__(self, queue: asyncio.Queue, key: int):
-        self.queue, self.key = queue, key
+        self.queue, self.key, self.sub = queue, key, None
 
     def put_nowait(self, out) -> None:
-        self.queue.put_nowait((self.key, out))
+        self.queue.put_nowait((self.key, out, self.sub))
 
 
 @dataclass
@@ -78,17 +83,25 @@ class _Stream:
             async for command in commands:
                 if command is MALFORMED:
                     self.queue.put_nowait((None, _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                                          "request: malformed GenerateCommand protobuf")))
+                                                          "request: malformed GenerateCommand protobuf"), None))
                     return
                 which = command.WhichOneof("command")
-                if which == "start":
-                    self._start(command)
-                elif which == "cancel":
-                    self._cancel(command.key)
-                elif which == "message_interval_us":
-                    self._set_pace(command.message_interval_us)
+                try:
+                    if which == "start":
+                        self._start(command)
+                    elif which == "cancel":
+                        self._cancel(command.key)
+                    elif which == "message_interval_us":
+                        self._set_pace(command.message_interval_us)
+                except Exception:  # (as an unexpected error in Generate's handler fails its one call: UNKNOWN)
+                    log.exception("GenerateMany: the %s command of key %d failed", which, command.key)
+                    running = self.running.get(command.key) if which == "start" else None
+                    if running is not None:  # (submitted or not: a cancel of what is not there does nothing)
+                        self.service.loop.cancel(running.rid, running.sub)
+                    if which == "start":
+                        self._refuse(command.key, running, grpc.StatusCode.UNKNOWN, "internal error")
         finally:
-            self.queue.put_nowait((None, _CLOSED))
+            self.queue.put_nowait((None, _CLOSED, None))
 
     def _start(self, command) -> None:
         key, request = command.key, command.start
@@ -105,8 +118,9 @@ class _Stream:
             return
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         span = self.service.request_span(rid, request, tracing.extract(dict(command.trace_context)))
-        sub = self.service.submission(rid, request, params, spec,
-                                      QueueSink(asyncio.get_running_loop(), _Keyed(self.queue, key)), span)
+        keyed = _Keyed(self.queue, key)
+        sub = keyed.sub = self.service.submission(rid, request, params, spec,
+                                                  QueueSink(asyncio.get_running_loop(), keyed), span)
         self.running[key] = _Running(rid, request, sub, span)
         self._set_pace(request.message_interval_us)  # (convert checked its bound)
         admitted = asyncio.wrap_future(self.service.loop.submit(sub))
@@ -115,7 +129,7 @@ class _Stream:
     def _set_pace(self, interval_us: int) -> None:
         if interval_us > MAX_MESSAGE_INTERVAL_US:
             self.queue.put_nowait((None, _Refused(grpc.StatusCode.INVALID_ARGUMENT, "message_interval_us must be at "
-                                                  f"most {MAX_MESSAGE_INTERVAL_US}, got {interval_us}")))
+                                                  f"most {MAX_MESSAGE_INTERVAL_US}, got {interval_us}"), None))
             return
         self.pace = interval_us / 1e6
 
@@ -128,7 +142,7 @@ class _Stream:
             return
         if not isinstance(error, REFUSALS):
             log.error("submission of %s failed: %r", running.rid, error)
-            self._refuse(key, running, grpc.StatusCode.INTERNAL, "internal error")
+            self._refuse(key, running, grpc.StatusCode.UNKNOWN, "internal error")
             return
         self._refuse(key, running, refusal_code(error), str(error))
 
@@ -136,13 +150,15 @@ class _Stream:
         if running is not None:
             del self.running[key]
             tracing.end_rpc_unsuccessful(running.span, code.name, message)
-        self.queue.put_nowait((key, _Refused(code, message)))
+        self.queue.put_nowait((key, _Refused(code, message), None))
 
     def _cancel(self, key: int) -> None:
         running = self.running.pop(key, None)
         if running is not None:  # (one that already finished: nothing to free)
             self.service.loop.cancel(running.rid, running.sub)
             _end(running.span, running.produced)
+            if not self.running:  # (a closed or draining stream may end now)
+                self.queue.put_nowait((None, _WAKE, None))
 
     def cancel_all(self) -> None:
         for key in list(self.running):
@@ -150,14 +166,19 @@ class _Stream:
 
     def _urgent(self, item) -> bool:
         """An item that goes without waiting for the pace: a generation's first output or its last word."""
-        key, out = item
+        key, out, sub = item
         running = self.running.get(key)
-        return running is None or not running.answered or _final(out) or isinstance(out, _Refused)
+        return (running is None or running.sub is not sub or not running.answered or _final(out)
+                or isinstance(out, _Refused))
+
+    def _ended(self) -> bool:
+        """The caller closed its side or the server drains, nothing runs, and nothing is left to send."""
+        return (self.closed or self.service.draining) and not self.running and self.queue.empty()
 
     async def batches(self):
         """One GenerateBatch for everything queued each time this loop gets to it."""
         sent_at = None
-        while not ((self.closed or self.service.draining) and not self.running):
+        while not self._ended():
             items = [await self.queue.get()]
             if self.pace and sent_at is not None and not self._urgent(items[0]):
                 try:
@@ -166,8 +187,11 @@ class _Stream:
                             items.append(await self.queue.get())
                 except TimeoutError:  # (an item the deadline interrupted stays queued)
                     pass
-            while not self.queue.empty():
+            tokens = 0
+            while not self.queue.empty() and tokens < MAX_BATCH_TOKENS:
                 items.append(self.queue.get_nowait())
+                out = items[-1][1]
+                tokens += len(getattr(out, "new_token_ids", ())) + len(getattr(out, "prompt_logprobs", None) or ())
             events = await self._events(items)
             if events:
                 yield pb.GenerateBatch(events=events)
@@ -176,11 +200,11 @@ class _Stream:
     async def _events(self, items: list) -> list:
         merged: dict[int, Any] = {}  # key -> its outputs so far, as one (insertion order: first come, first sent)
         events = []
-        for key, out in items:
+        for key, out, sub in items:
             if out is _CLOSED:
                 self.closed = True
-            elif out is _DRAINING:
-                pass  # (the loop's condition reads the service's state)
+            elif out is _WAKE:
+                pass  # (the loop's condition reads the state)
             elif isinstance(out, _Refused):
                 if key is None:  # the stream itself
                     await self.context.abort(out.code, out.message)
@@ -190,7 +214,7 @@ class _Stream:
                 for running in self.running.values():
                     tracing.set_error(running.span, "the engine failed")
                 await self.context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier's engine failed; it restarts")
-            elif key in self.running:  # (outputs of a generation cancelled meanwhile are dropped)
+            elif key in self.running and self.running[key].sub is sub:  # (a cancelled generation's are dropped)
                 before = merged.get(key)
                 if before is not None and len(before.new_token_ids) >= MAX_COALESCED_TOKENS:
                     events.append(self._event(key, merged.pop(key)))
@@ -223,7 +247,7 @@ async def generate_many(service: VerifierService, commands, context: grpc.aio.Se
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
     stream = _Stream(service, context)
     reader = asyncio.create_task(stream.read(commands))
-    wake = functools.partial(stream.queue.put_nowait, (None, _DRAINING))
+    wake = functools.partial(stream.queue.put_nowait, (None, _WAKE, None))
     service.on_drain.add(wake)
     try:
         async for batch in stream.batches():

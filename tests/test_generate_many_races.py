@@ -1,0 +1,125 @@
+"""GenerateMany's races, driven step by step (verifier/generate_many.py with a recording engine loop in place of the
+model, so that outputs arrive exactly when a test says): a key used again after a cancel gets only its new
+generation's outputs, never those its earlier one had in flight; cancelling the last generation of a draining stream
+ends the stream at once (the server's grace is not spent waiting); a start the engine loop throws on is refused alone
+and the stream goes on."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+
+from tandem.engine.request import FinishReason
+from tandem.engine.step import StepOutput
+from tandem.rpc.verifier.v1 import verifier_pb2 as pb
+from verifier import generate_many
+from verifier.server import VerifierService
+
+
+class _RecordingLoop:
+    """The engine loop's submit/cancel, recorded; outputs come when the test pushes them through a submission's sink."""
+
+    def __init__(self, fail_prompt: int | None = None):
+        self.subs, self.cancelled, self.fail_prompt = [], [], fail_prompt
+
+    def submit(self, sub):
+        if sub.prompt[0] == self.fail_prompt:
+            raise RuntimeError("the engine loop broke on this one")
+        self.subs.append(sub)
+        sub.added.set_result(None)
+        return sub.added
+
+    def cancel(self, rid, sub=None):
+        self.cancelled.append(rid)
+
+
+def _service(loop) -> VerifierService:
+    service = VerifierService.__new__(VerifierService)  # (no model: the conversions need only these)
+    service.cfg = SimpleNamespace(internal_secret=None, drafter=None)
+    service.context, service.speculative, service.default_spec = 4096, False, None
+    service.loop, service.draining, service.on_drain = loop, False, set()
+    return service
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+    async def abort(self, code, details):
+        raise grpc.aio.AbortError(f"{code} {details}")
+
+
+def _start(key: int, rid: str, prompt=(5, 6)) -> pb.GenerateCommand:
+    return pb.GenerateCommand(key=key, start=pb.GenerateRequest(request_id=rid, prompt_token_ids=list(prompt),
+                                                               sampling=pb.SamplingParams(max_new_tokens=8)))
+
+
+async def _session(service, script):
+    """Run the stream with commands from ``script(send, loop)``; → its events, whether it ended by itself."""
+    commands: asyncio.Queue = asyncio.Queue()
+    batches = []
+
+    async def feed():
+        while (command := await commands.get()) is not None:
+            yield command
+
+    async def run():
+        async for batch in generate_many.generate_many(service, feed(), _Context()):
+            batches.append(batch)
+
+    task = asyncio.create_task(run())
+    await script(commands.put_nowait, service.loop)
+    await asyncio.sleep(0.05)
+    ended = task.done()
+    commands.put_nowait(None)
+    await asyncio.wait_for(task, 2)
+    return [e for b in batches for e in b.events], ended
+
+
+def _out(rid, tokens, final=False) -> StepOutput:
+    return StepOutput(rid, list(tokens), FinishReason.LENGTH if final else None)
+
+
+def test_a_key_used_again_after_a_cancel_gets_only_its_new_generations_outputs():
+    async def script(send, loop):
+        send(_start(7, "old"))
+        await asyncio.sleep(0.05)
+        old = loop.subs[0]
+        old.sink(_out("old", [100]))
+        await asyncio.sleep(0.05)
+        send(pb.GenerateCommand(key=7, cancel=True))
+        send(_start(7, "new"))
+        await asyncio.sleep(0.05)
+        old.sink(_out("old", [101, 102], final=True))  # in flight when the engine took the cancel
+        loop.subs[1].sink(_out("new", [1], final=True))
+
+    events, _ = asyncio.run(_session(_service(_RecordingLoop()), script))
+    assert [(e.response.request_id, list(e.response.token_ids)) for e in events] == [("old", [100]), ("new", [1])]
+
+
+def test_cancelling_the_last_generation_of_a_draining_stream_ends_it_at_once():
+    async def script(send, loop):
+        send(_start(1, "a"))
+        await asyncio.sleep(0.05)
+        loop.subs[0].sink(_out("a", [3]))
+        await asyncio.sleep(0.05)
+        service.drain()
+        send(pb.GenerateCommand(key=1, cancel=True))  # nothing of "a" comes after this
+
+    service = _service(_RecordingLoop())
+    events, ended = asyncio.run(_session(service, script))
+    assert ended and service.loop.cancelled == ["a"] and len(events) == 1
+
+
+def test_a_start_the_engine_loop_throws_on_is_refused_alone():
+    async def script(send, loop):
+        send(_start(1, "bad", prompt=(9, 9)))
+        send(_start(2, "good"))
+        await asyncio.sleep(0.05)
+        loop.subs[0].sink(_out("good", [4], final=True))
+
+    events, _ = asyncio.run(_session(_service(_RecordingLoop(fail_prompt=9)), script))
+    assert [(e.key, e.error.code) for e in events if e.HasField("error")] == [(1, grpc.StatusCode.UNKNOWN.value[0])]
+    assert [list(e.response.token_ids) for e in events if e.key == 2] == [[4]]
