@@ -43,10 +43,11 @@ REFUSE_AFTER_FAILED_CHECKS = 2  # health checks in a row that did not find the v
 
 class VerifierClient:
     def __init__(self, address: str, timeout_s: float, secret: str | None = None,
-                 message_interval_us: Callable[[], int] = lambda: 0, one_stream: bool = True):
+                 message_interval_us: Callable[[], int] = lambda: 0, *, one_stream: bool):
         """``secret``: the internal plane's (tandem.internal_secret), presented on every call a verifier that has one
         requires it of; ``message_interval_us()``: what each generation asks of its stream's pace (gateway/pacing.py);
-        ``one_stream``: the generations over one GenerateMany stream where the verifier serves it."""
+        ``one_stream``: the generations over one GenerateMany stream where the verifier serves it
+        (GatewayConfig.upstream_streams)."""
         self.address = address
         self._message_interval_us = message_interval_us
         self._timeout = timeout_s

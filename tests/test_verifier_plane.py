@@ -73,7 +73,7 @@ def test_a_gateway_without_the_secret_is_not_ready_and_says_why(verifier, caplog
     from gateway.upstream import VerifierClient
 
     async def model_info(secret):
-        client = VerifierClient(verifier.address, 10.0, secret)
+        client = VerifierClient(verifier.address, 10.0, secret, one_stream=True)
         try:
             return await client.model_info()
         finally:
