@@ -75,6 +75,7 @@ async def _session(service, script):
     ended = task.done()
     commands.put_nowait(None)
     await asyncio.wait_for(task, 2)
+    _session.batches = batches  # (the last session's messages, for a test that counts them)
     return [e for b in batches for e in b.events], ended
 
 
@@ -123,3 +124,24 @@ def test_a_start_the_engine_loop_throws_on_is_refused_alone():
     events, _ = asyncio.run(_session(_service(_RecordingLoop(fail_prompt=9)), script))
     assert [(e.key, e.error.code) for e in events if e.HasField("error")] == [(1, grpc.StatusCode.UNKNOWN.value[0])]
     assert [list(e.response.token_ids) for e in events if e.key == 2] == [[4]]
+
+
+def test_a_backlog_goes_in_batches_of_at_most_max_batch_tokens_paced_or_not():
+    from verifier.generate_many import MAX_BATCH_TOKENS
+
+    for interval_us in (0, 100_000):
+        async def script(send, loop):
+            send(_start(1, "a"))
+            send(pb.GenerateCommand(message_interval_us=interval_us))
+            await asyncio.sleep(0.05)
+            sub = loop.subs[0]
+            sub.sink(_out("a", [0]))  # (the first output goes at once)
+            await asyncio.sleep(0.05)
+            for i in range(1, 201):  # a backlog: 200 steps of 1000 tokens queued behind a slow write
+                sub.sink(_out("a", [i] * 1000, final=i == 200))
+
+        events, _ = asyncio.run(_session(_service(_RecordingLoop()), script))
+        per_batch = [sum(len(e.response.token_ids) for e in b.events) for b in _session.batches]
+        assert max(per_batch) <= MAX_BATCH_TOKENS + 1000 and len(per_batch) >= 4, (interval_us, per_batch)
+        tokens = [t for e in events for t in e.response.token_ids]
+        assert tokens == [0] + [i for i in range(1, 201) for _ in range(1000)]

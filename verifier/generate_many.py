@@ -180,18 +180,18 @@ class _Stream:
         sent_at = None
         while not self._ended():
             items = [await self.queue.get()]
+            tokens = _tokens(items[0])
             if self.pace and sent_at is not None and not self._urgent(items[0]):
                 try:
                     async with asyncio.timeout_at(sent_at + self.pace):
-                        while not self._urgent(items[-1]):
+                        while not self._urgent(items[-1]) and tokens < MAX_BATCH_TOKENS:
                             items.append(await self.queue.get())
+                            tokens += _tokens(items[-1])
                 except TimeoutError:  # (an item the deadline interrupted stays queued)
                     pass
-            tokens = 0
             while not self.queue.empty() and tokens < MAX_BATCH_TOKENS:
                 items.append(self.queue.get_nowait())
-                out = items[-1][1]
-                tokens += len(getattr(out, "new_token_ids", ())) + len(getattr(out, "prompt_logprobs", None) or ())
+                tokens += _tokens(items[-1])
             events = await self._events(items)
             if events:
                 yield pb.GenerateBatch(events=events)
@@ -232,6 +232,12 @@ class _Stream:
             del self.running[key]
             _end(running.span, running.produced)
         return pb.GenerateEvent(key=key, response=response)
+
+
+def _tokens(item) -> int:
+    """What a queued item adds to a batch, in tokens (MAX_BATCH_TOKENS)."""
+    out = item[1]
+    return len(getattr(out, "new_token_ids", ())) + len(getattr(out, "prompt_logprobs", None) or ())
 
 
 def method_handler(service: VerifierService) -> grpc.RpcMethodHandler:
