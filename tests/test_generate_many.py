@@ -175,8 +175,12 @@ def test_the_caller_going_cancels_what_still_runs(verifier):
 
 
 def test_the_stream_needs_the_internal_secret(verifier):
+    async def one_start_then_wait():  # (our side stays open: the answer is the server's refusal, whatever the timing)
+        yield _start(1, [5, 6], 4)
+        await asyncio.sleep(30)
+
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        asyncio.run(_many(verifier.address, [_start(1, [5, 6], 4)], metadata=()))
+        asyncio.run(_many(verifier.address, one_start_then_wait(), metadata=()))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
