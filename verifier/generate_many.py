@@ -28,8 +28,8 @@ from tandem.errors import ConfigError
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from verifier.engine_loop import QueueSink, Submission
-from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFUSALS, VerifierService, _end, _final, _merged,
-                             refusal_code)
+from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFUSALS, VerifierService,
+                             end_request_span, is_final, merged_outputs, refusal_code)
 
 log = logging.getLogger("verifier.generate_many")
 _CLOSED = object()  # the caller closed its side of the stream
@@ -156,7 +156,7 @@ class _Stream:
         running = self.running.pop(key, None)
         if running is not None:  # (one that already finished: nothing to free)
             self.service.loop.cancel(running.rid, running.sub)
-            _end(running.span, running.produced)
+            end_request_span(running.span, running.produced)
             if not self.running:  # (a closed or draining stream may end now)
                 self.queue.put_nowait((None, _WAKE, None))
 
@@ -168,7 +168,7 @@ class _Stream:
         """An item that goes without waiting for the pace: a generation's first output or its last word."""
         key, out, sub = item
         running = self.running.get(key)
-        return (running is None or running.sub is not sub or not running.answered or _final(out)
+        return (running is None or running.sub is not sub or not running.answered or is_final(out)
                 or isinstance(out, _Refused))
 
     def _ended(self) -> bool:
@@ -219,7 +219,7 @@ class _Stream:
                 if before is not None and len(before.new_token_ids) >= MAX_COALESCED_TOKENS:
                     events.append(self._event(key, merged.pop(key)))
                     before = None
-                merged[key] = out if before is None else _merged(before, out)
+                merged[key] = out if before is None else merged_outputs(before, out)
         events.extend(self._event(key, out) for key, out in merged.items())
         return events
 
@@ -230,7 +230,7 @@ class _Stream:
         response = self.service.response(running.rid, running.request, out, running.produced)
         if out.finish_reason is not None:
             del self.running[key]
-            _end(running.span, running.produced)
+            end_request_span(running.span, running.produced)
         return pb.GenerateEvent(key=key, response=response)
 
 
@@ -248,7 +248,7 @@ def method_handler(service: VerifierService) -> grpc.RpcMethodHandler:
 
 
 async def generate_many(service: VerifierService, commands, context: grpc.aio.ServicerContext):
-    await service._authenticate(context)
+    await service.authenticate(context)
     if service.loop is None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
     stream = _Stream(service, context)

@@ -63,7 +63,7 @@ class VerifierService:
             **more,
         })
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def authenticate(self, context: grpc.aio.ServicerContext) -> None:
         """Only callers with the internal secret (its gateway; tandem.internal_secret), where one is set: the
         gateway's API key, limits and request log must not be a port away from anyone who can reach this one."""
         if not internal_secret.matches(self.cfg.internal_secret, context.invocation_metadata()):
@@ -72,14 +72,14 @@ class VerifierService:
                                 f"(the internal secret: ${internal_secret.ENV} or --internal-secret-file)")
 
     async def model_info(self, request, context) -> pb.ModelInfo:
-        await self._authenticate(context)
+        await self.authenticate(context)
         return pb.ModelInfo(model=self.cfg.model_name,
                             vocab_size=self.model_cfg.vocab_size, max_context=self.context,
                             eos_token_ids=list(self.model_cfg.eos_token_ids), speculative=self.speculative,
                             generate_many=True)
 
     async def generate(self, request, context: grpc.aio.ServicerContext):
-        await self._authenticate(context)
+        await self.authenticate(context)
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
         if request is MALFORMED:
@@ -113,11 +113,11 @@ class VerifierService:
                 finished = out.finish_reason is not None
                 response = self.response(rid, request, out, produced)
                 if finished:  # (ended before the last message goes: the caller's span, ended on it, stays the parent
-                    _end(span, produced)  # that outlasts this one)
+                    end_request_span(span, produced)  # that outlasts this one)
                 yield response
                 sent_at = aio_loop.time()
         finally:
-            _end(span, produced)
+            end_request_span(span, produced)
             if not finished:  # client went away or cancelled: free the request's KV next round (only this
                 self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
 
@@ -216,7 +216,7 @@ def refusal_code(error: Exception) -> grpc.StatusCode:
 # The most tokens one coalesced message carries: with top-20 log-probabilities a token is ~150 bytes, and the
 # gateway takes messages of at most 256 MiB (gateway/upstream.py).
 MAX_COALESCED_TOKENS = 1024
-def _end(span, produced: int) -> None:
+def end_request_span(span, produced: int) -> None:
     """End the request's span once (a second end would be the SDK's warning)."""
     if span.is_recording():
         span.set_attribute("tandem.completion_tokens", produced)
@@ -226,7 +226,7 @@ def _end(span, produced: int) -> None:
 MAX_MESSAGE_INTERVAL_US = 1_000_000  # GenerateRequest.message_interval_us: a stream waits at most this long
 
 
-def _final(out) -> bool:
+def is_final(out) -> bool:
     """The engine loop's last word on a request: its finishing output, or the error that ended the loop."""
     return isinstance(out, BaseException) or out.finish_reason is not None
 
@@ -236,8 +236,8 @@ def _coalesced(out, outputs: asyncio.Queue):
     tokens waiting go together instead of one message a step — the same text, fewer messages to carry (a round's
     tokens already go together). A slow reader alone does not make them wait here: gRPC's flow control takes thousands
     of small messages before a write blocks (a paced stream waits on purpose: ``_paced``)."""
-    while not _final(out) and not outputs.empty() and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
-        out = _merged(out, outputs.get_nowait())
+    while not is_final(out) and not outputs.empty() and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
+        out = merged_outputs(out, outputs.get_nowait())
     return out
 
 
@@ -246,14 +246,14 @@ async def _paced(out, outputs: asyncio.Queue, until: float):
     the request's last output comes (a paced stream's end never waits)."""
     try:
         async with asyncio.timeout_at(until):  # (one deadline: not a task per output, and a cancel is never lost)
-            while not _final(out) and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
-                out = _merged(out, await outputs.get())
+            while not is_final(out) and len(out.new_token_ids) < MAX_COALESCED_TOKENS:
+                out = merged_outputs(out, await outputs.get())
     except TimeoutError:  # (an output the deadline interrupted stays queued: a Queue.get cancelled takes nothing)
         pass
     return _coalesced(out, outputs)
 
 
-def _merged(out: StepOutput, more):
+def merged_outputs(out: StepOutput, more):
     """Two outputs of a request as one (or the engine loop's error, which ends the stream)."""
     if isinstance(more, BaseException):
         return more
