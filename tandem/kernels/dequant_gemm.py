@@ -163,12 +163,13 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split)
     b = bias if bias is not None else s
     stride_ys = target.stride(0) if split > 1 else 0
+    pdl = pdl_launch(x)
     shared = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     formatted = dict(shared, FORMAT=fmt, S_ROWS=s_rows, S_COLS=s_cols)  # the gemv and tile kernels take any format
     if cfg.kernel == "mma_sync":
         dequant_mma_sync.launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, cfg.block_n,
-                                shared["HAS_BIAS"])
+                                shared["HAS_BIAS"], pdl)
     elif cfg.kernel == "mma":  # (INT4 only: its groups are GROUP columns of one row)
         _dequant_mma_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, STRIDE_W=w.stride(0),
@@ -189,7 +190,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 1024), m)](
             target, b, y, n, target.stride(0), target.stride(1), y.stride(-2), SPLIT=split, HAS_BIAS=bias is not None,
-            BLOCK=1024, num_warps=4, **pdl_launch(x))
+            BLOCK=1024, num_warps=4, **pdl)
     return y.view(*lead, n)
 
 

@@ -26,6 +26,8 @@ every other ``convert_layout`` here is asserted trivial at compile time):
   more mma with a constant A (shared by every row tile), so the unpack needs no HFMA2.
 * Float32 accumulation; each group's partial product is scaled in float32 (the scale never rounds to bf16).
 * Rows of x padded to 8 (mma's N); K split over programs like the GEMV's, partial sums summed by the caller.
+* The first step's words and scales are loaded before the PDL wait (tandem/kernels/pdl.py: weights do not depend on
+  the previous kernel); x, written by the previous kernel, after it.
 
 Gluon kernels do not run under the Triton interpreter: the CPU tests compile this one (compile_check) and the GPU
 tests run it against the dequantized weights.
@@ -56,6 +58,16 @@ def _unpack_asm() -> str:
 
 
 UNPACK = gl.constexpr(_unpack_asm())
+
+
+@gluon.jit
+def _pdl_enter(PDL: gl.constexpr):
+    """tandem/kernels/pdl.py's ``pdl_enter`` (Gluon has no ``tl.extra.cuda.gdc_*``; the same PTX): wait for the
+    previous grid (its writes visible), then let the next grid be scheduled."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -135,7 +147,7 @@ def _dequant_mma_sync_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys,
     K: gl.constexpr, K_SPLIT: gl.constexpr, STRIDE_W: gl.constexpr, STRIDE_S: gl.constexpr, HAS_BIAS: gl.constexpr,
     BLOCK_N: gl.constexpr, EVEN_N: gl.constexpr, W_L: gl.constexpr, WQ_L: gl.constexpr, WT_L: gl.constexpr,
-    S_L: gl.constexpr, X_L: gl.constexpr,
+    S_L: gl.constexpr, X_L: gl.constexpr, PDL: gl.constexpr,
 ):
     """Rows ``pid_m * 8 ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns ``pid_s * K_SPLIT ..``
     (K_SPLIT a multiple of 128: 4 groups a step, the next step's words loaded before this one's products)."""
@@ -165,6 +177,7 @@ def _dequant_mma_sync_kernel(
     bias = gl.full([BLOCK_N, 4 * 8], -136.0, gl.bfloat16, A_L)  # -(128 + 8): the unpack's offset and the format's
     acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
     words, scales = _step(w_ptrs, w_cols, s_ptrs, s_cols, k_begin, K, EVEN_K, W_L, WT_L)
+    _pdl_enter(PDL)  # after the first step's weights (no kernel before writes them), before x
     if K_SPLIT % (8 * GROUP) == 0:  # two steps an iteration: the prefetched registers alternate without moves
         for kk in range(0, K_SPLIT, 8 * GROUP):
             k = k_begin + kk
@@ -221,12 +234,12 @@ def check(block_n: int, block_k: int, num_warps: int, group: int, dtype: torch.d
                          f"groups of {group}, {dtype}")
 
 
-def launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, block_n, has_bias):
+def launch(x2, w, s, b, target, m, n, k, split, k_split, stride_ys, block_n, has_bias, pdl):
     """One launch over ``(n / block_n, m / 8, split)`` programs (``target`` [split, m, n] float32 where split > 1;
-    a split starting past K writes zeros)."""
+    a split starting past K writes zeros). ``pdl``: the caller's ``pdl_launch``, shared with its split sum."""
     words, quad, quad_t, scales, xl = _layouts(block_n)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS.value), split)
     _dequant_mma_sync_kernel[grid](
         x2, w, s, b, target, m, n, x2.stride(0), target.stride(-2), stride_ys, K=k, K_SPLIT=k_split,
         STRIDE_W=w.stride(0), STRIDE_S=s.stride(0), HAS_BIAS=has_bias, BLOCK_N=block_n, EVEN_N=n % block_n == 0,
-        W_L=words, WQ_L=quad, WT_L=quad_t, S_L=scales, X_L=xl, num_warps=4)
+        W_L=words, WQ_L=quad, WT_L=quad_t, S_L=scales, X_L=xl, num_warps=4, **pdl)
