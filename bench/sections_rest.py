@@ -39,7 +39,8 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
 
     # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms); "+old": the verifier of the tree in
     # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call; "+proc": the
-    # verifier's engine loop in a process of its own (--engine-process); "+per": the gateway's generations a Generate
+    # verifier's engine loop in a process of its own (--engine-process, the default on a GPU), "+thread" on a thread
+    # (--no-engine-process); "+per": the gateway's generations a Generate
     # stream each (--upstream-streams per-request) instead of one GenerateMany stream; variants combine ("+proc+per")
     tag, (mode, *variants) = mode, mode.split("+")
     variant = next((v for v in variants if v != "per"), "")
@@ -63,7 +64,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
             wait_serving(d_port, 300, procs[-1], "drafter")
         verifier = [*run_verifier, "--model", str(tdir), "--port", str(v_port), *verifier_flags,
                     "--kv-pages", "12288", "--log-stats-interval", "0.5", *common]
-        verifier += ["--engine-process"] if variant == "proc" else []
+        verifier += {"proc": ["--engine-process"], "thread": ["--no-engine-process"]}.get(variant, [])
         if mode != "target-only":  # in-process | pair, "-always": every step speculates
             verifier += ["--drafter", "in-process" if mode.startswith("in-process") else f"127.0.0.1:{d_port}",
                          "--draft-model", str(draft), *SPEC_FLAGS]

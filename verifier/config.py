@@ -46,13 +46,16 @@ class VerifierConfig:
     # presented to the drafter on its Rounds stream, required of the gateway's calls (tandem.internal_secret)
     internal_secret: str | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
-    # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py). Off: with
-    # a stream a request it won over REST (H100, demo pair: 1.02 / 1.15 of the better at c8 / c64 against 0.93 / 0.77 on
-    # the thread), but the gateway now sends one GenerateMany stream, over which the front costs a third as much and
-    # thread and process were even (bench/verifier_front.py on the CPU VM; not yet over REST on a GPU)
-    engine_process: bool = False
+    # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py). None: on
+    # where the engine runs on a GPU (over REST on an H100 with the gateway's one GenerateMany stream, the demo pair's
+    # policy at c1 / 8 / 64 made 1.39 / 1.31 / 1.10x target-only in a process against 1.34 / 1.05 / 0.90x on a thread:
+    # docs/benchmarks.md), off on the CPU (a CPU engine's steps are long, the front's share small; the child's spawn
+    # and second copy of torch cost start-up and memory there)
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.engine_process is None:
+            object.__setattr__(self, "engine_process", self.engine.device.startswith("cuda"))
         if self.drafter == IN_PROCESS:
             if self.draft_model is None:
                 raise ConfigError("--drafter in-process runs the EAGLE-3 head inside the verifier: give it "
@@ -123,9 +126,10 @@ class VerifierConfig:
                             "python -m drafter.train --traffic DIR (off by default; stores prompts)")
         p.add_argument("--capture-traffic-max-gb", type=float, default=cls.capture_traffic_max_gb,
                        help="stop capturing once DIR holds this much")
-        p.add_argument("--engine-process", action="store_true",
+        p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine loop in a process of its own (the gRPC front's work then takes nothing "
-                            "from the engine's steps; the metrics port is served from that process)")
+                            "from the engine's steps; the metrics port is served from that process); default: on "
+                            "with a GPU, off on the CPU")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
