@@ -2,12 +2,14 @@
 model, so that outputs arrive exactly when a test says): a key used again after a cancel gets only its new
 generation's outputs, never those its earlier one had in flight; cancelling the last generation of a draining stream
 ends the stream at once (the server's grace is not spent waiting); a start the engine loop throws on is refused alone
-and the stream goes on."""
+and the stream goes on; a refusal reaches only the start it answers (not one the caller cancelled or started again);
+a start that fails while its submission is built still ends its span."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from unittest import mock
 
 import grpc
 
@@ -145,3 +147,49 @@ def test_a_backlog_goes_in_batches_of_at_most_max_batch_tokens_paced_or_not():
         assert max(per_batch) <= MAX_BATCH_TOKENS + 1000 and len(per_batch) >= 4, (interval_us, per_batch)
         tokens = [t for e in events for t in e.response.token_ids]
         assert tokens == [0] + [i for i in range(1, 201) for _ in range(1000)]
+
+
+def test_a_refusal_reaches_only_the_start_it_answers():
+    async def script(send, loop):
+        # all in one burst: the first start's refusal is still queued when the caller cancels it and starts key 1 again
+        send(pb.GenerateCommand(key=1, start=pb.GenerateRequest(request_id="bad", prompt_token_ids=[5],
+                                                                sampling=pb.SamplingParams(max_new_tokens=0))))
+        send(pb.GenerateCommand(key=1, cancel=True))
+        send(_start(1, "new"))
+        send(_start(2, "b"))
+        send(_start(2, "b-again"))  # a second start of a running key: refused, the first runs on
+        await asyncio.sleep(0.05)
+        loop.subs[0].sink(_out("new", [1], final=True))
+        loop.subs[1].sink(_out("b", [2], final=True))
+
+    events, _ = asyncio.run(_session(_service(_RecordingLoop()), script))
+    assert [(e.key, e.error.code) for e in events if e.HasField("error")] == [(2, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    assert [(e.key, e.response.request_id, list(e.response.token_ids)) for e in events if e.HasField("response")] == [
+        (1, "new", [1]), (2, "b", [2])]
+
+
+def test_a_start_whose_submission_cannot_be_built_is_refused_and_its_span_ended():
+    span = mock.MagicMock()
+    service = _service(_RecordingLoop())
+    service.request_span = lambda rid, request, parent: span
+    service.submission = mock.Mock(side_effect=RuntimeError("no submission"))
+
+    async def script(send, loop):
+        send(_start(1, "a"))
+
+    events, _ = asyncio.run(_session(service, script))
+    assert [(e.key, e.error.code) for e in events] == [(1, grpc.StatusCode.UNKNOWN.value[0])]
+    span.end.assert_called_once()
+
+
+def test_a_refused_submission_ends_its_span():
+    spans = []
+    service = _service(_RecordingLoop(fail_prompt=9))
+    service.request_span = lambda rid, request, parent: spans.append(mock.MagicMock()) or spans[-1]
+
+    async def script(send, loop):
+        send(_start(1, "bad", prompt=(9, 9)))  # the engine loop throws on its submission: refused, UNKNOWN
+
+    events, _ = asyncio.run(_session(service, script))
+    assert [(e.key, e.error.code) for e in events] == [(1, grpc.StatusCode.UNKNOWN.value[0])]
+    spans[0].end.assert_called_once()

@@ -74,6 +74,9 @@ class _Stream:
         self.service, self.context = service, context
         self.queue: asyncio.Queue = asyncio.Queue()
         self.running: dict[int, _Running] = {}
+        # key -> its latest start (the Submission once submitted, else a token of the start): a refusal or an output
+        # goes only to the start it answers; one the caller cancelled, or started again, gets nothing more
+        self.starts: dict[int, object] = {}
         self.pace = 0.0
         self.closed = False
 
@@ -99,28 +102,37 @@ class _Stream:
                     if running is not None:  # (submitted or not: a cancel of what is not there does nothing)
                         self.service.loop.cancel(running.rid, running.sub)
                     if which == "start":
-                        self._refuse(command.key, running, grpc.StatusCode.UNKNOWN, "internal error")
+                        self._refuse(command.key, running, grpc.StatusCode.UNKNOWN, "internal error",
+                                     self.starts.get(command.key))
         finally:
             self.queue.put_nowait((None, _CLOSED, None))
 
     def _start(self, command) -> None:
         key, request = command.key, command.start
-        if self.service.draining:
-            self._refuse(key, None, grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
+        if key in self.running:  # (answered as the running one: the caller's two starts are one mistake)
+            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation",
+                         self.running[key].sub)
             return
-        if key in self.running:
-            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation")
+        start = self.starts[key] = object()
+        if self.service.draining:
+            self._refuse(key, None, grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down", start)
             return
         try:
             params, spec = self.service.convert(request)
         except ConfigError as e:
-            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, str(e), start)
             return
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         span = self.service.request_span(rid, request, tracing.extract(dict(command.trace_context)))
         keyed = _Keyed(self.queue, key)
-        sub = keyed.sub = self.service.submission(rid, request, params, spec,
-                                                  QueueSink(asyncio.get_running_loop(), keyed), span)
+        try:
+            sub = keyed.sub = self.service.submission(rid, request, params, spec,
+                                                      QueueSink(asyncio.get_running_loop(), keyed), span)
+        except Exception as e:  # (read's handler refuses the start; its span ends here, where it is known)
+            tracing.end_rpc_unsuccessful(span, grpc.StatusCode.UNKNOWN.name, repr(e))
+            end_request_span(span, 0)
+            raise
+        self.starts[key] = sub
         self.running[key] = _Running(rid, request, sub, span)
         self._set_pace(request.message_interval_us)  # (convert checked its bound)
         admitted = asyncio.wrap_future(self.service.loop.submit(sub))
@@ -142,17 +154,20 @@ class _Stream:
             return
         if not isinstance(error, REFUSALS):
             log.error("submission of %s failed: %r", running.rid, error)
-            self._refuse(key, running, grpc.StatusCode.UNKNOWN, "internal error")
+            self._refuse(key, running, grpc.StatusCode.UNKNOWN, "internal error", sub)
             return
-        self._refuse(key, running, refusal_code(error), str(error))
+        self._refuse(key, running, refusal_code(error), str(error), sub)
 
-    def _refuse(self, key: int, running: _Running | None, code: grpc.StatusCode, message: str) -> None:
+    def _refuse(self, key: int, running: _Running | None, code: grpc.StatusCode, message: str, start) -> None:
+        """Refuse the start ``start`` of ``key`` (``running``: its generation, if it was running)."""
         if running is not None:
             del self.running[key]
             tracing.end_rpc_unsuccessful(running.span, code.name, message)
-        self.queue.put_nowait((key, _Refused(code, message), None))
+            end_request_span(running.span, running.produced)
+        self.queue.put_nowait((key, _Refused(code, message), start))
 
     def _cancel(self, key: int) -> None:
+        self.starts.pop(key, None)
         running = self.running.pop(key, None)
         if running is not None:  # (one that already finished: nothing to free)
             self.service.loop.cancel(running.rid, running.sub)
@@ -208,6 +223,10 @@ class _Stream:
             elif isinstance(out, _Refused):
                 if key is None:  # the stream itself
                     await self.context.abort(out.code, out.message)
+                if self.starts.get(key) is not sub:
+                    continue  # the caller cancelled that start (or started the key again): nothing more for it
+                if key not in self.running:  # (a second start of a running key is answered; the first runs on)
+                    self.starts.pop(key, None)
                 events.append(pb.GenerateEvent(key=key, error=pb.GenerateError(code=out.code.value[0],
                                                                                 message=out.message)))
             elif isinstance(out, BaseException):  # the engine loop died (logged there): as Generate, a retry's status
@@ -230,6 +249,8 @@ class _Stream:
         response = self.service.response(running.rid, running.request, out, running.produced)
         if out.finish_reason is not None:
             del self.running[key]
+            if self.starts.get(key) is running.sub:
+                del self.starts[key]
             end_request_span(running.span, running.produced)
         return pb.GenerateEvent(key=key, response=response)
 

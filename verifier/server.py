@@ -92,9 +92,9 @@ class VerifierService:
         outputs: asyncio.Queue = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
         span = self.request_span(rid, request, tracing.extract_context(context.invocation_metadata()))
-        sub = self.submission(rid, request, params, spec, QueueSink(aio_loop, outputs), span)
-        finished, produced = False, 0
+        sub, finished, produced = None, False, 0
         try:
+            sub = self.submission(rid, request, params, spec, QueueSink(aio_loop, outputs), span)
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
             except REFUSALS as e:
@@ -118,8 +118,8 @@ class VerifierService:
                 sent_at = aio_loop.time()
         finally:
             end_request_span(span, produced)
-            if not finished:  # client went away or cancelled: free the request's KV next round (only this
-                self.loop.cancel(rid, sub)  # submission's: a refused duplicate leaves the running one alone)
+            if not finished and sub is not None:  # client went away or cancelled: free the request's KV next
+                self.loop.cancel(rid, sub)  # round (only this submission's: a refused duplicate leaves the running one)
 
     @staticmethod
     def submission(rid: str, request, params: SamplingParams, spec, sink, span) -> Submission:
