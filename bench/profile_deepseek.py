@@ -163,7 +163,13 @@ def skip_kernels(names: list[str]) -> None:
         norm.rms_norm = lambda x, weight, eps, residual=None, out=None, residual_out=None: (
             x if residual is None else (x, residual))
     if "sum_slots" in names:
-        moe_slots.sum_slots = lambda per_slot, top_k, route_w, add, dtype: per_slot.view(-1, top_k, per_slot.shape[1])[:, 0]
+        def first_slot(per_slot, top_k, route_w, add, dtype):
+            # the first slot's bits read as ``dtype`` (float32 slots: a view, where a cast would launch a kernel)
+            hidden = per_slot.shape[1]
+            as_dtype = per_slot.view(dtype)
+            return as_dtype.view(-1, top_k, as_dtype.shape[1])[:, 0, :hidden]
+
+        moe_slots.sum_slots = first_slot
     if "merge" in names:
         mla_attention.merge_splits = lambda part_o, part_lse, out, pdl: None
     if "route" in names:
