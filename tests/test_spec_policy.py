@@ -223,3 +223,18 @@ def test_off_explores_rarer_the_more_a_round_costs():
         policy.observe_step(1, speculate, 1, 0.010 if speculate else 0.009)
     # the first after plain_probe_first (4) speculative steps, t_plain being unknown; then every 8
     assert [i for i, d in enumerate(decisions) if not d] == [4, 13]
+
+
+def test_step_time_is_total_time_over_total_steps_without_the_slowest_sample_once_there_are_three():
+    policy = SpeculationPolicy(PolicyConfig())
+    policy.observe_step(4, False, steps=1, seconds=0.010)
+    policy.observe_step(4, False, steps=4, seconds=0.012)  # a run: 3 ms a step
+    assert policy.step_time(4, False) == pytest.approx(0.022 / 5)  # two samples: none left out
+    policy.observe_step(4, False, steps=2, seconds=0.005)
+    # three: the 10-ms single step (the slowest a step) is left out, whichever class it is of
+    assert policy.step_time(4, False) == pytest.approx((0.012 + 0.005) / 6)
+    assert policy.step_time(4, False, runs=True) == pytest.approx(0.017 / 6)  # two runs: none left out
+    assert policy.step_time(4, False, runs=False) == pytest.approx(0.010)
+    policy.observe_step(4, False, steps=1, seconds=0.010)  # as slow as the first: the latest of the two goes
+    assert policy.step_time(4, False) == pytest.approx((0.010 + 0.012 + 0.005) / 7)
+    assert policy.step_time(4, True) is None and policy.step_time(64, False) is None

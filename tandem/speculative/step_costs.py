@@ -127,8 +127,9 @@ class StepCosts:
         kind = self._kind(bucket, speculative, resumed, width, detached)
         known = self._step_times_known.setdefault(bucket, {})  # (a decision asks several times per step)
         if (kind, runs) not in known:
-            kept = self._kept(bucket, kind, runs)
-            known[kind, runs] = per_step(kept)
+            times = self._times.get(bucket)
+            known[kind, runs] = None if times is None else _trimmed_per_step(
+                times.samples.get((kind, r), ()) for r in ((False, True) if runs is None else (runs,)))
         return known[kind, runs]
 
     def round_times(self, batch_size: int, width: int, runs: bool | None) -> list:
@@ -141,12 +142,6 @@ class StepCosts:
               detached: bool = False) -> str:
         return ("resume" if resumed else self._spec_kind(bucket, width) if speculative
                 else "plain_detached" if detached else "plain")
-
-    def _kept(self, bucket: int, kind: str, runs: bool | None, trim: bool = True) -> list:
-        """The samples ``step_time`` rests on: the recent ones, the slowest left out once there are three (``trim``)."""
-        times = self._times.get(bucket)
-        samples = [] if times is None else times.of(kind, runs)
-        return sorted(samples, key=lambda s: s[0] / s[1])[: -1 if trim and len(samples) >= 3 else None]
 
     def samples_since(self, batch_size: int, width: int) -> float:
         """Steps timed while serving at ``batch_size``'s bucket since its last served round ``width`` wide: 0 while
@@ -225,6 +220,22 @@ class StepCosts:
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         self._prompt_per_output.decay(1)
         self._prompt_per_output.add(prompt_tokens / output_tokens, weight=output_tokens)
+
+
+def _trimmed_per_step(groups) -> float | None:
+    """``per_step`` of the (seconds, steps, serial) samples in ``groups``, the slowest a step left out once there are
+    three (of equally slow ones, the latest). One pass: step_time runs at every step, and sorting its samples there
+    cost more than the rest of the decision."""
+    seconds = steps = count = 0
+    worst = None  # (seconds a step, serial, seconds, steps)
+    for samples in groups:
+        for s, n, serial in samples:
+            seconds, steps, count = seconds + s, steps + n, count + 1
+            if worst is None or (s / n, serial) > worst[:2]:
+                worst = (s / n, serial, s, n)
+    if count >= 3:
+        seconds, steps = seconds - worst[2], steps - worst[3]
+    return seconds / steps if count else None
 
 
 def per_step(kept: list) -> float | None:
