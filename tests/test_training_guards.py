@@ -172,6 +172,13 @@ def test_resume_with_other_settings_is_refused_naming_them(target, data, tmp_pat
         pipeline.run_job(dataclasses.replace(job(target, data, out, max_steps=4, ttt_steps=2), draft_vocab_size=VD + 8),
                          resume=True)
     assert f"draft_vocab_size {VD!r} → {VD + 8!r}" in str(e.value) and "ttt_steps 3 → 2" in str(e.value)
+    # the course of training too: its batches and its learning-rate curve
+    lr = TRAIN.optim.lr
+    with pytest.raises(ConfigError) as e:
+        pipeline.run_job(job(target, data, out, max_steps=4, batch_size=TRAIN.batch_size + 1,
+                             optim=dataclasses.replace(TRAIN.optim, lr=lr / 2)), resume=True)
+    assert (f"batch_size {TRAIN.batch_size} → {TRAIN.batch_size + 1}" in str(e.value)
+            and f"optim.lr {lr!r} → {lr / 2!r}" in str(e.value))
     assert pipeline.run_job(job(target, data, out, max_steps=4), resume=True)["steps"] == 4  # the same: goes on
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.engine.config import EngineConfig
+from tandem.errors import ConfigError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling import SamplingParams
 from tandem.training.corpus import CorpusConfig
@@ -62,6 +63,8 @@ def test_train_writes_a_servable_folder_and_resume_matches_an_uninterrupted_run(
     resumed = train_lm(CFG, tmp_path / "split", resume=True)
     assert "resumed from step 2" in capsys.readouterr().err
     assert resumed["steps"] == whole["steps"] == 4
+    with pytest.raises(ConfigError, match=f"batch_size {CFG.batch_size} → {CFG.batch_size + 1}"):
+        train_lm(dataclasses.replace(CFG, steps=6, batch_size=CFG.batch_size + 1), tmp_path / "split", resume=True)
     from safetensors.torch import load_file
 
     a, b = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(tmp_path / "split" / "model.safetensors"))

@@ -24,7 +24,7 @@ from tandem.training.data import (Sample, complete_samples, fit_context, load_sa
 from tandem.training.eagle3_train import Eagle3TrainConfig, draft_metrics, train_eagle3
 from tandem.training.evaluate import EvalConfig, evaluate_pair, format_report
 from tandem.training.progress import note
-from tandem.training.state import STATE_FILE
+from tandem.training.state import STATE_FILE, flat_settings, resumed_settings_check, write_settings
 from tandem.training.vocab import DraftVocab, build_draft_vocab, vocab_from_tensors
 
 
@@ -229,32 +229,24 @@ def _without_nan(value):
     return value
 
 
-SETTINGS_FILE = "settings.json"
-
-
 def check_settings(job: DrafterTrainJob, resume: bool) -> dict | None:
-    """What shapes the head (the target, its layers, the draft vocabulary, TTT, the loss), to be written to the run
-    folder (``start_run_folder``; None: a resumed run's, already there); a resumed run with other values is refused,
-    naming them: its samples, vocabulary and checkpoint are of the first."""
+    """What shapes the head (the target, its layers, the draft vocabulary, TTT, the loss) and the course of its training
+    (batches, seed, optimizer), to be written to the run folder (``start_run_folder``; None: a resumed run's, already
+    there); a resumed run with other values is refused, naming them: its samples, vocabulary and checkpoint are of the
+    first. The steps in all may change (a run extended or cut short)."""
     from tandem.configs.model import ModelConfig
 
     target = ModelConfig.from_dir(job.target_model)
-    settings = {"target_model": str(Path(job.target_model).resolve()),
-                "capture_layers": job.capture_layers or target.default_capture_layers(),
-                "draft_vocab_size": _draft_vocab_size(job, target.vocab_size), "ttt_steps": job.train.ttt_steps,
-                "loss_type": job.train.loss_type, "include_prompt_loss": job.train.include_prompt_loss,
-                # (what shapes the responses the run folder keeps)
-                "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "seed": job.seed}
-    settings = json.loads(json.dumps(settings))  # (tuples as the file holds them: lists)
-    path = job.run_path / SETTINGS_FILE
-    if resume and path.is_file():
-        before = json.loads(path.read_text())
-        changed = [f"{k} {before.get(k)!r} → {v!r}" for k, v in settings.items() if before.get(k) != v]
-        if changed:
-            raise ConfigError(f"--resume of {job.run_path} with other settings ({'; '.join(changed)}): resume with "
-                              "the first run's, or start a new run folder")
-        return None
-    return settings
+    t = job.train
+    settings = flat_settings(
+        target_model=str(Path(job.target_model).resolve()),
+        capture_layers=job.capture_layers or target.default_capture_layers(),
+        draft_vocab_size=_draft_vocab_size(job, target.vocab_size), ttt_steps=t.ttt_steps, loss_type=t.loss_type,
+        include_prompt_loss=t.include_prompt_loss, loss_decay=t.loss_decay, batch_size=t.batch_size,
+        train_seed=t.seed, optim=t.optim,
+        # (what shapes the responses the run folder keeps)
+        max_new_tokens=job.max_new_tokens, temperature=job.temperature, seed=job.seed)
+    return resumed_settings_check(job.run_path, settings, resume)
 
 
 def start_run_folder(job: DrafterTrainJob, resume: bool, settings: dict | None) -> None:
@@ -265,7 +257,7 @@ def start_run_folder(job: DrafterTrainJob, resume: bool, settings: dict | None) 
     if not resume:  # a fresh run starts from nothing: a later --resume must not find an earlier run's files
         for name in (*RUN_FILES, STATE_FILE):
             (job.run_path / name).unlink(missing_ok=True)
-    (job.run_path / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
+    write_settings(job.run_path, settings)
 
 
 def _draft_vocab_size(job: DrafterTrainJob, target_vocab: int) -> int:
