@@ -1,4 +1,5 @@
-"""Where a served verifier's threads spend their time: py-spy samples the verifier during each REST load
+"""Where a served verifier's threads spend their time: py-spy samples the verifier (and its engine process, where the
+engine runs in one) during each REST load
 (``TANDEM_BENCH_PYSPY=DIR``: bench/sections_rest.py; the py-spy wheel is carried by scripts/fetch_gpu_wheels.sh),
 one raw folded-stack file a load, ``DIR/<mode>-c<concurrency>-<pass>.txt``; this folds them by stack and thread.
 
@@ -31,7 +32,8 @@ def start(pid: int, seconds: float, path: Path, delay_s: float = 0.0) -> subproc
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(["sh", "-c", f'sleep {delay_s}; exec "$0" "$@"', spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
-                             str(RATE_HZ), "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)],
+                             str(RATE_HZ), "--format", "raw", "--threads", "--idle", "--nonblocking", "--subprocesses", "--output",
+                             str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -54,6 +56,8 @@ def _stacks(path: Path):
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
+        if frames[0].startswith("process ") and len(frames) > 1:  # (--subprocesses: the process, then its thread)
+            frames = [f"{frames[0].split(':')[0]} {frames[1]}", *frames[2:]]
         names = []
         for frame in frames[1:]:
             m = _FRAME.match(frame)
