@@ -72,6 +72,20 @@ def test_concurrent_streams_speculate_and_equal_target_only_greedy(verifier, ref
     assert m["tandem:generation_tokens_total"] >= 8 * 24 and m["tandem:spec_decode_num_drafts_total"] > 0
 
 
+def test_tp_2_in_an_engine_process_serves_target_only_greedy(pair_dirs, reference, tmp_path):
+    """The default on GPUs (an engine process) with tensor parallelism: the child starts the ranks (gloo here)."""
+    service = Service("verifier", ["--model", str(pair_dirs / "target"), "--tp-size", "2", "--engine-process"],
+                      _free_port(), tmp_path / "verifier.log").start()
+    try:
+        child = _engine_child(service.proc.pid)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: generate(service.address, p), prompts_of(8)[:4]))
+        assert [tokens for tokens, _ in results] == reference[:4]
+    finally:
+        service.stop()
+    wait_for(lambda: not process_running(child), 30, "the engine process (and its ranks) to end")
+
+
 def test_a_cancelled_stream_frees_its_kv_and_a_duplicate_id_leaves_the_running_one_alone(verifier, reference):
     with grpc.insecure_channel(verifier.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
