@@ -157,7 +157,7 @@ def skip_kernels(names: list[str]) -> None:
     ``route``, the same experts every step), so the step's time says what they cost in the chain at most; the
     tokens are garbage. ``norm``: the decoder's RMS norms; ``sum_slots``: the MoE slots' weighted sum; ``merge``: the
     latent attention's split merge; ``route``: the noaux routing after the router's logits."""
-    from tandem.kernels import mla_attention, moe_route, moe_slots, norm
+    from tandem.kernels import fused_moe, mla_attention, moe_route, moe_slots, norm
 
     if "norm" in names:
         norm.rms_norm = lambda x, weight, eps, residual=None, out=None, residual_out=None: (
@@ -169,7 +169,7 @@ def skip_kernels(names: list[str]) -> None:
             as_dtype = per_slot.view(dtype)
             return as_dtype.view(-1, top_k, as_dtype.shape[1])[:, 0, :hidden]
 
-        moe_slots.sum_slots = first_slot
+        moe_slots.sum_slots = fused_moe.sum_slots = first_slot  # (the grouped path imports it by name)
     if "merge" in names:
         mla_attention.merge_splits = lambda part_o, part_lse, out, pdl: None
     if "route" in names:

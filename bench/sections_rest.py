@@ -40,7 +40,7 @@ def _stack(tdir, draft, mode: str, device: str = "cuda", dtype: str = "bfloat16"
     # "+si": the verifier's GIL switch interval 0.5 ms (Python's: 5 ms); "+old": the verifier of the tree in
     # TANDEM_BENCH_OLD_TREE (an earlier commit's files: its code first on the path), for A/B in one call; "+proc": the
     # verifier's engine loop in a process of its own (--engine-process, the default on a GPU), "+thread" on a thread
-    # (--no-engine-process); "+per": the gateway's generations a Generate
+    # (--no-engine-process; "+si" and "+old" keep their tree's default); "+per": the gateway's generations a Generate
     # stream each (--upstream-streams per-request) instead of one GenerateMany stream; variants combine ("+proc+per")
     tag, (mode, *variants) = mode, mode.split("+")
     variant = next((v for v in variants if v != "per"), "")

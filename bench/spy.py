@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 RATE_HZ = 250
+_PROCESS = re.compile(r"(?:^|;)process (\d+):")
 _FRAME = re.compile(r"^(?P<name>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
@@ -56,8 +57,12 @@ def _stacks(path: Path):
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        if frames[0].startswith("process ") and len(frames) > 1:  # (--subprocesses: the process, then its thread)
-            frames = [f"{frames[0].split(':')[0]} {frames[1]}", *frames[2:]]
+        # --subprocesses: the chain of processes down to the sampled one comes first (a command line may hold ";"),
+        # then the thread; the sampled process's id goes into the thread's name
+        at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), 0)
+        if at:
+            pids = _PROCESS.findall(";".join(frames[:at]))
+            frames = [f"process {pids[-1]} {frames[at]}" if pids else frames[at], *frames[at + 1:]]
         names = []
         for frame in frames[1:]:
             m = _FRAME.match(frame)

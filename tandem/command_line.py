@@ -56,7 +56,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         # after the subcommand: the first word that is not an option (the top level's options take no value)
         at = next((i + 1 for i, a in enumerate(argv) if not a.startswith("-")), 0) if subcommand else 0
         try:
-            argv = argv[:at] + config_argv(path) + argv[at:]
+            argv = argv[:at] + config_argv(path, _negatable(parser)) + argv[at:]
         except ConfigError as e:
             parser.error(str(e))
     args, unknown = parser.parse_known_args(_glue_flag_strings(argv))  # (again: a config file's words too)
@@ -65,6 +65,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         hint = getattr(refusing, "unknown_hint", "")
         refusing.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint else ""))
     return args
+
+
+def _negatable(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The flags that have a ``--no-`` form (argparse.BooleanOptionalAction) in ``parser`` or its subcommands'."""
+    found = set()
+    for action in parser._actions:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            found.update(s for s in action.option_strings if not s.startswith("--no-"))
+        elif isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _negatable(sub)
+    return frozenset(found)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
@@ -86,9 +98,10 @@ def _glue_flag_strings(argv: list[str]) -> list[str]:
     return out
 
 
-def config_argv(path: str) -> list[str]:
-    """A config file's flags as command-line words (true: the flag alone; false: left out; a list: its
-    values after the flag; an object: as JSON, e.g. --speculative-config)."""
+def config_argv(path: str, negatable: frozenset[str] = frozenset()) -> list[str]:
+    """A config file's flags as command-line words (true: the flag alone; false: left out, or its ``--no-`` form for a
+    flag in ``negatable``, whose default may be on; a list: its values after the flag; an object: as JSON, e.g.
+    --speculative-config)."""
     text = Path(path).read_text() if Path(path).is_file() else None
     if text is None:
         raise ConfigError(f"--config {path}: no such file")
@@ -110,6 +123,8 @@ def config_argv(path: str) -> list[str]:
             raise ConfigError(f"--config {path}: a config file cannot name another")
         if value is True:
             words.append(flag)
+        elif value is False and flag in negatable:
+            words.append("--no-" + flag[2:])
         elif value is False or value is None:
             continue
         elif isinstance(value, list):

@@ -591,6 +591,11 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(folders, tmp_path):
                                                                         "num_speculative_tokens": 2}}))
     v = _verifier_config(command_line.parse_args(verifier_parser(), ["--config", str(as_json)]))
     assert (v.draft_model, v.num_steps, v.num_draft_tokens) == (d, 2, 3)
+    # a false the flag's default would override goes as its --no- form (the engine process defaults on with a GPU)
+    config.write_text(f"model: {t}\nengine-process: false\n")
+    assert command_line.parse_args(verifier_parser(), ["--config", str(config)]).engine_process is False
+    config.write_text(f"model: {t}\nengine_process: true\n")
+    assert command_line.parse_args(verifier_parser(), ["--config", str(config)]).engine_process is True
     for bad in ("- just\n- a list\n", "config: other.yaml\n", "model: [unclosed\n"):
         config.write_text(bad)
         with pytest.raises(SystemExit):

@@ -122,3 +122,20 @@ def test_the_shipped_demo_target_is_never_an_output():
     assert (shipped / "training.json").is_file()
     with pytest.raises(ConfigError, match="inside the installed tandem package"):
         check_out_dir(shipped)
+
+
+def test_a_fresh_run_clears_an_earlier_runs_checkpoint_so_a_resume_cannot_take_it(tmp_path, monkeypatch):
+    from tandem.training import lm
+    from tandem.training.state import STATE_FILE
+
+    train_lm(dataclasses.replace(CFG, steps=2), tmp_path / "m")
+    run = tmp_path / "m.run"
+    assert (run / STATE_FILE).is_file()
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("stopped before its first checkpoint")
+
+    monkeypatch.setattr(lm, "make_optimizer", stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        train_lm(dataclasses.replace(CFG, steps=2, batch_size=CFG.batch_size + 1), tmp_path / "m")
+    assert not (run / STATE_FILE).exists()  # (a --resume with these settings would have loaded the other run's state)

@@ -34,6 +34,7 @@ from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFU
 log = logging.getLogger("verifier.generate_many")
 _CLOSED = object()  # the caller closed its side of the stream
 _WAKE = object()  # look at the loop's end again (the server drains; a cancel may have left nothing running)
+_UNTRACKED = object()  # a refusal that answers no start of its own (a second start of a running key): always sent
 # The most tokens one GenerateBatch carries (each generation's share still capped at MAX_COALESCED_TOKENS): a batch of
 # what queued behind a slow write stays far below the gateway's 256 MiB a message at ~150 bytes a token (top-20
 # log-probabilities); what is left waits for the next batch.
@@ -103,20 +104,21 @@ class _Stream:
                         self.service.loop.cancel(running.rid, running.sub)
                     if which == "start":
                         self._refuse(command.key, running, grpc.StatusCode.UNKNOWN, "internal error",
-                                     self.starts.get(command.key))
+                                     self.starts.get(command.key, _UNTRACKED))
         finally:
             self.queue.put_nowait((None, _CLOSED, None))
 
     def _start(self, command) -> None:
         key, request = command.key, command.start
-        if key in self.running:  # (answered as the running one: the caller's two starts are one mistake)
-            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation",
-                         self.running[key].sub)
-            return
-        start = self.starts[key] = object()
         if self.service.draining:
-            self._refuse(key, None, grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down", start)
+            self._refuse(key, None, grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down",
+                         _UNTRACKED if key in self.running else self._new_start(key))
             return
+        if key in self.running:  # (the running generation runs on; its own answers stay its own)
+            self._refuse(key, None, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} names a running generation",
+                         _UNTRACKED)
+            return
+        start = self._new_start(key)
         try:
             params, spec = self.service.convert(request)
         except ConfigError as e:
@@ -137,6 +139,10 @@ class _Stream:
         self._set_pace(request.message_interval_us)  # (convert checked its bound)
         admitted = asyncio.wrap_future(self.service.loop.submit(sub))
         admitted.add_done_callback(lambda f: self._admitted(key, sub, f))
+
+    def _new_start(self, key: int) -> object:
+        start = self.starts[key] = object()
+        return start
 
     def _set_pace(self, interval_us: int) -> None:
         if interval_us > MAX_MESSAGE_INTERVAL_US:
@@ -223,9 +229,9 @@ class _Stream:
             elif isinstance(out, _Refused):
                 if key is None:  # the stream itself
                     await self.context.abort(out.code, out.message)
-                if self.starts.get(key) is not sub:
-                    continue  # the caller cancelled that start (or started the key again): nothing more for it
-                if key not in self.running:  # (a second start of a running key is answered; the first runs on)
+                if sub is not _UNTRACKED:
+                    if self.starts.get(key) is not sub:
+                        continue  # the caller cancelled that start (or started the key again): nothing more for it
                     self.starts.pop(key, None)
                 events.append(pb.GenerateEvent(key=key, error=pb.GenerateError(code=out.code.value[0],
                                                                                 message=out.message)))

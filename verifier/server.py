@@ -94,7 +94,11 @@ class VerifierService:
         span = self.request_span(rid, request, tracing.extract_context(context.invocation_metadata()))
         sub, finished, produced = None, False, 0
         try:
-            sub = self.submission(rid, request, params, spec, QueueSink(aio_loop, outputs), span)
+            try:
+                sub = self.submission(rid, request, params, spec, QueueSink(aio_loop, outputs), span)
+            except Exception as e:  # (gRPC answers UNKNOWN; the span, ended below, says why)
+                tracing.set_error(span, repr(e))
+                raise
             try:
                 await asyncio.wrap_future(self.loop.submit(sub))
             except REFUSALS as e:

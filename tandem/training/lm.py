@@ -27,7 +27,8 @@ from tandem.training import corpus
 from tandem.training.dense_llama import DenseLlama, LlamaDims, save_hf_folder
 from tandem.training.optim import OptimConfig, make_optimizer, optimizer_step
 from tandem.training.progress import Progress, note
-from tandem.training.state import flat_settings, has_state, load_state, resumed_settings_check, save_state, write_settings
+from tandem.training.state import (STATE_FILE, flat_settings, has_state, load_state, resumed_settings_check,
+                                   save_state, write_settings)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -155,9 +156,13 @@ def train_lm(cfg: LMTrainConfig, out_dir: str | Path, run_dir: str | Path | None
         raise ConfigError(f"--lr must be a positive number, got {cfg.optim.lr}")
     run_dir = Path(run_dir) if run_dir is not None else out_dir.with_name(out_dir.name + ".run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    settings = resumed_settings_check(run_dir, flat_settings(dims=cfg.dims, batch_size=cfg.batch_size, seed=cfg.seed,
-                                                             optim=cfg.optim, corpus=cfg.corpus), resume)
-    if settings is not None:
+    settings = flat_settings(dims=cfg.dims, batch_size=cfg.batch_size, seed=cfg.seed, optim=cfg.optim, corpus=cfg.corpus)
+    resuming = resume and has_state(run_dir)
+    if resuming:
+        resumed_settings_check(run_dir, settings, resume=True)
+    else:  # a fresh run starts from nothing: a later --resume must not find an earlier run's checkpoint or tokenizer
+        for name in (STATE_FILE, *TOKENIZER_FILES):
+            (run_dir / name).unlink(missing_ok=True)
         write_settings(run_dir, settings)
     device = torch.device(cfg.device)
     bf16 = use_bf16(cfg.precision, device)
@@ -176,7 +181,7 @@ def train_lm(cfg: LMTrainConfig, out_dir: str | Path, run_dir: str | Path | None
     model.to(device).train()
     opt = make_optimizer(model, cfg.optim)
     start = 0
-    if resume and has_state(run_dir):
+    if resuming:
         start, _ = load_state(run_dir, model, opt)
         note(f"resumed from step {start} ({run_dir})")
     params = sum(p.numel() for p in model.parameters())
