@@ -193,3 +193,33 @@ def test_a_refused_submission_ends_its_span():
     events, _ = asyncio.run(_session(service, script))
     assert [(e.key, e.error.code) for e in events] == [(1, grpc.StatusCode.UNKNOWN.value[0])]
     spans[0].end.assert_called_once()
+
+
+
+def test_a_second_start_of_a_key_and_the_first_ones_own_refusal_both_reach_the_caller():
+    """Both queued before the stream's next message (one batch): the second start's refusal must not use up the
+    first generation's bookkeeping, whose own refusal (the engine loop's queue full) then has to go out too."""
+    from verifier.engine_loop import QueueFull
+
+    class HeldLoop(_RecordingLoop):
+        def submit(self, sub):
+            self.subs.append(sub)
+            return sub.added  # (answered below)
+
+    async def run():
+        loop = HeldLoop()
+        stream = generate_many._Stream(_service(loop), _Context())
+        stream._start(_start(1, "a"))
+        stream._start(_start(1, "again"))  # refused at once: key 1 runs
+        first = loop.subs[0]
+        first.added.set_running_or_notify_cancel()
+        first.added.set_exception(QueueFull("the waiting queue is full"))
+        await asyncio.sleep(0.01)  # (the admission's callback)
+        items = []
+        while not stream.queue.empty():
+            items.append(stream.queue.get_nowait())
+        return await stream._events(items)
+
+    events = asyncio.run(run())
+    assert sorted(e.error.code for e in events) == sorted([grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                           grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]])
