@@ -71,12 +71,18 @@ async def wave(client, base: str, prompts: list[list[int]], max_tokens: int) -> 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` and its running children (a verifier's engine process) have used
     (Linux /proc)."""
+    own, children = cpu_seconds_apart(pid)
+    return own + children
+
+
+def cpu_seconds_apart(pid: int) -> tuple[float, float]:
+    """``cpu_seconds`` as (process ``pid``'s own, its running children's)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = [int(c) for c in f.read().split()]
     except OSError:
         children = []
-    return _own_cpu_seconds(pid) + sum(_own_cpu_seconds(c) for c in children if os.path.exists(f"/proc/{c}"))
+    return _own_cpu_seconds(pid), sum(_own_cpu_seconds(c) for c in children if os.path.exists(f"/proc/{c}"))
 
 
 def _own_cpu_seconds(pid: int) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 from cpu_pins import describe as pins
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import paired_ratio, versus_the_better
-from rest_load import START_DELAY_S, cpu_seconds, http_client, run, sustained, wave
+from rest_load import START_DELAY_S, cpu_seconds_apart, http_client, run, sustained, wave
 from service_pair import stop_processes
 from spy import finish as finish_spy, start as start_spy
 from stack_log import EVENTS, since, tagged
@@ -160,18 +160,32 @@ def _paired(out: dict, modes: list[str]) -> None:
             print(line, flush=True)
 
 
+def _cpu_parts(pids: dict) -> dict:
+    """CPU seconds by service, a verifier's engine process apart from its server ("verifier" then its gRPC front)."""
+    out = {}
+    for name, pid in pids.items():
+        own, children = cpu_seconds_apart(pid)
+        out[name] = own
+        if name == "verifier" and children:
+            out["engine process"] = children
+        elif children:
+            out[name] += children
+    return out
+
+
 def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tuple, sustain_s: float) -> None:
     """One closed-loop load of ``cell`` on the stack at ``base``, appended to ``row["samples"]`` with the
     services' CPU share (the wave's rate kept as ``wave_tok_s``)."""
     row.setdefault("wave_tok_s", row["tok_s"])
-    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    cpu = _cpu_parts(pids)
     logged = EVENTS[mode].copy()
     spied = os.environ.get("TANDEM_BENCH_PYSPY")  # a folder: the verifier's threads sampled during the load (bench/spy.py)
     n = len(row.get("samples", []))
     spy = spied and start_spy(pids["verifier"], sustain_s, Path(spied) / f"{mode}-c{cell[0]}-{n}.txt", START_DELAY_S)
     r = sustained(base, prompts, cell[0], cell[1], sustain_s)
     finish_spy(spy or None)
-    r["server_cpu_share"] = {name: round((cpu_seconds(pid) - cpu[name]) / r["seconds"], 2) for name, pid in pids.items()}
+    r["server_cpu_share"] = {name: round((used - cpu.get(name, 0.0)) / r["seconds"], 2)
+                             for name, used in _cpu_parts(pids).items()}
     r["engine"] = since(mode, logged)  # (the stats windows the load spanned, one either side at most)
     row.setdefault("samples", []).append(r)
     e = r["engine"]
