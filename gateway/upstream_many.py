@@ -28,6 +28,15 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _unanswered(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """A generation's failure where its stream failed before the verifier answered it. gRPC's own INTERNAL there is
+    the client's write of the start losing the race with a draining verifier's end of the stream ("Internal error
+    from Core"): nothing of the generation ran, so it fails as a verifier going away does, to be retried."""
+    if error.code() == grpc.StatusCode.INTERNAL:
+        return _error(grpc.StatusCode.UNAVAILABLE, f"the verifier's stream ended before it answered ({error.details()})")
+    return _error(error.code(), error.details())
+
+
 class ManyCall:
     """One generation on the shared stream."""
 
@@ -35,6 +44,7 @@ class ManyCall:
         self._stream, self.key = stream, key
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._over = False  # its last message read, its failure raised, or cancelled
+        self.answered = False  # the verifier sent something for it
 
     async def read(self):
         if self._over:
@@ -119,6 +129,7 @@ class ManyStream:
                     else:
                         if event.response.finish_reason:
                             del self._calls[event.key]
+                        target.answered = True
                         target._put(event.response)
                 self._repace()
             error = _error(grpc.StatusCode.UNAVAILABLE, "the verifier ended the generations' stream")
@@ -141,7 +152,7 @@ class ManyStream:
                             error.code().name, len(self._calls))
             calls, self._calls = self._calls, {}
             for call in calls.values():  # (an error each: one raised in every call's task would chain their frames)
-                call._put(_error(error.code(), error.details()))
+                call._put(_unanswered(error) if not call.answered else _error(error.code(), error.details()))
 
     async def close(self) -> None:
         if self._reader is not None:

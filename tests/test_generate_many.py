@@ -366,6 +366,35 @@ def test_an_idle_stream_does_not_hold_the_verifiers_drain(target_dir, tmp_path):
     assert exit_s < 4.0  # (the server's grace for open calls is 5 s)
 
 
+def test_a_generation_the_verifier_never_answered_fails_as_unavailable_when_the_stream_ends_internally():
+    """A start written as a draining verifier ends the stream fails in gRPC's core (INTERNAL, "Internal error from
+    Core": the soak met it): nothing of it ran, so the gateway answers 503 (retry) for it, not 500; a generation that
+    had been answered keeps the stream's status."""
+    from gateway.upstream_many import ManyStream, _error
+
+    async def scenario():
+        async def stream(commands):
+            async for command in commands:
+                if command.key == 1:
+                    yield pb.GenerateBatch(events=[pb.GenerateEvent(key=1, response=pb.GenerateResponse(token_ids=[7]))])
+                else:
+                    raise _error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+        many = ManyStream(stream)
+        answered = many.start(pb.GenerateRequest(prompt_token_ids=[5]), [])
+        assert list((await answered.read()).token_ids) == [7]
+        unanswered = many.start(pb.GenerateRequest(prompt_token_ids=[6]), [])
+        codes = []
+        for call in (answered, unanswered):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(call.read(), 2)
+            codes.append(failed.value.code())
+        assert codes == [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE]
+        await many.close()
+
+    asyncio.run(scenario())
+
+
 def test_cancelling_a_call_ends_a_read_waiting_in_another_task():
     from gateway.upstream_many import ManyStream
 
