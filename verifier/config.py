@@ -47,10 +47,9 @@ class VerifierConfig:
     internal_secret: str | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats line while busy (verifier/stats_line.py); 0 = off
     # the engine loop in a process of its own, its GIL apart from the gRPC front's (verifier/engine_process.py). None: on
-    # where the engine runs on a GPU (over REST on an H100 with the gateway's one GenerateMany stream, the demo pair's
-    # policy at c1 / 8 / 64 made 1.39 / 1.31 / 1.10x target-only in a process against 1.34 / 1.05 / 0.90x on a thread:
-    # docs/benchmarks.md), off on the CPU (a CPU engine's steps are long, the front's share small; the child's spawn
-    # and second copy of torch cost start-up and memory there)
+    # where the engine runs on a GPU (faster over REST there, target-only and speculating: docs/benchmarks.md), off on
+    # the CPU (a CPU engine's steps are long, the front's share small; the child's spawn and second copy of torch cost
+    # start-up and memory there)
     engine_process: bool | None = None
 
     def __post_init__(self) -> None:

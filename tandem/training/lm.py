@@ -158,12 +158,11 @@ def train_lm(cfg: LMTrainConfig, out_dir: str | Path, run_dir: str | Path | None
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = flat_settings(dims=cfg.dims, batch_size=cfg.batch_size, seed=cfg.seed, optim=cfg.optim, corpus=cfg.corpus)
     resuming = resume and has_state(run_dir)
-    if resuming:
-        resumed_settings_check(run_dir, settings, resume=True)
-    else:  # a fresh run starts from nothing: a later --resume must not find an earlier run's checkpoint or tokenizer
-        for name in (STATE_FILE, *TOKENIZER_FILES):
+    if not resuming:  # a fresh run starts from nothing: a later --resume must not find an earlier run's checkpoint or
+        for name in (STATE_FILE, *TOKENIZER_FILES):  # tokenizer
             (run_dir / name).unlink(missing_ok=True)
-        write_settings(run_dir, settings)
+    if (new := resumed_settings_check(run_dir, settings, resuming)) is not None:  # (a run of an older version: its own)
+        write_settings(run_dir, new)
     device = torch.device(cfg.device)
     bf16 = use_bf16(cfg.precision, device)
     prepare_tokenizer(run_dir, cfg.dims.vocab_size)
