@@ -143,14 +143,14 @@ def assert_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""
         raise AssertionError(f"{what + ': ' if what else ''}relative error {err:.3g} > {tol:g}{where}")
 
 
-def static_target_graphs(runner, widths: tuple[int, ...], max_bs: int):
+def static_target_graphs(runner, widths: tuple[int, ...], max_bs: int, run_steps: int = 1):
     """A TargetGraphRunner without graphs: every "replay" runs the captured code eagerly on the static
     buffers (CPU: no capture), so the replay-driving code around it — staging, advancing inputs on the
     device — can be tested without a GPU. Needs a graph backend on ``runner`` (TritonGraphBackend under
     TRITON_INTERPRET)."""
     from tandem.engine.cuda_graph import TargetGraphRunner
 
-    graphs = TargetGraphRunner(runner, widths=widths, max_bs=max_bs, use_graphs=False)
+    graphs = TargetGraphRunner(runner, widths=widths, max_bs=max_bs, use_graphs=False, run_steps=run_steps)
     graphs.run_statically()
     return graphs
 

@@ -165,6 +165,45 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
+def test_greedy_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeypatch):
+    """A run of plain greedy steps at a bucket up to GREEDY_RUN_MAX_BS replays the GREEDY_RUN member once (each
+    step's argmax and the next step's inputs inside it), overlapped runs included; its tokens equal one-step
+    decoding's. A run it cannot take — a sampled request in the batch, a run shorter than the captured one (a
+    request's budget), a bucket past GREEDY_RUN_MAX_BS — replays the decode graph a step."""
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.engine.cuda_graph import GREEDY_RUN, GREEDY_RUN_MAX_BS
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=GREEDY_RUN_MAX_BS + 1, run_steps=4)
+    assert graphs.greedy_buckets == list(range(1, GREEDY_RUN_MAX_BS + 1))
+    replays, body = [], graphs._body
+    monkeypatch.setattr(graphs, "_body", lambda member, bs: replays.append((member, bs)) or body(member, bs))
+    g = torch.Generator().manual_seed(6)
+    greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)  # the prefill's token, runs of 4, 4, 4 and 1
+    sampled = SamplingParams(temperature=0.9, seed=2, max_new_tokens=14, ignore_eos=True)
+    for n, mixed in ((3, False), (3, True), (GREEDY_RUN_MAX_BS + 1, False)):
+        prompts = [torch.randint(0, 300, (5 + 2 * i,), generator=g).tolist() for i in range(n)]
+        params = [sampled if mixed and i == 1 else greedy for i in range(n)]
+        engine.decode_steps = 1
+        reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+        runner.graphs, engine.decode_steps = graphs, 4
+        replays.clear()
+        try:
+            queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
+        finally:
+            runner.graphs, engine.decode_steps = None, 1
+        assert queued == reference
+        whole = [bs for member, bs in replays if member == GREEDY_RUN]
+        steps = [bs for member, bs in replays if member == 1]
+        if n <= GREEDY_RUN_MAX_BS and not mixed:
+            assert whole == [n] * 3 and steps == [n], replays  # three whole runs (two overlapped), then a step
+        else:
+            assert whole == [] and len(steps) == 13, replays
+        assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
 def test_queued_decode_steps_record_logprobs_and_apply_penalties_as_one_step_decoding(engine, monkeypatch):
     """Runs queued on the static buffers (overlapped: each after one not read back) record each step's
     log-probabilities on the device for the request that asks, and apply penalties and min_tokens from
@@ -299,7 +338,7 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
     import tandem.attention.graph_backend as graph_backend
     from helpers import TorchGraphBackend
     from tandem.engine.config import EngineConfig
-    from tandem.engine.cuda_graph import PLAIN_DECODE
+    from tandem.engine.cuda_graph import GREEDY_RUN, PLAIN_DECODE
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.sampling import SamplingParams
@@ -317,7 +356,9 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
         monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
         engine.attachment.hold_detached()
         assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
-    assert set(members) == {PLAIN_DECODE, ("prefill", 16, False)}
+    # (runs of greedy steps replay GREEDY_RUN: the twin's buffers too)
+    assert set(members) == {PLAIN_DECODE, GREEDY_RUN, ("prefill", 16, False)}
+    assert graphs._family_of(GREEDY_RUN) is graphs.plain_decode
 
 
 def ops_of(fn) -> list[str]:

@@ -73,6 +73,10 @@ class EngineConfig:
     # the distribution the request samples from (penalties, min_tokens, temperature, min_p, top-k, top-p applied)
     logprobs_mode: str = "raw_logprobs"
 
+    def decode_steps_with(self, graphed: bool) -> int:
+        """The run of plain decode steps the engine queues (``decode_steps``' default resolved)."""
+        return self.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
+
     def __post_init__(self) -> None:
         if self.decode_steps is not None and self.decode_steps < 1:
             raise ConfigError(f"--decode-steps must be >= 1, got {self.decode_steps}")

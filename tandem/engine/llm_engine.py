@@ -20,7 +20,7 @@ import torch
 
 from tandem.engine.acceptance import accept_verified
 from tandem.forward_batch import ForwardBatch, SequenceChunk
-from tandem.engine.config import DEFAULT_DECODE_STEPS, DEFAULT_SPEC_ROUNDS, EngineConfig
+from tandem.engine.config import DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
@@ -80,7 +80,7 @@ class LLMEngine:
         self._undrafted = False  # the latest decision's batch held requests that could not draft (no drafter state)
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
-        self.decode_steps = cfg.decode_steps or (DEFAULT_DECODE_STEPS if graphed else 1)
+        self.decode_steps = cfg.decode_steps_with(graphed)
         self.spec_rounds = cfg.spec_rounds or (DEFAULT_SPEC_ROUNDS if graphed else 1)
         self.overlap_runs = cfg.overlap_runs  # queue a run of steps or rounds before reading the last one back
         self.processed_logprobs = cfg.logprobs_mode == "processed_logprobs"

@@ -103,7 +103,8 @@ class ModelRunner:
             widths = graph_widths(cfg.cuda_graph_widths, latent)
             prefills = prefill_widths(cfg.prefill_graph_tokens)
             self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path,
-                                            prefill_widths=prefills, prefill_max_bs=cfg.prefill_graph_max_bs)
+                                            prefill_widths=prefills, prefill_max_bs=cfg.prefill_graph_max_bs,
+                                            run_steps=cfg.decode_steps_with(graphed=True))
             if cfg.static_graph_path:
                 self.graphs.run_statically()
             else:
