@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--device", default="cuda", help="(cpu: to try the script)")
+    ap.add_argument("--layers", nargs="+", default=["bench", "served", "loop", "process"])
     ap.add_argument("--orders", nargs="+", default=["interleaved"], choices=("interleaved", "grouped"))
     a = ap.parse_args()
     from tandem.engine.config import EngineConfig
@@ -132,6 +133,7 @@ def main() -> None:
         "loop": lambda p: _submitted(loop.submit, p, params),
         "process": lambda p: _submitted(process.submit, p, params),
     }
+    layers = {name: layers[name] for name in a.layers}
     for order in a.orders:
         print(f"-- {order}", flush=True)
         best = _timed(layers, prompts, a, order)
@@ -140,7 +142,7 @@ def main() -> None:
         _profiled(lambda: [layers["served"](p) for p in prompts], a.profile / "served.txt", a.prompts * a.tokens)
         profile_loop(loop, lambda: [layers["loop"](p) for p in prompts], a.profile / "loop.txt", a.prompts * a.tokens)
     print(json.dumps({k: round(v, 1) for k, v in best.items()}))
-    for name in ("served", "loop", "process"):
+    for name in set(layers) - {"bench"}:
         print(f"{name} / bench: {best[name] / best['bench']:.3f}")
     loop.stop()
     loop.join(timeout=30)

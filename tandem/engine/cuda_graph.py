@@ -34,6 +34,10 @@ PLAIN_DECODE = ("decode", "plain")  # the member of the decode family's twin wit
 # argmax and the advance kernel's launch between two replays), so a run of plain greedy steps costs one replay.
 GREEDY_RUN = ("decode", "greedy run")
 GREEDY_RUN_MAX_BS = 8  # buckets past this are GPU-bound: the per-step replays stay
+# ... and a bucket whose plain step takes the device longer than this is too: a queued run already hides the host's
+# work of a step there (0.15-0.25 ms on the lent hosts), and the run's graph would cost capture time for nothing
+# (DeepSeek-V2-Lite: 2.5 ms a step, 4 s to capture the runs).
+GREEDY_RUN_MAX_STEP_S = 0.5e-3
 
 
 def _name(fam: GraphFamily) -> str:
@@ -83,6 +87,7 @@ class TargetGraphRunner(GraphRunner):
             self._members[GREEDY_RUN] = plain
             self._names[GREEDY_RUN] = f"decode run of {run_steps} greedy steps"
             self.greedy_tokens = torch.zeros(run_steps, self.greedy_buckets[-1], dtype=torch.int64, device=self.device)
+        self._greedy_timed = False
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
                                          + [f.staging_size for f in self.prefill.values()]), self.device)
@@ -105,6 +110,13 @@ class TargetGraphRunner(GraphRunner):
 
     def member_buckets(self, member) -> list[int]:
         if member == GREEDY_RUN:
+            if self.use_graphs and not self._greedy_timed:  # (the decode graphs are captured by now)
+                steps = {bs: self._step_seconds(bs) for bs in self.greedy_buckets}
+                self.greedy_buckets = [bs for bs, s in steps.items() if s <= GREEDY_RUN_MAX_STEP_S]
+                self._greedy_timed = True
+                self.log.info("runs of greedy steps in one graph at buckets %s (a plain step %s ms; up to %.2f ms)",
+                              self.greedy_buckets or "none", ", ".join(f"{1e3 * s:.2f}" for s in steps.values()),
+                              1e3 * GREEDY_RUN_MAX_STEP_S)
             return self.greedy_buckets
         fam = self._family_of(member)
         return fam.buckets if isinstance(fam, PrefillFamily) else self.buckets
@@ -127,6 +139,20 @@ class TargetGraphRunner(GraphRunner):
             self._greedy_run(fam, bs)
         else:
             self._run_model(fam, bs, layers)
+
+    def _step_seconds(self, bs: int, replays: int = 8) -> float:
+        """The device's time for one replay of the plain decode graph at ``bs`` (on padding rows)."""
+        member = self._members[GREEDY_RUN].key
+        self._pad_all(member, bs)
+        graph = self.graphs[(member, bs)]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
 
     def _greedy_run(self, fam: GraphFamily, bs: int) -> None:
         """``run_steps`` decode steps, each step's argmax (``argmax_rows``, as a greedy ``pick``) into
