@@ -171,13 +171,13 @@ def test_greedy_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, 
     decoding's. A run it cannot take — a sampled request in the batch, a run shorter than the captured one (a
     request's budget), a bucket past GREEDY_RUN_MAX_BS — replays the decode graph a step."""
     from helpers import TorchGraphBackend, static_target_graphs
-    from tandem.engine.cuda_graph import GREEDY_RUN, GREEDY_RUN_MAX_BS
+    from tandem.engine.greedy_runs import GREEDY_RUN, GREEDY_RUN_MAX_BS
     from tandem.sampling import SamplingParams
 
     runner = engine.executor.runner
     monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
     graphs = static_target_graphs(runner, widths=(1,), max_bs=GREEDY_RUN_MAX_BS + 1, run_steps=4)
-    assert graphs.greedy_buckets == list(range(1, GREEDY_RUN_MAX_BS + 1))
+    assert graphs.greedy_runs.buckets(GREEDY_RUN) == list(range(1, GREEDY_RUN_MAX_BS + 1))
     replays, body = [], graphs._body
     monkeypatch.setattr(graphs, "_body", lambda member, bs: replays.append((member, bs)) or body(member, bs))
     g = torch.Generator().manual_seed(6)
@@ -332,13 +332,56 @@ def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine,
     assert members == [PLAIN_DECODE] * 3
 
 
+def test_a_greedy_run_keeps_each_steps_features_as_a_step_at_a_time_does(engine, monkeypatch):
+    """An attached drafter's plain greedy run (features kept) replays GREEDY_RUN_FEATURES once, on the decode family
+    with features; without features GREEDY_RUN on the twin. Tokens and each step's features equal the same run
+    replayed a step at a time (its pick copying the features), for a batch of two at different positions."""
+    from helpers import TorchGraphBackend
+    from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
+    from tandem.engine.greedy_runs import GREEDY_RUN, GREEDY_RUN_FEATURES
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = TargetGraphRunner(runner, widths=(1, 4), max_bs=2, use_graphs=False, run_steps=3)
+    graphs.run_statically()
+    assert graphs._family_of(GREEDY_RUN) is graphs.plain_decode and graphs._family_of(GREEDY_RUN_FEATURES) is graphs.families[1]
+    members, body = [], graphs._body
+    monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
+
+    def run(features: bool, whole: bool):
+        members.clear()
+        tokens, stepped = torch.empty(3, 2, dtype=torch.int64), []
+
+        def pick(logits, feats, k):
+            if feats is not None:
+                stepped.append(feats.clone())
+            tokens[k] = logits.argmax(-1)
+            return tokens[k]
+
+        batch = ForwardBatch([SequenceChunk([7], 1, [1]), SequenceChunk([9], 5, [2, 3])], capture_features=features)
+        kept = [] if features else None
+        graphs.run_decode_steps(batch, 3, pick, features=features, greedy_into=(tokens, kept) if whole else None)
+        return list(members), tokens, (kept[0] if whole else torch.stack(stepped)) if features else None
+
+    for features, whole_member, step_member in ((True, GREEDY_RUN_FEATURES, 1), (False, GREEDY_RUN, PLAIN_DECODE)):
+        stepped_members, stepped_tokens, stepped_features = run(features, whole=False)
+        whole_members, whole_tokens, whole_features = run(features, whole=True)
+        assert stepped_members == [step_member] * 3 and whole_members == [whole_member]
+        assert torch.equal(whole_tokens, stepped_tokens)
+        if features:
+            assert whole_features.shape == (3, 2, 3 * runner.model_cfg.hidden_size)
+            assert torch.equal(whole_features, stepped_features)
+
+
 def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair, monkeypatch):
     """With the drafter detached, a speculative engine's plain steps — a prefill graph, queued decode runs — replay
     only the twins without features, and greedy output equals a target-only engine's (float32, eager)."""
     import tandem.attention.graph_backend as graph_backend
     from helpers import TorchGraphBackend
     from tandem.engine.config import EngineConfig
-    from tandem.engine.cuda_graph import GREEDY_RUN, PLAIN_DECODE
+    from tandem.engine.cuda_graph import PLAIN_DECODE
+    from tandem.engine.greedy_runs import GREEDY_RUN
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.sampling import SamplingParams

@@ -25,19 +25,10 @@ from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.layers.fast_path import use_triton
 from tandem.prefill_shapes import prefill_buckets
-from tandem.sampling import argmax_rows
+from tandem.engine.greedy_runs import GreedyRuns
 from tandem.watchdog import Watchdog
 
 PLAIN_DECODE = ("decode", "plain")  # the member of the decode family's twin without features
-# A whole run of greedy decode steps in one graph (each step's argmax and the next step's inputs on the device, no
-# features): at small batches a step is host-bound (the demo target: ~180 µs of Python a step, a third of it the
-# argmax and the advance kernel's launch between two replays), so a run of plain greedy steps costs one replay.
-GREEDY_RUN = ("decode", "greedy run")
-GREEDY_RUN_MAX_BS = 8  # buckets past this are GPU-bound: the per-step replays stay
-# ... and a bucket whose plain step takes the device longer than this is too: a queued run already hides the host's
-# work of a step there (0.15-0.25 ms on the lent hosts), and the run's graph would cost capture time for nothing
-# (DeepSeek-V2-Lite: 2.5 ms a step, 4 s to capture the runs).
-GREEDY_RUN_MAX_STEP_S = 0.5e-3
 
 
 def _name(fam: GraphFamily) -> str:
@@ -51,8 +42,9 @@ class TargetGraphRunner(GraphRunner):
                  capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None,
                  prefill_widths: tuple[int, ...] = (), prefill_max_bs: int = 8, run_steps: int = 1):
         """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend). Graphs are keyed
-        (member, bucket): a member is a width, PLAIN_DECODE, GREEDY_RUN (``run_steps`` greedy steps, where > 1) or a
-        prefill family's ("prefill", width, captures) (tandem.engine.prefill_graphs)."""
+        (member, bucket): a member is a width, PLAIN_DECODE, a run of ``run_steps`` greedy
+        steps (tandem.engine.greedy_runs) or a prefill family's ("prefill", width, captures)
+        (tandem.engine.prefill_graphs)."""
         super().__init__(runner.device, batch_buckets(max_bs), log_name="tandem.cuda_graph", watchdog=watchdog,
                          use_graphs=runner.device.type == "cuda" if use_graphs is None else use_graphs,
                          capture_deadline_s=capture_deadline_s, replay_deadline_s=replay_deadline_s)
@@ -79,15 +71,13 @@ class TargetGraphRunner(GraphRunner):
         self._members = {f.key: f for f in (*self.families.values(), *self.prefill.values(), *twin_families)}
         self._names = {key: _name(f) + (" without features" if f in twin_families else "")
                        for key, f in self._members.items()}
-        # the family a plain step without features replays: its runs of greedy steps, captured whole
-        plain = self.plain_decode or (self.families[1] if 1 in self.families and not self.families[1].captures else None)
-        self.run_steps = run_steps
-        self.greedy_buckets = [b for b in self.buckets if b <= GREEDY_RUN_MAX_BS] if plain is not None and run_steps > 1 else []
-        if self.greedy_buckets:
-            self._members[GREEDY_RUN] = plain
-            self._names[GREEDY_RUN] = f"decode run of {run_steps} greedy steps"
-            self.greedy_tokens = torch.zeros(run_steps, self.greedy_buckets[-1], dtype=torch.int64, device=self.device)
-        self._greedy_timed = False
+        # runs of greedy steps on the decode families plain steps replay, without features and with them
+        decode = self.families.get(1)
+        self.greedy_runs = GreedyRuns(self, self.plain_decode or (decode if decode is not None and not decode.captures
+                                                                    else None),
+                                      decode if decode is not None and decode.captures else None, run_steps)
+        self._members.update(self.greedy_runs.families)
+        self._names.update(self.greedy_runs.names())
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
                                          + [f.staging_size for f in self.prefill.values()]), self.device)
@@ -96,7 +86,7 @@ class TargetGraphRunner(GraphRunner):
     def capture_plan(self) -> list[tuple[str, list]]:
         members = [w for w in sorted(self.families, reverse=True)]
         members += [PLAIN_DECODE] if self.plain_decode is not None else []
-        members += [GREEDY_RUN] if self.greedy_buckets else []
+        members += list(self.greedy_runs.families)
         for families in (self.prefill, self.plain_prefill):
             members += [f.key for _, f in sorted(families.items(), reverse=True)]
         return [(self._family_name(m), [m]) for m in members]
@@ -109,15 +99,8 @@ class TargetGraphRunner(GraphRunner):
         return self._members[member]
 
     def member_buckets(self, member) -> list[int]:
-        if member == GREEDY_RUN:
-            if self.use_graphs and not self._greedy_timed:  # (the decode graphs are captured by now)
-                steps = {bs: self._step_seconds(bs) for bs in self.greedy_buckets}
-                self.greedy_buckets = [bs for bs, s in steps.items() if s <= GREEDY_RUN_MAX_STEP_S]
-                self._greedy_timed = True
-                self.log.info("runs of greedy steps in one graph at buckets %s (a plain step %s ms; up to %.2f ms)",
-                              self.greedy_buckets or "none", ", ".join(f"{1e3 * s:.2f}" for s in steps.values()),
-                              1e3 * GREEDY_RUN_MAX_STEP_S)
-            return self.greedy_buckets
+        if member in self.greedy_runs.families:
+            return self.greedy_runs.buckets(member)
         fam = self._family_of(member)
         return fam.buckets if isinstance(fam, PrefillFamily) else self.buckets
 
@@ -135,33 +118,10 @@ class TargetGraphRunner(GraphRunner):
         layers = self.runner.capture_layers if fam.captures else ()
         if isinstance(fam, PrefillFamily):
             fam.run_model(self.runner, bs, layers)
-        elif member == GREEDY_RUN:
-            self._greedy_run(fam, bs)
+        elif member in self.greedy_runs.families:
+            self.greedy_runs.body(member, bs)
         else:
             self._run_model(fam, bs, layers)
-
-    def _step_seconds(self, bs: int, replays: int = 8) -> float:
-        """The device's time for one replay of the plain decode graph at ``bs`` (on padding rows)."""
-        member = self._members[GREEDY_RUN].key
-        self._pad_all(member, bs)
-        graph = self.graphs[(member, bs)]
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / replays
-
-    def _greedy_run(self, fam: GraphFamily, bs: int) -> None:
-        """``run_steps`` decode steps, each step's argmax (``argmax_rows``, as a greedy ``pick``) into
-        ``greedy_tokens`` and the next step's input (padding rows advance within the dummy page)."""
-        for k in range(self.run_steps):
-            if k:
-                self.advance(fam, bs, self.greedy_tokens[k - 1, :bs, None], 1)
-            self._run_model(fam, bs, ())
-            self.greedy_tokens[k, :bs] = argmax_rows(fam.logits[:bs])
 
     def _run_model(self, fam: GraphFamily, bs: int, layers: tuple[int, ...]) -> None:
         n = bs * fam.width
@@ -230,29 +190,24 @@ class TargetGraphRunner(GraphRunner):
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
-                         features: bool = False, greedy_into: torch.Tensor | None = None) -> tuple:
+                         features: bool = False, greedy_into: tuple[torch.Tensor, list | None] | None = None) -> tuple:
         """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
         (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, its features or
         None, k)`` (a device tensor [n], model-dtype logits; features only when the decode graphs output
         them and ``features``); between replays the inputs advance on the device (``advance``)
         and nothing waits for it. ``after``: what a run queued before returned — go on from its inputs
         (``batch`` unused; the block tables restaged for the pages reserved since). → (family, bucket,
-        the last step's tokens), for a run after this one. ``greedy_into``: the run is plain greedy
-        (``pick`` is argmax alone, no features): where a GREEDY_RUN graph takes it, its tokens go into this
-        [steps, n] tensor from one replay, ``pick`` unused."""
+        the last step's tokens), for a run after this one. ``greedy_into``: the run is greedy (``pick`` is
+        argmax alone and copies the features, where kept, into a list): (its tokens [steps, n], that list or None); where
+        a run's graph takes it (tandem.engine.greedy_runs), one replay fills them, ``pick`` unused."""
         if after is None:
             fam, bs, _ = self.prepare(batch)
             token = None
         else:
             fam, bs, token = after
         n = len(batch.seqs) if after is None else token.shape[0]
-        if greedy_into is not None and steps == self.run_steps and bs in self.greedy_buckets and fam is self._members[GREEDY_RUN]:
-            if token is not None:
-                self.advance(fam, n, token[:, None], 1)
-            with self.guard(self._replay_name(GREEDY_RUN, bs)):
-                self._launch(GREEDY_RUN, bs)
-            greedy_into.copy_(self.greedy_tokens[:, :n])
-            return fam, bs, greedy_into[steps - 1]
+        if greedy_into is not None and self.greedy_runs.run(fam, bs, n, steps, token, *greedy_into):
+            return fam, bs, greedy_into[0][steps - 1]
         for k in range(steps):
             if token is not None:
                 self.advance(fam, n, token[:, None], 1)

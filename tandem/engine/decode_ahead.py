@@ -108,9 +108,10 @@ def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeR
     else:
         first, tables = None, [req.kv.page_table(copy=False) for req in reqs]
     tokens, features, logprobs, rules, pick = _sampled_into(runner, reqs, steps, capture, after)
-    plain_greedy = not capture and logprobs is None and rules is None and all(req.params.greedy for req in reqs)
+    greedy = logprobs is None and rules is None and all(req.params.greedy for req in reqs)  # (pick: argmax alone)
     state = executor.decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
-                                  tables=tables, features=capture, greedy_into=tokens if plain_greedy else None)
+                                  tables=tables, features=capture,
+                                  greedy_into=(tokens, features if capture else None) if greedy else None)
     run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, rules, state)
     if logprobs is not None:
         logprobs.queue_readback()
