@@ -223,6 +223,13 @@ class StepSampler:
         self.rows = None if greedy else row_sampling(params, device, vocab)
         self.uniforms = None if greedy else upload(token_uniforms(starts, steps), device)
 
+    @classmethod
+    def over(cls, rows: RowSampling, uniforms: torch.Tensor) -> "StepSampler":
+        """A sampler of settings and uniforms ([steps, B]) already on the device (a CUDA graph's static buffers)."""
+        sampler = cls.__new__(cls)
+        sampler.rows, sampler.uniforms = rows, uniforms
+        return sampler
+
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step ``step``'s token per row of ``logits`` ([B, V]) → int64 [B]."""
         if self.rows is None:

@@ -165,27 +165,32 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
-def test_greedy_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeypatch):
-    """A run of plain greedy steps at a bucket up to GREEDY_RUN_MAX_BS replays the GREEDY_RUN member once (each
-    step's argmax and the next step's inputs inside it), overlapped runs included; its tokens equal one-step
-    decoding's. A run it cannot take — a sampled request in the batch, a run shorter than the captured one (a
-    request's budget), a bucket past GREEDY_RUN_MAX_BS — replays the decode graph a step."""
+def test_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeypatch):
+    """A run of plain steps at a bucket up to RUN_GRAPH_MAX_BS replays one member once (each step's token and the
+    next step's inputs inside it), overlapped runs included: greedy, sampled (a greedy row and a seeded one), or
+    sampled with a top-p cut; its tokens equal one-step decoding's. A run it cannot take — penalties in the batch, a
+    run shorter than the captured one (a request's budget), a bucket past RUN_GRAPH_MAX_BS — replays the decode graph
+    a step."""
     from helpers import TorchGraphBackend, static_target_graphs
-    from tandem.engine.greedy_runs import GREEDY_RUN, GREEDY_RUN_MAX_BS
+    from tandem.engine.run_graphs import RUN_GRAPH_MAX_BS, run_member
     from tandem.sampling import SamplingParams
 
     runner = engine.executor.runner
     monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
-    graphs = static_target_graphs(runner, widths=(1,), max_bs=GREEDY_RUN_MAX_BS + 1, run_steps=4)
-    assert graphs.greedy_runs.buckets(GREEDY_RUN) == list(range(1, GREEDY_RUN_MAX_BS + 1))
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=RUN_GRAPH_MAX_BS + 1, run_steps=4)
+    assert graphs.run_graphs.buckets(run_member(False, "greedy")) == list(range(1, RUN_GRAPH_MAX_BS + 1))
     replays, body = [], graphs._body
     monkeypatch.setattr(graphs, "_body", lambda member, bs: replays.append((member, bs)) or body(member, bs))
     g = torch.Generator().manual_seed(6)
     greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)  # the prefill's token, runs of 4, 4, 4 and 1
     sampled = SamplingParams(temperature=0.9, seed=2, max_new_tokens=14, ignore_eos=True)
-    for n, mixed in ((3, False), (3, True), (GREEDY_RUN_MAX_BS + 1, False)):
+    cut = SamplingParams(temperature=1.2, top_p=0.7, seed=3, max_new_tokens=14, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.9, seed=4, presence_penalty=0.5, max_new_tokens=14, ignore_eos=True)
+    for n, second, member in ((3, greedy, run_member(False, "greedy")), (3, sampled, run_member(False, "sampled")),
+                              (2, cut, run_member(False, "sampled with a cut")), (3, penalised, None),
+                              (RUN_GRAPH_MAX_BS + 1, greedy, None)):
         prompts = [torch.randint(0, 300, (5 + 2 * i,), generator=g).tolist() for i in range(n)]
-        params = [sampled if mixed and i == 1 else greedy for i in range(n)]
+        params = [second if i == 1 else greedy for i in range(n)]
         engine.decode_steps = 1
         reference = [r.output_token_ids for r in engine.generate(prompts, params)]
         runner.graphs, engine.decode_steps = graphs, 4
@@ -194,11 +199,11 @@ def test_greedy_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, 
             queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
         finally:
             runner.graphs, engine.decode_steps = None, 1
-        assert queued == reference
-        whole = [bs for member, bs in replays if member == GREEDY_RUN]
-        steps = [bs for member, bs in replays if member == 1]
-        if n <= GREEDY_RUN_MAX_BS and not mixed:
-            assert whole == [n] * 3 and steps == [n], replays  # three whole runs (two overlapped), then a step
+        assert queued == reference, (n, member)
+        whole = [(m, bs) for m, bs in replays if m != 1]
+        steps = [bs for m, bs in replays if m == 1]
+        if member is not None:
+            assert whole == [(member, n)] * 3 and steps == [n], replays  # three whole runs (two overlapped), then a step
         else:
             assert whole == [] and len(steps) == 13, replays
         assert engine.allocator.num_free == engine.allocator.capacity_pages
@@ -332,42 +337,49 @@ def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine,
     assert members == [PLAIN_DECODE] * 3
 
 
-def test_a_greedy_run_keeps_each_steps_features_as_a_step_at_a_time_does(engine, monkeypatch):
-    """An attached drafter's plain greedy run (features kept) replays GREEDY_RUN_FEATURES once, on the decode family
-    with features; without features GREEDY_RUN on the twin. Tokens and each step's features equal the same run
-    replayed a step at a time (its pick copying the features), for a batch of two at different positions."""
+def test_a_run_keeps_each_steps_features_as_a_step_at_a_time_does(engine, monkeypatch):
+    """An attached drafter's plain run (features kept) replays a member on the decode family with features, once;
+    without features one on the twin. Tokens and each step's features equal the same run replayed a step at a time
+    (its pick sampling with the same StepSampler and copying the features), for a batch of two at different
+    positions, greedy and sampled."""
     from helpers import TorchGraphBackend
     from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
-    from tandem.engine.greedy_runs import GREEDY_RUN, GREEDY_RUN_FEATURES
+    from tandem.engine.run_graphs import run_member
     from tandem.forward_batch import ForwardBatch, SequenceChunk
+    from tandem.sampling import SamplingParams, StepSampler
 
     runner = engine.executor.runner
     monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
     graphs = TargetGraphRunner(runner, widths=(1, 4), max_bs=2, use_graphs=False, run_steps=3)
     graphs.run_statically()
-    assert graphs._family_of(GREEDY_RUN) is graphs.plain_decode and graphs._family_of(GREEDY_RUN_FEATURES) is graphs.families[1]
+    assert graphs._family_of(run_member(False, "greedy")) is graphs.plain_decode
+    assert graphs._family_of(run_member(True, "sampled")) is graphs.families[1]
     members, body = [], graphs._body
     monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
 
-    def run(features: bool, whole: bool):
+    def run(features: bool, whole: bool, params: list[SamplingParams]):
         members.clear()
         tokens, stepped = torch.empty(3, 2, dtype=torch.int64), []
+        sampler = StepSampler(params, [(p.seed or 0, 10) for p in params], torch.device("cpu"), 300, 3)
 
         def pick(logits, feats, k):
             if feats is not None:
                 stepped.append(feats.clone())
-            tokens[k] = logits.argmax(-1)
+            tokens[k] = sampler(logits, k)
             return tokens[k]
 
         batch = ForwardBatch([SequenceChunk([7], 1, [1]), SequenceChunk([9], 5, [2, 3])], capture_features=features)
         kept = [] if features else None
-        graphs.run_decode_steps(batch, 3, pick, features=features, greedy_into=(tokens, kept) if whole else None)
+        graphs.run_decode_steps(batch, 3, pick, features=features, whole_run=(tokens, kept, sampler) if whole else None)
         return list(members), tokens, (kept[0] if whole else torch.stack(stepped)) if features else None
 
-    for features, whole_member, step_member in ((True, GREEDY_RUN_FEATURES, 1), (False, GREEDY_RUN, PLAIN_DECODE)):
-        stepped_members, stepped_tokens, stepped_features = run(features, whole=False)
-        whole_members, whole_tokens, whole_features = run(features, whole=True)
-        assert stepped_members == [step_member] * 3 and whole_members == [whole_member]
+    greedy = [SamplingParams(), SamplingParams()]
+    sampled = [SamplingParams(temperature=1.5, seed=5), SamplingParams()]
+    for features, params, sampling, step_member in ((True, greedy, "greedy", 1), (False, greedy, "greedy", PLAIN_DECODE),
+                                                    (True, sampled, "sampled", 1)):
+        stepped_members, stepped_tokens, stepped_features = run(features, False, params)
+        whole_members, whole_tokens, whole_features = run(features, True, params)
+        assert stepped_members == [step_member] * 3 and whole_members == [run_member(features, sampling)]
         assert torch.equal(whole_tokens, stepped_tokens)
         if features:
             assert whole_features.shape == (3, 2, 3 * runner.model_cfg.hidden_size)
@@ -381,7 +393,7 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
     from helpers import TorchGraphBackend
     from tandem.engine.config import EngineConfig
     from tandem.engine.cuda_graph import PLAIN_DECODE
-    from tandem.engine.greedy_runs import GREEDY_RUN
+    from tandem.engine.run_graphs import GREEDY_RUN
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.sampling import SamplingParams

@@ -348,8 +348,8 @@ def test_a_drafter_service_whose_attached_plain_steps_are_taxed_more_than_the_pr
 
 
 def test_an_in_process_heads_batch_whose_detached_plain_runs_are_twice_as_fast_goes_plain():
-    """Graphed runs of greedy steps (tandem.engine.greedy_runs) replay one graph a run where a step is
-    host-bound — only detached: attached plain steps keep features and step one replay at a time. The demo pair over
+    """Runs of decode steps in one graph (tandem.engine.run_graphs) where a step is host-bound were at first only
+    detached ones: attached plain steps kept features and stepped one replay at a time. The demo pair over
     REST at concurrency 1 and 8 (H100): target-only 1.15x / 1.75x of speculating always, while the policy, whose
     attached plain steps the warm-up timed at 2x detached ones, speculated 92-94 % of its steps (0.79 / 0.78 of
     target-only). Here speculation leads attached plain by 60 % and makes 0.8 of detached plain's tokens a second: a

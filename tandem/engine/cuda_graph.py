@@ -25,7 +25,7 @@ from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.layers.fast_path import use_triton
 from tandem.prefill_shapes import prefill_buckets
-from tandem.engine.greedy_runs import GreedyRuns
+from tandem.engine.run_graphs import RunGraphs
 from tandem.watchdog import Watchdog
 
 PLAIN_DECODE = ("decode", "plain")  # the member of the decode family's twin without features
@@ -42,8 +42,8 @@ class TargetGraphRunner(GraphRunner):
                  capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None,
                  prefill_widths: tuple[int, ...] = (), prefill_max_bs: int = 8, run_steps: int = 1):
         """``runner`` is the rank's ModelRunner (model, KV pool, graph attention backend). Graphs are keyed
-        (member, bucket): a member is a width, PLAIN_DECODE, a run of ``run_steps`` greedy
-        steps (tandem.engine.greedy_runs) or a prefill family's ("prefill", width, captures)
+        (member, bucket): a member is a width, PLAIN_DECODE, a run of ``run_steps`` decode
+        steps (tandem.engine.run_graphs) or a prefill family's ("prefill", width, captures)
         (tandem.engine.prefill_graphs)."""
         super().__init__(runner.device, batch_buckets(max_bs), log_name="tandem.cuda_graph", watchdog=watchdog,
                          use_graphs=runner.device.type == "cuda" if use_graphs is None else use_graphs,
@@ -71,13 +71,13 @@ class TargetGraphRunner(GraphRunner):
         self._members = {f.key: f for f in (*self.families.values(), *self.prefill.values(), *twin_families)}
         self._names = {key: _name(f) + (" without features" if f in twin_families else "")
                        for key, f in self._members.items()}
-        # runs of greedy steps on the decode families plain steps replay, without features and with them
+        # runs of decode steps in one graph, on the decode families plain steps replay, without features and with them
         decode = self.families.get(1)
-        self.greedy_runs = GreedyRuns(self, self.plain_decode or (decode if decode is not None and not decode.captures
-                                                                    else None),
-                                      decode if decode is not None and decode.captures else None, run_steps)
-        self._members.update(self.greedy_runs.families)
-        self._names.update(self.greedy_runs.names())
+        self.run_graphs = RunGraphs(self, self.plain_decode or (decode if decode is not None and not decode.captures
+                                                                  else None),
+                                    decode if decode is not None and decode.captures else None, run_steps)
+        self._members.update(self.run_graphs.families)
+        self._names.update(self.run_graphs.names())
         # ids, positions, slots, kv_lens, block tables, masks of the widest family's largest batch
         self.staging = PinnedStaging(max([self.max_bs * (3 * w + 1 + self.max_pages + w * w) for w in widths]
                                          + [f.staging_size for f in self.prefill.values()]), self.device)
@@ -86,7 +86,7 @@ class TargetGraphRunner(GraphRunner):
     def capture_plan(self) -> list[tuple[str, list]]:
         members = [w for w in sorted(self.families, reverse=True)]
         members += [PLAIN_DECODE] if self.plain_decode is not None else []
-        members += list(self.greedy_runs.families)
+        members += list(self.run_graphs.families)
         for families in (self.prefill, self.plain_prefill):
             members += [f.key for _, f in sorted(families.items(), reverse=True)]
         return [(self._family_name(m), [m]) for m in members]
@@ -99,8 +99,8 @@ class TargetGraphRunner(GraphRunner):
         return self._members[member]
 
     def member_buckets(self, member) -> list[int]:
-        if member in self.greedy_runs.families:
-            return self.greedy_runs.buckets(member)
+        if member in self.run_graphs.families:
+            return self.run_graphs.buckets(member)
         fam = self._family_of(member)
         return fam.buckets if isinstance(fam, PrefillFamily) else self.buckets
 
@@ -118,8 +118,8 @@ class TargetGraphRunner(GraphRunner):
         layers = self.runner.capture_layers if fam.captures else ()
         if isinstance(fam, PrefillFamily):
             fam.run_model(self.runner, bs, layers)
-        elif member in self.greedy_runs.families:
-            self.greedy_runs.body(member, bs)
+        elif member in self.run_graphs.families:
+            self.run_graphs.body(member, bs)
         else:
             self._run_model(fam, bs, layers)
 
@@ -190,24 +190,24 @@ class TargetGraphRunner(GraphRunner):
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
-                         features: bool = False, greedy_into: tuple[torch.Tensor, list | None] | None = None) -> tuple:
+                         features: bool = False, whole_run: tuple | None = None) -> tuple:
         """``steps`` replays of the decode graph for a width-1 ``batch`` whose pages cover all of them
         (tandem.engine.decode_ahead). Step k+1's input token is ``pick(logits of step k, its features or
         None, k)`` (a device tensor [n], model-dtype logits; features only when the decode graphs output
         them and ``features``); between replays the inputs advance on the device (``advance``)
         and nothing waits for it. ``after``: what a run queued before returned — go on from its inputs
         (``batch`` unused; the block tables restaged for the pages reserved since). → (family, bucket,
-        the last step's tokens), for a run after this one. ``greedy_into``: the run is greedy (``pick`` is
-        argmax alone and copies the features, where kept, into a list): (its tokens [steps, n], that list or None); where
-        a run's graph takes it (tandem.engine.greedy_runs), one replay fills them, ``pick`` unused."""
+        the last step's tokens), for a run after this one. ``whole_run``: (the run's tokens [steps, n], the list
+        its features go into or None, its StepSampler) where ``pick`` is that sampler alone (no penalties, no
+        logprobs); where a run's graph takes it (tandem.engine.run_graphs), one replay fills them, ``pick`` unused."""
         if after is None:
             fam, bs, _ = self.prepare(batch)
             token = None
         else:
             fam, bs, token = after
         n = len(batch.seqs) if after is None else token.shape[0]
-        if greedy_into is not None and self.greedy_runs.run(fam, bs, n, steps, token, *greedy_into):
-            return fam, bs, greedy_into[0][steps - 1]
+        if whole_run is not None and self.run_graphs.run(fam, bs, n, steps, token, *whole_run):
+            return fam, bs, whole_run[0][steps - 1]
         for k in range(steps):
             if token is not None:
                 self.advance(fam, n, token[:, None], 1)

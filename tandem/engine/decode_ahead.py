@@ -64,8 +64,8 @@ def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after:
     """→ (the run's token buffer [steps, n] on the device, its feature buffer [steps, n, 3H] or None
     (``capture``: allocated at the first step's features), its RunLogprobs or None, its RunRules or None,
     ``pick(logits, features, k)`` that samples step k into the first — after the rules — copies its
-    features into the second and records its log-probabilities). ``after``: the run not read back that
-    this one follows."""
+    features into the second and records its log-probabilities, and its StepSampler). ``after``: the run not
+    read back that this one follows."""
     # Settings and uniforms reach the device before the first forward is queued.
     queued = 0 if after is None else after.steps  # (the run before, not committed yet: its tokens come first)
     sampler = StepSampler([req.params for req in reqs], [(req.seed, req.num_tokens + queued) for req in reqs], runner.device,
@@ -89,7 +89,7 @@ def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after:
             logprobs.record(logits, tokens[k], k)
         return tokens[k]
 
-    return tokens, kept, logprobs, rules, pick
+    return tokens, kept, logprobs, rules, pick, sampler
 
 
 @torch.inference_mode()
@@ -107,11 +107,11 @@ def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeR
             return None
     else:
         first, tables = None, [req.kv.page_table(copy=False) for req in reqs]
-    tokens, features, logprobs, rules, pick = _sampled_into(runner, reqs, steps, capture, after)
-    greedy = logprobs is None and rules is None and all(req.params.greedy for req in reqs)  # (pick: argmax alone)
+    tokens, features, logprobs, rules, pick, sampler = _sampled_into(runner, reqs, steps, capture, after)
+    alone = logprobs is None and rules is None  # (pick: the sampler alone, and the features' copy)
     state = executor.decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
                                   tables=tables, features=capture,
-                                  greedy_into=(tokens, features if capture else None) if greedy else None)
+                                  whole_run=(tokens, features if capture else None, sampler) if alone else None)
     run = DecodeRun(reqs, steps, HostReadback(tokens), features[0] if capture else None, logprobs, rules, state)
     if logprobs is not None:
         logprobs.queue_readback()
@@ -141,7 +141,7 @@ def decode_steps_eagerly(executor, reqs: list[Request], steps: int,
     ``capture``, the log-probabilities of the requests that ask). Several ranks each read a step's token
     back first (tandem.engine.executor)."""
     runner = executor.runner
-    tokens, features, logprobs, _, pick = _sampled_into(runner, reqs, steps, capture)
+    tokens, features, logprobs, _, pick, _ = _sampled_into(runner, reqs, steps, capture)
     _forward_steps(executor, reqs, steps, pick, capture)
     per_request = _tokens_back(runner, HostReadback(tokens))
     if logprobs is not None:

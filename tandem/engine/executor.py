@@ -193,12 +193,12 @@ class TargetExecutor:
         return self.runner.forward(batch, sync=sync)
 
     def decode_steps(self, first: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
-                     tables: list | None = None, features: bool = False, greedy_into: tuple | None = None) -> tuple:
+                     tables: list | None = None, features: bool = False, whole_run: tuple | None = None) -> tuple:
         """Queue ``steps`` graphed decode steps on every rank (TargetGraphRunner.run_decode_steps): of ``first``,
         or going on ``after`` the run before (its pages restaged from ``tables``). Rank 0 samples each step's
-        token with ``pick``; it reaches the other ranks by a device broadcast. ``greedy_into``: a greedy run's
-        tokens [steps, n] and features' list, for its whole-run graph (one rank only: other ranks follow rank 0's
-        picks)."""
+        token with ``pick``; it reaches the other ranks by a device broadcast. ``whole_run``: a run's tokens
+        [steps, n], features' list and sampler, for a graph of the whole run (one rank only: other ranks follow rank
+        0's picks)."""
         graphs = self.runner.graphs
         if self._workers:
             rows = len(first.seqs) if first is not None else after[2].shape[0]
@@ -209,7 +209,7 @@ class TargetExecutor:
         if first is None:
             graphs.restage_pages(after[0], tables)
         return graphs.run_decode_steps(first, steps, pick, after=after if first is None else None, features=features,
-                                       greedy_into=None if self._workers else greedy_into)
+                                       whole_run=None if self._workers else whole_run)
 
     def round_followers(self) -> _RoundFollowers | None:
         """The other ranks, for runs of chain rounds queued on the device (None: one rank)."""
