@@ -185,9 +185,13 @@ def test_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeyp
     greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)  # the prefill's token, runs of 4, 4, 4 and 1
     sampled = SamplingParams(temperature=0.9, seed=2, max_new_tokens=14, ignore_eos=True)
     cut = SamplingParams(temperature=1.2, top_p=0.7, seed=3, max_new_tokens=14, ignore_eos=True)
+    top_k = SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=5, max_new_tokens=14, ignore_eos=True)
+    min_p = SamplingParams(temperature=1.1, min_p=0.1, seed=6, max_new_tokens=14, ignore_eos=True)
     penalised = SamplingParams(temperature=0.9, seed=4, presence_penalty=0.5, max_new_tokens=14, ignore_eos=True)
     for n, second, member in ((3, greedy, run_member(False, "greedy")), (3, sampled, run_member(False, "sampled")),
-                              (2, cut, run_member(False, "sampled with a cut")), (3, penalised, None),
+                              (2, cut, run_member(False, "sampled with a cut")),
+                              (2, top_k, run_member(False, "sampled with a cut")), (2, min_p, run_member(False, "sampled")),
+                              (3, penalised, None),
                               (RUN_GRAPH_MAX_BS + 1, greedy, None)):
         prompts = [torch.randint(0, 300, (5 + 2 * i,), generator=g).tolist() for i in range(n)]
         params = [second if i == 1 else greedy for i in range(n)]
@@ -339,9 +343,9 @@ def test_steps_whose_features_no_drafter_keeps_replay_twins_without_them(engine,
 
 def test_a_run_keeps_each_steps_features_as_a_step_at_a_time_does(engine, monkeypatch):
     """An attached drafter's plain run (features kept) replays a member on the decode family with features, once;
-    without features one on the twin. Tokens and each step's features equal the same run replayed a step at a time
+    without features one on the twin. Tokens and each step's features equal the same runs replayed a step at a time
     (its pick sampling with the same StepSampler and copying the features), for a batch of two at different
-    positions, greedy and sampled."""
+    positions, a second run going on from the first: greedy, sampled, and sampled with top-p / top-k cuts."""
     from helpers import TorchGraphBackend
     from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
     from tandem.engine.run_graphs import run_member
@@ -358,31 +362,41 @@ def test_a_run_keeps_each_steps_features_as_a_step_at_a_time_does(engine, monkey
     monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
 
     def run(features: bool, whole: bool, params: list[SamplingParams]):
+        """Two runs of 3 steps, the second going on from the first (``after``) → (members replayed, tokens [6, 2],
+        features [6, 2, F] or None)."""
         members.clear()
-        tokens, stepped = torch.empty(3, 2, dtype=torch.int64), []
-        sampler = StepSampler(params, [(p.seed or 0, 10) for p in params], torch.device("cpu"), 300, 3)
+        tokens, feats = [], []
+        batch = ForwardBatch([SequenceChunk([7], 1, [1, 4]), SequenceChunk([9], 3, [2, 3, 5])], capture_features=features)
+        state = None
+        for first in (0, 3):
+            run_tokens, stepped = torch.empty(3, 2, dtype=torch.int64), []
+            sampler = StepSampler(params, [(p.seed or 0, 10 + first) for p in params], torch.device("cpu"), 300, 3)
 
-        def pick(logits, feats, k):
-            if feats is not None:
-                stepped.append(feats.clone())
-            tokens[k] = sampler(logits, k)
-            return tokens[k]
+            def pick(logits, step_features, k):
+                if step_features is not None:
+                    stepped.append(step_features.clone())
+                run_tokens[k] = sampler(logits, k)
+                return run_tokens[k]
 
-        batch = ForwardBatch([SequenceChunk([7], 1, [1]), SequenceChunk([9], 5, [2, 3])], capture_features=features)
-        kept = [] if features else None
-        graphs.run_decode_steps(batch, 3, pick, features=features, whole_run=(tokens, kept, sampler) if whole else None)
-        return list(members), tokens, (kept[0] if whole else torch.stack(stepped)) if features else None
+            kept = [] if features else None
+            state = graphs.run_decode_steps(None if state else batch, 3, pick, after=state, features=features,
+                                            whole_run=(run_tokens, kept, sampler) if whole else None)
+            tokens.append(run_tokens)
+            if features:
+                feats.append(kept[0] if whole else torch.stack(stepped))
+        return list(members), torch.cat(tokens), torch.cat(feats) if features else None
 
     greedy = [SamplingParams(), SamplingParams()]
     sampled = [SamplingParams(temperature=1.5, seed=5), SamplingParams()]
+    cut = [SamplingParams(temperature=1.5, top_p=0.8, seed=6), SamplingParams(temperature=0.7, top_k=30, seed=7)]
     for features, params, sampling, step_member in ((True, greedy, "greedy", 1), (False, greedy, "greedy", PLAIN_DECODE),
-                                                    (True, sampled, "sampled", 1)):
+                                                    (True, sampled, "sampled", 1), (True, cut, "sampled with a cut", 1)):
         stepped_members, stepped_tokens, stepped_features = run(features, False, params)
         whole_members, whole_tokens, whole_features = run(features, True, params)
-        assert stepped_members == [step_member] * 3 and whole_members == [run_member(features, sampling)]
+        assert stepped_members == [step_member] * 6 and whole_members == [run_member(features, sampling)] * 2
         assert torch.equal(whole_tokens, stepped_tokens)
         if features:
-            assert whole_features.shape == (3, 2, 3 * runner.model_cfg.hidden_size)
+            assert whole_features.shape == (6, 2, 3 * runner.model_cfg.hidden_size)
             assert torch.equal(whole_features, stepped_features)
 
 

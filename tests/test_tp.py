@@ -109,9 +109,10 @@ def test_tp2_chunked_prefill_keeps_greedy_output(tp_results):
 
 def test_tp2_runs_of_decode_steps_keep_greedy_and_sampled_output(tp_results):
     """Runs of 4 graphed decode steps (the graphs' static path): rank 1 follows rank 0's runs, each step's
-    token broadcast on the device; the tokens are one-step decoding's, greedy and seeded-sampled."""
+    token broadcast on the device; the tokens are one-step decoding's, greedy and seeded-sampled. No run is captured
+    as one graph (tandem.engine.run_graphs: one rank only)."""
     _, res = tp_results[CHUNKED_CASE]
-    assert res["queued_most_steps"] == 4 and res["queued_pages_back"]
+    assert res["queued_most_steps"] == 4 and res["queued_pages_back"] and res["run_graph_members"] == 0
     assert res["queued"] == [[out[:QUEUED_NEW] for out in res["greedy"]], [res["sampled"][:QUEUED_NEW]]]
 
 

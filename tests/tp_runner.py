@@ -99,6 +99,7 @@ def run_job(job: dict) -> dict:
                 runs_out = [eng.requests.pop(r).output for r in rids]
                 out.setdefault("queued", []).append(runs_out)
             out["queued_most_steps"] = max(runs)
+            out["run_graph_members"] = len(eng.executor.runner.graphs.run_graphs.families)
             out["queued_pages_back"] = eng.allocator.num_free == eng.allocator.capacity_pages
     if job.get("draft"):  # greedy again, speculating in runs of chain rounds on the graphs' static path
         from proposers import always_speculate

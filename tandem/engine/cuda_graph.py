@@ -24,8 +24,8 @@ from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.layers.fast_path import use_triton
-from tandem.prefill_shapes import prefill_buckets
 from tandem.engine.run_graphs import RunGraphs
+from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
 
 PLAIN_DECODE = ("decode", "plain")  # the member of the decode family's twin without features

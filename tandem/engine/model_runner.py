@@ -102,9 +102,12 @@ class ModelRunner:
             self.graph_backend = make_graph_backend(latent)
             widths = graph_widths(cfg.cuda_graph_widths, latent)
             prefills = prefill_widths(cfg.prefill_graph_tokens)
+            # runs in one graph on one rank only (several follow rank 0's picks a step at a time, and each rank timing
+            # its own steps could capture different graphs, whose collectives would then not pair)
+            run_steps = cfg.decode_steps_with(graphed=True) if cfg.tp_size == 1 else 1
             self.graphs = TargetGraphRunner(self, widths, cfg.cuda_graph_max_bs, use_graphs=not cfg.static_graph_path,
                                             prefill_widths=prefills, prefill_max_bs=cfg.prefill_graph_max_bs,
-                                            run_steps=cfg.decode_steps_with(graphed=True))
+                                            run_steps=run_steps)
             if cfg.static_graph_path:
                 self.graphs.run_statically()
             else:

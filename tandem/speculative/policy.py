@@ -86,7 +86,7 @@ class PolicyConfig:
     goodput_first_explore_s: float = 0.1  # the mode the model rejects: its first epoch at a bucket at most this late
     goodput_probe_margin: float = 0.15  # speculation ahead of attached plain steps by less: measure plain detached ...
     # ... or by less than attached plain's measured tax, up to this: where a plain step is host-bound the tax can be
-    # large (the demo pair's: ~2x while only detached runs were one graph each, tandem.engine.run_graphs)
+    # large (the demo pair's ~2x, measured while only detached runs were one graph each: tandem.engine.run_graphs)
     goodput_probe_margin_max: float = 2.0
     # a speculating batch drafts the chain (or shorter one) that promises the most tokens a second at its batch size
     # (tandem.speculative.chain_depth; chains only, and only with the measured policy)
