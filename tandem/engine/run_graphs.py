@@ -90,11 +90,12 @@ class RunGraphs:
             graph = self.graphs.graphs[(fam.key, bs)]
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
+            with self.graphs.guard(f"time the decode graph bs={bs}", self.graphs.capture_deadline_s):
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
             self._step_s[(fam.key, bs)] = start.elapsed_time(end) / 1e3 / replays
         return self._step_s[(fam.key, bs)]
 
