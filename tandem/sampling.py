@@ -224,8 +224,9 @@ class StepSampler:
         self.uniforms = None if greedy else upload(token_uniforms(starts, steps), device)
 
     @classmethod
-    def over(cls, rows: RowSampling, uniforms: torch.Tensor) -> "StepSampler":
-        """A sampler of settings and uniforms ([steps, B]) already on the device (a CUDA graph's static buffers)."""
+    def over(cls, rows: RowSampling | None, uniforms: torch.Tensor | None) -> "StepSampler":
+        """A sampler of settings and uniforms ([steps, B]) already on the device (a CUDA graph's static buffers);
+        None and None: greedy."""
         sampler = cls.__new__(cls)
         sampler.rows, sampler.uniforms = rows, uniforms
         return sampler
