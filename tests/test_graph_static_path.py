@@ -136,8 +136,8 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
 
     following, queue = [], decode_ahead.queue_decode_steps
     monkeypatch.setattr(decode_ahead, "queue_decode_steps",
-                        lambda runner, reqs, steps, after=None, capture=False:
-                        following.append(after is not None) or queue(runner, reqs, steps, after, capture))
+                        lambda runner, reqs, steps, after=None, **kw:
+                        following.append(after is not None) or queue(runner, reqs, steps, after, **kw))
 
     runner = engine.executor.runner
     # torch attention: this test is about the inputs advancing between replays (the Triton kernels'
@@ -163,6 +163,34 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert queued == reference
         assert any(following) and engine.run_in_flight is None
         assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_a_run_going_on_restages_block_tables_only_after_new_pages(engine, monkeypatch):
+    """Runs of 2 steps on 4-token pages: a run queued after another stages the block tables again only where a page
+    was reserved for it (every other run here); the tokens stay one-step decoding's, the tables of the runs that
+    skip it being those staged before — a stale table would put their KV on the dummy page (zeroed past each
+    staging below) and change the tokens."""
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4, run_steps=2)
+    restaged, restage = [], graphs.restage_pages
+    monkeypatch.setattr(graphs, "restage_pages", lambda fam, tables: restaged.append(tables is not None) or restage(fam, tables))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 8)]  # (their pages fill in step)
+    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
+    engine.decode_steps = 1
+    reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+    runner.graphs, engine.decode_steps = graphs, 2
+    graphs.families[1].block_tables.zero_()
+    try:
+        queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert queued == reference
+    assert restaged.count(True) >= 3 and restaged.count(False) >= 3, restaged
 
 
 def test_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeypatch):

@@ -251,9 +251,12 @@ class TargetGraphRunner(GraphRunner):
         for t in (fam.input_ids[: n * w], fam.positions[: n * w], fam.slots[: n * w], fam.kv_lens[:n]):
             broadcast_tensor(t)
 
-    def restage_pages(self, fam: GraphFamily, tables: list) -> None:
+    def restage_pages(self, fam: GraphFamily, tables: list | None) -> None:
         """Copy the block tables of the sequences the static inputs hold again (more pages were reserved
-        for forwards queued further), leaving positions, lengths and slots as the device advanced them."""
+        for forwards queued further), leaving positions, lengths and slots as the device advanced them (None:
+        nothing new to stage)."""
+        if tables is None:
+            return
         rows = send_page_rows(self.staging, tables)
         fam.block_tables[: rows.shape[0], : rows.shape[1]].copy_(rows)
 

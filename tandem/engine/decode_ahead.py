@@ -94,11 +94,12 @@ def _sampled_into(runner, reqs: list[Request], steps: int, capture: bool, after:
 
 @torch.inference_mode()
 def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeRun | None = None,
-                       capture: bool = False) -> DecodeRun | None:
+                       capture: bool = False, restage: bool = True) -> DecodeRun | None:
     """Queue ``steps`` graphed decode steps of ``reqs`` without waiting, on every rank — from their committed
     tokens, or going on after the run ``after`` (the same requests, not read back yet); pages must cover
-    every step queued past the committed tokens. ``capture``: keep each step's features. None when no
-    graph fits the batch."""
+    every step queued past the committed tokens. ``capture``: keep each step's features. ``restage``: going
+    on, the requests' block tables are staged again (False: no page was reserved since ``after`` was queued, so
+    the static tables still hold them). None when no graph fits the batch."""
     runner = executor.runner
     if after is None:
         first, tables = ForwardBatch([SequenceChunk([req.tokens[-1]], req.num_tokens - 1, req.kv.page_table())
@@ -106,7 +107,7 @@ def queue_decode_steps(executor, reqs: list[Request], steps: int, after: DecodeR
         if runner.graphs is None or not runner.graphs.can_run(first):
             return None
     else:
-        first, tables = None, [req.kv.page_table(copy=False) for req in reqs]
+        first, tables = None, [req.kv.page_table(copy=False) for req in reqs] if restage else None
     tokens, features, logprobs, rules, pick, sampler = _sampled_into(runner, reqs, steps, capture, after)
     alone = logprobs is None and rules is None  # (pick: the sampler alone, and the features' copy)
     state = executor.decode_steps(first, steps, pick, after=after.graph_state if after is not None else None,
@@ -232,10 +233,13 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
         going_on = engine.overlap_runs and same_batch and not engine.drafts.joins_due
         more = decode_steps_ahead(engine, run.reqs, queued=run.steps) if going_on else 0
         if more:
+            pages = sum(len(req.kv.pages) for req in run.reqs)
             for req in run.reqs:
                 req.kv.reserve(req.num_tokens - 1 + run.steps + more)
             capture = run.features is not None and engine.drafts.keeping()  # (not once the drafter is detached)
-            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=capture)
+            # (nothing else stages this batch's tables while its run is in flight: only new pages need staging)
+            following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=capture,
+                                           restage=sum(len(req.kv.pages) for req in run.reqs) != pages)
         tokens = read_decode_steps(runner, run)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):

@@ -195,7 +195,7 @@ class TargetExecutor:
     def decode_steps(self, first: ForwardBatch | None, steps: int, pick, after: tuple | None = None,
                      tables: list | None = None, features: bool = False, whole_run: tuple | None = None) -> tuple:
         """Queue ``steps`` graphed decode steps on every rank (TargetGraphRunner.run_decode_steps): of ``first``,
-        or going on ``after`` the run before (its pages restaged from ``tables``). Rank 0 samples each step's
+        or going on ``after`` the run before (its pages restaged from ``tables``, None: unchanged). Rank 0 samples each step's
         token with ``pick``; it reaches the other ranks by a device broadcast. ``whole_run``: a run's tokens
         [steps, n], features' list and sampler, for a graph of the whole run (one rank only: other ranks follow rank
         0's picks)."""

@@ -55,8 +55,8 @@ def test_overlapped_decode_runs_are_read_back_while_the_next_run_computes(tmp_pa
     following_done: list[torch.cuda.Event] = []
     still_running: list[bool] = []
 
-    def queue_and_mark(executor, reqs, steps, after=None, capture=False):
-        run = queue(executor, reqs, steps, after, capture)
+    def queue_and_mark(executor, reqs, steps, after=None, **kw):
+        run = queue(executor, reqs, steps, after, **kw)
         if after is not None:
             # The following run made long on the device (a tiny model's steps take less time than the
             # host needs to queue them), so that a read-back queued behind it is seen to wait.
