@@ -168,8 +168,8 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
 def test_a_run_going_on_restages_block_tables_only_after_new_pages(engine, monkeypatch):
     """Runs of 2 steps on 4-token pages: a run queued after another stages the block tables again only where a page
     was reserved for it (every other run here); the tokens stay one-step decoding's, the tables of the runs that
-    skip it being those staged before — a stale table would put their KV on the dummy page (zeroed past each
-    staging below) and change the tokens."""
+    skip it being those staged before — a table not staged after a new page would leave that page's column at the
+    staging's zero padding (the dummy page) and change the tokens."""
     from helpers import TorchGraphBackend, static_target_graphs
     from tandem.sampling import SamplingParams
 
