@@ -175,12 +175,14 @@ def test_the_caller_going_cancels_what_still_runs(verifier):
 
 
 def test_the_stream_needs_the_internal_secret(verifier):
-    async def one_start_then_wait():  # (our side stays open: the answer is the server's refusal, whatever the timing)
-        yield _start(1, [5, 6], 4)
+    async def wait_then_start():
+        # Our side stays open and writes nothing the refusal could race: a start written as the server ends the stream
+        # can fail in gRPC's core first (INTERNAL, "Failed execute_batch"), which hid the refusal once in CI.
         await asyncio.sleep(30)
+        yield _start(1, [5, 6], 4)
 
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        asyncio.run(_many(verifier.address, one_start_then_wait(), metadata=()))
+        asyncio.run(_many(verifier.address, wait_then_start(), metadata=()))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
