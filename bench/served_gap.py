@@ -86,9 +86,13 @@ def _profiled(fn, path: Path, tokens: int) -> None:
     prof.enable()
     fn()
     prof.disable()
+    _write(prof, path, tokens)
+
+
+def _write(prof: cProfile.Profile, path: Path, tokens: int) -> None:
+    """The profile's 45 costliest functions by their own time, after a line with the tokens it covers."""
     out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(45)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(45)
     path.write_text(f"tokens {tokens}\n" + out.getvalue())
 
 
@@ -190,9 +194,7 @@ def profile_loop(loop, fn, path: Path, tokens: int) -> None:
         fn()
     finally:
         loop._step = step
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(45)
-    path.write_text(f"tokens {tokens}\n" + out.getvalue())
+    _write(prof, path, tokens)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,19 @@ def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(en
         runner.cfg = original
 
 
+def _one_step_then_queued(engine, graphs, steps: int, prompts, params) -> tuple[list, list]:
+    """→ (the engine's outputs decoding one step at a time without graphs, the same on ``graphs`` in runs of
+    ``steps``); the engine is left as it was (no graphs, one step)."""
+    runner = engine.executor.runner
+    engine.decode_steps = 1
+    reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+    runner.graphs, engine.decode_steps = graphs, steps
+    try:
+        return reference, [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+
+
 def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engine, monkeypatch):
     """run_decode_steps (what --decode-steps does with CUDA graphs) advances token, position, KV length
     and slot in the static buffers between replays: with every replay stood in by the captured code run
@@ -149,19 +162,14 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
     # 27 tokens: the prefill's, then runs of 8, 8, 8 and 2 (three queued after the run before them)
     for params in (SamplingParams(max_new_tokens=27, ignore_eos=True),
                    SamplingParams(temperature=0.9, top_k=40, seed=4, max_new_tokens=27, ignore_eos=True)):
-        engine.decode_steps = 1
-        reference = [r.output_token_ids for r in engine.generate(prompts, params)]
-        runner.graphs, engine.decode_steps = graphs, 8
         following.clear()
         # Another batch's block tables are what the static buffers hold past a run's pages (here: the
         # dummy page): a following run must stage the pages reserved for it.
         graphs.families[1].block_tables.zero_()
-        try:
-            queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
-        finally:
-            runner.graphs, engine.decode_steps = None, 1
+        reference, queued = _one_step_then_queued(engine, graphs, 8, prompts, params)
         assert queued == reference
-        assert any(following) and engine.run_in_flight is None
+        assert any(following)
+        assert engine.run_in_flight is None
         assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
@@ -181,14 +189,8 @@ def test_a_run_going_on_restages_block_tables_only_after_new_pages(engine, monke
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (4, 8)]  # (their pages fill in step)
     params = SamplingParams(max_new_tokens=21, ignore_eos=True)
-    engine.decode_steps = 1
-    reference = [r.output_token_ids for r in engine.generate(prompts, params)]
-    runner.graphs, engine.decode_steps = graphs, 2
     graphs.families[1].block_tables.zero_()
-    try:
-        queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
-    finally:
-        runner.graphs, engine.decode_steps = None, 1
+    reference, queued = _one_step_then_queued(engine, graphs, 2, prompts, params)
     assert queued == reference
     assert restaged.count(True) >= 3 and restaged.count(False) >= 3, restaged
 
@@ -223,14 +225,8 @@ def test_runs_replay_one_graph_a_run_and_equal_one_step_decoding(engine, monkeyp
                               (RUN_GRAPH_MAX_BS + 1, greedy, None)):
         prompts = [torch.randint(0, 300, (5 + 2 * i,), generator=g).tolist() for i in range(n)]
         params = [second if i == 1 else greedy for i in range(n)]
-        engine.decode_steps = 1
-        reference = [r.output_token_ids for r in engine.generate(prompts, params)]
-        runner.graphs, engine.decode_steps = graphs, 4
         replays.clear()
-        try:
-            queued = [r.output_token_ids for r in engine.generate(prompts, params, spec=None)]
-        finally:
-            runner.graphs, engine.decode_steps = None, 1
+        reference, queued = _one_step_then_queued(engine, graphs, 4, prompts, params)
         assert queued == reference, (n, member)
         whole = [(m, bs) for m, bs in replays if m != 1]
         steps = [bs for m, bs in replays if m == 1]

@@ -331,15 +331,21 @@ def test_a_drafter_service_whose_attached_plain_steps_are_taxed_more_than_the_pr
     attached plain by 19 %: beyond ``goodput_probe_margin`` (15 %), never probed, speculation ran on 5 % slower than no
     speculation (the demo pair as a service over REST at concurrency 8: 0.94-0.95x target-only). Within the measured
     tax and ``goodput_margin`` it is probed: the batch goes plain, detached."""
-    spec_s = 3 * PLAIN_S / 0.95
+    _probed_then_plain(tax=0.25, of_detached=0.95, ships_features=True)
+
+
+def _probed_then_plain(tax: float, of_detached: float, ships_features: bool) -> None:
+    """The warm-up timed attached plain steps at ``1 + tax`` detached ones (runs of 4) and a round at ``of_detached``
+    of detached plain's tokens a second: the first change is a probe, and the batch then runs plain."""
+    spec_s = 3 * PLAIN_S / of_detached
     policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
     for n in (N // 2, N):
         for _ in range(3):  # the warm-up's step times
-            policy.observe_step(n, False, 4, 4 * PLAIN_S * 1.25)
+            policy.observe_step(n, False, 4, 4 * PLAIN_S * (1 + tax))
             policy.observe_step(n, False, 4, 4 * PLAIN_S, detached=True)
             policy.observe_step(n, True, 1, spec_s)
-    assert policy.attached_plain_tax(N) == pytest.approx(0.25)
-    engine = SimEngine(policy, N, 0, made=TAU, told=TAU, spec_s=spec_s, attached_tax=0.25)
+    assert policy.attached_plain_tax(N) == pytest.approx(tax)
+    engine = SimEngine(policy, N, 0, made=TAU, told=TAU, spec_s=spec_s, attached_tax=tax, ships_features=ships_features)
     start = engine.clock.now
     engine.run_until(start + 20.0)
     changes = [change for _, change, _ in engine.log]
@@ -354,20 +360,7 @@ def test_an_in_process_heads_batch_whose_detached_plain_runs_are_twice_as_fast_g
     attached plain steps the warm-up timed at 2x detached ones, speculated 92-94 % of its steps (0.79 / 0.78 of
     target-only). Here speculation leads attached plain by 60 % and makes 0.8 of detached plain's tokens a second: a
     probe measures detached steps and the batch goes plain."""
-    spec_s = 3 * PLAIN_S / 0.8
-    policy = SpeculationPolicy(PolicyConfig(), clock=SimClock())
-    for n in (N // 2, N):
-        for _ in range(3):  # the warm-up's step times
-            policy.observe_step(n, False, 4, 4 * PLAIN_S * 2.0)
-            policy.observe_step(n, False, 4, 4 * PLAIN_S, detached=True)
-            policy.observe_step(n, True, 1, spec_s)
-    assert policy.attached_plain_tax(N) == pytest.approx(1.0)
-    engine = SimEngine(policy, N, 0, made=TAU, told=TAU, spec_s=spec_s, attached_tax=1.0, ships_features=False)
-    start = engine.clock.now
-    engine.run_until(start + 20.0)
-    changes = [change for _, change, _ in engine.log]
-    assert changes[:1] == ["probe"], engine.log
-    assert engine.seconds[True] < 0.1 * sum(engine.seconds.values()), (engine.seconds, engine.log)
+    _probed_then_plain(tax=1.0, of_detached=0.8, ships_features=False)
 
 
 def test_the_probe_margin_widens_to_the_measured_tax_up_to_its_cap():
