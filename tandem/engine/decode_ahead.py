@@ -127,7 +127,7 @@ def read_decode_steps(runner, run: DecodeRun) -> list[list[int]]:
 def _tokens_back(runner, tokens: HostReadback) -> list[list[int]]:
     """Wait for the steps that write ``tokens`` ([steps, n], inside the watchdog when there are graphs)
     → each request's tokens."""
-    steps, n = tokens.host.shape
+    steps, n = tokens.shape
     waiting = runner.graphs.guard(f"decode ahead: {steps} steps, batch {n}") if runner.graphs else contextlib.nullcontext()
     with waiting:
         per_step = tokens.tolist()

@@ -24,7 +24,7 @@ from tandem.engine.config import DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
-from tandem.engine.request import FinishReason, GenerationResult, Request
+from tandem.engine.request import FinishReason, GenerationResult, Request, tokens_until_finish
 from tandem.engine.request_sampling import prompt_logits_skip
 from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run_in_flight
 from tandem.engine.scheduler import Schedule, Scheduler
@@ -350,13 +350,9 @@ class LLMEngine:
         rounds queued further writes into them). ``logprobs``: per request, one entry per emitted token."""
         outputs = []
         for req in reqs:
-            new, reason = [], None
-            for token in emitted[req.rid]:
-                req.output.append(token)
-                new.append(token)
-                reason = self._finish_reason(req, token)
-                if reason is not None:
-                    break
+            new, reason = tokens_until_finish(emitted[req.rid], req, self.model_config.eos_token_ids, self.context_len,
+                                              self.allocator.capacity_pages * self.allocator.page_size)
+            req.output.extend(new)
             if reason is None and keep_pages:
                 req.kv.commit(req.num_tokens - 1)
             elif reason is None:
@@ -400,20 +396,6 @@ class LLMEngine:
             else:
                 self.traffic.finished(req.rid, req.prompt, req.output, {
                     "temperature": req.params.temperature, "finish_reason": req.finish_reason.value})
-
-    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and token in self.model_config.eos_token_ids:
-            return FinishReason.STOP
-        if token in p.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.output) >= p.max_new_tokens:
-            return FinishReason.LENGTH
-        if req.num_tokens >= self.context_len:
-            return FinishReason.LENGTH
-        if self.allocator.pages_for(req.num_tokens) > self.allocator.capacity_pages:
-            return FinishReason.LENGTH  # its next step would not fit even in the whole KV cache
-        return None
 
     # -- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -38,6 +38,25 @@ def test_a_readback_waits_for_its_own_work_not_for_work_queued_after_it():
     assert not later_done, f"the read-back waited {waited:.3f} s, for the work queued after it"
 
 
+def test_pooled_readbacks_keep_their_values_when_the_buffer_is_reused():
+    """A read buffer goes back to its shape's pool: the next read-back of that shape reuses it, and neither the
+    values already read nor a read-back still in flight see the other's numbers."""
+    from tandem.staging import HostReadback
+
+    a = torch.arange(6, device="cuda").view(2, 3)
+    first = HostReadback(a)
+    in_flight = HostReadback(a * 10)  # (its own buffer: the first is not read yet)
+    assert first.tolist() == [[0, 1, 2], [3, 4, 5]]
+    torch.cuda._sleep(200_000_000)  # the next copy waits behind this: a reuse that raced would read stale values
+    reused = HostReadback(a + 100)
+    assert reused._host is not None and in_flight._host is not None and reused._host is not in_flight._host
+    assert reused.tolist() == [[100, 101, 102], [103, 104, 105]]
+    assert in_flight.tolist() == [[0, 10, 20], [30, 40, 50]]
+    assert first.tolist() == [[0, 1, 2], [3, 4, 5]]  # (read before: the same list, whoever has the buffer now)
+    pooled = HostReadback._pool[((2, 3), torch.int64, a.device)]
+    assert len(pooled) >= 1
+
+
 def test_overlapped_decode_runs_are_read_back_while_the_next_run_computes(tmp_path, monkeypatch):
     """Batch 1, graphed decode runs of 8 steps: every run read back with one queued after it returns
     before that one has finished on the device (its end delayed on the device by the test), and the
