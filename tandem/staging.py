@@ -81,6 +81,7 @@ class HostReadback:
     engine thread at batch 8: bench/spy.py); one never read (an abandoned run) is simply dropped."""
 
     _pool: dict[tuple, list] = {}  # (shape, dtype, device) -> [(pinned buffer, event)] read and free again
+    _pooled_bytes = 0  # what the pool holds (bounded: a run's log-probabilities can take a MiB)
 
     def __init__(self, tensor: torch.Tensor):
         self.shape = tuple(tensor.shape)
@@ -90,10 +91,11 @@ class HostReadback:
             self._key = (self.shape, tensor.dtype, tensor.device)
             try:
                 self._host, self._done = self._pool.get(self._key, []).pop()
+                HostReadback._pooled_bytes -= self._host.nbytes
             except IndexError:
                 self._host, self._done = torch.empty(self.shape, dtype=tensor.dtype, pin_memory=True), torch.cuda.Event()
-            self._host.copy_(tensor, non_blocking=True)
-            self._done.record()
+            self._host.copy_(tensor, non_blocking=True)  # (on the tensor's device's current stream: so is the event)
+            self._done.record(torch.cuda.current_stream(tensor.device))
         else:
             self._host = tensor.clone()
 
@@ -103,12 +105,13 @@ class HostReadback:
             if self._done is not None:
                 self._done.synchronize()
             self._values = self._host.tolist()
-            if self._done is not None:
+            if self._done is not None and HostReadback._pooled_bytes + self._host.nbytes <= _POOLED_BYTES:
                 free = self._pool.setdefault(self._key, []) if len(self._pool) < _POOLED_SHAPES else self._pool.get(self._key)
                 if free is not None and len(free) < _POOLED_PER_SHAPE:
                     free.append((self._host, self._done))
+                    HostReadback._pooled_bytes += self._host.nbytes
             self._host = self._done = None
         return self._values
 
 
-_POOLED_SHAPES, _POOLED_PER_SHAPE = 512, 4  # bounds on the pool (buffers of a few KiB: runs of up to a batch's rows)
+_POOLED_SHAPES, _POOLED_PER_SHAPE, _POOLED_BYTES = 512, 4, 32 << 20  # bounds on the pool
