@@ -103,6 +103,44 @@ def test_static_decode_and_verify_match_eager(model, request):
         kv.release()
 
 
+def test_a_padded_bucket_stages_its_padding_rows_on_the_dummy_page(engine):
+    """Rows of a bucket past the batch (9 sequences in bucket 16) are staged as padding — token 0 at position 0, their
+    one key on the dummy page, whatever the bucket's last batch left in those rows — and the real rows' logits are the
+    eager path's."""
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.engine.cuda_graph import TargetGraphRunner
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
+    from tandem.kv_cache import DUMMY_PAGE, SequenceKV
+
+    runner = engine.executor.runner
+    runner.graph_backend = TritonGraphBackend()
+    graphs = TargetGraphRunner(runner, widths=(1,), max_bs=16)
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for n in range(5, 21):  # 16 prompts, prefilled eagerly
+        prompt = torch.randint(0, 300, (n,), generator=g).tolist()
+        kv = SequenceKV(engine.allocator)
+        kv.reserve(n + 2)
+        runner.forward(ForwardBatch([SequenceChunk(prompt, 0, list(kv.pages))]))
+        seqs.append((prompt, kv))
+    try:
+        full = ForwardBatch([SequenceChunk([3], len(p), list(kv.pages)) for p, kv in seqs])
+        graphs.run_static_eagerly(full)  # every row of bucket 16 real
+        fam = graphs.families[1]
+        part = ForwardBatch([SequenceChunk([4], len(p) + 1, list(kv.pages)) for p, kv in seqs[:9]])
+        eager, _ = runner.forward(part)
+        static, _ = graphs.run_static_eagerly(part)
+        torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+        ps = engine.allocator.page_size
+        assert fam.input_ids[9:16].tolist() == [0] * 7 and fam.positions[9:16].tolist() == [0] * 7
+        assert fam.kv_lens[9:16].tolist() == [1] * 7
+        assert fam.slots[9:16].tolist() == [DUMMY_PAGE * ps] * 7
+        assert fam.block_tables[9:16, 0].tolist() == [DUMMY_PAGE] * 7
+    finally:
+        for _, kv in seqs:
+            kv.release()
+
+
 def test_decode_graphs_without_features_leave_feature_steps_to_the_eager_path(engine):
     """Traffic capture with no drafter asks every decode step for features: the decode graphs must be
     captured with them (graph_decode_features), or such steps run eagerly rather than lose them."""

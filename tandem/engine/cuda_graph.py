@@ -183,7 +183,6 @@ class TargetGraphRunner(GraphRunner):
         fam = None if self._uniform_fits(batch) else self._prefill_family(batch)
         if fam is not None:
             bs, n, real = fam.stage(batch, self.staging)
-            self._fill_padding(fam, n, bs)
             return fam.key, bs, lambda: fam.outputs(n, real, batch.capture_features)
         fam, bs, m = self.prepare(batch)
         return fam.key, bs, lambda: (own_float(fam.logits[:m]), fam.features[:m] if fam.features is not None else None)
@@ -282,21 +281,28 @@ class TargetGraphRunner(GraphRunner):
         bs = self.bucket(n)
         m = width * n
         max_pages = max(len(s.pages) for s in seqs)
-        sizes = [m, m, m, n, n * max_pages, n * width * width if fam.mask is not None else 0]
+        # the bucket's rows past the batch are padding, staged with it: their KV goes to the dummy page, they see only
+        # it (a row reads its table up to its length, width keys, within the batch's max_pages columns)
+        sizes = [bs * width, bs * width, bs * width, bs, bs * max_pages, n * width * width if fam.mask is not None else 0]
         host = self.staging.host_array()
         bounds = list(itertools.accumulate(sizes, initial=0))
         ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(n, max_pages)
-        tables[:] = 0
+        tables = tables.reshape(bs, max_pages)
+        tables[:] = DUMMY_PAGE
         prefix = np.empty(n, dtype=np.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.pages)] = s.pages
             ids[i * width : (i + 1) * width] = s.token_ids
             prefix[i] = s.prefix_len
         keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
-        slots.reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
-        pos.reshape(n, width)[:] = keys  # unless positions are given
-        kv_lens[:] = prefix + width
+        slots[:m].reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
+        pos[:m].reshape(n, width)[:] = keys  # unless positions are given
+        kv_lens[:n] = prefix + width
+        if bs > n:
+            ids[m:] = 0
+            pos[m:] = 0
+            slots[m:].reshape(bs - n, width)[:] = np.arange(width) % ps + DUMMY_PAGE * ps
+            kv_lens[n:] = width
         if fam.mask is not None:
             masks = masks.reshape(n, width, width)
             masks[:] = fam.causal  # unless a tree mask is given
@@ -307,18 +313,17 @@ class TargetGraphRunner(GraphRunner):
                 masks[i] = s.tree_mask
         sent = self.staging.send(bounds[-1])
         dev = [sent[a:b] for a, b in zip(bounds, bounds[1:])]
-        fam.input_ids[:m].copy_(dev[0])
-        fam.positions[:m].copy_(dev[1])
-        fam.slots[:m].copy_(dev[2])
-        fam.kv_lens[:n].copy_(dev[3])
-        fam.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
+        fam.input_ids[: bs * width].copy_(dev[0])
+        fam.positions[: bs * width].copy_(dev[1])
+        fam.slots[: bs * width].copy_(dev[2])
+        fam.kv_lens[:bs].copy_(dev[3])
+        fam.block_tables[:bs, :max_pages].copy_(dev[4].view(bs, max_pages))
         if fam.mask is not None:
             fam.mask[:n].copy_(dev[5].view(n, width, width))
         if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
             ids = fam.input_ids[:m].view(n, width)
             on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
             ids.copy_(torch.where(ids < 0, on_device, ids))
-        self._fill_padding(fam, n, bs)
         return fam, bs, m
 
     def _fill_padding(self, fam: GraphFamily, start: int, bs: int) -> None:

@@ -68,22 +68,24 @@ class PrefillFamily(GraphFamily):
         return padding_fits(bs, self.width, sum(lens))
 
     def stage(self, batch: ForwardBatch, staging) -> tuple[int, int, int]:
-        """Fill the static inputs for ``batch`` (one host→device copy), each chunk left-padded; the rows
-        past its sequences are the caller's to pad. → (bucket, sequences, real tokens)."""
+        """Fill the static inputs for ``batch`` (one host→device copy), each chunk left-padded and the bucket's
+        rows past its sequences padding (their KV on the dummy page). → (bucket, sequences, real tokens)."""
         seqs = batch.seqs
         n, w, ps = len(seqs), self.width, self.page_size
+        bs = self.bucket(n)
         lens = [len(s.token_ids) for s in seqs]
         real = sum(lens)
         max_pages = max(len(s.pages) for s in seqs)
-        sizes = [n * w, n * w, n * w, n, n * max_pages, real]
+        sizes = [bs * w, bs * w, bs * w, bs, bs * max_pages, real]
         bounds = list(itertools.accumulate(sizes, initial=0))
         host = staging.host_array()
         ids, pos, slots, kv_lens, tables, rows = (host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(n, max_pages)
+        tables = tables.reshape(bs, max_pages)
         tables[:] = DUMMY_PAGE
         ids[:] = 0
         pos[:] = 0
-        slots.reshape(n, w)[:] = DUMMY_PAGE * ps + np.arange(w) % ps  # padding rows' KV: the dummy page
+        slots.reshape(bs, w)[:] = DUMMY_PAGE * ps + np.arange(w) % ps  # padding rows' KV: the dummy page
+        kv_lens[n:] = w
         packed = 0
         for i, (s, length) in enumerate(zip(seqs, lens)):
             tables[i, : len(s.pages)] = s.pages
@@ -97,13 +99,13 @@ class PrefillFamily(GraphFamily):
             packed += length
         dev = staging.send(bounds[-1])
         dev = [dev[a:b] for a, b in zip(bounds, bounds[1:])]
-        self.input_ids[: n * w].copy_(dev[0])
-        self.positions[: n * w].copy_(dev[1])
-        self.slots[: n * w].copy_(dev[2])
-        self.kv_lens[:n].copy_(dev[3])
-        self.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
+        self.input_ids[: bs * w].copy_(dev[0])
+        self.positions[: bs * w].copy_(dev[1])
+        self.slots[: bs * w].copy_(dev[2])
+        self.kv_lens[:bs].copy_(dev[3])
+        self.block_tables[:bs, :max_pages].copy_(dev[4].view(bs, max_pages))
         self.feature_rows[:real].copy_(dev[5])
-        return self.bucket(n), n, real
+        return bs, n, real
 
     def run_model(self, runner, bs: int, layers: tuple[int, ...]) -> None:
         """What a graph of this family computes: the model over ``bs`` padded chunks, the LM head over each
