@@ -281,13 +281,14 @@ class TargetGraphRunner(GraphRunner):
         bs = self.bucket(n)
         m = width * n
         max_pages = max(len(s.pages) for s in seqs)
-        # the bucket's rows past the batch are padding, staged with it: their KV goes to the dummy page, they see only
-        # it (a row reads its table up to its length, width keys, within the batch's max_pages columns)
-        sizes = [bs * width, bs * width, bs * width, bs, bs * max_pages, n * width * width if fam.mask is not None else 0]
+        # the bucket's rows past the batch are padding, staged with it (their KV goes to the dummy page, they see only
+        # it); their block tables are the dummy page's on the device, every column: a queued run advances padding rows
+        # too, their slots looked up in their tables as far as the run goes
+        sizes = [bs * width, bs * width, bs * width, bs, n * max_pages, n * width * width if fam.mask is not None else 0]
         host = self.staging.host_array()
         bounds = list(itertools.accumulate(sizes, initial=0))
         ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(bs, max_pages)
+        tables = tables.reshape(n, max_pages)
         tables[:] = DUMMY_PAGE
         prefix = np.empty(n, dtype=np.int64)
         for i, s in enumerate(seqs):
@@ -317,7 +318,8 @@ class TargetGraphRunner(GraphRunner):
         fam.positions[: bs * width].copy_(dev[1])
         fam.slots[: bs * width].copy_(dev[2])
         fam.kv_lens[:bs].copy_(dev[3])
-        fam.block_tables[:bs, :max_pages].copy_(dev[4].view(bs, max_pages))
+        fam.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
+        fam.block_tables[n:bs].fill_(DUMMY_PAGE)
         if fam.mask is not None:
             fam.mask[:n].copy_(dev[5].view(n, width, width))
         if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device

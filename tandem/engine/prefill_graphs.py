@@ -76,11 +76,11 @@ class PrefillFamily(GraphFamily):
         lens = [len(s.token_ids) for s in seqs]
         real = sum(lens)
         max_pages = max(len(s.pages) for s in seqs)
-        sizes = [bs * w, bs * w, bs * w, bs, bs * max_pages, real]
+        sizes = [bs * w, bs * w, bs * w, bs, n * max_pages, real]
         bounds = list(itertools.accumulate(sizes, initial=0))
         host = staging.host_array()
         ids, pos, slots, kv_lens, tables, rows = (host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(bs, max_pages)
+        tables = tables.reshape(n, max_pages)
         tables[:] = DUMMY_PAGE
         ids[:] = 0
         pos[:] = 0
@@ -103,7 +103,8 @@ class PrefillFamily(GraphFamily):
         self.positions[: bs * w].copy_(dev[1])
         self.slots[: bs * w].copy_(dev[2])
         self.kv_lens[:bs].copy_(dev[3])
-        self.block_tables[:bs, :max_pages].copy_(dev[4].view(bs, max_pages))
+        self.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
+        self.block_tables[n:bs].fill_(DUMMY_PAGE)  # (every column: as a decode family's padding rows)
         self.feature_rows[:real].copy_(dev[5])
         return bs, n, real
 
