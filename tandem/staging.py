@@ -77,8 +77,8 @@ class HostReadback:
     for both, leaving the device idle while the host commits. This copy is queued right after the
     run's own work, into pinned memory, and waited for through an event. (On the CPU the work is done
     by the time the run is queued: the copy is the tensor's value then.) The pinned buffer and its event
-    go back to a pool of their shape once read (a fresh pinned tensor and event a run were ~5 % of a served
-    engine thread at batch 8: bench/spy.py); one never read (an abandoned run) is simply dropped."""
+    go back to a pool of their shape once read (a fresh pinned tensor and event a run were 6-8 % of a served
+    engine thread at concurrency 8: bench/spy.py); one never read (an abandoned run) is simply dropped."""
 
     _pool: dict[tuple, list] = {}  # (shape, dtype, device) -> [(pinned buffer, event)] read and free again
     _pooled_bytes = 0  # what the pool holds (bounded: a run's log-probabilities can take a MiB)
