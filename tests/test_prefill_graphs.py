@@ -52,8 +52,9 @@ def _chunks(engine, shapes, seed):
 @pytest.mark.parametrize("model", ["llama", "deepseek"])
 def test_static_prefill_matches_eager_logits_features_and_kv(model, request):
     """Chunks of 1, 3, exactly 8 and 9 tokens (the 16 family), with and without a cached prefix, several in a
-    batch, one padding sequence (3 in bucket 4): last-row logits, every token's features and the real tokens'
-    KV equal the eager path's, and nothing but the dummy page and those slots is written."""
+    batch, one padding sequence (3 in bucket 4, after a batch of 4 in the same family): last-row logits, every
+    token's features and the real tokens' KV equal the eager path's, and nothing but the dummy page and those slots is
+    written."""
     from tandem.attention.graph_backend import TritonGraphBackend
     from tandem.attention.mla_graph_backend import MLAGraphBackend
     from tandem.forward_batch import ForwardBatch
@@ -65,6 +66,11 @@ def test_static_prefill_matches_eager_logits_features_and_kv(model, request):
     graphs = _prefill_graphs(runner)
     cases = [([(0, 3), (6, 8), (0, 1)], 8), ([(5, 9), (0, 16), (3, 2)], 16)]
     for seed, (shapes, width) in enumerate(cases):
+        # the bucket's four rows real first: the padding row below must not keep this batch's fourth row
+        stale, stale_kvs, _ = _chunks(eng, shapes + [(2, width)], seed + 10)
+        graphs.run_static_eagerly(ForwardBatch(stale, capture_features=True))
+        for kv in stale_kvs:
+            kv.release()
         chunks, kvs, slots = _chunks(eng, shapes, seed)
         batch = ForwardBatch(chunks, capture_features=True)
         assert graphs._prefill_family(batch) is graphs.prefill[width]
