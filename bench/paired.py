@@ -21,3 +21,12 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
 def versus_the_better(policy: list[float], always: list[float], plain: list[float]) -> dict:
     """The policy's load against the better of the same stack speculating always and target-only, pass by pass."""
     return paired_ratio(policy, [max(x, y) for x, y in zip(always, plain)])
+
+
+def detached_against_plain(policy: list[dict], plain: list[float], at_least: float = 0.95) -> dict | None:
+    """The policy stack's passes whose engine ran with the drafter detached in at least ``at_least`` of its stats
+    windows (``sample["engine"]["detached_share"]``: plain steps alone, no decision to speculate) against target-only's
+    same passes: what the plain path costs apart from what the policy decided. None: no such pass."""
+    pairs = [(s["tok_s"], t) for s, t in zip(policy, plain)
+             if ((s.get("engine") or {}).get("detached_share") or 0.0) >= at_least]
+    return paired_ratio([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None

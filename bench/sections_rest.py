@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cpu_pins import describe as pins
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
-from paired import paired_ratio, versus_the_better
+from paired import detached_against_plain, paired_ratio, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds_apart, http_client, run, sustained, wave
 from service_pair import stop_processes
 from spy import finish as finish_spy, start as start_spy
@@ -157,6 +157,9 @@ def _paired(out: dict, modes: list[str]) -> None:
                 vs = r["paired_vs_better"] = versus_the_better(samples(mode), samples(f"{mode}-always"),
                                                               samples("target-only"))
                 line += f"; {vs['geomean']:.3f} of the better of always and target-only ({vs['low']:.3f}-{vs['high']:.3f})"
+                apart = r["detached_x_target_only"] = detached_against_plain(r["samples"], samples("target-only"))
+                if apart is not None:
+                    line += f"; its wholly detached passes {apart['geomean']:.3f}x target-only ({apart['passes']})"
             print(line, flush=True)
 
 

@@ -32,3 +32,13 @@ def test_unpaired_samples_are_refused():
         paired.paired_ratio([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="as many"):
         paired.paired_ratio([], [])
+
+
+def test_the_policys_wholly_detached_passes_against_target_only():
+    """Only the passes whose engine was detached in at least 95 % of its windows are paired (the plain path's own
+    cost); a pass without an engine record, or mostly attached, is left out."""
+    policy = [{"tok_s": 95.0, "engine": {"detached_share": 1.0}}, {"tok_s": 60.0, "engine": {"detached_share": 0.5}},
+              {"tok_s": 88.0, "engine": {"detached_share": 0.96}}, {"tok_s": 70.0}]
+    got = paired.detached_against_plain(policy, [100.0, 100.0, 80.0, 90.0])
+    assert got["passes"] == 2 and got["geomean"] == pytest.approx(math.sqrt(0.95 * 1.1))
+    assert paired.detached_against_plain(policy[1:2], [100.0]) is None
