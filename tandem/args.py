@@ -292,9 +292,12 @@ TORCH_COMPILE = Flag(("--enable-torch-compile",), dict(
     action="store_true", help="SGLang's switch, taken: serving runs CUDA graphs of Tandem's own kernels"))
 PEER_LAYOUT_FLAGS = (DATA_PARALLEL, DP_ATTENTION, NNODES, NODE_RANK, DIST_INIT, PIPELINE_PARALLEL, MOE_BACKEND, EPLB,
                      TOKENIZER, GRAPH_BATCH_SIZES, TORCH_COMPILE)
+API_SERVER_COUNT = Flag(("--api-server-count",), dict(
+    action=_refused("one gateway process a stack serves the API (one event loop: REST, gRPC, metrics); for more, run "
+                    "more stacks behind a load balancer", no_op="1"), help="refused past 1 (vLLM flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONCURRENT, GENERATION_CONFIG, LOG_REQUESTS, LOG_REQUESTS_LEVEL,
                  TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
-                 TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER)
+                 TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER, API_SERVER_COUNT)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=port, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(

@@ -205,6 +205,18 @@ def test_deployment_flags_of_sglang_and_vllm_are_refused_saying_why(argv, says, 
         assert f"{argv[0]}: " in err and says in err, err
 
 
+def test_vllms_api_server_count_is_refused_past_one_saying_why(capsys):
+    """vLLM's --api-server-count: one gateway process a stack, said by tandem up and the gateway; 1 is taken."""
+    from gateway.config import build_parser as gateway_parser
+
+    for parse in (lambda argv: build_parser().parse_args(["up", *argv]),
+                  lambda argv: gateway_parser().parse_args(["--verifier", "v:1", "--model-dir", "m", *argv])):
+        parse(["--api-server-count", "1"])
+        with pytest.raises(SystemExit):
+            parse(["--api-server-count", "4"])
+        assert "--api-server-count: one gateway process a stack serves the API" in capsys.readouterr().err
+
+
 def test_tokenizer_naming_the_model_folder_is_taken_another_refused(folders, tmp_path):
     from tandem.errors import ConfigError
 
