@@ -471,7 +471,7 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
     from helpers import TorchGraphBackend
     from tandem.engine.config import EngineConfig
     from tandem.engine.cuda_graph import PLAIN_DECODE
-    from tandem.engine.run_graphs import GREEDY_RUN
+    from tandem.engine.run_graphs import run_member
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.speculative_setup import speculative_engine
     from tandem.sampling import SamplingParams
@@ -489,9 +489,10 @@ def test_a_detached_speculative_engine_decodes_on_the_twins_as_target_only(pair,
         monkeypatch.setattr(graphs, "_body", lambda member, bs: members.append(member) or body(member, bs))
         engine.attachment.hold_detached()
         assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
-    # (runs of greedy steps replay GREEDY_RUN: the twin's buffers too)
-    assert set(members) == {PLAIN_DECODE, GREEDY_RUN, ("prefill", 16, False)}
-    assert graphs._family_of(GREEDY_RUN) is graphs.plain_decode
+    # (runs of greedy steps replay their own member: the twin's buffers too)
+    greedy_run = run_member(False, "greedy")
+    assert set(members) == {PLAIN_DECODE, greedy_run, ("prefill", 16, False)}
+    assert graphs._family_of(greedy_run) is graphs.plain_decode
 
 
 def ops_of(fn) -> list[str]:

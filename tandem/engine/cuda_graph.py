@@ -22,9 +22,9 @@ from tandem.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
+from tandem.engine.run_graphs import RunGraphs
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.layers.fast_path import use_triton
-from tandem.engine.run_graphs import RunGraphs
 from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
 

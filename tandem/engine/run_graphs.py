@@ -28,7 +28,9 @@ from tandem.engine.graph_buffers import GraphFamily
 from tandem.sampling import RowSampling, StepSampler
 
 SAMPLINGS = ("greedy", "sampled", "sampled with a cut")
-RUN_GRAPH_MAX_BS = 8  # buckets past this are GPU-bound: the per-step replays stay
+# buckets past this replay a step at a time: there a step's host work is shared by more rows, and each bucket's runs
+# cost capture time (runs past 8 were never measured)
+RUN_GRAPH_MAX_BS = 8
 # ... and so is a bucket whose plain step takes the device longer than this: a queued run already hides the host's
 # work of a step there (0.15-0.25 ms on the lent hosts)
 RUN_GRAPH_MAX_STEP_S = 0.5e-3
@@ -39,9 +41,6 @@ log = logging.getLogger("tandem.cuda_graph")
 def run_member(features: bool, sampling: str) -> tuple:
     """The graph member of a run with or without features, of ``sampling`` (one of SAMPLINGS)."""
     return ("decode", "run", sampling, "features" if features else "plain")
-
-
-GREEDY_RUN = run_member(False, "greedy")
 
 
 class RunGraphs:
