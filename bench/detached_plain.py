@@ -1,9 +1,11 @@
 """Plain decoding with the drafter detached against target-only, in process: the demo pair (or
 TANDEM_DEMO_DIR), a closed loop of BATCH requests, 120 new tokens each, greedy. Both engines on the
 same device and settings; the speculative one held detached for the whole run, so every step should be a
-target-only step. Prints tok/s and host seconds per engine step; --profile: the top host functions.
+target-only step; "attached": the speculative engine kept attached but never speculating (what the policy compares
+speculation with before it detaches). Prints tok/s and host seconds per engine step; --profile: the top host
+functions in the last pass.
 
-    python3 bench/detached_plain.py [--device cuda] [--batch 8] [--seconds 6] [--profile] [--engines a,b]
+    python3 bench/detached_plain.py [--device cuda] [--batch 8] [--seconds 6] [--passes 2] [--profile] [--engines a,b]
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--engines", default="target-only,detached,features",
+    ap.add_argument("--engines", default="target-only,detached,attached,features",
                     help="comma-separated, built in this order (a process-wide effect of the drafter shows as "
                          "target-only alone against target-only with the others built)")
     a = ap.parse_args()
@@ -72,16 +75,24 @@ def main() -> None:
         spec.attachment.hold_detached()
         return spec
 
-    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached,
+    def attached():  # plain steps only, the drafter kept attached: each step's features held for a draft to come
+        from tandem.engine.warmup import _Forced
+
+        spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
+        spec.policy = _Forced(spec.policy, False, record=False)
+        spec.attachment.pause()  # (never detaches)
+        return spec
+
+    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached, "attached": attached,
                 # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's attached
                 # steps do)
                 "features": lambda: LLMEngine(dataclasses.replace(cfg, graph_decode_features=True))}
     engines = {name: builders[name]() for name in a.engines.split(",")}
     for engine in engines.values():
         closed_loop(engine, prompts, a.batch, 1.0)  # warm-up
-    for rep in range(2):
+    for rep in range(a.passes):
         for name, engine in engines.items():
-            prof = cProfile.Profile() if a.profile and rep == 1 else None
+            prof = cProfile.Profile() if a.profile and rep == a.passes - 1 else None
             if prof:
                 prof.enable()
             r = closed_loop(engine, prompts, a.batch, a.seconds)
