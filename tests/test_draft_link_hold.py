@@ -102,3 +102,17 @@ def test_a_catch_up_sends_each_requests_held_rows_in_order_in_one_extend():
         assert torch.equal(feats, torch.stack([torch.arange(3 * 2.0).view(3, 2)[i] + 10 * step for step in range(4)]))
     assert sent[2][1] == [7, 8] and torch.equal(sent[2][2], torch.full((2, 2), -1.0))
     assert all(req.pending_extend == [] and req.pending_bytes == 0 for req in reqs) and drafts.held_bytes == 0
+
+
+def test_a_runs_own_features_are_held_as_they_are_in_request_order():
+    """A queued run's features ([steps, n, F], its own tensor) are held without a copy: each request its column."""
+    drafts, proposer = link()
+    reqs = [request(f"r{i}") for i in range(3)]
+    run = torch.arange(2 * 3 * 4.0).view(2, 3, 4)
+    drafts.keep_in_step([(req, [i, i], column) for i, (req, column) in enumerate(zip(reqs, run.unbind(1)))],
+                        owned=True)
+    for i, req in enumerate(reqs):
+        ((tokens, held),) = req.pending_extend
+        assert tokens == [i, i] and torch.equal(held, run[:, i]) and req.draft_ready
+        assert held.untyped_storage().data_ptr() == run.untyped_storage().data_ptr()  # (no copy)
+    assert drafts.held_bytes == 3 * 2 * 4 * 4 and proposer.extended == []

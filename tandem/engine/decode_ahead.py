@@ -267,6 +267,7 @@ def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], 
     if features is None:
         return False
     last_turn = engine.drafts.completes(finishing=True)  # held for the extend their release sends
-    items = [(req, toks, features[:, i]) for i, (req, toks) in enumerate(zip(reqs, tokens))
+    items = [(req, toks, column) for req, toks, column in zip(reqs, tokens, features.unbind(1))
              if (last_turn or not req.finished) and req.spec is not None and req.follows_drafter]
-    return engine.drafts.keep_in_step(items)
+    # (a run's features are its own copy, no graph's buffer: held as they are)
+    return engine.drafts.keep_in_step(items, owned=True)

@@ -156,24 +156,23 @@ class DraftLink:
         self.held_bytes += size
         return True
 
-    def keep_in_step(self, items: list) -> bool:
+    def keep_in_step(self, items: list, owned: bool = False) -> bool:
         """Plain steps' (request, tokens, features): held for each request's next draft, or, past the
         limits, sent now with what it held; → whether what was sent was a catch-up (UNTIMED_CATCH_UP_TOKENS).
-        What is held is copied (graph outputs are overwritten), items of one shape in one copy."""
+        What is held is copied (graph outputs are overwritten), items of one shape in one copy — unless ``owned``:
+        the features are views of a tensor no later step writes (a queued run's own), held as they are: attached
+        plain runs were a fifth slower than detached ones at batch 8 on the demo pair (bench/detached_plain.py), the
+        copy's stack and views a share of it."""
         held, now = [], []
         for req, tokens, feats in items:
             if self._may_hold(req, feats):
                 held.append((req, tokens, feats))
             else:
                 now.append(self.take_pending(req, tokens, feats))
-        by_shape: dict[tuple, list] = {}
-        for item in held:
-            by_shape.setdefault(tuple(item[2].shape), []).append(item)
-        for group in by_shape.values():
-            copies = torch.stack([feats for _, _, feats in group]) if len(group) > 1 else [group[0][2].clone()]
-            for (req, tokens, _), copy in zip(group, copies):
-                req.pending_extend.append((tokens, copy))
-                req.draft_ready = True  # the drafter will have its state (the held extend goes first)
+        copies = [feats for _, _, feats in held] if owned else _copied([feats for _, _, feats in held])
+        for (req, tokens, _), copy in zip(held, copies):
+            req.pending_extend.append((tokens, copy))
+            req.draft_ready = True  # the drafter will have its state (the held extend goes first)
         self.extend(now)
         return any(len(tokens) > UNTIMED_CATCH_UP_TOKENS for _, tokens, _ in now)
 
@@ -317,3 +316,16 @@ class DraftLink:
         if back and not self.detached:  # (detached: they join when it attaches)
             self.joins_due = True
             log.info("the drafter is back: the running requests join it")
+
+
+def _copied(pieces: list) -> list:
+    """Each piece copied, pieces of one shape in one copy (one launch, not one each), in their order."""
+    out: list = [None] * len(pieces)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        by_shape.setdefault(tuple(piece.shape), []).append(i)
+    for at in by_shape.values():
+        copies = torch.stack([pieces[i] for i in at]) if len(at) > 1 else [pieces[at[0]].clone()]
+        for i, copy in zip(at, copies):
+            out[i] = copy
+    return out
