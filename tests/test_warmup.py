@@ -27,7 +27,7 @@ def test_warm_up_seeds_every_bucket_and_leaves_the_engine_idle(tmp_path, mixed_p
     with LLMEngine(EngineConfig(model=str(path), mixed_prefill=mixed_prefill), proposer=proposer, spec=Spec(4)) as eng:
         free = eng.allocator.num_free
         took = warm_up(eng, [1, 2, 5])
-        assert set(took) == {"plain", "speculative", "sampled", "arrivals"}
+        assert set(took) == {"plain", "speculative", "sampled", "plain (drafter detached)", "arrivals"}
         for n in (1, 2, 5):
             assert eng.policy.step_time(n, False) is not None and eng.policy.step_time(n, True) is not None, n
         assert eng.policy.step_time(16, False) is None  # a bucket it did not run
@@ -49,16 +49,16 @@ def test_warm_up_times_every_chain_the_policy_may_draft(tmp_path):
     with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=SpecConfig(3, 1, 4)) as eng:
         took = warm_up(eng, [1, 4])
         assert set(took) == {"plain", "speculative (chain of 1)", "speculative (chain of 2)", "speculative", "sampled",
-                             "arrivals"}
+                             "plain (drafter detached)", "arrivals"}
         for n in (1, 4):
             assert all(eng.policy.step_time(n, True, width=w) is not None for w in (2, 3, 4)), n
         assert eng.policy.spec_width == 4 and eng.chain.current == SpecConfig(3, 1, 4)
 
 
-def test_with_a_drafter_service_the_warm_up_times_plain_steps_without_the_drafter_too(tmp_path):
-    """A drafter service's attached plain steps ship every token's features: the warm-up also times plain steps with
-    the drafter out of the way (the policy's ``attached_plain_tax``, which widens the probe's margin), with no draft
-    state left behind; an in-process head's (which only holds the features) does not."""
+def test_the_warm_up_times_plain_steps_without_the_drafter_too(tmp_path):
+    """Attached plain steps ship every token's features (a drafter service) or hold them (an in-process head): the
+    warm-up also times plain steps with the drafter out of the way (the policy's ``attached_plain_tax``, which widens
+    the probe's margin — and lets an in-process head probe at all), with no draft state left behind."""
     path = tmp_path / "llama"
     write_checkpoint(path, "llama", seed=3, num_hidden_layers=2)
     for ships in (True, False):
@@ -66,9 +66,9 @@ def test_with_a_drafter_service_the_warm_up_times_plain_steps_without_the_drafte
         proposer.ships_features = ships
         with LLMEngine(EngineConfig(model=str(path)), proposer=proposer, spec=Spec(4)) as eng:
             took = warm_up(eng, [1, 4])
-            assert ("plain (drafter detached)" in took) is ships
+            assert "plain (drafter detached)" in took
             for n in (1, 4):
-                assert (eng.policy.step_time(n, False, detached=True) is not None) is ships, n
+                assert eng.policy.step_time(n, False, detached=True) is not None, n  # (the tax: of runs, on a GPU)
             assert eng.proposer is proposer and not proposer.tokens and not eng.requests
 
 

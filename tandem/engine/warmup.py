@@ -11,9 +11,10 @@ chains at batch: tandem.speculative.chain_depth; the drafter's real graphs and k
 little, which does not matter for timing), greedy — the runs of queued steps and rounds — and a lone short prompt
 of each graphed prefill width, then once sampled, and once with prompts
 arriving while others speculate (a prefill and verified trees in one forward: masked attention kernels
-that compile on first use). With a drafter service (whose attached plain steps ship every token's features), plain
-steps are also timed without the drafter: what they cost over detached ones widens the margin within which the policy
-probes detached plain steps (tandem.speculative.goodput, ``take_probe``). The policy keeps the step times and forgets
+that compile on first use). Plain steps are also timed without the drafter: what attached ones cost over them (a
+drafter service's ship every token's features; an in-process head's hold them, which on a small target at batch was a
+fifth of a step: bench/detached_plain.py) widens the margin within which the policy probes detached plain steps
+(tandem.speculative.goodput, ``take_probe``; an in-process head's only where that tax is measured). The policy keeps the step times and forgets
 the rounds' acceptance. A chain that ran
 no queued run of rounds at a batch size (its first would be met while serving) is named in a warning.
 """
@@ -162,7 +163,7 @@ def warm_up(engine, batch_sizes: list[int] | None = None) -> dict[str, float]:
                     engine.generate([torch.randint(0, vocab, (n,), generator=g).tolist()],
                                     SamplingParams(max_new_tokens=4, ignore_eos=True))
             took[name] = time.perf_counter() - started
-        if engine.default_spec is not None and engine.proposer is not None and engine.proposer.ships_features:
+        if engine.default_spec is not None and engine.proposer is not None:
             started = time.perf_counter()  # plain steps without the drafter: what a probe compares (see the module)
             engine.policy = _Forced(policy, False, record=True, detached=True)
             engine.attachment.hold_detached()
