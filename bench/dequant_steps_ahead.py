@@ -45,7 +45,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama8b int4,llama8b fp8")
-    ap.add_argument("--ahead", type=int, default=3)
+    ap.add_argument("--ahead", type=int, default=3, choices=(1, 2, 3))  # (the kernel holds at most 3 steps ahead)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     wanted = a.cases.split(",")

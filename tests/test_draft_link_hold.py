@@ -116,3 +116,17 @@ def test_a_runs_own_features_are_held_as_they_are_in_request_order():
         assert tokens == [i, i] and torch.equal(held, run[:, i]) and req.draft_ready
         assert held.untyped_storage().data_ptr() == run.untyped_storage().data_ptr()  # (no copy)
     assert drafts.held_bytes == 3 * 2 * 4 * 4 and proposer.extended == []
+
+
+def test_a_runs_features_are_copied_when_one_request_is_sent_now(monkeypatch):
+    """A held view would keep the whole run alive, rows sent on included, beyond what the held bytes count: where a
+    request past its limit is sent now, the others' columns are copied as a graph buffer's are."""
+    drafts, proposer = link()
+    a, b = request("a"), request("b")
+    monkeypatch.setattr(draft_link, "PENDING_LIMIT_BYTES", 2 * 4 * 4)
+    drafts.keep_in_step([(b, [0], torch.zeros(1, 4))])  # b holds a row already: one more passes its limit
+    run = torch.arange(2 * 2 * 4.0).view(2, 2, 4)
+    drafts.keep_in_step([(a, [1, 2], run[:, 0]), (b, [3, 4], run[:, 1])], owned=True)
+    ((_, held),) = a.pending_extend
+    assert torch.equal(held, run[:, 0]) and held.untyped_storage().data_ptr() != run.untyped_storage().data_ptr()
+    assert [rid for rid, _, _ in proposer.extended[0]] == ["b"] and b.pending_extend == []

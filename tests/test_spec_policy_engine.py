@@ -229,7 +229,7 @@ def test_held_features_are_sent_once_past_their_limit(setup, monkeypatch):
         monkeypatch.setattr(draft_link, "UNTIMED_CATCH_UP_TOKENS", 5)
         flush_steps = []
         real_keep = eng.drafts.keep_in_step
-        eng.drafts.keep_in_step = lambda items: real_keep(items) and (flush_steps.append(step_no) or True)
+        eng.drafts.keep_in_step = lambda items, **kw: real_keep(items, **kw) and (flush_steps.append(step_no) or True)
         params = SamplingParams(max_new_tokens=48, ignore_eos=True)
         rids = [eng.add_request(p, params) for p in prompts]
         per_request, total = [], []

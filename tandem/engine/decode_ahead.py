@@ -267,7 +267,8 @@ def _keep_drafter_in_step(engine, reqs: list[Request], tokens: list[list[int]], 
     if features is None:
         return False
     last_turn = engine.drafts.completes(finishing=True)  # held for the extend their release sends
-    items = [(req, toks, column) for req, toks, column in zip(reqs, tokens, features.unbind(1))
+    items = [(req, toks, column) for req, toks, column in zip(reqs, tokens, features.unbind(1), strict=True)
              if (last_turn or not req.finished) and req.spec is not None and req.follows_drafter]
-    # (a run's features are its own copy, no graph's buffer: held as they are)
-    return engine.drafts.keep_in_step(items, owned=True)
+    # a run's features are its own copy, no graph's buffer: held as they are where every request holds its column (a
+    # held view keeps the whole run alive, which the held bytes count only then)
+    return engine.drafts.keep_in_step(items, owned=len(items) == len(reqs))

@@ -160,16 +160,16 @@ class DraftLink:
         """Plain steps' (request, tokens, features): held for each request's next draft, or, past the
         limits, sent now with what it held; → whether what was sent was a catch-up (UNTIMED_CATCH_UP_TOKENS).
         What is held is copied (graph outputs are overwritten), items of one shape in one copy — unless ``owned``:
-        the features are views of a tensor no later step writes (a queued run's own), held as they are: attached
-        plain runs were a fifth slower than detached ones at batch 8 on the demo pair (bench/detached_plain.py), the
-        copy's stack and views a share of it."""
+        the features are the columns of a tensor no later step writes (a queued run's own), all of them given, held as
+        they are where all are held (a view keeps the whole tensor alive): attached plain runs were a fifth slower than
+        detached ones at batch 8 on the demo pair (bench/detached_plain.py), the copy's stack and views a share of it."""
         held, now = [], []
         for req, tokens, feats in items:
             if self._may_hold(req, feats):
                 held.append((req, tokens, feats))
             else:
                 now.append(self.take_pending(req, tokens, feats))
-        copies = [feats for _, _, feats in held] if owned else _copied([feats for _, _, feats in held])
+        copies = [feats for _, _, feats in held] if owned and not now else _copied([feats for _, _, feats in held])
         for (req, tokens, _), copy in zip(held, copies):
             req.pending_extend.append((tokens, copy))
             req.draft_ready = True  # the drafter will have its state (the held extend goes first)
@@ -184,7 +184,7 @@ class DraftLink:
         """→ (request, all held tokens [+ tokens], their features) as one extend item; clears what is held."""
         held = [*req.pending_extend, *([(list(tokens), features)] if features is not None else [])]
         self._drop_held(req)
-        return req, [t for toks, _ in held for t in toks], torch.cat([f for _, f in held])
+        return req, [t for toks, _ in held for t in toks], torch.cat([f for _, f in held])  # (contiguous: a copy)
 
     def flush_pending(self, reqs: list) -> None:
         """Catch the drafter up on the plain steps of requests about to draft, in one extend; their held features
@@ -194,7 +194,7 @@ class DraftLink:
         if not reqs:
             return
         pieces = [f for req in reqs for _, f in req.pending_extend]
-        joined = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        joined = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()  # (a held column is a strided view)
         items, start = [], 0
         for req in reqs:
             tokens = [t for toks, _ in req.pending_extend for t in toks]
