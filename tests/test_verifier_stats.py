@@ -19,23 +19,28 @@ from verifier.metrics import VerifierMetrics
 from verifier.stats_line import StatsLine
 
 LINE = re.compile(r"Decode batch: running (\d+), waiting (\d+), gen throughput ([\d.]+) tok/s, accept len (\S+), "
-                  r"KV usage ([\d.]+)%, preemptions (\d+), (spec .*?)(?:; host ([\d.]+) CPUs, (\d+) µs a token)?$")
+                  r"KV usage ([\d.]+)%, preemptions (\d+), (spec .*?)"
+                  r"(?:; host ([\d.]+) CPUs \(the engine thread [\d.]+\), (\d+) µs a token)?$")
 
 
 def test_stats_line_reports_throughput_over_busy_time_and_accept_length():
-    cpu = [2.0]  # the process's CPU seconds
-    stats = StatsLine(10.0, speculative=True, cpu_clock=lambda: cpu[0])
+    cpu, thread = [2.0], [1.0]  # the process's CPU seconds, the engine thread's
+    stats = StatsLine(10.0, speculative=True, cpu_clock=lambda: cpu[0], thread_clock=lambda: thread[0])
     cpu[0] += 60.0  # start-up (loading, capture): in no figure
+    thread[0] += 50.0
     stats.step(now=100.0, step_s=0.5, tokens=10, rounds=2, accepted=4, speculative=True)
-    cpu[0] += 0.25  # the process's CPU over the half second to the next step
+    cpu[0] += 0.25  # the process's CPU over the half second to the next step, the engine thread's 0.1 of it
+    thread[0] += 0.1
     stats.step(now=100.5, step_s=0.4, tokens=10, rounds=0, accepted=0, speculative=False)
     cpu[0] += 30.0  # idle CPU (and the step after the pause): left out
+    thread[0] += 20.0
     stats.step(now=105.0, step_s=0.5, tokens=10, rounds=0, accepted=0, speculative=False)  # after 4.5 s idle
     assert not stats.due(109.9) and stats.due(110.0)
     stats.preempted(2)
     line = stats.line(running=3, waiting=1, kv_usage=0.125)
     assert line == ("Decode batch: running 3, waiting 1, gen throughput 20.0 tok/s, accept len 3.00, "
-                    "KV usage 12.5%, preemptions 2, spec on (33% of steps); host 0.50 CPUs, 25000 µs a token")
+                    "KV usage 12.5%, preemptions 2, spec on (33% of steps); host 0.50 CPUs (the engine thread 0.20), "
+                    "25000 µs a token")
     assert not stats.due(1e9)  # a new window starts with the next step
     stats.step(now=200.0, step_s=1.0, tokens=5, rounds=0, accepted=0, speculative=False)
     assert "accept len n/a" in stats.line(1, 0, 0.0) and "spec off (the policy" in stats.line(1, 0, 0.0)

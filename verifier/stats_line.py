@@ -35,11 +35,14 @@ IDLE_GAP_S = 1.0  # a pause between two steps longer than this was idle time, no
 
 
 class StatsLine:
-    def __init__(self, interval_s: float, speculative: bool, cpu_clock=time.process_time):
-        """``cpu_clock``: the process's CPU seconds (all threads)."""
-        self.interval_s, self.speculative, self._cpu_clock = interval_s, speculative, cpu_clock
+    def __init__(self, interval_s: float, speculative: bool, cpu_clock=time.process_time, thread_clock=time.thread_time):
+        """``cpu_clock``: the process's CPU seconds (all threads); ``thread_clock``: the calling thread's (the engine
+        loop's: ``step`` is called on it), so that a line tells the engine's own share of the process's CPU from what
+        its other threads take (they share its GIL: the commands' reader, metrics, a drafter client's)."""
+        self.interval_s, self.speculative = interval_s, speculative
+        self._cpu_clock, self._thread_clock = cpu_clock, thread_clock
         self._last_step = None
-        self._cpu_at_last_step = self._cpu_clock()
+        self._cpu_at_last_step, self._thread_at_last_step = self._cpu_clock(), None
         self._new_window()
 
     def _new_window(self) -> None:
@@ -50,7 +53,7 @@ class StatsLine:
         self._plain_for: dict[str, int] = {}
         # the process's CPU between steps close together, the seconds and tokens those spans held (a step after an
         # idle pause, or the first, is left out: the CPU before it was start-up or idle, not this work)
-        self._cpu_s = self._cpu_wall_s = 0.0
+        self._cpu_s = self._cpu_wall_s = self._thread_s = 0.0
         self._cpu_tokens = 0
 
     def step(self, now: float, step_s: float, tokens: int, rounds: int, accepted: int, speculative: bool,
@@ -62,12 +65,13 @@ class StatsLine:
         ``plain_reason``: why a plain step was plain; ``queued_ahead``: its run was queued behind the one before."""
         gap = now - self._last_step if self._last_step is not None else IDLE_GAP_S
         self._busy_s += gap if gap < IDLE_GAP_S else step_s  # the loop's own work between steps is busy time
-        cpu = self._cpu_clock()
+        cpu, thread = self._cpu_clock(), self._thread_clock()
         if gap < IDLE_GAP_S:
             self._cpu_s += cpu - self._cpu_at_last_step
+            self._thread_s += thread - (self._thread_at_last_step if self._thread_at_last_step is not None else thread)
             self._cpu_wall_s += gap
             self._cpu_tokens += tokens
-        self._cpu_at_last_step = cpu
+        self._cpu_at_last_step, self._thread_at_last_step = cpu, thread
         if self._since is None:
             self._since = now
         self._last_step = now
@@ -115,8 +119,9 @@ class StatsLine:
             spec = "spec off (the policy: it did not pay; drafter detached, plain steps run target-only)"
         else:
             spec = "spec off (the policy: it did not pay)"
-        host = (f"; host {self._cpu_s / self._cpu_wall_s:.2f} CPUs, {1e6 * self._cpu_s / self._cpu_tokens:.0f} µs a token"
-                if self._cpu_wall_s > 0 and self._cpu_tokens else "")
+        wall = self._cpu_wall_s
+        host = (f"; host {self._cpu_s / wall:.2f} CPUs (the engine thread {self._thread_s / wall:.2f}),"
+                f" {1e6 * self._cpu_s / self._cpu_tokens:.0f} µs a token" if wall > 0 and self._cpu_tokens else "")
         text = (f"Decode batch: running {running}, waiting {waiting}, gen throughput {throughput:.1f} tok/s, "
                 f"accept len {accept}, KV usage {100 * kv_usage:.1f}%, preemptions {self._preempted}, {spec}{host}")
         self._new_window()
