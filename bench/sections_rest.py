@@ -204,6 +204,8 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
     print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
           f"{r['client_cpu_share']:.2f} (of {r['client_procs']}), "
           + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items())
+          + (f" (the engine loop's thread {e['engine_thread_share']:.0%} of its process's)"
+             if e["engine_thread_share"] is not None else "")
           # (near one CPU a process bounds the load: its CPU per token decides the rate)
           + "; µs a token: " + ", ".join(f"{n} {1e6 * c / r['tok_s']:.0f}" for n, c in r["server_cpu_share"].items()
                                          if r["tok_s"] > 0) + engine, flush=True)

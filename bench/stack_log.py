@@ -17,6 +17,7 @@ from cpu_pins import as_role
 _JOINED = re.compile(r"(\d+) running request\(s\) without draft state join the drafter")
 _SPEC_ON = re.compile(r"spec on \((\d+)% of steps(?:, ([\d.]+) drafts a round)?(?:, ([\d.]+) rounds a step)?"
                       r"(?:, (\d+)% overlapped)?(?:; plain for: ([^;)]*))?(?:; (\d+) chain switches)?\)")
+_HOST = re.compile(r"host ([\d.]+) CPUs \(the engine thread ([\d.]+)\)")
 EVENTS: dict[str, Counter] = defaultdict(Counter)  # tag -> counts of what its lines said
 
 
@@ -47,6 +48,9 @@ def note(tag: str, line: str) -> None:
         counts["joined"] += int(joined.group(1))
     elif "Decode batch:" in line:
         counts["windows"] += 1
+        if (host := _HOST.search(line)) is not None:  # (Counter keeps ints: hundredths of a CPU)
+            counts["host_cpu_hundredths"] += round(100 * float(host.group(1)))
+            counts["engine_thread_hundredths"] += round(100 * float(host.group(2)))
         spec = _SPEC_ON.search(line)
         if spec:
             counts["spec_percent_sum"] += int(spec.group(1))
@@ -75,7 +79,8 @@ def since(tag: str, before: Counter) -> dict:
     mean drafts a round and rounds a step of the windows that speculated (below the configured chain where the policy
     shortened it; below the configured run where runs were cut short), the mean share of runs overlapped (queued behind
     the one before) over the windows that ran some; the plain steps by reason and the chain
-    switches, counted over the windows that speculated; the Triton kernels compiled while serving."""
+    switches, counted over the windows that speculated; the Triton kernels compiled while serving; the engine loop's
+    thread's share of its process's CPU (the rest: the process's other threads, which take turns at its GIL)."""
     d = EVENTS[tag] - before
     windows, drafted, spec_windows = d["windows"], d["drafted_windows"], d["spec_windows"]
     return {"detaches": d["detaches"], "attaches": d["attaches"], "joined": d["joined"], "windows": windows,
@@ -86,4 +91,6 @@ def since(tag: str, before: Counter) -> dict:
             "rounds_per_step": round(d["run_tenths_sum"] / 10 / spec_windows, 2) if spec_windows else None,
             "overlapped_share": round(d["overlapped_percent_sum"] / 100 / d["run_windows"], 3) if d["run_windows"] else None,
             "plain_steps_for": {k.removeprefix("plain for "): n for k, n in d.items() if k.startswith("plain for ")},
-            "chain_switches": d["chain_switches"], "kernels_compiled": d["kernels_compiled"]}
+            "chain_switches": d["chain_switches"], "kernels_compiled": d["kernels_compiled"],
+            "engine_thread_share": (round(d["engine_thread_hundredths"] / d["host_cpu_hundredths"], 2)
+                                    if d["host_cpu_hundredths"] else None)}

@@ -13,8 +13,11 @@ from verifier.stats_line import StatsLine
 
 def _window(spec_steps: int, plain_steps: int, detached: bool = False, drafts: int = 3, run: int = 1,
             plain_for: str = "exploring", switches: int = 0, overlapped: int = 0) -> str:
-    stats = StatsLine(0.5, speculative=True)
+    cpu, thread = [0.0], [0.0]  # the process's CPU a step 0.5 ms, the engine thread's 0.3 of it
+    stats = StatsLine(0.5, speculative=True, cpu_clock=lambda: cpu[0], thread_clock=lambda: thread[0])
     for k in range(spec_steps + plain_steps):
+        cpu[0] += 5e-4
+        thread[0] += 3e-4
         spec = k < spec_steps
         stats.step(1.0 + 0.001 * k, 0.001, 3 if spec else 1, int(spec), 2 if spec else 0, speculative=spec,
                    drafted=drafts if spec else 0, run=run if spec else 1, plain_reason=None if spec else plain_for,
@@ -39,7 +42,8 @@ def test_a_load_reports_what_the_engine_did_in_its_stats_windows():
     got = stack_log.since(tag, before)
     assert got == {"detaches": 1, "attaches": 1, "joined": 3, "windows": 5, "spec_step_share": 0.25, "detached_share": 0.4,
                    "attached_plain_share": 0.2, "drafts_per_round": 2.0, "rounds_per_step": 2.5, "overlapped_share": 0.67,
-                   "plain_steps_for": {"exploring": 1, "timing": 1}, "chain_switches": 2, "kernels_compiled": 1}
+                   "plain_steps_for": {"exploring": 1, "timing": 1}, "chain_switches": 2, "kernels_compiled": 1,
+                   "engine_thread_share": 0.6}
 
 
 def test_the_engine_still_logs_the_phrases_the_bench_counts():
