@@ -114,21 +114,26 @@ def sustained(base: str, prompts: list[list[int]], conc: int, max_tokens: int, s
     finally:
         os.unlink(f.name)
     finished = [tuple(x) for r in results for x in r["finished"]]
-    end = max(t for _, t in finished)
-    return {"tok_s": sum(n for n, _ in finished) / (end - start), "requests": len(finished), "seconds": end - start,
-            "client_procs": procs, "client_cpu_share": max(r["cpu_s"] for r in results) / (end - start)}
+    end = max(t for _, t, _, _ in finished)
+    return {"tok_s": sum(n for n, _, _, _ in finished) / (end - start), "requests": len(finished), "seconds": end - start,
+            "client_procs": procs, "client_cpu_share": max(r["cpu_s"] for r in results) / (end - start),
+            # a request's life in the closed loop, and its first token's share of it (what the stack adds before the
+            # engine decodes: the gateway, the verifier's front, the engine's admission and prefill)
+            "ttft_ms_mean": 1e3 * sum(f for _, _, f, _ in finished) / len(finished),
+            "request_ms_mean": 1e3 * sum(d for _, _, _, d in finished) / len(finished)}
 
 
 async def _client_process(base: str, prompts: list[list[int]], max_tokens: int, start: float, seconds: float,
                           clients: list[int], conc: int) -> dict:
-    finished: list[tuple[int, float]] = []
+    finished: list[tuple[int, float, float, float]] = []  # (tokens, when it ended, its first token's seconds, its own)
     deadline = start + seconds
 
     async def client(http, k: int) -> None:
         i = k
         while time.time() < deadline:
-            tokens, _, _ = await one(http, base, prompts[i % len(prompts)], max_tokens)
-            finished.append((tokens, time.time()))
+            sent = time.perf_counter()
+            tokens, first, _ = await one(http, base, prompts[i % len(prompts)], max_tokens)
+            finished.append((tokens, time.time(), first, time.perf_counter() - sent))
             i += conc
 
     async with http_client(len(clients)) as http:

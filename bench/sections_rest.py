@@ -201,7 +201,8 @@ def _sample(row: dict, mode: str, base: str, pids: dict, prompts: list, cell: tu
         + (f"{e['overlapped_share']:.0%} of runs overlapped, " if e["overlapped_share"] is not None else "") +
         f"{e['chain_switches']} chain switches, plain steps for: "
         + (", ".join(f"{why} {n}" for why, n in sorted(e["plain_steps_for"].items(), key=lambda i: -i[1])) or "-"))
-    print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s; CPU share: clients "
+    print(f"  {mode:17s} concurrency {cell[0]:2d}: {r['tok_s']:8.1f} tok/s (a request {r['request_ms_mean']:.1f} ms, "
+          f"its first token {r['ttft_ms_mean']:.1f}); CPU share: clients "
           f"{r['client_cpu_share']:.2f} (of {r['client_procs']}), "
           + ", ".join(f"{n} {c:.2f}" for n, c in r["server_cpu_share"].items())
           + (f" (the engine loop's thread {e['engine_thread_share']:.0%} of its process's)"
