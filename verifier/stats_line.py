@@ -42,6 +42,7 @@ class StatsLine:
         self.interval_s, self.speculative = interval_s, speculative
         self._cpu_clock, self._thread_clock = cpu_clock, thread_clock
         self._last_step = None
+        # (the thread's clock is read first by a step, on the engine loop's thread: this one may be another)
         self._cpu_at_last_step, self._thread_at_last_step = self._cpu_clock(), None
         self._new_window()
 
@@ -68,7 +69,7 @@ class StatsLine:
         cpu, thread = self._cpu_clock(), self._thread_clock()
         if gap < IDLE_GAP_S:
             self._cpu_s += cpu - self._cpu_at_last_step
-            self._thread_s += thread - (self._thread_at_last_step if self._thread_at_last_step is not None else thread)
+            self._thread_s += thread - self._thread_at_last_step  # (set by the step before: no gap follows none)
             self._cpu_wall_s += gap
             self._cpu_tokens += tokens
         self._cpu_at_last_step, self._thread_at_last_step = cpu, thread

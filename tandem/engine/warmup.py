@@ -14,9 +14,9 @@ arriving while others speculate (a prefill and verified trees in one forward: ma
 that compile on first use). Plain steps are also timed without the drafter: what attached ones cost over them (a
 drafter service's ship every token's features; an in-process head's hold them, which on a small target at batch was a
 fifth of a step: bench/detached_plain.py) widens the margin within which the policy probes detached plain steps
-(tandem.speculative.goodput, ``take_probe``; an in-process head's only where that tax is measured). The policy keeps the step times and forgets
-the rounds' acceptance. A chain that ran
-no queued run of rounds at a batch size (its first would be met while serving) is named in a warning.
+(tandem.speculative.goodput, ``take_probe``; an in-process head's only where that tax is measured). The policy keeps
+the step times and forgets the rounds' acceptance. A chain that ran no queued run of rounds at a batch size (its first
+would be met while serving) is named in a warning.
 """
 
 from __future__ import annotations
