@@ -247,3 +247,41 @@ def test_a_hang_the_childs_watchdog_caught_keeps_its_exit_code_for_the_server():
     assert EngineFailed(hung).exit_code == HUNG_EXIT_CODE
     assert EngineFailed(killed).exit_code == ENGINE_FAILED_EXIT_CODE
     assert EngineFailed(RuntimeError("a step raised")).exit_code == ENGINE_FAILED_EXIT_CODE
+
+
+def test_a_steps_outputs_cross_the_pipe_with_every_field():
+    """A step's outputs go to the server's process as tuples of their fields (verifier/engine_process.py): what
+    arrives is the output that was sent, every field set to something other than its default."""
+    import pickle
+
+    from tandem.engine.request import FinishReason
+    from tandem.engine.step import StepOutput
+    from tandem.logprobs import TokenLogprobs
+    from tandem.speculative.stats import SpecStats
+    from verifier.engine_loop import Submission
+    from verifier.engine_process import EngineProcess, _PipeSink
+
+    class Outbox:
+        def __init__(self):
+            self.live, self.sent = {7: None, 8: None}, []
+
+        def send(self, message):
+            self.sent.append(pickle.loads(pickle.dumps(message)))  # (as the pipe carries it)
+
+    sent = [StepOutput("a", [5, 6], FinishReason.LENGTH, drafted=3, spec_stats=SpecStats(2, [1, 2], [2, 2], [2, 1]),
+                       round_accepts=[1, 2], logprobs=[TokenLogprobs(-0.5, ((5, -0.5),)), TokenLogprobs(-1.0, ())],
+                       prompt_logprobs=[TokenLogprobs(-2.0, ((3, -1.5),))], cached_tokens=16),
+            StepOutput("b", [9], None)]
+    outbox = Outbox()
+    _PipeSink.deliver(outbox, [(7, sent[0]), (8, sent[1])])
+    assert outbox.live == {8: None}  # the finished one is no longer cancellable there
+    received = []
+    process = EngineProcess(cfg=None)
+    for number, rid in ((7, "a"), (8, "b")):
+        sub = Submission(rid, [1], None, None, received.append)
+        sub.added.set_result(rid)
+        process._subs[number] = sub
+    (kind, items), = outbox.sent
+    process._outputs(items)
+    assert kind == "outputs" and received == sent
+    assert list(process._subs) == [8]  # the finished submission's books closed

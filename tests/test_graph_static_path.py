@@ -213,6 +213,59 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
+def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued_behind_it(engine, monkeypatch):
+    """Prompts apart: right after a step of prompts alone the running requests take one step (their next token one
+    step after the stall), queued as a run of one with the next run queued behind it before it is read back, so the
+    device does not wait on the host between them; every request's tokens stay one-step decoding's."""
+    import tandem.engine.decode_ahead as decode_ahead
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    calls, queue, read = [], decode_ahead.queue_decode_steps, decode_ahead.read_decode_steps
+
+    def queued(executor, reqs, steps, after=None, **kw):
+        run = queue(executor, reqs, steps, after, **kw)
+        calls.append(("queue", id(run), steps, None if after is None else id(after)))
+        return run
+
+    monkeypatch.setattr(decode_ahead, "queue_decode_steps", queued)
+    monkeypatch.setattr(decode_ahead, "read_decode_steps",
+                        lambda runner, run: calls.append(("read", id(run))) or read(runner, run))
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 11, 9)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    engine.decode_steps = 1
+    reference = [r.output_token_ids for r in engine.generate(prompts, params)]
+    monkeypatch.setattr(engine, "prefill_apart", True)
+    monkeypatch.setattr(engine.accounting, "prefill_apart", True)
+    runner.graphs, engine.decode_steps = graphs, 4
+    try:
+        rids = [engine.add_request(p, params) for p in prompts[:2]]
+        for _ in range(4):
+            engine.step()
+        assert engine.run_in_flight is not None  # runs while no prompt waits
+        rids.append(engine.add_request(prompts[2], params))
+        kinds = []
+        while engine.has_unfinished():
+            calls.clear()
+            engine.step()
+            kinds.append((engine.last_step.num_prefill, engine.last_step.steps, list(calls)))
+        prompt_step = next(i for i, (prefilled, _, _) in enumerate(kinds) if prefilled)
+        _, steps, owed = kinds[prompt_step + 1]
+        assert steps == 1
+        (_, one, one_steps, _), (_, following, _, after), (_, read_first) = owed[:3]
+        # the run of one, the run behind it queued before it is read back
+        assert one_steps == 1 and after == one and read_first == one and following != one, owed
+        outputs = [engine.requests[rid].output for rid in rids]
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert outputs == reference
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
 def test_a_run_going_on_restages_block_tables_only_after_new_pages(engine, monkeypatch):
     """Runs of 2 steps on 4-token pages: a run queued after another stages the block tables again only where a page
     was reserved for it (every other run here); the tokens stay one-step decoding's, the tables of the runs that

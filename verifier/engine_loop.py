@@ -248,7 +248,7 @@ class EngineLoop(threading.Thread):
         del self._live[rid]
         self.engine.abort(rid)
         self._forget(rid)
-        self.metrics.requests.labels("abort").inc()
+        self.metrics.finished("abort").inc()
         self._gauges()
 
     def _forget(self, rid: str) -> None:
@@ -266,8 +266,8 @@ class EngineLoop(threading.Thread):
         tokens = rounds = accepted = drafted = 0
         if info is not None:
             m.batch_size.observe(info.num_prefill + info.num_decode)
-            for phase, seconds in info.seconds.items():
-                m.phase_seconds.labels(phase).observe(seconds)
+            for phase, (start_ns, end_ns) in info.spans.items():
+                m.phase(phase).observe((end_ns - start_ns) / 1e9)
         delivered = []  # (sink, output) of this step, delivered together at its end
         tally = StepTally()
         try:
@@ -287,7 +287,7 @@ class EngineLoop(threading.Thread):
                     self._live.pop(out.rid, None)
                     self._forget(out.rid)
                     self.engine.requests.pop(out.rid, None)
-                    m.requests.labels(out.finish_reason.value).inc()
+                    m.finished(out.finish_reason.value).inc()
         finally:  # (what the step finished goes out, and is counted, even where a later output's bookkeeping raised:
             deliver_outputs(delivered)  # the loop's end then fails only the requests still live)
             tally.flush(m)

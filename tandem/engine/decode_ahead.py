@@ -176,8 +176,9 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
     # (several ranks: only with graphs, whose runs every rank follows on the device)
     several_ranks_eager = engine.cfg.tp_size > 1 and engine.executor.runner.graphs is None
-    if (steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due() or engine.accounting.after_prompts
-            or engine.traffic is not None):
+    # (after prompts alone the one step is owed first; a run queued behind it is not: one_step_run)
+    if (steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due()
+            or (engine.accounting.after_prompts and not queued) or engine.traffic is not None):
         return none
     context = engine.context_len
     for req in reqs:
@@ -195,6 +196,15 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     if sum(req.kv.pages_needed(req.num_tokens - 1 + queued + steps) for req in reqs) > engine.allocator.num_free:
         return none
     return steps
+
+
+def one_step_run(engine) -> bool:
+    """Right after a step of prompts alone, whether the running requests' one step (decode_steps_ahead) goes as a run of
+    one queued on the device, so that the run after it is queued behind it before it is read back: done on the host,
+    that step's sampling, read-back and commit, and the next run's staging, left the device idle (an arrival's two
+    steps were a third of a closed loop's time at concurrency 8 with the demo target: bench/profile_arrivals.py)."""
+    return (engine.accounting.after_prompts and engine.overlap_runs and engine.executor.runner.graphs is not None
+            and decode_steps_ahead(engine, queued=1) > 0)
 
 
 def step_decode_ahead(engine, reqs: list[Request], steps: int, timer: StepTimer) -> list[StepOutput]:

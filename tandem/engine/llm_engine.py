@@ -21,7 +21,8 @@ import torch
 from tandem.engine.acceptance import accept_verified
 from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import DEFAULT_SPEC_ROUNDS, EngineConfig
-from tandem.engine.decode_ahead import DecodeRun, decode_steps_ahead, step_decode_ahead, step_decode_in_flight
+from tandem.engine.decode_ahead import (DecodeRun, decode_steps_ahead, one_step_run, step_decode_ahead,
+                                         step_decode_in_flight)
 from tandem.engine.draft_link import DraftLink
 from tandem.engine.executor import TargetExecutor
 from tandem.engine.request import FinishReason, GenerationResult, Request, tokens_until_finish
@@ -286,7 +287,7 @@ class LLMEngine:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return []
-        if ahead > 1 and not sched.prefill and not sched.preempted:
+        if (ahead > 1 or (width == 1 and one_step_run(self))) and not sched.prefill and not sched.preempted:
             return step_decode_ahead(self, sched.decode, ahead, timer)
         if rounds and not sched.prefill and not sched.preempted:
             return step_rounds_ahead(self, sched.decode, rounds, timer)

@@ -43,8 +43,9 @@ def _run_length(engine, reqs: list, queued: int) -> int:
     rounds = engine.spec_rounds
     if rounds <= 1 or engine.traffic is not None or not engine.drafts.up():
         return 0
-    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round
-    if engine.prompts_due() or engine.accounting.after_prompts:
+    # a prompt comes in after one round (prompts apart), or in a mixed step; after prompts alone, one round (and the
+    # run behind it queued before it is read back)
+    if engine.prompts_due() or (engine.accounting.after_prompts and not queued):
         if queued or not engine.prefill_apart:
             return 0
         rounds = 1
