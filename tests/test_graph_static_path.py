@@ -213,10 +213,14 @@ def test_queued_decode_steps_on_the_static_buffers_equal_one_step_decoding(engin
         assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
-def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued_behind_it(engine, monkeypatch):
+@pytest.mark.parametrize("whole_runs", [False, True])
+def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued_behind_it(engine, monkeypatch,
+                                                                                          whole_runs):
     """Prompts apart: right after a step of prompts alone the running requests take one step (their next token one
     step after the stall), queued as a run of one with the next run queued behind it before it is read back, so the
-    device does not wait on the host between them; every request's tokens stay one-step decoding's."""
+    device does not wait on the host between them — or, where runs are one graph (a step's device time within
+    RUN_GRAPH_MAX_STEP_S; static graphs are not timed), a whole run at once; every request's tokens stay one-step
+    decoding's."""
     import tandem.engine.decode_ahead as decode_ahead
     from helpers import TorchGraphBackend, static_target_graphs
     from tandem.sampling import SamplingParams
@@ -233,7 +237,7 @@ def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued
                         lambda runner, run: calls.append(("read", id(run))) or read(runner, run))
     runner = engine.executor.runner
     monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
-    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4, run_steps=4 if whole_runs else 1)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 11, 9)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -255,10 +259,10 @@ def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued
             kinds.append((engine.last_step.num_prefill, engine.last_step.steps, list(calls)))
         prompt_step = next(i for i, (prefilled, _, _) in enumerate(kinds) if prefilled)
         _, steps, owed = kinds[prompt_step + 1]
-        assert steps == 1
         (_, one, one_steps, _), (_, following, _, after), (_, read_first) = owed[:3]
-        # the run of one, the run behind it queued before it is read back
-        assert one_steps == 1 and after == one and read_first == one and following != one, owed
+        # the run of one (or a whole run), the run behind it queued before it is read back
+        assert steps == one_steps == (4 if whole_runs else 1), owed
+        assert after == one and read_first == one and following != one, owed
         outputs = [engine.requests[rid].output for rid in rids]
     finally:
         runner.graphs, engine.decode_steps = None, 1

@@ -178,7 +178,8 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     several_ranks_eager = engine.cfg.tp_size > 1 and engine.executor.runner.graphs is None
     # (after prompts alone the one step is owed first; a run queued behind it is not: one_step_run)
     if (steps <= 1 or not reqs or several_ranks_eager or engine.prompts_due()
-            or (engine.accounting.after_prompts and not queued) or engine.traffic is not None):
+            or (engine.accounting.after_prompts and not queued and _owes_one_step(engine, reqs))
+            or engine.traffic is not None):
         return none
     context = engine.context_len
     for req in reqs:
@@ -196,6 +197,15 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
     if sum(req.kv.pages_needed(req.num_tokens - 1 + queued + steps) for req in reqs) > engine.allocator.num_free:
         return none
     return steps
+
+
+def _owes_one_step(engine, reqs: list[Request]) -> bool:
+    """After prompts alone, whether the requests they stalled take one step before runs resume: not where their runs
+    are one graph (a step within RUN_GRAPH_MAX_STEP_S of the device): there a run's extra steps add less than a
+    millisecond or two to the streams' gap, and the one step's host cycle (staging, read-back, commit) cost the batch
+    more than that — at concurrency 8 the demo target spent a fifth of its time in such steps (bench/profile_arrivals.py)."""
+    graphs = engine.executor.runner.graphs
+    return graphs is None or not graphs.run_graphs.whole_at(len(reqs))
 
 
 def one_step_run(engine) -> bool:

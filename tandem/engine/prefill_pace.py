@@ -11,7 +11,8 @@ alone of at least MIN_CHUNK_TOKENS tokens (a short prompt's step is mostly fixed
 long prompt's chunks cost more per token as its prefix grows: on an H200 the 8B shape's chunks at 32k keys
 cost about twice those at the start), the decode cost per step or round from timed steps of decoding alone,
 per mode (a round costs more than a plain step). A stream's gap across a chunk is the chunk's step plus the
-one decode step after it (runs resume after that step: StepAccounting.after_prompts), so a chunk aimed at
+one decode step after it (runs resume after that step: StepAccounting.after_prompts; where runs are one graph, a
+run of sub-millisecond steps: decode_ahead._owes_one_step), so a chunk aimed at
 PACE_SHARE of a run keeps the gap under the two runs' of the goal, with a margin for the chunks that take
 longer than aimed (on the H200, up to twice as long at the floor of MIN_CHUNK_TOKENS).
 

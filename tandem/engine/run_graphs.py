@@ -82,6 +82,12 @@ class RunGraphs:
                      1e3 * RUN_GRAPH_MAX_STEP_S)
         return self._buckets[member]
 
+    def whole_at(self, n: int) -> bool:
+        """Whether runs of ``n`` rows are one graph (some member's, at their bucket): a plain step there takes the device
+        RUN_GRAPH_MAX_STEP_S or less."""
+        bs = self.graphs.bucket(n)
+        return bs is not None and any(bs in self.buckets(member) for member in self.families)
+
     def _step_seconds(self, fam: GraphFamily, bs: int, replays: int = 8) -> float:
         """The device's time for one replay of ``fam``'s decode graph at ``bs`` (on padding rows), timed once."""
         if (fam.key, bs) not in self._step_s:
