@@ -259,6 +259,7 @@ def test_after_prompts_alone_the_one_step_owed_is_a_run_with_the_next_run_queued
             kinds.append((engine.last_step.num_prefill, engine.last_step.steps, list(calls)))
         prompt_step = next(i for i, (prefilled, _, _) in enumerate(kinds) if prefilled)
         _, steps, owed = kinds[prompt_step + 1]
+        assert len(owed) >= 3 and [call[0] for call in owed[:3]] == ["queue", "queue", "read"], owed
         (_, one, one_steps, _), (_, following, _, after), (_, read_first) = owed[:3]
         # the run of one (or a whole run), the run behind it queued before it is read back
         assert steps == one_steps == (4 if whole_runs else 1), owed

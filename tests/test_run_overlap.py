@@ -74,6 +74,33 @@ def test_a_prompt_arriving_while_a_run_is_in_flight_waits_for_it_and_loses_nothi
     assert _all_pages_free(engine)
 
 
+def test_after_prompts_alone_the_round_owed_goes_with_the_next_run_queued_behind_it(engine, pair, calls, monkeypatch):
+    """Prompts apart: right after a step of prompts alone the speculating requests take one round, queued as a run of
+    one with the next run queued behind it before it is read back; nothing lost, every page back."""
+    _, prompts, ref = pair
+    monkeypatch.setattr(engine, "prefill_apart", True)
+    monkeypatch.setattr(engine.accounting, "prefill_apart", True)
+    engine.spec_rounds = 4
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    first = engine.add_request(prompts[1], params)
+    for _ in range(3):  # the prefill, runs
+        engine.step()
+    second = engine.add_request(prompts[2], params)
+    kinds = []
+    while engine.has_unfinished():
+        calls.clear()
+        engine.step()
+        kinds.append((engine.last_step.num_prefill, list(calls)))
+    prompt_step = next(i for i, (prefilled, _) in enumerate(kinds) if prefilled)
+    owed = kinds[prompt_step + 1][1]
+    queued = [call for call in owed if call[0] == "queue"]
+    assert len(queued) == 2, owed  # the round owed, and the run behind it
+    (_, one, _), (_, following, after) = queued
+    assert after == one and owed.index(("queue", following, one)) < owed.index(("read", one)), owed
+    assert [engine.requests.pop(rid).output for rid in (first, second)] == [ref[1], ref[2]]
+    assert engine.run_in_flight is None and _all_pages_free(engine)
+
+
 @pytest.mark.parametrize("aborted", ["second", "first"])
 def test_a_request_aborted_while_a_run_is_in_flight_gets_nothing_more(engine, pair, aborted):
     """The request left keeps its own row of the run's drafter snapshot (state, top-k), also when the

@@ -129,15 +129,15 @@ class VerifierMetrics:
     def observe_drafter_round(self, round_trip_s: float, wait_s: float, drafts, kind: str = "direct") -> None:
         """One round as the verifier saw it (from the Round's send to its reply's receipt, and the part the
         engine spent waiting), the drafter's own split of its work (a Drafts message), and how it was sent."""
-        self.drafter_rounds.labels(kind).inc()
+        self._child(self.drafter_rounds, kind).inc()
         self.drafter_wait.observe(max(wait_s, 0.0))
         drafter_s = min(max(drafts.draft_seconds, 0.0), round_trip_s)  # the drafter's word, kept plausible
         extend_s = min(max(drafts.extend_seconds, 0.0), drafter_s)
-        self.drafter_work.labels("extend").observe(extend_s)
-        self.drafter_work.labels("draft").observe(drafter_s - extend_s)
+        self._child(self.drafter_work, "extend").observe(extend_s)
+        self._child(self.drafter_work, "draft").observe(drafter_s - extend_s)
         if kind == "direct":  # a prefetched round's trip also holds the engine's own work after the send
-            self.drafter_round.labels("drafter").observe(drafter_s)
-            self.drafter_round.labels("boundary").observe(round_trip_s - drafter_s)
+            self._child(self.drafter_round, "drafter").observe(drafter_s)
+            self._child(self.drafter_round, "boundary").observe(round_trip_s - drafter_s)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -170,8 +170,9 @@ def _forward_steps(executor, reqs: list[Request], steps: int, pick, capture: boo
 def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 0) -> int:
     """Plain decode steps of ``reqs`` (default: the running requests) to queue back to back now, past
     ``queued`` steps not read back yet: up to ``engine.decode_steps`` when nothing needs the host
-    between them, else 1 (0 when ``queued``: none to queue) — also right after a step of prompts alone, so
-    that the requests it stalled get their next token one step later, not a run later."""
+    between them, else 1 (0 when ``queued``: none to queue) — also right after a step of prompts alone (with nothing
+    queued), so that the requests it stalled get their next token one step later, not a run later, unless their runs
+    are one graph of sub-millisecond steps (``_owes_one_step``)."""
     none = 0 if queued else 1
     steps, reqs = engine.decode_steps, engine.scheduler.running if reqs is None else reqs
     # (several ranks: only with graphs, whose runs every rank follows on the device)
@@ -201,9 +202,10 @@ def decode_steps_ahead(engine, reqs: list[Request] | None = None, queued: int = 
 
 def _owes_one_step(engine, reqs: list[Request]) -> bool:
     """After prompts alone, whether the requests they stalled take one step before runs resume: not where their runs
-    are one graph (a step within RUN_GRAPH_MAX_STEP_S of the device): there a run's extra steps add less than a
-    millisecond or two to the streams' gap, and the one step's host cycle (staging, read-back, commit) cost the batch
-    more than that — at concurrency 8 the demo target spent a fifth of its time in such steps (bench/profile_arrivals.py)."""
+    are captured as one graph, at buckets whose plain step takes the device RUN_GRAPH_MAX_STEP_S or less: there a
+    run's extra steps add at most that each to the streams' gap (whose tokens come a run at a time anyway), and the
+    one step's host cycle (staging, read-back, commit) cost the batch more — at concurrency 8 the demo target spent
+    a fifth of its time in such steps (bench/profile_arrivals.py)."""
     graphs = engine.executor.runner.graphs
     return graphs is None or not graphs.run_graphs.whole_at(len(reqs))
 

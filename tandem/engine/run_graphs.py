@@ -83,8 +83,9 @@ class RunGraphs:
         return self._buckets[member]
 
     def whole_at(self, n: int) -> bool:
-        """Whether runs of ``n`` rows are one graph (some member's, at their bucket): a plain step there takes the device
-        RUN_GRAPH_MAX_STEP_S or less."""
+        """Whether runs of ``n`` rows are captured as one graph at their bucket (a plain step there takes the device
+        RUN_GRAPH_MAX_STEP_S or less; a run a member cannot take, its logprobs or penalties, still replays a step at a
+        time at that pace)."""
         bs = self.graphs.bucket(n)
         return bs is not None and any(bs in self.buckets(member) for member in self.families)
 

@@ -67,7 +67,8 @@ class StepAccounting:
         self.prefill_apart = prefill_apart
         self.decode_owed_s = 0.0
         # A step of prompts alone just stalled the running requests: their next token comes after one step,
-        # not after a run (a stream's gap across a chunk is the chunk plus what follows it before a token).
+        # not after a run (a stream's gap across a chunk is the chunk plus what follows it before a token) — unless
+        # their runs are one graph of sub-millisecond steps (decode_ahead._owes_one_step).
         self.after_prompts = False
         self._step: _TimedStep | None = None
         self._goodput: _GoodputStep | None = None
@@ -101,7 +102,8 @@ class StepAccounting:
             elif info.num_decode:
                 # The one step right after prompts leaves what is owed: runs follow it (a cheap prompt step
                 # would otherwise be paid by that step alone, and short arrivals alternate with single steps).
-                if not self.after_prompts:
+                # A whole run there (runs in one graph: decode_ahead._owes_one_step) is decoding like any other.
+                if not self.after_prompts or info.steps > 1:
                     self.decode_owed_s = max(0.0, self.decode_owed_s - took)
                 self.after_prompts = False
         if info.prefill_tokens and not info.num_decode and speculating and drafter_up:
