@@ -112,7 +112,7 @@ def test_decoding_requests_get_a_token_every_step_while_a_long_prompt_prefills(p
     with engine(pair, budget) as eng:
         forwards = []
         real = eng.executor.forward
-        eng.executor.forward = lambda batch: forwards.append(batch.num_tokens) or real(batch)
+        eng.executor.forward = lambda batch, **kw: forwards.append(batch.num_tokens) or real(batch, **kw)
         streams = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
         while not all(eng.requests[rid].output for rid in streams):  # their own prompts take 3 steps
             eng.step()

@@ -27,8 +27,9 @@ either way.
 With CUDA graphs, runs overlap (``engine.overlap_runs``, as runs of speculative rounds do): the step
 that reads a run back first queues the next run after it, going on from the device's inputs, so the
 GPU does not wait while the host reads back, commits and returns; the next step reads that one back.
-A step that finds the batch changed (a prompt waiting, a request finished) queues nothing more; a
-request that stopped has the rest of the run in flight computed and dropped.
+A step that finds the batch changed (a prompt waiting, a request finished) queues no run more — a prompt due has
+its forward queued behind the run instead (tandem.engine.prompts_behind); a request that stopped has the rest of the
+run in flight computed and dropped.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tandem.engine.request import Request
 from tandem.engine.request_sampling import RunLogprobs
 from tandem.engine.run_rules import RunRules
 from tandem.staging import HostReadback
+from tandem.engine.prompts_behind import launch_prompts_behind
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
 
@@ -262,6 +264,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
             # (nothing else stages this batch's tables while its run is in flight: only new pages need staging)
             following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=capture,
                                            restage=sum(len(req.kv.pages) for req in run.reqs) != pages)
+        # nothing queued behind the run because prompts are due: their forward goes behind it (prompts_behind)
+        prompts = launch_prompts_behind(engine, run, timer) if following is None and queued_ahead else None
         tokens = read_decode_steps(runner, run)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
@@ -279,6 +283,8 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
     engine.run_in_flight = following
     engine.last_step = StepInfo(0, len(live), dict(timer.spans), steps=run.steps, timed=not caught_up,
                                 queued_ahead=queued_ahead)
+    if prompts is not None:  # (the step then reports as prompts alone: decoding is owed after it)
+        outputs += engine.verify_read(prompts, timer)
     return outputs
 
 

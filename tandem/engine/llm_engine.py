@@ -31,7 +31,7 @@ from tandem.engine.rounds_ahead import rounds_ahead, step_rounds_ahead, step_run
 from tandem.engine.scheduler import Schedule, Scheduler
 from tandem.engine.step_accounting import StepAccounting
 from tandem.engine.step_chain import StepChain
-from tandem.engine.step import StepInfo, StepOutput, StepTimer
+from tandem.engine.step import LaunchedVerify, StepInfo, StepOutput, StepTimer
 from tandem.errors import ConfigError, DuplicateRequestError
 from tandem.kv_cache import PageAllocator, SequenceKV
 from tandem.logprobs import TokenLogprobs
@@ -296,6 +296,11 @@ class LLMEngine:
     def _verify_step(self, sched: Schedule, width: int, timer: StepTimer) -> list[StepOutput]:
         """Draft the trees, one target forward over the prompts' chunks and the trees (rows of ``width``),
         acceptance, the commit, and the drafter's extension with the new tokens' features."""
+        return self.verify_read(self.verify_launch(sched, width, timer), timer)
+
+    def verify_launch(self, sched: Schedule, width: int, timer: StepTimer, sync: bool = True) -> LaunchedVerify:
+        """``_verify_step`` up to its forward, queued (``sync=False``: not waited for; the acceptance's read-back
+        waits)."""
         with timer("draft"):
             catch_up = [req for req in sched.decode if req.pending_extend and self.tree_width(req) > 1]
             self.drafts.flush_pending(catch_up)
@@ -312,12 +317,17 @@ class LLMEngine:
         chunks += [verify_chunk(req, trees[req.rid]) for req in sched.decode]
         capture = self.drafts.keeping() or self.traffic is not None
         with timer("verify"):
-            logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture))
+            logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture), sync=sync)
+        return LaunchedVerify(sched, width, trees, logits, features if capture else None, bool(catch_up))
+
+    def verify_read(self, launched: LaunchedVerify, timer: StepTimer) -> list[StepOutput]:
+        """The rest of ``_verify_step`` after ``verify_launch``: acceptance, the commit, the drafter's extension."""
+        sched, width, trees = launched.sched, launched.width, launched.trees
         self.hold_finished_drafts()  # until after the extend below
         try:
             with timer("accept"):
                 accepted = accept_verified(
-                    sched, trees, logits, features if capture else None, policy=self.policy, drafts=self.drafts,
+                    sched, trees, launched.logits, launched.features, policy=self.policy, drafts=self.drafts,
                     move_kv=self.executor.move_kv, traffic=self.traffic, eos_token_ids=self.model_config.eos_token_ids,
                     processed_logprobs=self.processed_logprobs, speculating=self.speculating)
                 for p in sched.prefill:
@@ -340,7 +350,7 @@ class LLMEngine:
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
                                   prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
-                                  timed=not catch_up and not accepted.caught_up, width=width)
+                                  timed=not launched.caught_up and not accepted.caught_up, width=width)
         return outputs
 
     def commit(self, reqs: list[Request], emitted: dict[str, list[int]],

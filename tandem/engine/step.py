@@ -5,10 +5,22 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.request import FinishReason
 from tandem.logprobs import TokenLogprobs
 from tandem.speculative.stats import SpecStats
+
+
+@dataclass
+class LaunchedVerify:
+    """A verify forward queued and not read back (LLMEngine.verify_launch → verify_read)."""
+    sched: Any  # the step's Schedule
+    width: int
+    trees: dict  # rid -> DraftTree
+    logits: Any  # torch.Tensor, still being computed
+    features: Any  # torch.Tensor | None
+    caught_up: bool  # the draft first sent held input to the drafter (not timed)
 
 
 @dataclass

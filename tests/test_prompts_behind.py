@@ -1,0 +1,127 @@
+"""A prompt that arrives while a run of decode steps is in flight (prompts apart, graphs) has its forward queued behind
+that run before the run is read back (tandem.engine.prompts_behind): one engine step commits the run's tokens and the
+prompt's first token, the device never waits on the host between them, and every request's tokens stay those of
+one-step decoding, greedy and seeded-sampled, with every page back. Replays are stood in by their static code run
+eagerly (tests/helpers.static_target_graphs)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="runs the graph runner's static code: set TRITON_INTERPRET=1 on a CPU machine")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
+
+    path = write_random_llama(tmp_path_factory.mktemp("behind") / "t", LlamaShape(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+        max_position_embeddings=256), seed=9, std=0.08)
+    eng = LLMEngine(EngineConfig(model=str(path), page_size=4, page_shuffle_seed=3))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def calls(engine, monkeypatch):
+    """The order of runs queued ("queue", run id), read back ("read", run id) and verify forwards launched
+    ("forward", prompts, waited for)."""
+    import tandem.engine.decode_ahead as decode_ahead
+
+    log, queue, read, launch = [], decode_ahead.queue_decode_steps, decode_ahead.read_decode_steps, engine.verify_launch
+
+    def queued(executor, reqs, steps, after=None, **kw):
+        run = queue(executor, reqs, steps, after, **kw)
+        log.append(("queue", id(run)))
+        return run
+
+    monkeypatch.setattr(decode_ahead, "queue_decode_steps", queued)
+    monkeypatch.setattr(decode_ahead, "read_decode_steps",
+                        lambda runner, run: log.append(("read", id(run))) or read(runner, run))
+    monkeypatch.setattr(engine, "verify_launch", lambda sched, width, timer, sync=True: log.append(
+        ("forward", len(sched.prefill), sync)) or launch(sched, width, timer, sync))
+    return log
+
+
+def test_a_prompt_arriving_during_a_run_is_prefilled_behind_it_before_it_is_read_back(engine, calls, monkeypatch):
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 10, 5)]
+    params = [SamplingParams(max_new_tokens=26, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_new_tokens=26, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_new_tokens=21, ignore_eos=True)]
+    engine.decode_steps = 1
+    reference = [r.output_token_ids for r in engine.generate(prompts, params)]  # eager, one step at a time
+    monkeypatch.setattr(engine, "prefill_apart", True)
+    monkeypatch.setattr(engine.accounting, "prefill_apart", True)
+    runner.graphs, engine.decode_steps = graphs, 4
+    try:
+        rids = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+        for _ in range(4):
+            engine.step()
+        in_flight = engine.run_in_flight
+        assert in_flight is not None  # runs overlap while no prompt waits
+        rids.append(engine.add_request(prompts[2], params[2]))
+        calls.clear()
+        outputs = engine.step()
+        # the prompt's forward was queued (not waited for) before the run in flight was read back, in this one step,
+        # which committed both: the run's tokens and the prompt's first
+        assert calls[:2] == [("forward", 1, False), ("read", id(in_flight))], calls
+        assert {out.rid for out in outputs} == set(rids)
+        assert engine.last_step.num_prefill == 1 and not engine.last_step.num_decode  # counted as prompts alone
+        assert engine.accounting.after_prompts and engine.run_in_flight is None
+        while engine.has_unfinished():
+            engine.step()
+        result = [engine.requests[rid].output for rid in rids]
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+    assert result == reference
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_prompts_behind_a_run_wait_while_decoding_is_owed(engine, calls, monkeypatch):
+    """Right after a step of prompts (decoding owed), a second arrival is not prefilled behind the next run: the
+    running requests first decode as long as the prompts took (prompts_due)."""
+    from helpers import TorchGraphBackend, static_target_graphs
+    from tandem.sampling import SamplingParams
+
+    runner = engine.executor.runner
+    monkeypatch.setattr(runner, "graph_backend", TorchGraphBackend(), raising=False)
+    graphs = static_target_graphs(runner, widths=(1,), max_bs=4)
+    monkeypatch.setattr(engine, "prefill_apart", True)
+    monkeypatch.setattr(engine.accounting, "prefill_apart", True)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    runner.graphs, engine.decode_steps = graphs, 4
+    try:
+        engine.add_request([5, 6, 7, 8, 9], params)
+        for _ in range(3):
+            engine.step()
+        assert engine.run_in_flight is not None
+        engine.add_request([11, 12, 13], params)
+        engine.step()  # the first arrival, behind the run
+        assert engine.last_step.num_prefill == 1 and engine.accounting.decode_owed_s > 0
+        engine.add_request([21, 22, 23, 24], params)
+        calls.clear()
+        engine.step()
+        assert not any(call[0] == "forward" for call in calls), calls  # owed decoding first
+        assert engine.scheduler.waiting
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        runner.graphs, engine.decode_steps = None, 1
+        for rid in list(engine.requests):
+            engine.requests.pop(rid)
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
