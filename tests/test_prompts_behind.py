@@ -6,28 +6,10 @@ eagerly (tests/helpers.static_target_graphs)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="runs the graph runner's static code: set TRITON_INTERPRET=1 on a CPU machine")
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.models.random_checkpoint import LlamaShape, write_random_llama
-
-    path = write_random_llama(tmp_path_factory.mktemp("behind") / "t", LlamaShape(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-        max_position_embeddings=256), seed=9, std=0.08)
-    eng = LLMEngine(EngineConfig(model=str(path), page_size=4, page_shuffle_seed=3))
-    yield eng
-    eng.shutdown()
+from test_graph_static_path import engine, pytestmark  # noqa: F401 - (a tiny Llama; the Triton interpreter's skip)
 
 
 @pytest.fixture
@@ -85,7 +67,7 @@ def test_a_prompt_arriving_during_a_run_is_prefilled_behind_it_before_it_is_read
         assert engine.accounting.after_prompts and engine.run_in_flight is None
         while engine.has_unfinished():
             engine.step()
-        result = [engine.requests[rid].output for rid in rids]
+        result = [engine.requests.pop(rid).output for rid in rids]
     finally:
         runner.graphs, engine.decode_steps = None, 1
     assert result == reference
