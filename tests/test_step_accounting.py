@@ -111,6 +111,16 @@ def test_prompts_kept_apart_leave_decoding_owed_as_long_as_they_took_capped_and_
     assert together.decode_owed_s == 0.0
 
 
+def test_prompts_queued_behind_a_run_are_timed_from_its_read_back():
+    """A step that read a run back and then took the prompts queued behind it (tandem.engine.prompts_behind): what is
+    owed after it and what the prefill pace hears are the prompts' time, from the run's read-back, not the run's."""
+    acc, policy = StepAccounting(prefill_apart=True), Heard()
+    behind = StepInfo(num_prefill=1, num_decode=0, spans={}, prefill_tokens=200, timed_from=0.03)
+    acc.step_ended(policy, behind, 0.0, 0.034, 4, 5, False, None, False, 9)
+    assert acc.decode_owed_s == pytest.approx(0.004) and acc.after_prompts
+    assert list(acc.pace._prefill_s_per_token) == [pytest.approx(0.004 / 200)]
+
+
 def test_the_steps_around_a_change_of_chain_depth_are_not_timed():
     """The step in which the chain's depth changed ends the old depth's queued runs and the next queues the new
     depth's first run with nothing to overlap it: neither is a round's cost (the engine says ``switched``), nor

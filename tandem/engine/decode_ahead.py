@@ -35,6 +35,7 @@ run in flight computed and dropped.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -267,6 +268,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
         # nothing queued behind the run because prompts are due: their forward goes behind it (prompts_behind)
         prompts = launch_prompts_behind(engine, run, timer) if following is None and queued_ahead else None
         tokens = read_decode_steps(runner, run)
+        prompts_from = time.perf_counter()  # (the device goes on to the prompts: their time starts here)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since
@@ -284,7 +286,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
     engine.last_step = StepInfo(0, len(live), dict(timer.spans), steps=run.steps, timed=not caught_up,
                                 queued_ahead=queued_ahead)
     if prompts is not None:  # (the step then reports as prompts alone: decoding is owed after it)
-        outputs += engine.verify_read(prompts, timer)
+        outputs += engine.verify_read(prompts, timer, timed_from=prompts_from)
     return outputs
 
 

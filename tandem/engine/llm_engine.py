@@ -10,6 +10,7 @@ just the root, and verifying it *is* a decode step. New prompts are prefilled in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -318,11 +319,16 @@ class LLMEngine:
         capture = self.drafts.keeping() or self.traffic is not None
         with timer("verify"):
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture), sync=sync)
-        return LaunchedVerify(sched, width, trees, logits, features if capture else None, bool(catch_up))
+        return LaunchedVerify(sched, width, trees, logits, features if capture else None, bool(catch_up), sync)
 
-    def verify_read(self, launched: LaunchedVerify, timer: StepTimer) -> list[StepOutput]:
-        """The rest of ``_verify_step`` after ``verify_launch``: acceptance, the commit, the drafter's extension."""
+    def verify_read(self, launched: LaunchedVerify, timer: StepTimer, timed_from: float | None = None) -> list[StepOutput]:
+        """The rest of ``_verify_step`` after ``verify_launch``: acceptance, the commit, the drafter's extension.
+        ``timed_from``: the step's own time starts there (StepInfo.timed_from)."""
         sched, width, trees = launched.sched, launched.width, launched.trees
+        if not launched.waited:  # (a hung forward stops the engine; a chunk that samples nothing is waited for too)
+            graphs = self.executor.runner.graphs
+            with graphs.guard("prompts queued behind a run") if graphs is not None else contextlib.nullcontext():
+                self.executor.synchronize()
         self.hold_finished_drafts()  # until after the extend below
         try:
             with timer("accept"):
@@ -350,7 +356,8 @@ class LLMEngine:
         self.last_step = StepInfo(len(sched.prefill), len(sched.decode), dict(timer.spans),
                                   prefill_tokens=sum(p.end - p.start for p in sched.prefill),
                                   speculative=any(tree.drafted for tree in trees.values()),
-                                  timed=not launched.caught_up and not accepted.caught_up, width=width)
+                                  timed=not launched.caught_up and not accepted.caught_up, width=width,
+                                  timed_from=timed_from)
         return outputs
 
     def commit(self, reqs: list[Request], emitted: dict[str, list[int]],

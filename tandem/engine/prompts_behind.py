@@ -7,7 +7,13 @@ round trip in between. At concurrency 8 on the demo target such steps were a fif
 (bench/profile_arrivals.py). Here the step that reads the run back admits the prompts first and queues their forward
 behind the run (their pages are their own; the run's requests keep theirs), reads the run back and commits it while the
 device prefills, then samples and commits the prompts' first tokens: the device goes from the run to the prompts
-without waiting on the host, and the step counts as a step of prompts alone (decoding is owed after it, as after one).
+without waiting on the host, and the step counts as a step of prompts alone (decoding is owed after it, as after one),
+timed from the run's read-back (StepInfo.timed_from: the run's device time is not the prompts'). The prompts' forward is
+waited for inside the watchdog before their acceptance, a chunk that samples nothing included.
+
+A one-token chunk (a prompt found cached but for its last token) replays the decode family, whose static inputs the run
+in flight was queued from: safe because no run goes on from them after it (none is queued behind the run read back
+here, and the next run is staged afresh: the batch changed).
 
 Only where such a step would be a plain target forward: one rank, nothing captured for a drafter (none, or detached)
 or for traffic, the batch decoding plainly.

@@ -21,6 +21,7 @@ class LaunchedVerify:
     logits: Any  # torch.Tensor, still being computed
     features: Any  # torch.Tensor | None
     caught_up: bool  # the draft first sent held input to the drafter (not timed)
+    waited: bool  # the forward was waited for at launch (else verify_read waits, inside the watchdog)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class StepInfo:
     prefill_tokens: int = 0  # prompt tokens prefilled (whole prompts or chunks)
     width: int = 1  # a speculative step's verify width (its chain's drafts + 1, or its tree's size)
     queued_ahead: bool = False  # its run was queued by the step before, behind the run that step read back
+    # (perf_counter) where its own time starts, when not at its start: prompts queued behind a run that this step read
+    # back first are timed from that read-back (tandem.engine.prompts_behind)
+    timed_from: float | None = None
 
     @property
     def seconds(self) -> dict[str, float]:
