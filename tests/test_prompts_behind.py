@@ -123,7 +123,7 @@ def test_prompts_go_behind_a_run_only_where_their_step_is_a_plain_target_forward
 
     asked = []
 
-    def engine(**changes):
+    def stub(**changes):
         base = dict(prefill_apart=True, overlap_runs=True, speculating=False, traffic=None, decode_steps=4,
                     cfg=SimpleNamespace(tp_size=1), drafts=SimpleNamespace(keeping=lambda: False),
                     prompts_due=lambda: True,
@@ -135,11 +135,10 @@ def test_prompts_go_behind_a_run_only_where_their_step_is_a_plain_target_forward
         base.update(changes)
         return SimpleNamespace(**base)
 
-    run = SimpleNamespace(steps=3)
     for off in (dict(prefill_apart=False), dict(overlap_runs=False), dict(speculating=True), dict(traffic=object()),
                 dict(drafts=SimpleNamespace(keeping=lambda: True)), dict(cfg=SimpleNamespace(tp_size=2)),
                 dict(prompts_due=lambda: False)):
-        assert launch_prompts_behind(engine(**off), run, None) is None, off
+        assert launch_prompts_behind(stub(**off), 3, None) is None, off
     assert asked == []
-    assert launch_prompts_behind(engine(), run, None) == ("launched", 1, False)
+    assert launch_prompts_behind(stub(), 3, None) == ("launched", 1, False)
     assert asked == [(4, False, 64)]  # the run's 3 steps and the next one held back

@@ -266,7 +266,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
             following = queue_decode_steps(engine.executor, run.reqs, more, after=run, capture=capture,
                                            restage=sum(len(req.kv.pages) for req in run.reqs) != pages)
         # nothing queued behind the run because prompts are due: their forward goes behind it (prompts_behind)
-        prompts = launch_prompts_behind(engine, run, timer) if following is None and queued_ahead else None
+        prompts = launch_prompts_behind(engine, run.steps, timer) if following is None and queued_ahead else None
         tokens = read_decode_steps(runner, run)
         prompts_from = time.perf_counter()  # (the device goes on to the prompts: their time starts here)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None

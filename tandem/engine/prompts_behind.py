@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING
 from tandem.engine.step import StepTimer
 
 if TYPE_CHECKING:
-    from tandem.engine.decode_ahead import DecodeRun
     from tandem.engine.step import LaunchedVerify
 
 
-def launch_prompts_behind(engine, run: "DecodeRun", timer: StepTimer) -> "LaunchedVerify | None":
-    """Admit the prompts due and queue their forward behind ``run`` (in flight, nothing queued after it) → what
-    ``engine.verify_read`` finishes once ``run`` is committed, or None (nothing due, or not this path)."""
+def launch_prompts_behind(engine, run_steps: int, timer: StepTimer) -> "LaunchedVerify | None":
+    """Admit the prompts due and queue their forward behind the run of ``run_steps`` decode steps in flight (nothing
+    queued after it) → what ``engine.verify_read`` finishes once that run is committed, or None (nothing due, or not
+    this path)."""
     if (not engine.prefill_apart or not engine.overlap_runs or engine.speculating or engine.drafts.keeping()
             or engine.traffic is not None or engine.cfg.tp_size > 1 or not engine.prompts_due()):
         return None
     cap = engine.accounting.pace.chunk_cap(engine.decode_steps, False, engine.executor.prefill_graph_width)
     # the running requests' pages held back from the prompts: the run's and their next step's
-    sched = engine.scheduler.schedule(lambda req: run.steps + 1, decode=False, chunk_cap=cap)
+    sched = engine.scheduler.schedule(lambda req: run_steps + 1, decode=False, chunk_cap=cap)
     if not sched.prefill:
         return None
     return engine.verify_launch(sched, 1, timer, sync=False)
