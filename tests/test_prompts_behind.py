@@ -77,8 +77,8 @@ def test_a_prompt_arriving_during_a_run_is_prefilled_behind_it_before_it_is_read
 
 
 def test_prompts_wait_behind_a_run_while_decoding_is_owed(engine, calls, monkeypatch):
-    """While decoding is owed after a step of prompts (prompts_due), an arrival is not prefilled behind the run in flight:
-    the running requests first decode as long as the prompts took; once nothing is owed it is."""
+    """While decoding is owed after a step of prompts (prompts_due), an arrival is not prefilled behind the run in
+    flight: the running requests first decode as long as the prompts took; once nothing is owed it is."""
     from helpers import TorchGraphBackend, static_target_graphs
     from tandem.sampling import SamplingParams
 

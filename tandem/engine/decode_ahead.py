@@ -268,7 +268,7 @@ def _read_back(engine, run: DecodeRun, timer: StepTimer, queued_ahead: bool) -> 
         # nothing queued behind the run because prompts are due: their forward goes behind it (prompts_behind)
         prompts = launch_prompts_behind(engine, run.steps, timer) if following is None and queued_ahead else None
         tokens = read_decode_steps(runner, run)
-        prompts_from = time.perf_counter()  # (the device goes on to the prompts: their time starts here)
+        prompts_from = time.perf_counter() if prompts is not None else None  # (the device goes on to the prompts)
         logprobs = run.logprobs.read_steps() if run.logprobs is not None else None
     with timer("accept"):
         live = [(req, toks) for req, toks in zip(run.reqs, tokens) if not req.finished]  # not aborted since

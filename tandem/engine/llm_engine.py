@@ -321,7 +321,8 @@ class LLMEngine:
             logits, features = self.executor.forward(ForwardBatch(chunks, capture_features=capture), sync=sync)
         return LaunchedVerify(sched, width, trees, logits, features if capture else None, bool(catch_up), sync)
 
-    def verify_read(self, launched: LaunchedVerify, timer: StepTimer, timed_from: float | None = None) -> list[StepOutput]:
+    def verify_read(self, launched: LaunchedVerify, timer: StepTimer,
+                    timed_from: float | None = None) -> list[StepOutput]:
         """The rest of ``_verify_step`` after ``verify_launch``: acceptance, the commit, the drafter's extension.
         ``timed_from``: the step's own time starts there (StepInfo.timed_from)."""
         sched, width, trees = launched.sched, launched.width, launched.trees

@@ -87,12 +87,12 @@ class StepAccounting:
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
                    running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,
                    detached: bool = False, switched: bool = False, undrafted: bool = False) -> None:
-        """``info`` of the step that ran from ``started`` (or ``info.timed_from``) to ``ended``, with ``running_before`` requests
-        decoding as it began and ``running_after`` as it ended; ``speculating``: the batch's decision;
-        ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it emitted;
-        ``detached``: the drafter was (tandem.speculative.attachment); ``switched``: the chain's depth changed in this
-        step or the one before (not timed); ``undrafted``: some of the batch's requests could not draft (see the
-        module)."""
+        """``info`` of the step that ran from ``started`` (or ``info.timed_from``) to ``ended``, with
+        ``running_before`` requests decoding as it began and ``running_after`` as it ended; ``speculating``: the
+        batch's decision; ``proposer``: the engine's (None: the policy has nothing to learn); ``tokens``: what it
+        emitted; ``detached``: the drafter was (tandem.speculative.attachment); ``switched``: the chain's depth changed
+        in this step or the one before (not timed); ``undrafted``: some of the batch's requests could not draft (see
+        the module)."""
         took = ended - (started if info.timed_from is None else info.timed_from)
         self.pace.observe(info, took)
         if self.prefill_apart:
