@@ -53,6 +53,10 @@ class GraphRunner:
         self.pool = pool  # the caller's (the drafter shares the target's) or one made at the first capture
         self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.graphs: dict[tuple[object, int], torch.cuda.CUDAGraph] = {}  # (member, bucket) -> graph
+        # eager runs before each capture: two at a member's first (largest) bucket, where its kernels first run on
+        # the capture stream; one at the others (a smaller batch may still hit a kernel specialisation not yet
+        # compiled), which is most of a capture's host time on a many-layer target
+        self.first_warmups, self.later_warmups = 2, 1
         self.log = logging.getLogger(log_name)
 
     # -- what a subclass defines ---------------------------------------------------------------------
@@ -100,9 +104,10 @@ class GraphRunner:
             free_before = torch.cuda.mem_get_info(self.device)[0]
             started = time.perf_counter()
             for member in members:
-                for bs in reversed(self.member_buckets(member)):  # largest first: smaller graphs reuse its pool memory
+                for i, bs in enumerate(reversed(self.member_buckets(member))):  # largest first: smaller graphs reuse its pool memory
                     with self.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
-                        self.graphs[(member, bs)] = self._capture_one(member, bs)
+                        warmups = self.first_warmups if i == 0 else self.later_warmups
+                        self.graphs[(member, bs)] = self._capture_one(member, bs, warmups)
             torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - started
             free_after = torch.cuda.mem_get_info(self.device)[0]
@@ -126,12 +131,12 @@ class GraphRunner:
         """The bucket ``run_statically`` runs ``member`` at: the largest, as a capture's warm-up."""
         return self.member_buckets(member)[-1]
 
-    def _capture_one(self, member, bs: int) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, member, bs: int, warmups: int) -> torch.cuda.CUDAGraph:
         self._pad_all(member, bs)
         stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS handles and allocator growth stay outside
+            for _ in range(warmups):  # Triton's compiles, cuBLAS's handles and allocator growth stay outside the graph
                 self._body(member, bs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
