@@ -1,5 +1,5 @@
 """The staged-input scatter kernel (tandem/kernels/stage_inputs.py) against the torch copies it replaces in
-TargetGraphRunner.prepare, on the CPU under the Triton interpreter: every static buffer poisoned first, padding rows
+TargetGraphRunner.prepare and PrefillFamily.stage, on the CPU under the Triton interpreter: every static buffer poisoned first, padding rows
 behind the real ones, tables wider than one block of columns, masks for a verify family (on a GPU, compiled)."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
 pytest.importorskip("triton")
 
-from tandem.engine.cuda_graph import scatter_with_torch  # noqa: E402
-from tandem.engine.graph_buffers import GraphFamily  # noqa: E402
+from tandem.engine.graph_buffers import GraphFamily, scatter_with_torch  # noqa: E402
 from tandem.kernels.stage_inputs import scatter_staged  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"

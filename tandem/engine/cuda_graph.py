@@ -37,20 +37,6 @@ def _name(fam: GraphFamily) -> str:
     return "decode" if fam.width == 1 else f"verify(width={fam.width})"
 
 
-def scatter_with_torch(fam: GraphFamily, sent: torch.Tensor, bounds: list[int], n: int, bs: int, pages: int) -> None:
-    """``TargetGraphRunner._scatter`` as torch copies (the CPU's way, and the kernel's reference)."""
-    ids, pos, slots, kv_lens, tables, masks = (sent[a:b] for a, b in zip(bounds, bounds[1:]))
-    m = bs * fam.width
-    fam.input_ids[:m].copy_(ids)
-    fam.positions[:m].copy_(pos)
-    fam.slots[:m].copy_(slots)
-    fam.kv_lens[:bs].copy_(kv_lens)
-    fam.block_tables[:n, :pages].copy_(tables.view(n, pages))
-    fam.block_tables[n:bs].fill_(DUMMY_PAGE)
-    if fam.mask is not None:
-        fam.mask[:n].copy_(masks.view(n, fam.width, fam.width))
-
-
 class TargetGraphRunner(GraphRunner):
     def __init__(self, runner, widths: tuple[int, ...], max_bs: int, watchdog: Watchdog | None = None,
                  capture_deadline_s: float = 120.0, replay_deadline_s: float = 60.0, use_graphs: bool | None = None,
@@ -125,7 +111,17 @@ class TargetGraphRunner(GraphRunner):
         return fam.buckets[0] if isinstance(fam, PrefillFamily) else super().static_warmup_bucket(member)
 
     def _pad_all(self, member, bs: int) -> None:
-        self._fill_padding(self._family_of(member), 0, bs)
+        """``bs`` padding rows, staged as a batch's are (``prepare``), so that a capture also compiles each family's
+        scatter kernel: their KV goes to the dummy page (key t at page block_tables[t // ps] = DUMMY_PAGE, offset
+        t % ps), they see only it."""
+        fam = self._family_of(member)
+        w, ps = fam.width, self.page_size
+        bounds = list(itertools.accumulate([bs * w] * 3 + [bs, 0, 0], initial=0))
+        host = self.staging.host_array()
+        ids, pos, slots, kv_lens = (host[a:b] for a, b in zip(bounds, bounds[1:5]))
+        ids[:], pos[:], kv_lens[:] = 0, 0, w
+        slots.reshape(bs, w)[:] = np.arange(w) % ps + DUMMY_PAGE * ps
+        fam.scatter(self.staging.send(bounds[-1]), bounds, 0, bs, 0)
 
     def _body(self, member, bs: int) -> None:
         fam = self._family_of(member)
@@ -326,32 +322,9 @@ class TargetGraphRunner(GraphRunner):
                 pos[i * width : (i + 1) * width] = s.positions
             if s.tree_mask is not None and fam.mask is not None:
                 masks[i] = s.tree_mask
-        self._scatter(fam, self.staging.send(bounds[-1]), bounds, n, bs, max_pages)
+        fam.scatter(self.staging.send(bounds[-1]), bounds, n, bs, max_pages)
         if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
             ids = fam.input_ids[:m].view(n, width)
             on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
             ids.copy_(torch.where(ids < 0, on_device, ids))
         return fam, bs, m
-
-    def _scatter(self, fam: GraphFamily, sent: torch.Tensor, bounds: list[int], n: int, bs: int, pages: int) -> None:
-        """The staged inputs (``prepare``'s layout, ``bounds`` its parts' offsets) into the family's static buffers:
-        on a GPU in one kernel (tandem.kernels.stage_inputs), else as the torch copies it makes."""
-        if use_triton(sent):
-            from tandem.kernels.stage_inputs import scatter_staged
-
-            scatter_staged(sent, fam.input_ids, fam.positions, fam.slots, fam.kv_lens, fam.block_tables, fam.mask,
-                           n, bs, fam.width, pages, DUMMY_PAGE)
-            return
-        scatter_with_torch(fam, sent, bounds, n, bs, pages)
-
-    def _fill_padding(self, fam: GraphFamily, start: int, bs: int) -> None:
-        """Rows [start, bs) of a padded batch: their KV goes to the dummy page, they see only it."""
-        if start >= bs:
-            return
-        w, ps = fam.width, self.page_size
-        fam.input_ids[start * w : bs * w].zero_()
-        fam.positions[start * w : bs * w].zero_()
-        # key t of a padding row lives at page block_tables[t // ps] = DUMMY_PAGE, offset t % ps
-        fam.slots[start * w : bs * w].copy_((torch.arange(w, device=self.device) % ps + DUMMY_PAGE * ps).repeat(bs - start))
-        fam.block_tables[start:bs].fill_(DUMMY_PAGE)
-        fam.kv_lens[start:bs].fill_(w)

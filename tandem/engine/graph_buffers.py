@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.kv_cache import DUMMY_PAGE
+from tandem.layers.fast_path import use_triton
+
 
 @dataclass
 class GraphMeta:
@@ -62,10 +65,37 @@ class GraphFamily:
         if features is not None:
             self.features[: features.shape[0]].copy_(features)
 
+    def scatter(self, sent: torch.Tensor, bounds: list[int], n: int, bs: int, pages: int) -> None:
+        """Inputs staged on the device (``sent``: ids, positions, slots [bs * width] each, KV lengths [bs], the ``n``
+        real rows' block tables [n, pages], then masks [n, width, width] where the family has them; ``bounds``
+        the parts' offsets) into the static buffers, the padding rows' tables the dummy page: on a GPU in one
+        kernel (tandem.kernels.stage_inputs; seven copies and a fill were a tenth of a served engine's thread)."""
+        if use_triton(sent):
+            from tandem.kernels.stage_inputs import scatter_staged
+
+            scatter_staged(sent, self.input_ids, self.positions, self.slots, self.kv_lens, self.block_tables, self.mask,
+                           n, bs, self.width, pages, DUMMY_PAGE)
+        else:
+            scatter_with_torch(self, sent, bounds, n, bs, pages)
+
     def meta(self, bs: int) -> GraphMeta:
         w = self.width
         return GraphMeta(bs, w, self.block_tables[:bs], self.kv_lens[:bs], self.slots[: bs * w],
                          self.mask[:bs] if self.mask is not None else None, self.page_size)
+
+
+def scatter_with_torch(fam: GraphFamily, sent: torch.Tensor, bounds: list[int], n: int, bs: int, pages: int) -> None:
+    """``GraphFamily.scatter`` as torch copies (the CPU's way, and the kernel's reference)."""
+    ids, pos, slots, kv_lens, tables = (sent[a:b] for a, b in zip(bounds[:5], bounds[1:6]))
+    m = bs * fam.width
+    fam.input_ids[:m].copy_(ids)
+    fam.positions[:m].copy_(pos)
+    fam.slots[:m].copy_(slots)
+    fam.kv_lens[:bs].copy_(kv_lens)
+    fam.block_tables[:n, :pages].copy_(tables.view(n, pages))
+    fam.block_tables[n:bs].fill_(DUMMY_PAGE)  # (every column: a run queued on the device looks padding rows' slots up)
+    if fam.mask is not None:
+        fam.mask[:n].copy_(sent[bounds[5] : bounds[6]].view(n, fam.width, fam.width))
 
 
 def own_float(logits: torch.Tensor) -> torch.Tensor:

@@ -97,15 +97,9 @@ class PrefillFamily(GraphFamily):
             kv_lens[i] = s.prefix_len + length
             rows[packed : packed + length] = np.arange(first, (i + 1) * w)
             packed += length
-        dev = staging.send(bounds[-1])
-        dev = [dev[a:b] for a, b in zip(bounds, bounds[1:])]
-        self.input_ids[: bs * w].copy_(dev[0])
-        self.positions[: bs * w].copy_(dev[1])
-        self.slots[: bs * w].copy_(dev[2])
-        self.kv_lens[:bs].copy_(dev[3])
-        self.block_tables[:n, :max_pages].copy_(dev[4].view(n, max_pages))
-        self.block_tables[n:bs].fill_(DUMMY_PAGE)  # (every column: as a decode family's padding rows)
-        self.feature_rows[:real].copy_(dev[5])
+        sent = staging.send(bounds[-1])
+        self.scatter(sent, bounds, n, bs, max_pages)  # (no mask: the feature rows are not read)
+        self.feature_rows[:real].copy_(sent[bounds[5] : bounds[6]])
         return bs, n, real
 
     def run_model(self, runner, bs: int, layers: tuple[int, ...]) -> None:
