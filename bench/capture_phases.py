@@ -2,7 +2,7 @@
 GPU, bench/sections_deepseek.py's folder), its engine started once per label in one process, each start's capture
 summed per family and split into its phases (padding + eager warm-ups, the capture itself, the first replay that
 uploads the graph). A label ``F/L`` warms a member up F times at its first (largest) bucket and L times at the
-others; ``code`` runs the engine's own capture, untimed by phase; ``cold`` is ``2/2`` meant for a fresh process
+others; ``code`` runs the engine's own capture, untimed by phase, then decodes at batch 1; ``cold`` is ``2/2`` meant for a fresh process
 (Triton compiles). A suffix after ``-`` only names a repeat.
   usage: python3 bench/capture_phases.py cold            (first, in a process of its own: the kernels compile)
          python3 bench/capture_phases.py 2/2 2/1 2/2-again code"""
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from engine_rows import random_weight_engine  # noqa: E402
-from measure import free_gpu  # noqa: E402
+from measure import decode_tok_s, free_gpu  # noqa: E402
 from sections_deepseek import V2_LITE, deepseek_dir  # noqa: E402
 from tandem.graph_capture import GraphRunner, capture_stream  # noqa: E402
 
@@ -79,6 +79,9 @@ def main() -> None:
         print(f"{label}: start {start_s:.1f} s, capture sum {sum(s for s, _ in report.values()):.2f} s; phases "
               f"{ {k: round(v, 2) for k, v in phases.items()} }", flush=True)
         print("   ", {name: round(s, 2) for name, (s, _) in report.items()}, flush=True)
+        if kind == "code":  # (the engine's own graphs serve: plain decode at batch 1 on them)
+            decode_tok_s(engine, 1, 8)
+            print(f"    decode at batch 1: {decode_tok_s(engine, 1, 64)['tok_s']:.1f} tok/s", flush=True)
         engine.shutdown()
         del engine
         free_gpu()

@@ -566,3 +566,37 @@ def ops_of(fn) -> list[str]:
     with Recorder():
         fn()
     return ops
+
+
+def test_the_twins_without_features_are_dropped_where_they_do_not_pay(engine, monkeypatch):
+    """Where a decode step with features is long on the device (``_twins_pay`` False), the capture plan keeps no
+    twin: plain decode steps, prompts and runs replay the families with features, whose logits are the eager path's."""
+    from tandem.attention.graph_backend import TritonGraphBackend
+    from tandem.engine.cuda_graph import PLAIN_DECODE, TargetGraphRunner
+    from tandem.forward_batch import ForwardBatch, SequenceChunk
+    from tandem.kv_cache import SequenceKV
+
+    runner = engine.executor.runner
+    runner.graph_backend = TritonGraphBackend()
+    build = lambda: TargetGraphRunner(runner, widths=(1, 4), max_bs=8, prefill_widths=(16,), run_steps=4)  # noqa: E731
+    kept = [name for name, _ in build().capture_plan()]
+    twins = [name for name in kept if "without features" in name or ("run" in name and "with features" not in name)]
+    assert {"decode without features", "prefill(width=16) without features"} <= set(twins) and len(twins) == 5
+
+    graphs = build()
+    monkeypatch.setattr(graphs, "_twins_pay", lambda: False)
+    plan = [name for name, _ in graphs.capture_plan()]
+    assert plan == [name for name in kept if name not in twins]
+    assert graphs.plain_decode is None and graphs.plain_prefill == {} and PLAIN_DECODE not in graphs._members
+    assert graphs.run_graphs.families and all(fam is graphs.families[1] for fam in graphs.run_graphs.families.values())
+
+    kv = SequenceKV(engine.allocator)
+    kv.reserve(8)
+    prompt = [5, 6, 7, 8, 9]
+    runner.forward(ForwardBatch([SequenceChunk(prompt, 0, list(kv.pages))]))
+    step = ForwardBatch([SequenceChunk([11], len(prompt), list(kv.pages))])  # (no features asked)
+    eager, _ = runner.forward(step)
+    static, _ = graphs.run_static_eagerly(step)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+    assert graphs.prepare(step)[0] is graphs.families[1]
+    kv.release()

@@ -23,7 +23,7 @@ def _runs(step_ms: dict[int, float]) -> tuple[RunGraphs, list[int]]:
         timed.append(bs)
         return step_ms[bs] / 1e3
 
-    runs._step_seconds = step_seconds
+    runs.step_seconds = step_seconds
     return runs, timed
 
 

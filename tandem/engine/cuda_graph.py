@@ -22,7 +22,7 @@ from tandem.staging import PinnedStaging, send_page_rows
 from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
-from tandem.engine.run_graphs import RunGraphs
+from tandem.engine.run_graphs import RUN_GRAPH_MAX_STEP_S, RunGraphs
 from tandem.kv_cache import DUMMY_PAGE, page_slots
 from tandem.layers.fast_path import use_triton
 from tandem.prefill_shapes import prefill_buckets
@@ -83,13 +83,40 @@ class TargetGraphRunner(GraphRunner):
                                          + [f.staging_size for f in self.prefill.values()]), self.device)
 
     # -- capture ---------------------------------------------------------------------------------
-    def capture_plan(self) -> list[tuple[str, list]]:
-        members = [w for w in sorted(self.families, reverse=True)]
-        members += [PLAIN_DECODE] if self.plain_decode is not None else []
+    def capture_plan(self):
+        """The widths' families first; then, the twins kept only where they pay (``_twins_pay``, timed on the decode
+        graphs just captured), the decode twin, the runs and the prefill families (yielded as the capture goes)."""
+        for w in sorted(self.families, reverse=True):
+            yield self._family_name(w), [w]
+        if self.plain_decode is not None and not self._twins_pay():
+            self._drop_twins()
+        members = [PLAIN_DECODE] if self.plain_decode is not None else []
         members += list(self.run_graphs.families)
         for families in (self.prefill, self.plain_prefill):
             members += [f.key for _, f in sorted(families.items(), reverse=True)]
-        return [(self._family_name(m), [m]) for m in members]
+        for m in members:
+            yield self._family_name(m), [m]
+
+    def _twins_pay(self) -> bool:
+        """Whether twins without features are worth their capture: where the decode graph with features takes the
+        device RUN_GRAPH_MAX_STEP_S or less at one row, a step is mostly launches and the capture layers' adds,
+        concatenation and copies a share of it; a longer step hides them (DeepSeek-V2-Lite's twins were 2.2 of its
+        5.8 s of capture)."""
+        if not self.use_graphs or self.device.type != "cuda":  # (timed on a GPU's graphs only)
+            return True
+        return self.run_graphs.step_seconds(self.families[1], 1) <= RUN_GRAPH_MAX_STEP_S
+
+    def _drop_twins(self) -> None:
+        """Plain steps and prompts replay the families with features (their features unused); runs too."""
+        twins = [self.plain_decode, *self.plain_prefill.values()]
+        self.plain_decode, self.plain_prefill = None, {}
+        for key in [f.key for f in twins] + list(self.run_graphs.families):
+            del self._members[key], self._names[key]
+        self.run_graphs = RunGraphs(self, None, self.families[1], self.run_graphs.steps, self.run_graphs.step_s)
+        self._members.update(self.run_graphs.families)
+        self._names.update(self.run_graphs.names())
+        self.log.info("no twins without features: a decode step with them takes over %.2f ms at one row (timed below)",
+                      1e3 * RUN_GRAPH_MAX_STEP_S)
 
     def _family_name(self, member) -> str:
         return self._names[member]

@@ -44,15 +44,17 @@ def run_member(features: bool, sampling: str) -> tuple:
 
 
 class RunGraphs:
-    def __init__(self, graphs, plain: GraphFamily | None, featured: GraphFamily | None, steps: int):
+    def __init__(self, graphs, plain: GraphFamily | None, featured: GraphFamily | None, steps: int,
+                 step_s: dict | None = None):
         """``graphs``: the TargetGraphRunner these are members of; ``plain`` / ``featured``: the decode families a
-        plain step replays without / with features (None: none); ``steps``: the run's length (1: no runs)."""
+        plain step replays without / with features (None: none); ``steps``: the run's length (1: no runs);
+        ``step_s``: decode steps timed already ((family key, bucket) -> seconds)."""
         self.graphs, self.steps = graphs, steps
         candidates = [b for b in graphs.buckets if b <= RUN_GRAPH_MAX_BS]
         self.families = {run_member(fam.captures, sampling): fam for fam in (plain, featured)
                          if fam is not None and steps > 1 and candidates for sampling in SAMPLINGS}
         self._buckets = {member: list(candidates) for member in self.families}
-        self._step_s: dict = {}  # (family key, bucket) -> a plain step's device seconds
+        self.step_s: dict = {} if step_s is None else step_s  # (family key, bucket) -> a plain step's device seconds
         self._timed: set = set()
         if not self.families:
             return
@@ -76,7 +78,7 @@ class RunGraphs:
             fam = self.families[member]
             times = {}
             for bs in sorted(self._buckets[member]):  # (up to the first over the limit: a larger batch is no faster)
-                times[bs] = self._step_seconds(fam, bs)
+                times[bs] = self.step_seconds(fam, bs)
                 if times[bs] > RUN_GRAPH_MAX_STEP_S:
                     break
             self._buckets[member] = [bs for bs, s in times.items() if s <= RUN_GRAPH_MAX_STEP_S]
@@ -93,9 +95,9 @@ class RunGraphs:
         bs = self.graphs.bucket(n)
         return bs is not None and any(bs in self.buckets(member) for member in self.families)
 
-    def _step_seconds(self, fam: GraphFamily, bs: int, replays: int = 8) -> float:
+    def step_seconds(self, fam: GraphFamily, bs: int, replays: int = 8) -> float:
         """The device's time for one replay of ``fam``'s decode graph at ``bs`` (on padding rows), timed once."""
-        if (fam.key, bs) not in self._step_s:
+        if (fam.key, bs) not in self.step_s:
             self.graphs._pad_all(fam.key, bs)
             graph = self.graphs.graphs[(fam.key, bs)]
             graph.replay()
@@ -106,8 +108,8 @@ class RunGraphs:
                     graph.replay()
                 end.record()
                 end.synchronize()
-            self._step_s[(fam.key, bs)] = start.elapsed_time(end) / 1e3 / replays
-        return self._step_s[(fam.key, bs)]
+            self.step_s[(fam.key, bs)] = start.elapsed_time(end) / 1e3 / replays
+        return self.step_s[(fam.key, bs)]
 
     def _sampler(self, sampling: str, bs: int) -> StepSampler:
         """The run's sampler over the static buffers' first ``bs`` rows (a greedy run's: argmax alone). Every rule a
