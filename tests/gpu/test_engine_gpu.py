@@ -370,3 +370,24 @@ def test_after_the_warm_up_no_request_mix_compiles_a_kernel(target, tmp_path):
             eng.step()
         compiled = compile_watch.compiled_while_serving[before:]
         assert not compiled, compiled
+
+
+@pytest.mark.parametrize("twins", [True, False])
+def test_plain_steps_on_the_families_with_features_equal_eager(target, twins, monkeypatch):
+    """A speculative engine's graphs (widths 1 and 4) serving plain requests: with twins without features, and where
+    the capture found them not to pay (forced here: this target's steps are short), the families with features
+    replay instead — greedy tokens as the eager path's, prompts on the prefill graphs included."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.cuda_graph import TargetGraphRunner
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    monkeypatch.setattr(TargetGraphRunner, "_twins_pay", lambda self: twins)
+    batch, params = prompts(5), SamplingParams(max_new_tokens=40, ignore_eos=True)
+    cfg = EngineConfig(model=str(target), device="cuda", dtype="float32", cuda_graph_max_bs=16, cuda_graph_widths=(1, 4),
+                       page_size=16, kv_pages=2048)
+    with LLMEngine(cfg) as eng:
+        graphs = eng.executor.runner.graphs
+        assert (graphs.plain_decode is not None) == twins and bool(graphs.plain_prefill) == twins
+        graphed = [r.output_token_ids for r in eng.generate(batch, params, spec=None)]
+    assert graphed == run(target, batch, graphs=False)
