@@ -1,5 +1,5 @@
-"""Ratios of two stacks' closed-loop loads taken pass by pass. The REST benches interleave their stacks' loads (the
-order reversed every other pass), so a pass's loads of two stacks ran seconds apart while passes ran minutes apart;
+"""Ratios of two stacks' closed-loop loads taken pass by pass. The REST benches interleave their stacks' loads
+(``pass_order``), so a pass's loads of two stacks ran seconds apart while passes ran minutes apart;
 this host's pace drifts by 20-40 % between passes, so the ratio of two stacks' means carries that drift, and the
 per-pass ratio, taken between neighbours in time, much less of it. Reported beside the means: the geometric mean of
 the per-pass ratios, and their lowest and highest."""
@@ -7,6 +7,16 @@ the per-pass ratios, and their lowest and highest."""
 from __future__ import annotations
 
 import math
+
+
+def pass_order(modes: list[str], k: int) -> list[str]:
+    """The order of the stacks' loads in pass ``k``: the list turned by ``k // 2`` places, reversed on odd passes. Over
+    2n passes (n stacks) each stack loads in every position equally often: where every odd pass only reversed the
+    order, a middle stack of three was always in the middle, and the host's pace within a pass put it apart (the
+    forty-sixth session's position bias)."""
+    turn = (k // 2) % len(modes)
+    order = modes[turn:] + modes[:turn]
+    return order[::-1] if k % 2 else order
 
 
 def paired_ratio(a: list[float], b: list[float]) -> dict:

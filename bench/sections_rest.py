@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cpu_pins import describe as pins
 from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
-from paired import detached_against_plain, paired_ratio, versus_the_better
+from paired import detached_against_plain, paired_ratio, pass_order, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds_apart, http_client, run, sustained, wave
 from service_pair import stop_processes
 from spy import finish as finish_spy, start as start_spy
@@ -104,9 +104,9 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
              **stack_kw) -> dict:
     """Each mode's stack started in turn (its start-up, first and warm request times and a wave per cell
     (concurrency, new tokens): texts, and the rate unless ``sustain_s``), all kept up; then with ``sustain_s``,
-    per cell, ``repeats`` closed-loop loads of that many seconds on every mode, interleaved (the order reversed
-    on every other pass: the host's pace drifts by 10-20 % over minutes, and modes measured one after another
-    took that drift for their difference) → per mode its rows, each beside target-only's, texts compared."""
+    per cell, ``repeats`` closed-loop loads of that many seconds on every mode, interleaved (``pass_order``: each
+    mode in every position over 2 x modes passes; the host's pace drifts by 10-20 % over minutes, and modes measured
+    one after another took that drift for their difference) → per mode its rows, each beside target-only's, texts compared."""
     out: dict = {}
     print(f"CPUs: {pins()}", flush=True)
     with contextlib.ExitStack() as stacks:
@@ -121,7 +121,7 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
                   f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
         for cell in cells:
             for k in range(repeats if sustain_s else 0):
-                for mode in modes if k % 2 == 0 else modes[::-1]:
+                for mode in pass_order(modes, k):
                     _sample(out[mode]["rows"][f"c{cell[0]}_n{cell[1]}"], mode, *up[mode], prompts, cell, sustain_s)
             for mode in modes:
                 r = out[mode]["rows"][f"c{cell[0]}_n{cell[1]}"]

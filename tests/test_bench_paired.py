@@ -42,3 +42,12 @@ def test_the_policys_wholly_detached_passes_against_target_only():
     got = paired.detached_against_plain(policy, [100.0, 100.0, 80.0, 90.0])
     assert got["passes"] == 2 and got["geomean"] == pytest.approx(math.sqrt(0.95 * 1.1))
     assert paired.detached_against_plain(policy[1:2], [100.0]) is None
+
+
+@pytest.mark.parametrize("modes", [["T", "O"], ["P", "T", "I"], ["a", "b", "c", "d"]])
+def test_over_two_passes_a_stack_each_stack_loads_in_every_position_equally_often(modes):
+    orders = [paired.pass_order(modes, k) for k in range(2 * len(modes))]
+    assert all(sorted(order) == sorted(modes) for order in orders)
+    for mode in modes:
+        assert sorted(order.index(mode) for order in orders) == sorted(list(range(len(modes))) * 2), mode
+    assert orders[:2] == [modes, modes[::-1]]  # (the first two passes: the order given, then reversed)
