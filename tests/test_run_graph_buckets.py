@@ -40,3 +40,23 @@ def test_a_target_slow_at_one_row_times_one_bucket_a_member_and_runs_none():
     runs, timed = _runs({bs: 2.1 for bs in range(1, 9)})
     assert all(runs.buckets(member) == [] for member in runs.families)
     assert timed == [1] * len(runs.families)  # (the bench's timings are cached per family; this stand-in is not)
+
+
+def test_twins_are_kept_unless_one_rank_times_a_long_step():
+    """TargetGraphRunner._twins_pay: the decode step with features timed at one row decides, on one GPU rank; several
+    ranks keep the twins without timing (each rank's own timing could keep different families, whose collectives would
+    not pair), and so do graphs off the GPU."""
+    from tandem.engine.cuda_graph import TargetGraphRunner
+
+    def pays(step_s: float, tp_size: int = 1, device: str = "cuda", use_graphs: bool = True) -> bool:
+        timed = []
+        runs = SimpleNamespace(step_seconds=lambda fam, bs: timed.append((fam, bs)) or step_s)
+        graphs = SimpleNamespace(use_graphs=use_graphs, device=torch.device(device), families={1: "featured"},
+                                 runner=SimpleNamespace(cfg=SimpleNamespace(tp_size=tp_size)), run_graphs=runs)
+        verdict = TargetGraphRunner._twins_pay(graphs)
+        assert timed == ([("featured", 1)] if tp_size == 1 and device == "cuda" and use_graphs else [])
+        return verdict
+
+    assert pays(0.2 * RUN_GRAPH_MAX_STEP_S) and not pays(4 * RUN_GRAPH_MAX_STEP_S)
+    assert pays(4 * RUN_GRAPH_MAX_STEP_S, tp_size=2) and pays(4 * RUN_GRAPH_MAX_STEP_S, device="cpu")
+    assert pays(4 * RUN_GRAPH_MAX_STEP_S, use_graphs=False)

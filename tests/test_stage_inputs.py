@@ -30,7 +30,8 @@ def _poisoned(width: int, max_bs: int, table_cols: int) -> GraphFamily:
     return fam
 
 
-@pytest.mark.parametrize("width, n, bs, pages", [(1, 3, 3, 2), (1, 5, 8, 300), (4, 2, 3, 129), (3, 1, 1, 1)])
+@pytest.mark.parametrize("width, n, bs, pages", [(1, 3, 3, 2), (1, 5, 8, 300), (4, 2, 3, 129), (3, 1, 1, 1),
+                                                 (1, 0, 8, 0), (4, 0, 3, 0)])  # (no real row: a capture's padding)
 def test_the_kernel_fills_the_static_buffers_as_the_torch_copies(width, n, bs, pages):
     g = torch.Generator().manual_seed(width * 100 + n)
     max_bs, table_cols = 8, 320

@@ -102,7 +102,9 @@ class TargetGraphRunner(GraphRunner):
         device RUN_GRAPH_MAX_STEP_S or less at one row, a step is mostly launches and the capture layers' adds,
         concatenation and copies a share of it; a longer step hides them (DeepSeek-V2-Lite's twins were 2.2 of its
         5.8 s of capture)."""
-        if not self.use_graphs or self.device.type != "cuda":  # (timed on a GPU's graphs only)
+        # timed on a GPU's graphs, one rank only: ranks timing their own steps could keep different families, whose
+        # captures' collectives would then not pair (as runs in one graph, which are one rank's only)
+        if not self.use_graphs or self.device.type != "cuda" or self.runner.cfg.tp_size > 1:
             return True
         return self.run_graphs.step_seconds(self.families[1], 1) <= RUN_GRAPH_MAX_STEP_S
 
