@@ -2,8 +2,8 @@
 GPU, bench/sections_deepseek.py's folder), its engine started once per label in one process, each start's capture
 summed per family and split into its phases (padding + eager warm-ups, the capture itself, the first replay that
 uploads the graph). A label ``F/L`` warms a member up F times at its first (largest) bucket and L times at the
-others; ``code`` runs the engine's own capture, untimed by phase, then decodes at batch 1; ``cold`` is ``2/2`` meant for a fresh process
-(Triton compiles). A suffix after ``-`` only names a repeat.
+others; ``code`` runs the engine's own capture, untimed by phase, then decodes at batch 1; ``cold`` is ``2/2`` meant
+for a fresh process (Triton compiles). A suffix after ``-`` only names a repeat.
   usage: python3 bench/capture_phases.py cold            (first, in a process of its own: the kernels compile)
          python3 bench/capture_phases.py 2/2 2/1 2/2-again code"""
 

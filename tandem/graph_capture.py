@@ -55,7 +55,7 @@ class GraphRunner:
         self.graphs: dict[tuple[object, int], torch.cuda.CUDAGraph] = {}  # (member, bucket) -> graph
         # eager runs before each capture: two at a member's first (largest) bucket, where its kernels first run on
         # the capture stream; one at the others (a smaller batch may still hit a kernel specialisation not yet
-        # compiled), which is most of a capture's host time on a many-layer target
+        # compiled). Two everywhere were 5.0 of DeepSeek-V2-Lite's 8.0 s of capture (bench/capture_phases.py)
         self.first_warmups, self.later_warmups = 2, 1
         self.log = logging.getLogger(log_name)
 
@@ -104,7 +104,8 @@ class GraphRunner:
             free_before = torch.cuda.mem_get_info(self.device)[0]
             started = time.perf_counter()
             for member in members:
-                for i, bs in enumerate(reversed(self.member_buckets(member))):  # largest first: smaller graphs reuse its pool memory
+                # largest first: smaller graphs reuse its pool memory
+                for i, bs in enumerate(reversed(self.member_buckets(member))):
                     with self.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
                         warmups = self.first_warmups if i == 0 else self.later_warmups
                         self.graphs[(member, bs)] = self._capture_one(member, bs, warmups)

@@ -1,6 +1,7 @@
 """The staged-input scatter kernel (tandem/kernels/stage_inputs.py) against the torch copies it replaces in
-TargetGraphRunner.prepare and PrefillFamily.stage, on the CPU under the Triton interpreter: every static buffer poisoned first, padding rows
-behind the real ones, tables wider than one block of columns, masks for a verify family (on a GPU, compiled)."""
+TargetGraphRunner.prepare and PrefillFamily.stage, on the CPU under the Triton interpreter (on a GPU, compiled): every
+static buffer poisoned first, padding rows behind the real ones, tables wider than one block of columns, masks for a
+verify family, and a capture's padding alone (no real row, no pages)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def test_the_kernel_fills_the_static_buffers_as_the_torch_copies(width, n, bs, p
                    n, bs, width, pages, DUMMY)
     scatter_with_torch(want, sent, bounds, n, bs, pages)
     for name in ("input_ids", "positions", "slots", "kv_lens", "block_tables", "mask"):
-        assert torch.equal(getattr(got, name), getattr(want, name)) if masked or name != "mask" else got.mask is None, name
+        same = torch.equal(getattr(got, name), getattr(want, name)) if masked or name != "mask" else got.mask is None
+        assert same, name
     assert (got.block_tables[n:bs] == DUMMY).all() and (got.block_tables[bs:] == -7).all()
     assert (got.block_tables[:n, pages:] == -7).all()  # (columns past the staged ones: as they were)

@@ -69,7 +69,7 @@ class GraphFamily:
         """Inputs staged on the device (``sent``: ids, positions, slots [bs * width] each, KV lengths [bs], the ``n``
         real rows' block tables [n, pages], then masks [n, width, width] where the family has them; ``bounds``
         the parts' offsets) into the static buffers, the padding rows' tables the dummy page: on a GPU in one
-        kernel (tandem.kernels.stage_inputs; seven copies and a fill were a tenth of a served engine's thread)."""
+        kernel (tandem.kernels.stage_inputs), not seven copies and a fill (20 against 53 µs of host time a call)."""
         if use_triton(sent):
             from tandem.kernels.stage_inputs import scatter_staged
 

@@ -384,8 +384,8 @@ def test_plain_steps_on_the_families_with_features_equal_eager(target, twins, mo
 
     monkeypatch.setattr(TargetGraphRunner, "_twins_pay", lambda self: twins)
     batch, params = prompts(5), SamplingParams(max_new_tokens=40, ignore_eos=True)
-    cfg = EngineConfig(model=str(target), device="cuda", dtype="float32", cuda_graph_max_bs=16, cuda_graph_widths=(1, 4),
-                       page_size=16, kv_pages=2048)
+    cfg = EngineConfig(model=str(target), device="cuda", dtype="float32", cuda_graph_max_bs=16,
+                       cuda_graph_widths=(1, 4), page_size=16, kv_pages=2048)
     with LLMEngine(cfg) as eng:
         graphs = eng.executor.runner.graphs
         assert (graphs.plain_decode is not None) == twins and bool(graphs.plain_prefill) == twins
