@@ -11,9 +11,6 @@ beyond the largest bucket — runs eagerly, which is also what ``--disable-cuda-
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import torch
 
 from tandem.distributed import broadcast_tensor
@@ -23,7 +20,7 @@ from tandem.graph_capture import GraphRunner, batch_buckets
 from tandem.engine.graph_buffers import GraphFamily, own_float
 from tandem.engine.prefill_graphs import PrefillFamily, is_prompt_chunk
 from tandem.engine.run_graphs import RUN_GRAPH_MAX_STEP_S, RunGraphs
-from tandem.kv_cache import DUMMY_PAGE, page_slots
+from tandem.kv_cache import page_slots
 from tandem.layers.fast_path import use_triton
 from tandem.prefill_shapes import prefill_buckets
 from tandem.watchdog import Watchdog
@@ -140,17 +137,8 @@ class TargetGraphRunner(GraphRunner):
         return fam.buckets[0] if isinstance(fam, PrefillFamily) else super().static_warmup_bucket(member)
 
     def _pad_all(self, member, bs: int) -> None:
-        """``bs`` padding rows, staged as a batch's are (``prepare``), so that a capture also compiles each family's
-        scatter kernel: their KV goes to the dummy page (key t at page block_tables[t // ps] = DUMMY_PAGE, offset
-        t % ps), they see only it."""
-        fam = self._family_of(member)
-        w, ps = fam.width, self.page_size
-        bounds = list(itertools.accumulate([bs * w] * 3 + [bs, 0, 0], initial=0))
-        host = self.staging.host_array()
-        ids, pos, slots, kv_lens = (host[a:b] for a, b in zip(bounds, bounds[1:5]))
-        ids[:], pos[:], kv_lens[:] = 0, 0, w
-        slots.reshape(bs, w)[:] = np.arange(w) % ps + DUMMY_PAGE * ps
-        fam.scatter(self.staging.send(bounds[-1]), bounds, 0, bs, 0)
+        # staged as a batch's are, so that a capture also compiles each family's scatter kernel
+        self._family_of(member).stage_uniform([], bs, self.staging)
 
     def _body(self, member, bs: int) -> None:
         fam = self._family_of(member)
@@ -316,44 +304,5 @@ class TargetGraphRunner(GraphRunner):
         width = len(seqs[0].token_ids)
         fam = (self.plain_decode if width == 1 and self.plain_decode is not None and not batch.capture_features
                else self.families[width])
-        n, ps = len(seqs), self.page_size
-        bs = self.bucket(n)
-        m = width * n
-        max_pages = max(len(s.pages) for s in seqs)
-        # the bucket's rows past the batch are padding, staged with it (their KV goes to the dummy page, they see only
-        # it); their block tables are the dummy page's on the device, every column: a queued run advances padding rows
-        # too, their slots looked up in their tables as far as the run goes
-        sizes = [bs * width, bs * width, bs * width, bs, n * max_pages, n * width * width if fam.mask is not None else 0]
-        host = self.staging.host_array()
-        bounds = list(itertools.accumulate(sizes, initial=0))
-        ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(n, max_pages)
-        tables[:] = DUMMY_PAGE
-        prefix = np.empty(n, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.pages)] = s.pages
-            ids[i * width : (i + 1) * width] = s.token_ids
-            prefix[i] = s.prefix_len
-        keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
-        slots[:m].reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
-        pos[:m].reshape(n, width)[:] = keys  # unless positions are given
-        kv_lens[:n] = prefix + width
-        if bs > n:
-            ids[m:] = 0
-            pos[m:] = 0
-            slots[m:].reshape(bs - n, width)[:] = np.arange(width) % ps + DUMMY_PAGE * ps
-            kv_lens[n:] = width
-        if fam.mask is not None:
-            masks = masks.reshape(n, width, width)
-            masks[:] = fam.causal  # unless a tree mask is given
-        for i, s in enumerate(seqs):
-            if s.positions is not None:
-                pos[i * width : (i + 1) * width] = s.positions
-            if s.tree_mask is not None and fam.mask is not None:
-                masks[i] = s.tree_mask
-        fam.scatter(self.staging.send(bounds[-1]), bounds, n, bs, max_pages)
-        if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
-            ids = fam.input_ids[:m].view(n, width)
-            on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
-            ids.copy_(torch.where(ids < 0, on_device, ids))
-        return fam, bs, m
+        bs = self.bucket(len(seqs))
+        return fam, bs, fam.stage_uniform(seqs, bs, self.staging)

@@ -1,9 +1,11 @@
 """The static buffers of the target's graph families (tandem.engine.cuda_graph, .prefill_graphs): what a
 graph reads (token ids, positions, KV slots, block tables, KV lengths, masks) and the GraphMeta its
-attention sees. The host refills them before every replay."""
+attention sees. The host refills them before every fresh replay: packed into one pinned buffer, copied in one go and
+scattered on the device (``stage_uniform``, ``scatter``)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +66,50 @@ class GraphFamily:
         self.logits[: logits.shape[0]].copy_(logits)
         if features is not None:
             self.features[: features.shape[0]].copy_(features)
+
+    def stage_uniform(self, seqs: list, bs: int, staging) -> int:
+        """Fill the static inputs for ``seqs`` (``width`` new tokens each; none: a capture's padding) padded to bucket
+        ``bs``: packed into ``staging`` (tandem.staging.PinnedStaging), one host→device copy, one ``scatter`` → the
+        real rows. The bucket's rows past them are padding (their KV goes to the dummy page, key t at page
+        block_tables[t // ps] = DUMMY_PAGE offset t % ps; they see only it); their block tables are the dummy page's
+        on the device, every column: a queued run advances padding rows too, their slots looked up as far as it goes."""
+        width, ps, n = self.width, self.page_size, len(seqs)
+        m = width * n
+        max_pages = max((len(s.pages) for s in seqs), default=0)
+        sizes = [bs * width] * 3 + [bs, n * max_pages, n * width * width if self.mask is not None else 0]
+        host = staging.host_array()
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        ids, pos, slots, kv_lens, tables, masks = (host[a:b] for a, b in zip(bounds, bounds[1:]))
+        tables = tables.reshape(n, max_pages)
+        tables[:] = DUMMY_PAGE
+        prefix = np.empty(n, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.pages)] = s.pages
+            ids[i * width : (i + 1) * width] = s.token_ids
+            prefix[i] = s.prefix_len
+        keys = prefix[:, None] + np.arange(width)  # [n, width] KV index of every new token
+        slots[:m].reshape(n, width)[:] = tables[np.arange(n)[:, None], keys // ps] * ps + keys % ps
+        pos[:m].reshape(n, width)[:] = keys  # unless positions are given
+        kv_lens[:n] = prefix + width
+        if bs > n:
+            ids[m:] = 0
+            pos[m:] = 0
+            slots[m:].reshape(bs - n, width)[:] = np.arange(width) % ps + DUMMY_PAGE * ps
+            kv_lens[n:] = width
+        if self.mask is not None:
+            masks = masks.reshape(n, width, width)
+            masks[:] = self.causal  # unless a tree mask is given
+        for i, s in enumerate(seqs):
+            if s.positions is not None:
+                pos[i * width : (i + 1) * width] = s.positions
+            if s.tree_mask is not None and self.mask is not None:
+                masks[i] = s.tree_mask
+        self.scatter(staging.send(bounds[-1]), bounds, n, bs, max_pages)
+        if any(s.device_ids is not None for s in seqs):  # draft tokens the host has not seen: copied on the device
+            ids = self.input_ids[:m].view(n, width)
+            on_device = torch.stack([s.device_ids if s.device_ids is not None else ids[i] for i, s in enumerate(seqs)])
+            ids.copy_(torch.where(ids < 0, on_device, ids))
+        return m
 
     def scatter(self, sent: torch.Tensor, bounds: list[int], n: int, bs: int, pages: int) -> None:
         """Inputs staged on the device (``sent``: ids, positions, slots [bs * width] each, KV lengths [bs], the ``n``
