@@ -377,7 +377,8 @@ def test_the_reconnector_logs_a_refusal_once_connects_when_it_can_and_again_afte
             seq = client._seq
             handshakes.refusal = None  # the drafter is free again
             assert client.wait_connected(10.0) and client._conn is handshakes.made[0]
-            assert states == [(True, True)]  # told after the connection is in place
+            # told after the connection is in place (and logged), on the reconnector's thread: waited for
+            assert _wait_until(lambda: states == [(True, True)])
             assert client._seq == seq + 1 and not client._pending_release and not client._pending_start
             assert any("connected to the drafter at 127.0.0.1:1 (fake-head); rounds on the gRPC stream"
                        in r.getMessage() for r in caplog.records)
@@ -386,8 +387,8 @@ def test_the_reconnector_logs_a_refusal_once_connects_when_it_can_and_again_afte
             with client._lock:
                 client._drop("a broken stream")  # the client's drop alone makes the reconnector reconnect
             assert handshakes.made[0].closed and states[-1] == (False, False)
-            assert _wait_until(lambda: len(handshakes.made) == 2 and client.available)
-            assert client._conn is handshakes.made[1] and states[-1] == (True, True)
+            assert _wait_until(lambda: len(handshakes.made) == 2 and client.available and states[-1] == (True, True))
+            assert client._conn is handshakes.made[1]
         finally:
             client.close()
         assert not client.available and handshakes.made[1].closed
