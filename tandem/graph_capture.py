@@ -41,6 +41,11 @@ class GraphRunner:
     """The graphs of one model. A subclass says what to capture (``capture_plan``), what a graph runs
     (``_body``) and how a batch of padding rows is staged for its capture (``_pad_all``)."""
 
+    # eager runs before each capture: two at a member's first (largest) bucket, where its kernels first run on the
+    # capture stream; one at the others (a smaller batch may still hit a kernel specialisation not yet compiled). Two
+    # everywhere were 5.0 of DeepSeek-V2-Lite's 8.0 s of capture (bench/capture_phases.py)
+    FIRST_WARMUPS, LATER_WARMUPS = 2, 1
+
     def __init__(self, device: torch.device, buckets: list[int], *, use_graphs: bool, log_name: str,
                  watchdog: Watchdog | None = None, pool=None, capture_deadline_s: float = 120.0,
                  replay_deadline_s: float = 60.0):
@@ -53,10 +58,6 @@ class GraphRunner:
         self.pool = pool  # the caller's (the drafter shares the target's) or one made at the first capture
         self.capture_deadline_s, self.replay_deadline_s = capture_deadline_s, replay_deadline_s
         self.graphs: dict[tuple[object, int], torch.cuda.CUDAGraph] = {}  # (member, bucket) -> graph
-        # eager runs before each capture: two at a member's first (largest) bucket, where its kernels first run on
-        # the capture stream; one at the others (a smaller batch may still hit a kernel specialisation not yet
-        # compiled). Two everywhere were 5.0 of DeepSeek-V2-Lite's 8.0 s of capture (bench/capture_phases.py)
-        self.first_warmups, self.later_warmups = 2, 1
         self.log = logging.getLogger(log_name)
 
     # -- what a subclass defines ---------------------------------------------------------------------
@@ -107,7 +108,7 @@ class GraphRunner:
                 # largest first: smaller graphs reuse its pool memory
                 for i, bs in enumerate(reversed(self.member_buckets(member))):
                     with self.guard(f"Capture {name} cuda graph bs={bs}", self.capture_deadline_s):
-                        warmups = self.first_warmups if i == 0 else self.later_warmups
+                        warmups = self.FIRST_WARMUPS if i == 0 else self.LATER_WARMUPS
                         self.graphs[(member, bs)] = self._capture_one(member, bs, warmups)
             torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - started

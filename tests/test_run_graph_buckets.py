@@ -39,7 +39,7 @@ def test_buckets_are_timed_up_to_the_first_over_the_limit():
 def test_a_target_slow_at_one_row_times_one_bucket_a_member_and_runs_none():
     runs, timed = _runs({bs: 2.1 for bs in range(1, 9)})
     assert all(runs.buckets(member) == [] for member in runs.families)
-    assert timed == [1] * len(runs.families)  # (the bench's timings are cached per family; this stand-in is not)
+    assert timed == [1] * len(runs.families)  # (RunGraphs caches its timings per family; this stand-in times again)
 
 
 def test_twins_are_kept_unless_one_rank_times_a_long_step():

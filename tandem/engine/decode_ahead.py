@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from tandem.forward_batch import ForwardBatch, SequenceChunk
+from tandem.engine.prompts_behind import launch_prompts_behind
 from tandem.engine.request import Request
 from tandem.engine.request_sampling import RunLogprobs
 from tandem.engine.run_rules import RunRules
 from tandem.staging import HostReadback
-from tandem.engine.prompts_behind import launch_prompts_behind
 from tandem.engine.step import StepInfo, StepOutput, StepTimer
 from tandem.sampling import StepSampler
 
