@@ -37,6 +37,7 @@ class GatewayConfig:
     max_body_bytes: int = shared.MAX_BODY_BYTES.default  # larger request bodies get 413 before they are read
     body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds its connection)
     max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
+    max_connections_per_address: int = shared.MAX_CONNECTIONS_PER_ADDRESS.default  # REST connections a client; 0: any
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     drafter_metrics_url: str | None = None  # the drafter service's /metrics, appended too
     verifier_metrics_timeout_s: float = 1.0  # a scrape of ours waits this long for the verifier's
@@ -63,6 +64,9 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
+        if self.max_connections_per_address < 0:
+            raise ValueError("--max-connections-per-address must be 0 (no limit) or more, got "
+                             f"{self.max_connections_per_address}")
         for flag, url in (("--verifier-metrics-url", self.verifier_metrics_url),
                           ("--drafter-metrics-url", self.drafter_metrics_url)):
             if url is not None and not url.startswith(("http://", "https://")):
@@ -153,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                         max_connections_per_address=args.max_connections_per_address,
                          verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
                          generation_config=args.generation_config,
                          log_requests=args.log_requests, log_requests_level=args.log_requests_level,

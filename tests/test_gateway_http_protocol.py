@@ -1,6 +1,7 @@
 """The gateway's HTTP protocol closes a connection whose request head does not arrive in time (gateway/http_protocol.py):
 idle connections and trickled headers were held forever and could take every file descriptor; a request served,
-a slow answer and a second request on a kept-alive connection are unaffected."""
+a slow answer and a second request on a kept-alive connection are unaffected. One address holds at most
+--max-connections-per-address connections."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ async def _app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def served():
-    protocol = type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S, "stall_timeout_s": HEAD_S})
+    yield from _serve(type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S, "stall_timeout_s": HEAD_S}))
+
+
+def _serve(protocol):
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, http=protocol, timeout_keep_alive=30))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
@@ -110,3 +114,35 @@ def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
         time.sleep(0.05)
     assert not server.server_state.connections
     conn.close()
+
+
+def test_one_address_holds_at_most_its_connections():
+    """Past the limit a connection is answered 429 and closed at once; a connection closed frees its place, and the
+    server's other connections (a request in flight, another server's table) are unaffected."""
+    limit = 2
+    servers = _serve(http_protocol(limit)), _serve(http_protocol(limit))
+    (server, port), (_, other_port) = (next(s) for s in servers)
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(limit)]
+    try:
+        assert _get(held[0]).startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", port)) as refused:
+            refused.settimeout(10)
+            answer = b""
+            while chunk := refused.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 429") and b"max-connections-per-address" in answer
+        assert _get(held[1]).startswith(b"HTTP/1.1 200")  # (the held ones still served)
+        with socket.create_connection(("127.0.0.1", other_port)) as elsewhere:  # (each server counts its own)
+            assert _get(elsewhere).startswith(b"HTTP/1.1 200")
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while len(server.server_state.connections) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held.append(socket.create_connection(("127.0.0.1", port)))  # (its place taken again)
+        assert _get(held[-1]).startswith(b"HTTP/1.1 200")
+        assert dict(type(next(iter(server.server_state.connections)))._open) == {"127.0.0.1": limit}
+    finally:
+        for conn in held:
+            conn.close()
+        for s in servers:
+            next(s, None)
