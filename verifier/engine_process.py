@@ -22,6 +22,7 @@ import multiprocessing
 import operator
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -51,10 +52,12 @@ class EngineProcess:
         self._cancelled: set[int] = set()  # numbers cancelled before the child's answer to them came
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()  # the submissions' books: a submission reaches a live child or fails at once
-        self._send_lock = threading.Lock()  # one writer on the commands' pipe (not under _lock: a long prompt's write
-        # may wait on the child, whose outputs the reader, which takes _lock, must go on reading meanwhile)
+        # Commands go to the child from a thread of their own, in the order given: a long prompt's write waits on the
+        # child's reader, which shares the child's GIL with the engine loop (a 100k-token prompt held the caller, the
+        # server's event loop and every stream on it, ~27 ms on the CPU VM against a child busy in Python)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
-        self._process = self._commands = self._reader = None
+        self._process = self._commands = self._reader = self._writer = None
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -67,6 +70,8 @@ class EngineProcess:
         events_out.close()
         self._reader = threading.Thread(target=self._read, args=(events,), name="engine-events", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="engine-commands", daemon=True)
+        self._writer.start()
 
     # -- the server's side (any thread) -----------------------------------------------------------
     def submit(self, sub: Submission) -> Future:
@@ -106,6 +111,9 @@ class EngineProcess:
                 self._process.join(10)
         if self._reader is not None:
             self._reader.join(1.0)
+        if self._writer is not None:
+            self._outbox.put(None)  # (after the child's end: nothing more is written)
+            self._writer.join(1.0)
         if self._commands is not None and not self.is_alive():
             self._commands.close()
 
@@ -113,11 +121,19 @@ class EngineProcess:
         return self._process is not None and self._process.is_alive()
 
     def _send(self, message) -> None:
-        with self._send_lock:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
             try:
                 self._commands.send(message)
             except (OSError, ValueError):  # the child is gone (or joined: the pipe closed): its end came by the reader
                 pass
+            except Exception as e:  # noqa: BLE001 - a message that does not pickle (nothing was written): refused
+                if message[0] == "add":
+                    self._added(message[1], e)
+                else:
+                    log.exception("an engine command could not be sent: %s", message[0])
 
     # -- the reader thread ------------------------------------------------------------------------
     def _read(self, events) -> None:
