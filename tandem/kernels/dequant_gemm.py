@@ -95,7 +95,8 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
     tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0, swiglu=False):
+def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0, swiglu=False,
+            ids_settled=False):
     """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
     slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots). A plain
     weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``). ``swiglu``: x
@@ -181,7 +182,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
             w.stride(0) if experts else 0, s.stride(0) if experts else 0, INT4_HI_SHIFT, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
-            SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1))
+            SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1), IDS_SETTLED=ids_settled)
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,
@@ -223,10 +224,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
 
 def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fmt: int,
                 ids: torch.Tensor, n: int, slots_per_row: int, swiglu: bool = False,
-                config: DequantConfig | None = None) -> torch.Tensor:
+                config: DequantConfig | None = None, ids_settled: bool = False) -> torch.Tensor:
     """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
     activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
     per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale). ``swiglu``: as int4_linear's.
-    ``config``: a one-row GEMV tile (bench/slot_gemv_sweep.py), else the default's."""
+    ``config``: a one-row GEMV tile (bench/slot_gemv_sweep.py), else the default's. ``ids_settled``: no kernel
+    writes ``ids`` between the kernel just before this launch and the routing (the down projection's, after gate
+    and up): the slots' first weights are read before the PDL wait."""
     return _launch(x, weight, scale, None, n, fmt, block[0], block[1], config, None, ids=ids,
-                   slots_per_row=slots_per_row, swiglu=swiglu)
+                   slots_per_row=slots_per_row, swiglu=swiglu, ids_settled=ids_settled)

@@ -219,19 +219,22 @@ def _dequant_gemv_kernel(
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
-    SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+    SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1, IDS_SETTLED: tl.constexpr = False,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
     ``EVEN_N``: BLOCK_N divides N; otherwise the last tile re-reads valid rows (only its store is masked).
     ``SLOTS_PER_ROW`` > 0: mixture-of-experts slots (ROWS 1): output row ``pid_m`` is slot ``pid_m`` of
     ``ids_ptr`` (its expert: W and its scales offset by ``stride_we`` / ``stride_se`` per expert), its
-    activation row ``pid_m // SLOTS_PER_ROW`` (the token for gate/up, the slot itself for down)."""
+    activation row ``pid_m // SLOTS_PER_ROW`` (the token for gate/up, the slot itself for down); ``IDS_SETTLED``: the
+    ids were written before the kernel just before this one (pdl.py: visible before the wait), so the slot's first
+    weights are read while that kernel finishes, as a dense weight's are."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if SLOTS_PER_ROW > 0:  # the slot's expert comes from the routing kernel before: wait for it first
-        pdl_enter(PDL)
+    if SLOTS_PER_ROW > 0:  # the slot's expert comes from the routing kernel: wait for it first if it is the one before
+        if not IDS_SETTLED:
+            pdl_enter(PDL)
         expert = tl.load(ids_ptr + pid_m).to(tl.int64)
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
@@ -265,7 +268,7 @@ def _dequant_gemv_kernel(
     if AHEAD > 2:
         w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 2 * BLOCK_K,
                             (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS)
-    if SLOTS_PER_ROW == 0:
+    if SLOTS_PER_ROW == 0 or IDS_SETTLED:
         pdl_enter(PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
     acc1 = acc0

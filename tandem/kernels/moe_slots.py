@@ -62,8 +62,9 @@ def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor,
     flat_ids = ids.reshape(-1).contiguous()
     gate_up_rows = slot_linear(x, gate_up.weight, gate_up.scale, gate_up.block, gate_up.format, flat_ids, 2 * inter,
                                top_k)
+    # silu(gate) * up read by the down GEMV: no activation launch; the ids settled (the gate-up launch came between)
     per_slot = slot_linear(gate_up_rows, down.weight, down.scale, down.block, down.format, flat_ids, hidden, 1,
-                           swiglu=True)  # silu(gate) * up read by the down GEMV: no activation launch
+                           swiglu=True, ids_settled=True)
     return sum_slots(per_slot, top_k, route_weights.float().reshape(-1).contiguous(), add, x.dtype)
 
 
