@@ -20,10 +20,9 @@ class _SlowPipe:
     def __init__(self):
         self.release, self.sent = threading.Event(), []
 
-    def send(self, message) -> None:
+    def send_bytes(self, data: bytes) -> None:
         import pickle
 
-        data = pickle.dumps(message)  # (as Connection.send: pickled before anything is written)
         assert self.release.wait(10)
         self.sent.append(pickle.loads(data))
 
@@ -38,6 +37,11 @@ def engine_process():
     pipe.release.set()
     process._outbox.put(None)
     process._writer.join(5)
+
+
+class _PicklesWithValueError:
+    def __reduce__(self):
+        raise ValueError("does not pickle")
 
 
 def _sub(rid: str, prompt) -> Submission:
@@ -65,9 +69,13 @@ def test_a_submission_that_cannot_be_sent_is_refused(engine_process):
     process, pipe = engine_process
     pipe.release.set()
     sub = _sub("bad", [1, 2])
-    sub.cache_salt = threading.Lock()  # (does not pickle)
+    sub.cache_salt = threading.Lock()  # (does not pickle: TypeError)
     with pytest.raises(TypeError):
         process.submit(sub).result(10)
+    odd = _sub("odd", [1])
+    odd.cache_salt = _PicklesWithValueError()  # (an error the pipe's own failures share: refused all the same)
+    with pytest.raises(ValueError):
+        process.submit(odd).result(10)
     good = process.submit(_sub("good", [1]))
     deadline = time.monotonic() + 10
     while not pipe.sent and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import time
 import pytest
 import uvicorn
 
+from gateway.connection_limit import client_key
 from gateway.http_protocol import http_protocol
 
 HEAD_S = 0.5
@@ -125,12 +126,15 @@ def test_one_address_holds_at_most_its_connections():
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(limit)]
     try:
         assert _get(held[0]).startswith(b"HTTP/1.1 200")
-        with socket.create_connection(("127.0.0.1", port)) as refused:
-            refused.settimeout(10)
-            answer = b""
-            while chunk := refused.recv(4096):
-                answer += chunk
-            assert answer.startswith(b"HTTP/1.1 429") and b"max-connections-per-address" in answer
+        for send_first in (False, True):  # (a client that sent its request at once reads the answer too, not a reset)
+            with socket.create_connection(("127.0.0.1", port)) as refused:
+                if send_first:
+                    refused.sendall(b"POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 100000\r\n\r\n" + b"x" * 100000)
+                refused.settimeout(10)
+                answer = b""
+                while chunk := refused.recv(4096):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 429") and b"max-connections-per-address" in answer
         assert _get(held[1]).startswith(b"HTTP/1.1 200")  # (the held ones still served)
         with socket.create_connection(("127.0.0.1", other_port)) as elsewhere:  # (each server counts its own)
             assert _get(elsewhere).startswith(b"HTTP/1.1 200")
@@ -146,3 +150,13 @@ def test_one_address_holds_at_most_its_connections():
             conn.close()
         for s in servers:
             next(s, None)
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64():
+    assert client_key(("10.1.2.3", 5000)) == "10.1.2.3"
+    assert client_key(("2001:db8:1:2:aaaa::1", 5000, 0, 0)) == client_key(("2001:db8:1:2:bbbb::9", 1, 0, 0)) \
+        == "2001:db8:1:2::/64"
+    assert client_key(("2001:db8:1:3::1", 5000, 0, 0)) != client_key(("2001:db8:1:2::1", 5000, 0, 0))
+    assert client_key(("::ffff:10.1.2.3", 5000, 0, 0)) == "10.1.2.3"
+    assert client_key(("fe80::1%eth0", 5000, 0, 2)) == "fe80::/64"
+    assert client_key("/tmp/socket") is None and client_key(None) is None

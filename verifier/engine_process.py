@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from tandem.engine.step import StepOutput
@@ -125,15 +126,18 @@ class EngineProcess:
 
     def _write(self) -> None:
         while (message := self._outbox.get()) is not None:
-            try:
-                self._commands.send(message)
-            except (OSError, ValueError):  # the child is gone (or joined: the pipe closed): its end came by the reader
-                pass
-            except Exception as e:  # noqa: BLE001 - a message that does not pickle (nothing was written): refused
+            try:  # (Connection.send's two halves: a message that does not pickle is refused, nothing written)
+                data = ForkingPickler.dumps(message)
+            except Exception as e:  # noqa: BLE001 - whatever the pickler raises
                 if message[0] == "add":
                     self._added(message[1], e)
                 else:
                     log.exception("an engine command could not be sent: %s", message[0])
+                continue
+            try:
+                self._commands.send_bytes(data)
+            except (OSError, ValueError):  # the child is gone (or joined: the pipe closed): its end came by the reader
+                pass
 
     # -- the reader thread ------------------------------------------------------------------------
     def _read(self, events) -> None:

@@ -235,7 +235,9 @@ def _dequant_gemv_kernel(
     if SLOTS_PER_ROW > 0:  # the slot's expert comes from the routing kernel: wait for it first if it is the one before
         if not IDS_SETTLED:
             pdl_enter(PDL)
-        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+        # (settled, read before the wait: from L2, where the routing kernel's writes are, never a line an earlier
+        # layer's launch left in this SM's L1 — the graph's ids buffer is the same address in every layer)
+        expert = tl.load(ids_ptr + pid_m, cache_modifier=".cg" if IDS_SETTLED else "").to(tl.int64)
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
     # a thread's word: 32 bits of INT4 or FP8, 16 bytes of a plain weight (see plain_word)
