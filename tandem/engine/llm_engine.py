@@ -167,6 +167,9 @@ class LLMEngine:
         """The policy's decision for the running batch (tandem.speculative.policy); → the step's verify
         width (1: a plain step). Requests that cannot draft in a speculating step are verified as filler
         rows of that width (``DraftTree.padded``), so the batch keeps one width, one graphed forward."""
+        if self.proposer is None:  # target-only: every step plain, as the decision below concludes (~8 µs a step)
+            self.speculating, self._undrafted, self.plain_reason = False, False, "drafter down"
+            return 1
         running = self.scheduler.running
         if not running:  # (the latest decision stands for the prompts about to be admitted)
             self.attachment.idle()
