@@ -14,8 +14,11 @@ from tandem.log_limit import LimitedLog
 log = LimitedLog(logging.getLogger("gateway"))
 
 # A refused connection drops what its client sends for at most this long after the 429, until the client closes: closed
-# with unread bytes, the kernel resets it and the client reads a reset instead of the answer.
+# with unread bytes, the kernel resets it and the client reads a reset instead of the answer. At most LINGER_MAX of a
+# client's refused connections linger so; past them one is closed at once (a client that keeps opening would otherwise
+# hold as many descriptors as it opens in LINGER_S).
 LINGER_S = 2.0
+LINGER_MAX = 8
 _REFUSAL = json.dumps({"error": {"message": "too many open connections from this address (--max-connections-per-address)",
                                   "type": "rate_limit_error", "code": 429}}).encode()
 TOO_MANY_CONNECTIONS = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -41,8 +44,10 @@ class PerAddressLimit:
 
     per_address = 0  # connections one client may hold; 0: no limit
     _open: collections.Counter  # open connections by client_key, one table per server's class
+    _lingering: collections.Counter  # refused connections lingering, by client_key (the same)
     _counted = None  # the client_key this connection is counted against
     _linger = None  # a refused connection's abort timer
+    _lingers_for = None  # the client_key a lingering refused connection is counted against
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -53,9 +58,14 @@ class PerAddressLimit:
             log.warning(("connections", key), "refused a connection from %s: it holds %d already "
                         "(--max-connections-per-address)", key, self._open[key])
             transport.write(TOO_MANY_CONNECTIONS)
+            if self._lingering[key] >= LINGER_MAX:
+                transport.close()
+                return
             if transport.can_write_eof():
                 transport.write_eof()
             self._linger = self.loop.call_later(LINGER_S, transport.abort)
+            self._lingering[key] += 1
+            self._lingers_for = key
             return
         self._open[key] += 1
         self._counted = key
@@ -73,8 +83,9 @@ class PerAddressLimit:
     def connection_lost(self, exc) -> None:
         if self._linger is not None:
             self._linger.cancel()
-        if self._counted is not None:
-            self._open[self._counted] -= 1
-            if not self._open[self._counted]:
-                del self._open[self._counted]  # (clients come and go: the table holds only those with connections)
+        for table, key in ((self._open, self._counted), (self._lingering, self._lingers_for)):
+            if key is not None:
+                table[key] -= 1
+                if not table[key]:
+                    del table[key]  # (clients come and go: the tables hold only those with connections)
         super().connection_lost(exc)

@@ -85,4 +85,4 @@ def http_protocol(per_address: int = 0) -> type:
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type(f"Deadlines{base.__name__}", (PerAddressLimit, _Deadlines, base),
-                {"per_address": per_address, "_open": collections.Counter()})
+                {"per_address": per_address, "_open": collections.Counter(), "_lingering": collections.Counter()})

@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from gateway.connection_limit import client_key
+from gateway.connection_limit import LINGER_MAX, client_key
 from gateway.http_protocol import http_protocol
 
 HEAD_S = 0.5
@@ -160,3 +160,23 @@ def test_a_client_is_its_ipv4_address_or_its_ipv6_64():
     assert client_key(("::ffff:10.1.2.3", 5000, 0, 0)) == "10.1.2.3"
     assert client_key(("fe80::1%eth0", 5000, 0, 2)) == "fe80::/64"
     assert client_key("/tmp/socket") is None and client_key(None) is None
+
+
+def test_refused_connections_that_stay_open_linger_only_so_many():
+    """A client that keeps its refused connections open holds the limit and LINGER_MAX more, however many it opens."""
+    protocol = http_protocol(1)
+    gen = _serve(protocol)
+    server, port = next(gen)
+    conns = [socket.create_connection(("127.0.0.1", port))]
+    try:
+        conns += [socket.create_connection(("127.0.0.1", port)) for _ in range(LINGER_MAX + 12)]
+        deadline = time.monotonic() + 10
+        while protocol._lingering["127.0.0.1"] < LINGER_MAX and time.monotonic() < deadline:
+            time.sleep(0.02)  # (until the server has taken the first refusals ...)
+        time.sleep(0.5)  # (... and the rest)
+        assert protocol._open == {"127.0.0.1": 1} and protocol._lingering == {"127.0.0.1": LINGER_MAX}
+        assert len(server.server_state.connections) == 1 + LINGER_MAX
+    finally:
+        for conn in conns:
+            conn.close()
+        next(gen, None)
