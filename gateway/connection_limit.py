@@ -19,8 +19,9 @@ log = LimitedLog(logging.getLogger("gateway"))
 # hold as many descriptors as it opens in LINGER_S).
 LINGER_S = 2.0
 LINGER_MAX = 8
-_REFUSAL = json.dumps({"error": {"message": "too many open connections from this address (--max-connections-per-address)",
-                                  "type": "rate_limit_error", "code": 429}}).encode()
+_REFUSAL = json.dumps({"error": {
+    "message": "too many open connections from this address (--max-connections-per-address)",
+    "type": "rate_limit_error", "code": 429}}).encode()
 TOO_MANY_CONNECTIONS = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
                         b"content-length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
 
@@ -40,7 +41,8 @@ def client_key(peer) -> str | None:
 
 
 class PerAddressLimit:
-    """Mixed into a uvicorn HTTP protocol ahead of it (``per_address`` and ``_open`` set by its class)."""
+    """Mixed into a uvicorn HTTP protocol ahead of it (``per_address``, ``_open`` and ``_lingering`` set by its class:
+    gateway/http_protocol.py)."""
 
     per_address = 0  # connections one client may hold; 0: no limit
     _open: collections.Counter  # open connections by client_key, one table per server's class

@@ -80,7 +80,8 @@ class Gateway(GatewayContext):
         await warm_up_streaming()  # the first streamed request must not import anyio's backend (gateway/warmup.py)
         self._http = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=cfg.access_log, log_config=None,
                                                    timeout_graceful_shutdown=int(cfg.shutdown_grace_s),
-                                                   timeout_keep_alive=cfg.keep_alive_s, http=http_protocol(cfg.max_connections_per_address),
+                                                   timeout_keep_alive=cfg.keep_alive_s,
+                                                   http=http_protocol(cfg.max_connections_per_address),
                                                    ws="none"))  # (no websocket routes: an upgrade is a plain request)
         self._http.should_exit = self._stop_requested  # (told to stop before it existed: it stops at once)
         http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")

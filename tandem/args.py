@@ -193,8 +193,9 @@ MAX_TOKENS_LIMIT = Flag(("--max-tokens-limit",), dict(
     type=int, default=None, help="largest max_tokens accepted (default: only the model's context bounds it)"))
 MAX_BODY_BYTES = Flag(("--max-body-bytes",), dict(type=int, default=4 << 20, help="largest request body (413 above)"))
 MAX_CONNECTIONS_PER_ADDRESS = Flag(("--max-connections-per-address",), dict(
-    type=int, default=1024, help="open REST connections one client address may hold (more: 429 and closed); 0: no limit. "
-                                 "Behind a proxy every client shares the proxy's address: raise it there"))
+    type=int, default=1024, help="open REST connections one client (its IPv4 address or IPv6 /64) may hold (more: "
+                                 "429 and closed); 0: no limit. Behind a proxy every client shares the proxy's "
+                                 "address: raise it there"))
 MAX_CONCURRENT = Flag(("--max-concurrent-requests",), dict(
     type=int, default=256, help="generations in flight, REST and gRPC together (429 above)"))
 GENERATION_CONFIG = Flag(("--generation-config",), dict(
@@ -299,8 +300,8 @@ API_SERVER_COUNT = Flag(("--api-server-count",), dict(
     action=_refused("one gateway process a stack serves the API (one event loop: REST, gRPC, metrics); for more, run "
                     "more stacks behind a load balancer", no_op="1"), help="refused past 1 (vLLM flag)"))
 GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONNECTIONS_PER_ADDRESS, MAX_CONCURRENT, GENERATION_CONFIG,
-                 LOG_REQUESTS, LOG_REQUESTS_LEVEL, TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS, DISABLE_ACCESS_LOG, ENABLE_METRICS,
-                 TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER, API_SERVER_COUNT)
+                 LOG_REQUESTS, LOG_REQUESTS_LEVEL, TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS,
+                 DISABLE_ACCESS_LOG, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER, API_SERVER_COUNT)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=port, default=None, help="serve Prometheus metrics on this port "
                                                                          "(default: off)"))
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(

@@ -228,8 +228,8 @@ def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """Mixture-of-experts slots (tandem/kernels/moe_slots.py): ``[ids.numel(), n]`` in x's dtype, row ``s`` the
     activation row ``s // slots_per_row`` times the weight of expert ``ids[s]`` (``weight`` / ``scale`` stacked
     per expert in format ``fmt``, one scale per ``block``; a plain weight: no scale). ``swiglu``: as int4_linear's.
-    ``config``: a one-row GEMV tile (bench/slot_gemv_sweep.py), else the default's. ``ids_settled``: no kernel
-    writes ``ids`` between the kernel just before this launch and the routing (the down projection's, after gate
-    and up): the slots' first weights are read before the PDL wait."""
+    ``config``: a one-row GEMV tile (bench/slot_gemv_sweep.py), else the default's. ``ids_settled``: ``ids`` were
+    written before the kernel just before this launch (the down projection's: the gate-up launch came between), so
+    the slots' ids and first weights are read before the PDL wait (tandem/kernels/pdl.py)."""
     return _launch(x, weight, scale, None, n, fmt, block[0], block[1], config, None, ids=ids,
                    slots_per_row=slots_per_row, swiglu=swiglu, ids_settled=ids_settled)

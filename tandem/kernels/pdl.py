@@ -12,10 +12,12 @@ The rule every kernel of tandem.kernels follows so that ordering stays transitiv
 every program calls ``pdl_enter`` before it reads anything a previous kernel wrote, before it writes
 anything, and before any early exit. A kernel that completes has therefore waited for its
 predecessor, which waited for its own, and so on; non-PDL kernels (torch, cuBLAS, NCCL) are ordered as
-usual. By the same chain, what the kernels before the previous one wrote is visible as soon as a grid
-runs (the previous one let it start only after its own wait): only the previous kernel's writes need the
-wait (the experts' down projection reads the routing's ids before it: tandem/kernels/moe_slots.py). Only the kernels' own launches carry the attribute, so a torch op between two of them just
-runs in stream order.
+usual. By the same chain, what the kernels before the previous one wrote has completed and been flushed
+to L2 before a grid runs (the previous one let it start only after its own wait), so the experts' down
+projection reads the routing's ids before its wait, through L2 (``.cg``: CUDA documents the flush as seen
+by the waiting grid; an SM's L1 could hold an older line of the same address; tandem/kernels/moe_slots.py).
+Only the kernels' own launches carry the attribute, so a torch op between two of them just runs in stream
+order.
 
 ``TANDEM_DISABLE_PDL=1`` (or ``set_pdl(False)`` before building an engine, for A/B benchmarks)
 launches every kernel without it; graphs keep what was in force when they were captured.
