@@ -39,10 +39,17 @@ def served():
     yield from _serve(type("Fast", (http_protocol(),), {"head_timeout_s": HEAD_S, "stall_timeout_s": HEAD_S}))
 
 
-def _serve(protocol):
+def _serve(protocol, loop_factory=None):
+    """A uvicorn server with ``protocol`` on a thread of its own (``loop_factory``: its event loop's, as the gateway
+    runs uvloop's; None: asyncio's)."""
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, http=protocol, timeout_keep_alive=30))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+
+    def run():
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(server.serve(sockets=[sock]))
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
@@ -117,11 +124,21 @@ def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
     conn.close()
 
 
-def test_one_address_holds_at_most_its_connections():
-    """Past the limit a connection is answered 429 and closed at once; a connection closed frees its place, and the
-    server's other connections (a request in flight, another server's table) are unaffected."""
+def _loop_factories():
+    try:
+        import uvloop
+    except ImportError:  # (the gateway runs asyncio's loop then)
+        return [None]
+    return [None, uvloop.new_event_loop]
+
+
+@pytest.mark.parametrize("loop_factory", _loop_factories(), ids=lambda f: "asyncio" if f is None else "uvloop")
+def test_one_address_holds_at_most_its_connections(loop_factory):
+    """Past the limit a connection is answered 429 and closed (what it sent dropped, so that the answer arrives, not a
+    reset); a connection closed frees its place, and the server's other connections (a request in flight, another
+    server's table) are unaffected."""
     limit = 2
-    servers = _serve(http_protocol(limit)), _serve(http_protocol(limit))
+    servers = _serve(http_protocol(limit), loop_factory), _serve(http_protocol(limit), loop_factory)
     (server, port), (_, other_port) = (next(s) for s in servers)
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(limit)]
     try:
