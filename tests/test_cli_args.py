@@ -468,7 +468,8 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
                         "--enforce-eager", "--cuda-graph-max-bs", "8", "--kv-pages", "100", "--max-num-seqs", "4",
                         "--prefill-graph-tokens", "64", "--speculation-policy", "always", "--decode-steps", "2", "--log-stats-interval", "5",
                         "--enable-log-requests", "--log-requests-level", "2", "--max-concurrent-requests", "9",
-                        "--generation-config", "vllm", "--max-tokens-limit", "99", "--drafter-metrics-port", "7"]))
+                        "--generation-config", "vllm", "--max-tokens-limit", "99", "--drafter-metrics-port", "7",
+                        "--max-connections-per-address", "12"]))
     parsers = {"drafter": drafter_parser(), "verifier": verifier_parser(), "gateway": gateway_parser()}
     parsed = {name: parsers[name].parse_args(argv[3:]) for name, argv in argvs.items()}  # after "python -m NAME"
     v = parsed["verifier"]
@@ -484,7 +485,7 @@ def test_up_passes_engine_flags_through_in_the_services_own_spelling(folders):
     g = parsed["gateway"]
     assert g.verifier == "127.0.0.1:1"
     assert (g.log_requests, g.log_requests_level, g.max_concurrent_requests, g.generation_config,
-            g.max_tokens_limit, g.max_body_bytes) == (True, 2, 9, "vllm", 99, 4 << 20)
+            g.max_tokens_limit, g.max_body_bytes, g.max_connections_per_address) == (True, 2, 9, "vllm", 99, 4 << 20, 12)
     assert dr.metrics_port == 7
 
 

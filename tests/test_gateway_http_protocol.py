@@ -197,3 +197,11 @@ def test_refused_connections_that_stay_open_linger_only_so_many():
         for conn in conns:
             conn.close()
         next(gen, None)
+
+
+def test_a_negative_limit_is_refused_with_the_flag_named():
+    from gateway.config import GatewayConfig
+    from gateway_harness import tiny_model_dir
+
+    with pytest.raises(ValueError, match="--max-connections-per-address must be 0"):
+        GatewayConfig(verifier="127.0.0.1:1", model_dir=str(tiny_model_dir()), max_connections_per_address=-1)
