@@ -2,7 +2,8 @@
 """Where a batch-1 decode step of the DeepSeek-V2-Lite shape spends its device time, kernel by kernel (``--target``:
 also the quantized Llama-3.1-8B shapes of the ``quant_engines`` section, INT4 or FP8).
 
-Builds the V2-Lite-shaped target as the ``deepseek`` section does (random bf16 weights, MLA + MoE),
+Builds the V2-Lite-shaped target as the ``deepseek`` section does (random bf16 weights, MLA + MoE; ``v2-lite-int4``:
+its routed experts INT4 as the ``quant_engines`` section has them),
 warms it up at batch 1, then records decode steps under torch.profiler (CUDA activity only), once on
 CUDA graphs and once eagerly (``disable_cuda_graph=True``), and prints and writes per mode: the top
 kernels by device time per decoded token (calls per token, µs per token, share of the step), the kernel
@@ -10,8 +11,8 @@ launches per token (and per layer), and the device-busy time per token against t
 token. The wall time is taken over the same number of steps without the profiler (its host overhead
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
-    python3 bench/profile_deepseek.py [--target v2-lite|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
+    python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def skip_kernels(names: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "llama8b-int4", "llama8b-fp8"))
+    ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "v2-lite-int4", "llama8b-int4", "llama8b-fp8"))
     ap.add_argument("--layers", type=int, default=V2_LITE["num_hidden_layers"], help="v2-lite's layers")
     ap.add_argument("--steps", type=int, default=20, help="decoded tokens profiled (and timed) per mode")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per mode")
@@ -202,6 +203,10 @@ def main() -> None:
                          "cut into about this many programs a head (mla_absorb.MERGE_SPLITS_HERE; 0: the merge kernel)")
     ap.add_argument("--skip", default="",
                     help=f"comma-separated kernels not launched, an upper bound on their cost ({', '.join(SKIPPABLE)})")
+    ap.add_argument("--no-side-stream", action="store_true",
+                    help="shared experts run in the main stream's chain (side_stream.SIDE_STREAMS off)")
+    ap.add_argument("--shared-slots", action="store_true",
+                    help="shared experts as routing slots where stored as the routed ones (moe.SHARED_AS_SLOTS on)")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
     skip = [k for k in args.skip.split(",") if k]
@@ -210,6 +215,14 @@ def main() -> None:
     skip_kernels(skip)
     if args.gemv_ahead_k:
         read_ahead(args.gemv_ahead_k)
+    if args.no_side_stream:
+        from tandem.layers import side_stream
+
+        side_stream.SIDE_STREAMS = False
+    if args.shared_slots:
+        from tandem.layers import moe
+
+        moe.SHARED_AS_SLOTS = True
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 
@@ -222,6 +235,11 @@ def main() -> None:
         fields = dict(V2_LITE, num_hidden_layers=args.layers)
         path = deepseek_dir(f"v2-lite-{args.layers}l", fields)  # the deepseek section's folder: same config
         weight_bytes = active_weight_bytes(fields)
+    elif args.target == "v2-lite-int4":  # the quant_engines section's folder: INT4 routed experts, the rest bf16
+        from sections_quant_engines import moe_case
+
+        case = moe_case("v2-lite", dict(V2_LITE, num_hidden_layers=args.layers))
+        fields, path, weight_bytes = {"case": case.name, "num_hidden_layers": args.layers}, case.path, case.weight_bytes
     else:  # the quant_engines section's folder (its layer count: the 8B shape's 32)
         from sections_quant_engines import llama_case
 

@@ -84,6 +84,25 @@ def test_fused_moe_matches_a_per_token_loop(with_add):
     assert norm_rel_err(y, ref) < 1e-5
 
 
+@pytest.mark.parametrize("route_kind", ["slots", "grouped"])
+def test_fused_moe_joins_the_stream_of_add_before_reading_it(route_kind):
+    """``add`` written only when ``join`` runs (as a side stream's output is complete only once joined): the result
+    holds it, so the launch that reads it comes after the join, on both routes; ``join`` runs once."""
+    g = torch.Generator().manual_seed(3)
+    experts, inter, tokens, top_k = 8, 32, 2, 2
+    w13 = ExpertWeights((torch.randn(experts, 2 * inter, HIDDEN, generator=g) * 0.1).to(DEVICE))
+    w2 = ExpertWeights((torch.randn(experts, HIDDEN, inter, generator=g) * 0.1).to(DEVICE))
+    x = torch.randn(tokens, HIDDEN, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    route = torch.rand(tokens, top_k, generator=g).to(DEVICE)
+    shared = torch.randn(tokens, HIDDEN, generator=g).to(DEVICE)
+    tiles = None if route_kind == "slots" else MoeTiles(16, 16, 32, 4, 2)
+    add, joins = torch.zeros_like(shared), []
+    y = fused_moe(x, w13, w2, route, ids, tiles, add=add, join=lambda: joins.append(add.copy_(shared)))
+    want = fused_moe(x, w13, w2, route, ids, tiles, add=shared)
+    assert len(joins) == 1 and torch.equal(y, want)
+
+
 def test_fused_moe_refuses_mismatched_expert_shapes():
     w13, w2 = ExpertWeights(torch.zeros(4, 64, HIDDEN)), ExpertWeights(torch.zeros(4, HIDDEN, 16))
     x, ids, route = torch.zeros(2, HIDDEN), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)
@@ -175,9 +194,22 @@ SHARED_TWO = RoutingConfig(n_routed_experts=8, num_experts_per_tok=3, n_shared_e
                            routed_scaling_factor=2.5)
 
 
+@pytest.fixture
+def shared_as_slots(monkeypatch):
+    """The shared experts as routing slots (off by default: apart, on the side stream; tandem/layers/moe.py)."""
+    monkeypatch.setattr(moe_module, "SHARED_AS_SLOTS", True)
+
+
+def test_shared_experts_run_apart_by_default():
+    moe = build_moe(SHARED_TWO, "plain", torch.float32, seed=4)
+    moe.weights_loaded()
+    assert moe.shared_pieces == 0 and not moe.shared_slots_ready
+    assert moe.expert_weights()[0].weight.shape[0] == SHARED_TWO.n_routed_experts  # no copies stacked behind them
+
+
 @pytest.mark.parametrize("method", ["plain", "int4", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch):
+def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch, shared_as_slots):
     """Two shared experts cut into two pieces stacked behind the routed ones once the weights are in: a decode step
     routes each token to its top 3 and the two pieces (weight 1) in the same slot launches — no shared GEMVs of
     their own — and equals the reference (routed loop plus the shared MLP) on the same weights."""
@@ -199,7 +231,7 @@ def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch
     assert norm_rel_err(got, ref) < 1e-5
 
 
-def test_shared_experts_stay_apart_where_they_are_not_stored_as_the_routed_ones():
+def test_shared_experts_stay_apart_where_they_are_not_stored_as_the_routed_ones(shared_as_slots):
     """Kimi-K2.5's layout (INT4 routed experts, the shared expert in bf16: ``ignore``d by the quantization config),
     and a shared MLP whose width is no multiple of a routed expert's: no pieces, the shared MLP runs on its own."""
     kimi = QuantConfig("compressed-tensors", Int4Group(32), ignore=("re:.*shared_experts.*",))
@@ -214,7 +246,7 @@ def test_shared_experts_stay_apart_where_they_are_not_stored_as_the_routed_ones(
     assert not moe._shared_stackable(1)
 
 
-def test_the_pieces_follow_a_restack_after_a_move():
+def test_the_pieces_follow_a_restack_after_a_move(shared_as_slots):
     moe = build_moe(SHARED_TWO, "plain", torch.float32, seed=5)
     moe.weights_loaded()
     for p in moe.parameters():  # what Module.to() does: new storage for every parameter

@@ -251,11 +251,13 @@ def _grouped_gemm(a, w: ExpertWeights, out, slots, block_expert, route_w, n, slo
 
 
 def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, route_weights: torch.Tensor,
-              ids: torch.Tensor, config: MoeTiles | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+              ids: torch.Tensor, config: MoeTiles | None = None, add: torch.Tensor | None = None,
+              join=None) -> torch.Tensor:
     """``Σ_j route_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = ids[t, j]``:
     ``x [T, H]``, gate_up ``[E, 2I, H]`` (gate rows first), down ``[E, H, I]``, ``route_weights``
     ``[T, k]`` float32, ``ids [T, k]`` → ``[T, H]`` in x's dtype, plus ``add`` ``[T, H]`` if given (added
-    after the sum is rounded to x's dtype)."""
+    after the sum is rounded to x's dtype). ``join``: called just before the launch that reads ``add`` (the
+    stream that writes it joins the current one there: tandem/layers/side_stream.py)."""
     if add is not None and (add.shape != x.shape or add.stride(-1) != 1):
         raise ValueError(f"fused_moe: add {tuple(add.shape)} for x {tuple(x.shape)}")
     if x.dim() != 2 or ids.shape != route_weights.shape or ids.shape[0] != x.shape[0]:
@@ -266,10 +268,12 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     gate_up.check(num_experts, 2 * inter, hidden, "gate_up")
     down.check(num_experts, hidden, inter, "down")
     if tokens == 0:
+        if join is not None:
+            join()
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
     if config is None and slots_apply(tokens * top_k, gate_up, down):
-        return routed_by_slots(x, gate_up, down, route_weights, ids, add)
+        return routed_by_slots(x, gate_up, down, route_weights, ids, add, join)
     cfg = config or default_config(tokens * top_k, num_experts, x.dtype, gate_up.format)
     slots, block_expert = align_by_expert(ids, num_experts, cfg.block_m)
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
@@ -277,4 +281,6 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, rout
     per_slot = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     route_w = route_weights.float().flatten().contiguous()
     _grouped_gemm(act, down, per_slot, slots, block_expert, route_w, hidden, 1, False, True, cfg)
+    if join is not None:
+        join()
     return sum_slots(per_slot, top_k, None, add, x.dtype)

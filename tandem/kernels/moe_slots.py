@@ -55,7 +55,7 @@ def slots_apply(slots: int, gate_up, down) -> bool:
 
 
 def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor, ids: torch.Tensor,
-                    add: torch.Tensor | None = None) -> torch.Tensor:
+                    add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """fused_moe's result (same arguments; ``gate_up`` / ``down``: its ExpertWeights) slot by slot."""
     tokens, hidden = x.shape
     top_k, inter = ids.shape[1], gate_up.weight.shape[1] // 2
@@ -65,6 +65,8 @@ def routed_by_slots(x: torch.Tensor, gate_up, down, route_weights: torch.Tensor,
     # silu(gate) * up read by the down GEMV: no activation launch; the ids settled (the gate-up launch came between)
     per_slot = slot_linear(gate_up_rows, down.weight, down.scale, down.block, down.format, flat_ids, hidden, 1,
                            swiglu=True, ids_settled=True)
+    if join is not None:
+        join()
     return sum_slots(per_slot, top_k, route_weights.float().reshape(-1).contiguous(), add, x.dtype)
 
 

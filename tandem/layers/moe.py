@@ -16,7 +16,15 @@ Quantized checkpoints: each expert's linears take the format its checkpoint name
 INT4 or FP8, shared experts and dense MLPs FP8 or unquantized), held packed and dequantized per call by
 the reference path, per tile by the fused kernel; the router stays float32.
 
-Shared experts as slots: where the shared experts are stored as the routed ones are (same format, and
+Shared experts on a side stream (the default, on the GPU): their two GEMVs depend on nothing the router and the
+routed experts compute, so they run on a second stream (tandem/layers/side_stream.py), forked before the router and
+joined before the launch that adds them; the routed chain's small, latency-bound kernels no longer wait behind them.
+At batch-1 decode on an H100 (docs/benchmarks.md) this made DeepSeek-V2-Lite with INT4 routed experts (bf16 shared
+ones, as Kimi-K2.5 ships them) 1869-1879 µs a token against 2066-2076 in the chain, and the bf16 model 2377-2384
+against 2430-2432 as slots (below).
+
+Shared experts as slots (``SHARED_AS_SLOTS``, off: measured slower than the side stream, and a copy of the shared
+experts a layer): where the shared experts are stored as the routed ones are (same format, and
 ``n_shared_experts`` pieces each shaped as one routed expert), a copy of them, cut into those pieces, is
 stacked behind the routed experts once the weights are loaded (``weights_loaded``; each piece an SwiGLU expert
 of ``moe_intermediate_size``: the intermediate units are independent, the down projection sums them). A decode
@@ -35,8 +43,13 @@ from tandem.distributed import all_reduce
 from tandem.layers.fast_path import use_triton
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
 from tandem.layers.quantized_linear import Fp8BlockFormat, Int4GroupFormat, linear_format
+from tandem.layers.side_stream import side_stream
 from tandem.configs.deepseek import MoeConfig
 from tandem.configs.quantization import QuantConfig
+
+# The shared experts as slots where they can be (see the module); off: apart, on the side stream (an A/B:
+# bench/profile_deepseek.py --shared-slots)
+SHARED_AS_SLOTS = False
 
 
 def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +162,7 @@ class MoE(nn.Module):
     def _shared_stackable(self, pieces: int) -> bool:
         """Whether the shared experts cut into ``pieces`` experts shaped and stored as the routed ones: gate/up rows
         (and their scales) 2 x pieces times a routed expert's, down columns pieces times."""
-        if self.shared_experts is None or pieces < 1:
+        if self.shared_experts is None or pieces < 1 or not SHARED_AS_SLOTS:
             return False
         for proj, dim in (("gate_up_proj", 0), ("down_proj", -1)):
             routed, shared = getattr(self.experts[0], proj), getattr(self.shared_experts, proj)
@@ -241,13 +254,13 @@ class MoE(nn.Module):
         return out
 
     def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     add: torch.Tensor | None = None, experts=None) -> torch.Tensor:
+                     add: torch.Tensor | None = None, experts=None, join=None) -> torch.Tensor:
         """The same share from the fused kernel (device-side grouping, no host synchronisation), plus ``add``;
-        ``experts``: ``expert_weights()`` where the caller has them."""
+        ``experts``: ``expert_weights()`` where the caller has them; ``join``: see fused_moe."""
         from tandem.kernels.fused_moe import fused_moe
 
         gate_up, down = experts or self.expert_weights()
-        return fused_moe(x, gate_up, down, weights, ids, add=add)
+        return fused_moe(x, gate_up, down, weights, ids, add=add, join=join)
 
     def _shared_as_slots(self, x: torch.Tensor, experts) -> bool:
         """Whether this step routes the shared experts' pieces as slots (see the module): a step the slots take."""
@@ -261,6 +274,15 @@ class MoE(nn.Module):
         if experts is not None and self._shared_as_slots(x, experts):
             weights, ids = self.gate(x, extra=self.shared_pieces)
             return all_reduce(self.routed_fused(x, weights, ids, experts=experts))
+        side = side_stream(x) if experts is not None and self.shared_experts is not None else None
+        if side is not None:  # the shared experts beside the routing and the routed experts (side_stream.py)
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts.partial(x)
+            weights, ids = self.gate(x)
+            return all_reduce(self.routed_fused(x, weights, ids, add=shared, experts=experts,
+                                                join=lambda: main.wait_stream(side)))
         weights, ids = self.gate(x)
         shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
         if experts is not None:  # the shared experts' share added in the kernel's last step

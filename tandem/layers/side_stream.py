@@ -1,0 +1,30 @@
+"""A second CUDA stream per device for work a layer can run beside its main chain of kernels.
+
+At batch-1 decode a mixture-of-experts layer is a chain of small dependent kernels (router logits, routing,
+the routed experts' two GEMVs, their sum); the shared experts depend on none of them, so they run on this stream
+(tandem/layers/moe.py), forked from the main stream before the router and joined before the sum that adds them.
+Inside a CUDA graph capture the fork and join become the graph's edges (torch captures side streams that join
+back); eagerly they are two streams' order: ``x`` is read there after the fork, the shared output on the main stream
+after the join, and each stream's later allocations come after the next fork or join, so neither reuses memory the
+other still reads. ``SIDE_STREAMS``: off for an A/B (bench/profile_deepseek.py ``--no-side-stream``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SIDE_STREAMS = True
+
+
+@functools.cache
+def _stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+def side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The side stream of ``x``'s device; None on the CPU or with side streams off."""
+    if not SIDE_STREAMS or not x.is_cuda:
+        return None
+    return _stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
