@@ -16,6 +16,10 @@ import functools
 import torch
 
 SIDE_STREAMS = True
+# Up to this many rows (decode and verify batches, short prompts): beyond, the work is compute-bound with nothing to
+# hide, and the caching allocator would keep a prompt's activations in each stream's pool apart (the KV cache is sized
+# before any serving step, from what is left).
+MAX_ROWS = 512
 
 
 @functools.cache
@@ -24,7 +28,7 @@ def _stream(device_index: int) -> torch.cuda.Stream:
 
 
 def side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """The side stream of ``x``'s device; None on the CPU or with side streams off."""
-    if not SIDE_STREAMS or not x.is_cuda:
+    """The side stream of ``x``'s device; None on the CPU, past ``MAX_ROWS`` rows or with side streams off."""
+    if not SIDE_STREAMS or not x.is_cuda or x.shape[0] > MAX_ROWS:
         return None
     return _stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
