@@ -6,7 +6,9 @@ the routed experts' two GEMVs, their sum); the shared experts depend on none of 
 Inside a CUDA graph capture the fork and join become the graph's edges (torch captures side streams that join
 back); eagerly they are two streams' order: ``x`` is read there after the fork, the shared output on the main stream
 after the join, and each stream's later allocations come after the next fork or join, so neither reuses memory the
-other still reads. ``SIDE_STREAMS``: off for an A/B (bench/profile_deepseek.py ``--no-side-stream``).
+other still reads. That holds as long as only this fork-and-join uses the stream: work queued on it must start after
+a fork from the stream that reads its results, and be joined before they are read. ``SIDE_STREAMS``: off for an A/B
+(bench/profile_deepseek.py ``--no-side-stream``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ MAX_ROWS = 512
 
 @functools.cache
 def _stream(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device_index)
+    """A stream of torch's per-device pool (handed out in turn, 32 of them) that is neither the one this call runs on
+    nor the graphs' capture stream: on either, the fork and join would order nothing apart and the overlap be lost."""
+    from tandem.graph_capture import capture_stream
+
+    taken = {torch.cuda.current_stream(device_index), capture_stream(torch.device("cuda", device_index))}
+    for _ in range(64):
+        stream = torch.cuda.Stream(device=device_index)
+        if stream not in taken:
+            return stream
+    return stream
 
 
 def side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:

@@ -336,3 +336,48 @@ def test_quantized_engines_on_the_gpu_equal_their_float32_twins_on_the_cpu(case,
     (gpu_logits, gpu_greedy), (cpu_logits, cpu_greedy) = results
     assert norm_rel_err(gpu_logits, cpu_logits) < 1e-4
     assert gpu_greedy == cpu_greedy
+
+
+def test_shared_experts_on_the_side_stream_equal_one_chain_however_late_they_finish(monkeypatch):
+    """The shared experts' GEMVs on the side stream (tandem/layers/side_stream.py), held back ~1 ms there, against the
+    same layer with side streams off, bit for bit, eagerly and replayed from a graph on new inputs; the control: with
+    fused_moe's join dropped the eager result reads the shared output before it is written and differs."""
+    from tandem.configs.deepseek import MoeConfig
+    from tandem.kernels import fused_moe as fused_moe_module
+    from tandem.layers import side_stream
+    from tandem.layers.moe import MoE
+    from tandem.models.loader import default_dtype
+
+    cfg = MoeConfig(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, moe_intermediate_size=256,
+                    first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=2.5)
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        moe = MoE(512, cfg, None, "model.layers.1.mlp.")
+    for p in moe.parameters():
+        p.data.normal_(0, 0.05)
+    moe.weights_loaded()
+    partial = moe.shared_experts.partial
+
+    def late(x):
+        torch.cuda._sleep(2_000_000)  # (cycles: ~1 ms, where the routed chain takes tens of µs)
+        return partial(x)
+
+    monkeypatch.setattr(moe.shared_experts, "partial", late)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(1, 512, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    monkeypatch.setattr(side_stream, "SIDE_STREAMS", False)
+    want = [moe(x) for x in xs]
+    monkeypatch.setattr(side_stream, "SIDE_STREAMS", True)
+    assert side_stream.side_stream(xs[0]) is not None
+    assert all(torch.equal(moe(x), w) for x, w in zip(xs, want))
+    static = xs[0].clone()
+    graph, out = capture_graph(lambda: moe(static))
+    for x, w in zip(xs[::-1], want[::-1]):
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(out, w)
+    real = fused_moe_module.fused_moe
+    monkeypatch.setattr(fused_moe_module, "fused_moe", lambda *a, join=None, **k: real(*a, **k))
+    unjoined = [moe(x) for x in xs]
+    torch.cuda.synchronize()
+    assert not all(torch.equal(u, w) for u, w in zip(unjoined, want))
