@@ -275,17 +275,17 @@ class MoE(nn.Module):
             weights, ids = self.gate(x, extra=self.shared_pieces)
             return all_reduce(self.routed_fused(x, weights, ids, experts=experts))
         side = side_stream(x) if experts is not None and self.shared_experts is not None else None
+        join = None
         if side is not None:  # the shared experts beside the routing and the routed experts (side_stream.py)
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared_experts.partial(x)
-            weights, ids = self.gate(x)
-            return all_reduce(self.routed_fused(x, weights, ids, add=shared, experts=experts,
-                                                join=lambda: main.wait_stream(side)))
+            join = lambda: main.wait_stream(side)  # noqa: E731
         weights, ids = self.gate(x)
-        shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
+        if side is None:
+            shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
         if experts is not None:  # the shared experts' share added in the kernel's last step
-            return all_reduce(self.routed_fused(x, weights, ids, add=shared, experts=experts))
+            return all_reduce(self.routed_fused(x, weights, ids, add=shared, experts=experts, join=join))
         out = self.routed_reference(x, weights, ids)
         return all_reduce(out if shared is None else out + shared)
