@@ -281,19 +281,25 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(tokens):
         assert torch.equal(y, fused_moe(x, gate_up, down, route, ids))
 
 
+def random_moe(hidden: int, std: float, **routing):
+    """A bf16 MoE layer on CUDA with DeepSeek-V3's normalised, scaled routing (``routing``: experts, top-k, groups,
+    shared experts, their width) and normal random weights of ``std``."""
+    from tandem.configs.deepseek import MoeConfig
+    from tandem.layers.moe import MoE
+    from tandem.models.loader import default_dtype
+
+    cfg = MoeConfig(first_k_dense_replace=0, moe_layer_freq=1, norm_topk_prob=True, routed_scaling_factor=2.5, **routing)
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        moe = MoE(hidden, cfg, None, "model.layers.1.mlp.")
+    for p in moe.parameters():
+        p.data.normal_(0, std)
+    return moe
+
+
 def test_moe_layer_takes_the_fused_path_on_the_gpu():
     """The layer on CUDA (fused kernel) against its own reference loop, DeepSeek-V3-style grouped routing."""
-    from tandem.models.loader import default_dtype
-    from tandem.layers.moe import MoE
-    from tandem.configs.deepseek import MoeConfig
-
-    cfg = MoeConfig(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
-                    first_k_dense_replace=0, moe_layer_freq=1, n_group=8, topk_group=3, norm_topk_prob=True,
-                    routed_scaling_factor=2.5)
-    with torch.device("cuda"), default_dtype(torch.bfloat16):
-        moe = MoE(2048, cfg, None, "model.layers.1.mlp.")
-    for p in moe.parameters():
-        p.data.normal_(0, 0.02)
+    moe = random_moe(2048, 0.02, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                     moe_intermediate_size=1408, n_group=8, topk_group=3)
     x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
     weights, ids = moe.gate(x)
     assert norm_rel_err(moe.routed_fused(x, weights, ids), moe.routed_reference(x, weights, ids)) < 1e-2
@@ -342,19 +348,11 @@ def test_shared_experts_on_the_side_stream_equal_one_chain_however_late_they_fin
     """The shared experts' GEMVs on the side stream (tandem/layers/side_stream.py), held back ~1 ms there, against the
     same layer with side streams off, bit for bit, eagerly and replayed from a graph on new inputs; the control: with
     fused_moe's join dropped the eager result reads the shared output before it is written and differs."""
-    from tandem.configs.deepseek import MoeConfig
     from tandem.kernels import fused_moe as fused_moe_module
     from tandem.layers import side_stream
-    from tandem.layers.moe import MoE
-    from tandem.models.loader import default_dtype
 
-    cfg = MoeConfig(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, moe_intermediate_size=256,
-                    first_k_dense_replace=0, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
-                    routed_scaling_factor=2.5)
-    with torch.device("cuda"), default_dtype(torch.bfloat16):
-        moe = MoE(512, cfg, None, "model.layers.1.mlp.")
-    for p in moe.parameters():
-        p.data.normal_(0, 0.05)
+    moe = random_moe(512, 0.05, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2,
+                     moe_intermediate_size=256, n_group=1, topk_group=1)
     moe.weights_loaded()
     partial = moe.shared_experts.partial
 
