@@ -12,7 +12,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--absorb-merge", type=int, default=0,
                     help="the absorbed output projection merges the latent attention's splits itself, its value rows "
                          "cut into about this many programs a head (mla_absorb.MERGE_SPLITS_HERE; 0: the merge kernel)")
+    ap.add_argument("--prologue-apart", action="store_true",
+                    help="MLA's prologue in its own launch, not inside absorb_q's (mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
     ap.add_argument("--skip", default="",
                     help=f"comma-separated kernels not launched, an upper bound on their cost ({', '.join(SKIPPABLE)})")
     ap.add_argument("--no-side-stream", action="store_true",
@@ -223,6 +225,10 @@ def main() -> None:
         from tandem.layers import moe
 
         moe.SHARED_AS_SLOTS = True
+    if args.prologue_apart:
+        from tandem.kernels import mla_absorb
+
+        mla_absorb.PROLOGUE_IN_ABSORB_Q = False
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 

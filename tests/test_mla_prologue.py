@@ -90,3 +90,54 @@ def test_shapes_that_do_not_agree_are_refused():
     with pytest.raises(ValueError, match="MLA shapes do not agree"):
         mla_prologue(q, kv_a, torch.ones(m.kv_lora_rank), 1e-6, rotary.cos, rotary.sin, torch.zeros(2, dtype=torch.long),
                      torch.zeros(2, 4, 1, m.cache_dim), torch.zeros(2, dtype=torch.long), True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave,yarn,tokens", [(True, True, 1), (False, False, 7), (True, False, 3)])
+def test_absorb_q_runs_the_prologue_in_its_launch_as_the_prologue_kernel_does(dtype, interleave, yarn, tokens):
+    """absorb_q with a ``Prologue`` (one launch a layer, tandem/kernels/mla_absorb.py) against the reference pieces
+    (norm, rotary, store, einsum) and bit for bit against the two launches it replaces; ``q`` is left unrotated."""
+    from tandem.kernels.mla_absorb import absorb_q
+    from tandem.kernels.mla_prologue import Prologue
+
+    m, heads, page, pages = _mla(interleave, yarn), 5, 4, 6
+    gen = torch.Generator().manual_seed(tokens + 10 * int(interleave))
+    rotary = YarnRotary(m, max_positions=256)
+    weight = (torch.rand(m.kv_lora_rank, generator=gen) + 0.5).to(dtype)
+    w_uk = (torch.randn(heads, m.qk_nope_head_dim, m.kv_lora_rank, generator=gen) * 0.2).to(dtype)
+    q = torch.randn(tokens, heads, m.qk_head_dim, generator=gen).to(dtype)
+    kv_a = torch.randn(tokens, m.cache_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 256, (tokens,), generator=gen)
+    slots = torch.randperm(pages * page, generator=gen)[:tokens]
+    slots[0] = -1  # padding: no store
+    pool = torch.randn(pages, page, 1, m.cache_dim, generator=gen).to(dtype)
+
+    def run(fused: bool):
+        q_in, kv_in, pool_in = q.clone(), kv_a.clone(), pool.clone()
+        p = Prologue(kv_in, weight, 1e-6, rotary.cos, rotary.sin, positions, pool_in, slots, interleave)
+        if fused:
+            return absorb_q(q_in, w_uk, m.kv_lora_rank, p), q_in, kv_in, pool_in
+        mla_prologue(q_in, *p)
+        return absorb_q(q_in, w_uk, m.kv_lora_rank), q_in, kv_in, pool_in
+
+    got, q_after, kv_got, pool_got = run(True)
+    apart, _, kv_apart, pool_apart = run(False)
+    assert torch.equal(q_after, q)  # the query's rope dims rotated on the way out only
+    for a, b in ((got, apart), (kv_got, kv_apart), (pool_got, pool_apart)):
+        assert torch.equal(a, b)
+    # and the reference pieces
+    q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+    norm = RMSNorm(m.kv_lora_rank, 1e-6).to(dtype)
+    norm.weight.data = weight
+    want_latent = torch.cat([norm(c_kv), rotary(positions, k_pe)], dim=-1)
+    want_q = torch.cat([torch.einsum("thn,hnc->thc", q_nope.double(), w_uk.double()).to(dtype),
+                        rotary(positions, q_pe)], -1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert norm_rel_err(got, want_q) < tol and norm_rel_err(kv_got, want_latent) < tol
+    assert torch.equal(got[..., m.kv_lora_rank:], want_q[..., m.kv_lora_rank:])  # the rotary: bit for bit
+    flat, before = pool_got.view(-1, m.cache_dim), pool.view(-1, m.cache_dim)
+    assert norm_rel_err(flat[slots[1:]], want_latent[1:]) < tol
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots[1:]] = False
+    assert torch.equal(flat[untouched], before[untouched])

@@ -182,6 +182,11 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         mab.absorb_q(torch.empty(tokens, heads, 192, dtype=dt), w_uk, 512)
         mab.absorb_out(torch.empty(tokens, heads, 512, dtype=dt), w_uv)
         _report(f"mla_absorb h{heads} t{tokens}", failures)
+        table, at = torch.empty(4096, 32), torch.zeros(tokens, dtype=torch.int64)
+        mab.absorb_q(torch.empty(tokens, heads, 192, dtype=dt), w_uk, 512, mlp.Prologue(
+            torch.empty(tokens, 576, dtype=dt), torch.empty(512, dtype=dt), 1e-6, table, table, at,
+            torch.empty(64, 64, 1, 576, dtype=dt), at, True))
+        _report(f"mla_absorb with the prologue h{heads} t{tokens}", failures)
         for per_head in (4, 8, 16):  # splits merged in absorb_out (MERGE_SPLITS_HERE), value rows cut so (2: spills)
             mab.SPLIT_PROGRAMS_PER_HEAD = per_head
             mab.absorb_out(mla.LatentSplits(torch.empty(8, tokens, heads, 512), torch.empty(8, tokens, heads), dt), w_uv)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.mla_attention import LatentSplits
+from tandem.kernels.mla_prologue import Prologue, _latent_entry, _pair_offsets, _rope_tables, _rotate, prologue_shapes
 from tandem.kernels.paged_attention import _NO_KEY
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 from tandem.kernels.rounding import round_to
@@ -38,40 +39,70 @@ from tandem.kernels.rounding import round_to
 # took about as long as the einsums with their cat and copies on the H200 (bench --sections mla, absorb rows).
 MAX_ROWS = 8
 PROGRAMS_WANTED = 256  # enough programs in flight to stream the weights on Hopper's 132 SMs
+# absorb_q runs the layer's MLA prologue (tandem/kernels/mla_prologue.py) in its own launch, one more program beside
+# the heads' (bench/profile_deepseek.py --prologue-apart: two launches)
+PROLOGUE_IN_ABSORB_Q = True
 MERGE_SPLITS_HERE = False  # the model hands absorb_out the latent attention's splits unmerged (see the module)
 SPLIT_PROGRAMS_PER_HEAD = 4  # ... and each head's value rows are cut into about this many programs, each merging
 
 
 @triton.jit
 def _absorb_q_kernel(
-    q_ptr, w_ptr, out_ptr, num_tokens,
+    q_ptr, w_ptr, out_ptr, num_tokens, num_heads,
     stride_qt, stride_qh, stride_wh, stride_wn, stride_ot, stride_oh,
-    NOPE: tl.constexpr, ROPE: tl.constexpr, KV_LORA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    kv_ptr, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, pool_ptr, eps,  # the prologue's (PROLOGUE)
+    stride_pos, stride_slot, stride_kvt, stride_cos, stride_sin, stride_page, page_size,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, COL_TILES: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_LORA: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    n = tl.arange(0, BLOCK_N)
-    c_ok, n_ok = c < KV_LORA, n < NOPE
-    # the weights are no earlier kernel's output: read them while it finishes
-    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=n_ok[:, None] & c_ok[None, :],
-                other=0.0).to(tl.float32)
-    pdl_enter(PDL)
+    """Programs ``h * COL_TILES + tile``: head h's absorbed query in that column tile (and, in tile 0, its rope
+    dims behind: copied, or rotated where ``PROLOGUE``); with ``PROLOGUE`` one more program, the latent entries of
+    every token (mla_prologue's ``_latent_entry``)."""
+    pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    r = tl.arange(0, BLOCK_R)
-    copies_pe = tl.program_id(1) == 0  # one column tile per head copies the rope dims
-    q_row, out_row = q_ptr + h * stride_qh, out_ptr + h * stride_oh
-    t = 0
-    while t < num_tokens:
-        x = tl.load(q_row + n, mask=n_ok, other=0.0).to(tl.float32)
-        acc = tl.sum(x[:, None] * w, axis=0)
-        tl.store(out_row + c, round_to(acc, dtype).to(dtype), mask=c_ok)
-        if copies_pe:
-            pe = tl.load(q_row + NOPE + r, mask=r < ROPE)
-            tl.store(out_row + KV_LORA + r, pe, mask=r < ROPE)
-        q_row += stride_qt
-        out_row += stride_ot
-        t += 1
+    if pid < num_heads * COL_TILES:
+        h = (pid // COL_TILES).to(tl.int64)
+        c = (pid % COL_TILES) * BLOCK_C + tl.arange(0, BLOCK_C)
+        n = tl.arange(0, BLOCK_N)
+        c_ok, n_ok = c < KV_LORA, n < NOPE
+        # the weights are no earlier kernel's output: read them while it finishes
+        w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        r = tl.arange(0, BLOCK_R)
+        copies_pe = pid % COL_TILES == 0  # one column tile per head writes the rope dims
+        q_row, out_row = q_ptr + h * stride_qh, out_ptr + h * stride_oh
+        t = 0
+        while t < num_tokens:
+            x = tl.load(q_row + n, mask=n_ok, other=0.0).to(tl.float32)
+            acc = tl.sum(x[:, None] * w, axis=0)
+            tl.store(out_row + c, round_to(acc, dtype).to(dtype), mask=c_ok)
+            if copies_pe:
+                if PROLOGUE:  # rotated here, as the prologue kernel rotates q in place
+                    first, second = _pair_offsets(ROPE // 2, INTERLEAVE)
+                    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+                    cos, sin = _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, ROPE // 2, dtype)
+                    pe1, pe2 = _rotate(tl.load(q_row + NOPE + first).to(tl.float32),
+                                       tl.load(q_row + NOPE + second).to(tl.float32), cos, sin, dtype)
+                    tl.store(out_row + KV_LORA + first, pe1)
+                    tl.store(out_row + KV_LORA + second, pe2)
+                else:
+                    pe = tl.load(q_row + NOPE + r, mask=r < ROPE)
+                    tl.store(out_row + KV_LORA + r, pe, mask=r < ROPE)
+            q_row += stride_qt
+            out_row += stride_ot
+            t += 1
+    elif PROLOGUE:
+        pdl_enter(PDL)
+        t = 0
+        while t < num_tokens:
+            pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+            cos, sin = _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, ROPE // 2, dtype)
+            slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+            _latent_entry(kv_ptr + t * stride_kvt, norm_w_ptr, cos, sin, slot, pool_ptr, eps, stride_page, page_size,
+                          KV_LORA, BLOCK_LORA, ROPE // 2, INTERLEAVE)
+            t += 1
 
 
 @triton.jit
@@ -131,9 +162,12 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"{name} needs contiguous last dimensions")
 
 
-def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int) -> torch.Tensor:
+def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int, prologue: Prologue | None = None) -> torch.Tensor:
     """``q`` [T, H, nope + rope] (any strides but the last), ``w_uk`` [H, nope, kv_lora] (a view of kv_b's
-    weight) → ``[q_nope @ w_uk, q_pe]`` [T, H, kv_lora + rope], contiguous, in q's dtype."""
+    weight) → ``[q_nope @ w_uk, q_pe]`` [T, H, kv_lora + rope], contiguous, in q's dtype. With ``prologue``, the
+    layer's MLA prologue in the same launch (one dependent kernel fewer a layer): ``q_pe`` rotated on its way out
+    (``q`` itself is left as it is) and the latent entries normalised, rotated and stored as ``mla_prologue(q,
+    *prologue)`` does."""
     tokens, heads, head_dim = q.shape
     nope = w_uk.shape[1]
     if w_uk.shape != (heads, nope, kv_lora) or head_dim <= nope:
@@ -142,13 +176,21 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, kv_lora: int) -> torch.Tensor:
     _check("absorb_q", q, w_uk)
     rope = head_dim - nope
     out = torch.empty(tokens, heads, kv_lora + rope, dtype=q.dtype, device=q.device)
+    if prologue is not None and prologue_shapes(q, *prologue[:5], prologue.pool) != (kv_lora, rope // 2):
+        raise ValueError(f"absorb_q: the prologue's latent is not kv_lora {kv_lora} + rope {rope}")
     if tokens == 0:
         return out
     block_c = _tile(heads, kv_lora, 64, 16)
-    _absorb_q_kernel[(heads, triton.cdiv(kv_lora, block_c))](
-        q, w_uk, out, tokens, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1),
+    col_tiles = triton.cdiv(kv_lora, block_c)
+    p = prologue if prologue is not None else Prologue(q, w_uk, 0.0, q, q, q, q, q, False)  # (unread)
+    _absorb_q_kernel[(heads * col_tiles + (prologue is not None),)](
+        q, w_uk, out, tokens, heads, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0),
+        out.stride(1), p.kv_a, p.norm_weight, p.cos, p.sin, p.positions, p.slot_mapping, p.pool, p.eps,
+        p.positions.stride(0), p.slot_mapping.stride(0), p.kv_a.stride(0), p.cos.stride(0), p.sin.stride(0),
+        p.pool.stride(0), p.pool.shape[1] if prologue is not None else 1,
         NOPE=nope, ROPE=rope, KV_LORA=kv_lora, BLOCK_N=triton.next_power_of_2(nope),
-        BLOCK_R=triton.next_power_of_2(rope), BLOCK_C=block_c, num_warps=4, **pdl_launch(q),
+        BLOCK_R=triton.next_power_of_2(rope), BLOCK_C=block_c, COL_TILES=col_tiles, PROLOGUE=prologue is not None,
+        BLOCK_LORA=triton.next_power_of_2(kv_lora), INTERLEAVE=p.interleave, num_warps=4, **pdl_launch(q),
     )
     return out
 

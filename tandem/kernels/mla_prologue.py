@@ -17,6 +17,8 @@ positions and slots are read through their strides; a negative slot skips the st
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +44,43 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Position ``pos``'s cos and sin [HALF], cast to ``dtype`` as the reference casts them."""
+    i = tl.arange(0, HALF)
+    return (round_to(tl.load(cos_ptr + pos * stride_cos + i), dtype),
+            round_to(tl.load(sin_ptr + pos * stride_sin + i), dtype))
+
+
+@triton.jit
+def _latent_entry(kv_row, w_ptr, cos, sin, slot, pool_ptr, eps, stride_page, page_size, KV_LORA: tl.constexpr,
+                  BLOCK_LORA: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """One token's latent entry: ``kv_row``'s latent normalised and its key's rope dims rotated, written back in
+    place and, where ``slot`` is not negative, stored into the pool."""
+    first, second = _pair_offsets(HALF, INTERLEAVE)
+    c = tl.arange(0, BLOCK_LORA)
+    c_ok = c < KV_LORA
+    x = tl.load(kv_row + c, mask=c_ok, other=0.0)
+    x32 = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x32 * x32, 0) / KV_LORA + eps)
+    w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    latent = round_to(round_to(x32 * inv, x.dtype) * w, x.dtype).to(kv_row.dtype.element_ty)
+    tl.store(kv_row + c, latent, mask=c_ok)
+
+    k1 = tl.load(kv_row + KV_LORA + first).to(tl.float32)
+    k2 = tl.load(kv_row + KV_LORA + second).to(tl.float32)
+    k1, k2 = _rotate(k1, k2, cos, sin, kv_row.dtype.element_ty)
+    tl.store(kv_row + KV_LORA + first, k1)
+    tl.store(kv_row + KV_LORA + second, k2)
+
+    if slot >= 0:
+        entry = pool_ptr + (slot // page_size) * stride_page + (slot % page_size) * (KV_LORA + 2 * HALF)
+        pool_ty = pool_ptr.dtype.element_ty
+        tl.store(entry + c, latent.to(pool_ty), mask=c_ok)
+        tl.store(entry + KV_LORA + first, k1.to(pool_ty))
+        tl.store(entry + KV_LORA + second, k2.to(pool_ty))
+
+
+@triton.jit
 def _mla_prologue_kernel(
     q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, pool_ptr,
     num_heads, eps, stride_pos, stride_slot, stride_qt, stride_qh, stride_kvt, stride_cos, stride_sin,
@@ -52,10 +91,7 @@ def _mla_prologue_kernel(
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    i = tl.arange(0, HALF)
-    dtype = q_ptr.dtype.element_ty
-    cos = round_to(tl.load(cos_ptr + pos * stride_cos + i), dtype)  # the reference's cast to x's dtype
-    sin = round_to(tl.load(sin_ptr + pos * stride_sin + i), dtype)
+    cos, sin = _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, HALF, q_ptr.dtype.element_ty)
     first, second = _pair_offsets(HALF, INTERLEAVE)
 
     # the query's rope dims, every head
@@ -64,49 +100,31 @@ def _mla_prologue_kernel(
     q_row = q_ptr + t * stride_qt + h[:, None] * stride_qh + NOPE
     q1 = tl.load(q_row + first[None, :], mask=h_ok, other=0.0).to(tl.float32)
     q2 = tl.load(q_row + second[None, :], mask=h_ok, other=0.0).to(tl.float32)
-    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], dtype)
+    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr.dtype.element_ty)
     tl.store(q_row + first[None, :], q1, mask=h_ok)
     tl.store(q_row + second[None, :], q2, mask=h_ok)
 
-    # the latent, normalised
-    kv_row = kv_ptr + t * stride_kvt
-    c = tl.arange(0, BLOCK_LORA)
-    c_ok = c < KV_LORA
-    x = tl.load(kv_row + c, mask=c_ok, other=0.0)
-    x32 = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(x32 * x32, 0) / KV_LORA + eps)
-    w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    latent = round_to(round_to(x32 * inv, x.dtype) * w, x.dtype).to(kv_ptr.dtype.element_ty)
-    tl.store(kv_row + c, latent, mask=c_ok)
-
-    # the key's rope dims
-    k1 = tl.load(kv_row + KV_LORA + first).to(tl.float32)
-    k2 = tl.load(kv_row + KV_LORA + second).to(tl.float32)
-    k1, k2 = _rotate(k1, k2, cos, sin, kv_ptr.dtype.element_ty)
-    tl.store(kv_row + KV_LORA + first, k1)
-    tl.store(kv_row + KV_LORA + second, k2)
-
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
-    if slot >= 0:
-        entry = pool_ptr + (slot // page_size) * stride_page + (slot % page_size) * (KV_LORA + 2 * HALF)
-        pool_ty = pool_ptr.dtype.element_ty
-        tl.store(entry + c, latent.to(pool_ty), mask=c_ok)
-        tl.store(entry + KV_LORA + first, k1.to(pool_ty))
-        tl.store(entry + KV_LORA + second, k2.to(pool_ty))
+    _latent_entry(kv_ptr + t * stride_kvt, w_ptr, cos, sin, slot, pool_ptr, eps, stride_page, page_size, KV_LORA,
+                  BLOCK_LORA, HALF, INTERLEAVE)
 
 
-def mla_prologue(
-    q: torch.Tensor,  # [T, H, nope + rope]: rope dims rotated in place
-    kv_a: torch.Tensor,  # [T, kv_lora + rope]: latent normalised and key rotated in place
-    norm_weight: torch.Tensor,  # [kv_lora]
-    eps: float,
-    cos: torch.Tensor,  # float32 [max_pos, rope / 2] (YarnRotary.cos)
-    sin: torch.Tensor,
-    positions: torch.Tensor,  # [T]
-    pool: torch.Tensor,  # [num_pages, page_size, 1, kv_lora + rope] (or without the 1)
-    slot_mapping: torch.Tensor,  # [T]: page * page_size + offset; negative = skip
-    interleave: bool,
-) -> None:
+class Prologue(NamedTuple):
+    """What ``mla_prologue`` takes besides the query (tandem/kernels/mla_absorb.py's absorb_q takes it too)."""
+    kv_a: torch.Tensor  # [T, kv_lora + rope]: latent normalised and key rotated in place
+    norm_weight: torch.Tensor  # [kv_lora]
+    eps: float
+    cos: torch.Tensor  # float32 [max_pos, rope / 2] (YarnRotary.cos)
+    sin: torch.Tensor
+    positions: torch.Tensor  # [T]
+    pool: torch.Tensor  # [num_pages, page_size, 1, kv_lora + rope] (or without the 1)
+    slot_mapping: torch.Tensor  # [T]: page * page_size + offset; negative = skip
+    interleave: bool
+
+
+def prologue_shapes(q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, pool: torch.Tensor) -> tuple[int, int]:
+    """``(kv_lora, rope / 2)`` of a prologue's tensors, or a ValueError saying what does not agree."""
     num_tokens, heads, head_dim = q.shape
     kv_lora, half = norm_weight.shape[0], cos.shape[1]
     rope = 2 * half
@@ -121,12 +139,20 @@ def mla_prologue(
     for name, x in (("q", q), ("kv_a", kv_a), ("cos", cos), ("sin", sin), ("norm_weight", norm_weight)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
+    return kv_lora, half
+
+
+def mla_prologue(q: torch.Tensor, *prologue) -> None:
+    """``q`` [T, H, nope + rope], its rope dims rotated in place; ``prologue``: the fields of ``Prologue``."""
+    kv_a, norm_weight, eps, cos, sin, positions, pool, slot_mapping, interleave = Prologue(*prologue)
+    kv_lora, half = prologue_shapes(q, kv_a, norm_weight, eps, cos, sin, pool)
+    num_tokens, heads, head_dim = q.shape
     if num_tokens == 0:
         return
     _mla_prologue_kernel[(num_tokens,)](
         q, kv_a, norm_weight, cos, sin, positions, slot_mapping, pool,
         heads, eps, positions.stride(0), slot_mapping.stride(0), q.stride(0), q.stride(1), kv_a.stride(0),
         cos.stride(0), sin.stride(0), pool.stride(0), pool.shape[1],
-        NOPE=head_dim - rope, KV_LORA=kv_lora, BLOCK_LORA=triton.next_power_of_2(kv_lora), HALF=half,
+        NOPE=head_dim - 2 * half, KV_LORA=kv_lora, BLOCK_LORA=triton.next_power_of_2(kv_lora), HALF=half,
         BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave, num_warps=4, **pdl_launch(q),
     )

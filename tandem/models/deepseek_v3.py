@@ -104,12 +104,21 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(-1, heads, m.qk_head_dim)
         pool, _ = kv.layer(self.layer_id)
-        if backend.fused_prologue:  # norm, both rotaries and the store in one launch, in place in q and kv_a
-            from tandem.kernels.mla_prologue import mla_prologue
+        absorb = None  # the kernels for a few rows (tandem/kernels/mla_absorb.py), else the einsums
+        if backend.fused_absorb and not backend.plain_prefill:
+            from tandem.kernels import mla_absorb
+
+            absorb = mla_absorb if q.shape[0] <= mla_absorb.MAX_ROWS else None
+        prologue = None  # norm, both rotaries and the store in one launch (in place in q and kv_a) ...
+        if backend.fused_prologue:
+            from tandem.kernels.mla_prologue import Prologue, mla_prologue
 
             norm = self.kv_a_layernorm
-            mla_prologue(q, kv_a, norm.weight, norm.eps, self.rotary.cos, self.rotary.sin, positions, pool,
-                         meta.slot_mapping, self.rotary.interleave)
+            prologue = Prologue(kv_a, norm.weight, norm.eps, self.rotary.cos, self.rotary.sin, positions, pool,
+                                meta.slot_mapping, self.rotary.interleave)
+            if absorb is None or not absorb.PROLOGUE_IN_ABSORB_Q:  # ... or inside absorb_q's (q left unrotated)
+                mla_prologue(q, *prologue)
+                prologue = None
         else:
             c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
             kv_a = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(positions, k_pe)], dim=-1)
@@ -127,13 +136,8 @@ class MLAttention(nn.Module):
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
             out = backend.forward_plain(q, k, v, meta, self.scale)
         else:
-            absorb = None  # the kernels for a few rows (tandem/kernels/mla_absorb.py), else the einsums
-            if backend.fused_absorb:
-                from tandem.kernels import mla_absorb
-
-                absorb = mla_absorb if q.shape[0] <= mla_absorb.MAX_ROWS else None
             if absorb is not None:
-                q_absorbed = absorb.absorb_q(q, w_uk, m.kv_lora_rank)  # [q_nope W_UK, q_pe]
+                q_absorbed = absorb.absorb_q(q, w_uk, m.kv_lora_rank, prologue)  # [q_nope W_UK, q_pe]
             else:
                 q_absorbed = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
             # [T, H, kv_lora] (or its splits unmerged, for the absorb kernel to merge: mla_absorb.MERGE_SPLITS_HERE)
