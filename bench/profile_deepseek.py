@@ -12,7 +12,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -187,6 +187,25 @@ def skip_kernels(names: list[str]) -> None:
         moe_route.noaux_route = route
 
 
+def slot_tiles(spec: str) -> None:
+    """The routed experts' slot GEMVs (tandem/kernels/moe_slots.py) with the given tiles: gate-up (the first GEMV,
+    no swiglu) and down (reading silu(gate) * up) apart."""
+    from tandem.kernels import moe_slots
+    from tandem.kernels.dequant_configs import DequantConfig
+
+    tiles = {}
+    for part in spec.split(";"):
+        name, numbers = part.split(":")
+        bn, bk, warps, stages, split = (int(v) for v in numbers.split(","))
+        tiles[name.strip()] = DequantConfig(1, bn, bk, num_warps=warps, num_stages=stages, split_k=split, kernel="gemv")
+    original = moe_slots.slot_linear
+
+    def tiled(*args, swiglu=False, **kwargs):
+        return original(*args, swiglu=swiglu, config=tiles.get("down" if swiglu else "gate_up"), **kwargs)
+
+    moe_slots.slot_linear = tiled
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "v2-lite-int4", "llama8b-int4", "llama8b-fp8"))
@@ -201,6 +220,9 @@ def main() -> None:
     ap.add_argument("--absorb-merge", type=int, default=0,
                     help="the absorbed output projection merges the latent attention's splits itself, its value rows "
                          "cut into about this many programs a head (mla_absorb.MERGE_SPLITS_HERE; 0: the merge kernel)")
+    ap.add_argument("--slot-tile", default="",
+                    help="the experts' slot GEMVs take this tile: 'gate_up:BN,BK,WARPS,STAGES,SPLIT;down:...' (either "
+                         "part; bench/slot_gemv_sweep.py's tiles; default: dequant_configs.default_config)")
     ap.add_argument("--prologue-apart", action="store_true",
                     help="MLA's prologue in its own launch, not inside absorb_q's (mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
     ap.add_argument("--skip", default="",
@@ -225,6 +247,8 @@ def main() -> None:
         from tandem.layers import moe
 
         moe.SHARED_AS_SLOTS = True
+    if args.slot_tile:
+        slot_tiles(args.slot_tile)
     if args.prologue_apart:
         from tandem.kernels import mla_absorb
 
