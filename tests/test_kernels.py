@@ -393,6 +393,43 @@ def test_gemv_reading_several_weight_tiles_before_the_wait_matches_linear(k, ste
         gemv(torch.zeros(2, k), w.cpu(), config=GemvConfig("rows", block_n=8, block_k=64, prefetch_steps=steps))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,block_k,steps,normed_out", [(256, 64, 1, True), (200, 64, 1, False), (256, 64, 3, True),
+                                                         (96, 128, 1, True)])
+def test_gemv_applies_its_input_norm_as_the_norm_kernel_rounds_it(dtype, k, block_k, steps, normed_out):
+    """``norm=``: the product with RMSNorm(x + residual) (RMSNorm's formula after the model's add, float64 after it),
+    the residual stream written once, and the normalised row where asked — equal to the norm kernel's output bit for
+    bit in float32 and to an ulp in bf16 (the mean square sums in another order); K ragged, shorter than one step, or
+    read partly before the wait; outputs poisoned first."""
+    from tandem.kernels.gemv import GemvConfig, InputNorm, gemv
+    from tandem.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(k + block_k + steps)
+    x, res = (torch.randn(1, k, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    w = (torch.randn(40, k, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    stream, normed = (torch.full((1, k), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
+    cfg = GemvConfig("rows", block_n=8, block_k=block_k, prefetch_steps=steps)
+    y = gemv(x, w, config=cfg, norm=InputNorm(res, g, 1e-6, stream, normed if normed_out else None))
+    ref = RMSNorm(k, 1e-6).to(dtype).to(DEVICE)
+    ref.weight.data = g
+    want_x, want_stream = ref(x, res)
+    assert torch.equal(stream, want_stream)
+    assert norm_rel_err(y, F.linear(want_x.double(), w.double())) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if normed_out:
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+        assert ((normed.float() - want_x.float()).abs() <= ulp * want_x.float().abs()).all()
+        kernel_x, _ = rms_norm(x, g, 1e-6, residual=res)
+        if dtype == torch.float32:
+            assert torch.allclose(normed, kernel_x, rtol=2.0 ** -22, atol=0)
+    else:
+        assert normed.isnan().all()
+    with pytest.raises(ValueError, match="one contiguous row"):
+        gemv(x.expand(2, k), w, config=GemvConfig("rows", block_n=8, block_k=64), norm=InputNorm(res, g, 1e-6, stream))
+    with pytest.raises(ValueError, match="'rows' kernel only"):
+        gemv(x, w, config=GemvConfig("dot", block_n=16, block_k=64), norm=InputNorm(res, g, 1e-6, stream))
+
+
 def test_gemv_rejects_bad_shapes():
     from tandem.kernels.gemv import GemvConfig, gemv
 

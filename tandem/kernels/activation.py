@@ -42,6 +42,20 @@ def activation_load(x_ptrs, mask, SWIGLU: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def residual_sum(x_ptrs, res_ptrs, mask, DTYPE: tl.constexpr):
+    """``x + residual`` in float32 holding ``DTYPE``'s rounding (the residual stream, as the model adds it)."""
+    return round_to(load_f32(x_ptrs, mask) + load_f32(res_ptrs, mask), DTYPE)
+
+
+@triton.jit
+def normed_load(x_ptrs, res_ptrs, g_ptrs, mask, inv, DTYPE: tl.constexpr):
+    """RMSNorm's output at these columns of ``x + residual`` whose rsqrt(mean square + eps) is ``inv``, in float32
+    holding tandem/kernels/norm.py's roundings: the sum, the normalised value, its product with the weight ``g``."""
+    h = residual_sum(x_ptrs, res_ptrs, mask, DTYPE)
+    return round_to(round_to(h * inv, DTYPE) * load_f32(g_ptrs, mask), DTYPE)
+
+
+@triton.jit
 def load_f32(ptrs, mask):
     """A load in float32, masked (zeros outside) unless ``mask`` is None (unmasked loads vectorise freely)."""
     if mask is None:
@@ -55,6 +69,17 @@ def load_f32(ptrs, mask):
 # columns) spent ~7 us a layer on it, ~0.5 ps an activation: 4 Mi recomputed activations cost ~2 us, about the launch
 # saved. Above, the GEMV wrappers run this module's kernel first and the GEMV on its output.
 SWIGLU_FOLD_MAX = 4 << 20
+
+
+# A GEMV that applies its input's RMSNorm (gemv.py's NORM) reads x + residual twice in every program (the mean square,
+# then the normalised products) and rounds three times a column: about twice silu's work an activation, so half the
+# budget (unmeasured: the ratio is the instruction count's).
+NORM_FOLD_MAX = SWIGLU_FOLD_MAX // 2
+
+
+def fold_norm(recomputed: int) -> bool:
+    """Whether a one-row GEMV whose programs read ``recomputed`` activations in all applies its input's norm itself."""
+    return recomputed <= NORM_FOLD_MAX
 
 
 def fold_swiglu(recomputed: int) -> bool:

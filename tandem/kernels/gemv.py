@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import activation_load, fold_swiglu, silu_and_mul
+from tandem.kernels.activation import activation_load, fold_swiglu, normed_load, residual_sum, silu_and_mul
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -63,14 +63,28 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
+def _gemv_input(x_ptrs, off, mask, SWIGLU: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, r_ptrs, g_ptrs, inv):
+    """The activations at column offset ``off`` in float32: loaded, silu(gate) * up (``SWIGLU``), or RMSNorm's output
+    of x + residual (``NORM``: ``inv`` its rsqrt(mean square + eps))."""
+    if NORM:
+        return normed_load(x_ptrs + off, r_ptrs + off, g_ptrs + off, mask, inv, x_ptrs.dtype.element_ty)
+    else:
+        return activation_load(x_ptrs + off, mask, SWIGLU, K)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
+    r_ptr, g_ptr, stream_ptr, normed_ptr, eps,
     K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SWIGLU: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, NORM: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
 ):
     """``SWIGLU``: x holds ``[gate | up]`` rows of 2K; the product is with ``silu(gate) * up`` (swiglu_load).
-    ``PREFETCH``: weight tiles read before the PDL wait (more than one: ROWS 1 only), held in their dtype."""
+    ``PREFETCH``: weight tiles read before the PDL wait (more than one: ROWS 1 only), held in their dtype.
+    ``NORM`` (ROWS 1): the product is with RMSNorm(x + residual) by the weight ``g`` (tandem/kernels/norm.py's
+    roundings): every program reads the row once for its mean square, program 0 writing ``x + residual`` to
+    ``stream`` (and, ``NORM_OUT``, the normalised row to ``normed`` as it multiplies it), then multiplies as usual."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last block re-reads valid rows instead of masking its loads; only its store is masked.
@@ -91,20 +105,38 @@ def _gemv_rows_kernel(
         else:
             ahead += (tl.load(w_ptrs + i * BLOCK_K, mask=(i * BLOCK_K + offs_k < K)[None, :], other=0.0),)
     pdl_enter(PDL)
-    x0 = activation_load(x_ptrs, m_ok[:, None] & first_ok[None, :], SWIGLU, K)
+    r_ptrs, g_ptrs, inv = x_ptrs, x_ptrs, 1.0
+    if NORM:  # (ROWS 1) the row's mean square first; program 0 keeps the residual stream
+        r_ptrs, g_ptrs = r_ptr + offs_k[None, :], g_ptr + offs_k[None, :]
+        squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_ok = None if EVEN_K else ((k + offs_k) < K)[None, :]
+            h = residual_sum(x_ptrs + k, r_ptrs + k, k_ok, x_ptr.dtype.element_ty)
+            squares += h * h
+            if pid == 0:
+                tl.store(stream_ptr + k + offs_k[None, :], h.to(stream_ptr.dtype.element_ty), mask=k_ok)
+        inv = tl.math.rsqrt(tl.sum(squares) / K + eps)
+    x0 = _gemv_input(x_ptrs, 0, m_ok[:, None] & first_ok[None, :], SWIGLU, K, NORM, r_ptrs, g_ptrs, inv)
     if ROWS == 1:
+        if NORM_OUT and pid == 0:
+            tl.store(normed_ptr + offs_k[None, :], x0.to(normed_ptr.dtype.element_ty), mask=first_ok[None, :])
         acc = w0 * x0  # [BLOCK_N, BLOCK_K] (x0 is [1, BLOCK_K])
         for i in tl.static_range(1, PREFETCH):
             x_ok = None if EVEN_K else (i * BLOCK_K + offs_k < K)[None, :]
-            acc += ahead[i - 1].to(tl.float32) * activation_load(x_ptrs + i * BLOCK_K, x_ok, SWIGLU, K)
+            xv = _gemv_input(x_ptrs, i * BLOCK_K, x_ok, SWIGLU, K, NORM, r_ptrs, g_ptrs, inv)
+            if NORM_OUT and pid == 0:
+                tl.store(normed_ptr + i * BLOCK_K + offs_k[None, :], xv.to(normed_ptr.dtype.element_ty), mask=x_ok)
+            acc += ahead[i - 1].to(tl.float32) * xv
         for k in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             if EVEN_K:
+                k_ok = None
                 w = tl.load(w_ptrs + k)
-                xv = activation_load(x_ptrs + k, None, SWIGLU, K)
             else:
-                k_ok = (k + offs_k) < K
-                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-                xv = activation_load(x_ptrs + k, k_ok[None, :], SWIGLU, K)
+                k_ok = ((k + offs_k) < K)[None, :]
+                w = tl.load(w_ptrs + k, mask=k_ok, other=0.0)
+            xv = _gemv_input(x_ptrs, k, k_ok, SWIGLU, K, NORM, r_ptrs, g_ptrs, inv)
+            if NORM_OUT and pid == 0:
+                tl.store(normed_ptr + k + offs_k[None, :], xv.to(normed_ptr.dtype.element_ty), mask=k_ok)
             acc += w.to(tl.float32) * xv
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -162,6 +194,29 @@ def _gemv_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
+@dataclass(frozen=True)
+class InputNorm:
+    """RMSNorm of ``x + residual`` applied by the one-row GEMV to its input (``gemv(..., norm=)``)."""
+    residual: torch.Tensor  # [1, K], the GEMV's x its other half
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+    stream: torch.Tensor  # [1, K]: x + residual is written here (may alias residual)
+    normed: torch.Tensor | None = None  # [1, K]: the normalised row too, where other layers read it
+
+    def check(self, x: torch.Tensor) -> None:
+        k = x.shape[1]
+        if x.shape[0] != 1 or not x.is_contiguous():
+            raise ValueError(f"gemv applies an input norm to one contiguous row, got {tuple(x.shape)}")
+        for name in ("residual", "stream", "normed"):
+            t = getattr(self, name)
+            if t is not None and (t.shape != x.shape or not t.is_contiguous() or t.dtype != x.dtype):
+                raise ValueError(f"gemv's input norm: {name} {tuple(t.shape)} {t.dtype} is not like x "
+                                 f"{tuple(x.shape)} {x.dtype}, contiguous")
+        if self.weight.shape != (k,) or self.weight.dtype != x.dtype or self.weight.stride(0) != 1:
+            raise ValueError(f"gemv's input norm: weight {tuple(self.weight.shape)} {self.weight.dtype}, "
+                             f"expected ({k},) {x.dtype}")
+
+
 def gemv(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS, last dim contiguous
     weight: torch.Tensor,  # [N, K], contiguous rows
@@ -171,6 +226,7 @@ def gemv(
     pdl: bool | None = None,  # programmatic dependent launch; None: tandem.kernels.pdl decides
     swiglu: bool = False,  # x is [M, 2K] = [gate | up]: multiply silu(gate) * up (read by the "rows" kernel where
     # fold_swiglu allows, else computed first)
+    norm: InputNorm | None = None,  # multiply RMSNorm(x + norm.residual) instead: one row, the "rows" kernel
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if swiglu else 1):
         raise ValueError(f"gemv takes x [M, K] ([M, 2K] with swiglu) and weight [N, K], got {tuple(x.shape)} and "
@@ -181,6 +237,10 @@ def gemv(
         raise ValueError("gemv reads several weight tiles ahead in the 'rows' kernel at one row only")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs the last dim of x and weight contiguous")
+    if norm is not None:
+        norm.check(x)
+        if swiglu or config.kernel != "rows":
+            raise ValueError("gemv applies an input norm in the 'rows' kernel only, without swiglu")
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if not 0 < m <= MAX_ROWS:
@@ -194,10 +254,14 @@ def gemv(
     even_k = k % config.block_k == 0
     args = (x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0))
     if config.kernel == "rows":
+        normed = norm.normed if norm is not None else None
+        norm_args = ((norm.residual, norm.weight, norm.stream, normed if normed is not None else x, norm.eps)
+                     if norm is not None else (x, x, x, x, 0.0))
         _gemv_rows_kernel[grid](
-            *args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
+            *args, *norm_args, K=k, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, EVEN_K=even_k,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, SWIGLU=swiglu,
-            PREFETCH=min(config.prefetch_steps, triton.cdiv(k, config.block_k)), **pdl_args,
+            PREFETCH=min(config.prefetch_steps, triton.cdiv(k, config.block_k)), NORM=norm is not None,
+            NORM_OUT=normed is not None, **pdl_args,
         )
     else:
         _gemv_dot_kernel[grid](
