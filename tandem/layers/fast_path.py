@@ -18,6 +18,9 @@ import os
 
 import torch
 
+# A layer's input RMSNorm applied by the one-row GEMV of its first projection where that GEMV allows
+# (tandem/layers/linear.py's norm_gemv_config): one launch a norm fewer at batch-1 decode
+FUSE_INPUT_NORMS = True
 _gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "1")))  # the kernel handles 16 rows at most
 
 

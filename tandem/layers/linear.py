@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import all_reduce, divide, tp_group
-from tandem.layers import gemv_routes
+from tandem.layers import fast_path, gemv_routes
 from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import gemv_max_rows, use_triton
 
@@ -41,6 +41,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if not swiglu or config.kernel == "rows":
                 return gemv(x, weight, bias, config, swiglu=swiglu)
     return F.linear(silu_mul(x) if swiglu else x, weight, bias)
+
+
+def norm_gemv_config(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor):
+    """The one-row GEMV tile (tandem/kernels/gemv.py) that applies RMSNorm(h + residual) to its input itself, or None
+    where the norm runs first: off (``fast_path.FUSE_INPUT_NORMS``), not one bf16/fp16 row on the GPU's GEMV, or more
+    recomputed activations than ``activation.fold_norm`` allows (each program reads the whole row)."""
+    if not (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1 and gemv_max_rows() >= 1
+            and h.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == h.dtype == weight.dtype
+            and h.is_contiguous() and residual.is_contiguous() and weight.stride(1) == 1 and use_triton(h)):
+        return None
+    from tandem.kernels.activation import fold_norm
+    from tandem.kernels.gemv import default_config
+
+    n, k = weight.shape
+    config = default_config(1, n, k)
+    fits = config.kernel == "rows" and fold_norm(-(-n // config.block_n) * k)
+    return config if fits else None
 
 
 class ShapeMismatch(ValueError):
@@ -114,7 +131,24 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """``x Wᵀ (+ b)``; ``swiglu``: of ``silu(gate) * up`` for x = [gate | up] (see ``matmul``)."""
-        return self._product(x, self.bias, swiglu)
+        return self._outputs(self._product(x, self.bias, swiglu))
+
+    def _outputs(self, y: torch.Tensor):
+        """The product as the layer hands it on (QKVAProjection splits it)."""
+        return y
+
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm, keep_normed: bool = False):
+        """``(forward(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm): one launch where the
+        one-row GEMV applies the norm itself (``norm_gemv_config``; x is then None unless ``keep_normed``)."""
+        config = None if self.quant is not None else norm_gemv_config(h, residual, norm.weight, self.weight)
+        if config is None:
+            x, stream = norm(h, residual)
+            return self.forward(x), stream, x
+        from tandem.kernels.gemv import InputNorm, gemv
+
+        stream, normed = torch.empty_like(h), torch.empty_like(h) if keep_normed else None
+        y = gemv(h, self.weight, self.bias, config, norm=InputNorm(residual, norm.weight, norm.eps, stream, normed))
+        return self._outputs(y), stream, normed
 
 
 class ReplicatedLinear(ShardedLinear):

@@ -41,10 +41,10 @@ class QKVAProjection(ShardedLinear):
     def row_spans(self) -> list[Span]:
         return [self.rows("q"), self.rows("kv")]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [T, q_local], kv_a [T, kv])``: column views of one output, rows strided by its width (the
         consumers — views by head, norms, the prologue kernel writing in place — take any row stride)."""
-        return self._product(x, self.bias).split([self.q_local, self.kv_size], dim=-1)
+        return y.split([self.q_local, self.kv_size], dim=-1)
 
 
 def q_local_rows(q_size: int, q_sharded: bool) -> int:

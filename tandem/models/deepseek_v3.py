@@ -74,6 +74,10 @@ class MLAttention(nn.Module):
         self.scale = m.softmax_scale
         self._kv_b_dense: torch.Tensor | None = None
 
+    def input_linear(self) -> QKVAProjection | None:
+        """The projection that reads the layer's normalised input, where one does (PreNormLayer)."""
+        return self.fused_qkv_a_proj_with_mqa
+
     def project_q_kv_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))``: one matmul where fused."""
         if self.fused_qkv_a_proj_with_mqa is not None:
@@ -97,9 +101,11 @@ class MLAttention(nn.Module):
             dtype = self.kv_a_layernorm.weight.dtype  # the model's dtype (norms are never quantized)
             self._kv_b_dense = self.kv_b_proj.quant.dequantize(self.kv_b_proj, dtype)
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend) -> torch.Tensor:
+    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend, projected=None) -> torch.Tensor:
+        """``projected``: ``project_q_kv_a(x)`` where the layer computed it (x is then not read)."""
         m, heads = self.mla, self.local_heads
-        q, kv_a = self.project_q_kv_a(x)  # [T, heads·qk_head_dim or q_lora], [T, kv_lora + rope]
+        # [T, heads·qk_head_dim or q_lora], [T, kv_lora + rope]
+        q, kv_a = self.project_q_kv_a(x) if projected is None else projected
         if m.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(-1, heads, m.qk_head_dim)

@@ -50,9 +50,15 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend: AttentionBackend):
+    def input_linear(self) -> QKVParallelLinear:
+        """The projection that reads the layer's normalised input (PreNormLayer)."""
+        return self.qkv_proj
+
+    def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend: AttentionBackend, projected=None):
+        """``projected``: ``qkv_proj(x)`` where the layer computed it (x is then not read)."""
         proj = self.qkv_proj
-        q, k, v = self.qkv_proj(x).split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
+        qkv = proj(x) if projected is None else projected
+        q, k, v = qkv.split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
         q = q.view(-1, proj.local_heads, self.head_dim)  # [T, Hq_local, D]
         k = k.view(-1, proj.local_kv_heads, self.head_dim)
         v = v.view(-1, proj.local_kv_heads, self.head_dim)
@@ -83,11 +89,14 @@ class PreNormLayer(nn.Module):
     def forward(self, h, residual, positions, meta, kv, backend):
         """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
         each add is fused into the next norm. Layer 0 gets ``residual=None`` (the stream is ``h``)."""
+        first, projected = self.self_attn.input_linear(), None
         if residual is None:
             residual, x = h, self.input_layernorm(h)
+        elif first is not None:  # the norm inside the first projection's launch where it can be (linear.py)
+            projected, residual, x = first.forward_normed(h, residual, self.input_layernorm)
         else:
             x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, positions, meta, kv, backend)
+        h = self.self_attn(x, positions, meta, kv, backend, projected=projected)
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
