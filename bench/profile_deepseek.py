@@ -12,7 +12,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart] [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--slot-tile", default="",
                     help="the experts' slot GEMVs take this tile: 'gate_up:BN,BK,WARPS,STAGES,SPLIT;down:...' (either "
                          "part; bench/slot_gemv_sweep.py's tiles; default: dequant_configs.default_config)")
+    ap.add_argument("--norms-apart", action="store_true",
+                    help="the layers' input norms in their own launches (fast_path.FUSE_INPUT_NORMS off)")
     ap.add_argument("--prologue-apart", action="store_true",
                     help="MLA's prologue in its own launch, not inside absorb_q's (mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
     ap.add_argument("--skip", default="",
@@ -249,6 +251,10 @@ def main() -> None:
         moe.SHARED_AS_SLOTS = True
     if args.slot_tile:
         slot_tiles(args.slot_tile)
+    if args.norms_apart:
+        from tandem.layers import fast_path
+
+        fast_path.FUSE_INPUT_NORMS = False
     if args.prologue_apart:
         from tandem.kernels import mla_absorb
 
