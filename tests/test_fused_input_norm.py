@@ -1,7 +1,7 @@
 """The layers' input RMSNorm applied inside their first projection's one-row GEMV (tandem/layers/linear.py's
 ``forward_normed``, tandem/kernels/gemv.py's InputNorm) — a batch-1 decode path of the GPU — run on the CPU under the
 Triton interpreter by letting the linear layers take the Triton route for CPU tensors: a bf16 Llama and a bf16
-DeepSeek-V3 (fused q/kv_a) decode, teacher-forced, against the same engines with the norm run first
+DeepSeek-V3 (fused q/kv_a; the MoE layer's post-attention norm inside its router's GEMV) decode, teacher-forced, against the same engines with the norm run first
 (``FUSE_INPUT_NORMS`` off). Norm weights are randomised (a checkpoint's ones would hide a missing multiply)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402
 from tandem.layers import fast_path, linear  # noqa: E402
+from tandem.layers.moe import MoE, NoAuxRouter  # noqa: E402
 from tandem.models.random_checkpoint import LlamaShape, write_random_llama  # noqa: E402
 
 
@@ -63,6 +64,15 @@ def test_the_input_norm_inside_the_first_projection_decodes_as_the_norm_run_firs
         return out
 
     monkeypatch.setattr(linear.ShardedLinear, "forward_normed", counted)
+    routed = []
+    original_router = NoAuxRouter.logits_normed
+
+    def counted_router(self, *args, **kwargs):
+        out = original_router(self, *args, **kwargs)
+        routed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NoAuxRouter, "logits_normed", counted_router)
     prompt = random_prompt(3, 4, vocab=256)
     tokens = prompt + random_prompt(4, 4, vocab=256)
     logits = {}
@@ -74,10 +84,14 @@ def test_the_input_norm_inside_the_first_projection_decodes_as_the_norm_run_firs
         for on in (True, False):
             monkeypatch.setattr(fast_path, "FUSE_INPUT_NORMS", on)
             fused.clear()
+            routed.clear()
             logits[on] = _teacher_forced(eng, tokens, len(prompt))
-            layers = len(eng.executor.runner.model.model.layers)
-            # layers 1.. at each one-row step (layer 0 has no residual yet; prompts are several rows)
-            assert fused.count(True) == (layers - 1) * (len(tokens) - len(prompt) if on else 0)
+            layers = eng.executor.runner.model.model.layers
+            steps = len(tokens) - len(prompt) if on else 0
+            # layers 1.. at each one-row step (layer 0 has no residual yet; prompts are several rows) ...
+            assert fused.count(True) == (len(layers) - 1) * steps
+            # ... and every MoE layer's post-attention norm, inside its router's launch
+            assert routed.count(True) == sum(isinstance(layer.mlp, MoE) for layer in layers) * steps
     # (the same roundings: equal here; a mean square summed in another order may move an ulp. Dropping the norm's
     # weight from the fused product gives ~0.08)
     assert norm_rel_err(logits[True], logits[False]) < 1e-3

@@ -272,10 +272,11 @@ def gemv(
     return out
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, norm: InputNorm | None = None) -> torch.Tensor:
     """``linear(x.float(), weight)`` for a float32 router ``weight`` [experts, K] and up to MAX_ROWS rows of ``x``
     in any float dtype, in float32: the rows kernel (CUDA-core products and sums in float32; the dot kernel's
-    tensor cores would round to TF32). Its K step shrinks as rows grow, keeping the accumulator's registers."""
+    tensor cores would round to TF32). Its K step shrinks as rows grow, keeping the accumulator's registers.
+    ``norm``: of RMSNorm(x + residual) at one row (``gemv``'s)."""
     rows = triton.next_power_of_2(x.shape[0])
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
-    return gemv(x, weight, config=GemvConfig("rows", block_n=4, block_k=max(64, 512 // rows)), out=out)
+    return gemv(x, weight, config=GemvConfig("rows", block_n=4, block_k=max(64, 512 // rows)), out=out, norm=norm)

@@ -41,7 +41,7 @@ from torch import nn
 
 from tandem.distributed import all_reduce
 from tandem.layers.fast_path import use_triton
-from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape
+from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape, norm_gemv_applies
 from tandem.layers.quantized_linear import Fp8BlockFormat, Int4GroupFormat, linear_format
 from tandem.layers.side_stream import side_stream
 from tandem.configs.deepseek import MoeConfig
@@ -96,9 +96,11 @@ class NoAuxRouter(nn.Module):
         check_shape(tensor, tuple(target.shape))
         target.data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids); ``extra`` (GPU only): that many slots more, experts E, E + 1, ... at weight 1."""
-        logits = self.logits(x)
+    def forward(self, x: torch.Tensor, extra: int = 0,
+                logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids); ``extra`` (GPU only): that many slots more, experts E, E + 1, ... at weight 1; ``logits``:
+        ``self.logits(x)`` where computed already (``logits_normed``)."""
+        logits = self.logits(x) if logits is None else logits
         if use_triton(x):  # the routing in one launch instead of ~10 (tandem/kernels/moe_route.py)
             from tandem.kernels.moe_route import noaux_route
 
@@ -109,6 +111,16 @@ class NoAuxRouter(nn.Module):
             raise ValueError("shared experts as routing slots are the GPU path's")
         return noaux_tc_route(logits, self.e_score_correction_bias, self.cfg)
 
+
+    def logits_normed(self, h: torch.Tensor, residual: torch.Tensor, norm):
+        """``(logits(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm) in one launch where the router's
+        GEMV can apply the norm (linear.norm_gemv_applies: a batch-1 decode), writing x for the experts; else None."""
+        if not norm_gemv_applies(h, residual, norm.weight):
+            return None
+        from tandem.kernels.gemv import InputNorm, router_logits
+
+        stream, x = torch.empty_like(h), torch.empty_like(h)
+        return router_logits(h, self.weight, InputNorm(residual, norm.weight, norm.eps, stream, x)), stream, x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(x.float(), weight)`` [T, experts] in float32. A few rows on the GPU: one GEMV launch that reads x
@@ -269,10 +281,21 @@ class MoE(nn.Module):
         slots = x.shape[0] * (self.gate.cfg.num_experts_per_tok + self.shared_pieces)
         return self.shared_slots_ready and slots_apply(slots, *experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(x), h + residual)`` for ``x, _ = norm(h, residual)``: the norm inside the router's launch where it
+        can be (NoAuxRouter.logits_normed; the shared experts' side stream forks after it)."""
+        fused = self.gate.logits_normed(h, residual, norm)
+        if fused is None:
+            x, stream = norm(h, residual)
+            return self.forward(x), stream
+        logits, stream, x = fused
+        return self.forward(x, logits), stream
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits``: the router's for x, where computed already (``forward_normed``)."""
         experts = self.expert_weights() if use_triton(x) else None
         if experts is not None and self._shared_as_slots(x, experts):
-            weights, ids = self.gate(x, extra=self.shared_pieces)
+            weights, ids = self.gate(x, extra=self.shared_pieces, logits=logits)
             return all_reduce(self.routed_fused(x, weights, ids, experts=experts))
         side = side_stream(x) if experts is not None and self.shared_experts is not None else None
         join = None
@@ -282,7 +305,7 @@ class MoE(nn.Module):
             with torch.cuda.stream(side):
                 shared = self.shared_experts.partial(x)
             join = lambda: main.wait_stream(side)  # noqa: E731
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, logits=logits)
         if side is None:
             shared = self.shared_experts.partial(x) if self.shared_experts is not None else None
         if experts is not None:  # the shared experts' share added in the kernel's last step

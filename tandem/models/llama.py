@@ -97,6 +97,9 @@ class PreNormLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         h = self.self_attn(x, positions, meta, kv, backend, projected=projected)
+        mlp_normed = getattr(self.mlp, "forward_normed", None)  # (a MoE: the norm inside its router's launch)
+        if mlp_normed is not None:
+            return mlp_normed(h, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
