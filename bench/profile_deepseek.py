@@ -156,7 +156,8 @@ SKIPPABLE = ("norm", "sum_slots", "merge", "route")
 def skip_kernels(names: list[str]) -> None:
     """An upper bound, not a model: the named kernels are not launched (their outputs are left as they were, or, for
     ``route``, the same experts every step), so the step's time says what they cost in the chain at most; the
-    tokens are garbage. ``norm``: the decoder's RMS norms; ``sum_slots``: the MoE slots' weighted sum; ``merge``: the
+    tokens are garbage. ``norm``: the decoder's RMS norms launched apart (those inside GEMVs stay: add --norms-apart);
+    ``sum_slots``: the MoE slots' weighted sum; ``merge``: the
     latent attention's split merge; ``route``: the noaux routing after the router's logits."""
     from tandem.kernels import fused_moe, mla_attention, moe_route, moe_slots, norm
 

@@ -58,10 +58,14 @@ def _hf(path):
 
 
 def products_of_attention_input(model, run) -> list[int]:
-    """``run()``, counting per attention call the F.linear products whose input is that call's ``x``."""
+    """``run()``, counting per layer call the F.linear products whose input is the attention's ``x`` (its input norm's
+    output: the layer may compute the first projection itself, PreNormLayer)."""
     calls: list[list] = []  # [x, products]
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda mod, args: calls.append([args[0], 0]))
-             for layer in model.model.layers]
+
+    def normed(mod, args, out):
+        calls.append([out[0] if isinstance(out, tuple) else out, 0])
+
+    hooks = [layer.input_layernorm.register_forward_hook(normed) for layer in model.model.layers]
     original = F.linear
 
     def counted(x, *args, **kwargs):
@@ -106,8 +110,8 @@ def test_one_product_of_x_where_fusable_and_logits_match_hf(folders, name, fused
 
 
 def test_triton_route_prologue_writes_into_the_fused_views(folders, monkeypatch):
-    """Without q_lora both q and kv_a are column views of one product; the prologue kernel (interpreted)
-    rotates and normalises them in place."""
+    """Without q_lora both q and kv_a are column views of one product; the prologue (interpreted: its own kernel
+    for prompts, inside absorb_q's launch for decode) rotates and normalises them in place."""
     from tandem.kernels import mla_prologue
 
     launches = []
@@ -118,6 +122,16 @@ def test_triton_route_prologue_writes_into_the_fused_views(folders, monkeypatch)
         return original(q, kv_a, *args)
 
     monkeypatch.setattr(mla_prologue, "mla_prologue", counted)
+    from tandem.kernels import mla_absorb
+
+    inside_absorb, original_absorb = [], mla_absorb.absorb_q
+
+    def counted_absorb(q, w_uk, kv_lora, prologue=None):
+        if prologue is not None:  # (decode: the prologue inside absorb_q's launch)
+            inside_absorb.append((q.stride(0), prologue.kv_a.stride(0)))
+        return original_absorb(q, w_uk, kv_lora, prologue)
+
+    monkeypatch.setattr(mla_absorb, "absorb_q", counted_absorb)
     path, hf = folders["no_q_lora"]
     prompt = random_prompt(52, 21, VOCAB)
     with LLMEngine(EngineConfig(model=str(path), page_size=4, attention_backend="triton")) as eng:
@@ -130,6 +144,7 @@ def test_triton_route_prologue_writes_into_the_fused_views(folders, monkeypatch)
     # the views themselves, not copies (a view of one row may record any row stride)
     assert {(q_stride, kv_stride) for rows, q_stride, kv_stride in launches if rows > 1} == {(width, width)}
     assert {kv_stride for _, _, kv_stride in launches} == {width}
+    assert inside_absorb and {kv_stride for _, kv_stride in inside_absorb} == {width}
 
 
 @pytest.mark.parametrize("name", ["no_q_lora", "fp8-q32"])

@@ -4,8 +4,8 @@ Kimi-K2) on the static buffers of tandem.engine.graph_buffers' GraphMeta.
 Always the absorbed form (every graphed forward extends cached sequences), through the Triton latent
 kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes only; the latent's norm,
 rotary and store run before it in one launch (``fused_prologue``: tandem/kernels/mla_prologue.py), and at
-up to 16 rows the projections on either side of it in one launch each (``fused_absorb``:
-tandem/kernels/mla_absorb.py). Nothing is planned on the host. The kernel's per-sequence offsets and mask
+up to 8 rows the projections on either side of it in one launch each (``fused_absorb``:
+tandem/kernels/mla_absorb.py), the first of which also runs the prologue. Nothing is planned on the host. The kernel's per-sequence offsets and mask
 widths are uniform in a graph (every sequence has the family's width): device tensors made once per width,
 outside capture (a family's largest bucket runs first, in its warm-up).
 """

@@ -226,12 +226,20 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     for n, k in ((3648, 2048), (2112, 7168)):  # MLA's fused q_proj / q_a_proj + kv_a at batch 1 (V2-Lite, Kimi)
         gv.gemv(torch.empty(1, k, dtype=dt), torch.empty(n, k, dtype=dt), config=gv.default_config(1, n, k))
         _report(f"gemv 1x{k} -> {n} (MLA q + kv_a)", failures)
+        row = lambda: torch.empty(1, k, dtype=dt)  # noqa: E731
+        gv.gemv(row(), torch.empty(n, k, dtype=dt), config=gv.default_config(1, n, k),
+                norm=gv.InputNorm(row(), torch.empty(k, dtype=dt), 1e-6, row()))
+        _report(f"gemv 1x{k} -> {n} (MLA q + kv_a) applying its input norm", failures)
         dq.fp8_block_linear(torch.empty(1, k, dtype=dt), torch.empty(n, k, dtype=torch.float8_e4m3fn),
                             torch.empty(-(-n // 128), k // 128), (128, 128))
         _report(f"fp8_block_linear 1x{k} -> {n} (MLA q + kv_a)", failures)
     for rows, n, k in ((1, 64, 2048), (16, 384, 7168)):  # the MoE router's float32 logits (V2-Lite, Kimi)
         gv.router_logits(torch.empty(rows, k, dtype=dt), torch.empty(n, k, dtype=torch.float32))
         _report(f"router logits {rows}x{k} -> {n}", failures)
+    row = lambda: torch.empty(1, 2048, dtype=dt)  # noqa: E731
+    gv.router_logits(row(), torch.empty(64, 2048, dtype=torch.float32),
+                     gv.InputNorm(row(), torch.empty(2048, dtype=dt), 1e-6, row(), row()))
+    _report("router logits 1x2048 -> 64 applying its input norm, writing the normalised row", failures)
     # a chain of 4 at batch 8 on the 8B shape (features 3 x 4096, draft state 4096, top-k width 8)
     n, nd, w, feat, hid = 8, 4, 6, 3 * 4096, 4096
     rows, broken = torch.empty(n, 3 * nd + 1, dtype=torch.float64), torch.empty(n, dtype=torch.bool)

@@ -200,7 +200,7 @@ class InputNorm:
     residual: torch.Tensor  # [1, K], the GEMV's x its other half
     weight: torch.Tensor  # [K], x's dtype
     eps: float
-    stream: torch.Tensor  # [1, K]: x + residual is written here (may alias residual)
+    stream: torch.Tensor  # [1, K]: x + residual is written here (never over x or residual: others still read them)
     normed: torch.Tensor | None = None  # [1, K]: the normalised row too, where other layers read it
 
     def check(self, x: torch.Tensor) -> None:
@@ -212,6 +212,10 @@ class InputNorm:
             if t is not None and (t.shape != x.shape or not t.is_contiguous() or t.dtype != x.dtype):
                 raise ValueError(f"gemv's input norm: {name} {tuple(t.shape)} {t.dtype} is not like x "
                                  f"{tuple(x.shape)} {x.dtype}, contiguous")
+        inputs = {t.data_ptr() for t in (x, self.residual)}
+        if any(t is not None and t.data_ptr() in inputs for t in (self.stream, self.normed)):
+            raise ValueError("gemv's input norm writes its stream and normed rows while every program still reads x "
+                             "and the residual: they must not share memory")
         if self.weight.shape != (k,) or self.weight.dtype != x.dtype or self.weight.stride(0) != 1:
             raise ValueError(f"gemv's input norm: weight {tuple(self.weight.shape)} {self.weight.dtype}, "
                              f"expected ({k},) {x.dtype}")

@@ -45,17 +45,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def norm_gemv_applies(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     """Whether a one-row GEMV (tandem/kernels/gemv.py) may apply RMSNorm(h + residual) to its input itself: on
-    (``fast_path.FUSE_INPUT_NORMS``), one contiguous bf16/fp16 row on the GPU's GEMV, the norm's weight in its dtype."""
-    return (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1 and gemv_max_rows() >= 1
-            and h.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == h.dtype and h.is_contiguous()
-            and residual.is_contiguous() and use_triton(h))
+    (``fast_path.FUSE_INPUT_NORMS``), one contiguous bf16/fp16 row on the GPU, the residual and the norm's weight
+    alike."""
+    return (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1 and h.dtype in (torch.bfloat16, torch.float16)
+            and norm_weight.dtype == h.dtype and residual.shape == h.shape and residual.dtype == h.dtype
+            and h.is_contiguous() and residual.is_contiguous() and use_triton(h))
 
 
 def norm_gemv_config(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor):
     """The one-row GEMV tile that applies RMSNorm(h + residual) to its input itself (``norm_gemv_applies``, a weight
     in h's dtype), or None where the norm runs first — also where its programs would recompute more activations
     than ``activation.fold_norm`` allows (each reads the whole row)."""
-    if not (norm_gemv_applies(h, residual, norm_weight) and weight.dtype == h.dtype and weight.stride(1) == 1):
+    if not (norm_gemv_applies(h, residual, norm_weight) and gemv_max_rows() >= 1 and weight.dtype == h.dtype
+            and weight.stride(1) == 1):
         return None
     from tandem.kernels.activation import fold_norm
     from tandem.kernels.gemv import default_config
@@ -264,6 +266,9 @@ class RowParallelLinear(ShardedLinear):
 
     def rows(self, shard_id: object) -> Span:
         return Span.whole(self.out_features)
+
+    def forward_normed(self, h, residual, norm, keep_normed: bool = False):
+        raise TypeError("a row-parallel linear reads a sharded input, never a layer's normalised one")
 
     def partial(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """This rank's share of ``x Wᵀ`` before the all-reduce (no bias), for callers that sum several

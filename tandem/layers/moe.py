@@ -115,8 +115,10 @@ class NoAuxRouter(nn.Module):
     def logits_normed(self, h: torch.Tensor, residual: torch.Tensor, norm):
         """``(logits(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm) in one launch where the router's
         GEMV can apply the norm (linear.norm_gemv_applies: a batch-1 decode), writing x for the experts; else None."""
-        if not norm_gemv_applies(h, residual, norm.weight):
-            return None
+        from tandem.kernels.activation import fold_norm
+
+        if not (norm_gemv_applies(h, residual, norm.weight) and fold_norm(self.weight.numel() // 4)):
+            return None  # (fold_norm: the router GEMV's programs cover its weight 4 rows each, each reading all of h)
         from tandem.kernels.gemv import InputNorm, router_logits
 
         stream, x = torch.empty_like(h), torch.empty_like(h)
