@@ -47,8 +47,8 @@ def norm_gemv_applies(h: torch.Tensor, residual: torch.Tensor, norm_weight: torc
     """Whether a one-row GEMV (tandem/kernels/gemv.py) may apply RMSNorm(h + residual) to its input itself: on
     (``fast_path.FUSE_INPUT_NORMS``), one contiguous bf16/fp16 row on the GPU, the residual and the norm's weight
     alike."""
-    return (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1 and h.dtype in (torch.bfloat16, torch.float16)
-            and norm_weight.dtype == h.dtype and residual.shape == h.shape and residual.dtype == h.dtype
+    return (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1
+            and h.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == h.dtype and residual.shape == h.shape and residual.dtype == h.dtype
             and h.is_contiguous() and residual.is_contiguous() and use_triton(h))
 
 
@@ -145,18 +145,18 @@ class ShardedLinear(nn.Module):
         """The product as the layer hands it on (QKVAProjection splits it)."""
         return y
 
-    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm, keep_normed: bool = False):
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm):
         """``(forward(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm): one launch where the
-        one-row GEMV applies the norm itself (``norm_gemv_config``; x is then None unless ``keep_normed``)."""
+        one-row GEMV applies the norm itself (``norm_gemv_config``; x is then None: never written)."""
         config = None if self.quant is not None else norm_gemv_config(h, residual, norm.weight, self.weight)
         if config is None:
             x, stream = norm(h, residual)
             return self.forward(x), stream, x
         from tandem.kernels.gemv import InputNorm, gemv
 
-        stream, normed = torch.empty_like(h), torch.empty_like(h) if keep_normed else None
-        y = gemv(h, self.weight, self.bias, config, norm=InputNorm(residual, norm.weight, norm.eps, stream, normed))
-        return self._outputs(y), stream, normed
+        stream = torch.empty_like(h)
+        y = gemv(h, self.weight, self.bias, config, norm=InputNorm(residual, norm.weight, norm.eps, stream))
+        return self._outputs(y), stream, None
 
 
 class ReplicatedLinear(ShardedLinear):
@@ -267,7 +267,7 @@ class RowParallelLinear(ShardedLinear):
     def rows(self, shard_id: object) -> Span:
         return Span.whole(self.out_features)
 
-    def forward_normed(self, h, residual, norm, keep_normed: bool = False):
+    def forward_normed(self, h, residual, norm):
         raise TypeError("a row-parallel linear reads a sharded input, never a layer's normalised one")
 
     def partial(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
