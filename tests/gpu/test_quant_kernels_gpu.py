@@ -346,18 +346,22 @@ def test_quantized_engines_on_the_gpu_equal_their_float32_twins_on_the_cpu(case,
 
 def test_shared_experts_on_the_side_stream_equal_one_chain_however_late_they_finish(monkeypatch):
     """The shared experts' GEMVs on the side stream (tandem/layers/side_stream.py), held back ~1 ms there, against the
-    same layer with side streams off, bit for bit, eagerly and replayed from a graph on new inputs; the control: with
-    fused_moe's join dropped the eager result reads the shared output before it is written and differs."""
+    same layer with side streams off, bit for bit, eagerly and replayed from a graph on new inputs. The control: with
+    fused_moe's join dropped, the main chain completes while the side stream still sleeps (~25 ms), so the join is
+    what orders them. (A first control compared the unjoined sums with the right ones and found them equal on an H100,
+    cause not established: stale memory or an implicit wait; this one asks the streams.)"""
+    import time
+
     from tandem.kernels import fused_moe as fused_moe_module
     from tandem.layers import side_stream
 
     moe = random_moe(512, 0.05, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2,
                      moe_intermediate_size=256, n_group=1, topk_group=1)
     moe.weights_loaded()
-    partial = moe.shared_experts.partial
+    partial, held = moe.shared_experts.partial, [2_000_000]
 
     def late(x):
-        torch.cuda._sleep(2_000_000)  # (cycles: ~1 ms, where the routed chain takes tens of µs)
+        torch.cuda._sleep(held[0])  # (cycles: ~1 ms, where the routed chain takes tens of µs)
         return partial(x)
 
     monkeypatch.setattr(moe.shared_experts, "partial", late)
@@ -366,7 +370,8 @@ def test_shared_experts_on_the_side_stream_equal_one_chain_however_late_they_fin
     monkeypatch.setattr(side_stream, "SIDE_STREAMS", False)
     want = [moe(x) for x in xs]
     monkeypatch.setattr(side_stream, "SIDE_STREAMS", True)
-    assert side_stream.side_stream(xs[0]) is not None
+    side = side_stream.side_stream(xs[0])
+    assert side is not None
     assert all(torch.equal(moe(x), w) for x, w in zip(xs, want))
     static = xs[0].clone()
     graph, out = capture_graph(lambda: moe(static))
@@ -376,9 +381,13 @@ def test_shared_experts_on_the_side_stream_equal_one_chain_however_late_they_fin
         assert torch.equal(out, w)
     real = fused_moe_module.fused_moe
     monkeypatch.setattr(fused_moe_module, "fused_moe", lambda *a, join=None, **k: real(*a, **k))
-    # (on a stream of its own: the legacy default stream waits for every blocking stream by itself, so there even the
-    # unjoined result was right — the first GPU run of this test, H100)
-    with torch.cuda.stream(torch.cuda.Stream()):
-        unjoined = [moe(x) for x in xs]
     torch.cuda.synchronize()
-    assert not all(torch.equal(u, w) for u, w in zip(unjoined, want))
+    held[0] = 50_000_000  # (~25 ms)
+    moe(xs[0])
+    main_done = torch.cuda.Event()
+    main_done.record()
+    deadline = time.monotonic() + 0.02
+    while not main_done.query() and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    assert main_done.query() and not side.query(), "without the join the main chain still waited for the side stream"
+    torch.cuda.synchronize()
