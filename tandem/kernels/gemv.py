@@ -163,8 +163,9 @@ def _gemv_rows_kernel(
 def _gemv_dot_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, sx, sw, sy,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, IEEE_DOT: tl.constexpr = False,
 ):
+    """``IEEE_DOT``: float32 rows multiplied in float32 (tl.dot's default on a GPU is TF32, ~1e-3 relative)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -178,7 +179,10 @@ def _gemv_dot_kernel(
     w0 = tl.load(w_ptrs, mask=first_ok[:, None], other=0.0)
     pdl_enter(PDL)
     x0 = tl.load(x_ptrs, mask=m_ok[:, None] & first_ok[None, :], other=0.0)
-    acc = tl.dot(x0, w0, tl.zeros([16, BLOCK_N], dtype=tl.float32))
+    if IEEE_DOT:
+        acc = tl.dot(x0, w0, tl.zeros([16, BLOCK_N], dtype=tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(x0, w0, tl.zeros([16, BLOCK_N], dtype=tl.float32))
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs + k)
@@ -187,7 +191,10 @@ def _gemv_dot_kernel(
             k_ok = (k + offs_k) < K
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
             xv = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(xv, w, acc)
+        if IEEE_DOT:
+            acc = tl.dot(xv, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, w, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * sy + offs_n[None, :]
@@ -271,7 +278,7 @@ def gemv(
         _gemv_dot_kernel[grid](
             *args, K=k, HAS_BIAS=bias is not None, EVEN_K=even_k,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-            num_stages=config.num_stages, **pdl_args,
+            num_stages=config.num_stages, IEEE_DOT=x.dtype == torch.float32, **pdl_args,
         )
     return out
 
