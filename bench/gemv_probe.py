@@ -6,7 +6,7 @@ Every timing rotates over enough copies of the weight that none is served from t
 runs inside a CUDA graph (launch cost as in the engine). A configuration counts only if its output
 matches ``F.linear`` to bf16 rounding.
 
-    python bench/gemv_probe.py [--out gemv.json] [--quick]
+    python bench/gemv_probe.py [--shape llama8b|v2-lite] [--out gemv.json] [--quick]
 """
 
 from __future__ import annotations
@@ -23,8 +23,14 @@ import torch.nn.functional as F
 from tandem.kernels.gemv import GemvConfig, default_config, gemv
 
 H, I, V, KV = 4096, 14336, 128256, 1024
-SHAPES = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
-LAYERS = 32
+# (the dense weights a batch-1 token reads, [N, K], and the layers): the 8B's, or DeepSeek-V2-Lite's bf16 ones around
+# its routed experts — fused q/kv_a, o, the shared experts' gate/up and down — with its LM head
+SHAPE_SETS = {
+    "llama8b": ({"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}, 32),
+    "v2-lite": ({"qkv": (16 * 192 + 576, 2048), "o": (2048, 2048), "gate_up": (2 * 2816, 2048), "down": (2048, 2816),
+                 "lm_head": (102400, 2048)}, 27),
+}
+SHAPES, LAYERS = SHAPE_SETS["llama8b"]
 
 
 def graph_ms(fn, iters: int = 10) -> float:
@@ -178,8 +184,11 @@ def main() -> None:
                                                   "each row count's chain against cuBLAS")
     ap.add_argument("--mixed-chains", type=int, default=0, help="rows: the model's chain with the dot kernel on "
                                                                  "some shapes and cuBLAS on the rest")
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPE_SETS), help="whose weights")
     args = ap.parse_args()
-    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    global SHAPES, LAYERS
+    SHAPES, LAYERS = SHAPE_SETS[args.shape]
+    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape}
     report["read_ceiling_TBps"] = read_ceiling_tbps()
     print(f"read ceiling {report['read_ceiling_TBps']:.2f} TB/s", flush=True)
     if args.mixed_chains:
