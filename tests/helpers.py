@@ -211,3 +211,11 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         result = fn()
     return graph, result
+
+
+def moe_triton_route(monkeypatch, on: bool) -> None:
+    """The MoE layer's and its router's GPU route forced on or off (each module reads ``use_triton``)."""
+    from tandem.layers import moe, moe_router
+
+    for module in (moe, moe_router):
+        monkeypatch.setattr(module, "use_triton", lambda t: on)

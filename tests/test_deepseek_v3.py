@@ -128,7 +128,7 @@ def test_noaux_tc_routing_matches_hf():
     makes some biased scores negative (where masking unselected groups with 0 would differ)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from tandem.layers.moe import NoAuxRouter
+    from tandem.layers.moe_router import NoAuxRouter
 
     for groups, kept, topk in ((4, 2, 3), (1, 1, 2)):
         cfg = deepseek_config(n_routed_experts=16, n_group=groups, topk_group=kept, num_experts_per_tok=topk)

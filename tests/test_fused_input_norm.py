@@ -24,7 +24,8 @@ from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from tandem.kv_cache import SequenceKV  # noqa: E402
 from tandem.layers import fast_path, linear  # noqa: E402
-from tandem.layers.moe import MoE, NoAuxRouter  # noqa: E402
+from tandem.layers.moe import MoE  # noqa: E402
+from tandem.layers.moe_router import NoAuxRouter  # noqa: E402
 from tandem.models.random_checkpoint import LlamaShape, write_random_llama  # noqa: E402
 
 

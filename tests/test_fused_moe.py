@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
 pytest.importorskip("triton")
 
-from helpers import norm_rel_err  # noqa: E402
+from helpers import moe_triton_route, norm_rel_err  # noqa: E402
 from tandem.models.loader import default_dtype  # noqa: E402
 from tandem.kernels.fused_moe import (  # noqa: E402
     ExpertWeights, MoeTiles, align_by_expert, align_by_expert_torch, fused_moe,
@@ -169,9 +169,9 @@ def test_fused_path_in_bf16_and_through_forward(method, monkeypatch):
     x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.bfloat16)
     if method == "plain":
         assert moe.experts[0].gate_up_proj.weight.dtype == torch.bfloat16
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
+    moe_triton_route(monkeypatch, False)
     ref = moe(x)
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+    moe_triton_route(monkeypatch, True)
     fused = moe(x)
     assert fused.dtype == torch.bfloat16 and norm_rel_err(fused, ref) < 2e-2
 
@@ -216,7 +216,7 @@ def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch
     moe = build_moe(SHARED_TWO, method, torch.float32, seed=11 + tokens)
     assert moe.shared_pieces == 2 and not moe.shared_slots_ready
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(60 + tokens)).to(DEVICE)
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
+    moe_triton_route(monkeypatch, False)
     ref = moe(x)
     moe.weights_loaded()
     routed = []
@@ -224,7 +224,7 @@ def test_shared_experts_as_slots_equal_the_reference(method, tokens, monkeypatch
     monkeypatch.setattr(fused_moe_module, "routed_by_slots", lambda *a, **k: routed.append(a[4].cpu()) or real(*a, **k))
     shared_calls = []
     monkeypatch.setattr(moe.shared_experts, "partial", lambda *a: shared_calls.append(1))
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+    moe_triton_route(monkeypatch, True)
     got = moe(x)
     assert shared_calls == [] and len(routed) == 1
     assert routed[0].shape == (tokens, 5) and (routed[0][:, 3:] == torch.tensor([8, 9])).all()

@@ -1,5 +1,5 @@
-"""The fused noaux_tc routing kernel (tandem/kernels/moe_route.py) against tandem.layers.moe.noaux_tc_route on
-the CPU under the Triton interpreter: one group and several, expert counts that are not powers of two
+"""The fused noaux_tc routing kernel (tandem/kernels/moe_route.py) against tandem.layers.moe_router.noaux_tc_route
+on the CPU under the Triton interpreter: one group and several, expert counts that are not powers of two
 (Kimi's 384 are 3 × 128), biases that change the choice, with and without normalisation."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from tandem.configs.deepseek import MoeConfig  # noqa: E402
 from tandem.kernels.moe_route import noaux_route  # noqa: E402
-from tandem.layers.moe import noaux_tc_route  # noqa: E402
+from tandem.layers.moe_router import noaux_tc_route  # noqa: E402
 
 
 @pytest.mark.parametrize("experts,n_group,topk_group,k,normalise", [

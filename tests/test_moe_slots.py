@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit (import below)
 pytest.importorskip("triton")
 
-from helpers import norm_rel_err  # noqa: E402
+from helpers import moe_triton_route, norm_rel_err  # noqa: E402
 from quantized_checkpoints import fp8_block_quantize, int4_compress  # noqa: E402
 from tandem.kernels import fused_moe as fused_moe_module  # noqa: E402
 from tandem.kernels import moe_slots  # noqa: E402
@@ -195,16 +195,15 @@ def test_plain_moe_layer_at_decode_takes_the_slots_and_matches_its_reference(dty
     """A DeepSeek MoE layer of plain experts (top-2 of 8, a shared expert: the fused route's ``add``) through
     ``forward`` with the Triton path forced on, against the layer's per-expert loop with it off."""
     from test_fused_moe import PLAIN_TOPK, build_moe
-    from tandem.layers import moe as moe_module
 
     moe = build_moe(PLAIN_TOPK, "plain", dtype, seed=11 + tokens)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: False)
+    moe_triton_route(monkeypatch, False)
     ref = moe(x)
     taken = []
     real = fused_moe_module.routed_by_slots
     monkeypatch.setattr(fused_moe_module, "routed_by_slots", lambda *a, **k: taken.append(1) or real(*a, **k))
-    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+    moe_triton_route(monkeypatch, True)
     fused = moe(x)
     assert taken == [1] and fused.dtype == dtype
     # the reference rounds each expert's weighted share to the dtype, the kernels the sum (and the interpreter's

@@ -1,7 +1,7 @@
 """DeepSeek-V3's noaux_tc routing after the router's logits, in one launch: sigmoid, the correction bias,
 group-limited selection, top-k, the unbiased weights, their normalisation and the scaling factor —
-tandem.layers.moe.noaux_tc_route's arithmetic (float32), where torch spends about ten small kernels per
-layer (sigmoid, add, topk and its sort, gather, sum, add, divide, multiply).
+tandem.layers.moe_router.noaux_tc_route's arithmetic (float32), where torch spends about ten small kernels
+per layer (sigmoid, add, topk and its sort, gather, sum, add, divide, multiply).
 
 One program per token holds its expert scores as [groups, experts per group], both padded to powers of two
 with -inf (Kimi's 384 experts, DeepSeek-V3's 8 groups of 32). A group's score is the sum of its two best

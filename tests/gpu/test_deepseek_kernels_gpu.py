@@ -21,7 +21,7 @@ from tandem.kernels.fused_moe import ExpertWeights, fused_moe  # noqa: E402
 from tandem.kernels.mla_absorb import absorb_out, absorb_q  # noqa: E402
 from tandem.kernels.mla_prologue import mla_prologue  # noqa: E402
 from tandem.kernels.moe_route import noaux_route  # noqa: E402
-from tandem.layers.moe import noaux_tc_route  # noqa: E402
+from tandem.layers.moe_router import noaux_tc_route  # noqa: E402
 from tandem.layers.norm import RMSNorm  # noqa: E402
 from tandem.layers.yarn_rotary import YarnRotary  # noqa: E402
 
