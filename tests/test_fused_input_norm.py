@@ -96,3 +96,24 @@ def test_the_input_norm_inside_the_first_projection_decodes_as_the_norm_run_firs
     # (the same roundings: equal here; a mean square summed in another order may move an ulp. Dropping the norm's
     # weight from the fused product gives ~0.08)
     assert norm_rel_err(logits[True], logits[False]) < 1e-3
+
+
+def test_the_norm_goes_into_the_gemv_only_where_each_programs_rereading_is_small(monkeypatch):
+    """norm_gemv_config's rule (activation.fold_norm): at one bf16 row, V2-Lite's fused q/kv_a (912 programs x 2048
+    columns) applies the norm; the 8B's qkv (1536 x 4096) and Kimi's q_a/kv_a (528 x 7168) run the norm first, as do
+    two rows, float32, a residual unlike h and the switch off."""
+    monkeypatch.setattr(linear, "use_triton", lambda x: True)
+
+    def config(k, n, rows=1, dtype=torch.bfloat16, residual_dtype=None):
+        h = torch.zeros(rows, k, dtype=dtype)
+        residual = torch.zeros(rows, k, dtype=residual_dtype or dtype)
+        return linear.norm_gemv_config(h, residual, torch.ones(k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+
+    assert config(2048, 16 * 192 + 576) is not None
+    assert config(4096, 6144) is None and config(7168, 1536 + 576) is None
+    assert config(2048, 3648, rows=2) is None and config(2048, 3648, dtype=torch.float32) is None
+    assert config(2048, 3648, residual_dtype=torch.float32) is None
+    monkeypatch.setattr(fast_path, "FUSE_INPUT_NORMS", False)
+    assert config(2048, 3648) is None
+    with pytest.raises(TypeError, match="row-parallel"):
+        linear.RowParallelLinear(8, 8).forward_normed(torch.zeros(1, 8), torch.zeros(1, 8), None)
