@@ -12,7 +12,9 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart] [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route] [--out profile_deepseek.json]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart]
+        [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route]
+        [--out profile_deepseek.json]
 """
 
 from __future__ import annotations
@@ -227,7 +229,8 @@ def main() -> None:
     ap.add_argument("--norms-apart", action="store_true",
                     help="the layers' input norms in their own launches (fast_path.FUSE_INPUT_NORMS off)")
     ap.add_argument("--prologue-apart", action="store_true",
-                    help="MLA's prologue in its own launch, not inside absorb_q's (mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
+                    help="MLA's prologue in its own launch, not inside absorb_q's "
+                         "(mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
     ap.add_argument("--skip", default="",
                     help=f"comma-separated kernels not launched, an upper bound on their cost ({', '.join(SKIPPABLE)})")
     ap.add_argument("--no-side-stream", action="store_true",

@@ -1,8 +1,9 @@
 """The layers' input RMSNorm applied inside their first projection's one-row GEMV (tandem/layers/linear.py's
-``forward_normed``, tandem/kernels/gemv.py's InputNorm) — a batch-1 decode path of the GPU — run on the CPU under the
-Triton interpreter by letting the linear layers take the Triton route for CPU tensors: a bf16 Llama and a bf16
-DeepSeek-V3 (fused q/kv_a; the MoE layer's post-attention norm inside its router's GEMV) decode, teacher-forced, against the same engines with the norm run first
-(``FUSE_INPUT_NORMS`` off). Norm weights are randomised (a checkpoint's ones would hide a missing multiply)."""
+``forward_normed``, tandem/kernels/gemv.py's InputNorm) — a batch-1 decode path of the GPU — run on the CPU under
+the Triton interpreter by letting the linear layers take the Triton route for CPU tensors: a bf16 Llama and a bf16
+DeepSeek-V3 (fused q/kv_a; the MoE layer's post-attention norm inside its router's GEMV) decode, teacher-forced,
+against the same engines with the norm run first (``FUSE_INPUT_NORMS`` off). Norm weights are randomised (a
+checkpoint's ones would hide a missing multiply)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ kernel (tandem/kernels/mla_attention.py), which picks its splits from the shapes
 rotary and store run before it in one launch (``fused_prologue``: tandem/kernels/mla_prologue.py), and at
 up to 8 rows the projections on either side of it in one launch each (``fused_absorb``:
 tandem/kernels/mla_absorb.py), the first of which also runs the prologue. Nothing is planned on the host. The
-kernel's per-sequence offsets and mask widths are uniform in a graph (every sequence has the family's width): device tensors made once per width,
-outside capture (a family's largest bucket runs first, in its warm-up).
+kernel's per-sequence offsets and mask widths are uniform in a graph (every sequence has the family's width):
+device tensors made once per width, outside capture (a family's largest bucket runs first, in its warm-up).
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def norm_gemv_applies(h: torch.Tensor, residual: torch.Tensor, norm_weight: torc
     (``fast_path.FUSE_INPUT_NORMS``), one contiguous bf16/fp16 row on the GPU, the residual and the norm's weight
     alike."""
     return (fast_path.FUSE_INPUT_NORMS and h.dim() == 2 and h.shape[0] == 1
-            and h.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == h.dtype and residual.shape == h.shape and residual.dtype == h.dtype
+            and h.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == h.dtype
+            and residual.shape == h.shape and residual.dtype == h.dtype
             and h.is_contiguous() and residual.is_contiguous() and use_triton(h))
 
 
