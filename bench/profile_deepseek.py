@@ -63,15 +63,23 @@ def _decode(engine, rid: str, tokens: int, per_token: list | None = None) -> int
 
 
 def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
-    """The trace's kernels grouped by name (µs and calls per token), and the launch and copy counts."""
+    """The trace's kernels grouped by name (µs and calls per token), and the launch and copy counts. Besides each
+    kernel's own span (which, launched with PDL, includes its wait for the kernel before), its *exposed* time: how far
+    it moved the end of the device's busy time past every earlier op's end — under PDL, the chain's time from its
+    predecessor's end to its own. The exposed times sum to the busy time; they say where the step's time goes."""
     events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
     groups: dict[str, list[float]] = {}
-    for e in events:
+    frontier = None
+    device_ops = (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    for e in sorted(device_ops, key=lambda e: e["ts"]):
+        end = e["ts"] + e["dur"]
+        exposed = max(0.0, end - max(e["ts"], frontier)) if frontier is not None else e["dur"]
+        frontier = end if frontier is None else max(frontier, end)
         if e.get("cat") == "kernel":
-            g = groups.setdefault(e["name"], [0.0, 0])
-            g[0], g[1] = g[0] + e["dur"], g[1] + 1
-    rows = [{"name": name, "calls_per_token": n / tokens, "us_per_token": us / tokens}
-            for name, (us, n) in groups.items()]
+            g = groups.setdefault(e["name"], [0.0, 0, 0.0])
+            g[0], g[1], g[2] = g[0] + e["dur"], g[1] + 1, g[2] + exposed
+    rows = [{"name": name, "calls_per_token": n / tokens, "us_per_token": us / tokens,
+             "exposed_us_per_token": exposed / tokens} for name, (us, n, exposed) in groups.items()]
     rows.sort(key=lambda r: r["us_per_token"], reverse=True)
     counts = {cat: sum(e.get("cat") == cat for e in events) / tokens for cat in ("kernel", "gpu_memcpy", "gpu_memset")}
     return rows, counts
@@ -124,9 +132,10 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
           f"({floor_us / wall_us:.0%} of the step)")
     if counts["kernel"] < layers:  # a profiler that sees graph launches but not the kernels inside them
         print("  (fewer kernels than layers: this profiler does not see the kernels inside graph replays)")
-    print(f"  {'us/tok':>8} {'share':>6} {'calls':>6}  kernel")
+    print(f"  {'us/tok':>8} {'share':>6} {'exposed':>8} {'calls':>6}  kernel  (exposed: past every earlier op's end)")
     for r in rows[:top]:
-        print(f"  {r['us_per_token']:8.1f} {r['share_of_step']:6.1%} {r['calls_per_token']:6.1f}  {r['name'][:100]}")
+        print(f"  {r['us_per_token']:8.1f} {r['share_of_step']:6.1%} {r['exposed_us_per_token']:8.1f} "
+              f"{r['calls_per_token']:6.1f}  {r['name'][:100]}")
     return {"tokens": tokens, "trace": trace.name, "wall_us_per_token": wall_us,
             "wall_median_us_per_token": median_us, "busy_us_per_token": busy_us,
             "kernel_us_per_token": kernel_us, "kernels_per_token": counts["kernel"],
