@@ -76,7 +76,7 @@ def test_the_input_norm_inside_the_first_projection_decodes_as_the_norm_run_firs
 
     monkeypatch.setattr(NoAuxRouter, "logits_normed", counted_router)
     prompt = random_prompt(3, 4, vocab=256)
-    tokens = prompt + random_prompt(4, 4, vocab=256)
+    tokens = prompt + random_prompt(4, 2, vocab=256)
     logits = {}
     with LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", page_size=4)) as eng:
         gen = torch.Generator().manual_seed(1)
