@@ -20,6 +20,7 @@ would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is prin
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -254,24 +255,16 @@ def main() -> None:
     skip_kernels(skip)
     if args.gemv_ahead_k:
         read_ahead(args.gemv_ahead_k)
-    if args.no_side_stream:
-        from tandem.layers import side_stream
-
-        side_stream.SIDE_STREAMS = False
-    if args.shared_slots:
-        from tandem.layers import moe
-
-        moe.SHARED_AS_SLOTS = True
+    # the switches an A/B flips: flag -> (module, setting, value)
+    switches = {"no_side_stream": ("tandem.layers.side_stream", "SIDE_STREAMS", False),
+                "shared_slots": ("tandem.layers.moe", "SHARED_AS_SLOTS", True),
+                "norms_apart": ("tandem.layers.fast_path", "FUSE_INPUT_NORMS", False),
+                "prologue_apart": ("tandem.kernels.mla_absorb", "PROLOGUE_IN_ABSORB_Q", False)}
+    for flag, (module, setting, value) in switches.items():
+        if getattr(args, flag):
+            setattr(importlib.import_module(module), setting, value)
     if args.slot_tile:
         slot_tiles(args.slot_tile)
-    if args.norms_apart:
-        from tandem.layers import fast_path
-
-        fast_path.FUSE_INPUT_NORMS = False
-    if args.prologue_apart:
-        from tandem.kernels import mla_absorb
-
-        mla_absorb.PROLOGUE_IN_ABSORB_Q = False
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 
