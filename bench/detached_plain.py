@@ -1,7 +1,8 @@
 """Plain decoding with the drafter detached against target-only, in process: the demo pair (or
 TANDEM_DEMO_DIR), a closed loop of BATCH requests, 120 new tokens each, greedy. Both engines on the
 same device and settings; the speculative one held detached for the whole run, so every step should be a
-target-only step; "attached": the speculative engine kept attached but never speculating (what the policy compares
+target-only step ("served-detached": held detached as a served engine is, the policy still deciding and metering every
+step); "attached": the speculative engine kept attached but never speculating (what the policy compares
 speculation with before it detaches). Prints tok/s and host seconds per engine step; --profile: the top host
 functions in the last pass.
 
@@ -44,7 +45,8 @@ def closed_loop(engine, prompts: list[list[int]], batch: int, seconds: float) ->
         for o in engine.step():
             if o.finish_reason is not None:
                 engine.requests.pop(o.rid, None)
-    return {"tok_s": tokens / elapsed, "steps": steps, "ms_per_step": 1e3 * host / max(steps, 1)}
+    return {"tok_s": tokens / elapsed, "steps": steps, "ms_per_step": 1e3 * host / max(steps, 1),
+            "tokens_per_step": tokens / max(steps, 1)}
 
 
 def main() -> None:
@@ -61,7 +63,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--engines", default="target-only,detached,attached,features",
+    ap.add_argument("--engines", default="target-only,detached,served-detached,attached,features",
                     help="comma-separated, built in this order (a process-wide effect of the drafter shows as "
                          "target-only alone against target-only with the others built)")
     a = ap.parse_args()
@@ -75,6 +77,11 @@ def main() -> None:
         spec.attachment.hold_detached()
         return spec
 
+    def served_detached():  # detached as the policy leaves it while serving: every step still decided and metered
+        spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
+        spec.attachment.hold_detached(as_served=True)
+        return spec
+
     def attached():  # plain steps only, the drafter kept attached: each step's features held for a draft to come
         from tandem.engine.warmup import _Forced
 
@@ -83,7 +90,8 @@ def main() -> None:
         spec.attachment.pause()  # (never detaches)
         return spec
 
-    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached, "attached": attached,
+    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached, "served-detached": served_detached,
+                "attached": attached,
                 # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's attached
                 # steps do)
                 "features": lambda: LLMEngine(dataclasses.replace(cfg, graph_decode_features=True))}
@@ -101,7 +109,7 @@ def main() -> None:
                 print(f"--- {name}: host profile (cumulative) ---")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             print(f"{name:12s} batch {a.batch}: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, "
-                  f"{r['ms_per_step']:.3f} ms host per step", flush=True)
+                  f"{r['ms_per_step']:.3f} ms host per step, {r['tokens_per_step']:.2f} tokens a step", flush=True)
 
 
 if __name__ == "__main__":

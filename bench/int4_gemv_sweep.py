@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, str(Path(__file__).parent))
 
+# the 8B's attention projections (N, K), swept on request: small GEMVs a layer's chain waits on
+ATTENTION_SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096)}
 # (block_n, block_k, warps, stages): the default's neighbours, deeper pipelines at fewer rows of W a program
 TILES = [(8, 1024, 4, 2), (8, 1024, 4, 3), (4, 1024, 4, 2), (4, 1024, 4, 3), (4, 1024, 4, 4), (2, 1024, 4, 4),
          (4, 2048, 4, 2), (4, 2048, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (4, 1024, 8, 3),
@@ -48,7 +50,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,fp8")
-    ap.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
+    shapes = {**LINEAR_SHAPES, **ATTENTION_SHAPES}
+    ap.add_argument("--shapes", default=",".join(LINEAR_SHAPES), help=f"of {', '.join(shapes)}")
     ap.add_argument("--kernels", default="gemv,mma_sync", help="the tiles of which kernels beside the default")
     ap.add_argument("--rows", default="1", help="rows of x, comma-separated")
     ap.add_argument("--out")
@@ -57,7 +60,7 @@ def main() -> None:
     ceilings(ctx)
     rows = []
     for m, label in [(int(m), label) for m in a.rows.split(",") for label in a.shapes.split(",")]:
-        n, k = LINEAR_SHAPES[label]
+        n, k = shapes[label]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for fmt in a.formats.split(","):
             if fmt == "int4":

@@ -88,10 +88,12 @@ class DrafterAttachment:
         self._idle_since: float | None = None  # nothing running since (a detached period stands still)
         self._last_decision: float | None = None  # when after_decision was last called
 
-    def hold_detached(self) -> None:
+    def hold_detached(self, as_served: bool = False) -> None:
         """Detached from now on, until ``reset``: plain steps only, whatever the policy says (an engine measured
-        as a target-only one: bench/detached_plain.py, the graph tests). The engine must not hold draft state yet."""
-        self.detached, self._held, self._detached_until = True, True, float("inf")
+        as a target-only one: bench/detached_plain.py, the graph tests). The engine must not hold draft state yet.
+        ``as_served``: a detached period that never ends, every step decided as while serving (a bucket whose verdict
+        favours speculation still attaches)."""
+        self.detached, self._held, self._detached_until = True, not as_served, float("inf")
 
     def idle(self) -> None:
         """Nothing is running: the plain clock starts again with the next traffic (idle time is not plain decoding),
