@@ -561,3 +561,29 @@ def test_a_bucket_without_a_verdict_favours_speculation_only_where_the_traffic_c
     traffic(3)
     assert measure(8, 9000.0, 10000.0) is False
     assert not policy.speculation_favoured(8)
+
+
+def test_steps_heard_together_leave_the_policy_as_steps_heard_one_by_one():
+    """The engine hands a detached period's plain steps over a few at a time (tandem.engine.step_accounting): the
+    step costs, goodput meters and counters after one ``observe_steps`` call equal those after a call per step, in
+    order (the meters read on one clock: the clock is left still here)."""
+    rng = random.Random(3)
+    runs = [(rng.choice((1, 4)), rng.uniform(0.001, 0.003)) for _ in range(40)] + [(4, None), (1, None)]
+    tokens = [(rng.randint(1, 8), rng.uniform(0.001, 0.003)) for _ in range(40)]
+    one, many = (SpeculationPolicy(PolicyConfig(warmup_rounds=0), clock=SimClock()) for _ in range(2))
+    for policy in (one, many):
+        policy.observe_step(2, True, 4, 0.004, width=4)  # speculation measured before: reset by plain steps
+        policy.observe_goodput(2, True, 9, 0.004)
+    for steps, seconds in runs:
+        one.observe_step(2, False, steps, seconds)
+    for n, seconds in tokens:
+        one.observe_goodput(2, False, n, seconds, detached=True)
+    many.observe_steps(2, False, runs)
+    many.observe_goodput_steps(2, False, tokens, detached=True)
+    for runs_class in (True, False, None):
+        assert many.step_time(2, False, runs=runs_class) == pytest.approx(one.step_time(2, False, runs=runs_class))
+    assert (many.plain_steps_since_spec, many.spec_steps_since_plain) == (one.plain_steps_since_spec, 0)
+    assert many.plain_steps_since_spec == sum(steps for steps, _ in runs)
+    assert many.goodput.rates(2) == pytest.approx(one.goodput.rates(2))
+    assert many.goodput.served_s == pytest.approx(one.goodput.served_s)
+    assert many.samples_since(2, 4) == one.samples_since(2, 4) > 0  # plain steps served since the round

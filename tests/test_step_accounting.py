@@ -24,6 +24,12 @@ class Heard:
     def observe_arrivals(self, tokens, seconds):
         self.calls.append(("arrivals", tokens, seconds))
 
+    def observe_steps(self, num_decode, speculative, runs):
+        self.calls.append(("steps", num_decode, speculative, list(runs)))
+
+    def observe_goodput_steps(self, running, speculative, steps, detached=False):
+        self.calls.append(("goodput steps", running, speculative, list(steps), detached))
+
 
 def decode(n=4, speculative=True, **kw):
     return StepInfo(num_prefill=0, num_decode=n, spans={}, speculative=speculative, **kw)
@@ -146,3 +152,37 @@ def test_a_speculative_step_whose_batch_could_not_all_draft_is_not_speculations_
     acc.step_starts(0.4, policy)
     assert policy.calls[1:] == [("step", 4, False, 1, pytest.approx(0.2), False),
                                 ("goodput", 4, False, 4, pytest.approx(0.2))]
+
+
+def test_a_detached_periods_plain_steps_are_heard_a_few_at_a_time_in_order_and_before_any_other_step():
+    from tandem.engine.step_accounting import DETACHED_HANDOVER
+
+    acc, policy = StepAccounting(prefill_apart=False), Heard()
+    t = 0.0
+
+    def step(running, tokens, detached=True, speculating=False, steps=4):
+        nonlocal t
+        acc.step_starts(t, policy)
+        acc.step_ended(policy, decode(running, speculative=speculating, steps=steps), t, t + 0.001, running, running,
+                       speculating, PROPOSER, True, tokens, detached=detached)
+        t += 0.002
+
+    for i in range(DETACHED_HANDOVER):  # the first is heard when the second starts
+        step(2, 8 + i)
+    assert policy.calls == []
+    step(2, 99)  # the eighth is heard as this one starts: all eight at once, oldest first
+    runs = [(4, pytest.approx(0.002))] * DETACHED_HANDOVER
+    assert policy.calls == [("steps", 2, False, runs),
+                            ("goodput steps", 2, False, [(8 + i, pytest.approx(0.002)) for i in range(8)], True)]
+    policy.calls.clear()
+    step(3, 7)  # the 99 is held
+    assert policy.calls == []
+    step(3, 12, detached=False, speculating=True)  # the 7, at another batch size: what was held first, then the 7 held
+    assert policy.calls == [("steps", 2, False, [(4, pytest.approx(0.002))]),
+                            ("goodput steps", 2, False, [(99, pytest.approx(0.002))], True)]
+    policy.calls.clear()
+    step(3, 12, detached=False, speculating=True)  # an attached speculative step: the held 7 first, then it as ever
+    assert policy.calls == [("steps", 3, False, [(4, pytest.approx(0.002))]),
+                            ("goodput steps", 3, False, [(7, pytest.approx(0.002))], True),
+                            ("step", 3, True, 4, pytest.approx(0.002), False),
+                            ("goodput", 3, True, 12, pytest.approx(0.002))]

@@ -27,6 +27,10 @@ and what the speculation policy (tandem.speculative.policy) is told of it.
   long requests keep the batch mixed past the attachment's ``ready_timeout_s``, and measured afresh on that mix
   speculation read far below its pace, detached the drafter again at once and admitted the next requests undrafted
   too (tests/test_spec_reattach.py).
+- A detached period's plain decode steps reach the policy DETACHED_HANDOVER at a time, in order, with nothing
+  else between (StepCosts.observe_steps, GoodputArbiter.observe_steps): told one by one they cost a served step
+  ~15 µs of host (the demo target at concurrency 1, where target-only's whole bookkeeping is ~5), and a detached
+  period decides nothing on them but whether it ends. Any other step hands over what is held first.
 - Each step's cost also goes to the prefill pace (tandem.engine.prefill_pace), which cuts long prompts'
   chunks while requests decode.
 """
@@ -39,6 +43,7 @@ from tandem.engine.prefill_pace import PrefillPace
 from tandem.engine.step import StepInfo
 
 MAX_DECODE_OWED_S = 0.05  # decoding owed after a step of prompts alone, at most (a long chunk is not held back long)
+DETACHED_HANDOVER = 8  # a detached period's plain steps the policy hears of together (see the module)
 
 
 @dataclass(frozen=True)
@@ -72,17 +77,42 @@ class StepAccounting:
         self.after_prompts = False
         self._step: _TimedStep | None = None
         self._goodput: _GoodputStep | None = None
+        # detached plain steps not yet heard: their batch size (running, decoding), (steps, seconds), (tokens, seconds)
+        self._held_key: tuple[int, int] | None = None
+        self._held_steps: list[tuple[int, float | None]] = []
+        self._held_goodput: list[tuple[int, float]] = []
         self.pace = PrefillPace()
 
     def step_starts(self, now: float, policy) -> None:
-        """The previous step's time, up to ``now``, goes to ``policy``."""
-        if self._step is not None:
-            s, self._step = self._step, None
+        """The previous step's time, up to ``now``, goes to ``policy`` (a detached plain step's, with the few before
+        it: see the module)."""
+        s, g = self._step, self._goodput
+        self._step = self._goodput = None
+        if s is not None and g is not None and g.detached and not s.speculative and not s.resumed:
+            key = (g.running, s.num_decode)
+            if key != self._held_key:
+                self.hand_over(policy)
+                self._held_key = key
+            self._held_steps.append((s.steps, None if s.started is None else now - s.started))
+            self._held_goodput.append((g.tokens, now - g.started))
+            if len(self._held_steps) >= DETACHED_HANDOVER:
+                self.hand_over(policy)
+            return
+        self.hand_over(policy)
+        if s is not None:
             policy.observe_step(s.num_decode, s.speculative, s.steps,
                                 None if s.started is None else now - s.started, resumed=s.resumed, width=s.width)
-        if self._goodput is not None:
-            g, self._goodput = self._goodput, None
+        if g is not None:
             policy.observe_goodput(g.running, g.speculative, g.tokens, now - g.started, detached=g.detached)
+
+    def hand_over(self, policy) -> None:
+        """What ``policy`` has not heard yet of a detached period's plain steps."""
+        if self._held_steps:
+            running, decoding = self._held_key
+            policy.observe_steps(decoding, False, self._held_steps)
+            policy.observe_goodput_steps(running, False, self._held_goodput, detached=True)
+            self._held_steps, self._held_goodput = [], []
+        self._held_key = None
 
     def step_ended(self, policy, info: StepInfo, started: float, ended: float, running_before: int,
                    running_after: int, speculating: bool, proposer, drafter_up: bool, tokens: int,

@@ -60,6 +60,10 @@ class _Forced:
             self.policy.observe_step(batch_size, speculative, steps, *args, detached=self.detached, seeded=True,
                                      **kwargs)
 
+    def observe_steps(self, batch_size, speculative, runs, *args, **kwargs) -> None:
+        for steps, seconds in runs:
+            self.observe_step(batch_size, speculative, steps, seconds, *args, **kwargs)
+
     def observe_round(self, state, tokens, depth=None) -> None:
         pass
 
@@ -72,6 +76,9 @@ class _Forced:
 
     def observe_goodput(self, batch_size, speculative, tokens, seconds, detached=False) -> None:
         pass  # the warm-up's forced modes and random prompts say nothing of the traffic's goodput
+
+    def observe_goodput_steps(self, batch_size, speculative, steps, detached=False) -> None:
+        pass
 
     def plain_measured_faster(self, batch_size) -> bool:
         return False  # (nothing detaches during the warm-up)

@@ -105,10 +105,15 @@ class GoodputArbiter:
     def observe(self, batch_size: int, speculative: bool, tokens: int, seconds: float, detached: bool = False) -> None:
         """A step with ``batch_size`` requests running, in that mode, emitted ``tokens`` in ``seconds``;
         ``detached``: a plain step with the drafter detached."""
-        if seconds <= 0:
+        self.observe_steps(batch_size, speculative, ((tokens, seconds),), detached)
+
+    def observe_steps(self, batch_size: int, speculative: bool, steps, detached: bool = False) -> None:
+        """``observe`` for steps of one kind in a row at one batch size, ``steps`` their ``(tokens, seconds)`` oldest
+        first (each read on the meter as it was added, the clock once)."""
+        steps = [(tokens, seconds) for tokens, seconds in steps if seconds > 0]
+        if not steps:
             return
         self.bucket.track(batch_size)
-        self.served_s += seconds
         key = DETACHED if detached and not speculative else speculative
         if key == DETACHED and not self._detached:  # a detached period starts: speculation is measured again after it
             forgotten = {k[0] for k in self._meters if k[1] is True}
@@ -122,9 +127,12 @@ class GoodputArbiter:
         self._detached = key == DETACHED
         at = (self.bucket(batch_size), key)
         meter = self._meters.get(at) or self._meters.setdefault(at, _Meter())  # (get first: this runs every step)
-        meter.add(tokens, seconds, self.cfg.goodput_window_s, self.served_s, self.clock())
+        now, window = self.clock(), self.cfg.goodput_window_s
+        for tokens, seconds in steps:
+            self.served_s += seconds
+            meter.add(tokens, seconds, window, self.served_s, now)
         if speculative == self._mode:
-            self._epoch_steps += 1
+            self._epoch_steps += len(steps)
 
     def choose(self, batch_size: int, model_says: bool, predicted_loss, rounds_can_pay: bool = True) -> bool:
         """This step's mode: the current epoch's, or at an epoch's end the next one's (see the module).

@@ -149,6 +149,12 @@ class SpeculationPolicy(StepCosts):
         if self.goodput is not None:
             self.goodput.observe(batch_size, speculative, tokens, seconds, detached)
 
+    def observe_goodput_steps(self, batch_size: int, speculative: bool, steps, detached: bool = False) -> None:
+        """``observe_goodput`` for steps of one kind in a row at one batch size: ``steps`` their ``(tokens,
+        seconds)``, oldest first."""
+        if self.goodput is not None:
+            self.goodput.observe_steps(batch_size, speculative, steps, detached)
+
     def plain_measured_faster(self, batch_size: int) -> bool:
         """Whether measurements say plain steps are faster at ``batch_size``. With goodput on, its verdict
         (both modes measured), or where it has none the drafting requests' rounds making about one token each (their
