@@ -177,6 +177,12 @@ class LLMEngine:
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
         self._undrafted = speculative > len(drafting)
+        if not drafting and self.attachment.detached:  # a detached period: plain, and only whether it ends is decided
+            # (what the whole decision below concludes with nothing drafting, in a third of its host time)
+            self.speculating = self.policy.decide(len(running), [])  # (False: the policy's own reason and view)
+            self.plain_reason = "no drafts" if self.drafts.up() else "drafter down"
+            self._keep_attachment(False, spec_favoured=self.policy.speculation_favoured(len(running)))
+            return 1
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), speculative)
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
         states = [req.spec_state for req in drafting] if asked else []
