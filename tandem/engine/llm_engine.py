@@ -178,7 +178,7 @@ class LLMEngine:
         speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
         self._undrafted = speculative > len(drafting)
         if not drafting and self.attachment.detached:  # a detached period: plain, and only whether it ends is decided
-            # (what the whole decision below concludes with nothing drafting, in a third of its host time)
+            # (what the whole decision below concludes with nothing drafting, in fewer calls)
             self.speculating = self.policy.decide(len(running), [])  # (False: the policy's own reason and view)
             self.plain_reason = "no drafts" if self.drafts.up() else "drafter down"
             self._keep_attachment(False, spec_favoured=self.policy.speculation_favoured(len(running)))
