@@ -219,6 +219,30 @@ def slot_tiles(spec: str) -> None:
     moe_slots.slot_linear = tiled
 
 
+def quant_tiles(spec: str) -> None:
+    """One-row quantized GEMVs of the given [N, K] with the given tiles ('N,K:BN,BK,WARPS,STAGES;...', the split the
+    default's): an in-model A/B of bench/int4_gemv_sweep.py's best tiles."""
+    import dataclasses
+
+    from tandem.kernels import dequant_gemm
+    from tandem.kernels.dequant_configs import default_config
+
+    tiles = {}
+    for part in spec.split(";"):
+        shape, numbers = part.split(":")
+        bn, bk, warps, stages = (int(v) for v in numbers.split(","))
+        tiles[tuple(int(v) for v in shape.split(","))] = (bn, bk, warps, stages)
+
+    def config(m, n, k, *args, **kwargs):
+        cfg = default_config(m, n, k, *args, **kwargs)
+        if m == 1 and cfg.kernel == "gemv" and (n, k) in tiles:
+            bn, bk, warps, stages = tiles[n, k]
+            cfg = dataclasses.replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        return cfg
+
+    dequant_gemm.default_config = config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "v2-lite-int4", "llama8b-int4", "llama8b-fp8"))
@@ -252,6 +276,8 @@ def main() -> None:
                          "start (weight_prefetch.PREFETCH_OUTPUT_WEIGHTS on)")
     ap.add_argument("--l2-variant", choices=("bulk", "line"), default="bulk",
                     help="with --l2-prefetch: cp.async.bulk.prefetch.L2 or prefetch.global.L2 (l2_prefetch.VARIANT)")
+    ap.add_argument("--quant-tile", default="",
+                    help="one-row quantized GEMVs of these [N, K] take these tiles: 'N,K:BN,BK,WARPS,STAGES;...'")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
     skip = [k for k in args.skip.split(",") if k]
@@ -272,6 +298,8 @@ def main() -> None:
     importlib.import_module("tandem.kernels.l2_prefetch").VARIANT = args.l2_variant
     if args.slot_tile:
         slot_tiles(args.slot_tile)
+    if args.quant_tile:
+        quant_tiles(args.quant_tile)
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 
