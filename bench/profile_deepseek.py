@@ -13,7 +13,7 @@ would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is prin
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
         [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart]
-        [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--l2-prefetch] [--skip norm,sum_slots,merge,route]
+        [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route]
         [--out profile_deepseek.json]
 """
 
@@ -271,11 +271,6 @@ def main() -> None:
                     help="shared experts run in the main stream's chain (side_stream.SIDE_STREAMS off)")
     ap.add_argument("--shared-slots", action="store_true",
                     help="shared experts as routing slots where stored as the routed ones (moe.SHARED_AS_SLOTS on)")
-    ap.add_argument("--l2-prefetch", action="store_true",
-                    help="each layer's attention output weights read into the L2 from the side stream at the layer's "
-                         "start (weight_prefetch.PREFETCH_OUTPUT_WEIGHTS on)")
-    ap.add_argument("--l2-variant", choices=("bulk", "line"), default="bulk",
-                    help="with --l2-prefetch: cp.async.bulk.prefetch.L2 or prefetch.global.L2 (l2_prefetch.VARIANT)")
     ap.add_argument("--quant-tile", default="",
                     help="one-row quantized GEMVs of these [N, K] take these tiles: 'N,K:BN,BK,WARPS,STAGES;...'")
     ap.add_argument("--out", default="profile_deepseek.json")
@@ -290,12 +285,10 @@ def main() -> None:
     switches = {"no_side_stream": ("tandem.layers.side_stream", "SIDE_STREAMS", False),
                 "shared_slots": ("tandem.layers.moe", "SHARED_AS_SLOTS", True),
                 "norms_apart": ("tandem.layers.fast_path", "FUSE_INPUT_NORMS", False),
-                "prologue_apart": ("tandem.kernels.mla_absorb", "PROLOGUE_IN_ABSORB_Q", False),
-                "l2_prefetch": ("tandem.layers.weight_prefetch", "PREFETCH_OUTPUT_WEIGHTS", True)}
+                "prologue_apart": ("tandem.kernels.mla_absorb", "PROLOGUE_IN_ABSORB_Q", False)}
     for flag, (module, setting, value) in switches.items():
         if getattr(args, flag):
             setattr(importlib.import_module(module), setting, value)
-    importlib.import_module("tandem.kernels.l2_prefetch").VARIANT = args.l2_variant
     if args.slot_tile:
         slot_tiles(args.slot_tile)
     if args.quant_tile:

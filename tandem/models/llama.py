@@ -22,7 +22,6 @@ from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.layers.weight_prefetch import prefetch_weights
 from tandem.configs.model import ModelConfig
 from tandem.models.loader import load_checkpoint
 
@@ -91,7 +90,6 @@ class PreNormLayer(nn.Module):
         """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
         each add is fused into the next norm. Layer 0 gets ``residual=None`` (the stream is ``h``)."""
         first, projected = self.self_attn.input_linear(), None
-        ahead = prefetch_weights(h, self.self_attn.o_proj)  # (off unless enabled: tandem/layers/weight_prefetch.py)
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         elif first is not None:  # the norm inside the first projection's launch where it can be (linear.py)
@@ -99,7 +97,6 @@ class PreNormLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         h = self.self_attn(x, positions, meta, kv, backend, projected=projected)
-        ahead.join()
         mlp_normed = getattr(self.mlp, "forward_normed", None)  # (a MoE: the norm inside its router's launch)
         if mlp_normed is not None:
             return mlp_normed(h, residual, self.post_attention_layernorm)

@@ -391,21 +391,3 @@ def test_plain_steps_on_the_families_with_features_equal_eager(target, twins, mo
         assert (graphs.plain_decode is not None) == twins and bool(graphs.plain_prefill) == twins
         graphed = [r.output_token_ids for r in eng.generate(batch, params, spec=None)]
     assert graphed == run(target, batch, graphs=False)
-
-
-@pytest.mark.parametrize("variant", ["bulk", "line"])
-def test_output_weights_prefetched_into_the_l2_leave_graphed_decoding_unchanged(target, variant, monkeypatch):
-    """The attention's output weights read into the L2 from the side stream (tandem/layers/weight_prefetch.py):
-    captured forks and joins, nothing written, so greedy float32 tokens equal those without, at batch 1 and 4."""
-    from tandem.kernels import l2_prefetch
-    from tandem.layers import weight_prefetch
-
-    batch = prompts(4)
-    without = [run(target, batch[:1], decode_steps=4), run(target, batch)]
-    monkeypatch.setattr(weight_prefetch, "PREFETCH_OUTPUT_WEIGHTS", True)
-    monkeypatch.setattr(l2_prefetch, "VARIANT", variant)
-    launched = []
-    real = l2_prefetch.prefetch_l2
-    monkeypatch.setattr(l2_prefetch, "prefetch_l2", lambda t: (launched.append(t.numel()), real(t)))
-    assert [run(target, batch[:1], decode_steps=4), run(target, batch)] == without
-    assert launched  # (the prefetch ran: captured, then replayed with the graphs)
