@@ -115,7 +115,8 @@ def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False, m: int =
     mats = [{name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) * 0.02
              for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
     head = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    hidden, o_in, inner = SHAPES["o"][0], SHAPES["o"][1], SHAPES["down"][1]  # (the shape set's, not the 8B's)
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
 
     def lin(name, a, w):
         cfg = picks.get(name)
@@ -124,8 +125,8 @@ def chain_tok_s(picks: dict[str, GemvConfig | None], pdl: bool = False, m: int =
     def chain():
         y = x
         for layer in mats:
-            y = lin("o", lin("qkv", y, layer["qkv"])[:, :H], layer["o"])
-            y = lin("down", lin("gate_up", y, layer["gate_up"])[:, :I], layer["down"])
+            y = lin("o", lin("qkv", y, layer["qkv"])[:, :o_in], layer["o"])
+            y = lin("down", lin("gate_up", y, layer["gate_up"])[:, :inner], layer["down"])
         return lin("lm_head", y, head)
 
     ms = graph_ms(chain, 20)
