@@ -231,11 +231,14 @@ def test_a_detached_batch_runs_target_only_steps_and_later_arrivals_speculate(pa
     assert all(stats[r] == 0 for r in [late]) and all(stats[r] > 0 for r in fresh)
 
 
-def _steered(eng, clock: Clock, detached_first_s: float, favoured: bool) -> tuple[list, list]:
-    """The engine's attachment on ``clock`` (detaching after two plain steps), its policy steered by the test: →
-    ([speculate], [favoured]), flags the test sets (speculate: whenever some request can draft; favoured: every bucket)."""
+def _steered(eng, clock: Clock, detached_first_s: float, favoured: bool,
+             decided_every_s: float = 0.0) -> tuple[list, list]:
+    """The engine's attachment on ``clock`` (detaching after two plain steps; detached, asked again every step unless
+    ``decided_every_s``), its policy steered by the test: → ([speculate], [favoured]), flags the test sets (speculate:
+    whenever some request can draft; favoured: every bucket)."""
     eng.attachment = DrafterAttachment(AttachmentConfig(detach_after_s=0.0, detach_after_steps=2,
-                                                        detached_first_s=detached_first_s, favoured_attach_s=0.2), clock)
+                                                        detached_first_s=detached_first_s, favoured_attach_s=0.2,
+                                                        detached_decided_every_s=decided_every_s), clock)
     speculate, favour = [False], [favoured]
     eng.policy.decide = lambda batch, drafting, runs=None: bool(drafting) and speculate[0]
     eng.policy.speculation_favoured = lambda batch: favour[0]
@@ -275,6 +278,41 @@ def test_idle_time_does_not_end_a_detached_period_and_a_favoured_batch_attaches_
         while eng.has_unfinished():
             eng.step()
         assert eng.requests[late].spec_stats.rounds == 0 and eng.requests[fresh].spec_stats.rounds > 0
+
+
+def test_a_detached_engine_asks_again_whether_its_period_ends_only_every_so_often_or_at_another_batch(pair):
+    """Detached, a step within ``detached_decided_every_s`` of the last decision at the same batch size asks nothing
+    (host time a step at concurrency 1); a step after it, or at another batch size, asks again."""
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        _, favoured = _steered(eng, clock, detached_first_s=5.0, favoured=False, decided_every_s=0.01)
+        asked = []
+        real = eng.policy.speculation_favoured
+        eng.policy.speculation_favoured = lambda batch: (asked.append(batch), real(batch))[1]
+        first = eng.add_request(random_prompt(740, 11), greedy)
+        while not eng.attachment.detached:
+            eng.step()
+        eng.step()
+        asked.clear()
+        for _ in range(3):  # the clock stands still: the decision of a moment ago stands
+            eng.step()
+        assert asked == []
+        clock.now += 0.011
+        eng.step()
+        assert asked == [1]
+        eng.add_request(random_prompt(741, 13), greedy)
+        eng.step()  # (the prompt's step, alone)
+        while len(eng.scheduler.running) < 2:
+            eng.step()
+        eng.step()
+        assert asked[-1] == 2  # another batch size: asked at once
+        favoured[0] = True
+        clock.now += 0.25
+        eng.step()
+        clock.now += 0.25
+        eng.step()
+        assert not eng.attachment.detached and not eng.requests[first].finished
 
 
 def test_an_engine_attached_early_goes_back_detached_with_a_plain_step_at_a_bucket_not_favoured(pair):
