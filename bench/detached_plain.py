@@ -72,14 +72,9 @@ def main() -> None:
     cfg = EngineConfig(model=str(folder / "target"), device=a.device,
                        dtype="bfloat16" if a.device.startswith("cuda") else "float32", kv_pages=2048)
 
-    def detached():
+    def detached(as_served: bool):  # as served: detached as the policy leaves it, every step still decided and metered
         spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
-        spec.attachment.hold_detached()
-        return spec
-
-    def served_detached():  # detached as the policy leaves it while serving: every step still decided and metered
-        spec = speculative_engine(cfg, str(folder / "draft"), SpecConfig(3, 1, 4))
-        spec.attachment.hold_detached(as_served=True)
+        spec.attachment.hold_detached(as_served)
         return spec
 
     def attached():  # plain steps only, the drafter kept attached: each step's features held for a draft to come
@@ -90,7 +85,8 @@ def main() -> None:
         spec.attachment.pause()  # (never detaches)
         return spec
 
-    builders = {"target-only": lambda: LLMEngine(cfg), "detached": detached, "served-detached": served_detached,
+    builders = {"target-only": lambda: LLMEngine(cfg), "detached": lambda: detached(False),
+                "served-detached": lambda: detached(True),
                 "attached": attached,
                 # target-only whose decode graphs also output the EAGLE-3 features (as a speculative engine's attached
                 # steps do)
