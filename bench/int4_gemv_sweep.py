@@ -43,6 +43,7 @@ def main() -> None:
     from sections import ceilings
     from sections_quant import LINEAR_SHAPES, _copies, graph_ms
     from measure import read_seconds
+    from quant_schemes import int4_bytes
     from tandem.kernels.dequant_configs import (MMA_SYNC_STEP, PROGRAMS_WANTED, DequantConfig, default_config,
                                                 mma_sync_config)
     from tandem.kernels.dequant_gemm import fp8_block_linear, int4_linear
@@ -64,9 +65,9 @@ def main() -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for fmt in a.formats.split(","):
             if fmt == "int4":
-                nbytes = n * k // 2 + n * (k // 32) * 4
+                nbytes = int4_bytes()(n, k)
                 ws = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32),
-                       torch.rand(n, k // 32, device="cuda") * 0.01) for _ in range(_copies(nbytes))]
+                       (torch.rand(n, k // 32, device="cuda") * 0.01).bfloat16()) for _ in range(_copies(nbytes))]
                 run = lambda p, s, cfg: int4_linear(x, p, s, 32, config=cfg)  # noqa: E731
             else:
                 nbytes = n * k + 4 * -(-n // 128) * -(-k // 128)

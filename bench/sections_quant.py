@@ -31,6 +31,7 @@ import os
 import torch
 
 from measure import events_ms, free_gpu, read_seconds
+from quant_schemes import int4_bytes
 
 DEVICE = "cuda"  # (tests/test_bench_quant_smoke.py runs the section on the CPU at tiny shapes)
 PEAK_TBPS = 4.8
@@ -78,7 +79,7 @@ def _copies(nbytes: int) -> int:
 
 def _weights(n: int, k: int, copies: int) -> dict:
     int4 = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32),
-             torch.rand(n, k // 32, device=DEVICE) * 0.01) for _ in range(copies)]
+             (torch.rand(n, k // 32, device=DEVICE) * 0.01).bfloat16()) for _ in range(copies)]  # scales as stored
     fp8 = [((torch.randn(n, k, device=DEVICE) * 50).to(torch.float8_e4m3fn),
             torch.rand(-(-n // 128), -(-k // 128), device=DEVICE) * 1e-3) for _ in range(copies)]
     bf16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -93,7 +94,7 @@ def linear_rows(ctx: dict) -> list[dict]:
     copy_tbps = ctx.get("copy_tbps")
     rows_out = []
     for label, (n, k) in LINEAR_SHAPES.items():
-        nbytes = {"int4": n * k // 2 + n * (k // 32) * 4, "fp8": n * k + 4 * -(-n // 128) * -(-k // 128),
+        nbytes = {"int4": int4_bytes()(n, k), "fp8": n * k + 4 * -(-n // 128) * -(-k // 128),
                   "bf16": 2 * n * k}
         w = _weights(n, k, _copies(nbytes["int4"]))
         for m in ROWS:

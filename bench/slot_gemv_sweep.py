@@ -32,6 +32,7 @@ def main() -> None:
     import torch
 
     from measure import read_seconds
+    from quant_schemes import int4_bytes
     from sections import ceilings
     from sections_quant import L2_BYTES, graph_ms
     from tandem.kernels.dequant_configs import DequantConfig, _gemv_split, default_config
@@ -55,8 +56,8 @@ def main() -> None:
             if fmt == INT4:
                 w = torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), device="cuda", dtype=torch.int32,
                                   generator=gen)
-                s = torch.rand(experts, n, k // 32, device="cuda", generator=gen) * 0.01
-                block, per_expert = (1, 32), n * k // 2 + n * (k // 32) * 4
+                s = (torch.rand(experts, n, k // 32, device="cuda", generator=gen) * 0.01).bfloat16()
+                block, per_expert = (1, 32), int4_bytes()(n, k)
             else:
                 w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                 s, block, per_expert = None, (1, 1), 2 * n * k

@@ -41,10 +41,12 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def int4_weight(n: int, k: int, group: int, seed: int):
-    """(packed, scale, dequantized) of a random [n, k] weight, all by compressed-tensors."""
+    """(packed, scale, dequantized) of a random bf16 [n, k] weight, all by compressed-tensors (its scales in bf16,
+    as it stores a bf16 model's)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     packed, deq = int4_compress(w.bfloat16(), group)
-    return packed["weight_packed"].to(DEVICE), packed["weight_scale"].float().to(DEVICE), deq.to(DEVICE)
+    assert packed["weight_scale"].dtype == torch.bfloat16
+    return packed["weight_packed"].to(DEVICE), packed["weight_scale"].to(DEVICE), deq.to(DEVICE)
 
 
 def activations(m: int, k: int, dtype: torch.dtype, seed: int, lead: tuple[int, ...] = ()) -> torch.Tensor:
@@ -70,6 +72,21 @@ def check_int4_linear(dtype: torch.dtype, m: int, config: DequantConfig | None, 
     y = int4_linear(x, packed, scale, group, config=config, out=out)
     assert y.dtype == dtype and not y.isnan().any()
     assert norm_rel_err(y, reference(x, deq, exact=exact)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [SMALL, DequantConfig(16, 16, 64, 4, 2, split_k=2),
+                                    DequantConfig(1, 8, 64, 4, 2, kernel="rows"), None],
+                         ids=["whole-groups", "split-k", "rows", "default"])
+def test_int4_kernels_give_the_same_output_for_scales_held_in_any_float_dtype(config):
+    """The scales are held as the checkpoint stores them (bf16 here) and widened as read: the same values held in
+    float32 or fp16 (exact copies) give bit-identical outputs."""
+    n, k, group = 40, 160, 32
+    packed, scale, _ = int4_weight(n, k, group, seed=9)
+    x = activations(4, k, torch.bfloat16, seed=10)
+    held = int4_linear(x, packed, scale, group, config=config)
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(scale.to(dtype).to(scale.dtype), scale)  # an exact copy of the values
+        assert torch.equal(int4_linear(x, packed, scale.to(dtype), group, config=config), held), dtype
 
 
 def test_int4_linear_bias_leading_dims_and_group_64():

@@ -5,6 +5,7 @@ one line naming it."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tandem.configs.quantization import Fp8Block, Int4Group, parse_quantization
 from tandem.models.random_checkpoint import LlamaShape, hf_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+BF16_INT4 = Int4Group(32, "bfloat16")  # llama_with's model dtype: its scales' without a checkpoint to say
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
 
 
@@ -38,16 +40,39 @@ def test_fp8_block_config():
 
 def test_compressed_tensors_config_written_by_the_package():
     q = ModelConfig.from_hf_dict(llama_with(int4_config(32))).quantization
-    assert q.scheme == Int4Group(32) and q.method == "compressed-tensors"
-    assert q.scheme_for(["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]) == Int4Group(32)
+    assert q.scheme == BF16_INT4 and q.method == "compressed-tensors"
+    assert q.scheme_for(["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]) == BF16_INT4
     assert ModelConfig.from_hf_dict(llama_with(None)).quantization is None
+
+
+def test_int4_scales_are_held_as_the_checkpoint_stores_them(tmp_path):
+    """Without tensors the scales take the model's dtype (compressed-tensors writes a bf16 model's scales in bf16);
+    a folder's stored dtype wins, read from its safetensors header (single file or sharded with an index); FP8's
+    scale_inv stays float32."""
+    from safetensors.torch import save_file
+
+    raw = llama_with(int4_config(32))
+    assert ModelConfig.from_hf_dict({**raw, "torch_dtype": "float32"}).quantization.scheme.scale_dtype == "float32"
+    assert ModelConfig.from_hf_dict(llama_with(FP8)).quantization.scheme == Fp8Block((128, 128))
+    for stored, sharded in ((torch.float32, False), (torch.float16, True), (torch.bfloat16, False)):
+        folder = tmp_path / f"{stored}-{sharded}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(raw))
+        tensors = {"model.embed_tokens.weight": torch.zeros(4, 4),
+                   "model.layers.0.mlp.down_proj.weight_scale": torch.ones(4, 1, dtype=stored)}
+        if sharded:
+            save_file({"model.embed_tokens.weight": tensors.pop("model.embed_tokens.weight")}, str(folder / "a.safetensors"))
+            (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+                "model.embed_tokens.weight": "a.safetensors", "model.layers.0.mlp.down_proj.weight_scale": "b.safetensors"}}))
+        save_file(tensors, str(folder / ("b.safetensors" if sharded else "model.safetensors")))
+        assert ModelConfig.from_dir(folder).quantization.scheme == Int4Group(32, str(stored).removeprefix("torch."))
 
 
 def test_kimi_ignore_list_in_text_config_quantizes_only_routed_experts():
     quant = int4_config(32, ignore=tuple(KIMI_IGNORE))
     q = ModelConfig.from_hf_dict(llama_with(quant, wrapped=True)).quantization
     p = "language_model.model.layers.5."
-    assert q.scheme_for([p + "mlp.experts.17.gate_proj", p + "mlp.experts.17.up_proj"]) == Int4Group(32)
+    assert q.scheme_for([p + "mlp.experts.17.gate_proj", p + "mlp.experts.17.up_proj"]) == BF16_INT4
     for dense in ("self_attn.q_a_proj", "self_attn.kv_b_proj", "mlp.shared_experts.down_proj", "mlp.gate_proj"):
         assert q.scheme_for([p + dense]) is None, dense
 
@@ -59,7 +84,7 @@ def test_a_wrappers_lm_head_may_be_ignored_by_its_checkpoint_name(ignored, accep
     quantized (it was: only the bare ``lm_head`` counted)."""
     raw = llama_with(int4_config(32, ignore=ignored), wrapped=True)
     if accepted:
-        assert ModelConfig.from_hf_dict(raw).quantization.scheme == Int4Group(32)
+        assert ModelConfig.from_hf_dict(raw).quantization.scheme == BF16_INT4
     else:
         with pytest.raises(CheckpointError, match="a quantized lm_head"):
             ModelConfig.from_hf_dict(raw)
@@ -73,7 +98,7 @@ def test_a_dense_sparsity_config_is_no_sparsity():
     for fmt, accepted in (("dense", True), ("sparse-bitmask", False)):
         quant = _with(int4_config(32), sparsity_config=SparsityCompressionConfig.load_from_registry(fmt).model_dump())
         if accepted:
-            assert ModelConfig.from_hf_dict(llama_with(quant)).quantization.scheme == Int4Group(32)
+            assert ModelConfig.from_hf_dict(llama_with(quant)).quantization.scheme == BF16_INT4
         else:
             with pytest.raises(CheckpointError, match="sparsity_config is not supported"):
                 ModelConfig.from_hf_dict(llama_with(quant))

@@ -67,8 +67,11 @@ def test_logits_features_and_greedy_equal_the_dequantized_float32_twin(ckpts, ca
 def test_weights_stay_packed(ckpts, case):
     model = run(ckpts[case][0])["model"]
     layer = model.model.layers[0]
-    want = {"int4": {"weight_packed": torch.int32, "weight_scale": torch.float32},
-            "fp8": {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32}}[case]
+    stored = load_file(str(ckpts[case][0] / "model.safetensors"))
+    scales = {"int4": "weight_scale", "fp8": "weight_scale_inv"}[case]  # held as stored (INT4: compressed-tensors'
+    scale_dtype = stored[f"model.layers.0.mlp.down_proj.{scales}"].dtype  # bf16, the model's; FP8: float32)
+    want = {"int4": {"weight_packed": torch.int32, "weight_scale": scale_dtype},
+            "fp8": {"weight": torch.float8_e4m3fn, "weight_scale_inv": scale_dtype}}[case]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert {n: p.dtype for n, p in proj.named_parameters() if n in want} == want
         if case == "int4":
@@ -198,16 +201,23 @@ def test_a_stack_of_experts_loads_and_dequantizes_per_expert():
         def row_spans(self):
             return [Span.whole(48)]
 
-    layer, fmt = Experts(), Int4GroupFormat("mlp.experts", Int4Group(32))
+    layer, fmt = Experts(), Int4GroupFormat("mlp.experts", Int4Group(32, "bfloat16"))
     fmt.create(layer, 48, 64, leading=(3,))
     g = torch.Generator().manual_seed(0)
     want = []
     for e in range(3):
         packed, deq = int4_compress((torch.randn(48, 64, generator=g) * 0.1).to(torch.bfloat16), 32)
+        if e == 1:  # a checkpoint mixing scale dtypes: an exact float32 copy loads into the bf16 stack
+            packed["weight_scale"] = packed["weight_scale"].float()
         for name, t in packed.items():
             fmt.load(layer, name, t, Span.whole(48), Span.whole(64), expert=e)
         want.append(deq)
+    assert layer.weight_scale.dtype == torch.bfloat16
     assert torch.equal(fmt.dequantize(layer, torch.float32), torch.stack(want))
+    # a float32 scale bf16 cannot hold is refused, not rounded
+    inexact = packed["weight_scale"].float() * (1 + 2 ** -12)
+    with pytest.raises(ValueError, match="has dtype torch.float32, expected torch.bfloat16"):
+        fmt.load(layer, "weight_scale", inexact, Span.whole(48), Span.whole(64), expert=0)
 
 
 def test_fused_parts_that_split_a_block_at_one_rank_say_so_not_choose_a_tp_size(ckpts, monkeypatch):

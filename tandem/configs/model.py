@@ -7,13 +7,14 @@ This module is torch-free so the gateway and config validation can use it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
 from tandem.configs.fields import decoder_dims, required_field
-from tandem.configs.quantization import QuantConfig, parse_quantization
+from tandem.configs.quantization import QuantConfig, parse_quantization, with_scale_dtype
+from tandem.configs.stored_dtypes import stored_float_dtype
 from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
 from tandem.configs.deepseek import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
 
@@ -110,8 +111,10 @@ class ModelConfig(AttentionWidths):
         path, raw = read_config_json(model_dir, "a Hugging Face model folder")
         generation = Path(model_dir) / "generation_config.json"
         gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
-        return cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw,
-                                tokenizer_eos=tokenizer_eos_id(model_dir))
+        cfg = cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw,
+                               tokenizer_eos=tokenizer_eos_id(model_dir))
+        stored = stored_float_dtype(model_dir, ".weight_scale")  # INT4 scales are held as the checkpoint stores them
+        return replace(cfg, quantization=with_scale_dtype(cfg.quantization, stored)) if stored else cfg
 
     @classmethod
     def from_hf_dict(
@@ -139,7 +142,7 @@ class ModelConfig(AttentionWidths):
             return cls(**fields, rope=RopeConfig(theta=fields["mla"].rope_theta),
                        qkv_bias=False, qk_norm=False, o_bias=False, mlp_bias=False, dtype=_dtype_name(text, raw),
                        eos_token_ids=eos, bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
-                       quantization=quant)
+                       quantization=with_scale_dtype(quant, _dtype_name(text, raw)))
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         # Llama and Qwen3 read attention_bias for q/k/v and o_proj; Qwen2 always biases q/k/v only.
         o_bias = arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias"))
@@ -168,7 +171,7 @@ class ModelConfig(AttentionWidths):
             dtype=dtype,
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
-            quantization=quant,
+            quantization=with_scale_dtype(quant, dtype),
         )
 
 

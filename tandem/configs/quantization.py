@@ -18,7 +18,7 @@ Torch-free, like tandem/configs/model.py.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from tandem.errors import CheckpointError
@@ -36,12 +36,16 @@ class Fp8Block:
 @dataclass(frozen=True)
 class Int4Group:
     """int4 packed eight to an int32 (low nibble first, stored as q + 8), one scale per ``group_size``
-    input columns of a row: ``W = (nibble - 8) * scale``."""
+    input columns of a row: ``W = (nibble - 8) * scale``. ``scale_dtype``: the float type the scales are held
+    in, the one the checkpoint stores (compressed-tensors writes a bf16 model's scales in bf16); the kernels
+    widen each to float32 as they read it, so holding them as stored is exact and reads no byte more."""
 
     group_size: int
+    scale_dtype: str = "float32"
 
 
 LinearScheme = Fp8Block | Int4Group
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,13 @@ def _match(name: str, target: str) -> bool:
 def _under(name: str, module: str) -> bool:
     """HF's modules_to_not_convert rule: the module itself, a module inside it, or a name ending in it."""
     return name == module or name.startswith(module + ".") or name.endswith("." + module)
+
+
+def with_scale_dtype(quant: QuantConfig | None, dtype: str) -> QuantConfig | None:
+    """``quant`` with its INT4 scales held in ``dtype`` (a torch dtype name); FP8 keeps float32 ``scale_inv``."""
+    if quant is None or not isinstance(quant.scheme, Int4Group) or dtype not in SCALE_DTYPES:
+        return quant
+    return replace(quant, scheme=replace(quant.scheme, scale_dtype=dtype))
 
 
 def find_quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:

@@ -199,7 +199,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
                 bias: torch.Tensor | None = None, config: DequantConfig | None = None,
                 out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """W4A16: ``x [..., K]`` times ``W [N, K]`` given as ``packed [N, ceil(K/8)]`` int32 and
-    ``scale [N, ceil(K/group_size)]`` float32 → ``[..., N]`` in x's dtype. ``swiglu``: x is ``[..., 2K]``
+    ``scale [N, ceil(K/group_size)]`` float32, bf16 or fp16 → ``[..., N]`` in x's dtype. ``swiglu``: x is ``[..., 2K]``
     (gate | up), multiplied as ``silu(gate) * up``."""
     n, k = packed.shape[0], x.shape[-1] // (2 if swiglu else 1)
     if packed.dtype != torch.int32 or packed.shape[1] != triton.cdiv(k, 8) or group_size % 8:

@@ -121,7 +121,7 @@ def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, 
     if FORMAT == 0:
         s = tl.full([first_col.shape[0], 1], 1.0, tl.float32)
     else:
-        s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs, mask=ok, other=0.0)
+        s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs, mask=ok, other=0.0).to(tl.float32)
     return tl.trans(w, 1, 0) if FORMAT == 1 else tl.trans(w, 1, 0, 2), tl.trans(s)
 
 

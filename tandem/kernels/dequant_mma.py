@@ -7,7 +7,7 @@ LOP3 + FFMA, one FFMA a row), more than an SM can issue while reading INT4 at fu
 weights a clock). Here the products go to the tensor cores and the unpack works on pairs:
 
 * Layout: compressed-tensors ``pack-quantized`` as the checkpoint stores it: ``packed [N, K/8]`` int32,
-  nibble j of word w is column ``8w + j`` and holds ``q + 8``; float32 ``scale [N, K/GROUP]``.
+  nibble j of word w is column ``8w + j`` and holds ``q + 8``; ``scale [N, K/GROUP]`` float32, bf16 or fp16 (widened as read).
 * Unpack (PTX, ``tl.inline_asm_elementwise``, one word in, eight 16-bit values out): ``lop3`` keeps
   nibbles j and j + 4 of the word (shifted right by 4j) under the exponent bits of 128 (bf16, 1024 for
   fp16), which gives the pair ``128 + nibble`` exactly (the format's spacing there is 1); one
@@ -65,11 +65,11 @@ def _step_loads(w_rows, s_rows, k, K: tl.constexpr, GROUP: tl.constexpr, GROUPS:
         kg = k + g * GROUP
         if K % (GROUP * GROUPS) == 0:
             words += (tl.load(w_rows + kg // 8 + offs[None, :]),)
-            scales += (tl.load(s_rows + kg // GROUP),)
+            scales += (tl.load(s_rows + kg // GROUP).to(tl.float32),)
         else:  # the last group's row may end inside it
             w_ok = (kg < K) & (kg // 8 + offs < (K + 7) // 8)[None, :]
             words += (tl.load(w_rows + kg // 8 + offs[None, :], mask=w_ok, other=0),)
-            scales += (tl.load(s_rows + kg // GROUP, mask=kg < K, other=0.0),)
+            scales += (tl.load(s_rows + kg // GROUP, mask=kg < K, other=0.0).to(tl.float32),)
     return words, scales
 
 

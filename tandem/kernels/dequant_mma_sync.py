@@ -110,10 +110,10 @@ def _step(w_ptrs, w_cols, s_ptrs, s_cols, k, K: gl.constexpr, EVEN_K: gl.constex
     Either way x is masked to zero there."""
     if EVEN_K:
         k = gl.minimum(k, K - 4 * GROUP)
-        scales = gl.load(s_ptrs + k // GROUP)
+        scales = gl.load(s_ptrs + k // GROUP).to(gl.float32)  # (held as the checkpoint stores them)
         w16 = gl.load(w_ptrs + k // 8)
     else:
-        scales = gl.load(s_ptrs + k // GROUP, mask=k + s_cols * GROUP < K, other=0.0)
+        scales = gl.load(s_ptrs + k // GROUP, mask=k + s_cols * GROUP < K, other=0.0).to(gl.float32)
         w16 = gl.load(w_ptrs + k // 8, mask=k // 8 + w_cols < (K + 7) // 8, other=0)
     w16 = gl.convert_layout(w16, WT_L)  # [N, 16 = group x j]
     w16 = gl.permute(gl.reshape(w16, (w16.shape[0], 4, 4)), (0, 2, 1))  # [N, j, group]

@@ -8,7 +8,7 @@ dequantizes; a plain weight as stored. The formats stay as the checkpoint stores
 
 * ``PLAIN`` (0): a float weight ``[N, K]``.
 * ``INT4`` (1): compressed-tensors ``pack-quantized``: ``packed [N, K/8]`` int32, eight nibbles low
-  first, each ``q + 8``; ``scale [N, K/GROUP]`` float32; ``W = (nibble - 8) * scale``. Each int32 is
+  first, each ``q + 8``; ``scale [N, K/GROUP]`` float32, bf16 or fp16 (widened as read); ``W = (nibble - 8) * scale``. Each int32 is
   loaded once per nibble it holds: the repeats hit L1, DRAM reads the packed weight once.
 * ``FP8`` (2): e4m3 ``w [N, K]`` and float32 ``scale_inv [ceil(N/S_ROWS), ceil(K/S_COLS)]``.
 
@@ -57,7 +57,7 @@ def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr,
             word = tl.load(w_ptr + rows * stride_wn + ks // 8, mask=mask, other=0)
             nibble = (word >> ((ks % 8) * 4)) & 0xF
             scale = tl.load(s_ptr + rows * stride_sn + ks // S_COLS, mask=mask, other=0.0)
-        tile = (nibble - 8).to(tl.float32) * scale
+        tile = (nibble - 8).to(tl.float32) * scale.to(tl.float32)  # (scales held as the checkpoint stores them)
     elif FORMAT == 2:
         ks = (k0 + tl.arange(0, BLOCK_K))[:, None]
         w = tl.load(w_ptr + rows * stride_wn + ks, mask=ks < K, other=0.0)
@@ -74,7 +74,7 @@ def weight_tile(FORMAT: tl.constexpr, w_ptr, s_ptr, rows_n, k0, K: tl.constexpr,
                 scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCKS, S_COLS, BLOCK_N]), [BLOCK_K, BLOCK_N])
         else:
             scale = tl.load(s_ptr + scale_rows + ks // S_COLS, mask=ks < K, other=0.0)
-        tile = w.to(tl.float32) * scale
+        tile = w.to(tl.float32) * scale.to(tl.float32)
     else:
         ks = (k0 + tl.arange(0, BLOCK_K))[:, None]
         tile = tl.load(w_ptr + rows * stride_wn + ks, mask=ks < K, other=0.0)

@@ -120,17 +120,13 @@ class QuantFormat:
             return
         spec = self.tensors[param]
         check_shape(tensor, (cdiv(rows.full, spec.row_unit), cdiv(cols.full, spec.col_unit)))
-        if self._exact_dtype(spec) and tensor.dtype != spec.dtype:
+        if tensor.dtype != spec.dtype and not _held_exactly(tensor, spec.dtype):
             raise DtypeMismatch(tensor.dtype, spec.dtype)
         target = getattr(layer, param).data
         target = target[expert] if expert is not None else target
         dst, src = _scaled(rows, spec.row_unit).copy(target, tensor, 0)
         dst, src = _scaled(cols, spec.col_unit).copy(dst, src, 1)
-        dst.copy_(src)  # scales: any float dtype, widened to float32 exactly
-
-    @staticmethod
-    def _exact_dtype(spec: Packed) -> bool:
-        return not spec.dtype.is_floating_point or spec.dtype.itemsize == 1
+        dst.copy_(src)
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -168,7 +164,7 @@ class Int4GroupFormat(QuantFormat):
         self.group_size = g = scheme.group_size
         self.tensors = {
             "weight_packed": Packed(torch.int32, 1, 8, "int32 word of 8 int4"),
-            "weight_scale": Packed(torch.float32, 1, g, f"{g}-column int4 group"),
+            "weight_scale": Packed(getattr(torch, scheme.scale_dtype), 1, g, f"{g}-column int4 group"),
         }
 
     def create(self, layer: nn.Module, out_local: int, in_local: int, leading: tuple[int, ...] = ()) -> None:
@@ -185,6 +181,13 @@ class Int4GroupFormat(QuantFormat):
 
             return int4_linear(x, layer.weight_packed, layer.weight_scale, self.group_size, bias, swiglu=swiglu)
         return super().apply(layer, x, bias, swiglu)
+
+
+def _held_exactly(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether scales stored in another float dtype than the one held (a checkpoint mixing them) convert exactly."""
+    if not (tensor.dtype.is_floating_point and dtype.is_floating_point) or 1 in (tensor.dtype.itemsize, dtype.itemsize):
+        return False
+    return bool(torch.equal(tensor.to(dtype).to(tensor.dtype), tensor))
 
 
 def _scaled(span: Span, unit: int) -> Span:

@@ -32,11 +32,26 @@ ROWS = [1, 4, 8, 64, 256]  # 4 and 8: the mma_sync kernel by default
 
 
 def random_int4(n: int, k: int, seed: int, leading: tuple[int, ...] = ()):
-    """Random packed words (every bit pattern is a valid packing) and scales of a ~0.02-std weight."""
+    """Random packed words (every bit pattern is a valid packing) and scales of a ~0.02-std weight, in bf16 as
+    compressed-tensors stores a bf16 model's."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     packed = torch.randint(-2**31, 2**31 - 1, (*leading, n, -(-k // 8)), generator=g, device="cuda", dtype=torch.int32)
     scale = torch.rand(*leading, n, -(-k // GROUP), generator=g, device="cuda") * 0.008 + 0.001
-    return packed, scale
+    return packed, scale.bfloat16()
+
+
+@pytest.mark.parametrize("rows,config", [(1, None), (4, None), (8, None), (16, "mma"), (64, None)],
+                         ids=["gemv", "mma-sync-4", "mma-sync-8", "mma", "tiles"])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (1000, 4100)])
+def test_int4_kernels_give_the_same_output_for_scales_held_in_any_float_dtype(n, k, rows, config):
+    """Scales held as the checkpoint stores them (bf16) and widened as read: the same values held in float32 or
+    fp16 give bit-identical outputs from every INT4 kernel."""
+    packed, scale = random_int4(n, k, seed=n + rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    cfg = mma_config(rows, n, k) if config == "mma" else None
+    held = int4_linear(x, packed, scale, GROUP, config=cfg)
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(int4_linear(x, packed, scale.to(dtype), GROUP, config=cfg), held), dtype
 
 
 def int4_reference_weight(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
