@@ -34,9 +34,12 @@ def fp8_bytes(block: tuple[int, int] = FP8_BLOCK) -> MatrixBytes:
     return lambda rows, cols: rows * cols + 4 * cdiv(rows, block[0]) * cdiv(cols, block[1])  # e4m3 + scale_inv
 
 
-def int4_config(group: int = INT4_GROUP, ignore: tuple[str, ...] = ("lm_head",)) -> dict:
-    """Every linear but ``ignore`` (compressed-tensors' rules: exact names or ``re:`` patterns) INT4."""
+def int4_config(group: int = INT4_GROUP, ignore: tuple[str, ...] = ("lm_head",), scale_dtype: str | None = None) -> dict:
+    """Every linear but ``ignore`` (compressed-tensors' rules: exact names or ``re:`` patterns) INT4; ``scale_dtype``
+    (a torch dtype name) named in the config where given, else the scales take the model's bf16."""
     weights = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group, dynamic=False)
+    if scale_dtype:
+        weights["scale_dtype"] = f"torch.{scale_dtype}"
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": list(ignore)}
 

@@ -16,7 +16,8 @@ graph capture and Triton's first compiles of the INT4 / FP8 GEMV, MLA and fused-
 (≈ 30-60 s each; the bf16 V2-Lite's first start took 56 s, see docs/benchmarks.md), then the drafter's
 capture; the decode rows take ≈ 1 s each, the speculation row ≈ 5 s. ``--quick`` decodes fewer tokens;
 ``--layers`` shortens the 8B and V2-Lite shapes. A case that fails to start or run is reported and the
-others still run.
+others still run. ``TANDEM_BENCH_INT4_SCALES=float32`` holds the INT4 scales in float32 (4 bytes each, counted so in
+the limit) instead of bf16 as a bf16 checkpoint stores them: the A/B of how the scales are held.
 
 The byte counts and the folders are tested on the CPU (tests/test_bench_quant_engines.py)."""
 
@@ -35,7 +36,11 @@ from sections_deepseek import KIMI_K2_4L, V2_LITE, active_weight_bytes, deepseek
 from tandem.models.random_checkpoint import LLAMA_8B, LlamaShape
 
 DENSE_GOAL, MOE_GOAL, ACCEPT_GOAL = 0.75, 0.60, 4.0
-LLAMA_SCHEMES = {"int4": (int4_config, int4_bytes), "fp8": (fp8_config, fp8_bytes)}
+INT4_SCALES = os.environ.get("TANDEM_BENCH_INT4_SCALES", "bfloat16")
+SCALE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}[INT4_SCALES]
+SCALES_TAG = "" if INT4_SCALES == "bfloat16" else f"-{INT4_SCALES}-scales"
+LLAMA_SCHEMES = {"int4": (lambda: int4_config(scale_dtype=INT4_SCALES), lambda: int4_bytes(scale_bytes=SCALE_BYTES)),
+                 "fp8": (fp8_config, fp8_bytes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +55,18 @@ class Case:
 def llama_case(scheme: str, shape: LlamaShape = LLAMA_8B, name: str = "llama8b") -> Case:
     """The Llama ``shape`` with every linear but the LM head in ``scheme`` ("int4" or "fp8")."""
     config, matrix_bytes = LLAMA_SCHEMES[scheme]
-    path = target_dir(shape.num_layers, shape, f"{name}-{scheme}", extra={"quantization_config": config()})
+    tag = SCALES_TAG if scheme == "int4" else ""
+    path = target_dir(shape.num_layers, shape, f"{name}-{scheme}{tag}", extra={"quantization_config": config()})
     weight_bytes = weight_bytes_per_token(dataclasses.asdict(shape), shape.num_layers, linear=matrix_bytes())
     return Case(f"{name} {scheme}", path, weight_bytes, DENSE_GOAL, scheme == "int4")
 
 
 def moe_case(name: str, fields: dict) -> Case:
     """A DeepSeek-V3-architecture ``fields`` target with INT4 routed experts (everything else bf16)."""
-    quant = int4_config(ignore=ROUTED_ONLY)
-    path = deepseek_dir(f"{name}-{fields['num_hidden_layers']}l-int4", dict(fields, quantization_config=quant))
-    return Case(f"{name} int4 experts", path, active_weight_bytes(fields, routed=int4_bytes()), MOE_GOAL, False)
+    quant = int4_config(ignore=ROUTED_ONLY, scale_dtype=INT4_SCALES)
+    path = deepseek_dir(f"{name}-{fields['num_hidden_layers']}l-int4{SCALES_TAG}", dict(fields, quantization_config=quant))
+    routed = int4_bytes(scale_bytes=SCALE_BYTES)
+    return Case(f"{name} int4 experts", path, active_weight_bytes(fields, routed=routed), MOE_GOAL, False)
 
 
 def cases(layers: int | None = None) -> list[Case]:

@@ -53,6 +53,12 @@ def test_int4_scales_are_held_as_the_checkpoint_stores_them(tmp_path):
 
     raw = llama_with(int4_config(32))
     assert ModelConfig.from_hf_dict({**raw, "torch_dtype": "float32"}).quantization.scheme.scale_dtype == "float32"
+    named = copy.deepcopy(raw)  # the config's own scale_dtype (compressed-tensors' QuantizationArgs field) comes next
+    named["quantization_config"]["config_groups"]["group_0"]["weights"]["scale_dtype"] = "torch.float16"
+    assert ModelConfig.from_hf_dict(named).quantization.scheme.scale_dtype == "float16"
+    named["quantization_config"]["config_groups"]["group_0"]["weights"]["scale_dtype"] = "torch.float8_e4m3fn"
+    with pytest.raises(CheckpointError, match="scale_dtype 'torch.float8_e4m3fn' in group 'group_0' is not supported"):
+        ModelConfig.from_hf_dict(named)
     assert ModelConfig.from_hf_dict(llama_with(FP8)).quantization.scheme == Fp8Block((128, 128))
     for stored, sharded in ((torch.float32, False), (torch.float16, True), (torch.bfloat16, False)):
         folder = tmp_path / f"{stored}-{sharded}"

@@ -142,7 +142,7 @@ class ModelConfig(AttentionWidths):
             return cls(**fields, rope=RopeConfig(theta=fields["mla"].rope_theta),
                        qkv_bias=False, qk_norm=False, o_bias=False, mlp_bias=False, dtype=_dtype_name(text, raw),
                        eos_token_ids=eos, bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
-                       quantization=with_scale_dtype(quant, _dtype_name(text, raw)))
+                       quantization=with_scale_dtype(quant, _dtype_name(text, raw), unless_named=True))
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         # Llama and Qwen3 read attention_bias for q/k/v and o_proj; Qwen2 always biases q/k/v only.
         o_bias = arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias"))
@@ -171,7 +171,7 @@ class ModelConfig(AttentionWidths):
             dtype=dtype,
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
-            quantization=with_scale_dtype(quant, dtype),
+            quantization=with_scale_dtype(quant, dtype, unless_named=True),
         )
 
 

@@ -38,10 +38,11 @@ class Int4Group:
     """int4 packed eight to an int32 (low nibble first, stored as q + 8), one scale per ``group_size``
     input columns of a row: ``W = (nibble - 8) * scale``. ``scale_dtype``: the float type the scales are held
     in, the one the checkpoint stores (compressed-tensors writes a bf16 model's scales in bf16); the kernels
-    widen each to float32 as they read it, so holding them as stored is exact and reads no byte more."""
+    widen each to float32 as they read it, so holding them as stored is exact and reads no byte more. Its source,
+    first found: the checkpoint's tensors, the config's ``scale_dtype``, the model's dtype (ModelConfig)."""
 
     group_size: int
-    scale_dtype: str = "float32"
+    scale_dtype: str | None = None
 
 
 LinearScheme = Fp8Block | Int4Group
@@ -95,9 +96,12 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".") or name.endswith("." + module)
 
 
-def with_scale_dtype(quant: QuantConfig | None, dtype: str) -> QuantConfig | None:
-    """``quant`` with its INT4 scales held in ``dtype`` (a torch dtype name); FP8 keeps float32 ``scale_inv``."""
+def with_scale_dtype(quant: QuantConfig | None, dtype: str, unless_named: bool = False) -> QuantConfig | None:
+    """``quant`` with its INT4 scales held in ``dtype`` (a torch dtype name; ``unless_named``: only where the config
+    names none); FP8 keeps float32 ``scale_inv``."""
     if quant is None or not isinstance(quant.scheme, Int4Group) or dtype not in SCALE_DTYPES:
+        return quant
+    if unless_named and quant.scheme.scale_dtype is not None:
         return quant
     return replace(quant, scheme=replace(quant.scheme, scale_dtype=dtype))
 
@@ -179,11 +183,12 @@ def _parse_compressed_tensors(q: dict[str, Any], refuse) -> QuantConfig:
             raise refuse(f"config groups with different weight schemes ('{name}')")
         weights_seen = weights
         targets += list(group.get("targets") or [])
-    return QuantConfig("compressed-tensors", Int4Group(weights_seen), tuple(targets), tuple(q.get("ignore") or ()))
+    return QuantConfig("compressed-tensors", Int4Group(*weights_seen), tuple(targets), tuple(q.get("ignore") or ()))
 
 
-def _int4_weights(w: Any, group: str, refuse) -> int:
-    """The group size of a supported weight scheme; refuses everything else."""
+def _int4_weights(w: Any, group: str, refuse) -> tuple[int, str | None]:
+    """The group size and the named scale dtype (None: not named) of a supported weight scheme; refuses everything
+    else."""
     if not isinstance(w, dict):
         raise refuse(f"group '{group}' without weights")
     checks = [
@@ -203,7 +208,11 @@ def _int4_weights(w: Any, group: str, refuse) -> int:
     size = w.get("group_size")
     if not _positive_int(size) or size % 8:
         raise refuse(f"group_size {size!r} in group '{group}' (want a positive multiple of 8)")
-    return int(size)
+    named = w.get("scale_dtype")  # compressed-tensors writes "torch.bfloat16"
+    scale_dtype = None if named is None else str(named).removeprefix("torch.")
+    if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+        raise refuse(f"scale_dtype '{named}' in group '{group}'")
+    return int(size), scale_dtype
 
 
 def _positive_int(v: Any) -> bool:
