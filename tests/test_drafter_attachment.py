@@ -315,6 +315,32 @@ def test_a_detached_engine_asks_again_whether_its_period_ends_only_every_so_ofte
         assert not eng.attachment.detached and not eng.requests[first].finished
 
 
+def test_a_detached_decision_stands_per_batch_size_while_the_batch_moves_between_sizes(pair):
+    """Under arrivals the batch moves between a few sizes every few steps: a detached engine's decision at each size
+    stands for ``detached_decided_every_s``, so going back to a size decided a moment ago asks nothing."""
+    clock = Clock()
+    with pair_engine(pair, SpecConfig(3, 1, 4), page_size=4) as eng:
+        _steered(eng, clock, detached_first_s=5.0, favoured=False, decided_every_s=0.01)
+        asked = []
+        real = eng.policy.speculation_favoured
+        eng.policy.speculation_favoured = lambda batch: (asked.append(batch), real(batch))[1]
+        eng.add_request(random_prompt(742, 11), SamplingParams(max_new_tokens=40, ignore_eos=True))
+        while not eng.attachment.detached:
+            eng.step()
+        clock.now += 0.011
+        eng.step()
+        eng.add_request(random_prompt(743, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        while len(eng.scheduler.running) < 2:
+            eng.step()
+        while len(eng.scheduler.running) == 2:  # the short one decodes to its end; the clock stands still
+            eng.step()
+        eng.step()
+        assert asked[-2:] == [1, 2] and asked.count(1) == 1  # back at batch 1: its decision of a moment ago stands
+        clock.now += 0.011
+        eng.step()
+        assert asked[-1] == 1 and asked.count(1) == 2
+
+
 def test_an_engine_attached_early_goes_back_detached_with_a_plain_step_at_a_bucket_not_favoured(pair):
     """Attached early by a favoured bucket, the engine speculates there; when the batch's bucket is not favoured
     before the detached period's end, that step is plain (no draft is asked for) and the drafter detaches again —

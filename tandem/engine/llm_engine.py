@@ -80,7 +80,7 @@ class LLMEngine:
         self.plain_reason: str | None = None  # why it was plain, in a word (the verifier's stats line tallies them)
         self._steps_after_switch = 0  # steps still to run after the chain's depth changed (not timed)
         self._undrafted = False  # the latest decision's batch held requests that could not draft (no drafter state)
-        self._detached_recheck: tuple[float, int] | None = None  # (until when, at what batch) a detached decision stands
+        self._detached_decided: dict[int, float] = {}  # batch size -> until when a detached decision at it stands
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps_with(graphed)
@@ -174,13 +174,13 @@ class LLMEngine:
         running = self.scheduler.running
         if not running:  # (the latest decision stands for the prompts about to be admitted)
             self.attachment.idle()
-            self._detached_recheck = None
+            self._detached_decided.clear()
             return 1
-        if self._detached_recheck is not None:  # the detached decision of a moment ago stands (see below)
-            due, batch = self._detached_recheck
-            if self.attachment.detached and len(running) == batch and self.attachment.clock() < due:
+        if self._detached_decided:  # a detached decision of a moment ago at this batch size stands (see below)
+            if not self.attachment.detached:
+                self._detached_decided.clear()
+            elif self.attachment.clock() < self._detached_decided.get(len(running), 0.0):
                 return 1
-            self._detached_recheck = None
         drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
         speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
         self._undrafted = speculative > len(drafting)
@@ -189,9 +189,10 @@ class LLMEngine:
             self.speculating = self.policy.decide(len(running), [])  # (False: the policy's own reason and view)
             self.plain_reason = "no drafts" if self.drafts.up() else "drafter down"
             self._keep_attachment(False, spec_favoured=self.policy.speculation_favoured(len(running)))
-            if self.attachment.detached:  # asked again after detached_decided_every_s, or at another batch size
-                self._detached_recheck = (self.attachment.clock() + self.attachment.cfg.detached_decided_every_s,
-                                          len(running))
+            if self.attachment.detached:  # asked again at this batch size after detached_decided_every_s; kept per
+                # size, as under arrivals the batch moves between a few sizes every few steps
+                self._detached_decided[len(running)] = (self.attachment.clock()
+                                                        + self.attachment.cfg.detached_decided_every_s)
             return 1
         asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), speculative)
         runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()

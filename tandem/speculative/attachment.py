@@ -64,7 +64,7 @@ class AttachmentConfig:
     probe_detached_s: float = 1.0  # a probe (plain steps measured without the drafter): detached this long
     earnest_lead: float = 0.05  # earnest speculation restarts the backoff only this far ahead of plain (measured)
     favoured_attach_s: float = 0.2  # detached, at a bucket whose verdict was speculation this long: attach at once
-    # detached, the engine asks again whether the period ends this often (or at another batch size): its ends are
+    # detached, the engine asks again whether the period ends this often at each batch size: its ends are
     # seconds apart, and asking every step took 18-19 us of host a step on the CPU VM (target-only's decision: ~1.5)
     detached_decided_every_s: float = 0.002
 
