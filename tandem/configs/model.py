@@ -13,7 +13,7 @@ from typing import Any
 
 from tandem.errors import CheckpointError, ConfigError
 from tandem.configs.fields import decoder_dims, required_field
-from tandem.configs.quantization import QuantConfig, parse_quantization, with_scale_dtype
+from tandem.configs.quantization import Int4Group, QuantConfig, parse_quantization, with_scale_dtype
 from tandem.configs.stored_dtypes import stored_float_dtype
 from tandem.configs.rope_fields import rope_params, rope_theta, rope_type
 from tandem.configs.deepseek import DEEPSEEK_ARCHITECTURES, MlaConfig, MoeConfig, deepseek_fields, text_config
@@ -113,6 +113,8 @@ class ModelConfig(AttentionWidths):
         gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
         cfg = cls.from_hf_dict(raw, source=str(path), generation_config=gen_raw,
                                tokenizer_eos=tokenizer_eos_id(model_dir))
+        if cfg.quantization is None or not isinstance(cfg.quantization.scheme, Int4Group):
+            return cfg
         stored = stored_float_dtype(model_dir, ".weight_scale")  # INT4 scales are held as the checkpoint stores them
         return replace(cfg, quantization=with_scale_dtype(cfg.quantization, stored)) if stored else cfg
 
