@@ -9,6 +9,7 @@ from pathlib import Path
 
 # safetensors' dtype codes of the float types a scale may be stored in, as torch names them
 FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit: a larger length is a damaged file, not read into memory
 
 
 def header(path: Path) -> dict:
@@ -16,7 +17,7 @@ def header(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            return json.loads(f.read(length))
+            return json.loads(f.read(length)) if length <= HEADER_MAX_BYTES else {}
     except (OSError, struct.error, ValueError):
         return {}
 
