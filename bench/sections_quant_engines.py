@@ -37,7 +37,9 @@ from tandem.models.random_checkpoint import LLAMA_8B, LlamaShape
 
 DENSE_GOAL, MOE_GOAL, ACCEPT_GOAL = 0.75, 0.60, 4.0
 INT4_SCALES = os.environ.get("TANDEM_BENCH_INT4_SCALES", "bfloat16")
-SCALE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}[INT4_SCALES]
+SCALE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}.get(INT4_SCALES)
+if SCALE_BYTES is None:
+    raise SystemExit(f"TANDEM_BENCH_INT4_SCALES={INT4_SCALES}: want bfloat16, float16 or float32")
 SCALES_TAG = "" if INT4_SCALES == "bfloat16" else f"-{INT4_SCALES}-scales"
 LLAMA_SCHEMES = {"int4": (lambda: int4_config(scale_dtype=INT4_SCALES), lambda: int4_bytes(scale_bytes=SCALE_BYTES)),
                  "fp8": (fp8_config, fp8_bytes)}
