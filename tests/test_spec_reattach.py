@@ -1,7 +1,7 @@
 """After the drafter detaches on a plain verdict, speculation is measured again once it is attached again: a
 speculative goodput read low early (a wave's prefill steps metered as speculative) must not keep a batch
-plain for good. The policy, the attachment and the step accounting are driven as LLMEngine._decide,
-_keep_attachment and step() drive them, on a simulated clock and a closed-loop load of 8 requests."""
+plain for good. The policy, the attachment and the step accounting are driven as BatchDecision
+(tandem/engine/batch_decision.py) and step() drive them, on a simulated clock and a closed-loop load of 8 requests."""
 
 from __future__ import annotations
 

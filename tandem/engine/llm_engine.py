@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.acceptance import accept_verified
+from tandem.engine.batch_decision import BatchDecision
 from tandem.forward_batch import ForwardBatch, SequenceChunk
 from tandem.engine.config import DEFAULT_SPEC_ROUNDS, EngineConfig
 from tandem.engine.decode_ahead import (DecodeRun, decode_steps_ahead, one_step_run, step_decode_ahead,
@@ -39,7 +40,7 @@ from tandem.logprobs import TokenLogprobs
 from tandem.prefix_cache import PrefixCache
 from tandem.sampling import SamplingParams
 from tandem.speculative.attachment import DrafterAttachment
-from tandem.speculative.policy import PASSING_PLAIN, SpeculationPolicy
+from tandem.speculative.policy import SpeculationPolicy
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.proposer import Proposer
 from tandem.engine.verify import verify_chunk
@@ -79,8 +80,8 @@ class LLMEngine:
         self.speculating = True  # the policy's latest decision for the batch (a first batch finds out)
         self.plain_reason: str | None = None  # why it was plain, in a word (the verifier's stats line tallies them)
         self._steps_after_switch = 0  # steps still to run after the chain's depth changed (not timed)
-        self._undrafted = False  # the latest decision's batch held requests that could not draft (no drafter state)
-        self._detached_decided: dict[int, float] = {}  # batch size -> until when a detached decision at it stands
+        self.undrafted = False  # the latest decision's batch held requests that could not draft (no drafter state)
+        self.decide = BatchDecision()  # the running batch's speculation decision, once a step
         self.attachment = DrafterAttachment()  # a batch kept plain detaches the drafter (see its module)
         graphed = self.executor.runner.graphs is not None
         self.decode_steps = cfg.decode_steps_with(graphed)
@@ -156,90 +157,13 @@ class LLMEngine:
         return (req.num_tokens + width <= self.context_len
                 and self.allocator.pages_for(req.num_tokens - 1 + width) <= self.allocator.capacity_pages)
 
-    def _can_draft(self, req: Request) -> bool:
+    def can_draft(self, req: Request) -> bool:
         """Whether the request could speculate this step: a drafter state, and room for its tree."""
         return req.spec is not None and req.draft_ready and self._fits(req, req.spec.num_draft_tokens)
 
     def tree_width(self, req: Request) -> int:
         """Tokens the request's draft tree holds this round, or 1 when it does not draft."""
-        return req.spec.num_draft_tokens if self.speculating and self._can_draft(req) else 1
-
-    def _decide(self) -> int:
-        """The policy's decision for the running batch (tandem.speculative.policy); → the step's verify
-        width (1: a plain step). Requests that cannot draft in a speculating step are verified as filler
-        rows of that width (``DraftTree.padded``), so the batch keeps one width, one graphed forward."""
-        if self.proposer is None:  # target-only: every step plain, as the decision below concludes (~8 µs a step)
-            self.speculating, self._undrafted, self.plain_reason = False, False, "drafter down"
-            return 1
-        running = self.scheduler.running
-        if not running:  # (the latest decision stands for the prompts about to be admitted)
-            self.attachment.idle()
-            self._detached_decided.clear()
-            return 1
-        if self._detached_decided:  # a detached decision of a moment ago at this batch size stands (see below)
-            if not self.attachment.detached:
-                self._detached_decided.clear()
-            elif self.attachment.clock() < self._detached_decided.get(len(running), 0.0):
-                return 1
-        drafting = [req for req in running if self._can_draft(req)] if self.drafts.up() else []
-        speculative = sum(req.spec is not None for req in running)  # (requests with speculation off never draft)
-        self._undrafted = speculative > len(drafting)
-        if not drafting and self.attachment.detached:  # a detached period: plain, and only whether it ends is decided
-            # (what the whole decision below concludes with nothing drafting, in fewer calls)
-            self.speculating = self.policy.decide(len(running), [])  # (False: the policy's own reason and view)
-            self.plain_reason = "no drafts" if self.drafts.up() else "drafter down"
-            self._keep_attachment(False, spec_favoured=self.policy.speculation_favoured(len(running)))
-            if self.attachment.detached:  # asked again at this batch size after detached_decided_every_s; kept per
-                # size, as under arrivals the batch moves between a few sizes every few steps
-                self._detached_decided[len(running)] = (self.attachment.clock()
-                                                        + self.attachment.cfg.detached_decided_every_s)
-            return 1
-        asked = bool(drafting) and self.attachment.policy_may_decide(len(drafting), speculative)
-        runs = (self.spec_rounds > 1 or self.decode_steps > 1) and not self.prompts_due()
-        states = [req.spec_state for req in drafting] if asked else []
-        self.speculating = self.policy.decide(len(running), states, runs)
-        # plain, and measured to be faster: the drafter detaches at once (tandem.speculative.attachment); or a
-        # probe: speculation ahead of attached plain steps only, the step plain and the drafter detached briefly
-        settled = asked and not self.speculating and self.policy.plain_measured_faster(len(running))
-        # detached, or attached early by a favoured bucket: whether this bucket favours speculation (attach / stay)
-        favoured = ((self.attachment.detached or self.attachment.attached_early)
-                    and self.policy.speculation_favoured(len(running)))
-        back = self._can_switch() and self.attachment.returns_detached(favoured)  # (plain: it detaches again now)
-        probe = (not back and asked and self.speculating and self._can_switch()
-                 and self.policy.probe_detached(len(running), self.proposer.ships_features))
-        self.speculating = self.speculating and not probe and not back
-        self.plain_reason = (None if self.speculating else "probe" if probe else "drafter down" if not self.drafts.up()
-                             else "no drafts" if not drafting else "detached" if not asked or back
-                             else self.policy.plain_reason)
-        if self.speculating and self.default_spec is not None:
-            self.chain.use(self.policy.chain_spec(len(running), self.default_spec), self.default_spec,
-                           lambda: running + list(self.scheduler.waiting), now=self._can_switch())
-        self._keep_attachment(asked, settled, self.policy.measured_loss(len(running)) if settled else 0.0, probe,
-                              lambda: self.policy.measured_lead(len(running)), favoured, back)
-        return max((req.spec.num_draft_tokens for req in drafting), default=1) if self.speculating else 1
-
-    def _can_switch(self) -> bool:
-        """No run of rounds in flight (its requests' draft state is in use)."""
-        return self.run_in_flight is None or isinstance(self.run_in_flight, DecodeRun)
-
-    def _keep_attachment(self, asked: bool, plain_measured_faster: bool = False, loss: float = 0.0,
-                         probe: bool = False, spec_lead=lambda: None, spec_favoured: bool = False,
-                         back: bool = False) -> None:
-        """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
-        (tandem.speculative.attachment); never under a run of rounds in flight."""
-        change = self.attachment.after_decision(self.speculating, asked, self._can_switch(), plain_measured_faster,
-                                                loss, probe, spec_lead, spec_favoured,
-                                                passing=self.plain_reason in PASSING_PLAIN, back=back)
-        if change == "detach":
-            self.drafts.detach(self.scheduler.running + list(self.scheduler.waiting))
-            log.info("%s at batch %d: the drafter is detached (it is healthy; plain steps run target-only); %s",
-                     "plain steps measured without the drafter" if probe
-                     else "back to the detached period a favoured batch cut short" if back
-                     else "speculation off for a while",
-                     len(self.scheduler.running), self.policy.explain(len(self.scheduler.running)))
-        elif change == "attach":
-            self.drafts.joins_due = True
-            log.info("the drafter is attached again: prompts admitted from now on can speculate")
+        return req.spec.num_draft_tokens if self.speculating and self.can_draft(req) else 1
 
     def prompts_due(self) -> bool:
         """Whether a waiting prompt is prefilled now (and runs queued ahead stay short meanwhile): one can be
@@ -269,7 +193,7 @@ class LLMEngine:
             self.accounting.step_ended(self.policy, self.last_step, started, time.perf_counter(), running,
                                        len(self.scheduler.running), self.speculating, self.proposer, self.drafts.up(),
                                        sum(len(o.new_token_ids) for o in outputs), self.attachment.detached,
-                                       switched=self._steps_after_switch > 0, undrafted=self._undrafted)
+                                       switched=self._steps_after_switch > 0, undrafted=self.undrafted)
         self._steps_after_switch = max(0, self._steps_after_switch - 1)
         return outputs
 
@@ -280,7 +204,7 @@ class LLMEngine:
         self.drafts.after_reconnect()
         if self.run_in_flight is None and (joined := self.drafts.join_running()):
             log.info("%d running request(s) without draft state join the drafter (their entries rebuilt)", joined)
-        width = self._decide()  # decided once per step, before any page is reserved
+        width = self.decide(self)  # decided once per step, before any page is reserved
         if isinstance(self.run_in_flight, DecodeRun):  # read it back first (queuing the next run where
             return step_decode_in_flight(self, timer)  # nothing changed)
         if self.run_in_flight is not None:
