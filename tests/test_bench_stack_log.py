@@ -47,8 +47,9 @@ def test_a_load_reports_what_the_engine_did_in_its_stats_windows():
 
 
 def test_the_engine_still_logs_the_phrases_the_bench_counts():
-    source = (Path(__file__).resolve().parents[1] / "tandem" / "engine" / "llm_engine.py").read_text()
-    assert "the drafter is detached" in source and "the drafter is attached again" in source
-    assert "running request(s) without draft state join the drafter" in source
+    engine = Path(__file__).resolve().parents[1] / "tandem" / "engine"
+    decision = (engine / "batch_decision.py").read_text()
+    assert "the drafter is detached" in decision and "the drafter is attached again" in decision
+    assert "running request(s) without draft state join the drafter" in (engine / "llm_engine.py").read_text()
     watch = (Path(__file__).resolve().parents[1] / "tandem" / "kernels" / "compile_watch.py").read_text()
     assert "compiled while serving" in watch
