@@ -1,7 +1,7 @@
 """A closed loop of 64 clients against the real speculation policy, goodput arbiter, drafter attachment and step
 accounting on a simulated clock (adapted from scripts/sim_policy_waves.py): a chain of 3 drafts accepted at random
 for a mean of TAU tokens a round, requests of 120 new tokens replaced after a turnaround, requests admitted while
-detached drafting only once they join (at a lower τ), the engine's _decide / _keep_attachment as the engine runs
+detached drafting only once they join (at a lower τ), BatchDecision (tandem/engine/batch_decision.py) as the engine runs
 them (probes, joins, a batch attached early going back). Prints tokens/s, detaches and attaches, and the share of
 speculative steps by bucket.
 
@@ -141,7 +141,7 @@ class Sim:
     def prompts_due(self):
         return bool(self.waiting) and not (self.acc.decode_owed_s > 0)
 
-    # -- the engine's _decide / _keep_attachment -------------------------------------------------
+    # -- the engine's BatchDecision -------------------------------------------------
     def decide(self):
         n = len(self.running)
         drafting = [r for r in self.running if r.drafts]
