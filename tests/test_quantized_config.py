@@ -60,6 +60,7 @@ def test_int4_scales_are_held_as_the_checkpoint_stores_them(tmp_path):
     with pytest.raises(CheckpointError, match="scale_dtype 'torch.float8_e4m3fn' in group 'group_0' is not supported"):
         ModelConfig.from_hf_dict(named)
     assert ModelConfig.from_hf_dict(llama_with(FP8)).quantization.scheme == Fp8Block((128, 128))
+    assert ModelConfig.from_hf_dict(raw).quantization.describe() == "int4 group 32, bfloat16 scales on every linear but 1 ignored"
     for stored, sharded in ((torch.float32, False), (torch.float16, True), (torch.bfloat16, False)):
         folder = tmp_path / f"{stored}-{sharded}"
         folder.mkdir()

@@ -61,7 +61,7 @@ class QuantConfig:
         if isinstance(self.scheme, Fp8Block):
             what = f"fp8 block-wise {self.scheme.block[0]}x{self.scheme.block[1]}"
         else:
-            what = f"int4 group {self.scheme.group_size}"
+            what = f"int4 group {self.scheme.group_size}, {self.scheme.scale_dtype or 'float32'} scales"
         covers = "every linear" if self.method == "fp8" or "Linear" in self.targets else "the targeted linears"
         return f"{what} on {covers}" + (f" but {len(self.ignore)} ignored" if self.ignore else "")
 
