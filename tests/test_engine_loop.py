@@ -217,3 +217,33 @@ def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
     sample = metrics.registry.get_sample_value
     assert sample("tandem:generation_tokens_total", {"model_name": ""}) == 1  # a's token, counted
     assert sample("tandem:request_success_total", {"model_name": "", "finished_reason": "length"}) == 1
+
+
+def test_a_steps_tokens_are_counted_before_its_streams_get_them():
+    """A client that reads the metrics once its stream ends finds its tokens counted: the step's tally goes into the
+    metrics before its outputs are delivered (after, a scrape right after a stream's end missed them)."""
+    from tandem.engine.request import FinishReason
+    from tandem.engine.step import StepOutput
+
+    class Engine(IdleEngine):
+        def has_unfinished(self) -> bool:
+            return bool(self.added)
+
+        def step(self):
+            self.added = []
+            return [StepOutput("a", [1, 2, 3], FinishReason.LENGTH)]
+
+    engine, seen, done = Engine(), [], threading.Event()
+    engine.last_step = None
+    metrics = VerifierMetrics()
+    loop = EngineLoop(lambda: (engine, None, None), metrics, max_waiting=16, on_fatal=lambda e: done.set())
+
+    def sink(out):
+        seen.append(metrics.registry.get_sample_value("tandem:generation_tokens_total", {"model_name": ""}))
+        done.set()
+
+    loop.submit(submission("a", sink))
+    loop.start()
+    assert done.wait(10)
+    loop.stop()
+    assert seen == [3.0]

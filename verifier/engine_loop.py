@@ -288,9 +288,11 @@ class EngineLoop(threading.Thread):
                     self._forget(out.rid)
                     self.engine.requests.pop(out.rid, None)
                     m.finished(out.finish_reason.value).inc()
-        finally:  # (what the step finished goes out, and is counted, even where a later output's bookkeeping raised:
-            deliver_outputs(delivered)  # the loop's end then fails only the requests still live)
-            tally.flush(m)
+        finally:  # (what the step finished is counted and goes out even where a later output's bookkeeping raised:
+            try:  # the loop's end then fails only the requests still live; counted first, so that a scrape after a
+                tally.flush(m)  # stream's end counts its tokens)
+            finally:
+                deliver_outputs(delivered)
         self._count_preemptions()
         self._count_prefix_cache()
         self.stats.step(now, now - started, tokens, rounds, accepted, bool(info is not None and info.speculative),
