@@ -47,8 +47,8 @@ def test_compressed_tensors_config_written_by_the_package():
 
 def test_int4_scales_are_held_as_the_checkpoint_stores_them(tmp_path):
     """Without tensors the scales take the model's dtype (compressed-tensors writes a bf16 model's scales in bf16);
-    a folder's stored dtype wins, read from its safetensors header (single file or sharded with an index); FP8's
-    scale_inv stays float32."""
+    a folder's stored dtype wins, read from its safetensors header (single file or sharded with an index); an FP8
+    scheme is left as it is."""
     from safetensors.torch import save_file
 
     raw = llama_with(int4_config(32))
@@ -60,7 +60,8 @@ def test_int4_scales_are_held_as_the_checkpoint_stores_them(tmp_path):
     with pytest.raises(CheckpointError, match="scale_dtype 'torch.float8_e4m3fn' in group 'group_0' is not supported"):
         ModelConfig.from_hf_dict(named)
     assert ModelConfig.from_hf_dict(llama_with(FP8)).quantization.scheme == Fp8Block((128, 128))
-    assert ModelConfig.from_hf_dict(raw).quantization.describe() == "int4 group 32, bfloat16 scales on every linear but 1 ignored"
+    described = ModelConfig.from_hf_dict(raw).quantization.describe()
+    assert described == "int4 group 32, bfloat16 scales on every linear but 1 ignored"
     for stored, sharded in ((torch.float32, False), (torch.float16, True), (torch.bfloat16, False)):
         folder = tmp_path / f"{stored}-{sharded}"
         folder.mkdir()

@@ -10,7 +10,6 @@ failure this project exists to prevent is an EAGLE-1/2 head fed one layer's hidd
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from tandem.errors import CheckpointError, ConfigError
 from tandem.configs.fields import decoder_dims
 from tandem.configs.model import AttentionWidths, ModelConfig, RopeConfig, _rope_from_hf, read_config_json
+from tandem.configs.stored_dtypes import tensor_files
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the residual streams of three target layers (low, middle, high)
@@ -129,17 +129,7 @@ class DraftConfig(AttentionWidths):
 
 def draft_tensor_files(draft_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, read from headers only (torch-free twin of loader.checkpoint_files)."""
-    from safetensors import safe_open
-
-    draft_dir = Path(draft_dir)
-    index = draft_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return {name: draft_dir / fname for name, fname in weight_map.items()}
-    files: dict[str, Path] = {}
-    for path in sorted(draft_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="numpy") as f:
-            files.update({name: path for name in f.keys()})
+    files = tensor_files(draft_dir)
     if not files:
         raise CheckpointError(f"{draft_dir}: no *.safetensors files in the draft folder")
     return files

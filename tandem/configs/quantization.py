@@ -44,6 +44,11 @@ class Int4Group:
     group_size: int
     scale_dtype: str | None = None
 
+    @property
+    def held_scale_dtype(self) -> str:
+        """The dtype the scales are held in (float32 where nothing named one: exact for any stored float)."""
+        return self.scale_dtype or "float32"
+
 
 LinearScheme = Fp8Block | Int4Group
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
@@ -61,7 +66,7 @@ class QuantConfig:
         if isinstance(self.scheme, Fp8Block):
             what = f"fp8 block-wise {self.scheme.block[0]}x{self.scheme.block[1]}"
         else:
-            what = f"int4 group {self.scheme.group_size}, {self.scheme.scale_dtype or 'float32'} scales"
+            what = f"int4 group {self.scheme.group_size}, {self.scheme.held_scale_dtype} scales"
         covers = "every linear" if self.method == "fp8" or "Linear" in self.targets else "the targeted linears"
         return f"{what} on {covers}" + (f" but {len(self.ignore)} ignored" if self.ignore else "")
 

@@ -164,7 +164,7 @@ class Int4GroupFormat(QuantFormat):
         self.group_size = g = scheme.group_size
         self.tensors = {
             "weight_packed": Packed(torch.int32, 1, 8, "int32 word of 8 int4"),
-            "weight_scale": Packed(getattr(torch, scheme.scale_dtype or "float32"), 1, g, f"{g}-column int4 group"),
+            "weight_scale": Packed(getattr(torch, scheme.held_scale_dtype), 1, g, f"{g}-column int4 group"),
         }
 
     def create(self, layer: nn.Module, out_local: int, in_local: int, leading: tuple[int, ...] = ()) -> None:
