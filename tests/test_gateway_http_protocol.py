@@ -115,7 +115,9 @@ def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
     conn = socket.create_connection(("127.0.0.1", port))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     conn.sendall(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
-    time.sleep(0.5)
+    accepted = time.monotonic() + 5  # (seen while it stalls: a fixed sleep of the stall timeout raced the abort)
+    while not server.server_state.connections and time.monotonic() < accepted:
+        time.sleep(0.01)
     assert len(server.server_state.connections) == 1
     deadline = time.monotonic() + 10
     while server.server_state.connections and time.monotonic() < deadline:
