@@ -144,6 +144,11 @@ def test_up_to_four_rows_take_the_gemv_kernel_by_default(monkeypatch):
     # FP8 at 2-4 rows of the largest weights: the tensor-core tile (measured faster on the H200 there)
     assert default_config(4, 28672, 4096, fmt=FP8).kernel == "dot" and default_config(1, 28672, 4096, fmt=FP8).kernel == "gemv"
     assert default_config(4, 4096, 7168, fmt=FP8).kernel == "gemv" and default_config(4, 28672, 4096, fmt=INT4).kernel == "gemv"
+    # one INT4 row of a dense linear keeps more K steps in flight; expert slots, FP8 and more rows keep one
+    tile = lambda cfg: (cfg.block_n, cfg.num_stages)  # noqa: E731
+    assert tile(default_config(1, 28672, 4096)) == (8, 3) and tile(default_config(1, 4096, 14336)) == (4, 4)
+    assert tile(default_config(1, 28672, 4096, slots=True)) == (8, 1) and tile(default_config(2, 28672, 4096)) == (8, 1)
+    assert tile(default_config(1, 28672, 4096, fmt=FP8)) == (8, 1)
 
 
 def test_groups_the_gemv_kernel_cannot_take():

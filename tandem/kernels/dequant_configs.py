@@ -58,6 +58,12 @@ GEMV_MAX_ROWS = 4
 # pass the GPU tests, their speed untimed) left to the others
 MMA_SYNC_MIN_ROWS = 4
 MMA_SYNC_MAX_ROWS = 8
+# One INT4 row through a dense linear (not expert slots): (block_n, K steps in flight) below and from
+# ONE_ROW_INT4_LONG_K columns. Measured (H100, 8B shape, bench/int4_gemv_sweep.py, then in the model with
+# bench/profile_deepseek.py --quant-tile, two interleaved runs each): gate_up 25.9 against 26.9 us, o 5.1 against 5.7
+# at (8, 3); down (K 14336) 15.0 against 16.2 at (4, 4), where (8, 3) was slower (17.4); the 8B's batch-1 step 2448-2451
+# against 2522-2528 us with gate_up and down so (the earlier (8, 1) everywhere)
+ONE_ROW_INT4_TILE, ONE_ROW_INT4_LONG_TILE, ONE_ROW_INT4_LONG_K = (8, 3), (4, 4), 8192
 MMA_SYNC_BLOCK_N = 128
 # What the mma_sync kernel is built for (tandem/kernels/dequant_mma_sync.py reads them from here): scale groups of 32
 # columns (one A fragment's K span is a group's four words), steps of 4 groups, 8 rows of x a program (mma's N)
@@ -85,13 +91,15 @@ def _gemv_split(programs: int, steps: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-                   gemv_max_rows: int | None = None, fmt: int = INT4, group: int | None = None) -> DequantConfig:
+                   gemv_max_rows: int | None = None, fmt: int = INT4, group: int | None = None,
+                   slots: bool = False) -> DequantConfig:
     """INT4 in ``group``s of 32 (the scale groups' columns, where the caller knows them) with bf16 activations at
     MMA_SYNC_MIN_ROWS to MMA_SYNC_MAX_ROWS rows and K a multiple of 128: the register-fed mma.sync kernel.
     Up to ``gemv_max_rows`` (default GEMV_MAX_ROWS) rows: the GEMV kernel, 8 rows of W by 1024 (INT4, and
     FP8 at one row) or 512 (FP8 at 2-4 rows) columns a step: one 32-bit word of each row per thread of 4 warps
     (FP8 at 1024 columns holds twice the registers, which several rows cannot afford); K split where N leaves
-    too few programs (GEMV_MIN_PROGRAMS).
+    too few programs (GEMV_MIN_PROGRAMS); one INT4 row of a dense linear (``slots`` False: not expert slots) keeps
+    more K steps in flight (ONE_ROW_INT4_TILE).
     Otherwise few rows: narrow N tiles (16 rows of W where 32 would leave fewer than PROGRAMS_WANTED
     programs) and wide K steps, so that enough loads are in flight to stream the weight; more rows:
     wider tiles that reuse each dequantized weight tile for more rows. float32 (full-precision
@@ -113,9 +121,11 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         block_k = min(1024 if fmt in (INT4, PLAIN) or m == 1 else 512, max(64, triton.next_power_of_2(k)))
         if interpreting():  # the CPU tests' interpreter runs programs one after another: fewer, wider ones
             return DequantConfig(rows, 32, block_k, num_warps=4, num_stages=1, kernel="gemv")
-        block_n = 8
+        block_n, stages = 8, 1
+        if fmt == INT4 and m == 1 and not slots:
+            block_n, stages = ONE_ROW_INT4_LONG_TILE if k >= ONE_ROW_INT4_LONG_K else ONE_ROW_INT4_TILE
         split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, rows), triton.cdiv(k, block_k))
-        return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=1, split_k=split, kernel="gemv")
+        return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=stages, split_k=split, kernel="gemv")
     if dtype == torch.float32:
         return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m == 1 and k >= ROWS_KERNEL_MIN_K:

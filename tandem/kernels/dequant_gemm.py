@@ -125,7 +125,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         cfg = config or default_config(m, n, k, x.dtype, fmt=fmt, group=s_cols)
     else:  # one slot a program row (its own expert), K split for the grid the slots give
         lead = (m,)
-        cfg = config or default_config(1, n, k, x.dtype, fmt=fmt)
+        cfg = config or default_config(1, n, k, x.dtype, fmt=fmt, slots=True)
         if cfg.kernel != "gemv" or cfg.block_m != 1 or gemv_block_k(fmt, s_cols, cfg.block_k) is None:
             raise ValueError(f"expert slots take the one-row GEMV kernel and whole words per scale group; got {cfg}")
         if config is None and not interpreting():
