@@ -61,7 +61,7 @@ LAYERS = {
     "engine and draft": ("tandem.engine", "tandem.speculative"),
     "flags": ("tandem.args",),  # the argument definitions every CLI shares (defaults from the engine's config)
     "services": SERVICES,
-    "app": ("tandem.cli", "tandem.launcher", "tandem.training", "tandem.reload_client",
+    "app": ("tandem.cli", "tandem.launcher", "tandem.supervision", "tandem.training", "tandem.reload_client",
             "verifier.__main__", "drafter.__main__", "gateway.__main__", "drafter.train"),  # entry points
 }
 ORDER = ["runtime", *LAYERS]

@@ -14,7 +14,7 @@ import time
 import pytest
 from services import process_running
 
-from tandem.launcher import Backoff, Child, _stop_all, _supervise
+from tandem.supervision import Backoff, Child, stop_all, supervise
 
 
 def test_backoff_doubles_to_its_ceiling_and_resets_after_a_stable_run():
@@ -43,7 +43,7 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
         child.start(dict(os.environ))
     steady_pid = steady.proc.pid
     done = threading.Event()
-    supervisor = threading.Thread(target=_supervise, args=(children, dict(os.environ), 0.05, done.is_set))
+    supervisor = threading.Thread(target=supervise, args=(children, dict(os.environ), 0.05, done.is_set))
     caplog.set_level(logging.WARNING, logger="tandem.up")
     supervisor.start()
     # Polled, not a fixed time: each start of the crasher is a Python start-up, seconds on a busy machine.
@@ -55,7 +55,7 @@ def test_a_dying_service_is_restarted_with_backoff_and_the_others_keep_running(t
     finally:
         done.set()
         supervisor.join(30)
-        _stop_all(children)
+        stop_all(children)
     assert not supervisor.is_alive()
     assert crasher.restarts >= 4, crasher.restarts  # (one more may start between the poll and the stop)
     # each start came at least its back-off after the one before (that one died at once): 0.2 doubling to 0.8,
@@ -79,7 +79,7 @@ def test_services_stop_when_the_launcher_is_killed_outright():
     parent-death signal first thing in its main: the child here does as they do)."""
     service_main = "import time; from tandem.service_runtime import die_with_launcher; die_with_launcher(); time.sleep(120)"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys, time\nfrom tandem.launcher import Child\n"
+        [sys.executable, "-c", "import os, sys, time\nfrom tandem.supervision import Child\n"
          f"c = Child('verifier', [sys.executable, '-c', {service_main!r}])\n"
          "c.start(dict(os.environ)); print(c.proc.pid, flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
@@ -99,37 +99,37 @@ def test_services_are_started_without_a_hook_between_fork_and_exec(monkeypatch):
     """A ``preexec_fn`` makes each start a plain fork whose child runs gRPC's fork handlers (the launcher probes health
     over gRPC): 3 children in 150 aborted before their exec on this machine (grpcio 1.85). A service started by the
     launcher gets the launcher's pid instead and asks for its parent-death signal itself."""
-    from tandem import launcher
+    from tandem import supervision
     from tandem.service_runtime import LAUNCHER_PID_ENV
 
     seen = {}
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, **kwargs: seen.update(kwargs) or object())
-    launcher.Child("gateway", ["gateway"]).start({"PATH": "/bin"})
+    monkeypatch.setattr(supervision.subprocess, "Popen", lambda argv, **kwargs: seen.update(kwargs) or object())
+    Child("gateway", ["gateway"]).start({"PATH": "/bin"})
     assert seen.get("preexec_fn") is None and seen["env"] == {"PATH": "/bin", LAUNCHER_PID_ENV: str(os.getpid())}
 
 
 def test_only_the_gateway_is_given_the_api_key(monkeypatch):
-    from tandem import launcher
+    from tandem import supervision
     from tandem.args import API_KEY_ENV
 
     seen = {}
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
+    monkeypatch.setattr(supervision.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
     for name in ("drafter", "verifier", "gateway"):
-        launcher.Child(name, [name]).start({"PATH": "/bin", API_KEY_ENV: "sk-1"})
+        Child(name, [name]).start({"PATH": "/bin", API_KEY_ENV: "sk-1"})
     assert [API_KEY_ENV in seen[name] for name in ("drafter", "verifier", "gateway")] == [False, False, True]
 
 
 def test_one_service_name_for_the_stack_names_each_service_apart(monkeypatch):
     """(OTEL_SERVICE_NAME given to tandem up, by an operator's injection say: each service's spans still told apart.)"""
-    from tandem import launcher
+    from tandem import supervision
 
     seen = {}
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
+    monkeypatch.setattr(supervision.subprocess, "Popen", lambda argv, **kwargs: seen.update({argv[0]: kwargs["env"]}))
     for name in ("drafter", "verifier", "gateway"):
-        launcher.Child(name, [name]).start({"PATH": "/bin", "OTEL_SERVICE_NAME": "chat-prod"})
+        Child(name, [name]).start({"PATH": "/bin", "OTEL_SERVICE_NAME": "chat-prod"})
     assert [seen[name]["OTEL_SERVICE_NAME"] for name in ("drafter", "verifier", "gateway")] == [
         "chat-prod-drafter", "chat-prod-verifier", "chat-prod-gateway"]
-    launcher.Child("gateway", ["gateway"]).start({"PATH": "/bin"})
+    Child("gateway", ["gateway"]).start({"PATH": "/bin"})
     assert "OTEL_SERVICE_NAME" not in seen["gateway"]  # (unset: each service's default name)
 
 
@@ -158,11 +158,11 @@ def test_a_launcher_started_under_nohup_keeps_running_on_sighup(tmp_path):
 
 
 def _supervised(children, seconds_or_until, healthy):
-    """_supervise over ``children`` (started here) until ``seconds_or_until()`` is true; then all stopped."""
+    """supervise over ``children`` (started here) until ``seconds_or_until()`` is true; then all stopped."""
     for child in children:
         child.start(dict(os.environ))
     done = threading.Event()
-    supervisor = threading.Thread(target=_supervise, args=(children, dict(os.environ), 0.05, done.is_set),
+    supervisor = threading.Thread(target=supervise, args=(children, dict(os.environ), 0.05, done.is_set),
                                   kwargs=dict(healthy=healthy))
     supervisor.start()
     deadline = time.monotonic() + 60
@@ -172,7 +172,7 @@ def _supervised(children, seconds_or_until, healthy):
     finally:
         done.set()
         supervisor.join(30)
-        _stop_all(children)
+        stop_all(children)
 
 
 def test_a_restarted_service_is_said_to_serve_again(caplog):
@@ -205,9 +205,9 @@ def _up_with_one_service(tmp_path, ignored: str, stuck: bool = False) -> tuple[s
         "import signal, sys\n"
         f"signal.signal(signal.{ignored}, signal.SIG_IGN)\n"
         "from types import SimpleNamespace\n"
-        "import tandem.launcher as launcher\n"
-        "launcher.STOP_NOTICE_S, launcher.STOP_TIMEOUT_S = 0.3, 1.0\n"
-        f"kids = [launcher.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
+        "import tandem.launcher as launcher, tandem.supervision as supervision\n"
+        "supervision.STOP_NOTICE_S, supervision.STOP_TIMEOUT_S = 0.3, 1.0\n"
+        f"kids = [supervision.Child('verifier', [sys.executable, '-c', {service!r}])]\n"
         "launcher.plan_up = lambda args, secret: launcher.UpPlan(kids, {'metrics': 1, 'drafter': 2}, 'm', 'm', None)\n"
         "launcher._wait_healthy = lambda *a, **k: None\n"
         "launcher._check_gateway = lambda *a: None\n"
@@ -300,7 +300,7 @@ def test_services_stop_in_order_each_after_the_one_that_depends_on_it_has_exited
     deadline = time.monotonic() + 30
     while not all(log.exists() for log in logs.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _stop_all(children)
+    stop_all(children)
 
     def at(name, what):
         return next(float(line.split()[1]) for line in logs[name].read_text().splitlines() if line.startswith(what))
@@ -311,10 +311,10 @@ def test_services_stop_in_order_each_after_the_one_that_depends_on_it_has_exited
 
 def test_a_service_that_does_not_stop_is_named_then_killed(tmp_path, monkeypatch, capsys):
     """A stuck service's stop was a silence of 30 s and a kill nobody was told of."""
-    from tandem import launcher
+    from tandem import supervision
 
-    monkeypatch.setattr(launcher, "STOP_NOTICE_S", 0.3)
-    monkeypatch.setattr(launcher, "STOP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(supervision, "STOP_NOTICE_S", 0.3)
+    monkeypatch.setattr(supervision, "STOP_TIMEOUT_S", 1.0)
     ready = tmp_path / "ready"
     stuck = Child("verifier", [sys.executable, "-c", "import signal, sys, time\n"
                                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -324,7 +324,7 @@ def test_a_service_that_does_not_stop_is_named_then_killed(tmp_path, monkeypatch
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:  # (its handler set before it is told to stop)
         time.sleep(0.05)
-    assert _stop_all([stuck]) == ["verifier"]
+    assert stop_all([stuck]) == ["verifier"]
     err = capsys.readouterr().err
     assert stuck.proc.poll() is not None
     assert "waiting for verifier to stop (killed 1 s from now" in err and "verifier did not stop within 1 s: killed" in err
