@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import command_line
 from tandem import tracing
 from tandem.errors import TandemError
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.model_source import resolve_model
 
         target = resolve_model(args.target_model, flag="--target-model") if args.target_model else str(ensure_demo_target())
-        draft = shared.resolve_speculative(args, target).draft_model or str(ensure_demo_draft())
+        draft = speculative_flags.resolve_speculative(args, target).draft_model or str(ensure_demo_draft())
         cfg = DrafterServiceConfig.from_args(args, draft, target)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)

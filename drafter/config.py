@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import internal_secret
 from tandem.errors import ConfigError
 from tandem.speculative.drafter import DrafterConfig
@@ -45,7 +46,7 @@ class DrafterServiceConfig:
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         d = DrafterConfig
         # Its --model is the head (so no --model-path here: SGLang's --model-path is the target).
-        shared.add_speculative(p, draft_names=("--model", *shared.DRAFT_MODEL_NAMES),
+        speculative_flags.add_speculative(p, draft_names=("--model", *shared.DRAFT_MODEL_NAMES),
                                draft_help="EAGLE-3 draft folder (default: the embedded demo draft)")
         p.add_argument("--target-model", default=None, help="the target's folder (default: the embedded demo target)")
         shared.add(p, shared.DEVICE)
@@ -78,7 +79,7 @@ class DrafterServiceConfig:
         from tandem.speculative.chain_depth import chain_ladder
         from tandem.speculative.spec_config import SpecConfig
 
-        speculative = shared.resolve_speculative(a, target_model)
+        speculative = speculative_flags.resolve_speculative(a, target_model)
         if a.max_kv_tokens is not None and a.max_kv_tokens < 1:
             raise ConfigError(f"--max-kv-tokens must be >= 1, got {a.max_kv_tokens}")
         device = shared.resolve_device(a.device)

@@ -11,6 +11,7 @@ import sys
 import time
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import command_line
 from tandem.errors import TandemError
 
@@ -19,7 +20,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation in one process (target only, or with an EAGLE-3 draft)",
                        formatter_class=command_line.HelpFormatter)
     shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG)
-    shared.add_speculative(p, draft_help="EAGLE-3 draft folder; enables speculative decoding (default: the demo draft "
+    speculative_flags.add_speculative(p, draft_help="EAGLE-3 draft folder; enables speculative decoding (default: the demo draft "
                                          "without --model, else none; 'none' turns it off)")
     shared.add(p, *shared.ENGINE_FLAGS)
     # (also after the subcommand, where users put it; SUPPRESS: absent here, `tandem -v generate` keeps its value)
@@ -42,7 +43,7 @@ def generate_settings(args: argparse.Namespace) -> tuple:
     """(EngineConfig, Speculative) from ``tandem generate``'s flags, whatever their spelling."""
     from tandem.engine.config import EngineConfig
 
-    speculative = shared.resolve_speculative(args, args.model)
+    speculative = speculative_flags.resolve_speculative(args, args.model)
     if speculative.draft_model == shared.NO_DRAFT:
         speculative = dataclasses.replace(speculative, draft_model=None)
     speculative.require_draft()
@@ -116,7 +117,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_up)
 
 
-def _build_engine(cfg, speculative: shared.Speculative):
+def _build_engine(cfg, speculative: speculative_flags.Speculative):
     """The engine, with an in-process EAGLE-3 drafter when a draft model is given (validated first)."""
     from tandem.engine.llm_engine import LLMEngine
 

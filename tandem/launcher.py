@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import internal_secret, stack_secret
 from tandem.errors import TandemError
 from tandem.service_probe import free_ports
@@ -38,7 +39,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help="the target model, as `vllm serve MODEL` takes it (or --model)")
     shared.add(p, shared.MODEL, shared.REVISION, shared.TP_SIZE, shared.DEVICE, shared.CONFIG, shared.LOG_LEVEL)
-    shared.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
+    speculative_flags.add_speculative(p, draft_help="EAGLE-3 draft folder (default: the demo draft without --model, else none: "
                                          "no speculation; 'none' turns it off for the demo)")
     p.add_argument("--drafter", choices=["service", "in-process"], default="service",
                    help="service: the head in a drafter process of its own (isolation, hot reload); in-process: in "
@@ -90,7 +91,7 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         args.model = args.model_positional
     from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
-    speculative = shared.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
+    speculative = speculative_flags.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
     model = shared.resolve_target(args) or str(ensure_demo_target())
     draft = speculative.draft_model
     if draft is None and args.model is None:

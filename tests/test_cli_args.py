@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import command_line
 from tandem.cli import build_parser, generate_settings
 from tandem.errors import ConfigError
@@ -41,7 +42,7 @@ def _drafter(argv, target):
     from drafter.config import DrafterServiceConfig
 
     args = drafter_parser().parse_args(argv)
-    return DrafterServiceConfig.from_args(args, shared.resolve_speculative(args, target).draft_model, target)
+    return DrafterServiceConfig.from_args(args, speculative_flags.resolve_speculative(args, target).draft_model, target)
 
 
 def _generate(argv):

@@ -59,7 +59,7 @@ def test_importing_tandem_does_not_import_torch():
 # ``if TYPE_CHECKING:`` are annotations only and do not count.
 LAYERS = {
     "engine and draft": ("tandem.engine", "tandem.speculative"),
-    "flags": ("tandem.args",),  # the argument definitions every CLI shares (defaults from the engine's config)
+    "flags": ("tandem.args", "tandem.speculative_flags"),  # the argument definitions every CLI shares (defaults from the engine's config)
     "services": SERVICES,
     "app": ("tandem.cli", "tandem.launcher", "tandem.supervision", "tandem.training", "tandem.reload_client",
             "verifier.__main__", "drafter.__main__", "gateway.__main__", "drafter.train"),  # entry points

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from tandem import args as shared
+from tandem import speculative_flags
 from tandem import internal_secret
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
@@ -25,9 +26,9 @@ class VerifierConfig:
     port: int = 50051
     drafter: str | None = None  # drafter service address; None = no speculation
     draft_model: str | None = None  # the drafter's head: validated here at start-up, sets the capture layers
-    num_steps: int = shared.DEFAULT_NUM_STEPS  # --speculative-num-steps
-    topk: int = shared.DEFAULT_TOPK  # --speculative-eagle-topk
-    num_draft_tokens: int = shared.DEFAULT_NUM_STEPS + 1  # --speculative-num-draft-tokens
+    num_steps: int = speculative_flags.DEFAULT_NUM_STEPS  # --speculative-num-steps
+    topk: int = speculative_flags.DEFAULT_TOPK  # --speculative-eagle-topk
+    num_draft_tokens: int = speculative_flags.DEFAULT_NUM_STEPS + 1  # --speculative-num-draft-tokens
     drafter_deadline_s: float = 2.0  # a drafter reply later than this counts as a failure
     reconnect_interval_s: float = 1.0
     ring_rows: int = 65536  # feature rows in the shared-memory ring
@@ -93,7 +94,7 @@ class VerifierConfig:
                             "this process (the in-process engine's speed; no drafter isolation or hot reload); "
                             "default: in process where a draft is named (--draft-model, --speculative-algorithm, "
                             "--speculative-config), else no speculation")
-        shared.add_speculative(p, draft_help="the drafter's EAGLE-3 folder: validated against the target at start-up "
+        speculative_flags.add_speculative(p, draft_help="the drafter's EAGLE-3 folder: validated against the target at start-up "
                                              "and used to choose the captured layers (recommended with --drafter)")
         p.add_argument("--speculation-policy", choices=["measured", "always"], default=cls.speculation_policy,
                        help="measured: speculate while the batch's accept length beats the measured cost of a round, "
@@ -132,7 +133,7 @@ class VerifierConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, model: str) -> "VerifierConfig":
-        spec = shared.resolve_speculative(a, model)
+        spec = speculative_flags.resolve_speculative(a, model)
         if spec.draft_model == shared.NO_DRAFT:
             spec = dataclasses.replace(spec, draft_model=None)
         spec.require_draft()
