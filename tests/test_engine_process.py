@@ -259,7 +259,8 @@ def test_a_steps_outputs_cross_the_pipe_with_every_field():
     from tandem.logprobs import TokenLogprobs
     from tandem.speculative.stats import SpecStats
     from verifier.engine_loop import Submission
-    from verifier.engine_process import EngineProcess, _PipeSink
+    from verifier.engine_child import _PipeSink
+    from verifier.engine_process import EngineProcess
 
     class Outbox:
         def __init__(self):
