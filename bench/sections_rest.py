@@ -101,12 +101,14 @@ def _wait_http(url: str, proc, timeout_s: float = 60.0) -> None:
 
 
 def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_s: float = 0.0, repeats: int = 1,
-             **stack_kw) -> dict:
+             settle_s: float = 0.0, **stack_kw) -> dict:
     """Each mode's stack started in turn (its start-up, first and warm request times and a wave per cell
     (concurrency, new tokens): texts, and the rate unless ``sustain_s``), all kept up; then with ``sustain_s``,
     per cell, ``repeats`` closed-loop loads of that many seconds on every mode, interleaved (``pass_order``: each
     mode in every position over 2 x modes passes; the host's pace drifts by 10-20 % over minutes, and modes measured
-    one after another took that drift for their difference) → per mode its rows, each beside target-only's, texts compared."""
+    one after another took that drift for their difference) → per mode its rows, each beside target-only's, texts compared.
+    ``settle_s``: before a cell's measured loads, each stack serves that cell unmeasured this long (a policy's verdicts
+    and detached periods in place: what sustained traffic meets, where a few seconds' passes meet its first re-measures)."""
     out: dict = {}
     print(f"CPUs: {pins()}", flush=True)
     with contextlib.ExitStack() as stacks:
@@ -120,6 +122,10 @@ def _compare(tdir, draft, prompts: list, cells: list, modes: list[str], sustain_
             print(f"{mode}: SERVING after {ready_s:.1f} s; first request {first['seconds']:.3f} s, warm "
                   f"{warm['seconds']:.3f} s ({first['seconds'] / warm['seconds']:.2f}x)", flush=True)
         for cell in cells:
+            for mode in modes if sustain_s and settle_s else ():
+                settled = sustained(up[mode][0], prompts, cell[0], cell[1], settle_s)
+                print(f"  {mode:17s} concurrency {cell[0]:2d}: settled for {settle_s:.0f} s ({settled['tok_s']:.0f} tok/s, "
+                      "not counted)", flush=True)
             for k in range(repeats if sustain_s else 0):
                 for mode in pass_order(modes, k):
                     _sample(out[mode]["rows"][f"c{cell[0]}_n{cell[1]}"], mode, *up[mode], prompts, cell, sustain_s)
@@ -257,7 +263,7 @@ def rest_demo(ctx: dict) -> dict:
     over REST: target-only, the head in the verifier under the default policy and speculating always, and
     the pair; its held-out code prompts, 120 new tokens, greedy, concurrency 1, 8, 64, each a closed-loop load
 of TANDEM_BENCH_SUSTAIN_S seconds (default 8), TANDEM_BENCH_REST_REPEATS times (default 2) interleaved across the
-modes, averaged."""
+modes, averaged; with TANDEM_BENCH_REST_SETTLE_S seconds (default 0) of unmeasured load on each stack before a cell's."""
     from pathlib import Path
 
     from tandem.training.demo_pair import demo_eval_prompts
@@ -271,7 +277,8 @@ modes, averaged."""
     prompts = (prompts * 64)[:64]
     modes = os.environ.get("TANDEM_BENCH_REST_MODES", "target-only,in-process,in-process-always,pair").split(",")
     sustain_s = float(os.environ.get("TANDEM_BENCH_SUSTAIN_S", "8"))
+    settle_s = float(os.environ.get("TANDEM_BENCH_REST_SETTLE_S", "0"))
     repeats = int(os.environ.get("TANDEM_BENCH_REST_REPEATS", "2"))
     device = os.environ.get("TANDEM_BENCH_DEVICE", "cuda")  # (cpu: the stack as tandem up serves the demo there)
-    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, repeats,
+    return _compare(tdir, draft, prompts, [(c, 120) for c in CONCURRENCY], modes, sustain_s, repeats, settle_s,
                     verifier_flags=(), device=device, dtype="bfloat16" if device.startswith("cuda") else "float32")
