@@ -4,7 +4,7 @@ spellings are aliases of ours where they mean the same thing (``--model-path``, 
 / ``--tp`` / ``-tp``, ``--speculative-draft-model-path``, ``--max-num-seqs``, ``--enforce-eager``,
 ``--disable-radix-cache``, ``--random-seed``, ``--dtype half``), switches that ask for what Tandem does anyway
 are accepted (``--enable-prefix-caching``, ``--enable-chunked-prefill``, ``--trust-remote-code``: no remote code
-is ever run); the speculative flags, SGLang's and vLLM's spellings of them too, are tandem.speculative_flags'.
+is ever run). The speculative flags, in every spelling, live in tandem.speculative_flags.
 
 Torch-free: ``--device auto`` is decided by ``resolve_device`` in the process that runs the model.
 """
