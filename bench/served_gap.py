@@ -63,7 +63,7 @@ class _Waiter:
 def _submitted(submit, prompt, params) -> tuple[float, float]:
     """One request through ``submit`` (an EngineLoop's or EngineProcess's) → (seconds to its last output, to its
     first)."""
-    from verifier.engine_loop import Submission
+    from verifier.engine_api import Submission
 
     waiter, started = _Waiter(), time.perf_counter()
     sub = Submission(rid=f"r{time.monotonic_ns()}", prompt=prompt, params=params, spec=None, sink=waiter)

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from tandem.sampling import SamplingParams
-from verifier.engine_loop import EngineLoop, EngineStopped, Submission
+from verifier.engine_api import EngineStopped, Submission
+from verifier.engine_loop import EngineLoop
 from verifier.metrics import VerifierMetrics
 
 
@@ -133,7 +134,7 @@ def test_a_steps_outputs_reach_their_streams_in_one_hop_in_order():
     both threads share for each; one hop a step carries them all, each request's outputs in order."""
     from tandem.engine.step import StepOutput
     from tandem.engine.request import FinishReason
-    from verifier.engine_loop import QueueSink
+    from verifier.engine_api import QueueSink
 
     class Queue(list):
         put_nowait = list.append
@@ -181,7 +182,7 @@ def test_a_step_whose_bookkeeping_fails_still_delivers_what_it_finished():
     together at its end once lost it, and its client waited until the server's grace ran out."""
     from tandem.engine.request import FinishReason
     from tandem.engine.step import StepOutput
-    from verifier.engine_loop import QueueSink
+    from verifier.engine_api import QueueSink
 
     class Engine(IdleEngine):
         def has_unfinished(self) -> bool:

@@ -179,7 +179,7 @@ def test_cancelled_submissions_leave_nothing_behind_on_either_side(pair_dirs):
     server's side keeps no submission afterwards (a cancelled one gets no last output to clear it)."""
     from verifier.config import VerifierConfig
     from tandem.engine.config import EngineConfig
-    from verifier.engine_loop import Submission
+    from verifier.engine_api import Submission
     from verifier.engine_process import EngineProcess
     from tandem.sampling import SamplingParams
 
@@ -239,7 +239,7 @@ def test_a_hang_the_childs_watchdog_caught_keeps_its_exit_code_for_the_server():
     """A hang on the engine's thread exits the verifier 75 (HUNG_EXIT_CODE); in a process of its own the child exits 75
     and the server, which exited 3 like any engine failure, now says hung and exits 75 too."""
     from tandem.watchdog import ENGINE_FAILED_EXIT_CODE, HUNG_EXIT_CODE
-    from verifier.engine_loop import EngineFailed
+    from verifier.engine_api import EngineFailed
     from verifier.engine_process import _child_ended
 
     hung, killed = _child_ended(HUNG_EXIT_CODE), _child_ended(-9)
@@ -258,7 +258,7 @@ def test_a_steps_outputs_cross_the_pipe_with_every_field():
     from tandem.engine.step import StepOutput
     from tandem.logprobs import TokenLogprobs
     from tandem.speculative.stats import SpecStats
-    from verifier.engine_loop import Submission
+    from verifier.engine_api import Submission
     from verifier.engine_child import _PipeSink
     from verifier.engine_process import EngineProcess
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tandem.sampling import SamplingParams
-from verifier.engine_loop import Submission
+from verifier.engine_api import Submission
 from verifier.engine_process import EngineProcess
 
 

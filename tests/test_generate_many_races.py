@@ -199,7 +199,7 @@ def test_a_refused_submission_ends_its_span():
 def test_a_second_start_of_a_key_and_the_first_ones_own_refusal_both_reach_the_caller():
     """Both queued before the stream's next message (one batch): the second start's refusal must not use up the
     first generation's bookkeeping, whose own refusal (the engine loop's queue full) then has to go out too."""
-    from verifier.engine_loop import QueueFull
+    from verifier.engine_api import QueueFull
 
     class HeldLoop(_RecordingLoop):
         def submit(self, sub):

@@ -91,7 +91,7 @@ def traced(rid: str, n: int, sink):
     from opentelemetry import trace
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-    from verifier.engine_loop import Submission
+    from verifier.engine_api import Submission
 
     span = NonRecordingSpan(SpanContext(trace_id=0xABC, span_id=0xDEF, is_remote=False,
                                         trace_flags=TraceFlags(TraceFlags.SAMPLED)))

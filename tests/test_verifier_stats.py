@@ -14,7 +14,8 @@ import pytest
 from gateway.metrics import GatewayMetrics
 from helpers import random_prompt
 from tandem.sampling import SamplingParams
-from verifier.engine_loop import EngineLoop, Submission
+from verifier.engine_api import Submission
+from verifier.engine_loop import EngineLoop
 from verifier.metrics import VerifierMetrics
 from verifier.stats_line import StatsLine
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger("verifier").info("config: model=%s, device=%s, %s", model, cfg.engine.device, cfg.describe())
     tracing.setup_tracing("tandem-verifier", cfg.otlp_endpoint)
-    from verifier.engine_loop import EngineFailed
+    from verifier.engine_api import EngineFailed
     from verifier.serve import StoppedWhileLoading, serve
 
     try:

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from tandem.engine.step import StepOutput
-from verifier.engine_loop import BatchedSink, Submission
+from verifier.engine_api import BatchedSink, Submission
 
 log = logging.getLogger("verifier.engine_process")
 

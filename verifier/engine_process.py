@@ -27,7 +27,7 @@ from typing import Callable
 from tandem.engine.step import StepOutput
 from tandem.watchdog import HUNG_EXIT_CODE
 from verifier.engine_child import engine_process_main
-from verifier.engine_loop import EngineHung, EngineStopped, Submission, deliver_outputs
+from verifier.engine_api import EngineHung, EngineStopped, Submission, deliver_outputs
 
 log = logging.getLogger("verifier.engine_process")
 

@@ -27,7 +27,7 @@ from tandem import tracing
 from tandem.errors import ConfigError
 from tandem.grpc_decode import MALFORMED, tolerant
 from tandem.rpc.verifier.v1 import verifier_pb2 as pb
-from verifier.engine_loop import QueueSink, Submission
+from verifier.engine_api import QueueSink, Submission
 from verifier.server import (MAX_COALESCED_TOKENS, MAX_MESSAGE_INTERVAL_US, REFUSALS, VerifierService,
                              end_request_span, is_final, merged_outputs, refusal_code)
 

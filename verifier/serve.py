@@ -21,7 +21,8 @@ from tandem.service_runtime import (GRPC_SERVER_OPTIONS, host_port, listen, repo
 from tandem.configs.model import ModelConfig
 from verifier.config import IN_PROCESS, VerifierConfig
 from verifier.engine_build import build_engine, take_down
-from verifier.engine_loop import EngineFailed, EngineLoop
+from verifier.engine_api import EngineFailed
+from verifier.engine_loop import EngineLoop
 from verifier import generate_many
 from verifier.engine_process import EngineProcess
 from verifier.metrics import VerifierMetrics

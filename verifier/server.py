@@ -24,7 +24,8 @@ from tandem.rpc.verifier.v1 import verifier_pb2 as pb
 from tandem.sampling import SamplingParams
 from tandem.speculative.spec_config import SpecConfig
 from verifier.config import IN_PROCESS, IN_PROCESS_MAX_TOPK, VerifierConfig
-from verifier.engine_loop import EngineLoop, EngineStopped, QueueFull, QueueSink, Submission
+from verifier.engine_api import EngineStopped, QueueFull, QueueSink, Submission
+from verifier.engine_loop import EngineLoop
 
 log = logging.getLogger("verifier.server")
 _refusals = LimitedLog(log)
