@@ -57,8 +57,8 @@ class BatchDecision:
         favoured = ((engine.attachment.detached or engine.attachment.attached_early)
                     and engine.policy.speculation_favoured(len(running)))
         # (plain: it detaches again now)
-        back = self.can_switch(engine) and engine.attachment.returns_detached(favoured)
-        probe = (not back and asked and engine.speculating and self.can_switch(engine)
+        back = self._can_switch(engine) and engine.attachment.returns_detached(favoured)
+        probe = (not back and asked and engine.speculating and self._can_switch(engine)
                  and engine.policy.probe_detached(len(running), engine.proposer.ships_features))
         engine.speculating = engine.speculating and not probe and not back
         engine.plain_reason = (None if engine.speculating else "probe" if probe
@@ -67,14 +67,14 @@ class BatchDecision:
                                else engine.policy.plain_reason)
         if engine.speculating and engine.default_spec is not None:
             engine.chain.use(engine.policy.chain_spec(len(running), engine.default_spec), engine.default_spec,
-                             lambda: running + list(engine.scheduler.waiting), now=self.can_switch(engine))
+                             lambda: running + list(engine.scheduler.waiting), now=self._can_switch(engine))
         loss = engine.policy.measured_loss(len(running)) if settled else 0.0
         self._keep_attachment(engine, asked, settled, loss, probe, lambda: engine.policy.measured_lead(len(running)),
                               favoured, back)
         return max((req.spec.num_draft_tokens for req in drafting), default=1) if engine.speculating else 1
 
     @staticmethod
-    def can_switch(engine) -> bool:
+    def _can_switch(engine) -> bool:
         """No run of rounds in flight (its requests' draft state is in use)."""
         return engine.run_in_flight is None or isinstance(engine.run_in_flight, DecodeRun)
 
@@ -84,7 +84,7 @@ class BatchDecision:
                          back: bool = False) -> None:
         """Detach the drafter from a batch the policy keeps plain (or for a probe), or attach it again
         (tandem.speculative.attachment); never under a run of rounds in flight."""
-        change = engine.attachment.after_decision(engine.speculating, asked, BatchDecision.can_switch(engine),
+        change = engine.attachment.after_decision(engine.speculating, asked, BatchDecision._can_switch(engine),
                                                   plain_measured_faster, loss, probe, spec_lead, spec_favoured,
                                                   passing=engine.plain_reason in PASSING_PLAIN, back=back)
         if change == "detach":
