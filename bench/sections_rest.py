@@ -242,10 +242,19 @@ async def _collected(timed):
 
 
 def rest(ctx: dict) -> dict:
+    """``TANDEM_BENCH_REST_SCHEME``: ``bf16`` (default), or ``int4`` / ``fp8``: every linear of the target but its LM
+    head in that scheme (bench/sections_quant_engines.py's 8B cases)."""
+    import dataclasses
+
     import torch
 
+    from sections_quant_engines import llama_case
+    from tandem.models.random_checkpoint import LLAMA_8B
+
     layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
-    tdir = target_dir(layers)
+    scheme = os.environ.get("TANDEM_BENCH_REST_SCHEME", "bf16")
+    tdir = (target_dir(layers) if scheme == "bf16"
+            else llama_case(scheme, dataclasses.replace(LLAMA_8B, num_layers=layers)).path)
     write_word_tokenizer(tdir, LLAMA_8B_SHAPE["vocab_size"])
     write_target_embedding(tdir)
     n = LLAMA_8B_SHAPE["num_layers"] if layers is None else layers
