@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 CLIENT_PROCS = int(os.environ.get("TANDEM_BENCH_CLIENT_PROCS", "4"))  # client processes of a closed-loop load
 START_DELAY_S = 1.5  # client processes start together this long after they are launched (their imports)
@@ -99,20 +100,20 @@ def sustained(base: str, prompts: list[list[int]], conc: int, max_tokens: int, s
     set the pace)."""
     procs = max(1, min(conc, CLIENT_PROCS))
     start = time.time() + START_DELAY_S
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    try:
-        workers = [subprocess.Popen([sys.executable, __file__, base, f.name, str(max_tokens), str(start),
-                                     str(seconds), ",".join(str(k) for k in range(j, conc, procs)), str(conc)],
-                                    stdout=subprocess.PIPE, text=True) for j in range(procs)]
+    with tempfile.TemporaryDirectory() as folder:
+        prompts_file = Path(folder) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        # each client process writes its result to a file of its own: through a pipe read one process at a time, a
+        # long load's results (~80 bytes a request) filled the pipes of the others, and one came back cut at 64 KiB
+        outs = [Path(folder) / f"result-{j}.json" for j in range(procs)]
+        workers = [subprocess.Popen([sys.executable, __file__, base, str(prompts_file), str(max_tokens), str(start),
+                                     str(seconds), ",".join(str(k) for k in range(j, conc, procs)), str(conc), str(out)])
+                   for j, out in enumerate(outs)]
         results = []
-        for w in workers:
-            out, _ = w.communicate(timeout=seconds + 600)
-            if w.returncode != 0:
+        for w, out in zip(workers, outs):
+            if w.wait(timeout=seconds + 600) != 0:
                 raise RuntimeError(f"a client process exited with code {w.returncode}")
-            results.append(json.loads(out))
-    finally:
-        os.unlink(f.name)
+            results.append(json.loads(out.read_text()))
     finished = [tuple(x) for r in results for x in r["finished"]]
     end = max(t for _, t, _, _ in finished)
     return {"tok_s": sum(n for n, _, _, _ in finished) / (end - start), "requests": len(finished), "seconds": end - start,
@@ -145,9 +146,9 @@ async def _client_process(base: str, prompts: list[list[int]], max_tokens: int, 
 
 
 if __name__ == "__main__":
-    base_url, prompts_file, n_tokens, t_start, span_s, ks, n_clients = sys.argv[1:8]
+    base_url, prompts_file, n_tokens, t_start, span_s, ks, n_clients, result_file = sys.argv[1:9]
     with open(prompts_file) as fh:
         loaded = json.load(fh)
     result = run(_client_process(base_url, loaded, int(n_tokens), float(t_start), float(span_s),
                                  [int(k) for k in ks.split(",")], int(n_clients)))
-    print(json.dumps(result))
+    Path(result_file).write_text(json.dumps(result))
