@@ -136,7 +136,7 @@ class DraftGraphRunner(GraphRunner):
     # -- draft -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, reqs: list, spec, defer: bool = False) -> list[DraftTree] | None:
-        """Trees for ``reqs`` (the drafter's _Request objects) through the static path, or None when this
+        """Trees for ``reqs`` (tandem.speculative.head_prefix.HeadRequest) through the static path, or None when this
         batch does not fit (the caller drafts eagerly, which also raises any error).
 
         ``defer`` (chains only, whose shape is known in advance): return without waiting for the replay;

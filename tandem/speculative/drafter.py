@@ -15,20 +15,14 @@ engine and the drafter service use:
   ancestors but not its cousins. The scratch is dropped afterwards: drafting never changes
   committed state, so drafting twice gives the same tree.
 
-A request may start on a cached prefix (``attach_prefix``, which also gives the request's first token):
-the head's KV entry t depends only on tokens 0..t+1 (through the target's feature at t), so the head keeps
-a prefix cache of its own pages, each keyed from the very tokens it was built with
-(tandem.prefix_cache.draft_page_key), filled as extends complete pages and when a request is released;
-a later request whose target KV starts on cached pages takes the head's pages for the same tokens from
-there. Entries it does not find (evicted here) are built from zero features and never cached: drafts from
-them are worse, never wrong (the target verifies every token).
+A request may start on a cached prefix: tandem.speculative.head_prefix.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +36,8 @@ from tandem.models.eagle3_checkpoint import load_eagle3, load_target_embedding
 from tandem.configs.eagle3 import DraftConfig, draft_tensor_files, validate_draft
 from tandem.models.loader import resolve_dtype
 from tandem.prefill_shapes import PREFILL_GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, prefill_widths
-from tandem.prefix_cache import PrefixCache, block_keys, draft_page_key
 from tandem.speculative.head_kv import DEFAULT_KV_TOKENS
+from tandem.speculative.head_prefix import HeadPrefixes, HeadRequest
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree
@@ -81,25 +75,6 @@ class DrafterConfig:
                               f"{self.prefill_graph_tokens} and {self.prefill_graph_max_bs}")
 
 
-@dataclass
-class _Request:
-    kv: SequenceKV
-    root: int = -1  # last extended token (target id): the next tree's root
-    state: torch.Tensor | None = None  # [H] pre-norm output of the last extended row
-    top_logp: torch.Tensor | None = None  # float32 [max_topk] log-probs of the root's best children
-    top_ids: torch.Tensor | None = None  # int64 [max_topk] their target ids
-    # Prefix caching (started by attach_prefix): the sequence's tokens x_0, x_1, ... (entry t pairs x_{t+1}
-    # with the target's feature at t), its block keys so far, the pages already offered to the cache, and
-    # the pages holding entries built from zero features, which never are.
-    tokens: list[int] | None = None
-    block_keys: list[bytes] | None = None
-    pages_cached: int = 0
-    zero_pages: range = range(0)
-    # Tokens whose entries attach_prefix found in no cached page: built from zero features right before the request's
-    # next extend (Eagle3Drafter._rebuild: requests joining together share forwards).
-    rebuild: list[int] = field(default_factory=list)
-
-
 class Eagle3Drafter(Proposer):
     caches_prefixes = True  # attach_prefix (tandem.prefix_cache)
 
@@ -113,11 +88,11 @@ class Eagle3Drafter(Proposer):
         log.info("EAGLE-3 head: KV cache %d pages x %d tokens = %d tokens, %.2f GiB", num_pages, cfg.page_size,
                  num_pages * cfg.page_size, num_pages * cfg.page_size * 2 * dc.num_kv_heads * dc.head_dim
                  * head.fc.weight.element_size() / 2**30)
-        self.prefix_cache = PrefixCache(cfg.page_size)
-        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed, cache=self.prefix_cache)
+        self.prefixes = HeadPrefixes(cfg.page_size)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.page_shuffle_seed, cache=self.prefixes.cache)
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, HeadRequest] = {}
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
@@ -178,7 +153,12 @@ class Eagle3Drafter(Proposer):
         the drafter itself (wrappers name the drafter they wrap)."""
         return self
 
-    def request_states(self, rids: list[str]) -> list[_Request]:
+    @property
+    def prefix_cache(self):
+        """The head's prefix cache (tandem.speculative.head_prefix): its stats, what it holds."""
+        return self.prefixes.cache
+
+    def request_states(self, rids: list[str]) -> list[HeadRequest]:
         """The drafter's state of each request (for runs that advance it on the device: chain_rounds)."""
         return [self._reqs[rid] for rid in rids]
 
@@ -191,7 +171,7 @@ class Eagle3Drafter(Proposer):
         ``attach_prefix``; unknown ids are ignored (a restarted drafter never saw them)."""
         req = self._reqs.pop(rid, None)
         if req is not None:
-            self._cache_filled([req])
+            self.prefixes.offer_filled([req])
             req.kv.release()
 
     def release_device(self) -> None:
@@ -203,28 +183,7 @@ class Eagle3Drafter(Proposer):
             self.release(rid)
         self.allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable))
 
-    # -- prefix cache ----------------------------------------------------------------------------
-    def _page_keys(self, req: _Request, pages: range) -> list[bytes]:
-        """Keys of the request's ``pages`` (each needs the token after its block)."""
-        ps = self.cfg.page_size
-        keys = block_keys(req.tokens, ps, req.block_keys, limit=pages.stop)
-        return [draft_page_key(keys[p], req.tokens[(p + 1) * ps]) for p in pages]
-
-    def _cache_filled(self, reqs: list[_Request]) -> None:
-        """Offer the cache the full pages that extends completed since the last offer (never a page built
-        from zero features) of requests started by attach_prefix."""
-        ps = self.cfg.page_size
-        for req in reqs:
-            if req.tokens is None:
-                continue
-            full = min(req.kv.num_tokens // ps, (len(req.tokens) - 1) // ps)
-            if full > req.pages_cached:
-                pages = [p for p in range(req.pages_cached, full) if p not in req.zero_pages]
-                if pages:
-                    keys = self._page_keys(req, range(pages[0], pages[-1] + 1))
-                    self.prefix_cache.insert([keys[p - pages[0]] for p in pages], [req.kv.pages[p] for p in pages])
-                req.pages_cached = full
-
+    # -- prefix cache (tandem.speculative.head_prefix) ---------------------------------------------
     @torch.inference_mode()
     def attach_prefix(self, rid: str, tokens: list[int]) -> int:
         """Start a new request whose prompt may start on cached target KV, and keep its pages in the prefix
@@ -236,18 +195,9 @@ class Eagle3Drafter(Proposer):
             raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
         if not tokens:
             raise ValueError(f"attach_prefix of '{rid}': no tokens (the first token at least)")
-        ps, cached = self.cfg.page_size, len(tokens) - 1
-        req = _Request(SequenceKV(self.allocator), tokens=list(tokens), block_keys=[])
-        req.kv.adopt(self.prefix_cache.match(self._page_keys(req, range(cached // ps))))
-        req.pages_cached = len(req.kv.pages)
+        req = self.prefixes.start(SequenceKV(self.allocator), tokens)
         self._reqs[rid] = req
-        found = req.kv.num_tokens
-        del req.tokens[found + 1 :]  # the next extend adds the rebuilt ones and its own
-        self.prefix_cache.record(cached, found)
-        if found < cached:
-            req.zero_pages = range(found // ps, -(-cached // ps))
-            req.rebuild = tokens[found + 1 :]
-        return found
+        return req.kv.num_tokens
 
     def _rebuild(self, rids: list[str]) -> None:
         """The entries attach_prefix left to rebuild of these requests, from zero features, before their extend: requests
@@ -293,7 +243,7 @@ class Eagle3Drafter(Proposer):
             if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
                 raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
         self._rebuild(rids)
-        reqs = [self._reqs.get(rid) or _Request(SequenceKV(self.allocator)) for rid in rids]
+        reqs = [self._reqs.get(rid) or HeadRequest(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
         need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
         if need > self.allocator.num_free:
@@ -303,7 +253,7 @@ class Eagle3Drafter(Proposer):
                 if req.tokens is not None:
                     req.tokens.extend(tokens)
                 self._reqs[rid] = req  # a new request (a prompt-extend graph takes prefills) starts here
-            self._cache_filled(reqs)
+            self.prefixes.offer_filled(reqs)
             return None  # replayed a draft-extend or prompt-extend graph
         chunks = []
         for req, prefix, (_, tokens, _) in zip(reqs, prefixes, items):
@@ -331,7 +281,7 @@ class Eagle3Drafter(Proposer):
             req.root, req.state = tokens[-1], last_states[b]
             req.top_logp, req.top_ids = top_logp[b], top_ids[b]
             self._reqs[rid] = req
-        self._cache_filled(reqs)
+        self.prefixes.offer_filled(reqs)
         if not return_logits:
             return None
         cu = dev.meta.cu_q_lens.tolist()
