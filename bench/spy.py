@@ -4,7 +4,8 @@ engine runs in one) during each REST load
 one raw folded-stack file a load, ``DIR/<mode>-c<concurrency>-<pass>.txt``; this folds them by stack and thread.
 
     python3 bench/spy.py DIR            each stack's busiest functions per thread, summed over its loads by concurrency,
-                                        and a policy stack against its ``-always`` twin (shares of the engine's samples)
+                                        a policy stack against its ``-always`` twin, and every stack against
+                                        target-only (shares of the engine's samples, inclusive and self)
 """
 
 from __future__ import annotations
@@ -111,14 +112,19 @@ def main(folder: str) -> None:
             top = sorted(_shares(e[what], e["samples"]).items(), key=lambda i: -i[1])[:30]
             print(f"  engine thread, {what}: " + "; ".join(f"{100 * s:.1f}% {name}" for name, s in top))
     for (mode, conc), kinds in sorted(folded.items()):
-        twin = folded.get((f"{mode}-always", conc))
-        if twin is None or "engine" not in kinds or "engine" not in twin:
-            continue
-        a, b = kinds["engine"], twin["engine"]
-        mine, theirs = _shares(a["inclusive"], a["samples"]), _shares(b["inclusive"], b["samples"])
-        diff = sorted(((mine.get(n, 0) - theirs.get(n, 0), n) for n in set(mine) | set(theirs)), key=lambda d: -abs(d[0]))
-        print(f"=== {mode} against {mode}-always at concurrency {conc} (inclusive share of the engine thread, points): "
-              + "; ".join(f"{100 * d:+.1f} {n}" for d, n in diff[:30] if abs(d) >= 0.005))
+        # a policy stack against its -always twin, and every stack with a drafter against target-only (where the
+        # engine thread is busy throughout, a share that grows is host time a token that grew)
+        for other in (f"{mode}-always", "target-only"):
+            twin = folded.get((other, conc))
+            if other == mode or twin is None or "engine" not in kinds or "engine" not in twin:
+                continue
+            for what in ("inclusive", "self"):
+                a, b = kinds["engine"], twin["engine"]
+                mine, theirs = _shares(a[what], a["samples"]), _shares(b[what], b["samples"])
+                diff = sorted(((mine.get(n, 0) - theirs.get(n, 0), n) for n in set(mine) | set(theirs)),
+                              key=lambda d: -abs(d[0]))
+                print(f"=== {mode} against {other} at concurrency {conc} ({what} share of the engine thread, points): "
+                      + "; ".join(f"{100 * d:+.1f} {n}" for d, n in diff[:30] if abs(d) >= 0.005))
 
 
 if __name__ == "__main__":
