@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from cpu_pins import describe as pins
-from models import LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
+from models import LLAMA_8B, LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
 from paired import detached_against_plain, paired_ratio, pass_order, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds_apart, http_client, run, sustained, wave
 from service_pair import stop_processes
@@ -249,16 +249,14 @@ def rest(ctx: dict) -> dict:
     import torch
 
     from sections_quant_engines import llama_case
-    from tandem.models.random_checkpoint import LLAMA_8B
 
-    layers = ctx.get("layers") or LLAMA_8B_SHAPE["num_layers"]
+    layers = ctx.get("layers") or LLAMA_8B.num_layers
     scheme = os.environ.get("TANDEM_BENCH_REST_SCHEME", "bf16")
     tdir = (target_dir(layers) if scheme == "bf16"
             else llama_case(scheme, dataclasses.replace(LLAMA_8B, num_layers=layers)).path)
     write_word_tokenizer(tdir, LLAMA_8B_SHAPE["vocab_size"])
     write_target_embedding(tdir)
-    n = LLAMA_8B_SHAPE["num_layers"] if layers is None else layers
-    draft = random_draft(tdir, (2, n // 2, n - 3))
+    draft = random_draft(tdir, (2, layers // 2, layers - 3))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, LLAMA_8B_SHAPE["vocab_size"], (128,), generator=g).tolist() for _ in range(64)]
     cells = [(c, m) for m in ((256,) if ctx["quick"] else NEW_TOKENS) for c in ((1, 8) if ctx["quick"] else CONCURRENCY)]

@@ -118,8 +118,8 @@ def main(folder: str) -> None:
             twin = folded.get((other, conc))
             if other == mode or twin is None or "engine" not in kinds or "engine" not in twin:
                 continue
+            a, b = kinds["engine"], twin["engine"]
             for what in ("inclusive", "self"):
-                a, b = kinds["engine"], twin["engine"]
                 mine, theirs = _shares(a[what], a["samples"]), _shares(b[what], b["samples"])
                 diff = sorted(((mine.get(n, 0) - theirs.get(n, 0), n) for n in set(mine) | set(theirs)),
                               key=lambda d: -abs(d[0]))
