@@ -51,7 +51,13 @@ def residual_sum(x_ptrs, res_ptrs, mask, DTYPE: tl.constexpr):
 def normed_load(x_ptrs, res_ptrs, g_ptrs, mask, inv, DTYPE: tl.constexpr):
     """RMSNorm's output at these columns of ``x + residual`` whose rsqrt(mean square + eps) is ``inv``, in float32
     holding tandem/kernels/norm.py's roundings: the sum, the normalised value, its product with the weight ``g``."""
-    h = residual_sum(x_ptrs, res_ptrs, mask, DTYPE)
+    return normalised(residual_sum(x_ptrs, res_ptrs, mask, DTYPE), g_ptrs, mask, inv, DTYPE)
+
+
+@triton.jit
+def normalised(h, g_ptrs, mask, inv, DTYPE: tl.constexpr):
+    """RMSNorm's output for the residual stream's columns ``h`` (float32 holding ``DTYPE``'s values) whose rsqrt(mean
+    square + eps) is ``inv``, with norm.py's roundings: the normalised value, then its product with the weight ``g``."""
     return round_to(round_to(h * inv, DTYPE) * load_f32(g_ptrs, mask), DTYPE)
 
 

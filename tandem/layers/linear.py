@@ -21,6 +21,7 @@ from tandem.distributed import all_reduce, divide, tp_group
 from tandem.layers import fast_path, gemv_routes
 from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import gemv_max_rows, use_triton
+from tandem.layers.summed_stream import SummedStream
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -146,9 +147,30 @@ class ShardedLinear(nn.Module):
         """The product as the layer hands it on (QKVAProjection splits it)."""
         return y
 
-    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm):
+    def fused(self, x: torch.Tensor, pair_offset: int = 0, residual: torch.Tensor | None = None,
+              norm: tuple | None = None):
+        """The product with a quantized one-row GEMV's fused ends where they apply (quantized_linear's ``fused``:
+        ``norm`` is (a SummedStream, the RMSNorm)): (its output, a summed product's sums of squares or None), or
+        None."""
+        if not fast_path.FUSE_GEMV_ENDS or self.quant is None:
+            return None
+        if norm is not None:
+            stream, rms = norm
+            if rms.weight.dtype != x.dtype:  # (the norm's output would be in another dtype than x)
+                return None
+            norm = (stream.squares, rms.weight, rms.eps)
+        return self.quant.fused(self, x, self.bias, pair_offset=pair_offset, residual=residual, norm=norm)
+
+    def forward_normed(self, h: torch.Tensor, residual, norm):
         """``(forward(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm): one launch where the
-        one-row GEMV applies the norm itself (``norm_gemv_config``; x is then None: never written)."""
+        one-row GEMV applies the norm itself (``norm_gemv_config``, or a quantized GEMV's prenormed end where h is
+        the summed stream: ``residual`` a SummedStream; x is then None: never written)."""
+        if isinstance(residual, SummedStream):
+            fused = self.fused(h, norm=(residual, norm))
+            if fused is not None:
+                return self._outputs(fused[0]), h, None
+            x = norm(h)
+            return self.forward(x), h, x
         config = None if self.quant is not None else norm_gemv_config(h, residual, norm.weight, self.weight)
         if config is None:
             x, stream = norm(h, residual)
@@ -215,6 +237,14 @@ class MergedColumnParallelLinear(ShardedLinear):
     def row_spans(self) -> list[Span]:
         return [self.rows(i) for i in range(len(self.part_sizes))]
 
+    def swiglu_fused(self, x: torch.Tensor, norm: tuple | None = None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a [gate; up] projection in its GEMV's launch (the paired end; ``norm``: of x the
+        summed stream, as ``fused``), or None where that does not apply."""
+        if len(self.local_parts) != 2 or self.local_parts[0] != self.local_parts[1]:
+            return None
+        fused = self.fused(x, pair_offset=self.local_parts[0], norm=norm)
+        return None if fused is None else fused[0]
+
 
 class QKVParallelLinear(ShardedLinear):
     """Fused q/k/v projection split by attention heads.
@@ -279,3 +309,12 @@ class RowParallelLinear(ShardedLinear):
     def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         y = all_reduce(self.partial(x, swiglu))
         return y + self.bias if self.bias is not None else y
+
+    def forward_summed(self, x: torch.Tensor, stream: torch.Tensor, swiglu: bool = False):
+        """``(h, residual)`` for the layer's next norm: the product added to ``stream`` inside its GEMV's launch where
+        the summed end applies (one rank, no bias: the new stream and a SummedStream), else ``(forward(x), stream)``."""
+        if not swiglu and self.bias is None and tp_group().size == 1:
+            fused = self.fused(x, residual=stream)
+            if fused is not None:
+                return fused[0], SummedStream(fused[1])
+        return self.forward(x, swiglu), stream
