@@ -232,7 +232,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
     """``x [1, K]`` times a quantized W (INT4: ``block`` (1, group); FP8: its scale block) with the one-row GEMV's
     fused ends (tandem/kernels/gemv_ends.py): ``pair_offset`` paired, ``residual`` summed, ``norm`` (the stream's
     sums of squares, the norm's weight, eps) prenormed → (the output, a summed product's sums of squares or None);
-    None where they do not apply to this product (ends_config)."""
+    None where they do not apply to this product (ends_config). A ``residual`` written by the launch just before
+    this one is a race: it is read before the PDL wait (GemvEnds)."""
     n = weight.shape[0]
     cfg = ends_config(x.shape[0], n, x.shape[-1], x.dtype, fmt, block[1], paired=pair_offset > 0)
     if cfg is None:

@@ -211,7 +211,7 @@ def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, fir
 
 
 @triton.jit
-def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.constexpr, n0, pair_offset, r_ptr, sq_ptr,
+def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.constexpr, n0, pair_offset, residual, sq_ptr,
                pid_n, PAIRED: tl.constexpr, SUMMED: tl.constexpr):
     """Row ``row``'s products (plus the bias) stored, or what gemv_ends.py makes of them (``PAIRED``, ``SUMMED``)."""
     y = tl.sum(acc, axis=1)
@@ -221,7 +221,7 @@ def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.conste
     if PAIRED:
         store_paired(y_ptr, y, row, M, n0, pair_offset, stride_ym, y.shape[0])
     elif SUMMED:  # (one row)
-        store_summed(y_ptr, y, offs_n, N, r_ptr, sq_ptr, pid_n)
+        store_summed(y_ptr, y, offs_n, N, residual, sq_ptr, pid_n)
     else:
         tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty),
                  mask=(offs_n < N) & (row < M))
@@ -294,6 +294,10 @@ def _dequant_gemv_kernel(
     if AHEAD > 2:
         w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 2 * BLOCK_K,
                             (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS)
+    bias_zero = tl.zeros([BLOCK_N], dtype=tl.float32)
+    residual = bias_zero
+    if SUMMED:  # (the stream it adds to was written two launches back or earlier: read before the wait, pdl.py)
+        residual = tl.load(r_ptr + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg").to(tl.float32)
     if SLOTS_PER_ROW == 0 or IDS_SETTLED:
         pdl_enter(PDL)
     inv = 1.0
@@ -325,16 +329,16 @@ def _dequant_gemv_kernel(
             w, s, w1, s1 = w1, s1, w_next, s_next
         else:
             w, s, w1, s1, w2, s2 = w1, s1, w2, s2, w_next, s_next
-    bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)
+    bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else bias_zero
     y_ptr += pid_s.to(tl.int64) * stride_ys
-    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, r_ptr, sq_ptr, pid_n,
+    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, sq_ptr, pid_n,
                PAIRED, SUMMED)
     if ROWS > 1:
-        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, r_ptr, sq_ptr, pid_n,
+        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, sq_ptr, pid_n,
                PAIRED, SUMMED)
     if ROWS > 2:
-        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, r_ptr, sq_ptr, pid_n,
+        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, sq_ptr, pid_n,
                PAIRED, SUMMED)
     if ROWS > 3:
-        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, r_ptr, sq_ptr, pid_n,
+        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, sq_ptr, pid_n,
                PAIRED, SUMMED)

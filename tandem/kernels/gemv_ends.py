@@ -5,7 +5,8 @@ decoder layer's small kernels need no launch of their own at batch-1 decode: ``G
   further, and writes ``silu(gate) * up`` instead of the two products (the activation kernel's launch spared).
 * **summed** (the layer's last projection, o or down, at one rank): the product is added to the residual stream and
   the sum written as the new stream, with each program's sum of its squares (float32, one a program) — the norm
-  that follows needs the whole row's mean square, which no one program has.
+  that follows needs the whole row's mean square, which no one program has. The stream it adds to is read while
+  the launch before finishes (it never wrote it: the layer's stream is older than its last projection's input).
 * **prenormed** (the projection that reads that norm's output): the activations are RMSNorm of the summed stream,
   its mean square read from those sums (a fixed tree over them: the same bits every run), each column normalised
   as it is read (the norm kernel's launch spared).
@@ -31,7 +32,9 @@ from tandem.kernels.rounding import round_to
 @dataclass(frozen=True)
 class GemvEnds:
     pair_offset: int = 0  # paired: the up rows' offset from their gate rows (the output holds pair_offset columns)
-    residual: torch.Tensor | None = None  # summed: [1, N], the stream the product is added to
+    # summed: [1, N], the stream the product is added to. Read before the PDL wait, as the weights are: it must have
+    # been written two launches back or earlier (tandem/kernels/pdl.py), never by the launch just before
+    residual: torch.Tensor | None = None
     squares_out: torch.Tensor | None = None  # summed: [programs] float32, each program's sum of squares
     squares_in: torch.Tensor | None = None  # prenormed: the summed stream's (x's) sums of squares
     norm_weight: torch.Tensor | None = None  # prenormed: [K], the RMSNorm's weight
@@ -87,11 +90,12 @@ def store_paired(y_ptr, y, row, M, n0, pair_offset, stride_ym, BLOCK_N: tl.const
 
 
 @triton.jit
-def store_summed(y_ptr, y, offs_n, N, r_ptr, sq_ptr, pid):
-    """The product ``y`` ([BLOCK_N], one row) rounded, added to the residual stream and rounded again (norm.py's
-    sum), stored as the new stream at ``y_ptr``, and the program's sum of its squares at ``sq_ptr + pid``."""
+def store_summed(y_ptr, y, offs_n, N, residual, sq_ptr, pid):
+    """The product ``y`` ([BLOCK_N], one row) rounded, added to the residual stream's columns ``residual`` and
+    rounded again (norm.py's sum), stored as the new stream at ``y_ptr``, and the program's sum of its squares at
+    ``sq_ptr + pid``."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     ok = offs_n < N
-    stream = round_to(round_to(y, dtype) + load_f32(r_ptr + offs_n, ok), dtype)
+    stream = round_to(round_to(y, dtype) + residual, dtype)
     tl.store(y_ptr + offs_n, stream.to(dtype), mask=ok)
     tl.store(sq_ptr + pid, tl.sum(tl.where(ok, stream * stream, 0.0)))
