@@ -92,7 +92,8 @@ def test_a_summed_gemv_adds_to_the_stream_and_keeps_its_squares(fmt, dtype):
     x, residual = activations(1, k, dtype, seed=4), activations(1, n, dtype, seed=5)
     stream, squares = fused_linear(x, w, scale, fmt, block, residual=residual)
     assert_within_an_ulp(stream, products(x, deq) + residual)
-    assert squares.dtype == torch.float32 and squares.numel() == -(-n // ends_config(1, n, k, dtype, fmt, block[1]).block_n)
+    programs = -(-n // ends_config(1, n, k, dtype, fmt, block[1]).block_n)
+    assert squares.dtype == torch.float32 and squares.numel() == programs
     assert abs(squares.double().sum() - stream.double().square().sum()) <= 1e-6 * stream.double().square().sum()
 
 
@@ -131,10 +132,12 @@ def test_the_ends_apply_to_one_row_and_whole_pairs_only():
     assert fused_linear(activations(2, 160, torch.bfloat16, seed=14), w, scale, INT4, block, pair_offset=48) is None
 
 
-@pytest.mark.parametrize("method", ["int4", "fp8"])
-def test_a_quantized_llama_decodes_with_the_ends_as_without(method, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method,qkv_apart", [("int4", False), ("fp8", False), ("int4", True)],
+                         ids=["int4", "fp8", "int4-qkv-apart"])
+def test_a_quantized_llama_decodes_with_the_ends_as_without(method, qkv_apart, tmp_path, monkeypatch):
     """float32 (every rounding exact but the sums' order): each one-row decode step through the ends, the prompt
-    through the plain kernels, against the reference route (dequantize, then matmul)."""
+    through the plain kernels, against the reference route (dequantize, then matmul). ``qkv_apart``: qkv's tile
+    takes no ends (a small N split in K, say), so the summed stream from down is normalised by the norm kernel."""
     shape = LlamaShape(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=128)
     write_quantized_llama(tmp_path / method, tmp_path / "twin", shape, method, seed=3, block=(16, 32))
@@ -161,6 +164,11 @@ def test_a_quantized_llama_decodes_with_the_ends_as_without(method, tmp_path, mo
         return out
 
     monkeypatch.setattr(dequant_gemm, "fused_linear", counted)
+    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.hidden_size // shape.num_heads)
+    if qkv_apart:
+        tile = dequant_gemm.ends_config
+        monkeypatch.setattr(dequant_gemm, "ends_config",
+                            lambda m, n, *a, **kw: None if n == qkv_rows else tile(m, n, *a, **kw))
     for on in (True, False):
         monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", on)
         ends.clear()
@@ -171,4 +179,4 @@ def test_a_quantized_llama_decodes_with_the_ends_as_without(method, tmp_path, mo
         # each step: every layer's o and down summed, gate/up paired; qkv prenormed but in layer 0
         assert ends.count("summed") == (2 * layers * steps if on else 0), ends
         assert ends.count("paired") == (layers * steps if on else 0) and ends.count("prenormed") == (
-            (layers - 1) * steps if on else 0), ends
+            (layers - 1) * steps if on and not qkv_apart else 0), ends
