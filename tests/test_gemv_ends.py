@@ -1,6 +1,6 @@
 """The one-row quantized GEMV's fused ends (tandem/kernels/gemv_ends.py) on the CPU under the Triton interpreter:
-paired (silu(gate) * up written by the gate/up launch), summed (the product added to the residual stream, with the
-programs' sums of squares) and prenormed (RMSNorm of such a stream applied to the activations as they are read).
+paired (silu(gate) * up written by the gate/up launch), summed (the product added to the residual stream) and
+prenormed (RMSNorm of such a stream applied by the projection that reads it).
 
 References are independent of the kernels: weights packed and dequantized by ``compressed-tensors`` (INT4) or
 quantized as the published FP8 block format says, the products in float64, rounded to the activation dtype and
@@ -24,7 +24,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.
 pytest.importorskip("triton")
 pytest.importorskip("compressed_tensors")
 
-from helpers import assert_rel, manual_greedy_logits, random_prompt  # noqa: E402
+from helpers import assert_rel, manual_greedy_logits, norm_rel_err, random_prompt  # noqa: E402
 from quantized_checkpoints import fp8_block_quantize, write_quantized_llama  # noqa: E402
 from test_quant_kernels import activations, int4_weight  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
@@ -78,44 +78,41 @@ def test_a_paired_gemv_writes_silu_gate_times_up(fmt, dtype):
     inter, k = 48, 160  # three programs of 16 gate and 16 up rows (the interpreter's tile: 32 rows)
     w, scale, block, deq = weight(fmt, 2 * inter, k, seed=1)
     x = activations(1, k, dtype, seed=2)
-    y, squares = fused_linear(x, w, scale, fmt, block, pair_offset=inter)
+    y = fused_linear(x, w, scale, fmt, block, pair_offset=inter)
     gate_up = products(x, deq)
-    assert squares is None and y.shape == (1, inter)
+    assert y.shape == (1, inter)
     assert_within_an_ulp(y, F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", [INT4, FP8], ids=["int4", "fp8"])
-def test_a_summed_gemv_adds_to_the_stream_and_keeps_its_squares(fmt, dtype):
+def test_a_summed_gemv_adds_its_product_to_the_stream(fmt, dtype):
     n, k = 40, 160  # two programs, the second half empty
     w, scale, block, deq = weight(fmt, n, k, seed=3)
     x, residual = activations(1, k, dtype, seed=4), activations(1, n, dtype, seed=5)
-    stream, squares = fused_linear(x, w, scale, fmt, block, residual=residual)
+    stream = fused_linear(x, w, scale, fmt, block, residual=residual)
     assert_within_an_ulp(stream, products(x, deq) + residual)
-    programs = -(-n // ends_config(1, n, k, dtype, fmt, block[1]).block_n)
-    assert squares.dtype == torch.float32 and squares.numel() == programs
-    assert abs(squares.double().sum() - stream.double().square().sum()) <= 1e-6 * stream.double().square().sum()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", [INT4, FP8], ids=["int4", "fp8"])
 def test_a_prenormed_paired_gemv_reads_the_norm_of_a_summed_stream(fmt, dtype):
     """o's summed launch, then the post-attention norm and gate/up's silu in one launch, against o, LlamaRMSNorm
-    and the gate/up products apart."""
+    and the gate/up products apart. The fused route never rounds the normalised row to bf16, as LlamaRMSNorm does:
+    bf16 results agree to that rounding."""
     hidden, k, inter, eps = 64, 96, 32, 1e-6
     w_o, s_o, block_o, deq_o = weight(fmt, hidden, k, seed=6)
     w_gu, s_gu, block_gu, deq_gu = weight(fmt, 2 * inter, hidden, seed=7)
     x, residual = activations(1, k, dtype, seed=8), activations(1, hidden, dtype, seed=9)
     g = (torch.rand(hidden, generator=torch.Generator().manual_seed(10)) + 0.5).to(dtype)
-    stream, squares = fused_linear(x, w_o, s_o, fmt, block_o, residual=residual)
-    act, _ = fused_linear(stream, w_gu, s_gu, fmt, block_gu, pair_offset=inter, norm=(squares, g, eps))
+    stream = fused_linear(x, w_o, s_o, fmt, block_o, residual=residual)
+    act = fused_linear(stream, w_gu, s_gu, fmt, block_gu, pair_offset=inter, norm=(g, eps))
     gate_up = products(rms_norm_reference(stream, g, eps), deq_gu)
     want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     if dtype == torch.float32:
         assert_rel(act, want, 1e-5, "float32")
-    else:  # (an rsqrt an ulp off may move a normalised column's bf16 rounding, and the products after it)
-        assert_rel(act, want, 1e-2, "bf16")
-        assert (act == want).float().mean() > 0.9
+    else:  # (the two routes' bf16 roundings, the interpreter's truncating stores among them)
+        assert norm_rel_err(act, want) < 1e-2
 
 
 def test_the_ends_apply_to_one_row_and_whole_pairs_only():

@@ -273,7 +273,7 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
         def weight(n, k):
             return ((torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32)) if fmt == 1 else
                     (torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128)))
-        norm = (torch.empty(1024), torch.empty(4096, dtype=dt), 1e-5)
+        norm = (torch.empty(4096, dtype=dt), 1e-5)
         dq.fused_linear(torch.empty(1, 4096, dtype=dt), *weight(2 * 14336, 4096), fmt, block, pair_offset=14336,
                         norm=norm)
         dq.fused_linear(torch.empty(1, 14336, dtype=dt), *weight(4096, 14336), fmt, block,

@@ -219,30 +219,27 @@ def _check_ends(ends: GemvEnds, config, m: int, n: int, ids, swiglu: bool, bias)
         raise ValueError(f"a summed or prenormed GEMV takes one row, got {m}")
     if ends.pair_offset and (swiglu or ends.summed or 2 * ends.pair_offset != n):
         raise ValueError(f"a paired GEMV's N ({n}) is its gate and up rows, twice pair_offset ({ends.pair_offset})")
-    if ends.summed and (bias is not None or ends.prenormed or ends.squares_out is None
-                        or ends.squares_out.numel() != triton.cdiv(n, config.block_n)):
-        raise ValueError("a summed GEMV takes no bias and writes one sum of squares a program")
-    if ends.prenormed and (swiglu or ends.squares_in is None):
-        raise ValueError("a prenormed GEMV reads a summed stream and its sums of squares, not [gate | up]")
+    if ends.summed and (bias is not None or ends.prenormed):
+        raise ValueError("a summed GEMV takes no bias and reads no summed stream")
+    if ends.prenormed and swiglu:
+        raise ValueError("a prenormed GEMV reads a summed stream, not [gate | up]")
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, block: tuple[int, int],
                  bias: torch.Tensor | None = None, pair_offset: int = 0, residual: torch.Tensor | None = None,
-                 norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 norm: tuple | None = None) -> torch.Tensor | None:
     """``x [1, K]`` times a quantized W (INT4: ``block`` (1, group); FP8: its scale block) with the one-row GEMV's
-    fused ends (tandem/kernels/gemv_ends.py): ``pair_offset`` paired, ``residual`` summed, ``norm`` (the stream's
-    sums of squares, the norm's weight, eps) prenormed → (the output, a summed product's sums of squares or None);
-    None where they do not apply to this product (ends_config). A ``residual`` written by the launch just before
-    this one is a race: it is read before the PDL wait (GemvEnds)."""
+    fused ends (tandem/kernels/gemv_ends.py): ``pair_offset`` paired, ``residual`` summed (the output is the new
+    stream), ``norm`` (the RMSNorm's weight, eps) prenormed; None where they do not apply to this product
+    (ends_config). A ``residual`` written by the launch just before this one is a race: it is read before the PDL
+    wait (GemvEnds)."""
     n = weight.shape[0]
     cfg = ends_config(x.shape[0], n, x.shape[-1], x.dtype, fmt, block[1], paired=pair_offset > 0)
     if cfg is None:
         return None
-    squares = None if residual is None else torch.empty(triton.cdiv(n, cfg.block_n), dtype=torch.float32,
-                                                        device=x.device)
-    squares_in, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
-    ends = GemvEnds(pair_offset, residual, squares, squares_in, norm_weight, eps)
-    return _launch(x, weight, scale, bias, n, fmt, block[0], block[1], cfg, None, ends=ends), squares
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    ends = GemvEnds(pair_offset, residual, norm_weight, eps)
+    return _launch(x, weight, scale, bias, n, fmt, block[0], block[1], cfg, None, ends=ends)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,

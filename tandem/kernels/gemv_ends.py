@@ -2,19 +2,21 @@
 decoder layer's small kernels need no launch of their own at batch-1 decode: ``GemvEnds``.
 
 * **paired** (a gate/up projection): each program owns ``BLOCK_N / 2`` gate rows and the up rows ``pair_offset``
-  further, and writes ``silu(gate) * up`` instead of the two products (the activation kernel's launch spared).
-* **summed** (the layer's last projection, o or down, at one rank): the product is added to the residual stream and
-  the sum written as the new stream, with each program's sum of its squares (float32, one a program) — the norm
-  that follows needs the whole row's mean square, which no one program has. The stream it adds to is read while
-  the launch before finishes (it never wrote it: the layer's stream is older than its last projection's input).
-* **prenormed** (the projection that reads that norm's output): the activations are RMSNorm of the summed stream,
-  its mean square read from those sums (a fixed tree over them: the same bits every run), each column normalised
-  as it is read (the norm kernel's launch spared).
+  further, and writes ``silu(gate) * up`` instead of the two products (the activation kernel's launch spared),
+  each product rounded to the activation dtype first and the silu and the product rounded as torch's two ops do.
+* **summed** (the layer's last projection, o or down, at one rank): the product, rounded, is added to the residual
+  stream and the sum written, rounded, as the new stream (the add the norm kernel made). The stream it adds to is
+  read while the launch before finishes (it never wrote it: the layer's stream is older than its last projection's
+  input).
+* **prenormed** (the projection that reads the norm of such a stream: qkv, gate/up): RMSNorm is linear in the
+  stream but for its one scale, so each program multiplies the stream by the norm's weight as it reads it, sums the
+  squares of the columns it walks (all of K: one row, K never split) and scales its sums by rsqrt(mean square +
+  eps) at the end. The normalised row is never rounded to the activation dtype, as the norm kernel's output is:
+  the products differ from that route by its rounding (the CPU tests bound it against LlamaRMSNorm's), and no
+  program waits on another's sums.
 
-The roundings are the unfused route's (tandem/kernels/norm.py, activation.py): the products rounded to the
-activation dtype before they are added, activated or normalised. Only the mean square is summed in another
-order than the norm kernel's (an ulp of rsqrt at most). The layers decide where these apply
-(tandem/layers/linear.py: one row, a one-row GEMV without K splits, one rank for a summed product).
+The layers decide where these apply (tandem/layers/linear.py: one row, a one-row GEMV tile without K splits, one
+rank for a summed product).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import load_f32, normalised
+from tandem.kernels.activation import load_f32
 from tandem.kernels.rounding import round_to
 
 
@@ -35,9 +37,7 @@ class GemvEnds:
     # summed: [1, N], the stream the product is added to. Read before the PDL wait, as the weights are: it must have
     # been written two launches back or earlier (tandem/kernels/pdl.py), never by the launch just before
     residual: torch.Tensor | None = None
-    squares_out: torch.Tensor | None = None  # summed: [programs] float32, each program's sum of squares
-    squares_in: torch.Tensor | None = None  # prenormed: the summed stream's (x's) sums of squares
-    norm_weight: torch.Tensor | None = None  # prenormed: [K], the RMSNorm's weight
+    norm_weight: torch.Tensor | None = None  # prenormed: [K], the RMSNorm's weight (x is the summed stream)
     eps: float = 0.0  # prenormed: the RMSNorm's
 
     @property
@@ -50,11 +50,9 @@ class GemvEnds:
 
     def kernel_args(self, x: torch.Tensor) -> dict:
         """The GEMV kernel's arguments for these ends (x where an end is off: never read)."""
-        squares = self.squares_out if self.summed else self.squares_in if self.prenormed else x
         return dict(r_ptr=self.residual if self.summed else x, g_ptr=self.norm_weight if self.prenormed else x,
-                    sq_ptr=squares, eps=self.eps, pair_offset=self.pair_offset,
-                    n_squares=squares.numel() if self.prenormed else 0, PAIRED=self.pair_offset > 0,
-                    SUMMED=self.summed, SQUARES=triton.next_power_of_2(squares.numel()) if self.prenormed else 0)
+                    eps=self.eps, pair_offset=self.pair_offset, PAIRED=self.pair_offset > 0, SUMMED=self.summed,
+                    PRENORMED=self.prenormed)
 
 
 @triton.jit
@@ -66,16 +64,11 @@ def paired_rows(BLOCK_N: tl.constexpr, pair_offset):
 
 
 @triton.jit
-def stream_inv(sq_ptr, n_squares, K: tl.constexpr, eps, SQUARES: tl.constexpr):
-    """rsqrt(mean square + eps) of a summed stream of K columns from its programs' sums of squares."""
-    sums = tl.load(sq_ptr + tl.arange(0, SQUARES), mask=tl.arange(0, SQUARES) < n_squares, other=0.0)
-    return tl.math.rsqrt(tl.sum(sums) / K + eps)
-
-
-@triton.jit
-def prenormed_load(x_ptrs, g_ptrs, mask, inv, DTYPE: tl.constexpr):
-    """RMSNorm's output at these columns of a summed stream ``x`` (``inv``: stream_inv)."""
-    return normalised(load_f32(x_ptrs, mask), g_ptrs, mask, inv, DTYPE)
+def prenormed_load(x_ptrs, g_ptrs, mask):
+    """The summed stream's columns at ``x_ptrs`` (``[words, 8 or 4]``) times the norm's weight, in float32 (the
+    rsqrt comes at the end), and their squares summed by word."""
+    x = load_f32(x_ptrs, mask)
+    return x * load_f32(g_ptrs, mask), tl.sum(x * x, axis=1)
 
 
 @triton.jit
@@ -90,12 +83,9 @@ def store_paired(y_ptr, y, row, M, n0, pair_offset, stride_ym, BLOCK_N: tl.const
 
 
 @triton.jit
-def store_summed(y_ptr, y, offs_n, N, residual, sq_ptr, pid):
+def store_summed(y_ptr, y, offs_n, N, residual):
     """The product ``y`` ([BLOCK_N], one row) rounded, added to the residual stream's columns ``residual`` and
-    rounded again (norm.py's sum), stored as the new stream at ``y_ptr``, and the program's sum of its squares at
-    ``sq_ptr + pid``."""
+    rounded again (norm.py's sum), stored as the new stream at ``y_ptr``."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    ok = offs_n < N
     stream = round_to(round_to(y, dtype) + residual, dtype)
-    tl.store(y_ptr + offs_n, stream.to(dtype), mask=ok)
-    tl.store(sq_ptr + pid, tl.sum(tl.where(ok, stream * stream, 0.0)))
+    tl.store(y_ptr + offs_n, stream.to(dtype), mask=offs_n < N)

@@ -147,18 +147,15 @@ class ShardedLinear(nn.Module):
         """The product as the layer hands it on (QKVAProjection splits it)."""
         return y
 
-    def fused(self, x: torch.Tensor, pair_offset: int = 0, residual: torch.Tensor | None = None,
-              norm: tuple | None = None):
-        """The product with a quantized one-row GEMV's fused ends where they apply (quantized_linear's ``fused``:
-        ``norm`` is (a SummedStream, the RMSNorm)): (its output, a summed product's sums of squares or None), or
-        None."""
+    def fused(self, x: torch.Tensor, pair_offset: int = 0, residual: torch.Tensor | None = None, norm=None):
+        """The product with a quantized one-row GEMV's fused ends where they apply (quantized_linear's ``fused``;
+        ``norm``: the RMSNorm of x, a summed stream), else None."""
         if not fast_path.FUSE_GEMV_ENDS or self.quant is None:
             return None
         if norm is not None:
-            stream, rms = norm
-            if rms.weight.dtype != x.dtype:  # (the norm's output would be in another dtype than x)
+            if norm.weight.dtype != x.dtype:  # (the norm's output would be in another dtype than x)
                 return None
-            norm = (stream.squares, rms.weight, rms.eps)
+            norm = (norm.weight, norm.eps)
         return self.quant.fused(self, x, self.bias, pair_offset=pair_offset, residual=residual, norm=norm)
 
     def forward_normed(self, h: torch.Tensor, residual, norm):
@@ -166,9 +163,9 @@ class ShardedLinear(nn.Module):
         one-row GEMV applies the norm itself (``norm_gemv_config``, or a quantized GEMV's prenormed end where h is
         the summed stream: ``residual`` a SummedStream; x is then None: never written)."""
         if isinstance(residual, SummedStream):
-            fused = self.fused(h, norm=(residual, norm))
+            fused = self.fused(h, norm=norm)
             if fused is not None:
-                return self._outputs(fused[0]), h, None
+                return self._outputs(fused), h, None
             x = norm(h)
             return self.forward(x), h, x
         config = None if self.quant is not None else norm_gemv_config(h, residual, norm.weight, self.weight)
@@ -237,13 +234,12 @@ class MergedColumnParallelLinear(ShardedLinear):
     def row_spans(self) -> list[Span]:
         return [self.rows(i) for i in range(len(self.part_sizes))]
 
-    def swiglu_fused(self, x: torch.Tensor, norm: tuple | None = None) -> torch.Tensor | None:
+    def swiglu_fused(self, x: torch.Tensor, norm=None) -> torch.Tensor | None:
         """``silu(gate) * up`` of a [gate; up] projection in its GEMV's launch (the paired end; ``norm``: of x the
         summed stream, as ``fused``), or None where that does not apply."""
         if len(self.local_parts) != 2 or self.local_parts[0] != self.local_parts[1]:
             return None
-        fused = self.fused(x, pair_offset=self.local_parts[0], norm=norm)
-        return None if fused is None else fused[0]
+        return self.fused(x, pair_offset=self.local_parts[0], norm=norm)
 
 
 class QKVParallelLinear(ShardedLinear):
@@ -316,5 +312,5 @@ class RowParallelLinear(ShardedLinear):
         if not swiglu and self.bias is None and tp_group().size == 1:
             fused = self.fused(x, residual=stream)
             if fused is not None:
-                return fused[0], SummedStream(fused[1])
+                return fused, SummedStream()
         return self.forward(x, swiglu), stream

@@ -137,9 +137,8 @@ class QuantFormat:
         return F.linear(silu_mul(x) if swiglu else x, self.dequantize(layer, x.dtype), bias)
 
     def fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **ends):
-        """The product with the one-row GEMV's fused ``ends`` (tandem/kernels/dequant_gemm.py's fused_linear): (its
-        output, a summed product's sums of squares or None), or None where they do not apply (the float reference
-        has none)."""
+        """The product with the one-row GEMV's fused ``ends`` (tandem/kernels/dequant_gemm.py's fused_linear), or None
+        where they do not apply (the float reference has none)."""
         return None
 
 

@@ -1,6 +1,6 @@
 """A decoder layer's ``(h, residual)`` pair where ``h`` is already the residual stream: the GEMV that produced it
-added its product to the stream in its own launch (tandem/kernels/gemv_ends.py's summed end), so ``residual`` is
-a ``SummedStream`` carrying that GEMV's sums of squares, which the next RMSNorm's mean square is read from."""
+added its product to the stream in its own launch (tandem/kernels/gemv_ends.py's summed end), and ``residual`` is a
+``SummedStream`` saying so (the next projection may then apply the norm itself: the prenormed end)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class SummedStream:
-    squares: torch.Tensor  # [programs] float32: the producing GEMV's programs' sums of squares of the stream
+    """The mark of a summed pair (no data: h is the stream)."""
 
 
 def norm_input(h: torch.Tensor, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:

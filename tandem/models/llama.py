@@ -93,7 +93,7 @@ class MLP(nn.Module):
         """The layer's ``(h', residual')`` from its attention's pair: the norm, ``silu(gate) * up`` and the residual
         add inside the GEMVs' launches where their fused ends apply (tandem/kernels/gemv_ends.py)."""
         if isinstance(residual, SummedStream):
-            act, stream = self.gate_up_proj.swiglu_fused(h, norm=(residual, norm)), h
+            act, stream = self.gate_up_proj.swiglu_fused(h, norm=norm), h
             if act is None:
                 x = norm(h)
         else:

@@ -1,7 +1,7 @@
 """The one-row quantized GEMV's fused ends (tandem/kernels/gemv_ends.py) on a real GPU at the Llama-3.1-8B shape,
 bf16, INT4 and FP8 block weights: each end against the route it replaces — the plain GEMV, then the activation or
-norm kernel — bit for bit where the roundings are the same ops (paired, summed), and to an ulp of rsqrt where the
-mean square is summed in another order (prenormed); then a layer's chain of them captured in a CUDA graph and
+norm kernel — bit for bit where the roundings are the same ops (paired, summed), and to the normalised row's bf16
+rounding, which the prenormed end does not make; then a layer's chain of them captured in a CUDA graph and
 replayed with new inputs. (The CPU tests compare with independent float64 references: tests/test_gemv_ends.py.)"""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def row(k: int, seed: int) -> torch.Tensor:
 def test_paired_gate_up_equals_the_gemv_then_the_activation_kernel(fmt):
     w, scale, block, plain = weight(fmt, 2 * INTER, HIDDEN, seed=1)
     x = row(HIDDEN, 2)
-    act, _ = fused_linear(x, w, scale, fmt, block, pair_offset=INTER)
+    act = fused_linear(x, w, scale, fmt, block, pair_offset=INTER)
     assert torch.equal(act, silu_and_mul(plain(x)))
 
 
@@ -52,11 +52,9 @@ def test_paired_gate_up_equals_the_gemv_then_the_activation_kernel(fmt):
 def test_summed_o_and_down_equal_the_gemv_then_the_norms_add(fmt, k):
     w, scale, block, plain = weight(fmt, HIDDEN, k, seed=k)
     x, residual = row(k, 3), row(HIDDEN, 4)
-    stream, squares = fused_linear(x, w, scale, fmt, block, residual=residual)
+    stream = fused_linear(x, w, scale, fmt, block, residual=residual)
     _, want = rms_norm(plain(x), torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16), EPS, residual=residual)
     assert torch.equal(stream, want)
-    total = stream.double().square().sum()
-    assert abs(squares.double().sum() - total) <= 1e-6 * total
 
 
 @pytest.mark.parametrize("fmt", [INT4, FP8], ids=["int4", "fp8"])
@@ -71,10 +69,10 @@ def test_a_layers_chain_of_ends_equals_the_plain_route_and_replays_in_a_graph(fm
     x, residual = row(HIDDEN, 9), row(HIDDEN, 10)
 
     def fused():
-        stream, sq = fused_linear(x, w_o, s_o, fmt, b_o, residual=residual)
-        act, _ = fused_linear(stream, w_gu, s_gu, fmt, b_gu, pair_offset=INTER, norm=(sq, g1, EPS))
-        stream2, sq2 = fused_linear(act, w_d, s_d, fmt, b_d, residual=stream)
-        return fused_linear(stream2, w_q, s_q, fmt, b_q, norm=(sq2, g2, EPS))[0]
+        stream = fused_linear(x, w_o, s_o, fmt, b_o, residual=residual)
+        act = fused_linear(stream, w_gu, s_gu, fmt, b_gu, pair_offset=INTER, norm=(g1, EPS))
+        stream2 = fused_linear(act, w_d, s_d, fmt, b_d, residual=stream)
+        return fused_linear(stream2, w_q, s_q, fmt, b_q, norm=(g2, EPS))
 
     def plain():
         normed, stream = rms_norm(o(x), g1, EPS, residual=residual)
@@ -83,7 +81,7 @@ def test_a_layers_chain_of_ends_equals_the_plain_route_and_replays_in_a_graph(fm
 
     want = plain()
     got = fused()
-    # (an rsqrt an ulp off moves a few normalised columns' bf16 rounding, and the products after them)
+    # (the plain route rounds the normalised rows to bf16, twice here)
     assert norm_rel_err(got, want) < 5e-3
     graph, out = capture_graph(fused)
     for seed in (11, 12):
