@@ -73,12 +73,11 @@ def rms_norm_reference(stream: torch.Tensor, g: torch.Tensor, eps: float) -> tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt", [INT4, FP8], ids=["int4", "fp8"])
-def test_a_paired_gemv_writes_silu_gate_times_up(fmt, dtype):
+def test_a_paired_gemv_writes_silu_gate_times_up(dtype):
     inter, k = 48, 160  # three programs of 16 gate and 16 up rows (the interpreter's tile: 32 rows)
-    w, scale, block, deq = weight(fmt, 2 * inter, k, seed=1)
+    w, scale, block, deq = weight(INT4, 2 * inter, k, seed=1)
     x = activations(1, k, dtype, seed=2)
-    y = fused_linear(x, w, scale, fmt, block, pair_offset=inter)
+    y = fused_linear(x, w, scale, INT4, block, pair_offset=inter)
     gate_up = products(x, deq)
     assert y.shape == (1, inter)
     assert_within_an_ulp(y, F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
@@ -96,19 +95,20 @@ def test_a_summed_gemv_adds_its_product_to_the_stream(fmt, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", [INT4, FP8], ids=["int4", "fp8"])
-def test_a_prenormed_paired_gemv_reads_the_norm_of_a_summed_stream(fmt, dtype):
-    """o's summed launch, then the post-attention norm and gate/up's silu in one launch, against o, LlamaRMSNorm
-    and the gate/up products apart. The fused route never rounds the normalised row to bf16, as LlamaRMSNorm does:
-    bf16 results agree to that rounding."""
+def test_a_prenormed_gemv_reads_the_norm_of_a_summed_stream(fmt, dtype):
+    """o's summed launch, then the post-attention norm and gate/up (INT4: and its silu, paired) in one launch,
+    against o, LlamaRMSNorm and the gate/up products apart. The fused route never rounds the normalised row to bf16,
+    as LlamaRMSNorm does: bf16 results agree to that rounding."""
     hidden, k, inter, eps = 64, 96, 32, 1e-6
     w_o, s_o, block_o, deq_o = weight(fmt, hidden, k, seed=6)
     w_gu, s_gu, block_gu, deq_gu = weight(fmt, 2 * inter, hidden, seed=7)
     x, residual = activations(1, k, dtype, seed=8), activations(1, hidden, dtype, seed=9)
     g = (torch.rand(hidden, generator=torch.Generator().manual_seed(10)) + 0.5).to(dtype)
     stream = fused_linear(x, w_o, s_o, fmt, block_o, residual=residual)
-    act = fused_linear(stream, w_gu, s_gu, fmt, block_gu, pair_offset=inter, norm=(g, eps))
+    paired = inter if fmt == INT4 else 0
+    act = fused_linear(stream, w_gu, s_gu, fmt, block_gu, pair_offset=paired, norm=(g, eps))
     gate_up = products(rms_norm_reference(stream, g, eps), deq_gu)
-    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:] if paired else gate_up
     if dtype == torch.float32:
         assert_rel(act, want, 1e-5, "float32")
     else:  # (the two routes' bf16 roundings, the interpreter's truncating stores among them)
@@ -119,6 +119,7 @@ def test_the_ends_apply_to_one_row_and_whole_pairs_only():
     assert ends_config(1, 96, 160, torch.bfloat16, INT4, GROUP) is not None
     assert ends_config(2, 96, 160, torch.bfloat16, INT4, GROUP) is None  # (a verify's rows: the plain kernels)
     assert ends_config(1, 2 * 40, 160, torch.bfloat16, INT4, GROUP, paired=True) is None  # 40 gate rows: not whole
+    assert ends_config(1, 96, 160, torch.bfloat16, FP8, 32, paired=True) is None  # (FP8: summed and prenormed only)
     w, scale, block, _ = weight(INT4, 96, 160, seed=11)
     x = activations(1, 160, torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="twice pair_offset"):
@@ -173,7 +174,9 @@ def test_a_quantized_llama_decodes_with_the_ends_as_without(method, qkv_apart, t
         assert tokens == reference_tokens
         assert_rel(logits, reference, 1e-4, f"ends {'on' if on else 'off'}")
         steps, layers = 4, shape.num_layers
-        # each step: every layer's o and down summed, gate/up paired; qkv prenormed but in layer 0
+        # each step: every layer's o and down summed, gate/up paired (INT4; FP8: prenormed); qkv prenormed but in
+        # layer 0
+        paired = layers * steps if on and method == "int4" else 0
+        prenormed = ((layers - 1) * steps if not qkv_apart else 0) + (layers * steps if method == "fp8" else 0)
         assert ends.count("summed") == (2 * layers * steps if on else 0), ends
-        assert ends.count("paired") == (layers * steps if on else 0) and ends.count("prenormed") == (
-            (layers - 1) * steps if on and not qkv_apart else 0), ends
+        assert ends.count("paired") == paired and ends.count("prenormed") == (prenormed if on else 0), ends

@@ -308,9 +308,12 @@ class RowParallelLinear(ShardedLinear):
 
     def forward_summed(self, x: torch.Tensor, stream: torch.Tensor, swiglu: bool = False):
         """``(h, residual)`` for the layer's next norm: the product added to ``stream`` inside its GEMV's launch where
-        the summed end applies (one rank, no bias: the new stream and a SummedStream), else ``(forward(x), stream)``."""
-        if not swiglu and self.bias is None and tp_group().size == 1:
-            fused = self.fused(x, residual=stream)
-            if fused is not None:
-                return fused, SummedStream()
+        the summed end applies (one rank, no bias, one row: the new stream and a SummedStream), else
+        ``(forward(x), stream)``. (``swiglu`` there: the activation's own launch first, as the GEMV takes it at the
+        8B's down anyway: activation.fold_swiglu.)"""
+        if (fast_path.FUSE_GEMV_ENDS and self.quant is not None and self.bias is None and tp_group().size == 1
+                and x.dim() == 2 and x.shape[0] == 1):
+            act = silu_mul(x) if swiglu else x
+            fused = self.fused(act, residual=stream)
+            return (fused, SummedStream()) if fused is not None else (self.forward(act), stream)
         return self.forward(x, swiglu), stream

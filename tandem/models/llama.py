@@ -92,15 +92,18 @@ class MLP(nn.Module):
     def forward_normed(self, h: torch.Tensor, residual, norm):
         """The layer's ``(h', residual')`` from its attention's pair: the norm, ``silu(gate) * up`` and the residual
         add inside the GEMVs' launches where their fused ends apply (tandem/kernels/gemv_ends.py)."""
+        gate_up = self.gate_up_proj
         if isinstance(residual, SummedStream):
-            act, stream = self.gate_up_proj.swiglu_fused(h, norm=norm), h
-            if act is None:
-                x = norm(h)
+            act, stream = gate_up.swiglu_fused(h, norm=norm), h
+            if act is None:  # (the norm in gate/up's launch without the silu, or in its own)
+                products = gate_up.fused(h, norm=norm)
+                return self.down_proj.forward_summed(gate_up(norm(h)) if products is None else products, stream,
+                                                     swiglu=True)
         else:
             x, stream = norm(h, residual)
-            act = self.gate_up_proj.swiglu_fused(x)
-        if act is None:
-            return self.down_proj.forward_summed(self.gate_up_proj(x), stream, swiglu=True)
+            act = gate_up.swiglu_fused(x)
+            if act is None:
+                return self.down_proj.forward_summed(gate_up(x), stream, swiglu=True)
         return self.down_proj.forward_summed(act, stream)
 
 
