@@ -12,7 +12,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart] [--ends-apart]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart] [--gemv-ends]
         [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route]
         [--out profile_deepseek.json]
 """
@@ -262,9 +262,9 @@ def main() -> None:
                          "part; bench/slot_gemv_sweep.py's tiles; default: dequant_configs.default_config)")
     ap.add_argument("--norms-apart", action="store_true",
                     help="the layers' input norms in their own launches (fast_path.FUSE_INPUT_NORMS off)")
-    ap.add_argument("--ends-apart", action="store_true",
-                    help="a quantized dense layer's activation, residual adds and norms in their own launches "
-                         "(fast_path.FUSE_GEMV_ENDS off)")
+    ap.add_argument("--gemv-ends", action="store_true",
+                    help="a quantized dense layer's activation, residual adds and norms inside its one-row GEMVs "
+                         "(fast_path.FUSE_GEMV_ENDS on)")
     ap.add_argument("--prologue-apart", action="store_true",
                     help="MLA's prologue in its own launch, not inside absorb_q's "
                          "(mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
@@ -288,7 +288,7 @@ def main() -> None:
     switches = {"no_side_stream": ("tandem.layers.side_stream", "SIDE_STREAMS", False),
                 "shared_slots": ("tandem.layers.moe", "SHARED_AS_SLOTS", True),
                 "norms_apart": ("tandem.layers.fast_path", "FUSE_INPUT_NORMS", False),
-                "ends_apart": ("tandem.layers.fast_path", "FUSE_GEMV_ENDS", False),
+                "gemv_ends": ("tandem.layers.fast_path", "FUSE_GEMV_ENDS", True),
                 "prologue_apart": ("tandem.kernels.mla_absorb", "PROLOGUE_IN_ABSORB_Q", False)}
     for flag, (module, setting, value) in switches.items():
         if getattr(args, flag):
