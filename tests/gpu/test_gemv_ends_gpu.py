@@ -91,3 +91,41 @@ def test_a_layers_chain_of_ends_equals_the_plain_route_and_replays_in_a_graph(fm
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused())
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_a_quantized_llama_with_the_ends_on_equals_its_float32_twin(method, tmp_path, monkeypatch):
+    """The engine on the GPU in float32 with the ends on (CUDA graphs: the decode steps replay them) against a CPU
+    engine on the dequantized float32 twin: prompt logits and greedy output, each end counted at the capture."""
+    from helpers import random_prompt
+    from quantized_checkpoints import write_quantized_llama
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.kernels import dequant_gemm
+    from tandem.layers import fast_path
+    from tandem.models.random_checkpoint import LlamaShape
+    from tandem.sampling import SamplingParams
+
+    shape = LlamaShape(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2)
+    write_quantized_llama(tmp_path / "q", tmp_path / "twin", shape, method, seed=4)
+    prompt, params = random_prompt(93, 13, 256), SamplingParams(max_new_tokens=12, ignore_eos=True)
+    used = []
+    original = dequant_gemm.fused_linear
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dequant_gemm, "fused_linear", counted)
+    results = []
+    for folder, kw in ((tmp_path / "q", {"device": "cuda", "dtype": "float32"}), (tmp_path / "twin", {})):
+        monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", "device" in kw)
+        with LLMEngine(EngineConfig(model=str(folder), page_size=8, **kw)) as eng:
+            greedy = eng.generate([prompt], params)[0].output_token_ids
+            results.append((eng.prompt_logits(prompt).float().cpu(), greedy))
+    (gpu_logits, gpu_greedy), (cpu_logits, cpu_greedy) = results
+    assert any(used), "no fused end was taken"
+    assert norm_rel_err(gpu_logits, cpu_logits) < 1e-4
+    assert gpu_greedy == cpu_greedy
