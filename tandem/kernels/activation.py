@@ -27,8 +27,12 @@ def swiglu_load(gate_ptrs, mask, inter, DTYPE: tl.constexpr):
     """``silu(gate) * up`` at ``gate_ptrs`` (up ``inter`` elements after), in float32 holding ``DTYPE``'s
     roundings as torch's two ops make them (the silu rounded, then the product; round_to, since a cast's round
     trip may be folded away or truncate): the activation kernel's output, or a GEMV's input read directly."""
-    gate = load_f32(gate_ptrs, mask)
-    up = load_f32(gate_ptrs + inter, mask)
+    return swiglu(load_f32(gate_ptrs, mask), load_f32(gate_ptrs + inter, mask), DTYPE)
+
+
+@triton.jit
+def swiglu(gate, up, DTYPE: tl.constexpr):
+    """``silu(gate) * up`` of float32 values holding ``DTYPE``'s, rounded as torch's two ops round them."""
     return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DTYPE) * up, DTYPE)
 
 
@@ -51,13 +55,7 @@ def residual_sum(x_ptrs, res_ptrs, mask, DTYPE: tl.constexpr):
 def normed_load(x_ptrs, res_ptrs, g_ptrs, mask, inv, DTYPE: tl.constexpr):
     """RMSNorm's output at these columns of ``x + residual`` whose rsqrt(mean square + eps) is ``inv``, in float32
     holding tandem/kernels/norm.py's roundings: the sum, the normalised value, its product with the weight ``g``."""
-    return normalised(residual_sum(x_ptrs, res_ptrs, mask, DTYPE), g_ptrs, mask, inv, DTYPE)
-
-
-@triton.jit
-def normalised(h, g_ptrs, mask, inv, DTYPE: tl.constexpr):
-    """RMSNorm's output for the residual stream's columns ``h`` (float32 holding ``DTYPE``'s values) whose rsqrt(mean
-    square + eps) is ``inv``, with norm.py's roundings: the normalised value, then its product with the weight ``g``."""
+    h = residual_sum(x_ptrs, res_ptrs, mask, DTYPE)
     return round_to(round_to(h * inv, DTYPE) * load_f32(g_ptrs, mask), DTYPE)
 
 

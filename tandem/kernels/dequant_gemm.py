@@ -116,7 +116,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``). ``swiglu``: x
     is [..., 2K] = [gate | up] and the product is with silu(gate) * up — read so by the GEMV kernel where
     fold_swiglu allows, computed apart otherwise and for the other kernels. ``ends``: the GEMV's fused ends
-    (tandem/kernels/gemv_ends.py) with ``config`` from ``ends_config``; a summed product's ``out`` is the new stream."""
+    (tandem/kernels/gemv_ends.py) with ``config`` from ``ends_config`` (fused_linear); a summed product's output is
+    the new stream."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     if fmt == PLAIN:
         word = plain_word(w.dtype)
@@ -246,7 +247,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None, config: DequantConfig | None = None,
-                out: torch.Tensor | None = None, swiglu: bool = False, ends: GemvEnds | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """W4A16: ``x [..., K]`` times ``W [N, K]`` given as ``packed [N, ceil(K/8)]`` int32 and
     ``scale [N, ceil(K/group_size)]`` float32, bf16 or fp16 → ``[..., N]`` in x's dtype. ``swiglu``: x is ``[..., 2K]``
     (gate | up), multiplied as ``silu(gate) * up``."""
@@ -255,12 +256,12 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
         raise ValueError(f"int4_linear: packed {tuple(packed.shape)} {packed.dtype} does not hold [{n}, {k}] int4")
     if tuple(scale.shape) != (n, triton.cdiv(k, group_size)):
         raise ValueError(f"int4_linear: scale {tuple(scale.shape)}, expected {(n, triton.cdiv(k, group_size))}")
-    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out, swiglu=swiglu, ends=ends)
+    return _launch(x, packed, scale, bias, n, INT4, 1, group_size, config, out, swiglu=swiglu)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None, config: DequantConfig | None = None,
-                     out: torch.Tensor | None = None, swiglu: bool = False, ends: GemvEnds | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """W8A16: ``x [..., K]`` times ``W = weight * scale_inv`` (e4m3 ``[N, K]``, float32 ``scale_inv``
     ``[ceil(N/bn), ceil(K/bk)]``) → ``[..., N]`` in x's dtype. ``swiglu``: as int4_linear's."""
     n, k = weight.shape
@@ -268,7 +269,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     if k * (2 if swiglu else 1) != x.shape[-1] or weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
         raise ValueError(f"fp8_block_linear: weight {tuple(weight.shape)} {weight.dtype}, scale_inv "
                          f"{tuple(scale_inv.shape)} (expected {expected}) for x [..., {x.shape[-1]}]")
-    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out, swiglu=swiglu, ends=ends)
+    return _launch(x, weight, scale_inv, bias, n, FP8, block[0], block[1], config, out, swiglu=swiglu)
 
 
 def slot_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fmt: int,

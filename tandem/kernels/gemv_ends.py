@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.activation import load_f32
+from tandem.kernels.activation import load_f32, swiglu
 from tandem.kernels.rounding import round_to
 
 
@@ -77,7 +77,7 @@ def store_paired(y_ptr, y, row, M, n0, pair_offset, stride_ym, BLOCK_N: tl.const
     added), each rounded to y's dtype first as the unfused projection stores them."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     gate, up = tl.split(tl.permute(tl.reshape(round_to(y, dtype), [2, BLOCK_N // 2]), [1, 0]))
-    act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+    act = swiglu(gate, up, dtype)
     cols = n0 + tl.arange(0, BLOCK_N // 2)
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + cols, act.to(dtype), mask=(cols < pair_offset) & (row < M))
 
