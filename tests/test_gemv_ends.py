@@ -168,7 +168,7 @@ def test_a_quantized_llama_decodes_with_the_ends_as_without(method, qkv_apart, t
         monkeypatch.setattr(dequant_gemm, "ends_config",
                             lambda m, n, *a, **kw: None if n == qkv_rows else tile(m, n, *a, **kw))
     for on in (True, False):
-        monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", on)
+        monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", fast_path.GEMV_ENDS if on else frozenset())
         ends.clear()
         tokens, logits = decode()
         assert tokens == reference_tokens

@@ -23,9 +23,9 @@ import torch
 FUSE_INPUT_NORMS = True
 # A dense layer's small kernels inside its quantized one-row GEMVs where they apply (tandem/kernels/gemv_ends.py:
 # silu(gate) * up in the gate/up launch, the residual add in o's and down's, the norms in the projections after).
-# Off until a GPU has run tests/gpu/test_gemv_ends_gpu.py and timed it (bench/profile_deepseek.py --gemv-ends against
-# without): built and tested on the CPU, compiled for sm_90, never run on a GPU yet
-FUSE_GEMV_ENDS = False
+# The ends taken, by name (a subset of GEMV_ENDS; bench/profile_deepseek.py --gemv-ends times each set against none)
+GEMV_ENDS = frozenset({"paired", "summed", "prenormed"})
+FUSE_GEMV_ENDS: frozenset = frozenset()
 _gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "1")))  # the kernel handles 16 rows at most
 
 

@@ -150,7 +150,8 @@ class ShardedLinear(nn.Module):
     def fused(self, x: torch.Tensor, pair_offset: int = 0, residual: torch.Tensor | None = None, norm=None):
         """The product with a quantized one-row GEMV's fused ends where they apply (quantized_linear's ``fused``;
         ``norm``: the RMSNorm of x, a summed stream), else None."""
-        if not fast_path.FUSE_GEMV_ENDS or self.quant is None:
+        wanted = {"paired": pair_offset > 0, "summed": residual is not None, "prenormed": norm is not None}
+        if self.quant is None or any(on and end not in fast_path.FUSE_GEMV_ENDS for end, on in wanted.items()):
             return None
         if norm is not None:
             if norm.weight.dtype != x.dtype:  # (the norm's output would be in another dtype than x)
@@ -311,7 +312,7 @@ class RowParallelLinear(ShardedLinear):
         the summed end applies (one rank, no bias, one row: the new stream and a SummedStream), else
         ``(forward(x), stream)``. (``swiglu`` there: the activation's own launch first, as the GEMV takes it at the
         8B's down anyway: activation.fold_swiglu.)"""
-        if (fast_path.FUSE_GEMV_ENDS and self.quant is not None and self.bias is None and tp_group().size == 1
+        if ("summed" in fast_path.FUSE_GEMV_ENDS and self.quant is not None and self.bias is None and tp_group().size == 1
                 and x.dim() == 2 and x.shape[0] == 1):
             act = silu_mul(x) if swiglu else x
             fused = self.fused(act, residual=stream)

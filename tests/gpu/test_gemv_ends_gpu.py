@@ -1,7 +1,7 @@
 """The one-row quantized GEMV's fused ends (tandem/kernels/gemv_ends.py) on a real GPU at the Llama-3.1-8B shape,
 bf16, INT4 and FP8 block weights: each end against the route it replaces — the plain GEMV, then the activation or
-norm kernel — bit for bit where the roundings are the same ops (paired, summed), and to the normalised row's bf16
-rounding, which the prenormed end does not make; then a layer's chain of them captured in a CUDA graph and
+norm kernel — bit for bit where the roundings are the same ops (paired, summed), and as close to the route in
+float32 as that route in bf16 where the prenormed end leaves out the normalised row's rounding; then a layer's chain of them captured in a CUDA graph and
 replayed with new inputs. (The CPU tests compare with independent float64 references: tests/test_gemv_ends.py.)"""
 
 from __future__ import annotations
@@ -75,15 +75,16 @@ def test_a_layers_chain_of_ends_equals_the_plain_route_and_replays_in_a_graph(fm
         stream2 = fused_linear(act, w_d, s_d, fmt, b_d, residual=stream)
         return fused_linear(stream2, w_q, s_q, fmt, b_q, norm=(g2, EPS))
 
-    def plain():
-        normed, stream = rms_norm(o(x), g1, EPS, residual=residual)
-        normed2, _ = rms_norm(down(silu_and_mul(gate_up(normed))), g2, EPS, residual=stream)
+    def plain(dtype=torch.bfloat16):
+        normed, stream = rms_norm(o(x.to(dtype)), g1.to(dtype), EPS, residual=residual.to(dtype))
+        normed2, _ = rms_norm(down(silu_and_mul(gate_up(normed))), g2.to(dtype), EPS, residual=stream)
         return qkv(normed2)
 
-    want = plain()
-    got = fused()
-    # (the plain route rounds the normalised rows to bf16, twice here)
-    assert norm_rel_err(got, want) < 5e-3
+    # Both bf16 routes against the same route in float32: the fused one rounds differently (never the normalised
+    # rows), not worse
+    reference = plain(torch.float32)
+    got, want = fused(), plain()
+    assert norm_rel_err(got, reference) < 1.25 * norm_rel_err(want, reference) + 1e-4
     graph, out = capture_graph(fused)
     for seed in (11, 12):
         x.copy_(row(HIDDEN, seed))
@@ -121,7 +122,7 @@ def test_a_quantized_llama_with_the_ends_on_equals_its_float32_twin(method, tmp_
     monkeypatch.setattr(dequant_gemm, "fused_linear", counted)
     results = []
     for folder, kw in ((tmp_path / "q", {"device": "cuda", "dtype": "float32"}), (tmp_path / "twin", {})):
-        monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", "device" in kw)
+        monkeypatch.setattr(fast_path, "FUSE_GEMV_ENDS", fast_path.GEMV_ENDS if "device" in kw else frozenset())
         with LLMEngine(EngineConfig(model=str(folder), page_size=8, **kw)) as eng:
             greedy = eng.generate([prompt], params)[0].output_token_ids
             results.append((eng.prompt_logits(prompt).float().cpu(), greedy))
