@@ -12,7 +12,7 @@ token. The wall time is taken over the same number of steps without the profiler
 would inflate the eager steps); the weight-read floor at ``--copy-tbps`` is printed beside it.
 
     python3 bench/profile_deepseek.py [--target v2-lite|v2-lite-int4|llama8b-int4|llama8b-fp8] [--layers 27] [--steps 20]
-        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart] [--gemv-ends]
+        [--gemv-ahead-k 4096] [--absorb-merge 4] [--prologue-apart] [--norms-apart]
         [--slot-tile 'gate_up:16,1024,4,1,1'] [--no-side-stream] [--shared-slots] [--skip norm,sum_slots,merge,route]
         [--out profile_deepseek.json]
 """
@@ -262,9 +262,6 @@ def main() -> None:
                          "part; bench/slot_gemv_sweep.py's tiles; default: dequant_configs.default_config)")
     ap.add_argument("--norms-apart", action="store_true",
                     help="the layers' input norms in their own launches (fast_path.FUSE_INPUT_NORMS off)")
-    ap.add_argument("--gemv-ends", nargs="?", const="paired,summed,prenormed", default="",
-                    help="a quantized dense layer's activation, residual adds and norms inside its one-row GEMVs: "
-                         "these of fast_path.GEMV_ENDS, comma-separated (alone: all)")
     ap.add_argument("--prologue-apart", action="store_true",
                     help="MLA's prologue in its own launch, not inside absorb_q's "
                          "(mla_absorb.PROLOGUE_IN_ABSORB_Q off)")
@@ -282,16 +279,12 @@ def main() -> None:
     if any(k not in SKIPPABLE for k in skip):
         ap.error(f"--skip takes {', '.join(SKIPPABLE)}; got {args.skip!r}")
     skip_kernels(skip)
-    from tandem.layers.fast_path import GEMV_ENDS
-    if args.gemv_ends and not set(args.gemv_ends.split(",")) <= GEMV_ENDS:
-        ap.error(f"--gemv-ends takes {', '.join(sorted(GEMV_ENDS))}; got {args.gemv_ends!r}")
     if args.gemv_ahead_k:
         read_ahead(args.gemv_ahead_k)
     # the switches an A/B flips: flag -> (module, setting, value)
     switches = {"no_side_stream": ("tandem.layers.side_stream", "SIDE_STREAMS", False),
                 "shared_slots": ("tandem.layers.moe", "SHARED_AS_SLOTS", True),
                 "norms_apart": ("tandem.layers.fast_path", "FUSE_INPUT_NORMS", False),
-                "gemv_ends": ("tandem.layers.fast_path", "FUSE_GEMV_ENDS", frozenset(args.gemv_ends.split(","))),
                 "prologue_apart": ("tandem.kernels.mla_absorb", "PROLOGUE_IN_ABSORB_Q", False)}
     for flag, (module, setting, value) in switches.items():
         if getattr(args, flag):

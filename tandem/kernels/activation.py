@@ -27,12 +27,8 @@ def swiglu_load(gate_ptrs, mask, inter, DTYPE: tl.constexpr):
     """``silu(gate) * up`` at ``gate_ptrs`` (up ``inter`` elements after), in float32 holding ``DTYPE``'s
     roundings as torch's two ops make them (the silu rounded, then the product; round_to, since a cast's round
     trip may be folded away or truncate): the activation kernel's output, or a GEMV's input read directly."""
-    return swiglu(load_f32(gate_ptrs, mask), load_f32(gate_ptrs + inter, mask), DTYPE)
-
-
-@triton.jit
-def swiglu(gate, up, DTYPE: tl.constexpr):
-    """``silu(gate) * up`` of float32 values holding ``DTYPE``'s, rounded as torch's two ops round them."""
+    gate = load_f32(gate_ptrs, mask)
+    up = load_f32(gate_ptrs + inter, mask)
     return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DTYPE) * up, DTYPE)
 
 

@@ -269,17 +269,6 @@ def main(dtype_name: str = "bfloat16", part: str = "0/1", *flags: str) -> int:
     dq.fp8_block_linear(x, torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(32, 112), (128, 128),
                         swiglu=True)
     _report("int4/fp8 swiglu 1x14336 -> 4096", failures)
-    for fmt, block in ((1, (1, 32)), (2, (128, 128))):  # the fused ends of the 8B's decode (gemv_ends.py)
-        def weight(n, k):
-            return ((torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 32)) if fmt == 1 else
-                    (torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n // 128, k // 128)))
-        norm = (torch.empty(4096, dtype=dt), 1e-5)
-        dq.fused_linear(torch.empty(1, 4096, dtype=dt), *weight(2 * 14336, 4096), fmt, block,
-                        pair_offset=14336 if fmt == 1 else 0, norm=norm)  # (FP8: not paired, dequant_gemm.ends_config)
-        dq.fused_linear(torch.empty(1, 14336, dtype=dt), *weight(4096, 14336), fmt, block,
-                        residual=torch.empty(1, 4096, dtype=dt))
-        dq.fused_linear(torch.empty(1, 4096, dtype=dt), *weight(6144, 4096), fmt, block, norm=norm)
-        _report(f"{'int4' if fmt == 1 else 'fp8'} GEMV ends: gate/up, down, qkv", failures)
     x = torch.empty(1, 14336, dtype=dt)  # the GEMV tiles bench/sections_quant.py tries
     for tile in ((16, 32, 128, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (1, 4, 512, 4, 3, 1, "rows"), (1, 8, 512, 4, 3, 1, "rows"), (1, 4, 1024, 4, 3, 1, "rows")):

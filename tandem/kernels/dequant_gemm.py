@@ -32,7 +32,6 @@ from tandem.kernels.dequant_configs import DequantConfig, _gemv_split, default_c
 from tandem.kernels.dequant_gemv import INT4_HI_SHIFT, _dequant_gemv_kernel, gemv_block_k, plain_word
 from tandem.kernels.dequant_mma import _dequant_mma_kernel
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN, interpreting, weight_tile, whole_groups
-from tandem.kernels.gemv_ends import GemvEnds
 from tandem.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -96,28 +95,13 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym, S
     tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def ends_config(m: int, n: int, k: int, dtype: torch.dtype, fmt: int, group: int, paired: bool = False):
-    """The tile of a product that gemv_ends.py's ends apply to (one row, the GEMV kernel with K whole in every
-    program; ``paired``: INT4, N two halves of gate and up rows whose programs hold whole pairs), else None."""
-    cfg = default_config(m, n, k, dtype, fmt=fmt, group=group)
-    if m != 1 or cfg.kernel != "gemv" or cfg.split_k != 1 or gemv_block_k(fmt, group, cfg.block_k) is None:
-        return None
-    # (FP8 scales cover 128-row blocks: a paired program's rows span two, whose scales it then holds row by row —
-    # 174 registers against the plain tile's 118 for the 8B's gate/up, compile_check: not taken unmeasured)
-    if paired and (fmt != INT4 or n % 2 or cfg.block_n % 2 or (n // 2) % (cfg.block_n // 2)):
-        return None
-    return cfg
-
-
 def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_per_row=0, swiglu=False,
-            ids_settled=False, ends: GemvEnds | None = None):
+            ids_settled=False):
     """``ids``: mixture-of-experts slots (``slot_linear``): w and s stacked per expert, one output row per
     slot, the one-row GEMV kernel only (checked here, so the general fall-back below never sees slots). A plain
     weight (PLAIN, slots only: ``s`` None) must hold whole 16-byte words per row (``plain_word``). ``swiglu``: x
     is [..., 2K] = [gate | up] and the product is with silu(gate) * up — read so by the GEMV kernel where
-    fold_swiglu allows, computed apart otherwise and for the other kernels. ``ends``: the GEMV's fused ends
-    (tandem/kernels/gemv_ends.py) with ``config`` from ``ends_config`` (fused_linear); a summed product's output is
-    the new stream."""
+    fold_swiglu allows, computed apart otherwise and for the other kernels."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     if fmt == PLAIN:
         word = plain_word(w.dtype)
@@ -134,12 +118,9 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0] if ids is None else ids.numel()
-    if ends is not None:
-        _check_ends(ends, config, m, n, ids, swiglu, bias)
-    width = ends.pair_offset if ends is not None and ends.pair_offset else n
-    y = out if out is not None else torch.empty((m, width), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.view(*lead, width)
+        return y.view(*lead, n)
     if ids is None:
         cfg = config or default_config(m, n, k, x.dtype, fmt=fmt, group=s_cols)
     else:  # one slot a program row (its own expert), K split for the grid the slots give
@@ -199,8 +180,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         experts = ids is not None
         _dequant_gemv_kernel[grid](
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
-            w.stride(0) if experts else 0, s.stride(0) if experts else 0, INT4_HI_SHIFT,
-            **(ends or GemvEnds()).kernel_args(x2), STRIDE_W=w.stride(-2),
+            w.stride(0) if experts else 0, s.stride(0) if experts else 0, INT4_HI_SHIFT, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
             SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1), IDS_SETTLED=ids_settled)
     else:
@@ -212,37 +192,7 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
         _split_sum_kernel[(triton.cdiv(n, 1024), m)](
             target, b, y, n, target.stride(0), target.stride(1), y.stride(-2), SPLIT=split, HAS_BIAS=bias is not None,
             BLOCK=1024, num_warps=4, **pdl)
-    return y.view(*lead, width)
-
-
-def _check_ends(ends: GemvEnds, config, m: int, n: int, ids, swiglu: bool, bias) -> None:
-    if config is None or config.kernel != "gemv" or config.split_k != 1 or ids is not None:
-        raise ValueError(f"the GEMV's fused ends take a one-row GEMV tile without K splits (ends_config), got {config}")
-    if (ends.summed or ends.prenormed) and m != 1:
-        raise ValueError(f"a summed or prenormed GEMV takes one row, got {m}")
-    if ends.pair_offset and (swiglu or ends.summed or 2 * ends.pair_offset != n):
-        raise ValueError(f"a paired GEMV's N ({n}) is its gate and up rows, twice pair_offset ({ends.pair_offset})")
-    if ends.summed and (bias is not None or ends.prenormed):
-        raise ValueError("a summed GEMV takes no bias and reads no summed stream")
-    if ends.prenormed and swiglu:
-        raise ValueError("a prenormed GEMV reads a summed stream, not [gate | up]")
-
-
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, block: tuple[int, int],
-                 bias: torch.Tensor | None = None, pair_offset: int = 0, residual: torch.Tensor | None = None,
-                 norm: tuple | None = None) -> torch.Tensor | None:
-    """``x [1, K]`` times a quantized W (INT4: ``block`` (1, group); FP8: its scale block) with the one-row GEMV's
-    fused ends (tandem/kernels/gemv_ends.py): ``pair_offset`` paired, ``residual`` summed (the output is the new
-    stream), ``norm`` (the RMSNorm's weight, eps) prenormed; None where they do not apply to this product
-    (ends_config). A ``residual`` written by the launch just before this one is a race: it is read before the PDL
-    wait (GemvEnds)."""
-    n = weight.shape[0]
-    cfg = ends_config(x.shape[0], n, x.shape[-1], x.dtype, fmt, block[1], paired=pair_offset > 0)
-    if cfg is None:
-        return None
-    norm_weight, eps = norm if norm is not None else (None, 0.0)
-    ends = GemvEnds(pair_offset, residual, norm_weight, eps)
-    return _launch(x, weight, scale, bias, n, fmt, block[0], block[1], cfg, None, ends=ends)
+    return y.view(*lead, n)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,

@@ -42,7 +42,6 @@ import triton.language as tl
 
 from tandem.kernels.activation import activation_load
 from tandem.kernels.dequant_tiles import FP8, INT4, PLAIN
-from tandem.kernels.gemv_ends import paired_rows, prenormed_load, store_paired, store_summed
 from tandem.kernels.pdl import pdl_enter
 
 INT4_HI_SHIFT = 24  # the kernel's ``hi_shift`` argument (_unpack)
@@ -176,34 +175,19 @@ def _unpack(FORMAT: tl.constexpr, w, hi_shift, x_dtype: tl.constexpr):
 
 
 @triton.jit
-def _word_columns(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, k0, first_col, row_ok, K: tl.constexpr):
-    """A step's activation offsets from the program's first column (``[words, 8 or 4]``) and their mask."""
+def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr,
+                 SWIGLU: tl.constexpr):
+    """``[BLOCK_N, words]``: each word's unscaled weights times the row's activations, summed. A thread's
+    activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
+    and ``k0`` count from the program's first column, ``first_col`` from 0. (PLAIN: whole words inside K, masked
+    per word: the load stays one vector. ``SWIGLU``: the row is [gate | up], its activations silu(gate) * up.)"""
     j = tl.arange(0, PER_WORD)
     offs = k0 + tl.arange(0, first_col.shape[0])[:, None] * PER_WORD + j[None, :]
     if FORMAT == 0:
         ok = row_ok & (k0 + first_col < K)[:, None]
     else:
         ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
-    return offs, ok
-
-
-@triton.jit
-def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr,
-                 SWIGLU: tl.constexpr, g_row, PRENORMED: tl.constexpr):
-    """``([BLOCK_N, words], squares)``: each word's unscaled weights times the row's activations, summed. A thread's
-    activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
-    and ``k0`` count from the program's first column, ``first_col`` from 0. (PLAIN: whole words inside K, masked
-    per word: the load stays one vector. ``SWIGLU``: the row is [gate | up], its activations silu(gate) * up.
-    ``PRENORMED``: the row is a summed stream, its activations times the norm's weight (``g_row``, from the
-    program's first column), and ``squares`` its columns' squares by word, for the stream's rsqrt that scales the
-    sums at the end: gemv_ends.py; otherwise 0.)"""
-    offs, ok = _word_columns(FORMAT, PER_WORD, k0, first_col, row_ok, K)
-    squares = 0.0
-    if PRENORMED:
-        loaded, squares = prenormed_load(x_row + offs, g_row + offs, ok)
-        xs = _columns(loaded)
-    else:
-        xs = _columns(activation_load(x_row + offs, ok, SWIGLU, K))
+    xs = _columns(activation_load(x_row + offs, ok, SWIGLU, K))
     if FORMAT == 1:
         # q_j * 16^J * 2^-149 (_nibble) times x_j * 2^64 * 16^-J is q_j * x_j * 2^-INT4_SHIFT, normal for any
         # |x| from 2^-41 up to 2^64; the -8 of every weight is -8 * sum_j x_j, once per word for all rows of W
@@ -217,36 +201,25 @@ def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, fir
         p = q[0] * xs[0][None, :]
         for i in tl.static_range(1, PER_WORD):
             p += q[i] * xs[i][None, :]
-    return p, squares
+    return p
 
 
 @triton.jit
-def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.constexpr, n0, pair_offset, residual, norm,
-               PAIRED: tl.constexpr, SUMMED: tl.constexpr):
-    """Row ``row``'s products (times ``norm``, a prenormed row's rsqrt, else 1; plus the bias) stored, or what
-    gemv_ends.py makes of them (``PAIRED``, ``SUMMED``)."""
+def _store_row(y_ptr, acc, row, M, offs_n, N, stride_ym, bias, FORMAT: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if FORMAT == 1:
         y *= 2.0**INT4_SHIFT  # (exact: a power of two)
-    y = y * norm + bias
-    if PAIRED:
-        store_paired(y_ptr, y, row, M, n0, pair_offset, stride_ym, y.shape[0])
-    elif SUMMED:  # (one row)
-        store_summed(y_ptr, y, offs_n, N, residual)
-    else:
-        tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty),
-                 mask=(offs_n < N) & (row < M))
+    y += bias
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N) & (row < M))
 
 
 @triton.jit
 def _dequant_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, M, N, stride_xm, stride_ym, stride_ys, stride_we, stride_se, hi_shift,
-    r_ptr, g_ptr, eps, pair_offset,
     K: tl.constexpr, K_SPLIT: tl.constexpr, FORMAT: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
     SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1, IDS_SETTLED: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, SUMMED: tl.constexpr = False, PRENORMED: tl.constexpr = False,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
@@ -255,9 +228,7 @@ def _dequant_gemv_kernel(
     ``ids_ptr`` (its expert: W and its scales offset by ``stride_we`` / ``stride_se`` per expert), its
     activation row ``pid_m // SLOTS_PER_ROW`` (the token for gate/up, the slot itself for down); ``IDS_SETTLED``: the
     ids were written before the kernel just before this one (pdl.py: visible before the wait), so the slot's first
-    weights are read while that kernel finishes, as a dense weight's are. ``PAIRED``, ``SUMMED`` and ``PRENORMED``:
-    tandem/kernels/gemv_ends.py (a paired program's rows are BLOCK_N / 2 gate and up rows, which N (2 x pair_offset)
-    holds whole; a prenormed program sums its row's squares over the whole K it walks)."""
+    weights are read while that kernel finishes, as a dense weight's are."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -272,16 +243,11 @@ def _dequant_gemv_kernel(
     # a thread's word: 32 bits of INT4 or FP8, 16 bytes of a plain weight (see plain_word)
     PER_WORD: tl.constexpr = (8 if FORMAT == 1 else 4 if FORMAT == 2
                               else 128 // w_ptr.dtype.element_ty.primitive_bitwidth)
-    SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0 and not PAIRED
+    SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    if PAIRED:
-        n0 = pid_n * (BLOCK_N // 2)
-        rows = paired_rows(BLOCK_N, pair_offset)
-        offs_n = n0 + rows
-    else:
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_N) if EVEN_N else tl.minimum(offs_n, N - 1) - n0
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N) if EVEN_N else tl.minimum(offs_n, N - 1) - n0
     k_begin = pid_s * K_SPLIT
     w_base = w_ptr + n0.to(tl.int64) * STRIDE_W + (k_begin // 8 if FORMAT == 1 else k_begin)
     s_base = s_ptr
@@ -295,7 +261,6 @@ def _dequant_gemv_kernel(
     if SLOTS_PER_ROW > 0:
         x_m = m0 // SLOTS_PER_ROW
     x_row = x_ptr + x_m.to(tl.int64) * stride_xm + k_begin
-    g_row = g_ptr + k_begin
     # the first step's weights do not depend on the previous kernel (but for an expert's): read while it finishes
     w, s = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 0, k_begin < K, K, EVEN_K,
                       S_COLS)
@@ -305,13 +270,8 @@ def _dequant_gemv_kernel(
     if AHEAD > 2:
         w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 2 * BLOCK_K,
                             (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS)
-    bias_zero = tl.zeros([BLOCK_N], dtype=tl.float32)
-    residual = bias_zero
-    if SUMMED:  # (the stream it adds to was written two launches back or earlier: read before the wait, pdl.py)
-        residual = tl.load(r_ptr + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg").to(tl.float32)
     if SLOTS_PER_ROW == 0 or IDS_SETTLED:
         pdl_enter(PDL)
-    squares = tl.zeros([BLOCK_K // PER_WORD], dtype=tl.float32)  # (prenormed: each word's, over the steps)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
@@ -321,40 +281,25 @@ def _dequant_gemv_kernel(
         w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, ahead,
                                     (ahead < K_SPLIT) & (k_begin + ahead < K), K, EVEN_K, S_COLS)
         q = _unpack(FORMAT, w, hi_shift, x_ptr.dtype.element_ty)
-        p, sq = _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU, g_row, PRENORMED)
-        acc0 += s * p
-        squares += sq  # (prenormed: ROWS 1)
+        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU)
         if ROWS > 1:
-            p, _ = _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU, g_row,
-                                False)
-            acc1 += s * p
+            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU)
         if ROWS > 2:
-            p, _ = _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU, g_row,
-                                False)
-            acc2 += s * p
+            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU)
         if ROWS > 3:
-            p, _ = _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU, g_row,
-                                False)
-            acc3 += s * p
+            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU)
         if AHEAD == 1:
             w, s = w_next, s_next
         elif AHEAD == 2:
             w, s, w1, s1 = w1, s1, w_next, s_next
         else:
             w, s, w1, s1, w2, s2 = w1, s1, w2, s2, w_next, s_next
-    bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else bias_zero
+    bias = tl.load(b_ptr + n0 + rows).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK_N], dtype=tl.float32)
     y_ptr += pid_s.to(tl.int64) * stride_ys
-    norm = 1.0
-    if PRENORMED:
-        norm = tl.math.rsqrt(tl.sum(squares) / K + eps)
-    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, norm,
-               PAIRED, SUMMED)
+    _store_row(y_ptr, acc0, m0, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 1:
-        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, norm,
-               PAIRED, SUMMED)
+        _store_row(y_ptr, acc1, m0 + 1, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 2:
-        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, norm,
-               PAIRED, SUMMED)
+        _store_row(y_ptr, acc2, m0 + 2, M, offs_n, N, stride_ym, bias, FORMAT)
     if ROWS > 3:
-        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias, FORMAT, n0, pair_offset, residual, norm,
-               PAIRED, SUMMED)
+        _store_row(y_ptr, acc3, m0 + 3, M, offs_n, N, stride_ym, bias, FORMAT)

@@ -21,11 +21,6 @@ import torch
 # A layer's input RMSNorm applied by the one-row GEMV of its first projection where that GEMV allows
 # (tandem/layers/linear.py's norm_gemv_config): one launch a norm fewer at batch-1 decode
 FUSE_INPUT_NORMS = True
-# A dense layer's small kernels inside its quantized one-row GEMVs where they apply (tandem/kernels/gemv_ends.py:
-# silu(gate) * up in the gate/up launch, the residual add in o's and down's, the norms in the projections after).
-# The ends taken, by name (a subset of GEMV_ENDS; bench/profile_deepseek.py --gemv-ends times each set against none)
-GEMV_ENDS = frozenset({"paired", "summed", "prenormed"})
-FUSE_GEMV_ENDS: frozenset = frozenset()
 _gemv_max_rows = min(16, int(os.environ.get("TANDEM_GEMV_MAX_ROWS", "1")))  # the kernel handles 16 rows at most
 
 

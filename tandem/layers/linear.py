@@ -21,7 +21,6 @@ from tandem.distributed import all_reduce, divide, tp_group
 from tandem.layers import fast_path, gemv_routes
 from tandem.layers.activation import silu_mul
 from tandem.layers.fast_path import gemv_max_rows, use_triton
-from tandem.layers.summed_stream import SummedStream
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -147,28 +146,9 @@ class ShardedLinear(nn.Module):
         """The product as the layer hands it on (QKVAProjection splits it)."""
         return y
 
-    def fused(self, x: torch.Tensor, pair_offset: int = 0, residual: torch.Tensor | None = None, norm=None):
-        """The product with a quantized one-row GEMV's fused ends where they apply (quantized_linear's ``fused``;
-        ``norm``: the RMSNorm of x, a summed stream), else None."""
-        wanted = {"paired": pair_offset > 0, "summed": residual is not None, "prenormed": norm is not None}
-        if self.quant is None or any(on and end not in fast_path.FUSE_GEMV_ENDS for end, on in wanted.items()):
-            return None
-        if norm is not None:
-            if norm.weight.dtype != x.dtype:  # (the norm's output would be in another dtype than x)
-                return None
-            norm = (norm.weight, norm.eps)
-        return self.quant.fused(self, x, self.bias, pair_offset=pair_offset, residual=residual, norm=norm)
-
-    def forward_normed(self, h: torch.Tensor, residual, norm):
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor, norm):
         """``(forward(x), h + residual, x)`` for ``x, _ = norm(h, residual)`` (an RMSNorm): one launch where the
-        one-row GEMV applies the norm itself (``norm_gemv_config``, or a quantized GEMV's prenormed end where h is
-        the summed stream: ``residual`` a SummedStream; x is then None: never written)."""
-        if isinstance(residual, SummedStream):
-            fused = self.fused(h, norm=norm)
-            if fused is not None:
-                return self._outputs(fused), h, None
-            x = norm(h)
-            return self.forward(x), h, x
+        one-row GEMV applies the norm itself (``norm_gemv_config``; x is then None: never written)."""
         config = None if self.quant is not None else norm_gemv_config(h, residual, norm.weight, self.weight)
         if config is None:
             x, stream = norm(h, residual)
@@ -235,13 +215,6 @@ class MergedColumnParallelLinear(ShardedLinear):
     def row_spans(self) -> list[Span]:
         return [self.rows(i) for i in range(len(self.part_sizes))]
 
-    def swiglu_fused(self, x: torch.Tensor, norm=None) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a [gate; up] projection in its GEMV's launch (the paired end; ``norm``: of x the
-        summed stream, as ``fused``), or None where that does not apply."""
-        if len(self.local_parts) != 2 or self.local_parts[0] != self.local_parts[1]:
-            return None
-        return self.fused(x, pair_offset=self.local_parts[0], norm=norm)
-
 
 class QKVParallelLinear(ShardedLinear):
     """Fused q/k/v projection split by attention heads.
@@ -306,15 +279,3 @@ class RowParallelLinear(ShardedLinear):
     def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         y = all_reduce(self.partial(x, swiglu))
         return y + self.bias if self.bias is not None else y
-
-    def forward_summed(self, x: torch.Tensor, stream: torch.Tensor, swiglu: bool = False):
-        """``(h, residual)`` for the layer's next norm: the product added to ``stream`` inside its GEMV's launch where
-        the summed end applies (one rank, no bias, one row: the new stream and a SummedStream), else
-        ``(forward(x), stream)``. (``swiglu`` there: the activation's own launch first, as the GEMV takes it at the
-        8B's down anyway: activation.fold_swiglu.)"""
-        if ("summed" in fast_path.FUSE_GEMV_ENDS and self.quant is not None and self.bias is None and tp_group().size == 1
-                and x.dim() == 2 and x.shape[0] == 1):
-            act = silu_mul(x) if swiglu else x
-            fused = self.fused(act, residual=stream)
-            return (fused, SummedStream()) if fused is not None else (self.forward(act), stream)
-        return self.forward(x, swiglu), stream

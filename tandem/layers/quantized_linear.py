@@ -136,11 +136,6 @@ class QuantFormat:
         product is with silu(gate) * up."""
         return F.linear(silu_mul(x) if swiglu else x, self.dequantize(layer, x.dtype), bias)
 
-    def fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **ends):
-        """The product with the one-row GEMV's fused ``ends`` (tandem/kernels/dequant_gemm.py's fused_linear), or None
-        where they do not apply (the float reference has none)."""
-        return None
-
 
 class Fp8BlockFormat(QuantFormat):
     def __init__(self, name: str, scheme: Fp8Block):
@@ -161,14 +156,6 @@ class Fp8BlockFormat(QuantFormat):
 
             return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias, swiglu=swiglu)
         return super().apply(layer, x, bias, swiglu)
-
-    def fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **ends):
-        if not use_triton(x):
-            return None
-        from tandem.kernels.dequant_gemm import fused_linear
-        from tandem.kernels.dequant_tiles import FP8
-
-        return fused_linear(x, layer.weight, layer.weight_scale_inv, FP8, self.block, bias, **ends)
 
 
 class Int4GroupFormat(QuantFormat):
@@ -194,14 +181,6 @@ class Int4GroupFormat(QuantFormat):
 
             return int4_linear(x, layer.weight_packed, layer.weight_scale, self.group_size, bias, swiglu=swiglu)
         return super().apply(layer, x, bias, swiglu)
-
-    def fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **ends):
-        if not use_triton(x):
-            return None
-        from tandem.kernels.dequant_gemm import fused_linear
-        from tandem.kernels.dequant_tiles import INT4
-
-        return fused_linear(x, layer.weight_packed, layer.weight_scale, INT4, (1, self.group_size), bias, **ends)
 
 
 def _held_exactly(tensor: torch.Tensor, dtype: torch.dtype) -> bool:

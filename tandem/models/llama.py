@@ -22,7 +22,6 @@ from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantized_linear import linear_format
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.layers.summed_stream import SummedStream, full_stream, norm_input
 from tandem.configs.model import ModelConfig
 from tandem.models.loader import load_checkpoint
 
@@ -57,14 +56,6 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttentionMetadata, kv: KVPool, backend: AttentionBackend, projected=None):
         """``projected``: ``qkv_proj(x)`` where the layer computed it (x is then not read)."""
-        return self.o_proj(self._attend(x, positions, meta, kv, backend, projected))
-
-    def forward_summed(self, x, stream, positions, meta, kv, backend, projected=None):
-        """``(h, residual)`` for the layer's post-attention norm: ``forward``'s output added to the residual
-        ``stream`` in o_proj's launch where it can (RowParallelLinear.forward_summed)."""
-        return self.o_proj.forward_summed(self._attend(x, positions, meta, kv, backend, projected), stream)
-
-    def _attend(self, x, positions, meta, kv, backend, projected):
         proj = self.qkv_proj
         qkv = proj(x) if projected is None else projected
         q, k, v = qkv.split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
@@ -74,7 +65,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_pool, v_pool = kv.layer(self.layer_id)
-        return attend(backend, q, k, v, positions, self.rotary, k_pool, v_pool, meta, self.scale).flatten(1)
+        out = attend(backend, q, k, v, positions, self.rotary, k_pool, v_pool, meta, self.scale)
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
@@ -89,23 +81,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), swiglu=True)  # silu(gate) * up
 
-    def forward_normed(self, h: torch.Tensor, residual, norm):
-        """The layer's ``(h', residual')`` from its attention's pair: the norm, ``silu(gate) * up`` and the residual
-        add inside the GEMVs' launches where their fused ends apply (tandem/kernels/gemv_ends.py)."""
-        gate_up = self.gate_up_proj
-        if isinstance(residual, SummedStream):
-            act, stream = gate_up.swiglu_fused(h, norm=norm), h
-            if act is None:  # (the norm in gate/up's launch without the silu, or in its own)
-                products = gate_up.fused(h, norm=norm)
-                return self.down_proj.forward_summed(gate_up(norm(h)) if products is None else products, stream,
-                                                     swiglu=True)
-        else:
-            x, stream = norm(h, residual)
-            act = gate_up.swiglu_fused(x)
-            if act is None:
-                return self.down_proj.forward_summed(gate_up(x), stream, swiglu=True)
-        return self.down_proj.forward_summed(act, stream)
-
 
 class PreNormLayer(nn.Module):
     """A pre-norm decoder layer: subclasses build ``input_layernorm``, ``self_attn``,
@@ -113,24 +88,19 @@ class PreNormLayer(nn.Module):
 
     def forward(self, h, residual, positions, meta, kv, backend):
         """``(h, residual)`` → ``(h', residual')``: the residual stream is ``h + residual``, kept split so
-        each add is fused into the next norm. Layer 0 gets ``residual=None`` (the stream is ``h``); a
-        ``SummedStream`` residual: the add was made already (tandem/layers/summed_stream.py)."""
+        each add is fused into the next norm. Layer 0 gets ``residual=None`` (the stream is ``h``)."""
         first, projected = self.self_attn.input_linear(), None
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         elif first is not None:  # the norm inside the first projection's launch where it can be (linear.py)
             projected, residual, x = first.forward_normed(h, residual, self.input_layernorm)
         else:
-            x, residual = norm_input(h, residual, self.input_layernorm)
-        summing = getattr(self.self_attn, "forward_summed", None)  # (o_proj adding to the stream in its launch)
-        if summing is not None:
-            h, residual = summing(x, residual, positions, meta, kv, backend, projected=projected)
-        else:
-            h = self.self_attn(x, positions, meta, kv, backend, projected=projected)
-        mlp_normed = getattr(self.mlp, "forward_normed", None)  # (the norm inside the MLP's or router's launch)
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, meta, kv, backend, projected=projected)
+        mlp_normed = getattr(self.mlp, "forward_normed", None)  # (a MoE: the norm inside its router's launch)
         if mlp_normed is not None:
             return mlp_normed(h, residual, self.post_attention_layernorm)
-        x, residual = norm_input(h, residual, self.post_attention_layernorm)
+        x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
 
@@ -187,9 +157,9 @@ class CausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:  # input of layer i == HF hidden_states[i]
-                captured[i] = full_stream(h, residual)
+                captured[i] = h if residual is None else h + residual
             h, residual = layer(h, residual, positions, meta, kv, backend)
-        h = full_stream(h, residual)  # the final residual stream (pre-norm)
+        h = h + residual  # the final residual stream (pre-norm)
         # [T, len(capture_layers) * H], in the order given (ascending by convention)
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return h, features
