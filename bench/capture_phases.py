@@ -3,7 +3,8 @@ GPU, bench/sections_deepseek.py's folder), its engine started once per label in 
 summed per family and split into its phases (padding + eager warm-ups, the capture itself, the first replay that
 uploads the graph). A label ``F/L`` warms a member up F times at its first (largest) bucket and L times at the
 others; ``code`` runs the engine's own capture, untimed by phase, then decodes at batch 1; ``cold`` is ``2/2`` meant
-for a fresh process (Triton compiles). A suffix after ``-`` only names a repeat.
+for a fresh process (Triton compiles). A suffix after ``-`` only names a repeat, but ``-late``: Triton's
+installation hash left to the capture's first lookup (triton_start.EARLY off; in a fresh process: it is made once).
   usage: python3 bench/capture_phases.py cold            (first, in a process of its own: the kernels compile)
          python3 bench/capture_phases.py 2/2 2/1 2/2-again code"""
 
@@ -24,6 +25,7 @@ from engine_rows import random_weight_engine  # noqa: E402
 from measure import decode_tok_s, free_gpu  # noqa: E402
 from sections_deepseek import V2_LITE, deepseek_dir  # noqa: E402
 from tandem.graph_capture import GraphRunner, capture_stream  # noqa: E402
+from tandem.kernels import triton_start  # noqa: E402
 
 phases: dict = collections.defaultdict(float)
 warmups = {"first": 2, "later": 2}
@@ -64,6 +66,7 @@ def main() -> None:
     path = deepseek_dir("v2-lite-27l", V2_LITE)
     for label in sys.argv[1:] or ["code"]:
         kind = label.split("-")[0]
+        triton_start.EARLY = "-late" not in label
         if kind == "code":
             GraphRunner._capture_one = engine_capture
         else:

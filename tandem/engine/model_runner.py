@@ -63,6 +63,10 @@ class ModelRunner:
             raise ConfigError(f"capture layer {bad[0]} is out of range for a {model_cfg.num_layers}-layer model")
 
         attention = resolve_backend(cfg.attention_backend, self.device, latent=model_cfg.mla is not None)
+        if self.device.type == "cuda":
+            from tandem.kernels.triton_start import hash_triton_early
+
+            hash_triton_early()  # (while the weights load)
         started = time.perf_counter()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(model_cfg).eval()
