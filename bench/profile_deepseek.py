@@ -67,9 +67,12 @@ def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
     """The trace's kernels grouped by name (µs and calls per token), and the launch and copy counts. Besides each
     kernel's own span (which, launched with PDL, includes its wait for the kernel before), its *exposed* time: how far
     it moved the end of the device's busy time past every earlier op's end — under PDL, the chain's time from its
-    predecessor's end to its own. The exposed times sum to the busy time; they say where the step's time goes."""
+    predecessor's end to its own. The exposed times sum to the busy time; they say where the step's time goes. Each
+    row's ``launch_shapes``: the same by grid (one kernel's launches at different shapes: a GEMV's projections), with
+    the median span of one launch."""
     events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
     groups: dict[str, list[float]] = {}
+    shapes: dict[tuple[str, str], list] = {}  # (name, grid) -> [spans, exposed]
     frontier = None
     device_ops = (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     for e in sorted(device_ops, key=lambda e: e["ts"]):
@@ -79,8 +82,16 @@ def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
         if e.get("cat") == "kernel":
             g = groups.setdefault(e["name"], [0.0, 0, 0.0])
             g[0], g[1], g[2] = g[0] + e["dur"], g[1] + 1, g[2] + exposed
+            shape = shapes.setdefault((e["name"], str(e.get("args", {}).get("grid", "?"))), [[], 0.0])
+            shape[0].append(e["dur"])
+            shape[1] += exposed
     rows = [{"name": name, "calls_per_token": n / tokens, "us_per_token": us / tokens,
-             "exposed_us_per_token": exposed / tokens} for name, (us, n, exposed) in groups.items()]
+             "exposed_us_per_token": exposed / tokens,
+             "launch_shapes": sorted(({"grid": grid, "calls_per_token": len(spans) / tokens,
+                                       "median_us": statistics.median(spans), "exposed_us_per_token": exp / tokens}
+                                      for (kernel, grid), (spans, exp) in shapes.items() if kernel == name),
+                                     key=lambda r: -r["median_us"] * r["calls_per_token"])}
+            for name, (us, n, exposed) in groups.items()]
     rows.sort(key=lambda r: r["us_per_token"], reverse=True)
     counts = {cat: sum(e.get("cat") == cat for e in events) / tokens for cat in ("kernel", "gpu_memcpy", "gpu_memset")}
     return rows, counts
@@ -137,6 +148,9 @@ def profile_mode(path: Path, graphs: bool, steps: int, layers: int, top: int, fl
     for r in rows[:top]:
         print(f"  {r['us_per_token']:8.1f} {r['share_of_step']:6.1%} {r['exposed_us_per_token']:8.1f} "
               f"{r['calls_per_token']:6.1f}  {r['name'][:100]}")
+        for shape in r["launch_shapes"] if len(r["launch_shapes"]) > 1 else ():
+            print(f"  {'':8} {'':6} {shape['exposed_us_per_token']:8.1f} {shape['calls_per_token']:6.1f}    grid "
+                  f"{shape['grid']}: median {shape['median_us']:.2f} us a launch")
     return {"tokens": tokens, "trace": trace.name, "wall_us_per_token": wall_us,
             "wall_median_us_per_token": median_us, "busy_us_per_token": busy_us,
             "kernel_us_per_token": kernel_us, "kernels_per_token": counts["kernel"],
