@@ -71,8 +71,7 @@ def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
     row's ``launch_shapes``: the same by grid (one kernel's launches at different shapes: a GEMV's projections), with
     the median span of one launch."""
     events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
-    groups: dict[str, list[float]] = {}
-    shapes: dict[tuple[str, str], list] = {}  # (name, grid) -> [spans, exposed]
+    shapes: dict[str, dict[str, list]] = {}  # name -> grid -> [spans, exposed]
     frontier = None
     device_ops = (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     for e in sorted(device_ops, key=lambda e: e["ts"]):
@@ -80,18 +79,19 @@ def _kernel_table(trace: Path, tokens: int) -> tuple[list[dict], dict]:
         exposed = max(0.0, end - max(e["ts"], frontier)) if frontier is not None else e["dur"]
         frontier = end if frontier is None else max(frontier, end)
         if e.get("cat") == "kernel":
-            g = groups.setdefault(e["name"], [0.0, 0, 0.0])
-            g[0], g[1], g[2] = g[0] + e["dur"], g[1] + 1, g[2] + exposed
-            shape = shapes.setdefault((e["name"], str(e.get("args", {}).get("grid", "?"))), [[], 0.0])
+            grids = shapes.setdefault(e["name"], {})
+            shape = grids.setdefault(str(e.get("args", {}).get("grid", "?")), [[], 0.0])
             shape[0].append(e["dur"])
             shape[1] += exposed
-    rows = [{"name": name, "calls_per_token": n / tokens, "us_per_token": us / tokens,
-             "exposed_us_per_token": exposed / tokens,
-             "launch_shapes": sorted(({"grid": grid, "calls_per_token": len(spans) / tokens,
-                                       "median_us": statistics.median(spans), "exposed_us_per_token": exp / tokens}
-                                      for (kernel, grid), (spans, exp) in shapes.items() if kernel == name),
-                                     key=lambda r: -r["median_us"] * r["calls_per_token"])}
-            for name, (us, n, exposed) in groups.items()]
+    rows = []
+    for name, grids in shapes.items():
+        launches = [{"grid": grid, "calls_per_token": len(spans) / tokens, "us_per_token": sum(spans) / tokens,
+                     "median_us": statistics.median(spans), "exposed_us_per_token": exp / tokens}
+                    for grid, (spans, exp) in grids.items()]
+        launches.sort(key=lambda r: r["us_per_token"], reverse=True)
+        rows.append({"name": name, **{k: sum(r[k] for r in launches)
+                                      for k in ("calls_per_token", "us_per_token", "exposed_us_per_token")},
+                     "launch_shapes": launches})
     rows.sort(key=lambda r: r["us_per_token"], reverse=True)
     counts = {cat: sum(e.get("cat") == cat for e in events) / tokens for cat in ("kernel", "gpu_memcpy", "gpu_memset")}
     return rows, counts

@@ -68,5 +68,5 @@ def test_one_kernels_launches_are_split_by_grid_with_their_median_span(tmp_path)
               for s in by_name["gemv"]["launch_shapes"]}
     assert shapes == {"[3584, 1, 1]": (1.5, 28, 42), "[768, 1, 1]": (1, 10, 10)}
     assert [s["grid"] for s in by_name["gemv"]["launch_shapes"]] == ["[3584, 1, 1]", "[768, 1, 1]"]
-    assert by_name["norm"]["launch_shapes"] == [{"grid": "?", "calls_per_token": 0.5, "median_us": 2,
-                                                 "exposed_us_per_token": 1}]
+    assert by_name["norm"]["launch_shapes"] == [{"grid": "?", "calls_per_token": 0.5, "us_per_token": 1,
+                                                 "median_us": 2, "exposed_us_per_token": 1}]
