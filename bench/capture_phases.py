@@ -4,7 +4,8 @@ summed per family and split into its phases (padding + eager warm-ups, the captu
 uploads the graph). A label ``F/L`` warms a member up F times at its first (largest) bucket and L times at the
 others; ``code`` runs the engine's own capture, untimed by phase, then decodes at batch 1; ``cold`` is ``2/2`` meant
 for a fresh process (Triton compiles). A suffix after ``-`` only names a repeat, but ``-late``: Triton's
-installation hash left to the capture's first lookup (triton_start.EARLY off; in a fresh process: it is made once).
+installation hash left to the capture's first lookup (triton_start.EARLY off; in a fresh process: it is made once);
+``-cold-blas``: cuBLAS's first calls left to the capture (matmul_warm.ENABLED off; the first start records them).
   usage: python3 bench/capture_phases.py cold            (first, in a process of its own: the kernels compile)
          python3 bench/capture_phases.py 2/2 2/1 2/2-again code"""
 
@@ -25,6 +26,7 @@ from engine_rows import random_weight_engine  # noqa: E402
 from measure import decode_tok_s, free_gpu  # noqa: E402
 from sections_deepseek import V2_LITE, deepseek_dir  # noqa: E402
 from tandem.graph_capture import GraphRunner, capture_stream  # noqa: E402
+from tandem import matmul_warm  # noqa: E402
 from tandem.kernels import triton_start  # noqa: E402
 
 phases: dict = collections.defaultdict(float)
@@ -67,6 +69,7 @@ def main() -> None:
     for label in sys.argv[1:] or ["code"]:
         kind = label.split("-")[0]
         triton_start.EARLY = "-late" not in label
+        matmul_warm.ENABLED = "-cold-blas" not in label
         if kind == "code":
             GraphRunner._capture_one = engine_capture
         else:
@@ -78,8 +81,9 @@ def main() -> None:
         started = time.perf_counter()
         engine = random_weight_engine(path, (1, 4), 64, kv_pages=2048)
         start_s = time.perf_counter() - started
-        report = engine.executor.runner.graph_report
-        print(f"{label}: start {start_s:.1f} s, capture sum {sum(s for s, _ in report.values()):.2f} s; phases "
+        report, warm = engine.executor.runner.graph_report, engine.executor.runner.matmul_warm
+        print(f"{label}: start {start_s:.1f} s, capture sum {sum(s for s, _ in report.values()):.2f} s; cuBLAS warm-up "
+              f"{warm.ran} products in {warm.seconds:.2f} s; phases "
               f"{ {k: round(v, 2) for k, v in phases.items()} }", flush=True)
         print("   ", {name: round(s, 2) for name, (s, _) in report.items()}, flush=True)
         if kind == "code":  # (the engine's own graphs serve: plain decode at batch 1 on them)

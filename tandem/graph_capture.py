@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from tandem.matmul_warm import MatmulWarm
 from tandem.watchdog import Watchdog
 
 
@@ -97,8 +98,16 @@ class GraphRunner:
 
     # -- capture -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self) -> dict[str, tuple[float, float]]:
-        """Capture every member of every family at every bucket; → {family: (seconds, GB)}."""
+    def capture(self, warm: MatmulWarm | None = None) -> dict[str, tuple[float, float]]:
+        """Capture every member of every family at every bucket; → {family: (seconds, GB)}. ``warm``: the start's
+        warm-up of cuBLAS, which records the capture's products where it had none to replay."""
+        with warm.recording() if warm is not None else contextlib.nullcontext():
+            report = self._capture_families()
+        if warm is not None:
+            warm.save()
+        return report
+
+    def _capture_families(self) -> dict[str, tuple[float, float]]:
         report = {}
         for name, members in self.capture_plan():
             torch.cuda.synchronize(self.device)

@@ -19,6 +19,7 @@ from tandem.forward_batch import ForwardBatch, to_device
 from tandem.engine.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.kv_cache import KVPool, KVSpec
+from tandem.matmul_warm import MatmulWarm, shapes_file
 from tandem.configs.model import ModelConfig
 from tandem.models.loader import default_dtype, resolve_dtype
 from tandem.models.random_weights import randomize_weights
@@ -63,10 +64,14 @@ class ModelRunner:
             raise ConfigError(f"capture layer {bad[0]} is out of range for a {model_cfg.num_layers}-layer model")
 
         attention = resolve_backend(cfg.attention_backend, self.device, latent=model_cfg.mla is not None)
+        self.matmul_warm = None
         if self.device.type == "cuda":
             from tandem.kernels.triton_start import hash_triton_early
 
             hash_triton_early()  # (while the weights load)
+            if not cfg.disable_cuda_graph and not cfg.static_graph_path:
+                self.matmul_warm = MatmulWarm(shapes_file(cfg, model_cfg, torch.cuda.get_device_name(self.device)),
+                                              self.device).start()
         started = time.perf_counter()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(model_cfg).eval()
@@ -77,6 +82,8 @@ class ModelRunner:
         for module in self.model.modules():  # what a layer derives from its weights (tandem.layers.moe)
             if hasattr(module, "weights_loaded"):
                 module.weights_loaded()
+        if self.matmul_warm is not None:
+            self.matmul_warm.join()  # (before the KV cache is sized: its spare memory is handed back)
         quant = model_cfg.quantization
         log.info("rank %d: loaded %s (%s, %s%s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
                  str(self.dtype).replace("torch.", ""), f", {quant.describe()}" if quant is not None else "",
@@ -116,7 +123,7 @@ class ModelRunner:
                 self.graphs.run_statically()
             else:
                 try:
-                    self.graph_report = self.graphs.capture()
+                    self.graph_report = self.graphs.capture(self.matmul_warm)
                 except Exception as e:
                     raise ConfigError(f"capturing the CUDA graphs of {model_cfg.architecture} failed "
                                       f"({type(e).__name__}: {e}); --disable-cuda-graph serves it eagerly") from e

@@ -259,6 +259,32 @@ def test_capture_logs_time_and_memory(target, caplog):
     assert lines and "Time elapsed:" in lines[0] and "mem usage=" in lines[0] and "avail mem=" in lines[0]
 
 
+def test_a_second_start_replays_the_products_the_first_capture_recorded(target, tmp_path, monkeypatch):
+    """tandem/matmul_warm.py in an engine: the first start (no file) records its capture's cuBLAS products, the second
+    replays every one of them while its weights load, and serves the same tokens."""
+    import json
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling import SamplingParams
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    cfg = EngineConfig(model=str(target), device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, page_size=16,
+                       kv_pages=512)
+    params, outputs = SamplingParams(max_new_tokens=8, ignore_eos=True), []
+    for start in range(2):
+        with LLMEngine(cfg) as eng:
+            warm = eng.executor.runner.matmul_warm
+            if start == 0:
+                (path,) = (tmp_path / "matmul-shapes").glob("*.json")
+                entries = json.loads(path.read_text())
+                assert entries and warm.thread is None
+            else:
+                assert warm.ran == len(entries)
+            outputs.append([r.output_token_ids for r in eng.generate(prompts(4), params)])
+    assert outputs[0] == outputs[1]
+
+
 def _greedy_with_arrivals(target, graphs: bool) -> list[list[int]]:
     """float32 greedy: two prompts, then two more at each of steps 3 and 6 while they decode (steps of prompts
     apart, on the prefill graphs when ``graphs``)."""
