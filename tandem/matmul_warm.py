@@ -37,8 +37,11 @@ MAX_REPLAY_BYTES = 1 << 30  # a product whose operands are larger is not replaye
 
 def shapes_file(*decided_by: object) -> Path:
     """The cache file of the products a configuration's capture runs: named by a hash of what decides them (the
-    engine and model configurations, the device, torch's version)."""
-    text = repr((decided_by, torch.__version__))
+    engine and model configurations, the device; torch's version, and Tandem's code as its files' sizes and times,
+    so that a changed code records afresh)."""
+    package = Path(__file__).parent
+    code = sorted((str(f.relative_to(package)), f.stat().st_size, f.stat().st_mtime_ns) for f in package.rglob("*.py"))
+    text = repr((decided_by, torch.__version__, code))
     return cache_root() / "matmul-shapes" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
