@@ -157,7 +157,12 @@ class MatmulWarm:
             self.thread.join()
             self.thread = None
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # its operands' blocks belong to its stream: no other stream reuses them
+                # cuBLAS keeps a workspace per handle and stream, the thread's for good: dropped (a later call on
+                # the main thread makes its own); its operands' blocks belong to its stream, which nothing else uses
+                clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear_workspaces is not None:
+                    clear_workspaces()
+                torch.cuda.empty_cache()
 
     def recording(self):
         return self.recorder if self.recorder is not None else contextlib.nullcontext()
