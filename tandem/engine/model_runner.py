@@ -82,12 +82,12 @@ class ModelRunner:
         for module in self.model.modules():  # what a layer derives from its weights (tandem.layers.moe)
             if hasattr(module, "weights_loaded"):
                 module.weights_loaded()
-        if self.matmul_warm is not None:
-            self.matmul_warm.join()  # (before the KV cache is sized: its spare memory is handed back)
         quant = model_cfg.quantization
         log.info("rank %d: loaded %s (%s, %s%s) in %.1f s", self.rank, cfg.model, model_cfg.architecture,
                  str(self.dtype).replace("torch.", ""), f", {quant.describe()}" if quant is not None else "",
                  time.perf_counter() - started)
+        if self.matmul_warm is not None:
+            self.matmul_warm.join()  # (before the KV cache is sized: its spare memory is handed back)
 
         spec = self.model.kv_spec()
         self.backend = make_backend(attention, self.device, latent=spec.entries == 1)
