@@ -32,7 +32,7 @@ ENABLED = True  # bench/capture_phases.py's "-cold-blas" labels time a start wit
 # the products recorded (composites as called under inference mode: replayed alike, they decompose alike)
 RECORDED_OPS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.addmm.default",
                           "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"})
-MAX_REPLAY_BYTES = 1 << 30  # a product whose operands are larger is not replayed (its memory would be spare only briefly)
+MAX_REPLAY_BYTES = 1 << 30  # a product with larger operands is not replayed (while the weights load, memory is dear)
 
 
 def shapes_file(*decided_by: object) -> Path:
