@@ -1,7 +1,7 @@
 """cuBLAS's first calls in a process, moved off the graph capture's path.
 
 The first time a process multiplies at a given shape, cuBLAS loads the kernel it picks (lazily, from its ~500 MB
-library) and runs its heuristics: at a DeepSeek-V2-Lite target's first start, 1-2.5 s of its capture
+library) and runs its heuristics: at a DeepSeek-V2-Lite target's first start, 0.8-2.7 s of its capture
 (docs/benchmarks.md, "Graph capture", with and without this module). Which shapes a capture multiplies at depends on
 the model and the graph families, so a capture records them (``MatmulShapes``: the matrix products its eager
 warm-ups and captures run, by op, shape, strides and dtype) into a file of the cache, keyed by everything that
