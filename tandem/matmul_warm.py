@@ -57,13 +57,17 @@ def _describe(value):
     raise TypeError(f"not recorded: {type(value).__name__}")
 
 
+def _storage(value: dict) -> int:
+    """The elements a described tensor's storage holds: its offset and the span its shape and strides reach."""
+    shape = value["shape"]
+    return value["offset"] + (1 + sum((n - 1) * s for n, s in zip(shape, value["stride"])) if all(shape) else 0)
+
+
 def _build(value, device: torch.device):
     """``_describe``'s inverse, on uninitialised memory of ``device``."""
     if isinstance(value, dict):
-        shape, stride, offset = value["shape"], value["stride"], value["offset"]
-        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-        base = torch.empty(offset + span, dtype=getattr(torch, value["dtype"]), device=device)
-        return base.as_strided(shape, stride, offset)
+        base = torch.empty(_storage(value), dtype=getattr(torch, value["dtype"]), device=device)
+        return base.as_strided(value["shape"], value["stride"], value["offset"])
     if isinstance(value, list):
         return [_build(v, device) for v in value]
     return value
@@ -71,8 +75,7 @@ def _build(value, device: torch.device):
 
 def _bytes(value) -> int:
     if isinstance(value, dict):
-        elements = 1 + sum((n - 1) * s for n, s in zip(value["shape"], value["stride"])) if all(value["shape"]) else 0
-        return (value["offset"] + elements) * getattr(torch, value["dtype"]).itemsize
+        return _storage(value) * getattr(torch, value["dtype"]).itemsize
     return sum(_bytes(v) for v in value) if isinstance(value, list) else 0
 
 
