@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cpu_pins import describe as pins
 from models import LLAMA_8B, LLAMA_8B_SHAPE, ROOT_DIR, random_draft, target_dir, write_target_embedding, write_word_tokenizer
-from paired import detached_against_plain, paired_ratio, pass_order, versus_the_better
+from paired import ci_text, detached_against_plain, paired_ratio, pass_order, versus_the_better
 from rest_load import START_DELAY_S, cpu_seconds_apart, http_client, run, sustained, wave
 from service_pair import stop_processes
 from spy import finish as finish_spy, start as start_spy
@@ -158,11 +158,13 @@ def _paired(out: dict, modes: list[str]) -> None:
         for cell, r in out[mode]["rows"].items():
             samples = lambda m: [x["tok_s"] for x in out[m]["rows"][cell]["samples"]]  # noqa: E731
             r["paired_x_target_only"] = paired_ratio(samples(mode), samples("target-only"))
-            line = f"{mode:17s} {cell}: per pass {r['paired_x_target_only']['geomean']:.3f}x target-only"
+            line = (f"{mode:17s} {cell}: per pass {r['paired_x_target_only']['geomean']:.3f}x target-only"
+                    + ci_text(r["paired_x_target_only"]))
             if f"{mode}-always" in out:
                 vs = r["paired_vs_better"] = versus_the_better(samples(mode), samples(f"{mode}-always"),
                                                               samples("target-only"))
-                line += f"; {vs['geomean']:.3f} of the better of always and target-only ({vs['low']:.3f}-{vs['high']:.3f})"
+                line += (f"; {vs['geomean']:.3f} of the better of always and target-only ({vs['low']:.3f}-"
+                         f"{vs['high']:.3f}){ci_text(vs)}")
                 apart = r["detached_x_target_only"] = detached_against_plain(r["samples"], samples("target-only"))
                 if apart is not None:
                     line += f"; its wholly detached passes {apart['geomean']:.3f}x target-only ({apart['passes']})"
