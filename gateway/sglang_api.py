@@ -99,7 +99,9 @@ async def _one_token(gw: GatewayContext) -> bool:
 def _parser(gw: GatewayContext):
     def parse(body: dict, request_id: str, limits: Limits) -> OpenAIRequest:
         try:
-            parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, limits)
+            # (SGLang's default max_new_tokens: a default, shortened to the room left, never refused as if asked for)
+            sglang_limits = dataclasses.replace(limits, default_max_tokens=SGLANG_MAX_NEW_TOKENS)
+            parsed = parse_completion(completion_body(body), request_id, gw.tokenizer, sglang_limits)
         except GatewayError as e:  # named as the client named it
             raise _renamed(e, "text" if body.get("text") is not None else "input_ids") from None
         asked = logprob_requests(body, len(parsed.prompts))
@@ -148,14 +150,13 @@ def completion_body(body: dict) -> dict:
         if sampling.get(name, default) not in (default, None):
             raise bad_request(f"sampling_params.{name}", "is not supported by this server")
     completion = {ours: sampling[theirs] for theirs, ours in SAMPLING_NAMES.items() if sampling.get(theirs) is not None}
-    completion.setdefault("max_tokens", SGLANG_MAX_NEW_TOKENS)
     batch = text if isinstance(text, list) else ids if ids is not None and isinstance(ids[0], list) else None
     prompts = 1 if batch is None else len(batch)
     asked = [a for a in logprob_requests(body, prompts) if a is not None]
     if asked:  # the completion path's logprobs: N (the most any prompt asks); its echo gives the prompt's (no text here)
         completion["logprobs"] = max(a.top for a in asked)
         completion["echo"] = any(a.needs_prompt_logprobs for a in asked)
-    if completion["max_tokens"] == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
+    if completion.get("max_tokens") == 0:  # (SGLang's prompt alone: the completion path's log-likelihood request, no text)
         if completion.get("min_tokens"):  # (checked here: that request asks the verifier for one token)
             raise bad_request("sampling_params.min_new_tokens", "must be at most max_new_tokens (0)")
         completion["echo"] = True

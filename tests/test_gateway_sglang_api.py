@@ -70,6 +70,17 @@ def test_sglangs_sampling_names_reach_the_verifier(stack):
     assert stack.fake.requests[-1].sampling.max_new_tokens == 128  # SGLang's default
 
 
+def test_sglangs_default_max_new_tokens_is_shortened_to_the_room_left_not_refused(stack):
+    """SGLang's 128 is a default: a prompt 10 tokens short of the context (the fake verifier's 512) gets those 10, as
+    SGLang and this gateway's completions do with an unset limit; an explicit 128 is still refused there."""
+    ids = [5] * (512 - 10)
+    r = _generate(stack, {"input_ids": ids, "sampling_params": {"temperature": 0}})
+    assert r.status_code == 200, r.text
+    assert stack.fake.requests[-1].sampling.max_new_tokens == 10
+    r = _generate(stack, {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 128}})
+    assert r.status_code == 400 and "lower max_new_tokens to at most 10" in r.json()["error"]["message"], r.text
+
+
 def test_a_batch_and_n_give_a_list_in_order(stack, ref):
     prompts = [PROMPT, "x = 1"]
     r = _generate(stack, {"text": prompts, "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0.5}})
