@@ -87,7 +87,8 @@ def create_app(gw: GatewayContext) -> FastAPI:
     add_sglang_routes(app, gw)  # SGLang's /generate and /get_model_info
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    @app.api_route("/ping", methods=["GET", "HEAD"])  # (vLLM's alias; SGLang's /health_generate generates: not this)
+    # (vLLM's alias, POST too: SageMaker's probe; SGLang's /health_generate generates: not this)
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def health():
         # The mirrored state, not a call per probe: an open endpoint must not fan out to the verifier.
         if gw.verifier_ready:

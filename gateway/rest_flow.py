@@ -108,6 +108,9 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         params = await asyncio.to_thread(parsing) if len(raw) > OFFLOAD_PARSE_BYTES else parsing()
         # the body's bytes and parsed JSON go before the generation: held to its end, a 4 MB body of small JSON
         # values (a million objects, ~100 MB parsed) was held by every request in flight
+        # the name the request used, as vLLM answers (an alias or the model's path; checked by the parse), else ours
+        named = body.get("model") if isinstance(body, dict) else None
+        model_name = named if isinstance(named, str) and named in gw.cfg.model_names else gw.cfg.model_name
         raw = body = parsing = None
         scope.span.set_attributes(params.generation.span_attributes())
         n = params.options.n
@@ -115,7 +118,7 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
                       else None)
         prompts = [(part.echo_text, part.generation.prompt_ids) for part in params.prompts for _ in range(n)]
-        shape = shape_cls(request_id, gw.cfg.model_name, params.include_usage, prompts, token_text,
+        shape = shape_cls(request_id, model_name, params.include_usage, prompts, token_text,
                           token_ids=params.options.return_token_ids)
         choices = _start_choices(gw, params, scope, arrival)
         shape.follow(choices, params)

@@ -91,8 +91,15 @@ def test_every_served_model_name_is_listed_and_retrieved_by_itself():
         assert [card["id"] for card in listed] == ["main-name", "alias-2"]
         for name in ("main-name", "alias-2"):
             assert httpx.get(f"{s.url}/v1/models/{name}", timeout=10).json()["id"] == name
-        r = _post(s, "/v1/completions", {"model": "alias-2", "prompt": "x", "max_tokens": 1})
-        assert r.status_code == 200 and r.json()["model"] == "main-name"  # (vLLM answers with its first name too)
+        # vLLM answers with the name the request used (serving_engine's _get_model_name), its first one without
+        for sent, answered in (("alias-2", "alias-2"), ("main-name", "main-name"), (None, "main-name")):
+            named = {"max_tokens": 1} | ({"model": sent} if sent else {})
+            r = _post(s, "/v1/completions", {**named, "prompt": "x"})
+            assert r.status_code == 200 and r.json()["model"] == answered, (sent, r.text)
+            r = _post(s, "/v1/chat/completions", {**named, "messages": [{"role": "user", "content": "x"}],
+                                                  "stream": True})
+            chunk = json.loads(r.text.split("\n\n")[0].removeprefix("data: "))
+            assert r.status_code == 200 and chunk["model"] == answered, (sent, r.text)
     finally:
         s.close()
 
@@ -406,9 +413,9 @@ def test_no_op_values_are_accepted(stack, field, value):
 def test_the_model_may_be_named_by_its_path_as_vllm_names_it(stack, model_dir):
     """Without --served-model-name vLLM's and SGLang's model name is the path they were given: clients written
     for them send it. The served name stays what /v1/models lists; another path is still 404."""
-    for name in (str(model_dir), MODEL):
+    for name in (str(model_dir), MODEL):  # (answered under the name it was asked by, as vLLM answers)
         r = _post(stack, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 1})
-        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
     assert _post(stack, "/v1/completions", {"model": str(model_dir.parent), "prompt": PROMPT}).status_code == 404
     assert [m["id"] for m in httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]] == [MODEL]
 
@@ -417,6 +424,7 @@ def test_ping_is_health_and_both_answer_head(stack):
     for path in ("/health", "/ping"):
         assert httpx.get(f"{stack.url}{path}", timeout=10).status_code == 200
         assert httpx.head(f"{stack.url}{path}", timeout=10).status_code == 200
+    assert httpx.post(f"{stack.url}/ping", timeout=10).status_code == 200  # (vLLM's, for SageMaker's probe)
 
 
 def test_a_model_is_retrieved_by_its_names_as_the_openai_client_does(stack, model_dir):
