@@ -56,7 +56,7 @@ class ApiKeyMiddleware:
 
 
 async def _send_401(send) -> None:
-    body = json.dumps(GatewayError(401, _DENIED).body()).encode()
+    body = json.dumps(GatewayError(401, _DENIED).body(), separators=(",", ":")).encode()  # (as JSONResponse renders)
     await send({"type": "http.response.start", "status": 401,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"www-authenticate", b"Bearer")]})
