@@ -137,7 +137,8 @@ class ChatShape(CompletionShape):
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         # Each choice's first chunk announces the role, with empty content, as OpenAI does; then the echo.
         chunks = [self._with_usage({**self._head(self.object), "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}]})
             for i in range(self.n)]
         if self.prompt_ids is not None:  # (vLLM: the response's, on each choice's role chunk)
             for chunk in chunks:

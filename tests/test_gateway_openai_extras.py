@@ -104,6 +104,14 @@ def test_every_served_model_name_is_listed_and_retrieved_by_itself():
         s.close()
 
 
+def test_every_streamed_chat_choice_carries_vllms_stop_reason(stack):
+    """vLLM's stream choices all hold stop_reason (null until a stop ends the choice), the role's chunk too."""
+    r = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "stream": True, "n": 2})
+    chunks = [json.loads(e.removeprefix("data: ")) for e in r.text.strip().split("\n\n") if e != "data: [DONE]"]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert len(choices) >= 4 and all("stop_reason" in c for c in choices), r.text
+
+
 def test_detokenize_keeps_special_tokens_as_the_tokenizer_decodes(stack, ref):
     ids = ref.encode(PROMPT).ids + [ref.token_to_id("<|eos|>")]
     r = _post(stack, "/detokenize", {"model": MODEL, "tokens": ids})
