@@ -143,6 +143,26 @@ def test_a_tensor_of_the_wrong_dtype_is_a_checkpoint_error(ckpts, tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path)))
 
 
+def test_a_config_and_tensors_that_disagree_on_quantization_say_so(ckpts, tmp_path):
+    """An INT4 config over plain tensors, and plain config over INT4 tensors: the error names the disagreement, not
+    "no such weight" for a weight the architecture has."""
+    quantized, twin = ckpts["int4"]
+    for tensors, config, why in ((twin, quantized, r"\.weight' \(stored unquantized, but the config's "
+                                                   r"quantization_config quantizes this layer: expected "
+                                                   r"weight_packed, weight_scale, weight_shape\)"),
+                                 (quantized, twin, r"\.weight_(packed|scale|shape)' \(a quantized part, but the "
+                                                   r"config's quantization_config does not quantize this layer "
+                                                   r"\(weight\)\)")):
+        folder = tmp_path / f"{tensors.name}-under-{config.name}-config"
+        folder.mkdir()
+        (folder / "model.safetensors").symlink_to(tensors / "model.safetensors")
+        for extra in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (config / extra).is_file():
+                (folder / extra).write_text((config / extra).read_text())
+        with pytest.raises(CheckpointError, match=why):
+            LLMEngine(EngineConfig(model=str(folder)))
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("procs")  # TP ranks: one at a time with the others (conftest.py)
 def test_tp2_equals_tp1(ckpts, tmp_path):

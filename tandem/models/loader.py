@@ -114,7 +114,7 @@ def load_checkpoint(
                 module_name, param, shard_id = _locate(name, packed, modules)
                 module = modules.get(module_name)
                 if module is None or not hasattr(module, "load_weight") or getattr(module, param, None) is None:
-                    raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' (no such weight in this architecture)")
+                    raise CheckpointError(f"{path.name}: unexpected tensor '{stored}' ({_unexpected(module, param)})")
                 tensor = _get_tensor(f, path, stored, model_dir)
                 try:
                     module.load_weight(param, tensor, shard_id)
@@ -163,6 +163,20 @@ def _locate(name: str, packed: dict[str, tuple[str, object]],
         if fused_name in modules:  # else this layer keeps the part as its own module (formats that cannot fuse)
             return fused_name, param, shard_id
     return module_name, param, None
+
+
+def _unexpected(module: nn.Module | None, param: str) -> str:
+    """Why a checkpoint tensor has no place in the model: a layer the config quantizes stored plain, or quantized parts
+    where it quantizes nothing, named as such (else no such weight)."""
+    if module is not None and hasattr(module, "load_weight"):
+        held = [name for name, _ in module.named_parameters(recurse=False) if name != "bias"]
+        if getattr(module, "quant", None) is not None:
+            return (f"stored unquantized, but the config's quantization_config quantizes this layer: expected "
+                    f"{', '.join(held)}")
+        if param.startswith("weight_") or param == "input_scale":
+            return (f"a quantized part, but the config's quantization_config does not quantize this layer "
+                    f"({', '.join(held)})")
+    return "no such weight in this architecture"
 
 
 def _expected_tensors(model: nn.Module, packed: dict[str, tuple[str, object]]) -> list[str]:
