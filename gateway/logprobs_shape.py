@@ -65,12 +65,12 @@ class LogprobsShape:
 def vllm_prompt_logprobs(token_text: Callable[[int], str], prompt_ids: Sequence[int], entries: Sequence) -> list:
     """vLLM's ``prompt_logprobs``: null for the first token, then per prompt token ``{token_id: {logprob, rank,
     decoded_token}}`` for the token itself and the N most likely (``entries``: the verifier's, one per token after
-    the first). ``rank`` is 1 for the most likely; the prompt token's is null when it is not among the N (the
-    verifier reports the top N, not every token's rank)."""
+    the first). ``rank`` is 1 for the most likely; the prompt token's, when not among the N, is the verifier's count
+    over the vocabulary (null from a verifier that sent none)."""
     out: list = [None]
     for token, entry in zip(prompt_ids[1:], entries):
         ranked = {t: (_finite(v), i + 1) for i, (t, v) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
-        here = {token: ranked.get(token, (_finite(entry.logprob), None)), **ranked}
+        here = {token: ranked.get(token, (_finite(entry.logprob), entry.rank or None)), **ranked}
         out.append({str(t): {"logprob": v, "rank": rank, "decoded_token": token_text(t)} for t, (v, rank) in here.items()})
     return out
 

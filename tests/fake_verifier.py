@@ -24,13 +24,14 @@ def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
 
 def fake_logprobs(token: int, position: int, top: int, vocab_size: int) -> verifier_pb2.TokenLogprobs:
     """What the fake sends for the token at ``position`` of its output: -(position + 1) / 10, and as
-    alternatives the token itself then the next ids, each 1 lower (a -inf last when there are more than 1)."""
+    alternatives the token itself then the next ids, each 1 lower (a -inf last when there are more than 1); its rank
+    over the vocabulary ``position % 7 + 1`` (a verifier's count the gateway passes on: not the alternatives' order)."""
     lp = -(position + 1) / 10
     ids = [SPECIAL_IDS + (token - SPECIAL_IDS + j) % (vocab_size - SPECIAL_IDS) for j in range(top)]
     values = [lp - j for j in range(top)]
     if top > 1:
         values[-1] = float("-inf")
-    return verifier_pb2.TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=values)
+    return verifier_pb2.TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=values, rank=position % 7 + 1)
 
 
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):

@@ -182,7 +182,7 @@ def _vllm_prompt_entries(tok, prompt: list[int], k: int) -> list:
     for i, t in enumerate(prompt[1:], 1):
         e = fake_logprobs(t, 100 + i, k, vocab_size())
         tops = {tid: (max(v, -9999.0), r + 1) for r, (tid, v) in enumerate(zip(e.top_token_ids, e.top_logprobs))}
-        here = {t: tops.get(t, (e.logprob, None)), **tops}
+        here = {t: tops.get(t, (e.logprob, e.rank)), **tops}
         out.append({str(tid): {"logprob": pytest.approx(v), "rank": rank, "decoded_token": text(tid)}
                     for tid, (v, rank) in here.items()})
     return out
@@ -201,12 +201,14 @@ def test_vllms_prompt_logprobs(stack, tok, path):
         assert r["choices"][0]["prompt_logprobs"] == want and r["choices"][0]["logprobs"] is None
     else:
         assert r["prompt_logprobs"] == want and r["choices"][0]["logprobs"] is None
-    # N = 0: each prompt token alone, its rank unknown (the verifier reports the top N, not every token's rank)
+    # N = 0: each prompt token alone, with the rank the verifier counted over the vocabulary (the fake's position % 7
+    # + 1 for prompt token i at position 100 + i)
     r = httpx.post(f"{stack.url}{path}", json={**body, "max_tokens": 1, "prompt_logprobs": 0}, timeout=10).json()
     listed = r["choices"][0]["prompt_logprobs"] if path == "/v1/completions" else r["prompt_logprobs"]
     prompt = list(stack.fake.requests[-1].prompt_token_ids)
     assert listed[0] is None and [list(p) for p in listed[1:]] == [[str(t)] for t in prompt[1:]]
-    assert all(p[str(t)]["rank"] is None for p, t in zip(listed[1:], prompt[1:]))
+    assert [p[str(t)]["rank"] for p, t in zip(listed[1:], prompt[1:])] == [(100 + i) % 7 + 1
+                                                                           for i in range(1, len(prompt))]
     streamed = httpx.post(f"{stack.url}{path}", json={**body, "prompt_logprobs": 1, "stream": True}, timeout=10)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
     if path == "/v1/completions":
@@ -214,3 +216,14 @@ def test_vllms_prompt_logprobs(stack, tok, path):
         assert httpx.post(f"{stack.url}{path}", json={**both, "prompt_logprobs": 1}, timeout=10).status_code == 200
         r = httpx.post(f"{stack.url}{path}", json={**both, "prompt_logprobs": 2}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_prompt_rank_the_verifier_did_not_count_is_null():
+    """rank 0 on the wire (a verifier that counts none) is vLLM's null, not a rank of 0."""
+    from gateway.logprobs_shape import vllm_prompt_logprobs
+    from tandem.rpc.verifier.v1 import verifier_pb2
+
+    entries = [verifier_pb2.TokenLogprobs(logprob=-2.0), verifier_pb2.TokenLogprobs(logprob=-1.0, rank=4)]
+    listed = vllm_prompt_logprobs(str, [7, 8, 9], entries)
+    assert listed == [None, {"8": {"logprob": -2.0, "rank": None, "decoded_token": "8"}},
+                      {"9": {"logprob": -1.0, "rank": 4, "decoded_token": "9"}}]

@@ -151,7 +151,8 @@ class VerifierService:
         for entries, field in ((out.logprobs, resp.logprobs), (out.prompt_logprobs, resp.prompt_logprobs)):
             if entries is not None:
                 field.extend(pb.TokenLogprobs(logprob=e.logprob, top_token_ids=[t for t, _ in e.top],
-                                              top_logprobs=[v for _, v in e.top]) for e in entries)
+                                              top_logprobs=[v for _, v in e.top], rank=e.rank or 0)
+                             for e in entries)
         stats = out.spec_stats
         if stats is not None:
             resp.spec.CopyFrom(pb.SpecStats(rounds=stats.rounds, accept_length_mean=stats.accept_length_mean,
