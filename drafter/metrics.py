@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
+
+from tandem import metrics_port
 
 ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -34,7 +36,7 @@ class DrafterMetrics:
         self.registry.register(_PrefixCacheCounts(stats))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        metrics_port.serve(self.registry, port, host)
 
 
 class _PrefixCacheCounts:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import collections
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from tandem import metrics_port
 from tandem.bulk_histogram import BulkHistogram
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -140,7 +141,7 @@ class VerifierMetrics:
             self._child(self.drafter_round, "boundary").observe(round_trip_s - drafter_s)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        metrics_port.serve(self.registry, port, host)
 
 
 class StepTally:
