@@ -133,7 +133,8 @@ def _build_engine(cfg, speculative: speculative_flags.Speculative):
 def _add_training(sub: argparse._SubParsersAction) -> None:
     from tandem.training.cli import add_demo_models, add_train_drafter, run_demo_models, train_drafter_command
 
-    p = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a target (= python -m drafter.train)")
+    p = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a target (= python -m drafter.train)",
+                       formatter_class=command_line.HelpFormatter)
     add_train_drafter(p)
     p.set_defaults(run=train_drafter_command)
     p = sub.add_parser("demo-models", help="build (once, cached) the demo target and its EAGLE-3 head")

@@ -423,7 +423,8 @@ def _parsers():
     from verifier.__main__ import build_parser as verifier_parser
 
     subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    return {"tandem up": subs["up"], "tandem generate": subs["generate"], "verifier": verifier_parser(),
+    return {"tandem up": subs["up"], "tandem generate": subs["generate"], "tandem train-drafter": subs["train-drafter"],
+            "verifier": verifier_parser(),
             "drafter": drafter_parser(), "gateway": gateway_parser()}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from tandem import args as shared
 from tandem import internal_secret
 from tandem.args import LOG_FORMAT
-from tandem.command_line import ArgumentParser
+from tandem.command_line import ArgumentParser, HelpFormatter
 from tandem.errors import TandemError
 
 
@@ -38,36 +38,38 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="samples, vocabulary and checkpoints (default: OUT.run)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder (samples, vocab, checkpoint)")
     g = p.add_argument_group("responses")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens the target writes per response")
     g.add_argument("--temperature", type=float, default=0.0, help="of the target's responses (0 = greedy)")
     g.add_argument("--regenerate", action="store_true", help="let the target rewrite responses given in the data")
-    g.add_argument("--max-samples", type=int, default=None)
+    g.add_argument("--max-samples", type=int, default=None, help="train on at most this many samples (default: all)")
     g = p.add_argument_group("head and training")
     g.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
     g.add_argument("--capture-layers", type=_ints, default=None, help="target layer inputs, e.g. 2,16,29 (default [2, N//2, N-3])")
-    g.add_argument("--ttt-steps", "--ttt-length", dest="ttt_steps", type=int, default=7)
+    g.add_argument("--ttt-steps", "--ttt-length", dest="ttt_steps", type=int, default=7,
+                   help="training-time test: the head's own steps unrolled per position")
     g.add_argument("--loss", choices=["soft", "hard"], default="soft", help="target distribution or target argmax")
     g.add_argument("--include-prompt-loss", action="store_true", help="also train on prompt positions")
-    g.add_argument("--epochs", "--num-epochs", dest="epochs", type=float, default=2.0)
+    g.add_argument("--epochs", "--num-epochs", dest="epochs", type=float, default=2.0, help="passes over the samples")
     g.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=2e-3)
-    g.add_argument("--warmup-steps", type=int, default=30)
-    g.add_argument("--checkpoint-every", "--save-interval", dest="checkpoint_every", type=int, default=100)
+    g.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
+    g.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=int, default=30, help="steps of linear warm-up to the peak rate")
+    g.add_argument("--checkpoint-every", "--save-interval", dest="checkpoint_every", type=int, default=100,
+                   help="steps between checkpoints in the run folder")
     g.add_argument("--no-compile", action="store_true", help="train eagerly (no torch.compile)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="of the head's initialisation and the sample order")
     g = p.add_argument_group("devices")
     g.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
     g.add_argument("--device", default="auto", help="auto: cuda when torch sees a GPU, else cpu")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-data", "--eval-data-path", dest="eval_data", default=None, help="held-out JSONL (default: a slice of --data)")
-    g.add_argument("--eval-fraction", type=float, default=0.05)
-    g.add_argument("--max-eval-prompts", type=int, default=64)
-    g.add_argument("--eval-max-new-tokens", type=int, default=96)
-    g.add_argument("--speculative-num-steps", type=int, default=5)
-    g.add_argument("--speculative-eagle-topk", type=int, default=1)
-    g.add_argument("--speculative-num-draft-tokens", type=int, default=6)
+    g.add_argument("--eval-fraction", type=float, default=0.05, help="of --data held out for evaluation")
+    g.add_argument("--max-eval-prompts", type=int, default=64, help="held-out prompts evaluated")
+    g.add_argument("--eval-max-new-tokens", type=int, default=96, help="tokens generated per evaluated prompt")
+    g.add_argument("--speculative-num-steps", type=int, default=5, help="the evaluation's draft depth")
+    g.add_argument("--speculative-eagle-topk", type=int, default=1, help="the evaluation's branching per step")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=6, help="the evaluation's tree size")
     g.add_argument("--no-eval", action="store_true", help="skip the speculative evaluation after training")
     g.add_argument("--eval-only", action="store_true", help="only evaluate --draft-model against --target-model: on "
                    "--eval-data / --data, else the prompts its training held out (DRAFT.run), else the demo's")
@@ -326,7 +328,7 @@ def _head_at_temperature(args: argparse.Namespace) -> int:
 def main_train_drafter(argv: list[str] | None = None) -> int:
     import logging
 
-    p = ArgumentParser(prog="python -m drafter.train",
+    p = ArgumentParser(prog="python -m drafter.train", formatter_class=HelpFormatter,
                        description="Train an EAGLE-3 draft head for a target (training-time test)")
     add_train_drafter(p)
     args = p.parse_args(argv)
