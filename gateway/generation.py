@@ -22,6 +22,10 @@ from gateway.request import GenerationRequest
 from gateway.request_log import RequestLog
 from gateway.upstream import VerifierClient
 from tandem import tracing
+from tandem.rpc.verifier.v1 import verifier_pb2
+
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+VERIFIER_GENERATE = f"{VERIFIER_SERVICE}/Generate"  # (OpenTelemetry's RPC span name)
 
 
 @dataclass
@@ -91,9 +95,18 @@ class GenerationStream:
         self._last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.spec_stats = None  # the verifier's SpecStats from its final message, when it sends one
-        # The W3C context of this request's span rides in the metadata, so the verifier's spans
-        # join the gateway's trace.
-        self._call = client.generate(request.to_proto(), tracing.inject_metadata(tracing.context_with(span)))
+        # The call's client span (OpenTelemetry's RPC conventions: a server span's parent is its caller's client span)
+        # rides in the metadata as W3C context, so the verifier's spans join the gateway's trace under it.
+        self._rpc_span = tracing.start_span(VERIFIER_GENERATE, parent=tracing.context_with(span), kind="client",
+                                            attributes={"rpc.system": "grpc", "rpc.service": VERIFIER_SERVICE,
+                                                        "rpc.method": "Generate", "server.address": client.address})
+        try:
+            self._call = client.generate(request.to_proto(),
+                                         tracing.inject_metadata(tracing.context_with(self._rpc_span)))
+        except BaseException as e:  # (refused before any call: a verifier the health checks found down)
+            tracing.set_error(self._rpc_span, str(e))
+            self._rpc_span.end()
+            raise
         metrics.labels(metrics.running).inc()
 
     def __aiter__(self):
@@ -218,6 +231,9 @@ class GenerationStream:
     def _finish(self, reason: str, cause: str = "") -> None:
         """``cause``: what failed, for an "error" (the request log's line says it)."""
         self.finish_reason = reason
+        if reason == "error":  # (a client span is in error on any unsuccessful status; a cancel is the caller's)
+            tracing.set_error(self._rpc_span, cause)
+        self._rpc_span.end()
         m = self._metrics
         m.labels(m.running).dec()
         m.labels(m.prompt_tokens).inc(self._prompt_tokens)

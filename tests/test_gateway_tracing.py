@@ -25,6 +25,7 @@ def exporter():
 
 stack = stack_fixture(after=("exporter",))
 GRPC_SPAN = "tandem.rpc.generation.v1.Generation/Generate"
+CALL_SPAN = "tandem.rpc.verifier.v1.Verifier/Generate"  # the gateway's client span of its call to the verifier
 
 
 def _spans(exporter, *names):
@@ -37,10 +38,14 @@ def test_rest_request_and_verifier_share_one_trace(stack, exporter):
     exporter.clear()
     r = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
     assert r.status_code == 200
-    spans = _spans(exporter, "gateway.completions", "verifier.generate")
-    gw, vf = spans["gateway.completions"], spans["verifier.generate"]
-    assert gw.context.trace_id == vf.context.trace_id
-    assert vf.parent is not None and vf.parent.span_id == gw.context.span_id
+    spans = _spans(exporter, "gateway.completions", CALL_SPAN, "verifier.generate")
+    gw, call, vf = spans["gateway.completions"], spans[CALL_SPAN], spans["verifier.generate"]
+    assert gw.context.trace_id == call.context.trace_id == vf.context.trace_id
+    # OpenTelemetry's RPC modelling: the gateway's server span, its client span of the call, the verifier's server span
+    assert call.kind.name == "CLIENT" and call.parent.span_id == gw.context.span_id
+    assert (call.attributes["rpc.system"], call.attributes["rpc.method"]) == ("grpc", "Generate")
+    assert call.status.status_code.name == "UNSET"
+    assert vf.parent is not None and vf.parent.span_id == call.context.span_id
     assert gw.kind.name == "SERVER" and gw.attributes["http.response.status_code"] == 200
     assert gw.attributes["gen_ai.usage.output_tokens"] == 4 and gw.attributes["gen_ai.operation.name"] == "text_completion"
     assert stack.fake.metadata[-1]["traceparent"].split("-")[1] == format(gw.context.trace_id, "032x")
@@ -111,8 +116,10 @@ def test_grpc_request_is_traced_and_errors_are_marked(stack, exporter):
         stack.fake.fail_with = (grpc.StatusCode.INTERNAL, "boom")
         with pytest.raises(grpc.RpcError):
             list(stub.Generate(generation_pb2.GenerateRequest(text="hi", max_tokens=3), timeout=10))
-    span = _spans(exporter, GRPC_SPAN)[GRPC_SPAN]
+    spans = _spans(exporter, GRPC_SPAN, CALL_SPAN)
+    span = spans[GRPC_SPAN]
     assert span.status.status_code.name == "ERROR" and span.attributes["rpc.grpc.status_code"] == 13
+    assert spans[CALL_SPAN].status.status_code.name == "ERROR" and "INTERNAL" in spans[CALL_SPAN].status.description
 
 
 def test_n_choices_sum_their_usage_on_the_span(stack, exporter):

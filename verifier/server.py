@@ -134,7 +134,8 @@ class VerifierService:
     @staticmethod
     def request_span(rid: str, request, parent):
         return tracing.start_span("verifier.generate", parent=parent, kind="server",
-                                  attributes={"tandem.request_id": rid,
+                                  attributes={"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "Generate",
+                                              "tandem.request_id": rid,
                                               "tandem.prompt_tokens": len(request.prompt_token_ids)},
                                   tracer="tandem.verifier")
 
