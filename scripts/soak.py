@@ -439,7 +439,7 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             m = stack.metrics()
-            kv = {"free": m.get("tandem:kv_pages_free"), "total": m.get("tandem:kv_pages_total"),
+            kv = {"free": m.get("tandem:kv_pages_free"), "total": m.get("tandem:kv_pages_capacity"),
                   "running": m.get("tandem:num_requests_running"), "waiting": m.get("tandem:num_requests_waiting")}
             if kv["free"] == kv["total"] and not kv["running"] and not kv["waiting"]:
                 break

@@ -164,7 +164,7 @@ def test_client_disconnect_mid_stream_frees_the_kv(stack):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = read_metrics(stack["metrics_port"])
-        if m["tandem:kv_pages_free"] == m["tandem:kv_pages_total"] and m["tandem:num_requests_running"] == 0:
+        if m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"] and m["tandem:num_requests_running"] == 0:
             break
         time.sleep(0.1)
     else:

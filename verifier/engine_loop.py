@@ -251,7 +251,7 @@ class EngineLoop(threading.Thread):
         m.running.set(len(engine.scheduler.running))
         m.waiting.set(len(engine.scheduler.waiting))
         m.kv_pages_free.set(engine.allocator.num_free)
-        m.kv_pages_total.set(engine.allocator.capacity_pages)
+        m.kv_pages_capacity.set(engine.allocator.capacity_pages)
         m.kv_usage.set(self._kv_usage())
         m.drafter_detached.set(1 if engine.drafts.detached else 0)
 

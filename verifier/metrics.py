@@ -85,7 +85,7 @@ class VerifierMetrics:
         self.drafter_failures = Counter("tandem:drafter_failures", "Drafter losses (timeouts, deaths)", registry=r)
         self.kv_pages_free = Gauge("tandem:kv_pages_free", "KV-cache pages an allocation can take: free, or in the "
                                    "prefix cache with no request holding them", registry=r)
-        self.kv_pages_total = Gauge("tandem:kv_pages_total", "KV-cache pages that can be allocated", registry=r)
+        self.kv_pages_capacity = Gauge("tandem:kv_pages_capacity", "KV-cache pages that can be allocated", registry=r)
         self.phase_seconds = Histogram("tandem:round_phase_seconds", "Wall time per engine-step phase", ["phase"],
                                        buckets=LATENCY_BUCKETS, registry=r)
 
