@@ -101,7 +101,8 @@ def test_a_cancelled_stream_frees_its_kv_and_a_duplicate_id_leaves_the_running_o
         assert more.token_ids and not more.finish_reason
         running.cancel()
     wait_for(lambda: (lambda m: m["tandem:num_requests_running"] == 0
-                      and m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(read_metrics(verifier.metrics_port)),
+                      and m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(
+                 read_metrics(verifier.metrics_port)),
              30, "the cancelled request's KV to be freed")
     tokens, _ = generate(verifier.address, prompts_of(8)[2])  # serving on
     assert tokens == reference[2]

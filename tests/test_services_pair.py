@@ -205,7 +205,8 @@ def test_cancel_frees_the_requests_kv(pair):
         m = read_metrics(verifier.metrics_port)
         assert m["tandem:kv_pages_free"] < m["tandem:kv_pages_capacity"]
         call.cancel()
-    wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(read_metrics(verifier.metrics_port)),
+    wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(
+             read_metrics(verifier.metrics_port)),
              30, "the cancelled request's KV pages to come back")
 
 
@@ -459,7 +460,8 @@ def test_a_target_only_verifier_queuing_decode_steps_streams_what_one_step_decod
             first, second = next(call), next(call)
             assert len(first.token_ids) + len(second.token_ids) >= 5  # the prefill's token, then a run of four
             call.cancel()
-        wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(read_metrics(metrics_port)),
+        wait_for(lambda: (lambda m: m["tandem:kv_pages_free"] == m["tandem:kv_pages_capacity"])(
+                 read_metrics(metrics_port)),
                  30, "the cancelled request's KV pages to come back")
     finally:
         verifier.stop()
