@@ -192,7 +192,8 @@ def run_up(args: argparse.Namespace) -> int:
             _wait_healthy(child, args, plan.ports)
         base = f"http://{host_port(args.host, args.port)}"
         auth = "-H 'Authorization: Bearer <your API key>' " if env.get(shared.API_KEY_ENV) else ""
-        drafter = (f"  drafter: 127.0.0.1:{plan.ports['drafter']}, internal secret (tandem reload-drafter "
+        drafter = (f"  drafter: 127.0.0.1:{plan.ports['drafter']} (metrics: http://127.0.0.1:"
+                   f"{plan.ports['drafter_metrics']}/metrics), internal secret (tandem reload-drafter "
                    f"--internal-secret-file): {secret_file}\n" if any(c.name == "drafter" for c in children) else "")
         mode = "no speculation" if plan.draft is None else \
             f"EAGLE-3 speculation on, head {'in the verifier' if args.drafter == 'in-process' else 'in the drafter'}"
