@@ -51,7 +51,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Stream one generation; the last message carries finish_reason and the token counts."""
-        if request is MALFORMED:
+        if request is MALFORMED:  # (counted as the request it is, as a REST body that is not JSON is)
+            self._gw.metrics.count_request("grpc", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GenerateRequest protobuf")
         gw = self._gw
         arrival = time.monotonic()

@@ -198,14 +198,18 @@ def test_health_mirrors_the_verifier_and_reflection_lists_the_service(channel):
     assert "tandem.rpc.generation.v1.Generation" in names and "grpc.health.v1.Health" in names
 
 
-def test_malformed_protobuf_is_invalid_argument_without_a_traceback(channel, caplog):
+def test_malformed_protobuf_is_invalid_argument_without_a_traceback(stack, channel, caplog):
     raw = channel.unary_stream("/tandem.rpc.generation.v1.Generation/Generate",
                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    counted = dict(name="tandem:requests_total", api="grpc", status="INVALID_ARGUMENT")
+    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **counted)
     with pytest.raises(grpc.RpcError) as err:
         list(raw(b"\xff" * 50, timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert "malformed GenerateRequest" in err.value.details() and "DecodeError" not in err.value.details()
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    # answered, so counted (as a REST body that is not JSON is)
+    assert metric_value(httpx.get(f"{stack.url}/metrics").text, **counted) == before + 1
 
 
 def test_a_stream_whose_client_reads_nothing_ends_and_gives_its_slot_back(stack):
