@@ -69,14 +69,17 @@ class _Scope:
     def client_left(self) -> None:
         self.client_gone = True
 
-    def finish(self, status: int, error: str | None = None) -> None:
+    def finish(self, status: int, error: str | None = None, sent: int | None = None) -> None:
+        """``status``: the request's outcome as an HTTP status (what the metrics count: a stream's error event's, 499
+        for a client that left); ``sent``: the status line already sent, where that differs (a stream's 200), which
+        the span's ``http.response.status_code`` holds as OpenTelemetry's HTTP conventions define it."""
         if self.done:
             return
         self.done = True
         for _ in range(self.slots):
             self.gw.slots.give_back()
         self.gw.metrics.count_request(self.api, status)
-        self.span.set_attribute("http.response.status_code", status)
+        self.span.set_attribute("http.response.status_code", status if sent is None else sent)
         if error is not None:
             tracing.end_refused_or_failed(self.span, error, server_fault=status >= 500)
         self.span.end()
@@ -246,4 +249,4 @@ async def _sse(firsts: list[Delta], choices: Choices, shape: CompletionShape,
         yield SSE_DONE
     finally:
         choices.cancel()
-        scope.finish(status, error)
+        scope.finish(status, error, sent=200)  # (the stream's status line went out before its first event)

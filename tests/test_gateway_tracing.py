@@ -9,7 +9,7 @@ import time
 import grpc
 import httpx
 import pytest
-from gateway_harness import MODEL_NAME, Stack, stack_fixture, wait_until
+from gateway_harness import MODEL_NAME, Stack, metric_value, stack_fixture, wait_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem import tracing
@@ -83,6 +83,27 @@ def test_a_client_that_leaves_a_whole_answer_ends_its_span_once_with_usage(stack
     # a client that left is no server fault (OpenTelemetry's HTTP conventions): status unset, the reason beside it
     assert gw.status.status_code.name == "UNSET" and gw.attributes["tandem.refused"] == "client disconnected"
     assert "ended span" not in caplog.text
+
+
+def test_a_stream_its_client_leaves_says_the_200_it_sent_and_why_it_ended(stack, exporter):
+    """The span's http.response.status_code is the status line sent (OpenTelemetry's HTTP conventions): a stream's 200,
+    its client's leaving in tandem.refused; the metrics count the outcome, 499."""
+    exporter.clear()
+    counted = dict(name="tandem:requests_total", api="completions", status="499")
+    before = metric_value(httpx.get(f"{stack.url}/metrics").text, **counted)
+    stack.fake.delay_s = 0.05
+    try:
+        body = {"model": MODEL_NAME, "prompt": "slow", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first event, then the client leaves
+        gw = _spans(exporter, "gateway.completions")["gateway.completions"]
+    finally:
+        stack.fake.delay_s = 0.0
+    assert gw.attributes["http.response.status_code"] == 200
+    assert gw.attributes["tandem.refused"] == "client disconnected" and gw.status.status_code.name == "UNSET"
+    wait_until(lambda: metric_value(httpx.get(f"{stack.url}/metrics").text, **counted) == before + 1,
+               what="the request counted as 499")
 
 
 def test_incoming_traceparent_is_the_parent_and_streams_end_their_span(stack, exporter):
