@@ -58,3 +58,24 @@ def test_a_failing_writer_stops_capture_without_blocking(tmp_path):
     rec.close()
     assert time.monotonic() - started < 5
     assert rec.samples_written == 0 and rec.samples_dropped == 51
+
+
+def test_a_short_shard_reaches_the_disk_once_its_first_sample_is_shard_age_s_old(tmp_path):
+    """Light traffic is not held until 256 samples or a clean stop (a verifier killed outright would lose it): the
+    shard closes short after shard_age_s; the samples after it start the next one."""
+    rec = TrafficRecorder(CaptureConfig(str(tmp_path), shard_age_s=0.5), MANIFEST)
+    try:
+        finish_one(rec, "a", [1, 2, 3], [4, 5])
+        finish_one(rec, "b", [9, 8], [7])
+        time.sleep(0.2)
+        assert read_index(tmp_path) == []  # (younger than shard_age_s: still one shard being filled)
+        deadline = time.monotonic() + 10
+        while not read_index(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [tokens for _, tokens, _, _ in read_index(tmp_path)] == [[1, 2, 3, 4, 5], [9, 8, 7]]
+        finish_one(rec, "c", [6, 6], [6])
+    finally:
+        rec.close()
+    index = read_index(tmp_path)
+    assert [tokens for _, tokens, _, _ in index] == [[1, 2, 3, 4, 5], [9, 8, 7], [6, 6, 6]]
+    assert len({ref.shard for ref, _, _, _ in index}) == 2 and rec.samples_written == 3

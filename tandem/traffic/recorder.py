@@ -2,7 +2,8 @@
 
 The engine calls ``observe`` from its step with the feature rows it just computed (one host copy per
 step for the whole batch) and ``finished`` when a request completes. Shards are written by a
-background thread, so the serving loop never waits on the disk; when the writer falls behind, fails
+background thread (a shard closes at ``shard_samples``, or short once its first sample is ``shard_age_s``
+old), so the serving loop never waits on the disk; when the writer falls behind, fails
 (a full disk) or the size cap is reached, samples are dropped and counted, never the requests
 themselves. Memory is bounded in bytes: a feature row is 3·H values (24 KB per token at the 8B
 shape), so shards close at ``shard_mb`` and at most ``queue_mb`` of finished samples wait.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,6 +33,9 @@ class CaptureConfig:
     shard_samples: int = 256  # samples per shard file, at most
     shard_mb: float = 1024.0  # ... and feature megabytes per shard, at most
     queue_mb: float = 4096.0  # finished samples waiting for the writer before new ones are dropped
+    # a shard closes short once its first sample has waited this long: light traffic reaches the disk within minutes,
+    # and a verifier killed outright loses at most that much of it
+    shard_age_s: float = 300.0
 
 
 class TrafficRecorder:
@@ -108,18 +113,23 @@ class TrafficRecorder:
 
     def _write_loop(self) -> None:
         pending: list[TrafficSample] = []
-        pending_bytes = 0
+        pending_bytes, due = 0, None  # due: when the pending shard closes however short (shard_age_s)
         while True:
-            item = self._queue.get()
-            if item is not _STOP:
+            try:
+                item = self._queue.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                item = None  # the shard's first sample has waited shard_age_s
+            if item is not None and item is not _STOP:
+                if not pending:
+                    due = time.monotonic() + self.cfg.shard_age_s
                 pending.append(item)
                 pending_bytes += item.nbytes
             full = len(pending) >= self.cfg.shard_samples or pending_bytes >= self.cfg.shard_mb * 1e6
-            if pending and (item is _STOP or full):
+            if pending and (item is None or item is _STOP or full):
                 self._flush(pending)
                 with self._lock:
                     self._queued_bytes -= pending_bytes
-                pending, pending_bytes = [], 0
+                pending, pending_bytes, due = [], 0, None
             if item is _STOP:
                 return
 
