@@ -57,6 +57,15 @@ def test_bad_flags_are_refused_before_the_target_loads(target, data, tmp_path, c
     assert message in err, err
 
 
+def test_a_run_folder_that_cannot_be_made_is_refused_by_its_flag(target, data, tmp_path, capsys,  # noqa: F811
+                                                                  monkeypatch):
+    (tmp_path / "a-file").write_text("x")
+    run = tmp_path / "a-file" / "run"
+    err = _refused(["--target-model", str(target), "--data", str(data), "--out", str(tmp_path / "d"), "--run-dir",
+                    str(run)], capsys, monkeypatch)
+    assert f"--run-dir {run}: cannot create the run folder {run} (Not a directory)" in err, err
+
+
 def test_out_is_never_the_target_or_another_model(target, data, tmp_path, capsys, monkeypatch):  # noqa: F811
     copy = tmp_path / "target"
     shutil.copytree(target, copy)

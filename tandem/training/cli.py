@@ -84,6 +84,7 @@ def _interrupt(signum, frame) -> None:
 def _check_before_loading(args: argparse.Namespace) -> None:
     """What the command line can get wrong, refused before the target loads (minutes for a large one)."""
     from tandem.configs.model import ModelConfig
+    from tandem.training.pipeline import run_folder
 
     for flag, value, least in (("--ttt-steps", args.ttt_steps, 1), ("--batch-size", args.batch_size, 1),
                                ("--checkpoint-every", args.checkpoint_every, 1), ("--max-steps", args.max_steps, 1),
@@ -103,6 +104,12 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     if out == target or target in out.parents or out in target.parents:
         raise TandemError(f"--out {args.out} is (or holds, or lies in) the target's folder: the head is written elsewhere")
     _check_out(args.out, out)
+    run = run_folder(args.out, args.run_dir)
+    try:  # (made now, named by its flag: not an errno naming the derived folder after the target's responses)
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        flag = f"--run-dir {args.run_dir}" if args.run_dir else f"--out {args.out}"
+        raise TandemError(f"{flag}: cannot create the run folder {run} ({e.strerror})") from None
     model = ModelConfig.from_dir(args.target_model)
     layers = args.capture_layers
     if layers is not None and (len(layers) != 3 or not all(0 <= i < model.num_layers for i in layers)):
