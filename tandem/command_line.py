@@ -56,7 +56,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         # after the subcommand: the first word that is not an option (the top level's options take no value)
         at = next((i + 1 for i, a in enumerate(argv) if not a.startswith("-")), 0) if subcommand else 0
         try:
-            argv = argv[:at] + config_argv(path, _negatable(parser)) + argv[at:]
+            argv = argv[:at] + config_argv(path, _negatable(parser), _arity(parser)) + argv[at:]
         except ConfigError as e:
             parser.error(str(e))
     args, unknown = parser.parse_known_args(_glue_flag_strings(argv))  # (again: a config file's words too)
@@ -79,6 +79,28 @@ def _negatable(parser: argparse.ArgumentParser) -> frozenset[str]:
     return frozenset(found)
 
 
+def _arity(parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Each flag of ``parser`` and its subcommands' by what it takes: 0 (a switch), None (one value), "append" (one
+    value a time, repeatable), or argparse's nargs; a flag two subcommands take differently is left out (argparse then
+    judges its words)."""
+    found: dict[str, object] = {}
+    clashing: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for flag, nargs in _arity(sub).items():
+                    if found.setdefault(flag, nargs) != nargs:
+                        clashing.add(flag)
+            continue
+        for flag in action.option_strings:
+            if flag.startswith("--") and not flag.startswith("--no-"):
+                nargs = (0 if isinstance(action, argparse.BooleanOptionalAction)
+                         else "append" if isinstance(action, argparse._AppendAction) else action.nargs)
+                if found.setdefault(flag, nargs) != nargs:
+                    clashing.add(flag)
+    return {flag: nargs for flag, nargs in found.items() if flag not in clashing}
+
+
 def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and name in action.choices:
@@ -98,10 +120,13 @@ def _glue_flag_strings(argv: list[str]) -> list[str]:
     return out
 
 
-def config_argv(path: str, negatable: frozenset[str] = frozenset()) -> list[str]:
+def config_argv(path: str, negatable: frozenset[str] = frozenset(),
+                arity: dict[str, object] | None = None) -> list[str]:
     """A config file's flags as command-line words (true: the flag alone; false: left out, or its ``--no-`` form for a
     flag in ``negatable``, whose default may be on; a list: its values after the flag; an object: as JSON, e.g.
-    --speculative-config)."""
+    --speculative-config). With ``arity`` (``_arity``'s), a switch given other than true or false, a list for a flag of
+    one value, and a flag given twice (``kv-pages`` and ``kv_pages``) are refused by key: as words they would read as
+    other arguments (a switch's ``yes`` as the model)."""
     text = Path(path).read_text() if Path(path).is_file() else None
     if text is None:
         raise ConfigError(f"--config {path}: no such file")
@@ -117,16 +142,27 @@ def config_argv(path: str, negatable: frozenset[str] = frozenset()) -> list[str]
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must map flag names to values")
     words: list[str] = []
+    seen: dict[str, str] = {}
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
         if flag == "--config":
             raise ConfigError(f"--config {path}: a config file cannot name another")
+        if flag in seen:
+            raise ConfigError(f"--config {path}: {key} and {seen[flag]} are the same flag ({flag}); give it once")
+        seen[flag] = str(key)
+        takes = (arity or {}).get(flag, "?")
+        if takes == 0 and not isinstance(value, bool) and value is not None:
+            raise ConfigError(f"--config {path}: {key} is a switch: true or false, got {json.dumps(value)}")
+        if takes is None and isinstance(value, list):
+            raise ConfigError(f"--config {path}: {key} takes one value, got a list {json.dumps(value)[:80]}")
         if value is True:
             words.append(flag)
         elif value is False and flag in negatable:
             words.append("--no-" + flag[2:])
         elif value is False or value is None:
             continue
+        elif isinstance(value, list) and takes == "append":  # (--traffic A --traffic B)
+            words += [word for item in value for word in (flag, str(item))]
         elif isinstance(value, list):
             words += [flag, *map(str, value)]
         elif isinstance(value, dict):

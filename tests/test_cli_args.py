@@ -617,6 +617,31 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(folders, tmp_path):
             command_line.parse_args(verifier_parser(), ["--config", str(config)])
 
 
+def test_a_config_value_of_the_wrong_shape_is_refused_by_its_key(folders, tmp_path, capsys):
+    """A switch given other than true/false, a list for a flag of one value, one flag under two spellings: refused
+    naming the key — as words, a switch's "yes" read as the model and a list's second value as another argument.
+    A list for a repeatable flag repeats it."""
+    t, _ = folders
+    config = tmp_path / "serve.yaml"
+    for text, said in ((f"model: {t}\ndisable-prefix-caching: 'yes'\n", 'disable-prefix-caching is a switch: true or '
+                        'false, got "yes"'),
+                       (f"model: {t}\nport: [1, 2]\n", "port takes one value, got a list [1, 2]"),
+                       (f"model: {t}\nkv-pages: 10\nkv_pages: 20\n", "kv_pages and kv-pages are the same flag "
+                        "(--kv-pages); give it once")):
+        config.write_text(text)
+        for argv, sub in ((["up", "--config", str(config)], True), (["generate", "--config", str(config)], True)):
+            with pytest.raises(SystemExit):
+                command_line.parse_args(build_parser(), argv, subcommand=sub)
+            err = capsys.readouterr().err
+            assert said in err and err.count("\n") == 1, err
+    repeatable = argparse.ArgumentParser()
+    repeatable.add_argument("--traffic", action="append")
+    config.write_text("traffic: [/data/a, /data/b]\n")
+    words = command_line.config_argv(str(config), arity=command_line._arity(repeatable))
+    assert words == ["--traffic", "/data/a", "--traffic", "/data/b"]
+    assert repeatable.parse_args(words).traffic == ["/data/a", "/data/b"]
+
+
 def _verifier_config(args):
     from verifier.config import VerifierConfig
 
