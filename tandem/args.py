@@ -105,11 +105,11 @@ DTYPE = Flag(("--dtype",), dict(default=e.dtype, type=_dtype, choices=["auto", "
 MEM_FRACTION = Flag(("--mem-fraction-static", "--gpu-memory-utilization"), dict(type=float, default=e.mem_fraction_static,
                                                      help="GPU: fraction of the device's memory for weights + KV"))
 KV_PAGES = Flag(("--kv-pages",), dict(type=int, default=None,
-                                      help="KV pool size in pages (default: from --mem-fraction-static on GPU, "
-                                           f"{e.cpu_kv_tokens} tokens on CPU)"))
+                                      help="KV pool size in pages, page 0 reserved (default: from "
+                                           f"--mem-fraction-static on GPU, {e.cpu_kv_tokens} tokens on CPU)"))
 MAX_TOTAL_TOKENS = Flag(("--max-total-tokens",), dict(
     type=_tokens, default=None, metavar="TOKENS", help="KV pool size in tokens (SGLang's flag): --kv-pages of it, "
-                                                       "rounded up to whole pages"))
+                                                       "rounded up to whole pages (page 0 reserved)"))
 MAX_RUNNING = Flag(("--max-running-requests", "--max-num-seqs"),
                    dict(type=int, default=e.max_running_requests, help="requests in the running batch at most"))
 DISABLE_GRAPH = Flag(("--disable-cuda-graph", "--enforce-eager"),

@@ -142,7 +142,7 @@ def test_a_verifier_that_is_down_is_503_without_its_address():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_the_kv_cache_can_never_hold_is_400_not_429(stack, stream):
-    never = "the prompt needs 40 KV pages and this server's whole KV cache has 32: it can never fit; shorten it"
+    never = "the prompt needs 40 KV pages and the whole KV cache has 32 for requests: it can never fit; shorten it"
     stack.fake.fail_with = (grpc.StatusCode.OUT_OF_RANGE, never)
     r = httpx.post(f"{stack.url}/v1/completions", json={**GOOD, "stream": stream}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -95,9 +95,9 @@ class ModelRunner:
         self.kv = KVPool.from_spec(spec, model_cfg.num_layers, self.num_pages, cfg.page_size, self.dtype, self.device)
         page_bytes = KVPool.bytes_per_page(model_cfg.num_layers, cfg.page_size, spec.heads, spec.dim, self.dtype,
                                            spec.entries)
-        log.info("rank %d: KV cache %d pages x %d tokens = %d tokens, %.2f GiB (%d bytes a token)", self.rank,
-                 self.num_pages, cfg.page_size, self.num_pages * cfg.page_size, self.num_pages * page_bytes / 2**30,
-                 page_bytes // cfg.page_size)
+        log.info("rank %d: KV cache %d pages x %d tokens = %d tokens (%d for requests: page 0 is reserved), %.2f GiB "
+                 "(%d bytes a token)", self.rank, self.num_pages, cfg.page_size, self.num_pages * cfg.page_size,
+                 (self.num_pages - 1) * cfg.page_size, self.num_pages * page_bytes / 2**30, page_bytes // cfg.page_size)
         self.graphs = None
         graphable = self.model.supports_cuda_graphs
         wanted = (self.device.type == "cuda" and not cfg.disable_cuda_graph) or cfg.static_graph_path

@@ -71,8 +71,8 @@ class Scheduler:
         needed = self.allocator.pages_for(len(request.prompt) + 1)
         if needed > self.allocator.capacity_pages:
             raise OutOfPagesError(
-                f"the prompt needs {needed} KV pages and this server's whole KV cache has "
-                f"{self.allocator.capacity_pages}: it can never fit; shorten it"
+                f"the prompt needs {needed} KV pages and the whole KV cache has {self.allocator.capacity_pages} for "
+                f"requests: it can never fit; shorten it"
             )
         self.waiting.append(request)
 
