@@ -62,8 +62,19 @@ REVISION = Flag(("--revision",), dict(default=None, help="the target's revision,
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
 API_KEY_ENV = "TANDEM_API_KEY"  # the gateway's API key where --api-key is not given (tandem up passes its own so)
 NO_DRAFT = "none"  # --draft-model none: no draft (tandem up: not the demo's head; the verifier: target-only)
+def _ranks(value: str) -> int:
+    """A tensor-parallel size: refused below 1 as the command line is read (tandem up: before any service starts)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of ranks: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "--tp", "-tp"),
-               dict(type=int, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
+               dict(type=_ranks, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
 DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when torch sees a GPU, else cpu), cpu, "
                                                                 "cuda or cuda:N"))
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
