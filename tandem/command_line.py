@@ -13,6 +13,9 @@ from pathlib import Path
 from tandem.errors import ConfigError
 
 
+NEGATABLE = "negatable"  # _arity's word for a switch with a --no- form
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line and a pointer to ``--help``: a refused flag of ``tandem up`` came
     after its whole usage block (~50 lines) otherwise. Flags are taken only spelled whole: argparse's abbreviations took
@@ -56,7 +59,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         # after the subcommand: the first word that is not an option (the top level's options take no value)
         at = next((i + 1 for i, a in enumerate(argv) if not a.startswith("-")), 0) if subcommand else 0
         try:
-            argv = argv[:at] + config_argv(path, _negatable(parser), _arity(parser)) + argv[at:]
+            argv = argv[:at] + config_argv(path, _arity(parser)) + argv[at:]
         except ConfigError as e:
             parser.error(str(e))
     args, unknown = parser.parse_known_args(_glue_flag_strings(argv))  # (again: a config file's words too)
@@ -67,22 +70,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
     return args
 
 
-def _negatable(parser: argparse.ArgumentParser) -> frozenset[str]:
-    """The flags that have a ``--no-`` form (argparse.BooleanOptionalAction) in ``parser`` or its subcommands'."""
-    found = set()
-    for action in parser._actions:
-        if isinstance(action, argparse.BooleanOptionalAction):
-            found.update(s for s in action.option_strings if not s.startswith("--no-"))
-        elif isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                found |= _negatable(sub)
-    return frozenset(found)
-
-
 def _arity(parser: argparse.ArgumentParser) -> dict[str, object]:
-    """Each flag of ``parser`` and its subcommands' by what it takes: 0 (a switch), None (one value), "append" (one
-    value a time, repeatable), or argparse's nargs; a flag two subcommands take differently is left out (argparse then
-    judges its words)."""
+    """Each flag of ``parser`` and its subcommands' by what it takes: 0 (a switch), NEGATABLE (a switch with a ``--no-``
+    form, argparse.BooleanOptionalAction), None (one value), "append" (one value a time, repeatable), or argparse's
+    nargs; a flag two subcommands take differently is left out (argparse then judges its words)."""
     found: dict[str, object] = {}
     clashing: set[str] = set()
     for action in parser._actions:
@@ -94,7 +85,7 @@ def _arity(parser: argparse.ArgumentParser) -> dict[str, object]:
             continue
         for flag in action.option_strings:
             if flag.startswith("--") and not flag.startswith("--no-"):
-                nargs = (0 if isinstance(action, argparse.BooleanOptionalAction)
+                nargs = (NEGATABLE if isinstance(action, argparse.BooleanOptionalAction)
                          else "append" if isinstance(action, argparse._AppendAction) else action.nargs)
                 if found.setdefault(flag, nargs) != nargs:
                     clashing.add(flag)
@@ -120,10 +111,9 @@ def _glue_flag_strings(argv: list[str]) -> list[str]:
     return out
 
 
-def config_argv(path: str, negatable: frozenset[str] = frozenset(),
-                arity: dict[str, object] | None = None) -> list[str]:
+def config_argv(path: str, arity: dict[str, object] | None = None) -> list[str]:
     """A config file's flags as command-line words (true: the flag alone; false: left out, or its ``--no-`` form for a
-    flag in ``negatable``, whose default may be on; a list: its values after the flag; an object: as JSON, e.g.
+    NEGATABLE flag of ``arity``, whose default may be on; a list: its values after the flag; an object: as JSON, e.g.
     --speculative-config). With ``arity`` (``_arity``'s), a switch given other than true or false, a list for a flag of
     one value, and a flag given twice (``kv-pages`` and ``kv_pages``) are refused by key: as words they would read as
     other arguments (a switch's ``yes`` as the model)."""
@@ -151,13 +141,13 @@ def config_argv(path: str, negatable: frozenset[str] = frozenset(),
             raise ConfigError(f"--config {path}: {key} and {seen[flag]} are the same flag ({flag}); give it once")
         seen[flag] = str(key)
         takes = (arity or {}).get(flag, "?")
-        if takes == 0 and not isinstance(value, bool) and value is not None:
+        if takes in (0, NEGATABLE) and not isinstance(value, bool) and value is not None:
             raise ConfigError(f"--config {path}: {key} is a switch: true or false, got {json.dumps(value)}")
         if takes is None and isinstance(value, list):
             raise ConfigError(f"--config {path}: {key} takes one value, got a list {json.dumps(value)[:80]}")
         if value is True:
             words.append(flag)
-        elif value is False and flag in negatable:
+        elif value is False and takes == NEGATABLE:
             words.append("--no-" + flag[2:])
         elif value is False or value is None:
             continue
