@@ -62,7 +62,9 @@ REVISION = Flag(("--revision",), dict(default=None, help="the target's revision,
 DRAFT_MODEL_NAMES = ("--draft-model", "--speculative-draft-model-path")
 API_KEY_ENV = "TANDEM_API_KEY"  # the gateway's API key where --api-key is not given (tandem up passes its own so)
 NO_DRAFT = "none"  # --draft-model none: no draft (tandem up: not the demo's head; the verifier: target-only)
-def _ranks(value: str) -> int:
+
+
+def ranks(value: str) -> int:
     """A tensor-parallel size: refused below 1 as the command line is read (tandem up: before any service starts)."""
     try:
         number = int(value)
@@ -74,7 +76,7 @@ def _ranks(value: str) -> int:
 
 
 TP_SIZE = Flag(("--tp-size", "--tensor-parallel-size", "--tp", "-tp"),
-               dict(type=_ranks, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
+               dict(type=ranks, default=e.tp_size, help="tensor-parallel ranks (one process per rank)"))
 DEVICE = Flag(("--device",), dict(default=DEFAULT_DEVICE, help="auto (cuda when torch sees a GPU, else cpu), cpu, "
                                                                 "cuda or cuda:N"))
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}

@@ -705,8 +705,12 @@ def test_ports_out_of_range_and_empty_batches_are_refused_in_one_line(folders, c
         with pytest.raises(SystemExit):
             command_line.parse_args(parser, argv, subcommand=parser.prog == "tandem")
         assert "is not a port (0 to 65535)" in capsys.readouterr().err
+    from tandem.training.cli import add_train_drafter
+
+    trainer = command_line.ArgumentParser(prog="python -m drafter.train")
+    add_train_drafter(trainer)
     for parser, argv in ((build_parser(), ["up", "--tp-size", "0"]), (build_parser(), ["generate", "--tp", "-2"]),
-                         (verifier_parser(), ["--model", t, "--tensor-parallel-size", "0"])):
+                         (verifier_parser(), ["--model", t, "--tensor-parallel-size", "0"]), (trainer, ["--tp", "0"])):
         with pytest.raises(SystemExit):  # (tandem up: before the drafter starts and the verifier refuses it)
             command_line.parse_args(parser, argv, subcommand=parser.prog == "tandem")
         assert "must be >= 1, got" in capsys.readouterr().err

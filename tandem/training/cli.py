@@ -59,7 +59,8 @@ def add_train_drafter(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-compile", action="store_true", help="train eagerly (no torch.compile)")
     g.add_argument("--seed", type=int, default=0, help="of the head's initialisation and the sample order")
     g = p.add_argument_group("devices")
-    g.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1, help="tensor parallelism of the target (teacher and evaluation)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=shared.ranks, default=1,
+                   help="tensor parallelism of the target (teacher and evaluation)")
     g.add_argument("--device", default="auto", help="auto: cuda when torch sees a GPU, else cpu")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = p.add_argument_group("evaluation")
