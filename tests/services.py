@@ -102,10 +102,10 @@ def prompts_of(n: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(2 + (i * 5) % 23)] for i in range(n)]
 
 
-def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=()):
+def start_pair(pair_dirs, tmp_path, drafter_port=None, verifier_args=(), drafter_args=()):
     drafter_metrics = free_port()
     drafter = Service("drafter", ["--model", str(pair_dirs / "draft"), "--target-model", str(pair_dirs / "target"),
-                                  "--metrics-port", str(drafter_metrics)],
+                                  "--metrics-port", str(drafter_metrics), *drafter_args],
                       drafter_port or free_port(), tmp_path / "drafter.log").start()
     drafter.metrics_port = drafter_metrics
     metrics_port = free_port()

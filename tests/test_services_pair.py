@@ -239,6 +239,31 @@ def test_without_prefetching_every_round_is_sent_when_it_drafts(pair_dirs, refer
         drafter.stop()
 
 
+def test_a_drafter_whose_kv_cache_cannot_hold_the_batch_serves_on_without_failing_a_round(pair_dirs, reference,
+                                                                                      tmp_path):
+    """A head sized below the running batch (--max-kv-tokens 160: 10 pages of 16 for 8 requests of 56 tokens) sheds
+    its newest requests (tandem/speculative/head_room.py) instead of failing the round with OutOfPagesError, which
+    closed the round lane, dropped every request's speculation and met the same failure after each reconnect."""
+    drafter, verifier = start_pair(pair_dirs, tmp_path, drafter_args=("--max-kv-tokens", "160"))
+    try:
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(verifier.address,
+                                                                                        prompts_of(32)[i])))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [results[i][0] for i in range(8)] == reference[:8]
+        assert sum(results[i][1].spec.rounds for i in range(8)) > 0  # the oldest requests drafted
+        assert "cannot hold every running request" in drafter.log()
+        assert "Traceback" not in drafter.log() + verifier.log()
+        assert read_metrics(verifier.metrics_port).get("tandem:drafter_failures_total", 0.0) == 0.0
+    finally:
+        verifier.stop()
+        drafter.stop()
+
+
 def test_drafter_death_loses_nothing_and_speculation_resumes(pair_dirs, reference, tmp_path):
     drafter, verifier = start_pair(pair_dirs, tmp_path, verifier_args=("--drafter-deadline-ms", "3000"))
     try:

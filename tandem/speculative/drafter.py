@@ -38,6 +38,7 @@ from tandem.models.loader import resolve_dtype
 from tandem.prefill_shapes import PREFILL_GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS, prefill_widths
 from tandem.speculative.head_kv import DEFAULT_KV_TOKENS
 from tandem.speculative.head_prefix import HeadPrefixes, HeadRequest
+from tandem.speculative.head_room import ShedRequests, make_room, pages_needed, past_shed, scratch_room
 from tandem.speculative.proposer import Proposer
 from tandem.speculative.spec_config import SpecConfig
 from tandem.speculative.tree import DraftTree
@@ -93,6 +94,7 @@ class Eagle3Drafter(Proposer):
         self.top_width = min(cfg.max_topk, dc.draft_vocab_size)
         self.capture_layers: tuple[int, ...] | None = None  # set by from_dirs: the target layers to capture
         self._reqs: dict[str, HeadRequest] = {}
+        self.shed = ShedRequests()  # requests its pool could not hold: bare roots until released (head_room)
         self.graphs = None  # DraftGraphRunner (draft_graph.py) once capture_cuda_graphs ran; None = eager
 
     def capture_cuda_graphs(self, specs: list[SpecConfig], static: bool = False, **runner_kw) -> dict | None:
@@ -169,6 +171,7 @@ class Eagle3Drafter(Proposer):
     def release(self, rid: str) -> None:
         """Free the request's pages, its full ones kept in the prefix cache if it was started by
         ``attach_prefix``; unknown ids are ignored (a restarted drafter never saw them)."""
+        self.shed.forget(rid)
         req = self._reqs.pop(rid, None)
         if req is not None:
             self.prefixes.offer_filled([req])
@@ -181,6 +184,7 @@ class Eagle3Drafter(Proposer):
         """Forget every request and every cached page (a new verifier stream starts from nothing)."""
         for rid in list(self._reqs):
             self.release(rid)
+        self.shed.clear()
         self.allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable))
 
     # -- prefix cache (tandem.speculative.head_prefix) ---------------------------------------------
@@ -195,6 +199,7 @@ class Eagle3Drafter(Proposer):
             raise ValueError(f"attach_prefix of '{rid}': the request already has draft state")
         if not tokens:
             raise ValueError(f"attach_prefix of '{rid}': no tokens (the first token at least)")
+        self.shed.forget(rid)  # (a shed request that joins again starts over)
         req = self.prefixes.start(SequenceKV(self.allocator), tokens)
         self._reqs[rid] = req
         return req.kv.num_tokens
@@ -226,7 +231,8 @@ class Eagle3Drafter(Proposer):
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Append draft KV for ``(rid, token_ids [n], features [n, 3·H_target])`` items, in one forward.
 
-        With ``return_logits`` → per item (pre-norm states [n, H], float32 draft logits [n, draft_vocab]).
+        With ``return_logits`` → per item (pre-norm states [n, H], float32 draft logits [n, draft_vocab]); without,
+        a batch the pool cannot hold sheds its newest requests instead of failing (head_room).
         """
         if not items:
             return [] if return_logits else None
@@ -242,10 +248,18 @@ class Eagle3Drafter(Proposer):
                 )
             if not 0 <= min(tokens) <= max(tokens) < vocab:  # caught here, not as a device-side assert
                 raise ValueError(f"extend of '{rid}': token ids must be in [0, {vocab})")
-        self._rebuild(rids)
+        if not return_logits:
+            items = past_shed(self, items)
+            self._rebuild([rid for rid, _, _ in items])
+            items = make_room(self, past_shed(self, items))
+            if not items:
+                return None
+            rids = [rid for rid, _, _ in items]
+        else:
+            self._rebuild(rids)
         reqs = [self._reqs.get(rid) or HeadRequest(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
-        need = sum(r.kv.pages_needed(p + len(t)) for r, p, (_, t, _) in zip(reqs, prefixes, items))
+        need = pages_needed(self, items)
         if need > self.allocator.num_free:
             raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
         if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
@@ -290,15 +304,22 @@ class Eagle3Drafter(Proposer):
     # -- draft -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, rids: list[str], spec: SpecConfig) -> list[DraftTree]:
-        k, steps = spec.topk, spec.num_steps
+        k = spec.topk
         if k > self.top_width:
             raise ConfigError(
                 f"--speculative-eagle-topk {k} exceeds the drafter's max_topk {self.top_width}; raise max_topk or lower the flag"
             )
-        missing = [r for r in rids if r not in self._reqs]
+        missing = [r for r in rids if r not in self._reqs and r not in self.shed]
         if missing:
             raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
-        reqs = [self._reqs[r] for r in rids]
+        live = scratch_room(self, [r for r in rids if r in self._reqs], (spec.num_steps - 1) * k)
+        drafted = dict(zip(live, self._draft_live([self._reqs[r] for r in live], spec))) if live else {}
+        bare = {r: DraftTree([self.shed.roots[r] if r in self.shed else self._reqs[r].root], [-1])
+                for r in rids if r not in drafted}  # (a bare root verifies as a plain step)
+        return [drafted.get(r) or bare[r] for r in rids]
+
+    def _draft_live(self, reqs: list[HeadRequest], spec: SpecConfig) -> list[DraftTree]:
+        k, steps = spec.topk, spec.num_steps
         trees = self.graphs.draft(reqs, spec, self.cfg.defer_chain_tokens) if self.graphs is not None else None
         if trees is not None:
             return trees  # replayed the draft graph
