@@ -35,6 +35,10 @@ class DrafterMetrics:
         """Export the serving head's prefix-cache counts (a PrefixCacheStats, read at each scrape)."""
         self.registry.register(_PrefixCacheCounts(stats))
 
+    def watch_shed(self, total: Callable[[], int]) -> None:
+        """Export how many requests the serving head's KV pool could not hold (tandem.speculative.head_room)."""
+        self.registry.register(_ShedCount(total))
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         metrics_port.serve(self.registry, port, host)
 
@@ -51,3 +55,13 @@ class _PrefixCacheCounts:
                                  ("hits", s.hits, "Of those, tokens whose head KV was cached"),
                                  ("evictions", s.evictions, "Cached head KV pages evicted")):
             yield CounterMetricFamily(f"tandem:drafter_prefix_cache_{name}", doc, value=value)
+
+
+class _ShedCount:
+    def __init__(self, total: Callable[[], int]):
+        self.total = total
+
+    def collect(self):
+        yield CounterMetricFamily("tandem:drafter_requests_shed", "Requests the head's KV cache could not hold: they "
+                                  "verify without drafts (raise --max-kv-tokens; a reload starts it from 0)",
+                                  value=self.total())

@@ -74,6 +74,7 @@ class DrafterService:
         self.run_desk = RunDesk()  # runs of chain rounds, over every connection
         self.metrics = metrics or DrafterMetrics()  # recorded always; served with --metrics-port
         self.metrics.watch_prefix_cache(lambda: self.heads.current.prefix_cache.stats)
+        self.metrics.watch_shed(lambda: self.heads.current.shed.total)
 
     @property
     def drafter(self) -> Eagle3Drafter:

@@ -259,6 +259,7 @@ def test_a_drafter_whose_kv_cache_cannot_hold_the_batch_serves_on_without_failin
         assert "cannot hold every running request" in drafter.log()
         assert "Traceback" not in drafter.log() + verifier.log()
         assert read_metrics(verifier.metrics_port).get("tandem:drafter_failures_total", 0.0) == 0.0
+        assert read_metrics(drafter.metrics_port)["tandem:drafter_requests_shed_total"] > 0
     finally:
         verifier.stop()
         drafter.stop()
