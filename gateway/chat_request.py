@@ -1,8 +1,8 @@
 """A chat request's template options → the prompt text: ``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), and ``tools`` — given to the template as
-transformers and vLLM give them. This server parses no tool calls out of the model's text, so ``tools`` are
-rendered only with ``tool_choice: "none"`` (the model sees them, the answer is text); "auto", "required" or
-a named function are refused rather than answered without ``tool_calls``."""
+``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), ``documents`` (retrieval templates'), and ``tools`` —
+given to the template as transformers and vLLM give them. This server parses no tool calls out of the model's text,
+so ``tools`` are rendered only with ``tool_choice: "none"`` (the model sees them, the answer is text); "auto",
+"required" or a named function are refused rather than answered without ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from gateway.errors import bad_request
 from tandem.chat_template import ChatTemplate, ChatTemplateError
 
 # Variables the request's chat_template_kwargs may not replace: they come from the request's own fields.
-_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tools", "bos_token", "eos_token"}
+_RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "bos_token",
+             "eos_token"}
 
 
 def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
@@ -27,6 +28,11 @@ def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str
     tools = _tools(body)
     if tools is not None:
         extra["tools"] = tools
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise bad_request("documents", "must be a list of objects (each a document's fields, as title and text)")
+        extra["documents"] = documents
     try:
         return template.render(messages, add_generation_prompt=add_prompt, continue_final_message=continue_final,
                                **extra)

@@ -24,6 +24,7 @@ ENGINE_FIELDS = {
     "bad_words": lambda v: not v,
     "allowed_token_ids": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
+    "prompt_embeds": lambda v: v is None,  # (vLLM takes them behind --enable-prompt-embeds; no such input here)
     # OpenAI's legacy function calling: as tools, there is no call parser (gateway/chat_request.py)
     "functions": lambda v: not v,
     "function_call": lambda v: v is None or v == "none",

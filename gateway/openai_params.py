@@ -21,6 +21,7 @@ from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
 from gateway.openai_sampling import check_min_tokens, parse_engine_sampling
 from gateway.prompt_bound import PromptBound
+from gateway.read_body import ReadBody, with_field
 from gateway.request import (GenerationRequest, check_cache_salt, check_model, check_prompt_ids, check_sampling,
                              check_stop_token_ids, resolve_max_tokens)
 from tandem.chat_template import ChatTemplate
@@ -70,7 +71,7 @@ class OpenAIRequest:
         return (self, *self.more)
 
 
-def parse_json(raw: bytes) -> dict:
+def parse_json(raw: bytes) -> ReadBody:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:  # ValueError: also an integer of over 4300 digits
@@ -80,7 +81,7 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     _check_strings(raw, body)
-    return body
+    return ReadBody(body)
 
 
 def _check_strings(raw: bytes, body: dict) -> None:
@@ -126,7 +127,7 @@ def parse_completion(body: dict, request_id: str, tok: Tokenizer, limits: Limits
     if len(prompt) * (integer(body, "n") or 1) > MAX_PROMPTS:
         raise bad_request("n", f"a batch's prompts times n must be at most {MAX_PROMPTS}, got {len(prompt)} x "
                                f"{integer(body, 'n')}")
-    parsed = [_parse_prompt({**body, "prompt": p}, request_id, tok, limits) for p in prompt]
+    parsed = [_parse_prompt(with_field(body, "prompt", p), request_id, tok, limits) for p in prompt]
     return dataclasses.replace(parsed[0], more=tuple(parsed[1:]), batched=True)
 
 

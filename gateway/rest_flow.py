@@ -109,6 +109,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
             parsing = functools.partial(parse_completion, body, request_id, gw.tokenizer, limits)
         # Tokenizing a long prompt takes milliseconds: off the event loop, so other streams keep flowing.
         params = await asyncio.to_thread(parsing) if len(raw) > OFFLOAD_PARSE_BYTES else parsing()
+        if ignored := body.ignored():
+            log.warning("%s: fields present in the request but ignored: %s", request_id, ", ".join(ignored)[:300])
         # the body's bytes and parsed JSON go before the generation: held to its end, a 4 MB body of small JSON
         # values (a million objects, ~100 MB parsed) was held by every request in flight
         # the name the request used, as vLLM answers (an alias or the model's path; checked by the parse), else ours

@@ -137,6 +137,8 @@ def completion_body(body: dict) -> dict:
         raise bad_request("input_ids", "must be a list of token ids or a list of those (a batch)")
     if not isinstance(body.get("stream", False), bool):
         raise bad_request("stream", "must be a boolean")
+    if not isinstance(body.get("stream_options") or {}, dict):  # (every chunk's meta_info holds the usage anyway)
+        raise bad_request("stream_options", "must be an object")
     for name, is_no_op in NO_OP_REQUEST.items():
         if not is_no_op(body.get(name)):
             raise bad_request(name, "is not supported by this server")
@@ -175,6 +177,7 @@ def logprob_requests(body: dict, prompts: int) -> tuple[LogprobRequest | None, .
             raise bad_request(name, f"has {len(value)} values for {prompts} prompts")
         return [{name: v} for v in value]
 
+    with_text = flag(body, "return_text_in_logprobs", False)  # (read always: SGLang's clients send it)
     asked = []
     for on, top, start in zip(each("return_logprob", False), each("top_logprobs_num", 0),
                               each("logprob_start_len", -1)):
@@ -186,7 +189,7 @@ def logprob_requests(body: dict, prompts: int) -> tuple[LogprobRequest | None, .
         if start < -1:
             raise bad_request("logprob_start_len", f"must be -1 (the prompt's last token) or a prompt position, "
                                                    f"got {start}")
-        asked.append(LogprobRequest(top, None if start == -1 else start, flag(body, "return_text_in_logprobs", False)))
+        asked.append(LogprobRequest(top, None if start == -1 else start, with_text))
     return tuple(asked)
 
 

@@ -18,7 +18,8 @@ from tandem.chat_template import ChatTemplate, ChatTemplateError
 TEMPLATE = (
     "{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
     "Today is {{ strftime_now('%Y-%m-%d') }}.<|end|>\n{% endif %}"
-    "{% for m in messages %}"
+    "{% if documents %}<|system|>Sources:{% for d in documents %}\n{{ d.title }}: {{ d.text }}{% endfor %}<|end|>\n"
+    "{% endif %}{% for m in messages %}"
     "{% if m.role not in ['system', 'user', 'assistant', 'tool'] %}{{ raise_exception('unknown role ' + m.role) }}{% endif %}"
     "{% if m.role == 'assistant' %}<|assistant|>{% generation %}{{ m.content }}{% endgeneration %}<|end|>\n"
     "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endif %}"
@@ -30,6 +31,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+DOCUMENTS = [{"title": "Climate", "text": "Paris is mild."}, {"title": "News", "text": "Rain today."}]
 CONTINUED = MESSAGES + [{"role": "assistant", "content": "Let me think: Paris is"}]
 
 
@@ -88,6 +90,7 @@ def _post(stack, path: str, body: dict):
 def test_chat_request_options_reach_the_prompt_as_transformers_renders_them(stack, hf):
     cases = [({"chat_template_kwargs": {"enable_thinking": False}}, dict(enable_thinking=False)),
              ({"tools": TOOLS, "tool_choice": "none"}, dict(tools=TOOLS)),
+             ({"documents": DOCUMENTS}, dict(documents=DOCUMENTS)),
              ({"messages": CONTINUED, "continue_final_message": True},
               dict(continue_final_message=True, add_generation_prompt=False))]
     for extra, theirs in cases:
@@ -109,6 +112,8 @@ def test_chat_request_options_reach_the_prompt_as_transformers_renders_them(stac
     ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"documents": DOCUMENTS}}, "chat_template_kwargs"),
+    ({"documents": "Paris is in France."}, "documents"),
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),

@@ -403,6 +403,7 @@ def test_n_out_of_range_is_refused(stack, n):
     ("/v1/completions", "cache_salt", 5), ("/v1/completions", "stop_token_ids", [1] * 257),
     ("/v1/completions", "logits_processors", ["x"]), ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/chat/completions", "lora_path", "my-lora"), ("/v1/completions", "return_hidden_states", True),
+    ("/v1/completions", "prompt_embeds", "AAAA"), ("/v1/chat/completions", "prompt_embeds", "AAAA"),
 ])
 def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
@@ -416,6 +417,22 @@ def test_unimplemented_fields_are_refused_by_name(stack, path, field, value):
                                          ("use_beam_search", False)])
 def test_no_op_values_are_accepted(stack, field, value):
     assert _post(stack, "/v1/completions", {"prompt": PROMPT, field: value, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT}), ("/v1/completions", {"prompt": [PROMPT, "def g():"]}),
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+])
+def test_fields_no_parse_read_are_logged_as_ignored(stack, caplog, path, body):
+    """A misspelt field answers with the default, as vLLM answers it, and is named in a warning as vLLM names it; the
+    fields the parse reads (a batch's too) and OpenAI's fields without meaning here (``user``) are not."""
+    import logging
+
+    sent = {**body, "temprature": 0, "max_tokens": 2, "seed": 3, "top_p": 0.9, "user": "u1", "stop": ["x"]}
+    with caplog.at_level(logging.WARNING, logger="gateway.rest"):
+        assert _post(stack, path, sent).status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert line.endswith("fields present in the request but ignored: temprature")
 
 
 def test_the_model_may_be_named_by_its_path_as_vllm_names_it(stack, model_dir):
