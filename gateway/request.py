@@ -135,7 +135,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int,
             raise bad_request(param, "is required (the model's context length is unknown)")
         return min(candidates)
     if not 1 <= requested <= _UINT32_MAX:
-        raise bad_request(param, f"must be in [1, {_UINT32_MAX}], got {requested}")
+        zero = " (0 answers the prompt alone only on /v1/completions with echo)" if requested == 0 else ""
+        raise bad_request(param, f"must be in [1, {_UINT32_MAX}], got {requested}{zero}")
     if limit is not None and requested > limit:
         raise bad_request(param, f"must be at most {limit} on this server, got {requested}")
     if room is not None and requested > room:

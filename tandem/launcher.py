@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import os
 import shutil
 import signal
@@ -83,6 +84,18 @@ class UpPlan:
     draft: str | None
 
 
+def _distinct_ports(given: dict[str, int | None], drafter_service: bool) -> None:
+    """Each listening socket needs a port of its own: refused before anything starts, naming both flags (the same
+    port twice had the gateway fail on itself, or the launcher's HTTP health check read the verifier's gRPC)."""
+    seen: dict[int, str] = {}
+    for flag, port in given.items():
+        if port is None or (not drafter_service and flag.startswith("--drafter")):
+            continue
+        if port in seen:
+            raise TandemError(f"{seen[port]} and {flag} are both {port}: each service listens on a port of its own")
+        seen[port] = flag
+
+
 def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
     """The three services' command lines, every user spelling turned into the services' own flags."""
     if args.model_positional is not None:
@@ -107,10 +120,14 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         raise TandemError("--reload-root: the drafter service reloads heads, which --drafter in-process does not have")
     passed = {service: passthrough_words(service, getattr(args, f"{service}_args"))
               for service in ("drafter", "verifier", "gateway")}
-    picked = iter(free_ports(4))  # internal ports not given: free ones, so two stacks on a host do not collide
-    ports = {name: given if given is not None else next(picked)
-             for name, given in (("verifier", args.verifier_port), ("drafter", args.drafter_port),
-                                 ("metrics", args.metrics_port), ("drafter_metrics", args.drafter_metrics_port))}
+    flags = {"verifier": "--verifier-port", "drafter": "--drafter-port", "metrics": "--metrics-port",
+             "drafter_metrics": "--drafter-metrics-port"}
+    given = {"--port": args.port, "--grpc-port": args.grpc_port,
+             **{flag: getattr(args, flag[2:].replace("-", "_")) for flag in flags.values()}}
+    _distinct_ports(given, draft is not None and not in_process)
+    # internal ports not given: free ones, so two stacks on a host do not collide (and none the user gave)
+    picked = iter(p for p in free_ports(4 + len(given)) if p not in given.values())
+    ports = {name: given[flag] if given[flag] is not None else next(picked) for name, flag in flags.items()}
     py = [sys.executable, "-m"]
     tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     secret = ["--internal-secret-file", secret_file]
@@ -250,7 +267,7 @@ def _healthy(name: str, args: argparse.Namespace, ports: dict[str, int]) -> bool
     if name == "gateway":
         try:
             return urllib.request.urlopen(f"http://{host_port(args.host, args.port)}/health", timeout=2).status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # (not yet listening, or something else answers there)
             return False
     from tandem.service_probe import is_serving
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.args import DRAFT_MODEL_NAMES, NO_DRAFT, Flag, add
 from tandem.errors import ConfigError
+
+log = logging.getLogger("tandem")
 
 # The speculative shape when no flag sets it: a chain of 3 draft steps (4 tokens with the root).
 DEFAULT_NUM_STEPS = 3
@@ -53,6 +56,7 @@ class Speculative:
     num_draft_tokens: int = DEFAULT_NUM_STEPS + 1
     # --speculative-algorithm or --speculative-config asked for speculation (how it was asked: not compared)
     requested: bool = field(default=False, compare=False)
+    shape_given: tuple[str, ...] = field(default=(), compare=False)  # the shape flags the command line gave
 
     def argv(self) -> list[str]:
         """The shape in our spelling (tandem up passes it to the services)."""
@@ -63,6 +67,9 @@ class Speculative:
         if self.requested and self.draft_model is None:
             raise ConfigError("speculation was asked for (--speculative-algorithm / --speculative-config) without a "
                               "draft: give --speculative-draft-model-path DIR (an EAGLE-3 head)")
+        if self.shape_given and self.draft_model is None:
+            log.warning("%s shape%s the draft, but there is no draft model: ignored (speculation is off)",
+                        " and ".join(self.shape_given), "s" if len(self.shape_given) == 1 else "")
 
 
 def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> Speculative:
@@ -89,7 +96,8 @@ def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> 
     topk = DEFAULT_TOPK if topk is None else topk
     if tokens is None:
         tokens = steps + 1 if topk == 1 else 2 * steps
-    return Speculative(draft, steps, topk, tokens, requested)
+    given = tuple(f.names[0] for f in SPEC_SHAPE_FLAGS if getattr(args, f.dest) is not None)
+    return Speculative(draft, steps, topk, tokens, requested, given)
 
 
 def _from_speculative_config(raw: str, target: str | None) -> tuple[str | None, int]:

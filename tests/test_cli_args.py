@@ -85,6 +85,24 @@ def test_sglangs_max_total_tokens_sizes_the_kv_pool_in_whole_pages(folders):
         _verifier(["--model", t, "--max-total-tokens", "1000", "--kv-pages", "9"])
 
 
+def test_a_draft_shape_without_a_draft_is_named_as_ignored(folders, caplog):
+    """Target-only with --speculative-num-draft-tokens started silently (with a draft the same value is checked)."""
+    import logging
+
+    t, _ = folders
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        _up(["--model", t, "--draft-model", "none", "--speculative-num-draft-tokens", "6"])
+        _verifier(["--model", t, "--speculative-eagle-topk", "2", "--speculative-num-steps", "2"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "--speculative-num-draft-tokens shapes the draft, but there is no draft model: ignored (speculation is off)",
+        "--speculative-num-steps and --speculative-eagle-topk shape the draft, but there is no draft model: ignored "
+        "(speculation is off)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        _verifier(["--model", t])
+    assert not caplog.records
+
+
 def test_draft_model_none_is_target_only_in_the_verifier_as_in_tandem_up(folders):
     t, _ = folders
     assert _verifier(["--model", t, "--draft-model", "none"]) == _verifier(["--model", t])
@@ -575,6 +593,24 @@ def test_up_picks_free_internal_ports_and_keeps_the_public_defaults(folders):
     assert first.ports != second.ports  # two stacks on one host
     given = plan_up(build_parser().parse_args(argv + ["--verifier-port", "6000"]), "/tmp/s")
     assert given.ports["verifier"] == 6000
+
+
+@pytest.mark.parametrize("ports, says", [
+    (["--port", "8011", "--grpc-port", "8011"], "--port and --grpc-port are both 8011"),
+    (["--port", "8011", "--verifier-port", "8011"], "--port and --verifier-port are both 8011"),
+    (["--metrics-port", "7001", "--drafter-metrics-port", "7001"], "--metrics-port and --drafter-metrics-port are both"),
+])
+def test_up_refuses_one_port_for_two_services_before_anything_starts(folders, ports, says):
+    """The same port twice: the gateway failed on itself after the models loaded, or (--verifier-port = --port) the
+    launcher's HTTP health check read the verifier's gRPC and died with http.client.BadStatusLine."""
+    from tandem.errors import TandemError
+
+    t, d = folders
+    with pytest.raises(TandemError, match=says):
+        plan_up(build_parser().parse_args(["up", "--model", t, "--draft-model", d, *ports]), "/tmp/s")
+    # the drafter's ports are its service's: with the head in the verifier they are unused
+    plan_up(build_parser().parse_args(["up", "--model", t, "--draft-model", d, "--drafter", "in-process",
+                                       "--drafter-port", "8000"]), "/tmp/s")
 
 
 def test_stats_line_interval_flags(folders):
