@@ -26,7 +26,9 @@ def reload_drafter(address: str, draft_model: str, timeout_s: float = 600.0,
             return pb_grpc.DrafterStub(channel).Reload(pb.ReloadRequest(draft_model=os.path.abspath(draft_model)),
                                                        timeout=timeout_s, metadata=internal_secret.metadata(secret))
         except grpc.RpcError as e:
-            raise TandemError(f"the drafter at {address} did not reload: {e.code().name}: {e.details()}") from None
+            hint = (" (give --internal-secret-file: tandem up prints the path of its stack's secret)"
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED and not secret else "")
+            raise TandemError(f"the drafter at {address} did not reload: {e.code().name}: {e.details()}{hint}") from None
 
 
 def add_arguments(p) -> None:

@@ -107,6 +107,18 @@ def test_rounds_and_reload_without_the_secret_are_unauthenticated(drafter, pair_
         assert drafter.log().count(refused) == 1
 
 
+def test_tandem_reload_drafter_without_the_secret_says_which_flag_gives_it(drafter, pair_dirs, monkeypatch):
+    from tandem.errors import TandemError
+    from tandem.reload_client import reload_drafter
+
+    monkeypatch.delenv(internal_secret.ENV, raising=False)
+    with pytest.raises(TandemError, match="UNAUTHENTICATED: .*give --internal-secret-file"):
+        reload_drafter(drafter.address, str(pair_dirs / "models" / "draft"), timeout_s=10)
+    with pytest.raises(TandemError, match="UNAUTHENTICATED") as e:  # (a wrong secret: no hint to give one)
+        reload_drafter(drafter.address, str(pair_dirs / "models" / "draft"), timeout_s=10, secret="wrong")
+    assert "--internal-secret-file" not in str(e.value)
+
+
 def test_a_second_stream_is_refused_and_the_verifiers_goes_on(drafter, pair_dirs, ring):
     target, _ = target_info(pair_dirs)
     client = verifier_client(drafter.address, ring, target)
