@@ -65,7 +65,7 @@ class DrafterServiceConfig:
         p.add_argument("--reload-root", default=None, metavar="DIR",
                        help="Reload loads only EAGLE-3 folders below DIR (default: the parent folder of --model)")
         p.add_argument("--port", type=shared.port, default=cls.port, help="gRPC port")
-        p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        shared.add(p, shared.OTLP_ENDPOINT)
         p.add_argument("--profile-rounds", type=int, default=cls.profile_rounds,
                        help="trace this many rounds, after a warm-up of 32, with the torch profiler: a Chrome trace "
                             "in --profile-dir and the busiest host ops and kernels in the log (0: off)")

@@ -121,8 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name clients send; more names, as vLLM takes them, are accepted too (default: the "
                         "folder's name)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
+    shared.add(p, shared.OTLP_ENDPOINT)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/*, SGLang's and vLLM's other routes (/generate, "
                         f"/tokenize, ...) and the gRPC API (default: ${API_KEY_ENV}, else open); /health, /ping and "

@@ -315,6 +315,9 @@ METRICS_PORT = Flag(("--metrics-port",), dict(type=port, default=None, help="ser
 INTERNAL_SECRET_FILE = Flag(("--internal-secret-file",), dict(
     default=None, metavar="FILE", help=f"the internal plane's shared secret (the drafter's Rounds and Reload, the "
                                        f"verifier's Generate), from FILE instead of ${internal_secret.ENV}"))
+OTLP_ENDPOINT = Flag(("--otlp-endpoint",), dict(
+    default=None, metavar="URL", help="OTLP collector for traces, over gRPC (OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf: "
+                                      "over HTTP); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else off"))
 # The target engine's flags: tandem generate and the verifier take them, tandem up passes them to the verifier.
 ENGINE_FLAGS = (DTYPE, MEM_FRACTION, KV_PAGES, MAX_TOTAL_TOKENS, MAX_RUNNING, DISABLE_GRAPH, GRAPH_MAX_BS, PREFILL_GRAPH_TOKENS,
                 PREFILL_GRAPH_MAX_BS, DECODE_STEPS, SPEC_ROUNDS,

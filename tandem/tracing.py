@@ -40,8 +40,11 @@ except ImportError:  # pragma: no cover - exercised on machines without opentele
     Context = Any  # type: ignore[misc,assignment]
 
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+PROTOCOLS = ("grpc", "http/protobuf")  # (the standard's http/json has no Python exporter)
 # The OpenTelemetry loggers that say a line per failed export (the OTLP exporter's retries, the batch processor's)
-EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter", "opentelemetry.sdk._shared_internal",
+EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter", "opentelemetry.exporter.otlp.proto.http",
+                  "opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.sdk._shared_internal",
                   "opentelemetry.sdk.trace.export")
 
 
@@ -49,8 +52,10 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
     """Install the process-wide TracerProvider and return it, or return None (tracing off).
 
     - ``exporter`` given (tests: an ``InMemorySpanExporter``): spans go to it synchronously.
-    - else an OTLP/gRPC endpoint, from ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
-      variables: spans are batched to it in the background.
+    - else an OTLP endpoint, from ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
+      variables: spans are batched to it in the background, over gRPC or, where
+      ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` says ``http/protobuf``, over HTTP (an endpoint without a path
+      posts to ``/v1/traces``, as the standard's base URL does).
     - else nothing is installed and spans are non-recording.
 
     OpenTelemetry allows one global provider per process; a second call adds its exporter to the
@@ -72,11 +77,12 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
         if exporter is not None:
             processor = SimpleSpanProcessor(exporter)
         else:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            # insecure unless the URL says https: collectors beside the services speak plain gRPC.
-            processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
-                                                            insecure=not endpoint.startswith("https")))
+            protocol = next((os.environ[k].strip() for k in PROTOCOL_ENV if os.environ.get(k)), "grpc")
+            if protocol not in PROTOCOLS:
+                log.warning("tracing: OTLP protocol %r is not one of %s; spans are not recorded", protocol,
+                            ", ".join(PROTOCOLS))
+                return None
+            processor = BatchSpanProcessor(_otlp_exporter(protocol, endpoint))
             for name in EXPORT_LOGGERS:  # (a collector down: a line per failed export, from every service)
                 logger = logging.getLogger(name)
                 if not any(isinstance(f, RepeatFilter) for f in logger.filters):
@@ -96,6 +102,21 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None = None, exporter:
     trace.set_tracer_provider(provider)
     log.info("tracing %s to %s", resource.attributes.get("service.name"), endpoint or type(exporter).__name__)
     return provider
+
+
+def _otlp_exporter(protocol: str, endpoint: str):
+    if protocol == "http/protobuf":
+        from urllib.parse import urlsplit
+
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPExporter
+
+        if urlsplit(endpoint).path in ("", "/"):  # a base URL: the traces path after it, as the standard says
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return HTTPExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    # insecure unless the URL says https: collectors beside the services speak plain gRPC.
+    return OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
 
 
 def _named_by_environment() -> bool:

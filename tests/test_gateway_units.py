@@ -115,6 +115,58 @@ def test_the_standard_variables_name_the_traced_service_where_they_say_one(env, 
     assert out.strip() == named
 
 
+@pytest.mark.parametrize("endpoint_env", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+def test_spans_go_over_otlp_http_where_the_standard_protocol_variable_says_so(endpoint_env):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf (collectors on 4318): the spans reach a collector's /v1/traces as
+    OTLP protobuf (decoded here with opentelemetry-proto's own message); they were sent over gRPC whatever it said."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+            self.wfile.write(b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = ("from tandem import tracing as t\n"
+                "p = t.setup_tracing('tandem-verifier')\n"
+                "t.start_span('verifier.generate', attributes={'k': 1}).end()\n"
+                "assert p.force_flush(10_000)\n"
+                "t.shutdown_tracing()\n")
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60,
+                       env={**clean, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                            endpoint_env: f"http://127.0.0.1:{server.server_port}"})
+    finally:
+        server.shutdown()
+    (path, body), = got
+    spans = [(span.name, {a.key: a.value.int_value for a in span.attributes})
+             for rs in ExportTraceServiceRequest.FromString(body).resource_spans
+             for ss in rs.scope_spans for span in ss.spans]
+    assert path == "/v1/traces" and spans == [("verifier.generate", {"k": 1})]
+
+
+def test_an_otlp_protocol_without_an_exporter_is_named_and_tracing_stays_off():
+    code = ("import logging; logging.basicConfig()\nfrom tandem import tracing as t\n"
+            "assert t.setup_tracing('x', 'http://127.0.0.1:9') is None\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60, capture_output=True,
+                         text=True, env={**clean, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+    assert "OTLP protocol 'http/json' is not one of grpc, http/protobuf" in out.stderr
+
+
 def test_gateway_imports_no_torch():
     code = "import sys, gateway.__main__, gateway.server; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

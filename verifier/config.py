@@ -118,7 +118,7 @@ class VerifierConfig:
                             "0: off")
         p.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
                        help="vLLM's switch: --log-stats-interval 0")
-        p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces; tracing is off without it")
+        shared.add(p, shared.OTLP_ENDPOINT)
         p.add_argument("--trace-rounds", action="store_true",
                        help="also trace each speculative round's phases under its requests (4 spans a request a round)")
         p.add_argument("--capture-traffic", default=None, metavar="DIR",
