@@ -31,7 +31,8 @@ class Slots:
     def take(self) -> None:
         """Take a slot or raise 429; the caller must ``give_back()`` exactly once after a take."""
         if self.in_use >= self.limit:
-            raise GatewayError(429, f"the server is at capacity ({self.limit} requests in flight), retry later")
+            raise GatewayError(429, f"the server is at capacity ({self.limit} generations in flight: a request's n "
+                                    "choices are n of them), retry later")
         self.in_use += 1
 
     def give_back(self) -> None:

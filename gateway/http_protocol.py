@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import logging
 
 from gateway.admission import STREAM_SEND_TIMEOUT_S
 from gateway.connection_limit import PerAddressLimit
 
+log = logging.getLogger("gateway.http")
 REQUEST_HEAD_TIMEOUT_S = 15.0  # from a connection's first byte (or the last answer) to the end of a request's head
 
 
@@ -38,7 +40,10 @@ class _Deadlines:
 
     def _stalled(self) -> None:
         self._stall_timer = None
-        self.transport.abort()  # (the stream's answer, waiting on the write, ends as a client gone)
+        # (the stream's answer, waiting on the write, then ends as a client gone: this line says why)
+        log.warning("cut the connection from %s: it took none of its answer for %.0f s", _peer(self.transport),
+                    self.stall_timeout_s)
+        self.transport.abort()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -68,6 +73,11 @@ class _Deadlines:
         upgraded = self.transport.get_protocol() is not self  # (a websocket's: its own protocol now)
         if self._between_requests() and not upgraded and not self.transport.is_closing():
             self.transport.close()
+
+
+def _peer(transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
 
 
 def _cancelled(timer) -> None:

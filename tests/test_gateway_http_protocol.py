@@ -6,6 +6,7 @@ a slow answer and a second request on a kept-alive connection are unaffected. On
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -108,10 +109,12 @@ def test_requests_slow_answers_and_kept_alive_connections_are_served(port):
         assert _get(conn).startswith(b"HTTP/1.1 200")
 
 
-def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
+def test_a_connection_that_takes_none_of_its_answer_is_cut(served, caplog):
     """Its writes paused (the client's window full): aborted after the stall timeout (a close would wait for the
-    unsent bytes as long as the client keeps the socket open)."""
+    unsent bytes as long as the client keeps the socket open), in a warning that says so (the request's own line
+    reads as any client gone)."""
     server, port = served
+    caplog.set_level(logging.WARNING, logger="gateway.http")
     conn = socket.create_connection(("127.0.0.1", port))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     conn.sendall(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -123,6 +126,7 @@ def test_a_connection_that_takes_none_of_its_answer_is_cut(served):
     while server.server_state.connections and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.server_state.connections
+    assert f"cut the connection from 127.0.0.1:{conn.getsockname()[1]}: it took none of its answer for" in caplog.text
     conn.close()
 
 
