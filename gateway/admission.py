@@ -1,5 +1,7 @@
-"""What the gateway lets in before it does any work: a bounded number of generations in flight
-(429 / RESOURCE_EXHAUSTED beyond it) and request bodies of bounded size (413, refused from the
+"""What the gateway lets in before it does any work: a bounded number of generations in flight (a REST request
+beyond it waits its turn, first come first served, up to ``--max-queue-wait-s``, then 429, as vLLM's and SGLang's
+servers queue what they cannot run yet; a gRPC call is refused at once, RESOURCE_EXHAUSTED: calls waiting would take the
+gRPC port's few spare RPCs from its health checks) and request bodies of bounded size (413, refused from the
 Content-Length header or as soon as a chunked body passes the limit, never read whole first) that
 arrive in bounded time (408: a client trickling its body would otherwise hold its connection forever), declared as JSON
 (415 for another media type), from no other web origin (403): a web page can post text/plain, a form or a body with
@@ -10,6 +12,7 @@ server."""
 from __future__ import annotations
 
 import asyncio
+import collections
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -22,21 +25,72 @@ STREAM_SEND_TIMEOUT_S = 60.0
 
 
 class Slots:
-    """Generations in flight, REST and gRPC together. Single event loop: no lock needed."""
+    """Generations in flight, REST and gRPC together, and the REST requests waiting for theirs (in order). Single event
+    loop: no lock needed."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, queue_wait_s: float = 0.0):
+        self.limit, self.queue_wait_s = limit, queue_wait_s
         self.in_use = 0
+        self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
-    def take(self) -> None:
-        """Take a slot or raise 429; the caller must ``give_back()`` exactly once after a take."""
-        if self.in_use >= self.limit:
-            raise GatewayError(429, f"the server is at capacity ({self.limit} generations in flight: a request's n "
-                                    "choices are n of them), retry later")
-        self.in_use += 1
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
 
-    def give_back(self) -> None:
-        self.in_use -= 1
+    def take(self, n: int = 1) -> None:
+        """Take ``n`` slots now or raise 429 (also while others wait: none jumps the queue); the caller must
+        ``give_back(n)`` exactly once after a take."""
+        self._check_fits(n)
+        if self._waiting or self.in_use + n > self.limit:
+            raise self._at_capacity()
+        self.in_use += n
+
+    async def acquire(self, n: int = 1) -> None:
+        """Take ``n`` slots, waiting up to ``queue_wait_s`` behind the requests already waiting; else 429. A
+        cancelled wait (the client gone) leaves the queue."""
+        self._check_fits(n)
+        if not self._waiting and self.in_use + n <= self.limit:
+            self.in_use += n
+            return
+        if self.queue_wait_s <= 0:
+            raise self._at_capacity()
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            async with asyncio.timeout(self.queue_wait_s):
+                await entry[1]
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if entry[1].done() and not entry[1].cancelled():
+                self.give_back(n)  # (granted as the wait ended: given back, the next in line served)
+            else:
+                entry[1].cancel()
+                if entry in self._waiting:  # (a wake after the cancel pops it, skipped)
+                    self._waiting.remove(entry)
+                self._wake()  # (a large request leaving may let smaller ones behind it in)
+            if isinstance(e, TimeoutError):
+                raise self._at_capacity(waited=True) from None
+            raise
+
+    def give_back(self, n: int = 1) -> None:
+        self.in_use -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self.in_use + self._waiting[0][0] <= self.limit:
+            n, future = self._waiting.popleft()
+            if not future.done():
+                self.in_use += n
+                future.set_result(None)
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.limit:  # (never: a client's 400, not a 429 to retry forever)
+            raise GatewayError(400, f"the request needs {n} generations at once (n choices of each prompt), more than "
+                                    f"this server runs ({self.limit}, --max-concurrent-requests)", param="n")
+
+    def _at_capacity(self, waited: bool = False) -> GatewayError:
+        queued = f"; waited {self.queue_wait_s:g} s in the queue" if waited else ""
+        return GatewayError(429, f"the server is at capacity ({self.limit} generations in flight: a request's n "
+                                 f"choices are n of them{queued}), retry later")
 
 
 # Bodies being read at once hold at most this many bodies' worth of the largest allowed (slots are taken only after a

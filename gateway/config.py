@@ -36,7 +36,8 @@ class GatewayConfig:
     internal_secret: str | None = field(default=None, repr=False)  # presented to the verifier (tandem.internal_secret)
     max_body_bytes: int = shared.MAX_BODY_BYTES.default  # larger request bodies get 413 before they are read
     body_timeout_s: float = 30.0  # a body still arriving after this gets 408 (a slow upload holds its connection)
-    max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC); more: 429
+    max_concurrent_requests: int = shared.MAX_CONCURRENT.default  # generations in flight (REST and gRPC)
+    max_queue_wait_s: float = shared.MAX_QUEUE_WAIT.default  # a REST request's wait in line at capacity; then 429
     max_connections_per_address: int = shared.MAX_CONNECTIONS_PER_ADDRESS.default  # REST connections a client; 0: any
     verifier_metrics_url: str | None = None  # the verifier's /metrics, appended to ours; None = ours only
     drafter_metrics_url: str | None = None  # the drafter service's /metrics, appended too
@@ -64,6 +65,8 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
+        if not 0 <= self.max_queue_wait_s < float("inf"):
+            raise ValueError(f"--max-queue-wait-s must be 0 or more seconds, got {self.max_queue_wait_s}")
         if self.max_connections_per_address < 0:
             raise ValueError("--max-connections-per-address must be 0 (no limit) or more, got "
                              f"{self.max_connections_per_address}")
@@ -156,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          otlp_endpoint=args.otlp_endpoint, max_tokens_limit=args.max_tokens_limit,
                          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                          max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                         max_queue_wait_s=args.max_queue_wait_s,
                          max_connections_per_address=args.max_connections_per_address,
                          verifier_metrics_url=args.verifier_metrics_url, drafter_metrics_url=args.drafter_metrics_url,
                          generation_config=args.generation_config,

@@ -60,11 +60,10 @@ class _Scope:
         self.span = tracing.start_span(f"gateway.{api}", parent=tracing.extract_context(request.headers),
                                        kind="server", attributes=attributes)
 
-    def take_slots(self, n: int = 1) -> None:
-        """One slot per generation on the verifier (``n`` choices are ``n``); 429 past the limit."""
-        for _ in range(n):
-            self.gw.slots.take()
-            self.slots += 1
+    async def take_slots(self, n: int) -> None:
+        """One slot per generation on the verifier (``n`` choices are ``n``), waiting in line at capacity."""
+        await self.gw.slots.acquire(n)
+        self.slots = n
 
     def client_left(self) -> None:
         self.client_gone = True
@@ -76,8 +75,8 @@ class _Scope:
         if self.done:
             return
         self.done = True
-        for _ in range(self.slots):
-            self.gw.slots.give_back()
+        if self.slots:
+            self.gw.slots.give_back(self.slots)
         self.gw.metrics.count_request(self.api, status)
         self.span.set_attribute("http.response.status_code", status if sent is None else sent)
         if error is not None:
@@ -96,7 +95,6 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
     choices: Choices | None = None
     try:
         raw = await read_body(request, gw.cfg.max_body_bytes, gw.cfg.body_timeout_s, gw.body_budget)
-        scope.take_slots()  # (after the body: a slow one held a slot for its whole read, 256 of them everyone's)
         body = parse_json(raw)
         info = await gw.client.model_info()
         limits = Limits(gw.cfg.model_names, info, gw.cfg.max_tokens_limit, gw.cfg.default_max_tokens, gw.prompt_bound,
@@ -119,7 +117,7 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         raw = body = parsing = None
         scope.span.set_attributes(params.generation.span_attributes())
         n = params.options.n
-        scope.take_slots(n * len(params.prompts) - 1)
+        await scope.take_slots(n * len(params.prompts))  # (after the body: a slow one would hold them for its read)
         token_text = (functools.partial(_token_text, gw.tokenizer) if params.generation.logprobs is not None
                       else None)
         prompts = [(part.echo_text, part.generation.prompt_ids) for part in params.prompts for _ in range(n)]

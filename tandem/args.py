@@ -205,7 +205,11 @@ MAX_CONNECTIONS_PER_ADDRESS = Flag(("--max-connections-per-address",), dict(
                                  "429 and closed); 0: no limit. Behind a proxy every client shares the proxy's "
                                  "address: raise it there"))
 MAX_CONCURRENT = Flag(("--max-concurrent-requests",), dict(
-    type=int, default=256, help="generations in flight, REST and gRPC together (429 above)"))
+    type=int, default=256, help="generations in flight, REST and gRPC together (above: REST requests queue, "
+                                "--max-queue-wait-s; gRPC calls are refused)"))
+MAX_QUEUE_WAIT = Flag(("--max-queue-wait-s",), dict(
+    type=float, default=600.0, help="how long a REST request waits in line for its generations at capacity before "
+                                    "a 429 (0: refused at once)"))
 GENERATION_CONFIG = Flag(("--generation-config",), dict(
     default="auto", help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
                          "repetition_penalty; chat's max_tokens from max_new_tokens), as vLLM: auto = the model "
@@ -307,7 +311,8 @@ PEER_LAYOUT_FLAGS = (DATA_PARALLEL, DP_ATTENTION, NNODES, NODE_RANK, DIST_INIT, 
 API_SERVER_COUNT = Flag(("--api-server-count",), dict(
     action=_refused("one gateway process a stack serves the API (one event loop: REST, gRPC, metrics); for more, run "
                     "more stacks behind a load balancer", no_op="1"), help="refused past 1 (vLLM flag)"))
-GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONNECTIONS_PER_ADDRESS, MAX_CONCURRENT, GENERATION_CONFIG,
+GATEWAY_FLAGS = (MAX_TOKENS_LIMIT, MAX_BODY_BYTES, MAX_CONNECTIONS_PER_ADDRESS, MAX_CONCURRENT, MAX_QUEUE_WAIT,
+                 GENERATION_CONFIG,
                  LOG_REQUESTS, LOG_REQUESTS_LEVEL, TIMEOUT_KEEP_ALIVE, CHAT_TEMPLATE, DISABLE_LOG_REQUESTS,
                  DISABLE_ACCESS_LOG, ENABLE_METRICS, TOOL_CALL_PARSER, AUTO_TOOL_CHOICE, REASONING_PARSER, API_SERVER_COUNT)
 METRICS_PORT = Flag(("--metrics-port",), dict(type=port, default=None, help="serve Prometheus metrics on this port "

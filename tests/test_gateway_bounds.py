@@ -24,7 +24,8 @@ BODY_LIMIT = 64 << 10
 SLOTS = 2
 
 
-stack = stack_fixture(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400, body_timeout_s=0.5)
+stack = stack_fixture(max_body_bytes=BODY_LIMIT, max_concurrent_requests=SLOTS, max_tokens_limit=400, body_timeout_s=0.5,
+                      max_queue_wait_s=0)  # (refused at once at capacity: the queue has its own test)
 
 
 def _raw_post(port: int, head: bytes, chunks: list[bytes]) -> bytes:
@@ -206,6 +207,84 @@ def test_stop_strings_are_bounded_in_number_and_length(stack):
     for stop in (["s"] * (MAX_STOP_STRINGS + 1), "x" * (MAX_STOP_CHARS + 1), ["ok", "y" * 10_000]):
         r = post(stop)
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+def test_slots_queue_in_order_time_out_and_leave_when_cancelled():
+    """gateway/admission.Slots: waiters are served first come first served (a large request ahead is not passed by a
+    small one), none takes a slot at once while others wait, a wait past queue_wait_s is a 429 that says so, a
+    cancelled wait leaves the line, and what can never fit is a 400 naming n."""
+    import asyncio
+    import contextlib
+
+    from gateway.admission import Slots
+    from gateway.errors import GatewayError
+
+    async def main():
+        slots, served = Slots(2, queue_wait_s=0.5), []
+
+        async def waiter(name, n):
+            await slots.acquire(n)
+            served.append(name)
+
+        await slots.acquire(2)
+        first = asyncio.create_task(waiter("a", 2))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(waiter("b", 1))
+        await asyncio.sleep(0)
+        assert slots.queued == 2
+        with pytest.raises(GatewayError):
+            slots.take()  # (gRPC's: refused while others wait)
+        slots.give_back(1)  # one free: "a" needs two and is first in line, so "b" waits too
+        await asyncio.sleep(0)
+        assert served == []
+        slots.give_back(1)
+        await asyncio.sleep(0)
+        assert served == ["a"] and slots.in_use == 2
+        slots.give_back(2)
+        await asyncio.gather(first, second)
+        assert served == ["a", "b"] and slots.in_use == 1 and slots.queued == 0
+        await slots.acquire(1)
+        with pytest.raises(GatewayError, match=r"waited 0.5 s in the queue\), retry later") as e:
+            await slots.acquire(1)
+        assert e.value.status == 429 and slots.queued == 0 and slots.in_use == 2
+        gone = asyncio.create_task(slots.acquire(1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        assert slots.queued == 0
+        slots.give_back(2)
+        with pytest.raises(GatewayError) as e:
+            await slots.acquire(3)
+        assert e.value.status == 400 and e.value.param == "n" and slots.in_use == 0
+
+    asyncio.run(main())
+
+
+def test_a_rest_request_at_capacity_waits_for_a_slot_and_is_served():
+    """vLLM's and SGLang's servers queue what they cannot run yet (their benchmark clients send every prompt at
+    once): a request past --max-concurrent-requests waits in line and is answered when a slot comes back."""
+    from gateway_harness import Stack
+
+    s = Stack(max_concurrent_requests=1, max_queue_wait_s=30)
+    s.fake.delay_s = 0.05
+    try:
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{s.url}/v1/completions", json={**GOOD, "max_tokens": 20, "stream": True}) as held:
+            assert held.status_code == 200
+            waited = []
+            thread = threading.Thread(target=lambda: waited.append(
+                httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=30)))
+            thread.start()
+            wait_until(lambda: s.gateway.slots.queued == 1, 5, "the second request to wait in line")
+            assert not waited
+            for _ in held.iter_bytes():  # (the first stream runs to its end, its slot comes back)
+                pass
+        thread.join(30)
+        assert waited[0].status_code == 200, waited[0].text
+        wait_until(lambda: s.gateway.slots.in_use == 0 and s.gateway.slots.queued == 0, 5, "the slots to come back")
+    finally:
+        s.close()
 
 
 def test_generations_in_flight_are_bounded_and_their_slots_come_back(stack):

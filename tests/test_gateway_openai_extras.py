@@ -144,9 +144,9 @@ def test_api_key_guards_the_tokenizer_endpoints_as_v1():
             assert httpx.request(method, f"{s.url}{path}", json=body, timeout=10).status_code == 401
             assert httpx.request(method, f"{s.url}{path}", json=body, headers=key, timeout=10).status_code == 200
         assert httpx.get(f"{s.url}/health", timeout=10).status_code in (200, 503)  # probes stay open
-        # Each choice is a generation on the verifier: n = 3 needs 3 of the 2 slots.
+        # Each choice is a generation on the verifier: n = 3 needs 3 of the 2 slots, which no wait can give.
         r = _post(s, "/v1/completions", {"prompt": "x", "n": 3, "temperature": 1, "max_tokens": 2}, headers=key)
-        assert r.status_code == 429 and s.gateway.slots.in_use == 0
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and s.gateway.slots.in_use == 0
     finally:
         s.close()
 
