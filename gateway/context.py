@@ -29,6 +29,7 @@ class GatewayContext:
         self.metrics = GatewayMetrics(cfg.model_name)
         self.request_log = RequestLog(cfg.log_requests_level) if cfg.log_requests else None
         self.slots = Slots(cfg.max_concurrent_requests, cfg.max_queue_wait_s)
+        self.metrics.watch_queue(lambda: self.slots.queued)
         self.body_budget = BodyBudget(BODY_BUDGET_BODIES * cfg.max_body_bytes)
         self.metrics_relays: list[MetricsRelay] = []  # made at start: their locks bind to the loop
         self.started_at = int(time.time())

@@ -48,6 +48,8 @@ class GatewayMetrics:
                                                    "request that finished.", m, buckets=_TOKEN_BUCKETS, registry=r)
         self.running = Gauge("tandem:num_requests_running", "Generations streaming from the verifier now.", m,
                              registry=r)
+        self.queued = Gauge("tandem:gateway_requests_waiting", "REST requests waiting in line for generation slots at "
+                            "--max-concurrent-requests (up to --max-queue-wait-s).", m, registry=r)
         self.relay_up = {service: Gauge(f"tandem:{service}_metrics_up", f"1 when this scrape holds the {service}'s "
                                         f"metrics (--{service}-metrics-url), 0 when it did not answer in time", m,
                                         registry=r) for service in ("verifier", "drafter")}
@@ -59,6 +61,10 @@ class GatewayMetrics:
             self.labels(metric)
         for reason in FINISH_REASONS:
             self.labels(self.request_success, finished_reason=reason)
+
+    def watch_queue(self, waiting) -> None:
+        """The gauge of requests in line reads ``waiting()`` at each scrape."""
+        self.labels(self.queued).set_function(waiting)
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self._model, **labels)

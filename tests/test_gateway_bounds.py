@@ -278,6 +278,8 @@ def test_a_rest_request_at_capacity_waits_for_a_slot_and_is_served():
             thread.start()
             wait_until(lambda: s.gateway.slots.queued == 1, 5, "the second request to wait in line")
             assert not waited
+            assert 'tandem:gateway_requests_waiting{model_name="%s"} 1.0' % MODEL_NAME in \
+                httpx.get(f"{s.url}/metrics", timeout=10).text
             for _ in held.iter_bytes():  # (the first stream runs to its end, its slot comes back)
                 pass
         thread.join(30)
