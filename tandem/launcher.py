@@ -104,7 +104,8 @@ def plan_up(args: argparse.Namespace, secret_file: str) -> UpPlan:
         args.model = args.model_positional
     from tandem.training.demo import ensure_demo_draft, ensure_demo_target
 
-    speculative = speculative_flags.resolve_speculative(args, args.model)  # (a refused algorithm first, whatever the model)
+    # (a refused algorithm first, whatever the model; without --model the demo pair's draft comes with it)
+    speculative = speculative_flags.resolve_speculative(args, args.model, default_draft=args.model is None)
     model = shared.resolve_target(args) or str(ensure_demo_target())
     draft = speculative.draft_model
     if draft is None and args.model is None:

@@ -72,14 +72,16 @@ class Speculative:
                         " and ".join(self.shape_given), "s" if len(self.shape_given) == 1 else "")
 
 
-def resolve_speculative(args: argparse.Namespace, target: str | None = None) -> Speculative:
+def resolve_speculative(args: argparse.Namespace, target: str | None = None, default_draft: bool = False) -> Speculative:
     """SGLang's and vLLM's spellings of the draft settings, checked and made one; ``target`` (the target's
-    folder, when known) lets a refused EAGLE-1/2 name the widths."""
+    folder, when known) lets a refused EAGLE-1/2 name the widths; ``default_draft``: a draft comes without being named
+    (tandem up's demo pair)."""
     draft, steps, topk, tokens = args.draft_model, args.speculative_num_steps, args.speculative_eagle_topk, \
         args.speculative_num_draft_tokens
     requested = False
     if args.speculative_algorithm is not None:
-        _check_method(args.speculative_algorithm, "--speculative-algorithm", target, has_draft=draft is not None)
+        _check_method(args.speculative_algorithm, "--speculative-algorithm", target,
+                      has_draft=draft is not None or default_draft)
         requested = True
     if args.speculative_config is not None:
         given = [f.names[0] for f in (ALGORITHM, *SPEC_SHAPE_FLAGS) if getattr(args, f.dest) is not None]

@@ -407,6 +407,8 @@ def test_eagle_1_2_is_refused_naming_both_widths(folders):
     assert "EAGLE-1/2" in message and "method" in message
     with pytest.raises(ConfigError, match="EAGLE-1/2"):  # without a target to read: the widths by name
         _up(["--model", "/nowhere", "--speculative-algorithm", "EAGLE", "--draft-model", d])
+    with pytest.raises(ConfigError, match="EAGLE-1/2"):  # tandem up's demo pair: its draft comes unnamed
+        _up(["--speculative-algorithm", "EAGLE"])
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN"])
