@@ -28,7 +28,7 @@ class Slots:
     """Generations in flight, REST and gRPC together, and the REST requests waiting for theirs (in order). Single event
     loop: no lock needed."""
 
-    def __init__(self, limit: int, queue_wait_s: float = 0.0):
+    def __init__(self, limit: int, queue_wait_s: float):
         self.limit, self.queue_wait_s = limit, queue_wait_s
         self.in_use = 0
         self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()

@@ -151,6 +151,11 @@ class Eagle3Drafter(Proposer):
         return rid in self._reqs
 
     @property
+    def requests(self) -> dict[str, HeadRequest]:
+        """rid → the drafter's state of each request it holds, in the order they started (read, do not change)."""
+        return self._reqs
+
+    @property
     def rounds_drafter(self) -> "Eagle3Drafter":
         """What runs greedy chain rounds on the device for this proposer (tandem.engine.rounds_ahead):
         the drafter itself (wrappers name the drafter they wrap)."""

@@ -67,7 +67,7 @@ def past_shed(drafter, items: list) -> list:
 
 def pages_needed(drafter, items: list) -> int:
     """Pages the pool must give for these extend items (rid, tokens, features)."""
-    reqs = drafter._reqs
+    reqs = drafter.requests
     return sum(reqs[rid].kv.pages_needed(reqs[rid].kv.num_tokens + len(tokens)) if rid in reqs
                else drafter.allocator.pages_for(len(tokens)) for rid, tokens, _ in items)
 
@@ -75,7 +75,7 @@ def pages_needed(drafter, items: list) -> int:
 def make_room(drafter, items: list) -> list:
     """The extend items that fit the pool, its newest requests shed until they do."""
     rids, shed = [rid for rid, _, _ in items], set()
-    for i in newest_first(rids, drafter._reqs):
+    for i in newest_first(rids, drafter.requests):
         if pages_needed(drafter, [it for j, it in enumerate(items) if j not in shed]) <= drafter.allocator.num_free:
             break
         drafter.release(rids[i])
@@ -87,8 +87,8 @@ def make_room(drafter, items: list) -> list:
 def scratch_room(drafter, rids: list[str], scratch: int) -> list[str]:
     """The requests whose ``scratch`` draft entries fit the pool, the newest left out of this draft until they do."""
     kept = list(rids)
-    for i in newest_first(rids, drafter._reqs):
-        states = [drafter._reqs[r] for r in kept]
+    for i in newest_first(rids, drafter.requests):
+        states = [drafter.requests[r] for r in kept]
         if sum(s.kv.pages_needed(s.kv.num_tokens + scratch) for s in states) <= drafter.allocator.num_free:
             break
         kept.remove(rids[i])
