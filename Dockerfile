@@ -28,6 +28,8 @@ RUN SPEC=".${EXTRAS:+[${EXTRAS}]}" \
  && python3 -c "from tandem.training.demo import ensure_demo_draft; print(ensure_demo_draft())" \
  && mkdir -p /opt/tandem/cache && chmod -R a+rX /opt/tandem
 # The services run as an unprivileged user that cannot write the code or the demo pair.
+# (heads published as pytorch_model.bin are converted into TANDEM_CACHE/converted: the one folder there it writes)
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin tandem \
- && mkdir -p /var/cache/tandem-compile && chown tandem /var/cache/tandem-compile
+ && mkdir -p /var/cache/tandem-compile && chown tandem /var/cache/tandem-compile \
+ && mkdir -p /opt/tandem/cache/converted && chown tandem /opt/tandem/cache/converted
 USER tandem

@@ -94,6 +94,12 @@ class GatewayConfig:
         path, and every request asks)."""
         return served_name(self.model_dir, self.served_model_name)
 
+    @property
+    def open_to_all(self) -> bool:
+        """Whether the APIs take anyone's requests from beyond this host: bound past loopback with no key (the
+        verifier and drafter refuse the like without their secret; a public API may be meant, so a warning)."""
+        return self.api_key is None and not internal_secret.is_loopback(self.host)
+
     @functools.cached_property
     def model_names(self) -> tuple[str, ...]:
         """What a request's ``model`` may say: the served name, and without --served-model-name also the model's

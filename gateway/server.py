@@ -20,6 +20,7 @@ from gateway.openai_api import create_app
 from gateway.openai_shapes import CUT_SHORT_SEND_S
 from gateway.upstream import VerifierClient
 from gateway.warmup import warm_up_streaming
+from tandem.args import API_KEY_ENV
 from tandem.service_runtime import check_can_listen, host_port
 
 log = logging.getLogger("gateway")
@@ -96,6 +97,9 @@ class Gateway(GatewayContext):
                        asyncio.create_task(self.pace.run(), name="gateway-pace")]
         log.info("gateway ready: OpenAI API at http://%s/v1 and gRPC Generation at %s (model %s, verifier %s)",
                  host_port(cfg.host, self.port), host_port(cfg.host, self.grpc_port), cfg.model_name, cfg.verifier)
+        if cfg.open_to_all:
+            log.warning("the OpenAI and gRPC APIs on %s serve anyone who reaches them: no --api-key (or $%s) is set",
+                        cfg.host, API_KEY_ENV)
 
     async def _mirror_health(self, serving: bool | None) -> None:
         """Our gRPC health is the verifier's: a load balancer should not send work we cannot do."""

@@ -3,9 +3,9 @@ stream and the drafter's Reload carry it in gRPC metadata, and so do the gateway
 (Generate, GetModelInfo); the drafter and the verifier refuse calls without it (UNAUTHENTICATED) — the verifier's
 port is no way around the gateway's API key.
 
-``tandem up`` generates one per stack and hands it to both processes in the environment; compose passes
-it as an environment variable; ``--internal-secret-file`` reads it from a file (a Docker/Kubernetes
-secret) instead. Torch-free: the launcher and both services use it.
+``tandem up`` generates one per stack and hands it to its three services as a file only its user can read
+(``--internal-secret-file``, tandem/stack_secret.py); compose passes it as an environment variable; the file flag
+takes a Docker/Kubernetes secret too. Torch-free: the launcher and the services use it.
 """
 
 from __future__ import annotations

@@ -70,3 +70,20 @@ def test_the_gateway_takes_the_api_key_and_relays_the_verifiers_metrics():
     gateway = compose()["services"]["gateway"]
     assert gateway["environment"]["TANDEM_API_KEY"] == "${TANDEM_API_KEY:-}"  # empty: the gateway reads it as unset
     assert "--verifier-metrics-url http://verifier:50053/metrics" in gateway["command"]
+
+
+def test_each_service_is_its_containers_process_and_the_drafter_takes_the_draft_shape():
+    """A shell left as PID 1 ignores docker stop's SIGTERM (the service was killed after 10 s, undrained): every
+    command execs its service under Docker's init; the drafter gets the SPEC_* shape the verifier gets (its draft
+    graphs are captured for it); a head shipped as pytorch_model.bin converts into a folder the services' user owns."""
+    spec = compose()
+    shapes = {}
+    for name in ("verifier", "drafter", "gateway"):
+        svc = spec["services"][name]
+        assert svc["init"] is True, name
+        assert svc["command"].startswith("sh -c 'exec python3 -m "), name
+        shapes[name] = re.findall(r"--speculative-[a-z-]+ \$\{SPEC_[A-Z_]+:-\d+\}", svc["command"])
+    assert shapes["drafter"] == shapes["verifier"] and len(shapes["drafter"]) == 3
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "chown tandem /opt/tandem/cache/converted" in dockerfile
+    assert dockerfile.index("chown tandem /opt/tandem/cache/converted") < dockerfile.rindex("USER tandem")

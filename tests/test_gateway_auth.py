@@ -145,3 +145,14 @@ def test_a_malformed_body_without_the_key_is_unauthenticated(stack):
             with pytest.raises(grpc.RpcError) as e:
                 list(raw(b"\xff" * 50, metadata=metadata, timeout=10))
             assert e.value.code() == code, e.value.details()
+
+
+@pytest.mark.parametrize("host, key, open_to_all", [("127.0.0.1", None, False), ("::1", None, False),
+                                                    ("localhost", None, False), ("0.0.0.0", None, True),
+                                                    ("0.0.0.0", "k1", False), ("10.0.0.5", None, True)])
+def test_an_api_served_past_loopback_without_a_key_is_named_at_start(host, key, open_to_all, tmp_path):
+    """compose's TANDEM_BIND=0.0.0.0 without TANDEM_API_KEY served anyone silently (the verifier and the drafter
+    refuse the like without their secret): the gateway says so when it is ready (gateway/server.py)."""
+    from gateway.config import GatewayConfig
+
+    assert GatewayConfig(verifier="x:1", model_dir=str(tmp_path), host=host, api_key=key).open_to_all is open_to_all
