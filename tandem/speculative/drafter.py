@@ -263,11 +263,12 @@ class Eagle3Drafter(Proposer):
             rids = [rid for rid, _, _ in items]
         else:
             self._rebuild(rids)
+            need = pages_needed(self, items)
+            if need > self.allocator.num_free:
+                raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; "
+                                      "raise max_kv_tokens")
         reqs = [self._reqs.get(rid) or HeadRequest(SequenceKV(self.allocator)) for rid in rids]
         prefixes = [r.kv.num_tokens for r in reqs]
-        need = pages_needed(self, items)
-        if need > self.allocator.num_free:
-            raise OutOfPagesError(f"draft KV cache out of pages: need {need}, {self.allocator.num_free} free; raise max_kv_tokens")
         if self.graphs is not None and not return_logits and self.graphs.extend(reqs, prefixes, items):
             for rid, req, (_, tokens, _) in zip(rids, reqs, items):
                 if req.tokens is not None:
@@ -320,9 +321,9 @@ class Eagle3Drafter(Proposer):
             raise KeyError(f"draft for unknown request '{missing[0]}' (extend it first)")
         live = scratch_room(self, [r for r in rids if r in self._reqs], (spec.num_steps - 1) * k)
         drafted = dict(zip(live, self._draft_live([self._reqs[r] for r in live], spec))) if live else {}
-        bare = {r: DraftTree([self.shed.roots[r] if r in self.shed else self._reqs[r].root], [-1])
-                for r in rids if r not in drafted}  # (a bare root verifies as a plain step)
-        return [drafted.get(r) or bare[r] for r in rids]
+        # (a request not drafted gets its bare root, which verifies as a plain step)
+        return [drafted[r] if r in drafted else DraftTree([self.shed.roots[r] if r in self.shed else self._reqs[r].root],
+                                                          [-1]) for r in rids]
 
     def _draft_live(self, reqs: list[HeadRequest], spec: SpecConfig) -> list[DraftTree]:
         trees = self.graphs.draft(reqs, spec, self.cfg.defer_chain_tokens) if self.graphs is not None else None

@@ -74,6 +74,8 @@ def pages_needed(drafter, items: list) -> int:
 
 def make_room(drafter, items: list) -> list:
     """The extend items that fit the pool, its newest requests shed until they do."""
+    if pages_needed(drafter, items) <= drafter.allocator.num_free:
+        return items  # (every round's case: no ordering of the held requests)
     rids, shed = [rid for rid, _, _ in items], set()
     for i in newest_first(rids, drafter.requests):
         if pages_needed(drafter, [it for j, it in enumerate(items) if j not in shed]) <= drafter.allocator.num_free:
@@ -86,10 +88,15 @@ def make_room(drafter, items: list) -> list:
 
 def scratch_room(drafter, rids: list[str], scratch: int) -> list[str]:
     """The requests whose ``scratch`` draft entries fit the pool, the newest left out of this draft until they do."""
+    def fits(kept: list[str]) -> bool:
+        states = [drafter.requests[r] for r in kept]
+        return sum(s.kv.pages_needed(s.kv.num_tokens + scratch) for s in states) <= drafter.allocator.num_free
+
+    if fits(rids):
+        return rids  # (every round's case: no ordering of the held requests)
     kept = list(rids)
     for i in newest_first(rids, drafter.requests):
-        states = [drafter.requests[r] for r in kept]
-        if sum(s.kv.pages_needed(s.kv.num_tokens + scratch) for s in states) <= drafter.allocator.num_free:
-            break
         kept.remove(rids[i])
+        if fits(kept):
+            break
     return kept
