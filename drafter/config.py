@@ -41,6 +41,9 @@ class DrafterServiceConfig:
     # Reload loads only folders below this one (realpath-checked); default: the starting head's parent.
     reload_root: str = ""
     metrics_port: int | None = None  # Prometheus endpoint (drafter/metrics.py); None = off
+    # Exit (status 2) once a verifier that was connected has been gone this long with none connecting again, for a
+    # supervisor to restart the drafter where the verifier now is (drafter/verifier_watch.py); None: wait forever
+    exit_without_verifier_s: float | None = None
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -70,6 +73,10 @@ class DrafterServiceConfig:
                        help="trace this many rounds, after a warm-up of 32, with the torch profiler: a Chrome trace "
                             "in --profile-dir and the busiest host ops and kernels in the log (0: off)")
         p.add_argument("--profile-dir", default=None, help="folder for the --profile-rounds trace (default: .)")
+        p.add_argument("--exit-without-verifier-s", type=float, default=None, metavar="S",
+                       help="exit (status 2) when the verifier that was connected has been gone S seconds and none "
+                            "connected again, for the supervisor to restart the drafter beside the verifier as it now "
+                            "is (compose: the verifier's restarted container has new namespaces); default: wait")
         p.add_argument("--round-lane-busy-poll-ms", type=float, default=cls.lane_busy_poll_ms,
                        help="between rounds on the round lane, busy-poll this long for the next Round before "
                             "sleeping (uses a core; default 0: off)")
@@ -91,6 +98,8 @@ class DrafterServiceConfig:
         if not 0 <= a.round_lane_busy_poll_ms <= MAX_LANE_BUSY_POLL_MS:  # a spin never ended blocks the event loop
             raise ConfigError(f"--round-lane-busy-poll-ms must be in [0, {MAX_LANE_BUSY_POLL_MS:g}], "
                               f"got {a.round_lane_busy_poll_ms}")
+        if a.exit_without_verifier_s is not None and not a.exit_without_verifier_s > 0:
+            raise ConfigError(f"--exit-without-verifier-s must be > 0, got {a.exit_without_verifier_s}")
         if a.profile_rounds < 0:
             raise ConfigError(f"--profile-rounds must be >= 0, got {a.profile_rounds}")
         spec = SpecConfig(speculative.num_steps, speculative.topk, speculative.num_draft_tokens)
@@ -101,7 +110,8 @@ class DrafterServiceConfig:
                    otlp_endpoint=a.otlp_endpoint, graph_specs=chain_ladder(spec),
                    lane_busy_poll_ms=a.round_lane_busy_poll_ms,
                    profile_rounds=a.profile_rounds, profile_dir=a.profile_dir, internal_secret=secret,
-                   reload_root=reload_root, metrics_port=a.metrics_port)
+                   reload_root=reload_root, metrics_port=a.metrics_port,
+                   exit_without_verifier_s=a.exit_without_verifier_s)
 
 
 def _gpu_kv_tokens(draft_model: str, device: str, dtype: str) -> int:

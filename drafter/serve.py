@@ -23,6 +23,7 @@ from drafter.config import DrafterServiceConfig
 from drafter.metrics import DrafterMetrics
 from drafter.profiling import RoundProfiler
 from drafter.service import SERVICE, DrafterService
+from drafter.verifier_watch import VerifierWatch
 
 log = logging.getLogger("drafter")
 
@@ -55,9 +56,11 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     metrics = DrafterMetrics()
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
+    watch = VerifierWatch(cfg.exit_without_verifier_s) if cfg.exit_without_verifier_s else None
     service = DrafterService(drafter, cfg.draft_model, cfg.target_model, ModelConfig.from_dir(cfg.target_model).hidden_size,
                              cfg.runtime, cfg.graph_specs, cfg.lane_busy_poll_ms / 1e3, profiler,
-                             secret=cfg.internal_secret, reload_root=cfg.reload_root or None, metrics=metrics)
+                             secret=cfg.internal_secret, reload_root=cfg.reload_root or None, metrics=metrics,
+                             watch=watch)
     if cfg.internal_secret is None:
         log.warning("no internal secret (tandem.internal_secret): any local process may drive this drafter; "
                     "`tandem up` and compose set one")
@@ -69,8 +72,14 @@ async def serve(cfg: DrafterServiceConfig, ready: asyncio.Event | None = None, s
     log.info("drafter serving on %s", host_port(cfg.host, port))
     if ready is not None:
         ready.set()
+    stop = stop or asyncio.Event()
+    watching = asyncio.create_task(watch.watch(stop)) if watch is not None else None
     await wait_for_stop(stop)
+    if watching is not None:
+        watching.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     profiler.close()
     tracing.shutdown_tracing()
+    if watch is not None and watch.fired:
+        raise watch.error()

@@ -49,6 +49,7 @@ from drafter.guard import InternalPlaneGuard
 from drafter.heads import DraftHeads
 from drafter.metrics import DrafterMetrics
 from drafter.profiling import RoundProfiler
+from drafter.verifier_watch import VerifierWatch
 
 log = logging.getLogger("drafter.service")
 SERVICE = "tandem.rpc.drafter.v1.Drafter"
@@ -59,9 +60,11 @@ class DrafterService:
     def __init__(self, drafter: Eagle3Drafter, draft_model: str, target_model: str, target_hidden: int,
                  runtime: DrafterConfig = DrafterConfig(), graph_specs: tuple = (), lane_busy_poll_s: float = 0.0,
                  profiler: RoundProfiler | None = None, secret: str | None = None, reload_root: str | None = None,
-                 metrics: DrafterMetrics | None = None):
+                 metrics: DrafterMetrics | None = None, watch: VerifierWatch | None = None):
         """``secret``: what Rounds and Reload must present (None: nothing, a loopback-only drafter);
-        ``reload_root``: Reload loads folders below it only (default: the starting head's parent)."""
+        ``reload_root``: Reload loads folders below it only (default: the starting head's parent); ``watch``: told
+        when a verifier's stream says Hello and when it ends (--exit-without-verifier-s)."""
+        self.watch = watch
         self.heads = DraftHeads(drafter, draft_model)
         self.guard = InternalPlaneGuard(secret, reload_root or os.path.dirname(os.path.abspath(draft_model)))
         self.lane_busy_poll_s = lane_busy_poll_s  # spin this long for the next Round (DrafterServiceConfig)
@@ -113,6 +116,8 @@ class DrafterService:
                         ring = await self._hello(message.hello, context, ring)
                         runs = self.run_desk.attach(message.hello, self.drafter)
                     self.metrics.verifier_connected.set(1)
+                    if self.watch is not None:
+                        self.watch.connected()
                     lane = await _attach_lane(message.hello)
                     if lane is not None:
                         lane_task = asyncio.create_task(self._serve_lane(lane, ring, runs, generation))
@@ -132,6 +137,8 @@ class DrafterService:
         finally:
             if said_hello and generation == self._generation:  # (a newer stream keeps it connected)
                 self.metrics.verifier_connected.set(0)
+            if said_hello and self.watch is not None:
+                self.watch.disconnected()
             if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
                 lane_task.cancel()
                 await asyncio.gather(lane_task, return_exceptions=True)

@@ -87,3 +87,15 @@ def test_each_service_is_its_containers_process_and_the_drafter_takes_the_draft_
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "chown tandem /opt/tandem/cache/converted" in dockerfile
     assert dockerfile.index("chown tandem /opt/tandem/cache/converted") < dockerfile.rindex("USER tandem")
+
+
+def test_a_drafter_left_in_a_restarted_verifiers_old_namespaces_exits_to_be_restarted_beside_it():
+    """A verifier container that restarts gets new namespaces; the drafter sharing the old ones would wait there
+    unreachable (speculation off for good): it exits after a grace and restarts beside the verifier as it now is."""
+    from drafter.__main__ import build_parser
+
+    svc = compose()["services"]["drafter"]
+    grace = re.search(r"--exit-without-verifier-s (\S+?)'?$", svc["command"].strip())
+    assert grace, svc["command"]
+    assert build_parser().parse_args(["--exit-without-verifier-s", grace.group(1)]).exit_without_verifier_s > 0
+    assert svc["restart"] == "unless-stopped" and svc["network_mode"] == "service:verifier"
