@@ -6,6 +6,7 @@ demo cache lives in the image; the image runs as a non-root user."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -81,7 +82,7 @@ def test_each_service_is_its_containers_process_and_the_drafter_takes_the_draft_
     for name in ("verifier", "drafter", "gateway"):
         svc = spec["services"][name]
         assert svc["init"] is True, name
-        assert svc["command"].startswith("sh -c 'exec python3 -m "), name
+        assert svc["command"].startswith("sh -c '") and f"exec python3 -m {name} " in svc["command"], name
         shapes[name] = re.findall(r"--speculative-[a-z-]+ \$\{SPEC_[A-Z_]+:-\d+\}", svc["command"])
     assert shapes["drafter"] == shapes["verifier"] and len(shapes["drafter"]) == 3
     dockerfile = (ROOT / "Dockerfile").read_text()
@@ -99,3 +100,44 @@ def test_a_drafter_left_in_a_restarted_verifiers_old_namespaces_exits_to_be_rest
     assert grace, svc["command"]
     assert build_parser().parse_args(["--exit-without-verifier-s", grace.group(1)]).exit_without_verifier_s > 0
     assert svc["restart"] == "unless-stopped" and svc["network_mode"] == "service:verifier"
+
+
+def _interpolate(text: str, env: dict) -> str:
+    """Compose's interpolation of what the commands use: ``${NAME:-default}`` (empty or unset: the default) and
+    ``$$`` (a literal ``$`` for the shell)."""
+    text = text.replace("$$", "\0")
+    text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
+    return text.replace("\0", "$")
+
+
+def _run_command(service: str, env: dict, tmp_path) -> list[str]:
+    """The service's command run by a real shell, with ``python3``, ``sleep`` and ``touch`` stubs that record their
+    arguments (``python3 -c`` answers a demo folder) → the recorded lines."""
+    log, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool in ("python3", "sleep", "touch"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then echo /demo/folder; exit 0; fi\necho "{tool} $*" >> {log}\n')
+        stub.chmod(0o755)
+    command = _interpolate(compose()["services"][service]["command"], env)
+    subprocess.run(["sh", "-c", command], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, check=True, capture_output=True)
+    return log.read_text().splitlines()
+
+
+def test_a_model_without_a_draft_is_served_without_speculation_instead_of_failing_on_the_demo_head(tmp_path):
+    """MODEL alone used to start the verifier with the demo head (trained for the demo target only): refused at
+    start-up, restarted, refused again. Now the verifier serves MODEL with no draft, the drafter idles healthy, and
+    the demo pair and a named pair keep their speculation."""
+    alone = {"MODEL": "/models/mine"}
+    verifier = _run_command("verifier", alone, tmp_path / "alone-verifier")
+    assert verifier == ["python3 -m verifier --host 0.0.0.0 --port 50051 --metrics-port 50053 --device cuda "
+                        "--tp-size 1 --model /models/mine"]
+    drafter = _run_command("drafter", alone, tmp_path / "alone-drafter")
+    assert drafter[-2:] == ["touch /tmp/tandem-no-draft", "sleep infinity"] and not any("-m drafter" in c for c in drafter)
+    assert compose()["services"]["drafter"]["healthcheck"]["test"][1].startswith("test -e /tmp/tandem-no-draft || ")
+    for i, (env, draft) in enumerate((({}, "/demo/folder"),
+                                      ({"MODEL": "/models/mine", "DRAFT_MODEL": "/models/head"}, "/models/head"))):
+        (verifier,) = _run_command("verifier", env, tmp_path / f"pair{i}-verifier")
+        assert f"--draft-model {draft} --drafter localhost:50052 --speculative-num-steps 3" in verifier
+        (drafter,) = _run_command("drafter", env, tmp_path / f"pair{i}-drafter")
+        assert drafter.startswith("python3 -m drafter ") and f"--model {draft} " in drafter
