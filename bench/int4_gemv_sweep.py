@@ -15,6 +15,7 @@ equals the default's to bf16 rounding. ``stages`` = steps of the weight in fligh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -81,17 +82,20 @@ def main() -> None:
             want = run(*ws[0], default).float()
             results = []
             kernels = a.kernels.split(",")
-            tiles = [None] + (TILES if "gemv" in kernels else []) \
+            # "masked": the default tile with its read-ahead loads masked (DequantConfig.clamped_read_ahead off)
+            tiles = [None] + (["masked"] if default.kernel == "gemv" else []) + (TILES if "gemv" in kernels else []) \
                 + (MMA_SYNC_TILES if fmt == "int4" and "mma_sync" in kernels else [])
             for tile in tiles:
-                if tile is not None and tile[0] == "mma_sync":
+                if tile == "masked":
+                    cfg = dataclasses.replace(default, clamped_read_ahead=False)
+                elif tile is not None and tile[0] == "mma_sync":
                     split = max(1, min(k // MMA_SYNC_STEP, round(tile[2] * PROGRAMS_WANTED / -(-n // tile[1]))))
                     cfg = mma_sync_config(m, n, k, tile[1], split)
                 elif tile is not None and m > 4:
                     continue
                 else:
                     cfg = default if tile is None else DequantConfig(m, *tile, split_k=gemv_split, kernel="gemv")
-                if tile is not None and cfg == default:
+                if tile not in (None, "masked") and cfg == default:
                     continue
                 try:
                     got = run(*ws[0], cfg).float()

@@ -257,6 +257,20 @@ def quant_tiles(spec: str) -> None:
     dequant_gemm.default_config = config
 
 
+def masked_read_ahead() -> None:
+    """Every GEMV config with its read-ahead loads masked (DequantConfig.clamped_read_ahead off): the in-model A/B."""
+    import dataclasses
+
+    from tandem.kernels import dequant_gemm
+
+    chosen = dequant_gemm.default_config
+
+    def config(*args, **kwargs):
+        return dataclasses.replace(chosen(*args, **kwargs), clamped_read_ahead=False)
+
+    dequant_gemm.default_config = config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v2-lite", choices=("v2-lite", "v2-lite-int4", "llama8b-int4", "llama8b-fp8"))
@@ -287,6 +301,8 @@ def main() -> None:
                     help="shared experts as routing slots where stored as the routed ones (moe.SHARED_AS_SLOTS on)")
     ap.add_argument("--quant-tile", default="",
                     help="one-row quantized GEMVs of these [N, K] take these tiles: 'N,K:BN,BK,WARPS,STAGES;...'")
+    ap.add_argument("--masked-read-ahead", action="store_true",
+                    help="the quantized GEMVs keep masked read-ahead loads (DequantConfig.clamped_read_ahead off)")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
     skip = [k for k in args.skip.split(",") if k]
@@ -307,6 +323,8 @@ def main() -> None:
         slot_tiles(args.slot_tile)
     if args.quant_tile:
         quant_tiles(args.quant_tile)
+    if args.masked_read_ahead:
+        masked_read_ahead()
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 

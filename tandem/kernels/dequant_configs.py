@@ -29,6 +29,9 @@ class DequantConfig:
     # block_n 64 or 128, block_k a multiple of 128). (num_stages, for
     # "gemv": K steps of the weight in flight, the one multiplied included; 1 and 2 are the same)
     kernel: str = "dot"
+    # "gemv" over one K range of whole steps: the read-ahead past the last step re-reads it unmasked instead of a
+    # masked load (tandem/kernels/dequant_gemv.py's MASKED); False keeps the masked loads (an A/B in bench/)
+    clamped_read_ahead: bool = True
 
     def __post_init__(self):
         rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4,

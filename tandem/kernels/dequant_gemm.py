@@ -182,7 +182,8 @@ def _launch(x, w, s, bias, n, fmt, s_rows, s_cols, config, out, ids=None, slots_
             x2, w, s, b, target, ids if experts else s, m, n, x2.stride(0), target.stride(-2), stride_ys,
             w.stride(0) if experts else 0, s.stride(0) if experts else 0, INT4_HI_SHIFT, STRIDE_W=w.stride(-2),
             STRIDE_S=s.stride(-2), EVEN_N=n % cfg.block_n == 0, ROWS=block_m, SLOTS_PER_ROW=slots_per_row,
-            SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1), IDS_SETTLED=ids_settled)
+            SWIGLU=swiglu, **dict(formatted, num_stages=1), AHEAD=max(1, cfg.num_stages - 1), IDS_SETTLED=ids_settled,
+            CLAMPED=cfg.clamped_read_ahead)
     else:
         _dequant_matmul_kernel[grid](
             x2, w, s, b, target, m, n, x2.stride(0), w.stride(0), s.stride(0), target.stride(-2), stride_ys,

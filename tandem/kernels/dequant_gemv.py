@@ -99,12 +99,24 @@ def _tile_offsets(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, n0, rows, STRIDE
 
 @triton.jit
 def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, k_begin, k0, live,
-               K: tl.constexpr, EVEN_K: tl.constexpr, S_COLS: tl.constexpr):
+               K: tl.constexpr, EVEN_K: tl.constexpr, S_COLS: tl.constexpr, MASKED: tl.constexpr = True):
     """The raw tile of columns ``k_begin + k0 ..`` (``w_base`` points at k_begin) as ``[BLOCK_N, words]``
     (FP8: ``[BLOCK_N, words, 4]``) and its scales ``[BLOCK_N or 1, words]`` (both multiples of BLOCK_K,
     which S_COLS divides or is a multiple of, so that s_offs hold). Nothing is read where ``live`` is
     false (a prefetch past the program's K range) or past K. PLAIN: the tile ``[BLOCK_N, words, PER_WORD]``
-    and ones for its scales (multiplying by 1.0 compiles to nothing); whole words lie inside K."""
+    and ones for its scales (multiplying by 1.0 compiles to nothing); whole words lie inside K.
+    Not ``MASKED`` (one K range of whole steps: every caller's ``k0`` lies inside K): plain loads, ``live`` unread
+    — no predicate to compute and no register to zero first, a tenth of the loop's instructions."""
+    if not MASKED:
+        if FORMAT == 1:
+            w = tl.load(w_base + k0 // 8 + w_offs)
+        else:
+            w = tl.load(w_base + k0 + w_offs)
+        if FORMAT == 0:
+            s = tl.full([first_col.shape[0], 1], 1.0, tl.float32)
+        else:
+            s = tl.load(s_base + (k_begin + k0) // S_COLS + s_offs).to(tl.float32)
+        return tl.trans(w, 1, 0) if FORMAT == 1 else tl.trans(w, 1, 0, 2), tl.trans(s)
     if EVEN_K:
         ok = live
     else:
@@ -176,14 +188,16 @@ def _unpack(FORMAT: tl.constexpr, w, hi_shift, x_dtype: tl.constexpr):
 
 @triton.jit
 def _row_partial(FORMAT: tl.constexpr, PER_WORD: tl.constexpr, q, x_row, k0, first_col, row_ok, K: tl.constexpr,
-                 SWIGLU: tl.constexpr):
+                 SWIGLU: tl.constexpr, MASKED: tl.constexpr = True):
     """``[BLOCK_N, words]``: each word's unscaled weights times the row's activations, summed. A thread's
     activations are one load of a word's columns (``[words, 8 or 4]``), split in registers. ``x_row``
     and ``k0`` count from the program's first column, ``first_col`` from 0. (PLAIN: whole words inside K, masked
     per word: the load stays one vector. ``SWIGLU``: the row is [gate | up], its activations silu(gate) * up.)"""
     j = tl.arange(0, PER_WORD)
     offs = k0 + tl.arange(0, first_col.shape[0])[:, None] * PER_WORD + j[None, :]
-    if FORMAT == 0:
+    if not MASKED:  # (columns inside K: only the row is checked)
+        ok = row_ok
+    elif FORMAT == 0:
         ok = row_ok & (k0 + first_col < K)[:, None]
     else:
         ok = row_ok & (k0 + first_col[:, None] + j[None, :] < K)
@@ -220,6 +234,7 @@ def _dequant_gemv_kernel(
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
     SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1, IDS_SETTLED: tl.constexpr = False,
+    CLAMPED: tl.constexpr = True,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
@@ -228,7 +243,8 @@ def _dequant_gemv_kernel(
     ``ids_ptr`` (its expert: W and its scales offset by ``stride_we`` / ``stride_se`` per expert), its
     activation row ``pid_m // SLOTS_PER_ROW`` (the token for gate/up, the slot itself for down); ``IDS_SETTLED``: the
     ids were written before the kernel just before this one (pdl.py: visible before the wait), so the slot's first
-    weights are read while that kernel finishes, as a dense weight's are."""
+    weights are read while that kernel finishes, as a dense weight's are. ``CLAMPED``: see ``MASKED`` below
+    (DequantConfig.clamped_read_ahead)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -245,6 +261,10 @@ def _dequant_gemv_kernel(
                               else 128 // w_ptr.dtype.element_ty.primitive_bitwidth)
     SCALE_ROW_UNIFORM: tl.constexpr = FORMAT == 2 and S_ROWS % BLOCK_N == 0
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    # one K range of whole steps (K not split): every step lies inside K, and a read-ahead past the last step reads
+    # the last step again (in L2 by then, never multiplied) instead of a masked load
+    MASKED: tl.constexpr = not (CLAMPED and EVEN_K and K_SPLIT == K)
+    LAST: tl.constexpr = K - BLOCK_K
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_N) if EVEN_N else tl.minimum(offs_n, N - 1) - n0
@@ -263,13 +283,15 @@ def _dequant_gemv_kernel(
     x_row = x_ptr + x_m.to(tl.int64) * stride_xm + k_begin
     # the first step's weights do not depend on the previous kernel (but for an expert's): read while it finishes
     w, s = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 0, k_begin < K, K, EVEN_K,
-                      S_COLS)
+                      S_COLS, MASKED)
     if AHEAD > 1:  # (AHEAD 3: w2 the third step; each step hands its tile down the line: w <- w1 <- w2 <- load)
-        w1, s1 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, BLOCK_K,
-                            (BLOCK_K < K_SPLIT) & (k_begin + BLOCK_K < K), K, EVEN_K, S_COLS)
+        w1, s1 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin,
+                            BLOCK_K if MASKED else min(BLOCK_K, LAST),
+                            (BLOCK_K < K_SPLIT) & (k_begin + BLOCK_K < K), K, EVEN_K, S_COLS, MASKED)
     if AHEAD > 2:
-        w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, 2 * BLOCK_K,
-                            (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS)
+        w2, s2 = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin,
+                            2 * BLOCK_K if MASKED else min(2 * BLOCK_K, LAST),
+                            (2 * BLOCK_K < K_SPLIT) & (k_begin + 2 * BLOCK_K < K), K, EVEN_K, S_COLS, MASKED)
     if SLOTS_PER_ROW == 0 or IDS_SETTLED:
         pdl_enter(PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // PER_WORD], dtype=tl.float32)
@@ -278,16 +300,21 @@ def _dequant_gemv_kernel(
     acc3 = acc0
     for kk in tl.range(0, K_SPLIT, BLOCK_K, loop_unroll_factor=AHEAD + 1):
         ahead = kk + AHEAD * BLOCK_K
+        if not MASKED:
+            ahead = tl.minimum(ahead, LAST)
         w_next, s_next = _load_tile(FORMAT, w_base, w_offs, s_base, s_offs, first_col, k_begin, ahead,
-                                    (ahead < K_SPLIT) & (k_begin + ahead < K), K, EVEN_K, S_COLS)
+                                    (ahead < K_SPLIT) & (k_begin + ahead < K), K, EVEN_K, S_COLS, MASKED)
         q = _unpack(FORMAT, w, hi_shift, x_ptr.dtype.element_ty)
-        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU)
+        acc0 += s * _row_partial(FORMAT, PER_WORD, q, x_row, kk, first_col, m0 < M, K, SWIGLU, MASKED)
         if ROWS > 1:
-            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU)
+            acc1 += s * _row_partial(FORMAT, PER_WORD, q, x_row + stride_xm, kk, first_col, m0 + 1 < M, K, SWIGLU,
+                                     MASKED)
         if ROWS > 2:
-            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU)
+            acc2 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 2 * stride_xm, kk, first_col, m0 + 2 < M, K, SWIGLU,
+                                     MASKED)
         if ROWS > 3:
-            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU)
+            acc3 += s * _row_partial(FORMAT, PER_WORD, q, x_row + 3 * stride_xm, kk, first_col, m0 + 3 < M, K, SWIGLU,
+                                     MASKED)
         if AHEAD == 1:
             w, s = w_next, s_next
         elif AHEAD == 2:
