@@ -82,12 +82,12 @@ def main() -> None:
             want = run(*ws[0], default).float()
             results = []
             kernels = a.kernels.split(",")
-            # "masked": the default tile with its read-ahead loads masked (DequantConfig.clamped_read_ahead off)
-            tiles = [None] + (["masked"] if default.kernel == "gemv" else []) + (TILES if "gemv" in kernels else []) \
+            # "flipped": the default tile with its read-ahead the other way (DequantConfig.clamped_read_ahead)
+            tiles = [None] + (["flipped"] if default.kernel == "gemv" else []) + (TILES if "gemv" in kernels else []) \
                 + (MMA_SYNC_TILES if fmt == "int4" and "mma_sync" in kernels else [])
             for tile in tiles:
-                if tile == "masked":
-                    cfg = dataclasses.replace(default, clamped_read_ahead=False)
+                if tile == "flipped":
+                    cfg = dataclasses.replace(default, clamped_read_ahead=not default.clamped_read_ahead)
                 elif tile is not None and tile[0] == "mma_sync":
                     split = max(1, min(k // MMA_SYNC_STEP, round(tile[2] * PROGRAMS_WANTED / -(-n // tile[1]))))
                     cfg = mma_sync_config(m, n, k, tile[1], split)
@@ -95,7 +95,7 @@ def main() -> None:
                     continue
                 else:
                     cfg = default if tile is None else DequantConfig(m, *tile, split_k=gemv_split, kernel="gemv")
-                if tile not in (None, "masked") and cfg == default:
+                if tile not in (None, "flipped") and cfg == default:
                     continue
                 try:
                     got = run(*ws[0], cfg).float()
@@ -105,8 +105,9 @@ def main() -> None:
                 err = ((got - want).norm() / want.norm()).item()
                 ms = graph_ms([lambda w=w, cfg=cfg: run(*w, cfg) for w in ws])
                 results.append((ms, tile, err))
-                name = "default " + str((default.block_n, default.block_k, default.num_warps, default.num_stages)) \
-                    if tile is None else str(tile)
+                name = ("default " + str((default.block_n, default.block_k, default.num_warps, default.num_stages))
+                        if tile is None else str(tile)) + (" clamped" if cfg.kernel == "gemv" and cfg.clamped_read_ahead
+                                                           and tile in (None, "flipped") else "")
                 print(f"{label:22s} {m} row {fmt} {name:28s} split {cfg.split_k}: {1e3 * ms:7.1f} us "
                       f"{100 * limit_ms / ms:5.1f} % of limit ({1e3 * limit_ms:.1f} us), rel err {err:.1e}", flush=True)
                 rows.append({"shape": label, "rows": m, "format": fmt, "tile": tile or "default", "split": cfg.split_k,
