@@ -257,8 +257,8 @@ def quant_tiles(spec: str) -> None:
     dequant_gemm.default_config = config
 
 
-def masked_read_ahead() -> None:
-    """Every GEMV config with its read-ahead loads masked (DequantConfig.clamped_read_ahead off): the in-model A/B."""
+def clamped_read_ahead() -> None:
+    """Every GEMV config with its read-ahead clamped (DequantConfig.clamped_read_ahead on): the in-model A/B."""
     import dataclasses
 
     from tandem.kernels import dequant_gemm
@@ -266,7 +266,7 @@ def masked_read_ahead() -> None:
     chosen = dequant_gemm.default_config
 
     def config(*args, **kwargs):
-        return dataclasses.replace(chosen(*args, **kwargs), clamped_read_ahead=False)
+        return dataclasses.replace(chosen(*args, **kwargs), clamped_read_ahead=True)
 
     dequant_gemm.default_config = config
 
@@ -301,8 +301,9 @@ def main() -> None:
                     help="shared experts as routing slots where stored as the routed ones (moe.SHARED_AS_SLOTS on)")
     ap.add_argument("--quant-tile", default="",
                     help="one-row quantized GEMVs of these [N, K] take these tiles: 'N,K:BN,BK,WARPS,STAGES;...'")
-    ap.add_argument("--masked-read-ahead", action="store_true",
-                    help="the quantized GEMVs keep masked read-ahead loads (DequantConfig.clamped_read_ahead off)")
+    ap.add_argument("--clamped-read-ahead", action="store_true",
+                    help="the quantized GEMVs over one K range re-read their last step instead of masking the "
+                         "read-ahead (DequantConfig.clamped_read_ahead on everywhere)")
     ap.add_argument("--out", default="profile_deepseek.json")
     args = ap.parse_args()
     skip = [k for k in args.skip.split(",") if k]
@@ -323,8 +324,8 @@ def main() -> None:
         slot_tiles(args.slot_tile)
     if args.quant_tile:
         quant_tiles(args.quant_tile)
-    if args.masked_read_ahead:
-        masked_read_ahead()
+    if args.clamped_read_ahead:
+        clamped_read_ahead()
     if args.absorb_merge:
         from tandem.kernels import mla_absorb
 

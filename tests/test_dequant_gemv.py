@@ -35,8 +35,8 @@ RAGGED_N_SPLIT = DequantConfig(4, 16, 64, num_stages=1, split_k=2, kernel="gemv"
 # three and four steps in flight: more than the 2.5 steps of K, and more than a split's steps
 THREE_AHEAD = DequantConfig(4, 8, 32, num_stages=3, kernel="gemv")
 FOUR_AHEAD_SPLIT = DequantConfig(4, 16, 32, num_stages=4, split_k=2, kernel="gemv")
-# K in whole steps, not split (THREE_AHEAD too): the read-ahead past the last step re-reads it, unmasked; masked here
-THREE_AHEAD_MASKED = DequantConfig(4, 8, 32, num_stages=3, kernel="gemv", clamped_read_ahead=False)
+# K in whole steps, not split (as THREE_AHEAD): the read-ahead past the last step re-reads it, unmasked
+THREE_AHEAD_CLAMPED = DequantConfig(4, 8, 32, num_stages=3, kernel="gemv", clamped_read_ahead=True)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -45,8 +45,8 @@ def gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", [EVEN_N, RAGGED_N_SPLIT, THREE_AHEAD, THREE_AHEAD_MASKED, FOUR_AHEAD_SPLIT],
-                         ids=["even-n", "ragged-n-split-k", "three-steps-in-flight", "three-in-flight-masked",
+@pytest.mark.parametrize("config", [EVEN_N, RAGGED_N_SPLIT, THREE_AHEAD, THREE_AHEAD_CLAMPED, FOUR_AHEAD_SPLIT],
+                         ids=["even-n", "ragged-n-split-k", "three-steps-in-flight", "three-in-flight-clamped",
                               "four-in-flight-split-k"])
 def test_int4_gemv_matches_compressed_tensors(dtype, m, config):
     check_int4_linear(dtype, m, config, exact=True)

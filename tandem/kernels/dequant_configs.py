@@ -30,8 +30,8 @@ class DequantConfig:
     # "gemv": K steps of the weight in flight, the one multiplied included; 1 and 2 are the same)
     kernel: str = "dot"
     # "gemv" over one K range of whole steps: the read-ahead past the last step re-reads it unmasked instead of a
-    # masked load (tandem/kernels/dequant_gemv.py's MASKED); False keeps the masked loads (an A/B in bench/)
-    clamped_read_ahead: bool = True
+    # masked load (tandem/kernels/dequant_gemv.py's MASKED); default_config's choice: CLAMPED_STEPS
+    clamped_read_ahead: bool = False
 
     def __post_init__(self):
         rows_ok = {"dot": self.block_m >= 16, "rows": self.block_m == 1, "gemv": 1 <= self.block_m <= 4,
@@ -75,11 +75,11 @@ MMA_SYNC_STEP = 4 * MMA_SYNC_GROUP
 MMA_SYNC_ROWS = 8
 FP8_GEMV_MAX_ELEMENTS = 64 << 20
 # K steps (one K range) over which the GEMV re-reads its last step instead of masking its read-ahead
-# (DequantConfig.clamped_read_ahead). From the sm_90 SASS (compile_check, INT4, one row): 4 steps (the 8B's K 4096)
-# 1016 instructions and 77 registers against 1072 and 96; 7 steps 1144 against 1176 at 128 registers; 2 steps (K 2048)
-# 616 against 512; 14 steps (K 14336) 124 registers against 63. Unmeasured on a GPU yet (bench/int4_gemv_sweep.py's
-# "masked" row is the A/B)
-CLAMPED_STEPS = (3, 8)
+# (DequantConfig.clamped_read_ahead); None: nowhere. The sm_90 SASS (compile_check, INT4, one row) favours 3 to 8: at
+# 4 steps (the 8B's K 4096) 1016 instructions and 77 registers against 1072 and 96; 7 steps 1144 against 1176 at 128
+# registers; 2 steps (K 2048) 616 against 512; 14 steps (K 14336) 124 registers against 63. Off until a GPU times it
+# (bench/int4_gemv_sweep.py's "flipped" row, bench/profile_deepseek.py --clamped-read-ahead): no GPU was lent since
+CLAMPED_STEPS: tuple[int, int] | None = None
 GEMV_MIN_PROGRAMS = 396  # three per H200 SM: the GEMV splits K until its grid has this many programs
 # INT4 with bf16/fp16 activations, more rows than the GEMV takes and up to INT4_MMA_MAX_ROWS: the "mma" kernel
 # (tandem/kernels/dequant_mma.py). On the H200 (bench --sections quant_kernels, 16 rows) it took 0.5-0.6x the time of
@@ -136,7 +136,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         steps = triton.cdiv(k, block_k)
         split = _gemv_split(triton.cdiv(n, block_n) * triton.cdiv(m, rows), steps)
         return DequantConfig(rows, block_n, block_k, num_warps=4, num_stages=stages, split_k=split, kernel="gemv",
-                             clamped_read_ahead=CLAMPED_STEPS[0] <= steps <= CLAMPED_STEPS[1])
+                             clamped_read_ahead=CLAMPED_STEPS is not None
+                             and CLAMPED_STEPS[0] <= steps <= CLAMPED_STEPS[1])
     if dtype == torch.float32:
         return DequantConfig(16 if m <= 16 else 32, 32, 32, num_warps=4, num_stages=2)
     if m == 1 and k >= ROWS_KERNEL_MIN_K:

@@ -106,7 +106,7 @@ def _load_tile(FORMAT: tl.constexpr, w_base, w_offs, s_base, s_offs, first_col, 
     false (a prefetch past the program's K range) or past K. PLAIN: the tile ``[BLOCK_N, words, PER_WORD]``
     and ones for its scales (multiplying by 1.0 compiles to nothing); whole words lie inside K.
     Not ``MASKED`` (one K range of whole steps: every caller's ``k0`` lies inside K): plain loads, ``live`` unread
-    — no predicate to compute and no register to zero first, a tenth of the loop's instructions."""
+    — no predicate to compute and no register to zero first (what that saves: dequant_configs.CLAMPED_STEPS)."""
     if not MASKED:
         if FORMAT == 1:
             w = tl.load(w_base + k0 // 8 + w_offs)
@@ -234,7 +234,7 @@ def _dequant_gemv_kernel(
     STRIDE_W: tl.constexpr, STRIDE_S: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS_PER_ROW: tl.constexpr, PDL: tl.constexpr,
     SWIGLU: tl.constexpr = False, AHEAD: tl.constexpr = 1, IDS_SETTLED: tl.constexpr = False,
-    CLAMPED: tl.constexpr = True,
+    CLAMPED: tl.constexpr = False,
 ):
     """Rows ``pid_m * ROWS ..`` of x times rows ``pid_n * BLOCK_N ..`` of W over columns
     ``pid_s * K_SPLIT ..`` (float32 partial sums at ``y_ptr + pid_s * stride_ys`` where K is split).
