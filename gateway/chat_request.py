@@ -1,8 +1,9 @@
 """A chat request's template options → the prompt text: ``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), ``documents`` (retrieval templates'), and ``tools`` —
-given to the template as transformers and vLLM give them. This server parses no tool calls out of the model's text,
-so ``tools`` are rendered only with ``tool_choice: "none"`` (the model sees them, the answer is text); "auto",
-"required" or a named function are refused rather than answered without ``tool_calls``."""
+given to the template as transformers and vLLM give them. ``tool_choice`` "auto" (the default with tools) has the
+answer's tool calls read (gateway/chat_answer.py) where the server has a ``--tool-call-parser``, and is refused
+without one rather than answered without ``tool_calls``; "none" shows the model the tools and answers its text;
+"required" and a named function, which need decoding constrained to the call's markup, are refused."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ _RESERVED = {"messages", "add_generation_prompt", "continue_final_message", "too
              "eos_token"}
 
 
-def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
+def render_chat(template: ChatTemplate, body: dict, messages: list[dict], reads_tool_calls: bool = False) -> str:
+    """``reads_tool_calls``: the server reads tool calls out of answers (--tool-call-parser)."""
     continue_final = flag(body, "continue_final_message", False)
     add_prompt = flag(body, "add_generation_prompt", not continue_final)
     if continue_final and add_prompt:  # (vLLM refuses it too; named here, not as the template's error on messages)
         raise bad_request("continue_final_message", "and add_generation_prompt exclude each other: set "
                                                     "add_generation_prompt to false to continue the last message")
     extra = dict(_template_kwargs(body))
-    tools = _tools(body)
+    tools = _tools(body, reads_tool_calls)
     if tools is not None:
         extra["tools"] = tools
     documents = body.get("documents")
@@ -54,7 +56,12 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return kwargs
 
 
-def _tools(body: dict) -> list[dict] | None:
+def tool_calls_asked(body: dict) -> bool:
+    """Whether the answer may call the request's tools (tool_choice auto, the default where tools are given)."""
+    return bool(body.get("tools")) and body.get("tool_choice") in (None, "auto")
+
+
+def _tools(body: dict, reads_tool_calls: bool) -> list[dict] | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -63,7 +70,12 @@ def _tools(body: dict) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad_request("tools", "must be a list of tool objects")
-    if choice != "none":
-        raise bad_request("tool_choice", "this server does not parse tool calls out of the model's text: send "
-                                         "tool_choice \"none\" to show the model the tools and get its text")
+    if choice in (None, "auto") and not reads_tool_calls:
+        raise bad_request("tool_choice", "this server reads no tool calls out of the model's text (start it with "
+                                         "--tool-call-parser NAME for that): send tool_choice \"none\" to show the "
+                                         "model the tools and get its text")
+    if choice not in (None, "auto", "none"):
+        what = f"{json.dumps(choice)[:40]}" if isinstance(choice, str) else "a named function"
+        raise bad_request("tool_choice", f"{what} needs decoding constrained to a call's markup, which this server "
+                                         "does not do: send \"auto\" (the model chooses) or \"none\"")
     return tools

@@ -53,6 +53,8 @@ class GatewayConfig:
     # "one": every generation over one GenerateMany stream to the verifier, a step's tokens for all of them in one
     # message (gateway/upstream_many.py; a verifier without it: a stream each); "per-request": a Generate stream each
     upstream_streams: str = "one"
+    tool_call_parser: str | None = None  # --tool-call-parser: a chat answer's tool calls read (gateway/tool_calls.py)
+    reasoning_parser: str | None = None  # --reasoning-parser: its <think> text apart (gateway/reasoning.py)
 
     def __post_init__(self):
         if ":" not in self.verifier:
@@ -85,6 +87,12 @@ class GatewayConfig:
                              f"{self.upstream_streams!r}")
         if self.log_requests_level not in (0, 1, 2):
             raise ValueError(f"--log-requests-level must be 0, 1 or 2, got {self.log_requests_level}")
+        if self.tool_call_parser not in (None, *shared.TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(shared.TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *shared.REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(shared.REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"--model-dir {self.model_dir}: no such folder")
 
@@ -158,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from tandem.model_source import resolve_model
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # (vLLM refuses it too)
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME: the markup tool calls are read in")
+
     return GatewayConfig(verifier=args.verifier, model_dir=resolve_model(args.model_dir, flag="--model-dir", weights=False), host=args.host, port=args.port,
                          grpc_port=args.grpc_port,
                          served_model_name=args.served_model_name[0] if args.served_model_name else None,
@@ -174,4 +185,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          internal_secret=internal_secret.load(args.internal_secret_file),
                          access_log=not args.disable_uvicorn_access_log,
                          max_message_interval_ms=args.max_message_interval_ms, metrics_prefix=args.metrics_prefix,
-                         upstream_streams=args.upstream_streams)
+                         upstream_streams=args.upstream_streams, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)

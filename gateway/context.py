@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 
+from gateway import reasoning, tool_calls
 from gateway.admission import BODY_BUDGET_BODIES, BodyBudget, Slots
+from gateway.chat_answer import AnswerFormats
 from gateway.config import GatewayConfig
 from gateway.generation_defaults import SamplingDefaults
 from gateway.metrics import GatewayMetrics
@@ -24,6 +26,9 @@ class GatewayContext:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model_dir, cfg.chat_template)
+        # what chat answers are read into (--tool-call-parser, --reasoning-parser)
+        self.answer_formats = AnswerFormats(tool_calls.FORMATS.get(cfg.tool_call_parser),
+                                            reasoning.FORMATS.get(cfg.reasoning_parser))
         self.prompt_bound = PromptBound.of(self.tokenizer)
         self.sampling_defaults = SamplingDefaults.load(cfg.model_dir, cfg.generation_config)
         self.metrics = GatewayMetrics(cfg.model_name)

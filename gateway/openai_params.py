@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.body_fields import flag, integer, number
-from gateway.chat_request import render_chat
+from gateway.chat_answer import AnswerFormats
+from gateway.chat_request import render_chat, tool_calls_asked
 from gateway.errors import GatewayError, bad_request
 from gateway.generation_defaults import SamplingDefaults
 from gateway.openai_extras import ENGINE_FIELDS, OutputOptions, parse_output_options
@@ -65,6 +66,7 @@ class OpenAIRequest:
     batched: bool = False  # the prompt came as a list of prompts (a batch, of one too)
     answer_ids: tuple[str, ...] = ()  # ids the client chose for its answers, in order (SGLang's rid): shown for ours
     sglang_logprobs: Any = None  # SGLang's return_logprob settings (gateway/sglang_logprobs.LogprobRequest); None: off
+    answers: AnswerFormats = AnswerFormats()  # what a chat answer's text is read into (reasoning, tool calls)
 
     @property
     def prompts(self) -> tuple["OpenAIRequest", ...]:
@@ -154,13 +156,14 @@ def _parse_prompt(body: dict, request_id: str, tok: Tokenizer, limits: Limits) -
 
 
 def parse_chat(body: dict, request_id: str, tok: Tokenizer, template: ChatTemplate | None,
-               limits: Limits) -> OpenAIRequest:
+               limits: Limits, formats: AnswerFormats = AnswerFormats()) -> OpenAIRequest:
+    """``formats``: what the server reads chat answers into (--reasoning-parser, --tool-call-parser)."""
     messages = _messages(body.get("messages"))
     limits.prompt_bound.check(sum(len(m["content"]) for m in messages), limits.info.max_context, "messages")
     if template is None:
         raise bad_request("messages", "this model has no chat template (tokenizer_config.json has no "
                                       "chat_template); send a plain prompt to /v1/completions instead")
-    text = render_chat(template, body, messages)
+    text = render_chat(template, body, messages, reads_tool_calls=formats.tools is not None)
     limits.prompt_bound.check(len(text), limits.info.max_context, "messages")
     # The template renders its own BOS; the tokenizer's would double it (vLLM: add_special_tokens=False for chat).
     prompt_ids = tok.encode(text, add_special_tokens=_add_special_tokens(body, False))
@@ -173,10 +176,21 @@ def parse_chat(body: dict, request_id: str, tok: Tokenizer, template: ChatTempla
         requested, param = integer(body, "max_tokens"), "max_tokens"
     parsed = _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
                      chat=True)
+    answers = formats.for_request(tool_calls_asked(body))
+    if answers.reads:
+        parsed = dataclasses.replace(parsed, answers=answers)
+        if answers.keeps_special_tokens and body.get("skip_special_tokens") is None:  # (the markup's tokens: kept)
+            parsed = _keep_special_tokens(parsed)
     # vLLM's chat echo: the answer starts with the last message when it is the assistant's own (continued)
     if parsed.options.echo and messages[-1]["role"] == "assistant":
         return dataclasses.replace(parsed, echo_text=messages[-1]["content"])
     return parsed
+
+
+def _keep_special_tokens(parsed: OpenAIRequest) -> OpenAIRequest:
+    """The request's answer decoded with its special tokens (as vLLM decodes for Kimi's tool-call markup)."""
+    return dataclasses.replace(parsed, options=dataclasses.replace(parsed.options, skip_special_tokens=False),
+                               generation=dataclasses.replace(parsed.generation, skip_special_tokens=False))
 
 
 def _common(body: dict, request_id: str, prompt_ids: list[int], limits: Limits, requested: int | None,

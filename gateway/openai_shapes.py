@@ -13,6 +13,7 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from gateway.admission import STREAM_SEND_TIMEOUT_S
+from gateway.chat_answer import AnswerFormats, AnswerStream, finish_reason, message
 from gateway.choices import ChoiceResult
 from gateway.generation import Delta
 from gateway.logprobs_shape import LogprobsShape, merge
@@ -129,10 +130,17 @@ class CompletionShape:
 
 
 class ChatShape(CompletionShape):
-    """``chat.completion`` / ``chat.completion.chunk`` objects for /v1/chat/completions."""
+    """``chat.completion`` / ``chat.completion.chunk`` objects for /v1/chat/completions; the answer's text read into
+    reasoning, content and tool calls where the request's ``answers`` say (gateway/chat_answer.py)."""
 
     object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    answers = AnswerFormats()
+
+    def follow(self, choices, request) -> None:
+        super().follow(choices, request)
+        self.answers = request.answers
+        self._answer_streams: dict[int, AnswerStream] = {}
 
     def opening(self, firsts: list[Delta] = ()) -> list[dict]:
         # Each choice's first chunk announces the role, with empty content, as OpenAI does; then the echo.
@@ -154,20 +162,29 @@ class ChatShape(CompletionShape):
         return self.logprobs.chat(token_ids, entries)
 
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
-        if not self._shows(delta):
+        if self.answers.reads:
+            stream = self._answer_streams.setdefault(index, AnswerStream(self.answers))
+            fields = stream.feed(delta.text, last=delta.finish_reason is not None)
+            reason = finish_reason(delta.finish_reason, stream.called)
+        else:
+            fields, reason = ({"content": delta.text} if delta.text else {}), delta.finish_reason
+        if not (fields or reason is not None or delta.logprobs or (self.prompt_ids is not None and delta.token_ids)):
             return None
-        content = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": content, "logprobs": self._logprobs(delta.token_ids, delta.logprobs, index),
-                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        choice = {"index": index, "delta": fields, "logprobs": self._logprobs(delta.token_ids, delta.logprobs, index),
+                  "finish_reason": reason, "stop_reason": delta.stop_reason}
         if self.prompt_ids is not None:
             choice["token_ids"] = list(delta.token_ids)
         return self._with_usage({**self._head(self.object), "choices": [choice]})
 
     def response(self, results: list[ChoiceResult], usage: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_texts[i] + r.text},
-                    "logprobs": self._logprobs(r.token_ids, r.logprobs, i), "finish_reason": r.finish_reason,
-                    "stop_reason": r.stop_reason}
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            if self.answers.reads:
+                said, called = message(self.answers, r.text, self.echo_texts[i])
+            else:
+                said, called = {"role": "assistant", "content": self.echo_texts[i] + r.text}, False
+            choices.append({"index": i, "message": said, "logprobs": self._logprobs(r.token_ids, r.logprobs, i),
+                            "finish_reason": finish_reason(r.finish_reason, called), "stop_reason": r.stop_reason})
         if self.prompt_ids is None:
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
         for choice, r in zip(choices, results):

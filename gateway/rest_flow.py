@@ -102,7 +102,8 @@ async def generate(gw: GatewayContext, request: Request, api: str, shape_cls: ty
         if parse is not None:
             parsing = functools.partial(parse, body, request_id, limits)
         elif shape_cls is ChatShape:
-            parsing = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits)
+            parsing = functools.partial(parse_chat, body, request_id, gw.tokenizer, gw.chat_template, limits,
+                                        gw.answer_formats)
         else:
             parsing = functools.partial(parse_completion, body, request_id, gw.tokenizer, limits)
         # Tokenizing a long prompt takes milliseconds: off the event loop, so other streams keep flowing.

@@ -65,7 +65,8 @@ def _tokenize(gw: GatewayContext, body: dict, info) -> dict:
     else:
         if gw.chat_template is None:
             raise bad_request("messages", "this model has no chat template (tokenizer_config.json has none)")
-        text = render_chat(gw.chat_template, body, _messages(body["messages"]))
+        text = render_chat(gw.chat_template, body, _messages(body["messages"]),
+                           reads_tool_calls=gw.answer_formats.tools is not None)
         gw.prompt_bound.check(len(text), info.max_context, "messages")
         ids = gw.tokenizer.encode(text, add_special_tokens=_add_special_tokens(body, False))
     # No token-count check: /tokenize is how a client learns that a prompt is too long. A text that cannot fit by its

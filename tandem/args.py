@@ -263,14 +263,19 @@ def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None)
     return Refused
 
 
-_NO_TOOL_PARSER = ("Tandem has no tool-call or reasoning parser: chat requests may carry tools with tool_choice "
-                   "\"none\" only, and reasoning text stays in the content")
-TOOL_CALL_PARSER = Flag(("--tool-call-parser",), dict(action=_refused(_NO_TOOL_PARSER),
-                                                      help="refused: no tool-call parser (vLLM / SGLang flag)"))
-AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(action=_refused(_NO_TOOL_PARSER, takes_value=False),
-                                                             help="refused: no tool-call parser (vLLM flag)"))
-REASONING_PARSER = Flag(("--reasoning-parser",), dict(action=_refused(_NO_TOOL_PARSER),
-                                                      help="refused: no reasoning parser (vLLM / SGLang flag)"))
+# what the gateway reads out of a chat answer's text (gateway/tool_calls.py, gateway/reasoning.py)
+TOOL_CALL_PARSERS = ("kimi_k2", "deepseek_v3", "deepseekv3", "deepseek_v31", "deepseekv31", "hermes", "qwen25", "qwen")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "kimi_k2", "deepseek_v3")
+TOOL_CALL_PARSER = Flag(("--tool-call-parser",), dict(
+    default=None, choices=TOOL_CALL_PARSERS, metavar="NAME",
+    help=f"read tool calls out of chat answers written in this model family's markup ({', '.join(TOOL_CALL_PARSERS)}): "
+         "requests with tools and tool_choice auto get tool_calls (vLLM / SGLang flag)"))
+AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(
+    action="store_true", help="vLLM's switch, taken: with --tool-call-parser, tool_choice auto is answered"))
+REASONING_PARSER = Flag(("--reasoning-parser",), dict(
+    default=None, choices=REASONING_PARSERS, metavar="NAME",
+    help=f"split chat answers' <think> reasoning into reasoning_content ({', '.join(REASONING_PARSERS)}; vLLM / SGLang "
+         "flag)"))
 _NO_EXPERT_PARALLEL = ("expert parallelism is not supported: with --tp N every rank holds a 1/N slice of every expert "
                        "(the experts' intermediate dimension is split)")
 EXPERT_PARALLEL = Flag(("--enable-expert-parallel", "--enable-ep-moe"), dict(

@@ -46,6 +46,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.cancelled: list[str] = []  # request ids whose call was cancelled by the client
         self.finished: list[str] = []
         self.metadata: list[dict[str, str]] = []
+        self.script: list[int] | None = None  # the output instead of expected_tokens (then cut at a stop, as it)
         self._lock = threading.Lock()
 
     async def _hang_while_hung(self) -> None:
@@ -74,7 +75,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"prompt: {len(prompt)} tokens do not fit the context of {self.max_context}")
             n = request.sampling.max_new_tokens
-            out = expected_tokens(prompt, n, self.vocab_size)
+            out = list(self.script[:n]) if self.script is not None else expected_tokens(prompt, n, self.vocab_size)
             stops = set(request.sampling.stop_token_ids) | (set() if request.sampling.ignore_eos else {EOS_ID})
             cut = next((i + 1 for i, t in enumerate(out) if t in stops), None)
             if cut is not None:

@@ -178,16 +178,24 @@ def test_quantization_flags_name_what_the_checkpoint_holds(folders, tmp_path):
         _verifier(["--model", t, "--kv-cache-dtype", "fp8_e4m3"])
 
 
-@pytest.mark.parametrize("argv", [["--tool-call-parser", "hermes"], ["--enable-auto-tool-choice"],
-                                  ["--reasoning-parser", "deepseek_r1"]])
-def test_tool_and_reasoning_parser_flags_are_refused_saying_why(argv, capsys):
-    from gateway.config import build_parser as gateway_parser
+def test_tool_and_reasoning_parser_flags_reach_the_gateway_as_vllm_and_sglang_name_them(capsys):
+    """tandem up passes --tool-call-parser, --enable-auto-tool-choice and --reasoning-parser to its gateway, which
+    takes their names (an unknown one is refused listing the known); --enable-auto-tool-choice alone is refused, as
+    vLLM refuses it."""
+    from gateway.config import build_parser as gateway_parser, config_from_args
+    from tandem.launcher import _passthrough
 
-    for parse in (lambda: build_parser().parse_args(["up", *argv]),
-                  lambda: gateway_parser().parse_args(["--verifier", "x:1", "--model", "m", *argv])):
-        with pytest.raises(SystemExit):
-            parse()
-        assert f"{argv[0]}: Tandem has no tool-call or reasoning parser" in capsys.readouterr().err
+    argv = ["--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1"]
+    up = build_parser().parse_args(["up", *argv])
+    assert _passthrough(up, shared.GATEWAY_FLAGS) == argv
+    gateway = gateway_parser().parse_args(["--verifier", "x:1", "--model", "m", *argv])
+    assert (gateway.tool_call_parser, gateway.reasoning_parser) == ("kimi_k2", "deepseek_r1")
+    with pytest.raises(SystemExit):
+        gateway_parser().parse_args(["--verifier", "x:1", "--model", "m", "--tool-call-parser", "llama4_pythonic"])
+    assert "kimi_k2" in capsys.readouterr().err
+    alone = gateway_parser().parse_args(["--verifier", "x:1", "--model", "m", "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        config_from_args(alone)
 
 
 @pytest.mark.parametrize("argv", [["--enable-expert-parallel"], ["--enable-ep-moe"], ["--ep-size", "8"],

@@ -1,7 +1,7 @@
 """Chat templates render as transformers' apply_chat_template renders them — with tools, a request's
 chat_template_kwargs (Qwen3's enable_thinking), continue_final_message, strftime_now and the
 {% generation %} block — in the gateway's chat completions and /tokenize; what this server cannot honour
-(tool_choice other than "none": no tool-call parser) is refused by name."""
+(tool_choice "auto" with no --tool-call-parser, "required", a named function) is refused by name."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_chat_request_options_reach_the_prompt_as_transformers_renders_them(stac
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: its answer would need tool_calls parsed
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: this stack has no --tool-call-parser
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),

@@ -214,7 +214,7 @@ def test_tool_choice_without_tools_says_what_it_asked(choice, says):
     from gateway.chat_request import _tools
 
     with pytest.raises(GatewayError) as raised:
-        _tools({"tool_choice": choice})
+        _tools({"tool_choice": choice}, False)
     assert raised.value.message == says, raised.value.message
 
 

@@ -1,0 +1,160 @@
+"""Tool calls in a chat model's answer (``--tool-call-parser``): the markup each model family writes them in, read
+into OpenAI's ``tool_calls`` whole (``split``) or as the text streams (``ToolCallStream``), as vLLM's and SGLang's
+parsers of the same names read it.
+
+  kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}
+                <|tool_call_end|>...<|tool_calls_section_end|>   (the call's id is the model's "functions.NAME:0",
+                which Kimi's chat template puts back in the conversation's tool messages)
+  deepseek_v3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+                <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+  deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+  hermes        <tool_call>{"name": NAME, "arguments": {...}}</tool_call> ...   (Qwen2.5 / Qwen3; also "qwen25")
+
+What comes before the first call's markup is the answer's content; the arguments are the model's JSON text as written
+(stripped). A call whose markup is unfinished when the answer ends is not a call; an answer with no finished call is
+all content, its markup included.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def openai(self, index: int | None = None) -> dict:
+        """The call as OpenAI shows it (``index``: in a stream's ``delta.tool_calls``)."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallFormat:
+    """A model family's markup: ``start`` opens the tool calls (what comes before is content); ``calls`` reads the
+    finished calls in the text from ``start`` on."""
+
+    start: str
+    keeps_special_tokens = False  # its markers are special tokens: the answer is decoded with them
+
+    def calls(self, section: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+
+class KimiK2(ToolCallFormat):
+    start = "<|tool_calls_section_begin|>"
+    keeps_special_tokens = True
+    _call = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
+                       r"<\|tool_call_end\|>", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        out = []
+        for m in self._call.finditer(section):
+            call_id = m["id"]
+            name = call_id.rsplit(":", 1)[0]  # "functions.get_weather:0" → get_weather
+            out.append(ToolCall(call_id, name.split(".", 1)[1] if "." in name else name, m["args"].strip()))
+        return out
+
+
+class DeepSeekV3(ToolCallFormat):
+    start = "<｜tool▁calls▁begin｜>"
+    _call = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```(?:json)?\n(?P<args>.*?)\n```"
+                       r"\s*<｜tool▁call▁end｜>", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [ToolCall(_call_id(), m["name"].strip(), m["args"].strip()) for m in self._call.finditer(section)]
+
+
+class DeepSeekV31(ToolCallFormat):
+    start = "<｜tool▁calls▁begin｜>"
+    _call = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [ToolCall(_call_id(), m["name"].strip(), m["args"].strip()) for m in self._call.finditer(section)]
+
+
+class Hermes(ToolCallFormat):
+    start = "<tool_call>"
+    _call = re.compile(r"<tool_call>(?P<json>.*?)</tool_call>", re.DOTALL)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        out = []
+        for m in self._call.finditer(section):
+            try:
+                call = json.loads(m["json"])
+            except ValueError:
+                continue  # (not a call the client could run)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                continue
+            arguments = call.get("arguments", call.get("parameters", {}))
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            out.append(ToolCall(_call_id(), call["name"], text))
+        return out
+
+
+FORMATS: dict[str, ToolCallFormat] = {"kimi_k2": KimiK2(), "deepseek_v3": DeepSeekV3(), "deepseekv3": DeepSeekV3(),
+                                      "deepseek_v31": DeepSeekV31(), "deepseekv31": DeepSeekV31(), "hermes": Hermes(),
+                                      "qwen25": Hermes(), "qwen": Hermes()}
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could begin ``marker`` (so must wait for the next delta)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """→ the content (the text before the calls; all of it where no call was made) and the calls."""
+    at = text.find(fmt.start)
+    if at < 0:
+        return text, []
+    calls = fmt.calls(text[at:])
+    return (text[:at], calls) if calls else (text, [])
+
+
+class ToolCallStream:
+    """A streamed answer's text in, its content and each finished tool call out (a call is sent whole, once its
+    markup ends: OpenAI clients gather a call's pieces by index, and one piece is a whole call)."""
+
+    def __init__(self, fmt: ToolCallFormat):
+        self.fmt = fmt
+        self._pending = ""  # content held back: it may begin the calls' markup
+        self._section: str | None = None  # the text from the markup's start on, once seen
+        self.sent = 0  # calls sent so far
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """→ the content to send now, and the calls finished since the last feed."""
+        if self._section is not None:
+            self._section += text
+            return "", self._new_calls()
+        text = self._pending + text
+        at = text.find(self.fmt.start)
+        if at >= 0:
+            self._pending, self._section = "", text[at:]
+            return text[:at], self._new_calls()
+        keep = held_back(text, self.fmt.start)
+        self._pending = text[len(text) - keep:]
+        return text[:len(text) - keep], []
+
+    def finish(self) -> str:
+        """The content still held back when the answer ends: text that only looked like the markup's start, or the
+        markup itself where it held no finished call (as ``split`` answers it)."""
+        rest = self._pending + (self._section if self._section is not None and not self.sent else "")
+        self._pending, self._section = "", None
+        return rest
+
+    def _new_calls(self) -> list[ToolCall]:
+        calls = self.fmt.calls(self._section)
+        new, self.sent = calls[self.sent:], len(calls)
+        return new
