@@ -285,7 +285,22 @@ def _messages(messages: Any) -> list[dict]:
         elif not isinstance(content, str):
             raise bad_request(f"{where}.content", "must be a string or a list of text parts")
         out.append({**m, "content": content})
+        if isinstance(m.get("tool_calls"), list):
+            out[-1]["tool_calls"] = [_call_for_template(call) for call in m["tool_calls"]]
     return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """An earlier answer's tool call with its ``arguments`` (OpenAI's JSON text) as the object chat templates index
+    into (transformers' convention, which vLLM follows too); text that is not a JSON object stays text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def _stop(v: Any) -> list[str]:

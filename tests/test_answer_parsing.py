@@ -211,3 +211,24 @@ def test_tool_choices_that_need_constrained_decoding_are_refused(stack, choice):
     r = httpx.post(f"{stack.url}/v1/chat/completions", json={**CHAT, "tool_choice": choice}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert "constrained" in r.json()["error"]["message"]
+
+
+def test_an_earlier_answers_tool_calls_reach_the_template_with_their_arguments_as_objects(tmp_path):
+    """The next turn sends the assistant's tool_calls back with arguments as OpenAI's JSON text; chat templates index
+    into them as objects (transformers' convention, vLLM's too), and the tool's answer keeps its tool_call_id."""
+    from gateway.openai_params import _messages
+    from tandem.chat_template import ChatTemplate
+
+    template = ("{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}[{{ c.id }} "
+                "{{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %}"
+                "{% elif m.role == 'tool' %}({{ m.tool_call_id }}: {{ m.content }}){% else %}{{ m.content }}{% endif %}"
+                "{% endfor %}")
+    folder = tiny_model_copy(tmp_path / "m", chat_template=template)
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "functions.get_weather:0", "type": "function",
+                  "function": {"name": "get_weather", "arguments": WEATHER}}]},
+             {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    rendered = ChatTemplate.from_model_dir(folder).render(_messages(turns), add_generation_prompt=False)
+    assert rendered == "Weather?[functions.get_weather:0 get_weather city=Paris](functions.get_weather:0: sunny)"
+    assert turns[1]["tool_calls"][0]["function"]["arguments"] == WEATHER  # (the request's own objects untouched)
