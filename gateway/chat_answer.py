@@ -16,6 +16,7 @@ from gateway.tool_calls import ToolCallFormat
 class AnswerFormats:
     tools: ToolCallFormat | None = None  # None: no tool calls read (no parser, no tools, or tool_choice "none")
     reasoning: ReasoningFormat | None = None
+    shows_reasoning: bool = True  # False: the reasoning split off is not sent (vLLM's include_reasoning: false)
 
     @property
     def reads(self) -> bool:
@@ -26,8 +27,12 @@ class AnswerFormats:
         """Whether the markup read is made of special tokens, which the answer's text must then keep."""
         return any(f is not None and f.keeps_special_tokens for f in (self.tools, self.reasoning))
 
-    def for_request(self, read_tools: bool) -> "AnswerFormats":
-        return self if read_tools or self.tools is None else AnswerFormats(None, self.reasoning)
+    def for_request(self, read_tools: bool, separate_reasoning: bool = True,
+                    include_reasoning: bool = True) -> "AnswerFormats":
+        """This request's: tool calls read only where it may call (``read_tools``); reasoning split off unless it asks
+        not to (SGLang's ``separate_reasoning``), and sent unless it asks not to (vLLM's ``include_reasoning``)."""
+        return AnswerFormats(self.tools if read_tools else None, self.reasoning if separate_reasoning else None,
+                             include_reasoning)
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
@@ -46,7 +51,7 @@ def message(formats: AnswerFormats, text: str, prefix: str = "") -> tuple[dict, 
     content = prefix + text
     out = {"role": "assistant", "content": None if calls and not content.strip() else content}
     if formats.reasoning is not None:
-        out["reasoning_content"] = thought
+        out["reasoning_content"] = thought if formats.shows_reasoning else None
     if calls:
         out["tool_calls"] = [call.openai() for call in calls]
     return out, bool(calls)
@@ -58,6 +63,7 @@ class AnswerStream:
     def __init__(self, formats: AnswerFormats):
         self.reasoning = reasoning.ReasoningStream(formats.reasoning) if formats.reasoning is not None else None
         self.tools = tool_calls.ToolCallStream(formats.tools) if formats.tools is not None else None
+        self.shows_reasoning = formats.shows_reasoning
 
     @property
     def called(self) -> bool:
@@ -76,7 +82,7 @@ class AnswerStream:
             if last:
                 content += self.tools.finish()
         fields = {}
-        if thought:
+        if thought and self.shows_reasoning:
             fields["reasoning_content"] = thought
         if content:
             fields["content"] = content

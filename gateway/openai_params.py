@@ -176,7 +176,8 @@ def parse_chat(body: dict, request_id: str, tok: Tokenizer, template: ChatTempla
         requested, param = integer(body, "max_tokens"), "max_tokens"
     parsed = _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
                      chat=True)
-    answers = formats.for_request(tool_calls_asked(body))
+    answers = formats.for_request(tool_calls_asked(body), flag(body, "separate_reasoning", True),
+                                  flag(body, "include_reasoning", True))
     if answers.reads:
         parsed = dataclasses.replace(parsed, answers=answers)
         if answers.keeps_special_tokens and body.get("skip_special_tokens") is None:  # (the markup's tokens: kept)

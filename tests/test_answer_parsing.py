@@ -232,3 +232,22 @@ def test_an_earlier_answers_tool_calls_reach_the_template_with_their_arguments_a
     rendered = ChatTemplate.from_model_dir(folder).render(_messages(turns), add_generation_prompt=False)
     assert rendered == "Weather?[functions.get_weather:0 get_weather city=Paris](functions.get_weather:0: sunny)"
     assert turns[1]["tool_calls"][0]["function"]["arguments"] == WEATHER  # (the request's own objects untouched)
+
+
+def test_a_request_may_keep_its_reasoning_in_the_content_or_leave_it_out(stack):
+    """SGLang's separate_reasoning: false leaves the reasoning in the content (its tags, special tokens, decoded as
+    any); vLLM's include_reasoning: false drops it, streamed or whole."""
+    _script(stack, "<think>easy</think>It is sunny.")
+    plain = {k: v for k, v in CHAT.items() if k != "tools"}
+    kept = httpx.post(f"{stack.url}/v1/chat/completions", json={**plain, "separate_reasoning": False},
+                      timeout=30).json()["choices"][0]["message"]
+    assert kept["content"] == "easyIt is sunny." and "reasoning_content" not in kept
+    dropped = httpx.post(f"{stack.url}/v1/chat/completions", json={**plain, "include_reasoning": False},
+                         timeout=30).json()["choices"][0]["message"]
+    assert dropped["content"] == "It is sunny." and dropped["reasoning_content"] is None
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions",
+                      json={**plain, "include_reasoning": False, "stream": True}, timeout=30) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
