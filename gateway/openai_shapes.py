@@ -163,7 +163,9 @@ class ChatShape(CompletionShape):
 
     def chunk(self, delta: Delta, index: int = 0) -> dict | None:
         if self.answers.reads:
-            stream = self._answer_streams.setdefault(index, AnswerStream(self.answers))
+            stream = self._answer_streams.get(index)
+            if stream is None:  # (a choice's first delta)
+                stream = self._answer_streams[index] = AnswerStream(self.answers)
             fields = stream.feed(delta.text, last=delta.finish_reason is not None)
             reason = finish_reason(delta.finish_reason, stream.called)
         else:
