@@ -104,6 +104,7 @@ class DrafterService:
         runs: ChainRuns | None = None  # the connection's runs of chain rounds, when it offered a mailbox
         lane_task: asyncio.Task | None = None
         said_hello = False
+        watched = False  # this stream counted as a connected verifier (VerifierWatch)
         try:
             async for message in requests:
                 if generation != self._generation:
@@ -118,6 +119,7 @@ class DrafterService:
                     self.metrics.verifier_connected.set(1)
                     if self.watch is not None:
                         self.watch.connected()
+                        watched = True
                     lane = await _attach_lane(message.hello)
                     if lane is not None:
                         lane_task = asyncio.create_task(self._serve_lane(lane, ring, runs, generation))
@@ -137,7 +139,7 @@ class DrafterService:
         finally:
             if said_hello and generation == self._generation:  # (a newer stream keeps it connected)
                 self.metrics.verifier_connected.set(0)
-            if said_hello and self.watch is not None:
+            if watched:  # (a Hello refused never counted as a verifier)
                 self.watch.disconnected()
             if lane_task is not None:  # the stream is the connection's lifeline: its end ends the lane
                 lane_task.cancel()

@@ -39,7 +39,8 @@ class VerifierWatch:
         self._gone_since = None
 
     def disconnected(self) -> None:
-        self._streams = max(0, self._streams - 1)
+        """A stream that ``connected`` ended."""
+        self._streams -= 1
         if self._streams == 0:
             self._gone_since = self._clock()
 
