@@ -141,3 +141,16 @@ def test_a_model_without_a_draft_is_served_without_speculation_instead_of_failin
         assert f"--draft-model {draft} --drafter localhost:50052 --speculative-num-steps 3" in verifier
         (drafter,) = _run_command("drafter", env, tmp_path / f"pair{i}-drafter")
         assert drafter.startswith("python3 -m drafter ") and f"--model {draft} " in drafter
+
+
+def test_gateway_args_reach_the_gateway_and_parse(tmp_path):
+    """GATEWAY_ARGS appends gateway flags (a tool-call parser, say) to compose's gateway command."""
+    from gateway.config import build_parser
+
+    extra = "--tool-call-parser kimi_k2 --reasoning-parser kimi_k2"
+    (command,) = _run_command("gateway", {"GATEWAY_ARGS": extra}, tmp_path / "with")
+    assert command.endswith(extra)
+    args = build_parser().parse_args(command.split()[3:])  # (after "python3 -m gateway")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("kimi_k2", "kimi_k2")
+    (command,) = _run_command("gateway", {}, tmp_path / "without")
+    assert "--tool-call-parser" not in command and command.endswith("--model-dir /demo/folder")
