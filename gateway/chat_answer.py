@@ -1,4 +1,5 @@
-"""A chat answer's text read into OpenAI's message fields — ``reasoning_content``, ``content`` and ``tool_calls`` —
+"""A chat answer's text read into OpenAI's message fields — ``reasoning_content`` (also as ``reasoning``), ``content``
+and ``tool_calls`` —
 by the server's ``--reasoning-parser`` and ``--tool-call-parser`` (gateway/reasoning.py, gateway/tool_calls.py):
 whole (``message``) or delta by delta (``AnswerStream``). Reasoning is split off first; tool calls are read in what
 remains. An answer that made calls and stopped finishes with ``tool_calls``, as OpenAI's and vLLM's do."""
@@ -27,12 +28,19 @@ class AnswerFormats:
         """Whether the markup read is made of special tokens, which the answer's text must then keep."""
         return any(f is not None and f.keeps_special_tokens for f in (self.tools, self.reasoning))
 
-    def for_request(self, read_tools: bool, separate_reasoning: bool = True,
-                    include_reasoning: bool = True) -> "AnswerFormats":
+    def for_request(self, read_tools: bool, separate_reasoning: bool = True, include_reasoning: bool = True,
+                    template_kwargs: dict | None = None, continued: str | None = None) -> "AnswerFormats":
         """This request's: tool calls read only where it may call (``read_tools``); reasoning split off unless it asks
-        not to (SGLang's ``separate_reasoning``), and sent unless it asks not to (vLLM's ``include_reasoning``)."""
-        return AnswerFormats(self.tools if read_tools else None, self.reasoning if separate_reasoning else None,
-                             include_reasoning)
+        not to (SGLang's ``separate_reasoning``) or its ``thinking`` switch or the message it ``continued`` says there
+        is none (ReasoningFormat.for_request), and sent unless it asks not to (vLLM's ``include_reasoning``)."""
+        thought = self.reasoning if separate_reasoning else None
+        if thought is not None:
+            thought = thought.for_request(template_kwargs or {}, continued)
+        return AnswerFormats(self.tools if read_tools else None, thought, include_reasoning)
+
+
+# the reasoning's field: reasoning_content (DeepSeek's API, SGLang, vLLM until lately) and reasoning (vLLM's newer name)
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
@@ -49,9 +57,10 @@ def message(formats: AnswerFormats, text: str, prefix: str = "") -> tuple[dict, 
     if formats.tools is not None:
         text, calls = tool_calls.split(formats.tools, text)
     content = prefix + text
-    out = {"role": "assistant", "content": None if calls and not content.strip() else content}
+    out = {"role": "assistant", "content": content or None}  # (vLLM's: no text, null)
     if formats.reasoning is not None:
-        out["reasoning_content"] = thought if formats.shows_reasoning else None
+        for name in REASONING_FIELDS:
+            out[name] = thought if formats.shows_reasoning else None
     if calls:
         out["tool_calls"] = [call.openai() for call in calls]
     return out, bool(calls)
@@ -83,7 +92,7 @@ class AnswerStream:
                 content += self.tools.finish()
         fields = {}
         if thought and self.shows_reasoning:
-            fields["reasoning_content"] = thought
+            fields.update(dict.fromkeys(REASONING_FIELDS, thought))
         if content:
             fields["content"] = content
         if calls:

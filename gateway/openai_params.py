@@ -176,12 +176,17 @@ def parse_chat(body: dict, request_id: str, tok: Tokenizer, template: ChatTempla
         requested, param = integer(body, "max_tokens"), "max_tokens"
     parsed = _common(body, request_id, prompt_ids, limits, requested, limits.defaults.max_tokens, param, "messages",
                      chat=True)
+    continued = (messages[-1]["content"] if flag(body, "continue_final_message", False)
+                 and messages[-1]["role"] == "assistant" else None)
+    template_kwargs = body.get("chat_template_kwargs")  # (checked by render_chat: an object)
     answers = formats.for_request(tool_calls_asked(body), flag(body, "separate_reasoning", True),
-                                  flag(body, "include_reasoning", True))
+                                  flag(body, "include_reasoning", True), template_kwargs or {}, continued)
     if answers.reads:
         parsed = dataclasses.replace(parsed, answers=answers)
-        if answers.keeps_special_tokens and body.get("skip_special_tokens") is None:  # (the markup's tokens: kept)
-            parsed = _keep_special_tokens(parsed)
+    # a server whose parsers read special-token markup decodes every chat answer with it (the same text whether or not
+    # this request has it parsed), unless the request says otherwise
+    if formats.keeps_special_tokens and body.get("skip_special_tokens") is None:
+        parsed = _keep_special_tokens(parsed)
     # vLLM's chat echo: the answer starts with the last message when it is the assistant's own (continued)
     if parsed.options.echo and messages[-1]["role"] == "assistant":
         return dataclasses.replace(parsed, echo_text=messages[-1]["content"])

@@ -265,13 +265,13 @@ def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None)
 
 # what the gateway reads out of a chat answer's text (gateway/tool_calls.py, gateway/reasoning.py)
 TOOL_CALL_PARSERS = ("kimi_k2", "deepseek_v3", "deepseekv3", "deepseek_v31", "deepseekv31", "hermes", "qwen25", "qwen")
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "kimi_k2", "deepseek_v3")
+REASONING_PARSERS = ("deepseek_r1", "deepseek-r1", "qwen3", "kimi_k2", "deepseek_v3", "deepseek-v3")
 TOOL_CALL_PARSER = Flag(("--tool-call-parser",), dict(
     default=None, choices=TOOL_CALL_PARSERS, metavar="NAME",
     help=f"read tool calls out of chat answers written in this model family's markup ({', '.join(TOOL_CALL_PARSERS)}): "
          "requests with tools and tool_choice auto get tool_calls (vLLM / SGLang flag)"))
 AUTO_TOOL_CHOICE = Flag(("--enable-auto-tool-choice",), dict(
-    action="store_true", help="vLLM's switch, taken: with --tool-call-parser, tool_choice auto is answered"))
+    action="store_true", help="vLLM's switch, taken: --tool-call-parser alone answers tool_choice auto (as SGLang)"))
 REASONING_PARSER = Flag(("--reasoning-parser",), dict(
     default=None, choices=REASONING_PARSERS, metavar="NAME",
     help=f"split chat answers' <think> reasoning into reasoning_content ({', '.join(REASONING_PARSERS)}; vLLM / SGLang "

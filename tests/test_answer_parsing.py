@@ -85,7 +85,10 @@ REASONING = [("deepseek_r1", "plan the trip</think>Go by train.", ("plan the tri
              ("qwen3", "Go by train.", (None, "Go by train.")),
              ("qwen3", "plan</think>Go.", (None, "plan</think>Go.")),  # opened by the template: deepseek_r1's case
              ("kimi_k2", "<think>unfinished", ("unfinished", "")),
-             ("kimi_k2", "<thin", (None, "<thin")), ("qwen3", "", (None, ""))]
+             ("kimi_k2", "thinking is Kimi's default</think>Go.", ("thinking is Kimi's default", "Go.")),
+             # Kimi's tool-call section ends the reasoning too, and is the content's (vLLM's and SGLang's kimi_k2)
+             ("kimi_k2", "<think>look it up" + KIMI[len("Let me check."):], ("look it up", KIMI[len("Let me check."):])),
+             ("kimi_k2", "<thin", ("<thin", "")), ("qwen3", "", (None, ""))]
 
 
 @pytest.mark.parametrize("parser, text, expected", REASONING)
@@ -122,8 +125,43 @@ def test_a_streamed_answer_gives_the_whole_answers_message_and_finish():
             (i, c["id"], c["function"]) for i, c in enumerate(whole["tool_calls"])]
         assert stream.called
     plain, called = message(formats, "no tools needed</think>It is sunny.")
-    assert plain == {"role": "assistant", "content": "It is sunny.", "reasoning_content": "no tools needed"}
+    assert plain == {"role": "assistant", "content": "It is sunny.", "reasoning_content": "no tools needed",
+                     "reasoning": "no tools needed"}  # (vLLM's newer name for the field, beside the older)
     assert not called
+    # Kimi ends its reasoning with the tool-call section, without </think>: the calls are read
+    kimi = AnswerFormats(tool_calls.FORMATS["kimi_k2"], reasoning.FORMATS["kimi_k2"])
+    text = "<think>look it up" + KIMI[len("Let me check."):]
+    whole, called = message(kimi, text)
+    assert (whole["reasoning_content"], whole["content"], called) == ("look it up", None, True)
+    stream = AnswerStream(kimi)
+    fields = [stream.feed(ch, last=k == len(text) - 1) for k, ch in enumerate(text)]
+    assert "".join(f.get("reasoning_content", "") for f in fields) == "look it up"
+    assert [c["function"]["name"] for f in fields for c in f.get("tool_calls", [])] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("parser, kwargs, continued, text, expected", [
+    # DeepSeek-V3.1's template writes <think> itself when chat_template_kwargs says thinking: the answer reads as R1's
+    ("deepseek_v3", {"thinking": True}, None, "plan</think>Go.", ("plan", "Go.")),
+    ("deepseek_v3", {}, None, "plan</think>Go.", (None, "plan</think>Go.")),
+    ("kimi_k2", {"thinking": False}, None, "It is sunny.", (None, "It is sunny.")),
+    # continue_final_message: a message that closed its reasoning continues as content, one that opened it as reasoning
+    ("deepseek_r1", {}, "<think>easy</think>The answer", " is 42.", (None, " is 42.")),
+    ("qwen3", {}, "<think>so far", " more</think>Done.", (" more", "Done.")),
+])
+def test_a_requests_thinking_switch_and_continued_message_decide_where_the_reasoning_is(parser, kwargs, continued, text,
+                                                                                        expected):
+    formats = AnswerFormats(None, reasoning.FORMATS[parser]).for_request(False, template_kwargs=kwargs,
+                                                                          continued=continued)
+    whole, _ = message(formats, text)
+    assert (whole.get("reasoning_content"), whole["content"]) == expected
+
+
+def test_sglangs_reasoning_parser_spellings_are_taken():
+    from gateway.config import build_parser
+
+    for name in ("deepseek-r1", "deepseek-v3"):
+        assert build_parser().parse_args(["--verifier", "x:1", "--model", "m", "--reasoning-parser", name]) \
+            .reasoning_parser == name
 
 
 # ---- end to end: the gateway with --tool-call-parser kimi_k2 --reasoning-parser kimi_k2 ---------------------------
@@ -235,13 +273,15 @@ def test_an_earlier_answers_tool_calls_reach_the_template_with_their_arguments_a
 
 
 def test_a_request_may_keep_its_reasoning_in_the_content_or_leave_it_out(stack):
-    """SGLang's separate_reasoning: false leaves the reasoning in the content (its tags, special tokens, decoded as
-    any); vLLM's include_reasoning: false drops it, streamed or whole."""
+    """SGLang's separate_reasoning: false leaves the reasoning in the content (its tags too: a server reading Kimi's
+    special-token markup decodes every chat answer with its special tokens, tools or not); vLLM's include_reasoning:
+    false drops it, streamed or whole."""
     _script(stack, "<think>easy</think>It is sunny.")
     plain = {k: v for k, v in CHAT.items() if k != "tools"}
-    kept = httpx.post(f"{stack.url}/v1/chat/completions", json={**plain, "separate_reasoning": False},
-                      timeout=30).json()["choices"][0]["message"]
-    assert kept["content"] == "easyIt is sunny." and "reasoning_content" not in kept
+    for body in (plain, CHAT):
+        kept = httpx.post(f"{stack.url}/v1/chat/completions", json={**body, "separate_reasoning": False},
+                          timeout=30).json()["choices"][0]["message"]
+        assert kept["content"] == "<think>easy</think>It is sunny." and "reasoning_content" not in kept
     dropped = httpx.post(f"{stack.url}/v1/chat/completions", json={**plain, "include_reasoning": False},
                          timeout=30).json()["choices"][0]["message"]
     assert dropped["content"] == "It is sunny." and dropped["reasoning_content"] is None
