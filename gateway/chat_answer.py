@@ -1,7 +1,6 @@
 """A chat answer's text read into OpenAI's message fields — ``reasoning_content`` (also as ``reasoning``), ``content``
-and ``tool_calls`` —
-by the server's ``--reasoning-parser`` and ``--tool-call-parser`` (gateway/reasoning.py, gateway/tool_calls.py):
-whole (``message``) or delta by delta (``AnswerStream``). Reasoning is split off first; tool calls are read in what
+and ``tool_calls`` — by the server's ``--reasoning-parser`` and ``--tool-call-parser`` (gateway/reasoning.py,
+gateway/tool_calls.py): whole (``message``) or delta by delta (``AnswerStream``). Reasoning is split off first; tool calls are read in what
 remains. An answer that made calls and stopped finishes with ``tool_calls``, as OpenAI's and vLLM's do."""
 
 from __future__ import annotations
