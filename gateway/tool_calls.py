@@ -9,6 +9,9 @@ parsers of the same names read it.
                 <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
   deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
   hermes        <tool_call>{"name": NAME, "arguments": {...}}</tool_call> ...   (Qwen2.5 / Qwen3; also "qwen25")
+  llama3_json   {"name": NAME, "parameters": {...}}; {...}   an answer that opens with them (after white space, or
+                after <|python_tag|>) is calls; one that opens otherwise is content (Llama 3.1-3.3; also "llama3",
+                "llama4_json")
 
 What comes before the first call's markup is the answer's content; the arguments are the model's JSON text as written
 (stripped). A call whose markup is unfinished when the answer ends is not a call; an answer with no finished call is
@@ -45,6 +48,15 @@ class ToolCallFormat:
 
     start: str
     keeps_special_tokens = False  # its markers are special tokens: the answer is decoded with them
+    anywhere = True  # the calls may follow some content (False: only an answer that opens with them has calls)
+
+    def find(self, text: str) -> int:
+        """Where the calls' markup starts in ``text`` (the answer so far), or -1."""
+        return text.find(self.start)
+
+    def waiting(self, text: str) -> int:
+        """How many characters at the end of ``text`` (the answer so far) could begin the markup."""
+        return held_back(text, self.start)
 
     def calls(self, section: str) -> list[ToolCall]:
         raise NotImplementedError
@@ -101,9 +113,42 @@ class Hermes(ToolCallFormat):
         return out
 
 
+class Llama3Json(ToolCallFormat):
+    start = "<|python_tag|>"
+    anywhere = False
+
+    def find(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) - len(body) if body.startswith(("{", self.start)) else -1
+
+    def waiting(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) if self.start.startswith(body) else 0  # (white space, or the tag's beginning)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        text = section.strip()
+        text = text[len(self.start):] if text.startswith(self.start) else text
+        decoder, at, out = json.JSONDecoder(), 0, []
+        while True:
+            while at < len(text) and (text[at].isspace() or text[at] == ";"):
+                at += 1
+            if at == len(text):
+                return out
+            try:
+                call, at = decoder.raw_decode(text, at)
+            except ValueError:  # (unfinished, or not a call)
+                return out
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return out
+            arguments = call.get("arguments", call.get("parameters", {}))
+            out.append(ToolCall(_call_id(), call["name"], arguments if isinstance(arguments, str)
+                                else json.dumps(arguments, ensure_ascii=False)))
+
+
 FORMATS: dict[str, ToolCallFormat] = {"kimi_k2": KimiK2(), "deepseek_v3": DeepSeekV3(), "deepseekv3": DeepSeekV3(),
                                       "deepseek_v31": DeepSeekV31(), "deepseekv31": DeepSeekV31(), "hermes": Hermes(),
-                                      "qwen25": Hermes(), "qwen": Hermes()}
+                                      "qwen25": Hermes(), "qwen": Hermes(), "llama3_json": Llama3Json(),
+                                      "llama3": Llama3Json(), "llama4_json": Llama3Json()}
 
 
 def held_back(text: str, marker: str) -> int:
@@ -116,7 +161,7 @@ def held_back(text: str, marker: str) -> int:
 
 def split(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
     """→ the content (the text before the calls; all of it where no call was made) and the calls."""
-    at = text.find(fmt.start)
+    at = fmt.find(text)
     if at < 0:
         return text, []
     calls = fmt.calls(text[at:])
@@ -131,6 +176,7 @@ class ToolCallStream:
         self.fmt = fmt
         self._pending = ""  # content held back: it may begin the calls' markup
         self._section: str | None = None  # the text from the markup's start on, once seen
+        self._said = False  # content was sent (a format whose calls open the answer has none then)
         self.sent = 0  # calls sent so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -138,13 +184,16 @@ class ToolCallStream:
         if self._section is not None:
             self._section += text
             return "", self._new_calls()
+        if self._said and not self.fmt.anywhere:
+            return text, []
         text = self._pending + text
-        at = text.find(self.fmt.start)
+        at = self.fmt.find(text)
         if at >= 0:
             self._pending, self._section = "", text[at:]
             return text[:at], self._new_calls()
-        keep = held_back(text, self.fmt.start)
+        keep = self.fmt.waiting(text)
         self._pending = text[len(text) - keep:]
+        self._said = self._said or keep < len(text)
         return text[:len(text) - keep], []
 
     def finish(self) -> str:

@@ -264,7 +264,8 @@ def _refused(why: str, takes_value: bool | str = True, no_op: str | None = None)
 
 
 # what the gateway reads out of a chat answer's text (gateway/tool_calls.py, gateway/reasoning.py)
-TOOL_CALL_PARSERS = ("kimi_k2", "deepseek_v3", "deepseekv3", "deepseek_v31", "deepseekv31", "hermes", "qwen25", "qwen")
+TOOL_CALL_PARSERS = ("kimi_k2", "deepseek_v3", "deepseekv3", "deepseek_v31", "deepseekv31", "hermes", "qwen25", "qwen",
+                     "llama3_json", "llama3", "llama4_json")
 REASONING_PARSERS = ("deepseek_r1", "deepseek-r1", "qwen3", "kimi_k2", "deepseek_v3", "deepseek-v3")
 TOOL_CALL_PARSER = Flag(("--tool-call-parser",), dict(
     default=None, choices=TOOL_CALL_PARSERS, metavar="NAME",

@@ -25,15 +25,22 @@ DEEPSEEK_V31 = (f"Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>ge
                 f"<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{TIME}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 HERMES = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
 # (parser, answer, content, [(name, arguments)])
-CALLS = [("kimi_k2", KIMI, "Let me check.", [("get_weather", WEATHER), ("get_time", TIME)]),
+CALLS = [("llama3_json", LLAMA3, "", [("get_weather", WEATHER), ("get_time", TIME)]),
+         ("llama3_json", '\n<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n",
+          [("get_weather", WEATHER)]),("kimi_k2", KIMI, "Let me check.", [("get_weather", WEATHER), ("get_time", TIME)]),
          ("deepseek_v3", DEEPSEEK_V3, "", [("get_weather", WEATHER)]),
          ("deepseek_v31", DEEPSEEK_V31, "Sure.", [("get_weather", WEATHER), ("get_time", TIME)]),
          ("hermes", HERMES, "Checking.\n", [("get_weather", WEATHER), ("get_time", TIME)])]
 # answers with no finished call: all content, markup included
 NO_CALLS = [("kimi_k2", 'Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a"'),
             ("hermes", "a < b, and <tool"), ("hermes", "<tool_call>not json</tool_call>"),
-            ("deepseek_v31", "no calls here"), ("kimi_k2", "")]
+            ("deepseek_v31", "no calls here"), ("kimi_k2", ""),
+            # Llama's calls open the answer, or there are none; JSON that is not a call is content
+            ("llama3_json", 'The call would be {"name": "get_weather", "parameters": {}}'),
+            ("llama3_json", '{"city": "Paris"}'), ("llama3_json", '{"name": "get_weather", "parameters": {"city"'),
+            ("llama3_json", "<|python"), ("llama3_json", "  ")]
 
 
 def _read(calls) -> list[tuple[str, str]]:
@@ -54,7 +61,7 @@ def _cuts(text: str):
     yield from ([i, j] for i in range(len(text)) for j in range(i + 1, min(len(text), i + 12) + 1))
 
 
-@pytest.mark.parametrize("parser, text, content, expected", CALLS, ids=[c[0] for c in CALLS])
+@pytest.mark.parametrize("parser, text, content, expected", CALLS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CALLS)])
 def test_tool_calls_are_read_from_each_familys_markup(parser, text, content, expected):
     fmt = tool_calls.FORMATS[parser]
     got_content, calls = tool_calls.split(fmt, text)
