@@ -13,7 +13,10 @@ parsers of the same names read it.
                 after <|python_tag|>) is calls; one that opens otherwise is content (Llama 3.1-3.3; also "llama3",
                 "llama4_json")
 
-What comes before the first call's markup is the answer's content; the arguments are the model's JSON text as written
+Streamed, the markup is read again only when a call's end marker arrives, from the end of the last call read (a
+coding agent's call carries whole files in its arguments: reading all of it at each delta cost seconds, 42 KB in
+4-character deltas, on the event loop every stream shares). What comes before the first call's markup is the answer's
+content; the arguments are the model's JSON text as written
 (stripped). A call whose markup is unfinished when the answer ends is not a call; an answer with no finished call is
 all content, its markup included.
 """
@@ -47,6 +50,7 @@ class ToolCallFormat:
     finished calls in the text from ``start`` on."""
 
     start: str
+    end: str  # closes one call: the stream reads its text again only once this has come
     keeps_special_tokens = False  # its markers are special tokens: the answer is decoded with them
     anywhere = True  # the calls may follow some content (False: only an answer that opens with them has calls)
 
@@ -58,8 +62,13 @@ class ToolCallFormat:
         """How many characters at the end of ``text`` (the answer so far) could begin the markup."""
         return held_back(text, self.start)
 
-    def calls(self, section: str) -> list[ToolCall]:
+    def calls(self, section: str) -> tuple[list[ToolCall], int]:
+        """The finished calls in ``section``, and where the last one ends (0: none)."""
         raise NotImplementedError
+
+
+def _ended(calls: list[ToolCall], match) -> tuple[list[ToolCall], int]:
+    return calls, match.end() if match is not None else 0
 
 
 class KimiK2(ToolCallFormat):
@@ -68,13 +77,15 @@ class KimiK2(ToolCallFormat):
     _call = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
                        r"<\|tool_call_end\|>", re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        out = []
+    end = "<|tool_call_end|>"
+
+    def calls(self, section: str) -> tuple[list[ToolCall], int]:
+        out, m = [], None
         for m in self._call.finditer(section):
             call_id = m["id"]
             name = call_id.rsplit(":", 1)[0]  # "functions.get_weather:0" → get_weather
             out.append(ToolCall(call_id, name.split(".", 1)[1] if "." in name else name, m["args"].strip()))
-        return out
+        return _ended(out, m)
 
 
 class DeepSeekV3(ToolCallFormat):
@@ -82,35 +93,41 @@ class DeepSeekV3(ToolCallFormat):
     _call = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```(?:json)?\n(?P<args>.*?)\n```"
                        r"\s*<｜tool▁call▁end｜>", re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        return [ToolCall(_call_id(), m["name"].strip(), m["args"].strip()) for m in self._call.finditer(section)]
+    end = "<｜tool▁call▁end｜>"
+
+    def calls(self, section: str) -> tuple[list[ToolCall], int]:
+        matches = list(self._call.finditer(section))
+        return _ended([ToolCall(_call_id(), m["name"].strip(), m["args"].strip()) for m in matches],
+                      matches[-1] if matches else None)
 
 
-class DeepSeekV31(ToolCallFormat):
-    start = "<｜tool▁calls▁begin｜>"
+class DeepSeekV31(DeepSeekV3):
     _call = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.DOTALL)
-
-    def calls(self, section: str) -> list[ToolCall]:
-        return [ToolCall(_call_id(), m["name"].strip(), m["args"].strip()) for m in self._call.finditer(section)]
 
 
 class Hermes(ToolCallFormat):
     start = "<tool_call>"
     _call = re.compile(r"<tool_call>(?P<json>.*?)</tool_call>", re.DOTALL)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        out = []
+    end = "</tool_call>"
+
+    def calls(self, section: str) -> tuple[list[ToolCall], int]:
+        out, m = [], None
         for m in self._call.finditer(section):
             try:
                 call = json.loads(m["json"])
             except ValueError:
                 continue  # (not a call the client could run)
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                continue
-            arguments = call.get("arguments", call.get("parameters", {}))
-            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            out.append(ToolCall(_call_id(), call["name"], text))
-        return out
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                out.append(_json_call(call))
+        return _ended(out, m)
+
+
+def _json_call(call: dict) -> ToolCall:
+    """A call written as JSON: its name, and its arguments (or parameters) as JSON text."""
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return ToolCall(_call_id(), call["name"],
+                    arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
 class Llama3Json(ToolCallFormat):
@@ -125,24 +142,26 @@ class Llama3Json(ToolCallFormat):
         body = text.lstrip()
         return len(text) if self.start.startswith(body) else 0  # (white space, or the tag's beginning)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        text = section.strip()
-        text = text[len(self.start):] if text.startswith(self.start) else text
-        decoder, at, out = json.JSONDecoder(), 0, []
+    end = "}"
+
+    def calls(self, section: str) -> tuple[list[ToolCall], int]:
+        at = len(section) - len(section.lstrip())
+        if section.startswith(self.start, at):
+            at += len(self.start)
+        decoder, out, ended = json.JSONDecoder(), [], 0
         while True:
-            while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            while at < len(section) and (section[at].isspace() or section[at] == ";"):
                 at += 1
-            if at == len(text):
-                return out
+            if at == len(section):
+                return out, ended
             try:
-                call, at = decoder.raw_decode(text, at)
+                call, at = decoder.raw_decode(section, at)
             except ValueError:  # (unfinished, or not a call)
-                return out
+                return out, ended
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return out
-            arguments = call.get("arguments", call.get("parameters", {}))
-            out.append(ToolCall(_call_id(), call["name"], arguments if isinstance(arguments, str)
-                                else json.dumps(arguments, ensure_ascii=False)))
+                return out, ended
+            out.append(_json_call(call))
+            ended = at
 
 
 FORMATS: dict[str, ToolCallFormat] = {"kimi_k2": KimiK2(), "deepseek_v3": DeepSeekV3(), "deepseekv3": DeepSeekV3(),
@@ -164,7 +183,7 @@ def split(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
     at = fmt.find(text)
     if at < 0:
         return text, []
-    calls = fmt.calls(text[at:])
+    calls, _ = fmt.calls(text[at:])
     return (text[:at], calls) if calls else (text, [])
 
 
@@ -176,14 +195,18 @@ class ToolCallStream:
         self.fmt = fmt
         self._pending = ""  # content held back: it may begin the calls' markup
         self._section: str | None = None  # the text from the markup's start on, once seen
+        self._read = 0  # of the section: read up to the last finished call (only the rest is read again)
         self._said = False  # content was sent (a format whose calls open the answer has none then)
         self.sent = 0  # calls sent so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """→ the content to send now, and the calls finished since the last feed."""
         if self._section is not None:
+            seen = len(self._section)
             self._section += text
-            return "", self._new_calls()
+            # read again only where a call may have ended (a long call's arguments arrive in thousands of deltas)
+            ends = self._section.find(self.fmt.end, max(self._read, seen - len(self.fmt.end) + 1)) >= 0
+            return "", self._new_calls() if ends else []
         if self._said and not self.fmt.anywhere:
             return text, []
         text = self._pending + text
@@ -204,6 +227,7 @@ class ToolCallStream:
         return rest
 
     def _new_calls(self) -> list[ToolCall]:
-        calls = self.fmt.calls(self._section)
-        new, self.sent = calls[self.sent:], len(calls)
-        return new
+        calls, ended = self.fmt.calls(self._section[self._read:])
+        self._read += ended
+        self.sent += len(calls)
+        return calls

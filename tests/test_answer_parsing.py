@@ -298,3 +298,23 @@ def test_a_request_may_keep_its_reasoning_in_the_content_or_leave_it_out(stack):
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert not any("reasoning_content" in d for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
+
+
+def test_a_long_call_streamed_in_many_deltas_is_read_once_it_ends_not_at_every_delta():
+    """A coding agent's call may carry a file in its arguments, thousands of deltas long: the stream reads the markup
+    again only where a call's end marker came (reading it all at every delta cost seconds of the event loop)."""
+    reads = []
+
+    class Counted(tool_calls.KimiK2):
+        def calls(self, section):
+            reads.append(len(section))
+            return super().calls(section)
+
+    arguments = json.dumps({"path": "a.py", "content": "x = {1}\n" * 2000})
+    text = (f"{tool_calls.KimiK2.start}<|tool_call_begin|>functions.write:0<|tool_call_argument_begin|>{arguments}"
+            f"<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{TIME}"
+            "<|tool_call_end|><|tool_calls_section_end|>")
+    content, calls = _streamed_calls(Counted(), text, range(0, len(text), 3))
+    assert content == "" and [c.name for c in calls] == ["write", "get_time"]
+    assert json.loads(calls[0].arguments) == json.loads(arguments)
+    assert len(reads) <= 3 and sum(reads) < 2 * len(text), reads  # (the section's start, then each call's end)
